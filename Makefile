@@ -1,0 +1,34 @@
+# The two commands a new user needs:
+#   make demo   set up, build and run the main job (a local kvtier on loopback)
+#   make test   set up, build and pass the test suite
+# Everything else is a building block of those two.
+
+BUILD_DIR ?= build
+BUILD_TYPE ?= RelWithDebInfo
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+
+.PHONY: all setup build test demo bench clean
+
+all: build
+
+setup:
+	@bash scripts/setup.sh
+
+$(BUILD_DIR)/build.ninja:
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
+
+build: setup $(BUILD_DIR)/build.ninja
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 300 -LE bench
+
+demo: build
+	bash scripts/demo.sh $(BUILD_DIR)
+
+bench: build
+	$(BUILD_DIR)/bench/kvtier-bench store
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,43 @@
+#include "cachestore/arena.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvtier::store {
+
+absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(uint64_t bytes, uint64_t slab_bytes,
+                                                     bool try_hugepages) {
+  if (slab_bytes == 0 || slab_bytes % 4096 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slab size ", slab_bytes, " must be a non-zero multiple of 4096"));
+  }
+  uint64_t size = bytes / slab_bytes * slab_bytes;
+  if (size == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RAM tier of ", bytes, " bytes holds no slab of ", slab_bytes, " bytes; raise --ram-bytes"));
+  }
+  void* p = MAP_FAILED;
+  bool huge = false;
+  if (try_hugepages && size % (2u << 20) == 0) {
+    p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB,
+             -1, 0);
+    huge = p != MAP_FAILED;
+  }
+  if (p == MAP_FAILED) {
+    p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("mmap of ", size, " bytes for the RAM tier failed: ", std::strerror(errno)));
+    }
+    madvise(p, size, MADV_HUGEPAGE);
+  }
+  return std::unique_ptr<Arena>(new Arena(static_cast<uint8_t*>(p), size, slab_bytes, huge));
+}
+
+Arena::~Arena() { munmap(base_, size_); }
+
+}  // namespace kvtier::store

@@ -1,0 +1,146 @@
+// kvtier-store: the cache service. See --help.
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "cachestore/service.h"
+#include "cachestore/store.h"
+#include "common/config.h"
+#include "common/log.h"
+
+namespace {
+
+using kvtier::FlagSet;
+
+struct Flags {
+  std::string listen = "127.0.0.1:7400";
+  std::string data_dir = "./kvtier-data";
+  uint64_t ram_bytes = 1ull << 30;
+  uint64_t disk_bytes = 8ull << 30;
+  uint64_t slab_bytes = 4ull << 20;
+  std::string ram_policy = "s3fifo";
+  std::string disk_policy = "lru";
+  uint64_t lease_ms = 10000;
+  uint64_t demote_queue_bytes = 64ull << 20;
+  std::string disk_admission = "all";
+  bool hugepages = true;
+  int64_t ram_shards = 0;
+  uint64_t max_message_bytes = 64ull << 20;
+  std::string port_file;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  FlagSet flags("kvtier-store",
+                "The kvtier cache service: keeps KV-cache blocks in a RAM tier and an NVMe tier\n"
+                "(RocksDB) and serves them over gRPC (kvtier.v1.Store, grpc.health.v1).\n"
+                "Example: kvtier-store --listen 0.0.0.0:7400 --data-dir /var/lib/kvtier "
+                "--ram-bytes 64GiB --disk-bytes 1TiB");
+  flags.HostPort("listen", &f.listen, "gRPC address HOST:PORT (port 0 picks a free port)");
+  flags.String("data-dir", &f.data_dir, "Directory of the NVMe tier's RocksDB database");
+  flags.Bytes("ram-bytes", &f.ram_bytes, "Size of the RAM tier arena (e.g. 64MiB, 8GiB)");
+  flags.Bytes("disk-bytes", &f.disk_bytes, "Byte quota of the NVMe tier (records incl. header)");
+  flags.Bytes("ram-slab-bytes", &f.slab_bytes,
+              "Slab size of the RAM arena; the largest block the store accepts");
+  flags.Choice("ram-policy", &f.ram_policy, {"lru", "s3fifo", "sieve"}, "RAM eviction policy");
+  flags.Choice("disk-policy", &f.disk_policy, {"lru", "s3fifo", "sieve"}, "NVMe eviction policy");
+  flags.DurationMs("lease-ms", &f.lease_ms,
+                   "How long an uncommitted put or an un-ended get holds its slots (e.g. 10s)");
+  flags.Bytes("demote-queue-bytes", &f.demote_queue_bytes,
+              "Bound of the RAM->NVMe write-back queue; blocks evicted past it are dropped "
+              "(counted)");
+  flags.Choice("disk-admission", &f.disk_admission, {"all", "reused"},
+               "Which evicted RAM blocks go to NVMe: all, or only those read at least once");
+  flags.Bool("hugepages", &f.hugepages, "Back the RAM arena with 2 MiB hugepages when reserved");
+  flags.Int("ram-shards", &f.ram_shards, 0, 256, "Index shards of the RAM tier (0: automatic)");
+  flags.Bytes("max-message-bytes", &f.max_message_bytes,
+              "Largest gRPC message accepted or sent (bounds inline block size)");
+  flags.String("port-file", &f.port_file, "Write the bound gRPC port to this file once serving");
+  kvtier::ParseFlagsOrExit(flags, argc, argv);
+
+  if (f.disk_bytes == 0) {
+    std::fprintf(stderr, "kvtier-store: flag --disk-bytes must be above 0\n");
+    return 2;
+  }
+  if (f.slab_bytes % 4096 != 0 || f.slab_bytes > f.ram_bytes) {
+    std::fprintf(stderr,
+                 "kvtier-store: flag --ram-slab-bytes must be a multiple of 4096 and at most "
+                 "--ram-bytes\n");
+    return 2;
+  }
+  if (f.max_message_bytes > (1ull << 31) - 1) {
+    std::fprintf(stderr, "kvtier-store: flag --max-message-bytes must be below 2GiB\n");
+    return 2;
+  }
+
+  // Signals are taken by one thread with sigwait; block them everywhere else.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  kvtier::store::StoreOptions o;
+  o.ram.bytes = f.ram_bytes;
+  o.ram.slab_bytes = f.slab_bytes;
+  o.ram.policy = f.ram_policy;
+  o.ram.try_hugepages = f.hugepages;
+  o.ram.shards = static_cast<int>(f.ram_shards);
+  o.disk.dir = f.data_dir;
+  o.disk.bytes = f.disk_bytes;
+  o.disk.policy = f.disk_policy;
+  o.disk.queue_bytes = f.demote_queue_bytes;
+  o.disk.admission = f.disk_admission;
+  o.lease_ms = f.lease_ms;
+  auto store = kvtier::store::Store::Open(o);
+  if (!store.ok()) {
+    std::fprintf(stderr, "kvtier-store: %s\n", std::string(store.status().message()).c_str());
+    return 1;
+  }
+
+  kvtier::store::StoreService service(store->get());
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(f.listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(f.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(f.max_message_bytes));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    std::fprintf(stderr, "kvtier-store: cannot listen on %s (in use or not a local address)\n",
+                 f.listen.c_str());
+    return 1;
+  }
+  std::string host = f.listen.substr(0, f.listen.rfind(':'));
+  kvtier::Log("store", "listening on ", host, ":", port, " (RAM ", (*store)->ram().arena().size(),
+              " bytes in ", (*store)->ram().shards(), " shards",
+              (*store)->ram().arena().hugepages() ? ", hugepages" : "", "; disk quota ",
+              f.disk_bytes, " bytes in ", f.data_dir, ")");
+  std::printf("kvtier-store listening on %s:%d\n", host.c_str(), port);
+  std::fflush(stdout);
+  if (!f.port_file.empty()) {
+    std::string tmp = f.port_file + ".tmp";
+    std::ofstream(tmp) << port << "\n";
+    std::rename(tmp.c_str(), f.port_file.c_str());
+  }
+
+  std::thread signals([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    kvtier::Log("store", "signal ", sig, ": shutting down");
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  });
+  server->Wait();
+  signals.join();
+  store->reset();  // drains the write-back queue
+  kvtier::Log("store", "stopped");
+  return 0;
+}

@@ -1,0 +1,335 @@
+#include "cachestore/service.h"
+
+#include <chrono>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+
+namespace kvtier::store {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Times one RPC into its histogram, counting non-OK results as errors.
+class RpcTimer {
+ public:
+  explicit RpcTimer(LatencyHistogram& h) : h_(h), start_(Clock::now()) {}
+  grpc::Status Done(grpc::Status s) {
+    auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start_);
+    h_.Record(static_cast<uint64_t>(us.count()), s.ok());
+    return s;
+  }
+
+ private:
+  LatencyHistogram& h_;
+  Clock::time_point start_;
+};
+
+std::vector<BlockHash> Hashes(const google::protobuf::RepeatedPtrField<v1::BlockHash>& in) {
+  std::vector<BlockHash> out;
+  out.reserve(in.size());
+  for (const auto& h : in) out.push_back(BlockHash{h.hi(), h.lo()});
+  return out;
+}
+
+v1::Tier ToProto(Tier t) { return t == Tier::kRam ? v1::TIER_RAM : v1::TIER_DISK; }
+
+absl::StatusOr<Tier> FromProto(v1::Tier t) {
+  if (t == v1::TIER_RAM) return Tier::kRam;
+  if (t == v1::TIER_DISK) return Tier::kDisk;
+  return absl::InvalidArgumentError("tier must be TIER_RAM or TIER_DISK");
+}
+
+void FillTier(v1::Tier tier, const TierSnapshot& s, v1::TierStats* out) {
+  out->set_tier(tier);
+  out->set_policy(s.policy);
+  out->set_capacity_bytes(s.capacity_bytes);
+  out->set_used_bytes(s.used_bytes);
+  out->set_items(s.items);
+  out->set_hits(s.hits);
+  out->set_misses(s.misses);
+  out->set_evictions(s.evictions);
+  out->set_promotions(s.promotions);
+  out->set_demotions(s.demotions);
+  out->set_bytes_in(s.bytes_in);
+  out->set_bytes_out(s.bytes_out);
+  out->set_degraded(s.degraded);
+  out->set_degraded_reason(s.degraded_reason);
+}
+
+void FillPolicy(Store* store, Tier tier, v1::TierPolicy* out) {
+  auto [name, params] = store->GetPolicy(tier);
+  out->set_tier(ToProto(tier));
+  out->set_policy(name);
+  for (const auto& [k, v] : params) (*out->mutable_params())[k] = v;
+}
+
+}  // namespace
+
+StoreService::StoreService(Store* store) : store_(store), started_(Clock::now()) {
+  for (const char* rpc : {"RegisterNamespace", "ListNamespaces", "Lookup", "BeginPut",
+                          "CommitPut", "AbortPut", "BeginGet", "EndGet", "PutBlocks", "GetBlocks",
+                          "Evict", "GetStats", "GetPolicy", "SetPolicy"}) {
+    histograms_[rpc] = std::make_unique<LatencyHistogram>();
+  }
+}
+
+grpc::Status StoreService::RegisterNamespace(grpc::ServerContext*,
+                                             const v1::RegisterNamespaceRequest* req,
+                                             v1::RegisterNamespaceResponse* resp) {
+  RpcTimer t(Histogram("RegisterNamespace"));
+  if (!req->has_spec()) return t.Done(grpc::Status(grpc::INVALID_ARGUMENT, "spec is missing"));
+  const auto& p = req->spec();
+  NamespaceSpec spec{p.model(),        p.dtype(),   p.layers(),  p.kv_heads(), p.head_dim(),
+                     p.block_tokens(), p.tp_rank(), p.tp_size(), p.cache_salt()};
+  auto info = store_->RegisterNamespace(spec, req->expected_id());
+  if (!info.ok()) return t.Done(ToGrpc(info.status()));
+  resp->set_namespace_id(info->id);
+  resp->set_block_bytes(info->block_bytes);
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::ListNamespaces(grpc::ServerContext*, const v1::ListNamespacesRequest*,
+                                          v1::ListNamespacesResponse* resp) {
+  RpcTimer t(Histogram("ListNamespaces"));
+  for (const auto& info : store_->ListNamespaces()) {
+    auto* n = resp->add_namespaces();
+    n->set_namespace_id(info.id);
+    n->set_block_bytes(info.block_bytes);
+    auto* s = n->mutable_spec();
+    s->set_model(info.spec.model);
+    s->set_dtype(info.spec.dtype);
+    s->set_layers(info.spec.layers);
+    s->set_kv_heads(info.spec.kv_heads);
+    s->set_head_dim(info.spec.head_dim);
+    s->set_block_tokens(info.spec.block_tokens);
+    s->set_tp_rank(info.spec.tp_rank);
+    s->set_tp_size(info.spec.tp_size);
+    s->set_cache_salt(info.spec.cache_salt);
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
+                                  v1::LookupResponse* resp) {
+  RpcTimer t(Histogram("Lookup"));
+  auto tiers = store_->Lookup(req->namespace_id(), Hashes(req->hashes()));
+  if (!tiers.ok()) return t.Done(ToGrpc(tiers.status()));
+  resp->set_present_blocks(static_cast<uint32_t>(tiers->size()));
+  for (Tier tier : *tiers) resp->add_tiers(ToProto(tier));
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::BeginPut(grpc::ServerContext*, const v1::BeginPutRequest* req,
+                                    v1::BeginPutResponse* resp) {
+  RpcTimer t(Histogram("BeginPut"));
+  auto r = store_->BeginPut(req->namespace_id(), Hashes(req->hashes()), req->client_id());
+  if (!r.ok()) return t.Done(ToGrpc(r.status()));
+  resp->set_lease_id(r->lease);
+  resp->set_lease_ms(store_->lease_ms());
+  const uint64_t base = reinterpret_cast<uint64_t>(store_->ram().arena().base());
+  for (const auto& target : r->targets) {
+    auto* out = resp->add_targets();
+    switch (target.placement) {
+      case Placement::kReserved:
+        out->set_disposition(v1::PUT_RESERVED);
+        out->set_remote_addr(base + target.slot.offset);
+        out->set_length(target.slot.length);
+        out->set_rkey_id(0);
+        break;
+      case Placement::kPresent:
+        out->set_disposition(v1::PUT_ALREADY_PRESENT);
+        break;
+      case Placement::kBusy:
+        out->set_disposition(v1::PUT_BUSY);
+        break;
+      case Placement::kNoSpace:
+        out->set_disposition(v1::PUT_NO_SPACE);
+        break;
+    }
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::CommitPut(grpc::ServerContext*, const v1::CommitPutRequest* req,
+                                     v1::CommitPutResponse* resp) {
+  RpcTimer t(Histogram("CommitPut"));
+  std::vector<uint64_t> sums(req->checksums().begin(), req->checksums().end());
+  auto n = store_->CommitPut(req->lease_id(), sums);
+  if (!n.ok()) return t.Done(ToGrpc(n.status()));
+  resp->set_committed(*n);
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::AbortPut(grpc::ServerContext*, const v1::AbortPutRequest* req,
+                                    v1::AbortPutResponse*) {
+  RpcTimer t(Histogram("AbortPut"));
+  return t.Done(ToGrpc(store_->AbortPut(req->lease_id())));
+}
+
+grpc::Status StoreService::BeginGet(grpc::ServerContext*, const v1::BeginGetRequest* req,
+                                    v1::BeginGetResponse* resp) {
+  RpcTimer t(Histogram("BeginGet"));
+  auto r = store_->BeginGet(req->namespace_id(), Hashes(req->hashes()), req->client_id());
+  if (!r.ok()) return t.Done(ToGrpc(r.status()));
+  resp->set_lease_id(r->lease);
+  resp->set_lease_ms(store_->lease_ms());
+  const uint64_t base = reinterpret_cast<uint64_t>(store_->ram().arena().base());
+  for (const auto& src : r->sources) {
+    auto* out = resp->add_sources();
+    out->set_tier(ToProto(src.tier));
+    out->set_remote_addr(base + src.slot.offset);
+    out->set_length(src.slot.length);
+    out->set_rkey_id(0);
+    out->set_checksum(src.slot.checksum);
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::EndGet(grpc::ServerContext*, const v1::EndGetRequest* req,
+                                  v1::EndGetResponse*) {
+  RpcTimer t(Histogram("EndGet"));
+  return t.Done(ToGrpc(store_->EndGet(req->lease_id())));
+}
+
+grpc::Status StoreService::PutBlocks(grpc::ServerContext*,
+                                     grpc::ServerReader<v1::PutBlocksRequest>* reader,
+                                     v1::PutBlocksResponse* resp) {
+  RpcTimer t(Histogram("PutBlocks"));
+  v1::PutBlocksRequest req;
+  uint32_t index = 0;
+  while (reader->Read(&req)) {
+    if (!req.has_hash()) {
+      return t.Done(grpc::Status(grpc::INVALID_ARGUMENT,
+                                 absl::StrCat("message ", index, " of the stream has no hash")));
+    }
+    auto r = store_->PutInline(req.namespace_id(), BlockHash{req.hash().hi(), req.hash().lo()},
+                               req.data(), req.checksum());
+    if (!r.ok()) {
+      // Blocks before this one stay stored; say which message failed.
+      absl::Status s = r.status();
+      return t.Done(grpc::Status(static_cast<grpc::StatusCode>(s.code()),
+                                 absl::StrCat("message ", index, " of the stream: ", s.message(),
+                                              " (", resp->stored(), " earlier blocks stored)")));
+    }
+    switch (r->outcome) {
+      case InlinePutResult::kStored:
+        resp->set_stored(resp->stored() + 1);
+        break;
+      case InlinePutResult::kAlreadyPresent:
+        resp->set_already_present(resp->already_present() + 1);
+        break;
+      case InlinePutResult::kNoSpace:
+        resp->set_no_space(resp->no_space() + 1);
+        break;
+    }
+    ++index;
+  }
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBlocksRequest* req,
+                                     grpc::ServerWriter<v1::GetBlocksResponse>* writer) {
+  RpcTimer t(Histogram("GetBlocks"));
+  v1::GetBlocksResponse msg;
+  auto s = store_->GetInline(
+      req->namespace_id(), Hashes(req->hashes()),
+      [&](uint32_t index, Tier tier, std::string_view bytes, uint64_t checksum) {
+        if (ctx->IsCancelled()) return false;
+        msg.set_index(index);
+        msg.set_tier(ToProto(tier));
+        msg.set_data(bytes.data(), bytes.size());
+        msg.set_checksum(checksum);
+        return writer->Write(msg);
+      });
+  return t.Done(ToGrpc(s));
+}
+
+grpc::Status StoreService::Evict(grpc::ServerContext*, const v1::EvictRequest* req,
+                                 v1::EvictResponse* resp) {
+  RpcTimer t(Histogram("Evict"));
+  absl::StatusOr<EvictResult> r;
+  switch (req->target_case()) {
+    case v1::EvictRequest::kAll:
+      if (!req->all()) {
+        return t.Done(grpc::Status(grpc::INVALID_ARGUMENT, "evict all=false names nothing"));
+      }
+      r = store_->EvictAll();
+      break;
+    case v1::EvictRequest::kNamespaceId:
+      r = store_->EvictNamespace(req->namespace_id());
+      break;
+    case v1::EvictRequest::kKeys: {
+      std::vector<BlockKey> keys;
+      for (const auto& k : req->keys().keys()) {
+        keys.push_back(BlockKey{k.namespace_id(), BlockHash{k.hash().hi(), k.hash().lo()}});
+      }
+      r = store_->EvictKeys(keys);
+      break;
+    }
+    default:
+      return t.Done(grpc::Status(grpc::INVALID_ARGUMENT,
+                                 "evict needs a target: all, namespace_id or keys"));
+  }
+  if (!r.ok()) return t.Done(ToGrpc(r.status()));
+  resp->set_ram_blocks(r->ram_blocks);
+  resp->set_disk_blocks(r->disk_blocks);
+  resp->set_pinned_blocks(r->pinned_blocks);
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                                    v1::GetStatsResponse* resp) {
+  RpcTimer t(Histogram("GetStats"));
+  StoreStats s = store_->Stats();
+  FillTier(v1::TIER_RAM, s.ram, resp->add_tiers());
+  FillTier(v1::TIER_DISK, s.disk, resp->add_tiers());
+  resp->set_demotion_queue_blocks(s.queue.blocks);
+  resp->set_demotion_queue_bytes(s.queue.bytes);
+  resp->set_demotion_queue_dropped(s.queue.dropped);
+  resp->set_put_leases(s.put_leases);
+  resp->set_get_leases(s.get_leases);
+  resp->set_leases_expired(s.leases_expired);
+  resp->set_checksum_failures(s.checksum_failures);
+  for (const auto& [name, h] : histograms_) {
+    auto snap = h->Take();
+    auto* out = resp->add_rpc_latency();
+    out->set_rpc(name);
+    out->set_count(snap.count);
+    out->set_errors(snap.errors);
+    out->set_sum_us(snap.sum_us);
+    for (size_t i = 0; i < snap.counts.size(); ++i) {
+      out->add_bucket_upper_us(snap.upper_us[i]);
+      out->add_bucket_counts(snap.counts[i]);
+    }
+  }
+  resp->set_uptime_s(static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - started_).count()));
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::GetPolicy(grpc::ServerContext*, const v1::GetPolicyRequest*,
+                                     v1::GetPolicyResponse* resp) {
+  RpcTimer t(Histogram("GetPolicy"));
+  FillPolicy(store_, Tier::kRam, resp->add_policies());
+  FillPolicy(store_, Tier::kDisk, resp->add_policies());
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::SetPolicy(grpc::ServerContext*, const v1::SetPolicyRequest* req,
+                                     v1::SetPolicyResponse* resp) {
+  RpcTimer t(Histogram("SetPolicy"));
+  auto tier = FromProto(req->policy().tier());
+  if (!tier.ok()) return t.Done(ToGrpc(tier.status()));
+  std::map<std::string, double> params(req->policy().params().begin(),
+                                       req->policy().params().end());
+  if (auto s = store_->SetPolicy(*tier, req->policy().policy(), params); !s.ok()) {
+    return t.Done(ToGrpc(s));
+  }
+  FillPolicy(store_, *tier, resp->mutable_policy());
+  return t.Done(grpc::Status::OK);
+}
+
+}  // namespace kvtier::store

@@ -1,0 +1,56 @@
+// The kvtier.v1.Store gRPC service over a Store: message validation, proto
+// conversion and per-RPC latency histograms. Thread-safe.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "cachestore/store.h"
+#include "common/histogram.h"
+#include "kvtier/v1/store.grpc.pb.h"
+
+namespace kvtier::store {
+
+class StoreService final : public kvtier::v1::Store::Service {
+ public:
+  explicit StoreService(Store* store);
+
+  grpc::Status RegisterNamespace(grpc::ServerContext*, const v1::RegisterNamespaceRequest*,
+                                 v1::RegisterNamespaceResponse*) override;
+  grpc::Status ListNamespaces(grpc::ServerContext*, const v1::ListNamespacesRequest*,
+                              v1::ListNamespacesResponse*) override;
+  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*,
+                      v1::LookupResponse*) override;
+  grpc::Status BeginPut(grpc::ServerContext*, const v1::BeginPutRequest*,
+                        v1::BeginPutResponse*) override;
+  grpc::Status CommitPut(grpc::ServerContext*, const v1::CommitPutRequest*,
+                         v1::CommitPutResponse*) override;
+  grpc::Status AbortPut(grpc::ServerContext*, const v1::AbortPutRequest*,
+                        v1::AbortPutResponse*) override;
+  grpc::Status BeginGet(grpc::ServerContext*, const v1::BeginGetRequest*,
+                        v1::BeginGetResponse*) override;
+  grpc::Status EndGet(grpc::ServerContext*, const v1::EndGetRequest*,
+                      v1::EndGetResponse*) override;
+  grpc::Status PutBlocks(grpc::ServerContext*, grpc::ServerReader<v1::PutBlocksRequest>*,
+                         v1::PutBlocksResponse*) override;
+  grpc::Status GetBlocks(grpc::ServerContext*, const v1::GetBlocksRequest*,
+                         grpc::ServerWriter<v1::GetBlocksResponse>*) override;
+  grpc::Status Evict(grpc::ServerContext*, const v1::EvictRequest*,
+                     v1::EvictResponse*) override;
+  grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
+                        v1::GetStatsResponse*) override;
+  grpc::Status GetPolicy(grpc::ServerContext*, const v1::GetPolicyRequest*,
+                         v1::GetPolicyResponse*) override;
+  grpc::Status SetPolicy(grpc::ServerContext*, const v1::SetPolicyRequest*,
+                         v1::SetPolicyResponse*) override;
+
+ private:
+  LatencyHistogram& Histogram(const std::string& rpc) { return *histograms_.at(rpc); }
+
+  Store* store_;
+  std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
+  std::chrono::steady_clock::time_point started_;
+};
+
+}  // namespace kvtier::store

@@ -1,0 +1,442 @@
+#include "cachestore/store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/checksum.h"
+#include "common/log.h"
+#include "kvtier/v1/common.pb.h"
+
+namespace kvtier::store {
+
+namespace {
+
+std::string NsName(uint64_t ns) { return absl::StrFormat("%016x", ns); }
+
+std::string SerializeSpec(const NamespaceSpec& s) {
+  kvtier::v1::NamespaceSpec p;
+  p.set_model(s.model);
+  p.set_dtype(s.dtype);
+  p.set_layers(s.layers);
+  p.set_kv_heads(s.kv_heads);
+  p.set_head_dim(s.head_dim);
+  p.set_block_tokens(s.block_tokens);
+  p.set_tp_rank(s.tp_rank);
+  p.set_tp_size(s.tp_size);
+  p.set_cache_salt(s.cache_salt);
+  return p.SerializeAsString();
+}
+
+bool ParseSpec(const std::string& bytes, NamespaceSpec* s) {
+  kvtier::v1::NamespaceSpec p;
+  if (!p.ParseFromString(bytes)) return false;
+  *s = NamespaceSpec{p.model(),        p.dtype(),   p.layers(),  p.kv_heads(), p.head_dim(),
+                     p.block_tokens(), p.tp_rank(), p.tp_size(), p.cache_salt()};
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
+  if (o.lease_ms == 0) return absl::InvalidArgumentError("lease must be at least 1 ms");
+  std::unique_ptr<Store> s(new Store());
+  s->options_ = o;
+  auto disk = DiskTier::Open(o.disk);
+  if (!disk.ok()) return disk.status();
+  s->disk_ = std::move(*disk);
+  DiskTier* d = s->disk_.get();
+  auto ram = RamTier::Create(o.ram, [d](const EvictedBlock& b) { return d->Enqueue(b); });
+  if (!ram.ok()) return ram.status();
+  s->ram_ = std::move(*ram);
+  for (const auto& [key, value] : s->disk_->ScanMeta("ns/")) {
+    NamespaceSpec spec;
+    if (!ParseSpec(value, &spec) || !ValidateNamespace(spec).ok()) {
+      Log("store", "ignoring unreadable namespace record ", key);
+      continue;
+    }
+    uint64_t id = NamespaceId(spec);
+    s->namespaces_[id] = NamespaceInfo{id, spec, BlockBytes(spec)};
+  }
+  s->reaper_ = std::thread([p = s.get()] { p->ReaperLoop(); });
+  return s;
+}
+
+Store::~Store() {
+  {
+    std::lock_guard lk(lease_mu_);
+    stop_ = true;
+  }
+  reaper_cv_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
+}
+
+absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(const NamespaceSpec& spec,
+                                                       uint64_t expected_id) {
+  if (auto s = ValidateNamespace(spec); !s.ok()) return s;
+  uint64_t id = NamespaceId(spec);
+  if (expected_id != 0 && expected_id != id) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("namespace id mismatch: caller computed ", NsName(expected_id),
+                     " but the spec \"", CanonicalNamespace(spec), "\" hashes to ", NsName(id)));
+  }
+  uint64_t bytes = BlockBytes(spec);
+  if (bytes > ram_->max_block_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "namespace blocks of ", bytes, " bytes exceed the RAM slab size of ",
+        ram_->max_block_bytes(), " bytes; start kvtier-store with --ram-slab-bytes >= ", bytes));
+  }
+  std::lock_guard lk(ns_mu_);
+  if (namespaces_.count(id)) return namespaces_.at(id);
+  if (auto s = disk_->PutMeta("ns/" + NsName(id), SerializeSpec(spec)); !s.ok()) return s;
+  NamespaceInfo info{id, spec, bytes};
+  namespaces_[id] = info;
+  Log("store", "registered namespace ", NsName(id), " (", CanonicalNamespace(spec), "), blocks of ",
+      bytes, " bytes");
+  return info;
+}
+
+std::vector<NamespaceInfo> Store::ListNamespaces() const {
+  std::lock_guard lk(ns_mu_);
+  std::vector<NamespaceInfo> out;
+  for (const auto& [id, info] : namespaces_) out.push_back(info);
+  return out;
+}
+
+absl::StatusOr<NamespaceInfo> Store::CheckRequest(uint64_t ns,
+                                                  std::span<const BlockHash> hashes) const {
+  if (hashes.empty()) return absl::InvalidArgumentError("request names no block hashes");
+  if (hashes.size() > kMaxBlocksPerRequest) {
+    return absl::InvalidArgumentError(absl::StrCat("request names ", hashes.size(),
+                                                   " block hashes; the limit is ",
+                                                   kMaxBlocksPerRequest));
+  }
+  std::lock_guard lk(ns_mu_);
+  auto it = namespaces_.find(ns);
+  if (it == namespaces_.end()) {
+    return absl::NotFoundError(absl::StrCat("namespace ", NsName(ns),
+                                            " is not registered; call RegisterNamespace first"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::vector<Tier>> Store::Lookup(uint64_t ns,
+                                                std::span<const BlockHash> hashes) const {
+  if (auto info = CheckRequest(ns, hashes); !info.ok()) return info.status();
+  std::vector<Tier> tiers;
+  for (const auto& h : hashes) {
+    BlockKey k{ns, h};
+    if (ram_->Contains(k)) tiers.push_back(Tier::kRam);
+    else if (disk_->Contains(k)) tiers.push_back(Tier::kDisk);
+    else break;
+  }
+  return tiers;
+}
+
+uint64_t Store::AddLease(Lease lease) {
+  std::lock_guard lk(lease_mu_);
+  uint64_t id = next_lease_++;
+  (lease.is_put ? put_leases_ : get_leases_)++;
+  leases_.emplace(id, std::move(lease));
+  return id;
+}
+
+absl::StatusOr<Store::Lease> Store::TakeLease(uint64_t id, bool is_put) {
+  const char* kind = is_put ? "put" : "get";
+  std::lock_guard lk(lease_mu_);
+  auto it = leases_.find(id);
+  if (it == leases_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(kind, " lease ", id, " is unknown, already ended, or expired (leases last ",
+                     options_.lease_ms, " ms)"));
+  }
+  if (it->second.is_put != is_put) {
+    return absl::InvalidArgumentError(absl::StrCat("lease ", id, " is a ",
+                                                   is_put ? "get" : "put", " lease, not a ", kind,
+                                                   " lease"));
+  }
+  Lease l = std::move(it->second);
+  leases_.erase(it);
+  (is_put ? put_leases_ : get_leases_)--;
+  return l;
+}
+
+void Store::ReleaseLease(const Lease& lease) {
+  for (const auto& [key, slot] : lease.items) {
+    if (lease.is_put) ram_->Release(key, slot);
+    else ram_->Unpin(key, slot);
+  }
+}
+
+void Store::ReaperLoop() {
+  const auto period = std::chrono::milliseconds(std::clamp<uint64_t>(options_.lease_ms / 4, 1, 200));
+  std::unique_lock lk(lease_mu_);
+  while (!stop_) {
+    reaper_cv_.wait_for(lk, period, [&] { return stop_; });
+    auto now = std::chrono::steady_clock::now();
+    std::vector<std::pair<uint64_t, Lease>> expired;
+    for (auto it = leases_.begin(); it != leases_.end();) {
+      if (it->second.deadline <= now) {
+        (it->second.is_put ? put_leases_ : get_leases_)--;
+        expired.emplace_back(it->first, std::move(it->second));
+        it = leases_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (expired.empty()) continue;
+    lk.unlock();
+    for (const auto& [id, lease] : expired) {
+      ReleaseLease(lease);
+      Log("store", lease.is_put ? "put" : "get", " lease ", id, " expired; ", lease.items.size(),
+          " slots reclaimed");
+    }
+    leases_expired_.fetch_add(expired.size());
+    lk.lock();
+  }
+}
+
+absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const BlockHash> hashes,
+                                               const std::string& client) {
+  auto info = CheckRequest(ns, hashes);
+  if (!info.ok()) return info.status();
+  std::set<BlockHash> seen;
+  for (const auto& h : hashes) {
+    if (!seen.insert(h).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block hash ", ToHex(h), " appears twice in one BeginPut"));
+    }
+  }
+  // The lease id is taken first so the reserved slots name their owner.
+  Lease lease{true, std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.lease_ms),
+              {}};
+  BeginPutResult r;
+  r.targets.reserve(hashes.size());
+  uint64_t id;
+  {
+    std::lock_guard lk(lease_mu_);
+    id = next_lease_++;
+  }
+  for (const auto& h : hashes) {
+    BlockKey k{ns, h};
+    PutTarget t{Placement::kNoSpace, {}};
+    if (disk_->Contains(k)) {
+      t.placement = Placement::kPresent;
+    } else {
+      t.placement = ram_->Reserve(k, info->block_bytes, id, &t.slot);
+      if (t.placement == Placement::kReserved) lease.items.emplace_back(k, t.slot);
+    }
+    r.targets.push_back(t);
+  }
+  if (!lease.items.empty()) {
+    std::lock_guard lk(lease_mu_);
+    put_leases_++;
+    leases_.emplace(id, std::move(lease));
+    r.lease = id;
+  }
+  return r;
+}
+
+absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uint64_t> checksums) {
+  auto lease = TakeLease(lease_id, true);
+  if (!lease.ok()) return lease.status();
+  if (checksums.size() != lease->items.size()) {
+    size_t want = lease->items.size();
+    // A malformed commit does not cost the caller its lease.
+    std::lock_guard lk(lease_mu_);
+    put_leases_++;
+    leases_.emplace(lease_id, std::move(*lease));
+    return absl::InvalidArgumentError(absl::StrCat("CommitPut of lease ", lease_id, " carries ",
+                                                   checksums.size(), " checksums; the lease has ",
+                                                   want, " reserved blocks"));
+  }
+  for (size_t i = 0; i < checksums.size(); ++i) {
+    const auto& [key, slot] = lease->items[i];
+    uint64_t actual = Checksum(ram_->data(slot), slot.length);
+    if (actual != checksums[i]) {
+      ReleaseLease(*lease);
+      commit_checksum_failures_.fetch_add(1);
+      return absl::DataLossError(absl::StrFormat(
+          "checksum mismatch on block %d (%s) of lease %d: client says %016x, the bytes in the "
+          "slot hash to %016x; no block of the lease was stored",
+          i, ToHex(key.hash), lease_id, checksums[i], actual));
+    }
+  }
+  uint32_t committed = 0;
+  for (size_t i = 0; i < checksums.size(); ++i) {
+    const auto& [key, slot] = lease->items[i];
+    if (ram_->Publish(key, slot, checksums[i])) ++committed;
+  }
+  return committed;
+}
+
+absl::Status Store::AbortPut(uint64_t lease_id) {
+  auto lease = TakeLease(lease_id, true);
+  if (!lease.ok()) return lease.status();
+  ReleaseLease(*lease);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const BlockHash> hashes,
+                                               const std::string& client) {
+  auto info = CheckRequest(ns, hashes);
+  if (!info.ok()) return info.status();
+  Lease lease{false, std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.lease_ms),
+              {}};
+  BeginGetResult r;
+  for (const auto& h : hashes) {
+    BlockKey k{ns, h};
+    if (auto slot = ram_->Pin(k)) {
+      r.sources.push_back(GetSource{Tier::kRam, *slot});
+      lease.items.emplace_back(k, *slot);
+      continue;
+    }
+    uint64_t checksum;
+    auto bytes = disk_->Read(k, &checksum);
+    if (!bytes.ok()) break;
+    Slot slot;
+    Placement p = ram_->InsertCopy(k, reinterpret_cast<const uint8_t*>(bytes->data()),
+                                   bytes->size(), checksum, true, true, &slot);
+    if (p != Placement::kReserved) break;  // no room to promote: the prefix ends here
+    r.sources.push_back(GetSource{Tier::kDisk, slot});
+    lease.items.emplace_back(k, slot);
+  }
+  if (!lease.items.empty()) r.lease = AddLease(std::move(lease));
+  return r;
+}
+
+absl::Status Store::EndGet(uint64_t lease_id) {
+  auto lease = TakeLease(lease_id, false);
+  if (!lease.ok()) return lease.status();
+  ReleaseLease(*lease);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<InlinePutResult> Store::PutInline(uint64_t ns, const BlockHash& hash,
+                                                 std::string_view data, uint64_t checksum) {
+  auto info = CheckRequest(ns, std::span<const BlockHash>(&hash, 1));
+  if (!info.ok()) return info.status();
+  if (data.size() != info->block_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block ", ToHex(hash), " carries ", data.size(), " bytes; blocks of namespace ",
+                     NsName(ns), " are ", info->block_bytes, " bytes"));
+  }
+  uint64_t actual = Checksum(data.data(), data.size());
+  if (actual != checksum) {
+    commit_checksum_failures_.fetch_add(1);
+    return absl::DataLossError(absl::StrFormat(
+        "checksum mismatch on block %s: client says %016x, the bytes hash to %016x; not stored",
+        ToHex(hash), checksum, actual));
+  }
+  BlockKey k{ns, hash};
+  if (disk_->Contains(k)) return InlinePutResult{InlinePutResult::kAlreadyPresent};
+  Slot slot;
+  switch (ram_->InsertCopy(k, reinterpret_cast<const uint8_t*>(data.data()), data.size(), checksum,
+                           false, false, &slot)) {
+    case Placement::kReserved:
+      return InlinePutResult{InlinePutResult::kStored};
+    case Placement::kPresent:
+      return InlinePutResult{InlinePutResult::kAlreadyPresent};
+    case Placement::kBusy:
+      return absl::AbortedError(absl::StrCat("block ", ToHex(hash),
+                                             " is being written by another put lease right now; "
+                                             "retry after it commits or expires"));
+    case Placement::kNoSpace:
+      break;
+  }
+  return InlinePutResult{InlinePutResult::kNoSpace};
+}
+
+absl::Status Store::GetInline(
+    uint64_t ns, std::span<const BlockHash> hashes,
+    const std::function<bool(uint32_t, Tier, std::string_view, uint64_t)>& emit) {
+  auto info = CheckRequest(ns, hashes);
+  if (!info.ok()) return info.status();
+  for (uint32_t i = 0; i < hashes.size(); ++i) {
+    BlockKey k{ns, hashes[i]};
+    if (auto slot = ram_->Pin(k)) {
+      bool more = emit(i, Tier::kRam,
+                       std::string_view(reinterpret_cast<const char*>(ram_->data(*slot)),
+                                        slot->length),
+                       slot->checksum);
+      ram_->Unpin(k, *slot);
+      if (!more) break;
+      continue;
+    }
+    uint64_t checksum;
+    auto bytes = disk_->Read(k, &checksum);
+    if (!bytes.ok()) break;
+    Slot slot;
+    // Promote when there is room; serve from the disk copy either way.
+    ram_->InsertCopy(k, reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size(), checksum,
+                     false, true, &slot);
+    if (!emit(i, Tier::kDisk, *bytes, checksum)) break;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<EvictResult> Store::EvictAll() {
+  EraseCounts r = ram_->EraseAll();
+  EraseCounts d = disk_->EraseAll();
+  Log("store", "evicted all: ", r.erased, " RAM blocks, ", d.erased, " disk blocks, ", r.pinned,
+      " pinned");
+  return EvictResult{r.erased, d.erased, r.pinned};
+}
+
+absl::StatusOr<EvictResult> Store::EvictNamespace(uint64_t ns) {
+  {
+    std::lock_guard lk(ns_mu_);
+    if (!namespaces_.count(ns)) {
+      return absl::NotFoundError(absl::StrCat("namespace ", NsName(ns), " is not registered"));
+    }
+  }
+  EraseCounts r = ram_->EraseNamespace(ns);
+  EraseCounts d = disk_->EraseNamespace(ns);
+  Log("store", "evicted namespace ", NsName(ns), ": ", r.erased, " RAM blocks, ", d.erased,
+      " disk blocks, ", r.pinned, " pinned");
+  return EvictResult{r.erased, d.erased, r.pinned};
+}
+
+absl::StatusOr<EvictResult> Store::EvictKeys(std::span<const BlockKey> keys) {
+  if (keys.empty()) return absl::InvalidArgumentError("evict names no keys");
+  if (keys.size() > kMaxBlocksPerRequest) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("evict names ", keys.size(), " keys; the limit is ", kMaxBlocksPerRequest));
+  }
+  std::vector<BlockKey> v(keys.begin(), keys.end());
+  EraseCounts r = ram_->Erase(v);
+  EraseCounts d = disk_->Erase(v);
+  return EvictResult{r.erased, d.erased, r.pinned};
+}
+
+absl::Status Store::SetPolicy(Tier tier, const std::string& name,
+                              const std::map<std::string, double>& params) {
+  absl::Status s = tier == Tier::kRam ? ram_->SetPolicy(name, params)
+                                      : disk_->SetPolicy(name, params);
+  if (s.ok()) Log("store", tier == Tier::kRam ? "ram" : "disk", " policy set to ", name);
+  return s;
+}
+
+std::pair<std::string, std::map<std::string, double>> Store::GetPolicy(Tier tier) const {
+  if (tier == Tier::kRam) return {ram_->policy(), ram_->policy_params()};
+  return {disk_->policy(), disk_->policy_params()};
+}
+
+StoreStats Store::Stats() const {
+  StoreStats s;
+  s.ram = ram_->Snapshot();
+  s.disk = disk_->Snapshot();
+  s.queue = disk_->QueueStats();
+  {
+    std::lock_guard lk(lease_mu_);
+    s.put_leases = put_leases_;
+    s.get_leases = get_leases_;
+  }
+  s.leases_expired = leases_expired_.load();
+  s.checksum_failures = commit_checksum_failures_.load() + disk_->checksum_failures();
+  return s;
+}
+
+}  // namespace kvtier::store

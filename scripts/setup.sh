@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the Debian packages kvtier builds and runs with, if any are missing.
+# Safe to run again: it does nothing when everything is present.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake ninja-build ccache pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libucx-dev ucx-utils librocksdb-dev libabsl-dev libgtest-dev libxxhash-dev
+  redis-server redis-tools fio python3
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+echo "setup: installing ${missing[*]}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "setup: done"

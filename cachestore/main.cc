@@ -11,6 +11,7 @@
 #include "cachestore/service.h"
 #include "cachestore/store.h"
 #include "common/config.h"
+#include "common/grpc_server.h"
 #include "common/log.h"
 
 namespace {
@@ -113,6 +114,7 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(f.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(f.max_message_bytes));
   builder.RegisterService(&service);
+  builder.experimental().SetInterceptorCreators(kvtier::ServerInterceptors());
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     std::fprintf(stderr, "kvtier-store: cannot listen on %s (in use or not a local address)\n",

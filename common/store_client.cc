@@ -1,0 +1,143 @@
+#include "common/store_client.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/checksum.h"
+#include "common/grpc_status.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace kvtier {
+
+void ToProto(const BlockHash& h, v1::BlockHash* out) {
+  out->set_hi(h.hi);
+  out->set_lo(h.lo);
+}
+
+StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
+    : options_(options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::Store::NewStub(channel_);
+}
+
+std::unique_ptr<grpc::ClientContext> StoreClient::Context() const {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(options_.deadline_ms));
+  return ctx;
+}
+
+absl::StatusOr<RegisteredNamespace> StoreClient::RegisterNamespace(const NamespaceSpec& spec) {
+  v1::RegisterNamespaceRequest req;
+  auto* s = req.mutable_spec();
+  s->set_model(spec.model);
+  s->set_dtype(spec.dtype);
+  s->set_layers(spec.layers);
+  s->set_kv_heads(spec.kv_heads);
+  s->set_head_dim(spec.head_dim);
+  s->set_block_tokens(spec.block_tokens);
+  s->set_tp_rank(spec.tp_rank);
+  s->set_tp_size(spec.tp_size);
+  s->set_cache_salt(spec.cache_salt);
+  v1::RegisterNamespaceResponse resp;
+  auto ctx = Context();
+  if (auto st = stub_->RegisterNamespace(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  return RegisteredNamespace{resp.namespace_id(), resp.block_bytes()};
+}
+
+absl::StatusOr<std::vector<v1::Tier>> StoreClient::Lookup(uint64_t ns,
+                                                         const std::vector<BlockHash>& hashes) {
+  v1::LookupRequest req;
+  req.set_namespace_id(ns);
+  for (const auto& h : hashes) ToProto(h, req.add_hashes());
+  v1::LookupResponse resp;
+  auto ctx = Context();
+  if (auto st = stub_->Lookup(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  std::vector<v1::Tier> out;
+  for (int t : resp.tiers()) out.push_back(static_cast<v1::Tier>(t));
+  return out;
+}
+
+absl::StatusOr<InlinePutSummary> StoreClient::PutInline(
+    uint64_t ns, const std::vector<std::pair<BlockHash, std::string_view>>& blocks) {
+  auto ctx = Context();
+  v1::PutBlocksResponse resp;
+  auto writer = stub_->PutBlocks(ctx.get(), &resp);
+  v1::PutBlocksRequest msg;
+  for (const auto& [hash, data] : blocks) {
+    msg.set_namespace_id(ns);
+    ToProto(hash, msg.mutable_hash());
+    msg.set_data(data.data(), data.size());
+    msg.set_checksum(Checksum(data.data(), data.size()));
+    if (!writer->Write(msg)) break;  // the server ended the stream; Finish says why
+  }
+  writer->WritesDone();
+  if (auto st = writer->Finish(); !st.ok()) return FromGrpc(st);
+  return InlinePutSummary{resp.stored(), resp.already_present(), resp.no_space()};
+}
+
+absl::StatusOr<std::vector<FetchedBlock>> StoreClient::GetInline(
+    uint64_t ns, const std::vector<BlockHash>& hashes) {
+  v1::GetBlocksRequest req;
+  req.set_namespace_id(ns);
+  for (const auto& h : hashes) ToProto(h, req.add_hashes());
+  auto ctx = Context();
+  auto reader = stub_->GetBlocks(ctx.get(), req);
+  std::vector<FetchedBlock> out;
+  v1::GetBlocksResponse msg;
+  while (reader->Read(&msg)) {
+    uint64_t actual = Checksum(msg.data().data(), msg.data().size());
+    if (actual != msg.checksum()) {
+      ctx->TryCancel();
+      reader->Finish();
+      return absl::DataLossError(absl::StrCat("block ", msg.index(),
+                                              " failed its checksum on arrival"));
+    }
+    out.push_back(FetchedBlock{msg.index(), msg.tier(), std::move(*msg.mutable_data())});
+  }
+  if (auto st = reader->Finish(); !st.ok()) return FromGrpc(st);
+  return out;
+}
+
+absl::StatusOr<v1::GetStatsResponse> StoreClient::GetStats() {
+  v1::GetStatsResponse resp;
+  auto ctx = Context();
+  if (auto st = stub_->GetStats(ctx.get(), v1::GetStatsRequest(), &resp); !st.ok()) {
+    return FromGrpc(st);
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::EvictResponse> StoreClient::Evict(const v1::EvictRequest& request) {
+  v1::EvictResponse resp;
+  auto ctx = Context();
+  if (auto st = stub_->Evict(ctx.get(), request, &resp); !st.ok()) return FromGrpc(st);
+  return resp;
+}
+
+absl::StatusOr<v1::TierPolicy> StoreClient::SetPolicy(v1::Tier tier, const std::string& policy) {
+  v1::SetPolicyRequest req;
+  req.mutable_policy()->set_tier(tier);
+  req.mutable_policy()->set_policy(policy);
+  v1::SetPolicyResponse resp;
+  auto ctx = Context();
+  if (auto st = stub_->SetPolicy(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  return resp.policy();
+}
+
+absl::Status StoreClient::Health() {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  auto ctx = Context();
+  if (auto st = health->Check(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat("store health is ", resp.status()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvtier

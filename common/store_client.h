@@ -1,0 +1,72 @@
+// A C++ client of kvtier-store's gRPC control plane and inline data path.
+// Owns one channel; every call has a deadline. Blocks read back are checked
+// against their checksums. Thread-safe (gRPC stubs are).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/block_key.h"
+#include "kvtier/v1/store.grpc.pb.h"
+
+namespace kvtier {
+
+struct StoreClientOptions {
+  int deadline_ms = 10000;
+  int max_message_bytes = 64 << 20;
+};
+
+struct RegisteredNamespace {
+  uint64_t id = 0;
+  uint64_t block_bytes = 0;
+};
+
+struct InlinePutSummary {
+  uint32_t stored = 0, already_present = 0, no_space = 0;
+};
+
+struct FetchedBlock {
+  uint32_t index;
+  v1::Tier tier;
+  std::string data;
+};
+
+class StoreClient {
+ public:
+  explicit StoreClient(const std::string& address, StoreClientOptions options = {});
+
+  absl::StatusOr<RegisteredNamespace> RegisterNamespace(const NamespaceSpec& spec);
+  // Tier of each leading present block.
+  absl::StatusOr<std::vector<v1::Tier>> Lookup(uint64_t ns, const std::vector<BlockHash>& hashes);
+  // Streams the blocks; checksums are computed here.
+  absl::StatusOr<InlinePutSummary> PutInline(
+      uint64_t ns, const std::vector<std::pair<BlockHash, std::string_view>>& blocks);
+  // The leading present blocks, each verified against its checksum
+  // (DATA_LOSS if one does not match).
+  absl::StatusOr<std::vector<FetchedBlock>> GetInline(uint64_t ns,
+                                                      const std::vector<BlockHash>& hashes);
+  absl::StatusOr<v1::GetStatsResponse> GetStats();
+  absl::StatusOr<v1::EvictResponse> Evict(const v1::EvictRequest& request);
+  absl::StatusOr<v1::TierPolicy> SetPolicy(v1::Tier tier, const std::string& policy);
+  // SERVING, or the error.
+  absl::Status Health();
+
+  v1::Store::Stub& stub() { return *stub_; }
+  // A context with this client's deadline.
+  std::unique_ptr<grpc::ClientContext> Context() const;
+
+ private:
+  StoreClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Store::Stub> stub_;
+};
+
+void ToProto(const BlockHash& h, v1::BlockHash* out);
+
+}  // namespace kvtier

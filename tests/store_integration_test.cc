@@ -1,0 +1,332 @@
+// Integration tests: the real kvtier-store binary on a loopback port,
+// driven over gRPC.
+#include <grpcpp/generic/generic_stub.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "common/checksum.h"
+#include "common/store_client.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::BlockBytesFor;
+
+NamespaceSpec Spec() { return NamespaceSpec{"it-model", "bf16", 1, 1, 64, 256, 0, 1, ""}; }
+constexpr uint64_t kBlock = 64 << 10;
+BlockHash H(uint64_t n) { return BlockHash{n * 7 + 1, n}; }
+
+// A kvtier-store on 127.0.0.1 with a data dir of its own.
+class StoreProcess {
+ public:
+  StoreProcess(const std::string& data_dir, std::vector<std::string> extra = {})
+      : data_dir_(data_dir) {
+    Start(std::move(extra));
+  }
+  void Start(std::vector<std::string> extra = {}) {
+    if (extra.empty()) extra = extra_;
+    extra_ = extra;
+    std::string port_file = data_dir_ + ".port";
+    std::remove(port_file.c_str());
+    std::vector<std::string> args = {"--listen=127.0.0.1:0", "--data-dir=" + data_dir_,
+                                     "--port-file=" + port_file, "--hugepages=false"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    proc_ = std::make_unique<testing::Process>(KVTIER_STORE_BIN, args, data_dir_ + ".log");
+    port_ = testing::WaitForPortFile(port_file, std::chrono::seconds(20));
+    ASSERT_GT(port_, 0) << "kvtier-store did not start; see " << data_dir_ << ".log";
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  testing::Process& proc() { return *proc_; }
+
+ private:
+  std::string data_dir_;
+  std::vector<std::string> extra_;
+  std::unique_ptr<testing::Process> proc_;
+  int port_ = 0;
+};
+
+std::vector<std::pair<BlockHash, std::string_view>> Blocks(const std::vector<std::string>& data,
+                                                           uint64_t first) {
+  std::vector<std::pair<BlockHash, std::string_view>> out;
+  for (size_t i = 0; i < data.size(); ++i) out.emplace_back(H(first + i), data[i]);
+  return out;
+}
+
+std::vector<std::string> Data(uint64_t first, uint64_t count) {
+  std::vector<std::string> d;
+  for (uint64_t n = first; n < first + count; ++n) d.push_back(BlockBytesFor(n, kBlock));
+  return d;
+}
+
+std::vector<BlockHash> Chain(uint64_t first, uint64_t count) {
+  std::vector<BlockHash> h;
+  for (uint64_t n = first; n < first + count; ++n) h.push_back(H(n));
+  return h;
+}
+
+void WaitForDemotions(StoreClient& c) {
+  for (int i = 0; i < 500; ++i) {
+    auto s = c.GetStats();
+    if (s.ok() && s->demotion_queue_blocks() == 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  FAIL() << "write-back queue did not drain";
+}
+
+TEST(StoreIntegration, InlineRoundTripIsByteExact) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=16MiB"});
+  StoreClient c(store.address());
+  ASSERT_TRUE(c.Health().ok());
+  auto ns = c.RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  EXPECT_EQ(ns->block_bytes, kBlock);
+  auto data = Data(0, 50);
+  auto put = c.PutInline(ns->id, Blocks(data, 0));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->stored, 50u);
+  auto again = c.PutInline(ns->id, Blocks(data, 0));
+  EXPECT_EQ(again->already_present, 50u);
+  // A chain with a hole: only the leading present blocks come back.
+  auto chain = Chain(0, 50);
+  chain.push_back(H(999));
+  chain.push_back(H(1));
+  auto got = c.GetInline(ns->id, chain);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), 50u);
+  for (size_t i = 0; i < 50; ++i) {
+    EXPECT_EQ((*got)[i].index, i);
+    EXPECT_EQ((*got)[i].data, data[i]) << i;
+    EXPECT_EQ((*got)[i].tier, v1::TIER_RAM);
+  }
+  auto tiers = c.Lookup(ns->id, chain);
+  EXPECT_EQ(tiers->size(), 50u);
+}
+
+TEST(StoreIntegration, DemotionThenPromotionIsByteExact) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=1MiB", "--ram-slab-bytes=256KiB"});
+  StoreClient c(store.address());
+  auto ns = c.RegisterNamespace(Spec());
+  auto data = Data(0, 64);  // 4 MiB through a 1 MiB RAM tier
+  ASSERT_TRUE(c.PutInline(ns->id, Blocks(data, 0)).ok());
+  WaitForDemotions(c);
+  auto stats = c.GetStats();
+  EXPECT_EQ(stats->tiers(0).items(), 16u);
+  EXPECT_EQ(stats->tiers(1).items(), 48u);
+  EXPECT_EQ(stats->tiers(0).demotions(), 48u);
+  auto got = c.GetInline(ns->id, Chain(0, 64));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), 64u);
+  int from_disk = 0;
+  for (size_t i = 0; i < 64; ++i) {
+    EXPECT_EQ((*got)[i].data, data[i]) << i;
+    from_disk += (*got)[i].tier == v1::TIER_DISK;
+  }
+  EXPECT_GE(from_disk, 48);
+  stats = c.GetStats();
+  EXPECT_GE(stats->tiers(0).promotions(), 48u);
+  EXPECT_GE(stats->tiers(1).hits(), 48u);
+}
+
+TEST(StoreIntegration, PolicySwitchUnderLoadLosesNothing) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=32MiB"});
+  StoreClient c(store.address());
+  auto ns = c.RegisterNamespace(Spec());
+  std::atomic<bool> failed{false};
+  std::vector<std::thread> writers;
+  for (int w = 0; w < 2; ++w) {
+    writers.emplace_back([&, w] {
+      for (int batch = 0; batch < 15; ++batch) {
+        uint64_t first = w * 1000 + batch * 10;
+        auto data = Data(first, 10);
+        if (!c.PutInline(ns->id, Blocks(data, first)).ok()) failed = true;
+        if (!c.GetInline(ns->id, Chain(w * 1000, 5)).ok()) failed = true;
+      }
+    });
+  }
+  const char* policies[] = {"lru", "s3fifo", "sieve"};
+  for (int i = 0; i < 30; ++i) {
+    auto r = c.SetPolicy(i % 2 ? v1::TIER_DISK : v1::TIER_RAM, policies[i % 3]);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->policy(), policies[i % 3]);
+  }
+  for (auto& t : writers) t.join();
+  ASSERT_FALSE(failed);
+  for (int w = 0; w < 2; ++w) {
+    auto got = c.GetInline(ns->id, Chain(w * 1000, 150));
+    ASSERT_TRUE(got.ok());
+    ASSERT_EQ(got->size(), 150u) << "writer " << w << " lost blocks";
+    for (size_t i = 0; i < 150; ++i) EXPECT_EQ((*got)[i].data, BlockBytesFor(w * 1000 + i, kBlock));
+  }
+  EXPECT_EQ(c.GetStats()->tiers(0).evictions(), 0u);
+}
+
+TEST(StoreIntegration, RestartAfterKillRecoversTheNvmeTier) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"),
+                     {"--ram-bytes=1MiB", "--ram-slab-bytes=256KiB", "--ram-policy=lru"});
+  uint64_t ns_id;
+  auto data = Data(0, 40);
+  {
+    StoreClient c(store.address());
+    auto ns = c.RegisterNamespace(Spec());
+    ns_id = ns->id;
+    ASSERT_TRUE(c.PutInline(ns->id, Blocks(data, 0)).ok());
+    WaitForDemotions(c);
+    auto stats = c.GetStats();
+    ASSERT_EQ(stats->tiers(1).items(), 24u) << stats->DebugString();
+  }
+  store.proc().Kill(SIGKILL);
+  store.Start();
+  StoreClient c(store.address());
+  // No re-registration: the namespace came back from disk too.
+  auto tiers = c.Lookup(ns_id, Chain(0, 40));
+  ASSERT_TRUE(tiers.ok()) << tiers.status();
+  for (int i = 0; i < 40; ++i) { auto t = c.Lookup(ns_id, Chain(i, 1)); fprintf(stderr, "%d:%zu ", i, t->size()); }
+  ASSERT_EQ(tiers->size(), 24u);  // the 24 demoted blocks; RAM's 16 are gone
+  auto got = c.GetInline(ns_id, Chain(0, 24));
+  ASSERT_TRUE(got.ok());
+  ASSERT_EQ(got->size(), 24u);
+  for (size_t i = 0; i < 24; ++i) {
+    EXPECT_EQ((*got)[i].tier, v1::TIER_DISK);
+    EXPECT_EQ((*got)[i].data, data[i]) << i;
+  }
+}
+
+TEST(StoreIntegration, LeaseExpiresOverTheWire) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--lease-ms=200ms", "--ram-bytes=4MiB"});
+  StoreClient c(store.address());
+  auto ns = c.RegisterNamespace(Spec());
+  v1::BeginPutRequest req;
+  req.set_namespace_id(ns->id);
+  ToProto(H(1), req.add_hashes());
+  v1::BeginPutResponse resp;
+  ASSERT_TRUE(c.stub().BeginPut(c.Context().get(), req, &resp).ok());
+  ASSERT_EQ(resp.targets(0).disposition(), v1::PUT_RESERVED);
+  EXPECT_NE(resp.targets(0).remote_addr(), 0u);
+  EXPECT_EQ(resp.targets(0).length(), kBlock);
+  EXPECT_EQ(resp.lease_ms(), 200u);
+  EXPECT_EQ(c.GetStats()->put_leases(), 1u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  auto stats = c.GetStats();
+  EXPECT_EQ(stats->put_leases(), 0u);
+  EXPECT_EQ(stats->leases_expired(), 1u);
+  EXPECT_EQ(stats->tiers(0).used_bytes(), 0u);
+  v1::CommitPutRequest commit;
+  commit.set_lease_id(resp.lease_id());
+  commit.add_checksums(0);
+  v1::CommitPutResponse cr;
+  grpc::Status st = c.stub().CommitPut(c.Context().get(), commit, &cr);
+  EXPECT_EQ(st.error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_NE(st.error_message().find("expired"), std::string::npos);
+}
+
+TEST(StoreIntegration, BadRequestsGetClearStatusesAndTheStoreKeepsServing) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=4MiB"});
+  StoreClient c(store.address());
+  auto ns = c.RegisterNamespace(Spec());
+  auto data = Data(0, 3);
+  ASSERT_TRUE(c.PutInline(ns->id, Blocks(data, 0)).ok());
+
+  auto lookup = c.Lookup(ns->id ^ 1, Chain(0, 1));
+  EXPECT_EQ(lookup.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(lookup.status().message().find("not registered"), std::string::npos);
+
+  std::string short_block(1000, 'x');
+  auto put = c.PutInline(ns->id, {{H(10), data[0]}, {H(11), short_block}});
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(put.status().message().find("message 1"), std::string::npos);
+  EXPECT_NE(put.status().message().find("1000 bytes"), std::string::npos);
+
+  v1::EvictRequest no_target;
+  EXPECT_EQ(c.Evict(no_target).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::SetPolicyRequest sp;
+  sp.mutable_policy()->set_policy("lru");
+  v1::SetPolicyResponse spr;
+  EXPECT_EQ(c.stub().SetPolicy(c.Context().get(), sp, &spr).error_code(),
+            grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(c.SetPolicy(v1::TIER_RAM, "fifo").status().code(), absl::StatusCode::kInvalidArgument);
+
+  v1::RegisterNamespaceRequest reg;
+  v1::RegisterNamespaceResponse regr;
+  EXPECT_EQ(c.stub().RegisterNamespace(c.Context().get(), reg, &regr).error_code(),
+            grpc::INVALID_ARGUMENT);
+
+  // A malformed (not protobuf) message to a real method.
+  auto channel = grpc::CreateChannel(store.address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub generic(channel);
+  const char junk[] = "\xff\xff\xff\xff\x0f garbage";
+  grpc::Slice slice(junk, sizeof(junk));
+  grpc::ByteBuffer request(&slice, 1), response;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status generic_status;
+  generic.UnaryCall(&ctx, "/kvtier.v1.Store/Lookup", {}, &request, &response,
+                    [&](grpc::Status s) {
+                      std::lock_guard lk(mu);
+                      generic_status = s;
+                      done = true;
+                      cv.notify_one();
+                    });
+  {
+    std::unique_lock lk(mu);
+    cv.wait(lk, [&] { return done; });
+  }
+  EXPECT_EQ(generic_status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(generic_status.error_message().find("/kvtier.v1.Store/Lookup"), std::string::npos)
+      << generic_status.error_message();
+
+  // Still serving, nothing lost.
+  auto got = c.GetInline(ns->id, Chain(0, 3));
+  ASSERT_TRUE(got.ok());
+  ASSERT_EQ(got->size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ((*got)[i].data, data[i]);
+  // The stream's first block (before the bad one) was stored; nothing else changed.
+  EXPECT_EQ(c.GetStats()->tiers(0).items(), 4u);
+}
+
+TEST(StoreIntegration, BadFlagsExitNonZeroNamingTheFlag) {
+  testing::TempDir dir;
+  struct Case {
+    std::string flag, needle;
+  } cases[] = {{"--ram-bytes=lots", "--ram-bytes"},
+               {"--ram-policy=fifo", "--ram-policy"},
+               {"--lease-ms=soon", "--lease-ms"},
+               {"--listen=nowhere", "--listen"},
+               {"--no-such-flag", "--no-such-flag"}};
+  for (const auto& tc : cases) {
+    std::string log = dir.sub("flags.log");
+    std::remove(log.c_str());
+    testing::Process p(KVTIER_STORE_BIN, {tc.flag, "--data-dir=" + dir.sub("db")}, log);
+    int st = p.Wait(std::chrono::seconds(10));
+    ASSERT_TRUE(WIFEXITED(st)) << tc.flag;
+    EXPECT_EQ(WEXITSTATUS(st), 2) << tc.flag;
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    EXPECT_NE(ss.str().find(tc.needle), std::string::npos) << ss.str();
+  }
+}
+
+TEST(StoreIntegration, SigtermStopsCleanly) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=4MiB"});
+  int st = store.proc().Kill(SIGTERM);
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_EQ(WEXITSTATUS(st), 0);
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,285 @@
+// The store core, driven directly: two-phase put, leases, promotion,
+// demotion, and every bad input the gRPC layer passes through.
+#include "cachestore/store.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+
+#include "common/checksum.h"
+#include "tests/test_util.h"
+
+namespace kvtier::store {
+namespace {
+
+NamespaceSpec Spec() {
+  // 2 x 1 layer x 1 head x 64 dim x 2 bytes x 256 tokens = 64 KiB blocks.
+  return NamespaceSpec{"test-model", "fp16", 1, 1, 64, 256, 0, 1, ""};
+}
+constexpr uint64_t kBlock = 64 << 10;
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void Open(uint64_t ram = 1 << 20, uint64_t lease_ms = 10000) {
+    StoreOptions o;
+    o.ram.bytes = ram;
+    o.ram.slab_bytes = 256 << 10;
+    o.ram.try_hugepages = false;
+    o.disk.dir = dir_.sub("db");
+    o.disk.bytes = 64 << 20;
+    o.lease_ms = lease_ms;
+    store_.reset();
+    auto s = Store::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = std::move(*s);
+    auto info = store_->RegisterNamespace(Spec(), 0);
+    ASSERT_TRUE(info.ok()) << info.status();
+    ns_ = info->id;
+    ASSERT_EQ(info->block_bytes, kBlock);
+  }
+  BlockHash H(uint64_t n) { return BlockHash{n, n + 1000}; }
+  void PutInline(uint64_t n) {
+    std::string b = testing::BlockBytesFor(n, kBlock);
+    auto r = store_->PutInline(ns_, H(n), b, Checksum(b.data(), b.size()));
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  // Reads block n inline and checks it byte for byte; returns its tier.
+  Tier GetAndCheck(uint64_t n) {
+    std::vector<BlockHash> hs = {H(n)};
+    Tier tier{};
+    int got = 0;
+    auto s = store_->GetInline(ns_, hs, [&](uint32_t, Tier t, std::string_view b, uint64_t sum) {
+      EXPECT_EQ(std::string(b), testing::BlockBytesFor(n, kBlock)) << n;
+      EXPECT_EQ(sum, Checksum(b.data(), b.size()));
+      tier = t;
+      ++got;
+      return true;
+    });
+    EXPECT_TRUE(s.ok());
+    EXPECT_EQ(got, 1) << "block " << n << " missing";
+    return tier;
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<Store> store_;
+  uint64_t ns_ = 0;
+};
+
+TEST_F(StoreTest, TwoPhasePutThenGet) {
+  Open();
+  std::vector<BlockHash> hs = {H(1), H(2), H(3)};
+  PutInline(2);
+  auto r = store_->BeginPut(ns_, hs, "t");
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->targets.size(), 3u);
+  EXPECT_EQ(r->targets[0].placement, Placement::kReserved);
+  EXPECT_EQ(r->targets[1].placement, Placement::kPresent);  // not sent again
+  EXPECT_EQ(r->targets[2].placement, Placement::kReserved);
+  std::vector<uint64_t> sums;
+  for (int i : {0, 2}) {
+    uint64_t n = i + 1;
+    std::string b = testing::BlockBytesFor(n, kBlock);
+    std::memcpy(store_->ram().data(r->targets[i].slot), b.data(), kBlock);
+    sums.push_back(Checksum(b.data(), kBlock));
+  }
+  // Invisible until committed.
+  EXPECT_EQ(store_->Lookup(ns_, hs)->size(), 0u);
+  auto c = store_->CommitPut(r->lease, sums);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(*c, 2u);
+  EXPECT_EQ(store_->Lookup(ns_, hs)->size(), 3u);
+  auto g = store_->BeginGet(ns_, hs, "t");
+  ASSERT_TRUE(g.ok());
+  ASSERT_EQ(g->sources.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    const Slot& s = g->sources[i].slot;
+    EXPECT_EQ(std::string(reinterpret_cast<char*>(store_->ram().data(s)), kBlock),
+              testing::BlockBytesFor(i + 1, kBlock));
+  }
+  EXPECT_EQ(store_->Stats().get_leases, 1u);
+  ASSERT_TRUE(store_->EndGet(g->lease).ok());
+  EXPECT_EQ(store_->Stats().get_leases, 0u);
+  EXPECT_EQ(store_->EndGet(g->lease).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StoreTest, CommitWithAWrongChecksumStoresNothing) {
+  Open();
+  std::vector<BlockHash> hs = {H(1), H(2)};
+  auto r = store_->BeginPut(ns_, hs, "t");
+  std::string b = testing::BlockBytesFor(1, kBlock);
+  std::memcpy(store_->ram().data(r->targets[0].slot), b.data(), kBlock);
+  std::memcpy(store_->ram().data(r->targets[1].slot), b.data(), kBlock);
+  uint64_t good = Checksum(b.data(), kBlock);
+  auto c = store_->CommitPut(r->lease, std::vector<uint64_t>{good, good + 1});
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(c.status().message().find("checksum mismatch on block 1"), std::string::npos);
+  EXPECT_EQ(store_->Lookup(ns_, hs)->size(), 0u);  // all or nothing
+  EXPECT_EQ(store_->Stats().ram.used_bytes, 0u);    // slots returned
+  EXPECT_EQ(store_->Stats().checksum_failures, 1u);
+}
+
+TEST_F(StoreTest, CommitWithTheWrongCountKeepsTheLease) {
+  Open();
+  std::vector<BlockHash> hs = {H(1)};
+  auto r = store_->BeginPut(ns_, hs, "t");
+  auto c = store_->CommitPut(r->lease, std::vector<uint64_t>{1, 2});
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store_->AbortPut(r->lease).ok());
+  EXPECT_EQ(store_->Stats().ram.used_bytes, 0u);
+}
+
+TEST_F(StoreTest, ExpiredPutLeaseIsReclaimedAndItsCommitRefused) {
+  Open(1 << 20, /*lease_ms=*/100);
+  std::vector<BlockHash> hs = {H(1), H(2)};
+  auto r = store_->BeginPut(ns_, hs, "dead-writer");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(store_->Stats().ram.used_bytes, 2 * kBlock);
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  auto st = store_->Stats();
+  EXPECT_EQ(st.ram.used_bytes, 0u);
+  EXPECT_EQ(st.put_leases, 0u);
+  EXPECT_EQ(st.leases_expired, 1u);
+  auto c = store_->CommitPut(r->lease, std::vector<uint64_t>{0, 0});
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(c.status().message().find("expired"), std::string::npos);
+  EXPECT_EQ(store_->Lookup(ns_, hs)->size(), 0u);
+  // The keys are free to be written again.
+  auto again = store_->BeginPut(ns_, hs, "t");
+  EXPECT_EQ(again->targets[0].placement, Placement::kReserved);
+}
+
+TEST_F(StoreTest, ExpiredGetLeaseUnpins) {
+  Open(256 << 10, /*lease_ms=*/100);  // four slots
+  for (uint64_t n = 0; n < 4; ++n) PutInline(n);
+  std::vector<BlockHash> hs = {H(0), H(1), H(2), H(3)};
+  auto g = store_->BeginGet(ns_, hs, "dead-reader");
+  ASSERT_EQ(g->sources.size(), 4u);
+  // Everything is pinned: a new block finds no room.
+  auto r = store_->BeginPut(ns_, std::vector<BlockHash>{H(10)}, "t");
+  EXPECT_EQ(r->targets[0].placement, Placement::kNoSpace);
+  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  r = store_->BeginPut(ns_, std::vector<BlockHash>{H(10)}, "t");
+  EXPECT_EQ(r->targets[0].placement, Placement::kReserved);
+  EXPECT_EQ(store_->EndGet(g->lease).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StoreTest, PutOfAKeyMidWriteElsewhere) {
+  Open();
+  std::vector<BlockHash> hs = {H(1)};
+  auto first = store_->BeginPut(ns_, hs, "a");
+  auto second = store_->BeginPut(ns_, hs, "b");
+  EXPECT_EQ(second->targets[0].placement, Placement::kBusy);
+  EXPECT_EQ(second->lease, 0u);
+  std::string b = testing::BlockBytesFor(1, kBlock);
+  auto inline_put = store_->PutInline(ns_, H(1), b, Checksum(b.data(), kBlock));
+  EXPECT_EQ(inline_put.status().code(), absl::StatusCode::kAborted);
+  EXPECT_NE(inline_put.status().message().find("being written"), std::string::npos);
+  ASSERT_TRUE(store_->AbortPut(first->lease).ok());
+}
+
+TEST_F(StoreTest, DemotionThenPromotionIsByteExact) {
+  Open(256 << 10);  // four RAM slots
+  for (uint64_t n = 0; n < 12; ++n) PutInline(n);
+  store_->disk().WaitIdle();
+  auto st = store_->Stats();
+  EXPECT_EQ(st.ram.items, 4u);
+  EXPECT_EQ(st.ram.demotions, 8u);
+  EXPECT_EQ(st.disk.items, 8u);
+  std::vector<BlockHash> first = {H(0), H(1)};
+  auto tiers = store_->Lookup(ns_, first);
+  ASSERT_EQ(tiers->size(), 2u);
+  EXPECT_EQ((*tiers)[0], Tier::kDisk);
+  // BeginGet promotes into RAM before handing out addresses.
+  auto g = store_->BeginGet(ns_, first, "t");
+  ASSERT_EQ(g->sources.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(g->sources[i].tier, Tier::kDisk);
+    EXPECT_EQ(std::string(reinterpret_cast<char*>(store_->ram().data(g->sources[i].slot)), kBlock),
+              testing::BlockBytesFor(i, kBlock));
+  }
+  ASSERT_TRUE(store_->EndGet(g->lease).ok());
+  EXPECT_EQ((*store_->Lookup(ns_, first))[0], Tier::kRam);
+  EXPECT_EQ(store_->Stats().ram.promotions, 2u);
+  for (uint64_t n = 0; n < 12; ++n) GetAndCheck(n);
+}
+
+TEST_F(StoreTest, NamespacesSurviveRestartAndNvmeTierComesBack) {
+  Open(256 << 10);
+  for (uint64_t n = 0; n < 10; ++n) PutInline(n);
+  store_->disk().WaitIdle();
+  store_.reset();  // RAM is lost; disk is not
+  StoreOptions o;
+  o.ram.bytes = 256 << 10;
+  o.ram.slab_bytes = 256 << 10;
+  o.ram.try_hugepages = false;
+  o.disk.dir = dir_.sub("db");
+  store_ = std::move(*Store::Open(o));
+  ASSERT_EQ(store_->ListNamespaces().size(), 1u);
+  EXPECT_EQ(store_->ListNamespaces()[0].id, ns_);
+  for (uint64_t n = 0; n < 6; ++n) EXPECT_EQ(GetAndCheck(n), Tier::kDisk);
+  std::vector<BlockHash> last = {H(9)};
+  EXPECT_EQ(store_->Lookup(ns_, last)->size(), 0u);  // was only in RAM
+}
+
+TEST_F(StoreTest, BadInputIsRefusedWithAReasonAndChangesNothing) {
+  Open();
+  PutInline(1);
+  std::vector<BlockHash> one = {H(1)};
+  auto expect = [](absl::Status s, absl::StatusCode code, const std::string& needle) {
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+  };
+  expect(store_->Lookup(12345, one).status(), absl::StatusCode::kNotFound, "not registered");
+  expect(store_->BeginPut(12345, one, "t").status(), absl::StatusCode::kNotFound, "not registered");
+  expect(store_->Lookup(ns_, {}).status(), absl::StatusCode::kInvalidArgument, "no block hashes");
+  std::vector<BlockHash> many(kMaxBlocksPerRequest + 1, H(5));
+  expect(store_->BeginGet(ns_, many, "t").status(), absl::StatusCode::kInvalidArgument, "limit");
+  std::vector<BlockHash> dup = {H(7), H(7)};
+  expect(store_->BeginPut(ns_, dup, "t").status(), absl::StatusCode::kInvalidArgument, "twice");
+  std::string small(100, 'x');
+  expect(store_->PutInline(ns_, H(2), small, Checksum(small.data(), 100)).status(),
+         absl::StatusCode::kInvalidArgument, "carries 100 bytes");
+  std::string b = testing::BlockBytesFor(3, kBlock);
+  expect(store_->PutInline(ns_, H(3), b, 42).status(), absl::StatusCode::kDataLoss, "checksum");
+  expect(store_->CommitPut(999, std::vector<uint64_t>{}).status(),
+         absl::StatusCode::kFailedPrecondition, "lease 999");
+  NamespaceSpec s = Spec();
+  expect(store_->RegisterNamespace(s, ns_ + 1).status(), absl::StatusCode::kInvalidArgument,
+         "mismatch");
+  s.head_dim = 4096;
+  s.block_tokens = 4096;
+  expect(store_->RegisterNamespace(s, 0).status(), absl::StatusCode::kInvalidArgument,
+         "--ram-slab-bytes");
+  s = Spec();
+  s.dtype = "int4";
+  expect(store_->RegisterNamespace(s, 0).status(), absl::StatusCode::kInvalidArgument, "int4");
+  expect(store_->EvictNamespace(777).status(), absl::StatusCode::kNotFound, "not registered");
+  expect(store_->SetPolicy(Tier::kRam, "mru", {}), absl::StatusCode::kInvalidArgument, "mru");
+  // Nothing already stored changed.
+  GetAndCheck(1);
+  EXPECT_EQ(store_->Stats().ram.items, 1u);
+  std::vector<BlockHash> absent = {H(2), H(3), H(7)};
+  EXPECT_EQ(store_->Lookup(ns_, absent)->size(), 0u);
+}
+
+TEST_F(StoreTest, EvictByKeyNamespaceAndAll) {
+  Open(256 << 10);
+  for (uint64_t n = 0; n < 8; ++n) PutInline(n);
+  store_->disk().WaitIdle();
+  std::vector<BlockKey> keys = {BlockKey{ns_, H(0)}, BlockKey{ns_, H(7)}};
+  auto r = store_->EvictKeys(keys);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->ram_blocks + r->disk_blocks, 2u);
+  std::vector<BlockHash> h0 = {H(0)}, h7 = {H(7)};
+  EXPECT_EQ(store_->Lookup(ns_, h0)->size(), 0u);
+  EXPECT_EQ(store_->Lookup(ns_, h7)->size(), 0u);
+  auto all = store_->EvictNamespace(ns_);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->ram_blocks + all->disk_blocks, 6u);
+  auto st = store_->Stats();
+  EXPECT_EQ(st.ram.items + st.disk.items, 0u);
+}
+
+}  // namespace
+}  // namespace kvtier::store

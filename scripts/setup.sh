@@ -7,7 +7,7 @@ PKGS=(
   build-essential cmake ninja-build ccache pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libucx-dev ucx-utils librocksdb-dev libabsl-dev libgtest-dev libxxhash-dev
-  redis-server redis-tools fio python3
+  nlohmann-json3-dev redis-server redis-tools fio python3
 )
 
 missing=()

@@ -1,0 +1,38 @@
+// kvtier-bench: benchmarks and trace replays. Each subcommand prints the
+// project's figure beside a reference measured in the same run.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+namespace kvtier::bench {
+int RunStoreBench(int argc, const char* const* argv);
+int RunTraceStore(int argc, const char* const* argv);
+}  // namespace kvtier::bench
+
+namespace {
+void Usage(FILE* out) {
+  std::fputs(
+      "Usage: kvtier-bench COMMAND [flags]\n\n"
+      "Commands:\n"
+      "  store   inline gRPC put/get of kvtier-store (RAM and NVMe hits) beside\n"
+      "          redis-benchmark and fio with the same block size\n"
+      "  trace   replay a Mooncake trace against a kvtier-store as a shared cache,\n"
+      "          verifying every byte, beside the infinite-cache bound\n\n"
+      "Run 'kvtier-bench COMMAND --help' for a command's flags.\n",
+      out);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    Usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  std::string cmd = argv[1];
+  const char* const* sub = argv + 1;
+  if (cmd == "store") return kvtier::bench::RunStoreBench(argc - 1, sub);
+  if (cmd == "trace") return kvtier::bench::RunTraceStore(argc - 1, sub);
+  std::fprintf(stderr, "kvtier-bench: unknown command \"%s\"\n\n", cmd.c_str());
+  Usage(stderr);
+  return 2;
+}

@@ -1,0 +1,52 @@
+// Shared pieces of kvtier-bench: starting a real kvtier-store, namespaces of
+// a chosen block size, deterministic block contents, timing and tables.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/block_key.h"
+#include "common/process.h"
+
+namespace kvtier::bench {
+
+using Clock = std::chrono::steady_clock;
+inline double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+// A namespace whose blocks are exactly block_bytes (a multiple of 8 KiB):
+// fp16, 1 layer, 16 tokens, head_dim 128, block_bytes / 8 KiB KV heads.
+absl::StatusOr<NamespaceSpec> SpecForBlockBytes(uint64_t block_bytes, const std::string& model);
+
+// The bytes a block holds in benchmarks and the demo: a pure function of
+// (namespace, hash), so every read can be checked byte for byte.
+void FillBlock(uint64_t ns, const BlockHash& hash, uint8_t* out, size_t len);
+std::string BlockContent(uint64_t ns, const BlockHash& hash, size_t len);
+
+// kvtier-store next to this binary (build tree) or on PATH.
+std::string DefaultStoreBinary();
+
+// A kvtier-store on 127.0.0.1:0 with its own data dir; stopped on destruction.
+class LocalStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<LocalStore>> Start(const std::string& binary,
+                                                          const std::string& data_dir,
+                                                          const std::vector<std::string>& flags);
+  ~LocalStore();
+  const std::string& address() const { return address_; }
+
+ private:
+  std::unique_ptr<Process> proc_;
+  std::string address_;
+};
+
+// Runs a shell command and returns its standard output.
+absl::StatusOr<std::string> RunCapture(const std::string& command);
+bool HaveCommand(const std::string& name);
+
+}  // namespace kvtier::bench

@@ -1,0 +1,118 @@
+// Child processes and scratch directories for tests, benchmarks and the
+// demo: a process started with fork/exec is always stopped (SIGKILL on
+// destruction if still running), and a TempDir is removed with its contents.
+#pragma once
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace kvtier {
+
+// A fresh directory under $TMPDIR, removed on destruction.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "kvtier-test-XXXXXX").string();
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  std::string sub(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// A child process; killed (SIGKILL) if still running on destruction.
+class Process {
+ public:
+  Process(const std::string& binary, const std::vector<std::string>& args,
+          const std::string& log_path = "") {
+    pid_ = fork();
+    if (pid_ == 0) {
+      // The child never outlives its parent, even if the parent is killed.
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (!log_path.empty()) {
+        FILE* f = std::freopen(log_path.c_str(), "a", stderr);
+        (void)f;
+        f = std::freopen("/dev/null", "w", stdout);
+      }
+      std::vector<char*> argv;
+      argv.push_back(const_cast<char*>(binary.c_str()));
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execv(binary.c_str(), argv.data());
+      _exit(127);
+    }
+  }
+  ~Process() {
+    if (running()) Kill(SIGKILL);
+  }
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  pid_t pid() const { return pid_; }
+  bool running() const { return pid_ > 0 && !exited_; }
+  // Sends sig and waits (up to 10 s, then SIGKILL). Returns the wait status.
+  int Kill(int sig) {
+    if (!running()) return status_;
+    ::kill(pid_, sig);
+    return Wait(std::chrono::seconds(10));
+  }
+  // Waits for exit; SIGKILL after the timeout.
+  int Wait(std::chrono::milliseconds timeout) {
+    auto end = std::chrono::steady_clock::now() + timeout;
+    while (running()) {
+      int st;
+      pid_t r = waitpid(pid_, &st, WNOHANG);
+      if (r == pid_) {
+        exited_ = true;
+        status_ = st;
+        break;
+      }
+      if (std::chrono::steady_clock::now() > end) {
+        ::kill(pid_, SIGKILL);
+        waitpid(pid_, &st, 0);
+        exited_ = true;
+        status_ = st;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return status_;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  bool exited_ = false;
+  int status_ = 0;
+};
+
+// Waits for a port file written by a server started with --port-file; 0 on timeout.
+inline int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout) {
+  auto end = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < end) {
+    std::ifstream in(path);
+    int port = 0;
+    if (in >> port && port > 0) return port;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return 0;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,46 @@
+// Short runs of kvtier-bench (the full benchmarks stay out of the test run):
+// they must finish, verify every byte, and print the JSON scripts rely on.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+nlohmann::json RunJson(const std::string& args) {
+  std::string cmd = std::string(KVTIER_BENCH_BIN) + " " + args + " 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  int rc = pclose(p);
+  EXPECT_EQ(rc, 0) << cmd << "\n" << out;
+  auto j = nlohmann::json::parse(out, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << out;
+  return j;
+}
+
+TEST(BenchSmoke, StoreBenchReportsEveryCaseWithARatio) {
+  auto j = RunJson("store --blocks 64 --block-bytes 64KiB --clients 2 --batch 8 --json");
+  ASSERT_TRUE(j.contains("cases"));
+  ASSERT_EQ(j["cases"].size(), 4u);
+  for (const auto& c : j["cases"]) {
+    EXPECT_GT(c["gb_per_s"].get<double>(), 0) << c.dump();
+    EXPECT_TRUE(c.contains("ratio")) << c.dump();
+  }
+}
+
+TEST(BenchSmoke, TraceReplayVerifiesEveryByteAndStaysUnderTheBound) {
+  auto j = RunJson("trace --limit 300 --block-bytes 16KiB --ram-bytes 16MiB --disk-bytes 64MiB --json");
+  EXPECT_EQ(j["mismatched_blocks"].get<uint64_t>(), 0u);
+  EXPECT_GT(j["verified_blocks"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j["verified_blocks"].get<uint64_t>(),
+            j["hit_ram_blocks"].get<uint64_t>() + j["hit_disk_blocks"].get<uint64_t>());
+  double hit = j["store_hit_ratio"].get<double>();
+  EXPECT_GT(hit, 0.0);
+  EXPECT_LE(hit, j["infinite_cache_hit_ratio"].get<double>() + 1e-9);
+}
+
+}  // namespace

@@ -320,6 +320,45 @@ TEST(StoreIntegration, BadFlagsExitNonZeroNamingTheFlag) {
   }
 }
 
+uint64_t RssBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string key;
+  while (in >> key) {
+    if (key == "VmRSS:") {
+      uint64_t kb;
+      in >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+// docs/architecture.md: RSS <= --ram-bytes + --demote-queue-bytes + 96 MiB
+// (RocksDB memtables and caches, gRPC buffers, the per-block index).
+TEST(StoreIntegration, MemoryStaysWithinTheRamBoundPlusDocumentedOverhead) {
+  testing::TempDir dir;
+  const uint64_t ram = 64ull << 20, queue = 16ull << 20;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=64MiB", "--demote-queue-bytes=16MiB"});
+  StoreClient c(store.address());
+  auto ns = c.RegisterNamespace(Spec());
+  uint64_t peak = 0;
+  std::string block = BlockBytesFor(1, kBlock);
+  for (uint64_t batch = 0; batch < 40; ++batch) {  // 2,560 blocks: 160 MiB through 64 MiB
+    std::vector<std::pair<BlockHash, std::string_view>> blocks;
+    for (uint64_t i = 0; i < 64; ++i) blocks.emplace_back(H(batch * 64 + i), block);
+    ASSERT_TRUE(c.PutInline(ns->id, blocks).ok());
+    ASSERT_TRUE(c.GetInline(ns->id, Chain(batch * 64, 64)).ok());
+    peak = std::max(peak, RssBytes(store.proc().pid()));
+  }
+  WaitForDemotions(c);
+  peak = std::max(peak, RssBytes(store.proc().pid()));
+  auto stats = c.GetStats();
+  EXPECT_LE(stats->tiers(0).used_bytes(), ram);
+  EXPECT_GT(stats->tiers(0).evictions(), 0u);
+  EXPECT_LE(peak, ram + queue + (96ull << 20)) << "peak RSS " << (peak >> 20) << " MiB";
+  std::fprintf(stderr, "peak RSS %lu MiB\n", peak >> 20);
+}
+
 TEST(StoreIntegration, SigtermStopsCleanly) {
   testing::TempDir dir;
   StoreProcess store(dir.sub("db"), {"--ram-bytes=4MiB"});

@@ -1,0 +1,218 @@
+#include "common/router_client.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/log.h"
+
+namespace kvtier {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+constexpr size_t kChunk = 65536;
+
+void Fill(const BlockHash& h, v1::BlockHash* out) {
+  out->set_hi(h.hi);
+  out->set_lo(h.lo);
+}
+}  // namespace
+
+EventPublisher::EventPublisher(PublisherOptions options, LoadFn load)
+    : options_(std::move(options)), load_(std::move(load)) {
+  if (options_.hello.epoch() == 0) {
+    options_.hello.set_epoch(static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::system_clock::now().time_since_epoch())
+            .count()));
+  }
+  stub_ = v1::Router::NewStub(
+      grpc::CreateChannel(options_.router, grpc::InsecureChannelCredentials()));
+  thread_ = std::thread([this] { Run(); });
+}
+
+EventPublisher::~EventPublisher() { Stop(); }
+
+void EventPublisher::Stop() {
+  {
+    std::lock_guard lk(mu_);
+    if (stop_ && !thread_.joinable()) return;
+    stop_ = true;
+    if (live_ctx_) live_ctx_->TryCancel();
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+uint64_t EventPublisher::last_seq() const {
+  std::lock_guard lk(mu_);
+  return seq_;
+}
+
+void EventPublisher::SetSilent(bool silent) {
+  std::lock_guard lk(mu_);
+  silent_ = silent;
+  cv_.notify_all();
+}
+
+void EventPublisher::BreakStream() {
+  std::lock_guard lk(mu_);
+  if (live_ctx_) live_ctx_->TryCancel();
+}
+
+void EventPublisher::Enqueue(v1::KvEvent e) {
+  // REQUIRES: mu_ held.
+  e.set_seq(++seq_);
+  queue_.push_back(std::move(e));
+  while (queue_.size() > options_.max_queued_events) queue_.pop_front();
+  cv_.notify_all();
+}
+
+void EventPublisher::Stored(uint64_t ns, const std::vector<BlockHash>& hashes) {
+  if (hashes.empty()) return;
+  std::lock_guard lk(mu_);
+  for (size_t off = 0; off < hashes.size(); off += kChunk) {
+    v1::KvEvent e;
+    auto* s = e.mutable_stored();
+    s->set_namespace_id(ns);
+    for (size_t i = off; i < std::min(hashes.size(), off + kChunk); ++i) {
+      Fill(hashes[i], s->add_hashes());
+      mirror_.insert(BlockKey{ns, hashes[i]});
+    }
+    Enqueue(std::move(e));
+  }
+}
+
+void EventPublisher::Removed(uint64_t ns, const std::vector<BlockHash>& hashes) {
+  if (hashes.empty()) return;
+  std::lock_guard lk(mu_);
+  for (size_t off = 0; off < hashes.size(); off += kChunk) {
+    v1::KvEvent e;
+    auto* r = e.mutable_removed();
+    r->set_namespace_id(ns);
+    for (size_t i = off; i < std::min(hashes.size(), off + kChunk); ++i) {
+      Fill(hashes[i], r->add_hashes());
+      mirror_.erase(BlockKey{ns, hashes[i]});
+    }
+    Enqueue(std::move(e));
+  }
+}
+
+void EventPublisher::Cleared() {
+  std::lock_guard lk(mu_);
+  mirror_.clear();
+  v1::KvEvent e;
+  e.mutable_cleared();
+  Enqueue(std::move(e));
+}
+
+bool EventPublisher::Pump(grpc::ClientReaderWriter<v1::SourceMessage, v1::RouterCommand>* stream,
+                          Clock::time_point* next_heartbeat) {
+  std::vector<v1::SourceMessage> out;
+  {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return stop_ || stream_ended_ || !silent_; });
+    cv_.wait_until(lk, *next_heartbeat, [&] {
+      return stop_ || stream_ended_ || silent_ || !queue_.empty() || snapshot_requested_;
+    });
+    if (stop_ || stream_ended_) return false;
+    if (silent_) return true;
+    if (snapshot_requested_) {
+      // Everything queued is covered by the snapshot at seq_.
+      snapshot_requested_ = false;
+      queue_.clear();
+      std::vector<BlockKey> keys(mirror_.begin(), mirror_.end());
+      std::sort(keys.begin(), keys.end());
+      size_t i = 0;
+      do {
+        v1::SourceMessage m;
+        auto* c = m.mutable_snapshot();
+        c->set_seq(seq_);
+        uint64_t ns = i < keys.size() ? keys[i].ns : 0;
+        c->set_namespace_id(ns);
+        size_t n = 0;
+        while (i < keys.size() && keys[i].ns == ns && n < kChunk) {
+          Fill(keys[i].hash, c->add_hashes());
+          ++i;
+          ++n;
+        }
+        c->set_last(i >= keys.size());
+        out.push_back(std::move(m));
+      } while (i < keys.size());
+      snapshots_sent_++;
+    }
+    while (!queue_.empty()) {
+      v1::SourceMessage m;
+      *m.mutable_event() = std::move(queue_.front());
+      queue_.pop_front();
+      out.push_back(std::move(m));
+    }
+  }
+  if (Clock::now() >= *next_heartbeat) {
+    v1::SourceMessage m;
+    *m.mutable_heartbeat() = load_ ? load_() : v1::Heartbeat();
+    out.push_back(std::move(m));
+    *next_heartbeat = Clock::now() + std::chrono::milliseconds(options_.heartbeat_ms);
+  }
+  for (auto& m : out) {
+    if (!stream->Write(m)) return false;
+  }
+  return true;
+}
+
+void EventPublisher::Run() {
+  uint64_t backoff = options_.backoff_min_ms;
+  while (true) {
+    grpc::ClientContext ctx;
+    {
+      std::lock_guard lk(mu_);
+      if (stop_) return;
+      live_ctx_ = &ctx;
+      stream_ended_ = false;
+    }
+    auto stream = stub_->StreamEvents(&ctx);
+    v1::SourceMessage hello;
+    *hello.mutable_hello() = options_.hello;
+    bool ok = stream->Write(hello);
+    std::thread reader;
+    if (ok) {
+      connected_ = true;
+      backoff = options_.backoff_min_ms;
+      reader = std::thread([&] {
+        v1::RouterCommand c;
+        while (stream->Read(&c)) {
+          if (c.has_snapshot_request()) {
+            std::lock_guard lk(mu_);
+            snapshot_requested_ = true;
+            cv_.notify_all();
+          } else if (c.has_event_rejected()) {
+            rejected_++;
+            Log("publisher", options_.hello.source_id(), ": router rejected event ",
+                c.event_rejected().seq(), ": ", c.event_rejected().reason());
+          }
+        }
+        // The stream ended: wake the writer so it notices.
+        std::lock_guard lk(mu_);
+        stream_ended_ = true;
+        cv_.notify_all();
+      });
+      auto next_heartbeat = Clock::now();
+      while (Pump(stream.get(), &next_heartbeat)) {
+      }
+      stream->WritesDone();
+    }
+    ctx.TryCancel();
+    if (reader.joinable()) reader.join();
+    stream->Finish();
+    connected_ = false;
+    {
+      std::unique_lock lk(mu_);
+      live_ctx_ = nullptr;
+      if (stop_) return;
+      cv_.wait_for(lk, std::chrono::milliseconds(backoff), [&] { return stop_; });
+      if (stop_) return;
+    }
+    backoff = std::min(backoff * 2, options_.backoff_max_ms);
+  }
+}
+
+}  // namespace kvtier

@@ -1,0 +1,93 @@
+#include "router/cost.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace kvtier::router {
+
+uint64_t RendezvousScore(uint64_t request_hash, const std::string& worker_id) {
+  return XXH3_64bits_withSeed(worker_id.data(), worker_id.size(), request_hash);
+}
+
+namespace {
+// Among candidates[i] for i in picks, the one with the highest rendezvous score.
+size_t Rendezvous(const std::vector<Candidate>& c, const std::vector<size_t>& picks,
+                  uint64_t request_hash) {
+  size_t best = picks[0];
+  uint64_t best_score = RendezvousScore(request_hash, c[best].worker_id);
+  for (size_t i = 1; i < picks.size(); ++i) {
+    uint64_t s = RendezvousScore(request_hash, c[picks[i]].worker_id);
+    if (s > best_score) {
+      best = picks[i];
+      best_score = s;
+    }
+  }
+  return best;
+}
+}  // namespace
+
+Decision Decide(const CostKnobs& k, uint64_t prompt_tokens, uint32_t block_tokens,
+                uint64_t request_hash, std::vector<Candidate>& c) {
+  for (auto& x : c) {
+    uint64_t cached = std::min<uint64_t>(uint64_t{x.gpu_blocks} * block_tokens, prompt_tokens);
+    uint64_t fetched =
+        std::min<uint64_t>(uint64_t{x.store_blocks} * block_tokens, prompt_tokens - cached);
+    x.prefill_tokens = prompt_tokens - cached - fetched;
+    x.cost = static_cast<double>(x.prefill_tokens) + k.fetch_cost * static_cast<double>(fetched) +
+             k.load_weight * static_cast<double>(x.load_tokens);
+  }
+  std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {
+    return a.cost != b.cost ? a.cost < b.cost : a.worker_id < b.worker_id;
+  });
+  Decision d;
+  if (k.balance_threshold_tokens > 0) {
+    auto [lo, hi] = std::minmax_element(c.begin(), c.end(), [](const auto& a, const auto& b) {
+      return a.load_tokens < b.load_tokens;
+    });
+    if (hi->load_tokens - lo->load_tokens > k.balance_threshold_tokens) {
+      std::vector<size_t> least;
+      for (size_t i = 0; i < c.size(); ++i) {
+        if (c[i].load_tokens == lo->load_tokens) least.push_back(i);
+      }
+      d.chosen = Rendezvous(c, least, request_hash);
+      d.reason = Reason::kBalanceGuard;
+      return d;
+    }
+  }
+  if (k.temperature > 0 && c.size() > 1) {
+    // Boltzmann weights on cost, scaled by the prompt so the knob is unitless.
+    double scale = k.temperature * std::max<double>(1.0, static_cast<double>(prompt_tokens));
+    std::vector<double> w(c.size());
+    double sum = 0;
+    for (size_t i = 0; i < c.size(); ++i) sum += w[i] = std::exp(-(c[i].cost - c[0].cost) / scale);
+    // A uniform draw in [0, 1) from the request hash: same request, same pick.
+    double u = static_cast<double>(XXH3_64bits_withSeed(&request_hash, 8, 0x5eed) >> 11) *
+               (1.0 / 9007199254740992.0);
+    double acc = 0;
+    d.chosen = c.size() - 1;
+    for (size_t i = 0; i < c.size(); ++i) {
+      acc += w[i] / sum;
+      if (u < acc) {
+        d.chosen = i;
+        break;
+      }
+    }
+    d.reason = Reason::kSampled;
+    return d;
+  }
+  std::vector<size_t> tied;
+  const double eps = 1e-9 * std::max(1.0, std::fabs(c[0].cost));
+  for (size_t i = 0; i < c.size() && c[i].cost <= c[0].cost + eps; ++i) tied.push_back(i);
+  if (tied.size() == 1) {
+    d.chosen = 0;
+    d.reason = Reason::kLowestCost;
+  } else {
+    d.chosen = Rendezvous(c, tied, request_hash);
+    d.reason = Reason::kTieBreak;
+  }
+  return d;
+}
+
+}  // namespace kvtier::router

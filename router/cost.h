@@ -1,0 +1,51 @@
+// The routing decision (docs/router.md, "Cost"): per candidate worker, in
+// prefill-token equivalents,
+//   cost = tokens to compute + fetch_cost x tokens fetched from the store
+//          + load_weight x (queued prefill tokens + tokens routed since its
+//            last heartbeat).
+// The cheapest wins. Ties go to a rendezvous hash of (the request's deepest
+// matched block, worker id), stable across replicas and restarts. When the
+// spread of load among candidates exceeds balance_threshold_tokens the
+// least-loaded worker wins instead. temperature > 0 samples by cost with a
+// seed drawn from the request, so replicas agree. Pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvtier::router {
+
+struct CostKnobs {
+  double fetch_cost = 0.1;                 // per token fetched, relative to computing it
+  double load_weight = 1.0;                // per queued token
+  uint64_t balance_threshold_tokens = 0;   // 0: no balance guard
+  double temperature = 0;                  // 0: deterministic
+};
+
+struct Candidate {
+  std::string worker_id;
+  uint32_t gpu_blocks = 0;
+  uint32_t store_blocks = 0;
+  uint64_t load_tokens = 0;
+  // Filled by Decide:
+  uint64_t prefill_tokens = 0;
+  double cost = 0;
+};
+
+enum class Reason { kLowestCost, kTieBreak, kBalanceGuard, kSampled };
+
+struct Decision {
+  size_t chosen = 0;  // index into the candidates (after sorting by cost)
+  Reason reason = Reason::kLowestCost;
+};
+
+// Computes each candidate's cost, sorts candidates cheapest first (ties by
+// worker id), and picks one. REQUIRES: !candidates.empty().
+Decision Decide(const CostKnobs& knobs, uint64_t prompt_tokens, uint32_t block_tokens,
+                uint64_t request_hash, std::vector<Candidate>& candidates);
+
+// The rendezvous score of a worker for a request (higher wins).
+uint64_t RendezvousScore(uint64_t request_hash, const std::string& worker_id);
+
+}  // namespace kvtier::router

@@ -1,0 +1,117 @@
+// kvtier-router: KV events in, routing decisions out. See --help.
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "common/config.h"
+#include "common/grpc_server.h"
+#include "common/log.h"
+#include "router/router_core.h"
+#include "router/service.h"
+
+int main(int argc, char** argv) {
+  std::string listen = "127.0.0.1:7500";
+  std::string port_file;
+  uint64_t deadline_ms = 5000;
+  uint64_t max_message = 64ull << 20;
+  double fetch_cost = 0.1, load_weight = 1.0, temperature = 0;
+  int64_t balance = 32768;
+  kvtier::FlagSet flags(
+      "kvtier-router",
+      "Routes each request to the worker that can serve it with the least prefill work:\n"
+      "indexes the KV blocks workers and store shards report (kvtier.v1.Router event\n"
+      "streams) and scores every live worker of the request's namespace by\n"
+      "  cost = tokens to compute + fetch_cost x tokens fetched from the store\n"
+      "         + load_weight x (queued prefill tokens + tokens routed since its heartbeat).\n"
+      "Example: kvtier-router --listen 0.0.0.0:7500 --heartbeat-deadline 5s --fetch-cost 0.1");
+  flags.HostPort("listen", &listen, "gRPC address HOST:PORT (port 0 picks a free port)");
+  flags.DurationMs("heartbeat-deadline", &deadline_ms,
+                   "A source silent this long is dropped with all its blocks (e.g. 5s)");
+  flags.Double("fetch-cost", &fetch_cost, 0, 10,
+               "Cost of fetching one token's KV from the store, relative to computing it");
+  flags.Double("load-weight", &load_weight, 0, 1000, "Cost per queued prefill token of a worker");
+  flags.Int("balance-threshold-tokens", &balance, 0, int64_t{1} << 40,
+            "Route by load alone when the load spread among candidates exceeds this many "
+            "tokens (0: never)");
+  flags.Double("temperature", &temperature, 0, 100,
+               "0: always the cheapest; above 0: sample by cost (relative to the prompt length)");
+  flags.Bytes("max-message-bytes", &max_message, "Largest gRPC message accepted");
+  flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
+  kvtier::ParseFlagsOrExit(flags, argc, argv);
+  if (deadline_ms == 0) {
+    std::fprintf(stderr, "kvtier-router: flag --heartbeat-deadline must be above 0\n");
+    return 2;
+  }
+
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  kvtier::router::RouterOptions o;
+  o.heartbeat_deadline_ms = deadline_ms;
+  o.knobs.fetch_cost = fetch_cost;
+  o.knobs.load_weight = load_weight;
+  o.knobs.balance_threshold_tokens = static_cast<uint64_t>(balance);
+  o.knobs.temperature = temperature;
+  kvtier::router::RouterCore core(o);
+  kvtier::router::RouterService service(&core);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
+  builder.RegisterService(&service);
+  builder.experimental().SetInterceptorCreators(kvtier::ServerInterceptors());
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    std::fprintf(stderr, "kvtier-router: cannot listen on %s\n", listen.c_str());
+    return 1;
+  }
+  std::string host = listen.substr(0, listen.rfind(':'));
+  kvtier::Log("router", "listening on ", host, ":", port, " (heartbeat deadline ", deadline_ms,
+              " ms, fetch_cost ", fetch_cost, ", load_weight ", load_weight, ", balance ",
+              balance, " tokens, temperature ", temperature, ")");
+  std::printf("kvtier-router listening on %s:%d\n", host.c_str(), port);
+  std::fflush(stdout);
+  if (!port_file.empty()) {
+    std::string tmp = port_file + ".tmp";
+    std::ofstream(tmp) << port << "\n";
+    std::rename(tmp.c_str(), port_file.c_str());
+  }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  std::thread expiry([&] {
+    auto period = std::chrono::milliseconds(std::clamp<uint64_t>(deadline_ms / 4, 10, 100));
+    std::unique_lock lk(mu);
+    while (!cv.wait_for(lk, period, [&] { return stop; })) {
+      core.ExpireSources(std::chrono::steady_clock::now());
+    }
+  });
+  std::thread signals([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    kvtier::Log("router", "signal ", sig, ": shutting down");
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  });
+  server->Wait();
+  signals.join();
+  {
+    std::lock_guard lk(mu);
+    stop = true;
+  }
+  cv.notify_all();
+  expiry.join();
+  kvtier::Log("router", "stopped");
+  return 0;
+}

@@ -1,0 +1,402 @@
+#include "router/router_core.h"
+
+#include <xxhash.h>
+
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/block_key.h"
+#include "common/log.h"
+
+namespace kvtier::router {
+
+namespace {
+
+std::string Ns(uint64_t ns) { return absl::StrFormat("%016x", ns); }
+
+BlockHash FromProto(const v1::BlockHash& h) { return BlockHash{h.hi(), h.lo()}; }
+
+v1::RouterCommand Rejected(uint64_t seq, const std::string& reason) {
+  v1::RouterCommand c;
+  c.mutable_event_rejected()->set_seq(seq);
+  c.mutable_event_rejected()->set_reason(reason);
+  return c;
+}
+
+const char* KindName(v1::SourceKind k) { return k == v1::SOURCE_STORE ? "store" : "worker"; }
+
+}  // namespace
+
+RouterCore::RouterCore(RouterOptions options) : options_(options) {}
+
+absl::Status RouterCore::Hello(const v1::Hello& h, std::vector<v1::RouterCommand>* commands) {
+  if (h.source_id().empty() || h.source_id().size() > 256) {
+    return absl::InvalidArgumentError("hello: source_id must be 1..256 bytes");
+  }
+  if (h.kind() != v1::SOURCE_WORKER && h.kind() != v1::SOURCE_STORE) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hello from ", h.source_id(), ": kind must be SOURCE_WORKER or SOURCE_STORE"));
+  }
+  if (h.kind() == v1::SOURCE_WORKER) {
+    if (h.endpoint().empty() || h.endpoint().size() > 256) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("hello from worker ", h.source_id(), ": endpoint must be 1..256 bytes"));
+    }
+    if (h.namespace_id() == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("hello from worker ", h.source_id(), ": namespace_id is missing"));
+    }
+    if (h.block_tokens() == 0 || h.block_tokens() > 65536) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "hello from worker ", h.source_id(), ": block_tokens must be 1..65536"));
+    }
+  }
+  std::unique_lock lk(mu_);
+  auto it = sources_.find(h.source_id());
+  if (it == sources_.end()) {
+    auto s = std::make_unique<Source>();
+    if (free_nums_.empty()) {
+      s->num = static_cast<SourceNum>(by_num_.size());
+      by_num_.push_back(nullptr);
+    } else {
+      s->num = free_nums_.back();
+      free_nums_.pop_back();
+    }
+    s->hello = h;
+    s->last_seen = Clock::now();
+    by_num_[s->num] = s.get();
+    Source& ref = *s;
+    sources_.emplace(h.source_id(), std::move(s));
+    Log("router", "source ", h.source_id(), " (", KindName(h.kind()), ", ", h.endpoint(),
+        ", namespace ", Ns(h.namespace_id()), ", epoch ", h.epoch(), ") registered");
+    RequestSnapshot(ref, "unknown source", commands);
+    return absl::OkStatus();
+  }
+  Source& s = *it->second;
+  s.last_seen = Clock::now();
+  bool same_role = s.hello.kind() == h.kind() && s.hello.namespace_id() == h.namespace_id() &&
+                   s.hello.block_tokens() == h.block_tokens();
+  if (s.hello.epoch() != h.epoch() || !same_role) {
+    const char* why = s.hello.epoch() != h.epoch() ? "new epoch" : "new role";
+    Log("router", "source ", h.source_id(), " restarted (epoch ", s.hello.epoch(), " -> ",
+        h.epoch(), "); its blocks are cleared");
+    ClearSource(s);
+    s.hello = h;
+    s.last_seq = 0;
+    RequestSnapshot(s, why, commands);
+    return absl::OkStatus();
+  }
+  s.hello.set_endpoint(h.endpoint());
+  return absl::OkStatus();
+}
+
+void RouterCore::Connected(const std::string& id, bool up) {
+  std::unique_lock lk(mu_);
+  auto it = sources_.find(id);
+  if (it != sources_.end()) it->second->streams += up ? 1 : -1;
+}
+
+void RouterCore::RequestSnapshot(Source& s, const std::string& reason,
+                                 std::vector<v1::RouterCommand>* commands) {
+  s.resyncing = true;
+  s.snapshot.clear();
+  counters_.snapshots_requested++;
+  v1::RouterCommand c;
+  c.mutable_snapshot_request()->set_reason(reason);
+  commands->push_back(std::move(c));
+}
+
+void RouterCore::ClearSource(Source& s) {
+  for (const auto& k : s.blocks) index_.Remove(k, s.num);
+  s.blocks.clear();
+}
+
+absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& m,
+                                std::vector<v1::RouterCommand>* commands) {
+  if (m.message_case() == v1::SourceMessage::kHello) return Hello(m.hello(), commands);
+  std::unique_lock lk(mu_);
+  auto it = sources_.find(id);
+  if (it == sources_.end()) {
+    return absl::NotFoundError(absl::StrCat("source ", id, " is not registered (send hello first)"));
+  }
+  Source& s = *it->second;
+  s.last_seen = Clock::now();
+  switch (m.message_case()) {
+    case v1::SourceMessage::kEvent:
+      ApplyEvent(s, m.event(), commands);
+      return absl::OkStatus();
+    case v1::SourceMessage::kHeartbeat:
+      s.load = m.heartbeat();
+      s.routed_since_heartbeat = 0;
+      return absl::OkStatus();
+    case v1::SourceMessage::kSnapshot:
+      ApplySnapshotChunk(s, m.snapshot(), commands);
+      return absl::OkStatus();
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("message from ", id, " carries no hello, event, heartbeat or snapshot"));
+  }
+}
+
+void RouterCore::ApplyEvent(Source& s, const v1::KvEvent& e,
+                            std::vector<v1::RouterCommand>* commands) {
+  if (s.resyncing) return;  // the snapshot will cover it
+  if (e.seq() <= s.last_seq) {
+    counters_.duplicate++;
+    return;
+  }
+  if (e.seq() != s.last_seq + 1) {
+    RequestSnapshot(
+        s, absl::StrCat("sequence gap: expected ", s.last_seq + 1, ", got ", e.seq()), commands);
+    return;
+  }
+  s.last_seq = e.seq();
+  auto reject = [&](const std::string& why) {
+    counters_.rejected++;
+    commands->push_back(Rejected(e.seq(), why));
+  };
+  auto check = [&](uint64_t ns, int count) -> bool {
+    if (s.hello.kind() == v1::SOURCE_WORKER && ns != s.hello.namespace_id()) {
+      reject(absl::StrCat("event ", e.seq(), " names namespace ", Ns(ns), " but worker ",
+                          s.hello.source_id(), " serves namespace ", Ns(s.hello.namespace_id())));
+      return false;
+    }
+    if (count == 0 || static_cast<size_t>(count) > kMaxEventHashes) {
+      reject(absl::StrCat("event ", e.seq(), " carries ", count, " hashes (allowed 1..",
+                          kMaxEventHashes, ")"));
+      return false;
+    }
+    return true;
+  };
+  switch (e.event_case()) {
+    case v1::KvEvent::kStored:
+      if (!check(e.stored().namespace_id(), e.stored().hashes_size())) return;
+      for (const auto& h : e.stored().hashes()) {
+        BlockKey k{e.stored().namespace_id(), FromProto(h)};
+        if (s.blocks.insert(k).second) index_.Add(k, s.num);
+      }
+      break;
+    case v1::KvEvent::kRemoved:
+      if (!check(e.removed().namespace_id(), e.removed().hashes_size())) return;
+      for (const auto& h : e.removed().hashes()) {
+        BlockKey k{e.removed().namespace_id(), FromProto(h)};
+        if (s.blocks.erase(k)) {
+          index_.Remove(k, s.num);
+        } else {
+          counters_.unknown_removals++;
+        }
+      }
+      break;
+    case v1::KvEvent::kCleared:
+      ClearSource(s);
+      break;
+    default:
+      reject(absl::StrCat("event ", e.seq(), " is empty (no stored, removed or cleared)"));
+      return;
+  }
+  counters_.applied++;
+}
+
+void RouterCore::ApplySnapshotChunk(Source& s, const v1::SnapshotChunk& c,
+                                    std::vector<v1::RouterCommand>* commands) {
+  if (c.hashes_size() > static_cast<int>(kMaxEventHashes) ||
+      (s.hello.kind() == v1::SOURCE_WORKER && c.hashes_size() > 0 &&
+       c.namespace_id() != s.hello.namespace_id())) {
+    counters_.rejected++;
+    RequestSnapshot(s, "snapshot chunk refused (wrong namespace or over 65536 hashes)", commands);
+    return;
+  }
+  s.resyncing = true;
+  for (const auto& h : c.hashes()) s.snapshot.push_back(BlockKey{c.namespace_id(), FromProto(h)});
+  if (!c.last()) return;
+  absl::flat_hash_set<BlockKey, BlockKeyHasher> fresh(s.snapshot.begin(), s.snapshot.end());
+  for (const auto& k : s.blocks) {
+    if (!fresh.contains(k)) index_.Remove(k, s.num);
+  }
+  for (const auto& k : fresh) {
+    if (!s.blocks.contains(k)) index_.Add(k, s.num);
+  }
+  s.blocks = std::move(fresh);
+  s.snapshot.clear();
+  s.snapshot.shrink_to_fit();
+  s.last_seq = c.seq();
+  s.resyncing = false;
+  counters_.snapshots_applied++;
+}
+
+absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
+  std::shared_lock lk(mu_);
+  std::vector<Source*> workers;
+  for (Source* s : by_num_) {
+    if (s && s->hello.kind() == v1::SOURCE_WORKER &&
+        s->hello.namespace_id() == req.namespace_id()) {
+      workers.push_back(s);
+    }
+  }
+  if (workers.empty()) {
+    counters_.unavailable++;
+    return absl::UnavailableError(absl::StrCat("no live worker serves namespace ",
+                                               Ns(req.namespace_id()), " (", sources_.size(),
+                                               " sources registered)"));
+  }
+  const uint32_t bt = workers[0]->hello.block_tokens();
+  std::vector<BlockHash> chain;
+  uint64_t prompt_tokens = 0;
+  uint64_t request_hash = 0;
+  if (req.prompt_case() == v1::RouteRequest::kTokens) {
+    const auto& ids = req.tokens().ids();
+    if (ids.empty()) return absl::InvalidArgumentError("route: the prompt is empty");
+    if (static_cast<size_t>(ids.size()) > kMaxRouteTokens) {
+      return absl::InvalidArgumentError(absl::StrCat("route: the prompt has ", ids.size(),
+                                                     " tokens; the limit is ", kMaxRouteTokens));
+    }
+    chain = ChainHashes(req.namespace_id(), std::span<const uint32_t>(ids.data(), ids.size()), bt);
+    prompt_tokens = ids.size();
+    request_hash = XXH3_64bits(ids.data(), ids.size() * sizeof(uint32_t));
+  } else if (req.prompt_case() == v1::RouteRequest::kHashes) {
+    const auto& hs = req.hashes().hashes();
+    if (hs.empty()) return absl::InvalidArgumentError("route: the prompt is empty (no hashes)");
+    if (static_cast<size_t>(hs.size()) > kMaxRouteBlocks) {
+      return absl::InvalidArgumentError(absl::StrCat("route: the prompt has ", hs.size(),
+                                                     " blocks; the limit is ", kMaxRouteBlocks));
+    }
+    for (const auto& h : hs) chain.push_back(FromProto(h));
+    uint64_t full = uint64_t{bt} * chain.size();
+    prompt_tokens = req.prompt_tokens() ? req.prompt_tokens() : full;
+    if (prompt_tokens + bt <= full || prompt_tokens > kMaxRouteTokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "route: prompt_tokens ", prompt_tokens, " does not fit ", chain.size(),
+          " blocks of ", bt, " tokens (or exceeds ", kMaxRouteTokens, ")"));
+    }
+  } else {
+    return absl::InvalidArgumentError("route: the prompt is empty (give tokens or hashes)");
+  }
+
+  PrefixMatch match;
+  index_.Match(req.namespace_id(), chain,
+               [this](SourceNum n) { return by_num_[n]->hello.kind() == v1::SOURCE_STORE; },
+               &match);
+  if (!chain.empty()) {
+    const BlockHash& h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
+    request_hash = h.hi ^ (h.lo * 0x9E3779B97F4A7C15ull);
+  }
+  std::unordered_map<SourceNum, uint32_t> depth(match.gpu_depth.begin(), match.gpu_depth.end());
+  std::vector<Candidate> cands;
+  cands.reserve(workers.size());
+  for (Source* w : workers) {
+    Candidate c;
+    c.worker_id = w->hello.source_id();
+    auto d = depth.find(w->num);
+    c.gpu_blocks = d == depth.end() ? 0 : d->second;
+    c.store_blocks = c.gpu_blocks <= match.walked ? match.store_run[c.gpu_blocks] : 0;
+    c.load_tokens = w->load.queued_prefill_tokens() + w->routed_since_heartbeat.load();
+    cands.push_back(std::move(c));
+  }
+  Decision d = Decide(options_.knobs, prompt_tokens, bt, request_hash, cands);
+  RouteResult r;
+  const Candidate& best = cands[d.chosen];
+  Source* chosen = sources_.at(best.worker_id).get();
+  chosen->routed_since_heartbeat += best.prefill_tokens;
+  r.worker_id = best.worker_id;
+  r.endpoint = chosen->hello.endpoint();
+  r.gpu_blocks = best.gpu_blocks;
+  r.store_blocks = best.store_blocks;
+  r.prefill_tokens = best.prefill_tokens;
+  r.block_tokens = bt;
+  r.reason = d.reason;
+  switch (d.reason) {
+    case Reason::kLowestCost: counters_.lowest_cost++; break;
+    case Reason::kTieBreak: counters_.tie_break++; break;
+    case Reason::kBalanceGuard: counters_.balance_guard++; break;
+    case Reason::kSampled: counters_.sampled++; break;
+  }
+  r.candidates = std::move(cands);
+  return r;
+}
+
+void RouterCore::RemoveSourceLocked(const std::string& id) {
+  auto it = sources_.find(id);
+  if (it == sources_.end()) return;
+  Source& s = *it->second;
+  ClearSource(s);
+  by_num_[s.num] = nullptr;
+  free_nums_.push_back(s.num);
+  sources_.erase(it);
+}
+
+size_t RouterCore::ExpireSources(Clock::time_point now) {
+  std::unique_lock lk(mu_);
+  std::vector<std::string> dead;
+  const auto deadline = std::chrono::milliseconds(options_.heartbeat_deadline_ms);
+  for (const auto& [id, s] : sources_) {
+    if (now - s->last_seen > deadline) dead.push_back(id);
+  }
+  for (const auto& id : dead) {
+    Log("router", "source ", id, " missed its heartbeat deadline (",
+        options_.heartbeat_deadline_ms, " ms); dropped with ", sources_.at(id)->blocks.size(),
+        " blocks");
+    RemoveSourceLocked(id);
+    counters_.expired++;
+  }
+  return dead.size();
+}
+
+std::vector<v1::SourceInfo> RouterCore::Sources() const {
+  std::shared_lock lk(mu_);
+  std::vector<v1::SourceInfo> out;
+  auto now = Clock::now();
+  for (const auto& [id, s] : sources_) {
+    v1::SourceInfo i;
+    i.set_source_id(id);
+    i.set_kind(s->hello.kind());
+    i.set_endpoint(s->hello.endpoint());
+    i.set_namespace_id(s->hello.namespace_id());
+    i.set_indexed_blocks(s->blocks.size());
+    *i.mutable_load() = s->load;
+    i.set_routed_tokens_since_heartbeat(s->routed_since_heartbeat.load());
+    i.set_last_seen_ms(static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - s->last_seen).count()));
+    i.set_epoch(s->hello.epoch());
+    i.set_last_seq(s->last_seq);
+    i.set_resyncing(s->resyncing);
+    i.set_connected(s->streams > 0);
+    out.push_back(std::move(i));
+  }
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.source_id() < b.source_id(); });
+  return out;
+}
+
+v1::GetRouterStatsResponse RouterCore::Stats() const {
+  v1::GetRouterStatsResponse r;
+  {
+    std::shared_lock lk(mu_);
+    r.set_indexed_blocks(index_.blocks());
+    r.set_indexed_replicas(index_.replicas());
+    r.set_sources(sources_.size());
+  }
+  r.set_events_applied(counters_.applied);
+  r.set_events_duplicate(counters_.duplicate);
+  r.set_events_rejected(counters_.rejected);
+  r.set_snapshots_requested(counters_.snapshots_requested);
+  r.set_snapshots_applied(counters_.snapshots_applied);
+  r.set_sources_expired(counters_.expired);
+  r.set_unknown_removals(counters_.unknown_removals);
+  auto& d = *r.mutable_decisions();
+  d["lowest_cost"] = counters_.lowest_cost;
+  d["tie_break"] = counters_.tie_break;
+  d["balance_guard"] = counters_.balance_guard;
+  d["sampled"] = counters_.sampled;
+  d["unavailable"] = counters_.unavailable;
+  return r;
+}
+
+size_t RouterCore::IndexMemoryBytes() const {
+  std::shared_lock lk(mu_);
+  size_t bytes = index_.MemoryBytes();
+  for (const auto& [id, s] : sources_) bytes += s->blocks.capacity() * (sizeof(BlockKey) + 1);
+  return bytes;
+}
+
+}  // namespace kvtier::router

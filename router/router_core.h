@@ -1,0 +1,111 @@
+// The router's state: registered sources (workers and store shards), their
+// event sequence numbers, load, and the prefix index; plus Route.
+//
+// Event handling follows docs/router.md: events apply in sequence order per
+// (source, epoch); an already-applied number is ignored; a gap, a new epoch or
+// an unknown source asks the source for a snapshot, and the source's events
+// are ignored until the snapshot's last chunk replaces what the router knew.
+// A source silent past the heartbeat deadline is dropped with its blocks.
+// Thread-safe: Route takes a shared lock, everything else an exclusive one.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "kvtier/v1/router.pb.h"
+#include "router/cost.h"
+#include "router/prefix_index.h"
+
+namespace kvtier::router {
+
+inline constexpr size_t kMaxRouteBlocks = 16384;
+inline constexpr size_t kMaxRouteTokens = 2097152;
+inline constexpr size_t kMaxEventHashes = 65536;
+
+struct RouterOptions {
+  CostKnobs knobs;
+  uint64_t heartbeat_deadline_ms = 5000;
+};
+
+struct RouteResult {
+  std::string worker_id;
+  std::string endpoint;
+  uint32_t gpu_blocks = 0;
+  uint32_t store_blocks = 0;
+  uint64_t prefill_tokens = 0;
+  uint32_t block_tokens = 0;
+  Reason reason = Reason::kLowestCost;
+  std::vector<Candidate> candidates;  // cheapest first
+};
+
+class RouterCore {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit RouterCore(RouterOptions options);
+
+  // Registers or refreshes a source; may append a snapshot request.
+  absl::Status Hello(const v1::Hello& hello, std::vector<v1::RouterCommand>* commands);
+  // Applies one message of a source that already said Hello.
+  absl::Status Handle(const std::string& source_id, const v1::SourceMessage& message,
+                      std::vector<v1::RouterCommand>* commands);
+  // Stream bookkeeping (for ListWorkers).
+  void Connected(const std::string& source_id, bool up);
+
+  absl::StatusOr<RouteResult> Route(const v1::RouteRequest& request);
+
+  // Drops sources silent past the deadline; returns how many.
+  size_t ExpireSources(Clock::time_point now);
+
+  std::vector<v1::SourceInfo> Sources() const;
+  v1::GetRouterStatsResponse Stats() const;
+  size_t IndexMemoryBytes() const;
+  const RouterOptions& options() const { return options_; }
+
+ private:
+  struct Source {
+    SourceNum num;
+    v1::Hello hello;
+    uint64_t last_seq = 0;
+    bool resyncing = false;
+    absl::flat_hash_set<BlockKey, BlockKeyHasher> blocks;
+    std::vector<BlockKey> snapshot;  // chunks received so far
+    v1::Heartbeat load;
+    std::atomic<uint64_t> routed_since_heartbeat{0};
+    Clock::time_point last_seen;
+    int streams = 0;
+  };
+
+  void RequestSnapshot(Source& s, const std::string& reason,
+                       std::vector<v1::RouterCommand>* commands);
+  void ClearSource(Source& s);
+  void ApplyEvent(Source& s, const v1::KvEvent& e, std::vector<v1::RouterCommand>* commands);
+  void ApplySnapshotChunk(Source& s, const v1::SnapshotChunk& c,
+                          std::vector<v1::RouterCommand>* commands);
+  void RemoveSourceLocked(const std::string& id);
+
+  RouterOptions options_;
+  mutable std::shared_mutex mu_;
+  std::unordered_map<std::string, std::unique_ptr<Source>> sources_;
+  std::vector<Source*> by_num_;  // SourceNum -> source (nullptr when free)
+  std::vector<SourceNum> free_nums_;
+  PrefixIndex index_;
+
+  struct Counters {
+    std::atomic<uint64_t> applied{0}, duplicate{0}, rejected{0}, snapshots_requested{0},
+        snapshots_applied{0}, expired{0}, unknown_removals{0};
+    std::atomic<uint64_t> lowest_cost{0}, tie_break{0}, balance_guard{0}, sampled{0},
+        unavailable{0};
+  };
+  mutable Counters counters_;
+};
+
+}  // namespace kvtier::router

@@ -1,0 +1,126 @@
+#include "router/service.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+
+namespace kvtier::router {
+
+namespace {
+v1::RouteReason ToProto(Reason r) {
+  switch (r) {
+    case Reason::kLowestCost: return v1::ROUTE_LOWEST_COST;
+    case Reason::kTieBreak: return v1::ROUTE_TIE_BREAK;
+    case Reason::kBalanceGuard: return v1::ROUTE_BALANCE_GUARD;
+    case Reason::kSampled: return v1::ROUTE_SAMPLED;
+  }
+  return v1::ROUTE_REASON_UNSPECIFIED;
+}
+}  // namespace
+
+void ToProto(const RouteResult& r, v1::RouteResponse* out) {
+  out->set_worker_id(r.worker_id);
+  out->set_endpoint(r.endpoint);
+  out->set_gpu_hit_blocks(r.gpu_blocks);
+  out->set_store_hit_blocks(r.store_blocks);
+  out->set_prefill_tokens(r.prefill_tokens);
+  out->set_reason(ToProto(r.reason));
+  out->set_block_tokens(r.block_tokens);
+  for (const auto& c : r.candidates) {
+    auto* o = out->add_candidates();
+    o->set_worker_id(c.worker_id);
+    o->set_gpu_blocks(c.gpu_blocks);
+    o->set_store_blocks(c.store_blocks);
+    o->set_prefill_tokens(c.prefill_tokens);
+    o->set_load_tokens(c.load_tokens);
+    o->set_cost(c.cost);
+  }
+}
+
+grpc::Status RouterService::StreamEvents(
+    grpc::ServerContext* ctx,
+    grpc::ServerReaderWriter<v1::RouterCommand, v1::SourceMessage>* stream) {
+  v1::SourceMessage m;
+  if (!stream->Read(&m)) return grpc::Status::OK;
+  if (m.message_case() != v1::SourceMessage::kHello) {
+    return grpc::Status(grpc::INVALID_ARGUMENT,
+                        "the first message of an event stream must be a hello");
+  }
+  v1::Hello hello = m.hello();
+  std::vector<v1::RouterCommand> commands;
+  if (auto s = core_->Hello(hello, &commands); !s.ok()) return ToGrpc(s);
+  const std::string id = hello.source_id();
+  core_->Connected(id, true);
+  grpc::Status result = grpc::Status::OK;
+  for (;;) {
+    for (const auto& c : commands) stream->Write(c);
+    commands.clear();
+    if (!stream->Read(&m)) break;
+    if (m.message_case() == v1::SourceMessage::kHello) {
+      if (m.hello().source_id() != id) {
+        result = grpc::Status(grpc::INVALID_ARGUMENT,
+                              absl::StrCat("a stream belongs to one source: opened as ", id,
+                                           ", hello names ", m.hello().source_id()));
+        break;
+      }
+      hello = m.hello();
+    }
+    absl::Status s = core_->Handle(id, m, &commands);
+    if (s.code() == absl::StatusCode::kNotFound) {
+      // Dropped at heartbeat expiry while the stream stayed open: register again.
+      s = core_->Hello(hello, &commands);
+      if (s.ok()) core_->Connected(id, true);
+      if (s.ok()) s = core_->Handle(id, m, &commands);
+    }
+    if (!s.ok()) {
+      result = ToGrpc(s);
+      break;
+    }
+  }
+  core_->Connected(id, false);
+  return result;
+}
+
+grpc::Status RouterService::Publish(grpc::ServerContext*, const v1::PublishRequest* req,
+                                    v1::PublishResponse* resp) {
+  if (req->messages_size() == 0 ||
+      req->messages(0).message_case() != v1::SourceMessage::kHello) {
+    return grpc::Status(grpc::INVALID_ARGUMENT, "publish: the first message must be a hello");
+  }
+  const std::string id = req->messages(0).hello().source_id();
+  std::vector<v1::RouterCommand> commands;
+  for (int i = 0; i < req->messages_size(); ++i) {
+    const auto& m = req->messages(i);
+    if (m.message_case() == v1::SourceMessage::kHello && m.hello().source_id() != id) {
+      return grpc::Status(grpc::INVALID_ARGUMENT,
+                          absl::StrCat("publish: message ", i, " is a hello of another source"));
+    }
+    if (auto s = core_->Handle(id, m, &commands); !s.ok()) {
+      return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
+                          absl::StrCat("publish: message ", i, ": ", s.message()));
+    }
+  }
+  for (auto& c : commands) *resp->add_commands() = std::move(c);
+  return grpc::Status::OK;
+}
+
+grpc::Status RouterService::Route(grpc::ServerContext*, const v1::RouteRequest* req,
+                                  v1::RouteResponse* resp) {
+  auto r = core_->Route(*req);
+  if (!r.ok()) return ToGrpc(r.status());
+  ToProto(*r, resp);
+  return grpc::Status::OK;
+}
+
+grpc::Status RouterService::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+                                        v1::ListWorkersResponse* resp) {
+  for (auto& s : core_->Sources()) *resp->add_sources() = std::move(s);
+  return grpc::Status::OK;
+}
+
+grpc::Status RouterService::GetRouterStats(grpc::ServerContext*, const v1::GetRouterStatsRequest*,
+                                           v1::GetRouterStatsResponse* resp) {
+  *resp = core_->Stats();
+  return grpc::Status::OK;
+}
+
+}  // namespace kvtier::router

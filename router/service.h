@@ -1,0 +1,31 @@
+// The kvtier.v1.Router gRPC service over a RouterCore. Thread-safe.
+#pragma once
+
+#include "kvtier/v1/router.grpc.pb.h"
+#include "router/router_core.h"
+
+namespace kvtier::router {
+
+class RouterService final : public v1::Router::Service {
+ public:
+  explicit RouterService(RouterCore* core) : core_(core) {}
+
+  grpc::Status StreamEvents(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<v1::RouterCommand, v1::SourceMessage>* stream) override;
+  grpc::Status Publish(grpc::ServerContext*, const v1::PublishRequest*,
+                       v1::PublishResponse*) override;
+  grpc::Status Route(grpc::ServerContext*, const v1::RouteRequest*, v1::RouteResponse*) override;
+  grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+                           v1::ListWorkersResponse*) override;
+  grpc::Status GetRouterStats(grpc::ServerContext*, const v1::GetRouterStatsRequest*,
+                              v1::GetRouterStatsResponse*) override;
+
+ private:
+  RouterCore* core_;
+};
+
+// Fills a RouteResponse from a decision (shared with the in-process bench).
+void ToProto(const RouteResult& r, v1::RouteResponse* out);
+
+}  // namespace kvtier::router

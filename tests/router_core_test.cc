@@ -1,0 +1,323 @@
+// RouterCore driven directly: sequence rules, snapshots, epochs, expiry,
+// routing, bad input, and replica agreement.
+#include "router/router_core.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+namespace kvtier::router {
+namespace {
+
+constexpr uint64_t kNs = 0xabc;
+BlockHash H(uint64_t i) { return BlockHash{i + 1, 77}; }
+
+v1::Hello Worker(const std::string& id, uint64_t epoch = 1) {
+  v1::Hello h;
+  h.set_source_id(id);
+  h.set_kind(v1::SOURCE_WORKER);
+  h.set_endpoint(id + ":8000");
+  h.set_namespace_id(kNs);
+  h.set_block_tokens(16);
+  h.set_epoch(epoch);
+  return h;
+}
+
+v1::SourceMessage Stored(uint64_t seq, std::vector<uint64_t> ids, uint64_t ns = kNs) {
+  v1::SourceMessage m;
+  m.mutable_event()->set_seq(seq);
+  auto* s = m.mutable_event()->mutable_stored();
+  s->set_namespace_id(ns);
+  for (uint64_t i : ids) {
+    auto* h = s->add_hashes();
+    h->set_hi(H(i).hi);
+    h->set_lo(H(i).lo);
+  }
+  return m;
+}
+
+v1::SourceMessage Removed(uint64_t seq, std::vector<uint64_t> ids) {
+  v1::SourceMessage m = Stored(seq, ids);
+  v1::BlockStored s = m.event().stored();
+  m.mutable_event()->mutable_removed()->set_namespace_id(s.namespace_id());
+  *m.mutable_event()->mutable_removed()->mutable_hashes() = s.hashes();
+  return m;
+}
+
+v1::SourceMessage Snapshot(uint64_t seq, std::vector<uint64_t> ids, bool last = true) {
+  v1::SourceMessage m;
+  auto* c = m.mutable_snapshot();
+  c->set_seq(seq);
+  c->set_namespace_id(kNs);
+  c->set_last(last);
+  for (uint64_t i : ids) {
+    auto* h = c->add_hashes();
+    h->set_hi(H(i).hi);
+    h->set_lo(H(i).lo);
+  }
+  return m;
+}
+
+v1::RouteRequest Req(int blocks) {
+  v1::RouteRequest r;
+  r.set_namespace_id(kNs);
+  for (int i = 0; i < blocks; ++i) {
+    auto* h = r.mutable_hashes()->add_hashes();
+    h->set_hi(H(i).hi);
+    h->set_lo(H(i).lo);
+  }
+  return r;
+}
+
+class RouterCoreTest : public ::testing::Test {
+ protected:
+  RouterCoreTest() : core_(RouterOptions{}) {}
+  // Registers a worker and answers the snapshot request with `blocks`.
+  void Join(const std::string& id, std::vector<uint64_t> blocks, uint64_t epoch = 1) {
+    std::vector<v1::RouterCommand> cmds;
+    ASSERT_TRUE(core_.Hello(Worker(id, epoch), &cmds).ok());
+    ASSERT_EQ(cmds.size(), 1u);
+    EXPECT_EQ(cmds[0].snapshot_request().reason(), "unknown source");
+    Send(id, Snapshot(0, blocks));
+  }
+  std::vector<v1::RouterCommand> Send(const std::string& id, const v1::SourceMessage& m) {
+    std::vector<v1::RouterCommand> cmds;
+    auto s = core_.Handle(id, m, &cmds);
+    EXPECT_TRUE(s.ok()) << s;
+    return cmds;
+  }
+  uint64_t Blocks(const std::string& id) {
+    for (const auto& s : core_.Sources()) {
+      if (s.source_id() == id) return s.indexed_blocks();
+    }
+    return 0;
+  }
+  RouterCore core_;
+};
+
+TEST_F(RouterCoreTest, EventsApplyInOrderAndDuplicatesAreIgnored) {
+  Join("w1", {});
+  EXPECT_TRUE(Send("w1", Stored(1, {0, 1, 2})).empty());
+  EXPECT_TRUE(Send("w1", Stored(1, {0, 1, 2, 3})).empty());  // duplicate: ignored
+  EXPECT_EQ(Blocks("w1"), 3u);
+  EXPECT_TRUE(Send("w1", Removed(2, {1, 99})).empty());      // 99 was never stored
+  EXPECT_EQ(Blocks("w1"), 2u);
+  auto st = core_.Stats();
+  EXPECT_EQ(st.events_applied(), 2u);
+  EXPECT_EQ(st.events_duplicate(), 1u);
+  EXPECT_EQ(st.unknown_removals(), 1u);
+  EXPECT_EQ(st.indexed_blocks(), 2u);
+}
+
+TEST_F(RouterCoreTest, AGapAsksForASnapshotThatReplacesTheIndex) {
+  Join("w1", {});
+  Send("w1", Stored(1, {0, 1}));
+  auto cmds = Send("w1", Stored(3, {5}));
+  ASSERT_EQ(cmds.size(), 1u);
+  EXPECT_EQ(cmds[0].snapshot_request().reason(), "sequence gap: expected 2, got 3");
+  EXPECT_TRUE(Send("w1", Stored(4, {6})).empty());  // ignored while resyncing
+  EXPECT_EQ(Blocks("w1"), 2u);
+  Send("w1", Snapshot(4, {0, 2}, false));
+  Send("w1", Snapshot(4, {5, 6}, true));
+  EXPECT_EQ(Blocks("w1"), 4u);  // 1 is gone, 2, 5, 6 arrived
+  Send("w1", Stored(5, {7}));   // continues after the snapshot's seq
+  EXPECT_EQ(Blocks("w1"), 5u);
+  EXPECT_EQ(core_.Stats().snapshots_applied(), 2u);
+}
+
+TEST_F(RouterCoreTest, ANewEpochClearsTheSourceAndAsksForASnapshot) {
+  Join("w1", {0, 1, 2});
+  std::vector<v1::RouterCommand> cmds;
+  ASSERT_TRUE(core_.Hello(Worker("w1", 2), &cmds).ok());
+  ASSERT_EQ(cmds.size(), 1u);
+  EXPECT_EQ(cmds[0].snapshot_request().reason(), "new epoch");
+  EXPECT_EQ(Blocks("w1"), 0u);
+  EXPECT_EQ(core_.Stats().indexed_blocks(), 0u);
+  Send("w1", Snapshot(0, {9}));
+  EXPECT_EQ(Blocks("w1"), 1u);
+  // A reconnect in the same epoch keeps everything.
+  cmds.clear();
+  ASSERT_TRUE(core_.Hello(Worker("w1", 2), &cmds).ok());
+  EXPECT_TRUE(cmds.empty());
+  EXPECT_EQ(Blocks("w1"), 1u);
+}
+
+TEST_F(RouterCoreTest, SilentSourcesExpireWithTheirBlocks) {
+  Join("w1", {0, 1});
+  Join("w2", {0});
+  auto later = RouterCore::Clock::now() + std::chrono::milliseconds(6000);
+  EXPECT_EQ(core_.ExpireSources(RouterCore::Clock::now()), 0u);
+  EXPECT_EQ(core_.ExpireSources(later), 2u);
+  EXPECT_EQ(core_.Stats().indexed_blocks(), 0u);
+  EXPECT_EQ(core_.Route(Req(2)).status().code(), absl::StatusCode::kUnavailable);
+  // An expired source that speaks again must say hello first.
+  std::vector<v1::RouterCommand> cmds;
+  EXPECT_EQ(core_.Handle("w1", Stored(3, {1}), &cmds).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(RouterCoreTest, RoutesToTheLongestPrefixAndExplains) {
+  Join("w1", {0, 1, 2, 3});
+  Join("w2", {0});
+  Join("w3", {});
+  auto r = core_.Route(Req(6));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->worker_id, "w1");
+  EXPECT_EQ(r->endpoint, "w1:8000");
+  EXPECT_EQ(r->gpu_blocks, 4u);
+  EXPECT_EQ(r->prefill_tokens, 32u);
+  ASSERT_EQ(r->candidates.size(), 3u);
+  EXPECT_EQ(r->candidates[1].worker_id, "w2");
+  EXPECT_DOUBLE_EQ(r->candidates[1].cost, 80);
+  // Load counts: what was routed to w1 since its heartbeat weighs on it.
+  EXPECT_EQ(core_.Sources()[0].routed_tokens_since_heartbeat(), 32u);
+  v1::SourceMessage hb;
+  hb.mutable_heartbeat()->set_queued_prefill_tokens(1000);
+  Send("w1", hb);
+  r = core_.Route(Req(6));
+  EXPECT_EQ(r->worker_id, "w2");  // 32 + 1000 > 80
+}
+
+TEST_F(RouterCoreTest, StoreHeldBlocksCountAsFetchable) {
+  Join("w1", {0});
+  Join("w2", {});
+  std::vector<v1::RouterCommand> cmds;
+  v1::Hello store;
+  store.set_source_id("store-0");
+  store.set_kind(v1::SOURCE_STORE);
+  store.set_epoch(1);
+  ASSERT_TRUE(core_.Hello(store, &cmds).ok());
+  Send("store-0", Snapshot(0, {0, 1, 2, 3, 4, 5, 6, 7}));
+  auto r = core_.Route(Req(10));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->worker_id, "w1");
+  EXPECT_EQ(r->gpu_blocks, 1u);
+  EXPECT_EQ(r->store_blocks, 7u);
+  EXPECT_EQ(r->prefill_tokens, 32u);
+  EXPECT_EQ(r->candidates[1].store_blocks, 8u);  // w2 would fetch all eight
+}
+
+TEST_F(RouterCoreTest, TokensAreHashedWithTheNamespaceBlockSize) {
+  std::vector<uint32_t> tokens(40);
+  for (uint32_t i = 0; i < 40; ++i) tokens[i] = i;
+  auto chain = ChainHashes(kNs, tokens, 16);
+  std::vector<v1::RouterCommand> cmds;
+  ASSERT_TRUE(core_.Hello(Worker("w1"), &cmds).ok());
+  v1::SourceMessage snap;
+  snap.mutable_snapshot()->set_namespace_id(kNs);
+  snap.mutable_snapshot()->set_last(true);
+  for (const auto& h : chain) {
+    auto* p = snap.mutable_snapshot()->add_hashes();
+    p->set_hi(h.hi);
+    p->set_lo(h.lo);
+  }
+  Send("w1", snap);
+  ASSERT_TRUE(core_.Hello(Worker("w2"), &cmds).ok());
+  v1::RouteRequest req;
+  req.set_namespace_id(kNs);
+  for (uint32_t t : tokens) req.mutable_tokens()->add_ids(t);
+  auto r = core_.Route(req);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->worker_id, "w1");
+  EXPECT_EQ(r->gpu_blocks, 2u);
+  EXPECT_EQ(r->prefill_tokens, 8u);
+}
+
+TEST_F(RouterCoreTest, BadInputGetsAClearStatusAndChangesNothing) {
+  Join("w1", {0, 1});
+  auto expect = [](absl::Status s, absl::StatusCode code, const std::string& needle) {
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+  };
+  std::vector<v1::RouterCommand> cmds;
+  v1::Hello bad = Worker("");
+  expect(core_.Hello(bad, &cmds), absl::StatusCode::kInvalidArgument, "source_id");
+  bad = Worker("w9");
+  bad.set_kind(v1::SOURCE_KIND_UNSPECIFIED);
+  expect(core_.Hello(bad, &cmds), absl::StatusCode::kInvalidArgument, "kind");
+  bad = Worker("w9");
+  bad.set_namespace_id(0);
+  expect(core_.Hello(bad, &cmds), absl::StatusCode::kInvalidArgument, "namespace");
+  bad = Worker("w9");
+  bad.clear_endpoint();
+  expect(core_.Hello(bad, &cmds), absl::StatusCode::kInvalidArgument, "endpoint");
+  expect(core_.Handle("nobody", Stored(1, {1}), &cmds), absl::StatusCode::kNotFound, "hello");
+  expect(core_.Handle("w1", v1::SourceMessage(), &cmds), absl::StatusCode::kInvalidArgument,
+         "carries no");
+  // An event for another namespace is refused; the stream goes on.
+  cmds = Send("w1", Stored(1, {5}, /*ns=*/kNs + 1));
+  ASSERT_EQ(cmds.size(), 1u);
+  EXPECT_NE(cmds[0].event_rejected().reason().find("namespace"), std::string::npos);
+  v1::SourceMessage empty_event;
+  empty_event.mutable_event()->set_seq(2);
+  cmds = Send("w1", empty_event);
+  ASSERT_EQ(cmds.size(), 1u);
+  EXPECT_NE(cmds[0].event_rejected().reason().find("empty"), std::string::npos);
+  cmds = Send("w1", Stored(3, {}));
+  ASSERT_EQ(cmds.size(), 1u);
+  // Route: unknown namespace, empty, oversized, inconsistent prompt_tokens.
+  v1::RouteRequest r = Req(2);
+  r.set_namespace_id(999);
+  expect(core_.Route(r).status(), absl::StatusCode::kUnavailable, "no live worker");
+  r = Req(0);
+  expect(core_.Route(r).status(), absl::StatusCode::kInvalidArgument, "empty");
+  r = Req(kMaxRouteBlocks + 1);
+  expect(core_.Route(r).status(), absl::StatusCode::kInvalidArgument, "limit");
+  r = Req(4);
+  r.set_prompt_tokens(10);
+  expect(core_.Route(r).status(), absl::StatusCode::kInvalidArgument, "prompt_tokens");
+  v1::RouteRequest none;
+  none.set_namespace_id(kNs);
+  expect(core_.Route(none).status(), absl::StatusCode::kInvalidArgument, "empty");
+  // The index is as it was.
+  EXPECT_EQ(Blocks("w1"), 2u);
+  EXPECT_EQ(core_.Route(Req(2))->gpu_blocks, 2u);
+  EXPECT_EQ(core_.Stats().events_rejected(), 3u);
+}
+
+TEST(RouterReplicas, SameEventsGiveTheSameDecisions) {
+  RouterOptions o;
+  o.knobs.balance_threshold_tokens = 5000;
+  RouterCore a(o), b(o);
+  std::mt19937_64 rng(5);
+  std::vector<std::string> ids = {"w0", "w1", "w2", "w3", "w4", "w5"};
+  // The workers register in a different order on each replica.
+  for (RouterCore* r : {&a, &b}) {
+    std::vector<v1::RouterCommand> cmds;
+    for (const auto& id : ids) {
+      ASSERT_TRUE(r->Hello(Worker(id), &cmds).ok());
+      ASSERT_TRUE(r->Handle(id, Snapshot(0, {}), &cmds).ok());
+    }
+    std::reverse(ids.begin(), ids.end());
+  }
+  std::vector<uint64_t> seq(ids.size(), 0);
+  int compared = 0;
+  for (int step = 0; step < 3000; ++step) {
+    size_t w = rng() % ids.size();
+    v1::SourceMessage m;
+    if (step % 10 == 0) {
+      m.mutable_heartbeat()->set_queued_prefill_tokens(rng() % 8000);
+    } else {
+      uint64_t first = rng() % 50;
+      m = rng() % 4 ? Stored(++seq[w], {first, first + 1, first + 2}) : Removed(++seq[w], {first});
+    }
+    std::vector<v1::RouterCommand> ca, cb;
+    ASSERT_TRUE(a.Handle(ids[w], m, &ca).ok());
+    ASSERT_TRUE(b.Handle(ids[w], m, &cb).ok());
+    if (step % 3 == 0) {
+      auto req = Req(1 + static_cast<int>(rng() % 60));
+      auto ra = a.Route(req);
+      auto rb = b.Route(req);
+      ASSERT_TRUE(ra.ok() && rb.ok());
+      EXPECT_EQ(ra->worker_id, rb->worker_id) << step;
+      EXPECT_EQ(ra->reason, rb->reason);
+      EXPECT_EQ(ra->gpu_blocks, rb->gpu_blocks);
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 1000);
+  EXPECT_EQ(a.Stats().indexed_replicas(), b.Stats().indexed_replicas());
+}
+
+}  // namespace
+}  // namespace kvtier::router

@@ -1,0 +1,179 @@
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "router/cost.h"
+#include "router/prefix_index.h"
+
+namespace kvtier::router {
+namespace {
+
+constexpr uint64_t kNs = 7;
+BlockHash H(uint64_t i) { return BlockHash{i, i * 3}; }
+std::vector<BlockHash> Chain(int n) {
+  std::vector<BlockHash> c;
+  for (int i = 0; i < n; ++i) c.push_back(H(i));
+  return c;
+}
+
+// Sources 100+ are stores.
+const auto kIsStore = [](SourceNum s) { return s >= 100; };
+
+std::map<SourceNum, uint32_t> Depths(const PrefixMatch& m) {
+  return std::map<SourceNum, uint32_t>(m.gpu_depth.begin(), m.gpu_depth.end());
+}
+
+TEST(PrefixIndex, AddRemoveCount) {
+  PrefixIndex idx;
+  EXPECT_TRUE(idx.Add({kNs, H(1)}, 1));
+  EXPECT_FALSE(idx.Add({kNs, H(1)}, 1));
+  EXPECT_TRUE(idx.Add({kNs, H(1)}, 2));
+  for (SourceNum s = 3; s < 10; ++s) EXPECT_TRUE(idx.Add({kNs, H(1)}, s));  // spills inline space
+  EXPECT_EQ(idx.blocks(), 1u);
+  EXPECT_EQ(idx.replicas(), 9u);
+  EXPECT_TRUE(idx.Remove({kNs, H(1)}, 5));
+  EXPECT_FALSE(idx.Remove({kNs, H(1)}, 5));
+  EXPECT_FALSE(idx.Remove({kNs, H(2)}, 1));  // never stored
+  for (SourceNum s : {1, 2, 3, 4, 6, 7, 8, 9}) EXPECT_TRUE(idx.Remove({kNs, H(1)}, s));
+  EXPECT_EQ(idx.blocks(), 0u);
+  EXPECT_EQ(idx.replicas(), 0u);
+}
+
+TEST(PrefixIndex, LongestContiguousPrefixPerWorker) {
+  PrefixIndex idx;
+  for (int i = 0; i < 5; ++i) idx.Add({kNs, H(i)}, 1);  // worker 1: blocks 0-4
+  for (int i = 0; i < 2; ++i) idx.Add({kNs, H(i)}, 2);  // worker 2: blocks 0-1
+  for (int i = 1; i < 6; ++i) idx.Add({kNs, H(i)}, 3);  // worker 3: no block 0 -> depth 0
+  idx.Add({kNs, H(3)}, 2);                              // a hole: does not count
+  PrefixMatch m;
+  idx.Match(kNs, Chain(8), kIsStore, &m);
+  auto d = Depths(m);
+  EXPECT_EQ(d[1], 5u);
+  EXPECT_EQ(d[2], 2u);
+  EXPECT_EQ(d.count(3), 0u);
+  EXPECT_EQ(m.deepest, 4);
+  // Other namespaces never match.
+  idx.Match(kNs + 1, Chain(8), kIsStore, &m);
+  EXPECT_TRUE(m.gpu_depth.empty());
+  EXPECT_EQ(m.deepest, -1);
+}
+
+TEST(PrefixIndex, StoreRunsContinueAfterGpuPrefixes) {
+  PrefixIndex idx;
+  for (int i = 0; i < 2; ++i) idx.Add({kNs, H(i)}, 1);    // worker 1: 0-1
+  for (int i = 0; i < 6; ++i) idx.Add({kNs, H(i)}, 100);  // store: 0-5
+  idx.Add({kNs, H(7)}, 100);                              // after a hole
+  PrefixMatch m;
+  idx.Match(kNs, Chain(10), kIsStore, &m);
+  EXPECT_EQ(Depths(m)[1], 2u);
+  EXPECT_EQ(m.walked, 6u);
+  EXPECT_EQ(m.store_run[2], 4u);  // worker 1 fetches blocks 2-5
+  EXPECT_EQ(m.store_run[0], 6u);  // a cold worker fetches 0-5
+  EXPECT_EQ(m.deepest, 5);
+}
+
+TEST(PrefixIndex, MemoryIsReported) {
+  PrefixIndex idx;
+  for (uint64_t i = 0; i < 10000; ++i) idx.Add({kNs, H(i)}, 1);
+  EXPECT_GT(idx.MemoryBytes(), 10000 * 40u);
+  EXPECT_LT(idx.MemoryBytes(), 10000 * 200u);
+}
+
+Candidate C(std::string id, uint32_t gpu, uint32_t store, uint64_t load) {
+  Candidate c;
+  c.worker_id = std::move(id);
+  c.gpu_blocks = gpu;
+  c.store_blocks = store;
+  c.load_tokens = load;
+  return c;
+}
+
+TEST(Cost, HandComputedCases) {
+  CostKnobs k;  // fetch 0.1, load 1.0
+  // 1,000-token prompt, 16-token blocks.
+  std::vector<Candidate> c = {C("a", 10, 0, 0), C("b", 0, 20, 0), C("c", 62, 0, 500)};
+  auto d = Decide(k, 1000, 16, 42, c);
+  // a: 1000-160 = 840. b: 1000-320 = 680 + 0.1*320 = 712. c: 1000-992 = 8 + 500 = 508.
+  ASSERT_EQ(c[0].worker_id, "c");
+  EXPECT_DOUBLE_EQ(c[0].cost, 508);
+  EXPECT_EQ(c[0].prefill_tokens, 8u);
+  EXPECT_DOUBLE_EQ(c[1].cost, 712);
+  EXPECT_DOUBLE_EQ(c[2].cost, 840);
+  EXPECT_EQ(d.chosen, 0u);
+  EXPECT_EQ(d.reason, Reason::kLowestCost);
+  // Cached blocks past the prompt's end count only up to it.
+  std::vector<Candidate> full = {C("a", 100, 5, 0)};
+  Decide(k, 1000, 16, 1, full);
+  EXPECT_EQ(full[0].prefill_tokens, 0u);
+  EXPECT_DOUBLE_EQ(full[0].cost, 0);
+}
+
+TEST(Cost, TiesBreakByRequestHashStablyAndSpread) {
+  CostKnobs k;
+  std::map<std::string, int> wins;
+  for (uint64_t req = 0; req < 4000; ++req) {
+    std::vector<Candidate> a = {C("w0", 0, 0, 0), C("w1", 0, 0, 0), C("w2", 0, 0, 0),
+                                C("w3", 0, 0, 0)};
+    std::vector<Candidate> b = {a[3], a[1], a[0], a[2]};  // another order
+    auto da = Decide(k, 100, 16, req * 0x9E3779B97F4A7C15ull, a);
+    auto db = Decide(k, 100, 16, req * 0x9E3779B97F4A7C15ull, b);
+    EXPECT_EQ(da.reason, Reason::kTieBreak);
+    EXPECT_EQ(a[da.chosen].worker_id, b[db.chosen].worker_id);  // order does not matter
+    wins[a[da.chosen].worker_id]++;
+  }
+  for (const auto& [w, n] : wins) EXPECT_NEAR(n, 1000, 150) << w;  // ties spread evenly
+  // Removing a worker that did not win keeps the decision (rendezvous hashing).
+  for (uint64_t req = 0; req < 200; ++req) {
+    std::vector<Candidate> all = {C("w0", 0, 0, 0), C("w1", 0, 0, 0), C("w2", 0, 0, 0)};
+    auto d = Decide(k, 100, 16, req, all);
+    std::string winner = all[d.chosen].worker_id;
+    std::vector<Candidate> fewer;
+    bool dropped = false;
+    for (const auto& c : all) {
+      if (c.worker_id != winner && !dropped) {
+        dropped = true;
+        continue;
+      }
+      fewer.push_back(c);
+    }
+    auto d2 = Decide(k, 100, 16, req, fewer);
+    EXPECT_EQ(fewer[d2.chosen].worker_id, winner);
+  }
+}
+
+TEST(Cost, BalanceGuardRoutesByLoadAlone) {
+  CostKnobs k;
+  k.balance_threshold_tokens = 1000;
+  // Everyone shares the system prompt on w0, which is far busier.
+  std::vector<Candidate> c = {C("w0", 4, 0, 5000), C("w1", 0, 0, 200), C("w2", 0, 0, 100)};
+  auto d = Decide(k, 100, 16, 9, c);
+  EXPECT_EQ(d.reason, Reason::kBalanceGuard);
+  EXPECT_EQ(c[d.chosen].worker_id, "w2");
+  // Within the threshold, cost decides.
+  std::vector<Candidate> calm = {C("w0", 4, 0, 600), C("w1", 0, 0, 200), C("w2", 0, 0, 100)};
+  d = Decide(k, 1000, 16, 9, calm);
+  EXPECT_NE(d.reason, Reason::kBalanceGuard);
+  // w0: 1000-64+600 = 1536; w1: 1200; w2: 1100.
+  EXPECT_EQ(calm[d.chosen].worker_id, "w2");
+  EXPECT_DOUBLE_EQ(calm[d.chosen].cost, 1100);
+}
+
+TEST(Cost, TemperatureSamplesDeterministicallyPerRequest) {
+  CostKnobs k;
+  k.temperature = 0.5;
+  std::map<std::string, int> wins;
+  for (uint64_t req = 0; req < 2000; ++req) {
+    std::vector<Candidate> c = {C("a", 10, 0, 0), C("b", 0, 0, 0)};
+    std::vector<Candidate> again = c;
+    auto d = Decide(k, 320, 16, req, c);
+    auto d2 = Decide(k, 320, 16, req, again);
+    EXPECT_EQ(d.reason, Reason::kSampled);
+    EXPECT_EQ(c[d.chosen].worker_id, again[d2.chosen].worker_id);
+    wins[c[d.chosen].worker_id]++;
+  }
+  // a costs 160, b 320: weight ratio e^(160/160) = e, so a wins ~73 %.
+  EXPECT_NEAR(wins["a"] / 2000.0, 0.731, 0.04);
+}
+
+}  // namespace
+}  // namespace kvtier::router

@@ -2,9 +2,14 @@
 // from common/process.h.
 #pragma once
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "common/process.h"
 
@@ -24,5 +29,60 @@ inline std::string BlockBytesFor(uint64_t n, size_t size) {
   }
   return s;
 }
+
+}  // namespace kvtier::testing
+
+namespace kvtier::testing {
+
+// Polls pred every 10 ms until it holds or timeout passes; returns pred().
+template <typename Pred>
+bool WaitFor(Pred pred, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  auto end = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return pred();
+}
+
+// A free TCP port on 127.0.0.1 (for servers that must come back on the same port).
+inline int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// A kvtier server binary on 127.0.0.1 that reports its port through
+// --port-file; stopped (SIGKILL) on destruction.
+class ServerProcess {
+ public:
+  ServerProcess(std::string binary, std::string scratch, std::vector<std::string> args)
+      : binary_(std::move(binary)), scratch_(std::move(scratch)), args_(std::move(args)) {
+    Start();
+  }
+  void Start() {
+    std::string port_file = scratch_ + ".port";
+    std::remove(port_file.c_str());
+    std::vector<std::string> args = args_;
+    args.push_back("--port-file=" + port_file);
+    proc_ = std::make_unique<Process>(binary_, args, scratch_ + ".log");
+    port_ = WaitForPortFile(port_file, std::chrono::seconds(20));
+  }
+  int port() const { return port_; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  Process& proc() { return *proc_; }
+
+ private:
+  std::string binary_, scratch_;
+  std::vector<std::string> args_;
+  std::unique_ptr<Process> proc_;
+  int port_ = 0;
+};
 
 }  // namespace kvtier::testing

@@ -7,6 +7,7 @@
 namespace kvtier::bench {
 int RunStoreBench(int argc, const char* const* argv);
 int RunTraceStore(int argc, const char* const* argv);
+int RunRouterBench(int argc, const char* const* argv);
 }  // namespace kvtier::bench
 
 namespace {
@@ -17,7 +18,9 @@ void Usage(FILE* out) {
       "  store   inline gRPC put/get of kvtier-store (RAM and NVMe hits) beside\n"
       "          redis-benchmark and fio with the same block size\n"
       "  trace   replay a Mooncake trace against a kvtier-store as a shared cache,\n"
-      "          verifying every byte, beside the infinite-cache bound\n\n"
+      "          verifying every byte, beside the infinite-cache bound\n"
+      "  router  Route latency, event ingestion and memory per block of the router\n"
+      "          index, beside a bare hash walk and round-robin over the same gRPC path\n\n"
       "Run 'kvtier-bench COMMAND --help' for a command's flags.\n",
       out);
 }
@@ -32,6 +35,7 @@ int main(int argc, char** argv) {
   const char* const* sub = argv + 1;
   if (cmd == "store") return kvtier::bench::RunStoreBench(argc - 1, sub);
   if (cmd == "trace") return kvtier::bench::RunTraceStore(argc - 1, sub);
+  if (cmd == "router") return kvtier::bench::RunRouterBench(argc - 1, sub);
   std::fprintf(stderr, "kvtier-bench: unknown command \"%s\"\n\n", cmd.c_str());
   Usage(stderr);
   return 2;

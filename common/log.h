@@ -10,6 +10,9 @@ namespace kvtier {
 
 void LogLine(absl::string_view component, absl::string_view message);
 
+// Turns event logging off (benchmarks that drive thousands of events).
+void SetLogQuiet(bool quiet);
+
 template <typename... Args>
 void Log(absl::string_view component, const Args&... args) {
   LogLine(component, absl::StrCat(args...));

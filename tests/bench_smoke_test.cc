@@ -44,3 +44,20 @@ TEST(BenchSmoke, TraceReplayVerifiesEveryByteAndStaysUnderTheBound) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(BenchSmoke, RouterBenchReportsLatencyIngestionAndMemory) {
+  auto j = RunJson("router --blocks 20000 --requests 50 --prompt-blocks 200 --workers 8,64 --json");
+  ASSERT_EQ(j["cases"].size(), 2u);
+  for (const auto& c : j["cases"]) {
+    EXPECT_GE(c["indexed_blocks"].get<uint64_t>(), 19000u) << c.dump();
+    EXPECT_GT(c["route_inproc_p99_us"].get<double>(), 0) << c.dump();
+    EXPECT_GT(c["route_grpc_p99_us"].get<double>(), 0) << c.dump();
+    EXPECT_GT(c["ratio_grpc_p99_vs_round_robin"].get<double>(), 0) << c.dump();
+    EXPECT_GT(c["block_events_per_s"].get<double>(), 0) << c.dump();
+    EXPECT_GT(c["index_bytes_per_block"].get<double>(), 20) << c.dump();
+  }
+}
+
+}  // namespace

@@ -239,10 +239,23 @@ absl::Status DiskTier::Write(const BlockKey& key, const uint8_t* data, uint64_t 
         "block record of ", record_bytes, " bytes exceeds the disk quota of ", options_.bytes));
   }
   std::string record = EncodeRecord(data, length, checksum);
+  std::vector<BlockKey> victims;
+  absl::Status st = WriteAndCollect(key, record, length, checksum, &victims);
+  if (st.ok() && listener_) {
+    for (const auto& v : victims) listener_(v, false);
+    listener_(key, true);
+  }
+  return st;
+}
+
+absl::Status DiskTier::WriteAndCollect(const BlockKey& key, const std::string& record,
+                                   uint64_t length, uint64_t checksum,
+                                   std::vector<BlockKey>* evicted) {
+  const uint64_t record_bytes = record.size();
   std::lock_guard lk(mu_);
   if (index_.count(key)) return absl::OkStatus();
   rocksdb::WriteBatch batch;
-  std::vector<BlockKey> victims;
+  std::vector<BlockKey>& victims = *evicted;
   uint64_t used = counters_.used_bytes.load();
   uint64_t freed = 0;
   while (used - freed + record_bytes > options_.bytes) {
@@ -263,6 +276,7 @@ absl::Status DiskTier::Write(const BlockKey& key, const uint8_t* data, uint64_t 
   if (!s.ok()) {
     // Nothing was applied: put the victims back in the policy as they were.
     for (const auto& vk : victims) policy_->Insert(index_.at(vk).seq);
+    victims.clear();
     SetDegraded(s.ToString());
     return FromRocks(s, "writing a block to the disk tier");
   }
@@ -320,10 +334,25 @@ absl::StatusOr<std::string> DiskTier::Read(const BlockKey& key, uint64_t* checks
 }
 
 EraseCounts DiskTier::EraseKeys(const std::vector<BlockKey>& keys) {
+  std::vector<BlockKey> gone;
+  EraseCounts c = EraseAndCollect(keys, &gone);
+  if (listener_) {
+    for (const auto& k : gone) listener_(k, false);
+  }
+  return c;
+}
+
+EraseCounts DiskTier::EraseAndCollect(const std::vector<BlockKey>& keys,
+                                      std::vector<BlockKey>* gone) {
   EraseCounts c;
   {
     std::lock_guard lk(queue_mu_);
-    for (const auto& k : keys) c.erased += pending_.erase(k);
+    for (const auto& k : keys) {
+      if (pending_.erase(k)) {
+        ++c.erased;
+        gone->push_back(k);
+      }
+    }
   }
   std::lock_guard lk(mu_);
   rocksdb::WriteBatch batch;
@@ -346,8 +375,17 @@ EraseCounts DiskTier::EraseKeys(const std::vector<BlockKey>& keys) {
     policy_->Erase(index_.at(k).seq);
     DropIndexLocked(k);
     ++c.erased;
+    gone->push_back(k);
   }
   return c;
+}
+
+std::vector<BlockKey> DiskTier::Keys() const {
+  std::lock_guard lk(mu_);
+  std::vector<BlockKey> out;
+  out.reserve(index_.size());
+  for (const auto& [k, e] : index_) out.push_back(k);
+  return out;
 }
 
 EraseCounts DiskTier::Erase(const std::vector<BlockKey>& keys) { return EraseKeys(keys); }

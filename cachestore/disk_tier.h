@@ -54,6 +54,11 @@ class DiskTier {
   // Drains the write-back queue, then closes the database.
   ~DiskTier();
 
+  // Set once, before the tier is used. Not called under the tier's locks.
+  void SetChangeListener(ChangeListener listener) { listener_ = std::move(listener); }
+  // Every block on disk (for an initial announcement).
+  std::vector<BlockKey> Keys() const;
+
   // True if the block is on disk or waiting in the write-back queue.
   bool Contains(const BlockKey& key) const;
 
@@ -102,9 +107,13 @@ class DiskTier {
   // REQUIRES: mu_ held.
   void DropIndexLocked(const BlockKey& key);
   EraseCounts EraseKeys(const std::vector<BlockKey>& keys);
+  EraseCounts EraseAndCollect(const std::vector<BlockKey>& keys, std::vector<BlockKey>* gone);
+  absl::Status WriteAndCollect(const BlockKey& key, const std::string& record, uint64_t length,
+                           uint64_t checksum, std::vector<BlockKey>* evicted);
   void SetDegraded(const std::string& reason);
 
   DiskTierOptions options_;
+  ChangeListener listener_;
   rocksdb::DB* db_ = nullptr;
   rocksdb::ColumnFamilyHandle* blocks_cf_ = nullptr;
   rocksdb::ColumnFamilyHandle* index_cf_ = nullptr;

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "cachestore/service.h"
 #include "cachestore/store.h"
 #include "common/config.h"
@@ -33,6 +34,8 @@ struct Flags {
   int64_t ram_shards = 0;
   uint64_t max_message_bytes = 64ull << 20;
   std::string port_file;
+  std::string routers;
+  std::string store_id;
 };
 
 }  // namespace
@@ -64,7 +67,19 @@ int main(int argc, char** argv) {
   flags.Bytes("max-message-bytes", &f.max_message_bytes,
               "Largest gRPC message accepted or sent (bounds inline block size)");
   flags.String("port-file", &f.port_file, "Write the bound gRPC port to this file once serving");
+  flags.String("router", &f.routers,
+               "Comma-separated kvtier-router addresses to publish this shard's blocks to");
+  flags.String("store-id", &f.store_id,
+               "This shard's id towards routers [default: kvtier-store@LISTEN]");
   kvtier::ParseFlagsOrExit(flags, argc, argv);
+  std::vector<std::string> routers;
+  for (absl::string_view r : absl::StrSplit(f.routers, ',', absl::SkipEmpty())) {
+    if (auto s = kvtier::ValidateHostPort(std::string(r)); !s.ok()) {
+      std::fprintf(stderr, "kvtier-store: flag --router: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+    routers.emplace_back(r);
+  }
 
   if (f.disk_bytes == 0) {
     std::fprintf(stderr, "kvtier-store: flag --disk-bytes must be above 0\n");
@@ -100,6 +115,8 @@ int main(int argc, char** argv) {
   o.disk.queue_bytes = f.demote_queue_bytes;
   o.disk.admission = f.disk_admission;
   o.lease_ms = f.lease_ms;
+  o.routers = routers;
+  o.store_id = f.store_id.empty() ? "kvtier-store@" + f.listen : f.store_id;
   auto store = kvtier::store::Store::Open(o);
   if (!store.ok()) {
     std::fprintf(stderr, "kvtier-store: %s\n", std::string(store.status().message()).c_str());

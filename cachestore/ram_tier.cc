@@ -50,7 +50,10 @@ void RamTier::FreeSlotLocked(Shard& s, uint64_t offset) {
   const Entry& e = it->second;
   if (!e.doomed) {
     s.index.erase(e.key);
-    if (e.ready) counters_.items.fetch_sub(1, std::memory_order_relaxed);
+    if (e.ready) {
+      counters_.items.fetch_sub(1, std::memory_order_relaxed);
+      if (listener_) listener_(e.key, false);
+    }
   }
   counters_.used_bytes.fetch_sub(e.klass, std::memory_order_relaxed);
   s.classes[e.klass].free.push_back(offset);
@@ -151,6 +154,7 @@ bool RamTier::PublishInternal(const BlockKey& key, const Slot& slot, uint64_t ch
   if (pin) ++e.pins;
   s.policy->Insert(slot.offset);
   counters_.items.fetch_add(1, std::memory_order_relaxed);
+  if (listener_) listener_(key, true);
   counters_.bytes_in.fetch_add(e.length, std::memory_order_relaxed);
   return true;
 }
@@ -216,7 +220,10 @@ void RamTier::DropLocked(Shard& s, uint64_t offset, EraseCounts* counts) {
   }
   // In use by a lease: invisible from now on, freed when the lease lets go.
   s.index.erase(e.key);
-  if (e.ready) counters_.items.fetch_sub(1, std::memory_order_relaxed);
+  if (e.ready) {
+    counters_.items.fetch_sub(1, std::memory_order_relaxed);
+    if (listener_) listener_(e.key, false);
+  }
   e.doomed = true;
   ++counts->pinned;
 }

@@ -46,6 +46,9 @@ struct EvictedBlock {
 };
 // Returns true if the block was accepted for the lower tier (a demotion).
 using DemotionSink = std::function<bool(const EvictedBlock&)>;
+// Told when a block becomes visible in a tier (true) or leaves it (false).
+// Called under the tier's locks: it must be quick and must not call back.
+using ChangeListener = std::function<void(const BlockKey&, bool added)>;
 
 // A slot in the arena. offset identifies the slot for its whole life.
 struct Slot {
@@ -60,6 +63,9 @@ class RamTier {
  public:
   static absl::StatusOr<std::unique_ptr<RamTier>> Create(const RamTierOptions& options,
                                                          DemotionSink sink);
+
+  // Set once, before the tier is used.
+  void SetChangeListener(ChangeListener listener) { listener_ = std::move(listener); }
 
   // True if key is READY.
   bool Contains(const BlockKey& key) const;
@@ -140,6 +146,7 @@ class RamTier {
 
   std::unique_ptr<Arena> arena_;
   DemotionSink sink_;
+  ChangeListener listener_;
   std::vector<std::unique_ptr<Shard>> shards_;
   std::vector<uint32_t> slab_used_;  // slots in use per slab (guarded by the owning shard)
   mutable TierCounters counters_;

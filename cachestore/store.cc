@@ -61,7 +61,52 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
     s->namespaces_[id] = NamespaceInfo{id, spec, BlockBytes(spec)};
   }
   s->reaper_ = std::thread([p = s.get()] { p->ReaperLoop(); });
+  if (!o.routers.empty()) {
+    for (const auto& r : o.routers) {
+      PublisherOptions po;
+      po.router = r;
+      po.hello.set_source_id(o.store_id);
+      po.hello.set_kind(v1::SOURCE_STORE);
+      po.heartbeat_ms = o.heartbeat_ms;
+      s->publishers_.push_back(std::make_unique<EventPublisher>(po));
+    }
+    Store* self = s.get();
+    auto listener = [self](const BlockKey& k, bool added) {
+      std::lock_guard lk(self->change_mu_);
+      self->changes_.emplace_back(k, added);
+      self->change_cv_.notify_one();
+    };
+    s->ram_->SetChangeListener(listener);
+    s->disk_->SetChangeListener(listener);
+    for (const auto& k : s->disk_->Keys()) listener(k, true);  // announce the NVMe tier
+    s->notifier_ = std::thread([self] { self->NotifierLoop(); });
+  }
   return s;
+}
+
+void Store::NotifierLoop() {
+  std::vector<std::pair<BlockKey, bool>> batch;
+  for (;;) {
+    {
+      std::unique_lock lk(change_mu_);
+      change_cv_.wait(lk, [&] { return notifier_stop_ || !changes_.empty(); });
+      if (notifier_stop_ && changes_.empty()) return;
+      batch.swap(changes_);
+    }
+    std::map<uint64_t, std::vector<BlockHash>> stored, removed;
+    for (const auto& [k, added] : batch) {
+      if (added) {
+        stored[k.ns].push_back(k.hash);
+      } else if (!ram_->Contains(k) && !disk_->Contains(k)) {
+        removed[k.ns].push_back(k.hash);  // gone from both tiers
+      }
+    }
+    batch.clear();
+    for (auto& p : publishers_) {
+      for (const auto& [ns, hs] : stored) p->Stored(ns, hs);
+      for (const auto& [ns, hs] : removed) p->Removed(ns, hs);
+    }
+  }
 }
 
 Store::~Store() {
@@ -71,6 +116,16 @@ Store::~Store() {
   }
   reaper_cv_.notify_all();
   if (reaper_.joinable()) reaper_.join();
+  {
+    std::lock_guard lk(change_mu_);
+    notifier_stop_ = true;
+  }
+  change_cv_.notify_all();
+  if (notifier_.joinable()) notifier_.join();
+  for (auto& p : publishers_) p->Stop();
+  // The tiers outlive this object's threads; stop them calling back into it.
+  if (ram_) ram_->SetChangeListener(nullptr);
+  if (disk_) disk_->SetChangeListener(nullptr);
 }
 
 absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(const NamespaceSpec& spec,

@@ -24,6 +24,7 @@
 #include "cachestore/disk_tier.h"
 #include "cachestore/ram_tier.h"
 #include "common/block_key.h"
+#include "common/router_client.h"
 
 namespace kvtier::store {
 
@@ -36,6 +37,11 @@ struct StoreOptions {
   RamTierOptions ram;
   DiskTierOptions disk;
   uint64_t lease_ms = 10000;
+  // Routers to publish this shard's blocks to (BlockStored when a block
+  // enters the store, BlockRemoved when it leaves both tiers); may be empty.
+  std::vector<std::string> routers;
+  std::string store_id = "kvtier-store";
+  uint64_t heartbeat_ms = 1000;
 };
 
 struct NamespaceInfo {
@@ -134,6 +140,8 @@ class Store {
   absl::StatusOr<Lease> TakeLease(uint64_t id, bool is_put);
   void ReleaseLease(const Lease& lease);
   void ReaperLoop();
+  // Turns tier changes into router events (off the tiers' locks).
+  void NotifierLoop();
 
   StoreOptions options_;
   std::unique_ptr<DiskTier> disk_;  // destroyed after ram_ (RAM demotes into it)
@@ -151,6 +159,13 @@ class Store {
   std::atomic<uint64_t> commit_checksum_failures_{0};
   bool stop_ = false;
   std::thread reaper_;
+
+  std::vector<std::unique_ptr<EventPublisher>> publishers_;
+  std::mutex change_mu_;
+  std::condition_variable change_cv_;
+  std::vector<std::pair<BlockKey, bool>> changes_;
+  bool notifier_stop_ = false;
+  std::thread notifier_;
 };
 
 }  // namespace kvtier::store

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 #include "common/log.h"
 
@@ -68,33 +69,29 @@ void EventPublisher::Enqueue(v1::KvEvent e) {
 }
 
 void EventPublisher::Stored(uint64_t ns, const std::vector<BlockHash>& hashes) {
-  if (hashes.empty()) return;
   std::lock_guard lk(mu_);
-  for (size_t off = 0; off < hashes.size(); off += kChunk) {
-    v1::KvEvent e;
+  v1::KvEvent e;
+  for (const auto& h : hashes) {
+    if (!mirror_.insert(BlockKey{ns, h}).second) continue;  // already published
     auto* s = e.mutable_stored();
     s->set_namespace_id(ns);
-    for (size_t i = off; i < std::min(hashes.size(), off + kChunk); ++i) {
-      Fill(hashes[i], s->add_hashes());
-      mirror_.insert(BlockKey{ns, hashes[i]});
-    }
-    Enqueue(std::move(e));
+    Fill(h, s->add_hashes());
+    if (s->hashes_size() == static_cast<int>(kChunk)) Enqueue(std::exchange(e, v1::KvEvent()));
   }
+  if (e.has_stored()) Enqueue(std::move(e));
 }
 
 void EventPublisher::Removed(uint64_t ns, const std::vector<BlockHash>& hashes) {
-  if (hashes.empty()) return;
   std::lock_guard lk(mu_);
-  for (size_t off = 0; off < hashes.size(); off += kChunk) {
-    v1::KvEvent e;
+  v1::KvEvent e;
+  for (const auto& h : hashes) {
+    if (!mirror_.erase(BlockKey{ns, h})) continue;  // never published
     auto* r = e.mutable_removed();
     r->set_namespace_id(ns);
-    for (size_t i = off; i < std::min(hashes.size(), off + kChunk); ++i) {
-      Fill(hashes[i], r->add_hashes());
-      mirror_.erase(BlockKey{ns, hashes[i]});
-    }
-    Enqueue(std::move(e));
+    Fill(h, r->add_hashes());
+    if (r->hashes_size() == static_cast<int>(kChunk)) Enqueue(std::exchange(e, v1::KvEvent()));
   }
+  if (e.has_removed()) Enqueue(std::move(e));
 }
 
 void EventPublisher::Cleared() {

@@ -43,6 +43,8 @@ class EventPublisher {
   explicit EventPublisher(PublisherOptions options, LoadFn load = nullptr);
   ~EventPublisher();
 
+  // Publish changes; blocks already published as stored (or never
+  // published) are skipped, so callers may report the same change twice.
   void Stored(uint64_t ns, const std::vector<BlockHash>& hashes);
   void Removed(uint64_t ns, const std::vector<BlockHash>& hashes);
   void Cleared();

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "common/router_client.h"
+#include "common/store_client.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -290,6 +291,45 @@ TEST_F(RouterIntegration, BadRequestsGetClearStatusesAndTheRouterKeepsServing) {
   // Still serving, index intact.
   ASSERT_TRUE(client_->Route(Chain(0, 3), &r).ok());
   EXPECT_EQ(r.gpu_hit_blocks(), 3u);
+}
+
+TEST_F(RouterIntegration, AStoreShardPublishesWhatItHolds) {
+  StartRouter();
+  ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
+                      {"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("store-db"),
+                       "--ram-bytes=1MiB", "--ram-slab-bytes=256KiB", "--hugepages=false",
+                       "--router=" + router_->address(), "--store-id=store-a"});
+  ASSERT_GT(store.port(), 0);
+  StoreClient sc(store.address());
+  auto ns = sc.RegisterNamespace(NamespaceSpec{"m", "fp16", 1, 1, 64, 256, 0, 1, ""});
+  ASSERT_TRUE(ns.ok());
+  std::vector<std::string> data;
+  std::vector<std::pair<BlockHash, std::string_view>> blocks;
+  for (uint64_t i = 0; i < 24; ++i) data.push_back(std::string(64 << 10, static_cast<char>(i)));
+  for (uint64_t i = 0; i < 24; ++i) blocks.emplace_back(H(i), data[i]);
+  ASSERT_TRUE(sc.PutInline(ns->id, blocks).ok());  // 16 fit in RAM, 8 are demoted
+  ASSERT_TRUE(WaitFor([&] { return client_->Blocks("store-a") == 24; }))
+      << client_->Blocks("store-a");
+  auto src = client_->Sources()["store-a"];
+  EXPECT_EQ(src.kind(), v1::SOURCE_STORE);
+  // A worker of that namespace: the router sees the store can feed it.
+  PublisherOptions o;
+  o.router = router_->address();
+  o.hello.set_source_id("w1");
+  o.hello.set_kind(v1::SOURCE_WORKER);
+  o.hello.set_endpoint("w1:1");
+  o.hello.set_namespace_id(ns->id);
+  o.hello.set_block_tokens(256);
+  EventPublisher w1(o);
+  ASSERT_TRUE(WaitFor([&] { return client_->Sources().count("w1") == 1; }));
+  v1::RouteResponse r;
+  ASSERT_TRUE(client_->Route(Chain(0, 30), &r, ns->id).ok());
+  EXPECT_EQ(r.store_hit_blocks(), 24u);
+  // Evicting from the store withdraws the blocks.
+  v1::EvictRequest all;
+  all.set_all(true);
+  ASSERT_TRUE(sc.Evict(all).ok());
+  ASSERT_TRUE(WaitFor([&] { return client_->Blocks("store-a") == 0; }));
 }
 
 TEST(RouterFlags, BadFlagsExitNonZeroNamingTheFlag) {

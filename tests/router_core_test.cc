@@ -110,6 +110,21 @@ TEST_F(RouterCoreTest, EventsApplyInOrderAndDuplicatesAreIgnored) {
   EXPECT_EQ(st.indexed_blocks(), 2u);
 }
 
+TEST_F(RouterCoreTest, AllClearedDropsEverythingOfThatSourceOnly) {
+  Join("w1", {0, 1, 2});
+  Join("w2", {0, 1});
+  v1::SourceMessage clear;
+  clear.mutable_event()->set_seq(1);
+  clear.mutable_event()->mutable_cleared();
+  EXPECT_TRUE(Send("w1", clear).empty());
+  EXPECT_EQ(Blocks("w1"), 0u);
+  EXPECT_EQ(Blocks("w2"), 2u);
+  auto st = core_.Stats();
+  EXPECT_EQ(st.indexed_blocks(), 2u);
+  EXPECT_EQ(st.indexed_replicas(), 2u);
+  EXPECT_EQ(core_.Route(Req(3))->worker_id, "w2");
+}
+
 TEST_F(RouterCoreTest, AGapAsksForASnapshotThatReplacesTheIndex) {
   Join("w1", {});
   Send("w1", Stored(1, {0, 1}));

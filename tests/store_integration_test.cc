@@ -288,6 +288,30 @@ TEST(StoreIntegration, BadRequestsGetClearStatusesAndTheStoreKeepsServing) {
   EXPECT_NE(generic_status.error_message().find("/kvtier.v1.Store/Lookup"), std::string::npos)
       << generic_status.error_message();
 
+  // A valid request cut short in the middle of a field.
+  v1::LookupRequest whole;
+  whole.set_namespace_id(ns->id);
+  ToProto(H(1), whole.add_hashes());
+  std::string bytes = whole.SerializeAsString();
+  bytes.resize(bytes.size() - 5);
+  grpc::Slice cut(bytes.data(), bytes.size());
+  grpc::ByteBuffer truncated(&cut, 1);
+  grpc::ClientContext ctx2;
+  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  done = false;
+  generic.UnaryCall(&ctx2, "/kvtier.v1.Store/Lookup", {}, &truncated, &response,
+                    [&](grpc::Status s) {
+                      std::lock_guard lk(mu);
+                      generic_status = s;
+                      done = true;
+                      cv.notify_one();
+                    });
+  {
+    std::unique_lock lk(mu);
+    cv.wait(lk, [&] { return done; });
+  }
+  EXPECT_EQ(generic_status.error_code(), grpc::INVALID_ARGUMENT) << generic_status.error_message();
+
   // Still serving, nothing lost.
   auto got = c.GetInline(ns->id, Chain(0, 3));
   ASSERT_TRUE(got.ok());

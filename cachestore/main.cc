@@ -36,6 +36,7 @@ struct Flags {
   std::string port_file;
   std::string routers;
   std::string store_id;
+  std::string ucx_listen;
 };
 
 }  // namespace
@@ -67,6 +68,9 @@ int main(int argc, char** argv) {
   flags.Bytes("max-message-bytes", &f.max_message_bytes,
               "Largest gRPC message accepted or sent (bounds inline block size)");
   flags.String("port-file", &f.port_file, "Write the bound gRPC port to this file once serving");
+  flags.String("ucx-listen", &f.ucx_listen,
+               "UCX data-plane listener HOST:PORT (clients RMA blocks into the RAM arena; "
+               "transports follow UCX_TLS); empty: inline gRPC path only");
   flags.String("router", &f.routers,
                "Comma-separated kvtier-router addresses to publish this shard's blocks to");
   flags.String("store-id", &f.store_id,
@@ -123,7 +127,22 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  kvtier::store::StoreService service(store->get());
+  std::unique_ptr<kvtier::store::DataPlaneServer> dataplane;
+  if (!f.ucx_listen.empty()) {
+    if (auto s = kvtier::ValidateHostPort(f.ucx_listen); !s.ok()) {
+      std::fprintf(stderr, "kvtier-store: flag --ucx-listen: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+    auto& arena = (*store)->ram().arena();
+    auto dp = kvtier::store::DataPlaneServer::Start(f.ucx_listen, arena.base(), arena.size());
+    if (!dp.ok()) {
+      std::fprintf(stderr, "kvtier-store: UCX data plane: %s\n",
+                   std::string(dp.status().message()).c_str());
+      return 1;
+    }
+    dataplane = std::move(*dp);
+  }
+  kvtier::store::StoreService service(store->get(), dataplane.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
@@ -143,7 +162,8 @@ int main(int argc, char** argv) {
               " bytes in ", (*store)->ram().shards(), " shards",
               (*store)->ram().arena().hugepages() ? ", hugepages" : "", "; disk quota ",
               f.disk_bytes, " bytes in ", f.data_dir, ")");
-  std::printf("kvtier-store listening on %s:%d\n", host.c_str(), port);
+  std::printf("kvtier-store listening on %s:%d%s%s\n", host.c_str(), port,
+              dataplane ? ", UCX on " : "", dataplane ? dataplane->address().c_str() : "");
   std::fflush(stdout);
   if (!f.port_file.empty()) {
     std::string tmp = f.port_file + ".tmp";
@@ -159,6 +179,7 @@ int main(int argc, char** argv) {
   });
   server->Wait();
   signals.join();
+  dataplane.reset();
   store->reset();  // drains the write-back queue
   kvtier::Log("store", "stopped");
   return 0;

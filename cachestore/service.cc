@@ -68,10 +68,11 @@ void FillPolicy(Store* store, Tier tier, v1::TierPolicy* out) {
 
 }  // namespace
 
-StoreService::StoreService(Store* store) : store_(store), started_(Clock::now()) {
+StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
+    : store_(store), dataplane_(dataplane), started_(Clock::now()) {
   for (const char* rpc : {"RegisterNamespace", "ListNamespaces", "Lookup", "BeginPut",
                           "CommitPut", "AbortPut", "BeginGet", "EndGet", "PutBlocks", "GetBlocks",
-                          "Evict", "GetStats", "GetPolicy", "SetPolicy"}) {
+                          "Evict", "GetStats", "GetPolicy", "SetPolicy", "ConnectDataPlane"}) {
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
 }
@@ -329,6 +330,24 @@ grpc::Status StoreService::SetPolicy(grpc::ServerContext*, const v1::SetPolicyRe
     return t.Done(ToGrpc(s));
   }
   FillPolicy(store_, *tier, resp->mutable_policy());
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
+                                            const v1::ConnectDataPlaneRequest* req,
+                                            v1::ConnectDataPlaneResponse* resp) {
+  RpcTimer t(Histogram("ConnectDataPlane"));
+  if (!dataplane_) {
+    return t.Done(grpc::Status(grpc::FAILED_PRECONDITION,
+                               "this store has no UCX data plane (start kvtier-store with "
+                               "--ucx-listen HOST:PORT); use PutBlocks/GetBlocks instead"));
+  }
+  resp->set_ucx_address(dataplane_->address());
+  auto* r = resp->add_regions();
+  r->set_rkey_id(0);
+  r->set_base_addr(dataplane_->base());
+  r->set_length(dataplane_->length());
+  r->set_packed_rkey(dataplane_->packed_rkey());
   return t.Done(grpc::Status::OK);
 }
 

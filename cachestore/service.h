@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "cachestore/dataplane.h"
 #include "cachestore/store.h"
 #include "common/histogram.h"
 #include "kvtier/v1/store.grpc.pb.h"
@@ -14,7 +15,8 @@ namespace kvtier::store {
 
 class StoreService final : public kvtier::v1::Store::Service {
  public:
-  explicit StoreService(Store* store);
+  // dataplane may be null (no UCX data plane: inline path only).
+  StoreService(Store* store, DataPlaneServer* dataplane);
 
   grpc::Status RegisterNamespace(grpc::ServerContext*, const v1::RegisterNamespaceRequest*,
                                  v1::RegisterNamespaceResponse*) override;
@@ -44,11 +46,14 @@ class StoreService final : public kvtier::v1::Store::Service {
                          v1::GetPolicyResponse*) override;
   grpc::Status SetPolicy(grpc::ServerContext*, const v1::SetPolicyRequest*,
                          v1::SetPolicyResponse*) override;
+  grpc::Status ConnectDataPlane(grpc::ServerContext*, const v1::ConnectDataPlaneRequest*,
+                                v1::ConnectDataPlaneResponse*) override;
 
  private:
   LatencyHistogram& Histogram(const std::string& rpc) { return *histograms_.at(rpc); }
 
   Store* store_;
+  DataPlaneServer* dataplane_;
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
   std::chrono::steady_clock::time_point started_;
 };

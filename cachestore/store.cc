@@ -227,30 +227,42 @@ void Store::ReleaseLease(const Lease& lease) {
 
 void Store::ReaperLoop() {
   const auto period = std::chrono::milliseconds(std::clamp<uint64_t>(options_.lease_ms / 4, 1, 200));
+  const auto grace = std::chrono::milliseconds(options_.lease_ms);
   std::unique_lock lk(lease_mu_);
   while (!stop_) {
     reaper_cv_.wait_for(lk, period, [&] { return stop_; });
     auto now = std::chrono::steady_clock::now();
-    std::vector<std::pair<uint64_t, Lease>> expired;
+    size_t expired = 0;
     for (auto it = leases_.begin(); it != leases_.end();) {
       if (it->second.deadline <= now) {
         (it->second.is_put ? put_leases_ : get_leases_)--;
-        expired.emplace_back(it->first, std::move(it->second));
+        Log("store", it->second.is_put ? "put" : "get", " lease ", it->first, " expired; its ",
+            it->second.items.size(), " slots are reclaimed after a grace period");
+        graveyard_.emplace_back(now + grace, std::move(it->second));
         it = leases_.erase(it);
+        ++expired;
       } else {
         ++it;
       }
     }
-    if (expired.empty()) continue;
-    lk.unlock();
-    for (const auto& [id, lease] : expired) {
-      ReleaseLease(lease);
-      Log("store", lease.is_put ? "put" : "get", " lease ", id, " expired; ", lease.items.size(),
-          " slots reclaimed");
+    leases_expired_.fetch_add(expired);
+    std::vector<Lease> due;
+    for (auto it = graveyard_.begin(); it != graveyard_.end();) {
+      if (it->first <= now) {
+        due.push_back(std::move(it->second));
+        it = graveyard_.erase(it);
+      } else {
+        ++it;
+      }
     }
-    leases_expired_.fetch_add(expired.size());
+    if (due.empty()) continue;
+    lk.unlock();
+    for (const auto& lease : due) ReleaseLease(lease);
     lk.lock();
   }
+  // Shutting down: nothing can write any more.
+  for (const auto& [t, lease] : graveyard_) ReleaseLease(lease);
+  graveyard_.clear();
 }
 
 absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const BlockHash> hashes,

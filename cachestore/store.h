@@ -153,6 +153,9 @@ class Store {
   mutable std::mutex lease_mu_;
   std::condition_variable reaper_cv_;
   std::unordered_map<uint64_t, Lease> leases_;
+  // Expired leases whose slots are held one more lease period before reuse,
+  // so a late RMA from a slow or dead client cannot land in a reused slot.
+  std::vector<std::pair<std::chrono::steady_clock::time_point, Lease>> graveyard_;
   uint64_t next_lease_ = 1;
   uint64_t put_leases_ = 0, get_leases_ = 0;
   std::atomic<uint64_t> leases_expired_{0};

@@ -6,6 +6,8 @@
 #include <sys/socket.h>
 
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -75,6 +77,11 @@ class ServerProcess {
     port_ = WaitForPortFile(port_file, std::chrono::seconds(20));
   }
   int port() const { return port_; }
+  // The server's log so far (for failure messages).
+  std::string Log() const {
+    std::ifstream in(scratch_ + ".log");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   Process& proc() { return *proc_; }
 

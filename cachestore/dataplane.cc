@@ -1,0 +1,158 @@
+#include "cachestore/dataplane.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+
+namespace kvtier::store {
+
+absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(const std::string& listen,
+                                                                       void* arena,
+                                                                       size_t length) {
+  size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("UCX listen address \"", listen,
+                                                   "\" is not HOST:PORT"));
+  }
+  std::string host = listen.substr(0, colon);
+  std::string port = listen.substr(colon + 1);
+  std::unique_ptr<DataPlaneServer> d(new DataPlaneServer());
+  // A restarted store must rebind its port while old connections sit in
+  // TIME_WAIT (SO_REUSEADDR), as any server does; an operator's setting wins.
+  setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+  setenv("UCX_RDMA_CM_REUSEADDR", "y", 0);
+  auto ctx = ucx::Context::Create();
+  if (!ctx.ok()) return ctx.status();
+  d->ctx_ = *ctx;
+  auto worker = ucx::Worker::Create(d->ctx_, true);
+  if (!worker.ok()) return worker.status();
+  d->worker_ = std::move(*worker);
+  auto region = ucx::MemoryRegion::Map(d->ctx_, arena, length);
+  if (!region.ok()) return region.status();
+  d->region_ = std::move(*region);
+  auto rkey = d->region_->PackRkey();
+  if (!rkey.ok()) return rkey.status();
+  d->packed_rkey_ = *rkey;
+
+  addrinfo hints{}, *res = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || !res) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot resolve UCX listen address ", listen));
+  }
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.sockaddr.addr = res->ai_addr;
+  lp.sockaddr.addrlen = res->ai_addrlen;
+  lp.conn_handler.cb = &DataPlaneServer::OnConnect;
+  lp.conn_handler.arg = d.get();
+  ucs_status_t s = ucp_listener_create(d->worker_->get(), &lp, &d->listener_);
+  freeaddrinfo(res);
+  if (s != UCS_OK) return ucx::FromUcs(s, absl::StrCat("UCX listener on ", listen));
+  ucp_listener_attr_t attr{};
+  attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  if (auto q = ucp_listener_query(d->listener_, &attr); q != UCS_OK) {
+    return ucx::FromUcs(q, "querying the UCX listener");
+  }
+  int bound = 0;
+  if (attr.sockaddr.ss_family == AF_INET) {
+    bound = ntohs(reinterpret_cast<sockaddr_in*>(&attr.sockaddr)->sin_port);
+  } else if (attr.sockaddr.ss_family == AF_INET6) {
+    bound = ntohs(reinterpret_cast<sockaddr_in6*>(&attr.sockaddr)->sin6_port);
+  }
+  d->address_ = absl::StrCat(host, ":", bound);
+  d->stop_fd_ = eventfd(0, EFD_NONBLOCK);
+  d->thread_ = std::thread([p = d.get()] { p->Run(); });
+  Log("store", "UCX data plane listening on ", d->address_, ", ", length,
+      " bytes of RAM arena registered");
+  return d;
+}
+
+void DataPlaneServer::OnConnect(ucp_conn_request_h request, void* arg) {
+  auto* d = static_cast<DataPlaneServer*>(arg);
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.conn_request = request;
+  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_handler.cb = &DataPlaneServer::OnEndpointError;
+  p.err_handler.arg = d;
+  ucp_ep_h ep;
+  if (ucp_ep_create(d->worker_->get(), &p, &ep) != UCS_OK) {
+    Log("store", "UCX: could not accept a connection");
+    return;
+  }
+  d->endpoints_.push_back(ep);
+  d->connections_ = d->endpoints_.size();
+}
+
+void DataPlaneServer::OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+  auto* d = static_cast<DataPlaneServer*>(arg);
+  // A client went away; its leases (if any) expire on their own.
+  d->failed_.push_back(ep);
+}
+
+void DataPlaneServer::CloseFailed() {
+  for (ucp_ep_h ep : failed_) {
+    auto it = std::find(endpoints_.begin(), endpoints_.end(), ep);
+    if (it == endpoints_.end()) continue;
+    endpoints_.erase(it);
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* r = ucp_ep_close_nbx(ep, &p);
+    if (r && !UCS_PTR_IS_ERR(r)) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS) worker_->Progress();
+      ucp_request_free(r);
+    }
+  }
+  failed_.clear();
+  connections_ = endpoints_.size();
+}
+
+void DataPlaneServer::Run() {
+  int ep = epoll_create1(0);
+  auto efd = worker_->EventFd();
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  if (efd.ok()) epoll_ctl(ep, EPOLL_CTL_ADD, *efd, &ev);
+  epoll_ctl(ep, EPOLL_CTL_ADD, stop_fd_, &ev);
+  for (;;) {
+    while (worker_->Progress() != 0) {
+    }
+    if (!failed_.empty()) CloseFailed();
+    uint64_t v;
+    if (read(stop_fd_, &v, sizeof(v)) == sizeof(v)) break;
+    if (!efd.ok()) continue;  // no wakeup support: busy progress
+    if (ucp_worker_arm(worker_->get()) == UCS_ERR_BUSY) continue;
+    epoll_event out[2];
+    epoll_wait(ep, out, 2, 100);
+  }
+  close(ep);
+}
+
+DataPlaneServer::~DataPlaneServer() {
+  if (thread_.joinable()) {
+    uint64_t one = 1;
+    ssize_t unused = write(stop_fd_, &one, sizeof(one));
+    (void)unused;
+    thread_.join();
+  }
+  failed_ = endpoints_;
+  CloseFailed();
+  if (listener_) ucp_listener_destroy(listener_);
+  if (stop_fd_ >= 0) close(stop_fd_);
+  region_.reset();
+  worker_.reset();
+}
+
+}  // namespace kvtier::store

@@ -1,0 +1,442 @@
+#include "common/store_data_client.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/checksum.h"
+#include "common/grpc_status.h"
+#include "common/ucx.h"
+
+namespace kvtier {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+}  // namespace
+
+struct StoreDataClient::Lane {
+  std::shared_ptr<ucx::Context> ctx;
+  std::unique_ptr<ucx::Worker> worker;
+  std::unique_ptr<ucx::Endpoint> ep;
+  std::unique_ptr<ucx::RemoteKey> rkey;
+  std::vector<std::unique_ptr<ucx::MemoryRegion>> regions;
+  absl::Status init_error;
+  Clock::time_point next_attempt{};
+  uint64_t backoff_ms = 0;
+  std::string last_error;
+  bool connected = false;
+
+  ucp_mem_h MemhFor(const void* p, size_t n) const {
+    for (const auto& r : regions) {
+      if (r->contains(p, n)) return r->memh();
+    }
+    return nullptr;
+  }
+  void Drop() {
+    rkey.reset();
+    ep.reset();
+    connected = false;
+  }
+};
+
+StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions options)
+    : address_(address), options_(std::move(options)), control_(address, [&] {
+        StoreClientOptions o;
+        o.deadline_ms = options_.deadline_ms;
+        return o;
+      }()),
+      lane_(std::make_unique<Lane>()) {
+  lane_->backoff_ms = options_.backoff_min_ms;
+  auto ctx = ucx::Context::Create();
+  if (ctx.ok()) {
+    lane_->ctx = *ctx;
+    auto w = ucx::Worker::Create(lane_->ctx, false);
+    if (w.ok()) {
+      lane_->worker = std::move(*w);
+    } else {
+      lane_->init_error = w.status();
+    }
+  } else {
+    lane_->init_error = ctx.status();
+  }
+  thread_ = std::thread([this] { Run(); });
+}
+
+StoreDataClient::~StoreDataClient() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  space_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  // UCX objects go in order: endpoint, key, registrations, worker, context.
+  lane_->Drop();
+  lane_->regions.clear();
+  lane_->worker.reset();
+}
+
+bool StoreDataClient::connected() const {
+  std::lock_guard lk(mu_);
+  return lane_->connected;
+}
+
+void StoreDataClient::Submit(uint64_t bytes, Job job) {
+  std::unique_lock lk(mu_);
+  // Back-pressure: wait for room unless nothing is in flight (an operation
+  // larger than the bound still runs, alone).
+  space_cv_.wait(lk, [&] {
+    return stop_ || inflight_bytes_ == 0 || inflight_bytes_ + bytes <= options_.max_inflight_bytes;
+  });
+  inflight_bytes_ += bytes;
+  jobs_.emplace_back(bytes, std::move(job));
+  cv_.notify_one();
+}
+
+void StoreDataClient::Run() {
+  for (;;) {
+    std::pair<uint64_t, Job> job;
+    {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job.second(*lane_);
+    {
+      std::lock_guard lk(mu_);
+      inflight_bytes_ -= job.first;
+    }
+    space_cv_.notify_all();
+  }
+}
+
+absl::Status StoreDataClient::RegisterMemory(void* addr, size_t length) {
+  std::promise<absl::Status> done;
+  auto f = done.get_future();
+  Submit(0, [&](Lane& lane) {
+    if (!lane.init_error.ok()) {
+      done.set_value(lane.init_error);
+      return;
+    }
+    auto r = ucx::MemoryRegion::Map(lane.ctx, addr, length);
+    if (!r.ok()) {
+      done.set_value(r.status());
+      return;
+    }
+    lane.regions.push_back(std::move(*r));
+    done.set_value(absl::OkStatus());
+  });
+  return f.get();
+}
+
+namespace {
+
+std::string HostOf(const std::string& address) { return address.substr(0, address.rfind(':')); }
+
+}  // namespace
+
+absl::Status StoreDataClient::EnsureConnected(Lane& lane) {
+  StoreClient& control = control_;
+  const std::string& grpc_address = address_;
+  const DataClientOptions& o = options_;
+  if (!lane.init_error.ok()) return lane.init_error;
+  if (lane.ep && !lane.ep->failed()) return absl::OkStatus();
+  lane.Drop();
+  auto now = Clock::now();
+  if (now < lane.next_attempt) {
+    return absl::UnavailableError(absl::StrCat(
+        "store ", grpc_address, " data plane is down; next reconnect in ",
+        std::chrono::duration_cast<std::chrono::milliseconds>(lane.next_attempt - now).count(),
+        " ms (last error: ", lane.last_error, ")"));
+  }
+  auto fail = [&](const absl::Status& s) {
+    lane.last_error = std::string(s.message());
+    lane.next_attempt = Clock::now() + std::chrono::milliseconds(lane.backoff_ms);
+    lane.backoff_ms = std::min(lane.backoff_ms * 2, o.backoff_max_ms);
+    return s;
+  };
+  v1::ConnectDataPlaneRequest req;
+  req.set_client_id(o.client_id);
+  v1::ConnectDataPlaneResponse resp;
+  auto ctx = control.Context();
+  if (auto s = control.stub().ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) {
+    return fail(FromGrpc(s));
+  }
+  if (resp.regions_size() != 1 || resp.regions(0).rkey_id() != 0) {
+    return fail(absl::InternalError("store data plane offers no region 0"));
+  }
+  std::string addr = resp.ucx_address();
+  std::string host = HostOf(addr);
+  if (host.empty() || host == "0.0.0.0" || host == "::") host = HostOf(grpc_address);
+  int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  auto ep = ucx::Endpoint::Connect(lane.worker.get(), host, port);
+  if (!ep.ok()) return fail(ep.status());
+  auto rkey = (*ep)->Unpack(resp.regions(0).packed_rkey());
+  if (!rkey.ok()) return fail(rkey.status());
+  lane.ep = std::move(*ep);
+  lane.rkey = std::move(*rkey);
+  lane.connected = true;
+  lane.backoff_ms = o.backoff_min_ms;
+  return absl::OkStatus();
+}
+
+std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64_t block_bytes,
+                                                             std::vector<PutBlock> blocks) {
+  auto promise = std::make_shared<std::promise<absl::StatusOr<PutOutcome>>>();
+  auto future = promise->get_future();
+  uint64_t bytes = blocks.size() * block_bytes;
+  Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
+    auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
+    auto finish = [&](absl::StatusOr<PutOutcome> r) {
+      if (!r.ok() && !absl::StrContains(r.status().message(), address_)) {
+        r = absl::Status(r.status().code(),
+                         absl::StrCat("put to store ", address_, ": ", r.status().message()));
+      }
+      promise->set_value(std::move(r));
+    };
+    if (blocks.empty()) return finish(PutOutcome{});
+    if (auto s = EnsureConnected(lane); !s.ok()) return finish(s);
+    v1::BeginPutRequest req;
+    req.set_namespace_id(ns);
+    req.set_client_id(options_.client_id);
+    for (const auto& b : blocks) ToProto(b.hash, req.add_hashes());
+    v1::BeginPutResponse resp;
+    {
+      auto ctx = control_.Context();
+      if (auto s = control_.stub().BeginPut(ctx.get(), req, &resp); !s.ok()) return finish(FromGrpc(s));
+    }
+    PutOutcome out;
+    std::vector<void*> reqs;
+    std::vector<size_t> reserved;
+    for (int i = 0; i < resp.targets_size(); ++i) {
+      const auto& t = resp.targets(i);
+      switch (t.disposition()) {
+        case v1::PUT_RESERVED: {
+          if (t.length() != block_bytes) {
+            return finish(absl::InternalError("store reserved a slot of the wrong size"));
+          }
+          ucp_request_param_t p{};
+          if (ucp_mem_h m = lane.MemhFor(blocks[i].data, block_bytes)) {
+            p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+            p.memh = m;
+          }
+          reqs.push_back(ucp_put_nbx(lane.ep->get(), blocks[i].data, block_bytes,
+                                     t.remote_addr(), lane.rkey->get(), &p));
+          reserved.push_back(i);
+          break;
+        }
+        case v1::PUT_ALREADY_PRESENT: out.already_present++; break;
+        case v1::PUT_BUSY: out.busy++; break;
+        default: out.no_space++; break;
+      }
+    }
+    if (reserved.empty()) return finish(out);
+    // Checksums while the bytes are on the wire.
+    v1::CommitPutRequest commit;
+    commit.set_lease_id(resp.lease_id());
+    for (size_t i : reserved) commit.add_checksums(Checksum(blocks[i].data, block_bytes));
+    ucp_request_param_t fp{};
+    reqs.push_back(ucp_ep_flush_nbx(lane.ep->get(), &fp));
+    absl::Status moved = lane.worker->WaitAll(reqs, deadline);
+    if (moved.ok() && lane.ep->failed()) moved = absl::UnavailableError("the store's UCX endpoint failed");
+    if (!moved.ok()) {
+      lane.Drop();
+      v1::AbortPutRequest abort;
+      abort.set_lease_id(resp.lease_id());
+      v1::AbortPutResponse ar;
+      auto ctx = control_.Context();
+      control_.stub().AbortPut(ctx.get(), abort, &ar);  // best effort: the lease expires anyway
+      return finish(moved);
+    }
+    v1::CommitPutResponse cr;
+    auto ctx = control_.Context();
+    if (auto s = control_.stub().CommitPut(ctx.get(), commit, &cr); !s.ok()) return finish(FromGrpc(s));
+    out.written = cr.committed();
+    finish(out);
+  });
+  return future;
+}
+
+std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64_t block_bytes,
+                                                             std::vector<GetBlock> blocks) {
+  auto promise = std::make_shared<std::promise<absl::StatusOr<GetOutcome>>>();
+  auto future = promise->get_future();
+  uint64_t bytes = blocks.size() * block_bytes;
+  Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
+    auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
+    auto finish = [&](absl::StatusOr<GetOutcome> r) {
+      if (!r.ok() && !absl::StrContains(r.status().message(), address_)) {
+        r = absl::Status(r.status().code(),
+                         absl::StrCat("get from store ", address_, ": ", r.status().message()));
+      }
+      promise->set_value(std::move(r));
+    };
+    if (blocks.empty()) return finish(GetOutcome{});
+    if (auto s = EnsureConnected(lane); !s.ok()) return finish(s);
+    v1::BeginGetRequest req;
+    req.set_namespace_id(ns);
+    req.set_client_id(options_.client_id);
+    for (const auto& b : blocks) ToProto(b.hash, req.add_hashes());
+    v1::BeginGetResponse resp;
+    {
+      auto ctx = control_.Context();
+      if (auto s = control_.stub().BeginGet(ctx.get(), req, &resp); !s.ok()) return finish(FromGrpc(s));
+    }
+    GetOutcome out;
+    if (resp.sources_size() == 0) return finish(out);
+    std::vector<void*> reqs;
+    absl::Status bad = absl::OkStatus();
+    for (int i = 0; i < resp.sources_size(); ++i) {
+      const auto& src = resp.sources(i);
+      if (src.length() != block_bytes) {
+        bad = absl::InternalError("store returned a block of the wrong size");
+        break;
+      }
+      ucp_request_param_t p{};
+      if (ucp_mem_h m = lane.MemhFor(blocks[i].dest, block_bytes)) {
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+        p.memh = m;
+      }
+      reqs.push_back(ucp_get_nbx(lane.ep->get(), blocks[i].dest, block_bytes, src.remote_addr(),
+                                 lane.rkey->get(), &p));
+    }
+    absl::Status moved = lane.worker->WaitAll(reqs, deadline);
+    if (moved.ok() && lane.ep->failed()) moved = absl::UnavailableError("the store's UCX endpoint failed");
+    if (!moved.ok()) lane.Drop();
+    {
+      v1::EndGetRequest end;
+      end.set_lease_id(resp.lease_id());
+      v1::EndGetResponse er;
+      auto ctx = control_.Context();
+      control_.stub().EndGet(ctx.get(), end, &er);  // best effort: the lease expires anyway
+    }
+    if (!bad.ok()) return finish(bad);
+    if (!moved.ok()) {
+      return finish(moved);
+    }
+    for (int i = 0; i < resp.sources_size(); ++i) {
+      if (Checksum(blocks[i].dest, block_bytes) != resp.sources(i).checksum()) {
+        return finish(absl::DataLossError(absl::StrCat(
+            "block ", i, " from store ", address_, " failed its checksum; not used")));
+      }
+      out.blocks++;
+      if (resp.sources(i).tier() == v1::TIER_DISK) out.from_disk++;
+    }
+    finish(out);
+  });
+  return future;
+}
+
+size_t RendezvousShard(const BlockKey& key, const std::vector<std::string>& shards) {
+  uint64_t k[3] = {key.ns, key.hash.hi, key.hash.lo};
+  size_t best = 0;
+  uint64_t best_score = 0;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    uint64_t seed = XXH3_64bits(shards[i].data(), shards[i].size());
+    uint64_t score = XXH3_64bits_withSeed(k, sizeof(k), seed);
+    if (i == 0 || score > best_score) {
+      best = i;
+      best_score = score;
+    }
+  }
+  return best;
+}
+
+ShardedStoreClient::ShardedStoreClient(std::vector<std::string> addresses,
+                                       DataClientOptions options)
+    : addresses_(std::move(addresses)) {
+  for (const auto& a : addresses_) shards_.push_back(std::make_unique<StoreDataClient>(a, options));
+}
+
+absl::Status ShardedStoreClient::RegisterMemory(void* addr, size_t length) {
+  for (auto& s : shards_) {
+    if (auto st = s->RegisterMemory(addr, length); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RegisteredNamespace> ShardedStoreClient::RegisterNamespace(const NamespaceSpec& spec) {
+  absl::StatusOr<RegisteredNamespace> r = absl::InvalidArgumentError("no shards");
+  for (auto& s : shards_) {
+    r = s->control().RegisterNamespace(spec);
+    if (!r.ok()) return r;
+  }
+  return r;
+}
+
+absl::StatusOr<uint32_t> ShardedStoreClient::Lookup(uint64_t ns, const std::vector<BlockHash>& chain) {
+  std::vector<std::vector<size_t>> parts(shards_.size());
+  for (size_t i = 0; i < chain.size(); ++i) parts[RendezvousShard({ns, chain[i]}, addresses_)].push_back(i);
+  size_t prefix = chain.size();
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (parts[s].empty()) continue;
+    std::vector<BlockHash> sub;
+    for (size_t i : parts[s]) sub.push_back(chain[i]);
+    auto tiers = shards_[s]->control().Lookup(ns, sub);
+    if (!tiers.ok()) return tiers.status();
+    if (tiers->size() < sub.size()) prefix = std::min(prefix, parts[s][tiers->size()]);
+  }
+  return static_cast<uint32_t>(prefix);
+}
+
+absl::StatusOr<PutOutcome> ShardedStoreClient::Put(uint64_t ns, uint64_t block_bytes,
+                                                   const std::vector<PutBlock>& blocks) {
+  std::vector<std::vector<PutBlock>> parts(shards_.size());
+  for (const auto& b : blocks) parts[RendezvousShard({ns, b.hash}, addresses_)].push_back(b);
+  std::vector<std::future<absl::StatusOr<PutOutcome>>> futures;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (!parts[s].empty()) futures.push_back(shards_[s]->Put(ns, block_bytes, std::move(parts[s])));
+  }
+  PutOutcome total;
+  absl::Status first = absl::OkStatus();
+  for (auto& f : futures) {
+    auto r = f.get();
+    if (!r.ok()) {
+      if (first.ok()) first = r.status();
+      continue;
+    }
+    total.written += r->written;
+    total.already_present += r->already_present;
+    total.busy += r->busy;
+    total.no_space += r->no_space;
+  }
+  if (!first.ok()) return first;
+  return total;
+}
+
+absl::StatusOr<GetOutcome> ShardedStoreClient::Get(uint64_t ns, uint64_t block_bytes,
+                                                   const std::vector<GetBlock>& blocks) {
+  std::vector<std::vector<size_t>> idx(shards_.size());
+  std::vector<std::vector<GetBlock>> parts(shards_.size());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    size_t s = RendezvousShard({ns, blocks[i].hash}, addresses_);
+    idx[s].push_back(i);
+    parts[s].push_back(blocks[i]);
+  }
+  std::vector<std::pair<size_t, std::future<absl::StatusOr<GetOutcome>>>> futures;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (!parts[s].empty()) futures.emplace_back(s, shards_[s]->Get(ns, block_bytes, std::move(parts[s])));
+  }
+  size_t prefix = blocks.size();
+  uint32_t from_disk = 0;
+  absl::Status first = absl::OkStatus();
+  for (auto& [s, f] : futures) {
+    auto r = f.get();
+    if (!r.ok()) {
+      if (first.ok()) first = r.status();
+      prefix = std::min(prefix, idx[s][0]);
+      continue;
+    }
+    if (r->blocks < idx[s].size()) prefix = std::min(prefix, idx[s][r->blocks]);
+    from_disk += r->from_disk;
+  }
+  if (!first.ok() && prefix == 0) return first;
+  return GetOutcome{static_cast<uint32_t>(prefix), from_disk};
+}
+
+}  // namespace kvtier

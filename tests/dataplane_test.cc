@@ -1,0 +1,340 @@
+// The UCX data plane end to end: the real kvtier-store with --ucx-listen and
+// StoreDataClient over UCX on loopback (TCP and shared memory).
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "common/checksum.h"
+#include "common/store_data_client.h"
+#include "common/ucx.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::ServerProcess;
+using testing::WaitFor;
+
+// 2 x 1 layer x 1 head x 128 dim x 2 bytes x 512 tokens = 256 KiB.
+NamespaceSpec Spec256K() { return NamespaceSpec{"dp-model", "bf16", 1, 1, 128, 512, 0, 1, ""}; }
+constexpr uint64_t kBlock = 256 << 10;
+BlockHash H(uint64_t i) { return BlockHash{0xD00D + i, i}; }
+
+void Fill(std::vector<uint8_t>& buf, uint64_t first, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) {
+    std::string b = testing::BlockBytesFor(first + i, kBlock);
+    std::memcpy(buf.data() + i * kBlock, b.data(), kBlock);
+  }
+}
+
+class DataPlane : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    // Client and store (which inherits the environment) use the same transports.
+    setenv("UCX_TLS", GetParam(), 1);
+  }
+  std::unique_ptr<ServerProcess> StartStore(std::vector<std::string> extra = {}, int port = 0,
+                                            int ucx_port = 0) {
+    std::vector<std::string> args = {"--listen=127.0.0.1:" + std::to_string(port),
+                                     "--ucx-listen=127.0.0.1:" + std::to_string(ucx_port),
+                                     "--data-dir=" + dir_.sub("db"), "--hugepages=false"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto s = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir_.sub("store"), args);
+    EXPECT_GT(s->port(), 0) << "store did not start; see " << dir_.sub("store.log");
+    return s;
+  }
+  testing::TempDir dir_;
+};
+
+TEST_P(DataPlane, RoundTripIsByteExactWithManyBlocksInFlight) {
+  auto store = StartStore({"--ram-bytes=64MiB"});
+  StoreDataClient c(store->address());
+  auto ns = c.control().RegisterNamespace(Spec256K());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  ASSERT_EQ(ns->block_bytes, kBlock);
+  const uint64_t n = 96;
+  std::vector<uint8_t> src(n * kBlock), dst(n * kBlock, 0);
+  Fill(src, 0, n);
+  ASSERT_TRUE(c.RegisterMemory(src.data(), src.size()).ok());
+  // Several operations in flight at once, 32 blocks each.
+  std::vector<std::future<absl::StatusOr<PutOutcome>>> puts;
+  for (uint64_t op = 0; op < 3; ++op) {
+    std::vector<PutBlock> blocks;
+    for (uint64_t i = op * 32; i < op * 32 + 32; ++i) blocks.push_back({H(i), src.data() + i * kBlock});
+    puts.push_back(c.Put(ns->id, kBlock, std::move(blocks)));
+  }
+  for (auto& f : puts) {
+    auto r = f.get();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->written, 32u);
+  }
+  // Already present: nothing is sent again.
+  std::vector<PutBlock> again;
+  for (uint64_t i = 0; i < n; ++i) again.push_back({H(i), src.data() + i * kBlock});
+  auto r = c.Put(ns->id, kBlock, again).get();
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->already_present, n);
+  EXPECT_EQ(r->written, 0u);
+  // Read back into unregistered memory, a chain with a hole at the end.
+  std::vector<GetBlock> want;
+  for (uint64_t i = 0; i < n; ++i) want.push_back({H(i), dst.data() + i * kBlock});
+  std::vector<uint8_t> spare(kBlock);
+  want.push_back({H(9999), spare.data()});
+  auto g = c.Get(ns->id, kBlock, want).get();
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->blocks, n);
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
+  auto stats = c.control().GetStats();
+  EXPECT_EQ(stats->tiers(0).items(), n);
+  EXPECT_EQ(stats->put_leases() + stats->get_leases(), 0u);
+}
+
+TEST_P(DataPlane, BlocksDemotedToNvmeComeBackByRma) {
+  auto store = StartStore({"--ram-bytes=4MiB", "--ram-slab-bytes=1MiB", "--ram-policy=lru"});
+  StoreDataClient c(store->address());
+  auto ns = c.control().RegisterNamespace(Spec256K());
+  const uint64_t n = 48;  // 12 MiB through a 4 MiB RAM tier
+  std::vector<uint8_t> src(n * kBlock), dst(n * kBlock, 0);
+  Fill(src, 100, n);
+  for (uint64_t i = 0; i < n; i += 8) {
+    std::vector<PutBlock> blocks;
+    for (uint64_t j = i; j < i + 8; ++j) blocks.push_back({H(j), src.data() + j * kBlock});
+    auto r = c.Put(ns->id, kBlock, blocks).get();
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->written, 8u);
+  }
+  ASSERT_TRUE(WaitFor([&] { return c.control().GetStats()->demotion_queue_blocks() == 0; }));
+  uint32_t from_disk = 0;
+  for (uint64_t i = 0; i < n; i += 8) {
+    std::vector<GetBlock> blocks;
+    for (uint64_t j = i; j < i + 8; ++j) blocks.push_back({H(j), dst.data() + j * kBlock});
+    auto g = c.Get(ns->id, kBlock, blocks).get();
+    ASSERT_TRUE(g.ok()) << g.status();
+    ASSERT_EQ(g->blocks, 8u);
+    from_disk += g->from_disk;
+  }
+  EXPECT_GE(from_disk, 32u);
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, DataPlane, ::testing::Values("tcp", "sm,tcp"),
+                         [](const auto& info) {
+                           return std::string(info.param) == "tcp" ? "Tcp" : "SharedMemory";
+                         });
+
+class DataPlaneFaults : public ::testing::Test {
+ protected:
+  void SetUp() override { setenv("UCX_TLS", "tcp", 1); }
+  testing::TempDir dir_;
+};
+
+TEST_F(DataPlaneFaults, AClientKilledMidPutLeavesNothingVisibleAndItsSlotsComeBack) {
+  ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
+                      {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                       "--data-dir=" + dir_.sub("db"), "--hugepages=false", "--ram-bytes=16MiB",
+                       "--lease-ms=300ms"});
+  ASSERT_GT(store.port(), 0);
+  // The writer is a child process that reserves 8 slots, RMA-writes half of
+  // them, and dies by SIGKILL before committing.
+  pid_t child = fork();
+  if (child == 0) {
+    StoreClient control(store.address());
+    auto ns = control.RegisterNamespace(Spec256K());
+    if (!ns.ok()) _exit(2);
+    v1::ConnectDataPlaneResponse info;
+    {
+      auto ctx = control.Context();
+      if (!control.stub().ConnectDataPlane(ctx.get(), {}, &info).ok()) _exit(3);
+    }
+    v1::BeginPutRequest req;
+    req.set_namespace_id(ns->id);
+    for (uint64_t i = 0; i < 8; ++i) ToProto(H(i), req.add_hashes());
+    v1::BeginPutResponse resp;
+    {
+      auto ctx = control.Context();
+      if (!control.stub().BeginPut(ctx.get(), req, &resp).ok()) _exit(4);
+    }
+    auto uctx = ucx::Context::Create();
+    auto worker = ucx::Worker::Create(*uctx, false);
+    std::string addr = info.ucx_address();
+    auto ep = ucx::Endpoint::Connect(worker->get(), "127.0.0.1",
+                                     std::stoi(addr.substr(addr.rfind(':') + 1)));
+    auto rkey = (*ep)->Unpack(info.regions(0).packed_rkey());
+    std::vector<uint8_t> junk(kBlock, 0xAB);
+    std::vector<void*> reqs;
+    for (int i = 0; i < 4; ++i) {
+      ucp_request_param_t p{};
+      reqs.push_back(ucp_put_nbx((*ep)->get(), junk.data(), kBlock, resp.targets(i).remote_addr(),
+                                 (*rkey)->get(), &p));
+    }
+    (void)(*worker)->WaitAll(reqs, ucx::Clock::now() + std::chrono::seconds(5));
+    (void)(*ep)->Flush(ucx::Clock::now() + std::chrono::seconds(5));
+    raise(SIGKILL);
+  }
+  int st;
+  waitpid(child, &st, 0);
+  ASSERT_TRUE(WIFSIGNALED(st)) << "writer exited with " << WEXITSTATUS(st);
+  StoreDataClient c(store.address());
+  auto ns = c.control().RegisterNamespace(Spec256K());
+  std::vector<BlockHash> chain;
+  for (uint64_t i = 0; i < 8; ++i) chain.push_back(H(i));
+  EXPECT_EQ(c.control().Lookup(ns->id, chain)->size(), 0u);  // nothing half-written is visible
+  auto stats = c.control().GetStats();
+  EXPECT_EQ(stats->put_leases(), 1u);
+  EXPECT_EQ(stats->tiers(0).used_bytes(), 8 * kBlock);
+  // After the lease and its grace period, the slots are free again.
+  ASSERT_TRUE(WaitFor([&] { return c.control().GetStats()->tiers(0).used_bytes() == 0; },
+                      std::chrono::seconds(5)));
+  stats = c.control().GetStats();
+  EXPECT_EQ(stats->put_leases(), 0u);
+  EXPECT_EQ(stats->leases_expired(), 1u);
+  // And the same blocks can be written for real.
+  std::vector<uint8_t> src(8 * kBlock);
+  Fill(src, 0, 8);
+  std::vector<PutBlock> blocks;
+  for (uint64_t i = 0; i < 8; ++i) blocks.push_back({H(i), src.data() + i * kBlock});
+  auto r = c.Put(ns->id, kBlock, blocks).get();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->written, 8u);
+}
+
+TEST_F(DataPlaneFaults, AStoreKilledMidGetFailsTheClientCleanlyAndItReconnects) {
+  int port = testing::FreePort(), ucx_port = testing::FreePort();
+  std::vector<std::string> args = {"--listen=127.0.0.1:" + std::to_string(port),
+                                   "--ucx-listen=127.0.0.1:" + std::to_string(ucx_port),
+                                   "--data-dir=" + dir_.sub("db"), "--hugepages=false",
+                                   "--ram-bytes=64MiB"};
+  ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"), args);
+  ASSERT_GT(store.port(), 0);
+  DataClientOptions o;
+  o.deadline_ms = 2000;
+  o.backoff_min_ms = 20;
+  o.backoff_max_ms = 200;
+  StoreDataClient c(store.address(), o);
+  auto ns = c.control().RegisterNamespace(Spec256K());
+  const uint64_t n = 128;  // 32 MiB per Get
+  std::vector<uint8_t> src(n * kBlock), dst(n * kBlock);
+  Fill(src, 0, n);
+  std::vector<PutBlock> put;
+  std::vector<GetBlock> get;
+  for (uint64_t i = 0; i < n; ++i) {
+    put.push_back({H(i), src.data() + i * kBlock});
+    get.push_back({H(i), dst.data() + i * kBlock});
+  }
+  ASSERT_TRUE(c.Put(ns->id, kBlock, put).get().ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok_gets{0};
+  absl::Status failure;
+  double failed_after_s = 0;
+  std::thread reader([&] {
+    while (!stop) {
+      auto t = std::chrono::steady_clock::now();
+      auto g = c.Get(ns->id, kBlock, get).get();
+      if (!g.ok() || g->blocks != n) {
+        failure = g.ok() ? absl::DataLossError("short read") : g.status();
+        failed_after_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+        return;
+      }
+      ok_gets++;
+    }
+  });
+  ASSERT_TRUE(WaitFor([&] { return ok_gets >= 2; }));
+  store.proc().Kill(SIGKILL);
+  reader.join();
+  EXPECT_FALSE(failure.ok());
+  EXPECT_LT(failed_after_s, 2.0 + 1.0) << failure;  // within the deadline
+  EXPECT_NE(failure.message().find("store"), std::string::npos) << failure;
+  // A store that comes back (same data dir, same ports) is reached again
+  // without rebuilding the client.
+  store.Start();
+  ASSERT_EQ(store.port(), port) << store.Log();
+  ASSERT_TRUE(WaitFor([&] { return c.control().RegisterNamespace(Spec256K()).ok(); }));
+  bool recovered = WaitFor(
+      [&] {
+        auto r = c.Put(ns->id, kBlock, put).get();
+        return r.ok() && r->written + r->already_present == n;
+      },
+      std::chrono::seconds(10));
+  ASSERT_TRUE(recovered);
+  auto g = c.Get(ns->id, kBlock, get).get();
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->blocks, n);
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
+}
+
+TEST_F(DataPlaneFaults, AStoreWithoutADataPlaneSaysSo) {
+  ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
+                      {"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db"),
+                       "--hugepages=false", "--ram-bytes=16MiB"});
+  StoreDataClient c(store.address());
+  auto ns = c.control().RegisterNamespace(Spec256K());
+  std::vector<uint8_t> src(kBlock);
+  auto r = c.Put(ns->id, kBlock, {{H(1), src.data()}}).get();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("--ucx-listen"), std::string::npos);
+}
+
+TEST(Rendezvous, AddingAShardMovesAboutOneNthOfTheKeys) {
+  std::vector<std::string> four = {"store-0:7400", "store-1:7400", "store-2:7400", "store-3:7400"};
+  std::vector<std::string> five = four;
+  five.push_back("store-4:7400");
+  const int n = 100000;
+  int moved = 0;
+  std::vector<int> load(4, 0);
+  for (int i = 0; i < n; ++i) {
+    BlockKey k{7, BlockHash{static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull, static_cast<uint64_t>(i)}};
+    size_t a = RendezvousShard(k, four), b = RendezvousShard(k, five);
+    load[a]++;
+    if (a != b) {
+      ++moved;
+      EXPECT_EQ(b, 4u);  // keys only ever move to the new shard
+    }
+  }
+  EXPECT_NEAR(moved / double(n), 1.0 / 5, 0.01);
+  for (int l : load) EXPECT_NEAR(l / double(n), 0.25, 0.01);
+}
+
+TEST(ShardedStore, BlocksSpreadOverShardsAndComeBack) {
+  setenv("UCX_TLS", "tcp", 1);
+  testing::TempDir dir;
+  std::vector<std::unique_ptr<ServerProcess>> stores;
+  std::vector<std::string> addrs;
+  for (int s = 0; s < 2; ++s) {
+    stores.push_back(std::make_unique<ServerProcess>(
+        KVTIER_STORE_BIN, dir.sub("store" + std::to_string(s)),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                                 "--data-dir=" + dir.sub("db" + std::to_string(s)),
+                                 "--hugepages=false", "--ram-bytes=32MiB"}));
+    addrs.push_back(stores.back()->address());
+  }
+  ShardedStoreClient c(addrs);
+  auto ns = c.RegisterNamespace(Spec256K());
+  ASSERT_TRUE(ns.ok());
+  const uint64_t n = 64;
+  std::vector<uint8_t> src(n * kBlock), dst(n * kBlock);
+  Fill(src, 500, n);
+  ASSERT_TRUE(c.RegisterMemory(src.data(), src.size()).ok());
+  std::vector<PutBlock> put;
+  std::vector<GetBlock> get;
+  std::vector<BlockHash> chain;
+  for (uint64_t i = 0; i < n; ++i) {
+    put.push_back({H(i), src.data() + i * kBlock});
+    get.push_back({H(i), dst.data() + i * kBlock});
+    chain.push_back(H(i));
+  }
+  auto r = c.Put(ns->id, kBlock, put);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->written, n);
+  for (size_t s = 0; s < 2; ++s) EXPECT_GT(c.shard(s).control().GetStats()->tiers(0).items(), 10u);
+  EXPECT_EQ(*c.Lookup(ns->id, chain), n);
+  auto g = c.Get(ns->id, kBlock, get);
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->blocks, n);
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -8,6 +8,7 @@ namespace kvtier::bench {
 int RunStoreBench(int argc, const char* const* argv);
 int RunTraceStore(int argc, const char* const* argv);
 int RunRouterBench(int argc, const char* const* argv);
+int RunDataPlaneBench(int argc, const char* const* argv);
 }  // namespace kvtier::bench
 
 namespace {
@@ -19,6 +20,8 @@ void Usage(FILE* out) {
       "          redis-benchmark and fio with the same block size\n"
       "  trace   replay a Mooncake trace against a kvtier-store as a shared cache,\n"
       "          verifying every byte, beside the infinite-cache bound\n"
+      "  dataplane  put/get over UCX (TCP, shared memory) and inline gRPC beside\n"
+      "          ucx_perftest and redis-benchmark\n"
       "  router  Route latency, event ingestion and memory per block of the router\n"
       "          index, beside a bare hash walk and round-robin over the same gRPC path\n\n"
       "Run 'kvtier-bench COMMAND --help' for a command's flags.\n",
@@ -36,6 +39,7 @@ int main(int argc, char** argv) {
   if (cmd == "store") return kvtier::bench::RunStoreBench(argc - 1, sub);
   if (cmd == "trace") return kvtier::bench::RunTraceStore(argc - 1, sub);
   if (cmd == "router") return kvtier::bench::RunRouterBench(argc - 1, sub);
+  if (cmd == "dataplane") return kvtier::bench::RunDataPlaneBench(argc - 1, sub);
   std::fprintf(stderr, "kvtier-bench: unknown command \"%s\"\n\n", cmd.c_str());
   Usage(stderr);
   return 2;

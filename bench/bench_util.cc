@@ -1,13 +1,19 @@
 #include "bench/bench_util.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <array>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <thread>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 
 namespace kvtier::bench {
 
@@ -86,6 +92,92 @@ absl::StatusOr<std::string> RunCapture(const std::string& command) {
     return absl::InternalError(absl::StrCat("command failed (", rc, "): ", command, "\n", out));
   }
   return out;
+}
+
+int FreeLoopbackPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  int port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+absl::StatusOr<std::pair<double, double>> RedisSetGetRps(const std::string& dir,
+                                                         uint64_t value_bytes, int64_t keys,
+                                                         int64_t clients, int64_t pipeline) {
+  if (!HaveCommand("redis-server") || !HaveCommand("redis-benchmark")) {
+    return absl::UnavailableError("redis-server/redis-benchmark not installed");
+  }
+  int port = FreeLoopbackPort();
+  Process server("/usr/bin/env",
+                 {"redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1", "--save",
+                  "", "--appendonly", "no", "--dir", dir},
+                 dir + "/redis.log");
+  bool up = false;
+  for (int i = 0; i < 200 && !up; ++i) {
+    up = RunCapture(absl::StrCat("redis-cli -p ", port, " ping 2>/dev/null")).ok();
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  if (!up) return absl::UnavailableError("redis-server did not start");
+  auto bench = [&](const std::string& test, int64_t n) -> absl::StatusOr<double> {
+    auto out = RunCapture(absl::StrCat("redis-benchmark -h 127.0.0.1 -p ", port, " -t ", test,
+                                       " -n ", n, " -r ", keys, " -d ", value_bytes, " -c ",
+                                       clients, " -P ", pipeline, " --csv 2>/dev/null"));
+    if (!out.ok()) return out.status();
+    std::string want = test == "set" ? "SET" : "GET";
+    for (absl::string_view line : absl::StrSplit(*out, '\n')) {
+      std::vector<std::string> f = absl::StrSplit(line, ',');
+      if (f.size() >= 2 && f[0].find(want) != std::string::npos) {
+        std::string rps = f[1];
+        rps.erase(std::remove(rps.begin(), rps.end(), '"'), rps.end());
+        return std::stod(rps);
+      }
+    }
+    return absl::InternalError(absl::StrCat("cannot parse redis-benchmark output:\n", *out));
+  };
+  auto set = bench("set", keys);
+  if (!set.ok()) return set.status();
+  if (auto fill = bench("set", 2 * keys); !fill.ok()) return fill.status();
+  auto get = bench("get", keys);
+  if (!get.ok()) return get.status();
+  server.Kill(SIGTERM);
+  return std::make_pair(*set, *get);
+}
+
+absl::StatusOr<double> UcxPerftestBytesPerSec(const std::string& tls, const std::string& test,
+                                              uint64_t size, int64_t iterations) {
+  if (!HaveCommand("ucx_perftest")) return absl::UnavailableError("ucx_perftest not installed");
+  int port = FreeLoopbackPort();
+  // The same TCP segment sizes kvtier's data plane uses (common/ucx.h).
+  std::string env = absl::StrCat("UCX_TLS=", tls,
+                                 " UCX_TCP_TX_SEG_SIZE=${UCX_TCP_TX_SEG_SIZE:-512k}"
+                                 " UCX_TCP_RX_SEG_SIZE=${UCX_TCP_RX_SEG_SIZE:-512k}");
+  auto server = std::make_unique<Process>(
+      "/bin/sh",
+      std::vector<std::string>{"-c", absl::StrCat("exec env ", env, " ucx_perftest -p ", port)},
+      "/dev/null");
+  absl::StatusOr<std::string> out = absl::UnavailableError("ucx_perftest did not run");
+  for (int attempt = 0; attempt < 40; ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    out = RunCapture(absl::StrCat(env, " timeout 60 ucx_perftest 127.0.0.1 -p ", port, " -t ", test,
+                                  " -s ", size, " -n ", iterations, " -w ",
+                                  std::max<int64_t>(1, iterations / 10), " 2>&1"));
+    if (out.ok()) break;
+  }
+  server->Kill(SIGKILL);
+  if (!out.ok()) return out.status();
+  for (absl::string_view line : absl::StrSplit(*out, '\n')) {
+    if (!absl::StartsWith(line, "Final:")) continue;
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    // Final: iters p50 avg overall bw_avg(MB/s) bw_overall msg_avg msg_overall
+    if (f.size() >= 7) return std::stod(f[6]) * 1024 * 1024;
+  }
+  return absl::InternalError(absl::StrCat("cannot parse ucx_perftest output:\n", *out));
 }
 
 bool HaveCommand(const std::string& name) {

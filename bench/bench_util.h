@@ -45,6 +45,21 @@ class LocalStore {
   std::string address_;
 };
 
+// Starts a redis-server on a free loopback port and runs redis-benchmark
+// SET then GET with values of value_bytes over `keys` keys (-r), `clients`
+// connections and `pipeline` requests per round trip. Returns (SET rps,
+// GET rps). GETs are timed after the key space is mostly filled.
+absl::StatusOr<std::pair<double, double>> RedisSetGetRps(const std::string& dir,
+                                                         uint64_t value_bytes, int64_t keys,
+                                                         int64_t clients, int64_t pipeline);
+
+// ucx_perftest between two processes on loopback with the given UCX_TLS:
+// test is "ucp_put_bw" or "ucp_get"; returns bytes per second.
+absl::StatusOr<double> UcxPerftestBytesPerSec(const std::string& tls, const std::string& test,
+                                              uint64_t size, int64_t iterations);
+
+int FreeLoopbackPort();
+
 // Runs a shell command and returns its standard output.
 absl::StatusOr<std::string> RunCapture(const std::string& command);
 bool HaveCommand(const std::string& name);

@@ -2,9 +2,6 @@
 // for RAM hits and NVMe hits, beside redis-benchmark (SET/GET of the same
 // value size against a redis-server started here) and fio (random reads of
 // the same block size from a file in the same directory), with ratios.
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include <atomic>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -146,59 +143,12 @@ absl::StatusOr<StorePhase> RunStore(const Options& o, const std::string& dir, ui
   return r;
 }
 
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  int port = ntohs(a.sin_port);
-  close(fd);
-  return port;
-}
-
 // redis-benchmark SET and GET rps with the same value size, clients and pipeline depth.
 absl::StatusOr<std::pair<Figure, Figure>> RunRedis(const Options& o, const std::string& dir) {
-  if (!HaveCommand("redis-server") || !HaveCommand("redis-benchmark")) {
-    return absl::UnavailableError("redis-server/redis-benchmark not installed");
-  }
-  int port = FreePort();
-  Process server("/usr/bin/env",
-                 {"redis-server", "--port", std::to_string(port), "--bind", "127.0.0.1", "--save",
-                  "", "--appendonly", "no", "--dir", dir},
-                 dir + "/redis.log");
-  bool up = false;
-  for (int i = 0; i < 200 && !up; ++i) {
-    up = RunCapture(absl::StrCat("redis-cli -p ", port, " ping 2>/dev/null")).ok();
-    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
-  if (!up) return absl::UnavailableError("redis-server did not start");
-  auto bench = [&](const char* test, int64_t n) -> absl::StatusOr<double> {
-    auto out = RunCapture(absl::StrCat("redis-benchmark -h 127.0.0.1 -p ", port, " -t ", test,
-                                       " -n ", n, " -r ", o.blocks, " -d ", o.block_bytes,
-                                       " -c ", o.clients, " -P ", o.batch, " --csv 2>/dev/null"));
-    if (!out.ok()) return out.status();
-    for (absl::string_view line : absl::StrSplit(*out, '\n')) {
-      std::vector<std::string> f = absl::StrSplit(line, ',');
-      if (f.size() >= 2 && f[0].find(test == std::string("set") ? "SET" : "GET") != std::string::npos) {
-        std::string rps = f[1];
-        rps.erase(std::remove(rps.begin(), rps.end(), '"'), rps.end());
-        return std::stod(rps);
-      }
-    }
-    return absl::InternalError(absl::StrCat("cannot parse redis-benchmark output:\n", *out));
-  };
-  auto set = bench("set", o.blocks);
-  if (!set.ok()) return set.status();
-  // Fill most of the key space before timing GETs (-r picks keys at random).
-  if (auto fill = bench("set", 2 * o.blocks); !fill.ok()) return fill.status();
-  auto get = bench("get", o.blocks);
-  if (!get.ok()) return get.status();
-  server.Kill(SIGTERM);
-  auto fig = [&](double rps) { return Figure{rps, rps * o.block_bytes / 1e9}; };
-  return std::make_pair(fig(*set), fig(*get));
+  auto rps = RedisSetGetRps(dir, o.block_bytes, o.blocks, o.clients, o.batch);
+  if (!rps.ok()) return rps.status();
+  auto fig = [&](double r) { return Figure{r, r * o.block_bytes / 1e9}; };
+  return std::make_pair(fig(rps->first), fig(rps->second));
 }
 
 // fio random reads of the same block size from a file of the same total size

@@ -10,7 +10,7 @@
 namespace kvtier::store {
 
 absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(uint64_t bytes, uint64_t slab_bytes,
-                                                     bool try_hugepages) {
+                                                     bool try_hugepages, bool prefault) {
   if (slab_bytes == 0 || slab_bytes % 4096 != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("slab size ", slab_bytes, " must be a non-zero multiple of 4096"));
@@ -34,6 +34,12 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(uint64_t bytes, uint64_t sl
           absl::StrCat("mmap of ", size, " bytes for the RAM tier failed: ", std::strerror(errno)));
     }
     madvise(p, size, MADV_HUGEPAGE);
+  }
+  if (prefault) {
+    // Fault every page in now: a first touch on the data path can stall for
+    // milliseconds (THP compaction), which shows up as transfers that crawl.
+    volatile uint8_t* b = static_cast<uint8_t*>(p);
+    for (uint64_t off = 0; off < size; off += 4096) b[off] = 0;
   }
   return std::unique_ptr<Arena>(new Arena(static_cast<uint8_t*>(p), size, slab_bytes, huge));
 }

@@ -15,9 +15,10 @@ namespace kvtier::store {
 
 class Arena {
  public:
-  // bytes is rounded down to a whole number of slabs.
+  // bytes is rounded down to a whole number of slabs. prefault touches every
+  // page at once, so the data path never takes a page fault.
   static absl::StatusOr<std::unique_ptr<Arena>> Create(uint64_t bytes, uint64_t slab_bytes,
-                                                       bool try_hugepages);
+                                                       bool try_hugepages, bool prefault = false);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -126,16 +127,24 @@ void DataPlaneServer::Run() {
   ev.events = EPOLLIN;
   if (efd.ok()) epoll_ctl(ep, EPOLL_CTL_ADD, *efd, &ev);
   epoll_ctl(ep, EPOLL_CTL_ADD, stop_fd_, &ev);
+  // Busy-poll while transfers are flowing (emulated RMA over TCP or shared
+  // memory needs this side to progress promptly), sleep on the event fd once
+  // idle for a while.
+  const auto spin = std::chrono::microseconds(2000);
+  auto last_work = std::chrono::steady_clock::now();
   for (;;) {
-    while (worker_->Progress() != 0) {
-    }
+    bool worked = false;
+    while (worker_->Progress() != 0) worked = true;
+    auto now = std::chrono::steady_clock::now();
+    if (worked) last_work = now;
     if (!failed_.empty()) CloseFailed();
     uint64_t v;
     if (read(stop_fd_, &v, sizeof(v)) == sizeof(v)) break;
-    if (!efd.ok()) continue;  // no wakeup support: busy progress
+    if (!efd.ok() || now - last_work < spin) continue;
     if (ucp_worker_arm(worker_->get()) == UCS_ERR_BUSY) continue;
     epoll_event out[2];
-    epoll_wait(ep, out, 2, 100);
+    epoll_wait(ep, out, 2, 10);
+    last_work = std::chrono::steady_clock::now();  // spin a little after every wake-up
   }
   close(ep);
 }

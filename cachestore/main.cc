@@ -31,12 +31,14 @@ struct Flags {
   uint64_t demote_queue_bytes = 64ull << 20;
   std::string disk_admission = "all";
   bool hugepages = true;
+  bool prefault = true;
   int64_t ram_shards = 0;
   uint64_t max_message_bytes = 64ull << 20;
   std::string port_file;
   std::string routers;
   std::string store_id;
   std::string ucx_listen;
+  bool verify_commits = true;
 };
 
 }  // namespace
@@ -64,6 +66,9 @@ int main(int argc, char** argv) {
   flags.Choice("disk-admission", &f.disk_admission, {"all", "reused"},
                "Which evicted RAM blocks go to NVMe: all, or only those read at least once");
   flags.Bool("hugepages", &f.hugepages, "Back the RAM arena with 2 MiB hugepages when reserved");
+  flags.Bool("prefault", &f.prefault,
+             "Touch the whole RAM arena at start (RSS = --ram-bytes at once; no page faults "
+             "on the data path)");
   flags.Int("ram-shards", &f.ram_shards, 0, 256, "Index shards of the RAM tier (0: automatic)");
   flags.Bytes("max-message-bytes", &f.max_message_bytes,
               "Largest gRPC message accepted or sent (bounds inline block size)");
@@ -71,6 +76,9 @@ int main(int argc, char** argv) {
   flags.String("ucx-listen", &f.ucx_listen,
                "UCX data-plane listener HOST:PORT (clients RMA blocks into the RAM arena; "
                "transports follow UCX_TLS); empty: inline gRPC path only");
+  flags.Bool("verify-commits", &f.verify_commits,
+             "Hash every block at CommitPut and refuse one whose bytes do not match its "
+             "checksum (off: trust the writer; readers still verify)");
   flags.String("router", &f.routers,
                "Comma-separated kvtier-router addresses to publish this shard's blocks to");
   flags.String("store-id", &f.store_id,
@@ -112,6 +120,7 @@ int main(int argc, char** argv) {
   o.ram.slab_bytes = f.slab_bytes;
   o.ram.policy = f.ram_policy;
   o.ram.try_hugepages = f.hugepages;
+  o.ram.prefault = f.prefault;
   o.ram.shards = static_cast<int>(f.ram_shards);
   o.disk.dir = f.data_dir;
   o.disk.bytes = f.disk_bytes;
@@ -120,6 +129,7 @@ int main(int argc, char** argv) {
   o.disk.admission = f.disk_admission;
   o.lease_ms = f.lease_ms;
   o.routers = routers;
+  o.verify_commits = f.verify_commits;
   o.store_id = f.store_id.empty() ? "kvtier-store@" + f.listen : f.store_id;
   auto store = kvtier::store::Store::Open(o);
   if (!store.ok()) {

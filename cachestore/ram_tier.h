@@ -33,6 +33,7 @@ struct RamTierOptions {
   std::string policy = "lru";
   std::map<std::string, double> policy_params;
   bool try_hugepages = true;
+  bool prefault = false;  // touch the whole arena at start (kvtier-store: --prefault, on)
   int shards = 0;  // 0: chosen from the number of slabs (1..16)
 };
 

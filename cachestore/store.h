@@ -37,6 +37,10 @@ struct StoreOptions {
   RamTierOptions ram;
   DiskTierOptions disk;
   uint64_t lease_ms = 10000;
+  // Hash every slot at CommitPut and refuse a mismatch (one pass over the
+  // bytes). Off: the client's checksum is stored as given and readers catch
+  // corruption (they verify every block) -- faster, weaker.
+  bool verify_commits = true;
   // Routers to publish this shard's blocks to (BlockStored when a block
   // enters the store, BlockRemoved when it leaves both tiers); may be empty.
   std::vector<std::string> routers;

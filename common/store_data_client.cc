@@ -18,11 +18,10 @@ using Clock = std::chrono::steady_clock;
 }  // namespace
 
 struct StoreDataClient::Lane {
-  std::shared_ptr<ucx::Context> ctx;
   std::unique_ptr<ucx::Worker> worker;
   std::unique_ptr<ucx::Endpoint> ep;
   std::unique_ptr<ucx::RemoteKey> rkey;
-  std::vector<std::unique_ptr<ucx::MemoryRegion>> regions;
+  std::vector<std::shared_ptr<ucx::MemoryRegion>> regions;  // snapshot of the client's
   absl::Status init_error;
   Clock::time_point next_attempt{};
   uint64_t backoff_ms = 0;
@@ -47,22 +46,22 @@ StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions o
         StoreClientOptions o;
         o.deadline_ms = options_.deadline_ms;
         return o;
-      }()),
-      lane_(std::make_unique<Lane>()) {
-  lane_->backoff_ms = options_.backoff_min_ms;
+      }()) {
   auto ctx = ucx::Context::Create();
-  if (ctx.ok()) {
-    lane_->ctx = *ctx;
-    auto w = ucx::Worker::Create(lane_->ctx, false);
-    if (w.ok()) {
-      lane_->worker = std::move(*w);
-    } else {
-      lane_->init_error = w.status();
+  if (!ctx.ok()) init_error_ = ctx.status();
+  if (ctx.ok()) ucx_context_ = *ctx;
+  for (int i = 0; i < std::max(1, options_.lanes); ++i) {
+    auto lane = std::make_unique<Lane>();
+    lane->backoff_ms = options_.backoff_min_ms;
+    lane->init_error = init_error_;
+    if (init_error_.ok()) {
+      auto w = ucx::Worker::Create(*ctx, false);
+      if (w.ok()) lane->worker = std::move(*w);
+      else lane->init_error = w.status();
     }
-  } else {
-    lane_->init_error = ctx.status();
+    lanes_.push_back(std::move(lane));
   }
-  thread_ = std::thread([this] { Run(); });
+  for (auto& lane : lanes_) threads_.emplace_back([this, l = lane.get()] { Run(*l); });
 }
 
 StoreDataClient::~StoreDataClient() {
@@ -72,16 +71,22 @@ StoreDataClient::~StoreDataClient() {
   }
   cv_.notify_all();
   space_cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
-  // UCX objects go in order: endpoint, key, registrations, worker, context.
-  lane_->Drop();
-  lane_->regions.clear();
-  lane_->worker.reset();
+  for (auto& t : threads_) t.join();
+  // UCX objects go in order: endpoints, keys, workers, registrations, context.
+  for (auto& lane : lanes_) {
+    lane->Drop();
+    lane->regions.clear();
+    lane->worker.reset();
+  }
+  regions_.clear();
 }
 
 bool StoreDataClient::connected() const {
   std::lock_guard lk(mu_);
-  return lane_->connected;
+  for (const auto& l : lanes_) {
+    if (l->connected) return true;
+  }
+  return false;
 }
 
 void StoreDataClient::Submit(uint64_t bytes, Job job) {
@@ -96,7 +101,7 @@ void StoreDataClient::Submit(uint64_t bytes, Job job) {
   cv_.notify_one();
 }
 
-void StoreDataClient::Run() {
+void StoreDataClient::Run(Lane& lane) {
   for (;;) {
     std::pair<uint64_t, Job> job;
     {
@@ -106,7 +111,17 @@ void StoreDataClient::Run() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    job.second(*lane_);
+    {
+      // Pick up memory registered since the last job.
+      std::lock_guard lk(regions_mu_);
+      if (lane.regions.size() != regions_.size()) {
+        lane.regions.clear();
+        for (const auto& r : regions_) {
+          lane.regions.push_back(std::static_pointer_cast<ucx::MemoryRegion>(r));
+        }
+      }
+    }
+    job.second(lane);
     {
       std::lock_guard lk(mu_);
       inflight_bytes_ -= job.first;
@@ -116,22 +131,12 @@ void StoreDataClient::Run() {
 }
 
 absl::Status StoreDataClient::RegisterMemory(void* addr, size_t length) {
-  std::promise<absl::Status> done;
-  auto f = done.get_future();
-  Submit(0, [&](Lane& lane) {
-    if (!lane.init_error.ok()) {
-      done.set_value(lane.init_error);
-      return;
-    }
-    auto r = ucx::MemoryRegion::Map(lane.ctx, addr, length);
-    if (!r.ok()) {
-      done.set_value(r.status());
-      return;
-    }
-    lane.regions.push_back(std::move(*r));
-    done.set_value(absl::OkStatus());
-  });
-  return f.get();
+  if (!init_error_.ok()) return init_error_;
+  auto r = ucx::MemoryRegion::Map(std::static_pointer_cast<ucx::Context>(ucx_context_), addr, length);
+  if (!r.ok()) return r.status();
+  std::lock_guard lk(regions_mu_);
+  regions_.push_back(std::shared_ptr<ucx::MemoryRegion>(std::move(*r)));
+  return absl::OkStatus();
 }
 
 namespace {
@@ -193,9 +198,9 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
   Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
     auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
     auto finish = [&](absl::StatusOr<PutOutcome> r) {
-      if (!r.ok() && !absl::StrContains(r.status().message(), address_)) {
-        r = absl::Status(r.status().code(),
-                         absl::StrCat("put to store ", address_, ": ", r.status().message()));
+      const std::string prefix = absl::StrCat("put to store ", address_, ": ");
+      if (!r.ok() && !absl::StartsWith(r.status().message(), prefix)) {
+        r = absl::Status(r.status().code(), absl::StrCat(prefix, r.status().message()));
       }
       promise->set_value(std::move(r));
     };
@@ -270,9 +275,9 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
   Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
     auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
     auto finish = [&](absl::StatusOr<GetOutcome> r) {
-      if (!r.ok() && !absl::StrContains(r.status().message(), address_)) {
-        r = absl::Status(r.status().code(),
-                         absl::StrCat("get from store ", address_, ": ", r.status().message()));
+      const std::string prefix = absl::StrCat("get from store ", address_, ": ");
+      if (!r.ok() && !absl::StartsWith(r.status().message(), prefix)) {
+        r = absl::Status(r.status().code(), absl::StrCat(prefix, r.status().message()));
       }
       promise->set_value(std::move(r));
     };

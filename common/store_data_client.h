@@ -1,6 +1,7 @@
 // The data-plane client of one kvtier-store shard: a gRPC control channel
-// (StoreClient) plus a UCX endpoint to the store's RAM arena, driven by one
-// background thread that owns the UCX worker.
+// (StoreClient) plus UCX endpoints to the store's RAM arena, one per lane;
+// each lane is a background thread that owns its UCX worker, so one
+// operation's RPCs overlap another's transfers.
 //
 // Put: BeginPut -> ucp_put_nbx of every reserved block (all in flight at
 // once, checksums computed meanwhile) -> one flush -> CommitPut. Get:
@@ -33,6 +34,7 @@ namespace kvtier {
 
 struct DataClientOptions {
   std::string client_id = "kvtier-client";
+  int lanes = 2;  // operations run concurrently, each lane with its own UCX worker and endpoint
   int deadline_ms = 10000;                    // per operation, RPCs and transfers together
   uint64_t max_inflight_bytes = 256ull << 20;  // queued + running operations
   uint64_t backoff_min_ms = 50;
@@ -86,19 +88,23 @@ class StoreDataClient {
   void Submit(uint64_t bytes, Job job);
   // Connects the lane's endpoint if it is not (or no longer) connected.
   absl::Status EnsureConnected(Lane& lane);
-  void Run();
+  void Run(Lane& lane);
 
   std::string address_;
   DataClientOptions options_;
   StoreClient control_;
-  std::unique_ptr<Lane> lane_;
+  std::shared_ptr<void> ucx_context_;  // ucx::Context, shared by the lanes
+  std::mutex regions_mu_;
+  std::vector<std::shared_ptr<void>> regions_;  // ucx::MemoryRegion
+  std::vector<std::unique_ptr<Lane>> lanes_;
+  absl::Status init_error_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_, space_cv_;
   std::deque<std::pair<uint64_t, Job>> jobs_;
   uint64_t inflight_bytes_ = 0;
   bool stop_ = false;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
 };
 
 // Rendezvous (highest-random-weight) placement of a block on one of several

@@ -42,8 +42,11 @@ absl::StatusOr<std::shared_ptr<Context>> Context::Create() {
     return FromUcs(s, "reading the UCX configuration");
   }
   ucp_params_t p{};
-  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
+  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  // Workers of one context live on different threads (client lanes), and
+  // memory is registered from yet another: make the context thread-safe.
+  p.mt_workers_shared = 1;
   p.name = "kvtier";
   ucp_context_h ctx;
   ucs_status_t s = ucp_init(&p, cfg, &ctx);

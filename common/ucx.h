@@ -3,8 +3,8 @@
 // for batches of requests with a deadline.
 //
 // Threading: a Worker (and the endpoints and requests made on it) belongs to
-// one thread at a time (UCS_THREAD_MODE_SINGLE). Contexts and memory regions
-// may be shared.
+// one thread at a time (UCS_THREAD_MODE_SINGLE). Contexts (created with
+// mt_workers_shared) and memory regions may be shared between threads.
 //
 // Transports follow UCX's own configuration (UCX_TLS, UCX_NET_DEVICES, ...).
 // Unless the environment says otherwise, Context sets the TCP transport's

@@ -26,7 +26,7 @@ struct Row {
   int64_t batch;
   std::string op;  // "put" / "get"
   double gbps = 0, blocks_per_s = 0;
-  double perftest_gbps = 0, redis_gbps = 0;
+  double perftest_gbps = 0, redis_gbps = 0, memcpy_gbps = 0;
   std::string note;
 };
 
@@ -95,7 +95,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   std::vector<Transport> transports;
   for (absl::string_view t : absl::StrSplit(transports_flag, ',', absl::SkipEmpty())) {
     if (t == "tcp") transports.push_back({"ucx-tcp", "tcp", "tcp"});
-    else if (t == "shm") transports.push_back({"ucx-shm", "sm,tcp", "sm"});
+    else if (t == "shm") transports.push_back({"ucx-shm", "sm", "sm"});
     else {
       std::fprintf(stderr, "kvtier-bench dataplane: flag --transports: \"%s\" is not tcp or shm\n",
                    std::string(t).c_str());
@@ -128,6 +128,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     DataClientOptions o;
     o.max_inflight_bytes = 256ull << 20;
     o.deadline_ms = 60000;
+    o.shared_memory = path == "ucx-shm";
     StoreDataClient client((*store)->address(), o);
     StoreClientOptions so;
     so.max_message_bytes = static_cast<int>(std::max<uint64_t>(64 << 20, 40 * max_size));
@@ -235,6 +236,17 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   if (inline_path) {
     if (int rc = measure("inline-grpc", "tcp"); rc != 0) return rc;
   }
+  // memcpy of the same working set in this process: the DRAM ceiling for a
+  // transfer that must move every byte once (shared memory, at least).
+  std::map<uint64_t, double> memcpy_gbps;
+  for (uint64_t size : sizes) {
+    const uint64_t blocks = std::max<uint64_t>(32, working_set / size);
+    std::vector<uint8_t> a(blocks * size, 1), b(blocks * size, 2);
+    std::memcpy(b.data(), a.data(), a.size());  // warm both
+    auto t = Clock::now();
+    for (int rep = 0; rep < 3; ++rep) std::memcpy(b.data(), a.data(), a.size());
+    memcpy_gbps[size] = 3.0 * a.size() / Seconds(t) / 1e9;
+  }
   if (references) {
     for (uint64_t size : sizes) {
       const int64_t blocks = static_cast<int64_t>(std::max<uint64_t>(32, working_set / size));
@@ -256,6 +268,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     std::string path = r.path == "inline-grpc" ? "ucx-tcp" : r.path;
     auto pf = perf.find({path, r.block_bytes, r.op == "put" ? "ucp_put_bw" : "ucp_get"});
     if (pf != perf.end()) r.perftest_gbps = pf->second;
+    r.memcpy_gbps = memcpy_gbps[r.block_bytes];
   }
 
   if (json) {
@@ -272,6 +285,8 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
         c["redis_gb_per_s"] = r.redis_gbps;
         c["ratio_vs_redis"] = r.gbps / r.redis_gbps;
       }
+      c["memcpy_gb_per_s"] = r.memcpy_gbps;
+      c["ratio_vs_memcpy"] = r.gbps / r.memcpy_gbps;
       j["cases"].push_back(c);
     }
     std::printf("%s\n", j.dump(2).c_str());
@@ -280,14 +295,16 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   std::printf("kvtier-bench dataplane: %s per case; ucx_perftest on the same transport and size;\n"
               "redis-benchmark with the same value size and pipeline depth = batch\n\n",
               FormatBytes(working_set).c_str());
-  std::printf("%-12s %9s %6s %4s | %8s %10s | %12s %6s | %9s %6s\n", "path", "block", "batch",
-              "op", "GB/s", "blocks/s", "perftest GB/s", "ratio", "redis GB/s", "ratio");
+  std::printf("%-12s %9s %6s %4s | %8s %10s | %12s %6s | %9s %6s | %10s %6s\n", "path", "block",
+              "batch", "op", "GB/s", "blocks/s", "perftest GB/s", "ratio", "redis GB/s", "ratio",
+              "memcpy GB/s", "ratio");
   for (const auto& r : rows) {
     auto ratio = [](double a, double b) { return b > 0 ? absl::StrFormat("%.2f", a / b) : std::string("n/a"); };
-    std::printf("%-12s %9s %6ld %4s | %8.2f %10.0f | %12.2f %6s | %9.2f %6s\n", r.path.c_str(),
-                FormatBytes(r.block_bytes).c_str(), r.batch, r.op.c_str(), r.gbps, r.blocks_per_s,
-                r.perftest_gbps, ratio(r.gbps, r.perftest_gbps).c_str(), r.redis_gbps,
-                ratio(r.gbps, r.redis_gbps).c_str());
+    std::printf("%-12s %9s %6ld %4s | %8.2f %10.0f | %12.2f %6s | %9.2f %6s | %10.2f %6s\n",
+                r.path.c_str(), FormatBytes(r.block_bytes).c_str(), r.batch, r.op.c_str(), r.gbps,
+                r.blocks_per_s, r.perftest_gbps, ratio(r.gbps, r.perftest_gbps).c_str(),
+                r.redis_gbps, ratio(r.gbps, r.redis_gbps).c_str(), r.memcpy_gbps,
+                ratio(r.gbps, r.memcpy_gbps).c_str());
   }
   std::printf("\n(inline-grpc rows are compared with ucx_perftest over TCP)\n");
   return 0;

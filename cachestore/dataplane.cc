@@ -43,6 +43,9 @@ absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(const st
   auto rkey = d->region_->PackRkey();
   if (!rkey.ok()) return rkey.status();
   d->packed_rkey_ = *rkey;
+  auto waddr = d->worker_->Address();
+  if (!waddr.ok()) return waddr.status();
+  d->worker_address_ = *waddr;
 
   addrinfo hints{}, *res = nullptr;
   hints.ai_socktype = SOCK_STREAM;

@@ -30,6 +30,7 @@ class DataPlaneServer {
   // HOST:PORT actually bound.
   const std::string& address() const { return address_; }
   const std::string& packed_rkey() const { return packed_rkey_; }
+  const std::string& worker_address() const { return worker_address_; }
   uint64_t base() const { return reinterpret_cast<uint64_t>(region_->addr()); }
   uint64_t length() const { return region_->length(); }
   size_t connections() const { return connections_; }
@@ -47,6 +48,7 @@ class DataPlaneServer {
   ucp_listener_h listener_ = nullptr;
   std::string address_;
   std::string packed_rkey_;
+  std::string worker_address_;
   int stop_fd_ = -1;
   std::thread thread_;
   // Touched only by the progress thread.

@@ -90,12 +90,18 @@ std::optional<uint64_t> RamTier::AllocateLocked(Shard& s, uint64_t klass) {
   auto carve = [&]() {
     uint64_t slab = s.free_slabs.back();
     s.free_slabs.pop_back();
+    s.carved[slab] = klass;
     auto& free = s.classes[klass].free;
     uint64_t n = slab_bytes / klass;
     for (uint64_t i = n; i-- > 0;) free.push_back(slab + i * klass);
   };
   if (auto off = pop()) return off;
   if (!s.free_slabs.empty()) {
+    carve();
+    return pop();
+  }
+  // A slab another class no longer uses (e.g. after an evict-all).
+  if (ReclaimEmptySlabLocked(s, klass)) {
     carve();
     return pop();
   }
@@ -107,15 +113,33 @@ std::optional<uint64_t> RamTier::AllocateLocked(Shard& s, uint64_t klass) {
   while (EvictOneLocked(s, [klass](const Entry& e) { return e.klass != klass; }, &freed)) {
     uint64_t slab_index = freed / slab_bytes;
     if (slab_used_[slab_index] != 0) continue;
-    uint64_t slab = slab_index * slab_bytes;
-    for (auto& [k, c] : s.classes) {
-      std::erase_if(c.free, [&](uint64_t o) { return o >= slab && o < slab + slab_bytes; });
-    }
-    s.free_slabs.push_back(slab);
+    UncarveLocked(s, slab_index * slab_bytes);
     carve();
     return pop();
   }
   return std::nullopt;
+}
+
+void RamTier::UncarveLocked(Shard& s, uint64_t slab) {
+  const uint64_t slab_bytes = arena_->slab_bytes();
+  auto it = s.carved.find(slab);
+  if (it != s.carved.end()) {
+    std::erase_if(s.classes[it->second].free,
+                  [&](uint64_t o) { return o >= slab && o < slab + slab_bytes; });
+    s.carved.erase(it);
+  }
+  s.free_slabs.push_back(slab);
+}
+
+bool RamTier::ReclaimEmptySlabLocked(Shard& s, uint64_t klass) {
+  const uint64_t slab_bytes = arena_->slab_bytes();
+  for (const auto& [slab, k] : s.carved) {
+    if (k != klass && slab_used_[slab / slab_bytes] == 0) {
+      UncarveLocked(s, slab);
+      return true;
+    }
+  }
+  return false;
 }
 
 Placement RamTier::Reserve(const BlockKey& key, uint64_t length, uint64_t lease, Slot* slot) {

@@ -130,6 +130,7 @@ class RamTier {
     std::unique_ptr<EvictionPolicy> policy;
     std::map<uint64_t, SizeClass> classes;
     std::vector<uint64_t> free_slabs;  // slab offsets
+    std::map<uint64_t, uint64_t> carved;  // slab offset -> the size class it serves
     uint64_t clock = 0;
   };
 
@@ -140,6 +141,10 @@ class RamTier {
   // REQUIRES: s.mu held. Evicts one READY unpinned block (demoting it).
   bool EvictOneLocked(Shard& s, const std::function<bool(const Entry&)>& filter,
                       uint64_t* freed_offset);
+  // REQUIRES: s.mu held. Returns an empty slab of another class to the free
+  // slabs; false if there is none.
+  bool ReclaimEmptySlabLocked(Shard& s, uint64_t klass);
+  void UncarveLocked(Shard& s, uint64_t slab);
   void FreeSlotLocked(Shard& s, uint64_t offset);
   bool PublishInternal(const BlockKey& key, const Slot& slot, uint64_t checksum, bool pin);
   void DropLocked(Shard& s, uint64_t offset, EraseCounts* counts);

@@ -343,6 +343,7 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
                                "--ucx-listen HOST:PORT); use PutBlocks/GetBlocks instead"));
   }
   resp->set_ucx_address(dataplane_->address());
+  resp->set_worker_address(dataplane_->worker_address());
   auto* r = resp->add_regions();
   r->set_rkey_id(0);
   r->set_base_addr(dataplane_->base());

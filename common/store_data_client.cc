@@ -179,7 +179,10 @@ absl::Status StoreDataClient::EnsureConnected(Lane& lane) {
   std::string host = HostOf(addr);
   if (host.empty() || host == "0.0.0.0" || host == "::") host = HostOf(grpc_address);
   int port = std::stoi(addr.substr(addr.rfind(':') + 1));
-  auto ep = ucx::Endpoint::Connect(lane.worker.get(), host, port);
+  auto ep = !o.use_sockaddr && !resp.worker_address().empty()
+                ? ucx::Endpoint::ConnectToWorker(lane.worker.get(), resp.worker_address(),
+                                                 /*peer_failure_handling=*/!o.shared_memory)
+                : ucx::Endpoint::Connect(lane.worker.get(), host, port);
   if (!ep.ok()) return fail(ep.status());
   auto rkey = (*ep)->Unpack(resp.regions(0).packed_rkey());
   if (!rkey.ok()) return fail(rkey.status());

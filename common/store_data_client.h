@@ -35,6 +35,14 @@ namespace kvtier {
 struct DataClientOptions {
   std::string client_id = "kvtier-client";
   int lanes = 2;  // operations run concurrently, each lane with its own UCX worker and endpoint
+  // Connect through the store's sockaddr listener (RDMA-CM / TCP) instead of
+  // its worker address. Sockaddr endpoints use network transports only.
+  bool use_sockaddr = false;
+  // Let UCX use shared memory when client and store share a host (connects
+  // to the worker address without peer-failure handling, which UCX 1.13's
+  // shared-memory transports need; a dead store then fails operations at
+  // their deadline instead of at once).
+  bool shared_memory = false;
   int deadline_ms = 10000;                    // per operation, RPCs and transfers together
   uint64_t max_inflight_bytes = 256ull << 20;  // queued + running operations
   uint64_t backoff_min_ms = 50;

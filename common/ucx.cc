@@ -71,6 +71,17 @@ absl::StatusOr<std::unique_ptr<Worker>> Worker::Create(std::shared_ptr<Context> 
 
 Worker::~Worker() { ucp_worker_destroy(worker_); }
 
+absl::StatusOr<std::string> Worker::Address() {
+  ucp_worker_attr_t attr{};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+  if (auto s = ucp_worker_query(worker_, &attr); s != UCS_OK) {
+    return FromUcs(s, "querying the UCX worker's address");
+  }
+  std::string out(reinterpret_cast<char*>(attr.address), attr.address_length);
+  ucp_worker_release_address(worker_, attr.address);
+  return out;
+}
+
 absl::StatusOr<int> Worker::EventFd() {
   int fd;
   if (auto s = ucp_worker_get_efd(worker_, &fd); s != UCS_OK) {
@@ -177,6 +188,24 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(Worker* worker,
   if (auto s = ucp_ep_create(worker->get(), &p, &e->ep_); s != UCS_OK) {
     e->ep_ = nullptr;
     return FromUcs(s, absl::StrCat("connecting to UCX listener ", host, ":", port));
+  }
+  return e;
+}
+
+absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::ConnectToWorker(Worker* worker,
+                                                                   const std::string& address,
+                                                                   bool peer_failure_handling) {
+  std::unique_ptr<Endpoint> e(new Endpoint(worker));
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                 UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  p.err_mode = peer_failure_handling ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  p.err_handler.cb = &Endpoint::OnError;
+  p.err_handler.arg = e.get();
+  if (auto s = ucp_ep_create(worker->get(), &p, &e->ep_); s != UCS_OK) {
+    e->ep_ = nullptr;
+    return FromUcs(s, "connecting to the store's UCX worker");
   }
   return e;
 }

@@ -47,6 +47,8 @@ class Worker {
   ucp_worker_h get() const { return worker_; }
   const std::shared_ptr<Context>& context() const { return ctx_; }
   unsigned Progress() { return ucp_worker_progress(worker_); }
+  // This worker's address, for peers to connect to it directly.
+  absl::StatusOr<std::string> Address();
   // Event fd for epoll (REQUIRES: created with wakeup).
   absl::StatusOr<int> EventFd();
 
@@ -102,6 +104,12 @@ class Endpoint {
  public:
   static absl::StatusOr<std::unique_ptr<Endpoint>> Connect(Worker* worker, const std::string& host,
                                                           int port);
+  // Connects to a worker address: any transport both sides share. UCX 1.13
+  // offers its shared-memory transports only without peer-failure handling;
+  // then a dead peer surfaces through operation deadlines, not at once.
+  static absl::StatusOr<std::unique_ptr<Endpoint>> ConnectToWorker(Worker* worker,
+                                                                  const std::string& address,
+                                                                  bool peer_failure_handling);
   // Closes (forcibly if the peer failed); waits at most a second.
   ~Endpoint();
   ucp_ep_h get() const { return ep_; }

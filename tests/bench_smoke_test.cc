@@ -61,3 +61,20 @@ TEST(BenchSmoke, RouterBenchReportsLatencyIngestionAndMemory) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(BenchSmoke, DataPlaneBenchCarriesRatiosForEveryCase) {
+  auto j = RunJson("dataplane --sizes 256KiB --batches 1,32 --working-set 8MiB --json");
+  ASSERT_TRUE(j.contains("cases"));
+  // 3 paths (UCX TCP, UCX shared memory, inline gRPC) x 2 batches x put/get.
+  ASSERT_EQ(j["cases"].size(), 12u);
+  for (const auto& c : j["cases"]) {
+    EXPECT_GT(c["gb_per_s"].get<double>(), 0) << c.dump();
+    EXPECT_TRUE(c.contains("ratio_vs_perftest")) << c.dump();
+    EXPECT_TRUE(c.contains("ratio_vs_redis")) << c.dump();
+    EXPECT_TRUE(c.contains("ratio_vs_memcpy")) << c.dump();
+  }
+}
+
+}  // namespace

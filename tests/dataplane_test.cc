@@ -33,8 +33,9 @@ void Fill(std::vector<uint8_t>& buf, uint64_t first, uint64_t n) {
 class DataPlane : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
-    // Client and store (which inherits the environment) use the same transports.
-    setenv("UCX_TLS", GetParam(), 1);
+    // Client and store (which inherits the environment) use the same
+    // transports. The store's sockaddr listener needs a network transport.
+    setenv("UCX_TLS", std::string(GetParam()) == "sm" ? "sm,tcp" : GetParam(), 1);
   }
   std::unique_ptr<ServerProcess> StartStore(std::vector<std::string> extra = {}, int port = 0,
                                             int ucx_port = 0) {
@@ -49,9 +50,15 @@ class DataPlane : public ::testing::TestWithParam<const char*> {
   testing::TempDir dir_;
 };
 
+DataClientOptions ClientOptions() {
+  DataClientOptions o;
+  o.shared_memory = std::string(::testing::UnitTest::GetInstance()->current_test_info()->value_param()).find("sm") != std::string::npos;
+  return o;
+}
+
 TEST_P(DataPlane, RoundTripIsByteExactWithManyBlocksInFlight) {
   auto store = StartStore({"--ram-bytes=64MiB"});
-  StoreDataClient c(store->address());
+  StoreDataClient c(store->address(), ClientOptions());
   auto ns = c.control().RegisterNamespace(Spec256K());
   ASSERT_TRUE(ns.ok()) << ns.status();
   ASSERT_EQ(ns->block_bytes, kBlock);
@@ -94,7 +101,7 @@ TEST_P(DataPlane, RoundTripIsByteExactWithManyBlocksInFlight) {
 
 TEST_P(DataPlane, BlocksDemotedToNvmeComeBackByRma) {
   auto store = StartStore({"--ram-bytes=4MiB", "--ram-slab-bytes=1MiB", "--ram-policy=lru"});
-  StoreDataClient c(store->address());
+  StoreDataClient c(store->address(), ClientOptions());
   auto ns = c.control().RegisterNamespace(Spec256K());
   const uint64_t n = 48;  // 12 MiB through a 4 MiB RAM tier
   std::vector<uint8_t> src(n * kBlock), dst(n * kBlock, 0);
@@ -120,7 +127,9 @@ TEST_P(DataPlane, BlocksDemotedToNvmeComeBackByRma) {
   EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, DataPlane, ::testing::Values("tcp", "sm,tcp"),
+// "sm": shared memory only (the worker-address connection reaches it);
+// "tcp": the sockaddr listener and TCP.
+INSTANTIATE_TEST_SUITE_P(Transports, DataPlane, ::testing::Values("tcp", "sm"),
                          [](const auto& info) {
                            return std::string(info.param) == "tcp" ? "Tcp" : "SharedMemory";
                          });

@@ -152,6 +152,16 @@ TEST(RamTier, SizeClassesReclaimSlabsFromEachOther) {
   EXPECT_EQ(t->Reserve(Key(5000), 300 << 10, 1, &s), Placement::kNoSpace);  // above slab size
 }
 
+TEST(RamTier, EmptySlabsOfAnotherClassAreReused) {
+  auto t = MakeTier(512 << 10, nullptr);  // two slabs of 256 KiB
+  for (uint64_t n = 0; n < 8; ++n) Put(*t, n);  // both slabs carved for 64 KiB
+  EXPECT_EQ(t->EraseAll().erased, 8u);         // nothing left to evict
+  Put(*t, 100, 200 << 10);                     // needs a whole slab of its own
+  Put(*t, 101, 200 << 10);
+  EXPECT_TRUE(t->Contains(Key(100)));
+  EXPECT_TRUE(t->Contains(Key(101)));
+}
+
 TEST(RamTier, PolicySwitchKeepsEveryBlock) {
   for (const char* to : {"s3fifo", "sieve", "lru"}) {
     auto t = MakeTier(1 << 20, nullptr);

@@ -128,7 +128,8 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     DataClientOptions o;
     o.max_inflight_bytes = 256ull << 20;
     o.deadline_ms = 60000;
-    o.shared_memory = path == "ucx-shm";
+    o.shared_memory = path == "ucx-shm" ? DataClientOptions::SharedMemory::kOn
+                                        : DataClientOptions::SharedMemory::kOff;
     StoreDataClient client((*store)->address(), o);
     StoreClientOptions so;
     so.max_message_bytes = static_cast<int>(std::max<uint64_t>(64 << 20, 40 * max_size));

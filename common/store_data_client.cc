@@ -145,6 +145,17 @@ std::string HostOf(const std::string& address) { return address.substr(0, addres
 
 }  // namespace
 
+bool StoreDataClient::UseSharedMemory() const {
+  switch (options_.shared_memory) {
+    case DataClientOptions::SharedMemory::kOn: return true;
+    case DataClientOptions::SharedMemory::kOff: return false;
+    case DataClientOptions::SharedMemory::kAuto: break;
+  }
+  std::string host = HostOf(address_);
+  return absl::StartsWith(host, "127.") || host == "localhost" || host == "[::1]" ||
+         host == "::1" || absl::StartsWith(host, "unix:");
+}
+
 absl::Status StoreDataClient::EnsureConnected(Lane& lane) {
   StoreClient& control = control_;
   const std::string& grpc_address = address_;
@@ -181,7 +192,7 @@ absl::Status StoreDataClient::EnsureConnected(Lane& lane) {
   int port = std::stoi(addr.substr(addr.rfind(':') + 1));
   auto ep = !o.use_sockaddr && !resp.worker_address().empty()
                 ? ucx::Endpoint::ConnectToWorker(lane.worker.get(), resp.worker_address(),
-                                                 /*peer_failure_handling=*/!o.shared_memory)
+                                                 /*peer_failure_handling=*/!UseSharedMemory())
                 : ucx::Endpoint::Connect(lane.worker.get(), host, port);
   if (!ep.ok()) return fail(ep.status());
   auto rkey = (*ep)->Unpack(resp.regions(0).packed_rkey());
@@ -253,6 +264,7 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
     absl::Status moved = lane.worker->WaitAll(reqs, deadline);
     if (moved.ok() && lane.ep->failed()) moved = absl::UnavailableError("the store's UCX endpoint failed");
     if (!moved.ok()) {
+      lane.ep->MarkFailed();
       lane.Drop();
       v1::AbortPutRequest abort;
       abort.set_lease_id(resp.lease_id());
@@ -315,7 +327,10 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
     }
     absl::Status moved = lane.worker->WaitAll(reqs, deadline);
     if (moved.ok() && lane.ep->failed()) moved = absl::UnavailableError("the store's UCX endpoint failed");
-    if (!moved.ok()) lane.Drop();
+    if (!moved.ok()) {
+      lane.ep->MarkFailed();
+      lane.Drop();
+    }
     {
       v1::EndGetRequest end;
       end.set_lease_id(resp.lease_id());

@@ -41,8 +41,10 @@ struct DataClientOptions {
   // Let UCX use shared memory when client and store share a host (connects
   // to the worker address without peer-failure handling, which UCX 1.13's
   // shared-memory transports need; a dead store then fails operations at
-  // their deadline instead of at once).
-  bool shared_memory = false;
+  // their deadline instead of at once). kAuto: on when the store's address
+  // is a loopback one.
+  enum class SharedMemory { kAuto, kOn, kOff };
+  SharedMemory shared_memory = SharedMemory::kAuto;
   int deadline_ms = 10000;                    // per operation, RPCs and transfers together
   uint64_t max_inflight_bytes = 256ull << 20;  // queued + running operations
   uint64_t backoff_min_ms = 50;
@@ -96,6 +98,7 @@ class StoreDataClient {
   void Submit(uint64_t bytes, Job job);
   // Connects the lane's endpoint if it is not (or no longer) connected.
   absl::Status EnsureConnected(Lane& lane);
+  bool UseSharedMemory() const;
   void Run(Lane& lane);
 
   std::string address_;

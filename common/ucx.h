@@ -54,7 +54,9 @@ class Worker {
 
   // Waits until every request in reqs completes (nullptr and error pointers
   // count as complete) or the deadline passes; on the deadline the rest are
-  // cancelled. Frees the requests. Returns the first error.
+  // cancelled, and half a second later abandoned (UCX frees them when they
+  // end). Frees the requests. Returns the first error. The caller should drop
+  // the endpoint after a deadline error.
   absl::Status WaitAll(std::vector<void*>& reqs, Clock::time_point deadline);
 
  private:
@@ -114,6 +116,9 @@ class Endpoint {
   ~Endpoint();
   ucp_ep_h get() const { return ep_; }
   bool failed() const { return failed_; }
+  // Treat the peer as failed: the destructor then closes forcibly, which
+  // ends every operation still outstanding on this endpoint.
+  void MarkFailed() { failed_ = true; }
   absl::StatusOr<std::unique_ptr<RemoteKey>> Unpack(const std::string& packed);
   // Remote completion of everything posted so far.
   absl::Status Flush(Clock::time_point deadline);

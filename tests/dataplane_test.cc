@@ -52,7 +52,10 @@ class DataPlane : public ::testing::TestWithParam<const char*> {
 
 DataClientOptions ClientOptions() {
   DataClientOptions o;
-  o.shared_memory = std::string(::testing::UnitTest::GetInstance()->current_test_info()->value_param()).find("sm") != std::string::npos;
+  // The stores here are on 127.0.0.1: kAuto would pick shared memory; the
+  // TCP case turns it off so the TCP transport is what is tested.
+  bool sm = std::string(::testing::UnitTest::GetInstance()->current_test_info()->value_param()) == "\"sm\"";
+  o.shared_memory = sm ? DataClientOptions::SharedMemory::kOn : DataClientOptions::SharedMemory::kOff;
   return o;
 }
 

@@ -37,6 +37,12 @@ struct BlockKey {
   }
 };
 
+struct BlockHashHasher {
+  size_t operator()(const BlockHash& h) const {
+    return static_cast<size_t>(h.lo ^ (h.hi * 0x9E3779B97F4A7C15ull));
+  }
+};
+
 struct BlockKeyHasher {
   size_t operator()(const BlockKey& k) const { return k.Mix(); }
 };

@@ -1,0 +1,69 @@
+// The paged KV layout of an inference engine and the batched copies between
+// it and contiguous block buffers.
+//
+// Engine layout, per layer l (its own allocation, at layer_bases[l]):
+//   [num_pages][2 (K, V)][block_tokens][kv_heads][head_dim] elements.
+// A block buffer holds one page of every layer, layer-major:
+//   [layers][2][block_tokens][kv_heads][head_dim]  (block_bytes()).
+//
+// Gather copies a batch of pages into block buffers; Scatter copies back.
+// Int8 packing halves a 16-bit block for the wire: each (layer, K|V) chunk
+// gets a float32 scale s = absmax / 127 and elements q = round_half_even(x / s)
+// clamped to [-127, 127]; unpacking gives q * s rounded to the dtype. The
+// error is at most s / 2 per element before that rounding, plus half an ulp
+// of the dtype after it (docs/worker.md). Every function has a CPU
+// implementation here; gpu/kernels.cu has CUDA versions whose output is
+// byte-identical (tests compare them when a GPU is present).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace kvtier::gpu {
+
+enum class Dtype : uint8_t { kFp16, kBf16, kFp8 };
+
+struct KvLayout {
+  uint32_t layers = 1;
+  uint32_t kv_heads = 1;
+  uint32_t head_dim = 1;
+  uint32_t block_tokens = 1;
+  Dtype dtype = Dtype::kFp16;
+  uint64_t num_pages = 1;
+
+  uint32_t elem_bytes() const { return dtype == Dtype::kFp8 ? 1 : 2; }
+  // Elements of one (layer, K|V) chunk of a page.
+  uint64_t chunk_elems() const { return uint64_t{block_tokens} * kv_heads * head_dim; }
+  // Bytes of one page within one layer (K and V).
+  uint64_t layer_page_bytes() const { return 2 * chunk_elems() * elem_bytes(); }
+  uint64_t block_bytes() const { return uint64_t{layers} * layer_page_bytes(); }
+  // Int8-packed block: 2 x layers float32 scales, then one byte per element.
+  uint64_t packed_bytes() const { return 2ull * layers * 4 + 2ull * layers * chunk_elems(); }
+  // Bytes of one layer's allocation.
+  uint64_t layer_bytes() const { return num_pages * layer_page_bytes(); }
+};
+
+absl::Status Validate(const KvLayout& layout);
+
+// blocks[i] receives page pages[i]. REQUIRES: pages[i] < num_pages.
+void GatherCpu(const KvLayout& layout, const uint8_t* const* layer_bases, const uint32_t* pages,
+               size_t count, uint8_t* const* blocks);
+void ScatterCpu(const KvLayout& layout, uint8_t* const* layer_bases, const uint32_t* pages,
+                size_t count, const uint8_t* const* blocks);
+
+// INVALID_ARGUMENT for fp8 layouts (already 8-bit).
+absl::Status PackInt8Cpu(const KvLayout& layout, const uint8_t* block, uint8_t* packed);
+absl::Status UnpackInt8Cpu(const KvLayout& layout, const uint8_t* packed, uint8_t* block);
+
+// Scalar conversions (round to nearest even), shared with the tests.
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);
+float Bf16ToFloat(uint16_t b);
+uint16_t FloatToBf16(float f);
+
+// True when this build has CUDA kernels and a GPU is visible.
+bool CudaAvailable();
+
+}  // namespace kvtier::gpu

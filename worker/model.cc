@@ -1,0 +1,48 @@
+#include "worker/model.h"
+
+#include <cstring>
+#include <vector>
+
+namespace kvtier::worker {
+
+void ModelChunk(uint64_t ns, const BlockHash& hash, uint32_t layer, uint8_t* out, uint64_t len) {
+  uint64_t x = (hash.hi ^ (hash.lo * 0x9E3779B97F4A7C15ull) ^ ns ^
+                (uint64_t{layer} + 1) * 0xC2B2AE3D27D4EB4Full) | 1;
+  uint64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    uint64_t v = x * 0x2545F4914F6CDD1Dull;
+    std::memcpy(out + i, &v, 8);
+  }
+  for (; i < len; ++i) out[i] = static_cast<uint8_t>(x >> (8 * (i % 8)));
+}
+
+void ComputeIntoPage(const gpu::KvLayout& l, uint8_t* const* bases, uint32_t page, uint64_t ns,
+                     const BlockHash& hash) {
+  const uint64_t chunk = l.layer_page_bytes();
+  for (uint32_t layer = 0; layer < l.layers; ++layer) {
+    ModelChunk(ns, hash, layer, bases[layer] + page * chunk, chunk);
+  }
+}
+
+bool PageMatchesModel(const gpu::KvLayout& l, uint8_t* const* bases, uint32_t page, uint64_t ns,
+                      const BlockHash& hash) {
+  const uint64_t chunk = l.layer_page_bytes();
+  std::vector<uint8_t> want(chunk);
+  for (uint32_t layer = 0; layer < l.layers; ++layer) {
+    ModelChunk(ns, hash, layer, want.data(), chunk);
+    if (std::memcmp(want.data(), bases[layer] + page * chunk, chunk) != 0) return false;
+  }
+  return true;
+}
+
+void ModelBlock(const gpu::KvLayout& l, uint64_t ns, const BlockHash& hash, uint8_t* out) {
+  const uint64_t chunk = l.layer_page_bytes();
+  for (uint32_t layer = 0; layer < l.layers; ++layer) {
+    ModelChunk(ns, hash, layer, out + layer * chunk, chunk);
+  }
+}
+
+}  // namespace kvtier::worker

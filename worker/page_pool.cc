@@ -1,0 +1,146 @@
+#include "worker/page_pool.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace kvtier::worker {
+
+PagePool::PagePool(const gpu::KvLayout& layout) : layout_(layout), pages_(layout.num_pages) {
+  for (uint32_t l = 0; l < layout_.layers; ++l) {
+    size_t bytes = (layout_.layer_bytes() + 4095) / 4096 * 4096;
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(4096, bytes));
+    std::memset(p, 0, bytes);  // touch it now, not on the data path
+    bases_.push_back(p);
+  }
+  for (uint64_t i = layout_.num_pages; i-- > 0;) free_.push_back(static_cast<uint32_t>(i));
+}
+
+PagePool::~PagePool() {
+  for (uint8_t* p : bases_) std::free(p);
+}
+
+std::vector<std::pair<uint8_t*, size_t>> PagePool::regions() const {
+  std::vector<std::pair<uint8_t*, size_t>> r;
+  for (uint8_t* p : bases_) r.emplace_back(p, layout_.layer_bytes());
+  return r;
+}
+
+void PagePool::RemoveFromLruLocked(Page& p) {
+  if (p.in_lru) {
+    lru_.erase(p.lru);
+    p.in_lru = false;
+  }
+}
+
+size_t PagePool::Match(const std::vector<BlockHash>& chain) const {
+  std::lock_guard lk(mu_);
+  size_t n = 0;
+  while (n < chain.size() && index_.count(chain[n])) ++n;
+  return n;
+}
+
+std::vector<uint32_t> PagePool::MatchAndRef(const std::vector<BlockHash>& chain) {
+  std::lock_guard lk(mu_);
+  std::vector<uint32_t> out;
+  for (const auto& h : chain) {
+    auto it = index_.find(h);
+    if (it == index_.end()) break;
+    Page& p = pages_[it->second];
+    RemoveFromLruLocked(p);
+    ++p.refs;
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+std::optional<uint32_t> PagePool::Allocate() {
+  std::unique_lock lk(mu_);
+  uint32_t id;
+  if (!free_.empty()) {
+    id = free_.back();
+    free_.pop_back();
+  } else if (!lru_.empty()) {
+    id = lru_.back();
+    Page& p = pages_[id];
+    RemoveFromLruLocked(p);
+    index_.erase(p.hash);
+    ++evictions_;
+    // Offload hook: the page's bytes are intact until we hand it out below.
+    p.state = State::kFilling;
+    p.refs = 1;
+    BlockHash h = p.hash;
+    lk.unlock();
+    if (on_evict_) on_evict_(h, id);
+    return id;
+  } else {
+    return std::nullopt;
+  }
+  Page& p = pages_[id];
+  p.state = State::kFilling;
+  p.refs = 1;
+  return id;
+}
+
+uint32_t PagePool::Commit(const BlockHash& hash, uint32_t page) {
+  std::lock_guard lk(mu_);
+  auto it = index_.find(hash);
+  if (it != index_.end() && it->second != page) {
+    // Someone cached the same block meanwhile: keep theirs.
+    Page& mine = pages_[page];
+    mine.state = State::kFree;
+    mine.refs = 0;
+    free_.push_back(page);
+    Page& theirs = pages_[it->second];
+    RemoveFromLruLocked(theirs);
+    ++theirs.refs;
+    return it->second;
+  }
+  Page& p = pages_[page];
+  p.state = State::kCached;
+  p.hash = hash;
+  index_[hash] = page;
+  return page;
+}
+
+void PagePool::Discard(uint32_t page) {
+  std::lock_guard lk(mu_);
+  Page& p = pages_[page];
+  if (p.state != State::kFilling) return;
+  p.state = State::kFree;
+  p.refs = 0;
+  free_.push_back(page);
+}
+
+void PagePool::Ref(uint32_t page) {
+  std::lock_guard lk(mu_);
+  Page& p = pages_[page];
+  RemoveFromLruLocked(p);
+  ++p.refs;
+}
+
+void PagePool::Unref(uint32_t page) {
+  std::lock_guard lk(mu_);
+  Page& p = pages_[page];
+  if (p.refs == 0) return;
+  if (--p.refs > 0) return;
+  if (p.state == State::kCached) {
+    lru_.push_front(page);
+    p.lru = lru_.begin();
+    p.in_lru = true;
+  } else if (p.state == State::kFilling) {
+    p.state = State::kFree;
+    free_.push_back(page);
+  }
+}
+
+PagePool::Counters PagePool::counters() const {
+  std::lock_guard lk(mu_);
+  Counters c;
+  c.free = free_.size();
+  c.cached = index_.size();
+  for (const auto& p : pages_) c.referenced += p.refs > 0;
+  c.evictions = evictions_;
+  return c;
+}
+
+}  // namespace kvtier::worker

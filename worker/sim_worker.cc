@@ -1,0 +1,327 @@
+// kvtier-sim-worker: a simulated inference engine over the worker library.
+// Its "model" writes KV bytes that are a pure function of (namespace, block
+// hash, layer); prefill time is simulated at --prefill-tokens-per-s. It
+// onboards from the store, verifies every onboarded byte, offloads by policy,
+// and publishes KV events and heartbeats to routers. See --help.
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/config.h"
+#include "common/grpc_server.h"
+#include "common/grpc_status.h"
+#include "common/log.h"
+#include "common/router_client.h"
+#include "kvtier/v1/worker.grpc.pb.h"
+#include "worker/connector.h"
+#include "worker/model.h"
+
+namespace kvtier::worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+struct SimOptions {
+  double prefill_tokens_per_s = 10000;
+  double decode_ms_per_token = 20;
+  double time_scale = 0;  // real seconds slept per simulated second of prefill
+  std::string worker_id;
+};
+
+class SimWorkerService final : public v1::SimWorker::Service {
+ public:
+  SimWorkerService(KvConnector* c, SimOptions o) : c_(c), o_(std::move(o)) {}
+
+  // Load for heartbeats.
+  v1::Heartbeat Load() const {
+    v1::Heartbeat h;
+    h.set_running_requests(static_cast<uint32_t>(running_.load()));
+    h.set_queued_prefill_tokens(queued_tokens_.load());
+    h.set_free_gpu_pages(c_->stats().pool.free);
+    return h;
+  }
+
+  grpc::Status Submit(grpc::ServerContext*, const v1::SubmitRequest* req,
+                      v1::SubmitResponse* resp) override {
+    auto t0 = Clock::now();
+    const uint32_t bt = c_->block_tokens();
+    std::vector<BlockHash> chain;
+    uint64_t prompt = 0;
+    if (req->prompt_case() == v1::SubmitRequest::kTokens) {
+      const auto& ids = req->tokens().ids();
+      if (ids.empty()) return grpc::Status(grpc::INVALID_ARGUMENT, "submit: the prompt is empty");
+      chain = ChainHashes(c_->namespace_id(), std::span<const uint32_t>(ids.data(), ids.size()), bt);
+      prompt = ids.size();
+    } else if (req->prompt_case() == v1::SubmitRequest::kHashes) {
+      const auto& hs = req->hashes().hashes();
+      if (hs.empty()) return grpc::Status(grpc::INVALID_ARGUMENT, "submit: the prompt is empty");
+      if (hs.size() > 16384) {
+        return grpc::Status(grpc::INVALID_ARGUMENT, "submit: more than 16384 block hashes");
+      }
+      for (const auto& h : hs) chain.push_back(BlockHash{h.hi(), h.lo()});
+      prompt = req->prompt_tokens() ? req->prompt_tokens() : uint64_t{bt} * chain.size();
+      if (prompt + bt <= uint64_t{bt} * chain.size()) {
+        return grpc::Status(grpc::INVALID_ARGUMENT,
+                            absl::StrCat("submit: prompt_tokens ", prompt, " does not fit ",
+                                         chain.size(), " blocks of ", bt, " tokens"));
+      }
+    } else {
+      return grpc::Status(grpc::INVALID_ARGUMENT, "submit: give tokens or hashes");
+    }
+    // A trailing partial block is computed but not cached.
+    running_++;
+    uint64_t id = req->request_id() ? req->request_id() : next_id_++;
+    auto m = c_->Begin(id, chain);
+    if (!m.ok()) {
+      running_--;
+      return ToGrpc(m.status());
+    }
+    auto t_load = Clock::now();
+    uint32_t loaded = 0;
+    if (m->store_blocks > 0) {
+      c_->StartLoad(id);
+      auto l = c_->WaitForLoad(id);
+      if (l.ok()) {
+        loaded = *l;
+      } else {
+        resp->set_load_status(std::string(l.status().message()));
+      }
+    }
+    double onboard_ms = Ms(Clock::now() - t_load);
+    // Every onboarded byte against the model.
+    uint32_t verified = 0, mismatched = 0;
+    {
+      auto pages = c_->pool().MatchAndRef(chain);
+      for (uint32_t i = m->gpu_blocks; i < m->gpu_blocks + loaded && i < pages.size(); ++i) {
+        bool same = PageMatchesModel(c_->pool().layout(), c_->pool().layer_bases(), pages[i],
+                                     c_->namespace_id(), chain[i]);
+        ++verified;
+        mismatched += !same;
+      }
+      for (uint32_t p : pages) c_->pool().Unref(p);
+    }
+    uint64_t cached_tokens = std::min<uint64_t>(uint64_t{m->gpu_blocks + loaded} * bt, prompt);
+    uint64_t prefill = prompt - cached_tokens;
+    auto pages = c_->AllocateForCompute(id);
+    if (!pages.ok()) {
+      c_->Finished(id);
+      running_--;
+      return ToGrpc(pages.status());
+    }
+    const size_t first = m->gpu_blocks + loaded;
+    for (size_t i = 0; i < pages->size(); ++i) {
+      ComputeIntoPage(c_->pool().layout(), c_->pool().layer_bases(), (*pages)[i],
+                      c_->namespace_id(), chain[first + i]);
+    }
+    double prefill_ms = 1000.0 * static_cast<double>(prefill) / o_.prefill_tokens_per_s;
+    double queue_ms = 0;
+    {
+      queued_tokens_ += prefill;
+      auto tq = Clock::now();
+      std::lock_guard engine(engine_mu_);  // one prefill at a time
+      queue_ms = Ms(Clock::now() - tq);
+      if (o_.time_scale > 0) {
+        std::this_thread::sleep_for(std::chrono::microseconds(
+            static_cast<int64_t>(prefill_ms * 1000 * o_.time_scale)));
+      }
+      queued_tokens_ -= prefill;
+    }
+    if (auto s = c_->Save(id); !s.ok()) {
+      c_->Finished(id);
+      running_--;
+      return ToGrpc(s);
+    }
+    c_->Finished(id);  // waits for write-through offloads of this request
+    running_--;
+    requests_++;
+    verified_ += verified;
+    mismatched_ += mismatched;
+    resp->set_prompt_tokens(prompt);
+    resp->set_prefill_tokens(prefill);
+    resp->set_gpu_hit_tokens(std::min<uint64_t>(uint64_t{m->gpu_blocks} * bt, prompt));
+    resp->set_onboarded_tokens(cached_tokens - resp->gpu_hit_tokens());
+    resp->set_verified_blocks(verified);
+    resp->set_mismatched_blocks(mismatched);
+    resp->set_onboard_ms(onboard_ms);
+    resp->set_decode_ms(o_.decode_ms_per_token * req->output_tokens());
+    // TTFT: measured queueing and onboarding (in simulated time when the
+    // engine sleeps scaled time) plus simulated prefill.
+    double scale = o_.time_scale > 0 ? o_.time_scale : 1.0;
+    resp->set_ttft_ms((queue_ms + onboard_ms) / scale + prefill_ms);
+    (void)t0;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetWorkerStats(grpc::ServerContext*, const v1::GetWorkerStatsRequest*,
+                              v1::GetWorkerStatsResponse* resp) override {
+    ConnectorStats s = c_->stats();
+    resp->set_worker_id(o_.worker_id);
+    resp->set_requests(requests_);
+    resp->set_pages(c_->pool().layout().num_pages);
+    resp->set_free_pages(s.pool.free);
+    resp->set_cached_pages(s.pool.cached);
+    resp->set_loaded_blocks(s.loaded_blocks);
+    resp->set_load_failures(s.load_failures);
+    resp->set_offloaded_blocks(s.offloaded_blocks);
+    resp->set_offload_dropped(s.offload_dropped_full);
+    resp->set_offload_failures(s.offload_failures);
+    resp->set_staging_peak_blocks(s.staging_peak);
+    resp->set_staging_blocks(s.staging_blocks);
+    resp->set_verified_blocks(verified_);
+    resp->set_mismatched_blocks(mismatched_);
+    resp->set_page_evictions(s.pool.evictions);
+    return grpc::Status::OK;
+  }
+
+ private:
+  KvConnector* c_;
+  SimOptions o_;
+  std::mutex engine_mu_;
+  std::atomic<uint64_t> next_id_{1ull << 62}, requests_{0}, verified_{0}, mismatched_{0};
+  std::atomic<int64_t> running_{0};
+  std::atomic<uint64_t> queued_tokens_{0};
+};
+
+}  // namespace
+}  // namespace kvtier::worker
+
+int main(int argc, char** argv) {
+  using namespace kvtier;
+  std::string listen = "127.0.0.1:7600", stores, routers, worker_id, endpoint, port_file;
+  std::string model = "sim-model", dtype = "fp16", offload = "write-back";
+  int64_t layers = 4, kv_heads = 2, head_dim = 64, block_tokens = 16, pages = 1024, staging = 64;
+  worker::SimOptions sim;
+  uint64_t heartbeat_ms = 500, deadline_ms = 10000;
+  FlagSet flags("kvtier-sim-worker",
+                "A simulated inference engine over kvtier's worker library: serves Submit\n"
+                "(kvtier.v1.SimWorker) with a fake model whose KV bytes are known, onboarding from\n"
+                "and offloading to kvtier-store and publishing KV events to kvtier-router.\n"
+                "Example: kvtier-sim-worker --listen 127.0.0.1:7601 --store 127.0.0.1:7400 "
+                "--router 127.0.0.1:7500 --worker-id w1");
+  flags.HostPort("listen", &listen, "gRPC address HOST:PORT (port 0 picks a free port)");
+  flags.String("store", &stores, "Comma-separated kvtier-store addresses (empty: no store tier)");
+  flags.String("router", &routers, "Comma-separated kvtier-router addresses (empty: none)");
+  flags.String("worker-id", &worker_id, "Id towards routers [default: sim-worker@LISTEN]");
+  flags.String("endpoint", &endpoint, "Where routers send requests [default: the listen address]");
+  flags.String("model", &model, "Model name of the namespace");
+  flags.Choice("dtype", &dtype, {"fp16", "bf16", "fp8"}, "KV element type");
+  flags.Int("layers", &layers, 1, 1024, "Layers");
+  flags.Int("kv-heads", &kv_heads, 1, 1024, "KV heads");
+  flags.Int("head-dim", &head_dim, 1, 4096, "Head dimension");
+  flags.Int("block-tokens", &block_tokens, 1, 65536, "Tokens per block (page)");
+  flags.Int("pages", &pages, 1, int64_t{1} << 24, "GPU pages in the pool");
+  flags.Choice("offload", &offload, {"write-back", "write-through", "none"},
+               "When blocks go to the store: on eviction, on save, or never");
+  flags.Int("staging-blocks", &staging, 1, 1 << 20, "Staging buffer bound, in blocks");
+  flags.Double("prefill-tokens-per-s", &sim.prefill_tokens_per_s, 1, 1e9,
+               "Simulated prefill speed");
+  flags.Double("decode-ms-per-token", &sim.decode_ms_per_token, 0, 1e6, "Simulated decode time");
+  flags.Double("time-scale", &sim.time_scale, 0, 1000,
+               "Real seconds the engine sleeps per simulated second of prefill (0: none)");
+  flags.DurationMs("heartbeat", &heartbeat_ms, "Heartbeat period towards routers");
+  flags.DurationMs("deadline", &deadline_ms, "Deadline of each store operation");
+  flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
+  ParseFlagsOrExit(flags, argc, argv);
+
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  worker::ConnectorOptions co;
+  co.spec = NamespaceSpec{model,
+                          dtype,
+                          static_cast<uint32_t>(layers),
+                          static_cast<uint32_t>(kv_heads),
+                          static_cast<uint32_t>(head_dim),
+                          static_cast<uint32_t>(block_tokens),
+                          0,
+                          1,
+                          ""};
+  co.num_pages = static_cast<uint64_t>(pages);
+  for (absl::string_view s : absl::StrSplit(stores, ',', absl::SkipEmpty())) co.stores.emplace_back(s);
+  co.offload = offload;
+  co.staging_blocks = static_cast<uint64_t>(staging);
+  co.data.deadline_ms = static_cast<int>(deadline_ms);
+  if (auto s = ValidateNamespace(co.spec); !s.ok()) {
+    std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  // Publishers need the bound port (the endpoint names it): they are
+  // attached to the connector once the server is up.
+  std::vector<std::unique_ptr<EventPublisher>> publishers;
+  std::unique_ptr<worker::KvConnector> connector;
+  std::unique_ptr<worker::SimWorkerService> service;
+
+  std::string host = listen.substr(0, listen.rfind(':'));
+  auto c = worker::KvConnector::Create(co);
+  if (!c.ok()) {
+    std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(c.status().message()).c_str());
+    return 1;
+  }
+  connector = std::move(*c);
+  service = std::make_unique<worker::SimWorkerService>(connector.get(), sim);
+  builder.RegisterService(service.get());
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.experimental().SetInterceptorCreators(ServerInterceptors());
+  auto server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    std::fprintf(stderr, "kvtier-sim-worker: cannot listen on %s\n", listen.c_str());
+    return 1;
+  }
+  std::string bound = absl::StrCat(host, ":", port);
+  if (worker_id.empty()) worker_id = "sim-worker@" + bound;
+  if (endpoint.empty()) endpoint = bound;
+  std::vector<EventPublisher*> pubs;
+  for (absl::string_view r : absl::StrSplit(routers, ',', absl::SkipEmpty())) {
+    PublisherOptions po;
+    po.router = std::string(r);
+    po.hello.set_source_id(worker_id);
+    po.hello.set_kind(v1::SOURCE_WORKER);
+    po.hello.set_endpoint(endpoint);
+    po.hello.set_namespace_id(connector->namespace_id());
+    po.hello.set_block_tokens(static_cast<uint32_t>(block_tokens));
+    po.heartbeat_ms = heartbeat_ms;
+    auto* svc = service.get();
+    publishers.push_back(std::make_unique<EventPublisher>(po, [svc] { return svc->Load(); }));
+    pubs.push_back(publishers.back().get());
+  }
+  connector->SetPublishers(pubs);
+  Log("sim-worker", worker_id, " listening on ", bound, " (namespace ", connector->namespace_id(),
+      ", ", pages, " pages of ", connector->block_bytes(), " bytes, offload ", offload, ", ",
+      co.stores.size(), " store(s), ", pubs.size(), " router(s))");
+  std::printf("kvtier-sim-worker listening on %s\n", bound.c_str());
+  std::fflush(stdout);
+  if (!port_file.empty()) {
+    std::string tmp = port_file + ".tmp";
+    std::ofstream(tmp) << port << "\n";
+    std::rename(tmp.c_str(), port_file.c_str());
+  }
+  std::thread signals([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    Log("sim-worker", "signal ", sig, ": shutting down");
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  });
+  server->Wait();
+  signals.join();
+  connector.reset();
+  for (auto& p : publishers) p->Stop();
+  Log("sim-worker", "stopped");
+  return 0;
+}

@@ -98,16 +98,25 @@ absl::StatusOr<KvConnector::Match> KvConnector::Begin(uint64_t request, std::vec
   auto r = std::make_unique<Request>();
   r->pages = pool_->MatchAndRef(chain);
   r->gpu_blocks = static_cast<uint32_t>(r->pages.size());
+  absl::Status store_status = absl::OkStatus();
   if (store_ && r->gpu_blocks < chain.size()) {
-    if (!registered_) registered_ = store_->RegisterNamespace(options_.spec).ok();
+    if (!registered_) {
+      auto reg = store_->RegisterNamespace(options_.spec);
+      registered_ = reg.ok();
+      if (!reg.ok()) store_status = reg.status();
+    }
     if (registered_) {
       std::vector<BlockHash> rest(chain.begin() + r->gpu_blocks, chain.end());
       auto k = store_->Lookup(ns_, rest);
-      if (k.ok()) r->store_blocks = *k;
+      if (k.ok()) {
+        r->store_blocks = *k;
+      } else {
+        store_status = k.status();
+      }
     }
   }
   r->chain = std::move(chain);
-  Match m{r->gpu_blocks, r->store_blocks};
+  Match m{r->gpu_blocks, r->store_blocks, store_status};
   std::lock_guard lk(mu_);
   if (requests_.count(request)) {
     for (uint32_t p : r->pages) pool_->Unref(p);

@@ -68,6 +68,7 @@ class KvConnector {
   struct Match {
     uint32_t gpu_blocks = 0;    // leading blocks on this worker's pages (now pinned)
     uint32_t store_blocks = 0;  // blocks after those the store holds
+    absl::Status store_status;  // why the store could not be asked (then store_blocks is 0)
   };
 
   static absl::StatusOr<std::unique_ptr<KvConnector>> Create(ConnectorOptions options);

@@ -87,6 +87,10 @@ class SimWorkerService final : public v1::SimWorker::Service {
     }
     auto t_load = Clock::now();
     uint32_t loaded = 0;
+    if (!m->store_status.ok()) {
+      resp->set_load_status(absl::StrCat("store lookup failed, computing instead: ",
+                                         m->store_status.message()));
+    }
     if (m->store_blocks > 0) {
       c_->StartLoad(id);
       auto l = c_->WaitForLoad(id);

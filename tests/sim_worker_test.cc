@@ -1,0 +1,171 @@
+// kvtier-sim-worker processes with a real store and router on loopback.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "common/store_client.h"
+#include "kvtier/v1/router.grpc.pb.h"
+#include "kvtier/v1/worker.grpc.pb.h"
+#include "tests/test_util.h"
+#include "worker/model.h"
+
+namespace kvtier {
+namespace {
+
+using testing::ServerProcess;
+using testing::WaitFor;
+
+// The sim worker's defaults: 4 layers x 2 heads x 64 dim, fp16, 16 tokens.
+NamespaceSpec SimSpec() { return NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, ""}; }
+
+v1::SubmitRequest Prompt(uint64_t salt, int tokens, uint64_t id) {
+  v1::SubmitRequest r;
+  r.set_request_id(id);
+  for (int i = 0; i < tokens; ++i) r.mutable_tokens()->add_ids(static_cast<uint32_t>(salt * 7919 + i));
+  r.set_output_tokens(8);
+  return r;
+}
+
+class SimCluster : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", "tcp", 1);
+    store_ = std::make_unique<ServerProcess>(
+        KVTIER_STORE_BIN, dir_.sub("store"),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                                 "--data-dir=" + dir_.sub("db"), "--hugepages=false",
+                                 "--ram-bytes=64MiB", "--lease-ms=500ms"});
+    router_ = std::make_unique<ServerProcess>(
+        KVTIER_ROUTER_BIN, dir_.sub("router"),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--heartbeat-deadline=1s"});
+    ASSERT_GT(store_->port(), 0) << store_->Log();
+    ASSERT_GT(router_->port(), 0) << router_->Log();
+  }
+  std::unique_ptr<ServerProcess> Worker(const std::string& id, const std::string& offload = "write-through") {
+    auto w = std::make_unique<ServerProcess>(
+        KVTIER_SIM_WORKER_BIN, dir_.sub(id),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--store=" + store_->address(),
+                                 "--router=" + router_->address(), "--worker-id=" + id,
+                                 "--pages=256", "--offload=" + offload, "--heartbeat=100ms",
+                                 "--deadline=2s"});
+    EXPECT_GT(w->port(), 0) << w->Log();
+    return w;
+  }
+  std::unique_ptr<v1::SimWorker::Stub> Stub(const ServerProcess& p) {
+    return v1::SimWorker::NewStub(grpc::CreateChannel(p.address(), grpc::InsecureChannelCredentials()));
+  }
+  grpc::Status Submit(v1::SimWorker::Stub& s, const v1::SubmitRequest& r, v1::SubmitResponse* out) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    return s.Submit(&ctx, r, out);
+  }
+  testing::TempDir dir_;
+  std::unique_ptr<ServerProcess> store_, router_;
+};
+
+TEST_F(SimCluster, BlocksTravelFromOneWorkerThroughTheStoreToAnother) {
+  auto w1 = Worker("w1");
+  auto w2 = Worker("w2");
+  auto s1 = Stub(*w1), s2 = Stub(*w2);
+  v1::SubmitResponse r;
+  ASSERT_TRUE(Submit(*s1, Prompt(1, 1000, 1), &r).ok());
+  EXPECT_EQ(r.prompt_tokens(), 1000u);
+  EXPECT_EQ(r.prefill_tokens(), 1000u);
+  ASSERT_TRUE(Submit(*s1, Prompt(1, 1000, 2), &r).ok());
+  EXPECT_EQ(r.gpu_hit_tokens(), 992u);  // 62 full blocks; the partial one is recomputed
+  EXPECT_EQ(r.prefill_tokens(), 8u);
+  ASSERT_TRUE(Submit(*s2, Prompt(1, 1000, 3), &r).ok());
+  EXPECT_EQ(r.onboarded_tokens(), 992u);
+  EXPECT_EQ(r.verified_blocks(), 62u);
+  EXPECT_EQ(r.mismatched_blocks(), 0u);
+  EXPECT_TRUE(r.load_status().empty()) << r.load_status();
+  // The router heard about both workers' blocks and routes to them.
+  auto router = v1::Router::NewStub(grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials()));
+  ASSERT_TRUE(WaitFor([&] {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse lw;
+    if (!router->ListWorkers(&ctx, {}, &lw).ok()) return false;
+    int full = 0;
+    for (const auto& s : lw.sources()) full += s.indexed_blocks() == 62;
+    return full == 2;
+  }));
+  v1::RouteRequest rr;
+  rr.set_namespace_id(NamespaceId(SimSpec()));
+  *rr.mutable_tokens() = Prompt(1, 1000, 0).tokens();
+  v1::RouteResponse route;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(router->Route(&ctx, rr, &route).ok());
+  EXPECT_EQ(route.gpu_hit_blocks(), 62u);
+  EXPECT_EQ(route.prefill_tokens(), 8u);
+}
+
+TEST_F(SimCluster, AWorkerKilledMidOffloadLeavesNoPartialBlock) {
+  auto w1 = Worker("w1");
+  auto s1 = Stub(*w1);
+  std::atomic<bool> stop{false};
+  std::atomic<int> served{0};
+  std::thread load([&] {
+    for (uint64_t i = 0; !stop && i < 400; ++i) {
+      v1::SubmitResponse r;
+      if (!Submit(*s1, Prompt(100 + i, 2048, 1000 + i), &r).ok()) return;
+      served++;
+    }
+  });
+  ASSERT_TRUE(WaitFor([&] { return served >= 3; }));
+  w1->proc().Kill(SIGKILL);
+  stop = true;
+  load.join();
+  // Every block the store shows is complete and byte-exact.
+  StoreClient store(store_->address());
+  auto ns = store.RegisterNamespace(SimSpec());
+  ASSERT_TRUE(ns.ok());
+  gpu::KvLayout layout{4, 2, 64, 16, gpu::Dtype::kFp16, 1};
+  std::vector<uint8_t> want(layout.block_bytes());
+  int checked = 0;
+  for (uint64_t i = 0; i < 400; ++i) {
+    auto tokens = Prompt(100 + i, 2048, 0).tokens();
+    auto chain = ChainHashes(ns->id, std::span<const uint32_t>(tokens.ids().data(), tokens.ids_size()), 16);
+    auto got = store.GetInline(ns->id, chain);
+    ASSERT_TRUE(got.ok()) << got.status();
+    for (const auto& b : *got) {
+      worker::ModelBlock(layout, ns->id, chain[b.index], want.data());
+      ASSERT_EQ(b.data.size(), want.size());
+      ASSERT_EQ(0, std::memcmp(b.data.data(), want.data(), want.size())) << "request " << i;
+      ++checked;
+    }
+    if (got->empty() && i > static_cast<uint64_t>(served) + 2) break;
+  }
+  EXPECT_GE(checked, 3 * 128);
+  // The dead worker's put leases are reclaimed; the router forgets it.
+  ASSERT_TRUE(WaitFor([&] { return store.GetStats()->put_leases() == 0; }));
+  auto router = v1::Router::NewStub(grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials()));
+  ASSERT_TRUE(WaitFor([&] {
+    grpc::ClientContext ctx;
+    v1::ListWorkersResponse lw;
+    return router->ListWorkers(&ctx, {}, &lw).ok() && lw.sources_size() == 0;
+  }));
+}
+
+TEST_F(SimCluster, AWorkerFallsBackToPrefillWhenTheStoreIsGone) {
+  auto w1 = Worker("w1");
+  auto w2 = Worker("w2", "none");
+  auto s1 = Stub(*w1), s2 = Stub(*w2);
+  v1::SubmitResponse r;
+  ASSERT_TRUE(Submit(*s1, Prompt(5, 4096, 1), &r).ok());
+  store_->proc().Kill(SIGKILL);
+  ASSERT_TRUE(Submit(*s2, Prompt(5, 4096, 2), &r).ok());
+  EXPECT_EQ(r.prefill_tokens(), 4096u);
+  EXPECT_EQ(r.onboarded_tokens(), 0u);
+  EXPECT_NE(r.load_status().find("store"), std::string::npos) << r.load_status();
+  // Bad input is refused with a reason; the worker keeps serving.
+  v1::SubmitRequest empty;
+  v1::SubmitResponse er;
+  grpc::Status st = Submit(*s2, empty, &er);
+  EXPECT_EQ(st.error_code(), grpc::INVALID_ARGUMENT);
+  ASSERT_TRUE(Submit(*s2, Prompt(5, 4096, 3), &r).ok());
+  EXPECT_EQ(r.gpu_hit_tokens(), 4096u);
+}
+
+}  // namespace
+}  // namespace kvtier

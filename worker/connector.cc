@@ -343,6 +343,15 @@ void KvConnector::Finished(uint64_t request) {
   for (uint32_t p : r->computed) pool_->Discard(p);
 }
 
+std::vector<uint32_t> KvConnector::Pages(uint64_t request) {
+  std::lock_guard lk(mu_);
+  auto it = requests_.find(request);
+  if (it == requests_.end()) return {};
+  std::vector<uint32_t> out = it->second->pages;
+  out.insert(out.end(), it->second->computed.begin(), it->second->computed.end());
+  return out;
+}
+
 void KvConnector::OffloadLoop() {
   const uint64_t bb = layout_.block_bytes();
   for (;;) {

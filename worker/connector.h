@@ -94,6 +94,9 @@ class KvConnector {
   absl::Status Save(uint64_t request);
   absl::Status WaitForSave(uint64_t request);
   void Finished(uint64_t request);
+  // The request's pages in chain order: its GPU prefix, the loaded blocks,
+  // then the pages from AllocateForCompute.
+  std::vector<uint32_t> Pages(uint64_t request);
 
   // Waits until every queued offload has finished (tests, shutdown).
   void Drain();

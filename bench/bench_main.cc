@@ -9,6 +9,7 @@ int RunStoreBench(int argc, const char* const* argv);
 int RunTraceStore(int argc, const char* const* argv);
 int RunRouterBench(int argc, const char* const* argv);
 int RunDataPlaneBench(int argc, const char* const* argv);
+int RunWorkerBench(int argc, const char* const* argv);
 }  // namespace kvtier::bench
 
 namespace {
@@ -22,6 +23,8 @@ void Usage(FILE* out) {
       "          verifying every byte, beside the infinite-cache bound\n"
       "  dataplane  put/get over UCX (TCP, shared memory) and inline gRPC beside\n"
       "          ucx_perftest and redis-benchmark\n"
+      "  worker  offload/onboard through the worker library beside the plain data\n"
+      "          plane; CPU gather/scatter beside memcpy\n"
       "  router  Route latency, event ingestion and memory per block of the router\n"
       "          index, beside a bare hash walk and round-robin over the same gRPC path\n\n"
       "Run 'kvtier-bench COMMAND --help' for a command's flags.\n",
@@ -40,6 +43,7 @@ int main(int argc, char** argv) {
   if (cmd == "trace") return kvtier::bench::RunTraceStore(argc - 1, sub);
   if (cmd == "router") return kvtier::bench::RunRouterBench(argc - 1, sub);
   if (cmd == "dataplane") return kvtier::bench::RunDataPlaneBench(argc - 1, sub);
+  if (cmd == "worker") return kvtier::bench::RunWorkerBench(argc - 1, sub);
   std::fprintf(stderr, "kvtier-bench: unknown command \"%s\"\n\n", cmd.c_str());
   Usage(stderr);
   return 2;

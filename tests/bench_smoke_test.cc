@@ -78,3 +78,18 @@ TEST(BenchSmoke, DataPlaneBenchCarriesRatiosForEveryCase) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(BenchSmoke, WorkerBenchComparesWithTheDataPlaneAndMemcpy) {
+  auto j = RunJson("worker --working-set 16MiB --sizes 1MiB --json");
+  ASSERT_EQ(j["cases"].size(), 1u);
+  const auto& c = j["cases"][0];
+  for (const char* k : {"offload_gb_per_s", "onboard_gb_per_s", "dataplane_put_gb_per_s",
+                        "dataplane_get_gb_per_s", "gather_gb_per_s", "memcpy_gb_per_s"}) {
+    EXPECT_GT(c[k].get<double>(), 0) << k;
+  }
+  EXPECT_TRUE(c.contains("gather_ratio_vs_memcpy"));
+}
+
+}  // namespace

@@ -10,6 +10,7 @@ int RunTraceStore(int argc, const char* const* argv);
 int RunRouterBench(int argc, const char* const* argv);
 int RunDataPlaneBench(int argc, const char* const* argv);
 int RunWorkerBench(int argc, const char* const* argv);
+int RunReplay(int argc, const char* const* argv);
 }  // namespace kvtier::bench
 
 namespace {
@@ -17,6 +18,9 @@ void Usage(FILE* out) {
   std::fputs(
       "Usage: kvtier-bench COMMAND [flags]\n\n"
       "Commands:\n"
+      "  replay  the main job: store + router + simulated workers on loopback replaying\n"
+      "          a Mooncake trace in several modes (round-robin, kv-aware, with/without\n"
+      "          the store) beside the infinite-cache bound\n"
       "  store   inline gRPC put/get of kvtier-store (RAM and NVMe hits) beside\n"
       "          redis-benchmark and fio with the same block size\n"
       "  trace   replay a Mooncake trace against a kvtier-store as a shared cache,\n"
@@ -44,6 +48,7 @@ int main(int argc, char** argv) {
   if (cmd == "router") return kvtier::bench::RunRouterBench(argc - 1, sub);
   if (cmd == "dataplane") return kvtier::bench::RunDataPlaneBench(argc - 1, sub);
   if (cmd == "worker") return kvtier::bench::RunWorkerBench(argc - 1, sub);
+  if (cmd == "replay") return kvtier::bench::RunReplay(argc - 1, sub);
   std::fprintf(stderr, "kvtier-bench: unknown command \"%s\"\n\n", cmd.c_str());
   Usage(stderr);
   return 2;

@@ -46,6 +46,39 @@ std::string BlockContent(uint64_t ns, const BlockHash& hash, size_t len) {
   return s;
 }
 
+std::string DefaultBinary(const std::string& subdir, const std::string& name) {
+  std::error_code ec;
+  auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    auto candidate = self.parent_path().parent_path() / subdir / name;
+    if (std::filesystem::exists(candidate)) return candidate.string();
+    candidate = self.parent_path() / name;
+    if (std::filesystem::exists(candidate)) return candidate.string();
+  }
+  return name;
+}
+
+absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(
+    const std::string& binary, const std::string& scratch, const std::vector<std::string>& flags) {
+  std::string port_file = scratch + ".port";
+  std::remove(port_file.c_str());
+  std::vector<std::string> args = {"--listen=127.0.0.1:0", "--port-file=" + port_file};
+  args.insert(args.end(), flags.begin(), flags.end());
+  std::unique_ptr<LocalServer> s(new LocalServer());
+  s->proc_ = std::make_unique<Process>(binary, args, scratch + ".log");
+  int port = WaitForPortFile(port_file, std::chrono::seconds(30));
+  if (port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat(binary, " did not start; see ", scratch, ".log"));
+  }
+  s->address_ = absl::StrCat("127.0.0.1:", port);
+  return s;
+}
+
+LocalServer::~LocalServer() {
+  if (proc_) proc_->Kill(SIGTERM);
+}
+
 std::string DefaultStoreBinary() {
   std::error_code ec;
   auto self = std::filesystem::read_symlink("/proc/self/exe", ec);

@@ -30,6 +30,24 @@ std::string BlockContent(uint64_t ns, const BlockHash& hash, size_t len);
 
 // kvtier-store next to this binary (build tree) or on PATH.
 std::string DefaultStoreBinary();
+// A kvtier binary in the build tree (../SUBDIR/NAME from this binary), next to
+// this binary, or on PATH.
+std::string DefaultBinary(const std::string& subdir, const std::string& name);
+
+// Any kvtier server that takes --listen and --port-file, on 127.0.0.1:0;
+// stopped (SIGTERM, then SIGKILL) on destruction.
+class LocalServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<LocalServer>> Start(const std::string& binary,
+                                                           const std::string& scratch,
+                                                           const std::vector<std::string>& flags);
+  ~LocalServer();
+  const std::string& address() const { return address_; }
+
+ private:
+  std::unique_ptr<Process> proc_;
+  std::string address_;
+};
 
 // A kvtier-store on 127.0.0.1:0 with its own data dir; stopped on destruction.
 class LocalStore {

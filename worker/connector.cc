@@ -37,10 +37,13 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   c->ns_ = NamespaceId(o.spec);
   c->pool_ = std::make_unique<PagePool>(c->layout_);
   const uint64_t bb = c->layout_.block_bytes();
-  size_t staging_bytes = (o.staging_blocks * bb + 4095) / 4096 * 4096;
+  size_t staging_bytes = (2 * o.staging_blocks * bb + 4095) / 4096 * 4096;
   c->staging_ = static_cast<uint8_t*>(std::aligned_alloc(4096, staging_bytes));
   std::memset(c->staging_, 0, staging_bytes);
-  for (uint64_t i = o.staging_blocks; i-- > 0;) c->free_slots_.push_back(static_cast<uint32_t>(i));
+  for (uint64_t i = o.staging_blocks; i-- > 0;) {
+    c->free_slots_.push_back(static_cast<uint32_t>(i));
+    c->load_free_slots_.push_back(static_cast<uint32_t>(o.staging_blocks + i));
+  }
   c->stats_.staging_blocks = o.staging_blocks;
   if (!o.stores.empty()) {
     c->store_ = std::make_unique<ShardedStoreClient>(o.stores, o.data);
@@ -146,24 +149,29 @@ absl::StatusOr<uint32_t> KvConnector::WaitForLoad(uint64_t request) {
 }
 
 bool KvConnector::AcquireStagingLocked(std::unique_lock<std::mutex>& lk, size_t n, int wait_ms,
-                                       std::vector<uint32_t>* slots) {
+                                       std::vector<uint32_t>* slots, bool for_load) {
+  auto& free = for_load ? load_free_slots_ : free_slots_;
   bool ok = staging_cv_.wait_for(lk, std::chrono::milliseconds(wait_ms),
-                                 [&] { return stop_ || free_slots_.size() >= n; });
+                                 [&] { return stop_ || free.size() >= n; });
   if (!ok || stop_) return false;
   for (size_t i = 0; i < n; ++i) {
-    slots->push_back(free_slots_.back());
-    free_slots_.pop_back();
+    slots->push_back(free.back());
+    free.pop_back();
   }
   std::lock_guard sl(stats_mu_);
   stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
   stats_.staging_peak = std::max(stats_.staging_peak, stats_.staging_in_use);
+  stats_.load_staging_peak =
+      std::max(stats_.load_staging_peak, options_.staging_blocks - load_free_slots_.size());
   return true;
 }
 
 void KvConnector::ReleaseStaging(const std::vector<uint32_t>& slots) {
   {
     std::lock_guard lk(staging_mu_);
-    for (uint32_t s : slots) free_slots_.push_back(s);
+    for (uint32_t s : slots) {
+      (s < options_.staging_blocks ? free_slots_ : load_free_slots_).push_back(s);
+    }
     std::lock_guard sl(stats_mu_);
     stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
   }
@@ -189,7 +197,7 @@ absl::StatusOr<uint32_t> KvConnector::Load(uint64_t request) {
     std::vector<uint32_t> slots;
     {
       std::unique_lock lk(staging_mu_);
-      if (!AcquireStagingLocked(lk, n, options_.data.deadline_ms, &slots)) {
+      if (!AcquireStagingLocked(lk, n, options_.data.deadline_ms, &slots, /*for_load=*/true)) {
         failure = absl::ResourceExhaustedError("no staging memory for the load before its deadline");
         break;
       }
@@ -207,6 +215,7 @@ absl::StatusOr<uint32_t> KvConnector::Load(uint64_t request) {
     auto got = want.empty() ? absl::StatusOr<GetOutcome>(GetOutcome{})
                             : store_->Get(ns_, bb, want);
     uint32_t m = got.ok() ? std::min<uint32_t>(got->blocks, static_cast<uint32_t>(pages.size())) : 0;
+    if (got.ok()) r->loaded_from_disk += std::min(got->from_disk, m);
     if (m > 0) {
       std::vector<const uint8_t*> src;
       for (uint32_t i = 0; i < m; ++i) src.push_back(Slot(slots[i]));
@@ -341,6 +350,12 @@ void KvConnector::Finished(uint64_t request) {
   if (r->load.valid()) r->load.wait();
   for (uint32_t p : r->pages) pool_->Unref(p);
   for (uint32_t p : r->computed) pool_->Discard(p);
+}
+
+uint32_t KvConnector::LoadedFromDisk(uint64_t request) {
+  std::lock_guard lk(mu_);
+  auto it = requests_.find(request);
+  return it == requests_.end() ? 0 : it->second->loaded_from_disk;
 }
 
 std::vector<uint32_t> KvConnector::Pages(uint64_t request) {

@@ -12,8 +12,10 @@
 // Offload: pages leaving the hot set (write-back) or freshly saved blocks
 // (write-through) are gathered into registered staging buffers and written
 // to the store in batches (BeginPut / RMA / CommitPut) by a background
-// thread. Staging is bounded (staging_blocks); when it is full an eviction
-// waits up to offload_wait_ms for room, then gives up that offload (counted).
+// thread. Staging is bounded: staging_blocks for offloads and as many for
+// loads (so neither starves the other); when the offload half is full an
+// eviction waits up to offload_wait_ms for room, then gives up that offload
+// (counted).
 // Blocks known to be in the store are not offloaded again. A store that
 // fails makes loads return an error (the engine computes those blocks
 // instead) and offloads count as failed; nothing blocks for longer than the
@@ -49,7 +51,7 @@ struct ConnectorOptions {
   uint64_t num_pages = 1024;
   std::vector<std::string> stores;       // kvtier-store addresses; empty: no store tier
   std::string offload = "write-back";    // "write-back", "write-through" or "none"
-  uint64_t staging_blocks = 64;          // bound on staging memory, in blocks
+  uint64_t staging_blocks = 64;          // staging bound per direction (offload, load), in blocks
   uint64_t offload_batch = 32;           // blocks per offload operation (at most)
   int offload_wait_ms = 50;              // how long an eviction waits for staging room
   DataClientOptions data;                // deadlines, lanes, shared memory, ...
@@ -59,7 +61,8 @@ struct ConnectorStats {
   uint64_t loads = 0, loaded_blocks = 0, load_failures = 0;
   uint64_t offloaded_blocks = 0, offload_skipped_known = 0, offload_dropped_full = 0,
            offload_failures = 0;
-  uint64_t staging_in_use = 0, staging_peak = 0, staging_blocks = 0;
+  uint64_t staging_in_use = 0, staging_peak = 0, staging_blocks = 0;  // offload staging
+  uint64_t load_staging_peak = 0;                                     // load staging
   PagePool::Counters pool;
 };
 
@@ -97,6 +100,8 @@ class KvConnector {
   // The request's pages in chain order: its GPU prefix, the loaded blocks,
   // then the pages from AllocateForCompute.
   std::vector<uint32_t> Pages(uint64_t request);
+  // Of the blocks loaded for the request, how many came from the store's NVMe tier.
+  uint32_t LoadedFromDisk(uint64_t request);
 
   // Waits until every queued offload has finished (tests, shutdown).
   void Drain();
@@ -106,7 +111,7 @@ class KvConnector {
   struct Request {
     std::vector<BlockHash> chain;
     std::vector<uint32_t> pages;  // pinned pages, chain order, for the first pages.size() blocks
-    uint32_t gpu_blocks = 0, store_blocks = 0, loaded = 0;
+    uint32_t gpu_blocks = 0, store_blocks = 0, loaded = 0, loaded_from_disk = 0;
     std::vector<uint32_t> computed;  // pages from AllocateForCompute
     std::future<absl::StatusOr<uint32_t>> load;
     uint64_t pending_saves = 0;
@@ -120,9 +125,10 @@ class KvConnector {
 
   KvConnector() = default;
   absl::StatusOr<uint32_t> Load(uint64_t request);
-  // REQUIRES: staging_mu_ held. Waits up to wait_ms for n slots.
+  // REQUIRES: staging_mu_ held. Waits up to wait_ms for n slots of the
+  // offload (or the load) half of the staging memory.
   bool AcquireStagingLocked(std::unique_lock<std::mutex>& lk, size_t n, int wait_ms,
-                            std::vector<uint32_t>* slots);
+                            std::vector<uint32_t>* slots, bool for_load = false);
   void ReleaseStaging(const std::vector<uint32_t>& slots);
   uint8_t* Slot(uint32_t slot) const { return staging_ + uint64_t{slot} * layout_.block_bytes(); }
   // Gathers page into a staging slot and queues it for the store.
@@ -146,7 +152,8 @@ class KvConnector {
   mutable std::mutex staging_mu_;
   std::condition_variable staging_cv_, offload_cv_, drained_cv_;
   uint8_t* staging_ = nullptr;
-  std::vector<uint32_t> free_slots_;
+  std::vector<uint32_t> free_slots_;       // offload half: [0, staging_blocks)
+  std::vector<uint32_t> load_free_slots_;  // load half: [staging_blocks, 2 x staging_blocks)
   std::deque<Staged> offload_queue_;
   uint64_t offloads_running_ = 0;
   bool stop_ = false;

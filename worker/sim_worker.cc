@@ -96,6 +96,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
       auto l = c_->WaitForLoad(id);
       if (l.ok()) {
         loaded = *l;
+        resp->set_onboarded_from_disk(c_->LoadedFromDisk(id));
       } else {
         resp->set_load_status(std::string(l.status().message()));
       }

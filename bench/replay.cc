@@ -1,0 +1,416 @@
+// kvtier-bench replay: the main job. Starts a whole kvtier cluster on
+// loopback -- one kvtier-store (RAM + RocksDB NVMe tier), one kvtier-router,
+// N kvtier-sim-workers with small GPU page pools -- and replays a Mooncake
+// trace through it in several modes, each on a fresh cluster:
+//   round-robin        round-robin routing, no store (per-engine prefix caching)
+//   round-robin+store  round-robin routing, workers onboard/offload via the store
+//   kv-aware           kvtier-router's cost-based routing, no store
+//   kvtier             kvtier-router + the store
+//   oracle             an infinite cache shared by all engines, from the trace
+// Every onboarded block is verified byte for byte by the workers.
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "bench/bench_util.h"
+#include "common/config.h"
+#include "common/log.h"
+#include "common/trace.h"
+#include "kvtier/v1/router.grpc.pb.h"
+#include "kvtier/v1/worker.grpc.pb.h"
+
+namespace kvtier::bench {
+namespace {
+
+std::atomic<bool> g_interrupted{false};
+void OnSignal(int) { g_interrupted = true; }
+
+struct Options {
+  std::string trace = KVTIER_SOURCE_DIR "/bench/traces/conversation_trace.jsonl";
+  int64_t limit = 2000;
+  double speed = 20;  // trace time / speed; 0: as fast as the cluster serves
+  int64_t workers = 4;
+  int64_t pages = 1024;
+  uint64_t block_bytes = 64 << 10;
+  uint64_t ram_bytes = 2ull << 30;
+  uint64_t disk_bytes = 16ull << 30;
+  int64_t concurrency = 32;
+  double prefill_tps = 50000;
+  double fetch_cost = 0.1, load_weight = 1.0;
+  int64_t balance = 32768;
+  std::string modes = "round-robin,round-robin+store,kv-aware,kvtier";
+  std::string plot;
+  bool json = false, progress = true;
+  std::string bin_dir;
+};
+
+struct ModeResult {
+  std::string name;
+  uint64_t requests = 0, prompt_tokens = 0, computed = 0, gpu_hit = 0, store_ram = 0,
+           store_disk = 0, verified = 0, mismatched = 0, load_failures = 0, offloaded_blocks = 0;
+  std::vector<double> ttft;
+  std::vector<uint64_t> work;  // prefill tokens per worker
+  double seconds = 0, onboard_ms = 0;
+  uint64_t onboarded_bytes = 0;
+  double Frac(uint64_t x) const { return prompt_tokens ? double(x) / prompt_tokens : 0; }
+  double TtftMean() const {
+    double s = 0;
+    for (double t : ttft) s += t;
+    return ttft.empty() ? 0 : s / ttft.size();
+  }
+  double TtftP99() const {
+    if (ttft.empty()) return 0;
+    auto v = ttft;
+    std::sort(v.begin(), v.end());
+    return v[std::min(v.size() - 1, v.size() * 99 / 100)];
+  }
+  double Balance() const {
+    if (work.empty()) return 0;
+    double sum = 0, mx = 0;
+    for (auto w : work) {
+      sum += w;
+      mx = std::max<double>(mx, w);
+    }
+    return sum > 0 ? mx / (sum / work.size()) : 1.0;
+  }
+};
+
+BlockHash TraceHash(uint64_t ns, uint64_t id) {
+  return BlockHash{(id + 1) * 0x9E3779B97F4A7C15ull ^ ns, id};
+}
+
+void Progress(const std::string& mode, size_t done, size_t total) {
+  int width = 30;
+  int filled = static_cast<int>(width * done / std::max<size_t>(total, 1));
+  std::fprintf(stderr, "\r  %-18s [%s%s] %zu/%zu", mode.c_str(), std::string(filled, '#').c_str(),
+               std::string(width - filled, '.').c_str(), done, total);
+  if (done == total) std::fprintf(stderr, "\n");
+}
+
+absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
+                                   const std::vector<TraceRequest>& trace, const TempDir& dir) {
+  const bool with_store = mode == "round-robin+store" || mode == "kvtier";
+  const bool kv_aware = mode == "kv-aware" || mode == "kvtier";
+  const std::string scratch = dir.sub(mode);
+  std::unique_ptr<LocalServer> store, router;
+  std::string tag = mode == "round-robin+store" ? "rr-store" : mode;
+  if (with_store) {
+    auto s = LocalServer::Start(
+        DefaultBinary("cachestore", "kvtier-store"), scratch + "-store",
+        {"--data-dir=" + scratch + "-db", absl::StrCat("--ram-bytes=", o.ram_bytes),
+         absl::StrCat("--disk-bytes=", o.disk_bytes), "--ucx-listen=127.0.0.1:0",
+         "--hugepages=false", absl::StrCat("--demote-queue-bytes=", 256 << 20)});
+    if (!s.ok()) return s.status();
+    store = std::move(*s);
+  }
+  if (kv_aware) {
+    auto r = LocalServer::Start(
+        DefaultBinary("router", "kvtier-router"), scratch + "-router",
+        {"--heartbeat-deadline=3s", absl::StrCat("--fetch-cost=", o.fetch_cost),
+         absl::StrCat("--load-weight=", o.load_weight),
+         absl::StrCat("--balance-threshold-tokens=", o.balance)});
+    if (!r.ok()) return r.status();
+    router = std::move(*r);
+  }
+  // 512-token blocks of fp16, 1 layer, 1 head: head_dim sets the bytes.
+  const uint64_t head_dim = o.block_bytes / 2048;
+  std::vector<std::unique_ptr<LocalServer>> workers;
+  std::vector<std::unique_ptr<v1::SimWorker::Stub>> stubs;
+  std::map<std::string, size_t> by_endpoint;
+  for (int64_t w = 0; w < o.workers; ++w) {
+    std::vector<std::string> flags = {
+        absl::StrCat("--worker-id=", tag, "-w", w), "--model=mooncake-trace", "--dtype=fp16",
+        "--layers=1", "--kv-heads=1", absl::StrCat("--head-dim=", head_dim),
+        "--block-tokens=512", absl::StrCat("--pages=", o.pages),
+        absl::StrCat("--prefill-tokens-per-s=", o.prefill_tps), "--heartbeat=100ms",
+        // Engines sleep their simulated prefill time compressed like the trace.
+        absl::StrCat("--time-scale=", o.speed > 0 ? 1.0 / o.speed : 0.0),
+        with_store ? "--offload=write-through" : "--offload=none"};
+    if (store) flags.push_back("--store=" + store->address());
+    if (router) flags.push_back("--router=" + router->address());
+    auto s = LocalServer::Start(DefaultBinary("worker", "kvtier-sim-worker"),
+                                absl::StrCat(scratch, "-w", w), flags);
+    if (!s.ok()) return s.status();
+    by_endpoint[(*s)->address()] = workers.size();
+    stubs.push_back(v1::SimWorker::NewStub(
+        grpc::CreateChannel((*s)->address(), grpc::InsecureChannelCredentials())));
+    workers.push_back(std::move(*s));
+  }
+  const uint64_t ns = NamespaceId(NamespaceSpec{"mooncake-trace", "fp16", 1, 1,
+                                                static_cast<uint32_t>(head_dim), 512, 0, 1, ""});
+  std::unique_ptr<v1::Router::Stub> rstub;
+  if (router) {
+    rstub = v1::Router::NewStub(grpc::CreateChannel(router->address(), grpc::InsecureChannelCredentials()));
+    // Wait until every worker has registered with the router.
+    for (int i = 0; i < 300; ++i) {
+      grpc::ClientContext ctx;
+      v1::ListWorkersResponse lw;
+      if (rstub->ListWorkers(&ctx, {}, &lw).ok() && lw.sources_size() == o.workers) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  ModeResult res;
+  res.name = mode;
+  res.work.assign(o.workers, 0);
+  std::mutex mu;
+  std::atomic<size_t> next{0}, done{0};
+  absl::Status failure = absl::OkStatus();
+  const auto start = Clock::now();
+  auto run = [&] {
+    for (;;) {
+      size_t i = next++;
+      if (i >= trace.size() || g_interrupted) return;
+      {
+        std::lock_guard lk(mu);
+        if (!failure.ok()) return;
+      }
+      const TraceRequest& tr = trace[i];
+      if (o.speed > 0) {
+        auto due = start + std::chrono::microseconds(
+                               static_cast<int64_t>(tr.timestamp_ms * 1000.0 / o.speed));
+        std::this_thread::sleep_until(due);
+      }
+      v1::SubmitRequest req;
+      req.set_request_id(i + 1);
+      req.set_prompt_tokens(tr.input_length);
+      req.set_output_tokens(tr.output_length);
+      v1::RouteRequest rr;
+      rr.set_namespace_id(ns);
+      rr.set_prompt_tokens(tr.input_length);
+      for (uint64_t id : tr.hash_ids) {
+        BlockHash h = TraceHash(ns, id);
+        auto* p = req.mutable_hashes()->add_hashes();
+        p->set_hi(h.hi);
+        p->set_lo(h.lo);
+        *rr.mutable_hashes()->add_hashes() = *p;
+      }
+      size_t w = i % o.workers;
+      if (rstub) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+        v1::RouteResponse route;
+        grpc::Status s = rstub->Route(&ctx, rr, &route);
+        if (s.ok() && by_endpoint.count(route.endpoint())) w = by_endpoint[route.endpoint()];
+      }
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      v1::SubmitResponse resp;
+      grpc::Status s = stubs[w]->Submit(&ctx, req, &resp);
+      std::lock_guard lk(mu);
+      if (!s.ok()) {
+        if (failure.ok()) {
+          failure = absl::InternalError(absl::StrCat("request ", i, " on worker ", w, ": ", s.error_message()));
+        }
+        return;
+      }
+      res.requests++;
+      res.prompt_tokens += resp.prompt_tokens();
+      res.computed += resp.prefill_tokens();
+      res.gpu_hit += resp.gpu_hit_tokens();
+      // Onboarded tokens split by the tier the blocks came from.
+      uint64_t disk_tokens = std::min<uint64_t>(uint64_t{resp.onboarded_from_disk()} * 512, resp.onboarded_tokens());
+      res.store_disk += disk_tokens;
+      res.store_ram += resp.onboarded_tokens() - disk_tokens;
+      res.verified += resp.verified_blocks();
+      res.mismatched += resp.mismatched_blocks();
+      res.load_failures += !resp.load_status().empty();
+      res.ttft.push_back(resp.ttft_ms());
+      res.work[w] += resp.prefill_tokens();
+      res.onboard_ms += resp.onboard_ms();
+      res.onboarded_bytes += uint64_t{resp.verified_blocks()} * o.block_bytes;
+      size_t d = ++done;
+      if (o.progress && isatty(2) && (d % 20 == 0 || d == trace.size())) Progress(mode, d, trace.size());
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int64_t t = 0; t < o.concurrency; ++t) threads.emplace_back(run);
+  for (auto& t : threads) t.join();
+  res.seconds = Seconds(start);
+  if (!failure.ok()) return failure;
+  if (g_interrupted) return absl::CancelledError("interrupted");
+  for (auto& s : stubs) {
+    grpc::ClientContext ctx;
+    v1::GetWorkerStatsResponse st;
+    if (s->GetWorkerStats(&ctx, {}, &st).ok()) res.offloaded_blocks += st.offloaded_blocks();
+  }
+  return res;
+}
+
+nlohmann::json ToJson(const ModeResult& r, uint64_t block_bytes) {
+  return {{"requests", r.requests},
+          {"prompt_tokens", r.prompt_tokens},
+          {"computed_fraction", r.Frac(r.computed)},
+          {"gpu_hit_fraction", r.Frac(r.gpu_hit)},
+          {"store_ram_fraction", r.Frac(r.store_ram)},
+          {"store_disk_fraction", r.Frac(r.store_disk)},
+          {"ttft_mean_ms", r.TtftMean()},
+          {"ttft_p99_ms", r.TtftP99()},
+          {"load_balance_max_over_mean", r.Balance()},
+          {"verified_blocks", r.verified},
+          {"mismatched_blocks", r.mismatched},
+          {"load_fallbacks", r.load_failures},
+          {"bytes_moved", r.onboarded_bytes + r.offloaded_blocks * block_bytes},
+          {"onboard_gb_per_s", r.onboard_ms > 0 ? r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9 : 0},
+          {"seconds", r.seconds}};
+}
+
+void WritePlot(const std::string& path, const std::vector<ModeResult>& modes, double oracle) {
+  std::ofstream svg(path);
+  const int w = 720, h = 360, left = 60, bottom = 300, bar = 70;
+  svg << "<svg xmlns='http://www.w3.org/2000/svg' width='" << w << "' height='" << h
+      << "' font-family='sans-serif' font-size='12'>\n";
+  svg << "<text x='" << left << "' y='20' font-size='14'>Prompt tokens computed (lower is better); "
+      << "TTFT p99 above each bar</text>\n";
+  svg << "<line x1='" << left << "' y1='" << bottom << "' x2='" << w - 20 << "' y2='" << bottom
+      << "' stroke='black'/>\n";
+  int x = left + 20;
+  auto draw = [&](const std::string& name, double frac, const std::string& note, const char* color) {
+    int bh = static_cast<int>(frac * 250);
+    svg << "<rect x='" << x << "' y='" << bottom - bh << "' width='" << bar << "' height='" << bh
+        << "' fill='" << color << "'/>\n";
+    svg << absl::StrFormat("<text x='%d' y='%d'>%.1f%%</text>\n", x + 10, bottom - bh - 18, 100 * frac);
+    svg << "<text x='" << x << "' y='" << bottom - bh - 4 << "'>" << note << "</text>\n";
+    svg << "<text x='" << x << "' y='" << bottom + 16 << "'>" << name << "</text>\n";
+    x += bar + 50;
+  };
+  for (const auto& m : modes) {
+    draw(m.name, m.Frac(m.computed), absl::StrFormat("%.0f ms", m.TtftP99()),
+         m.name == "kvtier" ? "#2b7a2b" : "#7a8aa0");
+  }
+  draw("oracle", 1 - oracle, "bound", "#c9a227");
+  svg << "</svg>\n";
+}
+
+}  // namespace
+
+int RunReplay(int argc, const char* const* argv) {
+  Options o;
+  FlagSet flags("kvtier-bench replay",
+                "The main job: a kvtier cluster on loopback (store, router, simulated workers)\n"
+                "replaying a Mooncake trace in several routing/caching modes, each on a fresh\n"
+                "cluster, with every onboarded byte verified. Prints a comparison table.");
+  flags.String("trace", &o.trace, "Trace file (Mooncake JSONL format)");
+  flags.Int("limit", &o.limit, 0, 1 << 30, "Replay only the first N requests (0: all)");
+  flags.Double("speed", &o.speed, 0, 1e6,
+               "Replay at trace time / speed; workers sleep simulated prefill time / speed "
+               "(0: as fast as the cluster serves, no sleeping)");
+  flags.Int("workers", &o.workers, 1, 64, "Simulated workers");
+  flags.Int("pages", &o.pages, 16, 1 << 22, "GPU pages per worker (blocks of 512 tokens)");
+  flags.Bytes("block-bytes", &o.block_bytes, "KV bytes per 512-token block (multiple of 2KiB)");
+  flags.Bytes("ram-bytes", &o.ram_bytes, "Store RAM tier");
+  flags.Bytes("disk-bytes", &o.disk_bytes, "Store NVMe tier quota");
+  flags.Int("concurrency", &o.concurrency, 1, 256, "Requests in flight");
+  flags.Double("prefill-tokens-per-s", &o.prefill_tps, 1, 1e9, "Simulated prefill speed");
+  flags.Double("fetch-cost", &o.fetch_cost, 0, 10, "Router: fetch cost per token");
+  flags.Double("load-weight", &o.load_weight, 0, 1000, "Router: cost per queued token");
+  flags.Int("balance-threshold-tokens", &o.balance, 0, int64_t{1} << 40, "Router: balance guard");
+  flags.String("modes", &o.modes, "Modes to run, comma-separated");
+  flags.String("plot", &o.plot, "Write an SVG chart of the comparison to this file");
+  flags.Bool("json", &o.json, "Print JSON");
+  flags.Bool("progress", &o.progress, "Progress bars on stderr");
+  ParseFlagsOrExit(flags, argc, argv);
+  SetLogQuiet(true);
+  if (o.block_bytes % 2048 != 0 || o.block_bytes / 2048 == 0 || o.block_bytes / 2048 > 4096) {
+    std::fprintf(stderr, "kvtier-bench replay: flag --block-bytes: %s is not a multiple of 2KiB "
+                         "between 2KiB and 8MiB\n", FormatBytes(o.block_bytes).c_str());
+    return 2;
+  }
+  std::vector<std::string> modes;
+  for (absl::string_view m : absl::StrSplit(o.modes, ',', absl::SkipEmpty())) {
+    if (m != "round-robin" && m != "round-robin+store" && m != "kv-aware" && m != "kvtier") {
+      std::fprintf(stderr, "kvtier-bench replay: flag --modes: unknown mode \"%s\"\n",
+                   std::string(m).c_str());
+      return 2;
+    }
+    modes.emplace_back(m);
+  }
+  auto trace = ReadTrace(o.trace, static_cast<size_t>(o.limit));
+  if (!trace.ok()) {
+    std::fprintf(stderr, "kvtier-bench replay: %s\n", std::string(trace.status().message()).c_str());
+    return 1;
+  }
+  // Ctrl-C: stop dispatching, let destructors stop every process and remove
+  // the scratch directory, then exit 130.
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
+
+  TempDir dir;
+  std::vector<ModeResult> results;
+  if (!o.json) {
+    std::fprintf(stderr, "kvtier replay: %zu requests, %ld workers x %ld pages, %s per 512-token block\n",
+                 trace->size(), o.workers, o.pages, FormatBytes(o.block_bytes).c_str());
+  }
+  for (const auto& m : modes) {
+    auto r = RunMode(o, m, *trace, dir);
+    if (!r.ok()) {
+      if (g_interrupted) {
+        std::fprintf(stderr, "\nkvtier-bench replay: interrupted; cluster stopped\n");
+        return 130;
+      }
+      std::fprintf(stderr, "\nkvtier-bench replay: mode %s: %s\n", m.c_str(),
+                   std::string(r.status().message()).c_str());
+      return 1;
+    }
+    results.push_back(std::move(*r));
+  }
+  PrefixCacheFigures oracle = SharedPrefixCache(*trace, 0);
+  uint64_t verified = 0, mismatched = 0;
+  for (const auto& r : results) {
+    verified += r.verified;
+    mismatched += r.mismatched;
+  }
+  if (!o.plot.empty()) WritePlot(o.plot, results, oracle.token_hit_ratio());
+  if (o.json) {
+    nlohmann::json j;
+    for (const auto& r : results) j["modes"][r.name] = ToJson(r, o.block_bytes);
+    j["modes"]["oracle"] = {{"computed_fraction", 1 - oracle.token_hit_ratio()},
+                            {"block_hit_ratio", oracle.block_hit_ratio()},
+                            {"token_hit_ratio", oracle.token_hit_ratio()}};
+    j["requests"] = trace->size();
+    j["verified_blocks"] = verified;
+    j["mismatched_blocks"] = mismatched;
+    std::printf("%s\n", j.dump(2).c_str());
+    return mismatched == 0 ? 0 : 1;
+  }
+  std::printf("\nkvtier replay of %zu requests (%s), %ld workers x %ld GPU pages, %s per block\n\n",
+              trace->size(), o.trace.substr(o.trace.rfind('/') + 1).c_str(), o.workers, o.pages,
+              FormatBytes(o.block_bytes).c_str());
+  std::printf("%-18s %9s %8s %9s %9s %11s %11s %8s %10s\n", "mode", "computed", "GPU hit",
+              "store RAM", "store NVMe", "TTFT mean", "TTFT p99", "max/mean", "moved");
+  for (const auto& r : results) {
+    std::printf("%-18s %8.2f%% %7.2f%% %8.2f%% %9.2f%% %9.0f ms %9.0f ms %8.2f %10s\n",
+                r.name.c_str(), 100 * r.Frac(r.computed), 100 * r.Frac(r.gpu_hit),
+                100 * r.Frac(r.store_ram), 100 * r.Frac(r.store_disk), r.TtftMean(), r.TtftP99(),
+                r.Balance(),
+                FormatBytes(r.onboarded_bytes + r.offloaded_blocks * o.block_bytes).c_str());
+  }
+  std::printf("%-18s %8.2f%%   (infinite cache shared by all engines, from the trace)\n", "oracle",
+              100 * (1 - oracle.token_hit_ratio()));
+  std::printf("\nonboarded blocks verified byte for byte: %lu, mismatched: %lu\n", verified, mismatched);
+  for (const auto& r : results) {
+    if (r.onboard_ms > 0) {
+      std::printf("  %s: %s onboarded at %.2f GB/s (time inside onboarding)\n", r.name.c_str(),
+                  FormatBytes(r.onboarded_bytes).c_str(), r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9);
+    }
+  }
+  if (!o.plot.empty()) std::printf("chart: %s\n", o.plot.c_str());
+  return mismatched == 0 ? 0 : 1;
+}
+
+}  // namespace kvtier::bench

@@ -116,12 +116,22 @@ class SimWorkerService final : public v1::SimWorker::Service {
     }
     uint64_t cached_tokens = std::min<uint64_t>(uint64_t{m->gpu_blocks + loaded} * bt, prompt);
     uint64_t prefill = prompt - cached_tokens;
+    // Pages for the computed blocks. When other requests hold the pool, wait
+    // for them like an engine's scheduler would; a prompt larger than the
+    // whole pool is computed without caching its blocks.
     auto pages = c_->AllocateForCompute(id);
-    if (!pages.ok()) {
+    for (auto until = Clock::now() + std::chrono::seconds(30);
+         !pages.ok() && pages.status().code() == absl::StatusCode::kResourceExhausted &&
+         running_.load() > 1 && Clock::now() < until;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      pages = c_->AllocateForCompute(id);
+    }
+    if (!pages.ok() && pages.status().code() != absl::StatusCode::kResourceExhausted) {
       c_->Finished(id);
       running_--;
       return ToGrpc(pages.status());
     }
+    if (!pages.ok()) pages = std::vector<uint32_t>();  // computed, not cached
     const size_t first = m->gpu_blocks + loaded;
     for (size_t i = 0; i < pages->size(); ++i) {
       ComputeIntoPage(c_->pool().layout(), c_->pool().layer_bases(), (*pages)[i],

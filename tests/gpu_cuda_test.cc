@@ -12,6 +12,7 @@
 namespace kvtier::gpu {
 namespace {
 
+#ifdef KVTIER_HAVE_CUDA
 KvLayout RandomLayout(std::mt19937_64& rng, Dtype d) {
   KvLayout l;
   l.layers = 1 + rng() % 5;
@@ -31,7 +32,6 @@ std::vector<std::vector<uint8_t>> RandomCache(std::mt19937_64& rng, const KvLayo
   return layers;
 }
 
-#ifdef KVTIER_HAVE_CUDA
 // CUDA against CPU, byte for byte (ctest label gpu).
 TEST(GpuCuda, KernelsMatchTheCpuByteForByte) {
   if (!CudaAvailable()) GTEST_SKIP() << "no GPU visible: CUDA kernels compiled but not run here";

@@ -168,10 +168,11 @@ class SimWorkerService final : public v1::SimWorker::Service {
     resp->set_mismatched_blocks(mismatched);
     resp->set_onboard_ms(onboard_ms);
     resp->set_decode_ms(o_.decode_ms_per_token * req->output_tokens());
-    // TTFT: measured queueing and onboarding (in simulated time when the
-    // engine sleeps scaled time) plus simulated prefill.
+    // TTFT: queueing behind other prefills (the engine sleeps scaled
+    // simulated time, so scale it back), onboarding (real transfers, taken
+    // as measured) and the simulated prefill.
     double scale = o_.time_scale > 0 ? o_.time_scale : 1.0;
-    resp->set_ttft_ms((queue_ms + onboard_ms) / scale + prefill_ms);
+    resp->set_ttft_ms(queue_ms / scale + onboard_ms + prefill_ms);
     (void)t0;
     return grpc::Status::OK;
   }

@@ -27,8 +27,12 @@ test: build
 demo: build
 	bash scripts/demo.sh $(BUILD_DIR)
 
+# Every benchmark, each beside its reference (minutes; not part of make test).
 bench: build
 	$(BUILD_DIR)/bench/kvtier-bench store
+	$(BUILD_DIR)/bench/kvtier-bench dataplane
+	$(BUILD_DIR)/bench/kvtier-bench worker
+	$(BUILD_DIR)/bench/kvtier-bench router
 
 clean:
 	rm -rf $(BUILD_DIR)

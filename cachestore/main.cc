@@ -13,6 +13,7 @@
 #include "cachestore/store.h"
 #include "common/config.h"
 #include "common/grpc_server.h"
+#include "common/metrics.h"
 #include "common/log.h"
 
 namespace {
@@ -39,6 +40,8 @@ struct Flags {
   std::string store_id;
   std::string ucx_listen;
   bool verify_commits = true;
+  std::string metrics_listen;
+  bool check_config = false;
 };
 
 }  // namespace
@@ -79,6 +82,11 @@ int main(int argc, char** argv) {
   flags.Bool("verify-commits", &f.verify_commits,
              "Hash every block at CommitPut and refuse one whose bytes do not match its "
              "checksum (off: trust the writer; readers still verify)");
+  flags.String("metrics-listen", &f.metrics_listen,
+               "Serve Prometheus metrics on HOST:PORT/metrics (empty: off)");
+  flags.Bool("check-config", &f.check_config,
+             "Validate the flags, print the effective configuration and exit 0 (no data dir, "
+             "no ports)");
   flags.String("router", &f.routers,
                "Comma-separated kvtier-router addresses to publish this shard's blocks to");
   flags.String("store-id", &f.store_id,
@@ -106,6 +114,28 @@ int main(int argc, char** argv) {
   if (f.max_message_bytes > (1ull << 31) - 1) {
     std::fprintf(stderr, "kvtier-store: flag --max-message-bytes must be below 2GiB\n");
     return 2;
+  }
+
+  if (!f.metrics_listen.empty()) {
+    if (auto s = kvtier::ValidateHostPort(f.metrics_listen); !s.ok()) {
+      std::fprintf(stderr, "kvtier-store: flag --metrics-listen: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
+  if (!f.ucx_listen.empty()) {
+    if (auto s = kvtier::ValidateHostPort(f.ucx_listen); !s.ok()) {
+      std::fprintf(stderr, "kvtier-store: flag --ucx-listen: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
+  if (f.check_config) {
+    std::printf("kvtier-store configuration OK: listen=%s ucx-listen=%s metrics-listen=%s data-dir=%s "
+                "ram-bytes=%lu disk-bytes=%lu ram-slab-bytes=%lu ram-policy=%s disk-policy=%s "
+                "lease-ms=%lu routers=%zu\n",
+                f.listen.c_str(), f.ucx_listen.c_str(), f.metrics_listen.c_str(), f.data_dir.c_str(),
+                f.ram_bytes, f.disk_bytes, f.slab_bytes, f.ram_policy.c_str(), f.disk_policy.c_str(),
+                f.lease_ms, routers.size());
+    return 0;
   }
 
   // Signals are taken by one thread with sigwait; block them everywhere else.
@@ -139,10 +169,6 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<kvtier::store::DataPlaneServer> dataplane;
   if (!f.ucx_listen.empty()) {
-    if (auto s = kvtier::ValidateHostPort(f.ucx_listen); !s.ok()) {
-      std::fprintf(stderr, "kvtier-store: flag --ucx-listen: %s\n", std::string(s.message()).c_str());
-      return 2;
-    }
     auto& arena = (*store)->ram().arena();
     auto dp = kvtier::store::DataPlaneServer::Start(f.ucx_listen, arena.base(), arena.size());
     if (!dp.ok()) {
@@ -167,6 +193,16 @@ int main(int argc, char** argv) {
                  f.listen.c_str());
     return 1;
   }
+  std::unique_ptr<kvtier::MetricsServer> metrics;
+  if (!f.metrics_listen.empty()) {
+    auto ms = kvtier::MetricsServer::Start(f.metrics_listen, [&service] { return service.CollectMetrics(); });
+    if (!ms.ok()) {
+      std::fprintf(stderr, "kvtier-store: %s\n", std::string(ms.status().message()).c_str());
+      return 1;
+    }
+    metrics = std::move(*ms);
+    kvtier::Log("store", "metrics on ", f.metrics_listen, " (port ", metrics->port(), ")/metrics");
+  }
   std::string host = f.listen.substr(0, f.listen.rfind(':'));
   kvtier::Log("store", "listening on ", host, ":", port, " (RAM ", (*store)->ram().arena().size(),
               " bytes in ", (*store)->ram().shards(), " shards",
@@ -189,6 +225,7 @@ int main(int argc, char** argv) {
   });
   server->Wait();
   signals.join();
+  metrics.reset();
   dataplane.reset();
   store->reset();  // drains the write-back queue
   kvtier::Log("store", "stopped");

@@ -9,6 +9,7 @@
 #include "cachestore/dataplane.h"
 #include "cachestore/store.h"
 #include "common/histogram.h"
+#include "common/metrics.h"
 #include "kvtier/v1/store.grpc.pb.h"
 
 namespace kvtier::store {
@@ -49,6 +50,9 @@ class StoreService final : public kvtier::v1::Store::Service {
   grpc::Status ConnectDataPlane(grpc::ServerContext*, const v1::ConnectDataPlaneRequest*,
                                 v1::ConnectDataPlaneResponse*) override;
 
+  // Prometheus families for a scrape (docs/operations.md lists them).
+  std::vector<prometheus::MetricFamily> CollectMetrics();
+
  private:
   LatencyHistogram& Histogram(const std::string& rpc) { return *histograms_.at(rpc); }
 
@@ -56,6 +60,8 @@ class StoreService final : public kvtier::v1::Store::Service {
   DataPlaneServer* dataplane_;
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
   std::chrono::steady_clock::time_point started_;
+  // Bytes handed out for RMA (reserved by BeginPut, pinned by BeginGet).
+  std::atomic<uint64_t> rma_put_bytes_{0}, rma_get_bytes_{0};
 };
 
 }  // namespace kvtier::store

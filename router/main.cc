@@ -12,12 +12,14 @@
 #include "common/config.h"
 #include "common/grpc_server.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "router/router_core.h"
 #include "router/service.h"
 
 int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:7500";
-  std::string port_file;
+  std::string port_file, metrics_listen;
+  bool check_config = false;
   uint64_t deadline_ms = 5000;
   uint64_t max_message = 64ull << 20;
   double fetch_cost = 0.1, load_weight = 1.0, temperature = 0;
@@ -43,10 +45,21 @@ int main(int argc, char** argv) {
                "0: always the cheapest; above 0: sample by cost (relative to the prompt length)");
   flags.Bytes("max-message-bytes", &max_message, "Largest gRPC message accepted");
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
+  flags.HostPort("metrics-listen", &metrics_listen,
+                 "Serve Prometheus metrics on HOST:PORT/metrics (empty: off)");
+  flags.Bool("check-config", &check_config,
+             "Validate the flags, print the effective configuration and exit 0");
   kvtier::ParseFlagsOrExit(flags, argc, argv);
   if (deadline_ms == 0) {
     std::fprintf(stderr, "kvtier-router: flag --heartbeat-deadline must be above 0\n");
     return 2;
+  }
+  if (check_config) {
+    std::printf("kvtier-router configuration OK: listen=%s metrics-listen=%s heartbeat-deadline=%lums "
+                "fetch-cost=%g load-weight=%g balance-threshold-tokens=%ld temperature=%g\n",
+                listen.c_str(), metrics_listen.c_str(), deadline_ms, fetch_cost, load_weight,
+                balance, temperature);
+    return 0;
   }
 
   sigset_t sigs;
@@ -75,6 +88,15 @@ int main(int argc, char** argv) {
   if (!server || port == 0) {
     std::fprintf(stderr, "kvtier-router: cannot listen on %s\n", listen.c_str());
     return 1;
+  }
+  std::unique_ptr<kvtier::MetricsServer> metrics;
+  if (!metrics_listen.empty()) {
+    auto ms = kvtier::MetricsServer::Start(metrics_listen, [&service] { return service.CollectMetrics(); });
+    if (!ms.ok()) {
+      std::fprintf(stderr, "kvtier-router: %s\n", std::string(ms.status().message()).c_str());
+      return 1;
+    }
+    metrics = std::move(*ms);
   }
   std::string host = listen.substr(0, listen.rfind(':'));
   kvtier::Log("router", "listening on ", host, ":", port, " (heartbeat deadline ", deadline_ms,

@@ -105,10 +105,54 @@ grpc::Status RouterService::Publish(grpc::ServerContext*, const v1::PublishReque
 
 grpc::Status RouterService::Route(grpc::ServerContext*, const v1::RouteRequest* req,
                                   v1::RouteResponse* resp) {
+  auto start = std::chrono::steady_clock::now();
   auto r = core_->Route(*req);
+  route_latency_.Record(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                            std::chrono::steady_clock::now() - start).count()),
+                        r.ok());
   if (!r.ok()) return ToGrpc(r.status());
   ToProto(*r, resp);
   return grpc::Status::OK;
+}
+
+std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
+  MetricsBuilder m;
+  auto st = core_->Stats();
+  m.Gauge("kvtier_router_indexed_blocks", "Distinct (namespace, block) keys in the index",
+          st.indexed_blocks());
+  m.Gauge("kvtier_router_indexed_replicas", "(block, source) pairs in the index",
+          st.indexed_replicas());
+  m.Gauge("kvtier_router_index_bytes", "Approximate memory of the index", core_->IndexMemoryBytes());
+  m.Counter("kvtier_router_events_total", "KV events by outcome", st.events_applied(),
+            {{"outcome", "applied"}});
+  m.Counter("kvtier_router_events_total", "KV events by outcome", st.events_duplicate(),
+            {{"outcome", "duplicate"}});
+  m.Counter("kvtier_router_events_total", "KV events by outcome", st.events_rejected(),
+            {{"outcome", "rejected"}});
+  m.Counter("kvtier_router_snapshots_requested_total", "Snapshots asked of sources",
+            st.snapshots_requested());
+  m.Counter("kvtier_router_snapshots_applied_total", "Snapshots applied", st.snapshots_applied());
+  m.Counter("kvtier_router_sources_expired_total", "Sources dropped at heartbeat expiry",
+            st.sources_expired());
+  m.Counter("kvtier_router_unknown_removals_total", "Removals of blocks a source never stored",
+            st.unknown_removals());
+  for (const auto& [outcome, n] : st.decisions()) {
+    m.Counter("kvtier_router_decisions_total", "Route decisions by outcome", n, {{"outcome", outcome}});
+  }
+  m.Histogram("kvtier_router_route_duration_seconds", "Latency of Route", route_latency_.Take());
+  for (const auto& s : core_->Sources()) {
+    MetricsBuilder::Labels l = {{"source", s.source_id()},
+                                {"kind", s.kind() == v1::SOURCE_STORE ? "store" : "worker"}};
+    m.Gauge("kvtier_router_source_up", "1 while the source's stream is open", s.connected(), l);
+    m.Gauge("kvtier_router_source_last_seen_seconds", "Seconds since the source's last message",
+            s.last_seen_ms() / 1000.0, l);
+    m.Gauge("kvtier_router_source_indexed_blocks", "Blocks indexed for the source",
+            s.indexed_blocks(), l);
+    m.Gauge("kvtier_router_source_queued_prefill_tokens", "Queued prefill tokens (last heartbeat)",
+            s.load().queued_prefill_tokens(), l);
+  }
+  m.Gauge("kvtier_router_sources", "Live sources", st.sources());
+  return m.Take();
 }
 
 grpc::Status RouterService::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,

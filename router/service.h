@@ -1,6 +1,8 @@
 // The kvtier.v1.Router gRPC service over a RouterCore. Thread-safe.
 #pragma once
 
+#include "common/histogram.h"
+#include "common/metrics.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "router/router_core.h"
 
@@ -21,8 +23,12 @@ class RouterService final : public v1::Router::Service {
   grpc::Status GetRouterStats(grpc::ServerContext*, const v1::GetRouterStatsRequest*,
                               v1::GetRouterStatsResponse*) override;
 
+  // Prometheus families for a scrape (docs/operations.md lists them).
+  std::vector<prometheus::MetricFamily> CollectMetrics();
+
  private:
   RouterCore* core_;
+  LatencyHistogram route_latency_;
 };
 
 // Fills a RouteResponse from a decision (shared with the in-process bench).

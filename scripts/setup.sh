@@ -7,7 +7,8 @@ PKGS=(
   build-essential cmake ninja-build ccache pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libucx-dev ucx-utils librocksdb-dev libabsl-dev libgtest-dev libxxhash-dev
-  nlohmann-json3-dev redis-server redis-tools fio python3
+  nlohmann-json3-dev prometheus-cpp-dev redis-server redis-tools fio python3
+  golang-go golang-github-masterminds-sprig-dev python3-jsonschema python3-yaml
 )
 
 missing=()

@@ -1,0 +1,220 @@
+// Operating kvtier: kvctl against real servers on loopback (output, JSON
+// shape, exit codes) and the Prometheus endpoints scraped for real.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_format.h"
+#include "common/block_key.h"
+#include "kvtier/v1/worker.grpc.pb.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::ServerProcess;
+using testing::WaitFor;
+
+struct CliRun {
+  int code;
+  std::string out;
+};
+
+CliRun Kvctl(const std::string& args, const std::string& env = "") {
+  std::string cmd = env + " " + KVTIER_KVCTL_BIN + " " + args + " 2>&1 </dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+  int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return "";
+  }
+  std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[8192];
+  ssize_t r;
+  while ((r = read(fd, buf, sizeof(buf))) > 0) out.append(buf, r);
+  close(fd);
+  return out;
+}
+
+class Ops : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", "tcp", 1);
+    for (int s = 0; s < 2; ++s) {
+      metrics_ports_.push_back(testing::FreePort());
+      stores_.push_back(std::make_unique<ServerProcess>(
+          KVTIER_STORE_BIN, dir_.sub("store" + std::to_string(s)),
+          std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                                   "--data-dir=" + dir_.sub("db" + std::to_string(s)),
+                                   "--hugepages=false", "--ram-bytes=16MiB",
+                                   "--metrics-listen=127.0.0.1:" + std::to_string(metrics_ports_.back())}));
+      ASSERT_GT(stores_.back()->port(), 0) << stores_.back()->Log();
+    }
+    router_metrics_ = testing::FreePort();
+    router_ = std::make_unique<ServerProcess>(
+        KVTIER_ROUTER_BIN, dir_.sub("router"),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--heartbeat-deadline=2s",
+                                 "--metrics-listen=127.0.0.1:" + std::to_string(router_metrics_)});
+    worker_ = std::make_unique<ServerProcess>(
+        KVTIER_SIM_WORKER_BIN, dir_.sub("w1"),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--store=" + stores_[0]->address(),
+                                 "--router=" + router_->address(), "--worker-id=w1",
+                                 "--pages=128", "--offload=write-through", "--heartbeat=100ms"});
+    ASSERT_GT(worker_->port(), 0) << worker_->Log();
+    // One request through the worker: blocks land in store 0 and the router.
+    auto stub = v1::SimWorker::NewStub(grpc::CreateChannel(worker_->address(), grpc::InsecureChannelCredentials()));
+    v1::SubmitRequest req;
+    std::ofstream tokens(dir_.sub("tokens.txt"));
+    for (int i = 0; i < 100; ++i) {
+      req.mutable_tokens()->add_ids(i);
+      tokens << i << (i % 10 == 9 ? "\n" : " ");
+    }
+    tokens.close();
+    grpc::ClientContext ctx;
+    v1::SubmitResponse resp;
+    ASSERT_TRUE(stub->Submit(&ctx, req, &resp).ok());
+    stores_env_ = "KVTIER_STORE=" + stores_[0]->address() + "," + stores_[1]->address() +
+                  " KVTIER_ROUTER=" + router_->address();
+    ns_ = absl::StrFormat("%016x", NamespaceId(NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, ""}));
+  }
+  testing::TempDir dir_;
+  std::vector<std::unique_ptr<ServerProcess>> stores_;
+  std::vector<int> metrics_ports_;
+  int router_metrics_ = 0;
+  std::unique_ptr<ServerProcess> router_, worker_;
+  std::string stores_env_, ns_;
+};
+
+TEST_F(Ops, StatsPerShardAndSummedAsTableAndJson) {
+  CliRun r = Kvctl("stats", stores_env_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("total"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("s3fifo"), std::string::npos);
+  r = Kvctl("stats --json", stores_env_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["shards"].size(), 2u);
+  EXPECT_EQ(j["total"]["tiers"]["ram"]["items"].get<uint64_t>(), 6u);  // 100 tokens: 6 blocks
+  for (const char* k : {"capacity_bytes", "used_bytes", "hit_ratio", "evictions", "promotions",
+                        "demotions", "bytes_in", "bytes_out", "policy"}) {
+    EXPECT_TRUE(j["shards"][0]["tiers"]["ram"].contains(k)) << k;
+  }
+}
+
+TEST_F(Ops, PolicyGetAndSet) {
+  CliRun r = Kvctl("policy set --tier disk sieve --json", stores_env_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = Kvctl("policy get", stores_env_);
+  ASSERT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("disk  sieve"), std::string::npos) << r.out;
+  r = Kvctl("policy set --tier ram s3fifo --param small_fraction=0.2", stores_env_);
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = Kvctl("policy set --tier ram mru", stores_env_);
+  EXPECT_EQ(r.code, 1) << r.out;  // refused by the store, with its reason
+  EXPECT_NE(r.out.find("mru"), std::string::npos) << r.out;
+  r = Kvctl("policy set --tier cpu lru", stores_env_);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--tier"), std::string::npos);
+}
+
+TEST_F(Ops, EvictAsksUnlessYes) {
+  CliRun r = Kvctl("evict --namespace " + ns_, stores_env_);
+  EXPECT_EQ(r.code, 4) << r.out;  // stdin is not a terminal: nothing done without --yes
+  EXPECT_NE(r.out.find("--yes"), std::string::npos);
+  r = Kvctl("stats --json", stores_env_);
+  EXPECT_EQ(nlohmann::json::parse(r.out)["total"]["tiers"]["ram"]["items"].get<uint64_t>(), 6u);
+  r = Kvctl("evict --namespace " + ns_ + " --yes --json", stores_env_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j[stores_[0]->address()]["ram_blocks"].get<uint64_t>(), 6u);
+  r = Kvctl("evict --all --namespace " + ns_ + " --yes", stores_env_);
+  EXPECT_EQ(r.code, 2);
+}
+
+TEST_F(Ops, LookupWorkersAndRoute) {
+  CliRun r = Kvctl("lookup --namespace " + ns_ + " --tokens " + dir_.sub("tokens.txt") + " --json",
+                "KVTIER_STORE=" + stores_[0]->address());
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j[stores_[0]->address()]["present_prefix"].get<uint64_t>(), 6u);
+  ASSERT_TRUE(WaitFor([&] {
+    CliRun w = Kvctl("workers --json", stores_env_);
+    if (w.code != 0) return false;
+    auto wj = nlohmann::json::parse(w.out);
+    return wj["sources"].size() == 1 && wj["sources"][0]["indexed_blocks"].get<uint64_t>() == 6;
+  }));
+  r = Kvctl("workers", stores_env_);
+  EXPECT_NE(r.out.find("w1"), std::string::npos);
+  r = Kvctl("route --namespace " + ns_ + " --tokens " + dir_.sub("tokens.txt") + " --json", stores_env_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["worker"], "w1");
+  EXPECT_EQ(j["gpu_hit_blocks"].get<uint64_t>(), 6u);
+  EXPECT_EQ(j["candidates"].size(), 1u);
+  r = Kvctl("route --namespace " + ns_ + " --tokens " + dir_.sub("tokens.txt"), stores_env_);
+  EXPECT_NE(r.out.find("candidate"), std::string::npos) << r.out;
+}
+
+TEST_F(Ops, UnreachableAndBadUsageHaveTheirExitCodes) {
+  CliRun r = Kvctl("stats --store 127.0.0.1:1 --timeout 1s");
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("127.0.0.1:1"), std::string::npos);
+  r = Kvctl("workers --router 127.0.0.1:1 --timeout 1s");
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_EQ(Kvctl("frobnicate").code, 2);
+  EXPECT_EQ(Kvctl("stats --bogus").code, 2);
+  EXPECT_EQ(Kvctl("lookup --namespace zz --tokens x", stores_env_).code, 2);
+  for (const char* c : {"stats", "policy get", "evict", "lookup", "workers", "route", "namespaces"}) {
+    CliRun h = Kvctl(std::string(c) + " --help");
+    EXPECT_EQ(h.code, 0) << c;
+    EXPECT_NE(h.out.find("Usage: kvctl"), std::string::npos) << c << h.out;
+  }
+}
+
+TEST_F(Ops, PrometheusEndpointsServeTheDocumentedMetrics) {
+  std::string store = HttpGet(metrics_ports_[0], "/metrics");
+  for (const char* name : {"kvtier_store_tier_used_bytes{tier=\"ram\"}", "kvtier_store_tier_items{tier=\"ram\"} 6",
+                           "kvtier_store_tier_hits_total", "kvtier_store_tier_evictions_total",
+                           "kvtier_store_tier_promotions_total", "kvtier_store_tier_demotions_total",
+                           "kvtier_store_rpc_duration_seconds_bucket{rpc=\"BeginPut\"",
+                           "kvtier_store_dataplane_bytes_total{direction=\"put\"}",
+                           "kvtier_store_leases{kind=\"put\"} 0"}) {
+    EXPECT_NE(store.find(name), std::string::npos) << name << "\n" << store.substr(0, 2000);
+  }
+  std::string router;
+  ASSERT_TRUE(WaitFor([&] {
+    router = HttpGet(router_metrics_, "/metrics");
+    return router.find("kvtier_router_indexed_blocks 6") != std::string::npos;
+  })) << router.substr(0, 2000);
+  for (const char* name : {"kvtier_router_events_total{outcome=\"applied\"}",
+                           "kvtier_router_decisions_total{outcome=\"lowest_cost\"}",
+                           "kvtier_router_source_up{kind=\"worker\",source=\"w1\"} 1",
+                           "kvtier_router_route_duration_seconds_count"}) {
+    EXPECT_NE(router.find(name), std::string::npos) << name;
+  }
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Tests of helm/kvtier without a helm binary: the chart is rendered with Go
+text/template + sprig (tests/helm/render.go), the engine Helm uses, and the
+rendered objects are checked -- names and kinds, ports, probes, security,
+toggles -- and the store's and router's rendered arguments are run through
+the real binaries' --check-config. values.schema.json must accept the
+defaults and reject bad values. Ends with "N passed, N failed"."""
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jsonschema
+import yaml
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+CHART = os.path.join(ROOT, "helm", "kvtier")
+BUILD = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build")
+GOCACHE = os.path.join(tempfile.gettempdir(), "kvtier-gocache")
+
+passed = failed = 0
+
+
+def check(cond, what):
+    global passed, failed
+    if cond:
+        passed += 1
+    else:
+        failed += 1
+        print("FAIL:", what)
+
+
+def load_values():
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def render(values, release="kv"):
+    with open(os.path.join(CHART, "Chart.yaml")) as f:
+        chart = yaml.safe_load(f)
+    ctx = {"Values": values, "Release": {"Name": release, "Namespace": "default"},
+           "Chart": {"Name": chart["name"], "Version": chart["version"],
+                     "AppVersion": chart["appVersion"]}}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(ctx, f)
+        path = f.name
+    env = dict(os.environ, GO111MODULE="off", GOPATH="/usr/share/gocode", GOCACHE=GOCACHE,
+               GOFLAGS="")
+    out = subprocess.run(["go", "run", os.path.join(ROOT, "tests", "helm", "render.go"), CHART, path],
+                         capture_output=True, text=True, env=env, timeout=300)
+    os.unlink(path)
+    if out.returncode != 0:
+        raise RuntimeError("render failed: " + out.stderr)
+    files = {}
+    for chunk in out.stdout.split("# Source: ")[1:]:
+        name, _, body = chunk.partition("\n")
+        files[name] = body
+    return files
+
+
+def objects(files):
+    objs = []
+    for name, body in files.items():
+        if name.endswith(".txt"):
+            continue
+        for doc in yaml.safe_load_all(body):
+            if doc:
+                objs.append(doc)
+    return objs
+
+
+def find(objs, kind, suffix):
+    for o in objs:
+        if o["kind"] == kind and o["metadata"]["name"].endswith(suffix):
+            return o
+    return None
+
+
+def check_config(binary, args):
+    args = [a.replace("$(POD_NAME)", "kv-store-0") for a in args]
+    out = subprocess.run([os.path.join(BUILD, binary)] + args + ["--check-config"],
+                         capture_output=True, text=True, timeout=30)
+    return out.returncode, out.stdout + out.stderr
+
+
+def main():
+    values = load_values()
+    schema = json.load(open(os.path.join(CHART, "values.schema.json")))
+
+    # The schema accepts the defaults and rejects bad values.
+    try:
+        jsonschema.validate(values, schema)
+        check(True, "")
+    except jsonschema.ValidationError as e:
+        check(False, "default values fail the schema: %s" % e.message)
+    bad_cases = [
+        ("store", "ramPolicy", "fifo"), ("store", "replicas", 0), ("store", "ramBytes", "lots"),
+        ("store", "grpcPort", 70000), ("router", "fetchCost", -1), ("router", "heartbeatDeadline", "soon"),
+        ("store", "typo", 1),
+    ]
+    for section, key, value in bad_cases:
+        v = copy.deepcopy(values)
+        v[section][key] = value
+        try:
+            jsonschema.validate(v, schema)
+            check(False, "schema accepted %s.%s=%r" % (section, key, value))
+        except jsonschema.ValidationError:
+            check(True, "")
+
+    files = render(values)
+    objs = objects(files)
+    for o in objs:
+        check(all(k in o for k in ("apiVersion", "kind", "metadata")) and o["metadata"].get("name"),
+              "object without apiVersion/kind/name: %s" % o)
+    sts = find(objs, "StatefulSet", "-store")
+    dep = find(objs, "Deployment", "-router")
+    headless = find(objs, "Service", "-store-headless")
+    rsvc = find(objs, "Service", "-router")
+    check(sts is not None and dep is not None and headless is not None and rsvc is not None,
+          "store StatefulSet, router Deployment and their Services are rendered")
+    check(headless["spec"]["clusterIP"] == "None", "store Service is headless")
+    check(sts["spec"]["serviceName"] == headless["metadata"]["name"], "StatefulSet uses the headless Service")
+    check(sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "120Gi",
+          "PVC size from values")
+    check(dep["spec"]["replicas"] >= 2, "router has at least two replicas by default")
+    pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    check(len(pdbs) == 2, "a PodDisruptionBudget for store and router")
+
+    for obj, binary, port_key in ((sts, "cachestore/kvtier-store", "store"), (dep, "router/kvtier-router", "router")):
+        pod = obj["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        check(pod["securityContext"]["runAsNonRoot"] is True, "%s runs as non-root" % binary)
+        check(c["securityContext"]["readOnlyRootFilesystem"] is True, "%s has a read-only root" % binary)
+        grpc_port = values[port_key]["grpcPort"]
+        check(c["readinessProbe"]["grpc"]["port"] == grpc_port and c["livenessProbe"]["grpc"]["port"] == grpc_port,
+              "%s probes grpc.health.v1 on its gRPC port" % binary)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        args = c["args"]
+        listen = [a for a in args if a.startswith("--listen=")][0]
+        check(listen.endswith(":%d" % ports["grpc"]), "%s --listen matches its grpc port" % binary)
+        metrics = [a for a in args if a.startswith("--metrics-listen=")][0]
+        check(metrics.endswith(":%d" % ports["metrics"]), "%s --metrics-listen matches its port" % binary)
+        ann = obj["spec"]["template"]["metadata"]["annotations"]
+        check(ann["prometheus.io/port"] == str(ports["metrics"]), "%s metrics port annotated" % binary)
+        rc, out = check_config(binary, args)
+        check(rc == 0, "%s rejects the rendered arguments: %s" % (binary, out))
+    store_args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
+    check("--router=%s:%d" % (rsvc["metadata"]["name"], values["router"]["grpcPort"]) in store_args,
+          "store publishes to the router Service")
+    svc_ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
+    check(svc_ports["grpc"] == values["store"]["grpcPort"] and svc_ports["ucx"] == values["store"]["ucxPort"],
+          "store Service ports match the container")
+
+    # A flag the binary does not accept is caught by --check-config.
+    rc, out = check_config("cachestore/kvtier-store", store_args + ["--ram-policy=fifo"])
+    check(rc == 2 and "--ram-policy" in out, "check-config names a bad flag")
+
+    notes = files.get("NOTES.txt", "")
+    check("kvctl" in notes and "KVTIER_STORE=kv-store-0.kv-store-headless:7400,kv-store-1" in notes,
+          "NOTES.txt tells how to reach kvctl with the shard addresses")
+    check(find(objs, "ServiceMonitor", "") is None and find(objs, "Pod", "example-worker") is None,
+          "optional objects are off by default")
+
+    # Toggles: ServiceMonitor, hugepages, RDMA, host networking, example worker.
+    v = copy.deepcopy(values)
+    v["metrics"]["serviceMonitor"]["enabled"] = True
+    v["store"]["hugepages"]["enabled"] = True
+    v["store"]["rdma"]["enabled"] = True
+    v["store"]["hostNetwork"] = True
+    v["store"]["ucxTls"] = "rc,ud,sm"
+    v["exampleWorker"]["enabled"] = True
+    jsonschema.validate(v, schema)
+    objs = objects(render(v))
+    check(find(objs, "ServiceMonitor", "kv") is not None, "ServiceMonitor behind its flag")
+    sts = find(objs, "StatefulSet", "-store")
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    check(c["resources"]["limits"].get("hugepages-2Mi") == "8Gi", "hugepages requested")
+    check(c["resources"]["limits"].get("rdma/hca_shared_devices_a") == "1", "RDMA resource requested")
+    check("IPC_LOCK" in c["securityContext"]["capabilities"].get("add", []), "RDMA adds IPC_LOCK")
+    check(pod.get("hostNetwork") is True, "host networking for UCX")
+    check({"name": "UCX_TLS", "value": "rc,ud,sm"} in c["env"], "UCX_TLS from values")
+    check("--hugepages=true" in c["args"], "store told to use hugepages")
+    worker = find(objs, "Pod", "example-worker")
+    env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
+    check(env.get("KVTIER_STORE") == "kv-store-0.kv-store-headless:7400,kv-store-1.kv-store-headless:7400",
+          "example worker gets the store shard addresses")
+    check(env.get("KVTIER_ROUTER") == "kv-router:7500", "example worker gets the router address")
+
+    print("%d passed, %d failed" % (passed, failed))
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

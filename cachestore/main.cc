@@ -138,12 +138,7 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  // Signals are taken by one thread with sigwait; block them everywhere else.
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  kvtier::BlockShutdownSignals();
 
   kvtier::store::StoreOptions o;
   o.ram.bytes = f.ram_bytes;
@@ -211,20 +206,9 @@ int main(int argc, char** argv) {
   std::printf("kvtier-store listening on %s:%d%s%s\n", host.c_str(), port,
               dataplane ? ", UCX on " : "", dataplane ? dataplane->address().c_str() : "");
   std::fflush(stdout);
-  if (!f.port_file.empty()) {
-    std::string tmp = f.port_file + ".tmp";
-    std::ofstream(tmp) << port << "\n";
-    std::rename(tmp.c_str(), f.port_file.c_str());
-  }
+  kvtier::WritePortFile(f.port_file, port);
 
-  std::thread signals([&] {
-    int sig = 0;
-    sigwait(&sigs, &sig);
-    kvtier::Log("store", "signal ", sig, ": shutting down");
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  });
-  server->Wait();
-  signals.join();
+  kvtier::ServeUntilSignalled(server.get(), "store");
   metrics.reset();
   dataplane.reset();
   store->reset();  // drains the write-back queue

@@ -2,7 +2,14 @@
 
 #include <grpcpp/support/server_interceptor.h>
 
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
 #include <string>
+#include <thread>
+
+#include "common/log.h"
 
 namespace kvtier {
 namespace {
@@ -48,6 +55,36 @@ ServerInterceptors() {
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> v;
   v.push_back(std::make_unique<MalformedRequestFactory>());
   return v;
+}
+
+void BlockShutdownSignals() {
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+}
+
+void WritePortFile(const std::string& path, int port) {
+  if (path.empty()) return;
+  std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << port << "\n";
+  std::rename(tmp.c_str(), path.c_str());
+}
+
+void ServeUntilSignalled(grpc::Server* server, const std::string& component) {
+  std::thread signals([&] {
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    Log(component, "signal ", sig, ": shutting down");
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  });
+  server->Wait();
+  signals.join();
 }
 
 }  // namespace kvtier

@@ -62,11 +62,7 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  kvtier::BlockShutdownSignals();
 
   kvtier::router::RouterOptions o;
   o.heartbeat_deadline_ms = deadline_ms;
@@ -104,11 +100,7 @@ int main(int argc, char** argv) {
               balance, " tokens, temperature ", temperature, ")");
   std::printf("kvtier-router listening on %s:%d\n", host.c_str(), port);
   std::fflush(stdout);
-  if (!port_file.empty()) {
-    std::string tmp = port_file + ".tmp";
-    std::ofstream(tmp) << port << "\n";
-    std::rename(tmp.c_str(), port_file.c_str());
-  }
+  kvtier::WritePortFile(port_file, port);
 
   std::mutex mu;
   std::condition_variable cv;
@@ -120,14 +112,7 @@ int main(int argc, char** argv) {
       core.ExpireSources(std::chrono::steady_clock::now());
     }
   });
-  std::thread signals([&] {
-    int sig = 0;
-    sigwait(&sigs, &sig);
-    kvtier::Log("router", "signal ", sig, ": shutting down");
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  });
-  server->Wait();
-  signals.join();
+  kvtier::ServeUntilSignalled(server.get(), "router");
   {
     std::lock_guard lk(mu);
     stop = true;

@@ -8,30 +8,12 @@
 
 #include "gpu/kernels.h"
 #include "gpu/kv_layout.h"
+#include "tests/gpu_test_util.h"
 
 namespace kvtier::gpu {
 namespace {
 
 #ifdef KVTIER_HAVE_CUDA
-KvLayout RandomLayout(std::mt19937_64& rng, Dtype d) {
-  KvLayout l;
-  l.layers = 1 + rng() % 5;
-  l.kv_heads = 1 + rng() % 4;
-  l.head_dim = 1 + rng() % 70;  // odd sizes too
-  l.block_tokens = 1 + rng() % 17;
-  l.dtype = d;
-  l.num_pages = 2 + rng() % 20;
-  return l;
-}
-
-std::vector<std::vector<uint8_t>> RandomCache(std::mt19937_64& rng, const KvLayout& l) {
-  std::vector<std::vector<uint8_t>> layers(l.layers, std::vector<uint8_t>(l.layer_bytes()));
-  for (auto& v : layers) {
-    for (auto& b : v) b = static_cast<uint8_t>(rng());
-  }
-  return layers;
-}
-
 // CUDA against CPU, byte for byte (ctest label gpu).
 TEST(GpuCuda, KernelsMatchTheCpuByteForByte) {
   if (!CudaAvailable()) GTEST_SKIP() << "no GPU visible: CUDA kernels compiled but not run here";

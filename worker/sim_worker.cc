@@ -248,11 +248,7 @@ int main(int argc, char** argv) {
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
   ParseFlagsOrExit(flags, argc, argv);
 
-  sigset_t sigs;
-  sigemptyset(&sigs);
-  sigaddset(&sigs, SIGINT);
-  sigaddset(&sigs, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  kvtier::BlockShutdownSignals();
 
   worker::ConnectorOptions co;
   co.spec = NamespaceSpec{model,
@@ -323,19 +319,8 @@ int main(int argc, char** argv) {
       co.stores.size(), " store(s), ", pubs.size(), " router(s))");
   std::printf("kvtier-sim-worker listening on %s\n", bound.c_str());
   std::fflush(stdout);
-  if (!port_file.empty()) {
-    std::string tmp = port_file + ".tmp";
-    std::ofstream(tmp) << port << "\n";
-    std::rename(tmp.c_str(), port_file.c_str());
-  }
-  std::thread signals([&] {
-    int sig = 0;
-    sigwait(&sigs, &sig);
-    Log("sim-worker", "signal ", sig, ": shutting down");
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  });
-  server->Wait();
-  signals.join();
+  kvtier::WritePortFile(port_file, port);
+  kvtier::ServeUntilSignalled(server.get(), "sim-worker");
   connector.reset();
   for (auto& p : publishers) p->Stop();
   Log("sim-worker", "stopped");

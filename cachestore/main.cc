@@ -42,6 +42,8 @@ struct Flags {
   bool verify_commits = true;
   std::string metrics_listen;
   bool check_config = false;
+  std::string admin_token_file;
+  int64_t max_leases_per_client = 1024;
 };
 
 }  // namespace
@@ -82,6 +84,11 @@ int main(int argc, char** argv) {
   flags.Bool("verify-commits", &f.verify_commits,
              "Hash every block at CommitPut and refuse one whose bytes do not match its "
              "checksum (off: trust the writer; readers still verify)");
+  flags.String("admin-token-file", &f.admin_token_file,
+               "File holding the token admin RPCs (SetPolicy, Evict) must present; empty: "
+               "no check");
+  flags.Int("max-leases-per-client", &f.max_leases_per_client, 0, int64_t{1} << 30,
+            "Open put+get leases one client may hold (0: no limit)");
   flags.String("metrics-listen", &f.metrics_listen,
                "Serve Prometheus metrics on HOST:PORT/metrics (empty: off)");
   flags.Bool("check-config", &f.check_config,
@@ -155,6 +162,22 @@ int main(int argc, char** argv) {
   o.lease_ms = f.lease_ms;
   o.routers = routers;
   o.verify_commits = f.verify_commits;
+  o.max_leases_per_client = static_cast<uint64_t>(f.max_leases_per_client);
+  std::string admin_token;
+  if (!f.admin_token_file.empty()) {
+    std::ifstream in(f.admin_token_file);
+    std::getline(in, admin_token);
+    if (!in && admin_token.empty()) {
+      std::fprintf(stderr, "kvtier-store: flag --admin-token-file: cannot read \"%s\"\n",
+                   f.admin_token_file.c_str());
+      return 2;
+    }
+    if (admin_token.empty()) {
+      std::fprintf(stderr, "kvtier-store: flag --admin-token-file: \"%s\" is empty\n",
+                   f.admin_token_file.c_str());
+      return 2;
+    }
+  }
   o.store_id = f.store_id.empty() ? "kvtier-store@" + f.listen : f.store_id;
   auto store = kvtier::store::Store::Open(o);
   if (!store.ok()) {
@@ -174,6 +197,7 @@ int main(int argc, char** argv) {
     dataplane = std::move(*dp);
   }
   kvtier::store::StoreService service(store->get(), dataplane.get());
+  service.SetAdminToken(admin_token);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;

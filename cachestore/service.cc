@@ -123,10 +123,11 @@ grpc::Status StoreService::Lookup(grpc::ServerContext*, const v1::LookupRequest*
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status StoreService::BeginPut(grpc::ServerContext*, const v1::BeginPutRequest* req,
+grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPutRequest* req,
                                     v1::BeginPutResponse* resp) {
   RpcTimer t(Histogram("BeginPut"));
-  auto r = store_->BeginPut(req->namespace_id(), Hashes(req->hashes()), req->client_id());
+  auto r = store_->BeginPut(req->namespace_id(), Hashes(req->hashes()),
+                            req->client_id().empty() ? ctx->peer() : req->client_id());
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
@@ -171,10 +172,11 @@ grpc::Status StoreService::AbortPut(grpc::ServerContext*, const v1::AbortPutRequ
   return t.Done(ToGrpc(store_->AbortPut(req->lease_id())));
 }
 
-grpc::Status StoreService::BeginGet(grpc::ServerContext*, const v1::BeginGetRequest* req,
+grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGetRequest* req,
                                     v1::BeginGetResponse* resp) {
   RpcTimer t(Histogram("BeginGet"));
-  auto r = store_->BeginGet(req->namespace_id(), Hashes(req->hashes()), req->client_id());
+  auto r = store_->BeginGet(req->namespace_id(), Hashes(req->hashes()),
+                            req->client_id().empty() ? ctx->peer() : req->client_id());
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
@@ -250,9 +252,27 @@ grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBloc
   return t.Done(ToGrpc(s));
 }
 
-grpc::Status StoreService::Evict(grpc::ServerContext*, const v1::EvictRequest* req,
+grpc::Status StoreService::CheckAdmin(grpc::ServerContext* ctx, const char* rpc) const {
+  if (admin_token_.empty()) return grpc::Status::OK;
+  auto it = ctx->client_metadata().find("x-kvtier-admin-token");
+  bool ok = it != ctx->client_metadata().end() && it->second.size() == admin_token_.size();
+  // Compare every byte (no early exit on the first difference).
+  unsigned diff = ok ? 0 : 1;
+  if (ok) {
+    for (size_t i = 0; i < admin_token_.size(); ++i) diff |= it->second.data()[i] ^ admin_token_[i];
+  }
+  if (diff != 0) {
+    return grpc::Status(grpc::PERMISSION_DENIED,
+                        absl::StrCat(rpc, " is an admin RPC: it needs the store's admin token in "
+                                          "x-kvtier-admin-token metadata (kvctl --admin-token-file)"));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreService::Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req,
                                  v1::EvictResponse* resp) {
   RpcTimer t(Histogram("Evict"));
+  if (auto s = CheckAdmin(ctx, "Evict"); !s.ok()) return t.Done(s);
   absl::StatusOr<EvictResult> r;
   switch (req->target_case()) {
     case v1::EvictRequest::kAll:
@@ -321,9 +341,10 @@ grpc::Status StoreService::GetPolicy(grpc::ServerContext*, const v1::GetPolicyRe
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status StoreService::SetPolicy(grpc::ServerContext*, const v1::SetPolicyRequest* req,
+grpc::Status StoreService::SetPolicy(grpc::ServerContext* ctx, const v1::SetPolicyRequest* req,
                                      v1::SetPolicyResponse* resp) {
   RpcTimer t(Histogram("SetPolicy"));
+  if (auto s = CheckAdmin(ctx, "SetPolicy"); !s.ok()) return t.Done(s);
   auto tier = FromProto(req->policy().tier());
   if (!tier.ok()) return t.Done(ToGrpc(tier.status()));
   std::map<std::string, double> params(req->policy().params().begin(),

@@ -18,6 +18,9 @@ class StoreService final : public kvtier::v1::Store::Service {
  public:
   // dataplane may be null (no UCX data plane: inline path only).
   StoreService(Store* store, DataPlaneServer* dataplane);
+  // Admin RPCs (SetPolicy, Evict) then need metadata x-kvtier-admin-token
+  // equal to token; empty: no check.
+  void SetAdminToken(std::string token) { admin_token_ = std::move(token); }
 
   grpc::Status RegisterNamespace(grpc::ServerContext*, const v1::RegisterNamespaceRequest*,
                                  v1::RegisterNamespaceResponse*) override;
@@ -56,8 +59,11 @@ class StoreService final : public kvtier::v1::Store::Service {
  private:
   LatencyHistogram& Histogram(const std::string& rpc) { return *histograms_.at(rpc); }
 
+  grpc::Status CheckAdmin(grpc::ServerContext* ctx, const char* rpc) const;
+
   Store* store_;
   DataPlaneServer* dataplane_;
+  std::string admin_token_;
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
   std::chrono::steady_clock::time_point started_;
   // Bytes handed out for RMA (reserved by BeginPut, pinned by BeginGet).

@@ -194,8 +194,26 @@ uint64_t Store::AddLease(Lease lease) {
   std::lock_guard lk(lease_mu_);
   uint64_t id = next_lease_++;
   (lease.is_put ? put_leases_ : get_leases_)++;
+  leases_by_client_[lease.client]++;
   leases_.emplace(id, std::move(lease));
   return id;
+}
+
+absl::Status Store::CheckClientLimitLocked(const std::string& client) const {
+  if (options_.max_leases_per_client == 0) return absl::OkStatus();
+  auto it = leases_by_client_.find(client);
+  if (it != leases_by_client_.end() && it->second >= options_.max_leases_per_client) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "client \"", client, "\" already holds ", it->second, " open leases (the limit is ",
+        options_.max_leases_per_client, "); commit, end or abort some first"));
+  }
+  return absl::OkStatus();
+}
+
+void Store::ForgetLeaseLocked(const Lease& lease) {
+  (lease.is_put ? put_leases_ : get_leases_)--;
+  auto it = leases_by_client_.find(lease.client);
+  if (it != leases_by_client_.end() && --it->second == 0) leases_by_client_.erase(it);
 }
 
 absl::StatusOr<Store::Lease> Store::TakeLease(uint64_t id, bool is_put) {
@@ -214,7 +232,7 @@ absl::StatusOr<Store::Lease> Store::TakeLease(uint64_t id, bool is_put) {
   }
   Lease l = std::move(it->second);
   leases_.erase(it);
-  (is_put ? put_leases_ : get_leases_)--;
+  ForgetLeaseLocked(l);
   return l;
 }
 
@@ -235,7 +253,7 @@ void Store::ReaperLoop() {
     size_t expired = 0;
     for (auto it = leases_.begin(); it != leases_.end();) {
       if (it->second.deadline <= now) {
-        (it->second.is_put ? put_leases_ : get_leases_)--;
+        ForgetLeaseLocked(it->second);
         Log("store", it->second.is_put ? "put" : "get", " lease ", it->first, " expired; its ",
             it->second.items.size(), " slots are reclaimed after a grace period");
         graveyard_.emplace_back(now + grace, std::move(it->second));
@@ -277,13 +295,14 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
     }
   }
   // The lease id is taken first so the reserved slots name their owner.
-  Lease lease{true, std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.lease_ms),
-              {}};
+  Lease lease{client, true,
+              std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.lease_ms), {}};
   BeginPutResult r;
   r.targets.reserve(hashes.size());
   uint64_t id;
   {
     std::lock_guard lk(lease_mu_);
+    if (auto s = CheckClientLimitLocked(client); !s.ok()) return s;
     id = next_lease_++;
   }
   for (const auto& h : hashes) {
@@ -300,6 +319,7 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
   if (!lease.items.empty()) {
     std::lock_guard lk(lease_mu_);
     put_leases_++;
+    leases_by_client_[lease.client]++;
     leases_.emplace(id, std::move(lease));
     r.lease = id;
   }
@@ -314,6 +334,7 @@ absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uin
     // A malformed commit does not cost the caller its lease.
     std::lock_guard lk(lease_mu_);
     put_leases_++;
+    leases_by_client_[lease->client]++;
     leases_.emplace(lease_id, std::move(*lease));
     return absl::InvalidArgumentError(absl::StrCat("CommitPut of lease ", lease_id, " carries ",
                                                    checksums.size(), " checksums; the lease has ",
@@ -350,8 +371,12 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
                                                const std::string& client) {
   auto info = CheckRequest(ns, hashes);
   if (!info.ok()) return info.status();
-  Lease lease{false, std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.lease_ms),
-              {}};
+  {
+    std::lock_guard lk(lease_mu_);
+    if (auto s = CheckClientLimitLocked(client); !s.ok()) return s;
+  }
+  Lease lease{client, false,
+              std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.lease_ms), {}};
   BeginGetResult r;
   for (const auto& h : hashes) {
     BlockKey k{ns, h};

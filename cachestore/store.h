@@ -41,6 +41,8 @@ struct StoreOptions {
   // bytes). Off: the client's checksum is stored as given and readers catch
   // corruption (they verify every block) -- faster, weaker.
   bool verify_commits = true;
+  // Open leases one client may hold (put and get together); 0: no limit.
+  uint64_t max_leases_per_client = 1024;
   // Routers to publish this shard's blocks to (BlockStored when a block
   // enters the store, BlockRemoved when it leaves both tiers); may be empty.
   std::vector<std::string> routers;
@@ -132,6 +134,7 @@ class Store {
 
  private:
   struct Lease {
+    std::string client;
     bool is_put;
     std::chrono::steady_clock::time_point deadline;
     std::vector<std::pair<BlockKey, Slot>> items;
@@ -140,6 +143,9 @@ class Store {
   Store() = default;
   absl::StatusOr<NamespaceInfo> CheckRequest(uint64_t ns, std::span<const BlockHash> hashes) const;
   uint64_t AddLease(Lease lease);
+  // REQUIRES: lease_mu_ held.
+  absl::Status CheckClientLimitLocked(const std::string& client) const;
+  void ForgetLeaseLocked(const Lease& lease);
   // Removes and returns the lease, or an error naming why it is not there.
   absl::StatusOr<Lease> TakeLease(uint64_t id, bool is_put);
   void ReleaseLease(const Lease& lease);
@@ -162,6 +168,7 @@ class Store {
   std::vector<std::pair<std::chrono::steady_clock::time_point, Lease>> graveyard_;
   uint64_t next_lease_ = 1;
   uint64_t put_leases_ = 0, get_leases_ = 0;
+  std::unordered_map<std::string, uint64_t> leases_by_client_;
   std::atomic<uint64_t> leases_expired_{0};
   std::atomic<uint64_t> commit_checksum_failures_{0};
   bool stop_ = false;

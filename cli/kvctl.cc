@@ -51,7 +51,12 @@ struct Common {
   std::string router = EnvOr("KVTIER_ROUTER", "127.0.0.1:7500");
   bool json = false;
   uint64_t timeout_ms = 5000;
+  std::string admin_token_file;
   void Register(FlagSet& f, bool store, bool router_flag) {
+    if (store) {
+      f.String("admin-token-file", &admin_token_file,
+               "File with the store's admin token (policy set, evict) [env KVTIER_ADMIN_TOKEN]");
+    }
     if (store) {
       f.String("store", &stores,
                "Store shard address(es), comma-separated [env KVTIER_STORE]");
@@ -68,6 +73,11 @@ struct Common {
   StoreClientOptions ClientOptions() const {
     StoreClientOptions o;
     o.deadline_ms = static_cast<int>(timeout_ms);
+    o.admin_token = EnvOr("KVTIER_ADMIN_TOKEN", "");
+    if (!admin_token_file.empty()) {
+      std::ifstream in(admin_token_file);
+      std::getline(in, o.admin_token);
+    }
     return o;
   }
 };

@@ -31,6 +31,7 @@ std::unique_ptr<grpc::ClientContext> StoreClient::Context() const {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(options_.deadline_ms));
+  if (!options_.admin_token.empty()) ctx->AddMetadata("x-kvtier-admin-token", options_.admin_token);
   return ctx;
 }
 

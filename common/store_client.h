@@ -20,6 +20,7 @@ namespace kvtier {
 struct StoreClientOptions {
   int deadline_ms = 10000;
   int max_message_bytes = 64 << 20;
+  std::string admin_token;  // sent as x-kvtier-admin-token (needed by SetPolicy, Evict)
 };
 
 struct RegisteredNamespace {

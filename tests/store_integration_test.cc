@@ -383,6 +383,68 @@ TEST(StoreIntegration, MemoryStaysWithinTheRamBoundPlusDocumentedOverhead) {
   std::fprintf(stderr, "peak RSS %lu MiB\n", peak >> 20);
 }
 
+TEST(StoreIntegration, AdminRpcsNeedTheAdminToken) {
+  testing::TempDir dir;
+  std::ofstream(dir.sub("token")) << "s3cret-token\n";
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=4MiB", "--admin-token-file=" + dir.sub("token")});
+  StoreClient plain(store.address());
+  auto ns = plain.RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok());  // data-path RPCs need no token
+  auto denied = plain.SetPolicy(v1::TIER_RAM, "lru");
+  EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(denied.status().message().find("admin token"), std::string::npos);
+  v1::EvictRequest all;
+  all.set_all(true);
+  EXPECT_EQ(plain.Evict(all).status().code(), absl::StatusCode::kPermissionDenied);
+  StoreClientOptions wrong;
+  wrong.admin_token = "s3cret-tokem";
+  EXPECT_EQ(StoreClient(store.address(), wrong).SetPolicy(v1::TIER_RAM, "lru").status().code(),
+            absl::StatusCode::kPermissionDenied);
+  StoreClientOptions admin;
+  admin.admin_token = "s3cret-token";
+  StoreClient op(store.address(), admin);
+  EXPECT_TRUE(op.SetPolicy(v1::TIER_RAM, "lru").ok());
+  EXPECT_TRUE(op.Evict(all).ok());
+}
+
+TEST(StoreIntegration, OneClientCannotHoldEveryLease) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=4MiB", "--max-leases-per-client=2"});
+  StoreClient c(store.address());
+  auto ns = c.RegisterNamespace(Spec());
+  auto begin = [&](const std::string& client, uint64_t n, v1::BeginPutResponse* resp) {
+    v1::BeginPutRequest req;
+    req.set_namespace_id(ns->id);
+    req.set_client_id(client);
+    ToProto(H(n), req.add_hashes());
+    return c.stub().BeginPut(c.Context().get(), req, resp);
+  };
+  v1::BeginPutResponse a, b, d, e;
+  ASSERT_TRUE(begin("greedy", 1, &a).ok());
+  ASSERT_TRUE(begin("greedy", 2, &b).ok());
+  grpc::Status third = begin("greedy", 3, &d);
+  EXPECT_EQ(third.error_code(), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_NE(third.error_message().find("greedy"), std::string::npos) << third.error_message();
+  EXPECT_TRUE(begin("polite", 4, &e).ok());  // others are not affected
+  v1::AbortPutRequest abort;
+  abort.set_lease_id(a.lease_id());
+  v1::AbortPutResponse ar;
+  ASSERT_TRUE(c.stub().AbortPut(c.Context().get(), abort, &ar).ok());
+  EXPECT_TRUE(begin("greedy", 3, &d).ok());
+}
+
+TEST(StoreIntegration, OversizedMessagesAreRefusedAndTheStoreKeepsServing) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=4MiB", "--max-message-bytes=256KiB"});
+  StoreClient c(store.address());
+  auto ns = c.RegisterNamespace(Spec());
+  std::string big(1 << 20, 'x');
+  auto r = c.PutInline(ns->id, {{H(1), big}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  auto data = Data(0, 1);
+  EXPECT_TRUE(c.PutInline(ns->id, Blocks(data, 0)).ok());
+}
+
 TEST(StoreIntegration, SigtermStopsCleanly) {
   testing::TempDir dir;
   StoreProcess store(dir.sub("db"), {"--ram-bytes=4MiB"});

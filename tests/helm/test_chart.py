@@ -172,6 +172,7 @@ def main():
     v["store"]["hostNetwork"] = True
     v["store"]["ucxTls"] = "rc,ud,sm"
     v["exampleWorker"]["enabled"] = True
+    v["store"]["adminTokenSecret"] = "kvtier-admin"
     jsonschema.validate(v, schema)
     objs = objects(render(v))
     check(find(objs, "ServiceMonitor", "kv") is not None, "ServiceMonitor behind its flag")
@@ -184,6 +185,9 @@ def main():
     check(pod.get("hostNetwork") is True, "host networking for UCX")
     check({"name": "UCX_TLS", "value": "rc,ud,sm"} in c["env"], "UCX_TLS from values")
     check("--hugepages=true" in c["args"], "store told to use hugepages")
+    check("--admin-token-file=/etc/kvtier/admin/token" in c["args"] and
+          any(vol.get("secret", {}).get("secretName") == "kvtier-admin" for vol in pod["volumes"]),
+          "admin token mounted from its Secret and passed to the store")
     worker = find(objs, "Pod", "example-worker")
     env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
     check(env.get("KVTIER_STORE") == "kv-store-0.kv-store-headless:7400,kv-store-1.kv-store-headless:7400",

@@ -8,7 +8,7 @@ BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all setup build test demo bench clean
+.PHONY: all setup build test demo bench fuzz asan tsan clean
 
 all: build
 
@@ -33,6 +33,17 @@ bench: build
 	$(BUILD_DIR)/bench/kvtier-bench dataplane
 	$(BUILD_DIR)/bench/kvtier-bench worker
 	$(BUILD_DIR)/bench/kvtier-bench router
+
+# Each libFuzzer target for FUZZ_SECONDS (clang, ASan + UBSan).
+FUZZ_SECONDS ?= 30
+fuzz: setup
+	bash scripts/fuzz.sh $(FUZZ_SECONDS)
+
+# The test suite under AddressSanitizer / ThreadSanitizer.
+asan: setup
+	bash scripts/sanitize.sh address
+tsan: setup
+	bash scripts/sanitize.sh thread
 
 clean:
 	rm -rf $(BUILD_DIR)

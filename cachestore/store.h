@@ -47,7 +47,8 @@ struct StoreOptions {
   // enters the store, BlockRemoved when it leaves both tiers); may be empty.
   std::vector<std::string> routers;
   std::string store_id = "kvtier-store";
-  uint64_t heartbeat_ms = 1000;
+  // Well under any sensible router heartbeat deadline (1 s and up).
+  uint64_t heartbeat_ms = 250;
 };
 
 struct NamespaceInfo {

@@ -215,7 +215,11 @@ TEST(StoreIntegration, LeaseExpiresOverTheWire) {
   EXPECT_EQ(resp.targets(0).length(), kBlock);
   EXPECT_EQ(resp.lease_ms(), 200u);
   EXPECT_EQ(c.GetStats()->put_leases(), 1u);
-  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  // Expiry after 200 ms, slots free one lease period later.
+  ASSERT_TRUE(testing::WaitFor([&] {
+    auto s = c.GetStats();
+    return s.ok() && s->tiers(0).used_bytes() == 0;
+  }, std::chrono::seconds(10)));
   auto stats = c.GetStats();
   EXPECT_EQ(stats->put_leases(), 0u);
   EXPECT_EQ(stats->leases_expired(), 1u);

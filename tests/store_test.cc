@@ -135,7 +135,8 @@ TEST_F(StoreTest, ExpiredPutLeaseIsReclaimedAndItsCommitRefused) {
   auto r = store_->BeginPut(ns_, hs, "dead-writer");
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(store_->Stats().ram.used_bytes, 2 * kBlock);
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  ASSERT_TRUE(testing::WaitFor([&] { return store_->Stats().ram.used_bytes == 0; },
+                               std::chrono::seconds(10)));
   auto st = store_->Stats();
   EXPECT_EQ(st.ram.used_bytes, 0u);
   EXPECT_EQ(st.put_leases, 0u);
@@ -158,8 +159,13 @@ TEST_F(StoreTest, ExpiredGetLeaseUnpins) {
   // Everything is pinned: a new block finds no room.
   auto r = store_->BeginPut(ns_, std::vector<BlockHash>{H(10)}, "t");
   EXPECT_EQ(r->targets[0].placement, Placement::kNoSpace);
-  std::this_thread::sleep_for(std::chrono::milliseconds(400));
-  r = store_->BeginPut(ns_, std::vector<BlockHash>{H(10)}, "t");
+  ASSERT_TRUE(testing::WaitFor([&] { return store_->Stats().get_leases == 0; },
+                               std::chrono::seconds(10)));
+  // Pins drop one lease period after expiry.
+  ASSERT_TRUE(testing::WaitFor([&] {
+    r = store_->BeginPut(ns_, std::vector<BlockHash>{H(10)}, "t");
+    return r->targets[0].placement == Placement::kReserved;
+  }, std::chrono::seconds(10)));
   EXPECT_EQ(r->targets[0].placement, Placement::kReserved);
   EXPECT_EQ(store_->EndGet(g->lease).code(), absl::StatusCode::kFailedPrecondition);
 }

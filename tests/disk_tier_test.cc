@@ -117,12 +117,13 @@ TEST(DiskTier, CorruptRecordIsRejectedAndRemoved) {
     ASSERT_TRUE(rocksdb::DB::Open(o, dir.path(), cfs, &h, &db).ok());
     std::string key(24, '\0');
     for (int b = 0; b < 8; ++b) {
-      key[7 - b] = static_cast<char>(1 >> (8 * b));
+      key[7 - b] = static_cast<char>(uint64_t{1} >> (8 * b));
       key[15 - b] = static_cast<char>(uint64_t{1} >> (8 * b));
       key[23 - b] = static_cast<char>(~uint64_t{1} >> (8 * b));
     }
     std::string value;
-    ASSERT_TRUE(db->Get({}, h[1], key, &value).ok());
+    auto got = db->Get({}, h[1], key, &value);
+    ASSERT_TRUE(got.ok()) << got.ToString();
     value[kRecordHeaderBytes + 100] ^= 1;
     ASSERT_TRUE(db->Put({}, h[1], key, value).ok());
     for (auto* c : h) db->DestroyColumnFamilyHandle(c);

@@ -364,6 +364,10 @@ uint64_t RssBytes(pid_t pid) {
 // docs/architecture.md: RSS <= --ram-bytes + --demote-queue-bytes + 96 MiB
 // (RocksDB memtables and caches, gRPC buffers, the per-block index).
 TEST(StoreIntegration, MemoryStaysWithinTheRamBoundPlusDocumentedOverhead) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizer shadow memory and quarantine inflate RSS; the bound is checked in "
+                  "normal builds";
+#endif
   testing::TempDir dir;
   const uint64_t ram = 64ull << 20, queue = 16ull << 20;
   StoreProcess store(dir.sub("db"), {"--ram-bytes=64MiB", "--demote-queue-bytes=16MiB"});

@@ -8,7 +8,7 @@ BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all setup build test demo bench fuzz asan tsan clean
+.PHONY: all setup build test demo bench fuzz asan tsan soak clean
 
 all: build
 
@@ -38,6 +38,10 @@ bench: build
 FUZZ_SECONDS ?= 30
 fuzz: setup
 	bash scripts/fuzz.sh $(FUZZ_SECONDS)
+
+# The 10-minute soak (make test runs its 60-second version).
+soak: build
+	cd $(BUILD_DIR) && KVTIER_SOAK_SECONDS=600 ctest --output-on-failure -L soak --timeout 900
 
 # The test suite under AddressSanitizer / ThreadSanitizer.
 asan: setup

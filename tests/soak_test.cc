@@ -1,0 +1,167 @@
+// A bounded soak: writers and readers on overlapping keys over the UCX data
+// plane, eviction and demotion under pressure, policy switches, for
+// KVTIER_SOAK_SECONDS (default 60; `make soak` runs 600). Asserts: zero
+// mismatches and checksum failures, RSS within the documented bound, no
+// growth in open file descriptors or UCX endpoints, get p99 within 500 ms.
+#include <dirent.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "common/store_data_client.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::ServerProcess;
+
+NamespaceSpec Spec() { return NamespaceSpec{"soak", "fp16", 1, 1, 32, 512, 0, 1, ""}; }
+constexpr uint64_t kBlock = 64 << 10;
+constexpr uint64_t kKeys = 4096;  // 256 MiB of distinct blocks through 32 MiB of RAM
+BlockHash H(uint64_t k) { return BlockHash{0x50A4 + k, k}; }
+
+size_t OpenFds(pid_t pid) {
+  size_t n = 0;
+  DIR* d = opendir(("/proc/" + std::to_string(pid) + "/fd").c_str());
+  if (!d) return 0;
+  while (readdir(d)) ++n;
+  closedir(d);
+  return n;
+}
+
+uint64_t Rss(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string k;
+  while (in >> k) {
+    if (k == "VmRSS:") {
+      uint64_t kb;
+      in >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
+  const char* env = std::getenv("KVTIER_SOAK_SECONDS");
+  const int seconds = env ? std::atoi(env) : 60;
+  setenv("UCX_TLS", "tcp", 1);
+  testing::TempDir dir;
+  const uint64_t ram = 32ull << 20, queue = 32ull << 20;
+  ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"),
+                      {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                       "--data-dir=" + dir.sub("db"), "--hugepages=false", "--ram-bytes=32MiB",
+                       "--disk-bytes=128MiB", "--demote-queue-bytes=32MiB", "--lease-ms=2s"});
+  ASSERT_GT(store.port(), 0) << store.Log();
+  DataClientOptions o;
+  o.shared_memory = DataClientOptions::SharedMemory::kOff;
+  StoreDataClient c(store.address(), o);
+  StoreClientOptions admin;
+  StoreClient control(store.address(), admin);
+  auto ns = c.control().RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok());
+
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> puts{0}, gets{0}, hits{0}, mismatches{0}, errors{0}, switches{0};
+  std::mutex lat_mu;
+  std::vector<double> get_ms;
+  auto content = [](uint64_t k) { return testing::BlockBytesFor(k, kBlock); };
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 2; ++w) {
+    threads.emplace_back([&, w] {
+      std::mt19937_64 rng(w + 1);
+      std::vector<uint8_t> buf(8 * kBlock);
+      while (!stop) {
+        std::vector<PutBlock> blocks;
+        std::vector<uint64_t> keys;
+        for (int i = 0; i < 8; ++i) {
+          uint64_t k = rng() % kKeys;  // writers overlap: same key, same bytes
+          if (std::find(keys.begin(), keys.end(), k) != keys.end()) continue;
+          keys.push_back(k);
+          std::string b = content(k);
+          std::memcpy(buf.data() + blocks.size() * kBlock, b.data(), kBlock);
+          blocks.push_back({H(k), buf.data() + blocks.size() * kBlock});
+        }
+        auto r = c.Put(ns->id, kBlock, blocks).get();
+        r.ok() ? puts++ : errors++;
+      }
+    });
+  }
+  for (int rd = 0; rd < 2; ++rd) {
+    threads.emplace_back([&, rd] {
+      std::mt19937_64 rng(100 + rd);
+      std::vector<uint8_t> buf(kBlock);
+      while (!stop) {
+        uint64_t k = rng() % kKeys;
+        auto t = std::chrono::steady_clock::now();
+        auto g = c.Get(ns->id, kBlock, {{H(k), buf.data()}}).get();
+        double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+        if (!g.ok()) {
+          errors++;
+          continue;
+        }
+        gets++;
+        {
+          std::lock_guard lk(lat_mu);
+          get_ms.push_back(ms);
+        }
+        if (g->blocks == 1) {
+          hits++;
+          if (std::memcmp(buf.data(), content(k).data(), kBlock) != 0) mismatches++;
+        }
+      }
+    });
+  }
+  threads.emplace_back([&] {
+    const char* policies[] = {"lru", "s3fifo", "sieve"};
+    for (int i = 0; !stop; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      if (control.SetPolicy(i % 2 ? v1::TIER_DISK : v1::TIER_RAM, policies[i % 3]).ok()) switches++;
+    }
+  });
+  // Baselines after warm-up, then run to the end.
+  std::this_thread::sleep_for(std::chrono::seconds(std::min(10, seconds / 3)));
+  const size_t fds0 = OpenFds(store.proc().pid());
+  uint64_t peak_rss = 0;
+  auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds - std::min(10, seconds / 3));
+  while (std::chrono::steady_clock::now() < end) {
+    peak_rss = std::max(peak_rss, Rss(store.proc().pid()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  stop = true;
+  for (auto& t : threads) t.join();
+  const size_t fds1 = OpenFds(store.proc().pid());
+  auto st = control.GetStats();
+  ASSERT_TRUE(st.ok());
+  std::sort(get_ms.begin(), get_ms.end());
+  double p99 = get_ms.empty() ? 0 : get_ms[get_ms.size() * 99 / 100];
+  std::fprintf(stderr,
+               "soak %ds: %lu puts, %lu gets (%lu hits), %lu errors, %lu policy switches, get p99 "
+               "%.1f ms, peak RSS %lu MiB, fds %zu -> %zu, RAM evictions %lu, demotions %lu, "
+               "disk evictions %lu\n",
+               seconds, puts.load(), gets.load(), hits.load(), errors.load(), switches.load(), p99,
+               peak_rss >> 20, fds0, fds1, st->tiers(0).evictions(), st->tiers(0).demotions(),
+               st->tiers(1).evictions());
+  EXPECT_EQ(mismatches.load(), 0u);
+  EXPECT_EQ(st->checksum_failures(), 0u);
+  EXPECT_EQ(errors.load(), 0u);
+  EXPECT_GT(puts.load(), 50u);
+  EXPECT_GT(hits.load(), 50u);
+  EXPECT_GT(st->tiers(0).evictions(), 0u) << "no pressure: the soak did not evict";
+  EXPECT_GT(switches.load(), 3u);
+  EXPECT_LE(fds1, fds0 + 16) << "file descriptors grew";
+  EXPECT_LE(st->put_leases() + st->get_leases(), 0u);
+  EXPECT_LT(p99, 500.0);
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  EXPECT_LE(peak_rss, ram + queue + (96ull << 20)) << "peak RSS " << (peak_rss >> 20) << " MiB";
+#endif
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/pattern.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 
@@ -27,17 +28,7 @@ absl::StatusOr<NamespaceSpec> SpecForBlockBytes(uint64_t block_bytes, const std:
 }
 
 void FillBlock(uint64_t ns, const BlockHash& hash, uint8_t* out, size_t len) {
-  // xorshift64*, seeded by the key: fast and different for every block.
-  uint64_t x = (hash.hi ^ (hash.lo * 0x9E3779B97F4A7C15ull) ^ ns) | 1;
-  size_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    uint64_t v = x * 0x2545F4914F6CDD1Dull;
-    std::memcpy(out + i, &v, 8);
-  }
-  for (; i < len; ++i) out[i] = static_cast<uint8_t>(x >> (i % 8));
+  FillPattern(hash.hi ^ (hash.lo * 0x9E3779B97F4A7C15ull) ^ ns, out, len);
 }
 
 std::string BlockContent(uint64_t ns, const BlockHash& hash, size_t len) {

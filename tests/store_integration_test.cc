@@ -265,56 +265,42 @@ TEST(StoreIntegration, BadRequestsGetClearStatusesAndTheStoreKeepsServing) {
   EXPECT_EQ(c.stub().RegisterNamespace(c.Context().get(), reg, &regr).error_code(),
             grpc::INVALID_ARGUMENT);
 
-  // A malformed (not protobuf) message to a real method.
+  // Raw bytes to a real method, bypassing the client's serialisation.
   auto channel = grpc::CreateChannel(store.address(), grpc::InsecureChannelCredentials());
   grpc::GenericStub generic(channel);
-  const char junk[] = "\xff\xff\xff\xff\x0f garbage";
-  grpc::Slice slice(junk, sizeof(junk));
-  grpc::ByteBuffer request(&slice, 1), response;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  grpc::Status generic_status;
-  generic.UnaryCall(&ctx, "/kvtier.v1.Store/Lookup", {}, &request, &response,
-                    [&](grpc::Status s) {
-                      std::lock_guard lk(mu);
-                      generic_status = s;
-                      done = true;
-                      cv.notify_one();
-                    });
-  {
+  auto raw_lookup = [&](const std::string& bytes) {
+    grpc::Slice slice(bytes.data(), bytes.size());
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    grpc::Status status;
+    generic.UnaryCall(&ctx, "/kvtier.v1.Store/Lookup", {}, &request, &response,
+                      [&](grpc::Status s) {
+                        std::lock_guard lk(mu);
+                        status = s;
+                        done = true;
+                        cv.notify_one();
+                      });
     std::unique_lock lk(mu);
     cv.wait(lk, [&] { return done; });
-  }
-  EXPECT_EQ(generic_status.error_code(), grpc::INVALID_ARGUMENT);
-  EXPECT_NE(generic_status.error_message().find("/kvtier.v1.Store/Lookup"), std::string::npos)
-      << generic_status.error_message();
-
+    return status;
+  };
+  // A malformed (not protobuf) message.
+  grpc::Status malformed = raw_lookup(std::string("\xff\xff\xff\xff\x0f garbage", 14));
+  EXPECT_EQ(malformed.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(malformed.error_message().find("/kvtier.v1.Store/Lookup"), std::string::npos)
+      << malformed.error_message();
   // A valid request cut short in the middle of a field.
   v1::LookupRequest whole;
   whole.set_namespace_id(ns->id);
   ToProto(H(1), whole.add_hashes());
   std::string bytes = whole.SerializeAsString();
   bytes.resize(bytes.size() - 5);
-  grpc::Slice cut(bytes.data(), bytes.size());
-  grpc::ByteBuffer truncated(&cut, 1);
-  grpc::ClientContext ctx2;
-  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  done = false;
-  generic.UnaryCall(&ctx2, "/kvtier.v1.Store/Lookup", {}, &truncated, &response,
-                    [&](grpc::Status s) {
-                      std::lock_guard lk(mu);
-                      generic_status = s;
-                      done = true;
-                      cv.notify_one();
-                    });
-  {
-    std::unique_lock lk(mu);
-    cv.wait(lk, [&] { return done; });
-  }
-  EXPECT_EQ(generic_status.error_code(), grpc::INVALID_ARGUMENT) << generic_status.error_message();
+  grpc::Status truncated = raw_lookup(bytes);
+  EXPECT_EQ(truncated.error_code(), grpc::INVALID_ARGUMENT) << truncated.error_message();
 
   // Still serving, nothing lost.
   auto got = c.GetInline(ns->id, Chain(0, 3));

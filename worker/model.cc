@@ -1,22 +1,16 @@
 #include "worker/model.h"
 
+#include "common/pattern.h"
+
 #include <cstring>
 #include <vector>
 
 namespace kvtier::worker {
 
 void ModelChunk(uint64_t ns, const BlockHash& hash, uint32_t layer, uint8_t* out, uint64_t len) {
-  uint64_t x = (hash.hi ^ (hash.lo * 0x9E3779B97F4A7C15ull) ^ ns ^
-                (uint64_t{layer} + 1) * 0xC2B2AE3D27D4EB4Full) | 1;
-  uint64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    uint64_t v = x * 0x2545F4914F6CDD1Dull;
-    std::memcpy(out + i, &v, 8);
-  }
-  for (; i < len; ++i) out[i] = static_cast<uint8_t>(x >> (8 * (i % 8)));
+  FillPattern(hash.hi ^ (hash.lo * 0x9E3779B97F4A7C15ull) ^ ns ^
+                  (uint64_t{layer} + 1) * 0xC2B2AE3D27D4EB4Full,
+              out, len);
 }
 
 void ComputeIntoPage(const gpu::KvLayout& l, uint8_t* const* bases, uint32_t page, uint64_t ns,

@@ -3,6 +3,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 
+#include <atomic>
 #include <cstdio>
 #include <fstream>
 #include <thread>
@@ -232,7 +233,25 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   kvtier::WritePortFile(f.port_file, port);
 
+  // Health: "" and kvtier.v1.Store stay SERVING while the process serves;
+  // "kvtier.v1.Store/disk" follows the NVMe tier (NOT_SERVING while degraded).
+  std::atomic<bool> stop_health{false};
+  std::thread health([&] {
+    auto* hc = server->GetHealthCheckService();
+    bool last = true;
+    hc->SetServingStatus("kvtier.v1.Store/disk", true);
+    while (!stop_health) {
+      bool ok = !(*store)->disk().Snapshot().degraded;
+      if (ok != last) {
+        hc->SetServingStatus("kvtier.v1.Store/disk", ok);
+        last = ok;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
   kvtier::ServeUntilSignalled(server.get(), "store");
+  stop_health = true;
+  health.join();
   metrics.reset();
   dataplane.reset();
   store->reset();  // drains the write-back queue

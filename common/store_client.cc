@@ -133,9 +133,10 @@ absl::StatusOr<v1::TierPolicy> StoreClient::SetPolicy(v1::Tier tier, const std::
   return resp.policy();
 }
 
-absl::Status StoreClient::Health() {
+absl::Status StoreClient::Health(const std::string& service) {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;
   auto ctx = Context();
   if (auto st = health->Check(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);

@@ -55,8 +55,9 @@ class StoreClient {
   absl::StatusOr<v1::GetStatsResponse> GetStats();
   absl::StatusOr<v1::EvictResponse> Evict(const v1::EvictRequest& request);
   absl::StatusOr<v1::TierPolicy> SetPolicy(v1::Tier tier, const std::string& policy);
-  // SERVING, or the error.
-  absl::Status Health();
+  // SERVING, or the error. service "" is the whole server;
+  // "kvtier.v1.Store/disk" is the NVMe tier.
+  absl::Status Health(const std::string& service = "");
 
   v1::Store::Stub& stub() { return *stub_; }
   // A context with this client's deadline.

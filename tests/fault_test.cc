@@ -9,7 +9,10 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <filesystem>
+#include <random>
 
+#include "common/store_client.h"
 #include "common/store_data_client.h"
 #include "tests/test_util.h"
 

@@ -83,6 +83,9 @@ TEST(StoreIntegration, InlineRoundTripIsByteExact) {
   StoreProcess store(dir.sub("db"), {"--ram-bytes=16MiB"});
   StoreClient c(store.address());
   ASSERT_TRUE(c.Health().ok());
+  // The NVMe tier has a health entry of its own (NOT_SERVING while degraded).
+  ASSERT_TRUE(testing::WaitFor([&] { return c.Health("kvtier.v1.Store/disk").ok(); }));
+  EXPECT_FALSE(c.Health("no.such.Service").ok());
   auto ns = c.RegisterNamespace(Spec());
   ASSERT_TRUE(ns.ok()) << ns.status();
   EXPECT_EQ(ns->block_bytes, kBlock);

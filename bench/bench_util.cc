@@ -56,6 +56,9 @@ absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(
   std::vector<std::string> args = {"--listen=127.0.0.1:0", "--port-file=" + port_file};
   args.insert(args.end(), flags.begin(), flags.end());
   std::unique_ptr<LocalServer> s(new LocalServer());
+  s->binary_ = binary;
+  s->scratch_ = scratch;
+  s->args_ = args;
   s->proc_ = std::make_unique<Process>(binary, args, scratch + ".log");
   int port = WaitForPortFile(port_file, std::chrono::seconds(30));
   if (port == 0) {
@@ -64,6 +67,20 @@ absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(
   }
   s->address_ = absl::StrCat("127.0.0.1:", port);
   return s;
+}
+
+absl::Status LocalServer::Restart() {
+  proc_->Kill(SIGKILL);
+  std::string port_file = scratch_ + ".port";
+  std::remove(port_file.c_str());
+  // Same port as before: the address clients hold stays right.
+  std::vector<std::string> args = args_;
+  args.push_back("--listen=" + address_);
+  proc_ = std::make_unique<Process>(binary_, args, scratch_ + ".log");
+  if (WaitForPortFile(port_file, std::chrono::seconds(30)) == 0) {
+    return absl::UnavailableError(absl::StrCat(binary_, " did not restart; see ", scratch_, ".log"));
+  }
+  return absl::OkStatus();
 }
 
 LocalServer::~LocalServer() {

@@ -43,10 +43,13 @@ class LocalServer {
                                                            const std::vector<std::string>& flags);
   ~LocalServer();
   const std::string& address() const { return address_; }
+  // kill -9 and start again with the same flags on the same port.
+  absl::Status Restart();
 
  private:
   std::unique_ptr<Process> proc_;
-  std::string address_;
+  std::string address_, binary_, scratch_;
+  std::vector<std::string> args_;
 };
 
 // A kvtier-store on 127.0.0.1:0 with its own data dir; stopped on destruction.

@@ -53,6 +53,8 @@ struct Options {
   std::string modes = "round-robin,round-robin+store,kv-aware,kvtier";
   std::string plot;
   bool json = false, progress = true;
+  int64_t restart_router_at = 0;  // kill -9 and restart the router after this many requests
+  bool restart_control = false;   // measure the same windows without restarting
   std::string bin_dir;
 };
 
@@ -62,6 +64,8 @@ struct ModeResult {
            store_disk = 0, verified = 0, mismatched = 0, load_failures = 0, offloaded_blocks = 0;
   std::vector<double> ttft;
   std::vector<uint64_t> work;  // prefill tokens per worker
+  std::vector<std::pair<uint64_t, uint64_t>> per_request;  // (gpu hit tokens, prompt tokens) by index
+  int64_t restarted_at = -1;
   double seconds = 0, onboard_ms = 0;
   uint64_t onboarded_bytes = 0;
   double Frac(uint64_t x) const { return prompt_tokens ? double(x) / prompt_tokens : 0; }
@@ -165,6 +169,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   ModeResult res;
   res.name = mode;
   res.work.assign(o.workers, 0);
+  res.per_request.assign(trace.size(), {0, 0});
   std::mutex mu;
   std::atomic<size_t> next{0}, done{0};
   absl::Status failure = absl::OkStatus();
@@ -229,6 +234,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.load_failures += !resp.load_status().empty();
       res.ttft.push_back(resp.ttft_ms());
       res.work[w] += resp.prefill_tokens();
+      res.per_request[i] = {resp.gpu_hit_tokens(), resp.prompt_tokens()};
       res.onboard_ms += resp.onboard_ms();
       res.onboarded_bytes += uint64_t{resp.verified_blocks()} * o.block_bytes;
       size_t d = ++done;
@@ -237,6 +243,20 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   };
   std::vector<std::thread> threads;
   for (int64_t t = 0; t < o.concurrency; ++t) threads.emplace_back(run);
+  if (router && o.restart_router_at > 0 && static_cast<size_t>(o.restart_router_at) < trace.size()) {
+    // The router dies and comes back on the same port mid-replay; workers
+    // reconnect by themselves and answer its snapshot requests.
+    while (done < static_cast<size_t>(o.restart_router_at) && !g_interrupted) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    res.restarted_at = static_cast<int64_t>(next.load());
+    if (o.restart_control) {
+      // Control run: the same windows, no restart.
+    } else if (auto s = router->Restart(); !s.ok()) {
+      std::lock_guard lk(mu);
+      failure = s;
+    }
+  }
   for (auto& t : threads) t.join();
   res.seconds = Seconds(start);
   if (!failure.ok()) return failure;
@@ -318,6 +338,11 @@ int RunReplay(int argc, const char* const* argv) {
   flags.Double("load-weight", &o.load_weight, 0, 1000, "Router: cost per queued token");
   flags.Int("balance-threshold-tokens", &o.balance, 0, int64_t{1} << 40, "Router: balance guard");
   flags.String("modes", &o.modes, "Modes to run, comma-separated");
+  flags.Int("restart-router-at", &o.restart_router_at, 0, 1 << 30,
+            "Kill -9 the router after this many requests and restart it (KV-aware modes); "
+            "reports the GPU-hit ratio of the 1,000 requests before and after");
+  flags.Bool("restart-control", &o.restart_control,
+             "With --restart-router-at: measure the same windows without restarting (control)");
   flags.String("plot", &o.plot, "Write an SVG chart of the comparison to this file");
   flags.Bool("json", &o.json, "Print JSON");
   flags.Bool("progress", &o.progress, "Progress bars on stderr");
@@ -408,6 +433,22 @@ int RunReplay(int argc, const char* const* argv) {
       std::printf("  %s: %s onboarded at %.2f GB/s (time inside onboarding)\n", r.name.c_str(),
                   FormatBytes(r.onboarded_bytes).c_str(), r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9);
     }
+  }
+  for (const auto& r : results) {
+    if (r.restarted_at < 0) continue;
+    auto ratio = [&](int64_t from, int64_t to) {
+      uint64_t hit = 0, all = 0;
+      for (int64_t i = std::max<int64_t>(0, from); i < std::min<int64_t>(to, r.per_request.size()); ++i) {
+        hit += r.per_request[i].first;
+        all += r.per_request[i].second;
+      }
+      return all ? 100.0 * hit / all : 0.0;
+    };
+    std::printf("  %s: %s at request %ld; GPU-hit ratio of the 1,000 requests before %.2f%%, "
+                "after %.2f%%\n",
+                r.name.c_str(), o.restart_control ? "no restart (control)" : "router killed and restarted",
+                r.restarted_at, ratio(r.restarted_at - 1000, r.restarted_at),
+                ratio(r.restarted_at, r.restarted_at + 1000));
   }
   if (!o.plot.empty()) std::printf("chart: %s\n", o.plot.c_str());
   return mismatched == 0 ? 0 : 1;

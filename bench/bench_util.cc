@@ -87,40 +87,6 @@ LocalServer::~LocalServer() {
   if (proc_) proc_->Kill(SIGTERM);
 }
 
-std::string DefaultStoreBinary() {
-  std::error_code ec;
-  auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    auto candidate = self.parent_path().parent_path() / "cachestore" / "kvtier-store";
-    if (std::filesystem::exists(candidate)) return candidate.string();
-    candidate = self.parent_path() / "kvtier-store";
-    if (std::filesystem::exists(candidate)) return candidate.string();
-  }
-  return "kvtier-store";
-}
-
-absl::StatusOr<std::unique_ptr<LocalStore>> LocalStore::Start(
-    const std::string& binary, const std::string& data_dir, const std::vector<std::string>& flags) {
-  std::string port_file = data_dir + ".port";
-  std::remove(port_file.c_str());
-  std::vector<std::string> args = {"--listen=127.0.0.1:0", "--data-dir=" + data_dir,
-                                   "--port-file=" + port_file};
-  args.insert(args.end(), flags.begin(), flags.end());
-  std::unique_ptr<LocalStore> s(new LocalStore());
-  s->proc_ = std::make_unique<Process>(binary, args, data_dir + ".log");
-  int port = WaitForPortFile(port_file, std::chrono::seconds(30));
-  if (port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("kvtier-store (", binary, ") did not start; see ", data_dir, ".log"));
-  }
-  s->address_ = absl::StrCat("127.0.0.1:", port);
-  return s;
-}
-
-LocalStore::~LocalStore() {
-  if (proc_) proc_->Kill(SIGTERM);
-}
-
 absl::StatusOr<std::string> RunCapture(const std::string& command) {
   FILE* p = popen(command.c_str(), "r");
   if (!p) return absl::InternalError(absl::StrCat("cannot run: ", command));
@@ -133,19 +99,6 @@ absl::StatusOr<std::string> RunCapture(const std::string& command) {
     return absl::InternalError(absl::StrCat("command failed (", rc, "): ", command, "\n", out));
   }
   return out;
-}
-
-int FreeLoopbackPort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  int port = ntohs(a.sin_port);
-  close(fd);
-  return port;
 }
 
 absl::StatusOr<std::pair<double, double>> RedisSetGetRps(const std::string& dir,

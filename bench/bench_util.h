@@ -28,8 +28,6 @@ absl::StatusOr<NamespaceSpec> SpecForBlockBytes(uint64_t block_bytes, const std:
 void FillBlock(uint64_t ns, const BlockHash& hash, uint8_t* out, size_t len);
 std::string BlockContent(uint64_t ns, const BlockHash& hash, size_t len);
 
-// kvtier-store next to this binary (build tree) or on PATH.
-std::string DefaultStoreBinary();
 // A kvtier binary in the build tree (../SUBDIR/NAME from this binary), next to
 // this binary, or on PATH.
 std::string DefaultBinary(const std::string& subdir, const std::string& name);
@@ -52,20 +50,6 @@ class LocalServer {
   std::vector<std::string> args_;
 };
 
-// A kvtier-store on 127.0.0.1:0 with its own data dir; stopped on destruction.
-class LocalStore {
- public:
-  static absl::StatusOr<std::unique_ptr<LocalStore>> Start(const std::string& binary,
-                                                          const std::string& data_dir,
-                                                          const std::vector<std::string>& flags);
-  ~LocalStore();
-  const std::string& address() const { return address_; }
-
- private:
-  std::unique_ptr<Process> proc_;
-  std::string address_;
-};
-
 // Starts a redis-server on a free loopback port and runs redis-benchmark
 // SET then GET with values of value_bytes over `keys` keys (-r), `clients`
 // connections and `pipeline` requests per round trip. Returns (SET rps,
@@ -78,8 +62,6 @@ absl::StatusOr<std::pair<double, double>> RedisSetGetRps(const std::string& dir,
 // test is "ucp_put_bw" or "ucp_get"; returns bytes per second.
 absl::StatusOr<double> UcxPerftestBytesPerSec(const std::string& tls, const std::string& test,
                                               uint64_t size, int64_t iterations);
-
-int FreeLoopbackPort();
 
 // Runs a shell command and returns its standard output.
 absl::StatusOr<std::string> RunCapture(const std::string& command);

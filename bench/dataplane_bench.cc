@@ -86,7 +86,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     sizes_flag = "256KiB,1MiB";
     working_set = 48ull << 20;
   }
-  if (store_bin.empty()) store_bin = DefaultStoreBinary();
+  if (store_bin.empty()) store_bin = DefaultBinary("cachestore", "kvtier-store");
   std::vector<uint64_t> sizes = ParseSizes(sizes_flag);
   std::vector<int64_t> batches;
   for (absl::string_view b : absl::StrSplit(batches_flag, ',', absl::SkipEmpty())) {
@@ -115,9 +115,9 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
 
   auto measure = [&](const std::string& path, const std::string& tls) -> int {
     setenv("UCX_TLS", tls.c_str(), 1);
-    auto store = LocalStore::Start(
+    auto store = LocalServer::Start(
         store_bin, dir.sub("store-" + path),
-        {absl::StrCat("--ram-bytes=", ram), absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
+        {"--data-dir=" + dir.sub("store-" + path), absl::StrCat("--ram-bytes=", ram), absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
          "--ucx-listen=127.0.0.1:0", "--hugepages=false", "--ram-policy=lru",
          absl::StrCat("--verify-commits=", verify_commits ? "true" : "false"),
          absl::StrCat("--max-message-bytes=", std::max<uint64_t>(64 << 20, 40 * max_size))});

@@ -85,9 +85,9 @@ absl::StatusOr<StorePhase> RunStore(const Options& o, const std::string& dir, ui
   uint64_t data = o.blocks * o.block_bytes;
   uint64_t slab = std::max<uint64_t>(4 << 20, o.block_bytes);
   ram_bytes = std::max(ram_bytes, 4 * slab);
-  auto store = LocalStore::Start(
+  auto store = LocalServer::Start(
       o.store_bin, dir,
-      {absl::StrCat("--ram-bytes=", ram_bytes), absl::StrCat("--ram-slab-bytes=", slab),
+      {"--data-dir=" + dir, absl::StrCat("--ram-bytes=", ram_bytes), absl::StrCat("--ram-slab-bytes=", slab),
        absl::StrCat("--disk-bytes=", 4 * data + (1 << 30)), "--ram-policy=lru",
        absl::StrCat("--demote-queue-bytes=", 2 * data)});
   if (!store.ok()) return store.status();
@@ -183,7 +183,7 @@ int RunStoreBench(int argc, const char* const* argv) {
   flags.String("store-bin", &o.store_bin, "kvtier-store binary [default: next to this one]");
   ParseFlagsOrExit(flags, argc, argv);
   if (o.quick) o.blocks = std::min<int64_t>(o.blocks, 500);
-  if (o.store_bin.empty()) o.store_bin = DefaultStoreBinary();
+  if (o.store_bin.empty()) o.store_bin = DefaultBinary("cachestore", "kvtier-store");
   if (auto s = SpecForBlockBytes(o.block_bytes, "x"); !s.ok()) {
     std::fprintf(stderr, "kvtier-bench store: flag --block-bytes: %s\n",
                  std::string(s.status().message()).c_str());

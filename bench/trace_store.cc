@@ -60,7 +60,7 @@ int RunTraceStore(int argc, const char* const* argv) {
   flags.Bool("json", &o.json, "Print JSON instead of a table");
   flags.Bool("progress", &o.progress, "Draw a progress bar on stderr");
   ParseFlagsOrExit(flags, argc, argv);
-  if (o.store_bin.empty()) o.store_bin = DefaultStoreBinary();
+  if (o.store_bin.empty()) o.store_bin = DefaultBinary("cachestore", "kvtier-store");
 
   auto trace = ReadTrace(o.trace, static_cast<size_t>(o.limit));
   if (!trace.ok()) {
@@ -79,12 +79,12 @@ int RunTraceStore(int argc, const char* const* argv) {
   }
 
   TempDir dir;
-  std::unique_ptr<LocalStore> local;
+  std::unique_ptr<LocalServer> local;
   std::string address = o.store;
   if (address.empty()) {
-    auto s = LocalStore::Start(
+    auto s = LocalServer::Start(
         o.store_bin, dir.sub("store"),
-        {absl::StrCat("--ram-bytes=", o.ram_bytes), absl::StrCat("--disk-bytes=", o.disk_bytes),
+        {"--data-dir=" + dir.sub("store"), absl::StrCat("--ram-bytes=", o.ram_bytes), absl::StrCat("--disk-bytes=", o.disk_bytes),
          absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, o.block_bytes)),
          "--hugepages=false"});
     if (!s.ok()) {

@@ -53,7 +53,7 @@ int RunWorkerBench(int argc, const char* const* argv) {
     working_set = 32ull << 20;
     sizes_flag = "1MiB";
   }
-  if (store_bin.empty()) store_bin = DefaultStoreBinary();
+  if (store_bin.empty()) store_bin = DefaultBinary("cachestore", "kvtier-store");
   std::vector<uint64_t> sizes;
   for (absl::string_view s : absl::StrSplit(sizes_flag, ',', absl::SkipEmpty())) {
     auto b = ParseBytes(std::string(s));
@@ -67,9 +67,9 @@ int RunWorkerBench(int argc, const char* const* argv) {
   TempDir dir;
   const uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
   setenv("UCX_TLS", "sm,tcp", 0);
-  auto store = LocalStore::Start(
+  auto store = LocalServer::Start(
       store_bin, dir.sub("store"),
-      {absl::StrCat("--ram-bytes=", (2 * sizes.size() + 1) * working_set + 64 * max_size),
+      {"--data-dir=" + dir.sub("store"), absl::StrCat("--ram-bytes=", (2 * sizes.size() + 1) * working_set + 64 * max_size),
        absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
        "--ucx-listen=127.0.0.1:0", "--hugepages=false"});
   if (!store.ok()) {

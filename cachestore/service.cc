@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/proto_convert.h"
 
 namespace kvtier::store {
 
@@ -30,13 +31,13 @@ class RpcTimer {
 std::vector<BlockHash> Hashes(const google::protobuf::RepeatedPtrField<v1::BlockHash>& in) {
   std::vector<BlockHash> out;
   out.reserve(in.size());
-  for (const auto& h : in) out.push_back(BlockHash{h.hi(), h.lo()});
+  for (const auto& h : in) out.push_back(FromProto(h));
   return out;
 }
 
 v1::Tier ToProto(Tier t) { return t == Tier::kRam ? v1::TIER_RAM : v1::TIER_DISK; }
 
-absl::StatusOr<Tier> FromProto(v1::Tier t) {
+absl::StatusOr<Tier> TierFromProto(v1::Tier t) {
   if (t == v1::TIER_RAM) return Tier::kRam;
   if (t == v1::TIER_DISK) return Tier::kDisk;
   return absl::InvalidArgumentError("tier must be TIER_RAM or TIER_DISK");
@@ -82,10 +83,7 @@ grpc::Status StoreService::RegisterNamespace(grpc::ServerContext*,
                                              v1::RegisterNamespaceResponse* resp) {
   RpcTimer t(Histogram("RegisterNamespace"));
   if (!req->has_spec()) return t.Done(grpc::Status(grpc::INVALID_ARGUMENT, "spec is missing"));
-  const auto& p = req->spec();
-  NamespaceSpec spec{p.model(),        p.dtype(),   p.layers(),  p.kv_heads(), p.head_dim(),
-                     p.block_tokens(), p.tp_rank(), p.tp_size(), p.cache_salt()};
-  auto info = store_->RegisterNamespace(spec, req->expected_id());
+  auto info = store_->RegisterNamespace(FromProto(req->spec()), req->expected_id());
   if (!info.ok()) return t.Done(ToGrpc(info.status()));
   resp->set_namespace_id(info->id);
   resp->set_block_bytes(info->block_bytes);
@@ -99,16 +97,7 @@ grpc::Status StoreService::ListNamespaces(grpc::ServerContext*, const v1::ListNa
     auto* n = resp->add_namespaces();
     n->set_namespace_id(info.id);
     n->set_block_bytes(info.block_bytes);
-    auto* s = n->mutable_spec();
-    s->set_model(info.spec.model);
-    s->set_dtype(info.spec.dtype);
-    s->set_layers(info.spec.layers);
-    s->set_kv_heads(info.spec.kv_heads);
-    s->set_head_dim(info.spec.head_dim);
-    s->set_block_tokens(info.spec.block_tokens);
-    s->set_tp_rank(info.spec.tp_rank);
-    s->set_tp_size(info.spec.tp_size);
-    s->set_cache_salt(info.spec.cache_salt);
+    ToProto(info.spec, n->mutable_spec());
   }
   return t.Done(grpc::Status::OK);
 }
@@ -210,7 +199,7 @@ grpc::Status StoreService::PutBlocks(grpc::ServerContext*,
       return t.Done(grpc::Status(grpc::INVALID_ARGUMENT,
                                  absl::StrCat("message ", index, " of the stream has no hash")));
     }
-    auto r = store_->PutInline(req.namespace_id(), BlockHash{req.hash().hi(), req.hash().lo()},
+    auto r = store_->PutInline(req.namespace_id(), FromProto(req.hash()),
                                req.data(), req.checksum());
     if (!r.ok()) {
       // Blocks before this one stay stored; say which message failed.
@@ -287,7 +276,7 @@ grpc::Status StoreService::Evict(grpc::ServerContext* ctx, const v1::EvictReques
     case v1::EvictRequest::kKeys: {
       std::vector<BlockKey> keys;
       for (const auto& k : req->keys().keys()) {
-        keys.push_back(BlockKey{k.namespace_id(), BlockHash{k.hash().hi(), k.hash().lo()}});
+        keys.push_back(BlockKey{k.namespace_id(), FromProto(k.hash())});
       }
       r = store_->EvictKeys(keys);
       break;
@@ -345,7 +334,7 @@ grpc::Status StoreService::SetPolicy(grpc::ServerContext* ctx, const v1::SetPoli
                                      v1::SetPolicyResponse* resp) {
   RpcTimer t(Histogram("SetPolicy"));
   if (auto s = CheckAdmin(ctx, "SetPolicy"); !s.ok()) return t.Done(s);
-  auto tier = FromProto(req->policy().tier());
+  auto tier = TierFromProto(req->policy().tier());
   if (!tier.ok()) return t.Done(ToGrpc(tier.status()));
   std::map<std::string, double> params(req->policy().params().begin(),
                                        req->policy().params().end());

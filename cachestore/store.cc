@@ -8,7 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/checksum.h"
 #include "common/log.h"
-#include "kvtier/v1/common.pb.h"
+#include "common/proto_convert.h"
 
 namespace kvtier::store {
 
@@ -18,23 +18,14 @@ std::string NsName(uint64_t ns) { return absl::StrFormat("%016x", ns); }
 
 std::string SerializeSpec(const NamespaceSpec& s) {
   kvtier::v1::NamespaceSpec p;
-  p.set_model(s.model);
-  p.set_dtype(s.dtype);
-  p.set_layers(s.layers);
-  p.set_kv_heads(s.kv_heads);
-  p.set_head_dim(s.head_dim);
-  p.set_block_tokens(s.block_tokens);
-  p.set_tp_rank(s.tp_rank);
-  p.set_tp_size(s.tp_size);
-  p.set_cache_salt(s.cache_salt);
+  ToProto(s, &p);
   return p.SerializeAsString();
 }
 
 bool ParseSpec(const std::string& bytes, NamespaceSpec* s) {
   kvtier::v1::NamespaceSpec p;
   if (!p.ParseFromString(bytes)) return false;
-  *s = NamespaceSpec{p.model(),        p.dtype(),   p.layers(),  p.kv_heads(), p.head_dim(),
-                     p.block_tokens(), p.tp_rank(), p.tp_size(), p.cache_salt()};
+  *s = FromProto(p);
   return true;
 }
 

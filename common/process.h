@@ -3,7 +3,9 @@
 // destruction if still running), and a TempDir is removed with its contents.
 #pragma once
 
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/prctl.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -102,6 +104,20 @@ class Process {
   bool exited_ = false;
   int status_ = 0;
 };
+
+// A TCP port on 127.0.0.1 that was free a moment ago (for a server that
+// must come back on the same port, or a tool that takes no port 0).
+inline int FreeLoopbackPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
 
 // Waits for a port file written by a server started with --port-file; 0 on timeout.
 inline int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout) {

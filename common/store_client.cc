@@ -9,11 +9,6 @@
 
 namespace kvtier {
 
-void ToProto(const BlockHash& h, v1::BlockHash* out) {
-  out->set_hi(h.hi);
-  out->set_lo(h.lo);
-}
-
 StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
     : options_(options) {
   grpc::ChannelArguments args;
@@ -37,16 +32,7 @@ std::unique_ptr<grpc::ClientContext> StoreClient::Context() const {
 
 absl::StatusOr<RegisteredNamespace> StoreClient::RegisterNamespace(const NamespaceSpec& spec) {
   v1::RegisterNamespaceRequest req;
-  auto* s = req.mutable_spec();
-  s->set_model(spec.model);
-  s->set_dtype(spec.dtype);
-  s->set_layers(spec.layers);
-  s->set_kv_heads(spec.kv_heads);
-  s->set_head_dim(spec.head_dim);
-  s->set_block_tokens(spec.block_tokens);
-  s->set_tp_rank(spec.tp_rank);
-  s->set_tp_size(spec.tp_size);
-  s->set_cache_salt(spec.cache_salt);
+  ToProto(spec, req.mutable_spec());
   v1::RegisterNamespaceResponse resp;
   auto ctx = Context();
   if (auto st = stub_->RegisterNamespace(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
+#include "common/proto_convert.h"
 #include "kvtier/v1/store.grpc.pb.h"
 
 namespace kvtier {
@@ -69,6 +70,5 @@ class StoreClient {
   std::unique_ptr<v1::Store::Stub> stub_;
 };
 
-void ToProto(const BlockHash& h, v1::BlockHash* out);
 
 }  // namespace kvtier

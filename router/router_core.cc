@@ -8,14 +8,13 @@
 #include "absl/strings/str_format.h"
 #include "common/block_key.h"
 #include "common/log.h"
+#include "common/proto_convert.h"
 
 namespace kvtier::router {
 
 namespace {
 
 std::string Ns(uint64_t ns) { return absl::StrFormat("%016x", ns); }
-
-BlockHash FromProto(const v1::BlockHash& h) { return BlockHash{h.hi(), h.lo()}; }
 
 v1::RouterCommand Rejected(uint64_t seq, const std::string& reason) {
   v1::RouterCommand c;

@@ -2,9 +2,6 @@
 // from common/process.h.
 #pragma once
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -48,17 +45,7 @@ bool WaitFor(Pred pred, std::chrono::milliseconds timeout = std::chrono::seconds
 }
 
 // A free TCP port on 127.0.0.1 (for servers that must come back on the same port).
-inline int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
+inline int FreePort() { return FreeLoopbackPort(); }
 
 // A kvtier server binary on 127.0.0.1 that reports its port through
 // --port-file; stopped (SIGKILL) on destruction.

@@ -19,6 +19,7 @@
 #include "common/grpc_server.h"
 #include "common/grpc_status.h"
 #include "common/log.h"
+#include "common/proto_convert.h"
 #include "common/router_client.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
@@ -67,7 +68,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
       if (hs.size() > 16384) {
         return grpc::Status(grpc::INVALID_ARGUMENT, "submit: more than 16384 block hashes");
       }
-      for (const auto& h : hs) chain.push_back(BlockHash{h.hi(), h.lo()});
+      for (const auto& h : hs) chain.push_back(FromProto(h));
       prompt = req->prompt_tokens() ? req->prompt_tokens() : uint64_t{bt} * chain.size();
       if (prompt + bt <= uint64_t{bt} * chain.size()) {
         return grpc::Status(grpc::INVALID_ARGUMENT,

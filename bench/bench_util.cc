@@ -4,7 +4,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <array>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -88,17 +87,12 @@ LocalServer::~LocalServer() {
 }
 
 absl::StatusOr<std::string> RunCapture(const std::string& command) {
-  FILE* p = popen(command.c_str(), "r");
-  if (!p) return absl::InternalError(absl::StrCat("cannot run: ", command));
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  int rc = pclose(p);
-  if (rc != 0) {
-    return absl::InternalError(absl::StrCat("command failed (", rc, "): ", command, "\n", out));
+  ShellResult r = RunShell(command);
+  if (r.exit_code != 0) {
+    return absl::InternalError(
+        absl::StrCat("command failed (exit ", r.exit_code, "): ", command, "\n", r.out));
   }
-  return out;
+  return std::move(r.out);
 }
 
 absl::StatusOr<std::pair<double, double>> RedisSetGetRps(const std::string& dir,

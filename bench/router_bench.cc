@@ -27,19 +27,6 @@ namespace {
 constexpr uint64_t kNs = 0x1234;
 constexpr uint32_t kBlockTokens = 16;
 
-uint64_t RssBytes() {
-  std::ifstream in("/proc/self/status");
-  std::string key;
-  while (in >> key) {
-    if (key == "VmRSS:") {
-      uint64_t kb;
-      in >> kb;
-      return kb * 1024;
-    }
-  }
-  return 0;
-}
-
 BlockHash ChainHash(uint64_t chain, uint64_t i) {
   return BlockHash{(chain + 1) * 0x9E3779B97F4A7C15ull, i};
 }

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -117,6 +118,38 @@ inline int FreeLoopbackPort() {
   getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   close(fd);
   return ntohs(a.sin_port);
+}
+
+// The output (stdout) and exit code of a shell command; exit code -1 when it
+// did not exit normally (killed, or the shell could not start).
+struct ShellResult {
+  int exit_code = -1;
+  std::string out;
+};
+inline ShellResult RunShell(const std::string& command) {
+  ShellResult r;
+  FILE* p = popen(command.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
+  int st = pclose(p);
+  r.exit_code = st != -1 && WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+// Resident set size of a process in bytes (VmRSS); 0 if it cannot be read.
+inline uint64_t RssBytes(pid_t pid = getpid()) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string key;
+  while (in >> key) {
+    if (key == "VmRSS:") {
+      uint64_t kb = 0;
+      in >> kb;
+      return kb * 1024;
+    }
+  }
+  return 0;
 }
 
 // Waits for a port file written by a server started with --port-file; 0 on timeout.

@@ -6,19 +6,19 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "common/process.h"
+
 namespace {
+
+using kvtier::RunShell;
+using kvtier::ShellResult;
 
 nlohmann::json RunJson(const std::string& args) {
   std::string cmd = std::string(KVTIER_BENCH_BIN) + " " + args + " 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  int rc = pclose(p);
-  EXPECT_EQ(rc, 0) << cmd << "\n" << out;
-  auto j = nlohmann::json::parse(out, nullptr, false);
-  EXPECT_FALSE(j.is_discarded()) << out;
+  ShellResult r = RunShell(cmd);
+  EXPECT_EQ(r.exit_code, 0) << cmd << "\n" << r.out;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << r.out;
   return j;
 }
 

@@ -29,13 +29,8 @@ struct CliRun {
 
 CliRun Kvctl(const std::string& args, const std::string& env = "") {
   std::string cmd = env + " " + KVTIER_KVCTL_BIN + " " + args + " 2>&1 </dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+  ShellResult r = RunShell(cmd);
+  return {r.exit_code, std::move(r.out)};
 }
 
 std::string HttpGet(int port, const std::string& path) {

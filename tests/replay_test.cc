@@ -8,20 +8,21 @@
 #include <set>
 #include <string>
 
+#include "common/process.h"
+
 namespace {
+
+using kvtier::RunShell;
+using kvtier::ShellResult;
 
 const char* kTrace = KVTIER_SOURCE_DIR "/bench/traces/conversation_trace.jsonl";
 
 nlohmann::json Replay(const std::string& args, int* rc) {
   std::string cmd = std::string(KVTIER_BENCH_BIN) + " replay " + args + " --json 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
-  *rc = pclose(p);
-  auto j = nlohmann::json::parse(out, nullptr, false);
-  EXPECT_FALSE(j.is_discarded()) << out;
+  ShellResult r = RunShell(cmd);
+  *rc = r.exit_code;
+  auto j = nlohmann::json::parse(r.out, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << r.out;
   return j;
 }
 

@@ -35,19 +35,6 @@ size_t OpenFds(pid_t pid) {
   return n;
 }
 
-uint64_t Rss(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string k;
-  while (in >> k) {
-    if (k == "VmRSS:") {
-      uint64_t kb;
-      in >> kb;
-      return kb * 1024;
-    }
-  }
-  return 0;
-}
-
 TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   const char* env = std::getenv("KVTIER_SOAK_SECONDS");
   const int seconds = env ? std::atoi(env) : 60;
@@ -131,7 +118,7 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   uint64_t peak_rss = 0;
   auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds - std::min(10, seconds / 3));
   while (std::chrono::steady_clock::now() < end) {
-    peak_rss = std::max(peak_rss, Rss(store.proc().pid()));
+    peak_rss = std::max(peak_rss, RssBytes(store.proc().pid()));
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
   stop = true;

@@ -337,19 +337,6 @@ TEST(StoreIntegration, BadFlagsExitNonZeroNamingTheFlag) {
   }
 }
 
-uint64_t RssBytes(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string key;
-  while (in >> key) {
-    if (key == "VmRSS:") {
-      uint64_t kb;
-      in >> kb;
-      return kb * 1024;
-    }
-  }
-  return 0;
-}
-
 // docs/architecture.md: RSS <= --ram-bytes + --demote-queue-bytes + 96 MiB
 // (RocksDB memtables and caches, gRPC buffers, the per-block index).
 TEST(StoreIntegration, MemoryStaysWithinTheRamBoundPlusDocumentedOverhead) {

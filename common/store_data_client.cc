@@ -143,6 +143,13 @@ namespace {
 
 std::string HostOf(const std::string& address) { return address.substr(0, address.rfind(':')); }
 
+// The status with `prefix` in front of its message, once (a status that
+// already names the operation keeps its message).
+absl::Status Prefixed(const absl::Status& s, const std::string& prefix) {
+  if (absl::StartsWith(s.message(), prefix)) return s;
+  return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+}
+
 }  // namespace
 
 bool StoreDataClient::UseSharedMemory() const {
@@ -212,10 +219,7 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
   Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
     auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
     auto finish = [&](absl::StatusOr<PutOutcome> r) {
-      const std::string prefix = absl::StrCat("put to store ", address_, ": ");
-      if (!r.ok() && !absl::StartsWith(r.status().message(), prefix)) {
-        r = absl::Status(r.status().code(), absl::StrCat(prefix, r.status().message()));
-      }
+      if (!r.ok()) r = Prefixed(r.status(), absl::StrCat("put to store ", address_, ": "));
       promise->set_value(std::move(r));
     };
     if (blocks.empty()) return finish(PutOutcome{});
@@ -290,10 +294,7 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
   Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
     auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
     auto finish = [&](absl::StatusOr<GetOutcome> r) {
-      const std::string prefix = absl::StrCat("get from store ", address_, ": ");
-      if (!r.ok() && !absl::StartsWith(r.status().message(), prefix)) {
-        r = absl::Status(r.status().code(), absl::StrCat(prefix, r.status().message()));
-      }
+      if (!r.ok()) r = Prefixed(r.status(), absl::StrCat("get from store ", address_, ": "));
       promise->set_value(std::move(r));
     };
     if (blocks.empty()) return finish(GetOutcome{});

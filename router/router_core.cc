@@ -252,7 +252,8 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     }
     chain = ChainHashes(req.namespace_id(), std::span<const uint32_t>(ids.data(), ids.size()), bt);
     prompt_tokens = ids.size();
-    request_hash = XXH3_64bits(ids.data(), ids.size() * sizeof(uint32_t));
+    // A prompt shorter than one block has no chain to key the sampling on.
+    if (chain.empty()) request_hash = XXH3_64bits(ids.data(), ids.size() * sizeof(uint32_t));
   } else if (req.prompt_case() == v1::RouteRequest::kHashes) {
     const auto& hs = req.hashes().hashes();
     if (hs.empty()) return absl::InvalidArgumentError("route: the prompt is empty (no hashes)");
@@ -280,14 +281,14 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     const BlockHash& h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
     request_hash = h.hi ^ (h.lo * 0x9E3779B97F4A7C15ull);
   }
-  std::unordered_map<SourceNum, uint32_t> depth(match.gpu_depth.begin(), match.gpu_depth.end());
+  std::vector<uint32_t> depth(by_num_.size(), 0);
+  for (const auto& [num, blocks] : match.gpu_depth) depth[num] = blocks;
   std::vector<Candidate> cands;
   cands.reserve(workers.size());
   for (Source* w : workers) {
     Candidate c;
     c.worker_id = w->hello.source_id();
-    auto d = depth.find(w->num);
-    c.gpu_blocks = d == depth.end() ? 0 : d->second;
+    c.gpu_blocks = depth[w->num];
     c.store_blocks = c.gpu_blocks <= match.walked ? match.store_run[c.gpu_blocks] : 0;
     c.load_tokens = w->load.queued_prefill_tokens() + w->routed_since_heartbeat.load();
     cands.push_back(std::move(c));
@@ -295,7 +296,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   Decision d = Decide(options_.knobs, prompt_tokens, bt, request_hash, cands);
   RouteResult r;
   const Candidate& best = cands[d.chosen];
-  Source* chosen = sources_.at(best.worker_id).get();
+  Source* chosen = sources_.at(best.worker_id).get();  // Decide orders cands by id
   chosen->routed_since_heartbeat += best.prefill_tokens;
   r.worker_id = best.worker_id;
   r.endpoint = chosen->hello.endpoint();

@@ -16,6 +16,7 @@
 #include "common/grpc_server.h"
 #include "common/metrics.h"
 #include "common/log.h"
+#include "common/tls.h"
 
 namespace {
 
@@ -44,6 +45,8 @@ struct Flags {
   std::string metrics_listen;
   bool check_config = false;
   std::string admin_token_file;
+  std::string admin_identity;
+  kvtier::TlsFlags tls;
   int64_t max_leases_per_client = 1024;
 };
 
@@ -88,6 +91,10 @@ int main(int argc, char** argv) {
   flags.String("admin-token-file", &f.admin_token_file,
                "File holding the token admin RPCs (SetPolicy, Evict) must present; empty: "
                "no check");
+  flags.String("admin-identity", &f.admin_identity,
+               "Admin RPCs also need a verified client certificate whose common name or a "
+               "subject alternative name is this (needs --tls-require-client-cert)");
+  kvtier::AddTlsFlags(flags, &f.tls, /*serves=*/true, /*dials=*/true);
   flags.Int("max-leases-per-client", &f.max_leases_per_client, 0, int64_t{1} << 30,
             "Open put+get leases one client may hold (0: no limit)");
   flags.String("metrics-listen", &f.metrics_listen,
@@ -136,13 +143,24 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (auto s = kvtier::ValidateTlsFlags(f.tls); !s.ok()) {
+    std::fprintf(stderr, "kvtier-store: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  if (!f.admin_identity.empty() && !f.tls.require_client_cert) {
+    std::fprintf(stderr,
+                 "kvtier-store: flag --admin-identity needs --tls-require-client-cert (only a "
+                 "verified client certificate carries an identity)\n");
+    return 2;
+  }
   if (f.check_config) {
     std::printf("kvtier-store configuration OK: listen=%s ucx-listen=%s metrics-listen=%s data-dir=%s "
                 "ram-bytes=%lu disk-bytes=%lu ram-slab-bytes=%lu ram-policy=%s disk-policy=%s "
-                "lease-ms=%lu routers=%zu\n",
+                "lease-ms=%lu routers=%zu tls=%s\n",
                 f.listen.c_str(), f.ucx_listen.c_str(), f.metrics_listen.c_str(), f.data_dir.c_str(),
                 f.ram_bytes, f.disk_bytes, f.slab_bytes, f.ram_policy.c_str(), f.disk_policy.c_str(),
-                f.lease_ms, routers.size());
+                f.lease_ms, routers.size(),
+                f.tls.cert_file.empty() ? "off" : f.tls.require_client_cert ? "mutual" : "on");
     return 0;
   }
 
@@ -162,6 +180,15 @@ int main(int argc, char** argv) {
   o.disk.admission = f.disk_admission;
   o.lease_ms = f.lease_ms;
   o.routers = routers;
+  auto router_security = kvtier::ClientSecurity(f.tls);
+  auto server_credentials = kvtier::ServerCredentials(f.tls);
+  for (const absl::Status& s : {router_security.status(), server_credentials.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "kvtier-store: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
+  o.router_security = *router_security;
   o.verify_commits = f.verify_commits;
   o.max_leases_per_client = static_cast<uint64_t>(f.max_leases_per_client);
   std::string admin_token;
@@ -199,10 +226,11 @@ int main(int argc, char** argv) {
   }
   kvtier::store::StoreService service(store->get(), dataplane.get());
   service.SetAdminToken(admin_token);
+  service.SetAdminIdentity(f.admin_identity);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(f.listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(f.listen, *server_credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(f.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(f.max_message_bytes));
   builder.RegisterService(&service);
@@ -224,11 +252,15 @@ int main(int argc, char** argv) {
     kvtier::Log("store", "metrics on ", f.metrics_listen, " (port ", metrics->port(), ")/metrics");
   }
   std::string host = f.listen.substr(0, f.listen.rfind(':'));
-  kvtier::Log("store", "listening on ", host, ":", port, " (RAM ", (*store)->ram().arena().size(),
+  kvtier::Log("store", "listening on ", host, ":", port,
+              f.tls.cert_file.empty() ? "" : f.tls.require_client_cert ? ", mutual TLS" : ", TLS",
+              " (RAM ", (*store)->ram().arena().size(),
               " bytes in ", (*store)->ram().shards(), " shards",
               (*store)->ram().arena().hugepages() ? ", hugepages" : "", "; disk quota ",
               f.disk_bytes, " bytes in ", f.data_dir, ")");
-  std::printf("kvtier-store listening on %s:%d%s%s\n", host.c_str(), port,
+  const char* tls_mode =
+      f.tls.cert_file.empty() ? "" : f.tls.require_client_cert ? " (mutual TLS)" : " (TLS)";
+  std::printf("kvtier-store listening on %s:%d%s%s%s\n", host.c_str(), port, tls_mode,
               dataplane ? ", UCX on " : "", dataplane ? dataplane->address().c_str() : "");
   std::fflush(stdout);
   kvtier::WritePortFile(f.port_file, port);

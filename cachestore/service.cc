@@ -1,11 +1,14 @@
 #include "cachestore/service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/grpc_status.h"
 #include "common/proto_convert.h"
+#include "common/tls.h"
 
 namespace kvtier::store {
 
@@ -242,6 +245,17 @@ grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBloc
 }
 
 grpc::Status StoreService::CheckAdmin(grpc::ServerContext* ctx, const char* rpc) const {
+  if (!admin_identity_.empty()) {
+    std::vector<std::string> names = PeerCertificateNames(*ctx);
+    if (std::find(names.begin(), names.end(), admin_identity_) == names.end()) {
+      return grpc::Status(
+          grpc::PERMISSION_DENIED,
+          absl::StrCat(rpc, " is an admin RPC: it needs a client certificate for \"",
+                       admin_identity_, "\" (mutual TLS); this client presented ",
+                       names.empty() ? std::string("none")
+                                     : absl::StrCat("one for \"", absl::StrJoin(names, "\", \""), "\"")));
+    }
+  }
   if (admin_token_.empty()) return grpc::Status::OK;
   auto it = ctx->client_metadata().find("x-kvtier-admin-token");
   bool ok = it != ctx->client_metadata().end() && it->second.size() == admin_token_.size();

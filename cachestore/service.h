@@ -21,6 +21,9 @@ class StoreService final : public kvtier::v1::Store::Service {
   // Admin RPCs (SetPolicy, Evict) then need metadata x-kvtier-admin-token
   // equal to token; empty: no check.
   void SetAdminToken(std::string token) { admin_token_ = std::move(token); }
+  // Admin RPCs then also need a verified client certificate (mutual TLS)
+  // whose common name or a subject alternative name is `name`.
+  void SetAdminIdentity(std::string name) { admin_identity_ = std::move(name); }
 
   grpc::Status RegisterNamespace(grpc::ServerContext*, const v1::RegisterNamespaceRequest*,
                                  v1::RegisterNamespaceResponse*) override;
@@ -64,6 +67,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   Store* store_;
   DataPlaneServer* dataplane_;
   std::string admin_token_;
+  std::string admin_identity_;
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
   std::chrono::steady_clock::time_point started_;
   // Bytes handed out for RMA (reserved by BeginPut, pinned by BeginGet).

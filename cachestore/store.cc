@@ -56,6 +56,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
     for (const auto& r : o.routers) {
       PublisherOptions po;
       po.router = r;
+      po.security = o.router_security;
       po.hello.set_source_id(o.store_id);
       po.hello.set_kind(v1::SOURCE_STORE);
       po.heartbeat_ms = o.heartbeat_ms;

@@ -46,6 +46,7 @@ struct StoreOptions {
   // Routers to publish this shard's blocks to (BlockStored when a block
   // enters the store, BlockRemoved when it leaves both tiers); may be empty.
   std::vector<std::string> routers;
+  ChannelSecurity router_security;  // how the shard reaches its routers
   std::string store_id = "kvtier-store";
   // Well under any sensible router heartbeat deadline (1 s and up).
   uint64_t heartbeat_ms = 250;

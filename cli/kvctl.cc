@@ -23,6 +23,8 @@
 #include "common/config.h"
 #include "common/grpc_status.h"
 #include "common/store_client.h"
+#include "common/tls.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kvtier/v1/router.grpc.pb.h"
 
 namespace kvtier::cli {
@@ -52,7 +54,10 @@ struct Common {
   bool json = false;
   uint64_t timeout_ms = 5000;
   std::string admin_token_file;
+  TlsFlags tls{EnvOr("KVTIER_TLS_CERT", ""), EnvOr("KVTIER_TLS_KEY", ""), EnvOr("KVTIER_TLS_CA", ""),
+               false, EnvOr("KVTIER_TLS_SERVER_NAME", "")};
   void Register(FlagSet& f, bool store, bool router_flag) {
+    AddTlsFlags(f, &tls, /*serves=*/false, /*dials=*/true);
     if (store) {
       f.String("admin-token-file", &admin_token_file,
                "File with the store's admin token (policy set, evict) [env KVTIER_ADMIN_TOKEN]");
@@ -70,8 +75,20 @@ struct Common {
     for (absl::string_view s : absl::StrSplit(stores, ',', absl::SkipEmpty())) out.emplace_back(s);
     return out;
   }
+  // TLS per --tls-ca/--tls-cert/--tls-key (or KVTIER_TLS_*); exits 2 on a
+  // bad file.
+  ChannelSecurity Security() const {
+    absl::Status s = ValidateTlsFlags(tls);
+    absl::StatusOr<ChannelSecurity> sec = s.ok() ? ClientSecurity(tls) : s;
+    if (!sec.ok()) {
+      std::fprintf(stderr, "kvctl: %s\n", std::string(sec.status().message()).c_str());
+      std::exit(kUsage);
+    }
+    return *sec;
+  }
   StoreClientOptions ClientOptions() const {
     StoreClientOptions o;
+    o.security = Security();
     o.deadline_ms = static_cast<int>(timeout_ms);
     o.admin_token = EnvOr("KVTIER_ADMIN_TOKEN", "");
     if (!admin_token_file.empty()) {
@@ -413,7 +430,7 @@ int Lookup(int argc, const char* const* argv) {
 }
 
 std::unique_ptr<v1::Router::Stub> RouterStub(const Common& c) {
-  return v1::Router::NewStub(grpc::CreateChannel(c.router, grpc::InsecureChannelCredentials()));
+  return v1::Router::NewStub(OpenChannel(c.router, c.Security()));
 }
 
 int Workers(int argc, const char* const* argv) {
@@ -553,6 +570,38 @@ int Namespaces(int argc, const char* const* argv) {
   return kOk;
 }
 
+int Health(int argc, const char* const* argv) {
+  Common c;
+  std::string service;
+  FlagSet f("kvctl health",
+            "grpc.health.v1 status of one kvtier server (store, router or worker) at ADDR:\n"
+            "exit 0 SERVING, 1 not serving, 3 unreachable. For probes: works over TLS.\n"
+            "Usage: kvctl health ADDR [--service kvtier.v1.Store/disk]");
+  c.Register(f, false, false);
+  f.String("service", &service, "Service to ask about (empty: the whole server)");
+  std::vector<std::string> pos;
+  ParseFlagsOrExit(f, argc, argv, &pos);
+  if (pos.size() != 1) {
+    std::fprintf(stderr, "kvctl health: give exactly one ADDR (HOST:PORT)\n");
+    return kUsage;
+  }
+  auto stub = grpc::health::v1::Health::NewStub(OpenChannel(pos[0], c.Security()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(c.timeout_ms));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  if (auto s = stub->Check(&ctx, req, &resp); !s.ok()) return Report(FromGrpc(s), pos[0]);
+  bool serving = resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+  std::string name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+  if (c.json) {
+    std::printf("%s\n", nlohmann::json{{"address", pos[0]}, {"service", service}, {"status", name}}.dump().c_str());
+  } else {
+    std::printf("%s%s%s: %s\n", pos[0].c_str(), service.empty() ? "" : " ", service.c_str(), name.c_str());
+  }
+  return serving ? kOk : kRefused;
+}
+
 void Usage(FILE* out) {
   std::fputs(
       "Usage: kvctl COMMAND [flags]    (kvctl COMMAND --help for a command's flags)\n\n"
@@ -565,7 +614,11 @@ void Usage(FILE* out) {
       "  namespaces   the registered namespaces\n"
       "Router (--router ADDR or KVTIER_ROUTER, default 127.0.0.1:7500):\n"
       "  workers      the router's sources: endpoint, namespace, blocks, load, last heartbeat\n"
-      "  route        explain one routing decision with every candidate's cost\n\n"
+      "  route        explain one routing decision with every candidate's cost\n"
+      "Any server:\n"
+      "  health ADDR  grpc.health.v1 status (--service NAME); for probes\n"
+      "TLS: --tls-ca FILE (connect over TLS), --tls-cert/--tls-key (mutual TLS), or\n"
+      "KVTIER_TLS_CA/KVTIER_TLS_CERT/KVTIER_TLS_KEY.\n\n"
       "Exit codes: 0 ok, 1 refused by a service, 2 bad usage, 3 unreachable, 4 not confirmed.\n",
       out);
 }
@@ -589,6 +642,7 @@ int main(int argc, char** argv) {
   if (cmd == "namespaces") return Namespaces(n, sub);
   if (cmd == "workers") return Workers(n, sub);
   if (cmd == "route") return Route(n, sub);
+  if (cmd == "health") return Health(n, sub);
   std::fprintf(stderr, "kvctl: unknown command \"%s\"\n\n", cmd.c_str());
   Usage(stderr);
   return kUsage;

@@ -26,8 +26,7 @@ EventPublisher::EventPublisher(PublisherOptions options, LoadFn load)
             std::chrono::system_clock::now().time_since_epoch())
             .count()));
   }
-  stub_ = v1::Router::NewStub(
-      grpc::CreateChannel(options_.router, grpc::InsecureChannelCredentials()));
+  stub_ = v1::Router::NewStub(OpenChannel(options_.router, options_.security));
   thread_ = std::thread([this] { Run(); });
 }
 

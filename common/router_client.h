@@ -24,6 +24,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "common/block_key.h"
+#include "common/tls.h"
 #include "kvtier/v1/router.grpc.pb.h"
 
 namespace kvtier {
@@ -35,6 +36,7 @@ struct PublisherOptions {
   uint64_t backoff_min_ms = 50;
   uint64_t backoff_max_ms = 2000;
   size_t max_queued_events = 100000;
+  ChannelSecurity security;  // plaintext unless TLS credentials are set
 };
 
 class EventPublisher {

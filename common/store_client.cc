@@ -18,7 +18,7 @@ StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  channel_ = OpenChannel(address, options.security, args);
   stub_ = v1::Store::NewStub(channel_);
 }
 

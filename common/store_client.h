@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
 #include "common/proto_convert.h"
+#include "common/tls.h"
 #include "kvtier/v1/store.grpc.pb.h"
 
 namespace kvtier {
@@ -22,6 +23,7 @@ struct StoreClientOptions {
   int deadline_ms = 10000;
   int max_message_bytes = 64 << 20;
   std::string admin_token;  // sent as x-kvtier-admin-token (needed by SetPolicy, Evict)
+  ChannelSecurity security;  // plaintext unless TLS credentials are set
 };
 
 struct RegisteredNamespace {

@@ -45,6 +45,7 @@ StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions o
     : address_(address), options_(std::move(options)), control_(address, [&] {
         StoreClientOptions o;
         o.deadline_ms = options_.deadline_ms;
+        o.security = options_.security;
         return o;
       }()) {
   auto ctx = ucx::Context::Create();

@@ -49,6 +49,7 @@ struct DataClientOptions {
   uint64_t max_inflight_bytes = 256ull << 20;  // queued + running operations
   uint64_t backoff_min_ms = 50;
   uint64_t backoff_max_ms = 5000;
+  ChannelSecurity security;  // of the gRPC control channel (plaintext unless set)
 };
 
 struct PutBlock {

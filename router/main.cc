@@ -13,6 +13,7 @@
 #include "common/grpc_server.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/tls.h"
 #include "router/router_core.h"
 #include "router/service.h"
 
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
   uint64_t max_message = 64ull << 20;
   double fetch_cost = 0.1, load_weight = 1.0, temperature = 0;
   int64_t balance = 32768;
+  kvtier::TlsFlags tls;
   kvtier::FlagSet flags(
       "kvtier-router",
       "Routes each request to the worker that can serve it with the least prefill work:\n"
@@ -49,7 +51,12 @@ int main(int argc, char** argv) {
                  "Serve Prometheus metrics on HOST:PORT/metrics (empty: off)");
   flags.Bool("check-config", &check_config,
              "Validate the flags, print the effective configuration and exit 0");
+  kvtier::AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/false);
   kvtier::ParseFlagsOrExit(flags, argc, argv);
+  if (auto s = kvtier::ValidateTlsFlags(tls); !s.ok()) {
+    std::fprintf(stderr, "kvtier-router: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   if (deadline_ms == 0) {
     std::fprintf(stderr, "kvtier-router: flag --heartbeat-deadline must be above 0\n");
     return 2;
@@ -76,7 +83,12 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  auto credentials = kvtier::ServerCredentials(tls);
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "kvtier-router: %s\n", std::string(credentials.status().message()).c_str());
+    return 2;
+  }
+  builder.AddListeningPort(listen, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
   builder.RegisterService(&service);
   builder.experimental().SetInterceptorCreators(kvtier::ServerInterceptors());
@@ -95,10 +107,13 @@ int main(int argc, char** argv) {
     metrics = std::move(*ms);
   }
   std::string host = listen.substr(0, listen.rfind(':'));
-  kvtier::Log("router", "listening on ", host, ":", port, " (heartbeat deadline ", deadline_ms,
+  kvtier::Log("router", "listening on ", host, ":", port,
+              tls.cert_file.empty() ? "" : tls.require_client_cert ? ", mutual TLS" : ", TLS",
+              " (heartbeat deadline ", deadline_ms,
               " ms, fetch_cost ", fetch_cost, ", load_weight ", load_weight, ", balance ",
               balance, " tokens, temperature ", temperature, ")");
-  std::printf("kvtier-router listening on %s:%d\n", host.c_str(), port);
+  std::printf("kvtier-router listening on %s:%d%s\n", host.c_str(), port,
+              tls.cert_file.empty() ? "" : tls.require_client_cert ? " (mutual TLS)" : " (TLS)");
   std::fflush(stdout);
   kvtier::WritePortFile(port_file, port);
 

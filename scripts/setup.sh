@@ -9,7 +9,7 @@ PKGS=(
   libucx-dev ucx-utils librocksdb-dev libabsl-dev libgtest-dev libxxhash-dev
   nlohmann-json3-dev prometheus-cpp-dev redis-server redis-tools fio python3
   golang-go golang-github-masterminds-sprig-dev python3-jsonschema python3-yaml
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev openssl
 )
 
 missing=()

@@ -3,7 +3,7 @@
 
 int kvtier_c_abi_roundtrip(const char* store) {
   kvtier_connector_config cfg = {"c-abi-model", "bf16", 2, 2, 32, 8, 64, store, "write-through", 8,
-                                 3000};
+                                 3000, NULL, NULL, NULL};
   kvtier_connector* c = kvtier_connector_create(&cfg);
   if (!c) return -1;
   uint32_t tokens[40];

@@ -21,13 +21,21 @@ TEST(CAbi, AConnectorDrivenFromCRoundTrips) {
 }
 
 TEST(CAbi, BadConfigurationsReportWhy) {
-  kvtier_connector_config cfg = {"m", "int4", 1, 1, 1, 1, 1, "", "none", 0, 0};
+  kvtier_connector_config cfg = {"m", "int4", 1, 1, 1, 1, 1, "", "none", 0, 0, nullptr, nullptr, nullptr};
   EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
   EXPECT_NE(std::string(kvtier_last_error()).find("int4"), std::string::npos);
   cfg.dtype = "fp16";
   cfg.offload = "sometimes";
   EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
   EXPECT_NE(std::string(kvtier_last_error()).find("sometimes"), std::string::npos);
+  cfg.offload = "none";
+  cfg.tls_ca = "/nonexistent/ca.pem";
+  EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
+  EXPECT_NE(std::string(kvtier_last_error()).find("/nonexistent/ca.pem"), std::string::npos);
+  cfg.tls_ca = nullptr;
+  cfg.tls_cert = "/nonexistent/cert.pem";  // a certificate without its key
+  EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
+  EXPECT_NE(std::string(kvtier_last_error()).find("--tls-key"), std::string::npos);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_split.h"
+#include "common/tls.h"
 #include "worker/connector.h"
 
 struct kvtier_connector {
@@ -38,6 +39,18 @@ kvtier_connector* kvtier_connector_create(const kvtier_connector_config* cfg) {
   if (cfg->offload) o.offload = cfg->offload;
   if (cfg->staging_blocks) o.staging_blocks = cfg->staging_blocks;
   if (cfg->deadline_ms) o.data.deadline_ms = cfg->deadline_ms;
+  kvtier::TlsFlags tls;
+  if (cfg->tls_ca) tls.ca_file = cfg->tls_ca;
+  if (cfg->tls_cert) tls.cert_file = cfg->tls_cert;
+  if (cfg->tls_key) tls.key_file = cfg->tls_key;
+  absl::Status tls_ok = kvtier::ValidateTlsFlags(tls);
+  absl::StatusOr<kvtier::ChannelSecurity> security =
+      tls_ok.ok() ? kvtier::ClientSecurity(tls) : tls_ok;
+  if (!security.ok()) {
+    Fail(security.status());
+    return nullptr;
+  }
+  o.data.security = *security;
   auto c = kvtier::worker::KvConnector::Create(o);
   if (!c.ok()) {
     Fail(c.status());

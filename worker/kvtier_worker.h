@@ -33,6 +33,12 @@ typedef struct {
   const char* offload;      /* "write-back", "write-through", "none" */
   uint64_t staging_blocks;  /* staging bound, in blocks (0: 64) */
   int deadline_ms;          /* per store operation (0: 10000) */
+  /* TLS towards the stores' gRPC control plane; NULL or "" each: unused.
+   * tls_ca set: TLS, verifying stores against it; tls_cert and tls_key set
+   * as well: mutual TLS. PEM file paths. */
+  const char* tls_ca;
+  const char* tls_cert;
+  const char* tls_key;
 } kvtier_connector_config;
 
 /* NULL on failure (see kvtier_last_error). */

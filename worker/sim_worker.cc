@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "common/proto_convert.h"
 #include "common/router_client.h"
+#include "common/tls.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
 #include "worker/model.h"
@@ -218,6 +219,7 @@ int main(int argc, char** argv) {
   int64_t layers = 4, kv_heads = 2, head_dim = 64, block_tokens = 16, pages = 1024, staging = 64;
   worker::SimOptions sim;
   uint64_t heartbeat_ms = 500, deadline_ms = 10000;
+  TlsFlags tls;
   FlagSet flags("kvtier-sim-worker",
                 "A simulated inference engine over kvtier's worker library: serves Submit\n"
                 "(kvtier.v1.SimWorker) with a fake model whose KV bytes are known, onboarding from\n"
@@ -247,7 +249,20 @@ int main(int argc, char** argv) {
   flags.DurationMs("heartbeat", &heartbeat_ms, "Heartbeat period towards routers");
   flags.DurationMs("deadline", &deadline_ms, "Deadline of each store operation");
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
+  AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/true);
   ParseFlagsOrExit(flags, argc, argv);
+  if (auto s = ValidateTlsFlags(tls); !s.ok()) {
+    std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  auto client_security = ClientSecurity(tls);
+  auto server_credentials = ServerCredentials(tls);
+  for (const absl::Status& s : {client_security.status(), server_credentials.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
 
   kvtier::BlockShutdownSignals();
 
@@ -266,6 +281,7 @@ int main(int argc, char** argv) {
   co.offload = offload;
   co.staging_blocks = static_cast<uint64_t>(staging);
   co.data.deadline_ms = static_cast<int>(deadline_ms);
+  co.data.security = *client_security;
   if (auto s = ValidateNamespace(co.spec); !s.ok()) {
     std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(s.message()).c_str());
     return 2;
@@ -274,7 +290,7 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, *server_credentials, &port);
   // Publishers need the bound port (the endpoint names it): they are
   // attached to the connector once the server is up.
   std::vector<std::unique_ptr<EventPublisher>> publishers;
@@ -310,6 +326,7 @@ int main(int argc, char** argv) {
     po.hello.set_namespace_id(connector->namespace_id());
     po.hello.set_block_tokens(static_cast<uint32_t>(block_tokens));
     po.heartbeat_ms = heartbeat_ms;
+    po.security = *client_security;
     auto* svc = service.get();
     publishers.push_back(std::make_unique<EventPublisher>(po, [svc] { return svc->Load(); }));
     pubs.push_back(publishers.back().get());

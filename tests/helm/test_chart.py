@@ -86,6 +86,72 @@ def check_config(binary, args):
     return out.returncode, out.stdout + out.stderr
 
 
+def make_certs(dirname):
+    """A CA and one certificate it signs, at the paths the chart mounts."""
+    def run(*args):
+        subprocess.run(["openssl"] + list(args), cwd=dirname, check=True, capture_output=True)
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=kvtier-chart-test")
+    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=kv")
+    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-set_serial", "1",
+        "-days", "1", "-out", "tls.crt")
+
+
+def check_tls(values, schema):
+    """tls.enabled: every process gets the Secret and the flags, probes run
+    kvctl health over TLS, and the rendered flags pass --check-config with
+    real certificate files."""
+    v = copy.deepcopy(values)
+    v["tls"]["enabled"] = True
+    v["store"]["adminIdentity"] = "kvctl-admin"
+    v["exampleWorker"]["enabled"] = True
+    jsonschema.validate(v, schema)
+    objs = objects(render(v))
+    certs = tempfile.mkdtemp(prefix="kvtier-chart-tls-")
+    make_certs(certs)
+    sts = find(objs, "StatefulSet", "-store")
+    dep = find(objs, "Deployment", "-router")
+    for obj, binary, server_name in ((sts, "cachestore/kvtier-store", "kv-store-headless"),
+                                     (dep, "router/kvtier-router", "kv-router")):
+        pod = obj["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        for flag in ("--tls-cert=/etc/kvtier/tls/tls.crt", "--tls-key=/etc/kvtier/tls/tls.key",
+                     "--tls-ca=/etc/kvtier/tls/ca.crt", "--tls-require-client-cert"):
+            check(flag in c["args"], "%s gets %s" % (binary, flag))
+        check(any(m["name"] == "tls" and m["mountPath"] == "/etc/kvtier/tls" for m in c["volumeMounts"]) and
+              any(vol.get("secret", {}).get("secretName") == "kvtier-tls" for vol in pod["volumes"]),
+              "%s mounts the TLS Secret" % binary)
+        for probe in ("readinessProbe", "livenessProbe"):
+            cmd = c[probe].get("exec", {}).get("command", [])
+            check("grpc" not in c[probe] and cmd[:2] == ["kvctl", "health"] and
+                  "--tls-server-name=%s" % server_name in cmd and
+                  "--tls-cert=/etc/kvtier/tls/tls.crt" in cmd,
+                  "%s %s runs kvctl health over mTLS: %s" % (binary, probe, c[probe]))
+        args = [a.replace("/etc/kvtier/tls", certs) for a in c["args"]]
+        rc, out = check_config(binary, args)
+        check(rc == 0, "%s rejects the rendered TLS arguments: %s" % (binary, out))
+        if binary.endswith("store"):
+            check("--admin-identity=kvctl-admin" in c["args"], "store gets --admin-identity")
+            check("tls=mutual" in out, "store reports mutual TLS: %s" % out)
+    worker = find(objs, "Pod", "example-worker")
+    env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
+    check(env.get("KVTIER_TLS_CA") == "/etc/kvtier/tls/ca.crt" and
+          env.get("KVTIER_TLS_CERT") == "/etc/kvtier/tls/tls.crt" and
+          any(vol.get("secret", {}).get("secretName") == "kvtier-tls" for vol in worker["spec"]["volumes"]),
+          "example worker gets the TLS files")
+    # Missing files are caught by --check-config.
+    rc, out = check_config("router/kvtier-router", dep["spec"]["template"]["spec"]["containers"][0]["args"])
+    check(rc == 2 and "/etc/kvtier/tls" in out, "check-config names an unreadable TLS file: %s" % out)
+    v["tls"]["secretName"] = ""
+    try:
+        jsonschema.validate(v, schema)
+        check(False, "schema accepted an empty tls.secretName")
+    except jsonschema.ValidationError:
+        check(True, "")
+    subprocess.run(["rm", "-rf", certs])
+
+
 def main():
     values = load_values()
     schema = json.load(open(os.path.join(CHART, "values.schema.json")))
@@ -193,6 +259,8 @@ def main():
     check(env.get("KVTIER_STORE") == "kv-store-0.kv-store-headless:7400,kv-store-1.kv-store-headless:7400",
           "example worker gets the store shard addresses")
     check(env.get("KVTIER_ROUTER") == "kv-router:7500", "example worker gets the router address")
+
+    check_tls(values, schema)
 
     print("%d passed, %d failed" % (passed, failed))
     return 0 if failed == 0 else 1

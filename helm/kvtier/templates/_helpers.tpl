@@ -27,3 +27,44 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+{{- /* TLS flags of a kvtier process (server and client), when tls.enabled. */ -}}
+{{- define "kvtier.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert=/etc/kvtier/tls/tls.crt
+- --tls-key=/etc/kvtier/tls/tls.key
+- --tls-ca=/etc/kvtier/tls/ca.crt
+{{- if .Values.tls.requireClientCert }}
+- --tls-require-client-cert
+{{- end }}
+{{- end }}
+{{- end -}}
+{{- define "kvtier.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/kvtier/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "kvtier.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+{{- end }}
+{{- end -}}
+{{- /* Readiness/liveness probe body: grpc.health.v1 on port; with TLS the
+kubelet's gRPC probe cannot connect, so kvctl health runs in the pod.
+Arguments: (list root port serverName). */ -}}
+{{- define "kvtier.probe" -}}
+{{- $root := index . 0 -}}
+{{- $port := index . 1 -}}
+{{- if $root.Values.tls.enabled }}
+exec:
+  command: ["kvctl", "health", "127.0.0.1:{{ $port }}", "--timeout=3s",
+            "--tls-ca=/etc/kvtier/tls/ca.crt", "--tls-cert=/etc/kvtier/tls/tls.crt",
+            "--tls-key=/etc/kvtier/tls/tls.key", "--tls-server-name={{ index . 2 }}"]
+{{- else }}
+grpc:
+  port: {{ $port }}
+{{- end }}
+{{- end -}}

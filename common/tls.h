@@ -1,0 +1,60 @@
+// TLS and mutual TLS for kvtier's gRPC channels.
+//
+// Every binary takes the same flags (AddTlsFlags): a certificate and key it
+// serves with (and presents as a client), the CA that signs the cluster's
+// certificates, and whether its server demands a client certificate (mTLS).
+// With none of them given, channels are plaintext. The UCX data plane is not
+// covered: RDMA and shared-memory transfers carry block bytes only, after
+// the gRPC control plane (which is) has granted the slots.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvtier {
+
+class FlagSet;
+
+struct TlsFlags {
+  std::string cert_file;            // PEM certificate chain this process presents
+  std::string key_file;             // its private key
+  std::string ca_file;              // PEM CA bundle peers are verified against
+  bool require_client_cert = false; // server: refuse clients without a CA-signed certificate
+  std::string server_name;          // client: name to verify in servers' certificates
+};
+
+// --tls-cert, --tls-key, --tls-ca, --tls-require-client-cert (servers only)
+// and --tls-server-name (processes that dial out).
+void AddTlsFlags(FlagSet& flags, TlsFlags* dst, bool serves, bool dials);
+// Consistency of the flags (cert and key together; mTLS needs a CA and a
+// server certificate) and readability of each file. The error names the flag.
+absl::Status ValidateTlsFlags(const TlsFlags& tls);
+
+// How a client reaches a server. Default: plaintext.
+struct ChannelSecurity {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: plaintext
+  std::string server_name;  // overrides the host name verified in the server's certificate
+  bool tls() const { return credentials != nullptr; }
+};
+
+// TLS when ca_file is set: the server is verified against it, and cert/key,
+// when given, are presented (mTLS). Plaintext otherwise.
+absl::StatusOr<ChannelSecurity> ClientSecurity(const TlsFlags& tls);
+// TLS when cert_file and key_file are set; plaintext otherwise.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const TlsFlags& tls);
+
+// A channel to address with the given security and arguments.
+std::shared_ptr<grpc::Channel> OpenChannel(const std::string& address,
+                                           const ChannelSecurity& security,
+                                           grpc::ChannelArguments args = {});
+
+// The names (common name, then subject alternative names) of the verified
+// client certificate of this call; empty over plaintext or without one.
+std::vector<std::string> PeerCertificateNames(const grpc::ServerContext& ctx);
+
+}  // namespace kvtier

@@ -1,0 +1,280 @@
+// gRPC over TLS and mutual TLS between real kvtier processes on loopback,
+// with certificates made by openssl for each test run: plaintext and
+// unknown-CA clients are refused, mTLS refuses clients without a CA-signed
+// certificate, --admin-identity keeps a worker's certificate from the admin
+// RPCs, and a store, a router and a worker talk to each other over mTLS.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/router_client.h"
+#include "common/store_client.h"
+#include "common/tls.h"
+#include "kvtier/v1/router.grpc.pb.h"
+#include "kvtier/v1/worker.grpc.pb.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::ServerProcess;
+using testing::WaitFor;
+
+// A CA, leaf certificates it signs (127.0.0.1 and localhost in each, usable
+// as server and client certificates) and a second, unrelated CA.
+class Pki {
+ public:
+  explicit Pki(const std::string& dir) : dir_(dir) {
+    ok_ = MakeCa("ca") && MakeCa("rogue-ca") && MakeLeaf("server", "ca", "kvtier-server") &&
+          MakeLeaf("worker", "ca", "worker") && MakeLeaf("admin", "ca", "kvctl-admin") &&
+          MakeLeaf("rogue", "rogue-ca", "kvctl-admin");
+  }
+  bool ok() const { return ok_; }
+  std::string log() const { return log_; }
+  std::string pem(const std::string& name) const { return dir_ + "/" + name + ".pem"; }
+  std::string key(const std::string& name) const { return dir_ + "/" + name + ".key"; }
+  // Server flags: serve with the server certificate; mutual TLS when asked.
+  std::vector<std::string> ServerFlags(bool mutual) const {
+    std::vector<std::string> f = {"--tls-cert=" + pem("server"), "--tls-key=" + key("server"),
+                                  "--tls-ca=" + pem("ca")};
+    if (mutual) f.push_back("--tls-require-client-cert");
+    return f;
+  }
+  // Client security: trust `ca`; present `leaf` when not empty.
+  ChannelSecurity Client(const std::string& ca, const std::string& leaf = "",
+                         const std::string& server_name = "") const {
+    TlsFlags t;
+    t.ca_file = pem(ca);
+    if (!leaf.empty()) {
+      t.cert_file = pem(leaf);
+      t.key_file = key(leaf);
+    }
+    t.server_name = server_name;
+    auto s = ClientSecurity(t);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : ChannelSecurity{};
+  }
+
+ private:
+  bool Run(const std::string& cmd) {
+    ShellResult r = RunShell("cd " + dir_ + " && " + cmd + " 2>&1");
+    log_ += r.out;
+    return r.exit_code == 0;
+  }
+  bool MakeCa(const std::string& name) {
+    return Run("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " +
+               name + ".key -out " + name + ".pem -days 2 -subj /CN=" + name);
+  }
+  bool MakeLeaf(const std::string& name, const std::string& ca, const std::string& cn) {
+    std::ofstream(dir_ + "/" + name + ".ext")
+        << "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:" << cn << "\n"
+        << "extendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n";
+    return Run("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " +
+               name + ".key -out " + name + ".csr -subj /CN=" + cn) &&
+           Run("openssl x509 -req -in " + name + ".csr -CA " + ca + ".pem -CAkey " + ca +
+               ".key -set_serial " + std::to_string(++serial_) + " -days 2 -extfile " + name +
+               ".ext -out " + name + ".pem");
+  }
+  std::string dir_, log_;
+  bool ok_ = false;
+  int serial_ = 0;
+};
+
+StoreClient Client(const ServerProcess& s, ChannelSecurity security) {
+  StoreClientOptions o;
+  o.deadline_ms = 3000;
+  o.security = std::move(security);
+  return StoreClient(s.address(), o);
+}
+
+class Tls : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(pki_.ok()) << pki_.log(); }
+  ServerProcess Store(std::vector<std::string> extra) {
+    std::vector<std::string> args = {"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db"),
+                                     "--hugepages=false", "--ram-bytes=4MiB"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return ServerProcess(KVTIER_STORE_BIN, dir_.sub("store"), args);
+  }
+  testing::TempDir dir_;
+  Pki pki_{dir_.path()};
+};
+
+TEST_F(Tls, StoreServesTlsAndRefusesPlaintextAndUnknownCas) {
+  ServerProcess store = Store(pki_.ServerFlags(/*mutual=*/false));
+  ASSERT_GT(store.port(), 0) << store.Log();
+  EXPECT_NE(store.Log().find(", TLS ("), std::string::npos) << store.Log();
+
+  EXPECT_TRUE(Client(store, pki_.Client("ca")).GetStats().ok());
+  EXPECT_TRUE(Client(store, pki_.Client("ca", "", "localhost")).GetStats().ok());
+
+  auto plain = Client(store, {}).GetStats();
+  EXPECT_EQ(plain.status().code(), absl::StatusCode::kUnavailable) << plain.status();
+  auto rogue = Client(store, pki_.Client("rogue-ca")).GetStats();
+  EXPECT_EQ(rogue.status().code(), absl::StatusCode::kUnavailable) << rogue.status();
+  // The certificate does not name this host.
+  auto misnamed = Client(store, pki_.Client("ca", "", "store.elsewhere")).GetStats();
+  EXPECT_EQ(misnamed.status().code(), absl::StatusCode::kUnavailable) << misnamed.status();
+  // The refusals left the store serving.
+  EXPECT_TRUE(Client(store, pki_.Client("ca")).Health().ok());
+}
+
+TEST_F(Tls, MutualTlsRefusesClientsWithoutACertificateSignedByTheCa) {
+  ServerProcess store = Store(pki_.ServerFlags(/*mutual=*/true));
+  ASSERT_GT(store.port(), 0) << store.Log();
+  EXPECT_NE(store.Log().find(", mutual TLS ("), std::string::npos) << store.Log();
+
+  auto none = Client(store, pki_.Client("ca")).GetStats();
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable) << none.status();
+  auto rogue = Client(store, pki_.Client("ca", "rogue")).GetStats();
+  EXPECT_EQ(rogue.status().code(), absl::StatusCode::kUnavailable) << rogue.status();
+  auto plain = Client(store, {}).GetStats();
+  EXPECT_EQ(plain.status().code(), absl::StatusCode::kUnavailable) << plain.status();
+
+  StoreClient worker = Client(store, pki_.Client("ca", "worker"));
+  EXPECT_TRUE(worker.GetStats().ok());
+  EXPECT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, ""}).ok());
+}
+
+TEST_F(Tls, AdminIdentityKeepsAWorkersCertificateFromTheAdminRpcs) {
+  std::vector<std::string> flags = pki_.ServerFlags(/*mutual=*/true);
+  flags.push_back("--admin-identity=kvctl-admin");
+  ServerProcess store = Store(flags);
+  ASSERT_GT(store.port(), 0) << store.Log();
+
+  StoreClient worker = Client(store, pki_.Client("ca", "worker"));
+  ASSERT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, ""}).ok());
+  auto denied = worker.SetPolicy(v1::TIER_RAM, "lru");
+  EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(denied.status().message().find("\"kvctl-admin\""), std::string::npos) << denied.status();
+  EXPECT_NE(denied.status().message().find("\"worker\""), std::string::npos) << denied.status();
+  v1::EvictRequest all;
+  all.set_all(true);
+  EXPECT_EQ(worker.Evict(all).status().code(), absl::StatusCode::kPermissionDenied);
+
+  // kvctl, as an operator would run it, with each certificate.
+  std::string common = std::string(KVTIER_KVCTL_BIN) + " policy set --tier ram lru --store " +
+                       store.address() + " --tls-ca " + pki_.pem("ca");
+  ShellResult as_worker = RunShell(common + " --tls-cert " + pki_.pem("worker") + " --tls-key " +
+                                   pki_.key("worker") + " 2>&1");
+  EXPECT_EQ(as_worker.exit_code, 1) << as_worker.out;
+  EXPECT_NE(as_worker.out.find("kvctl-admin"), std::string::npos) << as_worker.out;
+  ShellResult as_admin = RunShell(common + " --tls-cert " + pki_.pem("admin") + " --tls-key " +
+                                  pki_.key("admin") + " 2>&1");
+  EXPECT_EQ(as_admin.exit_code, 0) << as_admin.out;
+  auto policy = worker.GetStats();
+  ASSERT_TRUE(policy.ok());
+  // Same common name, other CA: refused at the handshake (exit 3: unreachable).
+  ShellResult as_rogue = RunShell(common + " --tls-cert " + pki_.pem("rogue") + " --tls-key " +
+                                  pki_.key("rogue") + " 2>&1");
+  EXPECT_EQ(as_rogue.exit_code, 3) << as_rogue.out;
+
+  // kvctl health, as a probe would run it.
+  ShellResult health = RunShell(std::string(KVTIER_KVCTL_BIN) + " health " + store.address() +
+                                " --tls-ca " + pki_.pem("ca") + " --tls-cert " + pki_.pem("admin") +
+                                " --tls-key " + pki_.key("admin") + " --service kvtier.v1.Store/disk 2>&1");
+  EXPECT_EQ(health.exit_code, 0) << health.out;
+  EXPECT_NE(health.out.find("SERVING"), std::string::npos) << health.out;
+  ShellResult plain_health =
+      RunShell(std::string(KVTIER_KVCTL_BIN) + " health " + store.address() + " --timeout 1s 2>&1");
+  EXPECT_EQ(plain_health.exit_code, 3) << plain_health.out;
+}
+
+TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
+  ServerProcess router(KVTIER_ROUTER_BIN, dir_.sub("router"),
+                       [&] {
+                         std::vector<std::string> a = pki_.ServerFlags(true);
+                         a.push_back("--listen=127.0.0.1:0");
+                         a.push_back("--heartbeat-deadline=2s");
+                         return a;
+                       }());
+  ASSERT_GT(router.port(), 0) << router.Log();
+  std::vector<std::string> store_flags = pki_.ServerFlags(true);
+  store_flags.push_back("--router=" + router.address());
+  store_flags.push_back("--store-id=tls-store");
+  store_flags.push_back("--ucx-listen=127.0.0.1:0");
+  setenv("UCX_TLS", "tcp", 1);
+  ServerProcess store = Store(store_flags);
+  ASSERT_GT(store.port(), 0) << store.Log();
+  std::vector<std::string> worker_flags = pki_.ServerFlags(true);
+  for (std::string a : {std::string("--listen=127.0.0.1:0"), "--store=" + store.address(),
+                        "--router=" + router.address(), std::string("--worker-id=tls-worker"),
+                        std::string("--pages=64"),
+                        std::string("--offload=write-through"), std::string("--heartbeat=100ms")}) {
+    worker_flags.push_back(a);
+  }
+  ServerProcess worker(KVTIER_SIM_WORKER_BIN, dir_.sub("worker"), worker_flags);
+  ASSERT_GT(worker.port(), 0) << worker.Log();
+
+  // A request to the worker, over mTLS: its blocks reach the store.
+  ChannelSecurity frontend = pki_.Client("ca", "admin");
+  auto wstub = v1::SimWorker::NewStub(OpenChannel(worker.address(), frontend));
+  v1::SubmitRequest req;
+  for (int i = 0; i < 100; ++i) req.mutable_tokens()->add_ids(i);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::SubmitResponse resp;
+  grpc::Status st = wstub->Submit(&ctx, req, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message() << "\n" << worker.Log();
+  StoreClient sc = Client(store, frontend);
+  EXPECT_TRUE(WaitFor([&] {
+    auto s = sc.GetStats();
+    return s.ok() && s->tiers(0).items() == 6;  // 100 tokens of 16: 6 full blocks
+  }, std::chrono::seconds(10))) << store.Log() << worker.Log();
+
+  // The router hears both sources over mTLS and routes the prompt to the worker.
+  auto rstub = v1::Router::NewStub(OpenChannel(router.address(), frontend));
+  EXPECT_TRUE(WaitFor([&] {
+    grpc::ClientContext c;
+    v1::ListWorkersResponse r;
+    if (!rstub->ListWorkers(&c, {}, &r).ok()) return false;
+    int connected = 0;
+    for (const auto& s : r.sources()) connected += s.connected() ? 1 : 0;
+    return connected == 2;
+  }, std::chrono::seconds(10))) << router.Log();
+  // A plaintext client of the same router is refused.
+  auto plain = v1::Router::NewStub(OpenChannel(router.address(), {}));
+  grpc::ClientContext pc;
+  pc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  v1::ListWorkersResponse pr;
+  EXPECT_EQ(plain->ListWorkers(&pc, {}, &pr).error_code(), grpc::UNAVAILABLE);
+}
+
+TEST_F(Tls, BadTlsFlagsAreRefusedNamingTheFlag) {
+  std::ofstream(dir_.sub("not-pem")) << "hello\n";
+  struct Case {
+    std::string binary, args, expect;
+  };
+  std::string cert = pki_.pem("server"), key = pki_.key("server"), ca = pki_.pem("ca");
+  std::vector<Case> cases = {
+      {KVTIER_STORE_BIN, "--check-config --tls-cert " + cert, "--tls-key"},
+      {KVTIER_STORE_BIN,
+       "--check-config --tls-cert " + cert + " --tls-key " + key + " --tls-require-client-cert",
+       "--tls-ca"},
+      {KVTIER_STORE_BIN, "--check-config --tls-ca /nonexistent/ca.pem",
+       "cannot read \"/nonexistent/ca.pem\""},
+      {KVTIER_STORE_BIN, "--check-config --tls-ca " + dir_.sub("not-pem"), "not a PEM file"},
+      {KVTIER_STORE_BIN,
+       "--check-config --tls-cert " + cert + " --tls-key " + key + " --admin-identity x",
+       "--tls-require-client-cert"},
+      {KVTIER_ROUTER_BIN, "--check-config --tls-key " + key, "--tls-cert"},
+      // Refused before it serves.
+      {KVTIER_SIM_WORKER_BIN, "--listen 127.0.0.1:0 --tls-server-name x", "--tls-ca"},
+      {KVTIER_KVCTL_BIN, "stats --tls-ca /nonexistent/ca.pem", "/nonexistent/ca.pem"},
+  };
+  for (const Case& c : cases) {
+    ShellResult r = RunShell(c.binary + " " + c.args + " 2>&1 </dev/null");
+    EXPECT_EQ(r.exit_code, 2) << c.binary << " " << c.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << "\n" << r.out;
+  }
+  // A good set passes --check-config and says TLS is on.
+  ShellResult good = RunShell(std::string(KVTIER_STORE_BIN) + " --check-config --tls-cert " + cert +
+                              " --tls-key " + key + " --tls-ca " + ca + " --tls-require-client-cert 2>&1");
+  EXPECT_EQ(good.exit_code, 0) << good.out;
+  EXPECT_NE(good.out.find("tls=mutual"), std::string::npos) << good.out;
+}
+
+}  // namespace
+}  // namespace kvtier

@@ -3,8 +3,10 @@
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 #include <rocksdb/write_batch.h>
+#include <sys/statvfs.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 
@@ -185,7 +187,19 @@ void DiskTier::WriterLoop() {
     std::shared_ptr<Pending> p;
     {
       std::unique_lock lk(queue_mu_);
-      queue_cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      while (!stop_ && queue_.empty()) {
+        if (!space_paused_) {
+          queue_cv_.wait(lk);
+          continue;
+        }
+        // Paused for want of space: look again twice a second, so the tier
+        // recovers when space returns even if nothing is being demoted.
+        if (queue_cv_.wait_for(lk, std::chrono::milliseconds(500)) == std::cv_status::timeout &&
+            SpaceShortfall(0).empty()) {
+          space_paused_ = false;
+          SetDegraded("");
+        }
+      }
       if (queue_.empty()) return;  // stop_ and drained
       p = std::move(queue_.front());
       queue_.pop_front();
@@ -202,9 +216,11 @@ void DiskTier::WriterLoop() {
         Write(p->key, reinterpret_cast<const uint8_t*>(p->bytes.data()), p->bytes.size(),
               p->checksum);
     if (!s.ok() && s.code() != absl::StatusCode::kResourceExhausted) {
-      // RocksDB refuses writes after an I/O error (e.g. disk full) until resumed.
+      // RocksDB refuses writes after an I/O error until resumed.
       db_->Resume();
     }
+    // The block leaves the cache: RAM evicted it and NVMe could not take it.
+    if (!s.ok()) dropped_.fetch_add(1, std::memory_order_relaxed);
     std::lock_guard lk(queue_mu_);
     auto it = pending_.find(p->key);
     if (it != pending_.end() && it->second == p) pending_.erase(it);
@@ -212,6 +228,17 @@ void DiskTier::WriterLoop() {
     writing_ = false;
     if (queue_.empty()) idle_cv_.notify_all();
   }
+}
+
+std::string DiskTier::SpaceShortfall(uint64_t bytes) const {
+  struct statvfs fs;
+  if (statvfs(options_.dir.c_str(), &fs) != 0) return "";
+  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  if (free_bytes >= options_.reserve_bytes + bytes) return "";
+  return absl::StrCat("disk full: ", free_bytes >> 20, " MiB free on the filesystem of \"",
+                      options_.dir, "\", below the reserve of ", options_.reserve_bytes >> 20,
+                      " MiB (--disk-reserve-bytes); NVMe writes paused, reads and the RAM tier "
+                      "go on");
 }
 
 void DiskTier::SetDegraded(const std::string& reason) {
@@ -237,6 +264,11 @@ absl::Status DiskTier::Write(const BlockKey& key, const uint8_t* data, uint64_t 
   if (record_bytes > options_.bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "block record of ", record_bytes, " bytes exceeds the disk quota of ", options_.bytes));
+  }
+  if (std::string why = SpaceShortfall(record_bytes); !why.empty()) {
+    space_paused_ = true;
+    SetDegraded(why);
+    return absl::ResourceExhaustedError(why);
   }
   std::string record = EncodeRecord(data, length, checksum);
   std::vector<BlockKey> victims;

@@ -42,6 +42,11 @@ struct DiskTierOptions {
   std::map<std::string, double> policy_params;
   uint64_t queue_bytes = 64ull << 20;  // write-back queue bound
   std::string admission = "all";       // "all" or "reused" (read at least once in RAM)
+  // Free space kept on the data dir's filesystem. Below it, writes pause
+  // (the tier reports degraded, reads go on) until space returns: RocksDB is
+  // never driven into ENOSPC by the store's own writes, so it never enters
+  // its write-error state.
+  uint64_t reserve_bytes = 64ull << 20;
 };
 
 struct DiskQueueStats {
@@ -111,6 +116,9 @@ class DiskTier {
   absl::Status WriteAndCollect(const BlockKey& key, const std::string& record, uint64_t length,
                            uint64_t checksum, std::vector<BlockKey>* evicted);
   void SetDegraded(const std::string& reason);
+  // Why a write of `bytes` more would cut into the reserve; empty if it fits
+  // (or the filesystem cannot be asked).
+  std::string SpaceShortfall(uint64_t bytes) const;
 
   DiskTierOptions options_;
   ChangeListener listener_;
@@ -134,6 +142,7 @@ class DiskTier {
   bool writing_ = false;
   bool stop_ = false;
   std::atomic<uint64_t> dropped_{0};
+  std::atomic<bool> space_paused_{false};  // writes paused for want of free space
   std::thread writer_;
 
   mutable std::mutex degraded_mu_;

@@ -32,6 +32,7 @@ struct Flags {
   std::string disk_policy = "lru";
   uint64_t lease_ms = 10000;
   uint64_t demote_queue_bytes = 64ull << 20;
+  uint64_t disk_reserve_bytes = 64ull << 20;
   std::string disk_admission = "all";
   bool hugepages = true;
   bool prefault = true;
@@ -72,6 +73,9 @@ int main(int argc, char** argv) {
   flags.Bytes("demote-queue-bytes", &f.demote_queue_bytes,
               "Bound of the RAM->NVMe write-back queue; blocks evicted past it are dropped "
               "(counted)");
+  flags.Bytes("disk-reserve-bytes", &f.disk_reserve_bytes,
+              "Free space kept on the data dir's filesystem: below it NVMe writes pause (tier "
+              "degraded; reads and RAM go on) until space returns");
   flags.Choice("disk-admission", &f.disk_admission, {"all", "reused"},
                "Which evicted RAM blocks go to NVMe: all, or only those read at least once");
   flags.Bool("hugepages", &f.hugepages, "Back the RAM arena with 2 MiB hugepages when reserved");
@@ -177,6 +181,7 @@ int main(int argc, char** argv) {
   o.disk.bytes = f.disk_bytes;
   o.disk.policy = f.disk_policy;
   o.disk.queue_bytes = f.demote_queue_bytes;
+  o.disk.reserve_bytes = f.disk_reserve_bytes;
   o.disk.admission = f.disk_admission;
   o.lease_ms = f.lease_ms;
   o.routers = routers;

@@ -3,6 +3,7 @@
 // check that every block it then serves is byte-exact, the NVMe tier came
 // back, and the client recovered by itself.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <atomic>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <filesystem>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "common/store_client.h"
 #include "common/store_data_client.h"
 #include "tests/test_util.h"
@@ -133,6 +135,161 @@ TEST(Faults, KillNineDuringPutsGetsAndDemotionLosesNothingCommittedToDisk) {
   EXPECT_GT(served, 0u);
   EXPECT_GT(from_disk, 0u);
   EXPECT_EQ(control.GetStats()->checksum_failures(), 0u);
+}
+
+
+namespace disk_full {
+
+// A small tmpfs mounted for the test (needs CAP_SYS_ADMIN; skipped with a
+// message where mounting is not allowed).
+class SmallFilesystem {
+ public:
+  SmallFilesystem(const std::string& path, const std::string& size) : path_(path) {
+    std::filesystem::create_directories(path);
+    mounted_ = RunShell("mount -t tmpfs -o size=" + size + " kvtier-test " + path + " 2>&1").exit_code == 0;
+  }
+  ~SmallFilesystem() {
+    if (mounted_) RunShell("umount -l " + path_ + " 2>&1");
+  }
+  bool mounted() const { return mounted_; }
+
+ private:
+  std::string path_;
+  bool mounted_ = false;
+};
+
+// Fills the filesystem of path up with a file, to the last byte.
+void Fill(const std::string& path) {
+  RunShell("dd if=/dev/zero of=" + path + " bs=1M 2>/dev/null; sync");
+}
+
+std::vector<std::pair<BlockHash, std::string>> Blocks(uint64_t first, uint64_t n) {
+  std::vector<std::pair<BlockHash, std::string>> out;
+  for (uint64_t i = first; i < first + n; ++i) out.push_back({H(i), testing::BlockBytesFor(i, kBlock)});
+  return out;
+}
+
+absl::Status Put(StoreClient& c, uint64_t ns, const std::vector<std::pair<BlockHash, std::string>>& blocks) {
+  std::vector<std::pair<BlockHash, std::string_view>> views;
+  for (const auto& [h, b] : blocks) views.push_back({h, b});
+  auto r = c.PutInline(ns, views);
+  if (!r.ok()) return r.status();
+  if (r->stored + r->already_present != blocks.size()) {
+    return absl::InternalError(absl::StrCat("stored ", r->stored, " of ", blocks.size()));
+  }
+  return absl::OkStatus();
+}
+
+// Where block i is (TIER_UNSPECIFIED if absent).
+v1::Tier TierOf(StoreClient& c, uint64_t ns, uint64_t i) {
+  auto t = c.Lookup(ns, {H(i)});
+  return t.ok() && !t->empty() ? (*t)[0] : v1::TIER_UNSPECIFIED;
+}
+
+// Block i served byte-exact.
+bool Served(StoreClient& c, uint64_t ns, uint64_t i) {
+  auto got = c.GetInline(ns, {H(i)});
+  return got.ok() && got->size() == 1 && (*got)[0].data == testing::BlockBytesFor(i, kBlock);
+}
+
+v1::TierStats Disk(StoreClient& c) {
+  auto s = c.GetStats();
+  return s.ok() && s->tiers_size() == 2 ? s->tiers(1) : v1::TierStats{};
+}
+
+bool DrainedToDisk(StoreClient& c) {
+  auto s = c.GetStats();
+  return s.ok() && s->demotion_queue_blocks() == 0;
+}
+
+}  // namespace disk_full
+
+TEST(Faults, DiskFullPausesTheNvmeTierKeepsServingAndRecoversWhenSpaceReturns) {
+  using namespace disk_full;
+  testing::TempDir dir;
+  SmallFilesystem fs(dir.sub("fs"), "48m");
+  if (!fs.mounted()) GTEST_SKIP() << "cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)";
+  const int port = testing::FreePort();
+  std::vector<std::string> args = {"--listen=127.0.0.1:" + std::to_string(port),
+                                   "--data-dir=" + dir.sub("fs") + "/db", "--hugepages=false",
+                                   "--ram-bytes=4MiB", "--ram-slab-bytes=1MiB",
+                                   "--disk-bytes=24MiB", "--disk-reserve-bytes=8MiB"};
+  ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"), args);
+  ASSERT_GT(store.port(), 0) << store.Log();
+  StoreClientOptions co;
+  co.deadline_ms = 5000;
+  StoreClient c(store.address(), co);
+  auto ns = c.RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+
+  // 1. 64 blocks (8 MiB) through a 4 MiB RAM tier: about half go to NVMe.
+  for (uint64_t i = 0; i < 64; i += 8) ASSERT_TRUE(Put(c, ns->id, Blocks(i, 8)).ok());
+  ASSERT_TRUE(WaitFor([&] { return DrainedToDisk(c); }, std::chrono::seconds(10)));
+  std::set<uint64_t> on_disk;
+  for (uint64_t i = 0; i < 64; ++i) {
+    if (TierOf(c, ns->id, i) == v1::TIER_DISK) on_disk.insert(i);
+  }
+  ASSERT_GE(on_disk.size(), 16u);
+  EXPECT_FALSE(Disk(c).degraded());
+
+  // 2. Something else fills the filesystem. The store goes on taking puts
+  // into RAM; demotions stop short of the reserve; the tier says why.
+  Fill(dir.sub("fs") + "/filler");
+  for (uint64_t i = 64; i < 128; i += 8) {
+    absl::Status s = Put(c, ns->id, Blocks(i, 8));
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  EXPECT_TRUE(WaitFor([&] { return Disk(c).degraded(); }, std::chrono::seconds(10)));
+  v1::TierStats d = Disk(c);
+  EXPECT_NE(d.degraded_reason().find("disk full"), std::string::npos) << d.degraded_reason();
+  EXPECT_NE(d.degraded_reason().find("--disk-reserve-bytes"), std::string::npos);
+  EXPECT_TRUE(WaitFor([&] { return !c.Health("kvtier.v1.Store/disk").ok(); },
+                      std::chrono::seconds(5)));
+  EXPECT_TRUE(c.Health().ok());
+  int wstatus = 0;
+  EXPECT_EQ(waitpid(store.proc().pid(), &wstatus, WNOHANG), 0) << "the store died\n" << store.Log();
+  // The newest blocks from RAM, then the older ones from NVMe (reads need no
+  // space; their promotions push RAM blocks out, which are then dropped).
+  for (uint64_t i = 120; i < 128; ++i) EXPECT_TRUE(Served(c, ns->id, i)) << "RAM block " << i;
+  for (uint64_t i : on_disk) EXPECT_TRUE(Served(c, ns->id, i)) << "NVMe block " << i;
+  std::set<uint64_t> on_disk_while_full;
+  for (uint64_t i = 0; i < 128; ++i) {
+    if (TierOf(c, ns->id, i) == v1::TIER_DISK) on_disk_while_full.insert(i);
+  }
+
+  // 3. Space returns: the tier recovers by itself and takes demotions again.
+  std::filesystem::remove(dir.sub("fs") + "/filler");
+  EXPECT_TRUE(WaitFor([&] { return !Disk(c).degraded(); }, std::chrono::seconds(10)))
+      << Disk(c).degraded_reason();
+  EXPECT_TRUE(WaitFor([&] { return c.Health("kvtier.v1.Store/disk").ok(); },
+                      std::chrono::seconds(5)));
+  const uint64_t items_before = Disk(c).items();
+  for (uint64_t i = 128; i < 192; i += 8) ASSERT_TRUE(Put(c, ns->id, Blocks(i, 8)).ok());
+  ASSERT_TRUE(WaitFor([&] { return DrainedToDisk(c); }, std::chrono::seconds(10)));
+  EXPECT_GT(Disk(c).items() + Disk(c).evictions(), items_before);
+  std::set<uint64_t> committed;
+  for (uint64_t i = 0; i < 192; ++i) {
+    if (TierOf(c, ns->id, i) == v1::TIER_DISK) committed.insert(i);
+  }
+  EXPECT_GT(committed.size(), on_disk_while_full.size() / 2);
+
+  // 4. kill -9 and restart: every block the NVMe tier held comes back byte-exact.
+  store.proc().Kill(SIGKILL);
+  store.Start();
+  ASSERT_GT(store.port(), 0) << store.Log();
+  StoreClient after(store.address(), co);
+  ASSERT_TRUE(WaitFor([&] { return after.Health().ok(); }, std::chrono::seconds(10)));
+  uint64_t lost = 0, mismatched = 0;
+  for (uint64_t i : committed) {
+    if (TierOf(after, ns->id, i) != v1::TIER_DISK) {
+      ++lost;
+    } else if (!Served(after, ns->id, i)) {
+      ++mismatched;
+    }
+  }
+  EXPECT_EQ(lost, 0u) << "of " << committed.size() << " NVMe blocks";
+  EXPECT_EQ(mismatched, 0u);
+  EXPECT_FALSE(Disk(after).degraded());
 }
 
 }  // namespace

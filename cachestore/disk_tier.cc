@@ -230,6 +230,13 @@ void DiskTier::WriterLoop() {
   }
 }
 
+void DiskTier::Notify(const std::vector<BlockKey>& removed, const BlockKey* added) {
+  std::lock_guard lk(listener_mu_);
+  if (!listener_) return;
+  for (const auto& k : removed) listener_(k, false);
+  if (added) listener_(*added, true);
+}
+
 std::string DiskTier::SpaceShortfall(uint64_t bytes) const {
   struct statvfs fs;
   if (statvfs(options_.dir.c_str(), &fs) != 0) return "";
@@ -273,10 +280,7 @@ absl::Status DiskTier::Write(const BlockKey& key, const uint8_t* data, uint64_t 
   std::string record = EncodeRecord(data, length, checksum);
   std::vector<BlockKey> victims;
   absl::Status st = WriteAndCollect(key, record, length, checksum, &victims);
-  if (st.ok() && listener_) {
-    for (const auto& v : victims) listener_(v, false);
-    listener_(key, true);
-  }
+  if (st.ok()) Notify(victims, &key);
   return st;
 }
 
@@ -368,9 +372,7 @@ absl::StatusOr<std::string> DiskTier::Read(const BlockKey& key, uint64_t* checks
 EraseCounts DiskTier::EraseKeys(const std::vector<BlockKey>& keys) {
   std::vector<BlockKey> gone;
   EraseCounts c = EraseAndCollect(keys, &gone);
-  if (listener_) {
-    for (const auto& k : gone) listener_(k, false);
-  }
+  Notify(gone, nullptr);
   return c;
 }
 

@@ -60,7 +60,12 @@ class DiskTier {
   ~DiskTier();
 
   // Set once, before the tier is used. Not called under the tier's locks.
-  void SetChangeListener(ChangeListener listener) { listener_ = std::move(listener); }
+  // Safe while the writer runs: a listener being replaced or cleared is not
+  // called once this returns.
+  void SetChangeListener(ChangeListener listener) {
+    std::lock_guard lk(listener_mu_);
+    listener_ = std::move(listener);
+  }
   // Every block on disk (for an initial announcement).
   std::vector<BlockKey> Keys() const;
 
@@ -116,11 +121,15 @@ class DiskTier {
   absl::Status WriteAndCollect(const BlockKey& key, const std::string& record, uint64_t length,
                            uint64_t checksum, std::vector<BlockKey>* evicted);
   void SetDegraded(const std::string& reason);
+  // Tells the listener (if any) that `removed` left the tier and `added`
+  // (when not null) arrived.
+  void Notify(const std::vector<BlockKey>& removed, const BlockKey* added);
   // Why a write of `bytes` more would cut into the reserve; empty if it fits
   // (or the filesystem cannot be asked).
   std::string SpaceShortfall(uint64_t bytes) const;
 
   DiskTierOptions options_;
+  std::mutex listener_mu_;  // listener_; held while it is called
   ChangeListener listener_;
   rocksdb::DB* db_ = nullptr;
   rocksdb::ColumnFamilyHandle* blocks_cf_ = nullptr;

@@ -45,6 +45,12 @@ bool RamTier::Contains(const BlockKey& key) const {
   return it != s.index.end() && s.entries.at(it->second).ready;
 }
 
+void RamTier::SetChangeListener(ChangeListener listener) {
+  std::vector<std::unique_lock<std::mutex>> locks;
+  for (auto& shard : shards_) locks.emplace_back(shard->mu);
+  listener_ = std::move(listener);
+}
+
 void RamTier::FreeSlotLocked(Shard& s, uint64_t offset) {
   auto it = s.entries.find(offset);
   const Entry& e = it->second;

@@ -65,8 +65,9 @@ class RamTier {
   static absl::StatusOr<std::unique_ptr<RamTier>> Create(const RamTierOptions& options,
                                                          DemotionSink sink);
 
-  // Set once, before the tier is used.
-  void SetChangeListener(ChangeListener listener) { listener_ = std::move(listener); }
+  // The listener is called under a shard lock; replacing it takes every
+  // shard lock, so a cleared listener is not called once this returns.
+  void SetChangeListener(ChangeListener listener);
 
   // True if key is READY.
   bool Contains(const BlockKey& key) const;

@@ -40,7 +40,7 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   const int seconds = env ? std::atoi(env) : 60;
   setenv("UCX_TLS", "tcp", 1);
   testing::TempDir dir;
-  const uint64_t ram = 32ull << 20, queue = 32ull << 20;
+  [[maybe_unused]] const uint64_t ram = 32ull << 20, queue = 32ull << 20;
   ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"),
                       {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
                        "--data-dir=" + dir.sub("db"), "--hugepages=false", "--ram-bytes=32MiB",

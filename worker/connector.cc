@@ -52,7 +52,10 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   }
   KvConnector* self = c.get();
   c->pool_->SetEvictCallback([self](const BlockHash& h, uint32_t page) {
-    for (auto* p : self->publishers_) p->Removed(self->ns_, {h});
+    {
+      std::lock_guard lk(self->publishers_mu_);
+      for (auto* p : self->publishers_) p->Removed(self->ns_, {h});
+    }
     if (self->store_ && self->options_.offload == "write-back" && !self->KnownStored(h)) {
       self->StageForOffload(h, page, 0, self->options_.offload_wait_ms);
     }
@@ -93,6 +96,7 @@ void KvConnector::NoteStored(const BlockHash& h) {
 
 void KvConnector::PublishStored(const std::vector<BlockHash>& hashes) {
   if (hashes.empty()) return;
+  std::lock_guard lk(publishers_mu_);
   for (auto* p : publishers_) p->Stored(ns_, hashes);
 }
 

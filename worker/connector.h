@@ -76,8 +76,12 @@ class KvConnector {
 
   static absl::StatusOr<std::unique_ptr<KvConnector>> Create(ConnectorOptions options);
   // Routers' publishers that receive BlockStored / BlockRemoved for the
-  // pages (set once, before requests arrive).
-  void SetPublishers(std::vector<EventPublisher*> publishers) { publishers_ = std::move(publishers); }
+  // pages. May be set while requests run (a server learns its bound port,
+  // which publishers announce, only once it serves).
+  void SetPublishers(std::vector<EventPublisher*> publishers) {
+    std::lock_guard lk(publishers_mu_);
+    publishers_ = std::move(publishers);
+  }
   ~KvConnector();
 
   uint64_t namespace_id() const { return ns_; }
@@ -143,6 +147,7 @@ class KvConnector {
   uint64_t ns_ = 0;
   std::unique_ptr<PagePool> pool_;
   std::unique_ptr<ShardedStoreClient> store_;
+  std::mutex publishers_mu_;  // publishers_
   std::vector<EventPublisher*> publishers_;
   std::atomic<bool> registered_{false};
 

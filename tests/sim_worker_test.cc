@@ -147,6 +147,75 @@ TEST_F(SimCluster, AWorkerKilledMidOffloadLeavesNoPartialBlock) {
   }));
 }
 
+TEST_F(SimCluster, AWorkerKilledMidOnboardReleasesItsLeasesAndOthersCarryOn) {
+  // w0 computes twelve 2,048-token prompts and writes them through to the store.
+  {
+    auto w0 = Worker("w0");
+    auto s0 = Stub(*w0);
+    for (uint64_t p = 0; p < 12; ++p) {
+      v1::SubmitResponse r;
+      ASSERT_TRUE(Submit(*s0, Prompt(500 + p, 2048, p + 1), &r).ok());
+    }
+    w0->proc().Kill(SIGKILL);
+  }
+  // w1 and w2 (no offload) onboard them again and again; w1 dies mid-way.
+  auto w1 = Worker("w1", "none");
+  auto w2 = Worker("w2", "none");
+  auto s1 = Stub(*w1), s2 = Stub(*w2);
+  std::atomic<bool> stop{false};
+  std::atomic<int> served1{0}, served2{0}, failed2{0};
+  std::atomic<uint64_t> onboarded2{0};
+  auto loop = [&](v1::SimWorker::Stub& s, std::atomic<int>& served, bool count, uint64_t first_id) {
+    for (uint64_t i = 0; !stop; ++i) {
+      v1::SubmitResponse r;
+      if (!Submit(s, Prompt(500 + i % 12, 2048, first_id + i), &r).ok()) {
+        if (count) failed2++;
+        if (!count) return;
+        continue;
+      }
+      served++;
+      if (count) onboarded2 += r.onboarded_tokens();
+    }
+  };
+  std::thread t1([&] { loop(*s1, served1, false, 1000); });
+  std::thread t2([&] { loop(*s2, served2, true, 100000); });
+  ASSERT_TRUE(WaitFor([&] { return served1 >= 3 && served2 >= 1; }, std::chrono::seconds(60)));
+  w1->proc().Kill(SIGKILL);
+  t1.join();
+  const int before = served2;
+  const uint64_t onboarded_before = onboarded2;
+  // w2 is unaffected: it keeps serving, onboarding from the store.
+  EXPECT_TRUE(WaitFor([&] { return served2 >= before + 4; }, std::chrono::seconds(60)));
+  stop = true;
+  t2.join();
+  EXPECT_EQ(failed2.load(), 0);
+  EXPECT_GT(onboarded2.load(), onboarded_before);
+  grpc::ClientContext ctx;
+  v1::GetWorkerStatsResponse ws;
+  ASSERT_TRUE(s2->GetWorkerStats(&ctx, {}, &ws).ok());
+  EXPECT_GT(ws.verified_blocks(), 0u);
+  EXPECT_EQ(ws.mismatched_blocks(), 0u);
+  // The dead worker's get leases are reclaimed (lease 500 ms + grace).
+  StoreClient store(store_->address());
+  EXPECT_TRUE(WaitFor([&] {
+    auto st = store.GetStats();
+    return st.ok() && st->get_leases() == 0 && st->put_leases() == 0;
+  }, std::chrono::seconds(10)));
+  // The router drops w1 at its heartbeat deadline and keeps w2.
+  auto router = v1::Router::NewStub(grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials()));
+  EXPECT_TRUE(WaitFor([&] {
+    grpc::ClientContext c;
+    v1::ListWorkersResponse lw;
+    if (!router->ListWorkers(&c, {}, &lw).ok()) return false;
+    bool w1_listed = false, w2_listed = false;
+    for (const auto& src : lw.sources()) {
+      w1_listed |= src.source_id() == "w1";
+      w2_listed |= src.source_id() == "w2";
+    }
+    return !w1_listed && w2_listed;
+  }, std::chrono::seconds(10)));
+}
+
 TEST_F(SimCluster, AWorkerFallsBackToPrefillWhenTheStoreIsGone) {
   auto w1 = Worker("w1");
   auto w2 = Worker("w2", "none");

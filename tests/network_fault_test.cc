@@ -51,14 +51,25 @@ StoreClient Client(const std::string& address) {
   return StoreClient(address, o);
 }
 
-TEST(NetworkFaults, APartitionedControlPlaneFailsEveryCallAtItsDeadlineAndRecovers) {
-  testing::TempDir dir;
-  ServerProcess store = Store(dir);
-  ASSERT_GT(store.port(), 0) << store.Log();
-  FaultProxy proxy(store.port());
-  StoreClient c = Client(proxy.address());
-  auto ns = c.RegisterNamespace(Spec());
-  ASSERT_TRUE(ns.ok()) << ns.status();
+// A store reached through a FaultProxy, with a namespace registered.
+class StoreBehindAFaultyNetwork : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_GT(store_.port(), 0) << store_.Log();
+    auto r = c_.RegisterNamespace(Spec());
+    ASSERT_TRUE(r.ok()) << r.status();
+    ns_ = r->id;
+  }
+  testing::TempDir dir_;
+  ServerProcess store_ = Store(dir_);
+  FaultProxy proxy_{store_.port()};
+  StoreClient c_ = Client(proxy_.address());
+  uint64_t ns_ = 0;
+};
+
+TEST_F(StoreBehindAFaultyNetwork, APartitionedControlPlaneFailsEveryCallAtItsDeadlineAndRecovers) {
+  FaultProxy& proxy = proxy_;
+  StoreClient& c = c_;
 
   proxy.Set(FaultProxy::Mode::kBlackhole);
   for (int i = 0; i < 3; ++i) {
@@ -71,7 +82,7 @@ TEST(NetworkFaults, APartitionedControlPlaneFailsEveryCallAtItsDeadlineAndRecove
                 absl::StatusCodeToString(s.status().code()).c_str(), static_cast<long>(ms), kDeadlineMs);
     std::string block = testing::BlockBytesFor(i, kBlock);
     t0 = Clock::now();
-    auto put = c.PutInline(ns->id, {{H(i), block}});
+    auto put = c.PutInline(ns_, {{H(i), block}});
     EXPECT_FALSE(put.ok());
     EXPECT_LE(MsSince(t0), kDeadlineMs + kSlack.count()) << "put " << i << " hung";
   }
@@ -83,7 +94,7 @@ TEST(NetworkFaults, APartitionedControlPlaneFailsEveryCallAtItsDeadlineAndRecove
   std::printf("healed: first successful call after %ld ms\n", static_cast<long>(MsSince(healed)));
   // Whatever the cut-off puts left behind is whole or absent.
   for (uint64_t i = 0; i < 3; ++i) {
-    auto got = c.GetInline(ns->id, {H(i)});
+    auto got = c.GetInline(ns_, {H(i)});
     ASSERT_TRUE(got.ok()) << got.status();
     if (!got->empty()) {
       EXPECT_EQ((*got)[0].data, testing::BlockBytesFor(i, kBlock));
@@ -92,14 +103,9 @@ TEST(NetworkFaults, APartitionedControlPlaneFailsEveryCallAtItsDeadlineAndRecove
   EXPECT_EQ(c.GetStats()->checksum_failures(), 0u);
 }
 
-TEST(NetworkFaults, ResetConnectionsFailCallsFastAndTheClientReconnects) {
-  testing::TempDir dir;
-  ServerProcess store = Store(dir);
-  ASSERT_GT(store.port(), 0) << store.Log();
-  FaultProxy proxy(store.port());
-  StoreClient c = Client(proxy.address());
-  auto ns = c.RegisterNamespace(Spec());
-  ASSERT_TRUE(ns.ok()) << ns.status();
+TEST_F(StoreBehindAFaultyNetwork, ResetConnectionsFailCallsFastAndTheClientReconnects) {
+  FaultProxy& proxy = proxy_;
+  StoreClient& c = c_;
 
   // Reset in the middle of a stream of inline puts (32 MiB per call).
   std::atomic<bool> stop{false};
@@ -111,7 +117,7 @@ TEST(NetworkFaults, ResetConnectionsFailCallsFastAndTheClientReconnects) {
       std::vector<std::pair<BlockHash, std::string_view>> blocks;
       for (uint64_t i = 0; i < 256; ++i) blocks.push_back({H(first + i), bytes[i]});
       auto t0 = Clock::now();
-      auto r = c.PutInline(ns->id, blocks);
+      auto r = c.PutInline(ns_, blocks);
       if (MsSince(t0) > kDeadlineMs + kSlack.count()) ++slow;
       (r.ok() ? ok_puts : failed_puts)++;
       if (!r.ok()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -147,7 +153,7 @@ TEST(NetworkFaults, ResetConnectionsFailCallsFastAndTheClientReconnects) {
   // torn block behind).
   uint64_t present = 0;
   for (uint64_t i = 0; i < 4096 + 256; ++i) {
-    auto got = c.GetInline(ns->id, {H(i)});
+    auto got = c.GetInline(ns_, {H(i)});
     ASSERT_TRUE(got.ok()) << got.status();
     if (got->empty()) continue;
     ++present;

@@ -144,12 +144,31 @@ DiskTier::~DiskTier() {
   }
   queue_cv_.notify_all();
   if (writer_.joinable()) writer_.join();
+  if (db_ && write_failed_) {
+    // Closing would use the failed WAL writer (see write_failed_): leave it
+    // to the process exit. Everything acknowledged before the error is in the
+    // WAL or SST files and comes back at the next start.
+    Log("store", "disk tier: RocksDB left unclosed after its write error");
+    return;
+  }
   if (db_) {
     for (auto* h : {default_cf_, blocks_cf_, index_cf_, meta_cf_}) {
       if (h) db_->DestroyColumnFamilyHandle(h);
     }
     delete db_;
   }
+}
+
+absl::Status DiskTier::WritesStopped() const {
+  if (!write_failed_) return absl::OkStatus();
+  std::lock_guard lk(degraded_mu_);
+  return absl::UnavailableError(degraded_reason_);
+}
+
+void DiskTier::WriteFailed(const std::string& what, const std::string& error) {
+  write_failed_ = true;
+  SetDegraded(absl::StrCat("RocksDB write error while ", what, ": ", error,
+                           "; NVMe writes stopped until the store restarts (reads go on)"));
 }
 
 bool DiskTier::Contains(const BlockKey& key) const {
@@ -195,7 +214,7 @@ void DiskTier::WriterLoop() {
         // Paused for want of space: look again twice a second, so the tier
         // recovers when space returns even if nothing is being demoted.
         if (queue_cv_.wait_for(lk, std::chrono::milliseconds(500)) == std::cv_status::timeout &&
-            SpaceShortfall(0).empty()) {
+            !write_failed_ && SpaceShortfall(0).empty()) {
           space_paused_ = false;
           SetDegraded("");
         }
@@ -215,10 +234,6 @@ void DiskTier::WriterLoop() {
     absl::Status s =
         Write(p->key, reinterpret_cast<const uint8_t*>(p->bytes.data()), p->bytes.size(),
               p->checksum);
-    if (!s.ok() && s.code() != absl::StatusCode::kResourceExhausted) {
-      // RocksDB refuses writes after an I/O error until resumed.
-      db_->Resume();
-    }
     // The block leaves the cache: RAM evicted it and NVMe could not take it.
     if (!s.ok()) dropped_.fetch_add(1, std::memory_order_relaxed);
     std::lock_guard lk(queue_mu_);
@@ -288,6 +303,7 @@ absl::Status DiskTier::WriteAndCollect(const BlockKey& key, const std::string& r
                                    uint64_t length, uint64_t checksum,
                                    std::vector<BlockKey>* evicted) {
   const uint64_t record_bytes = record.size();
+  if (auto s = WritesStopped(); !s.ok()) return s;
   std::lock_guard lk(mu_);
   if (index_.count(key)) return absl::OkStatus();
   rocksdb::WriteBatch batch;
@@ -313,7 +329,7 @@ absl::Status DiskTier::WriteAndCollect(const BlockKey& key, const std::string& r
     // Nothing was applied: put the victims back in the policy as they were.
     for (const auto& vk : victims) policy_->Insert(index_.at(vk).seq);
     victims.clear();
-    SetDegraded(s.ToString());
+    WriteFailed("writing a block", s.ToString());
     return FromRocks(s, "writing a block to the disk tier");
   }
   for (const auto& vk : victims) {
@@ -400,9 +416,12 @@ EraseCounts DiskTier::EraseAndCollect(const std::vector<BlockKey>& keys,
     present.push_back(k);
   }
   if (present.empty()) return c;
-  rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &batch);
+  // After a write error the records stay on disk (nothing may be written);
+  // they leave the index, so they are not served until the next start.
+  rocksdb::Status s = write_failed_ ? rocksdb::Status::OK()
+                                    : db_->Write(rocksdb::WriteOptions(), &batch);
   if (!s.ok()) {
-    SetDegraded(s.ToString());
+    WriteFailed("erasing blocks", s.ToString());
     return c;
   }
   for (const auto& k : present) {
@@ -480,9 +499,12 @@ std::map<std::string, double> DiskTier::policy_params() const {
 }
 
 absl::Status DiskTier::PutMeta(const std::string& key, const std::string& value) {
+  if (auto s = WritesStopped(); !s.ok()) return s;
   rocksdb::WriteOptions wo;
   wo.sync = true;
-  return FromRocks(db_->Put(wo, meta_cf_, key, value), "writing store metadata");
+  rocksdb::Status s = db_->Put(wo, meta_cf_, key, value);
+  if (!s.ok()) WriteFailed("writing store metadata", s.ToString());
+  return FromRocks(s, "writing store metadata");
 }
 
 std::vector<std::pair<std::string, std::string>> DiskTier::ScanMeta(

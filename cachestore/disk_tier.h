@@ -152,6 +152,13 @@ class DiskTier {
   bool stop_ = false;
   std::atomic<uint64_t> dropped_{0};
   std::atomic<bool> space_paused_{false};  // writes paused for want of free space
+  // Set by the first failed RocksDB write. RocksDB 7.8 (as Debian builds it,
+  // with assertions) aborts if a WAL writer that saw an error is used again,
+  // by a write, Resume() or Close(); so from then on nothing is written (or
+  // closed) until the store restarts. Reads go on.
+  std::atomic<bool> write_failed_{false};
+  absl::Status WritesStopped() const;
+  void WriteFailed(const std::string& what, const std::string& error);
   std::thread writer_;
 
   mutable std::mutex degraded_mu_;

@@ -169,6 +169,9 @@ int main(int argc, char** argv) {
   }
 
   kvtier::BlockShutdownSignals();
+  // A file-size limit (ulimit -f) then fails the write with EFBIG, which the
+  // disk tier handles, instead of killing the process.
+  signal(SIGXFSZ, SIG_IGN);
 
   kvtier::store::StoreOptions o;
   o.ram.bytes = f.ram_bytes;

@@ -137,7 +137,12 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(const NamespaceSpec& spec
   }
   std::lock_guard lk(ns_mu_);
   if (namespaces_.count(id)) return namespaces_.at(id);
-  if (auto s = disk_->PutMeta("ns/" + NsName(id), SerializeSpec(spec)); !s.ok()) return s;
+  if (auto s = disk_->PutMeta("ns/" + NsName(id), SerializeSpec(spec)); !s.ok()) {
+    // The NVMe tier takes no writes now (degraded); none of this namespace's
+    // blocks can be on disk, so it is served from RAM and registered again
+    // by its workers after a restart.
+    Log("store", "namespace ", NsName(id), " not persisted: ", s.message());
+  }
   NamespaceInfo info{id, spec, bytes};
   namespaces_[id] = info;
   Log("store", "registered namespace ", NsName(id), " (", CanonicalNamespace(spec), "), blocks of ",

@@ -46,6 +46,7 @@ class Process {
  public:
   Process(const std::string& binary, const std::vector<std::string>& args,
           const std::string& log_path = "") {
+    std::fflush(nullptr);  // or the child flushes the parent's buffered output again
     pid_ = fork();
     if (pid_ == 0) {
       // The child never outlives its parent, even if the parent is killed.

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -290,6 +291,75 @@ TEST(Faults, DiskFullPausesTheNvmeTierKeepsServingAndRecoversWhenSpaceReturns) {
   EXPECT_EQ(lost, 0u) << "of " << committed.size() << " NVMe blocks";
   EXPECT_EQ(mismatched, 0u);
   EXPECT_FALSE(Disk(after).degraded());
+}
+
+
+TEST(Faults, ARocksDbWriteErrorStopsNvmeWritesKeepsServingAndARestartRecoversEverything) {
+  using namespace disk_full;
+  testing::TempDir dir;
+  const int port = testing::FreePort();
+  // A 3 MiB file-size limit (RLIMIT_FSIZE, via prlimit): RocksDB's WAL append
+  // fails with EFBIG, an I/O error that is not a full disk.
+  std::vector<std::string> store_args = {"--listen=127.0.0.1:" + std::to_string(port),
+                                         "--data-dir=" + dir.sub("db"), "--hugepages=false",
+                                         "--ram-bytes=2MiB", "--ram-slab-bytes=1MiB",
+                                         "--ram-policy=lru"};  // newest blocks stay in RAM
+  std::vector<std::string> limited = {"--fsize=" + std::to_string(3 << 20), KVTIER_STORE_BIN};
+  limited.insert(limited.end(), store_args.begin(), store_args.end());
+  auto store = std::make_unique<ServerProcess>("/usr/bin/prlimit", dir.sub("store"), limited);
+  ASSERT_GT(store->port(), 0) << store->Log();
+  StoreClientOptions co;
+  co.deadline_ms = 5000;
+  StoreClient c(store->address(), co);
+  auto ns = c.RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+
+  // 64 blocks (8 MiB) through a 2 MiB RAM tier: demotions fill the WAL to the limit.
+  for (uint64_t i = 0; i < 64; i += 8) {
+    absl::Status s = Put(c, ns->id, Blocks(i, 8));
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  ASSERT_TRUE(WaitFor([&] { return Disk(c).degraded(); }, std::chrono::seconds(10))) << store->Log();
+  v1::TierStats d = Disk(c);
+  EXPECT_NE(d.degraded_reason().find("RocksDB write error"), std::string::npos) << d.degraded_reason();
+  EXPECT_NE(d.degraded_reason().find("restart"), std::string::npos) << d.degraded_reason();
+  EXPECT_TRUE(WaitFor([&] { return !c.Health("kvtier.v1.Store/disk").ok(); }, std::chrono::seconds(5)));
+  EXPECT_TRUE(c.Health().ok());
+  // It keeps serving: new puts land in RAM, RAM and NVMe blocks read back byte-exact.
+  for (uint64_t i = 64; i < 80; i += 8) EXPECT_TRUE(Put(c, ns->id, Blocks(i, 8)).ok());
+  for (uint64_t i = 72; i < 80; ++i) EXPECT_TRUE(Served(c, ns->id, i)) << "RAM block " << i;
+  std::set<uint64_t> on_disk;
+  for (uint64_t i = 0; i < 80; ++i) {
+    if (TierOf(c, ns->id, i) == v1::TIER_DISK) on_disk.insert(i);
+  }
+  EXPECT_GE(on_disk.size(), 8u);
+  for (uint64_t i : on_disk) EXPECT_TRUE(Served(c, ns->id, i)) << "NVMe block " << i;
+  std::printf("write error: %zu blocks on NVMe; reason: %s\n", on_disk.size(),
+              d.degraded_reason().c_str());
+
+  // A clean stop does not trip over the failed WAL writer.
+  int status = store->proc().Kill(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n" << store->Log();
+
+  // Restarted without the limit: every block that was on NVMe is back byte-exact.
+  store = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir.sub("store2"), store_args);
+  ASSERT_GT(store->port(), 0) << store->Log();
+  StoreClient after(store->address(), co);
+  EXPECT_FALSE(Disk(after).degraded());
+  uint64_t lost = 0, mismatched = 0;
+  for (uint64_t i : on_disk) {
+    if (TierOf(after, ns->id, i) != v1::TIER_DISK) {
+      ++lost;
+    } else if (!Served(after, ns->id, i)) {
+      ++mismatched;
+    }
+  }
+  EXPECT_EQ(lost, 0u) << "of " << on_disk.size();
+  EXPECT_EQ(mismatched, 0u);
+  // And it writes to NVMe again.
+  for (uint64_t i = 100; i < 132; i += 8) ASSERT_TRUE(Put(after, ns->id, Blocks(i, 8)).ok());
+  EXPECT_TRUE(WaitFor([&] { return DrainedToDisk(after); }, std::chrono::seconds(10)));
+  EXPECT_FALSE(Disk(after).degraded()) << Disk(after).degraded_reason();
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <map>
 
 #include "common/router_client.h"
@@ -196,6 +197,13 @@ TEST(NetworkFaults, AStalledStoreFailsDataPlaneOperationsAtTheirDeadlineAndTheyR
   // The store stops answering on every connection (SIGSTOP: its sockets
   // stay open, nothing comes back, as in a partition).
   ::kill(store.proc().pid(), SIGSTOP);
+  // kill() returns before every thread has stopped: wait for state T.
+  ASSERT_TRUE(WaitFor([&] {
+    std::ifstream stat("/proc/" + std::to_string(store.proc().pid()) + "/stat");
+    std::string pid, comm, state;
+    stat >> pid >> comm >> state;
+    return state == "T";
+  }, std::chrono::seconds(5)));
   for (uint64_t first : {100, 200}) {
     auto t0 = Clock::now();
     auto p = put(first);

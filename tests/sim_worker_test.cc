@@ -119,7 +119,7 @@ TEST_F(SimCluster, AWorkerKilledMidOffloadLeavesNoPartialBlock) {
   // Every block the store shows is complete and byte-exact.
   StoreClient store(store_->address());
   auto ns = store.RegisterNamespace(SimSpec());
-  ASSERT_TRUE(ns.ok());
+  ASSERT_TRUE(ns.ok()) << ns.status() << store_->Log();
   gpu::KvLayout layout{4, 2, 64, 16, gpu::Dtype::kFp16, 1};
   std::vector<uint8_t> want(layout.block_bytes());
   int checked = 0;

@@ -20,6 +20,7 @@ namespace kvtier {
 namespace {
 
 using testing::ServerProcess;
+using testing::HttpGet;
 using testing::WaitFor;
 
 struct CliRun {
@@ -31,26 +32,6 @@ CliRun Kvctl(const std::string& args, const std::string& env = "") {
   std::string cmd = env + " " + KVTIER_KVCTL_BIN + " " + args + " 2>&1 </dev/null";
   ShellResult r = RunShell(cmd);
   return {r.exit_code, std::move(r.out)};
-}
-
-std::string HttpGet(int port, const std::string& path) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    close(fd);
-    return "";
-  }
-  std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-  (void)!write(fd, req.data(), req.size());
-  std::string out;
-  char buf[8192];
-  ssize_t r;
-  while ((r = read(fd, buf, sizeof(buf))) > 0) out.append(buf, r);
-  close(fd);
-  return out;
 }
 
 class Ops : public ::testing::Test {

@@ -35,19 +35,32 @@ size_t OpenFds(pid_t pid) {
   return n;
 }
 
+// The store's open UCX endpoints, from its Prometheus gauge; -1 if unread.
+long UcxEndpoints(int metrics_port) {
+  std::string page = testing::HttpGet(metrics_port, "/metrics");
+  const std::string name = "\nkvtier_store_dataplane_connections ";
+  size_t at = page.find(name);
+  return at == std::string::npos ? -1 : std::atol(page.c_str() + at + name.size());
+}
+
 TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   const char* env = std::getenv("KVTIER_SOAK_SECONDS");
   const int seconds = env ? std::atoi(env) : 60;
   setenv("UCX_TLS", "tcp", 1);
   testing::TempDir dir;
+  const int metrics_port = testing::FreePort();
   [[maybe_unused]] const uint64_t ram = 32ull << 20, queue = 32ull << 20;
   ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"),
                       {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
                        "--data-dir=" + dir.sub("db"), "--hugepages=false", "--ram-bytes=32MiB",
-                       "--disk-bytes=128MiB", "--demote-queue-bytes=32MiB", "--lease-ms=2s"});
+                       "--disk-bytes=128MiB", "--demote-queue-bytes=32MiB", "--lease-ms=2s",
+                       "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port)});
   ASSERT_GT(store.port(), 0) << store.Log();
   DataClientOptions o;
   o.shared_memory = DataClientOptions::SharedMemory::kOff;
+  // Through the store's sockaddr listener (as RDMA-CM in a cluster), so the
+  // store holds an endpoint per lane that the soak can count.
+  o.use_sockaddr = true;
   StoreDataClient c(store.address(), o);
   StoreClientOptions admin;
   StoreClient control(store.address(), admin);
@@ -115,6 +128,7 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   // Baselines after warm-up, then run to the end.
   std::this_thread::sleep_for(std::chrono::seconds(std::min(10, seconds / 3)));
   const size_t fds0 = OpenFds(store.proc().pid());
+  const long eps0 = UcxEndpoints(metrics_port);
   uint64_t peak_rss = 0;
   auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds - std::min(10, seconds / 3));
   while (std::chrono::steady_clock::now() < end) {
@@ -124,16 +138,18 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   stop = true;
   for (auto& t : threads) t.join();
   const size_t fds1 = OpenFds(store.proc().pid());
+  const long eps1 = UcxEndpoints(metrics_port);
   auto st = control.GetStats();
   ASSERT_TRUE(st.ok());
   std::sort(get_ms.begin(), get_ms.end());
   double p99 = get_ms.empty() ? 0 : get_ms[get_ms.size() * 99 / 100];
   std::fprintf(stderr,
                "soak %ds: %lu puts, %lu gets (%lu hits), %lu errors, %lu policy switches, get p99 "
-               "%.1f ms, peak RSS %lu MiB, fds %zu -> %zu, RAM evictions %lu, demotions %lu, "
+               "%.1f ms, peak RSS %lu MiB, fds %zu -> %zu, UCX endpoints %ld -> %ld, RAM evictions %lu, "
+               "demotions %lu, "
                "disk evictions %lu\n",
                seconds, puts.load(), gets.load(), hits.load(), errors.load(), switches.load(), p99,
-               peak_rss >> 20, fds0, fds1, st->tiers(0).evictions(), st->tiers(0).demotions(),
+               peak_rss >> 20, fds0, fds1, eps0, eps1, st->tiers(0).evictions(), st->tiers(0).demotions(),
                st->tiers(1).evictions());
   EXPECT_EQ(mismatches.load(), 0u);
   EXPECT_EQ(st->checksum_failures(), 0u);
@@ -143,6 +159,10 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   EXPECT_GT(st->tiers(0).evictions(), 0u) << "no pressure: the soak did not evict";
   EXPECT_GT(switches.load(), 3u);
   EXPECT_LE(fds1, fds0 + 16) << "file descriptors grew";
+  // One data client with two lanes: two endpoints, before and after.
+  EXPECT_GT(eps0, 0) << "cannot read kvtier_store_dataplane_connections";
+  EXPECT_LE(eps1, eps0) << "UCX endpoints grew";
+  EXPECT_LE(eps1, 2) << "more endpoints than the client's lanes";
   EXPECT_LE(st->put_leases() + st->get_leases(), 0u);
   EXPECT_LT(p99, 500.0);
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)

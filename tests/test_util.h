@@ -2,6 +2,11 @@
 // from common/process.h.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -78,5 +83,27 @@ class ServerProcess {
   std::unique_ptr<Process> proc_;
   int port_ = 0;
 };
+
+// The whole HTTP/1.0 response to GET path on 127.0.0.1:port ("" if the
+// connection is refused).
+inline std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return "";
+  }
+  std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[8192];
+  ssize_t r;
+  while ((r = read(fd, buf, sizeof(buf))) > 0) out.append(buf, r);
+  close(fd);
+  return out;
+}
 
 }  // namespace kvtier::testing

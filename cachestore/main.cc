@@ -290,6 +290,7 @@ int main(int argc, char** argv) {
     }
   });
   kvtier::ServeUntilSignalled(server.get(), "store");
+  service.Quiesce();
   stop_health = true;
   health.join();
   metrics.reset();

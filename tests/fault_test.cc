@@ -135,6 +135,11 @@ TEST(Faults, KillNineDuringPutsGetsAndDemotionLosesNothingCommittedToDisk) {
   }
   EXPECT_GT(served, 0u);
   EXPECT_GT(from_disk, 0u);
+  std::printf("kill -9: %lu puts and %lu gets of 8 and 1 blocks ok, %lu and %lu failed (the outage); "
+              "after the restart %lu blocks served byte-exact, %lu of them from NVMe, 0 mismatched\n",
+              static_cast<unsigned long>(put_ok.load()), static_cast<unsigned long>(get_ok.load()),
+              static_cast<unsigned long>(put_err.load()), static_cast<unsigned long>(get_err.load()),
+              static_cast<unsigned long>(served), static_cast<unsigned long>(from_disk));
   EXPECT_EQ(control.GetStats()->checksum_failures(), 0u);
 }
 

@@ -54,6 +54,8 @@ struct Flags {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // First, before gRPC (TLS credentials, channels) starts any thread.
+  kvtier::BlockShutdownSignals();
   Flags f;
   FlagSet flags("kvtier-store",
                 "The kvtier cache service: keeps KV-cache blocks in a RAM tier and an NVMe tier\n"
@@ -147,9 +149,14 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (auto s = kvtier::ValidateTlsFlags(f.tls); !s.ok()) {
-    std::fprintf(stderr, "kvtier-store: %s\n", std::string(s.message()).c_str());
-    return 2;
+  // Built before --check-config returns, so it checks the TLS files too.
+  auto router_security = kvtier::ClientSecurity(f.tls);
+  auto server_credentials = kvtier::ServerCredentials(f.tls);
+  for (const absl::Status& s : {router_security.status(), server_credentials.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "kvtier-store: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
   }
   if (!f.admin_identity.empty() && !f.tls.require_client_cert) {
     std::fprintf(stderr,
@@ -168,7 +175,6 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  kvtier::BlockShutdownSignals();
   // A file-size limit (ulimit -f) then fails the write with EFBIG, which the
   // disk tier handles, instead of killing the process.
   signal(SIGXFSZ, SIG_IGN);
@@ -188,14 +194,6 @@ int main(int argc, char** argv) {
   o.disk.admission = f.disk_admission;
   o.lease_ms = f.lease_ms;
   o.routers = routers;
-  auto router_security = kvtier::ClientSecurity(f.tls);
-  auto server_credentials = kvtier::ServerCredentials(f.tls);
-  for (const absl::Status& s : {router_security.status(), server_credentials.status()}) {
-    if (!s.ok()) {
-      std::fprintf(stderr, "kvtier-store: %s\n", std::string(s.message()).c_str());
-      return 2;
-    }
-  }
   o.router_security = *router_security;
   o.verify_commits = f.verify_commits;
   o.max_leases_per_client = static_cast<uint64_t>(f.max_leases_per_client);

@@ -78,8 +78,7 @@ struct Common {
   // TLS per --tls-ca/--tls-cert/--tls-key (or KVTIER_TLS_*); exits 2 on a
   // bad file.
   ChannelSecurity Security() const {
-    absl::Status s = ValidateTlsFlags(tls);
-    absl::StatusOr<ChannelSecurity> sec = s.ok() ? ClientSecurity(tls) : s;
+    absl::StatusOr<ChannelSecurity> sec = ClientSecurity(tls);
     if (!sec.ok()) {
       std::fprintf(stderr, "kvctl: %s\n", std::string(sec.status().message()).c_str());
       std::exit(kUsage);

@@ -22,6 +22,30 @@ absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& 
   return pem;
 }
 
+// Flags that go together; the files are read (and checked) by the factories.
+absl::Status CheckTlsFlags(const TlsFlags& tls) {
+  if (tls.cert_file.empty() != tls.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "flags --tls-cert and --tls-key go together: give both or neither");
+  }
+  if (tls.require_client_cert) {
+    if (tls.ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "flag --tls-require-client-cert needs --tls-ca (the CA client certificates are "
+          "verified against)");
+    }
+    if (tls.cert_file.empty()) {
+      return absl::InvalidArgumentError(
+          "flag --tls-require-client-cert needs --tls-cert and --tls-key (the server's own "
+          "certificate)");
+    }
+  }
+  if (!tls.server_name.empty() && tls.ca_file.empty()) {
+    return absl::InvalidArgumentError("flag --tls-server-name needs --tls-ca");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 void AddTlsFlags(FlagSet& flags, TlsFlags* dst, bool serves, bool dials) {
@@ -44,36 +68,8 @@ void AddTlsFlags(FlagSet& flags, TlsFlags* dst, bool serves, bool dials) {
   }
 }
 
-absl::Status ValidateTlsFlags(const TlsFlags& tls) {
-  if (tls.cert_file.empty() != tls.key_file.empty()) {
-    return absl::InvalidArgumentError(
-        "flags --tls-cert and --tls-key go together: give both or neither");
-  }
-  if (tls.require_client_cert) {
-    if (tls.ca_file.empty()) {
-      return absl::InvalidArgumentError(
-          "flag --tls-require-client-cert needs --tls-ca (the CA client certificates are "
-          "verified against)");
-    }
-    if (tls.cert_file.empty()) {
-      return absl::InvalidArgumentError(
-          "flag --tls-require-client-cert needs --tls-cert and --tls-key (the server's own "
-          "certificate)");
-    }
-  }
-  if (!tls.server_name.empty() && tls.ca_file.empty()) {
-    return absl::InvalidArgumentError("flag --tls-server-name needs --tls-ca");
-  }
-  for (auto [flag, path] : {std::pair<const char*, const std::string*>{"tls-cert", &tls.cert_file},
-                            {"tls-key", &tls.key_file},
-                            {"tls-ca", &tls.ca_file}}) {
-    if (path->empty()) continue;
-    if (auto pem = ReadPem(flag, *path); !pem.ok()) return pem.status();
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<ChannelSecurity> ClientSecurity(const TlsFlags& tls) {
+  if (auto s = CheckTlsFlags(tls); !s.ok()) return s;
   ChannelSecurity out;
   if (tls.ca_file.empty()) return out;
   grpc::SslCredentialsOptions o;
@@ -94,6 +90,7 @@ absl::StatusOr<ChannelSecurity> ClientSecurity(const TlsFlags& tls) {
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const TlsFlags& tls) {
+  if (auto s = CheckTlsFlags(tls); !s.ok()) return s;
   if (tls.cert_file.empty()) return grpc::InsecureServerCredentials();
   auto cert = ReadPem("tls-cert", tls.cert_file);
   if (!cert.ok()) return cert.status();

@@ -31,10 +31,6 @@ struct TlsFlags {
 // --tls-cert, --tls-key, --tls-ca, --tls-require-client-cert (servers only)
 // and --tls-server-name (processes that dial out).
 void AddTlsFlags(FlagSet& flags, TlsFlags* dst, bool serves, bool dials);
-// Consistency of the flags (cert and key together; mTLS needs a CA and a
-// server certificate) and readability of each file. The error names the flag.
-absl::Status ValidateTlsFlags(const TlsFlags& tls);
-
 // How a client reaches a server. Default: plaintext.
 struct ChannelSecurity {
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: plaintext
@@ -43,7 +39,9 @@ struct ChannelSecurity {
 };
 
 // TLS when ca_file is set: the server is verified against it, and cert/key,
-// when given, are presented (mTLS). Plaintext otherwise.
+// when given, are presented (mTLS). Plaintext otherwise. Both factories
+// first check that the flags go together (cert with key; mTLS needs a CA and
+// a server certificate), then read the files; an error names the flag.
 absl::StatusOr<ChannelSecurity> ClientSecurity(const TlsFlags& tls);
 // TLS when cert_file and key_file are set; plaintext otherwise.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const TlsFlags& tls);

@@ -18,6 +18,8 @@
 #include "router/service.h"
 
 int main(int argc, char** argv) {
+  // First, before gRPC (TLS credentials, channels) starts any thread.
+  kvtier::BlockShutdownSignals();
   std::string listen = "127.0.0.1:7500";
   std::string port_file, metrics_listen;
   bool check_config = false;
@@ -53,8 +55,9 @@ int main(int argc, char** argv) {
              "Validate the flags, print the effective configuration and exit 0");
   kvtier::AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/false);
   kvtier::ParseFlagsOrExit(flags, argc, argv);
-  if (auto s = kvtier::ValidateTlsFlags(tls); !s.ok()) {
-    std::fprintf(stderr, "kvtier-router: %s\n", std::string(s.message()).c_str());
+  auto credentials = kvtier::ServerCredentials(tls);  // checks the TLS flags and files
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "kvtier-router: %s\n", std::string(credentials.status().message()).c_str());
     return 2;
   }
   if (deadline_ms == 0) {
@@ -69,7 +72,6 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  kvtier::BlockShutdownSignals();
 
   kvtier::router::RouterOptions o;
   o.heartbeat_deadline_ms = deadline_ms;
@@ -83,11 +85,6 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  auto credentials = kvtier::ServerCredentials(tls);
-  if (!credentials.ok()) {
-    std::fprintf(stderr, "kvtier-router: %s\n", std::string(credentials.status().message()).c_str());
-    return 2;
-  }
   builder.AddListeningPort(listen, *credentials, &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
   builder.RegisterService(&service);

@@ -4,6 +4,8 @@
 // certificate, --admin-identity keeps a worker's certificate from the admin
 // RPCs, and a store, a router and a worker talk to each other over mTLS.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
 
 #include <cstdio>
 #include <fstream>
@@ -240,6 +242,13 @@ TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
   pc.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
   v1::ListWorkersResponse pr;
   EXPECT_EQ(plain->ListWorkers(&pc, {}, &pr).error_code(), grpc::UNAVAILABLE);
+
+  // With TLS set up before serving, SIGTERM still reaches the shutdown path
+  // of each (gRPC's threads must not take the signal).
+  for (ServerProcess* p : {&worker, &store, &router}) {
+    int status = p->proc().Kill(SIGTERM);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n" << p->Log();
+  }
 }
 
 TEST_F(Tls, BadTlsFlagsAreRefusedNamingTheFlag) {

@@ -43,9 +43,7 @@ kvtier_connector* kvtier_connector_create(const kvtier_connector_config* cfg) {
   if (cfg->tls_ca) tls.ca_file = cfg->tls_ca;
   if (cfg->tls_cert) tls.cert_file = cfg->tls_cert;
   if (cfg->tls_key) tls.key_file = cfg->tls_key;
-  absl::Status tls_ok = kvtier::ValidateTlsFlags(tls);
-  absl::StatusOr<kvtier::ChannelSecurity> security =
-      tls_ok.ok() ? kvtier::ClientSecurity(tls) : tls_ok;
+  absl::StatusOr<kvtier::ChannelSecurity> security = kvtier::ClientSecurity(tls);
   if (!security.ok()) {
     Fail(security.status());
     return nullptr;

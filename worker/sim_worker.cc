@@ -213,6 +213,8 @@ class SimWorkerService final : public v1::SimWorker::Service {
 }  // namespace kvtier::worker
 
 int main(int argc, char** argv) {
+  // First, before gRPC (TLS credentials, channels) starts any thread.
+  kvtier::BlockShutdownSignals();
   using namespace kvtier;
   std::string listen = "127.0.0.1:7600", stores, routers, worker_id, endpoint, port_file;
   std::string model = "sim-model", dtype = "fp16", offload = "write-back";
@@ -251,10 +253,6 @@ int main(int argc, char** argv) {
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
   AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/true);
   ParseFlagsOrExit(flags, argc, argv);
-  if (auto s = ValidateTlsFlags(tls); !s.ok()) {
-    std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(s.message()).c_str());
-    return 2;
-  }
   auto client_security = ClientSecurity(tls);
   auto server_credentials = ServerCredentials(tls);
   for (const absl::Status& s : {client_security.status(), server_credentials.status()}) {
@@ -264,7 +262,6 @@ int main(int argc, char** argv) {
     }
   }
 
-  kvtier::BlockShutdownSignals();
 
   worker::ConnectorOptions co;
   co.spec = NamespaceSpec{model,

@@ -243,9 +243,17 @@ void DiskTier::WriterLoop() {
               p->checksum);
     // The block leaves the cache: RAM evicted it and NVMe could not take it.
     if (!s.ok()) dropped_.fetch_add(1, std::memory_order_relaxed);
+    bool erased_meanwhile;
+    {
+      std::lock_guard lk(queue_mu_);
+      auto it = pending_.find(p->key);
+      erased_meanwhile = it == pending_.end();
+      if (!erased_meanwhile && it->second == p) pending_.erase(it);
+    }
+    // An operator erased the block while it was being written (Evict found
+    // it pending, not yet indexed): it must not stay on disk.
+    if (s.ok() && erased_meanwhile) EraseKeys({p->key});
     std::lock_guard lk(queue_mu_);
-    auto it = pending_.find(p->key);
-    if (it != pending_.end() && it->second == p) pending_.erase(it);
     queue_bytes_ -= p->bytes.size();
     writing_ = false;
     if (queue_.empty()) idle_cv_.notify_all();
@@ -432,7 +440,9 @@ EraseCounts DiskTier::EraseAndCollect(const std::vector<BlockKey>& keys,
     return c;
   }
   for (const auto& k : present) {
-    policy_->Erase(index_.at(k).seq);
+    auto it = index_.find(k);
+    if (it == index_.end()) continue;  // the same key twice in `keys`
+    policy_->Erase(it->second.seq);
     DropIndexLocked(k);
     ++c.erased;
     gone->push_back(k);

@@ -191,20 +191,25 @@ uint64_t Store::AddLease(Lease lease) {
   std::lock_guard lk(lease_mu_);
   uint64_t id = next_lease_++;
   (lease.is_put ? put_leases_ : get_leases_)++;
-  leases_by_client_[lease.client]++;
   leases_.emplace(id, std::move(lease));
   return id;
 }
 
-absl::Status Store::CheckClientLimitLocked(const std::string& client) const {
-  if (options_.max_leases_per_client == 0) return absl::OkStatus();
-  auto it = leases_by_client_.find(client);
-  if (it != leases_by_client_.end() && it->second >= options_.max_leases_per_client) {
+absl::Status Store::ClaimClientLeaseLocked(const std::string& client) {
+  uint64_t& held = leases_by_client_[client];
+  if (options_.max_leases_per_client != 0 && held >= options_.max_leases_per_client) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "client \"", client, "\" already holds ", it->second, " open leases (the limit is ",
+        "client \"", client, "\" already holds ", held, " open leases (the limit is ",
         options_.max_leases_per_client, "); commit, end or abort some first"));
   }
+  ++held;
   return absl::OkStatus();
+}
+
+void Store::ReturnClientLease(const std::string& client) {
+  std::lock_guard lk(lease_mu_);
+  auto it = leases_by_client_.find(client);
+  if (it != leases_by_client_.end() && --it->second == 0) leases_by_client_.erase(it);
 }
 
 void Store::ForgetLeaseLocked(const Lease& lease) {
@@ -299,7 +304,7 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
   uint64_t id;
   {
     std::lock_guard lk(lease_mu_);
-    if (auto s = CheckClientLimitLocked(client); !s.ok()) return s;
+    if (auto s = ClaimClientLeaseLocked(client); !s.ok()) return s;
     id = next_lease_++;
   }
   for (const auto& h : hashes) {
@@ -313,13 +318,14 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
     }
     r.targets.push_back(t);
   }
-  if (!lease.items.empty()) {
-    std::lock_guard lk(lease_mu_);
-    put_leases_++;
-    leases_by_client_[lease.client]++;
-    leases_.emplace(id, std::move(lease));
-    r.lease = id;
+  if (lease.items.empty()) {
+    ReturnClientLease(client);  // nothing reserved: no lease
+    return r;
   }
+  std::lock_guard lk(lease_mu_);
+  put_leases_++;
+  leases_.emplace(id, std::move(lease));
+  r.lease = id;
   return r;
 }
 
@@ -370,7 +376,7 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
   if (!info.ok()) return info.status();
   {
     std::lock_guard lk(lease_mu_);
-    if (auto s = CheckClientLimitLocked(client); !s.ok()) return s;
+    if (auto s = ClaimClientLeaseLocked(client); !s.ok()) return s;
   }
   Lease lease{client, false,
               std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.lease_ms), {}};
@@ -392,7 +398,8 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
     r.sources.push_back(GetSource{Tier::kDisk, slot});
     lease.items.emplace_back(k, slot);
   }
-  if (!lease.items.empty()) r.lease = AddLease(std::move(lease));
+  if (lease.items.empty()) ReturnClientLease(client);  // nothing pinned: no lease
+  else r.lease = AddLease(std::move(lease));
   return r;
 }
 

@@ -144,9 +144,14 @@ class Store {
 
   Store() = default;
   absl::StatusOr<NamespaceInfo> CheckRequest(uint64_t ns, std::span<const BlockHash> hashes) const;
+  // Registers a lease whose client slot was claimed (ClaimClientLeaseLocked).
   uint64_t AddLease(Lease lease);
+  // Counts one more open lease for client, or refuses past the per-client
+  // limit; check and count in one step, so concurrent calls cannot overshoot.
   // REQUIRES: lease_mu_ held.
-  absl::Status CheckClientLimitLocked(const std::string& client) const;
+  absl::Status ClaimClientLeaseLocked(const std::string& client);
+  // Gives back a claim that did not become a lease.
+  void ReturnClientLease(const std::string& client);
   void ForgetLeaseLocked(const Lease& lease);
   // Removes and returns the lease, or an error naming why it is not there.
   absl::StatusOr<Lease> TakeLease(uint64_t id, bool is_put);

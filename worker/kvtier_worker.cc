@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/tls.h"
 #include "worker/connector.h"
@@ -108,9 +109,16 @@ int64_t kvtier_wait_for_load(kvtier_connector* c, uint64_t request) {
 int64_t kvtier_allocate(kvtier_connector* c, uint64_t request, uint32_t* out, size_t max) {
   auto p = c->impl->AllocateForCompute(request);
   if (!p.ok()) return Fail(p.status());
-  size_t k = std::min(p->size(), max);
-  std::memcpy(out, p->data(), k * sizeof(uint32_t));
-  return static_cast<int64_t>(k);
+  if (p->size() > max) {
+    // Handing out only some pages would let kvtier_save commit pages the
+    // engine never wrote: close the request instead, its pages discarded.
+    c->impl->Finished(request);
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "kvtier_allocate: pages_out holds ", max, " pages but request ", request, " needs ",
+        p->size(), "; the request is closed (start it again with room for every page)")));
+  }
+  std::memcpy(out, p->data(), p->size() * sizeof(uint32_t));
+  return static_cast<int64_t>(p->size());
 }
 
 int64_t kvtier_request_pages(kvtier_connector* c, uint64_t request, uint32_t* out, size_t max) {

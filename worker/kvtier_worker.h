@@ -62,7 +62,8 @@ int kvtier_get_num_matched_tokens(kvtier_connector* c, uint64_t request, const u
 int kvtier_start_load(kvtier_connector* c, uint64_t request);
 /* Tokens loaded from the store; -1 if the load failed (compute them instead). */
 int64_t kvtier_wait_for_load(kvtier_connector* c, uint64_t request);
-/* Pages (in chain order) for the blocks still to compute. Returns how many. */
+/* Pages (in chain order) for the blocks still to compute. Returns how many;
+ * -1 if they do not fit in max (the request is then closed, nothing saved). */
 int64_t kvtier_allocate(kvtier_connector* c, uint64_t request, uint32_t* pages_out, size_t max);
 /* All of the request's pages in chain order. Returns how many. */
 int64_t kvtier_request_pages(kvtier_connector* c, uint64_t request, uint32_t* pages_out, size_t max);

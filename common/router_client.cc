@@ -5,17 +5,13 @@
 #include <utility>
 
 #include "common/log.h"
+#include "common/proto_convert.h"
 
 namespace kvtier {
 
 namespace {
 using Clock = std::chrono::steady_clock;
 constexpr size_t kChunk = 65536;
-
-void Fill(const BlockHash& h, v1::BlockHash* out) {
-  out->set_hi(h.hi);
-  out->set_lo(h.lo);
-}
 }  // namespace
 
 EventPublisher::EventPublisher(PublisherOptions options, LoadFn load)
@@ -74,7 +70,7 @@ void EventPublisher::Stored(uint64_t ns, const std::vector<BlockHash>& hashes) {
     if (!mirror_.insert(BlockKey{ns, h}).second) continue;  // already published
     auto* s = e.mutable_stored();
     s->set_namespace_id(ns);
-    Fill(h, s->add_hashes());
+    ToProto(h, s->add_hashes());
     if (s->hashes_size() == static_cast<int>(kChunk)) Enqueue(std::exchange(e, v1::KvEvent()));
   }
   if (e.has_stored()) Enqueue(std::move(e));
@@ -87,7 +83,7 @@ void EventPublisher::Removed(uint64_t ns, const std::vector<BlockHash>& hashes) 
     if (!mirror_.erase(BlockKey{ns, h})) continue;  // never published
     auto* r = e.mutable_removed();
     r->set_namespace_id(ns);
-    Fill(h, r->add_hashes());
+    ToProto(h, r->add_hashes());
     if (r->hashes_size() == static_cast<int>(kChunk)) Enqueue(std::exchange(e, v1::KvEvent()));
   }
   if (e.has_removed()) Enqueue(std::move(e));
@@ -127,7 +123,7 @@ bool EventPublisher::Pump(grpc::ClientReaderWriter<v1::SourceMessage, v1::Router
         c->set_namespace_id(ns);
         size_t n = 0;
         while (i < keys.size() && keys[i].ns == ns && n < kChunk) {
-          Fill(keys[i].hash, c->add_hashes());
+          ToProto(keys[i].hash, c->add_hashes());
           ++i;
           ++n;
         }

@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/checksum.h"
 #include "common/grpc_status.h"
@@ -26,7 +27,6 @@ struct StoreDataClient::Lane {
   Clock::time_point next_attempt{};
   uint64_t backoff_ms = 0;
   std::string last_error;
-  bool connected = false;
 
   ucp_mem_h MemhFor(const void* p, size_t n) const {
     for (const auto& r : regions) {
@@ -37,7 +37,6 @@ struct StoreDataClient::Lane {
   void Drop() {
     rkey.reset();
     ep.reset();
-    connected = false;
   }
 };
 
@@ -80,14 +79,6 @@ StoreDataClient::~StoreDataClient() {
     lane->worker.reset();
   }
   regions_.clear();
-}
-
-bool StoreDataClient::connected() const {
-  std::lock_guard lk(mu_);
-  for (const auto& l : lanes_) {
-    if (l->connected) return true;
-  }
-  return false;
 }
 
 void StoreDataClient::Submit(uint64_t bytes, Job job) {
@@ -161,34 +152,31 @@ bool StoreDataClient::UseSharedMemory() const {
   }
   std::string host = HostOf(address_);
   return absl::StartsWith(host, "127.") || host == "localhost" || host == "[::1]" ||
-         host == "::1" || absl::StartsWith(host, "unix:");
+         host == "::1";
 }
 
 absl::Status StoreDataClient::EnsureConnected(Lane& lane) {
-  StoreClient& control = control_;
-  const std::string& grpc_address = address_;
-  const DataClientOptions& o = options_;
   if (!lane.init_error.ok()) return lane.init_error;
   if (lane.ep && !lane.ep->failed()) return absl::OkStatus();
   lane.Drop();
   auto now = Clock::now();
   if (now < lane.next_attempt) {
     return absl::UnavailableError(absl::StrCat(
-        "store ", grpc_address, " data plane is down; next reconnect in ",
+        "store ", address_, " data plane is down; next reconnect in ",
         std::chrono::duration_cast<std::chrono::milliseconds>(lane.next_attempt - now).count(),
         " ms (last error: ", lane.last_error, ")"));
   }
   auto fail = [&](const absl::Status& s) {
     lane.last_error = std::string(s.message());
     lane.next_attempt = Clock::now() + std::chrono::milliseconds(lane.backoff_ms);
-    lane.backoff_ms = std::min(lane.backoff_ms * 2, o.backoff_max_ms);
+    lane.backoff_ms = std::min(lane.backoff_ms * 2, options_.backoff_max_ms);
     return s;
   };
   v1::ConnectDataPlaneRequest req;
-  req.set_client_id(o.client_id);
+  req.set_client_id(options_.client_id);
   v1::ConnectDataPlaneResponse resp;
-  auto ctx = control.Context();
-  if (auto s = control.stub().ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) {
+  auto ctx = control_.Context();
+  if (auto s = control_.stub().ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) {
     return fail(FromGrpc(s));
   }
   if (resp.regions_size() != 1 || resp.regions(0).rkey_id() != 0) {
@@ -196,19 +184,25 @@ absl::Status StoreDataClient::EnsureConnected(Lane& lane) {
   }
   std::string addr = resp.ucx_address();
   std::string host = HostOf(addr);
-  if (host.empty() || host == "0.0.0.0" || host == "::") host = HostOf(grpc_address);
-  int port = std::stoi(addr.substr(addr.rfind(':') + 1));
-  auto ep = !o.use_sockaddr && !resp.worker_address().empty()
-                ? ucx::Endpoint::ConnectToWorker(lane.worker.get(), resp.worker_address(),
-                                                 /*peer_failure_handling=*/!UseSharedMemory())
-                : ucx::Endpoint::Connect(lane.worker.get(), host, port);
+  if (host.empty() || host == "0.0.0.0" || host == "::") host = HostOf(address_);
+  absl::StatusOr<std::unique_ptr<ucx::Endpoint>> ep;
+  if (!options_.use_sockaddr && !resp.worker_address().empty()) {
+    ep = ucx::Endpoint::ConnectToWorker(lane.worker.get(), resp.worker_address(),
+                                        /*peer_failure_handling=*/!UseSharedMemory());
+  } else {
+    int port = 0;
+    if (!absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port)) {
+      return fail(absl::InternalError(
+          absl::StrCat("store's UCX address \"", addr, "\" has no port")));
+    }
+    ep = ucx::Endpoint::Connect(lane.worker.get(), host, port);
+  }
   if (!ep.ok()) return fail(ep.status());
   auto rkey = (*ep)->Unpack(resp.regions(0).packed_rkey());
   if (!rkey.ok()) return fail(rkey.status());
   lane.ep = std::move(*ep);
   lane.rkey = std::move(*rkey);
-  lane.connected = true;
-  lane.backoff_ms = o.backoff_min_ms;
+  lane.backoff_ms = options_.backoff_min_ms;
   return absl::OkStatus();
 }
 
@@ -234,6 +228,25 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
       auto ctx = control_.Context();
       if (auto s = control_.stub().BeginPut(ctx.get(), req, &resp); !s.ok()) return finish(FromGrpc(s));
     }
+    auto abort_lease = [&] {
+      v1::AbortPutRequest abort;
+      abort.set_lease_id(resp.lease_id());
+      v1::AbortPutResponse ar;
+      auto ctx = control_.Context();
+      control_.stub().AbortPut(ctx.get(), abort, &ar);  // best effort: the lease expires anyway
+    };
+    // Check the whole answer before a byte is posted: nothing may be left in
+    // flight from blocks the caller is told are done with.
+    bool malformed = resp.targets_size() != static_cast<int>(blocks.size());
+    for (const auto& t : resp.targets()) {
+      malformed |= t.disposition() == v1::PUT_RESERVED && t.length() != block_bytes;
+    }
+    if (malformed) {
+      abort_lease();
+      return finish(absl::InternalError(absl::StrCat(
+          "store answered BeginPut of ", blocks.size(), " blocks with ", resp.targets_size(),
+          " targets or a slot that is not ", block_bytes, " bytes")));
+    }
     PutOutcome out;
     std::vector<void*> reqs;
     std::vector<size_t> reserved;
@@ -241,9 +254,6 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
       const auto& t = resp.targets(i);
       switch (t.disposition()) {
         case v1::PUT_RESERVED: {
-          if (t.length() != block_bytes) {
-            return finish(absl::InternalError("store reserved a slot of the wrong size"));
-          }
           ucp_request_param_t p{};
           if (ucp_mem_h m = lane.MemhFor(blocks[i].data, block_bytes)) {
             p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
@@ -271,11 +281,7 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
     if (!moved.ok()) {
       lane.ep->MarkFailed();
       lane.Drop();
-      v1::AbortPutRequest abort;
-      abort.set_lease_id(resp.lease_id());
-      v1::AbortPutResponse ar;
-      auto ctx = control_.Context();
-      control_.stub().AbortPut(ctx.get(), abort, &ar);  // best effort: the lease expires anyway
+      abort_lease();
       return finish(moved);
     }
     v1::CommitPutResponse cr;
@@ -315,8 +321,8 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
     absl::Status bad = absl::OkStatus();
     for (int i = 0; i < resp.sources_size(); ++i) {
       const auto& src = resp.sources(i);
-      if (src.length() != block_bytes) {
-        bad = absl::InternalError("store returned a block of the wrong size");
+      if (i >= static_cast<int>(blocks.size()) || src.length() != block_bytes) {
+        bad = absl::InternalError("store returned more blocks than asked or one of the wrong size");
         break;
       }
       ucp_request_param_t p{};

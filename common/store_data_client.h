@@ -91,7 +91,6 @@ class StoreDataClient {
 
   StoreClient& control() { return control_; }
   const std::string& address() const { return address_; }
-  bool connected() const;
 
  private:
   struct Lane;  // the UCX state, touched only by the background thread

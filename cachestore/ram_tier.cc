@@ -234,7 +234,9 @@ Placement RamTier::InsertCopy(const BlockKey& key, const uint8_t* data, uint64_t
   if (p != Placement::kReserved) return p;
   std::memcpy(arena_->at(slot->offset), data, length);
   slot->checksum = checksum;
-  if (!PublishInternal(key, *slot, checksum, pin)) return Placement::kBusy;
+  // Only an operator's evict (which dooms the slot) stops the publish here:
+  // the block is not kept, as when there is no room -- not "busy".
+  if (!PublishInternal(key, *slot, checksum, pin)) return Placement::kNoSpace;
   if (from_lower_tier) counters_.promotions.fetch_add(1, std::memory_order_relaxed);
   return Placement::kReserved;
 }

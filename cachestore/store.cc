@@ -14,7 +14,6 @@ namespace kvtier::store {
 
 namespace {
 
-std::string NsName(uint64_t ns) { return absl::StrFormat("%016x", ns); }
 
 std::string SerializeSpec(const NamespaceSpec& s) {
   kvtier::v1::NamespaceSpec p;
@@ -126,8 +125,8 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(const NamespaceSpec& spec
   uint64_t id = NamespaceId(spec);
   if (expected_id != 0 && expected_id != id) {
     return absl::InvalidArgumentError(
-        absl::StrCat("namespace id mismatch: caller computed ", NsName(expected_id),
-                     " but the spec \"", CanonicalNamespace(spec), "\" hashes to ", NsName(id)));
+        absl::StrCat("namespace id mismatch: caller computed ", NamespaceName(expected_id),
+                     " but the spec \"", CanonicalNamespace(spec), "\" hashes to ", NamespaceName(id)));
   }
   uint64_t bytes = BlockBytes(spec);
   if (bytes > ram_->max_block_bytes()) {
@@ -137,15 +136,15 @@ absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(const NamespaceSpec& spec
   }
   std::lock_guard lk(ns_mu_);
   if (namespaces_.count(id)) return namespaces_.at(id);
-  if (auto s = disk_->PutMeta("ns/" + NsName(id), SerializeSpec(spec)); !s.ok()) {
+  if (auto s = disk_->PutMeta("ns/" + NamespaceName(id), SerializeSpec(spec)); !s.ok()) {
     // The NVMe tier takes no writes now (degraded); none of this namespace's
     // blocks can be on disk, so it is served from RAM and registered again
     // by its workers after a restart.
-    Log("store", "namespace ", NsName(id), " not persisted: ", s.message());
+    Log("store", "namespace ", NamespaceName(id), " not persisted: ", s.message());
   }
   NamespaceInfo info{id, spec, bytes};
   namespaces_[id] = info;
-  Log("store", "registered namespace ", NsName(id), " (", CanonicalNamespace(spec), "), blocks of ",
+  Log("store", "registered namespace ", NamespaceName(id), " (", CanonicalNamespace(spec), "), blocks of ",
       bytes, " bytes");
   return info;
 }
@@ -168,7 +167,7 @@ absl::StatusOr<NamespaceInfo> Store::CheckRequest(uint64_t ns,
   std::lock_guard lk(ns_mu_);
   auto it = namespaces_.find(ns);
   if (it == namespaces_.end()) {
-    return absl::NotFoundError(absl::StrCat("namespace ", NsName(ns),
+    return absl::NotFoundError(absl::StrCat("namespace ", NamespaceName(ns),
                                             " is not registered; call RegisterNamespace first"));
   }
   return it->second;
@@ -417,7 +416,7 @@ absl::StatusOr<InlinePutResult> Store::PutInline(uint64_t ns, const BlockHash& h
   if (data.size() != info->block_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("block ", ToHex(hash), " carries ", data.size(), " bytes; blocks of namespace ",
-                     NsName(ns), " are ", info->block_bytes, " bytes"));
+                     NamespaceName(ns), " are ", info->block_bytes, " bytes"));
   }
   uint64_t actual = Checksum(data.data(), data.size());
   if (actual != checksum) {
@@ -485,12 +484,12 @@ absl::StatusOr<EvictResult> Store::EvictNamespace(uint64_t ns) {
   {
     std::lock_guard lk(ns_mu_);
     if (!namespaces_.count(ns)) {
-      return absl::NotFoundError(absl::StrCat("namespace ", NsName(ns), " is not registered"));
+      return absl::NotFoundError(absl::StrCat("namespace ", NamespaceName(ns), " is not registered"));
     }
   }
   EraseCounts r = ram_->EraseNamespace(ns);
   EraseCounts d = disk_->EraseNamespace(ns);
-  Log("store", "evicted namespace ", NsName(ns), ": ", r.erased, " RAM blocks, ", d.erased,
+  Log("store", "evicted namespace ", NamespaceName(ns), ": ", r.erased, " RAM blocks, ", d.erased,
       " disk blocks, ", r.pinned, " pinned");
   return EvictResult{r.erased, d.erased, r.pinned};
 }

@@ -449,7 +449,7 @@ int Workers(int argc, const char* const* argv) {
       j.push_back({{"id", w.source_id()},
                    {"kind", w.kind() == v1::SOURCE_STORE ? "store" : "worker"},
                    {"endpoint", w.endpoint()},
-                   {"namespace", absl::StrFormat("%016x", w.namespace_id())},
+                   {"namespace", NamespaceName(w.namespace_id())},
                    {"indexed_blocks", w.indexed_blocks()},
                    {"running_requests", w.load().running_requests()},
                    {"queued_prefill_tokens", w.load().queued_prefill_tokens()},
@@ -555,7 +555,7 @@ int Namespaces(int argc, const char* const* argv) {
     auto s = client.stub().ListNamespaces(ctx.get(), {}, &resp);
     if (!s.ok()) return Report(FromGrpc(s), "store " + addr);
     for (const auto& n : resp.namespaces()) {
-      std::string id = absl::StrFormat("%016x", n.namespace_id());
+      std::string id = NamespaceName(n.namespace_id());
       j[addr].push_back({{"id", id}, {"model", n.spec().model()}, {"dtype", n.spec().dtype()},
                          {"block_tokens", n.spec().block_tokens()}, {"block_bytes", n.block_bytes()}});
       if (!c.json) {

@@ -93,6 +93,7 @@ std::vector<BlockHash> ChainHashes(uint64_t namespace_id, std::span<const uint32
 }
 
 std::string ToHex(const BlockHash& h) { return absl::StrFormat("%016x%016x", h.hi, h.lo); }
+std::string NamespaceName(uint64_t ns) { return absl::StrFormat("%016x", ns); }
 
 absl::StatusOr<BlockHash> BlockHashFromHex(const std::string& hex) {
   if (hex.size() != 32) {

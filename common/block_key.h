@@ -88,6 +88,8 @@ BlockHash NextBlockHash(const BlockHash& parent, std::span<const uint32_t> block
 
 // 32 lowercase hex digits (hi then lo).
 std::string ToHex(const BlockHash& h);
+// A namespace id as 16 lowercase hex digits (how logs, errors and kvctl name it).
+std::string NamespaceName(uint64_t ns);
 absl::StatusOr<BlockHash> BlockHashFromHex(const std::string& hex);
 
 }  // namespace kvtier

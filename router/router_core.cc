@@ -14,8 +14,6 @@ namespace kvtier::router {
 
 namespace {
 
-std::string Ns(uint64_t ns) { return absl::StrFormat("%016x", ns); }
-
 v1::RouterCommand Rejected(uint64_t seq, const std::string& reason) {
   v1::RouterCommand c;
   c.mutable_event_rejected()->set_seq(seq);
@@ -68,7 +66,7 @@ absl::Status RouterCore::Hello(const v1::Hello& h, std::vector<v1::RouterCommand
     Source& ref = *s;
     sources_.emplace(h.source_id(), std::move(s));
     Log("router", "source ", h.source_id(), " (", KindName(h.kind()), ", ", h.endpoint(),
-        ", namespace ", Ns(h.namespace_id()), ", epoch ", h.epoch(), ") registered");
+        ", namespace ", NamespaceName(h.namespace_id()), ", epoch ", h.epoch(), ") registered");
     RequestSnapshot(ref, "unknown source", commands);
     return absl::OkStatus();
   }
@@ -157,8 +155,8 @@ void RouterCore::ApplyEvent(Source& s, const v1::KvEvent& e,
   };
   auto check = [&](uint64_t ns, int count) -> bool {
     if (s.hello.kind() == v1::SOURCE_WORKER && ns != s.hello.namespace_id()) {
-      reject(absl::StrCat("event ", e.seq(), " names namespace ", Ns(ns), " but worker ",
-                          s.hello.source_id(), " serves namespace ", Ns(s.hello.namespace_id())));
+      reject(absl::StrCat("event ", e.seq(), " names namespace ", NamespaceName(ns), " but worker ",
+                          s.hello.source_id(), " serves namespace ", NamespaceName(s.hello.namespace_id())));
       return false;
     }
     if (count == 0 || static_cast<size_t>(count) > kMaxEventHashes) {
@@ -236,7 +234,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   if (workers.empty()) {
     counters_.unavailable++;
     return absl::UnavailableError(absl::StrCat("no live worker serves namespace ",
-                                               Ns(req.namespace_id()), " (", sources_.size(),
+                                               NamespaceName(req.namespace_id()), " (", sources_.size(),
                                                " sources registered)"));
   }
   const uint32_t bt = workers[0]->hello.block_tokens();

@@ -319,27 +319,34 @@ absl::Status DiskTier::WriteAndCollect(const BlockKey& key, const std::string& r
                                    std::vector<BlockKey>* evicted) {
   const uint64_t record_bytes = record.size();
   if (auto s = WritesStopped(); !s.ok()) return s;
-  std::lock_guard lk(mu_);
-  if (index_.count(key)) return absl::OkStatus();
+  std::lock_guard wl(write_mu_);
   rocksdb::WriteBatch batch;
   std::vector<BlockKey>& victims = *evicted;
-  uint64_t used = counters_.used_bytes.load();
-  uint64_t freed = 0;
-  while (used - freed + record_bytes > options_.bytes) {
-    auto v = policy_->Evict([](uint64_t) { return true; });
-    if (!v) break;
-    const BlockKey& vk = by_seq_.at(*v);
-    std::string enc = EncodeKey(vk);
-    batch.Delete(blocks_cf_, enc);
-    batch.Delete(index_cf_, enc);
-    freed += index_.at(vk).record_bytes;
-    victims.push_back(vk);
+  uint64_t seq;
+  {
+    std::lock_guard lk(mu_);
+    if (index_.count(key)) return absl::OkStatus();
+    uint64_t used = counters_.used_bytes.load();
+    uint64_t freed = 0;
+    while (used - freed + record_bytes > options_.bytes) {
+      auto v = policy_->Evict([](uint64_t) { return true; });
+      if (!v) break;
+      const BlockKey& vk = by_seq_.at(*v);
+      std::string enc = EncodeKey(vk);
+      batch.Delete(blocks_cf_, enc);
+      batch.Delete(index_cf_, enc);
+      freed += index_.at(vk).record_bytes;
+      victims.push_back(vk);
+    }
+    seq = ++seq_;
   }
-  const uint64_t seq = ++seq_;
   std::string enc = EncodeKey(key);
   batch.Put(blocks_cf_, enc, record);
   batch.Put(index_cf_, enc, EncodeIndexValue(record_bytes, checksum, seq));
+  // Without mu_: lookups and reads go on while the record reaches the WAL
+  // (a reader of a victim then finds it gone and counts a miss).
   rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &batch);
+  std::lock_guard lk(mu_);
   if (!s.ok()) {
     // Nothing was applied: put the victims back in the policy as they were.
     for (const auto& vk : victims) policy_->Insert(index_.at(vk).seq);
@@ -419,6 +426,7 @@ EraseCounts DiskTier::EraseAndCollect(const std::vector<BlockKey>& keys,
       }
     }
   }
+  std::lock_guard wl(write_mu_);
   std::lock_guard lk(mu_);
   rocksdb::WriteBatch batch;
   std::vector<BlockKey> present;
@@ -494,6 +502,7 @@ absl::Status DiskTier::SetPolicy(const std::string& name,
                                  const std::map<std::string, double>& params) {
   auto p = MakePolicy(name, params);
   if (!p.ok()) return p.status();
+  std::lock_guard wl(write_mu_);  // not while a write has victims out of the policy
   std::lock_guard lk(mu_);
   // by_seq_ is ordered by write; keep the old policy's survivors in that order.
   std::vector<uint64_t> seqs;

@@ -137,6 +137,10 @@ class DiskTier {
   rocksdb::ColumnFamilyHandle* meta_cf_ = nullptr;
   rocksdb::ColumnFamilyHandle* default_cf_ = nullptr;
 
+  // Every RocksDB change (write, erase) and policy swap, in order. Held
+  // across the RocksDB write; mu_ is taken only around index updates, so
+  // Contains and Read do not wait for the WAL. Order: write_mu_, then mu_.
+  std::mutex write_mu_;
   mutable std::mutex mu_;  // index_, by_seq_, policy_, seq_
   std::unordered_map<BlockKey, IndexEntry, BlockKeyHasher> index_;
   std::unordered_map<uint64_t, BlockKey> by_seq_;

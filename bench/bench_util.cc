@@ -13,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/pattern.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "common/config.h"
 #include "absl/strings/str_split.h"
 
 namespace kvtier::bench {
@@ -34,6 +36,37 @@ std::string BlockContent(uint64_t ns, const BlockHash& hash, size_t len) {
   std::string s(len, '\0');
   FillBlock(ns, hash, reinterpret_cast<uint8_t*>(s.data()), len);
   return s;
+}
+
+absl::StatusOr<std::vector<uint64_t>> ParseSizeList(const std::string& flag, const std::string& text,
+                                                    uint64_t multiple_of) {
+  std::vector<uint64_t> out;
+  for (absl::string_view x : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    auto b = ParseBytes(std::string(x));
+    if (!b.ok() || *b == 0 || *b % multiple_of != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "flag --", flag, ": \"", x, "\" is not a size above 0",
+          multiple_of > 1 ? absl::StrCat(" and a multiple of ", multiple_of, " bytes") : ""));
+    }
+    out.push_back(*b);
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("flag --", flag, " lists nothing"));
+  return out;
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseIntList(const std::string& flag, const std::string& text,
+                                                  int64_t min, int64_t max) {
+  std::vector<int64_t> out;
+  for (absl::string_view x : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(x, &v) || v < min || v > max) {
+      return absl::InvalidArgumentError(absl::StrCat("flag --", flag, ": \"", x,
+                                                     "\" is not an integer in ", min, "..", max));
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("flag --", flag, " lists nothing"));
+  return out;
 }
 
 std::string DefaultBinary(const std::string& subdir, const std::string& name) {

@@ -28,6 +28,14 @@ absl::StatusOr<NamespaceSpec> SpecForBlockBytes(uint64_t block_bytes, const std:
 void FillBlock(uint64_t ns, const BlockHash& hash, uint8_t* out, size_t len);
 std::string BlockContent(uint64_t ns, const BlockHash& hash, size_t len);
 
+// Comma-separated flag lists; an error names the flag and the bad entry, and
+// an empty list is an error. Sizes take 64KiB-style units and must be
+// multiples of `multiple_of`; integers must lie in [min, max].
+absl::StatusOr<std::vector<uint64_t>> ParseSizeList(const std::string& flag, const std::string& text,
+                                                    uint64_t multiple_of = 1);
+absl::StatusOr<std::vector<int64_t>> ParseIntList(const std::string& flag, const std::string& text,
+                                                  int64_t min, int64_t max);
+
 // A kvtier binary in the build tree (../SUBDIR/NAME from this binary), next to
 // this binary, or on PATH.
 std::string DefaultBinary(const std::string& subdir, const std::string& name);

@@ -36,15 +36,6 @@ struct Transport {
   std::string perf_tls; // for ucx_perftest
 };
 
-std::vector<uint64_t> ParseSizes(const std::string& s) {
-  std::vector<uint64_t> out;
-  for (absl::string_view x : absl::StrSplit(s, ',', absl::SkipEmpty())) {
-    auto b = ParseBytes(std::string(x));
-    if (b.ok()) out.push_back(*b);
-  }
-  return out;
-}
-
 // Times `ops` operations of `batch` blocks, all submitted at once.
 template <typename Submit>
 absl::StatusOr<double> TimeOps(uint64_t blocks, int64_t batch, Submit submit) {
@@ -87,11 +78,16 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     working_set = 48ull << 20;
   }
   if (store_bin.empty()) store_bin = DefaultBinary("cachestore", "kvtier-store");
-  std::vector<uint64_t> sizes = ParseSizes(sizes_flag);
-  std::vector<int64_t> batches;
-  for (absl::string_view b : absl::StrSplit(batches_flag, ',', absl::SkipEmpty())) {
-    batches.push_back(std::stoll(std::string(b)));
+  auto sizes_or = ParseSizeList("sizes", sizes_flag);
+  auto batches_or = ParseIntList("batches", batches_flag, 1, 1 << 20);
+  for (const absl::Status& s : {sizes_or.status(), batches_or.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "kvtier-bench dataplane: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
   }
+  const std::vector<uint64_t>& sizes = *sizes_or;
+  const std::vector<int64_t>& batches = *batches_or;
   std::vector<Transport> transports;
   for (absl::string_view t : absl::StrSplit(transports_flag, ',', absl::SkipEmpty())) {
     if (t == "tcp") transports.push_back({"ucx-tcp", "tcp", "tcp"});

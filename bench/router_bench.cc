@@ -228,12 +228,13 @@ int RunRouterBench(int argc, const char* const* argv) {
     requests = std::min<int64_t>(requests, 200);
   }
   std::vector<Case> cases;
-  for (absl::string_view w : absl::StrSplit(workers_list, ',')) {
-    int n = std::stoi(std::string(w));
-    if (n < 1 || n > 100000) {
-      std::fprintf(stderr, "kvtier-bench router: flag --workers: %d is outside 1..100000\n", n);
-      return 2;
-    }
+  auto workers = ParseIntList("workers", workers_list, 1, 100000);
+  if (!workers.ok()) {
+    std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(workers.status().message()).c_str());
+    return 2;
+  }
+  for (int64_t w : *workers) {
+    int n = static_cast<int>(w);
     auto c = Run(n, blocks, static_cast<int>(requests), static_cast<uint32_t>(prompt_blocks));
     if (!c.ok()) {
       std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(c.status().message()).c_str());

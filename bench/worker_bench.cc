@@ -54,16 +54,12 @@ int RunWorkerBench(int argc, const char* const* argv) {
     sizes_flag = "1MiB";
   }
   if (store_bin.empty()) store_bin = DefaultBinary("cachestore", "kvtier-store");
-  std::vector<uint64_t> sizes;
-  for (absl::string_view s : absl::StrSplit(sizes_flag, ',', absl::SkipEmpty())) {
-    auto b = ParseBytes(std::string(s));
-    if (!b.ok() || *b % 32768 != 0) {
-      std::fprintf(stderr, "kvtier-bench worker: flag --sizes: \"%s\" is not a multiple of 32KiB\n",
-                   std::string(s).c_str());
-      return 2;
-    }
-    sizes.push_back(*b);
+  auto sizes_or = ParseSizeList("sizes", sizes_flag, 32768);
+  if (!sizes_or.ok()) {
+    std::fprintf(stderr, "kvtier-bench worker: %s\n", std::string(sizes_or.status().message()).c_str());
+    return 2;
   }
+  const std::vector<uint64_t>& sizes = *sizes_or;
   TempDir dir;
   const uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
   setenv("UCX_TLS", "sm,tcp", 0);
@@ -96,18 +92,23 @@ int RunWorkerBench(int argc, const char* const* argv) {
                    std::string((a.ok() ? b.status() : a.status()).message()).c_str());
       return 1;
     }
+    auto fail = [&](const std::string& what) {
+      std::fprintf(stderr, "kvtier-bench worker: %lu-byte blocks: %s\n",
+                   static_cast<unsigned long>(size), what.c_str());
+      return 1;
+    };
     std::vector<BlockHash> chain;
     for (uint64_t i = 0; i < n; ++i) chain.push_back(BlockHash{size, i + 1});
     // Offload: a computed request saved write-through.
     auto m = (*a)->Begin(1, chain);
     auto pages = (*a)->AllocateForCompute(1);
-    if (!m.ok() || !pages.ok()) return 1;
+    if (!m.ok() || !pages.ok()) return fail("the offload request did not open");
     for (uint64_t i = 0; i < n; ++i) {
       worker::ComputeIntoPage((*a)->pool().layout(), (*a)->pool().layer_bases(), (*pages)[i],
                               (*a)->namespace_id(), chain[i]);
     }
     auto t = Clock::now();
-    if (!(*a)->Save(1).ok() || !(*a)->WaitForSave(1).ok()) return 1;
+    if (!(*a)->Save(1).ok() || !(*a)->WaitForSave(1).ok()) return fail("the offload failed");
     c.offload_gbps = n * static_cast<double>(size) / Seconds(t) / 1e9;
     (*a)->Finished(1);
     // Onboard into an empty pool.
@@ -121,12 +122,13 @@ int RunWorkerBench(int argc, const char* const* argv) {
     (*b)->StartLoad(2);
     auto loaded = (*b)->WaitForLoad(2);
     c.onboard_gbps = n * static_cast<double>(size) / Seconds(t) / 1e9;
-    if (!loaded.ok() || *loaded != n) return 1;
+    if (!loaded.ok() || *loaded != n) return fail("the onboard did not load every block");
     (*b)->Finished(2);
     // The plain data plane on the same store, same block count, batches of 32.
     {
       StoreDataClient dc((*store)->address());
       auto ns = dc.control().RegisterNamespace(SpecFor(size, absl::StrCat("plain-", size)));
+      if (!ns.ok()) return fail(std::string(ns.status().message()));
       std::vector<uint8_t> buf(n * size);
       std::memset(buf.data(), 7, buf.size());
       (void)dc.RegisterMemory(buf.data(), buf.size());
@@ -137,7 +139,12 @@ int RunWorkerBench(int argc, const char* const* argv) {
         for (uint64_t j = i; j < std::min(n, i + 32); ++j) blocks.push_back({BlockHash{7, j}, buf.data() + j * size});
         puts.push_back(dc.Put(ns->id, size, blocks));
       }
-      for (auto& f : puts) (void)f.get();
+      uint64_t put_blocks = 0;  // a failed or partial put must not pass for a fast one
+      for (auto& f : puts) {
+        auto r = f.get();
+        if (r.ok()) put_blocks += r->written + r->already_present;
+      }
+      if (put_blocks != n) return fail(absl::StrCat("plain puts stored ", put_blocks, " of ", n));
       c.put_gbps = n * static_cast<double>(size) / Seconds(t) / 1e9;
       std::vector<std::future<absl::StatusOr<GetOutcome>>> gets;
       t = Clock::now();
@@ -146,7 +153,12 @@ int RunWorkerBench(int argc, const char* const* argv) {
         for (uint64_t j = i; j < std::min(n, i + 32); ++j) blocks.push_back({BlockHash{7, j}, buf.data() + j * size});
         gets.push_back(dc.Get(ns->id, size, blocks));
       }
-      for (auto& f : gets) (void)f.get();
+      uint64_t got_blocks = 0;
+      for (auto& f : gets) {
+        auto r = f.get();
+        if (r.ok()) got_blocks += r->blocks;
+      }
+      if (got_blocks != n) return fail(absl::StrCat("plain gets read ", got_blocks, " of ", n));
       c.get_gbps = n * static_cast<double>(size) / Seconds(t) / 1e9;
     }
     // CPU gather/scatter of 64-page batches beside memcpy of the same bytes.

@@ -92,4 +92,20 @@ TEST(BenchSmoke, WorkerBenchComparesWithTheDataPlaneAndMemcpy) {
   EXPECT_TRUE(c.contains("gather_ratio_vs_memcpy"));
 }
 
+TEST(BenchSmoke, BadListFlagsAreRefusedNamingTheFlag) {
+  struct Case {
+    const char* args;
+    const char* expect;
+  };
+  for (const Case& c : {Case{"dataplane --sizes 64KiB,bogus", "--sizes: \"bogus\""},
+                        Case{"dataplane --sizes ,", "--sizes lists nothing"},
+                        Case{"dataplane --batches 0", "--batches: \"0\""},
+                        Case{"worker --sizes 1000", "multiple of 32768"},
+                        Case{"router --workers 8,x", "--workers: \"x\""}}) {
+    ShellResult r = RunShell(std::string(KVTIER_BENCH_BIN) + " " + c.args + " 2>&1");
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << "\n" << r.out;
+  }
+}
+
 }  // namespace

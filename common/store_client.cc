@@ -23,9 +23,13 @@ StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
 }
 
 std::unique_ptr<grpc::ClientContext> StoreClient::Context() const {
+  return Context(std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms));
+}
+
+std::unique_ptr<grpc::ClientContext> StoreClient::Context(
+    std::chrono::system_clock::time_point deadline) const {
   auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(options_.deadline_ms));
+  ctx->set_deadline(deadline);
   if (!options_.admin_token.empty()) ctx->AddMetadata("x-kvtier-admin-token", options_.admin_token);
   return ctx;
 }

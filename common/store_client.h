@@ -5,6 +5,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -65,6 +66,8 @@ class StoreClient {
   v1::Store::Stub& stub() { return *stub_; }
   // A context with this client's deadline.
   std::unique_ptr<grpc::ClientContext> Context() const;
+  // A context ending at `deadline` (for calls that share one operation's deadline).
+  std::unique_ptr<grpc::ClientContext> Context(std::chrono::system_clock::time_point deadline) const;
 
  private:
   StoreClientOptions options_;

@@ -155,7 +155,7 @@ bool StoreDataClient::UseSharedMemory() const {
          host == "::1";
 }
 
-absl::Status StoreDataClient::EnsureConnected(Lane& lane) {
+absl::Status StoreDataClient::EnsureConnected(Lane& lane, std::chrono::system_clock::time_point rpc_deadline) {
   if (!lane.init_error.ok()) return lane.init_error;
   if (lane.ep && !lane.ep->failed()) return absl::OkStatus();
   lane.Drop();
@@ -175,7 +175,7 @@ absl::Status StoreDataClient::EnsureConnected(Lane& lane) {
   v1::ConnectDataPlaneRequest req;
   req.set_client_id(options_.client_id);
   v1::ConnectDataPlaneResponse resp;
-  auto ctx = control_.Context();
+  auto ctx = control_.Context(rpc_deadline);
   if (auto s = control_.stub().ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) {
     return fail(FromGrpc(s));
   }
@@ -212,27 +212,30 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
   auto future = promise->get_future();
   uint64_t bytes = blocks.size() * block_bytes;
   Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
+    // One deadline for the whole operation: connect, RPCs and transfers.
     auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
+    auto rpc_deadline =
+        std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms);
     auto finish = [&](absl::StatusOr<PutOutcome> r) {
       if (!r.ok()) r = Prefixed(r.status(), absl::StrCat("put to store ", address_, ": "));
       promise->set_value(std::move(r));
     };
     if (blocks.empty()) return finish(PutOutcome{});
-    if (auto s = EnsureConnected(lane); !s.ok()) return finish(s);
+    if (auto s = EnsureConnected(lane, rpc_deadline); !s.ok()) return finish(s);
     v1::BeginPutRequest req;
     req.set_namespace_id(ns);
     req.set_client_id(options_.client_id);
     for (const auto& b : blocks) ToProto(b.hash, req.add_hashes());
     v1::BeginPutResponse resp;
     {
-      auto ctx = control_.Context();
+      auto ctx = control_.Context(rpc_deadline);
       if (auto s = control_.stub().BeginPut(ctx.get(), req, &resp); !s.ok()) return finish(FromGrpc(s));
     }
     auto abort_lease = [&] {
       v1::AbortPutRequest abort;
       abort.set_lease_id(resp.lease_id());
       v1::AbortPutResponse ar;
-      auto ctx = control_.Context();
+      auto ctx = control_.Context(rpc_deadline);
       control_.stub().AbortPut(ctx.get(), abort, &ar);  // best effort: the lease expires anyway
     };
     // Check the whole answer before a byte is posted: nothing may be left in
@@ -285,7 +288,7 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
       return finish(moved);
     }
     v1::CommitPutResponse cr;
-    auto ctx = control_.Context();
+    auto ctx = control_.Context(rpc_deadline);
     if (auto s = control_.stub().CommitPut(ctx.get(), commit, &cr); !s.ok()) return finish(FromGrpc(s));
     out.written = cr.committed();
     finish(out);
@@ -299,20 +302,23 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
   auto future = promise->get_future();
   uint64_t bytes = blocks.size() * block_bytes;
   Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
+    // One deadline for the whole operation: connect, RPCs and transfers.
     auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
+    auto rpc_deadline =
+        std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms);
     auto finish = [&](absl::StatusOr<GetOutcome> r) {
       if (!r.ok()) r = Prefixed(r.status(), absl::StrCat("get from store ", address_, ": "));
       promise->set_value(std::move(r));
     };
     if (blocks.empty()) return finish(GetOutcome{});
-    if (auto s = EnsureConnected(lane); !s.ok()) return finish(s);
+    if (auto s = EnsureConnected(lane, rpc_deadline); !s.ok()) return finish(s);
     v1::BeginGetRequest req;
     req.set_namespace_id(ns);
     req.set_client_id(options_.client_id);
     for (const auto& b : blocks) ToProto(b.hash, req.add_hashes());
     v1::BeginGetResponse resp;
     {
-      auto ctx = control_.Context();
+      auto ctx = control_.Context(rpc_deadline);
       if (auto s = control_.stub().BeginGet(ctx.get(), req, &resp); !s.ok()) return finish(FromGrpc(s));
     }
     GetOutcome out;
@@ -343,7 +349,7 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
       v1::EndGetRequest end;
       end.set_lease_id(resp.lease_id());
       v1::EndGetResponse er;
-      auto ctx = control_.Context();
+      auto ctx = control_.Context(rpc_deadline);
       control_.stub().EndGet(ctx.get(), end, &er);  // best effort: the lease expires anyway
     }
     if (!bad.ok()) return finish(bad);

@@ -97,7 +97,7 @@ class StoreDataClient {
   using Job = std::function<void(Lane&)>;
   void Submit(uint64_t bytes, Job job);
   // Connects the lane's endpoint if it is not (or no longer) connected.
-  absl::Status EnsureConnected(Lane& lane);
+  absl::Status EnsureConnected(Lane& lane, std::chrono::system_clock::time_point rpc_deadline);
   bool UseSharedMemory() const;
   void Run(Lane& lane);
 

@@ -19,17 +19,17 @@ using Clock = std::chrono::steady_clock;
 // Times one RPC into its histogram, counting non-OK results as errors.
 class RpcTimer {
  public:
-  RpcTimer(std::atomic<uint64_t>& done, LatencyHistogram& h)
-      : done_(done), h_(h), start_(Clock::now()) {}
+  RpcTimer(HandlerFence& fence, LatencyHistogram& h)
+      : fence_(fence), h_(h), start_(Clock::now()) {}
   grpc::Status Done(grpc::Status s) {
     auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start_);
     h_.Record(static_cast<uint64_t>(us.count()), s.ok());
-    done_.fetch_add(1, std::memory_order_release);  // see StoreService::Quiesce
+    fence_.Release();
     return s;
   }
 
  private:
-  std::atomic<uint64_t>& done_;
+  HandlerFence& fence_;
   LatencyHistogram& h_;
   Clock::time_point start_;
 };
@@ -87,7 +87,7 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
 grpc::Status StoreService::RegisterNamespace(grpc::ServerContext*,
                                              const v1::RegisterNamespaceRequest* req,
                                              v1::RegisterNamespaceResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("RegisterNamespace"));
+  RpcTimer t(fence_, Histogram("RegisterNamespace"));
   if (!req->has_spec()) return t.Done(grpc::Status(grpc::INVALID_ARGUMENT, "spec is missing"));
   auto info = store_->RegisterNamespace(FromProto(req->spec()), req->expected_id());
   if (!info.ok()) return t.Done(ToGrpc(info.status()));
@@ -98,7 +98,7 @@ grpc::Status StoreService::RegisterNamespace(grpc::ServerContext*,
 
 grpc::Status StoreService::ListNamespaces(grpc::ServerContext*, const v1::ListNamespacesRequest*,
                                           v1::ListNamespacesResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("ListNamespaces"));
+  RpcTimer t(fence_, Histogram("ListNamespaces"));
   for (const auto& info : store_->ListNamespaces()) {
     auto* n = resp->add_namespaces();
     n->set_namespace_id(info.id);
@@ -110,7 +110,7 @@ grpc::Status StoreService::ListNamespaces(grpc::ServerContext*, const v1::ListNa
 
 grpc::Status StoreService::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
                                   v1::LookupResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("Lookup"));
+  RpcTimer t(fence_, Histogram("Lookup"));
   auto tiers = store_->Lookup(req->namespace_id(), Hashes(req->hashes()));
   if (!tiers.ok()) return t.Done(ToGrpc(tiers.status()));
   resp->set_present_blocks(static_cast<uint32_t>(tiers->size()));
@@ -120,7 +120,7 @@ grpc::Status StoreService::Lookup(grpc::ServerContext*, const v1::LookupRequest*
 
 grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPutRequest* req,
                                     v1::BeginPutResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("BeginPut"));
+  RpcTimer t(fence_, Histogram("BeginPut"));
   auto r = store_->BeginPut(req->namespace_id(), Hashes(req->hashes()),
                             req->client_id().empty() ? ctx->peer() : req->client_id());
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
@@ -153,7 +153,7 @@ grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPut
 
 grpc::Status StoreService::CommitPut(grpc::ServerContext*, const v1::CommitPutRequest* req,
                                      v1::CommitPutResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("CommitPut"));
+  RpcTimer t(fence_, Histogram("CommitPut"));
   std::vector<uint64_t> sums(req->checksums().begin(), req->checksums().end());
   auto n = store_->CommitPut(req->lease_id(), sums);
   if (!n.ok()) return t.Done(ToGrpc(n.status()));
@@ -163,13 +163,13 @@ grpc::Status StoreService::CommitPut(grpc::ServerContext*, const v1::CommitPutRe
 
 grpc::Status StoreService::AbortPut(grpc::ServerContext*, const v1::AbortPutRequest* req,
                                     v1::AbortPutResponse*) {
-  RpcTimer t(rpcs_done_, Histogram("AbortPut"));
+  RpcTimer t(fence_, Histogram("AbortPut"));
   return t.Done(ToGrpc(store_->AbortPut(req->lease_id())));
 }
 
 grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGetRequest* req,
                                     v1::BeginGetResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("BeginGet"));
+  RpcTimer t(fence_, Histogram("BeginGet"));
   auto r = store_->BeginGet(req->namespace_id(), Hashes(req->hashes()),
                             req->client_id().empty() ? ctx->peer() : req->client_id());
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
@@ -190,14 +190,14 @@ grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGet
 
 grpc::Status StoreService::EndGet(grpc::ServerContext*, const v1::EndGetRequest* req,
                                   v1::EndGetResponse*) {
-  RpcTimer t(rpcs_done_, Histogram("EndGet"));
+  RpcTimer t(fence_, Histogram("EndGet"));
   return t.Done(ToGrpc(store_->EndGet(req->lease_id())));
 }
 
 grpc::Status StoreService::PutBlocks(grpc::ServerContext*,
                                      grpc::ServerReader<v1::PutBlocksRequest>* reader,
                                      v1::PutBlocksResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("PutBlocks"));
+  RpcTimer t(fence_, Histogram("PutBlocks"));
   v1::PutBlocksRequest req;
   uint32_t index = 0;
   while (reader->Read(&req)) {
@@ -232,7 +232,7 @@ grpc::Status StoreService::PutBlocks(grpc::ServerContext*,
 
 grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBlocksRequest* req,
                                      grpc::ServerWriter<v1::GetBlocksResponse>* writer) {
-  RpcTimer t(rpcs_done_, Histogram("GetBlocks"));
+  RpcTimer t(fence_, Histogram("GetBlocks"));
   v1::GetBlocksResponse msg;
   auto s = store_->GetInline(
       req->namespace_id(), Hashes(req->hashes()),
@@ -277,7 +277,7 @@ grpc::Status StoreService::CheckAdmin(grpc::ServerContext* ctx, const char* rpc)
 
 grpc::Status StoreService::Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req,
                                  v1::EvictResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("Evict"));
+  RpcTimer t(fence_, Histogram("Evict"));
   if (auto s = CheckAdmin(ctx, "Evict"); !s.ok()) return t.Done(s);
   absl::StatusOr<EvictResult> r;
   switch (req->target_case()) {
@@ -311,7 +311,7 @@ grpc::Status StoreService::Evict(grpc::ServerContext* ctx, const v1::EvictReques
 
 grpc::Status StoreService::GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                                     v1::GetStatsResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("GetStats"));
+  RpcTimer t(fence_, Histogram("GetStats"));
   StoreStats s = store_->Stats();
   FillTier(v1::TIER_RAM, s.ram, resp->add_tiers());
   FillTier(v1::TIER_DISK, s.disk, resp->add_tiers());
@@ -341,7 +341,7 @@ grpc::Status StoreService::GetStats(grpc::ServerContext*, const v1::GetStatsRequ
 
 grpc::Status StoreService::GetPolicy(grpc::ServerContext*, const v1::GetPolicyRequest*,
                                      v1::GetPolicyResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("GetPolicy"));
+  RpcTimer t(fence_, Histogram("GetPolicy"));
   FillPolicy(store_, Tier::kRam, resp->add_policies());
   FillPolicy(store_, Tier::kDisk, resp->add_policies());
   return t.Done(grpc::Status::OK);
@@ -349,7 +349,7 @@ grpc::Status StoreService::GetPolicy(grpc::ServerContext*, const v1::GetPolicyRe
 
 grpc::Status StoreService::SetPolicy(grpc::ServerContext* ctx, const v1::SetPolicyRequest* req,
                                      v1::SetPolicyResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("SetPolicy"));
+  RpcTimer t(fence_, Histogram("SetPolicy"));
   if (auto s = CheckAdmin(ctx, "SetPolicy"); !s.ok()) return t.Done(s);
   auto tier = TierFromProto(req->policy().tier());
   if (!tier.ok()) return t.Done(ToGrpc(tier.status()));
@@ -365,7 +365,7 @@ grpc::Status StoreService::SetPolicy(grpc::ServerContext* ctx, const v1::SetPoli
 grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
                                             const v1::ConnectDataPlaneRequest* req,
                                             v1::ConnectDataPlaneResponse* resp) {
-  RpcTimer t(rpcs_done_, Histogram("ConnectDataPlane"));
+  RpcTimer t(fence_, Histogram("ConnectDataPlane"));
   if (!dataplane_) {
     return t.Done(grpc::Status(grpc::FAILED_PRECONDITION,
                                "this store has no UCX data plane (start kvtier-store with "

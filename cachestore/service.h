@@ -9,6 +9,7 @@
 
 #include "cachestore/dataplane.h"
 #include "cachestore/store.h"
+#include "common/grpc_server.h"
 #include "common/histogram.h"
 #include "common/metrics.h"
 #include "kvtier/v1/store.grpc.pb.h"
@@ -25,11 +26,8 @@ class StoreService final : public kvtier::v1::Store::Service {
   // Admin RPCs then also need a verified client certificate (mutual TLS)
   // whose common name or a subject alternative name is `name`.
   void SetAdminIdentity(std::string name) { admin_identity_ = std::move(name); }
-  // Call once the gRPC server has shut down, before tearing down what the
-  // handlers used: orders everything they did before what follows. (The
-  // server's own join of its threads happens in uninstrumented gRPC, out of
-  // ThreadSanitizer's sight.)
-  void Quiesce() const { (void)rpcs_done_.load(std::memory_order_acquire); }
+  // Call once the gRPC server has shut down (see HandlerFence).
+  void Quiesce() const { fence_.Quiesce(); }
 
   grpc::Status RegisterNamespace(grpc::ServerContext*, const v1::RegisterNamespaceRequest*,
                                  v1::RegisterNamespaceResponse*) override;
@@ -74,7 +72,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   DataPlaneServer* dataplane_;
   std::string admin_token_;
   std::string admin_identity_;
-  std::atomic<uint64_t> rpcs_done_{0};  // handlers finished (release), for Quiesce
+  HandlerFence fence_;  // every handler releases it as it finishes
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
   std::chrono::steady_clock::time_point started_;
   // Bytes handed out for RMA (reserved by BeginPut, pinned by BeginGet).

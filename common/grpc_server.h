@@ -3,6 +3,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +17,24 @@ namespace kvtier {
 // INVALID_ARGUMENT with a message naming the method.
 std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>
 ServerInterceptors();
+
+// Orders what a service's handlers did before its owner's teardown once the
+// server has stopped: each handler releases (Release, or a Scope), and the
+// owner acquires (Quiesce) after ServeUntilSignalled. gRPC's own join of its
+// threads happens in uninstrumented code, out of ThreadSanitizer's sight.
+class HandlerFence {
+ public:
+  struct Scope {
+    HandlerFence* fence;
+    ~Scope() { fence->Release(); }
+  };
+  Scope Enter() { return Scope{this}; }
+  void Release() { done_.fetch_add(1, std::memory_order_release); }
+  void Quiesce() const { (void)done_.load(std::memory_order_acquire); }
+
+ private:
+  std::atomic<uint64_t> done_{0};
+};
 
 // Blocks SIGINT and SIGTERM in this thread and every thread it starts later;
 // call first in main(), before any thread exists. ServeUntilSignalled takes them.

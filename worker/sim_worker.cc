@@ -54,6 +54,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
 
   grpc::Status Submit(grpc::ServerContext*, const v1::SubmitRequest* req,
                       v1::SubmitResponse* resp) override {
+    auto done = fence_.Enter();
     auto t0 = Clock::now();
     const uint32_t bt = c_->block_tokens();
     std::vector<BlockHash> chain;
@@ -179,8 +180,12 @@ class SimWorkerService final : public v1::SimWorker::Service {
     return grpc::Status::OK;
   }
 
+  // After the server stopped (see HandlerFence).
+  void Quiesce() const { fence_.Quiesce(); }
+
   grpc::Status GetWorkerStats(grpc::ServerContext*, const v1::GetWorkerStatsRequest*,
                               v1::GetWorkerStatsResponse* resp) override {
+    auto done = fence_.Enter();
     ConnectorStats s = c_->stats();
     resp->set_worker_id(o_.worker_id);
     resp->set_requests(requests_);
@@ -203,6 +208,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
  private:
   KvConnector* c_;
   SimOptions o_;
+  HandlerFence fence_;
   std::mutex engine_mu_;
   std::atomic<uint64_t> next_id_{1ull << 62}, requests_{0}, verified_{0}, mismatched_{0};
   std::atomic<int64_t> running_{0};
@@ -336,8 +342,10 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   kvtier::WritePortFile(port_file, port);
   kvtier::ServeUntilSignalled(server.get(), "sim-worker");
-  connector.reset();
+  service->Quiesce();
+  // Publishers first: their heartbeats read the connector's load.
   for (auto& p : publishers) p->Stop();
+  connector.reset();
   Log("sim-worker", "stopped");
   return 0;
 }

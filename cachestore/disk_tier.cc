@@ -189,6 +189,10 @@ bool DiskTier::Contains(const BlockKey& key) const {
 
 bool DiskTier::Enqueue(const EvictedBlock& b) {
   if (options_.admission == "reused" && b.reads == 0) return false;
+  if (write_failed_ || space_paused_) {  // the writer would only drop it: do not copy it
+    dropped_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
   {
     std::lock_guard lk(mu_);
     if (index_.count(b.key)) return true;  // already there (promoted earlier)
@@ -279,6 +283,7 @@ std::string DiskTier::SpaceShortfall(uint64_t bytes) const {
 }
 
 void DiskTier::SetDegraded(const std::string& reason) {
+  if (reason.empty() && !degraded_) return;  // every successful write: nothing to clear
   std::lock_guard lk(degraded_mu_);
   if (reason.empty() && degraded_) Log("store", "disk tier recovered");
   if (!reason.empty() && !degraded_) Log("store", "disk tier degraded: ", reason);
@@ -504,7 +509,7 @@ absl::Status DiskTier::SetPolicy(const std::string& name,
   if (!p.ok()) return p.status();
   std::lock_guard wl(write_mu_);  // not while a write has victims out of the policy
   std::lock_guard lk(mu_);
-  // by_seq_ is ordered by write; keep the old policy's survivors in that order.
+  // Seqs are write order: hand the survivors to the new policy in that order.
   std::vector<uint64_t> seqs;
   seqs.reserve(by_seq_.size());
   for (const auto& [seq, k] : by_seq_) seqs.push_back(seq);

@@ -166,7 +166,7 @@ class DiskTier {
   std::thread writer_;
 
   mutable std::mutex degraded_mu_;
-  bool degraded_ = false;
+  std::atomic<bool> degraded_{false};  // written under degraded_mu_
   std::string degraded_reason_;
 
   TierCounters counters_;

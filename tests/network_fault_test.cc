@@ -219,10 +219,12 @@ TEST(NetworkFaults, AStalledStoreFailsDataPlaneOperationsAtTheirDeadlineAndTheyR
   }
   ::kill(store.proc().pid(), SIGCONT);
 
-  // Back: operations succeed again without rebuilding the client, and every
-  // block read is byte-exact.
+  // Back: operations succeed again without rebuilding the client (each of
+  // its lanes reconnects after its own back-off), and every block read is
+  // byte-exact.
   EXPECT_TRUE(WaitFor([&] { return put(300).ok(); }, std::chrono::seconds(15)));
-  auto g = get(0);
+  absl::StatusOr<GetOutcome> g;
+  EXPECT_TRUE(WaitFor([&] { return (g = get(0)).ok(); }, std::chrono::seconds(15)));
   ASSERT_TRUE(g.ok()) << g.status();
   ASSERT_EQ(g->blocks, 4u);
   for (uint64_t i = 0; i < 4; ++i) {

@@ -15,7 +15,25 @@
 namespace kvtier {
 
 namespace {
+
 using Clock = std::chrono::steady_clock;
+
+// One deadline for a whole operation (connect, RPCs, transfers), on both clocks.
+std::pair<Clock::time_point, std::chrono::system_clock::time_point> OperationDeadline(int ms) {
+  return {Clock::now() + std::chrono::milliseconds(ms),
+          std::chrono::system_clock::now() + std::chrono::milliseconds(ms)};
+}
+
+// BeginPut or BeginGet of the blocks' hashes.
+template <typename Request, typename Blocks>
+Request BeginRequest(uint64_t ns, const std::string& client, const Blocks& blocks) {
+  Request req;
+  req.set_namespace_id(ns);
+  req.set_client_id(client);
+  for (const auto& b : blocks) ToProto(b.hash, req.add_hashes());
+  return req;
+}
+
 }  // namespace
 
 struct StoreDataClient::Lane {
@@ -212,20 +230,14 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
   auto future = promise->get_future();
   uint64_t bytes = blocks.size() * block_bytes;
   Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
-    // One deadline for the whole operation: connect, RPCs and transfers.
-    auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
-    auto rpc_deadline =
-        std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms);
+    const auto [deadline, rpc_deadline] = OperationDeadline(options_.deadline_ms);
     auto finish = [&](absl::StatusOr<PutOutcome> r) {
       if (!r.ok()) r = Prefixed(r.status(), absl::StrCat("put to store ", address_, ": "));
       promise->set_value(std::move(r));
     };
     if (blocks.empty()) return finish(PutOutcome{});
     if (auto s = EnsureConnected(lane, rpc_deadline); !s.ok()) return finish(s);
-    v1::BeginPutRequest req;
-    req.set_namespace_id(ns);
-    req.set_client_id(options_.client_id);
-    for (const auto& b : blocks) ToProto(b.hash, req.add_hashes());
+    auto req = BeginRequest<v1::BeginPutRequest>(ns, options_.client_id, blocks);
     v1::BeginPutResponse resp;
     {
       auto ctx = control_.Context(rpc_deadline);
@@ -302,20 +314,14 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
   auto future = promise->get_future();
   uint64_t bytes = blocks.size() * block_bytes;
   Submit(bytes, [this, ns, block_bytes, blocks = std::move(blocks), promise](Lane& lane) {
-    // One deadline for the whole operation: connect, RPCs and transfers.
-    auto deadline = Clock::now() + std::chrono::milliseconds(options_.deadline_ms);
-    auto rpc_deadline =
-        std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms);
+    const auto [deadline, rpc_deadline] = OperationDeadline(options_.deadline_ms);
     auto finish = [&](absl::StatusOr<GetOutcome> r) {
       if (!r.ok()) r = Prefixed(r.status(), absl::StrCat("get from store ", address_, ": "));
       promise->set_value(std::move(r));
     };
     if (blocks.empty()) return finish(GetOutcome{});
     if (auto s = EnsureConnected(lane, rpc_deadline); !s.ok()) return finish(s);
-    v1::BeginGetRequest req;
-    req.set_namespace_id(ns);
-    req.set_client_id(options_.client_id);
-    for (const auto& b : blocks) ToProto(b.hash, req.add_hashes());
+    auto req = BeginRequest<v1::BeginGetRequest>(ns, options_.client_id, blocks);
     v1::BeginGetResponse resp;
     {
       auto ctx = control_.Context(rpc_deadline);

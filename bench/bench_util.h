@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
-#include "common/process.h"
+#include "testing/process.h"
 
 namespace kvtier::bench {
 

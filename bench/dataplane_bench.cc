@@ -15,7 +15,7 @@
 #include "bench/bench_util.h"
 #include "common/config.h"
 #include "common/log.h"
-#include "common/store_data_client.h"
+#include "client/store_data_client.h"
 
 namespace kvtier::bench {
 namespace {

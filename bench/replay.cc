@@ -27,7 +27,7 @@
 #include "bench/bench_util.h"
 #include "common/config.h"
 #include "common/log.h"
-#include "common/trace.h"
+#include "bench/trace.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 

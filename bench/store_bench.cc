@@ -12,7 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "common/config.h"
-#include "common/store_client.h"
+#include "client/store_client.h"
 
 namespace kvtier::bench {
 namespace {

@@ -13,8 +13,8 @@
 #include "absl/strings/str_format.h"
 #include "bench/bench_util.h"
 #include "common/config.h"
-#include "common/store_client.h"
-#include "common/trace.h"
+#include "client/store_client.h"
+#include "bench/trace.h"
 
 namespace kvtier::bench {
 namespace {

@@ -14,7 +14,7 @@
 #include "bench/bench_util.h"
 #include "common/config.h"
 #include "common/log.h"
-#include "common/store_data_client.h"
+#include "client/store_data_client.h"
 #include "gpu/kv_layout.h"
 #include "worker/connector.h"
 #include "worker/model.h"

@@ -8,14 +8,14 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/dtype.h"
 
 namespace kvtier {
 
 absl::StatusOr<uint32_t> DtypeBytes(const std::string& dtype) {
-  if (dtype == "fp16" || dtype == "bf16") return 2u;
-  if (dtype == "fp8" || dtype == "fp8_e4m3" || dtype == "fp8_e5m2") return 1u;
-  return absl::InvalidArgumentError(
-      absl::StrCat("dtype \"", dtype, "\" is not one of fp16, bf16, fp8, fp8_e4m3, fp8_e5m2"));
+  auto d = ParseDtype(dtype);
+  if (!d.ok()) return d.status();
+  return ElementBytes(*d);
 }
 
 namespace {

@@ -104,7 +104,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The witness block is still there, byte-exact.
   kvtier::BlockHash h{1, 1};
   bool seen = false;
-  (void)f->store->GetInline(f->ns, {&h, 1}, [&](uint32_t, kvtier::store::Tier, std::string_view b, uint64_t) {
+  (void)f->store->GetInline(f->ns, {&h, 1}, [&](uint32_t, kvtier::store::TierKind, std::string_view b, uint64_t) {
     if (b != f->block) __builtin_trap();
     seen = true;
     return true;

@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "common/trace.h"
+#include "bench/trace.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto r = kvtier::ParseTraceLine(std::string_view(reinterpret_cast<const char*>(data), size));

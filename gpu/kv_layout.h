@@ -20,10 +20,11 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "common/dtype.h"
 
 namespace kvtier::gpu {
 
-enum class Dtype : uint8_t { kFp16, kBf16, kFp8 };
+using kvtier::Dtype;  // common/dtype.h
 
 struct KvLayout {
   uint32_t layers = 1;
@@ -33,7 +34,7 @@ struct KvLayout {
   Dtype dtype = Dtype::kFp16;
   uint64_t num_pages = 1;
 
-  uint32_t elem_bytes() const { return dtype == Dtype::kFp8 ? 1 : 2; }
+  uint32_t elem_bytes() const { return ElementBytes(dtype); }
   // Elements of one (layer, K|V) chunk of a page.
   uint64_t chunk_elems() const { return uint64_t{block_tokens} * kv_heads * head_dim; }
   // Bytes of one page within one layer (K and V).

@@ -5,11 +5,9 @@
 #include <algorithm>
 #include <cmath>
 
-namespace kvtier::router {
+#include "common/rendezvous.h"
 
-uint64_t RendezvousScore(uint64_t request_hash, const std::string& worker_id) {
-  return XXH3_64bits_withSeed(worker_id.data(), worker_id.size(), request_hash);
-}
+namespace kvtier::router {
 
 namespace {
 // Among candidates[i] for i in picks, the one with the highest rendezvous score.

@@ -45,7 +45,4 @@ struct Decision {
 Decision Decide(const CostKnobs& knobs, uint64_t prompt_tokens, uint32_t block_tokens,
                 uint64_t request_hash, std::vector<Candidate>& candidates);
 
-// The rendezvous score of a worker for a request (higher wins).
-uint64_t RendezvousScore(uint64_t request_hash, const std::string& worker_id);
-
 }  // namespace kvtier::router

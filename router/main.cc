@@ -10,10 +10,10 @@
 #include <thread>
 
 #include "common/config.h"
-#include "common/grpc_server.h"
+#include "common/rpc/grpc_server.h"
 #include "common/log.h"
-#include "common/metrics.h"
-#include "common/tls.h"
+#include "common/rpc/metrics.h"
+#include "common/rpc/tls.h"
 #include "router/router_core.h"
 #include "router/service.h"
 
@@ -82,16 +82,10 @@ int main(int argc, char** argv) {
   kvtier::router::RouterCore core(o);
   kvtier::router::RouterService service(&core);
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(listen, *credentials, &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_message, INT32_MAX)));
-  builder.RegisterService(&service);
-  builder.experimental().SetInterceptorCreators(kvtier::ServerInterceptors());
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    std::fprintf(stderr, "kvtier-router: cannot listen on %s\n", listen.c_str());
+  auto started = kvtier::StartGrpcServer({"kvtier-router", listen, *credentials, {&service},
+                                          max_message});
+  if (!started.ok()) {
+    std::fprintf(stderr, "kvtier-router: %s\n", std::string(started.status().message()).c_str());
     return 1;
   }
   std::unique_ptr<kvtier::MetricsServer> metrics;
@@ -103,16 +97,12 @@ int main(int argc, char** argv) {
     }
     metrics = std::move(*ms);
   }
-  std::string host = listen.substr(0, listen.rfind(':'));
-  kvtier::Log("router", "listening on ", host, ":", port,
-              tls.cert_file.empty() ? "" : tls.require_client_cert ? ", mutual TLS" : ", TLS",
-              " (heartbeat deadline ", deadline_ms,
-              " ms, fetch_cost ", fetch_cost, ", load_weight ", load_weight, ", balance ",
-              balance, " tokens, temperature ", temperature, ")");
-  std::printf("kvtier-router listening on %s:%d%s\n", host.c_str(), port,
-              tls.cert_file.empty() ? "" : tls.require_client_cert ? " (mutual TLS)" : " (TLS)");
-  std::fflush(stdout);
-  kvtier::WritePortFile(port_file, port);
+  const std::string tls_mode = kvtier::TlsModeSuffix(!tls.cert_file.empty(), tls.require_client_cert);
+  kvtier::Log("router", "listening on ", started->address(),
+              tls.cert_file.empty() ? "" : tls.require_client_cert ? ", mutual TLS" : ", TLS", " (heartbeat deadline ",
+              deadline_ms, " ms, fetch_cost ", fetch_cost, ", load_weight ", load_weight,
+              ", balance ", balance, " tokens, temperature ", temperature, ")");
+  kvtier::AnnounceListening("kvtier-router", *started, tls_mode, port_file);
 
   std::mutex mu;
   std::condition_variable cv;
@@ -124,7 +114,7 @@ int main(int argc, char** argv) {
       core.ExpireSources(std::chrono::steady_clock::now());
     }
   });
-  kvtier::ServeUntilSignalled(server.get(), "router");
+  kvtier::ServeUntilSignalled(started->server.get(), "router");
   {
     std::lock_guard lk(mu);
     stop = true;

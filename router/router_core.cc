@@ -8,7 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/block_key.h"
 #include "common/log.h"
-#include "common/proto_convert.h"
+#include "common/rpc/proto_convert.h"
 
 namespace kvtier::router {
 
@@ -238,37 +238,15 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
                                                " sources registered)"));
   }
   const uint32_t bt = workers[0]->hello.block_tokens();
-  std::vector<BlockHash> chain;
-  uint64_t prompt_tokens = 0;
+  auto prompt = PromptFromRequest(req, req.namespace_id(), bt, "route");
+  if (!prompt.ok()) return prompt.status();
+  std::vector<BlockHash>& chain = prompt->chain;
+  const uint64_t prompt_tokens = prompt->prompt_tokens;
   uint64_t request_hash = 0;
-  if (req.prompt_case() == v1::RouteRequest::kTokens) {
-    const auto& ids = req.tokens().ids();
-    if (ids.empty()) return absl::InvalidArgumentError("route: the prompt is empty");
-    if (static_cast<size_t>(ids.size()) > kMaxRouteTokens) {
-      return absl::InvalidArgumentError(absl::StrCat("route: the prompt has ", ids.size(),
-                                                     " tokens; the limit is ", kMaxRouteTokens));
-    }
-    chain = ChainHashes(req.namespace_id(), std::span<const uint32_t>(ids.data(), ids.size()), bt);
-    prompt_tokens = ids.size();
+  if (chain.empty()) {
     // A prompt shorter than one block has no chain to key the sampling on.
-    if (chain.empty()) request_hash = XXH3_64bits(ids.data(), ids.size() * sizeof(uint32_t));
-  } else if (req.prompt_case() == v1::RouteRequest::kHashes) {
-    const auto& hs = req.hashes().hashes();
-    if (hs.empty()) return absl::InvalidArgumentError("route: the prompt is empty (no hashes)");
-    if (static_cast<size_t>(hs.size()) > kMaxRouteBlocks) {
-      return absl::InvalidArgumentError(absl::StrCat("route: the prompt has ", hs.size(),
-                                                     " blocks; the limit is ", kMaxRouteBlocks));
-    }
-    for (const auto& h : hs) chain.push_back(FromProto(h));
-    uint64_t full = uint64_t{bt} * chain.size();
-    prompt_tokens = req.prompt_tokens() ? req.prompt_tokens() : full;
-    if (prompt_tokens + bt <= full || prompt_tokens > kMaxRouteTokens) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "route: prompt_tokens ", prompt_tokens, " does not fit ", chain.size(),
-          " blocks of ", bt, " tokens (or exceeds ", kMaxRouteTokens, ")"));
-    }
-  } else {
-    return absl::InvalidArgumentError("route: the prompt is empty (give tokens or hashes)");
+    const auto& ids = req.tokens().ids();
+    request_hash = XXH3_64bits(ids.data(), ids.size() * sizeof(uint32_t));
   }
 
   PrefixMatch match;

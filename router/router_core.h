@@ -22,13 +22,12 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "kvtier/v1/router.pb.h"
+#include "common/prompt_chain.h"
 #include "router/cost.h"
 #include "router/prefix_index.h"
 
 namespace kvtier::router {
 
-inline constexpr size_t kMaxRouteBlocks = 16384;
-inline constexpr size_t kMaxRouteTokens = 2097152;
 inline constexpr size_t kMaxEventHashes = 65536;
 
 struct RouterOptions {

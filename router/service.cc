@@ -1,7 +1,7 @@
 #include "router/service.h"
 
 #include "absl/strings/str_cat.h"
-#include "common/grpc_status.h"
+#include "common/rpc/grpc_status.h"
 
 namespace kvtier::router {
 
@@ -95,8 +95,7 @@ grpc::Status RouterService::Publish(grpc::ServerContext*, const v1::PublishReque
                           absl::StrCat("publish: message ", i, " is a hello of another source"));
     }
     if (auto s = core_->Handle(id, m, &commands); !s.ok()) {
-      return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
-                          absl::StrCat("publish: message ", i, ": ", s.message()));
+      return ToGrpc(absl::Status(s.code(), absl::StrCat("publish: message ", i, ": ", s.message())));
     }
   }
   for (auto& c : commands) *resp->add_commands() = std::move(c);

@@ -2,7 +2,7 @@
 #pragma once
 
 #include "common/histogram.h"
-#include "common/metrics.h"
+#include "common/rpc/metrics.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "router/router_core.h"
 

@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "common/process.h"
+#include "testing/process.h"
 
 namespace {
 

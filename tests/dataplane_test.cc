@@ -8,8 +8,8 @@
 #include <thread>
 
 #include "common/checksum.h"
-#include "common/store_data_client.h"
-#include "common/ucx.h"
+#include "client/store_data_client.h"
+#include "common/ucx/ucx.h"
 #include "tests/test_util.h"
 
 namespace kvtier {

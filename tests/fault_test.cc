@@ -15,8 +15,8 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "common/store_client.h"
-#include "common/store_data_client.h"
+#include "client/store_client.h"
+#include "client/store_data_client.h"
 #include "tests/test_util.h"
 
 namespace kvtier {

@@ -12,9 +12,9 @@
 #include <fstream>
 #include <map>
 
-#include "common/router_client.h"
-#include "common/store_client.h"
-#include "common/store_data_client.h"
+#include "client/router_client.h"
+#include "client/store_client.h"
+#include "client/store_data_client.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "tests/fault_proxy.h"
 #include "tests/test_util.h"

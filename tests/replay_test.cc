@@ -8,7 +8,7 @@
 #include <set>
 #include <string>
 
-#include "common/process.h"
+#include "testing/process.h"
 
 namespace {
 

@@ -276,7 +276,7 @@ TEST_F(RouterCoreTest, BadInputGetsAClearStatusAndChangesNothing) {
   expect(core_.Route(r).status(), absl::StatusCode::kUnavailable, "no live worker");
   r = Req(0);
   expect(core_.Route(r).status(), absl::StatusCode::kInvalidArgument, "empty");
-  r = Req(kMaxRouteBlocks + 1);
+  r = Req(kMaxPromptBlocks + 1);
   expect(core_.Route(r).status(), absl::StatusCode::kInvalidArgument, "limit");
   r = Req(4);
   r.set_prompt_tokens(10);

@@ -6,8 +6,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "common/router_client.h"
-#include "common/store_client.h"
+#include "client/router_client.h"
+#include "client/store_client.h"
 #include "tests/test_util.h"
 
 namespace kvtier {

@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <thread>
 
-#include "common/store_client.h"
+#include "client/store_client.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "tests/test_util.h"

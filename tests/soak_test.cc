@@ -13,7 +13,7 @@
 #include <random>
 #include <thread>
 
-#include "common/store_data_client.h"
+#include "client/store_data_client.h"
 #include "tests/test_util.h"
 
 namespace kvtier {

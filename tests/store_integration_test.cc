@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "common/checksum.h"
-#include "common/store_client.h"
+#include "client/store_client.h"
 #include "tests/test_util.h"
 
 namespace kvtier {

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "common/process.h"
+#include "testing/process.h"
 
 namespace kvtier::testing {
 

@@ -11,9 +11,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "common/router_client.h"
-#include "common/store_client.h"
-#include "common/tls.h"
+#include "client/router_client.h"
+#include "client/store_client.h"
+#include "common/rpc/tls.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "tests/test_util.h"

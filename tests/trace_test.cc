@@ -1,4 +1,4 @@
-#include "common/trace.h"
+#include "bench/trace.h"
 
 #include <gtest/gtest.h>
 

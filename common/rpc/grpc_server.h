@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+
 namespace kvtier {
 
 // Interceptors every kvtier server installs. Today: a request that does not
@@ -43,6 +45,35 @@ void BlockShutdownSignals();
 // Writes the bound port to path atomically (tests and scripts wait for it);
 // nothing when path is empty.
 void WritePortFile(const std::string& path, int port);
+
+// What every kvtier server binary starts the same way.
+struct GrpcServerOptions {
+  std::string binary;  // "kvtier-store": names the server in messages
+  std::string listen;  // host:port (port 0: any free one)
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  std::vector<grpc::Service*> services;
+  uint64_t max_message_bytes = 0;  // receive and send limit; 0: gRPC's defaults
+};
+
+struct StartedServer {
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  std::string host;  // the host part of listen
+  std::string address() const { return host + ":" + std::to_string(port); }
+};
+
+// Starts a gRPC server with the standard health service, kvtier's
+// interceptors and the given services. UNAVAILABLE naming the address if it
+// cannot listen there (in use, or not a local address).
+absl::StatusOr<StartedServer> StartGrpcServer(const GrpcServerOptions& options);
+
+// Prints "<binary> listening on HOST:PORT<suffix>" on stdout (scripts and
+// tests wait for it) and writes the port file.
+void AnnounceListening(const std::string& binary, const StartedServer& server,
+                       const std::string& suffix, const std::string& port_file);
+
+// " (TLS)", " (mutual TLS)" or "" for a server's TLS flags.
+std::string TlsModeSuffix(bool tls, bool mutual);
 
 // Returns once SIGINT or SIGTERM arrived and the server has shut down (2 s
 // grace for calls in flight). REQUIRES: BlockShutdownSignals() was called.

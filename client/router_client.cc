@@ -1,11 +1,11 @@
-#include "common/router_client.h"
+#include "client/router_client.h"
 
 #include <algorithm>
 #include <chrono>
 #include <utility>
 
 #include "common/log.h"
-#include "common/proto_convert.h"
+#include "common/rpc/proto_convert.h"
 
 namespace kvtier {
 

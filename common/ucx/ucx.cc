@@ -1,4 +1,4 @@
-#include "common/ucx.h"
+#include "common/ucx/ucx.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>

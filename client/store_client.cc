@@ -1,10 +1,10 @@
-#include "common/store_client.h"
+#include "client/store_client.h"
 
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "common/checksum.h"
-#include "common/grpc_status.h"
+#include "common/rpc/grpc_status.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace kvtier {

@@ -1,4 +1,4 @@
-#include "common/proto_convert.h"
+#include "common/rpc/proto_convert.h"
 
 namespace kvtier {
 

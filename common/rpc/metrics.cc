@@ -1,4 +1,4 @@
-#include "common/metrics.h"
+#include "common/rpc/metrics.h"
 
 #include "absl/strings/str_cat.h"
 

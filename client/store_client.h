@@ -14,8 +14,8 @@
 
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
-#include "common/proto_convert.h"
-#include "common/tls.h"
+#include "common/rpc/proto_convert.h"
+#include "common/rpc/tls.h"
 #include "kvtier/v1/store.grpc.pb.h"
 
 namespace kvtier {

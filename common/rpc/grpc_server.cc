@@ -1,14 +1,16 @@
-#include "common/grpc_server.h"
+#include "common/rpc/grpc_server.h"
 
 #include <grpcpp/support/server_interceptor.h>
 
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "common/log.h"
 
 namespace kvtier {
@@ -85,6 +87,39 @@ void ServeUntilSignalled(grpc::Server* server, const std::string& component) {
   });
   server->Wait();
   signals.join();
+}
+
+absl::StatusOr<StartedServer> StartGrpcServer(const GrpcServerOptions& o) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  StartedServer started;
+  builder.AddListeningPort(o.listen, o.credentials, &started.port);
+  if (o.max_message_bytes != 0) {
+    const int limit = static_cast<int>(std::min<uint64_t>(o.max_message_bytes, INT32_MAX));
+    builder.SetMaxReceiveMessageSize(limit);
+    builder.SetMaxSendMessageSize(limit);
+  }
+  for (grpc::Service* s : o.services) builder.RegisterService(s);
+  builder.experimental().SetInterceptorCreators(ServerInterceptors());
+  started.server = builder.BuildAndStart();
+  if (!started.server || started.port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", o.listen, " (in use or not a local address)"));
+  }
+  started.host = o.listen.substr(0, o.listen.rfind(':'));
+  return started;
+}
+
+void AnnounceListening(const std::string& binary, const StartedServer& server,
+                       const std::string& suffix, const std::string& port_file) {
+  std::printf("%s listening on %s%s\n", binary.c_str(), server.address().c_str(), suffix.c_str());
+  std::fflush(stdout);
+  WritePortFile(port_file, server.port);
+}
+
+std::string TlsModeSuffix(bool tls, bool mutual) {
+  if (!tls) return "";
+  return mutual ? " (mutual TLS)" : " (TLS)";
 }
 
 }  // namespace kvtier

@@ -24,7 +24,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "common/block_key.h"
-#include "common/tls.h"
+#include "common/rpc/tls.h"
 #include "kvtier/v1/router.grpc.pb.h"
 
 namespace kvtier {

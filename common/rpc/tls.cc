@@ -1,4 +1,4 @@
-#include "common/tls.h"
+#include "common/rpc/tls.h"
 
 #include <fstream>
 #include <sstream>

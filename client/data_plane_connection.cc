@@ -1,0 +1,157 @@
+// DataPlaneConnection (data_plane_connection.h, which states its
+// guarantees): ConnectDataPlane, the choice of UCX endpoint, back-off, and
+// posting and waiting for RMA.
+#include "client/data_plane_connection.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/rpc/grpc_status.h"
+
+namespace kvtier {
+
+namespace {
+
+std::string HostOf(const std::string& address) { return address.substr(0, address.rfind(':')); }
+
+bool UseSharedMemory(const DataClientOptions& options, const std::string& address) {
+  switch (options.shared_memory) {
+    case DataClientOptions::SharedMemory::kOn: return true;
+    case DataClientOptions::SharedMemory::kOff: return false;
+    case DataClientOptions::SharedMemory::kAuto: break;
+  }
+  std::string host = HostOf(address);
+  return absl::StartsWith(host, "127.") || host == "localhost" || host == "[::1]" ||
+         host == "::1";
+}
+
+}  // namespace
+
+DataPlaneConnection::DataPlaneConnection(absl::StatusOr<std::unique_ptr<ucx::Worker>> worker,
+                                         const std::string& address,
+                                         const DataClientOptions& options, StoreClient& control)
+    : address_(address),
+      options_(options),
+      control_(control),
+      init_error_(worker.status()),
+      backoff_ms_(options.backoff_min_ms) {
+  if (worker.ok()) worker_ = std::move(*worker);
+}
+
+DataPlaneConnection::~DataPlaneConnection() {
+  Drop();
+  regions_.clear();
+  worker_.reset();
+}
+
+void DataPlaneConnection::Drop() {
+  rkey_.reset();
+  ep_.reset();
+}
+
+absl::Status DataPlaneConnection::EnsureConnected(
+    std::chrono::system_clock::time_point rpc_deadline) {
+  if (!init_error_.ok()) return init_error_;
+  if (ep_ && !ep_->failed()) return absl::OkStatus();
+  Drop();
+  auto now = ucx::Clock::now();
+  if (now < next_attempt_) {
+    return absl::UnavailableError(absl::StrCat(
+        "store ", address_, " data plane is down; next reconnect in ",
+        std::chrono::duration_cast<std::chrono::milliseconds>(next_attempt_ - now).count(),
+        " ms (last error: ", last_error_, ")"));
+  }
+  auto fail = [&](const absl::Status& s) {
+    last_error_ = std::string(s.message());
+    next_attempt_ = ucx::Clock::now() + std::chrono::milliseconds(backoff_ms_);
+    backoff_ms_ = std::min(backoff_ms_ * 2, options_.backoff_max_ms);
+    return s;
+  };
+  v1::ConnectDataPlaneRequest req;
+  req.set_client_id(options_.client_id);
+  v1::ConnectDataPlaneResponse resp;
+  auto ctx = control_.Context(rpc_deadline);
+  if (auto s = control_.stub().ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) {
+    return fail(FromGrpc(s));
+  }
+  if (resp.regions_size() != 1 || resp.regions(0).rkey_id() != 0) {
+    return fail(absl::InternalError("store data plane offers no region 0"));
+  }
+  std::string addr = resp.ucx_address();
+  std::string host = HostOf(addr);
+  if (host.empty() || host == "0.0.0.0" || host == "::") host = HostOf(address_);
+  absl::StatusOr<std::unique_ptr<ucx::Endpoint>> ep;
+  if (!options_.use_sockaddr && !resp.worker_address().empty()) {
+    ep = ucx::Endpoint::ConnectToWorker(
+        worker_.get(), resp.worker_address(),
+        /*peer_failure_handling=*/!UseSharedMemory(options_, address_));
+  } else {
+    int port = 0;
+    if (!absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port)) {
+      return fail(absl::InternalError(
+          absl::StrCat("store's UCX address \"", addr, "\" has no port")));
+    }
+    ep = ucx::Endpoint::Connect(worker_.get(), host, port);
+  }
+  if (!ep.ok()) return fail(ep.status());
+  auto rkey = (*ep)->Unpack(resp.regions(0).packed_rkey());
+  if (!rkey.ok()) return fail(rkey.status());
+  ep_ = std::move(*ep);
+  rkey_ = std::move(*rkey);
+  backoff_ms_ = options_.backoff_min_ms;
+  return absl::OkStatus();
+}
+
+void DataPlaneConnection::UseRegions(
+    const std::vector<std::shared_ptr<ucx::MemoryRegion>>& regions) {
+  if (regions_.size() != regions.size()) regions_ = regions;
+}
+
+ucp_request_param_t DataPlaneConnection::ParamsFor(const void* p, size_t n) const {
+  ucp_mem_h memh = nullptr;
+  for (const auto& r : regions_) {
+    if (r->contains(p, n)) {
+      memh = r->memh();
+      break;
+    }
+  }
+  ucp_request_param_t params{};
+  if (memh != nullptr) {
+    params.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
+    params.memh = memh;
+  }
+  return params;
+}
+
+void* DataPlaneConnection::PostPut(const void* src, size_t length, uint64_t remote_addr) {
+  ucp_request_param_t p = ParamsFor(src, length);
+  return ucp_put_nbx(ep_->get(), src, length, remote_addr, rkey_->get(), &p);
+}
+
+void* DataPlaneConnection::PostGet(void* dest, size_t length, uint64_t remote_addr) {
+  ucp_request_param_t p = ParamsFor(dest, length);
+  return ucp_get_nbx(ep_->get(), dest, length, remote_addr, rkey_->get(), &p);
+}
+
+void* DataPlaneConnection::PostFlush() {
+  ucp_request_param_t p{};
+  return ucp_ep_flush_nbx(ep_->get(), &p);
+}
+
+absl::Status DataPlaneConnection::Wait(std::vector<void*>& requests,
+                                       ucx::Clock::time_point deadline) {
+  absl::Status moved = worker_->WaitAll(requests, deadline);
+  if (moved.ok() && ep_->failed()) {
+    moved = absl::UnavailableError("the store's UCX endpoint failed");
+  }
+  if (!moved.ok()) {
+    ep_->MarkFailed();
+    Drop();
+  }
+  return moved;
+}
+
+}  // namespace kvtier

@@ -1,0 +1,88 @@
+// One lane's connection to a store's data plane: the lane's UCX worker, its
+// endpoint to the store and the remote key of the store's arena, made
+// through the store's ConnectDataPlane RPC and made again after a failure,
+// with exponential back-off (backoff_min_ms..backoff_max_ms) between failed
+// attempts. Every UCX call of StoreDataClient goes through here, so the
+// put/get protocol never sees an endpoint that a failure left half-usable.
+//
+// Not thread-safe: a connection belongs to its lane's thread (UCX workers
+// are single-threaded); its owner touches it only while that thread is
+// stopped. Internal to kvtier_dataclient.
+//
+// EnsureConnected returns: the lane's worker-creation error; UNAVAILABLE
+// while backing off after a failed attempt; ConnectDataPlane's own status
+// (FAILED_PRECONDITION from a store without a UCX listener); INTERNAL for an
+// answer it cannot use; or the UCX connect's status. Wait returns the
+// transfers' first error (DEADLINE_EXCEEDED past the deadline), or
+// UNAVAILABLE if the endpoint failed meanwhile.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/data_client_types.h"
+#include "client/store_client.h"
+#include "common/ucx/ucx.h"
+
+namespace kvtier {
+
+class DataPlaneConnection {
+ public:
+  // `worker`: the lane's UCX worker, or why there is none (then every
+  // EnsureConnected returns that). `address`, `options` and `control` belong
+  // to the client, which outlives its lanes.
+  DataPlaneConnection(absl::StatusOr<std::unique_ptr<ucx::Worker>> worker,
+                      const std::string& address, const DataClientOptions& options,
+                      StoreClient& control);
+  // Releases the UCX objects in the order UCX needs: key and endpoint,
+  // registrations, worker.
+  ~DataPlaneConnection();
+  DataPlaneConnection(const DataPlaneConnection&) = delete;
+  DataPlaneConnection& operator=(const DataPlaneConnection&) = delete;
+
+  // Connects unless connected and not failed; the ConnectDataPlane RPC ends
+  // by `rpc_deadline`.
+  absl::Status EnsureConnected(std::chrono::system_clock::time_point rpc_deadline);
+
+  // Takes a snapshot of the client's registered memory if it grew since the
+  // last one (registrations are only ever added). Called under the client's
+  // lock, so the lane reads its snapshot without one.
+  void UseRegions(const std::vector<std::shared_ptr<ucx::MemoryRegion>>& regions);
+
+  // Post one block's RMA, zero-copy where the local bytes lie in registered
+  // memory; the request goes to Wait. REQUIRES: EnsureConnected succeeded.
+  void* PostPut(const void* src, size_t length, uint64_t remote_addr);
+  void* PostGet(void* dest, size_t length, uint64_t remote_addr);
+  // Remote completion of everything posted before it.
+  void* PostFlush();
+
+  // Waits for (and frees) the requests until `deadline`. On any failure the
+  // endpoint is force-closed, so nothing posted on it writes afterwards, and
+  // the next EnsureConnected reconnects.
+  absl::Status Wait(std::vector<void*>& requests, ucx::Clock::time_point deadline);
+
+ private:
+  ucp_request_param_t ParamsFor(const void* p, size_t n) const;
+  void Drop();
+
+  const std::string& address_;
+  const DataClientOptions& options_;
+  StoreClient& control_;
+
+  absl::Status init_error_;
+  std::unique_ptr<ucx::Worker> worker_;
+  std::unique_ptr<ucx::Endpoint> ep_;
+  std::unique_ptr<ucx::RemoteKey> rkey_;
+  std::vector<std::shared_ptr<ucx::MemoryRegion>> regions_;  // snapshot of the client's
+  ucx::Clock::time_point next_attempt_{};
+  uint64_t backoff_ms_;
+  std::string last_error_;
+};
+
+}  // namespace kvtier

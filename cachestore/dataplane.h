@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/ucx.h"
+#include "common/ucx/ucx.h"
 
 namespace kvtier::store {
 

@@ -10,13 +10,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "cachestore/router_sink.h"
 #include "cachestore/service.h"
 #include "cachestore/store.h"
 #include "common/config.h"
-#include "common/grpc_server.h"
-#include "common/metrics.h"
+#include "common/rpc/grpc_server.h"
+#include "common/rpc/metrics.h"
 #include "common/log.h"
-#include "common/tls.h"
+#include "common/rpc/tls.h"
 
 namespace {
 
@@ -193,8 +194,6 @@ int main(int argc, char** argv) {
   o.disk.reserve_bytes = f.disk_reserve_bytes;
   o.disk.admission = f.disk_admission;
   o.lease_ms = f.lease_ms;
-  o.routers = routers;
-  o.router_security = *router_security;
   o.verify_commits = f.verify_commits;
   o.max_leases_per_client = static_cast<uint64_t>(f.max_leases_per_client);
   std::string admin_token;
@@ -212,7 +211,15 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  o.store_id = f.store_id.empty() ? "kvtier-store@" + f.listen : f.store_id;
+  // Declared before the store, so destroyed after it: the store's change
+  // feed delivers into the sink until the store is gone.
+  std::unique_ptr<kvtier::store::RouterSink> router_sink;
+  if (!routers.empty()) {
+    router_sink = std::make_unique<kvtier::store::RouterSink>(
+        routers, *router_security, f.store_id.empty() ? "kvtier-store@" + f.listen : f.store_id,
+        /*heartbeat_ms=*/250);
+    o.changes = router_sink.get();
+  }
   auto store = kvtier::store::Store::Open(o);
   if (!store.ok()) {
     std::fprintf(stderr, "kvtier-store: %s\n", std::string(store.status().message()).c_str());
@@ -233,20 +240,13 @@ int main(int argc, char** argv) {
   kvtier::store::StoreService service(store->get(), dataplane.get());
   service.SetAdminToken(admin_token);
   service.SetAdminIdentity(f.admin_identity);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(f.listen, *server_credentials, &port);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(f.max_message_bytes));
-  builder.SetMaxSendMessageSize(static_cast<int>(f.max_message_bytes));
-  builder.RegisterService(&service);
-  builder.experimental().SetInterceptorCreators(kvtier::ServerInterceptors());
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    std::fprintf(stderr, "kvtier-store: cannot listen on %s (in use or not a local address)\n",
-                 f.listen.c_str());
+  auto started = kvtier::StartGrpcServer({"kvtier-store", f.listen, *server_credentials, {&service},
+                                          f.max_message_bytes});
+  if (!started.ok()) {
+    std::fprintf(stderr, "kvtier-store: %s\n", std::string(started.status().message()).c_str());
     return 1;
   }
+  grpc::Server* server = started->server.get();
   std::unique_ptr<kvtier::MetricsServer> metrics;
   if (!f.metrics_listen.empty()) {
     auto ms = kvtier::MetricsServer::Start(f.metrics_listen, [&service] { return service.CollectMetrics(); });
@@ -257,19 +257,15 @@ int main(int argc, char** argv) {
     metrics = std::move(*ms);
     kvtier::Log("store", "metrics on ", f.metrics_listen, " (port ", metrics->port(), ")/metrics");
   }
-  std::string host = f.listen.substr(0, f.listen.rfind(':'));
-  kvtier::Log("store", "listening on ", host, ":", port,
-              f.tls.cert_file.empty() ? "" : f.tls.require_client_cert ? ", mutual TLS" : ", TLS",
-              " (RAM ", (*store)->ram().arena().size(),
-              " bytes in ", (*store)->ram().shards(), " shards",
+  const std::string tls_mode = kvtier::TlsModeSuffix(!f.tls.cert_file.empty(), f.tls.require_client_cert);
+  kvtier::Log("store", "listening on ", started->address(),
+              f.tls.cert_file.empty() ? "" : f.tls.require_client_cert ? ", mutual TLS" : ", TLS", " (RAM ",
+              (*store)->ram().arena().size(), " bytes in ", (*store)->ram().shards(), " shards",
               (*store)->ram().arena().hugepages() ? ", hugepages" : "", "; disk quota ",
               f.disk_bytes, " bytes in ", f.data_dir, ")");
-  const char* tls_mode =
-      f.tls.cert_file.empty() ? "" : f.tls.require_client_cert ? " (mutual TLS)" : " (TLS)";
-  std::printf("kvtier-store listening on %s:%d%s%s%s\n", host.c_str(), port, tls_mode,
-              dataplane ? ", UCX on " : "", dataplane ? dataplane->address().c_str() : "");
-  std::fflush(stdout);
-  kvtier::WritePortFile(f.port_file, port);
+  kvtier::AnnounceListening("kvtier-store", *started,
+                            tls_mode + (dataplane ? ", UCX on " + dataplane->address() : ""),
+                            f.port_file);
 
   // Health: "" and kvtier.v1.Store stay SERVING while the process serves;
   // "kvtier.v1.Store/disk" follows the NVMe tier (NOT_SERVING while degraded).
@@ -287,7 +283,7 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   });
-  kvtier::ServeUntilSignalled(server.get(), "store");
+  kvtier::ServeUntilSignalled(server, "store");
   service.Quiesce();
   stop_health = true;
   health.join();

@@ -22,7 +22,7 @@
 #include "absl/status/statusor.h"
 #include "cachestore/arena.h"
 #include "cachestore/eviction_policy.h"
-#include "cachestore/tier_stats.h"
+#include "cachestore/tier.h"
 #include "common/block_key.h"
 
 namespace kvtier::store {
@@ -37,19 +37,8 @@ struct RamTierOptions {
   int shards = 0;  // 0: chosen from the number of slabs (1..16)
 };
 
-// A block leaving RAM by eviction: its bytes are valid only during the call.
-struct EvictedBlock {
-  BlockKey key;
-  const uint8_t* data;
-  uint64_t length;
-  uint64_t checksum;
-  uint32_t reads;  // times it was read while in RAM
-};
 // Returns true if the block was accepted for the lower tier (a demotion).
 using DemotionSink = std::function<bool(const EvictedBlock&)>;
-// Told when a block becomes visible in a tier (true) or leaves it (false).
-// Called under the tier's locks: it must be quick and must not call back.
-using ChangeListener = std::function<void(const BlockKey&, bool added)>;
 
 // A slot in the arena. offset identifies the slot for its whole life.
 struct Slot {
@@ -60,17 +49,17 @@ struct Slot {
 
 enum class Placement { kReserved, kPresent, kBusy, kNoSpace };
 
-class RamTier {
+class RamTier : public Tier {
  public:
   static absl::StatusOr<std::unique_ptr<RamTier>> Create(const RamTierOptions& options,
                                                          DemotionSink sink);
 
   // The listener is called under a shard lock; replacing it takes every
-  // shard lock, so a cleared listener is not called once this returns.
-  void SetChangeListener(ChangeListener listener);
+  // shard lock.
+  void SetChangeListener(ChangeListener listener) override;
 
   // True if key is READY.
-  bool Contains(const BlockKey& key) const;
+  bool Contains(const BlockKey& key) const override;
 
   // Reserves a WRITING slot for key owned by lease. kPresent if READY,
   // kBusy if another lease is writing it, kNoSpace if no slot can be freed.
@@ -91,21 +80,22 @@ class RamTier {
   Placement InsertCopy(const BlockKey& key, const uint8_t* data, uint64_t length,
                        uint64_t checksum, bool pin, bool from_lower_tier, Slot* slot);
 
-  EraseCounts Erase(const std::vector<BlockKey>& keys);
-  EraseCounts EraseNamespace(uint64_t ns);
-  EraseCounts EraseAll();
+  EraseCounts Erase(const std::vector<BlockKey>& keys) override;
+  EraseCounts EraseNamespace(uint64_t ns) override;
+  EraseCounts EraseAll() override;
 
   // Switches every shard to a new policy, rebuilt from current residents in
-  // order of last access. Drops nothing.
-  absl::Status SetPolicy(const std::string& name, const std::map<std::string, double>& params);
-  std::string policy() const;
-  std::map<std::string, double> policy_params() const;
+  // order of last access.
+  absl::Status SetPolicy(const std::string& name,
+                         const std::map<std::string, double>& params) override;
+  std::string policy() const override;
+  std::map<std::string, double> policy_params() const override;
 
   uint8_t* data(const Slot& slot) const { return arena_->at(slot.offset); }
   const Arena& arena() const { return *arena_; }
   uint64_t max_block_bytes() const { return arena_->slab_bytes(); }
   int shards() const { return static_cast<int>(shards_.size()); }
-  TierSnapshot Snapshot() const;
+  TierSnapshot Snapshot() const override;
   const TierCounters& counters() const { return counters_; }
 
  private:

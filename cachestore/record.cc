@@ -50,4 +50,39 @@ absl::StatusOr<DecodedRecord> DecodeRecord(std::string_view r) {
   return DecodedRecord{payload, checksum};
 }
 
+std::string EncodeBlockKey(const BlockKey& k) {
+  std::string s(24, '\0');
+  const uint64_t v[3] = {k.ns, k.hash.hi, k.hash.lo};
+  for (int i = 0; i < 3; ++i) {
+    for (int b = 0; b < 8; ++b) s[i * 8 + b] = static_cast<char>(v[i] >> (56 - 8 * b));
+  }
+  return s;
+}
+
+bool DecodeBlockKey(std::string_view s, BlockKey* k) {
+  if (s.size() != 24) return false;
+  uint64_t v[3] = {0, 0, 0};
+  for (int i = 0; i < 3; ++i) {
+    for (int b = 0; b < 8; ++b) v[i] = (v[i] << 8) | static_cast<uint8_t>(s[i * 8 + b]);
+  }
+  *k = BlockKey{v[0], BlockHash{v[1], v[2]}};
+  return true;
+}
+
+std::string EncodeIndexEntry(const IndexEntry& e) {
+  std::string s(24, '\0');
+  std::memcpy(s.data(), &e.record_bytes, 8);
+  std::memcpy(s.data() + 8, &e.checksum, 8);
+  std::memcpy(s.data() + 16, &e.seq, 8);
+  return s;
+}
+
+bool DecodeIndexEntry(std::string_view s, IndexEntry* e) {
+  if (s.size() != 24) return false;
+  std::memcpy(&e->record_bytes, s.data(), 8);
+  std::memcpy(&e->checksum, s.data() + 8, 8);
+  std::memcpy(&e->seq, s.data() + 16, 8);
+  return true;
+}
+
 }  // namespace kvtier::store

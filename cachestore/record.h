@@ -1,4 +1,13 @@
-// The on-disk block record: a 32-byte header then the block's bytes.
+// The disk tier's on-disk format, in one place: block records, their keys,
+// and index entries.
+//
+// Key (24 bytes, both the blocks and the index column): big-endian
+// (namespace, hash.hi, hash.lo), so a namespace's blocks are contiguous.
+//
+// Index entry (24 bytes, little-endian): record bytes, checksum, write
+// sequence.
+//
+// Block record: a 32-byte header then the block's bytes.
 //
 //   offset  size  field
 //   0       4     magic "KVTB" (0x4254564B little-endian)
@@ -16,6 +25,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "common/block_key.h"
 
 namespace kvtier::store {
 
@@ -32,5 +42,18 @@ struct DecodedRecord {
 
 // DATA_LOSS naming what is wrong for a truncated, foreign or corrupt record.
 absl::StatusOr<DecodedRecord> DecodeRecord(std::string_view record);
+
+std::string EncodeBlockKey(const BlockKey& key);
+// False if s is not 24 bytes.
+bool DecodeBlockKey(std::string_view s, BlockKey* key);
+
+struct IndexEntry {
+  uint64_t record_bytes;
+  uint64_t checksum;
+  uint64_t seq;  // write order
+};
+std::string EncodeIndexEntry(const IndexEntry& e);
+// False if s is not 24 bytes.
+bool DecodeIndexEntry(std::string_view s, IndexEntry* e);
 
 }  // namespace kvtier::store

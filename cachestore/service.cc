@@ -6,9 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/grpc_status.h"
-#include "common/proto_convert.h"
-#include "common/tls.h"
+#include "common/rpc/grpc_status.h"
+#include "common/rpc/proto_convert.h"
+#include "common/rpc/tls.h"
 
 namespace kvtier::store {
 
@@ -41,11 +41,11 @@ std::vector<BlockHash> Hashes(const google::protobuf::RepeatedPtrField<v1::Block
   return out;
 }
 
-v1::Tier ToProto(Tier t) { return t == Tier::kRam ? v1::TIER_RAM : v1::TIER_DISK; }
+v1::Tier ToProto(TierKind t) { return t == TierKind::kRam ? v1::TIER_RAM : v1::TIER_DISK; }
 
-absl::StatusOr<Tier> TierFromProto(v1::Tier t) {
-  if (t == v1::TIER_RAM) return Tier::kRam;
-  if (t == v1::TIER_DISK) return Tier::kDisk;
+absl::StatusOr<TierKind> TierFromProto(v1::Tier t) {
+  if (t == v1::TIER_RAM) return TierKind::kRam;
+  if (t == v1::TIER_DISK) return TierKind::kDisk;
   return absl::InvalidArgumentError("tier must be TIER_RAM or TIER_DISK");
 }
 
@@ -66,7 +66,7 @@ void FillTier(v1::Tier tier, const TierSnapshot& s, v1::TierStats* out) {
   out->set_degraded_reason(s.degraded_reason);
 }
 
-void FillPolicy(Store* store, Tier tier, v1::TierPolicy* out) {
+void FillPolicy(Store* store, TierKind tier, v1::TierPolicy* out) {
   auto [name, params] = store->GetPolicy(tier);
   out->set_tier(ToProto(tier));
   out->set_policy(name);
@@ -114,7 +114,7 @@ grpc::Status StoreService::Lookup(grpc::ServerContext*, const v1::LookupRequest*
   auto tiers = store_->Lookup(req->namespace_id(), Hashes(req->hashes()));
   if (!tiers.ok()) return t.Done(ToGrpc(tiers.status()));
   resp->set_present_blocks(static_cast<uint32_t>(tiers->size()));
-  for (Tier tier : *tiers) resp->add_tiers(ToProto(tier));
+  for (TierKind tier : *tiers) resp->add_tiers(ToProto(tier));
   return t.Done(grpc::Status::OK);
 }
 
@@ -210,9 +210,9 @@ grpc::Status StoreService::PutBlocks(grpc::ServerContext*,
     if (!r.ok()) {
       // Blocks before this one stay stored; say which message failed.
       absl::Status s = r.status();
-      return t.Done(grpc::Status(static_cast<grpc::StatusCode>(s.code()),
-                                 absl::StrCat("message ", index, " of the stream: ", s.message(),
-                                              " (", resp->stored(), " earlier blocks stored)")));
+      return t.Done(ToGrpc(absl::Status(
+          s.code(), absl::StrCat("message ", index, " of the stream: ", s.message(), " (",
+                                 resp->stored(), " earlier blocks stored)"))));
     }
     switch (r->outcome) {
       case InlinePutResult::kStored:
@@ -236,7 +236,7 @@ grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBloc
   v1::GetBlocksResponse msg;
   auto s = store_->GetInline(
       req->namespace_id(), Hashes(req->hashes()),
-      [&](uint32_t index, Tier tier, std::string_view bytes, uint64_t checksum) {
+      [&](uint32_t index, TierKind tier, std::string_view bytes, uint64_t checksum) {
         if (ctx->IsCancelled()) return false;
         msg.set_index(index);
         msg.set_tier(ToProto(tier));
@@ -247,38 +247,10 @@ grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBloc
   return t.Done(ToGrpc(s));
 }
 
-grpc::Status StoreService::CheckAdmin(grpc::ServerContext* ctx, const char* rpc) const {
-  if (!admin_identity_.empty()) {
-    std::vector<std::string> names = PeerCertificateNames(*ctx);
-    if (std::find(names.begin(), names.end(), admin_identity_) == names.end()) {
-      return grpc::Status(
-          grpc::PERMISSION_DENIED,
-          absl::StrCat(rpc, " is an admin RPC: it needs a client certificate for \"",
-                       admin_identity_, "\" (mutual TLS); this client presented ",
-                       names.empty() ? std::string("none")
-                                     : absl::StrCat("one for \"", absl::StrJoin(names, "\", \""), "\"")));
-    }
-  }
-  if (admin_token_.empty()) return grpc::Status::OK;
-  auto it = ctx->client_metadata().find("x-kvtier-admin-token");
-  bool ok = it != ctx->client_metadata().end() && it->second.size() == admin_token_.size();
-  // Compare every byte (no early exit on the first difference).
-  unsigned diff = ok ? 0 : 1;
-  if (ok) {
-    for (size_t i = 0; i < admin_token_.size(); ++i) diff |= it->second.data()[i] ^ admin_token_[i];
-  }
-  if (diff != 0) {
-    return grpc::Status(grpc::PERMISSION_DENIED,
-                        absl::StrCat(rpc, " is an admin RPC: it needs the store's admin token in "
-                                          "x-kvtier-admin-token metadata (kvctl --admin-token-file)"));
-  }
-  return grpc::Status::OK;
-}
-
 grpc::Status StoreService::Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req,
                                  v1::EvictResponse* resp) {
   RpcTimer t(fence_, Histogram("Evict"));
-  if (auto s = CheckAdmin(ctx, "Evict"); !s.ok()) return t.Done(s);
+  if (auto s = admin_.Check(*ctx, "Evict"); !s.ok()) return t.Done(s);
   absl::StatusOr<EvictResult> r;
   switch (req->target_case()) {
     case v1::EvictRequest::kAll:
@@ -342,15 +314,15 @@ grpc::Status StoreService::GetStats(grpc::ServerContext*, const v1::GetStatsRequ
 grpc::Status StoreService::GetPolicy(grpc::ServerContext*, const v1::GetPolicyRequest*,
                                      v1::GetPolicyResponse* resp) {
   RpcTimer t(fence_, Histogram("GetPolicy"));
-  FillPolicy(store_, Tier::kRam, resp->add_policies());
-  FillPolicy(store_, Tier::kDisk, resp->add_policies());
+  FillPolicy(store_, TierKind::kRam, resp->add_policies());
+  FillPolicy(store_, TierKind::kDisk, resp->add_policies());
   return t.Done(grpc::Status::OK);
 }
 
 grpc::Status StoreService::SetPolicy(grpc::ServerContext* ctx, const v1::SetPolicyRequest* req,
                                      v1::SetPolicyResponse* resp) {
   RpcTimer t(fence_, Histogram("SetPolicy"));
-  if (auto s = CheckAdmin(ctx, "SetPolicy"); !s.ok()) return t.Done(s);
+  if (auto s = admin_.Check(*ctx, "SetPolicy"); !s.ok()) return t.Done(s);
   auto tier = TierFromProto(req->policy().tier());
   if (!tier.ok()) return t.Done(ToGrpc(tier.status()));
   std::map<std::string, double> params(req->policy().params().begin(),
@@ -379,50 +351,6 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
   r->set_length(dataplane_->length());
   r->set_packed_rkey(dataplane_->packed_rkey());
   return t.Done(grpc::Status::OK);
-}
-
-std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
-  MetricsBuilder m;
-  StoreStats s = store_->Stats();
-  for (const auto& [tier, t] : {std::pair<const char*, const TierSnapshot&>{"ram", s.ram},
-                                std::pair<const char*, const TierSnapshot&>{"disk", s.disk}}) {
-    MetricsBuilder::Labels l = {{"tier", tier}};
-    m.Gauge("kvtier_store_tier_capacity_bytes", "Configured capacity of the tier", t.capacity_bytes, l);
-    m.Gauge("kvtier_store_tier_used_bytes", "Bytes held by the tier", t.used_bytes, l);
-    m.Gauge("kvtier_store_tier_items", "Blocks held by the tier", t.items, l);
-    m.Gauge("kvtier_store_tier_degraded", "1 when the tier cannot take writes", t.degraded, l);
-    m.Counter("kvtier_store_tier_hits_total", "Block reads served by the tier", t.hits, l);
-    m.Counter("kvtier_store_tier_misses_total", "Block reads the tier could not serve", t.misses, l);
-    m.Counter("kvtier_store_tier_evictions_total", "Blocks evicted to make room", t.evictions, l);
-    m.Counter("kvtier_store_tier_promotions_total", "Blocks copied in from a slower tier", t.promotions, l);
-    m.Counter("kvtier_store_tier_demotions_total", "Blocks copied out to a slower tier", t.demotions, l);
-    m.Counter("kvtier_store_tier_written_bytes_total", "Payload bytes written into the tier", t.bytes_in, l);
-    m.Counter("kvtier_store_tier_read_bytes_total", "Payload bytes read from the tier", t.bytes_out, l);
-  }
-  m.Gauge("kvtier_store_demotion_queue_blocks", "Blocks waiting to be written to NVMe", s.queue.blocks);
-  m.Gauge("kvtier_store_demotion_queue_bytes", "Bytes waiting to be written to NVMe", s.queue.bytes);
-  m.Counter("kvtier_store_demotion_dropped_total", "Blocks not demoted because the queue was full",
-            s.queue.dropped);
-  m.Gauge("kvtier_store_leases", "Open leases", s.put_leases, {{"kind", "put"}});
-  m.Gauge("kvtier_store_leases", "Open leases", s.get_leases, {{"kind", "get"}});
-  m.Counter("kvtier_store_leases_expired_total", "Leases reclaimed at expiry", s.leases_expired);
-  m.Counter("kvtier_store_checksum_failures_total", "Blocks refused for a checksum mismatch",
-            s.checksum_failures);
-  m.Counter("kvtier_store_dataplane_bytes_total", "Bytes handed out for RMA", rma_put_bytes_.load(),
-            {{"direction", "put"}});
-  m.Counter("kvtier_store_dataplane_bytes_total", "Bytes handed out for RMA", rma_get_bytes_.load(),
-            {{"direction", "get"}});
-  m.Gauge("kvtier_store_dataplane_connections", "Open UCX endpoints",
-          dataplane_ ? dataplane_->connections() : 0);
-  for (const auto& [rpc, h] : histograms_) {
-    auto snap = h->Take();
-    m.Histogram("kvtier_store_rpc_duration_seconds", "Latency of store RPCs", snap, {{"rpc", rpc}});
-    m.Counter("kvtier_store_rpc_errors_total", "Store RPCs that returned an error", snap.errors,
-              {{"rpc", rpc}});
-  }
-  m.Gauge("kvtier_store_uptime_seconds", "Seconds since start",
-          std::chrono::duration<double>(Clock::now() - started_).count());
-  return m.Take();
 }
 
 }  // namespace kvtier::store

@@ -9,9 +9,10 @@
 
 #include "cachestore/dataplane.h"
 #include "cachestore/store.h"
-#include "common/grpc_server.h"
+#include "common/rpc/admin_gate.h"
+#include "common/rpc/grpc_server.h"
 #include "common/histogram.h"
-#include "common/metrics.h"
+#include "common/rpc/metrics.h"
 #include "kvtier/v1/store.grpc.pb.h"
 
 namespace kvtier::store {
@@ -22,10 +23,10 @@ class StoreService final : public kvtier::v1::Store::Service {
   StoreService(Store* store, DataPlaneServer* dataplane);
   // Admin RPCs (SetPolicy, Evict) then need metadata x-kvtier-admin-token
   // equal to token; empty: no check.
-  void SetAdminToken(std::string token) { admin_token_ = std::move(token); }
+  void SetAdminToken(std::string token) { admin_.set_token(std::move(token)); }
   // Admin RPCs then also need a verified client certificate (mutual TLS)
   // whose common name or a subject alternative name is `name`.
-  void SetAdminIdentity(std::string name) { admin_identity_ = std::move(name); }
+  void SetAdminIdentity(std::string name) { admin_.set_identity(std::move(name)); }
   // Call once the gRPC server has shut down (see HandlerFence).
   void Quiesce() const { fence_.Quiesce(); }
 
@@ -66,12 +67,10 @@ class StoreService final : public kvtier::v1::Store::Service {
  private:
   LatencyHistogram& Histogram(const std::string& rpc) { return *histograms_.at(rpc); }
 
-  grpc::Status CheckAdmin(grpc::ServerContext* ctx, const char* rpc) const;
 
   Store* store_;
   DataPlaneServer* dataplane_;
-  std::string admin_token_;
-  std::string admin_identity_;
+  AdminGate admin_;
   HandlerFence fence_;  // every handler releases it as it finishes
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
   std::chrono::steady_clock::time_point started_;

@@ -8,153 +8,55 @@
 #include "absl/strings/str_format.h"
 #include "common/checksum.h"
 #include "common/log.h"
-#include "common/proto_convert.h"
 
 namespace kvtier::store {
 
-namespace {
-
-
-std::string SerializeSpec(const NamespaceSpec& s) {
-  kvtier::v1::NamespaceSpec p;
-  ToProto(s, &p);
-  return p.SerializeAsString();
+absl::Status StoreOptions::Validate() const {
+  if (lease_ms == 0) return absl::InvalidArgumentError("lease must be at least 1 ms");
+  return disk.Validate();
 }
-
-bool ParseSpec(const std::string& bytes, NamespaceSpec* s) {
-  kvtier::v1::NamespaceSpec p;
-  if (!p.ParseFromString(bytes)) return false;
-  *s = FromProto(p);
-  return true;
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
-  if (o.lease_ms == 0) return absl::InvalidArgumentError("lease must be at least 1 ms");
+  if (auto st = o.Validate(); !st.ok()) return st;
   std::unique_ptr<Store> s(new Store());
   s->options_ = o;
-  auto disk = DiskTier::Open(o.disk);
+  auto disk = o.disk_backend ? DiskTier::Open(o.disk, o.disk_backend()) : DiskTier::Open(o.disk);
   if (!disk.ok()) return disk.status();
   s->disk_ = std::move(*disk);
   DiskTier* d = s->disk_.get();
   auto ram = RamTier::Create(o.ram, [d](const EvictedBlock& b) { return d->Enqueue(b); });
   if (!ram.ok()) return ram.status();
   s->ram_ = std::move(*ram);
-  for (const auto& [key, value] : s->disk_->ScanMeta("ns/")) {
-    NamespaceSpec spec;
-    if (!ParseSpec(value, &spec) || !ValidateNamespace(spec).ok()) {
-      Log("store", "ignoring unreadable namespace record ", key);
-      continue;
-    }
-    uint64_t id = NamespaceId(spec);
-    s->namespaces_[id] = NamespaceInfo{id, spec, BlockBytes(spec)};
-  }
-  s->reaper_ = std::thread([p = s.get()] { p->ReaperLoop(); });
-  if (!o.routers.empty()) {
-    for (const auto& r : o.routers) {
-      PublisherOptions po;
-      po.router = r;
-      po.security = o.router_security;
-      po.hello.set_source_id(o.store_id);
-      po.hello.set_kind(v1::SOURCE_STORE);
-      po.heartbeat_ms = o.heartbeat_ms;
-      s->publishers_.push_back(std::make_unique<EventPublisher>(po));
-    }
-    Store* self = s.get();
-    auto listener = [self](const BlockKey& k, bool added) {
-      std::lock_guard lk(self->change_mu_);
-      self->changes_.emplace_back(k, added);
-      self->change_cv_.notify_one();
-    };
-    s->ram_->SetChangeListener(listener);
-    s->disk_->SetChangeListener(listener);
-    for (const auto& k : s->disk_->Keys()) listener(k, true);  // announce the NVMe tier
-    s->notifier_ = std::thread([self] { self->NotifierLoop(); });
+  s->namespaces_ = std::make_unique<NamespaceRegistry>(d);
+  Store* self = s.get();
+  s->leases_ = std::make_unique<LeaseTable>(o.lease_ms, o.max_leases_per_client,
+                                            [self](const Lease& l) { self->ReleaseLease(l); });
+  if (o.changes) {
+    s->feed_ = std::make_unique<ChangeFeed>(o.changes, [self](const BlockKey& k) {
+      return self->ram_->Contains(k) || self->disk_->Contains(k);
+    });
+    s->ram_->SetChangeListener(s->feed_->Listener());
+    s->disk_->SetChangeListener(s->feed_->Listener());
+    for (const auto& k : s->disk_->Keys()) s->feed_->Add(k, true);  // announce the NVMe tier
   }
   return s;
 }
 
-void Store::NotifierLoop() {
-  std::vector<std::pair<BlockKey, bool>> batch;
-  for (;;) {
-    {
-      std::unique_lock lk(change_mu_);
-      change_cv_.wait(lk, [&] { return notifier_stop_ || !changes_.empty(); });
-      if (notifier_stop_ && changes_.empty()) return;
-      batch.swap(changes_);
-    }
-    std::map<uint64_t, std::vector<BlockHash>> stored, removed;
-    for (const auto& [k, added] : batch) {
-      if (added) {
-        stored[k.ns].push_back(k.hash);
-      } else if (!ram_->Contains(k) && !disk_->Contains(k)) {
-        removed[k.ns].push_back(k.hash);  // gone from both tiers
-      }
-    }
-    batch.clear();
-    for (auto& p : publishers_) {
-      for (const auto& [ns, hs] : stored) p->Stored(ns, hs);
-      for (const auto& [ns, hs] : removed) p->Removed(ns, hs);
-    }
-  }
-}
-
 Store::~Store() {
-  {
-    std::lock_guard lk(lease_mu_);
-    stop_ = true;
-  }
-  reaper_cv_.notify_all();
-  if (reaper_.joinable()) reaper_.join();
-  {
-    std::lock_guard lk(change_mu_);
-    notifier_stop_ = true;
-  }
-  change_cv_.notify_all();
-  if (notifier_.joinable()) notifier_.join();
-  for (auto& p : publishers_) p->Stop();
-  // The tiers outlive this object's threads; stop them calling back into it.
+  // The lease table's reaper releases into the tiers: stop it first.
+  leases_.reset();
+  // The tiers outlive the feed; stop them calling into it, then drain it.
   if (ram_) ram_->SetChangeListener(nullptr);
   if (disk_) disk_->SetChangeListener(nullptr);
+  feed_.reset();
 }
 
 absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(const NamespaceSpec& spec,
                                                        uint64_t expected_id) {
-  if (auto s = ValidateNamespace(spec); !s.ok()) return s;
-  uint64_t id = NamespaceId(spec);
-  if (expected_id != 0 && expected_id != id) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("namespace id mismatch: caller computed ", NamespaceName(expected_id),
-                     " but the spec \"", CanonicalNamespace(spec), "\" hashes to ", NamespaceName(id)));
-  }
-  uint64_t bytes = BlockBytes(spec);
-  if (bytes > ram_->max_block_bytes()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "namespace blocks of ", bytes, " bytes exceed the RAM slab size of ",
-        ram_->max_block_bytes(), " bytes; start kvtier-store with --ram-slab-bytes >= ", bytes));
-  }
-  std::lock_guard lk(ns_mu_);
-  if (namespaces_.count(id)) return namespaces_.at(id);
-  if (auto s = disk_->PutMeta("ns/" + NamespaceName(id), SerializeSpec(spec)); !s.ok()) {
-    // The NVMe tier takes no writes now (degraded); none of this namespace's
-    // blocks can be on disk, so it is served from RAM and registered again
-    // by its workers after a restart.
-    Log("store", "namespace ", NamespaceName(id), " not persisted: ", s.message());
-  }
-  NamespaceInfo info{id, spec, bytes};
-  namespaces_[id] = info;
-  Log("store", "registered namespace ", NamespaceName(id), " (", CanonicalNamespace(spec), "), blocks of ",
-      bytes, " bytes");
-  return info;
+  return namespaces_->Register(spec, expected_id, ram_->max_block_bytes());
 }
 
-std::vector<NamespaceInfo> Store::ListNamespaces() const {
-  std::lock_guard lk(ns_mu_);
-  std::vector<NamespaceInfo> out;
-  for (const auto& [id, info] : namespaces_) out.push_back(info);
-  return out;
-}
+std::vector<NamespaceInfo> Store::ListNamespaces() const { return namespaces_->List(); }
 
 absl::StatusOr<NamespaceInfo> Store::CheckRequest(uint64_t ns,
                                                   std::span<const BlockHash> hashes) const {
@@ -164,77 +66,25 @@ absl::StatusOr<NamespaceInfo> Store::CheckRequest(uint64_t ns,
                                                    " block hashes; the limit is ",
                                                    kMaxBlocksPerRequest));
   }
-  std::lock_guard lk(ns_mu_);
-  auto it = namespaces_.find(ns);
-  if (it == namespaces_.end()) {
-    return absl::NotFoundError(absl::StrCat("namespace ", NamespaceName(ns),
-                                            " is not registered; call RegisterNamespace first"));
-  }
-  return it->second;
+  return namespaces_->Find(ns);
 }
 
-absl::StatusOr<std::vector<Tier>> Store::Lookup(uint64_t ns,
-                                                std::span<const BlockHash> hashes) const {
+Tier& Store::TierFor(TierKind kind) const {
+  if (kind == TierKind::kRam) return *ram_;
+  return *disk_;
+}
+
+absl::StatusOr<std::vector<TierKind>> Store::Lookup(uint64_t ns,
+                                                    std::span<const BlockHash> hashes) const {
   if (auto info = CheckRequest(ns, hashes); !info.ok()) return info.status();
-  std::vector<Tier> tiers;
+  std::vector<TierKind> tiers;
   for (const auto& h : hashes) {
     BlockKey k{ns, h};
-    if (ram_->Contains(k)) tiers.push_back(Tier::kRam);
-    else if (disk_->Contains(k)) tiers.push_back(Tier::kDisk);
+    if (ram_->Contains(k)) tiers.push_back(TierKind::kRam);
+    else if (disk_->Contains(k)) tiers.push_back(TierKind::kDisk);
     else break;
   }
   return tiers;
-}
-
-uint64_t Store::AddLease(Lease lease) {
-  std::lock_guard lk(lease_mu_);
-  uint64_t id = next_lease_++;
-  (lease.is_put ? put_leases_ : get_leases_)++;
-  leases_.emplace(id, std::move(lease));
-  return id;
-}
-
-absl::Status Store::ClaimClientLeaseLocked(const std::string& client) {
-  uint64_t& held = leases_by_client_[client];
-  if (options_.max_leases_per_client != 0 && held >= options_.max_leases_per_client) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "client \"", client, "\" already holds ", held, " open leases (the limit is ",
-        options_.max_leases_per_client, "); commit, end or abort some first"));
-  }
-  ++held;
-  return absl::OkStatus();
-}
-
-void Store::ReturnClientLease(const std::string& client) {
-  std::lock_guard lk(lease_mu_);
-  auto it = leases_by_client_.find(client);
-  if (it != leases_by_client_.end() && --it->second == 0) leases_by_client_.erase(it);
-}
-
-void Store::ForgetLeaseLocked(const Lease& lease) {
-  (lease.is_put ? put_leases_ : get_leases_)--;
-  auto it = leases_by_client_.find(lease.client);
-  if (it != leases_by_client_.end() && --it->second == 0) leases_by_client_.erase(it);
-}
-
-absl::StatusOr<Store::Lease> Store::TakeLease(uint64_t id, bool is_put) {
-  const char* kind = is_put ? "put" : "get";
-  std::lock_guard lk(lease_mu_);
-  auto it = leases_.find(id);
-  if (it == leases_.end()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(kind, " lease ", id, " is unknown, already ended, or expired (leases last ",
-                     options_.lease_ms, " ms)"));
-  }
-  if (it->second.is_put != is_put) {
-    return absl::InvalidArgumentError(absl::StrCat("lease ", id, " is a ",
-                                                   is_put ? "get" : "put", " lease, not a ", kind,
-                                                   " lease"));
-  }
-  Lease l = std::move(it->second);
-  leases_.erase(it);
-  ForgetLeaseLocked(l);
-  return l;
 }
 
 void Store::ReleaseLease(const Lease& lease) {
@@ -242,46 +92,6 @@ void Store::ReleaseLease(const Lease& lease) {
     if (lease.is_put) ram_->Release(key, slot);
     else ram_->Unpin(key, slot);
   }
-}
-
-void Store::ReaperLoop() {
-  const auto period = std::chrono::milliseconds(std::clamp<uint64_t>(options_.lease_ms / 4, 1, 200));
-  const auto grace = std::chrono::milliseconds(options_.lease_ms);
-  std::unique_lock lk(lease_mu_);
-  while (!stop_) {
-    reaper_cv_.wait_for(lk, period, [&] { return stop_; });
-    auto now = std::chrono::steady_clock::now();
-    size_t expired = 0;
-    for (auto it = leases_.begin(); it != leases_.end();) {
-      if (it->second.deadline <= now) {
-        ForgetLeaseLocked(it->second);
-        Log("store", it->second.is_put ? "put" : "get", " lease ", it->first, " expired; its ",
-            it->second.items.size(), " slots are reclaimed after a grace period");
-        graveyard_.emplace_back(now + grace, std::move(it->second));
-        it = leases_.erase(it);
-        ++expired;
-      } else {
-        ++it;
-      }
-    }
-    leases_expired_.fetch_add(expired);
-    std::vector<Lease> due;
-    for (auto it = graveyard_.begin(); it != graveyard_.end();) {
-      if (it->first <= now) {
-        due.push_back(std::move(it->second));
-        it = graveyard_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    if (due.empty()) continue;
-    lk.unlock();
-    for (const auto& lease : due) ReleaseLease(lease);
-    lk.lock();
-  }
-  // Shutting down: nothing can write any more.
-  for (const auto& [t, lease] : graveyard_) ReleaseLease(lease);
-  graveyard_.clear();
 }
 
 absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const BlockHash> hashes,
@@ -296,48 +106,38 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
     }
   }
   // The lease id is taken first so the reserved slots name their owner.
-  Lease lease{client, true,
-              std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.lease_ms), {}};
+  auto id = leases_->Claim(client);
+  if (!id.ok()) return id.status();
+  Lease lease{client, true, {}, {}};
   BeginPutResult r;
   r.targets.reserve(hashes.size());
-  uint64_t id;
-  {
-    std::lock_guard lk(lease_mu_);
-    if (auto s = ClaimClientLeaseLocked(client); !s.ok()) return s;
-    id = next_lease_++;
-  }
   for (const auto& h : hashes) {
     BlockKey k{ns, h};
     PutTarget t{Placement::kNoSpace, {}};
     if (disk_->Contains(k)) {
       t.placement = Placement::kPresent;
     } else {
-      t.placement = ram_->Reserve(k, info->block_bytes, id, &t.slot);
+      t.placement = ram_->Reserve(k, info->block_bytes, *id, &t.slot);
       if (t.placement == Placement::kReserved) lease.items.emplace_back(k, t.slot);
     }
     r.targets.push_back(t);
   }
   if (lease.items.empty()) {
-    ReturnClientLease(client);  // nothing reserved: no lease
+    leases_->Unclaim(client);  // nothing reserved: no lease
     return r;
   }
-  std::lock_guard lk(lease_mu_);
-  put_leases_++;
-  leases_.emplace(id, std::move(lease));
-  r.lease = id;
+  leases_->Open(*id, std::move(lease));
+  r.lease = *id;
   return r;
 }
 
 absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uint64_t> checksums) {
-  auto lease = TakeLease(lease_id, true);
+  auto lease = leases_->Take(lease_id, true);
   if (!lease.ok()) return lease.status();
   if (checksums.size() != lease->items.size()) {
     size_t want = lease->items.size();
     // A malformed commit does not cost the caller its lease.
-    std::lock_guard lk(lease_mu_);
-    put_leases_++;
-    leases_by_client_[lease->client]++;
-    leases_.emplace(lease_id, std::move(*lease));
+    leases_->Restore(lease_id, std::move(*lease));
     return absl::InvalidArgumentError(absl::StrCat("CommitPut of lease ", lease_id, " carries ",
                                                    checksums.size(), " checksums; the lease has ",
                                                    want, " reserved blocks"));
@@ -363,7 +163,7 @@ absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uin
 }
 
 absl::Status Store::AbortPut(uint64_t lease_id) {
-  auto lease = TakeLease(lease_id, true);
+  auto lease = leases_->Take(lease_id, true);
   if (!lease.ok()) return lease.status();
   ReleaseLease(*lease);
   return absl::OkStatus();
@@ -373,17 +173,14 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
                                                const std::string& client) {
   auto info = CheckRequest(ns, hashes);
   if (!info.ok()) return info.status();
-  {
-    std::lock_guard lk(lease_mu_);
-    if (auto s = ClaimClientLeaseLocked(client); !s.ok()) return s;
-  }
-  Lease lease{client, false,
-              std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.lease_ms), {}};
+  auto id = leases_->Claim(client);
+  if (!id.ok()) return id.status();
+  Lease lease{client, false, {}, {}};
   BeginGetResult r;
   for (const auto& h : hashes) {
     BlockKey k{ns, h};
     if (auto slot = ram_->Pin(k)) {
-      r.sources.push_back(GetSource{Tier::kRam, *slot});
+      r.sources.push_back(GetSource{TierKind::kRam, *slot});
       lease.items.emplace_back(k, *slot);
       continue;
     }
@@ -394,16 +191,20 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
     Placement p = ram_->InsertCopy(k, reinterpret_cast<const uint8_t*>(bytes->data()),
                                    bytes->size(), checksum, true, true, &slot);
     if (p != Placement::kReserved) break;  // no room to promote: the prefix ends here
-    r.sources.push_back(GetSource{Tier::kDisk, slot});
+    r.sources.push_back(GetSource{TierKind::kDisk, slot});
     lease.items.emplace_back(k, slot);
   }
-  if (lease.items.empty()) ReturnClientLease(client);  // nothing pinned: no lease
-  else r.lease = AddLease(std::move(lease));
+  if (lease.items.empty()) {
+    leases_->Unclaim(client);  // nothing pinned: no lease
+  } else {
+    leases_->Open(*id, std::move(lease));
+    r.lease = *id;
+  }
   return r;
 }
 
 absl::Status Store::EndGet(uint64_t lease_id) {
-  auto lease = TakeLease(lease_id, false);
+  auto lease = leases_->Take(lease_id, false);
   if (!lease.ok()) return lease.status();
   ReleaseLease(*lease);
   return absl::OkStatus();
@@ -446,13 +247,13 @@ absl::StatusOr<InlinePutResult> Store::PutInline(uint64_t ns, const BlockHash& h
 
 absl::Status Store::GetInline(
     uint64_t ns, std::span<const BlockHash> hashes,
-    const std::function<bool(uint32_t, Tier, std::string_view, uint64_t)>& emit) {
+    const std::function<bool(uint32_t, TierKind, std::string_view, uint64_t)>& emit) {
   auto info = CheckRequest(ns, hashes);
   if (!info.ok()) return info.status();
   for (uint32_t i = 0; i < hashes.size(); ++i) {
     BlockKey k{ns, hashes[i]};
     if (auto slot = ram_->Pin(k)) {
-      bool more = emit(i, Tier::kRam,
+      bool more = emit(i, TierKind::kRam,
                        std::string_view(reinterpret_cast<const char*>(ram_->data(*slot)),
                                         slot->length),
                        slot->checksum);
@@ -467,7 +268,7 @@ absl::Status Store::GetInline(
     // Promote when there is room; serve from the disk copy either way.
     ram_->InsertCopy(k, reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size(), checksum,
                      false, true, &slot);
-    if (!emit(i, Tier::kDisk, *bytes, checksum)) break;
+    if (!emit(i, TierKind::kDisk, *bytes, checksum)) break;
   }
   return absl::OkStatus();
 }
@@ -481,12 +282,7 @@ absl::StatusOr<EvictResult> Store::EvictAll() {
 }
 
 absl::StatusOr<EvictResult> Store::EvictNamespace(uint64_t ns) {
-  {
-    std::lock_guard lk(ns_mu_);
-    if (!namespaces_.count(ns)) {
-      return absl::NotFoundError(absl::StrCat("namespace ", NamespaceName(ns), " is not registered"));
-    }
-  }
+  if (auto info = namespaces_->Find(ns); !info.ok()) return info.status();
   EraseCounts r = ram_->EraseNamespace(ns);
   EraseCounts d = disk_->EraseNamespace(ns);
   Log("store", "evicted namespace ", NamespaceName(ns), ": ", r.erased, " RAM blocks, ", d.erased,
@@ -506,17 +302,16 @@ absl::StatusOr<EvictResult> Store::EvictKeys(std::span<const BlockKey> keys) {
   return EvictResult{r.erased, d.erased, r.pinned};
 }
 
-absl::Status Store::SetPolicy(Tier tier, const std::string& name,
+absl::Status Store::SetPolicy(TierKind tier, const std::string& name,
                               const std::map<std::string, double>& params) {
-  absl::Status s = tier == Tier::kRam ? ram_->SetPolicy(name, params)
-                                      : disk_->SetPolicy(name, params);
-  if (s.ok()) Log("store", tier == Tier::kRam ? "ram" : "disk", " policy set to ", name);
+  absl::Status s = TierFor(tier).SetPolicy(name, params);
+  if (s.ok()) Log("store", tier == TierKind::kRam ? "ram" : "disk", " policy set to ", name);
   return s;
 }
 
-std::pair<std::string, std::map<std::string, double>> Store::GetPolicy(Tier tier) const {
-  if (tier == Tier::kRam) return {ram_->policy(), ram_->policy_params()};
-  return {disk_->policy(), disk_->policy_params()};
+std::pair<std::string, std::map<std::string, double>> Store::GetPolicy(TierKind tier) const {
+  const Tier& t = TierFor(tier);
+  return {t.policy(), t.policy_params()};
 }
 
 StoreStats Store::Stats() const {
@@ -524,12 +319,10 @@ StoreStats Store::Stats() const {
   s.ram = ram_->Snapshot();
   s.disk = disk_->Snapshot();
   s.queue = disk_->QueueStats();
-  {
-    std::lock_guard lk(lease_mu_);
-    s.put_leases = put_leases_;
-    s.get_leases = get_leases_;
-  }
-  s.leases_expired = leases_expired_.load();
+  LeaseCounts leases = leases_->counts();
+  s.put_leases = leases.put;
+  s.get_leases = leases.get;
+  s.leases_expired = leases.expired;
   s.checksum_failures = commit_checksum_failures_.load() + disk_->checksum_failures();
   return s;
 }

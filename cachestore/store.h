@@ -21,17 +21,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "cachestore/change_feed.h"
 #include "cachestore/disk_tier.h"
+#include "cachestore/lease_table.h"
+#include "cachestore/namespace_registry.h"
 #include "cachestore/ram_tier.h"
 #include "common/block_key.h"
-#include "common/router_client.h"
 
 namespace kvtier::store {
 
 // Most block hashes one request may name (documented in store.proto).
 inline constexpr size_t kMaxBlocksPerRequest = 8192;
-
-enum class Tier { kRam = 1, kDisk = 2 };
 
 struct StoreOptions {
   RamTierOptions ram;
@@ -43,19 +43,14 @@ struct StoreOptions {
   bool verify_commits = true;
   // Open leases one client may hold (put and get together); 0: no limit.
   uint64_t max_leases_per_client = 1024;
-  // Routers to publish this shard's blocks to (BlockStored when a block
-  // enters the store, BlockRemoved when it leaves both tiers); may be empty.
-  std::vector<std::string> routers;
-  ChannelSecurity router_security;  // how the shard reaches its routers
-  std::string store_id = "kvtier-store";
-  // Well under any sensible router heartbeat deadline (1 s and up).
-  uint64_t heartbeat_ms = 250;
-};
+  // Told what enters and leaves the store (change_feed.h); may be null.
+  // Must outlive the store.
+  ChangeSink* changes = nullptr;
+  // Tests: the NVMe tier over this backend instead of RocksDB in disk.dir.
+  std::function<std::unique_ptr<StorageBackend>()> disk_backend;
 
-struct NamespaceInfo {
-  uint64_t id;
-  NamespaceSpec spec;
-  uint64_t block_bytes;
+  // INVALID_ARGUMENT naming the field that is out of range.
+  absl::Status Validate() const;
 };
 
 struct PutTarget {
@@ -69,7 +64,7 @@ struct BeginPutResult {
 };
 
 struct GetSource {
-  Tier tier;  // where the block was before this call
+  TierKind tier;  // where the block was before this call
   Slot slot;
 };
 
@@ -94,40 +89,59 @@ struct StoreStats {
 
 class Store {
  public:
+  // INVALID_ARGUMENT for bad options; the tiers' errors otherwise.
   static absl::StatusOr<std::unique_ptr<Store>> Open(const StoreOptions& options);
   ~Store();
 
+  // See NamespaceRegistry::Register.
   absl::StatusOr<NamespaceInfo> RegisterNamespace(const NamespaceSpec& spec, uint64_t expected_id);
   std::vector<NamespaceInfo> ListNamespaces() const;
 
-  // Tier of each leading present block.
-  absl::StatusOr<std::vector<Tier>> Lookup(uint64_t ns, std::span<const BlockHash> hashes) const;
+  // The requests below answer INVALID_ARGUMENT for no hashes or more than
+  // kMaxBlocksPerRequest, and NOT_FOUND for an unregistered namespace.
 
+  // Tier of each leading present block.
+  absl::StatusOr<std::vector<TierKind>> Lookup(uint64_t ns, std::span<const BlockHash> hashes) const;
+
+  // Reserves a slot per absent block under one lease. Also INVALID_ARGUMENT
+  // for a hash named twice; RESOURCE_EXHAUSTED past the client's lease limit.
   absl::StatusOr<BeginPutResult> BeginPut(uint64_t ns, std::span<const BlockHash> hashes,
                                           const std::string& client);
-  // checksums: one per reserved target, in order. All-or-nothing.
+  // checksums: one per reserved target, in order. All-or-nothing: DATA_LOSS
+  // (nothing stored) if a slot's bytes do not match; INVALID_ARGUMENT (the
+  // lease kept) for a wrong checksum count; FAILED_PRECONDITION for an
+  // unknown, ended or expired lease. Returns how many blocks became visible.
   absl::StatusOr<uint32_t> CommitPut(uint64_t lease, std::span<const uint64_t> checksums);
+  // FAILED_PRECONDITION / INVALID_ARGUMENT as LeaseTable::Take.
   absl::Status AbortPut(uint64_t lease);
 
+  // Pins the leading present blocks (promoting from disk) under one lease.
+  // RESOURCE_EXHAUSTED past the client's lease limit.
   absl::StatusOr<BeginGetResult> BeginGet(uint64_t ns, std::span<const BlockHash> hashes,
                                           const std::string& client);
+  // FAILED_PRECONDITION / INVALID_ARGUMENT as LeaseTable::Take.
   absl::Status EndGet(uint64_t lease);
 
+  // INVALID_ARGUMENT for a wrong size, DATA_LOSS for a wrong checksum,
+  // ABORTED while another lease writes the block.
   absl::StatusOr<InlinePutResult> PutInline(uint64_t ns, const BlockHash& hash,
                                             std::string_view data, uint64_t checksum);
   // Calls emit(index, tier, bytes, checksum) for each leading present block,
   // stopping early if emit returns false. bytes are valid during the call.
   absl::Status GetInline(
       uint64_t ns, std::span<const BlockHash> hashes,
-      const std::function<bool(uint32_t, Tier, std::string_view, uint64_t)>& emit);
+      const std::function<bool(uint32_t, TierKind, std::string_view, uint64_t)>& emit);
 
   absl::StatusOr<EvictResult> EvictAll();
+  // NOT_FOUND for an unregistered namespace.
   absl::StatusOr<EvictResult> EvictNamespace(uint64_t ns);
+  // INVALID_ARGUMENT for no keys or more than kMaxBlocksPerRequest.
   absl::StatusOr<EvictResult> EvictKeys(std::span<const BlockKey> keys);
 
-  absl::Status SetPolicy(Tier tier, const std::string& name,
+  // INVALID_ARGUMENT for an unknown policy or parameter.
+  absl::Status SetPolicy(TierKind tier, const std::string& name,
                          const std::map<std::string, double>& params);
-  std::pair<std::string, std::map<std::string, double>> GetPolicy(Tier tier) const;
+  std::pair<std::string, std::map<std::string, double>> GetPolicy(TierKind tier) const;
 
   StoreStats Stats() const;
   uint64_t lease_ms() const { return options_.lease_ms; }
@@ -135,58 +149,19 @@ class Store {
   DiskTier& disk() { return *disk_; }
 
  private:
-  struct Lease {
-    std::string client;
-    bool is_put;
-    std::chrono::steady_clock::time_point deadline;
-    std::vector<std::pair<BlockKey, Slot>> items;
-  };
-
   Store() = default;
   absl::StatusOr<NamespaceInfo> CheckRequest(uint64_t ns, std::span<const BlockHash> hashes) const;
-  // Registers a lease whose client slot was claimed (ClaimClientLeaseLocked).
-  uint64_t AddLease(Lease lease);
-  // Counts one more open lease for client, or refuses past the per-client
-  // limit; check and count in one step, so concurrent calls cannot overshoot.
-  // REQUIRES: lease_mu_ held.
-  absl::Status ClaimClientLeaseLocked(const std::string& client);
-  // Gives back a claim that did not become a lease.
-  void ReturnClientLease(const std::string& client);
-  void ForgetLeaseLocked(const Lease& lease);
-  // Removes and returns the lease, or an error naming why it is not there.
-  absl::StatusOr<Lease> TakeLease(uint64_t id, bool is_put);
+  Tier& TierFor(TierKind kind) const;
+  // Frees a lease's slots (put) or pins (get).
   void ReleaseLease(const Lease& lease);
-  void ReaperLoop();
-  // Turns tier changes into router events (off the tiers' locks).
-  void NotifierLoop();
 
   StoreOptions options_;
   std::unique_ptr<DiskTier> disk_;  // destroyed after ram_ (RAM demotes into it)
   std::unique_ptr<RamTier> ram_;
-
-  mutable std::mutex ns_mu_;
-  std::unordered_map<uint64_t, NamespaceInfo> namespaces_;
-
-  mutable std::mutex lease_mu_;
-  std::condition_variable reaper_cv_;
-  std::unordered_map<uint64_t, Lease> leases_;
-  // Expired leases whose slots are held one more lease period before reuse,
-  // so a late RMA from a slow or dead client cannot land in a reused slot.
-  std::vector<std::pair<std::chrono::steady_clock::time_point, Lease>> graveyard_;
-  uint64_t next_lease_ = 1;
-  uint64_t put_leases_ = 0, get_leases_ = 0;
-  std::unordered_map<std::string, uint64_t> leases_by_client_;
-  std::atomic<uint64_t> leases_expired_{0};
+  std::unique_ptr<NamespaceRegistry> namespaces_;
+  std::unique_ptr<LeaseTable> leases_;
+  std::unique_ptr<ChangeFeed> feed_;
   std::atomic<uint64_t> commit_checksum_failures_{0};
-  bool stop_ = false;
-  std::thread reaper_;
-
-  std::vector<std::unique_ptr<EventPublisher>> publishers_;
-  std::mutex change_mu_;
-  std::condition_variable change_cv_;
-  std::vector<std::pair<BlockKey, bool>> changes_;
-  bool notifier_stop_ = false;
-  std::thread notifier_;
 };
 
 }  // namespace kvtier::store

@@ -45,11 +45,11 @@ class StoreTest : public ::testing::Test {
     ASSERT_TRUE(r.ok()) << r.status();
   }
   // Reads block n inline and checks it byte for byte; returns its tier.
-  Tier GetAndCheck(uint64_t n) {
+  TierKind GetAndCheck(uint64_t n) {
     std::vector<BlockHash> hs = {H(n)};
-    Tier tier{};
+    TierKind tier{};
     int got = 0;
-    auto s = store_->GetInline(ns_, hs, [&](uint32_t, Tier t, std::string_view b, uint64_t sum) {
+    auto s = store_->GetInline(ns_, hs, [&](uint32_t, TierKind t, std::string_view b, uint64_t sum) {
       EXPECT_EQ(std::string(b), testing::BlockBytesFor(n, kBlock)) << n;
       EXPECT_EQ(sum, Checksum(b.data(), b.size()));
       tier = t;
@@ -195,17 +195,17 @@ TEST_F(StoreTest, DemotionThenPromotionIsByteExact) {
   std::vector<BlockHash> first = {H(0), H(1)};
   auto tiers = store_->Lookup(ns_, first);
   ASSERT_EQ(tiers->size(), 2u);
-  EXPECT_EQ((*tiers)[0], Tier::kDisk);
+  EXPECT_EQ((*tiers)[0], TierKind::kDisk);
   // BeginGet promotes into RAM before handing out addresses.
   auto g = store_->BeginGet(ns_, first, "t");
   ASSERT_EQ(g->sources.size(), 2u);
   for (int i = 0; i < 2; ++i) {
-    EXPECT_EQ(g->sources[i].tier, Tier::kDisk);
+    EXPECT_EQ(g->sources[i].tier, TierKind::kDisk);
     EXPECT_EQ(std::string(reinterpret_cast<char*>(store_->ram().data(g->sources[i].slot)), kBlock),
               testing::BlockBytesFor(i, kBlock));
   }
   ASSERT_TRUE(store_->EndGet(g->lease).ok());
-  EXPECT_EQ((*store_->Lookup(ns_, first))[0], Tier::kRam);
+  EXPECT_EQ((*store_->Lookup(ns_, first))[0], TierKind::kRam);
   EXPECT_EQ(store_->Stats().ram.promotions, 2u);
   for (uint64_t n = 0; n < 12; ++n) GetAndCheck(n);
 }
@@ -223,7 +223,7 @@ TEST_F(StoreTest, NamespacesSurviveRestartAndNvmeTierComesBack) {
   store_ = std::move(*Store::Open(o));
   ASSERT_EQ(store_->ListNamespaces().size(), 1u);
   EXPECT_EQ(store_->ListNamespaces()[0].id, ns_);
-  for (uint64_t n = 0; n < 6; ++n) EXPECT_EQ(GetAndCheck(n), Tier::kDisk);
+  for (uint64_t n = 0; n < 6; ++n) EXPECT_EQ(GetAndCheck(n), TierKind::kDisk);
   std::vector<BlockHash> last = {H(9)};
   EXPECT_EQ(store_->Lookup(ns_, last)->size(), 0u);  // was only in RAM
 }
@@ -261,7 +261,7 @@ TEST_F(StoreTest, BadInputIsRefusedWithAReasonAndChangesNothing) {
   s.dtype = "int4";
   expect(store_->RegisterNamespace(s, 0).status(), absl::StatusCode::kInvalidArgument, "int4");
   expect(store_->EvictNamespace(777).status(), absl::StatusCode::kNotFound, "not registered");
-  expect(store_->SetPolicy(Tier::kRam, "mru", {}), absl::StatusCode::kInvalidArgument, "mru");
+  expect(store_->SetPolicy(TierKind::kRam, "mru", {}), absl::StatusCode::kInvalidArgument, "mru");
   // Nothing already stored changed.
   GetAndCheck(1);
   EXPECT_EQ(store_->Stats().ram.items, 1u);

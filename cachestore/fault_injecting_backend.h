@@ -1,0 +1,90 @@
+// A StorageBackend that forwards to another and injects the faults the disk
+// tier must survive: a filesystem short of space, failing writes, failing
+// reads, and records that come back corrupt. Tests build a DiskTier (or a
+// Store) over it, so disk-full, write-error and corruption behaviour are
+// fast unit tests; the process-level tests (tmpfs, prlimit) stay as well.
+// Thread-safe.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "cachestore/storage_backend.h"
+
+namespace kvtier::store {
+
+class FaultInjectingBackend : public StorageBackend {
+ public:
+  explicit FaultInjectingBackend(std::unique_ptr<StorageBackend> base) : base_(std::move(base)) {}
+
+  // FreeBytes answers this instead of asking the filesystem; nullopt: ask.
+  void set_free_bytes(std::optional<uint64_t> bytes) {
+    std::lock_guard lk(mu_);
+    free_bytes_ = bytes;
+  }
+  // Every Write fails with this status and applies nothing; OK: writes pass.
+  void set_write_error(absl::Status s) {
+    std::lock_guard lk(mu_);
+    write_error_ = std::move(s);
+  }
+  // Every Get fails with this status; OK: reads pass.
+  void set_read_error(absl::Status s) {
+    std::lock_guard lk(mu_);
+    read_error_ = std::move(s);
+  }
+  // Get of the blocks column flips one byte of the value at this offset
+  // (past its end: the last byte); nullopt: values pass unchanged.
+  void set_corrupt_block_reads(std::optional<size_t> offset) {
+    std::lock_guard lk(mu_);
+    corrupt_at_ = offset;
+  }
+  uint64_t writes_attempted() const { return writes_.load(); }
+
+  absl::Status Write(const WriteBatch& batch, bool sync) override {
+    writes_.fetch_add(1);
+    {
+      std::lock_guard lk(mu_);
+      if (!write_error_.ok()) return write_error_;
+    }
+    return base_->Write(batch, sync);
+  }
+  absl::Status Get(Column column, absl::string_view key, std::string* value) override {
+    std::optional<size_t> corrupt;
+    {
+      std::lock_guard lk(mu_);
+      if (!read_error_.ok()) return read_error_;
+      if (column == Column::kBlocks) corrupt = corrupt_at_;
+    }
+    absl::Status s = base_->Get(column, key, value);
+    if (s.ok() && corrupt && !value->empty()) (*value)[std::min(*corrupt, value->size() - 1)] ^= 0x5a;
+    return s;
+  }
+  absl::Status Scan(Column column, absl::string_view prefix,
+                    const std::function<bool(absl::string_view, absl::string_view)>& visit)
+      const override {
+    return base_->Scan(column, prefix, visit);
+  }
+  absl::StatusOr<uint64_t> FreeBytes() const override {
+    {
+      std::lock_guard lk(mu_);
+      if (free_bytes_) return *free_bytes_;
+    }
+    return base_->FreeBytes();
+  }
+  std::string location() const override { return base_->location(); }
+
+ private:
+  std::unique_ptr<StorageBackend> base_;
+  mutable std::mutex mu_;
+  std::optional<uint64_t> free_bytes_;
+  absl::Status write_error_;
+  absl::Status read_error_;
+  std::optional<size_t> corrupt_at_;
+  std::atomic<uint64_t> writes_{0};
+};
+
+}  // namespace kvtier::store

@@ -1,0 +1,92 @@
+// The store's leases: who holds which RAM slots (a put's reserved slots, a
+// get's pins), until when, and how many each client holds.
+//
+// A lease is claimed (a client slot counted and an id taken, so the slots it
+// reserves can name their owner), then opened with its items, and ended by
+// Take (commit, abort, end) or by expiry. An expired lease leaves the table
+// at once, but its slots are released only one more lease period later (the
+// graveyard), so a late RMA from a slow or dead client cannot land in a slot
+// that was reused. A reaper thread (period lease/4, at most 200 ms) does
+// both. Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cachestore/ram_tier.h"
+#include "common/block_key.h"
+
+namespace kvtier::store {
+
+struct Lease {
+  std::string client;
+  bool is_put = false;
+  std::chrono::steady_clock::time_point deadline;
+  std::vector<std::pair<BlockKey, Slot>> items;
+};
+
+struct LeaseCounts {
+  uint64_t put = 0, get = 0, expired = 0;
+};
+
+class LeaseTable {
+ public:
+  // Frees a lease's slots (a put's) or pins (a get's); called by the reaper
+  // for expired leases, never under the table's lock.
+  using ReleaseFn = std::function<void(const Lease&)>;
+
+  // max_per_client 0: no limit. Starts the reaper. REQUIRES: lease_ms > 0.
+  LeaseTable(uint64_t lease_ms, uint64_t max_per_client, ReleaseFn release);
+  // Stops the reaper and releases what the graveyard still holds.
+  ~LeaseTable();
+
+  // Counts one more open lease for client and returns the id the lease will
+  // have. RESOURCE_EXHAUSTED past the per-client limit (check and count in
+  // one step, so concurrent claims cannot overshoot).
+  absl::StatusOr<uint64_t> Claim(const std::string& client);
+  // Gives back a claim that did not become a lease (nothing reserved).
+  void Unclaim(const std::string& client);
+  // Makes a claimed id a live lease (its deadline is set here).
+  void Open(uint64_t id, Lease lease);
+
+  // Removes and returns a live lease. FAILED_PRECONDITION if it is unknown,
+  // ended or expired; INVALID_ARGUMENT if it is of the other kind.
+  absl::StatusOr<Lease> Take(uint64_t id, bool is_put);
+  // Puts a taken lease back unchanged (a malformed commit does not cost the
+  // caller its lease).
+  void Restore(uint64_t id, Lease lease);
+
+  LeaseCounts counts() const;
+  uint64_t lease_ms() const { return lease_ms_; }
+
+ private:
+  void ForgetLocked(const Lease& lease);
+  void ReaperLoop();
+
+  const uint64_t lease_ms_;
+  const uint64_t max_per_client_;
+  const ReleaseFn release_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::unordered_map<uint64_t, Lease> leases_;
+  std::vector<std::pair<std::chrono::steady_clock::time_point, Lease>> graveyard_;
+  std::unordered_map<std::string, uint64_t> by_client_;
+  uint64_t next_id_ = 1;
+  uint64_t put_ = 0, get_ = 0;
+  std::atomic<uint64_t> expired_{0};
+  bool stop_ = false;
+  std::thread reaper_;
+};
+
+}  // namespace kvtier::store

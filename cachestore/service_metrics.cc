@@ -1,0 +1,55 @@
+// StoreService's Prometheus export: the families a scrape of
+// --metrics-listen returns (docs/operations.md lists them).
+#include <chrono>
+
+#include "cachestore/service.h"
+
+namespace kvtier::store {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
+  MetricsBuilder m;
+  StoreStats s = store_->Stats();
+  for (const auto& [tier, t] : {std::pair<const char*, const TierSnapshot&>{"ram", s.ram},
+                                std::pair<const char*, const TierSnapshot&>{"disk", s.disk}}) {
+    MetricsBuilder::Labels l = {{"tier", tier}};
+    m.Gauge("kvtier_store_tier_capacity_bytes", "Configured capacity of the tier", t.capacity_bytes, l);
+    m.Gauge("kvtier_store_tier_used_bytes", "Bytes held by the tier", t.used_bytes, l);
+    m.Gauge("kvtier_store_tier_items", "Blocks held by the tier", t.items, l);
+    m.Gauge("kvtier_store_tier_degraded", "1 when the tier cannot take writes", t.degraded, l);
+    m.Counter("kvtier_store_tier_hits_total", "Block reads served by the tier", t.hits, l);
+    m.Counter("kvtier_store_tier_misses_total", "Block reads the tier could not serve", t.misses, l);
+    m.Counter("kvtier_store_tier_evictions_total", "Blocks evicted to make room", t.evictions, l);
+    m.Counter("kvtier_store_tier_promotions_total", "Blocks copied in from a slower tier", t.promotions, l);
+    m.Counter("kvtier_store_tier_demotions_total", "Blocks copied out to a slower tier", t.demotions, l);
+    m.Counter("kvtier_store_tier_written_bytes_total", "Payload bytes written into the tier", t.bytes_in, l);
+    m.Counter("kvtier_store_tier_read_bytes_total", "Payload bytes read from the tier", t.bytes_out, l);
+  }
+  m.Gauge("kvtier_store_demotion_queue_blocks", "Blocks waiting to be written to NVMe", s.queue.blocks);
+  m.Gauge("kvtier_store_demotion_queue_bytes", "Bytes waiting to be written to NVMe", s.queue.bytes);
+  m.Counter("kvtier_store_demotion_dropped_total", "Blocks not demoted because the queue was full",
+            s.queue.dropped);
+  m.Gauge("kvtier_store_leases", "Open leases", s.put_leases, {{"kind", "put"}});
+  m.Gauge("kvtier_store_leases", "Open leases", s.get_leases, {{"kind", "get"}});
+  m.Counter("kvtier_store_leases_expired_total", "Leases reclaimed at expiry", s.leases_expired);
+  m.Counter("kvtier_store_checksum_failures_total", "Blocks refused for a checksum mismatch",
+            s.checksum_failures);
+  m.Counter("kvtier_store_dataplane_bytes_total", "Bytes handed out for RMA", rma_put_bytes_.load(),
+            {{"direction", "put"}});
+  m.Counter("kvtier_store_dataplane_bytes_total", "Bytes handed out for RMA", rma_get_bytes_.load(),
+            {{"direction", "get"}});
+  m.Gauge("kvtier_store_dataplane_connections", "Open UCX endpoints",
+          dataplane_ ? dataplane_->connections() : 0);
+  for (const auto& [rpc, h] : histograms_) {
+    auto snap = h->Take();
+    m.Histogram("kvtier_store_rpc_duration_seconds", "Latency of store RPCs", snap, {{"rpc", rpc}});
+    m.Counter("kvtier_store_rpc_errors_total", "Store RPCs that returned an error", snap.errors,
+              {{"rpc", rpc}});
+  }
+  m.Gauge("kvtier_store_uptime_seconds", "Seconds since start",
+          std::chrono::duration<double>(Clock::now() - started_).count());
+  return m.Take();
+}
+
+}  // namespace kvtier::store

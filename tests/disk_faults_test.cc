@@ -1,0 +1,214 @@
+// The disk tier's answers to a full filesystem, write errors, read errors and
+// corrupt records, through FaultInjectingBackend over a real RocksDB. The
+// same faults are also produced for real at process level (tmpfs, prlimit)
+// in fault_test.cc.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "cachestore/disk_tier.h"
+#include "cachestore/fault_injecting_backend.h"
+#include "cachestore/rocksdb_backend.h"
+#include "cachestore/store.h"
+#include "common/checksum.h"
+#include "tests/test_util.h"
+
+namespace kvtier::store {
+namespace {
+
+constexpr uint64_t kBlock = 64 << 10;
+BlockKey Key(uint64_t n) { return BlockKey{1, BlockHash{n, ~n}}; }
+
+struct FaultyTier {
+  FaultInjectingBackend* faults = nullptr;  // owned by tier
+  std::unique_ptr<DiskTier> tier;
+};
+
+FaultyTier Open(const std::string& dir, uint64_t reserve = 64 << 20) {
+  auto rocks = RocksDbBackend::Open(dir);
+  EXPECT_TRUE(rocks.ok()) << rocks.status();
+  auto backend = std::make_unique<FaultInjectingBackend>(std::move(*rocks));
+  FaultyTier f;
+  f.faults = backend.get();
+  DiskTierOptions o;
+  o.dir = dir;
+  o.bytes = 64 << 20;
+  o.reserve_bytes = reserve;
+  auto t = DiskTier::Open(o, std::move(backend));
+  EXPECT_TRUE(t.ok()) << t.status();
+  f.tier = std::move(*t);
+  return f;
+}
+
+absl::Status Write(DiskTier& t, uint64_t n) {
+  std::string b = testing::BlockBytesFor(n, kBlock);
+  return t.Write(Key(n), reinterpret_cast<const uint8_t*>(b.data()), kBlock,
+                 Checksum(b.data(), kBlock));
+}
+
+bool Enqueue(DiskTier& t, uint64_t n) {
+  std::string b = testing::BlockBytesFor(n, kBlock);
+  return t.Enqueue(EvictedBlock{Key(n), reinterpret_cast<const uint8_t*>(b.data()), kBlock,
+                                Checksum(b.data(), kBlock), 1});
+}
+
+void ExpectBlock(DiskTier& t, uint64_t n) {
+  uint64_t sum = 0;
+  auto r = t.Read(Key(n), &sum);
+  ASSERT_TRUE(r.ok()) << n << ": " << r.status();
+  EXPECT_EQ(*r, testing::BlockBytesFor(n, kBlock)) << n;
+}
+
+TEST(DiskFaults, FullFilesystemPausesWritesKeepsReadsAndRecoversWhenSpaceReturns) {
+  testing::TempDir dir;
+  auto f = Open(dir.path());
+  for (uint64_t n = 0; n < 4; ++n) ASSERT_TRUE(Write(*f.tier, n).ok());
+  const uint64_t writes_before = f.faults->writes_attempted();
+
+  f.faults->set_free_bytes(10 << 20);  // below the 64 MiB reserve
+  absl::Status s = Write(*f.tier, 4);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--disk-reserve-bytes"), std::string::npos) << s;
+  EXPECT_EQ(f.faults->writes_attempted(), writes_before) << "nothing may reach RocksDB";
+  TierSnapshot snap = f.tier->Snapshot();
+  EXPECT_TRUE(snap.degraded);
+  EXPECT_NE(snap.degraded_reason.find("disk full"), std::string::npos) << snap.degraded_reason;
+  // Demotions are refused without being copied while paused, and counted.
+  EXPECT_FALSE(Enqueue(*f.tier, 5));
+  EXPECT_EQ(f.tier->QueueStats().dropped, 1u);
+  for (uint64_t n = 0; n < 4; ++n) ExpectBlock(*f.tier, n);  // reads go on
+
+  f.faults->set_free_bytes(std::nullopt);  // space returns: the writer notices by itself
+  for (int i = 0; i < 50 && f.tier->Snapshot().degraded; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_FALSE(f.tier->Snapshot().degraded) << "not recovered within 5 s";
+  ASSERT_TRUE(Enqueue(*f.tier, 6));
+  f.tier->WaitIdle();
+  ExpectBlock(*f.tier, 6);
+}
+
+TEST(DiskFaults, AWriteErrorStopsWritesKeepsReadsAndARestartRecoversEverything) {
+  testing::TempDir dir;
+  {
+    auto f = Open(dir.path());
+    for (uint64_t n = 0; n < 6; ++n) ASSERT_TRUE(Write(*f.tier, n).ok());
+    f.faults->set_write_error(absl::UnavailableError("IO error: injected EIO"));
+    absl::Status s = Write(*f.tier, 6);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    TierSnapshot snap = f.tier->Snapshot();
+    EXPECT_TRUE(snap.degraded);
+    EXPECT_NE(snap.degraded_reason.find("injected EIO"), std::string::npos) << snap.degraded_reason;
+    EXPECT_FALSE(f.tier->Contains(Key(6)));
+
+    // From now on nothing is written, even once the device is fine again:
+    // RocksDB 7.8 must not see its failed WAL writer used again.
+    f.faults->set_write_error(absl::OkStatus());
+    const uint64_t attempts = f.faults->writes_attempted();
+    EXPECT_EQ(Write(*f.tier, 7).code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(f.tier->PutMeta("ns/x", "y").code(), absl::StatusCode::kUnavailable);
+    EXPECT_FALSE(Enqueue(*f.tier, 8));
+    EXPECT_EQ(f.faults->writes_attempted(), attempts);
+    for (uint64_t n = 0; n < 6; ++n) ExpectBlock(*f.tier, n);
+  }
+  auto f = Open(dir.path());  // restart: every acknowledged block is back, writes work
+  EXPECT_FALSE(f.tier->Snapshot().degraded);
+  for (uint64_t n = 0; n < 6; ++n) ExpectBlock(*f.tier, n);
+  EXPECT_TRUE(Write(*f.tier, 7).ok());
+  ExpectBlock(*f.tier, 7);
+}
+
+TEST(DiskFaults, ACorruptRecordIsNeverServedAndIsRemoved) {
+  testing::TempDir dir;
+  auto f = Open(dir.path());
+  for (uint64_t n = 0; n < 3; ++n) ASSERT_TRUE(Write(*f.tier, n).ok());
+  f.faults->set_corrupt_block_reads(100);  // one payload byte flips on the way up
+  uint64_t sum = 0;
+  auto r = f.tier->Read(Key(1), &sum);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << r.status();
+  EXPECT_EQ(f.tier->checksum_failures(), 1u);
+  EXPECT_FALSE(f.tier->Contains(Key(1)));
+  f.faults->set_corrupt_block_reads(std::nullopt);
+  EXPECT_EQ(f.tier->Read(Key(1), &sum).status().code(), absl::StatusCode::kNotFound);
+  ExpectBlock(*f.tier, 0);
+  ExpectBlock(*f.tier, 2);
+}
+
+TEST(DiskFaults, StorageCorruptionIsDataLossAndAnIoErrorLeavesTheBlock) {
+  testing::TempDir dir;
+  auto f = Open(dir.path());
+  for (uint64_t n = 0; n < 3; ++n) ASSERT_TRUE(Write(*f.tier, n).ok());
+  uint64_t sum = 0;
+  // A transient read error: reported, the block stays (it may well be fine).
+  f.faults->set_read_error(absl::UnavailableError("IO error: injected read failure"));
+  EXPECT_EQ(f.tier->Read(Key(0), &sum).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(f.tier->Contains(Key(0)));
+  // The engine reporting corruption is DATA_LOSS, and the block goes.
+  f.faults->set_read_error(absl::DataLossError("Corruption: injected bad block"));
+  EXPECT_EQ(f.tier->Read(Key(1), &sum).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_FALSE(f.tier->Contains(Key(1)));
+  f.faults->set_read_error(absl::OkStatus());
+  ExpectBlock(*f.tier, 0);
+  ExpectBlock(*f.tier, 2);
+}
+
+// The whole store over a full disk: puts go on into RAM, reads of NVMe
+// blocks go on, nothing is lost.
+TEST(DiskFaults, AStoreOnAFullDiskKeepsServingFromRam) {
+  testing::TempDir dir;
+  FaultInjectingBackend* faults = nullptr;
+  StoreOptions o;
+  o.ram.bytes = 8 << 20;
+  o.ram.slab_bytes = 1 << 20;
+  o.disk.dir = dir.path();
+  o.disk_backend = [&]() -> std::unique_ptr<StorageBackend> {
+    auto b = std::make_unique<FaultInjectingBackend>(*RocksDbBackend::Open(dir.path()));
+    faults = b.get();
+    return b;
+  };
+  auto store = Store::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  NamespaceSpec spec;
+  spec.model = "m";
+  spec.dtype = "fp16";
+  spec.layers = 2;
+  spec.kv_heads = 2;
+  spec.head_dim = 64;
+  spec.block_tokens = 64;
+  auto ns = (*store)->RegisterNamespace(spec, 0);
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  const uint64_t bytes = ns->block_bytes;
+  auto put = [&](uint64_t n) {
+    std::string b = testing::BlockBytesFor(n, bytes);
+    auto r = (*store)->PutInline(ns->id, BlockHash{n, n}, b, Checksum(b.data(), b.size()));
+    ASSERT_TRUE(r.ok()) << r.status();
+  };
+  for (uint64_t n = 0; n < 400; ++n) put(n);  // more than RAM holds: demotions reach NVMe
+  (*store)->disk().WaitIdle();
+  const uint64_t on_disk = (*store)->Stats().disk.items;
+  ASSERT_GT(on_disk, 0u);
+  faults->set_free_bytes(0);
+  for (uint64_t n = 400; n < 800; ++n) put(n);
+  (*store)->disk().WaitIdle();
+  StoreStats st = (*store)->Stats();
+  EXPECT_TRUE(st.disk.degraded);
+  EXPECT_EQ(st.disk.items, on_disk) << "nothing written, nothing lost";
+  // The newest blocks are in RAM and every NVMe block is still readable.
+  std::vector<BlockHash> last = {BlockHash{799, 799}};
+  EXPECT_EQ((*(*store)->Lookup(ns->id, last))[0], TierKind::kRam);
+  uint64_t served = 0;
+  for (const BlockKey& k : (*store)->disk().Keys()) {
+    std::vector<BlockHash> one = {k.hash};
+    ASSERT_TRUE((*store)->GetInline(ns->id, one, [&](uint32_t, TierKind, std::string_view b, uint64_t) {
+      EXPECT_EQ(std::string(b), testing::BlockBytesFor(k.hash.lo, bytes));
+      ++served;
+      return true;
+    }).ok());
+  }
+  EXPECT_EQ(served, on_disk);
+}
+
+}  // namespace
+}  // namespace kvtier::store

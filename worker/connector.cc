@@ -1,22 +1,17 @@
+// KvConnector's construction and teardown, its request table and matching:
+// Begin (the GPU prefix pinned, the store asked for the continuation),
+// AllocateForCompute, Finished and the per-request queries, plus what the
+// connector knows and tells routers about where blocks are. The load path is
+// in connector_load.cc, save and offload in connector_offload.cc, the
+// staging memory they share in connector_staging.cc.
 #include "worker/connector.h"
 
-#include <algorithm>
 #include <cstdlib>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "common/log.h"
+#include "common/dtype.h"
 
 namespace kvtier::worker {
-
-namespace {
-absl::StatusOr<gpu::Dtype> ToDtype(const std::string& d) {
-  if (d == "fp16") return gpu::Dtype::kFp16;
-  if (d == "bf16") return gpu::Dtype::kBf16;
-  if (d.rfind("fp8", 0) == 0) return gpu::Dtype::kFp8;
-  return absl::InvalidArgumentError(absl::StrCat("dtype \"", d, "\" is not fp16, bf16 or fp8"));
-}
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOptions o) {
   if (auto s = ValidateNamespace(o.spec); !s.ok()) return s;
@@ -27,7 +22,7 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   if (o.staging_blocks == 0 || o.offload_batch == 0) {
     return absl::InvalidArgumentError("staging_blocks and offload_batch must be at least 1");
   }
-  auto dtype = ToDtype(o.spec.dtype);
+  auto dtype = ParseDtype(o.spec.dtype);
   if (!dtype.ok()) return dtype.status();
   std::unique_ptr<KvConnector> c(new KvConnector());
   c->options_ = o;
@@ -36,29 +31,15 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   if (auto s = gpu::Validate(c->layout_); !s.ok()) return s;
   c->ns_ = NamespaceId(o.spec);
   c->pool_ = std::make_unique<PagePool>(c->layout_);
-  const uint64_t bb = c->layout_.block_bytes();
-  size_t staging_bytes = (2 * o.staging_blocks * bb + 4095) / 4096 * 4096;
-  c->staging_ = static_cast<uint8_t*>(std::aligned_alloc(4096, staging_bytes));
-  std::memset(c->staging_, 0, staging_bytes);
-  for (uint64_t i = o.staging_blocks; i-- > 0;) {
-    c->free_slots_.push_back(static_cast<uint32_t>(i));
-    c->load_free_slots_.push_back(static_cast<uint32_t>(o.staging_blocks + i));
-  }
   c->stats_.staging_blocks = o.staging_blocks;
-  if (!o.stores.empty()) {
-    c->store_ = std::make_unique<ShardedStoreClient>(o.stores, o.data);
-    if (auto s = c->store_->RegisterMemory(c->staging_, staging_bytes); !s.ok()) return s;
-    c->registered_ = c->store_->RegisterNamespace(o.spec).ok();
-  }
+  if (!o.stores.empty()) c->store_ = std::make_unique<ShardedStoreClient>(o.stores, o.data);
+  if (auto s = c->InitStaging(); !s.ok()) return s;
+  // A store that is down now is registered with on first use instead.
+  if (c->store_) c->registered_ = c->store_->RegisterNamespace(o.spec).ok();
   KvConnector* self = c.get();
   c->pool_->SetEvictCallback([self](const BlockHash& h, uint32_t page) {
-    {
-      std::lock_guard lk(self->publishers_mu_);
-      for (auto* p : self->publishers_) p->Removed(self->ns_, {h});
-    }
-    if (self->store_ && self->options_.offload == "write-back" && !self->KnownStored(h)) {
-      self->StageForOffload(h, page, 0, self->options_.offload_wait_ms);
-    }
+    self->PublishRemoved(h);
+    self->WriteBack(h, page);
   });
   c->offloader_ = std::thread([self] { self->OffloadLoop(); });
   return c;
@@ -79,6 +60,7 @@ KvConnector::~KvConnector() {
     for (const auto& [id, r] : requests_) ids.push_back(id);
   }
   for (uint64_t id : ids) Finished(id);
+  // The store's registration of the staging memory must go before the memory.
   store_.reset();
   std::free(staging_);
 }
@@ -98,6 +80,11 @@ void KvConnector::PublishStored(const std::vector<BlockHash>& hashes) {
   if (hashes.empty()) return;
   std::lock_guard lk(publishers_mu_);
   for (auto* p : publishers_) p->Stored(ns_, hashes);
+}
+
+void KvConnector::PublishRemoved(const BlockHash& h) {
+  std::lock_guard lk(publishers_mu_);
+  for (auto* p : publishers_) p->Removed(ns_, {h});
 }
 
 absl::StatusOr<KvConnector::Match> KvConnector::Begin(uint64_t request, std::vector<BlockHash> chain) {
@@ -133,129 +120,6 @@ absl::StatusOr<KvConnector::Match> KvConnector::Begin(uint64_t request, std::vec
   return m;
 }
 
-void KvConnector::StartLoad(uint64_t request) {
-  std::lock_guard lk(mu_);
-  auto it = requests_.find(request);
-  if (it == requests_.end()) return;
-  it->second->load = std::async(std::launch::async, [this, request] { return Load(request); });
-}
-
-absl::StatusOr<uint32_t> KvConnector::WaitForLoad(uint64_t request) {
-  std::future<absl::StatusOr<uint32_t>> f;
-  {
-    std::lock_guard lk(mu_);
-    auto it = requests_.find(request);
-    if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
-    if (!it->second->load.valid()) return 0u;
-    f = std::move(it->second->load);
-  }
-  return f.get();
-}
-
-bool KvConnector::AcquireStagingLocked(std::unique_lock<std::mutex>& lk, size_t n, int wait_ms,
-                                       std::vector<uint32_t>* slots, bool for_load) {
-  auto& free = for_load ? load_free_slots_ : free_slots_;
-  bool ok = staging_cv_.wait_for(lk, std::chrono::milliseconds(wait_ms),
-                                 [&] { return stop_ || free.size() >= n; });
-  if (!ok || stop_) return false;
-  for (size_t i = 0; i < n; ++i) {
-    slots->push_back(free.back());
-    free.pop_back();
-  }
-  std::lock_guard sl(stats_mu_);
-  stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
-  stats_.staging_peak = std::max(stats_.staging_peak, stats_.staging_in_use);
-  stats_.load_staging_peak =
-      std::max(stats_.load_staging_peak, options_.staging_blocks - load_free_slots_.size());
-  return true;
-}
-
-void KvConnector::ReleaseStaging(const std::vector<uint32_t>& slots) {
-  {
-    std::lock_guard lk(staging_mu_);
-    for (uint32_t s : slots) {
-      (s < options_.staging_blocks ? free_slots_ : load_free_slots_).push_back(s);
-    }
-    std::lock_guard sl(stats_mu_);
-    stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
-  }
-  staging_cv_.notify_all();
-}
-
-absl::StatusOr<uint32_t> KvConnector::Load(uint64_t request) {
-  Request* r;
-  {
-    std::lock_guard lk(mu_);
-    r = requests_.at(request).get();
-  }
-  if (r->store_blocks == 0 || !store_) return 0u;
-  {
-    std::lock_guard sl(stats_mu_);
-    stats_.loads++;
-  }
-  const uint64_t bb = layout_.block_bytes();
-  uint32_t done = 0;
-  absl::Status failure = absl::OkStatus();
-  while (done < r->store_blocks) {
-    const size_t n = std::min<uint64_t>(r->store_blocks - done, options_.staging_blocks);
-    std::vector<uint32_t> slots;
-    {
-      std::unique_lock lk(staging_mu_);
-      if (!AcquireStagingLocked(lk, n, options_.data.deadline_ms, &slots, /*for_load=*/true)) {
-        failure = absl::ResourceExhaustedError("no staging memory for the load before its deadline");
-        break;
-      }
-    }
-    std::vector<uint32_t> pages;
-    for (size_t i = 0; i < n; ++i) {
-      auto p = pool_->Allocate();
-      if (!p) break;
-      pages.push_back(*p);
-    }
-    std::vector<GetBlock> want;
-    for (size_t i = 0; i < pages.size(); ++i) {
-      want.push_back({r->chain[r->gpu_blocks + done + i], Slot(slots[i])});
-    }
-    auto got = want.empty() ? absl::StatusOr<GetOutcome>(GetOutcome{})
-                            : store_->Get(ns_, bb, want);
-    uint32_t m = got.ok() ? std::min<uint32_t>(got->blocks, static_cast<uint32_t>(pages.size())) : 0;
-    if (got.ok()) r->loaded_from_disk += std::min(got->from_disk, m);
-    if (m > 0) {
-      std::vector<const uint8_t*> src;
-      for (uint32_t i = 0; i < m; ++i) src.push_back(Slot(slots[i]));
-      gpu::ScatterCpu(layout_, const_cast<uint8_t* const*>(pool_->layer_bases()), pages.data(), m,
-                      src.data());
-    }
-    std::vector<BlockHash> stored;
-    for (uint32_t i = 0; i < pages.size(); ++i) {
-      if (i < m) {
-        const BlockHash& h = r->chain[r->gpu_blocks + done + i];
-        r->pages.push_back(pool_->Commit(h, pages[i]));
-        NoteStored(h);
-        stored.push_back(h);
-      } else {
-        pool_->Discard(pages[i]);
-      }
-    }
-    ReleaseStaging(slots);
-    PublishStored(stored);
-    done += m;
-    if (!got.ok()) {
-      failure = got.status();
-      break;
-    }
-    if (m < n) break;  // the store lost some, or the pool is full: compute the rest
-  }
-  r->loaded = done;
-  std::lock_guard sl(stats_mu_);
-  stats_.loaded_blocks += done;
-  if (!failure.ok()) {
-    stats_.load_failures++;
-    if (done == 0) return failure;
-  }
-  return done;
-}
-
 absl::StatusOr<std::vector<uint32_t>> KvConnector::AllocateForCompute(uint64_t request) {
   Request* r;
   {
@@ -279,68 +143,6 @@ absl::StatusOr<std::vector<uint32_t>> KvConnector::AllocateForCompute(uint64_t r
   return out;
 }
 
-bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page, uint64_t request,
-                                  int wait_ms) {
-  std::vector<uint32_t> slot;
-  {
-    std::unique_lock lk(staging_mu_);
-    if (!AcquireStagingLocked(lk, 1, wait_ms, &slot)) {
-      std::lock_guard sl(stats_mu_);
-      stats_.offload_dropped_full++;
-      return false;
-    }
-  }
-  uint8_t* dst = Slot(slot[0]);
-  gpu::GatherCpu(layout_, pool_->layer_bases(), &page, 1, &dst);
-  {
-    std::lock_guard lk(staging_mu_);
-    offload_queue_.push_back(Staged{hash, slot[0], request});
-  }
-  offload_cv_.notify_one();
-  return true;
-}
-
-absl::Status KvConnector::Save(uint64_t request) {
-  Request* r;
-  {
-    std::lock_guard lk(mu_);
-    auto it = requests_.find(request);
-    if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
-    r = it->second.get();
-  }
-  std::vector<BlockHash> stored;
-  size_t first = r->pages.size();
-  for (size_t i = 0; i < r->computed.size(); ++i) {
-    const BlockHash& h = r->chain[first + i];
-    uint32_t page = pool_->Commit(h, r->computed[i]);
-    r->pages.push_back(page);
-    stored.push_back(h);
-    if (store_ && options_.offload == "write-through" && !KnownStored(h)) {
-      {
-        std::lock_guard lk(mu_);
-        r->pending_saves++;
-      }
-      if (!StageForOffload(h, page, request, options_.data.deadline_ms)) {
-        std::lock_guard lk(mu_);
-        r->pending_saves--;
-        r->save_status = absl::ResourceExhaustedError("no staging memory for write-through");
-      }
-    }
-  }
-  r->computed.clear();
-  PublishStored(stored);
-  return absl::OkStatus();
-}
-
-absl::Status KvConnector::WaitForSave(uint64_t request) {
-  std::unique_lock lk(mu_);
-  auto it = requests_.find(request);
-  if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
-  Request* r = it->second.get();
-  drained_cv_.wait(lk, [&] { return r->pending_saves == 0; });
-  return r->save_status;
-}
-
 void KvConnector::Finished(uint64_t request) {
   std::unique_ptr<Request> r;
   {
@@ -356,6 +158,11 @@ void KvConnector::Finished(uint64_t request) {
   for (uint32_t p : r->computed) pool_->Discard(p);
 }
 
+bool KvConnector::IsOpen(uint64_t request) {
+  std::lock_guard lk(mu_);
+  return requests_.contains(request);
+}
+
 uint32_t KvConnector::LoadedFromDisk(uint64_t request) {
   std::lock_guard lk(mu_);
   auto it = requests_.find(request);
@@ -369,69 +176,6 @@ std::vector<uint32_t> KvConnector::Pages(uint64_t request) {
   std::vector<uint32_t> out = it->second->pages;
   out.insert(out.end(), it->second->computed.begin(), it->second->computed.end());
   return out;
-}
-
-void KvConnector::OffloadLoop() {
-  const uint64_t bb = layout_.block_bytes();
-  for (;;) {
-    std::vector<Staged> batch;
-    {
-      std::unique_lock lk(staging_mu_);
-      offload_cv_.wait(lk, [&] { return stop_ || !offload_queue_.empty(); });
-      if (offload_queue_.empty()) return;
-      while (!offload_queue_.empty() && batch.size() < options_.offload_batch) {
-        batch.push_back(offload_queue_.front());
-        offload_queue_.pop_front();
-      }
-      offloads_running_ += batch.size();
-    }
-    std::vector<PutBlock> blocks;
-    for (const auto& s : batch) blocks.push_back({s.hash, Slot(s.slot)});
-    absl::Status st = absl::OkStatus();
-    if (!registered_) registered_ = store_->RegisterNamespace(options_.spec).ok();
-    auto r = store_->Put(ns_, bb, blocks);
-    if (!r.ok()) st = r.status();
-    {
-      std::lock_guard sl(stats_mu_);
-      if (r.ok()) {
-        stats_.offloaded_blocks += r->written;
-        stats_.offload_skipped_known += r->already_present;
-      } else {
-        stats_.offload_failures += batch.size();
-      }
-    }
-    if (r.ok()) {
-      for (const auto& s : batch) NoteStored(s.hash);
-    }
-    std::vector<uint32_t> slots;
-    for (const auto& s : batch) slots.push_back(s.slot);
-    ReleaseStaging(slots);
-    {
-      std::lock_guard lk(mu_);
-      for (const auto& s : batch) {
-        if (s.request == 0) continue;
-        auto it = requests_.find(s.request);
-        if (it == requests_.end()) continue;
-        it->second->pending_saves--;
-        if (!st.ok()) it->second->save_status = st;
-      }
-    }
-    {
-      std::lock_guard lk(staging_mu_);
-      offloads_running_ -= batch.size();
-    }
-    drained_cv_.notify_all();
-  }
-}
-
-void KvConnector::Drain() {
-  std::unique_lock lk(staging_mu_);
-  // drained_cv_ is notified under mu_ changes too; poll briefly to stay simple.
-  while (!offload_queue_.empty() || offloads_running_ > 0) {
-    lk.unlock();
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    lk.lock();
-  }
 }
 
 ConnectorStats KvConnector::stats() const {

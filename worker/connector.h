@@ -21,6 +21,10 @@
 // instead) and offloads count as failed; nothing blocks for longer than the
 // configured deadlines. Thread-safe; one request id is used by one thread at
 // a time.
+//
+// Implementation, one concept per file: connector.cc (construction, the
+// request table, matching), connector_load.cc (onboard), connector_offload.cc
+// (save and offload), connector_staging.cc (the staging memory both use).
 #pragma once
 
 #include <atomic>
@@ -39,8 +43,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
-#include "common/router_client.h"
-#include "common/store_data_client.h"
+#include "client/router_client.h"
+#include "client/store_data_client.h"
 #include "gpu/kv_layout.h"
 #include "worker/page_pool.h"
 
@@ -101,6 +105,8 @@ class KvConnector {
   absl::Status Save(uint64_t request);
   absl::Status WaitForSave(uint64_t request);
   void Finished(uint64_t request);
+  // Whether the request is open: between Begin and Finished.
+  bool IsOpen(uint64_t request);
   // The request's pages in chain order: its GPU prefix, the loaded blocks,
   // then the pages from AllocateForCompute.
   std::vector<uint32_t> Pages(uint64_t request);
@@ -128,19 +134,33 @@ class KvConnector {
   };
 
   KvConnector() = default;
+
+  // connector.cc: what is known about where blocks are.
+  bool KnownStored(const BlockHash& h) const;
+  void NoteStored(const BlockHash& h);
+  void PublishStored(const std::vector<BlockHash>& hashes);
+  void PublishRemoved(const BlockHash& h);
+
+  // connector_load.cc
   absl::StatusOr<uint32_t> Load(uint64_t request);
+
+  // connector_offload.cc
+  // The pool evicts page (holding h): write it back if the policy says so.
+  void WriteBack(const BlockHash& h, uint32_t page);
+  // Gathers page into a staging slot and queues it for the store.
+  bool StageForOffload(const BlockHash& hash, uint32_t page, uint64_t request, int wait_ms);
+  void OffloadLoop();
+
+  // connector_staging.cc
+  // Allocates both halves of the staging memory and registers it with the
+  // store (if any). REQUIRES: options_, layout_ and store_ set.
+  absl::Status InitStaging();
   // REQUIRES: staging_mu_ held. Waits up to wait_ms for n slots of the
   // offload (or the load) half of the staging memory.
   bool AcquireStagingLocked(std::unique_lock<std::mutex>& lk, size_t n, int wait_ms,
                             std::vector<uint32_t>* slots, bool for_load = false);
   void ReleaseStaging(const std::vector<uint32_t>& slots);
   uint8_t* Slot(uint32_t slot) const { return staging_ + uint64_t{slot} * layout_.block_bytes(); }
-  // Gathers page into a staging slot and queues it for the store.
-  bool StageForOffload(const BlockHash& hash, uint32_t page, uint64_t request, int wait_ms);
-  void OffloadLoop();
-  bool KnownStored(const BlockHash& h) const;
-  void NoteStored(const BlockHash& h);
-  void PublishStored(const std::vector<BlockHash>& hashes);
 
   ConnectorOptions options_;
   gpu::KvLayout layout_;

@@ -9,9 +9,29 @@
  *   (the engine computes into those pages)
  *   kvtier_save / kvtier_wait_for_save
  *   kvtier_request_finished
- * Functions return 0 (or a count) on success and -1 on failure; then
- * kvtier_last_error() says why (per thread). Thread-safe; one request id is
- * used by one thread at a time. */
+ * Thread-safe; one request id is used by one thread at a time.
+ *
+ * Errors. A failure has a kvtier_status code (absl::StatusCode's and gRPC's
+ * values) and a message. How a function returns the code depends on what it
+ * returns:
+ *   kvtier_status  KVTIER_OK, or the code.
+ *   int64_t        a count, >= 0, on success; the code NEGATED on failure
+ *                  (-KVTIER_NOT_FOUND, ...): n < 0 is a failure, and
+ *                  (kvtier_status)-n its code.
+ *   a pointer      NULL on failure.
+ *   uint64_t, void fail only for a NULL connector (uint64_t: 0); see
+ *                  kvtier_last_status().
+ * Every function except kvtier_last_status, kvtier_last_error and
+ * kvtier_status_name also records its outcome for the calling thread, until
+ * that thread's next call: kvtier_last_status() gives the code (KVTIER_OK
+ * after a success) and kvtier_last_error() the message ("" after a success).
+ *
+ * Each function lists the codes it returns. Besides those, any function may
+ * return KVTIER_INVALID_ARGUMENT for a NULL connector, or for a NULL array
+ * with a nonzero size, and KVTIER_INTERNAL for a C++ exception inside the
+ * library (its what() is the message; no exception ever reaches the caller).
+ * Unless its description says otherwise, a failed call leaves an open
+ * request as it was. */
 #ifndef KVTIER_WORKER_H_
 #define KVTIER_WORKER_H_
 
@@ -22,11 +42,33 @@
 extern "C" {
 #endif
 
+/* Values equal absl::StatusCode's and grpc::StatusCode's, so codes from the
+ * store pass through unchanged. An int at the ABI (ctypes: c_int). */
+typedef enum kvtier_status {
+  KVTIER_OK = 0,
+  KVTIER_CANCELLED = 1,
+  KVTIER_UNKNOWN = 2,
+  KVTIER_INVALID_ARGUMENT = 3,
+  KVTIER_DEADLINE_EXCEEDED = 4,
+  KVTIER_NOT_FOUND = 5,
+  KVTIER_ALREADY_EXISTS = 6,
+  KVTIER_PERMISSION_DENIED = 7,
+  KVTIER_RESOURCE_EXHAUSTED = 8,
+  KVTIER_FAILED_PRECONDITION = 9,
+  KVTIER_ABORTED = 10,
+  KVTIER_OUT_OF_RANGE = 11,
+  KVTIER_UNIMPLEMENTED = 12,
+  KVTIER_INTERNAL = 13,
+  KVTIER_UNAVAILABLE = 14,
+  KVTIER_DATA_LOSS = 15,
+  KVTIER_UNAUTHENTICATED = 16
+} kvtier_status;
+
 typedef struct kvtier_connector kvtier_connector;
 
 typedef struct {
   const char* model;        /* model id of the namespace */
-  const char* dtype;        /* "fp16", "bf16", "fp8" */
+  const char* dtype;        /* "fp16", "bf16", "fp8" ("fp8_e4m3", "fp8_e5m2") */
   uint32_t layers, kv_heads, head_dim, block_tokens;
   uint64_t num_pages;       /* pages in the pool */
   const char* stores;       /* comma-separated kvtier-store addresses; "" for none */
@@ -41,37 +83,91 @@ typedef struct {
   const char* tls_key;
 } kvtier_connector_config;
 
-/* NULL on failure (see kvtier_last_error). */
+/* NULL on failure; kvtier_last_status() says which:
+ *   KVTIER_INVALID_ARGUMENT    config, model or dtype NULL; an unknown dtype
+ *                              or offload policy; a dimension out of range
+ *                              (layers, kv_heads, head_dim, block_tokens) or
+ *                              too many pages; a model id empty or over 256
+ *                              bytes; a TLS file unreadable or not PEM, or a
+ *                              certificate without its key.
+ *   KVTIER_RESOURCE_EXHAUSTED  no memory for the staging buffers.
+ *   the data plane's code      registering the staging memory with it failed.
+ * A store that is down is no failure here: it is asked again per request. */
 kvtier_connector* kvtier_connector_create(const kvtier_connector_config* config);
+/* NULL: nothing happens. Waits for pending offloads. */
 void kvtier_connector_destroy(kvtier_connector* c);
 
+/* 0 for a NULL connector. */
 uint64_t kvtier_namespace_id(const kvtier_connector* c);
 uint64_t kvtier_block_bytes(const kvtier_connector* c);
-/* Start of layer `layer` of the pool: [num_pages][2][block_tokens][kv_heads][head_dim]. */
+/* Start of layer `layer` of the pool: [num_pages][2][block_tokens][kv_heads][head_dim].
+ * NULL with KVTIER_INVALID_ARGUMENT if layer >= layers. */
 uint8_t* kvtier_layer_base(kvtier_connector* c, uint32_t layer);
 
 /* Chained block hashes of a prompt's full blocks: 2 uint64 (hi, lo) per
- * block into hashes_out (room for max_blocks). Returns the block count. */
+ * block into hashes_out (room for max_blocks). Returns the block count
+ * written: the first max_blocks at most. No codes of its own. */
 int64_t kvtier_hash_tokens(const kvtier_connector* c, const uint32_t* tokens, size_t n_tokens,
                            uint64_t* hashes_out, size_t max_blocks);
 
 /* Opens a request over its hash chain (2 uint64 per block, e.g. from
- * kvtier_hash_tokens or the engine's own hashes). */
-int kvtier_get_num_matched_tokens(kvtier_connector* c, uint64_t request, const uint64_t* hashes,
-                                  size_t n_blocks, uint64_t* gpu_tokens, uint64_t* store_tokens);
-int kvtier_start_load(kvtier_connector* c, uint64_t request);
-/* Tokens loaded from the store; -1 if the load failed (compute them instead). */
+ * kvtier_hash_tokens or the engine's own hashes); gpu_tokens and
+ * store_tokens may be NULL. A store that cannot be asked is no failure:
+ * store_tokens is then 0.
+ *   KVTIER_INVALID_ARGUMENT  n_blocks is 0 (no full block to match).
+ *   KVTIER_ALREADY_EXISTS    the request is open already. */
+kvtier_status kvtier_get_num_matched_tokens(kvtier_connector* c, uint64_t request,
+                                            const uint64_t* hashes, size_t n_blocks,
+                                            uint64_t* gpu_tokens, uint64_t* store_tokens);
+/* Starts loading the request's store tokens in the background.
+ *   KVTIER_NOT_FOUND  the request is not open. */
+kvtier_status kvtier_start_load(kvtier_connector* c, uint64_t request);
+/* Tokens loaded from the store (0 if kvtier_start_load was not called). A
+ * load cut short after some blocks returns those; one that loaded nothing
+ * fails, and the engine computes the tokens instead:
+ *   -KVTIER_NOT_FOUND           the request is not open.
+ *   -KVTIER_RESOURCE_EXHAUSTED  no staging memory before the deadline.
+ *   -(the store's code)         e.g. -KVTIER_UNAVAILABLE,
+ *                               -KVTIER_DEADLINE_EXCEEDED, -KVTIER_DATA_LOSS
+ *                               (a block failed its checksum). */
 int64_t kvtier_wait_for_load(kvtier_connector* c, uint64_t request);
-/* Pages (in chain order) for the blocks still to compute. Returns how many;
- * -1 if they do not fit in max (the request is then closed, nothing saved). */
+/* Pages (in chain order) for the blocks still to compute. Returns how many.
+ *   -KVTIER_NOT_FOUND            the request is not open.
+ *   -KVTIER_FAILED_PRECONDITION  a load was started and not waited for.
+ *   -KVTIER_RESOURCE_EXHAUSTED   every page is pinned by requests.
+ *   -KVTIER_INVALID_ARGUMENT     the pages do not fit in max: the request is
+ *                                then closed, nothing saved (handing out only
+ *                                some would let kvtier_save commit pages the
+ *                                engine never wrote). Start it again with
+ *                                room for every page. */
 int64_t kvtier_allocate(kvtier_connector* c, uint64_t request, uint32_t* pages_out, size_t max);
-/* All of the request's pages in chain order. Returns how many. */
+/* All of the request's pages in chain order, the first max at most. Returns
+ * how many it wrote.
+ *   -KVTIER_NOT_FOUND  the request is not open. */
 int64_t kvtier_request_pages(kvtier_connector* c, uint64_t request, uint32_t* pages_out, size_t max);
-int kvtier_save(kvtier_connector* c, uint64_t request);
-int kvtier_wait_for_save(kvtier_connector* c, uint64_t request);
+/* The computed pages hold their blocks now: they become matchable, and
+ * under write-through are queued for the store.
+ *   KVTIER_NOT_FOUND  the request is not open. */
+kvtier_status kvtier_save(kvtier_connector* c, uint64_t request);
+/* Waits for the request's write-through offloads (none under write-back or
+ * none). The blocks stay cached on the GPU either way.
+ *   KVTIER_NOT_FOUND           the request is not open.
+ *   KVTIER_RESOURCE_EXHAUSTED  no staging memory for a block before the
+ *                              deadline.
+ *   the store's code           e.g. KVTIER_UNAVAILABLE,
+ *                              KVTIER_DEADLINE_EXCEEDED. */
+kvtier_status kvtier_wait_for_save(kvtier_connector* c, uint64_t request);
+/* Unpins the request's pages. A request that is not open is ignored (so
+ * closing twice, or after kvtier_allocate closed it, is harmless). */
 void kvtier_request_finished(kvtier_connector* c, uint64_t request);
 
+/* The outcome of the calling thread's last call into this library. */
+kvtier_status kvtier_last_status(void);
+/* Its message; "" after a success. Valid until the thread's next call. */
 const char* kvtier_last_error(void);
+/* "OK", "NOT_FOUND", ... (absl's and gRPC's names, without KVTIER_); never
+ * NULL ("INVALID_STATUS" for a value outside the enum). Static storage. */
+const char* kvtier_status_name(kvtier_status status);
 
 #ifdef __cplusplus
 }

@@ -16,12 +16,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/config.h"
-#include "common/grpc_server.h"
-#include "common/grpc_status.h"
+#include "common/rpc/grpc_server.h"
+#include "common/rpc/grpc_status.h"
 #include "common/log.h"
-#include "common/proto_convert.h"
-#include "common/router_client.h"
-#include "common/tls.h"
+#include "common/rpc/proto_convert.h"
+#include "client/router_client.h"
+#include "common/rpc/tls.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
 #include "worker/model.h"
@@ -57,29 +57,10 @@ class SimWorkerService final : public v1::SimWorker::Service {
     auto done = fence_.Enter();
     auto t0 = Clock::now();
     const uint32_t bt = c_->block_tokens();
-    std::vector<BlockHash> chain;
-    uint64_t prompt = 0;
-    if (req->prompt_case() == v1::SubmitRequest::kTokens) {
-      const auto& ids = req->tokens().ids();
-      if (ids.empty()) return grpc::Status(grpc::INVALID_ARGUMENT, "submit: the prompt is empty");
-      chain = ChainHashes(c_->namespace_id(), std::span<const uint32_t>(ids.data(), ids.size()), bt);
-      prompt = ids.size();
-    } else if (req->prompt_case() == v1::SubmitRequest::kHashes) {
-      const auto& hs = req->hashes().hashes();
-      if (hs.empty()) return grpc::Status(grpc::INVALID_ARGUMENT, "submit: the prompt is empty");
-      if (hs.size() > 16384) {
-        return grpc::Status(grpc::INVALID_ARGUMENT, "submit: more than 16384 block hashes");
-      }
-      for (const auto& h : hs) chain.push_back(FromProto(h));
-      prompt = req->prompt_tokens() ? req->prompt_tokens() : uint64_t{bt} * chain.size();
-      if (prompt + bt <= uint64_t{bt} * chain.size()) {
-        return grpc::Status(grpc::INVALID_ARGUMENT,
-                            absl::StrCat("submit: prompt_tokens ", prompt, " does not fit ",
-                                         chain.size(), " blocks of ", bt, " tokens"));
-      }
-    } else {
-      return grpc::Status(grpc::INVALID_ARGUMENT, "submit: give tokens or hashes");
-    }
+    auto parsed = PromptFromRequest(*req, c_->namespace_id(), bt, "submit");
+    if (!parsed.ok()) return ToGrpc(parsed.status());
+    const std::vector<BlockHash>& chain = parsed->chain;
+    const uint64_t prompt = parsed->prompt_tokens;
     // A trailing partial block is computed but not cached.
     running_++;
     uint64_t id = req->request_id() ? req->request_id() : next_id_++;
@@ -290,17 +271,12 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(listen, *server_credentials, &port);
   // Publishers need the bound port (the endpoint names it): they are
   // attached to the connector once the server is up.
   std::vector<std::unique_ptr<EventPublisher>> publishers;
   std::unique_ptr<worker::KvConnector> connector;
   std::unique_ptr<worker::SimWorkerService> service;
 
-  std::string host = listen.substr(0, listen.rfind(':'));
   auto c = worker::KvConnector::Create(co);
   if (!c.ok()) {
     std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(c.status().message()).c_str());
@@ -308,15 +284,14 @@ int main(int argc, char** argv) {
   }
   connector = std::move(*c);
   service = std::make_unique<worker::SimWorkerService>(connector.get(), sim);
-  builder.RegisterService(service.get());
-  builder.SetMaxReceiveMessageSize(64 << 20);
-  builder.experimental().SetInterceptorCreators(ServerInterceptors());
-  auto server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    std::fprintf(stderr, "kvtier-sim-worker: cannot listen on %s\n", listen.c_str());
+  auto started = kvtier::StartGrpcServer(
+      {"kvtier-sim-worker", listen, *server_credentials, {service.get()}, 64 << 20});
+  if (!started.ok()) {
+    std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(started.status().message()).c_str());
     return 1;
   }
-  std::string bound = absl::StrCat(host, ":", port);
+  grpc::Server* server = started->server.get();
+  const std::string bound = started->address();
   if (worker_id.empty()) worker_id = "sim-worker@" + bound;
   if (endpoint.empty()) endpoint = bound;
   std::vector<EventPublisher*> pubs;
@@ -338,10 +313,8 @@ int main(int argc, char** argv) {
   Log("sim-worker", worker_id, " listening on ", bound, " (namespace ", connector->namespace_id(),
       ", ", pages, " pages of ", connector->block_bytes(), " bytes, offload ", offload, ", ",
       co.stores.size(), " store(s), ", pubs.size(), " router(s))");
-  std::printf("kvtier-sim-worker listening on %s\n", bound.c_str());
-  std::fflush(stdout);
-  kvtier::WritePortFile(port_file, port);
-  kvtier::ServeUntilSignalled(server.get(), "sim-worker");
+  kvtier::AnnounceListening("kvtier-sim-worker", *started, "", port_file);
+  kvtier::ServeUntilSignalled(server, "sim-worker");
   service->Quiesce();
   // Publishers first: their heartbeats read the connector's load.
   for (auto& p : publishers) p->Stop();

@@ -35,10 +35,11 @@ absl::StatusOr<PromptChain> ChainFromTokens(uint64_t namespace_id,
                                             uint32_t block_tokens, absl::string_view what);
 
 // The caller's own chain. prompt_tokens 0 means "exactly the full blocks";
-// otherwise it must lie within the last block's span (a partial block after
-// the chain is allowed, a whole uncovered block is not). INVALID_ARGUMENT
-// for an empty chain, one over kMaxPromptBlocks, or a count that does not
-// fit. REQUIRES: block_tokens > 0.
+// otherwise it must reach into the chain's last block (tokens after the
+// chain's blocks, a trailing partial block, are the caller's business) and
+// stay within kMaxPromptTokens. INVALID_ARGUMENT for an empty chain, one
+// over kMaxPromptBlocks, or a count that does not fit. REQUIRES:
+// block_tokens > 0.
 absl::StatusOr<PromptChain> ChainFromHashes(std::vector<BlockHash> hashes, uint64_t prompt_tokens,
                                             uint32_t block_tokens, absl::string_view what);
 

@@ -6,6 +6,9 @@
 
 #include "common/block_key.h"
 #include "common/config.h"
+#include "common/dtype.h"
+#include "common/prompt_chain.h"
+#include "common/rendezvous.h"
 #include "common/histogram.h"
 
 namespace kvtier {
@@ -164,6 +167,56 @@ TEST(ChainHashes, OnlyFullBlocksAndPrefixStable) {
   // Namespaces never alias.
   EXPECT_NE(ChainHashes(43, tokens, 16)[0], h[0]);
   EXPECT_EQ(NextBlockHash(BlockHash{42, 0}, std::span(tokens).subspan(0, 16)), h[0]);
+}
+
+TEST(Dtype, OneParserForEveryName) {
+  EXPECT_EQ(*ParseDtype("fp16"), Dtype::kFp16);
+  EXPECT_EQ(*ParseDtype("bf16"), Dtype::kBf16);
+  for (const char* fp8 : {"fp8", "fp8_e4m3", "fp8_e5m2"}) EXPECT_EQ(*ParseDtype(fp8), Dtype::kFp8);
+  auto bad = ParseDtype("fp8_e3m4");  // the connector used to accept any "fp8..." name
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("fp8_e3m4"), std::string::npos);
+  EXPECT_EQ(ElementBytes(Dtype::kBf16), 2u);
+  EXPECT_EQ(ElementBytes(Dtype::kFp8), 1u);
+  EXPECT_EQ(*DtypeBytes("fp8_e4m3"), 1u);
+}
+
+TEST(PromptChain, TokensAndHashesFollowOneRule) {
+  std::vector<uint32_t> tokens(40);
+  for (uint32_t i = 0; i < 40; ++i) tokens[i] = i;
+  auto p = ChainFromTokens(9, tokens, 16, "route");
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->chain, ChainHashes(9, tokens, 16));
+  EXPECT_EQ(p->prompt_tokens, 40u);
+  EXPECT_EQ(ChainFromTokens(9, {}, 16, "route").status().message(), "route: the prompt is empty");
+  // Hashes: prompt_tokens must reach into the chain's last block.
+  auto h = ChainFromHashes(p->chain, 40, 16, "submit");
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->prompt_tokens, 40u);
+  EXPECT_EQ(ChainFromHashes(p->chain, 0, 16, "submit")->prompt_tokens, 32u);
+  auto short_prompt = ChainFromHashes(p->chain, 16, 16, "submit");
+  EXPECT_EQ(short_prompt.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(short_prompt.status().message().find("submit: prompt_tokens 16"), std::string::npos);
+  std::vector<BlockHash> many(kMaxPromptBlocks + 1);
+  EXPECT_EQ(ChainFromHashes(many, 0, 16, "route").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Rendezvous, PicksTheHighestScoreAndMovesOnlyToANewMember) {
+  std::vector<std::string> three = {"a", "b", "c"}, four = {"a", "b", "c", "d"};
+  int moved = 0;
+  for (uint64_t key = 0; key < 4000; ++key) {
+    size_t p = RendezvousPick(key, three);
+    for (size_t i = 0; i < three.size(); ++i) {
+      EXPECT_LE(RendezvousScore(key, three[i]), RendezvousScore(key, three[p]));
+    }
+    size_t q = RendezvousPick(key, four);
+    if (q != p) {
+      EXPECT_EQ(q, 3u);
+      ++moved;
+    }
+  }
+  EXPECT_NEAR(moved / 4000.0, 0.25, 0.03);
 }
 
 TEST(BlockHashHex, RoundTripsAndRejects) {

@@ -97,6 +97,12 @@ TEST_F(Ops, StatsPerShardAndSummedAsTableAndJson) {
                         "demotions", "bytes_in", "bytes_out", "policy"}) {
     EXPECT_TRUE(j["shards"][0]["tiers"]["ram"].contains(k)) << k;
   }
+  // Global flags may also come before the subcommand.
+  r = Kvctl("--store " + stores_[0]->address() + "," + stores_[1]->address() + " --json stats");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["shards"].size(), 2u);
+  r = Kvctl("--watch stats", stores_env_);
+  EXPECT_EQ(r.code, 2) << r.out;
 }
 
 TEST_F(Ops, PolicyGetAndSet) {

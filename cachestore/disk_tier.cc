@@ -79,7 +79,11 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& 
   return t;
 }
 
-DiskTier::~DiskTier() { queue_.reset(); }
+// The writer calls back into this tier (Write, EraseKeys use queue_): drain
+// and stop it while queue_ still points at the queue.
+DiskTier::~DiskTier() {
+  if (queue_) queue_->Stop();
+}
 
 void DiskTier::SetChangeListener(ChangeListener listener) {
   std::lock_guard lk(listener_mu_);

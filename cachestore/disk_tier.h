@@ -80,7 +80,9 @@ class DiskTier : public Tier {
   bool Enqueue(const EvictedBlock& block);
   // Writes one block now, evicting others to stay within the quota.
   // RESOURCE_EXHAUSTED if the record exceeds the quota or the filesystem is
-  // below its reserve; UNAVAILABLE after a write error.
+  // below its reserve; the backend's error for a failing write
+  // (UNAVAILABLE, RESOURCE_EXHAUSTED for a full device, DATA_LOSS), and
+  // UNAVAILABLE for every write after it.
   absl::Status Write(const BlockKey& key, const uint8_t* data, uint64_t length,
                      uint64_t checksum);
   // Reads and verifies a block (from the queue if it is still there).

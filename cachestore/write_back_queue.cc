@@ -9,7 +9,9 @@ WriteBackQueue::WriteBackQueue(uint64_t max_bytes, Callbacks callbacks)
   writer_ = std::thread([this] { WriterLoop(); });
 }
 
-WriteBackQueue::~WriteBackQueue() {
+WriteBackQueue::~WriteBackQueue() { Stop(); }
+
+void WriteBackQueue::Stop() {
   {
     std::lock_guard lk(mu_);
     stop_ = true;

@@ -46,7 +46,10 @@ class WriteBackQueue {
 
   // Starts the writer thread.
   WriteBackQueue(uint64_t max_bytes, Callbacks callbacks);
-  // Writes everything still queued, then stops the writer.
+  // Writes everything still queued, then stops the writer. Idempotent; the
+  // owner calls it while everything the callbacks use is still alive.
+  void Stop();
+  // Stop().
   ~WriteBackQueue();
 
   // Copies the block in. kFull past the byte bound or while stopping.

@@ -1,3 +1,5 @@
+// One concept, the NVMe tier (disk_tier.h): its index, quota, reserve,
+// degraded state and the write, read and erase paths over the backend.
 #include "cachestore/disk_tier.h"
 
 #include <algorithm>

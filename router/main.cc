@@ -60,8 +60,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvtier-router: %s\n", std::string(credentials.status().message()).c_str());
     return 2;
   }
-  if (deadline_ms == 0) {
-    std::fprintf(stderr, "kvtier-router: flag --heartbeat-deadline must be above 0\n");
+  kvtier::router::RouterOptions o;
+  o.heartbeat_deadline_ms = deadline_ms;
+  o.knobs.fetch_cost = fetch_cost;
+  o.knobs.load_weight = load_weight;
+  o.knobs.balance_threshold_tokens = static_cast<uint64_t>(balance);
+  o.knobs.temperature = temperature;
+  if (auto s = o.Validate(); !s.ok()) {
+    std::fprintf(stderr, "kvtier-router: %s\n", std::string(s.message()).c_str());
     return 2;
   }
   if (check_config) {
@@ -73,12 +79,6 @@ int main(int argc, char** argv) {
   }
 
 
-  kvtier::router::RouterOptions o;
-  o.heartbeat_deadline_ms = deadline_ms;
-  o.knobs.fetch_cost = fetch_cost;
-  o.knobs.load_weight = load_weight;
-  o.knobs.balance_threshold_tokens = static_cast<uint64_t>(balance);
-  o.knobs.temperature = temperature;
   kvtier::router::RouterCore core(o);
   kvtier::router::RouterService service(&core);
 

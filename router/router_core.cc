@@ -12,6 +12,20 @@
 
 namespace kvtier::router {
 
+absl::Status RouterOptions::Validate() const {
+  if (heartbeat_deadline_ms == 0) {
+    return absl::InvalidArgumentError("flag --heartbeat-deadline must be above 0");
+  }
+  if (!(knobs.fetch_cost >= 0)) return absl::InvalidArgumentError("flag --fetch-cost must be >= 0");
+  if (!(knobs.load_weight >= 0)) {
+    return absl::InvalidArgumentError("flag --load-weight must be >= 0");
+  }
+  if (!(knobs.temperature >= 0)) {
+    return absl::InvalidArgumentError("flag --temperature must be >= 0");
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 v1::RouterCommand Rejected(uint64_t seq, const std::string& reason) {

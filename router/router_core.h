@@ -33,6 +33,9 @@ inline constexpr size_t kMaxEventHashes = 65536;
 struct RouterOptions {
   CostKnobs knobs;
   uint64_t heartbeat_deadline_ms = 5000;
+
+  // INVALID_ARGUMENT naming the flag of the first field out of range.
+  absl::Status Validate() const;
 };
 
 struct RouteResult {

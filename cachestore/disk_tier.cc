@@ -250,26 +250,32 @@ absl::StatusOr<std::string> DiskTier::Read(const BlockKey& key, uint64_t* checks
     }
     policy_->Touch(it->second.seq);
   }
-  std::string value;
-  absl::Status s = backend_->Get(Column::kBlocks, EncodeBlockKey(key), &value);
+  std::string payload;
+  absl::Status decoded;
+  absl::Status s = backend_->Get(Column::kBlocks, EncodeBlockKey(key), [&](absl::string_view v) {
+    auto rec = DecodeRecord(std::string_view(v.data(), v.size()));
+    if (!rec.ok()) {
+      decoded = rec.status();
+      return;
+    }
+    payload.assign(rec->payload);  // the one copy of a disk read
+    *checksum = rec->checksum;
+  });
   if (absl::IsNotFound(s)) {
     counters_.misses.fetch_add(1, std::memory_order_relaxed);
     return absl::NotFoundError("block is not on disk");
   }
-  absl::StatusOr<DecodedRecord> rec =
-      s.ok() ? DecodeRecord(value) : absl::StatusOr<DecodedRecord>(s);
-  if (!rec.ok()) {
-    if (!absl::IsDataLoss(rec.status())) return rec.status();  // I/O: the record may be fine
+  if (s.ok()) s = decoded;
+  if (!s.ok()) {
+    if (!absl::IsDataLoss(s)) return s;  // I/O: the record may be fine
     checksum_failures_.fetch_add(1, std::memory_order_relaxed);
-    Log("store", "disk record of block ", ToHex(key.hash), " rejected: ", rec.status().message());
+    Log("store", "disk record of block ", ToHex(key.hash), " rejected: ", s.message());
     EraseKeys({key});
-    return rec.status();
+    return s;
   }
   counters_.hits.fetch_add(1, std::memory_order_relaxed);
-  counters_.bytes_out.fetch_add(rec->payload.size(), std::memory_order_relaxed);
-  *checksum = rec->checksum;
-  value.erase(0, kRecordHeaderBytes);  // the payload, in place
-  return value;
+  counters_.bytes_out.fetch_add(payload.size(), std::memory_order_relaxed);
+  return payload;
 }
 
 EraseCounts DiskTier::EraseKeys(const std::vector<BlockKey>& keys) {

@@ -52,16 +52,20 @@ class FaultInjectingBackend : public StorageBackend {
     }
     return base_->Write(batch, sync);
   }
-  absl::Status Get(Column column, absl::string_view key, std::string* value) override {
+  absl::Status Get(Column column, absl::string_view key,
+                   const std::function<void(absl::string_view)>& use) override {
     std::optional<size_t> corrupt;
     {
       std::lock_guard lk(mu_);
       if (!read_error_.ok()) return read_error_;
       if (column == Column::kBlocks) corrupt = corrupt_at_;
     }
-    absl::Status s = base_->Get(column, key, value);
-    if (s.ok() && corrupt && !value->empty()) (*value)[std::min(*corrupt, value->size() - 1)] ^= 0x5a;
-    return s;
+    if (!corrupt) return base_->Get(column, key, use);
+    return base_->Get(column, key, [&](absl::string_view v) {
+      std::string bad(v);
+      if (!bad.empty()) bad[std::min(*corrupt, bad.size() - 1)] ^= 0x5a;
+      use(bad);
+    });
   }
   absl::Status Scan(Column column, absl::string_view prefix,
                     const std::function<bool(absl::string_view, absl::string_view)>& visit)

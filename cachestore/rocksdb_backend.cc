@@ -102,10 +102,11 @@ absl::Status RocksDbBackend::Write(const WriteBatch& batch, bool sync) {
   return FromRocks(s, "write error", dir_);
 }
 
-absl::Status RocksDbBackend::Get(Column column, absl::string_view key, std::string* value) {
-  rocksdb::PinnableSlice v(value);
+absl::Status RocksDbBackend::Get(Column column, absl::string_view key,
+                                 const std::function<void(absl::string_view)>& use) {
+  rocksdb::PinnableSlice v;
   rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), handle(column), ToSlice(key), &v);
-  if (s.ok() && v.IsPinned()) value->assign(v.data(), v.size());
+  if (s.ok()) use(absl::string_view(v.data(), v.size()));
   return FromRocks(s, "read error", dir_);
 }
 

@@ -36,7 +36,8 @@ class RocksDbBackend : public StorageBackend {
   ~RocksDbBackend() override;
 
   absl::Status Write(const WriteBatch& batch, bool sync) override;
-  absl::Status Get(Column column, absl::string_view key, std::string* value) override;
+  absl::Status Get(Column column, absl::string_view key,
+                   const std::function<void(absl::string_view)>& use) override;
   absl::Status Scan(
       Column column, absl::string_view prefix,
       const std::function<bool(absl::string_view key, absl::string_view value)>& visit)

@@ -56,9 +56,12 @@ class StorageBackend {
   // DATA_LOSS for corruption found on the way.
   virtual absl::Status Write(const WriteBatch& batch, bool sync) = 0;
 
-  // The value under key into *value. NOT_FOUND if absent; DATA_LOSS if the
-  // engine found the data corrupt; UNAVAILABLE for an I/O error.
-  virtual absl::Status Get(Column column, absl::string_view key, std::string* value) = 0;
+  // Calls use(value) with the value under key, valid only during the call
+  // (the engine's own buffer where it can pin one: a block read copies its
+  // payload once, in `use`). NOT_FOUND if absent; DATA_LOSS if the engine
+  // found the data corrupt; UNAVAILABLE for an I/O error.
+  virtual absl::Status Get(Column column, absl::string_view key,
+                           const std::function<void(absl::string_view value)>& use) = 0;
 
   // Calls visit(key, value) for each key with the prefix, in key order,
   // until it returns false. Errors as Get.

@@ -56,6 +56,30 @@ struct Options {
   int64_t restart_router_at = 0;  // kill -9 and restart the router after this many requests
   bool restart_control = false;   // measure the same windows without restarting
   std::string bin_dir;
+  std::string kv_wire;  // "" or "int8" (--kv-wire)
+};
+
+// Milliseconds per step, summed (the SubmitResponse / worker stats breakdown).
+struct Breakdown {
+  double control = 0, queue = 0, rma = 0, checksum = 0, staging = 0, scatter = 0, gather = 0;
+  uint64_t count = 0;  // operations (loads) added
+  std::vector<double> control_each;  // per load, for the median
+  void Add(const v1::TimeBreakdown& b) {
+    ++count;
+    control_each.push_back(b.control_ms());
+    control += b.control_ms();
+    queue += b.queue_ms();
+    rma += b.rma_ms();
+    checksum += b.checksum_ms();
+    staging += b.staging_ms();
+    scatter += b.scatter_ms();
+    gather += b.gather_ms();
+  }
+  nlohmann::json Json() const {
+    return {{"control_ms", control}, {"lane_wait_ms", queue}, {"rma_ms", rma},
+            {"checksum_ms", checksum}, {"staging_wait_ms", staging}, {"scatter_ms", scatter},
+            {"gather_ms", gather}};
+  }
 };
 
 struct ModeResult {
@@ -68,6 +92,7 @@ struct ModeResult {
   int64_t restarted_at = -1;
   double seconds = 0, onboard_ms = 0;
   uint64_t onboarded_bytes = 0;
+  Breakdown onboard, offload;
   double Frac(uint64_t x) const { return prompt_tokens ? double(x) / prompt_tokens : 0; }
   double TtftMean() const {
     double s = 0;
@@ -141,7 +166,8 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         absl::StrCat("--prefill-tokens-per-s=", o.prefill_tps), "--heartbeat=100ms",
         // Engines sleep their simulated prefill time compressed like the trace.
         absl::StrCat("--time-scale=", o.speed > 0 ? 1.0 / o.speed : 0.0),
-        with_store ? "--offload=write-through" : "--offload=none"};
+        with_store ? "--offload=write-through" : "--offload=none",
+        absl::StrCat("--kv-wire=", o.kv_wire.empty() ? "none" : o.kv_wire)};
     if (store) flags.push_back("--store=" + store->address());
     if (router) flags.push_back("--router=" + router->address());
     auto s = LocalServer::Start(DefaultBinary("worker", "kvtier-sim-worker"),
@@ -153,7 +179,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     workers.push_back(std::move(*s));
   }
   const uint64_t ns = NamespaceId(NamespaceSpec{"mooncake-trace", "fp16", 1, 1,
-                                                static_cast<uint32_t>(head_dim), 512, 0, 1, ""});
+                                                static_cast<uint32_t>(head_dim), 512, 0, 1, "", o.kv_wire});
   std::unique_ptr<v1::Router::Stub> rstub;
   if (router) {
     rstub = v1::Router::NewStub(grpc::CreateChannel(router->address(), grpc::InsecureChannelCredentials()));
@@ -236,6 +262,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.work[w] += resp.prefill_tokens();
       res.per_request[i] = {resp.gpu_hit_tokens(), resp.prompt_tokens()};
       res.onboard_ms += resp.onboard_ms();
+      if (resp.has_onboard_breakdown()) res.onboard.Add(resp.onboard_breakdown());
       res.onboarded_bytes += uint64_t{resp.verified_blocks()} * o.block_bytes;
       size_t d = ++done;
       if (o.progress && isatty(2) && (d % 20 == 0 || d == trace.size())) Progress(mode, d, trace.size());
@@ -264,7 +291,10 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   for (auto& s : stubs) {
     grpc::ClientContext ctx;
     v1::GetWorkerStatsResponse st;
-    if (s->GetWorkerStats(&ctx, {}, &st).ok()) res.offloaded_blocks += st.offloaded_blocks();
+    if (s->GetWorkerStats(&ctx, {}, &st).ok()) {
+      res.offloaded_blocks += st.offloaded_blocks();
+      res.offload.Add(st.offload_breakdown());
+    }
   }
   return res;
 }
@@ -284,6 +314,9 @@ nlohmann::json ToJson(const ModeResult& r, uint64_t block_bytes) {
           {"load_fallbacks", r.load_failures},
           {"bytes_moved", r.onboarded_bytes + r.offloaded_blocks * block_bytes},
           {"onboard_gb_per_s", r.onboard_ms > 0 ? r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9 : 0},
+          {"onboard_ms", r.onboard_ms},
+          {"onboard_breakdown", r.onboard.Json()},
+          {"offload_breakdown", r.offload.Json()},
           {"seconds", r.seconds}};
 }
 
@@ -343,10 +376,15 @@ int RunReplay(int argc, const char* const* argv) {
             "reports the GPU-hit ratio of the 1,000 requests before and after");
   flags.Bool("restart-control", &o.restart_control,
              "With --restart-router-at: measure the same windows without restarting (control)");
+  std::string kv_wire = "none";
+  flags.Choice("kv-wire", &kv_wire, {"none", "int8"},
+               "Block encoding in the store and on the wire: the dtype's bytes, or int8 (half "
+               "the bytes; lossy: workers verify against the model's packed-then-unpacked KV)");
   flags.String("plot", &o.plot, "Write an SVG chart of the comparison to this file");
   flags.Bool("json", &o.json, "Print JSON");
   flags.Bool("progress", &o.progress, "Progress bars on stderr");
   ParseFlagsOrExit(flags, argc, argv);
+  o.kv_wire = kv_wire == "none" ? "" : kv_wire;
   SetLogQuiet(true);
   if (o.block_bytes % 2048 != 0 || o.block_bytes / 2048 == 0 || o.block_bytes / 2048 > 4096) {
     std::fprintf(stderr, "kvtier-bench replay: flag --block-bytes: %s is not a multiple of 2KiB "
@@ -432,6 +470,20 @@ int RunReplay(int argc, const char* const* argv) {
     if (r.onboard_ms > 0) {
       std::printf("  %s: %s onboarded at %.2f GB/s (time inside onboarding)\n", r.name.c_str(),
                   FormatBytes(r.onboarded_bytes).c_str(), r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9);
+      const Breakdown& b = r.onboard;
+      std::vector<double> pins = b.control_each;
+      std::sort(pins.begin(), pins.end());
+      std::printf("    onboarding %.0f ms in %lu loads (pin RPC p50 %.2f ms): pin RPC %.0f, lane "
+                  "wait %.0f, staging wait %.0f, RMA %.0f, checksum %.0f, unpack %.0f, other "
+                  "(page allocation, hand-offs, release) %.0f\n",
+                  r.onboard_ms, b.count, pins.empty() ? 0.0 : pins[pins.size() / 2], b.control,
+                  b.queue, b.staging, b.rma, b.checksum, b.scatter,
+                  std::max(0.0, r.onboard_ms - b.control - b.queue - b.staging - b.rma -
+                                    b.checksum - b.scatter));
+      const Breakdown& f = r.offload;
+      std::printf("    offloading (background): gather%s %.0f ms, lane wait %.0f, BeginPut+CommitPut "
+                  "%.0f, RMA %.0f\n",
+                  o.kv_wire.empty() ? "" : "+pack", f.gather, f.queue, f.control, f.rma);
     }
   }
   for (const auto& r : results) {

@@ -14,6 +14,7 @@
 #include "bench/bench_util.h"
 #include "common/config.h"
 #include "common/log.h"
+#include "bench/raw_rma.h"
 #include "client/store_data_client.h"
 #include "gpu/kv_layout.h"
 #include "worker/connector.h"
@@ -28,9 +29,140 @@ struct Case {
   double gather_gbps = 0, scatter_gbps = 0, memcpy_gbps = 0;
 };
 
-NamespaceSpec SpecFor(uint64_t block_bytes, const std::string& model) {
-  // 8 layers x 8 KV heads x 128 dims x fp16: 32 KiB per token; tokens set the size.
-  return NamespaceSpec{model, "fp16", 8, 8, 128, static_cast<uint32_t>(block_bytes / 32768), 0, 1, ""};
+NamespaceSpec SpecFor(uint64_t block_bytes, const std::string& model, uint32_t layers = 8) {
+  // layers x 8 KV heads x 128 dims x fp16: 4 KiB per token and layer; tokens set the size.
+  return NamespaceSpec{model, "fp16", layers, 8, 128,
+                       static_cast<uint32_t>(block_bytes / (4096ull * layers)), 0, 1, "", ""};
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
+double MsSince(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+// One latency case: loads of `blocks` blocks into a worker, p50/p99, beside
+// the raw RMA of the same bytes and one control round trip.
+struct LatencyCase {
+  uint64_t block_bytes = 0, blocks = 0;
+  uint32_t layers = 0;
+  double p50_ms = 0, p99_ms = 0, raw_rma_p50_ms = 0, rtt_p50_ms = 0;
+  double first_layer_p50_ms = 0;  // Begin until layer 0 of every block is in
+  worker::LoadTimes mean;         // per load
+  double target_ms() const { return raw_rma_p50_ms + 1.5 * rtt_p50_ms; }
+};
+
+// Saves `chain` through a write-through connector (so the store holds it).
+absl::Status StoreChain(worker::KvConnector& a, uint64_t id, const std::vector<BlockHash>& chain) {
+  auto m = a.Begin(id, chain);
+  if (!m.ok()) return m.status();
+  auto pages = a.AllocateForCompute(id);
+  if (!pages.ok()) return pages.status();
+  for (size_t i = 0; i < pages->size(); ++i) {
+    worker::ComputeIntoPage(a.pool().layout(), a.pool().layer_bases(), (*pages)[i],
+                            a.namespace_id(), chain[m->gpu_blocks + i]);
+  }
+  if (auto s = a.Save(id); !s.ok()) return s;
+  auto s = a.WaitForSave(id);
+  a.Finished(id);
+  return s;
+}
+
+absl::StatusOr<LatencyCase> MeasureLatency(const std::string& store, uint64_t size, uint64_t n,
+                                           uint32_t layers, int reps) {
+  LatencyCase c;
+  c.block_bytes = size;
+  c.blocks = n;
+  c.layers = layers;
+  worker::ConnectorOptions o;
+  o.spec = SpecFor(size, absl::StrCat("latency-", size, "-", n, "-", layers), layers);
+  o.num_pages = 2 * n;
+  o.stores = {store};
+  o.staging_blocks = 64;
+  o.data.deadline_ms = 60000;
+  o.offload = "write-through";
+  auto a = worker::KvConnector::Create(o);
+  if (!a.ok()) return a.status();
+  // Two chains the store holds; a worker with room for one alternates
+  // between them, so every load comes from the store.
+  std::vector<BlockHash> x, y;
+  for (uint64_t i = 0; i < n; ++i) {
+    x.push_back(BlockHash{size * 1000 + n, 2 * i + 1});
+    y.push_back(BlockHash{size * 1000 + n, 2 * i + 2});
+  }
+  if (auto s = StoreChain(**a, 1, x); !s.ok()) return s;
+  if (auto s = StoreChain(**a, 2, y); !s.ok()) return s;
+  o.offload = "none";
+  o.num_pages = n;
+  auto b = worker::KvConnector::Create(o);
+  if (!b.ok()) return b.status();
+  // One control round trip (a one-block Lookup) before each load, on a
+  // channel of its own: measured under the same conditions as the loads.
+  StoreClient control(store);
+  std::vector<double> ms, first_ms, rtt;
+  for (int r = 0; r < reps + 2; ++r) {  // two warm-up loads
+    const auto& chain = r % 2 ? y : x;
+    const uint64_t id = 10 + r;
+    auto t = Clock::now();
+    auto l = control.Lookup((*b)->namespace_id(), {x[0]});
+    if (!l.ok()) return l.status();
+    if (r >= 2) rtt.push_back(MsSince(t));
+    t = Clock::now();
+    auto m = (*b)->Begin(id, chain);
+    if (!m.ok()) return m.status();
+    if (m->store_blocks != n) {
+      (*b)->Finished(id);
+      return absl::InternalError(absl::StrCat("the store holds ", m->store_blocks, " of ", n));
+    }
+    if (auto s = (*b)->StartLoad(id); !s.ok()) return s;
+    if (auto s = (*b)->WaitForLayer(id, 0); !s.ok()) return s;
+    const double first = MsSince(t);
+    auto loaded = (*b)->WaitForLoad(id);
+    const double all = MsSince(t);
+    if (!loaded.ok()) return loaded.status();
+    if (*loaded != n) return absl::InternalError(absl::StrCat("loaded ", *loaded, " of ", n));
+    if (r >= 2) {
+      ms.push_back(all);
+      first_ms.push_back(first);
+      c.mean += (*b)->LoadTimesOf(id);
+    }
+    (*b)->Finished(id);
+  }
+  c.p50_ms = Percentile(ms, 0.5);
+  c.p99_ms = Percentile(ms, 0.99);
+  c.first_layer_p50_ms = Percentile(first_ms, 0.5);
+  const double k = 1.0 / reps;
+  c.mean.transfer.control_ms *= k;
+  c.mean.transfer.queue_ms *= k;
+  c.mean.transfer.rma_ms *= k;
+  c.mean.transfer.checksum_ms *= k;
+  // The raw RMA of the same bytes into distinct registered memory.
+  auto raw = bench::RawRma::Connect(store);
+  if (!raw.ok()) return raw.status();
+  std::vector<uint8_t> buf(n * size);
+  if (auto s = (*raw)->Register(buf.data(), buf.size()); !s.ok()) return s;
+  auto addrs = (*raw)->PinForGet((*b)->namespace_id(), x);
+  if (!addrs.ok()) return addrs.status();
+  if (addrs->size() != n) return absl::InternalError("raw RMA: the store holds fewer blocks");
+  std::vector<double> raw_ms;
+  for (int r = 0; r < reps + 2; ++r) {
+    auto t = Clock::now();
+    if (auto s = (*raw)->Get(*addrs, size, buf.data()); !s.ok()) return s;
+    if (r >= 2) raw_ms.push_back(MsSince(t));
+  }
+  c.raw_rma_p50_ms = Percentile(raw_ms, 0.5);
+  c.rtt_p50_ms = Percentile(rtt, 0.5);
+  if (getenv("KVTIER_BENCH_DEBUG")) {
+    auto st = control.GetStats();
+    for (const auto& h : st->rpc_latency()) {
+      if (h.count()) std::fprintf(stderr, "  store %s: %lu calls, mean %.1f us\n", h.rpc().c_str(), h.count(), double(h.sum_us()) / h.count());
+    }
+  }
+  return c;
 }
 
 }  // namespace
@@ -38,13 +170,21 @@ NamespaceSpec SpecFor(uint64_t block_bytes, const std::string& model) {
 int RunWorkerBench(int argc, const char* const* argv) {
   uint64_t working_set = 256ull << 20;
   std::string sizes_flag = "1MiB,4MiB", store_bin;
+  std::string latency_sizes_flag = "64KiB,1MiB", latency_blocks_flag = "4,16,64";
+  int64_t reps = 30, layerwise_layers = 32, latency_layers = 8;
   bool json = false, quick = false;
   FlagSet flags("kvtier-bench worker",
                 "Offload/onboard throughput of the worker library beside the plain data plane,\n"
                 "and CPU gather/scatter beside memcpy, in one run.");
   flags.Bytes("working-set", &working_set, "Bytes per case");
   flags.String("sizes", &sizes_flag, "Block sizes (multiples of 32 KiB)");
-  flags.Bool("quick", &quick, "A reduced run (32 MiB, 1 MiB blocks)");
+  flags.String("latency-sizes", &latency_sizes_flag, "Block sizes of the load-latency cases");
+  flags.String("latency-blocks", &latency_blocks_flag, "Blocks per load of the latency cases");
+  flags.Int("reps", &reps, 3, 100000, "Loads measured per latency case");
+  flags.Int("latency-layers", &latency_layers, 1, 1024, "Layers of the latency cases' namespace");
+  flags.Int("layerwise-layers", &layerwise_layers, 2, 1024,
+            "Layers of the layer-wise case (64 blocks of the largest latency size)");
+  flags.Bool("quick", &quick, "A reduced run (32 MiB, 1 MiB blocks; fewer latency cases)");
   flags.Bool("json", &json, "Print JSON");
   flags.String("store-bin", &store_bin, "kvtier-store binary [default: next to this one]");
   ParseFlagsOrExit(flags, argc, argv);
@@ -52,6 +192,17 @@ int RunWorkerBench(int argc, const char* const* argv) {
   if (quick) {
     working_set = 32ull << 20;
     sizes_flag = "1MiB";
+    latency_sizes_flag = "64KiB";
+    latency_blocks_flag = "4,16";
+    reps = 5;
+  }
+  auto latency_sizes = ParseSizeList("latency-sizes", latency_sizes_flag, 32768);
+  auto latency_blocks = ParseIntList("latency-blocks", latency_blocks_flag, 1, 4096);
+  for (const absl::Status& st : {latency_sizes.status(), latency_blocks.status()}) {
+    if (!st.ok()) {
+      std::fprintf(stderr, "kvtier-bench worker: %s\n", std::string(st.message()).c_str());
+      return 2;
+    }
   }
   if (store_bin.empty()) store_bin = DefaultBinary("cachestore", "kvtier-store");
   auto sizes_or = ParseSizeList("sizes", sizes_flag, 32768);
@@ -62,10 +213,17 @@ int RunWorkerBench(int argc, const char* const* argv) {
   const std::vector<uint64_t>& sizes = *sizes_or;
   TempDir dir;
   const uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
+  // Room in RAM for every case (the latency cases store two chains each), so
+  // no load waits for an NVMe promotion.
+  uint64_t latency_bytes = 0;
+  for (uint64_t size : *latency_sizes) {
+    for (int64_t n : *latency_blocks) latency_bytes += 2 * static_cast<uint64_t>(n) * size;
+    latency_bytes += 2 * 64 * size;  // the layer-wise case
+  }
   setenv("UCX_TLS", "sm,tcp", 0);
   auto store = LocalServer::Start(
       store_bin, dir.sub("store"),
-      {"--data-dir=" + dir.sub("store"), absl::StrCat("--ram-bytes=", (2 * sizes.size() + 1) * working_set + 64 * max_size),
+      {"--data-dir=" + dir.sub("store"), absl::StrCat("--ram-bytes=", (2 * sizes.size() + 1) * working_set + 64 * max_size + 2 * latency_bytes),
        absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
        "--ucx-listen=127.0.0.1:0", "--hugepages=false"});
   if (!store.ok()) {
@@ -111,15 +269,15 @@ int RunWorkerBench(int argc, const char* const* argv) {
     if (!(*a)->Save(1).ok() || !(*a)->WaitForSave(1).ok()) return fail("the offload failed");
     c.offload_gbps = n * static_cast<double>(size) / Seconds(t) / 1e9;
     (*a)->Finished(1);
-    // Onboard into an empty pool.
+    // Onboard into an empty pool (Begin pins the blocks: it is onboarding time).
+    t = Clock::now();
     auto mb = (*b)->Begin(2, chain);
     if (!mb.ok() || mb->store_blocks != n) {
       std::fprintf(stderr, "kvtier-bench worker: the store holds %u of %lu blocks\n",
                    mb.ok() ? mb->store_blocks : 0, n);
       return 1;
     }
-    t = Clock::now();
-    (*b)->StartLoad(2);
+    if (!(*b)->StartLoad(2).ok()) return fail("the onboard did not start");
     auto loaded = (*b)->WaitForLoad(2);
     c.onboard_gbps = n * static_cast<double>(size) / Seconds(t) / 1e9;
     if (!loaded.ok() || *loaded != n) return fail("the onboard did not load every block");
@@ -190,9 +348,55 @@ int RunWorkerBench(int argc, const char* const* argv) {
     }
     cases.push_back(c);
   }
+  // Load latency: small loads, where round trips and not bandwidth decide.
+  std::vector<LatencyCase> latency;
+  for (uint64_t size : *latency_sizes) {
+    for (int64_t n : *latency_blocks) {
+      auto c = MeasureLatency((*store)->address(), size, static_cast<uint64_t>(n),
+                              static_cast<uint32_t>(latency_layers),
+                              static_cast<int>(reps));
+      if (!c.ok()) {
+        std::fprintf(stderr, "kvtier-bench worker: latency of %ld x %s: %s\n", n,
+                     FormatBytes(size).c_str(), std::string(c.status().message()).c_str());
+        return 1;
+      }
+      latency.push_back(*c);
+    }
+  }
+  // Layer-wise: a deep namespace, 64 blocks of the largest latency size.
+  const uint64_t lw_size = *std::max_element(latency_sizes->begin(), latency_sizes->end());
+  auto layerwise = MeasureLatency((*store)->address(), lw_size, quick ? 16 : 64,
+                                  static_cast<uint32_t>(layerwise_layers),
+                                  static_cast<int>(std::min<int64_t>(reps, 10)));
+  if (!layerwise.ok()) {
+    std::fprintf(stderr, "kvtier-bench worker: layer-wise case: %s\n",
+                 std::string(layerwise.status().message()).c_str());
+    return 1;
+  }
   const bool gpu = gpu::CudaAvailable();
   if (json) {
     nlohmann::json j;
+    for (const auto& c : latency) {
+      j["latency"].push_back({{"block_bytes", c.block_bytes},
+                              {"blocks", c.blocks},
+                              {"layers", c.layers},
+                              {"load_p50_ms", c.p50_ms},
+                              {"load_p99_ms", c.p99_ms},
+                              {"raw_rma_p50_ms", c.raw_rma_p50_ms},
+                              {"rtt_p50_ms", c.rtt_p50_ms},
+                              {"target_ms", c.target_ms()},
+                              {"ratio_vs_target", c.p50_ms / c.target_ms()},
+                              {"pin_ms", c.mean.transfer.control_ms},
+                              {"lane_wait_ms", c.mean.transfer.queue_ms},
+                              {"rma_ms", c.mean.transfer.rma_ms},
+                              {"checksum_ms", c.mean.transfer.checksum_ms}});
+    }
+    j["layerwise"] = {{"layers", layerwise->layers},
+                      {"blocks", layerwise->blocks},
+                      {"block_bytes", layerwise->block_bytes},
+                      {"first_layer_p50_ms", layerwise->first_layer_p50_ms},
+                      {"all_layers_p50_ms", layerwise->p50_ms},
+                      {"first_over_all", layerwise->first_layer_p50_ms / layerwise->p50_ms}};
     for (const auto& c : cases) {
       j["cases"].push_back({{"block_bytes", c.block_bytes},
                             {"offload_gb_per_s", c.offload_gbps},
@@ -224,6 +428,24 @@ int RunWorkerBench(int argc, const char* const* argv) {
                 c.memcpy_gbps, c.gather_gbps / c.memcpy_gbps, c.scatter_gbps / c.memcpy_gbps);
   }
   std::printf("\n(GB/s; overhead = 1 - worker / plain data plane; g/m, s/m = gather, scatter vs memcpy)\n");
+  std::printf("\nload latency (Begin -> WaitForLoad, %ld loads each; target = raw RMA + 1.5 round trips)\n",
+              reps);
+  std::printf("%9s %6s | %8s %8s | %8s %8s %8s %6s | %7s %7s %7s %7s\n", "block", "blocks", "p50 ms",
+              "p99 ms", "raw RMA", "RTT", "target", "ratio", "pin", "lane", "RMA", "sum");
+  for (const auto& c : latency) {
+    std::printf("%9s %6lu | %8.3f %8.3f | %8.3f %8.3f %8.3f %6.2f | %7.3f %7.3f %7.3f %7.3f\n",
+                FormatBytes(c.block_bytes).c_str(), c.blocks, c.p50_ms, c.p99_ms,
+                c.raw_rma_p50_ms, c.rtt_p50_ms, c.target_ms(), c.p50_ms / c.target_ms(),
+                c.mean.transfer.control_ms, c.mean.transfer.queue_ms, c.mean.transfer.rma_ms,
+                c.mean.transfer.checksum_ms);
+  }
+  std::printf("(ratio = p50 / target, <= 1 meets it; pin, lane, RMA, sum: mean ms per load in "
+              "the pin round trip, waiting for a lane, RMA, checksums)\n");
+  std::printf("\nlayer-wise load, %u layers, %lu x %s: first layer in %.3f ms, all layers %.3f ms "
+              "(%.3f of the whole; target <= 0.125)\n",
+              layerwise->layers, layerwise->blocks, FormatBytes(layerwise->block_bytes).c_str(),
+              layerwise->first_layer_p50_ms, layerwise->p50_ms,
+              layerwise->first_layer_p50_ms / layerwise->p50_ms);
   std::printf("GPU: %s\n", gpu ? "present (see gpu_cuda_test for correctness)"
                                : "none on this machine: CUDA gather/scatter vs cudaMemcpy not measured");
   return 0;

@@ -1,6 +1,7 @@
 #include "cachestore/arena.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -22,28 +23,50 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(uint64_t bytes, uint64_t sl
   }
   void* p = MAP_FAILED;
   bool huge = false;
+  // A memfd mapped shared: same-host clients map it too (Arena::shm_path).
+  int fd = -1;
+  auto map_memfd = [&](unsigned flags) {
+    fd = memfd_create("kvtier-ram-tier", MFD_CLOEXEC | flags);
+    if (fd < 0) return;
+    if (ftruncate(fd, static_cast<off_t>(size)) == 0) {
+      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    }
+    if (p == MAP_FAILED) {
+      close(fd);
+      fd = -1;
+    }
+  };
   if (try_hugepages && size % (2u << 20) == 0) {
-    p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB,
-             -1, 0);
+    map_memfd(MFD_HUGETLB);
+    if (p == MAP_FAILED) {
+      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB,
+               -1, 0);
+    }
     huge = p != MAP_FAILED;
   }
+  if (p == MAP_FAILED) map_memfd(0);
   if (p == MAP_FAILED) {
     p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
       return absl::ResourceExhaustedError(
           absl::StrCat("mmap of ", size, " bytes for the RAM tier failed: ", std::strerror(errno)));
     }
-    madvise(p, size, MADV_HUGEPAGE);
   }
+  if (!huge) madvise(p, size, MADV_HUGEPAGE);
   if (prefault) {
     // Fault every page in now: a first touch on the data path can stall for
     // milliseconds (THP compaction), which shows up as transfers that crawl.
     volatile uint8_t* b = static_cast<uint8_t*>(p);
     for (uint64_t off = 0; off < size; off += 4096) b[off] = 0;
   }
-  return std::unique_ptr<Arena>(new Arena(static_cast<uint8_t*>(p), size, slab_bytes, huge));
+  std::unique_ptr<Arena> a(new Arena(static_cast<uint8_t*>(p), size, slab_bytes, huge, fd));
+  if (fd >= 0) a->shm_path_ = absl::StrCat("/proc/", getpid(), "/fd/", fd);
+  return a;
 }
 
-Arena::~Arena() { munmap(base_, size_); }
+Arena::~Arena() {
+  munmap(base_, size_);
+  if (fd_ >= 0) close(fd_);
+}
 
 }  // namespace kvtier::store

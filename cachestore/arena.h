@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 
@@ -16,7 +17,9 @@ namespace kvtier::store {
 class Arena {
  public:
   // bytes is rounded down to a whole number of slabs. prefault touches every
-  // page at once, so the data path never takes a page fault.
+  // page at once, so the data path never takes a page fault. The memory is a
+  // memfd mapped shared, so clients on this host can map it too (shm_path);
+  // where memfd is not available it is private anonymous memory.
   static absl::StatusOr<std::unique_ptr<Arena>> Create(uint64_t bytes, uint64_t slab_bytes,
                                                        bool try_hugepages, bool prefault = false);
   ~Arena();
@@ -29,14 +32,18 @@ class Arena {
   uint64_t num_slabs() const { return size_ / slab_bytes_; }
   bool hugepages() const { return hugepages_; }
   uint8_t* at(uint64_t offset) const { return base_ + offset; }
+  // "/proc/PID/fd/N" of the memory's memfd; empty when it has none.
+  const std::string& shm_path() const { return shm_path_; }
 
  private:
-  Arena(uint8_t* base, uint64_t size, uint64_t slab_bytes, bool huge)
-      : base_(base), size_(size), slab_bytes_(slab_bytes), hugepages_(huge) {}
+  Arena(uint8_t* base, uint64_t size, uint64_t slab_bytes, bool huge, int fd)
+      : base_(base), size_(size), slab_bytes_(slab_bytes), hugepages_(huge), fd_(fd) {}
   uint8_t* base_;
   uint64_t size_;
   uint64_t slab_bytes_;
   bool hugepages_;
+  int fd_;  // the memfd, or -1
+  std::string shm_path_;
 };
 
 }  // namespace kvtier::store

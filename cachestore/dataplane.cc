@@ -146,8 +146,10 @@ void DataPlaneServer::Run() {
     if (!efd.ok() || now - last_work < spin) continue;
     if (ucp_worker_arm(worker_->get()) == UCS_ERR_BUSY) continue;
     epoll_event out[2];
+    // Woken by traffic, the loop spins again while Progress finds work; a
+    // wake-up with none (the timeout) goes back to sleep at once. Clients
+    // that map the arena (shared memory) need no progress here at all.
     epoll_wait(ep, out, 2, 10);
-    last_work = std::chrono::steady_clock::now();  // spin a little after every wake-up
   }
   close(ep);
 }

@@ -36,6 +36,7 @@ struct Flags {
   uint64_t disk_reserve_bytes = 64ull << 20;
   std::string disk_admission = "all";
   bool hugepages = true;
+  bool local_shm = true;
   bool prefault = true;
   int64_t ram_shards = 0;
   uint64_t max_message_bytes = 64ull << 20;
@@ -82,6 +83,9 @@ int main(int argc, char** argv) {
   flags.Choice("disk-admission", &f.disk_admission, {"all", "reused"},
                "Which evicted RAM blocks go to NVMe: all, or only those read at least once");
   flags.Bool("hugepages", &f.hugepages, "Back the RAM arena with 2 MiB hugepages when reserved");
+  flags.Bool("local-shm", &f.local_shm,
+             "Let data-plane clients on this host, running as this user, map the RAM arena and "
+             "move blocks with memcpy instead of UCX (same leases and checksums)");
   flags.Bool("prefault", &f.prefault,
              "Touch the whole RAM arena at start (RSS = --ram-bytes at once; no page faults "
              "on the data path)");
@@ -238,6 +242,7 @@ int main(int argc, char** argv) {
     dataplane = std::move(*dp);
   }
   kvtier::store::StoreService service(store->get(), dataplane.get());
+  service.OfferSharedMemory(f.local_shm);
   service.SetAdminToken(admin_token);
   service.SetAdminIdentity(f.admin_identity);
   auto started = kvtier::StartGrpcServer({"kvtier-store", f.listen, *server_credentials, {&service},

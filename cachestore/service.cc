@@ -1,5 +1,7 @@
 #include "cachestore/service.h"
 
+#include <random>
+
 #include <algorithm>
 #include <chrono>
 #include <vector>
@@ -76,9 +78,12 @@ void FillPolicy(Store* store, TierKind tier, v1::TierPolicy* out) {
 }  // namespace
 
 StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
-    : store_(store), dataplane_(dataplane), started_(Clock::now()) {
+    : store_(store),
+      instance_id_(((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()) | 1),
+      dataplane_(dataplane),
+      started_(Clock::now()) {
   for (const char* rpc : {"RegisterNamespace", "ListNamespaces", "Lookup", "BeginPut",
-                          "CommitPut", "AbortPut", "BeginGet", "EndGet", "PutBlocks", "GetBlocks",
+                          "CommitPut", "AbortPut", "BeginGet", "EndGet", "ReleaseGets", "PutBlocks", "GetBlocks",
                           "Evict", "GetStats", "GetPolicy", "SetPolicy", "ConnectDataPlane"}) {
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
@@ -126,6 +131,7 @@ grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPut
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
+  resp->set_instance_id(instance_id_);
   const uint64_t base = reinterpret_cast<uint64_t>(store_->ram().arena().base());
   for (const auto& target : r->targets) {
     auto* out = resp->add_targets();
@@ -170,11 +176,19 @@ grpc::Status StoreService::AbortPut(grpc::ServerContext*, const v1::AbortPutRequ
 grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGetRequest* req,
                                     v1::BeginGetResponse* resp) {
   RpcTimer t(fence_, Histogram("BeginGet"));
+  // Releases that travel with this request go first: their pins may be what
+  // makes room for this one's promotions.
+  if (req->end_leases_size() > 0) {
+    auto gone = store_->ReleaseGets(std::span<const uint64_t>(req->end_leases().data(), req->end_leases_size()));
+    if (!gone.ok()) return t.Done(ToGrpc(gone.status()));
+    for (uint64_t id : *gone) resp->add_leases_not_found(id);
+  }
   auto r = store_->BeginGet(req->namespace_id(), Hashes(req->hashes()),
                             req->client_id().empty() ? ctx->peer() : req->client_id());
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
+  resp->set_instance_id(instance_id_);
   const uint64_t base = reinterpret_cast<uint64_t>(store_->ram().arena().base());
   for (const auto& src : r->sources) {
     rma_get_bytes_ += src.slot.length;
@@ -192,6 +206,19 @@ grpc::Status StoreService::EndGet(grpc::ServerContext*, const v1::EndGetRequest*
                                   v1::EndGetResponse*) {
   RpcTimer t(fence_, Histogram("EndGet"));
   return t.Done(ToGrpc(store_->EndGet(req->lease_id())));
+}
+
+grpc::Status StoreService::ReleaseGets(grpc::ServerContext*, const v1::ReleaseGetsRequest* req,
+                                       v1::ReleaseGetsResponse* resp) {
+  RpcTimer t(fence_, Histogram("ReleaseGets"));
+  if (req->lease_ids_size() == 0) {
+    return t.Done(grpc::Status(grpc::INVALID_ARGUMENT, "ReleaseGets names no lease"));
+  }
+  auto gone = store_->ReleaseGets(std::span<const uint64_t>(req->lease_ids().data(), req->lease_ids_size()));
+  if (!gone.ok()) return t.Done(ToGrpc(gone.status()));
+  for (uint64_t id : *gone) resp->add_not_found(id);
+  resp->set_released(static_cast<uint32_t>(req->lease_ids_size() - gone->size()));
+  return t.Done(grpc::Status::OK);
 }
 
 grpc::Status StoreService::PutBlocks(grpc::ServerContext*,
@@ -345,11 +372,13 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
   }
   resp->set_ucx_address(dataplane_->address());
   resp->set_worker_address(dataplane_->worker_address());
+  resp->set_instance_id(instance_id_);
   auto* r = resp->add_regions();
   r->set_rkey_id(0);
   r->set_base_addr(dataplane_->base());
   r->set_length(dataplane_->length());
   r->set_packed_rkey(dataplane_->packed_rkey());
+  if (offer_shm_) r->set_shm_path(store_->ram().arena().shm_path());
   return t.Done(grpc::Status::OK);
 }
 

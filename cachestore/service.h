@@ -21,6 +21,9 @@ class StoreService final : public kvtier::v1::Store::Service {
  public:
   // dataplane may be null (no UCX data plane: inline path only).
   StoreService(Store* store, DataPlaneServer* dataplane);
+  // Whether ConnectDataPlane offers the RAM arena's memfd to same-host
+  // clients (RemoteRegion.shm_path). Set before serving.
+  void OfferSharedMemory(bool offer) { offer_shm_ = offer; }
   // Admin RPCs (SetPolicy, Evict) then need metadata x-kvtier-admin-token
   // equal to token; empty: no check.
   void SetAdminToken(std::string token) { admin_.set_token(std::move(token)); }
@@ -46,6 +49,8 @@ class StoreService final : public kvtier::v1::Store::Service {
                         v1::BeginGetResponse*) override;
   grpc::Status EndGet(grpc::ServerContext*, const v1::EndGetRequest*,
                       v1::EndGetResponse*) override;
+  grpc::Status ReleaseGets(grpc::ServerContext*, const v1::ReleaseGetsRequest*,
+                           v1::ReleaseGetsResponse*) override;
   grpc::Status PutBlocks(grpc::ServerContext*, grpc::ServerReader<v1::PutBlocksRequest>*,
                          v1::PutBlocksResponse*) override;
   grpc::Status GetBlocks(grpc::ServerContext*, const v1::GetBlocksRequest*,
@@ -69,6 +74,8 @@ class StoreService final : public kvtier::v1::Store::Service {
 
 
   Store* store_;
+  bool offer_shm_ = true;
+  const uint64_t instance_id_;  // random per process (ConnectDataPlaneResponse.instance_id)
   DataPlaneServer* dataplane_;
   AdminGate admin_;
   HandlerFence fence_;  // every handler releases it as it finishes

@@ -210,6 +210,23 @@ absl::Status Store::EndGet(uint64_t lease_id) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<uint64_t>> Store::ReleaseGets(std::span<const uint64_t> leases) {
+  if (leases.size() > kMaxBlocksPerRequest) {
+    return absl::InvalidArgumentError(absl::StrCat("release of ", leases.size(),
+                                                   " leases; at most ", kMaxBlocksPerRequest));
+  }
+  std::vector<uint64_t> not_found;
+  for (uint64_t id : leases) {
+    auto lease = leases_->Take(id, false);
+    if (!lease.ok()) {
+      not_found.push_back(id);
+      continue;
+    }
+    ReleaseLease(*lease);
+  }
+  return not_found;
+}
+
 absl::StatusOr<InlinePutResult> Store::PutInline(uint64_t ns, const BlockHash& hash,
                                                  std::string_view data, uint64_t checksum) {
   auto info = CheckRequest(ns, std::span<const BlockHash>(&hash, 1));

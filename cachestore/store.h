@@ -121,6 +121,10 @@ class Store {
                                           const std::string& client);
   // FAILED_PRECONDITION / INVALID_ARGUMENT as LeaseTable::Take.
   absl::Status EndGet(uint64_t lease);
+  // Ends every get lease of `leases` it knows; returns the ids it did not
+  // (unknown, ended, expired, or a put lease), for which nothing was done.
+  // INVALID_ARGUMENT (nothing ended) for more than kMaxBlocksPerRequest ids.
+  absl::StatusOr<std::vector<uint64_t>> ReleaseGets(std::span<const uint64_t> leases);
 
   // INVALID_ARGUMENT for a wrong size, DATA_LOSS for a wrong checksum,
   // ABORTED while another lease writes the block.

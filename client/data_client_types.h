@@ -6,8 +6,11 @@
 // Plain values; no status codes.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "common/block_key.h"
 #include "common/rpc/tls.h"
@@ -17,6 +20,12 @@ namespace kvtier {
 struct DataClientOptions {
   std::string client_id = "kvtier-client";
   int lanes = 2;  // operations run concurrently, each lane with its own UCX worker and endpoint
+  // Of which take loads only (in addition to `lanes`), so that a load never
+  // waits behind an offload (transfer_lanes.h).
+  int load_lanes = 1;
+  // How long a finished load's lease waits for the next pin to carry its
+  // release before it is sent on its own (ReleaseGets).
+  int release_delay_ms = 2;
   // Connect through the store's sockaddr listener (RDMA-CM / TCP) instead of
   // its worker address. Sockaddr endpoints use network transports only.
   bool use_sockaddr = false;
@@ -44,16 +53,65 @@ struct GetBlock {
   void* dest;  // block_bytes bytes, written by the operation
 };
 
+// Where one operation's time went, in milliseconds (the replay's and the
+// worker bench's breakdown). Summed over the operations of a sharded call.
+struct TransferTimes {
+  double control_ms = 0;   // control RPCs on the operation's path (pin / begin, commit)
+  double queue_ms = 0;     // waiting for a lane: back-pressure and jobs ahead
+  double rma_ms = 0;       // posting the transfers until the last one completed
+  double checksum_ms = 0;  // checksums not overlapped with the transfers
+  TransferTimes& operator+=(const TransferTimes& o) {
+    control_ms += o.control_ms;
+    queue_ms += o.queue_ms;
+    rma_ms += o.rma_ms;
+    checksum_ms += o.checksum_ms;
+    return *this;
+  }
+};
+
+// The leading present blocks of a chain, pinned in one store under one
+// lease by a single control call (StoreDataClient::Pin): what a load needs
+// to move bytes with no further round trip before them.
+struct PinnedBlocks {
+  struct Source {
+    uint64_t remote_addr = 0;  // in the store's registered arena
+    uint64_t checksum = 0;     // XXH3-64 of the block's bytes
+    bool from_disk = false;    // promoted from the store's NVMe tier for this pin
+  };
+  uint64_t lease = 0;  // 0: nothing pinned
+  uint64_t instance = 0;  // the store process that pinned them (0: it did not say)
+  std::chrono::steady_clock::time_point expires{};  // the pins drop on their own then
+  std::vector<Source> sources;  // chain order
+  double control_ms = 0;        // the pin's round trip
+};
+
+// How a read lays each block's bytes out locally, and its progress. The
+// block is cut at `bounds` into segments (a layer-wise load cuts it per
+// layer or layer group): segment s is [bounds[s], bounds[s + 1]).
+struct ReadPlan {
+  // Empty: one segment, the whole block. Otherwise strictly increasing,
+  // from 0 to the block's bytes (else the read is INVALID_ARGUMENT).
+  std::vector<uint64_t> bounds;
+  // Where segment s of block i goes (bounds[s + 1] - bounds[s] bytes).
+  std::function<void*(size_t block, size_t segment)> dest;
+  // Optional: called once per segment, in segment order, when that segment
+  // of every block has landed (before the blocks' checksums are verified:
+  // the read's outcome is the verdict).
+  std::function<void(size_t segment)> on_segment;
+};
+
 struct PutOutcome {
   uint32_t written = 0;          // sent and committed
   uint32_t already_present = 0;  // the store had them: not sent
   uint32_t busy = 0;             // another writer had them in flight: not sent
   uint32_t no_space = 0;         // the store had no free slot: not sent
+  TransferTimes times;
 };
 
 struct GetOutcome {
   uint32_t blocks = 0;     // leading blocks fetched and verified
   uint32_t from_disk = 0;  // of those, promoted from the store's NVMe tier
+  TransferTimes times;
 };
 
 }  // namespace kvtier

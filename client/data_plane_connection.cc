@@ -3,6 +3,13 @@
 // posting and waiting for RMA.
 #include "client/data_plane_connection.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+
 #include <algorithm>
 #include <utility>
 
@@ -43,6 +50,7 @@ DataPlaneConnection::DataPlaneConnection(absl::StatusOr<std::unique_ptr<ucx::Wor
 
 DataPlaneConnection::~DataPlaneConnection() {
   Drop();
+  Unmap();
   regions_.clear();
   worker_.reset();
 }
@@ -50,6 +58,27 @@ DataPlaneConnection::~DataPlaneConnection() {
 void DataPlaneConnection::Drop() {
   rkey_.reset();
   ep_.reset();
+}
+
+void DataPlaneConnection::Unmap() {
+  if (shm_ != nullptr) munmap(shm_, shm_length_);
+  shm_ = nullptr;
+  shm_base_ = 0;
+  shm_length_ = 0;
+}
+
+void DataPlaneConnection::Reset() {
+  if (ep_) ep_->MarkFailed();
+  Drop();
+  Unmap();
+}
+
+uint8_t* DataPlaneConnection::Mapped(uint64_t remote_addr, size_t length) const {
+  if (remote_addr < shm_base_ || remote_addr - shm_base_ > shm_length_ ||
+      length > shm_length_ - (remote_addr - shm_base_)) {
+    return nullptr;
+  }
+  return shm_ + (remote_addr - shm_base_);
 }
 
 absl::Status DataPlaneConnection::EnsureConnected(
@@ -101,7 +130,37 @@ absl::Status DataPlaneConnection::EnsureConnected(
   if (!rkey.ok()) return fail(rkey.status());
   ep_ = std::move(*ep);
   rkey_ = std::move(*rkey);
+  instance_ = resp.instance_id();
   backoff_ms_ = options_.backoff_min_ms;
+  // Map the store's arena when it offers it and this client uses shared
+  // memory; any failure (another user, another container) keeps UCX.
+  Unmap();
+  const auto& region = resp.regions(0);
+  if (UseSharedMemory(options_, address_) && !region.shm_path().empty() && region.length() > 0) {
+    int fd = open(region.shm_path().c_str(), O_RDWR | O_CLOEXEC);
+    if (fd >= 0) {
+      void* p = mmap(nullptr, region.length(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      close(fd);
+      if (p != MAP_FAILED) {
+        shm_ = static_cast<uint8_t*>(p);
+        shm_base_ = region.base_addr();
+        shm_length_ = region.length();
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DataPlaneConnection::EnsureInstance(
+    uint64_t instance, std::chrono::system_clock::time_point rpc_deadline) {
+  if (instance == 0 || instance == instance_) return absl::OkStatus();
+  Reset();
+  next_attempt_ = {};  // not a failure: no back-off
+  if (auto s = EnsureConnected(rpc_deadline); !s.ok()) return s;
+  if (instance_ != instance) {
+    return absl::UnavailableError(absl::StrCat("store ", address_,
+                                               " restarted since it answered; ask it again"));
+  }
   return absl::OkStatus();
 }
 
@@ -127,16 +186,34 @@ ucp_request_param_t DataPlaneConnection::ParamsFor(const void* p, size_t n) cons
 }
 
 void* DataPlaneConnection::PostPut(const void* src, size_t length, uint64_t remote_addr) {
+  if (shm_ != nullptr) {
+    uint8_t* to = Mapped(remote_addr, length);
+    if (to == nullptr) return UCS_STATUS_PTR(UCS_ERR_INVALID_ADDR);  // Wait reports it
+    std::memcpy(to, src, length);
+    return nullptr;
+  }
   ucp_request_param_t p = ParamsFor(src, length);
   return ucp_put_nbx(ep_->get(), src, length, remote_addr, rkey_->get(), &p);
 }
 
 void* DataPlaneConnection::PostGet(void* dest, size_t length, uint64_t remote_addr) {
+  if (shm_ != nullptr) {
+    const uint8_t* from = Mapped(remote_addr, length);
+    if (from == nullptr) return UCS_STATUS_PTR(UCS_ERR_INVALID_ADDR);  // Wait reports it
+    std::memcpy(dest, from, length);
+    return nullptr;
+  }
   ucp_request_param_t p = ParamsFor(dest, length);
   return ucp_get_nbx(ep_->get(), dest, length, remote_addr, rkey_->get(), &p);
 }
 
 void* DataPlaneConnection::PostFlush() {
+  if (shm_ != nullptr) {
+    // The copies are visible to the store once the commit RPC that follows
+    // is sent; the fence orders them before it on any architecture.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    return nullptr;
+  }
   ucp_request_param_t p{};
   return ucp_ep_flush_nbx(ep_->get(), &p);
 }
@@ -144,6 +221,11 @@ void* DataPlaneConnection::PostFlush() {
 absl::Status DataPlaneConnection::Wait(std::vector<void*>& requests,
                                        ucx::Clock::time_point deadline) {
   absl::Status moved = worker_->WaitAll(requests, deadline);
+  if (!ep_) {
+    // Closed by a failure while waiting for earlier requests: these were
+    // posted on it and have now completed (with errors) too.
+    return moved.ok() ? absl::UnavailableError("the store's UCX endpoint failed") : moved;
+  }
   if (moved.ok() && ep_->failed()) {
     moved = absl::UnavailableError("the store's UCX endpoint failed");
   }

@@ -5,6 +5,12 @@
 // attempts. Every UCX call of StoreDataClient goes through here, so the
 // put/get protocol never sees an endpoint that a failure left half-usable.
 //
+// Same-host stores that offer their arena (RemoteRegion.shm_path), when the
+// client uses shared memory (DataClientOptions::shared_memory), are mapped:
+// PostGet and PostPut are then bounds-checked memcpys that complete at once,
+// PostFlush a fence; the UCX endpoint stays for liveness and as the fallback
+// when the mapping cannot be made.
+//
 // Not thread-safe: a connection belongs to its lane's thread (UCX workers
 // are single-threaded); its owner touches it only while that thread is
 // stopped. Internal to kvtier_dataclient.
@@ -61,15 +67,32 @@ class DataPlaneConnection {
   void* PostGet(void* dest, size_t length, uint64_t remote_addr);
   // Remote completion of everything posted before it.
   void* PostFlush();
+  // Whether transfers are memcpys through the mapped arena.
+  bool mapped() const { return shm_ != nullptr; }
+  // Connects (as EnsureConnected) to the store instance that issued an
+  // answer: if the connection is to another instance (the store restarted
+  // since), it is made again; UNAVAILABLE if the store's instance is still
+  // not `instance` (the answer's addresses are stale). 0: no check (a store
+  // that does not say).
+  absl::Status EnsureInstance(uint64_t instance, std::chrono::system_clock::time_point rpc_deadline);
+  // Forgets the endpoint and the mapping (the store failed, restarted, or
+  // returned bytes that failed their checksum): the next EnsureConnected
+  // asks the store again.
+  void Reset();
 
   // Waits for (and frees) the requests until `deadline`. On any failure the
   // endpoint is force-closed, so nothing posted on it writes afterwards, and
-  // the next EnsureConnected reconnects.
+  // the next EnsureConnected reconnects; requests posted before the failure
+  // may still be waited for (and freed) afterwards, and fail UNAVAILABLE.
   absl::Status Wait(std::vector<void*>& requests, ucx::Clock::time_point deadline);
 
  private:
   ucp_request_param_t ParamsFor(const void* p, size_t n) const;
   void Drop();
+  void Unmap();
+  // The mapped bytes of [remote_addr, remote_addr + length), or nullptr
+  // when they are not all inside the mapped region.
+  uint8_t* Mapped(uint64_t remote_addr, size_t length) const;
 
   const std::string& address_;
   const DataClientOptions& options_;
@@ -83,6 +106,10 @@ class DataPlaneConnection {
   ucx::Clock::time_point next_attempt_{};
   uint64_t backoff_ms_;
   std::string last_error_;
+  uint64_t instance_ = 0;   // the connected store's instance id (0: unknown)
+  uint8_t* shm_ = nullptr;  // the store's arena, mapped here
+  uint64_t shm_base_ = 0;   // its address in the store
+  size_t shm_length_ = 0;
 };
 
 }  // namespace kvtier

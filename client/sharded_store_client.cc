@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <future>
+#include <mutex>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 #include "client/store_data_client.h"
 #include "common/rendezvous.h"
@@ -105,6 +108,7 @@ absl::StatusOr<PutOutcome> ShardedStoreClient::Put(uint64_t ns, uint64_t block_b
     total.already_present += r->already_present;
     total.busy += r->busy;
     total.no_space += r->no_space;
+    total.times += r->times;
   }
   if (!first.ok()) return first;
   return total;
@@ -132,7 +136,129 @@ absl::StatusOr<GetOutcome> ShardedStoreClient::Get(uint64_t ns, uint64_t block_b
     from_disk += r->from_disk;
   }
   if (!first.ok() && prefix == 0) return first;
-  return GetOutcome{static_cast<uint32_t>(prefix), from_disk};
+  GetOutcome out;
+  out.blocks = static_cast<uint32_t>(prefix);
+  out.from_disk = from_disk;
+  return out;
+}
+
+absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(uint64_t ns, uint64_t block_bytes,
+                                                   const std::vector<BlockHash>& chain) {
+  ShardedPin pin;
+  pin.parts = ByShard(ns, chain, addresses_);
+  pin.pins.resize(shards_.size());
+  // Every shard at once: the caller's thread asks the first, threads the rest.
+  std::vector<std::pair<size_t, std::future<absl::StatusOr<PinnedBlocks>>>> others;
+  std::vector<absl::StatusOr<PinnedBlocks>> got(shards_.size(), PinnedBlocks{});
+  size_t first = shards_.size();
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (pin.parts[s].empty()) continue;
+    if (first == shards_.size()) {
+      first = s;
+      continue;
+    }
+    others.emplace_back(s, std::async(std::launch::async, [this, s, ns, block_bytes, &chain, &pin] {
+                          return shards_[s]->Pin(ns, block_bytes, Select(chain, pin.parts[s]));
+                        }));
+  }
+  if (first < shards_.size()) {
+    got[first] = shards_[first]->Pin(ns, block_bytes, Select(chain, pin.parts[first]));
+  }
+  for (auto& [s, f] : others) got[s] = f.get();
+  absl::Status failed = absl::OkStatus();
+  size_t prefix = chain.size();
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (!got[s].ok()) {
+      if (failed.ok()) failed = got[s].status();
+      continue;
+    }
+    pin.pins[s] = std::move(*got[s]);
+    pin.control_ms = std::max(pin.control_ms, pin.pins[s].control_ms);
+    const size_t n = pin.pins[s].sources.size();
+    if (n < pin.parts[s].size()) prefix = std::min(prefix, pin.parts[s][n]);
+  }
+  if (!failed.ok()) {
+    Release(pin);
+    return failed;
+  }
+  pin.blocks = static_cast<uint32_t>(prefix);
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    for (size_t k = 0; k < pin.pins[s].sources.size() && pin.parts[s][k] < prefix; ++k) {
+      pin.from_disk += pin.pins[s].sources[k].from_disk;
+    }
+  }
+  return pin;
+}
+
+absl::StatusOr<GetOutcome> ShardedStoreClient::Read(const ShardedPin& pin, uint64_t block_bytes,
+                                                    uint32_t first, uint32_t count,
+                                                    const ReadPlan& plan) {
+  if (first > pin.blocks || count > pin.blocks - first || pin.pins.size() != shards_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("read of blocks [", first, ", ", first + count,
+                                                   "); ", pin.blocks, " are pinned"));
+  }
+  // on_segment(s) once every shard that reads has landed segment s, in order.
+  struct Join {
+    std::mutex mu;
+    std::vector<size_t> remaining;  // shards yet to land each segment
+    size_t next = 0;
+  };
+  auto join = std::make_shared<Join>();
+  const size_t segments = plan.bounds.empty() ? 1 : plan.bounds.size() - 1;
+  // Each shard's part of [first, first + count): a run of its pinned blocks.
+  std::vector<std::pair<size_t, size_t>> runs(shards_.size(), {0, 0});  // (from, n)
+  size_t readers = 0;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const std::vector<size_t>& idx = pin.parts[s];
+    const size_t pinned = std::min(idx.size(), pin.pins[s].sources.size());
+    size_t from = 0;
+    while (from < pinned && idx[from] < first) ++from;
+    size_t to = from;
+    while (to < pinned && idx[to] < first + count) ++to;
+    runs[s] = {from, to - from};
+    readers += to > from;
+  }
+  join->remaining.assign(segments, readers);
+  std::vector<std::future<absl::StatusOr<GetOutcome>>> futures;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (runs[s].second == 0) continue;
+    ReadPlan part;
+    part.bounds = plan.bounds;
+    const std::vector<size_t>& idx = pin.parts[s];
+    part.dest = [&plan, &idx](size_t k, size_t seg) { return plan.dest(idx[k], seg); };
+    if (plan.on_segment) {
+      part.on_segment = [join, &plan](size_t seg) {
+        std::lock_guard lk(join->mu);
+        --join->remaining[seg];
+        while (join->next < join->remaining.size() && join->remaining[join->next] == 0) {
+          plan.on_segment(join->next++);
+        }
+      };
+    }
+    futures.push_back(shards_[s]->Read(pin.pins[s], block_bytes, runs[s].first, runs[s].second,
+                                       std::move(part)));
+  }
+  GetOutcome total;
+  absl::Status failed = absl::OkStatus();
+  for (auto& f : futures) {  // every one: the plan must outlive the reads
+    auto r = f.get();
+    if (!r.ok()) {
+      if (failed.ok()) failed = r.status();
+      continue;
+    }
+    total.blocks += r->blocks;
+    total.from_disk += r->from_disk;
+    total.times += r->times;
+  }
+  if (!failed.ok()) return failed;
+  return total;
+}
+
+void ShardedStoreClient::Release(ShardedPin& pin) {
+  for (size_t s = 0; s < pin.pins.size() && s < shards_.size(); ++s) {
+    shards_[s]->Release(pin.pins[s].lease);
+    pin.pins[s].lease = 0;
+  }
 }
 
 }  // namespace kvtier

@@ -11,6 +11,12 @@
 // leading blocks every shard delivered, and a failing shard's status only
 // when that leaves none. Shard statuses are StoreDataClient's.
 //
+// Pin/Read split a load as StoreDataClient's do: Pin asks every shard that
+// holds part of the chain at once (one round trip in parallel) and keeps
+// each shard's pin; Read moves the first `count` blocks from their shards at
+// once and calls the plan's on_segment for segment s once every shard has
+// landed it, in segment order.
+//
 // Included by client/store_data_client.h, whose users reach these through
 // it; so this header needs only the shared types, not StoreDataClient's.
 #pragma once
@@ -36,6 +42,15 @@ class StoreDataClient;
 // REQUIRES: !shards.empty().
 size_t RendezvousShard(const BlockKey& key, const std::vector<std::string>& shards);
 
+// One chain pinned across shards (ShardedStoreClient::Pin).
+struct ShardedPin {
+  uint32_t blocks = 0;                      // leading blocks of the chain pinned
+  uint32_t from_disk = 0;                   // of those, promoted from NVMe for the pin
+  std::vector<std::vector<size_t>> parts;   // per shard: its chain indices, in order
+  std::vector<PinnedBlocks> pins;           // per shard (empty pin: nothing there)
+  double control_ms = 0;                    // the slowest shard's round trip
+};
+
 class ShardedStoreClient {
  public:
   ShardedStoreClient(std::vector<std::string> addresses, DataClientOptions options = {});
@@ -54,6 +69,20 @@ class ShardedStoreClient {
   // Fetches the chain's leading present blocks; returns how many.
   absl::StatusOr<GetOutcome> Get(uint64_t ns, uint64_t block_bytes,
                                  const std::vector<GetBlock>& blocks);
+
+  // Looks up the chain and pins its leading present blocks on every shard
+  // at once. The first failing shard's status (the others' pins released).
+  absl::StatusOr<ShardedPin> Pin(uint64_t ns, uint64_t block_bytes,
+                                 const std::vector<BlockHash>& chain);
+  // Moves chain blocks [first, first + count) (within pin.blocks;
+  // plan.dest(i, s) names chain block i) from their shards at once. Blocks
+  // until all shards are done; the first failing shard's status, or
+  // INVALID_ARGUMENT for a range past the pinned prefix (nothing moved).
+  // The pins stay: Release them once done.
+  absl::StatusOr<GetOutcome> Read(const ShardedPin& pin, uint64_t block_bytes, uint32_t first,
+                                  uint32_t count, const ReadPlan& plan);
+  // Ends every shard's pin (asynchronously; never blocks). Idempotent.
+  void Release(ShardedPin& pin);
 
   size_t shards() const { return shards_.size(); }
   StoreDataClient& shard(size_t i) { return *shards_[i]; }

@@ -44,6 +44,17 @@ absl::Status Call(StoreClient& control,
   return FromGrpc((control.stub().*rpc)(ctx.get(), request, response));
 }
 
+// Release ids per ReleaseGets (and per BeginGet's end_leases): the store's
+// per-request limit.
+constexpr size_t kMaxReleasesPerCall = 8192;
+
+// Bytes of a read's segments kept in flight ahead of the one waited for.
+constexpr uint64_t kReadWindowBytes = 4ull << 20;
+
+double MsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+
 // The status with `prefix` in front of its message, once (a status that
 // already names the operation keeps its message).
 absl::Status Prefixed(const absl::Status& s, const std::string& prefix) {
@@ -63,7 +74,17 @@ StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions o
                  o.security = options_.security;
                  return o;
                }()),
-      transfers_(static_cast<size_t>(std::max(1, options_.lanes)), options_.max_inflight_bytes) {
+      load_control_(address,
+                    [&] {
+                      StoreClientOptions o;
+                      o.deadline_ms = options_.deadline_ms;
+                      o.security = options_.security;
+                      o.channel_tag = "loads";
+                      return o;
+                    }()),
+      transfers_(static_cast<size_t>(std::max(1, options_.lanes)),
+                 static_cast<size_t>(std::max(0, options_.load_lanes)),
+                 options_.max_inflight_bytes) {
   auto ctx = ucx::Context::Create();
   if (ctx.ok()) {
     ucx_context_ = *ctx;
@@ -77,10 +98,17 @@ StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions o
     lanes_.push_back(
         std::make_unique<DataPlaneConnection>(std::move(worker), address_, options_, control_));
   }
+  releaser_ = std::thread([this] { ReleaseLoop(); });
 }
 
 StoreDataClient::~StoreDataClient() {
   transfers_.Stop();  // runs what is queued; after it no thread touches lanes_
+  {
+    std::lock_guard lk(release_mu_);
+    release_stop_ = true;  // the releaser sends what is pending, then ends
+  }
+  release_cv_.notify_all();
+  if (releaser_.joinable()) releaser_.join();
   // UCX objects go in order: endpoints, keys, workers, registrations, context.
   lanes_.clear();
   regions_.clear();
@@ -96,13 +124,17 @@ absl::Status StoreDataClient::RegisterMemory(void* addr, size_t length) {
 }
 
 template <typename Outcome>
-std::future<absl::StatusOr<Outcome>> StoreDataClient::Start(size_t count, uint64_t block_bytes,
+std::future<absl::StatusOr<Outcome>> StoreDataClient::Start(TransferLanes::Class c, size_t count,
+                                                            uint64_t block_bytes,
                                                             std::string error_prefix,
                                                             Operation<Outcome> op) {
   auto promise = std::make_shared<std::promise<absl::StatusOr<Outcome>>>();
   auto future = promise->get_future();
-  transfers_.Submit(count * block_bytes, [this, count, error_prefix = std::move(error_prefix),
-                                           op = std::move(op), promise](size_t i) {
+  const auto submitted = std::chrono::steady_clock::now();
+  transfers_.Submit(c, count * block_bytes, [this, count, submitted,
+                                             error_prefix = std::move(error_prefix),
+                                             op = std::move(op), promise](size_t i) {
+    const double queued = MsSince(submitted);
     DataPlaneConnection& lane = *lanes_[i];
     {
       // Pick up memory registered since the last job.
@@ -121,7 +153,17 @@ std::future<absl::StatusOr<Outcome>> StoreDataClient::Start(size_t count, uint64
         r = s;
       }
     }
-    if (!r.ok()) r = Prefixed(r.status(), error_prefix);
+    if (r.ok()) {
+      r->times.queue_ms += queued;
+    } else {
+      // A store that is down, or bytes that failed their checksum (a store
+      // restarted under a mapped arena, a corrupt path): connect afresh.
+      const auto code = r.status().code();
+      if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDataLoss) {
+        lane.Reset();
+      }
+      r = Prefixed(r.status(), error_prefix);
+    }
     promise->set_value(std::move(r));
   });
   return future;
@@ -131,7 +173,7 @@ std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64
                                                              std::vector<PutBlock> blocks) {
   const size_t n = blocks.size();  // before the move below: argument order is unspecified
   return Start<PutOutcome>(
-      n, block_bytes, absl::StrCat("put to store ", address_, ": "),
+      TransferLanes::Class::kOffload, n, block_bytes, absl::StrCat("put to store ", address_, ": "),
       [this, ns, block_bytes, blocks = std::move(blocks)](DataPlaneConnection& lane,
                                                           const Deadline& deadline) {
         return PutOnLane(lane, deadline, ns, block_bytes, blocks);
@@ -142,22 +184,163 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
                                                              std::vector<GetBlock> blocks) {
   const size_t n = blocks.size();  // before the move below: argument order is unspecified
   return Start<GetOutcome>(
-      n, block_bytes, absl::StrCat("get from store ", address_, ": "),
-      [this, ns, block_bytes, blocks = std::move(blocks)](DataPlaneConnection& lane,
-                                                          const Deadline& deadline) {
-        return GetOnLane(lane, deadline, ns, block_bytes, blocks);
+      TransferLanes::Class::kLoad, n, block_bytes, absl::StrCat("get from store ", address_, ": "),
+      [this, ns, block_bytes, blocks = std::move(blocks)](
+          DataPlaneConnection& lane, const Deadline& deadline) -> absl::StatusOr<GetOutcome> {
+        std::vector<BlockHash> chain;
+        chain.reserve(blocks.size());
+        for (const auto& b : blocks) chain.push_back(b.hash);
+        auto pinned = PinBy(deadline.rpcs, ns, block_bytes, chain);
+        if (!pinned.ok()) return pinned.status();
+        ReadPlan plan;
+        plan.dest = [&blocks](size_t i, size_t) { return blocks[i].dest; };
+        auto r = ReadOnLane(lane, deadline, *pinned, block_bytes, 0, pinned->sources.size(), plan);
+        Release(pinned->lease);  // after the transfers, whatever their outcome
+        if (r.ok()) r->times.control_ms += pinned->control_ms;
+        return r;
       });
+}
+
+absl::StatusOr<PinnedBlocks> StoreDataClient::Pin(uint64_t ns, uint64_t block_bytes,
+                                                  const std::vector<BlockHash>& chain) {
+  auto r = PinBy(std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms),
+                 ns, block_bytes, chain);
+  if (!r.ok()) return Prefixed(r.status(), absl::StrCat("pin in store ", address_, ": "));
+  return r;
+}
+
+absl::StatusOr<PinnedBlocks> StoreDataClient::PinBy(std::chrono::system_clock::time_point deadline,
+                                                    uint64_t ns, uint64_t block_bytes,
+                                                    const std::vector<BlockHash>& chain) {
+  const auto start = std::chrono::steady_clock::now();
+  v1::BeginGetRequest req;
+  req.set_namespace_id(ns);
+  req.set_client_id(options_.client_id);
+  for (const auto& h : chain) ToProto(h, req.add_hashes());
+  std::vector<uint64_t> releases;
+  {
+    // The releases queued so far travel with this pin.
+    std::lock_guard lk(release_mu_);
+    const size_t take = std::min<size_t>(pending_releases_.size(), kMaxReleasesPerCall);
+    releases.assign(pending_releases_.end() - take, pending_releases_.end());
+    pending_releases_.resize(pending_releases_.size() - take);
+  }
+  for (uint64_t id : releases) req.add_end_leases(id);
+  v1::BeginGetResponse resp;
+  if (auto s = Call(load_control_, &v1::Store::Stub::BeginGet, req, &resp, deadline); !s.ok()) {
+    if (!releases.empty()) {
+      // Not delivered: the releaser tries them again (their expiry is the backstop).
+      std::lock_guard lk(release_mu_);
+      pending_releases_.insert(pending_releases_.end(), releases.begin(), releases.end());
+      release_cv_.notify_all();
+    }
+    return s;
+  }
+  PinnedBlocks out;
+  out.lease = resp.lease_id();
+  out.instance = resp.instance_id();
+  out.expires = start + std::chrono::milliseconds(resp.lease_ms());
+  bool malformed = resp.sources_size() > static_cast<int>(chain.size());
+  for (const auto& src : resp.sources()) {
+    malformed |= src.length() != block_bytes;
+    out.sources.push_back({src.remote_addr(), src.checksum(), src.tier() == v1::TIER_DISK});
+  }
+  if (malformed) {
+    Release(out.lease);
+    return absl::InternalError(absl::StrCat("store answered BeginGet of ", chain.size(),
+                                            " blocks with ", resp.sources_size(),
+                                            " sources or one that is not ", block_bytes,
+                                            " bytes"));
+  }
+  out.control_ms = MsSince(start);
+  return out;
+}
+
+std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Read(const PinnedBlocks& pinned,
+                                                              uint64_t block_bytes, size_t first,
+                                                              size_t count, ReadPlan plan) {
+  absl::Status bad = absl::OkStatus();
+  if (first > pinned.sources.size() || count > pinned.sources.size() - first) {
+    bad = absl::InvalidArgumentError(absl::StrCat("read of blocks [", first, ", ", first + count,
+                                                  "); ", pinned.sources.size(), " are pinned"));
+  } else if (!plan.dest) {
+    bad = absl::InvalidArgumentError("read plan has no destination");
+  } else if (!plan.bounds.empty()) {
+    bool tiles = plan.bounds.size() >= 2 && plan.bounds.front() == 0 &&
+                 plan.bounds.back() == block_bytes;
+    for (size_t i = 1; tiles && i < plan.bounds.size(); ++i) {
+      tiles = plan.bounds[i] > plan.bounds[i - 1];
+    }
+    if (!tiles) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          "read plan's segments do not tile the block's ", block_bytes,
+          " bytes (they must rise strictly from 0 to the block size)"));
+    }
+  }
+  if (!bad.ok()) {
+    std::promise<absl::StatusOr<GetOutcome>> p;
+    p.set_value(Prefixed(bad, absl::StrCat("get from store ", address_, ": ")));
+    return p.get_future();
+  }
+  return Start<GetOutcome>(
+      TransferLanes::Class::kLoad, count, block_bytes,
+      absl::StrCat("get from store ", address_, ": "),
+      [this, block_bytes, first, count, pinned, plan = std::move(plan)](
+          DataPlaneConnection& lane, const Deadline& deadline) {
+        return ReadOnLane(lane, deadline, pinned, block_bytes, first, count, plan);
+      });
+}
+
+void StoreDataClient::Release(uint64_t lease) {
+  if (lease == 0) return;
+  {
+    std::lock_guard lk(release_mu_);
+    pending_releases_.push_back(lease);
+  }
+  release_cv_.notify_all();
+}
+
+void StoreDataClient::ReleaseLoop() {
+  std::unique_lock lk(release_mu_);
+  for (;;) {
+    release_cv_.wait(lk, [&] { return release_stop_ || !pending_releases_.empty(); });
+    if (pending_releases_.empty()) return;  // stopped with nothing left
+    // Give the next Pin a chance to carry them.
+    release_cv_.wait_for(lk, std::chrono::milliseconds(options_.release_delay_ms),
+                         [&] { return release_stop_ || pending_releases_.empty(); });
+    if (pending_releases_.empty()) continue;
+    std::vector<uint64_t> ids = std::move(pending_releases_);
+    pending_releases_.clear();
+    const bool stopping = release_stop_;
+    lk.unlock();
+    // Best effort: an undelivered release ends at the lease's expiry.
+    const int budget_ms = stopping ? std::min(options_.deadline_ms, 1000) : options_.deadline_ms;
+    for (size_t at = 0; at < ids.size(); at += kMaxReleasesPerCall) {
+      v1::ReleaseGetsRequest req;
+      for (size_t i = at; i < std::min(ids.size(), at + kMaxReleasesPerCall); ++i) {
+        req.add_lease_ids(ids[i]);
+      }
+      v1::ReleaseGetsResponse resp;
+      Call(load_control_, &v1::Store::Stub::ReleaseGets, req, &resp,
+           std::chrono::system_clock::now() + std::chrono::milliseconds(budget_ms))
+          .IgnoreError();
+    }
+    lk.lock();
+  }
 }
 
 absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
                                                       const Deadline& deadline, uint64_t ns,
                                                       uint64_t block_bytes,
                                                       const std::vector<PutBlock>& blocks) {
+  PutOutcome out;
+  auto start = std::chrono::steady_clock::now();
   auto req = BeginRequest<v1::BeginPutRequest>(ns, options_.client_id, blocks);
   v1::BeginPutResponse resp;
   if (auto s = Call(control_, &v1::Store::Stub::BeginPut, req, &resp, deadline.rpcs); !s.ok()) {
     return s;
   }
+  out.times.control_ms = MsSince(start);
   auto abort_lease = [&] {
     v1::AbortPutRequest abort;
     abort.set_lease_id(resp.lease_id());
@@ -177,9 +360,14 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
         "store answered BeginPut of ", blocks.size(), " blocks with ", resp.targets_size(),
         " targets or a slot that is not ", block_bytes, " bytes"));
   }
-  PutOutcome out;
+  // Addresses mean something only in the store instance that reserved them.
+  if (auto s = lane.EnsureInstance(resp.instance_id(), deadline.rpcs); !s.ok()) {
+    abort_lease();
+    return s;
+  }
   std::vector<void*> reqs;
   std::vector<size_t> reserved;
+  start = std::chrono::steady_clock::now();
   for (int i = 0; i < resp.targets_size(); ++i) {
     const auto& t = resp.targets(i);
     switch (t.disposition()) {
@@ -202,54 +390,90 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
     abort_lease();
     return moved;
   }
+  out.times.rma_ms = MsSince(start);
+  start = std::chrono::steady_clock::now();
   v1::CommitPutResponse cr;
   if (auto s = Call(control_, &v1::Store::Stub::CommitPut, commit, &cr, deadline.rpcs); !s.ok()) {
     return s;
   }
   out.written = cr.committed();
+  out.times.control_ms += MsSince(start);
   return out;
 }
 
-absl::StatusOr<GetOutcome> StoreDataClient::GetOnLane(DataPlaneConnection& lane,
-                                                      const Deadline& deadline, uint64_t ns,
-                                                      uint64_t block_bytes,
-                                                      const std::vector<GetBlock>& blocks) {
-  auto req = BeginRequest<v1::BeginGetRequest>(ns, options_.client_id, blocks);
-  v1::BeginGetResponse resp;
-  if (auto s = Call(control_, &v1::Store::Stub::BeginGet, req, &resp, deadline.rpcs); !s.ok()) {
-    return s;
-  }
+absl::StatusOr<GetOutcome> StoreDataClient::ReadOnLane(DataPlaneConnection& lane,
+                                                       const Deadline& deadline,
+                                                       const PinnedBlocks& pinned,
+                                                       uint64_t block_bytes, size_t first,
+                                                       size_t count, const ReadPlan& plan) {
   GetOutcome out;
-  if (resp.sources_size() == 0) return out;
-  std::vector<void*> reqs;
-  absl::Status bad = absl::OkStatus();
-  for (int i = 0; i < resp.sources_size(); ++i) {
-    const auto& src = resp.sources(i);
-    if (i >= static_cast<int>(blocks.size()) || src.length() != block_bytes) {
-      bad = absl::InternalError("store returned more blocks than asked or one of the wrong size");
-      break;
+  if (count == 0) return out;
+  // Addresses mean something only in the store instance that pinned them.
+  if (auto s = lane.EnsureInstance(pinned.instance, deadline.rpcs); !s.ok()) return s;
+  if (std::chrono::steady_clock::now() >= pinned.expires) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "lease ", pinned.lease, " expired before the read; pin the blocks again"));
+  }
+  const std::vector<uint64_t> whole = {0, block_bytes};
+  const std::vector<uint64_t>& bounds = plan.bounds.empty() ? whole : plan.bounds;
+  const size_t segments = bounds.size() - 1;
+  // Segments are posted in order (a layer-wise load gets layer 0 of every
+  // block first). The first goes alone, so it lands as early as it can even
+  // on a transport that moves bytes as they are posted (CMA); after it, a
+  // window of segments is in flight: enough bytes to keep the transport busy.
+  const auto rma_start = std::chrono::steady_clock::now();
+  std::vector<std::vector<void*>> reqs(segments);
+  std::vector<void*> dests(count * segments);
+  uint64_t window_bytes = 0;
+  size_t posted = 0;  // segments posted so far
+  auto post = [&](size_t s) {
+    const uint64_t len = bounds[s + 1] - bounds[s];
+    reqs[s].reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+      void* d = plan.dest(first + i, s);
+      dests[i * segments + s] = d;
+      reqs[s].push_back(lane.PostGet(d, len, pinned.sources[first + i].remote_addr + bounds[s]));
     }
-    reqs.push_back(lane.PostGet(blocks[i].dest, block_bytes, src.remote_addr()));
+    window_bytes += len * count;
+  };
+  auto fill_window = [&](size_t waiting) {
+    while (posted < segments &&
+           (posted <= waiting || (waiting > 0 && (posted <= waiting + 1 ||
+                                                  window_bytes < kReadWindowBytes)))) {
+      post(posted++);
+    }
+  };
+  // Each segment is summed as it lands, while the later ones are in flight.
+  std::vector<ChecksumStream> sums(count);
+  double sum_ms = 0;
+  absl::Status moved = absl::OkStatus();
+  for (size_t s = 0; s < segments; ++s) {
+    if (moved.ok()) fill_window(s);
+    if (s >= posted) break;  // failed: nothing later was posted
+    // After a failure the endpoint is closed: what was posted completes
+    // (with errors) at once, and nothing may still write into the caller's
+    // memory.
+    absl::Status st = lane.Wait(reqs[s], deadline.transfers);
+    window_bytes -= (bounds[s + 1] - bounds[s]) * count;
+    if (moved.ok()) moved = st;
+    if (!moved.ok()) continue;
+    if (plan.on_segment) plan.on_segment(s);
+    const auto sum_start = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < count; ++i) {
+      sums[i].Update(dests[i * segments + s], bounds[s + 1] - bounds[s]);
+    }
+    sum_ms += MsSince(sum_start);
   }
-  // The blocks already posted are waited for (and the lease ended) even when
-  // the answer was bad: nothing may still write into the caller's buffers.
-  absl::Status moved = lane.Wait(reqs, deadline.transfers);
-  {
-    v1::EndGetRequest end;
-    end.set_lease_id(resp.lease_id());
-    v1::EndGetResponse er;
-    // Best effort: the lease expires anyway.
-    Call(control_, &v1::Store::Stub::EndGet, end, &er, deadline.rpcs).IgnoreError();
-  }
-  if (!bad.ok()) return bad;
+  out.times.rma_ms = MsSince(rma_start) - sum_ms;
+  out.times.checksum_ms = sum_ms;
   if (!moved.ok()) return moved;
-  for (int i = 0; i < resp.sources_size(); ++i) {
-    if (Checksum(blocks[i].dest, block_bytes) != resp.sources(i).checksum()) {
-      return absl::DataLossError(absl::StrCat("block ", i, " from store ", address_,
+  for (size_t i = 0; i < count; ++i) {
+    if (sums[i].Digest() != pinned.sources[first + i].checksum) {
+      return absl::DataLossError(absl::StrCat("block ", first + i, " from store ", address_,
                                               " failed its checksum; not used"));
     }
     out.blocks++;
-    if (resp.sources(i).tier() == v1::TIER_DISK) out.from_disk++;
+    if (pinned.sources[first + i].from_disk) out.from_disk++;
   }
   return out;
 }

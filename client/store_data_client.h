@@ -3,27 +3,39 @@
 // each lane is a background thread that owns its UCX worker, so one
 // operation's RPCs overlap another's transfers.
 //
-// Put: BeginPut -> ucp_put_nbx of every reserved block (all in flight at
-// once, checksums computed meanwhile) -> one flush -> CommitPut. Get:
-// BeginGet -> ucp_get_nbx of every pinned block -> EndGet -> every block
-// checked against its checksum. One deadline (deadline_ms) covers an
-// operation's connect, RPCs and transfers together. Operations are
-// asynchronous (futures) and bounded by max_inflight_bytes: a caller past the
-// bound blocks until earlier operations finish (back-pressure). A dead store,
-// a reset connection or a missed deadline fails the operation with a status;
-// the next operation reconnects, with exponential back-off between attempts.
+// Load: Pin (one BeginGet: look the chain up and pin its present prefix, in
+// one round trip, on the caller's thread) -> Read (ucp_get_nbx of every
+// pinned block, or of each block's segments -- layers -- with a callback as
+// each segment lands, then every block checked against its checksum) ->
+// release, which never blocks: the lease id waits up to release_delay_ms to
+// travel with the next Pin (BeginGet.end_leases), else goes out batched in
+// one ReleaseGets; the lease's expiry is the backstop. Get is Pin + Read in
+// one call. Put (offload): BeginPut -> ucp_put_nbx of every reserved block
+// (all in flight at once, checksums computed meanwhile) -> one flush ->
+// CommitPut.
+//
+// Loads and offloads run on separate lane classes (transfer_lanes.h): a
+// load never queues behind an offload, and each class has its own
+// max_inflight_bytes back-pressure bound (a caller past it blocks). One
+// deadline (deadline_ms) covers an operation's connect, RPCs and transfers
+// together. A dead store, a reset connection or a missed deadline fails the
+// operation with a status; the next operation reconnects, with exponential
+// back-off between attempts.
 //
 // Memory: blocks may live anywhere in host memory; ranges registered with
 // RegisterMemory move zero-copy. Thread-safe.
 //
-// Statuses: a failed Put or Get names the store ("put to store ADDR: ...",
-// "get from store ADDR: ...") and carries the control RPCs' own codes
+// Statuses: a failed Put, Get or Read names the store ("put to store ADDR:
+// ...", "get from store ADDR: ...") and carries the control RPCs' own codes
 // (FAILED_PRECONDITION, e.g., from a store without a UCX listener),
 // UNAVAILABLE (the data plane is down or backing off, or the endpoint
 // failed), DEADLINE_EXCEEDED (the operation's deadline), INTERNAL (an answer
-// from the store that the client cannot use) or, for Get, DATA_LOSS (a block
-// failed its checksum). RegisterMemory returns UCX's error for the context or
-// the registration.
+// from the store that the client cannot use) or, for Get and Read, DATA_LOSS
+// (a block failed its checksum). Read also answers INVALID_ARGUMENT for a
+// plan whose segments do not tile the block or a count past the pinned
+// blocks, and FAILED_PRECONDITION for a pin whose lease expired before the
+// read (nothing moved in either case). RegisterMemory returns UCX's error
+// for the context or the registration.
 //
 // Files: transfer_lanes.h (lanes and back-pressure), data_plane_connection.h
 // (UCX connect and RMA), here (the put/get protocol). This header also
@@ -31,6 +43,7 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -38,6 +51,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -66,10 +80,27 @@ class StoreDataClient {
   // Registers [addr, addr + length) for zero-copy transfers.
   absl::Status RegisterMemory(void* addr, size_t length);
 
+  // An offload.
   std::future<absl::StatusOr<PutOutcome>> Put(uint64_t ns, uint64_t block_bytes,
                                               std::vector<PutBlock> blocks);
+  // A load of the chain's leading present blocks: Pin and Read on a lane.
   std::future<absl::StatusOr<GetOutcome>> Get(uint64_t ns, uint64_t block_bytes,
                                               std::vector<GetBlock> blocks);
+
+  // One control round trip, on the caller's thread: looks `chain` up and
+  // pins its leading present blocks, carrying the releases queued so far.
+  // BeginGet's statuses; INTERNAL for an answer of the wrong shape (then
+  // nothing stays pinned).
+  absl::StatusOr<PinnedBlocks> Pin(uint64_t ns, uint64_t block_bytes,
+                                   const std::vector<BlockHash>& chain);
+  // Moves pinned blocks [first, first + count) as `plan` lays them out
+  // (plan.dest(i, s) names pinned block i), on a load lane, and verifies each
+  // one's checksum. GetOutcome::blocks is `count` on success. The pin stays:
+  // its owner releases it once done with every read.
+  std::future<absl::StatusOr<GetOutcome>> Read(const PinnedBlocks& pinned, uint64_t block_bytes,
+                                               size_t first, size_t count, ReadPlan plan);
+  // Ends a pin (0: none). Never blocks (see the header comment).
+  void Release(uint64_t lease);
 
   StoreClient& control() { return control_; }
   const std::string& address() const { return address_; }
@@ -81,22 +112,29 @@ class StoreDataClient {
   using Operation =
       std::function<absl::StatusOr<Outcome>(DataPlaneConnection& lane, const Deadline& deadline)>;
 
-  // Queues an operation on `count` blocks behind the in-flight bound. On its
-  // lane, `op` runs with the operation's deadline once the lane is connected
-  // (not at all for no blocks); a failure gets `error_prefix`.
+  // Queues an operation on `count` blocks of class `c` behind its in-flight
+  // bound. On its lane, `op` runs with the operation's deadline once the
+  // lane is connected (not at all for no blocks); a failure gets
+  // `error_prefix`.
   template <typename Outcome>
-  std::future<absl::StatusOr<Outcome>> Start(size_t count, uint64_t block_bytes,
-                                             std::string error_prefix, Operation<Outcome> op);
+  std::future<absl::StatusOr<Outcome>> Start(TransferLanes::Class c, size_t count,
+                                             uint64_t block_bytes, std::string error_prefix,
+                                             Operation<Outcome> op);
   absl::StatusOr<PutOutcome> PutOnLane(DataPlaneConnection& lane, const Deadline& deadline,
                                        uint64_t ns, uint64_t block_bytes,
                                        const std::vector<PutBlock>& blocks);
-  absl::StatusOr<GetOutcome> GetOnLane(DataPlaneConnection& lane, const Deadline& deadline,
-                                       uint64_t ns, uint64_t block_bytes,
-                                       const std::vector<GetBlock>& blocks);
+  absl::StatusOr<PinnedBlocks> PinBy(std::chrono::system_clock::time_point deadline, uint64_t ns,
+                                     uint64_t block_bytes, const std::vector<BlockHash>& chain);
+  absl::StatusOr<GetOutcome> ReadOnLane(DataPlaneConnection& lane, const Deadline& deadline,
+                                        const PinnedBlocks& pinned, uint64_t block_bytes,
+                                        size_t first, size_t count, const ReadPlan& plan);
+  // The releaser thread: sends the releases no Pin took within release_delay_ms.
+  void ReleaseLoop();
 
   std::string address_;
   DataClientOptions options_;
   StoreClient control_;
+  StoreClient load_control_;  // pins and releases, on a connection of their own
   std::shared_ptr<ucx::Context> ucx_context_;  // shared by the lanes' workers
   absl::Status init_error_;                    // of the UCX context
   std::mutex regions_mu_;
@@ -104,6 +142,12 @@ class StoreDataClient {
   // lanes_[i] is touched only by lane i's thread (and by the destructor once
   // the lanes have stopped).
   std::vector<std::unique_ptr<DataPlaneConnection>> lanes_;
+
+  std::mutex release_mu_;
+  std::condition_variable release_cv_;
+  std::vector<uint64_t> pending_releases_;  // guarded by release_mu_
+  bool release_stop_ = false;               // guarded by release_mu_
+  std::thread releaser_;
   // Declared last, so destroyed first: even when the constructor throws,
   // the lane threads end before what they read goes.
   TransferLanes transfers_;

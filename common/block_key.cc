@@ -35,7 +35,17 @@ absl::Status ValidateNamespace(const NamespaceSpec& spec) {
   if (spec.cache_salt.size() > 256) {
     return absl::InvalidArgumentError("namespace cache_salt must be at most 256 bytes");
   }
-  if (auto b = DtypeBytes(spec.dtype); !b.ok()) return b.status();
+  auto elem = DtypeBytes(spec.dtype);
+  if (!elem.ok()) return elem.status();
+  if (!spec.kv_wire.empty() && spec.kv_wire != kKvWireInt8) {
+    return absl::InvalidArgumentError(absl::StrCat("namespace kv_wire \"", spec.kv_wire,
+                                                   "\" is not one of \"\", \"int8\""));
+  }
+  if (spec.kv_wire == kKvWireInt8 && *elem != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "namespace kv_wire int8 needs a 16-bit dtype (fp16, bf16); ", spec.dtype,
+        " is already 8-bit"));
+  }
   if (auto s = CheckRange("layers", spec.layers, 1, 1024); !s.ok()) return s;
   if (auto s = CheckRange("kv_heads", spec.kv_heads, 1, 1024); !s.ok()) return s;
   if (auto s = CheckRange("head_dim", spec.head_dim, 1, 4096); !s.ok()) return s;
@@ -52,7 +62,8 @@ absl::Status ValidateNamespace(const NamespaceSpec& spec) {
 std::string CanonicalNamespace(const NamespaceSpec& spec) {
   return absl::StrCat(spec.model, "|", spec.dtype, "|", spec.layers, "|", spec.kv_heads, "|",
                       spec.head_dim, "|", spec.block_tokens, "|", spec.tp_rank, "|",
-                      spec.tp_size == 0 ? 1 : spec.tp_size, "|", spec.cache_salt);
+                      spec.tp_size == 0 ? 1 : spec.tp_size, "|", spec.cache_salt,
+                      spec.kv_wire.empty() ? "" : "|", spec.kv_wire);
 }
 
 uint64_t NamespaceId(const NamespaceSpec& spec) {
@@ -60,10 +71,13 @@ uint64_t NamespaceId(const NamespaceSpec& spec) {
   return XXH3_64bits(c.data(), c.size());
 }
 
-uint64_t BlockBytes(const NamespaceSpec& spec) {
-  uint64_t elem = *DtypeBytes(spec.dtype);
-  return 2ull * spec.layers * spec.kv_heads * spec.head_dim * elem * spec.block_tokens;
+uint64_t WireLayerBytes(const NamespaceSpec& spec) {
+  const uint64_t elems = uint64_t{spec.kv_heads} * spec.head_dim * spec.block_tokens;
+  if (spec.kv_wire == kKvWireInt8) return 2 * sizeof(float) + 2 * elems;
+  return 2 * elems * *DtypeBytes(spec.dtype);
 }
+
+uint64_t BlockBytes(const NamespaceSpec& spec) { return spec.layers * WireLayerBytes(spec); }
 
 BlockHash NextBlockHash(const BlockHash& parent, std::span<const uint32_t> ids) {
   XXH3_state_t st;

@@ -58,7 +58,11 @@ struct NamespaceSpec {
   uint32_t tp_rank = 0;
   uint32_t tp_size = 1;
   std::string cache_salt;
+  std::string kv_wire;  // "" (the dtype's bytes) or kKvWireInt8
 };
+
+// NamespaceSpec::kv_wire of int8-packed blocks (gpu/kv_layout.h, PackInt8Cpu).
+inline constexpr char kKvWireInt8[] = "int8";
 
 // Bytes per element of a dtype name, or an error naming the dtype.
 absl::StatusOr<uint32_t> DtypeBytes(const std::string& dtype);
@@ -67,14 +71,20 @@ absl::StatusOr<uint32_t> DtypeBytes(const std::string& dtype);
 absl::Status ValidateNamespace(const NamespaceSpec& spec);
 
 // "model|dtype|layers|kv_heads|head_dim|block_tokens|tp_rank|tp_size|salt",
-// with tp_size 0 read as 1. The input of NamespaceId.
+// with tp_size 0 read as 1, and "|kv_wire" after it when kv_wire is set (so
+// the ids of namespaces without it are unchanged). The input of NamespaceId.
 std::string CanonicalNamespace(const NamespaceSpec& spec);
 
 // XXH3-64 of CanonicalNamespace(spec). REQUIRES: ValidateNamespace(spec).ok().
 uint64_t NamespaceId(const NamespaceSpec& spec);
 
-// 2 x layers x kv_heads x head_dim x dtype bytes x block_tokens.
+// Bytes of one layer of a stored block: 2 (K, V) x kv_heads x head_dim x
+// block_tokens x dtype bytes, or with kv_wire int8 two float32 scales plus
+// one byte per element. A block is its layers one after another, so layer l
+// is the byte range [l, l + 1) x WireLayerBytes.
 // REQUIRES: ValidateNamespace(spec).ok().
+uint64_t WireLayerBytes(const NamespaceSpec& spec);
+// layers x WireLayerBytes. REQUIRES: ValidateNamespace(spec).ok().
 uint64_t BlockBytes(const NamespaceSpec& spec);
 
 // h[i] = XXH3-128(h[i-1] || little-endian u32 token ids of block i), with

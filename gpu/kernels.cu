@@ -63,8 +63,10 @@ __global__ void PackKernel(const uint8_t* const* blocks, uint8_t* const* packed,
     __syncthreads();
   }
   const float scale = __fdiv_rn(red[0], 127.0f);
-  if (threadIdx.x == 0) reinterpret_cast<float*>(packed[i])[c] = scale;
-  int8_t* q = reinterpret_cast<int8_t*>(packed[i] + chunks * 4) + uint64_t{c} * n;
+  // Layer-major packed block (gpu/kv_layout.h): per layer two scales, then K and V values.
+  uint8_t* layer = packed[i] + uint64_t{c / 2} * (8 + 2 * n);
+  if (threadIdx.x == 0) memcpy(layer + 4 * (c % 2), &scale, 4);  // may be unaligned
+  int8_t* q = reinterpret_cast<int8_t*>(layer + 8) + uint64_t{c % 2} * n;
   for (uint64_t e = threadIdx.x; e < n; e += blockDim.x) {
     float r = scale > 0 ? rintf(__fdiv_rn(LoadElem(src + 2 * e, bf16), scale)) : 0.0f;
     q[e] = static_cast<int8_t>(fminf(fmaxf(r, -127.0f), 127.0f));
@@ -74,8 +76,10 @@ __global__ void PackKernel(const uint8_t* const* blocks, uint8_t* const* packed,
 __global__ void UnpackKernel(const uint8_t* const* packed, uint8_t* const* blocks, uint64_t n,
                              uint32_t chunks, int bf16) {
   const uint32_t i = blockIdx.x / chunks, c = blockIdx.x % chunks;
-  const float scale = reinterpret_cast<const float*>(packed[i])[c];
-  const int8_t* q = reinterpret_cast<const int8_t*>(packed[i] + chunks * 4) + uint64_t{c} * n;
+  const uint8_t* layer = packed[i] + uint64_t{c / 2} * (8 + 2 * n);
+  float scale;
+  memcpy(&scale, layer + 4 * (c % 2), 4);  // may be unaligned
+  const int8_t* q = reinterpret_cast<const int8_t*>(layer + 8) + uint64_t{c % 2} * n;
   uint8_t* dst = blocks[i] + uint64_t{c} * n * 2;
   for (uint64_t e = threadIdx.x; e < n; e += blockDim.x) {
     StoreElem(dst + 2 * e, __fmul_rn(static_cast<float>(q[e]), scale), bf16);

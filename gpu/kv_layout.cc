@@ -115,46 +115,104 @@ inline void Store(Dtype d, uint8_t* p, float f) {
   uint16_t v = d == Dtype::kFp16 ? FloatToHalf(f) : FloatToBf16(f);
   std::memcpy(p, &v, 2);
 }
+
+// One (layer, K|V) chunk of n elements at src: its scale, then its int8 values.
+void PackChunk(Dtype d, const uint8_t* src, uint64_t n, uint8_t* scale_out, int8_t* q) {
+  float absmax = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    float v = std::fabs(Load(d, src + 2 * i));
+    if (v > absmax) absmax = v;  // NaN never wins
+  }
+  const float s = absmax / 127.0f;
+  std::memcpy(scale_out, &s, 4);
+  for (uint64_t i = 0; i < n; ++i) {
+    float r = s > 0 ? std::nearbyint(Load(d, src + 2 * i) / s) : 0.0f;
+    q[i] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+  }
+}
+
+void UnpackChunk(Dtype d, const uint8_t* scale_in, const int8_t* q, uint64_t n, uint8_t* dst) {
+  float s;
+  std::memcpy(&s, scale_in, 4);
+  for (uint64_t i = 0; i < n; ++i) Store(d, dst + 2 * i, static_cast<float>(q[i]) * s);
+}
+
+absl::Status Needs16Bit(const KvLayout& l) {
+  if (l.dtype != Dtype::kFp8) return absl::OkStatus();
+  return absl::InvalidArgumentError("int8 packing applies to 16-bit caches; this one is fp8");
+}
+
+// Chunk k (0: K, 1: V) of layer `layer` in a packed block.
+uint8_t* PackedScale(const KvLayout& l, uint8_t* packed, uint32_t layer, uint32_t k) {
+  return packed + layer * l.packed_layer_bytes() + 4 * k;
+}
+int8_t* PackedValues(const KvLayout& l, uint8_t* packed, uint32_t layer, uint32_t k) {
+  return reinterpret_cast<int8_t*>(packed + layer * l.packed_layer_bytes() + 8 +
+                                   k * l.chunk_elems());
+}
+
 }  // namespace
 
 absl::Status PackInt8Cpu(const KvLayout& l, const uint8_t* block, uint8_t* packed) {
-  if (l.dtype == Dtype::kFp8) {
-    return absl::InvalidArgumentError("int8 packing applies to 16-bit caches; this one is fp8");
-  }
+  if (auto s = Needs16Bit(l); !s.ok()) return s;
   const uint64_t n = l.chunk_elems();
-  const uint32_t chunks = 2 * l.layers;
-  float* scales = reinterpret_cast<float*>(packed);
-  int8_t* q = reinterpret_cast<int8_t*>(packed + chunks * 4);
-  for (uint32_t c = 0; c < chunks; ++c) {
-    const uint8_t* src = block + c * n * 2;
-    float absmax = 0;
-    for (uint64_t i = 0; i < n; ++i) {
-      float v = std::fabs(Load(l.dtype, src + 2 * i));
-      if (v > absmax) absmax = v;  // NaN never wins
-    }
-    float s = absmax / 127.0f;
-    std::memcpy(&scales[c], &s, 4);
-    for (uint64_t i = 0; i < n; ++i) {
-      float r = s > 0 ? std::nearbyint(Load(l.dtype, src + 2 * i) / s) : 0.0f;
-      r = std::clamp(r, -127.0f, 127.0f);
-      q[c * n + i] = static_cast<int8_t>(r);
+  for (uint32_t layer = 0; layer < l.layers; ++layer) {
+    for (uint32_t k = 0; k < 2; ++k) {
+      PackChunk(l.dtype, block + (2 * layer + k) * n * 2, n, PackedScale(l, packed, layer, k),
+                PackedValues(l, packed, layer, k));
     }
   }
   return absl::OkStatus();
 }
 
 absl::Status UnpackInt8Cpu(const KvLayout& l, const uint8_t* packed, uint8_t* block) {
-  if (l.dtype == Dtype::kFp8) {
-    return absl::InvalidArgumentError("int8 packing applies to 16-bit caches; this one is fp8");
+  if (auto s = Needs16Bit(l); !s.ok()) return s;
+  const uint64_t n = l.chunk_elems();
+  auto* p = const_cast<uint8_t*>(packed);  // read only
+  for (uint32_t layer = 0; layer < l.layers; ++layer) {
+    for (uint32_t k = 0; k < 2; ++k) {
+      UnpackChunk(l.dtype, PackedScale(l, p, layer, k), PackedValues(l, p, layer, k), n,
+                  block + (2 * layer + k) * n * 2);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GatherPackInt8Cpu(const KvLayout& l, const uint8_t* const* layer_bases,
+                               const uint32_t* pages, size_t count, uint8_t* const* packed) {
+  if (auto s = Needs16Bit(l); !s.ok()) return s;
+  const uint64_t n = l.chunk_elems();
+  for (size_t i = 0; i < count; ++i) {
+    for (uint32_t layer = 0; layer < l.layers; ++layer) {
+      const uint8_t* page = layer_bases[layer] + pages[i] * l.layer_page_bytes();
+      for (uint32_t k = 0; k < 2; ++k) {
+        PackChunk(l.dtype, page + k * n * 2, n, PackedScale(l, packed[i], layer, k),
+                  PackedValues(l, packed[i], layer, k));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status UnpackScatterInt8Cpu(const KvLayout& l, uint32_t layer_begin, uint32_t layer_end,
+                                  uint8_t* const* layer_bases, const uint32_t* pages,
+                                  size_t count, const uint8_t* const* packed) {
+  if (auto s = Needs16Bit(l); !s.ok()) return s;
+  if (layer_begin > layer_end || layer_end > l.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer range [", layer_begin, ", ", layer_end,
+                                                   ") is outside the block's ", l.layers,
+                                                   " layers"));
   }
   const uint64_t n = l.chunk_elems();
-  const uint32_t chunks = 2 * l.layers;
-  const int8_t* q = reinterpret_cast<const int8_t*>(packed + chunks * 4);
-  for (uint32_t c = 0; c < chunks; ++c) {
-    float s;
-    std::memcpy(&s, packed + c * 4, 4);
-    uint8_t* dst = block + c * n * 2;
-    for (uint64_t i = 0; i < n; ++i) Store(l.dtype, dst + 2 * i, static_cast<float>(q[c * n + i]) * s);
+  for (size_t i = 0; i < count; ++i) {
+    auto* p = const_cast<uint8_t*>(packed[i]);  // read only
+    for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
+      uint8_t* page = layer_bases[layer] + pages[i] * l.layer_page_bytes();
+      for (uint32_t k = 0; k < 2; ++k) {
+        UnpackChunk(l.dtype, PackedScale(l, p, layer, k), PackedValues(l, p, layer, k), n,
+                    page + k * n * 2);
+      }
+    }
   }
   return absl::OkStatus();
 }

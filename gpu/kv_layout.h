@@ -11,7 +11,9 @@
 // gets a float32 scale s = absmax / 127 and elements q = round_half_even(x / s)
 // clamped to [-127, 127]; unpacking gives q * s rounded to the dtype. The
 // error is at most s / 2 per element before that rounding, plus half an ulp
-// of the dtype after it (docs/worker.md). Every function has a CPU
+// of the dtype after it (docs/dataplane.md). A packed block is layer-major
+// like a plain one, so one layer is one byte range:
+//   per layer: [K scale f32][V scale f32][K int8 x chunk_elems][V int8 x chunk_elems]. Every function has a CPU
 // implementation here; gpu/kernels.cu has CUDA versions whose output is
 // byte-identical (tests compare them when a GPU is present).
 #pragma once
@@ -40,8 +42,9 @@ struct KvLayout {
   // Bytes of one page within one layer (K and V).
   uint64_t layer_page_bytes() const { return 2 * chunk_elems() * elem_bytes(); }
   uint64_t block_bytes() const { return uint64_t{layers} * layer_page_bytes(); }
-  // Int8-packed block: 2 x layers float32 scales, then one byte per element.
-  uint64_t packed_bytes() const { return 2ull * layers * 4 + 2ull * layers * chunk_elems(); }
+  // One layer of an int8-packed block: two float32 scales, one byte per element.
+  uint64_t packed_layer_bytes() const { return 2ull * 4 + 2ull * chunk_elems(); }
+  uint64_t packed_bytes() const { return uint64_t{layers} * packed_layer_bytes(); }
   // Bytes of one layer's allocation.
   uint64_t layer_bytes() const { return num_pages * layer_page_bytes(); }
 };
@@ -57,6 +60,17 @@ void ScatterCpu(const KvLayout& layout, uint8_t* const* layer_bases, const uint3
 // INVALID_ARGUMENT for fp8 layouts (already 8-bit).
 absl::Status PackInt8Cpu(const KvLayout& layout, const uint8_t* block, uint8_t* packed);
 absl::Status UnpackInt8Cpu(const KvLayout& layout, const uint8_t* packed, uint8_t* block);
+// Gather and pack in one pass: packed[i] (packed_bytes()) receives page
+// pages[i]. INVALID_ARGUMENT for fp8.
+absl::Status GatherPackInt8Cpu(const KvLayout& layout, const uint8_t* const* layer_bases,
+                               const uint32_t* pages, size_t count, uint8_t* const* packed);
+// Unpack and scatter layers [layer_begin, layer_end) of packed[i] into page
+// pages[i] (a layer-wise load unpacks each layer as it arrives).
+// INVALID_ARGUMENT for fp8 or a layer range outside the block.
+absl::Status UnpackScatterInt8Cpu(const KvLayout& layout, uint32_t layer_begin,
+                                  uint32_t layer_end, uint8_t* const* layer_bases,
+                                  const uint32_t* pages, size_t count,
+                                  const uint8_t* const* packed);
 
 // Scalar conversions (round to nearest even), shared with the tests.
 float HalfToFloat(uint16_t h);

@@ -16,7 +16,7 @@ namespace {
 // A connector without a store: one layer, 4-token blocks.
 kvtier_connector* MakeSmall(const char* model, uint64_t num_pages = 16) {
   kvtier_connector_config cfg = {model, "fp16", 1, 1, 8, 4, num_pages, "", "none", 0, 0,
-                                 nullptr, nullptr, nullptr};
+                                 nullptr, nullptr, nullptr, nullptr};
   return kvtier_connector_create(&cfg);
 }
 
@@ -70,7 +70,7 @@ TEST(CAbi, AnAllocateBufferTooSmallClosesTheRequestInsteadOfHandingOutSomePages)
 }
 
 TEST(CAbi, BadConfigurationsReportWhy) {
-  kvtier_connector_config cfg = {"m", "int4", 1, 1, 1, 1, 1, "", "none", 0, 0, nullptr, nullptr, nullptr};
+  kvtier_connector_config cfg = {"m", "int4", 1, 1, 1, 1, 1, "", "none", 0, 0, nullptr, nullptr, nullptr, nullptr};
   EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
   EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvtier_last_error()).find("int4"), std::string::npos);

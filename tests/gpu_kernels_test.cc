@@ -115,8 +115,8 @@ TEST(GpuCpu, Int8PackingStaysWithinItsErrorBound) {
           << "int8 halves the bytes (plus the scales)";
       const uint64_t n = l.chunk_elems();
       for (uint32_t c = 0; c < 2 * l.layers; ++c) {
-        float s;
-        std::memcpy(&s, packed.data() + 4 * c, 4);
+        float s;  // layer-major packing: per layer the K and V scales, then their values
+        std::memcpy(&s, packed.data() + (c / 2) * l.packed_layer_bytes() + 4 * (c % 2), 4);
         for (uint64_t i = 0; i < n; ++i) {
           uint16_t a, b;
           std::memcpy(&a, block.data() + (c * n + i) * 2, 2);

@@ -301,7 +301,7 @@ TEST_F(RouterIntegration, AStoreShardPublishesWhatItHolds) {
                        "--router=" + router_->address(), "--store-id=store-a"});
   ASSERT_GT(store.port(), 0);
   StoreClient sc(store.address());
-  auto ns = sc.RegisterNamespace(NamespaceSpec{"m", "fp16", 1, 1, 64, 256, 0, 1, ""});
+  auto ns = sc.RegisterNamespace(NamespaceSpec{"m", "fp16", 1, 1, 64, 256, 0, 1, "", ""});
   ASSERT_TRUE(ns.ok());
   std::vector<std::string> data;
   std::vector<std::pair<BlockHash, std::string_view>> blocks;

@@ -137,7 +137,7 @@ TEST_F(Tls, MutualTlsRefusesClientsWithoutACertificateSignedByTheCa) {
 
   StoreClient worker = Client(store, pki_.Client("ca", "worker"));
   EXPECT_TRUE(worker.GetStats().ok());
-  EXPECT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, ""}).ok());
+  EXPECT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", ""}).ok());
 }
 
 TEST_F(Tls, AdminIdentityKeepsAWorkersCertificateFromTheAdminRpcs) {
@@ -147,7 +147,7 @@ TEST_F(Tls, AdminIdentityKeepsAWorkersCertificateFromTheAdminRpcs) {
   ASSERT_GT(store.port(), 0) << store.Log();
 
   StoreClient worker = Client(store, pki_.Client("ca", "worker"));
-  ASSERT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, ""}).ok());
+  ASSERT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", ""}).ok());
   auto denied = worker.SetPolicy(v1::TIER_RAM, "lru");
   EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_NE(denied.status().message().find("\"kvctl-admin\""), std::string::npos) << denied.status();

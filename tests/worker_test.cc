@@ -15,7 +15,7 @@ namespace {
 using kvtier::testing::ServerProcess;
 
 // 2 x 2 layers x 2 heads x 64 dim x 2 bytes x 16 tokens = 16 KiB blocks.
-NamespaceSpec Spec() { return NamespaceSpec{"worker-test", "fp16", 2, 2, 64, 16, 0, 1, ""}; }
+NamespaceSpec Spec() { return NamespaceSpec{"worker-test", "fp16", 2, 2, 64, 16, 0, 1, "", ""}; }
 
 std::vector<BlockHash> Chain(uint64_t salt, size_t n) {
   std::vector<uint32_t> tokens(n * 16);
@@ -55,7 +55,7 @@ class WorkerTest : public ::testing::Test {
     EXPECT_TRUE(m.ok()) << m.status();
     uint32_t loaded = 0;
     if (m->store_blocks) {
-      c.StartLoad(id);
+      EXPECT_TRUE(c.StartLoad(id).ok());
       auto l = c.WaitForLoad(id);
       if (l.ok()) loaded = *l;
       if (load_status) *load_status = l.status();
@@ -144,7 +144,7 @@ TEST_F(WorkerTest, AStoreKilledMidOnboardFallsBackToPrefill) {
   auto b = Make(512, "none");
   auto m = b->Begin(2, chain);
   ASSERT_EQ(m->store_blocks, 400u);
-  b->StartLoad(2);
+  ASSERT_TRUE(b->StartLoad(2).ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(2));
   store_->proc().Kill(SIGKILL);
   auto l = b->WaitForLoad(2);

@@ -1,5 +1,5 @@
 // KvConnector's construction and teardown, its request table and matching:
-// Begin (the GPU prefix pinned, the store asked for the continuation),
+// Begin (the GPU prefix pinned, the continuation pinned in the store),
 // AllocateForCompute, Finished and the per-request queries, plus what the
 // connector knows and tells routers about where blocks are. The load path is
 // in connector_load.cc, save and offload in connector_offload.cc, the
@@ -30,10 +30,21 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
                              o.spec.block_tokens, *dtype, o.num_pages};
   if (auto s = gpu::Validate(c->layout_); !s.ok()) return s;
   c->ns_ = NamespaceId(o.spec);
+  c->wire_bytes_ = BlockBytes(o.spec);
+  c->packed_ = o.spec.kv_wire == kKvWireInt8;
   c->pool_ = std::make_unique<PagePool>(c->layout_);
   c->stats_.staging_blocks = o.staging_blocks;
   if (!o.stores.empty()) c->store_ = std::make_unique<ShardedStoreClient>(o.stores, o.data);
   if (auto s = c->InitStaging(); !s.ok()) return s;
+  if (c->store_) {
+    // Loads land in the pages themselves: register every layer's memory.
+    for (uint32_t l = 0; l < c->layout_.layers; ++l) {
+      if (auto s = c->store_->RegisterMemory(c->pool_->layer_bases()[l], c->layout_.layer_bytes());
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
   // A store that is down now is registered with on first use instead.
   if (c->store_) c->registered_ = c->store_->RegisterNamespace(o.spec).ok();
   KvConnector* self = c.get();
@@ -100,12 +111,14 @@ absl::StatusOr<KvConnector::Match> KvConnector::Begin(uint64_t request, std::vec
       if (!reg.ok()) store_status = reg.status();
     }
     if (registered_) {
+      // Look the rest up and pin what the store has, in one round trip.
       std::vector<BlockHash> rest(chain.begin() + r->gpu_blocks, chain.end());
-      auto k = store_->Lookup(ns_, rest);
-      if (k.ok()) {
-        r->store_blocks = *k;
+      auto pin = store_->Pin(ns_, wire_bytes_, rest);
+      if (pin.ok()) {
+        r->pin = std::move(*pin);
+        r->store_blocks = r->pin.blocks;
       } else {
-        store_status = k.status();
+        store_status = pin.status();
       }
     }
   }
@@ -114,6 +127,7 @@ absl::StatusOr<KvConnector::Match> KvConnector::Begin(uint64_t request, std::vec
   std::lock_guard lk(mu_);
   if (requests_.count(request)) {
     for (uint32_t p : r->pages) pool_->Unref(p);
+    if (store_) store_->Release(r->pin);
     return absl::AlreadyExistsError(absl::StrCat("request ", request, " is already open"));
   }
   requests_[request] = std::move(r);
@@ -154,6 +168,7 @@ void KvConnector::Finished(uint64_t request) {
     requests_.erase(it);
   }
   if (r->load.valid()) r->load.wait();
+  if (store_) store_->Release(r->pin);  // a pin never loaded (the load releases its own)
   for (uint32_t p : r->pages) pool_->Unref(p);
   for (uint32_t p : r->computed) pool_->Discard(p);
 }

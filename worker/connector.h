@@ -2,12 +2,27 @@
 // each request, shaped after engines' KV-connector hooks.
 //
 //   Begin(request, chain)      -> blocks already on the GPU (pinned) and how
-//                                 many more the store holds
-//   StartLoad / WaitForLoad    -> onboard those from the store: BeginGet, RMA
-//                                 into staging, checksum, scatter into pages
+//                                 many more the store holds, pinned there by
+//                                 the same single round trip (BeginGet)
+//   StartLoad / WaitForLayer / -> onboard those: RMA straight into the pages,
+//     WaitForLoad                 layer by layer (layer 0 of every block
+//                                 first), so the engine may compute layer l
+//                                 while l + 1 is in flight; each block is
+//                                 then verified against its checksum and the
+//                                 store's pin released without a round trip
+//                                 on the request's path
 //   AllocateForCompute         -> pages for the blocks the engine computes
 //   Save / WaitForSave         -> make them matchable; write-through offload
 //   Finished                   -> unpin everything of the request
+//
+// With kv_wire int8 in the namespace the store holds packed blocks: loads
+// land in the load half of the staging memory and are unpacked into the
+// pages layer by layer, offloads are gathered and packed in one pass.
+//
+// A layer reported in by WaitForLayer holds the store's bytes, not yet
+// verified: WaitForLoad is the verdict, and an error there means the engine
+// must compute the blocks (and discard what it computed from them), as with
+// vLLM's load-error reporting.
 //
 // Offload: pages leaving the hot set (write-back) or freshly saved blocks
 // (write-through) are gathered into registered staging buffers and written
@@ -43,6 +58,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
+#include "common/thread_cache.h"
 #include "client/router_client.h"
 #include "client/store_data_client.h"
 #include "gpu/kv_layout.h"
@@ -61,12 +77,28 @@ struct ConnectorOptions {
   DataClientOptions data;                // deadlines, lanes, shared memory, ...
 };
 
+// Where a load's time went, in milliseconds.
+struct LoadTimes {
+  TransferTimes transfer;   // pin round trip (control), lane wait, RMA, checksum
+  double staging_ms = 0;    // waiting for load staging (int8 namespaces)
+  double scatter_ms = 0;    // unpacking staged blocks into pages (int8 namespaces)
+  LoadTimes& operator+=(const LoadTimes& o) {
+    transfer += o.transfer;
+    staging_ms += o.staging_ms;
+    scatter_ms += o.scatter_ms;
+    return *this;
+  }
+};
+
 struct ConnectorStats {
   uint64_t loads = 0, loaded_blocks = 0, load_failures = 0;
   uint64_t offloaded_blocks = 0, offload_skipped_known = 0, offload_dropped_full = 0,
            offload_failures = 0;
   uint64_t staging_in_use = 0, staging_peak = 0, staging_blocks = 0;  // offload staging
   uint64_t load_staging_peak = 0;                                     // load staging
+  LoadTimes load_times;        // summed over loads
+  TransferTimes offload_times;  // summed over offload batches
+  double offload_gather_ms = 0;  // gathering (and packing) pages into staging
   PagePool::Counters pool;
 };
 
@@ -90,14 +122,26 @@ class KvConnector {
 
   uint64_t namespace_id() const { return ns_; }
   uint64_t block_bytes() const { return layout_.block_bytes(); }
+  // Bytes of a block in the store and on the wire (half for kv_wire int8).
+  uint64_t wire_block_bytes() const { return wire_bytes_; }
   uint32_t block_tokens() const { return layout_.block_tokens; }
   PagePool& pool() { return *pool_; }
 
   absl::StatusOr<Match> Begin(uint64_t request, std::vector<BlockHash> chain);
-  void StartLoad(uint64_t request);
+  // Starts onboarding the blocks Begin found in the store. NOT_FOUND for an
+  // unknown request, FAILED_PRECONDITION for one whose load already started.
+  absl::Status StartLoad(uint64_t request);
+  // Returns once layer `layer` of every block being loaded is in its page
+  // (unverified; see above), or the load has ended (then the load's status
+  // if it failed before the layer came). OK at once when no load runs.
+  // INVALID_ARGUMENT for a layer outside the namespace, NOT_FOUND for an
+  // unknown request.
+  absl::Status WaitForLayer(uint64_t request, uint32_t layer);
   // Blocks loaded (they are cached and pinned for the request). An error
   // means none were: the engine computes them.
   absl::StatusOr<uint32_t> WaitForLoad(uint64_t request);
+  // Where the request's load spent its time (zero before it ended).
+  LoadTimes LoadTimesOf(uint64_t request);
   // Pages for the request's blocks that are neither on the GPU nor loaded, in
   // chain order; RESOURCE_EXHAUSTED if the pool has no unpinned page.
   absl::StatusOr<std::vector<uint32_t>> AllocateForCompute(uint64_t request);
@@ -123,7 +167,12 @@ class KvConnector {
     std::vector<uint32_t> pages;  // pinned pages, chain order, for the first pages.size() blocks
     uint32_t gpu_blocks = 0, store_blocks = 0, loaded = 0, loaded_from_disk = 0;
     std::vector<uint32_t> computed;  // pages from AllocateForCompute
+    ShardedPin pin;                  // the store's pin of the blocks after the GPU prefix
     std::future<absl::StatusOr<uint32_t>> load;
+    bool load_started = false, load_ended = false;  // guarded by mu_
+    uint32_t layers_in = 0;                          // guarded by mu_
+    absl::Status load_status;                        // guarded by mu_, once load_ended
+    LoadTimes load_times;
     uint64_t pending_saves = 0;
     absl::Status save_status;
   };
@@ -142,7 +191,13 @@ class KvConnector {
   void PublishRemoved(const BlockHash& h);
 
   // connector_load.cc
-  absl::StatusOr<uint32_t> Load(uint64_t request);
+  absl::StatusOr<uint32_t> Load(Request* r);
+  // Loads r's next n store blocks into `pages`: RMA straight into them, or
+  // through staging for int8. Returns how many were loaded and verified.
+  absl::StatusOr<uint32_t> LoadDirect(Request* r, const std::vector<uint32_t>& pages);
+  absl::StatusOr<uint32_t> LoadPacked(Request* r, const std::vector<uint32_t>& pages);
+  // Layers [0, n) of every block of r's load are in.
+  void LayersIn(Request* r, uint32_t n);
 
   // connector_offload.cc
   // The pool evicts page (holding h): write it back if the policy says so.
@@ -160,11 +215,13 @@ class KvConnector {
   bool AcquireStagingLocked(std::unique_lock<std::mutex>& lk, size_t n, int wait_ms,
                             std::vector<uint32_t>* slots, bool for_load = false);
   void ReleaseStaging(const std::vector<uint32_t>& slots);
-  uint8_t* Slot(uint32_t slot) const { return staging_ + uint64_t{slot} * layout_.block_bytes(); }
+  uint8_t* Slot(uint32_t slot) const { return staging_ + uint64_t{slot} * wire_bytes_; }
 
   ConnectorOptions options_;
   gpu::KvLayout layout_;
   uint64_t ns_ = 0;
+  uint64_t wire_bytes_ = 0;  // BlockBytes(spec): what the store and staging hold per block
+  bool packed_ = false;      // kv_wire int8
   std::unique_ptr<PagePool> pool_;
   std::unique_ptr<ShardedStoreClient> store_;
   std::mutex publishers_mu_;  // publishers_
@@ -176,6 +233,7 @@ class KvConnector {
 
   mutable std::mutex staging_mu_;
   std::condition_variable staging_cv_, offload_cv_, drained_cv_;
+  std::condition_variable layers_cv_;  // with mu_: a load's layers came in, or it ended
   uint8_t* staging_ = nullptr;
   std::vector<uint32_t> free_slots_;       // offload half: [0, staging_blocks)
   std::vector<uint32_t> load_free_slots_;  // load half: [staging_blocks, 2 x staging_blocks)
@@ -189,6 +247,9 @@ class KvConnector {
 
   mutable std::mutex stats_mu_;
   ConnectorStats stats_;
+
+  // Last: destroyed first, once ~KvConnector has waited for every load.
+  ThreadCache load_threads_;
 };
 
 }  // namespace kvtier::worker

@@ -1,21 +1,62 @@
-// The connector's load (onboard) path: StartLoad runs Load on its own
-// thread; Load moves the request's store blocks through the load half of the
-// staging memory (BeginGet, RMA, checksum in the data client) and scatters
-// them into pool pages, which become cached and pinned for the request;
-// WaitForLoad hands over the outcome.
-#include "worker/connector.h"
-
+// The connector's load (onboard) path. Begin has already pinned the blocks
+// in the store (one BeginGet, connector.cc). StartLoad runs Load on a cached
+// thread (common/thread_cache.h): pages are allocated, the blocks' bytes move by RMA straight into
+// them layer by layer (int8 namespaces: into the load half of the staging
+// memory, unpacked into the pages as each layer lands), every block is
+// verified against its checksum, and the pages become cached and pinned for
+// the request. The store's pin is released without a round trip on the
+// request's path (client/store_data_client.h). WaitForLayer and WaitForLoad
+// hand over progress and the outcome.
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "worker/connector.h"
 
 namespace kvtier::worker {
 
-void KvConnector::StartLoad(uint64_t request) {
+namespace {
+double MsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+}  // namespace
+
+absl::Status KvConnector::StartLoad(uint64_t request) {
   std::lock_guard lk(mu_);
   auto it = requests_.find(request);
-  if (it == requests_.end()) return;
-  it->second->load = std::async(std::launch::async, [this, request] { return Load(request); });
+  if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
+  Request* r = it->second.get();
+  if (r->load_started) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request ", request, " has already started its load"));
+  }
+  r->load_started = true;
+  // On a cached thread: creating one per load costs up to milliseconds.
+  r->load = load_threads_.Run([this, r] {
+    auto got = Load(r);
+    {
+      std::lock_guard done(mu_);
+      r->load_ended = true;
+      r->load_status = got.status();
+    }
+    layers_cv_.notify_all();
+    return got;
+  });
+  return absl::OkStatus();
+}
+
+absl::Status KvConnector::WaitForLayer(uint64_t request, uint32_t layer) {
+  if (layer >= layout_.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is outside the namespace's ",
+                                                   layout_.layers, " layers"));
+  }
+  std::unique_lock lk(mu_);
+  auto it = requests_.find(request);
+  if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
+  Request* r = it->second.get();
+  if (!r->load_started) return absl::OkStatus();
+  layers_cv_.wait(lk, [&] { return r->layers_in > layer || r->load_ended; });
+  if (r->layers_in > layer) return absl::OkStatus();
+  return r->load_status;
 }
 
 absl::StatusOr<uint32_t> KvConnector::WaitForLoad(uint64_t request) {
@@ -30,78 +71,129 @@ absl::StatusOr<uint32_t> KvConnector::WaitForLoad(uint64_t request) {
   return f.get();
 }
 
-absl::StatusOr<uint32_t> KvConnector::Load(uint64_t request) {
-  Request* r;
+LoadTimes KvConnector::LoadTimesOf(uint64_t request) {
+  std::lock_guard lk(mu_);
+  auto it = requests_.find(request);
+  if (it == requests_.end() || !it->second->load_ended) return LoadTimes{};
+  return it->second->load_times;
+}
+
+void KvConnector::LayersIn(Request* r, uint32_t n) {
   {
     std::lock_guard lk(mu_);
-    r = requests_.at(request).get();
+    r->layers_in = std::max(r->layers_in, n);
   }
-  if (r->store_blocks == 0 || !store_) return 0u;
+  layers_cv_.notify_all();
+}
+
+absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
+  if (r->store_blocks == 0 || !store_) {
+    if (store_) store_->Release(r->pin);
+    return 0u;
+  }
   {
     std::lock_guard sl(stats_mu_);
     stats_.loads++;
   }
-  const uint64_t bb = layout_.block_bytes();
-  uint32_t done = 0;
-  absl::Status failure = absl::OkStatus();
-  while (done < r->store_blocks) {
-    const size_t n = std::min<uint64_t>(r->store_blocks - done, options_.staging_blocks);
+  r->load_times.transfer.control_ms = r->pin.control_ms;
+  // Pages for the blocks; a full pool loads fewer (the engine computes the rest).
+  std::vector<uint32_t> pages;
+  for (uint32_t i = 0; i < r->store_blocks; ++i) {
+    auto p = pool_->Allocate();
+    if (!p) break;
+    pages.push_back(*p);
+  }
+  auto got = pages.empty() ? absl::StatusOr<uint32_t>(0u)
+                           : packed_ ? LoadPacked(r, pages) : LoadDirect(r, pages);
+  store_->Release(r->pin);  // after every transfer, whatever the outcome
+  const uint32_t done = got.ok() ? *got : r->loaded;
+  std::vector<BlockHash> stored;
+  for (uint32_t i = 0; i < pages.size(); ++i) {
+    if (i < done) {
+      const BlockHash& h = r->chain[r->gpu_blocks + i];
+      r->pages.push_back(pool_->Commit(h, pages[i]));
+      NoteStored(h);
+      stored.push_back(h);
+    } else {
+      pool_->Discard(pages[i]);
+    }
+  }
+  PublishStored(stored);
+  r->loaded = done;
+  LayersIn(r, layout_.layers);
+  std::lock_guard sl(stats_mu_);
+  stats_.loaded_blocks += done;
+  stats_.load_times += r->load_times;
+  if (!got.ok()) {
+    stats_.load_failures++;
+    if (done == 0) return got.status();
+  }
+  return done;
+}
+
+absl::StatusOr<uint32_t> KvConnector::LoadDirect(Request* r, const std::vector<uint32_t>& pages) {
+  // Layer l of a stored block is the page's chunk in layer l's memory.
+  const uint64_t chunk = layout_.layer_page_bytes();
+  ReadPlan plan;
+  if (layout_.layers > 1) {
+    for (uint32_t l = 0; l <= layout_.layers; ++l) plan.bounds.push_back(l * chunk);
+  }
+  uint8_t* const* bases = pool_->layer_bases();
+  plan.dest = [&](size_t i, size_t layer) -> void* { return bases[layer] + pages[i] * chunk; };
+  plan.on_segment = [&](size_t layer) { LayersIn(r, static_cast<uint32_t>(layer + 1)); };
+  auto got = store_->Read(r->pin, wire_bytes_, 0, static_cast<uint32_t>(pages.size()), plan);
+  if (!got.ok()) return got.status();
+  r->load_times.transfer += got->times;
+  r->loaded_from_disk = got->from_disk;
+  return got->blocks;
+}
+
+absl::StatusOr<uint32_t> KvConnector::LoadPacked(Request* r, const std::vector<uint32_t>& pages) {
+  const uint64_t layer_bytes = layout_.packed_layer_bytes();
+  uint8_t* const* bases = pool_->layer_bases();
+  const uint32_t total = static_cast<uint32_t>(pages.size());
+  // In runs of at most staging_blocks; layers are reported in with the last run.
+  for (uint32_t first = 0; first < total;) {
+    const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(total - first, options_.staging_blocks));
+    const bool last = first + n == total;
     std::vector<uint32_t> slots;
+    const auto wait_start = std::chrono::steady_clock::now();
     {
       std::unique_lock lk(staging_mu_);
       if (!AcquireStagingLocked(lk, n, options_.data.deadline_ms, &slots, /*for_load=*/true)) {
-        failure = absl::ResourceExhaustedError("no staging memory for the load before its deadline");
-        break;
+        return absl::ResourceExhaustedError("no staging memory for the load before its deadline");
       }
     }
-    std::vector<uint32_t> pages;
-    for (size_t i = 0; i < n; ++i) {
-      auto p = pool_->Allocate();
-      if (!p) break;
-      pages.push_back(*p);
-    }
-    std::vector<GetBlock> want;
-    for (size_t i = 0; i < pages.size(); ++i) {
-      want.push_back({r->chain[r->gpu_blocks + done + i], Slot(slots[i])});
-    }
-    auto got = want.empty() ? absl::StatusOr<GetOutcome>(GetOutcome{})
-                            : store_->Get(ns_, bb, want);
-    uint32_t m = got.ok() ? std::min<uint32_t>(got->blocks, static_cast<uint32_t>(pages.size())) : 0;
-    if (got.ok()) r->loaded_from_disk += std::min(got->from_disk, m);
-    if (m > 0) {
+    r->load_times.staging_ms += MsSince(wait_start);
+    ReadPlan plan;
+    for (uint32_t l = 0; l <= layout_.layers; ++l) plan.bounds.push_back(l * layer_bytes);
+    plan.dest = [&](size_t i, size_t layer) -> void* {
+      return Slot(slots[i - first]) + layer * layer_bytes;
+    };
+    absl::Status unpacked = absl::OkStatus();
+    double scatter_ms = 0;
+    plan.on_segment = [&](size_t layer) {
+      const auto t = std::chrono::steady_clock::now();
       std::vector<const uint8_t*> src;
-      for (uint32_t i = 0; i < m; ++i) src.push_back(Slot(slots[i]));
-      gpu::ScatterCpu(layout_, const_cast<uint8_t* const*>(pool_->layer_bases()), pages.data(), m,
-                      src.data());
-    }
-    std::vector<BlockHash> stored;
-    for (uint32_t i = 0; i < pages.size(); ++i) {
-      if (i < m) {
-        const BlockHash& h = r->chain[r->gpu_blocks + done + i];
-        r->pages.push_back(pool_->Commit(h, pages[i]));
-        NoteStored(h);
-        stored.push_back(h);
-      } else {
-        pool_->Discard(pages[i]);
-      }
-    }
+      for (uint32_t slot : slots) src.push_back(Slot(slot));
+      absl::Status s = gpu::UnpackScatterInt8Cpu(layout_, static_cast<uint32_t>(layer),
+                                                 static_cast<uint32_t>(layer + 1), bases,
+                                                 pages.data() + first, n, src.data());
+      if (unpacked.ok()) unpacked = s;
+      scatter_ms += MsSince(t);
+      if (last) LayersIn(r, static_cast<uint32_t>(layer + 1));
+    };
+    auto got = store_->Read(r->pin, wire_bytes_, first, n, plan);
     ReleaseStaging(slots);
-    PublishStored(stored);
-    done += m;
-    if (!got.ok()) {
-      failure = got.status();
-      break;
-    }
-    if (m < n) break;  // the store lost some, or the pool is full: compute the rest
+    r->load_times.scatter_ms += scatter_ms;
+    if (!got.ok()) return got.status();
+    if (!unpacked.ok()) return unpacked;
+    r->load_times.transfer += got->times;
+    r->loaded_from_disk += got->from_disk;
+    first += n;
+    r->loaded = first;  // runs before a failing one are verified and kept
   }
-  r->loaded = done;
-  std::lock_guard sl(stats_mu_);
-  stats_.loaded_blocks += done;
-  if (!failure.ok()) {
-    stats_.load_failures++;
-    if (done == 0) return failure;
-  }
-  return done;
+  return total;
 }
 
 }  // namespace kvtier::worker

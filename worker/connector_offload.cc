@@ -28,7 +28,19 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page, uint64_t
     }
   }
   uint8_t* dst = Slot(slot[0]);
-  gpu::GatherCpu(layout_, pool_->layer_bases(), &page, 1, &dst);
+  const auto gather_start = std::chrono::steady_clock::now();
+  if (packed_) {
+    // Cannot fail: Create refused int8 for an 8-bit dtype.
+    gpu::GatherPackInt8Cpu(layout_, pool_->layer_bases(), &page, 1, &dst).IgnoreError();
+  } else {
+    gpu::GatherCpu(layout_, pool_->layer_bases(), &page, 1, &dst);
+  }
+  {
+    std::lock_guard sl(stats_mu_);
+    stats_.offload_gather_ms += std::chrono::duration<double, std::milli>(
+                                    std::chrono::steady_clock::now() - gather_start)
+                                    .count();
+  }
   {
     std::lock_guard lk(staging_mu_);
     offload_queue_.push_back(Staged{hash, slot[0], request});
@@ -79,7 +91,7 @@ absl::Status KvConnector::WaitForSave(uint64_t request) {
 }
 
 void KvConnector::OffloadLoop() {
-  const uint64_t bb = layout_.block_bytes();
+  const uint64_t bb = wire_bytes_;
   for (;;) {
     std::vector<Staged> batch;
     {
@@ -102,6 +114,7 @@ void KvConnector::OffloadLoop() {
       std::lock_guard sl(stats_mu_);
       if (r.ok()) {
         stats_.offloaded_blocks += r->written;
+        stats_.offload_times += r->times;
         stats_.offload_skipped_known += r->already_present;
       } else {
         stats_.offload_failures += batch.size();

@@ -13,7 +13,7 @@
 namespace kvtier::worker {
 
 absl::Status KvConnector::InitStaging() {
-  const uint64_t bb = layout_.block_bytes();
+  const uint64_t bb = wire_bytes_;
   // aligned_alloc wants a multiple of the alignment; page alignment suits
   // RMA registration.
   const size_t staging_bytes = (2 * options_.staging_blocks * bb + 4095) / 4096 * 4096;

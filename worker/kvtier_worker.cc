@@ -184,7 +184,8 @@ kvtier_connector* kvtier_connector_create(const kvtier_connector_config* cfg) {
     }
     kvtier::worker::ConnectorOptions o;
     o.spec = kvtier::NamespaceSpec{cfg->model, cfg->dtype, cfg->layers, cfg->kv_heads,
-                                   cfg->head_dim, cfg->block_tokens, 0, 1, ""};
+                                   cfg->head_dim, cfg->block_tokens, 0, 1, "", ""};
+    if (cfg->kv_wire) o.spec.kv_wire = cfg->kv_wire;
     o.num_pages = cfg->num_pages;
     if (cfg->stores) {
       for (absl::string_view s : absl::StrSplit(cfg->stores, ',', absl::SkipEmpty())) {
@@ -271,11 +272,15 @@ kvtier_status kvtier_get_num_matched_tokens(kvtier_connector* c, uint64_t reques
 
 kvtier_status kvtier_start_load(kvtier_connector* c, uint64_t request) {
   return WithConnector(c, [&](KvConnector& k) -> absl::Status {
-    // KvConnector::StartLoad ignores an unknown request; C callers get told.
-    // No race: one request id is used by one thread at a time.
     if (!k.IsOpen(request)) return NotOpen(request);
-    k.StartLoad(request);
-    return absl::OkStatus();
+    return k.StartLoad(request);
+  });
+}
+
+kvtier_status kvtier_wait_for_layer(kvtier_connector* c, uint64_t request, uint32_t layer) {
+  return WithConnector(c, [&](KvConnector& k) -> absl::Status {
+    if (!k.IsOpen(request)) return NotOpen(request);
+    return k.WaitForLayer(request, layer);
   });
 }
 

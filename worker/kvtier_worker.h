@@ -4,7 +4,7 @@
  * One connector owns the engine's paged KV cache (kvtier_layer_base) and
  * talks to the store. Per request, in order:
  *   kvtier_get_num_matched_tokens  -> tokens on the GPU and in the store
- *   kvtier_start_load / kvtier_wait_for_load
+ *   kvtier_start_load / kvtier_wait_for_layer / kvtier_wait_for_load
  *   kvtier_allocate                -> pages for the tokens to compute
  *   (the engine computes into those pages)
  *   kvtier_save / kvtier_wait_for_save
@@ -81,6 +81,10 @@ typedef struct {
   const char* tls_ca;
   const char* tls_cert;
   const char* tls_key;
+  /* Block encoding in the store: NULL or "" (the dtype's bytes) or "int8"
+   * (half the bytes of a 16-bit cache; see docs/dataplane.md for the error
+   * bound). Part of the namespace: int8 blocks never mix with plain ones. */
+  const char* kv_wire;
 } kvtier_connector_config;
 
 /* NULL on failure; kvtier_last_status() says which:
@@ -89,7 +93,8 @@ typedef struct {
  *                              (layers, kv_heads, head_dim, block_tokens) or
  *                              too many pages; a model id empty or over 256
  *                              bytes; a TLS file unreadable or not PEM, or a
- *                              certificate without its key.
+ *                              certificate without its key; kv_wire neither
+ *                              "" nor "int8", or int8 with an fp8 dtype.
  *   KVTIER_RESOURCE_EXHAUSTED  no memory for the staging buffers.
  *   the data plane's code      registering the staging memory with it failed.
  * A store that is down is no failure here: it is asked again per request. */
@@ -119,9 +124,19 @@ int64_t kvtier_hash_tokens(const kvtier_connector* c, const uint32_t* tokens, si
 kvtier_status kvtier_get_num_matched_tokens(kvtier_connector* c, uint64_t request,
                                             const uint64_t* hashes, size_t n_blocks,
                                             uint64_t* gpu_tokens, uint64_t* store_tokens);
-/* Starts loading the request's store tokens in the background.
- *   KVTIER_NOT_FOUND  the request is not open. */
+/* Starts loading the request's store tokens in the background, layer by
+ * layer (layer 0 of every block first).
+ *   KVTIER_NOT_FOUND            the request is not open.
+ *   KVTIER_FAILED_PRECONDITION  its load was started already. */
 kvtier_status kvtier_start_load(kvtier_connector* c, uint64_t request);
+/* Returns once layer `layer` of every block being loaded is in its page, so
+ * the engine can compute that layer while later ones are in flight. The
+ * bytes are verified only when the whole load is: kvtier_wait_for_load's
+ * answer is the verdict. KVTIER_OK at once when no load was started.
+ *   KVTIER_INVALID_ARGUMENT  layer is not below the namespace's layers.
+ *   KVTIER_NOT_FOUND         the request is not open.
+ *   (the load's code)        it failed before the layer came. */
+kvtier_status kvtier_wait_for_layer(kvtier_connector* c, uint64_t request, uint32_t layer);
 /* Tokens loaded from the store (0 if kvtier_start_load was not called). A
  * load cut short after some blocks returns those; one that loaded nothing
  * fails, and the engine computes the tokens instead:

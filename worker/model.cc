@@ -22,8 +22,22 @@ void ComputeIntoPage(const gpu::KvLayout& l, uint8_t* const* bases, uint32_t pag
 }
 
 bool PageMatchesModel(const gpu::KvLayout& l, uint8_t* const* bases, uint32_t page, uint64_t ns,
-                      const BlockHash& hash) {
+                      const BlockHash& hash, bool packed) {
   const uint64_t chunk = l.layer_page_bytes();
+  if (packed) {
+    std::vector<uint8_t> block(l.block_bytes()), wire(l.packed_bytes());
+    ModelBlock(l, ns, hash, block.data());
+    if (!gpu::PackInt8Cpu(l, block.data(), wire.data()).ok() ||
+        !gpu::UnpackInt8Cpu(l, wire.data(), block.data()).ok()) {
+      return false;
+    }
+    for (uint32_t layer = 0; layer < l.layers; ++layer) {
+      if (std::memcmp(block.data() + layer * chunk, bases[layer] + page * chunk, chunk) != 0) {
+        return false;
+      }
+    }
+    return true;
+  }
   std::vector<uint8_t> want(chunk);
   for (uint32_t layer = 0; layer < l.layers; ++layer) {
     ModelChunk(ns, hash, layer, want.data(), chunk);

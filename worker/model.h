@@ -15,9 +15,11 @@ void ModelChunk(uint64_t ns, const BlockHash& hash, uint32_t layer, uint8_t* out
 // Writes the model's KV for hash into page (every layer).
 void ComputeIntoPage(const gpu::KvLayout& layout, uint8_t* const* layer_bases, uint32_t page,
                      uint64_t ns, const BlockHash& hash);
-// True if page holds exactly the model's KV for hash.
+// True if page holds exactly the model's KV for hash; with `packed`, the
+// model's KV after int8 packing and unpacking (what an int8 namespace's load
+// must give, byte for byte).
 bool PageMatchesModel(const gpu::KvLayout& layout, uint8_t* const* layer_bases, uint32_t page,
-                      uint64_t ns, const BlockHash& hash);
+                      uint64_t ns, const BlockHash& hash, bool packed = false);
 // The model's whole block (layer-major), as the store holds it.
 void ModelBlock(const gpu::KvLayout& layout, uint64_t ns, const BlockHash& hash, uint8_t* out);
 

@@ -32,7 +32,26 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
+absl::StatusOr<uint32_t> ToStatus(const absl::Status& s) {
+  if (s.ok()) return 0u;
+  return s;
+}
+
+void ToProto(const TransferTimes& t, v1::TimeBreakdown* out) {
+  out->set_control_ms(t.control_ms);
+  out->set_queue_ms(t.queue_ms);
+  out->set_rma_ms(t.rma_ms);
+  out->set_checksum_ms(t.checksum_ms);
+}
+
+void ToProto(const LoadTimes& t, v1::TimeBreakdown* out) {
+  ToProto(t.transfer, out);
+  out->set_staging_ms(t.staging_ms);
+  out->set_scatter_ms(t.scatter_ms);
+}
+
 struct SimOptions {
+  bool packed = false;  // kv_wire int8: onboarded bytes are the model's after pack + unpack
   double prefill_tokens_per_s = 10000;
   double decode_ms_per_token = 20;
   double time_scale = 0;  // real seconds slept per simulated second of prefill
@@ -64,35 +83,38 @@ class SimWorkerService final : public v1::SimWorker::Service {
     // A trailing partial block is computed but not cached.
     running_++;
     uint64_t id = req->request_id() ? req->request_id() : next_id_++;
+    // Onboarding starts here: Begin pins the store's blocks (its one round trip).
+    auto t_load = Clock::now();
     auto m = c_->Begin(id, chain);
     if (!m.ok()) {
       running_--;
       return ToGrpc(m.status());
     }
-    auto t_load = Clock::now();
     uint32_t loaded = 0;
     if (!m->store_status.ok()) {
       resp->set_load_status(absl::StrCat("store lookup failed, computing instead: ",
                                          m->store_status.message()));
     }
+    double onboard_ms = 0;
     if (m->store_blocks > 0) {
-      c_->StartLoad(id);
-      auto l = c_->WaitForLoad(id);
+      absl::StatusOr<uint32_t> l = ToStatus(c_->StartLoad(id));
+      if (l.ok()) l = c_->WaitForLoad(id);
       if (l.ok()) {
         loaded = *l;
         resp->set_onboarded_from_disk(c_->LoadedFromDisk(id));
       } else {
         resp->set_load_status(std::string(l.status().message()));
       }
+      onboard_ms = Ms(Clock::now() - t_load);
+      ToProto(c_->LoadTimesOf(id), resp->mutable_onboard_breakdown());
     }
-    double onboard_ms = Ms(Clock::now() - t_load);
     // Every onboarded byte against the model.
     uint32_t verified = 0, mismatched = 0;
     {
       auto pages = c_->pool().MatchAndRef(chain);
       for (uint32_t i = m->gpu_blocks; i < m->gpu_blocks + loaded && i < pages.size(); ++i) {
         bool same = PageMatchesModel(c_->pool().layout(), c_->pool().layer_bases(), pages[i],
-                                     c_->namespace_id(), chain[i]);
+                                     c_->namespace_id(), chain[i], o_.packed);
         ++verified;
         mismatched += !same;
       }
@@ -183,6 +205,9 @@ class SimWorkerService final : public v1::SimWorker::Service {
     resp->set_verified_blocks(verified_);
     resp->set_mismatched_blocks(mismatched_);
     resp->set_page_evictions(s.pool.evictions);
+    ToProto(s.offload_times, resp->mutable_offload_breakdown());
+    resp->mutable_offload_breakdown()->set_gather_ms(s.offload_gather_ms);
+    ToProto(s.load_times, resp->mutable_onboard_breakdown());
     return grpc::Status::OK;
   }
 
@@ -204,7 +229,7 @@ int main(int argc, char** argv) {
   kvtier::BlockShutdownSignals();
   using namespace kvtier;
   std::string listen = "127.0.0.1:7600", stores, routers, worker_id, endpoint, port_file;
-  std::string model = "sim-model", dtype = "fp16", offload = "write-back";
+  std::string model = "sim-model", dtype = "fp16", offload = "write-back", kv_wire = "none";
   int64_t layers = 4, kv_heads = 2, head_dim = 64, block_tokens = 16, pages = 1024, staging = 64;
   worker::SimOptions sim;
   uint64_t heartbeat_ms = 500, deadline_ms = 10000;
@@ -222,6 +247,9 @@ int main(int argc, char** argv) {
   flags.String("endpoint", &endpoint, "Where routers send requests [default: the listen address]");
   flags.String("model", &model, "Model name of the namespace");
   flags.Choice("dtype", &dtype, {"fp16", "bf16", "fp8"}, "KV element type");
+  flags.Choice("kv-wire", &kv_wire, {"none", "int8"},
+               "Block encoding in the store: the dtype's bytes, or int8 (half the bytes of a "
+               "16-bit cache; lossy, see docs/dataplane.md)");
   flags.Int("layers", &layers, 1, 1024, "Layers");
   flags.Int("kv-heads", &kv_heads, 1, 1024, "KV heads");
   flags.Int("head-dim", &head_dim, 1, 4096, "Head dimension");
@@ -259,7 +287,10 @@ int main(int argc, char** argv) {
                           static_cast<uint32_t>(block_tokens),
                           0,
                           1,
+                          "",
                           ""};
+  if (kv_wire == "int8") co.spec.kv_wire = kKvWireInt8;
+  sim.packed = kv_wire == "int8";
   co.num_pages = static_cast<uint64_t>(pages);
   for (absl::string_view s : absl::StrSplit(stores, ',', absl::SkipEmpty())) co.stores.emplace_back(s);
   co.offload = offload;

@@ -99,6 +99,13 @@ absl::StatusOr<StartedServer> StartGrpcServer(const GrpcServerOptions& o) {
     builder.SetMaxReceiveMessageSize(limit);
     builder.SetMaxSendMessageSize(limit);
   }
+  // The sync server hands each call to a polling thread and starts another
+  // when none is left, ending threads beyond MAX_POLLERS once idle. On a
+  // busy machine that churn (a thread start costs up to milliseconds) sat
+  // inside every control round trip: keep enough pollers that bursts of
+  // calls find one waiting.
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 4);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 64);
   for (grpc::Service* s : o.services) builder.RegisterService(s);
   builder.experimental().SetInterceptorCreators(ServerInterceptors());
   started.server = builder.BuildAndStart();

@@ -91,8 +91,11 @@ struct ModeResult {
   std::vector<std::pair<uint64_t, uint64_t>> per_request;  // (gpu hit tokens, prompt tokens) by index
   int64_t restarted_at = -1;
   double seconds = 0, onboard_ms = 0;
-  uint64_t onboarded_bytes = 0;
+  uint64_t onboarded_bytes = 0;  // KV bytes delivered into pages
+  uint64_t onboarded_blocks = 0;
+  uint64_t wire_block_bytes = 0;  // bytes a block takes in the store and on the wire
   Breakdown onboard, offload;
+  uint64_t BytesMoved() const { return (onboarded_blocks + offloaded_blocks) * wire_block_bytes; }
   double Frac(uint64_t x) const { return prompt_tokens ? double(x) / prompt_tokens : 0; }
   double TtftMean() const {
     double s = 0;
@@ -178,8 +181,9 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         grpc::CreateChannel((*s)->address(), grpc::InsecureChannelCredentials())));
     workers.push_back(std::move(*s));
   }
-  const uint64_t ns = NamespaceId(NamespaceSpec{"mooncake-trace", "fp16", 1, 1,
-                                                static_cast<uint32_t>(head_dim), 512, 0, 1, "", o.kv_wire});
+  const NamespaceSpec spec{"mooncake-trace", "fp16", 1, 1, static_cast<uint32_t>(head_dim), 512,
+                           0, 1, "", o.kv_wire};
+  const uint64_t ns = NamespaceId(spec);
   std::unique_ptr<v1::Router::Stub> rstub;
   if (router) {
     rstub = v1::Router::NewStub(grpc::CreateChannel(router->address(), grpc::InsecureChannelCredentials()));
@@ -194,6 +198,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
 
   ModeResult res;
   res.name = mode;
+  res.wire_block_bytes = BlockBytes(spec);
   res.work.assign(o.workers, 0);
   res.per_request.assign(trace.size(), {0, 0});
   std::mutex mu;
@@ -264,6 +269,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.onboard_ms += resp.onboard_ms();
       if (resp.has_onboard_breakdown()) res.onboard.Add(resp.onboard_breakdown());
       res.onboarded_bytes += uint64_t{resp.verified_blocks()} * o.block_bytes;
+      res.onboarded_blocks += resp.verified_blocks();
       size_t d = ++done;
       if (o.progress && isatty(2) && (d % 20 == 0 || d == trace.size())) Progress(mode, d, trace.size());
     }
@@ -312,7 +318,8 @@ nlohmann::json ToJson(const ModeResult& r, uint64_t block_bytes) {
           {"verified_blocks", r.verified},
           {"mismatched_blocks", r.mismatched},
           {"load_fallbacks", r.load_failures},
-          {"bytes_moved", r.onboarded_bytes + r.offloaded_blocks * block_bytes},
+          {"bytes_moved", r.BytesMoved()},
+          {"wire_block_bytes", r.wire_block_bytes},
           {"onboard_gb_per_s", r.onboard_ms > 0 ? r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9 : 0},
           {"onboard_ms", r.onboard_ms},
           {"onboard_breakdown", r.onboard.Json()},
@@ -461,7 +468,7 @@ int RunReplay(int argc, const char* const* argv) {
                 r.name.c_str(), 100 * r.Frac(r.computed), 100 * r.Frac(r.gpu_hit),
                 100 * r.Frac(r.store_ram), 100 * r.Frac(r.store_disk), r.TtftMean(), r.TtftP99(),
                 r.Balance(),
-                FormatBytes(r.onboarded_bytes + r.offloaded_blocks * o.block_bytes).c_str());
+                FormatBytes(r.BytesMoved()).c_str());
   }
   std::printf("%-18s %8.2f%%   (infinite cache shared by all engines, from the trace)\n", "oracle",
               100 * (1 - oracle.token_hit_ratio()));

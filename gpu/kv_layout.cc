@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -106,14 +107,21 @@ uint16_t FloatToBf16(float f) {
 }
 
 namespace {
+// Every fp16 value as a float: one table lookup instead of a conversion per
+// element on the pack path (256 KiB, built once).
+const float* HalfTable() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t i = 0; i < 65536; ++i) t[i] = HalfToFloat(static_cast<uint16_t>(i));
+    return t;
+  }();
+  return table.data();
+}
+
 inline float Load(Dtype d, const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
-  return d == Dtype::kFp16 ? HalfToFloat(v) : Bf16ToFloat(v);
-}
-inline void Store(Dtype d, uint8_t* p, float f) {
-  uint16_t v = d == Dtype::kFp16 ? FloatToHalf(f) : FloatToBf16(f);
-  std::memcpy(p, &v, 2);
+  return d == Dtype::kFp16 ? HalfTable()[v] : Bf16ToFloat(v);
 }
 
 // One (layer, K|V) chunk of n elements at src: its scale, then its int8 values.
@@ -126,15 +134,25 @@ void PackChunk(Dtype d, const uint8_t* src, uint64_t n, uint8_t* scale_out, int8
   const float s = absmax / 127.0f;
   std::memcpy(scale_out, &s, 4);
   for (uint64_t i = 0; i < n; ++i) {
-    float r = s > 0 ? std::nearbyint(Load(d, src + 2 * i) / s) : 0.0f;
-    q[i] = static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+    // Round half to even by the 1.5 x 2^23 trick (exact for |v| < 2^22, and
+    // |v| <= 127 here), then clamp as the CUDA kernel's fmaxf/fminf do: NaN
+    // becomes -127 on both.
+    const float v = s > 0 ? Load(d, src + 2 * i) / s : 0.0f;
+    const float r = (v + 0x1.8p23f) - 0x1.8p23f;
+    q[i] = static_cast<int8_t>(std::fmin(std::fmax(r, -127.0f), 127.0f));
   }
 }
 
 void UnpackChunk(Dtype d, const uint8_t* scale_in, const int8_t* q, uint64_t n, uint8_t* dst) {
   float s;
   std::memcpy(&s, scale_in, 4);
-  for (uint64_t i = 0; i < n; ++i) Store(d, dst + 2 * i, static_cast<float>(q[i]) * s);
+  // A chunk has at most 255 distinct values: convert each once.
+  uint16_t values[256];
+  for (int v = -128; v <= 127; ++v) {
+    const float f = static_cast<float>(v) * s;
+    values[v + 128] = d == Dtype::kFp16 ? FloatToHalf(f) : FloatToBf16(f);
+  }
+  for (uint64_t i = 0; i < n; ++i) std::memcpy(dst + 2 * i, &values[q[i] + 128], 2);
 }
 
 absl::Status Needs16Bit(const KvLayout& l) {

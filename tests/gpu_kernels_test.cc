@@ -98,6 +98,49 @@ TEST(GpuCpu, HalfAndBf16ConversionsRoundToNearestEven) {
   }
 }
 
+TEST(GpuCpu, FusedGatherPackAndLayerwiseUnpackScatterMatchTheBlockFunctions) {
+  std::mt19937_64 rng(11);
+  for (Dtype d : {Dtype::kFp16, Dtype::kBf16}) {
+    KvLayout l = RandomLayout(rng, d);
+    l.num_pages = 4;
+    std::vector<std::vector<uint8_t>> layers(l.layers, std::vector<uint8_t>(l.layer_bytes()));
+    std::vector<uint8_t*> bases;
+    std::normal_distribution<float> nd(0, 2);
+    for (auto& m : layers) {
+      for (uint64_t i = 0; i < m.size() / 2; ++i) {
+        uint16_t v = d == Dtype::kFp16 ? FloatToHalf(nd(rng)) : FloatToBf16(nd(rng));
+        std::memcpy(m.data() + 2 * i, &v, 2);
+      }
+      bases.push_back(m.data());
+    }
+    const uint32_t pages[2] = {3, 1};
+    // Fused gather + pack equals gather, then pack.
+    std::vector<uint8_t> block(l.block_bytes()), want(l.packed_bytes()), got(l.packed_bytes());
+    uint8_t* dst = block.data();
+    GatherCpu(l, bases.data(), &pages[0], 1, &dst);
+    ASSERT_TRUE(PackInt8Cpu(l, block.data(), want.data()).ok());
+    uint8_t* out = got.data();
+    ASSERT_TRUE(GatherPackInt8Cpu(l, bases.data(), &pages[0], 1, &out).ok());
+    EXPECT_EQ(want, got);
+    // Unpacking layer by layer into page 1 equals unpack, then scatter.
+    std::vector<uint8_t> unpacked(l.block_bytes());
+    ASSERT_TRUE(UnpackInt8Cpu(l, want.data(), unpacked.data()).ok());
+    const uint8_t* src = got.data();
+    for (uint32_t layer = 0; layer < l.layers; ++layer) {
+      ASSERT_TRUE(UnpackScatterInt8Cpu(l, layer, layer + 1, bases.data(), &pages[1], 1, &src).ok());
+    }
+    for (uint32_t layer = 0; layer < l.layers; ++layer) {
+      EXPECT_EQ(0, std::memcmp(bases[layer] + pages[1] * l.layer_page_bytes(),
+                               unpacked.data() + layer * l.layer_page_bytes(),
+                               l.layer_page_bytes()))
+          << "layer " << layer;
+    }
+    auto bad = UnpackScatterInt8Cpu(l, 0, l.layers + 1, bases.data(), &pages[1], 1, &src);
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(bad.message().find("outside"), std::string::npos) << bad;
+  }
+}
+
 TEST(GpuCpu, Int8PackingStaysWithinItsErrorBound) {
   std::mt19937_64 rng(3);
   for (Dtype d : {Dtype::kFp16, Dtype::kBf16}) {

@@ -1,0 +1,403 @@
+// The fetch path (docs/dataplane.md, "Loads"): a load is one pin round trip,
+// a read cut into segments (layers) whose progress is reported in order, and
+// a release that never blocks; loads go before offloads; int8 namespaces;
+// and the bad inputs of each new call, which change nothing stored. Against
+// a real kvtier-store, over UCX (TCP) and through the mapped arena.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <future>
+#include <thread>
+
+#include "client/store_data_client.h"
+#include "client/transfer_lanes.h"
+#include "common/thread_cache.h"
+#include "tests/test_util.h"
+#include "worker/connector.h"
+#include "worker/model.h"
+
+namespace kvtier {
+namespace {
+
+using testing::ServerProcess;
+using testing::WaitFor;
+
+TEST(TransferLanes, ALoadRunsWhileOffloadsHoldEverySharedLane) {
+  TransferLanes lanes(/*shared_lanes=*/1, /*load_lanes=*/1, 1 << 20);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<int> offloads_done{0};
+  for (int i = 0; i < 3; ++i) {
+    lanes.Submit(TransferLanes::Class::kOffload, 1000, [&, released](size_t) {
+      released.wait();
+      offloads_done++;
+    });
+  }
+  std::promise<size_t> ran_on;
+  lanes.Submit(TransferLanes::Class::kLoad, 1000, [&](size_t lane) { ran_on.set_value(lane); });
+  auto f = ran_on.get_future();
+  ASSERT_EQ(f.wait_for(std::chrono::seconds(5)), std::future_status::ready)
+      << "the load waited for offloads";
+  EXPECT_EQ(f.get(), 1u) << "the load-only lane ran it";
+  EXPECT_EQ(offloads_done.load(), 0);
+  release.set_value();
+  lanes.Stop();
+  EXPECT_EQ(offloads_done.load(), 3) << "offloads queued before Stop still ran";
+}
+
+TEST(TransferLanes, QueuedLoadsGoBeforeQueuedOffloads) {
+  TransferLanes lanes(/*shared_lanes=*/1, /*load_lanes=*/0, 1 << 20);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  std::mutex mu;
+  std::vector<std::string> order;
+  auto note = [&](std::string what) {
+    std::lock_guard lk(mu);
+    order.push_back(std::move(what));
+  };
+  std::promise<void> started;
+  lanes.Submit(TransferLanes::Class::kOffload, 1, [&, released](size_t) {
+    started.set_value();
+    released.wait();
+    note("offload-1");
+  });
+  started.get_future().wait();  // the only lane is busy: the next two queue
+  lanes.Submit(TransferLanes::Class::kOffload, 1, [&](size_t) { note("offload-2"); });
+  lanes.Submit(TransferLanes::Class::kLoad, 1, [&](size_t) { note("load"); });
+  release.set_value();
+  lanes.Stop();
+  EXPECT_EQ(order, (std::vector<std::string>{"offload-1", "load", "offload-2"}));
+}
+
+TEST(TransferLanes, OffloadBytesNeverHoldALoadsSubmit) {
+  // The offload class is full (one job at the bound, blocked): a load's
+  // Submit still returns at once, since each class has its own bound.
+  TransferLanes lanes(1, 1, 100);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  lanes.Submit(TransferLanes::Class::kOffload, 100, [released](size_t) { released.wait(); });
+  auto submitted = std::async(std::launch::async, [&] {
+    lanes.Submit(TransferLanes::Class::kLoad, 100, [](size_t) {});
+  });
+  EXPECT_EQ(submitted.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  release.set_value();
+}
+
+TEST(ThreadCache, ReusesAThreadForTasksInSequenceAndRunsConcurrentOnesAtOnce) {
+  ThreadCache cache;
+  auto first = cache.Run([] { return std::this_thread::get_id(); }).get();
+  auto second = cache.Run([] { return std::this_thread::get_id(); }).get();
+  EXPECT_EQ(first, second) << "a cached thread took the second task";
+  EXPECT_NE(first, std::this_thread::get_id());
+  // Two tasks that wait for each other finish only if both run at once.
+  std::promise<void> a, b;
+  auto fa = cache.Run([&] {
+    a.set_value();
+    b.get_future().wait();
+    return 1;
+  });
+  auto fb = cache.Run([&] {
+    a.get_future().wait();
+    b.set_value();
+    return 2;
+  });
+  ASSERT_EQ(fa.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_EQ(fa.get() + fb.get(), 3);
+}
+
+// 4 segments of 64 KiB: 2 (K, V) x 4 layers x 1 head x 64 dim x 2 bytes x 64 tokens.
+NamespaceSpec Spec4L() { return NamespaceSpec{"fetch-test", "fp16", 4, 1, 64, 64, 0, 1, "", ""}; }
+constexpr uint64_t kBlock = 64 << 10;
+constexpr uint64_t kLayer = kBlock / 4;
+
+// "ucx": UCX RMA over TCP; "mapped": the store's arena mapped (memcpy).
+class FetchPath : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", "tcp", 1);
+    store_ = std::make_unique<ServerProcess>(
+        KVTIER_STORE_BIN, dir_.sub("store"),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                                 "--data-dir=" + dir_.sub("db"), "--hugepages=false",
+                                 "--ram-bytes=64MiB"});
+    ASSERT_GT(store_->port(), 0) << store_->Log();
+  }
+  DataClientOptions Options() const {
+    DataClientOptions o;
+    o.deadline_ms = 5000;
+    o.shared_memory = std::string(GetParam()) == "mapped" ? DataClientOptions::SharedMemory::kOn
+                                                          : DataClientOptions::SharedMemory::kOff;
+    return o;
+  }
+  // Stores n blocks of the namespace and returns their bytes.
+  std::vector<uint8_t> PutBlocks(StoreDataClient& c, uint64_t ns, uint64_t n) {
+    std::vector<uint8_t> src(n * kBlock);
+    for (uint64_t i = 0; i < n; ++i) {
+      std::string b = testing::BlockBytesFor(i + 1, kBlock);
+      std::memcpy(src.data() + i * kBlock, b.data(), kBlock);
+    }
+    std::vector<PutBlock> put;
+    for (uint64_t i = 0; i < n; ++i) put.push_back({H(i), src.data() + i * kBlock});
+    auto r = c.Put(ns, kBlock, put).get();
+    EXPECT_TRUE(r.ok()) << r.status();
+    return src;
+  }
+  static BlockHash H(uint64_t i) { return BlockHash{0xFE7C4 + i, i}; }
+  std::vector<BlockHash> Chain(uint64_t n) const {
+    std::vector<BlockHash> chain;
+    for (uint64_t i = 0; i < n; ++i) chain.push_back(H(i));
+    return chain;
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<ServerProcess> store_;
+};
+
+TEST_P(FetchPath, APinThenASegmentedReadLandsEveryByteAndReportsSegmentsInOrder) {
+  StoreDataClient c(store_->address(), Options());
+  auto ns = c.control().RegisterNamespace(Spec4L());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  ASSERT_EQ(ns->block_bytes, kBlock);
+  const uint64_t n = 8;
+  auto src = PutBlocks(c, ns->id, n);
+  auto chain = Chain(n);
+  chain.push_back(BlockHash{1, 2});  // absent: the pin ends before it
+  auto pin = c.Pin(ns->id, kBlock, chain);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  ASSERT_EQ(pin->sources.size(), n);
+  EXPECT_NE(pin->lease, 0u);
+  std::vector<uint8_t> dst(n * kBlock);
+  std::vector<size_t> segments;
+  ReadPlan plan;
+  plan.bounds = {0, kLayer, 2 * kLayer, 3 * kLayer, kBlock};
+  plan.dest = [&](size_t i, size_t s) { return dst.data() + i * kBlock + s * kLayer; };
+  plan.on_segment = [&](size_t s) {
+    // Segment s of every block is in when it is reported.
+    for (uint64_t i = 0; i < n; ++i) {
+      EXPECT_EQ(0, std::memcmp(dst.data() + i * kBlock + s * kLayer,
+                               src.data() + i * kBlock + s * kLayer, kLayer));
+    }
+    segments.push_back(s);
+  };
+  auto got = c.Read(*pin, kBlock, 0, n, plan).get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->blocks, n);
+  EXPECT_EQ(segments, (std::vector<size_t>{0, 1, 2, 3}));
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
+  // The release never blocked the read; it reaches the store soon after.
+  c.Release(pin->lease);
+  EXPECT_TRUE(WaitFor([&] {
+    auto st = c.control().GetStats();
+    return st.ok() && st->get_leases() == 0;
+  }));
+}
+
+TEST_P(FetchPath, BadReadsAreRefusedAndChangeNothingStored) {
+  StoreDataClient c(store_->address(), Options());
+  auto ns = c.control().RegisterNamespace(Spec4L());
+  ASSERT_TRUE(ns.ok());
+  const uint64_t n = 4;
+  auto src = PutBlocks(c, ns->id, n);
+  auto pin = c.Pin(ns->id, kBlock, Chain(n));
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  std::vector<uint8_t> dst(n * kBlock);
+  ReadPlan plan;
+  plan.dest = [&](size_t i, size_t s) { return dst.data() + i * kBlock + s * kLayer; };
+  auto expect = [](const absl::StatusOr<GetOutcome>& r, absl::StatusCode code,
+                   const std::string& words) {
+    EXPECT_EQ(r.status().code(), code) << r.status();
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status();
+  };
+  // A layer range outside the block, or segments that do not tile it.
+  plan.bounds = {0, kLayer, 2 * kBlock};
+  expect(c.Read(*pin, kBlock, 0, n, plan).get(), absl::StatusCode::kInvalidArgument,
+         "do not tile");
+  plan.bounds = {0, 2 * kLayer, kLayer, kBlock};
+  expect(c.Read(*pin, kBlock, 0, n, plan).get(), absl::StatusCode::kInvalidArgument,
+         "do not tile");
+  plan.bounds.clear();
+  // More blocks than pinned.
+  expect(c.Read(*pin, kBlock, 2, n, plan).get(), absl::StatusCode::kInvalidArgument,
+         "are pinned");
+  // A pin whose lease has expired.
+  PinnedBlocks stale = *pin;
+  stale.expires = std::chrono::steady_clock::now() - std::chrono::seconds(1);
+  expect(c.Read(stale, kBlock, 0, n, plan).get(), absl::StatusCode::kFailedPrecondition,
+         "expired");
+  // Nothing above touched the caller's memory or the store.
+  EXPECT_EQ(dst, std::vector<uint8_t>(n * kBlock, 0));
+  auto good = c.Read(*pin, kBlock, 0, n, plan).get();
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
+  c.Release(pin->lease);
+  auto st = c.control().GetStats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->tiers(0).items(), n);
+}
+
+TEST_P(FetchPath, ReleasesOfUnknownLeasesAreReportedNotFailed) {
+  StoreDataClient c(store_->address(), Options());
+  auto ns = c.control().RegisterNamespace(Spec4L());
+  ASSERT_TRUE(ns.ok());
+  PutBlocks(c, ns->id, 2);
+  auto pin = c.Pin(ns->id, kBlock, Chain(2));
+  ASSERT_TRUE(pin.ok());
+  auto& stub = c.control().stub();
+  {
+    v1::ReleaseGetsRequest req;
+    req.add_lease_ids(pin->lease);
+    req.add_lease_ids(987654321);
+    v1::ReleaseGetsResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub.ReleaseGets(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.released(), 1u);
+    ASSERT_EQ(resp.not_found_size(), 1);
+    EXPECT_EQ(resp.not_found(0), 987654321u);
+  }
+  {
+    v1::ReleaseGetsRequest req;  // no ids
+    v1::ReleaseGetsResponse resp;
+    grpc::ClientContext ctx;
+    EXPECT_EQ(stub.ReleaseGets(&ctx, req, &resp).error_code(), grpc::INVALID_ARGUMENT);
+  }
+  {
+    // A release riding on a pin: the ended lease is reported, the pin works.
+    v1::BeginGetRequest req;
+    req.set_namespace_id(ns->id);
+    for (const auto& h : Chain(2)) ToProto(h, req.add_hashes());
+    req.add_end_leases(pin->lease);  // ended above
+    v1::BeginGetResponse resp;
+    grpc::ClientContext ctx;
+    ASSERT_TRUE(stub.BeginGet(&ctx, req, &resp).ok());
+    EXPECT_EQ(resp.sources_size(), 2);
+    ASSERT_EQ(resp.leases_not_found_size(), 1);
+    EXPECT_NE(resp.instance_id(), 0u);
+    c.Release(resp.lease_id());
+  }
+  EXPECT_TRUE(WaitFor([&] {
+    auto st = c.control().GetStats();
+    return st.ok() && st->get_leases() == 0;
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, FetchPath, ::testing::Values("ucx", "mapped"),
+                         [](const auto& info) { return std::string(info.param); });
+
+// The connector over the fetch path: layer-wise loads and int8 namespaces.
+class ConnectorFetch : public FetchPath {
+ protected:
+  std::unique_ptr<worker::KvConnector> Make(NamespaceSpec spec, uint64_t pages,
+                                            std::string offload) {
+    worker::ConnectorOptions o;
+    o.spec = std::move(spec);
+    o.num_pages = pages;
+    o.stores = {store_->address()};
+    o.offload = std::move(offload);
+    o.staging_blocks = 8;  // int8 loads of more blocks go in runs
+    o.data = Options();
+    auto c = worker::KvConnector::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  // Computes and saves the chain write-through, so the store holds it.
+  void Store(worker::KvConnector& a, uint64_t id, const std::vector<BlockHash>& chain) {
+    ASSERT_TRUE(a.Begin(id, chain).ok());
+    auto pages = a.AllocateForCompute(id);
+    ASSERT_TRUE(pages.ok()) << pages.status();
+    for (size_t i = 0; i < pages->size(); ++i) {
+      worker::ComputeIntoPage(a.pool().layout(), a.pool().layer_bases(), (*pages)[i],
+                              a.namespace_id(), chain[i]);
+    }
+    ASSERT_TRUE(a.Save(id).ok());
+    ASSERT_TRUE(a.WaitForSave(id).ok());
+    a.Finished(id);
+  }
+  std::vector<BlockHash> ChainOf(const NamespaceSpec& spec, uint64_t n) const {
+    std::vector<uint32_t> tokens(n * spec.block_tokens);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i * 7 + 3);
+    return ChainHashes(NamespaceId(spec), tokens, spec.block_tokens);
+  }
+  // Loads the chain into a fresh worker layer by layer; every layer is
+  // reported and every page holds the model's bytes (packed: after int8).
+  void LoadLayerByLayer(const NamespaceSpec& spec, uint64_t n, bool packed) {
+    auto chain = ChainOf(spec, n);
+    auto a = Make(spec, 2 * n, "write-through");
+    Store(*a, 1, chain);
+    auto b = Make(spec, 2 * n, "none");
+    auto m = b->Begin(2, chain);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_EQ(m->store_blocks, n);
+    ASSERT_TRUE(b->StartLoad(2).ok());
+    EXPECT_EQ(b->StartLoad(2).code(), absl::StatusCode::kFailedPrecondition) << "started twice";
+    for (uint32_t l = 0; l < spec.layers; ++l) EXPECT_TRUE(b->WaitForLayer(2, l).ok()) << l;
+    EXPECT_EQ(b->WaitForLayer(2, spec.layers).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(b->WaitForLayer(99, 0).code(), absl::StatusCode::kNotFound);
+    auto loaded = b->WaitForLoad(2);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    EXPECT_EQ(*loaded, n);
+    auto pages = b->Pages(2);
+    ASSERT_EQ(pages.size(), n);
+    for (uint64_t i = 0; i < n; ++i) {
+      EXPECT_TRUE(worker::PageMatchesModel(b->pool().layout(), b->pool().layer_bases(), pages[i],
+                                           b->namespace_id(), chain[i], packed))
+          << "block " << i;
+      if (packed) {
+        EXPECT_FALSE(worker::PageMatchesModel(b->pool().layout(), b->pool().layer_bases(),
+                                              pages[i], b->namespace_id(), chain[i], false))
+            << "int8 is lossy: the page cannot hold the unpacked model exactly";
+      }
+    }
+    const auto times = b->LoadTimesOf(2);
+    EXPECT_GE(times.transfer.control_ms, 0.0);
+    b->Finished(2);
+  }
+};
+
+TEST_P(ConnectorFetch, ALayerWiseLoadReportsEveryLayerAndLandsTheModelsBytes) {
+  LoadLayerByLayer(Spec4L(), 12, /*packed=*/false);
+}
+
+TEST_P(ConnectorFetch, AnInt8NamespaceMovesHalfTheBytesAndLoadsThePackedModel) {
+  NamespaceSpec spec = Spec4L();
+  spec.kv_wire = kKvWireInt8;
+  // Per layer: two float32 scales and one byte per element, against two.
+  const uint64_t elems = uint64_t{spec.kv_heads} * spec.head_dim * spec.block_tokens;
+  EXPECT_EQ(BlockBytes(spec), spec.layers * (8 + 2 * elems));
+  EXPECT_LE(2 * BlockBytes(spec), BlockBytes(Spec4L()) + 16 * spec.layers);
+  EXPECT_NE(NamespaceId(spec), NamespaceId(Spec4L())) << "int8 blocks never alias plain ones";
+  StoreDataClient c(store_->address(), Options());
+  auto ns = c.control().RegisterNamespace(spec);
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  EXPECT_EQ(ns->block_bytes, BlockBytes(spec)) << "the store holds packed blocks";
+  // 12 blocks through 8 staging slots: two runs.
+  LoadLayerByLayer(spec, 12, /*packed=*/true);
+}
+
+TEST_P(ConnectorFetch, Int8ForAnEightBitCacheOrAnUnknownWireIsRefused) {
+  NamespaceSpec fp8 = Spec4L();
+  fp8.dtype = "fp8";
+  fp8.kv_wire = kKvWireInt8;
+  worker::ConnectorOptions o;
+  o.spec = fp8;
+  o.stores = {store_->address()};
+  auto c = worker::KvConnector::Create(o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("16-bit"), std::string::npos) << c.status();
+  StoreDataClient dc(store_->address(), Options());
+  NamespaceSpec odd = Spec4L();
+  odd.kv_wire = "int4";
+  auto r = dc.control().RegisterNamespace(odd);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("kv_wire"), std::string::npos) << r.status();
+  v1::ListNamespacesResponse listed;
+  grpc::ClientContext ctx;
+  ASSERT_TRUE(dc.control().stub().ListNamespaces(&ctx, {}, &listed).ok());
+  EXPECT_EQ(listed.namespaces_size(), 0) << "nothing was registered";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, ConnectorFetch, ::testing::Values("ucx", "mapped"),
+                         [](const auto& info) { return std::string(info.param); });
+
+}  // namespace
+}  // namespace kvtier

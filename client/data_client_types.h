@@ -19,9 +19,11 @@ namespace kvtier {
 
 struct DataClientOptions {
   std::string client_id = "kvtier-client";
-  int lanes = 2;  // operations run concurrently, each lane with its own UCX worker and endpoint
-  // Of which take loads only (in addition to `lanes`), so that a load never
-  // waits behind an offload (transfer_lanes.h).
+  // Lanes that run loads and offloads (loads first); each lane has its own
+  // UCX worker and endpoint.
+  int lanes = 2;
+  // Further lanes that run loads only, so that a load never waits behind an
+  // offload (transfer_lanes.h). Lanes in all: lanes + load_lanes.
   int load_lanes = 1;
   // How long a finished load's lease waits for the next pin to carry its
   // release before it is sent on its own (ReleaseGets).
@@ -29,11 +31,13 @@ struct DataClientOptions {
   // Connect through the store's sockaddr listener (RDMA-CM / TCP) instead of
   // its worker address. Sockaddr endpoints use network transports only.
   bool use_sockaddr = false;
-  // Let UCX use shared memory when client and store share a host (connects
-  // to the worker address without peer-failure handling, which UCX 1.13's
-  // shared-memory transports need; a dead store then fails operations at
-  // their deadline instead of at once). kAuto: on when the store's address
-  // is a loopback one.
+  // Use shared memory when client and store share a host: map the store's
+  // arena when it offers it (RemoteRegion.shm_path; transfers are then
+  // memcpys), and let UCX use its shared-memory transports otherwise
+  // (connects to the worker address without peer-failure handling, which
+  // UCX 1.13's shared-memory transports need; a dead store then fails
+  // operations at their deadline instead of at once). kAuto: on when the
+  // store's address is a loopback one.
   enum class SharedMemory { kAuto, kOn, kOff };
   SharedMemory shared_memory = SharedMemory::kAuto;
   int deadline_ms = 10000;                    // per operation, RPCs and transfers together

@@ -18,7 +18,6 @@ StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-  if (!options.channel_tag.empty()) args.SetString("kvtier.channel_tag", options.channel_tag);
   channel_ = OpenChannel(address, options.security, args);
   stub_ = v1::Store::NewStub(channel_);
 }

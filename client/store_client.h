@@ -25,10 +25,6 @@ struct StoreClientOptions {
   int max_message_bytes = 64 << 20;
   std::string admin_token;  // sent as x-kvtier-admin-token (needed by SetPolicy, Evict)
   ChannelSecurity security;  // plaintext unless TLS credentials are set
-  // Channels with different tags never share a connection: the data client
-  // gives loads a connection of their own, so no offload's RPC is ahead of
-  // a load's on it.
-  std::string channel_tag;
 };
 
 struct RegisteredNamespace {

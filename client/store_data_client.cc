@@ -74,14 +74,6 @@ StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions o
                  o.security = options_.security;
                  return o;
                }()),
-      load_control_(address,
-                    [&] {
-                      StoreClientOptions o;
-                      o.deadline_ms = options_.deadline_ms;
-                      o.security = options_.security;
-                      o.channel_tag = "loads";
-                      return o;
-                    }()),
       transfers_(static_cast<size_t>(std::max(1, options_.lanes)),
                  static_cast<size_t>(std::max(0, options_.load_lanes)),
                  options_.max_inflight_bytes) {
@@ -227,7 +219,7 @@ absl::StatusOr<PinnedBlocks> StoreDataClient::PinBy(std::chrono::system_clock::t
   }
   for (uint64_t id : releases) req.add_end_leases(id);
   v1::BeginGetResponse resp;
-  if (auto s = Call(load_control_, &v1::Store::Stub::BeginGet, req, &resp, deadline); !s.ok()) {
+  if (auto s = Call(control_, &v1::Store::Stub::BeginGet, req, &resp, deadline); !s.ok()) {
     if (!releases.empty()) {
       // Not delivered: the releaser tries them again (their expiry is the backstop).
       std::lock_guard lk(release_mu_);
@@ -321,7 +313,7 @@ void StoreDataClient::ReleaseLoop() {
         req.add_lease_ids(ids[i]);
       }
       v1::ReleaseGetsResponse resp;
-      Call(load_control_, &v1::Store::Stub::ReleaseGets, req, &resp,
+      Call(control_, &v1::Store::Stub::ReleaseGets, req, &resp,
            std::chrono::system_clock::now() + std::chrono::milliseconds(budget_ms))
           .IgnoreError();
     }

@@ -134,7 +134,6 @@ class StoreDataClient {
   std::string address_;
   DataClientOptions options_;
   StoreClient control_;
-  StoreClient load_control_;  // pins and releases, on a connection of their own
   std::shared_ptr<ucx::Context> ucx_context_;  // shared by the lanes' workers
   absl::Status init_error_;                    // of the UCX context
   std::mutex regions_mu_;

@@ -28,12 +28,15 @@ TEST(TransferLanes, ALoadRunsWhileOffloadsHoldEverySharedLane) {
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   std::atomic<int> offloads_done{0};
+  std::promise<void> started;
   for (int i = 0; i < 3; ++i) {
-    lanes.Submit(TransferLanes::Class::kOffload, 1000, [&, released](size_t) {
+    lanes.Submit(TransferLanes::Class::kOffload, 1000, [&, i, released](size_t) {
+      if (i == 0) started.set_value();
       released.wait();
       offloads_done++;
     });
   }
+  started.get_future().wait();  // the shared lane is busy with an offload
   std::promise<size_t> ran_on;
   lanes.Submit(TransferLanes::Class::kLoad, 1000, [&](size_t lane) { ran_on.set_value(lane); });
   auto f = ran_on.get_future();

@@ -138,8 +138,10 @@ kvtier_status kvtier_start_load(kvtier_connector* c, uint64_t request);
  *   (the load's code)        it failed before the layer came. */
 kvtier_status kvtier_wait_for_layer(kvtier_connector* c, uint64_t request, uint32_t layer);
 /* Tokens loaded from the store (0 if kvtier_start_load was not called). A
- * load cut short after some blocks returns those; one that loaded nothing
- * fails, and the engine computes the tokens instead:
+ * load is all or nothing, except that a full page pool loads fewer blocks
+ * and an int8 namespace's load, done in runs of staging_blocks, keeps the
+ * runs verified before a failing one; one that loaded nothing fails, and
+ * the engine computes the tokens instead:
  *   -KVTIER_NOT_FOUND           the request is not open.
  *   -KVTIER_RESOURCE_EXHAUSTED  no staging memory before the deadline.
  *   -(the store's code)         e.g. -KVTIER_UNAVAILABLE,

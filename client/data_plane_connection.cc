@@ -3,10 +3,6 @@
 // posting and waiting for RMA.
 #include "client/data_plane_connection.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cstring>
 
@@ -50,7 +46,7 @@ DataPlaneConnection::DataPlaneConnection(absl::StatusOr<std::unique_ptr<ucx::Wor
 
 DataPlaneConnection::~DataPlaneConnection() {
   Drop();
-  Unmap();
+  mapping_.reset();
   regions_.clear();
   worker_.reset();
 }
@@ -60,25 +56,10 @@ void DataPlaneConnection::Drop() {
   ep_.reset();
 }
 
-void DataPlaneConnection::Unmap() {
-  if (shm_ != nullptr) munmap(shm_, shm_length_);
-  shm_ = nullptr;
-  shm_base_ = 0;
-  shm_length_ = 0;
-}
-
 void DataPlaneConnection::Reset() {
   if (ep_) ep_->MarkFailed();
   Drop();
-  Unmap();
-}
-
-uint8_t* DataPlaneConnection::Mapped(uint64_t remote_addr, size_t length) const {
-  if (remote_addr < shm_base_ || remote_addr - shm_base_ > shm_length_ ||
-      length > shm_length_ - (remote_addr - shm_base_)) {
-    return nullptr;
-  }
-  return shm_ + (remote_addr - shm_base_);
+  mapping_.reset();
 }
 
 absl::Status DataPlaneConnection::EnsureConnected(
@@ -134,19 +115,10 @@ absl::Status DataPlaneConnection::EnsureConnected(
   backoff_ms_ = options_.backoff_min_ms;
   // Map the store's arena when it offers it and this client uses shared
   // memory; any failure (another user, another container) keeps UCX.
-  Unmap();
-  const auto& region = resp.regions(0);
-  if (UseSharedMemory(options_, address_) && !region.shm_path().empty() && region.length() > 0) {
-    int fd = open(region.shm_path().c_str(), O_RDWR | O_CLOEXEC);
-    if (fd >= 0) {
-      void* p = mmap(nullptr, region.length(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      close(fd);
-      if (p != MAP_FAILED) {
-        shm_ = static_cast<uint8_t*>(p);
-        shm_base_ = region.base_addr();
-        shm_length_ = region.length();
-      }
-    }
+  mapping_.reset();
+  if (UseSharedMemory(options_, address_)) {
+    auto m = ArenaMapping::Map(resp.regions(0), instance_);
+    if (m.ok()) mapping_ = std::move(*m);
   }
   return absl::OkStatus();
 }
@@ -186,8 +158,8 @@ ucp_request_param_t DataPlaneConnection::ParamsFor(const void* p, size_t n) cons
 }
 
 void* DataPlaneConnection::PostPut(const void* src, size_t length, uint64_t remote_addr) {
-  if (shm_ != nullptr) {
-    uint8_t* to = Mapped(remote_addr, length);
+  if (mapping_) {
+    uint8_t* to = mapping_->At(remote_addr, length);
     if (to == nullptr) return UCS_STATUS_PTR(UCS_ERR_INVALID_ADDR);  // Wait reports it
     std::memcpy(to, src, length);
     return nullptr;
@@ -197,8 +169,8 @@ void* DataPlaneConnection::PostPut(const void* src, size_t length, uint64_t remo
 }
 
 void* DataPlaneConnection::PostGet(void* dest, size_t length, uint64_t remote_addr) {
-  if (shm_ != nullptr) {
-    const uint8_t* from = Mapped(remote_addr, length);
+  if (mapping_) {
+    const uint8_t* from = mapping_->At(remote_addr, length);
     if (from == nullptr) return UCS_STATUS_PTR(UCS_ERR_INVALID_ADDR);  // Wait reports it
     std::memcpy(dest, from, length);
     return nullptr;
@@ -208,7 +180,7 @@ void* DataPlaneConnection::PostGet(void* dest, size_t length, uint64_t remote_ad
 }
 
 void* DataPlaneConnection::PostFlush() {
-  if (shm_ != nullptr) {
+  if (mapping_) {
     // The copies are visible to the store once the commit RPC that follows
     // is sent; the fence orders them before it on any architecture.
     std::atomic_thread_fence(std::memory_order_seq_cst);

@@ -32,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "client/arena_mapping.h"
 #include "client/data_client_types.h"
 #include "client/store_client.h"
 #include "common/ucx/ucx.h"
@@ -67,8 +68,8 @@ class DataPlaneConnection {
   void* PostGet(void* dest, size_t length, uint64_t remote_addr);
   // Remote completion of everything posted before it.
   void* PostFlush();
-  // Whether transfers are memcpys through the mapped arena.
-  bool mapped() const { return shm_ != nullptr; }
+  // The store's arena mapped here, when transfers are memcpys through it.
+  const std::shared_ptr<ArenaMapping>& mapping() const { return mapping_; }
   // Connects (as EnsureConnected) to the store instance that issued an
   // answer: if the connection is to another instance (the store restarted
   // since), it is made again; UNAVAILABLE if the store's instance is still
@@ -89,10 +90,6 @@ class DataPlaneConnection {
  private:
   ucp_request_param_t ParamsFor(const void* p, size_t n) const;
   void Drop();
-  void Unmap();
-  // The mapped bytes of [remote_addr, remote_addr + length), or nullptr
-  // when they are not all inside the mapped region.
-  uint8_t* Mapped(uint64_t remote_addr, size_t length) const;
 
   const std::string& address_;
   const DataClientOptions& options_;
@@ -107,9 +104,7 @@ class DataPlaneConnection {
   uint64_t backoff_ms_;
   std::string last_error_;
   uint64_t instance_ = 0;   // the connected store's instance id (0: unknown)
-  uint8_t* shm_ = nullptr;  // the store's arena, mapped here
-  uint64_t shm_base_ = 0;   // its address in the store
-  size_t shm_length_ = 0;
+  std::shared_ptr<ArenaMapping> mapping_;  // the store's arena, when mapped
 };
 
 }  // namespace kvtier

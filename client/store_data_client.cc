@@ -5,10 +5,12 @@
 #include "client/store_data_client.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/arena_mapping.h"
 #include "client/data_plane_connection.h"
 #include "common/checksum.h"
 #include "common/rpc/grpc_status.h"
@@ -54,6 +56,33 @@ constexpr uint64_t kReadWindowBytes = 4ull << 20;
 double MsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
 }
+
+// Reads through a mapped arena, shaped like a lane's DataPlaneConnection for
+// ReadVia: a "post" is the copy itself, a wait only reports copies that fell
+// outside the arena.
+struct MappedReads {
+  const ArenaMapping& arena;
+  void* PostGet(void* dest, size_t length, uint64_t remote_addr) {
+    const uint8_t* from = arena.At(remote_addr, length);
+    if (from == nullptr) return UCS_STATUS_PTR(UCS_ERR_INVALID_ADDR);
+    std::memcpy(dest, from, length);
+    return nullptr;
+  }
+  absl::Status Wait(std::vector<void*>& requests, ucx::Clock::time_point) {
+    absl::Status s = absl::OkStatus();
+    for (void*& r : requests) {
+      if (r != nullptr && s.ok()) {
+        s = absl::InternalError("the store answered an address outside its arena");
+      }
+      r = nullptr;
+    }
+    return s;
+  }
+  absl::Status EnsureInstance(uint64_t instance, std::chrono::system_clock::time_point) {
+    if (instance == arena.instance()) return absl::OkStatus();
+    return absl::UnavailableError("the store restarted since the pin; pin the blocks again");
+  }
+};
 
 // The status with `prefix` in front of its message, once (a status that
 // already names the operation keeps its message).
@@ -140,6 +169,10 @@ std::future<absl::StatusOr<Outcome>> StoreDataClient::Start(TransferLanes::Class
     absl::StatusOr<Outcome> r = Outcome{};
     if (count > 0) {
       if (absl::Status s = lane.EnsureConnected(deadline.rpcs); s.ok()) {
+        if (lane.mapping()) {
+          std::lock_guard lk(mapping_mu_);
+          if (mapping_ != lane.mapping()) mapping_ = lane.mapping();
+        }
         r = op(lane, deadline);
       } else {
         r = s;
@@ -186,7 +219,7 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
         if (!pinned.ok()) return pinned.status();
         ReadPlan plan;
         plan.dest = [&blocks](size_t i, size_t) { return blocks[i].dest; };
-        auto r = ReadOnLane(lane, deadline, *pinned, block_bytes, 0, pinned->sources.size(), plan);
+        auto r = ReadVia(lane, deadline, *pinned, block_bytes, 0, pinned->sources.size(), plan);
         Release(pinned->lease);  // after the transfers, whatever their outcome
         if (r.ok()) r->times.control_ms += pinned->control_ms;
         return r;
@@ -274,12 +307,29 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Read(const PinnedBlocks
     p.set_value(Prefixed(bad, absl::StrCat("get from store ", address_, ": ")));
     return p.get_future();
   }
+  std::shared_ptr<ArenaMapping> mapped;
+  {
+    std::lock_guard lk(mapping_mu_);
+    mapped = mapping_;
+  }
+  if (mapped && pinned.instance != 0 && mapped->instance() == pinned.instance) {
+    // The pin's store is mapped here: copy on this thread, no hand-off.
+    const auto budget = std::chrono::milliseconds(options_.deadline_ms);
+    const Deadline deadline{std::chrono::steady_clock::now() + budget,
+                            std::chrono::system_clock::now() + budget};
+    MappedReads transport{*mapped};
+    auto r = ReadVia(transport, deadline, pinned, block_bytes, first, count, plan);
+    if (!r.ok()) r = Prefixed(r.status(), absl::StrCat("get from store ", address_, ": "));
+    std::promise<absl::StatusOr<GetOutcome>> p;
+    p.set_value(std::move(r));
+    return p.get_future();
+  }
   return Start<GetOutcome>(
       TransferLanes::Class::kLoad, count, block_bytes,
       absl::StrCat("get from store ", address_, ": "),
       [this, block_bytes, first, count, pinned, plan = std::move(plan)](
           DataPlaneConnection& lane, const Deadline& deadline) {
-        return ReadOnLane(lane, deadline, pinned, block_bytes, first, count, plan);
+        return ReadVia(lane, deadline, pinned, block_bytes, first, count, plan);
       });
 }
 
@@ -393,11 +443,11 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
   return out;
 }
 
-absl::StatusOr<GetOutcome> StoreDataClient::ReadOnLane(DataPlaneConnection& lane,
-                                                       const Deadline& deadline,
-                                                       const PinnedBlocks& pinned,
-                                                       uint64_t block_bytes, size_t first,
-                                                       size_t count, const ReadPlan& plan) {
+template <typename Transport>
+absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadline& deadline,
+                                                    const PinnedBlocks& pinned,
+                                                    uint64_t block_bytes, size_t first,
+                                                    size_t count, const ReadPlan& plan) {
   GetOutcome out;
   if (count == 0) return out;
   // Addresses mean something only in the store instance that pinned them.

@@ -6,7 +6,8 @@
 // Load: Pin (one BeginGet: look the chain up and pin its present prefix, in
 // one round trip, on the caller's thread) -> Read (ucp_get_nbx of every
 // pinned block, or of each block's segments -- layers -- with a callback as
-// each segment lands, then every block checked against its checksum) ->
+// each segment lands, then every block checked against its checksum; from a
+// same-host store whose arena is mapped, memcpys on the caller's thread) ->
 // release, which never blocks: the lease id waits up to release_delay_ms to
 // travel with the next Pin (BeginGet.end_leases), else goes out batched in
 // one ReleaseGets; the lease's expiry is the backstop. Get is Pin + Read in
@@ -68,6 +69,7 @@ class Context;
 class MemoryRegion;
 }  // namespace ucx
 
+class ArenaMapping;
 class DataPlaneConnection;
 
 class StoreDataClient {
@@ -125,9 +127,12 @@ class StoreDataClient {
                                        const std::vector<PutBlock>& blocks);
   absl::StatusOr<PinnedBlocks> PinBy(std::chrono::system_clock::time_point deadline, uint64_t ns,
                                      uint64_t block_bytes, const std::vector<BlockHash>& chain);
-  absl::StatusOr<GetOutcome> ReadOnLane(DataPlaneConnection& lane, const Deadline& deadline,
-                                        const PinnedBlocks& pinned, uint64_t block_bytes,
-                                        size_t first, size_t count, const ReadPlan& plan);
+  // The read protocol over a lane's connection, or over the mapped arena on
+  // the caller's thread (store_data_client.cc's MappedReads).
+  template <typename Transport>
+  absl::StatusOr<GetOutcome> ReadVia(Transport& transport, const Deadline& deadline,
+                                     const PinnedBlocks& pinned, uint64_t block_bytes,
+                                     size_t first, size_t count, const ReadPlan& plan);
   // The releaser thread: sends the releases no Pin took within release_delay_ms.
   void ReleaseLoop();
 
@@ -141,6 +146,11 @@ class StoreDataClient {
   // lanes_[i] is touched only by lane i's thread (and by the destructor once
   // the lanes have stopped).
   std::vector<std::unique_ptr<DataPlaneConnection>> lanes_;
+
+  // The store's arena as a lane last mapped it: reads of pins from that
+  // instance are memcpys on the caller's thread, with no lane hand-off.
+  std::mutex mapping_mu_;
+  std::shared_ptr<ArenaMapping> mapping_;  // guarded by mapping_mu_
 
   std::mutex release_mu_;
   std::condition_variable release_cv_;

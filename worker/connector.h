@@ -168,6 +168,12 @@ class KvConnector {
     uint32_t gpu_blocks = 0, store_blocks = 0, loaded = 0, loaded_from_disk = 0;
     std::vector<uint32_t> computed;  // pages from AllocateForCompute
     ShardedPin pin;                  // the store's pin of the blocks after the GPU prefix
+    // The load runs once, on a cached thread or on the thread that waits for
+    // it first (whichever claims it): a caller that waits at once pays no
+    // hand-off. Shared, so a cached thread that comes late never touches a
+    // finished request.
+    std::shared_ptr<std::atomic<bool>> load_claim;
+    std::promise<absl::StatusOr<uint32_t>> load_promise;
     std::future<absl::StatusOr<uint32_t>> load;
     bool load_started = false, load_ended = false;  // guarded by mu_
     uint32_t layers_in = 0;                          // guarded by mu_
@@ -191,6 +197,8 @@ class KvConnector {
   void PublishRemoved(const BlockHash& h);
 
   // connector_load.cc
+  // Runs r's load if `claim` is still unclaimed.
+  void RunLoad(Request* r, const std::shared_ptr<std::atomic<bool>>& claim);
   absl::StatusOr<uint32_t> Load(Request* r);
   // Loads r's next n store blocks into `pages`: RMA straight into them, or
   // through staging for int8. Returns how many were loaded and verified.

@@ -30,18 +30,24 @@ absl::Status KvConnector::StartLoad(uint64_t request) {
         absl::StrCat("request ", request, " has already started its load"));
   }
   r->load_started = true;
-  // On a cached thread: creating one per load costs up to milliseconds.
-  r->load = load_threads_.Run([this, r] {
-    auto got = Load(r);
-    {
-      std::lock_guard done(mu_);
-      r->load_ended = true;
-      r->load_status = got.status();
-    }
-    layers_cv_.notify_all();
-    return got;
-  });
+  r->load = r->load_promise.get_future();
+  r->load_claim = std::make_shared<std::atomic<bool>>(false);
+  // On a cached thread (creating one per load costs up to milliseconds),
+  // unless WaitForLoad claims it first.
+  load_threads_.Run([this, r, claim = r->load_claim] { RunLoad(r, claim); });
   return absl::OkStatus();
+}
+
+void KvConnector::RunLoad(Request* r, const std::shared_ptr<std::atomic<bool>>& claim) {
+  if (claim->exchange(true)) return;  // another thread runs it (r may be gone)
+  auto got = Load(r);
+  {
+    std::lock_guard done(mu_);
+    r->load_ended = true;
+    r->load_status = got.status();
+  }
+  layers_cv_.notify_all();
+  r->load_promise.set_value(std::move(got));
 }
 
 absl::Status KvConnector::WaitForLayer(uint64_t request, uint32_t layer) {
@@ -61,13 +67,17 @@ absl::Status KvConnector::WaitForLayer(uint64_t request, uint32_t layer) {
 
 absl::StatusOr<uint32_t> KvConnector::WaitForLoad(uint64_t request) {
   std::future<absl::StatusOr<uint32_t>> f;
+  Request* r;
   {
     std::lock_guard lk(mu_);
     auto it = requests_.find(request);
     if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
-    if (!it->second->load.valid()) return 0u;
-    f = std::move(it->second->load);
+    r = it->second.get();
+    if (!r->load.valid()) return 0u;
+    f = std::move(r->load);
   }
+  // Not started by a cached thread yet: run it here instead of waiting.
+  RunLoad(r, r->load_claim);
   return f.get();
 }
 

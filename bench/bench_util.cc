@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <fstream>
 #include <cstring>
 #include <filesystem>
 #include <thread>
@@ -113,6 +114,12 @@ absl::Status LocalServer::Restart() {
     return absl::UnavailableError(absl::StrCat(binary_, " did not restart; see ", scratch_, ".log"));
   }
   return absl::OkStatus();
+}
+
+std::string LocalServer::LogTail(size_t bytes) const {
+  std::ifstream in(scratch_ + ".log");
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return all.size() > bytes ? all.substr(all.size() - bytes) : all;
 }
 
 LocalServer::~LocalServer() {

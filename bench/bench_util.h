@@ -51,6 +51,8 @@ class LocalServer {
   const std::string& address() const { return address_; }
   // kill -9 and start again with the same flags on the same port.
   absl::Status Restart();
+  // The last `bytes` of the server's log (for failure messages).
+  std::string LogTail(size_t bytes = 2000) const;
 
  private:
   std::unique_ptr<Process> proc_;

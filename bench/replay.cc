@@ -250,7 +250,9 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       std::lock_guard lk(mu);
       if (!s.ok()) {
         if (failure.ok()) {
-          failure = absl::InternalError(absl::StrCat("request ", i, " on worker ", w, ": ", s.error_message()));
+          failure = absl::InternalError(absl::StrCat("request ", i, " on worker ", w, ": ",
+                                                     s.error_message(), "; the worker's log ends:\n",
+                                                     workers[w]->LogTail()));
         }
         return;
       }

@@ -1,5 +1,7 @@
 #include "common/ucx/ucx.h"
 
+#include <poll.h>
+
 #include <arpa/inet.h>
 #include <netdb.h>
 
@@ -107,8 +109,10 @@ absl::Status Worker::WaitAll(std::vector<void*>& reqs, Clock::time_point deadlin
     }
     ++open;
   }
+  auto last_progress = Clock::now();
   while (open > 0) {
-    Progress();
+    const bool progressed = Progress() != 0;
+    const size_t was_open = open;
     open = 0;
     for (void*& r : reqs) {
       if (r == nullptr) continue;
@@ -120,6 +124,21 @@ absl::Status Worker::WaitAll(std::vector<void*>& reqs, Clock::time_point deadlin
       note(s);
       ucp_request_free(r);
       r = nullptr;
+    }
+    if (progressed || open < was_open) {
+      last_progress = Clock::now();
+    } else if (open > 0 && Clock::now() - last_progress > std::chrono::microseconds(50)) {
+      // Nothing for a while: sleep until the transport has news (armed
+      // only when no event is pending; BUSY means progress again at once).
+      if (efd_ == -2) {
+        auto fd = EventFd();
+        efd_ = fd.ok() ? *fd : -1;
+      }
+      if (efd_ >= 0 && ucp_worker_arm(worker_) == UCS_OK) {
+        pollfd p{efd_, POLLIN, 0};
+        poll(&p, 1, 1);
+      }
+      last_progress = Clock::now();
     }
     if (open > 0 && !cancelled && Clock::now() > deadline) {
       for (void* r : reqs) {

@@ -53,7 +53,10 @@ class Worker {
   absl::StatusOr<int> EventFd();
 
   // Waits until every request in reqs completes (nullptr and error pointers
-  // count as complete) or the deadline passes; on the deadline the rest are
+  // count as complete) or the deadline passes, polling while transfers make
+  // progress and sleeping on the worker's event fd (up to 1 ms at a time)
+  // once they have made none for 50 us, so a waiting lane leaves the CPU to
+  // the threads that move its bytes (the store's progress thread on TCP); on the deadline the rest are
   // cancelled, and half a second later abandoned (UCX frees them when they
   // end). Frees the requests. Returns the first error. The caller should drop
   // the endpoint after a deadline error.
@@ -63,6 +66,7 @@ class Worker {
   Worker(std::shared_ptr<Context> ctx, ucp_worker_h w) : ctx_(std::move(ctx)), worker_(w) {}
   std::shared_ptr<Context> ctx_;
   ucp_worker_h worker_;
+  int efd_ = -2;  // the event fd once asked for (-1: none to be had)
 };
 
 // A registration of [addr, addr + length) with a context, for zero-copy RMA.

@@ -7,6 +7,10 @@
 
 #include <cerrno>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -17,12 +21,25 @@ absl::StatusOr<std::shared_ptr<ArenaMapping>> ArenaMapping::Map(const v1::Remote
   if (region.shm_path().empty() || region.length() == 0) {
     return absl::FailedPreconditionError("the store offers no mapping of its arena");
   }
+  // One mapping per store instance in the process, shared by every lane and
+  // client: populating a mapping's page tables costs time and memory.
+  static std::mutex mu;
+  static std::map<std::pair<std::string, uint64_t>, std::weak_ptr<ArenaMapping>> mapped;
+  std::lock_guard lk(mu);
+  const auto key = std::make_pair(region.shm_path(), instance);
+  if (auto it = mapped.find(key); it != mapped.end()) {
+    if (auto m = it->second.lock(); m && m->length_ == region.length() && m->base_ == region.base_addr()) {
+      return m;
+    }
+  }
   int fd = open(region.shm_path().c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot open ", region.shm_path(), ": ", std::strerror(errno)));
   }
-  void* p = mmap(nullptr, region.length(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // MAP_POPULATE: every page table entry now, so no transfer takes a page
+  // fault per 4 KiB (writes through a fresh mapping ran at ~2.5 GB/s).
+  void* p = mmap(nullptr, region.length(), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   const int err = errno;
   close(fd);
   if (p == MAP_FAILED) {
@@ -30,8 +47,13 @@ absl::StatusOr<std::shared_ptr<ArenaMapping>> ArenaMapping::Map(const v1::Remote
         absl::StrCat("cannot map ", region.length(), " bytes of ", region.shm_path(), ": ",
                      std::strerror(err)));
   }
-  return std::shared_ptr<ArenaMapping>(new ArenaMapping(
-      static_cast<uint8_t*>(p), region.base_addr(), region.length(), instance));
+  std::shared_ptr<ArenaMapping> m(
+      new ArenaMapping(static_cast<uint8_t*>(p), region.base_addr(), region.length(), instance));
+  for (auto it = mapped.begin(); it != mapped.end();) {  // forget ended ones
+    it = it->second.expired() ? mapped.erase(it) : std::next(it);
+  }
+  mapped[key] = m;
+  return m;
 }
 
 ArenaMapping::~ArenaMapping() { munmap(local_, length_); }

@@ -4,6 +4,9 @@
 // an RMA. The mapping belongs to one store instance (its instance id): a
 // store that restarts has a new arena, and the old mapping means nothing.
 //
+// A process maps each store instance's arena once (with its page tables
+// populated up front), and every lane and client shares that mapping.
+//
 // Thread-safe (immutable once made). Internal to kvtier_dataclient.
 #pragma once
 

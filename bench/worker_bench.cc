@@ -140,18 +140,25 @@ absl::StatusOr<LatencyCase> MeasureLatency(const std::string& store, uint64_t si
   c.mean.transfer.queue_ms *= k;
   c.mean.transfer.rma_ms *= k;
   c.mean.transfer.checksum_ms *= k;
-  // The raw RMA of the same bytes into distinct registered memory.
+  // The raw RMA of the same bytes: the same two chains, alternating, into
+  // two distinct registered buffers (the worker's pages alternate too), so
+  // neither side reads a cache-resident copy the other does not.
   auto raw = bench::RawRma::Connect(store);
   if (!raw.ok()) return raw.status();
-  std::vector<uint8_t> buf(n * size);
+  std::vector<uint8_t> buf(2 * n * size);
   if (auto s = (*raw)->Register(buf.data(), buf.size()); !s.ok()) return s;
-  auto addrs = (*raw)->PinForGet((*b)->namespace_id(), x);
-  if (!addrs.ok()) return addrs.status();
-  if (addrs->size() != n) return absl::InternalError("raw RMA: the store holds fewer blocks");
+  auto x_addrs = (*raw)->PinForGet((*b)->namespace_id(), x);
+  auto y_addrs = (*raw)->PinForGet((*b)->namespace_id(), y);
+  if (!x_addrs.ok()) return x_addrs.status();
+  if (!y_addrs.ok()) return y_addrs.status();
+  if (x_addrs->size() != n || y_addrs->size() != n) {
+    return absl::InternalError("raw RMA: the store holds fewer blocks");
+  }
   std::vector<double> raw_ms;
   for (int r = 0; r < reps + 2; ++r) {
     auto t = Clock::now();
-    if (auto s = (*raw)->Get(*addrs, size, buf.data()); !s.ok()) return s;
+    const auto& addrs = r % 2 ? *y_addrs : *x_addrs;
+    if (auto s = (*raw)->Get(addrs, size, buf.data() + (r % 2) * n * size); !s.ok()) return s;
     if (r >= 2) raw_ms.push_back(MsSince(t));
   }
   c.raw_rma_p50_ms = Percentile(raw_ms, 0.5);

@@ -70,6 +70,8 @@ class DataPlaneConnection {
   void* PostFlush();
   // The store's arena mapped here, when transfers are memcpys through it.
   const std::shared_ptr<ArenaMapping>& mapping() const { return mapping_; }
+  // Whether a PostGet/PostPut has moved the bytes when it returns (mapped).
+  bool CopiesAtPost() const { return mapping_ != nullptr; }
   // Connects (as EnsureConnected) to the store instance that issued an
   // answer: if the connection is to another instance (the store restarted
   // since), it is made again; UNAVAILABLE if the store's instance is still

@@ -50,6 +50,9 @@ absl::Status Call(StoreClient& control,
 // per-request limit.
 constexpr size_t kMaxReleasesPerCall = 8192;
 
+// Pieces a copying transport copies and then sums while they are in cache.
+constexpr uint64_t kHashPieceBytes = 16 << 10;
+
 // Bytes of a read's segments kept in flight ahead of the one waited for.
 constexpr uint64_t kReadWindowBytes = 4ull << 20;
 
@@ -78,6 +81,7 @@ struct MappedReads {
     }
     return s;
   }
+  bool CopiesAtPost() const { return true; }
   absl::Status EnsureInstance(uint64_t instance, std::chrono::system_clock::time_point) {
     if (instance == arena.instance()) return absl::OkStatus();
     return absl::UnavailableError("the store restarted since the pin; pin the blocks again");
@@ -468,13 +472,28 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
   std::vector<void*> dests(count * segments);
   uint64_t window_bytes = 0;
   size_t posted = 0;  // segments posted so far
+  // Each segment is summed as it lands, while the later ones are in flight;
+  // a transport that copies as it posts (the mapped arena) has each piece
+  // summed right after it is copied, while its bytes are in cache.
+  const bool copies_at_post = lane.CopiesAtPost();
+  std::vector<ChecksumStream> sums(count);
+  double sum_ms = 0;
   auto post = [&](size_t s) {
     const uint64_t len = bounds[s + 1] - bounds[s];
     reqs[s].reserve(count);
     for (size_t i = 0; i < count; ++i) {
-      void* d = plan.dest(first + i, s);
+      auto* d = static_cast<uint8_t*>(plan.dest(first + i, s));
       dests[i * segments + s] = d;
-      reqs[s].push_back(lane.PostGet(d, len, pinned.sources[first + i].remote_addr + bounds[s]));
+      const uint64_t from = pinned.sources[first + i].remote_addr + bounds[s];
+      if (!copies_at_post) {
+        reqs[s].push_back(lane.PostGet(d, len, from));
+        continue;
+      }
+      for (uint64_t off = 0; off < len; off += kHashPieceBytes) {
+        const uint64_t n = std::min(kHashPieceBytes, len - off);
+        reqs[s].push_back(lane.PostGet(d + off, n, from + off));
+        if (reqs[s].back() == nullptr) sums[i].Update(d + off, n);  // copied: sum it now
+      }
     }
     window_bytes += len * count;
   };
@@ -485,9 +504,6 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
       post(posted++);
     }
   };
-  // Each segment is summed as it lands, while the later ones are in flight.
-  std::vector<ChecksumStream> sums(count);
-  double sum_ms = 0;
   absl::Status moved = absl::OkStatus();
   for (size_t s = 0; s < segments; ++s) {
     if (moved.ok()) fill_window(s);
@@ -500,6 +516,7 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
     if (moved.ok()) moved = st;
     if (!moved.ok()) continue;
     if (plan.on_segment) plan.on_segment(s);
+    if (copies_at_post) continue;  // summed as copied (the time is in rma_ms)
     const auto sum_start = std::chrono::steady_clock::now();
     for (size_t i = 0; i < count; ++i) {
       sums[i].Update(dests[i * segments + s], bounds[s + 1] - bounds[s]);

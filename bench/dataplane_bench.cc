@@ -536,22 +536,16 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
       nlohmann::json c = {{"path", r.path},       {"block_bytes", r.block_bytes},
                           {"batch", r.batch},     {"op", r.op},
                           {"gb_per_s", r.gbps},   {"blocks_per_s", r.blocks_per_s}};
-      if (r.raw_gbps > 0) {
-        c["raw_rma_gb_per_s"] = r.raw_gbps;
-        c["ratio_vs_raw_rma"] = r.gbps / r.raw_gbps;
-      }
-      if (r.redis_best_gbps > 0) {
-        c["redis_best_gb_per_s"] = r.redis_best_gbps;
-        c["ratio_vs_redis_best"] = r.gbps / r.redis_best_gbps;
-      }
-      if (r.perftest_gbps > 0) {
-        c["perftest_gb_per_s"] = r.perftest_gbps;
-        c["ratio_vs_perftest"] = r.gbps / r.perftest_gbps;
-      }
-      if (r.memcpy_gbps > 0) {
-        c["memcpy_gb_per_s"] = r.memcpy_gbps;
-        c["ratio_vs_memcpy"] = r.gbps / r.memcpy_gbps;
-      }
+      // A reference's figure and the case's ratio to it, when measured.
+      auto beside = [&](const char* name, const char* ratio, double ref) {
+        if (ref <= 0) return;
+        c[name] = ref;
+        c[ratio] = r.gbps / ref;
+      };
+      beside("raw_rma_gb_per_s", "ratio_vs_raw_rma", r.raw_gbps);
+      beside("redis_best_gb_per_s", "ratio_vs_redis_best", r.redis_best_gbps);
+      beside("perftest_gb_per_s", "ratio_vs_perftest", r.perftest_gbps);
+      beside("memcpy_gb_per_s", "ratio_vs_memcpy", r.memcpy_gbps);
       j["cases"].push_back(c);
     }
     for (const auto& [size, b] : redis_best) {

@@ -38,12 +38,12 @@ absl::StatusOr<std::unique_ptr<RawRma>> RawRma::Connect(const std::string& store
 }
 
 RawRma::~RawRma() {
-  for (uint64_t lease : get_leases_) {
-    v1::EndGetRequest req;
-    req.set_lease_id(lease);
-    v1::EndGetResponse resp;
+  if (!get_leases_.empty()) {
+    v1::ReleaseGetsRequest req;
+    for (uint64_t lease : get_leases_) req.add_lease_ids(lease);
+    v1::ReleaseGetsResponse resp;
     auto ctx = control_.Context(RpcDeadline());
-    control_.stub().EndGet(ctx.get(), req, &resp);
+    control_.stub().ReleaseGets(ctx.get(), req, &resp);  // best effort: leases expire
   }
   for (uint64_t lease : put_leases_) {
     v1::AbortPutRequest req;

@@ -119,11 +119,8 @@ class FetchPath : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     setenv("UCX_TLS", "tcp", 1);
-    store_ = std::make_unique<ServerProcess>(
-        KVTIER_STORE_BIN, dir_.sub("store"),
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
-                                 "--data-dir=" + dir_.sub("db"), "--hugepages=false",
-                                 "--ram-bytes=64MiB"});
+    store_ = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir_.sub("store"),
+                                             testing::LoopbackStoreArgs(dir_.sub("store")));
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
   DataClientOptions Options() const {

@@ -34,9 +34,7 @@ class SimCluster : public ::testing::Test {
     setenv("UCX_TLS", "tcp", 1);
     store_ = std::make_unique<ServerProcess>(
         KVTIER_STORE_BIN, dir_.sub("store"),
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
-                                 "--data-dir=" + dir_.sub("db"), "--hugepages=false",
-                                 "--ram-bytes=64MiB", "--lease-ms=500ms"});
+        testing::LoopbackStoreArgs(dir_.sub("store"), {"--lease-ms=500ms"}));
     router_ = std::make_unique<ServerProcess>(
         KVTIER_ROUTER_BIN, dir_.sub("router"),
         std::vector<std::string>{"--listen=127.0.0.1:0", "--heartbeat-deadline=1s"});

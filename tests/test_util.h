@@ -84,6 +84,17 @@ class ServerProcess {
   int port_ = 0;
 };
 
+// Flags of a kvtier-store on 127.0.0.1 with a UCX data plane, its data in
+// `scratch` + "-db", no hugepages and a 64 MiB RAM tier, then `extra`.
+inline std::vector<std::string> LoopbackStoreArgs(const std::string& scratch,
+                                                  std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                                   "--data-dir=" + scratch + "-db", "--hugepages=false",
+                                   "--ram-bytes=64MiB"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
 // The whole HTTP/1.0 response to GET path on 127.0.0.1:port ("" if the
 // connection is refused).
 inline std::string HttpGet(int port, const std::string& path) {

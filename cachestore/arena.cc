@@ -11,7 +11,8 @@
 namespace kvtier::store {
 
 absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(uint64_t bytes, uint64_t slab_bytes,
-                                                     bool try_hugepages, bool prefault) {
+                                                     bool try_hugepages, bool prefault,
+                                                     bool shareable) {
   if (slab_bytes == 0 || slab_bytes % 4096 != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("slab size ", slab_bytes, " must be a non-zero multiple of 4096"));
@@ -26,6 +27,7 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(uint64_t bytes, uint64_t sl
   // A memfd mapped shared: same-host clients map it too (Arena::shm_path).
   int fd = -1;
   auto map_memfd = [&](unsigned flags) {
+    if (!shareable) return;
     fd = memfd_create("kvtier-ram-tier", MFD_CLOEXEC | flags);
     if (fd < 0) return;
     if (ftruncate(fd, static_cast<off_t>(size)) == 0) {

@@ -17,11 +17,13 @@ namespace kvtier::store {
 class Arena {
  public:
   // bytes is rounded down to a whole number of slabs. prefault touches every
-  // page at once, so the data path never takes a page fault. The memory is a
-  // memfd mapped shared, so clients on this host can map it too (shm_path);
-  // where memfd is not available it is private anonymous memory.
+  // page at once, so the data path never takes a page fault. shareable: the
+  // memory is a memfd mapped shared, so clients on this host can map it too
+  // (shm_path); otherwise, or where memfd is not available, it is private
+  // anonymous memory.
   static absl::StatusOr<std::unique_ptr<Arena>> Create(uint64_t bytes, uint64_t slab_bytes,
-                                                       bool try_hugepages, bool prefault = false);
+                                                       bool try_hugepages, bool prefault = false,
+                                                       bool shareable = false);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;

@@ -1,6 +1,7 @@
 #include "cachestore/lease_table.h"
 
 #include <algorithm>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -9,6 +10,10 @@ namespace kvtier::store {
 
 LeaseTable::LeaseTable(uint64_t lease_ms, uint64_t max_per_client, ReleaseFn release)
     : lease_ms_(lease_ms), max_per_client_(max_per_client), release_(std::move(release)) {
+  // 52 random bits: far from wrapping to 0 (no lease) and from another
+  // process's ids.
+  std::random_device rd;
+  next_id_ = ((uint64_t{rd()} << 32 | rd()) >> 12) + 1;
   reaper_ = std::thread([this] { ReaperLoop(); });
 }
 

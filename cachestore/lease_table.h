@@ -82,7 +82,9 @@ class LeaseTable {
   std::unordered_map<uint64_t, Lease> leases_;
   std::vector<std::pair<std::chrono::steady_clock::time_point, Lease>> graveyard_;
   std::unordered_map<std::string, uint64_t> by_client_;
-  uint64_t next_id_ = 1;
+  // Starts at a random point per process, so a lease id from a store that
+  // restarted (a late release) never names one of this process's leases.
+  uint64_t next_id_;
   uint64_t put_ = 0, get_ = 0;
   std::atomic<uint64_t> expired_{0};
   bool stop_ = false;

@@ -189,6 +189,7 @@ int main(int argc, char** argv) {
   o.ram.slab_bytes = f.slab_bytes;
   o.ram.policy = f.ram_policy;
   o.ram.try_hugepages = f.hugepages;
+  o.ram.shareable = f.local_shm;
   o.ram.prefault = f.prefault;
   o.ram.shards = static_cast<int>(f.ram_shards);
   o.disk.dir = f.data_dir;

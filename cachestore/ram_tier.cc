@@ -19,7 +19,7 @@ absl::StatusOr<std::unique_ptr<RamTier>> RamTier::Create(const RamTierOptions& o
                                                          DemotionSink sink) {
   auto policy = MakePolicy(o.policy, o.policy_params);
   if (!policy.ok()) return policy.status();
-  auto arena = Arena::Create(o.bytes, o.slab_bytes, o.try_hugepages, o.prefault);
+  auto arena = Arena::Create(o.bytes, o.slab_bytes, o.try_hugepages, o.prefault, o.shareable);
   if (!arena.ok()) return arena.status();
   std::unique_ptr<RamTier> t(new RamTier(std::move(*arena), std::move(sink)));
   uint64_t slabs = t->arena_->num_slabs();

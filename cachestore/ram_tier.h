@@ -34,6 +34,10 @@ struct RamTierOptions {
   std::map<std::string, double> policy_params;
   bool try_hugepages = true;
   bool prefault = false;  // touch the whole arena at start (kvtier-store: --prefault, on)
+  // Back the arena with a memfd that same-host clients may map (kvtier-store:
+  // --local-shm, on). Off: private anonymous memory, which keeps transparent
+  // hugepages where the kernel gives shared memory none.
+  bool shareable = false;
   int shards = 0;  // 0: chosen from the number of slabs (1..16)
 };
 

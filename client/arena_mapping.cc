@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -32,10 +33,25 @@ absl::StatusOr<std::shared_ptr<ArenaMapping>> ArenaMapping::Map(const v1::Remote
       return m;
     }
   }
+  // The path names a file in the store's PID namespace: from another one (a
+  // sidecar sharing only the network, a port forward) it can name some
+  // other process's file. Map it only if it is the store's arena.
+  char target[256] = {};
+  const ssize_t n = readlink(region.shm_path().c_str(), target, sizeof(target) - 1);
+  if (n <= 0 || std::strncmp(target, "/memfd:kvtier-ram-tier", 22) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        region.shm_path(), " is not a kvtier store's arena here (another PID namespace?)"));
+  }
   int fd = open(region.shm_path().c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot open ", region.shm_path(), ": ", std::strerror(errno)));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < region.length()) {
+    close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat(region.shm_path(), " is smaller than the region it should hold"));
   }
   // MAP_POPULATE: every page table entry now, so no transfer takes a page
   // fault per 4 KiB (writes through a fresh mapping ran at ~2.5 GB/s).

@@ -173,7 +173,9 @@ std::future<absl::StatusOr<Outcome>> StoreDataClient::Start(TransferLanes::Class
     absl::StatusOr<Outcome> r = Outcome{};
     if (count > 0) {
       if (absl::Status s = lane.EnsureConnected(deadline.rpcs); s.ok()) {
-        if (lane.mapping()) {
+        {
+          // The lane's view of the store: its mapping, or none (a store that
+          // restarted without offering one must not keep the old one alive).
           std::lock_guard lk(mapping_mu_);
           if (mapping_ != lane.mapping()) mapping_ = lane.mapping();
         }

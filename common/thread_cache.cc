@@ -2,6 +2,7 @@
 #include "common/thread_cache.h"
 
 #include <chrono>
+#include <system_error>
 
 namespace kvtier {
 
@@ -14,7 +15,7 @@ ThreadCache::~ThreadCache() {
 }
 
 void ThreadCache::Post(std::function<void()> task) {
-  std::lock_guard lk(mu_);
+  std::unique_lock lk(mu_);
   tasks_.push_back(std::move(task));
   if (idle_ >= tasks_.size()) {
     cv_.notify_one();
@@ -23,7 +24,17 @@ void ThreadCache::Post(std::function<void()> task) {
   // Every idle thread has a task already: one more thread. Detached: an
   // ended thread leaves nothing behind, and the destructor waits on live_.
   ++live_;
-  std::thread([this] { Loop(); }).detach();
+  try {
+    std::thread([this] { Loop(); }).detach();
+  } catch (const std::system_error&) {
+    // No thread to be had (EAGAIN): run the task here, now, rather than
+    // leave it queued with no thread to come.
+    --live_;
+    auto mine = std::move(tasks_.back());
+    tasks_.pop_back();
+    lk.unlock();
+    mine();
+  }
 }
 
 void ThreadCache::Loop() {

@@ -118,10 +118,11 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
   store_->Release(r->pin);  // after every transfer, whatever the outcome
   const uint32_t done = got.ok() ? *got : r->loaded;
   std::vector<BlockHash> stored;
+  std::vector<uint32_t> committed;
   for (uint32_t i = 0; i < pages.size(); ++i) {
     if (i < done) {
       const BlockHash& h = r->chain[r->gpu_blocks + i];
-      r->pages.push_back(pool_->Commit(h, pages[i]));
+      committed.push_back(pool_->Commit(h, pages[i]));
       NoteStored(h);
       stored.push_back(h);
     } else {
@@ -129,8 +130,15 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
     }
   }
   PublishStored(stored);
-  r->loaded = done;
-  LayersIn(r, layout_.layers);
+  {
+    // Pages() and LoadedFromDisk() read these under mu_.
+    std::lock_guard lk(mu_);
+    r->pages.insert(r->pages.end(), committed.begin(), committed.end());
+    r->loaded = done;
+  }
+  // A failed load reports no more layers: WaitForLayer answers its status
+  // for every layer that had not come in.
+  if (got.ok()) LayersIn(r, layout_.layers);
   std::lock_guard sl(stats_mu_);
   stats_.loaded_blocks += done;
   stats_.load_times += r->load_times;
@@ -154,6 +162,7 @@ absl::StatusOr<uint32_t> KvConnector::LoadDirect(Request* r, const std::vector<u
   auto got = store_->Read(r->pin, wire_bytes_, 0, static_cast<uint32_t>(pages.size()), plan);
   if (!got.ok()) return got.status();
   r->load_times.transfer += got->times;
+  std::lock_guard lk(mu_);
   r->loaded_from_disk = got->from_disk;
   return got->blocks;
 }
@@ -199,8 +208,9 @@ absl::StatusOr<uint32_t> KvConnector::LoadPacked(Request* r, const std::vector<u
     if (!got.ok()) return got.status();
     if (!unpacked.ok()) return unpacked;
     r->load_times.transfer += got->times;
-    r->loaded_from_disk += got->from_disk;
     first += n;
+    std::lock_guard lk(mu_);
+    r->loaded_from_disk += got->from_disk;
     r->loaded = first;  // runs before a failing one are verified and kept
   }
   return total;

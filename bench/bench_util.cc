@@ -116,6 +116,12 @@ absl::Status LocalServer::Restart() {
   return absl::OkStatus();
 }
 
+double Percentile(std::vector<double> values, double p) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  return values[std::min(values.size() - 1, static_cast<size_t>(p * values.size()))];
+}
+
 std::string LocalServer::LogTail(size_t bytes) const {
   std::ifstream in(scratch_ + ".log");
   std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

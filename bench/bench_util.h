@@ -28,6 +28,9 @@ absl::StatusOr<NamespaceSpec> SpecForBlockBytes(uint64_t block_bytes, const std:
 void FillBlock(uint64_t ns, const BlockHash& hash, uint8_t* out, size_t len);
 std::string BlockContent(uint64_t ns, const BlockHash& hash, size_t len);
 
+// The value at fraction p (0..1) of the sorted values; 0 for none.
+double Percentile(std::vector<double> values, double p);
+
 // Comma-separated flag lists; an error names the flag and the bad entry, and
 // an empty list is an error. Sizes take 64KiB-style units and must be
 // multiples of `multiple_of`; integers must lie in [min, max].

@@ -104,12 +104,7 @@ struct ModeResult {
     for (double t : ttft) s += t;
     return ttft.empty() ? 0 : s / ttft.size();
   }
-  double TtftP99() const {
-    if (ttft.empty()) return 0;
-    auto v = ttft;
-    std::sort(v.begin(), v.end());
-    return v[std::min(v.size() - 1, v.size() * 99 / 100)];
-  }
+  double TtftP99() const { return Percentile(ttft, 0.99); }
   double Balance() const {
     if (work.empty()) return 0;
     double sum = 0, mx = 0;
@@ -320,7 +315,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   return res;
 }
 
-nlohmann::json ToJson(const ModeResult& r, uint64_t block_bytes) {
+nlohmann::json ToJson(const ModeResult& r) {
   return {{"requests", r.requests},
           {"prompt_tokens", r.prompt_tokens},
           {"computed_fraction", r.Frac(r.computed)},
@@ -467,7 +462,7 @@ int RunReplay(int argc, const char* const* argv) {
   if (!o.plot.empty()) WritePlot(o.plot, results, oracle.token_hit_ratio());
   if (o.json) {
     nlohmann::json j;
-    for (const auto& r : results) j["modes"][r.name] = ToJson(r, o.block_bytes);
+    for (const auto& r : results) j["modes"][r.name] = ToJson(r);
     j["modes"]["oracle"] = {{"computed_fraction", 1 - oracle.token_hit_ratio()},
                             {"block_hit_ratio", oracle.block_hit_ratio()},
                             {"token_hit_ratio", oracle.token_hit_ratio()}};
@@ -504,13 +499,12 @@ int RunReplay(int argc, const char* const* argv) {
                   r.name.c_str(), FormatBytes(r.onboarded_bytes).c_str(),
                   r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9,
                   load_only_ms > 0 ? r.onboarded_bytes / (load_only_ms / 1000) / 1e9 : 0.0);
-      std::vector<double> pins = b.control_each;
-      std::sort(pins.begin(), pins.end());
+
       std::printf("    onboarding %.0f ms in %lu loads (pin RPC p50 %.2f ms, of which the store's "
                   "handler %.3f ms mean): pin RPC %.0f, lane "
                   "wait %.0f, staging wait %.0f, RMA %.0f, checksum %.0f, unpack %.0f, other "
                   "(page allocation, hand-offs, release) %.0f\n",
-                  r.onboard_ms, b.count, pins.empty() ? 0.0 : pins[pins.size() / 2],
+                  r.onboard_ms, b.count, Percentile(b.control_each, 0.5),
                   r.store_pin_handler_ms, b.control,
                   b.queue, b.staging, b.rma, b.checksum, b.scatter,
                   std::max(0.0, r.onboard_ms - b.control - b.queue - b.staging - b.rma -

@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "common/config.h"
+#include "common/elapsed.h"
 #include "common/log.h"
 #include "bench/raw_rma.h"
 #include "client/store_data_client.h"
@@ -33,16 +34,6 @@ NamespaceSpec SpecFor(uint64_t block_bytes, const std::string& model, uint32_t l
   // layers x 8 KV heads x 128 dims x fp16: 4 KiB per token and layer; tokens set the size.
   return NamespaceSpec{model, "fp16", layers, 8, 128,
                        static_cast<uint32_t>(block_bytes / (4096ull * layers)), 0, 1, "", ""};
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
-}
-
-double MsSince(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
 // One latency case: loads of `blocks` blocks into a worker, p50/p99, beside

@@ -13,6 +13,7 @@
 #include "client/arena_mapping.h"
 #include "client/data_plane_connection.h"
 #include "common/checksum.h"
+#include "common/elapsed.h"
 #include "common/rpc/grpc_status.h"
 #include "common/ucx/ucx.h"
 
@@ -25,10 +26,10 @@ struct StoreDataClient::Deadline {
 
 namespace {
 
-// BeginPut or BeginGet of the blocks' hashes.
-template <typename Request, typename Blocks>
-Request BeginRequest(uint64_t ns, const std::string& client, const Blocks& blocks) {
-  Request req;
+// BeginPut of the blocks' hashes.
+v1::BeginPutRequest BeginPutOf(uint64_t ns, const std::string& client,
+                               const std::vector<PutBlock>& blocks) {
+  v1::BeginPutRequest req;
   req.set_namespace_id(ns);
   req.set_client_id(client);
   for (const auto& b : blocks) ToProto(b.hash, req.add_hashes());
@@ -55,10 +56,6 @@ constexpr uint64_t kHashPieceBytes = 16 << 10;
 
 // Bytes of a read's segments kept in flight ahead of the one waited for.
 constexpr uint64_t kReadWindowBytes = 4ull << 20;
-
-double MsSince(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
-}
 
 // Reads through a mapped arena, shaped like a lane's DataPlaneConnection for
 // ReadVia: a "post" is the copy itself, a wait only reports copies that fell
@@ -383,7 +380,7 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
                                                       const std::vector<PutBlock>& blocks) {
   PutOutcome out;
   auto start = std::chrono::steady_clock::now();
-  auto req = BeginRequest<v1::BeginPutRequest>(ns, options_.client_id, blocks);
+  auto req = BeginPutOf(ns, options_.client_id, blocks);
   v1::BeginPutResponse resp;
   if (auto s = Call(control_, &v1::Store::Stub::BeginPut, req, &resp, deadline.rpcs); !s.ok()) {
     return s;

@@ -10,15 +10,10 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/elapsed.h"
 #include "worker/connector.h"
 
 namespace kvtier::worker {
-
-namespace {
-double MsSince(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
-}
-}  // namespace
 
 absl::Status KvConnector::StartLoad(uint64_t request) {
   std::lock_guard lk(mu_);

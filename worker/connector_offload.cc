@@ -7,6 +7,7 @@
 #include "worker/connector.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/elapsed.h"
 
 namespace kvtier::worker {
 
@@ -37,9 +38,7 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page, uint64_t
   }
   {
     std::lock_guard sl(stats_mu_);
-    stats_.offload_gather_ms += std::chrono::duration<double, std::milli>(
-                                    std::chrono::steady_clock::now() - gather_start)
-                                    .count();
+    stats_.offload_gather_ms += MsSince(gather_start);
   }
   {
     std::lock_guard lk(staging_mu_);

@@ -32,11 +32,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-absl::StatusOr<uint32_t> ToStatus(const absl::Status& s) {
-  if (s.ok()) return 0u;
-  return s;
-}
-
 void ToProto(const TransferTimes& t, v1::TimeBreakdown* out) {
   out->set_control_ms(t.control_ms);
   out->set_queue_ms(t.queue_ms);
@@ -97,8 +92,8 @@ class SimWorkerService final : public v1::SimWorker::Service {
     }
     double onboard_ms = 0;
     if (m->store_blocks > 0) {
-      absl::StatusOr<uint32_t> l = ToStatus(c_->StartLoad(id));
-      if (l.ok()) l = c_->WaitForLoad(id);
+      const absl::Status started = c_->StartLoad(id);
+      auto l = started.ok() ? c_->WaitForLoad(id) : absl::StatusOr<uint32_t>(started);
       if (l.ok()) {
         loaded = *l;
         resp->set_onboarded_from_disk(c_->LoadedFromDisk(id));

@@ -20,24 +20,86 @@ absl::Status Validate(const KvLayout& l) {
   return absl::OkStatus();
 }
 
-void GatherCpu(const KvLayout& l, const uint8_t* const* layer_bases, const uint32_t* pages,
-               size_t count, uint8_t* const* blocks) {
-  const uint64_t chunk = l.layer_page_bytes();
+bool PageMemory::KvAdjacent(const KvLayout& l) const {
+  const uint64_t chunk = l.chunk_elems() * l.elem_bytes();
+  for (size_t i = 0; i < k.size(); ++i) {
+    if (v[i] != k[i] + chunk) return false;
+  }
+  return true;
+}
+
+PageMemory PageMemory::Contiguous(const KvLayout& l, uint8_t* const* layer_bases) {
+  PageMemory m;
+  const uint64_t chunk = l.chunk_elems() * l.elem_bytes();
+  for (uint32_t i = 0; i < l.layers; ++i) {
+    m.k.push_back(layer_bases[i]);
+    m.v.push_back(layer_bases[i] + chunk);
+  }
+  m.page_stride = l.layer_page_bytes();
+  return m;
+}
+
+absl::Status Validate(const KvLayout& l, const PageMemory& m) {
+  if (m.k.size() != l.layers || m.v.size() != l.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("KV memory names ", m.k.size(), " K and ",
+                                                   m.v.size(), " V layers; the layout has ",
+                                                   l.layers));
+  }
+  const uint64_t chunk = l.chunk_elems() * l.elem_bytes();
+  if (m.page_stride < chunk) {
+    return absl::InvalidArgumentError(absl::StrCat("page stride ", m.page_stride,
+                                                   " bytes is smaller than a page's K chunk (",
+                                                   chunk, " bytes)"));
+  }
+  for (uint32_t i = 0; i < l.layers; ++i) {
+    if (m.k[i] == nullptr || m.v[i] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", i, " has no K or V memory"));
+    }
+    // K and V of one page must not overlap; with a stride of exactly 2 chunks
+    // (interleaved pages) V sits between K of this page and the next.
+    const uint64_t gap = m.v[i] > m.k[i] ? m.v[i] - m.k[i] : m.k[i] - m.v[i];
+    if (gap < chunk) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", i, ": K and V chunks overlap (", gap, " bytes apart, a chunk is ",
+                       chunk, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void GatherCpu(const KvLayout& l, const PageMemory& m, const uint32_t* pages, size_t count,
+               uint8_t* const* blocks) {
+  const uint64_t chunk = l.chunk_elems() * l.elem_bytes();
   for (size_t i = 0; i < count; ++i) {
     for (uint32_t layer = 0; layer < l.layers; ++layer) {
-      std::memcpy(blocks[i] + layer * chunk, layer_bases[layer] + pages[i] * chunk, chunk);
+      uint8_t* out = blocks[i] + layer * 2 * chunk;
+      std::memcpy(out, m.K(layer, pages[i]), chunk);
+      std::memcpy(out + chunk, m.V(layer, pages[i]), chunk);
     }
   }
 }
 
-void ScatterCpu(const KvLayout& l, uint8_t* const* layer_bases, const uint32_t* pages,
-                size_t count, const uint8_t* const* blocks) {
-  const uint64_t chunk = l.layer_page_bytes();
+void ScatterCpu(const KvLayout& l, const PageMemory& m, const uint32_t* pages, size_t count,
+                const uint8_t* const* blocks) {
+  const uint64_t chunk = l.chunk_elems() * l.elem_bytes();
   for (size_t i = 0; i < count; ++i) {
     for (uint32_t layer = 0; layer < l.layers; ++layer) {
-      std::memcpy(layer_bases[layer] + pages[i] * chunk, blocks[i] + layer * chunk, chunk);
+      const uint8_t* in = blocks[i] + layer * 2 * chunk;
+      std::memcpy(m.K(layer, pages[i]), in, chunk);
+      std::memcpy(m.V(layer, pages[i]), in + chunk, chunk);
     }
   }
+}
+
+void GatherCpu(const KvLayout& l, const uint8_t* const* layer_bases, const uint32_t* pages,
+               size_t count, uint8_t* const* blocks) {
+  GatherCpu(l, PageMemory::Contiguous(l, const_cast<uint8_t* const*>(layer_bases)), pages, count,
+            blocks);
+}
+
+void ScatterCpu(const KvLayout& l, uint8_t* const* layer_bases, const uint32_t* pages,
+                size_t count, const uint8_t* const* blocks) {
+  ScatterCpu(l, PageMemory::Contiguous(l, layer_bases), pages, count, blocks);
 }
 
 float HalfToFloat(uint16_t h) {

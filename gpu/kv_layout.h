@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "common/dtype.h"
@@ -50,6 +51,38 @@ struct KvLayout {
 };
 
 absl::Status Validate(const KvLayout& layout);
+
+// Where the pages of a paged KV cache are, whoever allocated it: per layer,
+// page 0's K chunk and page 0's V chunk (chunk_elems() contiguous elements
+// each), and the bytes from one page's chunk to the next page's (the same
+// for K and V). One description covers kvtier's own pool (V right after K,
+// stride layer_page_bytes()), vLLM's [2][num_pages][tokens][heads][dim]
+// (K and V halves of one tensor) and [num_pages][2][tokens][heads][dim], and
+// separate K and V tensors per layer (SGLang).
+struct PageMemory {
+  std::vector<uint8_t*> k, v;  // per layer
+  uint64_t page_stride = 0;
+
+  uint8_t* K(uint32_t layer, uint32_t page) const { return k[layer] + page * page_stride; }
+  uint8_t* V(uint32_t layer, uint32_t page) const { return v[layer] + page * page_stride; }
+  // Whether every layer's V chunk follows its K chunk directly, so a page's
+  // layer is one byte range of layout.layer_page_bytes().
+  bool KvAdjacent(const KvLayout& layout) const;
+  // kvtier's own layout: layer l at layer_bases[l], [num_pages][2][...].
+  static PageMemory Contiguous(const KvLayout& layout, uint8_t* const* layer_bases);
+};
+
+// INVALID_ARGUMENT unless memory describes layout.layers layers with no
+// null pointer and a page stride that fits a chunk (K and V of a page may
+// not overlap each other or the next page's).
+absl::Status Validate(const KvLayout& layout, const PageMemory& memory);
+
+// blocks[i] (block_bytes()) receives page pages[i]; Scatter copies back.
+// REQUIRES: pages[i] < num_pages.
+void GatherCpu(const KvLayout& layout, const PageMemory& memory, const uint32_t* pages,
+               size_t count, uint8_t* const* blocks);
+void ScatterCpu(const KvLayout& layout, const PageMemory& memory, const uint32_t* pages,
+                size_t count, const uint8_t* const* blocks);
 
 // blocks[i] receives page pages[i]. REQUIRES: pages[i] < num_pages.
 void GatherCpu(const KvLayout& layout, const uint8_t* const* layer_bases, const uint32_t* pages,

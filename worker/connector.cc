@@ -6,6 +6,7 @@
 // staging memory they share in connector_staging.cc.
 #include "worker/connector.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
@@ -32,15 +33,29 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   c->ns_ = NamespaceId(o.spec);
   c->wire_bytes_ = BlockBytes(o.spec);
   c->packed_ = o.spec.kv_wire == kKvWireInt8;
-  c->pool_ = std::make_unique<PagePool>(c->layout_);
+  if (o.engine_memory) {
+    if (c->packed_) {
+      return absl::InvalidArgumentError(
+          "kv_wire int8 needs the connector's own page pool, not engine-registered memory");
+    }
+    if (auto s = gpu::Validate(c->layout_, *o.engine_memory); !s.ok()) return s;
+    c->memory_ = *o.engine_memory;
+  } else {
+    c->pool_ = std::make_unique<PagePool>(c->layout_);
+    c->memory_ = gpu::PageMemory::Contiguous(c->layout_, c->pool_->layer_bases());
+  }
   c->stats_.staging_blocks = o.staging_blocks;
   if (!o.stores.empty()) c->store_ = std::make_unique<ShardedStoreClient>(o.stores, o.data);
   if (auto s = c->InitStaging(); !s.ok()) return s;
   if (c->store_) {
-    // Loads land in the pages themselves: register every layer's memory.
+    // Loads land in the pages themselves: register every layer's memory,
+    // from its first page's K or V to its last page's end.
+    const uint64_t chunk = c->layout_.chunk_elems() * c->layout_.elem_bytes();
+    const gpu::PageMemory& m = c->memory_;
     for (uint32_t l = 0; l < c->layout_.layers; ++l) {
-      if (auto s = c->store_->RegisterMemory(c->pool_->layer_bases()[l], c->layout_.layer_bytes());
-          !s.ok()) {
+      uint8_t* lo = std::min(m.k[l], m.v[l]);
+      uint8_t* hi = std::max(m.K(l, c->layout_.num_pages - 1), m.V(l, c->layout_.num_pages - 1));
+      if (auto s = c->store_->RegisterMemory(lo, static_cast<size_t>(hi + chunk - lo)); !s.ok()) {
         return s;
       }
     }
@@ -48,10 +63,12 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   // A store that is down now is registered with on first use instead.
   if (c->store_) c->registered_ = c->store_->RegisterNamespace(o.spec).ok();
   KvConnector* self = c.get();
-  c->pool_->SetEvictCallback([self](const BlockHash& h, uint32_t page) {
-    self->PublishRemoved(h);
-    self->WriteBack(h, page);
-  });
+  if (c->pool_) {
+    c->pool_->SetEvictCallback([self](const BlockHash& h, uint32_t page) {
+      self->PublishRemoved(h);
+      self->WriteBack(h, page);
+    });
+  }
   c->offloader_ = std::thread([self] { self->OffloadLoop(); });
   return c;
 }
@@ -98,31 +115,30 @@ void KvConnector::PublishRemoved(const BlockHash& h) {
   for (auto* p : publishers_) p->Removed(ns_, {h});
 }
 
+absl::Status KvConnector::PinRest(Request* r) {
+  if (!store_ || r->gpu_blocks >= r->chain.size()) return absl::OkStatus();
+  if (!registered_) {
+    auto reg = store_->RegisterNamespace(options_.spec);
+    registered_ = reg.ok();
+    if (!reg.ok()) return reg.status();
+  }
+  // Look the rest up and pin what the store has, in one round trip.
+  std::vector<BlockHash> rest(r->chain.begin() + r->gpu_blocks, r->chain.end());
+  auto pin = store_->Pin(ns_, wire_bytes_, rest);
+  if (!pin.ok()) return pin.status();
+  r->pin = std::move(*pin);
+  r->store_blocks = r->pin.blocks;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<KvConnector::Match> KvConnector::Begin(uint64_t request, std::vector<BlockHash> chain) {
+  if (!pool_) return absl::FailedPreconditionError("Begin needs the connector's own pages; use Lookup");
   if (chain.empty()) return absl::InvalidArgumentError("request has no full block to match");
   auto r = std::make_unique<Request>();
   r->pages = pool_->MatchAndRef(chain);
   r->gpu_blocks = static_cast<uint32_t>(r->pages.size());
-  absl::Status store_status = absl::OkStatus();
-  if (store_ && r->gpu_blocks < chain.size()) {
-    if (!registered_) {
-      auto reg = store_->RegisterNamespace(options_.spec);
-      registered_ = reg.ok();
-      if (!reg.ok()) store_status = reg.status();
-    }
-    if (registered_) {
-      // Look the rest up and pin what the store has, in one round trip.
-      std::vector<BlockHash> rest(chain.begin() + r->gpu_blocks, chain.end());
-      auto pin = store_->Pin(ns_, wire_bytes_, rest);
-      if (pin.ok()) {
-        r->pin = std::move(*pin);
-        r->store_blocks = r->pin.blocks;
-      } else {
-        store_status = pin.status();
-      }
-    }
-  }
   r->chain = std::move(chain);
+  absl::Status store_status = PinRest(r.get());
   Match m{r->gpu_blocks, r->store_blocks, store_status};
   std::lock_guard lk(mu_);
   if (requests_.count(request)) {
@@ -134,14 +150,64 @@ absl::StatusOr<KvConnector::Match> KvConnector::Begin(uint64_t request, std::vec
   return m;
 }
 
-absl::StatusOr<std::vector<uint32_t>> KvConnector::AllocateForCompute(uint64_t request) {
-  Request* r;
+absl::StatusOr<KvConnector::Match> KvConnector::Lookup(uint64_t request,
+                                                       std::vector<BlockHash> chain,
+                                                       uint32_t skip_blocks) {
+  if (pool_) return absl::FailedPreconditionError("Lookup needs engine-registered memory; use Begin");
+  if (chain.empty()) return absl::InvalidArgumentError("request has no full block to match");
+  if (skip_blocks > chain.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("skip_blocks ", skip_blocks,
+                                                   " is beyond the chain's ", chain.size(), " blocks"));
+  }
+  auto r = std::make_unique<Request>();
+  r->gpu_blocks = skip_blocks;
+  r->chain = std::move(chain);
+  absl::Status store_status = PinRest(r.get());
+  Match m{r->gpu_blocks, r->store_blocks, store_status};
+  std::unique_ptr<Request> old;
   {
     std::lock_guard lk(mu_);
     auto it = requests_.find(request);
-    if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
-    r = it->second.get();
+    if (it != requests_.end()) {
+      if (it->second->load_started || it->second->pending_saves > 0) {
+        if (store_) store_->Release(r->pin);
+        return absl::FailedPreconditionError(
+            absl::StrCat("request ", request, " is open with a load or save under way"));
+      }
+      old = std::move(it->second);
+    }
+    requests_[request] = std::move(r);
   }
+  if (old && store_) store_->Release(old->pin);
+  return m;
+}
+
+absl::StatusOr<KvConnector::Request*> KvConnector::Find(uint64_t request, bool engine_mode) {
+  if (engine_mode != engine_owned()) {
+    return absl::FailedPreconditionError(engine_mode
+                                             ? "this call needs engine-registered memory"
+                                             : "this call needs the connector's own pages");
+  }
+  std::lock_guard lk(mu_);
+  auto it = requests_.find(request);
+  if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
+  return it->second.get();
+}
+
+absl::Status KvConnector::CheckPages(const std::vector<uint32_t>& pages) const {
+  for (uint32_t p : pages) {
+    if (p >= layout_.num_pages) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page ", p, " is out of range: the KV cache has ", layout_.num_pages, " pages"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<uint32_t>> KvConnector::AllocateForCompute(uint64_t request) {
+  auto found = Find(request, /*engine_mode=*/false);
+  if (!found.ok()) return found.status();
+  Request* r = *found;
   if (r->load.valid()) return absl::FailedPreconditionError("wait for the load first");
   std::vector<uint32_t> out;
   for (size_t i = r->pages.size() + r->computed.size(); i < r->chain.size(); ++i) {
@@ -169,6 +235,7 @@ void KvConnector::Finished(uint64_t request) {
   }
   if (r->load.valid()) r->load.wait();
   if (store_) store_->Release(r->pin);  // a pin never loaded (the load releases its own)
+  if (!pool_) return;
   for (uint32_t p : r->pages) pool_->Unref(p);
   for (uint32_t p : r->computed) pool_->Discard(p);
 }
@@ -199,7 +266,7 @@ ConnectorStats KvConnector::stats() const {
     std::lock_guard sl(stats_mu_);
     s = stats_;
   }
-  s.pool = pool_->counters();
+  if (pool_) s.pool = pool_->counters();
   return s;
 }
 

@@ -37,6 +37,23 @@
 // configured deadlines. Thread-safe; one request id is used by one thread at
 // a time.
 //
+// Two memory modes. By default the connector owns the paged KV cache (a
+// PagePool: GPU prefix matching, page allocation, eviction and write-back;
+// kvtier-sim-worker uses it). With ConnectorOptions::engine_memory the
+// engine owns it, as vLLM and SGLang do: the engine registers its per-layer
+// K and V memory (gpu::PageMemory), keeps its own prefix cache and chooses
+// the pages, and every call names them:
+//   Lookup(request, chain, skip)   -> blocks after the engine's own `skip`
+//                                     that the store holds, pinned there
+//   StartLoadInto(request, pages)  -> onboard them into those pages (then
+//                                     WaitForLayer / WaitForLoad as above)
+//   SaveFrom(request, first, pages)-> copy computed blocks out for the store
+//   WaitForSave / Finished
+// Begin, AllocateForCompute, Save and pool() are for the first mode only
+// (FAILED_PRECONDITION otherwise), Lookup, StartLoadInto and SaveFrom for
+// the second. Engine memory is host memory in this version, and takes plain
+// blocks only (kv_wire int8 needs the pool).
+//
 // Implementation, one concept per file: connector.cc (construction, the
 // request table, matching), connector_load.cc (onboard), connector_offload.cc
 // (save and offload), connector_staging.cc (the staging memory both use).
@@ -50,6 +67,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -75,6 +93,9 @@ struct ConnectorOptions {
   uint64_t offload_batch = 32;           // blocks per offload operation (at most)
   int offload_wait_ms = 50;              // how long an eviction waits for staging room
   DataClientOptions data;                // deadlines, lanes, shared memory, ...
+  // Set: the engine owns the KV cache (see above) and num_pages is its page
+  // count. The memory must outlive the connector.
+  std::optional<gpu::PageMemory> engine_memory;
 };
 
 // Where a load's time went, in milliseconds.
@@ -125,9 +146,35 @@ class KvConnector {
   // Bytes of a block in the store and on the wire (half for kv_wire int8).
   uint64_t wire_block_bytes() const { return wire_bytes_; }
   uint32_t block_tokens() const { return layout_.block_tokens; }
+  // REQUIRES: the connector owns its pages (no engine_memory).
   PagePool& pool() { return *pool_; }
+  bool engine_owned() const { return !pool_; }
+  const gpu::PageMemory& memory() const { return memory_; }
 
   absl::StatusOr<Match> Begin(uint64_t request, std::vector<BlockHash> chain);
+
+  // Engine mode. Opens the request over its chain, of which the engine has
+  // the first skip_blocks itself, and pins in the store the blocks after
+  // those that it holds (Match: gpu_blocks = skip_blocks, store_blocks).
+  // A request open already whose load has not started is looked up afresh
+  // (an engine's scheduler may ask again after failing to allocate).
+  // INVALID_ARGUMENT for an empty chain or skip_blocks beyond it;
+  // FAILED_PRECONDITION in pool mode or for an open request whose load
+  // started.
+  absl::StatusOr<Match> Lookup(uint64_t request, std::vector<BlockHash> chain,
+                               uint32_t skip_blocks);
+  // Engine mode. Starts loading the first pages.size() blocks Lookup pinned
+  // into those pages (an engine may take fewer than were found); the pins of
+  // the rest are released. INVALID_ARGUMENT for more pages than blocks
+  // found, a page id out of range or named twice; otherwise as StartLoad.
+  absl::Status StartLoadInto(uint64_t request, std::vector<uint32_t> pages);
+  // Engine mode. Queues blocks chain[first_block + i], computed into
+  // pages[i], for the store; their bytes are copied out before it returns,
+  // so the engine may reuse the pages at once. Blocks known to be stored
+  // are skipped. INVALID_ARGUMENT for blocks beyond the chain or a page id
+  // out of range; RESOURCE_EXHAUSTED when no staging memory came before the
+  // deadline (the blocks before that one are queued).
+  absl::Status SaveFrom(uint64_t request, uint32_t first_block, const std::vector<uint32_t>& pages);
   // Starts onboarding the blocks Begin found in the store. NOT_FOUND for an
   // unknown request, FAILED_PRECONDITION for one whose load already started.
   absl::Status StartLoad(uint64_t request);
@@ -167,6 +214,7 @@ class KvConnector {
     std::vector<uint32_t> pages;  // pinned pages, chain order, for the first pages.size() blocks
     uint32_t gpu_blocks = 0, store_blocks = 0, loaded = 0, loaded_from_disk = 0;
     std::vector<uint32_t> computed;  // pages from AllocateForCompute
+    std::vector<uint32_t> load_pages;  // engine mode: the engine's pages to load into
     ShardedPin pin;                  // the store's pin of the blocks after the GPU prefix
     // The load runs once, on a cached thread or on the thread that waits for
     // it first (whichever claims it): a caller that waits at once pays no
@@ -189,6 +237,12 @@ class KvConnector {
   };
 
   KvConnector() = default;
+
+  // Pins chain[r->gpu_blocks...] in the store; the store's error, if any.
+  absl::Status PinRest(Request* r);
+  // Looks up an open request; FAILED_PRECONDITION when the mode is wrong.
+  absl::StatusOr<Request*> Find(uint64_t request, bool engine_mode);
+  absl::Status CheckPages(const std::vector<uint32_t>& pages) const;
 
   // connector.cc: what is known about where blocks are.
   bool KnownStored(const BlockHash& h) const;
@@ -230,7 +284,8 @@ class KvConnector {
   uint64_t ns_ = 0;
   uint64_t wire_bytes_ = 0;  // BlockBytes(spec): what the store and staging hold per block
   bool packed_ = false;      // kv_wire int8
-  std::unique_ptr<PagePool> pool_;
+  std::unique_ptr<PagePool> pool_;  // null in engine mode
+  gpu::PageMemory memory_;          // the pages: the pool's or the engine's
   std::unique_ptr<ShardedStoreClient> store_;
   std::mutex publishers_mu_;  // publishers_
   std::vector<EventPublisher*> publishers_;

@@ -15,6 +15,32 @@
 
 namespace kvtier::worker {
 
+absl::Status KvConnector::StartLoadInto(uint64_t request, std::vector<uint32_t> pages) {
+  auto found = Find(request, /*engine_mode=*/true);
+  if (!found.ok()) return found.status();
+  Request* r = *found;
+  if (auto s = CheckPages(pages); !s.ok()) return s;
+  std::vector<uint32_t> sorted = pages;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+    return absl::InvalidArgumentError("a page is named twice in one load");
+  }
+  {
+    std::lock_guard lk(mu_);
+    if (r->load_started) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("request ", request, " has already started its load"));
+    }
+    if (pages.size() > r->store_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(pages.size(), " pages for ", r->store_blocks,
+                                                     " blocks found in the store"));
+    }
+    r->store_blocks = static_cast<uint32_t>(pages.size());
+    r->load_pages = std::move(pages);
+  }
+  return StartLoad(request);
+}
+
 absl::Status KvConnector::StartLoad(uint64_t request) {
   std::lock_guard lk(mu_);
   auto it = requests_.find(request);
@@ -101,9 +127,10 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
     stats_.loads++;
   }
   r->load_times.transfer.control_ms = r->pin.control_ms;
-  // Pages for the blocks; a full pool loads fewer (the engine computes the rest).
-  std::vector<uint32_t> pages;
-  for (uint32_t i = 0; i < r->store_blocks; ++i) {
+  // The engine's pages, or pages from the pool: a full pool loads fewer (the
+  // engine computes the rest).
+  std::vector<uint32_t> pages = r->load_pages;
+  for (uint32_t i = 0; pool_ && i < r->store_blocks; ++i) {
     auto p = pool_->Allocate();
     if (!p) break;
     pages.push_back(*p);
@@ -114,7 +141,7 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
   const uint32_t done = got.ok() ? *got : r->loaded;
   std::vector<BlockHash> stored;
   std::vector<uint32_t> committed;
-  for (uint32_t i = 0; i < pages.size(); ++i) {
+  for (uint32_t i = 0; pool_ && i < pages.size(); ++i) {
     if (i < done) {
       const BlockHash& h = r->chain[r->gpu_blocks + i];
       committed.push_back(pool_->Commit(h, pages[i]));
@@ -124,6 +151,7 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
       pool_->Discard(pages[i]);
     }
   }
+  for (uint32_t i = 0; !pool_ && i < done; ++i) NoteStored(r->chain[r->gpu_blocks + i]);
   PublishStored(stored);
   {
     // Pages() and LoadedFromDisk() read these under mu_.
@@ -145,15 +173,23 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
 }
 
 absl::StatusOr<uint32_t> KvConnector::LoadDirect(Request* r, const std::vector<uint32_t>& pages) {
-  // Layer l of a stored block is the page's chunk in layer l's memory.
-  const uint64_t chunk = layout_.layer_page_bytes();
+  // Layer l of a stored block is the page's K chunk then its V chunk in
+  // layer l's memory: one segment per layer where they are adjacent (the
+  // pool, vLLM's [num_pages][2]...), one per chunk otherwise.
+  const uint64_t chunk = layout_.chunk_elems() * layout_.elem_bytes();
+  const bool adjacent = memory_.KvAdjacent(layout_);
+  const uint32_t per_layer = adjacent ? 1 : 2;
   ReadPlan plan;
-  if (layout_.layers > 1) {
-    for (uint32_t l = 0; l <= layout_.layers; ++l) plan.bounds.push_back(l * chunk);
+  if (layout_.layers > 1 || !adjacent) {
+    for (uint32_t s = 0; s <= layout_.layers * per_layer; ++s) plan.bounds.push_back(s * 2 * chunk / per_layer);
   }
-  uint8_t* const* bases = pool_->layer_bases();
-  plan.dest = [&](size_t i, size_t layer) -> void* { return bases[layer] + pages[i] * chunk; };
-  plan.on_segment = [&](size_t layer) { LayersIn(r, static_cast<uint32_t>(layer + 1)); };
+  plan.dest = [&](size_t i, size_t seg) -> void* {
+    const uint32_t layer = static_cast<uint32_t>(seg / per_layer);
+    return seg % per_layer == 0 ? memory_.K(layer, pages[i]) : memory_.V(layer, pages[i]);
+  };
+  plan.on_segment = [&](size_t seg) {
+    if ((seg + 1) % per_layer == 0) LayersIn(r, static_cast<uint32_t>((seg + 1) / per_layer));
+  };
   auto got = store_->Read(r->pin, wire_bytes_, 0, static_cast<uint32_t>(pages.size()), plan);
   if (!got.ok()) return got.status();
   r->load_times.transfer += got->times;

@@ -34,7 +34,7 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page, uint64_t
     // Cannot fail: Create refused int8 for an 8-bit dtype.
     gpu::GatherPackInt8Cpu(layout_, pool_->layer_bases(), &page, 1, &dst).IgnoreError();
   } else {
-    gpu::GatherCpu(layout_, pool_->layer_bases(), &page, 1, &dst);
+    gpu::GatherCpu(layout_, memory_, &page, 1, &dst);
   }
   {
     std::lock_guard sl(stats_mu_);
@@ -48,14 +48,43 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page, uint64_t
   return true;
 }
 
-absl::Status KvConnector::Save(uint64_t request) {
-  Request* r;
-  {
-    std::lock_guard lk(mu_);
-    auto it = requests_.find(request);
-    if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
-    r = it->second.get();
+absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
+                                   const std::vector<uint32_t>& pages) {
+  auto found = Find(request, /*engine_mode=*/true);
+  if (!found.ok()) return found.status();
+  Request* r = *found;
+  if (uint64_t{first_block} + pages.size() > r->chain.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("blocks [", first_block, ", ",
+                                                   uint64_t{first_block} + pages.size(),
+                                                   ") are beyond the request's ", r->chain.size()));
   }
+  if (auto s = CheckPages(pages); !s.ok()) return s;
+  if (!store_) return absl::OkStatus();
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const BlockHash& h = r->chain[first_block + i];
+    if (KnownStored(h)) {
+      std::lock_guard sl(stats_mu_);
+      stats_.offload_skipped_known++;
+      continue;
+    }
+    {
+      std::lock_guard lk(mu_);
+      r->pending_saves++;
+    }
+    if (!StageForOffload(h, pages[i], request, options_.data.deadline_ms)) {
+      std::lock_guard lk(mu_);
+      r->pending_saves--;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no staging memory for block ", first_block + i, " before the deadline"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvConnector::Save(uint64_t request) {
+  auto found = Find(request, /*engine_mode=*/false);
+  if (!found.ok()) return found.status();
+  Request* r = *found;
   std::vector<BlockHash> stored;
   size_t first = r->pages.size();
   for (size_t i = 0; i < r->computed.size(); ++i) {

@@ -173,36 +173,67 @@ absl::Status NotOpen(uint64_t request) {
   return absl::NotFoundError(absl::StrCat("no request ", request));
 }
 
+absl::StatusOr<kvtier::worker::ConnectorOptions> OptionsFrom(const kvtier_connector_config* cfg) {
+  if (!cfg || !cfg->model || !cfg->dtype) {
+    return absl::InvalidArgumentError("config, model and dtype are required");
+  }
+  kvtier::worker::ConnectorOptions o;
+  o.spec = kvtier::NamespaceSpec{cfg->model, cfg->dtype, cfg->layers, cfg->kv_heads,
+                                 cfg->head_dim, cfg->block_tokens, 0, 1, "", ""};
+  if (cfg->kv_wire) o.spec.kv_wire = cfg->kv_wire;
+  o.num_pages = cfg->num_pages;
+  if (cfg->stores) {
+    for (absl::string_view s : absl::StrSplit(cfg->stores, ',', absl::SkipEmpty())) {
+      o.stores.emplace_back(s);
+    }
+  }
+  if (cfg->offload) o.offload = cfg->offload;
+  if (cfg->staging_blocks) o.staging_blocks = cfg->staging_blocks;
+  if (cfg->deadline_ms) o.data.deadline_ms = cfg->deadline_ms;
+  kvtier::TlsFlags tls;
+  if (cfg->tls_ca) tls.ca_file = cfg->tls_ca;
+  if (cfg->tls_cert) tls.cert_file = cfg->tls_cert;
+  if (cfg->tls_key) tls.key_file = cfg->tls_key;
+  absl::StatusOr<kvtier::ChannelSecurity> security = kvtier::ClientSecurity(tls);
+  if (!security.ok()) return security.status();
+  o.data.security = *security;
+  return o;
+}
+
+std::vector<kvtier::BlockHash> ChainOf(const uint64_t* hashes, size_t n) {
+  std::vector<kvtier::BlockHash> chain(n);
+  for (size_t i = 0; i < n; ++i) chain[i] = kvtier::BlockHash{hashes[2 * i], hashes[2 * i + 1]};
+  return chain;
+}
+
 }  // namespace
 
 extern "C" {
 
 kvtier_connector* kvtier_connector_create(const kvtier_connector_config* cfg) {
   return Call([&]() -> absl::StatusOr<kvtier_connector*> {
-    if (!cfg || !cfg->model || !cfg->dtype) {
-      return absl::InvalidArgumentError("config, model and dtype are required");
+    auto o = OptionsFrom(cfg);
+    if (!o.ok()) return o.status();
+    auto c = KvConnector::Create(*std::move(o));
+    if (!c.ok()) return c.status();
+    return new kvtier_connector{std::move(*c)};
+  });
+}
+
+kvtier_connector* kvtier_connector_create_engine(const kvtier_connector_config* cfg,
+                                                 const kvtier_engine_kv* kv) {
+  return Call([&]() -> absl::StatusOr<kvtier_connector*> {
+    auto o = OptionsFrom(cfg);
+    if (!o.ok()) return o.status();
+    if (!kv || !kv->k || !kv->v) return absl::InvalidArgumentError("kv, kv->k and kv->v are required");
+    kvtier::gpu::PageMemory m;
+    for (uint32_t l = 0; l < cfg->layers; ++l) {
+      m.k.push_back(static_cast<uint8_t*>(kv->k[l]));
+      m.v.push_back(static_cast<uint8_t*>(kv->v[l]));
     }
-    kvtier::worker::ConnectorOptions o;
-    o.spec = kvtier::NamespaceSpec{cfg->model, cfg->dtype, cfg->layers, cfg->kv_heads,
-                                   cfg->head_dim, cfg->block_tokens, 0, 1, "", ""};
-    if (cfg->kv_wire) o.spec.kv_wire = cfg->kv_wire;
-    o.num_pages = cfg->num_pages;
-    if (cfg->stores) {
-      for (absl::string_view s : absl::StrSplit(cfg->stores, ',', absl::SkipEmpty())) {
-        o.stores.emplace_back(s);
-      }
-    }
-    if (cfg->offload) o.offload = cfg->offload;
-    if (cfg->staging_blocks) o.staging_blocks = cfg->staging_blocks;
-    if (cfg->deadline_ms) o.data.deadline_ms = cfg->deadline_ms;
-    kvtier::TlsFlags tls;
-    if (cfg->tls_ca) tls.ca_file = cfg->tls_ca;
-    if (cfg->tls_cert) tls.cert_file = cfg->tls_cert;
-    if (cfg->tls_key) tls.key_file = cfg->tls_key;
-    absl::StatusOr<kvtier::ChannelSecurity> security = kvtier::ClientSecurity(tls);
-    if (!security.ok()) return security.status();
-    o.data.security = *security;
-    auto c = KvConnector::Create(o);
+    m.page_stride = kv->page_stride;
+    o->engine_memory = std::move(m);
+    auto c = KvConnector::Create(*std::move(o));
     if (!c.ok()) return c.status();
     return new kvtier_connector{std::move(*c)};
   });
@@ -229,6 +260,9 @@ uint64_t kvtier_block_bytes(const kvtier_connector* c) {
 
 uint8_t* kvtier_layer_base(kvtier_connector* c, uint32_t layer) {
   return WithConnector(c, [&](KvConnector& k) -> absl::StatusOr<uint8_t*> {
+    if (k.engine_owned()) {
+      return absl::FailedPreconditionError("the engine owns this connector's KV memory");
+    }
     const uint32_t layers = k.pool().layout().layers;
     if (layer >= layers) {
       return absl::InvalidArgumentError(
@@ -259,14 +293,39 @@ kvtier_status kvtier_get_num_matched_tokens(kvtier_connector* c, uint64_t reques
                                             uint64_t* gpu_tokens, uint64_t* store_tokens) {
   return WithConnector(c, [&](KvConnector& k) -> absl::Status {
     if (auto s = CheckArray(hashes, n, "hashes"); !s.ok()) return s;
-    std::vector<kvtier::BlockHash> chain(n);
-    for (size_t i = 0; i < n; ++i) chain[i] = kvtier::BlockHash{hashes[2 * i], hashes[2 * i + 1]};
-    auto m = k.Begin(request, std::move(chain));
+    auto m = k.Begin(request, ChainOf(hashes, n));
     if (!m.ok()) return m.status();
     const uint64_t bt = k.block_tokens();
     if (gpu_tokens) *gpu_tokens = m->gpu_blocks * bt;
     if (store_tokens) *store_tokens = m->store_blocks * bt;
     return absl::OkStatus();
+  });
+}
+
+kvtier_status kvtier_lookup(kvtier_connector* c, uint64_t request, const uint64_t* hashes,
+                            size_t n, uint32_t skip_blocks, uint64_t* store_tokens) {
+  return WithConnector(c, [&](KvConnector& k) -> absl::Status {
+    if (auto s = CheckArray(hashes, n, "hashes"); !s.ok()) return s;
+    auto m = k.Lookup(request, ChainOf(hashes, n), skip_blocks);
+    if (!m.ok()) return m.status();
+    if (store_tokens) *store_tokens = uint64_t{m->store_blocks} * k.block_tokens();
+    return absl::OkStatus();
+  });
+}
+
+kvtier_status kvtier_start_load_into(kvtier_connector* c, uint64_t request, const uint32_t* pages,
+                                     size_t n) {
+  return WithConnector(c, [&](KvConnector& k) -> absl::Status {
+    if (auto s = CheckArray(pages, n, "pages"); !s.ok()) return s;
+    return k.StartLoadInto(request, std::vector<uint32_t>(pages, pages + n));
+  });
+}
+
+kvtier_status kvtier_save_blocks(kvtier_connector* c, uint64_t request, uint32_t first_block,
+                                 const uint32_t* pages, size_t n) {
+  return WithConnector(c, [&](KvConnector& k) -> absl::Status {
+    if (auto s = CheckArray(pages, n, "pages"); !s.ok()) return s;
+    return k.SaveFrom(request, first_block, std::vector<uint32_t>(pages, pages + n));
   });
 }
 

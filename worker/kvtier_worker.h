@@ -1,14 +1,27 @@
 /* The C ABI of kvtier's worker library, for engines written in other
- * languages (a Python engine binds it with ctypes or cffi).
+ * languages (Python engines use the kvtier package, which binds the C++
+ * library directly; docs/engines.md).
  *
- * One connector owns the engine's paged KV cache (kvtier_layer_base) and
- * talks to the store. Per request, in order:
+ * Two kinds of connector. One made by kvtier_connector_create owns the
+ * paged KV cache (kvtier_layer_base) and talks to the store. Per request,
+ * in order:
  *   kvtier_get_num_matched_tokens  -> tokens on the GPU and in the store
  *   kvtier_start_load / kvtier_wait_for_layer / kvtier_wait_for_load
  *   kvtier_allocate                -> pages for the tokens to compute
  *   (the engine computes into those pages)
  *   kvtier_save / kvtier_wait_for_save
  *   kvtier_request_finished
+ *
+ * One made by kvtier_connector_create_engine works over the engine's own KV
+ * memory (kvtier_engine_kv), and the engine keeps its prefix cache and
+ * chooses its pages, as with vLLM's KV-connector API:
+ *   kvtier_lookup            -> tokens the store holds after the engine's own
+ *   kvtier_start_load_into   -> into the engine's pages; then
+ *                               kvtier_wait_for_layer / kvtier_wait_for_load
+ *   (the engine computes the rest)
+ *   kvtier_save_blocks / kvtier_wait_for_save
+ *   kvtier_request_finished
+ * Calls of the other kind return KVTIER_FAILED_PRECONDITION on it.
  * Thread-safe; one request id is used by one thread at a time.
  *
  * Errors. A failure has a kvtier_status code (absl::StatusCode's and gRPC's
@@ -99,6 +112,26 @@ typedef struct {
  *   the data plane's code      registering the staging memory with it failed.
  * A store that is down is no failure here: it is asked again per request. */
 kvtier_connector* kvtier_connector_create(const kvtier_connector_config* config);
+/* Where an engine's paged KV cache is, per layer: page 0's K chunk and V
+ * chunk (block_tokens x kv_heads x head_dim contiguous elements each), and
+ * the bytes from one page's chunk to the next page's (the same for K and V).
+ * vLLM's [2][num_pages][block_tokens][kv_heads][head_dim] per layer:
+ *   k = base, v = base + num_pages * page_stride, page_stride = chunk bytes;
+ * [num_pages][2][...]: k = base, v = base + chunk, page_stride = 2 chunks.
+ * Host memory, valid for the connector's lifetime. */
+typedef struct {
+  void* const* k;        /* config.layers entries */
+  void* const* v;        /* config.layers entries */
+  uint64_t page_stride;  /* bytes */
+} kvtier_engine_kv;
+
+/* A connector over the engine's memory: config.num_pages is the engine's
+ * page count. NULL on failure, with the codes of kvtier_connector_create and
+ *   KVTIER_INVALID_ARGUMENT  kv or its arrays NULL, a NULL layer, a page
+ *                            stride below a chunk, K and V overlapping, or
+ *                            kv_wire int8 (it needs a kvtier-owned pool). */
+kvtier_connector* kvtier_connector_create_engine(const kvtier_connector_config* config,
+                                                 const kvtier_engine_kv* kv);
 /* NULL: nothing happens. Waits for pending offloads. */
 void kvtier_connector_destroy(kvtier_connector* c);
 
@@ -124,6 +157,38 @@ int64_t kvtier_hash_tokens(const kvtier_connector* c, const uint32_t* tokens, si
 kvtier_status kvtier_get_num_matched_tokens(kvtier_connector* c, uint64_t request,
                                             const uint64_t* hashes, size_t n_blocks,
                                             uint64_t* gpu_tokens, uint64_t* store_tokens);
+/* Engine connectors. Opens the request over its hash chain, of which the
+ * engine holds the first skip_blocks itself, and pins in the store the
+ * blocks after those that it holds; store_tokens (may be NULL) gets their
+ * tokens. A store that cannot be asked is no failure (0 tokens). A request
+ * open already whose load has not started is looked up afresh.
+ *   KVTIER_INVALID_ARGUMENT     n_blocks is 0, or skip_blocks > n_blocks.
+ *   KVTIER_FAILED_PRECONDITION  a kvtier-owned connector, or the request's
+ *                               load or save is under way. */
+kvtier_status kvtier_lookup(kvtier_connector* c, uint64_t request, const uint64_t* hashes,
+                            size_t n_blocks, uint32_t skip_blocks, uint64_t* store_tokens);
+/* Engine connectors. Starts loading the first n_pages blocks kvtier_lookup
+ * found into pages[0..n_pages) (the engine may take fewer than were found),
+ * layer by layer; wait with kvtier_wait_for_layer / kvtier_wait_for_load.
+ *   KVTIER_INVALID_ARGUMENT     more pages than blocks found, a page id
+ *                               >= num_pages, or a page named twice.
+ *   KVTIER_NOT_FOUND            the request is not open.
+ *   KVTIER_FAILED_PRECONDITION  a kvtier-owned connector, or the load was
+ *                               started already. */
+kvtier_status kvtier_start_load_into(kvtier_connector* c, uint64_t request, const uint32_t* pages,
+                                     size_t n_pages);
+/* Engine connectors. Queues the request's blocks first_block + i, computed
+ * into pages[i], for the store; their bytes are copied out before it
+ * returns, so the engine may reuse the pages at once. Blocks known to be in
+ * the store are skipped. kvtier_wait_for_save waits for them.
+ *   KVTIER_INVALID_ARGUMENT     blocks beyond the chain, a page id out of range.
+ *   KVTIER_NOT_FOUND            the request is not open.
+ *   KVTIER_RESOURCE_EXHAUSTED   no staging memory before the deadline (the
+ *                               blocks before that one are queued).
+ *   KVTIER_FAILED_PRECONDITION  a kvtier-owned connector. */
+kvtier_status kvtier_save_blocks(kvtier_connector* c, uint64_t request, uint32_t first_block,
+                                 const uint32_t* pages, size_t n_pages);
+
 /* Starts loading the request's store tokens in the background, layer by
  * layer (layer 0 of every block first).
  *   KVTIER_NOT_FOUND            the request is not open.

@@ -1,0 +1,267 @@
+// Engine-registered KV memory (worker/connector.h, "Two memory modes"): the
+// engine owns the paged cache in vLLM's layouts or as separate K and V
+// tensors, chooses the pages, and saves and loads through kvtier with the
+// same leases and checksums as the pool mode. Against a real kvtier-store,
+// over UCX (TCP) and through the mapped arena; and the C ABI's engine calls.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "tests/test_util.h"
+#include "worker/connector.h"
+#include "worker/kvtier_worker.h"
+
+namespace kvtier {
+namespace {
+
+using testing::ServerProcess;
+
+// 2 layers x 2 heads x 32 dim x 16 tokens of fp16: 2 KiB chunks, 8 KiB blocks.
+NamespaceSpec Spec() { return NamespaceSpec{"engine-test", "fp16", 2, 2, 32, 16, 0, 1, "", ""}; }
+constexpr uint64_t kChunk = 16 * 2 * 32 * 2;
+constexpr uint64_t kPages = 12;
+
+// An engine's KV cache: one allocation per layer in the given layout.
+struct EngineCache {
+  std::string layout;  // "kv_first" [2][pages]..., "blocks_first" [pages][2]..., "split" K and V apart
+  std::vector<std::vector<uint8_t>> mem;  // per layer (split: K layers then V layers)
+  gpu::PageMemory memory;
+
+  explicit EngineCache(std::string l) : layout(std::move(l)) {
+    const uint32_t layers = Spec().layers;
+    for (uint32_t i = 0; i < layers; ++i) {
+      if (layout == "split") {
+        mem.emplace_back(kPages * kChunk, 0);
+        mem.emplace_back(kPages * kChunk, 0);
+        memory.k.push_back(mem[2 * i].data());
+        memory.v.push_back(mem[2 * i + 1].data());
+        memory.page_stride = kChunk;
+      } else {
+        mem.emplace_back(2 * kPages * kChunk, 0);
+        uint8_t* base = mem.back().data();
+        memory.k.push_back(base);
+        memory.v.push_back(layout == "kv_first" ? base + kPages * kChunk : base + kChunk);
+        memory.page_stride = layout == "kv_first" ? kChunk : 2 * kChunk;
+      }
+    }
+  }
+  // Fills K and V of every layer of `page` with bytes drawn from seed.
+  void Fill(uint32_t page, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    for (uint32_t l = 0; l < memory.k.size(); ++l) {
+      for (uint8_t* p : {memory.K(l, page), memory.V(l, page)}) {
+        for (uint64_t b = 0; b < kChunk; ++b) p[b] = static_cast<uint8_t>(rng());
+      }
+    }
+  }
+  bool Same(uint32_t page, const EngineCache& other, uint32_t other_page) const {
+    for (uint32_t l = 0; l < memory.k.size(); ++l) {
+      if (std::memcmp(memory.K(l, page), other.memory.K(l, other_page), kChunk) != 0 ||
+          std::memcmp(memory.V(l, page), other.memory.V(l, other_page), kChunk) != 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+  bool Zero(uint32_t page) const {
+    for (uint32_t l = 0; l < memory.k.size(); ++l) {
+      for (const uint8_t* p : {memory.K(l, page), memory.V(l, page)}) {
+        for (uint64_t b = 0; b < kChunk; ++b) {
+          if (p[b] != 0) return false;
+        }
+      }
+    }
+    return true;
+  }
+};
+
+std::vector<BlockHash> Chain(uint64_t n, uint64_t salt = 0) {
+  std::vector<uint32_t> tokens(n * Spec().block_tokens);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint32_t>(i * 13 + 5 + salt);
+  return ChainHashes(NamespaceId(Spec()), tokens, Spec().block_tokens);
+}
+
+class EngineMemory : public ::testing::TestWithParam<std::tuple<const char*, const char*>> {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", "tcp", 1);
+    store_ = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir_.sub("store"),
+                                             testing::LoopbackStoreArgs(dir_.sub("store")));
+    ASSERT_GT(store_->port(), 0) << store_->Log();
+  }
+  std::unique_ptr<worker::KvConnector> Make(EngineCache& cache) {
+    worker::ConnectorOptions o;
+    o.spec = Spec();
+    o.num_pages = kPages;
+    o.stores = {store_->address()};
+    o.staging_blocks = 4;
+    o.data.deadline_ms = 5000;
+    o.data.shared_memory = std::string(std::get<1>(GetParam())) == "mapped"
+                               ? DataClientOptions::SharedMemory::kOn
+                               : DataClientOptions::SharedMemory::kOff;
+    o.engine_memory = cache.memory;
+    auto c = worker::KvConnector::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<ServerProcess> store_;
+};
+
+TEST_P(EngineMemory, BlocksSavedFromOneEnginesPagesLoadIntoAnothersLayerByLayer) {
+  EngineCache a_cache(std::get<0>(GetParam())), b_cache(std::get<0>(GetParam()));
+  auto a = Make(a_cache);
+  auto b = Make(b_cache);
+  ASSERT_TRUE(a && b);
+  const auto chain = Chain(6);
+  // A computes blocks 0..5 into pages 3, 5, 7, 9, 11, 1 and saves them.
+  const std::vector<uint32_t> a_pages = {3, 5, 7, 9, 11, 1};
+  for (size_t i = 0; i < a_pages.size(); ++i) a_cache.Fill(a_pages[i], 100 + i);
+  auto m = a->Lookup(1, chain, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->store_blocks, 0u);
+  ASSERT_TRUE(a->SaveFrom(1, 0, a_pages).ok());
+  for (uint32_t p : a_pages) a_cache.Fill(p, 999);  // the engine reuses its pages at once
+  ASSERT_TRUE(a->WaitForSave(1).ok());
+  a->Finished(1);
+  EXPECT_EQ(a->stats().offloaded_blocks, 6u);
+  for (size_t i = 0; i < a_pages.size(); ++i) a_cache.Fill(a_pages[i], 100 + i);  // for comparing
+
+  // B has block 0 in its own prefix cache and loads blocks 1..4 of the 5 found.
+  m = b->Lookup(2, chain, 1);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->gpu_blocks, 1u);
+  EXPECT_EQ(m->store_blocks, 5u);
+  const std::vector<uint32_t> b_pages = {0, 2, 10, 4};
+  ASSERT_TRUE(b->StartLoadInto(2, b_pages).ok());
+  for (uint32_t l = 0; l < Spec().layers; ++l) ASSERT_TRUE(b->WaitForLayer(2, l).ok());
+  auto loaded = b->WaitForLoad(2);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, 4u);
+  for (size_t i = 0; i < b_pages.size(); ++i) {
+    EXPECT_TRUE(b_cache.Same(b_pages[i], a_cache, a_pages[i + 1])) << "block " << i + 1;
+  }
+  for (uint32_t p : {1u, 3u, 5u, 6u, 7u, 8u, 9u, 11u}) EXPECT_TRUE(b_cache.Zero(p)) << "page " << p;
+  b->Finished(2);
+  EXPECT_EQ(b->stats().loaded_blocks, 4u);
+}
+
+TEST_P(EngineMemory, BadPagesAndCallsOfTheOtherModeAreRefusedAndChangeNothing) {
+  EngineCache a_cache(std::get<0>(GetParam())), b_cache(std::get<0>(GetParam()));
+  auto a = Make(a_cache);
+  auto b = Make(b_cache);
+  ASSERT_TRUE(a && b);
+  const auto chain = Chain(3, 7);
+  for (uint32_t i = 0; i < 3; ++i) a_cache.Fill(i, 7 + i);
+  ASSERT_TRUE(a->Lookup(1, chain, 0).ok());
+  EXPECT_EQ(a->SaveFrom(1, 0, {0, kPages}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->SaveFrom(1, 2, {0, 1}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->SaveFrom(9, 0, {0}).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(a->Begin(5, chain).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a->AllocateForCompute(1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a->Save(1).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(a->Lookup(3, {}, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Lookup(3, chain, 4).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(a->SaveFrom(1, 0, {0, 1, 2}).ok());
+  ASSERT_TRUE(a->WaitForSave(1).ok());
+  a->Finished(1);
+
+  auto m = b->Lookup(2, chain, 0);
+  ASSERT_TRUE(m.ok());
+  ASSERT_EQ(m->store_blocks, 3u);
+  EXPECT_EQ(b->StartLoadInto(2, {0, 1, 2, 3}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(b->StartLoadInto(2, {0, kPages}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(b->StartLoadInto(2, {4, 4}).code(), absl::StatusCode::kInvalidArgument);
+  for (uint32_t p = 0; p < kPages; ++p) EXPECT_TRUE(b_cache.Zero(p)) << "a refused load wrote page " << p;
+  // Looked up again (a scheduler's retry), then loaded: the refusals changed nothing.
+  m = b->Lookup(2, chain, 0);
+  ASSERT_TRUE(m.ok());
+  ASSERT_EQ(m->store_blocks, 3u);
+  ASSERT_TRUE(b->StartLoadInto(2, {6, 7, 8}).ok());
+  EXPECT_EQ(b->StartLoadInto(2, {6}).code(), absl::StatusCode::kFailedPrecondition);
+  auto loaded = b->WaitForLoad(2);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, 3u);
+  for (uint32_t i = 0; i < 3; ++i) EXPECT_TRUE(b_cache.Same(6 + i, a_cache, i));
+  b->Finished(2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, EngineMemory,
+                         ::testing::Combine(::testing::Values("kv_first", "blocks_first", "split"),
+                                            ::testing::Values("ucx", "mapped")),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param)) + "_" +
+                                  std::get<1>(info.param);
+                         });
+
+TEST(EngineMemoryOptions, RegistrationErrorsAreClear) {
+  EngineCache cache("kv_first");
+  worker::ConnectorOptions o;
+  o.spec = Spec();
+  o.num_pages = kPages;
+  gpu::PageMemory m = cache.memory;
+  m.k.pop_back();
+  o.engine_memory = m;
+  auto c = worker::KvConnector::Create(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("layers"), std::string::npos) << c.status();
+  m = cache.memory;
+  m.page_stride = kChunk - 2;
+  o.engine_memory = m;
+  EXPECT_EQ(worker::KvConnector::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  m = cache.memory;
+  m.v[0] = m.k[0] + 16;  // V overlapping K
+  o.engine_memory = m;
+  EXPECT_EQ(worker::KvConnector::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.engine_memory = cache.memory;
+  o.spec.kv_wire = kKvWireInt8;
+  c = worker::KvConnector::Create(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("int8"), std::string::npos) << c.status();
+}
+
+TEST(EngineMemoryCAbi, EngineCallsWorkAndPoolCallsAreRefused) {
+  EngineCache cache("blocks_first");
+  std::vector<void*> k(cache.memory.k.begin(), cache.memory.k.end());
+  std::vector<void*> v(cache.memory.v.begin(), cache.memory.v.end());
+  kvtier_engine_kv kv{k.data(), v.data(), cache.memory.page_stride};
+  kvtier_connector_config cfg{};
+  cfg.model = "engine-test";
+  cfg.dtype = "fp16";
+  cfg.layers = 2;
+  cfg.kv_heads = 2;
+  cfg.head_dim = 32;
+  cfg.block_tokens = 16;
+  cfg.num_pages = kPages;
+  cfg.stores = "";
+  kvtier_connector* c = kvtier_connector_create_engine(&cfg, &kv);
+  ASSERT_NE(c, nullptr) << kvtier_last_error();
+  std::vector<uint32_t> tokens(40);
+  std::iota(tokens.begin(), tokens.end(), 1);
+  uint64_t hashes[4];
+  ASSERT_EQ(kvtier_hash_tokens(c, tokens.data(), tokens.size(), hashes, 2), 2);
+  uint64_t store_tokens = 99;
+  ASSERT_EQ(kvtier_lookup(c, 1, hashes, 2, 0, &store_tokens), KVTIER_OK) << kvtier_last_error();
+  EXPECT_EQ(store_tokens, 0u);  // no store
+  const uint32_t pages[2] = {0, 1};
+  EXPECT_EQ(kvtier_save_blocks(c, 1, 0, pages, 2), KVTIER_OK);
+  EXPECT_EQ(kvtier_save_blocks(c, 1, 1, pages, 2), KVTIER_INVALID_ARGUMENT);
+  EXPECT_EQ(kvtier_start_load_into(c, 1, pages, 1), KVTIER_INVALID_ARGUMENT);  // nothing found
+  EXPECT_EQ(kvtier_lookup(c, 2, hashes, 2, 3, nullptr), KVTIER_INVALID_ARGUMENT);
+  EXPECT_EQ(kvtier_get_num_matched_tokens(c, 3, hashes, 2, nullptr, nullptr),
+            KVTIER_FAILED_PRECONDITION);
+  EXPECT_EQ(kvtier_layer_base(c, 0), nullptr);
+  EXPECT_EQ(kvtier_last_status(), KVTIER_FAILED_PRECONDITION);
+  EXPECT_EQ(kvtier_wait_for_save(c, 1), KVTIER_OK);
+  kvtier_request_finished(c, 1);
+  kvtier_connector_destroy(c);
+  EXPECT_EQ(kvtier_connector_create_engine(&cfg, nullptr), nullptr);
+  EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
+}
+
+}  // namespace
+}  // namespace kvtier

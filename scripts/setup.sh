@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvtier builds and runs with, if any are missing.
 # Safe to run again: it does nothing when everything is present.
+# libopenblas0-pthread: Debian's torch and numpy use whichever libblas.so.3
+# is installed; OpenBLAS makes the reference engine ~40x faster than the
+# reference BLAS.
 set -euo pipefail
 
 PKGS=(
@@ -10,6 +13,8 @@ PKGS=(
   nlohmann-json3-dev prometheus-cpp-dev redis-server redis-tools fio python3
   golang-go golang-github-masterminds-sprig-dev python3-jsonschema python3-yaml
   clang libclang-rt-14-dev openssl
+  python3-dev pybind11-dev python3-numpy python3-pytest python3-torch
+  libopenblas0-pthread
 )
 
 missing=()

@@ -1,0 +1,1 @@
+"""kvtier reference engine."""

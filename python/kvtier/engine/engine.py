@@ -1,0 +1,505 @@
+"""The reference engine: continuous batching over a paged KV cache, with
+kvtier in the hook order of vLLM's KV-connector API.
+
+One engine thread runs steps. A step admits waiting requests (scheduler
+side: its own prefix cache first, then how many more tokens kvtier can load,
+then pages, then the step's metadata), starts their loads, runs one batched
+forward of prefill chunks and decode tokens in which layer ``l`` waits for
+layer ``l`` of the loads (worker side: start load, wait per layer, save per
+layer), takes each load's verdict, saves the blocks that became full and
+finishes requests that are done. The hook names follow vLLM's:
+
+=====================================  =====================================
+vLLM KVConnectorBase_V1                here
+=====================================  =====================================
+get_num_new_matched_tokens             ``Connector.lookup``
+update_state_after_alloc               ``_admit`` (pages for the load)
+build_connector_meta                   ``_Step.loads`` / ``_Step.saves``
+start_load_kv                          ``Connector.start_load``
+wait_for_layer_load                    ``Connector.wait_for_layer``
+save_kv_layer                          (blocks are saved whole, see below)
+wait_for_save                          ``Connector.save`` + ``wait_for_save``
+get_finished / request_finished        ``Connector.finished``
+=====================================  =====================================
+
+kvtier saves whole blocks once a step has computed them (a block is the
+store's unit and its checksum covers every layer), so ``save_kv_layer`` has
+nothing to do per layer here.
+
+Silent wrong KV is never used: a load's verdict (``wait_for_load``) comes
+before the step's results are kept. A failed load (store gone, checksum
+mismatch, deadline) rolls the request back to its own prefix and the next
+step computes the tokens instead; the output is what a cold run gives.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from kvtier import Connector, KvtierError, Namespace
+from kvtier.engine.model import (ModelConfig, PagedKvCache, SeqChunk,
+                                 Transformer, greedy)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine (its KV cache and its steps)."""
+
+    num_pages: int = 2048
+    page_tokens: int = 16          # tokens per page == kvtier block_tokens
+    max_step_tokens: int = 1024    # prefill + decode tokens per step
+    max_running: int = 8           # requests in a step at most
+    kv_dtype: str = "fp16"         # "fp16" or "bf16"
+    layout: str = "kv_first"       # vLLM layout of each layer's tensor
+
+
+def namespace_for(model: ModelConfig, engine: EngineConfig,
+                  kv_wire: str = "") -> Namespace:
+    """The kvtier namespace of a model's KV: engines with equal model
+    configurations (weights included, via the seed) share blocks."""
+    name = (f"kvtier-reference-v{model.vocab_size}-h{model.hidden}"
+            f"-l{model.layers}-q{model.heads}-f{model.ffn}"
+            f"-r{model.rope_theta:g}-s{model.seed}")
+    return Namespace(name, engine.kv_dtype, model.layers, model.kv_heads,
+                     model.head_dim, engine.page_tokens, kv_wire=kv_wire)
+
+
+@dataclass
+class Result:
+    """One request's outcome.
+
+    ``ttft_ms``: from submission to the first output token (queueing, loads
+    and real compute). ``computed_tokens``: prompt tokens this engine
+    computed; ``gpu_hit_tokens``: found in its own prefix cache;
+    ``loaded_tokens``: loaded from kvtier and verified. ``load_status``:
+    empty, or why a load failed (its tokens were computed instead).
+    """
+
+    tokens: list[int]
+    ttft_ms: float
+    prompt_tokens: int
+    computed_tokens: int
+    gpu_hit_tokens: int
+    loaded_tokens: int
+    loaded_blocks: int
+    loaded_from_disk: int
+    load_status: str
+    onboard_ms: float
+    decode_ms: float
+    first_logits: torch.Tensor
+
+
+class _Pages:
+    """The engine's own page allocator and prefix cache (as vLLM's block
+    manager): full blocks are cached by chain hash, referenced while a
+    request uses them and kept in LRU order afterwards until evicted."""
+
+    def __init__(self, num_pages: int,
+                 on_stored: Callable[[np.ndarray], None],
+                 on_removed: Callable[[np.ndarray], None]) -> None:
+        self.free: collections.deque[int] = collections.deque(range(num_pages))
+        self.refs = [0] * num_pages
+        self.hash_of: dict[int, tuple[int, int]] = {}
+        self.page_of: dict[tuple[int, int], int] = {}
+        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.on_stored = on_stored
+        self.on_removed = on_removed
+
+    def match(self, hashes: np.ndarray, limit: int) -> list[int]:
+        """Pages of the longest cached prefix (at most ``limit`` blocks),
+        each referenced."""
+        pages: list[int] = []
+        for hi, lo in hashes[:limit].tolist():
+            page = self.page_of.get((hi, lo))
+            if page is None:
+                break
+            pages.append(page)
+        for p in pages:
+            self._ref(p)
+        return pages
+
+    def _ref(self, page: int) -> None:
+        self.refs[page] += 1
+        self.lru.pop(page, None)
+
+    def allocate(self, n: int) -> Optional[list[int]]:
+        """``n`` referenced pages, evicting cached ones; None if there are
+        not enough unreferenced pages (nothing is taken then)."""
+        if len(self.free) + len(self.lru) < n:
+            return None
+        out: list[int] = []
+        removed: list[tuple[int, int]] = []
+        for _ in range(n):
+            if self.free:
+                page = self.free.popleft()
+            else:
+                page, _ = self.lru.popitem(last=False)
+                h = self.hash_of.pop(page)
+                del self.page_of[h]
+                removed.append(h)
+            self.refs[page] = 1
+            out.append(page)
+        if removed:
+            self.on_removed(np.array(removed, dtype=np.uint64))
+        return out
+
+    def commit(self, page: int, h: tuple[int, int]) -> None:
+        """The page holds the block of hash ``h``: it becomes matchable."""
+        if h in self.page_of or page in self.hash_of:
+            return
+        self.page_of[h] = page
+        self.hash_of[page] = h
+        self.on_stored(np.array([h], dtype=np.uint64))
+
+    def release(self, pages: list[int]) -> None:
+        """Drops one reference of each page; cached ones stay matchable."""
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                if p in self.hash_of:
+                    self.lru[p] = None
+                else:
+                    self.free.append(p)
+
+    @property
+    def free_count(self) -> int:
+        """Pages that could be allocated now."""
+        return len(self.free) + len(self.lru)
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    max_new: int
+    arrival: float
+    done: threading.Event = field(default_factory=threading.Event)
+    hashes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2),
+                                                                np.uint64))
+    pages: list[int] = field(default_factory=list)
+    gpu_blocks: int = 0
+    computed: int = 0             # positions whose KV is in the pages
+    computed_tokens: int = 0      # of those, computed by this engine
+    saved_blocks: int = 0         # blocks committed / saved so far
+    load_blocks: int = 0          # blocks loading in the current step
+    loaded_blocks: int = 0
+    loaded_from_disk: int = 0
+    load_status: str = ""
+    onboard_ms: float = 0.0
+    load_started: float = 0.0
+    out: list[int] = field(default_factory=list)
+    first_token_at: float = 0.0
+    first_logits: Optional[torch.Tensor] = None
+    error: Optional[BaseException] = None
+    result: Optional[Result] = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.out)
+
+
+class Engine:
+    """A PyTorch reference engine using kvtier through ``connector`` (None:
+    no store tier). ``on_stored`` / ``on_removed`` receive the chain hashes
+    of blocks entering or leaving the engine's prefix cache (a router's KV
+    events). Thread-safe: :meth:`generate` may be called from any thread."""
+
+    def __init__(self, model: Transformer, config: EngineConfig,
+                 connector_factory: Optional[
+                     Callable[[PagedKvCache], Connector]] = None,
+                 on_stored: Callable[[np.ndarray], None] = lambda h: None,
+                 on_removed: Callable[[np.ndarray], None] = lambda h: None
+                 ) -> None:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}
+        if config.kv_dtype not in dtype:
+            raise ValueError(f'kv_dtype "{config.kv_dtype}" is not fp16 or bf16')
+        self.model = model
+        self.config = config
+        self.namespace = namespace_for(model.config, config)
+        self.cache = PagedKvCache(model.config, config.num_pages,
+                                  config.page_tokens, dtype[config.kv_dtype],
+                                  config.layout)
+        self.connector = (connector_factory(self.cache)
+                          if connector_factory else None)
+        self.pages = _Pages(config.num_pages, on_stored, on_removed)
+        self._mu = threading.Condition()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self._stop = False
+        self._next_id = 1 << 40
+        self.stats = collections.Counter()
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name="kvtier-engine")
+        self._thread.start()
+
+    # ------------------------------------------------------------ public
+
+    def generate(self, prompt: list[int], max_new_tokens: int = 1,
+                 request_id: Optional[int] = None,
+                 timeout: Optional[float] = None) -> Result:
+        """Runs a request to completion: greedy decoding of
+        ``max_new_tokens`` tokens (>= 1) after ``prompt``. Raises ValueError
+        for an empty prompt, a token outside the vocabulary or a prompt
+        larger than the whole KV cache; TimeoutError after ``timeout``."""
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token {bad[0]} is outside the vocabulary "
+                             f"(0..{vocab - 1})")
+        bt = self.config.page_tokens
+        need = -(-(len(prompt) + max_new_tokens) // bt)
+        if need > self.config.num_pages:
+            raise ValueError(f"the request needs {need} pages; the KV cache "
+                             f"has {self.config.num_pages}")
+        with self._mu:
+            if request_id is None:
+                request_id = self._next_id
+                self._next_id += 1
+            r = _Request(request_id, list(prompt), max_new_tokens,
+                         time.monotonic())
+            r.hashes = self.namespace.hash_tokens(np.asarray(prompt))
+            self._waiting.append(r)
+            self._mu.notify_all()
+        if not r.done.wait(timeout):
+            raise TimeoutError(f"request {request_id} did not finish in "
+                               f"{timeout} s")
+        if r.error is not None:
+            raise r.error
+        assert r.result is not None
+        return r.result
+
+    def load(self) -> tuple[int, int, int]:
+        """(running requests, queued prompt tokens, free pages) now."""
+        with self._mu:
+            queued = sum(len(r.prompt) for r in self._waiting)
+            return len(self._running), queued, self.pages.free_count
+
+    def close(self) -> None:
+        """Stops the engine thread (requests still waiting fail) and closes
+        the connector (waiting for queued saves)."""
+        with self._mu:
+            self._stop = True
+            self._mu.notify_all()
+        self._thread.join()
+        for r in list(self._waiting) + self._running:
+            r.error = RuntimeError("the engine stopped")
+            r.done.set()
+        if self.connector is not None:
+            self.connector.close()
+
+    # ----------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._mu:
+                while not self._stop and not self._waiting and \
+                        not self._running:
+                    self._mu.wait()
+                if self._stop:
+                    return
+                self._admit()
+                batch = list(self._running)
+            if batch:
+                self._step(batch)
+            else:
+                time.sleep(0.002)  # waiting for pages held by nobody? retry
+
+    def _admit(self) -> None:
+        """Scheduler side: moves waiting requests into the running set while
+        pages and the step's limits allow (called under the lock)."""
+        bt = self.config.page_tokens
+        while self._waiting and len(self._running) < self.config.max_running:
+            r = self._waiting[0]
+            # At least the last prompt token is computed (it gives the logits).
+            limit = (len(r.prompt) - 1) // bt
+            gpu = self.pages.match(r.hashes, limit)
+            found = 0
+            if self.connector is not None and len(r.hashes) > 0 and \
+                    len(gpu) < limit:
+                try:
+                    lk = self.connector.lookup(r.rid, r.hashes, len(gpu))
+                    found = min(lk.blocks, limit - len(gpu))
+                    if lk.store_error is not None:
+                        r.load_status = f"store lookup failed: {lk.store_error}"
+                except KvtierError as e:
+                    r.load_status = f"store lookup failed: {e}"
+            total = -(-len(r.prompt) // bt)
+            fresh = self.pages.allocate(total - len(gpu))
+            if fresh is None:
+                self.pages.release(gpu)
+                if self.connector is not None:
+                    self.connector.finished(r.rid)
+                return  # no room yet: retried after a request finishes
+            self._waiting.popleft()
+            r.pages = gpu + fresh
+            r.gpu_blocks = len(gpu)
+            r.saved_blocks = len(gpu)
+            r.computed = len(gpu) * bt
+            r.load_blocks = 0
+            if found > 0:
+                assert self.connector is not None
+                try:
+                    r.load_started = time.monotonic()
+                    self.connector.start_load(
+                        r.rid, fresh[:found])
+                    r.load_blocks = found
+                    r.computed += found * bt
+                except KvtierError as e:
+                    r.load_status = f"load not started: {e}"
+            self._running.append(r)
+
+    def _step(self, batch: list[_Request]) -> None:
+        """One forward over the batch: a prefill chunk per prefilling
+        request, one token per decoding one; then verdicts, saves,
+        first tokens and completions."""
+        bt = self.config.page_tokens
+        budget = self.config.max_step_tokens
+        chunks: list[SeqChunk] = []
+        members: list[tuple[_Request, int]] = []  # (request, tokens fed)
+        for r in batch:
+            if r.computed < len(r.prompt):
+                if budget <= 0:
+                    continue  # prefills next step; decodes still run
+                n = min(len(r.prompt) - r.computed, budget)
+                budget -= n
+                toks = r.prompt[r.computed:r.computed + n]
+            else:
+                n = 1
+                budget -= 1
+                toks = [r.out[-1]]
+                if r.length > len(r.pages) * bt:
+                    extra = self.pages.allocate(1)
+                    if extra is None:
+                        continue  # waits for a page
+                    r.pages.extend(extra)
+            chunks.append(SeqChunk(torch.tensor(toks, dtype=torch.long),
+                                   r.computed if r.computed < len(r.prompt)
+                                   else r.length - 1,
+                                   torch.tensor(r.pages, dtype=torch.long)))
+            members.append((r, n))
+        if not chunks:
+            return
+        loading = [r for r, _ in members if r.load_blocks > 0]
+
+        def before_layer(layer: int) -> None:
+            # wait_for_layer_load: layer l of every load in this step.
+            for r in loading:
+                if r.load_blocks > 0:
+                    try:
+                        self.connector.wait_for_layer(r.rid, layer)
+                    except KvtierError:
+                        pass  # the verdict below rolls the request back
+
+        logits = self.model.forward(chunks, self.cache,
+                                    before_layer=before_layer)
+        now = time.monotonic()
+        for i, (r, n) in enumerate(members):
+            if r.load_blocks > 0 and not self._verdict(r):
+                continue  # rolled back: this step's output is not used
+            if r.computed < len(r.prompt):
+                r.computed += n
+                r.computed_tokens += n
+                self._save_full_blocks(r)
+                if r.computed < len(r.prompt):
+                    continue
+                token = int(greedy(logits[i]))
+                r.first_token_at = now
+                r.first_logits = logits[i].clone()
+                r.out.append(token)
+            else:
+                r.out.append(int(greedy(logits[i])))
+            if len(r.out) >= r.max_new:
+                self._finish(r)
+
+    def _verdict(self, r: _Request) -> bool:
+        """Worker side: the load's verdict. Verified blocks enter the prefix
+        cache; a failure rolls the request back to its own prefix."""
+        bt = self.config.page_tokens
+        assert self.connector is not None
+        n = r.load_blocks
+        r.load_blocks = 0
+        try:
+            loaded = self.connector.wait_for_load(r.rid)
+        except KvtierError as e:
+            loaded, r.load_status = 0, f"load failed, computed instead: {e}"
+        r.onboard_ms = (time.monotonic() - r.load_started) * 1000.0
+        self.stats["loads"] += 1
+        if loaded == n:
+            r.loaded_blocks = n
+            r.loaded_from_disk = self.connector.loaded_from_disk(r.rid)
+            first = r.gpu_blocks
+            for b in range(first, first + n):
+                self.pages.commit(r.pages[b], self._key(r, b))
+            r.saved_blocks = first + n
+            self.stats["loaded_blocks"] += n
+            return True
+        self.stats["load_failures"] += 1
+        if not r.load_status:
+            r.load_status = f"loaded {loaded} of {n} blocks, computed instead"
+        r.computed = r.gpu_blocks * bt  # recompute from the engine's prefix
+        return False
+
+    @staticmethod
+    def _key(r: _Request, block: int) -> tuple[int, int]:
+        hi, lo = r.hashes[block].tolist()
+        return int(hi), int(lo)
+
+    def _save_full_blocks(self, r: _Request) -> None:
+        """Blocks the request's prompt has filled since the last save enter
+        the prefix cache and go to the store (wait_for_save at finish)."""
+        bt = self.config.page_tokens
+        full = min(r.computed, len(r.prompt)) // bt
+        if full <= r.saved_blocks:
+            return
+        first = r.saved_blocks
+        for b in range(first, full):
+            self.pages.commit(r.pages[b], self._key(r, b))
+        if self.connector is not None:
+            try:
+                self.connector.save(r.rid, first, r.pages[first:full])
+            except KvtierError as e:
+                self.stats["save_failures"] += 1
+                r.load_status = r.load_status or f"save failed: {e}"
+        r.saved_blocks = full
+
+    def _finish(self, r: _Request) -> None:
+        now = time.monotonic()
+        if self.connector is not None:
+            try:
+                self.connector.wait_for_save(r.rid)
+            except KvtierError:
+                self.stats["save_failures"] += 1
+            self.connector.finished(r.rid)
+        with self._mu:
+            self._running.remove(r)
+            self.pages.release(r.pages)
+            self._mu.notify_all()
+        bt = self.config.page_tokens
+        assert r.first_logits is not None
+        r.result = Result(
+            tokens=list(r.out),
+            ttft_ms=(r.first_token_at - r.arrival) * 1000.0,
+            prompt_tokens=len(r.prompt),
+            computed_tokens=r.computed_tokens,
+            gpu_hit_tokens=r.gpu_blocks * bt,
+            loaded_tokens=r.loaded_blocks * bt,
+            loaded_blocks=r.loaded_blocks,
+            loaded_from_disk=r.loaded_from_disk,
+            load_status=r.load_status,
+            onboard_ms=r.onboard_ms,
+            decode_ms=(now - r.first_token_at) * 1000.0,
+            first_logits=r.first_logits)
+        self.stats["requests"] += 1
+        self.stats["computed_tokens"] += r.computed_tokens
+        r.done.set()

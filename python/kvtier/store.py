@@ -1,0 +1,66 @@
+"""The store client: blocks in and out of kvtier-store shards from Python.
+
+Blocks are named by their chained hashes (uint64 [n, 2], see
+:func:`kvtier.hash_tokens`) within a namespace, and placed on the shard that
+rendezvous hashing picks. Data moves zero-copy from and into the caller's
+memory (tensors, DLPack producers, buffers; see kvtier.memory); registering
+that memory once (:meth:`StoreClient.register`) lets UCX move it without a
+bounce. Every call releases the GIL while it waits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kvtier import _native
+from kvtier.memory import region_of
+
+
+class StoreClient:
+    """A client of one or more kvtier-store shards (``HOST:PORT`` each).
+
+    ``shared_memory``: "auto" (map a same-host store's arena when it offers
+    it), "on" or "off". ``deadline_ms`` bounds each operation.
+    Raises :class:`kvtier.errors.InvalidArgument` for a bad address.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, deadline_ms: int = 10000,
+                 shared_memory: str = "auto") -> None:
+        self._c = _native.StoreClient(list(addresses), deadline_ms,
+                                      shared_memory)
+        self._registered: list[Any] = []
+
+    @property
+    def shards(self) -> int:
+        """How many store shards the client spreads blocks over."""
+        return int(self._c.shards)
+
+    def register(self, memory: Any) -> None:
+        """Registers ``memory`` (kept alive by the client) for zero-copy RMA."""
+        r = region_of(memory)
+        self._c.register_memory(r.address, r.nbytes)
+        self._registered.append(r.owner)
+
+    def register_namespace(self, namespace: _native.NamespaceSpec) -> int:
+        """Registers the namespace on every shard; returns its id."""
+        return int(self._c.register_namespace(namespace))
+
+    def lookup(self, namespace: _native.NamespaceSpec, hashes: Any) -> int:
+        """How many leading blocks of the chain the shards hold."""
+        return int(self._c.lookup(namespace, hashes))
+
+    def put(self, namespace: _native.NamespaceSpec, hashes: Any,
+            data: Any) -> dict[str, Any]:
+        """Writes block i of the chain from bytes [i * block_bytes, ...) of
+        ``data``. Returns counts: written, already_present, busy, no_space,
+        and where the time went."""
+        r = region_of(data)
+        return dict(self._c.put(namespace, hashes, r.address, r.nbytes))
+
+    def get(self, namespace: _native.NamespaceSpec, hashes: Any,
+            out: Any) -> int:
+        """Reads the chain's leading present blocks into ``out`` (block i at
+        byte i * block_bytes), each verified against its checksum. Returns
+        how many."""
+        r = region_of(out, writable=True)
+        return int(self._c.get(namespace, hashes, r.address, r.nbytes))

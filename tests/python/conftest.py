@@ -1,0 +1,92 @@
+"""Fixtures of kvtier's Python tests: the package from the build tree and
+real kvtier-store processes on 127.0.0.1, each stopped by its pid.
+
+ctest runs these with KVTIER_BUILD_DIR set; by hand:
+    KVTIER_BUILD_DIR=build /usr/bin/python3 -m pytest tests/python
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", ROOT / "build")).resolve()
+sys.path.insert(0, str(BUILD / "python"))
+os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+
+
+class Store:
+    """A kvtier-store process; ``address`` once it serves."""
+
+    def __init__(self, tmp: Path, name: str = "store",
+                 ram: str = "64MiB") -> None:
+        self.tmp = tmp
+        self.name = name
+        self.port_file = tmp / f"{name}.port"
+        self.log = tmp / f"{name}.log"
+        args = [str(BUILD / "cachestore" / "kvtier-store"),
+                "--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                f"--data-dir={tmp / (name + '-db')}", "--hugepages=false",
+                f"--ram-bytes={ram}", f"--port-file={self.port_file}"]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log,
+                                         stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while not self.port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start: "
+                                   f"{self.log.read_text()[-2000:]}")
+            time.sleep(0.02)
+        self.address = f"127.0.0.1:{self.port_file.read_text().strip()}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL, then reap."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after 10 s."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """One kvtier-store."""
+    s = Store(tmp_path)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def two_stores(tmp_path: Path) -> Iterator[tuple[Store, Store]]:
+    """Two kvtier-store shards."""
+    a, b = Store(tmp_path, "shard-a"), Store(tmp_path, "shard-b")
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def engine_env() -> dict[str, str]:
+    """The environment of an engine subprocess: the build tree's package."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(BUILD / "python"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env

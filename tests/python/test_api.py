@@ -1,0 +1,218 @@
+"""The kvtier Python API against a real kvtier-store: namespaces and block
+hashing, the sharded store client, the connector over engine-registered
+tensors in every layout, and the errors bad input raises (which change
+nothing stored and touch no engine tensor)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier import errors
+
+SPEC = dict(model="py-test", dtype="fp16", layers=2, kv_heads=2, head_dim=32,
+            block_tokens=16)
+PAGES = 10
+
+
+def ns(**kw: object) -> kvtier.Namespace:
+    return kvtier.Namespace(**{**SPEC, **kw})
+
+
+def caches(layout: str, seed: int = 0) -> list:
+    """A layer list of KV caches in ``layout``, filled from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    page = (16, 2, 32)
+    out = []
+    for _ in range(2):
+        if layout == "kv_first":
+            out.append(torch.randn((2, PAGES) + page, generator=g).half())
+        elif layout == "blocks_first":
+            out.append(torch.randn((PAGES, 2) + page, generator=g).half())
+        else:
+            out.append((torch.randn((PAGES,) + page, generator=g).half(),
+                        torch.randn((PAGES,) + page, generator=g).half()))
+    return out
+
+
+def kv_of(cache: list, layout: str, layer: int, page: int) -> torch.Tensor:
+    """K and V of one page of one layer, stacked."""
+    c = cache[layer]
+    if layout == "kv_first":
+        return torch.stack([c[0, page], c[1, page]])
+    if layout == "blocks_first":
+        return c[page].clone()
+    return torch.stack([c[0][page], c[1][page]])
+
+
+def test_hashes_are_chained_per_namespace_and_skip_a_partial_block() -> None:
+    a = ns()
+    tokens = list(range(1, 41))  # 2 full blocks and 8 tokens
+    h = kvtier.hash_tokens(a, tokens)
+    assert h.shape == (2, 2) and h.dtype == np.uint64
+    assert (kvtier.hash_tokens(a, tokens[:32]) == h).all()
+    assert (kvtier.hash_tokens(a, np.array(tokens[:16]))[0] == h[0]).all()
+    other = kvtier.hash_tokens(a, [7] + tokens[1:])
+    assert (other[0] != h[0]).any() and (other[1] != h[1]).any(), \
+        "block 1's hash depends on block 0"
+    assert (kvtier.hash_tokens(ns(model="other"), tokens) != h).any()
+    assert a.block_bytes == 2 * 2 * 16 * 2 * 32 * 2
+    with pytest.raises(errors.InvalidArgument, match="not a uint32"):
+        kvtier.hash_tokens(a, [1, -2, 3])
+
+
+def test_bad_namespaces_raise_invalid_argument_with_the_reason() -> None:
+    with pytest.raises(errors.InvalidArgument) as e:
+        ns(dtype="fp64")
+    assert e.value.code == errors.StatusCode.INVALID_ARGUMENT
+    assert "fp64" in e.value.message
+    with pytest.raises(ValueError):  # InvalidArgument is a ValueError
+        ns(layers=0)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "bytearray", "torch"])
+def test_store_client_puts_and_gets_blocks_zero_copy(store, kind) -> None:
+    a = ns()
+    c = kvtier.StoreClient([store.address])
+    c.register_namespace(a)
+    hashes = kvtier.hash_tokens(a, list(range(3 * 16)))
+    bb = a.block_bytes
+    data = np.random.default_rng(1).integers(0, 255, 3 * bb, dtype=np.uint8)
+    src = {"numpy": data, "bytearray": bytearray(data.tobytes()),
+           "torch": torch.from_numpy(data.copy())}[kind]
+    out = {"numpy": np.zeros_like(data), "bytearray": bytearray(3 * bb),
+           "torch": torch.zeros(3 * bb, dtype=torch.uint8)}[kind]
+    put = c.put(a, hashes, src)
+    assert put["written"] == 3
+    assert c.put(a, hashes, src)["already_present"] == 3
+    assert c.lookup(a, hashes) == 3
+    assert c.get(a, hashes, out) == 3
+    assert bytes(memoryview(np.asarray(out)).cast("B")) == data.tobytes()
+
+
+def test_store_client_errors_name_the_problem_and_lose_nothing(store) -> None:
+    a = ns()
+    c = kvtier.StoreClient([store.address])
+    c.register_namespace(a)
+    hashes = kvtier.hash_tokens(a, list(range(2 * 16)))
+    data = np.ones(2 * a.block_bytes, dtype=np.uint8)
+    assert c.put(a, hashes, data)["written"] == 2
+    with pytest.raises(errors.InvalidArgument, match="need"):
+        c.put(a, hashes, data[:10])
+    with pytest.raises(errors.InvalidArgument, match=r"\[n, 2\]"):
+        c.lookup(a, np.zeros(4, dtype=np.uint64))
+    with pytest.raises(errors.InvalidArgument, match="read-only"):
+        c.get(a, hashes, bytes(2 * a.block_bytes))
+    with pytest.raises(errors.InvalidArgument, match="HOST:PORT"):
+        kvtier.StoreClient(["nowhere"])
+    out = np.zeros_like(data)
+    assert c.get(a, hashes, out) == 2 and (out == 1).all()
+
+
+def test_an_unknown_store_raises_unavailable_or_deadline() -> None:
+    c = kvtier.StoreClient(["127.0.0.1:1"], deadline_ms=1000)
+    with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)) as e:
+        c.register_namespace(ns())
+    assert "127.0.0.1:1" in str(e.value)
+
+
+@pytest.mark.parametrize("layout", list(kvtier.LAYOUTS))
+@pytest.mark.parametrize("shm", ["on", "off"])
+def test_connector_saves_from_one_engine_and_loads_into_another(
+        store, layout, shm) -> None:
+    a_cache, b_cache = caches(layout, 1), caches(layout, 2)
+    before = [kv_of(b_cache, layout, l, p).clone()
+              for l in range(2) for p in range(PAGES)]
+    a = kvtier.Connector(ns(), a_cache, stores=[store.address], layout=layout,
+                         shared_memory=shm)
+    b = kvtier.Connector(ns(), b_cache, stores=[store.address], layout=layout,
+                         shared_memory=shm)
+    hashes = kvtier.hash_tokens(a.namespace, list(range(4 * 16)))
+    assert a.lookup(1, hashes).blocks == 0
+    a.save(1, 0, [6, 2, 9, 4])
+    a.wait_for_save(1)
+    a.finished(1)
+    found = b.lookup(2, hashes, skip_blocks=1)
+    assert found.blocks == 3 and found.store_error is None
+    b.start_load(2, [0, 1])  # two of the three
+    for layer in range(2):
+        b.wait_for_layer(2, layer)
+    assert b.wait_for_load(2) == 2
+    b.finished(2)
+    for layer in range(2):
+        assert torch.equal(kv_of(b_cache, layout, layer, 0),
+                           kv_of(a_cache, layout, layer, 2))
+        assert torch.equal(kv_of(b_cache, layout, layer, 1),
+                           kv_of(a_cache, layout, layer, 9))
+        for p in range(2, PAGES):
+            assert torch.equal(kv_of(b_cache, layout, layer, p),
+                               before[layer * PAGES + p]), "untouched pages"
+    assert a.stats()["offloaded_blocks"] == 4
+    assert b.stats()["loaded_blocks"] == 2
+    a.close()
+    b.close()
+
+
+def test_bad_tensors_and_pages_raise_and_touch_nothing(store) -> None:
+    good = caches("kv_first")
+    with pytest.raises(errors.InvalidArgument, match="dtype"):
+        kvtier.Connector(ns(), [t.float() for t in good])
+    with pytest.raises(errors.InvalidArgument, match="does not fit"):
+        kvtier.Connector(ns(), [t[:, :, :8] for t in good])  # too small
+    with pytest.raises(errors.InvalidArgument, match="2 layers"):
+        kvtier.Connector(ns(), good[:1])
+    with pytest.raises(errors.InvalidArgument, match="contiguous"):
+        kvtier.Connector(ns(), [torch.zeros(2, PAGES, 16, 32, 2).half()
+                                .transpose(3, 4) for _ in good])
+    with pytest.raises(errors.InvalidArgument, match="layout"):
+        kvtier.Connector(ns(), good, layout="heads_first")
+    with pytest.raises(errors.InvalidArgument, match="pair"):
+        kvtier.Connector(ns(), good, layout="split")
+    snapshot = [t.clone() for t in good]
+    c = kvtier.Connector(ns(), good, stores=[store.address])
+    hashes = kvtier.hash_tokens(c.namespace, list(range(3 * 16)))
+    c.lookup(1, hashes)
+    with pytest.raises(errors.InvalidArgument, match="out of range"):
+        c.save(1, 0, [0, PAGES])
+    with pytest.raises(errors.InvalidArgument, match="beyond"):
+        c.save(1, 2, [0, 1])
+    with pytest.raises(errors.InvalidArgument, match="negative"):
+        c.save(1, 0, [-1])
+    with pytest.raises(errors.NotFound):
+        c.save(77, 0, [0])
+    with pytest.raises(errors.InvalidArgument):
+        c.wait_for_layer(1, 5)
+    c.save(1, 0, [0, 1, 2])
+    c.wait_for_save(1)
+    c.finished(1)
+    other = caches("kv_first", 5)
+    other_snapshot = [t.clone() for t in other]
+    d = kvtier.Connector(ns(), other, stores=[store.address])
+    assert d.lookup(2, hashes).blocks == 3
+    with pytest.raises(errors.InvalidArgument, match="pages for 3 blocks"):
+        d.start_load(2, [0, 1, 2, 3])
+    with pytest.raises(errors.InvalidArgument, match="twice"):
+        d.start_load(2, [4, 4])
+    with pytest.raises(errors.InvalidArgument, match="out of range"):
+        d.start_load(2, [PAGES + 1])
+    d.finished(2)
+    for t, s in zip(other, other_snapshot):
+        assert torch.equal(t, s), "a refused load wrote the engine's tensors"
+    for t, s in zip(good, snapshot):
+        assert torch.equal(t, s), "saving changed the engine's tensors"
+    c.close()
+    d.close()
+
+
+def test_a_connector_to_an_unknown_store_computes_instead() -> None:
+    c = kvtier.Connector(ns(), caches("kv_first"), stores=["127.0.0.1:1"],
+                         deadline_ms=500)
+    hashes = kvtier.hash_tokens(c.namespace, list(range(2 * 16)))
+    found = c.lookup(1, hashes)
+    assert found.blocks == 0
+    assert isinstance(found.store_error, (errors.Unavailable,
+                                          errors.DeadlineExceeded))
+    c.finished(1)
+    c.close()

@@ -1,0 +1,96 @@
+"""The reference engine over kvtier, as two real processes sharing real
+kvtier-store processes (issue: "Engines own their KV"): B loads the prefix A
+computed, bit for bit, computes only the rest, and continues exactly like a
+cold run; also over two store shards, and with the store killed mid-load
+(B computes instead; same output)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvtier
+from kvtier.engine.engine import EngineConfig, namespace_for
+from kvtier.engine.model import ModelConfig
+
+from conftest import engine_env
+
+ROLE = Path(__file__).with_name("engine_role.py")
+BT = 16
+
+
+def run(role: str, stores: list, prompt: list, tmp: Path, *extra: str) -> dict:
+    np.save(tmp / f"{role}.npy", np.array(prompt, dtype=np.int64))
+    out = tmp / f"{role}.pt"
+    proc = subprocess.run(
+        [sys.executable, str(ROLE), "--role", role, "--stores",
+         ",".join(s.address for s in stores), "--prompt",
+         str(tmp / f"{role}.npy"), "--out", str(out), *extra],
+        env=engine_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return torch.load(out)
+
+
+def prompts(seed: int = 3) -> tuple[list, list]:
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, ModelConfig().vocab_size, 200).tolist()
+    suffix = rng.integers(0, ModelConfig().vocab_size, 45).tolist()
+    return prompt, prompt + suffix
+
+
+def check_b_used_a(a: dict, b: dict, full: int, total: int) -> None:
+    assert b["load_status"] == ""
+    assert b["loaded_tokens"] == full * BT
+    assert b["computed_tokens"] == total - full * BT
+    assert b["cold_computed"] == total
+    for i in range(full):
+        assert a["kv"][i] is not None and b["kv"][i] is not None
+        assert torch.equal(b["kv"][i], a["kv"][i]), f"block {i} differs"
+    assert b["tokens"] == b["cold_tokens"]
+    torch.testing.assert_close(b["logits"], b["cold_logits"], atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_b_loads_as_prefix_bit_identical_and_continues_like_a_cold_run(
+        store, tmp_path) -> None:
+    prompt, longer = prompts()
+    a = run("writer", [store], prompt, tmp_path)
+    assert a["computed_tokens"] == len(prompt)
+    b = run("reader", [store], longer, tmp_path)
+    check_b_used_a(a, b, len(prompt) // BT, len(longer))
+
+
+def test_over_two_store_shards(two_stores, tmp_path) -> None:
+    prompt, longer = prompts(4)
+    a = run("writer", list(two_stores), prompt, tmp_path)
+    b = run("reader", list(two_stores), longer, tmp_path)
+    full = len(prompt) // BT
+    check_b_used_a(a, b, full, len(longer))
+    # The blocks are spread over both shards.
+    ns = namespace_for(ModelConfig(), EngineConfig(page_tokens=BT))
+    hashes = kvtier.hash_tokens(ns, prompt)
+    held = []
+    for shard in two_stores:
+        c = kvtier.StoreClient([shard.address])
+        held.append(sum(c.lookup(ns, hashes[i:i + 1]) for i in range(full)))
+    assert sum(held) == full and min(held) > 0, held
+
+
+def test_store_killed_mid_load_b_computes_and_the_output_is_the_same(
+        store, tmp_path) -> None:
+    prompt, longer = prompts(5)
+    run("writer", [store], prompt, tmp_path)
+    b = run("reader", [store], longer, tmp_path, "--shm", "off",
+            "--kill-store-pid", str(store.pid))
+    assert b["loaded_tokens"] == 0
+    assert b["load_status"] != ""
+    assert b["computed_tokens"] == len(longer)
+    assert b["stats"].get("load_failures", 0) == 1
+    assert b["tokens"] == b["cold_tokens"]
+    torch.testing.assert_close(b["logits"], b["cold_logits"], atol=1e-4,
+                               rtol=1e-4)

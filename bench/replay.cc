@@ -58,7 +58,36 @@ struct Options {
   bool restart_control = false;   // measure the same windows without restarting
   std::string bin_dir;
   std::string kv_wire;  // "" or "int8" (--kv-wire)
+  std::string engine = "sim";       // "sim" (kvtier-sim-worker) or "torch" (kvtier-torch-engine)
+  int64_t trace_block_tokens = 32;  // torch: real tokens per 512-token trace block
+  int64_t torch_max_step_tokens = 512;
 };
+
+// The torch engine's geometry (kvtier.engine defaults: 2 layers, 2 KV heads
+// of 32, fp16) with vLLM's 16-token pages, and its vocabulary.
+constexpr uint32_t kTorchBlockTokens = 16;
+constexpr uint32_t kTorchVocab = 4096;
+NamespaceSpec TorchGeometry() {
+  return NamespaceSpec{"kvtier-reference", "fp16", 2, 2, 32, kTorchBlockTokens, 0, 1, "", ""};
+}
+
+// A trace request's prompt as real tokens for the torch engine: each
+// 512-token trace block becomes trace_block_tokens tokens that are a pure
+// function of its hash id, so requests sharing trace blocks share prefixes;
+// the prompt keeps the trace's length at that scale.
+std::vector<uint32_t> TraceTokens(const TraceRequest& tr, int64_t per_block) {
+  const uint64_t n = std::min<uint64_t>(tr.hash_ids.size() * per_block,
+                                        (tr.input_length * per_block + 511) / 512);
+  std::vector<uint32_t> out;
+  out.reserve(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    uint64_t x = tr.hash_ids[i / per_block] * 0x9E3779B97F4A7C15ull + (i % per_block) + 1;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    out.push_back(static_cast<uint32_t>((x ^ (x >> 31)) % kTorchVocab));
+  }
+  return out;
+}
 
 // Milliseconds per step, summed (the SubmitResponse / worker stats breakdown).
 struct Breakdown {
@@ -153,24 +182,36 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     if (!r.ok()) return r.status();
     router = std::move(*r);
   }
-  // 512-token blocks of fp16, 1 layer, 1 head: head_dim sets the bytes.
+  // Sim: 512-token blocks of fp16, 1 layer, 1 head: head_dim sets the bytes.
+  // Torch: the reference engine's own geometry, real forward passes.
+  const bool torch = o.engine == "torch";
   const uint64_t head_dim = o.block_bytes / 2048;
+  const uint32_t block_tokens = torch ? kTorchBlockTokens : 512;
   std::vector<std::unique_ptr<LocalServer>> workers;
   std::vector<std::unique_ptr<v1::SimWorker::Stub>> stubs;
   std::map<std::string, size_t> by_endpoint;
   for (int64_t w = 0; w < o.workers; ++w) {
-    std::vector<std::string> flags = {
-        absl::StrCat("--worker-id=", tag, "-w", w), "--model=mooncake-trace", "--dtype=fp16",
-        "--layers=1", "--kv-heads=1", absl::StrCat("--head-dim=", head_dim),
-        "--block-tokens=512", absl::StrCat("--pages=", o.pages),
-        absl::StrCat("--prefill-tokens-per-s=", o.prefill_tps), "--heartbeat=100ms",
-        // Engines sleep their simulated prefill time compressed like the trace.
-        absl::StrCat("--time-scale=", o.speed > 0 ? 1.0 / o.speed : 0.0),
-        with_store ? "--offload=write-through" : "--offload=none",
-        absl::StrCat("--kv-wire=", o.kv_wire.empty() ? "none" : o.kv_wire)};
+    std::vector<std::string> flags;
+    if (torch) {
+      flags = {absl::StrCat("--worker-id=", tag, "-w", w),
+               absl::StrCat("--page-tokens=", kTorchBlockTokens),
+               absl::StrCat("--vocab-size=", kTorchVocab), absl::StrCat("--pages=", o.pages),
+               absl::StrCat("--max-step-tokens=", o.torch_max_step_tokens),
+               "--heartbeat-ms=100", "--max-decode-tokens=1", "--threads=1"};
+    } else {
+      flags = {absl::StrCat("--worker-id=", tag, "-w", w), "--model=mooncake-trace", "--dtype=fp16",
+               "--layers=1", "--kv-heads=1", absl::StrCat("--head-dim=", head_dim),
+               "--block-tokens=512", absl::StrCat("--pages=", o.pages),
+               absl::StrCat("--prefill-tokens-per-s=", o.prefill_tps), "--heartbeat=100ms",
+               // Engines sleep their simulated prefill time compressed like the trace.
+               absl::StrCat("--time-scale=", o.speed > 0 ? 1.0 / o.speed : 0.0),
+               with_store ? "--offload=write-through" : "--offload=none",
+               absl::StrCat("--kv-wire=", o.kv_wire.empty() ? "none" : o.kv_wire)};
+    }
     if (store) flags.push_back("--store=" + store->address());
     if (router) flags.push_back("--router=" + router->address());
-    auto s = LocalServer::Start(DefaultBinary("worker", "kvtier-sim-worker"),
+    auto s = LocalServer::Start(torch ? DefaultBinary("python", "kvtier-torch-engine")
+                                      : DefaultBinary("worker", "kvtier-sim-worker"),
                                 absl::StrCat(scratch, "-w", w), flags);
     if (!s.ok()) return s.status();
     by_endpoint[(*s)->address()] = workers.size();
@@ -178,9 +219,11 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         grpc::CreateChannel((*s)->address(), grpc::InsecureChannelCredentials())));
     workers.push_back(std::move(*s));
   }
-  const NamespaceSpec spec{"mooncake-trace", "fp16", 1, 1, static_cast<uint32_t>(head_dim), 512,
-                           0, 1, "", o.kv_wire};
-  const uint64_t ns = NamespaceId(spec);
+  const NamespaceSpec spec = torch ? TorchGeometry()
+                                   : NamespaceSpec{"mooncake-trace", "fp16", 1, 1,
+                                                   static_cast<uint32_t>(head_dim), 512, 0, 1, "",
+                                                   o.kv_wire};
+  uint64_t ns = NamespaceId(spec);
   std::unique_ptr<v1::Router::Stub> rstub;
   if (router) {
     rstub = v1::Router::NewStub(grpc::CreateChannel(router->address(), grpc::InsecureChannelCredentials()));
@@ -188,7 +231,11 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     for (int i = 0; i < 300; ++i) {
       grpc::ClientContext ctx;
       v1::ListWorkersResponse lw;
-      if (rstub->ListWorkers(&ctx, {}, &lw).ok() && lw.sources_size() == o.workers) break;
+      if (rstub->ListWorkers(&ctx, {}, &lw).ok() && lw.sources_size() == o.workers) {
+        // The torch engine names its namespace after its model: route in it.
+        if (torch) ns = lw.sources(0).namespace_id();
+        break;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
@@ -223,7 +270,14 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       v1::RouteRequest rr;
       rr.set_namespace_id(ns);
       rr.set_prompt_tokens(tr.input_length);
-      for (uint64_t id : tr.hash_ids) {
+      if (torch) {
+        const std::vector<uint32_t> tokens = TraceTokens(tr, o.trace_block_tokens);
+        req.clear_prompt_tokens();
+        rr.clear_prompt_tokens();
+        req.mutable_tokens()->mutable_ids()->Add(tokens.begin(), tokens.end());
+        *rr.mutable_tokens() = req.tokens();
+      }
+      for (uint64_t id : torch ? std::vector<uint64_t>{} : tr.hash_ids) {
         BlockHash h = TraceHash(ns, id);
         auto* p = req.mutable_hashes()->add_hashes();
         p->set_hi(h.hi);
@@ -256,7 +310,8 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.computed += resp.prefill_tokens();
       res.gpu_hit += resp.gpu_hit_tokens();
       // Onboarded tokens split by the tier the blocks came from.
-      uint64_t disk_tokens = std::min<uint64_t>(uint64_t{resp.onboarded_from_disk()} * 512, resp.onboarded_tokens());
+      uint64_t disk_tokens = std::min<uint64_t>(uint64_t{resp.onboarded_from_disk()} * block_tokens,
+                                                     resp.onboarded_tokens());
       res.store_disk += disk_tokens;
       res.store_ram += resp.onboarded_tokens() - disk_tokens;
       res.verified += resp.verified_blocks();
@@ -267,7 +322,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.per_request[i] = {resp.gpu_hit_tokens(), resp.prompt_tokens()};
       res.onboard_ms += resp.onboard_ms();
       if (resp.has_onboard_breakdown()) res.onboard.Add(resp.onboard_breakdown());
-      res.onboarded_bytes += uint64_t{resp.verified_blocks()} * o.block_bytes;
+      res.onboarded_bytes += uint64_t{resp.verified_blocks()} * (torch ? res.wire_block_bytes : o.block_bytes);
       res.onboarded_blocks += resp.verified_blocks();
       size_t d = ++done;
       if (o.progress && isatty(2) && (d % 20 == 0 || d == trace.size())) Progress(mode, d, trace.size());
@@ -401,6 +456,13 @@ int RunReplay(int argc, const char* const* argv) {
   flags.Choice("kv-wire", &kv_wire, {"none", "int8"},
                "Block encoding in the store and on the wire: the dtype's bytes, or int8 (half "
                "the bytes; lossy: workers verify against the model's packed-then-unpacked KV)");
+  flags.Choice("engine", &o.engine, {"sim", "torch"},
+               "Workers: kvtier-sim-worker (simulated prefill) or kvtier-torch-engine (the "
+               "PyTorch reference engine: real forward passes, real KV; build/python)");
+  flags.Int("trace-block-tokens", &o.trace_block_tokens, 1, 512,
+            "Torch engine: real tokens per 512-token trace block (prompts scaled to fit a CPU)");
+  flags.Int("torch-max-step-tokens", &o.torch_max_step_tokens, 16, 1 << 20,
+            "Torch engine: prefill + decode tokens per forward step");
   flags.String("plot", &o.plot, "Write an SVG chart of the comparison to this file");
   flags.Bool("json", &o.json, "Print JSON");
   flags.Bool("progress", &o.progress, "Progress bars on stderr");

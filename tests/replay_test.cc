@@ -72,4 +72,27 @@ TEST(Replay, AWholeClusterServesTheTraceAndKvtierComputesLeast) {
             m["oracle"]["computed_fraction"].get<double>());
 }
 
+// The same job with the PyTorch reference engine: real forward passes, real
+// KV blocks through the store, every loaded one verified by its checksum.
+TEST(Replay, TheTorchEngineServesTheTraceWithRealComputeAndLoadsVerifiedBlocks) {
+  if (std::ifstream(KVTIER_TORCH_ENGINE).fail()) {
+    GTEST_SKIP() << "no Python package in this build (sanitizer / fuzz builds have none)";
+  }
+  int rc = 0;
+  auto j = Replay(std::string("--trace ") + kTrace +
+                      " --engine torch --limit 150 --workers 2 --pages 2048 --speed 0"
+                      " --trace-block-tokens 16 --concurrency 4 --modes round-robin,kvtier",
+                  &rc);
+  ASSERT_EQ(rc, 0) << "the replay failed or found mismatched bytes";
+  const auto& m = j["modes"];
+  for (const char* mode : {"round-robin", "kvtier"}) {
+    EXPECT_EQ(m[mode]["requests"].get<uint64_t>(), 150u) << mode;
+    EXPECT_GT(m[mode]["ttft_mean_ms"].get<double>(), 0.0) << mode;
+  }
+  EXPECT_EQ(j["mismatched_blocks"].get<uint64_t>(), 0u);
+  EXPECT_GT(m["kvtier"]["verified_blocks"].get<uint64_t>(), 0u);
+  EXPECT_LT(m["kvtier"]["computed_fraction"].get<double>(),
+            m["round-robin"]["computed_fraction"].get<double>());
+}
+
 }  // namespace

@@ -17,6 +17,10 @@ from typing import Iterator
 
 import pytest
 
+# One BLAS thread per process (OpenBLAS spins a thread per core otherwise);
+# before anything imports numpy or torch.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", ROOT / "build")).resolve()
 sys.path.insert(0, str(BUILD / "python"))

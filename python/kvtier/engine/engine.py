@@ -80,6 +80,9 @@ class Result:
     computed; ``gpu_hit_tokens``: found in its own prefix cache;
     ``loaded_tokens``: loaded from kvtier and verified. ``load_status``:
     empty, or why a load failed (its tokens were computed instead).
+    ``onboard_ms``: what kvtier added to the request's path: the lookup's
+    round trip (the pin) and the time the steps waited for layers and for
+    the verdict (a load overlapped with compute costs nothing more).
     """
 
     tokens: list[int]
@@ -94,6 +97,7 @@ class Result:
     onboard_ms: float
     decode_ms: float
     first_logits: torch.Tensor
+    load_times: dict[str, float] = field(default_factory=dict)
 
 
 class _Pages:
@@ -193,7 +197,7 @@ class _Request:
     loaded_from_disk: int = 0
     load_status: str = ""
     onboard_ms: float = 0.0
-    load_started: float = 0.0
+    load_times: dict[str, float] = field(default_factory=dict)
     out: list[int] = field(default_factory=list)
     first_token_at: float = 0.0
     first_logits: Optional[torch.Tensor] = None
@@ -234,6 +238,13 @@ class Engine:
         self._running: list[_Request] = []
         self._stop = False
         self._next_id = 1 << 40
+        # Requests whose saves are still being written: closed off the
+        # engine thread (their pages were copied out already, so the step
+        # loop never waits for the store).
+        self._closing: collections.deque[_Request] = collections.deque()
+        self._closer = threading.Thread(target=self._close_loop, daemon=True,
+                                        name="kvtier-engine-closer")
+        self._closer.start()
         self.stats = collections.Counter()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name="kvtier-engine")
@@ -292,6 +303,7 @@ class Engine:
             self._stop = True
             self._mu.notify_all()
         self._thread.join()
+        self._closer.join()
         for r in list(self._waiting) + self._running:
             r.error = RuntimeError("the engine stopped")
             r.done.set()
@@ -328,7 +340,9 @@ class Engine:
             if self.connector is not None and len(r.hashes) > 0 and \
                     len(gpu) < limit:
                 try:
+                    t0 = time.monotonic()
                     lk = self.connector.lookup(r.rid, r.hashes, len(gpu))
+                    r.onboard_ms = (time.monotonic() - t0) * 1000.0
                     found = min(lk.blocks, limit - len(gpu))
                     if lk.store_error is not None:
                         r.load_status = f"store lookup failed: {lk.store_error}"
@@ -350,7 +364,6 @@ class Engine:
             if found > 0:
                 assert self.connector is not None
                 try:
-                    r.load_started = time.monotonic()
                     self.connector.start_load(
                         r.rid, fresh[:found])
                     r.load_blocks = found
@@ -396,10 +409,12 @@ class Engine:
             # wait_for_layer_load: layer l of every load in this step.
             for r in loading:
                 if r.load_blocks > 0:
+                    t0 = time.monotonic()
                     try:
                         self.connector.wait_for_layer(r.rid, layer)
                     except KvtierError:
                         pass  # the verdict below rolls the request back
+                    r.onboard_ms += (time.monotonic() - t0) * 1000.0
 
         logits = self.model.forward(chunks, self.cache,
                                     before_layer=before_layer)
@@ -429,11 +444,13 @@ class Engine:
         assert self.connector is not None
         n = r.load_blocks
         r.load_blocks = 0
+        t0 = time.monotonic()
         try:
             loaded = self.connector.wait_for_load(r.rid)
         except KvtierError as e:
             loaded, r.load_status = 0, f"load failed, computed instead: {e}"
-        r.onboard_ms = (time.monotonic() - r.load_started) * 1000.0
+        r.onboard_ms += (time.monotonic() - t0) * 1000.0
+        r.load_times = self.connector.load_times(r.rid)
         self.stats["loads"] += 1
         if loaded == n:
             r.loaded_blocks = n
@@ -473,15 +490,27 @@ class Engine:
                 r.load_status = r.load_status or f"save failed: {e}"
         r.saved_blocks = full
 
-    def _finish(self, r: _Request) -> None:
-        now = time.monotonic()
-        if self.connector is not None:
+    def _close_loop(self) -> None:
+        """wait_for_save and request_finished of finished requests."""
+        while True:
+            with self._mu:
+                while not self._closing and not self._stop:
+                    self._mu.wait()
+                if not self._closing:
+                    return
+                r = self._closing.popleft()
+            assert self.connector is not None
             try:
                 self.connector.wait_for_save(r.rid)
             except KvtierError:
                 self.stats["save_failures"] += 1
             self.connector.finished(r.rid)
+
+    def _finish(self, r: _Request) -> None:
+        now = time.monotonic()
         with self._mu:
+            if self.connector is not None:
+                self._closing.append(r)
             self._running.remove(r)
             self.pages.release(r.pages)
             self._mu.notify_all()
@@ -499,7 +528,8 @@ class Engine:
             load_status=r.load_status,
             onboard_ms=r.onboard_ms,
             decode_ms=(now - r.first_token_at) * 1000.0,
-            first_logits=r.first_logits)
+            first_logits=r.first_logits,
+            load_times=r.load_times)
         self.stats["requests"] += 1
         self.stats["computed_tokens"] += r.computed_tokens
         r.done.set()

@@ -17,25 +17,35 @@ are written).
 
 from __future__ import annotations
 
-import argparse
 import os
-import signal
-import sys
-import threading
-from typing import Any, Optional
 
-import numpy as np
-import torch
+# OpenBLAS (Debian's libblas.so.3 with libopenblas0-pthread) starts a thread
+# per core that spins between calls; an engine process uses --threads
+# threads through torch, so BLAS gets one. Set before numpy or torch loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import kvtier
-from kvtier.engine.engine import Engine, EngineConfig, Result, namespace_for
-from kvtier.engine.model import ModelConfig, Transformer
-from kvtier.errors import InvalidArgument, StatusCode
+import argparse  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+from typing import Any, Optional  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier.engine.engine import (Engine, EngineConfig, Result,  # noqa: E402
+                                  namespace_for)
+from kvtier.engine.model import ModelConfig, Transformer  # noqa: E402
+from kvtier.errors import InvalidArgument, StatusCode  # noqa: E402
 
 
 def response_of(res: Result) -> dict[str, Any]:
     """The SubmitResponse fields of a result."""
-    return {
+    extra: dict[str, Any] = {}
+    if res.load_times:
+        extra["onboard_breakdown"] = res.load_times
+    return {**extra,
         "ttft_ms": res.ttft_ms,
         "prompt_tokens": res.prompt_tokens,
         "prefill_tokens": res.computed_tokens,

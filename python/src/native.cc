@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "client/router_client.h"
+#include "client/store_client.h"
 #include "client/store_data_client.h"
 #include "common/block_key.h"
 #include "common/rpc/grpc_server.h"
@@ -336,6 +337,44 @@ class EngineConnector {
     k.Drain();
   }
 
+  // The bench's C++ side (python -m kvtier.bench): `reps` loads, the same
+  // calls in the same order as the Python loop makes, alternating between
+  // the chains, from C++ on this connector, each after one untimed control
+  // round trip to `control` (as the Python loop and kvtier-bench worker do);
+  // each load's milliseconds.
+  std::vector<double> LoadLoop(const std::vector<py::array>& chains_in,
+                               const py::handle& pages_in, int reps, uint64_t first_id,
+                               const std::string& control_store) {
+    std::vector<std::vector<BlockHash>> chains;
+    for (const auto& a : chains_in) chains.push_back(ChainFrom(a));
+    if (chains.empty()) Invalid("no chains");
+    const std::vector<uint32_t> pages = PagesFrom(pages_in);
+    worker::KvConnector& k = c();
+    std::vector<double> ms;
+    py::gil_scoped_release nogil;
+    StoreClient control(control_store);
+    for (int r = 0; r < reps; ++r) {
+      const uint64_t id = first_id + static_cast<uint64_t>(r);
+      Check(control.Lookup(k.namespace_id(), {chains[0][0]}).status());
+      const auto t = std::chrono::steady_clock::now();
+      auto m = k.Lookup(id, chains[r % chains.size()], 0);
+      Check(m.status());
+      if (m->store_blocks < pages.size()) {
+        k.Finished(id);
+        throw StatusError(absl::InternalError("the store lost blocks during the bench"));
+      }
+      Check(k.StartLoadInto(id, pages));
+      Check(k.WaitForLayer(id, 0));
+      auto loaded = k.WaitForLoad(id);
+      const double elapsed = std::chrono::duration<double, std::milli>(
+                                 std::chrono::steady_clock::now() - t).count();
+      k.Finished(id);
+      Check(loaded.status());
+      ms.push_back(elapsed);
+    }
+    return ms;
+  }
+
  private:
   std::unique_ptr<worker::KvConnector> c_;
 };
@@ -598,7 +637,8 @@ PYBIND11_MODULE(_native, m) {
       .def("loaded_from_disk", &EngineConnector::LoadedFromDisk)
       .def("load_times", &EngineConnector::LoadTimes)
       .def("stats", &EngineConnector::Stats)
-      .def("drain", &EngineConnector::Drain);
+      .def("drain", &EngineConnector::Drain)
+      .def("_load_loop", &EngineConnector::LoadLoop);
 
   py::class_<WorkerServer>(m, "WorkerServer")
       .def(py::init<py::object, const std::string&, std::vector<std::string>, const std::string&,

@@ -24,5 +24,6 @@ def test_python_and_cpp_figures_come_from_the_same_run() -> None:
     c = cases[0]
     assert c["block_bytes"] == 64 << 10 and c["blocks"] == 4
     assert c["python_p50_ms"] > 0 and c["cpp_p50_ms"] > 0
+    assert c["cpp_inprocess_p50_ms"] > 0
     # A gross regression guard only: a 5-load smoke run is noisy.
-    assert c["ratio_vs_cpp"] < 3, c
+    assert c["ratio_vs_cpp"] < 3 and c["ratio_vs_cpp_inprocess"] < 3, c

@@ -1,0 +1,108 @@
+"""kvtier-torch-engine as a process: Submit over gRPC (real forward
+passes), clear errors for bad requests, its prefix cache's blocks published
+to a real kvtier-router (which then routes the prompt to it), its stats, and
+a clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import BUILD, engine_env
+from kvtier.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+def _serve(args: list[str], tmp: Path, name: str) -> tuple[subprocess.Popen,
+                                                            str]:
+    port_file = tmp / f"{name}.port"
+    log = open(tmp / f"{name}.log", "wb")
+    proc = subprocess.Popen(args + [f"--port-file={port_file}"],
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env=engine_env())
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError((tmp / f"{name}.log").read_text()[-3000:])
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[str, str, subprocess.Popen]]:
+    """A kvtier-router and a kvtier-torch-engine publishing to it."""
+    router, raddr = _serve([str(BUILD / "router" / "kvtier-router"),
+                            "--listen=127.0.0.1:0",
+                            "--heartbeat-deadline=3s"], tmp_path, "router")
+    engine, eaddr = _serve([str(BUILD / "python" / "kvtier-torch-engine"),
+                            "--listen=127.0.0.1:0", f"--router={raddr}",
+                            "--pages=256", "--heartbeat-ms=100",
+                            "--worker-id=torch-0"], tmp_path, "engine")
+    yield raddr, eaddr, engine
+    for p in (engine, router):
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def test_submit_route_stats_and_stop(cluster) -> None:
+    raddr, eaddr, engine = cluster
+    worker = worker_pb2_grpc.SimWorkerStub(grpc.insecure_channel(eaddr))
+    router = router_pb2_grpc.RouterStub(grpc.insecure_channel(raddr))
+    tokens = np.random.default_rng(7).integers(0, 4096, 100).tolist()
+    req = worker_pb2.SubmitRequest(request_id=1, output_tokens=3)
+    req.tokens.ids.extend(tokens)
+    r = worker.Submit(req, timeout=60)
+    assert r.prompt_tokens == 100 and r.prefill_tokens == 100
+    assert r.gpu_hit_tokens == 0 and r.ttft_ms > 0 and r.load_status == ""
+
+    # The engine's prefix cache reached the router: it routes there.
+    deadline = time.monotonic() + 10
+    while True:
+        workers = router.ListWorkers(router_pb2.ListWorkersRequest(),
+                                     timeout=5).sources
+        route = None
+        if workers:
+            rr = router_pb2.RouteRequest(namespace_id=workers[0].namespace_id)
+            rr.tokens.ids.extend(tokens)
+            route = router.Route(rr, timeout=5)
+            if route.gpu_hit_blocks == 100 // 16:
+                break
+        assert time.monotonic() < deadline, (workers, route)
+        time.sleep(0.1)
+    assert route.endpoint == eaddr and route.worker_id == "torch-0"
+
+    # A second run of the prompt hits the engine's own prefix cache.
+    again = worker.Submit(req, timeout=60)
+    assert again.gpu_hit_tokens == 96 and again.prefill_tokens == 4
+
+    stats = worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(),
+                                  timeout=10)
+    assert stats.requests == 2 and stats.worker_id == "torch-0"
+    assert stats.cached_pages >= 6
+
+    # Bad requests: clear errors, and the engine keeps serving.
+    only_hashes = worker_pb2.SubmitRequest(request_id=2)
+    only_hashes.hashes.hashes.add(hi=1, lo=2)
+    with pytest.raises(grpc.RpcError) as e:
+        worker.Submit(only_hashes, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token ids" in e.value.details()
+    bad = worker_pb2.SubmitRequest(request_id=3)
+    bad.tokens.ids.extend([1, 2, 99999])
+    with pytest.raises(grpc.RpcError) as e:
+        worker.Submit(bad, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "vocabulary" in e.value.details()
+    assert worker.Submit(req, timeout=60).prompt_tokens == 100
+
+    os.kill(engine.pid, signal.SIGTERM)
+    assert engine.wait(timeout=30) == 0

@@ -19,8 +19,7 @@ import time
 import numpy as np
 import torch
 
-import kvtier
-from kvtier.engine.engine import Engine, EngineConfig, namespace_for
+from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.model import ModelConfig, Transformer
 
 
@@ -56,14 +55,9 @@ def main() -> None:
     ec = EngineConfig(num_pages=256, page_tokens=16, max_step_tokens=a.chunk)
     stores = a.stores.split(",")
 
-    def connector(cache) -> kvtier.Connector:
-        return kvtier.Connector(engine_ns, cache.tensors, stores=stores,
-                                layout=ec.layout, shared_memory=a.shm,
-                                deadline_ms=3000)
-
-    engine_ns = namespace_for(mc, ec)
     model = Transformer(mc)
-    engine = Engine(model, ec, connector)
+    engine = Engine(model, ec, stores, connector_options={
+        "shared_memory": a.shm, "deadline_ms": 3000})
     if a.kill_store_pid:
         real = engine.connector.start_load
 
@@ -83,7 +77,7 @@ def main() -> None:
            "stats": dict(engine.stats)}
     engine.close()
     if a.role == "reader":
-        cold = Engine(model, ec, None)
+        cold = Engine(model, ec)
         c = cold.generate(prompt, a.decode)
         out["cold_tokens"] = c.tokens
         out["cold_logits"] = c.first_logits

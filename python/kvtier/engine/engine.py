@@ -1,35 +1,36 @@
 """The reference engine: continuous batching over a paged KV cache, with
-kvtier in the hook order of vLLM's KV-connector API.
+kvtier driven exactly as vLLM's scheduler and worker drive a KV connector.
 
-One engine thread runs steps. A step admits waiting requests (scheduler
-side: its own prefix cache first, then how many more tokens kvtier can load,
-then pages, then the step's metadata), starts their loads, runs one batched
-forward of prefill chunks and decode tokens in which layer ``l`` waits for
-layer ``l`` of the loads (worker side: start load, wait per layer, save per
-layer), takes each load's verdict, saves the blocks that became full and
-finishes requests that are done. The hook names follow vLLM's:
+One engine thread runs steps. The scheduler half (kvtier.hooks.SchedulerHalf,
+no KV memory) and the worker half (kvtier.hooks.WorkerHalf, over the KV
+tensors) talk only through each step's StepMeta, as vLLM's two processes do,
+so kvtier.integrations.vllm is a translation of the calls made here:
 
 =====================================  =====================================
 vLLM KVConnectorBase_V1                here
 =====================================  =====================================
-get_num_new_matched_tokens             ``Connector.lookup``
-update_state_after_alloc               ``_admit`` (pages for the load)
-build_connector_meta                   ``_Step.loads`` / ``_Step.saves``
-start_load_kv                          ``Connector.start_load``
-wait_for_layer_load                    ``Connector.wait_for_layer``
-save_kv_layer                          (blocks are saved whole, see below)
-wait_for_save                          ``Connector.save`` + ``wait_for_save``
-get_finished / request_finished        ``Connector.finished``
+get_num_new_matched_tokens             ``SchedulerHalf.num_loadable_tokens``
+update_state_after_alloc               ``SchedulerHalf.allocated``
+build_connector_meta                   ``SchedulerHalf.computed`` +
+                                       ``build_step``
+start_load_kv                          ``WorkerHalf.start_load``
+wait_for_layer_load                    ``WorkerHalf.wait_for_layer``
+save_kv_layer                          (nothing: blocks are saved whole)
+wait_for_save                          ``WorkerHalf.wait_for_save``
+get_block_ids_with_load_errors         ``WorkerHalf.load_error_pages``
+request_finished / get_finished        ``SchedulerHalf.finished`` /
+                                       closed in the next step
 =====================================  =====================================
 
 kvtier saves whole blocks once a step has computed them (a block is the
 store's unit and its checksum covers every layer), so ``save_kv_layer`` has
 nothing to do per layer here.
 
-Silent wrong KV is never used: a load's verdict (``wait_for_load``) comes
-before the step's results are kept. A failed load (store gone, checksum
-mismatch, deadline) rolls the request back to its own prefix and the next
-step computes the tokens instead; the output is what a cold run gives.
+Silent wrong KV is never used: a load's verdict comes before the step's
+results are kept. A failed load (store gone, checksum mismatch, a block
+evicted between the scheduler's lookup and the worker's pin) rolls the
+request back to its own prefix and the next step computes the tokens
+instead; the output is what a cold run gives.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from kvtier import Connector, KvtierError, Namespace
+from kvtier import Connector, Namespace, StoreClient
+from kvtier.hooks import SchedulerHalf, WorkerHalf
 from kvtier.engine.model import (ModelConfig, PagedKvCache, SeqChunk,
                                  Transformer, greedy)
 
@@ -210,16 +212,18 @@ class _Request:
 
 
 class Engine:
-    """A PyTorch reference engine using kvtier through ``connector`` (None:
-    no store tier). ``on_stored`` / ``on_removed`` receive the chain hashes
-    of blocks entering or leaving the engine's prefix cache (a router's KV
-    events). Thread-safe: :meth:`generate` may be called from any thread."""
+    """A PyTorch reference engine over kvtier's store shards ``stores``
+    (empty: no store tier). ``connector_options`` go to the worker half's
+    :class:`kvtier.Connector` (shared_memory, deadline_ms, ...).
+    ``on_stored`` / ``on_removed`` receive the chain hashes of blocks
+    entering or leaving the engine's prefix cache (a router's KV events).
+    Thread-safe: :meth:`generate` may be called from any thread."""
 
     def __init__(self, model: Transformer, config: EngineConfig,
-                 connector_factory: Optional[
-                     Callable[[PagedKvCache], Connector]] = None,
+                 stores: Sequence[str] = (),
                  on_stored: Callable[[np.ndarray], None] = lambda h: None,
-                 on_removed: Callable[[np.ndarray], None] = lambda h: None
+                 on_removed: Callable[[np.ndarray], None] = lambda h: None,
+                 connector_options: Optional[dict[str, Any]] = None
                  ) -> None:
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}
         if config.kv_dtype not in dtype:
@@ -230,22 +234,27 @@ class Engine:
         self.cache = PagedKvCache(model.config, config.num_pages,
                                   config.page_tokens, dtype[config.kv_dtype],
                                   config.layout)
-        self.connector = (connector_factory(self.cache)
-                          if connector_factory else None)
+        opts = dict(connector_options or {})
+        self.connector: Optional[Connector] = None
+        store: Optional[StoreClient] = None
+        if stores:
+            store = StoreClient(
+                stores, deadline_ms=opts.get("deadline_ms", 10000),
+                shared_memory=opts.get("shared_memory", "auto"))
+            self.connector = Connector(self.namespace, self.cache.tensors,
+                                       stores=stores, layout=config.layout,
+                                       **opts)
+        self.scheduler = SchedulerHalf(self.namespace, store,
+                                       config.page_tokens)
+        self.worker = (WorkerHalf(self.connector)
+                       if self.connector is not None else None)
         self.pages = _Pages(config.num_pages, on_stored, on_removed)
         self._mu = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._stop = False
         self._next_id = 1 << 40
-        # Requests whose saves are still being written: closed off the
-        # engine thread (their pages were copied out already, so the step
-        # loop never waits for the store).
-        self._closing: collections.deque[_Request] = collections.deque()
-        self._closer = threading.Thread(target=self._close_loop, daemon=True,
-                                        name="kvtier-engine-closer")
-        self._closer.start()
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name="kvtier-engine")
         self._thread.start()
@@ -297,16 +306,18 @@ class Engine:
             return len(self._running), queued, self.pages.free_count
 
     def close(self) -> None:
-        """Stops the engine thread (requests still waiting fail) and closes
-        the connector (waiting for queued saves)."""
+        """Stops the engine thread (requests still waiting fail), closes
+        every request (waiting for queued saves) and the connector."""
         with self._mu:
             self._stop = True
             self._mu.notify_all()
         self._thread.join()
-        self._closer.join()
         for r in list(self._waiting) + self._running:
             r.error = RuntimeError("the engine stopped")
             r.done.set()
+        if self.worker is not None:
+            self.worker.wait_for_save(self.scheduler.build_step())
+            self.worker.close()
         if self.connector is not None:
             self.connector.close()
 
@@ -325,10 +336,10 @@ class Engine:
             if batch:
                 self._step(batch)
             else:
-                time.sleep(0.002)  # waiting for pages held by nobody? retry
+                time.sleep(0.002)  # every page is held: wait for a finish
 
     def _admit(self) -> None:
-        """Scheduler side: moves waiting requests into the running set while
+        """Scheduler: moves waiting requests into the running set while
         pages and the step's limits allow (called under the lock)."""
         bt = self.config.page_tokens
         while self._waiting and len(self._running) < self.config.max_running:
@@ -336,135 +347,133 @@ class Engine:
             # At least the last prompt token is computed (it gives the logits).
             limit = (len(r.prompt) - 1) // bt
             gpu = self.pages.match(r.hashes, limit)
-            found = 0
-            if self.connector is not None and len(r.hashes) > 0 and \
-                    len(gpu) < limit:
-                try:
-                    t0 = time.monotonic()
-                    lk = self.connector.lookup(r.rid, r.hashes, len(gpu))
-                    r.onboard_ms = (time.monotonic() - t0) * 1000.0
-                    found = min(lk.blocks, limit - len(gpu))
-                    if lk.store_error is not None:
-                        r.load_status = f"store lookup failed: {lk.store_error}"
-                except KvtierError as e:
-                    r.load_status = f"store lookup failed: {e}"
+            t0 = time.monotonic()
+            found = self.scheduler.num_loadable_tokens(
+                r.rid, r.hashes, len(r.prompt), len(gpu) * bt) // bt
+            r.onboard_ms = (time.monotonic() - t0) * 1000.0 if found else 0.0
             total = -(-len(r.prompt) // bt)
             fresh = self.pages.allocate(total - len(gpu))
             if fresh is None:
                 self.pages.release(gpu)
-                if self.connector is not None:
-                    self.connector.finished(r.rid)
-                return  # no room yet: retried after a request finishes
+                return  # no room yet: asked again after a request finishes
             self._waiting.popleft()
             r.pages = gpu + fresh
             r.gpu_blocks = len(gpu)
             r.saved_blocks = len(gpu)
-            r.computed = len(gpu) * bt
-            r.load_blocks = 0
-            if found > 0:
-                assert self.connector is not None
-                try:
-                    self.connector.start_load(
-                        r.rid, fresh[:found])
-                    r.load_blocks = found
-                    r.computed += found * bt
-                except KvtierError as e:
-                    r.load_status = f"load not started: {e}"
+            self.scheduler.allocated(r.rid, fresh[:found])
+            r.load_blocks = found
+            r.computed = (len(gpu) + found) * bt
             self._running.append(r)
 
     def _step(self, batch: list[_Request]) -> None:
         """One forward over the batch: a prefill chunk per prefilling
-        request, one token per decoding one; then verdicts, saves,
-        first tokens and completions."""
+        request, one token per decoding one; the connector's hooks around
+        it; then verdicts, first tokens and completions."""
         bt = self.config.page_tokens
         budget = self.config.max_step_tokens
         chunks: list[SeqChunk] = []
         members: list[tuple[_Request, int]] = []  # (request, tokens fed)
         for r in batch:
             if r.computed < len(r.prompt):
-                if budget <= 0:
+                if budget <= 0 and not r.load_blocks:
                     continue  # prefills next step; decodes still run
-                n = min(len(r.prompt) - r.computed, budget)
+                # A request whose load starts this step always runs in it:
+                # its verdict belongs to this step.
+                n = min(len(r.prompt) - r.computed, max(budget, 1))
                 budget -= n
                 toks = r.prompt[r.computed:r.computed + n]
+                start = r.computed
+                # build_connector_meta: blocks this step fills are saved.
+                self.scheduler.computed(r.rid, r.computed + n, r.pages)
             else:
                 n = 1
                 budget -= 1
                 toks = [r.out[-1]]
+                start = r.length - 1
                 if r.length > len(r.pages) * bt:
                     extra = self.pages.allocate(1)
                     if extra is None:
                         continue  # waits for a page
                     r.pages.extend(extra)
             chunks.append(SeqChunk(torch.tensor(toks, dtype=torch.long),
-                                   r.computed if r.computed < len(r.prompt)
-                                   else r.length - 1,
+                                   start,
                                    torch.tensor(r.pages, dtype=torch.long)))
             members.append((r, n))
-        if not chunks:
-            return
-        loading = [r for r, _ in members if r.load_blocks > 0]
-
-        def before_layer(layer: int) -> None:
-            # wait_for_layer_load: layer l of every load in this step.
+        step = self.scheduler.build_step()
+        errors: set[int] = set()
+        logits: Optional[torch.Tensor] = None
+        if self.worker is not None:
+            t0 = time.monotonic()
+            self.worker.start_load(step)
+            pinned_ms = (time.monotonic() - t0) * 1000.0
+            loading = [r for r, _ in members if r.load_blocks > 0]
             for r in loading:
-                if r.load_blocks > 0:
-                    t0 = time.monotonic()
-                    try:
-                        self.connector.wait_for_layer(r.rid, layer)
-                    except KvtierError:
-                        pass  # the verdict below rolls the request back
-                    r.onboard_ms += (time.monotonic() - t0) * 1000.0
+                r.onboard_ms += pinned_ms
+            worker = self.worker
 
-        logits = self.model.forward(chunks, self.cache,
-                                    before_layer=before_layer)
+            def before_layer(layer: int) -> None:
+                t = time.monotonic()
+                worker.wait_for_layer(layer)  # wait_for_layer_load
+                for r in loading:
+                    r.onboard_ms += (time.monotonic() - t) * 1000.0
+
+            if chunks:
+                logits = self.model.forward(chunks, self.cache,
+                                            before_layer=before_layer)
+            t0 = time.monotonic()
+            worker.wait_for_save(step)
+            for r in loading:
+                r.onboard_ms += (time.monotonic() - t0) * 1000.0
+            errors = worker.load_error_pages()
+        elif chunks:
+            logits = self.model.forward(chunks, self.cache)
+        if logits is None:
+            return
         now = time.monotonic()
         for i, (r, n) in enumerate(members):
-            if r.load_blocks > 0 and not self._verdict(r):
+            if r.load_blocks > 0 and not self._verdict(r, errors):
                 continue  # rolled back: this step's output is not used
             if r.computed < len(r.prompt):
                 r.computed += n
                 r.computed_tokens += n
-                self._save_full_blocks(r)
+                self._cache_full_blocks(r)
                 if r.computed < len(r.prompt):
                     continue
-                token = int(greedy(logits[i]))
                 r.first_token_at = now
                 r.first_logits = logits[i].clone()
-                r.out.append(token)
+                r.out.append(int(greedy(logits[i])))
             else:
                 r.out.append(int(greedy(logits[i])))
             if len(r.out) >= r.max_new:
                 self._finish(r)
 
-    def _verdict(self, r: _Request) -> bool:
-        """Worker side: the load's verdict. Verified blocks enter the prefix
-        cache; a failure rolls the request back to its own prefix."""
+    def _verdict(self, r: _Request, errors: set[int]) -> bool:
+        """The load's verdict (get_block_ids_with_load_errors): verified
+        blocks enter the prefix cache; a failure rolls the request back to
+        its own prefix."""
         bt = self.config.page_tokens
-        assert self.connector is not None
         n = r.load_blocks
         r.load_blocks = 0
-        t0 = time.monotonic()
-        try:
-            loaded = self.connector.wait_for_load(r.rid)
-        except KvtierError as e:
-            loaded, r.load_status = 0, f"load failed, computed instead: {e}"
-        r.onboard_ms += (time.monotonic() - t0) * 1000.0
-        r.load_times = self.connector.load_times(r.rid)
+        first = r.gpu_blocks
+        load_pages = r.pages[first:first + n]
         self.stats["loads"] += 1
-        if loaded == n:
+        if not errors.intersection(load_pages):
+            assert self.connector is not None
             r.loaded_blocks = n
             r.loaded_from_disk = self.connector.loaded_from_disk(r.rid)
-            first = r.gpu_blocks
+            r.load_times = self.connector.load_times(r.rid)
             for b in range(first, first + n):
                 self.pages.commit(r.pages[b], self._key(r, b))
             r.saved_blocks = first + n
             self.stats["loaded_blocks"] += n
             return True
         self.stats["load_failures"] += 1
-        if not r.load_status:
-            r.load_status = f"loaded {loaded} of {n} blocks, computed instead"
+        failures = self.worker.load_failures if self.worker else []
+        r.load_status = ("load failed, computed instead: " +
+                         (failures[-1] if failures else
+                          "blocks left the store before they were pinned"))
         r.computed = r.gpu_blocks * bt  # recompute from the engine's prefix
+        self.scheduler.load_failed(r.rid, r.computed)
         return False
 
     @staticmethod
@@ -472,45 +481,17 @@ class Engine:
         hi, lo = r.hashes[block].tolist()
         return int(hi), int(lo)
 
-    def _save_full_blocks(self, r: _Request) -> None:
-        """Blocks the request's prompt has filled since the last save enter
-        the prefix cache and go to the store (wait_for_save at finish)."""
-        bt = self.config.page_tokens
-        full = min(r.computed, len(r.prompt)) // bt
-        if full <= r.saved_blocks:
-            return
-        first = r.saved_blocks
-        for b in range(first, full):
+    def _cache_full_blocks(self, r: _Request) -> None:
+        """Prompt blocks that became full enter the prefix cache."""
+        full = min(r.computed, len(r.prompt)) // self.config.page_tokens
+        for b in range(r.saved_blocks, full):
             self.pages.commit(r.pages[b], self._key(r, b))
-        if self.connector is not None:
-            try:
-                self.connector.save(r.rid, first, r.pages[first:full])
-            except KvtierError as e:
-                self.stats["save_failures"] += 1
-                r.load_status = r.load_status or f"save failed: {e}"
-        r.saved_blocks = full
-
-    def _close_loop(self) -> None:
-        """wait_for_save and request_finished of finished requests."""
-        while True:
-            with self._mu:
-                while not self._closing and not self._stop:
-                    self._mu.wait()
-                if not self._closing:
-                    return
-                r = self._closing.popleft()
-            assert self.connector is not None
-            try:
-                self.connector.wait_for_save(r.rid)
-            except KvtierError:
-                self.stats["save_failures"] += 1
-            self.connector.finished(r.rid)
+        r.saved_blocks = max(r.saved_blocks, full)
 
     def _finish(self, r: _Request) -> None:
         now = time.monotonic()
+        self.scheduler.finished(r.rid)  # request_finished; closed next step
         with self._mu:
-            if self.connector is not None:
-                self._closing.append(r)
             self._running.remove(r)
             self.pages.release(r.pages)
             self._mu.notify_all()

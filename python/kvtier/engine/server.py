@@ -185,13 +185,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ns = namespace_for(mc, ec)
 
-    def make_connector(cache: Any) -> kvtier.Connector:
-        return kvtier.Connector(ns, cache.tensors, stores=stores,
-                                layout=ec.layout, deadline_ms=a.deadline_ms)
 
     try:
-        engine = Engine(Transformer(mc), ec,
-                        make_connector if stores else None, stored, removed)
+        engine = Engine(Transformer(mc), ec, stores, stored, removed,
+                        {"deadline_ms": a.deadline_ms})
     except kvtier.KvtierError as e:
         print(f"kvtier-torch-engine: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,312 @@
+"""kvtier in an engine's scheduler and worker, engine-neutral.
+
+An engine like vLLM splits its KV-connector in two halves that live in
+different processes and talk only through a per-step metadata object:
+
+- :class:`SchedulerHalf` (no KV memory): how many tokens beyond the engine's
+  own prefix the store can supply (one lookup round trip over every shard),
+  which engine pages those go to, which computed blocks to save, which
+  requests finished; :meth:`SchedulerHalf.build_step` packs that into a
+  :class:`StepMeta` (plain, picklable).
+- :class:`WorkerHalf` (owns the KV tensors through a :class:`kvtier.Connector`):
+  executes a StepMeta: pins and starts the loads (layer by layer), waits per
+  layer, takes each load's verdict, saves, closes finished requests, and
+  reports the pages whose load failed so the engine recomputes them.
+
+The reference engine (kvtier.engine) and the vLLM adapter
+(kvtier.integrations.vllm) both drive these halves in vLLM's hook order:
+
+  scheduler: num_loadable_tokens -> (engine allocates) -> allocated
+             -> computed (after a step) -> build_step -> finished
+  worker:    start_load(step) -> wait_for_layer(l) for each layer
+             -> wait_for_save(step) -> load_error_pages() -> finished
+
+Between the scheduler's lookup and the worker's pin a block may leave the
+store; the worker then loads fewer and reports the rest as failed pages,
+exactly like a load that failed its checksum: either way the engine
+recomputes them and never uses their bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from kvtier.connector import Connector
+from kvtier.errors import KvtierError
+from kvtier.store import StoreClient
+
+
+def request_key(request_id: object) -> int:
+    """A kvtier request id (63-bit int) for an engine's request id (a str
+    in vLLM and SGLang), the same in every process."""
+    if isinstance(request_id, int) and 0 <= request_id < 1 << 63:
+        return request_id
+    digest = hashlib.blake2b(str(request_id).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class LoadSpec:
+    """Load blocks [skip_blocks, skip_blocks + len(pages)) of the chain
+    into ``pages`` (the engine holds blocks [0, skip_blocks) itself)."""
+
+    request: int
+    hashes: np.ndarray
+    skip_blocks: int
+    pages: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Save blocks [first_block, first_block + len(pages)) of the chain,
+    computed into ``pages``."""
+
+    request: int
+    hashes: np.ndarray
+    first_block: int
+    pages: list[int]
+
+
+@dataclass
+class StepMeta:
+    """What the scheduler half hands the worker half for one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    hashes: np.ndarray
+    prompt_tokens: int
+    skip_blocks: int = 0
+    loadable: int = 0          # blocks the store can supply after skip
+    saved_blocks: int = 0      # blocks [0, saved) are in the store or saved
+    load: Optional[LoadSpec] = None
+
+
+class SchedulerHalf:
+    """The scheduler's side: asks the store, plans loads and saves.
+
+    ``store``: a client of the store shards (None: no store tier; nothing is
+    ever loadable or saved). ``block_tokens``: tokens per block (== the
+    engine's page size). Not thread-safe (a scheduler is one thread).
+    """
+
+    def __init__(self, namespace: object, store: Optional[StoreClient],
+                 block_tokens: int) -> None:
+        self.namespace = namespace
+        self.store = store
+        self.block_tokens = block_tokens
+        self._reqs: dict[int, _Tracked] = {}
+        self._step = StepMeta()
+        self.lookup_errors = 0
+
+    def num_loadable_tokens(self, request: int, hashes: np.ndarray,
+                            prompt_tokens: int, num_computed_tokens: int
+                            ) -> int:
+        """Tokens after ``num_computed_tokens`` (the engine's own prefix, a
+        multiple of block_tokens) that the store can supply; at least the
+        prompt's last token is always left to compute. A store that cannot
+        be asked supplies nothing (counted in ``lookup_errors``)."""
+        bt = self.block_tokens
+        skip = num_computed_tokens // bt
+        t = self._reqs.get(request)
+        if t is None:
+            t = self._reqs[request] = _Tracked(hashes, prompt_tokens)
+        t.skip_blocks = skip
+        t.saved_blocks = max(t.saved_blocks, skip)
+        t.loadable = 0
+        limit = (prompt_tokens - 1) // bt
+        if self.store is None or skip >= min(limit, len(hashes)):
+            return 0
+        try:
+            present = self.store.lookup(self.namespace, hashes[:limit])
+        except KvtierError:
+            self.lookup_errors += 1
+            return 0
+        t.loadable = max(0, min(present, limit) - skip)
+        return t.loadable * bt
+
+    def allocated(self, request: int, load_pages: list[int]) -> None:
+        """The engine gave the loadable blocks these pages (fewer than
+        offered if it takes fewer tokens); they load this step."""
+        t = self._reqs.get(request)
+        if t is None or not load_pages:
+            return
+        pages = list(load_pages[:t.loadable])
+        t.load = LoadSpec(request, t.hashes, t.skip_blocks, pages)
+        t.saved_blocks = max(t.saved_blocks, t.skip_blocks + len(pages))
+        self._step.loads.append(t.load)
+
+    def computed(self, request: int, num_computed_tokens: int,
+                 block_pages: list[int]) -> None:
+        """After a step: the request's first ``num_computed_tokens`` tokens
+        have KV in ``block_pages`` (its pages in block order); prompt blocks
+        that became full since the last save are saved."""
+        t = self._reqs.get(request)
+        if t is None or self.store is None:
+            return
+        full = min(num_computed_tokens, t.prompt_tokens) // self.block_tokens
+        full = min(full, len(t.hashes), len(block_pages))
+        if full > t.saved_blocks:
+            first = t.saved_blocks
+            self._step.saves.append(SaveSpec(request, t.hashes, first,
+                                             list(block_pages[first:full])))
+            t.saved_blocks = full
+
+    def load_failed(self, request: int, num_computed_tokens: int) -> None:
+        """The worker reported the request's load failed and the engine
+        rolled it back to ``num_computed_tokens``: blocks after it are
+        computed (and saved) again."""
+        t = self._reqs.get(request)
+        if t is not None:
+            t.saved_blocks = min(t.saved_blocks,
+                                 num_computed_tokens // self.block_tokens)
+            t.loadable = 0
+
+    def finished(self, request: int) -> None:
+        """The request is done: the worker closes it after this step."""
+        if self._reqs.pop(request, None) is not None:
+            self._step.finished.append(request)
+
+    def build_step(self) -> StepMeta:
+        """This step's metadata; the next step starts empty."""
+        step, self._step = self._step, StepMeta()
+        return step
+
+
+class WorkerHalf:
+    """The worker's side: executes each step's metadata on a connector
+    over the engine's KV tensors. Not thread-safe (one model runner)."""
+
+    def __init__(self, connector: Connector) -> None:
+        self.connector = connector
+        self._open: set[int] = set()
+        self._loading: dict[int, LoadSpec] = {}
+        self._errors: set[int] = set()
+        self.loaded_blocks = 0
+        self.failed_loads = 0
+        self.load_failures: list[str] = []
+        self._closing: queue.Queue[Optional[int]] = queue.Queue()
+        self._closer: Optional[threading.Thread] = None
+
+    def _open_request(self, request: int, hashes: np.ndarray) -> None:
+        if request not in self._open:
+            # Opens the request without a pin (every block skipped).
+            self.connector.lookup(request, hashes, len(hashes))
+            self._open.add(request)
+
+    def start_load(self, step: StepMeta) -> None:
+        """Pins and starts the step's loads. Blocks the store no longer
+        holds are reported as failed pages at once."""
+        for spec in step.loads:
+            try:
+                found = self.connector.lookup(spec.request, spec.hashes,
+                                              spec.skip_blocks)
+                self._open.add(spec.request)
+                n = min(found.blocks, len(spec.pages))
+                self._errors.update(spec.pages[n:])
+                if n == 0:
+                    continue
+                self.connector.start_load(spec.request, spec.pages[:n])
+                self._loading[spec.request] = LoadSpec(
+                    spec.request, spec.hashes, spec.skip_blocks,
+                    spec.pages[:n])
+            except KvtierError as e:
+                self._fail(spec, e)
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Returns once ``layer`` of every load of the step is in its pages
+        (unverified: :meth:`wait_for_save` takes the verdicts)."""
+        for request in list(self._loading):
+            try:
+                self.connector.wait_for_layer(request, layer)
+            except KvtierError:
+                pass  # the verdict reports it
+
+    def wait_for_save(self, step: StepMeta) -> None:
+        """The end of the step: each load's verdict (failed pages are
+        reported), then the step's saves (their bytes are copied before
+        this returns; the store writes continue in the background), then
+        the finished requests are closed."""
+        failed: set[int] = set()
+        for request, spec in list(self._loading.items()):
+            del self._loading[request]
+            try:
+                loaded = self.connector.wait_for_load(request)
+            except KvtierError as e:
+                self._fail(spec, e)
+                failed.add(request)
+                continue
+            self.loaded_blocks += loaded
+            if loaded < len(spec.pages):
+                self._errors.update(spec.pages[loaded:])
+                failed.add(request)
+        for spec in step.loads:
+            if set(spec.pages) & self._errors:
+                failed.add(spec.request)
+        for save in step.saves:
+            if save.request in failed:
+                continue  # computed from KV that failed its load: never saved
+            try:
+                self._open_request(save.request, save.hashes)
+                self.connector.save(save.request, save.first_block,
+                                    save.pages)
+            except KvtierError:
+                pass  # a save that fails costs a future hit, nothing else
+        for request in step.finished:
+            self.finished(request)
+
+    def _fail(self, spec: LoadSpec, e: KvtierError) -> None:
+        self.failed_loads += 1
+        self.load_failures.append(str(e))
+        self._errors.update(spec.pages)
+
+    def load_error_pages(self) -> set[int]:
+        """Pages whose load failed since the last call (their blocks must be
+        recomputed; their bytes never used)."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def finished(self, request: int) -> None:
+        """Closes the request. Its queued saves are written first, by a
+        background thread, so the engine's step never waits for the store
+        (their bytes were copied out of the pages already)."""
+        if request in self._loading:
+            try:
+                self.connector.wait_for_load(self._loading.pop(request).request)
+            except KvtierError:
+                pass
+        self._open.discard(request)
+        if self._closer is None:
+            self._closer = threading.Thread(target=self._close_loop,
+                                            daemon=True, name="kvtier-close")
+            self._closer.start()
+        self._closing.put(request)
+
+    def _close_loop(self) -> None:
+        while True:
+            request = self._closing.get()
+            if request is None:
+                return
+            try:
+                self.connector.finished(request)
+            except KvtierError:
+                pass
+
+    def close(self) -> None:
+        """Closes every request still open and waits for their saves."""
+        for request in list(self._open):
+            self.finished(request)
+        if self._closer is not None:
+            self._closing.put(None)
+            self._closer.join()
+            self._closer = None

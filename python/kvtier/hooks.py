@@ -135,6 +135,11 @@ class SchedulerHalf:
         t.loadable = max(0, min(present, limit) - skip)
         return t.loadable * bt
 
+    def skip_blocks(self, request: int) -> int:
+        """The engine's own prefix, in blocks, at the last lookup."""
+        t = self._reqs.get(request)
+        return t.skip_blocks if t is not None else 0
+
     def allocated(self, request: int, load_pages: list[int]) -> None:
         """The engine gave the loadable blocks these pages (fewer than
         offered if it takes fewer tokens); they load this step."""

@@ -94,3 +94,28 @@ def engine_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(BUILD / "python"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
+
+
+def corrupt_in_store(store_pid: int, needle: bytes) -> bool:
+    """Flips one byte of the first copy of ``needle`` in the store's RAM
+    arena, behind the store's back (through /proc/PID/fd of its memfd, as a
+    bad DIMM or a stray write would). False if the bytes are not there."""
+    import mmap
+
+    fd_dir = Path(f"/proc/{store_pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if not target.startswith("/memfd:kvtier-ram-tier"):
+            continue
+        with open(fd, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            with mmap.mmap(f.fileno(), size) as m:
+                at = m.find(needle)
+                if at < 0:
+                    return False
+                m[at + 7] = m[at + 7] ^ 0xFF
+                return True
+    return False

@@ -1,0 +1,151 @@
+"""kvtier.integrations.vllm.KvtierConnector with its scheduler half here and
+its worker half in another process (as in vLLM: they share only the pickled
+metadata), real KV tensors in vLLM's layout and a real kvtier-store. The
+argument shapes are vLLM v0.15's (tests/python/vllm_shapes.py). A block
+corrupted behind the store's back is reported through
+get_block_ids_with_load_errors and recomputed."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conftest import corrupt_in_store, engine_env
+import kvtier
+import vllm_shapes as v
+from kvtier.integrations.vllm import KvtierConnector, KVConnectorRole
+
+HERE = Path(__file__).parent
+BS = 16
+
+
+class Worker:
+    """The worker process."""
+
+    def __init__(self, stores: list[str]) -> None:
+        env = engine_env()
+        env["PYTHONPATH"] += ":" + str(HERE)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "vllm_worker.py"), ",".join(stores)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def call(self, **msg: Any) -> Any:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(pickle.dumps(msg).hex().encode() + b"\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "the worker process died"
+        return pickle.loads(bytes.fromhex(line.decode().strip()))
+
+    def step(self, meta: Any, compute: list[tuple[int, int]]) -> Any:
+        return self.call(op="step", meta=meta, compute=compute)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin
+            self.proc.stdin.write(pickle.dumps({"op": "stop"}).hex().encode()
+                                  + b"\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def worker(store):
+    w = Worker([store.address])
+    yield w
+    w.stop()
+
+
+def run_new(sched: KvtierConnector, w: Worker, rid: str, prompt: list[int],
+            pages: list[int], seeds: dict[int, int]) -> tuple[int, Any]:
+    """One request through the hooks for its first step (its whole
+    prompt): returns the tokens loaded and the worker's answer."""
+    req = v.Request(rid, prompt)
+    n, load_async = sched.get_num_new_matched_tokens(req, 0)
+    assert load_async is False
+    sched.update_state_after_alloc(req, v.KVCacheBlocks(pages), n)
+    req.num_computed_tokens = n
+    out = v.SchedulerOutput(
+        scheduled_new_reqs=[v.NewRequestData(rid, prompt, (pages,), n)],
+        num_scheduled_tokens={rid: len(prompt) - n})
+    meta = sched.build_connector_meta(out)
+    meta = pickle.loads(pickle.dumps(meta))  # what vLLM ships
+    first = n // BS
+    compute = [(pages[b], seeds[b]) for b in range(first, len(pages))]
+    return n, w.step(meta, compute)
+
+
+def test_two_processes_save_load_and_recompute_a_corrupt_block(
+        store, worker) -> None:
+    sched = KvtierConnector(v.config([store.address]),
+                            KVConnectorRole.SCHEDULER)
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 4096, 100).tolist()
+    seeds = {b: 1000 + b for b in range(9)}  # block b's content
+
+    # A: nothing in the store; its 6 full blocks are saved after the step.
+    n, r = run_new(sched, worker, "A", prompt, list(range(0, 7)), seeds)
+    assert n == 0 and r["errors"] == []
+    assert sched.request_finished(v.Request("A", prompt), list(range(7))) \
+        == (False, None)
+    # The saves' bytes were copied in wait_for_save; the store writes them
+    # in the background.
+    probe = kvtier.StoreClient([store.address])
+    ns = sched._scheduler.namespace
+    hashes = kvtier.hash_tokens(ns, prompt)
+    deadline = time.monotonic() + 10
+    while probe.lookup(ns, hashes) < 6:
+        assert time.monotonic() < deadline, "A's blocks never reached the store"
+        time.sleep(0.02)
+
+    # B: A's prompt and more: 6 blocks load into B's pages 10..15.
+    longer = prompt + rng.integers(0, 4096, 30).tolist()
+    n, r = run_new(sched, worker, "B", longer, list(range(10, 19)), seeds)
+    assert n == 6 * BS
+    assert r["errors"] == [], r
+    pages = worker.call(op="read", pages=list(range(0, 6)) +
+                        list(range(10, 16)))
+    for b in range(6):
+        for layer in range(2):
+            assert (pages[10 + b][layer] == pages[b][layer]).all(), \
+                f"block {b} layer {layer}"
+    sched.request_finished(v.Request("B", longer), list(range(10, 19)))
+
+    # A block corrupted behind the store's back: C's load reports every
+    # page of it as failed, and vLLM's recompute is planned and saved.
+    needle = pages[2][0][0].numpy().tobytes()  # block 2, layer 0, K
+    assert corrupt_in_store(store.pid, needle)
+    n, r = run_new(sched, worker, "C", prompt, list(range(20, 27)), seeds)
+    assert n == 6 * BS
+    assert set(r["errors"]) == set(range(20, 26)), r
+    assert any("DATA_LOSS" in f for f in r["failures"]), r["failures"]
+    # vLLM cuts C back to its first failed block (0) and recomputes.
+    out = v.SchedulerOutput(
+        scheduled_cached_reqs=v.CachedRequestData(
+            req_ids=["C"], new_block_ids=[None], num_computed_tokens=[0]),
+        num_scheduled_tokens={"C": len(prompt)})
+    meta = sched.build_connector_meta(out)
+    assert [(s.first_block, len(s.pages)) for s in meta.step.saves] \
+        == [(0, 6)], "the recomputed blocks are saved again"
+    r = worker.step(meta, [(20 + b, seeds[b]) for b in range(7)])
+    assert r["errors"] == []
+    again = worker.call(op="read", pages=[2, 22])
+    assert (again[22][0] == again[2][0]).all(), "block 2 was recomputed"
+    sched.request_finished(v.Request("C", prompt), list(range(20, 27)))
+
+
+def test_imports_without_vllm_and_refuses_a_config_without_stores() -> None:
+    import kvtier.integrations.vllm as mod
+
+    assert mod.KvtierConnector.__mro__[1].__name__ == "KVConnectorBase_V1"
+    cfg = v.config([])
+    cfg.kv_transfer_config.kv_connector_extra_config = {}
+    with pytest.raises(ValueError, match="stores"):
+        KvtierConnector(cfg, KVConnectorRole.SCHEDULER)

@@ -1,0 +1,68 @@
+"""The worker process of test_vllm.py: vLLM's worker side of the connector
+over real KV tensors in vLLM's FlashAttention layout. Each step it receives
+the scheduler's pickled metadata and which pages the model computes, and
+makes the model runner's calls in vLLM's order (bind, start_load_kv,
+wait_for_layer_load / forward / save_kv_layer per layer, wait_for_save,
+get_finished, get_block_ids_with_load_errors, clear)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from kvtier.integrations.vllm import KvtierConnector, KVConnectorRole  # noqa: E402
+import vllm_shapes  # noqa: E402
+
+PAGES = 40
+
+
+def fill(kv: torch.Tensor, page: int, seed: int) -> None:
+    """What the model computes into a page: a function of the block."""
+    g = torch.Generator().manual_seed(seed)
+    kv[:, page].copy_(torch.randn(kv[:, page].shape, generator=g).half())
+
+
+def main() -> None:
+    stores = sys.argv[1].split(",")
+    cfg = vllm_shapes.config(stores)
+    mc = cfg.model_config
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(mc.layers)]
+    kv_caches = {n: torch.zeros(2, PAGES, cfg.cache_config.block_size,
+                                mc.kv_heads, mc.head_size,
+                                dtype=torch.float16) for n in names}
+    conn = KvtierConnector(cfg, KVConnectorRole.WORKER)
+    conn.register_kv_caches(kv_caches)
+    for line in sys.stdin.buffer:
+        msg = pickle.loads(bytes.fromhex(line.decode().strip()))
+        if msg["op"] == "stop":
+            break
+        if msg["op"] == "read":
+            out = {p: [kv_caches[n][:, p].clone() for n in names]
+                   for p in msg["pages"]}
+        else:
+            conn.bind_connector_metadata(msg["meta"])
+            conn.start_load_kv(None)
+            for name in names:
+                conn.wait_for_layer_load(name)
+                for page, seed in msg["compute"]:
+                    fill(kv_caches[name], page, seed * 100 + names.index(name))
+                conn.save_kv_layer(name, kv_caches[name], None)
+            conn.wait_for_save()
+            done = conn.get_finished(set(msg.get("finished", [])))
+            errors = conn.get_block_ids_with_load_errors()
+            conn.clear_connector_metadata()
+            failures = list(conn._worker.load_failures) if conn._worker else []
+            out = {"errors": sorted(errors), "finished": done,
+                   "failures": failures}
+        sys.stdout.write(pickle.dumps(out).hex() + "\n")
+        sys.stdout.flush()
+    conn.shutdown()
+
+
+if __name__ == "__main__":
+    main()

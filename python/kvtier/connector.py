@@ -71,6 +71,8 @@ class Connector:
     [block_tokens, kv_heads, head_dim] contiguous.
     ``stores``: kvtier-store addresses (HOST:PORT; blocks are sharded over
     them); empty: no store tier (lookups find nothing, saves do nothing).
+    ``tls_ca`` / ``tls_cert`` / ``tls_key``: PEM files for TLS (mutual with
+    a certificate) towards the stores' gRPC control plane.
 
     Raises :class:`kvtier.errors.InvalidArgument` for tensors that do not fit
     the namespace (dtype, shape, device, strides) and the store's or the
@@ -81,7 +83,8 @@ class Connector:
                  kv_caches: Sequence[LayerCache], *,
                  stores: Sequence[str] = (), layout: str = "kv_first",
                  staging_blocks: int = 64, deadline_ms: int = 10000,
-                 shared_memory: str = "auto") -> None:
+                 shared_memory: str = "auto", tls_ca: str = "",
+                 tls_cert: str = "", tls_key: str = "") -> None:
         self.namespace = namespace
         self.layout = layout
         k, v, stride, pages, keep = _describe(namespace, kv_caches, layout)
@@ -90,7 +93,8 @@ class Connector:
         self._c = _native.EngineConnector(
             namespace, list(stores), k, v, stride, pages,
             staging_blocks=staging_blocks, deadline_ms=deadline_ms,
-            shared_memory=shared_memory)
+            shared_memory=shared_memory, tls_ca=tls_ca, tls_cert=tls_cert,
+            tls_key=tls_key)
 
     @property
     def block_tokens(self) -> int:

@@ -21,13 +21,17 @@ class StoreClient:
 
     ``shared_memory``: "auto" (map a same-host store's arena when it offers
     it), "on" or "off". ``deadline_ms`` bounds each operation.
+    ``tls_ca`` / ``tls_cert`` / ``tls_key``: PEM files for TLS (mutual with
+    a certificate) towards the stores' gRPC control plane.
     Raises :class:`kvtier.errors.InvalidArgument` for a bad address.
     """
 
     def __init__(self, addresses: Sequence[str], *, deadline_ms: int = 10000,
-                 shared_memory: str = "auto") -> None:
+                 shared_memory: str = "auto", tls_ca: str = "",
+                 tls_cert: str = "", tls_key: str = "") -> None:
         self._c = _native.StoreClient(list(addresses), deadline_ms,
-                                      shared_memory)
+                                      shared_memory, tls_ca, tls_cert,
+                                      tls_key)
         self._registered: list[Any] = []
 
     @property

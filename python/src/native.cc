@@ -33,6 +33,7 @@
 #include "common/block_key.h"
 #include "common/rpc/grpc_server.h"
 #include "common/rpc/grpc_status.h"
+#include "common/rpc/tls.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
 
@@ -128,8 +129,20 @@ NamespaceSpec SpecFrom(const std::string& model, const std::string& dtype, uint3
   return s;
 }
 
-DataClientOptions DataOptions(int deadline_ms, const std::string& shared_memory) {
+// TLS towards the stores' control plane: PEM file paths, "" each: unused
+// (tls_ca set: TLS; with tls_cert and tls_key too: mutual TLS).
+struct Tls {
+  std::string ca, cert, key;
+};
+
+DataClientOptions DataOptions(int deadline_ms, const std::string& shared_memory,
+                              const Tls& tls = {}) {
   DataClientOptions o;
+  TlsFlags flags;
+  flags.ca_file = tls.ca;
+  flags.cert_file = tls.cert;
+  flags.key_file = tls.key;
+  o.security = Unwrap(ClientSecurity(flags));
   if (deadline_ms <= 0) Invalid("deadline_ms must be positive");
   o.deadline_ms = deadline_ms;
   if (shared_memory == "auto") {
@@ -157,8 +170,11 @@ py::dict TimesDict(const TransferTimes& t) {
 
 class PyStoreClient {
  public:
-  PyStoreClient(std::vector<std::string> addresses, int deadline_ms, const std::string& shared_memory)
-      : client_(CheckAddresses(std::move(addresses)), DataOptions(deadline_ms, shared_memory)) {}
+  PyStoreClient(std::vector<std::string> addresses, int deadline_ms,
+                const std::string& shared_memory, const std::string& tls_ca,
+                const std::string& tls_cert, const std::string& tls_key)
+      : client_(CheckAddresses(std::move(addresses)),
+                DataOptions(deadline_ms, shared_memory, Tls{tls_ca, tls_cert, tls_key})) {}
 
   void RegisterMemory(uintptr_t addr, size_t length) {
     py::gil_scoped_release nogil;
@@ -234,7 +250,8 @@ class EngineConnector {
   EngineConnector(const NamespaceSpec& spec, std::vector<std::string> stores,
                   std::vector<uintptr_t> k, std::vector<uintptr_t> v, uint64_t page_stride,
                   uint64_t num_pages, uint64_t staging_blocks, int deadline_ms,
-                  const std::string& shared_memory) {
+                  const std::string& shared_memory, const std::string& tls_ca,
+                  const std::string& tls_cert, const std::string& tls_key) {
     worker::ConnectorOptions o;
     o.spec = spec;
     o.num_pages = num_pages;
@@ -242,7 +259,7 @@ class EngineConnector {
     o.offload = "write-through";
     if (staging_blocks == 0) Invalid("staging_blocks must be at least 1");
     o.staging_blocks = staging_blocks;
-    o.data = DataOptions(deadline_ms, shared_memory);
+    o.data = DataOptions(deadline_ms, shared_memory, Tls{tls_ca, tls_cert, tls_key});
     gpu::PageMemory m;
     for (uintptr_t p : k) m.k.push_back(reinterpret_cast<uint8_t*>(p));
     for (uintptr_t p : v) m.v.push_back(reinterpret_cast<uint8_t*>(p));
@@ -610,8 +627,10 @@ PYBIND11_MODULE(_native, m) {
       });
 
   py::class_<PyStoreClient>(m, "StoreClient")
-      .def(py::init<std::vector<std::string>, int, const std::string&>(), py::arg("addresses"),
-           py::arg("deadline_ms") = 10000, py::arg("shared_memory") = "auto")
+      .def(py::init<std::vector<std::string>, int, const std::string&, const std::string&,
+                    const std::string&, const std::string&>(),
+           py::arg("addresses"), py::arg("deadline_ms") = 10000, py::arg("shared_memory") = "auto",
+           py::arg("tls_ca") = "", py::arg("tls_cert") = "", py::arg("tls_key") = "")
       .def("register_memory", &PyStoreClient::RegisterMemory)
       .def("register_namespace", &PyStoreClient::RegisterNamespace)
       .def("lookup", &PyStoreClient::Lookup)
@@ -622,10 +641,12 @@ PYBIND11_MODULE(_native, m) {
   py::class_<EngineConnector>(m, "EngineConnector")
       .def(py::init<const NamespaceSpec&, std::vector<std::string>, std::vector<uintptr_t>,
                     std::vector<uintptr_t>, uint64_t, uint64_t, uint64_t, int,
+                    const std::string&, const std::string&, const std::string&,
                     const std::string&>(),
            py::arg("spec"), py::arg("stores"), py::arg("k"), py::arg("v"), py::arg("page_stride"),
            py::arg("num_pages"), py::arg("staging_blocks") = 64, py::arg("deadline_ms") = 10000,
-           py::arg("shared_memory") = "auto")
+           py::arg("shared_memory") = "auto", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
+           py::arg("tls_key") = "")
       .def("close", &EngineConnector::Close)
       .def("lookup", &EngineConnector::Lookup)
       .def("start_load", &EngineConnector::StartLoad)

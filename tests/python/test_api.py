@@ -111,6 +111,15 @@ def test_store_client_errors_name_the_problem_and_lose_nothing(store) -> None:
     assert c.get(a, hashes, out) == 2 and (out == 1).all()
 
 
+def test_tls_files_that_cannot_be_read_are_invalid_arguments(tmp_path) -> None:
+    with pytest.raises(errors.InvalidArgument) as e:
+        kvtier.StoreClient(["127.0.0.1:1"], tls_ca=str(tmp_path / "none.pem"))
+    assert "none.pem" in e.value.message
+    with pytest.raises(errors.InvalidArgument):
+        kvtier.Connector(ns(), caches("kv_first"), stores=["127.0.0.1:1"],
+                         tls_ca=str(tmp_path / "none.pem"))
+
+
 def test_an_unknown_store_raises_unavailable_or_deadline() -> None:
     c = kvtier.StoreClient(["127.0.0.1:1"], deadline_ms=1000)
     with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)) as e:

@@ -15,7 +15,8 @@ cannot be installed here, so this was not run inside SGLang. Load it with::
             "stores": "10.0.0.5:7400,10.0.0.6:7400"}'
 
 Extra config keys besides SGLang's: ``stores`` (required), ``deadline_ms``
-(10000), ``shared_memory`` ("auto", "on", "off").
+(10000), ``shared_memory`` ("auto", "on", "off"), ``tls_ca`` /
+``tls_cert`` / ``tls_key`` (PEM files: TLS, mutual with a certificate).
 
 Keys. SGLang names each page by a chained SHA-256 hex digest of its tokens
 (``get_hash_str``); a key's first 128 bits are its kvtier block hash (other
@@ -98,7 +99,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                        "kvtier-store")
         self._stores = list(stores)
         self._opts = {"deadline_ms": int(extra.get("deadline_ms", 10000)),
-                      "shared_memory": str(extra.get("shared_memory", "auto"))}
+                      "shared_memory": str(extra.get("shared_memory", "auto")),
+                      "tls_ca": str(extra.get("tls_ca", "")),
+                      "tls_cert": str(extra.get("tls_cert", "")),
+                      "tls_key": str(extra.get("tls_key", ""))}
         self._store = kvtier.StoreClient(self._stores, **self._opts)
         self._ids = itertools.count(1)
         self.namespace: Optional[kvtier.Namespace] = None

@@ -11,7 +11,8 @@ installed here, so this was not run inside vLLM). Load it with::
 
 Extra config keys: ``stores`` (comma-separated or a list; required),
 ``deadline_ms`` (10000), ``shared_memory`` ("auto", "on", "off"),
-``staging_blocks`` (64).
+``staging_blocks`` (64), ``tls_ca`` / ``tls_cert`` / ``tls_key`` (PEM
+files: TLS, mutual with a certificate, towards the stores).
 
 Every decision is in kvtier.hooks; this module only translates vLLM's
 objects into its calls. vLLM builds one connector with role SCHEDULER in the
@@ -154,7 +155,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "kv_connector_extra_config.stores names no kvtier-store")
         self._stores = list(stores)
         self._opts = {"deadline_ms": int(extra.get("deadline_ms", 10000)),
-                      "shared_memory": str(extra.get("shared_memory", "auto"))}
+                      "shared_memory": str(extra.get("shared_memory", "auto")),
+                      "tls_ca": str(extra.get("tls_ca", "")),
+                      "tls_cert": str(extra.get("tls_cert", "")),
+                      "tls_key": str(extra.get("tls_key", ""))}
         self._staging = int(extra.get("staging_blocks", 64))
         self._block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: Optional[SchedulerHalf] = None

@@ -152,6 +152,61 @@ def check_tls(values, schema):
     subprocess.run(["rm", "-rf", certs])
 
 
+def engine_arg(args, flag):
+    """The value of --flag=VALUE in a container's args (None if absent)."""
+    for a in args:
+        if a.startswith(flag + "="):
+            return a[len(flag) + 1:]
+    return None
+
+
+def check_engine(values, schema):
+    """The engine Deployment: vLLM with kvtier's connector, SGLang with its
+    HiCache backend, both pointed at every store shard; TLS files passed."""
+    stores = "kv-store-0.kv-store-headless:7400,kv-store-1.kv-store-headless:7400"
+    check(find(objects(render(values)), "Deployment", "-engine") is None,
+          "no engine by default")
+    v = copy.deepcopy(values)
+    v["engine"]["enabled"] = True
+    v["tls"]["enabled"] = True
+    jsonschema.validate(v, schema)
+    dep = find(objects(render(v)), "Deployment", "-engine")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    check(c["args"][:3] == ["vllm", "serve", v["engine"]["model"]], "vllm serve MODEL")
+    kvt = json.loads(engine_arg(c["args"], "--kv-transfer-config") or "{}")
+    check(kvt.get("kv_connector") == "KvtierConnector" and
+          kvt.get("kv_connector_module_path") == "kvtier.integrations.vllm" and
+          kvt.get("kv_load_failure_policy") == "recompute", "vLLM loads kvtier's connector")
+    extra = kvt.get("kv_connector_extra_config", {})
+    check(extra.get("stores") == stores, "the connector gets every store shard")
+    check(extra.get("tls_ca") == "/etc/kvtier/tls/ca.crt" and
+          any(m["mountPath"] == "/etc/kvtier/tls" for m in c.get("volumeMounts", [])),
+          "TLS files mounted and passed to the connector")
+    ev = json.loads(engine_arg(c["args"], "--kv-events-config") or "{}")
+    check(ev.get("enable_kv_cache_events") is True and ev.get("endpoint") == "tcp://*:5557",
+          "vLLM publishes KV events")
+    check(engine_arg(c["args"], "--block-size") == "16", "block size from values")
+    check(c["resources"]["limits"].get("nvidia.com/gpu") == "1", "a GPU requested")
+    v["engine"]["kind"] = "sglang"
+    jsonschema.validate(v, schema)
+    c = find(objects(render(v)), "Deployment", "-engine")["spec"]["template"]["spec"]["containers"][0]
+    check(c["args"][:3] == ["python3", "-m", "sglang.launch_server"], "SGLang's launcher")
+    check(engine_arg(c["args"], "--hicache-storage-backend") == "dynamic" and
+          "--enable-hierarchical-cache" in c["args"], "HiCache with a dynamic backend")
+    sg = json.loads(engine_arg(c["args"], "--hicache-storage-backend-extra-config") or "{}")
+    check(sg.get("module_path") == "kvtier.integrations.sglang" and
+          sg.get("class_name") == "KvtierHiCacheStorage" and sg.get("interface_v1") == 1 and
+          sg.get("stores") == stores, "SGLang loads kvtier's backend, zero-copy, every shard")
+    for key, bad in (("kind", "trt"), ("blockSize", 0), ("port", 70000)):
+        w = copy.deepcopy(v)
+        w["engine"][key] = bad
+        try:
+            jsonschema.validate(w, schema)
+            check(False, "schema accepted engine.%s=%r" % (key, bad))
+        except jsonschema.ValidationError:
+            check(True, "")
+
+
 def main():
     values = load_values()
     schema = json.load(open(os.path.join(CHART, "values.schema.json")))
@@ -261,6 +316,7 @@ def main():
     check(env.get("KVTIER_ROUTER") == "kv-router:7500", "example worker gets the router address")
 
     check_tls(values, schema)
+    check_engine(values, schema)
 
     print("%d passed, %d failed" % (passed, failed))
     return 0 if failed == 0 else 1

@@ -14,6 +14,8 @@ See docs/engines.md.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvtier import errors
 from kvtier._native import NamespaceSpec as Namespace
 from kvtier._native import WorkerServer
@@ -27,7 +29,7 @@ __all__ = [
 ]
 
 
-def hash_tokens(namespace: Namespace, tokens: object) -> "numpy.ndarray":  # noqa: F821
+def hash_tokens(namespace: Namespace, tokens: object) -> np.ndarray:
     """Chained hashes of the prompt's full blocks: uint64 array [n, 2].
 
     ``tokens``: a 1-D sequence of token ids (each a uint32). A trailing

@@ -39,7 +39,8 @@ class StatusCode(enum.IntEnum):
 
 
 class KvtierError(Exception):
-    """A failed kvtier call: ``code`` (a :class:`StatusCode`) and ``message``."""
+    """A failed kvtier call: ``code`` (a :class:`StatusCode`) and
+    ``message``."""
 
     def __init__(self, code: int, message: str) -> None:
         try:

@@ -8,7 +8,8 @@ different processes and talk only through a per-step metadata object:
   which engine pages those go to, which computed blocks to save, which
   requests finished; :meth:`SchedulerHalf.build_step` packs that into a
   :class:`StepMeta` (plain, picklable).
-- :class:`WorkerHalf` (owns the KV tensors through a :class:`kvtier.Connector`):
+- :class:`WorkerHalf` (owns the KV tensors, through a
+  :class:`kvtier.Connector`):
   executes a StepMeta: pins and starts the loads (layer by layer), waits per
   layer, takes each load's verdict, saves, closes finished requests, and
   reports the pages whose load failed so the engine recomputes them.
@@ -287,7 +288,8 @@ class WorkerHalf:
         (their bytes were copied out of the pages already)."""
         if request in self._loading:
             try:
-                self.connector.wait_for_load(self._loading.pop(request).request)
+                self._loading.pop(request)
+                self.connector.wait_for_load(request)
             except KvtierError:
                 pass
         self._open.discard(request)

@@ -40,7 +40,8 @@ class StoreClient:
         return int(self._c.shards)
 
     def register(self, memory: Any) -> None:
-        """Registers ``memory`` (kept alive by the client) for zero-copy RMA."""
+        """Registers ``memory`` (kept alive by the client) for zero-copy
+        RMA."""
         r = region_of(memory)
         self._c.register_memory(r.address, r.nbytes)
         self._registered.append(r.owner)

@@ -33,8 +33,9 @@ def block_kv(engine: Engine, hashes: np.ndarray, n: int) -> list:
             out.append(None)
             continue
         out.append(torch.stack([
-            torch.stack([engine.cache.key(l)[page], engine.cache.value(l)[page]])
-            for l in range(engine.model.config.layers)]).clone())
+            torch.stack([engine.cache.key(layer)[page],
+                         engine.cache.value(layer)[page]])
+            for layer in range(engine.model.config.layers)]).clone())
     return out
 
 

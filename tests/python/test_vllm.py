@@ -102,7 +102,7 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     hashes = kvtier.hash_tokens(ns, prompt)
     deadline = time.monotonic() + 10
     while probe.lookup(ns, hashes) < 6:
-        assert time.monotonic() < deadline, "A's blocks never reached the store"
+        assert time.monotonic() < deadline, "A's blocks never got stored"
         time.sleep(0.02)
 
     # B: A's prompt and more: 6 blocks load into B's pages 10..15.

@@ -15,7 +15,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from kvtier.integrations.vllm import KvtierConnector, KVConnectorRole  # noqa: E402
+from kvtier.integrations.vllm import (  # noqa: E402
+    KvtierConnector, KVConnectorRole)
 import vllm_shapes  # noqa: E402
 
 PAGES = 40

@@ -114,7 +114,8 @@ class _Pages:
         self.refs = [0] * num_pages
         self.hash_of: dict[int, tuple[int, int]] = {}
         self.page_of: dict[tuple[int, int], int] = {}
-        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.lru: collections.OrderedDict[int, None] = \
+            collections.OrderedDict()
         self.on_stored = on_stored
         self.on_removed = on_removed
 
@@ -227,7 +228,8 @@ class Engine:
                  ) -> None:
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}
         if config.kv_dtype not in dtype:
-            raise ValueError(f'kv_dtype "{config.kv_dtype}" is not fp16 or bf16')
+            raise ValueError(
+                f'kv_dtype "{config.kv_dtype}" is not fp16 or bf16')
         self.model = model
         self.config = config
         self.namespace = namespace_for(model.config, config)

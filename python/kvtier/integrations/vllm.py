@@ -7,7 +7,8 @@ installed here, so this was not run inside vLLM). Load it with::
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"stores": "10.0.0.5:7400,10.0.0.6:7400"}}'
+        "kv_connector_extra_config":
+            {"stores": "10.0.0.5:7400,10.0.0.6:7400"}}'
 
 Extra config keys: ``stores`` (comma-separated or a list; required),
 ``deadline_ms`` (10000), ``shared_memory`` ("auto", "on", "off"),

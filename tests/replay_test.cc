@@ -74,23 +74,46 @@ TEST(Replay, AWholeClusterServesTheTraceAndKvtierComputesLeast) {
 
 // The same job with the PyTorch reference engine: real forward passes, real
 // KV blocks through the store, every loaded one verified by its checksum.
+// A trace of its own, so the reuse does not hang on timing: 21 conversations
+// whose second turn (1.5 s after the first turns, an odd number of requests
+// later) extends the first; round-robin puts it on the other worker, which
+// must load the prefix from the store; the router puts it where it is.
 TEST(Replay, TheTorchEngineServesTheTraceWithRealComputeAndLoadsVerifiedBlocks) {
   if (std::ifstream(KVTIER_TORCH_ENGINE).fail()) {
     GTEST_SKIP() << "no Python package in this build (sanitizer / fuzz builds have none)";
   }
+  const std::string trace = ::testing::TempDir() + "/torch_reuse_trace.jsonl";
+  {
+    std::ofstream out(trace);
+    for (int turn = 0; turn < 2; ++turn) {
+      for (int c = 0; c < 21; ++c) {
+        nlohmann::json ids = nlohmann::json::array();
+        for (int b = 0; b < 5 + 2 * turn; ++b) ids.push_back(1000 * (c + 1) + b);
+        out << nlohmann::json{{"timestamp", turn * 1500 + c * 20},
+                              {"input_length", 512 * (5 + 2 * turn) - 100},
+                              {"output_length", 4},
+                              {"hash_ids", ids}}
+                   .dump()
+            << "\n";
+      }
+    }
+  }
   int rc = 0;
-  auto j = Replay(std::string("--trace ") + kTrace +
-                      " --engine torch --limit 150 --workers 2 --pages 2048 --speed 0"
-                      " --trace-block-tokens 16 --concurrency 4 --modes round-robin,kvtier",
+  auto j = Replay("--trace " + trace +
+                      " --engine torch --workers 2 --pages 2048 --speed 1 --trace-block-tokens 16"
+                      " --concurrency 8 --modes round-robin,round-robin+store,kvtier",
                   &rc);
   ASSERT_EQ(rc, 0) << "the replay failed or found mismatched bytes";
   const auto& m = j["modes"];
-  for (const char* mode : {"round-robin", "kvtier"}) {
-    EXPECT_EQ(m[mode]["requests"].get<uint64_t>(), 150u) << mode;
+  for (const char* mode : {"round-robin", "round-robin+store", "kvtier"}) {
+    EXPECT_EQ(m[mode]["requests"].get<uint64_t>(), 42u) << mode;
     EXPECT_GT(m[mode]["ttft_mean_ms"].get<double>(), 0.0) << mode;
   }
   EXPECT_EQ(j["mismatched_blocks"].get<uint64_t>(), 0u);
-  EXPECT_GT(m["kvtier"]["verified_blocks"].get<uint64_t>(), 0u);
+  EXPECT_GT(m["round-robin+store"]["verified_blocks"].get<uint64_t>(), 0u)
+      << "second turns on the other worker load their prefix from the store";
+  EXPECT_LT(m["round-robin+store"]["computed_fraction"].get<double>(),
+            m["round-robin"]["computed_fraction"].get<double>());
   EXPECT_LT(m["kvtier"]["computed_fraction"].get<double>(),
             m["round-robin"]["computed_fraction"].get<double>());
 }

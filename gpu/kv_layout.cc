@@ -55,13 +55,19 @@ absl::Status Validate(const KvLayout& l, const PageMemory& m) {
     if (m.k[i] == nullptr || m.v[i] == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("layer ", i, " has no K or V memory"));
     }
-    // K and V of one page must not overlap; with a stride of exactly 2 chunks
-    // (interleaved pages) V sits between K of this page and the next.
+    // No V chunk may overlap any K chunk of the layer: either the K and V
+    // ranges are apart, or pages interleave K and V ([pages][2]...) with
+    // V inside the gap a stride of two chunks or more leaves.
     const uint64_t gap = m.v[i] > m.k[i] ? m.v[i] - m.k[i] : m.k[i] - m.v[i];
-    if (gap < chunk) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layer ", i, ": K and V chunks overlap (", gap, " bytes apart, a chunk is ",
-                       chunk, ")"));
+    const uint64_t span = (l.num_pages - 1) * m.page_stride + chunk;
+    const uint64_t within = gap % m.page_stride;
+    const bool apart = gap >= span;
+    const bool interleaved = m.page_stride >= 2 * chunk && within >= chunk &&
+                             within <= m.page_stride - chunk;
+    if (!apart && !interleaved) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layer ", i, ": K and V pages overlap (V is ", gap, " bytes from K, a chunk is ", chunk,
+          " bytes, the page stride ", m.page_stride, ")"));
     }
   }
   return absl::OkStatus();

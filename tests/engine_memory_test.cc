@@ -217,6 +217,11 @@ TEST(EngineMemoryOptions, RegistrationErrorsAreClear) {
   m.v[0] = m.k[0] + 16;  // V overlapping K
   o.engine_memory = m;
   EXPECT_EQ(worker::KvConnector::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  m = cache.memory;
+  m.page_stride = kChunk;  // V of page p would be K of page p + 1
+  m.v[1] = m.k[1] + kChunk;
+  o.engine_memory = m;
+  EXPECT_EQ(worker::KvConnector::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
   o.engine_memory = cache.memory;
   o.spec.kv_wire = kKvWireInt8;
   c = worker::KvConnector::Create(o);

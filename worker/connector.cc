@@ -48,16 +48,28 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   if (!o.stores.empty()) c->store_ = std::make_unique<ShardedStoreClient>(o.stores, o.data);
   if (auto s = c->InitStaging(); !s.ok()) return s;
   if (c->store_) {
-    // Loads land in the pages themselves: register every layer's memory,
-    // from its first page's K or V to its last page's end.
+    // Loads land in the pages themselves: register the memory the pages
+    // span (every layer's K and V range, merged where they touch, so no
+    // byte the engine did not hand over is registered, and none twice).
     const uint64_t chunk = c->layout_.chunk_elems() * c->layout_.elem_bytes();
     const gpu::PageMemory& m = c->memory_;
+    const uint32_t last = static_cast<uint32_t>(c->layout_.num_pages - 1);
+    std::vector<std::pair<uint8_t*, uint8_t*>> ranges;
     for (uint32_t l = 0; l < c->layout_.layers; ++l) {
-      uint8_t* lo = std::min(m.k[l], m.v[l]);
-      uint8_t* hi = std::max(m.K(l, c->layout_.num_pages - 1), m.V(l, c->layout_.num_pages - 1));
-      if (auto s = c->store_->RegisterMemory(lo, static_cast<size_t>(hi + chunk - lo)); !s.ok()) {
-        return s;
+      ranges.emplace_back(m.K(l, 0), m.K(l, last) + chunk);
+      ranges.emplace_back(m.V(l, 0), m.V(l, last) + chunk);
+    }
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<std::pair<uint8_t*, uint8_t*>> merged;
+    for (const auto& r : ranges) {
+      if (!merged.empty() && r.first <= merged.back().second) {
+        merged.back().second = std::max(merged.back().second, r.second);
+      } else {
+        merged.push_back(r);
       }
+    }
+    for (const auto& [lo, hi] : merged) {
+      if (auto s = c->store_->RegisterMemory(lo, static_cast<size_t>(hi - lo)); !s.ok()) return s;
     }
   }
   // A store that is down now is registered with on first use instead.

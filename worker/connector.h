@@ -233,7 +233,7 @@ class KvConnector {
   struct Staged {
     BlockHash hash;
     uint32_t slot;
-    uint64_t request;  // 0 for write-back
+    std::optional<uint64_t> request;  // the request that waits for it; none for write-back
   };
 
   KvConnector() = default;
@@ -265,7 +265,8 @@ class KvConnector {
   // The pool evicts page (holding h): write it back if the policy says so.
   void WriteBack(const BlockHash& h, uint32_t page);
   // Gathers page into a staging slot and queues it for the store.
-  bool StageForOffload(const BlockHash& hash, uint32_t page, uint64_t request, int wait_ms);
+  bool StageForOffload(const BlockHash& hash, uint32_t page, std::optional<uint64_t> request,
+                       int wait_ms);
   void OffloadLoop();
 
   // connector_staging.cc

@@ -13,12 +13,12 @@ namespace kvtier::worker {
 
 void KvConnector::WriteBack(const BlockHash& h, uint32_t page) {
   if (store_ && options_.offload == "write-back" && !KnownStored(h)) {
-    StageForOffload(h, page, 0, options_.offload_wait_ms);
+    StageForOffload(h, page, std::nullopt, options_.offload_wait_ms);
   }
 }
 
-bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page, uint64_t request,
-                                  int wait_ms) {
+bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
+                                  std::optional<uint64_t> request, int wait_ms) {
   std::vector<uint32_t> slot;
   {
     std::unique_lock lk(staging_mu_);
@@ -148,7 +148,13 @@ void KvConnector::OffloadLoop() {
         stats_.offload_failures += batch.size();
       }
     }
-    if (r.ok()) {
+    if (r.ok() && r->no_space > 0) {
+      // Some blocks found no room: which ones is not reported, so none is
+      // taken as stored, and a save waiting for them hears it.
+      st = absl::ResourceExhaustedError(
+          absl::StrCat("the store had no room for ", r->no_space, " of ", batch.size(), " blocks"));
+    }
+    if (r.ok() && r->no_space == 0 && r->busy == 0) {
       for (const auto& s : batch) NoteStored(s.hash);
     }
     std::vector<uint32_t> slots;
@@ -157,8 +163,8 @@ void KvConnector::OffloadLoop() {
     {
       std::lock_guard lk(mu_);
       for (const auto& s : batch) {
-        if (s.request == 0) continue;
-        auto it = requests_.find(s.request);
+        if (!s.request) continue;
+        auto it = requests_.find(*s.request);
         if (it == requests_.end()) continue;
         it->second->pending_saves--;
         if (!st.ok()) it->second->save_status = st;

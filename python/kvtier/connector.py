@@ -89,12 +89,14 @@ class Connector:
         self.layout = layout
         k, v, stride, pages, keep = _describe(namespace, kv_caches, layout)
         self.num_pages: int = pages
-        self._keep = keep  # the tensors kvtier writes into stay alive
         self._c = _native.EngineConnector(
             namespace, list(stores), k, v, stride, pages,
             staging_blocks=staging_blocks, deadline_ms=deadline_ms,
             shared_memory=shared_memory, tls_ca=tls_ca, tls_cert=tls_cert,
             tls_key=tls_key)
+        # The tensors kvtier writes into stay alive until the connector is
+        # closed (set after _c: released after it, see __del__).
+        self._keep = keep
 
     @property
     def block_tokens(self) -> int:
@@ -121,8 +123,10 @@ class Connector:
         self._c.wait_for_layer(request_id, layer)
 
     def wait_for_load(self, request_id: int) -> int:
-        """Blocks loaded and verified (0 without a load); raises if none
-        were (the engine then computes them)."""
+        """Blocks loaded and verified (0 without a load). Raises if the load
+        failed (a checksum mismatch is DataLoss; the store gone Unavailable
+        or DeadlineExceeded): then none of its blocks count and the engine
+        computes them all."""
         return int(self._c.wait_for_load(request_id))
 
     def save(self, request_id: int, first_block: int,
@@ -161,6 +165,13 @@ class Connector:
     def close(self) -> None:
         """Waits for queued saves and releases everything (idempotent)."""
         self._c.close()
+
+    def __del__(self) -> None:
+        # A load still in flight writes into the tensors: the connector goes
+        # (waiting for it) before they can.
+        c = getattr(self, "_c", None)
+        if c is not None:
+            c.close()
 
     def __enter__(self) -> "Connector":
         return self

@@ -125,15 +125,17 @@ class SchedulerHalf:
         t.skip_blocks = skip
         t.saved_blocks = max(t.saved_blocks, skip)
         t.loadable = 0
-        limit = (prompt_tokens - 1) // bt
-        if self.store is None or skip >= min(limit, len(hashes)):
+        limit = min((prompt_tokens - 1) // bt, len(hashes))
+        if self.store is None or skip >= limit:
             return 0
         try:
-            present = self.store.lookup(self.namespace, hashes[:limit])
+            # From the engine's prefix on: the store may have lost blocks the
+            # engine still holds.
+            present = self.store.lookup(self.namespace, hashes[skip:limit])
         except KvtierError:
             self.lookup_errors += 1
             return 0
-        t.loadable = max(0, min(present, limit) - skip)
+        t.loadable = min(present, limit - skip)
         return t.loadable * bt
 
     def skip_blocks(self, request: int) -> int:
@@ -215,6 +217,11 @@ class WorkerHalf:
         holds are reported as failed pages at once."""
         for spec in step.loads:
             try:
+                if spec.request in self._open:
+                    # Loaded or saved before (a preempted request that
+                    # resumes): closed first, then looked up afresh.
+                    self._open.discard(spec.request)
+                    self.connector.finished(spec.request)
                 found = self.connector.lookup(spec.request, spec.hashes,
                                               spec.skip_blocks)
                 self._open.add(spec.request)

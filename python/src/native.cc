@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -266,24 +267,35 @@ class EngineConnector {
     m.page_stride = page_stride;
     o.engine_memory = std::move(m);
     py::gil_scoped_release nogil;  // registers memory, may reach the store
-    c_ = Unwrap(worker::KvConnector::Create(std::move(o)));
+    c_ = std::shared_ptr<worker::KvConnector>(Unwrap(worker::KvConnector::Create(std::move(o))));
   }
   ~EngineConnector() { Close(); }
 
-  // Waits for queued saves and drops the connector (idempotent).
+  // Drops this handle's reference; the connector waits for queued saves and
+  // goes once no call on another thread still holds it (idempotent).
   void Close() {
+    std::shared_ptr<worker::KvConnector> last;
+    {
+      std::lock_guard lk(mu_);
+      last = std::move(c_);
+    }
     py::gil_scoped_release nogil;
-    c_.reset();
+    last.reset();
   }
 
-  worker::KvConnector& c() {
+  // The connector for one call: held until the call returns, so a Close()
+  // on another thread (the GIL is released while calls wait) cannot free it
+  // underneath.
+  std::shared_ptr<worker::KvConnector> c() {
+    std::lock_guard lk(mu_);
     if (!c_) throw StatusError(absl::FailedPreconditionError("the connector is closed"));
-    return *c_;
+    return c_;
   }
 
   py::tuple Lookup(uint64_t request, const py::array& hashes, uint32_t skip_blocks) {
     auto chain = ChainFrom(hashes);
-    worker::KvConnector& k = c();
+    auto held = c();
+    worker::KvConnector& k = *held;
     absl::StatusOr<worker::KvConnector::Match> m;
     {
       py::gil_scoped_release nogil;
@@ -296,46 +308,52 @@ class EngineConnector {
   }
   void StartLoad(uint64_t request, const py::handle& pages) {
     auto p = PagesFrom(pages);
-    worker::KvConnector& k = c();
+    auto held = c();
+    worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
     Check(k.StartLoadInto(request, std::move(p)));
   }
   void WaitForLayer(uint64_t request, uint32_t layer) {
-    worker::KvConnector& k = c();
+    auto held = c();
+    worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
     Check(k.WaitForLayer(request, layer));
   }
   uint32_t WaitForLoad(uint64_t request) {
-    worker::KvConnector& k = c();
+    auto held = c();
+    worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
     return Unwrap(k.WaitForLoad(request));
   }
   void Save(uint64_t request, uint32_t first_block, const py::handle& pages) {
     auto p = PagesFrom(pages);
-    worker::KvConnector& k = c();
+    auto held = c();
+    worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
     Check(k.SaveFrom(request, first_block, p));
   }
   void WaitForSave(uint64_t request) {
-    worker::KvConnector& k = c();
+    auto held = c();
+    worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
     Check(k.WaitForSave(request));
   }
   void Finished(uint64_t request) {
-    worker::KvConnector& k = c();
+    auto held = c();
+    worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
     k.Finished(request);
   }
-  uint32_t LoadedFromDisk(uint64_t request) { return c().LoadedFromDisk(request); }
+  uint32_t LoadedFromDisk(uint64_t request) { return c()->LoadedFromDisk(request); }
   py::dict LoadTimes(uint64_t request) {
-    worker::LoadTimes t = c().LoadTimesOf(request);
+    worker::LoadTimes t = c()->LoadTimesOf(request);
     py::dict d = TimesDict(t.transfer);
     d["staging_ms"] = t.staging_ms;
     d["scatter_ms"] = t.scatter_ms;
     return d;
   }
   py::dict Stats() {
-    worker::ConnectorStats s = c().stats();
+    worker::ConnectorStats s = c()->stats();
     py::dict d;
     d["loads"] = s.loads;
     d["loaded_blocks"] = s.loaded_blocks;
@@ -349,7 +367,8 @@ class EngineConnector {
     return d;
   }
   void Drain() {
-    worker::KvConnector& k = c();
+    auto held = c();
+    worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
     k.Drain();
   }
@@ -366,7 +385,8 @@ class EngineConnector {
     for (const auto& a : chains_in) chains.push_back(ChainFrom(a));
     if (chains.empty()) Invalid("no chains");
     const std::vector<uint32_t> pages = PagesFrom(pages_in);
-    worker::KvConnector& k = c();
+    auto held = c();
+    worker::KvConnector& k = *held;
     std::vector<double> ms;
     py::gil_scoped_release nogil;
     StoreClient control(control_store);
@@ -374,26 +394,29 @@ class EngineConnector {
       const uint64_t id = first_id + static_cast<uint64_t>(r);
       Check(control.Lookup(k.namespace_id(), {chains[0][0]}).status());
       const auto t = std::chrono::steady_clock::now();
-      auto m = k.Lookup(id, chains[r % chains.size()], 0);
-      Check(m.status());
-      if (m->store_blocks < pages.size()) {
-        k.Finished(id);
-        throw StatusError(absl::InternalError("the store lost blocks during the bench"));
-      }
-      Check(k.StartLoadInto(id, pages));
-      Check(k.WaitForLayer(id, 0));
-      auto loaded = k.WaitForLoad(id);
+      auto load = [&]() -> absl::Status {
+        auto m = k.Lookup(id, chains[r % chains.size()], 0);
+        if (!m.ok()) return m.status();
+        if (m->store_blocks < pages.size()) {
+          return absl::InternalError("the store lost blocks during the bench");
+        }
+        if (auto s = k.StartLoadInto(id, pages); !s.ok()) return s;
+        if (auto s = k.WaitForLayer(id, 0); !s.ok()) return s;
+        return k.WaitForLoad(id).status();
+      };
+      const absl::Status s = load();
       const double elapsed = std::chrono::duration<double, std::milli>(
                                  std::chrono::steady_clock::now() - t).count();
-      k.Finished(id);
-      Check(loaded.status());
+      k.Finished(id);  // on every path: no request or pin left open
+      Check(s);
       ms.push_back(elapsed);
     }
     return ms;
   }
 
  private:
-  std::unique_ptr<worker::KvConnector> c_;
+  std::mutex mu_;  // c_
+  std::shared_ptr<worker::KvConnector> c_;
 };
 
 // ---------------------------------------------------------------- server

@@ -164,6 +164,17 @@ def test_connector_saves_from_one_engine_and_loads_into_another(
     b.close()
 
 
+def test_request_id_zero_saves_and_closes_like_any_other(store) -> None:
+    c = kvtier.Connector(ns(), caches("kv_first"), stores=[store.address])
+    hashes = kvtier.hash_tokens(c.namespace, list(range(2 * 16)))
+    c.lookup(0, hashes)
+    c.save(0, 0, [0, 1])
+    c.wait_for_save(0)  # hung once: 0 meant "no request waits" internally
+    c.finished(0)
+    assert c.stats()["offloaded_blocks"] == 2
+    c.close()
+
+
 def test_bad_tensors_and_pages_raise_and_touch_nothing(store) -> None:
     good = caches("kv_first")
     with pytest.raises(errors.InvalidArgument, match="dtype"):

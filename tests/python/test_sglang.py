@@ -131,8 +131,9 @@ def test_a_corrupt_block_is_a_short_read_and_bad_input_fails_softly(
     assert a.batch_set_v1(keys, indices([0, 1, 2])) == [True] * 3
     needle = a_pool.page(1)[0, 0].numpy().tobytes()  # layer 0 K of page 1
     assert corrupt_in_store(store.pid, needle)
-    got = b.batch_get_v1(keys, indices([4, 5, 6]))
-    assert sum(got) < 3 and got == sorted(got, reverse=True), got
+    # A load is verified as a whole: one bad block fails it, and SGLang
+    # recomputes every page of it.
+    assert b.batch_get_v1(keys, indices([4, 5, 6])) == [False] * 3
     # Bad input: False entries, no exception (SGLang's threads would die).
     assert b.batch_get_v1(keys[:1], torch.arange(3, 3 + P)) == [False]
     assert b.batch_set_v1(keys[:2], indices([0])) == [False, False]

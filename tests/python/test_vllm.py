@@ -119,7 +119,9 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     sched.request_finished(v.Request("B", longer), list(range(10, 19)))
 
     # A block corrupted behind the store's back: C's load reports every
-    # page of it as failed, and vLLM's recompute is planned and saved.
+    # page of it as failed, and vLLM's recompute is planned to be saved
+    # again (the store keeps its corrupt copy until it evicts it: the save
+    # is skipped as present; docs/engines.md).
     needle = pages[2][0][0].numpy().tobytes()  # block 2, layer 0, K
     assert corrupt_in_store(store.pid, needle)
     n, r = run_new(sched, worker, "C", prompt, list(range(20, 27)), seeds)
@@ -149,3 +151,34 @@ def test_imports_without_vllm_and_refuses_a_config_without_stores() -> None:
     cfg.kv_transfer_config.kv_connector_extra_config = {}
     with pytest.raises(ValueError, match="stores"):
         KvtierConnector(cfg, KVConnectorRole.SCHEDULER)
+    cfg = v.config(["127.0.0.1:1"])
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline"):
+        KvtierConnector(cfg, KVConnectorRole.SCHEDULER)
+
+
+def test_salted_lora_and_multimodal_requests_never_share_blocks(
+        store, worker) -> None:
+    sched = KvtierConnector(v.config([store.address]),
+                            KVConnectorRole.SCHEDULER)
+    prompt = np.random.default_rng(12).integers(0, 4096, 70).tolist()
+    seeds = {b: 2000 + b for b in range(9)}
+    run_new(sched, worker, "plain", prompt, list(range(0, 5)), seeds)
+    probe = kvtier.StoreClient([store.address])
+    ns = sched._scheduler.namespace
+    deadline = time.monotonic() + 10
+    while probe.lookup(ns, kvtier.hash_tokens(ns, prompt)) < 4:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    again = v.Request("again", prompt)
+    assert sched.get_num_new_matched_tokens(again, 0) == (4 * BS, False)
+    salted = v.Request("salted", prompt)
+    salted.cache_salt = "tenant-b"  # type: ignore[attr-defined]
+    assert sched.get_num_new_matched_tokens(salted, 0) == (0, False)
+    lora = v.Request("lora", prompt)
+    lora.lora_request = type("LoRARequest", (), {  # type: ignore
+        "lora_name": "sql", "lora_int_id": 1})()
+    assert sched.get_num_new_matched_tokens(lora, 0) == (0, False)
+    mm = v.Request("mm", prompt)
+    mm.mm_features = [object()]  # type: ignore[attr-defined]
+    assert sched.get_num_new_matched_tokens(mm, 0) == (0, False)

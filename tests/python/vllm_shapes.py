@@ -40,6 +40,7 @@ class CacheConfig:
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 @dataclass

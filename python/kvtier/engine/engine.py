@@ -353,7 +353,9 @@ class Engine:
             found = self.scheduler.num_loadable_tokens(
                 r.rid, r.hashes, len(r.prompt), len(gpu) * bt) // bt
             r.onboard_ms = (time.monotonic() - t0) * 1000.0 if found else 0.0
-            total = -(-len(r.prompt) // bt)
+            # Pages for the prompt and every token it decodes, taken now: a
+            # running request never waits for a page (there is no preemption).
+            total = -(-(len(r.prompt) + r.max_new) // bt)
             fresh = self.pages.allocate(total - len(gpu))
             if fresh is None:
                 self.pages.release(gpu)
@@ -391,12 +393,7 @@ class Engine:
                 n = 1
                 budget -= 1
                 toks = [r.out[-1]]
-                start = r.length - 1
-                if r.length > len(r.pages) * bt:
-                    extra = self.pages.allocate(1)
-                    if extra is None:
-                        continue  # waits for a page
-                    r.pages.extend(extra)
+                start = r.length - 1  # its pages were taken at admission
             chunks.append(SeqChunk(torch.tensor(toks, dtype=torch.long),
                                    start,
                                    torch.tensor(r.pages, dtype=torch.long)))

@@ -192,9 +192,10 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> List[bool]:
-        """Reads the leading stored pages of ``keys`` into ``host_indices``,
-        each verified; True for those, False from the first that is missing
-        or failed (SGLang recomputes from there)."""
+        """Reads the leading stored pages of ``keys`` into ``host_indices``;
+        True for those, False from the first missing one. The load is
+        verified as a whole: if any block fails its checksum (or the store
+        goes away) every entry is False and SGLang recomputes them all."""
         if not keys:
             return []
         loaded = 0

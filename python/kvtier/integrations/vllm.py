@@ -23,7 +23,9 @@ only through :class:`KvtierConnectorMetadata` (pickled by vLLM), as here.
 Per hook:
 
 - ``get_num_new_matched_tokens(request, num_computed_tokens)``: one lookup
-  over every store shard for the prompt's chained block hashes; returns the
+  over every store shard for the prompt's chained block hashes (seeded with
+  the request's cache_salt and LoRA adapter; multimodal requests do not use
+  kvtier, pipeline parallelism is refused); returns the
   tokens after vLLM's own prefix hit that the store holds, always leaving the
   last prompt token to compute, and ``False`` (loaded in the same step,
   layer by layer).
@@ -113,10 +115,17 @@ _DTYPES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16",
            "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
-def namespace_of(vllm_config: Any, tp_rank: int) -> kvtier.Namespace:
-    """The kvtier namespace of a vLLM deployment's KV on one TP rank."""
+def namespace_of(vllm_config: Any, tp_rank: int,
+                 salt: str = "") -> kvtier.Namespace:
+    """The kvtier namespace of a vLLM deployment's KV on one TP rank (with
+    ``salt``: the namespace whose seed hashes a salted request's blocks)."""
     mc, cc, pc = (vllm_config.model_config, vllm_config.cache_config,
                   vllm_config.parallel_config)
+    if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
+        raise kvtier.errors.InvalidArgument(
+            kvtier.StatusCode.INVALID_ARGUMENT,
+            "pipeline parallelism is not supported yet: a stage's blocks "
+            "would need the stage in their namespace")
     dtype = str(cc.cache_dtype)
     if dtype == "auto":
         dtype = str(mc.dtype).replace("torch.", "")
@@ -127,7 +136,25 @@ def namespace_of(vllm_config: Any, tp_rank: int) -> kvtier.Namespace:
     return kvtier.Namespace(
         str(mc.model), _DTYPES[dtype], mc.get_num_layers(pc),
         mc.get_num_kv_heads(pc), mc.get_head_size(), cc.block_size,
-        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size)
+        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, cache_salt=salt)
+
+
+def request_salt(request: Any) -> Optional[str]:
+    """What besides its tokens decides a request's KV: its cache_salt and
+    LoRA adapter ("" for neither). None for a multimodal request, whose
+    placeholder tokens do not name its inputs: kvtier is not used for it."""
+    if getattr(request, "mm_features", None) or \
+            getattr(request, "mm_hashes", None):
+        return None
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', '')}:"
+                     f"{getattr(lora, 'lora_int_id', '')}")
+    return "|".join(parts)
 
 
 def _tp_rank() -> int:
@@ -189,8 +216,14 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         if rid not in self._hashes:
-            self._hashes[rid] = kvtier.hash_tokens(self._scheduler.namespace,
-                                                   prompt)
+            salt = request_salt(request)
+            if salt is None:
+                return 0, False  # multimodal: neither loaded nor saved
+            # A salted request's blocks hash from another seed: equal tokens
+            # under another salt or adapter never share blocks.
+            seed = (self._scheduler.namespace if not salt else
+                    namespace_of(self._vllm_config, 0, salt))
+            self._hashes[rid] = kvtier.hash_tokens(seed, prompt)
         n = self._scheduler.num_loadable_tokens(
             request_key(rid), self._hashes[rid], len(prompt),
             num_computed_tokens)

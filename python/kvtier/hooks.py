@@ -39,8 +39,27 @@ from typing import Optional
 import numpy as np
 
 from kvtier.connector import Connector
-from kvtier.errors import KvtierError
+from kvtier.errors import InvalidArgument, KvtierError, StatusCode
 from kvtier.store import StoreClient
+
+
+def store_options(extra: dict, where: str) -> tuple[list[str], dict]:
+    """The store shards and client options an engine's config names
+    (``stores``: comma-separated or a list; ``deadline_ms``,
+    ``shared_memory``, ``tls_ca`` / ``tls_cert`` / ``tls_key``).
+    InvalidArgument naming ``where`` when no store is named."""
+    stores = extra.get("stores", [])
+    if isinstance(stores, str):
+        stores = [s for s in stores.split(",") if s]
+    if not stores:
+        raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
+                              f"{where}: \"stores\" names no kvtier-store")
+    opts = {"deadline_ms": int(extra.get("deadline_ms", 10000)),
+            "shared_memory": str(extra.get("shared_memory", "auto")),
+            "tls_ca": str(extra.get("tls_ca", "")),
+            "tls_cert": str(extra.get("tls_cert", "")),
+            "tls_key": str(extra.get("tls_key", ""))}
+    return list(stores), opts
 
 
 def request_key(request_id: object) -> int:

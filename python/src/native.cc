@@ -91,29 +91,16 @@ py::array_t<uint64_t> HashArray(const std::vector<BlockHash>& chain) {
   return out;
 }
 
-// Token ids from any integer sequence or array; each must fit uint32.
-std::vector<uint32_t> TokensFrom(const py::handle& tokens) {
-  auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(tokens);
-  if (!a || a.ndim() != 1) Invalid("tokens must be a 1-D sequence of integers");
+// A 1-D integer sequence or array whose values each fit uint32 ("tokens",
+// "pages": named in the error).
+std::vector<uint32_t> Uint32sFrom(const py::handle& values, const char* what) {
+  auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(values);
+  if (!a || a.ndim() != 1) Invalid(absl::StrCat(what, " must be a 1-D sequence of integers"));
   std::vector<uint32_t> out(static_cast<size_t>(a.shape(0)));
   const int64_t* p = a.data();
   for (size_t i = 0; i < out.size(); ++i) {
     if (p[i] < 0 || p[i] > int64_t{UINT32_MAX}) {
-      Invalid(absl::StrCat("token ", i, " (", p[i], ") is not a uint32 token id"));
-    }
-    out[i] = static_cast<uint32_t>(p[i]);
-  }
-  return out;
-}
-
-std::vector<uint32_t> PagesFrom(const py::handle& pages) {
-  auto a = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(pages);
-  if (!a || a.ndim() != 1) Invalid("pages must be a 1-D sequence of page ids");
-  std::vector<uint32_t> out(static_cast<size_t>(a.shape(0)));
-  const int64_t* p = a.data();
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (p[i] < 0 || p[i] > int64_t{UINT32_MAX}) {
-      Invalid(absl::StrCat("page id ", p[i], " is negative or too large"));
+      Invalid(absl::StrCat(what, "[", i, "] = ", p[i], " is negative or not a uint32"));
     }
     out[i] = static_cast<uint32_t>(p[i]);
   }
@@ -307,7 +294,7 @@ class EngineConnector {
     return py::make_tuple(m->store_blocks, store_error);
   }
   void StartLoad(uint64_t request, const py::handle& pages) {
-    auto p = PagesFrom(pages);
+    auto p = Uint32sFrom(pages, "pages");
     auto held = c();
     worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
@@ -326,7 +313,7 @@ class EngineConnector {
     return Unwrap(k.WaitForLoad(request));
   }
   void Save(uint64_t request, uint32_t first_block, const py::handle& pages) {
-    auto p = PagesFrom(pages);
+    auto p = Uint32sFrom(pages, "pages");
     auto held = c();
     worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
@@ -384,7 +371,7 @@ class EngineConnector {
     std::vector<std::vector<BlockHash>> chains;
     for (const auto& a : chains_in) chains.push_back(ChainFrom(a));
     if (chains.empty()) Invalid("no chains");
-    const std::vector<uint32_t> pages = PagesFrom(pages_in);
+    const std::vector<uint32_t> pages = Uint32sFrom(pages_in, "pages");
     auto held = c();
     worker::KvConnector& k = *held;
     std::vector<double> ms;
@@ -645,7 +632,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("id", [](const NamespaceSpec& s) { return NamespaceId(s); })
       .def_property_readonly("block_bytes", [](const NamespaceSpec& s) { return BlockBytes(s); })
       .def("hash_tokens", [](const NamespaceSpec& s, const py::handle& tokens) {
-        auto t = TokensFrom(tokens);
+        auto t = Uint32sFrom(tokens, "tokens");
         return HashArray(ChainHashes(NamespaceId(s), t, s.block_tokens));
       });
 

@@ -373,7 +373,6 @@ class Engine:
         """One forward over the batch: a prefill chunk per prefilling
         request, one token per decoding one; the connector's hooks around
         it; then verdicts, first tokens and completions."""
-        bt = self.config.page_tokens
         budget = self.config.max_step_tokens
         chunks: list[SeqChunk] = []
         members: list[tuple[_Request, int]] = []  # (request, tokens fed)

@@ -46,6 +46,14 @@ _LAYOUTS = {"kv_first": 0, "blocks_first": 1}
 _SCORE_BUDGET = 1 << 24
 
 
+def _check_ids(ids: torch.Tensor, limit: int, what: str) -> None:
+    """ValueError naming ``what`` unless every id is in [0, limit)."""
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise ValueError(f"{what} {bad} is outside [0, {limit})")
+
+
 def _is_int(value: object) -> bool:
     """Whether ``value`` is an ``int`` proper (``bool`` excluded)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -471,12 +479,7 @@ class Transformer(nn.Module):
             n = tokens.numel()
             if n == 0:
                 raise ValueError(f"chunk {number}: tokens is empty")
-            low, high = int(tokens.min()), int(tokens.max())
-            if low < 0 or high >= config.vocab_size:
-                bad = low if low < 0 else high
-                raise ValueError(
-                    f"chunk {number}: token id {bad} is outside "
-                    f"[0, {config.vocab_size})")
+            _check_ids(tokens, config.vocab_size, f"chunk {number}: token id")
             if not _is_int(start) or start < 0:
                 raise ValueError(
                     f"chunk {number}: start must be an int >= 0, "
@@ -493,12 +496,7 @@ class Transformer(nn.Module):
                     f"but positions [0, {start + n}) need {spans} pages of "
                     f"{page_tokens} tokens")
             pages = table[:spans].to(device=cache.device, dtype=torch.int64)
-            low, high = int(pages.min()), int(pages.max())
-            if low < 0 or high >= cache.num_pages:
-                bad = low if low < 0 else high
-                raise ValueError(
-                    f"chunk {number}: page id {bad} is outside "
-                    f"[0, {cache.num_pages})")
+            _check_ids(pages, cache.num_pages, f"chunk {number}: page id")
             if torch.unique(pages).numel() != spans:
                 raise ValueError(
                     f"chunk {number}: page_table uses a page more than once "

@@ -48,6 +48,7 @@ import torch
 
 import kvtier
 from kvtier.errors import InvalidArgument, KvtierError, StatusCode
+from kvtier.hooks import store_options
 
 try:  # SGLang's base class when SGLang is installed.
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -91,18 +92,8 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                  kwargs: Optional[dict] = None) -> None:
         self.config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
-        stores = extra.get("stores", [])
-        if isinstance(stores, str):
-            stores = [s for s in stores.split(",") if s]
-        if not stores:
-            raise _bad("hicache extra config: \"stores\" names no "
-                       "kvtier-store")
-        self._stores = list(stores)
-        self._opts = {"deadline_ms": int(extra.get("deadline_ms", 10000)),
-                      "shared_memory": str(extra.get("shared_memory", "auto")),
-                      "tls_ca": str(extra.get("tls_ca", "")),
-                      "tls_cert": str(extra.get("tls_cert", "")),
-                      "tls_key": str(extra.get("tls_key", ""))}
+        self._stores, self._opts = store_options(
+            extra, "hicache storage backend extra config")
         self._store = kvtier.StoreClient(self._stores, **self._opts)
         self._ids = itertools.count(1)
         self.namespace: Optional[kvtier.Namespace] = None

@@ -60,7 +60,8 @@ from typing import Any, Optional
 import numpy as np
 
 import kvtier
-from kvtier.hooks import (SchedulerHalf, StepMeta, WorkerHalf, request_key)
+from kvtier.hooks import (SchedulerHalf, StepMeta, WorkerHalf, request_key,
+                          store_options)
 
 try:  # vLLM's classes when vLLM is installed; kvtier imports without it.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -174,19 +175,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(getattr(self._kv_transfer_config,
                              "kv_connector_extra_config", None) or {})
-        stores = extra.get("stores", [])
-        if isinstance(stores, str):
-            stores = [s for s in stores.split(",") if s]
-        if not stores:
-            raise kvtier.errors.InvalidArgument(
-                kvtier.StatusCode.INVALID_ARGUMENT,
-                "kv_connector_extra_config.stores names no kvtier-store")
-        self._stores = list(stores)
-        self._opts = {"deadline_ms": int(extra.get("deadline_ms", 10000)),
-                      "shared_memory": str(extra.get("shared_memory", "auto")),
-                      "tls_ca": str(extra.get("tls_ca", "")),
-                      "tls_cert": str(extra.get("tls_cert", "")),
-                      "tls_key": str(extra.get("tls_key", ""))}
+        self._stores, self._opts = store_options(
+            extra, "kv_connector_extra_config")
         self._staging = int(extra.get("staging_blocks", 64))
         self._block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: Optional[SchedulerHalf] = None

@@ -86,9 +86,7 @@ std::vector<BlockHash> Chain(uint64_t n, uint64_t salt = 0) {
 class EngineMemory : public ::testing::TestWithParam<std::tuple<const char*, const char*>> {
  protected:
   void SetUp() override {
-    setenv("UCX_TLS", "tcp", 1);
-    store_ = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir_.sub("store"),
-                                             testing::LoopbackStoreArgs(dir_.sub("store")));
+    store_ = testing::StartLoopbackStore(dir_.sub("store"));
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
   std::unique_ptr<worker::KvConnector> Make(EngineCache& cache) {

@@ -118,9 +118,7 @@ constexpr uint64_t kLayer = kBlock / 4;
 class FetchPath : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
-    setenv("UCX_TLS", "tcp", 1);
-    store_ = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir_.sub("store"),
-                                             testing::LoopbackStoreArgs(dir_.sub("store")));
+    store_ = testing::StartLoopbackStore(dir_.sub("store"));
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
   DataClientOptions Options() const {

@@ -95,6 +95,15 @@ inline std::vector<std::string> LoopbackStoreArgs(const std::string& scratch,
   return args;
 }
 
+#ifdef KVTIER_STORE_BIN
+// A kvtier-store of LoopbackStoreArgs in `scratch`, its data plane over UCX
+// TCP (UCX_TLS=tcp for this process too).
+inline std::unique_ptr<ServerProcess> StartLoopbackStore(const std::string& scratch) {
+  setenv("UCX_TLS", "tcp", 1);
+  return std::make_unique<ServerProcess>(KVTIER_STORE_BIN, scratch, LoopbackStoreArgs(scratch));
+}
+#endif
+
 // The whole HTTP/1.0 response to GET path on 127.0.0.1:port ("" if the
 // connection is refused).
 inline std::string HttpGet(int port, const std::string& path) {

@@ -14,7 +14,7 @@ See docs/engines.md.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
 from kvtier import errors
 from kvtier._native import NamespaceSpec as Namespace
@@ -23,13 +23,16 @@ from kvtier.connector import LAYOUTS, Connector, Lookup
 from kvtier.errors import KvtierError, StatusCode
 from kvtier.store import StoreClient
 
+if TYPE_CHECKING:  # numpy loads with the first hash: engines set up BLAS first
+    import numpy as np
+
 __all__ = [
     "Connector", "KvtierError", "LAYOUTS", "Lookup", "Namespace",
     "StatusCode", "StoreClient", "WorkerServer", "errors", "hash_tokens",
 ]
 
 
-def hash_tokens(namespace: Namespace, tokens: object) -> np.ndarray:
+def hash_tokens(namespace: Namespace, tokens: object) -> "np.ndarray":
     """Chained hashes of the prompt's full blocks: uint64 array [n, 2].
 
     ``tokens``: a 1-D sequence of token ids (each a uint32). A trailing

@@ -302,9 +302,13 @@ class Engine:
         return r.result
 
     def load(self) -> tuple[int, int, int]:
-        """(running requests, queued prompt tokens, free pages) now."""
+        """(running requests, prompt tokens still to compute, free pages)
+        now: the waiting requests' prompts and what the running ones have
+        left, the work a router weighs a new request against."""
         with self._mu:
             queued = sum(len(r.prompt) for r in self._waiting)
+            queued += sum(max(0, len(r.prompt) - r.computed)
+                          for r in self._running)
             return len(self._running), queued, self.pages.free_count
 
     def close(self) -> None:

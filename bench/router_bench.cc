@@ -64,6 +64,7 @@ struct Case {
   double events_per_s = 0;  // block events applied per second, one core
   double bytes_per_block = 0, rss_per_block = 0;
   Percentiles inproc, grpc, floor_inproc, floor_grpc;
+  Percentiles linear_inproc;  // the same routes, matching by walking every block
 };
 
 v1::RouteRequest Request(uint64_t chain, uint32_t matched, uint32_t blocks, uint64_t salt) {
@@ -150,6 +151,42 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
     if (!res.ok()) return res.status();
   }
   c.inproc = Summarize(us);
+  // The reference: the same routes on a router matching by the linear walk
+  // (the same index, fed the same events).
+  {
+    router::RouterOptions lo = o;
+    lo.linear_match = true;
+    router::RouterCore linear(lo);
+    for (int w = 0; w < workers; ++w) {
+      if (auto s = linear.Hello(WorkerHello(w), &cmds); !s.ok()) return s;
+      v1::SourceMessage snap;
+      snap.mutable_snapshot()->set_last(true);
+      if (auto s = linear.Handle(WorkerHello(w).source_id(), snap, &cmds); !s.ok()) return s;
+    }
+    std::vector<uint64_t> lseq(workers, 0);
+    for (uint64_t ch = 0; ch < chains; ++ch) {
+      int w = static_cast<int>(ch % workers);
+      v1::SourceMessage m;
+      m.mutable_event()->set_seq(++lseq[w]);
+      auto* st = m.mutable_event()->mutable_stored();
+      st->set_namespace_id(kNs);
+      for (uint32_t i = 0; i < blocks_per_req; ++i) {
+        BlockHash h = ChainHash(ch, i);
+        auto* p = st->add_hashes();
+        p->set_hi(h.hi);
+        p->set_lo(h.lo);
+      }
+      if (auto s = linear.Handle(WorkerHello(w).source_id(), m, &cmds); !s.ok()) return s;
+    }
+    us.clear();
+    for (const auto& r : reqs) {
+      auto t = Clock::now();
+      auto res = linear.Route(r);
+      us.push_back(Seconds(t) * 1e6);
+      if (!res.ok()) return res.status();
+    }
+    c.linear_inproc = Summarize(us);
+  }
   // In-process floor: the same chain walked in a bare hash set of all blocks.
   {
     absl::flat_hash_set<BlockKey, BlockKeyHasher> plain;
@@ -250,6 +287,9 @@ int RunRouterBench(int argc, const char* const* argv) {
                             {"indexed_blocks", c.blocks},
                             {"route_inproc_p50_us", c.inproc.p50_us},
                             {"route_inproc_p99_us", c.inproc.p99_us},
+                            {"linear_walk_inproc_p50_us", c.linear_inproc.p50_us},
+                            {"linear_walk_inproc_p99_us", c.linear_inproc.p99_us},
+                            {"ratio_inproc_p99_vs_linear_walk", c.inproc.p99_us / c.linear_inproc.p99_us},
                             {"walk_floor_p99_us", c.floor_inproc.p99_us},
                             {"route_grpc_p50_us", c.grpc.p50_us},
                             {"route_grpc_p99_us", c.grpc.p99_us},
@@ -264,17 +304,20 @@ int RunRouterBench(int argc, const char* const* argv) {
   }
   std::printf("kvtier-bench router: prompts of %ld blocks x %u tokens, %ld requests per case\n\n",
               prompt_blocks, kBlockTokens, requests);
-  std::printf("%8s %11s | %21s %17s | %21s %19s %6s | %12s | %8s %8s\n", "workers", "blocks",
-              "Route in-proc p50/p99", "bare walk p99", "Route gRPC p50/p99", "round-robin p99",
-              "ratio", "events/s", "B/block", "RSS B/b");
+  std::printf("%8s %11s | %21s %21s %6s %14s | %21s %19s %6s | %12s | %8s %8s\n", "workers",
+              "blocks", "Route in-proc p50/p99", "linear walk p50/p99", "ratio", "bare walk p99",
+              "Route gRPC p50/p99", "round-robin p99", "ratio", "events/s", "B/block", "RSS B/b");
   for (const auto& c : cases) {
-    std::printf("%8d %11lu | %9.1f / %7.1f us %14.1f us | %9.1f / %7.1f us %16.1f us %6.2f | %12.0f | %8.0f %8.0f\n",
-                c.workers, c.blocks, c.inproc.p50_us, c.inproc.p99_us, c.floor_inproc.p99_us,
+    std::printf("%8d %11lu | %9.1f / %7.1f us %9.1f / %7.1f us %6.2f %11.1f us | %9.1f / %7.1f us %16.1f us %6.2f | %12.0f | %8.0f %8.0f\n",
+                c.workers, c.blocks, c.inproc.p50_us, c.inproc.p99_us, c.linear_inproc.p50_us,
+                c.linear_inproc.p99_us, c.inproc.p99_us / c.linear_inproc.p99_us,
+                c.floor_inproc.p99_us,
                 c.grpc.p50_us, c.grpc.p99_us, c.floor_grpc.p99_us,
                 c.grpc.p99_us / c.floor_grpc.p99_us, c.events_per_s, c.bytes_per_block,
                 c.rss_per_block);
   }
-  std::printf("\n(single-threaded: figures are per core; ratio = Route gRPC p99 / round-robin gRPC p99)\n");
+  std::printf("\n(single-threaded: figures are per core; ratios = Route in-proc p99 / the same routes "
+              "matched by the linear walk, Route gRPC p99 / round-robin gRPC p99)\n");
   return 0;
 }
 

@@ -21,13 +21,24 @@ using SourceNum = uint32_t;
 struct PrefixMatch {
   // Leading blocks of the chain each worker holds (only workers with >= 1).
   std::vector<std::pair<SourceNum, uint32_t>> gpu_depth;
-  // store_run[i]: number of consecutive blocks from i held by a store
-  // (i in 0..walked); blocks past `walked` are held by nobody who matters.
-  std::vector<uint32_t> store_run;
-  // Blocks examined.
+  // (position, run): blocks held by a store consecutively from `position`,
+  // for position 0 and each worker's depth (what a route needs).
+  std::vector<std::pair<uint32_t, uint32_t>> store_runs;
+  // Blocks some worker or store covers from the start: the deepest worker's
+  // depth plus the store's run from there.
   uint32_t walked = 0;
-  // Deepest block matched by any worker or store, -1 if none.
+  // Deepest block matched by any worker or store (walked - 1), -1 if none.
   int64_t deepest = -1;
+  // Hash-table probes the match made.
+  uint32_t probes = 0;
+
+  // The store's run from `position` (0 for a position it was not asked for).
+  uint32_t StoreRun(uint32_t position) const {
+    for (const auto& [at, run] : store_runs) {
+      if (at == position) return run;
+    }
+    return 0;
+  }
 };
 
 class PrefixIndex {
@@ -37,10 +48,22 @@ class PrefixIndex {
   // True if the pair was there.
   bool Remove(const BlockKey& key, SourceNum source);
 
-  // Walks the chain from its first block while some worker still holds the
-  // prefix or a store holds the block. is_store tells stores from workers.
+  // The sources' prefixes of the chain in O(log n) probes per distinct
+  // depth (docs/router.md, "Matching"): workers that hold block 0 are
+  // followed as a group; galloping then binary search finds the first block
+  // not all of them hold, those that lack it leave the group with that
+  // depth, and the rest go on. The store's runs are found the same way.
+  // Exact when every source's blocks of the chain are a prefix of it (how
+  // engines and stores fill and evict); with a hole in a source's holdings
+  // a depth may come out deeper than its contiguous prefix, never deeper
+  // than the first probed block it lacks. is_store tells stores from
+  // workers.
   void Match(uint64_t ns, std::span<const BlockHash> chain,
              const std::function<bool(SourceNum)>& is_store, PrefixMatch* out) const;
+  // The reference: walks every block from the first while some worker still
+  // holds the prefix or a store holds the block (exact with holes too).
+  void MatchLinear(uint64_t ns, std::span<const BlockHash> chain,
+                   const std::function<bool(SourceNum)>& is_store, PrefixMatch* out) const;
 
   size_t blocks() const { return map_.size(); }
   size_t replicas() const { return replicas_; }

@@ -264,9 +264,12 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   }
 
   PrefixMatch match;
-  index_.Match(req.namespace_id(), chain,
-               [this](SourceNum n) { return by_num_[n]->hello.kind() == v1::SOURCE_STORE; },
-               &match);
+  auto is_store = [this](SourceNum n) { return by_num_[n]->hello.kind() == v1::SOURCE_STORE; };
+  if (options_.linear_match) {
+    index_.MatchLinear(req.namespace_id(), chain, is_store, &match);
+  } else {
+    index_.Match(req.namespace_id(), chain, is_store, &match);
+  }
   if (!chain.empty()) {
     const BlockHash& h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
     request_hash = h.hi ^ (h.lo * 0x9E3779B97F4A7C15ull);
@@ -279,7 +282,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     Candidate c;
     c.worker_id = w->hello.source_id();
     c.gpu_blocks = depth[w->num];
-    c.store_blocks = c.gpu_blocks <= match.walked ? match.store_run[c.gpu_blocks] : 0;
+    c.store_blocks = match.StoreRun(c.gpu_blocks);
     c.load_tokens = w->load.queued_prefill_tokens() + w->routed_since_heartbeat.load();
     cands.push_back(std::move(c));
   }

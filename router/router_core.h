@@ -33,6 +33,9 @@ inline constexpr size_t kMaxEventHashes = 65536;
 struct RouterOptions {
   CostKnobs knobs;
   uint64_t heartbeat_deadline_ms = 5000;
+  // Match by walking every block (PrefixIndex::MatchLinear), the reference
+  // the benchmark measures galloping against.
+  bool linear_match = false;
 
   // INVALID_ARGUMENT naming the flag of the first field out of range.
   absl::Status Validate() const;

@@ -248,7 +248,10 @@ void KvConnector::Finished(uint64_t request) {
   if (r->load.valid()) r->load.wait();
   if (store_) store_->Release(r->pin);  // a pin never loaded (the load releases its own)
   if (!pool_) return;
-  for (uint32_t p : r->pages) pool_->Unref(p);
+  // Tail first, so the chain's head is the most recently used and the pool
+  // evicts chains from the tail, as engines do (vLLM frees in reverse): a
+  // worker's blocks of a chain stay a prefix of it, which routers rely on.
+  for (auto it = r->pages.rbegin(); it != r->pages.rend(); ++it) pool_->Unref(*it);
   for (uint32_t p : r->computed) pool_->Discard(p);
 }
 

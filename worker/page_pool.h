@@ -46,6 +46,8 @@ class PagePool {
   // Gives back a FILLING page that was never committed.
   void Discard(uint32_t page);
   void Ref(uint32_t page);
+  // The last reference gone, a cached page becomes the most recently used:
+  // unreference a chain's pages tail first so that eviction takes its tail.
   void Unref(uint32_t page);
 
   const gpu::KvLayout& layout() const { return layout_; }

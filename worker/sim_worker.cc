@@ -113,7 +113,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
         ++verified;
         mismatched += !same;
       }
-      for (uint32_t p : pages) c_->pool().Unref(p);
+      for (auto it = pages.rbegin(); it != pages.rend(); ++it) c_->pool().Unref(*it);  // tail first
     }
     uint64_t cached_tokens = std::min<uint64_t>(uint64_t{m->gpu_blocks + loaded} * bt, prompt);
     uint64_t prefill = prompt - cached_tokens;

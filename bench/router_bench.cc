@@ -97,39 +97,45 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
   Case c;
   c.workers = workers;
   router::RouterOptions o;
-  router::RouterCore core(o);
   std::vector<v1::RouterCommand> cmds;
-  for (int w = 0; w < workers; ++w) {
-    if (auto s = core.Hello(WorkerHello(w), &cmds); !s.ok()) return s;
-    v1::SourceMessage snap;
-    snap.mutable_snapshot()->set_last(true);
-    if (auto s = core.Handle(WorkerHello(w).source_id(), snap, &cmds); !s.ok()) return s;
-  }
-  uint64_t rss0 = RssBytes();
   // Chains of blocks_per_req blocks, one worker each (chain % workers),
-  // published as BlockStored events of 16 blocks (one engine block batch).
+  // published as BlockStored events of `batch` blocks; returns the events.
   const uint64_t chains = std::max<uint64_t>(1, target_blocks / blocks_per_req);
-  std::vector<uint64_t> seq(workers, 0);
-  auto start = Clock::now();
-  uint64_t events = 0;
-  for (uint64_t ch = 0; ch < chains; ++ch) {
-    int w = static_cast<int>(ch % workers);
-    std::string id = WorkerHello(w).source_id();
-    for (uint32_t off = 0; off < blocks_per_req; off += 16) {
-      v1::SourceMessage m;
-      m.mutable_event()->set_seq(++seq[w]);
-      auto* st = m.mutable_event()->mutable_stored();
-      st->set_namespace_id(kNs);
-      for (uint32_t i = off; i < std::min(blocks_per_req, off + 16); ++i) {
-        BlockHash h = ChainHash(ch, i);
-        auto* p = st->add_hashes();
-        p->set_hi(h.hi);
-        p->set_lo(h.lo);
-      }
-      if (auto s = core.Handle(id, m, &cmds); !s.ok()) return s;
-      events += st->hashes_size();
+  auto feed = [&](router::RouterCore& core, uint32_t batch) -> absl::StatusOr<uint64_t> {
+    for (int w = 0; w < workers; ++w) {
+      if (auto s = core.Hello(WorkerHello(w), &cmds); !s.ok()) return s;
+      v1::SourceMessage snap;
+      snap.mutable_snapshot()->set_last(true);
+      if (auto s = core.Handle(WorkerHello(w).source_id(), snap, &cmds); !s.ok()) return s;
     }
-  }
+    std::vector<uint64_t> seq(workers, 0);
+    uint64_t events = 0;
+    for (uint64_t ch = 0; ch < chains; ++ch) {
+      int w = static_cast<int>(ch % workers);
+      std::string id = WorkerHello(w).source_id();
+      for (uint32_t off = 0; off < blocks_per_req; off += batch) {
+        v1::SourceMessage m;
+        m.mutable_event()->set_seq(++seq[w]);
+        auto* st = m.mutable_event()->mutable_stored();
+        st->set_namespace_id(kNs);
+        for (uint32_t i = off; i < std::min(blocks_per_req, off + batch); ++i) {
+          BlockHash h = ChainHash(ch, i);
+          auto* p = st->add_hashes();
+          p->set_hi(h.hi);
+          p->set_lo(h.lo);
+        }
+        if (auto s = core.Handle(id, m, &cmds); !s.ok()) return s;
+        events += st->hashes_size();
+      }
+    }
+    return events;
+  };
+  router::RouterCore core(o);
+  const uint64_t rss0 = RssBytes();
+  auto start = Clock::now();
+  auto fed = feed(core, 16);  // 16 blocks: one engine block batch
+  if (!fed.ok()) return fed.status();
+  const uint64_t events = *fed;
   c.build_s = Seconds(start);
   c.events_per_s = events / c.build_s;
   c.blocks = core.Stats().indexed_blocks();
@@ -157,26 +163,9 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
     router::RouterOptions lo = o;
     lo.linear_match = true;
     router::RouterCore linear(lo);
-    for (int w = 0; w < workers; ++w) {
-      if (auto s = linear.Hello(WorkerHello(w), &cmds); !s.ok()) return s;
-      v1::SourceMessage snap;
-      snap.mutable_snapshot()->set_last(true);
-      if (auto s = linear.Handle(WorkerHello(w).source_id(), snap, &cmds); !s.ok()) return s;
-    }
-    std::vector<uint64_t> lseq(workers, 0);
-    for (uint64_t ch = 0; ch < chains; ++ch) {
-      int w = static_cast<int>(ch % workers);
-      v1::SourceMessage m;
-      m.mutable_event()->set_seq(++lseq[w]);
-      auto* st = m.mutable_event()->mutable_stored();
-      st->set_namespace_id(kNs);
-      for (uint32_t i = 0; i < blocks_per_req; ++i) {
-        BlockHash h = ChainHash(ch, i);
-        auto* p = st->add_hashes();
-        p->set_hi(h.hi);
-        p->set_lo(h.lo);
-      }
-      if (auto s = linear.Handle(WorkerHello(w).source_id(), m, &cmds); !s.ok()) return s;
+    if (auto fed_linear = feed(linear, 1024); !fed_linear.ok()) return fed_linear.status();
+    if (linear.Stats().indexed_blocks() != c.blocks) {
+      return absl::InternalError("the reference router indexed other blocks than the measured one");
     }
     us.clear();
     for (const auto& r : reqs) {

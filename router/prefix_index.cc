@@ -41,11 +41,7 @@ void AddStoreRun(PrefixMatch* out, uint32_t at, uint32_t run) {
 void PrefixIndex::MatchLinear(uint64_t ns, std::span<const BlockHash> chain,
                               const std::function<bool(SourceNum)>& is_store,
                               PrefixMatch* out) const {
-  out->gpu_depth.clear();
-  out->store_runs.clear();
-  out->walked = 0;
-  out->deepest = -1;
-  out->probes = 0;
+  out->Clear();
   // Workers still holding every block so far.
   std::vector<SourceNum> active, next;
   std::vector<uint8_t> in_store;
@@ -83,11 +79,7 @@ void PrefixIndex::MatchLinear(uint64_t ns, std::span<const BlockHash> chain,
 void PrefixIndex::Match(uint64_t ns, std::span<const BlockHash> chain,
                         const std::function<bool(SourceNum)>& is_store,
                         PrefixMatch* out) const {
-  out->gpu_depth.clear();
-  out->store_runs.clear();
-  out->walked = 0;
-  out->deepest = -1;
-  out->probes = 0;
+  out->Clear();
   const size_t n = chain.size();
   auto holders = [&](size_t k) -> const Holders* {
     ++out->probes;

@@ -32,6 +32,13 @@ struct PrefixMatch {
   // Hash-table probes the match made.
   uint32_t probes = 0;
 
+  void Clear() {
+    gpu_depth.clear();
+    store_runs.clear();
+    walked = 0;
+    deepest = -1;
+    probes = 0;
+  }
   // The store's run from `position` (0 for a position it was not asked for).
   uint32_t StoreRun(uint32_t position) const {
     for (const auto& [at, run] : store_runs) {

@@ -14,7 +14,7 @@ PKGS=(
   golang-go golang-github-masterminds-sprig-dev python3-jsonschema python3-yaml
   clang libclang-rt-14-dev openssl
   python3-dev pybind11-dev python3-numpy python3-pytest python3-torch
-  python3-grpcio python3-protobuf libopenblas0-pthread
+  python3-grpcio python3-protobuf python3-venv libopenblas0-pthread
 )
 
 missing=()

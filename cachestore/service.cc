@@ -83,7 +83,7 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
       dataplane_(dataplane),
       started_(Clock::now()) {
   for (const char* rpc : {"RegisterNamespace", "ListNamespaces", "Lookup", "BeginPut",
-                          "CommitPut", "AbortPut", "BeginGet", "EndGet", "ReleaseGets", "PutBlocks", "GetBlocks",
+                          "CommitPut", "AbortPut", "BeginGet", "EndGet", "ReleaseGets", "VerifyBlocks", "PutBlocks", "GetBlocks",
                           "Evict", "GetStats", "GetPolicy", "SetPolicy", "ConnectDataPlane"}) {
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
@@ -218,6 +218,16 @@ grpc::Status StoreService::ReleaseGets(grpc::ServerContext*, const v1::ReleaseGe
   if (!gone.ok()) return t.Done(ToGrpc(gone.status()));
   for (uint64_t id : *gone) resp->add_not_found(id);
   resp->set_released(static_cast<uint32_t>(req->lease_ids_size() - gone->size()));
+  return t.Done(grpc::Status::OK);
+}
+
+grpc::Status StoreService::VerifyBlocks(grpc::ServerContext*, const v1::VerifyBlocksRequest* req,
+                                        v1::VerifyBlocksResponse* resp) {
+  RpcTimer t(fence_, Histogram("VerifyBlocks"));
+  auto r = store_->VerifyBlocks(req->namespace_id(), Hashes(req->hashes()));
+  if (!r.ok()) return t.Done(ToGrpc(r.status()));
+  resp->set_checked(r->checked);
+  resp->set_dropped(r->dropped);
   return t.Done(grpc::Status::OK);
 }
 

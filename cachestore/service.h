@@ -51,6 +51,8 @@ class StoreService final : public kvtier::v1::Store::Service {
                       v1::EndGetResponse*) override;
   grpc::Status ReleaseGets(grpc::ServerContext*, const v1::ReleaseGetsRequest*,
                            v1::ReleaseGetsResponse*) override;
+  grpc::Status VerifyBlocks(grpc::ServerContext*, const v1::VerifyBlocksRequest*,
+                            v1::VerifyBlocksResponse*) override;
   grpc::Status PutBlocks(grpc::ServerContext*, grpc::ServerReader<v1::PutBlocksRequest>*,
                          v1::PutBlocksResponse*) override;
   grpc::Status GetBlocks(grpc::ServerContext*, const v1::GetBlocksRequest*,

@@ -227,6 +227,28 @@ absl::StatusOr<std::vector<uint64_t>> Store::ReleaseGets(std::span<const uint64_
   return not_found;
 }
 
+absl::StatusOr<VerifyResult> Store::VerifyBlocks(uint64_t ns, std::span<const BlockHash> hashes) {
+  auto info = CheckRequest(ns, hashes);
+  if (!info.ok()) return info.status();
+  VerifyResult r;
+  std::vector<BlockKey> corrupt;
+  for (const BlockHash& h : hashes) {
+    const BlockKey key{ns, h};
+    auto slot = ram_->Pin(key);  // held while hashed: not evicted or reused meanwhile
+    if (!slot) continue;
+    ++r.checked;
+    if (Checksum(ram_->data(*slot), slot->length) != slot->checksum) corrupt.push_back(key);
+    ram_->Unpin(key, *slot);
+  }
+  if (!corrupt.empty()) {
+    EraseCounts c = ram_->Erase(corrupt);
+    r.dropped = static_cast<uint32_t>(corrupt.size());
+    Log("store", "dropped ", corrupt.size(), " corrupt RAM block(s) of namespace ",
+        NamespaceName(ns), " a client reported (", c.pinned, " still pinned by readers)");
+  }
+  return r;
+}
+
 absl::StatusOr<InlinePutResult> Store::PutInline(uint64_t ns, const BlockHash& hash,
                                                  std::string_view data, uint64_t checksum) {
   auto info = CheckRequest(ns, std::span<const BlockHash>(&hash, 1));

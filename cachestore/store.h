@@ -77,6 +77,11 @@ struct InlinePutResult {
   enum Outcome { kStored, kAlreadyPresent, kNoSpace } outcome;
 };
 
+struct VerifyResult {
+  uint32_t checked = 0;  // found in RAM and checked
+  uint32_t dropped = 0;  // corrupt: dropped
+};
+
 struct EvictResult {
   uint64_t ram_blocks = 0, disk_blocks = 0, pinned_blocks = 0;
 };
@@ -125,6 +130,10 @@ class Store {
   // (unknown, ended, expired, or a put lease), for which nothing was done.
   // INVALID_ARGUMENT (nothing ended) for more than kMaxBlocksPerRequest ids.
   absl::StatusOr<std::vector<uint64_t>> ReleaseGets(std::span<const uint64_t> leases);
+  // Recomputes the checksum of each block's RAM copy and drops the copies
+  // that do not match the one committed (a client saw them fail). Errors as
+  // Lookup's (unknown namespace, too many hashes).
+  absl::StatusOr<VerifyResult> VerifyBlocks(uint64_t ns, std::span<const BlockHash> hashes);
 
   // INVALID_ARGUMENT for a wrong size, DATA_LOSS for a wrong checksum,
   // ABORTED while another lease writes the block.

@@ -88,6 +88,19 @@ absl::StatusOr<uint32_t> ShardedStoreClient::Lookup(uint64_t ns,
   return static_cast<uint32_t>(prefix);
 }
 
+absl::StatusOr<uint32_t> ShardedStoreClient::VerifyBlocks(uint64_t ns,
+                                                          const std::vector<BlockHash>& blocks) {
+  std::vector<std::vector<size_t>> parts = ByShard(ns, blocks, addresses_);
+  uint32_t dropped = 0;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (parts[s].empty()) continue;
+    auto d = shards_[s]->control().VerifyBlocks(ns, Select(blocks, parts[s]));
+    if (!d.ok()) return d.status();
+    dropped += *d;
+  }
+  return dropped;
+}
+
 absl::StatusOr<PutOutcome> ShardedStoreClient::Put(uint64_t ns, uint64_t block_bytes,
                                                    const std::vector<PutBlock>& blocks) {
   std::vector<std::vector<size_t>> parts = ByShard(ns, blocks, addresses_);

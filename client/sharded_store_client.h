@@ -64,6 +64,9 @@ class ShardedStoreClient {
   absl::StatusOr<RegisteredNamespace> RegisterNamespace(const NamespaceSpec& spec);
   // Leading blocks of the chain present on their shards.
   absl::StatusOr<uint32_t> Lookup(uint64_t ns, const std::vector<BlockHash>& chain);
+  // Each block's shard checks its copy and drops it if corrupt (a read here
+  // failed its checksum); the blocks dropped in all.
+  absl::StatusOr<uint32_t> VerifyBlocks(uint64_t ns, const std::vector<BlockHash>& blocks);
   absl::StatusOr<PutOutcome> Put(uint64_t ns, uint64_t block_bytes,
                                  const std::vector<PutBlock>& blocks);
   // Fetches the chain's leading present blocks; returns how many.

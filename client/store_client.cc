@@ -56,6 +56,17 @@ absl::StatusOr<std::vector<v1::Tier>> StoreClient::Lookup(uint64_t ns,
   return out;
 }
 
+absl::StatusOr<uint32_t> StoreClient::VerifyBlocks(uint64_t ns,
+                                                   const std::vector<BlockHash>& hashes) {
+  v1::VerifyBlocksRequest req;
+  req.set_namespace_id(ns);
+  for (const auto& h : hashes) ToProto(h, req.add_hashes());
+  v1::VerifyBlocksResponse resp;
+  auto ctx = Context();
+  if (auto st = stub_->VerifyBlocks(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  return resp.dropped();
+}
+
 absl::StatusOr<InlinePutSummary> StoreClient::PutInline(
     uint64_t ns, const std::vector<std::pair<BlockHash, std::string_view>>& blocks) {
   auto ctx = Context();

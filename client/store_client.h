@@ -49,6 +49,9 @@ class StoreClient {
   absl::StatusOr<RegisteredNamespace> RegisterNamespace(const NamespaceSpec& spec);
   // Tier of each leading present block.
   absl::StatusOr<std::vector<v1::Tier>> Lookup(uint64_t ns, const std::vector<BlockHash>& hashes);
+  // Asks the store to check its copies of blocks that failed their
+  // checksums here and drop the corrupt ones; how many it dropped.
+  absl::StatusOr<uint32_t> VerifyBlocks(uint64_t ns, const std::vector<BlockHash>& hashes);
   // Streams the blocks; checksums are computed here.
   absl::StatusOr<InlinePutSummary> PutInline(
       uint64_t ns, const std::vector<std::pair<BlockHash, std::string_view>>& blocks);

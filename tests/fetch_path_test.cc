@@ -234,6 +234,26 @@ TEST_P(FetchPath, BadReadsAreRefusedAndChangeNothingStored) {
   EXPECT_EQ(st->tiers(0).items(), n);
 }
 
+TEST_P(FetchPath, VerifyingIntactBlocksDropsNothingAndBadRequestsAreRefused) {
+  StoreDataClient c(store_->address(), Options());
+  auto ns = c.control().RegisterNamespace(Spec4L());
+  ASSERT_TRUE(ns.ok());
+  PutBlocks(c, ns->id, 3);
+  // Intact copies (and a block the store never had) are kept: 0 dropped.
+  std::vector<BlockHash> check = Chain(3);
+  check.push_back(BlockHash{1, 2});
+  auto dropped = c.control().VerifyBlocks(ns->id, check);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(*dropped, 0u);
+  auto present = c.control().Lookup(ns->id, Chain(3));
+  ASSERT_TRUE(present.ok());
+  EXPECT_EQ(present->size(), 3u);
+  EXPECT_EQ(c.control().VerifyBlocks(ns->id + 1, Chain(1)).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(c.control().VerifyBlocks(ns->id, {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST_P(FetchPath, ReleasesOfUnknownLeasesAreReportedNotFailed) {
   StoreDataClient c(store_->address(), Options());
   auto ns = c.control().RegisterNamespace(Spec4L());

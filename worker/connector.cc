@@ -100,6 +100,10 @@ KvConnector::~KvConnector() {
     for (const auto& [id, r] : requests_) ids.push_back(id);
   }
   for (uint64_t id : ids) Finished(id);
+  {
+    std::lock_guard lk(verify_mu_);
+    for (auto& v : verifies_) v.wait();  // they use store_
+  }
   // The store's registration of the staging memory must go before the memory.
   store_.reset();
   std::free(staging_);

@@ -117,6 +117,7 @@ struct ConnectorStats {
            offload_failures = 0;
   uint64_t staging_in_use = 0, staging_peak = 0, staging_blocks = 0;  // offload staging
   uint64_t load_staging_peak = 0;                                     // load staging
+  uint64_t corrupt_dropped = 0;  // blocks that failed their checksum and the store dropped
   LoadTimes load_times;        // summed over loads
   TransferTimes offload_times;  // summed over offload batches
   double offload_gather_ms = 0;  // gathering (and packing) pages into staging
@@ -260,6 +261,10 @@ class KvConnector {
   absl::StatusOr<uint32_t> LoadPacked(Request* r, const std::vector<uint32_t>& pages);
   // Layers [0, n) of every block of r's load are in.
   void LayersIn(Request* r, uint32_t n);
+  // A load failed its checksums: the store checks its copies of `blocks`
+  // and drops the corrupt ones, in the background (so later loads miss
+  // them instead of failing on them again).
+  void ReportCorrupt(std::vector<BlockHash> blocks);
 
   // connector_offload.cc
   // The pool evicts page (holding h): write it back if the policy says so.
@@ -311,6 +316,9 @@ class KvConnector {
 
   mutable std::mutex stats_mu_;
   ConnectorStats stats_;
+
+  std::mutex verify_mu_;  // verifies_
+  std::vector<std::future<void>> verifies_;  // ReportCorrupt's calls, waited for before store_ goes
 
   // Last: destroyed first, once ~KvConnector has waited for every load.
   ThreadCache load_threads_;

@@ -109,6 +109,26 @@ LoadTimes KvConnector::LoadTimesOf(uint64_t request) {
   return it->second->load_times;
 }
 
+void KvConnector::ReportCorrupt(std::vector<BlockHash> blocks) {
+  {
+    // No longer known to be stored: a recompute saves them again.
+    std::lock_guard lk(known_mu_);
+    for (const BlockHash& h : blocks) known_.erase(h);
+  }
+  auto f = load_threads_.Run([this, blocks = std::move(blocks)] {
+    auto dropped = store_->VerifyBlocks(ns_, blocks);
+    if (dropped.ok()) {
+      std::lock_guard sl(stats_mu_);
+      stats_.corrupt_dropped += *dropped;
+    }
+  });
+  std::lock_guard lk(verify_mu_);
+  std::erase_if(verifies_, [](std::future<void>& v) {
+    return v.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  });
+  verifies_.push_back(std::move(f));
+}
+
 void KvConnector::LayersIn(Request* r, uint32_t n) {
   {
     std::lock_guard lk(mu_);
@@ -139,6 +159,10 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
                            : packed_ ? LoadPacked(r, pages) : LoadDirect(r, pages);
   store_->Release(r->pin);  // after every transfer, whatever the outcome
   const uint32_t done = got.ok() ? *got : r->loaded;
+  if (!got.ok() && got.status().code() == absl::StatusCode::kDataLoss) {
+    ReportCorrupt(std::vector<BlockHash>(r->chain.begin() + r->gpu_blocks + done,
+                                         r->chain.begin() + r->gpu_blocks + pages.size()));
+  }
   std::vector<BlockHash> stored;
   std::vector<uint32_t> committed;
   for (uint32_t i = 0; pool_ && i < pages.size(); ++i) {

@@ -351,6 +351,7 @@ class EngineConnector {
     d["offload_failures"] = s.offload_failures;
     d["staging_peak"] = s.staging_peak;
     d["staging_blocks"] = s.staging_blocks;
+    d["corrupt_dropped"] = s.corrupt_dropped;
     return d;
   }
   void Drain() {

@@ -164,6 +164,44 @@ def test_connector_saves_from_one_engine_and_loads_into_another(
     b.close()
 
 
+def test_a_block_corrupted_in_the_store_fails_once_then_is_dropped(
+        store) -> None:
+    from conftest import corrupt_in_store
+    import time
+
+    a_cache, b_cache = caches("kv_first", 8), caches("kv_first", 9)
+    a = kvtier.Connector(ns(), a_cache, stores=[store.address])
+    b = kvtier.Connector(ns(), b_cache, stores=[store.address])
+    hashes = kvtier.hash_tokens(a.namespace, list(range(4 * 16)))
+    a.lookup(1, hashes)
+    a.save(1, 0, [0, 1, 2, 3])
+    a.wait_for_save(1)
+    a.finished(1)
+    assert corrupt_in_store(store.pid, kv_of(a_cache, "kv_first", 0, 2)[0]
+                            .numpy().tobytes())
+    assert b.lookup(2, hashes).blocks == 4
+    b.start_load(2, [0, 1, 2, 3])
+    with pytest.raises(errors.DataLoss):
+        b.wait_for_load(2)
+    b.finished(2)
+    # The connector reported the failed blocks; the store checked its copies
+    # and dropped the corrupt one: later loads stop before it.
+    deadline = time.monotonic() + 10
+    while b.stats()["corrupt_dropped"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert b.stats()["corrupt_dropped"] == 1
+    assert b.lookup(3, hashes).blocks == 2
+    b.start_load(3, [4, 5])
+    assert b.wait_for_load(3) == 2
+    b.finished(3)
+    for page in (4, 5):
+        assert torch.equal(kv_of(b_cache, "kv_first", 0, page),
+                           kv_of(a_cache, "kv_first", 0, page - 4))
+    a.close()
+    b.close()
+
+
 def test_request_id_zero_saves_and_closes_like_any_other(store) -> None:
     c = kvtier.Connector(ns(), caches("kv_first"), stores=[store.address])
     hashes = kvtier.hash_tokens(c.namespace, list(range(2 * 16)))

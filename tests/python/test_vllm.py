@@ -119,15 +119,18 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     sched.request_finished(v.Request("B", longer), list(range(10, 19)))
 
     # A block corrupted behind the store's back: C's load reports every
-    # page of it as failed, and vLLM's recompute is planned to be saved
-    # again (the store keeps its corrupt copy until it evicts it: the save
-    # is skipped as present; docs/engines.md).
+    # page of it as failed; the connector has the store check its copies
+    # (the corrupt one is dropped), and vLLM's recompute saves it again.
     needle = pages[2][0][0].numpy().tobytes()  # block 2, layer 0, K
     assert corrupt_in_store(store.pid, needle)
     n, r = run_new(sched, worker, "C", prompt, list(range(20, 27)), seeds)
     assert n == 6 * BS
     assert set(r["errors"]) == set(range(20, 26)), r
     assert any("DATA_LOSS" in f for f in r["failures"]), r["failures"]
+    deadline = time.monotonic() + 10
+    while probe.lookup(ns, hashes) != 2:  # blocks 0-1 remain, 2 was dropped
+        assert time.monotonic() < deadline, "the corrupt block stayed"
+        time.sleep(0.02)
     # vLLM cuts C back to its first failed block (0) and recomputes.
     out = v.SchedulerOutput(
         scheduled_cached_reqs=v.CachedRequestData(
@@ -141,6 +144,15 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     again = worker.call(op="read", pages=[2, 22])
     assert (again[22][0] == again[2][0]).all(), "block 2 was recomputed"
     sched.request_finished(v.Request("C", prompt), list(range(20, 27)))
+    # The recompute's blocks reached the store: D loads all six, intact.
+    deadline = time.monotonic() + 10
+    while probe.lookup(ns, hashes) < 6:
+        assert time.monotonic() < deadline, "block 2 was never saved again"
+        time.sleep(0.02)
+    n, r = run_new(sched, worker, "D", prompt, list(range(30, 37)), seeds)
+    assert n == 6 * BS and r["errors"] == [], r
+    d = worker.call(op="read", pages=[2, 32])
+    assert all((d[32][layer] == d[2][layer]).all() for layer in range(2))
 
 
 def test_imports_without_vllm_and_refuses_a_config_without_stores() -> None:

@@ -270,6 +270,17 @@ EraseCounts RamTier::Erase(const std::vector<BlockKey>& keys) {
   return c;
 }
 
+EraseCounts RamTier::EraseAt(const std::vector<std::pair<BlockKey, uint64_t>>& keys) {
+  EraseCounts c;
+  for (const auto& [k, offset] : keys) {
+    Shard& s = ShardFor(k);
+    std::lock_guard lk(s.mu);
+    auto it = s.index.find(k);
+    if (it != s.index.end() && it->second == offset) DropLocked(s, offset, &c);
+  }
+  return c;
+}
+
 EraseCounts RamTier::EraseIf(const std::function<bool(const BlockKey&)>& pred) {
   EraseCounts c;
   for (auto& sp : shards_) {

@@ -85,6 +85,9 @@ class RamTier : public Tier {
                        uint64_t checksum, bool pin, bool from_lower_tier, Slot* slot);
 
   EraseCounts Erase(const std::vector<BlockKey>& keys) override;
+  // Erases each key only while it still maps to the given slot offset (the
+  // copy a caller examined, not one put again since).
+  EraseCounts EraseAt(const std::vector<std::pair<BlockKey, uint64_t>>& keys);
   EraseCounts EraseNamespace(uint64_t ns) override;
   EraseCounts EraseAll() override;
 

@@ -231,20 +231,29 @@ absl::StatusOr<VerifyResult> Store::VerifyBlocks(uint64_t ns, std::span<const Bl
   auto info = CheckRequest(ns, hashes);
   if (!info.ok()) return info.status();
   VerifyResult r;
-  std::vector<BlockKey> corrupt;
+  std::vector<std::pair<BlockKey, uint64_t>> corrupt;  // key, the slot that failed
   for (const BlockHash& h : hashes) {
     const BlockKey key{ns, h};
-    auto slot = ram_->Pin(key);  // held while hashed: not evicted or reused meanwhile
+    // Pinned while hashed, so the slot is neither evicted nor reused
+    // meanwhile (the pin counts as a read in the tier's figures).
+    auto slot = ram_->Pin(key);
     if (!slot) continue;
     ++r.checked;
-    if (Checksum(ram_->data(*slot), slot->length) != slot->checksum) corrupt.push_back(key);
+    if (Checksum(ram_->data(*slot), slot->length) != slot->checksum) {
+      corrupt.emplace_back(key, slot->offset);
+    }
     ram_->Unpin(key, *slot);
   }
   if (!corrupt.empty()) {
-    EraseCounts c = ram_->Erase(corrupt);
-    r.dropped = static_cast<uint32_t>(corrupt.size());
-    Log("store", "dropped ", corrupt.size(), " corrupt RAM block(s) of namespace ",
-        NamespaceName(ns), " a client reported (", c.pinned, " still pinned by readers)");
+    // Only the copies that failed (not one put again since), and their NVMe
+    // copies too: a demotion queued from the bad bytes would bring them back.
+    EraseCounts c = ram_->EraseAt(corrupt);
+    std::vector<BlockKey> keys;
+    for (const auto& [key, offset] : corrupt) keys.push_back(key);
+    disk_->Erase(keys);
+    r.dropped = static_cast<uint32_t>(c.erased + c.pinned);
+    Log("store", "dropped ", r.dropped, " corrupt RAM block(s) of namespace ", NamespaceName(ns),
+        " a client reported (", c.pinned, " freed once their readers let go)");
   }
   return r;
 }

@@ -131,8 +131,9 @@ class Store {
   // INVALID_ARGUMENT (nothing ended) for more than kMaxBlocksPerRequest ids.
   absl::StatusOr<std::vector<uint64_t>> ReleaseGets(std::span<const uint64_t> leases);
   // Recomputes the checksum of each block's RAM copy and drops the copies
-  // that do not match the one committed (a client saw them fail). Errors as
-  // Lookup's (unknown namespace, too many hashes).
+  // that do not match the one committed (a client saw them fail), with
+  // their NVMe copies. Errors as Lookup's (unknown namespace, too many
+  // hashes).
   absl::StatusOr<VerifyResult> VerifyBlocks(uint64_t ns, std::span<const BlockHash> hashes);
 
   // INVALID_ARGUMENT for a wrong size, DATA_LOSS for a wrong checksum,

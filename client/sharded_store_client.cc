@@ -92,12 +92,17 @@ absl::StatusOr<uint32_t> ShardedStoreClient::VerifyBlocks(uint64_t ns,
                                                           const std::vector<BlockHash>& blocks) {
   std::vector<std::vector<size_t>> parts = ByShard(ns, blocks, addresses_);
   uint32_t dropped = 0;
-  for (size_t s = 0; s < shards_.size(); ++s) {
+  absl::Status first = absl::OkStatus();
+  for (size_t s = 0; s < shards_.size(); ++s) {  // every shard, whatever one answers
     if (parts[s].empty()) continue;
     auto d = shards_[s]->control().VerifyBlocks(ns, Select(blocks, parts[s]));
-    if (!d.ok()) return d.status();
-    dropped += *d;
+    if (d.ok()) {
+      dropped += *d;
+    } else if (first.ok()) {
+      first = d.status();
+    }
   }
+  if (!first.ok()) return first;
   return dropped;
 }
 

@@ -142,7 +142,11 @@ void PrefixIndex::Match(uint64_t ns, std::span<const BlockHash> chain,
     group.swap(next);
     at = miss;
   }
-  // The store's runs from 0 and from each worker's depth.
+  // The store's runs from 0 and from each worker's depth, counted block by
+  // block: a store's blocks of a chain need not be one run (under
+  // write-back it holds the tails workers evicted), and every block counted
+  // is one the worker would load. Each block is probed once: a run already
+  // counted answers the positions inside it.
   auto stored = [&](size_t k) {
     if (const Holders* h = holders(k)) {
       for (SourceNum s : *h) {
@@ -151,9 +155,16 @@ void PrefixIndex::Match(uint64_t ns, std::span<const BlockHash> chain,
     }
     return false;
   };
+  std::vector<std::pair<uint32_t, uint32_t>> runs;  // [begin, end) counted
   auto run_from = [&](uint32_t from) -> uint32_t {
-    if (from >= n || !stored(from)) return 0;
-    return static_cast<uint32_t>(first_failing(from, stored) - from);
+    for (const auto& [b, e] : runs) {
+      if (from >= b && from < e) return e - from;
+      if (from == e) return 0;  // the run ended at a block no store holds
+    }
+    uint32_t end = from;
+    while (end < n && stored(end)) ++end;
+    if (end > from) runs.emplace_back(from, end);
+    return end - from;
   };
   uint32_t deepest_worker = 0;
   AddStoreRun(out, 0, run_from(0));

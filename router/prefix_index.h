@@ -55,15 +55,15 @@ class PrefixIndex {
   // True if the pair was there.
   bool Remove(const BlockKey& key, SourceNum source);
 
-  // The sources' prefixes of the chain in O(log n) probes per distinct
+  // The workers' prefixes of the chain in O(log n) probes per distinct
   // depth (docs/router.md, "Matching"): workers that hold block 0 are
   // followed as a group; galloping then binary search finds the first block
   // not all of them hold, those that lack it leave the group with that
-  // depth, and the rest go on. The store's runs are found the same way.
-  // Exact when every source's blocks of the chain are a prefix of it (how
-  // engines and stores fill and evict); with a hole in a source's holdings
-  // a depth may come out deeper than its contiguous prefix, never deeper
-  // than the first probed block it lacks. is_store tells stores from
+  // depth, and the rest go on. Exact when every worker's blocks of the
+  // chain are a prefix of it (engines fill front to back and evict from the
+  // tail); with a hole a depth may come out deeper than the contiguous
+  // prefix, never deeper than the first probed block it lacks. The store's
+  // runs are counted block by block (exact). is_store tells stores from
   // workers.
   void Match(uint64_t ns, std::span<const BlockHash> chain,
              const std::function<bool(SourceNum)>& is_store, PrefixMatch* out) const;

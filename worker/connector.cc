@@ -100,10 +100,6 @@ KvConnector::~KvConnector() {
     for (const auto& [id, r] : requests_) ids.push_back(id);
   }
   for (uint64_t id : ids) Finished(id);
-  {
-    std::lock_guard lk(verify_mu_);
-    for (auto& v : verifies_) v.wait();  // they use store_
-  }
   // The store's registration of the staging memory must go before the memory.
   store_.reset();
   std::free(staging_);
@@ -158,7 +154,7 @@ absl::StatusOr<KvConnector::Match> KvConnector::Begin(uint64_t request, std::vec
   Match m{r->gpu_blocks, r->store_blocks, store_status};
   std::lock_guard lk(mu_);
   if (requests_.count(request)) {
-    for (uint32_t p : r->pages) pool_->Unref(p);
+    for (auto it = r->pages.rbegin(); it != r->pages.rend(); ++it) pool_->Unref(*it);  // tail first
     if (store_) store_->Release(r->pin);
     return absl::AlreadyExistsError(absl::StrCat("request ", request, " is already open"));
   }

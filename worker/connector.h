@@ -262,9 +262,9 @@ class KvConnector {
   // Layers [0, n) of every block of r's load are in.
   void LayersIn(Request* r, uint32_t n);
   // A load failed its checksums: the store checks its copies of `blocks`
-  // and drops the corrupt ones, in the background (so later loads miss
-  // them instead of failing on them again).
-  void ReportCorrupt(std::vector<BlockHash> blocks);
+  // and drops the corrupt ones (one round trip, on this error path only), so
+  // later loads miss them instead of failing on them again.
+  void ReportCorrupt(const std::vector<BlockHash>& blocks);
 
   // connector_offload.cc
   // The pool evicts page (holding h): write it back if the policy says so.
@@ -316,9 +316,6 @@ class KvConnector {
 
   mutable std::mutex stats_mu_;
   ConnectorStats stats_;
-
-  std::mutex verify_mu_;  // verifies_
-  std::vector<std::future<void>> verifies_;  // ReportCorrupt's calls, waited for before store_ goes
 
   // Last: destroyed first, once ~KvConnector has waited for every load.
   ThreadCache load_threads_;

@@ -109,24 +109,19 @@ LoadTimes KvConnector::LoadTimesOf(uint64_t request) {
   return it->second->load_times;
 }
 
-void KvConnector::ReportCorrupt(std::vector<BlockHash> blocks) {
+void KvConnector::ReportCorrupt(const std::vector<BlockHash>& blocks) {
   {
-    // No longer known to be stored: a recompute saves them again.
+    // No longer known to be stored: the recompute saves them again.
     std::lock_guard lk(known_mu_);
     for (const BlockHash& h : blocks) known_.erase(h);
   }
-  auto f = load_threads_.Run([this, blocks = std::move(blocks)] {
-    auto dropped = store_->VerifyBlocks(ns_, blocks);
-    if (dropped.ok()) {
-      std::lock_guard sl(stats_mu_);
-      stats_.corrupt_dropped += *dropped;
-    }
-  });
-  std::lock_guard lk(verify_mu_);
-  std::erase_if(verifies_, [](std::future<void>& v) {
-    return v.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-  });
-  verifies_.push_back(std::move(f));
+  // Before the load's error reaches the engine, so its recompute's save
+  // comes after the drop (and is not taken for "already present").
+  auto dropped = store_->VerifyBlocks(ns_, blocks);
+  if (dropped.ok()) {
+    std::lock_guard sl(stats_mu_);
+    stats_.corrupt_dropped += *dropped;
+  }
 }
 
 void KvConnector::LayersIn(Request* r, uint32_t n) {

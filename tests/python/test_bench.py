@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import BUILD, engine_env
 
 
@@ -25,5 +27,9 @@ def test_python_and_cpp_figures_come_from_the_same_run() -> None:
     assert c["block_bytes"] == 64 << 10 and c["blocks"] == 4
     assert c["python_p50_ms"] > 0 and c["cpp_p50_ms"] > 0
     assert c["cpp_inprocess_p50_ms"] > 0
-    # A gross regression guard only: a 5-load smoke run is noisy.
-    assert c["ratio_vs_cpp"] < 3 and c["ratio_vs_cpp_inprocess"] < 3, c
+    assert c["ratio_vs_cpp"] == pytest.approx(
+        c["python_p50_ms"] / c["cpp_p50_ms"])
+    assert c["ratio_vs_cpp_inprocess"] == pytest.approx(
+        c["python_p50_ms"] / c["cpp_inprocess_p50_ms"])
+    # No bound on the ratios here: five loads on a machine running the rest
+    # of the suite say nothing about them (the full run in docs does).

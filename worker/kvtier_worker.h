@@ -70,6 +70,8 @@ typedef enum kvtier_status {
   KVTIER_FAILED_PRECONDITION = 9,
   KVTIER_ABORTED = 10,
   KVTIER_OUT_OF_RANGE = 11,
+  /* gRPC's code 12, passed through from a store that lacks an RPC (an older
+   * kvtier-store); no call of this library is unimplemented. */
   KVTIER_UNIMPLEMENTED = 12,
   KVTIER_INTERNAL = 13,
   KVTIER_UNAVAILABLE = 14,

@@ -5,18 +5,20 @@
 #include <algorithm>
 #include <cmath>
 
-#include "common/rendezvous.h"
-
 namespace kvtier::router {
+
+uint64_t WorkerIdHash(std::string_view worker_id) {
+  return XXH3_64bits(worker_id.data(), worker_id.size());
+}
 
 namespace {
 // Among candidates[i] for i in picks, the one with the highest rendezvous score.
 size_t Rendezvous(const std::vector<Candidate>& c, const std::vector<size_t>& picks,
                   uint64_t request_hash) {
   size_t best = picks[0];
-  uint64_t best_score = RendezvousScore(request_hash, c[best].worker_id);
+  uint64_t best_score = RendezvousRank(request_hash, c[best].id_hash);
   for (size_t i = 1; i < picks.size(); ++i) {
-    uint64_t s = RendezvousScore(request_hash, c[picks[i]].worker_id);
+    uint64_t s = RendezvousRank(request_hash, c[picks[i]].id_hash);
     if (s > best_score) {
       best = picks[i];
       best_score = s;
@@ -27,24 +29,26 @@ size_t Rendezvous(const std::vector<Candidate>& c, const std::vector<size_t>& pi
 }  // namespace
 
 Decision Decide(const CostKnobs& k, uint64_t prompt_tokens, uint32_t block_tokens,
-                uint64_t request_hash, std::vector<Candidate>& c) {
+                uint64_t request_hash, std::vector<Candidate>& c, uint64_t fleet_max_load) {
   for (auto& x : c) {
     uint64_t cached = std::min<uint64_t>(uint64_t{x.gpu_blocks} * block_tokens, prompt_tokens);
     uint64_t fetched =
         std::min<uint64_t>(uint64_t{x.store_blocks} * block_tokens, prompt_tokens - cached);
     x.prefill_tokens = prompt_tokens - cached - fetched;
-    x.cost = static_cast<double>(x.prefill_tokens) + k.fetch_cost * static_cast<double>(fetched) +
+    const double fetch_cost = x.fetch_cost >= 0 ? x.fetch_cost : k.fetch_cost;
+    x.cost = static_cast<double>(x.prefill_tokens) + fetch_cost * static_cast<double>(fetched) +
              k.load_weight * static_cast<double>(x.load_tokens);
   }
   std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {
-    return a.cost != b.cost ? a.cost < b.cost : a.worker_id < b.worker_id;
+    return a.cost != b.cost ? a.cost < b.cost : a.id_hash < b.id_hash;
   });
   Decision d;
   if (k.balance_threshold_tokens > 0) {
     auto [lo, hi] = std::minmax_element(c.begin(), c.end(), [](const auto& a, const auto& b) {
       return a.load_tokens < b.load_tokens;
     });
-    if (hi->load_tokens - lo->load_tokens > k.balance_threshold_tokens) {
+    const uint64_t max_load = std::max(hi->load_tokens, fleet_max_load);
+    if (max_load - lo->load_tokens > k.balance_threshold_tokens) {
       std::vector<size_t> least;
       for (size_t i = 0; i < c.size(); ++i) {
         if (c[i].load_tokens == lo->load_tokens) least.push_back(i);

@@ -11,7 +11,7 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
+#include <string_view>
 #include <vector>
 
 namespace kvtier::router {
@@ -24,10 +24,17 @@ struct CostKnobs {
 };
 
 struct Candidate {
-  std::string worker_id;
+  // Borrowed: valid while whoever built the candidate keeps the id alive.
+  std::string_view worker_id;
+  // WorkerIdHash(worker_id): the rendezvous tie-break's member hash.
+  uint64_t id_hash = 0;
+  uint32_t num = 0;  // the caller's number for the worker
   uint32_t gpu_blocks = 0;
   uint32_t store_blocks = 0;
   uint64_t load_tokens = 0;
+  // Cost of fetching one token from the store relative to computing it;
+  // < 0: CostKnobs::fetch_cost.
+  double fetch_cost = -1;
   // Filled by Decide:
   uint64_t prefill_tokens = 0;
   double cost = 0;
@@ -40,9 +47,27 @@ struct Decision {
   Reason reason = Reason::kLowestCost;
 };
 
+// The member hash of a worker id for the rendezvous tie-break.
+uint64_t WorkerIdHash(std::string_view worker_id);
+// The rendezvous score of a worker for a request: the highest wins a tie.
+inline uint64_t RendezvousRank(uint64_t request_hash, uint64_t id_hash) {
+  uint64_t x = request_hash ^ id_hash;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
+
 // Computes each candidate's cost, sorts candidates cheapest first (ties by
-// worker id), and picks one. REQUIRES: !candidates.empty().
+// id hash), and picks one. `candidates` may be a subset of the fleet as
+// long as it holds every worker that could win: the balance guard then
+// needs the fleet's highest load (fleet_max_load; the candidates' own
+// highest counts too), and sampling draws among the candidates given.
+// REQUIRES: !candidates.empty().
 Decision Decide(const CostKnobs& knobs, uint64_t prompt_tokens, uint32_t block_tokens,
-                uint64_t request_hash, std::vector<Candidate>& candidates);
+                uint64_t request_hash, std::vector<Candidate>& candidates,
+                uint64_t fleet_max_load = 0);
 
 }  // namespace kvtier::router

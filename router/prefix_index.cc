@@ -2,29 +2,89 @@
 
 #include <algorithm>
 
+#include "absl/container/inlined_vector.h"
+
 namespace kvtier::router {
 
-bool PrefixIndex::Add(const BlockKey& key, SourceNum source) {
-  Holders& h = map_[key];
-  if (std::find(h.begin(), h.end(), source) != h.end()) return false;
-  if (h.size() == kInline) ++spilled_;
-  h.push_back(source);
+bool PrefixIndex::Add(uint64_t fp, SourceNum source) {
+  Holders& h = map_[fp];
+  if (h.h[0] == kSpill) {
+    auto& list = spill_[h.h[1]];
+    if (std::find(list.begin(), list.end(), source) != list.end()) return false;
+    list.push_back(source);
+  } else if (h.h[0] == kNone) {
+    h.h[0] = source;
+  } else if (h.h[0] == source || h.h[1] == source) {
+    return false;
+  } else if (h.h[1] == kNone) {
+    h.h[1] = source;
+  } else {
+    uint32_t at;
+    if (spill_free_.empty()) {
+      at = static_cast<uint32_t>(spill_.size());
+      spill_.emplace_back();
+    } else {
+      at = spill_free_.back();
+      spill_free_.pop_back();
+    }
+    spill_[at] = {h.h[0], h.h[1], source};
+    h.h[0] = kSpill;
+    h.h[1] = at;
+  }
   ++replicas_;
   return true;
 }
 
-bool PrefixIndex::Remove(const BlockKey& key, SourceNum source) {
-  auto it = map_.find(key);
-  if (it == map_.end()) return false;
-  Holders& h = it->second;
-  auto pos = std::find(h.begin(), h.end(), source);
-  if (pos == h.end()) return false;
-  if (h.size() == kInline + 1) --spilled_;
-  *pos = h.back();
-  h.pop_back();
+bool PrefixIndex::Drop(Holders& h, SourceNum source) {
+  if (h.h[0] == kSpill) {
+    auto& list = spill_[h.h[1]];
+    auto pos = std::find(list.begin(), list.end(), source);
+    if (pos == list.end()) return false;
+    *pos = list.back();
+    list.pop_back();
+    if (list.size() == 2) {
+      const uint32_t at = h.h[1];
+      h.h[0] = list[0];
+      h.h[1] = list[1];
+      spill_[at] = {};
+      spill_free_.push_back(at);
+    }
+  } else if (h.h[0] == source) {
+    h.h[0] = h.h[1];
+    h.h[1] = kNone;
+  } else if (h.h[1] == source && source != kNone) {
+    h.h[1] = kNone;
+  } else {
+    return false;
+  }
   --replicas_;
-  if (h.empty()) map_.erase(it);
   return true;
+}
+
+bool PrefixIndex::Remove(uint64_t fp, SourceNum source) {
+  auto it = map_.find(fp);
+  if (it == map_.end() || !Drop(it->second, source)) return false;
+  if (it->second.h[0] == kNone) map_.erase(it);
+  return true;
+}
+
+size_t PrefixIndex::RemoveSource(SourceNum source, const absl::flat_hash_set<uint64_t>* keep) {
+  size_t dropped = 0;
+  for (auto it = map_.begin(); it != map_.end();) {
+    auto here = it++;
+    if (keep != nullptr && keep->contains(here->first)) continue;
+    if (!Drop(here->second, source)) continue;
+    ++dropped;
+    if (here->second.h[0] == kNone) map_.erase(here);
+  }
+  return dropped;
+}
+
+const PrefixIndex::Holders* PrefixIndex::Find(uint64_t ns, const BlockHash& hash,
+                                              PrefixMatch* out) const {
+  ++out->probes;
+  auto it = map_.find(Fingerprint(BlockKey{ns, hash}));
+  return it == map_.end() ? nullptr : &it->second;
 }
 
 namespace {
@@ -36,23 +96,25 @@ void AddStoreRun(PrefixMatch* out, uint32_t at, uint32_t run) {
   out->store_runs.emplace_back(at, run);
 }
 
+bool IsStore(const PrefixIndex::StoreFlags& is_store, SourceNum s) {
+  return s < is_store.size() && is_store[s] != 0;
+}
+
 }  // namespace
 
 void PrefixIndex::MatchLinear(uint64_t ns, std::span<const BlockHash> chain,
-                              const std::function<bool(SourceNum)>& is_store,
-                              PrefixMatch* out) const {
+                              const StoreFlags& is_store, PrefixMatch* out) const {
   out->Clear();
   // Workers still holding every block so far.
   std::vector<SourceNum> active, next;
   std::vector<uint8_t> in_store;
   for (size_t i = 0; i < chain.size(); ++i) {
-    auto it = map_.find(BlockKey{ns, chain[i]});
-    ++out->probes;
+    const Holders* h = Find(ns, chain[i], out);
     bool stored = false;
     next.clear();
-    if (it != map_.end()) {
-      for (SourceNum s : it->second) {
-        if (is_store(s)) {
+    if (h != nullptr) {
+      for (SourceNum s : List(*h)) {
+        if (IsStore(is_store, s)) {
           stored = true;
         } else if (i == 0 || std::find(active.begin(), active.end(), s) != active.end()) {
           next.push_back(s);
@@ -76,22 +138,79 @@ void PrefixIndex::MatchLinear(uint64_t ns, std::span<const BlockHash> chain,
   for (const auto& [s, depth] : out->gpu_depth) AddStoreRun(out, depth, run[depth]);
 }
 
-void PrefixIndex::Match(uint64_t ns, std::span<const BlockHash> chain,
-                        const std::function<bool(SourceNum)>& is_store,
-                        PrefixMatch* out) const {
+void PrefixIndex::Match(uint64_t ns, std::span<const BlockHash> chain, const StoreFlags& is_store,
+                        bool any_store, PrefixMatch* out) const {
   out->Clear();
   const size_t n = chain.size();
-  auto holders = [&](size_t k) -> const Holders* {
-    ++out->probes;
-    auto it = map_.find(BlockKey{ns, chain[k]});
-    return it == map_.end() ? nullptr : &it->second;
+  using Set = absl::InlinedVector<SourceNum, 4>;  // sorted worker numbers
+  // The workers of `from` that hold block p (all workers holding it when
+  // `from` is null).
+  auto holding = [&](size_t p, const Set* from) {
+    Set got;
+    const Holders* h = Find(ns, chain[p], out);
+    if (h == nullptr) return got;
+    for (SourceNum s : List(*h)) {
+      if (from == nullptr ? !IsStore(is_store, s)
+                          : std::binary_search(from->begin(), from->end(), s)) {
+        got.push_back(s);
+      }
+    }
+    std::sort(got.begin(), got.end());
+    return got;
   };
-  // The first block in (good, n) for which ok() fails, n if none, given
-  // ok(good): gallop (good + 1, + 2, + 4, ...) then binary search.
-  auto first_failing = [&](size_t good, auto&& ok) -> size_t {
-    size_t lo = good, hi = n;
+  // Every worker of `at_lo` holds blocks [0, lo]; `at_hi` (a strict subset)
+  // are those that also hold block hi. Halves (lo, hi] until each leaver's
+  // last block is found.
+  auto split = [&](auto& self, size_t lo, const Set& at_lo, size_t hi, const Set& at_hi) -> void {
+    if (hi - lo == 1) {
+      for (SourceNum s : at_lo) {
+        if (!std::binary_search(at_hi.begin(), at_hi.end(), s)) {
+          out->gpu_depth.emplace_back(s, static_cast<uint32_t>(hi));
+        }
+      }
+      return;
+    }
+    const size_t mid = lo + (hi - lo) / 2;
+    const Set at_mid = holding(mid, &at_lo);
+    if (at_mid != at_lo) self(self, lo, at_lo, mid, at_mid);
+    if (at_hi != at_mid) self(self, mid, at_mid, hi, at_hi);
+  };
+  if (n > 0) {
+    size_t lo = 0;
+    Set at_lo = holding(0, nullptr);
+    while (!at_lo.empty()) {
+      if (lo == n - 1) {
+        for (SourceNum s : at_lo) out->gpu_depth.emplace_back(s, static_cast<uint32_t>(n));
+        break;
+      }
+      const size_t hi = std::min(2 * lo + 1, n - 1);  // blocks 1, 3, 7, 15, ...
+      Set at_hi = holding(hi, &at_lo);
+      if (at_hi != at_lo) split(split, lo, at_lo, hi, at_hi);
+      lo = hi;
+      at_lo = std::move(at_hi);
+    }
+  }
+  // The store's runs from 0 and from each worker's depth, galloped the same
+  // way. A run already found answers the positions inside it.
+  auto stored = [&](size_t k) {
+    if (const Holders* h = Find(ns, chain[k], out)) {
+      for (SourceNum s : List(*h)) {
+        if (IsStore(is_store, s)) return true;
+      }
+    }
+    return false;
+  };
+  absl::InlinedVector<std::pair<uint32_t, uint32_t>, 4> runs;  // [begin, end) found
+  auto run_from = [&](uint32_t from) -> uint32_t {
+    if (!any_store || from >= n) return 0;
+    for (const auto& [b, e] : runs) {
+      if (from >= b && from < e) return e - from;
+      if (from == e) return 0;  // a block no store holds ended that run
+    }
+    if (!stored(from)) return 0;
+    size_t lo = from, hi = n;  // stored(lo); hi: the first block known not stored
     for (size_t step = 1; lo + step < n; step *= 2) {
-      if (!ok(lo + step)) {
+      if (!stored(lo + step)) {
         hi = lo + step;
         break;
       }
@@ -99,72 +218,10 @@ void PrefixIndex::Match(uint64_t ns, std::span<const BlockHash> chain,
     }
     while (hi - lo > 1) {
       const size_t mid = lo + (hi - lo) / 2;
-      (ok(mid) ? lo : hi) = mid;
+      (stored(mid) ? lo : hi) = mid;
     }
-    return hi;
-  };
-  // Workers holding every block up to the current point (sorted).
-  std::vector<SourceNum> group, next;
-  if (n > 0) {
-    if (const Holders* h = holders(0)) {
-      for (SourceNum s : *h) {
-        if (!is_store(s)) group.push_back(s);
-      }
-    }
-  }
-  std::sort(group.begin(), group.end());
-  auto still = [&](const Holders* h, std::vector<SourceNum>* kept) {
-    kept->clear();
-    if (h == nullptr) return;
-    for (SourceNum s : *h) {
-      if (std::binary_search(group.begin(), group.end(), s)) kept->push_back(s);
-    }
-  };
-  size_t at = 0;  // every worker in `group` holds blocks [0, at]
-  while (!group.empty()) {
-    const size_t miss = first_failing(at, [&](size_t k) {
-      const Holders* h = holders(k);
-      if (h == nullptr || h->size() < group.size()) return false;
-      still(h, &next);
-      return next.size() == group.size();
-    });
-    if (miss >= n) {
-      for (SourceNum s : group) out->gpu_depth.emplace_back(s, static_cast<uint32_t>(n));
-      break;
-    }
-    still(holders(miss), &next);
-    std::sort(next.begin(), next.end());
-    for (SourceNum s : group) {
-      if (!std::binary_search(next.begin(), next.end(), s)) {
-        out->gpu_depth.emplace_back(s, static_cast<uint32_t>(miss));
-      }
-    }
-    group.swap(next);
-    at = miss;
-  }
-  // The store's runs from 0 and from each worker's depth, counted block by
-  // block: a store's blocks of a chain need not be one run (under
-  // write-back it holds the tails workers evicted), and every block counted
-  // is one the worker would load. Each block is probed once: a run already
-  // counted answers the positions inside it.
-  auto stored = [&](size_t k) {
-    if (const Holders* h = holders(k)) {
-      for (SourceNum s : *h) {
-        if (is_store(s)) return true;
-      }
-    }
-    return false;
-  };
-  std::vector<std::pair<uint32_t, uint32_t>> runs;  // [begin, end) counted
-  auto run_from = [&](uint32_t from) -> uint32_t {
-    for (const auto& [b, e] : runs) {
-      if (from >= b && from < e) return e - from;
-      if (from == e) return 0;  // the run ended at a block no store holds
-    }
-    uint32_t end = from;
-    while (end < n && stored(end)) ++end;
-    if (end > from) runs.emplace_back(from, end);
-    return end - from;
+    runs.emplace_back(from, static_cast<uint32_t>(hi));
+    return static_cast<uint32_t>(hi) - from;
   };
   uint32_t deepest_worker = 0;
   AddStoreRun(out, 0, run_from(0));
@@ -180,8 +237,10 @@ void PrefixIndex::Match(uint64_t ns, std::span<const BlockHash> chain,
 
 size_t PrefixIndex::MemoryBytes() const {
   // Swiss table: one slot plus one control byte per bucket.
-  size_t slot = sizeof(BlockKey) + sizeof(Holders);
-  return map_.capacity() * (slot + 1) + spilled_ * 8 * sizeof(SourceNum);
+  size_t bytes = map_.capacity() * (sizeof(std::pair<const uint64_t, Holders>) + 1);
+  bytes += spill_.capacity() * sizeof(spill_[0]) + spill_free_.capacity() * sizeof(uint32_t);
+  for (const auto& list : spill_) bytes += list.capacity() * sizeof(SourceNum);
+  return bytes;
 }
 
 }  // namespace kvtier::router

@@ -1,16 +1,22 @@
-// The router's prefix index: (namespace, block hash) -> the sources holding
-// the block (workers on GPU, store shards). Not thread-safe: RouterCore
-// guards it. Memory: one flat hash-map slot per distinct block (24-byte key
-// plus an inline vector of up to 4 source numbers) -- see docs/router.md.
+// The router's prefix index: block -> the sources holding it (workers on
+// GPU, store shards). Not thread-safe: RouterCore guards it.
+//
+// Memory (docs/router.md, "Memory"): a block is keyed by its 64-bit
+// fingerprint (BlockKey::Mix of namespace and 128-bit hash), and its holders
+// live inline in the slot (two source numbers; more spill to a side list),
+// so a block costs one 16-byte slot plus a control byte -- about 28 bytes at
+// the table's typical load. Two distinct blocks with the same fingerprint
+// (odds about n^2 / 2^65: 3e-6 at 10 M blocks) would share holders; the
+// cost is a route that expects a hit the worker's own exact lookup does not
+// find, never a wrong byte.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <span>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/inlined_vector.h"
+#include "absl/container/flat_hash_set.h"
 #include "common/block_key.h"
 
 namespace kvtier::router {
@@ -50,39 +56,69 @@ struct PrefixMatch {
 
 class PrefixIndex {
  public:
-  // True if the pair was not there yet.
-  bool Add(const BlockKey& key, SourceNum source);
-  // True if the pair was there.
-  bool Remove(const BlockKey& key, SourceNum source);
+  // is_store[s] tells a store shard from a worker (indexed by SourceNum;
+  // numbers past its end are workers).
+  using StoreFlags = std::vector<uint8_t>;
 
-  // The workers' prefixes of the chain in O(log n) probes per distinct
-  // depth (docs/router.md, "Matching"): workers that hold block 0 are
-  // followed as a group; galloping then binary search finds the first block
-  // not all of them hold, those that lack it leave the group with that
-  // depth, and the rest go on. Exact when every worker's blocks of the
+  static uint64_t Fingerprint(const BlockKey& key) { return key.Mix(); }
+
+  // True if the pair was not there yet.
+  bool Add(uint64_t fp, SourceNum source);
+  bool Add(const BlockKey& key, SourceNum source) { return Add(Fingerprint(key), source); }
+  // True if the pair was there.
+  bool Remove(uint64_t fp, SourceNum source);
+  bool Remove(const BlockKey& key, SourceNum source) { return Remove(Fingerprint(key), source); }
+  // Drops `source` from every block it holds except those in `keep` (all,
+  // when keep is null); returns how many it dropped. One pass over the
+  // table: a source's restart, expiry or snapshot, never a route or event.
+  size_t RemoveSource(SourceNum source, const absl::flat_hash_set<uint64_t>* keep = nullptr);
+
+  // The workers' prefixes of the chain and the store's runs after them in
+  // O(log n) probes per distinct depth (docs/router.md, "Matching"). Blocks
+  // 0, 1, 3, 7, ... are probed until no worker holds one; between two
+  // probes whose holder sets differ, the interval is halved until every
+  // worker's last block is found. Exact when every worker's blocks of the
   // chain are a prefix of it (engines fill front to back and evict from the
   // tail); with a hole a depth may come out deeper than the contiguous
-  // prefix, never deeper than the first probed block it lacks. The store's
-  // runs are counted block by block (exact). is_store tells stores from
-  // workers.
-  void Match(uint64_t ns, std::span<const BlockHash> chain,
-             const std::function<bool(SourceNum)>& is_store, PrefixMatch* out) const;
+  // prefix, never at a probed block the worker lacks. A store's run from a
+  // position gallops the same way: exact when the stores' blocks from there
+  // are contiguous, and never extended past a probed block no store holds.
+  void Match(uint64_t ns, std::span<const BlockHash> chain, const StoreFlags& is_store,
+             bool any_store, PrefixMatch* out) const;
   // The reference: walks every block from the first while some worker still
   // holds the prefix or a store holds the block (exact with holes too).
-  void MatchLinear(uint64_t ns, std::span<const BlockHash> chain,
-                   const std::function<bool(SourceNum)>& is_store, PrefixMatch* out) const;
+  void MatchLinear(uint64_t ns, std::span<const BlockHash> chain, const StoreFlags& is_store,
+                   PrefixMatch* out) const;
 
   size_t blocks() const { return map_.size(); }
   size_t replicas() const { return replicas_; }
-  // Rough bytes used by the table (slots and heap-allocated holder lists).
+  // Bytes used by the table (slots, control bytes and spilled holder lists).
   size_t MemoryBytes() const;
 
  private:
-  static constexpr size_t kInline = 3;
-  using Holders = absl::InlinedVector<SourceNum, kInline>;
-  absl::flat_hash_map<BlockKey, Holders, BlockKeyHasher> map_;
+  static constexpr SourceNum kNone = ~SourceNum{0};
+  static constexpr SourceNum kSpill = kNone - 1;  // h[1] indexes spill_
+  // Up to two holders inline (kNone marks a free place; h[0] is filled
+  // first), or {kSpill, index into spill_}.
+  struct Holders {
+    SourceNum h[2] = {kNone, kNone};
+  };
+  struct FpHash {
+    size_t operator()(uint64_t fp) const { return static_cast<size_t>(fp); }
+  };
+  std::span<const SourceNum> List(const Holders& h) const {
+    if (h.h[0] == kSpill) return spill_[h.h[1]];
+    return {h.h, static_cast<size_t>(h.h[0] != kNone) + (h.h[1] != kNone)};
+  }
+  const Holders* Find(uint64_t ns, const BlockHash& hash, PrefixMatch* out) const;
+  // Removes `source` from `h`; true if it was there. Leaves h empty (h[0] ==
+  // kNone) when it was the last holder.
+  bool Drop(Holders& h, SourceNum source);
+
+  absl::flat_hash_map<uint64_t, Holders, FpHash> map_;
+  std::vector<std::vector<SourceNum>> spill_;
+  std::vector<uint32_t> spill_free_;
   size_t replicas_ = 0;
-  size_t spilled_ = 0;  // holder lists that outgrew their inline space
 };
 
 }  // namespace kvtier::router

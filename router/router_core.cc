@@ -2,7 +2,11 @@
 
 #include <xxhash.h>
 
+#include <atomic>
 #include <mutex>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/container/inlined_vector.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -75,10 +79,12 @@ absl::Status RouterCore::Hello(const v1::Hello& h, std::vector<v1::RouterCommand
       free_nums_.pop_back();
     }
     s->hello = h;
+    s->id_hash = WorkerIdHash(h.source_id());
     s->last_seen = Clock::now();
     by_num_[s->num] = s.get();
     Source& ref = *s;
     sources_.emplace(h.source_id(), std::move(s));
+    JoinFleet(ref);
     Log("router", "source ", h.source_id(), " (", KindName(h.kind()), ", ", h.endpoint(),
         ", namespace ", NamespaceName(h.namespace_id()), ", epoch ", h.epoch(), ") registered");
     RequestSnapshot(ref, "unknown source", commands);
@@ -93,8 +99,10 @@ absl::Status RouterCore::Hello(const v1::Hello& h, std::vector<v1::RouterCommand
     Log("router", "source ", h.source_id(), " restarted (epoch ", s.hello.epoch(), " -> ",
         h.epoch(), "); its blocks are cleared");
     ClearSource(s);
+    LeaveFleet(s);
     s.hello = h;
     s.last_seq = 0;
+    JoinFleet(s);
     RequestSnapshot(s, why, commands);
     return absl::OkStatus();
   }
@@ -119,8 +127,44 @@ void RouterCore::RequestSnapshot(Source& s, const std::string& reason,
 }
 
 void RouterCore::ClearSource(Source& s) {
-  for (const auto& k : s.blocks) index_.Remove(k, s.num);
-  s.blocks.clear();
+  if (s.indexed > 0) index_.RemoveSource(s.num);
+  s.indexed = 0;
+}
+
+void RouterCore::JoinFleet(Source& s) {
+  if (s.num >= is_store_.size()) is_store_.resize(s.num + 1, 0);
+  if (s.hello.kind() == v1::SOURCE_STORE) {
+    is_store_[s.num] = 1;
+    ++stores_;
+    return;
+  }
+  is_store_[s.num] = 0;
+  Fleet& f = fleets_[s.hello.namespace_id()];
+  s.slot = f.sources.size();
+  f.sources.push_back(&s);
+  f.id_hash.push_back(s.id_hash);
+  f.load.push_back(s.load.queued_prefill_tokens() + s.routed_since_heartbeat.load());
+}
+
+void RouterCore::LeaveFleet(Source& s) {
+  if (s.hello.kind() == v1::SOURCE_STORE) {
+    is_store_[s.num] = 0;
+    --stores_;
+    return;
+  }
+  auto it = fleets_.find(s.hello.namespace_id());
+  Fleet& f = it->second;
+  const size_t last = f.sources.size() - 1;
+  if (s.slot != last) {
+    f.sources[s.slot] = f.sources[last];
+    f.id_hash[s.slot] = f.id_hash[last];
+    f.load[s.slot] = f.load[last];
+    f.sources[s.slot]->slot = s.slot;
+  }
+  f.sources.pop_back();
+  f.id_hash.pop_back();
+  f.load.pop_back();
+  if (f.sources.empty()) fleets_.erase(it);
 }
 
 absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& m,
@@ -140,6 +184,7 @@ absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& 
     case v1::SourceMessage::kHeartbeat:
       s.load = m.heartbeat();
       s.routed_since_heartbeat = 0;
+      if (s.hello.kind() == v1::SOURCE_WORKER) FleetLoad(s) = s.load.queued_prefill_tokens();
       return absl::OkStatus();
     case v1::SourceMessage::kSnapshot:
       ApplySnapshotChunk(s, m.snapshot(), commands);
@@ -184,16 +229,14 @@ void RouterCore::ApplyEvent(Source& s, const v1::KvEvent& e,
     case v1::KvEvent::kStored:
       if (!check(e.stored().namespace_id(), e.stored().hashes_size())) return;
       for (const auto& h : e.stored().hashes()) {
-        BlockKey k{e.stored().namespace_id(), FromProto(h)};
-        if (s.blocks.insert(k).second) index_.Add(k, s.num);
+        s.indexed += index_.Add(BlockKey{e.stored().namespace_id(), FromProto(h)}, s.num);
       }
       break;
     case v1::KvEvent::kRemoved:
       if (!check(e.removed().namespace_id(), e.removed().hashes_size())) return;
       for (const auto& h : e.removed().hashes()) {
-        BlockKey k{e.removed().namespace_id(), FromProto(h)};
-        if (s.blocks.erase(k)) {
-          index_.Remove(k, s.num);
+        if (index_.Remove(BlockKey{e.removed().namespace_id(), FromProto(h)}, s.num)) {
+          --s.indexed;
         } else {
           counters_.unknown_removals++;
         }
@@ -219,16 +262,16 @@ void RouterCore::ApplySnapshotChunk(Source& s, const v1::SnapshotChunk& c,
     return;
   }
   s.resyncing = true;
-  for (const auto& h : c.hashes()) s.snapshot.push_back(BlockKey{c.namespace_id(), FromProto(h)});
+  for (const auto& h : c.hashes()) {
+    s.snapshot.push_back(PrefixIndex::Fingerprint(BlockKey{c.namespace_id(), FromProto(h)}));
+  }
   if (!c.last()) return;
-  absl::flat_hash_set<BlockKey, BlockKeyHasher> fresh(s.snapshot.begin(), s.snapshot.end());
-  for (const auto& k : s.blocks) {
-    if (!fresh.contains(k)) index_.Remove(k, s.num);
+  if (s.indexed > 0) {
+    // What the source no longer holds goes (one pass over the index).
+    absl::flat_hash_set<uint64_t> fresh(s.snapshot.begin(), s.snapshot.end());
+    s.indexed -= index_.RemoveSource(s.num, &fresh);
   }
-  for (const auto& k : fresh) {
-    if (!s.blocks.contains(k)) index_.Add(k, s.num);
-  }
-  s.blocks = std::move(fresh);
+  for (uint64_t fp : s.snapshot) s.indexed += index_.Add(fp, s.num);
   s.snapshot.clear();
   s.snapshot.shrink_to_fit();
   s.last_seq = c.seq();
@@ -237,21 +280,21 @@ void RouterCore::ApplySnapshotChunk(Source& s, const v1::SnapshotChunk& c,
 }
 
 absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
-  std::shared_lock lk(mu_);
-  std::vector<Source*> workers;
-  for (Source* s : by_num_) {
-    if (s && s->hello.kind() == v1::SOURCE_WORKER &&
-        s->hello.namespace_id() == req.namespace_id()) {
-      workers.push_back(s);
-    }
+  if (req.max_candidates() > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("route: max_candidates is ", req.max_candidates(), " (allowed 0..1024)"));
   }
-  if (workers.empty()) {
+  const size_t shown = req.max_candidates() > 0 ? req.max_candidates() : options_.default_candidates;
+  std::shared_lock lk(mu_);
+  auto fleet_it = fleets_.find(req.namespace_id());
+  if (fleet_it == fleets_.end()) {
     counters_.unavailable++;
     return absl::UnavailableError(absl::StrCat("no live worker serves namespace ",
                                                NamespaceName(req.namespace_id()), " (", sources_.size(),
                                                " sources registered)"));
   }
-  const uint32_t bt = workers[0]->hello.block_tokens();
+  const Fleet& fleet = fleet_it->second;
+  const uint32_t bt = fleet.sources[0]->hello.block_tokens();
   auto prompt = PromptFromRequest(req, req.namespace_id(), bt, "route");
   if (!prompt.ok()) return prompt.status();
   std::vector<BlockHash>& chain = prompt->chain;
@@ -264,33 +307,73 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   }
 
   PrefixMatch match;
-  auto is_store = [this](SourceNum n) { return by_num_[n]->hello.kind() == v1::SOURCE_STORE; };
   if (options_.linear_match) {
-    index_.MatchLinear(req.namespace_id(), chain, is_store, &match);
+    index_.MatchLinear(req.namespace_id(), chain, is_store_, &match);
   } else {
-    index_.Match(req.namespace_id(), chain, is_store, &match);
+    index_.Match(req.namespace_id(), chain, is_store_, stores_ > 0, &match);
   }
   if (!chain.empty()) {
     const BlockHash& h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
     request_hash = h.hi ^ (h.lo * 0x9E3779B97F4A7C15ull);
   }
-  std::vector<uint32_t> depth(by_num_.size(), 0);
-  for (const auto& [num, blocks] : match.gpu_depth) depth[num] = blocks;
-  std::vector<Candidate> cands;
-  cands.reserve(workers.size());
-  for (Source* w : workers) {
+  auto load_of = [&](size_t slot) {
+    return std::atomic_ref<const uint64_t>(fleet.load[slot]).load(std::memory_order_relaxed);
+  };
+  auto candidate = [&](size_t slot, uint32_t gpu_blocks) {
+    const Source* w = fleet.sources[slot];
     Candidate c;
     c.worker_id = w->hello.source_id();
-    c.gpu_blocks = depth[w->num];
-    c.store_blocks = match.StoreRun(c.gpu_blocks);
-    c.load_tokens = w->load.queued_prefill_tokens() + w->routed_since_heartbeat.load();
-    cands.push_back(std::move(c));
+    c.id_hash = fleet.id_hash[slot];
+    c.num = static_cast<uint32_t>(slot);
+    c.gpu_blocks = gpu_blocks;
+    c.store_blocks = match.StoreRun(gpu_blocks);
+    c.load_tokens = load_of(slot);
+    return c;
+  };
+  // Every worker holding part of the prompt is a candidate. The others
+  // differ only in load, so of them only the least loaded can win (the
+  // highest rendezvous rank among equals): one scan of the fleet's loads
+  // keeps the `shown` best of them, and the fleet's highest load for the
+  // balance guard.
+  std::vector<Candidate> cands;
+  cands.reserve(match.gpu_depth.size() + shown);
+  absl::flat_hash_set<size_t> hit;
+  for (const auto& [num, blocks] : match.gpu_depth) {
+    const Source* w = by_num_[num];
+    if (w->hello.namespace_id() != req.namespace_id()) continue;
+    hit.insert(w->slot);
+    cands.push_back(candidate(w->slot, blocks));
   }
-  Decision d = Decide(options_.knobs, prompt_tokens, bt, request_hash, cands);
+  struct Cold {
+    uint64_t load, rank;
+    size_t slot;
+  };
+  absl::InlinedVector<Cold, 8> cold;  // the `keep` best, best first
+  const size_t keep = std::max<size_t>(shown, 1);
+  uint64_t max_load = 0;
+  for (size_t i = 0; i < fleet.load.size(); ++i) {
+    const uint64_t load = load_of(i);
+    max_load = std::max(max_load, load);
+    if (cold.size() == keep && load > cold.back().load) continue;
+    if (!hit.empty() && hit.contains(i)) continue;
+    const Cold c{load, RendezvousRank(request_hash, fleet.id_hash[i]), i};
+    auto better = [](const Cold& a, const Cold& b) {
+      return a.load != b.load ? a.load < b.load : a.rank > b.rank;
+    };
+    if (cold.size() == keep) {
+      if (!better(c, cold.back())) continue;
+      cold.pop_back();
+    }
+    cold.insert(std::upper_bound(cold.begin(), cold.end(), c, better), c);
+  }
+  for (const Cold& c : cold) cands.push_back(candidate(c.slot, 0));
+  Decision d = Decide(options_.knobs, prompt_tokens, bt, request_hash, cands, max_load);
   RouteResult r;
   const Candidate& best = cands[d.chosen];
-  Source* chosen = sources_.at(best.worker_id).get();  // Decide orders cands by id
+  Source* chosen = fleet.sources[best.num];
   chosen->routed_since_heartbeat += best.prefill_tokens;
+  std::atomic_ref<uint64_t>(const_cast<uint64_t&>(fleet.load[best.num]))
+      .fetch_add(best.prefill_tokens, std::memory_order_relaxed);
   r.worker_id = best.worker_id;
   r.endpoint = chosen->hello.endpoint();
   r.gpu_blocks = best.gpu_blocks;
@@ -304,7 +387,22 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     case Reason::kBalanceGuard: counters_.balance_guard++; break;
     case Reason::kSampled: counters_.sampled++; break;
   }
-  r.candidates = std::move(cands);
+  // The chosen worker first if sampling or the balance guard passed over
+  // cheaper ones, then the cheapest.
+  auto show = [&](const Candidate& c) {
+    r.candidates.push_back(RouteCandidate{std::string(c.worker_id), c.gpu_blocks, c.store_blocks,
+                                          c.load_tokens, c.prefill_tokens,
+                                          c.fetch_cost >= 0 ? c.fetch_cost : options_.knobs.fetch_cost,
+                                          c.cost});
+  };
+  const bool chosen_shown = d.chosen < shown;
+  for (size_t i = 0; i < cands.size() && r.candidates.size() < shown; ++i) {
+    if (!chosen_shown && r.candidates.size() + 1 == shown) {
+      show(cands[d.chosen]);
+      break;
+    }
+    show(cands[i]);
+  }
   return r;
 }
 
@@ -313,6 +411,7 @@ void RouterCore::RemoveSourceLocked(const std::string& id) {
   if (it == sources_.end()) return;
   Source& s = *it->second;
   ClearSource(s);
+  LeaveFleet(s);
   by_num_[s.num] = nullptr;
   free_nums_.push_back(s.num);
   sources_.erase(it);
@@ -327,7 +426,7 @@ size_t RouterCore::ExpireSources(Clock::time_point now) {
   }
   for (const auto& id : dead) {
     Log("router", "source ", id, " missed its heartbeat deadline (",
-        options_.heartbeat_deadline_ms, " ms); dropped with ", sources_.at(id)->blocks.size(),
+        options_.heartbeat_deadline_ms, " ms); dropped with ", sources_.at(id)->indexed,
         " blocks");
     RemoveSourceLocked(id);
     counters_.expired++;
@@ -345,7 +444,7 @@ std::vector<v1::SourceInfo> RouterCore::Sources() const {
     i.set_kind(s->hello.kind());
     i.set_endpoint(s->hello.endpoint());
     i.set_namespace_id(s->hello.namespace_id());
-    i.set_indexed_blocks(s->blocks.size());
+    i.set_indexed_blocks(s->indexed);
     *i.mutable_load() = s->load;
     i.set_routed_tokens_since_heartbeat(s->routed_since_heartbeat.load());
     i.set_last_seen_ms(static_cast<uint64_t>(
@@ -387,9 +486,7 @@ v1::GetRouterStatsResponse RouterCore::Stats() const {
 
 size_t RouterCore::IndexMemoryBytes() const {
   std::shared_lock lk(mu_);
-  size_t bytes = index_.MemoryBytes();
-  for (const auto& [id, s] : sources_) bytes += s->blocks.capacity() * (sizeof(BlockKey) + 1);
-  return bytes;
+  return index_.MemoryBytes();
 }
 
 }  // namespace kvtier::router

@@ -19,7 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "kvtier/v1/router.pb.h"
 #include "common/prompt_chain.h"
@@ -36,9 +36,22 @@ struct RouterOptions {
   // Match by walking every block (PrefixIndex::MatchLinear), the reference
   // the benchmark measures galloping against.
   bool linear_match = false;
+  // Candidates a RouteResponse lists when the request does not say.
+  uint32_t default_candidates = 8;
 
   // INVALID_ARGUMENT naming the flag of the first field out of range.
   absl::Status Validate() const;
+};
+
+// One worker considered for a request, with its cost terms.
+struct RouteCandidate {
+  std::string worker_id;
+  uint32_t gpu_blocks = 0;
+  uint32_t store_blocks = 0;
+  uint64_t load_tokens = 0;
+  uint64_t prefill_tokens = 0;
+  double fetch_cost = 0;  // per fetched token, relative to computing it
+  double cost = 0;
 };
 
 struct RouteResult {
@@ -49,7 +62,7 @@ struct RouteResult {
   uint64_t prefill_tokens = 0;
   uint32_t block_tokens = 0;
   Reason reason = Reason::kLowestCost;
-  std::vector<Candidate> candidates;  // cheapest first
+  std::vector<RouteCandidate> candidates;  // the cheapest few, cheapest first
 };
 
 class RouterCore {
@@ -79,14 +92,25 @@ class RouterCore {
   struct Source {
     SourceNum num;
     v1::Hello hello;
+    uint64_t id_hash = 0;  // WorkerIdHash(source_id)
     uint64_t last_seq = 0;
     bool resyncing = false;
-    absl::flat_hash_set<BlockKey, BlockKeyHasher> blocks;
-    std::vector<BlockKey> snapshot;  // chunks received so far
+    uint64_t indexed = 0;           // blocks the index holds for it
+    std::vector<uint64_t> snapshot;  // fingerprints of the chunks received so far
     v1::Heartbeat load;
     std::atomic<uint64_t> routed_since_heartbeat{0};
     Clock::time_point last_seen;
     int streams = 0;
+    size_t slot = 0;  // workers: place in their fleet's arrays
+  };
+  // The workers of one namespace, in dense arrays so a route scans their
+  // loads without touching the sources. load[i] = queued prefill tokens at
+  // the last heartbeat + tokens routed since; Route adds to it under the
+  // shared lock through std::atomic_ref.
+  struct Fleet {
+    std::vector<Source*> sources;
+    std::vector<uint64_t> id_hash;
+    std::vector<uint64_t> load;
   };
 
   void RequestSnapshot(Source& s, const std::string& reason,
@@ -96,12 +120,18 @@ class RouterCore {
   void ApplySnapshotChunk(Source& s, const v1::SnapshotChunk& c,
                           std::vector<v1::RouterCommand>* commands);
   void RemoveSourceLocked(const std::string& id);
+  void JoinFleet(Source& s);
+  void LeaveFleet(Source& s);
+  uint64_t& FleetLoad(const Source& s) { return fleets_.at(s.hello.namespace_id()).load[s.slot]; }
 
   RouterOptions options_;
   mutable std::shared_mutex mu_;
   std::unordered_map<std::string, std::unique_ptr<Source>> sources_;
   std::vector<Source*> by_num_;  // SourceNum -> source (nullptr when free)
   std::vector<SourceNum> free_nums_;
+  PrefixIndex::StoreFlags is_store_;  // by SourceNum
+  size_t stores_ = 0;
+  absl::flat_hash_map<uint64_t, Fleet> fleets_;  // namespace -> its workers
   PrefixIndex index_;
 
   struct Counters {

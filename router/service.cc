@@ -33,6 +33,7 @@ void ToProto(const RouteResult& r, v1::RouteResponse* out) {
     o->set_prefill_tokens(c.prefill_tokens);
     o->set_load_tokens(c.load_tokens);
     o->set_cost(c.cost);
+    o->set_fetch_cost(c.fetch_cost);
   }
 }
 

@@ -6,6 +6,7 @@
 
 #include "router/cost.h"
 #include "router/prefix_index.h"
+#include "absl/container/flat_hash_set.h"
 
 namespace kvtier::router {
 namespace {
@@ -19,7 +20,11 @@ std::vector<BlockHash> Chain(int n) {
 }
 
 // Sources 100+ are stores.
-const auto kIsStore = [](SourceNum s) { return s >= 100; };
+const PrefixIndex::StoreFlags kIsStore = [] {
+  PrefixIndex::StoreFlags f(110, 0);
+  for (size_t s = 100; s < f.size(); ++s) f[s] = 1;
+  return f;
+}();
 
 std::map<SourceNum, uint32_t> Depths(const PrefixMatch& m) {
   return std::map<SourceNum, uint32_t>(m.gpu_depth.begin(), m.gpu_depth.end());
@@ -58,14 +63,14 @@ TEST(PrefixIndex, LongestContiguousPrefixPerWorker) {
   // unseen, and its depth comes out as the first probed block it lacks
   // (4), deeper than its contiguous prefix but no deeper than that.
   PrefixMatch g;
-  idx.Match(kNs, Chain(8), kIsStore, &g);
+  idx.Match(kNs, Chain(8), kIsStore, true, &g);
   auto gd = Depths(g);
   EXPECT_EQ(gd[1], 5u);
   EXPECT_EQ(gd[2], 4u);
   EXPECT_EQ(gd.count(3), 0u);
   EXPECT_EQ(g.deepest, 4);
   // Other namespaces never match.
-  idx.Match(kNs + 1, Chain(8), kIsStore, &m);
+  idx.Match(kNs + 1, Chain(8), kIsStore, true, &m);
   EXPECT_TRUE(m.gpu_depth.empty());
   EXPECT_EQ(m.deepest, -1);
 }
@@ -76,7 +81,7 @@ TEST(PrefixIndex, StoreRunsContinueAfterGpuPrefixes) {
   for (int i = 0; i < 6; ++i) idx.Add({kNs, H(i)}, 100);  // store: 0-5
   PrefixMatch m;
   for (bool linear : {true, false}) {
-    linear ? idx.MatchLinear(kNs, Chain(10), kIsStore, &m) : idx.Match(kNs, Chain(10), kIsStore, &m);
+    linear ? idx.MatchLinear(kNs, Chain(10), kIsStore, &m) : idx.Match(kNs, Chain(10), kIsStore, true, &m);
     EXPECT_EQ(Depths(m)[1], 2u);
     EXPECT_EQ(m.walked, 6u);
     EXPECT_EQ(m.StoreRun(2), 4u);  // worker 1 fetches blocks 2-5
@@ -84,10 +89,10 @@ TEST(PrefixIndex, StoreRunsContinueAfterGpuPrefixes) {
     EXPECT_EQ(m.deepest, 5);
   }
   // The store's blocks after a hole (write-back stores hold the tails
-  // workers evicted) do not extend its run: runs are counted block by block.
+  // workers evicted) do not extend its run when galloping probes the hole.
   idx.Add({kNs, H(7)}, 100);
   for (bool linear : {true, false}) {
-    linear ? idx.MatchLinear(kNs, Chain(10), kIsStore, &m) : idx.Match(kNs, Chain(10), kIsStore, &m);
+    linear ? idx.MatchLinear(kNs, Chain(10), kIsStore, &m) : idx.Match(kNs, Chain(10), kIsStore, true, &m);
     EXPECT_EQ(m.StoreRun(2), 4u);
     EXPECT_EQ(m.walked, 6u);
   }
@@ -112,28 +117,33 @@ TEST(PrefixIndex, GallopingProbesLogarithmicallyOnLongChains) {
   }
   PrefixMatch lin, gal;
   idx.MatchLinear(kNs, Chain(n + 10), kIsStore, &lin);
-  idx.Match(kNs, Chain(n + 10), kIsStore, &gal);
+  idx.Match(kNs, Chain(n + 10), kIsStore, true, &gal);
   ExpectSameMatch(gal, lin, "three depths");
   EXPECT_EQ(Depths(gal)[3], 2000u);
   EXPECT_GE(lin.probes, 2000u);
   EXPECT_LT(gal.probes, 200u) << "O(log n) per distinct depth, not one per block";
-  // A store's run is counted block by block, each block once: the blocks a
-  // worker would load anyway.
+  // A store's runs gallop too.
   const uint32_t workers_only = gal.probes;
   for (int i = 0; i < 1800; ++i) idx.Add({kNs, H(i)}, 100);
   idx.MatchLinear(kNs, Chain(n + 10), kIsStore, &lin);
-  idx.Match(kNs, Chain(n + 10), kIsStore, &gal);
+  idx.Match(kNs, Chain(n + 10), kIsStore, true, &gal);
   ExpectSameMatch(gal, lin, "with a store");
   EXPECT_EQ(gal.StoreRun(500), 1300u);
-  EXPECT_LE(gal.probes, workers_only + 1800 + 4);
+  EXPECT_LT(gal.probes, workers_only + 100) << "three runs in O(log n) probes each";
+  // With no store registered the runs are not probed at all.
+  idx.Match(kNs, Chain(n + 10), kIsStore, false, &gal);
+  EXPECT_EQ(gal.probes, workers_only);
+  EXPECT_EQ(gal.StoreRun(0), 0u);
 }
 
 // Property: random holdings, every worker's blocks of the chain a prefix of
 // it (engines fill front to back and evict from the tail), with removals
-// from the tail, and stores holding arbitrary segments (write-back): both
-// algorithms agree on every field. With holes in workers' holdings they
-// differ only as documented: a depth is never below the true contiguous
-// prefix, and a worker said to hold d blocks lacks block d.
+// from the tail, and the stores' blocks one segment (their union): both
+// algorithms agree on every field. With holes (a hole in a worker's
+// holdings, stores holding disjoint segments under write-back) they differ
+// only as documented: a depth or a store run is never below the true
+// contiguous one, and the block that ends it is one the worker (no store)
+// holds.
 TEST(PrefixIndex, GallopingAgreesWithTheLinearWalk) {
   std::mt19937_64 rng(20261123);
   for (int round = 0; round < 300; ++round) {
@@ -144,10 +154,23 @@ TEST(PrefixIndex, GallopingAgreesWithTheLinearWalk) {
     std::vector<std::vector<bool>> held(workers + 1, std::vector<bool>(n, false));
     // Stores 100 and 101 hold segments of the chain (write-back: the tails
     // workers evicted), not prefixes.
+    std::vector<bool> in_store(n, false);
+    int seg_from = static_cast<int>(rng() % (n + 1));
+    int seg_to = seg_from + static_cast<int>(rng() % (n - seg_from + 1));
     for (SourceNum st : {100u, 101u}) {
-      const int from = static_cast<int>(rng() % (n + 1));
-      const int to = from + static_cast<int>(rng() % (n - from + 1));
-      for (int i = from; i < to; ++i) idx.Add({kNs, H(i)}, st);
+      int from, to;
+      if (holes) {
+        from = static_cast<int>(rng() % (n + 1));
+        to = from + static_cast<int>(rng() % (n - from + 1));
+      } else {  // two overlapping parts of one segment
+        from = seg_from + (st == 100 ? 0 : (seg_to - seg_from) / 2);
+        to = st == 100 ? seg_from + (seg_to - seg_from + 1) / 2 + 1 : seg_to;
+        to = std::min(to, seg_to);
+      }
+      for (int i = from; i < to; ++i) {
+        idx.Add({kNs, H(i)}, st);
+        in_store[i] = true;
+      }
     }
     for (int w = 0; w <= workers; ++w) {
       const SourceNum s = w == workers ? 102 : static_cast<SourceNum>(w);
@@ -169,14 +192,23 @@ TEST(PrefixIndex, GallopingAgreesWithTheLinearWalk) {
     }
     PrefixMatch lin, gal;
     idx.MatchLinear(kNs, Chain(n), kIsStore, &lin);
-    idx.Match(kNs, Chain(n), kIsStore, &gal);
+    idx.Match(kNs, Chain(n), kIsStore, true, &gal);
     const std::string what = "round " + std::to_string(round);
     if (!holes) {
       ExpectSameMatch(gal, lin, what);
       continue;
     }
-    // Store runs are exact with holes too, at every position both report.
-    EXPECT_EQ(gal.StoreRun(0), lin.StoreRun(0)) << what;
+    auto check_run = [&](uint32_t at) {
+      uint32_t exact = 0;
+      while (at + exact < static_cast<uint32_t>(n) && in_store[at + exact]) ++exact;
+      const uint32_t run = gal.StoreRun(at);
+      EXPECT_GE(run, exact) << what << " at " << at;
+      if (at + run < static_cast<uint32_t>(n)) {
+        EXPECT_FALSE(in_store[at + run]) << what;
+      }
+    };
+    check_run(0);
+    for (const auto& [s, d] : gal.gpu_depth) check_run(d);
     auto ld = Depths(lin);
     for (const auto& [s, d] : Depths(gal)) {
       EXPECT_GE(d, ld[s]) << what;
@@ -191,13 +223,26 @@ TEST(PrefixIndex, GallopingAgreesWithTheLinearWalk) {
 TEST(PrefixIndex, MemoryIsReported) {
   PrefixIndex idx;
   for (uint64_t i = 0; i < 10000; ++i) idx.Add({kNs, H(i)}, 1);
-  EXPECT_GT(idx.MemoryBytes(), 10000 * 40u);
-  EXPECT_LT(idx.MemoryBytes(), 10000 * 200u);
+  // A 16-byte slot and a control byte per bucket, at a load of 7/16..7/8.
+  EXPECT_GE(idx.MemoryBytes(), 10000 * 17u);
+  EXPECT_LE(idx.MemoryBytes(), 10000 * 40u);
+  // Holders past two spill to a side list, counted too.
+  const size_t before = idx.MemoryBytes();
+  for (SourceNum s = 2; s < 10; ++s) idx.Add({kNs, H(1)}, s);
+  EXPECT_GT(idx.MemoryBytes(), before);
+  EXPECT_EQ(idx.replicas(), 10008u);
+  // Dropping a source drops it everywhere, keeping what it is told to keep.
+  absl::flat_hash_set<uint64_t> keep = {PrefixIndex::Fingerprint({kNs, H(5)})};
+  EXPECT_EQ(idx.RemoveSource(1, &keep), 9999u);
+  EXPECT_EQ(idx.blocks(), 2u);  // block 1 (sources 2-9) and block 5 (source 1)
+  EXPECT_EQ(idx.RemoveSource(3), 1u);
+  EXPECT_EQ(idx.replicas(), 8u);
 }
 
-Candidate C(std::string id, uint32_t gpu, uint32_t store, uint64_t load) {
+Candidate C(std::string_view id, uint32_t gpu, uint32_t store, uint64_t load) {
   Candidate c;
-  c.worker_id = std::move(id);
+  c.worker_id = id;
+  c.id_hash = WorkerIdHash(id);
   c.gpu_blocks = gpu;
   c.store_blocks = store;
   c.load_tokens = load;
@@ -235,14 +280,14 @@ TEST(Cost, TiesBreakByRequestHashStablyAndSpread) {
     auto db = Decide(k, 100, 16, req * 0x9E3779B97F4A7C15ull, b);
     EXPECT_EQ(da.reason, Reason::kTieBreak);
     EXPECT_EQ(a[da.chosen].worker_id, b[db.chosen].worker_id);  // order does not matter
-    wins[a[da.chosen].worker_id]++;
+    wins[std::string(a[da.chosen].worker_id)]++;
   }
   for (const auto& [w, n] : wins) EXPECT_NEAR(n, 1000, 150) << w;  // ties spread evenly
   // Removing a worker that did not win keeps the decision (rendezvous hashing).
   for (uint64_t req = 0; req < 200; ++req) {
     std::vector<Candidate> all = {C("w0", 0, 0, 0), C("w1", 0, 0, 0), C("w2", 0, 0, 0)};
     auto d = Decide(k, 100, 16, req, all);
-    std::string winner = all[d.chosen].worker_id;
+    std::string winner(all[d.chosen].worker_id);
     std::vector<Candidate> fewer;
     bool dropped = false;
     for (const auto& c : all) {
@@ -285,7 +330,7 @@ TEST(Cost, TemperatureSamplesDeterministicallyPerRequest) {
     auto d2 = Decide(k, 320, 16, req, again);
     EXPECT_EQ(d.reason, Reason::kSampled);
     EXPECT_EQ(c[d.chosen].worker_id, again[d2.chosen].worker_id);
-    wins[c[d.chosen].worker_id]++;
+    wins[std::string(c[d.chosen].worker_id)]++;
   }
   // a costs 160, b 320: weight ratio e^(160/160) = e, so a wins ~73 %.
   EXPECT_NEAR(wins["a"] / 2000.0, 0.731, 0.04);

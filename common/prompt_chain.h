@@ -42,5 +42,9 @@ absl::StatusOr<PromptChain> ChainFromTokens(uint64_t namespace_id,
 // block_tokens > 0.
 absl::StatusOr<PromptChain> ChainFromHashes(std::vector<BlockHash> hashes, uint64_t prompt_tokens,
                                             uint32_t block_tokens, absl::string_view what);
+// ChainFromHashes's checks and prompt length for a chain of `blocks` hashes
+// the caller reads in place.
+absl::StatusOr<uint64_t> HashedPromptTokens(size_t blocks, uint64_t prompt_tokens,
+                                            uint32_t block_tokens, absl::string_view what);
 
 }  // namespace kvtier

@@ -102,7 +102,7 @@ bool IsStore(const PrefixIndex::StoreFlags& is_store, SourceNum s) {
 
 }  // namespace
 
-void PrefixIndex::MatchLinear(uint64_t ns, std::span<const BlockHash> chain,
+void PrefixIndex::MatchLinear(uint64_t ns, const ChainView& chain,
                               const StoreFlags& is_store, PrefixMatch* out) const {
   out->Clear();
   // Workers still holding every block so far.
@@ -138,7 +138,7 @@ void PrefixIndex::MatchLinear(uint64_t ns, std::span<const BlockHash> chain,
   for (const auto& [s, depth] : out->gpu_depth) AddStoreRun(out, depth, run[depth]);
 }
 
-void PrefixIndex::Match(uint64_t ns, std::span<const BlockHash> chain, const StoreFlags& is_store,
+void PrefixIndex::Match(uint64_t ns, const ChainView& chain, const StoreFlags& is_store,
                         bool any_store, PrefixMatch* out) const {
   out->Clear();
   const size_t n = chain.size();

@@ -24,6 +24,26 @@ namespace kvtier::router {
 // A dense number for a source, assigned by RouterCore.
 using SourceNum = uint32_t;
 
+// A prompt's block hashes: a vector's, or read in place (from a request)
+// through `at`, so a match converts only the ~log n hashes it probes.
+class ChainView {
+ public:
+  ChainView() = default;
+  ChainView(std::span<const BlockHash> chain) : data_(chain.data()), n_(chain.size()) {}
+  ChainView(const std::vector<BlockHash>& chain) : data_(chain.data()), n_(chain.size()) {}
+  ChainView(const void* ctx, size_t n, BlockHash (*at)(const void*, size_t))
+      : ctx_(ctx), at_(at), n_(n) {}
+  BlockHash operator[](size_t i) const { return data_ != nullptr ? data_[i] : at_(ctx_, i); }
+  size_t size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+
+ private:
+  const BlockHash* data_ = nullptr;
+  const void* ctx_ = nullptr;
+  BlockHash (*at_)(const void*, size_t) = nullptr;
+  size_t n_ = 0;
+};
+
 struct PrefixMatch {
   // Leading blocks of the chain each worker holds (only workers with >= 1).
   std::vector<std::pair<SourceNum, uint32_t>> gpu_depth;
@@ -83,11 +103,11 @@ class PrefixIndex {
   // prefix, never at a probed block the worker lacks. A store's run from a
   // position gallops the same way: exact when the stores' blocks from there
   // are contiguous, and never extended past a probed block no store holds.
-  void Match(uint64_t ns, std::span<const BlockHash> chain, const StoreFlags& is_store,
+  void Match(uint64_t ns, const ChainView& chain, const StoreFlags& is_store,
              bool any_store, PrefixMatch* out) const;
   // The reference: walks every block from the first while some worker still
   // holds the prefix or a store holds the block (exact with holes too).
-  void MatchLinear(uint64_t ns, std::span<const BlockHash> chain, const StoreFlags& is_store,
+  void MatchLinear(uint64_t ns, const ChainView& chain, const StoreFlags& is_store,
                    PrefixMatch* out) const;
 
   size_t blocks() const { return map_.size(); }

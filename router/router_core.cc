@@ -295,10 +295,26 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   }
   const Fleet& fleet = fleet_it->second;
   const uint32_t bt = fleet.sources[0]->hello.block_tokens();
-  auto prompt = PromptFromRequest(req, req.namespace_id(), bt, "route");
-  if (!prompt.ok()) return prompt.status();
-  std::vector<BlockHash>& chain = prompt->chain;
-  const uint64_t prompt_tokens = prompt->prompt_tokens;
+  // A chain of hashes is read in place: a match probes only ~log n of them.
+  ChainView chain;
+  std::vector<BlockHash> hashed;
+  uint64_t prompt_tokens = 0;
+  if (req.prompt_case() == v1::RouteRequest::kHashes) {
+    const auto& hs = req.hashes().hashes();
+    auto tokens = HashedPromptTokens(hs.size(), req.prompt_tokens(), bt, "route");
+    if (!tokens.ok()) return tokens.status();
+    prompt_tokens = *tokens;
+    chain = ChainView(&hs, hs.size(), [](const void* ctx, size_t i) {
+      using Hashes = google::protobuf::RepeatedPtrField<v1::BlockHash>;
+      return FromProto((*static_cast<const Hashes*>(ctx))[static_cast<int>(i)]);
+    });
+  } else {
+    auto prompt = PromptFromRequest(req, req.namespace_id(), bt, "route");
+    if (!prompt.ok()) return prompt.status();
+    hashed = std::move(prompt->chain);
+    prompt_tokens = prompt->prompt_tokens;
+    chain = ChainView(hashed);
+  }
   uint64_t request_hash = 0;
   if (chain.empty()) {
     // A prompt shorter than one block has no chain to key the sampling on.
@@ -313,7 +329,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     index_.Match(req.namespace_id(), chain, is_store_, stores_ > 0, &match);
   }
   if (!chain.empty()) {
-    const BlockHash& h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
+    const BlockHash h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
     request_hash = h.hi ^ (h.lo * 0x9E3779B97F4A7C15ull);
   }
   auto load_of = [&](size_t slot) {

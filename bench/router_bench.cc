@@ -231,16 +231,32 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
 
 }  // namespace
 
+int RunRouterFleetCases(const std::vector<int64_t>& fleet, int64_t stores, int64_t blocks,
+                        const std::string& trace_path, const std::string& inproc_rates,
+                        const std::string& grpc_rates, double seconds, int64_t threads,
+                        bool json);
+
 int RunRouterBench(int argc, const char* const* argv) {
   int64_t blocks = 10'000'000;
   int64_t requests = 2000;
   int64_t prompt_blocks = 2000;
   std::string workers_list = "8,64,1000";
   bool quick = false, json = false;
+  std::string fleet_list, trace = KVTIER_SOURCE_DIR "/bench/traces/conversation_trace.jsonl";
+  std::string inproc_rates = "50000,100000,150000,200000", grpc_rates = "1000,2000,4000,8000";
+  int64_t stores = 4, threads = 1, fleet_ms = 1000;
   FlagSet flags("kvtier-bench router",
                 "Route latency (in-process and over gRPC), event ingestion rate and memory per\n"
                 "indexed block of the router's index, beside a bare hash walk and a round-robin\n"
-                "router on the same gRPC path.");
+                "router on the same gRPC path. With --fleet: a fleet of simulated workers and\n"
+                "store shards fed from the trace, routes issued open-loop at target rates.");
+  flags.String("fleet", &fleet_list, "Comma-separated fleet sizes (workers) for the open-loop fleet run");
+  flags.Int("stores", &stores, 0, 1024, "Store shards in the fleet run");
+  flags.String("trace", &trace, "Trace the fleet run replays (Mooncake JSONL)");
+  flags.String("inproc-rates", &inproc_rates, "Target routes/s in process (fleet run)");
+  flags.String("grpc-rates", &grpc_rates, "Target routes/s over loopback gRPC (fleet run)");
+  flags.Int("threads", &threads, 1, 256, "Client threads in process, one per core (fleet run)");
+  flags.Int("fleet-ms", &fleet_ms, 50, 600000, "Milliseconds per rate (fleet run)");
   flags.Int("blocks", &blocks, 1000, int64_t{1} << 32, "Indexed blocks");
   flags.Int("requests", &requests, 10, 1 << 24, "Route calls per case");
   flags.Int("prompt-blocks", &prompt_blocks, 1, 16384, "Blocks per prompt (16 tokens each)");
@@ -252,6 +268,15 @@ int RunRouterBench(int argc, const char* const* argv) {
   if (quick) {
     blocks = std::min<int64_t>(blocks, 200000);
     requests = std::min<int64_t>(requests, 200);
+  }
+  if (!fleet_list.empty()) {
+    auto fleet = ParseIntList("fleet", fleet_list, 1, 100000);
+    if (!fleet.ok()) {
+      std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(fleet.status().message()).c_str());
+      return 2;
+    }
+    return RunRouterFleetCases(*fleet, stores, blocks, trace, inproc_rates, grpc_rates,
+                               fleet_ms / 1000.0, threads, json);
   }
   std::vector<Case> cases;
   auto workers = ParseIntList("workers", workers_list, 1, 100000);

@@ -6,12 +6,20 @@
 
 namespace kvtier::router {
 
+void PrefixIndex::SetStore(SourceNum source, bool store) {
+  if (source >= is_store_.size()) is_store_.resize(source + 1, 0);
+  if (is_store_[source] == store) return;
+  is_store_[source] = store;
+  store ? ++stores_ : --stores_;
+}
+
 bool PrefixIndex::Add(uint64_t fp, SourceNum source) {
   Holders& h = map_[fp];
   if (h.h[0] == kSpill) {
-    auto& list = spill_[h.h[1]];
-    if (std::find(list.begin(), list.end(), source) != list.end()) return false;
-    list.push_back(source);
+    Spill& sp = spill_[h.h[1]];
+    if (std::find(sp.list.begin(), sp.list.end(), source) != sp.list.end()) return false;
+    sp.list.push_back(source);
+    sp.stores += IsStore(source);
   } else if (h.h[0] == kNone) {
     h.h[0] = source;
   } else if (h.h[0] == source || h.h[1] == source) {
@@ -27,7 +35,8 @@ bool PrefixIndex::Add(uint64_t fp, SourceNum source) {
       at = spill_free_.back();
       spill_free_.pop_back();
     }
-    spill_[at] = {h.h[0], h.h[1], source};
+    spill_[at].list = {h.h[0], h.h[1], source};
+    spill_[at].stores = IsStore(h.h[0]) + IsStore(h.h[1]) + IsStore(source);
     h.h[0] = kSpill;
     h.h[1] = at;
   }
@@ -37,11 +46,13 @@ bool PrefixIndex::Add(uint64_t fp, SourceNum source) {
 
 bool PrefixIndex::Drop(Holders& h, SourceNum source) {
   if (h.h[0] == kSpill) {
-    auto& list = spill_[h.h[1]];
+    Spill& sp = spill_[h.h[1]];
+    auto& list = sp.list;
     auto pos = std::find(list.begin(), list.end(), source);
     if (pos == list.end()) return false;
     *pos = list.back();
     list.pop_back();
+    sp.stores -= IsStore(source);
     if (list.size() == 2) {
       const uint32_t at = h.h[1];
       h.h[0] = list[0];
@@ -96,14 +107,9 @@ void AddStoreRun(PrefixMatch* out, uint32_t at, uint32_t run) {
   out->store_runs.emplace_back(at, run);
 }
 
-bool IsStore(const PrefixIndex::StoreFlags& is_store, SourceNum s) {
-  return s < is_store.size() && is_store[s] != 0;
-}
-
 }  // namespace
 
-void PrefixIndex::MatchLinear(uint64_t ns, const ChainView& chain,
-                              const StoreFlags& is_store, PrefixMatch* out) const {
+void PrefixIndex::MatchLinear(uint64_t ns, const ChainView& chain, PrefixMatch* out) const {
   out->Clear();
   // Workers still holding every block so far.
   std::vector<SourceNum> active, next;
@@ -114,7 +120,7 @@ void PrefixIndex::MatchLinear(uint64_t ns, const ChainView& chain,
     next.clear();
     if (h != nullptr) {
       for (SourceNum s : List(*h)) {
-        if (IsStore(is_store, s)) {
+        if (IsStore(s)) {
           stored = true;
         } else if (i == 0 || std::find(active.begin(), active.end(), s) != active.end()) {
           next.push_back(s);
@@ -138,71 +144,80 @@ void PrefixIndex::MatchLinear(uint64_t ns, const ChainView& chain,
   for (const auto& [s, depth] : out->gpu_depth) AddStoreRun(out, depth, run[depth]);
 }
 
-void PrefixIndex::Match(uint64_t ns, const ChainView& chain, const StoreFlags& is_store,
-                        bool any_store, PrefixMatch* out) const {
+void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) const {
   out->Clear();
   const size_t n = chain.size();
-  using Set = absl::InlinedVector<SourceNum, 4>;  // sorted worker numbers
-  // The workers of `from` that hold block p (all workers holding it when
-  // `from` is null).
-  auto holding = [&](size_t p, const Set* from) {
-    Set got;
-    const Holders* h = Find(ns, chain[p], out);
-    if (h == nullptr) return got;
-    for (SourceNum s : List(*h)) {
-      if (from == nullptr ? !IsStore(is_store, s)
-                          : std::binary_search(from->begin(), from->end(), s)) {
-        got.push_back(s);
-      }
-    }
-    std::sort(got.begin(), got.end());
-    return got;
+  struct Probe {
+    size_t at;
+    const Holders* h;
+    uint32_t workers;
   };
-  // Every worker of `at_lo` holds blocks [0, lo]; `at_hi` (a strict subset)
-  // are those that also hold block hi. Halves (lo, hi] until each leaver's
-  // last block is found.
-  auto split = [&](auto& self, size_t lo, const Set& at_lo, size_t hi, const Set& at_hi) -> void {
-    if (hi - lo == 1) {
-      for (SourceNum s : at_lo) {
-        if (!std::binary_search(at_hi.begin(), at_hi.end(), s)) {
-          out->gpu_depth.emplace_back(s, static_cast<uint32_t>(hi));
-        }
-      }
+  auto probe = [&](size_t at) {
+    const Holders* h = Find(ns, chain[at], out);
+    return Probe{at, h, Workers(h)};
+  };
+  // Per-source marks for this match, indexed by SourceNum: kFirst = holds
+  // block 0, kHi = holds the block after a change (one change at a time),
+  // kDone = given a depth.
+  enum : uint8_t { kFirst = 1, kHi = 2, kDone = 4 };
+  thread_local std::vector<uint8_t> mark;
+  auto marks = [&](const Probe& p, uint8_t bit, bool set) {
+    if (p.h == nullptr) return;
+    for (SourceNum s : List(*p.h)) {
+      if (s >= mark.size()) mark.resize(s + 1, 0);
+      set ? mark[s] |= bit : mark[s] &= static_cast<uint8_t>(~bit);
+    }
+  };
+  // The workers holding block lo.at (and block 0) but not block hi.at hold
+  // hi.at leading blocks.
+  auto change = [&](const Probe& lo, const Probe& hi) {
+    marks(hi, kHi, true);
+    for (SourceNum s : List(*lo.h)) {
+      if (s >= mark.size() || (mark[s] & (kFirst | kHi | kDone)) != kFirst || IsStore(s)) continue;
+      mark[s] |= kDone;
+      out->gpu_depth.emplace_back(s, static_cast<uint32_t>(hi.at));
+    }
+    marks(hi, kHi, false);
+  };
+  // lo.workers != hi.workers: halve (lo, hi] until each change is one block.
+  auto split = [&](auto& self, const Probe& lo, const Probe& hi) -> void {
+    if (hi.at - lo.at == 1) {
+      if (lo.workers > 0) change(lo, hi);
       return;
     }
-    const size_t mid = lo + (hi - lo) / 2;
-    const Set at_mid = holding(mid, &at_lo);
-    if (at_mid != at_lo) self(self, lo, at_lo, mid, at_mid);
-    if (at_hi != at_mid) self(self, mid, at_mid, hi, at_hi);
+    const Probe mid = probe(lo.at + (hi.at - lo.at) / 2);
+    if (mid.workers != lo.workers) self(self, lo, mid);
+    if (hi.workers != mid.workers) self(self, mid, hi);
   };
-  if (n > 0) {
-    size_t lo = 0;
-    Set at_lo = holding(0, nullptr);
-    while (!at_lo.empty()) {
-      if (lo == n - 1) {
-        for (SourceNum s : at_lo) out->gpu_depth.emplace_back(s, static_cast<uint32_t>(n));
+  Probe first{};
+  if (n > 0) first = probe(0);
+  if (first.workers > 0) {
+    marks(first, kFirst, true);
+    Probe lo = first;
+    while (lo.workers > 0) {
+      if (lo.at == n - 1) {
+        change(lo, Probe{n, nullptr, 0});
         break;
       }
-      const size_t hi = std::min(2 * lo + 1, n - 1);  // blocks 1, 3, 7, 15, ...
-      Set at_hi = holding(hi, &at_lo);
-      if (at_hi != at_lo) split(split, lo, at_lo, hi, at_hi);
+      const Probe hi = probe(std::min(2 * lo.at + 1, n - 1));  // blocks 1, 3, 7, 15, ...
+      if (hi.workers != lo.workers) split(split, lo, hi);
       lo = hi;
-      at_lo = std::move(at_hi);
     }
+    marks(first, kFirst | kDone, false);
   }
   // The store's runs from 0 and from each worker's depth, galloped the same
   // way. A run already found answers the positions inside it.
   auto stored = [&](size_t k) {
     if (const Holders* h = Find(ns, chain[k], out)) {
       for (SourceNum s : List(*h)) {
-        if (IsStore(is_store, s)) return true;
+        if (IsStore(s)) return true;
       }
     }
     return false;
   };
   absl::InlinedVector<std::pair<uint32_t, uint32_t>, 4> runs;  // [begin, end) found
   auto run_from = [&](uint32_t from) -> uint32_t {
-    if (!any_store || from >= n) return 0;
+    if (stores_ == 0 || from >= n) return 0;
     for (const auto& [b, e] : runs) {
       if (from >= b && from < e) return e - from;
       if (from == e) return 0;  // a block no store holds ended that run
@@ -239,7 +254,8 @@ size_t PrefixIndex::MemoryBytes() const {
   // Swiss table: one slot plus one control byte per bucket.
   size_t bytes = map_.capacity() * (sizeof(std::pair<const uint64_t, Holders>) + 1);
   bytes += spill_.capacity() * sizeof(spill_[0]) + spill_free_.capacity() * sizeof(uint32_t);
-  for (const auto& list : spill_) bytes += list.capacity() * sizeof(SourceNum);
+  for (const auto& sp : spill_) bytes += sp.list.capacity() * sizeof(SourceNum);
+  bytes += is_store_.capacity();
   return bytes;
 }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/container/flat_hash_set.h"
 #include "common/block_key.h"
 
@@ -76,11 +77,14 @@ struct PrefixMatch {
 
 class PrefixIndex {
  public:
-  // is_store[s] tells a store shard from a worker (indexed by SourceNum;
-  // numbers past its end are workers).
-  using StoreFlags = std::vector<uint8_t>;
-
   static uint64_t Fingerprint(const BlockKey& key) { return key.Mix(); }
+
+  // Marks a source as a store shard (or a worker, the default).
+  // REQUIRES: the source holds no block.
+  void SetStore(SourceNum source, bool store);
+  bool IsStore(SourceNum source) const {
+    return source < is_store_.size() && is_store_[source] != 0;
+  }
 
   // True if the pair was not there yet.
   bool Add(uint64_t fp, SourceNum source);
@@ -96,19 +100,20 @@ class PrefixIndex {
   // The workers' prefixes of the chain and the store's runs after them in
   // O(log n) probes per distinct depth (docs/router.md, "Matching"). Blocks
   // 0, 1, 3, 7, ... are probed until no worker holds one; between two
-  // probes whose holder sets differ, the interval is halved until every
-  // worker's last block is found. Exact when every worker's blocks of the
-  // chain are a prefix of it (engines fill front to back and evict from the
-  // tail); with a hole a depth may come out deeper than the contiguous
-  // prefix, never at a probed block the worker lacks. A store's run from a
-  // position gallops the same way: exact when the stores' blocks from there
-  // are contiguous, and never extended past a probed block no store holds.
-  void Match(uint64_t ns, const ChainView& chain, const StoreFlags& is_store,
-             bool any_store, PrefixMatch* out) const;
+  // probes holding different numbers of workers, the interval is halved
+  // until each change is one block wide, and the workers holding the block
+  // before it but not the block after it end there. Exact when every
+  // worker's blocks of the chain are a prefix of it (engines fill front to
+  // back and evict from the tail). With holes (the invariant broken) a
+  // worker may be reported deeper or shallower than its contiguous prefix,
+  // or not at all; a worker reported with depth d always holds blocks 0 and
+  // d - 1 and lacks block d (d < n). A store's run from a position gallops
+  // the same way: exact when the stores' blocks from there are contiguous,
+  // never ended by a block a store holds.
+  void Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) const;
   // The reference: walks every block from the first while some worker still
   // holds the prefix or a store holds the block (exact with holes too).
-  void MatchLinear(uint64_t ns, const ChainView& chain, const StoreFlags& is_store,
-                   PrefixMatch* out) const;
+  void MatchLinear(uint64_t ns, const ChainView& chain, PrefixMatch* out) const;
 
   size_t blocks() const { return map_.size(); }
   size_t replicas() const { return replicas_; }
@@ -126,9 +131,22 @@ class PrefixIndex {
   struct FpHash {
     size_t operator()(uint64_t fp) const { return static_cast<size_t>(fp); }
   };
+  // A holder list that outgrew its slot, and how many of it are stores.
+  struct Spill {
+    std::vector<SourceNum> list;
+    uint32_t stores = 0;
+  };
   std::span<const SourceNum> List(const Holders& h) const {
-    if (h.h[0] == kSpill) return spill_[h.h[1]];
+    if (h.h[0] == kSpill) return spill_[h.h[1]].list;
     return {h.h, static_cast<size_t>(h.h[0] != kNone) + (h.h[1] != kNone)};
+  }
+  uint32_t Workers(const Holders* h) const {
+    if (h == nullptr) return 0;
+    if (h->h[0] == kSpill) {
+      const Spill& sp = spill_[h->h[1]];
+      return static_cast<uint32_t>(sp.list.size()) - sp.stores;
+    }
+    return (h->h[0] != kNone && !IsStore(h->h[0])) + (h->h[1] != kNone && !IsStore(h->h[1]));
   }
   const Holders* Find(uint64_t ns, const BlockHash& hash, PrefixMatch* out) const;
   // Removes `source` from `h`; true if it was there. Leaves h empty (h[0] ==
@@ -136,7 +154,9 @@ class PrefixIndex {
   bool Drop(Holders& h, SourceNum source);
 
   absl::flat_hash_map<uint64_t, Holders, FpHash> map_;
-  std::vector<std::vector<SourceNum>> spill_;
+  std::vector<Spill> spill_;
+  std::vector<uint8_t> is_store_;  // by SourceNum
+  size_t stores_ = 0;
   std::vector<uint32_t> spill_free_;
   size_t replicas_ = 0;
 };

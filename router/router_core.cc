@@ -132,39 +132,33 @@ void RouterCore::ClearSource(Source& s) {
 }
 
 void RouterCore::JoinFleet(Source& s) {
-  if (s.num >= is_store_.size()) is_store_.resize(s.num + 1, 0);
+  if (s.num >= load_.size()) {
+    load_.resize(s.num + 1, 0);
+    id_hash_.resize(s.num + 1, 0);
+  }
+  load_[s.num] = s.load.queued_prefill_tokens() + s.routed_since_heartbeat.load();
+  id_hash_[s.num] = s.id_hash;
   if (s.hello.kind() == v1::SOURCE_STORE) {
-    is_store_[s.num] = 1;
-    ++stores_;
+    index_.SetStore(s.num, true);
     return;
   }
-  is_store_[s.num] = 0;
   Fleet& f = fleets_[s.hello.namespace_id()];
-  s.slot = f.sources.size();
-  f.sources.push_back(&s);
-  f.id_hash.push_back(s.id_hash);
-  f.load.push_back(s.load.queued_prefill_tokens() + s.routed_since_heartbeat.load());
+  s.slot = f.nums.size();
+  f.nums.push_back(s.num);
 }
 
 void RouterCore::LeaveFleet(Source& s) {
   if (s.hello.kind() == v1::SOURCE_STORE) {
-    is_store_[s.num] = 0;
-    --stores_;
+    index_.SetStore(s.num, false);
     return;
   }
   auto it = fleets_.find(s.hello.namespace_id());
   Fleet& f = it->second;
-  const size_t last = f.sources.size() - 1;
-  if (s.slot != last) {
-    f.sources[s.slot] = f.sources[last];
-    f.id_hash[s.slot] = f.id_hash[last];
-    f.load[s.slot] = f.load[last];
-    f.sources[s.slot]->slot = s.slot;
-  }
-  f.sources.pop_back();
-  f.id_hash.pop_back();
-  f.load.pop_back();
-  if (f.sources.empty()) fleets_.erase(it);
+  const SourceNum moved = f.nums.back();
+  f.nums[s.slot] = moved;
+  by_num_[moved]->slot = s.slot;
+  f.nums.pop_back();
+  if (f.nums.empty()) fleets_.erase(it);
 }
 
 absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& m,
@@ -184,7 +178,7 @@ absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& 
     case v1::SourceMessage::kHeartbeat:
       s.load = m.heartbeat();
       s.routed_since_heartbeat = 0;
-      if (s.hello.kind() == v1::SOURCE_WORKER) FleetLoad(s) = s.load.queued_prefill_tokens();
+      load_[s.num] = s.load.queued_prefill_tokens();
       return absl::OkStatus();
     case v1::SourceMessage::kSnapshot:
       ApplySnapshotChunk(s, m.snapshot(), commands);
@@ -294,7 +288,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
                                                " sources registered)"));
   }
   const Fleet& fleet = fleet_it->second;
-  const uint32_t bt = fleet.sources[0]->hello.block_tokens();
+  const uint32_t bt = by_num_[fleet.nums[0]]->hello.block_tokens();
   // A chain of hashes is read in place: a match probes only ~log n of them.
   ChainView chain;
   std::vector<BlockHash> hashed;
@@ -324,72 +318,103 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
 
   PrefixMatch match;
   if (options_.linear_match) {
-    index_.MatchLinear(req.namespace_id(), chain, is_store_, &match);
+    index_.MatchLinear(req.namespace_id(), chain, &match);
   } else {
-    index_.Match(req.namespace_id(), chain, is_store_, stores_ > 0, &match);
+    index_.Match(req.namespace_id(), chain, &match);
   }
   if (!chain.empty()) {
     const BlockHash h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
     request_hash = h.hi ^ (h.lo * 0x9E3779B97F4A7C15ull);
   }
-  auto load_of = [&](size_t slot) {
-    return std::atomic_ref<const uint64_t>(fleet.load[slot]).load(std::memory_order_relaxed);
-  };
-  auto candidate = [&](size_t slot, uint32_t gpu_blocks) {
-    const Source* w = fleet.sources[slot];
-    Candidate c;
-    c.worker_id = w->hello.source_id();
-    c.id_hash = fleet.id_hash[slot];
-    c.num = static_cast<uint32_t>(slot);
-    c.gpu_blocks = gpu_blocks;
-    c.store_blocks = match.StoreRun(gpu_blocks);
-    c.load_tokens = load_of(slot);
-    return c;
-  };
-  // Every worker holding part of the prompt is a candidate. The others
-  // differ only in load, so of them only the least loaded can win (the
-  // highest rendezvous rank among equals): one scan of the fleet's loads
-  // keeps the `shown` best of them, and the fleet's highest load for the
-  // balance guard.
-  std::vector<Candidate> cands;
-  cands.reserve(match.gpu_depth.size() + shown);
-  absl::flat_hash_set<size_t> hit;
-  for (const auto& [num, blocks] : match.gpu_depth) {
-    const Source* w = by_num_[num];
-    if (w->hello.namespace_id() != req.namespace_id()) continue;
-    hit.insert(w->slot);
-    cands.push_back(candidate(w->slot, blocks));
-  }
-  struct Cold {
-    uint64_t load, rank;
-    size_t slot;
-  };
-  absl::InlinedVector<Cold, 8> cold;  // the `keep` best, best first
+  // Every worker is weighed, in one pass over those holding part of the
+  // prompt and one over the rest (skipped when every worker holds some).
+  // Workers at the same depth differ only in load, so the pass keeps just
+  // the `keep` cheapest (the highest rendezvous rank first among equals:
+  // the tie-break's winner is among them), the least loaded (the balance
+  // guard's pick) and the highest load; Decide then chooses among those.
   const size_t keep = std::max<size_t>(shown, 1);
+  const CostKnobs& k = options_.knobs;
+  struct Pick {
+    double cost;
+    uint64_t load, rank;
+    SourceNum num;
+    uint32_t depth;
+  };
+  absl::InlinedVector<Pick, 8> top;  // cheapest first
+  Pick least{0, ~uint64_t{0}, 0, 0, 0};
+  bool have_least = false;
   uint64_t max_load = 0;
-  for (size_t i = 0; i < fleet.load.size(); ++i) {
-    const uint64_t load = load_of(i);
+  uint32_t base_depth = ~0u;
+  double base = 0;
+  auto consider = [&](SourceNum num, uint32_t depth) {
+    const uint64_t load =
+        std::atomic_ref<uint64_t>(load_[num]).load(std::memory_order_relaxed);
     max_load = std::max(max_load, load);
-    if (cold.size() == keep && load > cold.back().load) continue;
-    if (!hit.empty() && hit.contains(i)) continue;
-    const Cold c{load, RendezvousRank(request_hash, fleet.id_hash[i]), i};
-    auto better = [](const Cold& a, const Cold& b) {
-      return a.load != b.load ? a.load < b.load : a.rank > b.rank;
-    };
-    if (cold.size() == keep) {
-      if (!better(c, cold.back())) continue;
-      cold.pop_back();
+    if (depth != base_depth) {  // the cost of the prompt's blocks at this depth
+      base_depth = depth;
+      const uint64_t cached = std::min<uint64_t>(uint64_t{depth} * bt, prompt_tokens);
+      const uint64_t fetched = std::min<uint64_t>(uint64_t{match.StoreRun(depth)} * bt,
+                                                  prompt_tokens - cached);
+      base = static_cast<double>(prompt_tokens - cached - fetched) +
+             k.fetch_cost * static_cast<double>(fetched);
     }
-    cold.insert(std::upper_bound(cold.begin(), cold.end(), c, better), c);
+    const double cost = base + k.load_weight * static_cast<double>(load);
+    const bool may_top = top.size() < keep || cost <= top.back().cost;
+    const bool may_least = !have_least || load <= least.load;
+    if (!may_top && !may_least) return;
+    const Pick p{cost, load, RendezvousRank(request_hash, id_hash_[num]), num, depth};
+    if (may_least && (!have_least || load < least.load || p.rank > least.rank)) {
+      least = p;
+      have_least = true;
+    }
+    auto cheaper = [](const Pick& a, const Pick& b) {
+      return a.cost != b.cost ? a.cost < b.cost : a.rank > b.rank;
+    };
+    if (top.size() == keep) {
+      if (!cheaper(p, top.back())) return;
+      top.pop_back();
+    }
+    top.insert(std::upper_bound(top.begin(), top.end(), p, cheaper), p);
+  };
+  size_t hits = 0;
+  for (const auto& [num, depth] : match.gpu_depth) {
+    if (by_num_[num]->hello.namespace_id() != req.namespace_id()) continue;
+    ++hits;
+    consider(num, depth);
   }
-  for (const Cold& c : cold) cands.push_back(candidate(c.slot, 0));
-  Decision d = Decide(options_.knobs, prompt_tokens, bt, request_hash, cands, max_load);
+  if (hits < fleet.nums.size()) {
+    thread_local std::vector<uint8_t> hit;
+    if (hit.size() < by_num_.size()) hit.resize(by_num_.size(), 0);
+    for (const auto& [num, depth] : match.gpu_depth) hit[num] = 1;
+    for (SourceNum num : fleet.nums) {
+      if (!hit[num]) consider(num, 0);
+    }
+    for (const auto& [num, depth] : match.gpu_depth) hit[num] = 0;
+  }
+  std::vector<Candidate> cands;
+  cands.reserve(top.size() + 1);
+  auto add = [&](const Pick& p) {
+    Candidate c;
+    c.worker_id = by_num_[p.num]->hello.source_id();
+    c.id_hash = id_hash_[p.num];
+    c.num = p.num;
+    c.gpu_blocks = p.depth;
+    c.store_blocks = match.StoreRun(p.depth);
+    c.load_tokens = p.load;
+    cands.push_back(c);
+  };
+  for (const Pick& p : top) add(p);
+  if (have_least && std::none_of(top.begin(), top.end(),
+                                 [&](const Pick& p) { return p.num == least.num; })) {
+    add(least);
+  }
+  Decision d = Decide(k, prompt_tokens, bt, request_hash, cands, max_load);
   RouteResult r;
   const Candidate& best = cands[d.chosen];
-  Source* chosen = fleet.sources[best.num];
+  Source* chosen = by_num_[best.num];
   chosen->routed_since_heartbeat += best.prefill_tokens;
-  std::atomic_ref<uint64_t>(const_cast<uint64_t&>(fleet.load[best.num]))
-      .fetch_add(best.prefill_tokens, std::memory_order_relaxed);
+  std::atomic_ref<uint64_t>(load_[best.num]).fetch_add(best.prefill_tokens,
+                                                       std::memory_order_relaxed);
   r.worker_id = best.worker_id;
   r.endpoint = chosen->hello.endpoint();
   r.gpu_blocks = best.gpu_blocks;

@@ -103,14 +103,10 @@ class RouterCore {
     int streams = 0;
     size_t slot = 0;  // workers: place in their fleet's arrays
   };
-  // The workers of one namespace, in dense arrays so a route scans their
-  // loads without touching the sources. load[i] = queued prefill tokens at
-  // the last heartbeat + tokens routed since; Route adds to it under the
-  // shared lock through std::atomic_ref.
+  // The workers of one namespace (their numbers, for the scan of those
+  // holding nothing of a prompt).
   struct Fleet {
-    std::vector<Source*> sources;
-    std::vector<uint64_t> id_hash;
-    std::vector<uint64_t> load;
+    std::vector<SourceNum> nums;
   };
 
   void RequestSnapshot(Source& s, const std::string& reason,
@@ -122,16 +118,18 @@ class RouterCore {
   void RemoveSourceLocked(const std::string& id);
   void JoinFleet(Source& s);
   void LeaveFleet(Source& s);
-  uint64_t& FleetLoad(const Source& s) { return fleets_.at(s.hello.namespace_id()).load[s.slot]; }
 
   RouterOptions options_;
   mutable std::shared_mutex mu_;
   std::unordered_map<std::string, std::unique_ptr<Source>> sources_;
   std::vector<Source*> by_num_;  // SourceNum -> source (nullptr when free)
   std::vector<SourceNum> free_nums_;
-  PrefixIndex::StoreFlags is_store_;  // by SourceNum
-  size_t stores_ = 0;
   absl::flat_hash_map<uint64_t, Fleet> fleets_;  // namespace -> its workers
+  // By SourceNum, dense so a route reads them without touching the sources:
+  // load_ = queued prefill tokens at the last heartbeat + tokens routed
+  // since (Route adds to it under the shared lock through std::atomic_ref);
+  // id_hash_ = WorkerIdHash of the source id.
+  std::vector<uint64_t> load_, id_hash_;
   PrefixIndex index_;
 
   struct Counters {

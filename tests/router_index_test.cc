@@ -19,19 +19,19 @@ std::vector<BlockHash> Chain(int n) {
   return c;
 }
 
-// Sources 100+ are stores.
-const PrefixIndex::StoreFlags kIsStore = [] {
-  PrefixIndex::StoreFlags f(110, 0);
-  for (size_t s = 100; s < f.size(); ++s) f[s] = 1;
-  return f;
-}();
+// An index whose sources 100-109 are stores.
+PrefixIndex NewIndex() {
+  PrefixIndex idx;
+  for (SourceNum s = 100; s < 110; ++s) idx.SetStore(s, true);
+  return idx;
+}
 
 std::map<SourceNum, uint32_t> Depths(const PrefixMatch& m) {
   return std::map<SourceNum, uint32_t>(m.gpu_depth.begin(), m.gpu_depth.end());
 }
 
 TEST(PrefixIndex, AddRemoveCount) {
-  PrefixIndex idx;
+  PrefixIndex idx = NewIndex();
   EXPECT_TRUE(idx.Add({kNs, H(1)}, 1));
   EXPECT_FALSE(idx.Add({kNs, H(1)}, 1));
   EXPECT_TRUE(idx.Add({kNs, H(1)}, 2));
@@ -47,13 +47,13 @@ TEST(PrefixIndex, AddRemoveCount) {
 }
 
 TEST(PrefixIndex, LongestContiguousPrefixPerWorker) {
-  PrefixIndex idx;
+  PrefixIndex idx = NewIndex();
   for (int i = 0; i < 5; ++i) idx.Add({kNs, H(i)}, 1);  // worker 1: blocks 0-4
   for (int i = 0; i < 2; ++i) idx.Add({kNs, H(i)}, 2);  // worker 2: blocks 0-1
   for (int i = 1; i < 6; ++i) idx.Add({kNs, H(i)}, 3);  // worker 3: no block 0 -> depth 0
   idx.Add({kNs, H(3)}, 2);                              // a hole: does not count
   PrefixMatch m;
-  idx.MatchLinear(kNs, Chain(8), kIsStore, &m);
+  idx.MatchLinear(kNs, Chain(8), &m);
   auto d = Depths(m);
   EXPECT_EQ(d[1], 5u);
   EXPECT_EQ(d[2], 2u);
@@ -63,25 +63,25 @@ TEST(PrefixIndex, LongestContiguousPrefixPerWorker) {
   // unseen, and its depth comes out as the first probed block it lacks
   // (4), deeper than its contiguous prefix but no deeper than that.
   PrefixMatch g;
-  idx.Match(kNs, Chain(8), kIsStore, true, &g);
+  idx.Match(kNs, Chain(8), &g);
   auto gd = Depths(g);
   EXPECT_EQ(gd[1], 5u);
   EXPECT_EQ(gd[2], 4u);
   EXPECT_EQ(gd.count(3), 0u);
   EXPECT_EQ(g.deepest, 4);
   // Other namespaces never match.
-  idx.Match(kNs + 1, Chain(8), kIsStore, true, &m);
+  idx.Match(kNs + 1, Chain(8), &m);
   EXPECT_TRUE(m.gpu_depth.empty());
   EXPECT_EQ(m.deepest, -1);
 }
 
 TEST(PrefixIndex, StoreRunsContinueAfterGpuPrefixes) {
-  PrefixIndex idx;
+  PrefixIndex idx = NewIndex();
   for (int i = 0; i < 2; ++i) idx.Add({kNs, H(i)}, 1);    // worker 1: 0-1
   for (int i = 0; i < 6; ++i) idx.Add({kNs, H(i)}, 100);  // store: 0-5
   PrefixMatch m;
   for (bool linear : {true, false}) {
-    linear ? idx.MatchLinear(kNs, Chain(10), kIsStore, &m) : idx.Match(kNs, Chain(10), kIsStore, true, &m);
+    linear ? idx.MatchLinear(kNs, Chain(10), &m) : idx.Match(kNs, Chain(10), &m);
     EXPECT_EQ(Depths(m)[1], 2u);
     EXPECT_EQ(m.walked, 6u);
     EXPECT_EQ(m.StoreRun(2), 4u);  // worker 1 fetches blocks 2-5
@@ -94,10 +94,10 @@ TEST(PrefixIndex, StoreRunsContinueAfterGpuPrefixes) {
   // block no store holds (8). The worker's own lookup is exact: it would
   // load 2-5 and compute the rest.
   idx.Add({kNs, H(7)}, 100);
-  idx.MatchLinear(kNs, Chain(10), kIsStore, &m);
+  idx.MatchLinear(kNs, Chain(10), &m);
   EXPECT_EQ(m.StoreRun(2), 4u);
   EXPECT_EQ(m.walked, 6u);
-  idx.Match(kNs, Chain(10), kIsStore, true, &m);
+  idx.Match(kNs, Chain(10), &m);
   EXPECT_EQ(m.StoreRun(0), 8u);
   EXPECT_EQ(m.StoreRun(2), 6u);
   EXPECT_EQ(m.walked, 8u);
@@ -114,7 +114,7 @@ void ExpectSameMatch(const PrefixMatch& a, const PrefixMatch& b, const std::stri
 }
 
 TEST(PrefixIndex, GallopingProbesLogarithmicallyOnLongChains) {
-  PrefixIndex idx;
+  PrefixIndex idx = NewIndex();
   const int n = 2000;
   for (int i = 0; i < n; ++i) {
     if (i < 500) idx.Add({kNs, H(i)}, 1);
@@ -122,26 +122,33 @@ TEST(PrefixIndex, GallopingProbesLogarithmicallyOnLongChains) {
     idx.Add({kNs, H(i)}, 3);
   }
   PrefixMatch lin, gal;
-  idx.MatchLinear(kNs, Chain(n + 10), kIsStore, &lin);
-  idx.Match(kNs, Chain(n + 10), kIsStore, true, &gal);
+  idx.MatchLinear(kNs, Chain(n + 10), &lin);
+  idx.Match(kNs, Chain(n + 10), &gal);
   ExpectSameMatch(gal, lin, "three depths");
   EXPECT_EQ(Depths(gal)[3], 2000u);
   EXPECT_GE(lin.probes, 2000u);
   EXPECT_LT(gal.probes, 200u) << "O(log n) per distinct depth, not one per block";
-  // A store's runs gallop too.
+  // With no store registered the store's runs are not probed at all.
   const uint32_t workers_only = gal.probes;
-  idx.Match(kNs, Chain(n + 10), kIsStore, false, &gal);
-  const uint32_t no_store = gal.probes;
+  {
+    PrefixIndex plain;
+    for (int i = 0; i < n; ++i) {
+      if (i < 500) plain.Add({kNs, H(i)}, 1);
+      if (i < 1500) plain.Add({kNs, H(i)}, 2);
+      plain.Add({kNs, H(i)}, 3);
+    }
+    PrefixMatch m;
+    plain.Match(kNs, Chain(n + 10), &m);
+    EXPECT_LT(m.probes, workers_only);
+    EXPECT_EQ(Depths(m), Depths(gal));
+  }
+  // A store's runs gallop too.
   for (int i = 0; i < 1800; ++i) idx.Add({kNs, H(i)}, 100);
-  idx.MatchLinear(kNs, Chain(n + 10), kIsStore, &lin);
-  idx.Match(kNs, Chain(n + 10), kIsStore, true, &gal);
+  idx.MatchLinear(kNs, Chain(n + 10), &lin);
+  idx.Match(kNs, Chain(n + 10), &gal);
   ExpectSameMatch(gal, lin, "with a store");
   EXPECT_EQ(gal.StoreRun(500), 1300u);
   EXPECT_LT(gal.probes, workers_only + 100) << "three runs in O(log n) probes each";
-  // With no store registered the runs are not probed at all.
-  idx.Match(kNs, Chain(n + 10), kIsStore, false, &gal);
-  EXPECT_EQ(gal.probes, no_store);
-  EXPECT_EQ(gal.StoreRun(0), 0u);
 }
 
 // Property: random holdings, every worker's blocks of the chain a prefix of
@@ -149,13 +156,13 @@ TEST(PrefixIndex, GallopingProbesLogarithmicallyOnLongChains) {
 // from the tail, and the stores' blocks one segment (their union): both
 // algorithms agree on every field. With holes (a hole in a worker's
 // holdings, stores holding disjoint segments under write-back) they differ
-// only as documented: a depth or a store run is never below the true
-// contiguous one, and the block that ends it is one the worker (no store)
-// holds.
+// only as documented: a worker reported with depth d holds blocks 0 and
+// d - 1 and lacks block d; a store run is never below the true contiguous
+// one, and the block that ends it is one no store holds.
 TEST(PrefixIndex, GallopingAgreesWithTheLinearWalk) {
   std::mt19937_64 rng(20261123);
   for (int round = 0; round < 300; ++round) {
-    PrefixIndex idx;
+    PrefixIndex idx = NewIndex();
     const int n = 1 + static_cast<int>(rng() % 300);
     const bool holes = round % 3 == 2;
     const int workers = 1 + static_cast<int>(rng() % 12);
@@ -202,9 +209,10 @@ TEST(PrefixIndex, GallopingAgreesWithTheLinearWalk) {
     }
     for (int i = 0; i < n; ++i) in_store[i] = in_store[i] || held[workers][i];
     PrefixMatch lin, gal;
-    idx.MatchLinear(kNs, Chain(n), kIsStore, &lin);
-    idx.Match(kNs, Chain(n), kIsStore, true, &gal);
+    idx.MatchLinear(kNs, Chain(n), &lin);
+    idx.Match(kNs, Chain(n), &gal);
     const std::string what = "round " + std::to_string(round);
+    EXPECT_EQ(Depths(gal).size(), gal.gpu_depth.size()) << what << ": a worker reported twice";
     if (!holes) {
       ExpectSameMatch(gal, lin, what);
       continue;
@@ -220,19 +228,19 @@ TEST(PrefixIndex, GallopingAgreesWithTheLinearWalk) {
     };
     check_run(0);
     for (const auto& [s, d] : gal.gpu_depth) check_run(d);
-    auto ld = Depths(lin);
-    for (const auto& [s, d] : Depths(gal)) {
-      EXPECT_GE(d, ld[s]) << what;
+    for (const auto& [s, d] : gal.gpu_depth) {
+      ASSERT_LT(s, static_cast<SourceNum>(workers)) << what << ": a store reported as a worker";
+      EXPECT_TRUE(held[s][0]) << what << " source " << s;
+      EXPECT_TRUE(held[s][d - 1]) << what << " source " << s << " depth " << d;
       if (d < static_cast<uint32_t>(n)) {
-        EXPECT_FALSE(held[s][d]) << what << " source " << s;
+        EXPECT_FALSE(held[s][d]) << what << " source " << s << " depth " << d;
       }
     }
-    for (const auto& [s, d] : ld) EXPECT_TRUE(Depths(gal).count(s)) << what;
   }
 }
 
 TEST(PrefixIndex, MemoryIsReported) {
-  PrefixIndex idx;
+  PrefixIndex idx = NewIndex();
   for (uint64_t i = 0; i < 10000; ++i) idx.Add({kNs, H(i)}, 1);
   // A 16-byte slot and a control byte per bucket, at a load of 7/16..7/8.
   EXPECT_GE(idx.MemoryBytes(), 10000 * 17u);

@@ -156,10 +156,10 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) c
     const Holders* h = Find(ns, chain[at], out);
     return Probe{at, h, Workers(h)};
   };
-  // Per-source marks for this match, indexed by SourceNum: kFirst = holds
-  // block 0, kHi = holds the block after a change (one change at a time),
-  // kDone = given a depth.
-  enum : uint8_t { kFirst = 1, kHi = 2, kDone = 4 };
+  // Per-source marks for this match, indexed by SourceNum: kHi = holds the
+  // block after a change (one change at a time), kDone = given a depth
+  // (with holes a worker could leave twice; the first depth stands).
+  enum : uint8_t { kHi = 1, kDone = 2 };
   thread_local std::vector<uint8_t> mark;
   auto marks = [&](const Probe& p, uint8_t bit, bool set) {
     if (p.h == nullptr) return;
@@ -168,12 +168,14 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) c
       set ? mark[s] |= bit : mark[s] &= static_cast<uint8_t>(~bit);
     }
   };
-  // The workers holding block lo.at (and block 0) but not block hi.at hold
-  // hi.at leading blocks.
+  // The workers holding block lo.at but not block hi.at hold hi.at leading
+  // blocks.
   auto change = [&](const Probe& lo, const Probe& hi) {
     marks(hi, kHi, true);
     for (SourceNum s : List(*lo.h)) {
-      if (s >= mark.size() || (mark[s] & (kFirst | kHi | kDone)) != kFirst || IsStore(s)) continue;
+      if (s < mark.size() && (mark[s] & (kHi | kDone)) != 0) continue;
+      if (IsStore(s)) continue;
+      if (s >= mark.size()) mark.resize(s + 1, 0);
       mark[s] |= kDone;
       out->gpu_depth.emplace_back(s, static_cast<uint32_t>(hi.at));
     }
@@ -192,7 +194,6 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) c
   Probe first{};
   if (n > 0) first = probe(0);
   if (first.workers > 0) {
-    marks(first, kFirst, true);
     Probe lo = first;
     while (lo.workers > 0) {
       if (lo.at == n - 1) {
@@ -203,7 +204,7 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) c
       if (hi.workers != lo.workers) split(split, lo, hi);
       lo = hi;
     }
-    marks(first, kFirst | kDone, false);
+    for (const auto& [s, depth] : out->gpu_depth) mark[s] = 0;
   }
   // The store's runs from 0 and from each worker's depth, galloped the same
   // way. A run already found answers the positions inside it.

@@ -106,8 +106,9 @@ class PrefixIndex {
   // worker's blocks of the chain are a prefix of it (engines fill front to
   // back and evict from the tail). With holes (the invariant broken) a
   // worker may be reported deeper or shallower than its contiguous prefix,
-  // or not at all; a worker reported with depth d always holds blocks 0 and
-  // d - 1 and lacks block d (d < n). A store's run from a position gallops
+  // or not at all; a worker reported with depth d always holds block d - 1
+  // and lacks block d (d < n). Harmless: the worker's own lookup is exact,
+  // so a wrong depth costs a less than ideal route, never a wrong byte. A store's run from a position gallops
   // the same way: exact when the stores' blocks from there are contiguous,
   // never ended by a block a store holds.
   void Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) const;

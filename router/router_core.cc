@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <atomic>
+#include <limits>
 #include <mutex>
 
 #include "absl/container/flat_hash_set.h"
@@ -346,26 +347,16 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   uint64_t max_load = 0;
   uint32_t base_depth = ~0u;
   double base = 0;
-  auto consider = [&](SourceNum num, uint32_t depth) {
-    const uint64_t load =
-        std::atomic_ref<uint64_t>(load_[num]).load(std::memory_order_relaxed);
-    max_load = std::max(max_load, load);
-    if (depth != base_depth) {  // the cost of the prompt's blocks at this depth
-      base_depth = depth;
-      const uint64_t cached = std::min<uint64_t>(uint64_t{depth} * bt, prompt_tokens);
-      const uint64_t fetched = std::min<uint64_t>(uint64_t{match.StoreRun(depth)} * bt,
-                                                  prompt_tokens - cached);
-      base = static_cast<double>(prompt_tokens - cached - fetched) +
-             k.fetch_cost * static_cast<double>(fetched);
-    }
-    const double cost = base + k.load_weight * static_cast<double>(load);
-    const bool may_top = top.size() < keep || cost <= top.back().cost;
-    const bool may_least = !have_least || load <= least.load;
-    if (!may_top && !may_least) return;
+  // A worker costlier than the `keep`-th cheapest and busier than the least
+  // loaded so far is out: the hot loop tests just that.
+  double reject_cost = std::numeric_limits<double>::infinity();
+  uint64_t reject_load = ~uint64_t{0};
+  auto admit = [&](SourceNum num, uint32_t depth, uint64_t load, double cost) {
     const Pick p{cost, load, RendezvousRank(request_hash, id_hash_[num]), num, depth};
-    if (may_least && (!have_least || load < least.load || p.rank > least.rank)) {
+    if (load <= least.load && (!have_least || load < least.load || p.rank > least.rank)) {
       least = p;
       have_least = true;
+      reject_load = load;
     }
     auto cheaper = [](const Pick& a, const Pick& b) {
       return a.cost != b.cost ? a.cost < b.cost : a.rank > b.rank;
@@ -375,19 +366,42 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
       top.pop_back();
     }
     top.insert(std::upper_bound(top.begin(), top.end(), p, cheaper), p);
+    if (top.size() == keep) reject_cost = top.back().cost;
   };
-  size_t hits = 0;
+  auto base_at = [&](uint32_t depth) {  // the cost of the prompt's blocks at a depth
+    const uint64_t cached = std::min<uint64_t>(uint64_t{depth} * bt, prompt_tokens);
+    const uint64_t fetched =
+        std::min<uint64_t>(uint64_t{match.StoreRun(depth)} * bt, prompt_tokens - cached);
+    return static_cast<double>(prompt_tokens - cached - fetched) +
+           k.fetch_cost * static_cast<double>(fetched);
+  };
+  const double lw = k.load_weight;
+  auto load_at = [&](SourceNum num) {
+    return std::atomic_ref<uint64_t>(load_[num]).load(std::memory_order_relaxed);
+  };
+  // (Blocks are keyed with their namespace: only the request's workers hold them.)
   for (const auto& [num, depth] : match.gpu_depth) {
-    if (by_num_[num]->hello.namespace_id() != req.namespace_id()) continue;
-    ++hits;
-    consider(num, depth);
+    if (depth != base_depth) {
+      base_depth = depth;
+      base = base_at(depth);
+    }
+    const uint64_t load = load_at(num);
+    max_load = std::max(max_load, load);
+    const double cost = base + lw * static_cast<double>(load);
+    if (cost > reject_cost && load > reject_load) continue;
+    admit(num, depth, load, cost);
   }
-  if (hits < fleet.nums.size()) {
+  if (match.gpu_depth.size() < fleet.nums.size()) {
     thread_local std::vector<uint8_t> hit;
     if (hit.size() < by_num_.size()) hit.resize(by_num_.size(), 0);
     for (const auto& [num, depth] : match.gpu_depth) hit[num] = 1;
+    base = base_at(0);
     for (SourceNum num : fleet.nums) {
-      if (!hit[num]) consider(num, 0);
+      const uint64_t load = load_at(num);
+      max_load = std::max(max_load, load);
+      const double cost = base + lw * static_cast<double>(load);
+      if ((cost > reject_cost && load > reject_load) || hit[num]) continue;
+      admit(num, 0, load, cost);
     }
     for (const auto& [num, depth] : match.gpu_depth) hit[num] = 0;
   }

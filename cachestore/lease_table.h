@@ -33,6 +33,12 @@ struct Lease {
   bool is_put = false;
   std::chrono::steady_clock::time_point deadline;
   std::vector<std::pair<BlockKey, Slot>> items;
+  // Gets (for the FetchMeter): when BeginGet started, and how many of the
+  // items were read from disk, their bytes and the read time.
+  std::chrono::steady_clock::time_point opened{};
+  uint32_t disk_items = 0;
+  uint64_t disk_bytes = 0;
+  double disk_seconds = 0;
 };
 
 struct LeaseCounts {

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "cachestore/router_sink.h"
@@ -230,6 +231,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvtier-store: %s\n", std::string(store.status().message()).c_str());
     return 1;
   }
+  // Heartbeats carry the shard's fetch figures while the store lives.
+  if (router_sink) {
+    router_sink->SetFetchFigures([s = store->get()] { return s->FetchFigures(); });
+  }
+  absl::Cleanup unset_figures = [&] {
+    if (router_sink) router_sink->SetFetchFigures(nullptr);
+  };
 
   std::unique_ptr<kvtier::store::DataPlaneServer> dataplane;
   if (!f.ucx_listen.empty()) {

@@ -11,8 +11,28 @@ RouterSink::RouterSink(const std::vector<std::string>& routers, const ChannelSec
     po.hello.set_source_id(store_id);
     po.hello.set_kind(v1::SOURCE_STORE);
     po.heartbeat_ms = heartbeat_ms;
-    publishers_.push_back(std::make_unique<EventPublisher>(po));
+    publishers_.push_back(std::make_unique<EventPublisher>(po, [this] { return Load(); }));
   }
+}
+
+void RouterSink::SetFetchFigures(FiguresFn figures) {
+  std::lock_guard lk(mu_);
+  figures_ = std::move(figures);
+}
+
+v1::Heartbeat RouterSink::Load() {
+  v1::Heartbeat h;
+  std::lock_guard lk(mu_);
+  if (!figures_) return h;
+  for (const auto& f : figures_()) {
+    auto* t = h.add_fetch();
+    t->set_tier(f.tier);
+    t->set_blocks(f.blocks);
+    t->set_bytes_per_s(f.bytes_per_s());
+    t->set_us_per_block(f.us_per_block());
+    t->set_queue_depth(f.queue_depth);
+  }
+  return h;
 }
 
 RouterSink::~RouterSink() {

@@ -9,7 +9,11 @@
 #include <string>
 #include <vector>
 
+#include <functional>
+#include <mutex>
+
 #include "cachestore/change_feed.h"
+#include "cachestore/fetch_meter.h"
 #include "client/router_client.h"
 
 namespace kvtier::store {
@@ -24,7 +28,16 @@ class RouterSink : public ChangeSink {
   void Stored(uint64_t ns, const std::vector<BlockHash>& hashes) override;
   void Removed(uint64_t ns, const std::vector<BlockHash>& hashes) override;
 
+  // Where heartbeats read the shard's fetch figures from (nullptr: none).
+  // The caller unsets it before the function's owner goes away.
+  using FiguresFn = std::function<std::vector<TierFetchFigures>()>;
+  void SetFetchFigures(FiguresFn figures);
+
  private:
+  v1::Heartbeat Load();
+
+  std::mutex mu_;
+  FiguresFn figures_;
   std::vector<std::unique_ptr<EventPublisher>> publishers_;
 };
 

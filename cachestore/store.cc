@@ -1,5 +1,7 @@
 #include "cachestore/store.h"
 
+#include "absl/cleanup/cleanup.h"
+
 #include <algorithm>
 #include <cstring>
 #include <set>
@@ -88,10 +90,27 @@ absl::StatusOr<std::vector<TierKind>> Store::Lookup(uint64_t ns,
 }
 
 void Store::ReleaseLease(const Lease& lease) {
+  uint64_t bytes = 0;
   for (const auto& [key, slot] : lease.items) {
+    bytes += slot.length;
     if (lease.is_put) ram_->Release(key, slot);
     else ram_->Unpin(key, slot);
   }
+  if (lease.is_put || lease.items.empty()) return;
+  // The fetch took from BeginGet to now; each block gets its share, a disk
+  // block its read as well.
+  const auto now = std::chrono::steady_clock::now();
+  const double held = std::chrono::duration<double>(now - lease.opened).count();
+  const double share = held / static_cast<double>(lease.items.size());
+  const uint64_t ram_items = lease.items.size() - lease.disk_items;
+  fetch_meter_.Served(FetchMeter::kRam, ram_items, bytes - lease.disk_bytes, share * ram_items, now);
+  fetch_meter_.Served(FetchMeter::kDisk, lease.disk_items, lease.disk_bytes,
+                      share * lease.disk_items + lease.disk_seconds, now);
+  fetch_meter_.Ended();
+}
+
+std::vector<TierFetchFigures> Store::FetchFigures() {
+  return fetch_meter_.Figures(std::chrono::steady_clock::now());
 }
 
 absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const BlockHash> hashes,
@@ -176,6 +195,7 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
   auto id = leases_->Claim(client);
   if (!id.ok()) return id.status();
   Lease lease{client, false, {}, {}};
+  lease.opened = std::chrono::steady_clock::now();
   BeginGetResult r;
   for (const auto& h : hashes) {
     BlockKey k{ns, h};
@@ -185,8 +205,13 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
       continue;
     }
     uint64_t checksum;
+    const auto read_start = std::chrono::steady_clock::now();
     auto bytes = disk_->Read(k, &checksum);
     if (!bytes.ok()) break;
+    lease.disk_items++;
+    lease.disk_bytes += bytes->size();
+    lease.disk_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - read_start).count();
     Slot slot;
     Placement p = ram_->InsertCopy(k, reinterpret_cast<const uint8_t*>(bytes->data()),
                                    bytes->size(), checksum, true, true, &slot);
@@ -197,6 +222,7 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
   if (lease.items.empty()) {
     leases_->Unclaim(client);  // nothing pinned: no lease
   } else {
+    fetch_meter_.Started();
     leases_->Open(*id, std::move(lease));
     r.lease = *id;
   }
@@ -298,9 +324,26 @@ absl::Status Store::GetInline(
     const std::function<bool(uint32_t, TierKind, std::string_view, uint64_t)>& emit) {
   auto info = CheckRequest(ns, hashes);
   if (!info.ok()) return info.status();
+  // The call is the fetch: its time is shared by the blocks it served.
+  const auto start = std::chrono::steady_clock::now();
+  uint64_t served[2] = {0, 0}, served_bytes[2] = {0, 0};
+  fetch_meter_.Started();
+  absl::Cleanup metered = [&] {
+    const auto now = std::chrono::steady_clock::now();
+    const uint64_t blocks = served[0] + served[1];
+    const double share =
+        blocks ? std::chrono::duration<double>(now - start).count() / static_cast<double>(blocks) : 0;
+    for (int t : {0, 1}) {
+      fetch_meter_.Served(static_cast<FetchMeter::Tier>(t), served[t], served_bytes[t],
+                          share * served[t], now);
+    }
+    fetch_meter_.Ended();
+  };
   for (uint32_t i = 0; i < hashes.size(); ++i) {
     BlockKey k{ns, hashes[i]};
     if (auto slot = ram_->Pin(k)) {
+      served[FetchMeter::kRam]++;
+      served_bytes[FetchMeter::kRam] += slot->length;
       bool more = emit(i, TierKind::kRam,
                        std::string_view(reinterpret_cast<const char*>(ram_->data(*slot)),
                                         slot->length),
@@ -316,6 +359,8 @@ absl::Status Store::GetInline(
     // Promote when there is room; serve from the disk copy either way.
     ram_->InsertCopy(k, reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size(), checksum,
                      false, true, &slot);
+    served[FetchMeter::kDisk]++;
+    served_bytes[FetchMeter::kDisk] += bytes->size();
     if (!emit(i, TierKind::kDisk, *bytes, checksum)) break;
   }
   return absl::OkStatus();

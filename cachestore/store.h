@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "cachestore/change_feed.h"
 #include "cachestore/disk_tier.h"
+#include "cachestore/fetch_meter.h"
 #include "cachestore/lease_table.h"
 #include "cachestore/namespace_registry.h"
 #include "cachestore/ram_tier.h"
@@ -158,6 +159,8 @@ class Store {
   std::pair<std::string, std::map<std::string, double>> GetPolicy(TierKind tier) const;
 
   StoreStats Stats() const;
+  // Per tier, what this shard's fetches took over the last seconds.
+  std::vector<TierFetchFigures> FetchFigures();
   uint64_t lease_ms() const { return options_.lease_ms; }
   RamTier& ram() { return *ram_; }
   DiskTier& disk() { return *disk_; }
@@ -173,6 +176,7 @@ class Store {
   std::unique_ptr<DiskTier> disk_;  // destroyed after ram_ (RAM demotes into it)
   std::unique_ptr<RamTier> ram_;
   std::unique_ptr<NamespaceRegistry> namespaces_;
+  FetchMeter fetch_meter_;  // before leases_: the reaper reports to it
   std::unique_ptr<LeaseTable> leases_;
   std::unique_ptr<ChangeFeed> feed_;
   std::atomic<uint64_t> commit_checksum_failures_{0};

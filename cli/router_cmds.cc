@@ -26,7 +26,16 @@ void PrintRouteJson(const v1::RouteResponse& r) {
                      {"store_blocks", x.store_blocks()}, {"prefill_tokens", x.prefill_tokens()},
                      {"load_tokens", x.load_tokens()}, {"cost", x.cost()}});
   }
+  const auto& b = r.fetch_basis();
+  nlohmann::json basis = {{"fetch_cost", b.fetch_cost()}, {"measured", b.measured()}};
+  if (b.measured()) {
+    basis["store"] = b.store_id();
+    basis["store_us_per_block"] = b.store_us_per_block();
+    basis["store_queue_depth"] = b.store_queue_depth();
+    basis["prefill_tokens_per_s"] = b.prefill_tokens_per_s();
+  }
   PrintJson({{"worker", r.worker_id()}, {"endpoint", r.endpoint()},
+             {"fetch", basis},
              {"gpu_hit_blocks", r.gpu_hit_blocks()},
              {"store_hit_blocks", r.store_hit_blocks()},
              {"prefill_tokens", r.prefill_tokens()},
@@ -38,6 +47,16 @@ void PrintRouteTable(const v1::RouteResponse& r) {
   std::printf("-> %s (%s): %u blocks on GPU, %u from the store, %lu tokens to prefill; %s\n\n",
               r.worker_id().c_str(), r.endpoint().c_str(), r.gpu_hit_blocks(), r.store_hit_blocks(),
               r.prefill_tokens(), Reason(r.reason()));
+  const auto& b = r.fetch_basis();
+  if (b.measured()) {
+    std::printf("fetch cost %.4f per store token: %s serves a block in %.0f us (%u fetches in "
+                "flight), workers prefill %.0f tokens/s\n\n",
+                b.fetch_cost(), b.store_id().c_str(), b.store_us_per_block(), b.store_queue_depth(),
+                b.prefill_tokens_per_s());
+  } else {
+    std::printf("fetch cost %.4f per store token (--fetch-cost: no store or worker figures yet)\n\n",
+                b.fetch_cost());
+  }
   std::printf("%-24s %10s %12s %14s %12s %12s\n", "candidate", "GPU blocks", "store blocks",
               "prefill tokens", "load tokens", "cost");
   for (const auto& x : r.candidates()) {

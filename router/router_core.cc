@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <mutex>
 
@@ -141,6 +142,8 @@ void RouterCore::JoinFleet(Source& s) {
   id_hash_[s.num] = s.id_hash;
   if (s.hello.kind() == v1::SOURCE_STORE) {
     index_.SetStore(s.num, true);
+    store_nums_.push_back(s.num);
+    UpdateStoreFetch();
     return;
   }
   Fleet& f = fleets_[s.hello.namespace_id()];
@@ -148,11 +151,48 @@ void RouterCore::JoinFleet(Source& s) {
   f.nums.push_back(s.num);
 }
 
+void RouterCore::SetPrefillRate(Source& s, double tokens_per_s) {
+  if (!(tokens_per_s > 0) || !std::isfinite(tokens_per_s)) tokens_per_s = 0;
+  Fleet& f = fleets_[s.hello.namespace_id()];
+  if (s.prefill_tokens_per_s > 0) {
+    f.prefill_sum -= s.prefill_tokens_per_s;
+    f.prefill_count--;
+  }
+  s.prefill_tokens_per_s = tokens_per_s;
+  if (tokens_per_s > 0) {
+    f.prefill_sum += tokens_per_s;
+    f.prefill_count++;
+  }
+  if (f.prefill_count == 0) f.prefill_sum = 0;  // no drift from rounding
+}
+
+void RouterCore::UpdateStoreFetch() {
+  slowest_store_ = {};
+  for (SourceNum num : store_nums_) {
+    const Source& s = *by_num_[num];
+    double us = 0, blocks = 0;
+    uint32_t depth = 0;
+    for (const auto& t : s.load.fetch()) {
+      if (t.blocks() == 0 || !(t.us_per_block() >= 0) || !std::isfinite(t.us_per_block())) continue;
+      us += t.us_per_block() * static_cast<double>(t.blocks());
+      blocks += static_cast<double>(t.blocks());
+      depth = std::max(depth, t.queue_depth());
+    }
+    if (blocks == 0) continue;
+    if (us / blocks > slowest_store_.us_per_block) {
+      slowest_store_ = {s.hello.source_id(), us / blocks, depth};
+    }
+  }
+}
+
 void RouterCore::LeaveFleet(Source& s) {
   if (s.hello.kind() == v1::SOURCE_STORE) {
     index_.SetStore(s.num, false);
+    store_nums_.erase(std::find(store_nums_.begin(), store_nums_.end(), s.num));
+    UpdateStoreFetch();  // a shard that left no longer counts
     return;
   }
+  SetPrefillRate(s, 0);
   auto it = fleets_.find(s.hello.namespace_id());
   Fleet& f = it->second;
   const SourceNum moved = f.nums.back();
@@ -180,6 +220,11 @@ absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& 
       s.load = m.heartbeat();
       s.routed_since_heartbeat = 0;
       load_[s.num] = s.load.queued_prefill_tokens();
+      if (s.hello.kind() == v1::SOURCE_STORE) {
+        UpdateStoreFetch();
+      } else {
+        SetPrefillRate(s, s.load.prefill_tokens_per_s());
+      }
       return absl::OkStatus();
     case v1::SourceMessage::kSnapshot:
       ApplySnapshotChunk(s, m.snapshot(), commands);
@@ -334,7 +379,20 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   // the tie-break's winner is among them), the least loaded (the balance
   // guard's pick) and the highest load; Decide then chooses among those.
   const size_t keep = std::max<size_t>(shown, 1);
-  const CostKnobs& k = options_.knobs;
+  CostKnobs k = options_.knobs;
+  // Fetching priced from measurement when there is one: the slowest store
+  // shard's time per block against the namespace's prefill rate.
+  FetchBasis basis{k.fetch_cost, false, {}, 0, 0, 0};
+  if (slowest_store_.us_per_block > 0 && fleet.prefill_count > 0) {
+    basis.prefill_tokens_per_s = fleet.prefill_sum / fleet.prefill_count;
+    basis.store_id = slowest_store_.id;
+    basis.store_us_per_block = slowest_store_.us_per_block;
+    basis.store_queue_depth = slowest_store_.queue_depth;
+    basis.fetch_cost = std::min(kMaxFetchCost, slowest_store_.us_per_block * 1e-6 *
+                                                   basis.prefill_tokens_per_s / bt);
+    basis.measured = true;
+    k.fetch_cost = basis.fetch_cost;
+  }
   struct Pick {
     double cost;
     uint64_t load, rank;
@@ -436,6 +494,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   r.prefill_tokens = best.prefill_tokens;
   r.block_tokens = bt;
   r.reason = d.reason;
+  r.fetch = basis;
   switch (d.reason) {
     case Reason::kLowestCost: counters_.lowest_cost++; break;
     case Reason::kTieBreak: counters_.tie_break++; break;
@@ -447,7 +506,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   auto show = [&](const Candidate& c) {
     r.candidates.push_back(RouteCandidate{std::string(c.worker_id), c.gpu_blocks, c.store_blocks,
                                           c.load_tokens, c.prefill_tokens,
-                                          c.fetch_cost >= 0 ? c.fetch_cost : options_.knobs.fetch_cost,
+                                          c.fetch_cost >= 0 ? c.fetch_cost : k.fetch_cost,
                                           c.cost});
   };
   const bool chosen_shown = d.chosen < shown;

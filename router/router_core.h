@@ -29,6 +29,9 @@
 namespace kvtier::router {
 
 inline constexpr size_t kMaxEventHashes = 65536;
+// A measured fetch cost is capped here (a store 1000x slower than computing
+// is as good as absent).
+inline constexpr double kMaxFetchCost = 1000;
 
 struct RouterOptions {
   CostKnobs knobs;
@@ -54,6 +57,16 @@ struct RouteCandidate {
   double cost = 0;
 };
 
+// What the fetch cost per store token was made of (docs/router.md, "Fetch cost").
+struct FetchBasis {
+  double fetch_cost = 0;
+  bool measured = false;  // false: RouterOptions::knobs.fetch_cost
+  std::string store_id;   // the slowest store shard with figures
+  double store_us_per_block = 0;
+  uint32_t store_queue_depth = 0;
+  double prefill_tokens_per_s = 0;  // the namespace's workers' mean
+};
+
 struct RouteResult {
   std::string worker_id;
   std::string endpoint;
@@ -63,6 +76,7 @@ struct RouteResult {
   uint32_t block_tokens = 0;
   Reason reason = Reason::kLowestCost;
   std::vector<RouteCandidate> candidates;  // the cheapest few, cheapest first
+  FetchBasis fetch;
 };
 
 class RouterCore {
@@ -102,12 +116,20 @@ class RouterCore {
     Clock::time_point last_seen;
     int streams = 0;
     size_t slot = 0;  // workers: place in their fleet's arrays
+    double prefill_tokens_per_s = 0;  // workers: as last reported
   };
   // The workers of one namespace (their numbers, for the scan of those
   // holding nothing of a prompt).
   struct Fleet {
     std::vector<SourceNum> nums;
+    // Sum and count of the prefill rates its workers report (> 0 only).
+    double prefill_sum = 0;
+    uint32_t prefill_count = 0;
   };
+  // A worker's reported prefill rate changes (0: none).
+  void SetPrefillRate(Source& s, double tokens_per_s);
+  // Recomputes slowest_store_ from the store shards' last heartbeats.
+  void UpdateStoreFetch();
 
   void RequestSnapshot(Source& s, const std::string& reason,
                        std::vector<v1::RouterCommand>* commands);
@@ -130,6 +152,14 @@ class RouterCore {
   // since (Route adds to it under the shared lock through std::atomic_ref);
   // id_hash_ = WorkerIdHash of the source id.
   std::vector<uint64_t> load_, id_hash_;
+  std::vector<SourceNum> store_nums_;
+  // The store shard whose fetches take longest per block (by its last
+  // heartbeat; us 0: no shard reported any).
+  struct {
+    std::string id;
+    double us_per_block = 0;
+    uint32_t queue_depth = 0;
+  } slowest_store_;
   PrefixIndex index_;
 
   struct Counters {

@@ -25,6 +25,13 @@ void ToProto(const RouteResult& r, v1::RouteResponse* out) {
   out->set_prefill_tokens(r.prefill_tokens);
   out->set_reason(ToProto(r.reason));
   out->set_block_tokens(r.block_tokens);
+  auto* b = out->mutable_fetch_basis();
+  b->set_fetch_cost(r.fetch.fetch_cost);
+  b->set_measured(r.fetch.measured);
+  b->set_store_id(r.fetch.store_id);
+  b->set_store_us_per_block(r.fetch.store_us_per_block);
+  b->set_store_queue_depth(r.fetch.store_queue_depth);
+  b->set_prefill_tokens_per_s(r.fetch.prefill_tokens_per_s);
   for (const auto& c : r.candidates) {
     auto* o = out->add_candidates();
     o->set_worker_id(c.worker_id);

@@ -212,6 +212,61 @@ TEST_F(RouterCoreTest, StoreHeldBlocksCountAsFetchable) {
   EXPECT_EQ(r->candidates[1].store_blocks, 8u);  // w2 would fetch all eight
 }
 
+// The fetch cost follows the slowest store shard's reported time per block
+// against the workers' mean prefill rate; with either missing, the flag.
+TEST_F(RouterCoreTest, FetchCostFollowsStoreAndWorkerFigures) {
+  Join("w1", {0});
+  Join("w2", {});
+  std::vector<v1::RouterCommand> cmds;
+  for (const char* id : {"store-0", "store-1"}) {
+    v1::Hello store;
+    store.set_source_id(id);
+    store.set_kind(v1::SOURCE_STORE);
+    store.set_epoch(1);
+    ASSERT_TRUE(core_.Hello(store, &cmds).ok());
+    Send(id, Snapshot(0, {0, 1, 2, 3, 4, 5, 6, 7}));
+  }
+  auto r = core_.Route(Req(10));
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->fetch.measured);
+  EXPECT_DOUBLE_EQ(r->fetch.fetch_cost, core_.options().knobs.fetch_cost);
+  auto beat = [&](const std::string& id, double tps, std::vector<std::pair<uint64_t, double>> tiers) {
+    v1::SourceMessage m;
+    m.mutable_heartbeat()->set_prefill_tokens_per_s(tps);
+    for (const auto& [blocks, us] : tiers) {
+      auto* t = m.mutable_heartbeat()->add_fetch();
+      t->set_tier("ram");
+      t->set_blocks(blocks);
+      t->set_us_per_block(us);
+      t->set_queue_depth(3);
+    }
+    Send(id, m);
+  };
+  // Stores report, workers do not: still the flag.
+  beat("store-0", 0, {{10, 100}});
+  EXPECT_FALSE(core_.Route(Req(10))->fetch.measured);
+  // w1 prefills 4,000 tokens/s, w2 12,000: 8,000 on average. store-1 is the
+  // slower: tiers weighted by blocks, (10 x 100 + 30 x 500) / 40 = 400 us.
+  beat("w1", 4000, {});
+  beat("w2", 12000, {});
+  beat("store-1", 0, {{10, 100}, {30, 500}});
+  r = core_.Route(Req(10));
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->fetch.measured);
+  EXPECT_EQ(r->fetch.store_id, "store-1");
+  EXPECT_DOUBLE_EQ(r->fetch.store_us_per_block, 400);
+  EXPECT_EQ(r->fetch.store_queue_depth, 3u);
+  EXPECT_DOUBLE_EQ(r->fetch.prefill_tokens_per_s, 8000);
+  // 400 us a block of 16 tokens is 25 us a token; computing one takes 125 us.
+  EXPECT_NEAR(r->fetch.fetch_cost, 0.2, 1e-12);
+  EXPECT_NEAR(r->candidates[0].fetch_cost, 0.2, 1e-12);
+  // A store shard that stops fetching (no figures) no longer counts; nor one
+  // that leaves.
+  beat("store-1", 0, {});
+  EXPECT_DOUBLE_EQ(core_.Route(Req(10))->fetch.store_us_per_block, 100);
+  EXPECT_EQ(core_.ExpireSources(RouterCore::Clock::now() + std::chrono::hours(1)), 4u);
+}
+
 TEST_F(RouterCoreTest, TokensAreHashedWithTheNamespaceBlockSize) {
   std::vector<uint32_t> tokens(40);
   for (uint32_t i = 0; i < 40; ++i) tokens[i] = i;

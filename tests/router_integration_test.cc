@@ -6,6 +6,11 @@
 #include <fstream>
 #include <sstream>
 
+#include <atomic>
+#include <functional>
+#include <thread>
+
+#include "absl/cleanup/cleanup.h"
 #include "client/router_client.h"
 #include "client/store_client.h"
 #include "tests/test_util.h"
@@ -330,6 +335,113 @@ TEST_F(RouterIntegration, AStoreShardPublishesWhatItHolds) {
   all.set_all(true);
   ASSERT_TRUE(sc.Evict(all).ok());
   ASSERT_TRUE(WaitFor([&] { return client_->Blocks("store-a") == 0; }));
+}
+
+// Fetch cost from measurement: a store shard reports how its fetches fare
+// with its heartbeats; a worker its prefill rate. While fetches are quick an
+// idle worker that would fetch the prompt wins over a busy one holding it
+// on GPU; when the shard's fetches slow down (leases held 100 ms a block:
+// its bandwidth taken by others), routes move to the GPU hit, and back when
+// it recovers.
+TEST_F(RouterIntegration, ASlowStoreShardMovesRoutesToGpuHitsAndBackWhenItRecovers) {
+  StartRouter();
+  ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
+                      {"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("store-db"),
+                       "--ram-bytes=4MiB", "--ram-slab-bytes=256KiB", "--hugepages=false",
+                       "--router=" + router_->address(), "--store-id=store-a"});
+  ASSERT_GT(store.port(), 0);
+  StoreClient sc(store.address());
+  auto ns = sc.RegisterNamespace(NamespaceSpec{"m", "fp16", 1, 1, 64, 256, 0, 1, "", ""});
+  ASSERT_TRUE(ns.ok());
+  const std::vector<BlockHash> chain = Chain(0, 16);
+  std::vector<std::string> data;
+  std::vector<std::pair<BlockHash, std::string_view>> blocks;
+  for (uint64_t i = 0; i < 16; ++i) data.push_back(std::string(64 << 10, static_cast<char>(i)));
+  for (uint64_t i = 0; i < 16; ++i) blocks.emplace_back(chain[i], data[i]);
+  ASSERT_TRUE(sc.PutInline(ns->id, blocks).ok());
+  ASSERT_TRUE(WaitFor([&] { return client_->Blocks("store-a") == 16; }));
+  // "hot" holds the prompt on GPU with 1,000 tokens queued; "cold" holds
+  // nothing and is idle. Both prefill 20,000 tokens a second.
+  auto worker = [&](const std::string& id, uint64_t queued) {
+    PublisherOptions o;
+    o.router = router_->address();
+    o.hello.set_source_id(id);
+    o.hello.set_kind(v1::SOURCE_WORKER);
+    o.hello.set_endpoint(id + ":1");
+    o.hello.set_namespace_id(ns->id);
+    o.hello.set_block_tokens(256);
+    o.heartbeat_ms = 100;
+    return std::make_unique<EventPublisher>(o, [queued] {
+      v1::Heartbeat h;
+      h.set_queued_prefill_tokens(queued);
+      h.set_prefill_tokens_per_s(20000);
+      return h;
+    });
+  };
+  auto hot = worker("hot", 1000);
+  auto cold = worker("cold", 0);
+  hot->Stored(ns->id, chain);
+  ASSERT_TRUE(WaitFor([&] { return client_->Blocks("hot") == 16 && client_->Sources().count("cold"); }));
+  // Quick fetches keep the shard's figures fresh throughout.
+  std::atomic<bool> stop{false}, flood{false};
+  std::thread reader([&] {
+    StoreClient r(store.address());
+    while (!stop) {
+      (void)r.GetInline(ns->id, Chain(0, 4));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  // The flood: leases of one block each, held 100 ms before release.
+  std::vector<std::thread> flooders;
+  for (int t = 0; t < 4; ++t) {
+    flooders.emplace_back([&, t] {
+      auto stub = v1::Store::NewStub(
+          grpc::CreateChannel(store.address(), grpc::InsecureChannelCredentials()));
+      while (!stop) {
+        if (!flood) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          continue;
+        }
+        grpc::ClientContext ctx;
+        v1::BeginGetRequest req;
+        req.set_namespace_id(ns->id);
+        req.set_client_id("flood-" + std::to_string(t));
+        auto* h = req.add_hashes();
+        h->set_hi(chain[t].hi);
+        h->set_lo(chain[t].lo);
+        v1::BeginGetResponse resp;
+        if (!stub->BeginGet(&ctx, req, &resp).ok() || resp.lease_id() == 0) continue;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        grpc::ClientContext rctx;
+        v1::ReleaseGetsRequest rel;
+        rel.add_lease_ids(resp.lease_id());
+        v1::ReleaseGetsResponse rresp;
+        (void)stub->ReleaseGets(&rctx, rel, &rresp);
+      }
+    });
+  }
+  absl::Cleanup join = [&] {
+    stop = true;
+    reader.join();
+    for (auto& f : flooders) f.join();
+  };
+  v1::RouteResponse r;
+  auto routed_to = [&](const std::string& id) {
+    return client_->Route(chain, &r, ns->id).ok() && r.worker_id() == id &&
+           r.fetch_basis().measured();
+  };
+  ASSERT_TRUE(WaitFor([&] { return routed_to("cold"); })) << r.DebugString();
+  EXPECT_EQ(r.fetch_basis().store_id(), "store-a");
+  EXPECT_DOUBLE_EQ(r.fetch_basis().prefill_tokens_per_s(), 20000);
+  EXPECT_LT(r.fetch_basis().fetch_cost(), 0.24) << "4,096 fetched tokens must cost under 1,000";
+  flood = true;
+  ASSERT_TRUE(WaitFor([&] { return routed_to("hot"); })) << r.DebugString();
+  EXPECT_GT(r.fetch_basis().fetch_cost(), 0.25) << r.DebugString();
+  EXPECT_GT(r.fetch_basis().store_us_per_block(), 3200) << r.DebugString();
+  EXPECT_EQ(r.gpu_hit_blocks(), 16u);
+  flood = false;
+  ASSERT_TRUE(WaitFor([&] { return routed_to("cold"); })) << r.DebugString();
+  EXPECT_EQ(r.store_hit_blocks(), 16u);
 }
 
 TEST(RouterFlags, BadFlagsExitNonZeroNamingTheFlag) {

@@ -63,6 +63,9 @@ class SimWorkerService final : public v1::SimWorker::Service {
     h.set_running_requests(static_cast<uint32_t>(running_.load()));
     h.set_queued_prefill_tokens(queued_tokens_.load());
     h.set_free_gpu_pages(c_->stats().pool.free);
+    // Its prefill rate in real time (simulated seconds take time_scale real
+    // ones; with no sleeping the rate is unknown).
+    if (o_.time_scale > 0) h.set_prefill_tokens_per_s(o_.prefill_tokens_per_s / o_.time_scale);
     return h;
   }
 

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "common/config.h"
@@ -16,12 +17,13 @@
 #include "common/rpc/tls.h"
 #include "router/router_core.h"
 #include "router/service.h"
+#include "router/vllm_events.h"
 
 int main(int argc, char** argv) {
   // First, before gRPC (TLS credentials, channels) starts any thread.
   kvtier::BlockShutdownSignals();
   std::string listen = "127.0.0.1:7500";
-  std::string port_file, metrics_listen;
+  std::string port_file, metrics_listen, vllm_sources_file;
   bool check_config = false;
   uint64_t deadline_ms = 5000;
   uint64_t max_message = 64ull << 20;
@@ -51,6 +53,10 @@ int main(int argc, char** argv) {
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
   flags.HostPort("metrics-listen", &metrics_listen,
                  "Serve Prometheus metrics on HOST:PORT/metrics (empty: off)");
+  flags.String("vllm-sources", &vllm_sources_file,
+               "File of vLLM engines whose ZeroMQ KV events to index, one per line:\n"
+               "id=ID,endpoint=HOST:PORT,events=tcp://HOST:5557[,replay=tcp://HOST:5558]\n"
+               "[,topic=T],namespace=16 hex digits,block-tokens=N (docs/router.md)");
   flags.Bool("check-config", &check_config,
              "Validate the flags, print the effective configuration and exit 0");
   kvtier::AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/false);
@@ -69,6 +75,21 @@ int main(int argc, char** argv) {
   if (auto s = o.Validate(); !s.ok()) {
     std::fprintf(stderr, "kvtier-router: %s\n", std::string(s.message()).c_str());
     return 2;
+  }
+  std::vector<kvtier::router::VllmSourceSpec> vllm_specs;
+  if (!vllm_sources_file.empty()) {
+    std::ifstream in(vllm_sources_file);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto specs = in ? kvtier::router::ParseVllmSources(text.str())
+                    : absl::StatusOr<std::vector<kvtier::router::VllmSourceSpec>>(
+                          absl::NotFoundError("cannot read it"));
+    if (!specs.ok()) {
+      std::fprintf(stderr, "kvtier-router: flag --vllm-sources: %s: %s\n", vllm_sources_file.c_str(),
+                   std::string(specs.status().message()).c_str());
+      return 2;
+    }
+    vllm_specs = std::move(*specs);
   }
   if (check_config) {
     std::printf("kvtier-router configuration OK: listen=%s metrics-listen=%s heartbeat-deadline=%lums "
@@ -102,6 +123,32 @@ int main(int argc, char** argv) {
               tls.cert_file.empty() ? "" : tls.require_client_cert ? ", mutual TLS" : ", TLS", " (heartbeat deadline ",
               deadline_ms, " ms, fetch_cost ", fetch_cost, ", load_weight ", load_weight,
               ", balance ", balance, " tokens, temperature ", temperature, ")");
+  // vLLM engines' own KV events, beside the gRPC streams.
+  std::vector<std::unique_ptr<kvtier::router::VllmEventSource>> vllm;
+  for (const auto& spec : vllm_specs) {
+    vllm.push_back(std::make_unique<kvtier::router::VllmEventSource>(spec, &core));
+    kvtier::Log("router", "subscribed to vLLM KV events of ", spec.id, " at ", spec.events,
+                spec.replay.empty() ? "" : " (replay " + spec.replay + ")");
+  }
+  service.SetExtraStats([&vllm](kvtier::v1::GetRouterStatsResponse* r) {
+    if (vllm.empty()) return;
+    auto& m = *r->mutable_vllm_events();
+    for (const auto& v : vllm) {
+      const auto s = v->stats();
+      m["batches"] += s.batches;
+      m["events"] += s.events;
+      m["blocks_stored"] += s.blocks_stored;
+      m["blocks_removed"] += s.blocks_removed;
+      m["malformed"] += s.malformed;
+      m["gaps"] += s.gaps;
+      m["replays"] += s.replays;
+      m["resyncs"] += s.resyncs;
+      m["out_of_order"] += s.out_of_order;
+      m["unknown_parents"] += s.unknown_parents;
+      m["skipped"] += s.skipped;
+      m["restarts"] += s.restarts;
+    }
+  });
   kvtier::AnnounceListening("kvtier-router", *started, tls_mode, port_file);
 
   std::mutex mu;

@@ -171,6 +171,7 @@ grpc::Status RouterService::ListWorkers(grpc::ServerContext*, const v1::ListWork
 grpc::Status RouterService::GetRouterStats(grpc::ServerContext*, const v1::GetRouterStatsRequest*,
                                            v1::GetRouterStatsResponse* resp) {
   *resp = core_->Stats();
+  if (extra_stats_) extra_stats_(resp);
   return grpc::Status::OK;
 }
 

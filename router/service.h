@@ -1,6 +1,8 @@
 // The kvtier.v1.Router gRPC service over a RouterCore. Thread-safe.
 #pragma once
 
+#include <functional>
+
 #include "common/histogram.h"
 #include "common/rpc/metrics.h"
 #include "kvtier/v1/router.grpc.pb.h"
@@ -26,8 +28,15 @@ class RouterService final : public v1::Router::Service {
   // Prometheus families for a scrape (docs/operations.md lists them).
   std::vector<prometheus::MetricFamily> CollectMetrics();
 
+  // Adds to GetRouterStats what lives outside the core (vLLM subscribers).
+  // Set before serving.
+  void SetExtraStats(std::function<void(v1::GetRouterStatsResponse*)> extra) {
+    extra_stats_ = std::move(extra);
+  }
+
  private:
   RouterCore* core_;
+  std::function<void(v1::GetRouterStatsResponse*)> extra_stats_;
   LatencyHistogram route_latency_;
 };
 

@@ -1,0 +1,446 @@
+// The router's subscriber to vLLM's ZeroMQ KV events: the documented wire
+// format decoded (golden bytes of both event encodings), vLLM hashes mapped
+// to kvtier's chain, and a real subscriber against a publisher and a replay
+// socket on loopback that emit that format, through gaps, malformed and
+// out-of-order messages and an engine restart.
+#include <gtest/gtest.h>
+#include <msgpack.h>
+
+#include <array>
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "router/router_core.h"
+#include "router/vllm_events.h"
+#include "tests/test_util.h"
+
+namespace kvtier::router {
+namespace {
+
+std::string Hex(const std::string& hex) {
+  std::string out;
+  for (size_t i = 0; i + 1 < hex.size();) {
+    if (hex[i] == ' ' || hex[i] == '\n') {
+      ++i;
+      continue;
+    }
+    out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+    i += 2;
+  }
+  return out;
+}
+
+// vLLM 0.26+ (events as maps): ts 1700000000.5, one BlockStored of one
+// block (hash 0xDEADBEEF12345678, no parent, tokens 1 2 300 70000, block
+// size 4, medium GPU, extra_keys [nil], group 0, full attention), rank 0.
+const char kStoredMap[] =
+    "93 cb 41 d9 54 fc 40 20 00 00 91 8b"
+    " a4 74 79 70 65 ab 42 6c 6f 63 6b 53 74 6f 72 65 64"
+    " ac 62 6c 6f 63 6b 5f 68 61 73 68 65 73 91 cf de ad be ef 12 34 56 78"
+    " b1 70 61 72 65 6e 74 5f 62 6c 6f 63 6b 5f 68 61 73 68 c0"
+    " a9 74 6f 6b 65 6e 5f 69 64 73 94 01 02 cd 01 2c ce 00 01 11 70"
+    " aa 62 6c 6f 63 6b 5f 73 69 7a 65 04"
+    " a7 6c 6f 72 61 5f 69 64 c0"
+    " a6 6d 65 64 69 75 6d a3 47 50 55"
+    " a9 6c 6f 72 61 5f 6e 61 6d 65 c0"
+    " aa 65 78 74 72 61 5f 6b 65 79 73 91 c0"
+    " a9 67 72 6f 75 70 5f 69 64 78 00"
+    " b2 6b 76 5f 63 61 63 68 65 5f 73 70 65 63 5f 6b 69 6e 64"
+    " ae 66 75 6c 6c 5f 61 74 74 65 6e 74 69 6f 6e"
+    " 00";
+// The same event positionally (vLLM ~0.21-0.23: a 12-element array).
+const char kStoredArray[] =
+    "93 cb 41 d9 54 fc 40 20 00 00 91 9c"
+    " ab 42 6c 6f 63 6b 53 74 6f 72 65 64"
+    " 91 cf de ad be ef 12 34 56 78 c0 94 01 02 cd 01 2c ce 00 01 11 70 04 c0"
+    " a3 47 50 55 c0 91 c0 00"
+    " ae 66 75 6c 6c 5f 61 74 74 65 6e 74 69 6f 6e c0"
+    " 00";
+
+TEST(VllmDecode, GoldenBytesOfBothEncodingsDecodeAlike) {
+  for (const char* hex : {kStoredMap, kStoredArray}) {
+    auto b = DecodeVllmBatch(Hex(hex));
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_DOUBLE_EQ(b->ts, 1700000000.5);
+    ASSERT_EQ(b->events.size(), 1u);
+    const VllmEvent& e = b->events[0];
+    EXPECT_EQ(e.kind, VllmEvent::kStored);
+    EXPECT_EQ(e.hashes, std::vector<uint64_t>{0xDEADBEEF12345678ull});
+    EXPECT_FALSE(e.parent.has_value());
+    EXPECT_EQ(e.token_ids, (std::vector<uint32_t>{1, 2, 300, 70000}));
+    EXPECT_EQ(e.block_size, 4u);
+    EXPECT_EQ(e.skip_reason, "");
+  }
+  // v0.9: [ts, events] and a 6-element event, a negative (Python hash())
+  // parent; removal and clearing in map form; a hash as 32 digest bytes.
+  auto old = DecodeVllmBatch(Hex(
+      "92 cb 41 d9 54 fc 40 20 00 00 91 96 ab 42 6c 6f 63 6b 53 74 6f 72 65 64"
+      " 91 05 ff 92 07 08 02 c0"));
+  ASSERT_TRUE(old.ok()) << old.status();
+  EXPECT_EQ(*old->events[0].parent, ~uint64_t{0});
+  std::string digest(32, '\0');
+  digest[31] = 0x2a;
+  digest[24] = 0x01;
+  auto removed = DecodeVllmBatch(Hex(
+      "93 cb 41 d9 54 fc 40 20 00 00 92"
+      " 83 a4 74 79 70 65 ac 42 6c 6f 63 6b 52 65 6d 6f 76 65 64"
+      " ac 62 6c 6f 63 6b 5f 68 61 73 68 65 73 91 c4 20") + digest +
+      Hex(" a6 6d 65 64 69 75 6d a3 47 50 55"
+          " 81 a4 74 79 70 65 b0 41 6c 6c 42 6c 6f 63 6b 73 43 6c 65 61 72 65 64 00"));
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  ASSERT_EQ(removed->events.size(), 2u);
+  EXPECT_EQ(removed->events[0].kind, VllmEvent::kRemoved);
+  EXPECT_EQ(removed->events[0].hashes, std::vector<uint64_t>{0x010000000000002aull});
+  EXPECT_EQ(removed->events[1].kind, VllmEvent::kCleared);
+}
+
+TEST(VllmDecode, BadPayloadsAreRefusedSayingWhy) {
+  const std::string good = Hex(kStoredMap);
+  struct Case {
+    std::string bytes, says;
+  };
+  for (const auto& c : std::vector<Case>{
+           {"", "not one msgpack value"},
+           {good.substr(0, good.size() / 2), "not one msgpack value"},
+           {good + "x", "bytes after"},
+           {Hex("a3 61 62 63"), "not a KVEventBatch"},
+           {Hex("92 00 91 91 a3 46 6f 6f"), "unknown event type \"Foo\""},
+           {Hex("92 00 91 c0"), "neither an array nor a map"},
+           {Hex("92 00 91 92 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 05"), "block_hashes is not an array"},
+           {Hex("92 00 91 92 ac 42 6c 6f 63 6b 52 65 6d 6f 76 65 64 91 a1 78"), "neither an integer nor bytes"},
+           // One block of 4 with 3 token ids.
+           {Hex("92 00 91 96 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 91 05 c0 93 01 02 03 04 c0"),
+            "3 token ids for 1 blocks of 4"},
+       }) {
+    auto b = DecodeVllmBatch(c.bytes);
+    ASSERT_FALSE(b.ok()) << c.says;
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(b.status().message().find(c.says), std::string::npos) << b.status();
+  }
+}
+
+// A test encoder following vLLM 0.26+'s layout (map events in declaration
+// order, the batch an array), with the msgpack-c packer.
+std::string Encode(const std::function<void(msgpack_packer*)>& f) {
+  msgpack_sbuffer sb;
+  msgpack_sbuffer_init(&sb);
+  msgpack_packer pk;
+  msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+  f(&pk);
+  std::string out(sb.data, sb.size);
+  msgpack_sbuffer_destroy(&sb);
+  return out;
+}
+void Key(msgpack_packer* pk, const std::string& s) {
+  msgpack_pack_str(pk, s.size());
+  msgpack_pack_str_body(pk, s.data(), s.size());
+}
+struct Ev {
+  enum Kind { kStored, kRemoved, kCleared };
+  Ev(Kind k, std::vector<uint64_t> h = {}, std::optional<uint64_t> p = std::nullopt,
+     std::vector<uint32_t> t = {}, std::string lora = "")
+      : kind(k), hashes(std::move(h)), parent(p), tokens(std::move(t)), lora_name(std::move(lora)) {}
+  Kind kind;
+  std::vector<uint64_t> hashes;
+  std::optional<uint64_t> parent;
+  std::vector<uint32_t> tokens;
+  std::string lora_name;
+};
+std::string Batch(const std::vector<Ev>& events, uint32_t block_size) {
+  return Encode([&](msgpack_packer* pk) {
+    msgpack_pack_array(pk, 3);
+    msgpack_pack_double(pk, 1700000000.25);
+    msgpack_pack_array(pk, events.size());
+    for (const auto& e : events) {
+      if (e.kind == Ev::kCleared) {
+        msgpack_pack_map(pk, 1);
+        Key(pk, "type");
+        Key(pk, "AllBlocksCleared");
+        continue;
+      }
+      const bool stored = e.kind == Ev::kStored;
+      msgpack_pack_map(pk, stored ? 11 : 4);
+      Key(pk, "type");
+      Key(pk, stored ? "BlockStored" : "BlockRemoved");
+      Key(pk, "block_hashes");
+      msgpack_pack_array(pk, e.hashes.size());
+      for (uint64_t h : e.hashes) msgpack_pack_uint64(pk, h);
+      if (stored) {
+        Key(pk, "parent_block_hash");
+        e.parent ? msgpack_pack_uint64(pk, *e.parent) : msgpack_pack_nil(pk);
+        Key(pk, "token_ids");
+        msgpack_pack_array(pk, e.tokens.size());
+        for (uint32_t t : e.tokens) msgpack_pack_uint32(pk, t);
+        Key(pk, "block_size");
+        msgpack_pack_uint32(pk, block_size);
+        Key(pk, "lora_id");
+        msgpack_pack_nil(pk);
+      }
+      Key(pk, "medium");
+      Key(pk, "GPU");
+      if (stored) {
+        Key(pk, "lora_name");
+        if (e.lora_name.empty()) {
+          msgpack_pack_nil(pk);
+        } else {
+          Key(pk, e.lora_name);
+        }
+        Key(pk, "extra_keys");
+        msgpack_pack_array(pk, e.hashes.size());
+        for (size_t i = 0; i < e.hashes.size(); ++i) msgpack_pack_nil(pk);
+      }
+      Key(pk, "group_idx");
+      msgpack_pack_uint32(pk, 0);
+      if (stored) {
+        Key(pk, "kv_cache_spec_kind");
+        Key(pk, "full_attention");
+      }
+    }
+    msgpack_pack_uint32(pk, 0);
+  });
+}
+
+constexpr uint64_t kNs = 0x00c0ffee00c0ffee;
+constexpr uint32_t kBt = 4;
+std::vector<uint32_t> Tokens(uint32_t from, uint32_t n) {
+  std::vector<uint32_t> t;
+  for (uint32_t i = 0; i < n; ++i) t.push_back(from + i);
+  return t;
+}
+
+TEST(VllmDecode, TheTestEncoderWritesWhatTheDecoderReads) {
+  auto b = DecodeVllmBatch(Batch({Ev(Ev::kStored, {7, 8}, 6, Tokens(0, 8)), Ev(Ev::kRemoved, {5}),
+                                  Ev(Ev::kCleared)},
+                                 4));
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(b->events.size(), 3u);
+  EXPECT_EQ(b->events[0].hashes, (std::vector<uint64_t>{7, 8}));
+  EXPECT_EQ(*b->events[0].parent, 6u);
+  EXPECT_EQ(b->events[1].kind, VllmEvent::kRemoved);
+  EXPECT_EQ(b->events[2].kind, VllmEvent::kCleared);
+}
+
+TEST(VllmChainMap, StoredBlocksGetKvtierChainHashesThroughTheirParents) {
+  VllmChainMap m(kNs, kBt);
+  VllmSourceStats st;
+  VllmEvent a{VllmEvent::kStored, {11, 12}, std::nullopt, Tokens(0, 8), kBt, ""};
+  VllmEvent b{VllmEvent::kStored, {13}, 12, Tokens(8, 4), kBt, ""};
+  auto ha = m.Stored(a, &st);
+  auto hb = m.Stored(b, &st);
+  auto whole = ChainHashes(kNs, Tokens(0, 12), kBt);
+  ASSERT_EQ(ha.size(), 2u);
+  ASSERT_EQ(hb.size(), 1u);
+  EXPECT_EQ(ha[0], whole[0]);
+  EXPECT_EQ(ha[1], whole[1]);
+  EXPECT_EQ(hb[0], whole[2]);
+  // An unknown parent, or another block size, is counted and left out.
+  VllmEvent orphan{VllmEvent::kStored, {21}, 99, Tokens(0, 4), kBt, ""};
+  EXPECT_TRUE(m.Stored(orphan, &st).empty());
+  EXPECT_EQ(st.unknown_parents, 1u);
+  VllmEvent wide{VllmEvent::kStored, {31}, std::nullopt, Tokens(0, 8), 8, ""};
+  EXPECT_TRUE(m.Stored(wide, &st).empty());
+  EXPECT_EQ(st.skipped, 1u);
+  VllmEvent gone{VllmEvent::kRemoved, {12, 77}, std::nullopt, {}, 0, ""};
+  EXPECT_EQ(m.Removed(gone, &st), std::vector<BlockHash>{whole[1]});
+  EXPECT_EQ(m.size(), 2u);
+}
+
+TEST(VllmSources, SpecsParseAndBadOnesNameLineAndKey) {
+  auto ok = ParseVllmSources(
+      "# engines\n"
+      "id=vllm-0,endpoint=10.0.0.5:8000,events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,"
+      "namespace=00c0ffee00c0ffee,block-tokens=16\n\n"
+      "id=vllm-1, endpoint=10.0.0.6:8000, events=ipc:///run/ev, topic=kv, namespace=00c0ffee00c0ffee, "
+      "block-tokens=16\n");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  ASSERT_EQ(ok->size(), 2u);
+  EXPECT_EQ((*ok)[0].replay, "tcp://10.0.0.5:5558");
+  EXPECT_EQ((*ok)[1].topic, "kv");
+  EXPECT_EQ((*ok)[1].namespace_id, kNs);
+  for (const auto& [text, says] : std::vector<std::pair<std::string, std::string>>{
+           {"id=a,endpoint=e,events=http://x,namespace=00c0ffee00c0ffee,block-tokens=16", "line 1: events"},
+           {"\nid=a,endpoint=e,events=tcp://x:1,namespace=xyz,block-tokens=16", "line 2: namespace"},
+           {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=0", "block-tokens"},
+           {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4,colour=red",
+            "unknown key \"colour\""},
+           {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4\n"
+            "id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4",
+            "used twice"},
+           {"endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4", "id must be"},
+       }) {
+    auto bad = ParseVllmSources(text);
+    ASSERT_FALSE(bad.ok()) << text;
+    EXPECT_NE(bad.status().message().find(says), std::string::npos) << bad.status();
+  }
+}
+
+// A vLLM engine's two sockets: PUB for the live stream and ROUTER for
+// replay, answering from every batch it published (vLLM 0.26+ framing).
+class FakeEngine {
+ public:
+  FakeEngine() : pub_(ctx_, zmq::socket_type::pub), router_(ctx_, zmq::socket_type::router) {
+    pub_.set(zmq::sockopt::linger, 0);
+    router_.set(zmq::sockopt::linger, 0);
+    pub_.bind("tcp://127.0.0.1:*");
+    router_.bind("tcp://127.0.0.1:*");
+    events_ = pub_.get(zmq::sockopt::last_endpoint);
+    replay_ = router_.get(zmq::sockopt::last_endpoint);
+    replayer_ = std::thread([this] { Serve(); });
+  }
+  ~FakeEngine() {
+    stop_ = true;
+    replayer_.join();
+  }
+  // Records the batch for replay; sends it live unless `drop` (a message
+  // the subscriber never sees).
+  void Publish(uint64_t seq, const std::string& payload, bool drop = false) {
+    {
+      std::lock_guard lk(mu_);
+      buffer_.emplace_back(seq, payload);
+    }
+    if (!drop) SendLive({"", Seq(seq), payload});
+  }
+  void SendLive(const std::vector<std::string>& frames) {
+    std::vector<zmq::const_buffer> parts;
+    for (const auto& f : frames) parts.push_back(zmq::buffer(f));
+    std::lock_guard lk(pub_mu_);
+    zmq::send_multipart(pub_, parts);
+  }
+  void ForgetBefore(uint64_t seq) {
+    std::lock_guard lk(mu_);
+    while (!buffer_.empty() && buffer_.front().first < seq) buffer_.pop_front();
+  }
+  void Restart() {
+    std::lock_guard lk(mu_);
+    buffer_.clear();
+  }
+  static std::string Seq(uint64_t s) {
+    std::string b(8, '\0');
+    for (int i = 0; i < 8; ++i) b[i] = static_cast<char>(s >> (56 - 8 * i));
+    return b;
+  }
+  const std::string& events() const { return events_; }
+  const std::string& replay() const { return replay_; }
+  std::atomic<int> replay_requests{0};
+
+ private:
+  void Serve() {
+    while (!stop_) {
+      zmq::pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, std::chrono::milliseconds(50));
+      if (!(item.revents & ZMQ_POLLIN)) continue;
+      std::vector<zmq::message_t> req;
+      if (!zmq::recv_multipart(router_, std::back_inserter(req))) continue;
+      if (req.size() != 3 || req[2].size() != 8) continue;  // as vLLM: ignored
+      replay_requests++;
+      uint64_t from = 0;
+      for (int i = 0; i < 8; ++i) from = (from << 8) | static_cast<const uint8_t*>(req[2].data())[i];
+      const std::string id = req[0].to_string();
+      std::vector<std::pair<uint64_t, std::string>> items;
+      {
+        std::lock_guard lk(mu_);
+        for (const auto& b : buffer_) {
+          if (b.first >= from) items.push_back(b);
+        }
+      }
+      auto reply = [&](const std::vector<std::string>& frames) {
+        std::vector<zmq::const_buffer> parts = {zmq::buffer(id), zmq::buffer(id.data(), 0)};
+        for (const auto& f : frames) parts.push_back(zmq::buffer(f));
+        zmq::send_multipart(router_, parts);
+      };
+      for (const auto& [seq, payload] : items) reply({"", Seq(seq), payload});
+      reply({"", Seq(~uint64_t{0}), ""});
+    }
+  }
+
+  zmq::context_t ctx_{1};
+  zmq::socket_t pub_, router_;
+  std::mutex pub_mu_, mu_;
+  std::string events_, replay_;
+  std::deque<std::pair<uint64_t, std::string>> buffer_;
+  std::atomic<bool> stop_{false};
+  std::thread replayer_;
+};
+
+class VllmSubscriber : public ::testing::Test {
+ protected:
+  VllmSubscriber() : core_(RouterOptions{}) {}
+  uint64_t Held() {
+    for (const auto& s : core_.Sources()) {
+      if (s.source_id() == "vllm-0") return s.indexed_blocks();
+    }
+    return ~uint64_t{0};
+  }
+  uint32_t GpuHit(uint32_t tokens_from, uint32_t n) {
+    v1::RouteRequest r;
+    r.set_namespace_id(kNs);
+    for (uint32_t t : Tokens(tokens_from, n)) r.mutable_tokens()->add_ids(t);
+    auto res = core_.Route(r);
+    return res.ok() && res->worker_id == "vllm-0" ? res->gpu_blocks : 0;
+  }
+  RouterCore core_;
+};
+
+TEST_F(VllmSubscriber, IndexesTheDocumentedStreamThroughGapsBadMessagesAndRestarts) {
+  FakeEngine engine;
+  // Published before the router subscribed: it comes from the replay socket.
+  engine.Publish(0, Batch({Ev(Ev::kStored, {100, 101, 102, 103}, std::nullopt, Tokens(0, 16))}, kBt));
+  VllmSourceSpec spec{"vllm-0", "10.0.0.5:8000", engine.events(), engine.replay(), "", kNs, kBt};
+  VllmEventSource source(spec, &core_);
+  ASSERT_TRUE(testing::WaitFor([&] { return Held() == 4; })) << Held() << " held; replays " << source.stats().replays << ", malformed " << source.stats().malformed << ", batches " << source.stats().batches << ", requests " << engine.replay_requests;
+  EXPECT_EQ(GpuHit(0, 20), 4u);
+  // Live: two more blocks after block 103. The subscriber may join late
+  // (ZeroMQ's slow joiner): resend until it has them.
+  engine.Publish(1, Batch({Ev(Ev::kStored, {104, 105}, 103, Tokens(16, 8))}, kBt));
+  ASSERT_TRUE(testing::WaitFor([&] {
+    if (Held() != 6) engine.SendLive({"", FakeEngine::Seq(1),
+                                      Batch({Ev(Ev::kStored, {104, 105}, 103, Tokens(16, 8))}, kBt)});
+    return Held() == 6;
+  })) << Held();
+  EXPECT_EQ(GpuHit(0, 26), 6u);
+  // A gap: batch 2 never arrives live; 3 does, and the replay fills 2.
+  engine.Publish(2, Batch({Ev(Ev::kStored, {106, 107}, 105, Tokens(24, 8))}, kBt), /*drop=*/true);
+  engine.Publish(3, Batch({Ev(Ev::kRemoved, {107})}, kBt));
+  ASSERT_TRUE(testing::WaitFor([&] { return source.stats().gaps == 1 && Held() == 7; }))
+      << Held() << " blocks, " << source.stats().gaps << " gaps";
+  EXPECT_EQ(GpuHit(0, 32), 7u);
+  EXPECT_EQ(source.stats().resyncs, 0u);
+  // A LoRA adapter's blocks cannot be mapped: skipped, counted.
+  engine.Publish(4, Batch({Ev(Ev::kStored, {200}, std::nullopt, Tokens(1000, 4), "adapter")}, kBt));
+  ASSERT_TRUE(testing::WaitFor([&] { return source.stats().skipped == 1; }));
+  EXPECT_EQ(Held(), 7u);
+  // A malformed batch: counted, and a resync rebuilds the index from the
+  // replay buffer (which holds the bad batch too: it stops there).
+  engine.Publish(5, "\xc1 not msgpack");
+  ASSERT_TRUE(testing::WaitFor([&] { return source.stats().resyncs == 1; }));
+  EXPECT_GE(source.stats().malformed, 1u);
+  ASSERT_TRUE(testing::WaitFor([&] { return Held() == 7; })) << Held();
+  // A message older than the last one applied: counted, nothing changes.
+  engine.SendLive({"", FakeEngine::Seq(1), Batch({Ev(Ev::kRemoved, {100})}, kBt)});
+  ASSERT_TRUE(testing::WaitFor([&] { return source.stats().out_of_order >= 1; }));
+  EXPECT_EQ(Held(), 7u);
+  // A message of the wrong shape: counted, resynced.
+  engine.SendLive({"", "short"});
+  ASSERT_TRUE(testing::WaitFor([&] { return source.stats().resyncs == 2; }));
+  ASSERT_TRUE(testing::WaitFor([&] { return Held() == 7; })) << Held();
+  // The engine restarts: its sequence starts at 0 again, its cache empty.
+  engine.Restart();
+  engine.Publish(0, Batch({Ev(Ev::kStored, {300}, std::nullopt, Tokens(500, 4))}, kBt));
+  ASSERT_TRUE(testing::WaitFor([&] { return source.stats().restarts == 1 && Held() == 1; }))
+      << Held();
+  EXPECT_EQ(GpuHit(0, 8), 0u);
+  EXPECT_EQ(GpuHit(500, 4), 1u);
+  // AllBlocksCleared.
+  engine.Publish(1, Batch({Ev(Ev::kCleared)}, kBt));
+  ASSERT_TRUE(testing::WaitFor([&] { return Held() == 0; }));
+  // Still serving: routes, stats.
+  EXPECT_EQ(core_.Stats().sources(), 1u);
+}
+
+}  // namespace
+}  // namespace kvtier::router

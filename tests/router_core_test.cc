@@ -312,6 +312,14 @@ TEST_F(RouterCoreTest, BadInputGetsAClearStatusAndChangesNothing) {
   bad.clear_endpoint();
   expect(core_.Hello(bad, &cmds), absl::StatusCode::kInvalidArgument, "endpoint");
   expect(core_.Handle("nobody", Stored(1, {1}), &cmds), absl::StatusCode::kNotFound, "hello");
+  v1::RouteRequest many = Req(2);
+  many.set_max_candidates(1025);
+  expect(core_.Route(many).status(), absl::StatusCode::kInvalidArgument, "max_candidates");
+  many.set_max_candidates(1);
+  auto one = core_.Route(many);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->candidates.size(), 1u);
+  EXPECT_EQ(one->candidates[0].worker_id, one->worker_id);
   expect(core_.Handle("w1", v1::SourceMessage(), &cmds), absl::StatusCode::kInvalidArgument,
          "carries no");
   // An event for another namespace is refused; the stream goes on.

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "kvtier/v1/router.pb.h"
 #include "common/prompt_chain.h"
+#include "common/rw_mutex.h"
 #include "router/cost.h"
 #include "router/prefix_index.h"
 
@@ -142,7 +143,7 @@ class RouterCore {
   void LeaveFleet(Source& s);
 
   RouterOptions options_;
-  mutable std::shared_mutex mu_;
+  mutable WriterPreferringMutex mu_;  // routes never hold an event batch back for long
   std::unordered_map<std::string, std::unique_ptr<Source>> sources_;
   std::vector<Source*> by_num_;  // SourceNum -> source (nullptr when free)
   std::vector<SourceNum> free_nums_;

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <thread>
+
 #include <algorithm>
 #include <random>
 
@@ -351,6 +354,70 @@ TEST_F(RouterCoreTest, BadInputGetsAClearStatusAndChangesNothing) {
   EXPECT_EQ(Blocks("w1"), 2u);
   EXPECT_EQ(core_.Route(Req(2))->gpu_blocks, 2u);
   EXPECT_EQ(core_.Stats().events_rejected(), 3u);
+}
+
+// Routes run on several threads while events, heartbeats, restarts and
+// role changes apply (run under ThreadSanitizer by scripts/sanitize.sh):
+// every route names a live worker, and the index's counts add up at the end.
+TEST(RouterConcurrency, RoutesRunBesideEventsAndRestarts) {
+  RouterCore core{RouterOptions{}};
+  std::vector<std::string> ids;
+  for (int i = 0; i < 8; ++i) ids.push_back("w" + std::to_string(i));
+  {
+    std::vector<v1::RouterCommand> cmds;
+    for (const auto& id : ids) {
+      ASSERT_TRUE(core.Hello(Worker(id), &cmds).ok());
+      ASSERT_TRUE(core.Handle(id, Snapshot(0, {}), &cmds).ok());
+    }
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> routed{0}, bad{0};
+  std::vector<std::thread> routers;
+  for (int t = 0; t < 3; ++t) {
+    routers.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      while (!stop) {
+        v1::RouteRequest r = Req(1 + static_cast<int>(rng() % 60));
+        r.set_max_candidates(1 + rng() % 4);
+        auto res = core.Route(r);
+        if (res.ok()) {
+          routed++;
+          if (res->worker_id.empty() || res->worker_id[0] != 'w') bad++;
+        } else if (res.status().code() != absl::StatusCode::kUnavailable) {
+          bad++;
+        }
+      }
+    });
+  }
+  std::mt19937_64 rng(99);
+  std::vector<uint64_t> seq(ids.size(), 0);
+  for (int step = 0; step < 4000; ++step) {
+    const size_t w = rng() % ids.size();
+    std::vector<v1::RouterCommand> cmds;
+    if (step % 97 == 0) {  // a restart: a new epoch clears it
+      v1::Hello h = Worker(ids[w], 2 + step);
+      ASSERT_TRUE(core.Hello(h, &cmds).ok());
+      ASSERT_TRUE(core.Handle(ids[w], Snapshot(0, {}), &cmds).ok());
+      seq[w] = 0;
+      continue;
+    }
+    v1::SourceMessage m;
+    if (step % 7 == 0) {
+      m.mutable_heartbeat()->set_queued_prefill_tokens(rng() % 4000);
+    } else {
+      const uint64_t first = rng() % 50;
+      m = rng() % 3 ? Stored(++seq[w], {first, first + 1, first + 2, first + 3})
+                    : Removed(++seq[w], {first + 3});
+    }
+    ASSERT_TRUE(core.Handle(ids[w], m, &cmds).ok());
+  }
+  stop = true;
+  for (auto& t : routers) t.join();
+  EXPECT_GT(routed.load(), 0u);
+  EXPECT_EQ(bad.load(), 0u);
+  uint64_t held = 0;
+  for (const auto& s : core.Sources()) held += s.indexed_blocks();
+  EXPECT_EQ(held, core.Stats().indexed_replicas());
 }
 
 TEST(RouterReplicas, SameEventsGiveTheSameDecisions) {

@@ -183,8 +183,8 @@ def check_engine(values, schema):
           any(m["mountPath"] == "/etc/kvtier/tls" for m in c.get("volumeMounts", [])),
           "TLS files mounted and passed to the connector")
     ev = json.loads(engine_arg(c["args"], "--kv-events-config") or "{}")
-    check(ev.get("enable_kv_cache_events") is True and ev.get("endpoint") == "tcp://*:5557",
-          "vLLM publishes KV events")
+    check(ev.get("enable_kv_cache_events") is True and ev.get("endpoint") == "tcp://*:5557" and
+          ev.get("replay_endpoint") == "tcp://*:5558", "vLLM publishes KV events with a replay socket")
     check(engine_arg(c["args"], "--block-size") == "16", "block size from values")
     check(c["resources"]["limits"].get("nvidia.com/gpu") == "1", "a GPU requested")
     v["engine"]["kind"] = "sglang"
@@ -205,6 +205,49 @@ def check_engine(values, schema):
             check(False, "schema accepted engine.%s=%r" % (key, bad))
         except jsonschema.ValidationError:
             check(True, "")
+
+
+def check_vllm_sources(values, schema):
+    """router.vllmSources: a ConfigMap in --vllm-sources' format, mounted and
+    named by the flag; kvtier-router --check-config accepts the rendered file."""
+    objs = objects(render(values))
+    check(find(objs, "ConfigMap", "-router-vllm-sources") is None, "no vLLM sources by default")
+    v = copy.deepcopy(values)
+    v["router"]["vllmSources"] = [
+        {"id": "vllm-0", "endpoint": "vllm-0.vllm:8000", "events": "tcp://vllm-0.vllm:5557",
+         "replay": "tcp://vllm-0.vllm:5558", "topic": "kv-events", "namespace": "00c0ffee00c0ffee",
+         "blockTokens": 16},
+        {"id": "vllm-1", "endpoint": "vllm-1.vllm:8000", "events": "tcp://vllm-1.vllm:5557",
+         "namespace": "00c0ffee00c0ffee", "blockTokens": 16}]
+    jsonschema.validate(v, schema)
+    objs = objects(render(v))
+    cm = find(objs, "ConfigMap", "-router-vllm-sources")
+    lines = [l for l in cm["data"]["sources.txt"].splitlines() if l.strip()]
+    check(lines == [
+        "id=vllm-0,endpoint=vllm-0.vllm:8000,events=tcp://vllm-0.vllm:5557,"
+        "replay=tcp://vllm-0.vllm:5558,topic=kv-events,namespace=00c0ffee00c0ffee,block-tokens=16",
+        "id=vllm-1,endpoint=vllm-1.vllm:8000,events=tcp://vllm-1.vllm:5557,"
+        "namespace=00c0ffee00c0ffee,block-tokens=16"], "vLLM sources rendered: %r" % lines)
+    c = find(objs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    check(engine_arg(c["args"], "--vllm-sources") == "/etc/kvtier/vllm/sources.txt" and
+          any(m["mountPath"] == "/etc/kvtier/vllm" for m in c.get("volumeMounts", [])),
+          "the router reads the mounted sources file")
+    # The router itself accepts the rendered file.
+    d = tempfile.mkdtemp()
+    with open(os.path.join(d, "sources.txt"), "w") as f:
+        f.write(cm["data"]["sources.txt"])
+    args = [a if not a.startswith("--vllm-sources=") else "--vllm-sources=" + os.path.join(d, "sources.txt")
+            for a in c["args"] if not a.startswith("--tls")]
+    rc, out = check_config("router/kvtier-router", args)
+    check(rc == 0, "kvtier-router --check-config accepts the rendered sources: %s" % out)
+    subprocess.run(["rm", "-rf", d])
+    w = copy.deepcopy(v)
+    w["router"]["vllmSources"][0]["namespace"] = "xyz"
+    try:
+        jsonschema.validate(w, schema)
+        check(False, "schema accepted a bad namespace")
+    except jsonschema.ValidationError:
+        check(True, "")
 
 
 def main():
@@ -317,6 +360,7 @@ def main():
 
     check_tls(values, schema)
     check_engine(values, schema)
+    check_vllm_sources(values, schema)
 
     print("%d passed, %d failed" % (passed, failed))
     return 0 if failed == 0 else 1

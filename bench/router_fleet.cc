@@ -239,6 +239,9 @@ absl::StatusOr<FleetCase> RunFleet(const std::vector<TraceRequest>& trace, int w
   c.mean_prompt_blocks = static_cast<double>(prompt_blocks) / prompts.size();
   auto sweep = [&](router::RouterCore& r, const std::vector<double>& rates,
                    std::vector<RatePoint>* out) {
+    // Warm up (page faults, caches) at the first rate, unmeasured.
+    OpenLoop(rates.front(), std::min(seconds, 0.2), threads, prompts.size(),
+             [&](int, size_t i) { return r.Route(prompts[i]).ok(); });
     for (double rate : rates) {
       out->push_back(OpenLoop(rate, seconds, threads, prompts.size(), [&](int, size_t i) {
         return r.Route(prompts[i]).ok();

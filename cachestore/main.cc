@@ -303,6 +303,7 @@ int main(int argc, char** argv) {
   health.join();
   metrics.reset();
   dataplane.reset();
+  if (router_sink) router_sink->SetFetchFigures(nullptr);  // before the store goes
   store->reset();  // drains the write-back queue
   kvtier::Log("store", "stopped");
   return 0;

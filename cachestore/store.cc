@@ -32,7 +32,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
   s->namespaces_ = std::make_unique<NamespaceRegistry>(d);
   Store* self = s.get();
   s->leases_ = std::make_unique<LeaseTable>(o.lease_ms, o.max_leases_per_client,
-                                            [self](const Lease& l) { self->ReleaseLease(l); });
+                                            [self](const Lease& l) { self->ReleaseLease(l, true); });
   if (o.changes) {
     s->feed_ = std::make_unique<ChangeFeed>(o.changes, [self](const BlockKey& k) {
       return self->ram_->Contains(k) || self->disk_->Contains(k);
@@ -89,7 +89,7 @@ absl::StatusOr<std::vector<TierKind>> Store::Lookup(uint64_t ns,
   return tiers;
 }
 
-void Store::ReleaseLease(const Lease& lease) {
+void Store::ReleaseLease(const Lease& lease, bool expired) {
   uint64_t bytes = 0;
   for (const auto& [key, slot] : lease.items) {
     bytes += slot.length;
@@ -97,16 +97,19 @@ void Store::ReleaseLease(const Lease& lease) {
     else ram_->Unpin(key, slot);
   }
   if (lease.is_put || lease.items.empty()) return;
-  // The fetch took from BeginGet to now; each block gets its share, a disk
-  // block its read as well.
+  fetch_meter_.Ended();
+  // An abandoned lease says nothing of how long fetches take.
+  if (expired) return;
+  // The fetch took from BeginGet to now: disk blocks their reads, and every
+  // block a share of the rest.
   const auto now = std::chrono::steady_clock::now();
   const double held = std::chrono::duration<double>(now - lease.opened).count();
-  const double share = held / static_cast<double>(lease.items.size());
+  const double share =
+      std::max(0.0, held - lease.disk_seconds) / static_cast<double>(lease.items.size());
   const uint64_t ram_items = lease.items.size() - lease.disk_items;
   fetch_meter_.Served(FetchMeter::kRam, ram_items, bytes - lease.disk_bytes, share * ram_items, now);
   fetch_meter_.Served(FetchMeter::kDisk, lease.disk_items, lease.disk_bytes,
                       share * lease.disk_items + lease.disk_seconds, now);
-  fetch_meter_.Ended();
 }
 
 std::vector<TierFetchFigures> Store::FetchFigures() {
@@ -208,14 +211,15 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
     const auto read_start = std::chrono::steady_clock::now();
     auto bytes = disk_->Read(k, &checksum);
     if (!bytes.ok()) break;
-    lease.disk_items++;
-    lease.disk_bytes += bytes->size();
-    lease.disk_seconds +=
+    const double read_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - read_start).count();
     Slot slot;
     Placement p = ram_->InsertCopy(k, reinterpret_cast<const uint8_t*>(bytes->data()),
                                    bytes->size(), checksum, true, true, &slot);
     if (p != Placement::kReserved) break;  // no room to promote: the prefix ends here
+    lease.disk_items++;
+    lease.disk_bytes += bytes->size();
+    lease.disk_seconds += read_seconds;
     r.sources.push_back(GetSource{TierKind::kDisk, slot});
     lease.items.emplace_back(k, slot);
   }

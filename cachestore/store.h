@@ -170,7 +170,8 @@ class Store {
   absl::StatusOr<NamespaceInfo> CheckRequest(uint64_t ns, std::span<const BlockHash> hashes) const;
   Tier& TierFor(TierKind kind) const;
   // Frees a lease's slots (put) or pins (get).
-  void ReleaseLease(const Lease& lease);
+  // Ends a lease (expired: by the reaper, which the fetch meter ignores).
+  void ReleaseLease(const Lease& lease, bool expired = false);
 
   StoreOptions options_;
   std::unique_ptr<DiskTier> disk_;  // destroyed after ram_ (RAM demotes into it)

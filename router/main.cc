@@ -103,27 +103,8 @@ int main(int argc, char** argv) {
   kvtier::router::RouterCore core(o);
   kvtier::router::RouterService service(&core);
 
-  auto started = kvtier::StartGrpcServer({"kvtier-router", listen, *credentials, {&service},
-                                          max_message});
-  if (!started.ok()) {
-    std::fprintf(stderr, "kvtier-router: %s\n", std::string(started.status().message()).c_str());
-    return 1;
-  }
-  std::unique_ptr<kvtier::MetricsServer> metrics;
-  if (!metrics_listen.empty()) {
-    auto ms = kvtier::MetricsServer::Start(metrics_listen, [&service] { return service.CollectMetrics(); });
-    if (!ms.ok()) {
-      std::fprintf(stderr, "kvtier-router: %s\n", std::string(ms.status().message()).c_str());
-      return 1;
-    }
-    metrics = std::move(*ms);
-  }
-  const std::string tls_mode = kvtier::TlsModeSuffix(!tls.cert_file.empty(), tls.require_client_cert);
-  kvtier::Log("router", "listening on ", started->address(),
-              tls.cert_file.empty() ? "" : tls.require_client_cert ? ", mutual TLS" : ", TLS", " (heartbeat deadline ",
-              deadline_ms, " ms, fetch_cost ", fetch_cost, ", load_weight ", load_weight,
-              ", balance ", balance, " tokens, temperature ", temperature, ")");
-  // vLLM engines' own KV events, beside the gRPC streams.
+  // vLLM engines' own KV events, beside the gRPC streams (set up before
+  // serving: GetRouterStats reads them).
   std::vector<std::unique_ptr<kvtier::router::VllmEventSource>> vllm;
   for (const auto& spec : vllm_specs) {
     vllm.push_back(std::make_unique<kvtier::router::VllmEventSource>(spec, &core));
@@ -149,6 +130,26 @@ int main(int argc, char** argv) {
       m["restarts"] += s.restarts;
     }
   });
+  auto started = kvtier::StartGrpcServer({"kvtier-router", listen, *credentials, {&service},
+                                          max_message});
+  if (!started.ok()) {
+    std::fprintf(stderr, "kvtier-router: %s\n", std::string(started.status().message()).c_str());
+    return 1;
+  }
+  std::unique_ptr<kvtier::MetricsServer> metrics;
+  if (!metrics_listen.empty()) {
+    auto ms = kvtier::MetricsServer::Start(metrics_listen, [&service] { return service.CollectMetrics(); });
+    if (!ms.ok()) {
+      std::fprintf(stderr, "kvtier-router: %s\n", std::string(ms.status().message()).c_str());
+      return 1;
+    }
+    metrics = std::move(*ms);
+  }
+  const std::string tls_mode = kvtier::TlsModeSuffix(!tls.cert_file.empty(), tls.require_client_cert);
+  kvtier::Log("router", "listening on ", started->address(),
+              tls.cert_file.empty() ? "" : tls.require_client_cert ? ", mutual TLS" : ", TLS", " (heartbeat deadline ",
+              deadline_ms, " ms, fetch_cost ", fetch_cost, ", load_weight ", load_weight,
+              ", balance ", balance, " tokens, temperature ", temperature, ")");
   kvtier::AnnounceListening("kvtier-router", *started, tls_mode, port_file);
 
   std::mutex mu;

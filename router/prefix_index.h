@@ -94,7 +94,8 @@ class PrefixIndex {
   bool Remove(const BlockKey& key, SourceNum source) { return Remove(Fingerprint(key), source); }
   // Drops `source` from every block it holds except those in `keep` (all,
   // when keep is null); returns how many it dropped. One pass over the
-  // table: a source's restart, expiry or snapshot, never a route or event.
+  // table: for a source's clear, restart, expiry or snapshot, never for a
+  // route or a stored or removed block.
   size_t RemoveSource(SourceNum source, const absl::flat_hash_set<uint64_t>* keep = nullptr);
 
   // The workers' prefixes of the chain and the store's runs after them in

@@ -378,8 +378,10 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   // the `keep` cheapest (the highest rendezvous rank first among equals:
   // the tie-break's winner is among them), the least loaded (the balance
   // guard's pick) and the highest load; Decide then chooses among those.
-  const size_t keep = std::max<size_t>(shown, 1);
   CostKnobs k = options_.knobs;
+  // Sampling draws among a fixed number of the cheapest, whatever the
+  // response lists, so a request is routed the same way by every caller.
+  const size_t keep = k.temperature > 0 ? kSampledCandidates : std::max<size_t>(shown, 1);
   // Fetching priced from measurement when there is one: the slowest store
   // shard's time per block against the namespace's prefill rate.
   FetchBasis basis{k.fetch_cost, false, {}, 0, 0, 0};

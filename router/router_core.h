@@ -33,6 +33,8 @@ inline constexpr size_t kMaxEventHashes = 65536;
 // A measured fetch cost is capped here (a store 1000x slower than computing
 // is as good as absent).
 inline constexpr double kMaxFetchCost = 1000;
+// With --temperature > 0, Route samples among this many of the cheapest.
+inline constexpr size_t kSampledCandidates = 16;
 
 struct RouterOptions {
   CostKnobs knobs;

@@ -256,9 +256,83 @@ absl::StatusOr<VllmEvent> ReadEvent(const Obj& o) {
   return e;
 }
 
+// Walks the msgpack value's headers without building it: every declared
+// array, map, string or binary must fit in the bytes that remain (msgpack-c
+// allocates a container's declared size before reading it, so a 5-byte
+// header could ask for gigabytes), and nesting stays under 32 levels.
+absl::Status CheckShape(absl::string_view in) {
+  const auto* p = reinterpret_cast<const uint8_t*>(in.data());
+  size_t pos = 0;
+  const size_t n = in.size();
+  std::vector<uint64_t> pending = {1};  // items still to read, per open container
+  auto need = [&](uint64_t bytes) { return bytes <= n - pos; };
+  auto be = [&](int width) {
+    uint64_t v = 0;
+    for (int i = 0; i < width; ++i) v = (v << 8) | p[pos + i];
+    pos += width;
+    return v;
+  };
+  auto fail = [] { return absl::InvalidArgumentError("the payload is not one msgpack value"); };
+  while (!pending.empty()) {
+    if (pending.back() == 0) {
+      pending.pop_back();
+      continue;
+    }
+    pending.back()--;
+    if (!need(1)) return fail();
+    const uint8_t b = p[pos++];
+    uint64_t skip = 0, items = 0;
+    bool container = false;
+    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
+      skip = 0;
+    } else if ((b & 0xf0) == 0x80 || (b & 0xf0) == 0x90) {
+      container = true;
+      items = (b & 0x0f) * ((b & 0xf0) == 0x80 ? 2 : 1);
+    } else if ((b & 0xe0) == 0xa0) {
+      skip = b & 0x1f;
+    } else {
+      switch (b) {
+        case 0xc4: case 0xd9: if (!need(1)) return fail(); skip = be(1); break;
+        case 0xc5: case 0xda: if (!need(2)) return fail(); skip = be(2); break;
+        case 0xc6: case 0xdb: if (!need(4)) return fail(); skip = be(4); break;
+        case 0xc7: if (!need(1)) return fail(); skip = be(1) + 1; break;
+        case 0xc8: if (!need(2)) return fail(); skip = be(2) + 1; break;
+        case 0xc9: if (!need(4)) return fail(); skip = be(4) + 1; break;
+        case 0xca: skip = 4; break;
+        case 0xcb: skip = 8; break;
+        case 0xcc: case 0xd0: skip = 1; break;
+        case 0xcd: case 0xd1: skip = 2; break;
+        case 0xce: case 0xd2: skip = 4; break;
+        case 0xcf: case 0xd3: skip = 8; break;
+        case 0xd4: skip = 2; break;
+        case 0xd5: skip = 3; break;
+        case 0xd6: skip = 5; break;
+        case 0xd7: skip = 9; break;
+        case 0xd8: skip = 17; break;
+        case 0xdc: if (!need(2)) return fail(); container = true; items = be(2); break;
+        case 0xdd: if (!need(4)) return fail(); container = true; items = be(4); break;
+        case 0xde: if (!need(2)) return fail(); container = true; items = 2 * be(2); break;
+        case 0xdf: if (!need(4)) return fail(); container = true; items = 2 * be(4); break;
+        default: return fail();  // 0xc1: never used
+      }
+    }
+    if (container) {
+      if (!need(items)) return fail();  // each item takes a byte at least
+      if (pending.size() >= 32) return absl::InvalidArgumentError("the payload nests over 32 levels");
+      pending.push_back(items);
+    } else {
+      if (!need(skip)) return fail();
+      pos += skip;
+    }
+  }
+  if (pos != n) return absl::InvalidArgumentError("the payload has bytes after its msgpack value");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<VllmBatch> DecodeVllmBatch(absl::string_view payload) {
+  if (auto s = CheckShape(payload); !s.ok()) return s;
   msgpack_unpacked u;
   msgpack_unpacked_init(&u);
   struct Done {
@@ -351,6 +425,12 @@ std::vector<BlockHash> VllmChainMap::Removed(const VllmEvent& e, VllmSourceStats
 namespace {
 
 constexpr uint64_t kEndSeq = ~uint64_t{0};
+// Larger frames are dropped by ZeroMQ before they reach the decoder.
+constexpr int64_t kMaxMessageBytes = int64_t{256} << 20;
+// A message this much older than the last applied is an engine that
+// restarted and whose first messages were missed, not a stale duplicate
+// (those are at most a subscriber queue, ZeroMQ's 1,000 by default, behind).
+constexpr uint64_t kRestartLag = 10000;
 
 uint64_t BigEndian64(const zmq::message_t& m) {
   uint64_t v = 0;
@@ -500,13 +580,17 @@ struct VllmEventSource::Impl {
     zmq::socket_t dealer(ctx, zmq::socket_type::dealer);
     dealer.set(zmq::sockopt::linger, 0);
     dealer.set(zmq::sockopt::rcvtimeo, 2000);
+    dealer.set(zmq::sockopt::maxmsgsize, kMaxMessageBytes);
     dealer.connect(spec.replay);
     uint8_t seq8[8];
     for (int i = 0; i < 8; ++i) seq8[i] = static_cast<uint8_t>(from >> (56 - 8 * i));
     std::array<zmq::const_buffer, 2> req = {zmq::buffer(seq8, 0), zmq::buffer(seq8, 8)};
     if (!zmq::send_multipart(dealer, req)) return false;
     bool complete = true, first = true;
+    // A peer that never ends its reply is not waited for past this.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     for (;;) {
+      if (stop || std::chrono::steady_clock::now() > deadline) return false;
       std::vector<zmq::message_t> parts;
       if (!zmq::recv_multipart(dealer, std::back_inserter(parts))) return false;  // timed out
       // [empty, topic, seq, payload] (vLLM 0.26+) or [empty, seq, payload].
@@ -518,7 +602,8 @@ struct VllmEventSource::Impl {
       }
       const uint64_t seq = BigEndian64(parts[0]);
       if (seq == kEndSeq) return complete && !first;
-      if (first && seq != from) complete = false;  // the buffer no longer holds `from`
+      // The buffer no longer holds `from` (from 0: everything it holds will do).
+      if (first && seq != from && from != 0) complete = false;
       first = false;
       if (!complete || (last && seq <= *last)) continue;
       auto batch = DecodeVllmBatch(
@@ -549,6 +634,7 @@ struct VllmEventSource::Impl {
     zmq::socket_t sub(ctx, zmq::socket_type::sub);
     sub.set(zmq::sockopt::linger, 0);
     sub.set(zmq::sockopt::subscribe, spec.topic);
+    sub.set(zmq::sockopt::maxmsgsize, kMaxMessageBytes);
     sub.connect(spec.events);
     // What the engine published before we subscribed.
     if (!spec.replay.empty()) Replay(0);
@@ -577,7 +663,7 @@ struct VllmEventSource::Impl {
     }
     const uint64_t seq = BigEndian64(parts[1]);
     if (last && seq <= *last) {
-      if (seq == 0) {  // the engine restarted: its sequence starts again
+      if (seq == 0 || *last - seq > kRestartLag) {  // the engine restarted: its sequence starts again
         Count([](VllmSourceStats& s) { s.restarts++; });
         Log("router", "vLLM source ", spec.id, " restarted; its blocks are cleared");
         chain.Clear();

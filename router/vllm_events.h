@@ -107,7 +107,8 @@ class VllmChainMap {
 // from the replay socket; when it cannot be (no replay socket, the batches
 // gone, a malformed message) the source resyncs: the router forgets the
 // engine's blocks and replays what the engine's buffer holds. A sequence
-// back at 0 is an engine restart. Nothing a peer sends can crash it.
+// back at 0, or over 10,000 behind the last applied, is an engine restart.
+// Nothing a peer sends can crash it.
 class VllmEventSource {
  public:
   VllmEventSource(VllmSourceSpec spec, RouterCore* core);

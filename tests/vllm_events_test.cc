@@ -109,6 +109,13 @@ TEST(VllmDecode, BadPayloadsAreRefusedSayingWhy) {
            {good.substr(0, good.size() / 2), "not one msgpack value"},
            {good + "x", "bytes after"},
            {Hex("a3 61 62 63"), "not a KVEventBatch"},
+           // Declared sizes past the bytes there are (msgpack-c would
+           // allocate them first): a map of 2^32-1 entries, an array of
+           // 65535, a string of 4 GiB; and nesting past 32 levels.
+           {Hex("df ff ff ff ff 01"), "not one msgpack value"},
+           {Hex("92 00 dc ff ff 01 02"), "not one msgpack value"},
+           {Hex("db ff ff ff ff 61"), "not one msgpack value"},
+           {std::string(40, '\x91') + Hex("c0"), "nests over 32 levels"},
            {Hex("92 00 91 91 a3 46 6f 6f"), "unknown event type \"Foo\""},
            {Hex("92 00 91 c0"), "neither an array nor a map"},
            {Hex("92 00 91 92 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 05"), "block_hashes is not an array"},

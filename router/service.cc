@@ -125,6 +125,14 @@ grpc::Status RouterService::Route(grpc::ServerContext*, const v1::RouteRequest* 
 std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
   MetricsBuilder m;
   auto st = core_->Stats();
+  if (extra_stats_) extra_stats_(&st);
+  for (const auto& [what, n] : st.vllm_events()) {
+    m.Counter("kvtier_router_vllm_events_total",
+              "vLLM KV-event subscribers: batches, events, blocks and faults by kind", n,
+              {{"kind", what}});
+  }
+  m.Gauge("kvtier_router_index_bytes_per_block", "Index memory per indexed block",
+          st.indexed_blocks() ? static_cast<double>(core_->IndexMemoryBytes()) / st.indexed_blocks() : 0);
   m.Gauge("kvtier_router_indexed_blocks", "Distinct (namespace, block) keys in the index",
           st.indexed_blocks());
   m.Gauge("kvtier_router_indexed_replicas", "(block, source) pairs in the index",
@@ -157,6 +165,18 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
             s.indexed_blocks(), l);
     m.Gauge("kvtier_router_source_queued_prefill_tokens", "Queued prefill tokens (last heartbeat)",
             s.load().queued_prefill_tokens(), l);
+    if (s.kind() == v1::SOURCE_WORKER && s.load().prefill_tokens_per_s() > 0) {
+      m.Gauge("kvtier_router_source_prefill_tokens_per_second",
+              "Prefill rate the worker reports (last heartbeat)", s.load().prefill_tokens_per_s(), l);
+    }
+    for (const auto& t : s.load().fetch()) {
+      MetricsBuilder::Labels tl = l;
+      tl["tier"] = t.tier();
+      m.Gauge("kvtier_router_store_fetch_us_per_block",
+              "A store shard's fetch time per block, per tier (last heartbeat)", t.us_per_block(), tl);
+      m.Gauge("kvtier_router_store_fetch_queue_depth",
+              "Fetches in flight at a store shard (last heartbeat)", t.queue_depth(), tl);
+    }
   }
   m.Gauge("kvtier_router_sources", "Live sources", st.sources());
   return m.Take();

@@ -193,7 +193,8 @@ TEST_F(Ops, PrometheusEndpointsServeTheDocumentedMetrics) {
   for (const char* name : {"kvtier_router_events_total{outcome=\"applied\"}",
                            "kvtier_router_decisions_total{outcome=\"lowest_cost\"}",
                            "kvtier_router_source_up{kind=\"worker\",source=\"w1\"} 1",
-                           "kvtier_router_route_duration_seconds_count"}) {
+                           "kvtier_router_route_duration_seconds_count",
+                           "kvtier_router_index_bytes_per_block"}) {
     EXPECT_NE(router.find(name), std::string::npos) << name;
   }
 }

@@ -137,6 +137,7 @@ void RouterCore::JoinFleet(Source& s) {
   if (s.num >= load_.size()) {
     load_.resize(s.num + 1, 0);
     id_hash_.resize(s.num + 1, 0);
+    lowered_.resize(s.num + 1, 0);
   }
   load_[s.num] = s.load.queued_prefill_tokens() + s.routed_since_heartbeat.load();
   id_hash_[s.num] = s.id_hash;
@@ -149,6 +150,19 @@ void RouterCore::JoinFleet(Source& s) {
   Fleet& f = fleets_[s.hello.namespace_id()];
   s.slot = f.nums.size();
   f.nums.push_back(s.num);
+  RebuildOrder(f);
+}
+
+void RouterCore::RebuildOrder(Fleet& f) {
+  f.order.clear();
+  f.max_load_bound = 0;
+  for (SourceNum n : f.nums) {
+    f.order.emplace_back(load_[n], n);
+    f.max_load_bound = std::max(f.max_load_bound, load_[n]);
+  }
+  std::sort(f.order.begin(), f.order.end());
+  for (SourceNum n : f.lowered) lowered_[n] = 0;
+  f.lowered.clear();
 }
 
 void RouterCore::SetPrefillRate(Source& s, double tokens_per_s) {
@@ -199,7 +213,12 @@ void RouterCore::LeaveFleet(Source& s) {
   f.nums[s.slot] = moved;
   by_num_[moved]->slot = s.slot;
   f.nums.pop_back();
-  if (f.nums.empty()) fleets_.erase(it);
+  lowered_[s.num] = 0;
+  if (f.nums.empty()) {
+    fleets_.erase(it);
+  } else {
+    RebuildOrder(f);
+  }
 }
 
 absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& m,
@@ -219,10 +238,19 @@ absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& 
     case v1::SourceMessage::kHeartbeat:
       s.load = m.heartbeat();
       s.routed_since_heartbeat = 0;
-      load_[s.num] = s.load.queued_prefill_tokens();
       if (s.hello.kind() == v1::SOURCE_STORE) {
         UpdateStoreFetch();
       } else {
+        const uint64_t before = load_[s.num];
+        load_[s.num] = s.load.queued_prefill_tokens();
+        Fleet& f = fleets_.at(s.hello.namespace_id());
+        f.max_load_bound = std::max(f.max_load_bound, load_[s.num]);
+        if (load_[s.num] < before && !lowered_[s.num]) {
+          lowered_[s.num] = 1;
+          f.lowered.push_back(s.num);
+          // Past a sixteenth of the fleet, sorting afresh is cheaper.
+          if (f.lowered.size() > 64 + f.nums.size() / 16) RebuildOrder(f);
+        }
         SetPrefillRate(s, s.load.prefill_tokens_per_s());
       }
       return absl::OkStatus();
@@ -451,19 +479,48 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     if (cost > reject_cost && load > reject_load) continue;
     admit(num, depth, load, cost);
   }
+  // The others in load order: once a worker's load as of the last sort is
+  // both costlier than the cheapest kept and above the least loaded, so is
+  // everyone's after it (loads only grew since, but for the lowered ones,
+  // looked at apart).
+  bool walked_all = true;
   if (match.gpu_depth.size() < fleet.nums.size()) {
     thread_local std::vector<uint8_t> hit;
     if (hit.size() < by_num_.size()) hit.resize(by_num_.size(), 0);
     for (const auto& [num, depth] : match.gpu_depth) hit[num] = 1;
     base = base_at(0);
-    for (SourceNum num : fleet.nums) {
+    auto look = [&](SourceNum num) {
       const uint64_t load = load_at(num);
       max_load = std::max(max_load, load);
       const double cost = base + lw * static_cast<double>(load);
-      if ((cost > reject_cost && load > reject_load) || hit[num]) continue;
+      if (cost > reject_cost && load > reject_load) return;
       admit(num, 0, load, cost);
+    };
+    for (SourceNum num : fleet.lowered) {
+      if (!hit[num]) look(num);
+    }
+    for (const auto& [was, num] : fleet.order) {
+      if (!options_.scan_all_workers && base + lw * static_cast<double>(was) > reject_cost &&
+          was > reject_load) {
+        walked_all = false;
+        break;
+      }
+      if (!hit[num] && !lowered_[num]) look(num);
     }
     for (const auto& [num, depth] : match.gpu_depth) hit[num] = 0;
+  }
+  // The balance guard compares the highest load with the lowest: the bound
+  // decides it unless the spread might exceed the threshold, when the
+  // loads not looked at are read.
+  if (!walked_all) {
+    const uint64_t bound =
+        std::atomic_ref<uint64_t>(const_cast<uint64_t&>(fleet.max_load_bound)).load(std::memory_order_relaxed);
+    const uint64_t least_load = have_least ? least.load : 0;
+    if (k.balance_threshold_tokens > 0 && bound - std::min(bound, least_load) > k.balance_threshold_tokens) {
+      for (SourceNum num : fleet.nums) max_load = std::max(max_load, load_at(num));
+    } else {
+      max_load = std::max(max_load, std::min(bound, least_load + k.balance_threshold_tokens));
+    }
   }
   std::vector<Candidate> cands;
   cands.reserve(top.size() + 1);
@@ -487,8 +544,13 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   const Candidate& best = cands[d.chosen];
   Source* chosen = by_num_[best.num];
   chosen->routed_since_heartbeat += best.prefill_tokens;
-  std::atomic_ref<uint64_t>(load_[best.num]).fetch_add(best.prefill_tokens,
-                                                       std::memory_order_relaxed);
+  const uint64_t now_load = std::atomic_ref<uint64_t>(load_[best.num])
+                               .fetch_add(best.prefill_tokens, std::memory_order_relaxed) +
+                           best.prefill_tokens;
+  std::atomic_ref<uint64_t> bound(const_cast<uint64_t&>(fleet.max_load_bound));
+  for (uint64_t b = bound.load(std::memory_order_relaxed);
+       b < now_load && !bound.compare_exchange_weak(b, now_load, std::memory_order_relaxed);) {
+  }
   r.worker_id = best.worker_id;
   r.endpoint = chosen->hello.endpoint();
   r.gpu_blocks = best.gpu_blocks;

@@ -42,6 +42,9 @@ struct RouterOptions {
   // Match by walking every block (PrefixIndex::MatchLinear), the reference
   // the benchmark measures galloping against.
   bool linear_match = false;
+  // Weigh every worker in a full pass instead of walking them in load order
+  // (the reference the load-order walk is tested against).
+  bool scan_all_workers = false;
   // Candidates a RouteResponse lists when the request does not say.
   uint32_t default_candidates = 8;
 
@@ -128,7 +131,18 @@ class RouterCore {
     // Sum and count of the prefill rates its workers report (> 0 only).
     double prefill_sum = 0;
     uint32_t prefill_count = 0;
+    // The workers in load order as of the last rebuild (docs/router.md,
+    // "Weighing the workers"). Between rebuilds a load only grows (routes
+    // add to it) unless a heartbeat lowers it: those workers are in
+    // `lowered` and looked at apart, so a worker's load is never below its
+    // place in `order` suggests.
+    std::vector<std::pair<uint64_t, SourceNum>> order;
+    std::vector<SourceNum> lowered;
+    // At least every worker's load (Route raises it through std::atomic_ref).
+    uint64_t max_load_bound = 0;
   };
+  // Sorts the fleet's workers by load afresh.
+  void RebuildOrder(Fleet& f);
   // A worker's reported prefill rate changes (0: none).
   void SetPrefillRate(Source& s, double tokens_per_s);
   // Recomputes slowest_store_ from the store shards' last heartbeats.
@@ -155,6 +169,7 @@ class RouterCore {
   // since (Route adds to it under the shared lock through std::atomic_ref);
   // id_hash_ = WorkerIdHash of the source id.
   std::vector<uint64_t> load_, id_hash_;
+  std::vector<uint8_t> lowered_;  // by SourceNum: in its fleet's `lowered`
   std::vector<SourceNum> store_nums_;
   // The store shard whose fetches take longest per block (by its last
   // heartbeat; us 0: no shard reported any).

@@ -420,6 +420,77 @@ TEST(RouterConcurrency, RoutesRunBesideEventsAndRestarts) {
   EXPECT_EQ(held, core.Stats().indexed_replicas());
 }
 
+// Property: walking the workers in load order (stopping once no later one
+// can be kept) decides and lists exactly what weighing every worker does,
+// through events, heartbeats that raise and lower loads, restarts, the
+// balance guard and any max_candidates.
+TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
+  for (uint64_t threshold : {uint64_t{0}, uint64_t{3000}}) {
+    RouterOptions o;
+    o.knobs.balance_threshold_tokens = threshold;
+    RouterOptions ro = o;
+    ro.scan_all_workers = true;
+    RouterCore fast(o), ref(ro);
+    std::mt19937_64 rng(17 + threshold);
+    std::vector<std::string> ids;
+    for (int i = 0; i < 40; ++i) ids.push_back("w" + std::to_string(i));
+    std::vector<uint64_t> seq(ids.size(), 0);
+    for (RouterCore* r : {&fast, &ref}) {
+      std::vector<v1::RouterCommand> cmds;
+      for (const auto& id : ids) {
+        ASSERT_TRUE(r->Hello(Worker(id), &cmds).ok());
+        ASSERT_TRUE(r->Handle(id, Snapshot(0, {}), &cmds).ok());
+      }
+    }
+    int compared = 0;
+    for (int step = 0; step < 4000; ++step) {
+      const size_t w = rng() % ids.size();
+      v1::SourceMessage m;
+      bool send = true;
+      switch (rng() % 6) {
+        case 0:
+          m.mutable_heartbeat()->set_queued_prefill_tokens(rng() % 6000);
+          break;
+        case 1:
+        case 2: {
+          const uint64_t first = rng() % 30;
+          m = Stored(++seq[w], {first, first + 1, first + 2});
+          break;
+        }
+        case 3:
+          m = Removed(++seq[w], {rng() % 33});
+          break;
+        default: {
+          send = false;
+          v1::RouteRequest r = Req(1 + static_cast<int>(rng() % 34));
+          r.set_max_candidates(static_cast<uint32_t>(rng() % 6));
+          auto a = fast.Route(r);
+          auto b = ref.Route(r);
+          ASSERT_EQ(a.ok(), b.ok());
+          if (!a.ok()) break;
+          ASSERT_EQ(a->worker_id, b->worker_id) << "step " << step;
+          ASSERT_EQ(a->reason, b->reason) << "step " << step;
+          ASSERT_EQ(a->candidates.size(), b->candidates.size()) << "step " << step;
+          for (size_t i = 0; i < a->candidates.size(); ++i) {
+            EXPECT_EQ(a->candidates[i].worker_id, b->candidates[i].worker_id) << "step " << step;
+            EXPECT_DOUBLE_EQ(a->candidates[i].cost, b->candidates[i].cost) << "step " << step;
+          }
+          ++compared;
+        }
+      }
+      if (!send) continue;
+      for (RouterCore* r : {&fast, &ref}) {
+        std::vector<v1::RouterCommand> cmds;
+        ASSERT_TRUE(r->Handle(ids[w], m, &cmds).ok());
+      }
+    }
+    EXPECT_GT(compared, 1000);
+    if (threshold > 0) {
+      EXPECT_GT(fast.Stats().decisions().at("balance_guard"), 0u);
+    }
+  }
+}
+
 TEST(RouterReplicas, SameEventsGiveTheSameDecisions) {
   RouterOptions o;
   o.knobs.balance_threshold_tokens = 5000;

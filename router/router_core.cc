@@ -517,9 +517,14 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
         std::atomic_ref<uint64_t>(const_cast<uint64_t&>(fleet.max_load_bound)).load(std::memory_order_relaxed);
     const uint64_t least_load = have_least ? least.load : 0;
     if (k.balance_threshold_tokens > 0 && bound - std::min(bound, least_load) > k.balance_threshold_tokens) {
-      for (SourceNum num : fleet.nums) max_load = std::max(max_load, load_at(num));
+      // Decide asks only whether the spread passes the threshold: stop
+      // reading once it does.
+      for (SourceNum num : fleet.nums) {
+        if (max_load - std::min(max_load, least_load) > k.balance_threshold_tokens) break;
+        max_load = std::max(max_load, load_at(num));
+      }
     } else {
-      max_load = std::max(max_load, std::min(bound, least_load + k.balance_threshold_tokens));
+      max_load = std::max(max_load, bound);  // within the threshold either way
     }
   }
   std::vector<Candidate> cands;

@@ -36,14 +36,7 @@ constexpr uint64_t kNs = 0x5eed;
 constexpr uint32_t kBlockTokens = 16;
 constexpr uint32_t kSubBlocks = kTraceBlockTokens / kBlockTokens;  // router blocks per trace block
 
-uint64_t Mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
-}
+uint64_t Mix(uint64_t x) { return Mix64(x); }
 
 // The router block `sub` of trace block `id` in trace copy `copy`.
 BlockHash FleetHash(uint64_t copy, uint64_t id, uint32_t sub) {

@@ -23,6 +23,17 @@ struct BlockHash {
   auto operator<=>(const BlockHash&) const = default;
 };
 
+// A 64-bit finalizer (MurmurHash3's fmix64): spreads every input bit over
+// the output.
+inline uint64_t Mix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
+
 struct BlockKey {
   uint64_t ns = 0;
   BlockHash hash;

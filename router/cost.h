@@ -14,6 +14,8 @@
 #include <string_view>
 #include <vector>
 
+#include "common/block_key.h"
+
 namespace kvtier::router {
 
 struct CostKnobs {
@@ -51,13 +53,7 @@ struct Decision {
 uint64_t WorkerIdHash(std::string_view worker_id);
 // The rendezvous score of a worker for a request: the highest wins a tie.
 inline uint64_t RendezvousRank(uint64_t request_hash, uint64_t id_hash) {
-  uint64_t x = request_hash ^ id_hash;
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdull;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ull;
-  x ^= x >> 33;
-  return x;
+  return Mix64(request_hash ^ id_hash);
 }
 
 // Computes each candidate's cost, sorts candidates cheapest first (ties by

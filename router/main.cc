@@ -115,19 +115,7 @@ int main(int argc, char** argv) {
     if (vllm.empty()) return;
     auto& m = *r->mutable_vllm_events();
     for (const auto& v : vllm) {
-      const auto s = v->stats();
-      m["batches"] += s.batches;
-      m["events"] += s.events;
-      m["blocks_stored"] += s.blocks_stored;
-      m["blocks_removed"] += s.blocks_removed;
-      m["malformed"] += s.malformed;
-      m["gaps"] += s.gaps;
-      m["replays"] += s.replays;
-      m["resyncs"] += s.resyncs;
-      m["out_of_order"] += s.out_of_order;
-      m["unknown_parents"] += s.unknown_parents;
-      m["skipped"] += s.skipped;
-      m["restarts"] += s.restarts;
+      v->stats().ForEach([&m](const char* name, uint64_t n) { m[name] += n; });
     }
   });
   auto started = kvtier::StartGrpcServer({"kvtier-router", listen, *credentials, {&service},

@@ -76,6 +76,14 @@ struct VllmSourceStats {
   uint64_t batches = 0, events = 0, blocks_stored = 0, blocks_removed = 0;
   uint64_t malformed = 0, gaps = 0, replays = 0, resyncs = 0, out_of_order = 0;
   uint64_t unknown_parents = 0, skipped = 0, restarts = 0;
+  // f(name, value) for every counter, named as GetRouterStats.vllm_events.
+  template <class F>
+  void ForEach(F f) const {
+    f("batches", batches), f("events", events), f("blocks_stored", blocks_stored);
+    f("blocks_removed", blocks_removed), f("malformed", malformed), f("gaps", gaps);
+    f("replays", replays), f("resyncs", resyncs), f("out_of_order", out_of_order);
+    f("unknown_parents", unknown_parents), f("skipped", skipped), f("restarts", restarts);
+  }
 };
 
 // Maps one engine's vLLM hashes to kvtier's. Not thread-safe.

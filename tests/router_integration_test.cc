@@ -96,6 +96,16 @@ class RouterIntegration : public ::testing::Test {
     ASSERT_GT(router_->port(), 0) << "router did not start; see " << dir_.sub("router.log");
     client_ = std::make_unique<RouterClient>(router_->address());
   }
+  // A store shard "store-a" publishing to the router, 64 KiB blocks.
+  std::unique_ptr<ServerProcess> StartStore(const std::string& ram) {
+    return std::make_unique<ServerProcess>(
+        KVTIER_STORE_BIN, dir_.sub("store"),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("store-db"),
+                                 "--ram-bytes=" + ram, "--ram-slab-bytes=256KiB",
+                                 "--hugepages=false", "--router=" + router_->address(),
+                                 "--store-id=store-a"});
+  }
+  static inline const NamespaceSpec kStoreSpec{"m", "fp16", 1, 1, 64, 256, 0, 1, "", ""};
   testing::TempDir dir_;
   std::unique_ptr<ServerProcess> router_;
   std::unique_ptr<RouterClient> client_;
@@ -300,13 +310,11 @@ TEST_F(RouterIntegration, BadRequestsGetClearStatusesAndTheRouterKeepsServing) {
 
 TEST_F(RouterIntegration, AStoreShardPublishesWhatItHolds) {
   StartRouter();
-  ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
-                      {"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("store-db"),
-                       "--ram-bytes=1MiB", "--ram-slab-bytes=256KiB", "--hugepages=false",
-                       "--router=" + router_->address(), "--store-id=store-a"});
+  auto store_ptr = StartStore("1MiB");
+  ServerProcess& store = *store_ptr;
   ASSERT_GT(store.port(), 0);
   StoreClient sc(store.address());
-  auto ns = sc.RegisterNamespace(NamespaceSpec{"m", "fp16", 1, 1, 64, 256, 0, 1, "", ""});
+  auto ns = sc.RegisterNamespace(kStoreSpec);
   ASSERT_TRUE(ns.ok());
   std::vector<std::string> data;
   std::vector<std::pair<BlockHash, std::string_view>> blocks;
@@ -345,13 +353,11 @@ TEST_F(RouterIntegration, AStoreShardPublishesWhatItHolds) {
 // it recovers.
 TEST_F(RouterIntegration, ASlowStoreShardMovesRoutesToGpuHitsAndBackWhenItRecovers) {
   StartRouter();
-  ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
-                      {"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("store-db"),
-                       "--ram-bytes=4MiB", "--ram-slab-bytes=256KiB", "--hugepages=false",
-                       "--router=" + router_->address(), "--store-id=store-a"});
+  auto store_ptr = StartStore("4MiB");
+  ServerProcess& store = *store_ptr;
   ASSERT_GT(store.port(), 0);
   StoreClient sc(store.address());
-  auto ns = sc.RegisterNamespace(NamespaceSpec{"m", "fp16", 1, 1, 64, 256, 0, 1, "", ""});
+  auto ns = sc.RegisterNamespace(kStoreSpec);
   ASSERT_TRUE(ns.ok());
   const std::vector<BlockHash> chain = Chain(0, 16);
   std::vector<std::string> data;

@@ -17,9 +17,14 @@ bool PrefixIndex::Add(uint64_t fp, SourceNum source) {
   Holders& h = map_[fp];
   if (h.h[0] == kSpill) {
     Spill& sp = spill_[h.h[1]];
-    if (std::find(sp.list.begin(), sp.list.end(), source) != sp.list.end()) return false;
+    if (Holds(&h, source)) return false;
     sp.list.push_back(source);
     sp.stores += IsStore(source);
+    if (!sp.bits.empty()) {
+      SetBit(&sp.bits, source, true);
+    } else if (sp.list.size() >= kBitsFrom) {
+      for (SourceNum n : sp.list) SetBit(&sp.bits, n, true);
+    }
   } else if (h.h[0] == kNone) {
     h.h[0] = source;
   } else if (h.h[0] == source || h.h[1] == source) {
@@ -53,6 +58,10 @@ bool PrefixIndex::Drop(Holders& h, SourceNum source) {
     *pos = list.back();
     list.pop_back();
     sp.stores -= IsStore(source);
+    if (!sp.bits.empty()) {
+      SetBit(&sp.bits, source, false);
+      if (list.size() < kBitsFrom / 2) sp.bits = {};
+    }
     if (list.size() == 2) {
       const uint32_t at = h.h[1];
       h.h[0] = list[0];
@@ -144,7 +153,8 @@ void PrefixIndex::MatchLinear(uint64_t ns, const ChainView& chain, PrefixMatch* 
   for (const auto& [s, depth] : out->gpu_depth) AddStoreRun(out, depth, run[depth]);
 }
 
-void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) const {
+void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out,
+                        bool groups) const {
   out->Clear();
   const size_t n = chain.size();
   struct Probe {
@@ -171,6 +181,11 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) c
   // The workers holding block lo.at but not block hi.at hold hi.at leading
   // blocks.
   auto change = [&](const Probe& lo, const Probe& hi) {
+    if (groups && List(*lo.h).size() > kGroupFrom) {
+      out->groups.push_back(PrefixMatch::Group{static_cast<uint32_t>(hi.at), lo.h, hi.h,
+                                               lo.workers - std::min(lo.workers, hi.workers)});
+      return;
+    }
     marks(hi, kHi, true);
     for (SourceNum s : List(*lo.h)) {
       if (s < mark.size() && (mark[s] & (kHi | kDone)) != 0) continue;
@@ -241,21 +256,36 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) c
   };
   uint32_t deepest_worker = 0;
   AddStoreRun(out, 0, run_from(0));
-  for (const auto& [s, depth] : out->gpu_depth) {
+  auto at_depth = [&](uint32_t depth) {
     deepest_worker = std::max(deepest_worker, depth);
     bool known = false;
     for (const auto& sr : out->store_runs) known |= sr.first == depth;
     if (!known) AddStoreRun(out, depth, run_from(depth));
-  }
+  };
+  for (const auto& [s, depth] : out->gpu_depth) at_depth(depth);
+  for (const auto& g : out->groups) at_depth(g.depth);
   out->walked = deepest_worker + out->StoreRun(deepest_worker);
   out->deepest = static_cast<int64_t>(out->walked) - 1;
+}
+
+void PrefixIndex::ExpandGroups(PrefixMatch* m) const {
+  absl::flat_hash_set<SourceNum> named;
+  for (const auto& [s, d] : m->gpu_depth) named.insert(s);
+  for (const auto& g : m->groups) {
+    for (SourceNum s : List(*static_cast<const Holders*>(g.before))) {
+      if (InGroup(g, s) && named.insert(s).second) m->gpu_depth.emplace_back(s, g.depth);
+    }
+  }
+  m->groups.clear();
 }
 
 size_t PrefixIndex::MemoryBytes() const {
   // Swiss table: one slot plus one control byte per bucket.
   size_t bytes = map_.capacity() * (sizeof(std::pair<const uint64_t, Holders>) + 1);
   bytes += spill_.capacity() * sizeof(spill_[0]) + spill_free_.capacity() * sizeof(uint32_t);
-  for (const auto& sp : spill_) bytes += sp.list.capacity() * sizeof(SourceNum);
+  for (const auto& sp : spill_) {
+    bytes += sp.list.capacity() * sizeof(SourceNum) + sp.bits.capacity() * sizeof(uint64_t);
+  }
   bytes += is_store_.capacity();
   return bytes;
 }

@@ -11,6 +11,7 @@
 // find, never a wrong byte.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -48,6 +49,17 @@ class ChainView {
 struct PrefixMatch {
   // Leading blocks of the chain each worker holds (only workers with >= 1).
   std::vector<std::pair<SourceNum, uint32_t>> gpu_depth;
+  // Workers ending at one depth, too many to list (a prefix most of a fleet
+  // shares): those holding block `depth - 1` but not block `depth`, not
+  // named in gpu_depth (PrefixIndex::InGroup tells them; `workers` counts
+  // them when the invariant holds). Valid while the index is unchanged.
+  struct Group {
+    uint32_t depth = 0;
+    const void* before = nullptr;  // the holders of block depth - 1
+    const void* after = nullptr;   // the holders of block depth (or null)
+    uint32_t workers = 0;
+  };
+  std::vector<Group> groups;
   // (position, run): blocks held by a store consecutively from `position`,
   // for position 0 and each worker's depth (what a route needs).
   std::vector<std::pair<uint32_t, uint32_t>> store_runs;
@@ -61,6 +73,7 @@ struct PrefixMatch {
 
   void Clear() {
     gpu_depth.clear();
+    groups.clear();
     store_runs.clear();
     walked = 0;
     deepest = -1;
@@ -112,7 +125,18 @@ class PrefixIndex {
   // so a wrong depth costs a less than ideal route, never a wrong byte. A store's run from a position gallops
   // the same way: exact when the stores' blocks from there are contiguous,
   // never ended by a block a store holds.
-  void Match(uint64_t ns, const ChainView& chain, PrefixMatch* out) const;
+  // A change left by more than kGroupFrom workers is reported as a Group,
+  // unless `groups` is false (every worker named in gpu_depth).
+  static constexpr size_t kGroupFrom = 256;
+  void Match(uint64_t ns, const ChainView& chain, PrefixMatch* out, bool groups = true) const;
+  // Whether worker `s` belongs to `g` (O(1) for big holder lists).
+  bool InGroup(const PrefixMatch::Group& g, SourceNum s) const {
+    return !IsStore(s) && Holds(static_cast<const Holders*>(g.before), s) &&
+           !Holds(static_cast<const Holders*>(g.after), s);
+  }
+  // Every worker of every group into gpu_depth (a worker named already is
+  // not named again).
+  void ExpandGroups(PrefixMatch* m) const;
   // The reference: walks every block from the first while some worker still
   // holds the prefix or a store holds the block (exact with holes too).
   void MatchLinear(uint64_t ns, const ChainView& chain, PrefixMatch* out) const;
@@ -134,10 +158,31 @@ class PrefixIndex {
     size_t operator()(uint64_t fp) const { return static_cast<size_t>(fp); }
   };
   // A holder list that outgrew its slot, and how many of it are stores.
+  // A holder list that outgrew its slot, and how many of it are stores;
+  // from kBitsFrom holders also a bitmap by source number (O(1) membership).
   struct Spill {
     std::vector<SourceNum> list;
     uint32_t stores = 0;
+    std::vector<uint64_t> bits;
   };
+  static constexpr size_t kBitsFrom = 64;
+  static bool Bit(const std::vector<uint64_t>& bits, SourceNum s) {
+    return s / 64 < bits.size() && (bits[s / 64] >> (s % 64) & 1) != 0;
+  }
+  static void SetBit(std::vector<uint64_t>* bits, SourceNum s, bool on) {
+    if (s / 64 >= bits->size()) bits->resize(s / 64 + 1, 0);
+    if (on) (*bits)[s / 64] |= uint64_t{1} << (s % 64);
+    else (*bits)[s / 64] &= ~(uint64_t{1} << (s % 64));
+  }
+  bool Holds(const Holders* h, SourceNum s) const {
+    if (h == nullptr) return false;
+    if (h->h[0] == kSpill) {
+      const Spill& sp = spill_[h->h[1]];
+      if (!sp.bits.empty()) return Bit(sp.bits, s);
+      return std::find(sp.list.begin(), sp.list.end(), s) != sp.list.end();
+    }
+    return h->h[0] == s || h->h[1] == s;
+  }
   std::span<const SourceNum> List(const Holders& h) const {
     if (h.h[0] == kSpill) return spill_[h.h[1]].list;
     return {h.h, static_cast<size_t>(h.h[0] != kNone) + (h.h[1] != kNone)};

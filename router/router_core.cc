@@ -394,7 +394,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   if (options_.linear_match) {
     index_.MatchLinear(req.namespace_id(), chain, &match);
   } else {
-    index_.Match(req.namespace_id(), chain, &match);
+    index_.Match(req.namespace_id(), chain, &match, /*groups=*/!options_.scan_all_workers);
   }
   if (!chain.empty()) {
     const BlockHash h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
@@ -440,6 +440,13 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   double reject_cost = std::numeric_limits<double>::infinity();
   uint64_t reject_load = ~uint64_t{0};
   auto admit = [&](SourceNum num, uint32_t depth, uint64_t load, double cost) {
+    // A worker met twice (in two groups: only where holes break the
+    // invariant) counts once, as first met.
+    if (!match.groups.empty()) {
+      for (const Pick& t : top) {
+        if (t.num == num) return;
+      }
+    }
     const Pick p{cost, load, RendezvousRank(request_hash, id_hash_[num]), num, depth};
     if (load <= least.load && (!have_least || load < least.load || p.rank > least.rank)) {
       least = p;
@@ -479,33 +486,50 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     if (cost > reject_cost && load > reject_load) continue;
     admit(num, depth, load, cost);
   }
-  // The others in load order: once a worker's load as of the last sort is
+  // The rest in load order: once a worker's load as of the last sort is
   // both costlier than the cheapest kept and above the least loaded, so is
   // everyone's after it (loads only grew since, but for the lowered ones,
-  // looked at apart).
-  bool walked_all = true;
-  if (match.gpu_depth.size() < fleet.nums.size()) {
+  // looked at apart). Each group of workers too many to name (a prefix most
+  // of the fleet holds) is walked that way at its depth, then the workers
+  // holding nothing of the prompt.
+  bool walked_all = match.groups.empty();
+  uint64_t named = match.gpu_depth.size();
+  for (const auto& g : match.groups) named += g.workers;
+  if (!match.groups.empty() || named < fleet.nums.size()) {
     thread_local std::vector<uint8_t> hit;
     if (hit.size() < by_num_.size()) hit.resize(by_num_.size(), 0);
     for (const auto& [num, depth] : match.gpu_depth) hit[num] = 1;
-    base = base_at(0);
-    auto look = [&](SourceNum num) {
-      const uint64_t load = load_at(num);
-      max_load = std::max(max_load, load);
-      const double cost = base + lw * static_cast<double>(load);
-      if (cost > reject_cost && load > reject_load) return;
-      admit(num, 0, load, cost);
-    };
-    for (SourceNum num : fleet.lowered) {
-      if (!hit[num]) look(num);
-    }
-    for (const auto& [was, num] : fleet.order) {
-      if (!options_.scan_all_workers && base + lw * static_cast<double>(was) > reject_cost &&
-          was > reject_load) {
-        walked_all = false;
-        break;
+    auto walk = [&](uint32_t depth, auto&& member) {
+      base = base_at(depth);
+      auto look = [&](SourceNum num) {
+        const uint64_t load = load_at(num);
+        max_load = std::max(max_load, load);
+        const double cost = base + lw * static_cast<double>(load);
+        if (cost > reject_cost && load > reject_load) return;
+        admit(num, depth, load, cost);
+      };
+      for (SourceNum num : fleet.lowered) {
+        if (!hit[num] && member(num)) look(num);
       }
-      if (!hit[num] && !lowered_[num]) look(num);
+      for (const auto& [was, num] : fleet.order) {
+        if (!options_.scan_all_workers && base + lw * static_cast<double>(was) > reject_cost &&
+            was > reject_load) {
+          walked_all = false;
+          break;
+        }
+        if (!hit[num] && !lowered_[num] && member(num)) look(num);
+      }
+    };
+    for (const auto& g : match.groups) {
+      walk(g.depth, [&](SourceNum num) { return index_.InGroup(g, num); });
+    }
+    if (named < fleet.nums.size()) {
+      walk(0, [&](SourceNum num) {
+        for (const auto& g : match.groups) {
+          if (index_.InGroup(g, num)) return false;
+        }
+        return true;
+      });
     }
     for (const auto& [num, depth] : match.gpu_depth) hit[num] = 0;
   }

@@ -491,6 +491,86 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
   }
 }
 
+// The same with a fleet most of which shares a prefix (holder lists past
+// PrefixIndex::kGroupFrom, matched as groups and walked in load order):
+// workers hold prefixes of one chain that grow and shrink from the tail.
+TEST(RouterLoadOrder, GroupsOfSharedPrefixesDecideAsNamingEveryWorker) {
+  RouterOptions o;
+  o.knobs.balance_threshold_tokens = 20000;
+  RouterOptions ro = o;
+  ro.scan_all_workers = true;
+  RouterCore fast(o), ref(ro);
+  std::mt19937_64 rng(23);
+  const int n = 320;
+  std::vector<std::string> ids;
+  for (int i = 0; i < n; ++i) ids.push_back("w" + std::to_string(i));
+  std::vector<uint64_t> seq(n, 0), depth(n, 0);
+  auto send = [&](size_t w, const v1::SourceMessage& m) {
+    for (RouterCore* r : {&fast, &ref}) {
+      std::vector<v1::RouterCommand> cmds;
+      ASSERT_TRUE(r->Handle(ids[w], m, &cmds).ok());
+    }
+  };
+  for (RouterCore* r : {&fast, &ref}) {
+    std::vector<v1::RouterCommand> cmds;
+    for (const auto& id : ids) {
+      ASSERT_TRUE(r->Hello(Worker(id), &cmds).ok());
+      ASSERT_TRUE(r->Handle(id, Snapshot(0, {}), &cmds).ok());
+    }
+  }
+  // Most hold the first 4 blocks (a system prompt); some hold more.
+  for (int w = 0; w < n; ++w) {
+    depth[w] = w % 10 == 0 ? 0 : 4 + rng() % 3;
+    std::vector<uint64_t> blocks;
+    for (uint64_t b = 0; b < depth[w]; ++b) blocks.push_back(b);
+    if (!blocks.empty()) send(w, Stored(++seq[w], blocks));
+    v1::SourceMessage hb;
+    hb.mutable_heartbeat()->set_queued_prefill_tokens(rng() % 30000);
+    send(w, hb);
+  }
+  int compared = 0;
+  for (int step = 0; step < 3000; ++step) {
+    const size_t w = rng() % n;
+    switch (rng() % 5) {
+      case 0: {
+        v1::SourceMessage hb;
+        hb.mutable_heartbeat()->set_queued_prefill_tokens(rng() % 30000);
+        send(w, hb);
+        break;
+      }
+      case 1:  // grow from the tail
+        if (depth[w] < 20) {
+          send(w, Stored(++seq[w], {depth[w]}));
+          depth[w]++;
+        }
+        break;
+      case 2:  // evict from the tail
+        if (depth[w] > 0) {
+          depth[w]--;
+          send(w, Removed(++seq[w], {depth[w]}));
+        }
+        break;
+      default: {
+        v1::RouteRequest r = Req(1 + static_cast<int>(rng() % 22));
+        r.set_max_candidates(static_cast<uint32_t>(rng() % 6));
+        auto a = fast.Route(r);
+        auto b = ref.Route(r);
+        ASSERT_TRUE(a.ok() && b.ok());
+        ASSERT_EQ(a->worker_id, b->worker_id) << "step " << step;
+        ASSERT_EQ(a->reason, b->reason) << "step " << step;
+        ASSERT_EQ(a->gpu_blocks, b->gpu_blocks) << "step " << step;
+        ASSERT_EQ(a->candidates.size(), b->candidates.size()) << "step " << step;
+        for (size_t i = 0; i < a->candidates.size(); ++i) {
+          EXPECT_EQ(a->candidates[i].worker_id, b->candidates[i].worker_id) << "step " << step;
+          EXPECT_DOUBLE_EQ(a->candidates[i].cost, b->candidates[i].cost) << "step " << step;
+        }
+        ++compared;
+      }
+    }
+  }
+  EXPECT_GT(compared, 1000);
+}
+
 TEST(RouterReplicas, SameEventsGiveTheSameDecisions) {
   RouterOptions o;
   o.knobs.balance_threshold_tokens = 5000;

@@ -241,6 +241,51 @@ TEST(PrefixIndex, GallopingAgreesWithTheLinearWalk) {
   }
 }
 
+// A prefix shared by more workers than PrefixIndex::kGroupFrom comes back
+// as groups; expanded, they name the same workers at the same depths, and
+// InGroup agrees with the holder lists (bitmaps past kBitsFrom holders).
+TEST(PrefixIndex, SharedPrefixesComeBackAsGroupsOfTheSameWorkers) {
+  PrefixIndex idx = NewIndex();
+  std::mt19937_64 rng(3);
+  std::map<SourceNum, int> depth;
+  for (SourceNum w = 0; w < 400; ++w) {
+    if (w >= 100 && w < 110) continue;  // stores are 100-109
+    const int d = w % 7 == 0 ? 1 + static_cast<int>(rng() % 30) : 5;
+    for (int i = 0; i < d; ++i) idx.Add({kNs, H(i)}, w);
+    depth[w] = d;
+  }
+  for (int i = 0; i < 8; ++i) idx.Add({kNs, H(i)}, 101);  // a store holding 0-7
+  PrefixMatch grouped, named;
+  idx.Match(kNs, Chain(40), &grouped);
+  idx.Match(kNs, Chain(40), &named, /*groups=*/false);
+  ASSERT_FALSE(grouped.groups.empty());
+  EXPECT_TRUE(named.groups.empty());
+  EXPECT_EQ(grouped.walked, named.walked);
+  EXPECT_EQ(grouped.StoreRun(5), named.StoreRun(5));
+  for (const auto& g : grouped.groups) {
+    uint32_t members = 0;
+    for (SourceNum w = 0; w < 400; ++w) members += idx.InGroup(g, w);
+    EXPECT_EQ(members, g.workers);
+    EXPECT_FALSE(idx.InGroup(g, 101)) << "a store is never a group's worker";
+  }
+  idx.ExpandGroups(&grouped);
+  EXPECT_EQ(Depths(grouped), Depths(named));
+  // Evicting (from the tail) below the bitmap threshold keeps membership
+  // right: the 20 workers left are named.
+  for (auto& [w, d] : depth) {
+    if (w >= 380) continue;
+    while (d > 0) idx.Remove({kNs, H(--d)}, w);
+  }
+  PrefixMatch few;
+  idx.Match(kNs, Chain(40), &few);
+  EXPECT_TRUE(few.groups.empty());
+  std::map<SourceNum, uint32_t> expect;
+  for (const auto& [w, d] : depth) {
+    if (d > 0) expect[w] = static_cast<uint32_t>(d);
+  }
+  EXPECT_EQ(Depths(few), expect);
+}
+
 TEST(PrefixIndex, MemoryIsReported) {
   PrefixIndex idx = NewIndex();
   for (uint64_t i = 0; i < 10000; ++i) idx.Add({kNs, H(i)}, 1);

@@ -93,7 +93,8 @@ class RoundRobinService final : public v1::Router::Service {
   std::atomic<uint64_t> next_{0};
 };
 
-absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint32_t blocks_per_req) {
+absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint32_t blocks_per_req,
+                         uint64_t queued_tokens) {
   Case c;
   c.workers = workers;
   router::RouterOptions o;
@@ -102,11 +103,17 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
   // published as BlockStored events of `batch` blocks; returns the events.
   const uint64_t chains = std::max<uint64_t>(1, target_blocks / blocks_per_req);
   auto feed = [&](router::RouterCore& core, uint32_t batch) -> absl::StatusOr<uint64_t> {
+    std::mt19937_64 load_rng(5);  // the same queues for the reference router
     for (int w = 0; w < workers; ++w) {
       if (auto s = core.Hello(WorkerHello(w), &cmds); !s.ok()) return s;
       v1::SourceMessage snap;
       snap.mutable_snapshot()->set_last(true);
       if (auto s = core.Handle(WorkerHello(w).source_id(), snap, &cmds); !s.ok()) return s;
+      if (queued_tokens > 0) {
+        v1::SourceMessage hb;
+        hb.mutable_heartbeat()->set_queued_prefill_tokens(load_rng() % queued_tokens);
+        if (auto s = core.Handle(WorkerHello(w).source_id(), hb, &cmds); !s.ok()) return s;
+      }
     }
     std::vector<uint64_t> seq(workers, 0);
     uint64_t events = 0;
@@ -244,12 +251,14 @@ int RunRouterBench(int argc, const char* const* argv) {
   bool quick = false, json = false;
   std::string fleet_list, trace = KVTIER_SOURCE_DIR "/bench/traces/conversation_trace.jsonl";
   std::string inproc_rates = "50000,100000,150000,200000", grpc_rates = "1000,2000,4000,8000";
-  int64_t stores = 4, threads = 1, fleet_ms = 1000;
+  int64_t stores = 4, threads = 1, fleet_ms = 1000, queued_tokens = 0;
   FlagSet flags("kvtier-bench router",
                 "Route latency (in-process and over gRPC), event ingestion rate and memory per\n"
                 "indexed block of the router's index, beside a bare hash walk and a round-robin\n"
                 "router on the same gRPC path. With --fleet: a fleet of simulated workers and\n"
                 "store shards fed from the trace, routes issued open-loop at target rates.");
+  flags.Int("queued-tokens", &queued_tokens, 0, int64_t{1} << 32,
+            "Workers report queues of 0..N-1 prefill tokens in a heartbeat (0: idle workers)");
   flags.String("fleet", &fleet_list, "Comma-separated fleet sizes (workers) for the open-loop fleet run");
   flags.Int("stores", &stores, 0, 1024, "Store shards in the fleet run");
   flags.String("trace", &trace, "Trace the fleet run replays (Mooncake JSONL)");
@@ -286,7 +295,8 @@ int RunRouterBench(int argc, const char* const* argv) {
   }
   for (int64_t w : *workers) {
     int n = static_cast<int>(w);
-    auto c = Run(n, blocks, static_cast<int>(requests), static_cast<uint32_t>(prompt_blocks));
+    auto c = Run(n, blocks, static_cast<int>(requests), static_cast<uint32_t>(prompt_blocks),
+                 static_cast<uint64_t>(queued_tokens));
     if (!c.ok()) {
       std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(c.status().message()).c_str());
       return 1;

@@ -158,7 +158,10 @@ void RouterCore::RebuildOrder(Fleet& f) {
   f.max_load_bound = 0;
   for (SourceNum n : f.nums) {
     f.order.emplace_back(load_[n], n);
-    f.max_load_bound = std::max(f.max_load_bound, load_[n]);
+    if (load_[n] >= f.max_load_bound) {
+      f.max_load_bound = load_[n];
+      f.max_load_owner = n;
+    }
   }
   std::sort(f.order.begin(), f.order.end());
   for (SourceNum n : f.lowered) lowered_[n] = 0;
@@ -244,7 +247,10 @@ absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& 
         const uint64_t before = load_[s.num];
         load_[s.num] = s.load.queued_prefill_tokens();
         Fleet& f = fleets_.at(s.hello.namespace_id());
-        f.max_load_bound = std::max(f.max_load_bound, load_[s.num]);
+        if (load_[s.num] >= f.max_load_bound) {
+          f.max_load_bound = load_[s.num];
+          f.max_load_owner = s.num;
+        }
         if (load_[s.num] < before && !lowered_[s.num]) {
           lowered_[s.num] = 1;
           f.lowered.push_back(s.num);
@@ -540,7 +546,12 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     const uint64_t bound =
         std::atomic_ref<uint64_t>(const_cast<uint64_t&>(fleet.max_load_bound)).load(std::memory_order_relaxed);
     const uint64_t least_load = have_least ? least.load : 0;
-    if (k.balance_threshold_tokens > 0 && bound - std::min(bound, least_load) > k.balance_threshold_tokens) {
+    const SourceNum owner = std::atomic_ref<uint32_t>(const_cast<uint32_t&>(fleet.max_load_owner))
+                                .load(std::memory_order_relaxed);
+    if (owner < load_.size() && load_at(owner) >= bound) {
+      max_load = std::max(max_load, load_at(owner));  // the bound is someone's load: exact
+    } else if (k.balance_threshold_tokens > 0 &&
+               bound - std::min(bound, least_load) > k.balance_threshold_tokens) {
       // Decide asks only whether the spread passes the threshold: stop
       // reading once it does.
       for (SourceNum num : fleet.nums) {
@@ -577,8 +588,12 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
                                .fetch_add(best.prefill_tokens, std::memory_order_relaxed) +
                            best.prefill_tokens;
   std::atomic_ref<uint64_t> bound(const_cast<uint64_t&>(fleet.max_load_bound));
-  for (uint64_t b = bound.load(std::memory_order_relaxed);
-       b < now_load && !bound.compare_exchange_weak(b, now_load, std::memory_order_relaxed);) {
+  for (uint64_t b = bound.load(std::memory_order_relaxed); b < now_load;) {
+    if (bound.compare_exchange_weak(b, now_load, std::memory_order_relaxed)) {
+      std::atomic_ref<uint32_t>(const_cast<uint32_t&>(fleet.max_load_owner))
+          .store(best.num, std::memory_order_relaxed);
+      break;
+    }
   }
   r.worker_id = best.worker_id;
   r.endpoint = chosen->hello.endpoint();

@@ -138,8 +138,11 @@ class RouterCore {
     // place in `order` suggests.
     std::vector<std::pair<uint64_t, SourceNum>> order;
     std::vector<SourceNum> lowered;
-    // At least every worker's load (Route raises it through std::atomic_ref).
+    // At least every worker's load (Route raises it through std::atomic_ref),
+    // and the worker that last raised it: while that worker's load still
+    // equals it, it is the highest load exactly.
     uint64_t max_load_bound = 0;
+    uint32_t max_load_owner = 0;
   };
   // Sorts the fleet's workers by load afresh.
   void RebuildOrder(Fleet& f);

@@ -447,7 +447,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   uint64_t reject_load = ~uint64_t{0};
   auto admit = [&](SourceNum num, uint32_t depth, uint64_t load, double cost) {
     // A worker met twice (in two groups: only where holes break the
-    // invariant) counts once, as first met.
+    // invariant) is kept once in the list.
     if (!match.groups.empty()) {
       for (const Pick& t : top) {
         if (t.num == num) return;
@@ -499,9 +499,11 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   // of the fleet holds) is walked that way at its depth, then the workers
   // holding nothing of the prompt.
   bool walked_all = match.groups.empty();
-  uint64_t named = match.gpu_depth.size();
-  for (const auto& g : match.groups) named += g.workers;
-  if (!match.groups.empty() || named < fleet.nums.size()) {
+  // With groups the cold walk always runs: their counts are exact only when
+  // the invariant holds, and a worker skipped here would never be weighed.
+  // It stops at the first worker above the least loaded found so far.
+  const bool all_named = match.groups.empty() && match.gpu_depth.size() >= fleet.nums.size();
+  if (!all_named) {
     thread_local std::vector<uint8_t> hit;
     if (hit.size() < by_num_.size()) hit.resize(by_num_.size(), 0);
     for (const auto& [num, depth] : match.gpu_depth) hit[num] = 1;
@@ -529,7 +531,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     for (const auto& g : match.groups) {
       walk(g.depth, [&](SourceNum num) { return index_.InGroup(g, num); });
     }
-    if (named < fleet.nums.size()) {
+    {
       walk(0, [&](SourceNum num) {
         for (const auto& g : match.groups) {
           if (index_.InGroup(g, num)) return false;

@@ -270,6 +270,28 @@ TEST_F(RouterCoreTest, FetchCostFollowsStoreAndWorkerFigures) {
   EXPECT_EQ(core_.ExpireSources(RouterCore::Clock::now() + std::chrono::hours(1)), 4u);
 }
 
+// Holes (the invariant broken) can make group counts overlap; the workers
+// holding nothing of the prompt are still weighed (a review's counterexample:
+// 600 workers sharing block 0, half with a hole at block 1, one idle worker).
+TEST_F(RouterCoreTest, AnIdleWorkerIsWeighedWhenHolesMakeGroupsOverlap) {
+  for (int w = 0; w < 600; ++w) {
+    std::vector<uint64_t> blocks = {0};
+    if (w < 300) blocks.push_back(1);
+    if (w >= 300 || w == 0) {
+      blocks.push_back(2);
+      blocks.push_back(3);
+    }
+    Join("w" + std::to_string(w), blocks);
+    v1::SourceMessage hb;
+    hb.mutable_heartbeat()->set_queued_prefill_tokens(100000);
+    Send("w" + std::to_string(w), hb);
+  }
+  Join("idle", {});
+  auto r = core_.Route(Req(8));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->worker_id, "idle");
+}
+
 TEST_F(RouterCoreTest, TokensAreHashedWithTheNamespaceBlockSize) {
   std::vector<uint32_t> tokens(40);
   for (uint32_t i = 0; i < 40; ++i) tokens[i] = i;

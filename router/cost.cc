@@ -35,8 +35,7 @@ Decision Decide(const CostKnobs& k, uint64_t prompt_tokens, uint32_t block_token
     uint64_t fetched =
         std::min<uint64_t>(uint64_t{x.store_blocks} * block_tokens, prompt_tokens - cached);
     x.prefill_tokens = prompt_tokens - cached - fetched;
-    const double fetch_cost = x.fetch_cost >= 0 ? x.fetch_cost : k.fetch_cost;
-    x.cost = static_cast<double>(x.prefill_tokens) + fetch_cost * static_cast<double>(fetched) +
+    x.cost = static_cast<double>(x.prefill_tokens) + k.fetch_cost * static_cast<double>(fetched) +
              k.load_weight * static_cast<double>(x.load_tokens);
   }
   std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {

@@ -34,9 +34,6 @@ struct Candidate {
   uint32_t gpu_blocks = 0;
   uint32_t store_blocks = 0;
   uint64_t load_tokens = 0;
-  // Cost of fetching one token from the store relative to computing it;
-  // < 0: CostKnobs::fetch_cost.
-  double fetch_cost = -1;
   // Filled by Decide:
   uint64_t prefill_tokens = 0;
   double cost = 0;

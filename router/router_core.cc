@@ -616,7 +616,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   auto show = [&](const Candidate& c) {
     r.candidates.push_back(RouteCandidate{std::string(c.worker_id), c.gpu_blocks, c.store_blocks,
                                           c.load_tokens, c.prefill_tokens,
-                                          c.fetch_cost >= 0 ? c.fetch_cost : k.fetch_cost,
+                                          k.fetch_cost,
                                           c.cost});
   };
   const bool chosen_shown = d.chosen < shown;

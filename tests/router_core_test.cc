@@ -442,6 +442,18 @@ TEST(RouterConcurrency, RoutesRunBesideEventsAndRestarts) {
   EXPECT_EQ(held, core.Stats().indexed_replicas());
 }
 
+// The same decision, reason, GPU depth and candidate list.
+void ExpectSameRoute(const RouteResult& a, const RouteResult& b, int step) {
+  EXPECT_EQ(a.worker_id, b.worker_id) << "step " << step;
+  EXPECT_EQ(a.reason, b.reason) << "step " << step;
+  EXPECT_EQ(a.gpu_blocks, b.gpu_blocks) << "step " << step;
+  ASSERT_EQ(a.candidates.size(), b.candidates.size()) << "step " << step;
+  for (size_t i = 0; i < a.candidates.size(); ++i) {
+    EXPECT_EQ(a.candidates[i].worker_id, b.candidates[i].worker_id) << "step " << step;
+    EXPECT_DOUBLE_EQ(a.candidates[i].cost, b.candidates[i].cost) << "step " << step;
+  }
+}
+
 // Property: walking the workers in load order (stopping once no later one
 // can be kept) decides and lists exactly what weighing every worker does,
 // through events, heartbeats that raise and lower loads, restarts, the
@@ -490,13 +502,7 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
           auto b = ref.Route(r);
           ASSERT_EQ(a.ok(), b.ok());
           if (!a.ok()) break;
-          ASSERT_EQ(a->worker_id, b->worker_id) << "step " << step;
-          ASSERT_EQ(a->reason, b->reason) << "step " << step;
-          ASSERT_EQ(a->candidates.size(), b->candidates.size()) << "step " << step;
-          for (size_t i = 0; i < a->candidates.size(); ++i) {
-            EXPECT_EQ(a->candidates[i].worker_id, b->candidates[i].worker_id) << "step " << step;
-            EXPECT_DOUBLE_EQ(a->candidates[i].cost, b->candidates[i].cost) << "step " << step;
-          }
+          ExpectSameRoute(*a, *b, step);
           ++compared;
         }
       }
@@ -578,14 +584,7 @@ TEST(RouterLoadOrder, GroupsOfSharedPrefixesDecideAsNamingEveryWorker) {
         auto a = fast.Route(r);
         auto b = ref.Route(r);
         ASSERT_TRUE(a.ok() && b.ok());
-        ASSERT_EQ(a->worker_id, b->worker_id) << "step " << step;
-        ASSERT_EQ(a->reason, b->reason) << "step " << step;
-        ASSERT_EQ(a->gpu_blocks, b->gpu_blocks) << "step " << step;
-        ASSERT_EQ(a->candidates.size(), b->candidates.size()) << "step " << step;
-        for (size_t i = 0; i < a->candidates.size(); ++i) {
-          EXPECT_EQ(a->candidates[i].worker_id, b->candidates[i].worker_id) << "step " << step;
-          EXPECT_DOUBLE_EQ(a->candidates[i].cost, b->candidates[i].cost) << "step " << step;
-        }
+        ExpectSameRoute(*a, *b, step);
         ++compared;
       }
     }

@@ -166,11 +166,28 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out,
     const Holders* h = Find(ns, chain[at], out);
     return Probe{at, h, Workers(h)};
   };
+  // Probes up to kFan positions at once: their hashes are read, then their
+  // table groups prefetched, before any is looked up, so the cache misses of
+  // one batch overlap instead of following one another (a probe is a few
+  // misses: the request's hash, the table's control bytes and slot).
+  constexpr size_t kFan = 16;
+  auto probe_all = [&](const size_t* at, size_t k, Probe* got) {
+    uint64_t fp[kFan];
+    for (size_t i = 0; i < k; ++i) fp[i] = Fingerprint(BlockKey{ns, chain[at[i]]});
+    for (size_t i = 0; i < k; ++i) map_.prefetch(fp[i]);
+    for (size_t i = 0; i < k; ++i) {
+      ++out->probes;
+      auto it = map_.find(fp[i]);
+      const Holders* h = it == map_.end() ? nullptr : &it->second;
+      got[i] = Probe{at[i], h, Workers(h)};
+    }
+  };
   // Per-source marks for this match, indexed by SourceNum: kHi = holds the
   // block after a change (one change at a time), kDone = given a depth
   // (with holes a worker could leave twice; the first depth stands).
   enum : uint8_t { kHi = 1, kDone = 2 };
-  thread_local std::vector<uint8_t> mark;
+  thread_local std::vector<uint8_t> marks_of_thread;
+  std::vector<uint8_t>& mark = marks_of_thread;  // (no TLS wrapper per use)
   auto marks = [&](const Probe& p, uint8_t bit, bool set) {
     if (p.h == nullptr) return;
     for (SourceNum s : List(*p.h)) {
@@ -196,26 +213,47 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out,
     }
     marks(hi, kHi, false);
   };
-  // lo.workers != hi.workers: halve (lo, hi] until each change is one block.
+  // lo.workers != hi.workers: cut (lo, hi] in kSplit parts (one batch of
+  // probes) until each change is one block wide.
+  constexpr size_t kSplit = 8;
   auto split = [&](auto& self, const Probe& lo, const Probe& hi) -> void {
-    if (hi.at - lo.at == 1) {
+    const size_t width = hi.at - lo.at;
+    if (width == 1) {
       if (lo.workers > 0) change(lo, hi);
       return;
     }
-    const Probe mid = probe(lo.at + (hi.at - lo.at) / 2);
-    if (mid.workers != lo.workers) self(self, lo, mid);
-    if (hi.workers != mid.workers) self(self, mid, hi);
+    const size_t parts = std::min(width, kSplit);
+    size_t at[kSplit] = {};
+    Probe got[kSplit];
+    for (size_t j = 1; j < parts; ++j) at[j - 1] = lo.at + width * j / parts;
+    probe_all(at, parts - 1, got);
+    got[parts - 1] = hi;
+    const Probe* prev = &lo;
+    for (size_t j = 0; j < parts; ++j) {
+      if (got[j].workers != prev->workers) self(self, *prev, got[j]);
+      prev = &got[j];
+    }
   };
   Probe first{};
   if (n > 0) first = probe(0);
   if (first.workers > 0) {
+    // Blocks 0, 1, 3, 7, 15, ... up to the last: all probed in one batch
+    // (a dozen for 2,000 blocks), then read until no worker holds one.
+    size_t at[kFan] = {};
+    Probe got[kFan];
+    size_t k = 0;
+    for (size_t a = 1; k < kFan; a = 2 * a + 1) {
+      at[k++] = std::min(a, n - 1);
+      if (a >= n - 1) break;
+    }
+    if (n > 1) probe_all(at, k, got);
     Probe lo = first;
-    while (lo.workers > 0) {
+    for (size_t i = 0; lo.workers > 0; ++i) {
       if (lo.at == n - 1) {
         change(lo, Probe{n, nullptr, 0});
         break;
       }
-      const Probe hi = probe(std::min(2 * lo.at + 1, n - 1));  // blocks 1, 3, 7, 15, ...
+      const Probe hi = i < k ? got[i] : probe(std::min(2 * lo.at + 1, n - 1));
       if (hi.workers != lo.workers) split(split, lo, hi);
       lo = hi;
     }
@@ -223,9 +261,9 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out,
   }
   // The store's runs from 0 and from each worker's depth, galloped the same
   // way. A run already found answers the positions inside it.
-  auto stored = [&](size_t k) {
-    if (const Holders* h = Find(ns, chain[k], out)) {
-      for (SourceNum s : List(*h)) {
+  auto has_store = [&](const Probe& p) {
+    if (p.h != nullptr) {
+      for (SourceNum s : List(*p.h)) {
         if (IsStore(s)) return true;
       }
     }
@@ -238,18 +276,39 @@ void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out,
       if (from >= b && from < e) return e - from;
       if (from == e) return 0;  // a block no store holds ended that run
     }
-    if (!stored(from)) return 0;
+    // from, from + 1, from + 3, from + 7, ... in one batch: the run ends
+    // between the last stored one and the first that is not.
+    size_t at[kFan] = {};
+    Probe got[kFan];
+    size_t k = 0;
+    for (size_t a = from; k < kFan && a < n; a = 2 * a - from + 1) at[k++] = a;
+    probe_all(at, k, got);
+    if (!has_store(got[0])) return 0;
     size_t lo = from, hi = n;  // stored(lo); hi: the first block known not stored
-    for (size_t step = 1; lo + step < n; step *= 2) {
-      if (!stored(lo + step)) {
-        hi = lo + step;
-        break;
+    size_t i = 1;
+    for (; i < k && has_store(got[i]); ++i) lo = got[i].at;
+    if (i < k) {
+      hi = got[i].at;
+    } else if (lo + 1 < n) {  // past the batch (runs beyond ~65,000 blocks): one by one
+      for (size_t step = lo - from + 1; lo + step < n; step *= 2) {
+        if (!has_store(probe(lo + step))) {
+          hi = lo + step;
+          break;
+        }
+        lo += step;
       }
-      lo += step;
     }
-    while (hi - lo > 1) {
-      const size_t mid = lo + (hi - lo) / 2;
-      (stored(mid) ? lo : hi) = mid;
+    while (hi - lo > 1) {  // kSplit parts per batch
+      const size_t width = hi - lo, parts = std::min(width, kSplit);
+      for (size_t j = 1; j < parts; ++j) at[j - 1] = lo + width * j / parts;
+      probe_all(at, parts - 1, got);
+      for (size_t j = 0; j + 1 < parts; ++j) {
+        if (!has_store(got[j])) {
+          hi = got[j].at;
+          break;
+        }
+        lo = got[j].at;
+      }
     }
     runs.emplace_back(from, static_cast<uint32_t>(hi));
     return static_cast<uint32_t>(hi) - from;

@@ -445,6 +445,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   // loaded so far is out: the hot loop tests just that.
   double reject_cost = std::numeric_limits<double>::infinity();
   uint64_t reject_load = ~uint64_t{0};
+  uint64_t reject_rank = 0;  // top.back().rank once the list is full
   auto admit = [&](SourceNum num, uint32_t depth, uint64_t load, double cost) {
     // A worker met twice (in two groups: only where holes break the
     // invariant) is kept once in the list.
@@ -467,7 +468,18 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
       top.pop_back();
     }
     top.insert(std::upper_bound(top.begin(), top.end(), p, cheaper), p);
-    if (top.size() == keep) reject_cost = top.back().cost;
+    if (top.size() == keep) {
+      reject_cost = top.back().cost;
+      reject_rank = top.back().rank;
+    }
+  };
+  // Tied with both the least loaded and the keep-th cheapest (an idle
+  // fleet's cold workers): only a higher rank gets in. Tested before admit
+  // so the common tie costs one hash.
+  auto tied_out = [&](SourceNum num, uint64_t load, double cost) {
+    if (!have_least || top.size() != keep || load < reject_load || cost < reject_cost) return false;
+    const uint64_t rank = RendezvousRank(request_hash, id_hash_[num]);
+    return (load > reject_load || rank <= least.rank) && (cost > reject_cost || rank <= reject_rank);
   };
   auto base_at = [&](uint32_t depth) {  // the cost of the prompt's blocks at a depth
     const uint64_t cached = std::min<uint64_t>(uint64_t{depth} * bt, prompt_tokens);
@@ -477,6 +489,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
            k.fetch_cost * static_cast<double>(fetched);
   };
   const double lw = k.load_weight;
+  const bool stop_early = !options_.scan_all_workers;
   auto load_at = [&](SourceNum num) {
     return std::atomic_ref<uint64_t>(load_[num]).load(std::memory_order_relaxed);
   };
@@ -504,7 +517,10 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   // It stops at the first worker above the least loaded found so far.
   const bool all_named = match.groups.empty() && match.gpu_depth.size() >= fleet.nums.size();
   if (!all_named) {
-    thread_local std::vector<uint8_t> hit;
+    // (A thread_local is reached through a wrapper call on every use: the
+    // walk's loop uses a plain reference.)
+    thread_local std::vector<uint8_t> hit_marks;
+    std::vector<uint8_t>& hit = hit_marks;
     if (hit.size() < by_num_.size()) hit.resize(by_num_.size(), 0);
     for (const auto& [num, depth] : match.gpu_depth) hit[num] = 1;
     auto walk = [&](uint32_t depth, auto&& member) {
@@ -513,19 +529,52 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
         const uint64_t load = load_at(num);
         max_load = std::max(max_load, load);
         const double cost = base + lw * static_cast<double>(load);
-        if (cost > reject_cost && load > reject_load) return;
+        if (load > reject_load && cost > reject_cost) return;
+        if (tied_out(num, load, cost)) return;
         admit(num, depth, load, cost);
       };
       for (SourceNum num : fleet.lowered) {
         if (!hit[num] && member(num)) look(num);
       }
-      for (const auto& [was, num] : fleet.order) {
-        if (!options_.scan_all_workers && base + lw * static_cast<double>(was) > reject_cost &&
-            was > reject_load) {
+      const uint8_t* lowered = lowered_.data();
+      const auto& order = fleet.order;
+      for (size_t i = 0; i < order.size(); ++i) {
+        const auto [was, num] = order[i];
+        if (was > reject_load && stop_early && base + lw * static_cast<double>(was) > reject_cost) {
           walked_all = false;
           break;
         }
-        if (!hit[num] && !lowered_[num] && member(num)) look(num);
+        if (!hit[num] && !lowered[num] && member(num)) look(num);
+        // A run of ties (an idle fleet's cold workers): while the least
+        // loaded and the keep-th cheapest both sit at load L and its cost,
+        // and any higher load costs more, a worker at L gets in only with a
+        // higher rank and a busier one not at all. That takes one hash per
+        // worker; anything else goes back to the loop above.
+        if (!match.groups.empty() || !have_least || top.size() != keep) continue;
+        const uint64_t tie = reject_load;
+        const double tie_cost = base + lw * static_cast<double>(tie);
+        if (tie_cost != reject_cost || !(base + lw * static_cast<double>(tie + 1) > reject_cost)) {
+          continue;
+        }
+        uint64_t rank_to_beat = std::min(least.rank, reject_rank);
+        size_t j = i + 1;
+        for (; j < order.size(); ++j) {
+          const SourceNum other = order[j].second;
+          if (order[j].first > tie) break;  // (not looked at: the loop above takes it)
+          if (hit[other] || lowered[other]) continue;
+          const uint64_t load = load_at(other);
+          max_load = std::max(max_load, load);
+          if (load > tie) continue;
+          if (load < tie) break;
+          if (RendezvousRank(request_hash, id_hash_[other]) <= rank_to_beat) continue;
+          admit(other, depth, load, tie_cost);
+          if (reject_load != tie || reject_cost != tie_cost) {
+            ++j;
+            break;
+          }
+          rank_to_beat = std::min(least.rank, reject_rank);
+        }
+        i = j - 1;
       }
     };
     for (const auto& g : match.groups) {

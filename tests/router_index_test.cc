@@ -154,6 +154,29 @@ TEST(PrefixIndex, GallopingProbesLogarithmicallyOnLongChains) {
   EXPECT_LT(gal.probes, workers_only + 100) << "three runs in O(log n) probes each";
 }
 
+// Probes go in batches (the gallop's first 16 positions, then eighths of an
+// interval): prefixes and store runs longer than one batch reaches (past
+// block 65,535) continue one probe at a time and still agree.
+TEST(PrefixIndex, PrefixesAndRunsLongerThanOneBatchOfProbes) {
+  PrefixIndex idx = NewIndex();
+  const int n = 150000;
+  for (int i = 0; i < n; ++i) {
+    if (i < 70001) idx.Add({kNs, H(i)}, 1);
+    if (i < 140003) idx.Add({kNs, H(i)}, 2);
+    if (i >= 70001 && i < 139999) idx.Add({kNs, H(i)}, 100);
+    if (i < 100000) idx.Add({kNs, H(i)}, 101);
+  }
+  PrefixMatch lin, gal;
+  idx.MatchLinear(kNs, Chain(n), &lin);
+  idx.Match(kNs, Chain(n), &gal);
+  ExpectSameMatch(gal, lin, "long prefixes and runs");
+  EXPECT_EQ(Depths(gal)[1], 70001u);
+  EXPECT_EQ(Depths(gal)[2], 140003u);
+  EXPECT_EQ(gal.StoreRun(0), 139999u);
+  EXPECT_EQ(gal.StoreRun(70001), 139999u - 70001u);
+  EXPECT_LT(gal.probes, 400u);
+}
+
 // Property: random holdings, every worker's blocks of the chain a prefix of
 // it (engines fill front to back and evict from the tail), with removals
 // from the tail, and the stores' blocks one segment (their union): both

@@ -23,7 +23,7 @@ int main(int argc, char** argv) {
   // First, before gRPC (TLS credentials, channels) starts any thread.
   kvtier::BlockShutdownSignals();
   std::string listen = "127.0.0.1:7500";
-  std::string port_file, metrics_listen, vllm_sources_file;
+  std::string port_file, metrics_listen, vllm_sources_file, source_identities_file;
   bool check_config = false;
   uint64_t deadline_ms = 5000;
   uint64_t max_message = 64ull << 20;
@@ -57,6 +57,11 @@ int main(int argc, char** argv) {
                "File of vLLM engines whose ZeroMQ KV events to index, one per line:\n"
                "id=ID,endpoint=HOST:PORT,events=tcp://HOST:5557[,replay=tcp://HOST:5558]\n"
                "[,topic=T],namespace=16 hex digits,block-tokens=N (docs/router.md)");
+  flags.String("source-identities", &source_identities_file,
+               "With mutual TLS: file of the client certificates that may publish, one per line:\n"
+               "IDENTITY worker|store [SOURCE-ID ...] (ids default to the identity; a trailing *\n"
+               "matches a prefix). Without it a certificate must name the source id it claims\n"
+               "(docs/security.md)");
   flags.Bool("check-config", &check_config,
              "Validate the flags, print the effective configuration and exit 0");
   kvtier::AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/false);
@@ -91,6 +96,27 @@ int main(int argc, char** argv) {
     }
     vllm_specs = std::move(*specs);
   }
+  std::vector<kvtier::router::SourceIdentity> identities;
+  if (!source_identities_file.empty()) {
+    std::ifstream in(source_identities_file);
+    std::stringstream text;
+    text << in.rdbuf();
+    auto parsed = in ? kvtier::router::ParseSourceIdentities(text.str())
+                     : absl::StatusOr<std::vector<kvtier::router::SourceIdentity>>(
+                           absl::NotFoundError("cannot read it"));
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "kvtier-router: flag --source-identities: %s: %s\n",
+                   source_identities_file.c_str(), std::string(parsed.status().message()).c_str());
+      return 2;
+    }
+    identities = std::move(*parsed);
+  }
+  const size_t listed_identities = identities.size();
+  auto auth = kvtier::router::SourceAuth::Make(tls.require_client_cert, std::move(identities));
+  if (!auth.ok()) {
+    std::fprintf(stderr, "kvtier-router: %s\n", std::string(auth.status().message()).c_str());
+    return 2;
+  }
   if (check_config) {
     std::printf("kvtier-router configuration OK: listen=%s metrics-listen=%s heartbeat-deadline=%lums "
                 "fetch-cost=%g load-weight=%g balance-threshold-tokens=%ld temperature=%g\n",
@@ -102,6 +128,16 @@ int main(int argc, char** argv) {
 
   kvtier::router::RouterCore core(o);
   kvtier::router::RouterService service(&core);
+  service.SetSourceAuth(*auth);
+  if (auth->authenticates()) {
+    kvtier::Log("router", "sources are bound to their client certificates",
+                listed_identities > 0
+                    ? absl::StrCat(" (", listed_identities, " identities in --source-identities)")
+                    : std::string(" (each must name its source id)"));
+  } else {
+    kvtier::Log("router", "sources are not authenticated (no mutual TLS): any client that reaches ",
+                listen, " may publish as any source (docs/security.md)");
+  }
 
   // vLLM engines' own KV events, beside the gRPC streams (set up before
   // serving: GetRouterStats reads them).

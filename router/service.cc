@@ -1,7 +1,9 @@
 #include "router/service.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/rpc/grpc_status.h"
+#include "common/rpc/tls.h"
 
 namespace kvtier::router {
 
@@ -44,6 +46,15 @@ void ToProto(const RouteResult& r, v1::RouteResponse* out) {
   }
 }
 
+grpc::Status RouterService::Authorize(const grpc::ServerContext& ctx, const v1::Hello& hello) {
+  if (!auth_.authenticates()) return grpc::Status::OK;
+  absl::Status s = auth_.Check(PeerCertificateNames(ctx), hello);
+  if (s.ok()) return grpc::Status::OK;
+  hellos_refused_.fetch_add(1, std::memory_order_relaxed);
+  Log("router", "refused a hello from ", ctx.peer(), ": ", s.message());
+  return ToGrpc(s);
+}
+
 grpc::Status RouterService::StreamEvents(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::RouterCommand, v1::SourceMessage>* stream) {
@@ -54,6 +65,7 @@ grpc::Status RouterService::StreamEvents(
                         "the first message of an event stream must be a hello");
   }
   v1::Hello hello = m.hello();
+  if (grpc::Status a = Authorize(*ctx, hello); !a.ok()) return a;
   std::vector<v1::RouterCommand> commands;
   if (auto s = core_->Hello(hello, &commands); !s.ok()) return ToGrpc(s);
   const std::string id = hello.source_id();
@@ -70,6 +82,7 @@ grpc::Status RouterService::StreamEvents(
                                            ", hello names ", m.hello().source_id()));
         break;
       }
+      if (result = Authorize(*ctx, m.hello()); !result.ok()) break;
       hello = m.hello();
     }
     absl::Status s = core_->Handle(id, m, &commands);
@@ -88,7 +101,7 @@ grpc::Status RouterService::StreamEvents(
   return result;
 }
 
-grpc::Status RouterService::Publish(grpc::ServerContext*, const v1::PublishRequest* req,
+grpc::Status RouterService::Publish(grpc::ServerContext* ctx, const v1::PublishRequest* req,
                                     v1::PublishResponse* resp) {
   if (req->messages_size() == 0 ||
       req->messages(0).message_case() != v1::SourceMessage::kHello) {
@@ -101,6 +114,9 @@ grpc::Status RouterService::Publish(grpc::ServerContext*, const v1::PublishReque
     if (m.message_case() == v1::SourceMessage::kHello && m.hello().source_id() != id) {
       return grpc::Status(grpc::INVALID_ARGUMENT,
                           absl::StrCat("publish: message ", i, " is a hello of another source"));
+    }
+    if (m.message_case() == v1::SourceMessage::kHello) {
+      if (grpc::Status a = Authorize(*ctx, m.hello()); !a.ok()) return a;
     }
     if (auto s = core_->Handle(id, m, &commands); !s.ok()) {
       return ToGrpc(absl::Status(s.code(), absl::StrCat("publish: message ", i, ": ", s.message())));
@@ -131,6 +147,9 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
               "vLLM KV-event subscribers: batches, events, blocks and faults by kind", n,
               {{"kind", what}});
   }
+  m.Counter("kvtier_router_hellos_refused_total",
+            "Hellos refused because the caller's certificate may not speak for the source",
+            hellos_refused_.load(std::memory_order_relaxed));
   m.Gauge("kvtier_router_index_bytes_per_block", "Index memory per indexed block",
           st.indexed_blocks() ? static_cast<double>(core_->IndexMemoryBytes()) / st.indexed_blocks() : 0);
   m.Gauge("kvtier_router_indexed_blocks", "Distinct (namespace, block) keys in the index",

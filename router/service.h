@@ -1,12 +1,14 @@
 // The kvtier.v1.Router gRPC service over a RouterCore. Thread-safe.
 #pragma once
 
+#include <atomic>
 #include <functional>
 
 #include "common/histogram.h"
 #include "common/rpc/metrics.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "router/router_core.h"
+#include "router/source_auth.h"
 
 namespace kvtier::router {
 
@@ -33,10 +35,16 @@ class RouterService final : public v1::Router::Service {
   void SetExtraStats(std::function<void(v1::GetRouterStatsResponse*)> extra) {
     extra_stats_ = std::move(extra);
   }
+  // Who may speak for which source (router/source_auth.h). Set before serving.
+  void SetSourceAuth(SourceAuth auth) { auth_ = std::move(auth); }
 
  private:
   RouterCore* core_;
   std::function<void(v1::GetRouterStatsResponse*)> extra_stats_;
+  SourceAuth auth_;
+  std::atomic<uint64_t> hellos_refused_{0};
+  // PERMISSION_DENIED (counted) unless the caller's certificate may speak for hello's source.
+  grpc::Status Authorize(const grpc::ServerContext& ctx, const v1::Hello& hello);
   LatencyHistogram route_latency_;
 };
 

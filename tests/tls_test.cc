@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "client/router_client.h"
+#include "common/block_key.h"
 #include "client/store_client.h"
 #include "common/rpc/tls.h"
 #include "kvtier/v1/router.grpc.pb.h"
@@ -31,15 +32,17 @@ class Pki {
   explicit Pki(const std::string& dir) : dir_(dir) {
     ok_ = MakeCa("ca") && MakeCa("rogue-ca") && MakeLeaf("server", "ca", "kvtier-server") &&
           MakeLeaf("worker", "ca", "worker") && MakeLeaf("admin", "ca", "kvctl-admin") &&
-          MakeLeaf("rogue", "rogue-ca", "kvctl-admin");
+          MakeLeaf("rogue", "rogue-ca", "kvctl-admin") && MakeLeaf("tls-store", "ca", "tls-store") &&
+          MakeLeaf("tls-worker", "ca", "tls-worker") && MakeLeaf("worker-a", "ca", "worker-a") &&
+          MakeLeaf("worker-b", "ca", "worker-b");
   }
   bool ok() const { return ok_; }
   std::string log() const { return log_; }
   std::string pem(const std::string& name) const { return dir_ + "/" + name + ".pem"; }
   std::string key(const std::string& name) const { return dir_ + "/" + name + ".key"; }
   // Server flags: serve with the server certificate; mutual TLS when asked.
-  std::vector<std::string> ServerFlags(bool mutual) const {
-    std::vector<std::string> f = {"--tls-cert=" + pem("server"), "--tls-key=" + key("server"),
+  std::vector<std::string> ServerFlags(bool mutual, const std::string& leaf = "server") const {
+    std::vector<std::string> f = {"--tls-cert=" + pem(leaf), "--tls-key=" + key(leaf),
                                   "--tls-ca=" + pem("ca")};
     if (mutual) f.push_back("--tls-require-client-cert");
     return f;
@@ -193,14 +196,15 @@ TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
                          return a;
                        }());
   ASSERT_GT(router.port(), 0) << router.Log();
-  std::vector<std::string> store_flags = pki_.ServerFlags(true);
+  // Each source presents a certificate naming its id (the router binds them).
+  std::vector<std::string> store_flags = pki_.ServerFlags(true, "tls-store");
   store_flags.push_back("--router=" + router.address());
   store_flags.push_back("--store-id=tls-store");
   store_flags.push_back("--ucx-listen=127.0.0.1:0");
   setenv("UCX_TLS", "tcp", 1);
   ServerProcess store = Store(store_flags);
   ASSERT_GT(store.port(), 0) << store.Log();
-  std::vector<std::string> worker_flags = pki_.ServerFlags(true);
+  std::vector<std::string> worker_flags = pki_.ServerFlags(true, "tls-worker");
   for (std::string a : {std::string("--listen=127.0.0.1:0"), "--store=" + store.address(),
                         "--router=" + router.address(), std::string("--worker-id=tls-worker"),
                         std::string("--pages=64"),
@@ -248,6 +252,158 @@ TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
   for (ServerProcess* p : {&worker, &store, &router}) {
     int status = p->proc().Kill(SIGTERM);
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n" << p->Log();
+  }
+}
+
+// A worker's hello and one block, published over `channel` as `id`.
+grpc::Status PublishAs(const std::shared_ptr<grpc::Channel>& channel, const std::string& id,
+                       uint64_t epoch, const std::string& endpoint, v1::SourceKind kind,
+                       std::string* error = nullptr) {
+  auto stub = v1::Router::NewStub(channel);
+  v1::PublishRequest req;
+  auto* h = req.add_messages()->mutable_hello();
+  h->set_source_id(id);
+  h->set_kind(kind);
+  h->set_endpoint(endpoint);
+  h->set_namespace_id(kind == v1::SOURCE_WORKER ? 7 : 0);
+  h->set_block_tokens(kind == v1::SOURCE_WORKER ? 16 : 0);
+  h->set_epoch(epoch);
+  req.add_messages()->mutable_snapshot()->set_last(true);  // holds nothing yet: no resync
+  auto* ev = req.add_messages()->mutable_event();
+  ev->set_seq(1);
+  ev->mutable_stored()->set_namespace_id(7);
+  auto* bh = ev->mutable_stored()->add_hashes();
+  bh->set_hi(1);
+  bh->set_lo(2);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::PublishResponse resp;
+  grpc::Status s = stub->Publish(&ctx, req, &resp);
+  if (error != nullptr) *error = s.error_message();
+  return s;
+}
+
+// What the router knows of `id`: "endpoint epoch", or "" when it does not.
+std::string Known(const std::shared_ptr<grpc::Channel>& channel, const std::string& id) {
+  auto stub = v1::Router::NewStub(channel);
+  grpc::ClientContext ctx;
+  v1::ListWorkersResponse r;
+  if (!stub->ListWorkers(&ctx, {}, &r).ok()) return "unreachable";
+  for (const auto& s : r.sources()) {
+    if (s.source_id() == id) return s.endpoint() + " " + std::to_string(s.epoch());
+  }
+  return "";
+}
+
+// Mutual TLS binds a hello to its certificate: another source's id is
+// refused, naming both, and neither the index nor the source list changes;
+// a stream is refused the same way; the owner keeps publishing and routes
+// keep going to its endpoint.
+TEST_F(Tls, AForgedHelloIsRefusedAndChangesNothing) {
+  ServerProcess router(KVTIER_ROUTER_BIN, dir_.sub("router"), [&] {
+    std::vector<std::string> a = pki_.ServerFlags(true);
+    a.push_back("--listen=127.0.0.1:0");
+    return a;
+  }());
+  ASSERT_GT(router.port(), 0) << router.Log();
+  EXPECT_NE(router.Log().find("bound to their client certificates"), std::string::npos) << router.Log();
+  auto as_a = OpenChannel(router.address(), pki_.Client("ca", "worker-a"));
+  auto as_b = OpenChannel(router.address(), pki_.Client("ca", "worker-b"));
+  ASSERT_TRUE(PublishAs(as_a, "worker-a", 1, "10.0.0.1:8000", v1::SOURCE_WORKER).ok());
+  ASSERT_EQ(Known(as_a, "worker-a"), "10.0.0.1:8000 1");
+
+  std::string error;
+  grpc::Status forged = PublishAs(as_b, "worker-a", 2, "10.6.6.6:8000", v1::SOURCE_WORKER, &error);
+  EXPECT_EQ(forged.error_code(), grpc::PERMISSION_DENIED) << error;
+  EXPECT_NE(error.find("\"worker-a\""), std::string::npos) << error;
+  EXPECT_NE(error.find("\"worker-b\""), std::string::npos) << error;
+  // Over a stream too.
+  {
+    auto stub = v1::Router::NewStub(as_b);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    auto stream = stub->StreamEvents(&ctx);
+    v1::SourceMessage m;
+    m.mutable_hello()->set_source_id("worker-a");
+    m.mutable_hello()->set_kind(v1::SOURCE_WORKER);
+    m.mutable_hello()->set_endpoint("10.6.6.6:8000");
+    m.mutable_hello()->set_namespace_id(7);
+    m.mutable_hello()->set_block_tokens(16);
+    m.mutable_hello()->set_epoch(3);
+    stream->Write(m);
+    stream->WritesDone();
+    v1::RouterCommand c;
+    while (stream->Read(&c)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::PERMISSION_DENIED);
+  }
+  // Nothing changed: same endpoint and epoch, the block still routes to a.
+  EXPECT_EQ(Known(as_a, "worker-a"), "10.0.0.1:8000 1");
+  auto stub = v1::Router::NewStub(as_a);
+  v1::RouteRequest rr;
+  rr.set_namespace_id(7);
+  auto* bh = rr.mutable_hashes()->add_hashes();
+  bh->set_hi(1);
+  bh->set_lo(2);
+  bh = rr.mutable_hashes()->add_hashes();  // a block nobody holds: the first one is a hit
+  bh->set_hi(3);
+  bh->set_lo(4);
+  grpc::ClientContext rc;
+  v1::RouteResponse route;
+  ASSERT_TRUE(stub->Route(&rc, rr, &route).ok());
+  EXPECT_EQ(route.endpoint(), "10.0.0.1:8000");
+  EXPECT_EQ(route.gpu_hit_blocks(), 1u);
+  // b may be b, and a may go on publishing.
+  EXPECT_TRUE(PublishAs(as_b, "worker-b", 1, "10.0.0.2:8000", v1::SOURCE_WORKER).ok());
+  EXPECT_TRUE(PublishAs(as_a, "worker-a", 1, "10.0.0.1:8000", v1::SOURCE_WORKER).ok());
+  EXPECT_NE(router.Log().find("refused a hello"), std::string::npos) << router.Log();
+}
+
+// --source-identities: listed certificates claim the ids (and the kind) the
+// file gives them, prefixes included; a certificate not listed publishes
+// nothing; the file needs mutual TLS and a well-formed line.
+TEST_F(Tls, SourceIdentitiesDecideWhoMayClaimWhichSource) {
+  std::ofstream(dir_.sub("identities")) << "# identity kind ids\n"
+                                        << "worker-b worker worker-b pool-*\n"
+                                        << "tls-store store\n";
+  ServerProcess router(KVTIER_ROUTER_BIN, dir_.sub("router"), [&] {
+    std::vector<std::string> a = pki_.ServerFlags(true);
+    a.push_back("--listen=127.0.0.1:0");
+    a.push_back("--source-identities=" + dir_.sub("identities"));
+    return a;
+  }());
+  ASSERT_GT(router.port(), 0) << router.Log();
+  auto as_a = OpenChannel(router.address(), pki_.Client("ca", "worker-a"));
+  auto as_b = OpenChannel(router.address(), pki_.Client("ca", "worker-b"));
+  auto as_store = OpenChannel(router.address(), pki_.Client("ca", "tls-store"));
+  std::string error;
+  EXPECT_TRUE(PublishAs(as_b, "pool-3", 1, "10.0.0.3:8000", v1::SOURCE_WORKER).ok());
+  EXPECT_TRUE(PublishAs(as_b, "worker-b", 1, "10.0.0.2:8000", v1::SOURCE_WORKER).ok());
+  EXPECT_EQ(PublishAs(as_b, "worker-a", 1, "10.0.0.2:8000", v1::SOURCE_WORKER, &error).error_code(),
+            grpc::PERMISSION_DENIED);
+  EXPECT_NE(error.find("claim no such worker"), std::string::npos) << error;
+  // Listed as a worker, not as a store.
+  EXPECT_EQ(PublishAs(as_b, "pool-4", 1, "", v1::SOURCE_STORE, &error).error_code(),
+            grpc::PERMISSION_DENIED);
+  EXPECT_TRUE(PublishAs(as_store, "tls-store", 1, "", v1::SOURCE_STORE).ok());
+  // worker-a's certificate is not in the file: not even its own id.
+  EXPECT_EQ(PublishAs(as_a, "worker-a", 1, "10.0.0.1:8000", v1::SOURCE_WORKER, &error).error_code(),
+            grpc::PERMISSION_DENIED);
+  EXPECT_NE(error.find("none of which --source-identities lists"), std::string::npos) << error;
+  EXPECT_EQ(Known(as_b, "worker-a"), "");
+  EXPECT_EQ(Known(as_b, "pool-3"), "10.0.0.3:8000 1");
+
+  // Refused at start: without mutual TLS, and a bad line.
+  std::ofstream(dir_.sub("bad-identities")) << "worker-b robot\n";
+  for (const auto& [args, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"--source-identities " + dir_.sub("identities"), "needs mutual TLS"},
+           {"--tls-cert " + pki_.pem("server") + " --tls-key " + pki_.key("server") + " --tls-ca " +
+                pki_.pem("ca") + " --tls-require-client-cert --source-identities " +
+                dir_.sub("bad-identities"),
+            "line 1: kind \"robot\""}}) {
+    ShellResult r = RunShell(std::string(KVTIER_ROUTER_BIN) + " --check-config " + args + " 2>&1");
+    EXPECT_EQ(r.exit_code, 2) << r.out;
+    EXPECT_NE(r.out.find(expect), std::string::npos) << r.out;
   }
 }
 

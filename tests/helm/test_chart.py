@@ -250,6 +250,52 @@ def check_vllm_sources(values, schema):
         check(True, "")
 
 
+def check_source_identities(values, schema):
+    """router.sourceIdentities: a ConfigMap in --source-identities' format,
+    mounted and named by the flag, accepted by kvtier-router --check-config
+    with the chart's TLS flags; refused without mutual TLS."""
+    v = copy.deepcopy(values)
+    v["tls"]["enabled"] = True
+    v["tls"]["requireClientCert"] = True
+    v["router"]["sourceIdentities"] = [
+        {"identity": "kvtier-store", "kind": "store", "ids": ["kv-store-*"]},
+        {"identity": "engine-0", "kind": "worker"}]
+    jsonschema.validate(v, schema)
+    objs = objects(render(v))
+    cm = find(objs, "ConfigMap", "-router-source-identities")
+    lines = [l.strip() for l in cm["data"]["identities.txt"].splitlines() if l.strip()]
+    check(lines == ["kvtier-store store kv-store-*", "engine-0 worker"],
+          "source identities rendered: %r" % lines)
+    c = find(objs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    check(engine_arg(c["args"], "--source-identities") == "/etc/kvtier/identities/identities.txt" and
+          any(m["mountPath"] == "/etc/kvtier/identities" for m in c.get("volumeMounts", [])),
+          "the router reads the mounted identities file")
+    d = tempfile.mkdtemp()
+    make_certs(d)
+    with open(os.path.join(d, "identities.txt"), "w") as f:
+        f.write(cm["data"]["identities.txt"])
+    args = [a.replace("/etc/kvtier/tls", d).replace("/etc/kvtier/identities", d) for a in c["args"]]
+    rc, out = check_config("router/kvtier-router", args)
+    check(rc == 0, "kvtier-router --check-config accepts the rendered identities: %s" % out)
+    subprocess.run(["rm", "-rf", d])
+    plain = copy.deepcopy(v)
+    plain["tls"]["enabled"] = False
+    try:
+        render(plain)
+        check(False, "rendered sourceIdentities without mutual TLS")
+    except RuntimeError as e:
+        check("needs tls.enabled and tls.requireClientCert" in str(e), "render error: %s" % e)
+    for bad in ({"identity": "x", "kind": "robot"}, {"identity": "x", "kind": "store", "ids": ["*"]},
+                {"kind": "store"}):
+        w = copy.deepcopy(v)
+        w["router"]["sourceIdentities"] = [bad]
+        try:
+            jsonschema.validate(w, schema)
+            check(False, "schema accepted sourceIdentities %r" % bad)
+        except jsonschema.ValidationError:
+            check(True, "")
+
+
 def main():
     values = load_values()
     schema = json.load(open(os.path.join(CHART, "values.schema.json")))
@@ -361,6 +407,7 @@ def main():
     check_tls(values, schema)
     check_engine(values, schema)
     check_vllm_sources(values, schema)
+    check_source_identities(values, schema)
 
     print("%d passed, %d failed" % (passed, failed))
     return 0 if failed == 0 else 1

@@ -16,6 +16,16 @@ namespace kvtier::store {
 
 namespace {
 
+// Whom a lease counts against (--max-leases-per-client): the identity of a
+// verified client certificate, else the connection. Never the request's
+// client_id: a client filling in a new one per request would have no limit.
+// (client_id stays in the protocol as a label for logs; it keys nothing.)
+std::string LeaseHolder(const grpc::ServerContext& ctx) {
+  std::vector<std::string> names = PeerCertificateNames(ctx);
+  return names.empty() ? absl::StrCat("connection ", ctx.peer())
+                       : absl::StrCat("identity ", names[0]);
+}
+
 using Clock = std::chrono::steady_clock;
 
 // Times one RPC into its histogram, counting non-OK results as errors.
@@ -127,7 +137,7 @@ grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPut
                                     v1::BeginPutResponse* resp) {
   RpcTimer t(fence_, Histogram("BeginPut"));
   auto r = store_->BeginPut(req->namespace_id(), Hashes(req->hashes()),
-                            req->client_id().empty() ? ctx->peer() : req->client_id());
+                            LeaseHolder(*ctx));
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
@@ -184,7 +194,7 @@ grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGet
     for (uint64_t id : *gone) resp->add_leases_not_found(id);
   }
   auto r = store_->BeginGet(req->namespace_id(), Hashes(req->hashes()),
-                            req->client_id().empty() ? ctx->peer() : req->client_id());
+                            LeaseHolder(*ctx));
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());

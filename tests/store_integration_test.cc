@@ -391,30 +391,51 @@ TEST(StoreIntegration, AdminRpcsNeedTheAdminToken) {
   EXPECT_TRUE(op.Evict(all).ok());
 }
 
+// Leases count against the connection (or a verified certificate's
+// identity: tests/tls_test.cc), not the client_id a request fills in: a
+// client cycling ids still stops at the limit, and another connection is
+// not affected.
 TEST(StoreIntegration, OneClientCannotHoldEveryLease) {
   testing::TempDir dir;
   StoreProcess store(dir.sub("db"), {"--ram-bytes=4MiB", "--max-leases-per-client=2"});
   StoreClient c(store.address());
   auto ns = c.RegisterNamespace(Spec());
-  auto begin = [&](const std::string& client, uint64_t n, v1::BeginPutResponse* resp) {
+  // Each its own TCP connection (gRPC would otherwise share one between
+  // channels to the same address).
+  auto connect = [&] {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    return v1::Store::NewStub(
+        grpc::CreateCustomChannel(store.address(), grpc::InsecureChannelCredentials(), args));
+  };
+  auto greedy = connect(), polite = connect();
+  auto begin = [&](v1::Store::Stub* stub, const std::string& client, uint64_t n,
+                   v1::BeginPutResponse* resp) {
     v1::BeginPutRequest req;
     req.set_namespace_id(ns->id);
     req.set_client_id(client);
     ToProto(H(n), req.add_hashes());
-    return c.stub().BeginPut(c.Context().get(), req, resp);
+    return stub->BeginPut(c.Context().get(), req, resp);
   };
   v1::BeginPutResponse a, b, d, e;
-  ASSERT_TRUE(begin("greedy", 1, &a).ok());
-  ASSERT_TRUE(begin("greedy", 2, &b).ok());
-  grpc::Status third = begin("greedy", 3, &d);
+  ASSERT_TRUE(begin(greedy.get(), "greedy-1", 1, &a).ok());
+  ASSERT_TRUE(begin(greedy.get(), "greedy-2", 2, &b).ok());
+  grpc::Status third = begin(greedy.get(), "greedy-3", 3, &d);
   EXPECT_EQ(third.error_code(), grpc::RESOURCE_EXHAUSTED);
-  EXPECT_NE(third.error_message().find("greedy"), std::string::npos) << third.error_message();
-  EXPECT_TRUE(begin("polite", 4, &e).ok());  // others are not affected
+  EXPECT_NE(third.error_message().find("connection ipv4:127.0.0.1:"), std::string::npos)
+      << third.error_message();
+  // Twenty more fresh ids: none gets a lease.
+  for (int i = 0; i < 20; ++i) {
+    v1::BeginPutResponse r;
+    EXPECT_EQ(begin(greedy.get(), "fresh-" + std::to_string(i), 10 + i, &r).error_code(),
+              grpc::RESOURCE_EXHAUSTED);
+  }
+  EXPECT_TRUE(begin(polite.get(), "greedy-1", 4, &e).ok());  // another connection: unaffected
   v1::AbortPutRequest abort;
   abort.set_lease_id(a.lease_id());
   v1::AbortPutResponse ar;
-  ASSERT_TRUE(c.stub().AbortPut(c.Context().get(), abort, &ar).ok());
-  EXPECT_TRUE(begin("greedy", 3, &d).ok());
+  ASSERT_TRUE(greedy->AbortPut(c.Context().get(), abort, &ar).ok());
+  EXPECT_TRUE(begin(greedy.get(), "greedy-3", 3, &d).ok());
 }
 
 TEST(StoreIntegration, OversizedMessagesAreRefusedAndTheStoreKeepsServing) {

@@ -255,6 +255,48 @@ TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
   }
 }
 
+// Under mutual TLS leases count against the certificate's identity: two
+// connections presenting the same certificate share one limit, whatever
+// client_id they send; another identity is unaffected.
+TEST_F(Tls, LeasesCountAgainstTheCertificateIdentity) {
+  std::vector<std::string> flags = pki_.ServerFlags(/*mutual=*/true);
+  flags.push_back("--max-leases-per-client=2");
+  ServerProcess store = Store(flags);
+  ASSERT_GT(store.port(), 0) << store.Log();
+  StoreClient setup = Client(store, pki_.Client("ca", "admin"));
+  auto ns = setup.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", ""});
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  auto connect = [&](const std::string& leaf) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own
+    ChannelSecurity sec = pki_.Client("ca", leaf);
+    return v1::Store::NewStub(grpc::CreateCustomChannel(store.address(), sec.credentials, args));
+  };
+  auto one = connect("worker"), two = connect("worker"), other = connect("admin");
+  int n = 0;
+  auto begin = [&](v1::Store::Stub* stub, std::string* error = nullptr) {
+    v1::BeginPutRequest req;
+    req.set_namespace_id(ns->id);
+    req.set_client_id("id-" + std::to_string(n));
+    auto* h = req.add_hashes();
+    h->set_hi(1000 + n);
+    h->set_lo(++n);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::BeginPutResponse resp;
+    grpc::Status s = stub->BeginPut(&ctx, req, &resp);
+    if (error != nullptr) *error = s.error_message();
+    return s.error_code();
+  };
+  EXPECT_EQ(begin(one.get()), grpc::OK);
+  EXPECT_EQ(begin(two.get()), grpc::OK);
+  std::string error;
+  EXPECT_EQ(begin(one.get(), &error), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_NE(error.find("identity worker"), std::string::npos) << error;
+  EXPECT_EQ(begin(two.get()), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(begin(other.get()), grpc::OK);
+}
+
 // A worker's hello and one block, published over `channel` as `id`.
 grpc::Status PublishAs(const std::shared_ptr<grpc::Channel>& channel, const std::string& id,
                        uint64_t epoch, const std::string& endpoint, v1::SourceKind kind,

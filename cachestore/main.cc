@@ -52,6 +52,7 @@ struct Flags {
   std::string admin_identity;
   kvtier::TlsFlags tls;
   int64_t max_leases_per_client = 1024;
+  int64_t max_namespaces = 1024;
 };
 
 }  // namespace
@@ -108,7 +109,11 @@ int main(int argc, char** argv) {
                "subject alternative name is this (needs --tls-require-client-cert)");
   kvtier::AddTlsFlags(flags, &f.tls, /*serves=*/true, /*dials=*/true);
   flags.Int("max-leases-per-client", &f.max_leases_per_client, 0, int64_t{1} << 30,
-            "Open put+get leases one client may hold (0: no limit)");
+            "Open put+get leases one client may hold: a verified certificate's identity, else "
+            "a connection (0: no limit)");
+  flags.Int("max-namespaces", &f.max_namespaces, 0, int64_t{1} << 20,
+            "Namespaces registered at once; past it RegisterNamespace is RESOURCE_EXHAUSTED "
+            "(kvctl namespaces rm frees one; 0: no limit)");
   flags.String("metrics-listen", &f.metrics_listen,
                "Serve Prometheus metrics on HOST:PORT/metrics (empty: off)");
   flags.Bool("check-config", &f.check_config,
@@ -202,6 +207,7 @@ int main(int argc, char** argv) {
   o.lease_ms = f.lease_ms;
   o.verify_commits = f.verify_commits;
   o.max_leases_per_client = static_cast<uint64_t>(f.max_leases_per_client);
+  o.max_namespaces = static_cast<uint64_t>(f.max_namespaces);
   std::string admin_token;
   if (!f.admin_token_file.empty()) {
     std::ifstream in(f.admin_token_file);

@@ -25,7 +25,8 @@ bool ParseSpec(const std::string& bytes, NamespaceSpec* s) {
 
 }  // namespace
 
-NamespaceRegistry::NamespaceRegistry(DiskTier* disk) : disk_(disk) {
+NamespaceRegistry::NamespaceRegistry(DiskTier* disk, size_t max_namespaces)
+    : disk_(disk), max_namespaces_(max_namespaces) {
   for (const auto& [key, value] : disk_->ScanMeta(kMetaPrefix)) {
     NamespaceSpec spec;
     if (!ParseSpec(value, &spec) || !ValidateNamespace(spec).ok()) {
@@ -55,6 +56,12 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Register(const NamespaceSpec& s
   }
   std::lock_guard lk(mu_);
   if (auto it = namespaces_.find(id); it != namespaces_.end()) return it->second;
+  if (max_namespaces_ != 0 && namespaces_.size() >= max_namespaces_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the store holds ", namespaces_.size(), " namespaces, its limit (--max-namespaces ",
+        max_namespaces_, "); namespace ", NamespaceName(id), " (", CanonicalNamespace(spec),
+        ") is not registered. Remove unused ones with kvctl namespaces rm ID"));
+  }
   if (auto s = disk_->PutMeta(kMetaPrefix + NamespaceName(id), SerializeSpec(spec)); !s.ok()) {
     Log("store", "namespace ", NamespaceName(id), " not persisted: ", s.message());
   }
@@ -62,6 +69,24 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Register(const NamespaceSpec& s
   namespaces_[id] = info;
   Log("store", "registered namespace ", NamespaceName(id), " (", CanonicalNamespace(spec),
       "), blocks of ", bytes, " bytes");
+  return info;
+}
+
+absl::StatusOr<NamespaceInfo> NamespaceRegistry::Remove(uint64_t id) {
+  std::lock_guard lk(mu_);
+  auto it = namespaces_.find(id);
+  if (it == namespaces_.end()) {
+    return absl::NotFoundError(absl::StrCat("namespace ", NamespaceName(id), " is not registered"));
+  }
+  NamespaceInfo info = it->second;
+  if (auto s = disk_->DeleteMeta(kMetaPrefix + NamespaceName(id)); !s.ok()) {
+    // Kept in memory: removing it here but not on disk would bring it back
+    // at the next start.
+    return absl::UnavailableError(absl::StrCat("namespace ", NamespaceName(id),
+                                               " not removed: its record on disk: ", s.message()));
+  }
+  namespaces_.erase(it);
+  Log("store", "removed namespace ", NamespaceName(id), " (", CanonicalNamespace(info.spec), ")");
   return info;
 }
 

@@ -94,7 +94,7 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
       started_(Clock::now()) {
   for (const char* rpc : {"RegisterNamespace", "ListNamespaces", "Lookup", "BeginPut",
                           "CommitPut", "AbortPut", "BeginGet", "EndGet", "ReleaseGets", "VerifyBlocks", "PutBlocks", "GetBlocks",
-                          "Evict", "GetStats", "GetPolicy", "SetPolicy", "ConnectDataPlane"}) {
+                          "Evict", "RemoveNamespace", "GetStats", "GetPolicy", "SetPolicy", "ConnectDataPlane"}) {
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
 }
@@ -292,6 +292,19 @@ grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBloc
         return writer->Write(msg);
       });
   return t.Done(ToGrpc(s));
+}
+
+grpc::Status StoreService::RemoveNamespace(grpc::ServerContext* ctx,
+                                          const v1::RemoveNamespaceRequest* req,
+                                          v1::RemoveNamespaceResponse* resp) {
+  RpcTimer t(fence_, Histogram("RemoveNamespace"));
+  if (auto s = admin_.Check(*ctx, "RemoveNamespace"); !s.ok()) return t.Done(s);
+  auto r = store_->RemoveNamespace(req->namespace_id());
+  if (!r.ok()) return t.Done(ToGrpc(r.status()));
+  resp->set_ram_blocks(r->ram_blocks);
+  resp->set_disk_blocks(r->disk_blocks);
+  resp->set_pinned_blocks(r->pinned_blocks);
+  return t.Done(grpc::Status::OK);
 }
 
 grpc::Status StoreService::Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req,

@@ -24,7 +24,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   // Whether ConnectDataPlane offers the RAM arena's memfd to same-host
   // clients (RemoteRegion.shm_path). Set before serving.
   void OfferSharedMemory(bool offer) { offer_shm_ = offer; }
-  // Admin RPCs (SetPolicy, Evict) then need metadata x-kvtier-admin-token
+  // Admin RPCs (SetPolicy, Evict, RemoveNamespace) then need metadata x-kvtier-admin-token
   // equal to token; empty: no check.
   void SetAdminToken(std::string token) { admin_.set_token(std::move(token)); }
   // Admin RPCs then also need a verified client certificate (mutual TLS)
@@ -59,6 +59,8 @@ class StoreService final : public kvtier::v1::Store::Service {
                          grpc::ServerWriter<v1::GetBlocksResponse>*) override;
   grpc::Status Evict(grpc::ServerContext*, const v1::EvictRequest*,
                      v1::EvictResponse*) override;
+  grpc::Status RemoveNamespace(grpc::ServerContext*, const v1::RemoveNamespaceRequest*,
+                               v1::RemoveNamespaceResponse*) override;
   grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
                         v1::GetStatsResponse*) override;
   grpc::Status GetPolicy(grpc::ServerContext*, const v1::GetPolicyRequest*,

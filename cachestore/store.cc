@@ -29,7 +29,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
   auto ram = RamTier::Create(o.ram, [d](const EvictedBlock& b) { return d->Enqueue(b); });
   if (!ram.ok()) return ram.status();
   s->ram_ = std::move(*ram);
-  s->namespaces_ = std::make_unique<NamespaceRegistry>(d);
+  s->namespaces_ = std::make_unique<NamespaceRegistry>(d, o.max_namespaces);
   Store* self = s.get();
   s->leases_ = std::make_unique<LeaseTable>(o.lease_ms, o.max_leases_per_client,
                                             [self](const Lease& l) { self->ReleaseLease(l, true); });
@@ -384,6 +384,16 @@ absl::StatusOr<EvictResult> Store::EvictNamespace(uint64_t ns) {
   EraseCounts d = disk_->EraseNamespace(ns);
   Log("store", "evicted namespace ", NamespaceName(ns), ": ", r.erased, " RAM blocks, ", d.erased,
       " disk blocks, ", r.pinned, " pinned");
+  return EvictResult{r.erased, d.erased, r.pinned};
+}
+
+absl::StatusOr<EvictResult> Store::RemoveNamespace(uint64_t ns) {
+  // Forgotten first: no new put or get names it while its blocks go.
+  if (auto info = namespaces_->Remove(ns); !info.ok()) return info.status();
+  EraseCounts r = ram_->EraseNamespace(ns);
+  EraseCounts d = disk_->EraseNamespace(ns);
+  Log("store", "dropped removed namespace ", NamespaceName(ns), "'s blocks: ", r.erased, " RAM, ",
+      d.erased, " disk, ", r.pinned, " pinned");
   return EvictResult{r.erased, d.erased, r.pinned};
 }
 

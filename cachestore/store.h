@@ -44,6 +44,9 @@ struct StoreOptions {
   bool verify_commits = true;
   // Open leases one client may hold (put and get together); 0: no limit.
   uint64_t max_leases_per_client = 1024;
+  // Namespaces registered at once (each is a record kept forever otherwise);
+  // 0: no limit.
+  uint64_t max_namespaces = 1024;
   // Told what enters and leaves the store (change_feed.h); may be null.
   // Must outlive the store.
   ChangeSink* changes = nullptr;
@@ -150,6 +153,10 @@ class Store {
   absl::StatusOr<EvictResult> EvictAll();
   // NOT_FOUND for an unregistered namespace.
   absl::StatusOr<EvictResult> EvictNamespace(uint64_t ns);
+  // Forgets the namespace (NOT_FOUND if unregistered) and drops its blocks
+  // from both tiers; pinned ones go when their leases end. It can be
+  // registered again.
+  absl::StatusOr<EvictResult> RemoveNamespace(uint64_t ns);
   // INVALID_ARGUMENT for no keys or more than kMaxBlocksPerRequest.
   absl::StatusOr<EvictResult> EvictKeys(std::span<const BlockKey> keys);
 

@@ -3,7 +3,10 @@
 // of lookup and route, and output helpers.
 #include "cli/cli.h"
 
+#include <unistd.h>
+
 #include <cstdio>
+#include <iostream>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -197,6 +200,22 @@ std::unique_ptr<v1::Router::Stub> SharedFlags::RouterStub() const {
 
 std::chrono::system_clock::time_point SharedFlags::Deadline() const {
   return std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms);
+}
+
+int Confirm(const std::string& command, const std::string& what, const std::string& where) {
+  if (!isatty(0)) {
+    std::fprintf(stderr, "%s: would %s on %s; not a terminal, so pass --yes to confirm\n",
+                 command.c_str(), what.c_str(), where.c_str());
+    return kDeclined;
+  }
+  std::fprintf(stderr, "%s on %s? Type yes to confirm: ", what.c_str(), where.c_str());
+  std::string answer;
+  std::getline(std::cin, answer);
+  if (answer != "yes") {
+    std::fprintf(stderr, "%s: not confirmed; nothing changed\n", command.c_str());
+    return kDeclined;
+  }
+  return kOk;
 }
 
 absl::StatusOr<uint64_t> ParseNamespace(const std::string& text) {

@@ -83,6 +83,12 @@ struct SharedFlags {
   std::chrono::system_clock::time_point Deadline() const;
 };
 
+// Asks on the terminal whether to `what` on `where`; kOk when the operator
+// typed yes, kDeclined otherwise. Without a terminal nobody can answer, so
+// that is a refusal too (the message says to pass --yes). `command` names
+// the command in messages ("kvctl evict").
+int Confirm(const std::string& command, const std::string& what, const std::string& where);
+
 // A hex namespace id as `kvctl namespaces` prints it.
 absl::StatusOr<uint64_t> ParseNamespace(const std::string& text);
 

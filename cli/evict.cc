@@ -34,24 +34,6 @@ bool AddKeys(const std::string& keys, v1::EvictRequest* req) {
   return true;
 }
 
-// Asks on the terminal; returns kOk when the operator typed yes, kDeclined
-// otherwise. Without a terminal nobody can answer, so that is a refusal too.
-int Confirm(const std::string& what, const std::string& stores) {
-  if (!isatty(0)) {
-    std::fprintf(stderr, "kvctl evict: would drop %s from %s; not a terminal, so pass --yes to confirm\n",
-                 what.c_str(), stores.c_str());
-    return kDeclined;
-  }
-  std::fprintf(stderr, "Drop %s from %s? Type yes to confirm: ", what.c_str(), stores.c_str());
-  std::string answer;
-  std::getline(std::cin, answer);
-  if (answer != "yes") {
-    std::fprintf(stderr, "kvctl evict: not confirmed; nothing dropped\n");
-    return kDeclined;
-  }
-  return kOk;
-}
-
 }  // namespace
 
 int RunEvict(const CommandLine& line) {
@@ -90,7 +72,7 @@ int RunEvict(const CommandLine& line) {
     what = absl::StrCat(req.keys().keys_size(), " block(s)");
   }
   if (!yes) {
-    if (int code = Confirm(what, c.stores); code != kOk) return code;
+    if (int code = Confirm("kvctl evict", "drop " + what, c.stores); code != kOk) return code;
   }
   nlohmann::json j;
   for (const auto& addr : c.StoreList()) {

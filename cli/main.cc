@@ -37,6 +37,8 @@ constexpr Command kCommands[] = {
     {"evict", "", "--all | --namespace NS | --key NS:HASH   (asks unless --yes)", nullptr, RunEvict},
     {"lookup", "", "which blocks of a prompt are where (--tokens FILE | --hashes FILE)", nullptr, RunLookup},
     {"namespaces", "", "the registered namespaces", nullptr, RunNamespaces},
+    {"namespaces", "rm ID", "forget a namespace and drop its blocks (admin; asks unless --yes)",
+     nullptr, RunNamespaces},
     {"workers", "", "the router's sources: endpoint, namespace, blocks, load, last heartbeat",
      kRouterHeading, RunWorkers},
     {"route", "", "explain one routing decision with every candidate's cost", nullptr, RunRoute},

@@ -8,7 +8,71 @@
 
 namespace kvtier::cli {
 
+namespace {
+
+// kvctl namespaces rm ID: forget a namespace on every shard and drop its
+// blocks, after the operator confirms.
+int RunRemove(const CommandLine& line) {
+  SharedFlags c;
+  bool yes = false;
+  FlagSet f("kvctl namespaces rm",
+            "Forget namespace ID (hex, as kvctl namespaces prints it) on every shard and drop its "
+            "blocks from every tier; workers may register it again. An admin RPC. Asks for "
+            "confirmation unless --yes.");
+  c.Register(f, SharedFlags::Dials::kStores);
+  f.Bool("yes", &yes, "Do not ask");
+  std::vector<std::string> positional;
+  ParseCommandFlags(f, line, &positional, 1);
+  if (positional.size() != 1) {
+    std::fprintf(stderr, "kvctl namespaces rm: name one namespace id (kvctl namespaces rm 00c0ffee00c0ffee)\n");
+    return kUsage;
+  }
+  auto id = ParseNamespace(positional[0]);
+  if (!id.ok()) {
+    std::fprintf(stderr, "kvctl namespaces rm: %s\n", std::string(id.status().message()).c_str());
+    return kUsage;
+  }
+  if (!yes) {
+    const std::string what = "remove namespace " + positional[0] + " and drop its blocks";
+    if (int code = Confirm("kvctl namespaces rm", what, c.stores); code != kOk) return code;
+  }
+  nlohmann::json j;
+  int shards_with_it = 0;
+  for (const auto& addr : c.StoreList()) {
+    StoreClient client = c.StoreAt(addr);
+    v1::RemoveNamespaceRequest req;
+    req.set_namespace_id(*id);
+    v1::RemoveNamespaceResponse resp;
+    auto ctx = client.Context();
+    grpc::Status s = client.stub().RemoveNamespace(ctx.get(), req, &resp);
+    if (s.error_code() == grpc::NOT_FOUND) {
+      if (!c.json) std::printf("%s: namespace %s is not registered here\n", addr.c_str(), positional[0].c_str());
+      j[addr] = {{"removed", false}};
+      continue;
+    }
+    if (!s.ok()) return Report(FromGrpc(s), "store " + addr);
+    ++shards_with_it;
+    if (!c.json) {
+      std::printf("%s: removed namespace %s; dropped %lu RAM and %lu NVMe blocks, %lu pinned "
+                  "(freed when their leases end)\n",
+                  addr.c_str(), positional[0].c_str(), resp.ram_blocks(), resp.disk_blocks(),
+                  resp.pinned_blocks());
+    }
+    j[addr] = {{"removed", true}, {"ram_blocks", resp.ram_blocks()},
+               {"disk_blocks", resp.disk_blocks()}, {"pinned_blocks", resp.pinned_blocks()}};
+  }
+  if (c.json) PrintJson(j);
+  if (shards_with_it == 0) {
+    std::fprintf(stderr, "kvctl namespaces rm: no shard has namespace %s\n", positional[0].c_str());
+    return kRefused;
+  }
+  return kOk;
+}
+
+}  // namespace
+
 int RunNamespaces(const CommandLine& line) {
+  if (line.words.size() >= 2 && line.words[1] == "rm") return RunRemove(line);
   SharedFlags c;
   FlagSet f("kvctl namespaces", "The namespaces each store shard knows.");
   c.Register(f, SharedFlags::Dials::kStores);

@@ -60,7 +60,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace kvtier::v1;
   const uint8_t* p = data + 1;
   size_t n = size - 1;
-  switch (data[0] % 10) {
+  switch (data[0] % 11) {
     case 0: Drive<LookupRequest, LookupResponse>(p, n, [&](auto* c, auto* q, auto* r) { return s->Lookup(c, q, r); }); break;
     case 1: Drive<BeginPutRequest, BeginPutResponse>(p, n, [&](auto* c, auto* q, auto* r) {
               auto st = s->BeginPut(c, q, r);
@@ -101,6 +101,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 7: Drive<EndGetRequest, EndGetResponse>(p, n, [&](auto* c, auto* q, auto* r) { return s->EndGet(c, q, r); }); break;
     case 8: Drive<AbortPutRequest, AbortPutResponse>(p, n, [&](auto* c, auto* q, auto* r) { return s->AbortPut(c, q, r); }); break;
     case 9: Drive<VerifyBlocksRequest, VerifyBlocksResponse>(p, n, [&](auto* c, auto* q, auto* r) { return s->VerifyBlocks(c, q, r); }); break;
+    case 10: Drive<RemoveNamespaceRequest, RemoveNamespaceResponse>(p, n, [&](auto* c, auto* q, auto* r) {
+               // The witness's namespace is the one thing not to remove.
+               if (q->namespace_id() == f->ns) return grpc::Status::OK;
+               return s->RemoveNamespace(c, q, r);
+             }); break;
   }
   // The witness block is still there, byte-exact.
   kvtier::BlockHash h{1, 1};

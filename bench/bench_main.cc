@@ -11,6 +11,7 @@ int RunRouterBench(int argc, const char* const* argv);
 int RunDataPlaneBench(int argc, const char* const* argv);
 int RunWorkerBench(int argc, const char* const* argv);
 int RunReplay(int argc, const char* const* argv);
+int RunChaos(int argc, const char* const* argv);
 }  // namespace kvtier::bench
 
 namespace {
@@ -49,6 +50,7 @@ int main(int argc, char** argv) {
   if (cmd == "dataplane") return kvtier::bench::RunDataPlaneBench(argc - 1, sub);
   if (cmd == "worker") return kvtier::bench::RunWorkerBench(argc - 1, sub);
   if (cmd == "replay") return kvtier::bench::RunReplay(argc - 1, sub);
+  if (cmd == "chaos") return kvtier::bench::RunChaos(argc - 1, sub);
   std::fprintf(stderr, "kvtier-bench: unknown command \"%s\"\n\n", cmd.c_str());
   Usage(stderr);
   return 2;

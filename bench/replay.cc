@@ -145,9 +145,6 @@ struct ModeResult {
   }
 };
 
-BlockHash TraceHash(uint64_t ns, uint64_t id) {
-  return BlockHash{(id + 1) * 0x9E3779B97F4A7C15ull ^ ns, id};
-}
 
 void Progress(const std::string& mode, size_t done, size_t total) {
   int width = 30;

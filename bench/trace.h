@@ -10,12 +10,19 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/block_key.h"
 
 namespace kvtier {
 
 inline constexpr uint32_t kTraceBlockTokens = 512;
 // Limits on one request of a trace (a malformed file must not exhaust memory).
 inline constexpr uint64_t kTraceMaxInputTokens = 8u << 20;
+
+// The block hash of a trace's hash id in namespace ns: what the replay's
+// workers store and the router indexes for that block.
+inline BlockHash TraceHash(uint64_t ns, uint64_t id) {
+  return BlockHash{(id + 1) * 0x9E3779B97F4A7C15ull ^ ns, id};
+}
 
 struct TraceRequest {
   uint64_t timestamp_ms = 0;

@@ -4,6 +4,8 @@
 # libopenblas0-pthread: Debian's torch and numpy use whichever libblas.so.3
 # is installed; OpenBLAS makes the reference engine ~40x faster than the
 # reference BLAS.
+# iproute2, nftables: the multi-host fault test's network namespaces, links
+# and packet loss (kvtier-bench chaos).
 set -euo pipefail
 
 PKGS=(
@@ -15,6 +17,7 @@ PKGS=(
   clang libclang-rt-14-dev openssl
   python3-dev pybind11-dev python3-numpy python3-pytest python3-torch
   python3-grpcio python3-protobuf python3-venv libopenblas0-pthread
+  iproute2 nftables
 )
 
 missing=()

@@ -44,6 +44,12 @@ struct DataClientOptions {
   uint64_t max_inflight_bytes = 256ull << 20;  // queued + running operations
   uint64_t backoff_min_ms = 50;
   uint64_t backoff_max_ms = 5000;
+  // ShardedStoreClient: a shard whose call failed UNAVAILABLE or
+  // DEADLINE_EXCEEDED is skipped (UNAVAILABLE at once, no wait) for this
+  // long, doubling while it keeps failing, up to the max; then one call
+  // probes it. 0: never skipped.
+  uint64_t shard_skip_min_ms = 200;
+  uint64_t shard_skip_max_ms = 5000;
   ChannelSecurity security;  // of the gRPC control channel (plaintext unless set)
 };
 

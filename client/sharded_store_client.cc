@@ -4,6 +4,8 @@
 #include "client/sharded_store_client.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <future>
 #include <mutex>
 #include <utility>
@@ -48,10 +50,58 @@ size_t RendezvousShard(const BlockKey& key, const std::vector<std::string>& shar
   return RendezvousPick(RendezvousKey(key), shards);
 }
 
+struct ShardedStoreClient::Health {
+  std::atomic<int64_t> skip_until_ms{0};  // steady clock; 0: not skipped
+  std::atomic<uint64_t> skip_ms{0};       // the last skip's length
+};
+
+namespace {
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+bool Unreachable(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded;
+}
+}  // namespace
+
 ShardedStoreClient::ShardedStoreClient(std::vector<std::string> addresses,
                                        DataClientOptions options)
-    : addresses_(std::move(addresses)) {
+    : addresses_(std::move(addresses)), options_(options) {
   for (const auto& a : addresses_) shards_.push_back(std::make_unique<StoreDataClient>(a, options));
+  health_ = std::make_unique<Health[]>(addresses_.size());
+}
+
+absl::Status ShardedStoreClient::Admit(size_t s) {
+  Health& h = health_[s];
+  int64_t until = h.skip_until_ms.load(std::memory_order_relaxed);
+  if (until == 0) return absl::OkStatus();
+  const int64_t now = NowMs();
+  // The skip is over: the first caller to move it past its own call probes.
+  if (now >= until && h.skip_until_ms.compare_exchange_strong(until, now + options_.deadline_ms + 1000)) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "store shard ", addresses_[s], " failed its last call (unreachable); skipped for another ",
+      std::max<int64_t>(0, h.skip_until_ms.load(std::memory_order_relaxed) - now), " ms"));
+}
+
+void ShardedStoreClient::Note(size_t s, const absl::Status& status) {
+  Health& h = health_[s];
+  if (!Unreachable(status) || options_.shard_skip_min_ms == 0) {
+    if (h.skip_until_ms.load(std::memory_order_relaxed) != 0) {
+      h.skip_until_ms.store(0, std::memory_order_relaxed);
+      h.skip_ms.store(0, std::memory_order_relaxed);
+    }
+    return;
+  }
+  const uint64_t last = h.skip_ms.load(std::memory_order_relaxed);
+  const uint64_t next = last == 0 ? options_.shard_skip_min_ms
+                                  : std::min(last * 2, std::max(options_.shard_skip_max_ms,
+                                                                options_.shard_skip_min_ms));
+  h.skip_ms.store(next, std::memory_order_relaxed);
+  h.skip_until_ms.store(NowMs() + static_cast<int64_t>(next), std::memory_order_relaxed);
 }
 
 ShardedStoreClient::~ShardedStoreClient() = default;
@@ -81,7 +131,9 @@ absl::StatusOr<uint32_t> ShardedStoreClient::Lookup(uint64_t ns,
   size_t prefix = chain.size();
   for (size_t s = 0; s < shards_.size(); ++s) {
     if (parts[s].empty()) continue;
+    if (absl::Status a = Admit(s); !a.ok()) return a;
     auto tiers = shards_[s]->control().Lookup(ns, Select(chain, parts[s]));
+    Note(s, tiers.status());
     if (!tiers.ok()) return tiers.status();
     if (tiers->size() < parts[s].size()) prefix = std::min(prefix, parts[s][tiers->size()]);
   }
@@ -95,7 +147,13 @@ absl::StatusOr<uint32_t> ShardedStoreClient::VerifyBlocks(uint64_t ns,
   absl::Status first = absl::OkStatus();
   for (size_t s = 0; s < shards_.size(); ++s) {  // every shard, whatever one answers
     if (parts[s].empty()) continue;
-    auto d = shards_[s]->control().VerifyBlocks(ns, Select(blocks, parts[s]));
+    absl::StatusOr<uint32_t> d = 0u;
+    if (absl::Status a = Admit(s); !a.ok()) {
+      d = a;
+    } else {
+      d = shards_[s]->control().VerifyBlocks(ns, Select(blocks, parts[s]));
+      Note(s, d.status());
+    }
     if (d.ok()) {
       dropped += *d;
     } else if (first.ok()) {
@@ -109,15 +167,20 @@ absl::StatusOr<uint32_t> ShardedStoreClient::VerifyBlocks(uint64_t ns,
 absl::StatusOr<PutOutcome> ShardedStoreClient::Put(uint64_t ns, uint64_t block_bytes,
                                                    const std::vector<PutBlock>& blocks) {
   std::vector<std::vector<size_t>> parts = ByShard(ns, blocks, addresses_);
-  std::vector<std::future<absl::StatusOr<PutOutcome>>> futures;
+  std::vector<std::pair<size_t, std::future<absl::StatusOr<PutOutcome>>>> futures;
+  absl::Status first = absl::OkStatus();
   for (size_t s = 0; s < shards_.size(); ++s) {
     if (parts[s].empty()) continue;
-    futures.push_back(shards_[s]->Put(ns, block_bytes, Select(blocks, parts[s])));
+    if (absl::Status a = Admit(s); !a.ok()) {
+      if (first.ok()) first = a;
+      continue;
+    }
+    futures.emplace_back(s, shards_[s]->Put(ns, block_bytes, Select(blocks, parts[s])));
   }
   PutOutcome total;
-  absl::Status first = absl::OkStatus();
-  for (auto& f : futures) {
+  for (auto& [s, f] : futures) {
     auto r = f.get();
+    Note(s, r.status());
     if (!r.ok()) {
       if (first.ok()) first = r.status();
       continue;
@@ -136,15 +199,21 @@ absl::StatusOr<GetOutcome> ShardedStoreClient::Get(uint64_t ns, uint64_t block_b
                                                    const std::vector<GetBlock>& blocks) {
   std::vector<std::vector<size_t>> parts = ByShard(ns, blocks, addresses_);
   std::vector<std::pair<size_t, std::future<absl::StatusOr<GetOutcome>>>> futures;
-  for (size_t s = 0; s < shards_.size(); ++s) {
-    if (parts[s].empty()) continue;
-    futures.emplace_back(s, shards_[s]->Get(ns, block_bytes, Select(blocks, parts[s])));
-  }
   size_t prefix = blocks.size();
   uint32_t from_disk = 0;
   absl::Status first = absl::OkStatus();
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (parts[s].empty()) continue;
+    if (absl::Status a = Admit(s); !a.ok()) {
+      if (first.ok()) first = a;
+      prefix = std::min(prefix, parts[s][0]);
+      continue;
+    }
+    futures.emplace_back(s, shards_[s]->Get(ns, block_bytes, Select(blocks, parts[s])));
+  }
   for (auto& [s, f] : futures) {
     auto r = f.get();
+    Note(s, r.status());
     if (!r.ok()) {
       if (first.ok()) first = r.status();
       prefix = std::min(prefix, parts[s][0]);
@@ -171,6 +240,10 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(uint64_t ns, uint64_t block_b
   size_t first = shards_.size();
   for (size_t s = 0; s < shards_.size(); ++s) {
     if (pin.parts[s].empty()) continue;
+    if (absl::Status a = Admit(s); !a.ok()) {
+      got[s] = a;
+      continue;
+    }
     if (first == shards_.size()) {
       first = s;
       continue;
@@ -181,13 +254,19 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(uint64_t ns, uint64_t block_b
   }
   if (first < shards_.size()) {
     got[first] = shards_[first]->Pin(ns, block_bytes, Select(chain, pin.parts[first]));
+    Note(first, got[first].status());
   }
-  for (auto& [s, f] : others) got[s] = f.get();
+  for (auto& [s, f] : others) {
+    got[s] = f.get();
+    Note(s, got[s].status());
+  }
+  // A shard that failed holds nothing: the prefix ends before its first block.
   absl::Status failed = absl::OkStatus();
   size_t prefix = chain.size();
   for (size_t s = 0; s < shards_.size(); ++s) {
     if (!got[s].ok()) {
       if (failed.ok()) failed = got[s].status();
+      prefix = std::min(prefix, pin.parts[s][0]);
       continue;
     }
     pin.pins[s] = std::move(*got[s]);
@@ -195,7 +274,7 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(uint64_t ns, uint64_t block_b
     const size_t n = pin.pins[s].sources.size();
     if (n < pin.parts[s].size()) prefix = std::min(prefix, pin.parts[s][n]);
   }
-  if (!failed.ok()) {
+  if (!failed.ok() && prefix == 0) {
     Release(pin);
     return failed;
   }
@@ -237,7 +316,7 @@ absl::StatusOr<GetOutcome> ShardedStoreClient::Read(const ShardedPin& pin, uint6
     readers += to > from;
   }
   join->remaining.assign(segments, readers);
-  std::vector<std::future<absl::StatusOr<GetOutcome>>> futures;
+  std::vector<std::pair<size_t, std::future<absl::StatusOr<GetOutcome>>>> futures;
   for (size_t s = 0; s < shards_.size(); ++s) {
     if (runs[s].second == 0) continue;
     ReadPlan part;
@@ -253,13 +332,14 @@ absl::StatusOr<GetOutcome> ShardedStoreClient::Read(const ShardedPin& pin, uint6
         }
       };
     }
-    futures.push_back(shards_[s]->Read(pin.pins[s], block_bytes, runs[s].first, runs[s].second,
-                                       std::move(part)));
+    futures.emplace_back(s, shards_[s]->Read(pin.pins[s], block_bytes, runs[s].first,
+                                             runs[s].second, std::move(part)));
   }
   GetOutcome total;
   absl::Status failed = absl::OkStatus();
-  for (auto& f : futures) {  // every one: the plan must outlive the reads
+  for (auto& [s, f] : futures) {  // every one: the plan must outlive the reads
     auto r = f.get();
+    Note(s, r.status());
     if (!r.ok()) {
       if (failed.ok()) failed = r.status();
       continue;

@@ -17,6 +17,15 @@
 // once and calls the plan's on_segment for segment s once every shard has
 // landed it, in segment order.
 //
+// Unreachable shards are skipped rather than waited for: after a call to a
+// shard fails UNAVAILABLE or DEADLINE_EXCEEDED (a dead link costs the whole
+// deadline), calls to it return UNAVAILABLE at once for shard_skip_min_ms,
+// doubling up to shard_skip_max_ms while it keeps failing; when the skip
+// ends, one caller's call probes it (the others keep skipping until it
+// answers). Pin treats a skipped or failing shard as holding none of the
+// chain: the prefix ends at its first block, and Pin fails only when that
+// leaves nothing pinned.
+//
 // Included by client/store_data_client.h, whose users reach these through
 // it; so this header needs only the shared types, not StoreDataClient's.
 #pragma once
@@ -74,7 +83,9 @@ class ShardedStoreClient {
                                  const std::vector<GetBlock>& blocks);
 
   // Looks up the chain and pins its leading present blocks on every shard
-  // at once. The first failing shard's status (the others' pins released).
+  // at once. A failing shard holds nothing (the prefix ends before its
+  // first block); its status only when no block is pinned (then the
+  // others' pins are released).
   absl::StatusOr<ShardedPin> Pin(uint64_t ns, uint64_t block_bytes,
                                  const std::vector<BlockHash>& chain);
   // Moves chain blocks [first, first + count) (within pin.blocks;
@@ -91,8 +102,18 @@ class ShardedStoreClient {
   StoreDataClient& shard(size_t i) { return *shards_[i]; }
 
  private:
+  struct Health;  // per shard: skipped until when, and for how long next
+  // OK when shard s may be called now (or this call is its probe);
+  // UNAVAILABLE while it is skipped.
+  absl::Status Admit(size_t s);
+  // Records a call's outcome: a failure that says the shard is unreachable
+  // starts or lengthens its skip; anything else ends it.
+  void Note(size_t s, const absl::Status& status);
+
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<StoreDataClient>> shards_;
+  DataClientOptions options_;
+  std::unique_ptr<Health[]> health_;
 };
 
 }  // namespace kvtier

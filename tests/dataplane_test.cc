@@ -1,7 +1,10 @@
 // The UCX data plane end to end: the real kvtier-store with --ucx-listen and
 // StoreDataClient over UCX on loopback (TCP and shared memory).
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
@@ -353,6 +356,100 @@ TEST(ShardedStore, BlocksSpreadOverShardsAndComeBack) {
   ASSERT_TRUE(g.ok());
   EXPECT_EQ(g->blocks, n);
   EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
+}
+
+// A shard that stops answering on an open connection (a dead link, here a
+// SIGSTOPped store: every call to it costs the whole deadline) is skipped
+// after one failure: the next calls return at once, Pin still pins the
+// blocks before the shard's first one and Put still writes the other
+// shard's; once the skip ends one call probes it, and the skip doubles
+// while it keeps failing. Answering again, it is used again.
+TEST(ShardedStore, AnUnreachableShardIsSkippedNotWaitedFor) {
+  setenv("UCX_TLS", "tcp", 1);
+  testing::TempDir dir;
+  std::vector<std::unique_ptr<ServerProcess>> stores;
+  std::vector<std::string> addrs;
+  for (int s = 0; s < 2; ++s) {
+    stores.push_back(std::make_unique<ServerProcess>(
+        KVTIER_STORE_BIN, dir.sub("store" + std::to_string(s)),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                                 "--data-dir=" + dir.sub("db" + std::to_string(s)),
+                                 "--hugepages=false", "--ram-bytes=32MiB"}));
+    ASSERT_GT(stores.back()->port(), 0) << stores.back()->Log();
+    addrs.push_back(stores.back()->address());
+  }
+  DataClientOptions o;
+  o.deadline_ms = 400;
+  o.shard_skip_min_ms = 300;
+  o.shard_skip_max_ms = 1200;
+  o.shared_memory = DataClientOptions::SharedMemory::kOff;  // RMA over the connection
+  ShardedStoreClient c(addrs, o);
+  auto ns = c.RegisterNamespace(Spec256K());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  // A chain whose first two blocks are shard 0's.
+  const uint64_t n = 32;
+  uint64_t base = 0;
+  while (RendezvousShard({ns->id, H(base)}, addrs) != 0 || RendezvousShard({ns->id, H(base + 1)}, addrs) != 0) {
+    ++base;
+  }
+  std::vector<uint8_t> src(n * kBlock);
+  Fill(src, 900, n);
+  ASSERT_TRUE(c.RegisterMemory(src.data(), src.size()).ok());
+  std::vector<PutBlock> put;
+  std::vector<BlockHash> chain;
+  size_t first_other = n;
+  for (uint64_t i = 0; i < n; ++i) {
+    put.push_back({H(base + i), src.data() + i * kBlock});
+    chain.push_back(H(base + i));
+    if (RendezvousShard({ns->id, H(base + i)}, addrs) == 1 && first_other == n) first_other = i;
+  }
+  ASSERT_LT(first_other, n);
+  auto r = c.Put(ns->id, kBlock, put);
+  ASSERT_TRUE(r.ok()) << r.status();
+  auto pin = c.Pin(ns->id, kBlock, chain);  // both shards answer: the whole chain
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->blocks, n);
+  c.Release(*pin);
+
+  using Ms = std::chrono::milliseconds;
+  auto timed = [](auto&& fn) {
+    const auto t = std::chrono::steady_clock::now();
+    fn();
+    return std::chrono::duration_cast<Ms>(std::chrono::steady_clock::now() - t).count();
+  };
+  kill(stores[1]->proc().pid(), SIGSTOP);
+  EXPECT_GE(timed([&] { pin = c.Pin(ns->id, kBlock, chain); }), 350)
+      << "the silent shard's call costs its deadline";
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->blocks, first_other) << "the prefix ends before the silent shard's first block";
+  c.Release(*pin);
+  // Skipped now: at once, with the same prefix, and moved byte-exact.
+  EXPECT_LT(timed([&] { pin = c.Pin(ns->id, kBlock, chain); }), 200);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->blocks, first_other);
+  std::vector<uint8_t> dst(n * kBlock, 0);
+  ReadPlan plan;
+  plan.dest = [&](size_t i, size_t) { return dst.data() + i * kBlock; };
+  ASSERT_TRUE(c.Read(*pin, kBlock, 0, pin->blocks, plan).ok());
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), first_other * kBlock));
+  c.Release(*pin);
+  EXPECT_LT(timed([&] { r = c.Put(ns->id, kBlock, put); }), 200);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("skipped"), std::string::npos) << r.status();
+  // The skip ends: one call probes (and waits); the next skip is longer.
+  std::this_thread::sleep_for(Ms(350));
+  EXPECT_GE(timed([&] { pin = c.Pin(ns->id, kBlock, chain); }), 350);
+  if (pin.ok()) c.Release(*pin);
+  std::this_thread::sleep_for(Ms(400));  // past the first skip's length, inside the doubled one
+  EXPECT_LT(timed([&] { pin = c.Pin(ns->id, kBlock, chain); }), 200);
+  if (pin.ok()) c.Release(*pin);
+  // Answering again: after the skip, the probe pins the whole chain.
+  kill(stores[1]->proc().pid(), SIGCONT);
+  std::this_thread::sleep_for(Ms(700));
+  pin = c.Pin(ns->id, kBlock, chain);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->blocks, n);
+  c.Release(*pin);
 }
 
 }  // namespace

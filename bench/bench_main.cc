@@ -12,6 +12,7 @@ int RunDataPlaneBench(int argc, const char* const* argv);
 int RunWorkerBench(int argc, const char* const* argv);
 int RunReplay(int argc, const char* const* argv);
 int RunChaos(int argc, const char* const* argv);
+int RunCrash(int argc, const char* const* argv);
 }  // namespace kvtier::bench
 
 namespace {
@@ -31,7 +32,11 @@ void Usage(FILE* out) {
       "  worker  offload/onboard through the worker library beside the plain data\n"
       "          plane; CPU gather/scatter beside memcpy\n"
       "  router  Route latency, event ingestion and memory per block of the router\n"
-      "          index, beside a bare hash walk and round-robin over the same gRPC path\n\n"
+      "          index, beside a bare hash walk and round-robin over the same gRPC path\n"
+      "  chaos   3 store shards, a router and 4 workers, each host in a network namespace,\n"
+      "          a trace replayed through faults (link down, kill -9, loss, shaping)\n"
+      "  crash   SIGKILL the store at random moments under load, restart it, and check\n"
+      "          every block acknowledged on NVMe against an expected-state oracle\n\n"
       "Run 'kvtier-bench COMMAND --help' for a command's flags.\n",
       out);
 }
@@ -51,6 +56,7 @@ int main(int argc, char** argv) {
   if (cmd == "worker") return kvtier::bench::RunWorkerBench(argc - 1, sub);
   if (cmd == "replay") return kvtier::bench::RunReplay(argc - 1, sub);
   if (cmd == "chaos") return kvtier::bench::RunChaos(argc - 1, sub);
+  if (cmd == "crash") return kvtier::bench::RunCrash(argc - 1, sub);
   std::fprintf(stderr, "kvtier-bench: unknown command \"%s\"\n\n", cmd.c_str());
   Usage(stderr);
   return 2;

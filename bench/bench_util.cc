@@ -102,6 +102,8 @@ absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(
   return s;
 }
 
+void LocalServer::Kill9() { proc_->Kill(SIGKILL); }
+
 absl::Status LocalServer::Restart() {
   proc_->Kill(SIGKILL);
   std::string port_file = scratch_ + ".port";

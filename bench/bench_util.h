@@ -54,6 +54,8 @@ class LocalServer {
   const std::string& address() const { return address_; }
   // kill -9 and start again with the same flags on the same port.
   absl::Status Restart();
+  // kill -9, no restart (Restart brings it back).
+  void Kill9();
   // The last `bytes` of the server's log (for failure messages).
   std::string LogTail(size_t bytes = 2000) const;
 

@@ -44,6 +44,7 @@
 #include "common/log.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
+#include "testing/netns.h"
 #include "testing/process.h"
 
 namespace kvtier::bench {
@@ -51,90 +52,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr char kPrefix[] = "kvc";
-constexpr char kSubnet[] = "10.213.0.";
+constexpr char kTag[] = "kvc";
 constexpr int kStores = 3, kWorkers = 4;
+using Host = NetnsLab::Host;
 
 ShellResult Sh(const std::string& cmd) { return RunShell(cmd + " 2>&1"); }
 
 // SIGINT or SIGTERM: stop after the current phase and clean up.
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
-
-// Namespaces named kvcPID-*, whose run (PID) is no longer alive.
-void RemoveStaleNamespaces() {
-  ShellResult list = Sh("ip netns list");
-  for (absl::string_view line : absl::StrSplit(list.out, '\n', absl::SkipEmpty())) {
-    std::string name(line.substr(0, line.find(' ')));
-    if (name.rfind(kPrefix, 0) != 0) continue;
-    const size_t dash = name.find('-');
-    int pid = 0;
-    if (dash == std::string::npos || !absl::SimpleAtoi(name.substr(3, dash - 3), &pid)) continue;
-    if (pid > 0 && kill(pid, 0) == 0) continue;  // a live run's
-    Sh("ip netns del " + name);
-  }
-}
-
-struct Host {
-  std::string name, ns, ip;
-};
-
-// The namespaces and their links; removed on destruction.
-class Net {
- public:
-  ~Net() {
-    for (const auto& h : hosts_) Sh("ip netns del " + h.ns);
-    if (!hub_.empty()) Sh("ip netns del " + hub_);
-  }
-  absl::Status Create(const std::vector<std::string>& names) {
-    const std::string run = absl::StrCat(kPrefix, getpid(), "-");
-    hub_ = run + "hub";
-    for (const std::string& cmd :
-         {"ip netns add " + hub_, "ip -n " + hub_ + " link add br0 type bridge",
-          "ip -n " + hub_ + " link set br0 up", "ip -n " + hub_ + " link set lo up"}) {
-      if (ShellResult r = Sh(cmd); r.exit_code != 0) {
-        return absl::InternalError(absl::StrCat(cmd, ": ", r.out));
-      }
-    }
-    int n = 0;
-    for (const std::string& name : names) {
-      Host h{name, run + name, absl::StrCat(kSubnet, 10 + n)};
-      const std::string port = absl::StrCat("vh", n++);
-      hosts_.push_back(h);
-      for (const std::string& cmd :
-           {"ip netns add " + h.ns,
-            "ip -n " + hub_ + " link add " + port + " type veth peer name eth0 netns " + h.ns,
-            "ip -n " + hub_ + " link set " + port + " master br0 up",
-            "ip -n " + h.ns + " addr add " + h.ip + "/24 dev eth0",
-            "ip -n " + h.ns + " link set eth0 up", "ip -n " + h.ns + " link set lo up"}) {
-        if (ShellResult r = Sh(cmd); r.exit_code != 0) {
-          return absl::InternalError(absl::StrCat(cmd, ": ", r.out));
-        }
-      }
-    }
-    return absl::OkStatus();
-  }
-  const Host& at(const std::string& name) const {
-    for (const auto& h : hosts_) {
-      if (h.name == name) return h;
-    }
-    std::abort();
-  }
-
- private:
-  std::string hub_;
-  std::vector<Host> hosts_;
-};
-
-// Moves the calling thread (and threads it starts later) into a namespace.
-absl::Status EnterNamespace(const std::string& ns) {
-  int fd = open(("/var/run/netns/" + ns).c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::InternalError("cannot open /var/run/netns/" + ns);
-  const int r = setns(fd, CLONE_NEWNET);
-  close(fd);
-  if (r != 0) return absl::InternalError("setns into " + ns + " failed");
-  return absl::OkStatus();
-}
 
 // A server inside a host's namespace, restartable with the same flags.
 class Server {
@@ -193,16 +119,14 @@ class Chaos {
       : trace_(trace), phase_s_(phase_s), concurrency_(concurrency) {}
 
   absl::Status Setup(const std::string& scratch) {
-    RemoveStaleNamespaces();
+    NetnsLab::RemoveStale(kTag);
     std::vector<std::string> names;
     for (int s = 0; s < kStores; ++s) names.push_back(absl::StrCat("store", s));
     names.push_back("router");
     for (int w = 0; w < kWorkers; ++w) names.push_back(absl::StrCat("worker", w));
     names.push_back("client");
-    if (auto s = net_.Create(names); !s.ok()) return s;
-    auto ip = RunCapture("command -v ip");
-    if (!ip.ok()) return ip.status();
-    const std::string ip_path(absl::StripTrailingAsciiWhitespace(*ip));
+    if (std::string error; !net_.Create(names, &error)) return absl::InternalError(error);
+    const std::string ip_path = NetnsLab::IpPath();
     setenv("UCX_TLS", "tcp", 1);  // hosts apart: no shared memory between them
     std::string stores;
     for (int s = 0; s < kStores; ++s) {
@@ -236,7 +160,7 @@ class Chaos {
       endpoints_.push_back(h.ip + ":8000");
     }
     // The client lives in its own namespace: every channel from here on.
-    if (auto s = EnterNamespace(net_.at("client").ns); !s.ok()) return s;
+    if (!net_.Enter("client")) return absl::InternalError("cannot enter the client's namespace");
     router_->Start();
     for (auto& s : store_) s->Start();
     for (auto& w : worker_) w->Start();
@@ -440,7 +364,7 @@ class Chaos {
   const std::vector<TraceRequest>& trace_;
   const double phase_s_;
   const int concurrency_;
-  Net net_;
+  NetnsLab net_{kTag};
   std::vector<std::unique_ptr<Server>> store_, worker_;
   std::unique_ptr<Server> router_;
   std::vector<std::string> endpoints_;

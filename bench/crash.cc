@@ -78,7 +78,9 @@ class Driver {
   absl::Status Start() {
     const auto t = Clock::now();
     if (store_) {
-      if (auto s = store_->Restart(); !s.ok()) return s;
+      if (auto s = store_->Restart(); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat(s.message(), "; its log ends:\n", store_->LogTail()));
+      }
       figures_.restart_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t).count());
       // A fresh channel: the old one backs off after the refused connects.
       client_ = std::make_unique<StoreClient>(store_->address(), Options());

@@ -43,6 +43,7 @@ struct Flags {
   uint64_t max_message_bytes = 64ull << 20;
   std::string port_file;
   std::string routers;
+  uint64_t router_refresh_ms = 5000;
   std::string store_id;
   std::string ucx_listen;
   bool verify_commits = true;
@@ -121,6 +122,9 @@ int main(int argc, char** argv) {
              "no ports)");
   flags.String("router", &f.routers,
                "Comma-separated kvtier-router addresses to publish this shard's blocks to");
+  flags.DurationMs("router-refresh", &f.router_refresh_ms,
+                   "How often --router names are resolved again: one publisher per address, so "
+                   "every replica behind a headless Service hears this shard (0: once)");
   flags.String("store-id", &f.store_id,
                "This shard's id towards routers [default: kvtier-store@LISTEN]");
   kvtier::ParseFlagsOrExit(flags, argc, argv);
@@ -229,7 +233,7 @@ int main(int argc, char** argv) {
   if (!routers.empty()) {
     router_sink = std::make_unique<kvtier::store::RouterSink>(
         routers, *router_security, f.store_id.empty() ? "kvtier-store@" + f.listen : f.store_id,
-        /*heartbeat_ms=*/250);
+        /*heartbeat_ms=*/250, f.router_refresh_ms);
     o.changes = router_sink.get();
   }
   auto store = kvtier::store::Store::Open(o);

@@ -1,6 +1,7 @@
 // A ChangeSink that publishes a store shard's blocks to routers as an event
-// source of kind STORE (router.proto): one EventPublisher per router, each
-// with its own stream, heartbeats and reconnects. kvtier-store's main wires
+// source of kind STORE (router.proto): to every address each --router name
+// resolves to (client/router_fanout.h), each with its own stream,
+// heartbeats and reconnects. kvtier-store's main wires
 // it to the Store, so the store itself knows nothing of the router protocol.
 // Thread-safe.
 #pragma once
@@ -15,13 +16,14 @@
 #include "cachestore/change_feed.h"
 #include "cachestore/fetch_meter.h"
 #include "client/router_client.h"
+#include "client/router_fanout.h"
 
 namespace kvtier::store {
 
 class RouterSink : public ChangeSink {
  public:
   RouterSink(const std::vector<std::string>& routers, const ChannelSecurity& security,
-             const std::string& store_id, uint64_t heartbeat_ms);
+             const std::string& store_id, uint64_t heartbeat_ms, uint64_t refresh_ms = 5000);
   // Stops every publisher.
   ~RouterSink() override;
 
@@ -38,7 +40,7 @@ class RouterSink : public ChangeSink {
 
   std::mutex mu_;
   FiguresFn figures_;
-  std::vector<std::unique_ptr<EventPublisher>> publishers_;
+  std::unique_ptr<RouterFanout> fanout_;
 };
 
 }  // namespace kvtier::store

@@ -39,17 +39,27 @@ struct PublisherOptions {
   ChannelSecurity security;  // plaintext unless TLS credentials are set
 };
 
-class EventPublisher {
+// Where a source reports what it holds: one router's publisher, or all of
+// them (client/router_fanout.h).
+class BlockEventSink {
+ public:
+  virtual ~BlockEventSink() = default;
+  // Publish changes; blocks already published as stored (or never
+  // published) are skipped, so callers may report the same change twice.
+  virtual void Stored(uint64_t ns, const std::vector<BlockHash>& hashes) = 0;
+  virtual void Removed(uint64_t ns, const std::vector<BlockHash>& hashes) = 0;
+  virtual void Cleared() = 0;
+};
+
+class EventPublisher : public BlockEventSink {
  public:
   using LoadFn = std::function<v1::Heartbeat()>;
   explicit EventPublisher(PublisherOptions options, LoadFn load = nullptr);
-  ~EventPublisher();
+  ~EventPublisher() override;
 
-  // Publish changes; blocks already published as stored (or never
-  // published) are skipped, so callers may report the same change twice.
-  void Stored(uint64_t ns, const std::vector<BlockHash>& hashes);
-  void Removed(uint64_t ns, const std::vector<BlockHash>& hashes);
-  void Cleared();
+  void Stored(uint64_t ns, const std::vector<BlockHash>& hashes) override;
+  void Removed(uint64_t ns, const std::vector<BlockHash>& hashes) override;
+  void Cleared() override;
   // Closes the stream and stops the background thread.
   void Stop();
 

@@ -12,6 +12,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "client/router_client.h"
+#include "client/router_fanout.h"
 #include "client/store_client.h"
 #include "tests/test_util.h"
 
@@ -471,6 +472,22 @@ TEST(RouterFlags, BadFlagsExitNonZeroNamingTheFlag) {
     std::string name = flag.substr(0, flag.find('='));
     EXPECT_NE(ss.str().find(name), std::string::npos) << ss.str();
   }
+}
+
+TEST(RouterFanout, ResolvesNamesAndLiteralsAndRefusesBadTargets) {
+  auto literal = RouterFanout::Resolve("127.0.0.1:7500");
+  ASSERT_TRUE(literal.ok()) << literal.status();
+  EXPECT_EQ(*literal, std::vector<std::string>{"127.0.0.1:7500"});
+  auto v6 = RouterFanout::Resolve("[::1]:7500");
+  if (v6.ok()) {
+    EXPECT_EQ(*v6, std::vector<std::string>{"[::1]:7500"});
+  }
+  auto name = RouterFanout::Resolve("localhost:7500");
+  ASSERT_TRUE(name.ok()) << name.status();
+  EXPECT_FALSE(name->empty());
+  EXPECT_EQ(RouterFanout::Resolve("localhost").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RouterFanout::Resolve("localhost:0").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RouterFanout::Resolve("no-such-host.invalid:7500").status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

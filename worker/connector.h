@@ -136,7 +136,7 @@ class KvConnector {
   // Routers' publishers that receive BlockStored / BlockRemoved for the
   // pages. May be set while requests run (a server learns its bound port,
   // which publishers announce, only once it serves).
-  void SetPublishers(std::vector<EventPublisher*> publishers) {
+  void SetPublishers(std::vector<BlockEventSink*> publishers) {
     std::lock_guard lk(publishers_mu_);
     publishers_ = std::move(publishers);
   }
@@ -294,7 +294,7 @@ class KvConnector {
   gpu::PageMemory memory_;          // the pages: the pool's or the engine's
   std::unique_ptr<ShardedStoreClient> store_;
   std::mutex publishers_mu_;  // publishers_
-  std::vector<EventPublisher*> publishers_;
+  std::vector<BlockEventSink*> publishers_;
   std::atomic<bool> registered_{false};
 
   std::mutex mu_;  // requests_

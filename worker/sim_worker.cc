@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "common/rpc/proto_convert.h"
 #include "client/router_client.h"
+#include "client/router_fanout.h"
 #include "common/rpc/tls.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
@@ -230,7 +231,7 @@ int main(int argc, char** argv) {
   std::string model = "sim-model", dtype = "fp16", offload = "write-back", kv_wire = "none";
   int64_t layers = 4, kv_heads = 2, head_dim = 64, block_tokens = 16, pages = 1024, staging = 64;
   worker::SimOptions sim;
-  uint64_t heartbeat_ms = 500, deadline_ms = 10000;
+  uint64_t heartbeat_ms = 500, deadline_ms = 10000, router_refresh_ms = 5000;
   TlsFlags tls;
   FlagSet flags("kvtier-sim-worker",
                 "A simulated inference engine over kvtier's worker library: serves Submit\n"
@@ -262,6 +263,9 @@ int main(int argc, char** argv) {
   flags.Double("time-scale", &sim.time_scale, 0, 1000,
                "Real seconds the engine sleeps per simulated second of prefill (0: none)");
   flags.DurationMs("heartbeat", &heartbeat_ms, "Heartbeat period towards routers");
+  flags.DurationMs("router-refresh", &router_refresh_ms,
+                   "How often --router names are resolved again (one publisher per address: every "
+                   "replica behind a headless Service; 0: once)");
   flags.DurationMs("deadline", &deadline_ms, "Deadline of each store operation");
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
   AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/true);
@@ -302,7 +306,7 @@ int main(int argc, char** argv) {
 
   // Publishers need the bound port (the endpoint names it): they are
   // attached to the connector once the server is up.
-  std::vector<std::unique_ptr<EventPublisher>> publishers;
+  std::unique_ptr<RouterFanout> fanout;  // every router replica each --router name has
   std::unique_ptr<worker::KvConnector> connector;
   std::unique_ptr<worker::SimWorkerService> service;
 
@@ -323,10 +327,10 @@ int main(int argc, char** argv) {
   const std::string bound = started->address();
   if (worker_id.empty()) worker_id = "sim-worker@" + bound;
   if (endpoint.empty()) endpoint = bound;
-  std::vector<EventPublisher*> pubs;
-  for (absl::string_view r : absl::StrSplit(routers, ',', absl::SkipEmpty())) {
+  std::vector<std::string> router_list;
+  for (absl::string_view r : absl::StrSplit(routers, ',', absl::SkipEmpty())) router_list.emplace_back(r);
+  if (!router_list.empty()) {
     PublisherOptions po;
-    po.router = std::string(r);
     po.hello.set_source_id(worker_id);
     po.hello.set_kind(v1::SOURCE_WORKER);
     po.hello.set_endpoint(endpoint);
@@ -335,9 +339,11 @@ int main(int argc, char** argv) {
     po.heartbeat_ms = heartbeat_ms;
     po.security = *client_security;
     auto* svc = service.get();
-    publishers.push_back(std::make_unique<EventPublisher>(po, [svc] { return svc->Load(); }));
-    pubs.push_back(publishers.back().get());
+    fanout = std::make_unique<RouterFanout>(router_list, po, [svc] { return svc->Load(); },
+                                            router_refresh_ms);
   }
+  std::vector<BlockEventSink*> pubs;
+  if (fanout) pubs.push_back(fanout.get());
   connector->SetPublishers(pubs);
   Log("sim-worker", worker_id, " listening on ", bound, " (namespace ", connector->namespace_id(),
       ", ", pages, " pages of ", connector->block_bytes(), " bytes, offload ", offload, ", ",
@@ -346,7 +352,7 @@ int main(int argc, char** argv) {
   kvtier::ServeUntilSignalled(server, "sim-worker");
   service->Quiesce();
   // Publishers first: their heartbeats read the connector's load.
-  for (auto& p : publishers) p->Stop();
+  if (fanout) fanout->Stop();
   connector.reset();
   Log("sim-worker", "stopped");
   return 0;

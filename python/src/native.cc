@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "client/router_client.h"
+#include "client/router_fanout.h"
 #include "client/store_client.h"
 #include "client/store_data_client.h"
 #include "common/block_key.h"
@@ -541,22 +542,22 @@ class WorkerServer {
                                          64 << 20}));
     }
     worker_id_ = worker_id.empty() ? "torch-engine@" + started_.address() : worker_id;
-    for (const std::string& r : routers) {
+    if (!routers.empty()) {
+      // Every replica each router name resolves to (client/router_fanout.h).
       PublisherOptions po;
-      po.router = r;
       po.hello.set_source_id(worker_id_);
       po.hello.set_kind(v1::SOURCE_WORKER);
       po.hello.set_endpoint(endpoint.empty() ? started_.address() : endpoint);
       po.hello.set_namespace_id(ns_);
       po.hello.set_block_tokens(spec.block_tokens);
       po.heartbeat_ms = heartbeat_ms;
-      publishers_.push_back(std::make_unique<EventPublisher>(po, [this] {
+      fanout_ = std::make_unique<RouterFanout>(routers, po, [this] {
         v1::Heartbeat h;
         h.set_running_requests(running_.load());
         h.set_queued_prefill_tokens(queued_tokens_.load());
         h.set_free_gpu_pages(free_pages_.load());
         return h;
-      }));
+      });
     }
   }
   ~WorkerServer() { Stop(); }
@@ -569,7 +570,7 @@ class WorkerServer {
       service_->Quiesce();
       started_.server.reset();
     }
-    for (auto& p : publishers_) p->Stop();
+    if (fanout_) fanout_->Stop();
   }
   void SetLoad(uint32_t running, uint64_t queued_tokens, uint64_t free_pages) {
     running_ = running;
@@ -578,11 +579,11 @@ class WorkerServer {
   }
   void PublishStored(const py::array& hashes) {
     auto chain = ChainFrom(hashes);
-    for (auto& p : publishers_) p->Stored(ns_, chain);
+    if (fanout_) fanout_->Stored(ns_, chain);
   }
   void PublishRemoved(const py::array& hashes) {
     auto chain = ChainFrom(hashes);
-    for (auto& p : publishers_) p->Removed(ns_, chain);
+    if (fanout_) fanout_->Removed(ns_, chain);
   }
   std::string address() const { return started_.address(); }
   int port() const { return started_.port; }
@@ -593,9 +594,9 @@ class WorkerServer {
   std::unique_ptr<PyWorkerService> service_;
   StartedServer started_;
   std::string worker_id_;
-  std::vector<std::unique_ptr<EventPublisher>> publishers_;
   std::atomic<uint32_t> running_{0};
   std::atomic<uint64_t> queued_tokens_{0}, free_pages_{0};
+  std::unique_ptr<RouterFanout> fanout_;  // after the load figures its heartbeats read
 };
 
 }  // namespace

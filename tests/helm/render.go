@@ -49,6 +49,16 @@ func main() {
 		}
 		return v, nil
 	}
+	// lookup: what the context's "Cluster" holds under "Kind/namespace/name"
+	// (objects already in the cluster), else an empty map, as helm template.
+	funcs["lookup"] = func(apiVersion, kind, namespace, name string) (map[string]interface{}, error) {
+		if cluster, ok := ctx["Cluster"].(map[string]interface{}); ok {
+			if obj, ok := cluster[kind+"/"+namespace+"/"+name].(map[string]interface{}); ok {
+				return obj, nil
+			}
+		}
+		return map[string]interface{}{}, nil
+	}
 	root.Funcs(funcs).Option("missingkey=error")
 	for _, f := range files {
 		text, err := os.ReadFile(f)

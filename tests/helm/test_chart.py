@@ -38,12 +38,13 @@ def load_values():
         return yaml.safe_load(f)
 
 
-def render(values, release="kv"):
+def render(values, release="kv", cluster=None):
     with open(os.path.join(CHART, "Chart.yaml")) as f:
         chart = yaml.safe_load(f)
     ctx = {"Values": values, "Release": {"Name": release, "Namespace": "default"},
            "Chart": {"Name": chart["name"], "Version": chart["version"],
-                     "AppVersion": chart["appVersion"]}}
+                     "AppVersion": chart["appVersion"]},
+           "Cluster": cluster or {}}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ctx, f)
         path = f.name
@@ -296,6 +297,69 @@ def check_source_identities(values, schema):
             check(True, "")
 
 
+def check_admin_token_and_network_policy(values, schema):
+    """Without store.adminTokenSecret a token Secret is generated (40
+    characters), mounted and required by the store, and the one already in
+    the cluster is kept on upgrade; NetworkPolicies admit the chart's pods
+    and labelled workers to the stores' and routers' ports."""
+    import base64
+    objs = objects(render(values))
+    secret = find(objs, "Secret", "-admin-token")
+    check(secret is not None and secret["metadata"]["annotations"].get("helm.sh/resource-policy") == "keep",
+          "an admin token Secret is generated and kept")
+    token = base64.b64decode(secret["data"]["token"]).decode() if secret else ""
+    check(len(token) == 40 and token.isalnum(), "a 40-character token: %r" % token)
+    sts = find(objs, "StatefulSet", "-store")
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    check("--admin-token-file=/etc/kvtier/admin/token" in c["args"] and
+          any(v.get("secret", {}).get("secretName") == "kv-admin-token"
+              for v in sts["spec"]["template"]["spec"]["volumes"]),
+          "the store requires the generated token")
+    # An upgrade keeps the token in the cluster.
+    kept = base64.b64encode(b"k" * 40).decode()
+    again = objects(render(values, cluster={"Secret/default/kv-admin-token": {"data": {"token": kept}}}))
+    check(find(again, "Secret", "-admin-token")["data"]["token"] == kept, "an upgrade keeps the token")
+    # A given Secret: nothing generated, that one mounted.
+    v = copy.deepcopy(values)
+    v["store"]["adminTokenSecret"] = "ops-token"
+    objs2 = objects(render(v))
+    check(find(objs2, "Secret", "-admin-token") is None, "no token generated when one is given")
+    vols = find(objs2, "StatefulSet", "-store")["spec"]["template"]["spec"]["volumes"]
+    check(any(x.get("secret", {}).get("secretName") == "ops-token" for x in vols), "the given Secret is mounted")
+    v["store"]["adminTokenSecret"] = ""
+    v["store"]["generateAdminToken"] = False
+    c3 = find(objects(render(v)), "StatefulSet", "-store")["spec"]["template"]["spec"]["containers"][0]
+    check(not any(a.startswith("--admin-token-file") for a in c3["args"]), "admin RPCs open only when asked")
+    # NetworkPolicies.
+    for comp, ports in (("store", {7400, 7401}), ("router", {7500})):
+        np = find(objs, "NetworkPolicy", "-" + comp)
+        check(np is not None, "a NetworkPolicy for the %s" % comp)
+        if np is None:
+            continue
+        spec = np["spec"]
+        check(spec["podSelector"]["matchLabels"] == {"app.kubernetes.io/instance": "kv",
+                                                     "app.kubernetes.io/component": comp},
+              "%s policy selects its pods" % comp)
+        rule = spec["ingress"][0]
+        froms = [f["podSelector"]["matchLabels"] for f in rule["from"]]
+        check(froms == [{"app.kubernetes.io/instance": "kv"}, {"kvtier.io/worker": "true"}],
+              "%s admits the chart's pods and workers: %r" % (comp, froms))
+        check({p["port"] for p in rule["ports"]} == ports, "%s data ports %r" % (comp, rule["ports"]))
+        check(spec["ingress"][1] == {"ports": [{"port": values[comp]["metricsPort"], "protocol": "TCP"}]},
+              "%s metrics open to scrapers" % comp)
+    v = copy.deepcopy(values)
+    v["networkPolicy"]["enabled"] = False
+    check(find(objects(render(v)), "NetworkPolicy", "-store") is None, "networkPolicy.enabled=false")
+    # The shared certificate's identity speaks for the chart's sources.
+    v = copy.deepcopy(values)
+    v["tls"]["enabled"] = True
+    v["tls"]["sharedIdentity"] = "kvtier"
+    jsonschema.validate(v, schema)
+    cm = find(objects(render(v)), "ConfigMap", "-router-source-identities")
+    lines = [l.strip() for l in cm["data"]["identities.txt"].splitlines() if l.strip()] if cm else []
+    check(lines == ["kvtier store kv-store-*", "kvtier worker kv-*"], "shared identity lines: %r" % lines)
+
+
 def main():
     values = load_values()
     schema = json.load(open(os.path.join(CHART, "values.schema.json")))
@@ -358,8 +422,14 @@ def main():
         rc, out = check_config(binary, args)
         check(rc == 0, "%s rejects the rendered arguments: %s" % (binary, out))
     store_args = sts["spec"]["template"]["spec"]["containers"][0]["args"]
-    check("--router=%s:%d" % (rsvc["metadata"]["name"], values["router"]["grpcPort"]) in store_args,
-          "store publishes to the router Service")
+    # Every replica: the headless Service, resolved again every routerRefresh.
+    router_headless = find(objs, "Service", "-router-headless")
+    check(router_headless is not None and router_headless["spec"].get("clusterIP") == "None" and
+          router_headless["spec"]["selector"] == rsvc["spec"]["selector"],
+          "a headless Service selects the router replicas")
+    check("--router=kv-router-headless:%d" % values["router"]["grpcPort"] in store_args and
+          "--router-refresh=5s" in store_args,
+          "store publishes to every router replica: %s" % store_args)
     svc_ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
     check(svc_ports["grpc"] == values["store"]["grpcPort"] and svc_ports["ucx"] == values["store"]["ucxPort"],
           "store Service ports match the container")
@@ -402,12 +472,15 @@ def main():
     env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
     check(env.get("KVTIER_STORE") == "kv-store-0.kv-store-headless:7400,kv-store-1.kv-store-headless:7400",
           "example worker gets the store shard addresses")
-    check(env.get("KVTIER_ROUTER") == "kv-router:7500", "example worker gets the router address")
+    check(env.get("KVTIER_ROUTER") == "kv-router-headless:7500", "example worker gets every router replica")
+    check(worker["metadata"]["labels"].get("kvtier.io/worker") == "true",
+          "example worker carries the worker label the NetworkPolicies admit")
 
     check_tls(values, schema)
     check_engine(values, schema)
     check_vllm_sources(values, schema)
     check_source_identities(values, schema)
+    check_admin_token_and_network_policy(values, schema)
 
     print("%d passed, %d failed" % (passed, failed))
     return 0 if failed == 0 else 1

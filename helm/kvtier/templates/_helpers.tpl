@@ -7,6 +7,14 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- end -}}
 {{- define "kvtier.storeHeadless" -}}{{ include "kvtier.fullname" . }}-store-headless{{- end -}}
 {{- define "kvtier.routerService" -}}{{ include "kvtier.fullname" . }}-router{{- end -}}
+{{- /* Resolves to every router replica: sources publish to each. */ -}}
+{{- define "kvtier.routerHeadless" -}}{{ include "kvtier.fullname" . }}-router-headless{{- end -}}
+{{- /* The Secret holding the admin token, or "" when admin RPCs are open. */ -}}
+{{- define "kvtier.adminTokenSecret" -}}
+{{- if .Values.store.adminTokenSecret -}}{{ .Values.store.adminTokenSecret }}
+{{- else if .Values.store.generateAdminToken -}}{{ include "kvtier.fullname" . }}-admin-token
+{{- end -}}
+{{- end -}}
 {{- /* Comma-separated store shard addresses (stable StatefulSet DNS names). */ -}}
 {{- define "kvtier.storeAddresses" -}}
 {{- $root := . -}}
@@ -67,4 +75,11 @@ exec:
 grpc:
   port: {{ $port }}
 {{- end }}
+{{- end -}}
+
+{{- /* The labels that mark an inference worker for the NetworkPolicies. */ -}}
+{{- define "kvtier.workerLabels" -}}
+{{- range $k, $v := .Values.networkPolicy.workerLabels }}
+{{ $k }}: {{ $v | quote }}
+{{- end -}}
 {{- end -}}

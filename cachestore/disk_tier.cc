@@ -112,6 +112,11 @@ bool DiskTier::Contains(const BlockKey& key) const {
   return queue_->Contains(key);
 }
 
+bool DiskTier::Durable(const BlockKey& key) const {
+  std::lock_guard lk(mu_);
+  return index_.count(key) > 0;
+}
+
 bool DiskTier::Enqueue(const EvictedBlock& b) {
   if (options_.admission == "reused" && b.reads == 0) return false;
   if (write_failed_ || queue_->paused()) {  // the writer would only drop it: do not copy it

@@ -73,6 +73,9 @@ class DiskTier : public Tier {
 
   // True if the block is on disk or waiting in the write-back queue.
   bool Contains(const BlockKey& key) const override;
+  // On NVMe: written, so it survives a crash of the process (a queued block
+  // does not).
+  bool Durable(const BlockKey& key) const;
 
   // Demotion sink: copies the block into the write-back queue. False if it
   // is not admitted, writes are stopped or paused, or the queue is full

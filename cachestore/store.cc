@@ -82,8 +82,11 @@ absl::StatusOr<std::vector<TierKind>> Store::Lookup(uint64_t ns,
   std::vector<TierKind> tiers;
   for (const auto& h : hashes) {
     BlockKey k{ns, h};
+    // NVMe only once written: a block still in the write-back queue is in
+    // memory (a crash loses it), so it counts as RAM.
     if (ram_->Contains(k)) tiers.push_back(TierKind::kRam);
-    else if (disk_->Contains(k)) tiers.push_back(TierKind::kDisk);
+    else if (disk_->Durable(k)) tiers.push_back(TierKind::kDisk);
+    else if (disk_->Contains(k)) tiers.push_back(TierKind::kRam);
     else break;
   }
   return tiers;

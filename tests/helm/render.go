@@ -18,6 +18,17 @@ import (
 	"github.com/Masterminds/sprig"
 )
 
+type chartFiles struct{ dir string }
+
+// Get returns the chart file's text ("" if it cannot be read, as Helm).
+func (f chartFiles) Get(name string) string {
+	b, err := os.ReadFile(filepath.Join(f.dir, name))
+	if err != nil {
+		return ""
+	}
+	return string(b)
+}
+
 func main() {
 	if len(os.Args) != 3 {
 		fmt.Fprintln(os.Stderr, "usage: render CHART_DIR CONTEXT_JSON")
@@ -33,6 +44,8 @@ func main() {
 		fmt.Fprintln(os.Stderr, "context:", err)
 		os.Exit(1)
 	}
+	// .Files.Get, as Helm: a file of the chart by its path.
+	ctx["Files"] = chartFiles{os.Args[1]}
 	files, _ := filepath.Glob(filepath.Join(os.Args[1], "templates", "*"))
 	sort.Strings(files)
 	root := template.New("chart")

@@ -49,7 +49,7 @@ struct DataClientOptions {
   // long, doubling while it keeps failing, up to the max; then one call
   // probes it. 0: never skipped.
   uint64_t shard_skip_min_ms = 200;
-  uint64_t shard_skip_max_ms = 5000;
+  uint64_t shard_skip_max_ms = 1000;
   ChannelSecurity security;  // of the gRPC control channel (plaintext unless set)
 };
 

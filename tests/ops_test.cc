@@ -2,6 +2,8 @@
 // shape, exit codes) and the Prometheus endpoints scraped for real.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <set>
+#include <regex>
 #include <netinet/in.h>
 #include <sys/socket.h>
 
@@ -38,21 +40,22 @@ class Ops : public ::testing::Test {
  protected:
   void SetUp() override {
     setenv("UCX_TLS", "tcp", 1);
-    for (int s = 0; s < 2; ++s) {
-      metrics_ports_.push_back(testing::FreePort());
-      stores_.push_back(std::make_unique<ServerProcess>(
-          KVTIER_STORE_BIN, dir_.sub("store" + std::to_string(s)),
-          std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
-                                   "--data-dir=" + dir_.sub("db" + std::to_string(s)),
-                                   "--hugepages=false", "--ram-bytes=16MiB",
-                                   "--metrics-listen=127.0.0.1:" + std::to_string(metrics_ports_.back())}));
-      ASSERT_GT(stores_.back()->port(), 0) << stores_.back()->Log();
-    }
     router_metrics_ = testing::FreePort();
     router_ = std::make_unique<ServerProcess>(
         KVTIER_ROUTER_BIN, dir_.sub("router"),
         std::vector<std::string>{"--listen=127.0.0.1:0", "--heartbeat-deadline=2s",
                                  "--metrics-listen=127.0.0.1:" + std::to_string(router_metrics_)});
+    for (int s = 0; s < 2; ++s) {
+      metrics_ports_.push_back(testing::FreePort());
+      std::vector<std::string> flags = {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                                        "--data-dir=" + dir_.sub("db" + std::to_string(s)),
+                                        "--hugepages=false", "--ram-bytes=16MiB",
+                                        "--metrics-listen=127.0.0.1:" + std::to_string(metrics_ports_.back())};
+      if (s == 0) flags.push_back("--router=" + router_->address());  // its fetch figures, for routes
+      stores_.push_back(std::make_unique<ServerProcess>(
+          KVTIER_STORE_BIN, dir_.sub("store" + std::to_string(s)), flags));
+      ASSERT_GT(stores_.back()->port(), 0) << stores_.back()->Log();
+    }
     worker_ = std::make_unique<ServerProcess>(
         KVTIER_SIM_WORKER_BIN, dir_.sub("w1"),
         std::vector<std::string>{"--listen=127.0.0.1:0", "--store=" + stores_[0]->address(),
@@ -145,7 +148,11 @@ TEST_F(Ops, LookupWorkersAndRoute) {
     CliRun w = Kvctl("workers --json", stores_env_);
     if (w.code != 0) return false;
     auto wj = nlohmann::json::parse(w.out);
-    return wj["sources"].size() == 1 && wj["sources"][0]["indexed_blocks"].get<uint64_t>() == 6;
+    // w1 and store 0 (which publishes to the router too).
+    for (const auto& src : wj["sources"]) {
+      if (src["id"] == "w1") return src["indexed_blocks"].get<uint64_t>() == 6;
+    }
+    return false;
   }));
   r = Kvctl("workers", stores_env_);
   EXPECT_NE(r.out.find("w1"), std::string::npos);
@@ -196,6 +203,50 @@ TEST_F(Ops, PrometheusEndpointsServeTheDocumentedMetrics) {
                            "kvtier_router_route_duration_seconds_count",
                            "kvtier_router_index_bytes_per_block"}) {
     EXPECT_NE(router.find(name), std::string::npos) << name;
+  }
+}
+
+// Every metric the Grafana dashboard (helm/kvtier/dashboards/kvtier.json)
+// queries is exported by a live store or router, once a request has gone
+// through them.
+TEST_F(Ops, EveryDashboardQueryNamesAMetricALiveProcessExports) {
+  std::ifstream in(std::string(KVTIER_SOURCE_DIR) + "/helm/kvtier/dashboards/kvtier.json");
+  nlohmann::json dash = nlohmann::json::parse(in, nullptr, false);
+  ASSERT_TRUE(dash.is_object());
+  std::set<std::string> queried;
+  const std::regex name("kvtier_[a-z0-9_]+");
+  for (const auto& panel : dash["panels"]) {
+    for (const auto& target : panel["targets"]) {
+      const std::string expr = target["expr"];
+      for (auto it = std::sregex_iterator(expr.begin(), expr.end(), name); it != std::sregex_iterator(); ++it) {
+        queried.insert(it->str());
+      }
+    }
+  }
+  ASSERT_GE(queried.size(), 10u);
+  // A second worker onboards the fixture's prompt from store 0 (a fetch).
+  ServerProcess w2(KVTIER_SIM_WORKER_BIN, dir_.sub("w2"),
+                   {"--listen=127.0.0.1:0", "--store=" + stores_[0]->address(), "--router=" + router_->address(),
+                    "--worker-id=w2", "--pages=128", "--offload=write-through", "--heartbeat=100ms"});
+  ASSERT_GT(w2.port(), 0) << w2.Log();
+  auto stub = v1::SimWorker::NewStub(grpc::CreateChannel(w2.address(), grpc::InsecureChannelCredentials()));
+  v1::SubmitRequest req;
+  for (int i = 0; i < 100; ++i) req.mutable_tokens()->add_ids(i);
+  grpc::ClientContext ctx;
+  v1::SubmitResponse resp;
+  ASSERT_TRUE(stub->Submit(&ctx, req, &resp).ok());
+  EXPECT_GT(resp.onboarded_tokens(), 0u) << resp.load_status();
+  // The store's fetch figures reach the router with its heartbeats.
+  std::string exported;
+  ASSERT_TRUE(testing::WaitFor([&] {
+    exported = HttpGet(metrics_ports_[0], "/metrics") + HttpGet(metrics_ports_[1], "/metrics") +
+               HttpGet(router_metrics_, "/metrics");
+    return exported.find("\nkvtier_router_store_fetch_us_per_block{") != std::string::npos;
+  }, std::chrono::seconds(10))) << "the store's fetch figures did not reach the router";
+  for (const std::string& metric : queried) {
+    EXPECT_TRUE(exported.find("\n" + metric + "{") != std::string::npos ||
+                exported.find("\n" + metric + " ") != std::string::npos)
+        << metric << " is queried by the dashboard but no live process exports it";
   }
 }
 

@@ -19,6 +19,29 @@
 #include "router/service.h"
 #include "router/vllm_events.h"
 
+namespace {
+
+// Reads the file a flag names (none: *out stays empty) and parses it; false,
+// after saying which flag and file and why, when it cannot.
+template <typename T, typename Parse>
+bool ParseFlagFile(const char* flag, const std::string& path, Parse parse, std::vector<T>* out) {
+  if (path.empty()) return true;
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<std::vector<T>> parsed =
+      in ? parse(text.str()) : absl::StatusOr<std::vector<T>>(absl::NotFoundError("cannot read it"));
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "kvtier-router: flag --%s: %s: %s\n", flag, path.c_str(),
+                 std::string(parsed.status().message()).c_str());
+    return false;
+  }
+  *out = std::move(*parsed);
+  return true;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   // First, before gRPC (TLS credentials, channels) starts any thread.
   kvtier::BlockShutdownSignals();
@@ -82,34 +105,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::vector<kvtier::router::VllmSourceSpec> vllm_specs;
-  if (!vllm_sources_file.empty()) {
-    std::ifstream in(vllm_sources_file);
-    std::stringstream text;
-    text << in.rdbuf();
-    auto specs = in ? kvtier::router::ParseVllmSources(text.str())
-                    : absl::StatusOr<std::vector<kvtier::router::VllmSourceSpec>>(
-                          absl::NotFoundError("cannot read it"));
-    if (!specs.ok()) {
-      std::fprintf(stderr, "kvtier-router: flag --vllm-sources: %s: %s\n", vllm_sources_file.c_str(),
-                   std::string(specs.status().message()).c_str());
-      return 2;
-    }
-    vllm_specs = std::move(*specs);
+  if (!ParseFlagFile("vllm-sources", vllm_sources_file, kvtier::router::ParseVllmSources, &vllm_specs)) {
+    return 2;
   }
   std::vector<kvtier::router::SourceIdentity> identities;
-  if (!source_identities_file.empty()) {
-    std::ifstream in(source_identities_file);
-    std::stringstream text;
-    text << in.rdbuf();
-    auto parsed = in ? kvtier::router::ParseSourceIdentities(text.str())
-                     : absl::StatusOr<std::vector<kvtier::router::SourceIdentity>>(
-                           absl::NotFoundError("cannot read it"));
-    if (!parsed.ok()) {
-      std::fprintf(stderr, "kvtier-router: flag --source-identities: %s: %s\n",
-                   source_identities_file.c_str(), std::string(parsed.status().message()).c_str());
-      return 2;
-    }
-    identities = std::move(*parsed);
+  if (!ParseFlagFile("source-identities", source_identities_file, kvtier::router::ParseSourceIdentities,
+                     &identities)) {
+    return 2;
   }
   const size_t listed_identities = identities.size();
   auto auth = kvtier::router::SourceAuth::Make(tls.require_client_cert, std::move(identities));

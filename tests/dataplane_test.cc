@@ -319,19 +319,26 @@ TEST(Rendezvous, AddingAShardMovesAboutOneNthOfTheKeys) {
   for (int l : load) EXPECT_NEAR(l / double(n), 0.25, 0.01);
 }
 
-TEST(ShardedStore, BlocksSpreadOverShardsAndComeBack) {
-  setenv("UCX_TLS", "tcp", 1);
-  testing::TempDir dir;
+// n store shards with UCX listeners, 32 MiB of RAM each; their addresses.
+std::vector<std::unique_ptr<ServerProcess>> StartShards(const testing::TempDir& dir, int n,
+                                                        std::vector<std::string>* addrs) {
   std::vector<std::unique_ptr<ServerProcess>> stores;
-  std::vector<std::string> addrs;
-  for (int s = 0; s < 2; ++s) {
+  for (int s = 0; s < n; ++s) {
     stores.push_back(std::make_unique<ServerProcess>(
         KVTIER_STORE_BIN, dir.sub("store" + std::to_string(s)),
         std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
                                  "--data-dir=" + dir.sub("db" + std::to_string(s)),
                                  "--hugepages=false", "--ram-bytes=32MiB"}));
-    addrs.push_back(stores.back()->address());
+    addrs->push_back(stores.back()->address());
   }
+  return stores;
+}
+
+TEST(ShardedStore, BlocksSpreadOverShardsAndComeBack) {
+  setenv("UCX_TLS", "tcp", 1);
+  testing::TempDir dir;
+  std::vector<std::string> addrs;
+  auto stores = StartShards(dir, 2, &addrs);
   ShardedStoreClient c(addrs);
   auto ns = c.RegisterNamespace(Spec256K());
   ASSERT_TRUE(ns.ok());
@@ -367,17 +374,9 @@ TEST(ShardedStore, BlocksSpreadOverShardsAndComeBack) {
 TEST(ShardedStore, AnUnreachableShardIsSkippedNotWaitedFor) {
   setenv("UCX_TLS", "tcp", 1);
   testing::TempDir dir;
-  std::vector<std::unique_ptr<ServerProcess>> stores;
   std::vector<std::string> addrs;
-  for (int s = 0; s < 2; ++s) {
-    stores.push_back(std::make_unique<ServerProcess>(
-        KVTIER_STORE_BIN, dir.sub("store" + std::to_string(s)),
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
-                                 "--data-dir=" + dir.sub("db" + std::to_string(s)),
-                                 "--hugepages=false", "--ram-bytes=32MiB"}));
-    ASSERT_GT(stores.back()->port(), 0) << stores.back()->Log();
-    addrs.push_back(stores.back()->address());
-  }
+  auto stores = StartShards(dir, 2, &addrs);
+  for (const auto& st : stores) ASSERT_GT(st->port(), 0) << st->Log();
   DataClientOptions o;
   o.deadline_ms = 400;
   o.shard_skip_min_ms = 300;

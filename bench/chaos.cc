@@ -195,8 +195,8 @@ class Chaos {
   }
 
   // One request of the trace: routed (or round-robin if the router does
-  // not answer), submitted, its outcome added to `f`.
-  void Request(size_t i, PhaseFigures* f, std::mutex* mu) {
+  // not answer), submitted, its outcome added to `f` (the caller's own).
+  void Request(size_t i, PhaseFigures* f) {
     const TraceRequest& tr = trace_[i % trace_.size()];
     // Cycles of the trace use fresh ids for a cycle's new blocks... the
     // same trace again is a replay with everything cached: shift the ids
@@ -237,7 +237,6 @@ class Chaos {
     v1::SubmitResponse resp;
     grpc::Status s = workers_[w]->Submit(&ctx, req, &resp);
     const double wall_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-    std::lock_guard lk(*mu);
     f->unrouted += routed ? 0 : 1;
     if (!s.ok()) {
       f->failed++;
@@ -265,8 +264,7 @@ class Chaos {
           const size_t i = next_++;
           const int p = phase.load();
           PhaseFigures f;
-          std::mutex local;
-          Request(i, &f, &local);
+          Request(i, &f);
           std::lock_guard lk(mu);
           PhaseFigures& into = phases[p];
           into.done += f.done;

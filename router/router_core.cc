@@ -473,14 +473,6 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
       reject_rank = top.back().rank;
     }
   };
-  // Tied with both the least loaded and the keep-th cheapest (an idle
-  // fleet's cold workers): only a higher rank gets in. Tested before admit
-  // so the common tie costs one hash.
-  auto tied_out = [&](SourceNum num, uint64_t load, double cost) {
-    if (!have_least || top.size() != keep || load < reject_load || cost < reject_cost) return false;
-    const uint64_t rank = RendezvousRank(request_hash, id_hash_[num]);
-    return (load > reject_load || rank <= least.rank) && (cost > reject_cost || rank <= reject_rank);
-  };
   auto base_at = [&](uint32_t depth) {  // the cost of the prompt's blocks at a depth
     const uint64_t cached = std::min<uint64_t>(uint64_t{depth} * bt, prompt_tokens);
     const uint64_t fetched =
@@ -530,7 +522,6 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
         max_load = std::max(max_load, load);
         const double cost = base + lw * static_cast<double>(load);
         if (load > reject_load && cost > reject_cost) return;
-        if (tied_out(num, load, cost)) return;
         admit(num, depth, load, cost);
       };
       for (SourceNum num : fleet.lowered) {

@@ -6,7 +6,11 @@
 # reference BLAS.
 # iproute2, nftables: the multi-host fault test's network namespaces, links
 # and packet loss (kvtier-bench chaos).
+# nodejs, npm (when no node is installed): the chart test validates the
+# rendered manifests against the Kubernetes API schemas with the npm package
+# kubernetes-models, installed into tests/helm/node_modules from its lock file.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 PKGS=(
   build-essential cmake ninja-build ccache pkg-config
@@ -20,19 +24,29 @@ PKGS=(
   iproute2 nftables
 )
 
+# A node from elsewhere (e.g. NodeSource) brings its own npm: keep it.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  PKGS+=(nodejs npm)
+fi
+
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-  exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  echo "setup: done"
 fi
 
-echo "setup: installing ${missing[*]}"
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-echo "setup: done"
+# The chart test's schema validator, pinned by tests/helm/package-lock.json.
+if ! cmp -s tests/helm/package-lock.json tests/helm/node_modules/.kvtier-installed-lock 2>/dev/null; then
+  echo "setup: npm ci in tests/helm"
+  npm ci --prefix tests/helm --no-audit --no-fund --loglevel=error >/dev/null
+  cp tests/helm/package-lock.json tests/helm/node_modules/.kvtier-installed-lock
+fi

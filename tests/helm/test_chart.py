@@ -62,6 +62,11 @@ def render(values, release="kv", cluster=None):
     return files
 
 
+# Every object any check rendered, by its JSON text: validated against the
+# Kubernetes API schemas at the end (check_api_schemas).
+RENDERED = {}
+
+
 def objects(files):
     objs = []
     for name, body in files.items():
@@ -70,7 +75,40 @@ def objects(files):
         for doc in yaml.safe_load_all(body):
             if doc:
                 objs.append(doc)
+                RENDERED.setdefault(json.dumps(doc, sort_keys=True), name)
     return objs
+
+
+def validate_k8s(items):
+    """Runs tests/helm/validate_k8s.mjs (kubernetes-models) over
+    [{"source", "object"}]; returns (exit code, its output)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(items, f)
+        path = f.name
+    out = subprocess.run(["node", os.path.join(ROOT, "tests", "helm", "validate_k8s.mjs"), path],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=os.path.join(ROOT, "tests", "helm"))
+    os.unlink(path)
+    return out.returncode, out.stdout + out.stderr
+
+
+def check_api_schemas():
+    """Every object rendered under any configuration above passes the
+    Kubernetes OpenAPI schema, unknown fields refused; and the validator
+    does fail an object that breaks it (a misspelt field, a string port)."""
+    items = [{"source": src, "object": json.loads(text)} for text, src in RENDERED.items()]
+    rc, out = validate_k8s(items)
+    check(rc == 0 and "%d passed, 0 failed" % len(items) in out,
+          "%d rendered objects pass the Kubernetes API schemas:\n%s" % (len(items), out))
+    bad = [{"source": "control", "object": {"apiVersion": "v1", "kind": "Service",
+                                            "metadata": {"name": "x"},
+                                            "spec": {"portz": [{"port": 80}]}}},
+           {"source": "control", "object": {"apiVersion": "v1", "kind": "Service",
+                                            "metadata": {"name": "y"},
+                                            "spec": {"ports": [{"port": "http"}]}}}]
+    rc, out = validate_k8s(bad)
+    check(rc != 0 and "/spec/portz" in out and "0 passed, 2 failed" in out,
+          "the schema validator refuses an unknown field and a wrongly typed one:\n" + out)
 
 
 def find(objs, kind, suffix):
@@ -481,6 +519,7 @@ def main():
     check_vllm_sources(values, schema)
     check_source_identities(values, schema)
     check_admin_token_and_network_policy(values, schema)
+    check_api_schemas()
 
     print("%d passed, %d failed" % (passed, failed))
     return 0 if failed == 0 else 1

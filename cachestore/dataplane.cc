@@ -17,8 +17,7 @@
 namespace kvtier::store {
 
 absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(const std::string& listen,
-                                                                       void* arena,
-                                                                       size_t length) {
+    void* arena, size_t length, const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
   size_t colon = listen.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("UCX listen address \"", listen,
@@ -37,12 +36,21 @@ absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(const st
   auto worker = ucx::Worker::Create(d->ctx_, true);
   if (!worker.ok()) return worker.status();
   d->worker_ = std::move(*worker);
-  auto region = ucx::MemoryRegion::Map(d->ctx_, arena, length);
-  if (!region.ok()) return region.status();
-  d->region_ = std::move(*region);
-  auto rkey = d->region_->PackRkey();
-  if (!rkey.ok()) return rkey.status();
-  d->packed_rkey_ = *rkey;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges = regions;
+  if (ranges.empty()) ranges.emplace_back(0, length);
+  for (const auto& [offset, len] : ranges) {
+    if (offset + len > length || len == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("data plane region [", offset, ", +", len,
+                                                     ") is not inside the arena of ", length,
+                                                     " bytes"));
+    }
+    auto region = ucx::MemoryRegion::Map(d->ctx_, static_cast<uint8_t*>(arena) + offset, len);
+    if (!region.ok()) return region.status();
+    auto rkey = (*region)->PackRkey();
+    if (!rkey.ok()) return rkey.status();
+    d->regions_.push_back(std::move(*region));
+    d->packed_rkeys_.push_back(*rkey);
+  }
   auto waddr = d->worker_->Address();
   if (!waddr.ok()) return waddr.status();
   d->worker_address_ = *waddr;
@@ -77,7 +85,7 @@ absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(const st
   d->stop_fd_ = eventfd(0, EFD_NONBLOCK);
   d->thread_ = std::thread([p = d.get()] { p->Run(); });
   Log("store", "UCX data plane listening on ", d->address_, ", ", length,
-      " bytes of RAM arena registered");
+      " bytes of RAM arena registered as ", ranges.size(), ranges.size() == 1 ? " region" : " regions");
   return d;
 }
 
@@ -165,7 +173,7 @@ DataPlaneServer::~DataPlaneServer() {
   CloseFailed();
   if (listener_) ucp_listener_destroy(listener_);
   if (stop_fd_ >= 0) close(stop_fd_);
-  region_.reset();
+  regions_.clear();
   worker_.reset();
 }
 

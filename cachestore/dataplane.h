@@ -22,17 +22,23 @@ namespace kvtier::store {
 
 class DataPlaneServer {
  public:
-  // listen: HOST:PORT (port 0 picks one).
-  static absl::StatusOr<std::unique_ptr<DataPlaneServer>> Start(const std::string& listen,
-                                                               void* arena, size_t length);
+  // listen: HOST:PORT (port 0 picks one). regions: the (offset, length)
+  // ranges of the arena registered each on its own, with its own remote key
+  // (tenants: one per tenant, none covering another's); empty: the whole
+  // arena as one.
+  static absl::StatusOr<std::unique_ptr<DataPlaneServer>> Start(
+      const std::string& listen, void* arena, size_t length,
+      const std::vector<std::pair<uint64_t, uint64_t>>& regions = {});
   ~DataPlaneServer();
 
   // HOST:PORT actually bound.
   const std::string& address() const { return address_; }
-  const std::string& packed_rkey() const { return packed_rkey_; }
   const std::string& worker_address() const { return worker_address_; }
-  uint64_t base() const { return reinterpret_cast<uint64_t>(region_->addr()); }
-  uint64_t length() const { return region_->length(); }
+  // Registered region i: its address, length and packed remote key.
+  size_t regions() const { return regions_.size(); }
+  uint64_t base(size_t i = 0) const { return reinterpret_cast<uint64_t>(regions_[i]->addr()); }
+  uint64_t length(size_t i = 0) const { return regions_[i]->length(); }
+  const std::string& packed_rkey(size_t i = 0) const { return packed_rkeys_[i]; }
   size_t connections() const { return connections_; }
 
  private:
@@ -44,10 +50,10 @@ class DataPlaneServer {
 
   std::shared_ptr<ucx::Context> ctx_;
   std::unique_ptr<ucx::Worker> worker_;
-  std::unique_ptr<ucx::MemoryRegion> region_;
+  std::vector<std::unique_ptr<ucx::MemoryRegion>> regions_;
+  std::vector<std::string> packed_rkeys_;
   ucp_listener_h listener_ = nullptr;
   std::string address_;
-  std::string packed_rkey_;
   std::string worker_address_;
   int stop_fd_ = -1;
   std::thread thread_;

@@ -56,6 +56,7 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& 
     t->policy_->Insert(e.seq);
     t->seq_ = std::max(t->seq_, e.seq);
     used += e.record_bytes;
+    t->ns_bytes_[key.ns] += e.record_bytes;
   }
   t->counters_.used_bytes = used;
   t->counters_.items = t->index_.size();
@@ -165,8 +166,27 @@ void DiskTier::DropIndexLocked(const BlockKey& key) {
   if (it == index_.end()) return;
   counters_.used_bytes.fetch_sub(it->second.record_bytes, std::memory_order_relaxed);
   counters_.items.fetch_sub(1, std::memory_order_relaxed);
+  if (auto b = ns_bytes_.find(key.ns); b != ns_bytes_.end()) {
+    b->second -= it->second.record_bytes;
+    if (b->second == 0) ns_bytes_.erase(b);
+  }
   by_seq_.erase(it->second.seq);
   index_.erase(it);
+}
+
+uint64_t DiskTier::TenantQuota(uint64_t ns, int* tenant) const {
+  if (options_.tenant_of == nullptr) return 0;
+  *tenant = options_.tenant_of->Of(ns);
+  if (*tenant < 0 || static_cast<size_t>(*tenant) >= options_.tenant_bytes.size()) return 0;
+  return options_.tenant_bytes[*tenant];
+}
+
+uint64_t DiskTier::TenantUsedLocked(int tenant) const {
+  uint64_t used = 0;
+  for (const auto& [ns, bytes] : ns_bytes_) {
+    if (options_.tenant_of->Of(ns) == tenant) used += bytes;
+  }
+  return used;
 }
 
 absl::Status DiskTier::Write(const BlockKey& key, const uint8_t* data, uint64_t length,
@@ -175,6 +195,11 @@ absl::Status DiskTier::Write(const BlockKey& key, const uint8_t* data, uint64_t 
   if (record_bytes > options_.bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "block record of ", record_bytes, " bytes exceeds the disk quota of ", options_.bytes));
+  }
+  int tenant = -1;
+  if (uint64_t quota = TenantQuota(key.ns, &tenant); quota != 0 && record_bytes > quota) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "block record of ", record_bytes, " bytes exceeds its tenant's NVMe quota of ", quota));
   }
   if (std::string why = SpaceShortfall(record_bytes); !why.empty()) {
     queue_->set_paused(true);
@@ -200,14 +225,30 @@ absl::Status DiskTier::WriteRecord(const BlockKey& key, const std::string& recor
     if (index_.count(key)) return absl::OkStatus();
     uint64_t used = counters_.used_bytes.load();
     uint64_t freed = 0;
-    while (used - freed + record_bytes > options_.bytes) {
-      auto v = policy_->Evict([](uint64_t) { return true; });
-      if (!v) break;
+    auto evict = [&](const std::function<bool(uint64_t)>& which) {
+      auto v = policy_->Evict(which);
+      if (!v) return uint64_t{0};
       const BlockKey& vk = by_seq_.at(*v);
       batch.Delete(Column::kBlocks, EncodeBlockKey(vk));
       batch.Delete(Column::kIndex, EncodeBlockKey(vk));
-      freed += index_.at(vk).record_bytes;
+      const uint64_t bytes = index_.at(vk).record_bytes;
+      freed += bytes;
       victims->push_back(vk);
+      return bytes;
+    };
+    // A tenant past its own quota makes room from its own blocks.
+    int tenant = -1;
+    if (uint64_t quota = TenantQuota(key.ns, &tenant); quota != 0) {
+      uint64_t tenant_used = TenantUsedLocked(tenant);
+      auto own = [&](uint64_t id) { return options_.tenant_of->Of(by_seq_.at(id).ns) == tenant; };
+      while (tenant_used + record_bytes > quota) {
+        uint64_t bytes = evict(own);
+        if (bytes == 0) break;
+        tenant_used -= bytes;
+      }
+    }
+    while (used - freed + record_bytes > options_.bytes) {
+      if (evict([](uint64_t) { return true; }) == 0) break;
     }
     seq = ++seq_;
   }
@@ -231,6 +272,7 @@ absl::Status DiskTier::WriteRecord(const BlockKey& key, const std::string& recor
   }
   index_[key] = IndexEntry{record_bytes, checksum, seq};
   by_seq_[seq] = key;
+  ns_bytes_[key.ns] += record_bytes;
   policy_->Insert(seq);
   counters_.used_bytes.fetch_add(record_bytes, std::memory_order_relaxed);
   counters_.items.fetch_add(1, std::memory_order_relaxed);

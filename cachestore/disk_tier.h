@@ -25,6 +25,7 @@
 #include "cachestore/eviction_policy.h"
 #include "cachestore/record.h"
 #include "cachestore/storage_backend.h"
+#include "cachestore/tenants.h"
 #include "cachestore/tier.h"
 #include "cachestore/tier_stats.h"
 #include "cachestore/write_back_queue.h"
@@ -44,6 +45,12 @@ struct DiskTierOptions {
   // never driven into ENOSPC by the store's own writes, so it never enters
   // its write-error state.
   uint64_t reserve_bytes = 64ull << 20;
+  // Tenants (tenants.h): most bytes each tenant's blocks may take, by the
+  // tenant's index (0: no limit of its own); a write past it evicts that
+  // tenant's own blocks first. tenant_of says whose each namespace is and
+  // must outlive the tier. Empty: no tenant limits.
+  std::vector<uint64_t> tenant_bytes;
+  const NamespaceTenants* tenant_of = nullptr;
 
   // INVALID_ARGUMENT naming the field: unknown admission or policy, a zero
   // quota.
@@ -118,6 +125,10 @@ class DiskTier : public Tier {
   DiskTier() = default;
   // REQUIRES: mu_ held.
   void DropIndexLocked(const BlockKey& key);
+  // The quota of the tenant owning ns (0: none) and its index.
+  uint64_t TenantQuota(uint64_t ns, int* tenant) const;
+  // REQUIRES: mu_ held. Bytes on disk of the tenant's namespaces.
+  uint64_t TenantUsedLocked(int tenant) const;
   EraseCounts EraseKeys(const std::vector<BlockKey>& keys);
   absl::Status WriteRecord(const BlockKey& key, const std::string& record, uint64_t length,
                            uint64_t checksum, std::vector<BlockKey>* evicted);
@@ -143,6 +154,7 @@ class DiskTier : public Tier {
   mutable std::mutex mu_;  // index_, by_seq_, policy_, seq_
   std::unordered_map<BlockKey, IndexEntry, BlockKeyHasher> index_;
   std::unordered_map<uint64_t, BlockKey> by_seq_;
+  std::unordered_map<uint64_t, uint64_t> ns_bytes_;  // record bytes per namespace
   std::unique_ptr<EvictionPolicy> policy_;
   uint64_t seq_ = 0;
 

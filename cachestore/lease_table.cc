@@ -26,13 +26,14 @@ LeaseTable::~LeaseTable() {
   if (reaper_.joinable()) reaper_.join();
 }
 
-absl::StatusOr<uint64_t> LeaseTable::Claim(const std::string& client) {
+absl::StatusOr<uint64_t> LeaseTable::Claim(const LeaseOwner& owner) {
+  const uint64_t limit = owner.limit != 0 ? owner.limit : max_per_client_;
   std::lock_guard lk(mu_);
-  uint64_t& held = by_client_[client];
-  if (max_per_client_ != 0 && held >= max_per_client_) {
+  uint64_t& held = by_client_[owner.holder];
+  if (limit != 0 && held >= limit) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "client \"", client, "\" already holds ", held, " open leases (the limit is ",
-        max_per_client_, "); commit, end or abort some first"));
+        owner.holder, " already holds ", held, " open leases (the limit is ", limit,
+        "); commit, end or abort some first"));
   }
   ++held;
   return next_id_++;
@@ -57,11 +58,11 @@ void LeaseTable::ForgetLocked(const Lease& lease) {
   if (it != by_client_.end() && --it->second == 0) by_client_.erase(it);
 }
 
-absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put) {
+absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant) {
   const char* kind = is_put ? "put" : "get";
   std::lock_guard lk(mu_);
   auto it = leases_.find(id);
-  if (it == leases_.end()) {
+  if (it == leases_.end() || (tenant >= 0 && it->second.tenant != tenant)) {
     return absl::FailedPreconditionError(absl::StrCat(
         kind, " lease ", id, " is unknown, already ended, or expired (leases last ", lease_ms_,
         " ms)"));

@@ -28,8 +28,23 @@
 
 namespace kvtier::store {
 
+// Whom a lease belongs to: the holder its count is kept against (see
+// LeaseHolder in service.cc), the holder's limit (0: the table's), and with
+// tenants the tenant, the only one that may end it. Built from a plain
+// holder name where neither applies.
+struct LeaseOwner {
+  LeaseOwner(std::string h) : holder(std::move(h)) {}  // NOLINT: implicit on purpose
+  LeaseOwner(const char* h) : holder(h) {}             // NOLINT: implicit on purpose
+  LeaseOwner(std::string h, uint64_t max_leases, int t)
+      : holder(std::move(h)), limit(max_leases), tenant(t) {}
+  std::string holder;
+  uint64_t limit = 0;
+  int tenant = -1;
+};
+
 struct Lease {
   std::string client;
+  int tenant = -1;  // LeaseOwner::tenant
   bool is_put = false;
   std::chrono::steady_clock::time_point deadline;
   std::vector<std::pair<BlockKey, Slot>> items;
@@ -56,18 +71,19 @@ class LeaseTable {
   // Stops the reaper and releases what the graveyard still holds.
   ~LeaseTable();
 
-  // Counts one more open lease for client and returns the id the lease will
-  // have. RESOURCE_EXHAUSTED past the per-client limit (check and count in
-  // one step, so concurrent claims cannot overshoot).
-  absl::StatusOr<uint64_t> Claim(const std::string& client);
+  // Counts one more open lease for the owner's holder and returns the id
+  // the lease will have. RESOURCE_EXHAUSTED past the holder's limit (check
+  // and count in one step, so concurrent claims cannot overshoot).
+  absl::StatusOr<uint64_t> Claim(const LeaseOwner& owner);
   // Gives back a claim that did not become a lease (nothing reserved).
   void Unclaim(const std::string& client);
   // Makes a claimed id a live lease (its deadline is set here).
   void Open(uint64_t id, Lease lease);
 
   // Removes and returns a live lease. FAILED_PRECONDITION if it is unknown,
-  // ended or expired; INVALID_ARGUMENT if it is of the other kind.
-  absl::StatusOr<Lease> Take(uint64_t id, bool is_put);
+  // ended or expired, or (tenant >= 0) another tenant's, which reads as
+  // unknown; INVALID_ARGUMENT if it is of the other kind.
+  absl::StatusOr<Lease> Take(uint64_t id, bool is_put, int tenant = -1);
   // Puts a taken lease back unchanged (a malformed commit does not cost the
   // caller its lease).
   void Restore(uint64_t id, Lease lease);

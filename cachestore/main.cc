@@ -51,6 +51,7 @@ struct Flags {
   bool check_config = false;
   std::string admin_token_file;
   std::string admin_identity;
+  std::string tenants_file;
   kvtier::TlsFlags tls;
   int64_t max_leases_per_client = 1024;
   int64_t max_namespaces = 1024;
@@ -108,6 +109,10 @@ int main(int argc, char** argv) {
   flags.String("admin-identity", &f.admin_identity,
                "Admin RPCs also need a verified client certificate whose common name or a "
                "subject alternative name is this (needs --tls-require-client-cert)");
+  flags.String("tenants-file", &f.tenants_file,
+               "Tenants who may use this store, each with its RAM region, NVMe quota, lease and "
+               "namespace limits, known by certificate name or token (docs/security.md); "
+               "empty: one tenant, anyone who connects");
   kvtier::AddTlsFlags(flags, &f.tls, /*serves=*/true, /*dials=*/true);
   flags.Int("max-leases-per-client", &f.max_leases_per_client, 0, int64_t{1} << 30,
             "Open put+get leases one client may hold: a verified certificate's identity, else "
@@ -179,6 +184,31 @@ int main(int argc, char** argv) {
                  "verified client certificate carries an identity)\n");
     return 2;
   }
+  std::shared_ptr<const kvtier::store::Tenants> tenants;
+  if (!f.tenants_file.empty()) {
+    auto t = kvtier::store::Tenants::Load(f.tenants_file);
+    if (!t.ok()) {
+      std::fprintf(stderr, "kvtier-store: flag --tenants-file: %s\n",
+                   std::string(t.status().message()).c_str());
+      return 2;
+    }
+    tenants = *t;
+    if (f.admin_token_file.empty() && f.admin_identity.empty()) {
+      std::fprintf(stderr,
+                   "kvtier-store: flag --tenants-file needs --admin-token-file or "
+                   "--admin-identity: with tenants, only an operator may evict, set policy or "
+                   "list every namespace\n");
+      return 2;
+    }
+    if (tenants->ram_bytes() > f.ram_bytes) {
+      std::fprintf(stderr,
+                   "kvtier-store: flag --tenants-file: the tenants' RAM regions take %lu bytes; "
+                   "--ram-bytes is %lu\n",
+                   static_cast<unsigned long>(tenants->ram_bytes()),
+                   static_cast<unsigned long>(f.ram_bytes));
+      return 2;
+    }
+  }
   if (f.check_config) {
     std::printf("kvtier-store configuration OK: listen=%s ucx-listen=%s metrics-listen=%s data-dir=%s "
                 "ram-bytes=%lu disk-bytes=%lu ram-slab-bytes=%lu ram-policy=%s disk-policy=%s "
@@ -212,6 +242,7 @@ int main(int argc, char** argv) {
   o.verify_commits = f.verify_commits;
   o.max_leases_per_client = static_cast<uint64_t>(f.max_leases_per_client);
   o.max_namespaces = static_cast<uint64_t>(f.max_namespaces);
+  o.tenants = tenants;
   std::string admin_token;
   if (!f.admin_token_file.empty()) {
     std::ifstream in(f.admin_token_file);
@@ -252,7 +283,13 @@ int main(int argc, char** argv) {
   std::unique_ptr<kvtier::store::DataPlaneServer> dataplane;
   if (!f.ucx_listen.empty()) {
     auto& arena = (*store)->ram().arena();
-    auto dp = kvtier::store::DataPlaneServer::Start(f.ucx_listen, arena.base(), arena.size());
+    // With tenants, each tenant's region is registered on its own.
+    std::vector<std::pair<uint64_t, uint64_t>> regions;
+    if (tenants) {
+      for (const auto& r : (*store)->ram().pool_regions()) regions.emplace_back(r.offset, r.length);
+    }
+    auto dp = kvtier::store::DataPlaneServer::Start(f.ucx_listen, arena.base(), arena.size(),
+                                                    regions);
     if (!dp.ok()) {
       std::fprintf(stderr, "kvtier-store: UCX data plane: %s\n",
                    std::string(dp.status().message()).c_str());

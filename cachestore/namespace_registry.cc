@@ -25,51 +25,102 @@ bool ParseSpec(const std::string& bytes, NamespaceSpec* s) {
 
 }  // namespace
 
-NamespaceRegistry::NamespaceRegistry(DiskTier* disk, size_t max_namespaces)
-    : disk_(disk), max_namespaces_(max_namespaces) {
+NamespaceRegistry::NamespaceRegistry(DiskTier* disk, size_t max_namespaces,
+                                     std::shared_ptr<const Tenants> tenants,
+                                     NamespaceTenants* owners)
+    : disk_(disk), max_namespaces_(max_namespaces), tenants_(std::move(tenants)), owners_(owners) {
+  if (tenants_) per_tenant_.assign(tenants_->all().size(), 0);
+  std::lock_guard lk(mu_);
   for (const auto& [key, value] : disk_->ScanMeta(kMetaPrefix)) {
     NamespaceSpec spec;
-    if (!ParseSpec(value, &spec) || !ValidateNamespace(spec).ok()) {
+    if (!ParseSpec(value, &spec)) {
       Log("store", "ignoring unreadable namespace record ", key);
       continue;
     }
-    uint64_t id = NamespaceId(spec);
-    namespaces_[id] = NamespaceInfo{id, spec, BlockBytes(spec)};
+    NamespaceInfo info{NamespaceId(spec), spec, 0, -1, 0, spec};
+    if (tenants_) {
+      // A namespace of a tenant no longer in the file (or before tenants)
+      // is kept, owned by nobody: no client can name it.
+      if (const Tenant* t = tenants_->Unsalt(spec, &info.client_spec)) info.tenant = t->index;
+    }
+    if (!ValidateNamespace(info.client_spec).ok()) {
+      Log("store", "ignoring unreadable namespace record ", key);
+      continue;
+    }
+    info.client_id = NamespaceId(info.client_spec);
+    info.block_bytes = BlockBytes(spec);
+    AddLocked(info);
   }
 }
 
-absl::StatusOr<NamespaceInfo> NamespaceRegistry::Register(const NamespaceSpec& spec,
+void NamespaceRegistry::AddLocked(const NamespaceInfo& info) {
+  namespaces_[info.id] = info;
+  if (info.tenant >= 0) {
+    by_tenant_[{info.tenant, info.client_id}] = info.id;
+    ++per_tenant_[info.tenant];
+    if (owners_) owners_->Set(info.id, info.tenant);
+  }
+}
+
+absl::StatusOr<NamespaceInfo> NamespaceRegistry::Register(const NamespaceSpec& client_spec,
                                                           uint64_t expected_id,
-                                                          uint64_t max_block_bytes) {
-  if (auto s = ValidateNamespace(spec); !s.ok()) return s;
-  uint64_t id = NamespaceId(spec);
-  if (expected_id != 0 && expected_id != id) {
+                                                          uint64_t max_block_bytes,
+                                                          const Tenant* tenant) {
+  if (auto s = ValidateNamespace(client_spec); !s.ok()) return s;
+  uint64_t client_id = NamespaceId(client_spec);
+  if (expected_id != 0 && expected_id != client_id) {
     return absl::InvalidArgumentError(absl::StrCat(
         "namespace id mismatch: caller computed ", NamespaceName(expected_id), " but the spec \"",
-        CanonicalNamespace(spec), "\" hashes to ", NamespaceName(id)));
+        CanonicalNamespace(client_spec), "\" hashes to ", NamespaceName(client_id)));
   }
+  if (tenant) {
+    if (auto s = tenant->AllowsModel(client_spec.model); !s.ok()) return s;
+  }
+  const NamespaceSpec spec = tenant ? tenant->Salted(client_spec) : client_spec;
+  const uint64_t id = NamespaceId(spec);
   uint64_t bytes = BlockBytes(spec);
   if (bytes > max_block_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "namespace blocks of ", bytes, " bytes exceed the RAM slab size of ", max_block_bytes,
         " bytes; start kvtier-store with --ram-slab-bytes >= ", bytes));
   }
+  // How a namespace is named in messages: as its registrant knows it.
+  const std::string name = NamespaceName(client_id);
   std::lock_guard lk(mu_);
   if (auto it = namespaces_.find(id); it != namespaces_.end()) return it->second;
+  if (tenant && per_tenant_[tenant->index] >= tenant->max_namespaces) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "tenant ", tenant->name, " holds ", per_tenant_[tenant->index],
+        " namespaces, its limit (namespaces= in the tenants file); namespace ", name, " (",
+        CanonicalNamespace(client_spec), ") is not registered. Remove unused ones with kvctl "
+        "namespaces rm ID"));
+  }
   if (max_namespaces_ != 0 && namespaces_.size() >= max_namespaces_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the store holds ", namespaces_.size(), " namespaces, its limit (--max-namespaces ",
-        max_namespaces_, "); namespace ", NamespaceName(id), " (", CanonicalNamespace(spec),
+        max_namespaces_, "); namespace ", name, " (", CanonicalNamespace(client_spec),
         ") is not registered. Remove unused ones with kvctl namespaces rm ID"));
   }
   if (auto s = disk_->PutMeta(kMetaPrefix + NamespaceName(id), SerializeSpec(spec)); !s.ok()) {
     Log("store", "namespace ", NamespaceName(id), " not persisted: ", s.message());
   }
-  NamespaceInfo info{id, spec, bytes};
-  namespaces_[id] = info;
-  Log("store", "registered namespace ", NamespaceName(id), " (", CanonicalNamespace(spec),
+  NamespaceInfo info{id, spec, bytes, tenant ? tenant->index : -1, client_id, client_spec};
+  AddLocked(info);
+  Log("store", "registered namespace ", NamespaceName(id), " (", CanonicalNamespace(client_spec),
+      tenant ? absl::StrCat(", tenant ", tenant->name, " as ", name) : std::string(),
       "), blocks of ", bytes, " bytes");
   return info;
+}
+
+absl::StatusOr<NamespaceInfo> NamespaceRegistry::Resolve(const Tenant& tenant,
+                                                         uint64_t client_id) const {
+  std::lock_guard lk(mu_);
+  auto it = by_tenant_.find({tenant.index, client_id});
+  if (it == by_tenant_.end()) {
+    return absl::NotFoundError(absl::StrCat("namespace ", NamespaceName(client_id),
+                                            " is not registered; call RegisterNamespace first"));
+  }
+  return namespaces_.at(it->second);
 }
 
 absl::StatusOr<NamespaceInfo> NamespaceRegistry::Remove(uint64_t id) {
@@ -84,6 +135,11 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Remove(uint64_t id) {
     // at the next start.
     return absl::UnavailableError(absl::StrCat("namespace ", NamespaceName(id),
                                                " not removed: its record on disk: ", s.message()));
+  }
+  if (info.tenant >= 0) {
+    by_tenant_.erase({info.tenant, info.client_id});
+    --per_tenant_[info.tenant];
+    if (owners_) owners_->Erase(info.id);
   }
   namespaces_.erase(it);
   Log("store", "removed namespace ", NamespaceName(id), " (", CanonicalNamespace(info.spec), ")");
@@ -100,11 +156,13 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Find(uint64_t id) const {
   return it->second;
 }
 
-std::vector<NamespaceInfo> NamespaceRegistry::List() const {
+std::vector<NamespaceInfo> NamespaceRegistry::List(const Tenant* tenant) const {
   std::lock_guard lk(mu_);
   std::vector<NamespaceInfo> out;
   out.reserve(namespaces_.size());
-  for (const auto& [id, info] : namespaces_) out.push_back(info);
+  for (const auto& [id, info] : namespaces_) {
+    if (tenant == nullptr || info.tenant == tenant->index) out.push_back(info);
+  }
   return out;
 }
 

@@ -22,20 +22,57 @@ absl::StatusOr<std::unique_ptr<RamTier>> RamTier::Create(const RamTierOptions& o
   auto arena = Arena::Create(o.bytes, o.slab_bytes, o.try_hugepages, o.prefault, o.shareable);
   if (!arena.ok()) return arena.status();
   std::unique_ptr<RamTier> t(new RamTier(std::move(*arena), std::move(sink)));
-  uint64_t slabs = t->arena_->num_slabs();
-  int n = o.shards > 0 ? o.shards : static_cast<int>(std::clamp<uint64_t>(slabs / 8, 1, 16));
-  n = static_cast<int>(std::min<uint64_t>(n, slabs));
-  for (int i = 0; i < n; ++i) {
-    auto s = std::make_unique<Shard>();
-    s->policy = *MakePolicy(o.policy, o.policy_params);
-    t->shards_.push_back(std::move(s));
+  const uint64_t slabs = t->arena_->num_slabs();
+  // Each pool: a contiguous run of slabs, and shards of its own.
+  std::vector<uint64_t> pool_slabs;
+  if (o.pools.empty()) {
+    pool_slabs.push_back(slabs);
+  } else {
+    if (o.pool_of == nullptr) return absl::InvalidArgumentError("RAM pools need pool_of");
+    uint64_t total = 0;
+    for (uint64_t bytes : o.pools) {
+      uint64_t n = bytes / o.slab_bytes;
+      if (n == 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a RAM pool of ", bytes, " bytes holds no whole slab of ", o.slab_bytes, " bytes"));
+      }
+      pool_slabs.push_back(n);
+      total += n;
+    }
+    if (total > slabs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the RAM pools need ", total, " slabs of ", o.slab_bytes, " bytes; the arena has ",
+          slabs, " (raise --ram-bytes)"));
+    }
   }
-  // Slabs are dealt round-robin; each shard hands them out last-first.
-  for (uint64_t i = slabs; i-- > 0;) {
-    t->shards_[i % n]->free_slabs.push_back(i * o.slab_bytes);
+  t->pool_of_ = o.pool_of;
+  uint64_t first_slab = 0;
+  for (uint64_t n_slabs : pool_slabs) {
+    Pool p;
+    p.region = PoolRegion{first_slab * o.slab_bytes, n_slabs * o.slab_bytes};
+    p.first_shard = t->shards_.size();
+    int n = o.shards > 0 ? o.shards : static_cast<int>(std::clamp<uint64_t>(n_slabs / 8, 1, 16));
+    p.shards = std::min<uint64_t>(n, n_slabs);
+    for (size_t i = 0; i < p.shards; ++i) {
+      auto s = std::make_unique<Shard>();
+      s->policy = *MakePolicy(o.policy, o.policy_params);
+      t->shards_.push_back(std::move(s));
+    }
+    // Slabs are dealt round-robin; each shard hands them out last-first.
+    for (uint64_t i = n_slabs; i-- > 0;) {
+      t->shards_[p.first_shard + i % p.shards]->free_slabs.push_back((first_slab + i) * o.slab_bytes);
+    }
+    first_slab += n_slabs;
+    t->pools_.push_back(p);
   }
   t->slab_used_.assign(slabs, 0);
   return t;
+}
+
+std::vector<PoolRegion> RamTier::pool_regions() const {
+  std::vector<PoolRegion> out;
+  for (const auto& p : pools_) out.push_back(p.region);
+  return out;
 }
 
 bool RamTier::Contains(const BlockKey& key) const {

@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "cachestore/arena.h"
 #include "cachestore/eviction_policy.h"
+#include "cachestore/tenants.h"
 #include "cachestore/tier.h"
 #include "common/block_key.h"
 
@@ -38,7 +39,19 @@ struct RamTierOptions {
   // --local-shm, on). Off: private anonymous memory, which keeps transparent
   // hugepages where the kernel gives shared memory none.
   bool shareable = false;
-  int shards = 0;  // 0: chosen from the number of slabs (1..16)
+  int shards = 0;  // 0: chosen from the number of slabs (1..16), per pool
+  // Tenants (tenants.h): the arena split into regions, one per pool, of
+  // these sizes in order (rounded down to whole slabs, at least one each;
+  // slabs left over serve nobody). A block lives in the pool pool_of names
+  // for its namespace (pool 0 when it names none). Empty: one pool, the
+  // whole arena. pool_of must outlive the tier.
+  std::vector<uint64_t> pools;
+  const NamespaceTenants* pool_of = nullptr;
+};
+
+// A pool's region of the arena.
+struct PoolRegion {
+  uint64_t offset = 0, length = 0;
 };
 
 // Returns true if the block was accepted for the lower tier (a demotion).
@@ -102,6 +115,14 @@ class RamTier : public Tier {
   const Arena& arena() const { return *arena_; }
   uint64_t max_block_bytes() const { return arena_->slab_bytes(); }
   int shards() const { return static_cast<int>(shards_.size()); }
+  // The pools' regions, in pool order (one covering the arena without pools).
+  std::vector<PoolRegion> pool_regions() const;
+  // The pool a namespace's blocks live in.
+  int PoolOf(uint64_t ns) const {
+    if (pools_.size() == 1) return 0;
+    int t = pool_of_->Of(ns);
+    return t < 0 || static_cast<size_t>(t) >= pools_.size() ? 0 : t;
+  }
   TierSnapshot Snapshot() const override;
   const TierCounters& counters() const { return counters_; }
 
@@ -132,8 +153,16 @@ class RamTier : public Tier {
     uint64_t clock = 0;
   };
 
+  struct Pool {
+    PoolRegion region;
+    size_t first_shard = 0, shards = 0;
+  };
+
   RamTier(std::unique_ptr<Arena> arena, DemotionSink sink);
-  Shard& ShardFor(const BlockKey& key) const { return *shards_[key.Mix() % shards_.size()]; }
+  Shard& ShardFor(const BlockKey& key) const {
+    const Pool& p = pools_[PoolOf(key.ns)];
+    return *shards_[p.first_shard + key.Mix() % p.shards];
+  }
   // REQUIRES: s.mu held. Finds a free slot of class klass, evicting if needed.
   std::optional<uint64_t> AllocateLocked(Shard& s, uint64_t klass);
   // REQUIRES: s.mu held. Evicts one READY unpinned block (demoting it).
@@ -152,6 +181,8 @@ class RamTier : public Tier {
   DemotionSink sink_;
   ChangeListener listener_;
   std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<Pool> pools_;
+  const NamespaceTenants* pool_of_ = nullptr;
   std::vector<uint32_t> slab_used_;  // slots in use per slab (guarded by the owning shard)
   mutable TierCounters counters_;
 };

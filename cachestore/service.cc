@@ -28,6 +28,19 @@ std::string LeaseHolder(const grpc::ServerContext& ctx) {
 
 using Clock = std::chrono::steady_clock;
 
+// The metadata key a tenant's bearer token travels in.
+constexpr char kTenantTokenKey[] = "x-kvtier-tenant-token";
+
+// Why a tenant's put found no room: its region is full of pinned or
+// half-written blocks (evictable ones would have made room).
+grpc::Status TenantRamFull(const Tenant& t) {
+  return grpc::Status(grpc::RESOURCE_EXHAUSTED,
+                      absl::StrCat("tenant ", t.name, "'s RAM region (", t.ram_bytes,
+                                   " bytes, ram= in the tenants file) has no slot to free: every "
+                                   "block in it is pinned or being written under open leases; "
+                                   "end or commit some, or raise its ram="));
+}
+
 // Times one RPC into its histogram, counting non-OK results as errors.
 class RpcTimer {
  public:
@@ -99,34 +112,79 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
   }
 }
 
-grpc::Status StoreService::RegisterNamespace(grpc::ServerContext*,
+grpc::Status StoreService::Identify(const grpc::ServerContext& ctx, Caller* caller) const {
+  const Tenants* tenants = store_->tenants();
+  if (tenants == nullptr) {
+    caller->owner = LeaseOwner(LeaseHolder(ctx));
+    return grpc::Status::OK;
+  }
+  const Tenant* t = tenants->ByIdentity(PeerCertificateNames(ctx));
+  if (t == nullptr) {
+    const auto& md = ctx.client_metadata();
+    if (auto it = md.find(kTenantTokenKey); it != md.end()) {
+      t = tenants->ByToken(std::string_view(it->second.data(), it->second.size()));
+    }
+  }
+  if (t == nullptr) {
+    return grpc::Status(grpc::UNAUTHENTICATED,
+                        absl::StrCat("this store serves tenants (--tenants-file): present a client "
+                                     "certificate that a tenant's identities= names, or a "
+                                     "tenant's token in metadata ", kTenantTokenKey,
+                                     " (KVTIER_TENANT_TOKEN for kvtier clients)"));
+  }
+  caller->tenant = t;
+  caller->owner = LeaseOwner(absl::StrCat("tenant ", t->name), t->max_leases, t->index);
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<uint64_t> StoreService::StoreNamespace(const Caller& caller, uint64_t ns) const {
+  if (caller.tenant == nullptr) return ns;
+  auto info = store_->ResolveNamespace(*caller.tenant, ns);
+  if (!info.ok()) return info.status();
+  return info->id;
+}
+
+grpc::Status StoreService::RegisterNamespace(grpc::ServerContext* ctx,
                                              const v1::RegisterNamespaceRequest* req,
                                              v1::RegisterNamespaceResponse* resp) {
   RpcTimer t(fence_, Histogram("RegisterNamespace"));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
   if (!req->has_spec()) return t.Done(grpc::Status(grpc::INVALID_ARGUMENT, "spec is missing"));
-  auto info = store_->RegisterNamespace(FromProto(req->spec()), req->expected_id());
+  auto info = store_->RegisterNamespace(FromProto(req->spec()), req->expected_id(), caller.tenant);
   if (!info.ok()) return t.Done(ToGrpc(info.status()));
-  resp->set_namespace_id(info->id);
+  resp->set_namespace_id(info->client_id);
   resp->set_block_bytes(info->block_bytes);
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status StoreService::ListNamespaces(grpc::ServerContext*, const v1::ListNamespacesRequest*,
+grpc::Status StoreService::ListNamespaces(grpc::ServerContext* ctx,
+                                          const v1::ListNamespacesRequest*,
                                           v1::ListNamespacesResponse* resp) {
   RpcTimer t(fence_, Histogram("ListNamespaces"));
-  for (const auto& info : store_->ListNamespaces()) {
+  // A tenant sees its own, as it named them; an operator (or anyone, without
+  // tenants) every one, under the ids the store keys and evicts by.
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) {
+    if (!admin_.Check(*ctx, "ListNamespaces").ok()) return t.Done(s);
+  }
+  for (const auto& info : store_->ListNamespaces(caller.tenant)) {
     auto* n = resp->add_namespaces();
-    n->set_namespace_id(info.id);
+    n->set_namespace_id(caller.tenant ? info.client_id : info.id);
     n->set_block_bytes(info.block_bytes);
-    ToProto(info.spec, n->mutable_spec());
+    ToProto(caller.tenant ? info.client_spec : info.spec, n->mutable_spec());
   }
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status StoreService::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
+grpc::Status StoreService::Lookup(grpc::ServerContext* ctx, const v1::LookupRequest* req,
                                   v1::LookupResponse* resp) {
   RpcTimer t(fence_, Histogram("Lookup"));
-  auto tiers = store_->Lookup(req->namespace_id(), Hashes(req->hashes()));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  auto ns = StoreNamespace(caller, req->namespace_id());
+  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
+  auto tiers = store_->Lookup(*ns, Hashes(req->hashes()));
   if (!tiers.ok()) return t.Done(ToGrpc(tiers.status()));
   resp->set_present_blocks(static_cast<uint32_t>(tiers->size()));
   for (TierKind tier : *tiers) resp->add_tiers(ToProto(tier));
@@ -136,9 +194,17 @@ grpc::Status StoreService::Lookup(grpc::ServerContext*, const v1::LookupRequest*
 grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPutRequest* req,
                                     v1::BeginPutResponse* resp) {
   RpcTimer t(fence_, Histogram("BeginPut"));
-  auto r = store_->BeginPut(req->namespace_id(), Hashes(req->hashes()),
-                            LeaseHolder(*ctx));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  auto ns = StoreNamespace(caller, req->namespace_id());
+  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
+  auto r = store_->BeginPut(*ns, Hashes(req->hashes()), caller.owner);
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
+  if (caller.tenant && r->lease == 0 &&
+      std::any_of(r->targets.begin(), r->targets.end(),
+                  [](const PutTarget& p) { return p.placement == Placement::kNoSpace; })) {
+    return t.Done(TenantRamFull(*caller.tenant));
+  }
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
   resp->set_instance_id(instance_id_);
@@ -167,34 +233,43 @@ grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPut
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status StoreService::CommitPut(grpc::ServerContext*, const v1::CommitPutRequest* req,
+grpc::Status StoreService::CommitPut(grpc::ServerContext* ctx, const v1::CommitPutRequest* req,
                                      v1::CommitPutResponse* resp) {
   RpcTimer t(fence_, Histogram("CommitPut"));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
   std::vector<uint64_t> sums(req->checksums().begin(), req->checksums().end());
-  auto n = store_->CommitPut(req->lease_id(), sums);
+  auto n = store_->CommitPut(req->lease_id(), sums, caller.tenant_index());
   if (!n.ok()) return t.Done(ToGrpc(n.status()));
   resp->set_committed(*n);
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status StoreService::AbortPut(grpc::ServerContext*, const v1::AbortPutRequest* req,
+grpc::Status StoreService::AbortPut(grpc::ServerContext* ctx, const v1::AbortPutRequest* req,
                                     v1::AbortPutResponse*) {
   RpcTimer t(fence_, Histogram("AbortPut"));
-  return t.Done(ToGrpc(store_->AbortPut(req->lease_id())));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  return t.Done(ToGrpc(store_->AbortPut(req->lease_id(), caller.tenant_index())));
 }
 
 grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGetRequest* req,
                                     v1::BeginGetResponse* resp) {
   RpcTimer t(fence_, Histogram("BeginGet"));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
   // Releases that travel with this request go first: their pins may be what
   // makes room for this one's promotions.
   if (req->end_leases_size() > 0) {
-    auto gone = store_->ReleaseGets(std::span<const uint64_t>(req->end_leases().data(), req->end_leases_size()));
+    auto gone = store_->ReleaseGets(
+        std::span<const uint64_t>(req->end_leases().data(), req->end_leases_size()),
+        caller.tenant_index());
     if (!gone.ok()) return t.Done(ToGrpc(gone.status()));
     for (uint64_t id : *gone) resp->add_leases_not_found(id);
   }
-  auto r = store_->BeginGet(req->namespace_id(), Hashes(req->hashes()),
-                            LeaseHolder(*ctx));
+  auto ns = StoreNamespace(caller, req->namespace_id());
+  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
+  auto r = store_->BeginGet(*ns, Hashes(req->hashes()), caller.owner);
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
@@ -212,39 +287,53 @@ grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGet
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status StoreService::EndGet(grpc::ServerContext*, const v1::EndGetRequest* req,
+grpc::Status StoreService::EndGet(grpc::ServerContext* ctx, const v1::EndGetRequest* req,
                                   v1::EndGetResponse*) {
   RpcTimer t(fence_, Histogram("EndGet"));
-  return t.Done(ToGrpc(store_->EndGet(req->lease_id())));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  return t.Done(ToGrpc(store_->EndGet(req->lease_id(), caller.tenant_index())));
 }
 
-grpc::Status StoreService::ReleaseGets(grpc::ServerContext*, const v1::ReleaseGetsRequest* req,
+grpc::Status StoreService::ReleaseGets(grpc::ServerContext* ctx,
+                                       const v1::ReleaseGetsRequest* req,
                                        v1::ReleaseGetsResponse* resp) {
   RpcTimer t(fence_, Histogram("ReleaseGets"));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
   if (req->lease_ids_size() == 0) {
     return t.Done(grpc::Status(grpc::INVALID_ARGUMENT, "ReleaseGets names no lease"));
   }
-  auto gone = store_->ReleaseGets(std::span<const uint64_t>(req->lease_ids().data(), req->lease_ids_size()));
+  auto gone = store_->ReleaseGets(
+      std::span<const uint64_t>(req->lease_ids().data(), req->lease_ids_size()),
+      caller.tenant_index());
   if (!gone.ok()) return t.Done(ToGrpc(gone.status()));
   for (uint64_t id : *gone) resp->add_not_found(id);
   resp->set_released(static_cast<uint32_t>(req->lease_ids_size() - gone->size()));
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status StoreService::VerifyBlocks(grpc::ServerContext*, const v1::VerifyBlocksRequest* req,
+grpc::Status StoreService::VerifyBlocks(grpc::ServerContext* ctx,
+                                        const v1::VerifyBlocksRequest* req,
                                         v1::VerifyBlocksResponse* resp) {
   RpcTimer t(fence_, Histogram("VerifyBlocks"));
-  auto r = store_->VerifyBlocks(req->namespace_id(), Hashes(req->hashes()));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  auto ns = StoreNamespace(caller, req->namespace_id());
+  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
+  auto r = store_->VerifyBlocks(*ns, Hashes(req->hashes()));
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_checked(r->checked);
   resp->set_dropped(r->dropped);
   return t.Done(grpc::Status::OK);
 }
 
-grpc::Status StoreService::PutBlocks(grpc::ServerContext*,
+grpc::Status StoreService::PutBlocks(grpc::ServerContext* ctx,
                                      grpc::ServerReader<v1::PutBlocksRequest>* reader,
                                      v1::PutBlocksResponse* resp) {
   RpcTimer t(fence_, Histogram("PutBlocks"));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
   v1::PutBlocksRequest req;
   uint32_t index = 0;
   while (reader->Read(&req)) {
@@ -252,8 +341,15 @@ grpc::Status StoreService::PutBlocks(grpc::ServerContext*,
       return t.Done(grpc::Status(grpc::INVALID_ARGUMENT,
                                  absl::StrCat("message ", index, " of the stream has no hash")));
     }
-    auto r = store_->PutInline(req.namespace_id(), FromProto(req.hash()),
-                               req.data(), req.checksum());
+    absl::StatusOr<InlinePutResult> r = absl::UnknownError("unset");
+    if (auto ns = StoreNamespace(caller, req.namespace_id()); ns.ok()) {
+      r = store_->PutInline(*ns, FromProto(req.hash()), req.data(), req.checksum());
+    } else {
+      r = ns.status();
+    }
+    if (r.ok() && caller.tenant && r->outcome == InlinePutResult::kNoSpace) {
+      r = absl::ResourceExhaustedError(std::string(TenantRamFull(*caller.tenant).error_message()));
+    }
     if (!r.ok()) {
       // Blocks before this one stay stored; say which message failed.
       absl::Status s = r.status();
@@ -280,9 +376,13 @@ grpc::Status StoreService::PutBlocks(grpc::ServerContext*,
 grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBlocksRequest* req,
                                      grpc::ServerWriter<v1::GetBlocksResponse>* writer) {
   RpcTimer t(fence_, Histogram("GetBlocks"));
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  auto ns = StoreNamespace(caller, req->namespace_id());
+  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
   v1::GetBlocksResponse msg;
   auto s = store_->GetInline(
-      req->namespace_id(), Hashes(req->hashes()),
+      *ns, Hashes(req->hashes()),
       [&](uint32_t index, TierKind tier, std::string_view bytes, uint64_t checksum) {
         if (ctx->IsCancelled()) return false;
         msg.set_index(index);
@@ -403,15 +503,21 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
                                "this store has no UCX data plane (start kvtier-store with "
                                "--ucx-listen HOST:PORT); use PutBlocks/GetBlocks instead"));
   }
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
   resp->set_ucx_address(dataplane_->address());
   resp->set_worker_address(dataplane_->worker_address());
   resp->set_instance_id(instance_id_);
+  // A tenant gets its own region's key only (as rkey_id 0: the one region
+  // its connection knows), and never the arena's memfd, which would map
+  // every tenant's region.
+  const size_t region = caller.tenant ? static_cast<size_t>(caller.tenant->index) : 0;
   auto* r = resp->add_regions();
   r->set_rkey_id(0);
-  r->set_base_addr(dataplane_->base());
-  r->set_length(dataplane_->length());
-  r->set_packed_rkey(dataplane_->packed_rkey());
-  if (offer_shm_) r->set_shm_path(store_->ram().arena().shm_path());
+  r->set_base_addr(dataplane_->base(region));
+  r->set_length(dataplane_->length(region));
+  r->set_packed_rkey(dataplane_->packed_rkey(region));
+  if (offer_shm_ && caller.tenant == nullptr) r->set_shm_path(store_->ram().arena().shm_path());
   return t.Done(grpc::Status::OK);
 }
 

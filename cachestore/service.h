@@ -76,6 +76,19 @@ class StoreService final : public kvtier::v1::Store::Service {
  private:
   LatencyHistogram& Histogram(const std::string& rpc) { return *histograms_.at(rpc); }
 
+  // Who calls: with tenants, the caller's tenant (by certificate name or
+  // x-kvtier-tenant-token), else UNAUTHENTICATED; without, no tenant. The
+  // owner its leases count against either way.
+  struct Caller {
+    const Tenant* tenant = nullptr;
+    LeaseOwner owner{std::string()};
+    int tenant_index() const { return tenant ? tenant->index : -1; }
+  };
+  grpc::Status Identify(const grpc::ServerContext& ctx, Caller* caller) const;
+  // The namespace the store keys under for the one the caller names (a
+  // tenant's, through its salt); NOT_FOUND as for an unregistered one.
+  absl::StatusOr<uint64_t> StoreNamespace(const Caller& caller, uint64_t ns) const;
+
 
   Store* store_;
   bool offer_shm_ = true;

@@ -22,14 +22,28 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
   if (auto st = o.Validate(); !st.ok()) return st;
   std::unique_ptr<Store> s(new Store());
   s->options_ = o;
-  auto disk = o.disk_backend ? DiskTier::Open(o.disk, o.disk_backend()) : DiskTier::Open(o.disk);
+  DiskTierOptions disk_options = o.disk;
+  RamTierOptions ram_options = o.ram;
+  if (o.tenants) {
+    ram_options.pools.clear();
+    disk_options.tenant_bytes.clear();
+    for (const auto& t : o.tenants->all()) {
+      ram_options.pools.push_back(t.ram_bytes);
+      disk_options.tenant_bytes.push_back(t.nvme_bytes);
+    }
+    ram_options.pool_of = &s->owners_;
+    disk_options.tenant_of = &s->owners_;
+  }
+  auto disk = o.disk_backend ? DiskTier::Open(disk_options, o.disk_backend())
+                             : DiskTier::Open(disk_options);
   if (!disk.ok()) return disk.status();
   s->disk_ = std::move(*disk);
   DiskTier* d = s->disk_.get();
-  auto ram = RamTier::Create(o.ram, [d](const EvictedBlock& b) { return d->Enqueue(b); });
+  auto ram = RamTier::Create(ram_options, [d](const EvictedBlock& b) { return d->Enqueue(b); });
   if (!ram.ok()) return ram.status();
   s->ram_ = std::move(*ram);
-  s->namespaces_ = std::make_unique<NamespaceRegistry>(d, o.max_namespaces);
+  s->namespaces_ =
+      std::make_unique<NamespaceRegistry>(d, o.max_namespaces, o.tenants, &s->owners_);
   Store* self = s.get();
   s->leases_ = std::make_unique<LeaseTable>(o.lease_ms, o.max_leases_per_client,
                                             [self](const Lease& l) { self->ReleaseLease(l, true); });
@@ -54,11 +68,19 @@ Store::~Store() {
 }
 
 absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(const NamespaceSpec& spec,
-                                                       uint64_t expected_id) {
-  return namespaces_->Register(spec, expected_id, ram_->max_block_bytes());
+                                                       uint64_t expected_id,
+                                                       const Tenant* tenant) {
+  return namespaces_->Register(spec, expected_id, ram_->max_block_bytes(), tenant);
 }
 
-std::vector<NamespaceInfo> Store::ListNamespaces() const { return namespaces_->List(); }
+absl::StatusOr<NamespaceInfo> Store::ResolveNamespace(const Tenant& tenant,
+                                                      uint64_t client_id) const {
+  return namespaces_->Resolve(tenant, client_id);
+}
+
+std::vector<NamespaceInfo> Store::ListNamespaces(const Tenant* tenant) const {
+  return namespaces_->List(tenant);
+}
 
 absl::StatusOr<NamespaceInfo> Store::CheckRequest(uint64_t ns,
                                                   std::span<const BlockHash> hashes) const {
@@ -120,7 +142,7 @@ std::vector<TierFetchFigures> Store::FetchFigures() {
 }
 
 absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const BlockHash> hashes,
-                                               const std::string& client) {
+                                               const LeaseOwner& owner) {
   auto info = CheckRequest(ns, hashes);
   if (!info.ok()) return info.status();
   std::set<BlockHash> seen;
@@ -131,9 +153,9 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
     }
   }
   // The lease id is taken first so the reserved slots name their owner.
-  auto id = leases_->Claim(client);
+  auto id = leases_->Claim(owner);
   if (!id.ok()) return id.status();
-  Lease lease{client, true, {}, {}};
+  Lease lease{owner.holder, owner.tenant, true, {}, {}};
   BeginPutResult r;
   r.targets.reserve(hashes.size());
   for (const auto& h : hashes) {
@@ -148,7 +170,7 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
     r.targets.push_back(t);
   }
   if (lease.items.empty()) {
-    leases_->Unclaim(client);  // nothing reserved: no lease
+    leases_->Unclaim(owner.holder);  // nothing reserved: no lease
     return r;
   }
   leases_->Open(*id, std::move(lease));
@@ -156,8 +178,9 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
   return r;
 }
 
-absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uint64_t> checksums) {
-  auto lease = leases_->Take(lease_id, true);
+absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uint64_t> checksums,
+                                          int tenant) {
+  auto lease = leases_->Take(lease_id, true, tenant);
   if (!lease.ok()) return lease.status();
   if (checksums.size() != lease->items.size()) {
     size_t want = lease->items.size();
@@ -187,20 +210,20 @@ absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uin
   return committed;
 }
 
-absl::Status Store::AbortPut(uint64_t lease_id) {
-  auto lease = leases_->Take(lease_id, true);
+absl::Status Store::AbortPut(uint64_t lease_id, int tenant) {
+  auto lease = leases_->Take(lease_id, true, tenant);
   if (!lease.ok()) return lease.status();
   ReleaseLease(*lease);
   return absl::OkStatus();
 }
 
 absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const BlockHash> hashes,
-                                               const std::string& client) {
+                                               const LeaseOwner& owner) {
   auto info = CheckRequest(ns, hashes);
   if (!info.ok()) return info.status();
-  auto id = leases_->Claim(client);
+  auto id = leases_->Claim(owner);
   if (!id.ok()) return id.status();
-  Lease lease{client, false, {}, {}};
+  Lease lease{owner.holder, owner.tenant, false, {}, {}};
   lease.opened = std::chrono::steady_clock::now();
   BeginGetResult r;
   for (const auto& h : hashes) {
@@ -227,7 +250,7 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
     lease.items.emplace_back(k, slot);
   }
   if (lease.items.empty()) {
-    leases_->Unclaim(client);  // nothing pinned: no lease
+    leases_->Unclaim(owner.holder);  // nothing pinned: no lease
   } else {
     fetch_meter_.Started();
     leases_->Open(*id, std::move(lease));
@@ -236,21 +259,22 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
   return r;
 }
 
-absl::Status Store::EndGet(uint64_t lease_id) {
-  auto lease = leases_->Take(lease_id, false);
+absl::Status Store::EndGet(uint64_t lease_id, int tenant) {
+  auto lease = leases_->Take(lease_id, false, tenant);
   if (!lease.ok()) return lease.status();
   ReleaseLease(*lease);
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<uint64_t>> Store::ReleaseGets(std::span<const uint64_t> leases) {
+absl::StatusOr<std::vector<uint64_t>> Store::ReleaseGets(std::span<const uint64_t> leases,
+                                                           int tenant) {
   if (leases.size() > kMaxBlocksPerRequest) {
     return absl::InvalidArgumentError(absl::StrCat("release of ", leases.size(),
                                                    " leases; at most ", kMaxBlocksPerRequest));
   }
   std::vector<uint64_t> not_found;
   for (uint64_t id : leases) {
-    auto lease = leases_->Take(id, false);
+    auto lease = leases_->Take(id, false, tenant);
     if (!lease.ok()) {
       not_found.push_back(id);
       continue;

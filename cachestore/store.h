@@ -50,6 +50,10 @@ struct StoreOptions {
   // Told what enters and leaves the store (change_feed.h); may be null.
   // Must outlive the store.
   ChangeSink* changes = nullptr;
+  // Tenants (tenants.h; kvtier-store --tenants-file), or null: then the
+  // arena is split into one region per tenant, each tenant's NVMe bytes are
+  // bounded, and namespaces are registered by and resolved for tenants.
+  std::shared_ptr<const Tenants> tenants;
   // Tests: the NVMe tier over this backend instead of RocksDB in disk.dir.
   std::function<std::unique_ptr<StorageBackend>()> disk_backend;
 
@@ -103,8 +107,14 @@ class Store {
   ~Store();
 
   // See NamespaceRegistry::Register.
-  absl::StatusOr<NamespaceInfo> RegisterNamespace(const NamespaceSpec& spec, uint64_t expected_id);
-  std::vector<NamespaceInfo> ListNamespaces() const;
+  absl::StatusOr<NamespaceInfo> RegisterNamespace(const NamespaceSpec& spec, uint64_t expected_id,
+                                                  const Tenant* tenant = nullptr);
+  // See NamespaceRegistry::Resolve: the id the store keys a tenant's
+  // namespace under, which every call below then takes.
+  absl::StatusOr<NamespaceInfo> ResolveNamespace(const Tenant& tenant, uint64_t client_id) const;
+  // Every namespace, or only a tenant's.
+  std::vector<NamespaceInfo> ListNamespaces(const Tenant* tenant = nullptr) const;
+  const Tenants* tenants() const { return options_.tenants.get(); }
 
   // The requests below answer INVALID_ARGUMENT for no hashes or more than
   // kMaxBlocksPerRequest, and NOT_FOUND for an unregistered namespace.
@@ -115,25 +125,29 @@ class Store {
   // Reserves a slot per absent block under one lease. Also INVALID_ARGUMENT
   // for a hash named twice; RESOURCE_EXHAUSTED past the client's lease limit.
   absl::StatusOr<BeginPutResult> BeginPut(uint64_t ns, std::span<const BlockHash> hashes,
-                                          const std::string& client);
+                                          const LeaseOwner& owner);
   // checksums: one per reserved target, in order. All-or-nothing: DATA_LOSS
   // (nothing stored) if a slot's bytes do not match; INVALID_ARGUMENT (the
   // lease kept) for a wrong checksum count; FAILED_PRECONDITION for an
   // unknown, ended or expired lease. Returns how many blocks became visible.
-  absl::StatusOr<uint32_t> CommitPut(uint64_t lease, std::span<const uint64_t> checksums);
+  // tenant >= 0: only that tenant's lease (LeaseTable::Take), here and in
+  // AbortPut, EndGet and ReleaseGets.
+  absl::StatusOr<uint32_t> CommitPut(uint64_t lease, std::span<const uint64_t> checksums,
+                                     int tenant = -1);
   // FAILED_PRECONDITION / INVALID_ARGUMENT as LeaseTable::Take.
-  absl::Status AbortPut(uint64_t lease);
+  absl::Status AbortPut(uint64_t lease, int tenant = -1);
 
   // Pins the leading present blocks (promoting from disk) under one lease.
   // RESOURCE_EXHAUSTED past the client's lease limit.
   absl::StatusOr<BeginGetResult> BeginGet(uint64_t ns, std::span<const BlockHash> hashes,
-                                          const std::string& client);
+                                          const LeaseOwner& owner);
   // FAILED_PRECONDITION / INVALID_ARGUMENT as LeaseTable::Take.
-  absl::Status EndGet(uint64_t lease);
+  absl::Status EndGet(uint64_t lease, int tenant = -1);
   // Ends every get lease of `leases` it knows; returns the ids it did not
   // (unknown, ended, expired, or a put lease), for which nothing was done.
   // INVALID_ARGUMENT (nothing ended) for more than kMaxBlocksPerRequest ids.
-  absl::StatusOr<std::vector<uint64_t>> ReleaseGets(std::span<const uint64_t> leases);
+  absl::StatusOr<std::vector<uint64_t>> ReleaseGets(std::span<const uint64_t> leases,
+                                                    int tenant = -1);
   // Recomputes the checksum of each block's RAM copy and drops the copies
   // that do not match the one committed (a client saw them fail), with
   // their NVMe copies. Errors as Lookup's (unknown namespace, too many
@@ -181,6 +195,7 @@ class Store {
   void ReleaseLease(const Lease& lease, bool expired = false);
 
   StoreOptions options_;
+  NamespaceTenants owners_;  // before the tiers, which read it
   std::unique_ptr<DiskTier> disk_;  // destroyed after ram_ (RAM demotes into it)
   std::unique_ptr<RamTier> ram_;
   std::unique_ptr<NamespaceRegistry> namespaces_;

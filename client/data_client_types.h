@@ -51,6 +51,8 @@ struct DataClientOptions {
   uint64_t shard_skip_min_ms = 200;
   uint64_t shard_skip_max_ms = 1000;
   ChannelSecurity security;  // of the gRPC control channel (plaintext unless set)
+  // StoreClientOptions::tenant_token (empty: KVTIER_TENANT_TOKEN, if set).
+  std::string tenant_token;
 };
 
 struct PutBlock {

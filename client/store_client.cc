@@ -1,6 +1,7 @@
 #include "client/store_client.h"
 
 #include <chrono>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "common/checksum.h"
@@ -11,6 +12,9 @@ namespace kvtier {
 
 StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
     : options_(options) {
+  if (options_.tenant_token.empty()) {
+    if (const char* t = std::getenv("KVTIER_TENANT_TOKEN")) options_.tenant_token = t;
+  }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
@@ -31,6 +35,9 @@ std::unique_ptr<grpc::ClientContext> StoreClient::Context(
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->set_deadline(deadline);
   if (!options_.admin_token.empty()) ctx->AddMetadata("x-kvtier-admin-token", options_.admin_token);
+  if (!options_.tenant_token.empty()) {
+    ctx->AddMetadata("x-kvtier-tenant-token", options_.tenant_token);
+  }
   return ctx;
 }
 

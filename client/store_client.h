@@ -24,6 +24,10 @@ struct StoreClientOptions {
   int deadline_ms = 10000;
   int max_message_bytes = 64 << 20;
   std::string admin_token;  // sent as x-kvtier-admin-token (needed by SetPolicy, Evict)
+  // Sent as x-kvtier-tenant-token: whom a store with tenants serves this
+  // client as (docs/security.md). Empty: the environment's
+  // KVTIER_TENANT_TOKEN, if set.
+  std::string tenant_token;
   ChannelSecurity security;  // plaintext unless TLS credentials are set
 };
 

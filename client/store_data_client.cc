@@ -102,6 +102,7 @@ StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions o
                  StoreClientOptions o;
                  o.deadline_ms = options_.deadline_ms;
                  o.security = options_.security;
+                 o.tenant_token = options_.tenant_token;
                  return o;
                }()),
       transfers_(static_cast<size_t>(std::max(1, options_.lanes)),

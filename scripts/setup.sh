@@ -18,7 +18,7 @@ PKGS=(
   libucx-dev ucx-utils librocksdb-dev libabsl-dev libgtest-dev libxxhash-dev libzmq3-dev cppzmq-dev libmsgpack-dev
   nlohmann-json3-dev prometheus-cpp-dev redis-server redis-tools fio python3
   golang-go golang-github-masterminds-sprig-dev python3-jsonschema python3-yaml
-  clang libclang-rt-14-dev openssl
+  clang libclang-rt-14-dev openssl libssl-dev
   python3-dev pybind11-dev python3-numpy python3-pytest python3-torch
   python3-grpcio python3-protobuf python3-venv libopenblas0-pthread
   iproute2 nftables

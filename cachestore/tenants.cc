@@ -1,0 +1,227 @@
+#include "cachestore/tenants.h"
+
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/config.h"
+
+namespace kvtier::store {
+
+namespace {
+
+constexpr absl::string_view kSaltPrefix = "tenant:";
+constexpr size_t kSaltHexDigits = 32;
+
+bool PatternMatches(const std::string& pattern, const std::string& s) {
+  if (!pattern.empty() && pattern.back() == '*') {
+    return s.compare(0, pattern.size() - 1, pattern, 0, pattern.size() - 1) == 0;
+  }
+  return pattern == s;
+}
+
+bool ValidName(std::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool IsHex(std::string_view s) {
+  for (char c : s) {
+    if (!absl::ascii_isxdigit(static_cast<unsigned char>(c))) return false;
+  }
+  return true;
+}
+
+std::vector<std::string> List(absl::string_view value) {
+  std::vector<std::string> out;
+  for (absl::string_view v : absl::StrSplit(value, ',', absl::SkipEmpty())) out.emplace_back(v);
+  return out;
+}
+
+}  // namespace
+
+std::string Sha256Hex(std::string_view data) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), digest);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(2 * sizeof(digest));
+  for (unsigned char b : digest) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 15]);
+  }
+  return out;
+}
+
+absl::Status Tenant::AllowsModel(const std::string& model) const {
+  if (models.empty()) return absl::OkStatus();
+  for (const auto& p : models) {
+    if (PatternMatches(p, model)) return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat("tenant ", name, " may not register model \"",
+                                                  model, "\" (its models: ",
+                                                  absl::StrJoin(models, ", "), ")"));
+}
+
+NamespaceSpec Tenant::Salted(const NamespaceSpec& spec) const {
+  NamespaceSpec s = spec;
+  s.cache_salt = absl::StrCat(kSaltPrefix, name, ":", salt, "|", spec.cache_salt);
+  return s;
+}
+
+absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view text) {
+  auto t = std::make_shared<Tenants>();
+  std::string secret;
+  std::set<std::string> identities, tokens;
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(absl::string_view(text.data(), text.size()), '\n')) {
+    ++line_no;
+    if (size_t hash = line.find('#'); hash != absl::string_view::npos) line = line.substr(0, hash);
+    std::vector<absl::string_view> f =
+        absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
+    if (f.empty()) continue;
+    auto bad = [&](const auto&... what) {
+      return absl::InvalidArgumentError(absl::StrCat("line ", line_no, ": ", what...));
+    };
+    if (f[0] == "secret") {
+      if (f.size() != 2) return bad("expected secret VALUE");
+      if (!t->tenants_.empty()) return bad("secret must come before the first tenant");
+      secret = std::string(f[1]);
+      continue;
+    }
+    if (f[0] != "tenant" || f.size() < 2) {
+      return bad("expected \"tenant NAME ram=SIZE ...\" or \"secret VALUE\", got \"", line, "\"");
+    }
+    Tenant tn;
+    tn.name = std::string(f[1]);
+    if (!ValidName(tn.name)) {
+      return bad("tenant name \"", tn.name, "\" must be 1..64 of [A-Za-z0-9._-]");
+    }
+    for (const auto& other : t->tenants_) {
+      if (other.name == tn.name) return bad("tenant ", tn.name, " is listed twice");
+    }
+    tn.index = static_cast<int>(t->tenants_.size());
+    bool has_ram = false;
+    for (size_t i = 2; i < f.size(); ++i) {
+      std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(f[i], absl::MaxSplits('=', 1));
+      const std::string key(kv.first), value(kv.second);
+      if (value.empty()) return bad("\"", f[i], "\" is not KEY=VALUE");
+      if (key == "ram" || key == "nvme") {
+        auto b = ParseBytes(value);
+        if (!b.ok()) return bad(key, ": ", b.status().message());
+        (key == "ram" ? tn.ram_bytes : tn.nvme_bytes) = *b;
+        has_ram |= key == "ram";
+      } else if (key == "leases" || key == "namespaces") {
+        uint64_t n = 0;
+        if (!absl::SimpleAtoi(value, &n) || n == 0) return bad(key, "=", value, " is not a count >= 1");
+        (key == "leases" ? tn.max_leases : tn.max_namespaces) = n;
+      } else if (key == "identities") {
+        tn.identities = List(value);
+        for (const auto& id : tn.identities) {
+          if (!identities.insert(id).second) return bad("identity ", id, " belongs to two tenants");
+        }
+      } else if (key == "token-sha256") {
+        tn.token_sha256 = List(value);
+        for (auto& h : tn.token_sha256) {
+          h = absl::AsciiStrToLower(h);
+          if (h.size() != 64 || !IsHex(h)) {
+            return bad("token-sha256 \"", h, "\" is not 64 hex digits (sha256sum of the token)");
+          }
+          if (!tokens.insert(h).second) return bad("a token belongs to two tenants");
+        }
+      } else if (key == "models") {
+        tn.models = List(value);
+      } else {
+        return bad("unknown key \"", key,
+                   "\" (known: ram, nvme, leases, namespaces, identities, token-sha256, models)");
+      }
+    }
+    if (!has_ram || tn.ram_bytes == 0) {
+      return bad("tenant ", tn.name, " needs ram=SIZE (its region of the RAM arena)");
+    }
+    if (tn.identities.empty() && tn.token_sha256.empty()) {
+      return bad("tenant ", tn.name, " has no identities= and no token-sha256=: nobody could act as it");
+    }
+    tn.salt = Sha256Hex(absl::StrCat("kvtier-tenant|", secret, "|", tn.name)).substr(0, kSaltHexDigits);
+    t->tenants_.push_back(std::move(tn));
+  }
+  if (t->tenants_.empty()) return absl::InvalidArgumentError("no tenant is defined");
+  return std::shared_ptr<const Tenants>(std::move(t));
+}
+
+absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Load(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read \"", path, "\""));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto t = Parse(ss.str());
+  if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", t.status().message()));
+  return t;
+}
+
+const Tenant* Tenants::ByIdentity(const std::vector<std::string>& names) const {
+  for (const auto& name : names) {
+    for (const auto& t : tenants_) {
+      for (const auto& id : t.identities) {
+        if (id == name) return &t;
+      }
+    }
+  }
+  return nullptr;
+}
+
+const Tenant* Tenants::ByToken(std::string_view token) const {
+  if (token.empty()) return nullptr;
+  const std::string h = Sha256Hex(token);
+  const Tenant* found = nullptr;
+  // Every candidate is compared in full, in constant time per comparison.
+  for (const auto& t : tenants_) {
+    for (const auto& want : t.token_sha256) {
+      if (CRYPTO_memcmp(want.data(), h.data(), h.size()) == 0) found = &t;
+    }
+  }
+  return found;
+}
+
+const Tenant* Tenants::Unsalt(const NamespaceSpec& stored, NamespaceSpec* client) const {
+  std::string_view s = stored.cache_salt;
+  if (s.substr(0, kSaltPrefix.size()) != std::string_view(kSaltPrefix.data(), kSaltPrefix.size())) {
+    return nullptr;
+  }
+  s.remove_prefix(kSaltPrefix.size());
+  size_t colon = s.find(':');
+  if (colon == std::string_view::npos) return nullptr;
+  std::string_view name = s.substr(0, colon);
+  s.remove_prefix(colon + 1);
+  if (s.size() < kSaltHexDigits + 1 || s[kSaltHexDigits] != '|') return nullptr;
+  std::string_view salt = s.substr(0, kSaltHexDigits);
+  for (const auto& t : tenants_) {
+    if (t.name == name && t.salt == salt) {
+      *client = stored;
+      client->cache_salt = std::string(s.substr(kSaltHexDigits + 1));
+      return &t;
+    }
+  }
+  return nullptr;
+}
+
+uint64_t Tenants::ram_bytes() const {
+  uint64_t sum = 0;
+  for (const auto& t : tenants_) sum += t.ram_bytes;
+  return sum;
+}
+
+}  // namespace kvtier::store

@@ -1,0 +1,115 @@
+// Tenants of a store (kvtier-store --tenants-file): who may use it, and
+// what each may hold. A tenant is a set of principals (certificate names,
+// bearer tokens) that share blocks; different tenants never do.
+//
+// File format, one tenant a line, # comments:
+//
+//   secret SECRET                       (optional, once: keys the salts)
+//   tenant NAME ram=SIZE [nvme=SIZE] [leases=N] [namespaces=N]
+//          [identities=NAME,...] [token-sha256=HEX,...] [models=PATTERN,...]
+//
+// ram: the tenant's own region of the RAM arena (its RAM quota; it gets
+// only that region's UCX key). nvme: most bytes of its blocks on NVMe (0:
+// only the store's quota). leases: open leases at once (default: the
+// store's --max-leases-per-client). namespaces: registered at once (default
+// 16). identities: certificate names (CN or a SAN) that act as the tenant.
+// token-sha256: SHA-256 (hex) of bearer tokens a client presents in
+// metadata x-kvtier-tenant-token. models: the models it may register
+// (a trailing * is a prefix); default any.
+//
+// A tenant's salt -- first 16 bytes of SHA-256("kvtier-tenant" | secret |
+// NAME) -- enters the identity of each of its namespaces (namespace.h):
+// the store keys its blocks under NamespaceId of the spec with cache_salt
+// "tenant:NAME:SALT|<the client's own cache_salt>", so the same prompt of
+// two tenants is two blocks, and a tenant can name only its own.
+// Immutable after Parse; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <shared_mutex>
+#include <unordered_map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/block_key.h"
+
+namespace kvtier::store {
+
+struct Tenant {
+  std::string name;
+  int index = 0;  // position in the file: its RAM pool
+  std::string salt;  // 32 hex digits
+  uint64_t ram_bytes = 0;
+  uint64_t nvme_bytes = 0;   // 0: no tenant limit
+  uint64_t max_leases = 0;   // 0: the store's per-client limit
+  uint64_t max_namespaces = 16;
+  std::vector<std::string> identities;
+  std::vector<std::string> token_sha256;  // lowercase hex
+  std::vector<std::string> models;        // empty: any
+
+  // INVALID_ARGUMENT naming the model pattern list when spec.model is not
+  // in it.
+  absl::Status AllowsModel(const std::string& model) const;
+  // spec as the store keys it for this tenant (its salt in cache_salt).
+  NamespaceSpec Salted(const NamespaceSpec& spec) const;
+};
+
+class Tenants {
+ public:
+  // INVALID_ARGUMENT naming the line and what is wrong.
+  static absl::StatusOr<std::shared_ptr<const Tenants>> Parse(std::string_view text);
+  static absl::StatusOr<std::shared_ptr<const Tenants>> Load(const std::string& path);
+
+  const std::vector<Tenant>& all() const { return tenants_; }
+  // The tenant one of these certificate names belongs to; null if none.
+  const Tenant* ByIdentity(const std::vector<std::string>& names) const;
+  // The tenant whose token this is (compared as SHA-256); null if none.
+  const Tenant* ByToken(std::string_view token) const;
+  // For a spec the store keeps (Tenant::Salted): its tenant and the spec as
+  // the tenant registered it. Null tenant for an unsalted spec or one of a
+  // tenant no longer in the file.
+  const Tenant* Unsalt(const NamespaceSpec& stored, NamespaceSpec* client) const;
+  uint64_t ram_bytes() const;  // all tenants' RAM quotas
+
+ private:
+  std::vector<Tenant> tenants_;
+};
+
+// Lowercase hex SHA-256 of data.
+std::string Sha256Hex(std::string_view data);
+
+}  // namespace kvtier::store
+
+namespace kvtier::store {
+
+// Which tenant each namespace the store keys belongs to: read on every RAM
+// tier operation (which pool) and NVMe write (whose quota). The registry
+// keeps it current. Thread-safe; its lock is a leaf (taken under the tiers'
+// locks, never the other way round).
+class NamespaceTenants {
+ public:
+  void Set(uint64_t ns, int tenant) {
+    std::unique_lock lk(mu_);
+    map_[ns] = tenant;
+  }
+  void Erase(uint64_t ns) {
+    std::unique_lock lk(mu_);
+    map_.erase(ns);
+  }
+  // The tenant's index, or -1 for a namespace of no tenant.
+  int Of(uint64_t ns) const {
+    std::shared_lock lk(mu_);
+    auto it = map_.find(ns);
+    return it == map_.end() ? -1 : it->second;
+  }
+
+ private:
+  mutable std::shared_mutex mu_;
+  std::unordered_map<uint64_t, int> map_;
+};
+
+}  // namespace kvtier::store

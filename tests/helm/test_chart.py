@@ -92,6 +92,34 @@ def validate_k8s(items):
     return out.returncode, out.stdout + out.stderr
 
 
+def check_tenants(values, schema):
+    """store.tenantsSecret mounts the Secret and passes --tenants-file; the
+    rendered flags, with a real tenants file at that path, pass the store's
+    --check-config (which refuses tenants without an admin gate)."""
+    v = copy.deepcopy(values)
+    v["store"]["tenantsSecret"] = "kv-tenants"
+    jsonschema.validate(v, schema)
+    sts = find(objects(render(v)), "StatefulSet", "-store")
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    check("--tenants-file=/etc/kvtier/tenants/tenants" in c["args"], "tenants: --tenants-file passed")
+    check(any(vol.get("secret", {}).get("secretName") == "kv-tenants" for vol in pod["volumes"]) and
+          any(m["mountPath"] == "/etc/kvtier/tenants" for m in c["volumeMounts"]),
+          "tenants: the Secret is mounted where the flag points")
+    d = tempfile.mkdtemp(prefix="kvtier-chart-tenants-")
+    with open(os.path.join(d, "tenants"), "w") as f:
+        f.write("tenant a ram=1GiB identities=a\n")
+    with open(os.path.join(d, "token"), "w") as f:
+        f.write("t\n")
+    args = [a.replace("/etc/kvtier/tenants/tenants", os.path.join(d, "tenants"))
+             .replace("/etc/kvtier/admin/token", os.path.join(d, "token")) for a in c["args"]]
+    rc, out = check_config("cachestore/kvtier-store", args)
+    check(rc == 0, "tenants: rendered store flags pass --check-config: " + out)
+    nodata = [a for a in args if not a.startswith("--admin-token-file")]
+    rc, out = check_config("cachestore/kvtier-store", nodata)
+    check(rc == 2 and "--admin-token-file" in out, "tenants without an admin gate are refused: " + out)
+
+
 def check_api_schemas():
     """Every object rendered under any configuration above passes the
     Kubernetes OpenAPI schema, unknown fields refused; and the validator
@@ -519,6 +547,7 @@ def main():
     check_vllm_sources(values, schema)
     check_source_identities(values, schema)
     check_admin_token_and_network_policy(values, schema)
+    check_tenants(values, schema)
     check_api_schemas()
 
     print("%d passed, %d failed" % (passed, failed))

@@ -189,6 +189,12 @@ uint64_t DiskTier::TenantUsedLocked(int tenant) const {
   return used;
 }
 
+uint64_t DiskTier::TenantBytes(int tenant) const {
+  if (options_.tenant_of == nullptr) return 0;
+  std::lock_guard lk(mu_);
+  return TenantUsedLocked(tenant);
+}
+
 absl::Status DiskTier::Write(const BlockKey& key, const uint8_t* data, uint64_t length,
                              uint64_t checksum) {
   const uint64_t record_bytes = kRecordHeaderBytes + length;

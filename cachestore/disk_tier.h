@@ -115,6 +115,8 @@ class DiskTier : public Tier {
   absl::Status DeleteMeta(const std::string& key);
   std::vector<std::pair<std::string, std::string>> ScanMeta(const std::string& prefix) const;
 
+  // Bytes on NVMe of a tenant's blocks (DiskTierOptions::tenant_of).
+  uint64_t TenantBytes(int tenant) const;
   // Blocks until the write-back queue is empty (tests, shutdown).
   void WaitIdle();
   DiskQueueStats QueueStats() const;

@@ -39,6 +39,12 @@ absl::StatusOr<uint64_t> LeaseTable::Claim(const LeaseOwner& owner) {
   return next_id_++;
 }
 
+uint64_t LeaseTable::Held(const std::string& holder) const {
+  std::lock_guard lk(mu_);
+  auto it = by_client_.find(holder);
+  return it == by_client_.end() ? 0 : it->second;
+}
+
 void LeaseTable::Unclaim(const std::string& client) {
   std::lock_guard lk(mu_);
   auto it = by_client_.find(client);

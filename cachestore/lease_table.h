@@ -89,6 +89,8 @@ class LeaseTable {
   void Restore(uint64_t id, Lease lease);
 
   LeaseCounts counts() const;
+  // Open leases counted against a holder.
+  uint64_t Held(const std::string& holder) const;
   uint64_t lease_ms() const { return lease_ms_; }
 
  private:

@@ -69,6 +69,15 @@ absl::StatusOr<std::unique_ptr<RamTier>> RamTier::Create(const RamTierOptions& o
   return t;
 }
 
+uint64_t RamTier::PoolUsedBytes(size_t pool) const {
+  uint64_t used = 0;
+  const Pool& p = pools_.at(pool);
+  for (size_t i = p.first_shard; i < p.first_shard + p.shards; ++i) {
+    used += shards_[i]->used_bytes.load(std::memory_order_relaxed);
+  }
+  return used;
+}
+
 std::vector<PoolRegion> RamTier::pool_regions() const {
   std::vector<PoolRegion> out;
   for (const auto& p : pools_) out.push_back(p.region);
@@ -99,6 +108,7 @@ void RamTier::FreeSlotLocked(Shard& s, uint64_t offset) {
     }
   }
   counters_.used_bytes.fetch_sub(e.klass, std::memory_order_relaxed);
+  s.used_bytes.fetch_sub(e.klass, std::memory_order_relaxed);
   s.classes[e.klass].free.push_back(offset);
   --slab_used_[offset / arena_->slab_bytes()];
   s.entries.erase(it);
@@ -199,6 +209,7 @@ Placement RamTier::Reserve(const BlockKey& key, uint64_t length, uint64_t lease,
   s.index[key] = *off;
   ++slab_used_[*off / arena_->slab_bytes()];
   counters_.used_bytes.fetch_add(klass, std::memory_order_relaxed);
+  s.used_bytes.fetch_add(klass, std::memory_order_relaxed);
   *slot = Slot{*off, length, 0};
   return Placement::kReserved;
 }

@@ -9,6 +9,7 @@
 // Thread-safe.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -117,6 +118,8 @@ class RamTier : public Tier {
   int shards() const { return static_cast<int>(shards_.size()); }
   // The pools' regions, in pool order (one covering the arena without pools).
   std::vector<PoolRegion> pool_regions() const;
+  // Bytes of slots in use in a pool's region.
+  uint64_t PoolUsedBytes(size_t pool) const;
   // The pool a namespace's blocks live in.
   int PoolOf(uint64_t ns) const {
     if (pools_.size() == 1) return 0;
@@ -151,6 +154,7 @@ class RamTier : public Tier {
     std::vector<uint64_t> free_slabs;  // slab offsets
     std::map<uint64_t, uint64_t> carved;  // slab offset -> the size class it serves
     uint64_t clock = 0;
+    std::atomic<uint64_t> used_bytes{0};  // slot bytes in use (written under mu)
   };
 
   struct Pool {

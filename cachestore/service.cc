@@ -133,7 +133,7 @@ grpc::Status StoreService::Identify(const grpc::ServerContext& ctx, Caller* call
                                      " (KVTIER_TENANT_TOKEN for kvtier clients)"));
   }
   caller->tenant = t;
-  caller->owner = LeaseOwner(absl::StrCat("tenant ", t->name), t->max_leases, t->index);
+  caller->owner = LeaseOwner(TenantLeaseHolder(*t), t->max_leases, t->index);
   return grpc::Status::OK;
 }
 

@@ -47,6 +47,18 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
     m.Counter("kvtier_store_rpc_errors_total", "Store RPCs that returned an error", snap.errors,
               {{"rpc", rpc}});
   }
+  for (const auto& t : store_->TenantStats()) {
+    MetricsBuilder::Labels l = {{"tenant", t.name}};
+    m.Gauge("kvtier_store_tenant_ram_capacity_bytes", "Size of the tenant's RAM region",
+            t.ram_capacity_bytes, l);
+    m.Gauge("kvtier_store_tenant_ram_used_bytes", "Bytes of the tenant's RAM region in use",
+            t.ram_used_bytes, l);
+    m.Gauge("kvtier_store_tenant_nvme_bytes", "Bytes of the tenant's blocks on NVMe", t.nvme_bytes, l);
+    m.Gauge("kvtier_store_tenant_nvme_quota_bytes", "The tenant's NVMe quota (0: none of its own)",
+            t.nvme_quota_bytes, l);
+    m.Gauge("kvtier_store_tenant_leases", "Open leases of the tenant", t.leases, l);
+    m.Gauge("kvtier_store_tenant_namespaces", "Namespaces the tenant has registered", t.namespaces, l);
+  }
   m.Gauge("kvtier_store_uptime_seconds", "Seconds since start",
           std::chrono::duration<double>(Clock::now() - started_).count());
   return m.Take();

@@ -78,6 +78,23 @@ absl::StatusOr<NamespaceInfo> Store::ResolveNamespace(const Tenant& tenant,
   return namespaces_->Resolve(tenant, client_id);
 }
 
+std::vector<TenantUsage> Store::TenantStats() const {
+  std::vector<TenantUsage> out;
+  if (!options_.tenants) return out;
+  for (const auto& t : options_.tenants->all()) {
+    TenantUsage u;
+    u.name = t.name;
+    u.ram_capacity_bytes = ram_->pool_regions().at(t.index).length;
+    u.ram_used_bytes = ram_->PoolUsedBytes(t.index);
+    u.nvme_bytes = disk_->TenantBytes(t.index);
+    u.nvme_quota_bytes = t.nvme_bytes;
+    u.leases = leases_->Held(TenantLeaseHolder(t));
+    u.namespaces = namespaces_->List(&t).size();
+    out.push_back(std::move(u));
+  }
+  return out;
+}
+
 std::vector<NamespaceInfo> Store::ListNamespaces(const Tenant* tenant) const {
   return namespaces_->List(tenant);
 }

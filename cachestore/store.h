@@ -94,6 +94,13 @@ struct EvictResult {
   uint64_t ram_blocks = 0, disk_blocks = 0, pinned_blocks = 0;
 };
 
+// What one tenant holds (Store::TenantStats).
+struct TenantUsage {
+  std::string name;
+  uint64_t ram_capacity_bytes = 0, ram_used_bytes = 0, nvme_bytes = 0, nvme_quota_bytes = 0;
+  uint64_t leases = 0, namespaces = 0;
+};
+
 struct StoreStats {
   TierSnapshot ram, disk;
   DiskQueueStats queue;
@@ -180,6 +187,8 @@ class Store {
   std::pair<std::string, std::map<std::string, double>> GetPolicy(TierKind tier) const;
 
   StoreStats Stats() const;
+  // Per tenant, in the tenants file's order (empty without tenants).
+  std::vector<TenantUsage> TenantStats() const;
   // Per tier, what this shard's fetches took over the last seconds.
   std::vector<TierFetchFigures> FetchFigures();
   uint64_t lease_ms() const { return options_.lease_ms; }

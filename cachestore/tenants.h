@@ -58,6 +58,9 @@ struct Tenant {
   NamespaceSpec Salted(const NamespaceSpec& spec) const;
 };
 
+// Whom a tenant's leases count against (LeaseTable holders).
+inline std::string TenantLeaseHolder(const Tenant& t) { return "tenant " + t.name; }
+
 class Tenants {
  public:
   // INVALID_ARGUMENT naming the line and what is wrong.

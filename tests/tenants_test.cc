@@ -102,7 +102,8 @@ class Tenants : public ::testing::Test {
                                  "--data-dir=" + dir_.sub("db"), "--hugepages=false",
                                  "--ram-bytes=40MiB", "--disk-bytes=256MiB",
                                  "--tenants-file=" + dir_.sub("tenants"),
-                                 "--admin-token-file=" + dir_.sub("admin")});
+                                 "--admin-token-file=" + dir_.sub("admin"),
+                                 "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port_)});
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
   std::unique_ptr<StoreClient> Control(const std::string& token) {
@@ -156,7 +157,15 @@ class Tenants : public ::testing::Test {
     return c;
   }
 
+  // The value of a metric line that starts with `series` in a scrape; -1 if absent.
+  double Metric(const std::string& series) {
+    std::string page = testing::HttpGet(metrics_port_, "/metrics");
+    size_t at = page.find("\n" + series + " ");
+    return at == std::string::npos ? -1 : std::stod(page.substr(at + series.size() + 2));
+  }
+
   testing::TempDir dir_;
+  const int metrics_port_ = testing::FreePort();
   std::unique_ptr<ServerProcess> store_;
 };
 
@@ -342,6 +351,15 @@ TEST_F(Tenants, ATenantOverQuotaIsRefusedAndTheOthersAreUnaffected) {
   ASSERT_TRUE(stats.ok());
   EXPECT_GT(stats->tiers(1).used_bytes(), 0u);
   EXPECT_LE(stats->tiers(1).used_bytes(), (4u << 20) + 16 * 4096);
+  // The same, per tenant, in the metrics.
+  EXPECT_EQ(Metric("kvtier_store_tenant_ram_capacity_bytes{tenant=\"alpha\"}"), 16 << 20);
+  EXPECT_EQ(Metric("kvtier_store_tenant_ram_used_bytes{tenant=\"alpha\"}"), 16 << 20);
+  EXPECT_EQ(Metric("kvtier_store_tenant_ram_used_bytes{tenant=\"beta\"}"), 32 * kBlock);
+  EXPECT_EQ(Metric("kvtier_store_tenant_nvme_bytes{tenant=\"alpha\"}"),
+            stats->tiers(1).used_bytes());
+  EXPECT_EQ(Metric("kvtier_store_tenant_nvme_bytes{tenant=\"beta\"}"), 0);
+  EXPECT_EQ(Metric("kvtier_store_tenant_nvme_quota_bytes{tenant=\"alpha\"}"), 4 << 20);
+  EXPECT_EQ(Metric("kvtier_store_tenant_namespaces{tenant=\"beta\"}"), 1);
 
   // alpha reserves its whole region (64 slots) under one lease...
   v1::BeginPutRequest big;
@@ -352,6 +370,7 @@ TEST_F(Tenants, ATenantOverQuotaIsRefusedAndTheOthersAreUnaffected) {
   int reserved = 0;
   for (const auto& t : held.targets()) reserved += t.disposition() == v1::PUT_RESERVED ? 1 : 0;
   EXPECT_EQ(reserved, 64);
+  EXPECT_EQ(Metric("kvtier_store_tenant_leases{tenant=\"alpha\"}"), 1);
   // ... so its next put has nowhere to go.
   v1::BeginPutRequest one;
   one.set_namespace_id(na->id);

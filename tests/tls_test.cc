@@ -297,6 +297,47 @@ TEST_F(Tls, LeasesCountAgainstTheCertificateIdentity) {
   EXPECT_EQ(begin(other.get()), grpc::OK);
 }
 
+// With tenants under mutual TLS a certificate's name is the tenant: two
+// tenants' clients store the same block apart, neither finds the other's,
+// and a certificate no tenant names is refused.
+TEST_F(Tls, CertificateNamesSelectTheTenant) {
+  {
+    std::ofstream f(dir_.sub("tenants"));
+    f << "tenant team-a ram=2MiB identities=worker-a\n"
+      << "tenant team-b ram=2MiB identities=worker-b\n";
+    std::ofstream a(dir_.sub("admin-token"));
+    a << "admin-secret\n";
+  }
+  std::vector<std::string> flags = pki_.ServerFlags(/*mutual=*/true);
+  flags.insert(flags.end(), {"--ram-bytes=8MiB", "--ram-slab-bytes=1MiB",
+                             "--tenants-file=" + dir_.sub("tenants"),
+                             "--admin-token-file=" + dir_.sub("admin-token")});
+  ServerProcess store = Store(flags);
+  ASSERT_GT(store.port(), 0) << store.Log();
+  StoreClient a = Client(store, pki_.Client("ca", "worker-a"));
+  StoreClient b = Client(store, pki_.Client("ca", "worker-b"));
+  StoreClient nobody = Client(store, pki_.Client("ca", "admin"));
+  const NamespaceSpec spec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", ""};
+  auto na = a.RegisterNamespace(spec);
+  auto nb = b.RegisterNamespace(spec);
+  ASSERT_TRUE(na.ok()) << na.status();
+  ASSERT_TRUE(nb.ok()) << nb.status();
+  EXPECT_EQ(na->id, nb->id);  // each names it by its own spec
+  const BlockHash h{42, 43};
+  std::string bytes_a = testing::BlockBytesFor(1, na->block_bytes);
+  auto put = a.PutInline(na->id, {{h, bytes_a}});
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->stored, 1u);
+  auto got_a = a.GetInline(na->id, {h});
+  ASSERT_TRUE(got_a.ok()) << got_a.status();
+  ASSERT_EQ(got_a->size(), 1u);
+  EXPECT_EQ((*got_a)[0].data, bytes_a);
+  EXPECT_EQ(b.Lookup(nb->id, {h})->size(), 0u);
+  EXPECT_EQ(b.GetInline(nb->id, {h})->size(), 0u);
+  auto refused = nobody.Lookup(na->id, {h});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnauthenticated) << refused.status();
+}
+
 // A worker's hello and one block, published over `channel` as `id`.
 grpc::Status PublishAs(const std::shared_ptr<grpc::Channel>& channel, const std::string& id,
                        uint64_t epoch, const std::string& endpoint, v1::SourceKind kind,

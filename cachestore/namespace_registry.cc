@@ -142,7 +142,8 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Remove(uint64_t id) {
     if (owners_) owners_->Erase(info.id);
   }
   namespaces_.erase(it);
-  Log("store", "removed namespace ", NamespaceName(id), " (", CanonicalNamespace(info.spec), ")");
+  Log("store", "removed namespace ", NamespaceName(id), " (", CanonicalNamespace(info.client_spec),
+      ")");
   return info;
 }
 

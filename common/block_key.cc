@@ -59,11 +59,29 @@ absl::Status ValidateNamespace(const NamespaceSpec& spec) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// A free-text field with its separators escaped ("|" -> "\|", "\" ->
+// "\\"), so no two specs share a canonical string. Unchanged (and so are
+// the ids) for text without either character.
+std::string EscapeField(const std::string& s) {
+  if (s.find_first_of("|\\") == std::string::npos) return s;
+  std::string out;
+  for (char c : s) {
+    if (c == '|' || c == '\\') out.push_back('\\');
+    out.push_back(c);
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string CanonicalNamespace(const NamespaceSpec& spec) {
-  return absl::StrCat(spec.model, "|", spec.dtype, "|", spec.layers, "|", spec.kv_heads, "|",
-                      spec.head_dim, "|", spec.block_tokens, "|", spec.tp_rank, "|",
-                      spec.tp_size == 0 ? 1 : spec.tp_size, "|", spec.cache_salt,
-                      spec.kv_wire.empty() ? "" : "|", spec.kv_wire);
+  return absl::StrCat(EscapeField(spec.model), "|", spec.dtype, "|", spec.layers, "|",
+                      spec.kv_heads, "|", spec.head_dim, "|", spec.block_tokens, "|",
+                      spec.tp_rank, "|", spec.tp_size == 0 ? 1 : spec.tp_size, "|",
+                      EscapeField(spec.cache_salt), spec.kv_wire.empty() ? "" : "|",
+                      spec.kv_wire);
 }
 
 uint64_t NamespaceId(const NamespaceSpec& spec) {

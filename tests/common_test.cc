@@ -133,6 +133,30 @@ TEST(Namespace, IdSeparatesEveryField) {
   EXPECT_NE(NamespaceId(a), NamespaceId(b));
 }
 
+// Free text cannot pose as another field: a salt ending in "|int8" is not
+// the int8 wire format, and ids of text without separators are what they
+// always were.
+TEST(Namespace, FreeTextCannotPoseAsAnotherField) {
+  NamespaceSpec plain = Llama8B();
+  plain.dtype = "fp16";
+  NamespaceSpec salted = plain, packed = plain;
+  salted.cache_salt = "s|int8";
+  packed.cache_salt = "s";
+  packed.kv_wire = kKvWireInt8;
+  EXPECT_NE(CanonicalNamespace(salted), CanonicalNamespace(packed));
+  EXPECT_NE(NamespaceId(salted), NamespaceId(packed));
+  // Escapes are escaped too: "x\\" + "|" is not "x" + "\\|".
+  NamespaceSpec e1 = plain, e2 = plain;
+  e1.cache_salt = "x\\";
+  e1.kv_wire = kKvWireInt8;
+  e2.cache_salt = "x\\|int8";
+  EXPECT_NE(NamespaceId(e1), NamespaceId(e2));
+  // Unchanged for separator-free text (the canonical string of before).
+  EXPECT_EQ(CanonicalNamespace(Llama8B()).find('\\'), std::string::npos);
+  packed.cache_salt = "tenant-1";
+  EXPECT_EQ(CanonicalNamespace(packed), Llama8B().model + "|fp16|32|8|128|16|0|1|tenant-1|int8");
+}
+
 TEST(Namespace, ValidationNamesTheField) {
   NamespaceSpec s = Llama8B();
   s.dtype = "int3";

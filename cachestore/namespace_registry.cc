@@ -139,7 +139,9 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Remove(uint64_t id) {
   if (info.tenant >= 0) {
     by_tenant_.erase({info.tenant, info.client_id});
     --per_tenant_[info.tenant];
-    if (owners_) owners_->Erase(info.id);
+    // owners_ keeps it: blocks still pinned must stay in the same pool's
+    // shard until their leases end, and the id (its tenant's salt in it)
+    // can only ever be that tenant's.
   }
   namespaces_.erase(it);
   Log("store", "removed namespace ", NamespaceName(id), " (", CanonicalNamespace(info.client_spec),

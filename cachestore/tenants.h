@@ -91,17 +91,16 @@ namespace kvtier::store {
 
 // Which tenant each namespace the store keys belongs to: read on every RAM
 // tier operation (which pool) and NVMe write (whose quota). The registry
-// keeps it current. Thread-safe; its lock is a leaf (taken under the tiers'
-// locks, never the other way round).
+// sets an entry when a tenant's namespace appears and never changes it: a
+// store-side id has its tenant's salt in it, so it is only ever that
+// tenant's, and a block's pool must not change while it is resident.
+// Thread-safe; its lock is a leaf (taken under the tiers' locks, never the
+// other way round).
 class NamespaceTenants {
  public:
   void Set(uint64_t ns, int tenant) {
     std::unique_lock lk(mu_);
     map_[ns] = tenant;
-  }
-  void Erase(uint64_t ns) {
-    std::unique_lock lk(mu_);
-    map_.erase(ns);
   }
   // The tenant's index, or -1 for a namespace of no tenant.
   int Of(uint64_t ns) const {

@@ -426,6 +426,64 @@ TEST_F(Tenants, EachTenantGetsOnlyItsOwnRegionsKey) {
   }
 }
 
+// An operator removes a tenant's namespace while some of its blocks are
+// pinned: the pins end normally later, and the tenant registers it again
+// and goes on (its blocks stay in its own region throughout; beta, whose
+// region is not the first, would show a block changing pools).
+TEST_F(Tenants, RemovingANamespaceWithPinnedBlocksKeepsServing) {
+  auto beta = Data(kBetaToken);
+  auto nb = beta->control().RegisterNamespace(Spec());
+  ASSERT_TRUE(nb.ok());
+  std::vector<std::string> keep;
+  ASSERT_TRUE(Put(*beta, nb->id, 0, 4, /*seed=*/7, &keep).ok());
+  v1::BeginGetRequest get;
+  get.set_namespace_id(nb->id);
+  for (const auto& h : Chain(4)) {
+    auto* p = get.add_hashes();
+    p->set_hi(h.hi);
+    p->set_lo(h.lo);
+  }
+  v1::BeginGetResponse pinned;
+  ASSERT_TRUE(Raw(&v1::Store::Stub::BeginGet, kBetaToken, get, &pinned).ok());
+  ASSERT_EQ(pinned.sources_size(), 4);
+  // The operator finds it by the store's id and removes it.
+  auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
+  v1::ListNamespacesResponse all;
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-kvtier-admin-token", kAdminToken);
+    ASSERT_TRUE(stub->ListNamespaces(&ctx, {}, &all).ok());
+  }
+  ASSERT_EQ(all.namespaces_size(), 1);
+  v1::RemoveNamespaceRequest rm;
+  rm.set_namespace_id(all.namespaces(0).namespace_id());
+  v1::RemoveNamespaceResponse removed;
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-kvtier-admin-token", kAdminToken);
+    ASSERT_TRUE(stub->RemoveNamespace(&ctx, rm, &removed).ok());
+  }
+  EXPECT_EQ(removed.pinned_blocks(), 4u);
+  // A tenant cannot remove namespaces (an operator's RPC).
+  {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-kvtier-tenant-token", kBetaToken);
+    EXPECT_EQ(stub->RemoveNamespace(&ctx, rm, &removed).error_code(), grpc::PERMISSION_DENIED);
+  }
+  v1::EndGetRequest end;
+  end.set_lease_id(pinned.lease_id());
+  v1::EndGetResponse ended;
+  EXPECT_TRUE(Raw(&v1::Store::Stub::EndGet, kBetaToken, end, &ended).ok());
+  // The pinned blocks left beta's region when their pins ended.
+  EXPECT_EQ(Metric("kvtier_store_tenant_ram_used_bytes{tenant=\"beta\"}"), 0);
+  EXPECT_EQ(beta->control().Lookup(nb->id, Chain(4)).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(beta->control().RegisterNamespace(Spec()).ok());
+  EXPECT_EQ(beta->control().Lookup(nb->id, Chain(4))->size(), 0u);
+  ASSERT_TRUE(Put(*beta, nb->id, 0, 4, /*seed=*/8, &keep).ok());
+  EXPECT_EQ(GetExact(*beta, nb->id, 4, 8), 4u);
+  EXPECT_TRUE(store_->proc().running()) << store_->Log();
+}
+
 // Misconfigurations are refused at start, naming the flag.
 TEST(TenantsConfig, TheStoreRefusesTenantsWithoutAnOperatorOrRoom) {
   testing::TempDir dir;

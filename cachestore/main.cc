@@ -200,6 +200,16 @@ int main(int argc, char** argv) {
                    "list every namespace\n");
       return 2;
     }
+    for (const auto& t : tenants->all()) {
+      if (t.ram_bytes < f.slab_bytes) {
+        std::fprintf(stderr,
+                     "kvtier-store: flag --tenants-file: tenant %s's ram=%lu holds no whole RAM "
+                     "slab (--ram-slab-bytes %lu)\n",
+                     t.name.c_str(), static_cast<unsigned long>(t.ram_bytes),
+                     static_cast<unsigned long>(f.slab_bytes));
+        return 2;
+      }
+    }
     if (tenants->ram_bytes() > f.ram_bytes) {
       std::fprintf(stderr,
                    "kvtier-store: flag --tenants-file: the tenants' RAM regions take %lu bytes; "

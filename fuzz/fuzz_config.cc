@@ -1,9 +1,11 @@
-// libFuzzer: the flag/config parser (outside input: --config files, flags).
+// libFuzzer: the flag/config parser and the tenants file's (outside input:
+// --config files, flags, --tenants-file).
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cachestore/tenants.h"
 #include "common/config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -23,6 +25,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   f.HostPort("listen", &hp, "");
   (void)f.ParseConfigText(text, "fuzz.conf");
   if (n < -5 || n > 5 || d < 0 || d > 1) __builtin_trap();
+  // A tenants file that parses keeps its promises: every tenant has a RAM
+  // region and a principal, and its salted specs unsalt back to it.
+  if (auto t = kvtier::store::Tenants::Parse(text); t.ok()) {
+    for (const auto& tn : (*t)->all()) {
+      if (tn.ram_bytes == 0 || (tn.identities.empty() && tn.token_sha256.empty())) __builtin_trap();
+      kvtier::NamespaceSpec spec{"m", "fp16", 1, 1, 8, 16, 0, 1, text.substr(0, 64), ""};
+      kvtier::NamespaceSpec back;
+      if ((*t)->Unsalt(tn.Salted(spec), &back) != &tn || back.cache_salt != spec.cache_salt) {
+        __builtin_trap();
+      }
+    }
+  }
   (void)kvtier::ParseBytes(text);
   (void)kvtier::ParseDurationMs(text);
   // The same text as command-line words.

@@ -510,6 +510,10 @@ TEST(TenantsConfig, TheStoreRefusesTenantsWithoutAnOperatorOrRoom) {
   EXPECT_NE(out2.find("--ram-bytes is"), std::string::npos) << out2;
   auto [rc3, out3] = run({"--ram-bytes=128MiB", "--admin-token-file=" + dir.sub("admin")});
   EXPECT_EQ(rc3, 0) << out3;
+  auto [rc4, out4] = run({"--ram-bytes=128MiB", "--ram-slab-bytes=128MiB",
+                          "--admin-token-file=" + dir.sub("admin")});
+  EXPECT_EQ(rc4, 2);
+  EXPECT_NE(out4.find("tenant a's ram=67108864 holds no whole RAM slab"), std::string::npos) << out4;
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/dtype.h"
@@ -32,8 +33,19 @@ absl::Status ValidateNamespace(const NamespaceSpec& spec) {
   if (spec.model.empty() || spec.model.size() > 256) {
     return absl::InvalidArgumentError("namespace model must be 1..256 bytes");
   }
+  // The canonical string separates fields with "|": a model holding one, or
+  // a salt ending as the kv_wire field would, could read as another spec.
+  if (spec.model.find('|') != std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("namespace model \"", spec.model, "\" may not contain \"|\""));
+  }
   if (spec.cache_salt.size() > 256) {
     return absl::InvalidArgumentError("namespace cache_salt must be at most 256 bytes");
+  }
+  if (absl::EndsWith(spec.cache_salt, absl::StrCat("|", kKvWireInt8))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "namespace cache_salt may not end in \"|", kKvWireInt8, "\" (it would read as kv_wire ",
+        kKvWireInt8, ")"));
   }
   auto elem = DtypeBytes(spec.dtype);
   if (!elem.ok()) return elem.status();
@@ -59,29 +71,11 @@ absl::Status ValidateNamespace(const NamespaceSpec& spec) {
   return absl::OkStatus();
 }
 
-namespace {
-
-// A free-text field with its separators escaped ("|" -> "\|", "\" ->
-// "\\"), so no two specs share a canonical string. Unchanged (and so are
-// the ids) for text without either character.
-std::string EscapeField(const std::string& s) {
-  if (s.find_first_of("|\\") == std::string::npos) return s;
-  std::string out;
-  for (char c : s) {
-    if (c == '|' || c == '\\') out.push_back('\\');
-    out.push_back(c);
-  }
-  return out;
-}
-
-}  // namespace
-
 std::string CanonicalNamespace(const NamespaceSpec& spec) {
-  return absl::StrCat(EscapeField(spec.model), "|", spec.dtype, "|", spec.layers, "|",
-                      spec.kv_heads, "|", spec.head_dim, "|", spec.block_tokens, "|",
-                      spec.tp_rank, "|", spec.tp_size == 0 ? 1 : spec.tp_size, "|",
-                      EscapeField(spec.cache_salt), spec.kv_wire.empty() ? "" : "|",
-                      spec.kv_wire);
+  return absl::StrCat(spec.model, "|", spec.dtype, "|", spec.layers, "|", spec.kv_heads, "|",
+                      spec.head_dim, "|", spec.block_tokens, "|", spec.tp_rank, "|",
+                      spec.tp_size == 0 ? 1 : spec.tp_size, "|", spec.cache_salt,
+                      spec.kv_wire.empty() ? "" : "|", spec.kv_wire);
 }
 
 uint64_t NamespaceId(const NamespaceSpec& spec) {

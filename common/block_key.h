@@ -82,10 +82,8 @@ absl::StatusOr<uint32_t> DtypeBytes(const std::string& dtype);
 absl::Status ValidateNamespace(const NamespaceSpec& spec);
 
 // "model|dtype|layers|kv_heads|head_dim|block_tokens|tp_rank|tp_size|salt",
-// with tp_size 0 read as 1, "|" and "\" in model and salt escaped with a
-// "\" (so no two specs share a string: a salt ending in "|int8" is not
-// kv_wire int8), and "|kv_wire" after it when kv_wire is set (so the ids of
-// namespaces without it are unchanged). The input of NamespaceId.
+// with tp_size 0 read as 1, and "|kv_wire" after it when kv_wire is set (so
+// the ids of namespaces without it are unchanged). The input of NamespaceId.
 std::string CanonicalNamespace(const NamespaceSpec& spec);
 
 // XXH3-64 of CanonicalNamespace(spec). REQUIRES: ValidateNamespace(spec).ok().

@@ -133,27 +133,24 @@ TEST(Namespace, IdSeparatesEveryField) {
   EXPECT_NE(NamespaceId(a), NamespaceId(b));
 }
 
-// Free text cannot pose as another field: a salt ending in "|int8" is not
-// the int8 wire format, and ids of text without separators are what they
-// always were.
+// Free text cannot pose as another field of the canonical string: a model
+// may not hold "|", nor a salt end as the kv_wire field would. Ids of
+// every other spec are what they always were.
 TEST(Namespace, FreeTextCannotPoseAsAnotherField) {
-  NamespaceSpec plain = Llama8B();
-  plain.dtype = "fp16";
-  NamespaceSpec salted = plain, packed = plain;
-  salted.cache_salt = "s|int8";
-  packed.cache_salt = "s";
-  packed.kv_wire = kKvWireInt8;
-  EXPECT_NE(CanonicalNamespace(salted), CanonicalNamespace(packed));
-  EXPECT_NE(NamespaceId(salted), NamespaceId(packed));
-  // Escapes are escaped too: "x\\" + "|" is not "x" + "\\|".
-  NamespaceSpec e1 = plain, e2 = plain;
-  e1.cache_salt = "x\\";
-  e1.kv_wire = kKvWireInt8;
-  e2.cache_salt = "x\\|int8";
-  EXPECT_NE(NamespaceId(e1), NamespaceId(e2));
-  // Unchanged for separator-free text (the canonical string of before).
-  EXPECT_EQ(CanonicalNamespace(Llama8B()).find('\\'), std::string::npos);
+  NamespaceSpec s = Llama8B();
+  s.dtype = "fp16";
+  s.cache_salt = "s|int8";
+  EXPECT_EQ(ValidateNamespace(s).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(ValidateNamespace(s).message().find("may not end in \"|int8\""), std::string::npos);
+  s.cache_salt = "salt=a|lora=b";  // "|" elsewhere in a salt is fine
+  EXPECT_TRUE(ValidateNamespace(s).ok());
+  s = Llama8B();
+  s.model = "m|bf16";
+  EXPECT_NE(ValidateNamespace(s).message().find("may not contain"), std::string::npos);
+  NamespaceSpec packed = Llama8B();
+  packed.dtype = "fp16";
   packed.cache_salt = "tenant-1";
+  packed.kv_wire = kKvWireInt8;
   EXPECT_EQ(CanonicalNamespace(packed), Llama8B().model + "|fp16|32|8|128|16|0|1|tenant-1|int8");
 }
 

@@ -194,3 +194,8 @@ def test_salted_lora_and_multimodal_requests_never_share_blocks(
     mm = v.Request("mm", prompt)
     mm.mm_features = [object()]  # type: ignore[attr-defined]
     assert sched.get_num_new_matched_tokens(mm, 0) == (0, False)
+    # A salt that holds the canonical string's separator (even one ending
+    # as the kv_wire field would) is a namespace of its own, not an error.
+    odd = v.Request("odd", prompt)
+    odd.cache_salt = "x|int8"  # type: ignore[attr-defined]
+    assert sched.get_num_new_matched_tokens(odd, 0) == (0, False)

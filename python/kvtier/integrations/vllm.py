@@ -150,12 +150,19 @@ def request_salt(request: Any) -> Optional[str]:
     parts = []
     salt = getattr(request, "cache_salt", None)
     if salt:
-        parts.append(f"salt={salt}")
+        parts.append(f"salt={_field(salt)}")
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        parts.append(f"lora={getattr(lora, 'lora_name', '')}:"
-                     f"{getattr(lora, 'lora_int_id', '')}")
+        parts.append(f"lora={_field(getattr(lora, 'lora_name', ''))}:"
+                     f"{_field(getattr(lora, 'lora_int_id', ''))}")
     return "|".join(parts)
+
+
+def _field(value: Any) -> str:
+    """A request's salt or adapter name with "%" and "|" percent-encoded, so
+    "|" only ever separates parts and a part can never pose as another
+    field of the namespace (a salt may not end in "|int8")."""
+    return str(value).replace("%", "%25").replace("|", "%7C")
 
 
 def _tp_rank() -> int:

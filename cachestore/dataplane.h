@@ -36,9 +36,10 @@ class DataPlaneServer {
   const std::string& worker_address() const { return worker_address_; }
   // Registered region i: its address, length and packed remote key.
   size_t regions() const { return regions_.size(); }
-  uint64_t base(size_t i = 0) const { return reinterpret_cast<uint64_t>(regions_[i]->addr()); }
-  uint64_t length(size_t i = 0) const { return regions_[i]->length(); }
-  const std::string& packed_rkey(size_t i = 0) const { return packed_rkeys_[i]; }
+  // REQUIRES: i < regions() (checked: std::out_of_range).
+  uint64_t base(size_t i = 0) const { return reinterpret_cast<uint64_t>(regions_.at(i)->addr()); }
+  uint64_t length(size_t i = 0) const { return regions_.at(i)->length(); }
+  const std::string& packed_rkey(size_t i = 0) const { return packed_rkeys_.at(i); }
   size_t connections() const { return connections_; }
 
  private:

@@ -210,6 +210,15 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
+    uint64_t nvme = 0;
+    for (const auto& t : tenants->all()) nvme += t.nvme_bytes;
+    if (nvme > f.disk_bytes) {
+      std::fprintf(stderr,
+                   "kvtier-store: flag --tenants-file: the tenants' nvme= quotas add up to %lu "
+                   "bytes; --disk-bytes is %lu (each tenant's NVMe share must be there)\n",
+                   static_cast<unsigned long>(nvme), static_cast<unsigned long>(f.disk_bytes));
+      return 2;
+    }
     if (tenants->ram_bytes() > f.ram_bytes) {
       std::fprintf(stderr,
                    "kvtier-store: flag --tenants-file: the tenants' RAM regions take %lu bytes; "
@@ -239,7 +248,9 @@ int main(int argc, char** argv) {
   o.ram.slab_bytes = f.slab_bytes;
   o.ram.policy = f.ram_policy;
   o.ram.try_hugepages = f.hugepages;
-  o.ram.shareable = f.local_shm;
+  // With tenants the arena is never a memfd: a same-host process that could
+  // open it would map every tenant's region.
+  o.ram.shareable = f.local_shm && !tenants;
   o.ram.prefault = f.prefault;
   o.ram.shards = static_cast<int>(f.ram_shards);
   o.disk.dir = f.data_dir;
@@ -308,7 +319,7 @@ int main(int argc, char** argv) {
     dataplane = std::move(*dp);
   }
   kvtier::store::StoreService service(store->get(), dataplane.get());
-  service.OfferSharedMemory(f.local_shm);
+  service.OfferSharedMemory(f.local_shm && !tenants);
   service.SetAdminToken(admin_token);
   service.SetAdminIdentity(f.admin_identity);
   auto started = kvtier::StartGrpcServer({"kvtier-store", f.listen, *server_credentials, {&service},

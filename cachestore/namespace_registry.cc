@@ -92,8 +92,8 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Register(const NamespaceSpec& c
     return absl::ResourceExhaustedError(absl::StrCat(
         "tenant ", tenant->name, " holds ", per_tenant_[tenant->index],
         " namespaces, its limit (namespaces= in the tenants file); namespace ", name, " (",
-        CanonicalNamespace(client_spec), ") is not registered. Remove unused ones with kvctl "
-        "namespaces rm ID"));
+        CanonicalNamespace(client_spec), ") is not registered. Ask an operator to remove unused "
+        "ones (kvctl namespaces rm ID) or raise namespaces="));
   }
   if (max_namespaces_ != 0 && namespaces_.size() >= max_namespaces_) {
     return absl::ResourceExhaustedError(absl::StrCat(

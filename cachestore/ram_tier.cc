@@ -198,6 +198,9 @@ bool RamTier::ReclaimEmptySlabLocked(Shard& s, uint64_t klass) {
 Placement RamTier::Reserve(const BlockKey& key, uint64_t length, uint64_t lease, Slot* slot) {
   uint64_t klass = SlotClass(length);
   if (klass > arena_->slab_bytes()) return Placement::kNoSpace;
+  // With pools, a block of no tenant has no region to live in (never the
+  // first tenant's by default).
+  if (pools_.size() > 1 && pool_of_->Of(key.ns) < 0) return Placement::kNoSpace;
   Shard& s = ShardFor(key);
   std::lock_guard lk(s.mu);
   if (auto it = s.index.find(key); it != s.index.end()) {

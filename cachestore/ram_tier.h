@@ -120,7 +120,8 @@ class RamTier : public Tier {
   std::vector<PoolRegion> pool_regions() const;
   // Bytes of slots in use in a pool's region.
   uint64_t PoolUsedBytes(size_t pool) const;
-  // The pool a namespace's blocks live in.
+  // The pool a namespace's blocks live in (for lookups, pool 0 for a
+  // namespace of no tenant, which Reserve refuses to place).
   int PoolOf(uint64_t ns) const {
     if (pools_.size() == 1) return 0;
     int t = pool_of_->Of(ns);

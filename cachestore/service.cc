@@ -512,6 +512,11 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
   // its connection knows), and never the arena's memfd, which would map
   // every tenant's region.
   const size_t region = caller.tenant ? static_cast<size_t>(caller.tenant->index) : 0;
+  if (region >= dataplane_->regions()) {
+    return t.Done(grpc::Status(grpc::FAILED_PRECONDITION,
+                               "this store's data plane registered no region for the caller's "
+                               "tenant; use PutBlocks/GetBlocks"));
+  }
   auto* r = resp->add_regions();
   r->set_rkey_id(0);
   r->set_base_addr(dataplane_->base(region));

@@ -97,7 +97,8 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
       return absl::InvalidArgumentError(absl::StrCat("line ", line_no, ": ", what...));
     };
     if (f[0] == "secret") {
-      if (f.size() != 2) return bad("expected secret VALUE");
+      if (f.size() != 2) return bad("expected secret VALUE (no spaces, no #)");
+      if (!secret.empty()) return bad("a second secret line");
       if (!t->tenants_.empty()) return bad("secret must come before the first tenant");
       secret = std::string(f[1]);
       continue;
@@ -115,10 +116,12 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
     }
     tn.index = static_cast<int>(t->tenants_.size());
     bool has_ram = false;
+    std::set<std::string> keys;
     for (size_t i = 2; i < f.size(); ++i) {
       std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(f[i], absl::MaxSplits('=', 1));
       const std::string key(kv.first), value(kv.second);
       if (value.empty()) return bad("\"", f[i], "\" is not KEY=VALUE");
+      if (!keys.insert(key).second) return bad(key, "= is given twice for tenant ", tn.name);
       if (key == "ram" || key == "nvme") {
         auto b = ParseBytes(value);
         if (!b.ok()) return bad(key, ": ", b.status().message());
@@ -155,10 +158,18 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
     if (tn.identities.empty() && tn.token_sha256.empty()) {
       return bad("tenant ", tn.name, " has no identities= and no token-sha256=: nobody could act as it");
     }
+    if (tn.ram_bytes > (uint64_t{1} << 50) || tn.nvme_bytes > (uint64_t{1} << 60)) {
+      return bad("tenant ", tn.name, ": ram= at most 1 PiB, nvme= at most 1 EiB");
+    }
     tn.salt = Sha256Hex(absl::StrCat("kvtier-tenant|", secret, "|", tn.name)).substr(0, kSaltHexDigits);
     t->tenants_.push_back(std::move(tn));
   }
   if (t->tenants_.empty()) return absl::InvalidArgumentError("no tenant is defined");
+  if (secret.empty()) {
+    return absl::InvalidArgumentError(
+        "no \"secret SECRET\" line: it keys the tenants' salts, which must not be guessable "
+        "(a long random string, e.g. from openssl rand -hex 32; keep the file secret)");
+  }
   return std::shared_ptr<const Tenants>(std::move(t));
 }
 

@@ -4,7 +4,7 @@
 //
 // File format, one tenant a line, # comments:
 //
-//   secret SECRET                       (optional, once: keys the salts)
+//   secret SECRET                       (required, once, first: keys the salts)
 //   tenant NAME ram=SIZE [nvme=SIZE] [leases=N] [namespaces=N]
 //          [identities=NAME,...] [token-sha256=HEX,...] [models=PATTERN,...]
 //
@@ -18,7 +18,8 @@
 // (a trailing * is a prefix); default any.
 //
 // A tenant's salt -- first 16 bytes of SHA-256("kvtier-tenant" | secret |
-// NAME) -- enters the identity of each of its namespaces (namespace.h):
+// NAME), so nobody without the file can compute it -- enters the identity
+// of each of its namespaces (common/block_key.h):
 // the store keys its blocks under NamespaceId of the spec with cache_salt
 // "tenant:NAME:SALT|<the client's own cache_salt>", so the same prompt of
 // two tenants is two blocks, and a tenant can name only its own.

@@ -64,6 +64,60 @@ TEST(RamTier, ReserveWriteCommitPinRead) {
   EXPECT_EQ(t->Snapshot().hits, 1u);
 }
 
+// Pools (tenants): each namespace's blocks stay in its tenant's region, a
+// full pool evicts only its own blocks, and a namespace of no tenant gets
+// no slot anywhere.
+TEST(RamTier, PoolsKeepEachTenantsBlocksInItsOwnRegion) {
+  NamespaceTenants owners;
+  owners.Set(10, 0);
+  owners.Set(20, 1);
+  RamTierOptions o;
+  o.bytes = 2 << 20;
+  o.slab_bytes = 256 << 10;
+  o.try_hugepages = false;
+  o.pools = {512 << 10, 1 << 20};
+  o.pool_of = &owners;
+  std::vector<uint64_t> evicted_ns;
+  auto t = RamTier::Create(o, [&](const EvictedBlock& b) {
+    evicted_ns.push_back(b.key.ns);
+    return true;
+  });
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto regions = (*t)->pool_regions();
+  ASSERT_EQ(regions.size(), 2u);
+  EXPECT_EQ(regions[0].offset, 0u);
+  EXPECT_EQ(regions[0].length, 512u << 10);
+  EXPECT_EQ(regions[1].offset, 512u << 10);
+  EXPECT_EQ(regions[1].length, 1u << 20);
+  std::string bytes(kBlock, 'x');
+  auto insert = [&](uint64_t n, uint64_t ns, Slot* slot) {
+    return (*t)->InsertCopy(Key(n, ns), reinterpret_cast<const uint8_t*>(bytes.data()), kBlock,
+                            Checksum(bytes.data(), kBlock), false, false, slot);
+  };
+  // Tenant 1 fills its region (16 slots); tenant 0 then writes 3x its own 8.
+  Slot slot;
+  for (uint64_t n = 0; n < 16; ++n) {
+    ASSERT_EQ(insert(n, 20, &slot), Placement::kReserved);
+    EXPECT_GE(slot.offset, regions[1].offset);
+    EXPECT_LE(slot.offset + kBlock, regions[1].offset + regions[1].length);
+  }
+  for (uint64_t n = 100; n < 124; ++n) {
+    ASSERT_EQ(insert(n, 10, &slot), Placement::kReserved);
+    EXPECT_LE(slot.offset + kBlock, regions[0].length);
+  }
+  EXPECT_EQ(evicted_ns.size(), 16u);
+  for (uint64_t ns : evicted_ns) EXPECT_EQ(ns, 10u);  // only its own
+  for (uint64_t n = 0; n < 16; ++n) EXPECT_TRUE((*t)->Contains(Key(n, 20)));
+  EXPECT_EQ((*t)->PoolUsedBytes(0), 512u << 10);
+  EXPECT_EQ((*t)->PoolUsedBytes(1), 1u << 20);
+  EXPECT_EQ(insert(1, 99, &slot), Placement::kNoSpace);  // no tenant
+  // Pools that do not fit, or hold no slab, are refused.
+  o.pools = {1 << 20, 2 << 20};
+  EXPECT_FALSE(RamTier::Create(o, nullptr).ok());
+  o.pools = {100 << 10};
+  EXPECT_FALSE(RamTier::Create(o, nullptr).ok());
+}
+
 TEST(RamTier, ReleaseFreesTheSlot) {
   auto t = MakeTier(256 << 10, nullptr);  // one slab of four 64 KiB slots
   Slot s[4];

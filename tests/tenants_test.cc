@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "cachestore/tenants.h"
@@ -72,6 +73,10 @@ TEST(TenantsFile, ParsesAndNamesWhatIsWrong) {
            {"tenant a/b ram=8MiB identities=x\n", "must be 1..64"},
            {"tenant a ram=8MiB identities=x\nsecret late\n", "before the first tenant"},
            {"# nothing\n", "no tenant"},
+           {"tenant a ram=8MiB identities=x\n", "no \"secret SECRET\" line"},
+           {"secret a\nsecret b\n", "a second secret"},
+           {"tenant a ram=8MiB ram=9MiB identities=x\n", "ram= is given twice"},
+           {"tenant a ram=2251799813685248 identities=x\n", "at most 1 PiB"},
        }) {
     auto bad = store::Tenants::Parse(text);
     ASSERT_FALSE(bad.ok()) << text;
@@ -410,6 +415,15 @@ TEST_F(Tenants, EachTenantGetsOnlyItsOwnRegionsKey) {
   // only RDMA hardware enforces a region; docs/security.md.)
   EXPECT_EQ(ra.shm_path(), "");
   EXPECT_EQ(rb.shm_path(), "");
+  // Nor does the store hold one a same-host process could open.
+  int memfds = 0;
+  for (const auto& e : std::filesystem::directory_iterator(
+           "/proc/" + std::to_string(store_->proc().pid()) + "/fd")) {
+    std::error_code ec;
+    auto target = std::filesystem::read_symlink(e.path(), ec);
+    if (!ec && target.string().find("kvtier-ram-tier") != std::string::npos) ++memfds;
+  }
+  EXPECT_EQ(memfds, 0);
   // Every address a put hands alpha lies in alpha's region.
   auto ctl = Control(kAlphaToken);
   auto ns = ctl->RegisterNamespace(Spec());
@@ -489,7 +503,7 @@ TEST(TenantsConfig, TheStoreRefusesTenantsWithoutAnOperatorOrRoom) {
   testing::TempDir dir;
   {
     std::ofstream f(dir.sub("tenants"));
-    f << "tenant a ram=64MiB identities=x\n";
+    f << "secret s\ntenant a ram=64MiB identities=x\n";
     std::ofstream a(dir.sub("admin"));
     a << "t\n";
   }
@@ -514,6 +528,17 @@ TEST(TenantsConfig, TheStoreRefusesTenantsWithoutAnOperatorOrRoom) {
                           "--admin-token-file=" + dir.sub("admin")});
   EXPECT_EQ(rc4, 2);
   EXPECT_NE(out4.find("tenant a's ram=67108864 holds no whole RAM slab"), std::string::npos) << out4;
+  auto [rc5, out5] = run({"--ram-bytes=128MiB", "--disk-bytes=64MiB",
+                          "--admin-token-file=" + dir.sub("admin")});
+  EXPECT_EQ(rc5, 0) << out5;
+  {
+    std::ofstream f(dir.sub("tenants"));
+    f << "secret s\ntenant a ram=64MiB nvme=100MiB identities=x\n";
+  }
+  auto [rc6, out6] = run({"--ram-bytes=128MiB", "--disk-bytes=64MiB",
+                          "--admin-token-file=" + dir.sub("admin")});
+  EXPECT_EQ(rc6, 2);
+  EXPECT_NE(out6.find("nvme= quotas add up to"), std::string::npos) << out6;
 }
 
 }  // namespace

@@ -303,7 +303,8 @@ TEST_F(Tls, LeasesCountAgainstTheCertificateIdentity) {
 TEST_F(Tls, CertificateNamesSelectTheTenant) {
   {
     std::ofstream f(dir_.sub("tenants"));
-    f << "tenant team-a ram=2MiB identities=worker-a\n"
+    f << "secret tls-test\n"
+      << "tenant team-a ram=2MiB identities=worker-a\n"
       << "tenant team-b ram=2MiB identities=worker-b\n";
     std::ofstream a(dir_.sub("admin-token"));
     a << "admin-secret\n";

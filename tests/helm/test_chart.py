@@ -108,7 +108,7 @@ def check_tenants(values, schema):
           "tenants: the Secret is mounted where the flag points")
     d = tempfile.mkdtemp(prefix="kvtier-chart-tenants-")
     with open(os.path.join(d, "tenants"), "w") as f:
-        f.write("tenant a ram=1GiB identities=a\n")
+        f.write("secret chart-test\ntenant a ram=1GiB identities=a\n")
     with open(os.path.join(d, "token"), "w") as f:
         f.write("t\n")
     args = [a.replace("/etc/kvtier/tenants/tenants", os.path.join(d, "tenants"))

@@ -158,8 +158,8 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
     if (tn.identities.empty() && tn.token_sha256.empty()) {
       return bad("tenant ", tn.name, " has no identities= and no token-sha256=: nobody could act as it");
     }
-    if (tn.ram_bytes > (uint64_t{1} << 50) || tn.nvme_bytes > (uint64_t{1} << 60)) {
-      return bad("tenant ", tn.name, ": ram= at most 1 PiB, nvme= at most 1 EiB");
+    if (tn.ram_bytes > (uint64_t{1} << 50) || tn.nvme_bytes > (uint64_t{1} << 50)) {
+      return bad("tenant ", tn.name, ": ram= and nvme= at most 1 PiB each");
     }
     tn.salt = Sha256Hex(absl::StrCat("kvtier-tenant|", secret, "|", tn.name)).substr(0, kSaltHexDigits);
     t->tenants_.push_back(std::move(tn));

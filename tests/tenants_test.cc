@@ -76,7 +76,7 @@ TEST(TenantsFile, ParsesAndNamesWhatIsWrong) {
            {"tenant a ram=8MiB identities=x\n", "no \"secret SECRET\" line"},
            {"secret a\nsecret b\n", "a second secret"},
            {"tenant a ram=8MiB ram=9MiB identities=x\n", "ram= is given twice"},
-           {"tenant a ram=2251799813685248 identities=x\n", "at most 1 PiB"},
+           {"tenant a ram=2251799813685248 identities=x\n", "at most 1 PiB each"},
        }) {
     auto bad = store::Tenants::Parse(text);
     ASSERT_FALSE(bad.ok()) << text;

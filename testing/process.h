@@ -71,6 +71,23 @@ class Process {
   Process& operator=(const Process&) = delete;
 
   pid_t pid() const { return pid_; }
+  // SIGSTOP, then waits (up to 5 s) until the kernel reports the process
+  // stopped: kill() returns before every thread of a busy process has
+  // stopped, and calls sent meanwhile are still answered.
+  bool Stop() {
+    ::kill(pid_, SIGSTOP);
+    const std::string stat = "/proc/" + std::to_string(pid_) + "/stat";
+    auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (std::chrono::steady_clock::now() < end) {
+      std::ifstream in(stat);
+      std::string line;
+      std::getline(in, line);
+      size_t paren = line.rfind(')');
+      if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  }
   bool running() const { return pid_ > 0 && !exited_; }
   // Sends sig and waits (up to 10 s, then SIGKILL). Returns the wait status.
   int Kill(int sig) {

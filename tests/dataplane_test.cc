@@ -418,7 +418,7 @@ TEST(ShardedStore, AnUnreachableShardIsSkippedNotWaitedFor) {
     fn();
     return std::chrono::duration_cast<Ms>(std::chrono::steady_clock::now() - t).count();
   };
-  kill(stores[1]->proc().pid(), SIGSTOP);
+  ASSERT_TRUE(stores[1]->proc().Stop());
   EXPECT_GE(timed([&] { pin = c.Pin(ns->id, kBlock, chain); }), 350)
       << "the silent shard's call costs its deadline";
   ASSERT_TRUE(pin.ok()) << pin.status();

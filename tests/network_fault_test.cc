@@ -196,7 +196,7 @@ TEST(NetworkFaults, AStalledStoreFailsDataPlaneOperationsAtTheirDeadlineAndTheyR
 
   // The store stops answering on every connection (SIGSTOP: its sockets
   // stay open, nothing comes back, as in a partition).
-  ::kill(store.proc().pid(), SIGSTOP);
+  ASSERT_TRUE(store.proc().Stop());
   // kill() returns before every thread has stopped: wait for state T.
   ASSERT_TRUE(WaitFor([&] {
     std::ifstream stat("/proc/" + std::to_string(store.proc().pid()) + "/stat");

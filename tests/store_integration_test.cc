@@ -78,6 +78,23 @@ void WaitForDemotions(StoreClient& c) {
   FAIL() << "write-back queue did not drain";
 }
 
+// A server owns its port: a second store on a port in use fails to start,
+// saying so, instead of sharing the port's connections with the first.
+TEST(StoreIntegration, ASecondStoreOnAPortInUseFailsToStart) {
+  testing::TempDir dir;
+  StoreProcess first(dir.sub("a"));
+  const std::string listen = "--listen=127.0.0.1:" + first.address().substr(10);
+  testing::Process second(KVTIER_STORE_BIN,
+                          {listen, "--data-dir=" + dir.sub("b"), "--hugepages=false"},
+                          dir.sub("b.log"));
+  int status = second.Wait(std::chrono::seconds(20));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << "status " << status;
+  std::ifstream in(dir.sub("b.log"));
+  std::string log((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_NE(log.find("cannot listen on 127.0.0.1:"), std::string::npos) << log;
+  EXPECT_TRUE(first.proc().running());
+}
+
 TEST(StoreIntegration, InlineRoundTripIsByteExact) {
   testing::TempDir dir;
   StoreProcess store(dir.sub("db"), {"--ram-bytes=16MiB"});

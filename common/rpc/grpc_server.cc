@@ -106,6 +106,12 @@ absl::StatusOr<StartedServer> StartGrpcServer(const GrpcServerOptions& o) {
   // calls find one waiting.
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 4);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 64);
+  // No SO_REUSEPORT (gRPC's default on Linux): with it a second server on a
+  // port in use binds it too and the kernel splits connections between the
+  // two, and binding port 0 can hand out a port another process already
+  // serves on (seen: parallel test stores answering for each other). A
+  // server owns its port or fails to start.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   for (grpc::Service* s : o.services) builder.RegisterService(s);
   builder.experimental().SetInterceptorCreators(ServerInterceptors());
   started.server = builder.BuildAndStart();

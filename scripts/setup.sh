@@ -47,6 +47,10 @@ fi
 # The chart test's schema validator, pinned by tests/helm/package-lock.json.
 if ! cmp -s tests/helm/package-lock.json tests/helm/node_modules/.kvtier-installed-lock 2>/dev/null; then
   echo "setup: npm ci in tests/helm"
-  npm ci --prefix tests/helm --no-audit --no-fund --loglevel=error >/dev/null
+  if ! npm ci --prefix tests/helm --no-audit --no-fund --loglevel=error >/dev/null; then
+    echo "setup: npm ci failed: the chart test validates manifests with the npm packages in" \
+         "tests/helm/package-lock.json and needs the npm registry (or a mirror in ~/.npmrc)" >&2
+    exit 1
+  fi
   cp tests/helm/package-lock.json tests/helm/node_modules/.kvtier-installed-lock
 fi

@@ -56,7 +56,7 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& 
     t->policy_->Insert(e.seq);
     t->seq_ = std::max(t->seq_, e.seq);
     used += e.record_bytes;
-    t->ns_bytes_[key.ns] += e.record_bytes;
+    if (o.tenant_of) t->ns_bytes_[key.ns] += e.record_bytes;
   }
   t->counters_.used_bytes = used;
   t->counters_.items = t->index_.size();
@@ -278,7 +278,7 @@ absl::Status DiskTier::WriteRecord(const BlockKey& key, const std::string& recor
   }
   index_[key] = IndexEntry{record_bytes, checksum, seq};
   by_seq_[seq] = key;
-  ns_bytes_[key.ns] += record_bytes;
+  if (options_.tenant_of) ns_bytes_[key.ns] += record_bytes;
   policy_->Insert(seq);
   counters_.used_bytes.fetch_add(record_bytes, std::memory_order_relaxed);
   counters_.items.fetch_add(1, std::memory_order_relaxed);

@@ -156,7 +156,8 @@ class DiskTier : public Tier {
   mutable std::mutex mu_;  // index_, by_seq_, policy_, seq_
   std::unordered_map<BlockKey, IndexEntry, BlockKeyHasher> index_;
   std::unordered_map<uint64_t, BlockKey> by_seq_;
-  std::unordered_map<uint64_t, uint64_t> ns_bytes_;  // record bytes per namespace
+  // Record bytes per namespace, kept only with tenants (their quotas).
+  std::unordered_map<uint64_t, uint64_t> ns_bytes_;
   std::unique_ptr<EvictionPolicy> policy_;
   uint64_t seq_ = 0;
 

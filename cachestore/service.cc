@@ -33,12 +33,12 @@ constexpr char kTenantTokenKey[] = "x-kvtier-tenant-token";
 
 // Why a tenant's put found no room: its region is full of pinned or
 // half-written blocks (evictable ones would have made room).
-grpc::Status TenantRamFull(const Tenant& t) {
-  return grpc::Status(grpc::RESOURCE_EXHAUSTED,
-                      absl::StrCat("tenant ", t.name, "'s RAM region (", t.ram_bytes,
-                                   " bytes, ram= in the tenants file) has no slot to free: every "
-                                   "block in it is pinned or being written under open leases; "
-                                   "end or commit some, or raise its ram="));
+absl::Status TenantRamFull(const Tenant& t) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("tenant ", t.name, "'s RAM region (", t.ram_bytes,
+                   " bytes, ram= in the tenants file) has no slot to free: every block in it is "
+                   "pinned or being written under open leases; end or commit some, or raise its "
+                   "ram="));
 }
 
 // Times one RPC into its histogram, counting non-OK results as errors.
@@ -114,10 +114,7 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
 
 grpc::Status StoreService::Identify(const grpc::ServerContext& ctx, Caller* caller) const {
   const Tenants* tenants = store_->tenants();
-  if (tenants == nullptr) {
-    caller->owner = LeaseOwner(LeaseHolder(ctx));
-    return grpc::Status::OK;
-  }
+  if (tenants == nullptr) return grpc::Status::OK;
   const Tenant* t = tenants->ByIdentity(PeerCertificateNames(ctx));
   if (t == nullptr) {
     const auto& md = ctx.client_metadata();
@@ -133,15 +130,28 @@ grpc::Status StoreService::Identify(const grpc::ServerContext& ctx, Caller* call
                                      " (KVTIER_TENANT_TOKEN for kvtier clients)"));
   }
   caller->tenant = t;
-  caller->owner = LeaseOwner(TenantLeaseHolder(*t), t->max_leases, t->index);
   return grpc::Status::OK;
 }
 
-absl::StatusOr<uint64_t> StoreService::StoreNamespace(const Caller& caller, uint64_t ns) const {
-  if (caller.tenant == nullptr) return ns;
+grpc::Status StoreService::Identify(const grpc::ServerContext& ctx, uint64_t ns, Caller* caller,
+                                    uint64_t* store_ns) const {
+  if (auto s = Identify(ctx, caller); !s.ok()) return s;
+  return Resolve(*caller, ns, store_ns);
+}
+
+grpc::Status StoreService::Resolve(const Caller& caller, uint64_t ns, uint64_t* store_ns) const {
+  *store_ns = ns;
+  if (caller.tenant == nullptr) return grpc::Status::OK;
   auto info = store_->ResolveNamespace(*caller.tenant, ns);
-  if (!info.ok()) return info.status();
-  return info->id;
+  if (!info.ok()) return ToGrpc(info.status());
+  *store_ns = info->id;
+  return grpc::Status::OK;
+}
+
+LeaseOwner StoreService::OwnerOf(const grpc::ServerContext& ctx, const Caller& caller) const {
+  if (caller.tenant == nullptr) return LeaseOwner(LeaseHolder(ctx));
+  return LeaseOwner(TenantLeaseHolder(*caller.tenant), caller.tenant->max_leases,
+                    caller.tenant->index);
 }
 
 grpc::Status StoreService::RegisterNamespace(grpc::ServerContext* ctx,
@@ -181,10 +191,9 @@ grpc::Status StoreService::Lookup(grpc::ServerContext* ctx, const v1::LookupRequ
                                   v1::LookupResponse* resp) {
   RpcTimer t(fence_, Histogram("Lookup"));
   Caller caller;
-  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
-  auto ns = StoreNamespace(caller, req->namespace_id());
-  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
-  auto tiers = store_->Lookup(*ns, Hashes(req->hashes()));
+  uint64_t ns;
+  if (auto s = Identify(*ctx, req->namespace_id(), &caller, &ns); !s.ok()) return t.Done(s);
+  auto tiers = store_->Lookup(ns, Hashes(req->hashes()));
   if (!tiers.ok()) return t.Done(ToGrpc(tiers.status()));
   resp->set_present_blocks(static_cast<uint32_t>(tiers->size()));
   for (TierKind tier : *tiers) resp->add_tiers(ToProto(tier));
@@ -195,15 +204,14 @@ grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPut
                                     v1::BeginPutResponse* resp) {
   RpcTimer t(fence_, Histogram("BeginPut"));
   Caller caller;
-  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
-  auto ns = StoreNamespace(caller, req->namespace_id());
-  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
-  auto r = store_->BeginPut(*ns, Hashes(req->hashes()), caller.owner);
+  uint64_t ns;
+  if (auto s = Identify(*ctx, req->namespace_id(), &caller, &ns); !s.ok()) return t.Done(s);
+  auto r = store_->BeginPut(ns, Hashes(req->hashes()), OwnerOf(*ctx, caller));
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   if (caller.tenant && r->lease == 0 &&
       std::any_of(r->targets.begin(), r->targets.end(),
                   [](const PutTarget& p) { return p.placement == Placement::kNoSpace; })) {
-    return t.Done(TenantRamFull(*caller.tenant));
+    return t.Done(ToGrpc(TenantRamFull(*caller.tenant)));
   }
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
@@ -267,9 +275,9 @@ grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGet
     if (!gone.ok()) return t.Done(ToGrpc(gone.status()));
     for (uint64_t id : *gone) resp->add_leases_not_found(id);
   }
-  auto ns = StoreNamespace(caller, req->namespace_id());
-  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
-  auto r = store_->BeginGet(*ns, Hashes(req->hashes()), caller.owner);
+  uint64_t ns;
+  if (auto s = Resolve(caller, req->namespace_id(), &ns); !s.ok()) return t.Done(s);
+  auto r = store_->BeginGet(ns, Hashes(req->hashes()), OwnerOf(*ctx, caller));
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
@@ -318,10 +326,9 @@ grpc::Status StoreService::VerifyBlocks(grpc::ServerContext* ctx,
                                         v1::VerifyBlocksResponse* resp) {
   RpcTimer t(fence_, Histogram("VerifyBlocks"));
   Caller caller;
-  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
-  auto ns = StoreNamespace(caller, req->namespace_id());
-  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
-  auto r = store_->VerifyBlocks(*ns, Hashes(req->hashes()));
+  uint64_t ns;
+  if (auto s = Identify(*ctx, req->namespace_id(), &caller, &ns); !s.ok()) return t.Done(s);
+  auto r = store_->VerifyBlocks(ns, Hashes(req->hashes()));
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_checked(r->checked);
   resp->set_dropped(r->dropped);
@@ -342,13 +349,14 @@ grpc::Status StoreService::PutBlocks(grpc::ServerContext* ctx,
                                  absl::StrCat("message ", index, " of the stream has no hash")));
     }
     absl::StatusOr<InlinePutResult> r = absl::UnknownError("unset");
-    if (auto ns = StoreNamespace(caller, req.namespace_id()); ns.ok()) {
-      r = store_->PutInline(*ns, FromProto(req.hash()), req.data(), req.checksum());
+    uint64_t ns;
+    if (grpc::Status s = Resolve(caller, req.namespace_id(), &ns); s.ok()) {
+      r = store_->PutInline(ns, FromProto(req.hash()), req.data(), req.checksum());
     } else {
-      r = ns.status();
+      r = FromGrpc(s);
     }
     if (r.ok() && caller.tenant && r->outcome == InlinePutResult::kNoSpace) {
-      r = absl::ResourceExhaustedError(std::string(TenantRamFull(*caller.tenant).error_message()));
+      r = TenantRamFull(*caller.tenant);
     }
     if (!r.ok()) {
       // Blocks before this one stay stored; say which message failed.
@@ -377,12 +385,11 @@ grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBloc
                                      grpc::ServerWriter<v1::GetBlocksResponse>* writer) {
   RpcTimer t(fence_, Histogram("GetBlocks"));
   Caller caller;
-  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
-  auto ns = StoreNamespace(caller, req->namespace_id());
-  if (!ns.ok()) return t.Done(ToGrpc(ns.status()));
+  uint64_t ns;
+  if (auto s = Identify(*ctx, req->namespace_id(), &caller, &ns); !s.ok()) return t.Done(s);
   v1::GetBlocksResponse msg;
   auto s = store_->GetInline(
-      *ns, Hashes(req->hashes()),
+      ns, Hashes(req->hashes()),
       [&](uint32_t index, TierKind tier, std::string_view bytes, uint64_t checksum) {
         if (ctx->IsCancelled()) return false;
         msg.set_index(index);

@@ -77,17 +77,22 @@ class StoreService final : public kvtier::v1::Store::Service {
   LatencyHistogram& Histogram(const std::string& rpc) { return *histograms_.at(rpc); }
 
   // Who calls: with tenants, the caller's tenant (by certificate name or
-  // x-kvtier-tenant-token), else UNAUTHENTICATED; without, no tenant. The
-  // owner its leases count against either way.
+  // x-kvtier-tenant-token), else UNAUTHENTICATED; without, nobody in
+  // particular (and nothing is looked at).
   struct Caller {
     const Tenant* tenant = nullptr;
-    LeaseOwner owner{std::string()};
     int tenant_index() const { return tenant ? tenant->index : -1; }
   };
   grpc::Status Identify(const grpc::ServerContext& ctx, Caller* caller) const;
-  // The namespace the store keys under for the one the caller names (a
-  // tenant's, through its salt); NOT_FOUND as for an unregistered one.
-  absl::StatusOr<uint64_t> StoreNamespace(const Caller& caller, uint64_t ns) const;
+  // Identify, and the namespace the store keys under for the one the caller
+  // names (a tenant's, through its salt; NOT_FOUND as for an unregistered
+  // one).
+  grpc::Status Identify(const grpc::ServerContext& ctx, uint64_t ns, Caller* caller,
+                        uint64_t* store_ns) const;
+  // The namespace resolution alone, for a caller already identified.
+  grpc::Status Resolve(const Caller& caller, uint64_t ns, uint64_t* store_ns) const;
+  // Whom the caller's leases count against.
+  LeaseOwner OwnerOf(const grpc::ServerContext& ctx, const Caller& caller) const;
 
 
   Store* store_;

@@ -3,9 +3,7 @@
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
 
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -20,13 +18,6 @@ namespace {
 
 constexpr absl::string_view kSaltPrefix = "tenant:";
 constexpr size_t kSaltHexDigits = 32;
-
-bool PatternMatches(const std::string& pattern, const std::string& s) {
-  if (!pattern.empty() && pattern.back() == '*') {
-    return s.compare(0, pattern.size() - 1, pattern, 0, pattern.size() - 1) == 0;
-  }
-  return pattern == s;
-}
 
 bool ValidName(std::string_view name) {
   if (name.empty() || name.size() > 64) return false;
@@ -69,7 +60,7 @@ std::string Sha256Hex(std::string_view data) {
 absl::Status Tenant::AllowsModel(const std::string& model) const {
   if (models.empty()) return absl::OkStatus();
   for (const auto& p : models) {
-    if (PatternMatches(p, model)) return absl::OkStatus();
+    if (NameMatches(p, model)) return absl::OkStatus();
   }
   return absl::PermissionDeniedError(absl::StrCat("tenant ", name, " may not register model \"",
                                                   model, "\" (its models: ",
@@ -86,13 +77,9 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
   auto t = std::make_shared<Tenants>();
   std::string secret;
   std::set<std::string> identities, tokens;
-  int line_no = 0;
-  for (absl::string_view line : absl::StrSplit(absl::string_view(text.data(), text.size()), '\n')) {
-    ++line_no;
-    if (size_t hash = line.find('#'); hash != absl::string_view::npos) line = line.substr(0, hash);
-    std::vector<absl::string_view> f =
-        absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
-    if (f.empty()) continue;
+  for (const WordsLine& l : WordsLines(std::string(text))) {
+    const int line_no = l.number;
+    const std::vector<std::string>& f = l.words;
     auto bad = [&](const auto&... what) {
       return absl::InvalidArgumentError(absl::StrCat("line ", line_no, ": ", what...));
     };
@@ -100,14 +87,14 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
       if (f.size() != 2) return bad("expected secret VALUE (no spaces, no #)");
       if (!secret.empty()) return bad("a second secret line");
       if (!t->tenants_.empty()) return bad("secret must come before the first tenant");
-      secret = std::string(f[1]);
+      secret = f[1];
       continue;
     }
     if (f[0] != "tenant" || f.size() < 2) {
-      return bad("expected \"tenant NAME ram=SIZE ...\" or \"secret VALUE\", got \"", line, "\"");
+      return bad("expected \"tenant NAME ram=SIZE ...\" or \"secret VALUE\", got \"", l.text, "\"");
     }
     Tenant tn;
-    tn.name = std::string(f[1]);
+    tn.name = f[1];
     if (!ValidName(tn.name)) {
       return bad("tenant name \"", tn.name, "\" must be 1..64 of [A-Za-z0-9._-]");
     }
@@ -174,11 +161,9 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
 }
 
 absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Load(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read \"", path, "\""));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto t = Parse(ss.str());
+  auto text = ReadTextFile(path);
+  if (!text.ok()) return absl::InvalidArgumentError(text.status().message());
+  auto t = Parse(*text);
   if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", t.status().message()));
   return t;
 }

@@ -84,6 +84,39 @@ absl::StatusOr<uint64_t> ParseDurationMs(const std::string& text) {
   return static_cast<uint64_t>(std::llround(v * mult));
 }
 
+absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read \"", path, "\""));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<WordsLine> WordsLines(const std::string& text) {
+  std::vector<WordsLine> out;
+  int number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++number;
+    if (size_t hash = line.find('#'); hash != absl::string_view::npos) line = line.substr(0, hash);
+    WordsLine l;
+    for (absl::string_view w : absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty())) {
+      l.words.emplace_back(w);
+    }
+    if (l.words.empty()) continue;
+    l.number = number;
+    l.text = std::string(absl::StripAsciiWhitespace(line));
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+bool NameMatches(const std::string& pattern, const std::string& name) {
+  if (!pattern.empty() && pattern.back() == '*') {
+    return name.compare(0, pattern.size() - 1, pattern, 0, pattern.size() - 1) == 0;
+  }
+  return pattern == name;
+}
+
 absl::Status ValidateHostPort(const std::string& text) {
   size_t colon = text.rfind(':');
   if (colon == std::string::npos || colon == 0) {
@@ -265,14 +298,11 @@ absl::Status FlagSet::Parse(int argc, const char* const* argv,
     set_on_command_line_[name] = true;
   }
   if (!config_file.empty()) {
-    std::ifstream in(config_file);
-    if (!in) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("flag --config: cannot read \"", config_file, "\""));
+    auto text = ReadTextFile(config_file);
+    if (!text.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("flag --config: ", text.status().message()));
     }
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ParseConfigText(ss.str(), config_file);
+    return ParseConfigText(*text, config_file);
   }
   return absl::OkStatus();
 }

@@ -27,6 +27,24 @@ absl::StatusOr<uint64_t> ParseDurationMs(const std::string& text);
 // "HOST:PORT" -> (host, port); port 0 (pick one) is allowed.
 absl::Status ValidateHostPort(const std::string& text);
 
+// The whole file; NOT_FOUND "cannot read \"PATH\"" if it cannot be read.
+absl::StatusOr<std::string> ReadTextFile(const std::string& path);
+
+// One line of a words file (--source-identities, --tenants-file): its
+// 1-based number, its text without the comment, and its words.
+struct WordsLine {
+  int number = 0;
+  std::string text;
+  std::vector<std::string> words;
+};
+// The lines of text that hold words: "#" starts a comment, words are
+// separated by spaces and tabs, blank lines are dropped.
+std::vector<WordsLine> WordsLines(const std::string& text);
+
+// Whether name matches pattern: a pattern ending in "*" matches every name
+// that starts with what precedes it; any other pattern only itself.
+bool NameMatches(const std::string& pattern, const std::string& name);
+
 class FlagSet {
  public:
   FlagSet(std::string program, std::string summary);

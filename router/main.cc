@@ -6,8 +6,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
 #include "common/config.h"
@@ -26,11 +24,9 @@ namespace {
 template <typename T, typename Parse>
 bool ParseFlagFile(const char* flag, const std::string& path, Parse parse, std::vector<T>* out) {
   if (path.empty()) return true;
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
+  absl::StatusOr<std::string> text = kvtier::ReadTextFile(path);
   absl::StatusOr<std::vector<T>> parsed =
-      in ? parse(text.str()) : absl::StatusOr<std::vector<T>>(absl::NotFoundError("cannot read it"));
+      text.ok() ? parse(*text) : absl::StatusOr<std::vector<T>>(text.status());
   if (!parsed.ok()) {
     std::fprintf(stderr, "kvtier-router: flag --%s: %s: %s\n", flag, path.c_str(),
                  std::string(parsed.status().message()).c_str());

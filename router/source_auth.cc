@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/config.h"
 
 namespace kvtier::router {
 
@@ -19,13 +20,6 @@ const char* KindName(v1::SourceKind k) {
   }
 }
 
-bool IdMatches(const std::string& pattern, const std::string& id) {
-  if (!pattern.empty() && pattern.back() == '*') {
-    return id.compare(0, pattern.size() - 1, pattern, 0, pattern.size() - 1) == 0;
-  }
-  return pattern == id;
-}
-
 std::string Quoted(const std::vector<std::string>& names) {
   if (names.empty()) return "nothing";
   return absl::StrCat("\"", absl::StrJoin(names, "\", \""), "\"");
@@ -35,18 +29,15 @@ std::string Quoted(const std::vector<std::string>& names) {
 
 absl::StatusOr<std::vector<SourceIdentity>> ParseSourceIdentities(std::string_view text) {
   std::vector<SourceIdentity> out;
-  int line_no = 0;
-  for (absl::string_view line : absl::StrSplit(absl::string_view(text.data(), text.size()), '\n')) {
-    ++line_no;
-    if (size_t hash = line.find('#'); hash != absl::string_view::npos) line = line.substr(0, hash);
-    std::vector<absl::string_view> f = absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
-    if (f.empty()) continue;
+  for (const WordsLine& l : WordsLines(std::string(text))) {
+    const int line_no = l.number;
+    const std::vector<std::string>& f = l.words;
     if (f.size() < 2) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "line ", line_no, ": expected IDENTITY KIND [SOURCE-ID ...], got \"", line, "\""));
+          "line ", line_no, ": expected IDENTITY KIND [SOURCE-ID ...], got \"", l.text, "\""));
     }
     SourceIdentity si;
-    si.identity = std::string(f[0]);
+    si.identity = f[0];
     if (f[1] == "worker") {
       si.kind = v1::SOURCE_WORKER;
     } else if (f[1] == "store") {
@@ -106,7 +97,7 @@ absl::Status SourceAuth::Check(const std::vector<std::string>& cert_names,
     listed.push_back(si.identity);
     if (si.kind != hello.kind()) continue;
     for (const auto& pattern : si.ids) {
-      if (IdMatches(pattern, id)) return absl::OkStatus();
+      if (NameMatches(pattern, id)) return absl::OkStatus();
     }
   }
   if (listed.empty()) {

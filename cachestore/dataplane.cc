@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/ucx/calls.h"
 
 namespace kvtier::store {
 
@@ -50,6 +51,10 @@ absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(const st
     if (!rkey.ok()) return rkey.status();
     d->regions_.push_back(std::move(*region));
     d->packed_rkeys_.push_back(*rkey);
+  }
+  if (auto st = d->worker_->SetAmHandler(ucx::kCallAmId, &DataPlaneServer::OnCall, d.get());
+      !st.ok()) {
+    return st;
   }
   auto waddr = d->worker_->Address();
   if (!waddr.ok()) return waddr.status();
@@ -131,6 +136,68 @@ void DataPlaneServer::CloseFailed() {
   connections_ = endpoints_.size();
 }
 
+void DataPlaneServer::SetCallHandler(CallHandler handler) {
+  std::lock_guard lk(handler_mu_);
+  handler_ = std::move(handler);
+}
+
+ucs_status_t DataPlaneServer::OnCall(void* arg, const void* header, size_t header_length,
+                                     void* data, size_t length, const ucp_am_recv_param_t* param) {
+  auto* d = static_cast<DataPlaneServer*>(arg);
+  ucx::CallHeader h;
+  if (header_length != sizeof(h) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+    return UCS_OK;  // not a kvtier client, or nowhere to answer: dropped
+  }
+  std::memcpy(&h, header, sizeof(h));
+  PendingCall c{param->reply_ep, h.method, h.call_id,
+                std::string(reinterpret_cast<const char*>(h.session), sizeof(h.session)), {}};
+  if (h.magic != ucx::kCallMagic) {
+    d->Reply(c.reply_ep, c.call_id, {3, "not a kvtier.v1 data-plane call (magic)"});
+    return UCS_OK;
+  }
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+    // Rendezvous: kvtier clients send calls eager, so this is another one.
+    d->Reply(c.reply_ep, c.call_id, {3, "data-plane calls must be sent eager"});
+    return UCS_OK;
+  }
+  c.request.assign(static_cast<const char*>(data), length);
+  d->calls_.push_back(std::move(c));
+  return UCS_OK;
+}
+
+void DataPlaneServer::ServeCalls() {
+  std::vector<PendingCall> calls = std::move(calls_);
+  calls_.clear();
+  std::lock_guard lk(handler_mu_);
+  for (auto& c : calls) {
+    if (std::find(failed_.begin(), failed_.end(), c.reply_ep) != failed_.end()) continue;
+    CallReply r = handler_ ? handler_(c.method, c.session, c.request)
+                           : CallReply{14, "the store is not serving data-plane calls yet"};
+    Reply(c.reply_ep, c.call_id, std::move(r));
+  }
+}
+
+void DataPlaneServer::Reply(ucp_ep_h ep, uint64_t call_id, CallReply reply) {
+  struct Outgoing {
+    ucx::ReplyHeader header;
+    std::string body;
+  };
+  auto* out = new Outgoing{{ucx::kCallMagic, reply.code, call_id}, std::move(reply.body)};
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                   UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_EAGER;
+  p.cb.send = [](void* request, ucs_status_t, void* user) {
+    delete static_cast<Outgoing*>(user);
+    ucp_request_free(request);
+  };
+  p.user_data = out;
+  void* r = ucp_am_send_nbx(ep, ucx::kReplyAmId, &out->header, sizeof(out->header),
+                            out->body.data(), out->body.size(), &p);
+  // Done at once, or failed (the client went away): the callback never runs.
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) delete out;
+}
+
 void DataPlaneServer::Run() {
   int ep = epoll_create1(0);
   auto efd = worker_->EventFd();
@@ -146,6 +213,10 @@ void DataPlaneServer::Run() {
   for (;;) {
     bool worked = false;
     while (worker_->Progress() != 0) worked = true;
+    if (!calls_.empty()) {
+      ServeCalls();
+      worked = true;
+    }
     auto now = std::chrono::steady_clock::now();
     if (worked) last_work = now;
     if (!failed_.empty()) CloseFailed();

@@ -3,15 +3,20 @@
 // endpoints (TCP here, RDMA via rdmacm in a cluster, shared memory when the
 // client shares the host), and a progress thread that sleeps on the
 // worker's event fd when idle. Clients move bytes with one-sided put/get
-// straight into and out of arena slots: the store copies nothing.
+// straight into and out of arena slots: the store copies nothing. Control
+// calls that arrive as active messages (common/ucx/calls.h) are answered on
+// the progress thread by the call handler the service sets.
 // Thread-safe (the UCX worker is only touched by the progress thread after
 // Start returns).
 #pragma once
 
 #include <atomic>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -42,7 +47,32 @@ class DataPlaneServer {
   const std::string& packed_rkey(size_t i = 0) const { return packed_rkeys_.at(i); }
   size_t connections() const { return connections_; }
 
+  // A control call's answer: a google.rpc.Code and the response message (or,
+  // for a code other than 0, the error's text).
+  struct CallReply {
+    int code = 0;
+    std::string body;
+  };
+  // Answers one call (common/ucx/calls.h) on the progress thread: the method,
+  // the caller's session and the request message.
+  using CallHandler =
+      std::function<CallReply(uint16_t method, std::string_view session, std::string_view request)>;
+  // Sets (or, with nullptr, clears) the handler; calls that arrive without
+  // one are answered UNAVAILABLE. Returns once no call runs the old one.
+  void SetCallHandler(CallHandler handler);
+
  private:
+  struct PendingCall {
+    ucp_ep_h reply_ep;
+    uint16_t method;
+    uint64_t call_id;
+    std::string session, request;
+  };
+  static ucs_status_t OnCall(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param);
+  // Answers the calls that arrived during the last progress.
+  void ServeCalls();
+  void Reply(ucp_ep_h ep, uint64_t call_id, CallReply reply);
   DataPlaneServer() = default;
   static void OnConnect(ucp_conn_request_h request, void* arg);
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
@@ -61,7 +91,10 @@ class DataPlaneServer {
   // Touched only by the progress thread.
   std::vector<ucp_ep_h> endpoints_;
   std::vector<ucp_ep_h> failed_;
+  std::vector<PendingCall> calls_;
   std::atomic<size_t> connections_{0};
+  std::mutex handler_mu_;
+  CallHandler handler_;  // guarded by handler_mu_
 };
 
 }  // namespace kvtier::store

@@ -11,6 +11,8 @@
 #include "common/rpc/grpc_status.h"
 #include "common/rpc/proto_convert.h"
 #include "common/rpc/tls.h"
+#include "common/ucx/calls.h"
+#include "openssl/rand.h"
 
 namespace kvtier::store {
 
@@ -110,6 +112,20 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
                           "Evict", "RemoveNamespace", "GetStats", "GetPolicy", "SetPolicy", "ConnectDataPlane"}) {
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
+  // The same calls on the data plane, timed apart from their gRPC twins.
+  for (const char* rpc : {"DataPlaneBeginGet", "DataPlaneReleaseGets"}) {
+    histograms_[rpc] = std::make_unique<LatencyHistogram>();
+  }
+  if (dataplane_) {
+    dataplane_->SetCallHandler([this](uint16_t method, std::string_view session,
+                                      std::string_view request) {
+      return ServeCall(method, session, request);
+    });
+  }
+}
+
+StoreService::~StoreService() {
+  if (dataplane_) dataplane_->SetCallHandler(nullptr);
 }
 
 grpc::Status StoreService::Identify(const grpc::ServerContext& ctx, Caller* caller) const {
@@ -149,9 +165,83 @@ grpc::Status StoreService::Resolve(const Caller& caller, uint64_t ns, uint64_t* 
 }
 
 LeaseOwner StoreService::OwnerOf(const grpc::ServerContext& ctx, const Caller& caller) const {
-  if (caller.tenant == nullptr) return LeaseOwner(LeaseHolder(ctx));
+  return OwnerOf(caller, caller.tenant == nullptr ? LeaseHolder(ctx) : std::string());
+}
+
+LeaseOwner StoreService::OwnerOf(const Caller& caller, const std::string& connection_holder) {
+  if (caller.tenant == nullptr) return LeaseOwner(connection_holder);
   return LeaseOwner(TenantLeaseHolder(*caller.tenant), caller.tenant->max_leases,
                     caller.tenant->index);
+}
+
+std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerContext& ctx) {
+  std::string id(ucx::kSessionBytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(id.data()), static_cast<int>(id.size())) != 1) {
+    return {};  // no randomness: no session (the client keeps gRPC)
+  }
+  Session session{caller, caller.tenant == nullptr ? LeaseHolder(ctx) : std::string()};
+  std::lock_guard lk(sessions_mu_);
+  if (session_order_.size() >= kMaxSessions) {
+    sessions_.erase(session_order_.front());
+    session_order_.pop_front();
+  }
+  sessions_.emplace(id, std::move(session));
+  session_order_.push_back(id);
+  return id;
+}
+
+DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_view session_id,
+                                                   std::string_view request) {
+  auto reply = [](const grpc::Status& s, const google::protobuf::Message& resp) {
+    DataPlaneServer::CallReply r{static_cast<int>(s.error_code()), {}};
+    if (s.ok()) {
+      resp.SerializeToString(&r.body);
+    } else {
+      r.body = s.error_message();
+    }
+    return r;
+  };
+  Session session;
+  {
+    std::lock_guard lk(sessions_mu_);
+    auto it = sessions_.find(std::string(session_id));
+    if (it == sessions_.end()) {
+      return {grpc::UNAUTHENTICATED,
+              "unknown data-plane session (the store restarted or dropped it); call "
+              "ConnectDataPlane again"};
+    }
+    session = it->second;
+  }
+  switch (method) {
+    case ucx::kCallBeginGet: {
+      RpcTimer t(fence_, Histogram("DataPlaneBeginGet"));
+      v1::BeginGetRequest req;
+      v1::BeginGetResponse resp;
+      if (!req.ParseFromArray(request.data(), static_cast<int>(request.size()))) {
+        return reply(t.Done(grpc::Status(grpc::INVALID_ARGUMENT,
+                                         "data-plane BeginGet: not a BeginGetRequest")),
+                     resp);
+      }
+      return reply(t.Done(DoBeginGet(session.caller, OwnerOf(session.caller, session.holder), req,
+                                     &resp)),
+                   resp);
+    }
+    case ucx::kCallReleaseGets: {
+      RpcTimer t(fence_, Histogram("DataPlaneReleaseGets"));
+      v1::ReleaseGetsRequest req;
+      v1::ReleaseGetsResponse resp;
+      if (!req.ParseFromArray(request.data(), static_cast<int>(request.size()))) {
+        return reply(t.Done(grpc::Status(grpc::INVALID_ARGUMENT,
+                                         "data-plane ReleaseGets: not a ReleaseGetsRequest")),
+                     resp);
+      }
+      return reply(t.Done(DoReleaseGets(session.caller, req, &resp)), resp);
+    }
+    default:
+      return {grpc::UNIMPLEMENTED,
+              absl::StrCat("data-plane call method ", method,
+                           " is not one this store knows (1: BeginGet, 2: ReleaseGets)")};
+  }
 }
 
 grpc::Status StoreService::RegisterNamespace(grpc::ServerContext* ctx,
@@ -266,19 +356,25 @@ grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGet
   RpcTimer t(fence_, Histogram("BeginGet"));
   Caller caller;
   if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  return t.Done(DoBeginGet(caller, OwnerOf(*ctx, caller), *req, resp));
+}
+
+grpc::Status StoreService::DoBeginGet(const Caller& caller, const LeaseOwner& owner,
+                                      const v1::BeginGetRequest& req,
+                                      v1::BeginGetResponse* resp) {
   // Releases that travel with this request go first: their pins may be what
   // makes room for this one's promotions.
-  if (req->end_leases_size() > 0) {
+  if (req.end_leases_size() > 0) {
     auto gone = store_->ReleaseGets(
-        std::span<const uint64_t>(req->end_leases().data(), req->end_leases_size()),
+        std::span<const uint64_t>(req.end_leases().data(), req.end_leases_size()),
         caller.tenant_index());
-    if (!gone.ok()) return t.Done(ToGrpc(gone.status()));
+    if (!gone.ok()) return ToGrpc(gone.status());
     for (uint64_t id : *gone) resp->add_leases_not_found(id);
   }
   uint64_t ns;
-  if (auto s = Resolve(caller, req->namespace_id(), &ns); !s.ok()) return t.Done(s);
-  auto r = store_->BeginGet(ns, Hashes(req->hashes()), OwnerOf(*ctx, caller));
-  if (!r.ok()) return t.Done(ToGrpc(r.status()));
+  if (auto s = Resolve(caller, req.namespace_id(), &ns); !s.ok()) return s;
+  auto r = store_->BeginGet(ns, Hashes(req.hashes()), owner);
+  if (!r.ok()) return ToGrpc(r.status());
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
   resp->set_instance_id(instance_id_);
@@ -292,7 +388,7 @@ grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGet
     out->set_rkey_id(0);
     out->set_checksum(src.slot.checksum);
   }
-  return t.Done(grpc::Status::OK);
+  return grpc::Status::OK;
 }
 
 grpc::Status StoreService::EndGet(grpc::ServerContext* ctx, const v1::EndGetRequest* req,
@@ -309,16 +405,21 @@ grpc::Status StoreService::ReleaseGets(grpc::ServerContext* ctx,
   RpcTimer t(fence_, Histogram("ReleaseGets"));
   Caller caller;
   if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
-  if (req->lease_ids_size() == 0) {
-    return t.Done(grpc::Status(grpc::INVALID_ARGUMENT, "ReleaseGets names no lease"));
+  return t.Done(DoReleaseGets(caller, *req, resp));
+}
+
+grpc::Status StoreService::DoReleaseGets(const Caller& caller, const v1::ReleaseGetsRequest& req,
+                                         v1::ReleaseGetsResponse* resp) {
+  if (req.lease_ids_size() == 0) {
+    return grpc::Status(grpc::INVALID_ARGUMENT, "ReleaseGets names no lease");
   }
   auto gone = store_->ReleaseGets(
-      std::span<const uint64_t>(req->lease_ids().data(), req->lease_ids_size()),
+      std::span<const uint64_t>(req.lease_ids().data(), req.lease_ids_size()),
       caller.tenant_index());
-  if (!gone.ok()) return t.Done(ToGrpc(gone.status()));
+  if (!gone.ok()) return ToGrpc(gone.status());
   for (uint64_t id : *gone) resp->add_not_found(id);
-  resp->set_released(static_cast<uint32_t>(req->lease_ids_size() - gone->size()));
-  return t.Done(grpc::Status::OK);
+  resp->set_released(static_cast<uint32_t>(req.lease_ids_size() - gone->size()));
+  return grpc::Status::OK;
 }
 
 grpc::Status StoreService::VerifyBlocks(grpc::ServerContext* ctx,
@@ -530,6 +631,7 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
   r->set_length(dataplane_->length(region));
   r->set_packed_rkey(dataplane_->packed_rkey(region));
   if (offer_shm_ && caller.tenant == nullptr) r->set_shm_path(store_->ram().arena().shm_path());
+  resp->set_session(OpenSession(caller, *ctx));
   return t.Done(grpc::Status::OK);
 }
 

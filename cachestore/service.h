@@ -3,7 +3,10 @@
 #pragma once
 
 #include <atomic>
+#include <deque>
 #include <map>
+#include <mutex>
+#include <string_view>
 #include <memory>
 #include <string>
 
@@ -20,7 +23,10 @@ namespace kvtier::store {
 class StoreService final : public kvtier::v1::Store::Service {
  public:
   // dataplane may be null (no UCX data plane: inline path only).
+  // With a data plane, answers its control calls (common/ucx/calls.h) too.
   StoreService(Store* store, DataPlaneServer* dataplane);
+  // Stops answering data-plane calls (returns once none runs).
+  ~StoreService() override;
   // Whether ConnectDataPlane offers the RAM arena's memfd to same-host
   // clients (RemoteRegion.shm_path). Set before serving.
   void OfferSharedMemory(bool offer) { offer_shm_ = offer; }
@@ -93,6 +99,29 @@ class StoreService final : public kvtier::v1::Store::Service {
   grpc::Status Resolve(const Caller& caller, uint64_t ns, uint64_t* store_ns) const;
   // Whom the caller's leases count against.
   LeaseOwner OwnerOf(const grpc::ServerContext& ctx, const Caller& caller) const;
+  // Whom the leases of a caller count against, given the connection's
+  // holder name (LeaseHolder; unused for a tenant).
+  static LeaseOwner OwnerOf(const Caller& caller, const std::string& connection_holder);
+
+  // BeginGet and ReleaseGets for an identified caller, whichever way the
+  // call came (gRPC, or the data plane's control calls).
+  grpc::Status DoBeginGet(const Caller& caller, const LeaseOwner& owner,
+                          const v1::BeginGetRequest& req, v1::BeginGetResponse* resp);
+  grpc::Status DoReleaseGets(const Caller& caller, const v1::ReleaseGetsRequest& req,
+                             v1::ReleaseGetsResponse* resp);
+
+  // Data-plane sessions: ConnectDataPlane hands one out per connection, so a
+  // control call on the data plane acts as the authenticated caller did.
+  // At most kMaxSessions are kept (the oldest goes first; its client is
+  // answered UNAUTHENTICATED and connects again).
+  struct Session {
+    Caller caller;
+    std::string holder;  // LeaseHolder of the ConnectDataPlane call
+  };
+  static constexpr size_t kMaxSessions = 65536;
+  std::string OpenSession(const Caller& caller, const grpc::ServerContext& ctx);
+  DataPlaneServer::CallReply ServeCall(uint16_t method, std::string_view session,
+                                       std::string_view request);
 
 
   Store* store_;
@@ -102,6 +131,9 @@ class StoreService final : public kvtier::v1::Store::Service {
   AdminGate admin_;
   HandlerFence fence_;  // every handler releases it as it finishes
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
+  std::mutex sessions_mu_;
+  std::map<std::string, Session> sessions_;  // guarded by sessions_mu_
+  std::deque<std::string> session_order_;    // oldest first; guarded by sessions_mu_
   std::chrono::steady_clock::time_point started_;
   // Bytes handed out for RMA (reserved by BeginPut, pinned by BeginGet).
   std::atomic<uint64_t> rma_put_bytes_{0}, rma_get_bytes_{0};

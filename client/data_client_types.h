@@ -28,6 +28,11 @@ struct DataClientOptions {
   // How long a finished load's lease waits for the next pin to carry its
   // release before it is sent on its own (ReleaseGets).
   int release_delay_ms = 2;
+  // Send pins (BeginGet) and releases (ReleaseGets) as control calls on the
+  // data plane's UCX endpoint (common/ucx/calls.h) rather than as gRPC
+  // calls, where the store takes them: a load then costs one UCX round trip
+  // before its transfers. Stores that do not take them get gRPC.
+  bool data_plane_calls = true;
   // Connect through the store's sockaddr listener (RDMA-CM / TCP) instead of
   // its worker address. Sockaddr endpoints use network transports only.
   bool use_sockaddr = false;

@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/rpc/grpc_status.h"
+#include "common/ucx/calls.h"
 
 namespace kvtier {
 
@@ -35,13 +36,65 @@ bool UseSharedMemory(const DataClientOptions& options, const std::string& addres
 
 DataPlaneConnection::DataPlaneConnection(absl::StatusOr<std::unique_ptr<ucx::Worker>> worker,
                                          const std::string& address,
-                                         const DataClientOptions& options, StoreClient& control)
+                                         const DataClientOptions& options, StoreClient& control,
+                                         bool map_arena)
     : address_(address),
       options_(options),
       control_(control),
       init_error_(worker.status()),
-      backoff_ms_(options.backoff_min_ms) {
-  if (worker.ok()) worker_ = std::move(*worker);
+      backoff_ms_(options.backoff_min_ms),
+      map_arena_(map_arena) {
+  if (!worker.ok()) return;
+  worker_ = std::move(*worker);
+  init_error_ = worker_->SetAmHandler(ucx::kReplyAmId, &DataPlaneConnection::OnReply, this);
+}
+
+ucs_status_t DataPlaneConnection::OnReply(void* arg, const void* header, size_t header_length,
+                                          void* data, size_t length,
+                                          const ucp_am_recv_param_t* param) {
+  auto* c = static_cast<DataPlaneConnection*>(arg);
+  ucx::ReplyHeader h;
+  if (header_length != sizeof(h)) return UCS_OK;
+  std::memcpy(&h, header, sizeof(h));
+  // A late answer to a call given up on, or not ours: dropped.
+  if (h.magic != ucx::kCallMagic || h.call_id != c->call_id_ || c->replied_) return UCS_OK;
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) return UCS_OK;  // stores send eager
+  c->reply_code_ = h.code;
+  c->reply_.assign(static_cast<const char*>(data), length);
+  c->replied_ = true;
+  return UCS_OK;
+}
+
+absl::StatusOr<std::string> DataPlaneConnection::Call(uint16_t method, const std::string& request,
+                                                      ucx::Clock::time_point deadline) {
+  ucx::CallHeader h;
+  h.method = method;
+  h.call_id = ++call_id_;
+  std::memcpy(h.session, session_.data(), std::min(session_.size(), sizeof(h.session)));
+  replied_ = false;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;  // h lives until sent
+  std::vector<void*> sent = {ucp_am_send_nbx(ep_->get(), ucx::kCallAmId, &h, sizeof(h),
+                                             request.data(), request.size(), &p)};
+  absl::Status s = Wait(sent, deadline);  // drops the endpoint on failure
+  if (s.ok() && !worker_->WaitUntil([&] { return replied_ || ep_->failed(); }, deadline)) {
+    s = absl::DeadlineExceededError("the store did not answer a data-plane call in time");
+  } else if (s.ok() && !replied_) {
+    s = absl::UnavailableError("the store's UCX endpoint failed");
+  }
+  if (!s.ok()) {
+    if (ep_) ep_->MarkFailed();
+    Drop();
+    return s;
+  }
+  if (reply_code_ != 0) {
+    const bool known = reply_code_ > 0 && reply_code_ <= 16;
+    return absl::Status(known ? static_cast<absl::StatusCode>(reply_code_)
+                              : absl::StatusCode::kUnknown,
+                        reply_);
+  }
+  return std::move(reply_);
 }
 
 DataPlaneConnection::~DataPlaneConnection() {
@@ -93,11 +146,24 @@ absl::Status DataPlaneConnection::EnsureConnected(
   std::string addr = resp.ucx_address();
   std::string host = HostOf(addr);
   if (host.empty() || host == "0.0.0.0" || host == "::") host = HostOf(address_);
+  // Map the store's arena when it offers it and this client uses shared
+  // memory; any failure (another user, another container) keeps UCX.
+  const bool shm = UseSharedMemory(options_, address_);
+  std::shared_ptr<ArenaMapping> mapping;
+  if (map_arena_ && shm) {
+    auto m = ArenaMapping::Map(resp.regions(0), resp.instance_id());
+    if (m.ok()) mapping = std::move(*m);
+  }
   absl::StatusOr<std::unique_ptr<ucx::Endpoint>> ep;
   if (!options_.use_sockaddr && !resp.worker_address().empty()) {
-    ep = ucx::Endpoint::ConnectToWorker(
-        worker_.get(), resp.worker_address(),
-        /*peer_failure_handling=*/!UseSharedMemory(options_, address_));
+    // UCX's shared-memory transports only where they move the bytes: a
+    // mapped connection, or one that makes control calls only, keeps peer-
+    // failure handling (TCP on the host), so a dead store fails it at once
+    // and it can always be force-closed (UCX 1.13 cannot force-close an
+    // endpoint without it, which then fails later inside UCX).
+    // (Not to be had when UCX_TLS allows shared memory only.)
+    const bool pfh = !shm || ((mapping || !map_arena_) && ucx::NetworkTransportsAllowed());
+    ep = ucx::Endpoint::ConnectToWorker(worker_.get(), resp.worker_address(), pfh);
   } else {
     int port = 0;
     if (!absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port)) {
@@ -112,14 +178,9 @@ absl::Status DataPlaneConnection::EnsureConnected(
   ep_ = std::move(*ep);
   rkey_ = std::move(*rkey);
   instance_ = resp.instance_id();
+  session_ = resp.session();
   backoff_ms_ = options_.backoff_min_ms;
-  // Map the store's arena when it offers it and this client uses shared
-  // memory; any failure (another user, another container) keeps UCX.
-  mapping_.reset();
-  if (UseSharedMemory(options_, address_)) {
-    auto m = ArenaMapping::Map(resp.regions(0), instance_);
-    if (m.ok()) mapping_ = std::move(*m);
-  }
+  mapping_ = std::move(mapping);
   return absl::OkStatus();
 }
 

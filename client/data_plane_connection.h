@@ -44,9 +44,11 @@ class DataPlaneConnection {
   // `worker`: the lane's UCX worker, or why there is none (then every
   // EnsureConnected returns that). `address`, `options` and `control` belong
   // to the client, which outlives its lanes.
+  // map_arena: whether a same-host store's offered arena is mapped (a
+  // connection that only makes control calls needs no mapping).
   DataPlaneConnection(absl::StatusOr<std::unique_ptr<ucx::Worker>> worker,
                       const std::string& address, const DataClientOptions& options,
-                      StoreClient& control);
+                      StoreClient& control, bool map_arena = true);
   // Releases the UCX objects in the order UCX needs: key and endpoint,
   // registrations, worker.
   ~DataPlaneConnection();
@@ -83,6 +85,17 @@ class DataPlaneConnection {
   // asks the store again.
   void Reset();
 
+  // Whether the connected store takes control calls on its data plane
+  // (it handed out a session).
+  bool TakesCalls() const { return ep_ != nullptr && !session_.empty(); }
+  // One control call on the data plane (common/ucx/calls.h): the store's
+  // answer, its status as the store gave it (then the endpoint stays), or
+  // UNAVAILABLE / DEADLINE_EXCEEDED when the call or its answer did not
+  // travel (then the endpoint is dropped, as after a failed transfer).
+  // REQUIRES: TakesCalls().
+  absl::StatusOr<std::string> Call(uint16_t method, const std::string& request,
+                                   ucx::Clock::time_point deadline);
+
   // Waits for (and frees) the requests until `deadline`. On any failure the
   // endpoint is force-closed, so nothing posted on it writes afterwards, and
   // the next EnsureConnected reconnects; requests posted before the failure
@@ -91,6 +104,8 @@ class DataPlaneConnection {
 
  private:
   ucp_request_param_t ParamsFor(const void* p, size_t n) const;
+  static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t* param);
   void Drop();
 
   const std::string& address_;
@@ -107,6 +122,13 @@ class DataPlaneConnection {
   std::string last_error_;
   uint64_t instance_ = 0;   // the connected store's instance id (0: unknown)
   std::shared_ptr<ArenaMapping> mapping_;  // the store's arena, when mapped
+  const bool map_arena_;
+  std::string session_;  // ConnectDataPlaneResponse.session
+  // The call in flight (one at a time): its id, and its reply once here.
+  uint64_t call_id_ = 0;
+  bool replied_ = false;
+  int reply_code_ = 0;
+  std::string reply_;
 };
 
 }  // namespace kvtier

@@ -15,6 +15,7 @@
 #include "common/checksum.h"
 #include "common/elapsed.h"
 #include "common/rpc/grpc_status.h"
+#include "common/ucx/calls.h"
 #include "common/ucx/ucx.h"
 
 namespace kvtier {
@@ -121,6 +122,13 @@ StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions o
     lanes_.push_back(
         std::make_unique<DataPlaneConnection>(std::move(worker), address_, options_, control_));
   }
+  {
+    auto worker = init_error_.ok()
+                      ? ucx::Worker::Create(ucx_context_, /*wakeup=*/true)
+                      : absl::StatusOr<std::unique_ptr<ucx::Worker>>(init_error_);
+    call_lane_ = std::make_unique<DataPlaneConnection>(std::move(worker), address_, options_,
+                                                       control_, /*map_arena=*/false);
+  }
   releaser_ = std::thread([this] { ReleaseLoop(); });
 }
 
@@ -134,7 +142,29 @@ StoreDataClient::~StoreDataClient() {
   if (releaser_.joinable()) releaser_.join();
   // UCX objects go in order: endpoints, keys, workers, registrations, context.
   lanes_.clear();
+  call_lane_.reset();
   regions_.clear();
+}
+
+std::optional<absl::StatusOr<std::string>> StoreDataClient::CallOnDataPlane(
+    uint16_t method, const google::protobuf::Message& request,
+    std::chrono::system_clock::time_point deadline) {
+  if (!options_.data_plane_calls) return std::nullopt;
+  std::unique_lock lk(call_mu_, std::defer_lock);
+  if (!lk.try_lock_until(deadline)) return std::nullopt;
+  DataPlaneConnection& lane = *call_lane_;
+  if (!lane.EnsureConnected(deadline).ok() || !lane.TakesCalls()) return std::nullopt;
+  const auto transfers = std::chrono::steady_clock::now() +
+                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                             deadline - std::chrono::system_clock::now());
+  auto r = lane.Call(method, request.SerializeAsString(), transfers);
+  if (!r.ok() && r.status().code() == absl::StatusCode::kUnauthenticated) {
+    lane.Reset();  // the store dropped the session: a new connection gets a new one
+    return std::nullopt;
+  }
+  // The call did not travel (the lane dropped its endpoint): gRPC instead.
+  if (!r.ok() && !lane.TakesCalls()) return std::nullopt;
+  return r;
 }
 
 absl::Status StoreDataClient::RegisterMemory(void* addr, size_t length) {
@@ -256,7 +286,16 @@ absl::StatusOr<PinnedBlocks> StoreDataClient::PinBy(std::chrono::system_clock::t
   }
   for (uint64_t id : releases) req.add_end_leases(id);
   v1::BeginGetResponse resp;
-  if (auto s = Call(control_, &v1::Store::Stub::BeginGet, req, &resp, deadline); !s.ok()) {
+  absl::Status s;
+  if (auto answer = CallOnDataPlane(ucx::kCallBeginGet, req, deadline)) {
+    s = answer->status();
+    if (s.ok() && !resp.ParseFromString(**answer)) {
+      s = absl::InternalError("store answered a data-plane BeginGet with no BeginGetResponse");
+    }
+  } else {
+    s = Call(control_, &v1::Store::Stub::BeginGet, req, &resp, deadline);
+  }
+  if (!s.ok()) {
     if (!releases.empty()) {
       // Not delivered: the releaser tries them again (their expiry is the backstop).
       std::lock_guard lk(release_mu_);
@@ -367,9 +406,10 @@ void StoreDataClient::ReleaseLoop() {
         req.add_lease_ids(ids[i]);
       }
       v1::ReleaseGetsResponse resp;
-      Call(control_, &v1::Store::Stub::ReleaseGets, req, &resp,
-           std::chrono::system_clock::now() + std::chrono::milliseconds(budget_ms))
-          .IgnoreError();
+      const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(budget_ms);
+      if (!CallOnDataPlane(ucx::kCallReleaseGets, req, deadline)) {
+        Call(control_, &v1::Store::Stub::ReleaseGets, req, &resp, deadline).IgnoreError();
+      }
     }
     lk.lock();
   }

@@ -51,12 +51,14 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "google/protobuf/message.h"
 #include "client/data_client_types.h"
 #include "client/sharded_store_client.h"  // IWYU pragma: export
 #include "client/store_client.h"
@@ -135,6 +137,13 @@ class StoreDataClient {
                                      size_t first, size_t count, const ReadPlan& plan);
   // The releaser thread: sends the releases no Pin took within release_delay_ms.
   void ReleaseLoop();
+  // A control call on the data plane (call_lane_): the store's answer, or
+  // nullopt when it cannot travel there now (no data plane, a store that
+  // takes no such calls, a session the store dropped, a transport failure),
+  // when the caller makes the gRPC call instead.
+  std::optional<absl::StatusOr<std::string>> CallOnDataPlane(
+      uint16_t method, const google::protobuf::Message& request,
+      std::chrono::system_clock::time_point deadline);
 
   std::string address_;
   DataClientOptions options_;
@@ -151,6 +160,11 @@ class StoreDataClient {
   // instance are memcpys on the caller's thread, with no lane hand-off.
   std::mutex mapping_mu_;
   std::shared_ptr<ArenaMapping> mapping_;  // guarded by mapping_mu_
+
+  // The connection control calls travel on, one at a time, on the caller's
+  // thread (its own UCX worker; it maps no arena).
+  std::timed_mutex call_mu_;
+  std::unique_ptr<DataPlaneConnection> call_lane_;  // guarded by call_mu_
 
   std::mutex release_mu_;
   std::condition_variable release_cv_;

@@ -14,6 +14,8 @@
 #include "client/store_data_client.h"
 #include "client/transfer_lanes.h"
 #include "common/thread_cache.h"
+#include "common/ucx/calls.h"
+#include "common/ucx/ucx.h"
 #include "tests/test_util.h"
 #include "worker/connector.h"
 #include "worker/model.h"
@@ -305,6 +307,183 @@ TEST_P(FetchPath, ReleasesOfUnknownLeasesAreReportedNotFailed) {
     auto st = c.control().GetStats();
     return st.ok() && st->get_leases() == 0;
   }));
+}
+
+// Calls of each RPC the store has answered, by histogram name.
+uint64_t CallsOf(StoreClient& control, const std::string& rpc) {
+  auto st = control.GetStats();
+  if (!st.ok()) return 0;
+  for (const auto& h : st->rpc_latency()) {
+    if (h.rpc() == rpc) return h.count();
+  }
+  return 0;
+}
+
+TEST_P(FetchPath, PinsAndReleasesTravelOnTheDataPlaneAndGrpcStaysForOlderClients) {
+  for (bool on_data_plane : {true, false}) {
+    SCOPED_TRACE(on_data_plane ? "data-plane calls" : "gRPC calls");
+    DataClientOptions o = Options();
+    o.data_plane_calls = on_data_plane;
+    StoreDataClient c(store_->address(), o);
+    auto ns = c.control().RegisterNamespace(Spec4L());
+    ASSERT_TRUE(ns.ok());
+    auto src = PutBlocks(c, ns->id, 3);
+    const uint64_t grpc_pins = CallsOf(c.control(), "BeginGet");
+    const uint64_t ucx_pins = CallsOf(c.control(), "DataPlaneBeginGet");
+    const uint64_t ucx_releases = CallsOf(c.control(), "DataPlaneReleaseGets");
+    for (int i = 0; i < 3; ++i) {
+      auto pin = c.Pin(ns->id, kBlock, Chain(3));
+      ASSERT_TRUE(pin.ok()) << pin.status();
+      ASSERT_EQ(pin->sources.size(), 3u);
+      std::vector<uint8_t> dest(3 * kBlock);
+      ReadPlan plan;
+      plan.dest = [&](size_t b, size_t) { return dest.data() + b * kBlock; };
+      auto r = c.Read(*pin, kBlock, 0, 3, plan).get();
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_EQ(dest, src);
+      c.Release(pin->lease);
+    }
+    // Every lease ends (two rode on the next pin, the last went on its own).
+    EXPECT_TRUE(WaitFor([&] {
+      auto st = c.control().GetStats();
+      return st.ok() && st->get_leases() == 0;
+    }));
+    if (on_data_plane) {
+      EXPECT_EQ(CallsOf(c.control(), "DataPlaneBeginGet") - ucx_pins, 3u);
+      EXPECT_EQ(CallsOf(c.control(), "BeginGet"), grpc_pins) << "no pin took gRPC";
+      EXPECT_GE(CallsOf(c.control(), "DataPlaneReleaseGets") - ucx_releases, 1u);
+    } else {
+      EXPECT_EQ(CallsOf(c.control(), "BeginGet") - grpc_pins, 3u);
+      EXPECT_EQ(CallsOf(c.control(), "DataPlaneBeginGet"), ucx_pins);
+    }
+  }
+}
+
+// A client of the data plane's control calls written against the wire
+// format alone (common/ucx/calls.h), so it can send what a kvtier client
+// never would.
+class RawCaller {
+ public:
+  explicit RawCaller(StoreClient& control) {
+    v1::ConnectDataPlaneRequest req;
+    grpc::ClientContext ctx;
+    EXPECT_TRUE(control.stub().ConnectDataPlane(&ctx, req, &connect_).ok());
+    ctx_ = *ucx::Context::Create();
+    worker_ = std::move(*ucx::Worker::Create(ctx_, true));
+    EXPECT_TRUE(worker_->SetAmHandler(ucx::kReplyAmId, &RawCaller::OnReply, this).ok());
+    ep_ = std::move(*ucx::Endpoint::ConnectToWorker(worker_.get(), connect_.worker_address(),
+                                                    /*peer_failure_handling=*/true));
+  }
+  ~RawCaller() {
+    ep_.reset();
+    worker_.reset();
+  }
+  const std::string& session() const { return connect_.session(); }
+  // Sends one call; the reply's code and body (code -1: no reply in 2 s).
+  std::pair<int, std::string> Call(uint16_t method, const std::string& session,
+                                   const std::string& body, uint32_t magic = ucx::kCallMagic) {
+    ucx::CallHeader h;
+    h.magic = magic;
+    h.method = method;
+    h.call_id = ++id_;
+    std::memcpy(h.session, session.data(), std::min(session.size(), sizeof(h.session)));
+    replied_ = false;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    std::vector<void*> reqs = {
+        ucp_am_send_nbx(ep_->get(), ucx::kCallAmId, &h, sizeof(h), body.data(), body.size(), &p)};
+    EXPECT_TRUE(worker_->WaitAll(reqs, ucx::Clock::now() + std::chrono::seconds(2)).ok());
+    if (!worker_->WaitUntil([&] { return replied_; },
+                            ucx::Clock::now() + std::chrono::seconds(2))) {
+      return {-1, ""};
+    }
+    return {code_, body_};
+  }
+
+ private:
+  static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t*) {
+    auto* c = static_cast<RawCaller*>(arg);
+    ucx::ReplyHeader h;
+    if (header_length != sizeof(h)) return UCS_OK;
+    std::memcpy(&h, header, sizeof(h));
+    if (h.call_id != c->id_) return UCS_OK;
+    c->code_ = h.code;
+    c->body_.assign(static_cast<const char*>(data), length);
+    c->replied_ = true;
+    return UCS_OK;
+  }
+  v1::ConnectDataPlaneResponse connect_;
+  std::shared_ptr<ucx::Context> ctx_;
+  std::unique_ptr<ucx::Worker> worker_;
+  std::unique_ptr<ucx::Endpoint> ep_;
+  uint64_t id_ = 0;
+  bool replied_ = false;
+  int code_ = 0;
+  std::string body_;
+};
+
+TEST_P(FetchPath, BadDataPlaneCallsAreRefusedAndChangeNothingStored) {
+  StoreDataClient c(store_->address(), Options());
+  auto ns = c.control().RegisterNamespace(Spec4L());
+  ASSERT_TRUE(ns.ok());
+  auto src = PutBlocks(c, ns->id, 2);
+  RawCaller raw(c.control());
+  ASSERT_EQ(raw.session().size(), ucx::kSessionBytes) << "the store hands out a session";
+  v1::BeginGetRequest pin;
+  pin.set_namespace_id(ns->id);
+  for (const auto& h : Chain(2)) ToProto(h, pin.add_hashes());
+  const std::string good = pin.SerializeAsString();
+  auto expect = [](const std::pair<int, std::string>& r, int code, const std::string& says) {
+    EXPECT_EQ(r.first, code) << r.second;
+    EXPECT_NE(r.second.find(says), std::string::npos) << r.second;
+  };
+  // Nobody's session: refused, nothing pinned.
+  expect(raw.Call(ucx::kCallBeginGet, std::string(ucx::kSessionBytes, 'x'), good),
+         grpc::UNAUTHENTICATED, "unknown data-plane session");
+  // Not kvtier's wire format, an unknown method, a body that is not the request.
+  expect(raw.Call(ucx::kCallBeginGet, raw.session(), good, 0x12345678), grpc::INVALID_ARGUMENT,
+         "magic");
+  expect(raw.Call(77, raw.session(), good), grpc::UNIMPLEMENTED, "method 77");
+  expect(raw.Call(ucx::kCallBeginGet, raw.session(), std::string("\xff\xff\xff", 3)),
+         grpc::INVALID_ARGUMENT, "not a BeginGetRequest");
+  // The store's own checks, as over gRPC: an unknown namespace, no lease ids.
+  v1::BeginGetRequest unknown = pin;
+  unknown.set_namespace_id(ns->id ^ 1);
+  expect(raw.Call(ucx::kCallBeginGet, raw.session(), unknown.SerializeAsString()),
+         grpc::NOT_FOUND, "namespace");
+  expect(raw.Call(ucx::kCallReleaseGets, raw.session(), v1::ReleaseGetsRequest().SerializeAsString()),
+         grpc::INVALID_ARGUMENT, "names no lease");
+  {
+    auto st = c.control().GetStats();
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->get_leases(), 0u) << "no refused call pinned anything";
+  }
+  // The same connection still pins, and releases, correctly.
+  auto ok = raw.Call(ucx::kCallBeginGet, raw.session(), good);
+  ASSERT_EQ(ok.first, 0) << ok.second;
+  v1::BeginGetResponse resp;
+  ASSERT_TRUE(resp.ParseFromString(ok.second));
+  ASSERT_EQ(resp.sources_size(), 2);
+  v1::ReleaseGetsRequest rel;
+  rel.add_lease_ids(resp.lease_id());
+  rel.add_lease_ids(987654321);
+  auto released = raw.Call(ucx::kCallReleaseGets, raw.session(), rel.SerializeAsString());
+  ASSERT_EQ(released.first, 0) << released.second;
+  v1::ReleaseGetsResponse rr;
+  ASSERT_TRUE(rr.ParseFromString(released.second));
+  EXPECT_EQ(rr.released(), 1u);
+  ASSERT_EQ(rr.not_found_size(), 1);
+  EXPECT_EQ(rr.not_found(0), 987654321u);
+  // And every stored byte is as it was.
+  std::vector<uint8_t> dest(2 * kBlock);
+  std::vector<GetBlock> get;
+  for (uint64_t i = 0; i < 2; ++i) get.push_back({H(i), dest.data() + i * kBlock});
+  auto r = c.Get(ns->id, kBlock, get).get();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->blocks, 2u);
+  EXPECT_EQ(dest, src);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, FetchPath, ::testing::Values("ucx", "mapped"),

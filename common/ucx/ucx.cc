@@ -8,7 +8,9 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace kvtier::ucx {
 
@@ -45,7 +47,7 @@ absl::StatusOr<std::shared_ptr<Context>> Context::Create() {
   }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  p.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  p.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   // Workers of one context live on different threads (client lanes), and
   // memory is registered from yet another: make the context thread-safe.
   p.mt_workers_shared = 1;
@@ -55,6 +57,17 @@ absl::StatusOr<std::shared_ptr<Context>> Context::Create() {
   ucp_config_release(cfg);
   if (s != UCS_OK) return FromUcs(s, "initialising UCX");
   return std::shared_ptr<Context>(new Context(ctx));
+}
+
+bool NetworkTransportsAllowed() {
+  const char* tls = std::getenv("UCX_TLS");
+  if (tls == nullptr || *tls == '\0' || *tls == '^') return true;  // all, or all but some
+  for (absl::string_view t : absl::StrSplit(tls, ',')) {
+    for (absl::string_view net : {"all", "tcp", "rc", "ud", "dc", "ib"}) {
+      if (absl::StartsWith(t, net)) return true;
+    }
+  }
+  return false;
 }
 
 Context::~Context() { ucp_cleanup(ctx_); }
@@ -127,18 +140,8 @@ absl::Status Worker::WaitAll(std::vector<void*>& reqs, Clock::time_point deadlin
     }
     if (progressed || open < was_open) {
       last_progress = Clock::now();
-    } else if (open > 0 && Clock::now() - last_progress > std::chrono::microseconds(50)) {
-      // Nothing for a while: sleep until the transport has news (armed
-      // only when no event is pending; BUSY means progress again at once).
-      if (efd_ == -2) {
-        auto fd = EventFd();
-        efd_ = fd.ok() ? *fd : -1;
-      }
-      if (efd_ >= 0 && ucp_worker_arm(worker_) == UCS_OK) {
-        pollfd p{efd_, POLLIN, 0};
-        poll(&p, 1, 1);
-      }
-      last_progress = Clock::now();
+    } else if (open > 0) {
+      RestIfIdle(last_progress);
     }
     if (open > 0 && !cancelled && Clock::now() > deadline) {
       for (void* r : reqs) {
@@ -161,6 +164,42 @@ absl::Status Worker::WaitAll(std::vector<void*>& reqs, Clock::time_point deadlin
     }
   }
   return first;
+}
+
+void Worker::RestIfIdle(Clock::time_point& last_progress) {
+  if (Clock::now() - last_progress <= std::chrono::microseconds(50)) return;
+  // Nothing for a while: sleep until the transport has news (armed only
+  // when no event is pending; BUSY means progress again at once).
+  if (efd_ == -2) {
+    auto fd = EventFd();
+    efd_ = fd.ok() ? *fd : -1;
+  }
+  if (efd_ >= 0 && ucp_worker_arm(worker_) == UCS_OK) {
+    pollfd p{efd_, POLLIN, 0};
+    poll(&p, 1, 1);
+  }
+  last_progress = Clock::now();
+}
+
+bool Worker::WaitUntil(const std::function<bool()>& done, Clock::time_point deadline) {
+  auto last_progress = Clock::now();
+  for (;;) {
+    if (Progress() != 0) last_progress = Clock::now();
+    if (done()) return true;
+    if (Clock::now() > deadline) return false;
+    RestIfIdle(last_progress);
+  }
+}
+
+absl::Status Worker::SetAmHandler(uint16_t id, ucp_am_recv_callback_t cb, void* arg) {
+  ucp_am_handler_param_t p{};
+  p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                 UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  p.id = id;
+  p.cb = cb;
+  p.arg = arg;
+  return FromUcs(ucp_worker_set_am_recv_handler(worker_, &p),
+                 absl::StrCat("setting the UCX active-message handler ", id));
 }
 
 absl::StatusOr<std::unique_ptr<MemoryRegion>> MemoryRegion::Map(std::shared_ptr<Context> ctx,

@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +28,11 @@ namespace kvtier::ucx {
 using Clock = std::chrono::steady_clock;
 
 absl::Status FromUcs(ucs_status_t status, const std::string& what);
+
+// Whether UCX_TLS (unset: all) lets UCX use a network transport, which
+// endpoints with peer-failure handling need (UCX 1.13's shared-memory
+// transports have none).
+bool NetworkTransportsAllowed();
 
 class Context {
  public:
@@ -61,8 +67,17 @@ class Worker {
   // end). Frees the requests. Returns the first error. The caller should drop
   // the endpoint after a deadline error.
   absl::Status WaitAll(std::vector<void*>& reqs, Clock::time_point deadline);
+  // Progresses (sleeping as WaitAll does when idle) until done() or the
+  // deadline; returns done().
+  bool WaitUntil(const std::function<bool()>& done, Clock::time_point deadline);
+  // Calls cb(arg, ...) on this worker's thread, from Progress, for each
+  // active message `id` that arrives (ucp_worker_set_am_recv_handler).
+  absl::Status SetAmHandler(uint16_t id, ucp_am_recv_callback_t cb, void* arg);
 
  private:
+  // Sleeps on the event fd (up to 1 ms) once nothing has progressed for
+  // 50 us since last_progress, which it then moves to now.
+  void RestIfIdle(Clock::time_point& last_progress);
   Worker(std::shared_ptr<Context> ctx, ucp_worker_h w) : ctx_(std::move(ctx)), worker_(w) {}
   std::shared_ptr<Context> ctx_;
   ucp_worker_h worker_;

@@ -349,11 +349,15 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     // How much of a pin is the store's own work (the rest is the round trip).
     StoreClient control(store->address());
     if (auto st = control.GetStats(); st.ok()) {
+      // Pins come over gRPC (BeginGet) or on the data plane (DataPlaneBeginGet).
+      uint64_t calls = 0, us = 0;
       for (const auto& h : st->rpc_latency()) {
-        if (h.rpc() == "BeginGet" && h.count() > 0) {
-          res.store_pin_handler_ms = static_cast<double>(h.sum_us()) / h.count() / 1000;
+        if (h.rpc() == "BeginGet" || h.rpc() == "DataPlaneBeginGet") {
+          calls += h.count();
+          us += h.sum_us();
         }
       }
+      if (calls > 0) res.store_pin_handler_ms = static_cast<double>(us) / calls / 1000;
     }
   }
   for (auto& s : stubs) {
@@ -559,8 +563,8 @@ int RunReplay(int argc, const char* const* argv) {
                   r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9,
                   load_only_ms > 0 ? r.onboarded_bytes / (load_only_ms / 1000) / 1e9 : 0.0);
 
-      std::printf("    onboarding %.0f ms in %lu loads (pin RPC p50 %.2f ms, of which the store's "
-                  "handler %.3f ms mean): pin RPC %.0f, lane "
+      std::printf("    onboarding %.0f ms in %lu loads (pin p50 %.2f ms, of which the store's "
+                  "handler %.3f ms mean): pin %.0f, lane "
                   "wait %.0f, staging wait %.0f, RMA %.0f, checksum %.0f, unpack %.0f, other "
                   "(page allocation, hand-offs, release) %.0f\n",
                   r.onboard_ms, b.count, Percentile(b.control_each, 0.5),

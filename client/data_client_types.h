@@ -33,6 +33,9 @@ struct DataClientOptions {
   // calls, where the store takes them: a load then costs one UCX round trip
   // before its transfers. Stores that do not take them get gRPC.
   bool data_plane_calls = true;
+  // Connections (each with its own UCX worker) those calls travel on: calls
+  // in flight at once. Each is made on first use.
+  int call_lanes = 4;
   // Connect through the store's sockaddr listener (RDMA-CM / TCP) instead of
   // its worker address. Sockaddr endpoints use network transports only.
   bool use_sockaddr = false;

@@ -122,12 +122,14 @@ StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions o
     lanes_.push_back(
         std::make_unique<DataPlaneConnection>(std::move(worker), address_, options_, control_));
   }
-  {
+  for (int i = 0; i < std::max(1, options_.call_lanes); ++i) {
     auto worker = init_error_.ok()
                       ? ucx::Worker::Create(ucx_context_, /*wakeup=*/true)
                       : absl::StatusOr<std::unique_ptr<ucx::Worker>>(init_error_);
-    call_lane_ = std::make_unique<DataPlaneConnection>(std::move(worker), address_, options_,
+    auto lane = std::make_unique<CallLane>();
+    lane->conn = std::make_unique<DataPlaneConnection>(std::move(worker), address_, options_,
                                                        control_, /*map_arena=*/false);
+    call_lanes_.push_back(std::move(lane));
   }
   releaser_ = std::thread([this] { ReleaseLoop(); });
 }
@@ -142,7 +144,7 @@ StoreDataClient::~StoreDataClient() {
   if (releaser_.joinable()) releaser_.join();
   // UCX objects go in order: endpoints, keys, workers, registrations, context.
   lanes_.clear();
-  call_lane_.reset();
+  call_lanes_.clear();
   regions_.clear();
 }
 
@@ -150,9 +152,21 @@ std::optional<absl::StatusOr<std::string>> StoreDataClient::CallOnDataPlane(
     uint16_t method, const google::protobuf::Message& request,
     std::chrono::system_clock::time_point deadline) {
   if (!options_.data_plane_calls) return std::nullopt;
-  std::unique_lock lk(call_mu_, std::defer_lock);
-  if (!lk.try_lock_until(deadline)) return std::nullopt;
-  DataPlaneConnection& lane = *call_lane_;
+  // A free lane, else the next one in turn as it frees up.
+  const size_t start = next_call_lane_.fetch_add(1, std::memory_order_relaxed);
+  std::unique_lock<std::timed_mutex> lk;
+  CallLane* call = nullptr;
+  for (size_t i = 0; i < call_lanes_.size() && call == nullptr; ++i) {
+    CallLane* c = call_lanes_[(start + i) % call_lanes_.size()].get();
+    lk = std::unique_lock(c->mu, std::try_to_lock);
+    if (lk.owns_lock()) call = c;
+  }
+  if (call == nullptr) {
+    call = call_lanes_[start % call_lanes_.size()].get();
+    lk = std::unique_lock(call->mu, std::defer_lock);
+    if (!lk.try_lock_until(deadline)) return std::nullopt;
+  }
+  DataPlaneConnection& lane = *call->conn;
   if (!lane.EnsureConnected(deadline).ok() || !lane.TakesCalls()) return std::nullopt;
   const auto transfers = std::chrono::steady_clock::now() +
                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(

@@ -43,6 +43,7 @@
 // brings in ShardedStoreClient, which its users reach through it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -137,7 +138,7 @@ class StoreDataClient {
                                      size_t first, size_t count, const ReadPlan& plan);
   // The releaser thread: sends the releases no Pin took within release_delay_ms.
   void ReleaseLoop();
-  // A control call on the data plane (call_lane_): the store's answer, or
+  // A control call on the data plane (a free call lane): the store's answer, or
   // nullopt when it cannot travel there now (no data plane, a store that
   // takes no such calls, a session the store dropped, a transport failure),
   // when the caller makes the gRPC call instead.
@@ -161,10 +162,15 @@ class StoreDataClient {
   std::mutex mapping_mu_;
   std::shared_ptr<ArenaMapping> mapping_;  // guarded by mapping_mu_
 
-  // The connection control calls travel on, one at a time, on the caller's
-  // thread (its own UCX worker; it maps no arena).
-  std::timed_mutex call_mu_;
-  std::unique_ptr<DataPlaneConnection> call_lane_;  // guarded by call_mu_
+  // The connections control calls travel on, on the callers' threads: each
+  // has its own UCX worker (connected on first use; it maps no arena) and
+  // carries one call at a time, so up to call_lanes calls are in flight.
+  struct CallLane {
+    std::timed_mutex mu;
+    std::unique_ptr<DataPlaneConnection> conn;  // guarded by mu
+  };
+  std::vector<std::unique_ptr<CallLane>> call_lanes_;
+  std::atomic<size_t> next_call_lane_{0};
 
   std::mutex release_mu_;
   std::condition_variable release_cv_;

@@ -159,12 +159,12 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   EXPECT_GT(st->tiers(0).evictions(), 0u) << "no pressure: the soak did not evict";
   EXPECT_GT(switches.load(), 3u);
   EXPECT_LE(fds1, fds0 + 16) << "file descriptors grew";
-  // One data client with two shared lanes, one load lane and the
-  // connection its control calls travel on: four endpoints at most, before
-  // and after.
+  // One data client with two shared lanes, one load lane and up to four
+  // connections its control calls travel on: seven endpoints at most,
+  // before and after.
   EXPECT_GT(eps0, 0) << "cannot read kvtier_store_dataplane_connections";
   EXPECT_LE(eps1, eps0) << "UCX endpoints grew";
-  EXPECT_LE(eps1, 4) << "more endpoints than the client's lanes";
+  EXPECT_LE(eps1, 7) << "more endpoints than the client's lanes";
   EXPECT_LE(st->put_leases() + st->get_leases(), 0u);
   EXPECT_LT(p99, 500.0);
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)

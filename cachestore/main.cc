@@ -370,6 +370,7 @@ int main(int argc, char** argv) {
   stop_health = true;
   health.join();
   metrics.reset();
+  service.DetachDataPlane();  // no call may reach the service once the data plane goes
   dataplane.reset();
   if (router_sink) router_sink->SetFetchFigures(nullptr);  // before the store goes
   store->reset();  // drains the write-back queue

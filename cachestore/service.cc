@@ -124,9 +124,12 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
   }
 }
 
-StoreService::~StoreService() {
+void StoreService::DetachDataPlane() {
   if (dataplane_) dataplane_->SetCallHandler(nullptr);
+  dataplane_ = nullptr;
 }
+
+StoreService::~StoreService() { DetachDataPlane(); }
 
 grpc::Status StoreService::Identify(const grpc::ServerContext& ctx, Caller* caller) const {
   const Tenants* tenants = store_->tenants();

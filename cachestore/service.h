@@ -25,7 +25,9 @@ class StoreService final : public kvtier::v1::Store::Service {
   // dataplane may be null (no UCX data plane: inline path only).
   // With a data plane, answers its control calls (common/ucx/calls.h) too.
   StoreService(Store* store, DataPlaneServer* dataplane);
-  // Stops answering data-plane calls (returns once none runs).
+  // Stops answering the data plane's calls (returns once none runs); call
+  // before the data plane goes. Idempotent; the destructor calls it too.
+  void DetachDataPlane();
   ~StoreService() override;
   // Whether ConnectDataPlane offers the RAM arena's memfd to same-host
   // clients (RemoteRegion.shm_path). Set before serving.

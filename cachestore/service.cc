@@ -195,15 +195,6 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
 
 DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_view session_id,
                                                    std::string_view request) {
-  auto reply = [](const grpc::Status& s, const google::protobuf::Message& resp) {
-    DataPlaneServer::CallReply r{static_cast<int>(s.error_code()), {}};
-    if (s.ok()) {
-      resp.SerializeToString(&r.body);
-    } else {
-      r.body = s.error_message();
-    }
-    return r;
-  };
   Session session;
   {
     std::lock_guard lk(sessions_mu_);
@@ -215,31 +206,36 @@ DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_
     }
     session = it->second;
   }
+  // Parses the request, runs `body` for it and encodes the answer, timed
+  // under `rpc`.
+  auto serve = [&](const char* rpc, auto req, auto resp, auto body) {
+    RpcTimer t(fence_, Histogram(rpc));
+    grpc::Status s =
+        req.ParseFromArray(request.data(), static_cast<int>(request.size()))
+            ? body(req, &resp)
+            : grpc::Status(grpc::INVALID_ARGUMENT,
+                           absl::StrCat(rpc, ": not a ", req.GetDescriptor()->name()));
+    t.Done(s);
+    DataPlaneServer::CallReply r{static_cast<int>(s.error_code()), {}};
+    if (s.ok()) {
+      resp.SerializeToString(&r.body);
+    } else {
+      r.body = s.error_message();
+    }
+    return r;
+  };
   switch (method) {
-    case ucx::kCallBeginGet: {
-      RpcTimer t(fence_, Histogram("DataPlaneBeginGet"));
-      v1::BeginGetRequest req;
-      v1::BeginGetResponse resp;
-      if (!req.ParseFromArray(request.data(), static_cast<int>(request.size()))) {
-        return reply(t.Done(grpc::Status(grpc::INVALID_ARGUMENT,
-                                         "data-plane BeginGet: not a BeginGetRequest")),
-                     resp);
-      }
-      return reply(t.Done(DoBeginGet(session.caller, OwnerOf(session.caller, session.holder), req,
-                                     &resp)),
-                   resp);
-    }
-    case ucx::kCallReleaseGets: {
-      RpcTimer t(fence_, Histogram("DataPlaneReleaseGets"));
-      v1::ReleaseGetsRequest req;
-      v1::ReleaseGetsResponse resp;
-      if (!req.ParseFromArray(request.data(), static_cast<int>(request.size()))) {
-        return reply(t.Done(grpc::Status(grpc::INVALID_ARGUMENT,
-                                         "data-plane ReleaseGets: not a ReleaseGetsRequest")),
-                     resp);
-      }
-      return reply(t.Done(DoReleaseGets(session.caller, req, &resp)), resp);
-    }
+    case ucx::kCallBeginGet:
+      return serve("DataPlaneBeginGet", v1::BeginGetRequest(), v1::BeginGetResponse(),
+                   [&](const v1::BeginGetRequest& req, v1::BeginGetResponse* resp) {
+                     return DoBeginGet(session.caller, OwnerOf(session.caller, session.holder),
+                                       req, resp);
+                   });
+    case ucx::kCallReleaseGets:
+      return serve("DataPlaneReleaseGets", v1::ReleaseGetsRequest(), v1::ReleaseGetsResponse(),
+                   [&](const v1::ReleaseGetsRequest& req, v1::ReleaseGetsResponse* resp) {
+                     return DoReleaseGets(session.caller, req, resp);
+                   });
     default:
       return {grpc::UNIMPLEMENTED,
               absl::StrCat("data-plane call method ", method,

@@ -219,7 +219,11 @@ void DataPlaneServer::Run() {
       if (worker_->Progress() == 0) break;
       if (calls_.size() == calls) worked = true;  // not (only) a call's arrival
     }
-    if (!calls_.empty()) ServeCalls();
+    if (!calls_.empty()) {
+      ServeCalls();
+      while (worker_->Progress() != 0) {
+      }  // push the replies out before any sleep
+    }
     auto now = std::chrono::steady_clock::now();
     if (worked) last_work = now;
     if (!failed_.empty()) CloseFailed();

@@ -229,7 +229,8 @@ void DataPlaneServer::Run() {
     if (!failed_.empty()) CloseFailed();
     uint64_t v;
     if (read(stop_fd_, &v, sizeof(v)) == sizeof(v)) break;
-    if (!efd.ok() || now - last_work < spin) continue;
+    // (Calls that arrived while the replies went out are served first.)
+    if (!efd.ok() || now - last_work < spin || !calls_.empty()) continue;
     if (ucp_worker_arm(worker_->get()) == UCS_ERR_BUSY) continue;
     epoll_event out[2];
     // Woken by traffic, the loop spins again while Progress finds work; a

@@ -113,7 +113,7 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
   // The same calls on the data plane, timed apart from their gRPC twins.
-  for (const char* rpc : {"DataPlaneBeginGet", "DataPlaneReleaseGets"}) {
+  for (const char* rpc : {"DataPlaneBeginGet", "DataPlaneReleaseGets", "DataPlaneBeginPut"}) {
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
   if (dataplane_) {
@@ -236,10 +236,17 @@ DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_
                    [&](const v1::ReleaseGetsRequest& req, v1::ReleaseGetsResponse* resp) {
                      return DoReleaseGets(session.caller, req, resp);
                    });
+    case ucx::kCallBeginPut:
+      return serve("DataPlaneBeginPut", v1::BeginPutRequest(), v1::BeginPutResponse(),
+                   [&](const v1::BeginPutRequest& req, v1::BeginPutResponse* resp) {
+                     return DoBeginPut(session.caller, OwnerOf(session.caller, session.holder),
+                                       req, resp);
+                   });
     default:
       return {grpc::UNIMPLEMENTED,
               absl::StrCat("data-plane call method ", method,
-                           " is not one this store knows (1: BeginGet, 2: ReleaseGets)")};
+                           " is not one this store knows (1: BeginGet, 2: ReleaseGets, "
+                           "3: BeginPut)")};
   }
 }
 
@@ -293,14 +300,20 @@ grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPut
                                     v1::BeginPutResponse* resp) {
   RpcTimer t(fence_, Histogram("BeginPut"));
   Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  return t.Done(DoBeginPut(caller, OwnerOf(*ctx, caller), *req, resp));
+}
+
+grpc::Status StoreService::DoBeginPut(const Caller& caller, const LeaseOwner& owner,
+                                      const v1::BeginPutRequest& req, v1::BeginPutResponse* resp) {
   uint64_t ns;
-  if (auto s = Identify(*ctx, req->namespace_id(), &caller, &ns); !s.ok()) return t.Done(s);
-  auto r = store_->BeginPut(ns, Hashes(req->hashes()), OwnerOf(*ctx, caller));
-  if (!r.ok()) return t.Done(ToGrpc(r.status()));
+  if (auto s = Resolve(caller, req.namespace_id(), &ns); !s.ok()) return s;
+  auto r = store_->BeginPut(ns, Hashes(req.hashes()), owner);
+  if (!r.ok()) return ToGrpc(r.status());
   if (caller.tenant && r->lease == 0 &&
       std::any_of(r->targets.begin(), r->targets.end(),
                   [](const PutTarget& p) { return p.placement == Placement::kNoSpace; })) {
-    return t.Done(ToGrpc(TenantRamFull(*caller.tenant)));
+    return ToGrpc(TenantRamFull(*caller.tenant));
   }
   resp->set_lease_id(r->lease);
   resp->set_lease_ms(store_->lease_ms());
@@ -327,7 +340,7 @@ grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPut
         break;
     }
   }
-  return t.Done(grpc::Status::OK);
+  return grpc::Status::OK;
 }
 
 grpc::Status StoreService::CommitPut(grpc::ServerContext* ctx, const v1::CommitPutRequest* req,

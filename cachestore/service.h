@@ -105,8 +105,10 @@ class StoreService final : public kvtier::v1::Store::Service {
   // holder name (LeaseHolder; unused for a tenant).
   static LeaseOwner OwnerOf(const Caller& caller, const std::string& connection_holder);
 
-  // BeginGet and ReleaseGets for an identified caller, whichever way the
-  // call came (gRPC, or the data plane's control calls).
+  // BeginGet, ReleaseGets and BeginPut for an identified caller, whichever
+  // way the call came (gRPC, or the data plane's control calls).
+  grpc::Status DoBeginPut(const Caller& caller, const LeaseOwner& owner,
+                          const v1::BeginPutRequest& req, v1::BeginPutResponse* resp);
   grpc::Status DoBeginGet(const Caller& caller, const LeaseOwner& owner,
                           const v1::BeginGetRequest& req, v1::BeginGetResponse* resp);
   grpc::Status DoReleaseGets(const Caller& caller, const v1::ReleaseGetsRequest& req,

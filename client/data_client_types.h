@@ -28,8 +28,8 @@ struct DataClientOptions {
   // How long a finished load's lease waits for the next pin to carry its
   // release before it is sent on its own (ReleaseGets).
   int release_delay_ms = 2;
-  // Send pins (BeginGet) and releases (ReleaseGets) as control calls on the
-  // data plane's UCX endpoint (common/ucx/calls.h) rather than as gRPC
+  // Send pins (BeginGet), releases (ReleaseGets) and reservations (BeginPut)
+  // as control calls on the data plane's UCX endpoint (common/ucx/calls.h) rather than as gRPC
   // calls, where the store takes them: a load then costs one UCX round trip
   // before its transfers. Stores that do not take them get gRPC.
   bool data_plane_calls = true;

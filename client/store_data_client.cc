@@ -437,7 +437,13 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
   auto start = std::chrono::steady_clock::now();
   auto req = BeginPutOf(ns, options_.client_id, blocks);
   v1::BeginPutResponse resp;
-  if (auto s = Call(control_, &v1::Store::Stub::BeginPut, req, &resp, deadline.rpcs); !s.ok()) {
+  if (auto answer = CallOnDataPlane(ucx::kCallBeginPut, req, deadline.rpcs)) {
+    if (!answer->ok()) return answer->status();
+    if (!resp.ParseFromString(**answer)) {
+      return absl::InternalError("store answered a data-plane BeginPut with no BeginPutResponse");
+    }
+  } else if (auto s = Call(control_, &v1::Store::Stub::BeginPut, req, &resp, deadline.rpcs);
+             !s.ok()) {
     return s;
   }
   out.times.control_ms = MsSince(start);

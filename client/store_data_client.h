@@ -13,7 +13,9 @@
 // one ReleaseGets; the lease's expiry is the backstop. Get is Pin + Read in
 // one call. Put (offload): BeginPut -> ucp_put_nbx of every reserved block
 // (all in flight at once, checksums computed meanwhile) -> one flush ->
-// CommitPut.
+// CommitPut. BeginGet, ReleaseGets and BeginPut travel as control calls on
+// the data plane (common/ucx/calls.h; up to call_lanes at once, each on a
+// connection of its own) where the store takes them, else over gRPC.
 //
 // Loads and offloads run on separate lane classes (transfer_lanes.h): a
 // load never queues behind an offload, and each class has its own

@@ -319,7 +319,7 @@ uint64_t CallsOf(StoreClient& control, const std::string& rpc) {
   return 0;
 }
 
-TEST_P(FetchPath, PinsAndReleasesTravelOnTheDataPlaneAndGrpcStaysForOlderClients) {
+TEST_P(FetchPath, PinsReleasesAndPutsTravelOnTheDataPlaneAndGrpcStaysForOlderClients) {
   for (bool on_data_plane : {true, false}) {
     SCOPED_TRACE(on_data_plane ? "data-plane calls" : "gRPC calls");
     DataClientOptions o = Options();
@@ -327,7 +327,16 @@ TEST_P(FetchPath, PinsAndReleasesTravelOnTheDataPlaneAndGrpcStaysForOlderClients
     StoreDataClient c(store_->address(), o);
     auto ns = c.control().RegisterNamespace(Spec4L());
     ASSERT_TRUE(ns.ok());
+    const uint64_t grpc_puts = CallsOf(c.control(), "BeginPut");
+    const uint64_t ucx_puts = CallsOf(c.control(), "DataPlaneBeginPut");
     auto src = PutBlocks(c, ns->id, 3);
+    if (on_data_plane) {
+      EXPECT_EQ(CallsOf(c.control(), "DataPlaneBeginPut") - ucx_puts, 1u);
+      EXPECT_EQ(CallsOf(c.control(), "BeginPut"), grpc_puts);
+    } else {
+      EXPECT_EQ(CallsOf(c.control(), "BeginPut") - grpc_puts, 1u);
+      EXPECT_EQ(CallsOf(c.control(), "DataPlaneBeginPut"), ucx_puts);
+    }
     const uint64_t grpc_pins = CallsOf(c.control(), "BeginGet");
     const uint64_t ucx_pins = CallsOf(c.control(), "DataPlaneBeginGet");
     const uint64_t ucx_releases = CallsOf(c.control(), "DataPlaneReleaseGets");
@@ -455,10 +464,18 @@ TEST_P(FetchPath, BadDataPlaneCallsAreRefusedAndChangeNothingStored) {
          grpc::NOT_FOUND, "namespace");
   expect(raw.Call(ucx::kCallReleaseGets, raw.session(), v1::ReleaseGetsRequest().SerializeAsString()),
          grpc::INVALID_ARGUMENT, "names no lease");
+  v1::BeginPutRequest put;
+  put.set_namespace_id(ns->id ^ 1);
+  ToProto(BlockHash{77, 77}, put.add_hashes());
+  expect(raw.Call(ucx::kCallBeginPut, raw.session(), put.SerializeAsString()), grpc::NOT_FOUND,
+         "namespace");
+  expect(raw.Call(ucx::kCallBeginPut, raw.session(), std::string("\x0a\xff", 2)),
+         grpc::INVALID_ARGUMENT, "not a BeginPutRequest");
   {
     auto st = c.control().GetStats();
     ASSERT_TRUE(st.ok());
     EXPECT_EQ(st->get_leases(), 0u) << "no refused call pinned anything";
+    EXPECT_EQ(st->put_leases(), 0u) << "no refused call reserved anything";
   }
   // The same connection still pins, and releases, correctly.
   auto ok = raw.Call(ucx::kCallBeginGet, raw.session(), good);

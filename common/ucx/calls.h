@@ -1,5 +1,5 @@
-// Control calls over the data plane: a store's BeginGet and ReleaseGets
-// carried as UCX active messages on the endpoint a client already holds for
+// Control calls over the data plane: a store's BeginGet, ReleaseGets and
+// BeginPut carried as UCX active messages on the endpoint a client already holds for
 // RMA, instead of as gRPC calls. A load is then one UCX round trip (tens of
 // microseconds over TCP, a few over shared memory) where a gRPC call costs
 // hundreds on a loaded host (docs/dataplane.md, "Control calls").
@@ -30,6 +30,7 @@ constexpr size_t kSessionBytes = 16;
 enum CallMethod : uint16_t {
   kCallBeginGet = 1,     // v1.BeginGetRequest -> v1.BeginGetResponse
   kCallReleaseGets = 2,  // v1.ReleaseGetsRequest -> v1.ReleaseGetsResponse
+  kCallBeginPut = 3,     // v1.BeginPutRequest -> v1.BeginPutResponse
 };
 
 struct CallHeader {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <thread>
 
 #include <algorithm>
@@ -413,7 +414,12 @@ TEST(RouterConcurrency, RoutesRunBesideEventsAndRestarts) {
   }
   std::mt19937_64 rng(99);
   std::vector<uint64_t> seq(ids.size(), 0);
-  for (int step = 0; step < 4000; ++step) {
+  // 4,000 events at least, and on until the routing threads have routed
+  // beside them (a busy machine may not schedule them within the first few
+  // milliseconds), for 10 s at most.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (int step = 0;
+       step < 4000 || (routed.load() < 100 && std::chrono::steady_clock::now() < until); ++step) {
     const size_t w = rng() % ids.size();
     std::vector<v1::RouterCommand> cmds;
     if (step % 97 == 0) {  // a restart: a new epoch clears it

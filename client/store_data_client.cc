@@ -152,17 +152,18 @@ std::optional<absl::StatusOr<std::string>> StoreDataClient::CallOnDataPlane(
     uint16_t method, const google::protobuf::Message& request,
     std::chrono::system_clock::time_point deadline) {
   if (!options_.data_plane_calls) return std::nullopt;
-  // A free lane, else the next one in turn as it frees up.
-  const size_t start = next_call_lane_.fetch_add(1, std::memory_order_relaxed);
+  // The first free lane (so one caller at a time keeps to one connection and
+  // more are made only for calls at once), else one in turn as it frees up.
   std::unique_lock<std::timed_mutex> lk;
   CallLane* call = nullptr;
   for (size_t i = 0; i < call_lanes_.size() && call == nullptr; ++i) {
-    CallLane* c = call_lanes_[(start + i) % call_lanes_.size()].get();
+    CallLane* c = call_lanes_[i].get();
     lk = std::unique_lock(c->mu, std::try_to_lock);
     if (lk.owns_lock()) call = c;
   }
   if (call == nullptr) {
-    call = call_lanes_[start % call_lanes_.size()].get();
+    const size_t next = next_call_lane_.fetch_add(1, std::memory_order_relaxed);
+    call = call_lanes_[next % call_lanes_.size()].get();
     lk = std::unique_lock(call->mu, std::defer_lock);
     if (!lk.try_lock_until(deadline)) return std::nullopt;
   }

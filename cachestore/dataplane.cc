@@ -219,18 +219,20 @@ void DataPlaneServer::Run() {
       if (worker_->Progress() == 0) break;
       if (calls_.size() == calls) worked = true;  // not (only) a call's arrival
     }
-    if (!calls_.empty()) {
+    // Every call is answered in the pass it arrived in (so before CloseFailed
+    // can close its endpoint), and the replies are pushed out before any
+    // sleep; calls that arrive meanwhile are answered in the same loop.
+    while (!calls_.empty()) {
       ServeCalls();
       while (worker_->Progress() != 0) {
-      }  // push the replies out before any sleep
+      }
     }
     auto now = std::chrono::steady_clock::now();
     if (worked) last_work = now;
     if (!failed_.empty()) CloseFailed();
     uint64_t v;
     if (read(stop_fd_, &v, sizeof(v)) == sizeof(v)) break;
-    // (Calls that arrived while the replies went out are served first.)
-    if (!efd.ok() || now - last_work < spin || !calls_.empty()) continue;
+    if (!efd.ok() || now - last_work < spin) continue;
     if (ucp_worker_arm(worker_->get()) == UCS_ERR_BUSY) continue;
     epoll_event out[2];
     // Woken by traffic, the loop spins again while Progress finds work; a

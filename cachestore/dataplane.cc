@@ -17,6 +17,12 @@
 
 namespace kvtier::store {
 
+namespace {
+// The status codes its own answers carry (the gRPC / absl numbering).
+constexpr int kInvalidArgument = static_cast<int>(absl::StatusCode::kInvalidArgument);
+constexpr int kUnavailable = static_cast<int>(absl::StatusCode::kUnavailable);
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(const std::string& listen,
     void* arena, size_t length, const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
   size_t colon = listen.rfind(':');
@@ -152,12 +158,12 @@ ucs_status_t DataPlaneServer::OnCall(void* arg, const void* header, size_t heade
   PendingCall c{param->reply_ep, h.method, h.call_id,
                 std::string(reinterpret_cast<const char*>(h.session), sizeof(h.session)), {}};
   if (h.magic != ucx::kCallMagic) {
-    d->Reply(c.reply_ep, c.call_id, {3, "not a kvtier.v1 data-plane call (magic)"});
+    d->Reply(c.reply_ep, c.call_id, {kInvalidArgument, "not a kvtier.v1 data-plane call (magic)"});
     return UCS_OK;
   }
   if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
     // Rendezvous: kvtier clients send calls eager, so this is another one.
-    d->Reply(c.reply_ep, c.call_id, {3, "data-plane calls must be sent eager"});
+    d->Reply(c.reply_ep, c.call_id, {kInvalidArgument, "data-plane calls must be sent eager"});
     return UCS_OK;
   }
   c.request.assign(static_cast<const char*>(data), length);
@@ -172,7 +178,7 @@ void DataPlaneServer::ServeCalls() {
   for (auto& c : calls) {
     if (std::find(failed_.begin(), failed_.end(), c.reply_ep) != failed_.end()) continue;
     CallReply r = handler_ ? handler_(c.method, c.session, c.request)
-                           : CallReply{14, "the store is not serving data-plane calls yet"};
+                           : CallReply{kUnavailable, "the store is not serving data-plane calls yet"};
     Reply(c.reply_ep, c.call_id, std::move(r));
   }
 }

@@ -1,5 +1,6 @@
 #include "cachestore/service.h"
 
+#include <optional>
 #include <random>
 
 #include <algorithm>
@@ -168,11 +169,7 @@ grpc::Status StoreService::Resolve(const Caller& caller, uint64_t ns, uint64_t* 
 }
 
 LeaseOwner StoreService::OwnerOf(const grpc::ServerContext& ctx, const Caller& caller) const {
-  return OwnerOf(caller, caller.tenant == nullptr ? LeaseHolder(ctx) : std::string());
-}
-
-LeaseOwner StoreService::OwnerOf(const Caller& caller, const std::string& connection_holder) {
-  if (caller.tenant == nullptr) return LeaseOwner(connection_holder);
+  if (caller.tenant == nullptr) return LeaseOwner(LeaseHolder(ctx));
   return LeaseOwner(TenantLeaseHolder(*caller.tenant), caller.tenant->max_leases,
                     caller.tenant->index);
 }
@@ -182,7 +179,7 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
   if (RAND_bytes(reinterpret_cast<unsigned char*>(id.data()), static_cast<int>(id.size())) != 1) {
     return {};  // no randomness: no session (the client keeps gRPC)
   }
-  Session session{caller, caller.tenant == nullptr ? LeaseHolder(ctx) : std::string()};
+  Session session{caller, OwnerOf(ctx, caller)};
   std::lock_guard lk(sessions_mu_);
   if (session_order_.size() >= kMaxSessions) {
     sessions_.erase(session_order_.front());
@@ -195,7 +192,7 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
 
 DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_view session_id,
                                                    std::string_view request) {
-  Session session;
+  std::optional<Session> session;
   {
     std::lock_guard lk(sessions_mu_);
     auto it = sessions_.find(std::string(session_id));
@@ -228,19 +225,17 @@ DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_
     case ucx::kCallBeginGet:
       return serve("DataPlaneBeginGet", v1::BeginGetRequest(), v1::BeginGetResponse(),
                    [&](const v1::BeginGetRequest& req, v1::BeginGetResponse* resp) {
-                     return DoBeginGet(session.caller, OwnerOf(session.caller, session.holder),
-                                       req, resp);
+                     return DoBeginGet(session->caller, session->owner, req, resp);
                    });
     case ucx::kCallReleaseGets:
       return serve("DataPlaneReleaseGets", v1::ReleaseGetsRequest(), v1::ReleaseGetsResponse(),
                    [&](const v1::ReleaseGetsRequest& req, v1::ReleaseGetsResponse* resp) {
-                     return DoReleaseGets(session.caller, req, resp);
+                     return DoReleaseGets(session->caller, req, resp);
                    });
     case ucx::kCallBeginPut:
       return serve("DataPlaneBeginPut", v1::BeginPutRequest(), v1::BeginPutResponse(),
                    [&](const v1::BeginPutRequest& req, v1::BeginPutResponse* resp) {
-                     return DoBeginPut(session.caller, OwnerOf(session.caller, session.holder),
-                                       req, resp);
+                     return DoBeginPut(session->caller, session->owner, req, resp);
                    });
     default:
       return {grpc::UNIMPLEMENTED,

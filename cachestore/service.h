@@ -101,9 +101,6 @@ class StoreService final : public kvtier::v1::Store::Service {
   grpc::Status Resolve(const Caller& caller, uint64_t ns, uint64_t* store_ns) const;
   // Whom the caller's leases count against.
   LeaseOwner OwnerOf(const grpc::ServerContext& ctx, const Caller& caller) const;
-  // Whom the leases of a caller count against, given the connection's
-  // holder name (LeaseHolder; unused for a tenant).
-  static LeaseOwner OwnerOf(const Caller& caller, const std::string& connection_holder);
 
   // BeginGet, ReleaseGets and BeginPut for an identified caller, whichever
   // way the call came (gRPC, or the data plane's control calls).
@@ -120,7 +117,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   // answered UNAUTHENTICATED and connects again).
   struct Session {
     Caller caller;
-    std::string holder;  // LeaseHolder of the ConnectDataPlane call
+    LeaseOwner owner;  // OwnerOf the ConnectDataPlane call
   };
   static constexpr size_t kMaxSessions = 65536;
   std::string OpenSession(const Caller& caller, const grpc::ServerContext& ctx);

@@ -182,6 +182,21 @@ std::optional<absl::StatusOr<std::string>> StoreDataClient::CallOnDataPlane(
   return r;
 }
 
+template <typename Request, typename Response>
+absl::Status StoreDataClient::ControlCall(
+    uint16_t method,
+    grpc::Status (v1::Store::Stub::*rpc)(grpc::ClientContext*, const Request&, Response*),
+    const Request& request, Response* response, std::chrono::system_clock::time_point deadline) {
+  auto answer = CallOnDataPlane(method, request, deadline);
+  if (!answer) return Call(control_, rpc, request, response, deadline);
+  if (!answer->ok()) return answer->status();
+  if (!response->ParseFromString(**answer)) {
+    return absl::InternalError(absl::StrCat("store answered a data-plane call with no ",
+                                            response->GetDescriptor()->name()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StoreDataClient::RegisterMemory(void* addr, size_t length) {
   if (!init_error_.ok()) return init_error_;
   auto r = ucx::MemoryRegion::Map(ucx_context_, addr, length);
@@ -301,16 +316,8 @@ absl::StatusOr<PinnedBlocks> StoreDataClient::PinBy(std::chrono::system_clock::t
   }
   for (uint64_t id : releases) req.add_end_leases(id);
   v1::BeginGetResponse resp;
-  absl::Status s;
-  if (auto answer = CallOnDataPlane(ucx::kCallBeginGet, req, deadline)) {
-    s = answer->status();
-    if (s.ok() && !resp.ParseFromString(**answer)) {
-      s = absl::InternalError("store answered a data-plane BeginGet with no BeginGetResponse");
-    }
-  } else {
-    s = Call(control_, &v1::Store::Stub::BeginGet, req, &resp, deadline);
-  }
-  if (!s.ok()) {
+  if (auto s = ControlCall(ucx::kCallBeginGet, &v1::Store::Stub::BeginGet, req, &resp, deadline);
+      !s.ok()) {
     if (!releases.empty()) {
       // Not delivered: the releaser tries them again (their expiry is the backstop).
       std::lock_guard lk(release_mu_);
@@ -421,10 +428,9 @@ void StoreDataClient::ReleaseLoop() {
         req.add_lease_ids(ids[i]);
       }
       v1::ReleaseGetsResponse resp;
-      const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(budget_ms);
-      if (!CallOnDataPlane(ucx::kCallReleaseGets, req, deadline)) {
-        Call(control_, &v1::Store::Stub::ReleaseGets, req, &resp, deadline).IgnoreError();
-      }
+      ControlCall(ucx::kCallReleaseGets, &v1::Store::Stub::ReleaseGets, req, &resp,
+                  std::chrono::system_clock::now() + std::chrono::milliseconds(budget_ms))
+          .IgnoreError();
     }
     lk.lock();
   }
@@ -438,13 +444,9 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
   auto start = std::chrono::steady_clock::now();
   auto req = BeginPutOf(ns, options_.client_id, blocks);
   v1::BeginPutResponse resp;
-  if (auto answer = CallOnDataPlane(ucx::kCallBeginPut, req, deadline.rpcs)) {
-    if (!answer->ok()) return answer->status();
-    if (!resp.ParseFromString(**answer)) {
-      return absl::InternalError("store answered a data-plane BeginPut with no BeginPutResponse");
-    }
-  } else if (auto s = Call(control_, &v1::Store::Stub::BeginPut, req, &resp, deadline.rpcs);
-             !s.ok()) {
+  if (auto s = ControlCall(ucx::kCallBeginPut, &v1::Store::Stub::BeginPut, req, &resp,
+                           deadline.rpcs);
+      !s.ok()) {
     return s;
   }
   out.times.control_ms = MsSince(start);

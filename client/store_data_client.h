@@ -147,6 +147,15 @@ class StoreDataClient {
   std::optional<absl::StatusOr<std::string>> CallOnDataPlane(
       uint16_t method, const google::protobuf::Message& request,
       std::chrono::system_clock::time_point deadline);
+  // One control call: on the data plane as `method` where it can travel
+  // there, else the gRPC `rpc`; INTERNAL for a data-plane answer that does
+  // not parse as a Response.
+  template <typename Request, typename Response>
+  absl::Status ControlCall(uint16_t method,
+                           grpc::Status (v1::Store::Stub::*rpc)(grpc::ClientContext*,
+                                                               const Request&, Response*),
+                           const Request& request, Response* response,
+                           std::chrono::system_clock::time_point deadline);
 
   std::string address_;
   DataClientOptions options_;

@@ -201,6 +201,41 @@ TEST_P(FetchPath, APinThenASegmentedReadLandsEveryByteAndReportsSegmentsInOrder)
   }));
 }
 
+TEST_P(FetchPath, EveryBlockOfASmallOrALargeReadIsCheckedAgainstItsChecksum) {
+  StoreDataClient c(store_->address(), Options());
+  auto ns = c.control().RegisterNamespace(Spec4L());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  // 10 MiB: a mapped read this large sums on a second thread beside the copy;
+  // over TCP each block is summed as it lands.
+  const uint64_t n = 160;
+  auto src = PutBlocks(c, ns->id, n);
+  auto pin = c.Pin(ns->id, kBlock, Chain(n));
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  ASSERT_EQ(pin->sources.size(), n);
+  std::vector<uint8_t> dst(n * kBlock);
+  ReadPlan plan;
+  plan.bounds = {0, kLayer, 2 * kLayer, 3 * kLayer, kBlock};
+  plan.dest = [&](size_t i, size_t s) { return dst.data() + i * kBlock + s * kLayer; };
+  for (uint64_t count : {uint64_t{4}, n}) {
+    SCOPED_TRACE(count);
+    // A checksum the bytes do not have: the read fails and names the block.
+    PinnedBlocks wrong = *pin;
+    const uint64_t k = count - 2;
+    wrong.sources[k].checksum ^= 1;
+    auto bad = c.Read(wrong, kBlock, 0, count, plan).get();
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kDataLoss) << bad.status();
+    EXPECT_NE(bad.status().message().find("block " + std::to_string(k) + " "), std::string::npos)
+        << bad.status();
+    // With the store's checksums every block passes and every byte lands.
+    std::fill(dst.begin(), dst.end(), 0);
+    auto good = c.Read(*pin, kBlock, 0, count, plan).get();
+    ASSERT_TRUE(good.ok()) << good.status();
+    EXPECT_EQ(good->blocks, count);
+    EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), count * kBlock));
+  }
+  c.Release(pin->lease);
+}
+
 TEST_P(FetchPath, BadReadsAreRefusedAndChangeNothingStored) {
   StoreDataClient c(store_->address(), Options());
   auto ns = c.control().RegisterNamespace(Spec4L());

@@ -90,7 +90,7 @@ absl::Status Annotate(const absl::Status& s, absl::string_view what) {
 absl::StatusOr<RawRates> MeasureRawRma(const std::string& store, const DataClientOptions& o,
                                        uint64_t ns, uint64_t size,
                                        const std::vector<BlockHash>& hashes, uint64_t first_put_id,
-                                       std::vector<uint8_t>& src, std::vector<uint8_t>& dst) {
+                                       HugeBuffer& src, HugeBuffer& dst) {
   auto raw = RawRma::Connect(store, o);
   if (!raw.ok()) return Annotate(raw.status(), "raw RMA connect");
   for (auto* buf : {&src, &dst}) {
@@ -287,7 +287,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
         return 1;
       }
       const uint64_t blocks = blocks_of(size);
-      std::vector<uint8_t> src(blocks * size), dst(blocks * size);
+      HugeBuffer src(blocks * size), dst(blocks * size);
       for (uint64_t i = 0; i < blocks; ++i)
         FillBlock(ns->id, BlockHash{i, 0}, src.data() + i * size, size);
       if (!is_inline) {
@@ -447,7 +447,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   if (have_shm) {
     for (uint64_t size : sizes) {
       const uint64_t blocks = blocks_of(size);
-      std::vector<uint8_t> a(blocks * size, 1), b(blocks * size, 2);
+      HugeBuffer a(blocks * size, 1), b(blocks * size, 2);
       std::memcpy(b.data(), a.data(), a.size());  // warm both
       auto t = Clock::now();
       for (int rep = 0; rep < 3; ++rep) std::memcpy(b.data(), a.data(), a.size());

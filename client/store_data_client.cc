@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -623,7 +624,11 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
     for (size_t s = 0; s < segments; ++s) {
       pieces += count * ((bounds[s + 1] - bounds[s] + kHashPieceBytes - 1) / kHashPieceBytes);
     }
-    aside.emplace(pieces);
+    try {
+      aside.emplace(pieces);
+    } catch (const std::system_error&) {  // no thread to be had: sum in turn
+      aside.reset();
+    }
   }
   auto post = [&](size_t s) {
     const uint64_t len = bounds[s + 1] - bounds[s];

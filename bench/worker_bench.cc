@@ -170,7 +170,7 @@ int RunWorkerBench(int argc, const char* const* argv) {
   std::string sizes_flag = "1MiB,4MiB", store_bin;
   std::string latency_sizes_flag = "64KiB,1MiB", latency_blocks_flag = "4,16,64";
   int64_t reps = 30, layerwise_layers = 32, latency_layers = 8;
-  bool json = false, quick = false;
+  bool json = false, quick = false, store_hugepages = false;
   FlagSet flags("kvtier-bench worker",
                 "Offload/onboard throughput of the worker library beside the plain data plane,\n"
                 "and CPU gather/scatter beside memcpy, in one run.");
@@ -183,6 +183,9 @@ int RunWorkerBench(int argc, const char* const* argv) {
   flags.Int("layerwise-layers", &layerwise_layers, 2, 1024,
             "Layers of the layer-wise case (64 blocks of the largest latency size)");
   flags.Bool("quick", &quick, "A reduced run (32 MiB, 1 MiB blocks; fewer latency cases)");
+  flags.Bool("store-hugepages", &store_hugepages,
+             "Run the store with --hugepages (its arena in 2 MiB pages where the host has them "
+             "reserved: /proc/sys/vm/nr_hugepages)");
   flags.Bool("json", &json, "Print JSON");
   flags.String("store-bin", &store_bin, "kvtier-store binary [default: next to this one]");
   ParseFlagsOrExit(flags, argc, argv);
@@ -223,7 +226,7 @@ int RunWorkerBench(int argc, const char* const* argv) {
       store_bin, dir.sub("store"),
       {"--data-dir=" + dir.sub("store"), absl::StrCat("--ram-bytes=", (2 * sizes.size() + 1) * working_set + 64 * max_size + 2 * latency_bytes),
        absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
-       "--ucx-listen=127.0.0.1:0", "--hugepages=false"});
+       "--ucx-listen=127.0.0.1:0", absl::StrCat("--hugepages=", store_hugepages ? "true" : "false")});
   if (!store.ok()) {
     std::fprintf(stderr, "kvtier-bench worker: %s\n", std::string(store.status().message()).c_str());
     return 1;

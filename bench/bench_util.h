@@ -2,8 +2,6 @@
 // a chosen block size, deterministic block contents, timing and tables.
 #pragma once
 
-#include <sys/mman.h>
-
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -14,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
+#include "common/huge_pages.h"
 #include "testing/process.h"
 
 namespace kvtier::bench {
@@ -97,11 +96,8 @@ struct HugePageAllocator {
   template <typename U>
   HugePageAllocator(const HugePageAllocator<U>&) {}
   T* allocate(size_t n) {
-    constexpr size_t kHuge = 2u << 20;
-    const size_t bytes = (n * sizeof(T) + kHuge - 1) / kHuge * kHuge;
-    void* p = std::aligned_alloc(kHuge, bytes);
+    void* p = AllocateHugePageBacked(n * sizeof(T));
     if (p == nullptr) throw std::bad_alloc();
-    madvise(p, bytes, MADV_HUGEPAGE);
     return static_cast<T*>(p);
   }
   void deallocate(T* p, size_t) { std::free(p); }

@@ -75,6 +75,9 @@ constexpr uint64_t kSumAsideBytes = 8ull << 20;
 // to 0.65-0.8 of it).
 std::atomic<int> copying_reads{0};
 
+// Cores this process may run on, read once (glibc reads sysfs for it).
+const unsigned kCores = std::thread::hardware_concurrency();
+
 // Sums, on a thread of its own, the pieces a copying read hands it, in the
 // order handed (so each block's stream gets its bytes in order).
 class SumAside {
@@ -618,8 +621,7 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
     }
   } uncount{copies_at_post};
   if (copies_at_post && count * block_bytes >= kSumAsideBytes &&
-      copying_reads.load(std::memory_order_relaxed) == 1 &&
-      std::thread::hardware_concurrency() > 1) {
+      copying_reads.load(std::memory_order_relaxed) == 1 && kCores > 1) {
     size_t pieces = 0;
     for (size_t s = 0; s < segments; ++s) {
       pieces += count * ((bounds[s + 1] - bounds[s] + kHashPieceBytes - 1) / kHashPieceBytes);
@@ -677,8 +679,9 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
       // are still in cache and the later blocks keep arriving (the kernel
       // buffers them meanwhile). Summing a whole batch after it landed read
       // it back from memory and stalled the transfer for as long.
+      std::vector<void*> one(1);
       for (size_t i = 0; i < count; ++i) {
-        std::vector<void*> one = {reqs[s][i]};
+        one[0] = reqs[s][i];
         absl::Status st = lane.Wait(one, deadline.transfers);
         reqs[s][i] = nullptr;
         if (moved.ok()) moved = st;

@@ -1,24 +1,21 @@
 #include "worker/page_pool.h"
 
-#include <sys/mman.h>
-
 #include <cstdlib>
 #include <cstring>
+
+#include "common/huge_pages.h"
 
 namespace kvtier::worker {
 
 PagePool::PagePool(const gpu::KvLayout& layout) : layout_(layout), pages_(layout.num_pages) {
   for (uint32_t l = 0; l < layout_.layers; ++l) {
-    // Huge pages where the kernel gives them (THP "madvise" or "always"): a
-    // load copies into pages scattered over every layer, and with 4 KiB
-    // pages each copy missed the TLB (a nested page walk in a VM). Measured:
-    // 4 MiB loads from a mapped store copied at 7-12 GB/s into 4 KiB pages.
-    constexpr size_t kHuge = 2u << 20;
-    size_t bytes = (layout_.layer_bytes() + 4095) / 4096 * 4096;
-    const bool huge = bytes >= kHuge;
-    if (huge) bytes = (bytes + kHuge - 1) / kHuge * kHuge;
-    auto* p = static_cast<uint8_t*>(std::aligned_alloc(huge ? kHuge : 4096, bytes));
-    if (huge) madvise(p, bytes, MADV_HUGEPAGE);
+    // Huge pages where the kernel gives them (common/huge_pages.h): a load
+    // copies into pages scattered over every layer, and with 4 KiB pages
+    // each piece missed the TLB (a nested page walk in a VM). Measured: 4 MiB
+    // loads from a mapped store copied at 7-12 GB/s into 4 KiB pages.
+    const size_t bytes = (layout_.layer_bytes() + 4095) / 4096 * 4096;
+    auto* p = static_cast<uint8_t*>(bytes >= (2u << 20) ? AllocateHugePageBacked(bytes)
+                                                         : std::aligned_alloc(4096, bytes));
     std::memset(p, 0, bytes);  // touch it now, not on the data path
     bases_.push_back(p);
   }

@@ -26,7 +26,7 @@ absl::StatusOr<NamespaceSpec> SpecForBlockBytes(uint64_t block_bytes, const std:
         "block size ", block_bytes, " must be a multiple of 8KiB between 8KiB and 8MiB"));
   }
   return NamespaceSpec{model, "fp16", 1, static_cast<uint32_t>(block_bytes / 8192), 128, 16, 0,
-                       1, "", ""};
+                       1, "", "", ""};
 }
 
 void FillBlock(uint64_t ns, const BlockHash& hash, uint8_t* out, size_t len) {

@@ -428,7 +428,7 @@ int RunChaos(int argc, const char* const* argv) {
   }
   TempDir dir;
   Chaos chaos(*trace, phase_s, static_cast<int>(concurrency));
-  chaos.set_namespace(NamespaceId(NamespaceSpec{"mooncake-trace", "fp16", 1, 1, 32, 512, 0, 1, "", ""}));
+  chaos.set_namespace(NamespaceId(NamespaceSpec{"mooncake-trace", "fp16", 1, 1, 32, 512, 0, 1, "", "", ""}));
   if (auto s = chaos.Setup(dir.path()); !s.ok()) {
     std::fprintf(stderr, "kvtier-bench chaos: %s\n", std::string(s.message()).c_str());
     return 1;

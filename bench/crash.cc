@@ -99,7 +99,7 @@ class Driver {
     return absl::OkStatus();
   }
 
-  static NamespaceSpec Spec() { return NamespaceSpec{"crash", "fp16", 1, 1, 64, 16, 0, 1, "", ""}; }
+  static NamespaceSpec Spec() { return NamespaceSpec{"crash", "fp16", 1, 1, 64, 16, 0, 1, "", "", ""}; }
   static StoreClientOptions Options() {
     StoreClientOptions o;
     o.deadline_ms = 2000;

@@ -68,7 +68,7 @@ struct Options {
 constexpr uint32_t kTorchBlockTokens = 16;
 constexpr uint32_t kTorchVocab = 4096;
 NamespaceSpec TorchGeometry() {
-  return NamespaceSpec{"kvtier-reference", "fp16", 2, 2, 32, kTorchBlockTokens, 0, 1, "", ""};
+  return NamespaceSpec{"kvtier-reference", "fp16", 2, 2, 32, kTorchBlockTokens, 0, 1, "", "", ""};
 }
 
 // A trace request's prompt as real tokens for the torch engine: each
@@ -219,7 +219,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   const NamespaceSpec spec = torch ? TorchGeometry()
                                    : NamespaceSpec{"mooncake-trace", "fp16", 1, 1,
                                                    static_cast<uint32_t>(head_dim), 512, 0, 1, "",
-                                                   o.kv_wire};
+                                                   o.kv_wire, ""};
   uint64_t ns = NamespaceId(spec);
   std::unique_ptr<v1::Router::Stub> rstub;
   if (router) {

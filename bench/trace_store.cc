@@ -66,7 +66,7 @@ int RunTraceStore(int argc, const char* const* argv) {
   }
   // 512-token blocks of fp16, 1 layer, 1 KV head: head_dim sets the bytes.
   NamespaceSpec spec{"mooncake-trace", "fp16", 1, 1,
-                     static_cast<uint32_t>(o.block_bytes / 2048), kTraceBlockTokens, 0, 1, "", ""};
+                     static_cast<uint32_t>(o.block_bytes / 2048), kTraceBlockTokens, 0, 1, "", "", ""};
   if (o.block_bytes % 2048 != 0 || !ValidateNamespace(spec).ok()) {
     std::fprintf(stderr,
                  "kvtier-bench trace: flag --block-bytes: %s is not a multiple of 2KiB between "

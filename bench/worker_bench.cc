@@ -33,7 +33,7 @@ struct Case {
 NamespaceSpec SpecFor(uint64_t block_bytes, const std::string& model, uint32_t layers = 8) {
   // layers x 8 KV heads x 128 dims x fp16: 4 KiB per token and layer; tokens set the size.
   return NamespaceSpec{model, "fp16", layers, 8, 128,
-                       static_cast<uint32_t>(block_bytes / (4096ull * layers)), 0, 1, "", ""};
+                       static_cast<uint32_t>(block_bytes / (4096ull * layers)), 0, 1, "", "", ""};
 }
 
 // One latency case: loads of `blocks` blocks into a worker, p50/p99, beside

@@ -47,6 +47,13 @@ absl::Status ValidateNamespace(const NamespaceSpec& spec) {
         "namespace cache_salt may not end in \"|", kKvWireInt8, "\" (it would read as kv_wire ",
         kKvWireInt8, ")"));
   }
+  if (spec.layout.size() > 256) {
+    return absl::InvalidArgumentError("namespace layout must be at most 256 bytes");
+  }
+  if (absl::StrContains(spec.cache_salt, "|layout=")) {
+    return absl::InvalidArgumentError(
+        "namespace cache_salt may not contain \"|layout=\" (it would read as the layout field)");
+  }
   auto elem = DtypeBytes(spec.dtype);
   if (!elem.ok()) return elem.status();
   if (!spec.kv_wire.empty() && spec.kv_wire != kKvWireInt8) {
@@ -75,7 +82,8 @@ std::string CanonicalNamespace(const NamespaceSpec& spec) {
   return absl::StrCat(spec.model, "|", spec.dtype, "|", spec.layers, "|", spec.kv_heads, "|",
                       spec.head_dim, "|", spec.block_tokens, "|", spec.tp_rank, "|",
                       spec.tp_size == 0 ? 1 : spec.tp_size, "|", spec.cache_salt,
-                      spec.kv_wire.empty() ? "" : "|", spec.kv_wire);
+                      spec.kv_wire.empty() ? "" : "|", spec.kv_wire,
+                      spec.layout.empty() ? "" : "|layout=", spec.layout);
 }
 
 uint64_t NamespaceId(const NamespaceSpec& spec) {

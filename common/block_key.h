@@ -70,6 +70,9 @@ struct NamespaceSpec {
   uint32_t tp_size = 1;
   std::string cache_salt;
   std::string kv_wire;  // "" (the dtype's bytes) or kKvWireInt8
+  // What else decides the bytes (proto/kvtier/v1/common.proto): the engine's
+  // KV layout and parallel ranks beyond TP; "" for kvtier's own layout.
+  std::string layout;
 };
 
 // NamespaceSpec::kv_wire of int8-packed blocks (gpu/kv_layout.h, PackInt8Cpu).
@@ -82,8 +85,9 @@ absl::StatusOr<uint32_t> DtypeBytes(const std::string& dtype);
 absl::Status ValidateNamespace(const NamespaceSpec& spec);
 
 // "model|dtype|layers|kv_heads|head_dim|block_tokens|tp_rank|tp_size|salt",
-// with tp_size 0 read as 1, and "|kv_wire" after it when kv_wire is set (so
-// the ids of namespaces without it are unchanged). The input of NamespaceId.
+// with tp_size 0 read as 1, "|kv_wire" after it when kv_wire is set and
+// "|layout=LAYOUT" after that when layout is set (so the ids of namespaces
+// without them are unchanged). The input of NamespaceId.
 std::string CanonicalNamespace(const NamespaceSpec& spec);
 
 // XXH3-64 of CanonicalNamespace(spec). REQUIRES: ValidateNamespace(spec).ok().

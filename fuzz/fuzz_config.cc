@@ -30,7 +30,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (auto t = kvtier::store::Tenants::Parse(text); t.ok()) {
     for (const auto& tn : (*t)->all()) {
       if (tn.ram_bytes == 0 || (tn.identities.empty() && tn.token_sha256.empty())) __builtin_trap();
-      kvtier::NamespaceSpec spec{"m", "fp16", 1, 1, 8, 16, 0, 1, text.substr(0, 64), ""};
+      kvtier::NamespaceSpec spec{"m", "fp16", 1, 1, 8, 16, 0, 1, text.substr(0, 64), "", ""};
       kvtier::NamespaceSpec back;
       if ((*t)->Unsalt(tn.Salted(spec), &back) != &tn || back.cache_salt != spec.cache_salt) {
         __builtin_trap();

@@ -35,7 +35,7 @@ struct Fixture {
     o.lease_ms = 50;
     store = std::move(*kvtier::store::Store::Open(o));
     service = std::make_unique<kvtier::store::StoreService>(store.get(), nullptr);
-    kvtier::NamespaceSpec spec{"fuzz", "fp16", 1, 1, 8, 16, 0, 1, ""};
+    kvtier::NamespaceSpec spec{"fuzz", "fp16", 1, 1, 8, 16, 0, 1, "", "", ""};
     ns = store->RegisterNamespace(spec, 0)->id;
     block.assign(kvtier::BlockBytes(spec), 'k');
     (void)store->PutInline(ns, kvtier::BlockHash{1, 1}, block, kvtier::Checksum(block.data(), block.size()));

@@ -110,7 +110,7 @@ TEST(FlagSet, ConfigFileLosesToCommandLine) {
 }
 
 NamespaceSpec Llama8B() {
-  return NamespaceSpec{"meta-llama/Llama-3.1-8B", "bf16", 32, 8, 128, 16, 0, 1, "", ""};
+  return NamespaceSpec{"meta-llama/Llama-3.1-8B", "bf16", 32, 8, 128, 16, 0, 1, "", "", ""};
 }
 
 TEST(Namespace, BlockBytesMatchTheDesignNumbers) {

@@ -22,7 +22,7 @@ using testing::ServerProcess;
 using testing::WaitFor;
 
 // 2 x 1 layer x 1 head x 128 dim x 2 bytes x 512 tokens = 256 KiB.
-NamespaceSpec Spec256K() { return NamespaceSpec{"dp-model", "bf16", 1, 1, 128, 512, 0, 1, "", ""}; }
+NamespaceSpec Spec256K() { return NamespaceSpec{"dp-model", "bf16", 1, 1, 128, 512, 0, 1, "", "", ""}; }
 constexpr uint64_t kBlock = 256 << 10;
 BlockHash H(uint64_t i) { return BlockHash{0xD00D + i, i}; }
 

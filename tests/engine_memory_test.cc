@@ -19,7 +19,7 @@ namespace {
 using testing::ServerProcess;
 
 // 2 layers x 2 heads x 32 dim x 16 tokens of fp16: 2 KiB chunks, 8 KiB blocks.
-NamespaceSpec Spec() { return NamespaceSpec{"engine-test", "fp16", 2, 2, 32, 16, 0, 1, "", ""}; }
+NamespaceSpec Spec() { return NamespaceSpec{"engine-test", "fp16", 2, 2, 32, 16, 0, 1, "", "", ""}; }
 constexpr uint64_t kChunk = 16 * 2 * 32 * 2;
 constexpr uint64_t kPages = 12;
 

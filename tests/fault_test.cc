@@ -25,7 +25,7 @@ namespace {
 using testing::ServerProcess;
 using testing::WaitFor;
 
-NamespaceSpec Spec() { return NamespaceSpec{"fault-model", "fp16", 1, 1, 64, 512, 0, 1, "", ""}; }
+NamespaceSpec Spec() { return NamespaceSpec{"fault-model", "fp16", 1, 1, 64, 512, 0, 1, "", "", ""}; }
 constexpr uint64_t kBlock = 128 << 10;  // 2 x 64 x 2 x 512
 BlockHash H(uint64_t i) { return BlockHash{0xFA17 + i, i}; }
 

@@ -120,7 +120,7 @@ TEST(ThreadCache, ReusesAThreadForTasksInSequenceAndRunsConcurrentOnesAtOnce) {
 }
 
 // 4 segments of 64 KiB: 2 (K, V) x 4 layers x 1 head x 64 dim x 2 bytes x 64 tokens.
-NamespaceSpec Spec4L() { return NamespaceSpec{"fetch-test", "fp16", 4, 1, 64, 64, 0, 1, "", ""}; }
+NamespaceSpec Spec4L() { return NamespaceSpec{"fetch-test", "fp16", 4, 1, 64, 64, 0, 1, "", "", ""}; }
 constexpr uint64_t kBlock = 64 << 10;
 constexpr uint64_t kLayer = kBlock / 4;
 

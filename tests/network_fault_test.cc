@@ -27,7 +27,7 @@ using testing::ServerProcess;
 using testing::WaitFor;
 using Clock = std::chrono::steady_clock;
 
-NamespaceSpec Spec() { return NamespaceSpec{"net-model", "fp16", 1, 1, 64, 512, 0, 1, "", ""}; }
+NamespaceSpec Spec() { return NamespaceSpec{"net-model", "fp16", 1, 1, 64, 512, 0, 1, "", "", ""}; }
 constexpr uint64_t kBlock = 128 << 10;
 constexpr int kDeadlineMs = 1000;
 // Slack over a deadline for a loaded 2-core machine.

@@ -76,7 +76,7 @@ class Ops : public ::testing::Test {
     ASSERT_TRUE(stub->Submit(&ctx, req, &resp).ok());
     stores_env_ = "KVTIER_STORE=" + stores_[0]->address() + "," + stores_[1]->address() +
                   " KVTIER_ROUTER=" + router_->address();
-    ns_ = absl::StrFormat("%016x", NamespaceId(NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", ""}));
+    ns_ = absl::StrFormat("%016x", NamespaceId(NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", "", ""}));
   }
   testing::TempDir dir_;
   std::vector<std::unique_ptr<ServerProcess>> stores_;

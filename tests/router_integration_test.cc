@@ -106,7 +106,7 @@ class RouterIntegration : public ::testing::Test {
                                  "--hugepages=false", "--router=" + router_->address(),
                                  "--store-id=store-a"});
   }
-  static inline const NamespaceSpec kStoreSpec{"m", "fp16", 1, 1, 64, 256, 0, 1, "", ""};
+  static inline const NamespaceSpec kStoreSpec{"m", "fp16", 1, 1, 64, 256, 0, 1, "", "", ""};
   testing::TempDir dir_;
   std::unique_ptr<ServerProcess> router_;
   std::unique_ptr<RouterClient> client_;

@@ -69,7 +69,7 @@ TEST(RouterReplicas, EveryReplicaBehindOneNameHearsTheStoreAsTheyComeAndGo) {
   auto addr = [&](const char* r) { return lab.at(r).ip + ":7500"; };
   StoreClient c(lab.at("store").ip + ":7400");
   ASSERT_TRUE(testing::WaitFor([&] { return c.Health().ok(); }, std::chrono::seconds(20)));
-  auto ns = c.RegisterNamespace(NamespaceSpec{"replicas", "fp16", 1, 1, 64, 16, 0, 1, "", ""});
+  auto ns = c.RegisterNamespace(NamespaceSpec{"replicas", "fp16", 1, 1, 64, 16, 0, 1, "", "", ""});
   ASSERT_TRUE(ns.ok()) << ns.status();
   std::vector<std::string> data;
   std::vector<std::pair<BlockHash, std::string_view>> blocks;

@@ -18,7 +18,7 @@ using testing::ServerProcess;
 using testing::WaitFor;
 
 // The sim worker's defaults: 4 layers x 2 heads x 64 dim, fp16, 16 tokens.
-NamespaceSpec SimSpec() { return NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", ""}; }
+NamespaceSpec SimSpec() { return NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", "", ""}; }
 
 v1::SubmitRequest Prompt(uint64_t salt, int tokens, uint64_t id) {
   v1::SubmitRequest r;

@@ -21,7 +21,7 @@ namespace {
 
 using testing::ServerProcess;
 
-NamespaceSpec Spec() { return NamespaceSpec{"soak", "fp16", 1, 1, 32, 512, 0, 1, "", ""}; }
+NamespaceSpec Spec() { return NamespaceSpec{"soak", "fp16", 1, 1, 32, 512, 0, 1, "", "", ""}; }
 constexpr uint64_t kBlock = 64 << 10;
 constexpr uint64_t kKeys = 4096;  // 256 MiB of distinct blocks through 32 MiB of RAM
 BlockHash H(uint64_t k) { return BlockHash{0x50A4 + k, k}; }

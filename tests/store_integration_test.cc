@@ -17,7 +17,7 @@ namespace {
 
 using testing::BlockBytesFor;
 
-NamespaceSpec Spec() { return NamespaceSpec{"it-model", "bf16", 1, 1, 64, 256, 0, 1, "", ""}; }
+NamespaceSpec Spec() { return NamespaceSpec{"it-model", "bf16", 1, 1, 64, 256, 0, 1, "", "", ""}; }
 constexpr uint64_t kBlock = 64 << 10;
 BlockHash H(uint64_t n) { return BlockHash{n * 7 + 1, n}; }
 

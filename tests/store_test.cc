@@ -15,7 +15,7 @@ namespace {
 
 NamespaceSpec Spec() {
   // 2 x 1 layer x 1 head x 64 dim x 2 bytes x 256 tokens = 64 KiB blocks.
-  return NamespaceSpec{"test-model", "fp16", 1, 1, 64, 256, 0, 1, "", ""};
+  return NamespaceSpec{"test-model", "fp16", 1, 1, 64, 256, 0, 1, "", "", ""};
 }
 constexpr uint64_t kBlock = 64 << 10;
 

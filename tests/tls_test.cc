@@ -140,7 +140,7 @@ TEST_F(Tls, MutualTlsRefusesClientsWithoutACertificateSignedByTheCa) {
 
   StoreClient worker = Client(store, pki_.Client("ca", "worker"));
   EXPECT_TRUE(worker.GetStats().ok());
-  EXPECT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", ""}).ok());
+  EXPECT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""}).ok());
 }
 
 TEST_F(Tls, AdminIdentityKeepsAWorkersCertificateFromTheAdminRpcs) {
@@ -150,7 +150,7 @@ TEST_F(Tls, AdminIdentityKeepsAWorkersCertificateFromTheAdminRpcs) {
   ASSERT_GT(store.port(), 0) << store.Log();
 
   StoreClient worker = Client(store, pki_.Client("ca", "worker"));
-  ASSERT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", ""}).ok());
+  ASSERT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""}).ok());
   auto denied = worker.SetPolicy(v1::TIER_RAM, "lru");
   EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied);
   EXPECT_NE(denied.status().message().find("\"kvctl-admin\""), std::string::npos) << denied.status();
@@ -264,7 +264,7 @@ TEST_F(Tls, LeasesCountAgainstTheCertificateIdentity) {
   ServerProcess store = Store(flags);
   ASSERT_GT(store.port(), 0) << store.Log();
   StoreClient setup = Client(store, pki_.Client("ca", "admin"));
-  auto ns = setup.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", ""});
+  auto ns = setup.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""});
   ASSERT_TRUE(ns.ok()) << ns.status();
   auto connect = [&](const std::string& leaf) {
     grpc::ChannelArguments args;
@@ -318,7 +318,7 @@ TEST_F(Tls, CertificateNamesSelectTheTenant) {
   StoreClient a = Client(store, pki_.Client("ca", "worker-a"));
   StoreClient b = Client(store, pki_.Client("ca", "worker-b"));
   StoreClient nobody = Client(store, pki_.Client("ca", "admin"));
-  const NamespaceSpec spec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", ""};
+  const NamespaceSpec spec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""};
   auto na = a.RegisterNamespace(spec);
   auto nb = b.RegisterNamespace(spec);
   ASSERT_TRUE(na.ok()) << na.status();

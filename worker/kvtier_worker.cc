@@ -179,7 +179,7 @@ absl::StatusOr<kvtier::worker::ConnectorOptions> OptionsFrom(const kvtier_connec
   }
   kvtier::worker::ConnectorOptions o;
   o.spec = kvtier::NamespaceSpec{cfg->model, cfg->dtype, cfg->layers, cfg->kv_heads,
-                                 cfg->head_dim, cfg->block_tokens, 0, 1, "", ""};
+                                 cfg->head_dim, cfg->block_tokens, 0, 1, "", "", ""};
   if (cfg->kv_wire) o.spec.kv_wire = cfg->kv_wire;
   o.num_pages = cfg->num_pages;
   if (cfg->stores) {

@@ -290,6 +290,7 @@ int main(int argc, char** argv) {
                           0,
                           1,
                           "",
+                          "",
                           ""};
   if (kv_wire == "int8") co.spec.kv_wire = kKvWireInt8;
   sim.packed = kv_wire == "int8";

@@ -20,12 +20,13 @@ void ToProto(const NamespaceSpec& s, v1::NamespaceSpec* out) {
   out->set_tp_size(s.tp_size);
   out->set_cache_salt(s.cache_salt);
   out->set_kv_wire(s.kv_wire);
+  out->set_layout(s.layout);
 }
 
 NamespaceSpec FromProto(const v1::NamespaceSpec& p) {
   return NamespaceSpec{p.model(),        p.dtype(),   p.layers(),  p.kv_heads(), p.head_dim(),
                        p.block_tokens(), p.tp_rank(), p.tp_size(), p.cache_salt(),
-                       p.kv_wire()};
+                       p.kv_wire(),      p.layout()};
 }
 
 }  // namespace kvtier

@@ -154,6 +154,26 @@ TEST(Namespace, FreeTextCannotPoseAsAnotherField) {
   EXPECT_EQ(CanonicalNamespace(packed), Llama8B().model + "|fp16|32|8|128|16|0|1|tenant-1|int8");
 }
 
+// The layout field: another engine layout or tier row format is another
+// namespace; a spec without one keeps the id it always had; a salt cannot
+// pose as it.
+TEST(Namespace, LayoutIsPartOfTheIdOnlyWhenSet) {
+  const NamespaceSpec plain = Llama8B();
+  EXPECT_EQ(CanonicalNamespace(plain), plain.model + "|bf16|32|8|128|16|0|1|");
+  NamespaceSpec a = plain, b = plain;
+  a.layout = "vllm-page=LBHNC|cpu-attn=amx";
+  b.layout = "vllm-page=LBHNC|cpu-attn=vec";
+  EXPECT_TRUE(ValidateNamespace(a).ok());
+  EXPECT_NE(NamespaceId(a), NamespaceId(plain));
+  EXPECT_NE(NamespaceId(a), NamespaceId(b));
+  EXPECT_EQ(CanonicalNamespace(a), plain.model + "|bf16|32|8|128|16|0|1||layout=" + a.layout);
+  NamespaceSpec salted = plain;
+  salted.cache_salt = "x|layout=vllm-page=LBHNC|cpu-attn=amx";
+  EXPECT_NE(ValidateNamespace(salted).message().find("|layout="), std::string::npos);
+  a.layout = std::string(257, 'x');
+  EXPECT_NE(ValidateNamespace(a).message().find("layout"), std::string::npos);
+}
+
 TEST(Namespace, ValidationNamesTheField) {
   NamespaceSpec s = Llama8B();
   s.dtype = "int3";

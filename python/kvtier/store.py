@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvtier import _native
+from kvtier.errors import InvalidArgument, StatusCode
 from kvtier.memory import region_of
 
 
@@ -69,3 +70,48 @@ class StoreClient:
         how many."""
         r = region_of(out, writable=True)
         return int(self._c.get(namespace, hashes, r.address, r.nbytes))
+
+    def put_rows(self, namespace: _native.NamespaceSpec, hashes: Any,
+                 memory: Any, rows: Sequence[int]) -> dict[str, Any]:
+        """Writes block i of ``hashes`` from row ``rows[i]`` of ``memory``
+        (rows of ``namespace.block_bytes`` each, as an engine's tier lays
+        out its buffer). Same counts as :meth:`put`. Raises
+        :class:`kvtier.errors.InvalidArgument` for a row past the memory."""
+        return dict(self._c.put_at(namespace, hashes,
+                                   _row_addresses(namespace, memory, rows,
+                                                  writable=False)))
+
+    def get_rows(self, namespace: _native.NamespaceSpec, hashes: Any,
+                 memory: Any, rows: Sequence[int]) -> int:
+        """Reads the chain's leading present blocks, block i into row
+        ``rows[i]`` of ``memory``, each verified against its checksum.
+        Returns how many; raises :class:`kvtier.errors.DataLoss` when one
+        fails its checksum (then none of them count)."""
+        return int(self._c.get_at(namespace, hashes,
+                                  _row_addresses(namespace, memory, rows,
+                                                 writable=True)))
+
+    def verify(self, namespace: _native.NamespaceSpec, hashes: Any) -> int:
+        """Has each block's shard check its copy against the checksum its
+        writer committed and drop it if corrupt. Returns how many were
+        dropped."""
+        return int(self._c.verify_blocks(namespace, hashes))
+
+
+def _row_addresses(namespace: _native.NamespaceSpec, memory: Any,
+                   rows: Sequence[int], writable: bool) -> list[int]:
+    """The address of each row of ``memory``; InvalidArgument for a row
+    outside it."""
+    r = region_of(memory, writable=writable)
+    size = int(namespace.block_bytes)
+    count = r.nbytes // size
+    out = []
+    for row in rows:
+        row = int(row)
+        if not 0 <= row < count:
+            raise InvalidArgument(
+                StatusCode.INVALID_ARGUMENT,
+                f"row {row} is outside the memory's {count} rows of "
+                f"{size} bytes")
+        out.append(r.address + row * size)
+    return out

@@ -111,9 +111,9 @@ std::vector<uint32_t> Uint32sFrom(const py::handle& values, const char* what) {
 NamespaceSpec SpecFrom(const std::string& model, const std::string& dtype, uint32_t layers,
                        uint32_t kv_heads, uint32_t head_dim, uint32_t block_tokens,
                        uint32_t tp_rank, uint32_t tp_size, const std::string& cache_salt,
-                       const std::string& kv_wire) {
+                       const std::string& kv_wire, const std::string& layout) {
   NamespaceSpec s{model, dtype, layers, kv_heads, head_dim, block_tokens,
-                  tp_rank, tp_size, cache_salt, kv_wire};
+                  tp_rank, tp_size, cache_salt, kv_wire, layout};
   Check(ValidateNamespace(s));
   return s;
 }
@@ -189,18 +189,7 @@ class PyStoreClient {
     for (size_t i = 0; i < chain.size(); ++i) {
       blocks.push_back({chain[i], reinterpret_cast<const uint8_t*>(addr) + i * bb});
     }
-    PutOutcome o;
-    {
-      py::gil_scoped_release nogil;
-      o = Unwrap(client_.Put(NamespaceId(spec), bb, blocks));
-    }
-    py::dict d;
-    d["written"] = o.written;
-    d["already_present"] = o.already_present;
-    d["busy"] = o.busy;
-    d["no_space"] = o.no_space;
-    d["times"] = TimesDict(o.times);
-    return d;
+    return PutResult(NamespaceId(spec), bb, std::move(blocks));
   }
   uint32_t Get(const NamespaceSpec& spec, const py::array& hashes, uintptr_t addr, size_t length) {
     auto chain = ChainFrom(hashes);
@@ -216,9 +205,58 @@ class PyStoreClient {
     py::gil_scoped_release nogil;
     return Unwrap(client_.Get(NamespaceId(spec), bb, blocks)).blocks;
   }
+  // Blocks at scattered addresses (an engine tier's rows): block i at
+  // addresses[i]. The same outcomes as Put and Get.
+  py::dict PutAt(const NamespaceSpec& spec, const py::array& hashes,
+                 const std::vector<uintptr_t>& addresses) {
+    auto chain = ChainFrom(hashes);
+    CheckAddressCount(chain.size(), addresses.size());
+    std::vector<PutBlock> blocks;
+    for (size_t i = 0; i < chain.size(); ++i) {
+      blocks.push_back({chain[i], reinterpret_cast<const uint8_t*>(addresses[i])});
+    }
+    return PutResult(NamespaceId(spec), BlockBytes(spec), std::move(blocks));
+  }
+  uint32_t GetAt(const NamespaceSpec& spec, const py::array& hashes,
+                 const std::vector<uintptr_t>& addresses) {
+    auto chain = ChainFrom(hashes);
+    CheckAddressCount(chain.size(), addresses.size());
+    std::vector<GetBlock> blocks;
+    for (size_t i = 0; i < chain.size(); ++i) {
+      blocks.push_back({chain[i], reinterpret_cast<uint8_t*>(addresses[i])});
+    }
+    py::gil_scoped_release nogil;
+    return Unwrap(client_.Get(NamespaceId(spec), BlockBytes(spec), blocks)).blocks;
+  }
+  // Asks each block's shard to check its copy against the committed
+  // checksum and drop it if corrupt; the number dropped.
+  uint32_t VerifyBlocks(const NamespaceSpec& spec, const py::array& hashes) {
+    auto chain = ChainFrom(hashes);
+    py::gil_scoped_release nogil;
+    return Unwrap(client_.VerifyBlocks(NamespaceId(spec), chain));
+  }
   size_t shards() const { return client_.shards(); }
 
  private:
+  static void CheckAddressCount(size_t blocks, size_t addresses) {
+    if (blocks != addresses) {
+      Invalid(absl::StrCat(blocks, " block hashes but ", addresses, " addresses"));
+    }
+  }
+  py::dict PutResult(uint64_t ns, uint64_t block_bytes, std::vector<PutBlock> blocks) {
+    PutOutcome o;
+    {
+      py::gil_scoped_release nogil;
+      o = Unwrap(client_.Put(ns, block_bytes, blocks));
+    }
+    py::dict d;
+    d["written"] = o.written;
+    d["already_present"] = o.already_present;
+    d["busy"] = o.busy;
+    d["no_space"] = o.no_space;
+    d["times"] = TimesDict(o.times);
+    return d;
+  }
   static std::vector<std::string> CheckAddresses(std::vector<std::string> a) {
     if (a.empty()) Invalid("at least one store address is needed");
     for (const auto& s : a) {
@@ -620,7 +658,7 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init(&SpecFrom), py::arg("model"), py::arg("dtype"), py::arg("layers"),
            py::arg("kv_heads"), py::arg("head_dim"), py::arg("block_tokens"),
            py::arg("tp_rank") = 0, py::arg("tp_size") = 1, py::arg("cache_salt") = "",
-           py::arg("kv_wire") = "")
+           py::arg("kv_wire") = "", py::arg("layout") = "")
       .def_readonly("model", &NamespaceSpec::model)
       .def_readonly("dtype", &NamespaceSpec::dtype)
       .def_readonly("layers", &NamespaceSpec::layers)
@@ -631,6 +669,7 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("tp_size", &NamespaceSpec::tp_size)
       .def_readonly("cache_salt", &NamespaceSpec::cache_salt)
       .def_readonly("kv_wire", &NamespaceSpec::kv_wire)
+      .def_readonly("layout", &NamespaceSpec::layout)
       .def_property_readonly("id", [](const NamespaceSpec& s) { return NamespaceId(s); })
       .def_property_readonly("block_bytes", [](const NamespaceSpec& s) { return BlockBytes(s); })
       .def("hash_tokens", [](const NamespaceSpec& s, const py::handle& tokens) {
@@ -648,6 +687,9 @@ PYBIND11_MODULE(_native, m) {
       .def("lookup", &PyStoreClient::Lookup)
       .def("put", &PyStoreClient::Put)
       .def("get", &PyStoreClient::Get)
+      .def("put_at", &PyStoreClient::PutAt)
+      .def("get_at", &PyStoreClient::GetAt)
+      .def("verify_blocks", &PyStoreClient::VerifyBlocks)
       .def_property_readonly("shards", &PyStoreClient::shards);
 
   py::class_<EngineConnector>(m, "EngineConnector")

@@ -127,16 +127,28 @@ void KvConnector::PublishRemoved(const BlockHash& h) {
   for (auto* p : publishers_) p->Removed(ns_, {h});
 }
 
+absl::Status KvConnector::EnsureRegistered() {
+  if (registered_) return absl::OkStatus();
+  auto reg = store_->RegisterNamespace(options_.spec);
+  registered_ = reg.ok();
+  return reg.status();
+}
+
+bool KvConnector::ForgotNamespace(const absl::Status& s) {
+  // A store that restarted without its RAM (or a new shard) does not know
+  // the namespace: register again; the caller retries once.
+  if (s.code() != absl::StatusCode::kNotFound) return false;
+  registered_ = false;
+  return EnsureRegistered().ok();
+}
+
 absl::Status KvConnector::PinRest(Request* r) {
   if (!store_ || r->gpu_blocks >= r->chain.size()) return absl::OkStatus();
-  if (!registered_) {
-    auto reg = store_->RegisterNamespace(options_.spec);
-    registered_ = reg.ok();
-    if (!reg.ok()) return reg.status();
-  }
+  if (auto s = EnsureRegistered(); !s.ok()) return s;
   // Look the rest up and pin what the store has, in one round trip.
   std::vector<BlockHash> rest(r->chain.begin() + r->gpu_blocks, r->chain.end());
   auto pin = store_->Pin(ns_, wire_bytes_, rest);
+  if (ForgotNamespace(pin.status())) pin = store_->Pin(ns_, wire_bytes_, rest);
   if (!pin.ok()) return pin.status();
   r->pin = std::move(*pin);
   r->store_blocks = r->pin.blocks;

@@ -296,6 +296,11 @@ class KvConnector {
   std::mutex publishers_mu_;  // publishers_
   std::vector<BlockEventSink*> publishers_;
   std::atomic<bool> registered_{false};
+  // Registers the namespace with every shard unless that was done.
+  absl::Status EnsureRegistered();
+  // True when `s` says a store forgot the namespace (NOT_FOUND after a
+  // restart) and registering it again worked: the caller retries once.
+  bool ForgotNamespace(const absl::Status& s);
 
   std::mutex mu_;  // requests_
   std::unordered_map<uint64_t, std::unique_ptr<Request>> requests_;

@@ -135,8 +135,9 @@ void KvConnector::OffloadLoop() {
     std::vector<PutBlock> blocks;
     for (const auto& s : batch) blocks.push_back({s.hash, Slot(s.slot)});
     absl::Status st = absl::OkStatus();
-    if (!registered_) registered_ = store_->RegisterNamespace(options_.spec).ok();
+    EnsureRegistered().IgnoreError();  // a failure shows in the put's status
     auto r = store_->Put(ns_, bb, blocks);
+    if (ForgotNamespace(r.status())) r = store_->Put(ns_, bb, blocks);
     if (!r.ok()) st = r.status();
     {
       std::lock_guard sl(stats_mu_);

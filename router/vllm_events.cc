@@ -8,6 +8,7 @@
 #include <zmq_addon.hpp>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -210,48 +211,60 @@ std::string SkipReason(const Fields& f) {
   return "";
 }
 
-absl::StatusOr<VllmEvent> ReadEvent(const Obj& o) {
-  auto f = ReadFields(o);
-  if (!f.ok()) return f.status();
+// One event. Never fails: an event the router cannot use (another medium,
+// KV group, attention kind, a LoRA adapter or extra keys, a type it does
+// not know, or fields of the wrong shape) comes back with skip_reason set,
+// so the rest of its batch still applies. Fields are checked only on the
+// events that are applied (vLLM's CPU offloading reports its blocks with
+// block_size 0 and no tokens: skipped for their medium first).
+VllmEvent ReadEvent(const Obj& o) {
   VllmEvent e;
+  auto skip = [&](std::string why) {
+    e.skip_reason = std::move(why);
+    return e;
+  };
+  auto f = ReadFields(o);
+  if (!f.ok()) return skip(absl::StrCat("malformed: ", f.status().message()));
   if (f->tag == "AllBlocksCleared") {
     e.kind = VllmEvent::kCleared;
     return e;
   }
   if (f->tag != "BlockStored" && f->tag != "BlockRemoved") {
-    return absl::InvalidArgumentError(absl::StrCat("unknown event type \"", f->tag, "\""));
+    return skip(absl::StrCat("unknown event type \"", f->tag, "\""));
   }
   e.kind = f->tag == "BlockStored" ? VllmEvent::kStored : VllmEvent::kRemoved;
-  if (auto s = Hashes(f->hashes, &e.hashes); !s.ok()) return s;
-  e.skip_reason = SkipReason(*f);
+  if (auto s = Hashes(f->hashes, &e.hashes); !s.ok()) {
+    e.hashes.clear();
+    return skip(absl::StrCat("malformed: ", s.message()));
+  }
+  if (auto why = SkipReason(*f); !why.empty()) return skip(std::move(why));
   if (e.kind == VllmEvent::kRemoved) return e;
   if (!IsNil(f->parent)) {
     auto p = Hash(*f->parent);
-    if (!p.ok()) return p.status();
+    if (!p.ok()) return skip(absl::StrCat("malformed: parent_block_hash: ", p.status().message()));
     e.parent = *p;
   }
   if (f->block_size == nullptr || f->block_size->type != MSGPACK_OBJECT_POSITIVE_INTEGER ||
       f->block_size->via.u64 == 0 || f->block_size->via.u64 > 65536) {
-    return absl::InvalidArgumentError("block_size is not an integer in 1..65536");
+    return skip("malformed: block_size is not an integer in 1..65536");
   }
   e.block_size = static_cast<uint32_t>(f->block_size->via.u64);
   if (f->tokens == nullptr || f->tokens->type != MSGPACK_OBJECT_ARRAY ||
       f->tokens->via.array.size > kMaxEventTokens) {
-    return absl::InvalidArgumentError("token_ids is not an array (of at most 4M ids)");
+    return skip("malformed: token_ids is not an array (of at most 4M ids)");
   }
   e.token_ids.reserve(f->tokens->via.array.size);
   for (uint32_t i = 0; i < f->tokens->via.array.size; ++i) {
     const Obj& t = f->tokens->via.array.ptr[i];
     if (t.type != MSGPACK_OBJECT_POSITIVE_INTEGER || t.via.u64 > UINT32_MAX) {
-      return absl::InvalidArgumentError("a token id is not an integer in 0..2^32-1");
+      e.token_ids.clear();
+      return skip("malformed: a token id is not an integer in 0..2^32-1");
     }
     e.token_ids.push_back(static_cast<uint32_t>(t.via.u64));
   }
-  if (e.skip_reason.empty() &&
-      e.token_ids.size() != uint64_t{e.block_size} * e.hashes.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "BlockStored has ", e.token_ids.size(), " token ids for ", e.hashes.size(),
-        " blocks of ", e.block_size));
+  if (e.token_ids.size() != uint64_t{e.block_size} * e.hashes.size()) {
+    return skip(absl::StrCat("malformed: BlockStored has ", e.token_ids.size(),
+                             " token ids for ", e.hashes.size(), " blocks of ", e.block_size));
   }
   return e;
 }
@@ -371,11 +384,7 @@ absl::StatusOr<VllmBatch> DecodeVllmBatch(absl::string_view payload) {
     else if (ts->type == MSGPACK_OBJECT_POSITIVE_INTEGER) b.ts = static_cast<double>(ts->via.u64);
   }
   for (uint32_t i = 0; i < events->via.array.size; ++i) {
-    auto e = ReadEvent(events->via.array.ptr[i]);
-    if (!e.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("event ", i, ": ", e.status().message()));
-    }
-    b.events.push_back(std::move(*e));
+    b.events.push_back(ReadEvent(events->via.array.ptr[i]));
   }
   return b;
 }
@@ -549,6 +558,8 @@ struct VllmEventSource::Impl {
       }
       if (!e.skip_reason.empty()) {
         delta.skipped += e.hashes.size();
+        delta.skipped_events++;
+        if (absl::StartsWith(e.skip_reason, "malformed")) delta.malformed_events++;
         continue;
       }
       if (e.kind == VllmEvent::kStored) {
@@ -565,6 +576,8 @@ struct VllmEventSource::Impl {
       s.batches++;
       s.events += delta.events;
       s.skipped += delta.skipped;
+      s.skipped_events += delta.skipped_events;
+      s.malformed_events += delta.malformed_events;
       s.unknown_parents += delta.unknown_parents;
       s.blocks_stored += delta.blocks_stored;
       s.blocks_removed += delta.blocks_removed;

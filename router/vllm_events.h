@@ -69,13 +69,21 @@ struct VllmBatch {
 // Decodes one payload frame. Hashes arrive as msgpack unsigned ints (vLLM's
 // default), negative ints (Python's hash() in early versions: two's
 // complement) or bytes (the whole digest: its last 8 bytes, big-endian).
-// INVALID_ARGUMENT saying what was wrong for anything else.
+// Events are read one by one: one the router cannot use is kept with its
+// skip_reason ("malformed: ..." when its fields are of the wrong shape) and
+// the rest of the batch applies. INVALID_ARGUMENT saying what was wrong
+// only for a payload that is not a KVEventBatch at all.
 absl::StatusOr<VllmBatch> DecodeVllmBatch(absl::string_view payload);
 
 struct VllmSourceStats {
   uint64_t batches = 0, events = 0, blocks_stored = 0, blocks_removed = 0;
   uint64_t malformed = 0, gaps = 0, replays = 0, resyncs = 0, out_of_order = 0;
   uint64_t unknown_parents = 0, skipped = 0, restarts = 0;
+  // Events left out one by one (their batch still applies): every skipped
+  // event (another medium, group, kind, adapter, an unknown type), and of
+  // those the ones whose fields were of the wrong shape. `skipped` counts
+  // their blocks; `malformed` counts whole batches that could not be read.
+  uint64_t skipped_events = 0, malformed_events = 0;
   // f(name, value) for every counter, named as GetRouterStats.vllm_events.
   template <class F>
   void ForEach(F f) const {
@@ -83,6 +91,7 @@ struct VllmSourceStats {
     f("blocks_removed", blocks_removed), f("malformed", malformed), f("gaps", gaps);
     f("replays", replays), f("resyncs", resyncs), f("out_of_order", out_of_order);
     f("unknown_parents", unknown_parents), f("skipped", skipped), f("restarts", restarts);
+    f("skipped_events", skipped_events), f("malformed_events", malformed_events);
   }
 };
 

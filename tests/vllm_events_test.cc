@@ -116,19 +116,72 @@ TEST(VllmDecode, BadPayloadsAreRefusedSayingWhy) {
            {Hex("92 00 dc ff ff 01 02"), "not one msgpack value"},
            {Hex("db ff ff ff ff 61"), "not one msgpack value"},
            {std::string(40, '\x91') + Hex("c0"), "nests over 32 levels"},
-           {Hex("92 00 91 91 a3 46 6f 6f"), "unknown event type \"Foo\""},
-           {Hex("92 00 91 c0"), "neither an array nor a map"},
-           {Hex("92 00 91 92 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 05"), "block_hashes is not an array"},
-           {Hex("92 00 91 92 ac 42 6c 6f 63 6b 52 65 6d 6f 76 65 64 91 a1 78"), "neither an integer nor bytes"},
-           // One block of 4 with 3 token ids.
-           {Hex("92 00 91 96 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 91 05 c0 93 01 02 03 04 c0"),
-            "3 token ids for 1 blocks of 4"},
        }) {
     auto b = DecodeVllmBatch(c.bytes);
     ASSERT_FALSE(b.ok()) << c.says;
     EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(b.status().message().find(c.says), std::string::npos) << b.status();
   }
+}
+
+TEST(VllmDecode, AnEventTheRouterCannotUseIsSkippedNotItsBatch) {
+  // Each batch: one bad event, then a BlockRemoved of hash 5 on the GPU
+  // (array form). The bad event is kept with its reason; the next applies.
+  const std::string removed5 = "93 ac 42 6c 6f 63 6b 52 65 6d 6f 76 65 64 91 05 a3 47 50 55";
+  struct Case {
+    std::string event, says;
+  };
+  for (const auto& c : std::vector<Case>{
+           {"91 a3 46 6f 6f", "unknown event type \"Foo\""},
+           {"c0", "malformed: an event is neither an array nor a map"},
+           {"92 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 05", "malformed: block_hashes is not an array"},
+           {"92 ac 42 6c 6f 63 6b 52 65 6d 6f 76 65 64 91 a1 78", "neither an integer nor bytes"},
+           // One block of 4 with 3 token ids.
+           {"96 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 91 05 c0 93 01 02 03 04 c0",
+            "3 token ids for 1 blocks of 4"},
+       }) {
+    auto b = DecodeVllmBatch(Hex("92 00 92 " + c.event + " " + removed5));
+    ASSERT_TRUE(b.ok()) << c.says << ": " << b.status();
+    ASSERT_EQ(b->events.size(), 2u);
+    EXPECT_NE(b->events[0].skip_reason.find(c.says), std::string::npos)
+        << b->events[0].skip_reason;
+    EXPECT_TRUE(b->events[1].skip_reason.empty());
+    EXPECT_EQ(b->events[1].kind, VllmEvent::kRemoved);
+    EXPECT_EQ(b->events[1].hashes, std::vector<uint64_t>{5});
+  }
+}
+
+// vLLM 0.32's own bytes (msgspec, from its BlockPool and its CPU offloading
+// events tracker): a GPU BlockStored of two 16-token blocks, the CPU
+// offloading's placeholder for one of them (block_size 0, no tokens), two
+// GPU removals and AllBlocksCleared, in one batch. The CPU event is skipped
+// for its medium; everything else applies.
+constexpr char kVllm032Mixed[] =
+    "93cb41d954fc40200000958aa474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cf137bb0"
+    "37547f4cafcf16d077ad0843c577b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473dc002001"
+    "02030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f20aa626c6f636b5f73697a6510a76c6f72"
+    "615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b65797392c0c0a967726f7570"
+    "5f6964780089a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391cf16d077ad0843c577b1"
+    "706172656e745f626c6f636b5f68617368c0a9746f6b656e5f69647390aa626c6f636b5f73697a6500a76c6f72615f"
+    "6964c0a66d656469756da3435055a96c6f72615f6e616d65c0a967726f75705f6964780084a474797065ac426c6f63"
+    "6b52656d6f766564ac626c6f636b5f68617368657391cf137bb037547f4cafa66d656469756da3475055a967726f75"
+    "705f6964780084a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf16d077ad0843c5"
+    "77a66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400";
+
+TEST(VllmDecode, Vllm032BatchWithCpuOffloadingEventsApplies) {
+  auto b = DecodeVllmBatch(Hex(kVllm032Mixed));
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(b->events.size(), 5u);
+  EXPECT_EQ(b->events[0].kind, VllmEvent::kStored);
+  EXPECT_TRUE(b->events[0].skip_reason.empty());
+  EXPECT_EQ(b->events[0].hashes,
+            (std::vector<uint64_t>{1403909460543360175ull, 1643945449041937783ull}));
+  EXPECT_EQ(b->events[0].block_size, 16u);
+  EXPECT_EQ(b->events[0].token_ids.size(), 32u);
+  EXPECT_EQ(b->events[1].skip_reason, "medium CPU");
+  EXPECT_TRUE(b->events[2].skip_reason.empty());
+  EXPECT_TRUE(b->events[3].skip_reason.empty());
+  EXPECT_EQ(b->events[4].kind, VllmEvent::kCleared);
 }
 
 // A test encoder following vLLM 0.26+'s layout (map events in declaration

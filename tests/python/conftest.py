@@ -31,13 +31,13 @@ class Store:
     """A kvtier-store process; ``address`` once it serves."""
 
     def __init__(self, tmp: Path, name: str = "store",
-                 ram: str = "64MiB") -> None:
+                 ram: str = "64MiB", port: int = 0) -> None:
         self.tmp = tmp
         self.name = name
         self.port_file = tmp / f"{name}.port"
         self.log = tmp / f"{name}.log"
         args = [str(BUILD / "cachestore" / "kvtier-store"),
-                "--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                f"--listen=127.0.0.1:{port}", "--ucx-listen=127.0.0.1:0",
                 f"--data-dir={tmp / (name + '-db')}", "--hugepages=false",
                 f"--ram-bytes={ram}", f"--port-file={self.port_file}"]
         with open(self.log, "wb") as log:

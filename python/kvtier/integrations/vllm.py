@@ -452,8 +452,14 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ns = self._namespace
         p, h, tok, c = (int(x) for x in t.shape)
         d = int(ns.head_dim)
+        # The page's dims, innermost first, must tile it densely (in
+        # whichever order the layout puts heads and tokens).
+        dims = sorted(zip(t.stride()[1:], t.shape[1:]))
+        dense = all(stride == (1 if i == 0 else
+                               dims[i - 1][0] * dims[i - 1][1])
+                    for i, (stride, _) in enumerate(dims))
         if (h, tok, c) != (int(ns.kv_heads), int(ns.block_tokens), 2 * d) \
-                or t.stride()[1:] != (tok * c, c, 1):
+                or not dense or t.stride()[0] < h * tok * c:
             raise kvtier.errors.InvalidArgument(
                 kvtier.StatusCode.INVALID_ARGUMENT,
                 f"vLLM's KV view of shape {tuple(t.shape)} and strides "

@@ -503,8 +503,20 @@ int RunReplay(int argc, const char* const* argv) {
     std::fprintf(stderr, "kvtier replay: %zu requests, %ld workers x %ld pages, %s per 512-token block\n",
                  trace->size(), o.workers, o.pages, FormatBytes(o.block_bytes).c_str());
   }
-  for (const auto& m : modes) {
+  for (size_t i = 0; i < modes.size(); ++i) {
+    const std::string& m = modes[i];
+    // Progress, one line as each mode starts and ends (a mode takes tens of
+    // seconds): on stderr, so --json's stdout stays one document.
+    std::fprintf(stderr, "kvtier replay: mode %zu/%zu %s: starting a fresh cluster\n", i + 1,
+                 modes.size(), m.c_str());
     auto r = RunMode(o, m, *trace, dir);
+    if (r.ok()) {
+      std::fprintf(stderr,
+                   "kvtier replay: mode %zu/%zu %s: done in %.0f s (%.2f%% of prompt tokens "
+                   "computed, TTFT mean %.0f ms)\n",
+                   i + 1, modes.size(), m.c_str(), r->seconds,
+                   100.0 * r->computed / std::max<uint64_t>(r->prompt_tokens, 1), r->TtftMean());
+    }
     if (!r.ok()) {
       if (g_interrupted) {
         std::fprintf(stderr, "\nkvtier-bench replay: interrupted; cluster stopped\n");

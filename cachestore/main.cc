@@ -142,6 +142,10 @@ int main(int argc, char** argv) {
     routers.emplace_back(r);
   }
 
+  if (f.ram_bytes == 0) {
+    std::fprintf(stderr, "kvtier-store: flag --ram-bytes must be above 0\n");
+    return 2;
+  }
   if (f.disk_bytes == 0) {
     std::fprintf(stderr, "kvtier-store: flag --disk-bytes must be above 0\n");
     return 2;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 
@@ -65,6 +66,12 @@ absl::StatusOr<std::unique_ptr<RocksDbBackend>> RocksDbBackend::Open(const std::
   std::unique_ptr<RocksDbBackend> b(new RocksDbBackend());
   b->dir_ = dir;
   rocksdb::Status s = rocksdb::DB::Open(db_opts, dir, cfs, &handles, &b->db_);
+  if (!s.ok() && s.IsIOError() && absl::StrContains(s.ToString(), "lock")) {
+    // RocksDB's LOCK file is held: another process has this database open.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "data directory \"", dir, "\" is in use by another kvtier-store (its lock file ", dir,
+        "/LOCK is held); stop that store, or give this one another --data-dir"));
+  }
   if (!s.ok()) return FromRocks(s, "cannot open the database", dir);
   b->default_cf_ = handles[0];
   b->cf_[static_cast<int>(Column::kBlocks)] = handles[1];

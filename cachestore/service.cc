@@ -13,6 +13,7 @@
 #include "common/rpc/proto_convert.h"
 #include "common/rpc/tls.h"
 #include "common/ucx/calls.h"
+#include "common/version.h"
 #include "openssl/rand.h"
 
 namespace kvtier::store {
@@ -569,6 +570,7 @@ grpc::Status StoreService::GetStats(grpc::ServerContext*, const v1::GetStatsRequ
   resp->set_get_leases(s.get_leases);
   resp->set_leases_expired(s.leases_expired);
   resp->set_checksum_failures(s.checksum_failures);
+  resp->set_version(Version());
   for (const auto& [name, h] : histograms_) {
     auto snap = h->Take();
     auto* out = resp->add_rpc_latency();

@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "cachestore/service.h"
+#include "common/version.h"
 
 namespace kvtier::store {
 
@@ -10,6 +11,8 @@ using Clock = std::chrono::steady_clock;
 
 std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
   MetricsBuilder m;
+  m.Gauge("kvtier_build_info", "1, labelled with this build's kvtier version", 1,
+          {{"version", Version()}, {"component", "store"}});
   StoreStats s = store_->Stats();
   for (const auto& [tier, t] : {std::pair<const char*, const TierSnapshot&>{"ram", s.ram},
                                 std::pair<const char*, const TierSnapshot&>{"disk", s.disk}}) {

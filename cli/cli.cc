@@ -95,6 +95,10 @@ absl::StatusOr<CommandLine> SplitCommandLine(int argc, const char* const* argv) 
       line.help = true;
       return line;
     }
+    if (a == "--version") {
+      line.version = true;
+      return line;
+    }
     // "--" and "-x" are not flags here: as the command they are refused as unknown.
     if (a.size() <= 2 || !a.starts_with("--")) break;
     std::string_view name = a.substr(2);
@@ -156,9 +160,13 @@ void SharedFlags::Register(FlagSet& f, Dials dials) {
   if (dials == Dials::kStores) {
     f.String("admin-token-file", &admin_token_file,
              "File with the store's admin token (policy set, evict) [env KVTIER_ADMIN_TOKEN]");
+  }
+  if (dials == Dials::kStores || dials == Dials::kStoresAndRouter) {
     f.String("store", &stores, "Store shard address(es), comma-separated [env KVTIER_STORE]");
   }
-  if (dials == Dials::kRouter) f.String("router", &router, "Router address [env KVTIER_ROUTER]");
+  if (dials == Dials::kRouter || dials == Dials::kStoresAndRouter) {
+    f.String("router", &router, "Router address [env KVTIER_ROUTER]");
+  }
   f.Bool("json", &json, "Print JSON for scripts");
   f.DurationMs("timeout", &timeout_ms, "Deadline of each call");
 }

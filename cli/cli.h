@@ -40,6 +40,8 @@ struct CommandLine {
   std::vector<std::string> early_flags;
   // --help or -h came before the command: kvctl's own help is wanted.
   bool help = false;
+  // --version came before the command: kvctl's version.
+  bool version = false;
 };
 
 // Splits argv at the first word that is not a flag. Only the shared flags may
@@ -60,7 +62,7 @@ int Report(const absl::Status& s, const std::string& what);
 // The flags every command shares; which of them a command takes depends on
 // what it dials.
 struct SharedFlags {
-  enum class Dials { kAnyServer, kStores, kRouter };
+  enum class Dials { kAnyServer, kStores, kRouter, kStoresAndRouter };
 
   std::string stores;  // comma-separated; --store or KVTIER_STORE
   std::string router;  // --router or KVTIER_ROUTER

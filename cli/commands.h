@@ -15,5 +15,6 @@ int RunNamespaces(const CommandLine& line);  // namespaces.cc
 int RunWorkers(const CommandLine& line);     // router_cmds.cc
 int RunRoute(const CommandLine& line);       // router_cmds.cc
 int RunHealth(const CommandLine& line);      // health.cc
+int RunVersion(const CommandLine& line);     // version.cc
 
 }  // namespace kvtier::cli

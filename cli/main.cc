@@ -10,6 +10,7 @@
 
 #include "cli/cli.h"
 #include "cli/commands.h"
+#include "common/version.h"
 
 namespace kvtier::cli {
 namespace {
@@ -43,6 +44,8 @@ constexpr Command kCommands[] = {
      kRouterHeading, RunWorkers},
     {"route", "", "explain one routing decision with every candidate's cost", nullptr, RunRoute},
     {"health", "ADDR", "grpc.health.v1 status (--service NAME); for probes", "Any server:", RunHealth},
+    {"version", "", "kvctl's version and each store shard's and the router's (--store, --router)",
+     nullptr, RunVersion},
 };
 
 void Usage(FILE* out) {
@@ -67,6 +70,10 @@ int Main(int argc, const char* const* argv) {
   }
   if (line->help) {
     Usage(stdout);
+    return kOk;
+  }
+  if (line->version) {
+    std::printf("kvctl %s\n", Version());
     return kOk;
   }
   if (line->words.empty()) {

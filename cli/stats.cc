@@ -85,6 +85,10 @@ void PrintShardsTable(const Shards& shards, const v1::TierStats (&sum)[2]) {
 
 }  // namespace
 
+// --watch refreshes no faster than this: a refresh is a GetStats on every
+// shard, and a spinning kvctl would load them and its own core.
+constexpr uint64_t kMinWatchIntervalMs = 100;
+
 int RunStats(const CommandLine& line) {
   SharedFlags c;
   bool watch = false;
@@ -92,8 +96,17 @@ int RunStats(const CommandLine& line) {
   FlagSet f("kvctl stats", "Per-tier statistics of every store shard, and their sum.");
   c.Register(f, SharedFlags::Dials::kStores);
   f.Bool("watch", &watch, "Refresh in place until interrupted");
-  f.DurationMs("interval", &interval_ms, "Refresh period with --watch");
+  f.DurationMs("interval", &interval_ms,
+               "Refresh period with --watch (at least 100ms: each refresh asks every shard)");
   ParseCommandFlags(f, line);
+  if (interval_ms < kMinWatchIntervalMs) {
+    std::fprintf(stderr,
+                 "kvctl stats: --interval %lums is below the minimum of %lums (each refresh asks "
+                 "every shard for its statistics)\n",
+                 static_cast<unsigned long>(interval_ms),
+                 static_cast<unsigned long>(kMinWatchIntervalMs));
+    return kUsage;
+  }
   for (bool first = true;; first = false) {
     Shards shards;
     for (const auto& addr : c.StoreList()) {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/version.h"
 
 namespace kvtier {
 
@@ -249,6 +250,10 @@ absl::Status FlagSet::Parse(int argc, const char* const* argv,
       help_requested_ = true;
       continue;
     }
+    if (a == "--version") {
+      version_requested_ = true;
+      continue;
+    }
     if (a.rfind("--", 0) != 0 || a.size() == 2) {
       if (positional) {
         positional->push_back(a);
@@ -349,6 +354,10 @@ void ParseFlagsOrExit(FlagSet& flags, int argc, const char* const* argv,
   absl::Status s = flags.Parse(argc, argv, positional);
   if (flags.help_requested()) {
     std::fputs(flags.Help().c_str(), stdout);
+    std::exit(0);
+  }
+  if (flags.version_requested()) {
+    std::printf("%s %s\n", flags.program().c_str(), Version());
     std::exit(0);
   }
   if (!s.ok()) {

@@ -69,6 +69,9 @@ class FlagSet {
   absl::Status ParseConfigText(const std::string& text, const std::string& origin);
 
   bool help_requested() const { return help_requested_; }
+  // --version was given: the caller prints program() and Version().
+  bool version_requested() const { return version_requested_; }
+  const std::string& program() const { return program_; }
   std::string Help() const;
 
  private:
@@ -88,10 +91,12 @@ class FlagSet {
   std::vector<std::string> order_;
   std::map<std::string, bool> set_on_command_line_;
   bool help_requested_ = false;
+  bool version_requested_ = false;
 };
 
-// Parses flags for main(): prints help and exits 0 on --help; prints the
-// error and exits 2 on a bad flag.
+// Parses flags for main(): prints help and exits 0 on --help, prints the
+// program and kvtier's version and exits 0 on --version; prints the error
+// and exits 2 on a bad flag.
 void ParseFlagsOrExit(FlagSet& flags, int argc, const char* const* argv,
                       std::vector<std::string>* positional = nullptr);
 

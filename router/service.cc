@@ -4,6 +4,7 @@
 #include "common/log.h"
 #include "common/rpc/grpc_status.h"
 #include "common/rpc/tls.h"
+#include "common/version.h"
 
 namespace kvtier::router {
 
@@ -140,6 +141,8 @@ grpc::Status RouterService::Route(grpc::ServerContext*, const v1::RouteRequest* 
 
 std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
   MetricsBuilder m;
+  m.Gauge("kvtier_build_info", "1, labelled with this build's kvtier version", 1,
+          {{"version", Version()}, {"component", "router"}});
   auto st = core_->Stats();
   if (extra_stats_) extra_stats_(&st);
   for (const auto& [what, n] : st.vllm_events()) {
@@ -210,6 +213,7 @@ grpc::Status RouterService::ListWorkers(grpc::ServerContext*, const v1::ListWork
 grpc::Status RouterService::GetRouterStats(grpc::ServerContext*, const v1::GetRouterStatsRequest*,
                                            v1::GetRouterStatsResponse* resp) {
   *resp = core_->Stats();
+  resp->set_version(Version());
   if (extra_stats_) extra_stats_(resp);
   return grpc::Status::OK;
 }

@@ -6,6 +6,7 @@
 
 #include "common/block_key.h"
 #include "common/config.h"
+#include "common/version.h"
 #include "common/dtype.h"
 #include "common/prompt_chain.h"
 #include "common/rendezvous.h"
@@ -65,6 +66,18 @@ TEST(FlagSet, ParsesEveryForm) {
   EXPECT_TRUE(b);
   EXPECT_FALSE(c);
   EXPECT_EQ(policy, "sieve");
+}
+
+TEST(FlagSet, VersionIsRequestedNotAnError) {
+  FlagSet f("kvtier-test", "A test.");
+  std::string listen = "x";
+  f.String("listen", &listen, "Where");
+  const char* argv[] = {"kvtier-test", "--version", "--listen=y"};
+  EXPECT_TRUE(f.Parse(3, argv).ok());
+  EXPECT_TRUE(f.version_requested());
+  EXPECT_FALSE(f.help_requested());
+  EXPECT_EQ(f.program(), "kvtier-test");
+  EXPECT_NE(std::string(Version()), "");
 }
 
 TEST(FlagSet, ErrorsNameTheFlag) {

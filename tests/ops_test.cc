@@ -166,6 +166,60 @@ TEST_F(Ops, LookupWorkersAndRoute) {
   EXPECT_NE(r.out.find("candidate"), std::string::npos) << r.out;
 }
 
+// Every binary and kvctl print the build's version; kvctl version asks each
+// server for its own, and says which could not be reached (exit 3).
+TEST_F(Ops, VersionsEverywhere) {
+  for (const std::string bin : {KVTIER_STORE_BIN, KVTIER_ROUTER_BIN, KVTIER_SIM_WORKER_BIN}) {
+    ShellResult r = RunShell(bin + " --version 2>&1");
+    EXPECT_EQ(r.exit_code, 0) << bin << r.out;
+    EXPECT_NE(r.out.find(std::string(" ") + KVTIER_VERSION + "\n"), std::string::npos) << r.out;
+  }
+  CliRun r = Kvctl("--version");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_EQ(r.out, std::string("kvctl ") + KVTIER_VERSION + "\n");
+  r = Kvctl("version --json", stores_env_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["kvctl"], KVTIER_VERSION);
+  EXPECT_EQ(j["servers"]["store " + stores_[0]->address()], KVTIER_VERSION) << r.out;
+  EXPECT_EQ(j["servers"]["store " + stores_[1]->address()], KVTIER_VERSION) << r.out;
+  EXPECT_EQ(j["servers"]["router " + router_->address()], KVTIER_VERSION) << r.out;
+  r = Kvctl("version --router 127.0.0.1:1 --timeout 1s", stores_env_);
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("router 127.0.0.1:1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(std::string("store ") + stores_[0]->address()), std::string::npos);
+}
+
+// Start-up errors name the cause and the fix.
+TEST_F(Ops, StartUpErrorsNameTheCause) {
+  // A second store on a data directory in use: said so, the directory named.
+  ShellResult r = RunShell(std::string(KVTIER_STORE_BIN) +
+                           " --listen=127.0.0.1:0 --hugepages=false --ram-bytes=16MiB --data-dir=" +
+                           dir_.sub("db0") + " 2>&1 </dev/null");
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.out.find("is in use by another kvtier-store"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(dir_.sub("db0")), std::string::npos) << r.out;
+  // --ram-bytes 0 is blamed on --ram-bytes.
+  r = RunShell(std::string(KVTIER_STORE_BIN) + " --ram-bytes=0 --data-dir=" + dir_.sub("x") +
+               " 2>&1 </dev/null");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_NE(r.out.find("--ram-bytes must be above 0"), std::string::npos) << r.out;
+  // A port in use: one line that says so, not gRPC's own log.
+  r = RunShell(std::string(KVTIER_STORE_BIN) + " --listen=" + router_->address() +
+               " --hugepages=false --ram-bytes=16MiB --data-dir=" + dir_.sub("busy") +
+               " 2>&1 </dev/null");
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.out.find("the address is in use"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("Failed to add"), std::string::npos) << r.out;
+}
+
+TEST_F(Ops, WatchRefusesAnIntervalBelowItsMinimum) {
+  CliRun r = Kvctl("stats --watch --interval 0s", stores_env_);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("below the minimum of 100ms"), std::string::npos) << r.out;
+  EXPECT_EQ(Kvctl("stats --watch --interval 50ms", stores_env_).code, 2);
+}
+
 TEST_F(Ops, UnreachableAndBadUsageHaveTheirExitCodes) {
   CliRun r = Kvctl("stats --store 127.0.0.1:1 --timeout 1s");
   EXPECT_EQ(r.code, 3) << r.out;
@@ -189,7 +243,8 @@ TEST_F(Ops, PrometheusEndpointsServeTheDocumentedMetrics) {
                            "kvtier_store_tier_promotions_total", "kvtier_store_tier_demotions_total",
                            "kvtier_store_rpc_duration_seconds_bucket{rpc=\"BeginPut\"",
                            "kvtier_store_dataplane_bytes_total{direction=\"put\"}",
-                           "kvtier_store_leases{kind=\"put\"} 0"}) {
+                           "kvtier_store_leases{kind=\"put\"} 0",
+                           "kvtier_build_info{component=\"store\",version=\"" KVTIER_VERSION "\"} 1"}) {
     EXPECT_NE(store.find(name), std::string::npos) << name << "\n" << store.substr(0, 2000);
   }
   std::string router;
@@ -199,6 +254,7 @@ TEST_F(Ops, PrometheusEndpointsServeTheDocumentedMetrics) {
   })) << router.substr(0, 2000);
   for (const char* name : {"kvtier_router_events_total{outcome=\"applied\"}",
                            "kvtier_router_decisions_total{outcome=\"lowest_cost\"}",
+                           "kvtier_build_info{component=\"router\",version=\"" KVTIER_VERSION "\"} 1",
                            "kvtier_router_source_up{kind=\"worker\",source=\"w1\"} 1",
                            "kvtier_router_route_duration_seconds_count",
                            "kvtier_router_index_bytes_per_block"}) {

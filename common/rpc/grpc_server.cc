@@ -2,9 +2,13 @@
 
 #include <grpcpp/support/server_interceptor.h>
 
+#include <netdb.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -15,6 +19,40 @@
 
 namespace kvtier {
 namespace {
+
+// Whether another process holds HOST:PORT already (a bind to it fails with
+// EADDRINUSE), asked before gRPC is, so the operator reads one line that
+// says so instead of gRPC's own multi-line log. Port 0 and addresses that do
+// not resolve are left to gRPC.
+bool AddressInUse(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) return false;
+  std::string host = listen.substr(0, colon), port = listen.substr(colon + 1);
+  if (port.empty() || port == "0") return false;
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  if (getaddrinfo(host.empty() || host == "*" ? nullptr : host.c_str(), port.c_str(), &hints,
+                  &res) != 0) {
+    return false;
+  }
+  bool in_use = false;
+  for (addrinfo* a = res; a != nullptr && !in_use; a = a->ai_next) {
+    int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC does
+    in_use = bind(fd, a->ai_addr, a->ai_addrlen) != 0 && errno == EADDRINUSE;
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return in_use;
+}
 
 class MalformedRequestInterceptor final : public grpc::experimental::Interceptor {
  public:
@@ -90,6 +128,11 @@ void ServeUntilSignalled(grpc::Server* server, const std::string& component) {
 }
 
 absl::StatusOr<StartedServer> StartGrpcServer(const GrpcServerOptions& o) {
+  if (AddressInUse(o.listen)) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", o.listen, ": the address is in use (another process serves on it; "
+        "stop it or choose another port)"));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   StartedServer started;

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtier import errors
+from kvtier import _native, errors
 from kvtier._native import NamespaceSpec as Namespace
 from kvtier._native import WorkerServer
 from kvtier.connector import LAYOUTS, Connector, Lookup
 from kvtier.errors import KvtierError, StatusCode
 from kvtier.store import StoreClient
+
+#: This build's kvtier version (the same as every binary's --version).
+__version__: str = _native.__version__
 
 if TYPE_CHECKING:  # numpy loads with the first hash: engines set up BLAS first
     import numpy as np

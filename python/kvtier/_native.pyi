@@ -9,6 +9,8 @@ import numpy.typing as npt
 
 from kvtier.errors import KvtierError
 
+__version__: str
+
 class NamespaceSpec:
     """A model's KV geometry; validated on construction."""
 

@@ -36,6 +36,7 @@
 #include "common/rpc/grpc_server.h"
 #include "common/rpc/grpc_status.h"
 #include "common/rpc/tls.h"
+#include "common/version.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
 
@@ -644,6 +645,7 @@ PYBIND11_MODULE(_native, m) {
   using namespace kvtier;
   using namespace kvtier::python;
   m.doc() = "kvtier's C++ library (use the kvtier package, not this module, directly)";
+  m.attr("__version__") = Version();
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -426,9 +426,21 @@ def check_admin_token_and_network_policy(values, schema):
     check(lines == ["kvtier store kv-store-*", "kvtier worker kv-*"], "shared identity lines: %r" % lines)
 
 
+def check_app_version():
+    """The chart's appVersion is the build's version (CMake's project
+    version, which every binary prints with --version)."""
+    chart = yaml.safe_load(open(os.path.join(CHART, "Chart.yaml")))
+    cmake = open(os.path.join(ROOT, "CMakeLists.txt")).read()
+    m = re.search(r"project\(kvtier VERSION ([0-9.]+)", cmake)
+    check(m is not None and chart["appVersion"] == m.group(1),
+          "Chart.yaml appVersion %r is CMake's project version %r"
+          % (chart["appVersion"], m and m.group(1)))
+
+
 def main():
     values = load_values()
     schema = json.load(open(os.path.join(CHART, "values.schema.json")))
+    check_app_version()
 
     # The schema accepts the defaults and rejects bad values.
     try:

@@ -47,6 +47,14 @@ def kv_of(cache: list, layout: str, layer: int, page: int) -> torch.Tensor:
     return torch.stack([c[0][page], c[1][page]])
 
 
+def test_the_package_carries_the_build_version() -> None:
+    import re
+    from pathlib import Path
+    cmake = (Path(__file__).resolve().parents[2] / "CMakeLists.txt").read_text()
+    m = re.search(r"project\(kvtier VERSION ([0-9.]+)", cmake)
+    assert m and kvtier.__version__ == m.group(1)
+
+
 def test_hashes_are_chained_per_namespace_and_skip_a_partial_block() -> None:
     a = ns()
     tokens = list(range(1, 41))  # 2 full blocks and 8 tokens

@@ -408,8 +408,9 @@ def check_admin_token_and_network_policy(values, schema):
               "%s policy selects its pods" % comp)
         rule = spec["ingress"][0]
         froms = [f["podSelector"]["matchLabels"] for f in rule["from"]]
-        check(froms == [{"app.kubernetes.io/instance": "kv"}, {"kvtier.io/worker": "true"}],
-              "%s admits the chart's pods and workers: %r" % (comp, froms))
+        check(froms == [{"app.kubernetes.io/instance": "kv"}, {"kvtier.io/worker": "true"},
+                        {"kvtier.io/kvctl": "true"}],
+              "%s admits the chart's pods, workers and the kvctl pod: %r" % (comp, froms))
         check({p["port"] for p in rule["ports"]} == ports, "%s data ports %r" % (comp, rule["ports"]))
         check(spec["ingress"][1] == {"ports": [{"port": values[comp]["metricsPort"], "protocol": "TCP"}]},
               "%s metrics open to scrapers" % comp)
@@ -435,6 +436,90 @@ def check_app_version():
     check(m is not None and chart["appVersion"] == m.group(1),
           "Chart.yaml appVersion %r is CMake's project version %r"
           % (chart["appVersion"], m and m.group(1)))
+
+
+def pod_specs(objs):
+    """(kind/name, pod spec) of every Deployment and StatefulSet."""
+    return [("%s/%s" % (o["kind"], o["metadata"]["name"]), o["spec"]["template"]["spec"])
+            for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def check_operator_controls(values, schema):
+    """Scheduling, the restricted Pod Security standard, start-up and stop,
+    and the NetworkPolicy's engine namespaces and kvctl pod."""
+    objs = objects(render(values))
+    for what, spec in pod_specs(objs):
+        check(spec["securityContext"].get("seccompProfile") == {"type": "RuntimeDefault"},
+              "%s: seccompProfile RuntimeDefault (restricted Pod Security standard)" % what)
+    sts = find(objs, "StatefulSet", "-store")
+    spread = sts["spec"]["template"]["spec"].get("topologySpreadConstraints", [])
+    check(len(spread) == 1 and spread[0]["topologyKey"] == "kubernetes.io/hostname" and
+          spread[0]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "store",
+          "store shards spread over nodes by default")
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    check(c.get("startupProbe", {}).get("failureThreshold") == 180 and
+          c["startupProbe"]["periodSeconds"] == 10,
+          "the store's startupProbe allows 30 minutes of NVMe recovery")
+    check(c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+          == ["/bin/sh", "-c", "sleep 5"], "the store has a preStop")
+    check(sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120,
+          "the store's grace period lets the write-back queue drain")
+    pols = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    check(pols and all({"podSelector": {"matchLabels": {"kvtier.io/kvctl": "true"}}}
+                       in p["spec"]["ingress"][0]["from"] for p in pols),
+          "NetworkPolicies admit the kvctl pod the NOTES suggest")
+    notes = render(values)["NOTES.txt"]
+    check("--labels=kvtier.io/kvctl=true" in notes, "NOTES run kvctl with the admitted label")
+
+    v = copy.deepcopy(values)
+    v["imagePullSecrets"] = [{"name": "regcred"}]
+    for comp in ("store", "router"):
+        v[comp]["nodeSelector"] = {"kvtier.io/pool": comp}
+        v[comp]["tolerations"] = [{"key": "dedicated", "operator": "Equal", "value": "kv",
+                                   "effect": "NoSchedule"}]
+        v[comp]["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"topologyKey": "topology.kubernetes.io/zone", "labelSelector": {
+                "matchLabels": {"app.kubernetes.io/component": comp}}}]}}
+        v[comp]["podAnnotations"] = {"example.com/team": "inference"}
+        v[comp]["extraArgs"] = ["--log-level=debug"]
+        v[comp]["extraEnv"] = [{"name": "UCX_LOG_LEVEL", "value": "info"}]
+    v["store"]["topologySpread"]["whenUnsatisfiable"] = "DoNotSchedule"
+    v["networkPolicy"]["engineNamespaces"] = {"kubernetes.io/metadata.name": "inference"}
+    try:
+        jsonschema.validate(v, schema)
+        check(True, "")
+    except jsonschema.ValidationError as e:
+        check(False, "the schema refuses operator controls: %s" % e.message)
+    objs = objects(render(v))
+    for comp, obj in (("store", find(objs, "StatefulSet", "-store")),
+                      ("router", find(objs, "Deployment", "-router"))):
+        spec = obj["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        check(spec.get("imagePullSecrets") == [{"name": "regcred"}], "%s: imagePullSecrets" % comp)
+        check(spec.get("nodeSelector") == {"kvtier.io/pool": comp}, "%s: nodeSelector" % comp)
+        check(spec.get("tolerations") == v[comp]["tolerations"], "%s: tolerations" % comp)
+        check(spec.get("affinity") == v[comp]["affinity"], "%s: affinity" % comp)
+        check(obj["spec"]["template"]["metadata"]["annotations"].get("example.com/team")
+              == "inference", "%s: podAnnotations" % comp)
+        check("--log-level=debug" in c["args"], "%s: extraArgs" % comp)
+        check({"name": "UCX_LOG_LEVEL", "value": "info"} in c.get("env", []), "%s: extraEnv" % comp)
+    spread = find(objs, "StatefulSet", "-store")["spec"]["template"]["spec"][
+        "topologySpreadConstraints"][0]
+    check(spread["whenUnsatisfiable"] == "DoNotSchedule", "the spread can be made a hard rule")
+    pols = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    check(all(any(peer.get("namespaceSelector") == {"matchLabels": {
+        "kubernetes.io/metadata.name": "inference"}} and "podSelector" in peer
+        for peer in p["spec"]["ingress"][0]["from"]) for p in pols),
+        "NetworkPolicies admit worker pods of the engine namespaces")
+    for key, bad in (("extraArgs", ["log-level=debug"]), ("topologySpread", {"enabled": True}),
+                     ("startupProbe", {"periodSeconds": 0, "failureThreshold": 1})):
+        w = copy.deepcopy(values)
+        w["store"][key] = bad
+        try:
+            jsonschema.validate(w, schema)
+            check(False, "schema accepted store.%s=%r" % (key, bad))
+        except jsonschema.ValidationError:
+            check(True, "")
 
 
 def main():
@@ -559,6 +644,7 @@ def main():
     check_vllm_sources(values, schema)
     check_source_identities(values, schema)
     check_admin_token_and_network_policy(values, schema)
+    check_operator_controls(values, schema)
     check_tenants(values, schema)
     check_api_schemas()
 

@@ -28,6 +28,77 @@ runAsNonRoot: true
 runAsUser: {{ .Values.securityContext.runAsUser }}
 runAsGroup: {{ .Values.securityContext.runAsGroup }}
 fsGroup: {{ .Values.securityContext.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+{{- /*
+A component's scheduling and pod-level settings, from its values
+(list $ VALUES COMPONENT): image pull secrets, node selector, tolerations,
+affinity, a topology spread over nodes (on by default: two store shards on
+one node are lost together), the termination grace period. Values pass
+through as JSON, which YAML reads as it is.
+*/ -}}
+{{- define "kvtier.podScheduling" -}}
+{{- $ := index . 0 }}{{- $v := index . 1 }}{{- $component := index . 2 }}
+{{- with $.Values.imagePullSecrets }}
+imagePullSecrets: {{ toJson . }}
+{{- end }}
+{{- with $v.nodeSelector }}
+nodeSelector: {{ toJson . }}
+{{- end }}
+{{- with $v.tolerations }}
+tolerations: {{ toJson . }}
+{{- end }}
+{{- with $v.affinity }}
+affinity: {{ toJson . }}
+{{- end }}
+{{- if $v.topologySpread.enabled }}
+topologySpreadConstraints:
+  - maxSkew: {{ $v.topologySpread.maxSkew }}
+    topologyKey: {{ $v.topologySpread.topologyKey }}
+    whenUnsatisfiable: {{ $v.topologySpread.whenUnsatisfiable }}
+    labelSelector:
+      matchLabels:
+        app.kubernetes.io/instance: {{ $.Release.Name }}
+        app.kubernetes.io/component: {{ $component }}
+{{- end }}
+terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+{{- end -}}
+{{- /*
+Pod annotations: the Prometheus scrape ones (metrics.annotations) and the
+component's podAnnotations (list $ VALUES).
+*/ -}}
+{{- define "kvtier.podAnnotations" -}}
+{{- $ := index . 0 }}{{- $v := index . 1 }}
+{{- if or $.Values.metrics.annotations $v.podAnnotations }}
+annotations:
+  {{- if $.Values.metrics.annotations }}
+  prometheus.io/scrape: "true"
+  prometheus.io/port: {{ $v.metricsPort | quote }}
+  prometheus.io/path: /metrics
+  {{- end }}
+  {{- range $k, $val := $v.podAnnotations }}
+  {{ $k }}: {{ $val | quote }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+{{- /*
+A container's start-up probe, extra args and env, and its preStop
+(list $ VALUES PORT SERVICE): the start-up probe gives RocksDB's recovery of
+a large NVMe tier its time before liveness counts; preStop waits while
+endpoints drop the pod, then SIGTERM lets the process drain within the
+grace period.
+*/ -}}
+{{- define "kvtier.startupProbe" -}}
+{{- $ := index . 0 }}{{- $v := index . 1 }}
+startupProbe:
+  {{- include "kvtier.probe" (list $ (index . 2) (index . 3)) | nindent 2 }}
+  periodSeconds: {{ $v.startupProbe.periodSeconds }}
+  failureThreshold: {{ $v.startupProbe.failureThreshold }}
+lifecycle:
+  preStop:
+    exec:
+      command: ["/bin/sh", "-c", "sleep {{ $v.preStopSeconds }}"]
 {{- end -}}
 {{- define "kvtier.containerSecurityContext" -}}
 allowPrivilegeEscalation: false

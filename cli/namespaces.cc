@@ -77,25 +77,44 @@ int RunNamespaces(const CommandLine& line) {
   FlagSet f("kvctl namespaces", "The namespaces each store shard knows.");
   c.Register(f, SharedFlags::Dials::kStores);
   ParseCommandFlags(f, line);
-  nlohmann::json j;
+  // Keyed by shard address; a shard with none has an empty list.
+  nlohmann::json j = nlohmann::json::object();
+  size_t total = 0;
   for (const auto& addr : c.StoreList()) {
     StoreClient client = c.StoreAt(addr);
     v1::ListNamespacesResponse resp;
     auto ctx = client.Context();
     auto s = client.stub().ListNamespaces(ctx.get(), {}, &resp);
     if (!s.ok()) return Report(FromGrpc(s), "store " + addr);
+    j[addr] = nlohmann::json::array();
     for (const auto& n : resp.namespaces()) {
-      std::string id = NamespaceName(n.namespace_id());
-      j[addr].push_back({{"id", id}, {"model", n.spec().model()}, {"dtype", n.spec().dtype()},
-                         {"block_tokens", n.spec().block_tokens()}, {"block_bytes", n.block_bytes()}});
-      if (!c.json) {
-        std::printf("%-22s %s %s %s %u tokens/block, %s/block\n", addr.c_str(), id.c_str(),
-                    n.spec().model().c_str(), n.spec().dtype().c_str(), n.spec().block_tokens(),
-                    FormatBytes(n.block_bytes()).c_str());
-      }
+      j[addr].push_back({{"id", NamespaceName(n.namespace_id())},
+                         {"model", n.spec().model()},
+                         {"dtype", n.spec().dtype()},
+                         {"block_tokens", n.spec().block_tokens()},
+                         {"block_bytes", n.block_bytes()}});
+    }
+    total += resp.namespaces_size();
+  }
+  if (c.json) {
+    PrintJson(j);
+    return kOk;
+  }
+  if (total == 0) {
+    std::printf("no namespaces on %zu shard%s (an engine registers its namespace when it starts)\n",
+                j.size(), j.size() == 1 ? "" : "s");
+    return kOk;
+  }
+  std::printf("%-22s %-16s %-30s %-6s %12s %12s\n", "SHARD", "NAMESPACE", "MODEL", "DTYPE",
+              "TOKENS/BLOCK", "BYTES/BLOCK");
+  for (const auto& [addr, list] : j.items()) {
+    for (const auto& n : list) {
+      std::printf("%-22s %-16s %-30s %-6s %12u %12s\n", addr.c_str(),
+                  n["id"].get<std::string>().c_str(), n["model"].get<std::string>().c_str(),
+                  n["dtype"].get<std::string>().c_str(), n["block_tokens"].get<uint32_t>(),
+                  FormatBytes(n["block_bytes"].get<uint64_t>()).c_str());
     }
   }
-  if (c.json) PrintJson(j);
   return kOk;
 }
 

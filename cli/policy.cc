@@ -14,6 +14,13 @@
 namespace kvtier::cli {
 namespace {
 
+// A tier's policy as --json prints it: its name and every parameter.
+nlohmann::json PolicyJson(const v1::TierPolicy& p) {
+  nlohmann::json params = nlohmann::json::object();
+  for (const auto& [k, v] : p.params()) params[k] = v;
+  return {{"policy", p.policy()}, {"params", params}};
+}
+
 // Sets --tier's policy to the one positional argument on every shard;
 // returns an exit code.
 int Set(const SharedFlags& c, const std::string& tier, const std::vector<std::string>& pos,
@@ -42,7 +49,7 @@ int Set(const SharedFlags& c, const std::string& tier, const std::vector<std::st
     auto s = client.stub().SetPolicy(ctx.get(), req, &resp);
     if (!s.ok()) return Report(FromGrpc(s), "store " + addr);
     if (!c.json) std::printf("%s: %s tier now uses %s\n", addr.c_str(), tier.c_str(), resp.policy().policy().c_str());
-    (*j)[addr][tier] = resp.policy().policy();
+    (*j)[addr][tier] = PolicyJson(resp.policy());
   }
   return kOk;
 }
@@ -60,7 +67,7 @@ int Get(const SharedFlags& c, nlohmann::json* j) {
       std::string ps;
       for (const auto& [k, v] : p.params()) absl::StrAppend(&ps, " ", k, "=", v);
       if (!c.json) std::printf("%-22s %-5s %s%s\n", addr.c_str(), t.c_str(), p.policy().c_str(), ps.c_str());
-      (*j)[addr][t] = p.policy();
+      (*j)[addr][t] = PolicyJson(p);
     }
   }
   return kOk;

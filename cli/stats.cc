@@ -47,16 +47,16 @@ void Add(v1::TierStats* sum, const v1::TierStats& t) {
 using Shards = std::vector<std::pair<std::string, v1::GetStatsResponse>>;
 
 void PrintShardsJson(const Shards& shards, const v1::TierStats (&sum)[2]) {
-  nlohmann::json j;
+  // Keyed by shard address, as every kvctl --json output is.
+  nlohmann::json j = {{"shards", nlohmann::json::object()}};
   for (const auto& [a, s] : shards) {
-    nlohmann::json shard = {{"address", a},
-                            {"demotion_queue_blocks", s.demotion_queue_blocks()},
+    nlohmann::json shard = {{"demotion_queue_blocks", s.demotion_queue_blocks()},
                             {"demotion_queue_dropped", s.demotion_queue_dropped()},
                             {"put_leases", s.put_leases()},
                             {"get_leases", s.get_leases()},
                             {"checksum_failures", s.checksum_failures()}};
     for (const auto& t : s.tiers()) shard["tiers"][TierName(t.tier())] = TierJson(t);
-    j["shards"].push_back(shard);
+    j["shards"][a] = shard;
   }
   j["total"]["tiers"]["ram"] = TierJson(sum[0]);
   j["total"]["tiers"]["disk"] = TierJson(sum[1]);

@@ -98,7 +98,8 @@ TEST_F(Ops, StatsPerShardAndSummedAsTableAndJson) {
   EXPECT_EQ(j["total"]["tiers"]["ram"]["items"].get<uint64_t>(), 6u);  // 100 tokens: 6 blocks
   for (const char* k : {"capacity_bytes", "used_bytes", "hit_ratio", "evictions", "promotions",
                         "demotions", "bytes_in", "bytes_out", "policy"}) {
-    EXPECT_TRUE(j["shards"][0]["tiers"]["ram"].contains(k)) << k;
+    // Keyed by address, as every kvctl --json.
+    EXPECT_TRUE(j["shards"][stores_[0]->address()]["tiers"]["ram"].contains(k)) << k << r.out;
   }
   // Global flags may also come before the subcommand.
   r = Kvctl("--store " + stores_[0]->address() + "," + stores_[1]->address() + " --json stats");
@@ -116,6 +117,14 @@ TEST_F(Ops, PolicyGetAndSet) {
   EXPECT_NE(r.out.find("disk  sieve"), std::string::npos) << r.out;
   r = Kvctl("policy set --tier ram s3fifo --param small_fraction=0.2", stores_env_);
   EXPECT_EQ(r.code, 0) << r.out;
+  // --json carries every parameter.
+  r = Kvctl("policy get --json", stores_env_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j[stores_[0]->address()]["ram"]["policy"], "s3fifo") << r.out;
+  EXPECT_DOUBLE_EQ(j[stores_[0]->address()]["ram"]["params"]["small_fraction"].get<double>(), 0.2)
+      << r.out;
+  EXPECT_EQ(j[stores_[0]->address()]["disk"]["policy"], "sieve") << r.out;
   r = Kvctl("policy set --tier ram mru", stores_env_);
   EXPECT_EQ(r.code, 1) << r.out;  // refused by the store, with its reason
   EXPECT_NE(r.out.find("mru"), std::string::npos) << r.out;
@@ -211,6 +220,24 @@ TEST_F(Ops, StartUpErrorsNameTheCause) {
   EXPECT_EQ(r.exit_code, 1) << r.out;
   EXPECT_NE(r.out.find("the address is in use"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("Failed to add"), std::string::npos) << r.out;
+}
+
+TEST_F(Ops, NamespacesHaveAHeaderAndSayWhenThereAreNone) {
+  CliRun r = Kvctl("namespaces", stores_env_);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("SHARD", 0), 0u) << r.out;
+  EXPECT_NE(r.out.find(ns_), std::string::npos) << r.out;
+  r = Kvctl("namespaces --json", stores_env_);
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j[stores_[0]->address()][0]["id"], ns_) << r.out;
+  EXPECT_TRUE(j[stores_[1]->address()].is_array()) << r.out;  // [] when none, never null
+  auto empty = testing::StartLoopbackStore(dir_.sub("empty"));
+  ASSERT_GT(empty->port(), 0) << empty->Log();
+  r = Kvctl("namespaces --store " + empty->address());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("no namespaces on 1 shard"), std::string::npos) << r.out;
+  r = Kvctl("namespaces --json --store " + empty->address());
+  EXPECT_EQ(nlohmann::json::parse(r.out)[empty->address()], nlohmann::json::array()) << r.out;
 }
 
 TEST_F(Ops, WatchRefusesAnIntervalBelowItsMinimum) {

@@ -88,6 +88,7 @@ int RunWorkers(const CommandLine& line) {
                    {"indexed_blocks", w.indexed_blocks()},
                    {"running_requests", w.load().running_requests()},
                    {"queued_prefill_tokens", w.load().queued_prefill_tokens()},
+                   {"routed_tokens_since_heartbeat", w.routed_tokens_since_heartbeat()},
                    {"free_gpu_pages", w.load().free_gpu_pages()},
                    {"last_heartbeat_ms", w.last_seen_ms()},
                    {"connected", w.connected()},
@@ -116,6 +117,10 @@ int RunRoute(const CommandLine& line) {
   c.Register(f, SharedFlags::Dials::kRouter);
   prompt_flags.Register(f, "File of token ids");
   f.Int("prompt-tokens", &prompt_tokens, 0, int64_t{1} << 32, "Prompt length with --hashes");
+  bool count = false;
+  f.Bool("count", &count,
+         "Count the decision as an assignment (adds the prompt to the chosen worker's load, as a "
+         "real request's route does); without it the router only explains");
   ParseCommandFlags(f, line);
   if (!prompt_flags.Check().ok()) {
     std::fprintf(stderr, "kvctl route: give --namespace (hex) and exactly one of --tokens, --hashes\n");
@@ -130,6 +135,7 @@ int RunRoute(const CommandLine& line) {
   // block size and so knows the length); hashes need --prompt-tokens for it.
   v1::RouteRequest req;
   req.set_namespace_id(prompt->ns);
+  req.set_dry_run(!count);
   if (prompt->from_tokens) {
     for (uint32_t x : prompt->tokens) req.mutable_tokens()->add_ids(x);
   } else {

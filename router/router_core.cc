@@ -625,16 +625,20 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   RouteResult r;
   const Candidate& best = cands[d.chosen];
   Source* chosen = by_num_[best.num];
-  chosen->routed_since_heartbeat += best.prefill_tokens;
-  const uint64_t now_load = std::atomic_ref<uint64_t>(load_[best.num])
-                               .fetch_add(best.prefill_tokens, std::memory_order_relaxed) +
-                           best.prefill_tokens;
-  std::atomic_ref<uint64_t> bound(const_cast<uint64_t&>(fleet.max_load_bound));
-  for (uint64_t b = bound.load(std::memory_order_relaxed); b < now_load;) {
-    if (bound.compare_exchange_weak(b, now_load, std::memory_order_relaxed)) {
-      std::atomic_ref<uint32_t>(const_cast<uint32_t&>(fleet.max_load_owner))
-          .store(best.num, std::memory_order_relaxed);
-      break;
+  // A dry run (kvctl route) explains a decision without making it: the
+  // worker's load and the decision counters stay as they were.
+  if (!req.dry_run()) {
+    chosen->routed_since_heartbeat += best.prefill_tokens;
+    const uint64_t now_load = std::atomic_ref<uint64_t>(load_[best.num])
+                                  .fetch_add(best.prefill_tokens, std::memory_order_relaxed) +
+                              best.prefill_tokens;
+    std::atomic_ref<uint64_t> bound(const_cast<uint64_t&>(fleet.max_load_bound));
+    for (uint64_t b = bound.load(std::memory_order_relaxed); b < now_load;) {
+      if (bound.compare_exchange_weak(b, now_load, std::memory_order_relaxed)) {
+        std::atomic_ref<uint32_t>(const_cast<uint32_t&>(fleet.max_load_owner))
+            .store(best.num, std::memory_order_relaxed);
+        break;
+      }
     }
   }
   r.worker_id = best.worker_id;
@@ -645,11 +649,13 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   r.block_tokens = bt;
   r.reason = d.reason;
   r.fetch = basis;
-  switch (d.reason) {
-    case Reason::kLowestCost: counters_.lowest_cost++; break;
-    case Reason::kTieBreak: counters_.tie_break++; break;
-    case Reason::kBalanceGuard: counters_.balance_guard++; break;
-    case Reason::kSampled: counters_.sampled++; break;
+  if (!req.dry_run()) {
+    switch (d.reason) {
+      case Reason::kLowestCost: counters_.lowest_cost++; break;
+      case Reason::kTieBreak: counters_.tie_break++; break;
+      case Reason::kBalanceGuard: counters_.balance_guard++; break;
+      case Reason::kSampled: counters_.sampled++; break;
+    }
   }
   // The chosen worker first if sampling or the balance guard passed over
   // cheaper ones, then the cheapest.

@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/rpc/grpc_status.h"
 
 namespace kvtier::cli {
 namespace {
@@ -146,6 +147,16 @@ int Report(const absl::Status& s, const std::string& what) {
                              "KVTIER_STORE/KVTIER_ROUTER)"
                            : "");
   return unreachable ? kUnreachable : kRefused;
+}
+
+int ReportCall(const grpc::Status& s, const grpc::ClientContext& ctx, const std::string& what) {
+  const absl::Status st = FromGrpc(s);
+  if (st.code() == absl::StatusCode::kUnavailable &&
+      ctx.GetServerTrailingMetadata().count(kAnsweredByServer) > 0) {
+    std::fprintf(stderr, "kvctl: %s: %s\n", what.c_str(), std::string(st.message()).c_str());
+    return kRefused;
+  }
+  return Report(st, what);
 }
 
 SharedFlags::SharedFlags()

@@ -58,6 +58,10 @@ void ParseCommandFlags(FlagSet& flags, const CommandLine& line,
 // Prints a failed call's status; returns kUnreachable when the service could
 // not be reached (with a hint about the address flags), kRefused otherwise.
 int Report(const absl::Status& s, const std::string& what);
+// The same for a finished gRPC call: an UNAVAILABLE the server itself
+// answered (it says so in its trailing metadata, e.g. "no live worker serves
+// namespace ...") is a refusal, exit 1 with its message, not "unreachable".
+int ReportCall(const grpc::Status& s, const grpc::ClientContext& ctx, const std::string& what);
 
 // The flags every command shares; which of them a command takes depends on
 // what it dials.

@@ -147,7 +147,7 @@ int RunRoute(const CommandLine& line) {
   ctx.set_deadline(c.Deadline());
   v1::RouteResponse r;
   auto s = stub->Route(&ctx, req, &r);
-  if (!s.ok()) return Report(FromGrpc(s), "router " + c.router);
+  if (!s.ok()) return ReportCall(s, ctx, "router " + c.router);
   if (c.json) {
     PrintRouteJson(r);
   } else {

@@ -127,14 +127,19 @@ grpc::Status RouterService::Publish(grpc::ServerContext* ctx, const v1::PublishR
   return grpc::Status::OK;
 }
 
-grpc::Status RouterService::Route(grpc::ServerContext*, const v1::RouteRequest* req,
+grpc::Status RouterService::Route(grpc::ServerContext* ctx, const v1::RouteRequest* req,
                                   v1::RouteResponse* resp) {
   auto start = std::chrono::steady_clock::now();
   auto r = core_->Route(*req);
   route_latency_.Record(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                             std::chrono::steady_clock::now() - start).count()),
                         r.ok());
-  if (!r.ok()) return ToGrpc(r.status());
+  if (!r.ok()) {
+    // The router itself answered (an UNAVAILABLE of its own, such as no live
+    // worker for the namespace, is not a router that could not be reached).
+    ctx->AddTrailingMetadata(kAnsweredByServer, "router");
+    return ToGrpc(r.status());
+  }
   ToProto(*r, resp);
   return grpc::Status::OK;
 }

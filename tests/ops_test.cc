@@ -265,6 +265,19 @@ TEST_F(Ops, RouteIsADryRunUnlessCounted) {
   EXPECT_TRUE(counted);
 }
 
+// The router answered "no live worker serves namespace ...": a refusal
+// (exit 1) with its message, not "is it running?" (exit 3).
+TEST_F(Ops, ARouterThatAnsweredIsNotUnreachable) {
+  CliRun r = Kvctl("route --namespace 00000000000000ab --tokens " + dir_.sub("tokens.txt"),
+                   stores_env_);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("no live worker serves namespace"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("is it running"), std::string::npos) << r.out;
+  r = Kvctl("route --namespace 00000000000000ab --tokens " + dir_.sub("tokens.txt") +
+            " --router 127.0.0.1:1 --timeout 1s");
+  EXPECT_EQ(r.code, 3) << r.out;
+}
+
 TEST_F(Ops, WatchRefusesAnIntervalBelowItsMinimum) {
   CliRun r = Kvctl("stats --watch --interval 0s", stores_env_);
   EXPECT_EQ(r.code, 2) << r.out;

@@ -199,8 +199,9 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
     for (const auto& t : s.load().fetch()) {
       MetricsBuilder::Labels tl = l;
       tl["tier"] = t.tier();
-      m.Gauge("kvtier_router_store_fetch_us_per_block",
-              "A store shard's fetch time per block, per tier (last heartbeat)", t.us_per_block(), tl);
+      m.Gauge("kvtier_router_store_fetch_seconds_per_block",
+              "A store shard's fetch time per block, per tier (last heartbeat)",
+              t.us_per_block() / 1e6, tl);
       m.Gauge("kvtier_router_store_fetch_queue_depth",
               "Fetches in flight at a store shard (last heartbeat)", t.queue_depth(), tl);
     }

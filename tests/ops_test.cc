@@ -309,7 +309,9 @@ TEST_F(Ops, PrometheusEndpointsServeTheDocumentedMetrics) {
                            "kvtier_store_rpc_duration_seconds_bucket{rpc=\"BeginPut\"",
                            "kvtier_store_dataplane_bytes_total{direction=\"put\"}",
                            "kvtier_store_leases{kind=\"put\"} 0",
-                           "kvtier_build_info{component=\"store\",version=\"" KVTIER_VERSION "\"} 1"}) {
+                           "kvtier_build_info{component=\"store\",version=\"" KVTIER_VERSION "\"} 1",
+                           "\nprocess_cpu_seconds_total ", "\nprocess_resident_memory_bytes ",
+                           "\nprocess_start_time_seconds ", "\nprocess_open_fds "}) {
     EXPECT_NE(store.find(name), std::string::npos) << name << "\n" << store.substr(0, 2000);
   }
   std::string router;
@@ -362,7 +364,7 @@ TEST_F(Ops, EveryDashboardQueryNamesAMetricALiveProcessExports) {
   ASSERT_TRUE(testing::WaitFor([&] {
     exported = HttpGet(metrics_ports_[0], "/metrics") + HttpGet(metrics_ports_[1], "/metrics") +
                HttpGet(router_metrics_, "/metrics");
-    return exported.find("\nkvtier_router_store_fetch_us_per_block{") != std::string::npos;
+    return exported.find("\nkvtier_router_store_fetch_seconds_per_block{") != std::string::npos;
   }, std::chrono::seconds(10))) << "the store's fetch figures did not reach the router";
   for (const std::string& metric : queried) {
     EXPECT_TRUE(exported.find("\n" + metric + "{") != std::string::npos ||

@@ -39,7 +39,14 @@ class MetricsBuilder {
   std::map<std::string, size_t> index_;
 };
 
-// Serves GET /metrics on HOST:PORT; collect() is called on every scrape.
+// Prometheus's standard process metrics of this process (from /proc):
+// process_cpu_seconds_total, process_resident_memory_bytes,
+// process_virtual_memory_bytes, process_start_time_seconds,
+// process_open_fds, process_max_fds.
+void AddProcessMetrics(MetricsBuilder& m);
+
+// Serves GET /metrics on HOST:PORT; collect() is called on every scrape,
+// and the process metrics are added to what it returns.
 class MetricsServer {
  public:
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(

@@ -206,7 +206,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"kvtier-torch-engine listening on {srv.address} (namespace "
-          f"{ns.id}, {ec.num_pages} pages of {ns.block_bytes} bytes, "
+          f"{ns.id:016x}, {ec.num_pages} pages of {ns.block_bytes} bytes, "
           f"{len(stores)} store(s), {len(routers)} router(s))", flush=True)
     if a.port_file:
         _write_port_file(a.port_file, srv.port)

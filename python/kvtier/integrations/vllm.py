@@ -65,6 +65,7 @@ Per hook:
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -115,6 +116,10 @@ except ImportError:  # pragma: no cover - exercised where vLLM is absent
         def _get_connector_metadata(self) -> Any:
             assert self._connector_metadata is not None
             return self._connector_metadata
+
+
+# A child of vLLM's own logger, so the connector's lines appear with vLLM's.
+log = logging.getLogger("vllm.kvtier")
 
 
 @dataclass
@@ -414,6 +419,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                 stores=self._stores, layout=layout,
                                 staging_blocks=self._staging, **self._opts)
         self._worker = WorkerHalf(conn)
+        log.info("kvtier connector: namespace %016x (%s), %d layers of %d "
+                 "pages, stores %s", self._namespace.id,
+                 self._namespace.layout or "kvtier's layout", len(tensors),
+                 conn.num_pages, ",".join(self._stores))
 
     def _kv_config(self) -> Any:
         """vLLM's KVCacheConfig when it carries a layout (vLLM 0.26 and

@@ -82,7 +82,8 @@ from vllm.v1.kv_offload.tiering.base import (JobId, JobResult,
                                              SecondaryTierManager,
                                              TransferJob)
 
-log = logging.getLogger(__name__)
+# A child of vLLM's own logger, so the tier's lines appear with vLLM's.
+log = logging.getLogger("vllm.kvtier")
 
 #: The tier's own keys in its JSON entry (vLLM takes type, module_path and
 #: backpressure out before it builds the tier).

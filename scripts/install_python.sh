@@ -31,6 +31,21 @@ if ! ls "$src"/_native*.so >/dev/null 2>&1; then
   echo "install_python.sh: no extension in $src: build first (make build)" >&2
   exit 1
 fi
+# The extension is built for one interpreter's ABI (its file name says
+# which, e.g. _native.cpython-311-x86_64-linux-gnu.so): another Python
+# version could not import it, so refuse to install it there.
+ext="$(basename "$(ls "$src"/_native*.so | head -n 1)")"
+want="$(echo "$ext" | sed -n 's/^_native\.\(.*\)\.so$/\1/p')"
+if ! have="$("$python" -c 'import sysconfig; print(sysconfig.get_config_var("SOABI"))' 2>/dev/null)"; then
+  echo "install_python.sh: $python does not run" >&2
+  exit 2
+fi
+if [ -n "$want" ] && [ "$have" != "$want" ]; then
+  echo "install_python.sh: the extension in $src is built for $want, but $python is $have;" \
+       "install into an environment of that Python version (e.g. /usr/bin/python3 -m venv" \
+       "--system-site-packages), or rebuild with cmake -DPython_EXECUTABLE=$python" >&2
+  exit 2
+fi
 if [ -z "$target" ]; then
   target="$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')"
 fi

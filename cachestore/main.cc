@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "cachestore/router_sink.h"
@@ -44,7 +45,7 @@ struct Flags {
   std::string port_file;
   std::string routers;
   uint64_t router_refresh_ms = 5000;
-  std::string store_id;
+  std::string store_id, advertise_address;
   std::string ucx_listen;
   bool verify_commits = true;
   std::string metrics_listen;
@@ -132,6 +133,9 @@ int main(int argc, char** argv) {
                    "every replica behind a headless Service hears this shard (0: once)");
   flags.String("store-id", &f.store_id,
                "This shard's id towards routers [default: kvtier-store@LISTEN]");
+  flags.String("advertise-address", &f.advertise_address,
+               "The gRPC address routers show for this shard (kvctl workers) [default: --listen "
+               "when it names a host and a port, not 0.0.0.0 or port 0]");
   kvtier::ParseFlagsOrExit(flags, argc, argv);
   std::vector<std::string> routers;
   for (absl::string_view r : absl::StrSplit(f.routers, ',', absl::SkipEmpty())) {
@@ -287,9 +291,14 @@ int main(int argc, char** argv) {
   // feed delivers into the sink until the store is gone.
   std::unique_ptr<kvtier::store::RouterSink> router_sink;
   if (!routers.empty()) {
+    std::string advertise = f.advertise_address;
+    if (advertise.empty() && !absl::EndsWith(f.listen, ":0") &&
+        !absl::StartsWith(f.listen, "0.0.0.0:") && !absl::StartsWith(f.listen, "[::]:")) {
+      advertise = f.listen;
+    }
     router_sink = std::make_unique<kvtier::store::RouterSink>(
         routers, *router_security, f.store_id.empty() ? "kvtier-store@" + f.listen : f.store_id,
-        /*heartbeat_ms=*/250, f.router_refresh_ms);
+        advertise, /*heartbeat_ms=*/250, f.router_refresh_ms);
     o.changes = router_sink.get();
   }
   auto store = kvtier::store::Store::Open(o);

@@ -3,10 +3,12 @@
 namespace kvtier::store {
 
 RouterSink::RouterSink(const std::vector<std::string>& routers, const ChannelSecurity& security,
-                       const std::string& store_id, uint64_t heartbeat_ms, uint64_t refresh_ms) {
+                       const std::string& store_id, const std::string& endpoint,
+                       uint64_t heartbeat_ms, uint64_t refresh_ms) {
   PublisherOptions po;
   po.security = security;
   po.hello.set_source_id(store_id);
+  po.hello.set_endpoint(endpoint);
   po.hello.set_kind(v1::SOURCE_STORE);
   po.heartbeat_ms = heartbeat_ms;
   fanout_ = std::make_unique<RouterFanout>(routers, po, [this] { return Load(); }, refresh_ms);

@@ -22,8 +22,10 @@ namespace kvtier::store {
 
 class RouterSink : public ChangeSink {
  public:
+  // `endpoint`: the shard's gRPC address as routers show it ("" : none).
   RouterSink(const std::vector<std::string>& routers, const ChannelSecurity& security,
-             const std::string& store_id, uint64_t heartbeat_ms, uint64_t refresh_ms = 5000);
+             const std::string& store_id, const std::string& endpoint, uint64_t heartbeat_ms,
+             uint64_t refresh_ms = 5000);
   // Stops every publisher.
   ~RouterSink() override;
 

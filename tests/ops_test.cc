@@ -51,7 +51,11 @@ class Ops : public ::testing::Test {
                                         "--data-dir=" + dir_.sub("db" + std::to_string(s)),
                                         "--hugepages=false", "--ram-bytes=16MiB",
                                         "--metrics-listen=127.0.0.1:" + std::to_string(metrics_ports_.back())};
-      if (s == 0) flags.push_back("--router=" + router_->address());  // its fetch figures, for routes
+      if (s == 0) {
+        flags.push_back("--router=" + router_->address());  // its fetch figures, for routes
+        // A port of its own, so the address it advertises to the router is known.
+        flags[0] = "--listen=127.0.0.1:" + std::to_string(testing::FreePort());
+      }
       stores_.push_back(std::make_unique<ServerProcess>(
           KVTIER_STORE_BIN, dir_.sub("store" + std::to_string(s)), flags));
       ASSERT_GT(stores_.back()->port(), 0) << stores_.back()->Log();
@@ -165,6 +169,16 @@ TEST_F(Ops, LookupWorkersAndRoute) {
   }));
   r = Kvctl("workers", stores_env_);
   EXPECT_NE(r.out.find("w1"), std::string::npos);
+  // A store shard shows the address it serves on (it had no endpoint).
+  r = Kvctl("workers --json", stores_env_);
+  bool store_shown = false;
+  const auto sources = nlohmann::json::parse(r.out)["sources"];
+  for (const auto& src : sources) {
+    if (src["kind"] == "store") {
+      store_shown = src["endpoint"] == "127.0.0.1:" + std::to_string(stores_[0]->port());
+    }
+  }
+  EXPECT_TRUE(store_shown) << r.out;
   r = Kvctl("route --namespace " + ns_ + " --tokens " + dir_.sub("tokens.txt") + " --json", stores_env_);
   ASSERT_EQ(r.code, 0) << r.out;
   j = nlohmann::json::parse(r.out);

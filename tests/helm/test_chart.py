@@ -427,6 +427,21 @@ def check_admin_token_and_network_policy(values, schema):
     check(lines == ["kvtier store kv-store-*", "kvtier worker kv-*"], "shared identity lines: %r" % lines)
 
 
+def check_dashboard_variables():
+    """The dashboard filters every query by namespace, job and release
+    (several releases are never summed together)."""
+    dash = json.load(open(os.path.join(CHART, "dashboards", "kvtier.json")))
+    names = {v["name"] for v in dash["templating"]["list"]}
+    check({"namespace", "job", "release"} <= names,
+          "dashboard variables namespace, job, release: %s" % sorted(names))
+    scope = 'namespace=~"$namespace",job=~"$job",pod=~"$release-.*"'
+    for panel in dash["panels"]:
+        for t in panel.get("targets", []):
+            for m in re.finditer(r"kvtier_[a-z0-9_]+(\{[^}]*\})?", t["expr"]):
+                check(m.group(1) is not None and scope in m.group(1),
+                      "%s: %s is scoped by namespace, job and release" % (panel["title"], m.group(0)))
+
+
 def check_app_version():
     """The chart's appVersion is the build's version (CMake's project
     version, which every binary prints with --version)."""
@@ -526,6 +541,7 @@ def main():
     values = load_values()
     schema = json.load(open(os.path.join(CHART, "values.schema.json")))
     check_app_version()
+    check_dashboard_variables()
 
     # The schema accepts the defaults and rejects bad values.
     try:

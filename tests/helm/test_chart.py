@@ -33,6 +33,18 @@ def check(cond, what):
         print("FAIL:", what)
 
 
+def check_schema_refuses(values, schema, section, cases):
+    """The values schema refuses each (key, bad value) put in values[section]."""
+    for key, bad in cases:
+        w = copy.deepcopy(values)
+        w[section][key] = bad
+        try:
+            jsonschema.validate(w, schema)
+            check(False, "schema accepted %s.%s=%r" % (section, key, bad))
+        except jsonschema.ValidationError:
+            check(True, "")
+
+
 def load_values():
     with open(os.path.join(CHART, "values.yaml")) as f:
         return yaml.safe_load(f)
@@ -264,14 +276,7 @@ def check_engine(values, schema):
     check(sg.get("module_path") == "kvtier.integrations.sglang" and
           sg.get("class_name") == "KvtierHiCacheStorage" and sg.get("interface_v1") == 1 and
           sg.get("stores") == stores, "SGLang loads kvtier's backend, zero-copy, every shard")
-    for key, bad in (("kind", "trt"), ("blockSize", 0), ("port", 70000)):
-        w = copy.deepcopy(v)
-        w["engine"][key] = bad
-        try:
-            jsonschema.validate(w, schema)
-            check(False, "schema accepted engine.%s=%r" % (key, bad))
-        except jsonschema.ValidationError:
-            check(True, "")
+    check_schema_refuses(v, schema, "engine", (("kind", "trt"), ("blockSize", 0), ("port", 70000)))
 
 
 def check_vllm_sources(values, schema):
@@ -526,15 +531,9 @@ def check_operator_controls(values, schema):
         "kubernetes.io/metadata.name": "inference"}} and "podSelector" in peer
         for peer in p["spec"]["ingress"][0]["from"]) for p in pols),
         "NetworkPolicies admit worker pods of the engine namespaces")
-    for key, bad in (("extraArgs", ["log-level=debug"]), ("topologySpread", {"enabled": True}),
-                     ("startupProbe", {"periodSeconds": 0, "failureThreshold": 1})):
-        w = copy.deepcopy(values)
-        w["store"][key] = bad
-        try:
-            jsonschema.validate(w, schema)
-            check(False, "schema accepted store.%s=%r" % (key, bad))
-        except jsonschema.ValidationError:
-            check(True, "")
+    check_schema_refuses(values, schema, "store", (
+        ("extraArgs", ["log-level=debug"]), ("topologySpread", {"enabled": True}),
+        ("startupProbe", {"periodSeconds": 0, "failureThreshold": 1})))
 
 
 def main():
@@ -549,19 +548,10 @@ def main():
         check(True, "")
     except jsonschema.ValidationError as e:
         check(False, "default values fail the schema: %s" % e.message)
-    bad_cases = [
-        ("store", "ramPolicy", "fifo"), ("store", "replicas", 0), ("store", "ramBytes", "lots"),
-        ("store", "grpcPort", 70000), ("router", "fetchCost", -1), ("router", "heartbeatDeadline", "soon"),
-        ("store", "typo", 1),
-    ]
-    for section, key, value in bad_cases:
-        v = copy.deepcopy(values)
-        v[section][key] = value
-        try:
-            jsonschema.validate(v, schema)
-            check(False, "schema accepted %s.%s=%r" % (section, key, value))
-        except jsonschema.ValidationError:
-            check(True, "")
+    check_schema_refuses(values, schema, "store", (
+        ("ramPolicy", "fifo"), ("replicas", 0), ("ramBytes", "lots"), ("grpcPort", 70000),
+        ("typo", 1)))
+    check_schema_refuses(values, schema, "router", (("fetchCost", -1), ("heartbeatDeadline", "soon")))
 
     files = render(values)
     objs = objects(files)

@@ -54,3 +54,18 @@ if ! cmp -s tests/helm/package-lock.json tests/helm/node_modules/.kvtier-install
   fi
   cp tests/helm/package-lock.json tests/helm/node_modules/.kvtier-installed-lock
 fi
+
+# The chart test's manifest linter, kube-score (pinned), built from the Go
+# module proxy into tests/helm/.bin.
+KUBE_SCORE_VERSION=v1.20.0
+if [ "$(cat tests/helm/.bin/.kube-score-version 2>/dev/null)" != "$KUBE_SCORE_VERSION" ]; then
+  echo "setup: go install github.com/zegl/kube-score/cmd/kube-score@$KUBE_SCORE_VERSION (the chart test's linter)"
+  mkdir -p tests/helm/.bin
+  if ! GOBIN="$PWD/tests/helm/.bin" GOFLAGS=-mod=mod \
+       go install "github.com/zegl/kube-score/cmd/kube-score@$KUBE_SCORE_VERSION" >/dev/null; then
+    echo "setup: go install of kube-score failed: the chart test lints the rendered manifests with it" \
+         "and needs the Go module proxy (or GOPROXY set to a mirror)" >&2
+    exit 1
+  fi
+  echo "$KUBE_SCORE_VERSION" > tests/helm/.bin/.kube-score-version
+fi

@@ -447,6 +447,69 @@ def check_dashboard_variables():
                       "%s: %s is scoped by namespace, job and release" % (panel["title"], m.group(0)))
 
 
+# kube-score's checks that do not apply to this chart, each with why.
+KUBE_SCORE_IGNORED = {
+    # The image tag is pinned to the chart's version and never moves:
+    # IfNotPresent is right; Always only adds a registry round trip per start.
+    "container-image-pull-policy",
+    # Ephemeral storage is the logs and an emptyDir /tmp; RocksDB lives on
+    # the PVC. A limit would evict a busy store for its own logs; operators
+    # who want one set it in store.resources / router.resources.
+    "container-ephemeral-storage-request-and-limit",
+    # Replicas spread over nodes by topologySpreadConstraints (on by
+    # default, hard with whenUnsatisfiable DoNotSchedule), which kube-score
+    # does not read; store.affinity takes an anti-affinity too.
+    "deployment-has-host-podantiaffinity",
+    "statefulset-has-host-podantiaffinity",
+}
+
+
+# More for the engine Deployment alone: its image is the operator's (vLLM's
+# and SGLang's run as root and write compile caches and model downloads
+# under the home directory), and one replica per GPU pool is the default a
+# GPU's price sets; the chart enforces the rest of the restricted standard.
+KUBE_SCORE_IGNORED_ENGINE = {
+    "container-security-context-user-group-id",
+    "container-security-context-readonlyrootfilesystem",
+    "deployment-replicas",
+}
+
+
+def check_kube_score(values):
+    """kube-score (installed by scripts/setup.sh) finds nothing in the
+    rendered chart beyond the checks ignored above, with CPU limits not
+    required: a CPU limit throttles the store's data plane and the router
+    in bursts (requests are set, memory is limited). Egress is open on
+    purpose (stores, routers and DNS are reached across the cluster), so
+    the egress half of pod-networkpolicy is ignored too; and the engine's
+    inference API serves whichever clients the operator's own policy
+    admits, so the chart puts no NetworkPolicy on the engine."""
+    binary = os.path.join(ROOT, "tests", "helm", ".bin", "kube-score")
+    check(os.path.exists(binary), "kube-score is installed (scripts/setup.sh)")
+    if not os.path.exists(binary):
+        return
+    engine = dict(values, engine=dict(values["engine"], enabled=True))
+    for name, v, only, ignored in (
+            ("defaults", values, None, KUBE_SCORE_IGNORED),
+            ("engine", engine, "engine.yaml", KUBE_SCORE_IGNORED | KUBE_SCORE_IGNORED_ENGINE)):
+        docs = [body for f, body in render(v).items()
+                if not f.endswith(".txt") and (only is None or f == only)]
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write("\n---\n".join(docs))
+            path = f.name
+        args = [binary, "score", path, "--output-format", "ci", "--ignore-container-cpu-limit"]
+        for t in sorted(ignored):
+            args += ["--ignore-test", t]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        os.unlink(path)
+        findings = [ln for ln in out.stdout.splitlines()
+                    if ln.startswith(("[CRITICAL]", "[WARNING]"))
+                    and "does not have a matching egress NetworkPolicy" not in ln
+                    and not (ln.startswith("[CRITICAL] kv-engine ")
+                             and "does not have a matching NetworkPolicy" in ln)]
+        check(not findings, "kube-score on the %s render: %s" % (name, "\n".join(findings)))
+
+
 def check_app_version():
     """The chart's appVersion is the build's version (CMake's project
     version, which every binary prints with --version)."""
@@ -541,6 +604,7 @@ def main():
     schema = json.load(open(os.path.join(CHART, "values.schema.json")))
     check_app_version()
     check_dashboard_variables()
+    check_kube_score(values)
 
     # The schema accepts the defaults and rejects bad values.
     try:

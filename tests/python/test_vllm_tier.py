@@ -145,13 +145,16 @@ def test_a_store_down_at_start_up(tmp_path: Path) -> None:
     ({"stores": "127.0.0.1:1", "locality": "NEAR"}, "locality"),
     ({"stores": "127.0.0.1:1", "enable_kv_events": "yes"},
      "enable_kv_events"),
-    ({}, "stores"),
+    ({"stores": "127.0.0.1:1", "deadline_ms": "soon"}, "deadline_ms"),
+    ({}, '"stores" names no kvtier-store'),
 ])
 def test_a_malformed_tier_config_names_the_key(entry: dict, key: str) -> None:
     tier = {"type": "KvtierTier",
             "module_path": "kvtier.integrations.vllm_tier", **entry}
-    with pytest.raises(kvtier.errors.InvalidArgument, match=key):
+    with pytest.raises(kvtier.errors.InvalidArgument, match=key) as e:
         TierEngine(tier)
+    if key.startswith('"stores"'):
+        assert "deadline_ms" not in str(e.value)
 
 
 def test_the_namespace_binds_the_row_layout(store: Store) -> None:

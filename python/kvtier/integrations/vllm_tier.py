@@ -197,10 +197,10 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             if key not in TIER_KEYS:
                 raise _bad(key, "is not a key of the kvtier tier (its keys: "
                            f"{', '.join(TIER_KEYS)})")
-        try:
-            stores, opts = store_options(config, "kvtier tier config")
-        except (TypeError, ValueError) as e:
-            raise _bad("deadline_ms", f"{e}") from None
+        deadline = config.get("deadline_ms", 10000)
+        if not isinstance(deadline, int) or deadline <= 0:
+            raise _bad("deadline_ms", f"{deadline!r} is not a positive integer")
+        stores, opts = store_options(config, "kvtier tier config")
         threads = config.get("io_threads", 2)
         if not isinstance(threads, int) or not 1 <= threads <= 64:
             raise _bad("io_threads", f"{threads!r} is not an integer in 1..64")

@@ -163,7 +163,6 @@ class _Job:
     load: bool
     keys: list[OffloadKey]
     rows: list[int]
-    submitted: float
 
 
 class _Lookups(AsyncLookupManager):
@@ -308,6 +307,8 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                                 "check its copies: %s", e2)
             except KvtierError as e:
                 log.debug("kvtier tier: job %s failed: %s", job.job_id, e)
+            except Exception:  # a bug: the job still reports, as failed
+                log.exception("kvtier tier: job %s failed", job.job_id)
             self._done.put((job, loaded, time.monotonic() - start))
             with self._idle:
                 self._running -= 1
@@ -315,7 +316,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
 
     def _submit(self, job_metadata: TransferJob, load: bool) -> None:
         job = _Job(job_metadata.job_id, load, list(job_metadata.keys),
-                   [int(c) for c in job_metadata.chunk_ids], time.monotonic())
+                   [int(c) for c in job_metadata.chunk_ids])
         with self._idle:
             self._running += 1
             self._unreported += 1

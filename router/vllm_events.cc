@@ -394,7 +394,11 @@ absl::StatusOr<VllmBatch> DecodeVllmBatch(absl::string_view payload) {
 
 std::vector<BlockHash> VllmChainMap::Stored(const VllmEvent& e, VllmSourceStats* stats) {
   std::vector<BlockHash> out;
-  if (e.block_size != block_tokens_) {
+  // An event the decoder marked skipped, or one built by hand without a
+  // block's worth of tokens per hash, maps nothing (its tokens are not there
+  // to hash).
+  if (!e.skip_reason.empty() || e.block_size != block_tokens_ ||
+      e.token_ids.size() != size_t{block_tokens_} * e.hashes.size()) {
     stats->skipped += e.hashes.size();
     return out;
   }

@@ -101,7 +101,9 @@ class VllmChainMap {
   VllmChainMap(uint64_t namespace_id, uint32_t block_tokens)
       : ns_(namespace_id), block_tokens_(block_tokens) {}
   // The kvtier hashes an event stores or removes (a stored block whose
-  // parent is unknown, and those after it, are counted and left out).
+  // parent is unknown, and those after it, are counted and left out; an
+  // event with a skip_reason, another block size or not block_tokens token
+  // ids per hash maps nothing and counts its hashes as skipped).
   std::vector<BlockHash> Stored(const VllmEvent& e, VllmSourceStats* stats);
   std::vector<BlockHash> Removed(const VllmEvent& e, VllmSourceStats* stats);
   void Clear() { map_.clear(); }

@@ -305,6 +305,14 @@ TEST(VllmChainMap, StoredBlocksGetKvtierChainHashesThroughTheirParents) {
   VllmEvent wide{VllmEvent::kStored, {31}, std::nullopt, Tokens(0, 8), 8, ""};
   EXPECT_TRUE(m.Stored(wide, &st).empty());
   EXPECT_EQ(st.skipped, 1u);
+  // An event without a block's worth of tokens per hash (a skipped one, or
+  // one built by hand) maps nothing: there are no tokens to hash. The fuzzer
+  // found the unchecked walk reading past the tokens.
+  VllmEvent short_tokens{VllmEvent::kStored, {41, 42}, std::nullopt, Tokens(0, 4), kBt, ""};
+  EXPECT_TRUE(m.Stored(short_tokens, &st).empty());
+  VllmEvent marked{VllmEvent::kStored, {51}, std::nullopt, Tokens(0, 4), kBt, "malformed: x"};
+  EXPECT_TRUE(m.Stored(marked, &st).empty());
+  EXPECT_EQ(st.skipped, 4u);
   VllmEvent gone{VllmEvent::kRemoved, {12, 77}, std::nullopt, {}, 0, ""};
   EXPECT_EQ(m.Removed(gone, &st), std::vector<BlockHash>{whole[1]});
   EXPECT_EQ(m.size(), 2u);

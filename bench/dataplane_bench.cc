@@ -1,8 +1,11 @@
 // kvtier-bench dataplane: put and get throughput of kvtier's data plane
-// (BeginPut/BeginGet + transfer + Commit/End) over UCX TCP and over shared
-// memory, and of the inline gRPC path, for several block sizes and batch
-// sizes, each beside references measured in the same run, with ratios.
-// Buffers are larger than the CPU caches (--working-set).
+// (BeginPut/BeginGet + transfer + Commit/End) over TCP (the socket data
+// plane, the default, and the UCX RMA one, --data-plane ucx, side by side:
+// the socket row's ratio to the UCX row is the cost of a store that checks
+// every transfer), over shared memory, and of the inline gRPC path, for
+// several block sizes and batch sizes, each beside references measured in
+// the same run, with ratios. Buffers are larger than the CPU caches
+// (--working-set).
 //
 // What each row is compared with, and why (a ratio against a crippled or an
 // impossible reference says nothing):
@@ -10,7 +13,8 @@
 //    the same DataClientOptions (so the same transport and shared-memory
 //    choice) and the same registered buffers, moving every block of the case
 //    once with no control plane in the loop: the data plane's own ceiling.
-//    Inline-gRPC rows are compared with the TCP one.
+//    Socket and inline-gRPC rows are compared with the UCX TCP one (a
+//    socket store serves no RMA).
 //  - the transport's ceiling for distinct buffers: ucx_perftest (ucp_put_bw /
 //    ucp_get over TCP, started here) for TCP and inline gRPC; for shared
 //    memory, memcpy of the same working set between distinct buffers, since
@@ -45,7 +49,7 @@ namespace kvtier::bench {
 namespace {
 
 struct Row {
-  std::string path;  // "ucx-tcp", "shm", "inline-grpc"
+  std::string path;  // "socket", "ucx-tcp", "shm", "inline-grpc"
   uint64_t block_bytes;
   int64_t batch;
   std::string op;  // "put" / "get"
@@ -54,11 +58,13 @@ struct Row {
   double perftest_gbps = 0;    // ucx_perftest over TCP (ucx-tcp and inline-grpc rows)
   double memcpy_gbps = 0;      // memcpy of distinct buffers (shm rows)
   double redis_best_gbps = 0;  // Redis at its best for this block size
+  double ucx_gbps = 0;         // socket rows: the UCX data plane's (ucx-tcp) figure, same case
 };
 
 struct Transport {
   std::string name;     // row label
   std::string ucx_tls;  // for kvtier (needs a sockaddr-capable transport too)
+  std::string data_plane;  // the store's --data-plane
 };
 
 // Redis's best SET and best GET for one value size, and where each was found.
@@ -226,10 +232,11 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   bool have_tcp = false, have_shm = false;
   for (absl::string_view t : absl::StrSplit(transports_flag, ',', absl::SkipEmpty())) {
     if (t == "tcp") {
-      transports.push_back({"ucx-tcp", "tcp"});
+      transports.push_back({"ucx-tcp", "tcp", "ucx"});
+      transports.push_back({"socket", "tcp", "socket"});
       have_tcp = true;
     } else if (t == "shm") {
-      transports.push_back({"shm", "sm"});
+      transports.push_back({"shm", "sm", "socket"});
       have_shm = true;
     } else {
       std::fprintf(stderr, "kvtier-bench dataplane: flag --transports: \"%s\" is not tcp or shm\n",
@@ -250,12 +257,14 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   std::vector<Row> rows;
   uint64_t salt = 1;
 
-  auto measure = [&](const std::string& path, const std::string& tls) -> int {
+  auto measure = [&](const std::string& path, const std::string& tls,
+                     const std::string& data_plane) -> int {
     setenv("UCX_TLS", tls.c_str(), 1);
     auto store = LocalServer::Start(
         store_bin, dir.sub("store-" + path),
         {"--data-dir=" + dir.sub("store-" + path), absl::StrCat("--ram-bytes=", ram), absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
-         "--ucx-listen=127.0.0.1:0", "--hugepages=false", "--ram-policy=lru",
+         "--data-listen=127.0.0.1:0", "--data-plane=" + data_plane, "--hugepages=false",
+         "--ram-policy=lru",
          absl::StrCat("--verify-commits=", verify_commits ? "true" : "false"),
          absl::StrCat("--max-message-bytes=", std::max<uint64_t>(64 << 20, 40 * max_size))});
     if (!store.ok()) {
@@ -274,6 +283,9 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     so.deadline_ms = 60000;
     StoreClient inline_client((*store)->address(), so);
     bool is_inline = path == "inline-grpc";
+    // RMA needs a UCX store; the shared-memory path's raw loop is memcpys
+    // through the mapped arena.
+    const bool raw_here = !is_inline && (data_plane == "ucx" || path == "shm");
     for (uint64_t size : sizes) {
       auto spec = SpecForBlockBytes(size, "kvtier-bench-dataplane");
       if (!spec.ok()) {
@@ -390,7 +402,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
           // case (simple, and "the same run" for each row); its pins and
           // reservations end before the Evict below.
           RawRates raw;
-          if (!is_inline) {
+          if (raw_here) {
             std::vector<BlockHash> hashes;
             hashes.reserve(blocks);
             for (uint64_t i = 0; i < blocks; ++i) hashes.push_back(hash(i));
@@ -435,10 +447,10 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   };
 
   for (const auto& t : transports) {
-    if (int rc = measure(t.name, t.ucx_tls); rc != 0) return rc;
+    if (int rc = measure(t.name, t.ucx_tls, t.data_plane); rc != 0) return rc;
   }
   if (inline_path) {
-    if (int rc = measure("inline-grpc", "tcp"); rc != 0) return rc;
+    if (int rc = measure("inline-grpc", "tcp", "socket"); rc != 0) return rc;
   }
   // memcpy of the same working set between distinct buffers in this
   // process: the ceiling of the shared-memory path (a memcpy through the
@@ -529,12 +541,14 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   }
   for (auto& r : rows) {
     const bool put = r.op == "put";
-    if (r.path == "inline-grpc") {
-      // No raw RMA of its own: compared with UCX TCP's of the same case.
+    if (r.path == "inline-grpc" || r.path == "socket") {
+      // No raw RMA of its own: compared with UCX TCP's of the same case
+      // (and a socket row with the UCX data plane's own figure).
       for (const auto& t : rows) {
         if (t.path == "ucx-tcp" && t.block_bytes == r.block_bytes && t.batch == r.batch &&
             t.op == r.op) {
           r.raw_gbps = t.raw_gbps;
+          if (r.path == "socket") r.ucx_gbps = t.gbps;
         }
       }
     }
@@ -566,6 +580,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
       beside("redis_best_gb_per_s", "ratio_vs_redis_best", r.redis_best_gbps);
       beside("perftest_gb_per_s", "ratio_vs_perftest", r.perftest_gbps);
       beside("memcpy_gb_per_s", "ratio_vs_memcpy", r.memcpy_gbps);
+      beside("ucx_data_plane_gb_per_s", "ratio_vs_ucx_data_plane", r.ucx_gbps);
       j["cases"].push_back(c);
     }
     for (const auto& [size, b] : redis_best) {
@@ -596,20 +611,23 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   auto ratio = [](double a, double b) {
     return b > 0 ? absl::StrFormat("%.2f", a / b) : std::string("n/a");
   };
-  std::printf("%-12s %9s %6s %4s | %8s %10s | %8s %6s | %-8s %8s %6s | %10s %6s\n", "path", "block",
-              "batch", "op", "GB/s", "blocks/s", "raw GB/s", "ratio", "ceiling", "GB/s", "ratio",
-              "redis GB/s", "ratio");
+  std::printf("%-12s %9s %6s %4s | %8s %10s | %8s %6s | %-8s %8s %6s | %10s %6s | %7s\n", "path",
+              "block", "batch", "op", "GB/s", "blocks/s", "raw GB/s", "ratio", "ceiling", "GB/s",
+              "ratio", "redis GB/s", "ratio", "vs ucx");
   for (const auto& r : rows) {
     const bool shm = r.path == "shm";
     const double ceiling = shm ? r.memcpy_gbps : r.perftest_gbps;
-    std::printf("%-12s %9s %6ld %4s | %8.2f %10.0f | %8s %6s | %-8s %8s %6s | %10s %6s\n",
+    std::printf("%-12s %9s %6ld %4s | %8.2f %10.0f | %8s %6s | %-8s %8s %6s | %10s %6s | %7s\n",
                 r.path.c_str(), FormatBytes(r.block_bytes).c_str(), r.batch, r.op.c_str(), r.gbps,
                 r.blocks_per_s, num(r.raw_gbps).c_str(), ratio(r.gbps, r.raw_gbps).c_str(),
                 shm ? "memcpy" : "perftest", num(ceiling).c_str(), ratio(r.gbps, ceiling).c_str(),
-                num(r.redis_best_gbps).c_str(), ratio(r.gbps, r.redis_best_gbps).c_str());
+                num(r.redis_best_gbps).c_str(), ratio(r.gbps, r.redis_best_gbps).c_str(),
+                ratio(r.gbps, r.ucx_gbps).c_str());
   }
-  std::printf("\n(inline-grpc rows are compared with ucx-tcp's raw RMA and with ucx_perftest over "
-              "TCP; n/a: not measured, with --references=false or without a ucx-tcp run)\n");
+  std::printf("\n(socket and inline-grpc rows are compared with ucx-tcp's raw RMA and with "
+              "ucx_perftest over TCP; \"vs ucx\": a socket row over the UCX data plane's figure "
+              "for the same case, --data-plane ucx; n/a: not measured, with --references=false or "
+              "without a ucx-tcp run)\n");
   return 0;
 }
 

@@ -103,7 +103,7 @@ absl::Status RawRma::Get(const std::vector<uint64_t>& addrs, uint64_t length, ui
   std::vector<void*> reqs;
   reqs.reserve(addrs.size());
   for (size_t i = 0; i < addrs.size(); ++i) {
-    reqs.push_back(conn_->PostGet(dest + i * length, length, addrs[i]));
+    reqs.push_back(conn_->PostGet(dest + i * length, length, addrs[i], /*lease=*/0));
   }
   return conn_->Wait(reqs, RmaDeadline());
 }
@@ -112,7 +112,7 @@ absl::Status RawRma::Put(const std::vector<uint64_t>& addrs, uint64_t length, co
   std::vector<void*> reqs;
   reqs.reserve(addrs.size() + 1);
   for (size_t i = 0; i < addrs.size(); ++i) {
-    reqs.push_back(conn_->PostPut(src + i * length, length, addrs[i]));
+    reqs.push_back(conn_->PostPut(src + i * length, length, addrs[i], /*lease=*/0));
   }
   reqs.push_back(conn_->PostFlush());
   return conn_->Wait(reqs, RmaDeadline());

@@ -1,6 +1,7 @@
 #include "cachestore/lease_table.h"
 
 #include <algorithm>
+#include <iterator>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -53,6 +54,10 @@ void LeaseTable::Unclaim(const std::string& client) {
 
 void LeaseTable::Open(uint64_t id, Lease lease) {
   lease.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms_);
+  lease.ranges.clear();
+  lease.ranges.reserve(lease.items.size());
+  for (const auto& [key, slot] : lease.items) lease.ranges.emplace_back(slot.offset, slot.length);
+  std::sort(lease.ranges.begin(), lease.ranges.end());
   std::lock_guard lk(mu_);
   (lease.is_put ? put_ : get_)++;
   leases_.emplace(id, std::move(lease));
@@ -64,18 +69,70 @@ void LeaseTable::ForgetLocked(const Lease& lease) {
   if (it != by_client_.end() && --it->second == 0) by_client_.erase(it);
 }
 
-absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant) {
+absl::StatusOr<LeaseTable::Hold> LeaseTable::Use(uint64_t id, bool is_put, int tenant,
+                                                  uint64_t offset, uint64_t length) {
   const char* kind = is_put ? "put" : "get";
   std::lock_guard lk(mu_);
   auto it = leases_.find(id);
-  if (it == leases_.end() || (tenant >= 0 && it->second.tenant != tenant)) {
+  const auto now = std::chrono::steady_clock::now();
+  if (it == leases_.end() || it->second.tenant != tenant || it->second.deadline <= now ||
+      ending_.count(id) != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         kind, " lease ", id, " is unknown, already ended, or expired (leases last ", lease_ms_,
         " ms)"));
   }
+  const Lease& l = it->second;
+  if (l.is_put != is_put) {
+    return absl::InvalidArgumentError(absl::StrCat("lease ", id, " is a ", is_put ? "get" : "put",
+                                                   " lease, not a ", kind, " lease"));
+  }
+  // The slot that starts at or before `offset`, if any, must hold the range.
+  auto r = std::upper_bound(l.ranges.begin(), l.ranges.end(),
+                            std::make_pair(offset, UINT64_MAX));
+  const bool inside = length > 0 && r != l.ranges.begin() &&
+                      offset - std::prev(r)->first <= std::prev(r)->second &&
+                      length <= std::prev(r)->second - (offset - std::prev(r)->first);
+  if (!inside) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        length, " bytes at arena offset ", offset, " are not inside a slot of ", kind,
+        " lease ", id));
+  }
+  holds_[id]++;
+  Hold h;
+  h.deadline = l.deadline;
+  h.token = std::shared_ptr<void>(nullptr, [this, id](void*) {
+    std::lock_guard lk(mu_);
+    auto hit = holds_.find(id);
+    if (hit != holds_.end() && --hit->second == 0) holds_.erase(hit);
+    holds_cv_.notify_all();
+  });
+  return h;
+}
+
+absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant) {
+  const char* kind = is_put ? "put" : "get";
+  std::unique_lock lk(mu_);
+  auto gone = [&] {
+    return absl::FailedPreconditionError(absl::StrCat(
+        kind, " lease ", id, " is unknown, already ended, or expired (leases last ", lease_ms_,
+        " ms)"));
+  };
+  auto it = leases_.find(id);
+  if (it == leases_.end() || (tenant >= 0 && it->second.tenant != tenant) ||
+      ending_.count(id) != 0) {
+    return gone();
+  }
   if (it->second.is_put != is_put) {
     return absl::InvalidArgumentError(absl::StrCat("lease ", id, " is a ", is_put ? "get" : "put",
                                                    " lease, not a ", kind, " lease"));
+  }
+  if (holds_.count(id) != 0) {
+    // Transfers still move its bytes: they end by the lease's deadline.
+    ending_.insert(id);
+    holds_cv_.wait(lk, [&] { return holds_.count(id) == 0; });
+    ending_.erase(id);
+    it = leases_.find(id);
+    if (it == leases_.end()) return gone();  // expired meanwhile
   }
   Lease l = std::move(it->second);
   leases_.erase(it);
@@ -107,7 +164,7 @@ void LeaseTable::ReaperLoop() {
         ForgetLocked(it->second);
         Log("store", it->second.is_put ? "put" : "get", " lease ", it->first, " expired; its ",
             it->second.items.size(), " slots are reclaimed after a grace period");
-        graveyard_.emplace_back(now + grace, std::move(it->second));
+        graveyard_.push_back(Buried{now + grace, it->first, std::move(it->second)});
         it = leases_.erase(it);
         expired_.fetch_add(1);
       } else {
@@ -116,8 +173,10 @@ void LeaseTable::ReaperLoop() {
     }
     std::vector<Lease> due;
     for (auto it = graveyard_.begin(); it != graveyard_.end();) {
-      if (it->first <= now) {
-        due.push_back(std::move(it->second));
+      // A transfer still holding an expired lease keeps its slots (it ends
+      // by the lease's deadline, so this waits a period at most).
+      if (it->due <= now && holds_.count(it->id) == 0) {
+        due.push_back(std::move(it->lease));
         it = graveyard_.erase(it);
       } else {
         ++it;
@@ -129,7 +188,7 @@ void LeaseTable::ReaperLoop() {
     lk.lock();
   }
   // Shutting down: nothing can write any more.
-  for (const auto& [t, lease] : graveyard_) release_(lease);
+  for (const auto& b : graveyard_) release_(b.lease);
   graveyard_.clear();
 }
 

@@ -18,7 +18,9 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <memory>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -48,6 +50,8 @@ struct Lease {
   bool is_put = false;
   std::chrono::steady_clock::time_point deadline;
   std::vector<std::pair<BlockKey, Slot>> items;
+  // The items' slots as (offset, length), by offset (set by Open).
+  std::vector<std::pair<uint64_t, uint64_t>> ranges{};
   // Gets (for the FetchMeter): when BeginGet started, and how many of the
   // items were read from disk, their bytes and the read time.
   std::chrono::steady_clock::time_point opened{};
@@ -80,9 +84,28 @@ class LeaseTable {
   // Makes a claimed id a live lease (its deadline is set here).
   void Open(uint64_t id, Lease lease);
 
-  // Removes and returns a live lease. FAILED_PRECONDITION if it is unknown,
-  // ended or expired, or (tenant >= 0) another tenant's, which reads as
-  // unknown; INVALID_ARGUMENT if it is of the other kind.
+  // A transfer's hold on a live lease (the socket data plane's get or put of
+  // bytes in one of its slots): while any hold lives, Take of the lease
+  // waits, and an expired lease's slots stay out of reuse, so no slot is
+  // reused while the store still reads or writes it for the lease's holder.
+  // Holds end when the object (and its copies) go.
+  struct Hold {
+    std::shared_ptr<void> token;
+    // When the lease expires: the transfer must end by then.
+    std::chrono::steady_clock::time_point deadline;
+  };
+  // A hold on lease `id` for [offset, offset + length) of the arena.
+  // FAILED_PRECONDITION as Take (unknown, ended, expired, being ended, or
+  // another tenant's); INVALID_ARGUMENT for a lease of the other kind, or
+  // for a range that is not inside one of the lease's slots (it names the
+  // range, never what lies there).
+  absl::StatusOr<Hold> Use(uint64_t id, bool is_put, int tenant, uint64_t offset,
+                           uint64_t length);
+
+  // Removes and returns a live lease, once no transfer holds it (new holds
+  // are refused meanwhile). FAILED_PRECONDITION if it is unknown, ended or
+  // expired, or (tenant >= 0) another tenant's, which reads as unknown;
+  // INVALID_ARGUMENT if it is of the other kind.
   absl::StatusOr<Lease> Take(uint64_t id, bool is_put, int tenant = -1);
   // Puts a taken lease back unchanged (a malformed commit does not cost the
   // caller its lease).
@@ -104,7 +127,16 @@ class LeaseTable {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::unordered_map<uint64_t, Lease> leases_;
-  std::vector<std::pair<std::chrono::steady_clock::time_point, Lease>> graveyard_;
+  struct Buried {
+    std::chrono::steady_clock::time_point due;
+    uint64_t id;
+    Lease lease;
+  };
+  std::vector<Buried> graveyard_;
+  // Transfers holding each lease (Use), and the leases a Take is ending.
+  std::unordered_map<uint64_t, uint32_t> holds_;
+  std::unordered_set<uint64_t> ending_;
+  std::condition_variable holds_cv_;
   std::unordered_map<std::string, uint64_t> by_client_;
   // Starts at a random point per process, so a lease id from a store that
   // restarted (a late release) never names one of this process's leases.

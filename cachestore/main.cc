@@ -46,7 +46,8 @@ struct Flags {
   std::string routers;
   uint64_t router_refresh_ms = 5000;
   std::string store_id, advertise_address;
-  std::string ucx_listen;
+  std::string data_listen;
+  std::string data_plane = "socket";
   bool verify_commits = true;
   std::string metrics_listen;
   bool check_config = false;
@@ -98,9 +99,16 @@ int main(int argc, char** argv) {
   flags.Bytes("max-message-bytes", &f.max_message_bytes,
               "Largest gRPC message accepted or sent (bounds inline block size)");
   flags.String("port-file", &f.port_file, "Write the bound gRPC port to this file once serving");
-  flags.String("ucx-listen", &f.ucx_listen,
-               "UCX data-plane listener HOST:PORT (clients RMA blocks into the RAM arena; "
-               "transports follow UCX_TLS); empty: inline gRPC path only");
+  flags.String("data-listen", &f.data_listen,
+               "Data-plane listener HOST:PORT (blocks move between clients and the RAM arena "
+               "there, as --data-plane says); empty: inline gRPC path only");
+  flags.String("ucx-listen", &f.data_listen, "Former name of --data-listen (still accepted)");
+  flags.Choice("data-plane", &f.data_plane, {"socket", "ucx"},
+               "The data plane's transport: socket (the store checks every transfer against "
+               "the caller's lease before it touches its memory; safe with any client), or "
+               "ucx (clients RMA into the RAM arena; over TCP and shared memory UCX checks no "
+               "bounds, so any client can address the whole store process: trusted clients "
+               "only, refused with --tenants-file; docs/security.md)");
   flags.Bool("verify-commits", &f.verify_commits,
              "Hash every block at CommitPut and refuse one whose bytes do not match its "
              "checksum (off: trust the writer; readers still verify)");
@@ -171,9 +179,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (!f.ucx_listen.empty()) {
-    if (auto s = kvtier::ValidateHostPort(f.ucx_listen); !s.ok()) {
-      std::fprintf(stderr, "kvtier-store: flag --ucx-listen: %s\n", std::string(s.message()).c_str());
+  if (!f.data_listen.empty()) {
+    if (auto s = kvtier::ValidateHostPort(f.data_listen); !s.ok()) {
+      std::fprintf(stderr, "kvtier-store: flag --data-listen: %s\n", std::string(s.message()).c_str());
       return 2;
     }
   }
@@ -201,6 +209,13 @@ int main(int argc, char** argv) {
       return 2;
     }
     tenants = *t;
+    if (f.data_plane == "ucx" && !f.data_listen.empty()) {
+      std::fprintf(stderr,
+                   "kvtier-store: flag --data-plane ucx is refused with --tenants-file: over "
+                   "UCX's TCP and shared-memory transports any client can address every "
+                   "tenant's blocks; use --data-plane socket (docs/security.md)\n");
+      return 2;
+    }
     if (f.admin_token_file.empty() && f.admin_identity.empty()) {
       std::fprintf(stderr,
                    "kvtier-store: flag --tenants-file needs --admin-token-file or "
@@ -240,7 +255,7 @@ int main(int argc, char** argv) {
     std::printf("kvtier-store configuration OK: listen=%s ucx-listen=%s metrics-listen=%s data-dir=%s "
                 "ram-bytes=%lu disk-bytes=%lu ram-slab-bytes=%lu ram-policy=%s disk-policy=%s "
                 "lease-ms=%lu routers=%zu tls=%s\n",
-                f.listen.c_str(), f.ucx_listen.c_str(), f.metrics_listen.c_str(), f.data_dir.c_str(),
+                f.listen.c_str(), f.data_listen.c_str(), f.metrics_listen.c_str(), f.data_dir.c_str(),
                 f.ram_bytes, f.disk_bytes, f.slab_bytes, f.ram_policy.c_str(), f.disk_policy.c_str(),
                 f.lease_ms, routers.size(),
                 f.tls.cert_file.empty() ? "off" : f.tls.require_client_cert ? "mutual" : "on");
@@ -315,14 +330,28 @@ int main(int argc, char** argv) {
   };
 
   std::unique_ptr<kvtier::store::DataPlaneServer> dataplane;
-  if (!f.ucx_listen.empty()) {
+  std::unique_ptr<kvtier::store::SocketDataPlane> sockets;
+  if (!f.data_listen.empty() && f.data_plane == "socket") {
+    auto sp = kvtier::store::SocketDataPlane::Start(f.data_listen);
+    if (!sp.ok()) {
+      std::fprintf(stderr, "kvtier-store: socket data plane: %s\n",
+                   std::string(sp.status().message()).c_str());
+      return 1;
+    }
+    sockets = std::move(*sp);
+  }
+  if (!f.data_listen.empty() && f.data_plane == "ucx") {
+    kvtier::Log("store", "WARNING: --data-plane ucx: clients move blocks by UCX RMA into the RAM "
+                "arena, and over UCX's TCP and shared-memory transports nothing bounds what a "
+                "client addresses (the whole process: other clients' blocks, the admin token); "
+                "use it with trusted clients only (docs/security.md)");
     auto& arena = (*store)->ram().arena();
     // With tenants, each tenant's region is registered on its own.
     std::vector<std::pair<uint64_t, uint64_t>> regions;
     if (tenants) {
       for (const auto& r : (*store)->ram().pool_regions()) regions.emplace_back(r.offset, r.length);
     }
-    auto dp = kvtier::store::DataPlaneServer::Start(f.ucx_listen, arena.base(), arena.size(),
+    auto dp = kvtier::store::DataPlaneServer::Start(f.data_listen, arena.base(), arena.size(),
                                                     regions);
     if (!dp.ok()) {
       std::fprintf(stderr, "kvtier-store: UCX data plane: %s\n",
@@ -331,7 +360,12 @@ int main(int argc, char** argv) {
     }
     dataplane = std::move(*dp);
   }
-  kvtier::store::StoreService service(store->get(), dataplane.get());
+  kvtier::store::StoreService service(store->get(), dataplane.get(), sockets.get());
+  if (f.local_shm && !tenants && (dataplane || sockets)) {
+    kvtier::Log("store", "--local-shm: data-plane clients on this host running as this user map "
+                "the whole RAM arena (one trusted tenant; off with --tenants-file or "
+                "--local-shm=false)");
+  }
   service.OfferSharedMemory(f.local_shm && !tenants);
   service.SetAdminToken(admin_token);
   service.SetAdminIdentity(f.admin_identity);
@@ -359,7 +393,8 @@ int main(int argc, char** argv) {
               (*store)->ram().arena().hugepages() ? ", hugepages" : "", "; disk quota ",
               f.disk_bytes, " bytes in ", f.data_dir, ")");
   kvtier::AnnounceListening("kvtier-store", *started,
-                            tls_mode + (dataplane ? ", UCX on " + dataplane->address() : ""),
+                            tls_mode + (dataplane ? ", UCX on " + dataplane->address() : "") +
+                                (sockets ? ", data plane on " + sockets->address() : ""),
                             f.port_file);
 
   // Health: "" and kvtier.v1.Store stay SERVING while the process serves;
@@ -385,6 +420,7 @@ int main(int argc, char** argv) {
   metrics.reset();
   service.DetachDataPlane();  // no call may reach the service once the data plane goes
   dataplane.reset();
+  sockets.reset();
   if (router_sink) router_sink->SetFetchFigures(nullptr);  // before the store goes
   store->reset();  // drains the write-back queue
   kvtier::Log("store", "stopped");

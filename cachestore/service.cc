@@ -104,10 +104,11 @@ void FillPolicy(Store* store, TierKind tier, v1::TierPolicy* out) {
 
 }  // namespace
 
-StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
+StoreService::StoreService(Store* store, DataPlaneServer* dataplane, SocketDataPlane* sockets)
     : store_(store),
       instance_id_(((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()) | 1),
       dataplane_(dataplane),
+      sockets_(sockets),
       started_(Clock::now()) {
   for (const char* rpc : {"RegisterNamespace", "ListNamespaces", "Lookup", "BeginPut",
                           "CommitPut", "AbortPut", "BeginGet", "EndGet", "ReleaseGets", "VerifyBlocks", "PutBlocks", "GetBlocks",
@@ -124,11 +125,45 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane)
       return ServeCall(method, session, request);
     });
   }
+  if (sockets_) {
+    sockets_->SetHandlers(
+        [this](uint16_t method, std::string_view session, std::string_view request) {
+          auto r = ServeCall(method, session, request);
+          return SocketDataPlane::CallReply{r.code, std::move(r.body)};
+        },
+        [this](std::string_view session, bool is_put, uint64_t lease, uint64_t addr,
+               uint64_t length) { return GrantTransfer(session, is_put, lease, addr, length); });
+  }
 }
 
 void StoreService::DetachDataPlane() {
   if (dataplane_) dataplane_->SetCallHandler(nullptr);
   dataplane_ = nullptr;
+  if (sockets_) sockets_->SetHandlers(nullptr, nullptr);
+  sockets_ = nullptr;
+}
+
+absl::StatusOr<SocketDataPlane::Grant> StoreService::GrantTransfer(std::string_view session_id,
+                                                                   bool is_put, uint64_t lease,
+                                                                   uint64_t addr,
+                                                                   uint64_t length) {
+  int tenant = -1;
+  {
+    std::lock_guard lk(sessions_mu_);
+    auto it = sessions_.find(std::string(session_id));
+    if (it == sessions_.end()) {
+      return absl::UnauthenticatedError(
+          "unknown data-plane session (the store restarted or dropped it); call "
+          "ConnectDataPlane again");
+    }
+    tenant = it->second.caller.tenant_index();
+  }
+  // An address below the arena wraps to an offset past it: no slot holds it.
+  const Arena& arena = store_->ram().arena();
+  const uint64_t offset = addr - reinterpret_cast<uint64_t>(arena.base());
+  auto hold = store_->UseLease(lease, is_put, tenant, offset, length);
+  if (!hold.ok()) return hold.status();
+  return SocketDataPlane::Grant{arena.at(offset), hold->deadline, std::move(hold->token)};
 }
 
 StoreService::~StoreService() { DetachDataPlane(); }
@@ -615,6 +650,29 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
                                             const v1::ConnectDataPlaneRequest* req,
                                             v1::ConnectDataPlaneResponse* resp) {
   RpcTimer t(fence_, Histogram("ConnectDataPlane"));
+  if (sockets_) {
+    Caller caller;
+    if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+    resp->set_data_address(sockets_->address());
+    resp->set_instance_id(instance_id_);
+    // Addresses are names of slots here, checked on every transfer; the
+    // region is the arena (and its memfd for a same-host client without
+    // tenants, the one trusted tenant of --local-shm).
+    const Arena& arena = store_->ram().arena();
+    uint64_t offset = 0, length = arena.size();
+    if (caller.tenant) {  // its own region: where every slot it is handed lies
+      const auto regions = store_->ram().pool_regions();
+      const size_t i = static_cast<size_t>(caller.tenant->index);
+      if (i < regions.size()) offset = regions[i].offset, length = regions[i].length;
+    }
+    auto* r = resp->add_regions();
+    r->set_rkey_id(0);
+    r->set_base_addr(reinterpret_cast<uint64_t>(arena.base()) + offset);
+    r->set_length(length);
+    if (offer_shm_ && caller.tenant == nullptr) r->set_shm_path(arena.shm_path());
+    resp->set_session(OpenSession(caller, *ctx));
+    return t.Done(grpc::Status::OK);
+  }
   if (!dataplane_) {
     return t.Done(grpc::Status(grpc::FAILED_PRECONDITION,
                                "this store has no UCX data plane (start kvtier-store with "

@@ -12,6 +12,7 @@
 
 #include "cachestore/dataplane.h"
 #include "cachestore/store.h"
+#include "cachestore/socket_dataplane.h"
 #include "common/rpc/admin_gate.h"
 #include "common/rpc/grpc_server.h"
 #include "common/histogram.h"
@@ -22,9 +23,12 @@ namespace kvtier::store {
 
 class StoreService final : public kvtier::v1::Store::Service {
  public:
-  // dataplane may be null (no UCX data plane: inline path only).
-  // With a data plane, answers its control calls (common/ucx/calls.h) too.
-  StoreService(Store* store, DataPlaneServer* dataplane);
+  // dataplane (UCX) and sockets (the socket data plane) may each be null;
+  // with neither, the inline path only. With a data plane, answers its
+  // control calls (common/ucx/calls.h) too, and grants the socket data
+  // plane's transfers (GrantTransfer). ConnectDataPlane offers the socket
+  // data plane where there is one.
+  StoreService(Store* store, DataPlaneServer* dataplane, SocketDataPlane* sockets = nullptr);
   // Stops answering the data plane's calls (returns once none runs); call
   // before the data plane goes. Idempotent; the destructor calls it too.
   void DetachDataPlane();
@@ -123,12 +127,20 @@ class StoreService final : public kvtier::v1::Store::Service {
   std::string OpenSession(const Caller& caller, const grpc::ServerContext& ctx);
   DataPlaneServer::CallReply ServeCall(uint16_t method, std::string_view session,
                                        std::string_view request);
+  // A socket data-plane transfer of `length` bytes at `addr` (as BeginGet or
+  // BeginPut handed it out) under `lease`: allowed only for a live lease of
+  // the session's tenant, of the transfer's kind, whose slot holds the whole
+  // range (LeaseTable::Use). UNAUTHENTICATED for an unknown session.
+  absl::StatusOr<SocketDataPlane::Grant> GrantTransfer(std::string_view session, bool is_put,
+                                                       uint64_t lease, uint64_t addr,
+                                                       uint64_t length);
 
 
   Store* store_;
   bool offer_shm_ = true;
   const uint64_t instance_id_;  // random per process (ConnectDataPlaneResponse.instance_id)
   DataPlaneServer* dataplane_;
+  SocketDataPlane* sockets_;
   AdminGate admin_;
   HandlerFence fence_;  // every handler releases it as it finishes
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;

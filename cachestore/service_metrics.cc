@@ -38,12 +38,13 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
   m.Counter("kvtier_store_leases_expired_total", "Leases reclaimed at expiry", s.leases_expired);
   m.Counter("kvtier_store_checksum_failures_total", "Blocks refused for a checksum mismatch",
             s.checksum_failures);
-  m.Counter("kvtier_store_dataplane_bytes_total", "Bytes handed out for RMA", rma_put_bytes_.load(),
-            {{"direction", "put"}});
-  m.Counter("kvtier_store_dataplane_bytes_total", "Bytes handed out for RMA", rma_get_bytes_.load(),
-            {{"direction", "get"}});
-  m.Gauge("kvtier_store_dataplane_connections", "Open UCX endpoints",
-          dataplane_ ? dataplane_->connections() : 0);
+  m.Counter("kvtier_store_dataplane_bytes_total", "Bytes reserved or pinned for the data plane",
+            rma_put_bytes_.load(), {{"direction", "put"}});
+  m.Counter("kvtier_store_dataplane_bytes_total", "Bytes reserved or pinned for the data plane",
+            rma_get_bytes_.load(), {{"direction", "get"}});
+  m.Gauge("kvtier_store_dataplane_connections",
+          "Open data-plane connections (socket connections or UCX endpoints)",
+          (dataplane_ ? dataplane_->connections() : 0) + (sockets_ ? sockets_->connections() : 0));
   for (const auto& [rpc, h] : histograms_) {
     auto snap = h->Take();
     m.Histogram("kvtier_store_rpc_duration_seconds", "Latency of store RPCs", snap, {{"rpc", rpc}});

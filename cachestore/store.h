@@ -143,6 +143,12 @@ class Store {
                                      int tenant = -1);
   // FAILED_PRECONDITION / INVALID_ARGUMENT as LeaseTable::Take.
   absl::Status AbortPut(uint64_t lease, int tenant = -1);
+  // A socket data-plane transfer's hold on [offset, offset + length) of the
+  // arena under lease `id` of `tenant` (-1: no tenants): LeaseTable::Use.
+  absl::StatusOr<LeaseTable::Hold> UseLease(uint64_t id, bool is_put, int tenant,
+                                            uint64_t offset, uint64_t length) {
+    return leases_->Use(id, is_put, tenant, offset, length);
+  }
 
   // Pins the leading present blocks (promoting from disk) under one lease.
   // RESOURCE_EXHAUSTED past the client's lease limit.

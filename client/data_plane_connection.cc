@@ -3,6 +3,8 @@
 // posting and waiting for RMA.
 #include "client/data_plane_connection.h"
 
+#include "client/socket_channel.h"
+
 #include <atomic>
 #include <cstring>
 
@@ -67,6 +69,11 @@ ucs_status_t DataPlaneConnection::OnReply(void* arg, const void* header, size_t 
 
 absl::StatusOr<std::string> DataPlaneConnection::Call(uint16_t method, const std::string& request,
                                                       ucx::Clock::time_point deadline) {
+  if (sock_) {
+    auto r = sock_->Call(method, request, deadline);
+    if (sock_->failed()) Drop();
+    return r;
+  }
   ucx::CallHeader h;
   h.method = method;
   h.call_id = ++call_id_;
@@ -107,6 +114,7 @@ DataPlaneConnection::~DataPlaneConnection() {
 void DataPlaneConnection::Drop() {
   rkey_.reset();
   ep_.reset();
+  sock_.reset();
 }
 
 void DataPlaneConnection::Reset() {
@@ -117,7 +125,7 @@ void DataPlaneConnection::Reset() {
 
 absl::Status DataPlaneConnection::EnsureConnected(
     std::chrono::system_clock::time_point rpc_deadline) {
-  if (!init_error_.ok()) return init_error_;
+  if (sock_ && !sock_->failed()) return absl::OkStatus();
   if (ep_ && !ep_->failed()) return absl::OkStatus();
   Drop();
   auto now = ucx::Clock::now();
@@ -143,17 +151,36 @@ absl::Status DataPlaneConnection::EnsureConnected(
   if (resp.regions_size() != 1 || resp.regions(0).rkey_id() != 0) {
     return fail(absl::InternalError("store data plane offers no region 0"));
   }
-  std::string addr = resp.ucx_address();
+  const bool sockets = !resp.data_address().empty();
+  std::string addr = sockets ? resp.data_address() : resp.ucx_address();
   std::string host = HostOf(addr);
   if (host.empty() || host == "0.0.0.0" || host == "::") host = HostOf(address_);
   // Map the store's arena when it offers it and this client uses shared
-  // memory; any failure (another user, another container) keeps UCX.
+  // memory; any failure (another user, another container) keeps the
+  // connection's own transfers.
   const bool shm = UseSharedMemory(options_, address_);
   std::shared_ptr<ArenaMapping> mapping;
   if (map_arena_ && shm) {
     auto m = ArenaMapping::Map(resp.regions(0), resp.instance_id());
     if (m.ok()) mapping = std::move(*m);
   }
+  if (sockets) {
+    int port = 0;
+    if (!absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port)) {
+      return fail(absl::InternalError(
+          absl::StrCat("store's data-plane address \"", addr, "\" has no port")));
+    }
+    const auto left = rpc_deadline - std::chrono::system_clock::now();
+    auto ch = SocketChannel::Connect(host, port, resp.session(), ucx::Clock::now() + left);
+    if (!ch.ok()) return fail(ch.status());
+    sock_ = std::move(*ch);
+    instance_ = resp.instance_id();
+    session_ = resp.session();
+    backoff_ms_ = options_.backoff_min_ms;
+    mapping_ = std::move(mapping);
+    return absl::OkStatus();
+  }
+  if (!init_error_.ok()) return fail(init_error_);
   absl::StatusOr<std::unique_ptr<ucx::Endpoint>> ep;
   if (!options_.use_sockaddr && !resp.worker_address().empty()) {
     // UCX's shared-memory transports only where they move the bytes: a
@@ -218,24 +245,31 @@ ucp_request_param_t DataPlaneConnection::ParamsFor(const void* p, size_t n) cons
   return params;
 }
 
-void* DataPlaneConnection::PostPut(const void* src, size_t length, uint64_t remote_addr) {
+// A socket channel's operation number, as a request handle.
+static void* AsRequest(uint64_t seq) { return reinterpret_cast<void*>(static_cast<uintptr_t>(seq)); }
+
+void* DataPlaneConnection::PostPut(const void* src, size_t length, uint64_t remote_addr,
+                                   uint64_t lease) {
   if (mapping_) {
     uint8_t* to = mapping_->At(remote_addr, length);
     if (to == nullptr) return UCS_STATUS_PTR(UCS_ERR_INVALID_ADDR);  // Wait reports it
     std::memcpy(to, src, length);
     return nullptr;
   }
+  if (sock_) return AsRequest(sock_->PostPut(src, length, remote_addr, lease));
   ucp_request_param_t p = ParamsFor(src, length);
   return ucp_put_nbx(ep_->get(), src, length, remote_addr, rkey_->get(), &p);
 }
 
-void* DataPlaneConnection::PostGet(void* dest, size_t length, uint64_t remote_addr) {
+void* DataPlaneConnection::PostGet(void* dest, size_t length, uint64_t remote_addr,
+                                   uint64_t lease) {
   if (mapping_) {
     const uint8_t* from = mapping_->At(remote_addr, length);
     if (from == nullptr) return UCS_STATUS_PTR(UCS_ERR_INVALID_ADDR);  // Wait reports it
     std::memcpy(dest, from, length);
     return nullptr;
   }
+  if (sock_) return AsRequest(sock_->PostGet(dest, length, remote_addr, lease));
   ucp_request_param_t p = ParamsFor(dest, length);
   return ucp_get_nbx(ep_->get(), dest, length, remote_addr, rkey_->get(), &p);
 }
@@ -249,12 +283,34 @@ void* DataPlaneConnection::PostFlush() {
     flushes.fetch_add(1, std::memory_order_seq_cst);
     return nullptr;
   }
+  if (sock_) return AsRequest(sock_->PostMark());  // a put is answered once in its slot
   ucp_request_param_t p{};
   return ucp_ep_flush_nbx(ep_->get(), &p);
 }
 
 absl::Status DataPlaneConnection::Wait(std::vector<void*>& requests,
                                        ucx::Clock::time_point deadline) {
+  if (sock_ || (mapping_ && !ep_)) {
+    // Operation numbers (in order: the last one waited for covers the
+    // rest), or the mapped arena's copies (done; an error for an address
+    // outside the arena).
+    uint64_t last = 0;
+    absl::Status s = absl::OkStatus();
+    for (void*& r : requests) {
+      if (r != nullptr && UCS_PTR_IS_ERR(r)) {
+        if (s.ok()) s = absl::InternalError("the store answered an address outside its arena");
+      } else if (r != nullptr) {
+        last = std::max<uint64_t>(last, reinterpret_cast<uintptr_t>(r));
+      }
+      r = nullptr;
+    }
+    if (last > 0 && sock_) {
+      absl::Status w = sock_->Wait(last, deadline);
+      if (s.ok()) s = w;
+    }
+    if (!s.ok()) Drop();
+    return s;
+  }
   absl::Status moved = worker_->WaitAll(requests, deadline);
   if (!ep_) {
     // Closed by a failure while waiting for earlier requests: these were

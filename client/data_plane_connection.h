@@ -1,15 +1,18 @@
-// One lane's connection to a store's data plane: the lane's UCX worker, its
-// endpoint to the store and the remote key of the store's arena, made
-// through the store's ConnectDataPlane RPC and made again after a failure,
-// with exponential back-off (backoff_min_ms..backoff_max_ms) between failed
-// attempts. Every UCX call of StoreDataClient goes through here, so the
-// put/get protocol never sees an endpoint that a failure left half-usable.
+// One lane's connection to a store's data plane, made through the store's
+// ConnectDataPlane RPC and made again after a failure, with exponential
+// back-off (backoff_min_ms..backoff_max_ms) between failed attempts: a
+// socket channel (socket_channel.h) to a store that offers its socket data
+// plane (the default), where the store checks and moves every byte; else
+// the lane's UCX worker, its endpoint to the store and the remote key of the
+// store's arena (--data-plane ucx). Every transfer of StoreDataClient goes
+// through here, so the put/get protocol never sees a connection that a
+// failure left half-usable.
 //
 // Same-host stores that offer their arena (RemoteRegion.shm_path), when the
 // client uses shared memory (DataClientOptions::shared_memory), are mapped:
 // PostGet and PostPut are then bounds-checked memcpys that complete at once,
-// PostFlush a fence; the UCX endpoint stays for liveness and as the fallback
-// when the mapping cannot be made.
+// PostFlush a fence; the socket or UCX connection stays for calls and
+// liveness, and as the fallback when the mapping cannot be made.
 //
 // Not thread-safe: a connection belongs to its lane's thread (UCX workers
 // are single-threaded); its owner touches it only while that thread is
@@ -17,10 +20,11 @@
 //
 // EnsureConnected returns: the lane's worker-creation error; UNAVAILABLE
 // while backing off after a failed attempt; ConnectDataPlane's own status
-// (FAILED_PRECONDITION from a store without a UCX listener); INTERNAL for an
-// answer it cannot use; or the UCX connect's status. Wait returns the
-// transfers' first error (DEADLINE_EXCEEDED past the deadline), or
-// UNAVAILABLE if the endpoint failed meanwhile.
+// (FAILED_PRECONDITION from a store without a data plane); INTERNAL for an
+// answer it cannot use; or the connect's status. Wait returns the
+// transfers' first error (the store's status for a transfer it refused,
+// DEADLINE_EXCEEDED past the deadline), or UNAVAILABLE if the connection
+// failed meanwhile; after any error the connection is dropped.
 #pragma once
 
 #include <chrono>
@@ -38,6 +42,8 @@
 #include "common/ucx/ucx.h"
 
 namespace kvtier {
+
+class SocketChannel;
 
 class DataPlaneConnection {
  public:
@@ -64,10 +70,13 @@ class DataPlaneConnection {
   // lock, so the lane reads its snapshot without one.
   void UseRegions(const std::vector<std::shared_ptr<ucx::MemoryRegion>>& regions);
 
-  // Post one block's RMA, zero-copy where the local bytes lie in registered
-  // memory; the request goes to Wait. REQUIRES: EnsureConnected succeeded.
-  void* PostPut(const void* src, size_t length, uint64_t remote_addr);
-  void* PostGet(void* dest, size_t length, uint64_t remote_addr);
+  // Post one block's transfer (`remote_addr` as BeginPut / BeginGet gave it,
+  // under `lease`): on the socket data plane, queued for the store to check
+  // and move; over UCX, RMA, zero-copy where the local bytes lie in
+  // registered memory. The request goes to Wait. REQUIRES: EnsureConnected
+  // succeeded.
+  void* PostPut(const void* src, size_t length, uint64_t remote_addr, uint64_t lease);
+  void* PostGet(void* dest, size_t length, uint64_t remote_addr, uint64_t lease);
   // Remote completion of everything posted before it.
   void* PostFlush();
   // The store's arena mapped here, when transfers are memcpys through it.
@@ -87,7 +96,7 @@ class DataPlaneConnection {
 
   // Whether the connected store takes control calls on its data plane
   // (it handed out a session).
-  bool TakesCalls() const { return ep_ != nullptr && !session_.empty(); }
+  bool TakesCalls() const { return (ep_ != nullptr || sock_ != nullptr) && !session_.empty(); }
   // One control call on the data plane (common/ucx/calls.h): the store's
   // answer, its status as the store gave it (then the endpoint stays), or
   // UNAVAILABLE / DEADLINE_EXCEEDED when the call or its answer did not
@@ -115,6 +124,7 @@ class DataPlaneConnection {
   absl::Status init_error_;
   std::unique_ptr<ucx::Worker> worker_;
   std::unique_ptr<ucx::Endpoint> ep_;
+  std::unique_ptr<SocketChannel> sock_;  // the socket data plane, when the store offers it
   std::unique_ptr<ucx::RemoteKey> rkey_;
   std::vector<std::shared_ptr<ucx::MemoryRegion>> regions_;  // snapshot of the client's
   ucx::Clock::time_point next_attempt_{};

@@ -133,7 +133,7 @@ constexpr uint64_t kReadWindowBytes = 4ull << 20;
 // outside the arena.
 struct MappedReads {
   const ArenaMapping& arena;
-  void* PostGet(void* dest, size_t length, uint64_t remote_addr) {
+  void* PostGet(void* dest, size_t length, uint64_t remote_addr, uint64_t /*lease*/) {
     const uint8_t* from = arena.At(remote_addr, length);
     if (from == nullptr) return UCS_STATUS_PTR(UCS_ERR_INVALID_ADDR);
     std::memcpy(dest, from, length);
@@ -557,7 +557,8 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
         // summing the whole batch afterwards read it from memory twice and
         // held up the sends, which need this thread).
         commit.add_checksums(Checksum(blocks[i].data, block_bytes));
-        reqs.push_back(lane.PostPut(blocks[i].data, block_bytes, t.remote_addr()));
+        reqs.push_back(
+            lane.PostPut(blocks[i].data, block_bytes, t.remote_addr(), resp.lease_id()));
         break;
       case v1::PUT_ALREADY_PRESENT: out.already_present++; break;
       case v1::PUT_BUSY: out.busy++; break;
@@ -640,12 +641,12 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
       dests[i * segments + s] = d;
       const uint64_t from = pinned.sources[first + i].remote_addr + bounds[s];
       if (!copies_at_post) {
-        reqs[s].push_back(lane.PostGet(d, len, from));
+        reqs[s].push_back(lane.PostGet(d, len, from, pinned.lease));
         continue;
       }
       for (uint64_t off = 0; off < len; off += kHashPieceBytes) {
         const uint64_t n = std::min(kHashPieceBytes, len - off);
-        reqs[s].push_back(lane.PostGet(d + off, n, from + off));
+        reqs[s].push_back(lane.PostGet(d + off, n, from + off, pinned.lease));
         if (reqs[s].back() != nullptr) continue;  // not copied (outside the arena)
         if (aside) {
           aside->Add(&sums[i], d + off, n);

@@ -67,8 +67,8 @@ namespace {
 TEST(BenchSmoke, DataPlaneBenchCarriesRatiosForEveryCase) {
   auto j = RunJson("dataplane --sizes 256KiB --batches 1,32 --working-set 8MiB --json");
   ASSERT_TRUE(j.contains("cases"));
-  // 3 paths (UCX TCP, UCX shared memory, inline gRPC) x 2 batches x put/get.
-  ASSERT_EQ(j["cases"].size(), 12u);
+  // 4 paths (socket, UCX TCP, shared memory, inline gRPC) x 2 batches x put/get.
+  ASSERT_EQ(j["cases"].size(), 16u);
   for (const auto& c : j["cases"]) {
     EXPECT_GT(c["gb_per_s"].get<double>(), 0) << c.dump();
     // Every case beside the data plane's own ceiling and Redis at its best.
@@ -82,6 +82,10 @@ TEST(BenchSmoke, DataPlaneBenchCarriesRatiosForEveryCase) {
       EXPECT_FALSE(c.contains("ratio_vs_perftest")) << c.dump();
     } else {
       EXPECT_TRUE(c.contains("ratio_vs_perftest")) << c.dump();
+    }
+    // The socket data plane beside the UCX one, same case.
+    if (path == "socket") {
+      EXPECT_GT(c["ratio_vs_ucx_data_plane"].get<double>(), 0) << c.dump();
     }
   }
   ASSERT_TRUE(j.contains("redis_best"));

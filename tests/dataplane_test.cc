@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/checksum.h"
+#include "client/socket_channel.h"
 #include "client/store_data_client.h"
 #include "common/ucx/ucx.h"
 #include "tests/test_util.h"
@@ -159,7 +160,7 @@ TEST_F(DataPlaneFaults, AClientKilledMidPutLeavesNothingVisibleAndItsSlotsComeBa
                        "--data-dir=" + dir_.sub("db"), "--hugepages=false", "--ram-bytes=16MiB",
                        "--lease-ms=300ms"});
   ASSERT_GT(store.port(), 0);
-  // The writer is a child process that reserves 8 slots, RMA-writes half of
+  // The writer is a child process that reserves 8 slots, writes half of
   // them, and dies by SIGKILL before committing.
   pid_t child = fork();
   if (child == 0) {
@@ -179,21 +180,17 @@ TEST_F(DataPlaneFaults, AClientKilledMidPutLeavesNothingVisibleAndItsSlotsComeBa
       auto ctx = control.Context();
       if (!control.stub().BeginPut(ctx.get(), req, &resp).ok()) _exit(4);
     }
-    auto uctx = ucx::Context::Create();
-    auto worker = ucx::Worker::Create(*uctx, false);
-    std::string addr = info.ucx_address();
-    auto ep = ucx::Endpoint::Connect(worker->get(), "127.0.0.1",
-                                     std::stoi(addr.substr(addr.rfind(':') + 1)));
-    auto rkey = (*ep)->Unpack(info.regions(0).packed_rkey());
+    std::string addr = info.data_address();
+    auto ch = SocketChannel::Connect("127.0.0.1", std::stoi(addr.substr(addr.rfind(':') + 1)),
+                                     info.session(),
+                                     SocketChannel::Clock::now() + std::chrono::seconds(5));
+    if (!ch.ok()) _exit(5);
     std::vector<uint8_t> junk(kBlock, 0xAB);
-    std::vector<void*> reqs;
+    uint64_t last = 0;
     for (int i = 0; i < 4; ++i) {
-      ucp_request_param_t p{};
-      reqs.push_back(ucp_put_nbx((*ep)->get(), junk.data(), kBlock, resp.targets(i).remote_addr(),
-                                 (*rkey)->get(), &p));
+      last = (*ch)->PostPut(junk.data(), kBlock, resp.targets(i).remote_addr(), resp.lease_id());
     }
-    (void)(*worker)->WaitAll(reqs, ucx::Clock::now() + std::chrono::seconds(5));
-    (void)(*ep)->Flush(ucx::Clock::now() + std::chrono::seconds(5));
+    if (!(*ch)->Wait(last, SocketChannel::Clock::now() + std::chrono::seconds(5)).ok()) _exit(6);
     raise(SIGKILL);
   }
   int st;

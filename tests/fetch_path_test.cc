@@ -12,6 +12,8 @@
 #include <thread>
 
 #include "client/store_data_client.h"
+#include "common/data_wire.h"
+#include "common/socket_io.h"
 #include "client/transfer_lanes.h"
 #include "common/thread_cache.h"
 #include "common/ucx/calls.h"
@@ -124,11 +126,14 @@ NamespaceSpec Spec4L() { return NamespaceSpec{"fetch-test", "fp16", 4, 1, 64, 64
 constexpr uint64_t kBlock = 64 << 10;
 constexpr uint64_t kLayer = kBlock / 4;
 
-// "ucx": UCX RMA over TCP; "mapped": the store's arena mapped (memcpy).
+// "socket": the socket data plane; "ucx": UCX RMA over TCP (--data-plane
+// ucx); "mapped": the store's arena mapped (memcpy).
 class FetchPath : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
-    store_ = testing::StartLoopbackStore(dir_.sub("store"));
+    std::vector<std::string> extra;
+    if (std::string(GetParam()) == "ucx") extra.push_back("--data-plane=ucx");
+    store_ = testing::StartLoopbackStore(dir_.sub("store"), extra);
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
   DataClientOptions Options() const {
@@ -412,6 +417,7 @@ class RawCaller {
     v1::ConnectDataPlaneRequest req;
     grpc::ClientContext ctx;
     EXPECT_TRUE(control.stub().ConnectDataPlane(&ctx, req, &connect_).ok());
+    if (!connect_.data_address().empty()) return;  // the socket data plane: Call connects
     ctx_ = *ucx::Context::Create();
     worker_ = std::move(*ucx::Worker::Create(ctx_, true));
     EXPECT_TRUE(worker_->SetAmHandler(ucx::kReplyAmId, &RawCaller::OnReply, this).ok());
@@ -426,6 +432,7 @@ class RawCaller {
   // Sends one call; the reply's code and body (code -1: no reply in 2 s).
   std::pair<int, std::string> Call(uint16_t method, const std::string& session,
                                    const std::string& body, uint32_t magic = ucx::kCallMagic) {
+    if (!connect_.data_address().empty()) return SocketCall(method, session, body, magic);
     ucx::CallHeader h;
     h.magic = magic;
     h.method = method;
@@ -457,6 +464,37 @@ class RawCaller {
     c->body_.assign(static_cast<const char*>(data), length);
     c->replied_ = true;
     return UCS_OK;
+  }
+  // The same call as a socket data-plane frame, on a connection that
+  // presented `session` (a frame of another magic stands for the UCX
+  // header's; the store then closes the connection).
+  std::pair<int, std::string> SocketCall(uint16_t method, const std::string& session,
+                                         const std::string& body, uint32_t magic) {
+    const std::string& a = connect_.data_address();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    auto fd = net::Connect("127.0.0.1", std::stoi(a.substr(a.rfind(':') + 1)), deadline);
+    if (!fd.ok()) return {-1, std::string(fd.status().message())};
+    auto exchange = [&](const wire::Frame& f, const std::string& payload) -> std::pair<int, std::string> {
+      iovec v[2] = {{const_cast<wire::Frame*>(&f), sizeof(f)},
+                    {const_cast<char*>(payload.data()), payload.size()}};
+      wire::Reply r;
+      if (!net::WriteAll(*fd, v, 2, deadline).ok() ||
+          !net::ReadAll(*fd, &r, sizeof(r), deadline).ok()) {
+        return {-1, ""};
+      }
+      std::string text(r.message_bytes, '\0');
+      if (!net::ReadAll(*fd, text.data(), text.size(), deadline).ok()) return {-1, ""};
+      return {r.code, text};
+    };
+    std::pair<int, std::string> out = exchange(
+        wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, session.size()}, session);
+    if (out.first == 0) {
+      out = exchange(wire::Frame{magic == ucx::kCallMagic ? wire::kFrameMagic : magic, wire::kCall,
+                                 method, 0, 0, body.size()},
+                     body);
+    }
+    close(*fd);
+    return out;
   }
   v1::ConnectDataPlaneResponse connect_;
   std::shared_ptr<ucx::Context> ctx_;
@@ -538,7 +576,7 @@ TEST_P(FetchPath, BadDataPlaneCallsAreRefusedAndChangeNothingStored) {
   EXPECT_EQ(dest, src);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, FetchPath, ::testing::Values("ucx", "mapped"),
+INSTANTIATE_TEST_SUITE_P(Transports, FetchPath, ::testing::Values("socket", "ucx", "mapped"),
                          [](const auto& info) { return std::string(info.param); });
 
 // The connector over the fetch path: layer-wise loads and int8 namespaces.
@@ -653,7 +691,7 @@ TEST_P(ConnectorFetch, Int8ForAnEightBitCacheOrAnUnknownWireIsRefused) {
   EXPECT_EQ(listed.namespaces_size(), 0) << "nothing was registered";
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, ConnectorFetch, ::testing::Values("ucx", "mapped"),
+INSTANTIATE_TEST_SUITE_P(Transports, ConnectorFetch, ::testing::Values("socket", "ucx", "mapped"),
                          [](const auto& info) { return std::string(info.param); });
 
 }  // namespace

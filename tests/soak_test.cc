@@ -2,7 +2,7 @@
 // plane, eviction and demotion under pressure, policy switches, for
 // KVTIER_SOAK_SECONDS (default 60; `make soak` runs 600). Asserts: zero
 // mismatches and checksum failures, RSS within the documented bound, no
-// growth in open file descriptors or UCX endpoints, get p99 within 500 ms.
+// growth in open file descriptors or data-plane connections, get p99 within 500 ms.
 #include <dirent.h>
 #include <gtest/gtest.h>
 
@@ -35,7 +35,7 @@ size_t OpenFds(pid_t pid) {
   return n;
 }
 
-// The store's open UCX endpoints, from its Prometheus gauge; -1 if unread.
+// The store's open data-plane connections, from its Prometheus gauge; -1 if unread.
 long UcxEndpoints(int metrics_port) {
   std::string page = testing::HttpGet(metrics_port, "/metrics");
   const std::string name = "\nkvtier_store_dataplane_connections ";
@@ -145,7 +145,7 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   double p99 = get_ms.empty() ? 0 : get_ms[get_ms.size() * 99 / 100];
   std::fprintf(stderr,
                "soak %ds: %lu puts, %lu gets (%lu hits), %lu errors, %lu policy switches, get p99 "
-               "%.1f ms, peak RSS %lu MiB, fds %zu -> %zu, UCX endpoints %ld -> %ld, RAM evictions %lu, "
+               "%.1f ms, peak RSS %lu MiB, fds %zu -> %zu, data-plane connections %ld -> %ld, RAM evictions %lu, "
                "demotions %lu, "
                "disk evictions %lu\n",
                seconds, puts.load(), gets.load(), hits.load(), errors.load(), switches.load(), p99,
@@ -163,8 +163,8 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   // connections its control calls travel on: seven endpoints at most,
   // before and after.
   EXPECT_GT(eps0, 0) << "cannot read kvtier_store_dataplane_connections";
-  EXPECT_LE(eps1, eps0) << "UCX endpoints grew";
-  EXPECT_LE(eps1, 7) << "more endpoints than the client's lanes";
+  EXPECT_LE(eps1, eps0) << "data-plane connections grew";
+  EXPECT_LE(eps1, 7) << "more connections than the client's lanes";
   EXPECT_LE(st->put_leases() + st->get_leases(), 0u);
   EXPECT_LT(p99, 500.0);
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)

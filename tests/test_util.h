@@ -84,11 +84,12 @@ class ServerProcess {
   int port_ = 0;
 };
 
-// Flags of a kvtier-store on 127.0.0.1 with a UCX data plane, its data in
-// `scratch` + "-db", no hugepages and a 64 MiB RAM tier, then `extra`.
+// Flags of a kvtier-store on 127.0.0.1 with a data plane (the socket one
+// unless `extra` says --data-plane=ucx), its data in `scratch` + "-db", no
+// hugepages and a 64 MiB RAM tier, then `extra`.
 inline std::vector<std::string> LoopbackStoreArgs(const std::string& scratch,
                                                   std::vector<std::string> extra = {}) {
-  std::vector<std::string> args = {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+  std::vector<std::string> args = {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
                                    "--data-dir=" + scratch + "-db", "--hugepages=false",
                                    "--ram-bytes=64MiB"};
   args.insert(args.end(), extra.begin(), extra.end());
@@ -96,11 +97,13 @@ inline std::vector<std::string> LoopbackStoreArgs(const std::string& scratch,
 }
 
 #ifdef KVTIER_STORE_BIN
-// A kvtier-store of LoopbackStoreArgs in `scratch`, its data plane over UCX
-// TCP (UCX_TLS=tcp for this process too).
-inline std::unique_ptr<ServerProcess> StartLoopbackStore(const std::string& scratch) {
+// A kvtier-store of LoopbackStoreArgs in `scratch` (UCX_TLS=tcp for both
+// processes, for a UCX data plane).
+inline std::unique_ptr<ServerProcess> StartLoopbackStore(const std::string& scratch,
+                                                         std::vector<std::string> extra = {}) {
   setenv("UCX_TLS", "tcp", 1);
-  return std::make_unique<ServerProcess>(KVTIER_STORE_BIN, scratch, LoopbackStoreArgs(scratch));
+  return std::make_unique<ServerProcess>(KVTIER_STORE_BIN, scratch,
+                                         LoopbackStoreArgs(scratch, std::move(extra)));
 }
 #endif
 

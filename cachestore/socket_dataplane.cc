@@ -1,0 +1,215 @@
+#include "cachestore/socket_dataplane.h"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/data_wire.h"
+#include "common/log.h"
+#include "common/socket_io.h"
+#include "common/ucx/calls.h"
+
+namespace kvtier::store {
+
+namespace {
+
+constexpr int kInvalidArgument = 3;
+constexpr int kUnavailable = 14;
+// How long a client may take to send the rest of a frame it began, or to
+// take a reply that is not a transfer's (a transfer has its lease's deadline).
+constexpr auto kFrameTime = std::chrono::seconds(30);
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SocketDataPlane>> SocketDataPlane::Start(const std::string& listen,
+                                                                        size_t max_connections) {
+  std::unique_ptr<SocketDataPlane> d(new SocketDataPlane());
+  auto fd = net::Listen(listen, &d->address_);
+  if (!fd.ok()) {
+    return absl::Status(fd.status().code(),
+                        absl::StrCat("data plane listener: ", fd.status().message()));
+  }
+  d->listen_fd_ = *fd;
+  d->stop_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (d->stop_fd_ < 0) {
+    return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  }
+  d->max_connections_ = max_connections;
+  d->acceptor_ = std::thread([p = d.get()] { p->AcceptLoop(); });
+  return d;
+}
+
+SocketDataPlane::~SocketDataPlane() {
+  if (stop_fd_ >= 0) {
+    const uint64_t one = 1;
+    (void)!write(stop_fd_, &one, sizeof(one));
+  }
+  if (acceptor_.joinable()) acceptor_.join();
+  for (auto& c : conns_) {
+    if (c->thread.joinable()) c->thread.join();
+  }
+  if (listen_fd_ >= 0) close(listen_fd_);
+  if (stop_fd_ >= 0) close(stop_fd_);
+}
+
+void SocketDataPlane::SetHandlers(CallHandler call, GrantFn grant) {
+  std::unique_lock lk(handlers_mu_);
+  call_ = std::move(call);
+  grant_ = std::move(grant);
+}
+
+void SocketDataPlane::Reap() {
+  for (auto it = conns_.begin(); it != conns_.end();) {
+    if ((*it)->done.load()) {
+      (*it)->thread.join();
+      it = conns_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void SocketDataPlane::AcceptLoop() {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    const int n = poll(fds, 2, 1000);
+    if (n < 0 && errno != EINTR) {
+      Log("store", "data plane listener: poll failed: ", std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents & POLLIN) return;
+    Reap();
+    if (n <= 0 || !(fds[0].revents & POLLIN)) continue;
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) continue;  // the peer went already, or out of fds: the next try
+    if (connections_.load() >= max_connections_) {
+      Log("store", "data plane: a connection was refused (", max_connections_, " already open)");
+      close(fd);
+      continue;
+    }
+    const int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    auto c = std::make_unique<Connection>();
+    c->fd = fd;
+    connections_++;
+    Connection* raw = c.get();
+    try {
+      c->thread = std::thread([this, raw] { Serve(raw); });
+    } catch (const std::system_error&) {  // no thread to be had
+      Log("store", "data plane: no thread for a new connection; closed");
+      close(fd);
+      connections_--;
+      continue;
+    }
+    conns_.push_back(std::move(c));
+  }
+}
+
+void SocketDataPlane::Serve(Connection* c) {
+  const int fd = c->fd;
+  auto soon = [] { return net::Clock::now() + kFrameTime; };
+  auto reply = [&](int code, std::string_view message, const void* data, uint64_t data_bytes,
+                   net::Clock::time_point deadline) {
+    wire::Reply r;
+    r.code = code;
+    r.message_bytes = static_cast<uint32_t>(message.size());
+    r.data_bytes = data_bytes;
+    iovec v[3] = {{&r, sizeof(r)},
+                  {const_cast<char*>(message.data()), message.size()},
+                  {const_cast<void*>(data), data_bytes}};
+    return net::WriteAll(fd, v, 3, deadline, stop_fd_);
+  };
+  std::string session(ucx::kSessionBytes, '\0');
+  wire::Frame f;
+  bool open = net::ReadAll(fd, &f, sizeof(f), soon(), stop_fd_).ok();
+  if (open && (f.magic != wire::kFrameMagic || f.op != wire::kHello ||
+               f.length != ucx::kSessionBytes)) {
+    reply(kInvalidArgument, "the first frame on the data plane must be a hello with a session",
+          nullptr, 0, soon())
+        .IgnoreError();
+    open = false;
+  }
+  open = open && net::ReadAll(fd, session.data(), session.size(), soon(), stop_fd_).ok() &&
+         reply(0, {}, nullptr, 0, soon()).ok();
+  std::string request;
+  while (open) {
+    if (!net::WaitReadable(fd, net::Clock::time_point::max(), stop_fd_)) break;
+    if (!net::ReadAll(fd, &f, sizeof(f), soon(), stop_fd_).ok()) break;
+    if (f.magic != wire::kFrameMagic) {
+      reply(kInvalidArgument, "not a kvtier data-plane frame (bad magic)", nullptr, 0, soon())
+          .IgnoreError();
+      break;
+    }
+    if (f.op == wire::kCall) {
+      if (f.length > wire::kMaxMessageBytes) {
+        reply(kInvalidArgument,
+              absl::StrCat("a call of ", f.length, " bytes (at most ", wire::kMaxMessageBytes, ")"),
+              nullptr, 0, soon())
+            .IgnoreError();
+        break;
+      }
+      request.resize(f.length);
+      if (!net::ReadAll(fd, request.data(), request.size(), soon(), stop_fd_).ok()) break;
+      CallReply r;
+      {
+        std::shared_lock lk(handlers_mu_);
+        r = call_ ? call_(f.method, session, request)
+                  : CallReply{kUnavailable, "the store is not taking data-plane calls"};
+      }
+      open = reply(r.code, r.body, nullptr, 0, soon()).ok();
+      continue;
+    }
+    if (f.op != wire::kGet && f.op != wire::kPut) {
+      reply(kInvalidArgument, absl::StrCat("unknown data-plane op ", f.op), nullptr, 0, soon())
+          .IgnoreError();
+      break;
+    }
+    const bool is_put = f.op == wire::kPut;
+    if (f.length == 0 || f.length > wire::kMaxTransferBytes) {
+      reply(kInvalidArgument,
+            absl::StrCat("a transfer of ", f.length, " bytes (1..", wire::kMaxTransferBytes, ")"),
+            nullptr, 0, soon())
+          .IgnoreError();
+      if (is_put) break;  // its bytes cannot be told from the next frame
+      continue;
+    }
+    absl::StatusOr<Grant> g;
+    {
+      std::shared_lock lk(handlers_mu_);
+      g = grant_ ? grant_(session, is_put, f.lease, f.addr, f.length)
+                 : absl::UnavailableError("the store is not taking data-plane transfers");
+    }
+    if (!g.ok()) {
+      open = reply(static_cast<int>(g.status().code()), std::string(g.status().message()),
+                   nullptr, 0, soon())
+                 .ok() &&
+             (!is_put || net::Discard(fd, f.length, soon(), stop_fd_).ok());
+      continue;
+    }
+    if (is_put) {
+      // Straight into the reserved slot; a client that stops sending before
+      // the lease's deadline loses the connection (the slot stays its own).
+      open = net::ReadAll(fd, g->at, f.length, g->deadline, stop_fd_).ok() &&
+             reply(0, {}, nullptr, 0, soon()).ok();
+    } else {
+      // Straight from the pinned slot; the hold keeps it pinned until the
+      // socket has taken the last byte, or the lease's deadline.
+      open = reply(0, {}, g->at, f.length, g->deadline).ok();
+    }
+  }
+  close(fd);
+  connections_--;
+  c->done.store(true);
+}
+
+}  // namespace kvtier::store

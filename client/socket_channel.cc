@@ -1,0 +1,293 @@
+// SocketChannel (socket_channel.h, which states its guarantees).
+#include "client/socket_channel.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/socket_io.h"
+
+namespace kvtier {
+
+namespace {
+
+constexpr size_t kMaxIov = 64;
+
+absl::Status StoreStatus(int code, const std::string& message) {
+  const bool known = code > 0 && code <= 16;
+  return absl::Status(known ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown,
+                      message);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SocketChannel>> SocketChannel::Connect(const std::string& host,
+                                                                      int port,
+                                                                      const std::string& session,
+                                                                      Clock::time_point deadline) {
+  auto fd = net::Connect(host, port, deadline);
+  if (!fd.ok()) return fd.status();
+  std::unique_ptr<SocketChannel> c(new SocketChannel(*fd));
+  wire::Frame hello;
+  hello.op = wire::kHello;
+  hello.length = session.size();
+  iovec v[2] = {{&hello, sizeof(hello)}, {const_cast<char*>(session.data()), session.size()}};
+  if (auto s = net::WriteAll(*fd, v, 2, deadline); !s.ok()) return s;
+  wire::Reply r;
+  if (auto s = net::ReadAll(*fd, &r, sizeof(r), deadline); !s.ok()) return s;
+  if (r.magic != wire::kReplyMagic || r.message_bytes > 4096 || r.data_bytes != 0) {
+    return absl::UnavailableError("the store's data plane answered in another protocol");
+  }
+  std::string message(r.message_bytes, '\0');
+  if (auto s = net::ReadAll(*fd, message.data(), message.size(), deadline); !s.ok()) return s;
+  if (r.code != 0) return StoreStatus(r.code, message);
+  return c;
+}
+
+SocketChannel::~SocketChannel() {
+  if (fd_ >= 0) close(fd_);
+}
+
+uint64_t SocketChannel::Post(Op op) {
+  op.seq = next_seq_++;
+  ops_.push_back(std::move(op));
+  return ops_.back().seq;
+}
+
+uint64_t SocketChannel::PostGet(void* dest, uint64_t length, uint64_t addr, uint64_t lease) {
+  Op op;
+  op.frame.op = wire::kGet;
+  op.frame.lease = lease;
+  op.frame.addr = addr;
+  op.frame.length = length;
+  op.dest = static_cast<uint8_t*>(dest);
+  return Post(std::move(op));
+}
+
+uint64_t SocketChannel::PostPut(const void* src, uint64_t length, uint64_t addr, uint64_t lease) {
+  Op op;
+  op.frame.op = wire::kPut;
+  op.frame.lease = lease;
+  op.frame.addr = addr;
+  op.frame.length = length;
+  op.src = static_cast<const uint8_t*>(src);
+  return Post(std::move(op));
+}
+
+uint64_t SocketChannel::PostMark() {
+  Op op;
+  op.mark = true;
+  return Post(std::move(op));
+}
+
+absl::Status SocketChannel::Fail(absl::Status s) {
+  if (failure_.ok()) failure_ = std::move(s);
+  // Nothing more moves: every op still queued has failed with it.
+  if (!ops_.empty()) done_seq_ = ops_.back().seq;
+  ops_.clear();
+  unsent_ = 0;
+  if (fd_ >= 0) {
+    close(fd_);
+    fd_ = -1;
+  }
+  return failure_;
+}
+
+absl::Status SocketChannel::HandleReadable() {
+  for (;;) {
+    // Marks complete once they reach the front.
+    while (!ops_.empty() && ops_.front().mark) {
+      done_seq_ = ops_.front().seq;
+      ops_.pop_front();
+      if (unsent_ > 0) unsent_--;
+    }
+    if (ops_.empty()) {
+      // Nothing is owed: bytes now are an answer to no request.
+      char c;
+      const ssize_t r = recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (r > 0) {
+        return Fail(absl::InternalError("the store's data plane answered a request never made"));
+      }
+      if (r == 0) return Fail(absl::UnavailableError("the store closed the data-plane connection"));
+      return absl::OkStatus();
+    }
+    Op& op = ops_.front();
+    const uint64_t head = sizeof(reply_);
+    void* to;
+    uint64_t want;
+    if (reply_got_ < head) {
+      to = reinterpret_cast<uint8_t*>(&reply_) + reply_got_;
+      want = head - reply_got_;
+    } else if (reply_got_ < head + reply_.message_bytes) {
+      to = message_.data() + (reply_got_ - head);
+      want = head + reply_.message_bytes - reply_got_;
+    } else {
+      const uint64_t at = reply_got_ - head - reply_.message_bytes;
+      to = op.dest + at;
+      want = reply_.data_bytes - at;
+    }
+    if (want > 0) {
+      const ssize_t r = recv(fd_, to, want, 0);
+      if (r == 0) return Fail(absl::UnavailableError("the store closed the data-plane connection"));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
+        return Fail(absl::UnavailableError(
+            absl::StrCat("the store's data-plane connection failed: ", std::strerror(errno))));
+      }
+      const uint64_t before = reply_got_;
+      reply_got_ += static_cast<uint64_t>(r);
+      if (before < head && reply_got_ >= head) {
+        // The header is in: check it before reading what it announces.
+        const bool bad_data = op.frame.op == wire::kGet
+                                  ? reply_.data_bytes != (reply_.code == 0 ? op.frame.length : 0)
+                                  : reply_.data_bytes != 0;
+        if (reply_.magic != wire::kReplyMagic || reply_.message_bytes > wire::kMaxMessageBytes ||
+            bad_data) {
+          return Fail(absl::InternalError(
+              "the store's data plane answered with a reply this client cannot use"));
+        }
+        message_.assign(reply_.message_bytes, '\0');
+        // Bytes past the header in this read belong to the message: none,
+        // since the read asked for the header only.
+      }
+      if (reply_got_ < head + reply_.message_bytes + reply_.data_bytes || reply_got_ < head) {
+        continue;
+      }
+    }
+    // The whole answer is in.
+    if (op.frame.op == wire::kCall) {
+      call_seq_ = op.seq;
+      call_status_ = reply_.code == 0 ? absl::OkStatus() : StoreStatus(reply_.code, message_);
+      call_reply_ = std::move(message_);
+    } else if (reply_.code != 0 && first_error_.ok()) {
+      first_error_ = StoreStatus(reply_.code, message_);
+    }
+    done_seq_ = op.seq;
+    ops_.pop_front();
+    if (unsent_ > 0) unsent_--;
+    reply_got_ = 0;
+    reply_ = wire::Reply{};
+    message_.clear();
+    if (ops_.empty()) return absl::OkStatus();
+  }
+}
+
+absl::Status SocketChannel::Step(Clock::time_point deadline) {
+  if (!failure_.ok()) return failure_;
+  // Skip marks among the unsent: they do not travel.
+  while (unsent_ < ops_.size() && ops_[unsent_].mark) unsent_++;
+  const bool to_send = unsent_ < ops_.size();
+  pollfd p{fd_, static_cast<short>(POLLIN | (to_send ? POLLOUT : 0)), 0};
+  const auto left = deadline - Clock::now();
+  if (left <= Clock::duration::zero()) {
+    return absl::DeadlineExceededError("the store's data plane did not answer in time");
+  }
+  const int n = poll(&p, 1,
+                     static_cast<int>(std::min<int64_t>(
+                         std::chrono::ceil<std::chrono::milliseconds>(left).count(), 1 << 30)));
+  if (n < 0) {
+    if (errno == EINTR) return absl::OkStatus();
+    return Fail(absl::UnavailableError(absl::StrCat("poll: ", std::strerror(errno))));
+  }
+  if (n == 0) return absl::OkStatus();
+  if (p.revents & POLLOUT) {
+    // As many queued frames and payloads as one sendmsg takes.
+    iovec iov[kMaxIov];
+    size_t k = 0;
+    for (size_t i = unsent_; i < ops_.size() && k + 2 <= kMaxIov; ++i) {
+      Op& op = ops_[i];
+      if (op.mark) continue;
+      const uint64_t payload =
+          op.frame.op == wire::kPut || op.frame.op == wire::kCall ? op.frame.length : 0;
+      const uint64_t frame = sizeof(op.frame);
+      if (op.sent < frame) {
+        iov[k++] = {reinterpret_cast<uint8_t*>(&op.frame) + op.sent, frame - op.sent};
+      }
+      if (payload > 0) {
+        const uint64_t off = op.sent > frame ? op.sent - frame : 0;
+        iov[k++] = {const_cast<uint8_t*>(op.src) + off, payload - off};
+      }
+    }
+    msghdr m{};
+    m.msg_iov = iov;
+    m.msg_iovlen = k;
+    const ssize_t w = k > 0 ? sendmsg(fd_, &m, MSG_NOSIGNAL | MSG_DONTWAIT) : 0;
+    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      return Fail(absl::UnavailableError(
+          absl::StrCat("the store's data-plane connection failed: ", std::strerror(errno))));
+    }
+    uint64_t wrote = w > 0 ? static_cast<uint64_t>(w) : 0;
+    for (size_t i = unsent_; i < ops_.size() && wrote > 0; ++i) {
+      Op& op = ops_[i];
+      if (op.mark) continue;
+      const uint64_t payload =
+          op.frame.op == wire::kPut || op.frame.op == wire::kCall ? op.frame.length : 0;
+      const uint64_t take = std::min(wrote, sizeof(op.frame) + payload - op.sent);
+      op.sent += take;
+      wrote -= take;
+    }
+    while (unsent_ < ops_.size() &&
+           (ops_[unsent_].mark ||
+            ops_[unsent_].sent ==
+                sizeof(wire::Frame) + (ops_[unsent_].frame.op == wire::kPut ||
+                                               ops_[unsent_].frame.op == wire::kCall
+                                           ? ops_[unsent_].frame.length
+                                           : 0))) {
+      unsent_++;
+    }
+  }
+  if (p.revents & (POLLIN | POLLHUP | POLLERR)) return HandleReadable();
+  return absl::OkStatus();
+}
+
+absl::Status SocketChannel::Wait(uint64_t seq, Clock::time_point deadline) {
+  while (done_seq_ < seq && failure_.ok()) {
+    while (!ops_.empty() && ops_.front().mark) {
+      done_seq_ = ops_.front().seq;
+      ops_.pop_front();
+      if (unsent_ > 0) unsent_--;
+    }
+    if (done_seq_ >= seq) break;
+    if (absl::Status s = Step(deadline); !s.ok()) {
+      if (s.code() == absl::StatusCode::kDeadlineExceeded) return Fail(s);
+      return s;
+    }
+  }
+  if (!failure_.ok()) return failure_;
+  absl::Status s = std::move(first_error_);
+  first_error_ = absl::OkStatus();
+  return s;
+}
+
+absl::StatusOr<std::string> SocketChannel::Call(uint16_t method, const std::string& request,
+                                                Clock::time_point deadline) {
+  if (request.size() > wire::kMaxMessageBytes) {
+    return absl::InvalidArgumentError("a data-plane call over 64 MiB");
+  }
+  Op op;
+  op.frame.op = wire::kCall;
+  op.frame.method = method;
+  op.frame.length = request.size();
+  op.src = reinterpret_cast<const uint8_t*>(request.data());
+  const uint64_t seq = Post(std::move(op));
+  // Transfers' errors stay for their own Wait.
+  absl::Status transfers = std::move(first_error_);
+  first_error_ = absl::OkStatus();
+  absl::Status s = Wait(seq, deadline);
+  if (failed()) return failure_;  // a missed deadline fails the connection too
+  // What Wait returned is a transfer's error, met meanwhile: it stays theirs.
+  first_error_ = transfers.ok() ? s : transfers;
+  if (call_seq_ != seq) return absl::InternalError("a data-plane call's answer went missing");
+  if (!call_status_.ok()) return call_status_;
+  return std::move(call_reply_);
+}
+
+}  // namespace kvtier

@@ -1,0 +1,310 @@
+// An attacker with a tenant's own credentials against a real store process
+// (two tenants, the default socket data plane) on 127.0.0.1: it tries to
+// read and write store memory outside any lease it holds (the other
+// tenant's blocks, the arena past its leases, the store's heap, an unmapped
+// address), with UCX directly (rkeys it fabricates, on every port the store
+// listens on) and with hand-made data-plane frames (other leases, other
+// kinds, other lengths, forged sessions, garbage, a client gone
+// mid-transfer). Every attempt must fail with a clear status, the other
+// tenant's blocks must read back byte-exact, and the store must keep
+// serving. Run with UCX_TLS=tcp and UCX_TLS=all (docs/security.md).
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "cachestore/tenants.h"
+#include "client/socket_channel.h"
+#include "client/store_client.h"
+#include "client/store_data_client.h"
+#include "common/rpc/proto_convert.h"
+#include "common/data_wire.h"
+#include "common/socket_io.h"
+#include "common/ucx/ucx.h"
+#include "kvtier/v1/store.grpc.pb.h"
+#include "tests/test_util.h"
+
+namespace kvtier {
+namespace {
+
+using testing::ServerProcess;
+using Clock = std::chrono::steady_clock;
+
+NamespaceSpec Spec() { return NamespaceSpec{"adversary-model", "bf16", 1, 1, 128, 512, 0, 1, "", "", ""}; }
+constexpr uint64_t kBlock = 256 << 10;
+BlockHash H(uint64_t i) { return BlockHash{0xADD + i, i}; }
+
+constexpr char kAlphaToken[] = "alpha-token-0123456789";
+constexpr char kBetaToken[] = "beta-token-9876543210";
+constexpr char kAdminToken[] = "admin-token-for-adversary-test";
+
+Clock::time_point Soon() { return Clock::now() + std::chrono::seconds(5); }
+
+// The first address of the store's [heap] mapping (0 if it has none).
+uint64_t HeapOf(pid_t pid) {
+  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    if (line.find("[heap]") != std::string::npos) return std::stoull(line, nullptr, 16);
+  }
+  return 0;
+}
+
+// A raw data-plane connection: frames as the attacker writes them.
+class RawConn {
+ public:
+  RawConn(int port, const std::string& session) {
+    auto fd = net::Connect("127.0.0.1", port, Soon());
+    EXPECT_TRUE(fd.ok()) << fd.status();
+    fd_ = fd.ok() ? *fd : -1;
+    if (!session.empty()) hello_ = Send(wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, session.size()}, session);
+  }
+  ~RawConn() {
+    if (fd_ >= 0) close(fd_);
+  }
+  // Sends a frame (and payload) and reads its reply: the code, the text
+  // (data bytes, if any, go to *data).
+  std::pair<int, std::string> Send(const wire::Frame& f, const std::string& payload = "",
+                                   std::string* data = nullptr) {
+    iovec v[2] = {{const_cast<wire::Frame*>(&f), sizeof(f)},
+                  {const_cast<char*>(payload.data()), payload.size()}};
+    if (!net::WriteAll(fd_, v, 2, Soon()).ok()) return {-1, "write failed"};
+    wire::Reply r;
+    if (!net::ReadAll(fd_, &r, sizeof(r), Soon()).ok()) return {-1, "closed"};
+    std::string text(r.message_bytes, '\0');
+    if (!net::ReadAll(fd_, text.data(), text.size(), Soon()).ok()) return {-1, "closed"};
+    std::string bytes(r.data_bytes, '\0');
+    if (!net::ReadAll(fd_, bytes.data(), bytes.size(), Soon()).ok()) return {-1, "closed"};
+    if (data) *data = std::move(bytes);
+    return {r.code, text};
+  }
+  std::pair<int, std::string> Get(uint64_t lease, uint64_t addr, uint64_t length,
+                                  std::string* data = nullptr) {
+    return Send(wire::Frame{wire::kFrameMagic, wire::kGet, 0, lease, addr, length}, "", data);
+  }
+  std::pair<int, std::string> Put(uint64_t lease, uint64_t addr, uint64_t length) {
+    return Send(wire::Frame{wire::kFrameMagic, wire::kPut, 0, lease, addr, length},
+                std::string(length, '\x66'));
+  }
+  int fd() const { return fd_; }
+  std::pair<int, std::string> hello_;
+
+ private:
+  int fd_ = -1;
+};
+
+class Adversary : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    setenv("UCX_TLS", GetParam().c_str(), 1);
+    {
+      std::ofstream f(dir_.sub("tenants"));
+      f << "secret adversary-test\n"
+        << "tenant alpha ram=16MiB token-sha256=" << store::Sha256Hex(kAlphaToken) << "\n"
+        << "tenant beta ram=16MiB token-sha256=" << store::Sha256Hex(kBetaToken) << "\n";
+      std::ofstream a(dir_.sub("admin"));
+      a << kAdminToken << "\n";
+    }
+    store_ = std::make_unique<ServerProcess>(
+        KVTIER_STORE_BIN, dir_.sub("store"),
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
+                                 "--data-dir=" + dir_.sub("db"), "--hugepages=false",
+                                 "--ram-bytes=40MiB", "--lease-ms=3s",
+                                 "--tenants-file=" + dir_.sub("tenants"),
+                                 "--admin-token-file=" + dir_.sub("admin")});
+    ASSERT_GT(store_->port(), 0) << store_->Log();
+  }
+  std::unique_ptr<StoreDataClient> Data(const std::string& token) {
+    DataClientOptions o;
+    o.tenant_token = token;
+    return std::make_unique<StoreDataClient>(store_->address(), o);
+  }
+  v1::ConnectDataPlaneResponse Connect(const std::string& token) {
+    auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.AddMetadata("x-kvtier-tenant-token", token);
+    v1::ConnectDataPlaneResponse resp;
+    EXPECT_TRUE(stub->ConnectDataPlane(&ctx, {}, &resp).ok());
+    return resp;
+  }
+  // Beta's blocks, all 8 byte-exact and verified by checksum.
+  void ExpectBetaIntact(StoreDataClient& beta, uint64_t ns) {
+    std::vector<uint8_t> dst(8 * kBlock);
+    std::vector<GetBlock> blocks;
+    for (uint64_t i = 0; i < 8; ++i) blocks.push_back({H(i), dst.data() + i * kBlock});
+    auto r = beta.Get(ns, kBlock, blocks).get();
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->blocks, 8u);
+    for (uint64_t i = 0; i < 8; ++i) {
+      EXPECT_EQ(std::memcmp(dst.data() + i * kBlock,
+                            testing::BlockBytesFor(500 + i, kBlock).data(), kBlock),
+                0)
+          << "beta's block " << i;
+    }
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<ServerProcess> store_;
+};
+
+TEST_P(Adversary, NoClientAddressesTheStoresMemory) {
+  // Beta stores 8 blocks and pins them: their addresses and its lease are
+  // what an attacker would most want (assume both leaked).
+  auto beta = Data(kBetaToken);
+  auto ns_b = beta->control().RegisterNamespace(Spec());
+  ASSERT_TRUE(ns_b.ok()) << ns_b.status();
+  std::vector<std::string> keep;
+  std::vector<PutBlock> put;
+  for (uint64_t i = 0; i < 8; ++i) {
+    keep.push_back(testing::BlockBytesFor(500 + i, kBlock));
+    put.push_back({H(i), keep.back().data()});
+  }
+  auto wrote = beta->Put(ns_b->id, kBlock, put).get();
+  ASSERT_TRUE(wrote.ok()) << wrote.status();
+  ASSERT_EQ(wrote->written, 8u);
+  std::vector<BlockHash> chain;
+  for (uint64_t i = 0; i < 8; ++i) chain.push_back(H(i));
+  auto pinned = beta->Pin(ns_b->id, kBlock, chain);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  ASSERT_EQ(pinned->sources.size(), 8u);
+  const uint64_t beta_lease = pinned->lease, beta_addr = pinned->sources[0].remote_addr;
+
+  // Alpha's data plane: a socket address and a session, no UCX at all.
+  v1::ConnectDataPlaneResponse a = Connect(kAlphaToken);
+  EXPECT_EQ(a.ucx_address(), "");
+  EXPECT_EQ(a.worker_address(), "");
+  ASSERT_EQ(a.regions_size(), 1);
+  EXPECT_EQ(a.regions(0).packed_rkey(), "");
+  ASSERT_NE(a.data_address(), "");
+  const int data_port = std::stoi(a.data_address().substr(a.data_address().rfind(':') + 1));
+  const uint64_t heap = HeapOf(store_->proc().pid());
+  ASSERT_NE(heap, 0u);
+  const uint64_t region_end = a.regions(0).base_addr() + a.regions(0).length();
+  // Beta's block, the first byte past alpha's region, the heap, an
+  // unmapped page, the top of the address space.
+  const std::vector<uint64_t> targets = {beta_addr, region_end, heap, 0x10, ~uint64_t{0} - 8};
+
+  // 1. UCX directly, on every port the store listens on, with a key it
+  // makes up (the ten bytes UCX packs for any TCP region).
+  {
+    auto ctx = ucx::Context::Create();
+    ASSERT_TRUE(ctx.ok());
+    auto worker = ucx::Worker::Create(*ctx, false);
+    ASSERT_TRUE(worker.ok());
+    const std::string fabricated("\x01\0\0\0\0\0\0\0\0\0", 10);
+    for (int port : {data_port, store_->port()}) {
+      auto ep = ucx::Endpoint::Connect(worker->get(), "127.0.0.1", port);
+      if (!ep.ok()) continue;  // refused: nothing to attack with
+      auto rkey = (*ep)->Unpack(fabricated);
+      if (!rkey.ok()) continue;
+      for (uint64_t addr : targets) {
+        std::vector<uint8_t> got(64, 0x5A);
+        ucp_request_param_t p{};
+        std::vector<void*> reqs = {
+            ucp_get_nbx((*ep)->get(), got.data(), got.size(), addr, (*rkey)->get(), &p)};
+        absl::Status s = (*worker)->WaitAll(reqs, Clock::now() + std::chrono::seconds(2));
+        EXPECT_EQ(std::count(got.begin(), got.end(), 0x5A), 64) << "UCX read at " << addr;
+        EXPECT_FALSE(s.ok()) << "a UCX get at " << addr << " on port " << port;
+        std::vector<uint8_t> junk(64, 0x66);
+        reqs = {ucp_put_nbx((*ep)->get(), junk.data(), junk.size(), addr, (*rkey)->get(), &p)};
+        (void)(*worker)->WaitAll(reqs, Clock::now() + std::chrono::seconds(2));
+        if ((*ep)->failed()) break;
+      }
+      (*ep)->MarkFailed();
+    }
+  }
+
+  // 2. The socket data plane, with alpha's own session and a put lease of
+  // its own (2 slots in its region).
+  auto alpha = Data(kAlphaToken);
+  auto ns_a = alpha->control().RegisterNamespace(Spec());
+  ASSERT_TRUE(ns_a.ok());
+  v1::BeginPutResponse mine;
+  {
+    auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-kvtier-tenant-token", kAlphaToken);
+    v1::BeginPutRequest req;
+    req.set_namespace_id(ns_a->id);
+    for (uint64_t i = 0; i < 2; ++i) ToProto(H(100 + i), req.add_hashes());
+    ASSERT_TRUE(stub->BeginPut(&ctx, req, &mine).ok());
+    ASSERT_EQ(mine.targets_size(), 2);
+  }
+  const uint64_t slot = mine.targets(0).remote_addr();
+  RawConn c(data_port, a.session());
+  ASSERT_EQ(c.hello_.first, 0) << c.hello_.second;
+  // Another tenant's lease reads as unknown; its blocks are in no slot of ours.
+  EXPECT_EQ(c.Get(beta_lease, beta_addr, kBlock).first, 9) << "beta's lease";
+  EXPECT_EQ(c.Put(beta_lease, beta_addr, kBlock).first, 9);
+  EXPECT_EQ(c.Get(mine.lease_id(), beta_addr, kBlock).first, 3) << "a put lease read";
+  for (uint64_t addr : targets) {
+    auto r = c.Put(mine.lease_id(), addr, 64);
+    EXPECT_EQ(r.first, 3) << addr << ": " << r.second;
+    EXPECT_NE(r.second.find("not inside a slot"), std::string::npos) << r.second;
+  }
+  // The arena past its slots, a slot's neighbour, one byte too many.
+  EXPECT_EQ(c.Put(mine.lease_id(), slot + kBlock * 4, kBlock).first, 3);
+  EXPECT_EQ(c.Put(mine.lease_id(), slot, kBlock + 1).first, 3);
+  EXPECT_EQ(c.Put(mine.lease_id(), slot - 1, 2).first, 3);
+  EXPECT_EQ(c.Get(12345, heap, 8).first, 9) << "a lease nobody holds";
+  // Its own slot, whole: allowed (the connection went on serving).
+  EXPECT_EQ(c.Put(mine.lease_id(), slot, kBlock).first, 0);
+  // A forged session is refused; so are garbage, an unknown op, a huge
+  // length (then the connection closes), and a client gone mid-get.
+  {
+    RawConn forged(data_port, std::string(16, 'x'));
+    EXPECT_EQ(forged.Get(beta_lease, beta_addr, kBlock).first, 16);
+    EXPECT_EQ(forged.Put(mine.lease_id(), slot, kBlock).first, 16);
+  }
+  {
+    RawConn g(data_port, a.session());
+    EXPECT_EQ(g.Send(wire::Frame{0xdeadbeef, wire::kGet, 0, 1, heap, 8}).first, 3);
+  }
+  {
+    RawConn g(data_port, a.session());
+    EXPECT_EQ(g.Send(wire::Frame{wire::kFrameMagic, 99, 0, 1, heap, 8}).first, 3);
+  }
+  {
+    RawConn g(data_port, a.session());
+    EXPECT_EQ(g.Send(wire::Frame{wire::kFrameMagic, wire::kPut, 0, mine.lease_id(), slot,
+                                 uint64_t{1} << 40}).first,
+              3);
+  }
+  {
+    RawConn g(data_port, "");  // no hello: the first frame must be one
+    EXPECT_EQ(g.Get(beta_lease, beta_addr, kBlock).first, 3);
+  }
+  {
+    // Beta's own reader, killed mid-get: it asks for its pinned blocks and
+    // goes without reading them.
+    v1::ConnectDataPlaneResponse b = Connect(kBetaToken);
+    RawConn g(data_port, b.session());
+    for (const auto& src : pinned->sources) {
+      wire::Frame f{wire::kFrameMagic, wire::kGet, 0, beta_lease, src.remote_addr, kBlock};
+      ASSERT_TRUE(net::WriteAll(g.fd(), &f, sizeof(f), Soon()).ok());
+    }
+    shutdown(g.fd(), SHUT_RDWR);
+  }
+  // An expired lease moves nothing.
+  std::this_thread::sleep_for(std::chrono::milliseconds(3300));
+  EXPECT_EQ(c.Put(mine.lease_id(), slot, kBlock).first, 9) << "an expired lease";
+
+  // 3. The store kept serving, beta's blocks are whole, alpha can still work.
+  beta->Release(beta_lease);
+  ExpectBetaIntact(*beta, ns_b->id);
+  auto stats = beta->control().GetStats();
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  int st = 0;
+  EXPECT_EQ(waitpid(store_->proc().pid(), &st, WNOHANG), 0) << "the store exited";
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, Adversary, ::testing::Values("tcp", "all"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace kvtier

@@ -8,7 +8,7 @@ SECS="${1:-20}"
 command -v clang++ >/dev/null || { echo "fuzz: clang++ not installed"; exit 1; }
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVTIER_ENABLE_CUDA=OFF \
   -DKVTIER_FUZZ=ON -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ >/dev/null
-targets="fuzz_trace_line fuzz_config fuzz_record fuzz_store_requests fuzz_vllm_events"
+targets="fuzz_trace_line fuzz_config fuzz_record fuzz_store_requests fuzz_vllm_events fuzz_data_plane"
 cmake --build build-fuzz --target $targets
 failed=0
 for t in $targets; do

@@ -134,7 +134,7 @@ class Chaos {
       stores += (s ? "," : "") + h.ip + ":7400";
       store_.push_back(std::make_unique<Server>(
           ip_path, h, DefaultBinary("cachestore", "kvtier-store"),
-          std::vector<std::string>{"--listen=" + h.ip + ":7400", "--ucx-listen=" + h.ip + ":7401",
+          std::vector<std::string>{"--listen=" + h.ip + ":7400", "--data-listen=" + h.ip + ":7401",
                                    absl::StrCat("--data-dir=", scratch, "/db", s),
                                    "--ram-bytes=64MiB", "--disk-bytes=1GiB", "--hugepages=false",
                                    "--router=" + net_.at("router").ip + ":7500",

@@ -165,7 +165,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     auto s = LocalServer::Start(
         DefaultBinary("cachestore", "kvtier-store"), scratch + "-store",
         {"--data-dir=" + scratch + "-db", absl::StrCat("--ram-bytes=", o.ram_bytes),
-         absl::StrCat("--disk-bytes=", o.disk_bytes), "--ucx-listen=127.0.0.1:0",
+         absl::StrCat("--disk-bytes=", o.disk_bytes), "--data-listen=127.0.0.1:0",
          "--hugepages=false", absl::StrCat("--demote-queue-bytes=", 256 << 20)});
     if (!s.ok()) return s.status();
     store = std::move(*s);

@@ -167,7 +167,7 @@ absl::StatusOr<LatencyCase> MeasureLatency(const std::string& store, uint64_t si
 
 int RunWorkerBench(int argc, const char* const* argv) {
   uint64_t working_set = 256ull << 20;
-  std::string sizes_flag = "1MiB,4MiB", store_bin;
+  std::string sizes_flag = "1MiB,4MiB", store_bin, data_plane = "socket";
   std::string latency_sizes_flag = "64KiB,1MiB", latency_blocks_flag = "4,16,64";
   int64_t reps = 30, layerwise_layers = 32, latency_layers = 8;
   bool json = false, quick = false, store_hugepages = false;
@@ -183,6 +183,8 @@ int RunWorkerBench(int argc, const char* const* argv) {
   flags.Int("layerwise-layers", &layerwise_layers, 2, 1024,
             "Layers of the layer-wise case (64 blocks of the largest latency size)");
   flags.Bool("quick", &quick, "A reduced run (32 MiB, 1 MiB blocks; fewer latency cases)");
+  flags.Choice("data-plane", &data_plane, {"socket", "ucx"},
+               "The store's --data-plane (run both to compare them on the same machine)");
   flags.Bool("store-hugepages", &store_hugepages,
              "Run the store with --hugepages (its arena in 2 MiB pages where the host has them "
              "reserved: /proc/sys/vm/nr_hugepages)");
@@ -226,7 +228,8 @@ int RunWorkerBench(int argc, const char* const* argv) {
       store_bin, dir.sub("store"),
       {"--data-dir=" + dir.sub("store"), absl::StrCat("--ram-bytes=", (2 * sizes.size() + 1) * working_set + 64 * max_size + 2 * latency_bytes),
        absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
-       "--ucx-listen=127.0.0.1:0", absl::StrCat("--hugepages=", store_hugepages ? "true" : "false")});
+       "--data-listen=127.0.0.1:0", "--data-plane=" + data_plane,
+       absl::StrCat("--hugepages=", store_hugepages ? "true" : "false")});
   if (!store.ok()) {
     std::fprintf(stderr, "kvtier-bench worker: %s\n", std::string(store.status().message()).c_str());
     return 1;
@@ -413,11 +416,13 @@ int RunWorkerBench(int argc, const char* const* argv) {
                             {"scatter_ratio_vs_memcpy", c.scatter_gbps / c.memcpy_gbps}});
     }
     j["gpu"] = gpu ? "present" : "none: CUDA gather/scatter not measured";
+    j["data_plane"] = data_plane;
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  std::printf("kvtier-bench worker: %s per case through a kvtier-store on loopback\n\n",
-              FormatBytes(working_set).c_str());
+  std::printf("kvtier-bench worker: %s per case through a kvtier-store on loopback "
+              "(--data-plane %s)\n\n",
+              FormatBytes(working_set).c_str(), data_plane.c_str());
   std::printf("%9s | %8s %8s %8s | %8s %8s %8s | %8s %8s %8s %6s %6s\n", "block", "offload",
               "put", "overhd", "onboard", "get", "overhd", "gather", "scatter", "memcpy", "g/m",
               "s/m");

@@ -252,7 +252,7 @@ int main(int argc, char** argv) {
     }
   }
   if (f.check_config) {
-    std::printf("kvtier-store configuration OK: listen=%s ucx-listen=%s metrics-listen=%s data-dir=%s "
+    std::printf("kvtier-store configuration OK: listen=%s data-listen=%s metrics-listen=%s data-dir=%s "
                 "ram-bytes=%lu disk-bytes=%lu ram-slab-bytes=%lu ram-policy=%s disk-policy=%s "
                 "lease-ms=%lu routers=%zu tls=%s\n",
                 f.listen.c_str(), f.data_listen.c_str(), f.metrics_listen.c_str(), f.data_dir.c_str(),

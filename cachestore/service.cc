@@ -675,8 +675,8 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
   }
   if (!dataplane_) {
     return t.Done(grpc::Status(grpc::FAILED_PRECONDITION,
-                               "this store has no UCX data plane (start kvtier-store with "
-                               "--ucx-listen HOST:PORT); use PutBlocks/GetBlocks instead"));
+                               "this store has no data plane (start kvtier-store with "
+                               "--data-listen HOST:PORT); use PutBlocks/GetBlocks instead"));
   }
   Caller caller;
   if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);

@@ -174,6 +174,7 @@ absl::Status DataPlaneConnection::EnsureConnected(
     auto ch = SocketChannel::Connect(host, port, resp.session(), ucx::Clock::now() + left);
     if (!ch.ok()) return fail(ch.status());
     sock_ = std::move(*ch);
+    sock_generation_++;
     instance_ = resp.instance_id();
     session_ = resp.session();
     backoff_ms_ = options_.backoff_min_ms;
@@ -245,8 +246,22 @@ ucp_request_param_t DataPlaneConnection::ParamsFor(const void* p, size_t n) cons
   return params;
 }
 
-// A socket channel's operation number, as a request handle.
-static void* AsRequest(uint64_t seq) { return reinterpret_cast<void*>(static_cast<uintptr_t>(seq)); }
+// A socket channel's operation number as a request handle: odd (UCX's
+// requests are aligned pointers), below UCX's error pointers, and naming the
+// channel it was posted on (a handle of a channel since dropped reads as
+// failed, never as an operation of a newer one).
+namespace {
+constexpr int kSeqBits = 40;
+bool IsSocketRequest(void* r) {
+  const auto v = reinterpret_cast<uintptr_t>(r);
+  return r != nullptr && !UCS_PTR_IS_ERR(r) && (v & 1) != 0;
+}
+}  // namespace
+
+void* DataPlaneConnection::AsRequest(uint64_t seq) const {
+  const uint64_t v = ((sock_generation_ & 0x3fffff) << kSeqBits | seq) << 1 | 1;
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(v));
+}
 
 void* DataPlaneConnection::PostPut(const void* src, size_t length, uint64_t remote_addr,
                                    uint64_t lease) {
@@ -290,21 +305,29 @@ void* DataPlaneConnection::PostFlush() {
 
 absl::Status DataPlaneConnection::Wait(std::vector<void*>& requests,
                                        ucx::Clock::time_point deadline) {
-  if (sock_ || (mapping_ && !ep_)) {
-    // Operation numbers (in order: the last one waited for covers the
-    // rest), or the mapped arena's copies (done; an error for an address
-    // outside the arena).
+  if (sock_ || (mapping_ && !ep_) ||
+      std::any_of(requests.begin(), requests.end(), IsSocketRequest)) {
+    // Socket operations (in order: the last one waited for covers the
+    // rest), or the mapped arena's copies (done; an error pointer for an
+    // address outside the arena).
     uint64_t last = 0;
+    bool stale = false;
     absl::Status s = absl::OkStatus();
     for (void*& r : requests) {
       if (r != nullptr && UCS_PTR_IS_ERR(r)) {
         if (s.ok()) s = absl::InternalError("the store answered an address outside its arena");
-      } else if (r != nullptr) {
-        last = std::max<uint64_t>(last, reinterpret_cast<uintptr_t>(r));
+      } else if (IsSocketRequest(r)) {
+        const uint64_t v = reinterpret_cast<uintptr_t>(r) >> 1;
+        stale |= !sock_ || (v >> kSeqBits) != (sock_generation_ & 0x3fffff);
+        last = std::max<uint64_t>(last, v & ((uint64_t{1} << kSeqBits) - 1));
       }
       r = nullptr;
     }
-    if (last > 0 && sock_) {
+    if (stale && s.ok()) {
+      // Posted on a connection a failure has closed since: failed with it.
+      s = absl::UnavailableError("the store's data-plane connection failed");
+    }
+    if (last > 0 && sock_ && !stale) {
       absl::Status w = sock_->Wait(last, deadline);
       if (s.ok()) s = w;
     }

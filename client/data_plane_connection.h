@@ -113,6 +113,8 @@ class DataPlaneConnection {
 
  private:
   ucp_request_param_t ParamsFor(const void* p, size_t n) const;
+  // A socket operation's number as a request handle (data_plane_connection.cc).
+  void* AsRequest(uint64_t seq) const;
   static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data,
                               size_t length, const ucp_am_recv_param_t* param);
   void Drop();
@@ -125,6 +127,7 @@ class DataPlaneConnection {
   std::unique_ptr<ucx::Worker> worker_;
   std::unique_ptr<ucx::Endpoint> ep_;
   std::unique_ptr<SocketChannel> sock_;  // the socket data plane, when the store offers it
+  uint64_t sock_generation_ = 0;         // socket connections made so far
   std::unique_ptr<ucx::RemoteKey> rkey_;
   std::vector<std::shared_ptr<ucx::MemoryRegion>> regions_;  // snapshot of the client's
   ucx::Clock::time_point next_attempt_{};

@@ -170,13 +170,22 @@ inline uint64_t RssBytes(pid_t pid = getpid()) {
   return 0;
 }
 
-// Waits for a port file written by a server started with --port-file; 0 on timeout.
-inline int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout) {
+// Waits for a port file written by a server started with --port-file; 0 on
+// timeout, or as soon as process `pid` (> 0) has exited without writing it.
+inline int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout,
+                           pid_t pid = 0) {
   auto end = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < end) {
     std::ifstream in(path);
     int port = 0;
     if (in >> port && port > 0) return port;
+    // A zombie of ours: exited (kill(pid, 0) still succeeds on a zombie).
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    if (pid > 0 && (!std::getline(stat, line) ||
+                    line.find(") Z") != std::string::npos)) {
+      return 0;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return 0;

@@ -34,7 +34,7 @@ TEST(CAbi, AConnectorDrivenFromCRoundTrips) {
   setenv("UCX_TLS", "tcp", 1);
   testing::TempDir dir;
   testing::ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"),
-                               {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                               {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
                                 "--data-dir=" + dir.sub("db"), "--hugepages=false",
                                 "--ram-bytes=16MiB"});
   ASSERT_GT(store.port(), 0);

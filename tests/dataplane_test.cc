@@ -1,4 +1,4 @@
-// The UCX data plane end to end: the real kvtier-store with --ucx-listen and
+// The data plane end to end: the real kvtier-store with --data-listen and
 // StoreDataClient over UCX on loopback (TCP and shared memory).
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -44,7 +44,7 @@ class DataPlane : public ::testing::TestWithParam<const char*> {
   std::unique_ptr<ServerProcess> StartStore(std::vector<std::string> extra = {}, int port = 0,
                                             int ucx_port = 0) {
     std::vector<std::string> args = {"--listen=127.0.0.1:" + std::to_string(port),
-                                     "--ucx-listen=127.0.0.1:" + std::to_string(ucx_port),
+                                     "--data-listen=127.0.0.1:" + std::to_string(ucx_port),
                                      "--data-dir=" + dir_.sub("db"), "--hugepages=false"};
     args.insert(args.end(), extra.begin(), extra.end());
     auto s = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir_.sub("store"), args);
@@ -156,7 +156,7 @@ class DataPlaneFaults : public ::testing::Test {
 
 TEST_F(DataPlaneFaults, AClientKilledMidPutLeavesNothingVisibleAndItsSlotsComeBack) {
   ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
-                      {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                      {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
                        "--data-dir=" + dir_.sub("db"), "--hugepages=false", "--ram-bytes=16MiB",
                        "--lease-ms=300ms"});
   ASSERT_GT(store.port(), 0);
@@ -223,7 +223,7 @@ TEST_F(DataPlaneFaults, AClientKilledMidPutLeavesNothingVisibleAndItsSlotsComeBa
 TEST_F(DataPlaneFaults, AStoreKilledMidGetFailsTheClientCleanlyAndItReconnects) {
   int port = testing::FreePort(), ucx_port = testing::FreePort();
   std::vector<std::string> args = {"--listen=127.0.0.1:" + std::to_string(port),
-                                   "--ucx-listen=127.0.0.1:" + std::to_string(ucx_port),
+                                   "--data-listen=127.0.0.1:" + std::to_string(ucx_port),
                                    "--data-dir=" + dir_.sub("db"), "--hugepages=false",
                                    "--ram-bytes=64MiB"};
   ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"), args);
@@ -293,7 +293,7 @@ TEST_F(DataPlaneFaults, AStoreWithoutADataPlaneSaysSo) {
   std::vector<uint8_t> src(kBlock);
   auto r = c.Put(ns->id, kBlock, {{H(1), src.data()}}).get();
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(r.status().message().find("--ucx-listen"), std::string::npos);
+  EXPECT_NE(r.status().message().find("--data-listen"), std::string::npos);
 }
 
 TEST(Rendezvous, AddingAShardMovesAboutOneNthOfTheKeys) {
@@ -323,7 +323,7 @@ std::vector<std::unique_ptr<ServerProcess>> StartShards(const testing::TempDir& 
   for (int s = 0; s < n; ++s) {
     stores.push_back(std::make_unique<ServerProcess>(
         KVTIER_STORE_BIN, dir.sub("store" + std::to_string(s)),
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+        std::vector<std::string>{"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
                                  "--data-dir=" + dir.sub("db" + std::to_string(s)),
                                  "--hugepages=false", "--ram-bytes=32MiB"}));
     addrs->push_back(stores.back()->address());

@@ -34,7 +34,7 @@ TEST(Faults, KillNineDuringPutsGetsAndDemotionLosesNothingCommittedToDisk) {
   testing::TempDir dir;
   const int port = testing::FreePort(), ucx = testing::FreePort();
   std::vector<std::string> args = {"--listen=127.0.0.1:" + std::to_string(port),
-                                   "--ucx-listen=127.0.0.1:" + std::to_string(ucx),
+                                   "--data-listen=127.0.0.1:" + std::to_string(ucx),
                                    "--data-dir=" + dir.sub("db"), "--hugepages=false",
                                    "--ram-bytes=8MiB", "--ram-slab-bytes=1MiB", "--lease-ms=1s"};
   ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"), args);

@@ -166,7 +166,7 @@ TEST_F(StoreBehindAFaultyNetwork, ResetConnectionsFailCallsFastAndTheClientRecon
 TEST(NetworkFaults, AStalledStoreFailsDataPlaneOperationsAtTheirDeadlineAndTheyRecover) {
   setenv("UCX_TLS", "tcp", 1);
   testing::TempDir dir;
-  ServerProcess store = Store(dir, {"--ucx-listen=127.0.0.1:0"});
+  ServerProcess store = Store(dir, {"--data-listen=127.0.0.1:0"});
   ASSERT_GT(store.port(), 0) << store.Log();
   DataClientOptions o;
   o.deadline_ms = kDeadlineMs;

@@ -47,7 +47,7 @@ class Ops : public ::testing::Test {
                                  "--metrics-listen=127.0.0.1:" + std::to_string(router_metrics_)});
     for (int s = 0; s < 2; ++s) {
       metrics_ports_.push_back(testing::FreePort());
-      std::vector<std::string> flags = {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+      std::vector<std::string> flags = {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
                                         "--data-dir=" + dir_.sub("db" + std::to_string(s)),
                                         "--hugepages=false", "--ram-bytes=16MiB",
                                         "--metrics-listen=127.0.0.1:" + std::to_string(metrics_ports_.back())};

@@ -51,7 +51,7 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   const int metrics_port = testing::FreePort();
   [[maybe_unused]] const uint64_t ram = 32ull << 20, queue = 32ull << 20;
   ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"),
-                      {"--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+                      {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
                        "--data-dir=" + dir.sub("db"), "--hugepages=false", "--ram-bytes=32MiB",
                        "--disk-bytes=128MiB", "--demote-queue-bytes=32MiB", "--lease-ms=2s",
                        "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port)});

@@ -66,7 +66,7 @@ class ServerProcess {
     std::vector<std::string> args = args_;
     args.push_back("--port-file=" + port_file);
     proc_ = std::make_unique<Process>(binary_, args, scratch_ + ".log");
-    port_ = WaitForPortFile(port_file, std::chrono::seconds(20));
+    port_ = WaitForPortFile(port_file, std::chrono::seconds(20), proc_->pid());
   }
   int port() const { return port_; }
   // The server's log so far (for failure messages).

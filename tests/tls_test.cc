@@ -200,7 +200,7 @@ TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
   std::vector<std::string> store_flags = pki_.ServerFlags(true, "tls-store");
   store_flags.push_back("--router=" + router.address());
   store_flags.push_back("--store-id=tls-store");
-  store_flags.push_back("--ucx-listen=127.0.0.1:0");
+  store_flags.push_back("--data-listen=127.0.0.1:0");
   setenv("UCX_TLS", "tcp", 1);
   ServerProcess store = Store(store_flags);
   ASSERT_GT(store.port(), 0) << store.Log();

@@ -30,7 +30,7 @@ class WorkerTest : public ::testing::Test {
     store_ = std::make_unique<ServerProcess>(
         KVTIER_STORE_BIN, dir_.sub("store"),
         std::vector<std::string>{"--listen=127.0.0.1:" + std::to_string(port_),
-                                 "--ucx-listen=127.0.0.1:" + std::to_string(ucx_port_),
+                                 "--data-listen=127.0.0.1:" + std::to_string(ucx_port_),
                                  "--data-dir=" + dir_.sub("db"), "--hugepages=false",
                                  "--ram-bytes=64MiB"});
     ASSERT_GT(store_->port(), 0) << store_->Log();

@@ -75,7 +75,7 @@ def _start_store(binary: Path, tmp: Path, ram: int) -> tuple[subprocess.Popen,
     port_file = tmp / "store.port"
     log = open(tmp / "store.log", "wb")
     proc = subprocess.Popen(
-        [str(binary), "--listen=127.0.0.1:0", "--ucx-listen=127.0.0.1:0",
+        [str(binary), "--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
          f"--data-dir={tmp / 'db'}", "--hugepages=false",
          f"--ram-bytes={ram}", f"--port-file={port_file}"],
         stdout=log, stderr=subprocess.STDOUT)

@@ -663,8 +663,10 @@ def main():
     check("--router=kv-router-headless:%d" % values["router"]["grpcPort"] in store_args and
           "--router-refresh=5s" in store_args,
           "store publishes to every router replica: %s" % store_args)
+    check("--data-plane=socket" in store_args,
+          "the store's data plane is the socket one unless the values say ucx: %s" % store_args)
     svc_ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}
-    check(svc_ports["grpc"] == values["store"]["grpcPort"] and svc_ports["ucx"] == values["store"]["ucxPort"],
+    check(svc_ports["grpc"] == values["store"]["grpcPort"] and svc_ports["data"] == values["store"]["dataPort"],
           "store Service ports match the container")
 
     # A flag the binary does not accept is caught by --check-config.

@@ -37,7 +37,7 @@ class Store:
         self.port_file = tmp / f"{name}.port"
         self.log = tmp / f"{name}.log"
         args = [str(BUILD / "cachestore" / "kvtier-store"),
-                f"--listen=127.0.0.1:{port}", "--ucx-listen=127.0.0.1:0",
+                f"--listen=127.0.0.1:{port}", "--data-listen=127.0.0.1:0",
                 f"--data-dir={tmp / (name + '-db')}", "--hugepages=false",
                 f"--ram-bytes={ram}", f"--port-file={self.port_file}"]
         with open(self.log, "wb") as log:

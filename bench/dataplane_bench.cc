@@ -44,6 +44,7 @@
 #include "common/config.h"
 #include "common/log.h"
 #include "client/store_data_client.h"
+#include "common/limits.h"
 
 namespace kvtier::bench {
 namespace {
@@ -74,7 +75,7 @@ struct RedisBest {
 };
 
 // The store takes at most this many blocks per BeginGet / BeginPut.
-constexpr size_t kMaxBlocksPerCall = 8192;
+constexpr size_t kMaxBlocksPerCall = limits::kMaxBlocksPerRequest;
 // Blocks per raw Get/Put call (all posted, then waited): bounds the requests
 // outstanding at once.
 constexpr size_t kRawChunk = 1024;

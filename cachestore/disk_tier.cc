@@ -37,16 +37,23 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& 
   // Rebuild the in-memory index from the small index column, oldest write
   // first so the policy starts in write order.
   std::vector<std::pair<BlockKey, IndexEntry>> found;
+  uint64_t undecodable = 0;
   absl::Status s = t->backend_->Scan(Column::kIndex, "", [&](absl::string_view k, absl::string_view v) {
     BlockKey key;
     IndexEntry e;
     if (DecodeBlockKey(std::string_view(k.data(), k.size()), &key) &&
         DecodeIndexEntry(std::string_view(v.data(), v.size()), &e)) {
       found.emplace_back(key, e);
+    } else {
+      ++undecodable;  // its block cannot be found: counted, and said below
     }
     return true;
   });
-  if (!s.ok()) return s;
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("reading the NVMe tier's index at ",
+                                               t->backend_->location(), ": ", s.message()));
+  }
+  t->skipped_index_entries_ = undecodable;
   std::sort(found.begin(), found.end(),
             [](const auto& a, const auto& b) { return a.second.seq < b.second.seq; });
   uint64_t used = 0;
@@ -62,6 +69,10 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& 
   t->counters_.items = t->index_.size();
   Log("store", "disk tier opened at ", t->backend_->location(), ": ", t->index_.size(),
       " blocks, ", used, " bytes recovered");
+  if (undecodable > 0) {
+    Log("store", "disk tier: ", undecodable, " index entries could not be decoded and were "
+        "skipped (their blocks are not served; kvtier_store_disk_index_entries_skipped)");
+  }
   DiskTier* self = t.get();
   t->queue_ = std::make_unique<WriteBackQueue>(
       o.queue_bytes,
@@ -442,14 +453,17 @@ absl::Status DiskTier::DeleteMeta(const std::string& key) {
   return s;
 }
 
-std::vector<std::pair<std::string, std::string>> DiskTier::ScanMeta(
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> DiskTier::ScanMeta(
     const std::string& prefix) const {
   std::vector<std::pair<std::string, std::string>> out;
   absl::Status s = backend_->Scan(Column::kMeta, prefix, [&](absl::string_view k, absl::string_view v) {
     out.emplace_back(std::string(k), std::string(v));
     return true;
   });
-  if (!s.ok()) Log("store", "reading store metadata: ", s.message());
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("reading the store's metadata at ",
+                                               backend_->location(), ": ", s.message()));
+  }
   return out;
 }
 

@@ -113,7 +113,13 @@ class DiskTier : public Tier {
   // synchronously. UNAVAILABLE after a write error.
   absl::Status PutMeta(const std::string& key, const std::string& value);
   absl::Status DeleteMeta(const std::string& key);
-  std::vector<std::pair<std::string, std::string>> ScanMeta(const std::string& prefix) const;
+  // The metadata records under `prefix`, all of them or the backend's error
+  // (a partial list would lose, e.g., namespaces).
+  absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ScanMeta(
+      const std::string& prefix) const;
+  // Index entries found at open that could not be decoded (their blocks
+  // are not served).
+  uint64_t skipped_index_entries() const { return skipped_index_entries_; }
 
   // Bytes on NVMe of a tenant's blocks (DiskTierOptions::tenant_of).
   uint64_t TenantBytes(int tenant) const;
@@ -160,6 +166,7 @@ class DiskTier : public Tier {
   std::unordered_map<uint64_t, uint64_t> ns_bytes_;
   std::unique_ptr<EvictionPolicy> policy_;
   uint64_t seq_ = 0;
+  uint64_t skipped_index_entries_ = 0;  // set at open
 
   std::atomic<uint64_t> dropped_{0};
   // Set by the first failed backend write; from then on nothing is written

@@ -42,6 +42,11 @@ class FaultInjectingBackend : public StorageBackend {
     std::lock_guard lk(mu_);
     corrupt_at_ = offset;
   }
+  // Every Scan of `column` fails with this status; OK: scans pass.
+  void set_scan_error(Column column, absl::Status s) {
+    std::lock_guard lk(mu_);
+    scan_errors_[static_cast<int>(column)] = std::move(s);
+  }
   uint64_t writes_attempted() const { return writes_.load(); }
 
   absl::Status Write(const WriteBatch& batch, bool sync) override {
@@ -70,6 +75,10 @@ class FaultInjectingBackend : public StorageBackend {
   absl::Status Scan(Column column, absl::string_view prefix,
                     const std::function<bool(absl::string_view, absl::string_view)>& visit)
       const override {
+    {
+      std::lock_guard lk(mu_);
+      if (!scan_errors_[static_cast<int>(column)].ok()) return scan_errors_[static_cast<int>(column)];
+    }
     return base_->Scan(column, prefix, visit);
   }
   absl::StatusOr<uint64_t> FreeBytes() const override {
@@ -87,6 +96,7 @@ class FaultInjectingBackend : public StorageBackend {
   std::optional<uint64_t> free_bytes_;
   absl::Status write_error_;
   absl::Status read_error_;
+  absl::Status scan_errors_[kColumns];
   std::optional<size_t> corrupt_at_;
   std::atomic<uint64_t> writes_{0};
 };

@@ -30,27 +30,42 @@ NamespaceRegistry::NamespaceRegistry(DiskTier* disk, size_t max_namespaces,
                                      NamespaceTenants* owners)
     : disk_(disk), max_namespaces_(max_namespaces), tenants_(std::move(tenants)), owners_(owners) {
   if (tenants_) per_tenant_.assign(tenants_->all().size(), 0);
-  std::lock_guard lk(mu_);
-  for (const auto& [key, value] : disk_->ScanMeta(kMetaPrefix)) {
+}
+
+absl::StatusOr<std::unique_ptr<NamespaceRegistry>> NamespaceRegistry::Load(
+    DiskTier* disk, size_t max_namespaces, std::shared_ptr<const Tenants> tenants,
+    NamespaceTenants* owners) {
+  std::unique_ptr<NamespaceRegistry> r(
+      new NamespaceRegistry(disk, max_namespaces, std::move(tenants), owners));
+  auto records = disk->ScanMeta(kMetaPrefix);
+  if (!records.ok()) {
+    return absl::Status(records.status().code(),
+                        absl::StrCat("loading the store's namespaces: ", records.status().message()));
+  }
+  std::lock_guard lk(r->mu_);
+  for (const auto& [key, value] : *records) {
     NamespaceSpec spec;
     if (!ParseSpec(value, &spec)) {
       Log("store", "ignoring unreadable namespace record ", key);
+      r->skipped_records_++;
       continue;
     }
     NamespaceInfo info{NamespaceId(spec), spec, 0, -1, 0, spec};
-    if (tenants_) {
+    if (r->tenants_) {
       // A namespace of a tenant no longer in the file (or before tenants)
       // is kept, owned by nobody: no client can name it.
-      if (const Tenant* t = tenants_->Unsalt(spec, &info.client_spec)) info.tenant = t->index;
+      if (const Tenant* t = r->tenants_->Unsalt(spec, &info.client_spec)) info.tenant = t->index;
     }
     if (!ValidateNamespace(info.client_spec).ok()) {
       Log("store", "ignoring unreadable namespace record ", key);
+      r->skipped_records_++;
       continue;
     }
     info.client_id = NamespaceId(info.client_spec);
     info.block_bytes = BlockBytes(spec);
-    AddLocked(info);
+    r->AddLocked(info);
   }
+  return r;
 }
 
 void NamespaceRegistry::AddLocked(const NamespaceInfo& info) {

@@ -33,15 +33,19 @@ struct NamespaceInfo {
 
 class NamespaceRegistry {
  public:
-  // Loads the persisted namespaces (unreadable records are logged and
-  // skipped). disk must outlive the registry.
+  // Loads the persisted namespaces: the metadata scan's error if it fails
+  // (a store must not start without some of its namespaces); unreadable
+  // records are logged, counted (skipped_records) and left out. disk must
+  // outlive the registry.
   // max_namespaces: how many may be registered at once (0: no limit);
   // those loaded at start count.
   // tenants (may be null): namespaces are then registered by tenants, each
   // under its salt, and owners is kept told whose each one is.
-  explicit NamespaceRegistry(DiskTier* disk, size_t max_namespaces = 0,
-                             std::shared_ptr<const Tenants> tenants = nullptr,
-                             NamespaceTenants* owners = nullptr);
+  static absl::StatusOr<std::unique_ptr<NamespaceRegistry>> Load(
+      DiskTier* disk, size_t max_namespaces = 0, std::shared_ptr<const Tenants> tenants = nullptr,
+      NamespaceTenants* owners = nullptr);
+  // Persisted records Load could not read.
+  uint64_t skipped_records() const { return skipped_records_; }
 
   // INVALID_ARGUMENT for a spec out of limits (block_key.h), an
   // expected_id (nonzero) that is not the spec's id, or blocks larger than
@@ -68,6 +72,9 @@ class NamespaceRegistry {
   std::vector<NamespaceInfo> List(const Tenant* tenant = nullptr) const;
 
  private:
+  NamespaceRegistry(DiskTier* disk, size_t max_namespaces, std::shared_ptr<const Tenants> tenants,
+                    NamespaceTenants* owners);
+  uint64_t skipped_records_ = 0;  // set by Load
   // REQUIRES: mu_ held.
   void AddLocked(const NamespaceInfo& info);
 

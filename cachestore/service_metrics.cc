@@ -42,6 +42,10 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
             rma_put_bytes_.load(), {{"direction", "put"}});
   m.Counter("kvtier_store_dataplane_bytes_total", "Bytes reserved or pinned for the data plane",
             rma_get_bytes_.load(), {{"direction", "get"}});
+  m.Gauge("kvtier_store_disk_index_entries_skipped",
+          "NVMe index entries found at start that could not be decoded (their blocks are not "
+          "served)",
+          store_->disk().skipped_index_entries());
   m.Gauge("kvtier_store_dataplane_connections",
           "Open data-plane connections (socket connections or UCX endpoints)",
           (dataplane_ ? dataplane_->connections() : 0) + (sockets_ ? sockets_->connections() : 0));

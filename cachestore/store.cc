@@ -42,8 +42,9 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
   auto ram = RamTier::Create(ram_options, [d](const EvictedBlock& b) { return d->Enqueue(b); });
   if (!ram.ok()) return ram.status();
   s->ram_ = std::move(*ram);
-  s->namespaces_ =
-      std::make_unique<NamespaceRegistry>(d, o.max_namespaces, o.tenants, &s->owners_);
+  auto namespaces = NamespaceRegistry::Load(d, o.max_namespaces, o.tenants, &s->owners_);
+  if (!namespaces.ok()) return namespaces.status();
+  s->namespaces_ = std::move(*namespaces);
   Store* self = s.get();
   s->leases_ = std::make_unique<LeaseTable>(o.lease_ms, o.max_leases_per_client,
                                             [self](const Lease& l) { self->ReleaseLease(l, true); });

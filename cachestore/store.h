@@ -28,11 +28,12 @@
 #include "cachestore/namespace_registry.h"
 #include "cachestore/ram_tier.h"
 #include "common/block_key.h"
+#include "common/limits.h"
 
 namespace kvtier::store {
 
 // Most block hashes one request may name (documented in store.proto).
-inline constexpr size_t kMaxBlocksPerRequest = 8192;
+using limits::kMaxBlocksPerRequest;
 
 struct StoreOptions {
   RamTierOptions ram;

@@ -6,6 +6,7 @@
 
 #include "cli/cli.h"
 #include "cli/commands.h"
+#include "common/limits.h"
 
 namespace kvtier::cli {
 
@@ -16,7 +17,8 @@ int RunLookup(const CommandLine& line) {
   FlagSet f("kvctl lookup", "Which blocks of a prompt each store shard holds, and in which tier.");
   c.Register(f, SharedFlags::Dials::kStores);
   prompt_flags.Register(f, "File of token ids (hashed with --block-tokens)");
-  f.Int("block-tokens", &block_tokens, 1, 65536, "Tokens per block for --tokens");
+  f.Int("block-tokens", &block_tokens, limits::kMinBlockTokens, limits::kMaxBlockTokens,
+        "Tokens per block for --tokens");
   ParseCommandFlags(f, line);
   auto prompt = prompt_flags.Read();
   if (!prompt.ok()) {

@@ -334,7 +334,12 @@ absl::Status DataPlaneConnection::Wait(std::vector<void*>& requests,
     if (!s.ok()) Drop();
     return s;
   }
-  absl::Status moved = worker_->WaitAll(requests, deadline);
+  // Requests a cancel cannot end are ended by closing the endpoint: none may
+  // still write into the caller's buffers once this returns.
+  absl::Status moved = worker_->WaitAll(requests, deadline, [this] {
+    if (ep_) ep_->MarkFailed();
+    Drop();
+  });
   if (!ep_) {
     // Closed by a failure while waiting for earlier requests: these were
     // posted on it and have now completed (with errors) too.

@@ -6,12 +6,13 @@
 
 #include "common/log.h"
 #include "common/rpc/proto_convert.h"
+#include "common/limits.h"
 
 namespace kvtier {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-constexpr size_t kChunk = 65536;
+constexpr size_t kChunk = limits::kMaxEventHashes;
 }  // namespace
 
 EventPublisher::EventPublisher(PublisherOptions options, LoadFn load)

@@ -21,6 +21,7 @@
 #include "common/rpc/grpc_status.h"
 #include "common/ucx/calls.h"
 #include "common/ucx/ucx.h"
+#include "common/limits.h"
 
 namespace kvtier {
 
@@ -54,7 +55,7 @@ absl::Status Call(StoreClient& control,
 
 // Release ids per ReleaseGets (and per BeginGet's end_leases): the store's
 // per-request limit.
-constexpr size_t kMaxReleasesPerCall = 8192;
+constexpr size_t kMaxReleasesPerCall = limits::kMaxBlocksPerRequest;
 
 // Pieces a copying transport copies and then sums while they are in cache.
 constexpr uint64_t kHashPieceBytes = 16 << 10;

@@ -1,5 +1,7 @@
 #include "common/block_key.h"
 
+#include "common/limits.h"
+
 #define XXH_STATIC_LINKING_ONLY
 #include <xxhash.h>
 
@@ -68,7 +70,11 @@ absl::Status ValidateNamespace(const NamespaceSpec& spec) {
   if (auto s = CheckRange("layers", spec.layers, 1, 1024); !s.ok()) return s;
   if (auto s = CheckRange("kv_heads", spec.kv_heads, 1, 1024); !s.ok()) return s;
   if (auto s = CheckRange("head_dim", spec.head_dim, 1, 4096); !s.ok()) return s;
-  if (auto s = CheckRange("block_tokens", spec.block_tokens, 1, 65536); !s.ok()) return s;
+  if (auto s = CheckRange("block_tokens", spec.block_tokens, limits::kMinBlockTokens,
+                          limits::kMaxBlockTokens);
+      !s.ok()) {
+    return s;
+  }
   uint32_t tp_size = spec.tp_size == 0 ? 1 : spec.tp_size;
   if (auto s = CheckRange("tp_size", tp_size, 1, 1024); !s.ok()) return s;
   if (spec.tp_rank >= tp_size) {

@@ -27,6 +27,7 @@
 #include "common/log.h"
 #include "common/rpc/proto_convert.h"
 #include "common/socket_io.h"
+#include "fuzz/fuzz_store.h"
 
 namespace {
 
@@ -44,18 +45,7 @@ struct Fixture {
   std::vector<uint8_t> snapshot;               // the arena, put slots aside
 
   Fixture() {
-    kvtier::SetLogQuiet(true);
-    std::string dir = std::filesystem::temp_directory_path() /
-                      ("kvtier-fuzz-dp-" + std::to_string(getpid()));
-    std::filesystem::remove_all(dir);
-    kvtier::store::StoreOptions o;
-    o.ram.bytes = 4 << 20;
-    o.ram.slab_bytes = 1 << 20;
-    o.ram.try_hugepages = false;
-    o.disk.dir = dir;
-    o.disk.bytes = 64 << 20;
-    o.lease_ms = 3600 * 1000;  // the leases outlive the run
-    store = std::move(*kvtier::store::Store::Open(o));
+    store = kvtier::fuzz::OpenScratchStore("kvtier-fuzz-dp", 3600 * 1000);  // leases outlive the run
     plane = std::move(*kvtier::store::SocketDataPlane::Start("127.0.0.1:0"));
     service = std::make_unique<kvtier::store::StoreService>(store.get(), nullptr, plane.get());
     port = std::stoi(plane->address().substr(plane->address().rfind(':') + 1));

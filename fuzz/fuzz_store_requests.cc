@@ -14,6 +14,7 @@
 #include "cachestore/store.h"
 #include "common/checksum.h"
 #include "common/log.h"
+#include "fuzz/fuzz_store.h"
 
 namespace {
 
@@ -23,17 +24,7 @@ struct Fixture {
   uint64_t ns = 0;
   std::string block;
   Fixture() {
-    kvtier::SetLogQuiet(true);
-    std::string dir = std::filesystem::temp_directory_path() / ("kvtier-fuzz-" + std::to_string(getpid()));
-    std::filesystem::remove_all(dir);
-    kvtier::store::StoreOptions o;
-    o.ram.bytes = 4 << 20;
-    o.ram.slab_bytes = 1 << 20;
-    o.ram.try_hugepages = false;
-    o.disk.dir = dir;
-    o.disk.bytes = 64 << 20;
-    o.lease_ms = 50;
-    store = std::move(*kvtier::store::Store::Open(o));
+    store = kvtier::fuzz::OpenScratchStore("kvtier-fuzz", 50);
     service = std::make_unique<kvtier::store::StoreService>(store.get(), nullptr);
     kvtier::NamespaceSpec spec{"fuzz", "fp16", 1, 1, 8, 16, 0, 1, "", "", ""};
     ns = store->RegisterNamespace(spec, 0)->id;

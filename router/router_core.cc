@@ -64,9 +64,10 @@ absl::Status RouterCore::Hello(const v1::Hello& h, std::vector<v1::RouterCommand
       return absl::InvalidArgumentError(
           absl::StrCat("hello from worker ", h.source_id(), ": namespace_id is missing"));
     }
-    if (h.block_tokens() == 0 || h.block_tokens() > 65536) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "hello from worker ", h.source_id(), ": block_tokens must be 1..65536"));
+    if (h.block_tokens() < limits::kMinBlockTokens || h.block_tokens() > limits::kMaxBlockTokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("hello from worker ", h.source_id(), ": block_tokens must be ",
+                       limits::kMinBlockTokens, "..", limits::kMaxBlockTokens));
     }
   }
   std::unique_lock lk(mu_);
@@ -332,7 +333,7 @@ void RouterCore::ApplySnapshotChunk(Source& s, const v1::SnapshotChunk& c,
       (s.hello.kind() == v1::SOURCE_WORKER && c.hashes_size() > 0 &&
        c.namespace_id() != s.hello.namespace_id())) {
     counters_.rejected++;
-    RequestSnapshot(s, "snapshot chunk refused (wrong namespace or over 65536 hashes)", commands);
+    RequestSnapshot(s, absl::StrCat("snapshot chunk refused (wrong namespace or over ", kMaxEventHashes, " hashes)"), commands);
     return;
   }
   s.resyncing = true;

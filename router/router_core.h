@@ -25,11 +25,12 @@
 #include "common/prompt_chain.h"
 #include "common/rw_mutex.h"
 #include "router/cost.h"
+#include "common/limits.h"
 #include "router/prefix_index.h"
 
 namespace kvtier::router {
 
-inline constexpr size_t kMaxEventHashes = 65536;
+using limits::kMaxEventHashes;
 // A measured fetch cost is capped here (a store 1000x slower than computing
 // is as good as absent).
 inline constexpr double kMaxFetchCost = 1000;

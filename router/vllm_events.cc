@@ -53,9 +53,10 @@ absl::StatusOr<std::vector<VllmSourceSpec>> ParseVllmSources(absl::string_view t
           return bad(absl::StrCat("namespace \"", value, "\" must be 16 hex digits, not all 0"));
         }
       } else if (key == "block-tokens") {
-        if (!absl::SimpleAtoi(value, &s.block_tokens) || s.block_tokens == 0 ||
-            s.block_tokens > 65536) {
-          return bad(absl::StrCat("block-tokens \"", value, "\" must be 1..65536"));
+        if (!absl::SimpleAtoi(value, &s.block_tokens) || s.block_tokens < limits::kMinBlockTokens ||
+            s.block_tokens > limits::kMaxBlockTokens) {
+          return bad(absl::StrCat("block-tokens \"", value, "\" must be ", limits::kMinBlockTokens,
+                                  "..", limits::kMaxBlockTokens));
         }
       } else {
         return bad(absl::StrCat("unknown key \"", key,
@@ -245,8 +246,10 @@ VllmEvent ReadEvent(const Obj& o) {
     e.parent = *p;
   }
   if (f->block_size == nullptr || f->block_size->type != MSGPACK_OBJECT_POSITIVE_INTEGER ||
-      f->block_size->via.u64 == 0 || f->block_size->via.u64 > 65536) {
-    return skip("malformed: block_size is not an integer in 1..65536");
+      f->block_size->via.u64 < limits::kMinBlockTokens ||
+      f->block_size->via.u64 > limits::kMaxBlockTokens) {
+    return skip(absl::StrCat("malformed: block_size is not an integer in ", limits::kMinBlockTokens,
+                             "..", limits::kMaxBlockTokens));
   }
   e.block_size = static_cast<uint32_t>(f->block_size->via.u64);
   if (f->tokens == nullptr || f->tokens->type != MSGPACK_OBJECT_ARRAY ||
@@ -464,6 +467,7 @@ struct VllmEventSource::Impl {
   VllmChainMap chain;
   uint64_t router_seq = 0;
   std::optional<uint64_t> last;  // vLLM's last applied sequence number
+  bool registered = false;        // the router took the last hello
 
   Impl(VllmSourceSpec s, RouterCore* c)
       : spec(std::move(s)), core(c), chain(spec.namespace_id, spec.block_tokens) {}
@@ -475,6 +479,12 @@ struct VllmEventSource::Impl {
   }
 
   void Deliver(const v1::SourceMessage& m) {
+    if (!registered) {
+      // Out of routing since a refused hello: try again. Its snapshot
+      // carries every block mapped meanwhile, this message's included.
+      Register();
+      return;
+    }
     std::vector<v1::RouterCommand> cmds;
     auto s = core->Handle(spec.id, m, &cmds);
     if (absl::IsNotFound(s)) {  // expired meanwhile: register afresh
@@ -496,7 +506,12 @@ struct VllmEventSource::Impl {
     std::vector<v1::RouterCommand> cmds;
     auto flush = [&](bool last_chunk) {
       snap->set_last(last_chunk);
-      (void)core->Handle(spec.id, m, &cmds);
+      if (auto s = core->Handle(spec.id, m, &cmds); !s.ok() && registered) {
+        Count([](VllmSourceStats& st) { st.snapshot_failures++; });
+        Log("router", "vLLM source ", spec.id, ": the router refused its snapshot (",
+            s.message(), "); registering again");
+        registered = false;  // the next delivery registers again
+      }
       snap->clear_hashes();
       in_chunk = 0;
     };
@@ -520,9 +535,17 @@ struct VllmEventSource::Impl {
             .count()));
     std::vector<v1::RouterCommand> cmds;
     if (auto s = core->Hello(h, &cmds); !s.ok()) {
-      Log("router", "vLLM source ", spec.id, ": ", s.message());
+      uint64_t failures = 0;
+      Count([&](VllmSourceStats& st) { failures = ++st.hello_failures; });
+      // Said at once, then once a minute while it lasts.
+      if (failures == 1 || failures % 60 == 0) {
+        Log("router", "vLLM source ", spec.id, ": the router refused its hello (", s.message(),
+            "); it is out of routing, retried every second (", failures, " refused so far)");
+      }
+      registered = false;
       return;
     }
+    registered = true;
     router_seq = 0;
     SendSnapshot();
   }

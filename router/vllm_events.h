@@ -84,6 +84,10 @@ struct VllmSourceStats {
   // those the ones whose fields were of the wrong shape. `skipped` counts
   // their blocks; `malformed` counts whole batches that could not be read.
   uint64_t skipped_events = 0, malformed_events = 0;
+  // Hellos the router refused (the engine is then out of routing until one
+  // succeeds: retried every second), and snapshot chunks it refused (the
+  // source registers again).
+  uint64_t hello_failures = 0, snapshot_failures = 0;
   // f(name, value) for every counter, named as GetRouterStats.vllm_events.
   template <class F>
   void ForEach(F f) const {
@@ -92,6 +96,7 @@ struct VllmSourceStats {
     f("replays", replays), f("resyncs", resyncs), f("out_of_order", out_of_order);
     f("unknown_parents", unknown_parents), f("skipped", skipped), f("restarts", restarts);
     f("skipped_events", skipped_events), f("malformed_events", malformed_events);
+    f("hello_failures", hello_failures), f("snapshot_failures", snapshot_failures);
   }
 };
 

@@ -12,7 +12,7 @@ static int failed_with(int64_t got, kvtier_status want) {
 
 int kvtier_c_abi_roundtrip(const char* store) {
   kvtier_connector_config cfg = {"c-abi-model", "bf16", 2, 2, 32, 8, 64, store, "write-through", 8,
-                                 3000, NULL, NULL, NULL, NULL};
+                                 3000, NULL, NULL, NULL, NULL, 0, 0, NULL};
   kvtier_connector* c = kvtier_connector_create(&cfg);
   if (!c) return -1;
   if (kvtier_last_status() != KVTIER_OK || kvtier_last_error()[0] != '\0') return -1;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "common/block_key.h"
 #include "tests/test_util.h"
 #include "worker/kvtier_worker.h"
 
@@ -16,7 +17,7 @@ namespace {
 // A connector without a store: one layer, 4-token blocks.
 kvtier_connector* MakeSmall(const char* model, uint64_t num_pages = 16) {
   kvtier_connector_config cfg = {model, "fp16", 1, 1, 8, 4, num_pages, "", "none", 0, 0,
-                                 nullptr, nullptr, nullptr, nullptr};
+                                 nullptr, nullptr, nullptr, nullptr, 0, 0, nullptr};
   return kvtier_connector_create(&cfg);
 }
 
@@ -69,8 +70,33 @@ TEST(CAbi, AnAllocateBufferTooSmallClosesTheRequestInsteadOfHandingOutSomePages)
   kvtier_connector_destroy(c);
 }
 
+// Each tensor-parallel rank and each salt is a namespace of its own: a C
+// engine's ranks (or users) never read one another's blocks. (The ABI used
+// to fix rank 0 of 1 and no salt, so every rank aliased rank 0's blocks.)
+TEST(CAbi, RanksAndSaltsAreNamespacesOfTheirOwn) {
+  auto id_of = [](uint32_t rank, uint32_t size, const char* salt) {
+    kvtier_connector_config cfg = {"tp-model", "fp16", 1, 1, 8, 4, 16, "", "none", 0, 0,
+                                   nullptr, nullptr, nullptr, nullptr, rank, size, salt};
+    kvtier_connector* c = kvtier_connector_create(&cfg);
+    EXPECT_NE(c, nullptr) << kvtier_last_error();
+    const uint64_t id = kvtier_namespace_id(c);
+    kvtier_connector_destroy(c);
+    return id;
+  };
+  const uint64_t alone = id_of(0, 0, nullptr);
+  EXPECT_EQ(alone, id_of(0, 1, ""));  // 0 and 0 mean rank 0 of 1, and no salt is ""
+  const uint64_t r0 = id_of(0, 2, nullptr), r1 = id_of(1, 2, nullptr);
+  EXPECT_NE(r0, r1);
+  EXPECT_NE(r0, alone);
+  EXPECT_EQ(r0, NamespaceId(NamespaceSpec{"tp-model", "fp16", 1, 1, 8, 4, 0, 2, "", "", ""}));
+  const uint64_t salted = id_of(0, 0, "user-7");
+  EXPECT_NE(salted, alone);
+  EXPECT_EQ(salted, NamespaceId(NamespaceSpec{"tp-model", "fp16", 1, 1, 8, 4, 0, 1, "user-7", "", ""}));
+}
+
 TEST(CAbi, BadConfigurationsReportWhy) {
-  kvtier_connector_config cfg = {"m", "int4", 1, 1, 1, 1, 1, "", "none", 0, 0, nullptr, nullptr, nullptr, nullptr};
+  kvtier_connector_config cfg = {"m",     "int4",  1,       1,       1, 1, 1, "", "none", 0, 0,
+                                 nullptr, nullptr, nullptr, nullptr, 0, 0, nullptr};
   EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
   EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvtier_last_error()).find("int4"), std::string::npos);
@@ -90,6 +116,15 @@ TEST(CAbi, BadConfigurationsReportWhy) {
   EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvtier_last_error()).find("--tls-key"), std::string::npos);
   cfg.tls_cert = nullptr;
+  cfg.tp_rank = 2;  // of a group of 2: no such rank
+  cfg.tp_size = 2;
+  EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
+  EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvtier_last_error()).find("tp_rank 2"), std::string::npos);
+  cfg.tp_size = 0;  // one rank: only rank 0
+  EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
+  EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
+  cfg.tp_rank = 0;
   cfg.layers = 0;
   EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
   EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);

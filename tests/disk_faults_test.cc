@@ -154,6 +154,49 @@ TEST(DiskFaults, StorageCorruptionIsDataLossAndAnIoErrorLeavesTheBlock) {
   ExpectBlock(*f.tier, 2);
 }
 
+// A store whose metadata cannot be read does not start: it would serve
+// without some of its namespaces (the scan used to log and go on with a
+// partial list). An index entry it cannot decode is counted and said.
+TEST(DiskFaults, AMetadataScanFailureStopsStartUpAndBadIndexEntriesAreCounted) {
+  testing::TempDir dir;
+  StoreOptions o;
+  o.ram.bytes = 8 << 20;
+  o.ram.slab_bytes = 1 << 20;
+  o.disk.dir = dir.path();
+  NamespaceSpec spec{"m", "fp16", 2, 2, 64, 64, 0, 1, "", "", ""};
+  uint64_t ns = 0;
+  {
+    auto store = Store::Open(o);
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto r = (*store)->RegisterNamespace(spec, 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ns = r->id;
+  }
+  o.disk_backend = [&]() -> std::unique_ptr<StorageBackend> {
+    auto b = std::make_unique<FaultInjectingBackend>(*RocksDbBackend::Open(dir.path()));
+    b->set_scan_error(Column::kMeta, absl::UnavailableError("injected: the scan failed"));
+    return b;
+  };
+  auto refused = Store::Open(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(refused.status().message().find("loading the store's namespaces"), std::string::npos)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find("injected"), std::string::npos) << refused.status();
+  {
+    auto b = RocksDbBackend::Open(dir.path());
+    ASSERT_TRUE(b.ok());
+    WriteBatch w;
+    w.Put(Column::kIndex, "not a block key", "nor an index entry");
+    ASSERT_TRUE((*b)->Write(w, true).ok());
+  }
+  o.disk_backend = nullptr;
+  auto store = Store::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ((*store)->disk().skipped_index_entries(), 1u);
+  EXPECT_TRUE((*store)->RegisterNamespace(spec, ns).ok()) << "the namespace survived";
+}
+
 // The whole store over a full disk: puts go on into RAM, reads of NVMe
 // blocks go on, nothing is lost.
 TEST(DiskFaults, AStoreOnAFullDiskKeepsServingFromRam) {

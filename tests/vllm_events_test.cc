@@ -454,6 +454,19 @@ class VllmSubscriber : public ::testing::Test {
   RouterCore core_;
 };
 
+// A hello the router refuses (here: an endpoint over 256 bytes) leaves the
+// engine out of routing; the subscriber says so, counts it and tries again
+// every second, instead of going on as if registered.
+TEST_F(VllmSubscriber, ARefusedHelloIsRetriedAndCounted) {
+  FakeEngine engine;
+  VllmSourceSpec spec{"vllm-0", std::string(300, 'e'), engine.events(), engine.replay(), "", kNs, kBt};
+  VllmEventSource source(spec, &core_);
+  ASSERT_TRUE(testing::WaitFor([&] { return source.stats().hello_failures >= 2; },
+                               std::chrono::seconds(5)))
+      << source.stats().hello_failures << " refused hellos";
+  EXPECT_EQ(Held(), ~uint64_t{0}) << "not a source of the router";
+}
+
 TEST_F(VllmSubscriber, IndexesTheDocumentedStreamThroughGapsBadMessagesAndRestarts) {
   FakeEngine engine;
   // Published before the router subscribed: it comes from the replay socket.

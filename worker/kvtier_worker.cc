@@ -177,9 +177,15 @@ absl::StatusOr<kvtier::worker::ConnectorOptions> OptionsFrom(const kvtier_connec
   if (!cfg || !cfg->model || !cfg->dtype) {
     return absl::InvalidArgumentError("config, model and dtype are required");
   }
+  const uint32_t tp_size = cfg->tp_size == 0 ? 1 : cfg->tp_size;
+  if (cfg->tp_rank >= tp_size) {
+    return absl::InvalidArgumentError(absl::StrCat("tp_rank ", cfg->tp_rank,
+                                                   " is not a rank of a group of ", tp_size));
+  }
   kvtier::worker::ConnectorOptions o;
   o.spec = kvtier::NamespaceSpec{cfg->model, cfg->dtype, cfg->layers, cfg->kv_heads,
-                                 cfg->head_dim, cfg->block_tokens, 0, 1, "", "", ""};
+                                 cfg->head_dim, cfg->block_tokens, cfg->tp_rank, tp_size,
+                                 cfg->cache_salt ? cfg->cache_salt : "", "", ""};
   if (cfg->kv_wire) o.spec.kv_wire = cfg->kv_wire;
   o.num_pages = cfg->num_pages;
   if (cfg->stores) {

@@ -100,13 +100,23 @@ typedef struct {
    * (half the bytes of a 16-bit cache; see docs/dataplane.md for the error
    * bound). Part of the namespace: int8 blocks never mix with plain ones. */
   const char* kv_wire;
+  /* Tensor parallelism: this engine process's rank and the group's size
+   * (0 and 0: one rank, as rank 0 of 1). Part of the namespace: each rank
+   * stores the blocks of its own heads, so ranks never share a block. */
+  uint32_t tp_rank, tp_size;
+  /* A per-user or per-tenant salt (vLLM's cache_salt): NULL or "" for none.
+   * Part of the namespace: requests of different salts never share blocks. */
+  const char* cache_salt;
 } kvtier_connector_config;
 
-/* NULL on failure; kvtier_last_status() says which:
+/* Zero-initialise the config (= {0}) and set what you use: fields added in
+ * later versions then keep their defaults.
+ * NULL on failure; kvtier_last_status() says which:
  *   KVTIER_INVALID_ARGUMENT    config, model or dtype NULL; an unknown dtype
  *                              or offload policy; a dimension out of range
  *                              (layers, kv_heads, head_dim, block_tokens) or
- *                              too many pages; a model id empty or over 256
+ *                              too many pages; tp_rank not below tp_size
+ *                              (tp_size 0 counts as 1); a model id empty or over 256
  *                              bytes; a TLS file unreadable or not PEM, or a
  *                              certificate without its key; kv_wire neither
  *                              "" nor "int8", or int8 with an fp8 dtype.

@@ -26,6 +26,7 @@
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
 #include "worker/model.h"
+#include "common/limits.h"
 
 namespace kvtier::worker {
 namespace {
@@ -252,7 +253,8 @@ int main(int argc, char** argv) {
   flags.Int("layers", &layers, 1, 1024, "Layers");
   flags.Int("kv-heads", &kv_heads, 1, 1024, "KV heads");
   flags.Int("head-dim", &head_dim, 1, 4096, "Head dimension");
-  flags.Int("block-tokens", &block_tokens, 1, 65536, "Tokens per block (page)");
+  flags.Int("block-tokens", &block_tokens, limits::kMinBlockTokens, limits::kMaxBlockTokens,
+            "Tokens per block (page)");
   flags.Int("pages", &pages, 1, int64_t{1} << 24, "GPU pages in the pool");
   flags.Choice("offload", &offload, {"write-back", "write-through", "none"},
                "When blocks go to the store: on eviction, on save, or never");

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/log.h"
 
 namespace kvtier::ucx {
 
@@ -105,13 +106,14 @@ absl::StatusOr<int> Worker::EventFd() {
   return fd;
 }
 
-absl::Status Worker::WaitAll(std::vector<void*>& reqs, Clock::time_point deadline) {
+absl::Status Worker::WaitAll(std::vector<void*>& reqs, Clock::time_point deadline,
+                             const std::function<void()>& close_endpoint) {
   absl::Status first = absl::OkStatus();
   auto note = [&](ucs_status_t s) {
     if (s != UCS_OK && first.ok()) first = FromUcs(s, "UCX transfer");
   };
-  bool cancelled = false;
-  Clock::time_point give_up{};
+  bool cancelled = false, close_endpoint_called = false;
+  Clock::time_point give_up{}, hard_stop{};
   size_t open = 0;
   for (void*& r : reqs) {
     if (r == nullptr) continue;
@@ -154,8 +156,29 @@ absl::Status Worker::WaitAll(std::vector<void*>& reqs, Clock::time_point deadlin
       }
     }
     if (open > 0 && cancelled && Clock::now() > give_up) {
-      // Some transports cannot cancel (e.g. shared memory to a dead peer):
-      // let UCX release the requests whenever they end, and stop waiting.
+      // Some transports cannot cancel (e.g. shared memory to a dead peer).
+      // A request still open may yet write into its buffer, which the
+      // caller frees once this returns: close the endpoint (its requests
+      // then complete, failed) and go on progressing until they have.
+      if (close_endpoint) {
+        close_endpoint();
+        close_endpoint_called = true;
+        give_up = Clock::time_point::max();
+        hard_stop = Clock::now() + std::chrono::seconds(10);
+        continue;
+      }
+      // No endpoint to close: let UCX release the requests whenever they
+      // end, and stop waiting (their buffers must outlive them).
+      for (void*& r : reqs) {
+        if (r) ucp_request_free(r);
+        r = nullptr;
+      }
+      break;
+    }
+    if (open > 0 && close_endpoint_called && Clock::now() > hard_stop) {
+      // Closed and still not complete after 10 s: UCX has lost them.
+      Log("ucx", open, " requests did not complete 10 s after their endpoint was closed; "
+          "released to UCX");
       for (void*& r : reqs) {
         if (r) ucp_request_free(r);
         r = nullptr;

@@ -66,7 +66,13 @@ class Worker {
   // cancelled, and half a second later abandoned (UCX frees them when they
   // end). Frees the requests. Returns the first error. The caller should drop
   // the endpoint after a deadline error.
-  absl::Status WaitAll(std::vector<void*>& reqs, Clock::time_point deadline);
+  // close_endpoint: how to force-close the endpoint the requests were
+  // posted on. Given, requests that survive the cancel are not abandoned
+  // (they could still write into buffers the caller is about to free): the
+  // endpoint is closed and progress goes on until every request has
+  // completed (10 s at most, then they are left to UCX and logged).
+  absl::Status WaitAll(std::vector<void*>& reqs, Clock::time_point deadline,
+                       const std::function<void()>& close_endpoint = nullptr);
   // Progresses (sleeping as WaitAll does when idle) until done() or the
   // deadline; returns done().
   bool WaitUntil(const std::function<bool()>& done, Clock::time_point deadline);

@@ -462,6 +462,9 @@ absl::Status FillMessage(const py::dict& d, google::protobuf::Message* m) {
     }
     py::handle v = item.second;
     using FD = google::protobuf::FieldDescriptor;
+    // A value of another type raises py::cast_error, which must not leave
+    // a gRPC handler: it becomes this field's error.
+    try {
     switch (f->cpp_type()) {
       case FD::CPPTYPE_DOUBLE: refl->SetDouble(m, f, v.cast<double>()); break;
       case FD::CPPTYPE_FLOAT: refl->SetFloat(m, f, v.cast<float>()); break;
@@ -480,6 +483,11 @@ absl::Status FillMessage(const py::dict& d, google::protobuf::Message* m) {
       }
       default:
         return absl::InvalidArgumentError(absl::StrCat("field \"", key, "\" cannot be set here"));
+    }
+    } catch (const py::cast_error&) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          desc->name(), ".", key, " must be a ", f->cpp_type_name(), ", not ",
+          std::string(py::str(py::type::of(v).attr("__name__")))));
     }
   }
   return absl::OkStatus();

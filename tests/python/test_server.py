@@ -106,3 +106,40 @@ def test_submit_route_stats_and_stop(cluster) -> None:
 
     os.kill(engine.pid, signal.SIGTERM)
     assert engine.wait(timeout=30) == 0
+
+
+class _WrongTypes:
+    """A handler whose answers carry values of the wrong type."""
+
+    def submit(self, req: dict) -> dict:
+        return {"ttft_ms": "fast"}
+
+    def stats(self) -> dict:
+        return {"requests": [1, 2]}
+
+
+def test_a_handler_answer_of_the_wrong_type_is_an_error_not_a_crash() -> None:
+    """A value the message's field cannot take (py::cast_error inside the
+    native handler) comes back as INVALID_ARGUMENT naming the field, and
+    the server keeps serving; it used to escape the gRPC handler."""
+    import kvtier
+
+    ns = kvtier.Namespace("wrong-types", "fp16", 1, 1, 8, 16)
+    srv = kvtier.WorkerServer(_WrongTypes(), "127.0.0.1:0", [], "wrong-0",
+                              "", ns, 1000)
+    try:
+        stub = worker_pb2_grpc.SimWorkerStub(
+            grpc.insecure_channel(srv.address))
+        for call, req, field in (
+                (stub.Submit, worker_pb2.SubmitRequest(request_id=1),
+                 "ttft_ms"),
+                (stub.GetWorkerStats, worker_pb2.GetWorkerStatsRequest(),
+                 "requests"),
+                (stub.Submit, worker_pb2.SubmitRequest(request_id=2),
+                 "ttft_ms")):
+            with pytest.raises(grpc.RpcError) as err:
+                call(req, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.value.details()
+    finally:
+        srv.stop()

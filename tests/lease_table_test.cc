@@ -1,0 +1,154 @@
+// LeaseTable (cachestore/lease_table.h): claims and limits, Take's checks,
+// and the transfer holds the socket data plane takes (Use): what a hold
+// may cover, that ending a held lease waits for its transfers, and that an
+// expired lease's slots are not released while a transfer still holds it.
+#include "cachestore/lease_table.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "tests/test_util.h"
+
+namespace kvtier::store {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A lease of two 4 KiB slots, at arena offsets 8192 and 32768.
+Lease TwoSlots(bool is_put, int tenant = -1) {
+  Lease l;
+  l.client = "c";
+  l.tenant = tenant;
+  l.is_put = is_put;
+  l.items = {{BlockKey{1, BlockHash{1, 1}}, Slot{32768, 4096, 0}},
+             {BlockKey{1, BlockHash{2, 2}}, Slot{8192, 4096, 0}}};
+  return l;
+}
+
+class Released {
+ public:
+  LeaseTable::ReleaseFn Fn() {
+    return [this](const Lease&) { count_++; };
+  }
+  int count() const { return count_.load(); }
+
+ private:
+  std::atomic<int> count_{0};
+};
+
+TEST(LeaseTable, ClaimsCountAgainstTheirHolderUpToItsLimit) {
+  Released r;
+  LeaseTable t(10000, 2, r.Fn());
+  auto a = t.Claim("c"), b = t.Claim("c");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(*a, *b);
+  auto c = t.Claim("c");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(c.status().message().find("already holds 2"), std::string::npos) << c.status();
+  EXPECT_TRUE(t.Claim("other").ok());
+  t.Unclaim("c");
+  EXPECT_TRUE(t.Claim("c").ok());
+  EXPECT_EQ(t.Held("c"), 2u);
+}
+
+TEST(LeaseTable, TakeChecksKindAndTenant) {
+  Released r;
+  LeaseTable t(10000, 0, r.Fn());
+  const uint64_t id = *t.Claim(LeaseOwner("c", 0, 3));
+  t.Open(id, TwoSlots(true, 3));
+  EXPECT_EQ(t.Take(id, false, 3).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Take(id, true, 4).status().code(), absl::StatusCode::kFailedPrecondition)
+      << "another tenant's lease reads as unknown";
+  auto l = t.Take(id, true, 3);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->items.size(), 2u);
+  EXPECT_EQ(t.Take(id, true, 3).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(LeaseTable, AHoldCoversOnlyWholeRangesInsideOneOfTheLeasesSlots) {
+  Released r;
+  LeaseTable t(10000, 0, r.Fn());
+  const uint64_t id = *t.Claim(LeaseOwner("c", 0, 1));
+  t.Open(id, TwoSlots(false, 1));
+  // Inside: whole slots, and a segment of one.
+  EXPECT_TRUE(t.Use(id, false, 1, 8192, 4096).ok());
+  EXPECT_TRUE(t.Use(id, false, 1, 32768, 4096).ok());
+  EXPECT_TRUE(t.Use(id, false, 1, 8192 + 1024, 1024).ok());
+  // Outside: before, after, straddling, between the slots, past the end of
+  // the address space, empty.
+  for (auto [off, len] : std::vector<std::pair<uint64_t, uint64_t>>{
+           {8191, 2},
+           {8192, 4097},
+           {12288, 1},
+           {16384, 4096},
+           {32768 + 4095, 2},
+           {0, 1},
+           {~uint64_t{0} - 10, 20},
+           {8192, ~uint64_t{0}},
+           {8192, 0}}) {
+    auto h = t.Use(id, false, 1, off, len);
+    EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << off << "+" << len;
+  }
+  // Another kind, another tenant, no tenant, an unknown lease.
+  EXPECT_EQ(t.Use(id, true, 1, 8192, 4096).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Use(id, false, 2, 8192, 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.Use(id, false, -1, 8192, 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.Use(id + 1, false, 1, 8192, 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(LeaseTable, EndingAHeldLeaseWaitsForItsTransfersAndRefusesNewOnes) {
+  Released r;
+  LeaseTable t(10000, 0, r.Fn());
+  const uint64_t id = *t.Claim("c");
+  t.Open(id, TwoSlots(false));
+  auto hold = t.Use(id, false, -1, 8192, 4096);
+  ASSERT_TRUE(hold.ok());
+  std::atomic<bool> taken{false};
+  auto take = std::async(std::launch::async, [&] {
+    auto l = t.Take(id, false);
+    taken = true;
+    return l.ok();
+  });
+  std::this_thread::sleep_for(200ms);
+  EXPECT_FALSE(taken) << "the lease ended while a transfer still moved its bytes";
+  EXPECT_EQ(t.Use(id, false, -1, 8192, 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "a new transfer of a lease being ended";
+  hold->token.reset();  // the transfer ends
+  ASSERT_EQ(take.wait_for(5s), std::future_status::ready);
+  EXPECT_TRUE(take.get());
+}
+
+TEST(LeaseTable, AnExpiredLeasesSlotsStayWhileATransferHoldsIt) {
+  Released r;
+  LeaseTable t(100, 0, r.Fn());  // 100 ms leases, one more as grace
+  const uint64_t held = *t.Claim("c"), idle = *t.Claim("c");
+  t.Open(held, TwoSlots(true));
+  t.Open(idle, TwoSlots(true));
+  auto hold = t.Use(held, true, -1, 32768, 4096);
+  ASSERT_TRUE(hold.ok());
+  EXPECT_LE(hold->deadline, std::chrono::steady_clock::now() + 100ms);
+  // The idle lease is released after its lease and grace; the held one's
+  // slots stay however long its transfer runs past that.
+  ASSERT_TRUE(testing::WaitFor([&] { return r.count() == 1; }, 5s));
+  std::this_thread::sleep_for(400ms);
+  EXPECT_EQ(r.count(), 1) << "a held lease's slots were released under its transfer";
+  EXPECT_EQ(t.Use(held, true, -1, 32768, 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "an expired lease grants nothing";
+  hold->token.reset();
+  EXPECT_TRUE(testing::WaitFor([&] { return r.count() == 2; }, 5s));
+  EXPECT_EQ(t.counts().expired, 2u);
+}
+
+}  // namespace
+}  // namespace kvtier::store

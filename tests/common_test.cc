@@ -2,6 +2,11 @@
 
 #include <cstdio>
 #include <fstream>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <shared_mutex>
+#include <thread>
 #include <vector>
 
 #include "common/block_key.h"
@@ -11,6 +16,7 @@
 #include "common/prompt_chain.h"
 #include "common/rendezvous.h"
 #include "common/histogram.h"
+#include "common/rw_mutex.h"
 
 namespace kvtier {
 namespace {
@@ -290,6 +296,32 @@ TEST(LatencyHistogram, QuantilesLandInTheRightBucket) {
   EXPECT_EQ(s.errors, 1u);
   EXPECT_EQ(s.Quantile(0.5), 4u);
   EXPECT_EQ(s.Quantile(0.999), 1024u);
+}
+
+// A writer waiting for the readers inside goes before readers that come
+// after it (glibc's default rwlock lets new readers in ahead without bound).
+TEST(WriterPreferringMutex, AWaitingWriterGoesBeforeNewReaders) {
+  WriterPreferringMutex mu;
+  std::shared_lock first(mu);  // a reader inside
+  std::atomic<bool> writing{false};
+  std::thread writer([&] {
+    std::unique_lock w(mu);  // waits for the reader inside
+    writing = true;
+  });
+  // Once the writer waits, a new reader may not pass it.
+  bool passed = true;
+  for (int i = 0; i < 200 && passed; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    passed = mu.try_lock_shared();
+    if (passed) mu.unlock_shared();
+  }
+  EXPECT_FALSE(passed) << "a new reader went ahead of a waiting writer";
+  EXPECT_FALSE(writing);
+  first.unlock();
+  writer.join();
+  EXPECT_TRUE(writing);
+  EXPECT_TRUE(mu.try_lock_shared());
+  mu.unlock_shared();
 }
 
 }  // namespace

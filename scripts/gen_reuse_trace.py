@@ -21,7 +21,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sessions", type=int, default=300)
     p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--system-blocks", type=int, default=4, help="shared by every session")
+    p.add_argument("--system-blocks", type=int, default=4,
+                   help="shared by every session")
     p.add_argument("--first-blocks", type=int, default=4, help="first user turn")
     p.add_argument("--turn-blocks", type=int, default=4, help="added per later turn")
     p.add_argument("--interval-ms", type=int, default=1000, help="between requests")
@@ -44,8 +45,11 @@ def main() -> None:
             sessions[s].extend(range(next_id, next_id + grow))
             next_id += grow
             ids = list(sessions[s])
-            print(json.dumps({"timestamp": t_ms, "input_length": 512 * len(ids) - rng.randrange(256),
-                              "output_length": 200 + rng.randrange(400), "hash_ids": ids}))
+            print(json.dumps({
+                "timestamp": t_ms,
+                "input_length": 512 * len(ids) - rng.randrange(256),
+                "output_length": 200 + rng.randrange(400),
+                "hash_ids": ids}))
             t_ms += a.interval_ms
 
 

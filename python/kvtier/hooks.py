@@ -38,6 +38,7 @@ from typing import Optional
 
 import numpy as np
 
+from kvtier._native import NamespaceSpec
 from kvtier.connector import Connector
 from kvtier.errors import InvalidArgument, KvtierError, StatusCode
 from kvtier.store import StoreClient
@@ -120,7 +121,7 @@ class SchedulerHalf:
     engine's page size). Not thread-safe (a scheduler is one thread).
     """
 
-    def __init__(self, namespace: object, store: Optional[StoreClient],
+    def __init__(self, namespace: NamespaceSpec, store: Optional[StoreClient],
                  block_tokens: int) -> None:
         self.namespace = namespace
         self.store = store

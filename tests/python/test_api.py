@@ -140,8 +140,8 @@ def test_an_unknown_store_raises_unavailable_or_deadline() -> None:
 def test_connector_saves_from_one_engine_and_loads_into_another(
         store, layout, shm) -> None:
     a_cache, b_cache = caches(layout, 1), caches(layout, 2)
-    before = [kv_of(b_cache, layout, l, p).clone()
-              for l in range(2) for p in range(PAGES)]
+    before = [kv_of(b_cache, layout, layer, p).clone()
+              for layer in range(2) for p in range(PAGES)]
     a = kvtier.Connector(ns(), a_cache, stores=[store.address], layout=layout,
                          shared_memory=shm)
     b = kvtier.Connector(ns(), b_cache, stores=[store.address], layout=layout,

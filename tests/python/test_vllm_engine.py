@@ -20,17 +20,15 @@ be installed (scripts/setup_venv.sh)."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
 
-from conftest import BUILD, ROOT, Store, corrupt_in_store, engine_env
+from conftest import BUILD, Store, corrupt_in_store, engine_env
 
 _why = BUILD / "venv.unavailable"
 vllm = pytest.importorskip(

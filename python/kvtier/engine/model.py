@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 from torch import nn
@@ -329,7 +329,8 @@ class Transformer(nn.Module):
         total = tokens.numel()
 
         x = self.embedding[tokens]
-        for index, layer in enumerate(self.layers):
+        for index, module in enumerate(self.layers):
+            layer = cast(_Layer, module)  # a ModuleList holds Modules
             if before_layer is not None:
                 before_layer(index)
             h = self._rms_norm(x, layer.attn_norm)
@@ -379,7 +380,8 @@ class Transformer(nn.Module):
 
         Angles are computed in float64 and rounded once.
         """
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        inv_freq = cast(torch.Tensor, self.inv_freq)  # a registered buffer
+        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
         return (angles.cos().to(torch.float32)[:, None, :],
                 angles.sin().to(torch.float32)[:, None, :])
 

@@ -481,10 +481,18 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                 (t.stride()[0], half, h * d, d, 1),
                                 t.storage_offset())
 
+    def _metadata(self) -> KvtierConnectorMetadata:
+        """This step's metadata, as our scheduler half built it."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvtierConnectorMetadata):
+            raise TypeError(f"kvtier's connector got {type(meta).__name__} "
+                            "metadata, not its own")
+        return meta
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Pins and starts this step's loads."""
         assert self._worker is not None
-        self._worker.start_load(self._get_connector_metadata().step)
+        self._worker.start_load(self._metadata().step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Returns once this layer of every load is in its pages."""
@@ -498,7 +506,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """Load verdicts, then this step's saves."""
         assert self._worker is not None
-        self._worker.wait_for_save(self._get_connector_metadata().step)
+        self._worker.wait_for_save(self._metadata().step)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[Optional[set[str]], Optional[set[str]]]:

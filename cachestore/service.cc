@@ -132,14 +132,21 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane, SocketDataP
           return SocketDataPlane::CallReply{r.code, std::move(r.body)};
         },
         [this](std::string_view session, bool is_put, uint64_t lease, uint64_t addr,
-               uint64_t length) { return GrantTransfer(session, is_put, lease, addr, length); });
+               uint64_t length) { return GrantTransfer(session, is_put, lease, addr, length); },
+        [this](std::string_view session) -> absl::Status {
+          std::lock_guard lk(sessions_mu_);
+          if (sessions_.count(std::string(session)) != 0) return absl::OkStatus();
+          return absl::UnauthenticatedError(
+              "unknown data-plane session (the store restarted or dropped it); call "
+              "ConnectDataPlane again");
+        });
   }
 }
 
 void StoreService::DetachDataPlane() {
   if (dataplane_) dataplane_->SetCallHandler(nullptr);
   dataplane_ = nullptr;
-  if (sockets_) sockets_->SetHandlers(nullptr, nullptr);
+  if (sockets_) sockets_->SetHandlers(nullptr, nullptr, nullptr);
   sockets_ = nullptr;
 }
 

@@ -64,10 +64,11 @@ SocketDataPlane::~SocketDataPlane() {
   if (stop_fd_ >= 0) close(stop_fd_);
 }
 
-void SocketDataPlane::SetHandlers(CallHandler call, GrantFn grant) {
+void SocketDataPlane::SetHandlers(CallHandler call, GrantFn grant, HelloFn hello) {
   std::unique_lock lk(handlers_mu_);
   call_ = std::move(call);
   grant_ = std::move(grant);
+  hello_ = std::move(hello);
 }
 
 void SocketDataPlane::Reap() {
@@ -141,8 +142,19 @@ void SocketDataPlane::Serve(Connection* c) {
         .IgnoreError();
     open = false;
   }
-  open = open && net::ReadAll(fd, session.data(), session.size(), soon(), stop_fd_).ok() &&
-         reply(0, {}, nullptr, 0, soon()).ok();
+  open = open && net::ReadAll(fd, session.data(), session.size(), soon(), stop_fd_).ok();
+  if (open) {
+    // Only a session ConnectDataPlane handed out keeps a connection.
+    absl::Status known;
+    {
+      std::shared_lock lk(handlers_mu_);
+      known = hello_ ? hello_(session)
+                     : absl::UnavailableError("the store is not taking data-plane connections");
+    }
+    open = reply(static_cast<int>(known.code()), std::string(known.message()), nullptr, 0, soon())
+               .ok() &&
+           known.ok();
+  }
   std::string request;
   while (open) {
     // The next request of a busy client comes within microseconds: poll

@@ -47,6 +47,9 @@ class SocketDataPlane {
   };
   using GrantFn = std::function<absl::StatusOr<Grant>(
       std::string_view session, bool is_put, uint64_t lease, uint64_t addr, uint64_t length)>;
+  // Whether a connection may present `session` (OK) or is closed with the
+  // status (UNAUTHENTICATED for a session the store does not know).
+  using HelloFn = std::function<absl::Status(std::string_view session)>;
 
   // listen: HOST:PORT (port 0 picks one). At most max_connections at once
   // (more are closed at accept).
@@ -57,7 +60,7 @@ class SocketDataPlane {
 
   // Sets (nullptr: clears) the handlers; requests that arrive without them
   // are answered UNAVAILABLE. Returns once no request runs the old ones.
-  void SetHandlers(CallHandler call, GrantFn grant);
+  void SetHandlers(CallHandler call, GrantFn grant, HelloFn hello);
 
   // HOST:PORT actually bound.
   const std::string& address() const { return address_; }
@@ -87,6 +90,7 @@ class SocketDataPlane {
   std::shared_mutex handlers_mu_;
   CallHandler call_;  // guarded by handlers_mu_
   GrantFn grant_;     // guarded by handlers_mu_
+  HelloFn hello_;     // guarded by handlers_mu_
 };
 
 }  // namespace kvtier::store

@@ -282,7 +282,8 @@ absl::Status SocketChannel::Wait(uint64_t seq, Clock::time_point deadline) {
 absl::StatusOr<std::string> SocketChannel::Call(uint16_t method, const std::string& request,
                                                 Clock::time_point deadline) {
   if (request.size() > wire::kMaxMessageBytes) {
-    return absl::InvalidArgumentError("a data-plane call over 64 MiB");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a data-plane call of ", request.size(), " bytes (at most ", wire::kMaxMessageBytes, ")"));
   }
   Op op;
   op.frame.op = wire::kCall;

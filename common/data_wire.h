@@ -8,8 +8,9 @@
 // A connection carries, in order:
 //   client: Frame{kHello, length = session bytes} + the session that
 //           ConnectDataPlane handed out;
-//   store:  Reply (code 0, or UNAUTHENTICATED for a session it does not know,
-//           then it closes).
+//   store:  Reply (code 0, or UNAUTHENTICATED for a session it does not
+//           know, then it closes: only callers ConnectDataPlane authenticated
+//           hold connections).
 // then any number of requests, each answered by one Reply, in order:
 //   kCall  method, length = request bytes, then the request (a kvtier.v1
 //          message; common/ucx/calls.h's methods). Reply: message = the
@@ -40,9 +41,10 @@ enum Op : uint16_t {
   kPut = 4,
 };
 
-// The most bytes one call request or reply message may have, and one
-// transfer (a block or a segment of one).
-constexpr uint64_t kMaxMessageBytes = 64ull << 20;
+// The most bytes one call request or reply message may have (a call names
+// at most 8,192 blocks: a few hundred KiB), and one transfer (a block or a
+// segment of one). The store holds one message per connection at a time.
+constexpr uint64_t kMaxMessageBytes = 4ull << 20;
 constexpr uint64_t kMaxTransferBytes = 1ull << 30;
 
 struct Frame {

@@ -133,13 +133,7 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane, SocketDataP
         },
         [this](std::string_view session, bool is_put, uint64_t lease, uint64_t addr,
                uint64_t length) { return GrantTransfer(session, is_put, lease, addr, length); },
-        [this](std::string_view session) -> absl::Status {
-          std::lock_guard lk(sessions_mu_);
-          if (sessions_.count(std::string(session)) != 0) return absl::OkStatus();
-          return absl::UnauthenticatedError(
-              "unknown data-plane session (the store restarted or dropped it); call "
-              "ConnectDataPlane again");
-        });
+        [this](std::string_view session) { return SessionOf(session).status(); });
   }
 }
 
@@ -154,17 +148,9 @@ absl::StatusOr<SocketDataPlane::Grant> StoreService::GrantTransfer(std::string_v
                                                                    bool is_put, uint64_t lease,
                                                                    uint64_t addr,
                                                                    uint64_t length) {
-  int tenant = -1;
-  {
-    std::lock_guard lk(sessions_mu_);
-    auto it = sessions_.find(std::string(session_id));
-    if (it == sessions_.end()) {
-      return absl::UnauthenticatedError(
-          "unknown data-plane session (the store restarted or dropped it); call "
-          "ConnectDataPlane again");
-    }
-    tenant = it->second.caller.tenant_index();
-  }
+  auto session = SessionOf(session_id);
+  if (!session.ok()) return session.status();
+  const int tenant = session->caller.tenant_index();
   // An address below the arena wraps to an offset past it: no slot holds it.
   const Arena& arena = store_->ram().arena();
   const uint64_t offset = addr - reinterpret_cast<uint64_t>(arena.base());
@@ -233,18 +219,22 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
   return id;
 }
 
+absl::StatusOr<StoreService::Session> StoreService::SessionOf(std::string_view id) const {
+  std::lock_guard lk(sessions_mu_);
+  auto it = sessions_.find(std::string(id));
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError(
+        "unknown data-plane session (the store restarted or dropped it); call "
+        "ConnectDataPlane again");
+  }
+  return it->second;
+}
+
 DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_view session_id,
                                                    std::string_view request) {
-  std::optional<Session> session;
-  {
-    std::lock_guard lk(sessions_mu_);
-    auto it = sessions_.find(std::string(session_id));
-    if (it == sessions_.end()) {
-      return {grpc::UNAUTHENTICATED,
-              "unknown data-plane session (the store restarted or dropped it); call "
-              "ConnectDataPlane again"};
-    }
-    session = it->second;
+  auto session = SessionOf(session_id);
+  if (!session.ok()) {
+    return {grpc::UNAUTHENTICATED, std::string(session.status().message())};
   }
   // Parses the request, runs `body` for it and encodes the answer, timed
   // under `rpc`.

@@ -125,6 +125,9 @@ class StoreService final : public kvtier::v1::Store::Service {
   };
   static constexpr size_t kMaxSessions = 65536;
   std::string OpenSession(const Caller& caller, const grpc::ServerContext& ctx);
+  // The session handed out as `id`; UNAUTHENTICATED (saying to connect
+  // again) for one the store does not know.
+  absl::StatusOr<Session> SessionOf(std::string_view id) const;
   DataPlaneServer::CallReply ServeCall(uint16_t method, std::string_view session,
                                        std::string_view request);
   // A socket data-plane transfer of `length` bytes at `addr` (as BeginGet or
@@ -144,7 +147,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   AdminGate admin_;
   HandlerFence fence_;  // every handler releases it as it finishes
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
-  std::mutex sessions_mu_;
+  mutable std::mutex sessions_mu_;
   std::map<std::string, Session> sessions_;  // guarded by sessions_mu_
   std::deque<std::string> session_order_;    // oldest first; guarded by sessions_mu_
   std::chrono::steady_clock::time_point started_;

@@ -116,7 +116,8 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane, SocketDataP
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
   // The same calls on the data plane, timed apart from their gRPC twins.
-  for (const char* rpc : {"DataPlaneBeginGet", "DataPlaneReleaseGets", "DataPlaneBeginPut"}) {
+  for (const char* rpc :
+       {"DataPlaneBeginGet", "DataPlaneReleaseGets", "DataPlaneBeginPut", "DataPlaneCommitPut"}) {
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
   if (dataplane_) {
@@ -270,11 +271,16 @@ DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_
                    [&](const v1::BeginPutRequest& req, v1::BeginPutResponse* resp) {
                      return DoBeginPut(session->caller, session->owner, req, resp);
                    });
+    case ucx::kCallCommitPut:
+      return serve("DataPlaneCommitPut", v1::CommitPutRequest(), v1::CommitPutResponse(),
+                   [&](const v1::CommitPutRequest& req, v1::CommitPutResponse* resp) {
+                     return DoCommitPut(session->caller, req, resp);
+                   });
     default:
       return {grpc::UNIMPLEMENTED,
               absl::StrCat("data-plane call method ", method,
                            " is not one this store knows (1: BeginGet, 2: ReleaseGets, "
-                           "3: BeginPut)")};
+                           "3: BeginPut, 4: CommitPut)")};
   }
 }
 
@@ -376,11 +382,16 @@ grpc::Status StoreService::CommitPut(grpc::ServerContext* ctx, const v1::CommitP
   RpcTimer t(fence_, Histogram("CommitPut"));
   Caller caller;
   if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
-  std::vector<uint64_t> sums(req->checksums().begin(), req->checksums().end());
-  auto n = store_->CommitPut(req->lease_id(), sums, caller.tenant_index());
-  if (!n.ok()) return t.Done(ToGrpc(n.status()));
+  return t.Done(DoCommitPut(caller, *req, resp));
+}
+
+grpc::Status StoreService::DoCommitPut(const Caller& caller, const v1::CommitPutRequest& req,
+                                       v1::CommitPutResponse* resp) {
+  std::vector<uint64_t> sums(req.checksums().begin(), req.checksums().end());
+  auto n = store_->CommitPut(req.lease_id(), sums, caller.tenant_index());
+  if (!n.ok()) return ToGrpc(n.status());
   resp->set_committed(*n);
-  return t.Done(grpc::Status::OK);
+  return grpc::Status::OK;
 }
 
 grpc::Status StoreService::AbortPut(grpc::ServerContext* ctx, const v1::AbortPutRequest* req,

@@ -106,14 +106,16 @@ class StoreService final : public kvtier::v1::Store::Service {
   // Whom the caller's leases count against.
   LeaseOwner OwnerOf(const grpc::ServerContext& ctx, const Caller& caller) const;
 
-  // BeginGet, ReleaseGets and BeginPut for an identified caller, whichever
-  // way the call came (gRPC, or the data plane's control calls).
+  // BeginGet, ReleaseGets, BeginPut and CommitPut for an identified caller,
+  // whichever way the call came (gRPC, or the data plane's control calls).
   grpc::Status DoBeginPut(const Caller& caller, const LeaseOwner& owner,
                           const v1::BeginPutRequest& req, v1::BeginPutResponse* resp);
   grpc::Status DoBeginGet(const Caller& caller, const LeaseOwner& owner,
                           const v1::BeginGetRequest& req, v1::BeginGetResponse* resp);
   grpc::Status DoReleaseGets(const Caller& caller, const v1::ReleaseGetsRequest& req,
                              v1::ReleaseGetsResponse* resp);
+  grpc::Status DoCommitPut(const Caller& caller, const v1::CommitPutRequest& req,
+                           v1::CommitPutResponse* resp);
 
   // Data-plane sessions: ConnectDataPlane hands one out per connection, so a
   // control call on the data plane acts as the authenticated caller did.

@@ -125,6 +125,8 @@ struct PutOutcome {
   uint32_t already_present = 0;  // the store had them: not sent
   uint32_t busy = 0;             // another writer had them in flight: not sent
   uint32_t no_space = 0;         // the store had no free slot: not sent
+  uint32_t round_trips = 0;      // waits on the store (BeginPut; the commit behind the bytes)
+  uint64_t bytes_sent = 0;       // block bytes that travelled
   TransferTimes times;
 };
 

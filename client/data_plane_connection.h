@@ -97,6 +97,11 @@ class DataPlaneConnection {
   // Whether the connected store takes control calls on its data plane
   // (it handed out a session).
   bool TakesCalls() const { return (ep_ != nullptr || sock_ != nullptr) && !session_.empty(); }
+  // Whether a Call is served after the transfers posted before it (the
+  // socket data plane serves a connection in order; mapped transfers are
+  // done when posted), so a put's commit can follow its bytes without a
+  // flush.
+  bool CallsFollowTransfers() const { return TakesCalls() && (sock_ != nullptr || mapping_ != nullptr); }
   // One control call on the data plane (common/ucx/calls.h): the store's
   // answer, its status as the store gave it (then the endpoint stays), or
   // UNAVAILABLE / DEADLINE_EXCEEDED when the call or its answer did not

@@ -189,6 +189,8 @@ absl::StatusOr<PutOutcome> ShardedStoreClient::Put(uint64_t ns, uint64_t block_b
     total.already_present += r->already_present;
     total.busy += r->busy;
     total.no_space += r->no_space;
+    total.round_trips += r->round_trips;
+    total.bytes_sent += r->bytes_sent;
     total.times += r->times;
   }
   if (!first.ok()) return first;

@@ -521,6 +521,7 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
     return s;
   }
   out.times.control_ms = MsSince(start);
+  out.round_trips = 1;
   auto abort_lease = [&] {
     v1::AbortPutRequest abort;
     abort.set_lease_id(resp.lease_id());
@@ -567,6 +568,28 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
     }
   }
   if (reqs.empty()) return out;
+  out.round_trips = 2;  // BeginPut's, then the bytes' with the commit behind them
+  out.bytes_sent = uint64_t{reqs.size()} * block_bytes;
+  v1::CommitPutResponse cr;
+  if (lane.CallsFollowTransfers()) {
+    // The commit follows the bytes on the same connection and is served
+    // after them: no flush, no round trip of its own.
+    auto answer = lane.Call(ucx::kCallCommitPut, commit.SerializeAsString(), deadline.transfers);
+    // The puts' own errors first (a refused put fails the commit too).
+    absl::Status moved = lane.Wait(reqs, deadline.transfers);
+    if (moved.ok() && !answer.ok()) moved = answer.status();
+    if (!moved.ok()) {
+      abort_lease();
+      return moved;
+    }
+    if (!cr.ParseFromString(*answer)) {
+      return absl::InternalError("store answered a data-plane CommitPut with no CommitPutResponse");
+    }
+    out.times.rma_ms = MsSince(start);
+    out.written = cr.committed();
+    return out;
+  }
+  ++out.round_trips;  // the flush's, then CommitPut's own
   reqs.push_back(lane.PostFlush());
   if (absl::Status moved = lane.Wait(reqs, deadline.transfers); !moved.ok()) {
     abort_lease();
@@ -574,7 +597,6 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
   }
   out.times.rma_ms = MsSince(start);
   start = std::chrono::steady_clock::now();
-  v1::CommitPutResponse cr;
   if (auto s = Call(control_, &v1::Store::Stub::CommitPut, commit, &cr, deadline.rpcs); !s.ok()) {
     return s;
   }

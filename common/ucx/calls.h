@@ -31,6 +31,11 @@ enum CallMethod : uint16_t {
   kCallBeginGet = 1,     // v1.BeginGetRequest -> v1.BeginGetResponse
   kCallReleaseGets = 2,  // v1.ReleaseGetsRequest -> v1.ReleaseGetsResponse
   kCallBeginPut = 3,     // v1.BeginPutRequest -> v1.BeginPutResponse
+  // v1.CommitPutRequest -> v1.CommitPutResponse. On the socket data plane a
+  // client sends it right behind the lease's puts on the same connection
+  // (the store serves a connection's frames in order), so the commit rides
+  // with the bytes instead of costing a round trip of its own.
+  kCallCommitPut = 4,
 };
 
 struct CallHeader {

@@ -35,8 +35,10 @@ class WorkerTest : public ::testing::Test {
                                  "--ram-bytes=64MiB"});
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
-  std::unique_ptr<KvConnector> Make(uint64_t pages, std::string offload, uint64_t staging = 64) {
+  std::unique_ptr<KvConnector> Make(uint64_t pages, std::string offload, uint64_t staging = 64,
+                                    uint64_t max_held = 0) {
     ConnectorOptions o;
+    o.max_held_pages = max_held;
     o.spec = Spec();
     o.num_pages = pages;
     o.stores = {store_->address()};
@@ -138,7 +140,8 @@ TEST_F(WorkerTest, StagingStaysWithinItsBoundUnderABurst) {
 }
 
 TEST_F(WorkerTest, AStoreKilledMidOnboardFallsBackToPrefill) {
-  auto a = Make(512, "write-through");
+  // Every saved page may wait for the store: none of the 400 is dropped.
+  auto a = Make(512, "write-through", 64, /*max_held=*/512);
   auto chain = Chain(7, 400);
   Serve(*a, 1, chain);
   auto b = Make(512, "none");

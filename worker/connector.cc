@@ -81,7 +81,9 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
       self->WriteBack(h, page);
     });
   }
-  c->offloader_ = std::thread([self] { self->OffloadLoop(); });
+  for (uint32_t i = 0; i < std::max<uint32_t>(1, o.offload_threads); ++i) {
+    c->offloaders_.emplace_back([self] { self->OffloadLoop(); });
+  }
   return c;
 }
 
@@ -93,7 +95,7 @@ KvConnector::~KvConnector() {
   }
   offload_cv_.notify_all();
   staging_cv_.notify_all();
-  if (offloader_.joinable()) offloader_.join();
+  for (auto& t : offloaders_) t.join();
   std::vector<uint64_t> ids;
   {
     std::lock_guard lk(mu_);
@@ -193,7 +195,7 @@ absl::StatusOr<KvConnector::Match> KvConnector::Lookup(uint64_t request,
     std::lock_guard lk(mu_);
     auto it = requests_.find(request);
     if (it != requests_.end()) {
-      if (it->second->load_started || it->second->pending_saves > 0) {
+      if (it->second->load_started || it->second->saves->pending > 0) {
         if (store_) store_->Release(r->pin);
         return absl::FailedPreconditionError(
             absl::StrCat("request ", request, " is open with a load or save under way"));
@@ -236,6 +238,9 @@ absl::StatusOr<std::vector<uint32_t>> KvConnector::AllocateForCompute(uint64_t r
   std::vector<uint32_t> out;
   for (size_t i = r->pages.size() + r->computed.size(); i < r->chain.size(); ++i) {
     auto p = pool_->Allocate();
+    // Saves waiting for the store give their pages up to compute (the oldest
+    // first): an offload never holds a request back.
+    while (!p && DropOldestHeld()) p = pool_->Allocate();
     if (!p) {
       for (uint32_t q : out) pool_->Discard(q);
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -253,7 +258,7 @@ void KvConnector::Finished(uint64_t request) {
     std::unique_lock lk(mu_);
     auto it = requests_.find(request);
     if (it == requests_.end()) return;
-    drained_cv_.wait(lk, [&] { return it->second->pending_saves == 0; });
+    // Its saves were copied out when staged and finish on their own.
     r = std::move(it->second);
     requests_.erase(it);
   }

@@ -25,12 +25,16 @@
 // vLLM's load-error reporting.
 //
 // Offload: pages leaving the hot set (write-back) or freshly saved blocks
-// (write-through) are gathered into registered staging buffers and written
-// to the store in batches (BeginPut / RMA / CommitPut) by a background
-// thread. Staging is bounded: staging_blocks for offloads and as many for
-// loads (so neither starves the other); when the offload half is full an
-// eviction waits up to offload_wait_ms for room, then gives up that offload
-// (counted).
+// (write-through) are copied into registered staging buffers at once (so
+// the pages are free to go) and written to the store in batches (BeginPut,
+// then the bytes with the commit behind them) by a background thread at
+// low CPU priority. No request ever waits for an offload: Save and
+// eviction never wait for staging room (when the offload half is full, the
+// oldest queued save is dropped for the new one, counted in
+// offload_dropped_full), and Finished does not wait for the request's
+// saves; WaitForSave is there for engines that want to. Staging is
+// bounded: staging_blocks for offloads and as many for loads (so neither
+// starves the other).
 // Blocks known to be in the store are not offloaded again. A store that
 // fails makes loads return an error (the engine computes those blocks
 // instead) and offloads count as failed; nothing blocks for longer than the
@@ -91,7 +95,11 @@ struct ConnectorOptions {
   std::string offload = "write-back";    // "write-back", "write-through" or "none"
   uint64_t staging_blocks = 64;          // staging bound per direction (offload, load), in blocks
   uint64_t offload_batch = 32;           // blocks per offload operation (at most)
-  int offload_wait_ms = 50;              // how long an eviction waits for staging room
+  uint32_t offload_threads = 2;          // offload operations in flight at once
+  // Pool mode, write-through: saved pages waiting for a staging slot stay
+  // referenced in the pool, at most this many (0: every page); past it, or
+  // when a request needs the pages, the oldest waiting save is dropped.
+  uint64_t max_held_pages = 0;
   DataClientOptions data;                // deadlines, lanes, shared memory, ...
   // Set: the engine owns the KV cache (see above) and num_pages is its page
   // count. The memory must outlive the connector.
@@ -115,6 +123,9 @@ struct ConnectorStats {
   uint64_t loads = 0, loaded_blocks = 0, load_failures = 0;
   uint64_t offloaded_blocks = 0, offload_skipped_known = 0, offload_dropped_full = 0,
            offload_failures = 0;
+  // Offload operations, the waits on the store they took, and the block
+  // bytes they sent; blocks computed into the pool (pool mode).
+  uint64_t offload_batches = 0, offload_round_trips = 0, offloaded_bytes = 0, computed_blocks = 0;
   uint64_t staging_in_use = 0, staging_peak = 0, staging_blocks = 0;  // offload staging
   uint64_t load_staging_peak = 0;                                     // load staging
   uint64_t corrupt_dropped = 0;  // blocks that failed their checksum and the store dropped
@@ -150,6 +161,8 @@ class KvConnector {
   // REQUIRES: the connector owns its pages (no engine_memory).
   PagePool& pool() { return *pool_; }
   bool engine_owned() const { return !pool_; }
+  // Whether it has a store tier (any --store).
+  bool has_store() const { return store_ != nullptr; }
   const gpu::PageMemory& memory() const { return memory_; }
 
   absl::StatusOr<Match> Begin(uint64_t request, std::vector<BlockHash> chain);
@@ -210,6 +223,11 @@ class KvConnector {
   ConnectorStats stats() const;
 
  private:
+  // A request's offloads in flight (guarded by mu_).
+  struct SaveState {
+    uint64_t pending = 0;
+    absl::Status status;  // the first failure
+  };
   struct Request {
     std::vector<BlockHash> chain;
     std::vector<uint32_t> pages;  // pinned pages, chain order, for the first pages.size() blocks
@@ -228,13 +246,21 @@ class KvConnector {
     uint32_t layers_in = 0;                          // guarded by mu_
     absl::Status load_status;                        // guarded by mu_, once load_ended
     LoadTimes load_times;
-    uint64_t pending_saves = 0;
-    absl::Status save_status;
+    // Its saves, shared with the staged blocks: they outlive a request
+    // finished before its saves are written.
+    std::shared_ptr<SaveState> saves = std::make_shared<SaveState>();
   };
   struct Staged {
     BlockHash hash;
     uint32_t slot;
-    std::optional<uint64_t> request;  // the request that waits for it; none for write-back
+    std::shared_ptr<SaveState> waiter;  // the request's saves; none for write-back
+  };
+  // A save waiting for a staging slot, its page held (referenced) until the
+  // offloader has copied it out.
+  struct Held {
+    BlockHash hash;
+    uint32_t page;
+    std::shared_ptr<SaveState> waiter;
   };
 
   KvConnector() = default;
@@ -269,9 +295,23 @@ class KvConnector {
   // connector_offload.cc
   // The pool evicts page (holding h): write it back if the policy says so.
   void WriteBack(const BlockHash& h, uint32_t page);
-  // Gathers page into a staging slot and queues it for the store.
-  bool StageForOffload(const BlockHash& hash, uint32_t page, std::optional<uint64_t> request,
-                       int wait_ms);
+  // Gathers page into a staging slot and queues it for the store, counted
+  // in `waiter` (if any) until written. Never waits: with the offload half
+  // full it takes the oldest queued block's slot (that save is dropped), or
+  // drops this one when every slot is being written.
+  void StageForOffload(const BlockHash& hash, uint32_t page,
+                       const std::shared_ptr<SaveState>& waiter);
+  // Pool mode: queues a cached page for the store without copying it; the
+  // page stays referenced (so not evicted) until the offloader has copied
+  // it into staging. Past max_held_pages the oldest held save is dropped.
+  void HoldForOffload(const BlockHash& hash, uint32_t page,
+                      const std::shared_ptr<SaveState>& waiter);
+  // Drops the oldest held save (its page unreferenced, counted in
+  // offload_dropped_full); false if none is held.
+  bool DropOldestHeld();
+  // The offloader: copies held pages into `slots` (one each) and lets the
+  // pages go. REQUIRES: slots.size() == held.size().
+  std::vector<Staged> GatherHeld(std::vector<Held> held, const std::vector<uint32_t>& slots);
   void OffloadLoop();
 
   // connector_staging.cc
@@ -312,9 +352,10 @@ class KvConnector {
   std::vector<uint32_t> free_slots_;       // offload half: [0, staging_blocks)
   std::vector<uint32_t> load_free_slots_;  // load half: [staging_blocks, 2 x staging_blocks)
   std::deque<Staged> offload_queue_;
+  std::deque<Held> held_;  // pool-mode saves not yet copied out (their pages referenced)
   uint64_t offloads_running_ = 0;
   bool stop_ = false;
-  std::thread offloader_;
+  std::vector<std::thread> offloaders_;
 
   mutable std::mutex known_mu_;
   absl::flat_hash_set<BlockHash, BlockHashHasher> known_;

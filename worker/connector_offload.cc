@@ -1,10 +1,16 @@
 // The connector's save and offload path: Save makes computed pages matchable
 // and, under write-through, stages them for the store; WriteBack stages pages
-// the pool evicts under write-back. Staged blocks sit in the offload half of
-// the staging memory until OffloadLoop, the one background thread, writes
-// them in batches (BeginPut, RMA, CommitPut); WaitForSave and Drain wait for
-// that.
+// the pool evicts under write-back. Staging copies the bytes out at once and
+// never waits (a full offload half drops the oldest queued save). Staged
+// blocks sit in the offload half of the staging memory until OffloadLoop,
+// the one background thread, writes them in batches (BeginPut, then the
+// bytes and CommitPut); WaitForSave and Drain wait for that, nothing else
+// does.
 #include "worker/connector.h"
+
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/elapsed.h"
@@ -13,22 +19,48 @@ namespace kvtier::worker {
 
 void KvConnector::WriteBack(const BlockHash& h, uint32_t page) {
   if (store_ && options_.offload == "write-back" && !KnownStored(h)) {
-    StageForOffload(h, page, std::nullopt, options_.offload_wait_ms);
+    StageForOffload(h, page, nullptr);
   }
 }
 
-bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
-                                  std::optional<uint64_t> request, int wait_ms) {
-  std::vector<uint32_t> slot;
-  {
-    std::unique_lock lk(staging_mu_);
-    if (!AcquireStagingLocked(lk, 1, wait_ms, &slot)) {
-      std::lock_guard sl(stats_mu_);
-      stats_.offload_dropped_full++;
-      return false;
-    }
+void KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
+                                  const std::shared_ptr<SaveState>& waiter) {
+  if (waiter) {
+    std::lock_guard lk(mu_);
+    waiter->pending++;
   }
-  uint8_t* dst = Slot(slot[0]);
+  std::shared_ptr<SaveState> dropped;  // the save whose slot this one takes (its waiter)
+  bool dropped_oldest = false, have_slot = false;
+  uint32_t slot = 0;
+  {
+    std::lock_guard lk(staging_mu_);
+    if (!stop_ && !free_slots_.empty()) {
+      slot = free_slots_.back();
+      free_slots_.pop_back();
+      have_slot = true;
+    } else if (!stop_ && !offload_queue_.empty()) {
+      // The oldest queued save gives way: the newest blocks are the likelier
+      // to be asked for again, and no request waits for room.
+      slot = offload_queue_.front().slot;
+      dropped = std::move(offload_queue_.front().waiter);
+      offload_queue_.pop_front();
+      dropped_oldest = have_slot = true;
+    }
+    std::lock_guard sl(stats_mu_);
+    if (!have_slot || dropped_oldest) stats_.offload_dropped_full++;
+    stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
+    stats_.staging_peak = std::max(stats_.staging_peak, stats_.staging_in_use);
+  }
+  if (dropped_oldest || !have_slot) {
+    {
+      std::lock_guard lk(mu_);
+      if (dropped) dropped->pending--;
+      if (!have_slot && waiter) waiter->pending--;
+    }
+    drained_cv_.notify_all();
+    if (!have_slot) return;
+  }
+  uint8_t* dst = Slot(slot);
   const auto gather_start = std::chrono::steady_clock::now();
   if (packed_) {
     // Cannot fail: Create refused int8 for an 8-bit dtype.
@@ -42,10 +74,82 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
   }
   {
     std::lock_guard lk(staging_mu_);
-    offload_queue_.push_back(Staged{hash, slot[0], request});
+    offload_queue_.push_back(Staged{hash, slot, waiter});
   }
   offload_cv_.notify_one();
+}
+
+void KvConnector::HoldForOffload(const BlockHash& hash, uint32_t page,
+                                 const std::shared_ptr<SaveState>& waiter) {
+  {
+    std::lock_guard lk(mu_);
+    waiter->pending++;
+  }
+  pool_->Ref(page);  // before staging_mu_: the pool's eviction callback takes staging_mu_
+  const uint64_t max_held =
+      options_.max_held_pages > 0 ? options_.max_held_pages : options_.num_pages;
+  std::optional<Held> dropped;
+  {
+    std::lock_guard lk(staging_mu_);
+    held_.push_back(Held{hash, page, waiter});
+    if (held_.size() > max_held) {
+      dropped = std::move(held_.front());
+      held_.pop_front();
+    }
+  }
+  if (dropped) {
+    pool_->Unref(dropped->page);
+    {
+      std::lock_guard sl(stats_mu_);
+      stats_.offload_dropped_full++;
+    }
+    {
+      std::lock_guard lk(mu_);
+      dropped->waiter->pending--;
+    }
+    drained_cv_.notify_all();
+  }
+  offload_cv_.notify_one();
+}
+
+bool KvConnector::DropOldestHeld() {
+  std::optional<Held> dropped;
+  {
+    std::lock_guard lk(staging_mu_);
+    if (held_.empty()) return false;
+    dropped = std::move(held_.front());
+    held_.pop_front();
+  }
+  pool_->Unref(dropped->page);
+  {
+    std::lock_guard sl(stats_mu_);
+    stats_.offload_dropped_full++;
+  }
+  {
+    std::lock_guard lk(mu_);
+    dropped->waiter->pending--;
+  }
+  drained_cv_.notify_all();
   return true;
+}
+
+std::vector<KvConnector::Staged> KvConnector::GatherHeld(std::vector<Held> held,
+                                                         const std::vector<uint32_t>& slots) {
+  std::vector<Staged> out;
+  const auto gather_start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < held.size(); ++i) {
+    uint8_t* dst = Slot(slots[i]);
+    if (packed_) {
+      gpu::GatherPackInt8Cpu(layout_, pool_->layer_bases(), &held[i].page, 1, &dst).IgnoreError();
+    } else {
+      gpu::GatherCpu(layout_, memory_, &held[i].page, 1, &dst);
+    }
+    pool_->Unref(held[i].page);
+    out.push_back(Staged{held[i].hash, slots[i], std::move(held[i].waiter)});
+  }
+  std::lock_guard sl(stats_mu_);
+  stats_.offload_gather_ms += MsSince(gather_start);
+  return out;
 }
 
 absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
@@ -59,6 +163,10 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
                                                    ") are beyond the request's ", r->chain.size()));
   }
   if (auto s = CheckPages(pages); !s.ok()) return s;
+  {
+    std::lock_guard sl(stats_mu_);
+    stats_.computed_blocks += pages.size();
+  }
   if (!store_) return absl::OkStatus();
   for (size_t i = 0; i < pages.size(); ++i) {
     const BlockHash& h = r->chain[first_block + i];
@@ -67,16 +175,7 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
       stats_.offload_skipped_known++;
       continue;
     }
-    {
-      std::lock_guard lk(mu_);
-      r->pending_saves++;
-    }
-    if (!StageForOffload(h, pages[i], request, options_.data.deadline_ms)) {
-      std::lock_guard lk(mu_);
-      r->pending_saves--;
-      return absl::ResourceExhaustedError(
-          absl::StrCat("no staging memory for block ", first_block + i, " before the deadline"));
-    }
+    StageForOffload(h, pages[i], r->saves);
   }
   return absl::OkStatus();
 }
@@ -93,16 +192,12 @@ absl::Status KvConnector::Save(uint64_t request) {
     r->pages.push_back(page);
     stored.push_back(h);
     if (store_ && options_.offload == "write-through" && !KnownStored(h)) {
-      {
-        std::lock_guard lk(mu_);
-        r->pending_saves++;
-      }
-      if (!StageForOffload(h, page, request, options_.data.deadline_ms)) {
-        std::lock_guard lk(mu_);
-        r->pending_saves--;
-        r->save_status = absl::ResourceExhaustedError("no staging memory for write-through");
-      }
+      HoldForOffload(h, page, r->saves);
     }
+  }
+  {
+    std::lock_guard sl(stats_mu_);
+    stats_.computed_blocks += r->computed.size();
   }
   r->computed.clear();
   PublishStored(stored);
@@ -113,25 +208,46 @@ absl::Status KvConnector::WaitForSave(uint64_t request) {
   std::unique_lock lk(mu_);
   auto it = requests_.find(request);
   if (it == requests_.end()) return absl::NotFoundError(absl::StrCat("no request ", request));
-  Request* r = it->second.get();
-  drained_cv_.wait(lk, [&] { return r->pending_saves == 0; });
-  return r->save_status;
+  std::shared_ptr<SaveState> saves = it->second->saves;
+  drained_cv_.wait(lk, [&] { return saves->pending == 0; });
+  return saves->status;
 }
 
 void KvConnector::OffloadLoop() {
+  // Offloads are nobody's critical path: they yield the CPU to loads and to
+  // the engine (nice 10 for this thread; the transfer lanes already serve
+  // loads first).
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
   const uint64_t bb = wire_bytes_;
   for (;;) {
     std::vector<Staged> batch;
+    std::vector<Held> held;
+    std::vector<uint32_t> held_slots;
     {
       std::unique_lock lk(staging_mu_);
-      offload_cv_.wait(lk, [&] { return stop_ || !offload_queue_.empty(); });
-      if (offload_queue_.empty()) return;
+      offload_cv_.wait(lk, [&] {
+        return stop_ || !offload_queue_.empty() || (!held_.empty() && !free_slots_.empty());
+      });
+      if (offload_queue_.empty() && (held_.empty() || stop_)) return;
       while (!offload_queue_.empty() && batch.size() < options_.offload_batch) {
         batch.push_back(offload_queue_.front());
         offload_queue_.pop_front();
       }
-      offloads_running_ += batch.size();
+      // Held pages are copied out here, off every request's path, into the
+      // slots free now.
+      while (batch.empty() && !held_.empty() && !free_slots_.empty() &&
+             held.size() < options_.offload_batch) {
+        held.push_back(std::move(held_.front()));
+        held_.pop_front();
+        held_slots.push_back(free_slots_.back());
+        free_slots_.pop_back();
+      }
+      offloads_running_ += batch.size() + held.size();
+      std::lock_guard sl(stats_mu_);
+      stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
+      stats_.staging_peak = std::max(stats_.staging_peak, stats_.staging_in_use);
     }
+    if (!held.empty()) batch = GatherHeld(std::move(held), held_slots);
     std::vector<PutBlock> blocks;
     for (const auto& s : batch) blocks.push_back({s.hash, Slot(s.slot)});
     absl::Status st = absl::OkStatus();
@@ -141,7 +257,10 @@ void KvConnector::OffloadLoop() {
     if (!r.ok()) st = r.status();
     {
       std::lock_guard sl(stats_mu_);
+      stats_.offload_batches++;
       if (r.ok()) {
+        stats_.offload_round_trips += r->round_trips;
+        stats_.offloaded_bytes += r->bytes_sent;
         stats_.offloaded_blocks += r->written;
         stats_.offload_times += r->times;
         stats_.offload_skipped_known += r->already_present;
@@ -164,11 +283,9 @@ void KvConnector::OffloadLoop() {
     {
       std::lock_guard lk(mu_);
       for (const auto& s : batch) {
-        if (!s.request) continue;
-        auto it = requests_.find(*s.request);
-        if (it == requests_.end()) continue;
-        it->second->pending_saves--;
-        if (!st.ok()) it->second->save_status = st;
+        if (!s.waiter) continue;
+        s.waiter->pending--;
+        if (!st.ok() && s.waiter->status.ok()) s.waiter->status = st;
       }
     }
     {
@@ -182,7 +299,7 @@ void KvConnector::OffloadLoop() {
 void KvConnector::Drain() {
   std::unique_lock lk(staging_mu_);
   // drained_cv_ is notified under mu_ changes too; poll briefly to stay simple.
-  while (!offload_queue_.empty() || offloads_running_ > 0) {
+  while (!offload_queue_.empty() || !held_.empty() || offloads_running_ > 0) {
     lk.unlock();
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
     lk.lock();

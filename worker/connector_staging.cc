@@ -61,6 +61,7 @@ void KvConnector::ReleaseStaging(const std::vector<uint32_t>& slots) {
     stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
   }
   staging_cv_.notify_all();
+  offload_cv_.notify_all();  // held pages wait for offload slots
 }
 
 }  // namespace kvtier::worker

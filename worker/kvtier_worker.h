@@ -192,11 +192,11 @@ kvtier_status kvtier_start_load_into(kvtier_connector* c, uint64_t request, cons
 /* Engine connectors. Queues the request's blocks first_block + i, computed
  * into pages[i], for the store; their bytes are copied out before it
  * returns, so the engine may reuse the pages at once. Blocks known to be in
- * the store are skipped. kvtier_wait_for_save waits for them.
+ * the store are skipped. Never waits for the store: with the offload
+ * staging full, the oldest queued save gives its place up (dropped, and
+ * counted). kvtier_wait_for_save waits for them.
  *   KVTIER_INVALID_ARGUMENT     blocks beyond the chain, a page id out of range.
  *   KVTIER_NOT_FOUND            the request is not open.
- *   KVTIER_RESOURCE_EXHAUSTED   no staging memory before the deadline (the
- *                               blocks before that one are queued).
  *   KVTIER_FAILED_PRECONDITION  a kvtier-owned connector. */
 kvtier_status kvtier_save_blocks(kvtier_connector* c, uint64_t request, uint32_t first_block,
                                  const uint32_t* pages, size_t n_pages);
@@ -240,19 +240,22 @@ int64_t kvtier_allocate(kvtier_connector* c, uint64_t request, uint32_t* pages_o
  *   -KVTIER_NOT_FOUND  the request is not open. */
 int64_t kvtier_request_pages(kvtier_connector* c, uint64_t request, uint32_t* pages_out, size_t max);
 /* The computed pages hold their blocks now: they become matchable, and
- * under write-through are queued for the store.
+ * under write-through are queued for the store (each page stays referenced
+ * until it is copied out; a request that needs pages takes them from the
+ * oldest queued saves first, which are then dropped). Never waits.
  *   KVTIER_NOT_FOUND  the request is not open. */
 kvtier_status kvtier_save(kvtier_connector* c, uint64_t request);
 /* Waits for the request's write-through offloads (none under write-back or
- * none). The blocks stay cached on the GPU either way.
+ * none). The blocks stay cached on the GPU either way. A dropped save (see
+ * kvtier_save) is no failure.
  *   KVTIER_NOT_FOUND           the request is not open.
- *   KVTIER_RESOURCE_EXHAUSTED  no staging memory for a block before the
- *                              deadline.
  *   the store's code           e.g. KVTIER_UNAVAILABLE,
  *                              KVTIER_DEADLINE_EXCEEDED. */
 kvtier_status kvtier_wait_for_save(kvtier_connector* c, uint64_t request);
-/* Unpins the request's pages. A request that is not open is ignored (so
- * closing twice, or after kvtier_allocate closed it, is harmless). */
+/* Unpins the request's pages. Does not wait for its saves (they finish on
+ * their own; kvtier_wait_for_save waits for them). A request that is not
+ * open is ignored (so closing twice, or after kvtier_allocate closed it, is
+ * harmless). */
 void kvtier_request_finished(kvtier_connector* c, uint64_t request);
 
 /* The outcome of the calling thread's last call into this library. */

@@ -133,7 +133,9 @@ class Connector:
              pages: Sequence[int]) -> None:
         """Queues blocks ``first_block + i`` of the request, computed into
         ``pages[i]``, for the store; their bytes are copied before it
-        returns. Blocks known to be stored are skipped."""
+        returns. Blocks known to be stored are skipped. Never waits: with
+        the offload staging full, the oldest queued save is dropped
+        (counted in ``offload_dropped_full``)."""
         self._c.save(request_id, first_block, pages)
 
     def wait_for_save(self, request_id: int) -> None:
@@ -141,8 +143,9 @@ class Connector:
         self._c.wait_for_save(request_id)
 
     def finished(self, request_id: int) -> None:
-        """Closes the request (waits for its saves; releases its pins).
-        Closing a request that is not open does nothing."""
+        """Closes the request (releases its pins; its saves, copied out
+        already, finish on their own: call :meth:`wait_for_save` first to
+        wait for them). Closing a request that is not open does nothing."""
         self._c.finished(request_id)
 
     def loaded_from_disk(self, request_id: int) -> int:
@@ -155,8 +158,16 @@ class Connector:
 
     def stats(self) -> dict[str, int]:
         """Counters: loads, loaded_blocks, load_failures, offloaded_blocks,
-        offload_skipped_known, offload_failures, staging_peak, ..."""
+        offload_skipped_known, offload_dropped_full, offload_failures,
+        staging_peak, offload_batches, offload_round_trips (waits on the
+        store), offloaded_bytes, computed_blocks (blocks saved), ..."""
         return dict(self._c.stats())
+
+    def offload_times(self) -> dict[str, float]:
+        """Where offloading spent its time, in milliseconds summed over
+        offload operations: control_ms, queue_ms (lane wait), rma_ms,
+        checksum_ms, gather_ms (copying pages out)."""
+        return dict(self._c.offload_times())
 
     def drain(self) -> None:
         """Waits until every queued save has been written (or failed)."""

@@ -392,6 +392,17 @@ class EngineConnector {
     d["staging_peak"] = s.staging_peak;
     d["staging_blocks"] = s.staging_blocks;
     d["corrupt_dropped"] = s.corrupt_dropped;
+    d["offload_batches"] = s.offload_batches;
+    d["offload_round_trips"] = s.offload_round_trips;
+    d["offloaded_bytes"] = s.offloaded_bytes;
+    d["computed_blocks"] = s.computed_blocks;
+    return d;
+  }
+  // Where offloading spent its time, summed over offload operations.
+  py::dict OffloadTimes() {
+    worker::ConnectorStats s = c()->stats();
+    py::dict d = TimesDict(s.offload_times);
+    d["gather_ms"] = s.offload_gather_ms;
     return d;
   }
   void Drain() {
@@ -722,6 +733,7 @@ PYBIND11_MODULE(_native, m) {
       .def("loaded_from_disk", &EngineConnector::LoadedFromDisk)
       .def("load_times", &EngineConnector::LoadTimes)
       .def("stats", &EngineConnector::Stats)
+      .def("offload_times", &EngineConnector::OffloadTimes)
       .def("drain", &EngineConnector::Drain)
       .def("_load_loop", &EngineConnector::LoadLoop);
 

@@ -66,6 +66,10 @@ int main(int argc, char** argv) {
   flags.Int("balance-threshold-tokens", &balance, 0, int64_t{1} << 40,
             "Route by load alone when the load spread among candidates exceeds this many "
             "tokens (0: never)");
+  uint64_t inflight_ms = 20;
+  flags.DurationMs("inflight", &inflight_ms,
+                   "How long a route may take to reach its worker: tokens routed this recently "
+                   "stay in the worker's load past its next heartbeat (0: a heartbeat resets them)");
   flags.Double("temperature", &temperature, 0, 100,
                "0: always the cheapest; above 0: sample by cost (relative to the prompt length)");
   flags.Bytes("max-message-bytes", &max_message, "Largest gRPC message accepted");
@@ -96,6 +100,7 @@ int main(int argc, char** argv) {
   o.knobs.load_weight = load_weight;
   o.knobs.balance_threshold_tokens = static_cast<uint64_t>(balance);
   o.knobs.temperature = temperature;
+  o.inflight_ms = inflight_ms;
   if (auto s = o.Validate(); !s.ok()) {
     std::fprintf(stderr, "kvtier-router: %s\n", std::string(s.message()).c_str());
     return 2;

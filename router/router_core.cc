@@ -239,14 +239,24 @@ absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& 
     case v1::SourceMessage::kEvent:
       ApplyEvent(s, m.event(), commands);
       return absl::OkStatus();
-    case v1::SourceMessage::kHeartbeat:
+    case v1::SourceMessage::kHeartbeat: {
       s.load = m.heartbeat();
-      s.routed_since_heartbeat = 0;
+      // Routes too recent to have reached the worker stay counted.
+      uint64_t inflight = 0;
+      {
+        std::lock_guard rl(s.routes_mu);
+        const auto cutoff = Clock::now() - std::chrono::milliseconds(options_.inflight_ms);
+        while (!s.recent_routes.empty() && s.recent_routes.front().first < cutoff) {
+          s.recent_routes.pop_front();
+        }
+        for (const auto& [when, tokens] : s.recent_routes) inflight += tokens;
+      }
+      s.routed_since_heartbeat = inflight;
       if (s.hello.kind() == v1::SOURCE_STORE) {
         UpdateStoreFetch();
       } else {
         const uint64_t before = load_[s.num];
-        load_[s.num] = s.load.queued_prefill_tokens();
+        load_[s.num] = s.load.queued_prefill_tokens() + inflight;
         Fleet& f = fleets_.at(s.hello.namespace_id());
         if (load_[s.num] >= f.max_load_bound) {
           f.max_load_bound = load_[s.num];
@@ -261,6 +271,7 @@ absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& 
         SetPrefillRate(s, s.load.prefill_tokens_per_s());
       }
       return absl::OkStatus();
+    }
     case v1::SourceMessage::kSnapshot:
       ApplySnapshotChunk(s, m.snapshot(), commands);
       return absl::OkStatus();
@@ -622,6 +633,18 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
                                  [&](const Pick& p) { return p.num == least.num; })) {
     add(least);
   }
+  // Deciding and adding the request to its worker's load is one step among
+  // concurrent routes: each decides on the loads the others left (a burst
+  // decided on the same loads would all go to the same worker). The
+  // candidates' loads are read again under the lock; the search above
+  // needs none.
+  std::unique_lock decide(decide_mu_);
+  if (!req.dry_run()) {
+    for (Candidate& c : cands) {
+      c.load_tokens = std::atomic_ref<uint64_t>(load_[c.num]).load(std::memory_order_relaxed);
+      max_load = std::max(max_load, c.load_tokens);
+    }
+  }
   Decision d = Decide(k, prompt_tokens, bt, request_hash, cands, max_load);
   RouteResult r;
   const Candidate& best = cands[d.chosen];
@@ -630,6 +653,12 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   // worker's load and the decision counters stay as they were.
   if (!req.dry_run()) {
     chosen->routed_since_heartbeat += best.prefill_tokens;
+    if (options_.inflight_ms > 0) {
+      std::lock_guard rl(chosen->routes_mu);
+      chosen->recent_routes.emplace_back(Clock::now(), best.prefill_tokens);
+      // Bounded: a worker whose heartbeats stopped keeps no more than this.
+      if (chosen->recent_routes.size() > 4096) chosen->recent_routes.pop_front();
+    }
     const uint64_t now_load = std::atomic_ref<uint64_t>(load_[best.num])
                                   .fetch_add(best.prefill_tokens, std::memory_order_relaxed) +
                               best.prefill_tokens;
@@ -642,6 +671,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
       }
     }
   }
+  decide.unlock();
   r.worker_id = best.worker_id;
   r.endpoint = chosen->hello.endpoint();
   r.gpu_blocks = best.gpu_blocks;

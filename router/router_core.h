@@ -37,6 +37,7 @@ inline constexpr double kMaxFetchCost = 1000;
 // With --temperature > 0, Route samples among this many of the cheapest.
 inline constexpr size_t kSampledCandidates = 16;
 
+
 struct RouterOptions {
   CostKnobs knobs;
   uint64_t heartbeat_deadline_ms = 5000;
@@ -48,6 +49,12 @@ struct RouterOptions {
   bool scan_all_workers = false;
   // Candidates a RouteResponse lists when the request does not say.
   uint32_t default_candidates = 8;
+  // How long a route may take to reach its worker: a worker's heartbeat
+  // does not count the tokens routed to it this recently (they may still be
+  // on their way), so they stay in its load after the heartbeat. Without
+  // it a burst routed between two heartbeats looks gone from the load the
+  // moment the first heartbeat comes, and piles onto one worker.
+  uint64_t inflight_ms = 20;
 
   // INVALID_ARGUMENT naming the flag of the first field out of range.
   absl::Status Validate() const;
@@ -120,6 +127,10 @@ class RouterCore {
     std::vector<uint64_t> snapshot;  // fingerprints of the chunks received so far
     v1::Heartbeat load;
     std::atomic<uint64_t> routed_since_heartbeat{0};
+    // Workers: the routes of the last inflight_ms (when, tokens), oldest
+    // first; Route appends under routes_mu (it holds the core's lock shared).
+    std::mutex routes_mu;
+    std::deque<std::pair<Clock::time_point, uint64_t>> recent_routes;
     Clock::time_point last_seen;
     int streams = 0;
     size_t slot = 0;  // workers: place in their fleet's arrays
@@ -164,6 +175,8 @@ class RouterCore {
 
   RouterOptions options_;
   mutable WriterPreferringMutex mu_;  // routes never hold an event batch back for long
+  std::mutex decide_mu_;  // a route's decision and its load increment, one at a time
+
   std::unordered_map<std::string, std::unique_ptr<Source>> sources_;
   std::vector<Source*> by_num_;  // SourceNum -> source (nullptr when free)
   std::vector<SourceNum> free_nums_;

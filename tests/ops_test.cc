@@ -78,6 +78,13 @@ class Ops : public ::testing::Test {
     grpc::ClientContext ctx;
     v1::SubmitResponse resp;
     ASSERT_TRUE(stub->Submit(&ctx, req, &resp).ok());
+    // Its 6 blocks reach the store after it answered (offloads never hold a
+    // request): the tests start once they have.
+    ASSERT_TRUE(testing::WaitFor([&] {
+      grpc::ClientContext sctx;
+      v1::GetWorkerStatsResponse st;
+      return stub->GetWorkerStats(&sctx, {}, &st).ok() && st.offloaded_blocks() == 6;
+    }));
     stores_env_ = "KVTIER_STORE=" + stores_[0]->address() + "," + stores_[1]->address() +
                   " KVTIER_ROUTER=" + router_->address();
     ns_ = absl::StrFormat("%016x", NamespaceId(NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", "", ""}));

@@ -59,6 +59,12 @@ class SimCluster : public ::testing::Test {
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
     return s.Submit(&ctx, r, out);
   }
+  // Blocks the worker has written to the store so far.
+  uint64_t Offloaded(v1::SimWorker::Stub& s) {
+    grpc::ClientContext ctx;
+    v1::GetWorkerStatsResponse st;
+    return s.GetWorkerStats(&ctx, {}, &st).ok() ? st.offloaded_blocks() : 0;
+  }
   testing::TempDir dir_;
   std::unique_ptr<ServerProcess> store_, router_;
 };
@@ -74,6 +80,8 @@ TEST_F(SimCluster, BlocksTravelFromOneWorkerThroughTheStoreToAnother) {
   ASSERT_TRUE(Submit(*s1, Prompt(1, 1000, 2), &r).ok());
   EXPECT_EQ(r.gpu_hit_tokens(), 992u);  // 62 full blocks; the partial one is recomputed
   EXPECT_EQ(r.prefill_tokens(), 8u);
+  // Offloads land after the requests answered (no request waits for them).
+  ASSERT_TRUE(WaitFor([&] { return Offloaded(*s1) == 62; }));
   ASSERT_TRUE(Submit(*s2, Prompt(1, 1000, 3), &r).ok());
   EXPECT_EQ(r.onboarded_tokens(), 992u);
   EXPECT_EQ(r.verified_blocks(), 62u);
@@ -111,7 +119,9 @@ TEST_F(SimCluster, AWorkerKilledMidOffloadLeavesNoPartialBlock) {
       served++;
     }
   });
-  ASSERT_TRUE(WaitFor([&] { return served >= 3; }));
+  // Killed with at least three requests' blocks in the store and more on
+  // their way (offloads land after the requests answered).
+  ASSERT_TRUE(WaitFor([&] { return served >= 3 && Offloaded(*s1) >= 3 * 128; }));
   w1->proc().Kill(SIGKILL);
   stop = true;
   load.join();

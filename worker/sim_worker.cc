@@ -9,8 +9,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstdio>
 #include <fstream>
+#include <limits>
+#include <map>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -52,145 +57,115 @@ struct SimOptions {
   double prefill_tokens_per_s = 10000;
   double decode_ms_per_token = 20;
   double time_scale = 0;  // real seconds slept per simulated second of prefill
-  std::string worker_id;
+  // How long (real time) the engine waits for requests ready before the
+  // one it would take next that may still be on their way.
+  std::chrono::microseconds reorder_window{0};
 };
 
+// The simulated engine. One thread runs it, as an engine's scheduler loop:
+// it takes the waiting request that was ready first, matches its prompt
+// against the GPU pages and the store then (at scheduling time, as vLLM's
+// scheduler does, so a request queued behind another with its prefix finds
+// that prefix computed), sends it off to load what the store holds (the
+// engine goes on meanwhile and takes it back once loaded), and computes
+// its uncached tokens, one prefill at a time.
+//
+// Time is simulated: the engine keeps its own clock in simulated
+// milliseconds. A request is ready at its arrival (SubmitRequest.arrival_ms,
+// on the caller's clock); a prefill takes prompt tokens / prefill rate; the
+// tier's real costs (the store lookup and a load, which the request waits
+// for while the engine serves others) enter it as measured. Real time only paces the
+// engine (it sleeps time_scale x each prefill, so the load routers see and
+// the pages it holds last as long, scaled, as in simulation): how the host
+// schedules threads never enters a request's times.
 class SimWorkerService final : public v1::SimWorker::Service {
  public:
-  SimWorkerService(KvConnector* c, SimOptions o) : c_(c), o_(std::move(o)) {}
+  SimWorkerService(KvConnector* c, SimOptions o) : c_(c), o_(std::move(o)) {
+    engine_ = std::thread([this] { EngineLoop(); });
+  }
+  ~SimWorkerService() override {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    engine_.join();
+  }
 
   // Load for heartbeats.
   v1::Heartbeat Load() const {
     v1::Heartbeat h;
     h.set_running_requests(static_cast<uint32_t>(running_.load()));
-    h.set_queued_prefill_tokens(queued_tokens_.load());
+    h.set_queued_prefill_tokens(o_.time_scale > 0 ? SimulatedBacklog() : queued_tokens_.load());
     h.set_free_gpu_pages(c_->stats().pool.free);
-    // Its prefill rate in real time (simulated seconds take time_scale real
-    // ones; with no sleeping the rate is unknown).
-    if (o_.time_scale > 0) h.set_prefill_tokens_per_s(o_.prefill_tokens_per_s / o_.time_scale);
+    // Its prefill rate in the clock the tier's costs are counted in: the
+    // simulated engine takes a load's real milliseconds as simulated ones,
+    // so the router weighs a fetch against simulated compute.
+    h.set_prefill_tokens_per_s(o_.prefill_tokens_per_s);
     return h;
   }
 
   grpc::Status Submit(grpc::ServerContext*, const v1::SubmitRequest* req,
                       v1::SubmitResponse* resp) override {
     auto done = fence_.Enter();
-    auto t0 = Clock::now();
-    const uint32_t bt = c_->block_tokens();
-    auto parsed = PromptFromRequest(*req, c_->namespace_id(), bt, "submit");
+    auto parsed = PromptFromRequest(*req, c_->namespace_id(), c_->block_tokens(), "submit");
     if (!parsed.ok()) return ToGrpc(parsed.status());
-    const std::vector<BlockHash>& chain = parsed->chain;
-    const uint64_t prompt = parsed->prompt_tokens;
-    // A trailing partial block is computed but not cached.
+    auto job = std::make_shared<Job>();
+    job->id = req->request_id() ? req->request_id() : next_id_++;
+    job->chain = std::move(parsed->chain);
+    job->prompt = parsed->prompt_tokens;
+    job->arrival = req->has_arrival_ms() ? req->arrival_ms() : SimNow();
+    job->ready = job->arrival;
+    job->output_tokens = req->output_tokens();
+    job->resp = resp;
     running_++;
-    uint64_t id = req->request_id() ? req->request_id() : next_id_++;
-    // Onboarding starts here: Begin pins the store's blocks (its one round trip).
-    auto t_load = Clock::now();
-    auto m = c_->Begin(id, chain);
-    if (!m.ok()) {
-      running_--;
-      return ToGrpc(m.status());
-    }
-    uint32_t loaded = 0;
-    if (!m->store_status.ok()) {
-      resp->set_load_status(absl::StrCat("store lookup failed, computing instead: ",
-                                         m->store_status.message()));
-    }
-    double onboard_ms = 0;
-    if (m->store_blocks > 0) {
-      const absl::Status started = c_->StartLoad(id);
-      auto l = started.ok() ? c_->WaitForLoad(id) : absl::StatusOr<uint32_t>(started);
-      if (l.ok()) {
-        loaded = *l;
-        resp->set_onboarded_from_disk(c_->LoadedFromDisk(id));
-      } else {
-        resp->set_load_status(std::string(l.status().message()));
+    // Until its lookup says how much it computes, the whole prompt counts
+    // in the load routers see.
+    queued_tokens_ += job->prompt;
+    job->queued_tokens = job->prompt;
+    Enqueue(job);
+    std::unique_lock lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return job->state != Job::kWaiting; });
+      if (job->state == Job::kDone) break;
+      // kLoad: this thread looks the request up and loads; the engine goes on.
+      lk.unlock();
+      const absl::Status onboarded = Onboard(*job);
+      lk.lock();
+      loading_.erase(loading_.find(job->load_from));
+      if (!onboarded.ok()) {
+        job->status = ToGrpc(onboarded);
+        job->state = Job::kDone;
+        cv_.notify_all();
+        break;
       }
-      onboard_ms = Ms(Clock::now() - t_load);
-      ToProto(c_->LoadTimesOf(id), resp->mutable_onboard_breakdown());
+      job->state = Job::kWaiting;
+      job->received = Clock::now();
+      waiting_.emplace(std::make_pair(job->ready, job->seq), job);
+      cv_.notify_all();
     }
-    // Every onboarded byte against the model.
-    uint32_t verified = 0, mismatched = 0;
-    {
-      auto pages = c_->pool().MatchAndRef(chain);
-      for (uint32_t i = m->gpu_blocks; i < m->gpu_blocks + loaded && i < pages.size(); ++i) {
-        bool same = PageMatchesModel(c_->pool().layout(), c_->pool().layer_bases(), pages[i],
-                                     c_->namespace_id(), chain[i], o_.packed);
-        ++verified;
-        mismatched += !same;
-      }
-      for (auto it = pages.rbegin(); it != pages.rend(); ++it) c_->pool().Unref(*it);  // tail first
-    }
-    uint64_t cached_tokens = std::min<uint64_t>(uint64_t{m->gpu_blocks + loaded} * bt, prompt);
-    uint64_t prefill = prompt - cached_tokens;
-    // Pages for the computed blocks. When other requests hold the pool, wait
-    // for them like an engine's scheduler would; a prompt larger than the
-    // whole pool is computed without caching its blocks.
-    auto pages = c_->AllocateForCompute(id);
-    for (auto until = Clock::now() + std::chrono::seconds(30);
-         !pages.ok() && pages.status().code() == absl::StatusCode::kResourceExhausted &&
-         running_.load() > 1 && Clock::now() < until;) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      pages = c_->AllocateForCompute(id);
-    }
-    if (!pages.ok() && pages.status().code() != absl::StatusCode::kResourceExhausted) {
-      c_->Finished(id);
-      running_--;
-      return ToGrpc(pages.status());
-    }
-    if (!pages.ok()) pages = std::vector<uint32_t>();  // computed, not cached
-    const size_t first = m->gpu_blocks + loaded;
-    for (size_t i = 0; i < pages->size(); ++i) {
-      ComputeIntoPage(c_->pool().layout(), c_->pool().layer_bases(), (*pages)[i],
-                      c_->namespace_id(), chain[first + i]);
-    }
-    double prefill_ms = 1000.0 * static_cast<double>(prefill) / o_.prefill_tokens_per_s;
-    double queue_ms = 0;
-    {
-      queued_tokens_ += prefill;
-      auto tq = Clock::now();
-      std::lock_guard engine(engine_mu_);  // one prefill at a time
-      queue_ms = Ms(Clock::now() - tq);
-      if (o_.time_scale > 0) {
-        std::this_thread::sleep_for(std::chrono::microseconds(
-            static_cast<int64_t>(prefill_ms * 1000 * o_.time_scale)));
-      }
-      queued_tokens_ -= prefill;
-    }
-    if (auto s = c_->Save(id); !s.ok()) {
-      c_->Finished(id);
-      running_--;
-      return ToGrpc(s);
-    }
-    c_->Finished(id);  // waits for write-through offloads of this request
+    lk.unlock();
+    queued_tokens_ -= job->queued_tokens;
     running_--;
-    requests_++;
-    verified_ += verified;
-    mismatched_ += mismatched;
-    resp->set_prompt_tokens(prompt);
-    resp->set_prefill_tokens(prefill);
-    resp->set_gpu_hit_tokens(std::min<uint64_t>(uint64_t{m->gpu_blocks} * bt, prompt));
-    resp->set_onboarded_tokens(cached_tokens - resp->gpu_hit_tokens());
-    resp->set_verified_blocks(verified);
-    resp->set_mismatched_blocks(mismatched);
-    resp->set_onboard_ms(onboard_ms);
-    resp->set_decode_ms(o_.decode_ms_per_token * req->output_tokens());
-    // TTFT: queueing behind other prefills (the engine sleeps scaled
-    // simulated time, so scale it back), onboarding (real transfers, taken
-    // as measured) and the simulated prefill.
-    double scale = o_.time_scale > 0 ? o_.time_scale : 1.0;
-    resp->set_ttft_ms(queue_ms / scale + onboard_ms + prefill_ms);
-    (void)t0;
-    return grpc::Status::OK;
+    return job->status;
   }
 
   // After the server stopped (see HandlerFence).
   void Quiesce() const { fence_.Quiesce(); }
+  // Its id towards routers, known once it serves (it may name the port).
+  void SetWorkerId(std::string id) {
+    std::lock_guard lk(id_mu_);
+    worker_id_ = std::move(id);
+  }
 
   grpc::Status GetWorkerStats(grpc::ServerContext*, const v1::GetWorkerStatsRequest*,
                               v1::GetWorkerStatsResponse* resp) override {
     auto done = fence_.Enter();
     ConnectorStats s = c_->stats();
-    resp->set_worker_id(o_.worker_id);
+    {
+      std::lock_guard lk(id_mu_);
+      resp->set_worker_id(worker_id_);
+    }
     resp->set_requests(requests_);
     resp->set_pages(c_->pool().layout().num_pages);
     resp->set_free_pages(s.pool.free);
@@ -199,6 +174,10 @@ class SimWorkerService final : public v1::SimWorker::Service {
     resp->set_load_failures(s.load_failures);
     resp->set_offloaded_blocks(s.offloaded_blocks);
     resp->set_offload_dropped(s.offload_dropped_full);
+    resp->set_offload_batches(s.offload_batches);
+    resp->set_offload_round_trips(s.offload_round_trips);
+    resp->set_offloaded_bytes(s.offloaded_bytes);
+    resp->set_computed_blocks(s.computed_blocks);
     resp->set_offload_failures(s.offload_failures);
     resp->set_staging_peak_blocks(s.staging_peak);
     resp->set_staging_blocks(s.staging_blocks);
@@ -212,13 +191,288 @@ class SimWorkerService final : public v1::SimWorker::Service {
   }
 
  private:
+  struct Job {
+    enum State { kWaiting, kLoad, kDone } state = kWaiting;
+    uint64_t id = 0, seq = 0, prompt = 0, queued_tokens = 0;
+    uint32_t output_tokens = 0;
+    std::vector<BlockHash> chain;
+    double arrival = 0;  // simulated ms
+    double ready = 0;    // when it can next be scheduled, simulated ms
+    Clock::time_point received;  // real: when it joined the waiting queue
+    bool looked_up = false;
+    KvConnector::Match match;
+    uint32_t loaded = 0;
+    double onboard_ms = 0;  // real: lookup and load
+    double load_from = 0;   // simulated ms: when its load started
+    v1::SubmitResponse* resp = nullptr;
+    grpc::Status status;
+  };
+
+  // Tokens a request is expected to compute: its prompt after what the GPU
+  // pages hold now.
+  uint64_t EstimatedPrefill(const Job& job) const {
+    const uint64_t cached =
+        uint64_t{c_->pool().Match(job.chain)} * c_->block_tokens();
+    return job.prompt - std::min(job.prompt, cached);
+  }
+
+  // The engine's backlog in prefill tokens at the present moment of
+  // simulated time: the rest of what it booked, and what the requests
+  // waiting for it (or loading) are expected to compute, first come first
+  // served from their ready times. The requests the real process holds
+  // (queued_tokens_) are not it: a request waits in real time for the
+  // reorder window, and the process may lag its simulation.
+  uint64_t SimulatedBacklog() const {
+    std::lock_guard lk(mu_);
+    if (!have_origin_) return 0;
+    const double now =
+        std::chrono::duration<double, std::milli>(Clock::now() - origin_).count() / Scale();
+    double busy = busy_until_.load();
+    double left_ms = std::max(0.0, busy - now);
+    auto add = [&](double ready, uint64_t tokens) {
+      const double start = std::max(busy, ready);
+      busy = start + 1000.0 * static_cast<double>(tokens) / o_.prefill_tokens_per_s;
+      left_ms += std::max(0.0, busy - std::max(start, now));
+    };
+    // In ready order: the waiting and the loading merged.
+    auto w = waiting_.begin();
+    auto l = loading_.begin();
+    while (w != waiting_.end() || l != loading_.end()) {
+      if (l == loading_.end() || (w != waiting_.end() && w->first.first <= l->first)) {
+        add(w->first.first, EstimatedPrefill(*w->second));
+        ++w;
+      } else {
+        add(l->first, l->second);
+        ++l;
+      }
+    }
+    return static_cast<uint64_t>(left_ms * o_.prefill_tokens_per_s / 1000.0);
+  }
+
+  // Real seconds per simulated one (1 when the engine does not sleep).
+  double Scale() const { return o_.time_scale > 0 ? o_.time_scale : 1.0; }
+  // When simulated time `ms` comes in real time. REQUIRES: mu_ held, a
+  // request seen.
+  Clock::time_point RealAt(double ms) const {
+    return origin_ + std::chrono::microseconds(static_cast<int64_t>(ms * 1000 * Scale()));
+  }
+
+  // The worker's own simulated clock, for requests that do not say when
+  // they arrived: milliseconds since it started, in simulated time.
+  double SimNow() const {
+    return Ms(Clock::now() - started_) / (o_.time_scale > 0 ? o_.time_scale : 1.0);
+  }
+
+  void Enqueue(const std::shared_ptr<Job>& job) {
+    std::lock_guard lk(mu_);
+    // Requests ready at the same moment go in the caller's order (its
+    // request ids), not in the order the host happened to deliver them.
+    job->seq = job->id;
+    job->received = Clock::now();
+    // Where simulated time 0 lies in real time: the earliest any request's
+    // arrival maps to (the least delayed delivery tells it best).
+    const auto origin =
+        job->received - std::chrono::microseconds(static_cast<int64_t>(job->arrival * 1000 * Scale()));
+    if (!have_origin_ || origin < origin_) origin_ = origin;
+    have_origin_ = true;
+    waiting_.emplace(std::make_pair(job->ready, job->seq), job);
+    cv_.notify_all();
+  }
+
+  // Ends a job: its answer is in job.resp (or job.status).
+  void Finish(Job& job, grpc::Status status) {
+    std::lock_guard lk(mu_);
+    job.status = std::move(status);
+    job.state = Job::kDone;
+    cv_.notify_all();
+  }
+
+  // On the request's own thread, once the engine took it: looks it up (the
+  // GPU pages and the store: one round trip) and loads what the store
+  // holds, while the engine goes on with other requests (vLLM's scheduler
+  // likewise skips a request whose connector lookup is still under way). It
+  // is ready again that much later (real time, as measured). An error is
+  // the lookup's: the request fails with it.
+  absl::Status Onboard(Job& job) {
+    const auto t = Clock::now();
+    auto m = c_->Begin(job.id, job.chain);
+    if (!m.ok()) return m.status();
+    job.match = *m;
+    if (!m->store_status.ok()) {
+      job.resp->set_load_status(absl::StrCat("store lookup failed, computing instead: ",
+                                             m->store_status.message()));
+    }
+    if (m->store_blocks > 0) {
+      const absl::Status started = c_->StartLoad(job.id);
+      auto l = started.ok() ? c_->WaitForLoad(job.id) : absl::StatusOr<uint32_t>(started);
+      if (l.ok()) {
+        job.loaded = *l;
+        job.resp->set_onboarded_from_disk(c_->LoadedFromDisk(job.id));
+      } else {
+        job.resp->set_load_status(std::string(l.status().message()));
+      }
+      ToProto(c_->LoadTimesOf(job.id), job.resp->mutable_onboard_breakdown());
+    }
+    const double ms = Ms(Clock::now() - t);
+    job.onboard_ms += ms;
+    job.ready += ms;
+    return absl::OkStatus();
+  }
+
+  void EngineLoop() {
+    std::unique_lock lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || !waiting_.empty(); });
+      if (stop_) {
+        for (auto& [key, job] : waiting_) {
+          job->status = grpc::Status(grpc::UNAVAILABLE, "the worker is stopping");
+          job->state = Job::kDone;
+        }
+        waiting_.clear();
+        cv_.notify_all();
+        return;
+      }
+      // The first ready, once the reorder window past its ready time has
+      // passed in real time (one ready before it may still be on its way);
+      // an engine behind real time takes it at once.
+      auto first = waiting_.begin();
+      const auto due = o_.time_scale > 0 ? RealAt(first->second->ready) + o_.reorder_window
+                                         : first->second->received + o_.reorder_window;
+      if (Clock::now() < due) {
+        cv_.wait_until(lk, due);
+        continue;
+      }
+      // A request loading now may be ready before this one starts: until its
+      // load ends (real milliseconds) nobody knows, so the engine waits.
+      if (!loading_.empty() &&
+          loading_.begin()->first <= std::max(clock_ms_, first->second->ready)) {
+        cv_.wait(lk);
+        continue;
+      }
+      std::shared_ptr<Job> job = first->second;
+      waiting_.erase(first);
+      lk.unlock();
+      Schedule(*job);
+      lk.lock();
+    }
+  }
+
+  // The engine takes the job: looks it up (the first time), sends it to
+  // load, or computes it.
+  void Schedule(Job& job) {
+    const uint32_t bt = c_->block_tokens();
+    double now = std::max(clock_ms_, job.ready);
+    if (!job.looked_up) {
+      job.looked_up = true;
+      if (c_->has_store()) {
+        // Looked up (and loaded) on its own thread: see Onboard.
+        job.ready = now;
+        std::lock_guard lk(mu_);
+        job.load_from = now;
+        loading_.emplace(now, EstimatedPrefill(job));
+        job.state = Job::kLoad;
+        cv_.notify_all();
+        return;
+      }
+      // No store: matching the GPU pages is the engine's own bookkeeping.
+      auto m = c_->Begin(job.id, job.chain);
+      if (!m.ok()) return Finish(job, ToGrpc(m.status()));
+      job.match = *m;
+    }
+    // Every onboarded byte against the model.
+    uint32_t verified = 0, mismatched = 0;
+    {
+      auto pages = c_->pool().MatchAndRef(job.chain);
+      const uint32_t gpu = job.match.gpu_blocks;
+      for (uint32_t i = gpu; i < gpu + job.loaded && i < pages.size(); ++i) {
+        bool same = PageMatchesModel(c_->pool().layout(), c_->pool().layer_bases(), pages[i],
+                                     c_->namespace_id(), job.chain[i], o_.packed);
+        ++verified;
+        mismatched += !same;
+      }
+      for (auto it = pages.rbegin(); it != pages.rend(); ++it) c_->pool().Unref(*it);  // tail first
+    }
+    const uint64_t cached = std::min<uint64_t>(uint64_t{job.match.gpu_blocks + job.loaded} * bt,
+                                               job.prompt);
+    const uint64_t prefill = job.prompt - cached;
+    // Pages for the computed blocks; with every page held by requests
+    // loading, the prompt is computed without caching its blocks.
+    auto pages = c_->AllocateForCompute(job.id);
+    if (!pages.ok() && pages.status().code() != absl::StatusCode::kResourceExhausted) {
+      c_->Finished(job.id);
+      return Finish(job, ToGrpc(pages.status()));
+    }
+    if (!pages.ok()) pages = std::vector<uint32_t>();
+    const size_t first = job.match.gpu_blocks + job.loaded;
+    for (size_t i = 0; i < pages->size(); ++i) {
+      ComputeIntoPage(c_->pool().layout(), c_->pool().layer_bases(), (*pages)[i],
+                      c_->namespace_id(), job.chain[first + i]);
+    }
+    const double prefill_ms = 1000.0 * static_cast<double>(prefill) / o_.prefill_tokens_per_s;
+    queued_tokens_ -= job.queued_tokens - prefill;
+    job.queued_tokens = prefill;
+    clock_ms_ = now + prefill_ms;
+    busy_until_ = clock_ms_;
+    if (o_.time_scale > 0) {
+      // Pace: the prefill ends when its simulated end comes in real time (an
+      // engine behind real time, held up by the host, catches up instead).
+      Clock::time_point end;
+      {
+        std::lock_guard lk(mu_);
+        end = RealAt(clock_ms_);
+      }
+      std::this_thread::sleep_until(end);
+    }
+    // Saves are staged (copied out) and written in the background: neither
+    // the first token nor the request's end waits for the store.
+    absl::Status saved = c_->Save(job.id);
+    c_->Finished(job.id);
+    if (!saved.ok()) return Finish(job, ToGrpc(saved));
+    requests_++;
+    verified_ += verified;
+    mismatched_ += mismatched;
+    v1::SubmitResponse* resp = job.resp;
+    resp->set_prompt_tokens(job.prompt);
+    resp->set_prefill_tokens(prefill);
+    resp->set_gpu_hit_tokens(std::min<uint64_t>(uint64_t{job.match.gpu_blocks} * bt, job.prompt));
+    resp->set_onboarded_tokens(cached - resp->gpu_hit_tokens());
+    resp->set_verified_blocks(verified);
+    resp->set_mismatched_blocks(mismatched);
+    resp->set_onboard_ms(job.onboard_ms);
+    resp->set_decode_ms(o_.decode_ms_per_token * job.output_tokens);
+    // TTFT in simulated time, from arrival to the prefill's end: onboarding
+    // (real, as measured), the prefill, and the rest waiting for the engine.
+    const double ttft = clock_ms_ - job.arrival;
+    resp->set_ttft_ms(ttft);
+    resp->set_prefill_ms(prefill_ms);
+    resp->set_queue_ms(std::max(0.0, ttft - prefill_ms - job.onboard_ms));
+    Finish(job, grpc::Status::OK);
+  }
+
   KvConnector* c_;
   SimOptions o_;
   HandlerFence fence_;
-  std::mutex engine_mu_;
+  std::mutex id_mu_;
+  std::string worker_id_;  // guarded by id_mu_
+  const Clock::time_point started_ = Clock::now();
   std::atomic<uint64_t> next_id_{1ull << 62}, requests_{0}, verified_{0}, mismatched_{0};
   std::atomic<int64_t> running_{0};
   std::atomic<uint64_t> queued_tokens_{0};
+  // The engine: waiting jobs by (ready, request id), guarded by mu_; its
+  // clock (simulated ms), touched by its thread only.
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<double, uint64_t>, std::shared_ptr<Job>> waiting_;
+  // Loads under way: when each started (simulated ms), and the tokens its
+  // request is expected to compute.
+  std::multimap<double, uint64_t> loading_;
+  // The engine's clock after its last prefill (clock_ms_, for heartbeats).
+  std::atomic<double> busy_until_{std::numeric_limits<double>::lowest()};
+  Clock::time_point origin_;       // simulated time 0 in real time
+  bool have_origin_ = false;
+  bool stop_ = false;
+  double clock_ms_ = std::numeric_limits<double>::lowest();
+  std::thread engine_;
 };
 
 }  // namespace
@@ -264,6 +518,11 @@ int main(int argc, char** argv) {
   flags.Double("decode-ms-per-token", &sim.decode_ms_per_token, 0, 1e6, "Simulated decode time");
   flags.Double("time-scale", &sim.time_scale, 0, 1000,
                "Real seconds the engine sleeps per simulated second of prefill (0: none)");
+  uint64_t reorder_ms = 10;
+  flags.DurationMs("reorder-window", &reorder_ms,
+                   "With --time-scale: how long a request waits (real time) for requests ready "
+                   "before it in simulated time to reach the engine, so that host scheduling does "
+                   "not reorder the simulated engine's queue");
   flags.DurationMs("heartbeat", &heartbeat_ms, "Heartbeat period towards routers");
   flags.DurationMs("router-refresh", &router_refresh_ms,
                    "How often --router names are resolved again (one publisher per address: every "
@@ -272,6 +531,8 @@ int main(int argc, char** argv) {
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
   AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/true);
   ParseFlagsOrExit(flags, argc, argv);
+  sim.reorder_window =
+      std::chrono::microseconds(sim.time_scale > 0 ? reorder_ms * 1000 : 0);
   auto client_security = ClientSecurity(tls);
   auto server_credentials = ServerCredentials(tls);
   for (const absl::Status& s : {client_security.status(), server_credentials.status()}) {
@@ -329,6 +590,7 @@ int main(int argc, char** argv) {
   grpc::Server* server = started->server.get();
   const std::string bound = started->address();
   if (worker_id.empty()) worker_id = "sim-worker@" + bound;
+  service->SetWorkerId(worker_id);
   if (endpoint.empty()) endpoint = bound;
   std::vector<std::string> router_list;
   for (absl::string_view r : absl::StrSplit(routers, ',', absl::SkipEmpty())) router_list.emplace_back(r);
@@ -354,8 +616,10 @@ int main(int argc, char** argv) {
   kvtier::AnnounceListening("kvtier-sim-worker", *started, "", port_file);
   kvtier::ServeUntilSignalled(server, "sim-worker");
   service->Quiesce();
-  // Publishers first: their heartbeats read the connector's load.
+  // Publishers first: their heartbeats read the service's load; then the
+  // engine, which uses the connector.
   if (fanout) fanout->Stop();
+  service.reset();
   connector.reset();
   Log("sim-worker", "stopped");
   return 0;

@@ -103,6 +103,13 @@ class Handler:
             "staging_blocks": cs.get("staging_blocks", 0),
             "verified_blocks": s["loaded_blocks"],
             "mismatched_blocks": 0,
+            # What the engine's saves did (kvtier-bench replay prints it).
+            "offload_breakdown": (self.engine.connector.offload_times()
+                                  if self.engine.connector else {}),
+            "offload_batches": cs.get("offload_batches", 0),
+            "offload_round_trips": cs.get("offload_round_trips", 0),
+            "offloaded_bytes": cs.get("offloaded_bytes", 0),
+            "computed_blocks": cs.get("computed_blocks", 0),
         }
 
 

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -47,7 +48,7 @@ struct Options {
   uint64_t block_bytes = 64 << 10;
   uint64_t ram_bytes = 2ull << 30;
   uint64_t disk_bytes = 16ull << 30;
-  int64_t concurrency = 32;
+  int64_t concurrency = 256;
   double prefill_tps = 50000;
   double fetch_cost = 0.1, load_weight = 1.0;
   int64_t balance = 32768;
@@ -89,6 +90,25 @@ std::vector<uint32_t> TraceTokens(const TraceRequest& tr, int64_t per_block) {
   return out;
 }
 
+// The parts of a request's TTFT, in the replay's clock: simulated
+// milliseconds for the sim engine (real costs of the tier enter as
+// measured), real ones for the torch engine.
+//   window   waiting for a free slot in the client's window (--concurrency)
+//   route    the router's answer (KV-aware modes)
+//   onboard  the store lookup and the load of its blocks
+//   queue    the sim engine: waiting for it, behind other requests
+//   prefill  the sim engine: computing the prompt's uncached tokens
+//   other    the torch engine: everything else (its own queue and compute,
+//            real; it does not tell them apart)
+enum Part { kWindow, kRoute, kOnboard, kQueue, kPrefill, kOther, kParts };
+constexpr const char* kPartNames[kParts] = {"window", "route", "onboard", "queue", "prefill", "other"};
+
+// One request's TTFT parts, and where it ran.
+struct Timed {
+  int64_t worker = -1;  // -1: not served
+  std::array<double, kParts> part{};
+};
+
 // Milliseconds per step, summed (the SubmitResponse / worker stats breakdown).
 struct Breakdown {
   double control = 0, queue = 0, rma = 0, checksum = 0, staging = 0, scatter = 0, gather = 0;
@@ -117,6 +137,8 @@ struct ModeResult {
   uint64_t requests = 0, prompt_tokens = 0, computed = 0, gpu_hit = 0, store_ram = 0,
            store_disk = 0, verified = 0, mismatched = 0, load_failures = 0, offloaded_blocks = 0;
   std::vector<double> ttft;
+  // Where each request's TTFT went, in the replay's clock (see Part).
+  std::array<std::vector<double>, kParts> parts;
   std::vector<uint64_t> work;  // prefill tokens per worker
   std::vector<std::pair<uint64_t, uint64_t>> per_request;  // (gpu hit tokens, prompt tokens) by index
   int64_t restarted_at = -1;
@@ -126,6 +148,15 @@ struct ModeResult {
   uint64_t wire_block_bytes = 0;  // bytes a block takes in the store and on the wire
   Breakdown onboard, offload;
   double store_pin_handler_ms = 0;  // the store's own time in BeginGet, mean per call
+  // The offload path, from the workers' stats.
+  uint64_t offload_batches = 0, offload_round_trips = 0, offloaded_bytes = 0, computed_blocks = 0,
+           offload_dropped = 0;
+  double RoundTripsPerOffloadedBlock() const {
+    return offloaded_blocks ? double(offload_round_trips) / offloaded_blocks : 0;
+  }
+  double BytesPerComputedBlock() const {
+    return computed_blocks ? double(offloaded_bytes) / computed_blocks : 0;
+  }
   uint64_t BytesMoved() const { return (onboarded_blocks + offloaded_blocks) * wire_block_bytes; }
   double Frac(uint64_t x) const { return prompt_tokens ? double(x) / prompt_tokens : 0; }
   double TtftMean() const {
@@ -161,15 +192,6 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   const std::string scratch = dir.sub(mode);
   std::unique_ptr<LocalServer> store, router;
   std::string tag = mode == "round-robin+store" ? "rr-store" : mode;
-  if (with_store) {
-    auto s = LocalServer::Start(
-        DefaultBinary("cachestore", "kvtier-store"), scratch + "-store",
-        {"--data-dir=" + scratch + "-db", absl::StrCat("--ram-bytes=", o.ram_bytes),
-         absl::StrCat("--disk-bytes=", o.disk_bytes), "--data-listen=127.0.0.1:0",
-         "--hugepages=false", absl::StrCat("--demote-queue-bytes=", 256 << 20)});
-    if (!s.ok()) return s.status();
-    store = std::move(*s);
-  }
   if (kv_aware) {
     auto r = LocalServer::Start(
         DefaultBinary("router", "kvtier-router"), scratch + "-router",
@@ -178,6 +200,19 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
          absl::StrCat("--balance-threshold-tokens=", o.balance)});
     if (!r.ok()) return r.status();
     router = std::move(*r);
+  }
+  if (with_store) {
+    std::vector<std::string> flags = {
+        "--data-dir=" + scratch + "-db", absl::StrCat("--ram-bytes=", o.ram_bytes),
+        absl::StrCat("--disk-bytes=", o.disk_bytes), "--data-listen=127.0.0.1:0",
+        "--hugepages=false", absl::StrCat("--demote-queue-bytes=", 256 << 20)};
+    // The store tells the router what it holds: a store hit is one every
+    // worker can have, so the router need not send a prefix to its holder.
+    if (router) flags.push_back("--router=" + router->address());
+    auto s = LocalServer::Start(DefaultBinary("cachestore", "kvtier-store"), scratch + "-store",
+                                flags);
+    if (!s.ok()) return s.status();
+    store = std::move(*s);
   }
   // Sim: 512-token blocks of fp16, 1 layer, 1 head: head_dim sets the bytes.
   // Torch: the reference engine's own geometry, real forward passes.
@@ -199,7 +234,10 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       flags = {absl::StrCat("--worker-id=", tag, "-w", w), "--model=mooncake-trace", "--dtype=fp16",
                "--layers=1", "--kv-heads=1", absl::StrCat("--head-dim=", head_dim),
                "--block-tokens=512", absl::StrCat("--pages=", o.pages),
-               absl::StrCat("--prefill-tokens-per-s=", o.prefill_tps), "--heartbeat=100ms",
+               absl::StrCat("--prefill-tokens-per-s=", o.prefill_tps),
+               // Load reaches the router often next to the compressed trace.
+               absl::StrCat("--heartbeat=", o.speed > 20 ? 5 : 20, "ms"),
+               absl::StrCat("--staging-blocks=", 256),
                // Engines sleep their simulated prefill time compressed like the trace.
                absl::StrCat("--time-scale=", o.speed > 0 ? 1.0 / o.speed : 0.0),
                with_store ? "--offload=write-through" : "--offload=none",
@@ -226,16 +264,50 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     rstub = v1::Router::NewStub(grpc::CreateChannel(router->address(), grpc::InsecureChannelCredentials()));
     // Wait until every worker has registered with the router.
     for (int i = 0; i < 300; ++i) {
+      if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
       grpc::ClientContext ctx;
       v1::ListWorkersResponse lw;
-      if (rstub->ListWorkers(&ctx, {}, &lw).ok() && lw.sources_size() == o.workers) {
+      if (!rstub->ListWorkers(&ctx, {}, &lw).ok()) continue;
+      int64_t ready = 0;
+      for (const auto& src : lw.sources()) {
+        if (src.kind() != v1::SOURCE_WORKER) continue;
+        ++ready;
         // The torch engine names its namespace after its model: route in it.
-        if (torch) ns = lw.sources(0).namespace_id();
-        break;
+        if (torch) ns = src.namespace_id();
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (ready == o.workers) break;
     }
   }
+
+  // Warm-up: one request of a prompt no trace request shares on each
+  // worker, so connections to the store and the first allocations are made
+  // before the clock starts, as a deployment warms up before taking load.
+  // Its simulated time lies far before the trace's.
+  for (size_t w = 0; w < stubs.size(); ++w) {
+    v1::SubmitRequest req;
+    req.set_request_id((uint64_t{1} << 62) + w);
+    req.set_output_tokens(1);
+    if (torch) {
+      for (uint32_t t = 0; t < 2 * kTorchBlockTokens; ++t) {
+        req.mutable_tokens()->add_ids((t * 7 + w * 13 + 1) % kTorchVocab);
+      }
+    } else {
+      req.set_arrival_ms(-1e9);
+      BlockHash h = TraceHash(ns, (uint64_t{1} << 60) + w);
+      auto* p = req.mutable_hashes()->add_hashes();
+      p->set_hi(h.hi);
+      p->set_lo(h.lo);
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    v1::SubmitResponse resp;
+    if (grpc::Status s = stubs[w]->Submit(&ctx, req, &resp); !s.ok()) {
+      return absl::InternalError(absl::StrCat("warm-up request on worker ", w, ": ",
+                                              s.error_message(), "; the worker's log ends:\n",
+                                              workers[w]->LogTail()));
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
 
   ModeResult res;
   res.name = mode;
@@ -243,6 +315,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   res.work.assign(o.workers, 0);
   res.per_request.assign(trace.size(), {0, 0});
   std::mutex mu;
+  std::vector<Timed> timed(trace.size());
   std::atomic<size_t> next{0}, done{0};
   absl::Status failure = absl::OkStatus();
   const auto start = Clock::now();
@@ -255,10 +328,21 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         if (!failure.ok()) return;
       }
       const TraceRequest& tr = trace[i];
+      // A request is due at its trace time / speed. One picked after that
+      // waited for the client's window (every slot busy): that wait is part
+      // of its TTFT. One picked early sleeps until due; how late the sleep
+      // wakes is host noise, not the request's.
+      double window_ms = 0;
       if (o.speed > 0) {
         auto due = start + std::chrono::microseconds(
                                static_cast<int64_t>(tr.timestamp_ms * 1000.0 / o.speed));
-        std::this_thread::sleep_until(due);
+        const auto picked = Clock::now();
+        if (picked > due) {
+          window_ms = std::chrono::duration<double, std::milli>(picked - due).count() *
+                      (torch ? 1.0 : o.speed);
+        } else {
+          std::this_thread::sleep_until(due);
+        }
       }
       v1::SubmitRequest req;
       req.set_request_id(i + 1);
@@ -282,13 +366,19 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         *rr.mutable_hashes()->add_hashes() = *p;
       }
       size_t w = i % o.workers;
+      double route_ms = 0;  // real: the router's cost, as measured
       if (rstub) {
+        const auto asked = Clock::now();
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
         v1::RouteResponse route;
         grpc::Status s = rstub->Route(&ctx, rr, &route);
         if (s.ok() && by_endpoint.count(route.endpoint())) w = by_endpoint[route.endpoint()];
+        route_ms = std::chrono::duration<double, std::milli>(Clock::now() - asked).count();
       }
+      // The sim engine's clock starts at the trace's: the request reaches
+      // the worker after its window wait and its routing.
+      if (!torch) req.set_arrival_ms(tr.timestamp_ms + window_ms + route_ms);
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
       v1::SubmitResponse resp;
@@ -314,7 +404,19 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.verified += resp.verified_blocks();
       res.mismatched += resp.mismatched_blocks();
       res.load_failures += !resp.load_status().empty();
-      res.ttft.push_back(resp.ttft_ms());
+      Timed t;
+      t.worker = w;
+      t.part[kWindow] = window_ms;
+      t.part[kRoute] = route_ms;
+      t.part[kOnboard] = resp.onboard_ms();
+      if (torch) {
+        // Real time throughout: the engine's own TTFT, less what kvtier added.
+        t.part[kOther] = std::max(0.0, resp.ttft_ms() - resp.onboard_ms());
+      } else {
+        t.part[kQueue] = resp.queue_ms();
+        t.part[kPrefill] = resp.prefill_ms();
+      }
+      timed[i] = t;
       res.work[w] += resp.prefill_tokens();
       res.per_request[i] = {resp.gpu_hit_tokens(), resp.prompt_tokens()};
       res.onboard_ms += resp.onboard_ms();
@@ -327,6 +429,17 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   };
   std::vector<std::thread> threads;
   for (int64_t t = 0; t < o.concurrency; ++t) threads.emplace_back(run);
+  auto schedule = [&] {
+    for (const Timed& t : timed) {
+      if (t.worker < 0) continue;
+      double ttft = 0;
+      for (int p = 0; p < kParts; ++p) {
+        res.parts[p].push_back(t.part[p]);
+        ttft += t.part[p];
+      }
+      res.ttft.push_back(ttft);
+    }
+  };
   if (router && o.restart_router_at > 0 && static_cast<size_t>(o.restart_router_at) < trace.size()) {
     // The router dies and comes back on the same port mid-replay; workers
     // reconnect by themselves and answer its snapshot requests.
@@ -343,6 +456,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   }
   for (auto& t : threads) t.join();
   res.seconds = Seconds(start);
+  schedule();
   if (!failure.ok()) return failure;
   if (g_interrupted) return absl::CancelledError("interrupted");
   if (store) {
@@ -366,9 +480,39 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     if (s->GetWorkerStats(&ctx, {}, &st).ok()) {
       res.offloaded_blocks += st.offloaded_blocks();
       res.offload.Add(st.offload_breakdown());
+      res.offload_batches += st.offload_batches();
+      res.offload_round_trips += st.offload_round_trips();
+      res.offloaded_bytes += st.offloaded_bytes();
+      res.computed_blocks += st.computed_blocks();
+      res.offload_dropped += st.offload_dropped();
     }
   }
   return res;
+}
+
+double Mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0 : s / v.size();
+}
+
+nlohmann::json PartsJson(const ModeResult& r) {
+  nlohmann::json j;
+  for (int p = 0; p < kParts; ++p) {
+    j[kPartNames[p]] = {{"mean_ms", Mean(r.parts[p])}, {"p99_ms", Percentile(r.parts[p], 0.99)}};
+  }
+  // The same parts over the slowest 1% of requests (by TTFT): what their
+  // time went to.
+  std::vector<size_t> order(r.ttft.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return r.ttft[a] > r.ttft[b]; });
+  const size_t tail = std::max<size_t>(1, order.size() / 100);
+  for (int p = 0; p < kParts && !order.empty(); ++p) {
+    double s = 0;
+    for (size_t k = 0; k < tail && k < order.size(); ++k) s += r.parts[p][order[k]];
+    j[kPartNames[p]]["slowest_1pct_mean_ms"] = s / std::min(tail, order.size());
+  }
+  return j;
 }
 
 nlohmann::json ToJson(const ModeResult& r) {
@@ -394,6 +538,16 @@ nlohmann::json ToJson(const ModeResult& r) {
                : 0},
           {"onboard_breakdown", r.onboard.Json()},
           {"offload_breakdown", r.offload.Json()},
+          {"ttft_parts", PartsJson(r)},
+          {"offload",
+           {{"batches", r.offload_batches},
+            {"round_trips", r.offload_round_trips},
+            {"offloaded_blocks", r.offloaded_blocks},
+            {"offloaded_bytes", r.offloaded_bytes},
+            {"computed_blocks", r.computed_blocks},
+            {"dropped", r.offload_dropped},
+            {"round_trips_per_offloaded_block", r.RoundTripsPerOffloadedBlock()},
+            {"bytes_per_computed_block", r.BytesPerComputedBlock()}}},
           {"seconds", r.seconds}};
 }
 
@@ -562,6 +716,32 @@ int RunReplay(int argc, const char* const* argv) {
   std::printf("%-18s %8.2f%%   (infinite cache shared by all engines, from the trace)\n", "oracle",
               100 * (1 - oracle.token_hit_ratio()));
   std::printf("\nonboarded blocks verified byte for byte: %lu, mismatched: %lu\n", verified, mismatched);
+  // Where each mode's TTFT went: mean over all requests, and mean over the
+  // slowest 1% (what its p99 is made of).
+  std::printf("\nwhere TTFT went, ms (%s clock): mean over all requests / over the slowest 1%%\n",
+              o.engine == "torch" ? "real" : "simulated");
+  std::printf("%-18s", "mode");
+  for (int p = 0; p < kParts; ++p) std::printf(" %15s", kPartNames[p]);
+  std::printf("\n");
+  for (const auto& r : results) {
+    nlohmann::json j = PartsJson(r);
+    std::printf("%-18s", r.name.c_str());
+    for (int p = 0; p < kParts; ++p) {
+      std::printf(" %7.1f /%6.0f", j[kPartNames[p]]["mean_ms"].get<double>(),
+                  j[kPartNames[p]].value("slowest_1pct_mean_ms", 0.0));
+    }
+    std::printf("\n");
+  }
+  for (const auto& r : results) {
+    if (r.computed_blocks == 0 || r.offload_batches == 0) continue;
+    std::printf("  %s offload: %lu blocks written in %lu operations, %.3f round trips per block "
+                "written, %.2f blocks' bytes sent per block computed (%lu computed, %lu dropped "
+                "from a full queue)\n",
+                r.name.c_str(), r.offloaded_blocks, r.offload_batches,
+                r.RoundTripsPerOffloadedBlock(),
+                r.BytesPerComputedBlock() / std::max<uint64_t>(r.wire_block_bytes, 1),
+                r.computed_blocks, r.offload_dropped);
+  }
   for (const auto& r : results) {
     if (r.onboard_ms > 0) {
       const Breakdown& b = r.onboard;

@@ -54,6 +54,7 @@ struct Options {
   int64_t balance = 32768;
   std::string modes = "round-robin,round-robin+store,kv-aware,kvtier";
   std::string plot;
+  std::string per_request;  // --per-request: JSONL of every request's parts, per mode
   bool json = false, progress = true;
   int64_t restart_router_at = 0;  // kill -9 and restart the router after this many requests
   bool restart_control = false;   // measure the same windows without restarting
@@ -107,6 +108,7 @@ constexpr const char* kPartNames[kParts] = {"window", "route", "onboard", "queue
 struct Timed {
   int64_t worker = -1;  // -1: not served
   std::array<double, kParts> part{};
+  uint64_t prompt = 0, computed = 0, gpu_hit = 0, onboarded = 0;
 };
 
 // Milliseconds per step, summed (the SubmitResponse / worker stats breakdown).
@@ -151,6 +153,18 @@ struct ModeResult {
   // The offload path, from the workers' stats.
   uint64_t offload_batches = 0, offload_round_trips = 0, offloaded_bytes = 0, computed_blocks = 0,
            offload_dropped = 0;
+  // The store's count of put calls: reservations, and commits over gRPC (a
+  // round trip of their own, after a flush) or behind the bytes on the data
+  // plane (none of their own).
+  uint64_t store_begin_puts = 0, store_grpc_commits = 0, store_pipelined_commits = 0;
+  // Waits on the store per block written, counted by the store: a
+  // reservation's, and for a gRPC commit the flush's and the commit's; a
+  // pipelined commit's is the bytes' own.
+  double StoreWaitsPerOffloadedBlock() const {
+    return offloaded_blocks ? double(store_begin_puts + 2 * store_grpc_commits +
+                                     store_pipelined_commits) / offloaded_blocks
+                            : 0;
+  }
   double RoundTripsPerOffloadedBlock() const {
     return offloaded_blocks ? double(offload_round_trips) / offloaded_blocks : 0;
   }
@@ -406,6 +420,10 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.load_failures += !resp.load_status().empty();
       Timed t;
       t.worker = w;
+      t.prompt = resp.prompt_tokens();
+      t.computed = resp.prefill_tokens();
+      t.gpu_hit = resp.gpu_hit_tokens();
+      t.onboarded = resp.onboarded_tokens();
       t.part[kWindow] = window_ms;
       t.part[kRoute] = route_ms;
       t.part[kOnboard] = resp.onboard_ms();
@@ -430,14 +448,24 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   std::vector<std::thread> threads;
   for (int64_t t = 0; t < o.concurrency; ++t) threads.emplace_back(run);
   auto schedule = [&] {
-    for (const Timed& t : timed) {
+    std::ofstream out;
+    if (!o.per_request.empty()) out.open(o.per_request, std::ios::app);
+    for (size_t i = 0; i < timed.size(); ++i) {
+      const Timed& t = timed[i];
       if (t.worker < 0) continue;
       double ttft = 0;
+      nlohmann::json line = {{"mode", mode}, {"request", i}, {"worker", t.worker},
+                             {"arrival_ms", trace[i].timestamp_ms}, {"prompt_tokens", t.prompt},
+                             {"computed_tokens", t.computed}, {"gpu_hit_tokens", t.gpu_hit},
+                             {"onboarded_tokens", t.onboarded}};
       for (int p = 0; p < kParts; ++p) {
         res.parts[p].push_back(t.part[p]);
         ttft += t.part[p];
+        line[std::string(kPartNames[p]) + "_ms"] = t.part[p];
       }
       res.ttft.push_back(ttft);
+      line["ttft_ms"] = ttft;
+      if (out.is_open()) out << line.dump() << "\n";
     }
   };
   if (router && o.restart_router_at > 0 && static_cast<size_t>(o.restart_router_at) < trace.size()) {
@@ -470,6 +498,9 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
           calls += h.count();
           us += h.sum_us();
         }
+        if (h.rpc() == "BeginPut" || h.rpc() == "DataPlaneBeginPut") res.store_begin_puts += h.count();
+        if (h.rpc() == "CommitPut") res.store_grpc_commits += h.count();
+        if (h.rpc() == "DataPlaneCommitPut") res.store_pipelined_commits += h.count();
       }
       if (calls > 0) res.store_pin_handler_ms = static_cast<double>(us) / calls / 1000;
     }
@@ -547,6 +578,10 @@ nlohmann::json ToJson(const ModeResult& r) {
             {"computed_blocks", r.computed_blocks},
             {"dropped", r.offload_dropped},
             {"round_trips_per_offloaded_block", r.RoundTripsPerOffloadedBlock()},
+            {"store_begin_puts", r.store_begin_puts},
+            {"store_grpc_commits", r.store_grpc_commits},
+            {"store_pipelined_commits", r.store_pipelined_commits},
+            {"store_waits_per_offloaded_block", r.StoreWaitsPerOffloadedBlock()},
             {"bytes_per_computed_block", r.BytesPerComputedBlock()}}},
           {"seconds", r.seconds}};
 }
@@ -619,6 +654,10 @@ int RunReplay(int argc, const char* const* argv) {
   flags.Int("torch-max-step-tokens", &o.torch_max_step_tokens, 16, 1 << 20,
             "Torch engine: prefill + decode tokens per forward step");
   flags.String("plot", &o.plot, "Write an SVG chart of the comparison to this file");
+  flags.String("per-request", &o.per_request,
+               "Append every request's TTFT and its parts to this file, one JSON object per line "
+               "per mode (mode, request, worker, arrival_ms, window_ms, route_ms, onboard_ms, "
+               "queue_ms, prefill_ms, other_ms, ttft_ms, token counts)");
   flags.Bool("json", &o.json, "Print JSON");
   flags.Bool("progress", &o.progress, "Progress bars on stderr");
   ParseFlagsOrExit(flags, argc, argv);
@@ -733,14 +772,19 @@ int RunReplay(int argc, const char* const* argv) {
     std::printf("\n");
   }
   for (const auto& r : results) {
-    if (r.computed_blocks == 0 || r.offload_batches == 0) continue;
-    std::printf("  %s offload: %lu blocks written in %lu operations, %.3f round trips per block "
-                "written, %.2f blocks' bytes sent per block computed (%lu computed, %lu dropped "
-                "from a full queue)\n",
-                r.name.c_str(), r.offloaded_blocks, r.offload_batches,
-                r.RoundTripsPerOffloadedBlock(),
-                r.BytesPerComputedBlock() / std::max<uint64_t>(r.wire_block_bytes, 1),
-                r.computed_blocks, r.offload_dropped);
+    if (r.offloaded_blocks == 0) continue;
+    std::printf("  %s offload: %lu blocks written; waits on the store per block written %.3f "
+                "(the store's count: %lu reservations, %lu commits over gRPC, %lu behind the "
+                "bytes)",
+                r.name.c_str(), r.offloaded_blocks, r.StoreWaitsPerOffloadedBlock(),
+                r.store_begin_puts, r.store_grpc_commits, r.store_pipelined_commits);
+    if (r.computed_blocks > 0) {
+      std::printf("; %.2f blocks' bytes sent per block computed (%lu computed, %lu dropped "
+                  "from a full queue)",
+                  r.BytesPerComputedBlock() / std::max<uint64_t>(r.wire_block_bytes, 1),
+                  r.computed_blocks, r.offload_dropped);
+    }
+    std::printf("\n");
   }
   for (const auto& r : results) {
     if (r.onboard_ms > 0) {

@@ -232,7 +232,8 @@ absl::StatusOr<GetOutcome> ShardedStoreClient::Get(uint64_t ns, uint64_t block_b
 }
 
 absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(uint64_t ns, uint64_t block_bytes,
-                                                   const std::vector<BlockHash>& chain) {
+                                                   const std::vector<BlockHash>& chain,
+                                                   std::optional<std::chrono::milliseconds> budget) {
   ShardedPin pin;
   pin.parts = ByShard(ns, chain, addresses_);
   pin.pins.resize(shards_.size());
@@ -250,12 +251,14 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(uint64_t ns, uint64_t block_b
       first = s;
       continue;
     }
-    others.emplace_back(s, std::async(std::launch::async, [this, s, ns, block_bytes, &chain, &pin] {
-                          return shards_[s]->Pin(ns, block_bytes, Select(chain, pin.parts[s]));
-                        }));
+    others.emplace_back(s, std::async(std::launch::async,
+                                      [this, s, ns, block_bytes, &chain, &pin, budget] {
+                                        return shards_[s]->Pin(ns, block_bytes,
+                                                               Select(chain, pin.parts[s]), budget);
+                                      }));
   }
   if (first < shards_.size()) {
-    got[first] = shards_[first]->Pin(ns, block_bytes, Select(chain, pin.parts[first]));
+    got[first] = shards_[first]->Pin(ns, block_bytes, Select(chain, pin.parts[first]), budget);
     Note(first, got[first].status());
   }
   for (auto& [s, f] : others) {

@@ -32,7 +32,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,8 +88,10 @@ class ShardedStoreClient {
   // at once. A failing shard holds nothing (the prefix ends before its
   // first block); its status only when no block is pinned (then the
   // others' pins are released).
+  // `budget`: as StoreDataClient::Pin's.
   absl::StatusOr<ShardedPin> Pin(uint64_t ns, uint64_t block_bytes,
-                                 const std::vector<BlockHash>& chain);
+                                 const std::vector<BlockHash>& chain,
+                                 std::optional<std::chrono::milliseconds> budget = std::nullopt);
   // Moves chain blocks [first, first + count) (within pin.blocks;
   // plan.dest(i, s) names chain block i) from their shards at once. Blocks
   // until all shards are done; the first failing shard's status, or

@@ -361,10 +361,12 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
       });
 }
 
-absl::StatusOr<PinnedBlocks> StoreDataClient::Pin(uint64_t ns, uint64_t block_bytes,
-                                                  const std::vector<BlockHash>& chain) {
-  auto r = PinBy(std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms),
-                 ns, block_bytes, chain);
+absl::StatusOr<PinnedBlocks> StoreDataClient::Pin(
+    uint64_t ns, uint64_t block_bytes, const std::vector<BlockHash>& chain,
+    std::optional<std::chrono::milliseconds> budget) {
+  auto wait = std::chrono::milliseconds(options_.deadline_ms);
+  if (budget) wait = std::min(wait, std::max(*budget, std::chrono::milliseconds(1)));
+  auto r = PinBy(std::chrono::system_clock::now() + wait, ns, block_bytes, chain);
   if (!r.ok()) return Prefixed(r.status(), absl::StrCat("pin in store ", address_, ": "));
   return r;
 }

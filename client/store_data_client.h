@@ -96,10 +96,13 @@ class StoreDataClient {
 
   // One control round trip, on the caller's thread: looks `chain` up and
   // pins its leading present blocks, carrying the releases queued so far.
+  // It ends by the deadline, or by `budget` when that is sooner (a lookup
+  // on a request's path is worth no more than the compute it can save).
   // BeginGet's statuses; INTERNAL for an answer of the wrong shape (then
   // nothing stays pinned).
   absl::StatusOr<PinnedBlocks> Pin(uint64_t ns, uint64_t block_bytes,
-                                   const std::vector<BlockHash>& chain);
+                                   const std::vector<BlockHash>& chain,
+                                   std::optional<std::chrono::milliseconds> budget = std::nullopt);
   // Moves pinned blocks [first, first + count) as `plan` lays them out
   // (plan.dest(i, s) names pinned block i), on a load lane, and verifies each
   // one's checksum. GetOutcome::blocks is `count` on success. The pin stays:

@@ -135,10 +135,10 @@ def main() -> None:
     g.add_argument("--interval-ms", type=int, default=1000,
                    help="between requests")
     g = p.add_argument_group("bursts")
-    g.add_argument("--bursts", type=int, default=60)
+    g.add_argument("--bursts", type=int, default=150)
     g.add_argument("--burst-size", type=int, default=24,
                    help="requests in a burst, at most (half at least)")
-    g.add_argument("--doc-blocks", type=int, default=24,
+    g.add_argument("--doc-blocks", type=int, default=48,
                    help="blocks of a burst's shared prefix, at most")
     g.add_argument("--burst-spread-ms", type=float, default=200,
                    help="a burst arrives within this")

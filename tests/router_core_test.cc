@@ -197,6 +197,43 @@ TEST_F(RouterCoreTest, RoutesToTheLongestPrefixAndExplains) {
   EXPECT_EQ(r->worker_id, "w2");  // 32 + 1000 > 80
 }
 
+TEST(RouterInflight, TokensRoutedJustBeforeAHeartbeatStayInTheLoadUntilTheyCanHaveArrived) {
+  // A heartbeat may leave its worker before a request routed to it arrives
+  // there: with inflight_ms the request's tokens stay in the worker's load,
+  // so the next request of a burst goes elsewhere; without, the heartbeat
+  // wipes them and the burst piles onto the same worker.
+  for (uint64_t inflight : {uint64_t{0}, uint64_t{60000}}) {
+    SCOPED_TRACE(inflight);
+    RouterOptions o;
+    o.inflight_ms = inflight;
+    RouterCore core(o);
+    for (const char* id : {"w1", "w2"}) {
+      std::vector<v1::RouterCommand> cmds;
+      ASSERT_TRUE(core.Hello(Worker(id), &cmds).ok());
+      ASSERT_TRUE(core.Handle(id, Snapshot(0, {}), &cmds).ok());
+    }
+    auto first = core.Route(Req(6));
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(first->prefill_tokens, 96u);
+    v1::SourceMessage hb;
+    hb.mutable_heartbeat()->set_queued_prefill_tokens(0);
+    std::vector<v1::RouterCommand> cmds;
+    ASSERT_TRUE(core.Handle(first->worker_id, hb, &cmds).ok());
+    for (const auto& src : core.Sources()) {
+      if (src.source_id() == first->worker_id) {
+        EXPECT_EQ(src.routed_tokens_since_heartbeat(), inflight > 0 ? 96u : 0u);
+      }
+    }
+    auto second = core.Route(Req(6));
+    ASSERT_TRUE(second.ok()) << second.status();
+    if (inflight > 0) {
+      EXPECT_NE(second->worker_id, first->worker_id);
+    } else {
+      EXPECT_EQ(second->worker_id, first->worker_id);  // the same tie-break, the same worker
+    }
+  }
+}
+
 TEST_F(RouterCoreTest, StoreHeldBlocksCountAsFetchable) {
   Join("w1", {0});
   Join("w2", {});

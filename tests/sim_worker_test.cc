@@ -248,5 +248,76 @@ TEST_F(SimCluster, AWorkerFallsBackToPrefillWhenTheStoreIsGone) {
   EXPECT_EQ(r.gpu_hit_tokens(), 4096u);
 }
 
+TEST_F(SimCluster, TheSimulatedClockQueuesByArrivalWhateverTheSpeed) {
+  // Four requests arrive together (simulated time 1000 ms) at an engine
+  // that prefills 10,000 tokens/s: three of 1,000 tokens, then one with
+  // the first one's prompt. The engine takes them in request-id order,
+  // computes one at a time, and matches the fourth when it takes it: the
+  // first one's blocks are cached by then. Every figure is simulated, so
+  // it is the same at 10x and at 50x (the real sleeps differ 5-fold).
+  std::vector<std::vector<double>> seen;
+  for (const char* scale : {"0.1", "0.02"}) {
+    SCOPED_TRACE(scale);
+    ServerProcess w(KVTIER_SIM_WORKER_BIN, dir_.sub(std::string("clock-") + scale),
+                    {"--listen=127.0.0.1:0", "--pages=256", "--offload=none",
+                     "--prefill-tokens-per-s=10000", std::string("--time-scale=") + scale,
+                     "--reorder-window=300ms"});
+    ASSERT_GT(w.port(), 0) << w.Log();
+    auto s = Stub(w);
+    std::vector<v1::SubmitResponse> r(4);
+    std::vector<std::thread> ts;
+    for (int i = 0; i < 4; ++i) {
+      ts.emplace_back([&, i] {
+        v1::SubmitRequest req = Prompt(i == 3 ? 40 : 40 + i, 1000, i + 1);
+        req.set_arrival_ms(1000);
+        EXPECT_TRUE(Submit(*s, req, &r[i]).ok());
+      });
+    }
+    for (auto& t : ts) t.join();
+    std::vector<double> figures;
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_DOUBLE_EQ(r[i].prefill_ms(), 100);
+      EXPECT_NEAR(r[i].queue_ms(), 100.0 * i, 1e-6);
+      EXPECT_NEAR(r[i].ttft_ms(), 100.0 * (i + 1), 1e-6);
+      EXPECT_EQ(r[i].onboard_ms(), 0);  // no store
+    }
+    EXPECT_EQ(r[3].gpu_hit_tokens(), 992u);  // matched when the engine took it
+    EXPECT_NEAR(r[3].prefill_ms(), 0.8, 1e-9);
+    EXPECT_NEAR(r[3].queue_ms(), 300, 1e-6);
+    for (const auto& x : r) figures.push_back(x.ttft_ms());
+    seen.push_back(figures);
+  }
+  EXPECT_EQ(seen[0], seen[1]);
+}
+
+TEST_F(SimCluster, AStalledStoreCostsOneRequestAtMostItsComputeAndTheNextNothing) {
+  auto w1 = Worker("w1");
+  auto s1 = Stub(*w1);
+  v1::SubmitResponse r;
+  ASSERT_TRUE(Submit(*s1, Prompt(1, 160, 1), &r).ok());  // connected, namespace registered
+  store_->proc().Kill(SIGSTOP);
+  struct Resume {
+    ServerProcess& p;
+    ~Resume() { p.proc().Kill(SIGCONT); }
+  } resume{*store_};
+  // 1,000 tokens at the default 10,000 tokens/s: 100 ms to compute. The
+  // lookup gives up after that long, and the prompt is computed.
+  v1::SubmitRequest stalled = Prompt(2, 1000, 2);
+  stalled.set_arrival_ms(1e6);
+  ASSERT_TRUE(Submit(*s1, stalled, &r).ok());
+  EXPECT_EQ(r.prefill_tokens(), 1000u);
+  EXPECT_FALSE(r.load_status().empty());
+  EXPECT_LE(r.onboard_ms(), 100 + 50);
+  EXPECT_LE(r.ttft_ms(), 200 + 50);
+  // The store is skipped now: the next request pays nothing for it.
+  v1::SubmitRequest next = Prompt(3, 1000, 3);
+  next.set_arrival_ms(2e6);
+  ASSERT_TRUE(Submit(*s1, next, &r).ok());
+  EXPECT_EQ(r.prefill_tokens(), 1000u);
+  EXPECT_LT(r.onboard_ms(), 10);
+  EXPECT_LT(r.ttft_ms(), 100 + 10);
+  store_->proc().Kill(SIGCONT);
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -36,7 +36,7 @@ class WorkerTest : public ::testing::Test {
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
   std::unique_ptr<KvConnector> Make(uint64_t pages, std::string offload, uint64_t staging = 64,
-                                    uint64_t max_held = 0) {
+                                    uint64_t max_held = 0, int deadline_ms = 3000) {
     ConnectorOptions o;
     o.max_held_pages = max_held;
     o.spec = Spec();
@@ -44,7 +44,7 @@ class WorkerTest : public ::testing::Test {
     o.stores = {store_->address()};
     o.offload = std::move(offload);
     o.staging_blocks = staging;
-    o.data.deadline_ms = 3000;
+    o.data.deadline_ms = deadline_ms;
     o.data.shared_memory = DataClientOptions::SharedMemory::kOff;
     auto c = KvConnector::Create(o);
     EXPECT_TRUE(c.ok()) << c.status();
@@ -137,6 +137,48 @@ TEST_F(WorkerTest, StagingStaysWithinItsBoundUnderABurst) {
   EXPECT_GT(st.staging_peak, 0u);
   EXPECT_EQ(st.offloaded_blocks + st.offload_dropped_full + st.offload_failures,
             st.pool.evictions);
+}
+
+TEST_F(WorkerTest, ARequestNeverWaitsForItsSavesAndTheirPagesGoToRequestsThatNeedThem) {
+  // 16 pages, 4 staging slots. Two requests look up while the store
+  // answers; then it stops answering (SIGSTOP).
+  auto a = Make(16, "write-through", /*staging=*/4);
+  ASSERT_TRUE(a);
+  const auto chain = Chain(900, 16);
+  ASSERT_TRUE(a->Begin(1, chain).ok());
+  ASSERT_TRUE(a->Begin(2, Chain(901, 16)).ok());
+  store_->proc().Kill(SIGSTOP);
+  struct Resume {
+    ServerProcess& p;
+    ~Resume() { p.proc().Kill(SIGCONT); }
+  } resume{*store_};
+  auto pages = a->AllocateForCompute(1);
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  ASSERT_EQ(pages->size(), 16u);
+  for (size_t i = 0; i < pages->size(); ++i) {
+    ComputeIntoPage(a->pool().layout(), a->pool().layer_bases(), (*pages)[i], a->namespace_id(),
+                    chain[i]);
+  }
+  // Saving and closing take no store round trip: the store being stopped
+  // costs the request nothing.
+  const auto t = std::chrono::steady_clock::now();
+  ASSERT_TRUE(a->Save(1).ok());
+  a->Finished(1);
+  EXPECT_LT(std::chrono::steady_clock::now() - t, std::chrono::milliseconds(100));
+  // The offloader copied 4 blocks out (its staging) and waits on the store;
+  // the other 12 pages stay referenced for it. A request that needs every
+  // page takes those 12 from the oldest waiting saves, which are dropped.
+  ASSERT_TRUE(testing::WaitFor([&] { return a->stats().staging_in_use == 4; }));
+  EXPECT_EQ(a->stats().offloaded_blocks, 0u);
+  auto pages2 = a->AllocateForCompute(2);
+  ASSERT_TRUE(pages2.ok()) << pages2.status();
+  EXPECT_EQ(pages2->size(), 16u);
+  EXPECT_EQ(a->stats().offload_dropped_full, 12u);
+  a->Finished(2);
+  // The store back, the 4 copied blocks reach it (or fail by the deadline).
+  store_->proc().Kill(SIGCONT);
+  a->Drain();
+  EXPECT_EQ(a->stats().offloaded_blocks + a->stats().offload_failures, 4u);
 }
 
 TEST_F(WorkerTest, AStoreKilledMidOnboardFallsBackToPrefill) {

@@ -144,27 +144,29 @@ bool KvConnector::ForgotNamespace(const absl::Status& s) {
   return EnsureRegistered().ok();
 }
 
-absl::Status KvConnector::PinRest(Request* r) {
+absl::Status KvConnector::PinRest(Request* r, std::optional<std::chrono::milliseconds> budget) {
   if (!store_ || r->gpu_blocks >= r->chain.size()) return absl::OkStatus();
   if (auto s = EnsureRegistered(); !s.ok()) return s;
   // Look the rest up and pin what the store has, in one round trip.
   std::vector<BlockHash> rest(r->chain.begin() + r->gpu_blocks, r->chain.end());
-  auto pin = store_->Pin(ns_, wire_bytes_, rest);
-  if (ForgotNamespace(pin.status())) pin = store_->Pin(ns_, wire_bytes_, rest);
+  auto pin = store_->Pin(ns_, wire_bytes_, rest, budget);
+  if (ForgotNamespace(pin.status())) pin = store_->Pin(ns_, wire_bytes_, rest, budget);
   if (!pin.ok()) return pin.status();
   r->pin = std::move(*pin);
   r->store_blocks = r->pin.blocks;
   return absl::OkStatus();
 }
 
-absl::StatusOr<KvConnector::Match> KvConnector::Begin(uint64_t request, std::vector<BlockHash> chain) {
+absl::StatusOr<KvConnector::Match> KvConnector::Begin(
+    uint64_t request, std::vector<BlockHash> chain,
+    std::optional<std::chrono::milliseconds> lookup_budget) {
   if (!pool_) return absl::FailedPreconditionError("Begin needs the connector's own pages; use Lookup");
   if (chain.empty()) return absl::InvalidArgumentError("request has no full block to match");
   auto r = std::make_unique<Request>();
   r->pages = pool_->MatchAndRef(chain);
   r->gpu_blocks = static_cast<uint32_t>(r->pages.size());
   r->chain = std::move(chain);
-  absl::Status store_status = PinRest(r.get());
+  absl::Status store_status = PinRest(r.get(), lookup_budget);
   Match m{r->gpu_blocks, r->store_blocks, store_status};
   std::lock_guard lk(mu_);
   if (requests_.count(request)) {
@@ -275,6 +277,26 @@ void KvConnector::Finished(uint64_t request) {
 bool KvConnector::IsOpen(uint64_t request) {
   std::lock_guard lk(mu_);
   return requests_.contains(request);
+}
+
+uint32_t KvConnector::MatchMore(uint64_t request) {
+  auto found = Find(request, /*engine_mode=*/false);
+  if (!found.ok()) return 0;
+  Request* r = *found;
+  {
+    std::lock_guard lk(mu_);
+    if (!r->computed.empty() || (r->load_started && !r->load_ended)) return 0;
+  }
+  std::vector<uint32_t> all = pool_->MatchAndRef(r->chain);
+  const size_t have = r->pages.size();
+  uint32_t more = 0;
+  for (size_t i = have; i < all.size(); ++i) {
+    r->pages.push_back(all[i]);
+    ++more;
+  }
+  // The pages it holds already keep the reference they had.
+  for (size_t i = std::min(have, all.size()); i-- > 0;) pool_->Unref(all[i]);
+  return more;
 }
 
 uint32_t KvConnector::LoadedFromDisk(uint64_t request) {

@@ -71,6 +71,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <thread>
@@ -95,7 +96,7 @@ struct ConnectorOptions {
   std::string offload = "write-back";    // "write-back", "write-through" or "none"
   uint64_t staging_blocks = 64;          // staging bound per direction (offload, load), in blocks
   uint64_t offload_batch = 32;           // blocks per offload operation (at most)
-  uint32_t offload_threads = 2;          // offload operations in flight at once
+  uint32_t offload_threads = 1;          // offload operations in flight at once
   // Pool mode, write-through: saved pages waiting for a staging slot stay
   // referenced in the pool, at most this many (0: every page); past it, or
   // when a request needs the pages, the oldest waiting save is dropped.
@@ -165,7 +166,14 @@ class KvConnector {
   bool has_store() const { return store_ != nullptr; }
   const gpu::PageMemory& memory() const { return memory_; }
 
-  absl::StatusOr<Match> Begin(uint64_t request, std::vector<BlockHash> chain);
+  // `lookup_budget`: how long the store lookup may take at most (a lookup
+  // is worth no more than the compute it can save; past it, or with the
+  // store unreachable, store_status says why and the engine computes). The
+  // store's shard is then skipped for a while (ShardedStoreClient), so a
+  // stalled store costs one request its budget, not every request.
+  absl::StatusOr<Match> Begin(
+      uint64_t request, std::vector<BlockHash> chain,
+      std::optional<std::chrono::milliseconds> lookup_budget = std::nullopt);
 
   // Engine mode. Opens the request over its chain, of which the engine has
   // the first skip_blocks itself, and pins in the store the blocks after
@@ -215,6 +223,12 @@ class KvConnector {
   // The request's pages in chain order: its GPU prefix, the loaded blocks,
   // then the pages from AllocateForCompute.
   std::vector<uint32_t> Pages(uint64_t request);
+  // Pool mode, before AllocateForCompute: blocks after the request's pages
+  // (its GPU prefix and what it loaded) that the pool has cached since its
+  // Begin (another request computed them meanwhile) are pinned for it too,
+  // as an engine's scheduler matches a request when it runs it. Returns how
+  // many; 0 once pages were allocated, or with a load in flight.
+  uint32_t MatchMore(uint64_t request);
   // Of the blocks loaded for the request, how many came from the store's NVMe tier.
   uint32_t LoadedFromDisk(uint64_t request);
 
@@ -266,7 +280,7 @@ class KvConnector {
   KvConnector() = default;
 
   // Pins chain[r->gpu_blocks...] in the store; the store's error, if any.
-  absl::Status PinRest(Request* r);
+  absl::Status PinRest(Request* r, std::optional<std::chrono::milliseconds> budget = std::nullopt);
   // Looks up an open request; FAILED_PRECONDITION when the mode is wrong.
   absl::StatusOr<Request*> Find(uint64_t request, bool engine_mode);
   absl::Status CheckPages(const std::vector<uint32_t>& pages) const;
@@ -304,6 +318,7 @@ class KvConnector {
   // Pool mode: queues a cached page for the store without copying it; the
   // page stays referenced (so not evicted) until the offloader has copied
   // it into staging. Past max_held_pages the oldest held save is dropped.
+  // The caller wakes the offloader (offload_cv_) once it queued them all.
   void HoldForOffload(const BlockHash& hash, uint32_t page,
                       const std::shared_ptr<SaveState>& waiter);
   // Drops the oldest held save (its page unreferenced, counted in

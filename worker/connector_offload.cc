@@ -109,7 +109,6 @@ void KvConnector::HoldForOffload(const BlockHash& hash, uint32_t page,
     }
     drained_cv_.notify_all();
   }
-  offload_cv_.notify_one();
 }
 
 bool KvConnector::DropOldestHeld() {
@@ -195,6 +194,9 @@ absl::Status KvConnector::Save(uint64_t request) {
       HoldForOffload(h, page, r->saves);
     }
   }
+  // The offloader wakes once the request's blocks are all queued: they go
+  // to the store as one batch (one reservation), not one by one.
+  offload_cv_.notify_one();
   {
     std::lock_guard sl(stats_mu_);
     stats_.computed_blocks += r->computed.size();

@@ -7,8 +7,10 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <mutex>
 #include <cstdio>
@@ -62,13 +64,14 @@ struct SimOptions {
   std::chrono::microseconds reorder_window{0};
 };
 
-// The simulated engine. One thread runs it, as an engine's scheduler loop:
-// it takes the waiting request that was ready first, matches its prompt
-// against the GPU pages and the store then (at scheduling time, as vLLM's
+// The simulated engine. A request is looked up in the store as it arrives,
+// and what the store holds is loaded while it waits (on its own thread).
+// One thread runs the engine, as an engine's scheduler loop: first come
+// first served among the requests ready (arrived, and loaded), it matches
+// the prompt against the GPU pages again when it runs it (as vLLM's
 // scheduler does, so a request queued behind another with its prefix finds
-// that prefix computed), sends it off to load what the store holds (the
-// engine goes on meanwhile and takes it back once loaded), and computes
-// its uncached tokens, one prefill at a time.
+// that prefix computed) and computes its uncached tokens, one prefill at a
+// time.
 //
 // Time is simulated: the engine keeps its own clock in simulated
 // milliseconds. A request is ready at its arrival (SubmitRequest.arrival_ms,
@@ -123,28 +126,46 @@ class SimWorkerService final : public v1::SimWorker::Service {
     // in the load routers see.
     queued_tokens_ += job->prompt;
     job->queued_tokens = job->prompt;
-    Enqueue(job);
-    std::unique_lock lk(mu_);
-    for (;;) {
-      cv_.wait(lk, [&] { return job->state != Job::kWaiting; });
-      if (job->state == Job::kDone) break;
-      // kLoad: this thread looks the request up and loads; the engine goes on.
-      lk.unlock();
-      const absl::Status onboarded = Onboard(*job);
-      lk.lock();
-      loading_.erase(loading_.find(job->load_from));
-      if (!onboarded.ok()) {
-        job->status = ToGrpc(onboarded);
-        job->state = Job::kDone;
-        cv_.notify_all();
-        break;
-      }
-      job->state = Job::kWaiting;
-      job->received = Clock::now();
-      waiting_.emplace(std::make_pair(job->ready, job->seq), job);
-      cv_.notify_all();
+    job->seq = job->id;
+    {
+      // Where simulated time 0 lies in real time: the earliest any request's
+      // arrival maps to (the least delayed delivery tells it best).
+      std::lock_guard lk(mu_);
+      const auto origin = Clock::now() - std::chrono::microseconds(
+                                             static_cast<int64_t>(job->arrival * 1000 * Scale()));
+      if (!have_origin_ || origin < origin_) origin_ = origin;
+      have_origin_ = true;
     }
-    lk.unlock();
+    if (c_->has_store()) {
+      // Looked up, and what the store holds loaded, as it arrives, on this
+      // thread while it waits for the engine (the engine meanwhile serves
+      // the requests before it, and waits only for a lookup or load of a
+      // request that came before the one it would take).
+      {
+        std::lock_guard lk(mu_);
+        job->load_from = job->arrival;
+        loading_.emplace(job->arrival, EstimatedPrefill(*job));
+        loading_jobs_.insert(job.get());
+      }
+      const absl::Status onboarded = Onboard(*job);
+      {
+        std::lock_guard lk(mu_);
+        loading_.erase(loading_.find(job->load_from));
+        loading_jobs_.erase(job.get());
+      }
+      cv_.notify_all();
+      if (!onboarded.ok()) {
+        queued_tokens_ -= job->queued_tokens;
+        running_--;
+        return ToGrpc(onboarded);
+      }
+      job->looked_up = true;
+    }
+    Enqueue(job);
+    {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [&] { return job->state == Job::kDone; });
+    }
     queued_tokens_ -= job->queued_tokens;
     running_--;
     return job->status;
@@ -192,7 +213,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
 
  private:
   struct Job {
-    enum State { kWaiting, kLoad, kDone } state = kWaiting;
+    enum State { kWaiting, kDone } state = kWaiting;
     uint64_t id = 0, seq = 0, prompt = 0, queued_tokens = 0;
     uint32_t output_tokens = 0;
     std::vector<BlockHash> chain;
@@ -238,8 +259,8 @@ class SimWorkerService final : public v1::SimWorker::Service {
     auto w = waiting_.begin();
     auto l = loading_.begin();
     while (w != waiting_.end() || l != loading_.end()) {
-      if (l == loading_.end() || (w != waiting_.end() && w->first.first <= l->first)) {
-        add(w->first.first, EstimatedPrefill(*w->second));
+      if (l == loading_.end() || (w != waiting_.end() && w->second->ready <= l->first)) {
+        add(w->second->ready, EstimatedPrefill(*w->second));
         ++w;
       } else {
         add(l->first, l->second);
@@ -265,17 +286,10 @@ class SimWorkerService final : public v1::SimWorker::Service {
 
   void Enqueue(const std::shared_ptr<Job>& job) {
     std::lock_guard lk(mu_);
-    // Requests ready at the same moment go in the caller's order (its
-    // request ids), not in the order the host happened to deliver them.
-    job->seq = job->id;
+    // Requests that arrived at the same moment go in the caller's order
+    // (its request ids), not in the order the host happened to deliver them.
     job->received = Clock::now();
-    // Where simulated time 0 lies in real time: the earliest any request's
-    // arrival maps to (the least delayed delivery tells it best).
-    const auto origin =
-        job->received - std::chrono::microseconds(static_cast<int64_t>(job->arrival * 1000 * Scale()));
-    if (!have_origin_ || origin < origin_) origin_ = origin;
-    have_origin_ = true;
-    waiting_.emplace(std::make_pair(job->ready, job->seq), job);
+    waiting_.emplace(std::make_pair(job->arrival, job->seq), job);
     cv_.notify_all();
   }
 
@@ -287,15 +301,21 @@ class SimWorkerService final : public v1::SimWorker::Service {
     cv_.notify_all();
   }
 
-  // On the request's own thread, once the engine took it: looks it up (the
-  // GPU pages and the store: one round trip) and loads what the store
-  // holds, while the engine goes on with other requests (vLLM's scheduler
-  // likewise skips a request whose connector lookup is still under way). It
-  // is ready again that much later (real time, as measured). An error is
-  // the lookup's: the request fails with it.
+  // On the request's own thread, as it arrives: looks it up (the GPU pages
+  // and the store: one round trip) and loads what the store holds, while
+  // the engine goes on with other requests. It is ready that much after
+  // its arrival (real time, as measured); the blocks other requests compute
+  // on the GPU meanwhile it still gets when the engine runs it
+  // (KvConnector::MatchMore). An error is the lookup's: the request fails
+  // with it.
   absl::Status Onboard(Job& job) {
     const auto t = Clock::now();
-    auto m = c_->Begin(job.id, job.chain);
+    // The lookup may take as long as computing the whole prompt would (real
+    // milliseconds count as simulated ones); a store slower than that, or
+    // stalled, is given up on and the prompt computed.
+    const auto budget = std::chrono::milliseconds(static_cast<int64_t>(
+        std::ceil(1000.0 * static_cast<double>(job.prompt) / o_.prefill_tokens_per_s)));
+    auto m = c_->Begin(job.id, job.chain, budget);
     if (!m.ok()) return m.status();
     job.match = *m;
     if (!m->store_status.ok()) {
@@ -332,20 +352,31 @@ class SimWorkerService final : public v1::SimWorker::Service {
         cv_.notify_all();
         return;
       }
-      // The first ready, once the reorder window past its ready time has
-      // passed in real time (one ready before it may still be on its way);
-      // an engine behind real time takes it at once.
+      // First come first served among the requests ready when the engine
+      // is next free (or, idle, when the first becomes ready): the earliest
+      // arrival among them. A request back from its lookup or load keeps
+      // its place by arrival.
+      double earliest = std::numeric_limits<double>::max();
+      for (const auto& [key, j] : waiting_) earliest = std::min(earliest, j->ready);
+      const double at = std::max(clock_ms_, earliest);
       auto first = waiting_.begin();
+      while (first->second->ready > at) ++first;
+      // Taken once the reorder window past its ready time has passed in real
+      // time (one that arrived before it may still be on its way); an engine
+      // behind real time takes it at once.
       const auto due = o_.time_scale > 0 ? RealAt(first->second->ready) + o_.reorder_window
                                          : first->second->received + o_.reorder_window;
       if (Clock::now() < due) {
         cv_.wait_until(lk, due);
         continue;
       }
-      // A request loading now may be ready before this one starts: until its
-      // load ends (real milliseconds) nobody knows, so the engine waits.
-      if (!loading_.empty() &&
-          loading_.begin()->first <= std::max(clock_ms_, first->second->ready)) {
+      // A request that arrived before it and is looking up or loading may
+      // be ready by then: until its lookup ends (real milliseconds) nobody
+      // knows, so the engine waits.
+      const std::pair<double, uint64_t> key = first->first;
+      if (std::any_of(loading_jobs_.begin(), loading_jobs_.end(), [&](const Job* j) {
+            return j->load_from <= at && std::make_pair(j->arrival, j->seq) < key;
+          })) {
         cv_.wait(lk);
         continue;
       }
@@ -364,16 +395,6 @@ class SimWorkerService final : public v1::SimWorker::Service {
     double now = std::max(clock_ms_, job.ready);
     if (!job.looked_up) {
       job.looked_up = true;
-      if (c_->has_store()) {
-        // Looked up (and loaded) on its own thread: see Onboard.
-        job.ready = now;
-        std::lock_guard lk(mu_);
-        job.load_from = now;
-        loading_.emplace(now, EstimatedPrefill(job));
-        job.state = Job::kLoad;
-        cv_.notify_all();
-        return;
-      }
       // No store: matching the GPU pages is the engine's own bookkeeping.
       auto m = c_->Begin(job.id, job.chain);
       if (!m.ok()) return Finish(job, ToGrpc(m.status()));
@@ -392,8 +413,11 @@ class SimWorkerService final : public v1::SimWorker::Service {
       }
       for (auto it = pages.rbegin(); it != pages.rend(); ++it) c_->pool().Unref(*it);  // tail first
     }
-    const uint64_t cached = std::min<uint64_t>(uint64_t{job.match.gpu_blocks + job.loaded} * bt,
-                                               job.prompt);
+    // What other requests computed since its lookup, as a scheduler matches
+    // a request when it runs it.
+    const uint32_t more = c_->MatchMore(job.id);
+    const uint64_t cached = std::min<uint64_t>(
+        uint64_t{job.match.gpu_blocks + job.loaded + more} * bt, job.prompt);
     const uint64_t prefill = job.prompt - cached;
     // Pages for the computed blocks; with every page held by requests
     // loading, the prompt is computed without caching its blocks.
@@ -403,7 +427,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
       return Finish(job, ToGrpc(pages.status()));
     }
     if (!pages.ok()) pages = std::vector<uint32_t>();
-    const size_t first = job.match.gpu_blocks + job.loaded;
+    const size_t first = job.match.gpu_blocks + job.loaded + more;
     for (size_t i = 0; i < pages->size(); ++i) {
       ComputeIntoPage(c_->pool().layout(), c_->pool().layer_bases(), (*pages)[i],
                       c_->namespace_id(), job.chain[first + i]);
@@ -434,8 +458,10 @@ class SimWorkerService final : public v1::SimWorker::Service {
     v1::SubmitResponse* resp = job.resp;
     resp->set_prompt_tokens(job.prompt);
     resp->set_prefill_tokens(prefill);
-    resp->set_gpu_hit_tokens(std::min<uint64_t>(uint64_t{job.match.gpu_blocks} * bt, job.prompt));
-    resp->set_onboarded_tokens(cached - resp->gpu_hit_tokens());
+    resp->set_gpu_hit_tokens(
+        std::min<uint64_t>(uint64_t{job.match.gpu_blocks + more} * bt, job.prompt));
+    resp->set_onboarded_tokens(
+        std::min<uint64_t>(uint64_t{job.loaded} * bt, job.prompt - resp->gpu_hit_tokens()));
     resp->set_verified_blocks(verified);
     resp->set_mismatched_blocks(mismatched);
     resp->set_onboard_ms(job.onboard_ms);
@@ -458,7 +484,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
   std::atomic<uint64_t> next_id_{1ull << 62}, requests_{0}, verified_{0}, mismatched_{0};
   std::atomic<int64_t> running_{0};
   std::atomic<uint64_t> queued_tokens_{0};
-  // The engine: waiting jobs by (ready, request id), guarded by mu_; its
+  // The engine: waiting jobs by (arrival, request id), guarded by mu_; its
   // clock (simulated ms), touched by its thread only.
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -466,6 +492,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
   // Loads under way: when each started (simulated ms), and the tokens its
   // request is expected to compute.
   std::multimap<double, uint64_t> loading_;
+  std::set<const Job*> loading_jobs_;  // the same requests
   // The engine's clock after its last prefill (clock_ms_, for heartbeats).
   std::atomic<double> busy_until_{std::numeric_limits<double>::lowest()};
   Clock::time_point origin_;       // simulated time 0 in real time

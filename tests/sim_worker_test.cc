@@ -143,7 +143,6 @@ TEST_F(SimCluster, AWorkerKilledMidOffloadLeavesNoPartialBlock) {
       ASSERT_EQ(0, std::memcmp(b.data.data(), want.data(), want.size())) << "request " << i;
       ++checked;
     }
-    if (got->empty() && i > static_cast<uint64_t>(served) + 2) break;
   }
   EXPECT_GE(checked, 3 * 128);
   // The dead worker's put leases are reclaimed; the router forgets it.

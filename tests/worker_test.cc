@@ -165,20 +165,23 @@ TEST_F(WorkerTest, ARequestNeverWaitsForItsSavesAndTheirPagesGoToRequestsThatNee
   ASSERT_TRUE(a->Save(1).ok());
   a->Finished(1);
   EXPECT_LT(std::chrono::steady_clock::now() - t, std::chrono::milliseconds(100));
-  // The offloader copied 4 blocks out (its staging) and waits on the store;
-  // the other 12 pages stay referenced for it. A request that needs every
-  // page takes those 12 from the oldest waiting saves, which are dropped.
-  ASSERT_TRUE(testing::WaitFor([&] { return a->stats().staging_in_use == 4; }));
-  EXPECT_EQ(a->stats().offloaded_blocks, 0u);
+  // The offloader copies blocks out 4 at a time (its staging) and waits
+  // on the store; the other pages stay referenced for it meanwhile. A
+  // request that needs every page takes them from the oldest waiting saves,
+  // which are dropped: it never waits for the store either.
+  const auto t2 = std::chrono::steady_clock::now();
   auto pages2 = a->AllocateForCompute(2);
   ASSERT_TRUE(pages2.ok()) << pages2.status();
   EXPECT_EQ(pages2->size(), 16u);
-  EXPECT_EQ(a->stats().offload_dropped_full, 12u);
+  EXPECT_LT(std::chrono::steady_clock::now() - t2, std::chrono::milliseconds(100));
   a->Finished(2);
-  // The store back, the 4 copied blocks reach it (or fail by the deadline).
+  // The store back, every save is accounted for: written, failed by the
+  // deadline, or dropped for request 2's pages.
   store_->proc().Kill(SIGCONT);
   a->Drain();
-  EXPECT_EQ(a->stats().offloaded_blocks + a->stats().offload_failures, 4u);
+  const auto st = a->stats();
+  EXPECT_EQ(st.offloaded_blocks + st.offload_failures + st.offload_dropped_full, 16u);
+  EXPECT_LE(st.staging_peak, 4u);
 }
 
 TEST_F(WorkerTest, AStoreKilledMidOnboardFallsBackToPrefill) {

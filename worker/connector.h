@@ -321,8 +321,9 @@ class KvConnector {
   // The caller wakes the offloader (offload_cv_) once it queued them all.
   void HoldForOffload(const BlockHash& hash, uint32_t page,
                       const std::shared_ptr<SaveState>& waiter);
-  // Drops the oldest held save (its page unreferenced, counted in
-  // offload_dropped_full); false if none is held.
+  // Drops a held save of the oldest request that has one, the last of its
+  // chain (its page unreferenced, counted in offload_dropped_full); false if
+  // none is held.
   bool DropOldestHeld();
   // The offloader: copies held pages into `slots` (one each) and lets the
   // pages go. REQUIRES: slots.size() == held.size().

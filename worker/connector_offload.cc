@@ -88,27 +88,13 @@ void KvConnector::HoldForOffload(const BlockHash& hash, uint32_t page,
   pool_->Ref(page);  // before staging_mu_: the pool's eviction callback takes staging_mu_
   const uint64_t max_held =
       options_.max_held_pages > 0 ? options_.max_held_pages : options_.num_pages;
-  std::optional<Held> dropped;
+  bool over = false;
   {
     std::lock_guard lk(staging_mu_);
     held_.push_back(Held{hash, page, waiter});
-    if (held_.size() > max_held) {
-      dropped = std::move(held_.front());
-      held_.pop_front();
-    }
+    over = held_.size() > max_held;
   }
-  if (dropped) {
-    pool_->Unref(dropped->page);
-    {
-      std::lock_guard sl(stats_mu_);
-      stats_.offload_dropped_full++;
-    }
-    {
-      std::lock_guard lk(mu_);
-      dropped->waiter->pending--;
-    }
-    drained_cv_.notify_all();
-  }
+  if (over) DropOldestHeld();
 }
 
 bool KvConnector::DropOldestHeld() {
@@ -116,8 +102,16 @@ bool KvConnector::DropOldestHeld() {
   {
     std::lock_guard lk(staging_mu_);
     if (held_.empty()) return false;
-    dropped = std::move(held_.front());
-    held_.pop_front();
+    // The oldest request's saves go, from its chain's tail: what stays in
+    // the store of a chain is still a prefix of it, which is what lookups
+    // find.
+    const SaveState* oldest = held_.front().waiter.get();
+    auto it = held_.end();
+    do {
+      --it;
+    } while (it != held_.begin() && it->waiter.get() != oldest);
+    dropped = std::move(*it);
+    held_.erase(it);
   }
   pool_->Unref(dropped->page);
   {

@@ -167,7 +167,8 @@ def main() -> None:
     else:
         # A third of each, over the same stretch of time.
         mix = argparse.Namespace(**vars(a))
-        mix.sessions, mix.bursts, mix.agents = a.sessions // 3, a.bursts // 3, a.agents // 3
+        mix.sessions, mix.bursts = a.sessions // 3, a.bursts // 3
+        mix.agents = a.agents // 3
         mix.agent_gap_ms = a.agent_gap_ms * 3
         mix.burst_gap_ms = a.burst_gap_ms * 3
         # The sessions over the same ~200 s as the rest.

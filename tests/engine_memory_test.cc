@@ -94,9 +94,7 @@ class EngineMemory : public ::testing::TestWithParam<std::tuple<const char*, con
     o.spec = Spec();
     o.num_pages = kPages;
     o.stores = {store_->address()};
-    // Room for a whole save of the tests' 6 blocks: a save finding the
-    // offload staging full drops (worker_test covers that).
-    o.staging_blocks = 8;
+    o.staging_blocks = 4;
     o.data.deadline_ms = 5000;
     o.data.shared_memory = std::string(std::get<1>(GetParam())) == "mapped"
                                ? DataClientOptions::SharedMemory::kOn

@@ -28,13 +28,16 @@
 // (write-through) are copied into registered staging buffers at once (so
 // the pages are free to go) and written to the store in batches (BeginPut,
 // then the bytes with the commit behind them) by a background thread at
-// low CPU priority. No request ever waits for an offload: Save and
-// eviction never wait for staging room (when the offload half is full, the
-// oldest queued save is dropped for the new one, counted in
-// offload_dropped_full), and Finished does not wait for the request's
-// saves; WaitForSave is there for engines that want to. Staging is
-// bounded: staging_blocks for offloads and as many for loads (so neither
-// starves the other).
+// low CPU priority. No request waits for the store: Save keeps the saved
+// pages referenced until the offloader copies them out (a request short of
+// pages takes them from the oldest waiting saves, dropped and counted in
+// offload_dropped_full); an eviction's write-back is dropped when no staging
+// slot is free; Finished does not wait for the request's saves (WaitForSave
+// is there for engines that want to). SaveFrom (engine mode) copies the
+// blocks out before it returns, since the engine reuses its pages: a save
+// larger than the staging waits for slots as the offloader frees them.
+// Staging is bounded: staging_blocks for offloads and as many for loads (so
+// neither starves the other).
 // Blocks known to be in the store are not offloaded again. A store that
 // fails makes loads return an error (the engine computes those blocks
 // instead) and offloads count as failed; nothing blocks for longer than the
@@ -310,11 +313,10 @@ class KvConnector {
   // The pool evicts page (holding h): write it back if the policy says so.
   void WriteBack(const BlockHash& h, uint32_t page);
   // Gathers page into a staging slot and queues it for the store, counted
-  // in `waiter` (if any) until written. Never waits: with the offload half
-  // full it takes the oldest queued block's slot (that save is dropped), or
-  // drops this one when every slot is being written.
-  void StageForOffload(const BlockHash& hash, uint32_t page,
-                       const std::shared_ptr<SaveState>& waiter);
+  // in `waiter` (if any) until written. Waits up to wait_ms for a slot;
+  // false (the offload dropped, counted) if none came.
+  bool StageForOffload(const BlockHash& hash, uint32_t page,
+                       const std::shared_ptr<SaveState>& waiter, int wait_ms);
   // Pool mode: queues a cached page for the store without copying it; the
   // page stays referenced (so not evicted) until the offloader has copied
   // it into staging. Past max_held_pages the oldest held save is dropped.

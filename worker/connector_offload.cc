@@ -18,47 +18,38 @@
 namespace kvtier::worker {
 
 void KvConnector::WriteBack(const BlockHash& h, uint32_t page) {
+  // On an allocation's path: a page being evicted is copied out only if a
+  // staging slot is free now, else its offload is dropped (counted).
   if (store_ && options_.offload == "write-back" && !KnownStored(h)) {
-    StageForOffload(h, page, nullptr);
+    StageForOffload(h, page, nullptr, /*wait_ms=*/0);
   }
 }
 
-void KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
-                                  const std::shared_ptr<SaveState>& waiter) {
+bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
+                                  const std::shared_ptr<SaveState>& waiter, int wait_ms) {
   if (waiter) {
     std::lock_guard lk(mu_);
     waiter->pending++;
   }
-  std::shared_ptr<SaveState> dropped;  // the save whose slot this one takes (its waiter)
-  bool dropped_oldest = false, have_slot = false;
   uint32_t slot = 0;
+  bool have_slot = false;
   {
-    std::lock_guard lk(staging_mu_);
-    if (!stop_ && !free_slots_.empty()) {
-      slot = free_slots_.back();
-      free_slots_.pop_back();
-      have_slot = true;
-    } else if (!stop_ && !offload_queue_.empty()) {
-      // The oldest queued save gives way: the newest blocks are the likelier
-      // to be asked for again, and no request waits for room.
-      slot = offload_queue_.front().slot;
-      dropped = std::move(offload_queue_.front().waiter);
-      offload_queue_.pop_front();
-      dropped_oldest = have_slot = true;
-    }
-    std::lock_guard sl(stats_mu_);
-    if (!have_slot || dropped_oldest) stats_.offload_dropped_full++;
-    stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
-    stats_.staging_peak = std::max(stats_.staging_peak, stats_.staging_in_use);
+    std::unique_lock lk(staging_mu_);
+    std::vector<uint32_t> got;
+    have_slot = AcquireStagingLocked(lk, 1, wait_ms, &got);
+    if (have_slot) slot = got[0];
   }
-  if (dropped_oldest || !have_slot) {
+  if (!have_slot) {
     {
+      std::lock_guard sl(stats_mu_);
+      stats_.offload_dropped_full++;
+    }
+    if (waiter) {
       std::lock_guard lk(mu_);
-      if (dropped) dropped->pending--;
-      if (!have_slot && waiter) waiter->pending--;
+      waiter->pending--;
     }
     drained_cv_.notify_all();
-    if (!have_slot) return;
+    return false;
   }
   uint8_t* dst = Slot(slot);
   const auto gather_start = std::chrono::steady_clock::now();
@@ -77,6 +68,7 @@ void KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
     offload_queue_.push_back(Staged{hash, slot, waiter});
   }
   offload_cv_.notify_one();
+  return true;
 }
 
 void KvConnector::HoldForOffload(const BlockHash& hash, uint32_t page,
@@ -168,7 +160,13 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
       stats_.offload_skipped_known++;
       continue;
     }
-    StageForOffload(h, pages[i], r->saves);
+    // The engine reuses its pages once this returns: each block is copied
+    // out now, waiting for a staging slot if the save is larger than the
+    // staging (as vLLM's own save blocks its step until copied).
+    if (!StageForOffload(h, pages[i], r->saves, options_.data.deadline_ms)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no staging memory for block ", first_block + i, " before the deadline"));
+    }
   }
   return absl::OkStatus();
 }

@@ -191,12 +191,14 @@ kvtier_status kvtier_start_load_into(kvtier_connector* c, uint64_t request, cons
                                      size_t n_pages);
 /* Engine connectors. Queues the request's blocks first_block + i, computed
  * into pages[i], for the store; their bytes are copied out before it
- * returns, so the engine may reuse the pages at once. Blocks known to be in
- * the store are skipped. Never waits for the store: with the offload
- * staging full, the oldest queued save gives its place up (dropped, and
- * counted). kvtier_wait_for_save waits for them.
+ * returns, so the engine may reuse the pages at once (a save larger than
+ * the staging waits for slots as earlier blocks leave for the store).
+ * Blocks known to be in the store are skipped. kvtier_wait_for_save waits
+ * for them.
  *   KVTIER_INVALID_ARGUMENT     blocks beyond the chain, a page id out of range.
  *   KVTIER_NOT_FOUND            the request is not open.
+ *   KVTIER_RESOURCE_EXHAUSTED   no staging memory before the deadline (the
+ *                               blocks before that one are queued).
  *   KVTIER_FAILED_PRECONDITION  a kvtier-owned connector. */
 kvtier_status kvtier_save_blocks(kvtier_connector* c, uint64_t request, uint32_t first_block,
                                  const uint32_t* pages, size_t n_pages);

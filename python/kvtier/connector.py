@@ -133,9 +133,9 @@ class Connector:
              pages: Sequence[int]) -> None:
         """Queues blocks ``first_block + i`` of the request, computed into
         ``pages[i]``, for the store; their bytes are copied before it
-        returns. Blocks known to be stored are skipped. Never waits: with
-        the offload staging full, the oldest queued save is dropped
-        (counted in ``offload_dropped_full``)."""
+        returns (a save larger than the staging waits for slots as earlier
+        blocks leave for the store). Blocks known to be stored are
+        skipped."""
         self._c.save(request_id, first_block, pages)
 
     def wait_for_save(self, request_id: int) -> None:

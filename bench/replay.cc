@@ -802,7 +802,7 @@ int RunReplay(int argc, const char* const* argv) {
       std::printf("    onboarding %.0f ms in %lu loads (pin p50 %.2f ms, of which the store's "
                   "handler %.3f ms mean): pin %.0f, lane "
                   "wait %.0f, staging wait %.0f, RMA %.0f, checksum %.0f, unpack %.0f, other "
-                  "(page allocation, hand-offs, release) %.0f\n",
+                  "(lookups that found nothing, page allocation, hand-offs, release) %.0f\n",
                   r.onboard_ms, b.count, Percentile(b.control_each, 0.5),
                   r.store_pin_handler_ms, b.control,
                   b.queue, b.staging, b.rma, b.checksum, b.scatter,

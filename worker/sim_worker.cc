@@ -126,7 +126,6 @@ class SimWorkerService final : public v1::SimWorker::Service {
     // in the load routers see.
     queued_tokens_ += job->prompt;
     job->queued_tokens = job->prompt;
-    job->seq = job->id;
     {
       // Where simulated time 0 lies in real time: the earliest any request's
       // arrival maps to (the least delayed delivery tells it best).
@@ -144,13 +143,11 @@ class SimWorkerService final : public v1::SimWorker::Service {
       {
         std::lock_guard lk(mu_);
         job->load_from = job->arrival;
-        loading_.emplace(job->arrival, EstimatedPrefill(*job));
         loading_jobs_.insert(job.get());
       }
       const absl::Status onboarded = Onboard(*job);
       {
         std::lock_guard lk(mu_);
-        loading_.erase(loading_.find(job->load_from));
         loading_jobs_.erase(job.get());
       }
       cv_.notify_all();
@@ -214,7 +211,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
  private:
   struct Job {
     enum State { kWaiting, kDone } state = kWaiting;
-    uint64_t id = 0, seq = 0, prompt = 0, queued_tokens = 0;
+    uint64_t id = 0, prompt = 0, queued_tokens = 0;
     uint32_t output_tokens = 0;
     std::vector<BlockHash> chain;
     double arrival = 0;  // simulated ms
@@ -255,18 +252,13 @@ class SimWorkerService final : public v1::SimWorker::Service {
       busy = start + 1000.0 * static_cast<double>(tokens) / o_.prefill_tokens_per_s;
       left_ms += std::max(0.0, busy - std::max(start, now));
     };
-    // In ready order: the waiting and the loading merged.
-    auto w = waiting_.begin();
-    auto l = loading_.begin();
-    while (w != waiting_.end() || l != loading_.end()) {
-      if (l == loading_.end() || (w != waiting_.end() && w->second->ready <= l->first)) {
-        add(w->second->ready, EstimatedPrefill(*w->second));
-        ++w;
-      } else {
-        add(l->first, l->second);
-        ++l;
-      }
-    }
+    // In ready order: the waiting and the loading (ready at the earliest
+    // when their load started).
+    std::vector<std::pair<double, uint64_t>> ahead;
+    for (const auto& [key, j] : waiting_) ahead.emplace_back(j->ready, EstimatedPrefill(*j));
+    for (const Job* j : loading_jobs_) ahead.emplace_back(j->load_from, EstimatedPrefill(*j));
+    std::sort(ahead.begin(), ahead.end());
+    for (const auto& [ready, tokens] : ahead) add(ready, tokens);
     return static_cast<uint64_t>(left_ms * o_.prefill_tokens_per_s / 1000.0);
   }
 
@@ -289,7 +281,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
     // Requests that arrived at the same moment go in the caller's order
     // (its request ids), not in the order the host happened to deliver them.
     job->received = Clock::now();
-    waiting_.emplace(std::make_pair(job->arrival, job->seq), job);
+    waiting_.emplace(std::make_pair(job->arrival, job->id), job);
     cv_.notify_all();
   }
 
@@ -375,7 +367,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
       // knows, so the engine waits.
       const std::pair<double, uint64_t> key = first->first;
       if (std::any_of(loading_jobs_.begin(), loading_jobs_.end(), [&](const Job* j) {
-            return j->load_from <= at && std::make_pair(j->arrival, j->seq) < key;
+            return j->load_from <= at && std::make_pair(j->arrival, j->id) < key;
           })) {
         cv_.wait(lk);
         continue;
@@ -491,8 +483,8 @@ class SimWorkerService final : public v1::SimWorker::Service {
   std::map<std::pair<double, uint64_t>, std::shared_ptr<Job>> waiting_;
   // Loads under way: when each started (simulated ms), and the tokens its
   // request is expected to compute.
-  std::multimap<double, uint64_t> loading_;
-  std::set<const Job*> loading_jobs_;  // the same requests
+  // Requests being looked up or loaded (Job::load_from: since when).
+  std::set<const Job*> loading_jobs_;
   // The engine's clock after its last prefill (clock_ms_, for heartbeats).
   std::atomic<double> busy_until_{std::numeric_limits<double>::lowest()};
   Clock::time_point origin_;       // simulated time 0 in real time

@@ -1,13 +1,12 @@
 """kvtier as an SGLang HiCache storage backend (``HiCacheStorage``).
 
-Follows ``python/sglang/srt/mem_cache/hicache_storage.py`` and
-``storage/backend_factory.py`` of SGLang's main branch (read at commit
-001067fffe33; the dynamic loader is the same back to aaf8ab0e). SGLang
-cannot be installed here, so this was not run inside SGLang. Load it with::
+Written against SGLang 0.5.23 (``python/requirements-vllm.txt`` pins it;
+``sglang/srt/mem_cache/hicache_storage.py``, ``storage/backend_factory.py``,
+``pool_host/mha.py``, ``pool_host/mla.py``), and tested against those
+classes. Load it with::
 
     python -m sglang.launch_server --model-path MODEL --page-size 64 \\
-        --enable-hierarchical-cache --hicache-mem-layout layer_first \\
-        --hicache-write-policy write_through \\
+        --enable-hierarchical-cache --hicache-mem-layout page_head \\
         --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
             "module_path": "kvtier.integrations.sglang",
@@ -18,30 +17,50 @@ Extra config keys besides SGLang's: ``stores`` (required), ``deadline_ms``
 (10000), ``shared_memory`` ("auto", "on", "off"), ``tls_ca`` /
 ``tls_cert`` / ``tls_key`` (PEM files: TLS, mutual with a certificate).
 
-Keys. SGLang names each page by a chained SHA-256 hex digest of its tokens
-(``get_hash_str``); a key's first 128 bits are its kvtier block hash (other
-strings are hashed with SHA-256 first). Blocks live in a kvtier namespace
-of the model name, the KV geometry and the TP rank, so equal keys of
-different models, dtypes or shards never meet.
+Pools. The host pools of SGLang's ``MHATokenToKVPoolHost`` (layouts
+``layer_first``, ``page_first``, ``page_first_direct``, ``page_head``) and
+``MLATokenToKVPoolHost`` (``layer_first``, ``page_first``,
+``page_first_direct``, ``page_unified``) are stored; any other pool class
+or layout is refused at registration (``InvalidArgument``, naming it), which
+fails SGLang's attach. Every page is stored in one format whatever the host layout, so
+engines with different ``--hicache-mem-layout`` share blocks: an MHA page as
+``[layers, 2 (K, V), page, heads, head_dim]``, an MLA page as
+``[layers, page, kv_cache_dim]``.
 
-Data. With ``interface_v1`` the zero-copy pair moves pages between the host
-pool's ``kv_buffer`` and the store through a :class:`kvtier.Connector` over
-that buffer (layouts ``layer_first`` and ``page_first_direct``; a page's K or
-V of one layer must be one contiguous range, which ``page_first`` does not
-have: use the legacy path there). The legacy ``get``/``set`` path takes
-SGLang's flat pages and stores them in the same block format, so both paths
-share blocks. Every block read is checked against the checksum its writer
-stored; a failure is a short result, and SGLang recomputes the rest.
-The ``batch_*_v1`` methods never raise (SGLang's prefetch and backup threads
-would die): failures are ``False`` entries.
+Namespaces. Blocks live in a kvtier namespace of the model name, the pool's
+geometry and dtype, the pool's name (``kv``, or a hybrid pool registered
+through ``register_mem_host_pool_v2``: ``draft``, ``swa``, ...), and every
+rank that changes the bytes: the TP rank (MHA only: MLA pages are the same
+on every TP rank and are stored once for all of them), the pipeline stage and
+the attention context-parallel rank. Data-parallel replicas share blocks.
+Keys SGLang seeds with a request's ``extra_key`` / ``cache_salt``
+(``get_storage_hash_str``) differ per tenant, so tenants never meet.
+
+Keys. SGLang names each page by a chained SHA-256 hex digest of its tokens;
+a key's first 128 bits are its kvtier block hash (other strings are hashed
+with SHA-256 first).
+
+Data. Pages are gathered from the host pool into a per-thread staging buffer
+(registered with the store client for RMA) in the stored format and written
+in one call per batch; loads read into staging, every block checked against
+the checksum its writer stored, and scatter into the pool. A block that
+fails its checksum, or a store that cannot be reached, is a miss: SGLang
+recomputes. The legacy ``get``/``set`` path takes SGLang's flat pages (a
+page in its layout's order) and stores the same bytes. No ``batch_*``
+method raises (SGLang's prefetch and backup threads would die): failures
+are ``False`` entries, ``None`` pages or a zero count.
+
+Not run here: SGLang serving a model. Its CPU path needs ``sgl-kernel``
+built for CPU from source (PyPI's ``sgl-kernel`` and the ``sglang-kernel``
+that ``sglang`` requires are CUDA builds); docs/engines.md says what was run.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
-from typing import Any, List, Optional
+import threading
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -50,8 +69,9 @@ import kvtier
 from kvtier.errors import InvalidArgument, KvtierError, StatusCode
 from kvtier.hooks import store_options
 
-try:  # SGLang's base class when SGLang is installed.
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+try:  # SGLang's classes when SGLang is installed.
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorage, PoolHitPolicy, PoolTransferResult)
 except ImportError:  # pragma: no cover - exercised where SGLang is absent
     import abc
 
@@ -61,12 +81,48 @@ except ImportError:  # pragma: no cover - exercised where SGLang is absent
         def register_mem_pool_host(self, mem_pool_host: Any) -> None:
             self.mem_pool_host = mem_pool_host
 
+    PoolHitPolicy = None  # type: ignore[assignment,misc]
+    PoolTransferResult = None  # type: ignore[assignment,misc]
+
 log = logging.getLogger("kvtier.sglang")
 
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16",
+           torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+#: Staging per thread is at most this many bytes (at least one page).
+STAGING_BYTES = 32 << 20
+
+#: (page-grid shape of N pages, the page axis, the permutation from that
+#: grid to the stored page order) per pool kind and layout. ``g`` holds the
+#: geometry: L layers, P tokens a page, H heads, D head dim, C MLA row.
+_Grid = Callable[[dict, int], tuple]
+_LAYOUTS: dict[tuple[str, str], tuple[_Grid, int, tuple[int, ...]]] = {
+    # MHA, stored as [N, L, 2, P, H, D].
+    ("mha", "layer_first"):        # kv_buffer [2, L, size, H, D]
+        (lambda g, n: (2, g["L"], n, g["P"], g["H"], g["D"]), 2,
+         (2, 1, 0, 3, 4, 5)),
+    ("mha", "page_first"):         # [2, size, L, H, D]
+        (lambda g, n: (2, n, g["P"], g["L"], g["H"], g["D"]), 1,
+         (1, 3, 0, 2, 4, 5)),
+    ("mha", "page_first_direct"):  # [2, pages, L, P, H, D]
+        (lambda g, n: (2, n, g["L"], g["P"], g["H"], g["D"]), 1,
+         (1, 2, 0, 3, 4, 5)),
+    ("mha", "page_head"):          # [2, pages, H, P, L, D]
+        (lambda g, n: (2, n, g["H"], g["P"], g["L"], g["D"]), 1,
+         (1, 4, 0, 3, 2, 5)),
+    # MLA, stored as [N, L, P, C].
+    ("mla", "layer_first"):        # kv_buffer [L, size, 1, C]
+        (lambda g, n: (g["L"], n, g["P"], g["C"]), 1, (1, 0, 2, 3)),
+    ("mla", "page_first"):         # [size, L, 1, C]
+        (lambda g, n: (n, g["P"], g["L"], g["C"]), 0, (0, 2, 1, 3)),
+    ("mla", "page_first_direct"):  # [pages, L, P, 1, C]
+        (lambda g, n: (n, g["L"], g["P"], g["C"]), 0, (0, 1, 2, 3)),
+    ("mla", "page_unified"):       # [pages, L, P, C]
+        (lambda g, n: (n, g["L"], g["P"], g["C"]), 0, (0, 1, 2, 3)),
+}
 
 
-def key_hashes(keys: List[str]) -> np.ndarray:
+def key_hashes(keys: Sequence[str]) -> np.ndarray:
     """kvtier block hashes (uint64 [n, 2]) of SGLang page keys."""
     out = np.empty((len(keys), 2), dtype=np.uint64)
     for i, key in enumerate(keys):
@@ -85,186 +141,404 @@ def _bad(message: str) -> InvalidArgument:
     return InvalidArgument(StatusCode.INVALID_ARGUMENT, message)
 
 
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+class PoolCodec:
+    """Moves the pages of one SGLang host pool between the pool's buffer
+    (in its layout) and kvtier's stored page format, and names the pool's
+    kvtier namespace. Raises InvalidArgument for a pool class, layout or
+    dtype kvtier does not store."""
+
+    def __init__(self, pool: Any, name: str, config: Any) -> None:
+        cls = type(pool).__name__
+        layout = str(getattr(pool, "layout", ""))
+        if hasattr(pool, "kv_lora_rank") and hasattr(pool, "kv_cache_dim"):
+            kind = "mla"
+        elif hasattr(pool, "head_num") and hasattr(pool, "head_dim"):
+            kind = "mha"
+        else:
+            raise _bad(f'SGLang host pool "{name}" ({cls}) is not one kvtier '
+                       "stores: only MHATokenToKVPoolHost and "
+                       "MLATokenToKVPoolHost pools are")
+        if (kind, layout) not in _LAYOUTS:
+            ok = ", ".join(lo for k, lo in _LAYOUTS if k == kind)
+            raise _bad(f'SGLang host pool "{name}" ({cls}) has layout '
+                       f'"{layout}"; kvtier stores {cls} pools in layouts '
+                       f"{ok}")
+        if pool.dtype not in _DTYPES:
+            raise _bad(f'SGLang host pool "{name}" ({cls}) holds '
+                       f"{pool.dtype}; kvtier stores "
+                       f"{', '.join(str(d) for d in _DTYPES)}")
+        buf = getattr(pool, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor) or not buf.is_contiguous():
+            raise _bad(f'SGLang host pool "{name}" ({cls}) has no '
+                       "contiguous kv_buffer")
+        if int(getattr(pool, "dcp_size", 1)) != 1:
+            raise _bad(f'SGLang host pool "{name}" ({cls}) is sharded by '
+                       "decode context parallelism (dcp_size "
+                       f"{pool.dcp_size}); kvtier does not store DCP shards")
+        self.kind, self.layout, self.name = kind, layout, name
+        self.pool, self.buf, self.dtype = pool, buf, pool.dtype
+        self.page = int(pool.page_size)
+        g = {"L": int(pool.layer_num), "P": self.page}
+        if kind == "mha":
+            g.update(H=int(pool.head_num), D=int(pool.head_dim))
+        else:
+            g.update(C=int(pool.kv_cache_dim))
+        self._g = g
+        self._grid, self._axis, self._perm = _LAYOUTS[(kind, layout)]
+        self._inv = _inverse(self._perm)
+        self.pages = int(buf.numel()) // int(np.prod(self._grid(g, 1)))
+        self.namespace = self._namespace(pool, config)
+        self.block_bytes = int(self.namespace.block_bytes)
+        page_bytes = int(np.prod(self._grid(g, 1))) * buf.element_size()
+        if page_bytes != self.block_bytes:  # pragma: no cover - a bug here
+            raise _bad(f"pool page of {page_bytes} bytes does not match the "
+                       f"namespace's {self.block_bytes}")
+
+    def _namespace(self, pool: Any, c: Any) -> kvtier.Namespace:
+        g, dtype = self._g, _DTYPES[pool.dtype]
+        ranks = (f"pp={int(getattr(c, 'pp_rank', 0))}"
+                 f"/{int(getattr(c, 'pp_size', 1))}"
+                 f"|cp={int(getattr(c, 'attn_cp_rank', 0))}"
+                 f"/{int(getattr(c, 'attn_cp_size', 1))}")
+        model = str(getattr(c, "model_name", None) or "sglang-model")
+        model = model.replace("|", "/")
+        if self.kind == "mha":
+            layout = (f"sglang-mha|pool={self.name}|v_head_dim="
+                      f"{int(getattr(pool, 'v_head_dim', g['D']))}|{ranks}")
+            return kvtier.Namespace(
+                model, dtype, g["L"], g["H"], g["D"], g["P"],
+                tp_rank=int(getattr(c, "tp_rank", 0)),
+                tp_size=int(getattr(c, "tp_size", 1)), layout=layout)
+        # An MLA page is [L, P, C]; the namespace sizes a block as
+        # 2 x layers x heads x head_dim x tokens elements, so halve C or P.
+        L, P, C = g["L"], g["P"], g["C"]
+        if C % 2 == 0:
+            dims = (L, 1, C // 2, P)
+        elif P % 2 == 0:
+            dims = (L, 1, C, P // 2)
+        else:
+            raise _bad(f'SGLang MLA pool "{self.name}": rows of {C} elements '
+                       f"in pages of {P} tokens (both odd) do not fit "
+                       "kvtier's block geometry")
+        layout = (f"sglang-mla|pool={self.name}|kv_lora_rank="
+                  f"{int(pool.kv_lora_rank)}|rope="
+                  f"{int(getattr(pool, 'qk_rope_head_dim', 0))}|c={C}|p={P}"
+                  f"|{ranks}")
+        return kvtier.Namespace(model, dtype, *dims, layout=layout)
+
+    def pages_of(self, host_indices: torch.Tensor, count: int) -> torch.Tensor:
+        """The page numbers of ``count`` pages' token indices; raises
+        InvalidArgument for indices that are not whole pages of the pool."""
+        idx = host_indices.reshape(-1).to(torch.int64).cpu()
+        if idx.numel() != count * self.page:
+            raise _bad(f"{idx.numel()} host indices for {count} pages of "
+                       f"{self.page} tokens")
+        starts = idx[::self.page]
+        if bool((starts % self.page != 0).any()):
+            raise _bad("host indices are not page-aligned")
+        pages = starts // self.page
+        if count and (int(pages.min()) < 0 or int(pages.max()) >= self.pages):
+            raise _bad(f"host indices reach past the pool's {self.pages} "
+                       "pages")
+        return pages
+
+    def _paged(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.view(self._grid(self._g, n))
+
+    def gather(self, pages: torch.Tensor, out: torch.Tensor) -> None:
+        """Copies ``pages`` of the pool into ``out`` (bytes, stored format)."""
+        sel = self._paged(self.buf, self.pages).index_select(self._axis,
+                                                             pages)
+        dst = out[:len(pages) * self.block_bytes].view(self.dtype)
+        dst.view(sel.permute(self._perm).shape).copy_(sel.permute(self._perm))
+
+    def scatter(self, pages: torch.Tensor, src: torch.Tensor) -> None:
+        """Copies stored-format bytes ``src`` into ``pages`` of the pool."""
+        n = len(pages)
+        stored = src[:n * self.block_bytes].view(self.dtype)
+        grid = self._grid(self._g, n)
+        canon = [grid[p] for p in self._perm]
+        self._paged(self.buf, self.pages).index_copy_(
+            self._axis, pages, stored.view(canon).permute(self._inv))
+
+    def flat_to_block(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat page in the layout's order (SGLang's ``get_data_page``)
+        as stored-format bytes."""
+        if flat.numel() * flat.element_size() != self.block_bytes:
+            raise _bad(f"a flat page of {flat.numel()} elements is not one "
+                       f"{self.block_bytes}-byte page of this pool")
+        t = self._paged(flat.reshape(-1), 1).permute(self._perm)
+        return t.contiguous().view(torch.uint8).reshape(-1)
+
+    def block_to_flat(self, block: torch.Tensor, out: torch.Tensor) -> None:
+        """Stored-format bytes as a flat page in the layout's order."""
+        shape = self._grid(self._g, 1)
+        canon = [shape[p] for p in self._perm]
+        t = block.view(self.dtype).view(canon).permute(self._inv)
+        self._paged(out.reshape(-1), 1).copy_(t)
+
+
 class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """SGLang's HiCache L3 over kvtier-store shards (module docstring)."""
 
     def __init__(self, storage_config: Any,
                  kwargs: Optional[dict] = None) -> None:
         self.config = storage_config
+        if bool(getattr(storage_config, "should_split_heads", False)):
+            raise _bad("SGLang's should_split_heads (a page_head pool shared "
+                       "by ranks of different TP sizes) is not supported by "
+                       "kvtier")
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self._stores, self._opts = store_options(
             extra, "hicache storage backend extra config")
         self._store = kvtier.StoreClient(self._stores, **self._opts)
-        self._ids = itertools.count(1)
+        self._pools: dict[str, PoolCodec] = {}
+        self._registered: set[int] = set()
+        self._local = threading.local()
         self.namespace: Optional[kvtier.Namespace] = None
-        self._conn: Optional[kvtier.Connector] = None
-        self._v1_error = "register_mem_pool_host was not called"
         self.mem_pool_host: Any = None
-        self._layer_num = self._page = self._heads = self._dim = 0
-        self._layout = ""
+        self._stats = {"pages_read": 0, "pages_written": 0,
+                       "read_failures": 0, "write_failures": 0}
+        self._stats_mu = threading.Lock()
 
     # --------------------------------------------------------------- setup
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Takes the host KV pool's geometry (the namespace) and, for the
-        zero-copy path, its kv_buffer. INVALID_ARGUMENT for an MLA pool or
-        a dtype kvtier does not store."""
+        """Registers the anchor KV host pool (SGLang's ``kv``): its geometry
+        names the namespace. InvalidArgument for a pool kvtier does not
+        store (module docstring)."""
         super().register_mem_pool_host(mem_pool_host)
-        pool = mem_pool_host
-        if not hasattr(pool, "head_num"):
-            raise _bad("only MHA host pools are supported (MLA is not)")
-        if pool.dtype not in _DTYPES:
-            raise _bad(f"host pool dtype {pool.dtype} is not fp16 or bf16")
-        self._layer_num, self._page = int(pool.layer_num), int(pool.page_size)
-        self._heads, self._dim = int(pool.head_num), int(pool.head_dim)
-        self._layout = str(pool.layout)
-        c = self.config
-        self.namespace = kvtier.Namespace(
-            str(getattr(c, "model_name", None) or "sglang-model"),
-            _DTYPES[pool.dtype], self._layer_num, self._heads, self._dim,
-            self._page, tp_rank=int(getattr(c, "tp_rank", 0)),
-            tp_size=int(getattr(c, "tp_size", 1)))
-        buf = pool.kv_buffer
-        p, h, d = self._page, self._heads, self._dim
-        if self._layout == "layer_first":    # [2, L, size, H, D]
-            pages = buf.shape[2] // p
-            caches = [(buf[0, i].view(pages, p, h, d),
-                       buf[1, i].view(pages, p, h, d))
-                      for i in range(self._layer_num)]
-        elif self._layout == "page_first_direct":  # [2, pages, L, P, H, D]
-            caches = [(buf[0][:, i], buf[1][:, i])
-                      for i in range(self._layer_num)]
-        else:
-            self._v1_error = (f'layout "{self._layout}" keeps no page of one '
-                              "layer contiguous: use layer_first or "
-                              "page_first_direct for interface_v1")
-            return
-        self._conn = kvtier.Connector(self.namespace, caches,
-                                      stores=self._stores, layout="split",
-                                      **self._opts)
-        self._v1_error = ""
+        codec = PoolCodec(mem_pool_host, "kv", self.config)
+        self._pools["kv"] = codec
+        self.namespace = codec.namespace
+
+    def register_mem_host_pool_v2(self, host_pool: Any,
+                                  host_pool_name: Any) -> None:
+        """Registers a hybrid model's host pool (draft KV, sliding window,
+        indexer, ...) under its own namespace. InvalidArgument for a pool
+        kvtier does not store (Mamba states and the DeepSeek V4 pools are
+        not): SGLang's attach fails, naming it."""
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        codec = PoolCodec(host_pool, name, self.config)
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._pools[name] = codec
+
+    def _codec(self, name: Any = "kv") -> PoolCodec:
+        key = str(getattr(name, "value", name))
+        codec = self._pools.get(key)
+        if codec is None:
+            raise _bad(f'no SGLang host pool "{key}" is registered with '
+                       "kvtier")
+        return codec
+
+    def _ready(self, codec: PoolCodec) -> kvtier.Namespace:
+        """The pool's namespace, registered with the stores on first use
+        (again after a failure: a store that was down may be back)."""
+        ns = codec.namespace
+        if ns.id not in self._registered:
+            self._store.register_namespace(ns)
+            self._registered.add(ns.id)
+        return ns
+
+    def _staging(self, block_bytes: int) -> tuple[torch.Tensor, int]:
+        """This thread's staging buffer and how many pages it holds."""
+        pages = max(1, STAGING_BYTES // block_bytes)
+        st = getattr(self._local, "buf", None)
+        if st is None or st.numel() < pages * block_bytes:
+            st = torch.empty(max(STAGING_BYTES, block_bytes),
+                             dtype=torch.uint8)
+            self._store.register(st)
+            self._local.buf = st
+        return st, st.numel() // block_bytes
+
+    def _count(self, key: str, n: int) -> None:
+        with self._stats_mu:
+            self._stats[key] += n
+
+    # --------------------------------------------------------- page moves
+
+    def _set_pages(self, codec: PoolCodec, keys: Sequence[str],
+                   host_indices: torch.Tensor) -> bool:
+        """Writes the pool's pages at ``host_indices`` under ``keys``."""
+        pages = codec.pages_of(host_indices, len(keys))
+        hashes = key_hashes(keys)
+        st, per = self._staging(codec.block_bytes)
+        for s in range(0, len(keys), per):
+            n = min(per, len(keys) - s)
+            codec.gather(pages[s:s + n], st)
+            out = self._store.put(self._ready(codec), hashes[s:s + n],
+                                  st[:n * codec.block_bytes])
+            if out["written"] + out["already_present"] != n:
+                return False
+        return True
+
+    def _get_pages(self, codec: PoolCodec, keys: Sequence[str],
+                   host_indices: torch.Tensor) -> int:
+        """Reads the leading stored pages of ``keys`` into the pool at
+        ``host_indices``; returns how many."""
+        pages = codec.pages_of(host_indices, len(keys))
+        hashes = key_hashes(keys)
+        st, per = self._staging(codec.block_bytes)
+        done = 0
+        while done < len(keys):
+            n = min(per, len(keys) - done)
+            got = self._store.get(self._ready(codec), hashes[done:done + n],
+                                  st[:n * codec.block_bytes])
+            if got:
+                codec.scatter(pages[done:done + got], st)
+            done += got
+            if got < n:
+                break
+        return done
+
+    def _safe_set(self, name: Any, keys: Sequence[str],
+                  host_indices: torch.Tensor) -> List[bool]:
+        if not keys:
+            return []
+        try:
+            ok = self._set_pages(self._codec(name), keys, host_indices)
+        except KvtierError as e:
+            log.warning("kvtier: writing %d pages of pool %s failed: %s",
+                        len(keys), name, e)
+            ok = False
+        self._count("pages_written" if ok else "write_failures", len(keys))
+        return [ok] * len(keys)
+
+    def _safe_get(self, name: Any, keys: Sequence[str],
+                  host_indices: torch.Tensor) -> List[bool]:
+        if not keys:
+            return []
+        try:
+            n = self._get_pages(self._codec(name), keys, host_indices)
+        except KvtierError as e:
+            log.warning("kvtier: reading %d pages of pool %s failed: %s",
+                        len(keys), name, e)
+            n = 0
+            self._count("read_failures", 1)
+        self._count("pages_read", n)
+        return [True] * n + [False] * (len(keys) - n)
 
     # ------------------------------------------------------ zero-copy (v1)
 
-    def _pages(self, keys: List[str], host_indices: torch.Tensor
-               ) -> list[int]:
-        idx = host_indices.reshape(-1).to(torch.int64)
-        if idx.numel() != len(keys) * self._page:
-            raise _bad(f"{idx.numel()} host indices for {len(keys)} pages of "
-                       f"{self._page} tokens")
-        starts = idx[::self._page]
-        if bool((starts % self._page != 0).any()):
-            raise _bad("host indices are not page-aligned")
-        return (starts // self._page).tolist()
-
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> List[bool]:
-        """Writes the pages at ``host_indices`` under ``keys``; all True,
-        or all False on a failure (logged)."""
-        if not keys:
-            return []
-        try:
-            if self._conn is None:
-                raise _bad(self._v1_error)
-            pages = self._pages(keys, host_indices)
-            rid = next(self._ids)
-            hashes = key_hashes(keys)
-            self._conn.lookup(rid, hashes, len(keys))  # opens, pins nothing
-            try:
-                self._conn.save(rid, 0, pages)
-                self._conn.wait_for_save(rid)
-            finally:
-                self._conn.finished(rid)
-            return [True] * len(keys)
-        except KvtierError as e:
-            log.warning("kvtier batch_set_v1 of %d pages failed: %s",
-                        len(keys), e)
-            return [False] * len(keys)
+        """Writes the KV pool's pages at ``host_indices`` under ``keys``;
+        all True, or all False on a failure (logged)."""
+        return self._safe_set("kv", keys, host_indices)
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Any = None) -> List[bool]:
-        """Reads the leading stored pages of ``keys`` into ``host_indices``;
-        True for those, False from the first missing one. The load is
-        verified as a whole: if any block fails its checksum (or the store
-        goes away) every entry is False and SGLang recomputes them all."""
-        if not keys:
-            return []
-        loaded = 0
-        try:
-            if self._conn is None:
-                raise _bad(self._v1_error)
-            pages = self._pages(keys, host_indices)
-            rid = next(self._ids)
-            try:
-                found = self._conn.lookup(rid, key_hashes(keys), 0).blocks
-                if found:
-                    self._conn.start_load(rid, pages[:found])
-                    loaded = self._conn.wait_for_load(rid)
-            finally:
-                self._conn.finished(rid)
-        except KvtierError as e:
-            log.warning("kvtier batch_get_v1 of %d pages failed: %s",
-                        len(keys), e)
-            loaded = 0
-        return [True] * loaded + [False] * (len(keys) - loaded)
+        """Reads the leading stored pages of ``keys`` into the KV pool at
+        ``host_indices``: True for those, False from the first missing (or
+        failed) one; SGLang recomputes the rest."""
+        return self._safe_get("kv", keys, host_indices)
 
     # ------------------------------------------------------------- lookups
 
-    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
-        """How many leading keys the store holds: one round trip over every
-        shard. 0 if the store cannot be asked."""
-        if not keys or self.namespace is None:
+    def _lookup(self, codec: PoolCodec, keys: Sequence[str]) -> int:
+        if not keys:
             return 0
         try:
-            return self._store.lookup(self.namespace, key_hashes(keys))
+            return self._store.lookup(self._ready(codec), key_hashes(keys))
         except KvtierError as e:
-            log.warning("kvtier batch_exists failed: %s", e)
+            log.warning("kvtier lookup of pool %s failed: %s", codec.name, e)
             return 0
 
+    def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
+        """How many leading keys the store holds for the KV pool: one round
+        trip over every shard; 0 if the store cannot be asked."""
+        codec = self._pools.get("kv")
+        return self._lookup(codec, keys) if codec is not None else 0
+
     def exists(self, key: str) -> bool:
-        """Whether the store holds the page."""
+        """Whether the store holds the KV page."""
         return self.batch_exists([key]) == 1
 
+    # ------------------------------------------------- hybrid pools (v2)
+
+    def batch_exists_v2(self, keys: List[str],
+                        pool_transfers: Optional[List[Any]] = None,
+                        extra_info: Any = None) -> Any:
+        """SGLang's longest usable prefix over the KV pool and each
+        transfer's pool, by its hit policy (``all_pages``: every page of the
+        prefix; ``trailing_pages``: the last ``len(transfer.keys)`` pages).
+        A pool that is not registered, or a store that cannot be asked,
+        counts as holding nothing."""
+        kv = self.batch_exists(keys)
+        hits: dict[str, int] = {"kv": kv} if kv else {}
+        restorable = set(range(1, kv + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            name = str(getattr(t.name, "value", t.name))
+            codec = self._pools.get(name)
+            if codec is None:
+                restorable = set()
+                break
+            if t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                need = max(1, len(t.keys) if t.keys else 1)
+                have = [self._lookup(codec, [keys[i]]) == 1
+                        for i in range(kv)]
+                ok = {p for p in range(1, kv + 1)
+                      if all(have[max(0, p - need):p])}
+            else:
+                n = self._lookup(codec, keys[:kv])
+                ok = set(range(1, n + 1))
+            if ok:
+                hits[name] = max(ok)
+            restorable &= ok
+        final = max(restorable) if restorable else 0
+        return PoolTransferResult(final, hits, sorted(restorable))
+
+    def batch_get_v2(self, transfers: List[Any],
+                     extra_info: Any = None) -> dict[str, List[bool]]:
+        """Reads each transfer's pages into its pool; per pool, True for
+        each page read (a leading run)."""
+        return {str(getattr(t.name, "value", t.name)):
+                self._safe_get(t.name, list(t.keys or []), t.host_indices)
+                for t in transfers}
+
+    def batch_set_v2(self, transfers: List[Any],
+                     extra_info: Any = None) -> dict[str, List[bool]]:
+        """Writes each transfer's pages from its pool; per pool, all True or
+        all False."""
+        return {str(getattr(t.name, "value", t.name)):
+                self._safe_set(t.name, list(t.keys or []), t.host_indices)
+                for t in transfers}
+
     # ----------------------------------------------- legacy (flat pages)
-
-    def _to_block(self, flat: torch.Tensor) -> torch.Tensor:
-        """SGLang's flat page (layout order) as kvtier's block bytes
-        ([layers, 2, page, heads, dim])."""
-        L, p, h, d = self._layer_num, self._page, self._heads, self._dim
-        if self._layout == "page_first":
-            t = flat.reshape(2, p, L, h, d).permute(2, 0, 1, 3, 4)
-        else:
-            t = flat.reshape(2, L, p, h, d).permute(1, 0, 2, 3, 4)
-        return t.contiguous().view(torch.uint8).reshape(-1)
-
-    def _from_block(self, block: torch.Tensor, out: torch.Tensor) -> None:
-        L, p, h, d = self._layer_num, self._page, self._heads, self._dim
-        t = block.view(out.dtype).reshape(L, 2, p, h, d)
-        if self._layout == "page_first":
-            out.view(2, p, L, h, d).copy_(t.permute(1, 2, 0, 3, 4))
-        else:
-            out.view(2, L, p, h, d).copy_(t.permute(1, 0, 2, 3, 4))
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None,
                   target_locations: Optional[Any] = None,
                   target_sizes: Optional[Any] = None) -> bool:
-        """Writes flat pages; True iff every one is stored."""
+        """Writes flat KV pages (``get_data_page`` order); True iff every
+        one is stored."""
         if not keys:
             return True
-        if self.namespace is None or values is None:
+        codec = self._pools.get("kv")
+        if codec is None or values is None or len(values) != len(keys):
             return False
         try:
-            data = torch.cat([self._to_block(v) for v in values])
-            out = self._store.put(self.namespace, key_hashes(keys), data)
-            return out["written"] + out["already_present"] == len(keys)
+            data = torch.cat([codec.flat_to_block(v) for v in values])
+            out = self._store.put(self._ready(codec), key_hashes(keys), data)
+            ok = out["written"] + out["already_present"] == len(keys)
         except KvtierError as e:
             log.warning("kvtier batch_set failed: %s", e)
-            return False
+            ok = False
+        self._count("pages_written" if ok else "write_failures", len(keys))
+        return ok
 
     def set(self, key: str, value: Optional[Any] = None,
             target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
-        """Writes one flat page."""
+        """Writes one flat KV page."""
         return self.batch_set([key], [value])
 
     def batch_get(self, keys: List[str],
@@ -273,12 +547,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                   ) -> List[Optional[torch.Tensor]]:
         """Reads the leading stored pages into the flat ``target_locations``
         (one round trip); None from the first missing or failed one."""
-        if not keys or self.namespace is None or target_locations is None:
+        codec = self._pools.get("kv")
+        if not keys or codec is None or target_locations is None:
             return [None] * len(keys)
-        bb = self.namespace.block_bytes
+        bb = codec.block_bytes
         tmp = torch.empty(len(keys) * bb, dtype=torch.uint8)
         try:
-            n = self._store.get(self.namespace, key_hashes(keys), tmp)
+            n = self._store.get(self._ready(codec), key_hashes(keys), tmp)
         except KvtierError as e:
             log.warning("kvtier batch_get failed: %s", e)
             n = 0
@@ -287,13 +562,14 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if i >= n:
                 out.append(None)
                 continue
-            self._from_block(tmp[i * bb:(i + 1) * bb], target)
+            codec.block_to_flat(tmp[i * bb:(i + 1) * bb], target)
             out.append(target)
+        self._count("pages_read", n)
         return out
 
     def get(self, key: str, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
-        """Reads one flat page into ``target_location``; None if absent."""
+        """Reads one flat KV page into ``target_location``; None if absent."""
         return self.batch_get([key], [target_location])[0]
 
     # ---------------------------------------------------------------- rest
@@ -302,11 +578,13 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Nothing: the store's eviction policy decides what leaves it, and
         other engines may share these blocks."""
 
-    def get_stats(self) -> Optional[dict[str, int]]:
-        """The connector's counters (loads, offloads, failures)."""
-        return self._conn.stats() if self._conn is not None else None
+    def get_stats(self) -> dict[str, int]:
+        """Pages read and written, and failed reads and writes, since
+        start."""
+        with self._stats_mu:
+            return dict(self._stats)
 
     def close(self) -> None:
-        """Waits for queued writes and releases the connector."""
-        if self._conn is not None:
-            self._conn.close()
+        """Releases the store client (its calls are synchronous: nothing is
+        queued)."""
+        self._pools.clear()

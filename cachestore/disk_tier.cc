@@ -315,7 +315,7 @@ absl::StatusOr<std::string> DiskTier::Read(const BlockKey& key, uint64_t* checks
     policy_->Touch(it->second.seq);
   }
   std::string payload;
-  absl::Status decoded;
+  absl::Status decoded = absl::DataLossError("the disk returned no record for an indexed block");
   absl::Status s = backend_->Get(Column::kBlocks, EncodeBlockKey(key), [&](absl::string_view v) {
     auto rec = DecodeRecord(std::string_view(v.data(), v.size()));
     if (!rec.ok()) {
@@ -324,9 +324,14 @@ absl::StatusOr<std::string> DiskTier::Read(const BlockKey& key, uint64_t* checks
     }
     payload.assign(rec->payload);  // the one copy of a disk read
     *checksum = rec->checksum;
+    decoded = absl::OkStatus();
   });
   if (absl::IsNotFound(s)) {
+    // Indexed but gone (a record removed behind the store's back): a miss,
+    // and no longer indexed, so lookups stop offering it.
     counters_.misses.fetch_add(1, std::memory_order_relaxed);
+    Log("store", "disk record of block ", ToHex(key.hash), " is missing; unindexed");
+    EraseKeys({key});
     return absl::NotFoundError("block is not on disk");
   }
   if (s.ok()) s = decoded;

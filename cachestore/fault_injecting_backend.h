@@ -42,6 +42,15 @@ class FaultInjectingBackend : public StorageBackend {
     std::lock_guard lk(mu_);
     corrupt_at_ = offset;
   }
+  // What Get of the blocks column finds where a record should be: the
+  // record (kNone), no record (kMissing: NOT_FOUND, a file removed behind
+  // the store's back), a zero-length value (kEmpty: an empty file read back),
+  // or an OK answer that delivers no value at all (kNoValue).
+  enum class RecordFault { kNone, kMissing, kEmpty, kNoValue };
+  void set_block_record_fault(RecordFault f) {
+    std::lock_guard lk(mu_);
+    record_fault_ = f;
+  }
   // Every Scan of `column` fails with this status; OK: scans pass.
   void set_scan_error(Column column, absl::Status s) {
     std::lock_guard lk(mu_);
@@ -60,10 +69,25 @@ class FaultInjectingBackend : public StorageBackend {
   absl::Status Get(Column column, absl::string_view key,
                    const std::function<void(absl::string_view)>& use) override {
     std::optional<size_t> corrupt;
+    RecordFault fault = RecordFault::kNone;
     {
       std::lock_guard lk(mu_);
       if (!read_error_.ok()) return read_error_;
-      if (column == Column::kBlocks) corrupt = corrupt_at_;
+      if (column == Column::kBlocks) {
+        corrupt = corrupt_at_;
+        fault = record_fault_;
+      }
+    }
+    switch (fault) {
+      case RecordFault::kMissing:
+        return absl::NotFoundError("injected: the record is gone");
+      case RecordFault::kEmpty:
+        use(absl::string_view());
+        return absl::OkStatus();
+      case RecordFault::kNoValue:
+        return absl::OkStatus();
+      case RecordFault::kNone:
+        break;
     }
     if (!corrupt) return base_->Get(column, key, use);
     return base_->Get(column, key, [&](absl::string_view v) {
@@ -98,6 +122,7 @@ class FaultInjectingBackend : public StorageBackend {
   absl::Status read_error_;
   absl::Status scan_errors_[kColumns];
   std::optional<size_t> corrupt_at_;
+  RecordFault record_fault_ = RecordFault::kNone;
   std::atomic<uint64_t> writes_{0};
 };
 

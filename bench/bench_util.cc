@@ -1,5 +1,7 @@
 #include "bench/bench_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -141,6 +143,42 @@ absl::StatusOr<std::string> RunCapture(const std::string& command) {
         absl::StrCat("command failed (exit ", r.exit_code, "): ", command, "\n", r.out));
   }
   return std::move(r.out);
+}
+
+absl::StatusOr<MooncakeFigures> MooncakeStoreGbps(uint64_t block_bytes, uint64_t blocks,
+                                                  int64_t batch, int64_t clients) {
+  std::string python;
+  if (const char* env = std::getenv("KVTIER_PYTHON"); env != nullptr && *env != '\0') {
+    python = env;
+  } else {
+    std::error_code ec;
+    auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (!ec) python = (self.parent_path().parent_path() / "venv" / "bin" / "python").string();
+  }
+  if (python.empty() || !std::filesystem::exists(python)) {
+    return absl::UnavailableError(absl::StrCat(
+        "no Python environment with Mooncake at ", python.empty() ? "BUILD/venv" : python,
+        " (make venv installs it; KVTIER_PYTHON names another)"));
+  }
+  const std::string script = std::string(KVTIER_SOURCE_DIR) + "/bench/mooncake_ref.py";
+  ShellResult r = RunShell(absl::StrCat("GLOG_minloglevel=2 timeout 600 '", python, "' '", script,
+                                        "' --block-bytes ", block_bytes, " --blocks ", blocks,
+                                        " --batch ", batch, " --clients ", clients,
+                                        " 2>/dev/null"));
+  // The script's last line is one JSON object, an error included.
+  std::string last = r.out;
+  while (!last.empty() && last.back() == '\n') last.pop_back();
+  if (auto nl = last.rfind('\n'); nl != std::string::npos) last = last.substr(nl + 1);
+  nlohmann::json j = nlohmann::json::parse(last, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::UnavailableError(absl::StrCat("Mooncake Store did not run (exit ", r.exit_code,
+                                               "): ", r.out.substr(0, 400)));
+  }
+  if (j.contains("error")) return absl::UnavailableError(j["error"].get<std::string>());
+  MooncakeFigures f;
+  f.put_gbps = j["put"]["gib_s"].get<double>() * (1ull << 30) / 1e9;
+  f.get_gbps = j["get"]["gib_s"].get<double>() * (1ull << 30) / 1e9;
+  return f;
 }
 
 absl::StatusOr<std::pair<double, double>> RedisSetGetRps(const std::string& dir,

@@ -81,6 +81,19 @@ absl::StatusOr<std::pair<double, double>> RedisSetGetRps(const std::string& dir,
 absl::StatusOr<double> UcxPerftestBytesPerSec(const std::string& tls, const std::string& test,
                                               uint64_t size, int64_t iterations);
 
+// Mooncake Store, the reference beside kvtier's store: bench/mooncake_ref.py
+// run with the project's Python environment (KVTIER_PYTHON, else
+// BUILD/venv/bin/python next to this binary's directory) starts
+// mooncake_master and a mooncake_client holding the memory on 127.0.0.1,
+// then `clients` processes put `blocks` blocks of block_bytes with its
+// zero-copy batch calls over TCP, `batch` a call, and get them back.
+// UNAVAILABLE (saying why) when Mooncake cannot run here.
+struct MooncakeFigures {
+  double put_gbps = 0, get_gbps = 0;  // 1e9 bytes per second
+};
+absl::StatusOr<MooncakeFigures> MooncakeStoreGbps(uint64_t block_bytes, uint64_t blocks,
+                                                  int64_t batch, int64_t clients);
+
 // Runs a shell command and returns its standard output.
 absl::StatusOr<std::string> RunCapture(const std::string& command);
 bool HaveCommand(const std::string& name);

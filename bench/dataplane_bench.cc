@@ -60,6 +60,7 @@ struct Row {
   double memcpy_gbps = 0;      // memcpy of distinct buffers (shm rows)
   double redis_best_gbps = 0;  // Redis at its best for this block size
   double ucx_gbps = 0;         // socket rows: the UCX data plane's (ucx-tcp) figure, same case
+  double mooncake_gbps = 0;    // TCP rows: Mooncake Store, same block size, batch and clients
 };
 
 struct Transport {
@@ -197,14 +198,15 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
                 "Put/get throughput of kvtier's data plane (UCX TCP and shared memory) and inline\n"
                 "gRPC path beside the raw RMA loop over the same endpoints (the data plane's\n"
                 "ceiling), ucx_perftest over TCP, memcpy of distinct buffers (the shared-memory\n"
-                "ceiling) and Redis at its best, in one run.");
+                "ceiling), Redis at its best and Mooncake Store over TCP, in one run.");
   flags.String("sizes", &sizes_flag, "Block sizes, comma-separated");
   flags.String("batches", &batches_flag, "Blocks per operation, comma-separated");
   flags.String("transports", &transports_flag, "Transports: tcp (UCX), shm (shared memory)");
   flags.Bytes("working-set", &working_set, "Bytes moved per case (larger than the CPU caches)");
   flags.Bool("inline", &inline_path, "Also measure the inline gRPC path");
   flags.Bool("references", &references,
-             "Run ucx_perftest and redis-benchmark beside (the raw RMA loop always runs)");
+             "Run ucx_perftest, redis-benchmark and Mooncake Store beside (the raw RMA loop "
+             "always runs)");
   flags.Bool("quick", &quick, "A reduced set (256KiB and 1MiB, 48 MiB per case) in under a minute");
   flags.Bool("json", &json, "Print JSON");
   flags.String("store-bin", &store_bin, "kvtier-store binary [default: next to this one]");
@@ -540,8 +542,32 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
       }
     }
   }
+  // Mooncake Store over TCP (its zero-copy batch calls, one client as here)
+  // per size and batch, beside the TCP rows.
+  std::map<std::pair<uint64_t, int64_t>, MooncakeFigures> mooncake;
+  std::string mooncake_why;
+  if (references && (have_tcp || inline_path)) {
+    for (uint64_t size : sizes) {
+      for (int64_t batch : batches) {
+        if (!mooncake_why.empty()) break;
+        auto m = MooncakeStoreGbps(size, blocks_of(size), batch, 1);
+        if (!m.ok()) {
+          mooncake_why = std::string(m.status().message());
+          std::fprintf(stderr, "kvtier-bench dataplane: Mooncake Store not measured: %s\n",
+                       mooncake_why.c_str());
+          break;
+        }
+        mooncake[{size, batch}] = *m;
+      }
+    }
+  }
   for (auto& r : rows) {
     const bool put = r.op == "put";
+    if (r.path != "shm") {
+      if (auto m = mooncake.find({r.block_bytes, r.batch}); m != mooncake.end()) {
+        r.mooncake_gbps = put ? m->second.put_gbps : m->second.get_gbps;
+      }
+    }
     if (r.path == "inline-grpc" || r.path == "socket") {
       // No raw RMA of its own: compared with UCX TCP's of the same case
       // (and a socket row with the UCX data plane's own figure).
@@ -582,6 +608,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
       beside("perftest_gb_per_s", "ratio_vs_perftest", r.perftest_gbps);
       beside("memcpy_gb_per_s", "ratio_vs_memcpy", r.memcpy_gbps);
       beside("ucx_data_plane_gb_per_s", "ratio_vs_ucx_data_plane", r.ucx_gbps);
+      beside("mooncake_gb_per_s", "ratio_vs_mooncake", r.mooncake_gbps);
       j["cases"].push_back(c);
     }
     for (const auto& [size, b] : redis_best) {
@@ -593,14 +620,19 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
                                  {"get_clients", b.get_clients},
                                  {"get_pipeline", b.get_pipeline}});
     }
+    if (!mooncake_why.empty()) j["mooncake_not_measured"] = mooncake_why;
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
   std::printf("kvtier-bench dataplane: %s per case. raw RMA: a UCX RMA loop over the same endpoints\n"
               "and registered arena, no control plane (the data plane's ceiling); ceiling:\n"
               "ucx_perftest for TCP, memcpy of distinct buffers for shared memory; redis-best:\n"
-              "Redis's best over 1/4/8 connections x pipeline 1/4/16 for the same value size\n\n",
+              "Redis's best over 1/4/8 connections x pipeline 1/4/16 for the same value size;\n"
+              "mooncake: Mooncake Store (mooncake_master + a mooncake_client holding the memory)\n"
+              "over TCP, batch_put_from/batch_get_into of registered buffers, same block size,\n"
+              "batch and one client\n\n",
               FormatBytes(working_set).c_str());
+  if (!mooncake_why.empty()) std::printf("Mooncake Store not measured: %s\n\n", mooncake_why.c_str());
   for (const auto& [size, b] : redis_best) {
     std::printf("redis best at %s: SET %.2f GB/s (%ld clients, pipeline %ld), GET %.2f GB/s "
                 "(%ld clients, pipeline %ld)\n",
@@ -612,21 +644,23 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   auto ratio = [](double a, double b) {
     return b > 0 ? absl::StrFormat("%.2f", a / b) : std::string("n/a");
   };
-  std::printf("%-12s %9s %6s %4s | %8s %10s | %8s %6s | %-8s %8s %6s | %10s %6s | %7s\n", "path",
-              "block", "batch", "op", "GB/s", "blocks/s", "raw GB/s", "ratio", "ceiling", "GB/s",
-              "ratio", "redis GB/s", "ratio", "vs ucx");
+  std::printf("%-12s %9s %6s %4s | %8s %10s | %8s %6s | %-8s %8s %6s | %10s %6s | %8s %6s | %7s\n",
+              "path", "block", "batch", "op", "GB/s", "blocks/s", "raw GB/s", "ratio", "ceiling",
+              "GB/s", "ratio", "redis GB/s", "ratio", "mooncake", "ratio", "vs ucx");
   for (const auto& r : rows) {
     const bool shm = r.path == "shm";
     const double ceiling = shm ? r.memcpy_gbps : r.perftest_gbps;
-    std::printf("%-12s %9s %6ld %4s | %8.2f %10.0f | %8s %6s | %-8s %8s %6s | %10s %6s | %7s\n",
-                r.path.c_str(), FormatBytes(r.block_bytes).c_str(), r.batch, r.op.c_str(), r.gbps,
-                r.blocks_per_s, num(r.raw_gbps).c_str(), ratio(r.gbps, r.raw_gbps).c_str(),
-                shm ? "memcpy" : "perftest", num(ceiling).c_str(), ratio(r.gbps, ceiling).c_str(),
-                num(r.redis_best_gbps).c_str(), ratio(r.gbps, r.redis_best_gbps).c_str(),
-                ratio(r.gbps, r.ucx_gbps).c_str());
+    std::printf(
+        "%-12s %9s %6ld %4s | %8.2f %10.0f | %8s %6s | %-8s %8s %6s | %10s %6s | %8s %6s | %7s\n",
+        r.path.c_str(), FormatBytes(r.block_bytes).c_str(), r.batch, r.op.c_str(), r.gbps,
+        r.blocks_per_s, num(r.raw_gbps).c_str(), ratio(r.gbps, r.raw_gbps).c_str(),
+        shm ? "memcpy" : "perftest", num(ceiling).c_str(), ratio(r.gbps, ceiling).c_str(),
+        num(r.redis_best_gbps).c_str(), ratio(r.gbps, r.redis_best_gbps).c_str(),
+        num(r.mooncake_gbps).c_str(), ratio(r.gbps, r.mooncake_gbps).c_str(),
+        ratio(r.gbps, r.ucx_gbps).c_str());
   }
   std::printf("\n(socket and inline-grpc rows are compared with ucx-tcp's raw RMA and with "
-              "ucx_perftest over TCP; \"vs ucx\": a socket row over the UCX data plane's figure "
+              "ucx_perftest over TCP; shm rows have no Mooncake figure (it ran over TCP); \"vs ucx\": a socket row over the UCX data plane's figure "
               "for the same case, --data-plane ucx; n/a: not measured, with --references=false or "
               "without a ucx-tcp run)\n");
   return 0;

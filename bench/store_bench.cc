@@ -1,7 +1,8 @@
 // kvtier-bench store: inline gRPC put/get throughput of a real kvtier-store
 // for RAM hits and NVMe hits, beside redis-benchmark (SET/GET of the same
 // value size against a redis-server started here) and fio (random reads of
-// the same block size from a file in the same directory), with ratios.
+// the same block size from a file in the same directory) and Mooncake Store
+// (its zero-copy batch calls over TCP), with ratios.
 #include <atomic>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -173,7 +174,8 @@ int RunStoreBench(int argc, const char* const* argv) {
   Options o;
   FlagSet flags("kvtier-bench store",
                 "Inline gRPC put/get throughput of kvtier-store (RAM hits and NVMe hits) beside\n"
-                "redis-benchmark and fio with the same block size, in one run.");
+                "redis-benchmark, fio and Mooncake Store (TCP) with the same block size, in one\n"
+                "run.");
   flags.Int("blocks", &o.blocks, 16, 1 << 24, "Blocks to put and get");
   flags.Bytes("block-bytes", &o.block_bytes, "Block (value) size, a multiple of 8KiB");
   flags.Int("clients", &o.clients, 1, 256, "Concurrent clients (redis-benchmark -c, fio jobs)");
@@ -214,6 +216,17 @@ int RunStoreBench(int argc, const char* const* argv) {
                                   disk->from_disk + disk->from_ram, why_fio.empty() ? "" : "; ",
                                   why_fio)});
   rows.push_back({"get, NVMe hit", disk->get, "redis GET", redis.ok() ? redis->second : Figure{}, why_redis});
+  // Mooncake Store over TCP, same blocks, clients and batch; its SSD tier is
+  // not configured here, so it has no disk-hit figure.
+  auto moon = MooncakeStoreGbps(o.block_bytes, o.blocks, o.batch, o.clients);
+  std::string why_moon = moon.ok() ? "" : std::string(moon.status().message());
+  auto moon_fig = [&](bool put) {
+    if (!moon.ok()) return Figure{};
+    const double gbps = put ? moon->put_gbps : moon->get_gbps;
+    return Figure{gbps * 1e9 / o.block_bytes, gbps};
+  };
+  rows.push_back({"put (into RAM)", ram->put, "mooncake put", moon_fig(true), why_moon});
+  rows.push_back({"get, RAM hit", ram->get, "mooncake get", moon_fig(false), why_moon});
 
   if (o.json) {
     nlohmann::json j;

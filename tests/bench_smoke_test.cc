@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "testing/process.h"
 
 namespace {
@@ -25,10 +26,15 @@ nlohmann::json RunJson(const std::string& args) {
 TEST(BenchSmoke, StoreBenchReportsEveryCaseWithARatio) {
   auto j = RunJson("store --blocks 64 --block-bytes 64KiB --clients 2 --batch 8 --json");
   ASSERT_TRUE(j.contains("cases"));
-  ASSERT_EQ(j["cases"].size(), 4u);
+  // Redis SET/GET, fio and Redis for NVMe hits, Mooncake Store put/get.
+  ASSERT_EQ(j["cases"].size(), 6u);
   for (const auto& c : j["cases"]) {
     EXPECT_GT(c["gb_per_s"].get<double>(), 0) << c.dump();
     EXPECT_TRUE(c.contains("ratio")) << c.dump();
+    // Mooncake measured, or the note says why not (no Python environment).
+    if (absl::StartsWith(c["reference"].get<std::string>(), "mooncake")) {
+      EXPECT_TRUE(c["reference_gb_per_s"].get<double>() > 0 || c.contains("note")) << c.dump();
+    }
   }
 }
 
@@ -90,6 +96,17 @@ TEST(BenchSmoke, DataPlaneBenchCarriesRatiosForEveryCase) {
   }
   ASSERT_TRUE(j.contains("redis_best"));
   EXPECT_GT(j["redis_best"][0]["set_clients"].get<int>(), 0);
+  // Mooncake Store beside every TCP case, unless the project's Python
+  // environment could not be made (then the output says why).
+  if (!j.contains("mooncake_not_measured")) {
+    for (const auto& c : j["cases"]) {
+      if (c["path"] != "shm") {
+        EXPECT_GT(c["ratio_vs_mooncake"].get<double>(), 0) << c.dump();
+      }
+    }
+  } else {
+    EXPECT_FALSE(j["mooncake_not_measured"].get<std::string>().empty());
+  }
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <string>
 
+#include "common/version.h"
+
 namespace kvtier::bench {
 int RunStoreBench(int argc, const char* const* argv);
 int RunTraceStore(int argc, const char* const* argv);
@@ -48,6 +50,10 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   std::string cmd = argv[1];
+  if (cmd == "--version") {
+    std::printf("kvtier-bench %s\n", kvtier::Version());
+    return 0;
+  }
   const char* const* sub = argv + 1;
   if (cmd == "store") return kvtier::bench::RunStoreBench(argc - 1, sub);
   if (cmd == "trace") return kvtier::bench::RunTraceStore(argc - 1, sub);

@@ -36,7 +36,7 @@ int RunHealth(const CommandLine& line) {
   bool serving = resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
   std::string name = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
   if (c.json) {
-    std::printf("%s\n", nlohmann::json{{"address", pos[0]}, {"service", service}, {"status", name}}.dump().c_str());
+    PrintJson(nlohmann::json{{"address", pos[0]}, {"service", service}, {"status", name}});
   } else {
     std::printf("%s%s%s: %s\n", pos[0].c_str(), service.empty() ? "" : " ", service.c_str(), name.c_str());
   }

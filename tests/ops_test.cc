@@ -199,7 +199,8 @@ TEST_F(Ops, LookupWorkersAndRoute) {
 // Every binary and kvctl print the build's version; kvctl version asks each
 // server for its own, and says which could not be reached (exit 3).
 TEST_F(Ops, VersionsEverywhere) {
-  for (const std::string bin : {KVTIER_STORE_BIN, KVTIER_ROUTER_BIN, KVTIER_SIM_WORKER_BIN}) {
+  for (const std::string bin :
+       {KVTIER_STORE_BIN, KVTIER_ROUTER_BIN, KVTIER_SIM_WORKER_BIN, KVTIER_BENCH_BIN}) {
     ShellResult r = RunShell(bin + " --version 2>&1");
     EXPECT_EQ(r.exit_code, 0) << bin << r.out;
     EXPECT_NE(r.out.find(std::string(" ") + KVTIER_VERSION + "\n"), std::string::npos) << r.out;

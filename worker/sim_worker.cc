@@ -629,7 +629,7 @@ int main(int argc, char** argv) {
   std::vector<BlockEventSink*> pubs;
   if (fanout) pubs.push_back(fanout.get());
   connector->SetPublishers(pubs);
-  Log("sim-worker", worker_id, " listening on ", bound, " (namespace ", connector->namespace_id(),
+  Log("sim-worker", worker_id, " listening on ", bound, " (namespace ", NamespaceName(connector->namespace_id()),
       ", ", pages, " pages of ", connector->block_bytes(), " bytes, offload ", offload, ", ",
       co.stores.size(), " store(s), ", pubs.size(), " router(s))");
   kvtier::AnnounceListening("kvtier-sim-worker", *started, "", port_file);

@@ -553,6 +553,14 @@ def check_operator_controls(values, schema):
           "NetworkPolicies admit the kvctl pod the NOTES suggest")
     notes = render(values)["NOTES.txt"]
     check("--labels=kvtier.io/kvctl=true" in notes, "NOTES run kvctl with the admitted label")
+    check("in this namespace only" in notes, "NOTES say engines of other namespaces are not admitted")
+    v = copy.deepcopy(values)
+    v["networkPolicy"]["kvctlLabels"] = {"a": "1", "b": "2"}
+    v["networkPolicy"]["engineNamespaces"] = {"kubernetes.io/metadata.name": "inference"}
+    notes = render(v)["NOTES.txt"]
+    check("--labels=a=1,b=2 " in notes, "NOTES join several kvctl labels with commas")
+    check("namespaces labelled kubernetes.io/metadata.name=inference" in notes,
+          "NOTES name the engine namespaces admitted")
 
     v = copy.deepcopy(values)
     v["imagePullSecrets"] = [{"name": "regcred"}]

@@ -93,3 +93,12 @@ def test_store_killed_mid_load_b_computes_and_the_output_is_the_same(
     assert b["tokens"] == b["cold_tokens"]
     torch.testing.assert_close(b["logits"], b["cold_logits"], atol=1e-4,
                                rtol=1e-4)
+
+
+def test_the_engine_server_says_its_version() -> None:
+    """``kvtier-torch-engine --version`` prints the package's version."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.engine.server", "--version"],
+        env=engine_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"kvtier-torch-engine {kvtier.__version__}\n"

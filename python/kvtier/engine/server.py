@@ -125,6 +125,8 @@ def _flags(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--router", default="",
                    help="comma-separated kvtier-router addresses")
     p.add_argument("--worker-id", default="")
+    p.add_argument("--version", action="version",
+                   version=f"kvtier-torch-engine {kvtier.__version__}")
     p.add_argument("--endpoint", default="",
                    help="where routers send requests [the bound address]")
     p.add_argument("--port-file", default="",

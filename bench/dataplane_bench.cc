@@ -550,14 +550,20 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     for (uint64_t size : sizes) {
       for (int64_t batch : batches) {
         if (!mooncake_why.empty()) break;
-        auto m = MooncakeStoreGbps(size, blocks_of(size), batch, 1);
-        if (!m.ok()) {
-          mooncake_why = std::string(m.status().message());
-          std::fprintf(stderr, "kvtier-bench dataplane: Mooncake Store not measured: %s\n",
-                       mooncake_why.c_str());
-          break;
+        // The best of --repeats rounds, as for kvtier's paths.
+        MooncakeFigures best;
+        for (int64_t rep = 0; rep < repeats && mooncake_why.empty(); ++rep) {
+          auto m = MooncakeStoreGbps(size, blocks_of(size), batch, 1);
+          if (!m.ok()) {
+            mooncake_why = std::string(m.status().message());
+            std::fprintf(stderr, "kvtier-bench dataplane: Mooncake Store not measured: %s\n",
+                         mooncake_why.c_str());
+            break;
+          }
+          best.put_gbps = std::max(best.put_gbps, m->put_gbps);
+          best.get_gbps = std::max(best.get_gbps, m->get_gbps);
         }
-        mooncake[{size, batch}] = *m;
+        if (mooncake_why.empty()) mooncake[{size, batch}] = best;
       }
     }
   }
@@ -630,7 +636,7 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
               "Redis's best over 1/4/8 connections x pipeline 1/4/16 for the same value size;\n"
               "mooncake: Mooncake Store (mooncake_master + a mooncake_client holding the memory)\n"
               "over TCP, batch_put_from/batch_get_into of registered buffers, same block size,\n"
-              "batch and one client\n\n",
+              "batch and one client, the best of --repeats rounds\n\n",
               FormatBytes(working_set).c_str());
   if (!mooncake_why.empty()) std::printf("Mooncake Store not measured: %s\n\n", mooncake_why.c_str());
   for (const auto& [size, b] : redis_best) {

@@ -313,6 +313,11 @@ grpc::Status StoreService::ListNamespaces(grpc::ServerContext* ctx,
     n->set_namespace_id(caller.tenant ? info.client_id : info.id);
     n->set_block_bytes(info.block_bytes);
     ToProto(caller.tenant ? info.client_spec : info.spec, n->mutable_spec());
+    const NamespaceUsage u = store_->Usage(info.id);
+    n->set_ram_blocks(u.ram_blocks);
+    n->set_nvme_blocks(u.nvme_blocks);
+    n->set_blocks_asked(u.blocks_asked);
+    n->set_blocks_served(u.blocks_served);
   }
   return t.Done(grpc::Status::OK);
 }

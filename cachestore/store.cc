@@ -48,13 +48,23 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
   Store* self = s.get();
   s->leases_ = std::make_unique<LeaseTable>(o.lease_ms, o.max_leases_per_client,
                                             [self](const Lease& l) { self->ReleaseLease(l, true); });
+  ChangeListener feed;
   if (o.changes) {
     s->feed_ = std::make_unique<ChangeFeed>(o.changes, [self](const BlockKey& k) {
       return self->ram_->Contains(k) || self->disk_->Contains(k);
     });
-    s->ram_->SetChangeListener(s->feed_->Listener());
-    s->disk_->SetChangeListener(s->feed_->Listener());
-    for (const auto& k : s->disk_->Keys()) s->feed_->Add(k, true);  // announce the NVMe tier
+    feed = s->feed_->Listener();
+  }
+  // Every change is counted per namespace, then fed to the router feed.
+  for (TierKind tier : {TierKind::kRam, TierKind::kDisk}) {
+    self->TierFor(tier).SetChangeListener([self, tier, feed](const BlockKey& k, bool added) {
+      self->usage_.Changed(k, tier, added);
+      if (feed) feed(k, added);
+    });
+  }
+  for (const auto& k : s->disk_->Keys()) {  // the NVMe tier as recovered
+    s->usage_.Changed(k, TierKind::kDisk, true);
+    if (s->feed_) s->feed_->Add(k, true);
   }
   return s;
 }
@@ -267,6 +277,7 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
     r.sources.push_back(GetSource{TierKind::kDisk, slot});
     lease.items.emplace_back(k, slot);
   }
+  usage_.Read(ns, hashes.size(), r.sources.size());
   if (lease.items.empty()) {
     leases_->Unclaim(owner.holder);  // nothing pinned: no lease
   } else {
@@ -380,6 +391,7 @@ absl::Status Store::GetInline(
   absl::Cleanup metered = [&] {
     const auto now = std::chrono::steady_clock::now();
     const uint64_t blocks = served[0] + served[1];
+    usage_.Read(ns, hashes.size(), blocks);
     const double share =
         blocks ? std::chrono::duration<double>(now - start).count() / static_cast<double>(blocks) : 0;
     for (int t : {0, 1}) {

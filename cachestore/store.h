@@ -26,6 +26,7 @@
 #include "cachestore/fetch_meter.h"
 #include "cachestore/lease_table.h"
 #include "cachestore/namespace_registry.h"
+#include "cachestore/namespace_usage.h"
 #include "cachestore/ram_tier.h"
 #include "common/block_key.h"
 #include "common/limits.h"
@@ -122,6 +123,8 @@ class Store {
   absl::StatusOr<NamespaceInfo> ResolveNamespace(const Tenant& tenant, uint64_t client_id) const;
   // Every namespace, or only a tenant's.
   std::vector<NamespaceInfo> ListNamespaces(const Tenant* tenant = nullptr) const;
+  // What namespace ns (a store id) holds per tier, and how its gets fared.
+  NamespaceUsage Usage(uint64_t ns) const { return usage_.Of(ns); }
   const Tenants* tenants() const { return options_.tenants.get(); }
 
   // The requests below answer INVALID_ARGUMENT for no hashes or more than
@@ -218,6 +221,7 @@ class Store {
   FetchMeter fetch_meter_;  // before leases_: the reaper reports to it
   std::unique_ptr<LeaseTable> leases_;
   std::unique_ptr<ChangeFeed> feed_;
+  NamespaceUsageTable usage_;
   std::atomic<uint64_t> commit_checksum_failures_{0};
 };
 

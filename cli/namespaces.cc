@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <string>
 
+#include "absl/strings/str_format.h"
 #include "cli/cli.h"
 #include "cli/commands.h"
 #include "common/rpc/grpc_status.h"
@@ -74,7 +75,9 @@ int RunRemove(const CommandLine& line) {
 int RunNamespaces(const CommandLine& line) {
   if (line.words.size() >= 2 && line.words[1] == "rm") return RunRemove(line);
   SharedFlags c;
-  FlagSet f("kvctl namespaces", "The namespaces each store shard knows.");
+  FlagSet f("kvctl namespaces",
+            "The namespaces each store shard knows: blocks and bytes in RAM and on NVMe, and\n"
+            "the share of blocks asked for by gets that were served (HIT%).");
   c.Register(f, SharedFlags::Dials::kStores);
   ParseCommandFlags(f, line);
   // Keyed by shard address; a shard with none has an empty list.
@@ -92,7 +95,16 @@ int RunNamespaces(const CommandLine& line) {
                          {"model", n.spec().model()},
                          {"dtype", n.spec().dtype()},
                          {"block_tokens", n.spec().block_tokens()},
-                         {"block_bytes", n.block_bytes()}});
+                         {"block_bytes", n.block_bytes()},
+                         {"ram_blocks", n.ram_blocks()},
+                         {"nvme_blocks", n.nvme_blocks()},
+                         {"ram_bytes", n.ram_blocks() * n.block_bytes()},
+                         {"nvme_bytes", n.nvme_blocks() * n.block_bytes()},
+                         {"blocks_asked", n.blocks_asked()},
+                         {"blocks_served", n.blocks_served()},
+                         {"hit_rate", n.blocks_asked() ? static_cast<double>(n.blocks_served()) /
+                                                             static_cast<double>(n.blocks_asked())
+                                                       : 0.0}});
     }
     total += resp.namespaces_size();
   }
@@ -105,14 +117,20 @@ int RunNamespaces(const CommandLine& line) {
                 j.size(), j.size() == 1 ? "" : "s");
     return kOk;
   }
-  std::printf("%-22s %-16s %-30s %-6s %12s %12s\n", "SHARD", "NAMESPACE", "MODEL", "DTYPE",
-              "TOKENS/BLOCK", "BYTES/BLOCK");
+  std::printf("%-22s %-16s %-24s %-6s %12s %12s %10s %10s %10s %10s %6s\n", "SHARD", "NAMESPACE",
+              "MODEL", "DTYPE", "TOKENS/BLOCK", "BYTES/BLOCK", "RAM BLOCKS", "RAM", "NVME BLOCKS",
+              "NVME", "HIT%");
   for (const auto& [addr, list] : j.items()) {
     for (const auto& n : list) {
-      std::printf("%-22s %-16s %-30s %-6s %12u %12s\n", addr.c_str(),
+      const uint64_t asked = n["blocks_asked"].get<uint64_t>();
+      std::string hit = asked ? absl::StrFormat("%.1f", 100 * n["hit_rate"].get<double>()) : "-";
+      std::printf("%-22s %-16s %-24s %-6s %12u %12s %10lu %10s %10lu %10s %6s\n", addr.c_str(),
                   n["id"].get<std::string>().c_str(), n["model"].get<std::string>().c_str(),
                   n["dtype"].get<std::string>().c_str(), n["block_tokens"].get<uint32_t>(),
-                  FormatBytes(n["block_bytes"].get<uint64_t>()).c_str());
+                  FormatBytes(n["block_bytes"].get<uint64_t>()).c_str(),
+                  n["ram_blocks"].get<uint64_t>(), FormatBytes(n["ram_bytes"].get<uint64_t>()).c_str(),
+                  n["nvme_blocks"].get<uint64_t>(),
+                  FormatBytes(n["nvme_bytes"].get<uint64_t>()).c_str(), hit.c_str());
     }
   }
   return kOk;

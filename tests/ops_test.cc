@@ -249,9 +249,17 @@ TEST_F(Ops, NamespacesHaveAHeaderAndSayWhenThereAreNone) {
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(r.out.rfind("SHARD", 0), 0u) << r.out;
   EXPECT_NE(r.out.find(ns_), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("RAM BLOCKS"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("HIT%"), std::string::npos) << r.out;
   r = Kvctl("namespaces --json", stores_env_);
   auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j[stores_[0]->address()][0]["id"], ns_) << r.out;
+  // What the namespace holds: the request's 6 blocks, in RAM.
+  const auto& n = j[stores_[0]->address()][0];
+  EXPECT_EQ(n["ram_blocks"], 6u) << r.out;
+  EXPECT_EQ(n["nvme_blocks"], 0u) << r.out;
+  EXPECT_EQ(n["ram_bytes"], 6 * n["block_bytes"].get<uint64_t>()) << r.out;
+  EXPECT_LE(n["blocks_served"].get<uint64_t>(), n["blocks_asked"].get<uint64_t>()) << r.out;
   EXPECT_TRUE(j[stores_[1]->address()].is_array()) << r.out;  // [] when none, never null
   auto empty = testing::StartLoopbackStore(dir_.sub("empty"));
   ASSERT_GT(empty->port(), 0) << empty->Log();

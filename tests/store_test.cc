@@ -150,6 +150,45 @@ TEST_F(StoreTest, ExpiredPutLeaseIsReclaimedAndItsCommitRefused) {
   EXPECT_EQ(again->targets[0].placement, Placement::kReserved);
 }
 
+// Per namespace: blocks per tier as they arrive, demote and leave, and how
+// many blocks its gets asked for and were served; other namespaces apart.
+TEST_F(StoreTest, UsageCountsEachNamespacesBlocksPerTierAndItsHits) {
+  Open(1 << 20);  // 16 blocks of RAM
+  auto other = store_->RegisterNamespace(
+      NamespaceSpec{"other-model", "fp16", 1, 1, 64, 256, 0, 1, "", "", ""}, 0);
+  ASSERT_TRUE(other.ok());
+  for (uint64_t n = 0; n < 10; ++n) PutInline(n);
+  NamespaceUsage u = store_->Usage(ns_);
+  EXPECT_EQ(u.ram_blocks, 10u);
+  EXPECT_EQ(u.nvme_blocks, 0u);
+  EXPECT_EQ(store_->Usage(other->id).ram_blocks, 0u);
+  // Past RAM's 16 blocks, the oldest demote to NVMe: every block is counted
+  // once, in the tier that serves it.
+  for (uint64_t n = 10; n < 40; ++n) PutInline(n);
+  store_->disk().WaitIdle();
+  u = store_->Usage(ns_);
+  EXPECT_GT(u.nvme_blocks, 0u);
+  EXPECT_LE(u.ram_blocks, 16u);
+  EXPECT_EQ(u.ram_blocks + u.nvme_blocks, store_->Stats().ram.items + store_->Stats().disk.items);
+  // Gets: 3 asked, 3 served; then a chain of 4 whose third is absent.
+  const uint64_t asked = u.blocks_asked, served = u.blocks_served;
+  for (uint64_t n : {37, 38, 39}) GetAndCheck(n);
+  std::vector<BlockHash> chain = {H(38), H(39), H(1000), H(37)};
+  auto g = store_->BeginGet(ns_, chain, "t");
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->sources.size(), 2u);
+  ASSERT_TRUE(store_->EndGet(g->lease).ok());
+  u = store_->Usage(ns_);
+  EXPECT_EQ(u.blocks_asked - asked, 7u);
+  EXPECT_EQ(u.blocks_served - served, 5u);
+  // Removing the namespace leaves nothing counted in it.
+  ASSERT_TRUE(store_->RemoveNamespace(ns_).ok());
+  store_->disk().WaitIdle();
+  u = store_->Usage(ns_);
+  EXPECT_EQ(u.ram_blocks, 0u);
+  EXPECT_EQ(u.nvme_blocks, 0u);
+}
+
 TEST_F(StoreTest, ExpiredGetLeaseUnpins) {
   Open(256 << 10, /*lease_ms=*/100);  // four slots
   for (uint64_t n = 0; n < 4; ++n) PutInline(n);

@@ -198,6 +198,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="the tier part only, small (the smoke test)")
     args = ap.parse_args()
+    if os.environ.get("KVTIER_FLAGS_ONLY") == "1":  # the docs' check
+        return 0
     with tempfile.TemporaryDirectory(prefix="kvtier-vllm-bench-") as d:
         work = Path(d)
         if args.quick:

@@ -364,6 +364,11 @@ void ParseFlagsOrExit(FlagSet& flags, int argc, const char* const* argv,
     std::fprintf(stderr, "%s: %s\n", argc > 0 ? argv[0] : "kvtier", std::string(s.message()).c_str());
     std::exit(2);
   }
+  // The docs' command lines are checked this way (tests/python/test_docs.py):
+  // the flags parse, and nothing runs.
+  if (const char* only = std::getenv("KVTIER_FLAGS_ONLY"); only != nullptr && only == std::string("1")) {
+    std::exit(0);
+  }
 }
 
 }  // namespace kvtier

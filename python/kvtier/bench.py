@@ -187,6 +187,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                               "kvtier-bench"))
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if os.environ.get("KVTIER_FLAGS_ONLY") == "1":  # the docs' check
+        return 0
     torch.set_num_threads(1)
     sizes = [_size(s) for s in a.latency_sizes.split(",")]
     blocks = [int(b) for b in a.latency_blocks.split(",")]

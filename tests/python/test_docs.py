@@ -4,9 +4,18 @@
   own script, with Debian's interpreter and the build's package, against a
   real kvtier-store named by KVTIER_STORE (what the docs tell a reader to
   set).
-- Every shell block marked ``<!-- doc-test -->`` (the README's quick start):
-  run by bash from the repository's root, with the build tree at build/ (a
-  symlink when the build is elsewhere), as a reader would paste it.
+- Every other code block carries a marker on the line above it:
+  ``<!-- doc-test -->``: run by bash from the repository's root, with the
+  build tree at build/ (a symlink when the build is elsewhere), as a reader
+  would paste it (the README's quick start);
+  ``<!-- doc-flags -->``: run the same way with ``KVTIER_FLAGS_ONLY=1``, with
+  which every kvtier program (the C++ binaries, kvctl, the Python scripts)
+  parses its flags and exits, so a renamed or mistyped flag fails while
+  long runs (benchmarks, servers) do not start; other commands in the block
+  run for real;
+  ``<!-- doc-skip: REASON -->``: not run, and the reason says why (a GPU, a
+  diagram, a formula).
+  A block with no marker fails the test.
 
 A documented example that no longer runs fails here."""
 
@@ -40,18 +49,36 @@ def python_blocks() -> list[tuple[str, int, str]]:
 BLOCKS = python_blocks()
 
 
-def shell_blocks() -> list[tuple[str, int, str]]:
-    """(file, line, code) of every shell block marked <!-- doc-test -->."""
+def marked_blocks() -> list[tuple[str, int, str, str]]:
+    """(file, line, marker, code) of every fenced block that is not
+    ```python; marker is the comment on the line above ("" if none)."""
     out = []
     for doc in DOCS:
         text = doc.read_text()
-        for m in re.finditer(r"^<!-- doc-test -->\n```(?:bash|sh)\n(.*?)^```$",
-                             text, re.S | re.M):
-            out.append((doc.name, text.count("\n", 0, m.start()) + 1, m.group(1)))
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.S | re.M):
+            if m.group(1) == "python":
+                continue
+            above = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            marker = re.match(r"<!-- (doc-test|doc-flags|doc-skip: .+) -->$",
+                              above.strip())
+            out.append((doc.name, text.count("\n", 0, m.start()) + 1,
+                        marker.group(1) if marker else "", m.group(2)))
     return out
 
 
-SHELL = shell_blocks()
+MARKED = marked_blocks()
+SHELL = [(d, n, c) for d, n, k, c in MARKED if k == "doc-test"]
+FLAGS = [(d, n, c) for d, n, k, c in MARKED if k == "doc-flags"]
+
+
+def test_every_code_block_is_run_or_says_why_not() -> None:
+    unmarked = [f"{d}:{n}" for d, n, k, _ in MARKED if not k]
+    assert not unmarked, (
+        "code blocks with no <!-- doc-test -->, <!-- doc-flags --> or "
+        f"<!-- doc-skip: REASON --> marker: {', '.join(unmarked)}")
+    skipped = [k for _, _, k, _ in MARKED if k.startswith("doc-skip")]
+    assert all(len(k) > len("doc-skip: ") + 5 for k in skipped), \
+        "a doc-skip marker says why"
 
 
 def test_the_docs_have_python_examples() -> None:
@@ -76,18 +103,23 @@ def test_the_readme_has_a_tested_quick_start() -> None:
     assert any(doc == "README.md" for doc, _, _ in SHELL)
 
 
-@pytest.mark.parametrize("doc, line, code", SHELL,
-                         ids=[f"{d}:{n}" for d, n, _ in SHELL])
-def test_a_documented_shell_block_runs_as_written(
-        tmp_path: Path, doc: str, line: int, code: str) -> None:
+def run_block(tmp_path: Path, code: str, flags_only: bool
+              ) -> subprocess.CompletedProcess:
+    """Runs a shell block from a directory laid out as the repository's
+    root (its scripts/, bench/ and python/, the build tree at build/), and
+    stops whatever it left running."""
     from conftest import BUILD
     root = tmp_path / "clone"
     root.mkdir()
     (root / "build").symlink_to(BUILD)  # the docs say build/
+    for sub in ("scripts", "bench", "python"):
+        (root / sub).symlink_to(ROOT / sub)
     script = tmp_path / "block.sh"
     script.write_text("set -euo pipefail\n" + code)
     env = engine_env()
     env.pop("PYTHONPATH", None)  # the block sets what it needs
+    if flags_only:
+        env["KVTIER_FLAGS_ONLY"] = "1"
     proc = subprocess.Popen(["bash", str(script)], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -99,7 +131,29 @@ def test_a_documented_shell_block_runs_as_written(
         except ProcessLookupError:
             pass
         proc.wait()
-    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout,
-                                      stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout,
+                                       stderr)
+
+
+@pytest.mark.parametrize("doc, line, code", SHELL,
+                         ids=[f"{d}:{n}" for d, n, _ in SHELL])
+def test_a_documented_shell_block_runs_as_written(
+        tmp_path: Path, doc: str, line: int, code: str) -> None:
+    out = run_block(tmp_path, code, flags_only=False)
     assert out.returncode == 0, (
         f"{doc}:{line}: the block failed:\n{out.stdout}{out.stderr[-3000:]}")
+
+
+@pytest.mark.parametrize("doc, line, code", FLAGS,
+                         ids=[f"{d}:{n}" for d, n, _ in FLAGS])
+def test_a_documented_command_line_takes_its_flags(
+        tmp_path: Path, doc: str, line: int, code: str) -> None:
+    from conftest import BUILD
+    if "build/venv/" in code and not (BUILD / "venv" / "bin" / "python").exists():
+        why = BUILD / "venv.unavailable"
+        pytest.skip(why.read_text().strip() if why.exists()
+                    else "the project's Python environment is not made")
+    out = run_block(tmp_path, code, flags_only=True)
+    assert out.returncode == 0, (
+        f"{doc}:{line}: a command line's flags were refused:\n"
+        f"{out.stdout}{out.stderr[-3000:]}")

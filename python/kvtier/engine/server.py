@@ -153,7 +153,10 @@ def _flags(argv: Optional[list[str]]) -> argparse.Namespace:
                  "head_dim", "ffn", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int,
                        default=getattr(d, name))
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if os.environ.get("KVTIER_FLAGS_ONLY") == "1":  # the docs' check
+        sys.exit(0)
+    return a
 
 
 def _write_port_file(path: str, port: int) -> None:

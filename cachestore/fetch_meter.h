@@ -13,6 +13,8 @@
 #include <mutex>
 #include <vector>
 
+#include "common/histogram.h"
+
 namespace kvtier::store {
 
 struct TierFetchFigures {
@@ -42,6 +44,14 @@ class FetchMeter {
   // The tiers that served something in the window.
   std::vector<TierFetchFigures> Figures(Clock::time_point now);
 
+  // One whole fetch (a get lease from BeginGet to its release, an inline
+  // get's call) took `seconds`; `slowest` is the slowest tier it read.
+  void Fetched(Tier slowest, double seconds) {
+    durations_[slowest].Record(static_cast<uint64_t>(seconds * 1e6));
+  }
+  // Every whole fetch since start whose slowest tier was `tier`.
+  LatencyHistogram::Snapshot Durations(Tier tier) const { return durations_[tier].Take(); }
+
  private:
   struct Bucket {
     uint64_t blocks = 0, bytes = 0;
@@ -54,6 +64,7 @@ class FetchMeter {
   std::mutex mu_;
   Clock::time_point bucket_start_{};
   std::array<Bucket, 2> current_{}, previous_{};  // per tier
+  std::array<LatencyHistogram, 2> durations_;
 };
 
 }  // namespace kvtier::store

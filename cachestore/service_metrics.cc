@@ -49,6 +49,12 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
   m.Gauge("kvtier_store_dataplane_connections",
           "Open data-plane connections (socket connections or UCX endpoints)",
           (dataplane_ ? dataplane_->connections() : 0) + (sockets_ ? sockets_->connections() : 0));
+  for (const auto& [name, tier] : {std::pair{"ram", FetchMeter::kRam}, std::pair{"disk", FetchMeter::kDisk}}) {
+    m.Histogram("kvtier_store_fetch_duration_seconds",
+                "Whole fetches, a get lease from BeginGet to its release or an inline get, by the "
+                "slowest tier they read",
+                store_->FetchDurations(tier), {{"tier", name}});
+  }
   for (const auto& [rpc, h] : histograms_) {
     auto snap = h->Take();
     m.Histogram("kvtier_store_rpc_duration_seconds", "Latency of store RPCs", snap, {{"rpc", rpc}});

@@ -159,6 +159,7 @@ void Store::ReleaseLease(const Lease& lease, bool expired) {
   const double held = std::chrono::duration<double>(now - lease.opened).count();
   const double share =
       std::max(0.0, held - lease.disk_seconds) / static_cast<double>(lease.items.size());
+  fetch_meter_.Fetched(lease.disk_items ? FetchMeter::kDisk : FetchMeter::kRam, held);
   const uint64_t ram_items = lease.items.size() - lease.disk_items;
   fetch_meter_.Served(FetchMeter::kRam, ram_items, bytes - lease.disk_bytes, share * ram_items, now);
   fetch_meter_.Served(FetchMeter::kDisk, lease.disk_items, lease.disk_bytes,
@@ -392,8 +393,9 @@ absl::Status Store::GetInline(
     const auto now = std::chrono::steady_clock::now();
     const uint64_t blocks = served[0] + served[1];
     usage_.Read(ns, hashes.size(), blocks);
-    const double share =
-        blocks ? std::chrono::duration<double>(now - start).count() / static_cast<double>(blocks) : 0;
+    const double took = std::chrono::duration<double>(now - start).count();
+    if (blocks) fetch_meter_.Fetched(served[FetchMeter::kDisk] ? FetchMeter::kDisk : FetchMeter::kRam, took);
+    const double share = blocks ? took / static_cast<double>(blocks) : 0;
     for (int t : {0, 1}) {
       fetch_meter_.Served(static_cast<FetchMeter::Tier>(t), served[t], served_bytes[t],
                           share * served[t], now);

@@ -125,6 +125,10 @@ class Store {
   std::vector<NamespaceInfo> ListNamespaces(const Tenant* tenant = nullptr) const;
   // What namespace ns (a store id) holds per tier, and how its gets fared.
   NamespaceUsage Usage(uint64_t ns) const { return usage_.Of(ns); }
+  // Whole fetches since start whose slowest tier was `tier`.
+  LatencyHistogram::Snapshot FetchDurations(FetchMeter::Tier tier) const {
+    return fetch_meter_.Durations(tier);
+  }
   const Tenants* tenants() const { return options_.tenants.get(); }
 
   // The requests below answer INVALID_ARGUMENT for no hashes or more than

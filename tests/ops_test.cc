@@ -337,6 +337,8 @@ TEST_F(Ops, PrometheusEndpointsServeTheDocumentedMetrics) {
                            "kvtier_store_tier_hits_total", "kvtier_store_tier_evictions_total",
                            "kvtier_store_tier_promotions_total", "kvtier_store_tier_demotions_total",
                            "kvtier_store_rpc_duration_seconds_bucket{rpc=\"BeginPut\"",
+                           "kvtier_store_fetch_duration_seconds_bucket{tier=\"ram\"",
+                           "kvtier_store_fetch_duration_seconds_bucket{tier=\"disk\"",
                            "kvtier_store_dataplane_bytes_total{direction=\"put\"}",
                            "kvtier_store_leases{kind=\"put\"} 0",
                            "kvtier_build_info{component=\"store\",version=\"" KVTIER_VERSION "\"} 1",
@@ -396,6 +398,14 @@ TEST_F(Ops, EveryDashboardQueryNamesAMetricALiveProcessExports) {
                HttpGet(router_metrics_, "/metrics");
     return exported.find("\nkvtier_router_store_fetch_seconds_per_block{") != std::string::npos;
   }, std::chrono::seconds(10))) << "the store's fetch figures did not reach the router";
+  // That fetch is in store 0's end-to-end fetch latency once its pin is
+  // released (releases never hold the worker: they arrive soon after).
+  EXPECT_TRUE(testing::WaitFor([&] {
+    std::string s0 = HttpGet(metrics_ports_[0], "/metrics");
+    const std::string line = "\nkvtier_store_fetch_duration_seconds_count{tier=\"ram\"} ";
+    auto at = s0.find(line);
+    return at != std::string::npos && s0.compare(at + line.size(), 2, "0\n") != 0;
+  }, std::chrono::seconds(10))) << "the fetch is not in kvtier_store_fetch_duration_seconds";
   for (const std::string& metric : queried) {
     EXPECT_TRUE(exported.find("\n" + metric + "{") != std::string::npos ||
                 exported.find("\n" + metric + " ") != std::string::npos)

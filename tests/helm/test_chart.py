@@ -439,6 +439,13 @@ def check_dashboard_variables():
     names = {v["name"] for v in dash["templating"]["list"]}
     check({"namespace", "job", "release"} <= names,
           "dashboard variables namespace, job, release: %s" % sorted(names))
+    rel = [v for v in dash["templating"]["list"] if v["name"] == "release"]
+    check(rel and rel[0]["type"] == "query" and not rel[0].get("includeAll")
+          and not rel[0].get("multi"),
+          "the release variable lists the releases and selects one at a time")
+    check(any("kvtier_store_fetch_duration_seconds_bucket" in t["expr"]
+              for p in dash["panels"] for t in p.get("targets", [])),
+          "the dashboard shows end-to-end fetch latency")
     scope = 'namespace=~"$namespace",job=~"$job",pod=~"$release-.*"'
     for panel in dash["panels"]:
         for t in panel.get("targets", []):

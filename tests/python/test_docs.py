@@ -21,12 +21,15 @@ A documented example that no longer runs fails here."""
 
 from __future__ import annotations
 
+import ast
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,3 +160,58 @@ def test_a_documented_command_line_takes_its_flags(
     assert out.returncode == 0, (
         f"{doc}:{line}: a command line's flags were refused:\n"
         f"{out.stdout}{out.stderr[-3000:]}")
+
+
+def engine_command_configs() -> list[tuple[int, str, dict[str, Any]]]:
+    """(line, flag, parsed JSON) of every JSON flag value of the engine
+    command lines in docs/engines.md (``vllm serve``, SGLang's server)."""
+    text = (ROOT / "docs" / "engines.md").read_text()
+    out = []
+    for m in re.finditer(r"^```\n((?:vllm serve|python -m sglang).*?)^```$",
+                         text, re.S | re.M):
+        line = text.count("\n", 0, m.start()) + 1
+        for f in re.finditer(r"(--[a-z-]+-config) '(.*?)'", m.group(1), re.S):
+            out.append((line, f.group(1), json.loads(f.group(2))))
+    return out
+
+
+def class_defined(module: str, name: str) -> bool:
+    """Whether the kvtier package module defines class ``name`` (read from
+    its source: the engines need not be installed here)."""
+    path = ROOT / "python" / Path(*module.split(".")).with_suffix(".py")
+    return path.exists() and any(
+        isinstance(n, ast.ClassDef) and n.name == name
+        for n in ast.parse(path.read_text()).body)
+
+
+def test_the_engine_pages_configs_are_the_ones_the_tests_run() -> None:
+    """The vLLM and SGLang command lines of docs/engines.md (which need a
+    GPU, so they are not run) carry JSON that parses, naming kvtier's
+    classes and keys as the engine tests use them: editing them so they
+    break fails here."""
+    from vllm_engine import kv_transfer_config
+    configs = engine_command_configs()
+    kv = [c for _, f, c in configs if f == "--kv-transfer-config"]
+    assert len(kv) == 2 and len(configs) >= 5, configs
+    connector = next(c for c in kv if c["kv_connector"] == "KvtierConnector")
+    tested = kv_transfer_config("STORES")
+    for key in ("kv_connector", "kv_connector_module_path", "kv_role",
+                "kv_load_failure_policy"):
+        assert connector[key] == tested[key], key
+    assert class_defined(connector["kv_connector_module_path"],
+                         "KvtierConnector")
+    tier_keys = next(
+        ast.literal_eval(n.value) for n in ast.parse(
+            (ROOT / "python/kvtier/integrations/vllm_tier.py").read_text()).body
+        if isinstance(n, ast.Assign)
+        and getattr(n.targets[0], "id", "") == "TIER_KEYS")
+    offloading = next(c for c in kv if c["kv_connector"] == "OffloadingConnector")
+    extra = offloading["kv_connector_extra_config"]
+    assert extra["spec_name"] == "TieringOffloadingSpec"
+    (tier,) = extra["secondary_tiers"]
+    assert class_defined(tier["module_path"], tier["type"])
+    assert set(tier) - {"type", "module_path"} <= set(tier_keys), tier
+    (sglang,) = [c for _, f, c in configs
+                 if f == "--hicache-storage-backend-extra-config"]
+    assert class_defined(sglang["module_path"], sglang["class_name"])
+    assert sglang["interface_v1"] == 1 and sglang["stores"]

@@ -8,7 +8,7 @@ BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all setup venv build test demo bench bench-vllm fuzz asan tsan soak clean
+.PHONY: all setup venv build test demo bench bench-vllm fuzz asan tsan soak format clean
 
 all: build
 
@@ -49,6 +49,10 @@ bench-vllm: build venv
 FUZZ_SECONDS ?= 30
 fuzz: setup
 	bash scripts/fuzz.sh $(FUZZ_SECONDS)
+
+# Lays the C++ out as clang-format does (CI checks it: scripts/check_format.sh).
+format: setup
+	bash scripts/check_format.sh --fix
 
 # The 10-minute soak (make test runs its 60-second version).
 soak: build

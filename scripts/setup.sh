@@ -9,6 +9,7 @@
 # nodejs, npm (when no node is installed): the chart test validates the
 # rendered manifests against the Kubernetes API schemas with the npm package
 # kubernetes-models, installed into tests/helm/node_modules from its lock file.
+# clang-format: the C++ style check CI runs (scripts/check_format.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,7 +19,7 @@ PKGS=(
   libucx-dev ucx-utils librocksdb-dev libabsl-dev libgtest-dev libxxhash-dev libzmq3-dev cppzmq-dev libmsgpack-dev
   nlohmann-json3-dev prometheus-cpp-dev redis-server redis-tools fio python3
   golang-go golang-github-masterminds-sprig-dev python3-jsonschema python3-yaml
-  clang libclang-rt-14-dev openssl libssl-dev
+  clang libclang-rt-14-dev clang-format openssl libssl-dev
   python3-dev pybind11-dev python3-numpy python3-pytest python3-torch
   python3-grpcio python3-protobuf python3-venv libopenblas0-pthread
   iproute2 nftables

@@ -6,19 +6,19 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
-#include <algorithm>
 
-#include "absl/strings/str_cat.h"
-#include "common/pattern.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "common/config.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/config.h"
+#include "common/pattern.h"
 
 namespace kvtier::bench {
 
@@ -27,8 +27,8 @@ absl::StatusOr<NamespaceSpec> SpecForBlockBytes(uint64_t block_bytes, const std:
     return absl::InvalidArgumentError(absl::StrCat(
         "block size ", block_bytes, " must be a multiple of 8KiB between 8KiB and 8MiB"));
   }
-  return NamespaceSpec{model, "fp16", 1, static_cast<uint32_t>(block_bytes / 8192), 128, 16, 0,
-                       1, "", "", ""};
+  return NamespaceSpec{model, "fp16", 1, static_cast<uint32_t>(block_bytes / 8192), 128, 16, 0, 1,
+                       "",    "",     ""};
 }
 
 void FillBlock(uint64_t ns, const BlockHash& hash, uint8_t* out, size_t len) {
@@ -41,8 +41,8 @@ std::string BlockContent(uint64_t ns, const BlockHash& hash, size_t len) {
   return s;
 }
 
-absl::StatusOr<std::vector<uint64_t>> ParseSizeList(const std::string& flag, const std::string& text,
-                                                    uint64_t multiple_of) {
+absl::StatusOr<std::vector<uint64_t>> ParseSizeList(const std::string& flag,
+                                                    const std::string& text, uint64_t multiple_of) {
   std::vector<uint64_t> out;
   for (absl::string_view x : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     auto b = ParseBytes(std::string(x));
@@ -53,7 +53,8 @@ absl::StatusOr<std::vector<uint64_t>> ParseSizeList(const std::string& flag, con
     }
     out.push_back(*b);
   }
-  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("flag --", flag, " lists nothing"));
+  if (out.empty())
+    return absl::InvalidArgumentError(absl::StrCat("flag --", flag, " lists nothing"));
   return out;
 }
 
@@ -63,12 +64,13 @@ absl::StatusOr<std::vector<int64_t>> ParseIntList(const std::string& flag, const
   for (absl::string_view x : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     int64_t v = 0;
     if (!absl::SimpleAtoi(x, &v) || v < min || v > max) {
-      return absl::InvalidArgumentError(absl::StrCat("flag --", flag, ": \"", x,
-                                                     "\" is not an integer in ", min, "..", max));
+      return absl::InvalidArgumentError(
+          absl::StrCat("flag --", flag, ": \"", x, "\" is not an integer in ", min, "..", max));
     }
     out.push_back(v);
   }
-  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("flag --", flag, " lists nothing"));
+  if (out.empty())
+    return absl::InvalidArgumentError(absl::StrCat("flag --", flag, " lists nothing"));
   return out;
 }
 
@@ -97,8 +99,7 @@ absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(
   s->proc_ = std::make_unique<Process>(binary, args, scratch + ".log");
   int port = WaitForPortFile(port_file, std::chrono::seconds(30));
   if (port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat(binary, " did not start; see ", scratch, ".log"));
+    return absl::UnavailableError(absl::StrCat(binary, " did not start; see ", scratch, ".log"));
   }
   s->address_ = absl::StrCat("127.0.0.1:", port);
   return s;
@@ -115,7 +116,8 @@ absl::Status LocalServer::Restart() {
   args.push_back("--listen=" + address_);
   proc_ = std::make_unique<Process>(binary_, args, scratch_ + ".log");
   if (WaitForPortFile(port_file, std::chrono::seconds(30)) == 0) {
-    return absl::UnavailableError(absl::StrCat(binary_, " did not restart; see ", scratch_, ".log"));
+    return absl::UnavailableError(
+        absl::StrCat(binary_, " did not restart; see ", scratch_, ".log"));
   }
   return absl::OkStatus();
 }
@@ -161,10 +163,9 @@ absl::StatusOr<MooncakeFigures> MooncakeStoreGbps(uint64_t block_bytes, uint64_t
         " (make venv installs it; KVTIER_PYTHON names another)"));
   }
   const std::string script = std::string(KVTIER_SOURCE_DIR) + "/bench/mooncake_ref.py";
-  ShellResult r = RunShell(absl::StrCat("GLOG_minloglevel=2 timeout 600 '", python, "' '", script,
-                                        "' --block-bytes ", block_bytes, " --blocks ", blocks,
-                                        " --batch ", batch, " --clients ", clients,
-                                        " 2>/dev/null"));
+  ShellResult r = RunShell(absl::StrCat(
+      "GLOG_minloglevel=2 timeout 600 '", python, "' '", script, "' --block-bytes ", block_bytes,
+      " --blocks ", blocks, " --batch ", batch, " --clients ", clients, " 2>/dev/null"));
   // The script's last line is one JSON object, an error included.
   std::string last = r.out;
   while (!last.empty() && last.back() == '\n') last.pop_back();

@@ -37,7 +37,8 @@ double Percentile(std::vector<double> values, double p);
 // Comma-separated flag lists; an error names the flag and the bad entry, and
 // an empty list is an error. Sizes take 64KiB-style units and must be
 // multiples of `multiple_of`; integers must lie in [min, max].
-absl::StatusOr<std::vector<uint64_t>> ParseSizeList(const std::string& flag, const std::string& text,
+absl::StatusOr<std::vector<uint64_t>> ParseSizeList(const std::string& flag,
+                                                    const std::string& text,
                                                     uint64_t multiple_of = 1);
 absl::StatusOr<std::vector<int64_t>> ParseIntList(const std::string& flag, const std::string& text,
                                                   int64_t min, int64_t max);
@@ -51,8 +52,8 @@ std::string DefaultBinary(const std::string& subdir, const std::string& name);
 class LocalServer {
  public:
   static absl::StatusOr<std::unique_ptr<LocalServer>> Start(const std::string& binary,
-                                                           const std::string& scratch,
-                                                           const std::vector<std::string>& flags);
+                                                            const std::string& scratch,
+                                                            const std::vector<std::string>& flags);
   ~LocalServer();
   const std::string& address() const { return address_; }
   // kill -9 and start again with the same flags on the same port.
@@ -115,7 +116,9 @@ struct HugePageAllocator {
   }
   void deallocate(T* p, size_t) { std::free(p); }
   template <typename U>
-  bool operator==(const HugePageAllocator<U>&) const { return true; }
+  bool operator==(const HugePageAllocator<U>&) const {
+    return true;
+  }
 };
 using HugeBuffer = std::vector<uint8_t, HugePageAllocator<uint8_t>>;
 

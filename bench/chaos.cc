@@ -67,8 +67,11 @@ class Server {
  public:
   Server(std::string ip_path, Host host, std::string binary, std::vector<std::string> flags,
          std::string log)
-      : ip_(std::move(ip_path)), host_(std::move(host)), binary_(std::move(binary)),
-        flags_(std::move(flags)), log_(std::move(log)) {}
+      : ip_(std::move(ip_path)),
+        host_(std::move(host)),
+        binary_(std::move(binary)),
+        flags_(std::move(flags)),
+        log_(std::move(log)) {}
   void Start() {
     std::vector<std::string> args = {"netns", "exec", host_.ns, binary_};
     args.insert(args.end(), flags_.begin(), flags_.end());
@@ -151,11 +154,11 @@ class Chaos {
       worker_.push_back(std::make_unique<Server>(
           ip_path, h, DefaultBinary("worker", "kvtier-sim-worker"),
           std::vector<std::string>{
-              "--listen=" + h.ip + ":8000", absl::StrCat("--worker-id=worker", w), "--store=" + stores,
-              "--router=" + rh.ip + ":7500", "--model=mooncake-trace", "--dtype=fp16",
-              "--layers=1", "--kv-heads=1", "--head-dim=32", "--block-tokens=512", "--pages=512",
-              "--prefill-tokens-per-s=20000", "--time-scale=0.05", "--heartbeat=100ms",
-              "--offload=write-through", "--deadline=2s"},
+              "--listen=" + h.ip + ":8000", absl::StrCat("--worker-id=worker", w),
+              "--store=" + stores, "--router=" + rh.ip + ":7500", "--model=mooncake-trace",
+              "--dtype=fp16", "--layers=1", "--kv-heads=1", "--head-dim=32", "--block-tokens=512",
+              "--pages=512", "--prefill-tokens-per-s=20000", "--time-scale=0.05",
+              "--heartbeat=100ms", "--offload=write-through", "--deadline=2s"},
           absl::StrCat(scratch, "/worker", w, ".log")));
       endpoints_.push_back(h.ip + ":8000");
     }
@@ -165,12 +168,14 @@ class Chaos {
     for (auto& s : store_) s->Start();
     for (auto& w : worker_) w->Start();
     for (const auto& e : endpoints_) {
-      workers_.push_back(v1::SimWorker::NewStub(grpc::CreateChannel(e, grpc::InsecureChannelCredentials())));
+      workers_.push_back(
+          v1::SimWorker::NewStub(grpc::CreateChannel(e, grpc::InsecureChannelCredentials())));
     }
     router_stub_ = v1::Router::NewStub(
         grpc::CreateChannel(rh.ip + ":7500", grpc::InsecureChannelCredentials()));
     if (WaitAllSources(std::chrono::seconds(60)) < 0) {
-      return absl::DeadlineExceededError("the cluster did not come up in 60 s; see the logs in " + scratch);
+      return absl::DeadlineExceededError("the cluster did not come up in 60 s; see the logs in " +
+                                         scratch);
     }
     return absl::OkStatus();
   }
@@ -284,7 +289,8 @@ class Chaos {
     }
     auto sleep = [](double s) {  // cut short by a signal
       const auto end = Clock::now() + std::chrono::duration<double>(s);
-      while (!g_stop && Clock::now() < end) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      while (!g_stop && Clock::now() < end)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
     };
     sleep(phase_s_);
     absl::Status injected = sc.inject();
@@ -298,13 +304,14 @@ class Chaos {
     sleep(std::max(0.0, phase_s_ - std::chrono::duration<double>(Clock::now() - healed).count()));
     stop = true;
     for (auto& t : threads) t.join();
-    nlohmann::json j = {{"scenario", sc.name},
-                        {"fault", sc.what},
-                        {"before", phases[0].Json()},
-                        {"during", phases[1].Json()},
-                        {"after", phases[2].Json()},
-                        {"sources_back_s", back},
-                        {"last_failure_after_heal_s", last_bad_after.load() < 0 ? 0.0 : last_bad_after.load()}};
+    nlohmann::json j = {
+        {"scenario", sc.name},
+        {"fault", sc.what},
+        {"before", phases[0].Json()},
+        {"during", phases[1].Json()},
+        {"after", phases[2].Json()},
+        {"sources_back_s", back},
+        {"last_failure_after_heal_s", last_bad_after.load() < 0 ? 0.0 : last_bad_after.load()}};
     if (!injected.ok()) j["inject_error"] = std::string(injected.message());
     if (!heal_status.ok()) j["heal_error"] = std::string(heal_status.message());
     return j;
@@ -319,14 +326,17 @@ class Chaos {
     };
     auto loss = [&, sh](int pct) {
       return Scenario{
-          absl::StrCat("loss", pct), absl::StrCat(pct, " % of store0's packets dropped (nft, both ways)"),
+          absl::StrCat("loss", pct),
+          absl::StrCat(pct, " % of store0's packets dropped (nft, both ways)"),
           [=, &s0] {
-            return sh(absl::StrCat("ip netns exec ", s0.ns, " nft -f - <<'EOF'\n",
-                                   "table inet kvchaos {\n"
-                                   " chain in { type filter hook input priority 0; numgen random mod 100 < ",
-                                   pct, " drop; }\n chain out { type filter hook output priority 0; "
-                                   "numgen random mod 100 < ",
-                                   pct, " drop; }\n}\nEOF"));
+            return sh(absl::StrCat(
+                "ip netns exec ", s0.ns, " nft -f - <<'EOF'\n",
+                "table inet kvchaos {\n"
+                " chain in { type filter hook input priority 0; numgen random mod 100 < ",
+                pct,
+                " drop; }\n chain out { type filter hook output priority 0; "
+                "numgen random mod 100 < ",
+                pct, " drop; }\n}\nEOF"));
           },
           [=, &s0] { return sh("ip netns exec " + s0.ns + " nft delete table inet kvchaos"); }};
     };
@@ -335,19 +345,32 @@ class Chaos {
                       [=, &s0] { return sh("ip -n " + s0.ns + " link set eth0 down"); },
                       [=, &s0] { return sh("ip -n " + s0.ns + " link set eth0 up"); }};
     m["kill9"] = {"kill9", "kill -9 of store0, restarted on the same data",
-                  [this] { store_[0]->Kill9(); return absl::OkStatus(); },
-                  [this] { store_[0]->Start(); return absl::OkStatus(); }};
+                  [this] {
+                    store_[0]->Kill9();
+                    return absl::OkStatus();
+                  },
+                  [this] {
+                    store_[0]->Start();
+                    return absl::OkStatus();
+                  }};
     m["loss1"] = loss(1);
     m["loss10"] = loss(10);
-    m["shaped"] = {"shaped", "store0's link shaped to 100 Mbit/s (tc tbf)",
-                   [=, &s0] {
-                     return sh("ip netns exec " + s0.ns +
-                               " tc qdisc add dev eth0 root tbf rate 100mbit burst 64kb latency 100ms");
-                   },
-                   [=, &s0] { return sh("ip netns exec " + s0.ns + " tc qdisc del dev eth0 root"); }};
+    m["shaped"] = {
+        "shaped", "store0's link shaped to 100 Mbit/s (tc tbf)",
+        [=, &s0] {
+          return sh("ip netns exec " + s0.ns +
+                    " tc qdisc add dev eth0 root tbf rate 100mbit burst 64kb latency 100ms");
+        },
+        [=, &s0] { return sh("ip netns exec " + s0.ns + " tc qdisc del dev eth0 root"); }};
     m["router-down"] = {"router-down", "kill -9 of the router, restarted (workers keep serving)",
-                        [this] { router_->Kill9(); return absl::OkStatus(); },
-                        [this] { router_->Start(); return absl::OkStatus(); }};
+                        [this] {
+                          router_->Kill9();
+                          return absl::OkStatus();
+                        },
+                        [this] {
+                          router_->Start();
+                          return absl::OkStatus();
+                        }};
     return m;
   }
 
@@ -416,8 +439,9 @@ int RunChaos(int argc, const char* const* argv) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   if (geteuid() != 0 || !HaveCommand("ip")) {
-    std::printf("kvtier-bench chaos: skipped: it needs root and iproute2 (ip) to create network "
-                "namespaces\n");
+    std::printf(
+        "kvtier-bench chaos: skipped: it needs root and iproute2 (ip) to create network "
+        "namespaces\n");
     return 77;
   }
   auto trace = ReadTrace(trace_path);
@@ -428,7 +452,8 @@ int RunChaos(int argc, const char* const* argv) {
   }
   TempDir dir;
   Chaos chaos(*trace, phase_s, static_cast<int>(concurrency));
-  chaos.set_namespace(NamespaceId(NamespaceSpec{"mooncake-trace", "fp16", 1, 1, 32, 512, 0, 1, "", "", ""}));
+  chaos.set_namespace(
+      NamespaceId(NamespaceSpec{"mooncake-trace", "fp16", 1, 1, 32, 512, 0, 1, "", "", ""}));
   if (auto s = chaos.Setup(dir.path()); !s.ok()) {
     std::fprintf(stderr, "kvtier-bench chaos: %s\n", std::string(s.message()).c_str());
     return 1;
@@ -438,12 +463,14 @@ int RunChaos(int argc, const char* const* argv) {
   for (absl::string_view name : absl::StrSplit(scenarios, ',', absl::SkipEmpty())) {
     auto it = all.find(std::string(name));
     if (it == all.end()) {
-      std::fprintf(stderr, "kvtier-bench chaos: unknown scenario \"%s\"\n", std::string(name).c_str());
+      std::fprintf(stderr, "kvtier-bench chaos: unknown scenario \"%s\"\n",
+                   std::string(name).c_str());
       chaos.Stop();
       return 2;
     }
     if (name.rfind("loss", 0) == 0 && !HaveCommand("nft")) {
-      out.push_back({{"scenario", it->second.name}, {"skipped", "nft (nftables) is not installed"}});
+      out.push_back(
+          {{"scenario", it->second.name}, {"skipped", "nft (nftables) is not installed"}});
       continue;
     }
     if (g_stop) break;
@@ -459,24 +486,28 @@ int RunChaos(int argc, const char* const* argv) {
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
-  std::printf("kvtier-bench chaos: 3 store shards, a router, 4 workers and a client, each in its own "
-              "network namespace; %.1f s per phase, %ld requests in flight\n\n",
-              phase_s, static_cast<long>(concurrency));
+  std::printf(
+      "kvtier-bench chaos: 3 store shards, a router, 4 workers and a client, each in its own "
+      "network namespace; %.1f s per phase, %ld requests in flight\n\n",
+      phase_s, static_cast<long>(concurrency));
   for (const auto& j : out) {
     if (j.contains("skipped")) {
       std::printf("%s: skipped (%s)\n\n", j["scenario"].get<std::string>().c_str(),
                   j["skipped"].get<std::string>().c_str());
       continue;
     }
-    std::printf("%s: %s\n", j["scenario"].get<std::string>().c_str(), j["fault"].get<std::string>().c_str());
+    std::printf("%s: %s\n", j["scenario"].get<std::string>().c_str(),
+                j["fault"].get<std::string>().c_str());
     for (const char* p : {"before", "during", "after"}) std::printf("%s\n", Row(p, j[p]).c_str());
     if (j["during"]["routes_failed"].get<uint64_t>() > 0) {
       std::printf("  routes that failed (sent round-robin instead): %lu during, %lu after\n",
-                  j["during"]["routes_failed"].get<uint64_t>(), j["after"]["routes_failed"].get<uint64_t>());
+                  j["during"]["routes_failed"].get<uint64_t>(),
+                  j["after"]["routes_failed"].get<uint64_t>());
     }
-    std::printf("  every source back at the router %.2f s after healing; last failed request or "
-                "load %.2f s after healing\n\n",
-                j["sources_back_s"].get<double>(), j["last_failure_after_heal_s"].get<double>());
+    std::printf(
+        "  every source back at the router %.2f s after healing; last failed request or "
+        "load %.2f s after healing\n\n",
+        j["sources_back_s"].get<double>(), j["last_failure_after_heal_s"].get<double>());
   }
   return 0;
 }

@@ -79,16 +79,18 @@ class Driver {
     const auto t = Clock::now();
     if (store_) {
       if (auto s = store_->Restart(); !s.ok()) {
-        return absl::Status(s.code(), absl::StrCat(s.message(), "; its log ends:\n", store_->LogTail()));
+        return absl::Status(s.code(),
+                            absl::StrCat(s.message(), "; its log ends:\n", store_->LogTail()));
       }
-      figures_.restart_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t).count());
+      figures_.restart_ms.push_back(
+          std::chrono::duration<double, std::milli>(Clock::now() - t).count());
       // A fresh channel: the old one backs off after the refused connects.
       client_ = std::make_unique<StoreClient>(store_->address(), Options());
     } else {
-      auto s = LocalServer::Start(DefaultBinary("cachestore", "kvtier-store"), dir_ + "/store",
-                                  {"--data-dir=" + dir_ + "/db", "--ram-bytes=1MiB",
-                                   "--ram-slab-bytes=64KiB", "--disk-bytes=2GiB", "--hugepages=false",
-                                   "--demote-queue-bytes=4MiB"});
+      auto s = LocalServer::Start(
+          DefaultBinary("cachestore", "kvtier-store"), dir_ + "/store",
+          {"--data-dir=" + dir_ + "/db", "--ram-bytes=1MiB", "--ram-slab-bytes=64KiB",
+           "--disk-bytes=2GiB", "--hugepages=false", "--demote-queue-bytes=4MiB"});
       if (!s.ok()) return s.status();
       store_ = std::move(*s);
       client_ = std::make_unique<StoreClient>(store_->address(), Options());
@@ -99,7 +101,9 @@ class Driver {
     return absl::OkStatus();
   }
 
-  static NamespaceSpec Spec() { return NamespaceSpec{"crash", "fp16", 1, 1, 64, 16, 0, 1, "", "", ""}; }
+  static NamespaceSpec Spec() {
+    return NamespaceSpec{"crash", "fp16", 1, 1, 64, 16, 0, 1, "", "", ""};
+  }
   static StoreClientOptions Options() {
     StoreClientOptions o;
     o.deadline_ms = 2000;
@@ -136,7 +140,8 @@ class Driver {
         Problem(absl::StrCat("block ", n, " came back with other bytes"));
       }
     }
-    figures_.check_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t).count());
+    figures_.check_ms.push_back(
+        std::chrono::duration<double, std::milli>(Clock::now() - t).count());
   }
 
   // After a restart: last cycle's acknowledgements and a sample of the rest.
@@ -207,7 +212,8 @@ class Driver {
           std::lock_guard lk(oracle_.mu);
           for (size_t i = 0; i < tiers->size(); ++i) {
             const uint64_t n = first + i;
-            if ((*tiers)[i] == v1::TIER_DISK && !oracle_.doubtful.count(n) && oracle_.acked.insert(n).second) {
+            if ((*tiers)[i] == v1::TIER_DISK && !oracle_.doubtful.count(n) &&
+                oracle_.acked.insert(n).second) {
               oracle_.acked_this_cycle.push_back(n);
             }
           }
@@ -308,7 +314,8 @@ int RunCrash(int argc, const char* const* argv) {
                 "NVMe comes back byte-exact (unless evicted since), and every block served is\n"
                 "exact. Exit 1 if anything was lost or wrong.");
   flags.Int("kills", &kills, 1, 1000000, "SIGKILLs (and restarts)");
-  flags.Int("sample", &sample, 0, 1 << 20, "Older acknowledged blocks read back after each restart");
+  flags.Int("sample", &sample, 0, 1 << 20,
+            "Older acknowledged blocks read back after each restart");
   flags.Int("seed", &seed, 0, int64_t{1} << 62, "Random seed (kill moments, operations)");
   flags.Int("wipe-at", &wipe_at, 0, 1000000,
             "Checks the checker: delete the store's data before restart N (0: never); the run "
@@ -330,7 +337,8 @@ int RunCrash(int argc, const char* const* argv) {
                    std::string(s.message()).c_str());
       return 1;
     }
-    if (!json && isatty(2)) std::fprintf(stderr, "\r  %ld/%ld kills", static_cast<long>(k + 1), static_cast<long>(kills));
+    if (!json && isatty(2))
+      std::fprintf(stderr, "\r  %ld/%ld kills", static_cast<long>(k + 1), static_cast<long>(kills));
   }
   d.CheckAll();
   d.Stop();
@@ -356,14 +364,15 @@ int RunCrash(int argc, const char* const* argv) {
     std::printf("%s\n", j.dump(2).c_str());
   } else {
     if (isatty(2)) std::fprintf(stderr, "\n");
-    std::printf("kvtier-bench crash: %lu SIGKILLs in %.0f s under put/get/evict load with demotions\n"
-                "  %lu puts (%lu blocks), %lu gets (%lu blocks served, every one checked), %lu evictions\n"
-                "  %lu blocks acknowledged on NVMe at the end; %lu reads after restarts\n"
-                "  lost: %lu   wrong bytes: %lu   calls failed around kills: %lu\n"
-                "  restart to serving: p50 %.0f ms, p99 %.0f ms\n",
-                f.kills, seconds, f.puts, f.put_blocks, f.gets, f.served_blocks, f.evicts, f.acked,
-                f.checked, f.lost, f.wrong, f.failed_calls, Percentile(f.restart_ms, 0.5),
-                Percentile(f.restart_ms, 0.99));
+    std::printf(
+        "kvtier-bench crash: %lu SIGKILLs in %.0f s under put/get/evict load with demotions\n"
+        "  %lu puts (%lu blocks), %lu gets (%lu blocks served, every one checked), %lu evictions\n"
+        "  %lu blocks acknowledged on NVMe at the end; %lu reads after restarts\n"
+        "  lost: %lu   wrong bytes: %lu   calls failed around kills: %lu\n"
+        "  restart to serving: p50 %.0f ms, p99 %.0f ms\n",
+        f.kills, seconds, f.puts, f.put_blocks, f.gets, f.served_blocks, f.evicts, f.acked,
+        f.checked, f.lost, f.wrong, f.failed_calls, Percentile(f.restart_ms, 0.5),
+        Percentile(f.restart_ms, 0.99));
     for (const auto& p : f.problems) std::printf("  problem: %s\n", p.c_str());
   }
   return f.lost == 0 && f.wrong == 0 ? 0 : 1;

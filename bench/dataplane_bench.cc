@@ -41,10 +41,10 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "bench/raw_rma.h"
-#include "common/config.h"
-#include "common/log.h"
 #include "client/store_data_client.h"
+#include "common/config.h"
 #include "common/limits.h"
+#include "common/log.h"
 
 namespace kvtier::bench {
 namespace {
@@ -64,8 +64,8 @@ struct Row {
 };
 
 struct Transport {
-  std::string name;     // row label
-  std::string ucx_tls;  // for kvtier (needs a sockaddr-capable transport too)
+  std::string name;        // row label
+  std::string ucx_tls;     // for kvtier (needs a sockaddr-capable transport too)
   std::string data_plane;  // the store's --data-plane
 };
 
@@ -115,8 +115,8 @@ absl::StatusOr<RawRates> MeasureRawRma(const std::string& store, const DataClien
     auto a = (*raw)->PinForGet(ns, chunk);
     if (!a.ok()) return Annotate(a.status(), "raw RMA pin");
     if (a->size() != n) {
-      return absl::DataLossError(absl::StrCat("raw RMA pin: the store holds ", a->size(), " of the ",
-                                              n, " blocks from block ", first));
+      return absl::DataLossError(absl::StrCat("raw RMA pin: the store holds ", a->size(),
+                                              " of the ", n, " blocks from block ", first));
     }
     get_addrs.insert(get_addrs.end(), a->begin(), a->end());
   }
@@ -125,8 +125,8 @@ absl::StatusOr<RawRates> MeasureRawRma(const std::string& store, const DataClien
     auto a = (*raw)->ReserveForPut(ns, first_put_id + first, n);
     if (!a.ok()) return Annotate(a.status(), "raw RMA reserve");
     if (a->size() != n) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "raw RMA reserve: the store reserved ", a->size(), " of ", n, " slots"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("raw RMA reserve: the store reserved ", a->size(), " of ", n, " slots"));
     }
     put_addrs.insert(put_addrs.end(), a->begin(), a->end());
   }
@@ -265,10 +265,10 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     setenv("UCX_TLS", tls.c_str(), 1);
     auto store = LocalServer::Start(
         store_bin, dir.sub("store-" + path),
-        {"--data-dir=" + dir.sub("store-" + path), absl::StrCat("--ram-bytes=", ram), absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
+        {"--data-dir=" + dir.sub("store-" + path), absl::StrCat("--ram-bytes=", ram),
+         absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
          "--data-listen=127.0.0.1:0", "--data-plane=" + data_plane, "--hugepages=false",
-         "--ram-policy=lru",
-         absl::StrCat("--verify-commits=", verify_commits ? "true" : "false"),
+         "--ram-policy=lru", absl::StrCat("--verify-commits=", verify_commits ? "true" : "false"),
          absl::StrCat("--max-message-bytes=", std::max<uint64_t>(64 << 20, 40 * max_size))});
     if (!store.ok()) {
       std::fprintf(stderr, "kvtier-bench dataplane: %s: %s\n", path.c_str(),
@@ -292,13 +292,15 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     for (uint64_t size : sizes) {
       auto spec = SpecForBlockBytes(size, "kvtier-bench-dataplane");
       if (!spec.ok()) {
-        std::fprintf(stderr, "kvtier-bench dataplane: %s\n", std::string(spec.status().message()).c_str());
+        std::fprintf(stderr, "kvtier-bench dataplane: %s\n",
+                     std::string(spec.status().message()).c_str());
         return 2;
       }
       auto ns = client.control().RegisterNamespace(*spec);
       if (!ns.ok()) {
-        std::fprintf(stderr, "kvtier-bench dataplane: %s %s: register namespace: %s\n", path.c_str(),
-                     FormatBytes(size).c_str(), std::string(ns.status().message()).c_str());
+        std::fprintf(stderr, "kvtier-bench dataplane: %s %s: register namespace: %s\n",
+                     path.c_str(), FormatBytes(size).c_str(),
+                     std::string(ns.status().message()).c_str());
         return 1;
       }
       const uint64_t blocks = blocks_of(size);
@@ -320,8 +322,8 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
         // and one get per lane, of a block that is evicted with the case.
         std::vector<std::future<absl::StatusOr<PutOutcome>>> warm;
         for (int lane = 0; lane < 4; ++lane) {
-          warm.push_back(client.Put(ns->id, size, {{BlockHash{~0ull, static_cast<uint64_t>(lane)},
-                                                    src.data()}}));
+          warm.push_back(client.Put(ns->id, size,
+                                    {{BlockHash{~0ull, static_cast<uint64_t>(lane)}, src.data()}}));
         }
         for (auto& f : warm) {
           if (auto r = f.get(); !r.ok()) {
@@ -331,8 +333,9 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
           }
         }
         for (int lane = 0; lane < 4; ++lane) {
-          (void)client.Get(ns->id, size, {{BlockHash{~0ull, static_cast<uint64_t>(lane)},
-                                           dst.data()}}).get();
+          (void)client
+              .Get(ns->id, size, {{BlockHash{~0ull, static_cast<uint64_t>(lane)}, dst.data()}})
+              .get();
         }
       }
       for (int64_t batch : batches) {
@@ -481,7 +484,8 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
       if (!HaveCommand(tool)) {
         std::fprintf(stderr,
                      "kvtier-bench dataplane: %s is not installed (--references=false runs "
-                     "without Redis and ucx_perftest)\n", tool);
+                     "without Redis and ucx_perftest)\n",
+                     tool);
         return 1;
       }
     }
@@ -600,9 +604,9 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     nlohmann::json j;
     j["working_set_bytes"] = working_set;
     for (const auto& r : rows) {
-      nlohmann::json c = {{"path", r.path},       {"block_bytes", r.block_bytes},
-                          {"batch", r.batch},     {"op", r.op},
-                          {"gb_per_s", r.gbps},   {"blocks_per_s", r.blocks_per_s}};
+      nlohmann::json c = {{"path", r.path},     {"block_bytes", r.block_bytes},
+                          {"batch", r.batch},   {"op", r.op},
+                          {"gb_per_s", r.gbps}, {"blocks_per_s", r.blocks_per_s}};
       // A reference's figure and the case's ratio to it, when measured.
       auto beside = [&](const char* name, const char* ratio, double ref) {
         if (ref <= 0) return;
@@ -630,20 +634,23 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  std::printf("kvtier-bench dataplane: %s per case. raw RMA: a UCX RMA loop over the same endpoints\n"
-              "and registered arena, no control plane (the data plane's ceiling); ceiling:\n"
-              "ucx_perftest for TCP, memcpy of distinct buffers for shared memory; redis-best:\n"
-              "Redis's best over 1/4/8 connections x pipeline 1/4/16 for the same value size;\n"
-              "mooncake: Mooncake Store (mooncake_master + a mooncake_client holding the memory)\n"
-              "over TCP, batch_put_from/batch_get_into of registered buffers, same block size,\n"
-              "batch and one client, the best of --repeats rounds\n\n",
-              FormatBytes(working_set).c_str());
-  if (!mooncake_why.empty()) std::printf("Mooncake Store not measured: %s\n\n", mooncake_why.c_str());
+  std::printf(
+      "kvtier-bench dataplane: %s per case. raw RMA: a UCX RMA loop over the same endpoints\n"
+      "and registered arena, no control plane (the data plane's ceiling); ceiling:\n"
+      "ucx_perftest for TCP, memcpy of distinct buffers for shared memory; redis-best:\n"
+      "Redis's best over 1/4/8 connections x pipeline 1/4/16 for the same value size;\n"
+      "mooncake: Mooncake Store (mooncake_master + a mooncake_client holding the memory)\n"
+      "over TCP, batch_put_from/batch_get_into of registered buffers, same block size,\n"
+      "batch and one client, the best of --repeats rounds\n\n",
+      FormatBytes(working_set).c_str());
+  if (!mooncake_why.empty())
+    std::printf("Mooncake Store not measured: %s\n\n", mooncake_why.c_str());
   for (const auto& [size, b] : redis_best) {
-    std::printf("redis best at %s: SET %.2f GB/s (%ld clients, pipeline %ld), GET %.2f GB/s "
-                "(%ld clients, pipeline %ld)\n",
-                FormatBytes(size).c_str(), b.set_gbps, b.set_clients, b.set_pipeline, b.get_gbps,
-                b.get_clients, b.get_pipeline);
+    std::printf(
+        "redis best at %s: SET %.2f GB/s (%ld clients, pipeline %ld), GET %.2f GB/s "
+        "(%ld clients, pipeline %ld)\n",
+        FormatBytes(size).c_str(), b.set_gbps, b.set_clients, b.set_pipeline, b.get_gbps,
+        b.get_clients, b.get_pipeline);
   }
   if (!redis_best.empty()) std::printf("\n");
   auto num = [](double v) { return v > 0 ? absl::StrFormat("%.2f", v) : std::string("n/a"); };
@@ -665,10 +672,12 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
         num(r.mooncake_gbps).c_str(), ratio(r.gbps, r.mooncake_gbps).c_str(),
         ratio(r.gbps, r.ucx_gbps).c_str());
   }
-  std::printf("\n(socket and inline-grpc rows are compared with ucx-tcp's raw RMA and with "
-              "ucx_perftest over TCP; shm rows have no Mooncake figure (it ran over TCP); \"vs ucx\": a socket row over the UCX data plane's figure "
-              "for the same case, --data-plane ucx; n/a: not measured, with --references=false or "
-              "without a ucx-tcp run)\n");
+  std::printf(
+      "\n(socket and inline-grpc rows are compared with ucx-tcp's raw RMA and with "
+      "ucx_perftest over TCP; shm rows have no Mooncake figure (it ran over TCP); \"vs ucx\": a "
+      "socket row over the UCX data plane's figure "
+      "for the same case, --data-plane ucx; n/a: not measured, with --references=false or "
+      "without a ucx-tcp run)\n");
   return 0;
 }
 

@@ -31,8 +31,8 @@ absl::StatusOr<std::unique_ptr<RawRma>> RawRma::Connect(const std::string& store
   auto ctx = ucx::Context::Create();
   if (!ctx.ok()) return ctx.status();
   r->ctx_ = *ctx;
-  r->conn_ = std::make_unique<DataPlaneConnection>(ucx::Worker::Create(r->ctx_, false),
-                                                   r->address_, r->options_, r->control_);
+  r->conn_ = std::make_unique<DataPlaneConnection>(ucx::Worker::Create(r->ctx_, false), r->address_,
+                                                   r->options_, r->control_);
   if (auto s = r->conn_->EnsureConnected(RpcDeadline()); !s.ok()) return s;
   return r;
 }
@@ -84,7 +84,8 @@ absl::StatusOr<std::vector<uint64_t>> RawRma::ReserveForPut(uint64_t ns, uint64_
   v1::BeginPutRequest req;
   req.set_namespace_id(ns);
   req.set_client_id("raw-rma");
-  for (size_t i = 0; i < count; ++i) ToProto(BlockHash{0x7261772d726d61ull, first_id + i}, req.add_hashes());
+  for (size_t i = 0; i < count; ++i)
+    ToProto(BlockHash{0x7261772d726d61ull, first_id + i}, req.add_hashes());
   v1::BeginPutResponse resp;
   auto ctx = control_.Context(RpcDeadline());
   if (auto s = FromGrpc(control_.stub().BeginPut(ctx.get(), req, &resp)); !s.ok()) return s;

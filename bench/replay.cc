@@ -26,10 +26,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
-#include "common/config.h"
-#include "common/log.h"
 #include "bench/trace.h"
 #include "client/store_client.h"
+#include "common/config.h"
+#include "common/log.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 
@@ -59,7 +59,7 @@ struct Options {
   int64_t restart_router_at = 0;  // kill -9 and restart the router after this many requests
   bool restart_control = false;   // measure the same windows without restarting
   std::string bin_dir;
-  std::string kv_wire;  // "" or "int8" (--kv-wire)
+  std::string kv_wire;              // "" or "int8" (--kv-wire)
   std::string engine = "sim";       // "sim" (kvtier-sim-worker) or "torch" (kvtier-torch-engine)
   int64_t trace_block_tokens = 32;  // torch: real tokens per 512-token trace block
   int64_t torch_max_step_tokens = 512;
@@ -78,8 +78,8 @@ NamespaceSpec TorchGeometry() {
 // function of its hash id, so requests sharing trace blocks share prefixes;
 // the prompt keeps the trace's length at that scale.
 std::vector<uint32_t> TraceTokens(const TraceRequest& tr, int64_t per_block) {
-  const uint64_t n = std::min<uint64_t>(tr.hash_ids.size() * per_block,
-                                        (tr.input_length * per_block + 511) / 512);
+  const uint64_t n =
+      std::min<uint64_t>(tr.hash_ids.size() * per_block, (tr.input_length * per_block + 511) / 512);
   std::vector<uint32_t> out;
   out.reserve(n);
   for (uint64_t i = 0; i < n; ++i) {
@@ -102,7 +102,8 @@ std::vector<uint32_t> TraceTokens(const TraceRequest& tr, int64_t per_block) {
 //   other    the torch engine: everything else (its own queue and compute,
 //            real; it does not tell them apart)
 enum Part { kWindow, kRoute, kOnboard, kQueue, kPrefill, kOther, kParts };
-constexpr const char* kPartNames[kParts] = {"window", "route", "onboard", "queue", "prefill", "other"};
+constexpr const char* kPartNames[kParts] = {"window", "route",   "onboard",
+                                            "queue",  "prefill", "other"};
 
 // One request's TTFT parts, and where it ran.
 struct Timed {
@@ -114,7 +115,7 @@ struct Timed {
 // Milliseconds per step, summed (the SubmitResponse / worker stats breakdown).
 struct Breakdown {
   double control = 0, queue = 0, rma = 0, checksum = 0, staging = 0, scatter = 0, gather = 0;
-  uint64_t count = 0;  // operations (loads) added
+  uint64_t count = 0;                // operations (loads) added
   std::vector<double> control_each;  // per load, for the median
   void Add(const v1::TimeBreakdown& b) {
     ++count;
@@ -128,7 +129,7 @@ struct Breakdown {
     gather += b.gather_ms();
   }
   nlohmann::json Json() const {
-    return {{"control_ms", control}, {"lane_wait_ms", queue}, {"rma_ms", rma},
+    return {{"control_ms", control},   {"lane_wait_ms", queue},      {"rma_ms", rma},
             {"checksum_ms", checksum}, {"staging_wait_ms", staging}, {"scatter_ms", scatter},
             {"gather_ms", gather}};
   }
@@ -142,7 +143,8 @@ struct ModeResult {
   // Where each request's TTFT went, in the replay's clock (see Part).
   std::array<std::vector<double>, kParts> parts;
   std::vector<uint64_t> work;  // prefill tokens per worker
-  std::vector<std::pair<uint64_t, uint64_t>> per_request;  // (gpu hit tokens, prompt tokens) by index
+  std::vector<std::pair<uint64_t, uint64_t>>
+      per_request;  // (gpu hit tokens, prompt tokens) by index
   int64_t restarted_at = -1;
   double seconds = 0, onboard_ms = 0;
   uint64_t onboarded_bytes = 0;  // KV bytes delivered into pages
@@ -161,9 +163,10 @@ struct ModeResult {
   // reservation's, and for a gRPC commit the flush's and the commit's; a
   // pipelined commit's is the bytes' own.
   double StoreWaitsPerOffloadedBlock() const {
-    return offloaded_blocks ? double(store_begin_puts + 2 * store_grpc_commits +
-                                     store_pipelined_commits) / offloaded_blocks
-                            : 0;
+    return offloaded_blocks
+               ? double(store_begin_puts + 2 * store_grpc_commits + store_pipelined_commits) /
+                     offloaded_blocks
+               : 0;
   }
   double RoundTripsPerOffloadedBlock() const {
     return offloaded_blocks ? double(offload_round_trips) / offloaded_blocks : 0;
@@ -190,7 +193,6 @@ struct ModeResult {
   }
 };
 
-
 void Progress(const std::string& mode, size_t done, size_t total) {
   int width = 30;
   int filled = static_cast<int>(width * done / std::max<size_t>(total, 1));
@@ -207,24 +209,26 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   std::unique_ptr<LocalServer> store, router;
   std::string tag = mode == "round-robin+store" ? "rr-store" : mode;
   if (kv_aware) {
-    auto r = LocalServer::Start(
-        DefaultBinary("router", "kvtier-router"), scratch + "-router",
-        {"--heartbeat-deadline=3s", absl::StrCat("--fetch-cost=", o.fetch_cost),
-         absl::StrCat("--load-weight=", o.load_weight),
-         absl::StrCat("--balance-threshold-tokens=", o.balance)});
+    auto r =
+        LocalServer::Start(DefaultBinary("router", "kvtier-router"), scratch + "-router",
+                           {"--heartbeat-deadline=3s", absl::StrCat("--fetch-cost=", o.fetch_cost),
+                            absl::StrCat("--load-weight=", o.load_weight),
+                            absl::StrCat("--balance-threshold-tokens=", o.balance)});
     if (!r.ok()) return r.status();
     router = std::move(*r);
   }
   if (with_store) {
-    std::vector<std::string> flags = {
-        "--data-dir=" + scratch + "-db", absl::StrCat("--ram-bytes=", o.ram_bytes),
-        absl::StrCat("--disk-bytes=", o.disk_bytes), "--data-listen=127.0.0.1:0",
-        "--hugepages=false", absl::StrCat("--demote-queue-bytes=", 256 << 20)};
+    std::vector<std::string> flags = {"--data-dir=" + scratch + "-db",
+                                      absl::StrCat("--ram-bytes=", o.ram_bytes),
+                                      absl::StrCat("--disk-bytes=", o.disk_bytes),
+                                      "--data-listen=127.0.0.1:0",
+                                      "--hugepages=false",
+                                      absl::StrCat("--demote-queue-bytes=", 256 << 20)};
     // The store tells the router what it holds: a store hit is one every
     // worker can have, so the router need not send a prefix to its holder.
     if (router) flags.push_back("--router=" + router->address());
-    auto s = LocalServer::Start(DefaultBinary("cachestore", "kvtier-store"), scratch + "-store",
-                                flags);
+    auto s =
+        LocalServer::Start(DefaultBinary("cachestore", "kvtier-store"), scratch + "-store", flags);
     if (!s.ok()) return s.status();
     store = std::move(*s);
   }
@@ -241,9 +245,12 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     if (torch) {
       flags = {absl::StrCat("--worker-id=", tag, "-w", w),
                absl::StrCat("--page-tokens=", kTorchBlockTokens),
-               absl::StrCat("--vocab-size=", kTorchVocab), absl::StrCat("--pages=", o.pages),
+               absl::StrCat("--vocab-size=", kTorchVocab),
+               absl::StrCat("--pages=", o.pages),
                absl::StrCat("--max-step-tokens=", o.torch_max_step_tokens),
-               "--heartbeat-ms=100", "--max-decode-tokens=1", "--threads=1"};
+               "--heartbeat-ms=100",
+               "--max-decode-tokens=1",
+               "--threads=1"};
     } else {
       flags = {absl::StrCat("--worker-id=", tag, "-w", w), "--model=mooncake-trace", "--dtype=fp16",
                "--layers=1", "--kv-heads=1", absl::StrCat("--head-dim=", head_dim),
@@ -268,14 +275,16 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         grpc::CreateChannel((*s)->address(), grpc::InsecureChannelCredentials())));
     workers.push_back(std::move(*s));
   }
-  const NamespaceSpec spec = torch ? TorchGeometry()
-                                   : NamespaceSpec{"mooncake-trace", "fp16", 1, 1,
-                                                   static_cast<uint32_t>(head_dim), 512, 0, 1, "",
-                                                   o.kv_wire, ""};
+  const NamespaceSpec spec =
+      torch ? TorchGeometry()
+            : NamespaceSpec{
+                  "mooncake-trace", "fp16", 1, 1, static_cast<uint32_t>(head_dim), 512, 0, 1, "",
+                  o.kv_wire,        ""};
   uint64_t ns = NamespaceId(spec);
   std::unique_ptr<v1::Router::Stub> rstub;
   if (router) {
-    rstub = v1::Router::NewStub(grpc::CreateChannel(router->address(), grpc::InsecureChannelCredentials()));
+    rstub = v1::Router::NewStub(
+        grpc::CreateChannel(router->address(), grpc::InsecureChannelCredentials()));
     // Wait until every worker has registered with the router.
     for (int i = 0; i < 300; ++i) {
       if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -400,9 +409,9 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       std::lock_guard lk(mu);
       if (!s.ok()) {
         if (failure.ok()) {
-          failure = absl::InternalError(absl::StrCat("request ", i, " on worker ", w, ": ",
-                                                     s.error_message(), "; the worker's log ends:\n",
-                                                     workers[w]->LogTail()));
+          failure = absl::InternalError(
+              absl::StrCat("request ", i, " on worker ", w, ": ", s.error_message(),
+                           "; the worker's log ends:\n", workers[w]->LogTail()));
         }
         return;
       }
@@ -412,7 +421,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.gpu_hit += resp.gpu_hit_tokens();
       // Onboarded tokens split by the tier the blocks came from.
       uint64_t disk_tokens = std::min<uint64_t>(uint64_t{resp.onboarded_from_disk()} * block_tokens,
-                                                     resp.onboarded_tokens());
+                                                resp.onboarded_tokens());
       res.store_disk += disk_tokens;
       res.store_ram += resp.onboarded_tokens() - disk_tokens;
       res.verified += resp.verified_blocks();
@@ -439,10 +448,12 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.per_request[i] = {resp.gpu_hit_tokens(), resp.prompt_tokens()};
       res.onboard_ms += resp.onboard_ms();
       if (resp.has_onboard_breakdown()) res.onboard.Add(resp.onboard_breakdown());
-      res.onboarded_bytes += uint64_t{resp.verified_blocks()} * (torch ? res.wire_block_bytes : o.block_bytes);
+      res.onboarded_bytes +=
+          uint64_t{resp.verified_blocks()} * (torch ? res.wire_block_bytes : o.block_bytes);
       res.onboarded_blocks += resp.verified_blocks();
       size_t d = ++done;
-      if (o.progress && isatty(2) && (d % 20 == 0 || d == trace.size())) Progress(mode, d, trace.size());
+      if (o.progress && isatty(2) && (d % 20 == 0 || d == trace.size()))
+        Progress(mode, d, trace.size());
     }
   };
   std::vector<std::thread> threads;
@@ -454,9 +465,13 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       const Timed& t = timed[i];
       if (t.worker < 0) continue;
       double ttft = 0;
-      nlohmann::json line = {{"mode", mode}, {"request", i}, {"worker", t.worker},
-                             {"arrival_ms", trace[i].timestamp_ms}, {"prompt_tokens", t.prompt},
-                             {"computed_tokens", t.computed}, {"gpu_hit_tokens", t.gpu_hit},
+      nlohmann::json line = {{"mode", mode},
+                             {"request", i},
+                             {"worker", t.worker},
+                             {"arrival_ms", trace[i].timestamp_ms},
+                             {"prompt_tokens", t.prompt},
+                             {"computed_tokens", t.computed},
+                             {"gpu_hit_tokens", t.gpu_hit},
                              {"onboarded_tokens", t.onboarded}};
       for (int p = 0; p < kParts; ++p) {
         res.parts[p].push_back(t.part[p]);
@@ -468,7 +483,8 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       if (out.is_open()) out << line.dump() << "\n";
     }
   };
-  if (router && o.restart_router_at > 0 && static_cast<size_t>(o.restart_router_at) < trace.size()) {
+  if (router && o.restart_router_at > 0 &&
+      static_cast<size_t>(o.restart_router_at) < trace.size()) {
     // The router dies and comes back on the same port mid-replay; workers
     // reconnect by themselves and answer its snapshot requests.
     while (done < static_cast<size_t>(o.restart_router_at) && !g_interrupted) {
@@ -498,7 +514,8 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
           calls += h.count();
           us += h.sum_us();
         }
-        if (h.rpc() == "BeginPut" || h.rpc() == "DataPlaneBeginPut") res.store_begin_puts += h.count();
+        if (h.rpc() == "BeginPut" || h.rpc() == "DataPlaneBeginPut")
+          res.store_begin_puts += h.count();
         if (h.rpc() == "CommitPut") res.store_grpc_commits += h.count();
         if (h.rpc() == "DataPlaneCommitPut") res.store_pipelined_commits += h.count();
       }
@@ -547,43 +564,44 @@ nlohmann::json PartsJson(const ModeResult& r) {
 }
 
 nlohmann::json ToJson(const ModeResult& r) {
-  return {{"requests", r.requests},
-          {"prompt_tokens", r.prompt_tokens},
-          {"computed_fraction", r.Frac(r.computed)},
-          {"gpu_hit_fraction", r.Frac(r.gpu_hit)},
-          {"store_ram_fraction", r.Frac(r.store_ram)},
-          {"store_disk_fraction", r.Frac(r.store_disk)},
-          {"ttft_mean_ms", r.TtftMean()},
-          {"ttft_p99_ms", r.TtftP99()},
-          {"load_balance_max_over_mean", r.Balance()},
-          {"verified_blocks", r.verified},
-          {"mismatched_blocks", r.mismatched},
-          {"load_fallbacks", r.load_failures},
-          {"bytes_moved", r.BytesMoved()},
-          {"wire_block_bytes", r.wire_block_bytes},
-          {"onboard_gb_per_s", r.onboard_ms > 0 ? r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9 : 0},
-          {"onboard_ms", r.onboard_ms},
-          {"onboard_load_only_gb_per_s",
-           r.onboard_ms > r.onboard.control
-               ? r.onboarded_bytes / ((r.onboard_ms - r.onboard.control) / 1000) / 1e9
-               : 0},
-          {"onboard_breakdown", r.onboard.Json()},
-          {"offload_breakdown", r.offload.Json()},
-          {"ttft_parts", PartsJson(r)},
-          {"offload",
-           {{"batches", r.offload_batches},
-            {"round_trips", r.offload_round_trips},
-            {"offloaded_blocks", r.offloaded_blocks},
-            {"offloaded_bytes", r.offloaded_bytes},
-            {"computed_blocks", r.computed_blocks},
-            {"dropped", r.offload_dropped},
-            {"round_trips_per_offloaded_block", r.RoundTripsPerOffloadedBlock()},
-            {"store_begin_puts", r.store_begin_puts},
-            {"store_grpc_commits", r.store_grpc_commits},
-            {"store_pipelined_commits", r.store_pipelined_commits},
-            {"store_waits_per_offloaded_block", r.StoreWaitsPerOffloadedBlock()},
-            {"bytes_per_computed_block", r.BytesPerComputedBlock()}}},
-          {"seconds", r.seconds}};
+  return {
+      {"requests", r.requests},
+      {"prompt_tokens", r.prompt_tokens},
+      {"computed_fraction", r.Frac(r.computed)},
+      {"gpu_hit_fraction", r.Frac(r.gpu_hit)},
+      {"store_ram_fraction", r.Frac(r.store_ram)},
+      {"store_disk_fraction", r.Frac(r.store_disk)},
+      {"ttft_mean_ms", r.TtftMean()},
+      {"ttft_p99_ms", r.TtftP99()},
+      {"load_balance_max_over_mean", r.Balance()},
+      {"verified_blocks", r.verified},
+      {"mismatched_blocks", r.mismatched},
+      {"load_fallbacks", r.load_failures},
+      {"bytes_moved", r.BytesMoved()},
+      {"wire_block_bytes", r.wire_block_bytes},
+      {"onboard_gb_per_s", r.onboard_ms > 0 ? r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9 : 0},
+      {"onboard_ms", r.onboard_ms},
+      {"onboard_load_only_gb_per_s",
+       r.onboard_ms > r.onboard.control
+           ? r.onboarded_bytes / ((r.onboard_ms - r.onboard.control) / 1000) / 1e9
+           : 0},
+      {"onboard_breakdown", r.onboard.Json()},
+      {"offload_breakdown", r.offload.Json()},
+      {"ttft_parts", PartsJson(r)},
+      {"offload",
+       {{"batches", r.offload_batches},
+        {"round_trips", r.offload_round_trips},
+        {"offloaded_blocks", r.offloaded_blocks},
+        {"offloaded_bytes", r.offloaded_bytes},
+        {"computed_blocks", r.computed_blocks},
+        {"dropped", r.offload_dropped},
+        {"round_trips_per_offloaded_block", r.RoundTripsPerOffloadedBlock()},
+        {"store_begin_puts", r.store_begin_puts},
+        {"store_grpc_commits", r.store_grpc_commits},
+        {"store_pipelined_commits", r.store_pipelined_commits},
+        {"store_waits_per_offloaded_block", r.StoreWaitsPerOffloadedBlock()},
+        {"bytes_per_computed_block", r.BytesPerComputedBlock()}}},
+      {"seconds", r.seconds}};
 }
 
 void WritePlot(const std::string& path, const std::vector<ModeResult>& modes, double oracle) {
@@ -596,11 +614,13 @@ void WritePlot(const std::string& path, const std::vector<ModeResult>& modes, do
   svg << "<line x1='" << left << "' y1='" << bottom << "' x2='" << w - 20 << "' y2='" << bottom
       << "' stroke='black'/>\n";
   int x = left + 20;
-  auto draw = [&](const std::string& name, double frac, const std::string& note, const char* color) {
+  auto draw = [&](const std::string& name, double frac, const std::string& note,
+                  const char* color) {
     int bh = static_cast<int>(frac * 250);
     svg << "<rect x='" << x << "' y='" << bottom - bh << "' width='" << bar << "' height='" << bh
         << "' fill='" << color << "'/>\n";
-    svg << absl::StrFormat("<text x='%d' y='%d'>%.1f%%</text>\n", x + 10, bottom - bh - 18, 100 * frac);
+    svg << absl::StrFormat("<text x='%d' y='%d'>%.1f%%</text>\n", x + 10, bottom - bh - 18,
+                           100 * frac);
     svg << "<text x='" << x << "' y='" << bottom - bh - 4 << "'>" << note << "</text>\n";
     svg << "<text x='" << x << "' y='" << bottom + 16 << "'>" << name << "</text>\n";
     x += bar + 50;
@@ -664,8 +684,10 @@ int RunReplay(int argc, const char* const* argv) {
   o.kv_wire = kv_wire == "none" ? "" : kv_wire;
   SetLogQuiet(true);
   if (o.block_bytes % 2048 != 0 || o.block_bytes / 2048 == 0 || o.block_bytes / 2048 > 4096) {
-    std::fprintf(stderr, "kvtier-bench replay: flag --block-bytes: %s is not a multiple of 2KiB "
-                         "between 2KiB and 8MiB\n", FormatBytes(o.block_bytes).c_str());
+    std::fprintf(stderr,
+                 "kvtier-bench replay: flag --block-bytes: %s is not a multiple of 2KiB "
+                 "between 2KiB and 8MiB\n",
+                 FormatBytes(o.block_bytes).c_str());
     return 2;
   }
   std::vector<std::string> modes;
@@ -679,7 +701,8 @@ int RunReplay(int argc, const char* const* argv) {
   }
   auto trace = ReadTrace(o.trace, static_cast<size_t>(o.limit));
   if (!trace.ok()) {
-    std::fprintf(stderr, "kvtier-bench replay: %s\n", std::string(trace.status().message()).c_str());
+    std::fprintf(stderr, "kvtier-bench replay: %s\n",
+                 std::string(trace.status().message()).c_str());
     return 1;
   }
   // Ctrl-C: stop dispatching, let destructors stop every process and remove
@@ -693,7 +716,8 @@ int RunReplay(int argc, const char* const* argv) {
   TempDir dir;
   std::vector<ModeResult> results;
   if (!o.json) {
-    std::fprintf(stderr, "kvtier replay: %zu requests, %ld workers x %ld pages, %s per 512-token block\n",
+    std::fprintf(stderr,
+                 "kvtier replay: %zu requests, %ld workers x %ld pages, %s per 512-token block\n",
                  trace->size(), o.workers, o.pages, FormatBytes(o.block_bytes).c_str());
   }
   for (size_t i = 0; i < modes.size(); ++i) {
@@ -749,12 +773,12 @@ int RunReplay(int argc, const char* const* argv) {
     std::printf("%-18s %8.2f%% %7.2f%% %8.2f%% %9.2f%% %9.0f ms %9.0f ms %8.2f %10s\n",
                 r.name.c_str(), 100 * r.Frac(r.computed), 100 * r.Frac(r.gpu_hit),
                 100 * r.Frac(r.store_ram), 100 * r.Frac(r.store_disk), r.TtftMean(), r.TtftP99(),
-                r.Balance(),
-                FormatBytes(r.BytesMoved()).c_str());
+                r.Balance(), FormatBytes(r.BytesMoved()).c_str());
   }
   std::printf("%-18s %8.2f%%   (infinite cache shared by all engines, from the trace)\n", "oracle",
               100 * (1 - oracle.token_hit_ratio()));
-  std::printf("\nonboarded blocks verified byte for byte: %lu, mismatched: %lu\n", verified, mismatched);
+  std::printf("\nonboarded blocks verified byte for byte: %lu, mismatched: %lu\n", verified,
+              mismatched);
   // Where each mode's TTFT went: mean over all requests, and mean over the
   // slowest 1% (what its p99 is made of).
   std::printf("\nwhere TTFT went, ms (%s clock): mean over all requests / over the slowest 1%%\n",
@@ -773,16 +797,18 @@ int RunReplay(int argc, const char* const* argv) {
   }
   for (const auto& r : results) {
     if (r.offloaded_blocks == 0) continue;
-    std::printf("  %s offload: %lu blocks written; waits on the store per block written %.3f "
-                "(the store's count: %lu reservations, %lu commits over gRPC, %lu behind the "
-                "bytes)",
-                r.name.c_str(), r.offloaded_blocks, r.StoreWaitsPerOffloadedBlock(),
-                r.store_begin_puts, r.store_grpc_commits, r.store_pipelined_commits);
+    std::printf(
+        "  %s offload: %lu blocks written; waits on the store per block written %.3f "
+        "(the store's count: %lu reservations, %lu commits over gRPC, %lu behind the "
+        "bytes)",
+        r.name.c_str(), r.offloaded_blocks, r.StoreWaitsPerOffloadedBlock(), r.store_begin_puts,
+        r.store_grpc_commits, r.store_pipelined_commits);
     if (r.computed_blocks > 0) {
-      std::printf("; %.2f blocks' bytes sent per block computed (%lu computed, %lu dropped "
-                  "from a full queue)",
-                  r.BytesPerComputedBlock() / std::max<uint64_t>(r.wire_block_bytes, 1),
-                  r.computed_blocks, r.offload_dropped);
+      std::printf(
+          "; %.2f blocks' bytes sent per block computed (%lu computed, %lu dropped "
+          "from a full queue)",
+          r.BytesPerComputedBlock() / std::max<uint64_t>(r.wire_block_bytes, 1), r.computed_blocks,
+          r.offload_dropped);
     }
     std::printf("\n");
   }
@@ -793,42 +819,46 @@ int RunReplay(int argc, const char* const* argv) {
       // "how much do you hold?", a Lookup before this path existed): shown
       // with and without it.
       const double load_only_ms = r.onboard_ms - b.control;
-      std::printf("  %s: %s onboarded at %.2f GB/s of time inside onboarding with the pin, "
-                  "%.2f GB/s without it (StartLoad to WaitForLoad)\n",
-                  r.name.c_str(), FormatBytes(r.onboarded_bytes).c_str(),
-                  r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9,
-                  load_only_ms > 0 ? r.onboarded_bytes / (load_only_ms / 1000) / 1e9 : 0.0);
+      std::printf(
+          "  %s: %s onboarded at %.2f GB/s of time inside onboarding with the pin, "
+          "%.2f GB/s without it (StartLoad to WaitForLoad)\n",
+          r.name.c_str(), FormatBytes(r.onboarded_bytes).c_str(),
+          r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9,
+          load_only_ms > 0 ? r.onboarded_bytes / (load_only_ms / 1000) / 1e9 : 0.0);
 
-      std::printf("    onboarding %.0f ms in %lu loads (pin p50 %.2f ms, of which the store's "
-                  "handler %.3f ms mean): pin %.0f, lane "
-                  "wait %.0f, staging wait %.0f, RMA %.0f, checksum %.0f, unpack %.0f, other "
-                  "(lookups that found nothing, page allocation, hand-offs, release) %.0f\n",
-                  r.onboard_ms, b.count, Percentile(b.control_each, 0.5),
-                  r.store_pin_handler_ms, b.control,
-                  b.queue, b.staging, b.rma, b.checksum, b.scatter,
-                  std::max(0.0, r.onboard_ms - b.control - b.queue - b.staging - b.rma -
-                                    b.checksum - b.scatter));
+      std::printf(
+          "    onboarding %.0f ms in %lu loads (pin p50 %.2f ms, of which the store's "
+          "handler %.3f ms mean): pin %.0f, lane "
+          "wait %.0f, staging wait %.0f, RMA %.0f, checksum %.0f, unpack %.0f, other "
+          "(lookups that found nothing, page allocation, hand-offs, release) %.0f\n",
+          r.onboard_ms, b.count, Percentile(b.control_each, 0.5), r.store_pin_handler_ms, b.control,
+          b.queue, b.staging, b.rma, b.checksum, b.scatter,
+          std::max(0.0, r.onboard_ms - b.control - b.queue - b.staging - b.rma - b.checksum -
+                            b.scatter));
       const Breakdown& f = r.offload;
-      std::printf("    offloading (background): gather%s %.0f ms, lane wait %.0f, BeginPut+CommitPut "
-                  "%.0f, RMA %.0f\n",
-                  o.kv_wire.empty() ? "" : "+pack", f.gather, f.queue, f.control, f.rma);
+      std::printf(
+          "    offloading (background): gather%s %.0f ms, lane wait %.0f, BeginPut+CommitPut "
+          "%.0f, RMA %.0f\n",
+          o.kv_wire.empty() ? "" : "+pack", f.gather, f.queue, f.control, f.rma);
     }
   }
   for (const auto& r : results) {
     if (r.restarted_at < 0) continue;
     auto ratio = [&](int64_t from, int64_t to) {
       uint64_t hit = 0, all = 0;
-      for (int64_t i = std::max<int64_t>(0, from); i < std::min<int64_t>(to, r.per_request.size()); ++i) {
+      for (int64_t i = std::max<int64_t>(0, from); i < std::min<int64_t>(to, r.per_request.size());
+           ++i) {
         hit += r.per_request[i].first;
         all += r.per_request[i].second;
       }
       return all ? 100.0 * hit / all : 0.0;
     };
-    std::printf("  %s: %s at request %ld; GPU-hit ratio of the 1,000 requests before %.2f%%, "
-                "after %.2f%%\n",
-                r.name.c_str(), o.restart_control ? "no restart (control)" : "router killed and restarted",
-                r.restarted_at, ratio(r.restarted_at - 1000, r.restarted_at),
-                ratio(r.restarted_at, r.restarted_at + 1000));
+    std::printf(
+        "  %s: %s at request %ld; GPU-hit ratio of the 1,000 requests before %.2f%%, "
+        "after %.2f%%\n",
+        r.name.c_str(), o.restart_control ? "no restart (control)" : "router killed and restarted",
+        r.restarted_at, ratio(r.restarted_at - 1000, r.restarted_at),
+        ratio(r.restarted_at, r.restarted_at + 1000));
   }
   if (!o.plot.empty()) std::printf("chart: %s\n", o.plot.c_str());
   return mismatched == 0 ? 0 : 1;

@@ -153,7 +153,8 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
   std::vector<v1::RouteRequest> reqs;
   for (int i = 0; i < requests; ++i) {
     uint64_t ch = rng() % chains;
-    reqs.push_back(Request(ch, static_cast<uint32_t>(rng() % blocks_per_req), blocks_per_req, rng()));
+    reqs.push_back(
+        Request(ch, static_cast<uint32_t>(rng() % blocks_per_req), blocks_per_req, rng()));
   }
   // In-process Route.
   std::vector<double> us;
@@ -211,8 +212,8 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
     b.RegisterService(svc);
     auto server = b.BuildAndStart();
     if (!server) return absl::UnavailableError("cannot start an in-process gRPC server");
-    auto stub = v1::Router::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                                        grpc::InsecureChannelCredentials()));
+    auto stub = v1::Router::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
     std::vector<double> lat;
     for (int i = 0; i < requests + 50; ++i) {
       grpc::ClientContext ctx;
@@ -240,8 +241,7 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
 
 int RunRouterFleetCases(const std::vector<int64_t>& fleet, int64_t stores, int64_t blocks,
                         const std::string& trace_path, const std::string& inproc_rates,
-                        const std::string& grpc_rates, double seconds, int64_t threads,
-                        bool json);
+                        const std::string& grpc_rates, double seconds, int64_t threads, bool json);
 
 int RunRouterBench(int argc, const char* const* argv) {
   int64_t blocks = 10'000'000;
@@ -259,7 +259,8 @@ int RunRouterBench(int argc, const char* const* argv) {
                 "store shards fed from the trace, routes issued open-loop at target rates.");
   flags.Int("queued-tokens", &queued_tokens, 0, int64_t{1} << 32,
             "Workers report queues of 0..N-1 prefill tokens in a heartbeat (0: idle workers)");
-  flags.String("fleet", &fleet_list, "Comma-separated fleet sizes (workers) for the open-loop fleet run");
+  flags.String("fleet", &fleet_list,
+               "Comma-separated fleet sizes (workers) for the open-loop fleet run");
   flags.Int("stores", &stores, 0, 1024, "Store shards in the fleet run");
   flags.String("trace", &trace, "Trace the fleet run replays (Mooncake JSONL)");
   flags.String("inproc-rates", &inproc_rates, "Target routes/s in process (fleet run)");
@@ -281,7 +282,8 @@ int RunRouterBench(int argc, const char* const* argv) {
   if (!fleet_list.empty()) {
     auto fleet = ParseIntList("fleet", fleet_list, 1, 100000);
     if (!fleet.ok()) {
-      std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(fleet.status().message()).c_str());
+      std::fprintf(stderr, "kvtier-bench router: %s\n",
+                   std::string(fleet.status().message()).c_str());
       return 2;
     }
     return RunRouterFleetCases(*fleet, stores, blocks, trace, inproc_rates, grpc_rates,
@@ -290,7 +292,8 @@ int RunRouterBench(int argc, const char* const* argv) {
   std::vector<Case> cases;
   auto workers = ParseIntList("workers", workers_list, 1, 100000);
   if (!workers.ok()) {
-    std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(workers.status().message()).c_str());
+    std::fprintf(stderr, "kvtier-bench router: %s\n",
+                 std::string(workers.status().message()).c_str());
     return 2;
   }
   for (int64_t w : *workers) {
@@ -307,21 +310,22 @@ int RunRouterBench(int argc, const char* const* argv) {
   if (json) {
     nlohmann::json j;
     for (const auto& c : cases) {
-      j["cases"].push_back({{"workers", c.workers},
-                            {"indexed_blocks", c.blocks},
-                            {"route_inproc_p50_us", c.inproc.p50_us},
-                            {"route_inproc_p99_us", c.inproc.p99_us},
-                            {"linear_walk_inproc_p50_us", c.linear_inproc.p50_us},
-                            {"linear_walk_inproc_p99_us", c.linear_inproc.p99_us},
-                            {"ratio_inproc_p99_vs_linear_walk", c.inproc.p99_us / c.linear_inproc.p99_us},
-                            {"walk_floor_p99_us", c.floor_inproc.p99_us},
-                            {"route_grpc_p50_us", c.grpc.p50_us},
-                            {"route_grpc_p99_us", c.grpc.p99_us},
-                            {"round_robin_grpc_p99_us", c.floor_grpc.p99_us},
-                            {"ratio_grpc_p99_vs_round_robin", c.grpc.p99_us / c.floor_grpc.p99_us},
-                            {"block_events_per_s", c.events_per_s},
-                            {"index_bytes_per_block", c.bytes_per_block},
-                            {"rss_bytes_per_block", c.rss_per_block}});
+      j["cases"].push_back(
+          {{"workers", c.workers},
+           {"indexed_blocks", c.blocks},
+           {"route_inproc_p50_us", c.inproc.p50_us},
+           {"route_inproc_p99_us", c.inproc.p99_us},
+           {"linear_walk_inproc_p50_us", c.linear_inproc.p50_us},
+           {"linear_walk_inproc_p99_us", c.linear_inproc.p99_us},
+           {"ratio_inproc_p99_vs_linear_walk", c.inproc.p99_us / c.linear_inproc.p99_us},
+           {"walk_floor_p99_us", c.floor_inproc.p99_us},
+           {"route_grpc_p50_us", c.grpc.p50_us},
+           {"route_grpc_p99_us", c.grpc.p99_us},
+           {"round_robin_grpc_p99_us", c.floor_grpc.p99_us},
+           {"ratio_grpc_p99_vs_round_robin", c.grpc.p99_us / c.floor_grpc.p99_us},
+           {"block_events_per_s", c.events_per_s},
+           {"index_bytes_per_block", c.bytes_per_block},
+           {"rss_bytes_per_block", c.rss_per_block}});
     }
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
@@ -332,16 +336,17 @@ int RunRouterBench(int argc, const char* const* argv) {
               "blocks", "Route in-proc p50/p99", "linear walk p50/p99", "ratio", "bare walk p99",
               "Route gRPC p50/p99", "round-robin p99", "ratio", "events/s", "B/block", "RSS B/b");
   for (const auto& c : cases) {
-    std::printf("%8d %11lu | %9.1f / %7.1f us %9.1f / %7.1f us %6.2f %11.1f us | %9.1f / %7.1f us %16.1f us %6.2f | %12.0f | %8.0f %8.0f\n",
-                c.workers, c.blocks, c.inproc.p50_us, c.inproc.p99_us, c.linear_inproc.p50_us,
-                c.linear_inproc.p99_us, c.inproc.p99_us / c.linear_inproc.p99_us,
-                c.floor_inproc.p99_us,
-                c.grpc.p50_us, c.grpc.p99_us, c.floor_grpc.p99_us,
-                c.grpc.p99_us / c.floor_grpc.p99_us, c.events_per_s, c.bytes_per_block,
-                c.rss_per_block);
+    std::printf(
+        "%8d %11lu | %9.1f / %7.1f us %9.1f / %7.1f us %6.2f %11.1f us | %9.1f / %7.1f us %16.1f "
+        "us %6.2f | %12.0f | %8.0f %8.0f\n",
+        c.workers, c.blocks, c.inproc.p50_us, c.inproc.p99_us, c.linear_inproc.p50_us,
+        c.linear_inproc.p99_us, c.inproc.p99_us / c.linear_inproc.p99_us, c.floor_inproc.p99_us,
+        c.grpc.p50_us, c.grpc.p99_us, c.floor_grpc.p99_us, c.grpc.p99_us / c.floor_grpc.p99_us,
+        c.events_per_s, c.bytes_per_block, c.rss_per_block);
   }
-  std::printf("\n(single-threaded: figures are per core; ratios = Route in-proc p99 / the same routes "
-              "matched by the linear walk, Route gRPC p99 / round-robin gRPC p99)\n");
+  std::printf(
+      "\n(single-threaded: figures are per core; ratios = Route in-proc p99 / the same routes "
+      "matched by the linear walk, Route gRPC p99 / round-robin gRPC p99)\n");
   return 0;
 }
 

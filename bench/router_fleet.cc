@@ -76,8 +76,8 @@ RatePoint OpenLoop(double rate, double seconds, int threads, size_t prompts, Rou
   std::vector<std::vector<double>> lat(threads);
   std::atomic<uint64_t> errors{0};
   const auto start = Clock::now() + std::chrono::milliseconds(5);
-  const auto stop = start + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double>(seconds));
+  const auto stop =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   // A router slower than the rate is not waited for past twice the time:
   // the routes not sent by then count against the achieved rate.
   const auto hard_stop = stop + (stop - start);
@@ -119,9 +119,8 @@ RatePoint OpenLoop(double rate, double seconds, int threads, size_t prompts, Rou
   return p;
 }
 
-absl::StatusOr<FleetCase> RunFleet(const std::vector<TraceRequest>& trace, int workers,
-                                   int stores, uint64_t target_blocks,
-                                   const std::vector<double>& inproc_rates,
+absl::StatusOr<FleetCase> RunFleet(const std::vector<TraceRequest>& trace, int workers, int stores,
+                                   uint64_t target_blocks, const std::vector<double>& inproc_rates,
                                    const std::vector<double>& grpc_rates, double seconds,
                                    int threads) {
   FleetCase c;
@@ -236,9 +235,8 @@ absl::StatusOr<FleetCase> RunFleet(const std::vector<TraceRequest>& trace, int w
     OpenLoop(rates.front(), std::min(seconds, 0.2), threads, prompts.size(),
              [&](int, size_t i) { return r.Route(prompts[i]).ok(); });
     for (double rate : rates) {
-      out->push_back(OpenLoop(rate, seconds, threads, prompts.size(), [&](int, size_t i) {
-        return r.Route(prompts[i]).ok();
-      }));
+      out->push_back(OpenLoop(rate, seconds, threads, prompts.size(),
+                              [&](int, size_t i) { return r.Route(prompts[i]).ok(); }));
     }
   };
   sweep(core, inproc_rates, &c.inproc);
@@ -284,11 +282,11 @@ std::vector<double> Rates(const std::vector<int64_t>& v) { return {v.begin(), v.
 // Flags are parsed by RunRouterBench; this runs the fleet cases.
 int RunRouterFleetCases(const std::vector<int64_t>& fleet, int64_t stores, int64_t blocks,
                         const std::string& trace_path, const std::string& inproc_rates,
-                        const std::string& grpc_rates, double seconds, int64_t threads,
-                        bool json) {
+                        const std::string& grpc_rates, double seconds, int64_t threads, bool json) {
   auto trace = ReadTrace(trace_path);
   if (!trace.ok()) {
-    std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(trace.status().message()).c_str());
+    std::fprintf(stderr, "kvtier-bench router: %s\n",
+                 std::string(trace.status().message()).c_str());
     return 2;
   }
   auto in_rates = ParseIntList("inproc-rates", inproc_rates, 1, 100'000'000);
@@ -321,8 +319,7 @@ int RunRouterFleetCases(const std::vector<int64_t>& fleet, int64_t stores, int64
   auto best = [](const std::vector<RatePoint>& pts, double bound_us) {
     double r = 0;
     for (const auto& p : pts) {
-      if (p.achieved >= 0.95 * p.target && p.p99_us <= bound_us && p.errors == 0 &&
-          p.unsent == 0) {
+      if (p.achieved >= 0.95 * p.target && p.p99_us <= bound_us && p.errors == 0 && p.unsent == 0) {
         r = std::max(r, p.achieved);
       }
     }
@@ -376,8 +373,9 @@ int RunRouterFleetCases(const std::vector<int64_t>& fleet, int64_t stores, int64
         "p99 <= 5 ms: %.0f/s\n\n",
         best(c.inproc, 1000), best(c.linear, 1000), best(c.grpc, 5000));
   }
-  std::printf("(open loop: latency counts from each route's scheduled time; ratio = p99 / the "
-              "linear walk's p99 at the same target)\n");
+  std::printf(
+      "(open loop: latency counts from each route's scheduled time; ratio = p99 / the "
+      "linear walk's p99 at the same target)\n");
   return 0;
 }
 

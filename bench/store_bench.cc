@@ -12,8 +12,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
-#include "common/config.h"
 #include "client/store_client.h"
+#include "common/config.h"
 
 namespace kvtier::bench {
 namespace {
@@ -88,9 +88,9 @@ absl::StatusOr<StorePhase> RunStore(const Options& o, const std::string& dir, ui
   ram_bytes = std::max(ram_bytes, 4 * slab);
   auto store = LocalServer::Start(
       o.store_bin, dir,
-      {"--data-dir=" + dir, absl::StrCat("--ram-bytes=", ram_bytes), absl::StrCat("--ram-slab-bytes=", slab),
-       absl::StrCat("--disk-bytes=", 4 * data + (1 << 30)), "--ram-policy=lru",
-       absl::StrCat("--demote-queue-bytes=", 2 * data)});
+      {"--data-dir=" + dir, absl::StrCat("--ram-bytes=", ram_bytes),
+       absl::StrCat("--ram-slab-bytes=", slab), absl::StrCat("--disk-bytes=", 4 * data + (1 << 30)),
+       "--ram-policy=lru", absl::StrCat("--demote-queue-bytes=", 2 * data)});
   if (!store.ok()) return store.status();
   StoreClient client((*store)->address());
   auto spec = SpecForBlockBytes(o.block_bytes, "kvtier-bench");
@@ -126,8 +126,8 @@ absl::StatusOr<StorePhase> RunStore(const Options& o, const std::string& dir, ui
     auto got = client.GetInline(ns->id, hs);
     if (!got.ok()) return got.status();
     if (got->size() != n) {
-      return absl::DataLossError(absl::StrCat("blocks ", first, "..", first + n, ": only ",
-                                              got->size(), " came back"));
+      return absl::DataLossError(
+          absl::StrCat("blocks ", first, "..", first + n, ": only ", got->size(), " came back"));
     }
     for (const auto& b : *got) {
       if (b.data != pool[(first + b.index) % pool.size()]) {
@@ -157,13 +157,14 @@ absl::StatusOr<std::pair<Figure, Figure>> RunRedis(const Options& o, const std::
 absl::StatusOr<Figure> RunFio(const Options& o, const std::string& dir) {
   if (!HaveCommand("fio")) return absl::UnavailableError("fio not installed");
   uint64_t size = o.blocks * o.block_bytes;
-  auto out = RunCapture(absl::StrCat(
-      "fio --name=kvtier --directory=", dir, " --rw=randread --bs=", o.block_bytes,
-      " --size=", size, " --numjobs=", o.clients, " --ioengine=psync --direct=0 "
-      "--group_reporting --output-format=json 2>/dev/null"));
+  auto out = RunCapture(absl::StrCat("fio --name=kvtier --directory=", dir, " --rw=randread --bs=",
+                                     o.block_bytes, " --size=", size, " --numjobs=", o.clients,
+                                     " --ioengine=psync --direct=0 "
+                                     "--group_reporting --output-format=json 2>/dev/null"));
   if (!out.ok()) return out.status();
   auto j = nlohmann::json::parse(*out, nullptr, false);
-  if (j.is_discarded() || !j.contains("jobs")) return absl::InternalError("cannot parse fio output");
+  if (j.is_discarded() || !j.contains("jobs"))
+    return absl::InternalError("cannot parse fio output");
   double bw = j["jobs"][0]["read"]["bw_bytes"].get<double>();
   return Figure{bw / o.block_bytes, bw / 1e9};
 }
@@ -195,12 +196,14 @@ int RunStoreBench(int argc, const char* const* argv) {
   uint64_t data = o.blocks * o.block_bytes;
   auto ram = RunStore(o, dir.sub("ram"), data + data / 4);
   if (!ram.ok()) {
-    std::fprintf(stderr, "kvtier-bench store: RAM phase: %s\n", std::string(ram.status().message()).c_str());
+    std::fprintf(stderr, "kvtier-bench store: RAM phase: %s\n",
+                 std::string(ram.status().message()).c_str());
     return 1;
   }
   auto disk = RunStore(o, dir.sub("nvme"), data / 10);
   if (!disk.ok()) {
-    std::fprintf(stderr, "kvtier-bench store: NVMe phase: %s\n", std::string(disk.status().message()).c_str());
+    std::fprintf(stderr, "kvtier-bench store: NVMe phase: %s\n",
+                 std::string(disk.status().message()).c_str());
     return 1;
   }
   auto redis = RunRedis(o, dir.path());
@@ -209,13 +212,16 @@ int RunStoreBench(int argc, const char* const* argv) {
   std::vector<Row> rows;
   std::string why_redis = redis.ok() ? "" : std::string(redis.status().message());
   std::string why_fio = fio.ok() ? "" : std::string(fio.status().message());
-  rows.push_back({"put (into RAM)", ram->put, "redis SET", redis.ok() ? redis->first : Figure{}, why_redis});
-  rows.push_back({"get, RAM hit", ram->get, "redis GET", redis.ok() ? redis->second : Figure{}, why_redis});
-  rows.push_back({"get, NVMe hit", disk->get, "fio randread", fio.ok() ? *fio : Figure{},
-                  absl::StrFormat("%d of %d blocks from NVMe%s%s", disk->from_disk,
-                                  disk->from_disk + disk->from_ram, why_fio.empty() ? "" : "; ",
-                                  why_fio)});
-  rows.push_back({"get, NVMe hit", disk->get, "redis GET", redis.ok() ? redis->second : Figure{}, why_redis});
+  rows.push_back(
+      {"put (into RAM)", ram->put, "redis SET", redis.ok() ? redis->first : Figure{}, why_redis});
+  rows.push_back(
+      {"get, RAM hit", ram->get, "redis GET", redis.ok() ? redis->second : Figure{}, why_redis});
+  rows.push_back(
+      {"get, NVMe hit", disk->get, "fio randread", fio.ok() ? *fio : Figure{},
+       absl::StrFormat("%d of %d blocks from NVMe%s%s", disk->from_disk,
+                       disk->from_disk + disk->from_ram, why_fio.empty() ? "" : "; ", why_fio)});
+  rows.push_back(
+      {"get, NVMe hit", disk->get, "redis GET", redis.ok() ? redis->second : Figure{}, why_redis});
   // Mooncake Store over TCP, same blocks, clients and batch; its SSD tier is
   // not configured here, so it has no disk-hit figure.
   auto moon = MooncakeStoreGbps(o.block_bytes, o.blocks, o.batch, o.clients);
@@ -253,7 +259,8 @@ int RunStoreBench(int argc, const char* const* argv) {
   std::printf("%-16s %12s %8s   %-14s %12s %8s   %6s  %s\n", "case", "kvtier blk/s", "GB/s",
               "reference", "ref blk/s", "GB/s", "ratio", "note");
   for (const auto& r : rows) {
-    std::string ratio = r.ref.gb_per_s > 0 ? absl::StrFormat("%.2f", r.kvtier.gb_per_s / r.ref.gb_per_s) : "n/a";
+    std::string ratio =
+        r.ref.gb_per_s > 0 ? absl::StrFormat("%.2f", r.kvtier.gb_per_s / r.ref.gb_per_s) : "n/a";
     std::printf("%-16s %12.0f %8.2f   %-14s %12.0f %8.2f   %6s  %s\n", r.name.c_str(),
                 r.kvtier.blocks_per_s, r.kvtier.gb_per_s, r.ref_name.c_str(), r.ref.blocks_per_s,
                 r.ref.gb_per_s, ratio.c_str(), r.note.c_str());

@@ -45,8 +45,8 @@ absl::StatusOr<TraceRequest> ParseTraceLine(std::string_view line) {
   if (ids == j.end() || !ids->is_array()) return Bad("field \"hash_ids\" is missing or not a list");
   uint64_t want = (r.input_length + kTraceBlockTokens - 1) / kTraceBlockTokens;
   if (ids->size() != want) {
-    return Bad(absl::StrCat("hash_ids has ", ids->size(), " entries; input_length ",
-                            r.input_length, " needs ", want));
+    return Bad(absl::StrCat("hash_ids has ", ids->size(), " entries; input_length ", r.input_length,
+                            " needs ", want));
   }
   r.hash_ids.reserve(ids->size());
   for (const auto& id : *ids) {

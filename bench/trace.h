@@ -37,10 +37,10 @@ absl::StatusOr<TraceRequest> ParseTraceLine(std::string_view line);
 absl::StatusOr<std::vector<TraceRequest>> ReadTrace(const std::string& path, size_t limit = 0);
 
 struct PrefixCacheFigures {
-  uint64_t blocks = 0;        // prompt blocks
-  uint64_t hit_blocks = 0;    // leading blocks already cached
-  uint64_t tokens = 0;        // prompt tokens
-  uint64_t hit_tokens = 0;    // tokens of the hit blocks (a partial last block counts its tokens)
+  uint64_t blocks = 0;      // prompt blocks
+  uint64_t hit_blocks = 0;  // leading blocks already cached
+  uint64_t tokens = 0;      // prompt tokens
+  uint64_t hit_tokens = 0;  // tokens of the hit blocks (a partial last block counts its tokens)
   double block_hit_ratio() const { return blocks ? double(hit_blocks) / blocks : 0; }
   double token_hit_ratio() const { return tokens ? double(hit_tokens) / tokens : 0; }
 };

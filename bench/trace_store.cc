@@ -12,9 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/bench_util.h"
-#include "common/config.h"
-#include "client/store_client.h"
 #include "bench/trace.h"
+#include "client/store_client.h"
+#include "common/config.h"
 
 namespace kvtier::bench {
 namespace {
@@ -30,7 +30,6 @@ struct Options {
   bool json = false;
   bool progress = true;
 };
-
 
 void Progress(size_t done, size_t total) {
   int width = 40;
@@ -65,8 +64,17 @@ int RunTraceStore(int argc, const char* const* argv) {
     return 1;
   }
   // 512-token blocks of fp16, 1 layer, 1 KV head: head_dim sets the bytes.
-  NamespaceSpec spec{"mooncake-trace", "fp16", 1, 1,
-                     static_cast<uint32_t>(o.block_bytes / 2048), kTraceBlockTokens, 0, 1, "", "", ""};
+  NamespaceSpec spec{"mooncake-trace",
+                     "fp16",
+                     1,
+                     1,
+                     static_cast<uint32_t>(o.block_bytes / 2048),
+                     kTraceBlockTokens,
+                     0,
+                     1,
+                     "",
+                     "",
+                     ""};
   if (o.block_bytes % 2048 != 0 || !ValidateNamespace(spec).ok()) {
     std::fprintf(stderr,
                  "kvtier-bench trace: flag --block-bytes: %s is not a multiple of 2KiB between "
@@ -81,7 +89,8 @@ int RunTraceStore(int argc, const char* const* argv) {
   if (address.empty()) {
     auto s = LocalServer::Start(
         o.store_bin, dir.sub("store"),
-        {"--data-dir=" + dir.sub("store"), absl::StrCat("--ram-bytes=", o.ram_bytes), absl::StrCat("--disk-bytes=", o.disk_bytes),
+        {"--data-dir=" + dir.sub("store"), absl::StrCat("--ram-bytes=", o.ram_bytes),
+         absl::StrCat("--disk-bytes=", o.disk_bytes),
          absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, o.block_bytes)),
          "--hugepages=false"});
     if (!s.ok()) {
@@ -109,7 +118,8 @@ int RunTraceStore(int argc, const char* const* argv) {
     blocks += chain.size();
     auto tiers = client.Lookup(ns->id, chain);
     if (!tiers.ok()) {
-      std::fprintf(stderr, "\nkvtier-bench trace: Lookup: %s\n", std::string(tiers.status().message()).c_str());
+      std::fprintf(stderr, "\nkvtier-bench trace: Lookup: %s\n",
+                   std::string(tiers.status().message()).c_str());
       return 1;
     }
     size_t have = tiers->size();
@@ -117,7 +127,8 @@ int RunTraceStore(int argc, const char* const* argv) {
       std::vector<BlockHash> prefix(chain.begin(), chain.begin() + have);
       auto got = client.GetInline(ns->id, prefix);
       if (!got.ok()) {
-        std::fprintf(stderr, "\nkvtier-bench trace: GetBlocks: %s\n", std::string(got.status().message()).c_str());
+        std::fprintf(stderr, "\nkvtier-bench trace: GetBlocks: %s\n",
+                     std::string(got.status().message()).c_str());
         return 1;
       }
       // The store may have evicted a block between Lookup and Get: the
@@ -140,13 +151,15 @@ int RunTraceStore(int argc, const char* const* argv) {
       }
       auto p = client.PutInline(ns->id, put);
       if (!p.ok()) {
-        std::fprintf(stderr, "\nkvtier-bench trace: PutBlocks: %s\n", std::string(p.status().message()).c_str());
+        std::fprintf(stderr, "\nkvtier-bench trace: PutBlocks: %s\n",
+                     std::string(p.status().message()).c_str());
         return 1;
       }
       written += p->stored;
       bytes_moved += data.size() * o.block_bytes;
     }
-    if (o.progress && isatty(2) && (r % 50 == 0 || r + 1 == trace->size())) Progress(r + 1, trace->size());
+    if (o.progress && isatty(2) && (r % 50 == 0 || r + 1 == trace->size()))
+      Progress(r + 1, trace->size());
   }
   double secs = Seconds(start);
   auto stats = client.GetStats();
@@ -173,8 +186,9 @@ int RunTraceStore(int argc, const char* const* argv) {
     std::printf("%s\n", j.dump(2).c_str());
     return mismatched == 0 ? 0 : 1;
   }
-  std::printf("\nkvtier trace replay: %zu requests, %lu prompt blocks of 512 tokens, %s of KV per block\n",
-              trace->size(), blocks, FormatBytes(o.block_bytes).c_str());
+  std::printf(
+      "\nkvtier trace replay: %zu requests, %lu prompt blocks of 512 tokens, %s of KV per block\n",
+      trace->size(), blocks, FormatBytes(o.block_bytes).c_str());
   std::printf("store %s: RAM %s, NVMe %s\n\n", address.c_str(), FormatBytes(o.ram_bytes).c_str(),
               FormatBytes(o.disk_bytes).c_str());
   std::printf("  %-34s %10s %8s\n", "prompt blocks", "blocks", "share");
@@ -191,8 +205,8 @@ int RunTraceStore(int argc, const char* const* argv) {
               absl::StrFormat("shared LRU of %lu blocks", capacity_blocks).c_str(),
               100 * lru.block_hit_ratio());
   std::printf("\n  blocks read back and verified: %lu, mismatched: %lu\n", verified, mismatched);
-  std::printf("  blocks written: %lu; data moved: %s in %.1f s (%.2f GB/s over inline gRPC)\n", written,
-              FormatBytes(bytes_moved).c_str(), secs, bytes_moved / secs / 1e9);
+  std::printf("  blocks written: %lu; data moved: %s in %.1f s (%.2f GB/s over inline gRPC)\n",
+              written, FormatBytes(bytes_moved).c_str(), secs, bytes_moved / secs / 1e9);
   if (stats.ok()) {
     std::printf("  store: RAM %lu blocks, NVMe %lu blocks, %lu demotions, %lu promotions\n",
                 stats->tiers(0).items(), stats->tiers(1).items(), stats->tiers(0).demotions(),

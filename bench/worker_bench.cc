@@ -12,11 +12,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "bench/raw_rma.h"
+#include "client/store_data_client.h"
 #include "common/config.h"
 #include "common/elapsed.h"
 #include "common/log.h"
-#include "bench/raw_rma.h"
-#include "client/store_data_client.h"
 #include "gpu/kv_layout.h"
 #include "worker/connector.h"
 #include "worker/model.h"
@@ -32,8 +32,9 @@ struct Case {
 
 NamespaceSpec SpecFor(uint64_t block_bytes, const std::string& model, uint32_t layers = 8) {
   // layers x 8 KV heads x 128 dims x fp16: 4 KiB per token and layer; tokens set the size.
-  return NamespaceSpec{model, "fp16", layers, 8, 128,
-                       static_cast<uint32_t>(block_bytes / (4096ull * layers)), 0, 1, "", "", ""};
+  return NamespaceSpec{
+      model, "fp16", layers, 8,  128, static_cast<uint32_t>(block_bytes / (4096ull * layers)),
+      0,     1,      "",     "", ""};
 }
 
 // One latency case: loads of `blocks` blocks into a worker, p50/p99, beside
@@ -157,7 +158,9 @@ absl::StatusOr<LatencyCase> MeasureLatency(const std::string& store, uint64_t si
   if (getenv("KVTIER_BENCH_DEBUG")) {
     auto st = control.GetStats();
     for (const auto& h : st->rpc_latency()) {
-      if (h.count()) std::fprintf(stderr, "  store %s: %lu calls, mean %.1f us\n", h.rpc().c_str(), h.count(), double(h.sum_us()) / h.count());
+      if (h.count())
+        std::fprintf(stderr, "  store %s: %lu calls, mean %.1f us\n", h.rpc().c_str(), h.count(),
+                     double(h.sum_us()) / h.count());
     }
   }
   return c;
@@ -210,7 +213,8 @@ int RunWorkerBench(int argc, const char* const* argv) {
   if (store_bin.empty()) store_bin = DefaultBinary("cachestore", "kvtier-store");
   auto sizes_or = ParseSizeList("sizes", sizes_flag, 32768);
   if (!sizes_or.ok()) {
-    std::fprintf(stderr, "kvtier-bench worker: %s\n", std::string(sizes_or.status().message()).c_str());
+    std::fprintf(stderr, "kvtier-bench worker: %s\n",
+                 std::string(sizes_or.status().message()).c_str());
     return 2;
   }
   const std::vector<uint64_t>& sizes = *sizes_or;
@@ -224,14 +228,17 @@ int RunWorkerBench(int argc, const char* const* argv) {
     latency_bytes += 2 * 64 * size;  // the layer-wise case
   }
   setenv("UCX_TLS", "sm,tcp", 0);
-  auto store = LocalServer::Start(
-      store_bin, dir.sub("store"),
-      {"--data-dir=" + dir.sub("store"), absl::StrCat("--ram-bytes=", (2 * sizes.size() + 1) * working_set + 64 * max_size + 2 * latency_bytes),
-       absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
-       "--data-listen=127.0.0.1:0", "--data-plane=" + data_plane,
-       absl::StrCat("--hugepages=", store_hugepages ? "true" : "false")});
+  auto store =
+      LocalServer::Start(store_bin, dir.sub("store"),
+                         {"--data-dir=" + dir.sub("store"),
+                          absl::StrCat("--ram-bytes=", (2 * sizes.size() + 1) * working_set +
+                                                           64 * max_size + 2 * latency_bytes),
+                          absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
+                          "--data-listen=127.0.0.1:0", "--data-plane=" + data_plane,
+                          absl::StrCat("--hugepages=", store_hugepages ? "true" : "false")});
   if (!store.ok()) {
-    std::fprintf(stderr, "kvtier-bench worker: %s\n", std::string(store.status().message()).c_str());
+    std::fprintf(stderr, "kvtier-bench worker: %s\n",
+                 std::string(store.status().message()).c_str());
     return 1;
   }
   std::vector<Case> cases;
@@ -298,7 +305,8 @@ int RunWorkerBench(int argc, const char* const* argv) {
       t = Clock::now();
       for (uint64_t i = 0; i < n; i += 32) {
         std::vector<PutBlock> blocks;
-        for (uint64_t j = i; j < std::min(n, i + 32); ++j) blocks.push_back({BlockHash{7, j}, buf.data() + j * size});
+        for (uint64_t j = i; j < std::min(n, i + 32); ++j)
+          blocks.push_back({BlockHash{7, j}, buf.data() + j * size});
         puts.push_back(dc.Put(ns->id, size, blocks));
       }
       uint64_t put_blocks = 0;  // a failed or partial put must not pass for a fast one
@@ -312,7 +320,8 @@ int RunWorkerBench(int argc, const char* const* argv) {
       t = Clock::now();
       for (uint64_t i = 0; i < n; i += 32) {
         std::vector<GetBlock> blocks;
-        for (uint64_t j = i; j < std::min(n, i + 32); ++j) blocks.push_back({BlockHash{7, j}, buf.data() + j * size});
+        for (uint64_t j = i; j < std::min(n, i + 32); ++j)
+          blocks.push_back({BlockHash{7, j}, buf.data() + j * size});
         gets.push_back(dc.Get(ns->id, size, blocks));
       }
       uint64_t got_blocks = 0;
@@ -340,10 +349,13 @@ int RunWorkerBench(int argc, const char* const* argv) {
       const int reps = 5;
       gpu::GatherCpu(layout, (*b)->pool().layer_bases(), pg.data(), batch, dst.data());
       t = Clock::now();
-      for (int r = 0; r < reps; ++r) gpu::GatherCpu(layout, (*b)->pool().layer_bases(), pg.data(), batch, dst.data());
+      for (int r = 0; r < reps; ++r)
+        gpu::GatherCpu(layout, (*b)->pool().layer_bases(), pg.data(), batch, dst.data());
       c.gather_gbps = reps * batch * static_cast<double>(size) / Seconds(t) / 1e9;
       t = Clock::now();
-      for (int r = 0; r < reps; ++r) gpu::ScatterCpu(layout, const_cast<uint8_t* const*>((*b)->pool().layer_bases()), pg.data(), batch, src.data());
+      for (int r = 0; r < reps; ++r)
+        gpu::ScatterCpu(layout, const_cast<uint8_t* const*>((*b)->pool().layer_bases()), pg.data(),
+                        batch, src.data());
       c.scatter_gbps = reps * batch * static_cast<double>(size) / Seconds(t) / 1e9;
       std::memcpy(copy.data(), staging.data(), staging.size());
       t = Clock::now();
@@ -357,8 +369,7 @@ int RunWorkerBench(int argc, const char* const* argv) {
   for (uint64_t size : *latency_sizes) {
     for (int64_t n : *latency_blocks) {
       auto c = MeasureLatency((*store)->address(), size, static_cast<uint64_t>(n),
-                              static_cast<uint32_t>(latency_layers),
-                              static_cast<int>(reps));
+                              static_cast<uint32_t>(latency_layers), static_cast<int>(reps));
       if (!c.ok()) {
         std::fprintf(stderr, "kvtier-bench worker: latency of %ld x %s: %s\n", n,
                      FormatBytes(size).c_str(), std::string(c.status().message()).c_str());
@@ -420,12 +431,12 @@ int RunWorkerBench(int argc, const char* const* argv) {
     std::printf("%s\n", j.dump(2).c_str());
     return 0;
   }
-  std::printf("kvtier-bench worker: %s per case through a kvtier-store on loopback "
-              "(--data-plane %s)\n\n",
-              FormatBytes(working_set).c_str(), data_plane.c_str());
-  std::printf("%9s | %8s %8s %8s | %8s %8s %8s | %8s %8s %8s %6s %6s\n", "block", "offload",
-              "put", "overhd", "onboard", "get", "overhd", "gather", "scatter", "memcpy", "g/m",
-              "s/m");
+  std::printf(
+      "kvtier-bench worker: %s per case through a kvtier-store on loopback "
+      "(--data-plane %s)\n\n",
+      FormatBytes(working_set).c_str(), data_plane.c_str());
+  std::printf("%9s | %8s %8s %8s | %8s %8s %8s | %8s %8s %8s %6s %6s\n", "block", "offload", "put",
+              "overhd", "onboard", "get", "overhd", "gather", "scatter", "memcpy", "g/m", "s/m");
   for (const auto& c : cases) {
     std::printf("%9s | %8.2f %8.2f %7.0f%% | %8.2f %8.2f %7.0f%% | %8.2f %8.2f %8.2f %6.2f %6.2f\n",
                 FormatBytes(c.block_bytes).c_str(), c.offload_gbps, c.put_gbps,
@@ -433,27 +444,31 @@ int RunWorkerBench(int argc, const char* const* argv) {
                 100 * (1 - c.onboard_gbps / c.get_gbps), c.gather_gbps, c.scatter_gbps,
                 c.memcpy_gbps, c.gather_gbps / c.memcpy_gbps, c.scatter_gbps / c.memcpy_gbps);
   }
-  std::printf("\n(GB/s; overhead = 1 - worker / plain data plane; g/m, s/m = gather, scatter vs memcpy)\n");
-  std::printf("\nload latency (Begin -> WaitForLoad, %ld loads each; target = raw RMA + 1.5 round trips)\n",
-              reps);
-  std::printf("%9s %6s | %8s %8s | %8s %8s %8s %6s | %7s %7s %7s %7s\n", "block", "blocks", "p50 ms",
-              "p99 ms", "raw RMA", "RTT", "target", "ratio", "pin", "lane", "RMA", "sum");
+  std::printf(
+      "\n(GB/s; overhead = 1 - worker / plain data plane; g/m, s/m = gather, scatter vs memcpy)\n");
+  std::printf(
+      "\nload latency (Begin -> WaitForLoad, %ld loads each; target = raw RMA + 1.5 round trips)\n",
+      reps);
+  std::printf("%9s %6s | %8s %8s | %8s %8s %8s %6s | %7s %7s %7s %7s\n", "block", "blocks",
+              "p50 ms", "p99 ms", "raw RMA", "RTT", "target", "ratio", "pin", "lane", "RMA", "sum");
   for (const auto& c : latency) {
     std::printf("%9s %6lu | %8.3f %8.3f | %8.3f %8.3f %8.3f %6.2f | %7.3f %7.3f %7.3f %7.3f\n",
-                FormatBytes(c.block_bytes).c_str(), c.blocks, c.p50_ms, c.p99_ms,
-                c.raw_rma_p50_ms, c.rtt_p50_ms, c.target_ms(), c.p50_ms / c.target_ms(),
-                c.mean.transfer.control_ms, c.mean.transfer.queue_ms, c.mean.transfer.rma_ms,
-                c.mean.transfer.checksum_ms);
+                FormatBytes(c.block_bytes).c_str(), c.blocks, c.p50_ms, c.p99_ms, c.raw_rma_p50_ms,
+                c.rtt_p50_ms, c.target_ms(), c.p50_ms / c.target_ms(), c.mean.transfer.control_ms,
+                c.mean.transfer.queue_ms, c.mean.transfer.rma_ms, c.mean.transfer.checksum_ms);
   }
-  std::printf("(ratio = p50 / target, <= 1 meets it; pin, lane, RMA, sum: mean ms per load in "
-              "the pin round trip, waiting for a lane, RMA, checksums)\n");
-  std::printf("\nlayer-wise load, %u layers, %lu x %s: first layer in %.3f ms, all layers %.3f ms "
-              "(%.3f of the whole; target <= 0.125)\n",
-              layerwise->layers, layerwise->blocks, FormatBytes(layerwise->block_bytes).c_str(),
-              layerwise->first_layer_p50_ms, layerwise->p50_ms,
-              layerwise->first_layer_p50_ms / layerwise->p50_ms);
-  std::printf("GPU: %s\n", gpu ? "present (see gpu_cuda_test for correctness)"
-                               : "none on this machine: CUDA gather/scatter vs cudaMemcpy not measured");
+  std::printf(
+      "(ratio = p50 / target, <= 1 meets it; pin, lane, RMA, sum: mean ms per load in "
+      "the pin round trip, waiting for a lane, RMA, checksums)\n");
+  std::printf(
+      "\nlayer-wise load, %u layers, %lu x %s: first layer in %.3f ms, all layers %.3f ms "
+      "(%.3f of the whole; target <= 0.125)\n",
+      layerwise->layers, layerwise->blocks, FormatBytes(layerwise->block_bytes).c_str(),
+      layerwise->first_layer_p50_ms, layerwise->p50_ms,
+      layerwise->first_layer_p50_ms / layerwise->p50_ms);
+  std::printf("GPU: %s\n",
+              gpu ? "present (see gpu_cuda_test for correctness)"
+                  : "none on this machine: CUDA gather/scatter vs cudaMemcpy not measured");
   return 0;
 }
 

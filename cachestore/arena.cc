@@ -19,8 +19,9 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(uint64_t bytes, uint64_t sl
   }
   uint64_t size = bytes / slab_bytes * slab_bytes;
   if (size == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "RAM tier of ", bytes, " bytes holds no slab of ", slab_bytes, " bytes; raise --ram-bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("RAM tier of ", bytes,
+                                                   " bytes holds no slab of ", slab_bytes,
+                                                   " bytes; raise --ram-bytes"));
   }
   void* p = MAP_FAILED;
   bool huge = false;
@@ -41,8 +42,8 @@ absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(uint64_t bytes, uint64_t sl
   if (try_hugepages && size % (2u << 20) == 0) {
     map_memfd(MFD_HUGETLB);
     if (p == MAP_FAILED) {
-      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB,
-               -1, 0);
+      p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1,
+               0);
     }
     huge = p != MAP_FAILED;
   }

@@ -35,8 +35,10 @@ void ChangeFeed::Loop() {
     }
     std::map<uint64_t, std::vector<BlockHash>> stored, removed;
     for (const auto& [k, added] : batch) {
-      if (added) stored[k.ns].push_back(k.hash);
-      else if (!present_(k)) removed[k.ns].push_back(k.hash);  // gone from every tier
+      if (added)
+        stored[k.ns].push_back(k.hash);
+      else if (!present_(k))
+        removed[k.ns].push_back(k.hash);  // gone from every tier
     }
     batch.clear();
     for (const auto& [ns, hs] : stored) sink_->Stored(ns, hs);

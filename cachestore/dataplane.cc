@@ -23,12 +23,13 @@ constexpr int kInvalidArgument = static_cast<int>(absl::StatusCode::kInvalidArgu
 constexpr int kUnavailable = static_cast<int>(absl::StatusCode::kUnavailable);
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(const std::string& listen,
-    void* arena, size_t length, const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
+absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(
+    const std::string& listen, void* arena, size_t length,
+    const std::vector<std::pair<uint64_t, uint64_t>>& regions) {
   size_t colon = listen.rfind(':');
   if (colon == std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("UCX listen address \"", listen,
-                                                   "\" is not HOST:PORT"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("UCX listen address \"", listen, "\" is not HOST:PORT"));
   }
   std::string host = listen.substr(0, colon);
   std::string port = listen.substr(colon + 1);
@@ -96,7 +97,8 @@ absl::StatusOr<std::unique_ptr<DataPlaneServer>> DataPlaneServer::Start(const st
   d->stop_fd_ = eventfd(0, EFD_NONBLOCK);
   d->thread_ = std::thread([p = d.get()] { p->Run(); });
   Log("store", "UCX data plane listening on ", d->address_, ", ", length,
-      " bytes of RAM arena registered as ", ranges.size(), ranges.size() == 1 ? " region" : " regions");
+      " bytes of RAM arena registered as ", ranges.size(),
+      ranges.size() == 1 ? " region" : " regions");
   return d;
 }
 
@@ -155,8 +157,11 @@ ucs_status_t DataPlaneServer::OnCall(void* arg, const void* header, size_t heade
     return UCS_OK;  // not a kvtier client, or nowhere to answer: dropped
   }
   std::memcpy(&h, header, sizeof(h));
-  PendingCall c{param->reply_ep, h.method, h.call_id,
-                std::string(reinterpret_cast<const char*>(h.session), sizeof(h.session)), {}};
+  PendingCall c{param->reply_ep,
+                h.method,
+                h.call_id,
+                std::string(reinterpret_cast<const char*>(h.session), sizeof(h.session)),
+                {}};
   if (h.magic != ucx::kCallMagic) {
     d->Reply(c.reply_ep, c.call_id, {kInvalidArgument, "not a kvtier.v1 data-plane call (magic)"});
     return UCS_OK;
@@ -177,8 +182,9 @@ void DataPlaneServer::ServeCalls() {
   std::lock_guard lk(handler_mu_);
   for (auto& c : calls) {
     if (std::find(failed_.begin(), failed_.end(), c.reply_ep) != failed_.end()) continue;
-    CallReply r = handler_ ? handler_(c.method, c.session, c.request)
-                           : CallReply{kUnavailable, "the store is not serving data-plane calls yet"};
+    CallReply r = handler_
+                      ? handler_(c.method, c.session, c.request)
+                      : CallReply{kUnavailable, "the store is not serving data-plane calls yet"};
     Reply(c.reply_ep, c.call_id, std::move(r));
   }
 }
@@ -190,8 +196,8 @@ void DataPlaneServer::Reply(ucp_ep_h ep, uint64_t call_id, CallReply reply) {
   };
   auto* out = new Outgoing{{ucx::kCallMagic, reply.code, call_id}, std::move(reply.body)};
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_FLAGS;
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = UCP_AM_SEND_FLAG_EAGER;
   p.cb.send = [](void* request, ucs_status_t, void* user) {
     delete static_cast<Outgoing*>(user);

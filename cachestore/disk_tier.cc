@@ -38,17 +38,18 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& 
   // first so the policy starts in write order.
   std::vector<std::pair<BlockKey, IndexEntry>> found;
   uint64_t undecodable = 0;
-  absl::Status s = t->backend_->Scan(Column::kIndex, "", [&](absl::string_view k, absl::string_view v) {
-    BlockKey key;
-    IndexEntry e;
-    if (DecodeBlockKey(std::string_view(k.data(), k.size()), &key) &&
-        DecodeIndexEntry(std::string_view(v.data(), v.size()), &e)) {
-      found.emplace_back(key, e);
-    } else {
-      ++undecodable;  // its block cannot be found: counted, and said below
-    }
-    return true;
-  });
+  absl::Status s =
+      t->backend_->Scan(Column::kIndex, "", [&](absl::string_view k, absl::string_view v) {
+        BlockKey key;
+        IndexEntry e;
+        if (DecodeBlockKey(std::string_view(k.data(), k.size()), &key) &&
+            DecodeIndexEntry(std::string_view(v.data(), v.size()), &e)) {
+          found.emplace_back(key, e);
+        } else {
+          ++undecodable;  // its block cannot be found: counted, and said below
+        }
+        return true;
+      });
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("reading the NVMe tier's index at ",
                                                t->backend_->location(), ": ", s.message()));
@@ -67,29 +68,33 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& 
   }
   t->counters_.used_bytes = used;
   t->counters_.items = t->index_.size();
-  Log("store", "disk tier opened at ", t->backend_->location(), ": ", t->index_.size(),
-      " blocks, ", used, " bytes recovered");
+  Log("store", "disk tier opened at ", t->backend_->location(), ": ", t->index_.size(), " blocks, ",
+      used, " bytes recovered");
   if (undecodable > 0) {
-    Log("store", "disk tier: ", undecodable, " index entries could not be decoded and were "
+    Log("store", "disk tier: ", undecodable,
+        " index entries could not be decoded and were "
         "skipped (their blocks are not served; kvtier_store_disk_index_entries_skipped)");
   }
   DiskTier* self = t.get();
   t->queue_ = std::make_unique<WriteBackQueue>(
       o.queue_bytes,
-      WriteBackQueue::Callbacks{
-          [self](const WriteBackQueue::Block& b) {
-            absl::Status st = self->Write(b.key, reinterpret_cast<const uint8_t*>(b.bytes.data()),
-                                          b.bytes.size(), b.checksum);
-            // The block leaves the cache: RAM evicted it and NVMe could not take it.
-            if (!st.ok()) self->dropped_.fetch_add(1, std::memory_order_relaxed);
-            return st;
-          },
-          [self](const BlockKey& key) { self->EraseKeys({key}); },
-          [self] {
-            if (self->write_failed_ || !self->SpaceShortfall(0).empty()) return false;
-            self->SetDegraded("");
-            return true;
-          }});
+      WriteBackQueue::Callbacks{[self](const WriteBackQueue::Block& b) {
+                                  absl::Status st = self->Write(
+                                      b.key, reinterpret_cast<const uint8_t*>(b.bytes.data()),
+                                      b.bytes.size(), b.checksum);
+                                  // The block leaves the cache: RAM evicted it and NVMe could not
+                                  // take it.
+                                  if (!st.ok())
+                                    self->dropped_.fetch_add(1, std::memory_order_relaxed);
+                                  return st;
+                                },
+                                [self](const BlockKey& key) { self->EraseKeys({key}); },
+                                [self] {
+                                  if (self->write_failed_ || !self->SpaceShortfall(0).empty())
+                                    return false;
+                                  self->SetDegraded("");
+                                  return true;
+                                }});
   return t;
 }
 
@@ -224,14 +229,14 @@ absl::Status DiskTier::Write(const BlockKey& key, const uint8_t* data, uint64_t 
     return absl::ResourceExhaustedError(why);
   }
   std::vector<BlockKey> victims;
-  absl::Status st = WriteRecord(key, EncodeRecord(data, length, checksum), length, checksum, &victims);
+  absl::Status st =
+      WriteRecord(key, EncodeRecord(data, length, checksum), length, checksum, &victims);
   if (st.ok()) Notify(victims, &key);
   return st;
 }
 
-absl::Status DiskTier::WriteRecord(const BlockKey& key, const std::string& record,
-                                   uint64_t length, uint64_t checksum,
-                                   std::vector<BlockKey>* victims) {
+absl::Status DiskTier::WriteRecord(const BlockKey& key, const std::string& record, uint64_t length,
+                                   uint64_t checksum, std::vector<BlockKey>* victims) {
   const uint64_t record_bytes = record.size();
   if (auto s = WritesStopped(); !s.ok()) return s;
   std::lock_guard wl(write_mu_);
@@ -461,10 +466,11 @@ absl::Status DiskTier::DeleteMeta(const std::string& key) {
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> DiskTier::ScanMeta(
     const std::string& prefix) const {
   std::vector<std::pair<std::string, std::string>> out;
-  absl::Status s = backend_->Scan(Column::kMeta, prefix, [&](absl::string_view k, absl::string_view v) {
-    out.emplace_back(std::string(k), std::string(v));
-    return true;
-  });
+  absl::Status s =
+      backend_->Scan(Column::kMeta, prefix, [&](absl::string_view k, absl::string_view v) {
+        out.emplace_back(std::string(k), std::string(v));
+        return true;
+      });
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrCat("reading the store's metadata at ",
                                                backend_->location(), ": ", s.message()));

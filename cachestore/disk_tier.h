@@ -93,8 +93,7 @@ class DiskTier : public Tier {
   // below its reserve; the backend's error for a failing write
   // (UNAVAILABLE, RESOURCE_EXHAUSTED for a full device, DATA_LOSS), and
   // UNAVAILABLE for every write after it.
-  absl::Status Write(const BlockKey& key, const uint8_t* data, uint64_t length,
-                     uint64_t checksum);
+  absl::Status Write(const BlockKey& key, const uint8_t* data, uint64_t length, uint64_t checksum);
   // Reads and verifies a block (from the queue if it is still there).
   // NOT_FOUND if absent; DATA_LOSS if the record was corrupt (it is removed);
   // UNAVAILABLE if the backend could not read it.

@@ -102,8 +102,10 @@ class Sieve final : public EvictionPolicy {
   };
   // Moves the hand one step towards the head, wrapping to the tail.
   void Advance() {
-    if (hand_ == queue_.begin()) hand_ = std::prev(queue_.end());
-    else --hand_;
+    if (hand_ == queue_.begin())
+      hand_ = std::prev(queue_.end());
+    else
+      --hand_;
   }
   std::list<Node> queue_;
   std::unordered_map<uint64_t, std::list<Node>::iterator> pos_;
@@ -222,9 +224,8 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakePolicy(
     const std::string& name, const std::map<std::string, double>& params) {
   auto reject_params = [&](const char* policy) -> absl::Status {
     if (!params.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("policy ", policy, " takes no parameters, got \"",
-                       params.begin()->first, "\""));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy ", policy, " takes no parameters, got \"", params.begin()->first, "\""));
     }
     return absl::OkStatus();
   };
@@ -251,8 +252,8 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakePolicy(
     }
     return std::unique_ptr<EvictionPolicy>(new S3Fifo(small));
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "eviction policy \"", name, "\" is not one of ", absl::StrJoin(PolicyNames(), ", ")));
+  return absl::InvalidArgumentError(absl::StrCat("eviction policy \"", name, "\" is not one of ",
+                                                 absl::StrJoin(PolicyNames(), ", ")));
 }
 
 }  // namespace kvtier::store

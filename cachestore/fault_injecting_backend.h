@@ -96,12 +96,13 @@ class FaultInjectingBackend : public StorageBackend {
       use(bad);
     });
   }
-  absl::Status Scan(Column column, absl::string_view prefix,
-                    const std::function<bool(absl::string_view, absl::string_view)>& visit)
-      const override {
+  absl::Status Scan(
+      Column column, absl::string_view prefix,
+      const std::function<bool(absl::string_view, absl::string_view)>& visit) const override {
     {
       std::lock_guard lk(mu_);
-      if (!scan_errors_[static_cast<int>(column)].ok()) return scan_errors_[static_cast<int>(column)];
+      if (!scan_errors_[static_cast<int>(column)].ok())
+        return scan_errors_[static_cast<int>(column)];
     }
     return base_->Scan(column, prefix, visit);
   }

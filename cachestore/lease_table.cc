@@ -32,9 +32,9 @@ absl::StatusOr<uint64_t> LeaseTable::Claim(const LeaseOwner& owner) {
   std::lock_guard lk(mu_);
   uint64_t& held = by_client_[owner.holder];
   if (limit != 0 && held >= limit) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        owner.holder, " already holds ", held, " open leases (the limit is ", limit,
-        "); commit, end or abort some first"));
+    return absl::ResourceExhaustedError(absl::StrCat(owner.holder, " already holds ", held,
+                                                     " open leases (the limit is ", limit,
+                                                     "); commit, end or abort some first"));
   }
   ++held;
   return next_id_++;
@@ -70,16 +70,16 @@ void LeaseTable::ForgetLocked(const Lease& lease) {
 }
 
 absl::StatusOr<LeaseTable::Hold> LeaseTable::Use(uint64_t id, bool is_put, int tenant,
-                                                  uint64_t offset, uint64_t length) {
+                                                 uint64_t offset, uint64_t length) {
   const char* kind = is_put ? "put" : "get";
   std::lock_guard lk(mu_);
   auto it = leases_.find(id);
   const auto now = std::chrono::steady_clock::now();
   if (it == leases_.end() || it->second.tenant != tenant || it->second.deadline <= now ||
       ending_.count(id) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        kind, " lease ", id, " is unknown, already ended, or expired (leases last ", lease_ms_,
-        " ms)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(kind, " lease ", id, " is unknown, already ended, or expired (leases last ",
+                     lease_ms_, " ms)"));
   }
   const Lease& l = it->second;
   if (l.is_put != is_put) {
@@ -87,15 +87,14 @@ absl::StatusOr<LeaseTable::Hold> LeaseTable::Use(uint64_t id, bool is_put, int t
                                                    " lease, not a ", kind, " lease"));
   }
   // The slot that starts at or before `offset`, if any, must hold the range.
-  auto r = std::upper_bound(l.ranges.begin(), l.ranges.end(),
-                            std::make_pair(offset, UINT64_MAX));
+  auto r = std::upper_bound(l.ranges.begin(), l.ranges.end(), std::make_pair(offset, UINT64_MAX));
   const bool inside = length > 0 && r != l.ranges.begin() &&
                       offset - std::prev(r)->first <= std::prev(r)->second &&
                       length <= std::prev(r)->second - (offset - std::prev(r)->first);
   if (!inside) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        length, " bytes at arena offset ", offset, " are not inside a slot of ", kind,
-        " lease ", id));
+    return absl::InvalidArgumentError(absl::StrCat(length, " bytes at arena offset ", offset,
+                                                   " are not inside a slot of ", kind, " lease ",
+                                                   id));
   }
   holds_[id]++;
   Hold h;
@@ -113,9 +112,9 @@ absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant) {
   const char* kind = is_put ? "put" : "get";
   std::unique_lock lk(mu_);
   auto gone = [&] {
-    return absl::FailedPreconditionError(absl::StrCat(
-        kind, " lease ", id, " is unknown, already ended, or expired (leases last ", lease_ms_,
-        " ms)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(kind, " lease ", id, " is unknown, already ended, or expired (leases last ",
+                     lease_ms_, " ms)"));
   };
   auto it = leases_.find(id);
   if (it == leases_.end() || (tenant >= 0 && it->second.tenant != tenant) ||

@@ -15,10 +15,10 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
-#include <memory>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -99,8 +99,7 @@ class LeaseTable {
   // another tenant's); INVALID_ARGUMENT for a lease of the other kind, or
   // for a range that is not inside one of the lease's slots (it names the
   // range, never what lies there).
-  absl::StatusOr<Hold> Use(uint64_t id, bool is_put, int tenant, uint64_t offset,
-                           uint64_t length);
+  absl::StatusOr<Hold> Use(uint64_t id, bool is_put, int tenant, uint64_t offset, uint64_t length);
 
   // Removes and returns a live lease, once no transfer holds it (new holds
   // are refused meanwhile). FAILED_PRECONDITION if it is unknown, ended or

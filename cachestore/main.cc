@@ -16,9 +16,9 @@
 #include "cachestore/service.h"
 #include "cachestore/store.h"
 #include "common/config.h"
+#include "common/log.h"
 #include "common/rpc/grpc_server.h"
 #include "common/rpc/metrics.h"
-#include "common/log.h"
 #include "common/rpc/tls.h"
 
 namespace {
@@ -175,13 +175,15 @@ int main(int argc, char** argv) {
 
   if (!f.metrics_listen.empty()) {
     if (auto s = kvtier::ValidateHostPort(f.metrics_listen); !s.ok()) {
-      std::fprintf(stderr, "kvtier-store: flag --metrics-listen: %s\n", std::string(s.message()).c_str());
+      std::fprintf(stderr, "kvtier-store: flag --metrics-listen: %s\n",
+                   std::string(s.message()).c_str());
       return 2;
     }
   }
   if (!f.data_listen.empty()) {
     if (auto s = kvtier::ValidateHostPort(f.data_listen); !s.ok()) {
-      std::fprintf(stderr, "kvtier-store: flag --data-listen: %s\n", std::string(s.message()).c_str());
+      std::fprintf(stderr, "kvtier-store: flag --data-listen: %s\n",
+                   std::string(s.message()).c_str());
       return 2;
     }
   }
@@ -252,13 +254,16 @@ int main(int argc, char** argv) {
     }
   }
   if (f.check_config) {
-    std::printf("kvtier-store configuration OK: listen=%s data-listen=%s metrics-listen=%s data-dir=%s "
-                "ram-bytes=%lu disk-bytes=%lu ram-slab-bytes=%lu ram-policy=%s disk-policy=%s "
-                "lease-ms=%lu routers=%zu tls=%s\n",
-                f.listen.c_str(), f.data_listen.c_str(), f.metrics_listen.c_str(), f.data_dir.c_str(),
-                f.ram_bytes, f.disk_bytes, f.slab_bytes, f.ram_policy.c_str(), f.disk_policy.c_str(),
-                f.lease_ms, routers.size(),
-                f.tls.cert_file.empty() ? "off" : f.tls.require_client_cert ? "mutual" : "on");
+    std::printf(
+        "kvtier-store configuration OK: listen=%s data-listen=%s metrics-listen=%s data-dir=%s "
+        "ram-bytes=%lu disk-bytes=%lu ram-slab-bytes=%lu ram-policy=%s disk-policy=%s "
+        "lease-ms=%lu routers=%zu tls=%s\n",
+        f.listen.c_str(), f.data_listen.c_str(), f.metrics_listen.c_str(), f.data_dir.c_str(),
+        f.ram_bytes, f.disk_bytes, f.slab_bytes, f.ram_policy.c_str(), f.disk_policy.c_str(),
+        f.lease_ms, routers.size(),
+        f.tls.cert_file.empty()     ? "off"
+        : f.tls.require_client_cert ? "mutual"
+                                    : "on");
     return 0;
   }
 
@@ -341,7 +346,8 @@ int main(int argc, char** argv) {
     sockets = std::move(*sp);
   }
   if (!f.data_listen.empty() && f.data_plane == "ucx") {
-    kvtier::Log("store", "WARNING: --data-plane ucx: clients move blocks by UCX RMA into the RAM "
+    kvtier::Log("store",
+                "WARNING: --data-plane ucx: clients move blocks by UCX RMA into the RAM "
                 "arena, and over UCX's TCP and shared-memory transports nothing bounds what a "
                 "client addresses (the whole process: other clients' blocks, the admin token); "
                 "use it with trusted clients only (docs/security.md)");
@@ -351,8 +357,8 @@ int main(int argc, char** argv) {
     if (tenants) {
       for (const auto& r : (*store)->ram().pool_regions()) regions.emplace_back(r.offset, r.length);
     }
-    auto dp = kvtier::store::DataPlaneServer::Start(f.data_listen, arena.base(), arena.size(),
-                                                    regions);
+    auto dp =
+        kvtier::store::DataPlaneServer::Start(f.data_listen, arena.base(), arena.size(), regions);
     if (!dp.ok()) {
       std::fprintf(stderr, "kvtier-store: UCX data plane: %s\n",
                    std::string(dp.status().message()).c_str());
@@ -362,15 +368,16 @@ int main(int argc, char** argv) {
   }
   kvtier::store::StoreService service(store->get(), dataplane.get(), sockets.get());
   if (f.local_shm && !tenants && (dataplane || sockets)) {
-    kvtier::Log("store", "--local-shm: data-plane clients on this host running as this user map "
+    kvtier::Log("store",
+                "--local-shm: data-plane clients on this host running as this user map "
                 "the whole RAM arena (one trusted tenant; off with --tenants-file or "
                 "--local-shm=false)");
   }
   service.OfferSharedMemory(f.local_shm && !tenants);
   service.SetAdminToken(admin_token);
   service.SetAdminIdentity(f.admin_identity);
-  auto started = kvtier::StartGrpcServer({"kvtier-store", f.listen, *server_credentials, {&service},
-                                          f.max_message_bytes});
+  auto started = kvtier::StartGrpcServer(
+      {"kvtier-store", f.listen, *server_credentials, {&service}, f.max_message_bytes});
   if (!started.ok()) {
     std::fprintf(stderr, "kvtier-store: %s\n", std::string(started.status().message()).c_str());
     return 1;
@@ -378,7 +385,8 @@ int main(int argc, char** argv) {
   grpc::Server* server = started->server.get();
   std::unique_ptr<kvtier::MetricsServer> metrics;
   if (!f.metrics_listen.empty()) {
-    auto ms = kvtier::MetricsServer::Start(f.metrics_listen, [&service] { return service.CollectMetrics(); });
+    auto ms = kvtier::MetricsServer::Start(f.metrics_listen,
+                                           [&service] { return service.CollectMetrics(); });
     if (!ms.ok()) {
       std::fprintf(stderr, "kvtier-store: %s\n", std::string(ms.status().message()).c_str());
       return 1;
@@ -386,11 +394,14 @@ int main(int argc, char** argv) {
     metrics = std::move(*ms);
     kvtier::Log("store", "metrics on ", f.metrics_listen, " (port ", metrics->port(), ")/metrics");
   }
-  const std::string tls_mode = kvtier::TlsModeSuffix(!f.tls.cert_file.empty(), f.tls.require_client_cert);
+  const std::string tls_mode =
+      kvtier::TlsModeSuffix(!f.tls.cert_file.empty(), f.tls.require_client_cert);
   kvtier::Log("store", "listening on ", started->address(),
-              f.tls.cert_file.empty() ? "" : f.tls.require_client_cert ? ", mutual TLS" : ", TLS", " (RAM ",
-              (*store)->ram().arena().size(), " bytes in ", (*store)->ram().shards(), " shards",
-              (*store)->ram().arena().hugepages() ? ", hugepages" : "", "; disk quota ",
+              f.tls.cert_file.empty()     ? ""
+              : f.tls.require_client_cert ? ", mutual TLS"
+                                          : ", TLS",
+              " (RAM ", (*store)->ram().arena().size(), " bytes in ", (*store)->ram().shards(),
+              " shards", (*store)->ram().arena().hugepages() ? ", hugepages" : "", "; disk quota ",
               f.disk_bytes, " bytes in ", f.data_dir, ")");
   kvtier::AnnounceListening("kvtier-store", *started,
                             tls_mode + (dataplane ? ", UCX on " + dataplane->address() : "") +
@@ -422,7 +433,7 @@ int main(int argc, char** argv) {
   dataplane.reset();
   sockets.reset();
   if (router_sink) router_sink->SetFetchFigures(nullptr);  // before the store goes
-  store->reset();  // drains the write-back queue
+  store->reset();                                          // drains the write-back queue
   kvtier::Log("store", "stopped");
   return 0;
 }

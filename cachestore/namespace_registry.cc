@@ -39,8 +39,8 @@ absl::StatusOr<std::unique_ptr<NamespaceRegistry>> NamespaceRegistry::Load(
       new NamespaceRegistry(disk, max_namespaces, std::move(tenants), owners));
   auto records = disk->ScanMeta(kMetaPrefix);
   if (!records.ok()) {
-    return absl::Status(records.status().code(),
-                        absl::StrCat("loading the store's namespaces: ", records.status().message()));
+    return absl::Status(records.status().code(), absl::StrCat("loading the store's namespaces: ",
+                                                              records.status().message()));
   }
   std::lock_guard lk(r->mu_);
   for (const auto& [key, value] : *records) {
@@ -104,11 +104,12 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Register(const NamespaceSpec& c
   std::lock_guard lk(mu_);
   if (auto it = namespaces_.find(id); it != namespaces_.end()) return it->second;
   if (tenant && per_tenant_[tenant->index] >= tenant->max_namespaces) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "tenant ", tenant->name, " holds ", per_tenant_[tenant->index],
-        " namespaces, its limit (namespaces= in the tenants file); namespace ", name, " (",
-        CanonicalNamespace(client_spec), ") is not registered. Ask an operator to remove unused "
-        "ones (kvctl namespaces rm ID) or raise namespaces="));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant ", tenant->name, " holds ", per_tenant_[tenant->index],
+                     " namespaces, its limit (namespaces= in the tenants file); namespace ", name,
+                     " (", CanonicalNamespace(client_spec),
+                     ") is not registered. Ask an operator to remove unused "
+                     "ones (kvctl namespaces rm ID) or raise namespaces="));
   }
   if (max_namespaces_ != 0 && namespaces_.size() >= max_namespaces_) {
     return absl::ResourceExhaustedError(absl::StrCat(

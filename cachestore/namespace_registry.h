@@ -23,11 +23,11 @@
 namespace kvtier::store {
 
 struct NamespaceInfo {
-  uint64_t id;          // what the store keys blocks under
-  NamespaceSpec spec;   // as stored (with its tenant's salt, tenants.h)
+  uint64_t id;         // what the store keys blocks under
+  NamespaceSpec spec;  // as stored (with its tenant's salt, tenants.h)
   uint64_t block_bytes;
-  int tenant = -1;         // the owning tenant's index; -1: none
-  uint64_t client_id = 0;  // the id its tenant names it by (= id without one)
+  int tenant = -1;            // the owning tenant's index; -1: none
+  uint64_t client_id = 0;     // the id its tenant names it by (= id without one)
   NamespaceSpec client_spec;  // the spec as its tenant registered it
 };
 
@@ -56,8 +56,7 @@ class NamespaceRegistry {
   // checked against the unsalted spec's id, its namespace limit applies
   // (RESOURCE_EXHAUSTED) and its models (PERMISSION_DENIED).
   absl::StatusOr<NamespaceInfo> Register(const NamespaceSpec& spec, uint64_t expected_id,
-                                         uint64_t max_block_bytes,
-                                         const Tenant* tenant = nullptr);
+                                         uint64_t max_block_bytes, const Tenant* tenant = nullptr);
   // The namespace a tenant names client_id; NOT_FOUND, worded as for an
   // unregistered one, when the tenant has registered none of that id
   // (whoever else has).
@@ -85,7 +84,7 @@ class NamespaceRegistry {
   mutable std::mutex mu_;
   std::unordered_map<uint64_t, NamespaceInfo> namespaces_;
   std::map<std::pair<int, uint64_t>, uint64_t> by_tenant_;  // (tenant, client id) -> id
-  std::vector<size_t> per_tenant_;  // namespaces each tenant holds
+  std::vector<size_t> per_tenant_;                          // namespaces each tenant holds
 };
 
 }  // namespace kvtier::store

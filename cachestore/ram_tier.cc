@@ -40,9 +40,9 @@ absl::StatusOr<std::unique_ptr<RamTier>> RamTier::Create(const RamTierOptions& o
       total += n;
     }
     if (total > slabs) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the RAM pools need ", total, " slabs of ", o.slab_bytes, " bytes; the arena has ",
-          slabs, " (raise --ram-bytes)"));
+      return absl::InvalidArgumentError(absl::StrCat("the RAM pools need ", total, " slabs of ",
+                                                     o.slab_bytes, " bytes; the arena has ", slabs,
+                                                     " (raise --ram-bytes)"));
     }
   }
   t->pool_of_ = o.pool_of;
@@ -60,7 +60,8 @@ absl::StatusOr<std::unique_ptr<RamTier>> RamTier::Create(const RamTierOptions& o
     }
     // Slabs are dealt round-robin; each shard hands them out last-first.
     for (uint64_t i = n_slabs; i-- > 0;) {
-      t->shards_[p.first_shard + i % p.shards]->free_slabs.push_back((first_slab + i) * o.slab_bytes);
+      t->shards_[p.first_shard + i % p.shards]->free_slabs.push_back((first_slab + i) *
+                                                                     o.slab_bytes);
     }
     first_slab += n_slabs;
     t->pools_.push_back(p);
@@ -159,11 +160,13 @@ std::optional<uint64_t> RamTier::AllocateLocked(Shard& s, uint64_t klass) {
     return pop();
   }
   uint64_t freed;
-  if (EvictOneLocked(s, [klass](const Entry& e) { return e.klass == klass; }, &freed)) {
+  if (EvictOneLocked(
+          s, [klass](const Entry& e) { return e.klass == klass; }, &freed)) {
     return pop();
   }
   // No block of this class can go: empty a slab of another class and re-carve it.
-  while (EvictOneLocked(s, [klass](const Entry& e) { return e.klass != klass; }, &freed)) {
+  while (EvictOneLocked(
+      s, [klass](const Entry& e) { return e.klass != klass; }, &freed)) {
     uint64_t slab_index = freed / slab_bytes;
     if (slab_used_[slab_index] != 0) continue;
     UncarveLocked(s, slab_index * slab_bytes);
@@ -217,8 +220,7 @@ Placement RamTier::Reserve(const BlockKey& key, uint64_t length, uint64_t lease,
   return Placement::kReserved;
 }
 
-bool RamTier::PublishInternal(const BlockKey& key, const Slot& slot, uint64_t checksum,
-                              bool pin) {
+bool RamTier::PublishInternal(const BlockKey& key, const Slot& slot, uint64_t checksum, bool pin) {
   Shard& s = ShardFor(key);
   std::lock_guard lk(s.mu);
   auto it = s.entries.find(slot.offset);

@@ -95,8 +95,8 @@ class RamTier : public Tier {
 
   // Copies data into a new READY slot (promotion from disk, inline put);
   // pinned once when pin is true. Counts a promotion when from_lower_tier.
-  Placement InsertCopy(const BlockKey& key, const uint8_t* data, uint64_t length,
-                       uint64_t checksum, bool pin, bool from_lower_tier, Slot* slot);
+  Placement InsertCopy(const BlockKey& key, const uint8_t* data, uint64_t length, uint64_t checksum,
+                       bool pin, bool from_lower_tier, Slot* slot);
 
   EraseCounts Erase(const std::vector<BlockKey>& keys) override;
   // Erases each key only while it still maps to the given slot offset (the
@@ -149,10 +149,10 @@ class RamTier : public Tier {
   struct Shard {
     mutable std::mutex mu;
     std::unordered_map<BlockKey, uint64_t, BlockKeyHasher> index;  // key -> offset
-    std::unordered_map<uint64_t, Entry> entries;                    // offset -> entry
+    std::unordered_map<uint64_t, Entry> entries;                   // offset -> entry
     std::unique_ptr<EvictionPolicy> policy;
     std::map<uint64_t, SizeClass> classes;
-    std::vector<uint64_t> free_slabs;  // slab offsets
+    std::vector<uint64_t> free_slabs;     // slab offsets
     std::map<uint64_t, uint64_t> carved;  // slab offset -> the size class it serves
     uint64_t clock = 0;
     std::atomic<uint64_t> used_bytes{0};  // slot bytes in use (written under mu)

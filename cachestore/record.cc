@@ -23,8 +23,8 @@ std::string EncodeRecord(const void* payload, uint64_t length, uint64_t checksum
 
 absl::StatusOr<DecodedRecord> DecodeRecord(std::string_view r) {
   if (r.size() < kRecordHeaderBytes) {
-    return absl::DataLossError(absl::StrCat("block record of ", r.size(),
-                                            " bytes is shorter than its 32-byte header"));
+    return absl::DataLossError(
+        absl::StrCat("block record of ", r.size(), " bytes is shorter than its 32-byte header"));
   }
   uint32_t magic;
   uint16_t version;

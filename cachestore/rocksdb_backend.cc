@@ -99,8 +99,10 @@ RocksDbBackend::~RocksDbBackend() {
 absl::Status RocksDbBackend::Write(const WriteBatch& batch, bool sync) {
   rocksdb::WriteBatch wb;
   for (const auto& op : batch.ops()) {
-    if (op.is_delete) wb.Delete(handle(op.column), op.key);
-    else wb.Put(handle(op.column), op.key, op.value);
+    if (op.is_delete)
+      wb.Delete(handle(op.column), op.key);
+    else
+      wb.Put(handle(op.column), op.key, op.value);
   }
   rocksdb::WriteOptions wo;
   wo.sync = sync;
@@ -121,7 +123,8 @@ absl::Status RocksDbBackend::Scan(
     Column column, absl::string_view prefix,
     const std::function<bool(absl::string_view, absl::string_view)>& visit) const {
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), handle(column)));
-  for (it->Seek(ToSlice(prefix)); it->Valid() && it->key().starts_with(ToSlice(prefix)); it->Next()) {
+  for (it->Seek(ToSlice(prefix)); it->Valid() && it->key().starts_with(ToSlice(prefix));
+       it->Next()) {
     if (!visit(absl::string_view(it->key().data(), it->key().size()),
                absl::string_view(it->value().data(), it->value().size()))) {
       break;

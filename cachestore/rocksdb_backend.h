@@ -38,10 +38,9 @@ class RocksDbBackend : public StorageBackend {
   absl::Status Write(const WriteBatch& batch, bool sync) override;
   absl::Status Get(Column column, absl::string_view key,
                    const std::function<void(absl::string_view)>& use) override;
-  absl::Status Scan(
-      Column column, absl::string_view prefix,
-      const std::function<bool(absl::string_view key, absl::string_view value)>& visit)
-      const override;
+  absl::Status Scan(Column column, absl::string_view prefix,
+                    const std::function<bool(absl::string_view key, absl::string_view value)>&
+                        visit) const override;
   absl::StatusOr<uint64_t> FreeBytes() const override;
   std::string location() const override { return dir_; }
 

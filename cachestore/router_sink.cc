@@ -11,7 +11,8 @@ RouterSink::RouterSink(const std::vector<std::string>& routers, const ChannelSec
   po.hello.set_endpoint(endpoint);
   po.hello.set_kind(v1::SOURCE_STORE);
   po.heartbeat_ms = heartbeat_ms;
-  fanout_ = std::make_unique<RouterFanout>(routers, po, [this] { return Load(); }, refresh_ms);
+  fanout_ = std::make_unique<RouterFanout>(
+      routers, po, [this] { return Load(); }, refresh_ms);
 }
 
 void RouterSink::SetFetchFigures(FiguresFn figures) {

@@ -48,8 +48,7 @@ absl::Status TenantRamFull(const Tenant& t) {
 // Times one RPC into its histogram, counting non-OK results as errors.
 class RpcTimer {
  public:
-  RpcTimer(HandlerFence& fence, LatencyHistogram& h)
-      : fence_(fence), h_(h), start_(Clock::now()) {}
+  RpcTimer(HandlerFence& fence, LatencyHistogram& h) : fence_(fence), h_(h), start_(Clock::now()) {}
   grpc::Status Done(grpc::Status s) {
     auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start_);
     h_.Record(static_cast<uint64_t>(us.count()), s.ok());
@@ -110,9 +109,10 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane, SocketDataP
       dataplane_(dataplane),
       sockets_(sockets),
       started_(Clock::now()) {
-  for (const char* rpc : {"RegisterNamespace", "ListNamespaces", "Lookup", "BeginPut",
-                          "CommitPut", "AbortPut", "BeginGet", "EndGet", "ReleaseGets", "VerifyBlocks", "PutBlocks", "GetBlocks",
-                          "Evict", "RemoveNamespace", "GetStats", "GetPolicy", "SetPolicy", "ConnectDataPlane"}) {
+  for (const char* rpc :
+       {"RegisterNamespace", "ListNamespaces", "Lookup", "BeginPut", "CommitPut", "AbortPut",
+        "BeginGet", "EndGet", "ReleaseGets", "VerifyBlocks", "PutBlocks", "GetBlocks", "Evict",
+        "RemoveNamespace", "GetStats", "GetPolicy", "SetPolicy", "ConnectDataPlane"}) {
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
   // The same calls on the data plane, timed apart from their gRPC twins.
@@ -121,10 +121,10 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane, SocketDataP
     histograms_[rpc] = std::make_unique<LatencyHistogram>();
   }
   if (dataplane_) {
-    dataplane_->SetCallHandler([this](uint16_t method, std::string_view session,
-                                      std::string_view request) {
-      return ServeCall(method, session, request);
-    });
+    dataplane_->SetCallHandler(
+        [this](uint16_t method, std::string_view session, std::string_view request) {
+          return ServeCall(method, session, request);
+        });
   }
   if (sockets_) {
     sockets_->SetHandlers(
@@ -147,8 +147,7 @@ void StoreService::DetachDataPlane() {
 
 absl::StatusOr<SocketDataPlane::Grant> StoreService::GrantTransfer(std::string_view session_id,
                                                                    bool is_put, uint64_t lease,
-                                                                   uint64_t addr,
-                                                                   uint64_t length) {
+                                                                   uint64_t addr, uint64_t length) {
   auto session = SessionOf(session_id);
   if (!session.ok()) return session.status();
   const int tenant = session->caller.tenant_index();
@@ -176,8 +175,8 @@ grpc::Status StoreService::Identify(const grpc::ServerContext& ctx, Caller* call
     return grpc::Status(grpc::UNAUTHENTICATED,
                         absl::StrCat("this store serves tenants (--tenants-file): present a client "
                                      "certificate that a tenant's identities= names, or a "
-                                     "tenant's token in metadata ", kTenantTokenKey,
-                                     " (KVTIER_TENANT_TOKEN for kvtier clients)"));
+                                     "tenant's token in metadata ",
+                                     kTenantTokenKey, " (KVTIER_TENANT_TOKEN for kvtier clients)"));
   }
   caller->tenant = t;
   return grpc::Status::OK;
@@ -241,11 +240,10 @@ DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_
   // under `rpc`.
   auto serve = [&](const char* rpc, auto req, auto resp, auto body) {
     RpcTimer t(fence_, Histogram(rpc));
-    grpc::Status s =
-        req.ParseFromArray(request.data(), static_cast<int>(request.size()))
-            ? body(req, &resp)
-            : grpc::Status(grpc::INVALID_ARGUMENT,
-                           absl::StrCat(rpc, ": not a ", req.GetDescriptor()->name()));
+    grpc::Status s = req.ParseFromArray(request.data(), static_cast<int>(request.size()))
+                         ? body(req, &resp)
+                         : grpc::Status(grpc::INVALID_ARGUMENT,
+                                        absl::StrCat(rpc, ": not a ", req.GetDescriptor()->name()));
     t.Done(s);
     DataPlaneServer::CallReply r{static_cast<int>(s.error_code()), {}};
     if (s.ok()) {
@@ -416,8 +414,7 @@ grpc::Status StoreService::BeginGet(grpc::ServerContext* ctx, const v1::BeginGet
 }
 
 grpc::Status StoreService::DoBeginGet(const Caller& caller, const LeaseOwner& owner,
-                                      const v1::BeginGetRequest& req,
-                                      v1::BeginGetResponse* resp) {
+                                      const v1::BeginGetRequest& req, v1::BeginGetResponse* resp) {
   // Releases that travel with this request go first: their pins may be what
   // makes room for this one's promotions.
   if (req.end_leases_size() > 0) {
@@ -455,8 +452,7 @@ grpc::Status StoreService::EndGet(grpc::ServerContext* ctx, const v1::EndGetRequ
   return t.Done(ToGrpc(store_->EndGet(req->lease_id(), caller.tenant_index())));
 }
 
-grpc::Status StoreService::ReleaseGets(grpc::ServerContext* ctx,
-                                       const v1::ReleaseGetsRequest* req,
+grpc::Status StoreService::ReleaseGets(grpc::ServerContext* ctx, const v1::ReleaseGetsRequest* req,
                                        v1::ReleaseGetsResponse* resp) {
   RpcTimer t(fence_, Histogram("ReleaseGets"));
   Caller caller;
@@ -469,9 +465,9 @@ grpc::Status StoreService::DoReleaseGets(const Caller& caller, const v1::Release
   if (req.lease_ids_size() == 0) {
     return grpc::Status(grpc::INVALID_ARGUMENT, "ReleaseGets names no lease");
   }
-  auto gone = store_->ReleaseGets(
-      std::span<const uint64_t>(req.lease_ids().data(), req.lease_ids_size()),
-      caller.tenant_index());
+  auto gone =
+      store_->ReleaseGets(std::span<const uint64_t>(req.lease_ids().data(), req.lease_ids_size()),
+                          caller.tenant_index());
   if (!gone.ok()) return ToGrpc(gone.status());
   for (uint64_t id : *gone) resp->add_not_found(id);
   resp->set_released(static_cast<uint32_t>(req.lease_ids_size() - gone->size()));
@@ -518,9 +514,9 @@ grpc::Status StoreService::PutBlocks(grpc::ServerContext* ctx,
     if (!r.ok()) {
       // Blocks before this one stay stored; say which message failed.
       absl::Status s = r.status();
-      return t.Done(ToGrpc(absl::Status(
-          s.code(), absl::StrCat("message ", index, " of the stream: ", s.message(), " (",
-                                 resp->stored(), " earlier blocks stored)"))));
+      return t.Done(ToGrpc(
+          absl::Status(s.code(), absl::StrCat("message ", index, " of the stream: ", s.message(),
+                                              " (", resp->stored(), " earlier blocks stored)"))));
     }
     switch (r->outcome) {
       case InlinePutResult::kStored:
@@ -559,8 +555,8 @@ grpc::Status StoreService::GetBlocks(grpc::ServerContext* ctx, const v1::GetBloc
 }
 
 grpc::Status StoreService::RemoveNamespace(grpc::ServerContext* ctx,
-                                          const v1::RemoveNamespaceRequest* req,
-                                          v1::RemoveNamespaceResponse* resp) {
+                                           const v1::RemoveNamespaceRequest* req,
+                                           v1::RemoveNamespaceResponse* resp) {
   RpcTimer t(fence_, Histogram("RemoveNamespace"));
   if (auto s = admin_.Check(*ctx, "RemoveNamespace"); !s.ok()) return t.Done(s);
   auto r = store_->RemoveNamespace(req->namespace_id());
@@ -595,8 +591,8 @@ grpc::Status StoreService::Evict(grpc::ServerContext* ctx, const v1::EvictReques
       break;
     }
     default:
-      return t.Done(grpc::Status(grpc::INVALID_ARGUMENT,
-                                 "evict needs a target: all, namespace_id or keys"));
+      return t.Done(
+          grpc::Status(grpc::INVALID_ARGUMENT, "evict needs a target: all, namespace_id or keys"));
   }
   if (!r.ok()) return t.Done(ToGrpc(r.status()));
   resp->set_ram_blocks(r->ram_blocks);

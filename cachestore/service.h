@@ -5,17 +5,17 @@
 #include <atomic>
 #include <deque>
 #include <map>
-#include <mutex>
-#include <string_view>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <string_view>
 
 #include "cachestore/dataplane.h"
-#include "cachestore/store.h"
 #include "cachestore/socket_dataplane.h"
+#include "cachestore/store.h"
+#include "common/histogram.h"
 #include "common/rpc/admin_gate.h"
 #include "common/rpc/grpc_server.h"
-#include "common/histogram.h"
 #include "common/rpc/metrics.h"
 #include "kvtier/v1/store.grpc.pb.h"
 
@@ -49,8 +49,7 @@ class StoreService final : public kvtier::v1::Store::Service {
                                  v1::RegisterNamespaceResponse*) override;
   grpc::Status ListNamespaces(grpc::ServerContext*, const v1::ListNamespacesRequest*,
                               v1::ListNamespacesResponse*) override;
-  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*,
-                      v1::LookupResponse*) override;
+  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*) override;
   grpc::Status BeginPut(grpc::ServerContext*, const v1::BeginPutRequest*,
                         v1::BeginPutResponse*) override;
   grpc::Status CommitPut(grpc::ServerContext*, const v1::CommitPutRequest*,
@@ -59,8 +58,7 @@ class StoreService final : public kvtier::v1::Store::Service {
                         v1::AbortPutResponse*) override;
   grpc::Status BeginGet(grpc::ServerContext*, const v1::BeginGetRequest*,
                         v1::BeginGetResponse*) override;
-  grpc::Status EndGet(grpc::ServerContext*, const v1::EndGetRequest*,
-                      v1::EndGetResponse*) override;
+  grpc::Status EndGet(grpc::ServerContext*, const v1::EndGetRequest*, v1::EndGetResponse*) override;
   grpc::Status ReleaseGets(grpc::ServerContext*, const v1::ReleaseGetsRequest*,
                            v1::ReleaseGetsResponse*) override;
   grpc::Status VerifyBlocks(grpc::ServerContext*, const v1::VerifyBlocksRequest*,
@@ -69,8 +67,7 @@ class StoreService final : public kvtier::v1::Store::Service {
                          v1::PutBlocksResponse*) override;
   grpc::Status GetBlocks(grpc::ServerContext*, const v1::GetBlocksRequest*,
                          grpc::ServerWriter<v1::GetBlocksResponse>*) override;
-  grpc::Status Evict(grpc::ServerContext*, const v1::EvictRequest*,
-                     v1::EvictResponse*) override;
+  grpc::Status Evict(grpc::ServerContext*, const v1::EvictRequest*, v1::EvictResponse*) override;
   grpc::Status RemoveNamespace(grpc::ServerContext*, const v1::RemoveNamespaceRequest*,
                                v1::RemoveNamespaceResponse*) override;
   grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*,
@@ -139,7 +136,6 @@ class StoreService final : public kvtier::v1::Store::Service {
   absl::StatusOr<SocketDataPlane::Grant> GrantTransfer(std::string_view session, bool is_put,
                                                        uint64_t lease, uint64_t addr,
                                                        uint64_t length);
-
 
   Store* store_;
   bool offer_shm_ = true;

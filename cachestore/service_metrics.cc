@@ -17,20 +17,28 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
   for (const auto& [tier, t] : {std::pair<const char*, const TierSnapshot&>{"ram", s.ram},
                                 std::pair<const char*, const TierSnapshot&>{"disk", s.disk}}) {
     MetricsBuilder::Labels l = {{"tier", tier}};
-    m.Gauge("kvtier_store_tier_capacity_bytes", "Configured capacity of the tier", t.capacity_bytes, l);
+    m.Gauge("kvtier_store_tier_capacity_bytes", "Configured capacity of the tier", t.capacity_bytes,
+            l);
     m.Gauge("kvtier_store_tier_used_bytes", "Bytes held by the tier", t.used_bytes, l);
     m.Gauge("kvtier_store_tier_items", "Blocks held by the tier", t.items, l);
     m.Gauge("kvtier_store_tier_degraded", "1 when the tier cannot take writes", t.degraded, l);
     m.Counter("kvtier_store_tier_hits_total", "Block reads served by the tier", t.hits, l);
-    m.Counter("kvtier_store_tier_misses_total", "Block reads the tier could not serve", t.misses, l);
+    m.Counter("kvtier_store_tier_misses_total", "Block reads the tier could not serve", t.misses,
+              l);
     m.Counter("kvtier_store_tier_evictions_total", "Blocks evicted to make room", t.evictions, l);
-    m.Counter("kvtier_store_tier_promotions_total", "Blocks copied in from a slower tier", t.promotions, l);
-    m.Counter("kvtier_store_tier_demotions_total", "Blocks copied out to a slower tier", t.demotions, l);
-    m.Counter("kvtier_store_tier_written_bytes_total", "Payload bytes written into the tier", t.bytes_in, l);
-    m.Counter("kvtier_store_tier_read_bytes_total", "Payload bytes read from the tier", t.bytes_out, l);
+    m.Counter("kvtier_store_tier_promotions_total", "Blocks copied in from a slower tier",
+              t.promotions, l);
+    m.Counter("kvtier_store_tier_demotions_total", "Blocks copied out to a slower tier",
+              t.demotions, l);
+    m.Counter("kvtier_store_tier_written_bytes_total", "Payload bytes written into the tier",
+              t.bytes_in, l);
+    m.Counter("kvtier_store_tier_read_bytes_total", "Payload bytes read from the tier", t.bytes_out,
+              l);
   }
-  m.Gauge("kvtier_store_demotion_queue_blocks", "Blocks waiting to be written to NVMe", s.queue.blocks);
-  m.Gauge("kvtier_store_demotion_queue_bytes", "Bytes waiting to be written to NVMe", s.queue.bytes);
+  m.Gauge("kvtier_store_demotion_queue_blocks", "Blocks waiting to be written to NVMe",
+          s.queue.blocks);
+  m.Gauge("kvtier_store_demotion_queue_bytes", "Bytes waiting to be written to NVMe",
+          s.queue.bytes);
   m.Counter("kvtier_store_demotion_dropped_total", "Blocks not demoted because the queue was full",
             s.queue.dropped);
   m.Gauge("kvtier_store_leases", "Open leases", s.put_leases, {{"kind", "put"}});
@@ -49,7 +57,8 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
   m.Gauge("kvtier_store_dataplane_connections",
           "Open data-plane connections (socket connections or UCX endpoints)",
           (dataplane_ ? dataplane_->connections() : 0) + (sockets_ ? sockets_->connections() : 0));
-  for (const auto& [name, tier] : {std::pair{"ram", FetchMeter::kRam}, std::pair{"disk", FetchMeter::kDisk}}) {
+  for (const auto& [name, tier] :
+       {std::pair{"ram", FetchMeter::kRam}, std::pair{"disk", FetchMeter::kDisk}}) {
     m.Histogram("kvtier_store_fetch_duration_seconds",
                 "Whole fetches, a get lease from BeginGet to its release or an inline get, by the "
                 "slowest tier they read",
@@ -67,11 +76,13 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
             t.ram_capacity_bytes, l);
     m.Gauge("kvtier_store_tenant_ram_used_bytes", "Bytes of the tenant's RAM region in use",
             t.ram_used_bytes, l);
-    m.Gauge("kvtier_store_tenant_nvme_bytes", "Bytes of the tenant's blocks on NVMe", t.nvme_bytes, l);
+    m.Gauge("kvtier_store_tenant_nvme_bytes", "Bytes of the tenant's blocks on NVMe", t.nvme_bytes,
+            l);
     m.Gauge("kvtier_store_tenant_nvme_quota_bytes", "The tenant's NVMe quota (0: none of its own)",
             t.nvme_quota_bytes, l);
     m.Gauge("kvtier_store_tenant_leases", "Open leases of the tenant", t.leases, l);
-    m.Gauge("kvtier_store_tenant_namespaces", "Namespaces the tenant has registered", t.namespaces, l);
+    m.Gauge("kvtier_store_tenant_namespaces", "Namespaces the tenant has registered", t.namespaces,
+            l);
   }
   m.Gauge("kvtier_store_uptime_seconds", "Seconds since start",
           std::chrono::duration<double>(Clock::now() - started_).count());

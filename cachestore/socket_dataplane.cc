@@ -135,8 +135,8 @@ void SocketDataPlane::Serve(Connection* c) {
   std::string session(ucx::kSessionBytes, '\0');
   wire::Frame f;
   bool open = net::ReadAll(fd, &f, sizeof(f), soon(), stop_fd_).ok();
-  if (open && (f.magic != wire::kFrameMagic || f.op != wire::kHello ||
-               f.length != ucx::kSessionBytes)) {
+  if (open &&
+      (f.magic != wire::kFrameMagic || f.op != wire::kHello || f.length != ucx::kSessionBytes)) {
     reply(kInvalidArgument, "the first frame on the data plane must be a hello with a session",
           nullptr, 0, soon())
         .IgnoreError();
@@ -211,8 +211,8 @@ void SocketDataPlane::Serve(Connection* c) {
                  : absl::UnavailableError("the store is not taking data-plane transfers");
     }
     if (!g.ok()) {
-      open = reply(static_cast<int>(g.status().code()), std::string(g.status().message()),
-                   nullptr, 0, soon())
+      open = reply(static_cast<int>(g.status().code()), std::string(g.status().message()), nullptr,
+                   0, soon())
                  .ok() &&
              (!is_put || net::Discard(fd, f.length, soon(), stop_fd_).ok());
       continue;

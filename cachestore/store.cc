@@ -46,8 +46,8 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const StoreOptions& o) {
   if (!namespaces.ok()) return namespaces.status();
   s->namespaces_ = std::move(*namespaces);
   Store* self = s.get();
-  s->leases_ = std::make_unique<LeaseTable>(o.lease_ms, o.max_leases_per_client,
-                                            [self](const Lease& l) { self->ReleaseLease(l, true); });
+  s->leases_ = std::make_unique<LeaseTable>(
+      o.lease_ms, o.max_leases_per_client, [self](const Lease& l) { self->ReleaseLease(l, true); });
   ChangeListener feed;
   if (o.changes) {
     s->feed_ = std::make_unique<ChangeFeed>(o.changes, [self](const BlockKey& k) {
@@ -79,8 +79,7 @@ Store::~Store() {
 }
 
 absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(const NamespaceSpec& spec,
-                                                       uint64_t expected_id,
-                                                       const Tenant* tenant) {
+                                                       uint64_t expected_id, const Tenant* tenant) {
   return namespaces_->Register(spec, expected_id, ram_->max_block_bytes(), tenant);
 }
 
@@ -114,9 +113,8 @@ absl::StatusOr<NamespaceInfo> Store::CheckRequest(uint64_t ns,
                                                   std::span<const BlockHash> hashes) const {
   if (hashes.empty()) return absl::InvalidArgumentError("request names no block hashes");
   if (hashes.size() > kMaxBlocksPerRequest) {
-    return absl::InvalidArgumentError(absl::StrCat("request names ", hashes.size(),
-                                                   " block hashes; the limit is ",
-                                                   kMaxBlocksPerRequest));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request names ", hashes.size(), " block hashes; the limit is ", kMaxBlocksPerRequest));
   }
   return namespaces_->Find(ns);
 }
@@ -134,10 +132,14 @@ absl::StatusOr<std::vector<TierKind>> Store::Lookup(uint64_t ns,
     BlockKey k{ns, h};
     // NVMe only once written: a block still in the write-back queue is in
     // memory (a crash loses it), so it counts as RAM.
-    if (ram_->Contains(k)) tiers.push_back(TierKind::kRam);
-    else if (disk_->Durable(k)) tiers.push_back(TierKind::kDisk);
-    else if (disk_->Contains(k)) tiers.push_back(TierKind::kRam);
-    else break;
+    if (ram_->Contains(k))
+      tiers.push_back(TierKind::kRam);
+    else if (disk_->Durable(k))
+      tiers.push_back(TierKind::kDisk);
+    else if (disk_->Contains(k))
+      tiers.push_back(TierKind::kRam);
+    else
+      break;
   }
   return tiers;
 }
@@ -146,8 +148,10 @@ void Store::ReleaseLease(const Lease& lease, bool expired) {
   uint64_t bytes = 0;
   for (const auto& [key, slot] : lease.items) {
     bytes += slot.length;
-    if (lease.is_put) ram_->Release(key, slot);
-    else ram_->Unpin(key, slot);
+    if (lease.is_put)
+      ram_->Release(key, slot);
+    else
+      ram_->Unpin(key, slot);
   }
   if (lease.is_put || lease.items.empty()) return;
   fetch_meter_.Ended();
@@ -161,7 +165,8 @@ void Store::ReleaseLease(const Lease& lease, bool expired) {
       std::max(0.0, held - lease.disk_seconds) / static_cast<double>(lease.items.size());
   fetch_meter_.Fetched(lease.disk_items ? FetchMeter::kDisk : FetchMeter::kRam, held);
   const uint64_t ram_items = lease.items.size() - lease.disk_items;
-  fetch_meter_.Served(FetchMeter::kRam, ram_items, bytes - lease.disk_bytes, share * ram_items, now);
+  fetch_meter_.Served(FetchMeter::kRam, ram_items, bytes - lease.disk_bytes, share * ram_items,
+                      now);
   fetch_meter_.Served(FetchMeter::kDisk, lease.disk_items, lease.disk_bytes,
                       share * lease.disk_items + lease.disk_seconds, now);
 }
@@ -297,10 +302,10 @@ absl::Status Store::EndGet(uint64_t lease_id, int tenant) {
 }
 
 absl::StatusOr<std::vector<uint64_t>> Store::ReleaseGets(std::span<const uint64_t> leases,
-                                                           int tenant) {
+                                                         int tenant) {
   if (leases.size() > kMaxBlocksPerRequest) {
-    return absl::InvalidArgumentError(absl::StrCat("release of ", leases.size(),
-                                                   " leases; at most ", kMaxBlocksPerRequest));
+    return absl::InvalidArgumentError(
+        absl::StrCat("release of ", leases.size(), " leases; at most ", kMaxBlocksPerRequest));
   }
   std::vector<uint64_t> not_found;
   for (uint64_t id : leases) {
@@ -350,9 +355,9 @@ absl::StatusOr<InlinePutResult> Store::PutInline(uint64_t ns, const BlockHash& h
   auto info = CheckRequest(ns, std::span<const BlockHash>(&hash, 1));
   if (!info.ok()) return info.status();
   if (data.size() != info->block_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block ", ToHex(hash), " carries ", data.size(), " bytes; blocks of namespace ",
-                     NamespaceName(ns), " are ", info->block_bytes, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "block ", ToHex(hash), " carries ", data.size(), " bytes; blocks of namespace ",
+        NamespaceName(ns), " are ", info->block_bytes, " bytes"));
   }
   uint64_t actual = Checksum(data.data(), data.size());
   if (actual != checksum) {
@@ -394,7 +399,8 @@ absl::Status Store::GetInline(
     const uint64_t blocks = served[0] + served[1];
     usage_.Read(ns, hashes.size(), blocks);
     const double took = std::chrono::duration<double>(now - start).count();
-    if (blocks) fetch_meter_.Fetched(served[FetchMeter::kDisk] ? FetchMeter::kDisk : FetchMeter::kRam, took);
+    if (blocks)
+      fetch_meter_.Fetched(served[FetchMeter::kDisk] ? FetchMeter::kDisk : FetchMeter::kRam, took);
     const double share = blocks ? took / static_cast<double>(blocks) : 0;
     for (int t : {0, 1}) {
       fetch_meter_.Served(static_cast<FetchMeter::Tier>(t), served[t], served_bytes[t],
@@ -407,10 +413,10 @@ absl::Status Store::GetInline(
     if (auto slot = ram_->Pin(k)) {
       served[FetchMeter::kRam]++;
       served_bytes[FetchMeter::kRam] += slot->length;
-      bool more = emit(i, TierKind::kRam,
-                       std::string_view(reinterpret_cast<const char*>(ram_->data(*slot)),
-                                        slot->length),
-                       slot->checksum);
+      bool more =
+          emit(i, TierKind::kRam,
+               std::string_view(reinterpret_cast<const char*>(ram_->data(*slot)), slot->length),
+               slot->checksum);
       ram_->Unpin(k, *slot);
       if (!more) break;
       continue;

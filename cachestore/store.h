@@ -135,7 +135,8 @@ class Store {
   // kMaxBlocksPerRequest, and NOT_FOUND for an unregistered namespace.
 
   // Tier of each leading present block.
-  absl::StatusOr<std::vector<TierKind>> Lookup(uint64_t ns, std::span<const BlockHash> hashes) const;
+  absl::StatusOr<std::vector<TierKind>> Lookup(uint64_t ns,
+                                               std::span<const BlockHash> hashes) const;
 
   // Reserves a slot per absent block under one lease. Also INVALID_ARGUMENT
   // for a hash named twice; RESOURCE_EXHAUSTED past the client's lease limit.
@@ -153,8 +154,8 @@ class Store {
   absl::Status AbortPut(uint64_t lease, int tenant = -1);
   // A socket data-plane transfer's hold on [offset, offset + length) of the
   // arena under lease `id` of `tenant` (-1: no tenants): LeaseTable::Use.
-  absl::StatusOr<LeaseTable::Hold> UseLease(uint64_t id, bool is_put, int tenant,
-                                            uint64_t offset, uint64_t length) {
+  absl::StatusOr<LeaseTable::Hold> UseLease(uint64_t id, bool is_put, int tenant, uint64_t offset,
+                                            uint64_t length) {
     return leases_->Use(id, is_put, tenant, offset, length);
   }
 
@@ -218,7 +219,7 @@ class Store {
   void ReleaseLease(const Lease& lease, bool expired = false);
 
   StoreOptions options_;
-  NamespaceTenants owners_;  // before the tiers, which read it
+  NamespaceTenants owners_;         // before the tiers, which read it
   std::unique_ptr<DiskTier> disk_;  // destroyed after ram_ (RAM demotes into it)
   std::unique_ptr<RamTier> ram_;
   std::unique_ptr<NamespaceRegistry> namespaces_;

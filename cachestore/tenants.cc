@@ -62,9 +62,9 @@ absl::Status Tenant::AllowsModel(const std::string& model) const {
   for (const auto& p : models) {
     if (NameMatches(p, model)) return absl::OkStatus();
   }
-  return absl::PermissionDeniedError(absl::StrCat("tenant ", name, " may not register model \"",
-                                                  model, "\" (its models: ",
-                                                  absl::StrJoin(models, ", "), ")"));
+  return absl::PermissionDeniedError(
+      absl::StrCat("tenant ", name, " may not register model \"", model,
+                   "\" (its models: ", absl::StrJoin(models, ", "), ")"));
 }
 
 NamespaceSpec Tenant::Salted(const NamespaceSpec& spec) const {
@@ -105,7 +105,8 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
     bool has_ram = false;
     std::set<std::string> keys;
     for (size_t i = 2; i < f.size(); ++i) {
-      std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(f[i], absl::MaxSplits('=', 1));
+      std::pair<absl::string_view, absl::string_view> kv =
+          absl::StrSplit(f[i], absl::MaxSplits('=', 1));
       const std::string key(kv.first), value(kv.second);
       if (value.empty()) return bad("\"", f[i], "\" is not KEY=VALUE");
       if (!keys.insert(key).second) return bad(key, "= is given twice for tenant ", tn.name);
@@ -116,7 +117,8 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
         has_ram |= key == "ram";
       } else if (key == "leases" || key == "namespaces") {
         uint64_t n = 0;
-        if (!absl::SimpleAtoi(value, &n) || n == 0) return bad(key, "=", value, " is not a count >= 1");
+        if (!absl::SimpleAtoi(value, &n) || n == 0)
+          return bad(key, "=", value, " is not a count >= 1");
         (key == "leases" ? tn.max_leases : tn.max_namespaces) = n;
       } else if (key == "identities") {
         tn.identities = List(value);
@@ -143,12 +145,14 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
       return bad("tenant ", tn.name, " needs ram=SIZE (its region of the RAM arena)");
     }
     if (tn.identities.empty() && tn.token_sha256.empty()) {
-      return bad("tenant ", tn.name, " has no identities= and no token-sha256=: nobody could act as it");
+      return bad("tenant ", tn.name,
+                 " has no identities= and no token-sha256=: nobody could act as it");
     }
     if (tn.ram_bytes > (uint64_t{1} << 50) || tn.nvme_bytes > (uint64_t{1} << 50)) {
       return bad("tenant ", tn.name, ": ram= and nvme= at most 1 PiB each");
     }
-    tn.salt = Sha256Hex(absl::StrCat("kvtier-tenant|", secret, "|", tn.name)).substr(0, kSaltHexDigits);
+    tn.salt =
+        Sha256Hex(absl::StrCat("kvtier-tenant|", secret, "|", tn.name)).substr(0, kSaltHexDigits);
     t->tenants_.push_back(std::move(tn));
   }
   if (t->tenants_.empty()) return absl::InvalidArgumentError("no tenant is defined");

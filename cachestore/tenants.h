@@ -28,11 +28,11 @@
 
 #include <cstdint>
 #include <memory>
-#include <shared_mutex>
-#include <unordered_map>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -42,11 +42,11 @@ namespace kvtier::store {
 
 struct Tenant {
   std::string name;
-  int index = 0;  // position in the file: its RAM pool
+  int index = 0;     // position in the file: its RAM pool
   std::string salt;  // 32 hex digits
   uint64_t ram_bytes = 0;
-  uint64_t nvme_bytes = 0;   // 0: no tenant limit
-  uint64_t max_leases = 0;   // 0: the store's per-client limit
+  uint64_t nvme_bytes = 0;  // 0: no tenant limit
+  uint64_t max_leases = 0;  // 0: the store's per-client limit
   uint64_t max_namespaces = 16;
   std::vector<std::string> identities;
   std::vector<std::string> token_sha256;  // lowercase hex

@@ -9,8 +9,8 @@
 namespace kvtier::store {
 
 struct TierCounters {
-  std::atomic<uint64_t> used_bytes{0}, items{0}, hits{0}, misses{0}, evictions{0},
-      promotions{0}, demotions{0}, bytes_in{0}, bytes_out{0};
+  std::atomic<uint64_t> used_bytes{0}, items{0}, hits{0}, misses{0}, evictions{0}, promotions{0},
+      demotions{0}, bytes_in{0}, bytes_out{0};
 };
 
 struct TierSnapshot {

@@ -6,9 +6,9 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <iostream>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <string_view>
 
@@ -33,15 +33,9 @@ struct EarlyFlag {
   bool takes_value;
 };
 constexpr EarlyFlag kEarlyFlags[] = {
-    {"store", true},
-    {"router", true},
-    {"json", false},
-    {"timeout", true},
-    {"admin-token-file", true},
-    {"tls-cert", true},
-    {"tls-key", true},
-    {"tls-ca", true},
-    {"tls-server-name", true},
+    {"store", true},   {"router", true},           {"json", false},
+    {"timeout", true}, {"admin-token-file", true}, {"tls-cert", true},
+    {"tls-key", true}, {"tls-ca", true},           {"tls-server-name", true},
     {"config", true},
 };
 
@@ -59,10 +53,12 @@ absl::StatusOr<std::vector<uint32_t>> ReadTokens(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   std::vector<uint32_t> out;
-  for (absl::string_view t : absl::StrSplit(ss.str(), absl::ByAnyChar(" ,\n\t\r"), absl::SkipEmpty())) {
+  for (absl::string_view t :
+       absl::StrSplit(ss.str(), absl::ByAnyChar(" ,\n\t\r"), absl::SkipEmpty())) {
     uint32_t v;
     if (!absl::SimpleAtoi(t, &v)) {
-      return absl::InvalidArgumentError(absl::StrCat("token file \"", path, "\": \"", t, "\" is not a token id"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token file \"", path, "\": \"", t, "\" is not a token id"));
     }
     out.push_back(v);
   }
@@ -78,7 +74,9 @@ absl::StatusOr<std::vector<BlockHash>> ReadHashes(const std::string& path) {
   while (std::getline(in, line)) {
     if (line.empty()) continue;
     auto h = BlockHashFromHex(line);
-    if (!h.ok()) return absl::InvalidArgumentError(absl::StrCat("hash file \"", path, "\": ", h.status().message()));
+    if (!h.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat("hash file \"", path, "\": ", h.status().message()));
     out.push_back(*h);
   }
   return out;
@@ -121,7 +119,8 @@ absl::StatusOr<CommandLine> SplitCommandLine(int argc, const char* const* argv) 
     line.early_flags.emplace_back(a);
     if (f->takes_value && !has_value) {
       if (i + 1 >= argc) {
-        return absl::InvalidArgumentError(absl::StrCat("flag --", std::string(name), " needs a value"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("flag --", std::string(name), " needs a value"));
       }
       line.early_flags.emplace_back(argv[++i]);
     }
@@ -140,8 +139,8 @@ void ParseCommandFlags(FlagSet& flags, const CommandLine& line,
 }
 
 int Report(const absl::Status& s, const std::string& what) {
-  bool unreachable = s.code() == absl::StatusCode::kUnavailable ||
-                     s.code() == absl::StatusCode::kDeadlineExceeded;
+  bool unreachable =
+      s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded;
   std::fprintf(stderr, "kvctl: %s: %s%s\n", what.c_str(), std::string(s.message()).c_str(),
                unreachable ? " (is it running? check the address, --store/--router or "
                              "KVTIER_STORE/KVTIER_ROUTER)"

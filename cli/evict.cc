@@ -20,10 +20,13 @@ namespace {
 bool AddKeys(const std::string& keys, v1::EvictRequest* req) {
   for (absl::string_view k : absl::StrSplit(keys, ',', absl::SkipEmpty())) {
     std::vector<std::string> p = absl::StrSplit(k, ':');
-    auto id = p.size() == 2 ? ParseNamespace(p[0]) : absl::StatusOr<uint64_t>(absl::InvalidArgumentError("x"));
-    auto h = p.size() == 2 ? BlockHashFromHex(p[1]) : absl::StatusOr<BlockHash>(absl::InvalidArgumentError("x"));
+    auto id = p.size() == 2 ? ParseNamespace(p[0])
+                            : absl::StatusOr<uint64_t>(absl::InvalidArgumentError("x"));
+    auto h = p.size() == 2 ? BlockHashFromHex(p[1])
+                           : absl::StatusOr<BlockHash>(absl::InvalidArgumentError("x"));
     if (!id.ok() || !h.ok()) {
-      std::fprintf(stderr, "kvctl evict: --key \"%s\" is not NS:HASH (hex namespace id, 32 hex digits)\n",
+      std::fprintf(stderr,
+                   "kvctl evict: --key \"%s\" is not NS:HASH (hex namespace id, 32 hex digits)\n",
                    std::string(k).c_str());
       return false;
     }
@@ -80,16 +83,20 @@ int RunEvict(const CommandLine& line) {
     auto r = client.Evict(req);
     if (!r.ok() && !ns.empty() && r.status().code() == absl::StatusCode::kNotFound) {
       // A namespace only some shards have seen: nothing to drop on this one.
-      if (!c.json) std::printf("%s: namespace %s is not registered here; nothing to drop\n", addr.c_str(), ns.c_str());
+      if (!c.json)
+        std::printf("%s: namespace %s is not registered here; nothing to drop\n", addr.c_str(),
+                    ns.c_str());
       j[addr] = {{"ram_blocks", 0}, {"disk_blocks", 0}, {"pinned_blocks", 0}};
       continue;
     }
     if (!r.ok()) return Report(r.status(), "store " + addr);
     if (!c.json) {
-      std::printf("%s: dropped %lu RAM and %lu NVMe blocks; %lu pinned (freed when their leases end)\n",
-                  addr.c_str(), r->ram_blocks(), r->disk_blocks(), r->pinned_blocks());
+      std::printf(
+          "%s: dropped %lu RAM and %lu NVMe blocks; %lu pinned (freed when their leases end)\n",
+          addr.c_str(), r->ram_blocks(), r->disk_blocks(), r->pinned_blocks());
     }
-    j[addr] = {{"ram_blocks", r->ram_blocks()}, {"disk_blocks", r->disk_blocks()},
+    j[addr] = {{"ram_blocks", r->ram_blocks()},
+               {"disk_blocks", r->disk_blocks()},
                {"pinned_blocks", r->pinned_blocks()}};
   }
   if (c.json) PrintJson(j);

@@ -38,7 +38,8 @@ int RunHealth(const CommandLine& line) {
   if (c.json) {
     PrintJson(nlohmann::json{{"address", pos[0]}, {"service", service}, {"status", name}});
   } else {
-    std::printf("%s%s%s: %s\n", pos[0].c_str(), service.empty() ? "" : " ", service.c_str(), name.c_str());
+    std::printf("%s%s%s: %s\n", pos[0].c_str(), service.empty() ? "" : " ", service.c_str(),
+                name.c_str());
   }
   return serving ? kOk : kRefused;
 }

@@ -27,8 +27,9 @@ int RunLookup(const CommandLine& line) {
   }
   // The store is asked by block hash, so token ids are hashed here.
   std::vector<BlockHash> chain =
-      prompt->from_tokens ? ChainHashes(prompt->ns, prompt->tokens, static_cast<uint32_t>(block_tokens))
-                          : prompt->hashes;
+      prompt->from_tokens
+          ? ChainHashes(prompt->ns, prompt->tokens, static_cast<uint32_t>(block_tokens))
+          : prompt->hashes;
   nlohmann::json j;
   for (const auto& addr : c.StoreList()) {
     StoreClient client = c.StoreAt(addr);
@@ -38,10 +39,13 @@ int RunLookup(const CommandLine& line) {
     for (size_t i = 0; i < chain.size(); ++i) {
       std::string where = i < tiers->size() ? TierName((*tiers)[i]) : "absent";
       blocks.push_back({{"index", i}, {"hash", ToHex(chain[i])}, {"tier", where}});
-      if (!c.json) std::printf("%-22s %5zu %s %s\n", addr.c_str(), i, ToHex(chain[i]).c_str(), where.c_str());
+      if (!c.json)
+        std::printf("%-22s %5zu %s %s\n", addr.c_str(), i, ToHex(chain[i]).c_str(), where.c_str());
     }
     j[addr] = {{"present_prefix", tiers->size()}, {"blocks", blocks}};
-    if (!c.json) std::printf("%s: leading %zu of %zu blocks present\n", addr.c_str(), tiers->size(), chain.size());
+    if (!c.json)
+      std::printf("%s: leading %zu of %zu blocks present\n", addr.c_str(), tiers->size(),
+                  chain.size());
   }
   if (c.json) PrintJson(j);
   return kOk;

@@ -32,24 +32,29 @@ constexpr const char* kRouterHeading =
 // In kvctl --help order. policy has a line per verb; both run RunPolicy,
 // which reads the verb.
 constexpr Command kCommands[] = {
-    {"stats", "", "per-tier statistics per shard and summed (--watch, --json)", kStoreHeading, RunStats},
+    {"stats", "", "per-tier statistics per shard and summed (--watch, --json)", kStoreHeading,
+     RunStats},
     {"policy", "get", "each tier's eviction policy", nullptr, RunPolicy},
     {"policy", "set", "--tier ram|disk lru|s3fifo|sieve [--param name=value]", nullptr, RunPolicy},
-    {"evict", "", "--all | --namespace NS | --key NS:HASH   (asks unless --yes)", nullptr, RunEvict},
-    {"lookup", "", "which blocks of a prompt are where (--tokens FILE | --hashes FILE)", nullptr, RunLookup},
+    {"evict", "", "--all | --namespace NS | --key NS:HASH   (asks unless --yes)", nullptr,
+     RunEvict},
+    {"lookup", "", "which blocks of a prompt are where (--tokens FILE | --hashes FILE)", nullptr,
+     RunLookup},
     {"namespaces", "", "the registered namespaces", nullptr, RunNamespaces},
     {"namespaces", "rm ID", "forget a namespace and drop its blocks (admin; asks unless --yes)",
      nullptr, RunNamespaces},
     {"workers", "", "the router's sources: endpoint, namespace, blocks, load, last heartbeat",
      kRouterHeading, RunWorkers},
     {"route", "", "explain one routing decision with every candidate's cost", nullptr, RunRoute},
-    {"health", "ADDR", "grpc.health.v1 status (--service NAME); for probes", "Any server:", RunHealth},
+    {"health", "ADDR", "grpc.health.v1 status (--service NAME); for probes",
+     "Any server:", RunHealth},
     {"version", "", "kvctl's version and each store shard's and the router's (--store, --router)",
      nullptr, RunVersion},
 };
 
 void Usage(FILE* out) {
-  std::fputs("Usage: kvctl COMMAND [flags]    (kvctl COMMAND --help for a command's flags)\n\n", out);
+  std::fputs("Usage: kvctl COMMAND [flags]    (kvctl COMMAND --help for a command's flags)\n\n",
+             out);
   for (const Command& c : kCommands) {
     if (c.heading) std::fprintf(out, "%s\n", c.heading);
     std::string shown = *c.args ? std::string(c.name) + " " + c.args : c.name;

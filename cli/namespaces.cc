@@ -25,7 +25,9 @@ int RunRemove(const CommandLine& line) {
   std::vector<std::string> positional;
   ParseCommandFlags(f, line, &positional, 1);
   if (positional.size() != 1) {
-    std::fprintf(stderr, "kvctl namespaces rm: name one namespace id (kvctl namespaces rm 00c0ffee00c0ffee)\n");
+    std::fprintf(
+        stderr,
+        "kvctl namespaces rm: name one namespace id (kvctl namespaces rm 00c0ffee00c0ffee)\n");
     return kUsage;
   }
   auto id = ParseNamespace(positional[0]);
@@ -47,20 +49,25 @@ int RunRemove(const CommandLine& line) {
     auto ctx = client.Context();
     grpc::Status s = client.stub().RemoveNamespace(ctx.get(), req, &resp);
     if (s.error_code() == grpc::NOT_FOUND) {
-      if (!c.json) std::printf("%s: namespace %s is not registered here\n", addr.c_str(), positional[0].c_str());
+      if (!c.json)
+        std::printf("%s: namespace %s is not registered here\n", addr.c_str(),
+                    positional[0].c_str());
       j[addr] = {{"removed", false}};
       continue;
     }
     if (!s.ok()) return Report(FromGrpc(s), "store " + addr);
     ++shards_with_it;
     if (!c.json) {
-      std::printf("%s: removed namespace %s; dropped %lu RAM and %lu NVMe blocks, %lu pinned "
-                  "(freed when their leases end)\n",
-                  addr.c_str(), positional[0].c_str(), resp.ram_blocks(), resp.disk_blocks(),
-                  resp.pinned_blocks());
+      std::printf(
+          "%s: removed namespace %s; dropped %lu RAM and %lu NVMe blocks, %lu pinned "
+          "(freed when their leases end)\n",
+          addr.c_str(), positional[0].c_str(), resp.ram_blocks(), resp.disk_blocks(),
+          resp.pinned_blocks());
     }
-    j[addr] = {{"removed", true}, {"ram_blocks", resp.ram_blocks()},
-               {"disk_blocks", resp.disk_blocks()}, {"pinned_blocks", resp.pinned_blocks()}};
+    j[addr] = {{"removed", true},
+               {"ram_blocks", resp.ram_blocks()},
+               {"disk_blocks", resp.disk_blocks()},
+               {"pinned_blocks", resp.pinned_blocks()}};
   }
   if (c.json) PrintJson(j);
   if (shards_with_it == 0) {
@@ -124,13 +131,13 @@ int RunNamespaces(const CommandLine& line) {
     for (const auto& n : list) {
       const uint64_t asked = n["blocks_asked"].get<uint64_t>();
       std::string hit = asked ? absl::StrFormat("%.1f", 100 * n["hit_rate"].get<double>()) : "-";
-      std::printf("%-22s %-16s %-24s %-6s %12u %12s %10lu %10s %10lu %10s %6s\n", addr.c_str(),
-                  n["id"].get<std::string>().c_str(), n["model"].get<std::string>().c_str(),
-                  n["dtype"].get<std::string>().c_str(), n["block_tokens"].get<uint32_t>(),
-                  FormatBytes(n["block_bytes"].get<uint64_t>()).c_str(),
-                  n["ram_blocks"].get<uint64_t>(), FormatBytes(n["ram_bytes"].get<uint64_t>()).c_str(),
-                  n["nvme_blocks"].get<uint64_t>(),
-                  FormatBytes(n["nvme_bytes"].get<uint64_t>()).c_str(), hit.c_str());
+      std::printf(
+          "%-22s %-16s %-24s %-6s %12u %12s %10lu %10s %10lu %10s %6s\n", addr.c_str(),
+          n["id"].get<std::string>().c_str(), n["model"].get<std::string>().c_str(),
+          n["dtype"].get<std::string>().c_str(), n["block_tokens"].get<uint32_t>(),
+          FormatBytes(n["block_bytes"].get<uint64_t>()).c_str(), n["ram_blocks"].get<uint64_t>(),
+          FormatBytes(n["ram_bytes"].get<uint64_t>()).c_str(), n["nvme_blocks"].get<uint64_t>(),
+          FormatBytes(n["nvme_bytes"].get<uint64_t>()).c_str(), hit.c_str());
     }
   }
   return kOk;

@@ -48,7 +48,9 @@ int Set(const SharedFlags& c, const std::string& tier, const std::vector<std::st
     auto ctx = client.Context();
     auto s = client.stub().SetPolicy(ctx.get(), req, &resp);
     if (!s.ok()) return Report(FromGrpc(s), "store " + addr);
-    if (!c.json) std::printf("%s: %s tier now uses %s\n", addr.c_str(), tier.c_str(), resp.policy().policy().c_str());
+    if (!c.json)
+      std::printf("%s: %s tier now uses %s\n", addr.c_str(), tier.c_str(),
+                  resp.policy().policy().c_str());
     (*j)[addr][tier] = PolicyJson(resp.policy());
   }
   return kOk;
@@ -66,7 +68,8 @@ int Get(const SharedFlags& c, nlohmann::json* j) {
       std::string t = TierName(p.tier());
       std::string ps;
       for (const auto& [k, v] : p.params()) absl::StrAppend(&ps, " ", k, "=", v);
-      if (!c.json) std::printf("%-22s %-5s %s%s\n", addr.c_str(), t.c_str(), p.policy().c_str(), ps.c_str());
+      if (!c.json)
+        std::printf("%-22s %-5s %s%s\n", addr.c_str(), t.c_str(), p.policy().c_str(), ps.c_str());
       (*j)[addr][t] = PolicyJson(p);
     }
   }
@@ -83,10 +86,11 @@ int RunPolicy(const CommandLine& line) {
   bool set = line.words[1] == "set";
   SharedFlags c;
   std::string tier = "ram", params;
-  FlagSet f(set ? "kvctl policy set" : "kvctl policy get",
-            set ? "Switch a tier's eviction policy on every shard (no block is dropped).\n"
-                  "Usage: kvctl policy set --tier ram|disk lru|s3fifo|sieve [--param small_fraction=0.2]"
-                : "Show each tier's eviction policy on every shard.");
+  FlagSet f(
+      set ? "kvctl policy set" : "kvctl policy get",
+      set ? "Switch a tier's eviction policy on every shard (no block is dropped).\n"
+            "Usage: kvctl policy set --tier ram|disk lru|s3fifo|sieve [--param small_fraction=0.2]"
+          : "Show each tier's eviction policy on every shard.");
   c.Register(f, SharedFlags::Dials::kStores);
   if (set) {
     f.Choice("tier", &tier, {"ram", "disk"}, "Tier to change");

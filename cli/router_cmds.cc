@@ -14,17 +14,21 @@ namespace {
 
 // Why the router picked its worker, indexed by v1::RouteReason; an unknown
 // (newer) reason prints as the nearest known one rather than out of bounds.
-const char* const kReasons[] = {"?", "lowest cost", "tie break (stable hash of the deepest matched block)",
-                                "balance guard (load spread over threshold)", "sampled (temperature)"};
+const char* const kReasons[] = {
+    "?", "lowest cost", "tie break (stable hash of the deepest matched block)",
+    "balance guard (load spread over threshold)", "sampled (temperature)"};
 
 const char* Reason(int reason) { return kReasons[std::clamp<int>(reason, 0, 4)]; }
 
 void PrintRouteJson(const v1::RouteResponse& r) {
   nlohmann::json cands = nlohmann::json::array();
   for (const auto& x : r.candidates()) {
-    cands.push_back({{"worker", x.worker_id()}, {"gpu_blocks", x.gpu_blocks()},
-                     {"store_blocks", x.store_blocks()}, {"prefill_tokens", x.prefill_tokens()},
-                     {"load_tokens", x.load_tokens()}, {"cost", x.cost()}});
+    cands.push_back({{"worker", x.worker_id()},
+                     {"gpu_blocks", x.gpu_blocks()},
+                     {"store_blocks", x.store_blocks()},
+                     {"prefill_tokens", x.prefill_tokens()},
+                     {"load_tokens", x.load_tokens()},
+                     {"cost", x.cost()}});
   }
   const auto& b = r.fetch_basis();
   nlohmann::json basis = {{"fetch_cost", b.fetch_cost()}, {"measured", b.measured()}};
@@ -34,7 +38,8 @@ void PrintRouteJson(const v1::RouteResponse& r) {
     basis["store_queue_depth"] = b.store_queue_depth();
     basis["prefill_tokens_per_s"] = b.prefill_tokens_per_s();
   }
-  PrintJson({{"worker", r.worker_id()}, {"endpoint", r.endpoint()},
+  PrintJson({{"worker", r.worker_id()},
+             {"endpoint", r.endpoint()},
              {"fetch", basis},
              {"gpu_hit_blocks", r.gpu_hit_blocks()},
              {"store_hit_blocks", r.store_hit_blocks()},
@@ -49,13 +54,15 @@ void PrintRouteTable(const v1::RouteResponse& r) {
               r.prefill_tokens(), Reason(r.reason()));
   const auto& b = r.fetch_basis();
   if (b.measured()) {
-    std::printf("fetch cost %.4f per store token: %s serves a block in %.0f us (%u fetches in "
-                "flight), workers prefill %.0f tokens/s\n\n",
-                b.fetch_cost(), b.store_id().c_str(), b.store_us_per_block(), b.store_queue_depth(),
-                b.prefill_tokens_per_s());
+    std::printf(
+        "fetch cost %.4f per store token: %s serves a block in %.0f us (%u fetches in "
+        "flight), workers prefill %.0f tokens/s\n\n",
+        b.fetch_cost(), b.store_id().c_str(), b.store_us_per_block(), b.store_queue_depth(),
+        b.prefill_tokens_per_s());
   } else {
-    std::printf("fetch cost %.4f per store token (--fetch-cost: no store or worker figures yet)\n\n",
-                b.fetch_cost());
+    std::printf(
+        "fetch cost %.4f per store token (--fetch-cost: no store or worker figures yet)\n\n",
+        b.fetch_cost());
   }
   std::printf("%-24s %10s %12s %14s %12s %12s\n", "candidate", "GPU blocks", "store blocks",
               "prefill tokens", "load tokens", "cost");
@@ -123,7 +130,8 @@ int RunRoute(const CommandLine& line) {
          "real request's route does); without it the router only explains");
   ParseCommandFlags(f, line);
   if (!prompt_flags.Check().ok()) {
-    std::fprintf(stderr, "kvctl route: give --namespace (hex) and exactly one of --tokens, --hashes\n");
+    std::fprintf(stderr,
+                 "kvctl route: give --namespace (hex) and exactly one of --tokens, --hashes\n");
     return kUsage;
   }
   auto prompt = prompt_flags.Read();

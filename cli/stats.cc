@@ -19,13 +19,20 @@ std::string Ratio(uint64_t hits, uint64_t misses) {
 }
 
 nlohmann::json TierJson(const v1::TierStats& t) {
-  return {{"capacity_bytes", t.capacity_bytes()}, {"used_bytes", t.used_bytes()},
-          {"items", t.items()},                   {"hits", t.hits()},
-          {"misses", t.misses()},                 {"hit_ratio", t.hits() + t.misses() ? double(t.hits()) / (t.hits() + t.misses()) : 0.0},
-          {"evictions", t.evictions()},           {"promotions", t.promotions()},
-          {"demotions", t.demotions()},           {"bytes_in", t.bytes_in()},
-          {"bytes_out", t.bytes_out()},           {"policy", t.policy()},
-          {"degraded", t.degraded()},             {"degraded_reason", t.degraded_reason()}};
+  return {{"capacity_bytes", t.capacity_bytes()},
+          {"used_bytes", t.used_bytes()},
+          {"items", t.items()},
+          {"hits", t.hits()},
+          {"misses", t.misses()},
+          {"hit_ratio", t.hits() + t.misses() ? double(t.hits()) / (t.hits() + t.misses()) : 0.0},
+          {"evictions", t.evictions()},
+          {"promotions", t.promotions()},
+          {"demotions", t.demotions()},
+          {"bytes_in", t.bytes_in()},
+          {"bytes_out", t.bytes_out()},
+          {"policy", t.policy()},
+          {"degraded", t.degraded()},
+          {"degraded_reason", t.degraded_reason()}};
 }
 
 void Add(v1::TierStats* sum, const v1::TierStats& t) {
@@ -39,8 +46,10 @@ void Add(v1::TierStats* sum, const v1::TierStats& t) {
   sum->set_demotions(sum->demotions() + t.demotions());
   sum->set_bytes_in(sum->bytes_in() + t.bytes_in());
   sum->set_bytes_out(sum->bytes_out() + t.bytes_out());
-  if (sum->policy().empty()) sum->set_policy(t.policy());
-  else if (sum->policy() != t.policy()) sum->set_policy("mixed");
+  if (sum->policy().empty())
+    sum->set_policy(t.policy());
+  else if (sum->policy() != t.policy())
+    sum->set_policy("mixed");
   sum->set_degraded(sum->degraded() || t.degraded());
 }
 
@@ -72,8 +81,8 @@ void PrintShardsTable(const Shards& shards, const v1::TierStats (&sum)[2]) {
                 FormatBytes(t.bytes_out()).c_str(), t.degraded() ? "  DEGRADED" : "");
   };
   std::printf("%-22s %-5s %-7s %11s %11s %9s %7s %10s %10s %10s %11s %11s\n", "shard", "tier",
-              "policy", "capacity", "used", "items", "hits", "evictions", "promotions",
-              "demotions", "bytes in", "bytes out");
+              "policy", "capacity", "used", "items", "hits", "evictions", "promotions", "demotions",
+              "bytes in", "bytes out");
   for (const auto& [a, s] : shards) {
     for (const auto& t : s.tiers()) row(a, TierName(t.tier()), t);
   }

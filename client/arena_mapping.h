@@ -24,7 +24,7 @@ class ArenaMapping {
   // Maps the region; FAILED_PRECONDITION when it offers no path, or the
   // open or mmap's error (another user's store, another container).
   static absl::StatusOr<std::shared_ptr<ArenaMapping>> Map(const v1::RemoteRegion& region,
-                                                          uint64_t instance);
+                                                           uint64_t instance);
   ~ArenaMapping();
   ArenaMapping(const ArenaMapping&) = delete;
   ArenaMapping& operator=(const ArenaMapping&) = delete;

@@ -48,7 +48,7 @@ struct DataClientOptions {
   // store's address is a loopback one.
   enum class SharedMemory { kAuto, kOn, kOff };
   SharedMemory shared_memory = SharedMemory::kAuto;
-  int deadline_ms = 10000;                    // per operation, RPCs and transfers together
+  int deadline_ms = 10000;                     // per operation, RPCs and transfers together
   uint64_t max_inflight_bytes = 256ull << 20;  // queued + running operations
   uint64_t backoff_min_ms = 50;
   uint64_t backoff_max_ms = 5000;
@@ -98,11 +98,11 @@ struct PinnedBlocks {
     uint64_t checksum = 0;     // XXH3-64 of the block's bytes
     bool from_disk = false;    // promoted from the store's NVMe tier for this pin
   };
-  uint64_t lease = 0;  // 0: nothing pinned
+  uint64_t lease = 0;     // 0: nothing pinned
   uint64_t instance = 0;  // the store process that pinned them (0: it did not say)
   std::chrono::steady_clock::time_point expires{};  // the pins drop on their own then
-  std::vector<Source> sources;  // chain order
-  double control_ms = 0;        // the pin's round trip
+  std::vector<Source> sources;                      // chain order
+  double control_ms = 0;                            // the pin's round trip
 };
 
 // How a read lays each block's bytes out locally, and its progress. The

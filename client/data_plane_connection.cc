@@ -25,13 +25,15 @@ std::string HostOf(const std::string& address) { return address.substr(0, addres
 
 bool UseSharedMemory(const DataClientOptions& options, const std::string& address) {
   switch (options.shared_memory) {
-    case DataClientOptions::SharedMemory::kOn: return true;
-    case DataClientOptions::SharedMemory::kOff: return false;
-    case DataClientOptions::SharedMemory::kAuto: break;
+    case DataClientOptions::SharedMemory::kOn:
+      return true;
+    case DataClientOptions::SharedMemory::kOff:
+      return false;
+    case DataClientOptions::SharedMemory::kAuto:
+      break;
   }
   std::string host = HostOf(address);
-  return absl::StartsWith(host, "127.") || host == "localhost" || host == "[::1]" ||
-         host == "::1";
+  return absl::StartsWith(host, "127.") || host == "localhost" || host == "[::1]" || host == "::1";
 }
 
 }  // namespace
@@ -97,9 +99,8 @@ absl::StatusOr<std::string> DataPlaneConnection::Call(uint16_t method, const std
   }
   if (reply_code_ != 0) {
     const bool known = reply_code_ > 0 && reply_code_ <= 16;
-    return absl::Status(known ? static_cast<absl::StatusCode>(reply_code_)
-                              : absl::StatusCode::kUnknown,
-                        reply_);
+    return absl::Status(
+        known ? static_cast<absl::StatusCode>(reply_code_) : absl::StatusCode::kUnknown, reply_);
   }
   return std::move(reply_);
 }
@@ -195,8 +196,8 @@ absl::Status DataPlaneConnection::EnsureConnected(
   } else {
     int port = 0;
     if (!absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port)) {
-      return fail(absl::InternalError(
-          absl::StrCat("store's UCX address \"", addr, "\" has no port")));
+      return fail(
+          absl::InternalError(absl::StrCat("store's UCX address \"", addr, "\" has no port")));
     }
     ep = ucx::Endpoint::Connect(worker_.get(), host, port);
   }
@@ -219,8 +220,8 @@ absl::Status DataPlaneConnection::EnsureInstance(
   next_attempt_ = {};  // not a failure: no back-off
   if (auto s = EnsureConnected(rpc_deadline); !s.ok()) return s;
   if (instance_ != instance) {
-    return absl::UnavailableError(absl::StrCat("store ", address_,
-                                               " restarted since it answered; ask it again"));
+    return absl::UnavailableError(
+        absl::StrCat("store ", address_, " restarted since it answered; ask it again"));
   }
   return absl::OkStatus();
 }

@@ -88,7 +88,8 @@ class DataPlaneConnection {
   // since), it is made again; UNAVAILABLE if the store's instance is still
   // not `instance` (the answer's addresses are stale). 0: no check (a store
   // that does not say).
-  absl::Status EnsureInstance(uint64_t instance, std::chrono::system_clock::time_point rpc_deadline);
+  absl::Status EnsureInstance(uint64_t instance,
+                              std::chrono::system_clock::time_point rpc_deadline);
   // Forgets the endpoint and the mapping (the store failed, restarted, or
   // returned bytes that failed their checksum): the next EnsureConnected
   // asks the store again.
@@ -101,7 +102,9 @@ class DataPlaneConnection {
   // socket data plane serves a connection in order; mapped transfers are
   // done when posted), so a put's commit can follow its bytes without a
   // flush.
-  bool CallsFollowTransfers() const { return TakesCalls() && (sock_ != nullptr || mapping_ != nullptr); }
+  bool CallsFollowTransfers() const {
+    return TakesCalls() && (sock_ != nullptr || mapping_ != nullptr);
+  }
   // One control call on the data plane (common/ucx/calls.h): the store's
   // answer, its status as the store gave it (then the endpoint stays), or
   // UNAVAILABLE / DEADLINE_EXCEEDED when the call or its answer did not
@@ -138,7 +141,7 @@ class DataPlaneConnection {
   ucx::Clock::time_point next_attempt_{};
   uint64_t backoff_ms_;
   std::string last_error_;
-  uint64_t instance_ = 0;   // the connected store's instance id (0: unknown)
+  uint64_t instance_ = 0;                  // the connected store's instance id (0: unknown)
   std::shared_ptr<ArenaMapping> mapping_;  // the store's arena, when mapped
   const bool map_arena_;
   std::string session_;  // ConnectDataPlaneResponse.session

@@ -4,9 +4,9 @@
 #include <chrono>
 #include <utility>
 
+#include "common/limits.h"
 #include "common/log.h"
 #include "common/rpc/proto_convert.h"
-#include "common/limits.h"
 
 namespace kvtier {
 
@@ -18,10 +18,10 @@ constexpr size_t kChunk = limits::kMaxEventHashes;
 EventPublisher::EventPublisher(PublisherOptions options, LoadFn load)
     : options_(std::move(options)), load_(std::move(load)) {
   if (options_.hello.epoch() == 0) {
-    options_.hello.set_epoch(static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(
-            std::chrono::system_clock::now().time_since_epoch())
-            .count()));
+    options_.hello.set_epoch(
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::system_clock::now().time_since_epoch())
+                                  .count()));
   }
   stub_ = v1::Router::NewStub(OpenChannel(options_.router, options_.security));
   thread_ = std::thread([this] { Run(); });

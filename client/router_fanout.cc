@@ -16,19 +16,22 @@ namespace kvtier {
 absl::StatusOr<std::vector<std::string>> RouterFanout::Resolve(const std::string& target) {
   const size_t colon = target.rfind(':');
   uint32_t port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(target.substr(colon + 1), &port) || port == 0 ||
-      port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("router address \"", target, "\" is not HOST:PORT"));
+  if (colon == std::string::npos || !absl::SimpleAtoi(target.substr(colon + 1), &port) ||
+      port == 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router address \"", target, "\" is not HOST:PORT"));
   }
   std::string host = target.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_ADDRCONFIG;
   addrinfo* res = nullptr;
   if (int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res); rc != 0) {
-    return absl::NotFoundError(absl::StrCat("router host \"", host, "\" does not resolve: ", gai_strerror(rc)));
+    return absl::NotFoundError(
+        absl::StrCat("router host \"", host, "\" does not resolve: ", gai_strerror(rc)));
   }
   std::vector<std::string> out;
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
@@ -44,13 +47,16 @@ absl::StatusOr<std::vector<std::string>> RouterFanout::Resolve(const std::string
   freeaddrinfo(res);
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
-  if (out.empty()) return absl::NotFoundError(absl::StrCat("router host \"", host, "\" has no address"));
+  if (out.empty())
+    return absl::NotFoundError(absl::StrCat("router host \"", host, "\" has no address"));
   return out;
 }
 
 RouterFanout::RouterFanout(std::vector<std::string> targets, PublisherOptions base,
                            EventPublisher::LoadFn load, uint64_t refresh_ms)
-    : targets_(std::move(targets)), base_(std::move(base)), load_(std::move(load)),
+    : targets_(std::move(targets)),
+      base_(std::move(base)),
+      load_(std::move(load)),
       refresh_ms_(refresh_ms) {
   Refresh();
   if (refresh_ms_ > 0) refresher_ = std::thread([this] { Loop(); });
@@ -102,7 +108,8 @@ void RouterFanout::Refresh() {
         ++it;
         continue;
       }
-      Log("router-fanout", "router ", it->first, " is gone from the names: stopped publishing to it");
+      Log("router-fanout", "router ", it->first,
+          " is gone from the names: stopped publishing to it");
       stopped.push_back(std::move(it->second));
       it = publishers_.erase(it);
     }
@@ -121,7 +128,8 @@ void RouterFanout::Refresh() {
         }
       }
       if (!publishers_.empty() || !held_.empty()) {
-        Log("router-fanout", "router ", addr, " appeared: publishing to it (", held_.size(), " blocks)");
+        Log("router-fanout", "router ", addr, " appeared: publishing to it (", held_.size(),
+            " blocks)");
       }
       publishers_.emplace(addr, std::move(p));
     }

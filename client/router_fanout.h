@@ -56,7 +56,7 @@ class RouterFanout : public BlockEventSink {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
-  std::map<std::string, std::set<std::string>> resolved_;  // target -> its addresses
+  std::map<std::string, std::set<std::string>> resolved_;              // target -> its addresses
   std::map<std::string, std::unique_ptr<EventPublisher>> publishers_;  // by address
   absl::flat_hash_set<BlockKey, BlockKeyHasher> held_;  // what a new publisher is told
   std::thread refresher_;

@@ -62,7 +62,8 @@ int64_t NowMs() {
       .count();
 }
 bool Unreachable(const absl::Status& s) {
-  return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded;
+  return s.code() == absl::StatusCode::kUnavailable ||
+         s.code() == absl::StatusCode::kDeadlineExceeded;
 }
 }  // namespace
 
@@ -79,7 +80,8 @@ absl::Status ShardedStoreClient::Admit(size_t s) {
   if (until == 0) return absl::OkStatus();
   const int64_t now = NowMs();
   // The skip is over: the first caller to move it past its own call probes.
-  if (now >= until && h.skip_until_ms.compare_exchange_strong(until, now + options_.deadline_ms + 1000)) {
+  if (now >= until &&
+      h.skip_until_ms.compare_exchange_strong(until, now + options_.deadline_ms + 1000)) {
     return absl::OkStatus();
   }
   return absl::UnavailableError(absl::StrCat(
@@ -97,9 +99,10 @@ void ShardedStoreClient::Note(size_t s, const absl::Status& status) {
     return;
   }
   const uint64_t last = h.skip_ms.load(std::memory_order_relaxed);
-  const uint64_t next = last == 0 ? options_.shard_skip_min_ms
-                                  : std::min(last * 2, std::max(options_.shard_skip_max_ms,
-                                                                options_.shard_skip_min_ms));
+  const uint64_t next =
+      last == 0
+          ? options_.shard_skip_min_ms
+          : std::min(last * 2, std::max(options_.shard_skip_max_ms, options_.shard_skip_min_ms));
   h.skip_ms.store(next, std::memory_order_relaxed);
   h.skip_until_ms.store(NowMs() + static_cast<int64_t>(next), std::memory_order_relaxed);
 }
@@ -231,9 +234,9 @@ absl::StatusOr<GetOutcome> ShardedStoreClient::Get(uint64_t ns, uint64_t block_b
   return out;
 }
 
-absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(uint64_t ns, uint64_t block_bytes,
-                                                   const std::vector<BlockHash>& chain,
-                                                   std::optional<std::chrono::milliseconds> budget) {
+absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(
+    uint64_t ns, uint64_t block_bytes, const std::vector<BlockHash>& chain,
+    std::optional<std::chrono::milliseconds> budget) {
   ShardedPin pin;
   pin.parts = ByShard(ns, chain, addresses_);
   pin.pins.resize(shards_.size());
@@ -251,11 +254,10 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(uint64_t ns, uint64_t block_b
       first = s;
       continue;
     }
-    others.emplace_back(s, std::async(std::launch::async,
-                                      [this, s, ns, block_bytes, &chain, &pin, budget] {
-                                        return shards_[s]->Pin(ns, block_bytes,
-                                                               Select(chain, pin.parts[s]), budget);
-                                      }));
+    others.emplace_back(
+        s, std::async(std::launch::async, [this, s, ns, block_bytes, &chain, &pin, budget] {
+          return shards_[s]->Pin(ns, block_bytes, Select(chain, pin.parts[s]), budget);
+        }));
   }
   if (first < shards_.size()) {
     got[first] = shards_[first]->Pin(ns, block_bytes, Select(chain, pin.parts[first]), budget);

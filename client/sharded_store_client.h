@@ -30,9 +30,9 @@
 // it; so this header needs only the shared types, not StoreDataClient's.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -55,11 +55,11 @@ size_t RendezvousShard(const BlockKey& key, const std::vector<std::string>& shar
 
 // One chain pinned across shards (ShardedStoreClient::Pin).
 struct ShardedPin {
-  uint32_t blocks = 0;                      // leading blocks of the chain pinned
-  uint32_t from_disk = 0;                   // of those, promoted from NVMe for the pin
-  std::vector<std::vector<size_t>> parts;   // per shard: its chain indices, in order
-  std::vector<PinnedBlocks> pins;           // per shard (empty pin: nothing there)
-  double control_ms = 0;                    // the slowest shard's round trip
+  uint32_t blocks = 0;                     // leading blocks of the chain pinned
+  uint32_t from_disk = 0;                  // of those, promoted from NVMe for the pin
+  std::vector<std::vector<size_t>> parts;  // per shard: its chain indices, in order
+  std::vector<PinnedBlocks> pins;          // per shard (empty pin: nothing there)
+  double control_ms = 0;                   // the slowest shard's round trip
 };
 
 class ShardedStoreClient {

@@ -249,10 +249,10 @@ absl::Status SocketChannel::Step(Clock::time_point deadline) {
     while (unsent_ < ops_.size() &&
            (ops_[unsent_].mark ||
             ops_[unsent_].sent ==
-                sizeof(wire::Frame) + (ops_[unsent_].frame.op == wire::kPut ||
-                                               ops_[unsent_].frame.op == wire::kCall
-                                           ? ops_[unsent_].frame.length
-                                           : 0))) {
+                sizeof(wire::Frame) +
+                    (ops_[unsent_].frame.op == wire::kPut || ops_[unsent_].frame.op == wire::kCall
+                         ? ops_[unsent_].frame.length
+                         : 0))) {
       unsent_++;
     }
   }

@@ -60,10 +60,10 @@ class SocketChannel {
   struct Op {
     uint64_t seq;
     wire::Frame frame;
-    uint8_t* dest = nullptr;        // get: where the bytes go
-    const uint8_t* src = nullptr;   // put: the bytes; call: the request
+    uint8_t* dest = nullptr;       // get: where the bytes go
+    const uint8_t* src = nullptr;  // put: the bytes; call: the request
     bool mark = false;
-    uint64_t sent = 0;              // bytes of frame + payload written
+    uint64_t sent = 0;  // bytes of frame + payload written
   };
   explicit SocketChannel(int fd) : fd_(fd) {}
   uint64_t Post(Op op);
@@ -74,10 +74,10 @@ class SocketChannel {
 
   int fd_;
   uint64_t next_seq_ = 1;
-  uint64_t done_seq_ = 0;   // every op up to this one has completed
-  std::deque<Op> ops_;      // not yet completed, in order
-  size_t unsent_ = 0;       // index in ops_ of the first not wholly written
-  absl::Status failure_;    // the connection's, for good
+  uint64_t done_seq_ = 0;     // every op up to this one has completed
+  std::deque<Op> ops_;        // not yet completed, in order
+  size_t unsent_ = 0;         // index in ops_ of the first not wholly written
+  absl::Status failure_;      // the connection's, for good
   absl::Status first_error_;  // the first refused op since the last Wait
   // The answer being read: its header, then its message, then its data.
   wire::Reply reply_{};

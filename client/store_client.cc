@@ -27,7 +27,8 @@ StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
 }
 
 std::unique_ptr<grpc::ClientContext> StoreClient::Context() const {
-  return Context(std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms));
+  return Context(std::chrono::system_clock::now() +
+                 std::chrono::milliseconds(options_.deadline_ms));
 }
 
 std::unique_ptr<grpc::ClientContext> StoreClient::Context(
@@ -51,7 +52,7 @@ absl::StatusOr<RegisteredNamespace> StoreClient::RegisterNamespace(const Namespa
 }
 
 absl::StatusOr<std::vector<v1::Tier>> StoreClient::Lookup(uint64_t ns,
-                                                         const std::vector<BlockHash>& hashes) {
+                                                          const std::vector<BlockHash>& hashes) {
   v1::LookupRequest req;
   req.set_namespace_id(ns);
   for (const auto& h : hashes) ToProto(h, req.add_hashes());
@@ -106,8 +107,8 @@ absl::StatusOr<std::vector<FetchedBlock>> StoreClient::GetInline(
     if (actual != msg.checksum()) {
       ctx->TryCancel();
       reader->Finish();
-      return absl::DataLossError(absl::StrCat("block ", msg.index(),
-                                              " failed its checksum on arrival"));
+      return absl::DataLossError(
+          absl::StrCat("block ", msg.index(), " failed its checksum on arrival"));
     }
     out.push_back(FetchedBlock{msg.index(), msg.tier(), std::move(*msg.mutable_data())});
   }

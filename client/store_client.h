@@ -74,13 +74,13 @@ class StoreClient {
   // A context with this client's deadline.
   std::unique_ptr<grpc::ClientContext> Context() const;
   // A context ending at `deadline` (for calls that share one operation's deadline).
-  std::unique_ptr<grpc::ClientContext> Context(std::chrono::system_clock::time_point deadline) const;
+  std::unique_ptr<grpc::ClientContext> Context(
+      std::chrono::system_clock::time_point deadline) const;
 
  private:
   StoreClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Store::Stub> stub_;
 };
-
 
 }  // namespace kvtier

@@ -18,10 +18,10 @@
 #include "client/data_plane_connection.h"
 #include "common/checksum.h"
 #include "common/elapsed.h"
+#include "common/limits.h"
 #include "common/rpc/grpc_status.h"
 #include "common/ucx/calls.h"
 #include "common/ucx/ucx.h"
-#include "common/limits.h"
 
 namespace kvtier {
 
@@ -46,7 +46,7 @@ v1::BeginPutRequest BeginPutOf(uint64_t ns, const std::string& client,
 template <typename Request, typename Response>
 absl::Status Call(StoreClient& control,
                   grpc::Status (v1::Store::Stub::*rpc)(grpc::ClientContext*, const Request&,
-                                                      Response*),
+                                                       Response*),
                   const Request& request, Response* response,
                   std::chrono::system_clock::time_point deadline) {
   auto ctx = control.Context(deadline);
@@ -187,16 +187,14 @@ StoreDataClient::StoreDataClient(const std::string& address, DataClientOptions o
     init_error_ = ctx.status();
   }
   for (size_t i = 0; i < transfers_.lanes(); ++i) {
-    auto worker = init_error_.ok()
-                      ? ucx::Worker::Create(ucx_context_, /*wakeup=*/false)
-                      : absl::StatusOr<std::unique_ptr<ucx::Worker>>(init_error_);
+    auto worker = init_error_.ok() ? ucx::Worker::Create(ucx_context_, /*wakeup=*/false)
+                                   : absl::StatusOr<std::unique_ptr<ucx::Worker>>(init_error_);
     lanes_.push_back(
         std::make_unique<DataPlaneConnection>(std::move(worker), address_, options_, control_));
   }
   for (int i = 0; i < std::max(1, options_.call_lanes); ++i) {
-    auto worker = init_error_.ok()
-                      ? ucx::Worker::Create(ucx_context_, /*wakeup=*/true)
-                      : absl::StatusOr<std::unique_ptr<ucx::Worker>>(init_error_);
+    auto worker = init_error_.ok() ? ucx::Worker::Create(ucx_context_, /*wakeup=*/true)
+                                   : absl::StatusOr<std::unique_ptr<ucx::Worker>>(init_error_);
     auto lane = std::make_unique<CallLane>();
     lane->conn = std::make_unique<DataPlaneConnection>(std::move(worker), address_, options_,
                                                        control_, /*map_arena=*/false);
@@ -285,59 +283,60 @@ std::future<absl::StatusOr<Outcome>> StoreDataClient::Start(TransferLanes::Class
   auto promise = std::make_shared<std::promise<absl::StatusOr<Outcome>>>();
   auto future = promise->get_future();
   const auto submitted = std::chrono::steady_clock::now();
-  transfers_.Submit(c, count * block_bytes, [this, count, submitted,
-                                             error_prefix = std::move(error_prefix),
-                                             op = std::move(op), promise](size_t i) {
-    const double queued = MsSince(submitted);
-    DataPlaneConnection& lane = *lanes_[i];
-    {
-      // Pick up memory registered since the last job.
-      std::lock_guard lk(regions_mu_);
-      lane.UseRegions(regions_);
-    }
-    // One deadline for the whole operation (connect, RPCs, transfers).
-    const auto budget = std::chrono::milliseconds(options_.deadline_ms);
-    const Deadline deadline{std::chrono::steady_clock::now() + budget,
-                            std::chrono::system_clock::now() + budget};
-    absl::StatusOr<Outcome> r = Outcome{};
-    if (count > 0) {
-      if (absl::Status s = lane.EnsureConnected(deadline.rpcs); s.ok()) {
+  transfers_.Submit(
+      c, count * block_bytes,
+      [this, count, submitted, error_prefix = std::move(error_prefix), op = std::move(op),
+       promise](size_t i) {
+        const double queued = MsSince(submitted);
+        DataPlaneConnection& lane = *lanes_[i];
         {
-          // The lane's view of the store: its mapping, or none (a store that
-          // restarted without offering one must not keep the old one alive).
-          std::lock_guard lk(mapping_mu_);
-          if (mapping_ != lane.mapping()) mapping_ = lane.mapping();
+          // Pick up memory registered since the last job.
+          std::lock_guard lk(regions_mu_);
+          lane.UseRegions(regions_);
         }
-        r = op(lane, deadline);
-      } else {
-        r = s;
-      }
-    }
-    if (r.ok()) {
-      r->times.queue_ms += queued;
-    } else {
-      // A store that is down, or bytes that failed their checksum (a store
-      // restarted under a mapped arena, a corrupt path): connect afresh.
-      const auto code = r.status().code();
-      if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDataLoss) {
-        lane.Reset();
-      }
-      r = Prefixed(r.status(), error_prefix);
-    }
-    promise->set_value(std::move(r));
-  });
+        // One deadline for the whole operation (connect, RPCs, transfers).
+        const auto budget = std::chrono::milliseconds(options_.deadline_ms);
+        const Deadline deadline{std::chrono::steady_clock::now() + budget,
+                                std::chrono::system_clock::now() + budget};
+        absl::StatusOr<Outcome> r = Outcome{};
+        if (count > 0) {
+          if (absl::Status s = lane.EnsureConnected(deadline.rpcs); s.ok()) {
+            {
+              // The lane's view of the store: its mapping, or none (a store that
+              // restarted without offering one must not keep the old one alive).
+              std::lock_guard lk(mapping_mu_);
+              if (mapping_ != lane.mapping()) mapping_ = lane.mapping();
+            }
+            r = op(lane, deadline);
+          } else {
+            r = s;
+          }
+        }
+        if (r.ok()) {
+          r->times.queue_ms += queued;
+        } else {
+          // A store that is down, or bytes that failed their checksum (a store
+          // restarted under a mapped arena, a corrupt path): connect afresh.
+          const auto code = r.status().code();
+          if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDataLoss) {
+            lane.Reset();
+          }
+          r = Prefixed(r.status(), error_prefix);
+        }
+        promise->set_value(std::move(r));
+      });
   return future;
 }
 
 std::future<absl::StatusOr<PutOutcome>> StoreDataClient::Put(uint64_t ns, uint64_t block_bytes,
                                                              std::vector<PutBlock> blocks) {
   const size_t n = blocks.size();  // before the move below: argument order is unspecified
-  return Start<PutOutcome>(
-      TransferLanes::Class::kOffload, n, block_bytes, absl::StrCat("put to store ", address_, ": "),
-      [this, ns, block_bytes, blocks = std::move(blocks)](DataPlaneConnection& lane,
-                                                          const Deadline& deadline) {
-        return PutOnLane(lane, deadline, ns, block_bytes, blocks);
-      });
+  return Start<PutOutcome>(TransferLanes::Class::kOffload, n, block_bytes,
+                           absl::StrCat("put to store ", address_, ": "),
+                           [this, ns, block_bytes, blocks = std::move(blocks)](
+                               DataPlaneConnection& lane, const Deadline& deadline) {
+                             return PutOnLane(lane, deadline, ns, block_bytes, blocks);
+                           });
 }
 
 std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64_t block_bytes,
@@ -361,9 +360,9 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Get(uint64_t ns, uint64
       });
 }
 
-absl::StatusOr<PinnedBlocks> StoreDataClient::Pin(
-    uint64_t ns, uint64_t block_bytes, const std::vector<BlockHash>& chain,
-    std::optional<std::chrono::milliseconds> budget) {
+absl::StatusOr<PinnedBlocks> StoreDataClient::Pin(uint64_t ns, uint64_t block_bytes,
+                                                  const std::vector<BlockHash>& chain,
+                                                  std::optional<std::chrono::milliseconds> budget) {
   auto wait = std::chrono::milliseconds(options_.deadline_ms);
   if (budget) wait = std::min(wait, std::max(*budget, std::chrono::milliseconds(1)));
   auto r = PinBy(std::chrono::system_clock::now() + wait, ns, block_bytes, chain);
@@ -412,8 +411,7 @@ absl::StatusOr<PinnedBlocks> StoreDataClient::PinBy(std::chrono::system_clock::t
     Release(out.lease);
     return absl::InternalError(absl::StrCat("store answered BeginGet of ", chain.size(),
                                             " blocks with ", resp.sources_size(),
-                                            " sources or one that is not ", block_bytes,
-                                            " bytes"));
+                                            " sources or one that is not ", block_bytes, " bytes"));
   }
   out.control_ms = MsSince(start);
   return out;
@@ -429,15 +427,15 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Read(const PinnedBlocks
   } else if (!plan.dest) {
     bad = absl::InvalidArgumentError("read plan has no destination");
   } else if (!plan.bounds.empty()) {
-    bool tiles = plan.bounds.size() >= 2 && plan.bounds.front() == 0 &&
-                 plan.bounds.back() == block_bytes;
+    bool tiles =
+        plan.bounds.size() >= 2 && plan.bounds.front() == 0 && plan.bounds.back() == block_bytes;
     for (size_t i = 1; tiles && i < plan.bounds.size(); ++i) {
       tiles = plan.bounds[i] > plan.bounds[i - 1];
     }
     if (!tiles) {
-      bad = absl::InvalidArgumentError(absl::StrCat(
-          "read plan's segments do not tile the block's ", block_bytes,
-          " bytes (they must rise strictly from 0 to the block size)"));
+      bad = absl::InvalidArgumentError(
+          absl::StrCat("read plan's segments do not tile the block's ", block_bytes,
+                       " bytes (they must rise strictly from 0 to the block size)"));
     }
   }
   if (!bad.ok()) {
@@ -462,13 +460,13 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Read(const PinnedBlocks
     p.set_value(std::move(r));
     return p.get_future();
   }
-  return Start<GetOutcome>(
-      TransferLanes::Class::kLoad, count, block_bytes,
-      absl::StrCat("get from store ", address_, ": "),
-      [this, block_bytes, first, count, pinned, plan = std::move(plan)](
-          DataPlaneConnection& lane, const Deadline& deadline) {
-        return ReadVia(lane, deadline, pinned, block_bytes, first, count, plan);
-      });
+  return Start<GetOutcome>(TransferLanes::Class::kLoad, count, block_bytes,
+                           absl::StrCat("get from store ", address_, ": "),
+                           [this, block_bytes, first, count, pinned, plan = std::move(plan)](
+                               DataPlaneConnection& lane, const Deadline& deadline) {
+                             return ReadVia(lane, deadline, pinned, block_bytes, first, count,
+                                            plan);
+                           });
 }
 
 void StoreDataClient::Release(uint64_t lease) {
@@ -517,8 +515,8 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
   auto start = std::chrono::steady_clock::now();
   auto req = BeginPutOf(ns, options_.client_id, blocks);
   v1::BeginPutResponse resp;
-  if (auto s = ControlCall(ucx::kCallBeginPut, &v1::Store::Stub::BeginPut, req, &resp,
-                           deadline.rpcs);
+  if (auto s =
+          ControlCall(ucx::kCallBeginPut, &v1::Store::Stub::BeginPut, req, &resp, deadline.rpcs);
       !s.ok()) {
     return s;
   }
@@ -561,12 +559,17 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
         // summing the whole batch afterwards read it from memory twice and
         // held up the sends, which need this thread).
         commit.add_checksums(Checksum(blocks[i].data, block_bytes));
-        reqs.push_back(
-            lane.PostPut(blocks[i].data, block_bytes, t.remote_addr(), resp.lease_id()));
+        reqs.push_back(lane.PostPut(blocks[i].data, block_bytes, t.remote_addr(), resp.lease_id()));
         break;
-      case v1::PUT_ALREADY_PRESENT: out.already_present++; break;
-      case v1::PUT_BUSY: out.busy++; break;
-      default: out.no_space++; break;
+      case v1::PUT_ALREADY_PRESENT:
+        out.already_present++;
+        break;
+      case v1::PUT_BUSY:
+        out.busy++;
+        break;
+      default:
+        out.no_space++;
+        break;
     }
   }
   if (reqs.empty()) return out;
@@ -617,8 +620,8 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
   // Addresses mean something only in the store instance that pinned them.
   if (auto s = lane.EnsureInstance(pinned.instance, deadline.rpcs); !s.ok()) return s;
   if (std::chrono::steady_clock::now() >= pinned.expires) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "lease ", pinned.lease, " expired before the read; pin the blocks again"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("lease ", pinned.lease, " expired before the read; pin the blocks again"));
   }
   const std::vector<uint64_t> whole = {0, block_bytes};
   const std::vector<uint64_t>& bounds = plan.bounds.empty() ? whole : plan.bounds;
@@ -684,8 +687,8 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
   };
   auto fill_window = [&](size_t waiting) {
     while (posted < segments &&
-           (posted <= waiting || (waiting > 0 && (posted <= waiting + 1 ||
-                                                  window_bytes < kReadWindowBytes)))) {
+           (posted <= waiting ||
+            (waiting > 0 && (posted <= waiting + 1 || window_bytes < kReadWindowBytes)))) {
       post(posted++);
     }
   };

@@ -61,11 +61,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "google/protobuf/message.h"
 #include "client/data_client_types.h"
 #include "client/sharded_store_client.h"  // IWYU pragma: export
 #include "client/store_client.h"
 #include "client/transfer_lanes.h"
+#include "google/protobuf/message.h"
 
 namespace kvtier {
 
@@ -139,8 +139,8 @@ class StoreDataClient {
   // the caller's thread (store_data_client.cc's MappedReads).
   template <typename Transport>
   absl::StatusOr<GetOutcome> ReadVia(Transport& transport, const Deadline& deadline,
-                                     const PinnedBlocks& pinned, uint64_t block_bytes,
-                                     size_t first, size_t count, const ReadPlan& plan);
+                                     const PinnedBlocks& pinned, uint64_t block_bytes, size_t first,
+                                     size_t count, const ReadPlan& plan);
   // The releaser thread: sends the releases no Pin took within release_delay_ms.
   void ReleaseLoop();
   // A control call on the data plane (a free call lane): the store's answer, or
@@ -156,7 +156,7 @@ class StoreDataClient {
   template <typename Request, typename Response>
   absl::Status ControlCall(uint16_t method,
                            grpc::Status (v1::Store::Stub::*rpc)(grpc::ClientContext*,
-                                                               const Request&, Response*),
+                                                                const Request&, Response*),
                            const Request& request, Response* response,
                            std::chrono::system_clock::time_point deadline);
 

@@ -45,9 +45,9 @@ absl::Status ValidateNamespace(const NamespaceSpec& spec) {
     return absl::InvalidArgumentError("namespace cache_salt must be at most 256 bytes");
   }
   if (absl::EndsWith(spec.cache_salt, absl::StrCat("|", kKvWireInt8))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "namespace cache_salt may not end in \"|", kKvWireInt8, "\" (it would read as kv_wire ",
-        kKvWireInt8, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("namespace cache_salt may not end in \"|",
+                                                   kKvWireInt8, "\" (it would read as kv_wire ",
+                                                   kKvWireInt8, ")"));
   }
   if (spec.layout.size() > 256) {
     return absl::InvalidArgumentError("namespace layout must be at most 256 bytes");
@@ -59,13 +59,13 @@ absl::Status ValidateNamespace(const NamespaceSpec& spec) {
   auto elem = DtypeBytes(spec.dtype);
   if (!elem.ok()) return elem.status();
   if (!spec.kv_wire.empty() && spec.kv_wire != kKvWireInt8) {
-    return absl::InvalidArgumentError(absl::StrCat("namespace kv_wire \"", spec.kv_wire,
-                                                   "\" is not one of \"\", \"int8\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("namespace kv_wire \"", spec.kv_wire, "\" is not one of \"\", \"int8\""));
   }
   if (spec.kv_wire == kKvWireInt8 && *elem != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "namespace kv_wire int8 needs a 16-bit dtype (fp16, bf16); ", spec.dtype,
-        " is already 8-bit"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("namespace kv_wire int8 needs a 16-bit dtype (fp16, bf16); ", spec.dtype,
+                     " is already 8-bit"));
   }
   if (auto s = CheckRange("layers", spec.layers, 1, 1024); !s.ok()) return s;
   if (auto s = CheckRange("kv_heads", spec.kv_heads, 1, 1024); !s.ok()) return s;
@@ -144,10 +144,14 @@ absl::StatusOr<BlockHash> BlockHashFromHex(const std::string& hex) {
   for (size_t i = 0; i < 32; ++i) {
     char c = hex[i];
     int v;
-    if (c >= '0' && c <= '9') v = c - '0';
-    else if (c >= 'a' && c <= 'f') v = c - 'a' + 10;
-    else if (c >= 'A' && c <= 'F') v = c - 'A' + 10;
-    else return absl::InvalidArgumentError(absl::StrCat("block hash \"", hex, "\" is not hex"));
+    if (c >= '0' && c <= '9')
+      v = c - '0';
+    else if (c >= 'a' && c <= 'f')
+      v = c - 'a' + 10;
+    else if (c >= 'A' && c <= 'F')
+      v = c - 'A' + 10;
+    else
+      return absl::InvalidArgumentError(absl::StrCat("block hash \"", hex, "\" is not hex"));
     uint64_t& half = i < 16 ? h.hi : h.lo;
     half = (half << 4) | static_cast<uint64_t>(v);
   }

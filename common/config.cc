@@ -30,18 +30,27 @@ absl::StatusOr<uint64_t> ParseBytes(const std::string& text) {
         absl::StrCat("\"", text, "\" is not a size (use e.g. 4096, 64MiB, 8GiB)"));
   }
   double mult;
-  if (unit.empty() || unit == "b") mult = 1;
-  else if (unit == "k" || unit == "kib") mult = 1024.0;
-  else if (unit == "m" || unit == "mib") mult = 1024.0 * 1024;
-  else if (unit == "g" || unit == "gib") mult = 1024.0 * 1024 * 1024;
-  else if (unit == "t" || unit == "tib") mult = 1024.0 * 1024 * 1024 * 1024;
-  else if (unit == "kb") mult = 1e3;
-  else if (unit == "mb") mult = 1e6;
-  else if (unit == "gb") mult = 1e9;
-  else if (unit == "tb") mult = 1e12;
+  if (unit.empty() || unit == "b")
+    mult = 1;
+  else if (unit == "k" || unit == "kib")
+    mult = 1024.0;
+  else if (unit == "m" || unit == "mib")
+    mult = 1024.0 * 1024;
+  else if (unit == "g" || unit == "gib")
+    mult = 1024.0 * 1024 * 1024;
+  else if (unit == "t" || unit == "tib")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "kb")
+    mult = 1e3;
+  else if (unit == "mb")
+    mult = 1e6;
+  else if (unit == "gb")
+    mult = 1e9;
+  else if (unit == "tb")
+    mult = 1e12;
   else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "\"", text, "\" has unknown size unit \"", unit, "\" (use B, KiB, MiB, GiB, TiB)"));
+    return absl::InvalidArgumentError(absl::StrCat("\"", text, "\" has unknown size unit \"", unit,
+                                                   "\" (use B, KiB, MiB, GiB, TiB)"));
   }
   double bytes = v * mult;
   if (bytes > 1.8e19) {
@@ -73,15 +82,20 @@ absl::StatusOr<uint64_t> ParseDurationMs(const std::string& text) {
   }
   std::string unit = t.substr(i);
   double mult;
-  if (unit.empty() || unit == "ms") mult = 1;
-  else if (unit == "s") mult = 1000;
-  else if (unit == "m") mult = 60000;
-  else if (unit == "h") mult = 3600000;
+  if (unit.empty() || unit == "ms")
+    mult = 1;
+  else if (unit == "s")
+    mult = 1000;
+  else if (unit == "m")
+    mult = 60000;
+  else if (unit == "h")
+    mult = 3600000;
   else {
     return absl::InvalidArgumentError(
         absl::StrCat("\"", text, "\" has unknown duration unit \"", unit, "\" (ms, s, m, h)"));
   }
-  if (v * mult > 1e15) return absl::InvalidArgumentError(absl::StrCat("\"", text, "\" is too long"));
+  if (v * mult > 1e15)
+    return absl::InvalidArgumentError(absl::StrCat("\"", text, "\" is too long"));
   return static_cast<uint64_t>(std::llround(v * mult));
 }
 
@@ -199,9 +213,12 @@ void FlagSet::Double(const std::string& name, double* dst, double min, double ma
 void FlagSet::Bool(const std::string& name, bool* dst, const std::string& help) {
   Add(name, *dst ? "true" : "false", true, help, [dst](const std::string& v) -> absl::Status {
     std::string l = absl::AsciiStrToLower(v);
-    if (l == "true" || l == "1" || l == "yes" || l == "on") *dst = true;
-    else if (l == "false" || l == "0" || l == "no" || l == "off") *dst = false;
-    else return absl::InvalidArgumentError(absl::StrCat("\"", v, "\" is not true or false"));
+    if (l == "true" || l == "1" || l == "yes" || l == "on")
+      *dst = true;
+    else if (l == "false" || l == "0" || l == "no" || l == "off")
+      *dst = false;
+    else
+      return absl::InvalidArgumentError(absl::StrCat("\"", v, "\" is not true or false"));
     return absl::OkStatus();
   });
 }
@@ -361,12 +378,14 @@ void ParseFlagsOrExit(FlagSet& flags, int argc, const char* const* argv,
     std::exit(0);
   }
   if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", argc > 0 ? argv[0] : "kvtier", std::string(s.message()).c_str());
+    std::fprintf(stderr, "%s: %s\n", argc > 0 ? argv[0] : "kvtier",
+                 std::string(s.message()).c_str());
     std::exit(2);
   }
   // The docs' command lines are checked this way (tests/python/test_docs.py):
   // the flags parse, and nothing runs.
-  if (const char* only = std::getenv("KVTIER_FLAGS_ONLY"); only != nullptr && only == std::string("1")) {
+  if (const char* only = std::getenv("KVTIER_FLAGS_ONLY");
+      only != nullptr && only == std::string("1")) {
     std::exit(0);
   }
 }

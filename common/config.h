@@ -81,8 +81,8 @@ class FlagSet {
     bool is_bool = false;
     std::function<absl::Status(const std::string&)> set;
   };
-  void Add(const std::string& name, std::string default_text, bool is_bool,
-           const std::string& help, std::function<absl::Status(const std::string&)> set);
+  void Add(const std::string& name, std::string default_text, bool is_bool, const std::string& help,
+           std::function<absl::Status(const std::string&)> set);
   absl::Status Set(const std::string& name, const std::string& value);
 
   std::string program_;

@@ -61,7 +61,7 @@ struct Reply {
   int32_t code = 0;
   uint32_t message_bytes = 0;  // follow first: a call's response, or an error's text
   uint32_t reserved = 0;
-  uint64_t data_bytes = 0;     // follow the message: a get's bytes
+  uint64_t data_bytes = 0;  // follow the message: a get's bytes
 };
 
 static_assert(sizeof(Frame) == 32 && sizeof(Reply) == 24, "wire layout");

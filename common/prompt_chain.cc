@@ -4,10 +4,10 @@
 
 namespace kvtier {
 
-absl::StatusOr<PromptChain> ChainFromTokens(uint64_t namespace_id,
-                                            std::span<const uint32_t> tokens,
+absl::StatusOr<PromptChain> ChainFromTokens(uint64_t namespace_id, std::span<const uint32_t> tokens,
                                             uint32_t block_tokens, absl::string_view what) {
-  if (tokens.empty()) return absl::InvalidArgumentError(absl::StrCat(what, ": the prompt is empty"));
+  if (tokens.empty())
+    return absl::InvalidArgumentError(absl::StrCat(what, ": the prompt is empty"));
   if (tokens.size() > kMaxPromptTokens) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": the prompt has ", tokens.size(),
                                                    " tokens; the limit is ", kMaxPromptTokens));
@@ -27,9 +27,9 @@ absl::StatusOr<uint64_t> HashedPromptTokens(size_t blocks, uint64_t prompt_token
   const uint64_t full = uint64_t{block_tokens} * blocks;
   const uint64_t tokens = prompt_tokens ? prompt_tokens : full;
   if (tokens + block_tokens <= full || tokens > kMaxPromptTokens) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": prompt_tokens ", tokens, " does not fit ",
-                                                   blocks, " blocks of ", block_tokens,
-                                                   " tokens (or exceeds ", kMaxPromptTokens, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": prompt_tokens ", tokens, " does not fit ", blocks, " blocks of ",
+                     block_tokens, " tokens (or exceeds ", kMaxPromptTokens, ")"));
   }
   return tokens;
 }

@@ -9,8 +9,8 @@
 
 #include <cstdint>
 #include <span>
-#include "absl/strings/string_view.h"
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
@@ -30,8 +30,7 @@ struct PromptChain {
 // Token ids: ChainHashes(namespace_id, tokens, block_tokens). INVALID_ARGUMENT
 // (prefixed with `what`, e.g. "route") for an empty prompt or one over
 // kMaxPromptTokens. REQUIRES: block_tokens > 0.
-absl::StatusOr<PromptChain> ChainFromTokens(uint64_t namespace_id,
-                                            std::span<const uint32_t> tokens,
+absl::StatusOr<PromptChain> ChainFromTokens(uint64_t namespace_id, std::span<const uint32_t> tokens,
                                             uint32_t block_tokens, absl::string_view what);
 
 // The caller's own chain. prompt_tokens 0 means "exactly the full blocks";

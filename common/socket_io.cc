@@ -38,8 +38,8 @@ absl::Status PollFor(int fd, short events, Clock::time_point deadline, int cance
     }
     const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
     pollfd fds[2] = {{fd, events, 0}, {cancel_fd, POLLIN, 0}};
-    const int n = poll(fds, cancel_fd >= 0 ? 2 : 1,
-                       static_cast<int>(std::min<int64_t>(ms, 1 << 30)));
+    const int n =
+        poll(fds, cancel_fd >= 0 ? 2 : 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30)));
     if (n < 0) {
       if (errno == EINTR) continue;
       return Errno("poll");
@@ -147,8 +147,7 @@ absl::StatusOr<int> Connect(const std::string& host_in, int port, Clock::time_po
   return fd;
 }
 
-absl::Status WriteAll(int fd, struct iovec* iov, int n, Clock::time_point deadline,
-                      int cancel_fd) {
+absl::Status WriteAll(int fd, struct iovec* iov, int n, Clock::time_point deadline, int cancel_fd) {
   while (n > 0) {
     msghdr m{};
     m.msg_iov = iov;
@@ -180,8 +179,7 @@ absl::Status WriteAll(int fd, const void* data, size_t length, Clock::time_point
   return WriteAll(fd, &v, 1, deadline, cancel_fd);
 }
 
-absl::Status ReadAll(int fd, void* data, size_t length, Clock::time_point deadline,
-                     int cancel_fd) {
+absl::Status ReadAll(int fd, void* data, size_t length, Clock::time_point deadline, int cancel_fd) {
   auto* p = static_cast<uint8_t*>(data);
   while (length > 0) {
     const ssize_t r = recv(fd, p, length, 0);

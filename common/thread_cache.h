@@ -44,11 +44,11 @@ class ThreadCache {
 
   const int idle_ms_;
   std::mutex mu_;
-  std::condition_variable cv_;       // a task was posted, or stop
-  std::condition_variable done_cv_;  // a thread ended
+  std::condition_variable cv_;               // a task was posted, or stop
+  std::condition_variable done_cv_;          // a thread ended
   std::deque<std::function<void()>> tasks_;  // guarded by mu_
-  size_t idle_ = 0;   // threads waiting for a task; guarded by mu_
-  size_t live_ = 0;   // threads running (detached; the destructor waits for 0); guarded by mu_
+  size_t idle_ = 0;                          // threads waiting for a task; guarded by mu_
+  size_t live_ = 0;    // threads running (detached; the destructor waits for 0); guarded by mu_
   bool stop_ = false;  // guarded by mu_
 };
 

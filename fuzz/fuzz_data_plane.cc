@@ -45,7 +45,8 @@ struct Fixture {
   std::vector<uint8_t> snapshot;               // the arena, put slots aside
 
   Fixture() {
-    store = kvtier::fuzz::OpenScratchStore("kvtier-fuzz-dp", 3600 * 1000);  // leases outlive the run
+    store =
+        kvtier::fuzz::OpenScratchStore("kvtier-fuzz-dp", 3600 * 1000);  // leases outlive the run
     plane = std::move(*kvtier::store::SocketDataPlane::Start("127.0.0.1:0"));
     service = std::make_unique<kvtier::store::StoreService>(store.get(), nullptr, plane.get());
     port = std::stoi(plane->address().substr(plane->address().rfind(':') + 1));
@@ -124,7 +125,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   Input in{data, size};
   std::string wire;
-  auto frame = [&](const Frame& fr) { wire.append(reinterpret_cast<const char*>(&fr), sizeof(fr)); };
+  auto frame = [&](const Frame& fr) {
+    wire.append(reinterpret_cast<const char*>(&fr), sizeof(fr));
+  };
   const uint8_t mode = static_cast<uint8_t>(in.Take(1));
   const std::string session = (mode & 1) ? std::string(16, static_cast<char>(mode)) : f->session;
   if ((mode & 6) != 6) frame(Frame{kvtier::wire::kFrameMagic, kvtier::wire::kHello, 0, 0, 0, 16});
@@ -141,11 +144,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     uint64_t length = (kind & 0x80) ? in.Take(8) : in.Take(2);
     Frame fr{kvtier::wire::kFrameMagic, 0, 0, lease, addr, length};
     switch (kind & 7) {
-      case 0: case 1:
+      case 0:
+      case 1:
         fr.op = kvtier::wire::kGet;
         frame(fr);
         break;
-      case 2: case 3: {
+      case 2:
+      case 3: {
         fr.op = kvtier::wire::kPut;
         frame(fr);
         const size_t payload = static_cast<size_t>(std::min<uint64_t>(length, in.n));

@@ -6,8 +6,8 @@
 #include "router/vllm_events.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  auto b = kvtier::router::DecodeVllmBatch(
-      absl::string_view(reinterpret_cast<const char*>(data), size));
+  auto b =
+      kvtier::router::DecodeVllmBatch(absl::string_view(reinterpret_cast<const char*>(data), size));
   if (!b.ok()) return 0;
   kvtier::router::VllmChainMap map(0x5eed, 4);
   kvtier::router::VllmSourceStats stats;

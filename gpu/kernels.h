@@ -13,9 +13,8 @@ namespace kvtier::gpu {
 absl::Status GatherCuda(const KvLayout& layout, const uint8_t* const* layer_bases,
                         const uint32_t* pages, size_t count, uint8_t* const* blocks,
                         cudaStream_t stream);
-absl::Status ScatterCuda(const KvLayout& layout, uint8_t* const* layer_bases,
-                         const uint32_t* pages, size_t count, const uint8_t* const* blocks,
-                         cudaStream_t stream);
+absl::Status ScatterCuda(const KvLayout& layout, uint8_t* const* layer_bases, const uint32_t* pages,
+                         size_t count, const uint8_t* const* blocks, cudaStream_t stream);
 absl::Status PackInt8Cuda(const KvLayout& layout, const uint8_t* const* blocks, size_t count,
                           uint8_t* const* packed, cudaStream_t stream);
 absl::Status UnpackInt8Cuda(const KvLayout& layout, const uint8_t* const* packed, size_t count,

@@ -15,7 +15,8 @@ absl::Status Validate(const KvLayout& l) {
     return absl::InvalidArgumentError("KV layout: every dimension must be at least 1");
   }
   if (l.num_pages > (1ull << 32)) {
-    return absl::InvalidArgumentError(absl::StrCat("KV layout: ", l.num_pages, " pages is too many"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV layout: ", l.num_pages, " pages is too many"));
   }
   return absl::OkStatus();
 }
@@ -62,8 +63,8 @@ absl::Status Validate(const KvLayout& l, const PageMemory& m) {
     const uint64_t span = (l.num_pages - 1) * m.page_stride + chunk;
     const uint64_t within = gap % m.page_stride;
     const bool apart = gap >= span;
-    const bool interleaved = m.page_stride >= 2 * chunk && within >= chunk &&
-                             within <= m.page_stride - chunk;
+    const bool interleaved =
+        m.page_stride >= 2 * chunk && within >= chunk && within <= m.page_stride - chunk;
     if (!apart && !interleaved) {
       return absl::InvalidArgumentError(absl::StrCat(
           "layer ", i, ": K and V pages overlap (V is ", gap, " bytes from K, a chunk is ", chunk,
@@ -103,8 +104,8 @@ void GatherCpu(const KvLayout& l, const uint8_t* const* layer_bases, const uint3
             blocks);
 }
 
-void ScatterCpu(const KvLayout& l, uint8_t* const* layer_bases, const uint32_t* pages,
-                size_t count, const uint8_t* const* blocks) {
+void ScatterCpu(const KvLayout& l, uint8_t* const* layer_bases, const uint32_t* pages, size_t count,
+                const uint8_t* const* blocks) {
   ScatterCpu(l, PageMemory::Contiguous(l, layer_bases), pages, count, blocks);
 }
 
@@ -141,7 +142,8 @@ uint16_t FloatToHalf(float f) {
   }
   if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
   if (absx < 0x38800000u) {  // subnormal or zero in half
-    if (absx < 0x33000000u) return static_cast<uint16_t>(sign);  // below half the smallest subnormal
+    if (absx < 0x33000000u)
+      return static_cast<uint16_t>(sign);  // below half the smallest subnormal
     uint32_t man = (absx & 0x7fffffu) | 0x800000u;
     int shift = 126 - static_cast<int>(absx >> 23);  // 14 + (113 - exp)
     uint32_t half = man >> (shift + 0);
@@ -281,8 +283,8 @@ absl::Status GatherPackInt8Cpu(const KvLayout& l, const uint8_t* const* layer_ba
 }
 
 absl::Status UnpackScatterInt8Cpu(const KvLayout& l, uint32_t layer_begin, uint32_t layer_end,
-                                  uint8_t* const* layer_bases, const uint32_t* pages,
-                                  size_t count, const uint8_t* const* packed) {
+                                  uint8_t* const* layer_bases, const uint32_t* pages, size_t count,
+                                  const uint8_t* const* packed) {
   if (auto s = Needs16Bit(l); !s.ok()) return s;
   if (layer_begin > layer_end || layer_end > l.layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer range [", layer_begin, ", ", layer_end,

@@ -13,7 +13,8 @@
 // error is at most s / 2 per element before that rounding, plus half an ulp
 // of the dtype after it (docs/dataplane.md). A packed block is layer-major
 // like a plain one, so one layer is one byte range:
-//   per layer: [K scale f32][V scale f32][K int8 x chunk_elems][V int8 x chunk_elems]. Every function has a CPU
+//   per layer: [K scale f32][V scale f32][K int8 x chunk_elems][V int8 x chunk_elems]. Every
+//   function has a CPU
 // implementation here; gpu/kernels.cu has CUDA versions whose output is
 // byte-identical (tests compare them when a GPU is present).
 #pragma once
@@ -100,9 +101,8 @@ absl::Status GatherPackInt8Cpu(const KvLayout& layout, const uint8_t* const* lay
 // Unpack and scatter layers [layer_begin, layer_end) of packed[i] into page
 // pages[i] (a layer-wise load unpacks each layer as it arrives).
 // INVALID_ARGUMENT for fp8 or a layer range outside the block.
-absl::Status UnpackScatterInt8Cpu(const KvLayout& layout, uint32_t layer_begin,
-                                  uint32_t layer_end, uint8_t* const* layer_bases,
-                                  const uint32_t* pages, size_t count,
+absl::Status UnpackScatterInt8Cpu(const KvLayout& layout, uint32_t layer_begin, uint32_t layer_end,
+                                  uint8_t* const* layer_bases, const uint32_t* pages, size_t count,
                                   const uint8_t* const* packed);
 
 // Scalar conversions (round to nearest even), shared with the tests.

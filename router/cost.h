@@ -19,10 +19,10 @@
 namespace kvtier::router {
 
 struct CostKnobs {
-  double fetch_cost = 0.1;                 // per token fetched, relative to computing it
-  double load_weight = 1.0;                // per queued token
-  uint64_t balance_threshold_tokens = 0;   // 0: no balance guard
-  double temperature = 0;                  // 0: deterministic
+  double fetch_cost = 0.1;                // per token fetched, relative to computing it
+  double load_weight = 1.0;               // per queued token
+  uint64_t balance_threshold_tokens = 0;  // 0: no balance guard
+  double temperature = 0;                 // 0: deterministic
 };
 
 struct Candidate {

@@ -9,8 +9,8 @@
 #include <thread>
 
 #include "common/config.h"
-#include "common/rpc/grpc_server.h"
 #include "common/log.h"
+#include "common/rpc/grpc_server.h"
 #include "common/rpc/metrics.h"
 #include "common/rpc/tls.h"
 #include "router/router_core.h"
@@ -67,9 +67,10 @@ int main(int argc, char** argv) {
             "Route by load alone when the load spread among candidates exceeds this many "
             "tokens (0: never)");
   uint64_t inflight_ms = 20;
-  flags.DurationMs("inflight", &inflight_ms,
-                   "How long a route may take to reach its worker: tokens routed this recently "
-                   "stay in the worker's load past its next heartbeat (0: a heartbeat resets them)");
+  flags.DurationMs(
+      "inflight", &inflight_ms,
+      "How long a route may take to reach its worker: tokens routed this recently "
+      "stay in the worker's load past its next heartbeat (0: a heartbeat resets them)");
   flags.Double("temperature", &temperature, 0, 100,
                "0: always the cheapest; above 0: sample by cost (relative to the prompt length)");
   flags.Bytes("max-message-bytes", &max_message, "Largest gRPC message accepted");
@@ -91,7 +92,8 @@ int main(int argc, char** argv) {
   kvtier::ParseFlagsOrExit(flags, argc, argv);
   auto credentials = kvtier::ServerCredentials(tls);  // checks the TLS flags and files
   if (!credentials.ok()) {
-    std::fprintf(stderr, "kvtier-router: %s\n", std::string(credentials.status().message()).c_str());
+    std::fprintf(stderr, "kvtier-router: %s\n",
+                 std::string(credentials.status().message()).c_str());
     return 2;
   }
   kvtier::router::RouterOptions o;
@@ -106,12 +108,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::vector<kvtier::router::VllmSourceSpec> vllm_specs;
-  if (!ParseFlagFile("vllm-sources", vllm_sources_file, kvtier::router::ParseVllmSources, &vllm_specs)) {
+  if (!ParseFlagFile("vllm-sources", vllm_sources_file, kvtier::router::ParseVllmSources,
+                     &vllm_specs)) {
     return 2;
   }
   std::vector<kvtier::router::SourceIdentity> identities;
-  if (!ParseFlagFile("source-identities", source_identities_file, kvtier::router::ParseSourceIdentities,
-                     &identities)) {
+  if (!ParseFlagFile("source-identities", source_identities_file,
+                     kvtier::router::ParseSourceIdentities, &identities)) {
     return 2;
   }
   const size_t listed_identities = identities.size();
@@ -121,13 +124,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (check_config) {
-    std::printf("kvtier-router configuration OK: listen=%s metrics-listen=%s heartbeat-deadline=%lums "
-                "fetch-cost=%g load-weight=%g balance-threshold-tokens=%ld temperature=%g\n",
-                listen.c_str(), metrics_listen.c_str(), deadline_ms, fetch_cost, load_weight,
-                balance, temperature);
+    std::printf(
+        "kvtier-router configuration OK: listen=%s metrics-listen=%s heartbeat-deadline=%lums "
+        "fetch-cost=%g load-weight=%g balance-threshold-tokens=%ld temperature=%g\n",
+        listen.c_str(), metrics_listen.c_str(), deadline_ms, fetch_cost, load_weight, balance,
+        temperature);
     return 0;
   }
-
 
   kvtier::router::RouterCore core(o);
   kvtier::router::RouterService service(&core);
@@ -157,26 +160,31 @@ int main(int argc, char** argv) {
       v->stats().ForEach([&m](const char* name, uint64_t n) { m[name] += n; });
     }
   });
-  auto started = kvtier::StartGrpcServer({"kvtier-router", listen, *credentials, {&service},
-                                          max_message});
+  auto started =
+      kvtier::StartGrpcServer({"kvtier-router", listen, *credentials, {&service}, max_message});
   if (!started.ok()) {
     std::fprintf(stderr, "kvtier-router: %s\n", std::string(started.status().message()).c_str());
     return 1;
   }
   std::unique_ptr<kvtier::MetricsServer> metrics;
   if (!metrics_listen.empty()) {
-    auto ms = kvtier::MetricsServer::Start(metrics_listen, [&service] { return service.CollectMetrics(); });
+    auto ms = kvtier::MetricsServer::Start(metrics_listen,
+                                           [&service] { return service.CollectMetrics(); });
     if (!ms.ok()) {
       std::fprintf(stderr, "kvtier-router: %s\n", std::string(ms.status().message()).c_str());
       return 1;
     }
     metrics = std::move(*ms);
   }
-  const std::string tls_mode = kvtier::TlsModeSuffix(!tls.cert_file.empty(), tls.require_client_cert);
+  const std::string tls_mode =
+      kvtier::TlsModeSuffix(!tls.cert_file.empty(), tls.require_client_cert);
   kvtier::Log("router", "listening on ", started->address(),
-              tls.cert_file.empty() ? "" : tls.require_client_cert ? ", mutual TLS" : ", TLS", " (heartbeat deadline ",
-              deadline_ms, " ms, fetch_cost ", fetch_cost, ", load_weight ", load_weight,
-              ", balance ", balance, " tokens, temperature ", temperature, ")");
+              tls.cert_file.empty()     ? ""
+              : tls.require_client_cert ? ", mutual TLS"
+                                        : ", TLS",
+              " (heartbeat deadline ", deadline_ms, " ms, fetch_cost ", fetch_cost,
+              ", load_weight ", load_weight, ", balance ", balance, " tokens, temperature ",
+              temperature, ")");
   kvtier::AnnounceListening("kvtier-router", *started, tls_mode, port_file);
 
   std::mutex mu;

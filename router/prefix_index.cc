@@ -153,8 +153,7 @@ void PrefixIndex::MatchLinear(uint64_t ns, const ChainView& chain, PrefixMatch* 
   for (const auto& [s, depth] : out->gpu_depth) AddStoreRun(out, depth, run[depth]);
 }
 
-void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out,
-                        bool groups) const {
+void PrefixIndex::Match(uint64_t ns, const ChainView& chain, PrefixMatch* out, bool groups) const {
   out->Clear();
   const size_t n = chain.size();
   struct Probe {

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/inlined_vector.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/container/inlined_vector.h"
 #include "common/block_key.h"
 
 namespace kvtier::router {
@@ -122,11 +122,10 @@ class PrefixIndex {
   // worker may be reported deeper or shallower than its contiguous prefix,
   // or not at all; a worker reported with depth d always holds block d - 1
   // and lacks block d (d < n). Harmless: the worker's own lookup is exact,
-  // so a wrong depth costs a less than ideal route, never a wrong byte. A store's run from a position gallops
-  // the same way: exact when the stores' blocks from there are contiguous,
-  // never ended by a block a store holds.
-  // A change left by more than kGroupFrom workers is reported as a Group,
-  // unless `groups` is false (every worker named in gpu_depth).
+  // so a wrong depth costs a less than ideal route, never a wrong byte. A store's run from a
+  // position gallops the same way: exact when the stores' blocks from there are contiguous, never
+  // ended by a block a store holds. A change left by more than kGroupFrom workers is reported as a
+  // Group, unless `groups` is false (every worker named in gpu_depth).
   static constexpr size_t kGroupFrom = 256;
   void Match(uint64_t ns, const ChainView& chain, PrefixMatch* out, bool groups = true) const;
   // Whether worker `s` belongs to `g` (O(1) for big holder lists).
@@ -171,8 +170,10 @@ class PrefixIndex {
   }
   static void SetBit(std::vector<uint64_t>* bits, SourceNum s, bool on) {
     if (s / 64 >= bits->size()) bits->resize(s / 64 + 1, 0);
-    if (on) (*bits)[s / 64] |= uint64_t{1} << (s % 64);
-    else (*bits)[s / 64] &= ~(uint64_t{1} << (s % 64));
+    if (on)
+      (*bits)[s / 64] |= uint64_t{1} << (s % 64);
+    else
+      (*bits)[s / 64] &= ~(uint64_t{1} << (s % 64));
   }
   bool Holds(const Holders* h, SourceNum s) const {
     if (h == nullptr) return false;

@@ -231,7 +231,8 @@ absl::Status RouterCore::Handle(const std::string& id, const v1::SourceMessage& 
   std::unique_lock lk(mu_);
   auto it = sources_.find(id);
   if (it == sources_.end()) {
-    return absl::NotFoundError(absl::StrCat("source ", id, " is not registered (send hello first)"));
+    return absl::NotFoundError(
+        absl::StrCat("source ", id, " is not registered (send hello first)"));
   }
   Source& s = *it->second;
   s.last_seen = Clock::now();
@@ -289,8 +290,8 @@ void RouterCore::ApplyEvent(Source& s, const v1::KvEvent& e,
     return;
   }
   if (e.seq() != s.last_seq + 1) {
-    RequestSnapshot(
-        s, absl::StrCat("sequence gap: expected ", s.last_seq + 1, ", got ", e.seq()), commands);
+    RequestSnapshot(s, absl::StrCat("sequence gap: expected ", s.last_seq + 1, ", got ", e.seq()),
+                    commands);
     return;
   }
   s.last_seq = e.seq();
@@ -301,7 +302,8 @@ void RouterCore::ApplyEvent(Source& s, const v1::KvEvent& e,
   auto check = [&](uint64_t ns, int count) -> bool {
     if (s.hello.kind() == v1::SOURCE_WORKER && ns != s.hello.namespace_id()) {
       reject(absl::StrCat("event ", e.seq(), " names namespace ", NamespaceName(ns), " but worker ",
-                          s.hello.source_id(), " serves namespace ", NamespaceName(s.hello.namespace_id())));
+                          s.hello.source_id(), " serves namespace ",
+                          NamespaceName(s.hello.namespace_id())));
       return false;
     }
     if (count == 0 || static_cast<size_t>(count) > kMaxEventHashes) {
@@ -344,7 +346,10 @@ void RouterCore::ApplySnapshotChunk(Source& s, const v1::SnapshotChunk& c,
       (s.hello.kind() == v1::SOURCE_WORKER && c.hashes_size() > 0 &&
        c.namespace_id() != s.hello.namespace_id())) {
     counters_.rejected++;
-    RequestSnapshot(s, absl::StrCat("snapshot chunk refused (wrong namespace or over ", kMaxEventHashes, " hashes)"), commands);
+    RequestSnapshot(s,
+                    absl::StrCat("snapshot chunk refused (wrong namespace or over ",
+                                 kMaxEventHashes, " hashes)"),
+                    commands);
     return;
   }
   s.resyncing = true;
@@ -370,14 +375,15 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     return absl::InvalidArgumentError(
         absl::StrCat("route: max_candidates is ", req.max_candidates(), " (allowed 0..1024)"));
   }
-  const size_t shown = req.max_candidates() > 0 ? req.max_candidates() : options_.default_candidates;
+  const size_t shown =
+      req.max_candidates() > 0 ? req.max_candidates() : options_.default_candidates;
   std::shared_lock lk(mu_);
   auto fleet_it = fleets_.find(req.namespace_id());
   if (fleet_it == fleets_.end()) {
     counters_.unavailable++;
     return absl::UnavailableError(absl::StrCat("no live worker serves namespace ",
-                                               NamespaceName(req.namespace_id()), " (", sources_.size(),
-                                               " sources registered)"));
+                                               NamespaceName(req.namespace_id()), " (",
+                                               sources_.size(), " sources registered)"));
   }
   const Fleet& fleet = fleet_it->second;
   const uint32_t bt = by_num_[fleet.nums[0]]->hello.block_tokens();
@@ -436,8 +442,8 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     basis.store_id = slowest_store_.id;
     basis.store_us_per_block = slowest_store_.us_per_block;
     basis.store_queue_depth = slowest_store_.queue_depth;
-    basis.fetch_cost = std::min(kMaxFetchCost, slowest_store_.us_per_block * 1e-6 *
-                                                   basis.prefill_tokens_per_s / bt);
+    basis.fetch_cost = std::min(
+        kMaxFetchCost, slowest_store_.us_per_block * 1e-6 * basis.prefill_tokens_per_s / bt);
     basis.measured = true;
     k.fetch_cost = basis.fetch_cost;
   }
@@ -597,8 +603,8 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   // decides it unless the spread might exceed the threshold, when the
   // loads not looked at are read.
   if (!walked_all) {
-    const uint64_t bound =
-        std::atomic_ref<uint64_t>(const_cast<uint64_t&>(fleet.max_load_bound)).load(std::memory_order_relaxed);
+    const uint64_t bound = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(fleet.max_load_bound))
+                               .load(std::memory_order_relaxed);
     const uint64_t least_load = have_least ? least.load : 0;
     const SourceNum owner = std::atomic_ref<uint32_t>(const_cast<uint32_t&>(fleet.max_load_owner))
                                 .load(std::memory_order_relaxed);
@@ -629,8 +635,8 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
     cands.push_back(c);
   };
   for (const Pick& p : top) add(p);
-  if (have_least && std::none_of(top.begin(), top.end(),
-                                 [&](const Pick& p) { return p.num == least.num; })) {
+  if (have_least &&
+      std::none_of(top.begin(), top.end(), [&](const Pick& p) { return p.num == least.num; })) {
     add(least);
   }
   // Deciding and adding the request to its worker's load is one step among
@@ -682,19 +688,25 @@ absl::StatusOr<RouteResult> RouterCore::Route(const v1::RouteRequest& req) {
   r.fetch = basis;
   if (!req.dry_run()) {
     switch (d.reason) {
-      case Reason::kLowestCost: counters_.lowest_cost++; break;
-      case Reason::kTieBreak: counters_.tie_break++; break;
-      case Reason::kBalanceGuard: counters_.balance_guard++; break;
-      case Reason::kSampled: counters_.sampled++; break;
+      case Reason::kLowestCost:
+        counters_.lowest_cost++;
+        break;
+      case Reason::kTieBreak:
+        counters_.tie_break++;
+        break;
+      case Reason::kBalanceGuard:
+        counters_.balance_guard++;
+        break;
+      case Reason::kSampled:
+        counters_.sampled++;
+        break;
     }
   }
   // The chosen worker first if sampling or the balance guard passed over
   // cheaper ones, then the cheapest.
   auto show = [&](const Candidate& c) {
     r.candidates.push_back(RouteCandidate{std::string(c.worker_id), c.gpu_blocks, c.store_blocks,
-                                          c.load_tokens, c.prefill_tokens,
-                                          k.fetch_cost,
-                                          c.cost});
+                                          c.load_tokens, c.prefill_tokens, k.fetch_cost, c.cost});
   };
   const bool chosen_shown = d.chosen < shown;
   for (size_t i = 0; i < cands.size() && r.candidates.size() < shown; ++i) {
@@ -726,9 +738,8 @@ size_t RouterCore::ExpireSources(Clock::time_point now) {
     if (now - s->last_seen > deadline) dead.push_back(id);
   }
   for (const auto& id : dead) {
-    Log("router", "source ", id, " missed its heartbeat deadline (",
-        options_.heartbeat_deadline_ms, " ms); dropped with ", sources_.at(id)->indexed,
-        " blocks");
+    Log("router", "source ", id, " missed its heartbeat deadline (", options_.heartbeat_deadline_ms,
+        " ms); dropped with ", sources_.at(id)->indexed, " blocks");
     RemoveSourceLocked(id);
     counters_.expired++;
   }

@@ -21,11 +21,11 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "kvtier/v1/router.pb.h"
+#include "common/limits.h"
 #include "common/prompt_chain.h"
 #include "common/rw_mutex.h"
+#include "kvtier/v1/router.pb.h"
 #include "router/cost.h"
-#include "common/limits.h"
 #include "router/prefix_index.h"
 
 namespace kvtier::router {
@@ -36,7 +36,6 @@ using limits::kMaxEventHashes;
 inline constexpr double kMaxFetchCost = 1000;
 // With --temperature > 0, Route samples among this many of the cheapest.
 inline constexpr size_t kSampledCandidates = 16;
-
 
 struct RouterOptions {
   CostKnobs knobs;
@@ -123,7 +122,7 @@ class RouterCore {
     uint64_t id_hash = 0;  // WorkerIdHash(source_id)
     uint64_t last_seq = 0;
     bool resyncing = false;
-    uint64_t indexed = 0;           // blocks the index holds for it
+    uint64_t indexed = 0;            // blocks the index holds for it
     std::vector<uint64_t> snapshot;  // fingerprints of the chunks received so far
     v1::Heartbeat load;
     std::atomic<uint64_t> routed_since_heartbeat{0};
@@ -133,7 +132,7 @@ class RouterCore {
     std::deque<std::pair<Clock::time_point, uint64_t>> recent_routes;
     Clock::time_point last_seen;
     int streams = 0;
-    size_t slot = 0;  // workers: place in their fleet's arrays
+    size_t slot = 0;                  // workers: place in their fleet's arrays
     double prefill_tokens_per_s = 0;  // workers: as last reported
   };
   // The workers of one namespace (their numbers, for the scan of those
@@ -175,7 +174,7 @@ class RouterCore {
 
   RouterOptions options_;
   mutable WriterPreferringMutex mu_;  // routes never hold an event batch back for long
-  std::mutex decide_mu_;  // a route's decision and its load increment, one at a time
+  std::mutex decide_mu_;              // a route's decision and its load increment, one at a time
 
   std::unordered_map<std::string, std::unique_ptr<Source>> sources_;
   std::vector<Source*> by_num_;  // SourceNum -> source (nullptr when free)

@@ -11,10 +11,14 @@ namespace kvtier::router {
 namespace {
 v1::RouteReason ToProto(Reason r) {
   switch (r) {
-    case Reason::kLowestCost: return v1::ROUTE_LOWEST_COST;
-    case Reason::kTieBreak: return v1::ROUTE_TIE_BREAK;
-    case Reason::kBalanceGuard: return v1::ROUTE_BALANCE_GUARD;
-    case Reason::kSampled: return v1::ROUTE_SAMPLED;
+    case Reason::kLowestCost:
+      return v1::ROUTE_LOWEST_COST;
+    case Reason::kTieBreak:
+      return v1::ROUTE_TIE_BREAK;
+    case Reason::kBalanceGuard:
+      return v1::ROUTE_BALANCE_GUARD;
+    case Reason::kSampled:
+      return v1::ROUTE_SAMPLED;
   }
   return v1::ROUTE_REASON_UNSPECIFIED;
 }
@@ -104,8 +108,7 @@ grpc::Status RouterService::StreamEvents(
 
 grpc::Status RouterService::Publish(grpc::ServerContext* ctx, const v1::PublishRequest* req,
                                     v1::PublishResponse* resp) {
-  if (req->messages_size() == 0 ||
-      req->messages(0).message_case() != v1::SourceMessage::kHello) {
+  if (req->messages_size() == 0 || req->messages(0).message_case() != v1::SourceMessage::kHello) {
     return grpc::Status(grpc::INVALID_ARGUMENT, "publish: the first message must be a hello");
   }
   const std::string id = req->messages(0).hello().source_id();
@@ -120,7 +123,8 @@ grpc::Status RouterService::Publish(grpc::ServerContext* ctx, const v1::PublishR
       if (grpc::Status a = Authorize(*ctx, m.hello()); !a.ok()) return a;
     }
     if (auto s = core_->Handle(id, m, &commands); !s.ok()) {
-      return ToGrpc(absl::Status(s.code(), absl::StrCat("publish: message ", i, ": ", s.message())));
+      return ToGrpc(
+          absl::Status(s.code(), absl::StrCat("publish: message ", i, ": ", s.message())));
     }
   }
   for (auto& c : commands) *resp->add_commands() = std::move(c);
@@ -132,7 +136,8 @@ grpc::Status RouterService::Route(grpc::ServerContext* ctx, const v1::RouteReque
   auto start = std::chrono::steady_clock::now();
   auto r = core_->Route(*req);
   route_latency_.Record(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                            std::chrono::steady_clock::now() - start).count()),
+                                                  std::chrono::steady_clock::now() - start)
+                                                  .count()),
                         r.ok());
   if (!r.ok()) {
     // The router itself answered (an UNAVAILABLE of its own, such as no live
@@ -159,12 +164,14 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
             "Hellos refused because the caller's certificate may not speak for the source",
             hellos_refused_.load(std::memory_order_relaxed));
   m.Gauge("kvtier_router_index_bytes_per_block", "Index memory per indexed block",
-          st.indexed_blocks() ? static_cast<double>(core_->IndexMemoryBytes()) / st.indexed_blocks() : 0);
+          st.indexed_blocks() ? static_cast<double>(core_->IndexMemoryBytes()) / st.indexed_blocks()
+                              : 0);
   m.Gauge("kvtier_router_indexed_blocks", "Distinct (namespace, block) keys in the index",
           st.indexed_blocks());
   m.Gauge("kvtier_router_indexed_replicas", "(block, source) pairs in the index",
           st.indexed_replicas());
-  m.Gauge("kvtier_router_index_bytes", "Approximate memory of the index", core_->IndexMemoryBytes());
+  m.Gauge("kvtier_router_index_bytes", "Approximate memory of the index",
+          core_->IndexMemoryBytes());
   m.Counter("kvtier_router_events_total", "KV events by outcome", st.events_applied(),
             {{"outcome", "applied"}});
   m.Counter("kvtier_router_events_total", "KV events by outcome", st.events_duplicate(),
@@ -179,7 +186,8 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
   m.Counter("kvtier_router_unknown_removals_total", "Removals of blocks a source never stored",
             st.unknown_removals());
   for (const auto& [outcome, n] : st.decisions()) {
-    m.Counter("kvtier_router_decisions_total", "Route decisions by outcome", n, {{"outcome", outcome}});
+    m.Counter("kvtier_router_decisions_total", "Route decisions by outcome", n,
+              {{"outcome", outcome}});
   }
   m.Histogram("kvtier_router_route_duration_seconds", "Latency of Route", route_latency_.Take());
   for (const auto& s : core_->Sources()) {
@@ -194,7 +202,8 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
             s.load().queued_prefill_tokens(), l);
     if (s.kind() == v1::SOURCE_WORKER && s.load().prefill_tokens_per_s() > 0) {
       m.Gauge("kvtier_router_source_prefill_tokens_per_second",
-              "Prefill rate the worker reports (last heartbeat)", s.load().prefill_tokens_per_s(), l);
+              "Prefill rate the worker reports (last heartbeat)", s.load().prefill_tokens_per_s(),
+              l);
     }
     for (const auto& t : s.load().fetch()) {
       MetricsBuilder::Labels tl = l;

@@ -14,9 +14,12 @@ namespace {
 
 const char* KindName(v1::SourceKind k) {
   switch (k) {
-    case v1::SOURCE_WORKER: return "worker";
-    case v1::SOURCE_STORE: return "store";
-    default: return "unspecified";
+    case v1::SOURCE_WORKER:
+      return "worker";
+    case v1::SOURCE_STORE:
+      return "store";
+    default:
+      return "unspecified";
   }
 }
 
@@ -43,14 +46,14 @@ absl::StatusOr<std::vector<SourceIdentity>> ParseSourceIdentities(std::string_vi
     } else if (f[1] == "store") {
       si.kind = v1::SOURCE_STORE;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("line ", line_no, ": kind \"", f[1],
-                                                     "\" (expected worker or store)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("line ", line_no, ": kind \"", f[1], "\" (expected worker or store)"));
     }
     for (size_t i = 2; i < f.size(); ++i) {
       if (f[i] == "*") {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "line ", line_no, ": \"*\" alone would let ", si.identity,
-            " claim every source id; give a prefix (e.g. kvtier-store-*)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("line ", line_no, ": \"*\" alone would let ", si.identity,
+                         " claim every source id; give a prefix (e.g. kvtier-store-*)"));
       }
       si.ids.emplace_back(f[i]);
     }
@@ -101,9 +104,9 @@ absl::Status SourceAuth::Check(const std::vector<std::string>& cert_names,
     }
   }
   if (listed.empty()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "hello names source \"", id, "\" but the client's certificate names ", Quoted(cert_names),
-        ", none of which --source-identities lists"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("hello names source \"", id, "\" but the client's certificate names ",
+                     Quoted(cert_names), ", none of which --source-identities lists"));
   }
   return absl::PermissionDeniedError(absl::StrCat(
       "hello names ", KindName(hello.kind()), " \"", id, "\" but --source-identities lets ",

@@ -27,7 +27,7 @@
 namespace kvtier::router {
 
 struct SourceIdentity {
-  std::string identity;          // a certificate's common name or SAN
+  std::string identity;  // a certificate's common name or SAN
   v1::SourceKind kind = v1::SOURCE_KIND_UNSPECIFIED;
   std::vector<std::string> ids;  // source ids it may claim; "prefix*" matches a prefix
 };

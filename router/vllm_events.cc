@@ -7,8 +7,8 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -59,8 +59,9 @@ absl::StatusOr<std::vector<VllmSourceSpec>> ParseVllmSources(absl::string_view t
                                   "..", limits::kMaxBlockTokens));
         }
       } else {
-        return bad(absl::StrCat("unknown key \"", key,
-                                "\" (id, endpoint, events, replay, topic, namespace, block-tokens)"));
+        return bad(
+            absl::StrCat("unknown key \"", key,
+                         "\" (id, endpoint, events, replay, topic, namespace, block-tokens)"));
       }
     }
     auto zmq_url = [](const std::string& u) {
@@ -123,8 +124,8 @@ absl::Status Hashes(const Obj* o, std::vector<uint64_t>* out) {
     return absl::InvalidArgumentError("block_hashes is not an array");
   }
   if (o->via.array.size > kMaxEventHashes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("block_hashes has ", o->via.array.size, " entries (at most ", kMaxEventHashes, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("block_hashes has ", o->via.array.size,
+                                                   " entries (at most ", kMaxEventHashes, ")"));
   }
   for (uint32_t i = 0; i < o->via.array.size; ++i) {
     auto h = Hash(o->via.array.ptr[i]);
@@ -168,17 +169,28 @@ absl::StatusOr<Fields> ReadFields(const Obj& e) {
       const auto& kv = e.via.map.ptr[i];
       const absl::string_view k = Str(kv.key);
       const Obj* v = &kv.val;
-      if (k == "type") f.tag = Str(*v);
-      else if (k == "block_hashes") f.hashes = v;
-      else if (k == "parent_block_hash") f.parent = v;
-      else if (k == "token_ids") f.tokens = v;
-      else if (k == "block_size") f.block_size = v;
-      else if (k == "lora_id") f.lora_id = v;
-      else if (k == "medium") f.medium = v;
-      else if (k == "lora_name") f.lora_name = v;
-      else if (k == "extra_keys") f.extra_keys = v;
-      else if (k == "group_idx") f.group_idx = v;
-      else if (k == "kv_cache_spec_kind") f.spec_kind = v;
+      if (k == "type")
+        f.tag = Str(*v);
+      else if (k == "block_hashes")
+        f.hashes = v;
+      else if (k == "parent_block_hash")
+        f.parent = v;
+      else if (k == "token_ids")
+        f.tokens = v;
+      else if (k == "block_size")
+        f.block_size = v;
+      else if (k == "lora_id")
+        f.lora_id = v;
+      else if (k == "medium")
+        f.medium = v;
+      else if (k == "lora_name")
+        f.lora_name = v;
+      else if (k == "extra_keys")
+        f.extra_keys = v;
+      else if (k == "group_idx")
+        f.group_idx = v;
+      else if (k == "kv_cache_spec_kind")
+        f.spec_kind = v;
     }
   } else {
     return absl::InvalidArgumentError("an event is neither an array nor a map");
@@ -266,8 +278,8 @@ VllmEvent ReadEvent(const Obj& o) {
     e.token_ids.push_back(static_cast<uint32_t>(t.via.u64));
   }
   if (e.token_ids.size() != uint64_t{e.block_size} * e.hashes.size()) {
-    return skip(absl::StrCat("malformed: BlockStored has ", e.token_ids.size(),
-                             " token ids for ", e.hashes.size(), " blocks of ", e.block_size));
+    return skip(absl::StrCat("malformed: BlockStored has ", e.token_ids.size(), " token ids for ",
+                             e.hashes.size(), " blocks of ", e.block_size));
   }
   return e;
 }
@@ -308,33 +320,98 @@ absl::Status CheckShape(absl::string_view in) {
       skip = b & 0x1f;
     } else {
       switch (b) {
-        case 0xc4: case 0xd9: if (!need(1)) return fail(); skip = be(1); break;
-        case 0xc5: case 0xda: if (!need(2)) return fail(); skip = be(2); break;
-        case 0xc6: case 0xdb: if (!need(4)) return fail(); skip = be(4); break;
-        case 0xc7: if (!need(1)) return fail(); skip = be(1) + 1; break;
-        case 0xc8: if (!need(2)) return fail(); skip = be(2) + 1; break;
-        case 0xc9: if (!need(4)) return fail(); skip = be(4) + 1; break;
-        case 0xca: skip = 4; break;
-        case 0xcb: skip = 8; break;
-        case 0xcc: case 0xd0: skip = 1; break;
-        case 0xcd: case 0xd1: skip = 2; break;
-        case 0xce: case 0xd2: skip = 4; break;
-        case 0xcf: case 0xd3: skip = 8; break;
-        case 0xd4: skip = 2; break;
-        case 0xd5: skip = 3; break;
-        case 0xd6: skip = 5; break;
-        case 0xd7: skip = 9; break;
-        case 0xd8: skip = 17; break;
-        case 0xdc: if (!need(2)) return fail(); container = true; items = be(2); break;
-        case 0xdd: if (!need(4)) return fail(); container = true; items = be(4); break;
-        case 0xde: if (!need(2)) return fail(); container = true; items = 2 * be(2); break;
-        case 0xdf: if (!need(4)) return fail(); container = true; items = 2 * be(4); break;
-        default: return fail();  // 0xc1: never used
+        case 0xc4:
+        case 0xd9:
+          if (!need(1)) return fail();
+          skip = be(1);
+          break;
+        case 0xc5:
+        case 0xda:
+          if (!need(2)) return fail();
+          skip = be(2);
+          break;
+        case 0xc6:
+        case 0xdb:
+          if (!need(4)) return fail();
+          skip = be(4);
+          break;
+        case 0xc7:
+          if (!need(1)) return fail();
+          skip = be(1) + 1;
+          break;
+        case 0xc8:
+          if (!need(2)) return fail();
+          skip = be(2) + 1;
+          break;
+        case 0xc9:
+          if (!need(4)) return fail();
+          skip = be(4) + 1;
+          break;
+        case 0xca:
+          skip = 4;
+          break;
+        case 0xcb:
+          skip = 8;
+          break;
+        case 0xcc:
+        case 0xd0:
+          skip = 1;
+          break;
+        case 0xcd:
+        case 0xd1:
+          skip = 2;
+          break;
+        case 0xce:
+        case 0xd2:
+          skip = 4;
+          break;
+        case 0xcf:
+        case 0xd3:
+          skip = 8;
+          break;
+        case 0xd4:
+          skip = 2;
+          break;
+        case 0xd5:
+          skip = 3;
+          break;
+        case 0xd6:
+          skip = 5;
+          break;
+        case 0xd7:
+          skip = 9;
+          break;
+        case 0xd8:
+          skip = 17;
+          break;
+        case 0xdc:
+          if (!need(2)) return fail();
+          container = true;
+          items = be(2);
+          break;
+        case 0xdd:
+          if (!need(4)) return fail();
+          container = true;
+          items = be(4);
+          break;
+        case 0xde:
+          if (!need(2)) return fail();
+          container = true;
+          items = 2 * be(2);
+          break;
+        case 0xdf:
+          if (!need(4)) return fail();
+          container = true;
+          items = 2 * be(4);
+          break;
+        default:
+          return fail();  // 0xc1: never used
       }
     }
     if (container) {
       if (!need(items)) return fail();  // each item takes a byte at least
-      if (pending.size() >= 32) return absl::InvalidArgumentError("the payload nests over 32 levels");
+      if (pending.size() >= 32)
+        return absl::InvalidArgumentError("the payload nests over 32 levels");
       pending.push_back(items);
     } else {
       if (!need(skip)) return fail();
@@ -383,8 +460,10 @@ absl::StatusOr<VllmBatch> DecodeVllmBatch(absl::string_view payload) {
   }
   VllmBatch b;
   if (ts != nullptr) {
-    if (ts->type == MSGPACK_OBJECT_FLOAT64 || ts->type == MSGPACK_OBJECT_FLOAT32) b.ts = ts->via.f64;
-    else if (ts->type == MSGPACK_OBJECT_POSITIVE_INTEGER) b.ts = static_cast<double>(ts->via.u64);
+    if (ts->type == MSGPACK_OBJECT_FLOAT64 || ts->type == MSGPACK_OBJECT_FLOAT32)
+      b.ts = ts->via.f64;
+    else if (ts->type == MSGPACK_OBJECT_POSITIVE_INTEGER)
+      b.ts = static_cast<double>(ts->via.u64);
   }
   for (uint32_t i = 0; i < events->via.array.size; ++i) {
     b.events.push_back(ReadEvent(events->via.array.ptr[i]));
@@ -467,7 +546,7 @@ struct VllmEventSource::Impl {
   VllmChainMap chain;
   uint64_t router_seq = 0;
   std::optional<uint64_t> last;  // vLLM's last applied sequence number
-  bool registered = false;        // the router took the last hello
+  bool registered = false;       // the router took the last hello
 
   Impl(VllmSourceSpec s, RouterCore* c)
       : spec(std::move(s)), core(c), chain(spec.namespace_id, spec.block_tokens) {}
@@ -508,8 +587,8 @@ struct VllmEventSource::Impl {
       snap->set_last(last_chunk);
       if (auto s = core->Handle(spec.id, m, &cmds); !s.ok() && registered) {
         Count([](VllmSourceStats& st) { st.snapshot_failures++; });
-        Log("router", "vLLM source ", spec.id, ": the router refused its snapshot (",
-            s.message(), "); registering again");
+        Log("router", "vLLM source ", spec.id, ": the router refused its snapshot (", s.message(),
+            "); registering again");
         registered = false;  // the next delivery registers again
       }
       snap->clear_hashes();
@@ -529,10 +608,9 @@ struct VllmEventSource::Impl {
     h.set_endpoint(spec.endpoint);
     h.set_namespace_id(spec.namespace_id);
     h.set_block_tokens(spec.block_tokens);
-    h.set_epoch(static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(
-            std::chrono::system_clock::now().time_since_epoch())
-            .count()));
+    h.set_epoch(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                          std::chrono::system_clock::now().time_since_epoch())
+                                          .count()));
     std::vector<v1::RouterCommand> cmds;
     if (auto s = core->Hello(h, &cmds); !s.ok()) {
       uint64_t failures = 0;
@@ -561,8 +639,10 @@ struct VllmEventSource::Impl {
       for (size_t i = from; i < to; ++i) {
         ToProto(hashes[i], stored ? list->add_hashes() : gone->add_hashes());
       }
-      if (stored) list->set_namespace_id(spec.namespace_id);
-      else gone->set_namespace_id(spec.namespace_id);
+      if (stored)
+        list->set_namespace_id(spec.namespace_id);
+      else
+        gone->set_namespace_id(spec.namespace_id);
       Deliver(m);
     }
   }
@@ -703,7 +783,8 @@ struct VllmEventSource::Impl {
     }
     const uint64_t seq = BigEndian64(parts[1]);
     if (last && seq <= *last) {
-      if (seq == 0 || *last - seq > kRestartLag) {  // the engine restarted: its sequence starts again
+      if (seq == 0 ||
+          *last - seq > kRestartLag) {  // the engine restarted: its sequence starts again
         Count([](VllmSourceStats& s) { s.restarts++; });
         Log("router", "vLLM source ", spec.id, " restarted; its blocks are cleared");
         chain.Clear();
@@ -716,7 +797,8 @@ struct VllmEventSource::Impl {
     }
     if (last && seq > *last + 1) {
       Count([](VllmSourceStats& s) { s.gaps++; });
-      if (!Replay(*last + 1)) Resync(absl::StrCat("sequence gap: expected ", *last + 1, ", got ", seq));
+      if (!Replay(*last + 1))
+        Resync(absl::StrCat("sequence gap: expected ", *last + 1, ", got ", seq));
       if (last && seq <= *last) return;  // the replay covered it
     }
     auto batch = DecodeVllmBatch(

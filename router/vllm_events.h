@@ -21,9 +21,9 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <thread>
 #include <vector>
+#include "absl/strings/string_view.h"
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"

@@ -69,8 +69,9 @@ class NetnsLab {
   bool Create(const std::vector<std::string>& names, std::string* error) {
     const std::string run = tag_ + std::to_string(getpid()) + "-";
     hub_ = run + "hub";
-    for (const std::string& cmd : {"ip netns add " + hub_, "ip -n " + hub_ + " link add br0 type bridge",
-                                   "ip -n " + hub_ + " link set br0 up", "ip -n " + hub_ + " link set lo up"}) {
+    for (const std::string& cmd :
+         {"ip netns add " + hub_, "ip -n " + hub_ + " link add br0 type bridge",
+          "ip -n " + hub_ + " link set br0 up", "ip -n " + hub_ + " link set lo up"}) {
       if (!Run(cmd, error)) return false;
     }
     for (const std::string& name : names) {
@@ -82,8 +83,8 @@ class NetnsLab {
            {"ip netns add " + h.ns,
             "ip -n " + hub_ + " link add " + port + " type veth peer name eth0 netns " + h.ns,
             "ip -n " + hub_ + " link set " + port + " master br0 up",
-            "ip -n " + h.ns + " addr add " + h.ip + "/24 dev eth0", "ip -n " + h.ns + " link set eth0 up",
-            "ip -n " + h.ns + " link set lo up"}) {
+            "ip -n " + h.ns + " addr add " + h.ip + "/24 dev eth0",
+            "ip -n " + h.ns + " link set eth0 up", "ip -n " + h.ns + " link set lo up"}) {
         if (!Run(cmd, error)) return false;
       }
     }

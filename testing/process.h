@@ -5,8 +5,8 @@
 
 #include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -83,7 +83,8 @@ class Process {
       std::string line;
       std::getline(in, line);
       size_t paren = line.rfind(')');
-      if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') return true;
+      if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T')
+        return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     return false;
@@ -182,8 +183,7 @@ inline int WaitForPortFile(const std::string& path, std::chrono::milliseconds ti
     // A zombie of ours: exited (kill(pid, 0) still succeeds on a zombie).
     std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
     std::string line;
-    if (pid > 0 && (!std::getline(stat, line) ||
-                    line.find(") Z") != std::string::npos)) {
+    if (pid > 0 && (!std::getline(stat, line) || line.find(") Z") != std::string::npos)) {
       return 0;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -21,8 +21,8 @@
 #include "client/socket_channel.h"
 #include "client/store_client.h"
 #include "client/store_data_client.h"
-#include "common/rpc/proto_convert.h"
 #include "common/data_wire.h"
+#include "common/rpc/proto_convert.h"
 #include "common/socket_io.h"
 #include "common/ucx/ucx.h"
 #include "kvtier/v1/store.grpc.pb.h"
@@ -34,7 +34,9 @@ namespace {
 using testing::ServerProcess;
 using Clock = std::chrono::steady_clock;
 
-NamespaceSpec Spec() { return NamespaceSpec{"adversary-model", "bf16", 1, 1, 128, 512, 0, 1, "", "", ""}; }
+NamespaceSpec Spec() {
+  return NamespaceSpec{"adversary-model", "bf16", 1, 1, 128, 512, 0, 1, "", "", ""};
+}
 constexpr uint64_t kBlock = 256 << 10;
 BlockHash H(uint64_t i) { return BlockHash{0xADD + i, i}; }
 
@@ -61,7 +63,8 @@ class RawConn {
     auto fd = net::Connect("127.0.0.1", port, Soon());
     EXPECT_TRUE(fd.ok()) << fd.status();
     fd_ = fd.ok() ? *fd : -1;
-    if (!session.empty()) hello_ = Send(wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, session.size()}, session);
+    if (!session.empty())
+      hello_ = Send(wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, session.size()}, session);
   }
   ~RawConn() {
     if (fd_ >= 0) close(fd_);
@@ -111,11 +114,10 @@ class Adversary : public ::testing::TestWithParam<std::string> {
     }
     store_ = std::make_unique<ServerProcess>(
         KVTIER_STORE_BIN, dir_.sub("store"),
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
-                                 "--data-dir=" + dir_.sub("db"), "--hugepages=false",
-                                 "--ram-bytes=40MiB", "--lease-ms=3s",
-                                 "--tenants-file=" + dir_.sub("tenants"),
-                                 "--admin-token-file=" + dir_.sub("admin")});
+        std::vector<std::string>{
+            "--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db"),
+            "--hugepages=false", "--ram-bytes=40MiB", "--lease-ms=3s",
+            "--tenants-file=" + dir_.sub("tenants"), "--admin-token-file=" + dir_.sub("admin")});
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
   std::unique_ptr<StoreDataClient> Data(const std::string& token) {
@@ -141,8 +143,8 @@ class Adversary : public ::testing::TestWithParam<std::string> {
     ASSERT_TRUE(r.ok()) << r.status();
     ASSERT_EQ(r->blocks, 8u);
     for (uint64_t i = 0; i < 8; ++i) {
-      EXPECT_EQ(std::memcmp(dst.data() + i * kBlock,
-                            testing::BlockBytesFor(500 + i, kBlock).data(), kBlock),
+      EXPECT_EQ(std::memcmp(dst.data() + i * kBlock, testing::BlockBytesFor(500 + i, kBlock).data(),
+                            kBlock),
                 0)
           << "beta's block " << i;
     }
@@ -272,7 +274,8 @@ TEST_P(Adversary, NoClientAddressesTheStoresMemory) {
   {
     RawConn g(data_port, a.session());
     EXPECT_EQ(g.Send(wire::Frame{wire::kFrameMagic, wire::kPut, 0, mine.lease_id(), slot,
-                                 uint64_t{1} << 40}).first,
+                                 uint64_t{1} << 40})
+                  .first,
               3);
   }
   {

@@ -39,7 +39,8 @@ TEST(BenchSmoke, StoreBenchReportsEveryCaseWithARatio) {
 }
 
 TEST(BenchSmoke, TraceReplayVerifiesEveryByteAndStaysUnderTheBound) {
-  auto j = RunJson("trace --limit 300 --block-bytes 16KiB --ram-bytes 16MiB --disk-bytes 64MiB --json");
+  auto j =
+      RunJson("trace --limit 300 --block-bytes 16KiB --ram-bytes 16MiB --disk-bytes 64MiB --json");
   EXPECT_EQ(j["mismatched_blocks"].get<uint64_t>(), 0u);
   EXPECT_GT(j["verified_blocks"].get<uint64_t>(), 0u);
   EXPECT_EQ(j["verified_blocks"].get<uint64_t>(),

@@ -16,8 +16,9 @@ namespace {
 
 // A connector without a store: one layer, 4-token blocks.
 kvtier_connector* MakeSmall(const char* model, uint64_t num_pages = 16) {
-  kvtier_connector_config cfg = {model, "fp16", 1, 1, 8, 4, num_pages, "", "none", 0, 0,
-                                 nullptr, nullptr, nullptr, nullptr, 0, 0, nullptr};
+  kvtier_connector_config cfg = {model,     "fp16",  1,       1, 8, 4,
+                                 num_pages, "",      "none",  0, 0, nullptr,
+                                 nullptr,   nullptr, nullptr, 0, 0, nullptr};
   return kvtier_connector_create(&cfg);
 }
 
@@ -34,10 +35,10 @@ kvtier_status Open(kvtier_connector* c, uint64_t request, uint64_t (&hashes)[8],
 TEST(CAbi, AConnectorDrivenFromCRoundTrips) {
   setenv("UCX_TLS", "tcp", 1);
   testing::TempDir dir;
-  testing::ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"),
-                               {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
-                                "--data-dir=" + dir.sub("db"), "--hugepages=false",
-                                "--ram-bytes=16MiB"});
+  testing::ServerProcess store(
+      KVTIER_STORE_BIN, dir.sub("store"),
+      {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0", "--data-dir=" + dir.sub("db"),
+       "--hugepages=false", "--ram-bytes=16MiB"});
   ASSERT_GT(store.port(), 0);
   EXPECT_EQ(kvtier_c_abi_roundtrip(store.address().c_str()), 0)
       << kvtier_status_name(kvtier_last_status()) << ": " << kvtier_last_error();
@@ -52,7 +53,8 @@ TEST(CAbi, AnAllocateBufferTooSmallClosesTheRequestInsteadOfHandingOutSomePages)
   EXPECT_EQ(kvtier_allocate(c, 1, pages, 2), -KVTIER_INVALID_ARGUMENT);
   EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvtier_last_error()).find("holds 2 pages but request 1 needs 4"),
-            std::string::npos) << kvtier_last_error();
+            std::string::npos)
+      << kvtier_last_error();
   // The request is closed: it is unknown now, and finishing it is harmless.
   EXPECT_EQ(kvtier_wait_for_load(c, 1), -KVTIER_NOT_FOUND);
   kvtier_request_finished(c, 1);
@@ -75,8 +77,9 @@ TEST(CAbi, AnAllocateBufferTooSmallClosesTheRequestInsteadOfHandingOutSomePages)
 // to fix rank 0 of 1 and no salt, so every rank aliased rank 0's blocks.)
 TEST(CAbi, RanksAndSaltsAreNamespacesOfTheirOwn) {
   auto id_of = [](uint32_t rank, uint32_t size, const char* salt) {
-    kvtier_connector_config cfg = {"tp-model", "fp16", 1, 1, 8, 4, 16, "", "none", 0, 0,
-                                   nullptr, nullptr, nullptr, nullptr, rank, size, salt};
+    kvtier_connector_config cfg = {"tp-model", "fp16",  1,       1,    8,    4,
+                                   16,         "",      "none",  0,    0,    nullptr,
+                                   nullptr,    nullptr, nullptr, rank, size, salt};
     kvtier_connector* c = kvtier_connector_create(&cfg);
     EXPECT_NE(c, nullptr) << kvtier_last_error();
     const uint64_t id = kvtier_namespace_id(c);
@@ -91,12 +94,13 @@ TEST(CAbi, RanksAndSaltsAreNamespacesOfTheirOwn) {
   EXPECT_EQ(r0, NamespaceId(NamespaceSpec{"tp-model", "fp16", 1, 1, 8, 4, 0, 2, "", "", ""}));
   const uint64_t salted = id_of(0, 0, "user-7");
   EXPECT_NE(salted, alone);
-  EXPECT_EQ(salted, NamespaceId(NamespaceSpec{"tp-model", "fp16", 1, 1, 8, 4, 0, 1, "user-7", "", ""}));
+  EXPECT_EQ(salted,
+            NamespaceId(NamespaceSpec{"tp-model", "fp16", 1, 1, 8, 4, 0, 1, "user-7", "", ""}));
 }
 
 TEST(CAbi, BadConfigurationsReportWhy) {
-  kvtier_connector_config cfg = {"m",     "int4",  1,       1,       1, 1, 1, "", "none", 0, 0,
-                                 nullptr, nullptr, nullptr, nullptr, 0, 0, nullptr};
+  kvtier_connector_config cfg = {"m", "int4", 1,       1,       1,       1,       1, "", "none",
+                                 0,   0,      nullptr, nullptr, nullptr, nullptr, 0, 0,  nullptr};
   EXPECT_EQ(kvtier_connector_create(&cfg), nullptr);
   EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvtier_last_error()).find("int4"), std::string::npos);
@@ -161,8 +165,7 @@ TEST(CAbi, MisusesReportTheirOwnCodes) {
   uint64_t gpu = 0, store = 0;
   EXPECT_EQ(kvtier_get_num_matched_tokens(c, 1, hashes, 0, &gpu, &store), KVTIER_INVALID_ARGUMENT)
       << "a request without a full block";
-  EXPECT_EQ(kvtier_get_num_matched_tokens(c, 1, nullptr, 4, &gpu, &store),
-            KVTIER_INVALID_ARGUMENT);
+  EXPECT_EQ(kvtier_get_num_matched_tokens(c, 1, nullptr, 4, &gpu, &store), KVTIER_INVALID_ARGUMENT);
   ASSERT_EQ(Open(c, 1, hashes), KVTIER_OK) << kvtier_last_error();
   EXPECT_EQ(Open(c, 1, hashes), KVTIER_ALREADY_EXISTS);
   EXPECT_EQ(kvtier_last_status(), KVTIER_ALREADY_EXISTS);

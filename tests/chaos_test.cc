@@ -20,7 +20,8 @@ namespace {
 
 // The namespaces a run with this pid created.
 int Namespaces(pid_t pid) {
-  ShellResult r = RunShell("ip netns list 2>/dev/null | grep -c '^kvc" + std::to_string(pid) + "-'");
+  ShellResult r =
+      RunShell("ip netns list 2>/dev/null | grep -c '^kvc" + std::to_string(pid) + "-'");
   return std::atoi(r.out.c_str());
 }
 
@@ -29,7 +30,8 @@ bool CanCreateNamespaces() {
 }
 
 TEST(Chaos, FaultsAcrossHostsServeNoWrongByteAndRecover) {
-  if (!CanCreateNamespaces()) GTEST_SKIP() << "needs root and iproute2 to create network namespaces";
+  if (!CanCreateNamespaces())
+    GTEST_SKIP() << "needs root and iproute2 to create network namespaces";
   TempDir dir;
   const std::string out = dir.sub("out.json");
   ShellResult r = RunShell(std::string(KVTIER_BENCH_BIN) + " chaos --quick --json > " + out +
@@ -49,7 +51,9 @@ TEST(Chaos, FaultsAcrossHostsServeNoWrongByteAndRecover) {
       EXPECT_EQ(sc[phase]["wrong_blocks"].get<uint64_t>(), 0u) << phase;
     }
     EXPECT_GT(sc["before"]["done"].get<uint64_t>(), 0u);
-    EXPECT_GT(sc["before"]["verified_blocks"].get<uint64_t>() + sc["after"]["verified_blocks"].get<uint64_t>(), 0u)
+    EXPECT_GT(sc["before"]["verified_blocks"].get<uint64_t>() +
+                  sc["after"]["verified_blocks"].get<uint64_t>(),
+              0u)
         << "nothing was onboarded: the store path was not exercised";
     EXPECT_GT(sc["after"]["done"].get<uint64_t>(), 0u) << "no request finished after healing";
     EXPECT_GE(sc["sources_back_s"].get<double>(), 0) << "a source never came back to the router";
@@ -59,7 +63,8 @@ TEST(Chaos, FaultsAcrossHostsServeNoWrongByteAndRecover) {
   // Each fault was felt (so the test would see a recovery that did not happen).
   EXPECT_GT(j[1]["during"]["loads_failed_recomputed"].get<uint64_t>(), 0u) << j[1].dump();
   EXPECT_GT(j[2]["during"]["routes_failed"].get<uint64_t>(), 0u) << j[2].dump();
-  EXPECT_GT(j[0]["during"]["wall_p99_ms"].get<double>(), j[0]["before"]["wall_p50_ms"].get<double>())
+  EXPECT_GT(j[0]["during"]["wall_p99_ms"].get<double>(),
+            j[0]["before"]["wall_p50_ms"].get<double>())
       << j[0].dump();
 }
 
@@ -67,12 +72,13 @@ TEST(Chaos, FaultsAcrossHostsServeNoWrongByteAndRecover) {
 // namespace it created; one killed outright leaves them, and the next run
 // removes them at start.
 TEST(Chaos, NamespacesAreRemovedAfterAnInterruptionAndAKill) {
-  if (!CanCreateNamespaces()) GTEST_SKIP() << "needs root and iproute2 to create network namespaces";
+  if (!CanCreateNamespaces())
+    GTEST_SKIP() << "needs root and iproute2 to create network namespaces";
   TempDir dir;
   auto start = [&](const std::string& log) {
-    return std::make_unique<Process>(KVTIER_BENCH_BIN,
-                                     std::vector<std::string>{"chaos", "--scenarios=kill9", "--phase-s=30"},
-                                     dir.sub(log));
+    return std::make_unique<Process>(
+        KVTIER_BENCH_BIN, std::vector<std::string>{"chaos", "--scenarios=kill9", "--phase-s=30"},
+        dir.sub(log));
   };
   auto wait_for_namespaces = [](pid_t pid) {
     for (int i = 0; i < 300 && Namespaces(pid) < 10; ++i) {

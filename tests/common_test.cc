@@ -1,9 +1,9 @@
 #include <gtest/gtest.h>
 
-#include <cstdio>
-#include <fstream>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <fstream>
 #include <mutex>
 #include <shared_mutex>
 #include <thread>
@@ -11,12 +11,12 @@
 
 #include "common/block_key.h"
 #include "common/config.h"
-#include "common/version.h"
 #include "common/dtype.h"
+#include "common/histogram.h"
 #include "common/prompt_chain.h"
 #include "common/rendezvous.h"
-#include "common/histogram.h"
 #include "common/rw_mutex.h"
+#include "common/version.h"
 
 namespace kvtier {
 namespace {
@@ -62,8 +62,11 @@ TEST(FlagSet, ParsesEveryForm) {
   f.Bool("b", &b, "");
   f.Bool("c", &c, "");
   f.Choice("policy", &policy, {"lru", "sieve"}, "");
-  const char* argv[] = {"prog", "--listen=0.0.0.0:99", "--ram-bytes", "64MiB", "--lease-ms=2s",
-                        "--n=7", "--b", "--no-c", "--policy", "sieve"};
+  const char* argv[] = {"prog",          "--listen=0.0.0.0:99",
+                        "--ram-bytes",   "64MiB",
+                        "--lease-ms=2s", "--n=7",
+                        "--b",           "--no-c",
+                        "--policy",      "sieve"};
   ASSERT_TRUE(f.Parse(10, argv).ok());
   EXPECT_EQ(listen, "0.0.0.0:99");
   EXPECT_EQ(bytes, 64ull << 20);

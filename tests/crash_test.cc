@@ -15,7 +15,8 @@ namespace kvtier {
 namespace {
 
 nlohmann::json RunCrash(const std::string& args, int* exit_code) {
-  ShellResult r = RunShell(std::string(KVTIER_BENCH_BIN) + " crash --json " + args + " 2>/dev/null");
+  ShellResult r =
+      RunShell(std::string(KVTIER_BENCH_BIN) + " crash --json " + args + " 2>/dev/null");
   *exit_code = r.exit_code;
   return nlohmann::json::parse(r.out, nullptr, false);
 }

@@ -10,9 +10,9 @@
 #include <cstring>
 #include <thread>
 
-#include "common/checksum.h"
 #include "client/socket_channel.h"
 #include "client/store_data_client.h"
+#include "common/checksum.h"
 #include "common/ucx/ucx.h"
 #include "tests/test_util.h"
 
@@ -23,7 +23,9 @@ using testing::ServerProcess;
 using testing::WaitFor;
 
 // 2 x 1 layer x 1 head x 128 dim x 2 bytes x 512 tokens = 256 KiB.
-NamespaceSpec Spec256K() { return NamespaceSpec{"dp-model", "bf16", 1, 1, 128, 512, 0, 1, "", "", ""}; }
+NamespaceSpec Spec256K() {
+  return NamespaceSpec{"dp-model", "bf16", 1, 1, 128, 512, 0, 1, "", "", ""};
+}
 constexpr uint64_t kBlock = 256 << 10;
 BlockHash H(uint64_t i) { return BlockHash{0xD00D + i, i}; }
 
@@ -58,8 +60,10 @@ DataClientOptions ClientOptions() {
   DataClientOptions o;
   // The stores here are on 127.0.0.1: kAuto would pick shared memory; the
   // TCP case turns it off so the TCP transport is what is tested.
-  bool sm = std::string(::testing::UnitTest::GetInstance()->current_test_info()->value_param()) == "\"sm\"";
-  o.shared_memory = sm ? DataClientOptions::SharedMemory::kOn : DataClientOptions::SharedMemory::kOff;
+  bool sm = std::string(::testing::UnitTest::GetInstance()->current_test_info()->value_param()) ==
+            "\"sm\"";
+  o.shared_memory =
+      sm ? DataClientOptions::SharedMemory::kOn : DataClientOptions::SharedMemory::kOff;
   return o;
 }
 
@@ -77,7 +81,8 @@ TEST_P(DataPlane, RoundTripIsByteExactWithManyBlocksInFlight) {
   std::vector<std::future<absl::StatusOr<PutOutcome>>> puts;
   for (uint64_t op = 0; op < 3; ++op) {
     std::vector<PutBlock> blocks;
-    for (uint64_t i = op * 32; i < op * 32 + 32; ++i) blocks.push_back({H(i), src.data() + i * kBlock});
+    for (uint64_t i = op * 32; i < op * 32 + 32; ++i)
+      blocks.push_back({H(i), src.data() + i * kBlock});
     puts.push_back(c.Put(ns->id, kBlock, std::move(blocks)));
   }
   for (auto& f : puts) {
@@ -155,10 +160,10 @@ class DataPlaneFaults : public ::testing::Test {
 };
 
 TEST_F(DataPlaneFaults, AClientKilledMidPutLeavesNothingVisibleAndItsSlotsComeBack) {
-  ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
-                      {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
-                       "--data-dir=" + dir_.sub("db"), "--hugepages=false", "--ram-bytes=16MiB",
-                       "--lease-ms=300ms"});
+  ServerProcess store(
+      KVTIER_STORE_BIN, dir_.sub("store"),
+      {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db"),
+       "--hugepages=false", "--ram-bytes=16MiB", "--lease-ms=300ms"});
   ASSERT_GT(store.port(), 0);
   // The writer is a child process that reserves 8 slots, writes half of
   // them, and dies by SIGKILL before committing.
@@ -254,7 +259,8 @@ TEST_F(DataPlaneFaults, AStoreKilledMidGetFailsTheClientCleanlyAndItReconnects) 
       auto g = c.Get(ns->id, kBlock, get).get();
       if (!g.ok() || g->blocks != n) {
         failure = g.ok() ? absl::DataLossError("short read") : g.status();
-        failed_after_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+        failed_after_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
         return;
       }
       ok_gets++;
@@ -286,8 +292,8 @@ TEST_F(DataPlaneFaults, AStoreKilledMidGetFailsTheClientCleanlyAndItReconnects) 
 
 TEST_F(DataPlaneFaults, AStoreWithoutADataPlaneSaysSo) {
   ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
-                      {"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db"),
-                       "--hugepages=false", "--ram-bytes=16MiB"});
+                      {"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db"), "--hugepages=false",
+                       "--ram-bytes=16MiB"});
   StoreDataClient c(store.address());
   auto ns = c.control().RegisterNamespace(Spec256K());
   std::vector<uint8_t> src(kBlock);
@@ -304,7 +310,8 @@ TEST(Rendezvous, AddingAShardMovesAboutOneNthOfTheKeys) {
   int moved = 0;
   std::vector<int> load(4, 0);
   for (int i = 0; i < n; ++i) {
-    BlockKey k{7, BlockHash{static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull, static_cast<uint64_t>(i)}};
+    BlockKey k{
+        7, BlockHash{static_cast<uint64_t>(i) * 0x9E3779B97F4A7C15ull, static_cast<uint64_t>(i)}};
     size_t a = RendezvousShard(k, four), b = RendezvousShard(k, five);
     load[a]++;
     if (a != b) {
@@ -387,7 +394,8 @@ TEST(ShardedStore, AnUnreachableShardIsSkippedNotWaitedFor) {
   // A chain whose first two blocks are shard 0's.
   const uint64_t n = 32;
   uint64_t base = 0;
-  while (RendezvousShard({ns->id, H(base)}, addrs) != 0 || RendezvousShard({ns->id, H(base + 1)}, addrs) != 0) {
+  while (RendezvousShard({ns->id, H(base)}, addrs) != 0 ||
+         RendezvousShard({ns->id, H(base + 1)}, addrs) != 0) {
     ++base;
   }
   std::vector<uint8_t> src(n * kBlock);

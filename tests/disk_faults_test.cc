@@ -244,11 +244,15 @@ TEST(DiskFaults, AStoreOnAFullDiskKeepsServingFromRam) {
   uint64_t served = 0;
   for (const BlockKey& k : (*store)->disk().Keys()) {
     std::vector<BlockHash> one = {k.hash};
-    ASSERT_TRUE((*store)->GetInline(ns->id, one, [&](uint32_t, TierKind, std::string_view b, uint64_t) {
-      EXPECT_EQ(std::string(b), testing::BlockBytesFor(k.hash.lo, bytes));
-      ++served;
-      return true;
-    }).ok());
+    ASSERT_TRUE((*store)
+                    ->GetInline(ns->id, one,
+                                [&](uint32_t, TierKind, std::string_view b, uint64_t) {
+                                  EXPECT_EQ(std::string(b),
+                                            testing::BlockBytesFor(k.hash.lo, bytes));
+                                  ++served;
+                                  return true;
+                                })
+                    .ok());
   }
   EXPECT_EQ(served, on_disk);
 }

@@ -179,7 +179,8 @@ TEST(DiskTier, ReusedAdmissionOnlyTakesBlocksThatWereRead) {
   o.admission = "reused";
   auto t = std::move(*DiskTier::Open(o));
   std::string b(kBlock, 'r');
-  EXPECT_FALSE(t->Enqueue(EvictedBlock{Key(1), reinterpret_cast<const uint8_t*>(b.data()), kBlock, 0, 0}));
+  EXPECT_FALSE(
+      t->Enqueue(EvictedBlock{Key(1), reinterpret_cast<const uint8_t*>(b.data()), kBlock, 0, 0}));
   EXPECT_TRUE(t->Enqueue(EvictedBlock{Key(2), reinterpret_cast<const uint8_t*>(b.data()), kBlock,
                                       Checksum(b.data(), kBlock), 1}));
   t->WaitIdle();

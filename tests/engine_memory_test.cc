@@ -19,13 +19,16 @@ namespace {
 using testing::ServerProcess;
 
 // 2 layers x 2 heads x 32 dim x 16 tokens of fp16: 2 KiB chunks, 8 KiB blocks.
-NamespaceSpec Spec() { return NamespaceSpec{"engine-test", "fp16", 2, 2, 32, 16, 0, 1, "", "", ""}; }
+NamespaceSpec Spec() {
+  return NamespaceSpec{"engine-test", "fp16", 2, 2, 32, 16, 0, 1, "", "", ""};
+}
 constexpr uint64_t kChunk = 16 * 2 * 32 * 2;
 constexpr uint64_t kPages = 12;
 
 // An engine's KV cache: one allocation per layer in the given layout.
 struct EngineCache {
-  std::string layout;  // "kv_first" [2][pages]..., "blocks_first" [pages][2]..., "split" K and V apart
+  std::string
+      layout;  // "kv_first" [2][pages]..., "blocks_first" [pages][2]..., "split" K and V apart
   std::vector<std::vector<uint8_t>> mem;  // per layer (split: K layers then V layers)
   gpu::PageMemory memory;
 
@@ -173,7 +176,8 @@ TEST_P(EngineMemory, BadPagesAndCallsOfTheOtherModeAreRefusedAndChangeNothing) {
   EXPECT_EQ(b->StartLoadInto(2, {0, 1, 2, 3}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(b->StartLoadInto(2, {0, kPages}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(b->StartLoadInto(2, {4, 4}).code(), absl::StatusCode::kInvalidArgument);
-  for (uint32_t p = 0; p < kPages; ++p) EXPECT_TRUE(b_cache.Zero(p)) << "a refused load wrote page " << p;
+  for (uint32_t p = 0; p < kPages; ++p)
+    EXPECT_TRUE(b_cache.Zero(p)) << "a refused load wrote page " << p;
   // Looked up again (a scheduler's retry), then loaded: the refusals changed nothing.
   m = b->Lookup(2, chain, 0);
   ASSERT_TRUE(m.ok());

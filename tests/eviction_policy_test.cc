@@ -74,12 +74,12 @@ TEST(Sieve, EraseUnderTheHand) {
 TEST(S3Fifo, ReferenceOrder) {
   auto p = Make("s3fifo");
   for (uint64_t i : {1, 2, 3, 4}) p->Insert(i);  // all in S
-  EXPECT_EQ(*p->Evict(kAny), 1u);                 // S tail, never read -> ghost
+  EXPECT_EQ(*p->Evict(kAny), 1u);                // S tail, never read -> ghost
   p->Touch(2);
-  p->Touch(2);                                    // freq 2: promoted to M on its turn
-  EXPECT_EQ(*p->Evict(kAny), 3u);                 // 2 moved to M, 3 evicted -> ghost (cap 1)
-  p->Insert(3);                                   // ghost hit: straight into M
-  p->Insert(1);                                   // ghost forgot 1: into S
+  p->Touch(2);                     // freq 2: promoted to M on its turn
+  EXPECT_EQ(*p->Evict(kAny), 3u);  // 2 moved to M, 3 evicted -> ghost (cap 1)
+  p->Insert(3);                    // ghost hit: straight into M
+  p->Insert(1);                    // ghost forgot 1: into S
   // S: 1 4 (tail 4); M: 3 2 (tail 2).
   EXPECT_EQ(Drain(*p), (std::vector<uint64_t>{4, 1, 2, 3}));
 }

@@ -8,11 +8,11 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
-#include <filesystem>
-#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "client/store_client.h"
@@ -25,7 +25,9 @@ namespace {
 using testing::ServerProcess;
 using testing::WaitFor;
 
-NamespaceSpec Spec() { return NamespaceSpec{"fault-model", "fp16", 1, 1, 64, 512, 0, 1, "", "", ""}; }
+NamespaceSpec Spec() {
+  return NamespaceSpec{"fault-model", "fp16", 1, 1, 64, 512, 0, 1, "", "", ""};
+}
 constexpr uint64_t kBlock = 128 << 10;  // 2 x 64 x 2 x 512
 BlockHash H(uint64_t i) { return BlockHash{0xFA17 + i, i}; }
 
@@ -35,8 +37,11 @@ TEST(Faults, KillNineDuringPutsGetsAndDemotionLosesNothingCommittedToDisk) {
   const int port = testing::FreePort(), ucx = testing::FreePort();
   std::vector<std::string> args = {"--listen=127.0.0.1:" + std::to_string(port),
                                    "--data-listen=127.0.0.1:" + std::to_string(ucx),
-                                   "--data-dir=" + dir.sub("db"), "--hugepages=false",
-                                   "--ram-bytes=8MiB", "--ram-slab-bytes=1MiB", "--lease-ms=1s"};
+                                   "--data-dir=" + dir.sub("db"),
+                                   "--hugepages=false",
+                                   "--ram-bytes=8MiB",
+                                   "--ram-slab-bytes=1MiB",
+                                   "--lease-ms=1s"};
   ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"), args);
   ASSERT_GT(store.port(), 0) << store.Log();
   DataClientOptions o;
@@ -93,7 +98,8 @@ TEST(Faults, KillNineDuringPutsGetsAndDemotionLosesNothingCommittedToDisk) {
         continue;
       }
       get_ok++;
-      if (g->blocks == 1 && std::memcmp(buf.data(), testing::BlockBytesFor(k, kBlock).data(), kBlock) != 0) {
+      if (g->blocks == 1 &&
+          std::memcmp(buf.data(), testing::BlockBytesFor(k, kBlock).data(), kBlock) != 0) {
         mismatches++;
       }
     }
@@ -135,14 +141,14 @@ TEST(Faults, KillNineDuringPutsGetsAndDemotionLosesNothingCommittedToDisk) {
   }
   EXPECT_GT(served, 0u);
   EXPECT_GT(from_disk, 0u);
-  std::printf("kill -9: %lu puts and %lu gets of 8 and 1 blocks ok, %lu and %lu failed (the outage); "
-              "after the restart %lu blocks served byte-exact, %lu of them from NVMe, 0 mismatched\n",
-              static_cast<unsigned long>(put_ok.load()), static_cast<unsigned long>(get_ok.load()),
-              static_cast<unsigned long>(put_err.load()), static_cast<unsigned long>(get_err.load()),
-              static_cast<unsigned long>(served), static_cast<unsigned long>(from_disk));
+  std::printf(
+      "kill -9: %lu puts and %lu gets of 8 and 1 blocks ok, %lu and %lu failed (the outage); "
+      "after the restart %lu blocks served byte-exact, %lu of them from NVMe, 0 mismatched\n",
+      static_cast<unsigned long>(put_ok.load()), static_cast<unsigned long>(get_ok.load()),
+      static_cast<unsigned long>(put_err.load()), static_cast<unsigned long>(get_err.load()),
+      static_cast<unsigned long>(served), static_cast<unsigned long>(from_disk));
   EXPECT_EQ(control.GetStats()->checksum_failures(), 0u);
 }
-
 
 namespace disk_full {
 
@@ -152,7 +158,9 @@ class SmallFilesystem {
  public:
   SmallFilesystem(const std::string& path, const std::string& size) : path_(path) {
     std::filesystem::create_directories(path);
-    mounted_ = RunShell("mount -t tmpfs -o size=" + size + " kvtier-test " + path + " 2>&1").exit_code == 0;
+    mounted_ =
+        RunShell("mount -t tmpfs -o size=" + size + " kvtier-test " + path + " 2>&1").exit_code ==
+        0;
   }
   ~SmallFilesystem() {
     if (mounted_) RunShell("umount -l " + path_ + " 2>&1");
@@ -171,11 +179,13 @@ void Fill(const std::string& path) {
 
 std::vector<std::pair<BlockHash, std::string>> Blocks(uint64_t first, uint64_t n) {
   std::vector<std::pair<BlockHash, std::string>> out;
-  for (uint64_t i = first; i < first + n; ++i) out.push_back({H(i), testing::BlockBytesFor(i, kBlock)});
+  for (uint64_t i = first; i < first + n; ++i)
+    out.push_back({H(i), testing::BlockBytesFor(i, kBlock)});
   return out;
 }
 
-absl::Status Put(StoreClient& c, uint64_t ns, const std::vector<std::pair<BlockHash, std::string>>& blocks) {
+absl::Status Put(StoreClient& c, uint64_t ns,
+                 const std::vector<std::pair<BlockHash, std::string>>& blocks) {
   std::vector<std::pair<BlockHash, std::string_view>> views;
   for (const auto& [h, b] : blocks) views.push_back({h, b});
   auto r = c.PutInline(ns, views);
@@ -217,9 +227,12 @@ TEST(Faults, DiskFullPausesTheNvmeTierKeepsServingAndRecoversWhenSpaceReturns) {
   if (!fs.mounted()) GTEST_SKIP() << "cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)";
   const int port = testing::FreePort();
   std::vector<std::string> args = {"--listen=127.0.0.1:" + std::to_string(port),
-                                   "--data-dir=" + dir.sub("fs") + "/db", "--hugepages=false",
-                                   "--ram-bytes=4MiB", "--ram-slab-bytes=1MiB",
-                                   "--disk-bytes=24MiB", "--disk-reserve-bytes=8MiB"};
+                                   "--data-dir=" + dir.sub("fs") + "/db",
+                                   "--hugepages=false",
+                                   "--ram-bytes=4MiB",
+                                   "--ram-slab-bytes=1MiB",
+                                   "--disk-bytes=24MiB",
+                                   "--disk-reserve-bytes=8MiB"};
   ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"), args);
   ASSERT_GT(store.port(), 0) << store.Log();
   StoreClientOptions co;
@@ -249,8 +262,8 @@ TEST(Faults, DiskFullPausesTheNvmeTierKeepsServingAndRecoversWhenSpaceReturns) {
   v1::TierStats d = Disk(c);
   EXPECT_NE(d.degraded_reason().find("disk full"), std::string::npos) << d.degraded_reason();
   EXPECT_NE(d.degraded_reason().find("--disk-reserve-bytes"), std::string::npos);
-  EXPECT_TRUE(WaitFor([&] { return !c.Health("kvtier.v1.Store/disk").ok(); },
-                      std::chrono::seconds(5)));
+  EXPECT_TRUE(
+      WaitFor([&] { return !c.Health("kvtier.v1.Store/disk").ok(); }, std::chrono::seconds(5)));
   EXPECT_TRUE(c.Health().ok());
   int wstatus = 0;
   EXPECT_EQ(waitpid(store.proc().pid(), &wstatus, WNOHANG), 0) << "the store died\n" << store.Log();
@@ -267,8 +280,8 @@ TEST(Faults, DiskFullPausesTheNvmeTierKeepsServingAndRecoversWhenSpaceReturns) {
   std::filesystem::remove(dir.sub("fs") + "/filler");
   EXPECT_TRUE(WaitFor([&] { return !Disk(c).degraded(); }, std::chrono::seconds(10)))
       << Disk(c).degraded_reason();
-  EXPECT_TRUE(WaitFor([&] { return c.Health("kvtier.v1.Store/disk").ok(); },
-                      std::chrono::seconds(5)));
+  EXPECT_TRUE(
+      WaitFor([&] { return c.Health("kvtier.v1.Store/disk").ok(); }, std::chrono::seconds(5)));
   const uint64_t items_before = Disk(c).items();
   for (uint64_t i = 128; i < 192; i += 8) ASSERT_TRUE(Put(c, ns->id, Blocks(i, 8)).ok());
   ASSERT_TRUE(WaitFor([&] { return DrainedToDisk(c); }, std::chrono::seconds(10)));
@@ -298,7 +311,6 @@ TEST(Faults, DiskFullPausesTheNvmeTierKeepsServingAndRecoversWhenSpaceReturns) {
   EXPECT_FALSE(Disk(after).degraded());
 }
 
-
 TEST(Faults, ARocksDbWriteErrorStopsNvmeWritesKeepsServingAndARestartRecoversEverything) {
   using namespace disk_full;
   testing::TempDir dir;
@@ -306,8 +318,10 @@ TEST(Faults, ARocksDbWriteErrorStopsNvmeWritesKeepsServingAndARestartRecoversEve
   // A 3 MiB file-size limit (RLIMIT_FSIZE, via prlimit): RocksDB's WAL append
   // fails with EFBIG, an I/O error that is not a full disk.
   std::vector<std::string> store_args = {"--listen=127.0.0.1:" + std::to_string(port),
-                                         "--data-dir=" + dir.sub("db"), "--hugepages=false",
-                                         "--ram-bytes=2MiB", "--ram-slab-bytes=1MiB",
+                                         "--data-dir=" + dir.sub("db"),
+                                         "--hugepages=false",
+                                         "--ram-bytes=2MiB",
+                                         "--ram-slab-bytes=1MiB",
                                          "--ram-policy=lru"};  // newest blocks stay in RAM
   std::vector<std::string> limited = {"--fsize=" + std::to_string(3 << 20), KVTIER_STORE_BIN};
   limited.insert(limited.end(), store_args.begin(), store_args.end());
@@ -324,11 +338,14 @@ TEST(Faults, ARocksDbWriteErrorStopsNvmeWritesKeepsServingAndARestartRecoversEve
     absl::Status s = Put(c, ns->id, Blocks(i, 8));
     ASSERT_TRUE(s.ok()) << s;
   }
-  ASSERT_TRUE(WaitFor([&] { return Disk(c).degraded(); }, std::chrono::seconds(10))) << store->Log();
+  ASSERT_TRUE(WaitFor([&] { return Disk(c).degraded(); }, std::chrono::seconds(10)))
+      << store->Log();
   v1::TierStats d = Disk(c);
-  EXPECT_NE(d.degraded_reason().find("RocksDB write error"), std::string::npos) << d.degraded_reason();
+  EXPECT_NE(d.degraded_reason().find("RocksDB write error"), std::string::npos)
+      << d.degraded_reason();
   EXPECT_NE(d.degraded_reason().find("restart"), std::string::npos) << d.degraded_reason();
-  EXPECT_TRUE(WaitFor([&] { return !c.Health("kvtier.v1.Store/disk").ok(); }, std::chrono::seconds(5)));
+  EXPECT_TRUE(
+      WaitFor([&] { return !c.Health("kvtier.v1.Store/disk").ok(); }, std::chrono::seconds(5)));
   EXPECT_TRUE(c.Health().ok());
   // It keeps serving: new puts land in RAM, RAM and NVMe blocks read back byte-exact.
   for (uint64_t i = 64; i < 80; i += 8) EXPECT_TRUE(Put(c, ns->id, Blocks(i, 8)).ok());
@@ -344,7 +361,8 @@ TEST(Faults, ARocksDbWriteErrorStopsNvmeWritesKeepsServingAndARestartRecoversEve
 
   // A clean stop does not trip over the failed WAL writer.
   int status = store->proc().Kill(SIGTERM);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n" << store->Log();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n"
+                                                             << store->Log();
 
   // Restarted without the limit: every block that was on NVMe is back byte-exact.
   store = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir.sub("store2"), store_args);

@@ -12,9 +12,9 @@
 #include <thread>
 
 #include "client/store_data_client.h"
+#include "client/transfer_lanes.h"
 #include "common/data_wire.h"
 #include "common/socket_io.h"
-#include "client/transfer_lanes.h"
 #include "common/thread_cache.h"
 #include "common/ucx/calls.h"
 #include "common/ucx/ucx.h"
@@ -85,9 +85,8 @@ TEST(TransferLanes, OffloadBytesNeverHoldALoadsSubmit) {
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   lanes.Submit(TransferLanes::Class::kOffload, 100, [released](size_t) { released.wait(); });
-  auto submitted = std::async(std::launch::async, [&] {
-    lanes.Submit(TransferLanes::Class::kLoad, 100, [](size_t) {});
-  });
+  auto submitted = std::async(
+      std::launch::async, [&] { lanes.Submit(TransferLanes::Class::kLoad, 100, [](size_t) {}); });
   EXPECT_EQ(submitted.wait_for(std::chrono::seconds(5)), std::future_status::ready);
   release.set_value();
 }
@@ -122,7 +121,9 @@ TEST(ThreadCache, ReusesAThreadForTasksInSequenceAndRunsConcurrentOnesAtOnce) {
 }
 
 // 4 segments of 64 KiB: 2 (K, V) x 4 layers x 1 head x 64 dim x 2 bytes x 64 tokens.
-NamespaceSpec Spec4L() { return NamespaceSpec{"fetch-test", "fp16", 4, 1, 64, 64, 0, 1, "", "", ""}; }
+NamespaceSpec Spec4L() {
+  return NamespaceSpec{"fetch-test", "fp16", 4, 1, 64, 64, 0, 1, "", "", ""};
+}
 constexpr uint64_t kBlock = 64 << 10;
 constexpr uint64_t kLayer = kBlock / 4;
 
@@ -259,20 +260,16 @@ TEST_P(FetchPath, BadReadsAreRefusedAndChangeNothingStored) {
   };
   // A layer range outside the block, or segments that do not tile it.
   plan.bounds = {0, kLayer, 2 * kBlock};
-  expect(c.Read(*pin, kBlock, 0, n, plan).get(), absl::StatusCode::kInvalidArgument,
-         "do not tile");
+  expect(c.Read(*pin, kBlock, 0, n, plan).get(), absl::StatusCode::kInvalidArgument, "do not tile");
   plan.bounds = {0, 2 * kLayer, kLayer, kBlock};
-  expect(c.Read(*pin, kBlock, 0, n, plan).get(), absl::StatusCode::kInvalidArgument,
-         "do not tile");
+  expect(c.Read(*pin, kBlock, 0, n, plan).get(), absl::StatusCode::kInvalidArgument, "do not tile");
   plan.bounds.clear();
   // More blocks than pinned.
-  expect(c.Read(*pin, kBlock, 2, n, plan).get(), absl::StatusCode::kInvalidArgument,
-         "are pinned");
+  expect(c.Read(*pin, kBlock, 2, n, plan).get(), absl::StatusCode::kInvalidArgument, "are pinned");
   // A pin whose lease has expired.
   PinnedBlocks stale = *pin;
   stale.expires = std::chrono::steady_clock::now() - std::chrono::seconds(1);
-  expect(c.Read(stale, kBlock, 0, n, plan).get(), absl::StatusCode::kFailedPrecondition,
-         "expired");
+  expect(c.Read(stale, kBlock, 0, n, plan).get(), absl::StatusCode::kFailedPrecondition, "expired");
   // Nothing above touched the caller's memory or the store.
   EXPECT_EQ(dst, std::vector<uint8_t>(n * kBlock, 0));
   auto good = c.Read(*pin, kBlock, 0, n, plan).get();
@@ -474,7 +471,8 @@ class RawCaller {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     auto fd = net::Connect("127.0.0.1", std::stoi(a.substr(a.rfind(':') + 1)), deadline);
     if (!fd.ok()) return {-1, std::string(fd.status().message())};
-    auto exchange = [&](const wire::Frame& f, const std::string& payload) -> std::pair<int, std::string> {
+    auto exchange = [&](const wire::Frame& f,
+                        const std::string& payload) -> std::pair<int, std::string> {
       iovec v[2] = {{const_cast<wire::Frame*>(&f), sizeof(f)},
                     {const_cast<char*>(payload.data()), payload.size()}};
       wire::Reply r;
@@ -486,8 +484,8 @@ class RawCaller {
       if (!net::ReadAll(*fd, text.data(), text.size(), deadline).ok()) return {-1, ""};
       return {r.code, text};
     };
-    std::pair<int, std::string> out = exchange(
-        wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, session.size()}, session);
+    std::pair<int, std::string> out =
+        exchange(wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, session.size()}, session);
     if (out.first == 0) {
       out = exchange(wire::Frame{magic == ucx::kCallMagic ? wire::kFrameMagic : magic, wire::kCall,
                                  method, 0, 0, body.size()},
@@ -533,10 +531,11 @@ TEST_P(FetchPath, BadDataPlaneCallsAreRefusedAndChangeNothingStored) {
   // The store's own checks, as over gRPC: an unknown namespace, no lease ids.
   v1::BeginGetRequest unknown = pin;
   unknown.set_namespace_id(ns->id ^ 1);
-  expect(raw.Call(ucx::kCallBeginGet, raw.session(), unknown.SerializeAsString()),
-         grpc::NOT_FOUND, "namespace");
-  expect(raw.Call(ucx::kCallReleaseGets, raw.session(), v1::ReleaseGetsRequest().SerializeAsString()),
-         grpc::INVALID_ARGUMENT, "names no lease");
+  expect(raw.Call(ucx::kCallBeginGet, raw.session(), unknown.SerializeAsString()), grpc::NOT_FOUND,
+         "namespace");
+  expect(
+      raw.Call(ucx::kCallReleaseGets, raw.session(), v1::ReleaseGetsRequest().SerializeAsString()),
+      grpc::INVALID_ARGUMENT, "names no lease");
   v1::BeginPutRequest put;
   put.set_namespace_id(ns->id ^ 1);
   ToProto(BlockHash{77, 77}, put.add_hashes());
@@ -638,8 +637,8 @@ class ConnectorFetch : public FetchPath {
                                            b->namespace_id(), chain[i], packed))
           << "block " << i;
       if (packed) {
-        EXPECT_FALSE(worker::PageMatchesModel(b->pool().layout(), b->pool().layer_bases(),
-                                              pages[i], b->namespace_id(), chain[i], false))
+        EXPECT_FALSE(worker::PageMatchesModel(b->pool().layout(), b->pool().layer_bases(), pages[i],
+                                              b->namespace_id(), chain[i], false))
             << "int8 is lossy: the page cannot hold the unpacked model exactly";
       }
     }

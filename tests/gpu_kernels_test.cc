@@ -25,8 +25,10 @@ void GatherReference(const KvLayout& l, const std::vector<std::vector<uint8_t>>&
       for (uint32_t t = 0; t < l.block_tokens; ++t) {
         for (uint32_t h = 0; h < l.kv_heads; ++h) {
           for (uint32_t d = 0; d < l.head_dim; ++d) {
-            uint64_t idx = ((((uint64_t{page} * 2 + kv) * l.block_tokens + t) * l.kv_heads + h) *
-                                l.head_dim + d) * e;
+            uint64_t idx =
+                ((((uint64_t{page} * 2 + kv) * l.block_tokens + t) * l.kv_heads + h) * l.head_dim +
+                 d) *
+                e;
             std::memcpy(block + out, cache[layer].data() + idx, e);
             out += e;
           }
@@ -63,7 +65,8 @@ TEST(GpuCpu, GatherMatchesTheReferenceAndScatterInvertsIt) {
     const uint64_t chunk = l.layer_page_bytes();
     for (uint32_t p : pages) {
       for (uint32_t layer = 0; layer < l.layers; ++layer) {
-        ASSERT_EQ(0, std::memcmp(fresh[layer].data() + p * chunk, cache[layer].data() + p * chunk, chunk));
+        ASSERT_EQ(0, std::memcmp(fresh[layer].data() + p * chunk, cache[layer].data() + p * chunk,
+                                 chunk));
       }
     }
   }
@@ -92,7 +95,8 @@ TEST(GpuCpu, HalfAndBf16ConversionsRoundToNearestEven) {
       continue;
     }
     uint16_t hb = FloatToHalf(f);
-    float up = HalfToFloat(static_cast<uint16_t>(hb + 1)), dn = HalfToFloat(static_cast<uint16_t>(hb - 1));
+    float up = HalfToFloat(static_cast<uint16_t>(hb + 1)),
+          dn = HalfToFloat(static_cast<uint16_t>(hb - 1));
     EXPECT_LE(std::fabs(h - f), std::fabs(up - f) + 1e-12f) << f;
     EXPECT_LE(std::fabs(h - f), std::fabs(dn - f) + 1e-12f) << f;
   }
@@ -130,9 +134,9 @@ TEST(GpuCpu, FusedGatherPackAndLayerwiseUnpackScatterMatchTheBlockFunctions) {
       ASSERT_TRUE(UnpackScatterInt8Cpu(l, layer, layer + 1, bases.data(), &pages[1], 1, &src).ok());
     }
     for (uint32_t layer = 0; layer < l.layers; ++layer) {
-      EXPECT_EQ(0, std::memcmp(bases[layer] + pages[1] * l.layer_page_bytes(),
-                               unpacked.data() + layer * l.layer_page_bytes(),
-                               l.layer_page_bytes()))
+      EXPECT_EQ(0,
+                std::memcmp(bases[layer] + pages[1] * l.layer_page_bytes(),
+                            unpacked.data() + layer * l.layer_page_bytes(), l.layer_page_bytes()))
           << "layer " << layer;
     }
     auto bad = UnpackScatterInt8Cpu(l, 0, l.layers + 1, bases.data(), &pages[1], 1, &src);
@@ -167,8 +171,9 @@ TEST(GpuCpu, Int8PackingStaysWithinItsErrorBound) {
           float x = d == Dtype::kFp16 ? HalfToFloat(a) : Bf16ToFloat(a);
           float y = d == Dtype::kFp16 ? HalfToFloat(b) : Bf16ToFloat(b);
           // s/2 from quantisation, plus half an ulp of the dtype at |y|.
-          float ulp = d == Dtype::kFp16 ? std::ldexp(1.0f, std::ilogb(std::max(std::fabs(y), 6.1e-5f)) - 10)
-                                        : std::ldexp(1.0f, std::ilogb(std::max(std::fabs(y), 1e-30f)) - 7);
+          float ulp = d == Dtype::kFp16
+                          ? std::ldexp(1.0f, std::ilogb(std::max(std::fabs(y), 6.1e-5f)) - 10)
+                          : std::ldexp(1.0f, std::ilogb(std::max(std::fabs(y), 1e-30f)) - 7);
           ASSERT_LE(std::fabs(x - y), s / 2 + ulp / 2 + 1e-7f) << "chunk " << c << " elem " << i;
         }
       }

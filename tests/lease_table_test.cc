@@ -82,23 +82,21 @@ TEST(LeaseTable, AHoldCoversOnlyWholeRangesInsideOneOfTheLeasesSlots) {
   EXPECT_TRUE(t.Use(id, false, 1, 8192 + 1024, 1024).ok());
   // Outside: before, after, straddling, between the slots, past the end of
   // the address space, empty.
-  for (auto [off, len] : std::vector<std::pair<uint64_t, uint64_t>>{
-           {8191, 2},
-           {8192, 4097},
-           {12288, 1},
-           {16384, 4096},
-           {32768 + 4095, 2},
-           {0, 1},
-           {~uint64_t{0} - 10, 20},
-           {8192, ~uint64_t{0}},
-           {8192, 0}}) {
+  for (auto [off, len] : std::vector<std::pair<uint64_t, uint64_t>>{{8191, 2},
+                                                                    {8192, 4097},
+                                                                    {12288, 1},
+                                                                    {16384, 4096},
+                                                                    {32768 + 4095, 2},
+                                                                    {0, 1},
+                                                                    {~uint64_t{0} - 10, 20},
+                                                                    {8192, ~uint64_t{0}},
+                                                                    {8192, 0}}) {
     auto h = t.Use(id, false, 1, off, len);
     EXPECT_EQ(h.status().code(), absl::StatusCode::kInvalidArgument) << off << "+" << len;
   }
   // Another kind, another tenant, no tenant, an unknown lease.
   EXPECT_EQ(t.Use(id, true, 1, 8192, 4096).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(t.Use(id, false, 2, 8192, 4096).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.Use(id, false, 2, 8192, 4096).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(t.Use(id, false, -1, 8192, 4096).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(t.Use(id + 1, false, 1, 8192, 4096).status().code(),
@@ -120,8 +118,7 @@ TEST(LeaseTable, EndingAHeldLeaseWaitsForItsTransfersAndRefusesNewOnes) {
   });
   std::this_thread::sleep_for(200ms);
   EXPECT_FALSE(taken) << "the lease ended while a transfer still moved its bytes";
-  EXPECT_EQ(t.Use(id, false, -1, 8192, 4096).status().code(),
-            absl::StatusCode::kFailedPrecondition)
+  EXPECT_EQ(t.Use(id, false, -1, 8192, 4096).status().code(), absl::StatusCode::kFailedPrecondition)
       << "a new transfer of a lease being ended";
   hold->token.reset();  // the transfer ends
   ASSERT_EQ(take.wait_for(5s), std::future_status::ready);

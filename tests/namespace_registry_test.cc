@@ -80,8 +80,7 @@ TEST(NamespaceRegistry, SurvivesARestartAndCountsItsLimitAcrossIt) {
     ASSERT_TRUE((*reg)->Register(Spec("b"), 0, kMaxBlock).ok());
     auto full = (*reg)->Register(Spec("c"), 0, kMaxBlock);
     EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted) << full.status();
-    EXPECT_NE(full.status().message().find("--max-namespaces"), std::string::npos)
-        << full.status();
+    EXPECT_NE(full.status().message().find("--max-namespaces"), std::string::npos) << full.status();
   }
   auto disk = OpenDisk(dir.path());
   auto reg = NamespaceRegistry::Load(disk.get(), 2);

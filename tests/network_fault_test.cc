@@ -39,8 +39,8 @@ int64_t MsSince(Clock::time_point t) {
 }
 
 ServerProcess Store(testing::TempDir& dir, std::vector<std::string> extra = {}) {
-  std::vector<std::string> args = {"--listen=127.0.0.1:0", "--data-dir=" + dir.sub("db"),
-                                   "--hugepages=false", "--ram-bytes=16MiB",
+  std::vector<std::string> args = {"--listen=127.0.0.1:0",  "--data-dir=" + dir.sub("db"),
+                                   "--hugepages=false",     "--ram-bytes=16MiB",
                                    "--ram-slab-bytes=1MiB", "--lease-ms=2s"};
   args.insert(args.end(), extra.begin(), extra.end());
   return ServerProcess(KVTIER_STORE_BIN, dir.sub("store"), args);
@@ -80,7 +80,8 @@ TEST_F(StoreBehindAFaultyNetwork, APartitionedControlPlaneFailsEveryCallAtItsDea
     EXPECT_EQ(s.status().code(), absl::StatusCode::kDeadlineExceeded) << s.status();
     EXPECT_LE(ms, kDeadlineMs + kSlack.count()) << "call " << i << " hung past its deadline";
     std::printf("partitioned GetStats: %s after %ld ms (deadline %d ms)\n",
-                absl::StatusCodeToString(s.status().code()).c_str(), static_cast<long>(ms), kDeadlineMs);
+                absl::StatusCodeToString(s.status().code()).c_str(), static_cast<long>(ms),
+                kDeadlineMs);
     std::string block = testing::BlockBytesFor(i, kBlock);
     t0 = Clock::now();
     auto put = c.PutInline(ns_, {{H(i), block}});
@@ -114,7 +115,8 @@ TEST_F(StoreBehindAFaultyNetwork, ResetConnectionsFailCallsFastAndTheClientRecon
   std::thread writer([&] {
     for (uint64_t first = 0; !stop; first += 256) {
       std::vector<std::string> bytes;
-      for (uint64_t i = first; i < first + 256; ++i) bytes.push_back(testing::BlockBytesFor(i, kBlock));
+      for (uint64_t i = first; i < first + 256; ++i)
+        bytes.push_back(testing::BlockBytesFor(i, kBlock));
       std::vector<std::pair<BlockHash, std::string_view>> blocks;
       for (uint64_t i = 0; i < 256; ++i) blocks.push_back({H(first + i), bytes[i]});
       auto t0 = Clock::now();
@@ -134,8 +136,8 @@ TEST_F(StoreBehindAFaultyNetwork, ResetConnectionsFailCallsFastAndTheClientRecon
   EXPECT_EQ(s.status().code(), absl::StatusCode::kUnavailable) << s.status();
   int64_t reset_ms = MsSince(t0);
   EXPECT_LT(reset_ms, kDeadlineMs) << "a reset should not wait for the deadline";
-  std::printf("reset GetStats: %s after %ld ms\n", absl::StatusCodeToString(s.status().code()).c_str(),
-              static_cast<long>(reset_ms));
+  std::printf("reset GetStats: %s after %ld ms\n",
+              absl::StatusCodeToString(s.status().code()).c_str(), static_cast<long>(reset_ms));
   EXPECT_TRUE(WaitFor([&] { return failed_puts >= 1; }, std::chrono::seconds(5)));
 
   proxy.Set(FaultProxy::Mode::kForward);
@@ -145,7 +147,8 @@ TEST_F(StoreBehindAFaultyNetwork, ResetConnectionsFailCallsFastAndTheClientRecon
   stop = true;
   writer.join();
   std::printf("inline puts of 32 MiB: %lu ok, %lu failed, %lu past the deadline\n",
-              static_cast<unsigned long>(ok_puts.load()), static_cast<unsigned long>(failed_puts.load()),
+              static_cast<unsigned long>(ok_puts.load()),
+              static_cast<unsigned long>(failed_puts.load()),
               static_cast<unsigned long>(slow.load()));
   EXPECT_EQ(slow.load(), 0u) << "a put outlived its deadline";
   EXPECT_GE(proxy.connections(), 2u) << "the client should have opened a new connection";
@@ -198,20 +201,22 @@ TEST(NetworkFaults, AStalledStoreFailsDataPlaneOperationsAtTheirDeadlineAndTheyR
   // stay open, nothing comes back, as in a partition).
   ASSERT_TRUE(store.proc().Stop());
   // kill() returns before every thread has stopped: wait for state T.
-  ASSERT_TRUE(WaitFor([&] {
-    std::ifstream stat("/proc/" + std::to_string(store.proc().pid()) + "/stat");
-    std::string pid, comm, state;
-    stat >> pid >> comm >> state;
-    return state == "T";
-  }, std::chrono::seconds(5)));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        std::ifstream stat("/proc/" + std::to_string(store.proc().pid()) + "/stat");
+        std::string pid, comm, state;
+        stat >> pid >> comm >> state;
+        return state == "T";
+      },
+      std::chrono::seconds(5)));
   for (uint64_t first : {100, 200}) {
     auto t0 = Clock::now();
     auto p = put(first);
     EXPECT_FALSE(p.ok());
     int64_t put_ms = MsSince(t0);
     EXPECT_LE(put_ms, kDeadlineMs + kSlack.count()) << "put hung: " << p.status();
-    std::printf("stalled store: data-plane put failed after %ld ms: %s\n", static_cast<long>(put_ms),
-                std::string(p.status().message()).c_str());
+    std::printf("stalled store: data-plane put failed after %ld ms: %s\n",
+                static_cast<long>(put_ms), std::string(p.status().message()).c_str());
     t0 = Clock::now();
     auto g = get(0);
     EXPECT_FALSE(g.ok() && g->blocks == 4);
@@ -228,7 +233,8 @@ TEST(NetworkFaults, AStalledStoreFailsDataPlaneOperationsAtTheirDeadlineAndTheyR
   ASSERT_TRUE(g.ok()) << g.status();
   ASSERT_EQ(g->blocks, 4u);
   for (uint64_t i = 0; i < 4; ++i) {
-    EXPECT_EQ(std::memcmp(in.data() + i * kBlock, testing::BlockBytesFor(i, kBlock).data(), kBlock), 0);
+    EXPECT_EQ(std::memcmp(in.data() + i * kBlock, testing::BlockBytesFor(i, kBlock).data(), kBlock),
+              0);
   }
 }
 
@@ -253,14 +259,16 @@ TEST(NetworkFaults, ARouterStreamCutOffOrResetDropsThenResyncsTheSource) {
   for (uint64_t i = 0; i < 50; ++i) chain.push_back(H(i));
   pub.Stored(42, chain);
 
-  auto stub = v1::Router::NewStub(grpc::CreateChannel(router.address(), grpc::InsecureChannelCredentials()));
+  auto stub = v1::Router::NewStub(
+      grpc::CreateChannel(router.address(), grpc::InsecureChannelCredentials()));
   auto blocks = [&]() -> int64_t {  // -1: the router does not list the source
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     v1::ListWorkersResponse r;
     if (!stub->ListWorkers(&ctx, {}, &r).ok()) return -2;
     for (const auto& s : r.sources()) {
-      if (s.source_id() == "w-net") return s.connected() ? static_cast<int64_t>(s.indexed_blocks()) : -1;
+      if (s.source_id() == "w-net")
+        return s.connected() ? static_cast<int64_t>(s.indexed_blocks()) : -1;
     }
     return -1;
   };

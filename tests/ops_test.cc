@@ -2,10 +2,10 @@
 // shape, exit codes) and the Prometheus endpoints scraped for real.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <set>
-#include <regex>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <regex>
+#include <set>
 
 #include <cstdio>
 #include <fstream>
@@ -21,8 +21,8 @@
 namespace kvtier {
 namespace {
 
-using testing::ServerProcess;
 using testing::HttpGet;
+using testing::ServerProcess;
 using testing::WaitFor;
 
 struct CliRun {
@@ -47,10 +47,13 @@ class Ops : public ::testing::Test {
                                  "--metrics-listen=127.0.0.1:" + std::to_string(router_metrics_)});
     for (int s = 0; s < 2; ++s) {
       metrics_ports_.push_back(testing::FreePort());
-      std::vector<std::string> flags = {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
-                                        "--data-dir=" + dir_.sub("db" + std::to_string(s)),
-                                        "--hugepages=false", "--ram-bytes=16MiB",
-                                        "--metrics-listen=127.0.0.1:" + std::to_string(metrics_ports_.back())};
+      std::vector<std::string> flags = {
+          "--listen=127.0.0.1:0",
+          "--data-listen=127.0.0.1:0",
+          "--data-dir=" + dir_.sub("db" + std::to_string(s)),
+          "--hugepages=false",
+          "--ram-bytes=16MiB",
+          "--metrics-listen=127.0.0.1:" + std::to_string(metrics_ports_.back())};
       if (s == 0) {
         flags.push_back("--router=" + router_->address());  // its fetch figures, for routes
         // A port of its own, so the address it advertises to the router is known.
@@ -63,11 +66,12 @@ class Ops : public ::testing::Test {
     worker_ = std::make_unique<ServerProcess>(
         KVTIER_SIM_WORKER_BIN, dir_.sub("w1"),
         std::vector<std::string>{"--listen=127.0.0.1:0", "--store=" + stores_[0]->address(),
-                                 "--router=" + router_->address(), "--worker-id=w1",
-                                 "--pages=128", "--offload=write-through", "--heartbeat=100ms"});
+                                 "--router=" + router_->address(), "--worker-id=w1", "--pages=128",
+                                 "--offload=write-through", "--heartbeat=100ms"});
     ASSERT_GT(worker_->port(), 0) << worker_->Log();
     // One request through the worker: blocks land in store 0 and the router.
-    auto stub = v1::SimWorker::NewStub(grpc::CreateChannel(worker_->address(), grpc::InsecureChannelCredentials()));
+    auto stub = v1::SimWorker::NewStub(
+        grpc::CreateChannel(worker_->address(), grpc::InsecureChannelCredentials()));
     v1::SubmitRequest req;
     std::ofstream tokens(dir_.sub("tokens.txt"));
     for (int i = 0; i < 100; ++i) {
@@ -87,7 +91,8 @@ class Ops : public ::testing::Test {
     }));
     stores_env_ = "KVTIER_STORE=" + stores_[0]->address() + "," + stores_[1]->address() +
                   " KVTIER_ROUTER=" + router_->address();
-    ns_ = absl::StrFormat("%016x", NamespaceId(NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", "", ""}));
+    ns_ = absl::StrFormat(
+        "%016x", NamespaceId(NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", "", ""}));
   }
   testing::TempDir dir_;
   std::vector<std::unique_ptr<ServerProcess>> stores_;
@@ -160,7 +165,7 @@ TEST_F(Ops, EvictAsksUnlessYes) {
 
 TEST_F(Ops, LookupWorkersAndRoute) {
   CliRun r = Kvctl("lookup --namespace " + ns_ + " --tokens " + dir_.sub("tokens.txt") + " --json",
-                "KVTIER_STORE=" + stores_[0]->address());
+                   "KVTIER_STORE=" + stores_[0]->address());
   ASSERT_EQ(r.code, 0) << r.out;
   auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j[stores_[0]->address()]["present_prefix"].get<uint64_t>(), 6u);
@@ -186,7 +191,8 @@ TEST_F(Ops, LookupWorkersAndRoute) {
     }
   }
   EXPECT_TRUE(store_shown) << r.out;
-  r = Kvctl("route --namespace " + ns_ + " --tokens " + dir_.sub("tokens.txt") + " --json", stores_env_);
+  r = Kvctl("route --namespace " + ns_ + " --tokens " + dir_.sub("tokens.txt") + " --json",
+            stores_env_);
   ASSERT_EQ(r.code, 0) << r.out;
   j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["worker"], "w1");
@@ -298,8 +304,8 @@ TEST_F(Ops, RouteIsADryRunUnlessCounted) {
 // The router answered "no live worker serves namespace ...": a refusal
 // (exit 1) with its message, not "is it running?" (exit 3).
 TEST_F(Ops, ARouterThatAnsweredIsNotUnreachable) {
-  CliRun r = Kvctl("route --namespace 00000000000000ab --tokens " + dir_.sub("tokens.txt"),
-                   stores_env_);
+  CliRun r =
+      Kvctl("route --namespace 00000000000000ab --tokens " + dir_.sub("tokens.txt"), stores_env_);
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("no live worker serves namespace"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("is it running"), std::string::npos) << r.out;
@@ -324,7 +330,8 @@ TEST_F(Ops, UnreachableAndBadUsageHaveTheirExitCodes) {
   EXPECT_EQ(Kvctl("frobnicate").code, 2);
   EXPECT_EQ(Kvctl("stats --bogus").code, 2);
   EXPECT_EQ(Kvctl("lookup --namespace zz --tokens x", stores_env_).code, 2);
-  for (const char* c : {"stats", "policy get", "evict", "lookup", "workers", "route", "namespaces"}) {
+  for (const char* c :
+       {"stats", "policy get", "evict", "lookup", "workers", "route", "namespaces"}) {
     CliRun h = Kvctl(std::string(c) + " --help");
     EXPECT_EQ(h.code, 0) << c;
     EXPECT_NE(h.out.find("Usage: kvctl"), std::string::npos) << c << h.out;
@@ -333,17 +340,18 @@ TEST_F(Ops, UnreachableAndBadUsageHaveTheirExitCodes) {
 
 TEST_F(Ops, PrometheusEndpointsServeTheDocumentedMetrics) {
   std::string store = HttpGet(metrics_ports_[0], "/metrics");
-  for (const char* name : {"kvtier_store_tier_used_bytes{tier=\"ram\"}", "kvtier_store_tier_items{tier=\"ram\"} 6",
-                           "kvtier_store_tier_hits_total", "kvtier_store_tier_evictions_total",
-                           "kvtier_store_tier_promotions_total", "kvtier_store_tier_demotions_total",
-                           "kvtier_store_rpc_duration_seconds_bucket{rpc=\"BeginPut\"",
-                           "kvtier_store_fetch_duration_seconds_bucket{tier=\"ram\"",
-                           "kvtier_store_fetch_duration_seconds_bucket{tier=\"disk\"",
-                           "kvtier_store_dataplane_bytes_total{direction=\"put\"}",
-                           "kvtier_store_leases{kind=\"put\"} 0",
-                           "kvtier_build_info{component=\"store\",version=\"" KVTIER_VERSION "\"} 1",
-                           "\nprocess_cpu_seconds_total ", "\nprocess_resident_memory_bytes ",
-                           "\nprocess_start_time_seconds ", "\nprocess_open_fds "}) {
+  for (const char* name :
+       {"kvtier_store_tier_used_bytes{tier=\"ram\"}", "kvtier_store_tier_items{tier=\"ram\"} 6",
+        "kvtier_store_tier_hits_total", "kvtier_store_tier_evictions_total",
+        "kvtier_store_tier_promotions_total", "kvtier_store_tier_demotions_total",
+        "kvtier_store_rpc_duration_seconds_bucket{rpc=\"BeginPut\"",
+        "kvtier_store_fetch_duration_seconds_bucket{tier=\"ram\"",
+        "kvtier_store_fetch_duration_seconds_bucket{tier=\"disk\"",
+        "kvtier_store_dataplane_bytes_total{direction=\"put\"}",
+        "kvtier_store_leases{kind=\"put\"} 0",
+        "kvtier_build_info{component=\"store\",version=\"" KVTIER_VERSION "\"} 1",
+        "\nprocess_cpu_seconds_total ", "\nprocess_resident_memory_bytes ",
+        "\nprocess_start_time_seconds ", "\nprocess_open_fds "}) {
     EXPECT_NE(store.find(name), std::string::npos) << name << "\n" << store.substr(0, 2000);
   }
   std::string router;
@@ -351,12 +359,12 @@ TEST_F(Ops, PrometheusEndpointsServeTheDocumentedMetrics) {
     router = HttpGet(router_metrics_, "/metrics");
     return router.find("kvtier_router_indexed_blocks 6") != std::string::npos;
   })) << router.substr(0, 2000);
-  for (const char* name : {"kvtier_router_events_total{outcome=\"applied\"}",
-                           "kvtier_router_decisions_total{outcome=\"lowest_cost\"}",
-                           "kvtier_build_info{component=\"router\",version=\"" KVTIER_VERSION "\"} 1",
-                           "kvtier_router_source_up{kind=\"worker\",source=\"w1\"} 1",
-                           "kvtier_router_route_duration_seconds_count",
-                           "kvtier_router_index_bytes_per_block"}) {
+  for (const char* name :
+       {"kvtier_router_events_total{outcome=\"applied\"}",
+        "kvtier_router_decisions_total{outcome=\"lowest_cost\"}",
+        "kvtier_build_info{component=\"router\",version=\"" KVTIER_VERSION "\"} 1",
+        "kvtier_router_source_up{kind=\"worker\",source=\"w1\"} 1",
+        "kvtier_router_route_duration_seconds_count", "kvtier_router_index_bytes_per_block"}) {
     EXPECT_NE(router.find(name), std::string::npos) << name;
   }
 }
@@ -373,18 +381,21 @@ TEST_F(Ops, EveryDashboardQueryNamesAMetricALiveProcessExports) {
   for (const auto& panel : dash["panels"]) {
     for (const auto& target : panel["targets"]) {
       const std::string expr = target["expr"];
-      for (auto it = std::sregex_iterator(expr.begin(), expr.end(), name); it != std::sregex_iterator(); ++it) {
+      for (auto it = std::sregex_iterator(expr.begin(), expr.end(), name);
+           it != std::sregex_iterator(); ++it) {
         queried.insert(it->str());
       }
     }
   }
   ASSERT_GE(queried.size(), 10u);
   // A second worker onboards the fixture's prompt from store 0 (a fetch).
-  ServerProcess w2(KVTIER_SIM_WORKER_BIN, dir_.sub("w2"),
-                   {"--listen=127.0.0.1:0", "--store=" + stores_[0]->address(), "--router=" + router_->address(),
-                    "--worker-id=w2", "--pages=128", "--offload=write-through", "--heartbeat=100ms"});
+  ServerProcess w2(
+      KVTIER_SIM_WORKER_BIN, dir_.sub("w2"),
+      {"--listen=127.0.0.1:0", "--store=" + stores_[0]->address(), "--router=" + router_->address(),
+       "--worker-id=w2", "--pages=128", "--offload=write-through", "--heartbeat=100ms"});
   ASSERT_GT(w2.port(), 0) << w2.Log();
-  auto stub = v1::SimWorker::NewStub(grpc::CreateChannel(w2.address(), grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::SimWorker::NewStub(grpc::CreateChannel(w2.address(), grpc::InsecureChannelCredentials()));
   v1::SubmitRequest req;
   for (int i = 0; i < 100; ++i) req.mutable_tokens()->add_ids(i);
   grpc::ClientContext ctx;
@@ -393,19 +404,25 @@ TEST_F(Ops, EveryDashboardQueryNamesAMetricALiveProcessExports) {
   EXPECT_GT(resp.onboarded_tokens(), 0u) << resp.load_status();
   // The store's fetch figures reach the router with its heartbeats.
   std::string exported;
-  ASSERT_TRUE(testing::WaitFor([&] {
-    exported = HttpGet(metrics_ports_[0], "/metrics") + HttpGet(metrics_ports_[1], "/metrics") +
-               HttpGet(router_metrics_, "/metrics");
-    return exported.find("\nkvtier_router_store_fetch_seconds_per_block{") != std::string::npos;
-  }, std::chrono::seconds(10))) << "the store's fetch figures did not reach the router";
+  ASSERT_TRUE(testing::WaitFor(
+      [&] {
+        exported = HttpGet(metrics_ports_[0], "/metrics") + HttpGet(metrics_ports_[1], "/metrics") +
+                   HttpGet(router_metrics_, "/metrics");
+        return exported.find("\nkvtier_router_store_fetch_seconds_per_block{") != std::string::npos;
+      },
+      std::chrono::seconds(10)))
+      << "the store's fetch figures did not reach the router";
   // That fetch is in store 0's end-to-end fetch latency once its pin is
   // released (releases never hold the worker: they arrive soon after).
-  EXPECT_TRUE(testing::WaitFor([&] {
-    std::string s0 = HttpGet(metrics_ports_[0], "/metrics");
-    const std::string line = "\nkvtier_store_fetch_duration_seconds_count{tier=\"ram\"} ";
-    auto at = s0.find(line);
-    return at != std::string::npos && s0.compare(at + line.size(), 2, "0\n") != 0;
-  }, std::chrono::seconds(10))) << "the fetch is not in kvtier_store_fetch_duration_seconds";
+  EXPECT_TRUE(testing::WaitFor(
+      [&] {
+        std::string s0 = HttpGet(metrics_ports_[0], "/metrics");
+        const std::string line = "\nkvtier_store_fetch_duration_seconds_count{tier=\"ram\"} ";
+        auto at = s0.find(line);
+        return at != std::string::npos && s0.compare(at + line.size(), 2, "0\n") != 0;
+      },
+      std::chrono::seconds(10)))
+      << "the fetch is not in kvtier_store_fetch_duration_seconds";
   for (const std::string& metric : queried) {
     EXPECT_TRUE(exported.find("\n" + metric + "{") != std::string::npos ||
                 exported.find("\n" + metric + " ") != std::string::npos)

@@ -32,7 +32,9 @@ using testing::BlockBytesFor;
 using testing::WaitFor;
 
 // 2 (K, V) x 1 layer x 1 head x 64 dim x 2 bytes x 256 tokens = 64 KiB.
-NamespaceSpec Spec() { return NamespaceSpec{"peer-model", "fp16", 1, 1, 64, 256, 0, 1, "", "", ""}; }
+NamespaceSpec Spec() {
+  return NamespaceSpec{"peer-model", "fp16", 1, 1, 64, 256, 0, 1, "", "", ""};
+}
 constexpr uint64_t kBlock = 64 << 10;
 BlockHash H(uint64_t n) { return BlockHash{0x4239 + n, n}; }
 
@@ -95,10 +97,12 @@ TEST_P(ExpiredLease, MooncakeIssue4239_AReadPastItsLeaseIsAnErrorNeverAnotherBlo
   PinnedBlocks stale = *pin;
   stale.expires = std::chrono::steady_clock::now() + 1h;  // the reader's belief
   // The store expires the pin, then its slots go to 16 other blocks.
-  ASSERT_TRUE(WaitFor([&] {
-    auto st = reader.control().GetStats();
-    return st.ok() && st->get_leases() == 0 && st->leases_expired() >= 1;
-  }, 10s));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto st = reader.control().GetStats();
+        return st.ok() && st->get_leases() == 0 && st->leases_expired() >= 1;
+      },
+      10s));
   std::this_thread::sleep_for(500ms);  // past the grace period
   Put(writer, ns->id, 100, 16);
   std::vector<uint8_t> dst(8 * kBlock, 0);
@@ -162,10 +166,11 @@ struct FaultyStore {
   std::optional<std::string> Get(uint64_t n) {
     std::vector<BlockHash> one = {H(n)};
     std::optional<std::string> out;
-    auto s = store->GetInline(ns, one, [&](uint32_t, store::TierKind, std::string_view b, uint64_t) {
-      out = std::string(b);
-      return true;
-    });
+    auto s =
+        store->GetInline(ns, one, [&](uint32_t, store::TierKind, std::string_view b, uint64_t) {
+          out = std::string(b);
+          return true;
+        });
     EXPECT_TRUE(s.ok()) << s;
     return out;
   }
@@ -263,10 +268,12 @@ TEST(PeerComplaints, LmcacheIssue4991_AFailedStoreIsNeverVisible) {
   EXPECT_EQ(read(1), 0u);
   // 2. The commit comes after the lease ran out.
   const uint64_t late = begin(2);
-  ASSERT_TRUE(WaitFor([&] {
-    auto st = ctl.GetStats();
-    return st.ok() && st->put_leases() == 0;
-  }, 10s));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto st = ctl.GetStats();
+        return st.ok() && st->put_leases() == 0;
+      },
+      10s));
   grpc::Status expired = commit(late, 2);
   EXPECT_EQ(expired.error_code(), grpc::FAILED_PRECONDITION) << expired.error_message();
   EXPECT_EQ(visible(2), 0u);

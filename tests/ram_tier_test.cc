@@ -28,7 +28,8 @@ std::unique_ptr<RamTier> MakeTier(uint64_t bytes, Sunk* sunk, std::string policy
   o.policy = policy;
   o.try_hugepages = false;
   auto t = RamTier::Create(o, [sunk](const EvictedBlock& b) {
-    if (sunk) sunk->blocks[b.key.hash.hi] = std::string(reinterpret_cast<const char*>(b.data), b.length);
+    if (sunk)
+      sunk->blocks[b.key.hash.hi] = std::string(reinterpret_cast<const char*>(b.data), b.length);
     return true;
   });
   EXPECT_TRUE(t.ok()) << t.status();
@@ -193,7 +194,7 @@ TEST(RamTier, EraseByNamespaceLeavesOthers) {
 }
 
 TEST(RamTier, SizeClassesReclaimSlabsFromEachOther) {
-  auto t = MakeTier(512 << 10, nullptr);  // two slabs of 256 KiB
+  auto t = MakeTier(512 << 10, nullptr);        // two slabs of 256 KiB
   for (uint64_t n = 0; n < 8; ++n) Put(*t, n);  // fills both slabs with 64 KiB slots
   // A 200 KiB block needs a whole slab: blocks of the other class are
   // evicted until one slab is empty.
@@ -207,10 +208,10 @@ TEST(RamTier, SizeClassesReclaimSlabsFromEachOther) {
 }
 
 TEST(RamTier, EmptySlabsOfAnotherClassAreReused) {
-  auto t = MakeTier(512 << 10, nullptr);  // two slabs of 256 KiB
+  auto t = MakeTier(512 << 10, nullptr);        // two slabs of 256 KiB
   for (uint64_t n = 0; n < 8; ++n) Put(*t, n);  // both slabs carved for 64 KiB
-  EXPECT_EQ(t->EraseAll().erased, 8u);         // nothing left to evict
-  Put(*t, 100, 200 << 10);                     // needs a whole slab of its own
+  EXPECT_EQ(t->EraseAll().erased, 8u);          // nothing left to evict
+  Put(*t, 100, 200 << 10);                      // needs a whole slab of its own
   Put(*t, 101, 200 << 10);
   EXPECT_TRUE(t->Contains(Key(100)));
   EXPECT_TRUE(t->Contains(Key(101)));

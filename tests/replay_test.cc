@@ -66,8 +66,8 @@ TEST(Replay, AWholeClusterServesTheTraceAndKvtierComputesLeast) {
             0.0);
   EXPECT_LT(m["kvtier"]["computed_fraction"].get<double>(),
             m["round-robin"]["computed_fraction"].get<double>());
-  EXPECT_NEAR(m["oracle"]["computed_fraction"].get<double>(), IndependentOracleComputedFraction(300),
-              1e-9);
+  EXPECT_NEAR(m["oracle"]["computed_fraction"].get<double>(),
+              IndependentOracleComputedFraction(300), 1e-9);
   EXPECT_GE(m["kvtier"]["computed_fraction"].get<double>() + 1e-9,
             m["oracle"]["computed_fraction"].get<double>());
 }

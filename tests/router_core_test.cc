@@ -105,7 +105,7 @@ TEST_F(RouterCoreTest, EventsApplyInOrderAndDuplicatesAreIgnored) {
   EXPECT_TRUE(Send("w1", Stored(1, {0, 1, 2})).empty());
   EXPECT_TRUE(Send("w1", Stored(1, {0, 1, 2, 3})).empty());  // duplicate: ignored
   EXPECT_EQ(Blocks("w1"), 3u);
-  EXPECT_TRUE(Send("w1", Removed(2, {1, 99})).empty());      // 99 was never stored
+  EXPECT_TRUE(Send("w1", Removed(2, {1, 99})).empty());  // 99 was never stored
   EXPECT_EQ(Blocks("w1"), 2u);
   auto st = core_.Stats();
   EXPECT_EQ(st.events_applied(), 2u);
@@ -271,7 +271,8 @@ TEST_F(RouterCoreTest, FetchCostFollowsStoreAndWorkerFigures) {
   ASSERT_TRUE(r.ok());
   EXPECT_FALSE(r->fetch.measured);
   EXPECT_DOUBLE_EQ(r->fetch.fetch_cost, core_.options().knobs.fetch_cost);
-  auto beat = [&](const std::string& id, double tps, std::vector<std::pair<uint64_t, double>> tiers) {
+  auto beat = [&](const std::string& id, double tps,
+                  std::vector<std::pair<uint64_t, double>> tiers) {
     v1::SourceMessage m;
     m.mutable_heartbeat()->set_prefill_tokens_per_s(tps);
     for (const auto& [blocks, us] : tiers) {

@@ -4,9 +4,9 @@
 #include <random>
 #include <string>
 
+#include "absl/container/flat_hash_set.h"
 #include "router/cost.h"
 #include "router/prefix_index.h"
-#include "absl/container/flat_hash_set.h"
 
 namespace kvtier::router {
 namespace {
@@ -104,7 +104,6 @@ TEST(PrefixIndex, StoreRunsContinueAfterGpuPrefixes) {
   EXPECT_EQ(m.StoreRun(0), 8u);
   EXPECT_EQ(m.StoreRun(2), 6u);
   EXPECT_EQ(m.walked, 8u);
-
 }
 
 // The same answer as the linear walk, field for field.
@@ -113,7 +112,8 @@ void ExpectSameMatch(const PrefixMatch& a, const PrefixMatch& b, const std::stri
   EXPECT_EQ(a.walked, b.walked) << what;
   EXPECT_EQ(a.deepest, b.deepest) << what;
   EXPECT_EQ(a.StoreRun(0), b.StoreRun(0)) << what;
-  for (const auto& [s, depth] : b.gpu_depth) EXPECT_EQ(a.StoreRun(depth), b.StoreRun(depth)) << what;
+  for (const auto& [s, depth] : b.gpu_depth)
+    EXPECT_EQ(a.StoreRun(depth), b.StoreRun(depth)) << what;
 }
 
 TEST(PrefixIndex, GallopingProbesLogarithmicallyOnLongChains) {

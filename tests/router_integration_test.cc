@@ -52,7 +52,9 @@ std::unique_ptr<EventPublisher> Source(const std::string& router, const std::str
 class RouterClient {
  public:
   explicit RouterClient(const std::string& address)
-      : stub_(v1::Router::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
+      : stub_(
+            v1::Router::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {
+  }
   std::unique_ptr<grpc::ClientContext> Ctx() {
     auto c = std::make_unique<grpc::ClientContext>();
     c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
@@ -143,7 +145,8 @@ TEST_F(RouterIntegration, DisconnectedAndSilentSourcesExpire) {
   auto w3 = Source(router_->address(), "w3");
   w2->Stored(kNs, Chain(0, 5));
   w3->Stored(kNs, Chain(0, 5));
-  ASSERT_TRUE(WaitFor([&] { return client_->Sources().size() == 3 && client_->Blocks("w3") == 5; }));
+  ASSERT_TRUE(
+      WaitFor([&] { return client_->Sources().size() == 3 && client_->Blocks("w3") == 5; }));
   w2->Stop();           // disconnects
   w3->SetSilent(true);  // stays connected, says nothing
   ASSERT_TRUE(WaitFor([&] { return client_->Sources().size() == 1; }, std::chrono::seconds(5)));
@@ -184,7 +187,8 @@ TEST_F(RouterIntegration, ARestartedRouterRebuildsItsIndexFromSnapshots) {
   w1->Stored(kNs, Chain(0, 8));
   w2->Stored(kNs, Chain(0, 2));
   store->Stored(kNs, Chain(0, 20));
-  ASSERT_TRUE(WaitFor([&] { return client_->Blocks("store-0") == 20 && client_->Blocks("w1") == 8; }));
+  ASSERT_TRUE(
+      WaitFor([&] { return client_->Blocks("store-0") == 20 && client_->Blocks("w1") == 8; }));
   v1::RouteResponse before;
   ASSERT_TRUE(client_->Route(Chain(0, 20), &before).ok());
   router_->proc().Kill(SIGKILL);
@@ -292,12 +296,13 @@ TEST_F(RouterIntegration, BadRequestsGetClearStatusesAndTheRouterKeepsServing) {
   std::condition_variable cv;
   bool done = false;
   grpc::Status gs;
-  generic.UnaryCall(&gctx, "/kvtier.v1.Router/Route", {}, &request, &response, [&](grpc::Status st) {
-    std::lock_guard lk(mu);
-    gs = st;
-    done = true;
-    cv.notify_one();
-  });
+  generic.UnaryCall(&gctx, "/kvtier.v1.Router/Route", {}, &request, &response,
+                    [&](grpc::Status st) {
+                      std::lock_guard lk(mu);
+                      gs = st;
+                      done = true;
+                      cv.notify_one();
+                    });
   {
     std::unique_lock lk(mu);
     cv.wait(lk, [&] { return done; });
@@ -388,7 +393,8 @@ TEST_F(RouterIntegration, ASlowStoreShardMovesRoutesToGpuHitsAndBackWhenItRecove
   auto hot = worker("hot", 1000);
   auto cold = worker("cold", 0);
   hot->Stored(ns->id, chain);
-  ASSERT_TRUE(WaitFor([&] { return client_->Blocks("hot") == 16 && client_->Sources().count("cold"); }));
+  ASSERT_TRUE(
+      WaitFor([&] { return client_->Blocks("hot") == 16 && client_->Sources().count("cold"); }));
   // Quick fetches keep the shard's figures fresh throughout.
   std::atomic<bool> stop{false}, flood{false};
   std::thread reader([&] {
@@ -457,9 +463,10 @@ TEST(RouterFlags, BadFlagsExitNonZeroNamingTheFlag) {
     std::ofstream bad(dir.sub("vllm.txt"));
     bad << "id=vllm-0,endpoint=e:1,events=tcp://127.0.0.1:5557,namespace=nothex,block-tokens=16\n";
   }
-  for (std::string flag : std::vector<std::string>{"--fetch-cost=-1", "--heartbeat-deadline=soon", "--temperature=x",
-                           "--listen=nowhere", "--bogus", "--vllm-sources=" + dir.sub("none.txt"),
-                           "--vllm-sources=" + dir.sub("vllm.txt")}) {
+  for (std::string flag : std::vector<std::string>{"--fetch-cost=-1", "--heartbeat-deadline=soon",
+                                                   "--temperature=x", "--listen=nowhere", "--bogus",
+                                                   "--vllm-sources=" + dir.sub("none.txt"),
+                                                   "--vllm-sources=" + dir.sub("vllm.txt")}) {
     std::string log = dir.sub("flags.log");
     std::remove(log.c_str());
     testing::Process p(KVTIER_ROUTER_BIN, {flag}, log);
@@ -486,8 +493,10 @@ TEST(RouterFanout, ResolvesNamesAndLiteralsAndRefusesBadTargets) {
   ASSERT_TRUE(name.ok()) << name.status();
   EXPECT_FALSE(name->empty());
   EXPECT_EQ(RouterFanout::Resolve("localhost").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(RouterFanout::Resolve("localhost:0").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(RouterFanout::Resolve("no-such-host.invalid:7500").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(RouterFanout::Resolve("localhost:0").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RouterFanout::Resolve("no-such-host.invalid:7500").status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 }  // namespace

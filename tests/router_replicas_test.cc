@@ -40,7 +40,8 @@ RouterView View(const std::string& address, const std::string& id) {
 }
 
 TEST(RouterReplicas, EveryReplicaBehindOneNameHearsTheStoreAsTheyComeAndGo) {
-  if (!NetnsLab::Available()) GTEST_SKIP() << "needs root and iproute2 to create network namespaces";
+  if (!NetnsLab::Available())
+    GTEST_SKIP() << "needs root and iproute2 to create network namespaces";
   NetnsLab::RemoveStale("kvr");
   NetnsLab lab("kvr");
   std::string error;
@@ -56,15 +57,18 @@ TEST(RouterReplicas, EveryReplicaBehindOneNameHearsTheStoreAsTheyComeAndGo) {
   std::vector<std::unique_ptr<Process>> routers;
   for (const char* r : {"router0", "router1", "router2"}) {
     routers.push_back(std::make_unique<Process>(
-        ip, lab.ExecArgs(r, KVTIER_ROUTER_BIN, {"--listen=" + lab.at(r).ip + ":7500", "--heartbeat-deadline=1s"}),
+        ip,
+        lab.ExecArgs(r, KVTIER_ROUTER_BIN,
+                     {"--listen=" + lab.at(r).ip + ":7500", "--heartbeat-deadline=1s"}),
         dir.sub(std::string(r) + ".log")));
   }
-  Process store(ip,
-                lab.ExecArgs("store", KVTIER_STORE_BIN,
-                             {"--listen=" + lab.at("store").ip + ":7400", "--data-dir=" + dir.sub("db"),
-                              "--hugepages=false", "--ram-bytes=4MiB", "--router=routers:7500",
-                              "--router-refresh=200ms", "--store-id=shard-0"}),
-                dir.sub("store.log"));
+  Process store(
+      ip,
+      lab.ExecArgs("store", KVTIER_STORE_BIN,
+                   {"--listen=" + lab.at("store").ip + ":7400", "--data-dir=" + dir.sub("db"),
+                    "--hugepages=false", "--ram-bytes=4MiB", "--router=routers:7500",
+                    "--router-refresh=200ms", "--store-id=shard-0"}),
+      dir.sub("store.log"));
   ASSERT_TRUE(lab.Enter("client"));
   auto addr = [&](const char* r) { return lab.at(r).ip + ":7500"; };
   StoreClient c(lab.at("store").ip + ":7400");
@@ -79,20 +83,25 @@ TEST(RouterReplicas, EveryReplicaBehindOneNameHearsTheStoreAsTheyComeAndGo) {
 
   // Both replicas the name resolves to hear the shard and all its blocks.
   for (const char* r : {"router0", "router1"}) {
-    EXPECT_TRUE(testing::WaitFor([&] {
-      RouterView v = View(addr(r), "shard-0");
-      return v.connected && v.blocks == 5;
-    }, std::chrono::seconds(20))) << r;
+    EXPECT_TRUE(testing::WaitFor(
+        [&] {
+          RouterView v = View(addr(r), "shard-0");
+          return v.connected && v.blocks == 5;
+        },
+        std::chrono::seconds(20)))
+        << r;
   }
   EXPECT_FALSE(View(addr("router2"), "shard-0").connected) << "router2 is not behind the name yet";
 
   // A replica appears behind the name: it hears the shard, with every block
   // stored before it appeared.
   hosts({"router0", "router1", "router2"});
-  EXPECT_TRUE(testing::WaitFor([&] {
-    RouterView v = View(addr("router2"), "shard-0");
-    return v.connected && v.blocks == 5;
-  }, std::chrono::seconds(20)));
+  EXPECT_TRUE(testing::WaitFor(
+      [&] {
+        RouterView v = View(addr("router2"), "shard-0");
+        return v.connected && v.blocks == 5;
+      },
+      std::chrono::seconds(20)));
   // One leaves the name: the shard stops publishing to it (the router drops
   // it at its heartbeat deadline); the others keep it.
   hosts({"router1", "router2"});

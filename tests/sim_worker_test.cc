@@ -18,12 +18,15 @@ using testing::ServerProcess;
 using testing::WaitFor;
 
 // The sim worker's defaults: 4 layers x 2 heads x 64 dim, fp16, 16 tokens.
-NamespaceSpec SimSpec() { return NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", "", ""}; }
+NamespaceSpec SimSpec() {
+  return NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", "", ""};
+}
 
 v1::SubmitRequest Prompt(uint64_t salt, int tokens, uint64_t id) {
   v1::SubmitRequest r;
   r.set_request_id(id);
-  for (int i = 0; i < tokens; ++i) r.mutable_tokens()->add_ids(static_cast<uint32_t>(salt * 7919 + i));
+  for (int i = 0; i < tokens; ++i)
+    r.mutable_tokens()->add_ids(static_cast<uint32_t>(salt * 7919 + i));
   r.set_output_tokens(8);
   return r;
 }
@@ -41,7 +44,8 @@ class SimCluster : public ::testing::Test {
     ASSERT_GT(store_->port(), 0) << store_->Log();
     ASSERT_GT(router_->port(), 0) << router_->Log();
   }
-  std::unique_ptr<ServerProcess> Worker(const std::string& id, const std::string& offload = "write-through") {
+  std::unique_ptr<ServerProcess> Worker(const std::string& id,
+                                        const std::string& offload = "write-through") {
     auto w = std::make_unique<ServerProcess>(
         KVTIER_SIM_WORKER_BIN, dir_.sub(id),
         std::vector<std::string>{"--listen=127.0.0.1:0", "--store=" + store_->address(),
@@ -52,7 +56,8 @@ class SimCluster : public ::testing::Test {
     return w;
   }
   std::unique_ptr<v1::SimWorker::Stub> Stub(const ServerProcess& p) {
-    return v1::SimWorker::NewStub(grpc::CreateChannel(p.address(), grpc::InsecureChannelCredentials()));
+    return v1::SimWorker::NewStub(
+        grpc::CreateChannel(p.address(), grpc::InsecureChannelCredentials()));
   }
   grpc::Status Submit(v1::SimWorker::Stub& s, const v1::SubmitRequest& r, v1::SubmitResponse* out) {
     grpc::ClientContext ctx;
@@ -88,7 +93,8 @@ TEST_F(SimCluster, BlocksTravelFromOneWorkerThroughTheStoreToAnother) {
   EXPECT_EQ(r.mismatched_blocks(), 0u);
   EXPECT_TRUE(r.load_status().empty()) << r.load_status();
   // The router heard about both workers' blocks and routes to them.
-  auto router = v1::Router::NewStub(grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials()));
+  auto router = v1::Router::NewStub(
+      grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials()));
   ASSERT_TRUE(WaitFor([&] {
     grpc::ClientContext ctx;
     v1::ListWorkersResponse lw;
@@ -134,7 +140,8 @@ TEST_F(SimCluster, AWorkerKilledMidOffloadLeavesNoPartialBlock) {
   int checked = 0;
   for (uint64_t i = 0; i < 400; ++i) {
     auto tokens = Prompt(100 + i, 2048, 0).tokens();
-    auto chain = ChainHashes(ns->id, std::span<const uint32_t>(tokens.ids().data(), tokens.ids_size()), 16);
+    auto chain =
+        ChainHashes(ns->id, std::span<const uint32_t>(tokens.ids().data(), tokens.ids_size()), 16);
     auto got = store.GetInline(ns->id, chain);
     ASSERT_TRUE(got.ok()) << got.status();
     for (const auto& b : *got) {
@@ -147,7 +154,8 @@ TEST_F(SimCluster, AWorkerKilledMidOffloadLeavesNoPartialBlock) {
   EXPECT_GE(checked, 3 * 128);
   // The dead worker's put leases are reclaimed; the router forgets it.
   ASSERT_TRUE(WaitFor([&] { return store.GetStats()->put_leases() == 0; }));
-  auto router = v1::Router::NewStub(grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials()));
+  auto router = v1::Router::NewStub(
+      grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials()));
   ASSERT_TRUE(WaitFor([&] {
     grpc::ClientContext ctx;
     v1::ListWorkersResponse lw;
@@ -198,9 +206,10 @@ TEST_F(SimCluster, AWorkerKilledMidOnboardReleasesItsLeasesAndOthersCarryOn) {
   t2.join();
   EXPECT_EQ(failed2.load(), 0);
   EXPECT_GT(onboarded2.load(), onboarded_before);
-  std::printf("worker killed mid-onboard: the other worker served %d requests after the kill "
-              "(%lu tokens onboarded), 0 failed\n",
-              served2.load() - before, static_cast<unsigned long>(onboarded2.load() - onboarded_before));
+  std::printf(
+      "worker killed mid-onboard: the other worker served %d requests after the kill "
+      "(%lu tokens onboarded), 0 failed\n",
+      served2.load() - before, static_cast<unsigned long>(onboarded2.load() - onboarded_before));
   grpc::ClientContext ctx;
   v1::GetWorkerStatsResponse ws;
   ASSERT_TRUE(s2->GetWorkerStats(&ctx, {}, &ws).ok());
@@ -208,23 +217,28 @@ TEST_F(SimCluster, AWorkerKilledMidOnboardReleasesItsLeasesAndOthersCarryOn) {
   EXPECT_EQ(ws.mismatched_blocks(), 0u);
   // The dead worker's get leases are reclaimed (lease 500 ms + grace).
   StoreClient store(store_->address());
-  EXPECT_TRUE(WaitFor([&] {
-    auto st = store.GetStats();
-    return st.ok() && st->get_leases() == 0 && st->put_leases() == 0;
-  }, std::chrono::seconds(10)));
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        auto st = store.GetStats();
+        return st.ok() && st->get_leases() == 0 && st->put_leases() == 0;
+      },
+      std::chrono::seconds(10)));
   // The router drops w1 at its heartbeat deadline and keeps w2.
-  auto router = v1::Router::NewStub(grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials()));
-  EXPECT_TRUE(WaitFor([&] {
-    grpc::ClientContext c;
-    v1::ListWorkersResponse lw;
-    if (!router->ListWorkers(&c, {}, &lw).ok()) return false;
-    bool w1_listed = false, w2_listed = false;
-    for (const auto& src : lw.sources()) {
-      w1_listed |= src.source_id() == "w1";
-      w2_listed |= src.source_id() == "w2";
-    }
-    return !w1_listed && w2_listed;
-  }, std::chrono::seconds(10)));
+  auto router = v1::Router::NewStub(
+      grpc::CreateChannel(router_->address(), grpc::InsecureChannelCredentials()));
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        grpc::ClientContext c;
+        v1::ListWorkersResponse lw;
+        if (!router->ListWorkers(&c, {}, &lw).ok()) return false;
+        bool w1_listed = false, w2_listed = false;
+        for (const auto& src : lw.sources()) {
+          w1_listed |= src.source_id() == "w1";
+          w2_listed |= src.source_id() == "w2";
+        }
+        return !w1_listed && w2_listed;
+      },
+      std::chrono::seconds(10)));
 }
 
 TEST_F(SimCluster, AWorkerFallsBackToPrefillWhenTheStoreIsGone) {
@@ -257,10 +271,10 @@ TEST_F(SimCluster, TheSimulatedClockQueuesByArrivalWhateverTheSpeed) {
   std::vector<std::vector<double>> seen;
   for (const char* scale : {"0.1", "0.02"}) {
     SCOPED_TRACE(scale);
-    ServerProcess w(KVTIER_SIM_WORKER_BIN, dir_.sub(std::string("clock-") + scale),
-                    {"--listen=127.0.0.1:0", "--pages=256", "--offload=none",
-                     "--prefill-tokens-per-s=10000", std::string("--time-scale=") + scale,
-                     "--reorder-window=300ms"});
+    ServerProcess w(
+        KVTIER_SIM_WORKER_BIN, dir_.sub(std::string("clock-") + scale),
+        {"--listen=127.0.0.1:0", "--pages=256", "--offload=none", "--prefill-tokens-per-s=10000",
+         std::string("--time-scale=") + scale, "--reorder-window=300ms"});
     ASSERT_GT(w.port(), 0) << w.Log();
     auto s = Stub(w);
     std::vector<v1::SubmitResponse> r(4);

@@ -101,7 +101,8 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
         uint64_t k = rng() % kKeys;
         auto t = std::chrono::steady_clock::now();
         auto g = c.Get(ns->id, kBlock, {{H(k), buf.data()}}).get();
-        double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+        double ms =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
         if (!g.ok()) {
           errors++;
           continue;
@@ -130,7 +131,8 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   const size_t fds0 = OpenFds(store.proc().pid());
   const long eps0 = UcxEndpoints(metrics_port);
   uint64_t peak_rss = 0;
-  auto end = std::chrono::steady_clock::now() + std::chrono::seconds(seconds - std::min(10, seconds / 3));
+  auto end =
+      std::chrono::steady_clock::now() + std::chrono::seconds(seconds - std::min(10, seconds / 3));
   while (std::chrono::steady_clock::now() < end) {
     peak_rss = std::max(peak_rss, RssBytes(store.proc().pid()));
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -145,12 +147,13 @@ TEST(Soak, WritersReadersEvictionAndPolicySwitchesHoldTheInvariants) {
   double p99 = get_ms.empty() ? 0 : get_ms[get_ms.size() * 99 / 100];
   std::fprintf(stderr,
                "soak %ds: %lu puts, %lu gets (%lu hits), %lu errors, %lu policy switches, get p99 "
-               "%.1f ms, peak RSS %lu MiB, fds %zu -> %zu, data-plane connections %ld -> %ld, RAM evictions %lu, "
+               "%.1f ms, peak RSS %lu MiB, fds %zu -> %zu, data-plane connections %ld -> %ld, RAM "
+               "evictions %lu, "
                "demotions %lu, "
                "disk evictions %lu\n",
                seconds, puts.load(), gets.load(), hits.load(), errors.load(), switches.load(), p99,
-               peak_rss >> 20, fds0, fds1, eps0, eps1, st->tiers(0).evictions(), st->tiers(0).demotions(),
-               st->tiers(1).evictions());
+               peak_rss >> 20, fds0, fds1, eps0, eps1, st->tiers(0).evictions(),
+               st->tiers(0).demotions(), st->tiers(1).evictions());
   EXPECT_EQ(mismatches.load(), 0u);
   EXPECT_EQ(st->checksum_failures(), 0u);
   EXPECT_EQ(errors.load(), 0u);

@@ -31,8 +31,7 @@ TEST(SourceIdentities, ParsesLinesAndNamesTheLineOfEachMistake) {
     const char* says;
   };
   for (const Case& c : {Case{"a worker\nb\n", "line 2: expected IDENTITY KIND"},
-                        Case{"a router\n", "kind \"router\""},
-                        Case{"a store *\n", "\"*\" alone"},
+                        Case{"a router\n", "kind \"router\""}, Case{"a store *\n", "\"*\" alone"},
                         Case{"a worker\na store\n", "line 2: identity a is listed twice"}}) {
     auto r = ParseSourceIdentities(c.text);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.text;

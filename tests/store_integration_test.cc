@@ -8,8 +8,8 @@
 #include <sstream>
 #include <thread>
 
-#include "common/checksum.h"
 #include "client/store_client.h"
+#include "common/checksum.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -209,7 +209,10 @@ TEST(StoreIntegration, RestartAfterKillRecoversTheNvmeTier) {
   // No re-registration: the namespace came back from disk too.
   auto tiers = c.Lookup(ns_id, Chain(0, 40));
   ASSERT_TRUE(tiers.ok()) << tiers.status();
-  for (int i = 0; i < 40; ++i) { auto t = c.Lookup(ns_id, Chain(i, 1)); fprintf(stderr, "%d:%zu ", i, t->size()); }
+  for (int i = 0; i < 40; ++i) {
+    auto t = c.Lookup(ns_id, Chain(i, 1));
+    fprintf(stderr, "%d:%zu ", i, t->size());
+  }
   ASSERT_EQ(tiers->size(), 24u);  // the 24 demoted blocks; RAM's 16 are gone
   auto got = c.GetInline(ns_id, Chain(0, 24));
   ASSERT_TRUE(got.ok());
@@ -236,10 +239,12 @@ TEST(StoreIntegration, LeaseExpiresOverTheWire) {
   EXPECT_EQ(resp.lease_ms(), 200u);
   EXPECT_EQ(c.GetStats()->put_leases(), 1u);
   // Expiry after 200 ms, slots free one lease period later.
-  ASSERT_TRUE(testing::WaitFor([&] {
-    auto s = c.GetStats();
-    return s.ok() && s->tiers(0).used_bytes() == 0;
-  }, std::chrono::seconds(10)));
+  ASSERT_TRUE(testing::WaitFor(
+      [&] {
+        auto s = c.GetStats();
+        return s.ok() && s->tiers(0).used_bytes() == 0;
+      },
+      std::chrono::seconds(10)));
   auto stats = c.GetStats();
   EXPECT_EQ(stats->put_leases(), 0u);
   EXPECT_EQ(stats->leases_expired(), 1u);
@@ -276,8 +281,7 @@ TEST(StoreIntegration, BadRequestsGetClearStatusesAndTheStoreKeepsServing) {
   v1::SetPolicyRequest sp;
   sp.mutable_policy()->set_policy("lru");
   v1::SetPolicyResponse spr;
-  EXPECT_EQ(c.stub().SetPolicy(c.Context().get(), sp, &spr).error_code(),
-            grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(c.stub().SetPolicy(c.Context().get(), sp, &spr).error_code(), grpc::INVALID_ARGUMENT);
   EXPECT_EQ(c.SetPolicy(v1::TIER_RAM, "fifo").status().code(), absl::StatusCode::kInvalidArgument);
 
   v1::RegisterNamespaceRequest reg;
@@ -480,7 +484,8 @@ TEST(StoreIntegration, NamespacesStopAtTheLimitAndCanBeRemoved) {
   for (int i = 3; i < 20; ++i) {
     auto over = c.RegisterNamespace(spec(i));
     ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
-    EXPECT_NE(over.status().message().find("--max-namespaces 3"), std::string::npos) << over.status();
+    EXPECT_NE(over.status().message().find("--max-namespaces 3"), std::string::npos)
+        << over.status();
   }
   EXPECT_TRUE(c.RegisterNamespace(spec(1)).ok());  // already there: not a new one
   auto kept = c.Lookup(ids[1], Chain(0, 2));

@@ -49,13 +49,14 @@ class StoreTest : public ::testing::Test {
     std::vector<BlockHash> hs = {H(n)};
     TierKind tier{};
     int got = 0;
-    auto s = store_->GetInline(ns_, hs, [&](uint32_t, TierKind t, std::string_view b, uint64_t sum) {
-      EXPECT_EQ(std::string(b), testing::BlockBytesFor(n, kBlock)) << n;
-      EXPECT_EQ(sum, Checksum(b.data(), b.size()));
-      tier = t;
-      ++got;
-      return true;
-    });
+    auto s =
+        store_->GetInline(ns_, hs, [&](uint32_t, TierKind t, std::string_view b, uint64_t sum) {
+          EXPECT_EQ(std::string(b), testing::BlockBytesFor(n, kBlock)) << n;
+          EXPECT_EQ(sum, Checksum(b.data(), b.size()));
+          tier = t;
+          ++got;
+          return true;
+        });
     EXPECT_TRUE(s.ok());
     EXPECT_EQ(got, 1) << "block " << n << " missing";
     return tier;
@@ -115,7 +116,7 @@ TEST_F(StoreTest, CommitWithAWrongChecksumStoresNothing) {
   EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(c.status().message().find("checksum mismatch on block 1"), std::string::npos);
   EXPECT_EQ(store_->Lookup(ns_, hs)->size(), 0u);  // all or nothing
-  EXPECT_EQ(store_->Stats().ram.used_bytes, 0u);    // slots returned
+  EXPECT_EQ(store_->Stats().ram.used_bytes, 0u);   // slots returned
   EXPECT_EQ(store_->Stats().checksum_failures, 1u);
 }
 
@@ -198,13 +199,15 @@ TEST_F(StoreTest, ExpiredGetLeaseUnpins) {
   // Everything is pinned: a new block finds no room.
   auto r = store_->BeginPut(ns_, std::vector<BlockHash>{H(10)}, "t");
   EXPECT_EQ(r->targets[0].placement, Placement::kNoSpace);
-  ASSERT_TRUE(testing::WaitFor([&] { return store_->Stats().get_leases == 0; },
-                               std::chrono::seconds(10)));
+  ASSERT_TRUE(
+      testing::WaitFor([&] { return store_->Stats().get_leases == 0; }, std::chrono::seconds(10)));
   // Pins drop one lease period after expiry.
-  ASSERT_TRUE(testing::WaitFor([&] {
-    r = store_->BeginPut(ns_, std::vector<BlockHash>{H(10)}, "t");
-    return r->targets[0].placement == Placement::kReserved;
-  }, std::chrono::seconds(10)));
+  ASSERT_TRUE(testing::WaitFor(
+      [&] {
+        r = store_->BeginPut(ns_, std::vector<BlockHash>{H(10)}, "t");
+        return r->targets[0].placement == Placement::kReserved;
+      },
+      std::chrono::seconds(10)));
   EXPECT_EQ(r->targets[0].placement, Placement::kReserved);
   EXPECT_EQ(store_->EndGet(g->lease).code(), absl::StatusCode::kFailedPrecondition);
 }

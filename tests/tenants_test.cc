@@ -36,7 +36,8 @@ TEST(TenantsFile, ParsesAndNamesWhatIsWrong) {
       "secret s3\n"
       "tenant a ram=8MiB nvme=1GiB leases=4 namespaces=2 identities=worker-a,worker-a2 "
       "models=meta-llama/*  # comment\n"
-      "tenant b ram=8MiB token-sha256=" + store::Sha256Hex("tok") + "\n";
+      "tenant b ram=8MiB token-sha256=" +
+      store::Sha256Hex("tok") + "\n";
   auto t = store::Tenants::Parse(ok);
   ASSERT_TRUE(t.ok()) << t.status();
   ASSERT_EQ((*t)->all().size(), 2u);
@@ -106,12 +107,11 @@ class Tenants : public ::testing::Test {
     for (int attempt = 0; attempt < 3; ++attempt) {
       store_ = std::make_unique<ServerProcess>(
           KVTIER_STORE_BIN, dir_.sub("store"),
-          std::vector<std::string>{"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
-                                   "--data-dir=" + dir_.sub("db"), "--hugepages=false",
-                                   "--ram-bytes=40MiB", "--disk-bytes=256MiB",
-                                   "--tenants-file=" + dir_.sub("tenants"),
-                                   "--admin-token-file=" + dir_.sub("admin"),
-                                   "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port_)});
+          std::vector<std::string>{
+              "--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db"),
+              "--hugepages=false", "--ram-bytes=40MiB", "--disk-bytes=256MiB",
+              "--tenants-file=" + dir_.sub("tenants"), "--admin-token-file=" + dir_.sub("admin"),
+              "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port_)});
       if (store_->port() > 0 || store_->Log().find("cannot serve metrics") == std::string::npos) {
         break;
       }
@@ -216,8 +216,9 @@ TEST_F(Tenants, TwoTenantsNeverShareOrProbeEachOthersBlocks) {
   // store-side id finds no namespace (worded as for any unknown one).
   auto admin = Control(kAdminToken);
   v1::ListNamespacesResponse all;
-  ASSERT_TRUE(Raw(&v1::Store::Stub::ListNamespaces, "", v1::ListNamespacesRequest(), &all).error_code() ==
-              grpc::UNAUTHENTICATED);
+  ASSERT_TRUE(
+      Raw(&v1::Store::Stub::ListNamespaces, "", v1::ListNamespacesRequest(), &all).error_code() ==
+      grpc::UNAUTHENTICATED);
   {
     auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
     grpc::ClientContext ctx;
@@ -237,7 +238,8 @@ TEST_F(Tenants, TwoTenantsNeverShareOrProbeEachOthersBlocks) {
   }
   // A tenant lists only its own, under its own id.
   v1::ListNamespacesResponse mine;
-  ASSERT_TRUE(Raw(&v1::Store::Stub::ListNamespaces, kBetaToken, v1::ListNamespacesRequest(), &mine).ok());
+  ASSERT_TRUE(
+      Raw(&v1::Store::Stub::ListNamespaces, kBetaToken, v1::ListNamespacesRequest(), &mine).ok());
   ASSERT_EQ(mine.namespaces_size(), 1);
   EXPECT_EQ(mine.namespaces(0).namespace_id(), NamespaceId(Spec()));
   EXPECT_EQ(mine.namespaces(0).spec().cache_salt(), "");
@@ -249,7 +251,8 @@ TEST_F(Tenants, TwoTenantsNeverShareOrProbeEachOthersBlocks) {
   v1::LookupResponse resp;
   grpc::Status s = Raw(&v1::Store::Stub::Lookup, "", req, &resp);
   EXPECT_EQ(s.error_code(), grpc::UNAUTHENTICATED);
-  EXPECT_NE(s.error_message().find("x-kvtier-tenant-token"), std::string::npos) << s.error_message();
+  EXPECT_NE(s.error_message().find("x-kvtier-tenant-token"), std::string::npos)
+      << s.error_message();
   EXPECT_EQ(Raw(&v1::Store::Stub::Lookup, "wrong-token", req, &resp).error_code(),
             grpc::UNAUTHENTICATED);
 
@@ -288,7 +291,8 @@ TEST_F(Tenants, NamespaceSpamStopsAtTheTenantsLimit) {
   EXPECT_TRUE(alpha->RegisterNamespace(Spec("m2")).ok());  // again: the same one
   auto third = alpha->RegisterNamespace(Spec("m3"));
   ASSERT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
-  EXPECT_NE(third.status().message().find("tenant alpha holds 2 namespaces"), std::string_view::npos)
+  EXPECT_NE(third.status().message().find("tenant alpha holds 2 namespaces"),
+            std::string_view::npos)
       << third.status();
   for (int i = 0; i < 5; ++i) {
     EXPECT_TRUE(beta->RegisterNamespace(Spec("b" + std::to_string(i))).ok());
@@ -377,7 +381,8 @@ TEST_F(Tenants, ATenantOverQuotaIsRefusedAndTheOthersAreUnaffected) {
   // alpha reserves its whole region (64 slots) under one lease...
   v1::BeginPutRequest big;
   big.set_namespace_id(na->id);
-  for (uint64_t i = 0; i < 64; ++i) *big.add_hashes() = v1::BlockHash(), big.mutable_hashes(i)->set_hi(5000 + i);
+  for (uint64_t i = 0; i < 64; ++i)
+    *big.add_hashes() = v1::BlockHash(), big.mutable_hashes(i)->set_hi(5000 + i);
   v1::BeginPutResponse held;
   ASSERT_TRUE(Raw(&v1::Store::Stub::BeginPut, kAlphaToken, big, &held).ok());
   int reserved = 0;
@@ -438,7 +443,8 @@ TEST_F(Tenants, EachTenantGetsOnlyItsOwnRegionsKey) {
   ASSERT_TRUE(ns.ok());
   v1::BeginPutRequest req;
   req.set_namespace_id(ns->id);
-  for (uint64_t i = 0; i < 8; ++i) *req.add_hashes() = v1::BlockHash(), req.mutable_hashes(i)->set_hi(77 + i);
+  for (uint64_t i = 0; i < 8; ++i)
+    *req.add_hashes() = v1::BlockHash(), req.mutable_hashes(i)->set_hi(77 + i);
   v1::BeginPutResponse r;
   ASSERT_TRUE(Raw(&v1::Store::Stub::BeginPut, kAlphaToken, req, &r).ok());
   ASSERT_EQ(r.targets_size(), 8);
@@ -532,19 +538,20 @@ TEST(TenantsConfig, TheStoreRefusesTenantsWithoutAnOperatorOrRoom) {
   EXPECT_NE(out2.find("--ram-bytes is"), std::string::npos) << out2;
   auto [rc3, out3] = run({"--ram-bytes=128MiB", "--admin-token-file=" + dir.sub("admin")});
   EXPECT_EQ(rc3, 0) << out3;
-  auto [rc4, out4] = run({"--ram-bytes=128MiB", "--ram-slab-bytes=128MiB",
-                          "--admin-token-file=" + dir.sub("admin")});
+  auto [rc4, out4] = run(
+      {"--ram-bytes=128MiB", "--ram-slab-bytes=128MiB", "--admin-token-file=" + dir.sub("admin")});
   EXPECT_EQ(rc4, 2);
-  EXPECT_NE(out4.find("tenant a's ram=67108864 holds no whole RAM slab"), std::string::npos) << out4;
-  auto [rc5, out5] = run({"--ram-bytes=128MiB", "--disk-bytes=64MiB",
-                          "--admin-token-file=" + dir.sub("admin")});
+  EXPECT_NE(out4.find("tenant a's ram=67108864 holds no whole RAM slab"), std::string::npos)
+      << out4;
+  auto [rc5, out5] =
+      run({"--ram-bytes=128MiB", "--disk-bytes=64MiB", "--admin-token-file=" + dir.sub("admin")});
   EXPECT_EQ(rc5, 0) << out5;
   {
     std::ofstream f(dir.sub("tenants"));
     f << "secret s\ntenant a ram=64MiB nvme=100MiB identities=x\n";
   }
-  auto [rc6, out6] = run({"--ram-bytes=128MiB", "--disk-bytes=64MiB",
-                          "--admin-token-file=" + dir.sub("admin")});
+  auto [rc6, out6] =
+      run({"--ram-bytes=128MiB", "--disk-bytes=64MiB", "--admin-token-file=" + dir.sub("admin")});
   EXPECT_EQ(rc6, 2);
   EXPECT_NE(out6.find("nvme= quotas add up to"), std::string::npos) << out6;
 }

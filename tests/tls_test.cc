@@ -12,8 +12,8 @@
 #include <nlohmann/json.hpp>
 
 #include "client/router_client.h"
-#include "common/block_key.h"
 #include "client/store_client.h"
+#include "common/block_key.h"
 #include "common/rpc/tls.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
@@ -32,9 +32,9 @@ class Pki {
   explicit Pki(const std::string& dir) : dir_(dir) {
     ok_ = MakeCa("ca") && MakeCa("rogue-ca") && MakeLeaf("server", "ca", "kvtier-server") &&
           MakeLeaf("worker", "ca", "worker") && MakeLeaf("admin", "ca", "kvctl-admin") &&
-          MakeLeaf("rogue", "rogue-ca", "kvctl-admin") && MakeLeaf("tls-store", "ca", "tls-store") &&
-          MakeLeaf("tls-worker", "ca", "tls-worker") && MakeLeaf("worker-a", "ca", "worker-a") &&
-          MakeLeaf("worker-b", "ca", "worker-b");
+          MakeLeaf("rogue", "rogue-ca", "kvctl-admin") &&
+          MakeLeaf("tls-store", "ca", "tls-store") && MakeLeaf("tls-worker", "ca", "tls-worker") &&
+          MakeLeaf("worker-a", "ca", "worker-a") && MakeLeaf("worker-b", "ca", "worker-b");
   }
   bool ok() const { return ok_; }
   std::string log() const { return log_; }
@@ -69,8 +69,9 @@ class Pki {
     return r.exit_code == 0;
   }
   bool MakeCa(const std::string& name) {
-    return Run("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " +
-               name + ".key -out " + name + ".pem -days 2 -subj /CN=" + name);
+    return Run(
+        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout " +
+        name + ".key -out " + name + ".pem -days 2 -subj /CN=" + name);
   }
   bool MakeLeaf(const std::string& name, const std::string& ca, const std::string& cn) {
     std::ofstream(dir_ + "/" + name + ".ext")
@@ -140,7 +141,8 @@ TEST_F(Tls, MutualTlsRefusesClientsWithoutACertificateSignedByTheCa) {
 
   StoreClient worker = Client(store, pki_.Client("ca", "worker"));
   EXPECT_TRUE(worker.GetStats().ok());
-  EXPECT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""}).ok());
+  EXPECT_TRUE(
+      worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""}).ok());
 }
 
 TEST_F(Tls, AdminIdentityKeepsAWorkersCertificateFromTheAdminRpcs) {
@@ -150,10 +152,12 @@ TEST_F(Tls, AdminIdentityKeepsAWorkersCertificateFromTheAdminRpcs) {
   ASSERT_GT(store.port(), 0) << store.Log();
 
   StoreClient worker = Client(store, pki_.Client("ca", "worker"));
-  ASSERT_TRUE(worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""}).ok());
+  ASSERT_TRUE(
+      worker.RegisterNamespace(NamespaceSpec{"m", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""}).ok());
   auto denied = worker.SetPolicy(v1::TIER_RAM, "lru");
   EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_NE(denied.status().message().find("\"kvctl-admin\""), std::string::npos) << denied.status();
+  EXPECT_NE(denied.status().message().find("\"kvctl-admin\""), std::string::npos)
+      << denied.status();
   EXPECT_NE(denied.status().message().find("\"worker\""), std::string::npos) << denied.status();
   v1::EvictRequest all;
   all.set_all(true);
@@ -177,9 +181,10 @@ TEST_F(Tls, AdminIdentityKeepsAWorkersCertificateFromTheAdminRpcs) {
   EXPECT_EQ(as_rogue.exit_code, 3) << as_rogue.out;
 
   // kvctl health, as a probe would run it.
-  ShellResult health = RunShell(std::string(KVTIER_KVCTL_BIN) + " health " + store.address() +
-                                " --tls-ca " + pki_.pem("ca") + " --tls-cert " + pki_.pem("admin") +
-                                " --tls-key " + pki_.key("admin") + " --service kvtier.v1.Store/disk 2>&1");
+  ShellResult health =
+      RunShell(std::string(KVTIER_KVCTL_BIN) + " health " + store.address() + " --tls-ca " +
+               pki_.pem("ca") + " --tls-cert " + pki_.pem("admin") + " --tls-key " +
+               pki_.key("admin") + " --service kvtier.v1.Store/disk 2>&1");
   EXPECT_EQ(health.exit_code, 0) << health.out;
   EXPECT_NE(health.out.find("SERVING"), std::string::npos) << health.out;
   ShellResult plain_health =
@@ -188,13 +193,12 @@ TEST_F(Tls, AdminIdentityKeepsAWorkersCertificateFromTheAdminRpcs) {
 }
 
 TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
-  ServerProcess router(KVTIER_ROUTER_BIN, dir_.sub("router"),
-                       [&] {
-                         std::vector<std::string> a = pki_.ServerFlags(true);
-                         a.push_back("--listen=127.0.0.1:0");
-                         a.push_back("--heartbeat-deadline=2s");
-                         return a;
-                       }());
+  ServerProcess router(KVTIER_ROUTER_BIN, dir_.sub("router"), [&] {
+    std::vector<std::string> a = pki_.ServerFlags(true);
+    a.push_back("--listen=127.0.0.1:0");
+    a.push_back("--heartbeat-deadline=2s");
+    return a;
+  }());
   ASSERT_GT(router.port(), 0) << router.Log();
   // Each source presents a certificate naming its id (the router binds them).
   std::vector<std::string> store_flags = pki_.ServerFlags(true, "tls-store");
@@ -207,8 +211,8 @@ TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
   std::vector<std::string> worker_flags = pki_.ServerFlags(true, "tls-worker");
   for (std::string a : {std::string("--listen=127.0.0.1:0"), "--store=" + store.address(),
                         "--router=" + router.address(), std::string("--worker-id=tls-worker"),
-                        std::string("--pages=64"),
-                        std::string("--offload=write-through"), std::string("--heartbeat=100ms")}) {
+                        std::string("--pages=64"), std::string("--offload=write-through"),
+                        std::string("--heartbeat=100ms")}) {
     worker_flags.push_back(a);
   }
   ServerProcess worker(KVTIER_SIM_WORKER_BIN, dir_.sub("worker"), worker_flags);
@@ -225,21 +229,27 @@ TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
   grpc::Status st = wstub->Submit(&ctx, req, &resp);
   ASSERT_TRUE(st.ok()) << st.error_message() << "\n" << worker.Log();
   StoreClient sc = Client(store, frontend);
-  EXPECT_TRUE(WaitFor([&] {
-    auto s = sc.GetStats();
-    return s.ok() && s->tiers(0).items() == 6;  // 100 tokens of 16: 6 full blocks
-  }, std::chrono::seconds(10))) << store.Log() << worker.Log();
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        auto s = sc.GetStats();
+        return s.ok() && s->tiers(0).items() == 6;  // 100 tokens of 16: 6 full blocks
+      },
+      std::chrono::seconds(10)))
+      << store.Log() << worker.Log();
 
   // The router hears both sources over mTLS and routes the prompt to the worker.
   auto rstub = v1::Router::NewStub(OpenChannel(router.address(), frontend));
-  EXPECT_TRUE(WaitFor([&] {
-    grpc::ClientContext c;
-    v1::ListWorkersResponse r;
-    if (!rstub->ListWorkers(&c, {}, &r).ok()) return false;
-    int connected = 0;
-    for (const auto& s : r.sources()) connected += s.connected() ? 1 : 0;
-    return connected == 2;
-  }, std::chrono::seconds(10))) << router.Log();
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        grpc::ClientContext c;
+        v1::ListWorkersResponse r;
+        if (!rstub->ListWorkers(&c, {}, &r).ok()) return false;
+        int connected = 0;
+        for (const auto& s : r.sources()) connected += s.connected() ? 1 : 0;
+        return connected == 2;
+      },
+      std::chrono::seconds(10)))
+      << router.Log();
   // A plaintext client of the same router is refused.
   auto plain = v1::Router::NewStub(OpenChannel(router.address(), {}));
   grpc::ClientContext pc;
@@ -251,7 +261,8 @@ TEST_F(Tls, StoreRouterAndWorkerTalkOverMutualTls) {
   // of each (gRPC's threads must not take the signal).
   for (ServerProcess* p : {&worker, &store, &router}) {
     int status = p->proc().Kill(SIGTERM);
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n" << p->Log();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status << "\n"
+                                                               << p->Log();
   }
 }
 
@@ -390,7 +401,8 @@ TEST_F(Tls, AForgedHelloIsRefusedAndChangesNothing) {
     return a;
   }());
   ASSERT_GT(router.port(), 0) << router.Log();
-  EXPECT_NE(router.Log().find("bound to their client certificates"), std::string::npos) << router.Log();
+  EXPECT_NE(router.Log().find("bound to their client certificates"), std::string::npos)
+      << router.Log();
   auto as_a = OpenChannel(router.address(), pki_.Client("ca", "worker-a"));
   auto as_b = OpenChannel(router.address(), pki_.Client("ca", "worker-b"));
   ASSERT_TRUE(PublishAs(as_a, "worker-a", 1, "10.0.0.1:8000", v1::SOURCE_WORKER).ok());
@@ -519,8 +531,9 @@ TEST_F(Tls, BadTlsFlagsAreRefusedNamingTheFlag) {
     EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << "\n" << r.out;
   }
   // A good set passes --check-config and says TLS is on.
-  ShellResult good = RunShell(std::string(KVTIER_STORE_BIN) + " --check-config --tls-cert " + cert +
-                              " --tls-key " + key + " --tls-ca " + ca + " --tls-require-client-cert 2>&1");
+  ShellResult good =
+      RunShell(std::string(KVTIER_STORE_BIN) + " --check-config --tls-cert " + cert +
+               " --tls-key " + key + " --tls-ca " + ca + " --tls-require-client-cert 2>&1");
   EXPECT_EQ(good.exit_code, 0) << good.out;
   EXPECT_NE(good.out.find("tls=mutual"), std::string::npos) << good.out;
 }

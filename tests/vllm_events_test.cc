@@ -78,18 +78,19 @@ TEST(VllmDecode, GoldenBytesOfBothEncodingsDecodeAlike) {
   }
   // v0.9: [ts, events] and a 6-element event, a negative (Python hash())
   // parent; removal and clearing in map form; a hash as 32 digest bytes.
-  auto old = DecodeVllmBatch(Hex(
-      "92 cb 41 d9 54 fc 40 20 00 00 91 96 ab 42 6c 6f 63 6b 53 74 6f 72 65 64"
-      " 91 05 ff 92 07 08 02 c0"));
+  auto old =
+      DecodeVllmBatch(Hex("92 cb 41 d9 54 fc 40 20 00 00 91 96 ab 42 6c 6f 63 6b 53 74 6f 72 65 64"
+                          " 91 05 ff 92 07 08 02 c0"));
   ASSERT_TRUE(old.ok()) << old.status();
   EXPECT_EQ(*old->events[0].parent, ~uint64_t{0});
   std::string digest(32, '\0');
   digest[31] = 0x2a;
   digest[24] = 0x01;
-  auto removed = DecodeVllmBatch(Hex(
-      "93 cb 41 d9 54 fc 40 20 00 00 92"
-      " 83 a4 74 79 70 65 ac 42 6c 6f 63 6b 52 65 6d 6f 76 65 64"
-      " ac 62 6c 6f 63 6b 5f 68 61 73 68 65 73 91 c4 20") + digest +
+  auto removed = DecodeVllmBatch(
+      Hex("93 cb 41 d9 54 fc 40 20 00 00 92"
+          " 83 a4 74 79 70 65 ac 42 6c 6f 63 6b 52 65 6d 6f 76 65 64"
+          " ac 62 6c 6f 63 6b 5f 68 61 73 68 65 73 91 c4 20") +
+      digest +
       Hex(" a6 6d 65 64 69 75 6d a3 47 50 55"
           " 81 a4 74 79 70 65 b0 41 6c 6c 42 6c 6f 63 6b 73 43 6c 65 61 72 65 64 00"));
   ASSERT_TRUE(removed.ok()) << removed.status();
@@ -143,8 +144,7 @@ TEST(VllmDecode, AnEventTheRouterCannotUseIsSkippedNotItsBatch) {
     auto b = DecodeVllmBatch(Hex("92 00 92 " + c.event + " " + removed5));
     ASSERT_TRUE(b.ok()) << c.says << ": " << b.status();
     ASSERT_EQ(b->events.size(), 2u);
-    EXPECT_NE(b->events[0].skip_reason.find(c.says), std::string::npos)
-        << b->events[0].skip_reason;
+    EXPECT_NE(b->events[0].skip_reason.find(c.says), std::string::npos) << b->events[0].skip_reason;
     EXPECT_TRUE(b->events[1].skip_reason.empty());
     EXPECT_EQ(b->events[1].kind, VllmEvent::kRemoved);
     EXPECT_EQ(b->events[1].hashes, std::vector<uint64_t>{5});
@@ -166,7 +166,8 @@ constexpr char kVllm032Mixed[] =
     "6964c0a66d656469756da3435055a96c6f72615f6e616d65c0a967726f75705f6964780084a474797065ac426c6f63"
     "6b52656d6f766564ac626c6f636b5f68617368657391cf137bb037547f4cafa66d656469756da3475055a967726f75"
     "705f6964780084a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391cf16d077ad0843c5"
-    "77a66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c656172656400";
+    "77a66d656469756da3475055a967726f75705f6964780081a474797065b0416c6c426c6f636b73436c65617265640"
+    "0";
 
 TEST(VllmDecode, Vllm032BatchWithCpuOffloadingEventsApplies) {
   auto b = DecodeVllmBatch(Hex(kVllm032Mixed));
@@ -204,7 +205,11 @@ struct Ev {
   enum Kind { kStored, kRemoved, kCleared };
   Ev(Kind k, std::vector<uint64_t> h = {}, std::optional<uint64_t> p = std::nullopt,
      std::vector<uint32_t> t = {}, std::string lora = "")
-      : kind(k), hashes(std::move(h)), parent(p), tokens(std::move(t)), lora_name(std::move(lora)) {}
+      : kind(k),
+        hashes(std::move(h)),
+        parent(p),
+        tokens(std::move(t)),
+        lora_name(std::move(lora)) {}
   Kind kind;
   std::vector<uint64_t> hashes;
   std::optional<uint64_t> parent;
@@ -274,9 +279,8 @@ std::vector<uint32_t> Tokens(uint32_t from, uint32_t n) {
 }
 
 TEST(VllmDecode, TheTestEncoderWritesWhatTheDecoderReads) {
-  auto b = DecodeVllmBatch(Batch({Ev(Ev::kStored, {7, 8}, 6, Tokens(0, 8)), Ev(Ev::kRemoved, {5}),
-                                  Ev(Ev::kCleared)},
-                                 4));
+  auto b = DecodeVllmBatch(Batch(
+      {Ev(Ev::kStored, {7, 8}, 6, Tokens(0, 8)), Ev(Ev::kRemoved, {5}), Ev(Ev::kCleared)}, 4));
   ASSERT_TRUE(b.ok()) << b.status();
   ASSERT_EQ(b->events.size(), 3u);
   EXPECT_EQ(b->events[0].hashes, (std::vector<uint64_t>{7, 8}));
@@ -323,7 +327,8 @@ TEST(VllmSources, SpecsParseAndBadOnesNameLineAndKey) {
       "# engines\n"
       "id=vllm-0,endpoint=10.0.0.5:8000,events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,"
       "namespace=00c0ffee00c0ffee,block-tokens=16\n\n"
-      "id=vllm-1, endpoint=10.0.0.6:8000, events=ipc:///run/ev, topic=kv, namespace=00c0ffee00c0ffee, "
+      "id=vllm-1, endpoint=10.0.0.6:8000, events=ipc:///run/ev, topic=kv, "
+      "namespace=00c0ffee00c0ffee, "
       "block-tokens=16\n");
   ASSERT_TRUE(ok.ok()) << ok.status();
   ASSERT_EQ(ok->size(), 2u);
@@ -331,9 +336,12 @@ TEST(VllmSources, SpecsParseAndBadOnesNameLineAndKey) {
   EXPECT_EQ((*ok)[1].topic, "kv");
   EXPECT_EQ((*ok)[1].namespace_id, kNs);
   for (const auto& [text, says] : std::vector<std::pair<std::string, std::string>>{
-           {"id=a,endpoint=e,events=http://x,namespace=00c0ffee00c0ffee,block-tokens=16", "line 1: events"},
-           {"\nid=a,endpoint=e,events=tcp://x:1,namespace=xyz,block-tokens=16", "line 2: namespace"},
-           {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=0", "block-tokens"},
+           {"id=a,endpoint=e,events=http://x,namespace=00c0ffee00c0ffee,block-tokens=16",
+            "line 1: events"},
+           {"\nid=a,endpoint=e,events=tcp://x:1,namespace=xyz,block-tokens=16",
+            "line 2: namespace"},
+           {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=0",
+            "block-tokens"},
            {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4,colour=red",
             "unknown key \"colour\""},
            {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4\n"
@@ -407,7 +415,8 @@ class FakeEngine {
       if (req.size() != 3 || req[2].size() != 8) continue;  // as vLLM: ignored
       replay_requests++;
       uint64_t from = 0;
-      for (int i = 0; i < 8; ++i) from = (from << 8) | static_cast<const uint8_t*>(req[2].data())[i];
+      for (int i = 0; i < 8; ++i)
+        from = (from << 8) | static_cast<const uint8_t*>(req[2].data())[i];
       const std::string id = req[0].to_string();
       std::vector<std::pair<uint64_t, std::string>> items;
       {
@@ -459,10 +468,11 @@ class VllmSubscriber : public ::testing::Test {
 // every second, instead of going on as if registered.
 TEST_F(VllmSubscriber, ARefusedHelloIsRetriedAndCounted) {
   FakeEngine engine;
-  VllmSourceSpec spec{"vllm-0", std::string(300, 'e'), engine.events(), engine.replay(), "", kNs, kBt};
+  VllmSourceSpec spec{"vllm-0", std::string(300, 'e'), engine.events(), engine.replay(), "", kNs,
+                      kBt};
   VllmEventSource source(spec, &core_);
-  ASSERT_TRUE(testing::WaitFor([&] { return source.stats().hello_failures >= 2; },
-                               std::chrono::seconds(5)))
+  ASSERT_TRUE(
+      testing::WaitFor([&] { return source.stats().hello_failures >= 2; }, std::chrono::seconds(5)))
       << source.stats().hello_failures << " refused hellos";
   EXPECT_EQ(Held(), ~uint64_t{0}) << "not a source of the router";
 }
@@ -470,17 +480,22 @@ TEST_F(VllmSubscriber, ARefusedHelloIsRetriedAndCounted) {
 TEST_F(VllmSubscriber, IndexesTheDocumentedStreamThroughGapsBadMessagesAndRestarts) {
   FakeEngine engine;
   // Published before the router subscribed: it comes from the replay socket.
-  engine.Publish(0, Batch({Ev(Ev::kStored, {100, 101, 102, 103}, std::nullopt, Tokens(0, 16))}, kBt));
+  engine.Publish(0,
+                 Batch({Ev(Ev::kStored, {100, 101, 102, 103}, std::nullopt, Tokens(0, 16))}, kBt));
   VllmSourceSpec spec{"vllm-0", "10.0.0.5:8000", engine.events(), engine.replay(), "", kNs, kBt};
   VllmEventSource source(spec, &core_);
-  ASSERT_TRUE(testing::WaitFor([&] { return Held() == 4; })) << Held() << " held; replays " << source.stats().replays << ", malformed " << source.stats().malformed << ", batches " << source.stats().batches << ", requests " << engine.replay_requests;
+  ASSERT_TRUE(testing::WaitFor([&] { return Held() == 4; }))
+      << Held() << " held; replays " << source.stats().replays << ", malformed "
+      << source.stats().malformed << ", batches " << source.stats().batches << ", requests "
+      << engine.replay_requests;
   EXPECT_EQ(GpuHit(0, 20), 4u);
   // Live: two more blocks after block 103. The subscriber may join late
   // (ZeroMQ's slow joiner): resend until it has them.
   engine.Publish(1, Batch({Ev(Ev::kStored, {104, 105}, 103, Tokens(16, 8))}, kBt));
   ASSERT_TRUE(testing::WaitFor([&] {
-    if (Held() != 6) engine.SendLive({"", FakeEngine::Seq(1),
-                                      Batch({Ev(Ev::kStored, {104, 105}, 103, Tokens(16, 8))}, kBt)});
+    if (Held() != 6)
+      engine.SendLive(
+          {"", FakeEngine::Seq(1), Batch({Ev(Ev::kStored, {104, 105}, 103, Tokens(16, 8))}, kBt)});
     return Held() == 6;
   })) << Held();
   EXPECT_EQ(GpuHit(0, 26), 6u);

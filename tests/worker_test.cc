@@ -15,7 +15,9 @@ namespace {
 using kvtier::testing::ServerProcess;
 
 // 2 x 2 layers x 2 heads x 64 dim x 2 bytes x 16 tokens = 16 KiB blocks.
-NamespaceSpec Spec() { return NamespaceSpec{"worker-test", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""}; }
+NamespaceSpec Spec() {
+  return NamespaceSpec{"worker-test", "fp16", 2, 2, 64, 16, 0, 1, "", "", ""};
+}
 
 std::vector<BlockHash> Chain(uint64_t salt, size_t n) {
   std::vector<uint32_t> tokens(n * 16);
@@ -135,8 +137,7 @@ TEST_F(WorkerTest, StagingStaysWithinItsBoundUnderABurst) {
   auto st = a->stats();
   EXPECT_LE(st.staging_peak, 4u);
   EXPECT_GT(st.staging_peak, 0u);
-  EXPECT_EQ(st.offloaded_blocks + st.offload_dropped_full + st.offload_failures,
-            st.pool.evictions);
+  EXPECT_EQ(st.offloaded_blocks + st.offload_dropped_full + st.offload_failures, st.pool.evictions);
 }
 
 TEST_F(WorkerTest, ARequestNeverWaitsForItsSavesAndTheirPagesGoToRequestsThatNeedThem) {

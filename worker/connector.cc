@@ -17,8 +17,8 @@ namespace kvtier::worker {
 absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOptions o) {
   if (auto s = ValidateNamespace(o.spec); !s.ok()) return s;
   if (o.offload != "write-back" && o.offload != "write-through" && o.offload != "none") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "offload policy \"", o.offload, "\" is not write-back, write-through or none"));
+    return absl::InvalidArgumentError(absl::StrCat("offload policy \"", o.offload,
+                                                   "\" is not write-back, write-through or none"));
   }
   if (o.staging_blocks == 0 || o.offload_batch == 0) {
     return absl::InvalidArgumentError("staging_blocks and offload_batch must be at least 1");
@@ -27,8 +27,8 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   if (!dtype.ok()) return dtype.status();
   std::unique_ptr<KvConnector> c(new KvConnector());
   c->options_ = o;
-  c->layout_ = gpu::KvLayout{o.spec.layers,  o.spec.kv_heads, o.spec.head_dim,
-                             o.spec.block_tokens, *dtype, o.num_pages};
+  c->layout_ = gpu::KvLayout{o.spec.layers,       o.spec.kv_heads, o.spec.head_dim,
+                             o.spec.block_tokens, *dtype,          o.num_pages};
   if (auto s = gpu::Validate(c->layout_); !s.ok()) return s;
   c->ns_ = NamespaceId(o.spec);
   c->wire_bytes_ = BlockBytes(o.spec);
@@ -160,7 +160,8 @@ absl::Status KvConnector::PinRest(Request* r, std::optional<std::chrono::millise
 absl::StatusOr<KvConnector::Match> KvConnector::Begin(
     uint64_t request, std::vector<BlockHash> chain,
     std::optional<std::chrono::milliseconds> lookup_budget) {
-  if (!pool_) return absl::FailedPreconditionError("Begin needs the connector's own pages; use Lookup");
+  if (!pool_)
+    return absl::FailedPreconditionError("Begin needs the connector's own pages; use Lookup");
   if (chain.empty()) return absl::InvalidArgumentError("request has no full block to match");
   auto r = std::make_unique<Request>();
   r->pages = pool_->MatchAndRef(chain);
@@ -181,11 +182,12 @@ absl::StatusOr<KvConnector::Match> KvConnector::Begin(
 absl::StatusOr<KvConnector::Match> KvConnector::Lookup(uint64_t request,
                                                        std::vector<BlockHash> chain,
                                                        uint32_t skip_blocks) {
-  if (pool_) return absl::FailedPreconditionError("Lookup needs engine-registered memory; use Begin");
+  if (pool_)
+    return absl::FailedPreconditionError("Lookup needs engine-registered memory; use Begin");
   if (chain.empty()) return absl::InvalidArgumentError("request has no full block to match");
   if (skip_blocks > chain.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("skip_blocks ", skip_blocks,
-                                                   " is beyond the chain's ", chain.size(), " blocks"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "skip_blocks ", skip_blocks, " is beyond the chain's ", chain.size(), " blocks"));
   }
   auto r = std::make_unique<Request>();
   r->gpu_blocks = skip_blocks;
@@ -212,9 +214,8 @@ absl::StatusOr<KvConnector::Match> KvConnector::Lookup(uint64_t request,
 
 absl::StatusOr<KvConnector::Request*> KvConnector::Find(uint64_t request, bool engine_mode) {
   if (engine_mode != engine_owned()) {
-    return absl::FailedPreconditionError(engine_mode
-                                             ? "this call needs engine-registered memory"
-                                             : "this call needs the connector's own pages");
+    return absl::FailedPreconditionError(engine_mode ? "this call needs engine-registered memory"
+                                                     : "this call needs the connector's own pages");
   }
   std::lock_guard lk(mu_);
   auto it = requests_.find(request);
@@ -225,8 +226,8 @@ absl::StatusOr<KvConnector::Request*> KvConnector::Find(uint64_t request, bool e
 absl::Status KvConnector::CheckPages(const std::vector<uint32_t>& pages) const {
   for (uint32_t p : pages) {
     if (p >= layout_.num_pages) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("page ", p, " is out of range: the KV cache has ", layout_.num_pages, " pages"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "page ", p, " is out of range: the KV cache has ", layout_.num_pages, " pages"));
     }
   }
   return absl::OkStatus();

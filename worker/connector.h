@@ -67,6 +67,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -74,7 +75,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <chrono>
 #include <optional>
 #include <string>
 #include <thread>
@@ -83,10 +83,10 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
-#include "common/block_key.h"
-#include "common/thread_cache.h"
 #include "client/router_client.h"
 #include "client/store_data_client.h"
+#include "common/block_key.h"
+#include "common/thread_cache.h"
 #include "gpu/kv_layout.h"
 #include "worker/page_pool.h"
 
@@ -95,16 +95,16 @@ namespace kvtier::worker {
 struct ConnectorOptions {
   NamespaceSpec spec;
   uint64_t num_pages = 1024;
-  std::vector<std::string> stores;       // kvtier-store addresses; empty: no store tier
-  std::string offload = "write-back";    // "write-back", "write-through" or "none"
-  uint64_t staging_blocks = 64;          // staging bound per direction (offload, load), in blocks
-  uint64_t offload_batch = 32;           // blocks per offload operation (at most)
-  uint32_t offload_threads = 1;          // offload operations in flight at once
+  std::vector<std::string> stores;     // kvtier-store addresses; empty: no store tier
+  std::string offload = "write-back";  // "write-back", "write-through" or "none"
+  uint64_t staging_blocks = 64;        // staging bound per direction (offload, load), in blocks
+  uint64_t offload_batch = 32;         // blocks per offload operation (at most)
+  uint32_t offload_threads = 1;        // offload operations in flight at once
   // Pool mode, write-through: saved pages waiting for a staging slot stay
   // referenced in the pool, at most this many (0: every page); past it, or
   // when a request needs the pages, the oldest waiting save is dropped.
   uint64_t max_held_pages = 0;
-  DataClientOptions data;                // deadlines, lanes, shared memory, ...
+  DataClientOptions data;  // deadlines, lanes, shared memory, ...
   // Set: the engine owns the KV cache (see above) and num_pages is its page
   // count. The memory must outlive the connector.
   std::optional<gpu::PageMemory> engine_memory;
@@ -112,9 +112,9 @@ struct ConnectorOptions {
 
 // Where a load's time went, in milliseconds.
 struct LoadTimes {
-  TransferTimes transfer;   // pin round trip (control), lane wait, RMA, checksum
-  double staging_ms = 0;    // waiting for load staging (int8 namespaces)
-  double scatter_ms = 0;    // unpacking staged blocks into pages (int8 namespaces)
+  TransferTimes transfer;  // pin round trip (control), lane wait, RMA, checksum
+  double staging_ms = 0;   // waiting for load staging (int8 namespaces)
+  double scatter_ms = 0;   // unpacking staged blocks into pages (int8 namespaces)
   LoadTimes& operator+=(const LoadTimes& o) {
     transfer += o.transfer;
     staging_ms += o.staging_ms;
@@ -133,8 +133,8 @@ struct ConnectorStats {
   uint64_t staging_in_use = 0, staging_peak = 0, staging_blocks = 0;  // offload staging
   uint64_t load_staging_peak = 0;                                     // load staging
   uint64_t corrupt_dropped = 0;  // blocks that failed their checksum and the store dropped
-  LoadTimes load_times;        // summed over loads
-  TransferTimes offload_times;  // summed over offload batches
+  LoadTimes load_times;          // summed over loads
+  TransferTimes offload_times;   // summed over offload batches
   double offload_gather_ms = 0;  // gathering (and packing) pages into staging
   PagePool::Counters pool;
 };
@@ -249,9 +249,9 @@ class KvConnector {
     std::vector<BlockHash> chain;
     std::vector<uint32_t> pages;  // pinned pages, chain order, for the first pages.size() blocks
     uint32_t gpu_blocks = 0, store_blocks = 0, loaded = 0, loaded_from_disk = 0;
-    std::vector<uint32_t> computed;  // pages from AllocateForCompute
+    std::vector<uint32_t> computed;    // pages from AllocateForCompute
     std::vector<uint32_t> load_pages;  // engine mode: the engine's pages to load into
-    ShardedPin pin;                  // the store's pin of the blocks after the GPU prefix
+    ShardedPin pin;                    // the store's pin of the blocks after the GPU prefix
     // The load runs once, on a cached thread or on the thread that waits for
     // it first (whichever claims it): a caller that waits at once pays no
     // hand-off. Shared, so a cached thread that comes late never touches a
@@ -260,8 +260,8 @@ class KvConnector {
     std::promise<absl::StatusOr<uint32_t>> load_promise;
     std::future<absl::StatusOr<uint32_t>> load;
     bool load_started = false, load_ended = false;  // guarded by mu_
-    uint32_t layers_in = 0;                          // guarded by mu_
-    absl::Status load_status;                        // guarded by mu_, once load_ended
+    uint32_t layers_in = 0;                         // guarded by mu_
+    absl::Status load_status;                       // guarded by mu_, once load_ended
     LoadTimes load_times;
     // Its saves, shared with the staged blocks: they outlive a request
     // finished before its saves are written.
@@ -346,8 +346,8 @@ class KvConnector {
   ConnectorOptions options_;
   gpu::KvLayout layout_;
   uint64_t ns_ = 0;
-  uint64_t wire_bytes_ = 0;  // BlockBytes(spec): what the store and staging hold per block
-  bool packed_ = false;      // kv_wire int8
+  uint64_t wire_bytes_ = 0;         // BlockBytes(spec): what the store and staging hold per block
+  bool packed_ = false;             // kv_wire int8
   std::unique_ptr<PagePool> pool_;  // null in engine mode
   gpu::PageMemory memory_;          // the pages: the pool's or the engine's
   std::unique_ptr<ShardedStoreClient> store_;

@@ -32,8 +32,8 @@ absl::Status KvConnector::StartLoadInto(uint64_t request, std::vector<uint32_t> 
           absl::StrCat("request ", request, " has already started its load"));
     }
     if (pages.size() > r->store_blocks) {
-      return absl::InvalidArgumentError(absl::StrCat(pages.size(), " pages for ", r->store_blocks,
-                                                     " blocks found in the store"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(pages.size(), " pages for ", r->store_blocks, " blocks found in the store"));
     }
     r->store_blocks = static_cast<uint32_t>(pages.size());
     r->load_pages = std::move(pages);
@@ -73,8 +73,8 @@ void KvConnector::RunLoad(Request* r, const std::shared_ptr<std::atomic<bool>>& 
 
 absl::Status KvConnector::WaitForLayer(uint64_t request, uint32_t layer) {
   if (layer >= layout_.layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is outside the namespace's ",
-                                                   layout_.layers, " layers"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " is outside the namespace's ", layout_.layers, " layers"));
   }
   std::unique_lock lk(mu_);
   auto it = requests_.find(request);
@@ -151,7 +151,8 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
     pages.push_back(*p);
   }
   auto got = pages.empty() ? absl::StatusOr<uint32_t>(0u)
-                           : packed_ ? LoadPacked(r, pages) : LoadDirect(r, pages);
+             : packed_     ? LoadPacked(r, pages)
+                           : LoadDirect(r, pages);
   store_->Release(r->pin);  // after every transfer, whatever the outcome
   const uint32_t done = got.ok() ? *got : r->loaded;
   if (!got.ok() && got.status().code() == absl::StatusCode::kDataLoss) {
@@ -200,7 +201,8 @@ absl::StatusOr<uint32_t> KvConnector::LoadDirect(Request* r, const std::vector<u
   const uint32_t per_layer = adjacent ? 1 : 2;
   ReadPlan plan;
   if (layout_.layers > 1 || !adjacent) {
-    for (uint32_t s = 0; s <= layout_.layers * per_layer; ++s) plan.bounds.push_back(s * 2 * chunk / per_layer);
+    for (uint32_t s = 0; s <= layout_.layers * per_layer; ++s)
+      plan.bounds.push_back(s * 2 * chunk / per_layer);
   }
   plan.dest = [&](size_t i, size_t seg) -> void* {
     const uint32_t layer = static_cast<uint32_t>(seg / per_layer);
@@ -223,7 +225,8 @@ absl::StatusOr<uint32_t> KvConnector::LoadPacked(Request* r, const std::vector<u
   const uint32_t total = static_cast<uint32_t>(pages.size());
   // In runs of at most staging_blocks; layers are reported in with the last run.
   for (uint32_t first = 0; first < total;) {
-    const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(total - first, options_.staging_blocks));
+    const uint32_t n =
+        static_cast<uint32_t>(std::min<uint64_t>(total - first, options_.staging_blocks));
     const bool last = first + n == total;
     std::vector<uint32_t> slots;
     const auto wait_start = std::chrono::steady_clock::now();

@@ -19,9 +19,9 @@ absl::Status KvConnector::InitStaging() {
   const size_t staging_bytes = (2 * options_.staging_blocks * bb + 4095) / 4096 * 4096;
   staging_ = static_cast<uint8_t*>(std::aligned_alloc(4096, staging_bytes));
   if (staging_ == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate ", staging_bytes, " bytes of staging memory (staging_blocks ",
-        options_.staging_blocks, ")"));
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", staging_bytes,
+                                                     " bytes of staging memory (staging_blocks ",
+                                                     options_.staging_blocks, ")"));
   }
   std::memset(staging_, 0, staging_bytes);
   // Slots are handed out from the back: lowest first.

@@ -179,13 +179,21 @@ absl::StatusOr<kvtier::worker::ConnectorOptions> OptionsFrom(const kvtier_connec
   }
   const uint32_t tp_size = cfg->tp_size == 0 ? 1 : cfg->tp_size;
   if (cfg->tp_rank >= tp_size) {
-    return absl::InvalidArgumentError(absl::StrCat("tp_rank ", cfg->tp_rank,
-                                                   " is not a rank of a group of ", tp_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tp_rank ", cfg->tp_rank, " is not a rank of a group of ", tp_size));
   }
   kvtier::worker::ConnectorOptions o;
-  o.spec = kvtier::NamespaceSpec{cfg->model, cfg->dtype, cfg->layers, cfg->kv_heads,
-                                 cfg->head_dim, cfg->block_tokens, cfg->tp_rank, tp_size,
-                                 cfg->cache_salt ? cfg->cache_salt : "", "", ""};
+  o.spec = kvtier::NamespaceSpec{cfg->model,
+                                 cfg->dtype,
+                                 cfg->layers,
+                                 cfg->kv_heads,
+                                 cfg->head_dim,
+                                 cfg->block_tokens,
+                                 cfg->tp_rank,
+                                 tp_size,
+                                 cfg->cache_salt ? cfg->cache_salt : "",
+                                 "",
+                                 ""};
   if (cfg->kv_wire) o.spec.kv_wire = cfg->kv_wire;
   o.num_pages = cfg->num_pages;
   if (cfg->stores) {
@@ -231,7 +239,8 @@ kvtier_connector* kvtier_connector_create_engine(const kvtier_connector_config* 
   return Call([&]() -> absl::StatusOr<kvtier_connector*> {
     auto o = OptionsFrom(cfg);
     if (!o.ok()) return o.status();
-    if (!kv || !kv->k || !kv->v) return absl::InvalidArgumentError("kv, kv->k and kv->v are required");
+    if (!kv || !kv->k || !kv->v)
+      return absl::InvalidArgumentError("kv, kv->k and kv->v are required");
     kvtier::gpu::PageMemory m;
     for (uint32_t l = 0; l < cfg->layers; ++l) {
       m.k.push_back(static_cast<uint8_t*>(kv->k[l]));
@@ -253,15 +262,13 @@ void kvtier_connector_destroy(kvtier_connector* c) {
 }
 
 uint64_t kvtier_namespace_id(const kvtier_connector* c) {
-  return WithConnector(c, [](KvConnector& k) -> absl::StatusOr<uint64_t> {
-    return k.namespace_id();
-  });
+  return WithConnector(c,
+                       [](KvConnector& k) -> absl::StatusOr<uint64_t> { return k.namespace_id(); });
 }
 
 uint64_t kvtier_block_bytes(const kvtier_connector* c) {
-  return WithConnector(c, [](KvConnector& k) -> absl::StatusOr<uint64_t> {
-    return k.block_bytes();
-  });
+  return WithConnector(c,
+                       [](KvConnector& k) -> absl::StatusOr<uint64_t> { return k.block_bytes(); });
 }
 
 uint8_t* kvtier_layer_base(kvtier_connector* c, uint32_t layer) {
@@ -295,8 +302,8 @@ int64_t kvtier_hash_tokens(const kvtier_connector* c, const uint32_t* tokens, si
 }
 
 kvtier_status kvtier_get_num_matched_tokens(kvtier_connector* c, uint64_t request,
-                                            const uint64_t* hashes, size_t n,
-                                            uint64_t* gpu_tokens, uint64_t* store_tokens) {
+                                            const uint64_t* hashes, size_t n, uint64_t* gpu_tokens,
+                                            uint64_t* store_tokens) {
   return WithConnector(c, [&](KvConnector& k) -> absl::Status {
     if (auto s = CheckArray(hashes, n, "hashes"); !s.ok()) return s;
     auto m = k.Begin(request, ChainOf(hashes, n));
@@ -308,8 +315,8 @@ kvtier_status kvtier_get_num_matched_tokens(kvtier_connector* c, uint64_t reques
   });
 }
 
-kvtier_status kvtier_lookup(kvtier_connector* c, uint64_t request, const uint64_t* hashes,
-                            size_t n, uint32_t skip_blocks, uint64_t* store_tokens) {
+kvtier_status kvtier_lookup(kvtier_connector* c, uint64_t request, const uint64_t* hashes, size_t n,
+                            uint32_t skip_blocks, uint64_t* store_tokens) {
   return WithConnector(c, [&](KvConnector& k) -> absl::Status {
     if (auto s = CheckArray(hashes, n, "hashes"); !s.ok()) return s;
     auto m = k.Lookup(request, ChainOf(hashes, n), skip_blocks);

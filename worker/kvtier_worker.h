@@ -82,14 +82,14 @@ typedef enum kvtier_status {
 typedef struct kvtier_connector kvtier_connector;
 
 typedef struct {
-  const char* model;        /* model id of the namespace */
-  const char* dtype;        /* "fp16", "bf16", "fp8" ("fp8_e4m3", "fp8_e5m2") */
+  const char* model; /* model id of the namespace */
+  const char* dtype; /* "fp16", "bf16", "fp8" ("fp8_e4m3", "fp8_e5m2") */
   uint32_t layers, kv_heads, head_dim, block_tokens;
-  uint64_t num_pages;       /* pages in the pool */
-  const char* stores;       /* comma-separated kvtier-store addresses; "" for none */
-  const char* offload;      /* "write-back", "write-through", "none" */
-  uint64_t staging_blocks;  /* staging bound, in blocks (0: 64) */
-  int deadline_ms;          /* per store operation (0: 10000) */
+  uint64_t num_pages;      /* pages in the pool */
+  const char* stores;      /* comma-separated kvtier-store addresses; "" for none */
+  const char* offload;     /* "write-back", "write-through", "none" */
+  uint64_t staging_blocks; /* staging bound, in blocks (0: 64) */
+  int deadline_ms;         /* per store operation (0: 10000) */
   /* TLS towards the stores' gRPC control plane; NULL or "" each: unused.
    * tls_ca set: TLS, verifying stores against it; tls_cert and tls_key set
    * as well: mutual TLS. PEM file paths. */
@@ -132,9 +132,9 @@ kvtier_connector* kvtier_connector_create(const kvtier_connector_config* config)
  * [num_pages][2][...]: k = base, v = base + chunk, page_stride = 2 chunks.
  * Host memory, valid for the connector's lifetime. */
 typedef struct {
-  void* const* k;        /* config.layers entries */
-  void* const* v;        /* config.layers entries */
-  uint64_t page_stride;  /* bytes */
+  void* const* k;       /* config.layers entries */
+  void* const* v;       /* config.layers entries */
+  uint64_t page_stride; /* bytes */
 } kvtier_engine_kv;
 
 /* A connector over the engine's memory: config.num_pages is the engine's
@@ -240,7 +240,8 @@ int64_t kvtier_allocate(kvtier_connector* c, uint64_t request, uint32_t* pages_o
 /* All of the request's pages in chain order, the first max at most. Returns
  * how many it wrote.
  *   -KVTIER_NOT_FOUND  the request is not open. */
-int64_t kvtier_request_pages(kvtier_connector* c, uint64_t request, uint32_t* pages_out, size_t max);
+int64_t kvtier_request_pages(kvtier_connector* c, uint64_t request, uint32_t* pages_out,
+                             size_t max);
 /* The computed pages hold their blocks now: they become matchable, and
  * under write-through are queued for the store (each page stays referenced
  * until it is copied out; a request that needs pages takes them from the

@@ -15,7 +15,7 @@ PagePool::PagePool(const gpu::KvLayout& layout) : layout_(layout), pages_(layout
     // loads from a mapped store copied at 7-12 GB/s into 4 KiB pages.
     const size_t bytes = (layout_.layer_bytes() + 4095) / 4096 * 4096;
     auto* p = static_cast<uint8_t*>(bytes >= (2u << 20) ? AllocateHugePageBacked(bytes)
-                                                         : std::aligned_alloc(4096, bytes));
+                                                        : std::aligned_alloc(4096, bytes));
     std::memset(p, 0, bytes);  // touch it now, not on the data path
     bases_.push_back(p);
   }

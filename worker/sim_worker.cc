@@ -12,28 +12,28 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
-#include <mutex>
 #include <cstdio>
 #include <fstream>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "common/config.h"
-#include "common/rpc/grpc_server.h"
-#include "common/rpc/grpc_status.h"
-#include "common/log.h"
-#include "common/rpc/proto_convert.h"
 #include "client/router_client.h"
 #include "client/router_fanout.h"
+#include "common/config.h"
+#include "common/limits.h"
+#include "common/log.h"
+#include "common/rpc/grpc_server.h"
+#include "common/rpc/grpc_status.h"
+#include "common/rpc/proto_convert.h"
 #include "common/rpc/tls.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
 #include "worker/model.h"
-#include "common/limits.h"
 
 namespace kvtier::worker {
 namespace {
@@ -214,8 +214,8 @@ class SimWorkerService final : public v1::SimWorker::Service {
     uint64_t id = 0, prompt = 0, queued_tokens = 0;
     uint32_t output_tokens = 0;
     std::vector<BlockHash> chain;
-    double arrival = 0;  // simulated ms
-    double ready = 0;    // when it can next be scheduled, simulated ms
+    double arrival = 0;          // simulated ms
+    double ready = 0;            // when it can next be scheduled, simulated ms
     Clock::time_point received;  // real: when it joined the waiting queue
     bool looked_up = false;
     KvConnector::Match match;
@@ -229,8 +229,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
   // Tokens a request is expected to compute: its prompt after what the GPU
   // pages hold now.
   uint64_t EstimatedPrefill(const Job& job) const {
-    const uint64_t cached =
-        uint64_t{c_->pool().Match(job.chain)} * c_->block_tokens();
+    const uint64_t cached = uint64_t{c_->pool().Match(job.chain)} * c_->block_tokens();
     return job.prompt - std::min(job.prompt, cached);
   }
 
@@ -311,8 +310,8 @@ class SimWorkerService final : public v1::SimWorker::Service {
     if (!m.ok()) return m.status();
     job.match = *m;
     if (!m->store_status.ok()) {
-      job.resp->set_load_status(absl::StrCat("store lookup failed, computing instead: ",
-                                             m->store_status.message()));
+      job.resp->set_load_status(
+          absl::StrCat("store lookup failed, computing instead: ", m->store_status.message()));
     }
     if (m->store_blocks > 0) {
       const absl::Status started = c_->StartLoad(job.id);
@@ -408,8 +407,8 @@ class SimWorkerService final : public v1::SimWorker::Service {
     // What other requests computed since its lookup, as a scheduler matches
     // a request when it runs it.
     const uint32_t more = c_->MatchMore(job.id);
-    const uint64_t cached = std::min<uint64_t>(
-        uint64_t{job.match.gpu_blocks + job.loaded + more} * bt, job.prompt);
+    const uint64_t cached =
+        std::min<uint64_t>(uint64_t{job.match.gpu_blocks + job.loaded + more} * bt, job.prompt);
     const uint64_t prefill = job.prompt - cached;
     // Pages for the computed blocks; with every page held by requests
     // loading, the prompt is computed without caching its blocks.
@@ -487,7 +486,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
   std::set<const Job*> loading_jobs_;
   // The engine's clock after its last prefill (clock_ms_, for heartbeats).
   std::atomic<double> busy_until_{std::numeric_limits<double>::lowest()};
-  Clock::time_point origin_;       // simulated time 0 in real time
+  Clock::time_point origin_;  // simulated time 0 in real time
   bool have_origin_ = false;
   bool stop_ = false;
   double clock_ms_ = std::numeric_limits<double>::lowest();
@@ -507,12 +506,13 @@ int main(int argc, char** argv) {
   worker::SimOptions sim;
   uint64_t heartbeat_ms = 500, deadline_ms = 10000, router_refresh_ms = 5000;
   TlsFlags tls;
-  FlagSet flags("kvtier-sim-worker",
-                "A simulated inference engine over kvtier's worker library: serves Submit\n"
-                "(kvtier.v1.SimWorker) with a fake model whose KV bytes are known, onboarding from\n"
-                "and offloading to kvtier-store and publishing KV events to kvtier-router.\n"
-                "Example: kvtier-sim-worker --listen 127.0.0.1:7601 --store 127.0.0.1:7400 "
-                "--router 127.0.0.1:7500 --worker-id w1");
+  FlagSet flags(
+      "kvtier-sim-worker",
+      "A simulated inference engine over kvtier's worker library: serves Submit\n"
+      "(kvtier.v1.SimWorker) with a fake model whose KV bytes are known, onboarding from\n"
+      "and offloading to kvtier-store and publishing KV events to kvtier-router.\n"
+      "Example: kvtier-sim-worker --listen 127.0.0.1:7601 --store 127.0.0.1:7400 "
+      "--router 127.0.0.1:7500 --worker-id w1");
   flags.HostPort("listen", &listen, "gRPC address HOST:PORT (port 0 picks a free port)");
   flags.String("store", &stores, "Comma-separated kvtier-store addresses (empty: no store tier)");
   flags.String("router", &routers, "Comma-separated kvtier-router addresses (empty: none)");
@@ -550,8 +550,7 @@ int main(int argc, char** argv) {
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
   AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/true);
   ParseFlagsOrExit(flags, argc, argv);
-  sim.reorder_window =
-      std::chrono::microseconds(sim.time_scale > 0 ? reorder_ms * 1000 : 0);
+  sim.reorder_window = std::chrono::microseconds(sim.time_scale > 0 ? reorder_ms * 1000 : 0);
   auto client_security = ClientSecurity(tls);
   auto server_credentials = ServerCredentials(tls);
   for (const absl::Status& s : {client_security.status(), server_credentials.status()}) {
@@ -560,7 +559,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-
 
   worker::ConnectorOptions co;
   co.spec = NamespaceSpec{model,
@@ -577,7 +575,8 @@ int main(int argc, char** argv) {
   if (kv_wire == "int8") co.spec.kv_wire = kKvWireInt8;
   sim.packed = kv_wire == "int8";
   co.num_pages = static_cast<uint64_t>(pages);
-  for (absl::string_view s : absl::StrSplit(stores, ',', absl::SkipEmpty())) co.stores.emplace_back(s);
+  for (absl::string_view s : absl::StrSplit(stores, ',', absl::SkipEmpty()))
+    co.stores.emplace_back(s);
   co.offload = offload;
   co.staging_blocks = static_cast<uint64_t>(staging);
   co.data.deadline_ms = static_cast<int>(deadline_ms);
@@ -603,7 +602,8 @@ int main(int argc, char** argv) {
   auto started = kvtier::StartGrpcServer(
       {"kvtier-sim-worker", listen, *server_credentials, {service.get()}, 64 << 20});
   if (!started.ok()) {
-    std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(started.status().message()).c_str());
+    std::fprintf(stderr, "kvtier-sim-worker: %s\n",
+                 std::string(started.status().message()).c_str());
     return 1;
   }
   grpc::Server* server = started->server.get();
@@ -612,7 +612,8 @@ int main(int argc, char** argv) {
   service->SetWorkerId(worker_id);
   if (endpoint.empty()) endpoint = bound;
   std::vector<std::string> router_list;
-  for (absl::string_view r : absl::StrSplit(routers, ',', absl::SkipEmpty())) router_list.emplace_back(r);
+  for (absl::string_view r : absl::StrSplit(routers, ',', absl::SkipEmpty()))
+    router_list.emplace_back(r);
   if (!router_list.empty()) {
     PublisherOptions po;
     po.hello.set_source_id(worker_id);
@@ -623,15 +624,16 @@ int main(int argc, char** argv) {
     po.heartbeat_ms = heartbeat_ms;
     po.security = *client_security;
     auto* svc = service.get();
-    fanout = std::make_unique<RouterFanout>(router_list, po, [svc] { return svc->Load(); },
-                                            router_refresh_ms);
+    fanout = std::make_unique<RouterFanout>(
+        router_list, po, [svc] { return svc->Load(); }, router_refresh_ms);
   }
   std::vector<BlockEventSink*> pubs;
   if (fanout) pubs.push_back(fanout.get());
   connector->SetPublishers(pubs);
-  Log("sim-worker", worker_id, " listening on ", bound, " (namespace ", NamespaceName(connector->namespace_id()),
-      ", ", pages, " pages of ", connector->block_bytes(), " bytes, offload ", offload, ", ",
-      co.stores.size(), " store(s), ", pubs.size(), " router(s))");
+  Log("sim-worker", worker_id, " listening on ", bound, " (namespace ",
+      NamespaceName(connector->namespace_id()), ", ", pages, " pages of ", connector->block_bytes(),
+      " bytes, offload ", offload, ", ", co.stores.size(), " store(s), ", pubs.size(),
+      " router(s))");
   kvtier::AnnounceListening("kvtier-sim-worker", *started, "", port_file);
   kvtier::ServeUntilSignalled(server, "sim-worker");
   service->Quiesce();

@@ -17,8 +17,9 @@ grpc::Status AdminGate::Check(const grpc::ServerContext& ctx, const char* rpc) c
           grpc::PERMISSION_DENIED,
           absl::StrCat(rpc, " is an admin RPC: it needs a client certificate for \"", identity_,
                        "\" (mutual TLS); this client presented ",
-                       names.empty() ? std::string("none")
-                                     : absl::StrCat("one for \"", absl::StrJoin(names, "\", \""), "\"")));
+                       names.empty()
+                           ? std::string("none")
+                           : absl::StrCat("one for \"", absl::StrJoin(names, "\", \""), "\"")));
     }
   }
   if (token_.empty()) return grpc::Status::OK;
@@ -31,8 +32,9 @@ grpc::Status AdminGate::Check(const grpc::ServerContext& ctx, const char* rpc) c
   }
   if (diff != 0) {
     return grpc::Status(grpc::PERMISSION_DENIED,
-                        absl::StrCat(rpc, " is an admin RPC: it needs the store's admin token in "
-                                          "x-kvtier-admin-token metadata (kvctl --admin-token-file)"));
+                        absl::StrCat(rpc,
+                                     " is an admin RPC: it needs the store's admin token in "
+                                     "x-kvtier-admin-token metadata (kvctl --admin-token-file)"));
   }
   return grpc::Status::OK;
 }

@@ -66,10 +66,11 @@ class MalformedRequestInterceptor final : public grpc::experimental::Interceptor
       // Handlers never answer INTERNAL without a message; gRPC does so when
       // the request bytes do not deserialize.
       if (s.error_code() == grpc::StatusCode::INTERNAL && s.error_message().empty()) {
-        m->ModifySendStatus(grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            "request to " + method_ + " is not a valid protobuf message of the expected type "
-            "(malformed or truncated)"));
+        m->ModifySendStatus(
+            grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                         "request to " + method_ +
+                             " is not a valid protobuf message of the expected type "
+                             "(malformed or truncated)"));
       }
     }
     m->Proceed();
@@ -79,8 +80,7 @@ class MalformedRequestInterceptor final : public grpc::experimental::Interceptor
   std::string method_;
 };
 
-class MalformedRequestFactory final
-    : public grpc::experimental::ServerInterceptorFactoryInterface {
+class MalformedRequestFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
@@ -129,9 +129,10 @@ void ServeUntilSignalled(grpc::Server* server, const std::string& component) {
 
 absl::StatusOr<StartedServer> StartGrpcServer(const GrpcServerOptions& o) {
   if (AddressInUse(o.listen)) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on ", o.listen, ": the address is in use (another process serves on it; "
-        "stop it or choose another port)"));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", o.listen,
+                     ": the address is in use (another process serves on it; "
+                     "stop it or choose another port)"));
   }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

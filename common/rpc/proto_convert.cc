@@ -24,9 +24,9 @@ void ToProto(const NamespaceSpec& s, v1::NamespaceSpec* out) {
 }
 
 NamespaceSpec FromProto(const v1::NamespaceSpec& p) {
-  return NamespaceSpec{p.model(),        p.dtype(),   p.layers(),  p.kv_heads(), p.head_dim(),
-                       p.block_tokens(), p.tp_rank(), p.tp_size(), p.cache_salt(),
-                       p.kv_wire(),      p.layout()};
+  return NamespaceSpec{p.model(),      p.dtype(),        p.layers(),  p.kv_heads(),
+                       p.head_dim(),   p.block_tokens(), p.tp_rank(), p.tp_size(),
+                       p.cache_salt(), p.kv_wire(),      p.layout()};
 }
 
 }  // namespace kvtier

@@ -42,7 +42,8 @@ absl::StatusOr<PromptChain> PromptFromRequest(const Request& req, uint64_t names
     for (const auto& h : hs) chain.push_back(FromProto(h));
     return ChainFromHashes(std::move(chain), req.prompt_tokens(), block_tokens, what);
   }
-  return absl::InvalidArgumentError(absl::StrCat(what, ": the prompt is empty (give tokens or hashes)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": the prompt is empty (give tokens or hashes)"));
 }
 
 }  // namespace kvtier

@@ -11,7 +11,9 @@ namespace {
 
 absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("flag --", flag, ": cannot read \"", path, "\""));
+  if (!in)
+    return absl::InvalidArgumentError(
+        absl::StrCat("flag --", flag, ": cannot read \"", path, "\""));
   std::stringstream ss;
   ss << in.rdbuf();
   std::string pem = ss.str();

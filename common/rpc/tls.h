@@ -21,11 +21,11 @@ namespace kvtier {
 class FlagSet;
 
 struct TlsFlags {
-  std::string cert_file;            // PEM certificate chain this process presents
-  std::string key_file;             // its private key
-  std::string ca_file;              // PEM CA bundle peers are verified against
-  bool require_client_cert = false; // server: refuse clients without a CA-signed certificate
-  std::string server_name;          // client: name to verify in servers' certificates
+  std::string cert_file;             // PEM certificate chain this process presents
+  std::string key_file;              // its private key
+  std::string ca_file;               // PEM CA bundle peers are verified against
+  bool require_client_cert = false;  // server: refuse clients without a CA-signed certificate
+  std::string server_name;           // client: name to verify in servers' certificates
 };
 
 // --tls-cert, --tls-key, --tls-ca, --tls-require-client-cert (servers only)

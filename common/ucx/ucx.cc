@@ -47,7 +47,8 @@ absl::StatusOr<std::shared_ptr<Context>> Context::Create() {
     return FromUcs(s, "reading the UCX configuration");
   }
   ucp_params_t p{};
-  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  p.field_mask =
+      UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   // Workers of one context live on different threads (client lanes), and
   // memory is registered from yet another: make the context thread-safe.
@@ -177,7 +178,8 @@ absl::Status Worker::WaitAll(std::vector<void*>& reqs, Clock::time_point deadlin
     }
     if (open > 0 && close_endpoint_called && Clock::now() > hard_stop) {
       // Closed and still not complete after 10 s: UCX has lost them.
-      Log("ucx", open, " requests did not complete 10 s after their endpoint was closed; "
+      Log("ucx", open,
+          " requests did not complete 10 s after their endpoint was closed; "
           "released to UCX");
       for (void*& r : reqs) {
         if (r) ucp_request_free(r);
@@ -226,7 +228,7 @@ absl::Status Worker::SetAmHandler(uint16_t id, ucp_am_recv_callback_t cb, void* 
 }
 
 absl::StatusOr<std::unique_ptr<MemoryRegion>> MemoryRegion::Map(std::shared_ptr<Context> ctx,
-                                                               void* addr, size_t length) {
+                                                                void* addr, size_t length) {
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   mp.address = addr;
@@ -255,8 +257,8 @@ void Endpoint::OnError(void* arg, ucp_ep_h, ucs_status_t) {
   static_cast<Endpoint*>(arg)->failed_ = true;
 }
 
-absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(Worker* worker,
-                                                           const std::string& host, int port) {
+absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(Worker* worker, const std::string& host,
+                                                            int port) {
   sockaddr_storage ss{};
   socklen_t len;
   addrinfo hints{}, *res = nullptr;
@@ -285,8 +287,8 @@ absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::Connect(Worker* worker,
 }
 
 absl::StatusOr<std::unique_ptr<Endpoint>> Endpoint::ConnectToWorker(Worker* worker,
-                                                                   const std::string& address,
-                                                                   bool peer_failure_handling) {
+                                                                    const std::string& address,
+                                                                    bool peer_failure_handling) {
   std::unique_ptr<Endpoint> e(new Endpoint(worker));
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER |

@@ -62,10 +62,9 @@ class Worker {
   // count as complete) or the deadline passes, polling while transfers make
   // progress and sleeping on the worker's event fd (up to 1 ms at a time)
   // once they have made none for 50 us, so a waiting lane leaves the CPU to
-  // the threads that move its bytes (the store's progress thread on TCP); on the deadline the rest are
-  // cancelled, and half a second later abandoned (UCX frees them when they
-  // end). Frees the requests. Returns the first error. The caller should drop
-  // the endpoint after a deadline error.
+  // the threads that move its bytes (the store's progress thread on TCP); on the deadline the rest
+  // are cancelled, and half a second later abandoned (UCX frees them when they end). Frees the
+  // requests. Returns the first error. The caller should drop the endpoint after a deadline error.
   // close_endpoint: how to force-close the endpoint the requests were
   // posted on. Given, requests that survive the cancel are not abandoned
   // (they could still write into buffers the caller is about to free): the
@@ -93,8 +92,8 @@ class Worker {
 // A registration of [addr, addr + length) with a context, for zero-copy RMA.
 class MemoryRegion {
  public:
-  static absl::StatusOr<std::unique_ptr<MemoryRegion>> Map(std::shared_ptr<Context> ctx,
-                                                          void* addr, size_t length);
+  static absl::StatusOr<std::unique_ptr<MemoryRegion>> Map(std::shared_ptr<Context> ctx, void* addr,
+                                                           size_t length);
   ~MemoryRegion();
   ucp_mem_h memh() const { return memh_; }
   void* addr() const { return addr_; }
@@ -130,13 +129,13 @@ class RemoteKey {
 class Endpoint {
  public:
   static absl::StatusOr<std::unique_ptr<Endpoint>> Connect(Worker* worker, const std::string& host,
-                                                          int port);
+                                                           int port);
   // Connects to a worker address: any transport both sides share. UCX 1.13
   // offers its shared-memory transports only without peer-failure handling;
   // then a dead peer surfaces through operation deadlines, not at once.
   static absl::StatusOr<std::unique_ptr<Endpoint>> ConnectToWorker(Worker* worker,
-                                                                  const std::string& address,
-                                                                  bool peer_failure_handling);
+                                                                   const std::string& address,
+                                                                   bool peer_failure_handling);
   // Closes (forcibly if the peer failed); waits at most a second.
   ~Endpoint();
   ucp_ep_h get() const { return ep_; }

@@ -113,8 +113,8 @@ NamespaceSpec SpecFrom(const std::string& model, const std::string& dtype, uint3
                        uint32_t kv_heads, uint32_t head_dim, uint32_t block_tokens,
                        uint32_t tp_rank, uint32_t tp_size, const std::string& cache_salt,
                        const std::string& kv_wire, const std::string& layout) {
-  NamespaceSpec s{model, dtype, layers, kv_heads, head_dim, block_tokens,
-                  tp_rank, tp_size, cache_salt, kv_wire, layout};
+  NamespaceSpec s{model,   dtype,   layers,     kv_heads, head_dim, block_tokens,
+                  tp_rank, tp_size, cache_salt, kv_wire,  layout};
   Check(ValidateNamespace(s));
   return s;
 }
@@ -417,9 +417,8 @@ class EngineConnector {
   // the chains, from C++ on this connector, each after one untimed control
   // round trip to `control` (as the Python loop and kvtier-bench worker do);
   // each load's milliseconds.
-  std::vector<double> LoadLoop(const std::vector<py::array>& chains_in,
-                               const py::handle& pages_in, int reps, uint64_t first_id,
-                               const std::string& control_store) {
+  std::vector<double> LoadLoop(const std::vector<py::array>& chains_in, const py::handle& pages_in,
+                               int reps, uint64_t first_id, const std::string& control_store) {
     std::vector<std::vector<BlockHash>> chains;
     for (const auto& a : chains_in) chains.push_back(ChainFrom(a));
     if (chains.empty()) Invalid("no chains");
@@ -444,8 +443,8 @@ class EngineConnector {
         return k.WaitForLoad(id).status();
       };
       const absl::Status s = load();
-      const double elapsed = std::chrono::duration<double, std::milli>(
-                                 std::chrono::steady_clock::now() - t).count();
+      const double elapsed =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
       k.Finished(id);  // on every path: no request or pin left open
       Check(s);
       ms.push_back(elapsed);
@@ -476,29 +475,46 @@ absl::Status FillMessage(const py::dict& d, google::protobuf::Message* m) {
     // A value of another type raises py::cast_error, which must not leave
     // a gRPC handler: it becomes this field's error.
     try {
-    switch (f->cpp_type()) {
-      case FD::CPPTYPE_DOUBLE: refl->SetDouble(m, f, v.cast<double>()); break;
-      case FD::CPPTYPE_FLOAT: refl->SetFloat(m, f, v.cast<float>()); break;
-      case FD::CPPTYPE_UINT64: refl->SetUInt64(m, f, v.cast<uint64_t>()); break;
-      case FD::CPPTYPE_UINT32: refl->SetUInt32(m, f, v.cast<uint32_t>()); break;
-      case FD::CPPTYPE_INT64: refl->SetInt64(m, f, v.cast<int64_t>()); break;
-      case FD::CPPTYPE_INT32: refl->SetInt32(m, f, v.cast<int32_t>()); break;
-      case FD::CPPTYPE_BOOL: refl->SetBool(m, f, v.cast<bool>()); break;
-      case FD::CPPTYPE_STRING: refl->SetString(m, f, v.cast<std::string>()); break;
-      case FD::CPPTYPE_MESSAGE: {
-        if (!py::isinstance<py::dict>(v)) {
-          return absl::InvalidArgumentError(absl::StrCat("field \"", key, "\" needs a dict"));
+      switch (f->cpp_type()) {
+        case FD::CPPTYPE_DOUBLE:
+          refl->SetDouble(m, f, v.cast<double>());
+          break;
+        case FD::CPPTYPE_FLOAT:
+          refl->SetFloat(m, f, v.cast<float>());
+          break;
+        case FD::CPPTYPE_UINT64:
+          refl->SetUInt64(m, f, v.cast<uint64_t>());
+          break;
+        case FD::CPPTYPE_UINT32:
+          refl->SetUInt32(m, f, v.cast<uint32_t>());
+          break;
+        case FD::CPPTYPE_INT64:
+          refl->SetInt64(m, f, v.cast<int64_t>());
+          break;
+        case FD::CPPTYPE_INT32:
+          refl->SetInt32(m, f, v.cast<int32_t>());
+          break;
+        case FD::CPPTYPE_BOOL:
+          refl->SetBool(m, f, v.cast<bool>());
+          break;
+        case FD::CPPTYPE_STRING:
+          refl->SetString(m, f, v.cast<std::string>());
+          break;
+        case FD::CPPTYPE_MESSAGE: {
+          if (!py::isinstance<py::dict>(v)) {
+            return absl::InvalidArgumentError(absl::StrCat("field \"", key, "\" needs a dict"));
+          }
+          if (auto s = FillMessage(v.cast<py::dict>(), refl->MutableMessage(m, f)); !s.ok())
+            return s;
+          break;
         }
-        if (auto s = FillMessage(v.cast<py::dict>(), refl->MutableMessage(m, f)); !s.ok()) return s;
-        break;
+        default:
+          return absl::InvalidArgumentError(absl::StrCat("field \"", key, "\" cannot be set here"));
       }
-      default:
-        return absl::InvalidArgumentError(absl::StrCat("field \"", key, "\" cannot be set here"));
-    }
     } catch (const py::cast_error&) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          desc->name(), ".", key, " must be a ", f->cpp_type_name(), ", not ",
-          std::string(py::str(py::type::of(v).attr("__name__")))));
+      return absl::InvalidArgumentError(
+          absl::StrCat(desc->name(), ".", key, " must be a ", f->cpp_type_name(), ", not ",
+                       std::string(py::str(py::type::of(v).attr("__name__")))));
     }
   }
   return absl::OkStatus();
@@ -553,7 +569,8 @@ class PyWorkerService final : public v1::SimWorker::Service {
       }
       py::object r = handler_.attr("submit")(d);
       if (!py::isinstance<py::dict>(r)) {
-        return grpc::Status(grpc::StatusCode::INTERNAL, "the engine's submit did not return a dict");
+        return grpc::Status(grpc::StatusCode::INTERNAL,
+                            "the engine's submit did not return a dict");
       }
       return ToGrpc(FillMessage(r.cast<py::dict>(), resp));
     } catch (py::error_already_set& e) {
@@ -587,8 +604,8 @@ class PyWorkerService final : public v1::SimWorker::Service {
 class WorkerServer {
  public:
   WorkerServer(py::object handler, const std::string& listen, std::vector<std::string> routers,
-               const std::string& worker_id, const std::string& endpoint,
-               const NamespaceSpec& spec, uint64_t heartbeat_ms)
+               const std::string& worker_id, const std::string& endpoint, const NamespaceSpec& spec,
+               uint64_t heartbeat_ms)
       : ns_(NamespaceId(spec)), service_(std::make_unique<PyWorkerService>(std::move(handler))) {
     if (heartbeat_ms == 0) Invalid("heartbeat_ms must be positive");
     {
@@ -715,9 +732,8 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<EngineConnector>(m, "EngineConnector")
       .def(py::init<const NamespaceSpec&, std::vector<std::string>, std::vector<uintptr_t>,
-                    std::vector<uintptr_t>, uint64_t, uint64_t, uint64_t, int,
-                    const std::string&, const std::string&, const std::string&,
-                    const std::string&>(),
+                    std::vector<uintptr_t>, uint64_t, uint64_t, uint64_t, int, const std::string&,
+                    const std::string&, const std::string&, const std::string&>(),
            py::arg("spec"), py::arg("stores"), py::arg("k"), py::arg("v"), py::arg("page_stride"),
            py::arg("num_pages"), py::arg("staging_blocks") = 64, py::arg("deadline_ms") = 10000,
            py::arg("shared_memory") = "auto", py::arg("tls_ca") = "", py::arg("tls_cert") = "",

@@ -19,6 +19,7 @@
 #include "common/ucx/calls.h"
 #include "common/ucx/ucx.h"
 #include "tests/test_util.h"
+#include "tests/transports.h"
 #include "worker/connector.h"
 #include "worker/model.h"
 
@@ -132,18 +133,10 @@ constexpr uint64_t kLayer = kBlock / 4;
 class FetchPath : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
-    std::vector<std::string> extra;
-    if (std::string(GetParam()) == "ucx") extra.push_back("--data-plane=ucx");
-    store_ = testing::StartLoopbackStore(dir_.sub("store"), extra);
+    store_ = testing::StartLoopbackStore(dir_.sub("store"), testing::StoreFlagsFor(GetParam()));
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
-  DataClientOptions Options() const {
-    DataClientOptions o;
-    o.deadline_ms = 5000;
-    o.shared_memory = std::string(GetParam()) == "mapped" ? DataClientOptions::SharedMemory::kOn
-                                                          : DataClientOptions::SharedMemory::kOff;
-    return o;
-  }
+  DataClientOptions Options() const { return testing::ClientOptionsFor(GetParam()); }
   // Stores n blocks of the namespace and returns their bytes.
   std::vector<uint8_t> PutBlocks(StoreDataClient& c, uint64_t ns, uint64_t n) {
     std::vector<uint8_t> src(n * kBlock);

@@ -23,6 +23,7 @@
 #include "client/store_data_client.h"
 #include "common/checksum.h"
 #include "tests/test_util.h"
+#include "tests/transports.h"
 
 namespace kvtier {
 namespace {
@@ -50,19 +51,13 @@ class ExpiredLease : public ::testing::TestWithParam<const char*> {
   void SetUp() override {
     // 200 ms leases; 1 MiB of RAM: 16 blocks, so new writes reuse the slots
     // of any block whose pin is gone.
-    std::vector<std::string> extra = {"--lease-ms=200ms", "--ram-bytes=1MiB",
-                                      "--ram-slab-bytes=1MiB"};
-    if (std::string(GetParam()) == "ucx") extra.push_back("--data-plane=ucx");
-    store_ = testing::StartLoopbackStore(dir_.sub("store"), extra);
+    store_ = testing::StartLoopbackStore(
+        dir_.sub("store"),
+        testing::StoreFlagsFor(GetParam(),
+                               {"--lease-ms=200ms", "--ram-bytes=1MiB", "--ram-slab-bytes=1MiB"}));
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
-  DataClientOptions Options() const {
-    DataClientOptions o;
-    o.deadline_ms = 5000;
-    o.shared_memory = std::string(GetParam()) == "mapped" ? DataClientOptions::SharedMemory::kOn
-                                                          : DataClientOptions::SharedMemory::kOff;
-    return o;
-  }
+  DataClientOptions Options() const { return testing::ClientOptionsFor(GetParam()); }
   std::vector<uint8_t> Put(StoreDataClient& c, uint64_t ns, uint64_t first, uint64_t n) {
     std::vector<uint8_t> src(n * kBlock);
     std::vector<PutBlock> put;

@@ -20,6 +20,7 @@
 #include "common/log.h"
 #include "router/router_core.h"
 #include "router/service.h"
+#include "router/wire.h"
 
 namespace kvtier::bench {
 namespace {
@@ -98,21 +99,22 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
   Case c;
   c.workers = workers;
   router::RouterOptions o;
-  std::vector<v1::RouterCommand> cmds;
+  std::vector<router::RouterCommand> cmds;
   // Chains of blocks_per_req blocks, one worker each (chain % workers),
   // published as BlockStored events of `batch` blocks; returns the events.
   const uint64_t chains = std::max<uint64_t>(1, target_blocks / blocks_per_req);
   auto feed = [&](router::RouterCore& core, uint32_t batch) -> absl::StatusOr<uint64_t> {
     std::mt19937_64 load_rng(5);  // the same queues for the reference router
     for (int w = 0; w < workers; ++w) {
-      if (auto s = core.Hello(WorkerHello(w), &cmds); !s.ok()) return s;
-      v1::SourceMessage snap;
-      snap.mutable_snapshot()->set_last(true);
-      if (auto s = core.Handle(WorkerHello(w).source_id(), snap, &cmds); !s.ok()) return s;
+      const router::SourceHello hello = router::FromWire(WorkerHello(w));
+      if (auto s = core.Hello(hello, &cmds); !s.ok()) return s;
+      router::SnapshotChunk snap;
+      snap.last = true;
+      if (auto s = core.Handle(hello.source_id, snap, &cmds); !s.ok()) return s;
       if (queued_tokens > 0) {
-        v1::SourceMessage hb;
-        hb.mutable_heartbeat()->set_queued_prefill_tokens(load_rng() % queued_tokens);
-        if (auto s = core.Handle(WorkerHello(w).source_id(), hb, &cmds); !s.ok()) return s;
+        router::SourceLoad hb;
+        hb.queued_prefill_tokens = load_rng() % queued_tokens;
+        if (auto s = core.Handle(hello.source_id, hb, &cmds); !s.ok()) return s;
       }
     }
     std::vector<uint64_t> seq(workers, 0);
@@ -121,18 +123,15 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
       int w = static_cast<int>(ch % workers);
       std::string id = WorkerHello(w).source_id();
       for (uint32_t off = 0; off < blocks_per_req; off += batch) {
-        v1::SourceMessage m;
-        m.mutable_event()->set_seq(++seq[w]);
-        auto* st = m.mutable_event()->mutable_stored();
-        st->set_namespace_id(kNs);
+        router::BlockEvent e;
+        e.seq = ++seq[w];
+        e.kind = router::BlockEvent::Kind::kStored;
+        e.namespace_id = kNs;
         for (uint32_t i = off; i < std::min(blocks_per_req, off + batch); ++i) {
-          BlockHash h = ChainHash(ch, i);
-          auto* p = st->add_hashes();
-          p->set_hi(h.hi);
-          p->set_lo(h.lo);
+          e.hashes.push_back(ChainHash(ch, i));
         }
-        if (auto s = core.Handle(id, m, &cmds); !s.ok()) return s;
-        events += st->hashes_size();
+        events += e.hashes.size();
+        if (auto s = core.Handle(id, std::move(e), &cmds); !s.ok()) return s;
       }
     }
     return events;
@@ -145,7 +144,7 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
   const uint64_t events = *fed;
   c.build_s = Seconds(start);
   c.events_per_s = events / c.build_s;
-  c.blocks = core.Stats().indexed_blocks();
+  c.blocks = core.Stats().indexed_blocks;
   c.bytes_per_block = static_cast<double>(core.IndexMemoryBytes()) / c.blocks;
   c.rss_per_block = static_cast<double>(RssBytes() - rss0) / c.blocks;
 
@@ -160,7 +159,7 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
   std::vector<double> us;
   for (const auto& r : reqs) {
     auto t = Clock::now();
-    auto res = core.Route(r);
+    auto res = core.Route(router::FromWire(r));
     us.push_back(Seconds(t) * 1e6);
     if (!res.ok()) return res.status();
   }
@@ -172,13 +171,13 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
     lo.linear_match = true;
     router::RouterCore linear(lo);
     if (auto fed_linear = feed(linear, 1024); !fed_linear.ok()) return fed_linear.status();
-    if (linear.Stats().indexed_blocks() != c.blocks) {
+    if (linear.Stats().indexed_blocks != c.blocks) {
       return absl::InternalError("the reference router indexed other blocks than the measured one");
     }
     us.clear();
     for (const auto& r : reqs) {
       auto t = Clock::now();
-      auto res = linear.Route(r);
+      auto res = linear.Route(router::FromWire(r));
       us.push_back(Seconds(t) * 1e6);
       if (!res.ok()) return res.status();
     }

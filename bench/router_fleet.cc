@@ -28,6 +28,7 @@
 #include "common/log.h"
 #include "router/router_core.h"
 #include "router/service.h"
+#include "router/wire.h"
 
 namespace kvtier::bench {
 namespace {
@@ -135,59 +136,53 @@ absl::StatusOr<FleetCase> RunFleet(const std::vector<TraceRequest>& trace, int w
   for (int w = 0; w < workers; ++w) worker_ids.push_back(absl::StrCat("worker-", w));
   for (int s = 0; s < stores; ++s) store_ids.push_back(absl::StrCat("store-", s));
   auto feed = [&](router::RouterCore& core) -> absl::StatusOr<uint64_t> {
-    std::vector<v1::RouterCommand> cmds;
-    v1::SourceMessage snap;
-    snap.mutable_snapshot()->set_last(true);
+    std::vector<router::RouterCommand> cmds;
+    router::SnapshotChunk snap;
+    snap.last = true;
     // Each worker's queue at its last heartbeat: a busy fleet's spread of
     // 0-32k prefill tokens (the same for the reference router).
     std::mt19937_64 load_rng(5);
     for (const auto& id : worker_ids) {
-      if (auto s = core.Hello(SourceHello(id, false), &cmds); !s.ok()) return s;
+      if (auto s = core.Hello(router::FromWire(SourceHello(id, false)), &cmds); !s.ok()) return s;
       if (auto s = core.Handle(id, snap, &cmds); !s.ok()) return s;
-      v1::SourceMessage hb;
-      hb.mutable_heartbeat()->set_queued_prefill_tokens(load_rng() % 32768);
+      router::SourceLoad hb;
+      hb.queued_prefill_tokens = load_rng() % 32768;
       if (auto s = core.Handle(id, hb, &cmds); !s.ok()) return s;
     }
     for (const auto& id : store_ids) {
-      if (auto s = core.Hello(SourceHello(id, true), &cmds); !s.ok()) return s;
+      if (auto s = core.Hello(router::FromWire(SourceHello(id, true)), &cmds); !s.ok()) return s;
       if (auto s = core.Handle(id, snap, &cmds); !s.ok()) return s;
     }
     std::vector<uint64_t> wseq(workers, 0), sseq(stores, 0);
-    std::vector<v1::SourceMessage> to_store(stores);
+    std::vector<router::BlockEvent> to_store(stores);
     uint64_t events = 0;
     for (uint64_t copy = 0; copy < c.copies; ++copy) {
       for (const auto& r : trace) {
         if (r.hash_ids.empty()) continue;
         const uint64_t conv = r.hash_ids[std::min<size_t>(1, r.hash_ids.size() - 1)];
         const int w = static_cast<int>(Mix(copy * 131 + conv) % workers);
-        v1::SourceMessage m;
-        m.mutable_event()->set_seq(++wseq[w]);
-        auto* st = m.mutable_event()->mutable_stored();
-        st->set_namespace_id(kNs);
-        for (auto& s : to_store) s.Clear();
+        router::BlockEvent m;
+        m.seq = ++wseq[w];
+        m.kind = router::BlockEvent::Kind::kStored;
+        m.namespace_id = kNs;
+        for (auto& e : to_store) e.hashes.clear();
         for (uint64_t id : r.hash_ids) {
           for (uint32_t sub = 0; sub < kSubBlocks; ++sub) {
             const BlockHash h = FleetHash(copy, id, sub);
-            auto* p = st->add_hashes();
-            p->set_hi(h.hi);
-            p->set_lo(h.lo);
-            if (stores > 0) {
-              auto* q = to_store[Mix(h.hi ^ h.lo) % stores].mutable_event();
-              auto* sp = q->mutable_stored()->add_hashes();
-              sp->set_hi(h.hi);
-              sp->set_lo(h.lo);
-            }
+            m.hashes.push_back(h);
+            if (stores > 0) to_store[Mix(h.hi ^ h.lo) % stores].hashes.push_back(h);
           }
         }
-        if (auto s = core.Handle(worker_ids[w], m, &cmds); !s.ok()) return s;
-        events += st->hashes_size();
+        events += m.hashes.size();
+        if (auto s = core.Handle(worker_ids[w], std::move(m), &cmds); !s.ok()) return s;
         for (int s = 0; s < stores; ++s) {
-          auto* e = to_store[s].mutable_event();
-          if (e->stored().hashes_size() == 0) continue;
-          e->set_seq(++sseq[s]);
-          e->mutable_stored()->set_namespace_id(kNs);
-          if (auto st2 = core.Handle(store_ids[s], to_store[s], &cmds); !st2.ok()) return st2;
-          events += e->stored().hashes_size();
+          router::BlockEvent& e = to_store[s];
+          if (e.hashes.empty()) continue;
+          e.seq = ++sseq[s];
+          e.kind = router::BlockEvent::Kind::kStored;
+          e.namespace_id = kNs;
+          events += e.hashes.size();
+          if (auto st2 = core.Handle(store_ids[s], e, &cmds); !st2.ok()) return st2;
         }
       }
     }
@@ -201,8 +196,8 @@ absl::StatusOr<FleetCase> RunFleet(const std::vector<TraceRequest>& trace, int w
   if (!fed.ok()) return fed.status();
   c.events_per_s = *fed / Seconds(t0);
   auto stats = core.Stats();
-  c.blocks = stats.indexed_blocks();
-  c.replicas = stats.indexed_replicas();
+  c.blocks = stats.indexed_blocks;
+  c.replicas = stats.indexed_replicas;
   c.rss_per_block = static_cast<double>(RssBytes() - rss0) / c.blocks;
 
   // Prompts: the trace's requests from random copies, as hash chains. A
@@ -233,10 +228,11 @@ absl::StatusOr<FleetCase> RunFleet(const std::vector<TraceRequest>& trace, int w
                    std::vector<RatePoint>* out) {
     // Warm up (page faults, caches) at the first rate, unmeasured.
     OpenLoop(rates.front(), std::min(seconds, 0.2), threads, prompts.size(),
-             [&](int, size_t i) { return r.Route(prompts[i]).ok(); });
+             [&](int, size_t i) { return r.Route(router::FromWire(prompts[i])).ok(); });
     for (double rate : rates) {
-      out->push_back(OpenLoop(rate, seconds, threads, prompts.size(),
-                              [&](int, size_t i) { return r.Route(prompts[i]).ok(); }));
+      out->push_back(OpenLoop(rate, seconds, threads, prompts.size(), [&](int, size_t i) {
+        return r.Route(router::FromWire(prompts[i])).ok();
+      }));
     }
   };
   sweep(core, inproc_rates, &c.inproc);

@@ -6,17 +6,18 @@
 // an unknown source asks the source for a snapshot, and the source's events
 // are ignored until the snapshot's last chunk replaces what the router knew.
 // A source silent past the heartbeat deadline is dropped with its blocks.
+// Its API is plain C++ (router/source_messages.h); the gRPC service converts
+// (router/wire.h). The parts: the source table (router/source_table.h), the
+// fleets and their load order (router/fleet.h), the candidate walk
+// (router/candidate_walk.h) and the cost (router/cost.h); Route (route.cc)
+// orchestrates them.
 // Thread-safe: Route takes a shared lock, everything else an exclusive one.
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
-#include <map>
-#include <memory>
-#include <shared_mutex>
+#include <mutex>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -24,9 +25,12 @@
 #include "common/limits.h"
 #include "common/prompt_chain.h"
 #include "common/rw_mutex.h"
-#include "kvtier/v1/router.pb.h"
+#include "router/candidate_walk.h"
 #include "router/cost.h"
+#include "router/fleet.h"
 #include "router/prefix_index.h"
+#include "router/source_messages.h"
+#include "router/source_table.h"
 
 namespace kvtier::router {
 
@@ -94,98 +98,55 @@ struct RouteResult {
 
 class RouterCore {
  public:
-  using Clock = std::chrono::steady_clock;
+  using Clock = RouterClock;
   explicit RouterCore(RouterOptions options);
 
   // Registers or refreshes a source; may append a snapshot request.
-  absl::Status Hello(const v1::Hello& hello, std::vector<v1::RouterCommand>* commands);
-  // Applies one message of a source that already said Hello.
-  absl::Status Handle(const std::string& source_id, const v1::SourceMessage& message,
-                      std::vector<v1::RouterCommand>* commands);
+  absl::Status Hello(const SourceHello& hello, std::vector<RouterCommand>* commands);
+  // Applies one message of a source that already said Hello (a hello
+  // registers or refreshes it).
+  absl::Status Handle(const std::string& source_id, const SourceMessage& message,
+                      std::vector<RouterCommand>* commands);
   // Stream bookkeeping (for ListWorkers).
   void Connected(const std::string& source_id, bool up);
 
-  absl::StatusOr<RouteResult> Route(const v1::RouteRequest& request);
+  absl::StatusOr<RouteResult> Route(const RouteQuery& query);
 
   // Drops sources silent past the deadline; returns how many.
   size_t ExpireSources(Clock::time_point now);
 
-  std::vector<v1::SourceInfo> Sources() const;
-  v1::GetRouterStatsResponse Stats() const;
+  std::vector<SourceInfo> Sources() const;  // by source id
+  RouterStats Stats() const;
   size_t IndexMemoryBytes() const;
   const RouterOptions& options() const { return options_; }
 
  private:
-  struct Source {
-    SourceNum num;
-    v1::Hello hello;
-    uint64_t id_hash = 0;  // WorkerIdHash(source_id)
-    uint64_t last_seq = 0;
-    bool resyncing = false;
-    uint64_t indexed = 0;            // blocks the index holds for it
-    std::vector<uint64_t> snapshot;  // fingerprints of the chunks received so far
-    v1::Heartbeat load;
-    std::atomic<uint64_t> routed_since_heartbeat{0};
-    // Workers: the routes of the last inflight_ms (when, tokens), oldest
-    // first; Route appends under routes_mu (it holds the core's lock shared).
-    std::mutex routes_mu;
-    std::deque<std::pair<Clock::time_point, uint64_t>> recent_routes;
-    Clock::time_point last_seen;
-    int streams = 0;
-    size_t slot = 0;                  // workers: place in their fleet's arrays
-    double prefill_tokens_per_s = 0;  // workers: as last reported
-  };
-  // The workers of one namespace (their numbers, for the scan of those
-  // holding nothing of a prompt).
-  struct Fleet {
-    std::vector<SourceNum> nums;
-    // Sum and count of the prefill rates its workers report (> 0 only).
-    double prefill_sum = 0;
-    uint32_t prefill_count = 0;
-    // The workers in load order as of the last rebuild (docs/router.md,
-    // "Weighing the workers"). Between rebuilds a load only grows (routes
-    // add to it) unless a heartbeat lowers it: those workers are in
-    // `lowered` and looked at apart, so a worker's load is never below its
-    // place in `order` suggests.
-    std::vector<std::pair<uint64_t, SourceNum>> order;
-    std::vector<SourceNum> lowered;
-    // At least every worker's load (Route raises it through std::atomic_ref),
-    // and the worker that last raised it: while that worker's load still
-    // equals it, it is the highest load exactly.
-    uint64_t max_load_bound = 0;
-    uint32_t max_load_owner = 0;
-  };
-  // Sorts the fleet's workers by load afresh.
-  void RebuildOrder(Fleet& f);
-  // A worker's reported prefill rate changes (0: none).
-  void SetPrefillRate(Source& s, double tokens_per_s);
   // Recomputes slowest_store_ from the store shards' last heartbeats.
   void UpdateStoreFetch();
+  // A worker's reported prefill rate changes (0: none).
+  void SetPrefillRate(Source& s, double tokens_per_s);
+  void Heartbeat(Source& s, const SourceLoad& load);
 
-  void RequestSnapshot(Source& s, const std::string& reason,
-                       std::vector<v1::RouterCommand>* commands);
+  void RequestSnapshot(Source& s, const std::string& reason, std::vector<RouterCommand>* commands);
   void ClearSource(Source& s);
-  void ApplyEvent(Source& s, const v1::KvEvent& e, std::vector<v1::RouterCommand>* commands);
-  void ApplySnapshotChunk(Source& s, const v1::SnapshotChunk& c,
-                          std::vector<v1::RouterCommand>* commands);
+  void ApplyEvent(Source& s, const BlockEvent& e, std::vector<RouterCommand>* commands);
+  void ApplySnapshotChunk(Source& s, const SnapshotChunk& c, std::vector<RouterCommand>* commands);
   void RemoveSourceLocked(const std::string& id);
   void JoinFleet(Source& s);
   void LeaveFleet(Source& s);
+  // Route's last step: picks among the walk's candidates and, unless a dry
+  // run, adds the request to the chosen worker's load.
+  RouteResult Decide(const RouteQuery& q, Fleet& fleet, const CostKnobs& k,
+                     const PrefixMatch& match, const WalkResult& walk, uint64_t prompt_tokens,
+                     uint32_t bt, uint64_t request_hash, size_t shown);
 
   RouterOptions options_;
   mutable WriterPreferringMutex mu_;  // routes never hold an event batch back for long
   std::mutex decide_mu_;              // a route's decision and its load increment, one at a time
 
-  std::unordered_map<std::string, std::unique_ptr<Source>> sources_;
-  std::vector<Source*> by_num_;  // SourceNum -> source (nullptr when free)
-  std::vector<SourceNum> free_nums_;
+  SourceTable sources_;
   absl::flat_hash_map<uint64_t, Fleet> fleets_;  // namespace -> its workers
-  // By SourceNum, dense so a route reads them without touching the sources:
-  // load_ = queued prefill tokens at the last heartbeat + tokens routed
-  // since (Route adds to it under the shared lock through std::atomic_ref);
-  // id_hash_ = WorkerIdHash of the source id.
-  std::vector<uint64_t> load_, id_hash_;
-  std::vector<uint8_t> lowered_;  // by SourceNum: in its fleet's `lowered`
+  LoadBoard board_;
   std::vector<SourceNum> store_nums_;
   // The store shard whose fetches take longest per block (by its last
   // heartbeat; us 0: no shard reported any).

@@ -5,51 +5,9 @@
 #include "common/rpc/grpc_status.h"
 #include "common/rpc/tls.h"
 #include "common/version.h"
+#include "router/wire.h"
 
 namespace kvtier::router {
-
-namespace {
-v1::RouteReason ToProto(Reason r) {
-  switch (r) {
-    case Reason::kLowestCost:
-      return v1::ROUTE_LOWEST_COST;
-    case Reason::kTieBreak:
-      return v1::ROUTE_TIE_BREAK;
-    case Reason::kBalanceGuard:
-      return v1::ROUTE_BALANCE_GUARD;
-    case Reason::kSampled:
-      return v1::ROUTE_SAMPLED;
-  }
-  return v1::ROUTE_REASON_UNSPECIFIED;
-}
-}  // namespace
-
-void ToProto(const RouteResult& r, v1::RouteResponse* out) {
-  out->set_worker_id(r.worker_id);
-  out->set_endpoint(r.endpoint);
-  out->set_gpu_hit_blocks(r.gpu_blocks);
-  out->set_store_hit_blocks(r.store_blocks);
-  out->set_prefill_tokens(r.prefill_tokens);
-  out->set_reason(ToProto(r.reason));
-  out->set_block_tokens(r.block_tokens);
-  auto* b = out->mutable_fetch_basis();
-  b->set_fetch_cost(r.fetch.fetch_cost);
-  b->set_measured(r.fetch.measured);
-  b->set_store_id(r.fetch.store_id);
-  b->set_store_us_per_block(r.fetch.store_us_per_block);
-  b->set_store_queue_depth(r.fetch.store_queue_depth);
-  b->set_prefill_tokens_per_s(r.fetch.prefill_tokens_per_s);
-  for (const auto& c : r.candidates) {
-    auto* o = out->add_candidates();
-    o->set_worker_id(c.worker_id);
-    o->set_gpu_blocks(c.gpu_blocks);
-    o->set_store_blocks(c.store_blocks);
-    o->set_prefill_tokens(c.prefill_tokens);
-    o->set_load_tokens(c.load_tokens);
-    o->set_cost(c.cost);
-    o->set_fetch_cost(c.fetch_cost);
-  }
-}
 
 grpc::Status RouterService::Authorize(const grpc::ServerContext& ctx, const v1::Hello& hello) {
   if (!auth_.authenticates()) return grpc::Status::OK;
@@ -71,13 +29,17 @@ grpc::Status RouterService::StreamEvents(
   }
   v1::Hello hello = m.hello();
   if (grpc::Status a = Authorize(*ctx, hello); !a.ok()) return a;
-  std::vector<v1::RouterCommand> commands;
-  if (auto s = core_->Hello(hello, &commands); !s.ok()) return ToGrpc(s);
+  std::vector<RouterCommand> commands;
+  if (auto s = core_->Hello(FromWire(hello), &commands); !s.ok()) return ToGrpc(s);
   const std::string id = hello.source_id();
   core_->Connected(id, true);
   grpc::Status result = grpc::Status::OK;
   for (;;) {
-    for (const auto& c : commands) stream->Write(c);
+    for (const auto& c : commands) {
+      v1::RouterCommand w;
+      ToWire(c, &w);
+      stream->Write(w);
+    }
     commands.clear();
     if (!stream->Read(&m)) break;
     if (m.message_case() == v1::SourceMessage::kHello) {
@@ -90,12 +52,13 @@ grpc::Status RouterService::StreamEvents(
       if (result = Authorize(*ctx, m.hello()); !result.ok()) break;
       hello = m.hello();
     }
-    absl::Status s = core_->Handle(id, m, &commands);
+    const SourceMessage message = FromWire(m);
+    absl::Status s = core_->Handle(id, message, &commands);
     if (s.code() == absl::StatusCode::kNotFound) {
       // Dropped at heartbeat expiry while the stream stayed open: register again.
-      s = core_->Hello(hello, &commands);
+      s = core_->Hello(FromWire(hello), &commands);
       if (s.ok()) core_->Connected(id, true);
-      if (s.ok()) s = core_->Handle(id, m, &commands);
+      if (s.ok()) s = core_->Handle(id, message, &commands);
     }
     if (!s.ok()) {
       result = ToGrpc(s);
@@ -112,7 +75,7 @@ grpc::Status RouterService::Publish(grpc::ServerContext* ctx, const v1::PublishR
     return grpc::Status(grpc::INVALID_ARGUMENT, "publish: the first message must be a hello");
   }
   const std::string id = req->messages(0).hello().source_id();
-  std::vector<v1::RouterCommand> commands;
+  std::vector<RouterCommand> commands;
   for (int i = 0; i < req->messages_size(); ++i) {
     const auto& m = req->messages(i);
     if (m.message_case() == v1::SourceMessage::kHello && m.hello().source_id() != id) {
@@ -122,19 +85,19 @@ grpc::Status RouterService::Publish(grpc::ServerContext* ctx, const v1::PublishR
     if (m.message_case() == v1::SourceMessage::kHello) {
       if (grpc::Status a = Authorize(*ctx, m.hello()); !a.ok()) return a;
     }
-    if (auto s = core_->Handle(id, m, &commands); !s.ok()) {
+    if (auto s = core_->Handle(id, FromWire(m), &commands); !s.ok()) {
       return ToGrpc(
           absl::Status(s.code(), absl::StrCat("publish: message ", i, ": ", s.message())));
     }
   }
-  for (auto& c : commands) *resp->add_commands() = std::move(c);
+  for (const auto& c : commands) ToWire(c, resp->add_commands());
   return grpc::Status::OK;
 }
 
 grpc::Status RouterService::Route(grpc::ServerContext* ctx, const v1::RouteRequest* req,
                                   v1::RouteResponse* resp) {
   auto start = std::chrono::steady_clock::now();
-  auto r = core_->Route(*req);
+  auto r = core_->Route(FromWire(*req));
   route_latency_.Record(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
                                                   std::chrono::steady_clock::now() - start)
                                                   .count()),
@@ -145,7 +108,7 @@ grpc::Status RouterService::Route(grpc::ServerContext* ctx, const v1::RouteReque
     ctx->AddTrailingMetadata(kAnsweredByServer, "router");
     return ToGrpc(r.status());
   }
-  ToProto(*r, resp);
+  ToWire(*r, resp);
   return grpc::Status::OK;
 }
 
@@ -153,7 +116,8 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
   MetricsBuilder m;
   m.Gauge("kvtier_build_info", "1, labelled with this build's kvtier version", 1,
           {{"version", Version()}, {"component", "router"}});
-  auto st = core_->Stats();
+  v1::GetRouterStatsResponse st;
+  ToWire(core_->Stats(), &st);
   if (extra_stats_) extra_stats_(&st);
   for (const auto& [what, n] : st.vllm_events()) {
     m.Counter("kvtier_router_vllm_events_total",
@@ -191,28 +155,26 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
   }
   m.Histogram("kvtier_router_route_duration_seconds", "Latency of Route", route_latency_.Take());
   for (const auto& s : core_->Sources()) {
-    MetricsBuilder::Labels l = {{"source", s.source_id()},
-                                {"kind", s.kind() == v1::SOURCE_STORE ? "store" : "worker"}};
-    m.Gauge("kvtier_router_source_up", "1 while the source's stream is open", s.connected(), l);
+    MetricsBuilder::Labels l = {{"source", s.source_id}, {"kind", SourceKindName(s.kind)}};
+    m.Gauge("kvtier_router_source_up", "1 while the source's stream is open", s.connected, l);
     m.Gauge("kvtier_router_source_last_seen_seconds", "Seconds since the source's last message",
-            s.last_seen_ms() / 1000.0, l);
+            s.last_seen_ms / 1000.0, l);
     m.Gauge("kvtier_router_source_indexed_blocks", "Blocks indexed for the source",
-            s.indexed_blocks(), l);
+            s.indexed_blocks, l);
     m.Gauge("kvtier_router_source_queued_prefill_tokens", "Queued prefill tokens (last heartbeat)",
-            s.load().queued_prefill_tokens(), l);
-    if (s.kind() == v1::SOURCE_WORKER && s.load().prefill_tokens_per_s() > 0) {
+            s.load.queued_prefill_tokens, l);
+    if (s.kind == SourceKind::kWorker && s.load.prefill_tokens_per_s > 0) {
       m.Gauge("kvtier_router_source_prefill_tokens_per_second",
-              "Prefill rate the worker reports (last heartbeat)", s.load().prefill_tokens_per_s(),
-              l);
+              "Prefill rate the worker reports (last heartbeat)", s.load.prefill_tokens_per_s, l);
     }
-    for (const auto& t : s.load().fetch()) {
+    for (const auto& t : s.load.fetch) {
       MetricsBuilder::Labels tl = l;
-      tl["tier"] = t.tier();
+      tl["tier"] = t.tier;
       m.Gauge("kvtier_router_store_fetch_seconds_per_block",
               "A store shard's fetch time per block, per tier (last heartbeat)",
-              t.us_per_block() / 1e6, tl);
+              t.us_per_block / 1e6, tl);
       m.Gauge("kvtier_router_store_fetch_queue_depth",
-              "Fetches in flight at a store shard (last heartbeat)", t.queue_depth(), tl);
+              "Fetches in flight at a store shard (last heartbeat)", t.queue_depth, tl);
     }
   }
   m.Gauge("kvtier_router_sources", "Live sources", st.sources());
@@ -221,13 +183,13 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
 
 grpc::Status RouterService::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
                                         v1::ListWorkersResponse* resp) {
-  for (auto& s : core_->Sources()) *resp->add_sources() = std::move(s);
+  for (const auto& s : core_->Sources()) ToWire(s, resp->add_sources());
   return grpc::Status::OK;
 }
 
 grpc::Status RouterService::GetRouterStats(grpc::ServerContext*, const v1::GetRouterStatsRequest*,
                                            v1::GetRouterStatsResponse* resp) {
-  *resp = core_->Stats();
+  ToWire(core_->Stats(), resp);
   resp->set_version(Version());
   if (extra_stats_) extra_stats_(resp);
   return grpc::Status::OK;

@@ -48,7 +48,4 @@ class RouterService final : public v1::Router::Service {
   LatencyHistogram route_latency_;
 };
 
-// Fills a RouteResponse from a decision (shared with the in-process bench).
-void ToProto(const RouteResult& r, v1::RouteResponse* out);
-
 }  // namespace kvtier::router

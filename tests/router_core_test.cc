@@ -1,6 +1,7 @@
 // RouterCore driven directly: sequence rules, snapshots, epochs, expiry,
 // routing, bad input, and replica agreement.
 #include "router/router_core.h"
+#include "router/wire.h"
 
 #include <gtest/gtest.h>
 
@@ -79,21 +80,21 @@ class RouterCoreTest : public ::testing::Test {
   RouterCoreTest() : core_(RouterOptions{}) {}
   // Registers a worker and answers the snapshot request with `blocks`.
   void Join(const std::string& id, std::vector<uint64_t> blocks, uint64_t epoch = 1) {
-    std::vector<v1::RouterCommand> cmds;
-    ASSERT_TRUE(core_.Hello(Worker(id, epoch), &cmds).ok());
+    std::vector<RouterCommand> cmds;
+    ASSERT_TRUE(core_.Hello(FromWire(Worker(id, epoch)), &cmds).ok());
     ASSERT_EQ(cmds.size(), 1u);
-    EXPECT_EQ(cmds[0].snapshot_request().reason(), "unknown source");
+    EXPECT_EQ(cmds[0].reason, "unknown source");
     Send(id, Snapshot(0, blocks));
   }
-  std::vector<v1::RouterCommand> Send(const std::string& id, const v1::SourceMessage& m) {
-    std::vector<v1::RouterCommand> cmds;
-    auto s = core_.Handle(id, m, &cmds);
+  std::vector<RouterCommand> Send(const std::string& id, const v1::SourceMessage& m) {
+    std::vector<RouterCommand> cmds;
+    auto s = core_.Handle(id, FromWire(m), &cmds);
     EXPECT_TRUE(s.ok()) << s;
     return cmds;
   }
   uint64_t Blocks(const std::string& id) {
     for (const auto& s : core_.Sources()) {
-      if (s.source_id() == id) return s.indexed_blocks();
+      if (s.source_id == id) return s.indexed_blocks;
     }
     return 0;
   }
@@ -108,10 +109,10 @@ TEST_F(RouterCoreTest, EventsApplyInOrderAndDuplicatesAreIgnored) {
   EXPECT_TRUE(Send("w1", Removed(2, {1, 99})).empty());  // 99 was never stored
   EXPECT_EQ(Blocks("w1"), 2u);
   auto st = core_.Stats();
-  EXPECT_EQ(st.events_applied(), 2u);
-  EXPECT_EQ(st.events_duplicate(), 1u);
-  EXPECT_EQ(st.unknown_removals(), 1u);
-  EXPECT_EQ(st.indexed_blocks(), 2u);
+  EXPECT_EQ(st.events_applied, 2u);
+  EXPECT_EQ(st.events_duplicate, 1u);
+  EXPECT_EQ(st.unknown_removals, 1u);
+  EXPECT_EQ(st.indexed_blocks, 2u);
 }
 
 TEST_F(RouterCoreTest, AllClearedDropsEverythingOfThatSourceOnly) {
@@ -124,9 +125,9 @@ TEST_F(RouterCoreTest, AllClearedDropsEverythingOfThatSourceOnly) {
   EXPECT_EQ(Blocks("w1"), 0u);
   EXPECT_EQ(Blocks("w2"), 2u);
   auto st = core_.Stats();
-  EXPECT_EQ(st.indexed_blocks(), 2u);
-  EXPECT_EQ(st.indexed_replicas(), 2u);
-  EXPECT_EQ(core_.Route(Req(3))->worker_id, "w2");
+  EXPECT_EQ(st.indexed_blocks, 2u);
+  EXPECT_EQ(st.indexed_replicas, 2u);
+  EXPECT_EQ(core_.Route(FromWire(Req(3)))->worker_id, "w2");
 }
 
 TEST_F(RouterCoreTest, AGapAsksForASnapshotThatReplacesTheIndex) {
@@ -134,7 +135,7 @@ TEST_F(RouterCoreTest, AGapAsksForASnapshotThatReplacesTheIndex) {
   Send("w1", Stored(1, {0, 1}));
   auto cmds = Send("w1", Stored(3, {5}));
   ASSERT_EQ(cmds.size(), 1u);
-  EXPECT_EQ(cmds[0].snapshot_request().reason(), "sequence gap: expected 2, got 3");
+  EXPECT_EQ(cmds[0].reason, "sequence gap: expected 2, got 3");
   EXPECT_TRUE(Send("w1", Stored(4, {6})).empty());  // ignored while resyncing
   EXPECT_EQ(Blocks("w1"), 2u);
   Send("w1", Snapshot(4, {0, 2}, false));
@@ -142,22 +143,22 @@ TEST_F(RouterCoreTest, AGapAsksForASnapshotThatReplacesTheIndex) {
   EXPECT_EQ(Blocks("w1"), 4u);  // 1 is gone, 2, 5, 6 arrived
   Send("w1", Stored(5, {7}));   // continues after the snapshot's seq
   EXPECT_EQ(Blocks("w1"), 5u);
-  EXPECT_EQ(core_.Stats().snapshots_applied(), 2u);
+  EXPECT_EQ(core_.Stats().snapshots_applied, 2u);
 }
 
 TEST_F(RouterCoreTest, ANewEpochClearsTheSourceAndAsksForASnapshot) {
   Join("w1", {0, 1, 2});
-  std::vector<v1::RouterCommand> cmds;
-  ASSERT_TRUE(core_.Hello(Worker("w1", 2), &cmds).ok());
+  std::vector<RouterCommand> cmds;
+  ASSERT_TRUE(core_.Hello(FromWire(Worker("w1", 2)), &cmds).ok());
   ASSERT_EQ(cmds.size(), 1u);
-  EXPECT_EQ(cmds[0].snapshot_request().reason(), "new epoch");
+  EXPECT_EQ(cmds[0].reason, "new epoch");
   EXPECT_EQ(Blocks("w1"), 0u);
-  EXPECT_EQ(core_.Stats().indexed_blocks(), 0u);
+  EXPECT_EQ(core_.Stats().indexed_blocks, 0u);
   Send("w1", Snapshot(0, {9}));
   EXPECT_EQ(Blocks("w1"), 1u);
   // A reconnect in the same epoch keeps everything.
   cmds.clear();
-  ASSERT_TRUE(core_.Hello(Worker("w1", 2), &cmds).ok());
+  ASSERT_TRUE(core_.Hello(FromWire(Worker("w1", 2)), &cmds).ok());
   EXPECT_TRUE(cmds.empty());
   EXPECT_EQ(Blocks("w1"), 1u);
 }
@@ -168,18 +169,19 @@ TEST_F(RouterCoreTest, SilentSourcesExpireWithTheirBlocks) {
   auto later = RouterCore::Clock::now() + std::chrono::milliseconds(6000);
   EXPECT_EQ(core_.ExpireSources(RouterCore::Clock::now()), 0u);
   EXPECT_EQ(core_.ExpireSources(later), 2u);
-  EXPECT_EQ(core_.Stats().indexed_blocks(), 0u);
-  EXPECT_EQ(core_.Route(Req(2)).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(core_.Stats().indexed_blocks, 0u);
+  EXPECT_EQ(core_.Route(FromWire(Req(2))).status().code(), absl::StatusCode::kUnavailable);
   // An expired source that speaks again must say hello first.
-  std::vector<v1::RouterCommand> cmds;
-  EXPECT_EQ(core_.Handle("w1", Stored(3, {1}), &cmds).code(), absl::StatusCode::kNotFound);
+  std::vector<RouterCommand> cmds;
+  EXPECT_EQ(core_.Handle("w1", FromWire(Stored(3, {1})), &cmds).code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST_F(RouterCoreTest, RoutesToTheLongestPrefixAndExplains) {
   Join("w1", {0, 1, 2, 3});
   Join("w2", {0});
   Join("w3", {});
-  auto r = core_.Route(Req(6));
+  auto r = core_.Route(FromWire(Req(6)));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->worker_id, "w1");
   EXPECT_EQ(r->endpoint, "w1:8000");
@@ -189,11 +191,11 @@ TEST_F(RouterCoreTest, RoutesToTheLongestPrefixAndExplains) {
   EXPECT_EQ(r->candidates[1].worker_id, "w2");
   EXPECT_DOUBLE_EQ(r->candidates[1].cost, 80);
   // Load counts: what was routed to w1 since its heartbeat weighs on it.
-  EXPECT_EQ(core_.Sources()[0].routed_tokens_since_heartbeat(), 32u);
+  EXPECT_EQ(core_.Sources()[0].routed_tokens_since_heartbeat, 32u);
   v1::SourceMessage hb;
   hb.mutable_heartbeat()->set_queued_prefill_tokens(1000);
   Send("w1", hb);
-  r = core_.Route(Req(6));
+  r = core_.Route(FromWire(Req(6)));
   EXPECT_EQ(r->worker_id, "w2");  // 32 + 1000 > 80
 }
 
@@ -208,23 +210,23 @@ TEST(RouterInflight, TokensRoutedJustBeforeAHeartbeatStayInTheLoadUntilTheyCanHa
     o.inflight_ms = inflight;
     RouterCore core(o);
     for (const char* id : {"w1", "w2"}) {
-      std::vector<v1::RouterCommand> cmds;
-      ASSERT_TRUE(core.Hello(Worker(id), &cmds).ok());
-      ASSERT_TRUE(core.Handle(id, Snapshot(0, {}), &cmds).ok());
+      std::vector<RouterCommand> cmds;
+      ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
+      ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
     }
-    auto first = core.Route(Req(6));
+    auto first = core.Route(FromWire(Req(6)));
     ASSERT_TRUE(first.ok()) << first.status();
     EXPECT_EQ(first->prefill_tokens, 96u);
     v1::SourceMessage hb;
     hb.mutable_heartbeat()->set_queued_prefill_tokens(0);
-    std::vector<v1::RouterCommand> cmds;
-    ASSERT_TRUE(core.Handle(first->worker_id, hb, &cmds).ok());
+    std::vector<RouterCommand> cmds;
+    ASSERT_TRUE(core.Handle(first->worker_id, FromWire(hb), &cmds).ok());
     for (const auto& src : core.Sources()) {
-      if (src.source_id() == first->worker_id) {
-        EXPECT_EQ(src.routed_tokens_since_heartbeat(), inflight > 0 ? 96u : 0u);
+      if (src.source_id == first->worker_id) {
+        EXPECT_EQ(src.routed_tokens_since_heartbeat, inflight > 0 ? 96u : 0u);
       }
     }
-    auto second = core.Route(Req(6));
+    auto second = core.Route(FromWire(Req(6)));
     ASSERT_TRUE(second.ok()) << second.status();
     if (inflight > 0) {
       EXPECT_NE(second->worker_id, first->worker_id);
@@ -237,14 +239,14 @@ TEST(RouterInflight, TokensRoutedJustBeforeAHeartbeatStayInTheLoadUntilTheyCanHa
 TEST_F(RouterCoreTest, StoreHeldBlocksCountAsFetchable) {
   Join("w1", {0});
   Join("w2", {});
-  std::vector<v1::RouterCommand> cmds;
+  std::vector<RouterCommand> cmds;
   v1::Hello store;
   store.set_source_id("store-0");
   store.set_kind(v1::SOURCE_STORE);
   store.set_epoch(1);
-  ASSERT_TRUE(core_.Hello(store, &cmds).ok());
+  ASSERT_TRUE(core_.Hello(FromWire(store), &cmds).ok());
   Send("store-0", Snapshot(0, {0, 1, 2, 3, 4, 5, 6, 7}));
-  auto r = core_.Route(Req(10));
+  auto r = core_.Route(FromWire(Req(10)));
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->worker_id, "w1");
   EXPECT_EQ(r->gpu_blocks, 1u);
@@ -258,16 +260,16 @@ TEST_F(RouterCoreTest, StoreHeldBlocksCountAsFetchable) {
 TEST_F(RouterCoreTest, FetchCostFollowsStoreAndWorkerFigures) {
   Join("w1", {0});
   Join("w2", {});
-  std::vector<v1::RouterCommand> cmds;
+  std::vector<RouterCommand> cmds;
   for (const char* id : {"store-0", "store-1"}) {
     v1::Hello store;
     store.set_source_id(id);
     store.set_kind(v1::SOURCE_STORE);
     store.set_epoch(1);
-    ASSERT_TRUE(core_.Hello(store, &cmds).ok());
+    ASSERT_TRUE(core_.Hello(FromWire(store), &cmds).ok());
     Send(id, Snapshot(0, {0, 1, 2, 3, 4, 5, 6, 7}));
   }
-  auto r = core_.Route(Req(10));
+  auto r = core_.Route(FromWire(Req(10)));
   ASSERT_TRUE(r.ok());
   EXPECT_FALSE(r->fetch.measured);
   EXPECT_DOUBLE_EQ(r->fetch.fetch_cost, core_.options().knobs.fetch_cost);
@@ -286,13 +288,13 @@ TEST_F(RouterCoreTest, FetchCostFollowsStoreAndWorkerFigures) {
   };
   // Stores report, workers do not: still the flag.
   beat("store-0", 0, {{10, 100}});
-  EXPECT_FALSE(core_.Route(Req(10))->fetch.measured);
+  EXPECT_FALSE(core_.Route(FromWire(Req(10)))->fetch.measured);
   // w1 prefills 4,000 tokens/s, w2 12,000: 8,000 on average. store-1 is the
   // slower: tiers weighted by blocks, (10 x 100 + 30 x 500) / 40 = 400 us.
   beat("w1", 4000, {});
   beat("w2", 12000, {});
   beat("store-1", 0, {{10, 100}, {30, 500}});
-  r = core_.Route(Req(10));
+  r = core_.Route(FromWire(Req(10)));
   ASSERT_TRUE(r.ok());
   EXPECT_TRUE(r->fetch.measured);
   EXPECT_EQ(r->fetch.store_id, "store-1");
@@ -305,7 +307,7 @@ TEST_F(RouterCoreTest, FetchCostFollowsStoreAndWorkerFigures) {
   // A store shard that stops fetching (no figures) no longer counts; nor one
   // that leaves.
   beat("store-1", 0, {});
-  EXPECT_DOUBLE_EQ(core_.Route(Req(10))->fetch.store_us_per_block, 100);
+  EXPECT_DOUBLE_EQ(core_.Route(FromWire(Req(10)))->fetch.store_us_per_block, 100);
   EXPECT_EQ(core_.ExpireSources(RouterCore::Clock::now() + std::chrono::hours(1)), 4u);
 }
 
@@ -326,7 +328,7 @@ TEST_F(RouterCoreTest, AnIdleWorkerIsWeighedWhenHolesMakeGroupsOverlap) {
     Send("w" + std::to_string(w), hb);
   }
   Join("idle", {});
-  auto r = core_.Route(Req(8));
+  auto r = core_.Route(FromWire(Req(8)));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->worker_id, "idle");
 }
@@ -335,8 +337,8 @@ TEST_F(RouterCoreTest, TokensAreHashedWithTheNamespaceBlockSize) {
   std::vector<uint32_t> tokens(40);
   for (uint32_t i = 0; i < 40; ++i) tokens[i] = i;
   auto chain = ChainHashes(kNs, tokens, 16);
-  std::vector<v1::RouterCommand> cmds;
-  ASSERT_TRUE(core_.Hello(Worker("w1"), &cmds).ok());
+  std::vector<RouterCommand> cmds;
+  ASSERT_TRUE(core_.Hello(FromWire(Worker("w1")), &cmds).ok());
   v1::SourceMessage snap;
   snap.mutable_snapshot()->set_namespace_id(kNs);
   snap.mutable_snapshot()->set_last(true);
@@ -346,11 +348,11 @@ TEST_F(RouterCoreTest, TokensAreHashedWithTheNamespaceBlockSize) {
     p->set_lo(h.lo);
   }
   Send("w1", snap);
-  ASSERT_TRUE(core_.Hello(Worker("w2"), &cmds).ok());
+  ASSERT_TRUE(core_.Hello(FromWire(Worker("w2")), &cmds).ok());
   v1::RouteRequest req;
   req.set_namespace_id(kNs);
   for (uint32_t t : tokens) req.mutable_tokens()->add_ids(t);
-  auto r = core_.Route(req);
+  auto r = core_.Route(FromWire(req));
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->worker_id, "w1");
   EXPECT_EQ(r->gpu_blocks, 2u);
@@ -363,58 +365,60 @@ TEST_F(RouterCoreTest, BadInputGetsAClearStatusAndChangesNothing) {
     EXPECT_EQ(s.code(), code) << s;
     EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
   };
-  std::vector<v1::RouterCommand> cmds;
+  std::vector<RouterCommand> cmds;
   v1::Hello bad = Worker("");
-  expect(core_.Hello(bad, &cmds), absl::StatusCode::kInvalidArgument, "source_id");
+  expect(core_.Hello(FromWire(bad), &cmds), absl::StatusCode::kInvalidArgument, "source_id");
   bad = Worker("w9");
   bad.set_kind(v1::SOURCE_KIND_UNSPECIFIED);
-  expect(core_.Hello(bad, &cmds), absl::StatusCode::kInvalidArgument, "kind");
+  expect(core_.Hello(FromWire(bad), &cmds), absl::StatusCode::kInvalidArgument, "kind");
   bad = Worker("w9");
   bad.set_namespace_id(0);
-  expect(core_.Hello(bad, &cmds), absl::StatusCode::kInvalidArgument, "namespace");
+  expect(core_.Hello(FromWire(bad), &cmds), absl::StatusCode::kInvalidArgument, "namespace");
   bad = Worker("w9");
   bad.clear_endpoint();
-  expect(core_.Hello(bad, &cmds), absl::StatusCode::kInvalidArgument, "endpoint");
-  expect(core_.Handle("nobody", Stored(1, {1}), &cmds), absl::StatusCode::kNotFound, "hello");
+  expect(core_.Hello(FromWire(bad), &cmds), absl::StatusCode::kInvalidArgument, "endpoint");
+  expect(core_.Handle("nobody", FromWire(Stored(1, {1})), &cmds), absl::StatusCode::kNotFound,
+         "hello");
   v1::RouteRequest many = Req(2);
   many.set_max_candidates(1025);
-  expect(core_.Route(many).status(), absl::StatusCode::kInvalidArgument, "max_candidates");
+  expect(core_.Route(FromWire(many)).status(), absl::StatusCode::kInvalidArgument,
+         "max_candidates");
   many.set_max_candidates(1);
-  auto one = core_.Route(many);
+  auto one = core_.Route(FromWire(many));
   ASSERT_TRUE(one.ok());
   EXPECT_EQ(one->candidates.size(), 1u);
   EXPECT_EQ(one->candidates[0].worker_id, one->worker_id);
-  expect(core_.Handle("w1", v1::SourceMessage(), &cmds), absl::StatusCode::kInvalidArgument,
-         "carries no");
+  expect(core_.Handle("w1", FromWire(v1::SourceMessage()), &cmds),
+         absl::StatusCode::kInvalidArgument, "carries no");
   // An event for another namespace is refused; the stream goes on.
   cmds = Send("w1", Stored(1, {5}, /*ns=*/kNs + 1));
   ASSERT_EQ(cmds.size(), 1u);
-  EXPECT_NE(cmds[0].event_rejected().reason().find("namespace"), std::string::npos);
+  EXPECT_NE(cmds[0].reason.find("namespace"), std::string::npos);
   v1::SourceMessage empty_event;
   empty_event.mutable_event()->set_seq(2);
   cmds = Send("w1", empty_event);
   ASSERT_EQ(cmds.size(), 1u);
-  EXPECT_NE(cmds[0].event_rejected().reason().find("empty"), std::string::npos);
+  EXPECT_NE(cmds[0].reason.find("empty"), std::string::npos);
   cmds = Send("w1", Stored(3, {}));
   ASSERT_EQ(cmds.size(), 1u);
   // Route: unknown namespace, empty, oversized, inconsistent prompt_tokens.
   v1::RouteRequest r = Req(2);
   r.set_namespace_id(999);
-  expect(core_.Route(r).status(), absl::StatusCode::kUnavailable, "no live worker");
+  expect(core_.Route(FromWire(r)).status(), absl::StatusCode::kUnavailable, "no live worker");
   r = Req(0);
-  expect(core_.Route(r).status(), absl::StatusCode::kInvalidArgument, "empty");
+  expect(core_.Route(FromWire(r)).status(), absl::StatusCode::kInvalidArgument, "empty");
   r = Req(kMaxPromptBlocks + 1);
-  expect(core_.Route(r).status(), absl::StatusCode::kInvalidArgument, "limit");
+  expect(core_.Route(FromWire(r)).status(), absl::StatusCode::kInvalidArgument, "limit");
   r = Req(4);
   r.set_prompt_tokens(10);
-  expect(core_.Route(r).status(), absl::StatusCode::kInvalidArgument, "prompt_tokens");
+  expect(core_.Route(FromWire(r)).status(), absl::StatusCode::kInvalidArgument, "prompt_tokens");
   v1::RouteRequest none;
   none.set_namespace_id(kNs);
-  expect(core_.Route(none).status(), absl::StatusCode::kInvalidArgument, "empty");
+  expect(core_.Route(FromWire(none)).status(), absl::StatusCode::kInvalidArgument, "empty");
   // The index is as it was.
   EXPECT_EQ(Blocks("w1"), 2u);
-  EXPECT_EQ(core_.Route(Req(2))->gpu_blocks, 2u);
-  EXPECT_EQ(core_.Stats().events_rejected(), 3u);
+  EXPECT_EQ(core_.Route(FromWire(Req(2)))->gpu_blocks, 2u);
+  EXPECT_EQ(core_.Stats().events_rejected, 3u);
 }
 
 // Routes run on several threads while events, heartbeats, restarts and
@@ -425,10 +429,10 @@ TEST(RouterConcurrency, RoutesRunBesideEventsAndRestarts) {
   std::vector<std::string> ids;
   for (int i = 0; i < 8; ++i) ids.push_back("w" + std::to_string(i));
   {
-    std::vector<v1::RouterCommand> cmds;
+    std::vector<RouterCommand> cmds;
     for (const auto& id : ids) {
-      ASSERT_TRUE(core.Hello(Worker(id), &cmds).ok());
-      ASSERT_TRUE(core.Handle(id, Snapshot(0, {}), &cmds).ok());
+      ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
+      ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
     }
   }
   std::atomic<bool> stop{false};
@@ -440,7 +444,7 @@ TEST(RouterConcurrency, RoutesRunBesideEventsAndRestarts) {
       while (!stop) {
         v1::RouteRequest r = Req(1 + static_cast<int>(rng() % 60));
         r.set_max_candidates(1 + rng() % 4);
-        auto res = core.Route(r);
+        auto res = core.Route(FromWire(r));
         if (res.ok()) {
           routed++;
           if (res->worker_id.empty() || res->worker_id[0] != 'w') bad++;
@@ -459,11 +463,11 @@ TEST(RouterConcurrency, RoutesRunBesideEventsAndRestarts) {
   for (int step = 0;
        step < 4000 || (routed.load() < 100 && std::chrono::steady_clock::now() < until); ++step) {
     const size_t w = rng() % ids.size();
-    std::vector<v1::RouterCommand> cmds;
+    std::vector<RouterCommand> cmds;
     if (step % 97 == 0) {  // a restart: a new epoch clears it
       v1::Hello h = Worker(ids[w], 2 + step);
-      ASSERT_TRUE(core.Hello(h, &cmds).ok());
-      ASSERT_TRUE(core.Handle(ids[w], Snapshot(0, {}), &cmds).ok());
+      ASSERT_TRUE(core.Hello(FromWire(h), &cmds).ok());
+      ASSERT_TRUE(core.Handle(ids[w], FromWire(Snapshot(0, {})), &cmds).ok());
       seq[w] = 0;
       continue;
     }
@@ -475,15 +479,15 @@ TEST(RouterConcurrency, RoutesRunBesideEventsAndRestarts) {
       m = rng() % 3 ? Stored(++seq[w], {first, first + 1, first + 2, first + 3})
                     : Removed(++seq[w], {first + 3});
     }
-    ASSERT_TRUE(core.Handle(ids[w], m, &cmds).ok());
+    ASSERT_TRUE(core.Handle(ids[w], FromWire(m), &cmds).ok());
   }
   stop = true;
   for (auto& t : routers) t.join();
   EXPECT_GT(routed.load(), 0u);
   EXPECT_EQ(bad.load(), 0u);
   uint64_t held = 0;
-  for (const auto& s : core.Sources()) held += s.indexed_blocks();
-  EXPECT_EQ(held, core.Stats().indexed_replicas());
+  for (const auto& s : core.Sources()) held += s.indexed_blocks;
+  EXPECT_EQ(held, core.Stats().indexed_replicas);
 }
 
 // The same decision, reason, GPU depth and candidate list.
@@ -514,10 +518,10 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
     for (int i = 0; i < 40; ++i) ids.push_back("w" + std::to_string(i));
     std::vector<uint64_t> seq(ids.size(), 0);
     for (RouterCore* r : {&fast, &ref}) {
-      std::vector<v1::RouterCommand> cmds;
+      std::vector<RouterCommand> cmds;
       for (const auto& id : ids) {
-        ASSERT_TRUE(r->Hello(Worker(id), &cmds).ok());
-        ASSERT_TRUE(r->Handle(id, Snapshot(0, {}), &cmds).ok());
+        ASSERT_TRUE(r->Hello(FromWire(Worker(id)), &cmds).ok());
+        ASSERT_TRUE(r->Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
       }
     }
     int compared = 0;
@@ -542,8 +546,8 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
           send = false;
           v1::RouteRequest r = Req(1 + static_cast<int>(rng() % 34));
           r.set_max_candidates(static_cast<uint32_t>(rng() % 6));
-          auto a = fast.Route(r);
-          auto b = ref.Route(r);
+          auto a = fast.Route(FromWire(r));
+          auto b = ref.Route(FromWire(r));
           ASSERT_EQ(a.ok(), b.ok());
           if (!a.ok()) break;
           ExpectSameRoute(*a, *b, step);
@@ -552,13 +556,13 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
       }
       if (!send) continue;
       for (RouterCore* r : {&fast, &ref}) {
-        std::vector<v1::RouterCommand> cmds;
-        ASSERT_TRUE(r->Handle(ids[w], m, &cmds).ok());
+        std::vector<RouterCommand> cmds;
+        ASSERT_TRUE(r->Handle(ids[w], FromWire(m), &cmds).ok());
       }
     }
     EXPECT_GT(compared, 1000);
     if (threshold > 0) {
-      EXPECT_GT(fast.Stats().decisions().at("balance_guard"), 0u);
+      EXPECT_GT(fast.Stats().balance_guard, 0u);
     }
   }
 }
@@ -579,15 +583,15 @@ TEST(RouterLoadOrder, GroupsOfSharedPrefixesDecideAsNamingEveryWorker) {
   std::vector<uint64_t> seq(n, 0), depth(n, 0);
   auto send = [&](size_t w, const v1::SourceMessage& m) {
     for (RouterCore* r : {&fast, &ref}) {
-      std::vector<v1::RouterCommand> cmds;
-      ASSERT_TRUE(r->Handle(ids[w], m, &cmds).ok());
+      std::vector<RouterCommand> cmds;
+      ASSERT_TRUE(r->Handle(ids[w], FromWire(m), &cmds).ok());
     }
   };
   for (RouterCore* r : {&fast, &ref}) {
-    std::vector<v1::RouterCommand> cmds;
+    std::vector<RouterCommand> cmds;
     for (const auto& id : ids) {
-      ASSERT_TRUE(r->Hello(Worker(id), &cmds).ok());
-      ASSERT_TRUE(r->Handle(id, Snapshot(0, {}), &cmds).ok());
+      ASSERT_TRUE(r->Hello(FromWire(Worker(id)), &cmds).ok());
+      ASSERT_TRUE(r->Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
     }
   }
   // Most hold the first 4 blocks (a system prompt); some hold more.
@@ -625,8 +629,8 @@ TEST(RouterLoadOrder, GroupsOfSharedPrefixesDecideAsNamingEveryWorker) {
       default: {
         v1::RouteRequest r = Req(1 + static_cast<int>(rng() % 22));
         r.set_max_candidates(static_cast<uint32_t>(rng() % 6));
-        auto a = fast.Route(r);
-        auto b = ref.Route(r);
+        auto a = fast.Route(FromWire(r));
+        auto b = ref.Route(FromWire(r));
         ASSERT_TRUE(a.ok() && b.ok());
         ExpectSameRoute(*a, *b, step);
         ++compared;
@@ -644,10 +648,10 @@ TEST(RouterReplicas, SameEventsGiveTheSameDecisions) {
   std::vector<std::string> ids = {"w0", "w1", "w2", "w3", "w4", "w5"};
   // The workers register in a different order on each replica.
   for (RouterCore* r : {&a, &b}) {
-    std::vector<v1::RouterCommand> cmds;
+    std::vector<RouterCommand> cmds;
     for (const auto& id : ids) {
-      ASSERT_TRUE(r->Hello(Worker(id), &cmds).ok());
-      ASSERT_TRUE(r->Handle(id, Snapshot(0, {}), &cmds).ok());
+      ASSERT_TRUE(r->Hello(FromWire(Worker(id)), &cmds).ok());
+      ASSERT_TRUE(r->Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
     }
     std::reverse(ids.begin(), ids.end());
   }
@@ -662,13 +666,13 @@ TEST(RouterReplicas, SameEventsGiveTheSameDecisions) {
       uint64_t first = rng() % 50;
       m = rng() % 4 ? Stored(++seq[w], {first, first + 1, first + 2}) : Removed(++seq[w], {first});
     }
-    std::vector<v1::RouterCommand> ca, cb;
-    ASSERT_TRUE(a.Handle(ids[w], m, &ca).ok());
-    ASSERT_TRUE(b.Handle(ids[w], m, &cb).ok());
+    std::vector<RouterCommand> ca, cb;
+    ASSERT_TRUE(a.Handle(ids[w], FromWire(m), &ca).ok());
+    ASSERT_TRUE(b.Handle(ids[w], FromWire(m), &cb).ok());
     if (step % 3 == 0) {
       auto req = Req(1 + static_cast<int>(rng() % 60));
-      auto ra = a.Route(req);
-      auto rb = b.Route(req);
+      auto ra = a.Route(FromWire(req));
+      auto rb = b.Route(FromWire(req));
       ASSERT_TRUE(ra.ok() && rb.ok());
       EXPECT_EQ(ra->worker_id, rb->worker_id) << step;
       EXPECT_EQ(ra->reason, rb->reason);
@@ -677,7 +681,7 @@ TEST(RouterReplicas, SameEventsGiveTheSameDecisions) {
     }
   }
   EXPECT_EQ(compared, 1000);
-  EXPECT_EQ(a.Stats().indexed_replicas(), b.Stats().indexed_replicas());
+  EXPECT_EQ(a.Stats().indexed_replicas, b.Stats().indexed_replicas);
 }
 
 }  // namespace

@@ -449,15 +449,17 @@ class VllmSubscriber : public ::testing::Test {
   VllmSubscriber() : core_(RouterOptions{}) {}
   uint64_t Held() {
     for (const auto& s : core_.Sources()) {
-      if (s.source_id() == "vllm-0") return s.indexed_blocks();
+      if (s.source_id == "vllm-0") return s.indexed_blocks;
     }
     return ~uint64_t{0};
   }
   uint32_t GpuHit(uint32_t tokens_from, uint32_t n) {
-    v1::RouteRequest r;
-    r.set_namespace_id(kNs);
-    for (uint32_t t : Tokens(tokens_from, n)) r.mutable_tokens()->add_ids(t);
-    auto res = core_.Route(r);
+    const std::vector<uint32_t> tokens = Tokens(tokens_from, n);
+    RouteQuery q;
+    q.namespace_id = kNs;
+    q.prompt = RouteQuery::Prompt::kTokens;
+    q.tokens = tokens;
+    auto res = core_.Route(q);
     return res.ok() && res->worker_id == "vllm-0" ? res->gpu_blocks : 0;
   }
   RouterCore core_;
@@ -535,7 +537,7 @@ TEST_F(VllmSubscriber, IndexesTheDocumentedStreamThroughGapsBadMessagesAndRestar
   engine.Publish(1, Batch({Ev(Ev::kCleared)}, kBt));
   ASSERT_TRUE(testing::WaitFor([&] { return Held() == 0; }));
   // Still serving: routes, stats.
-  EXPECT_EQ(core_.Stats().sources(), 1u);
+  EXPECT_EQ(core_.Stats().sources, 1u);
 }
 
 }  // namespace

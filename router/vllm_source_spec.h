@@ -1,0 +1,30 @@
+// The vLLM engines the router subscribes to (--vllm-sources): one line per
+// engine (docs/router.md, "vLLM's KV events").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvtier::router {
+
+// One vLLM engine the router subscribes to.
+struct VllmSourceSpec {
+  std::string id;        // its source id (the worker id routes name)
+  std::string endpoint;  // what routes return for it (its API's host:port)
+  std::string events;    // ZeroMQ PUB endpoint, e.g. tcp://10.0.0.5:5557
+  std::string replay;    // ZeroMQ ROUTER replay endpoint ("" : none)
+  std::string topic;     // subscription prefix ("" : every topic)
+  uint64_t namespace_id = 0;
+  uint32_t block_tokens = 0;  // must equal the engine's --block-size
+};
+
+// One spec per non-empty, non-# line: comma-separated key=value with keys
+// id, endpoint, events, replay, topic, namespace (16 hex digits) and
+// block-tokens. INVALID_ARGUMENT naming the line and the key.
+absl::StatusOr<std::vector<VllmSourceSpec>> ParseVllmSources(absl::string_view text);
+
+}  // namespace kvtier::router

@@ -92,26 +92,28 @@ class StoreService final : public kvtier::v1::Store::Service {
     const Tenant* tenant = nullptr;
     int tenant_index() const { return tenant ? tenant->index : -1; }
   };
-  grpc::Status Identify(const grpc::ServerContext& ctx, Caller* caller) const;
+  absl::Status Identify(const grpc::ServerContext& ctx, Caller* caller) const;
   // Identify, and the namespace the store keys under for the one the caller
   // names (a tenant's, through its salt; NOT_FOUND as for an unregistered
   // one).
-  grpc::Status Identify(const grpc::ServerContext& ctx, uint64_t ns, Caller* caller,
+  absl::Status Identify(const grpc::ServerContext& ctx, uint64_t ns, Caller* caller,
                         uint64_t* store_ns) const;
   // The namespace resolution alone, for a caller already identified.
-  grpc::Status Resolve(const Caller& caller, uint64_t ns, uint64_t* store_ns) const;
+  absl::Status Resolve(const Caller& caller, uint64_t ns, uint64_t* store_ns) const;
   // Whom the caller's leases count against.
   LeaseOwner OwnerOf(const grpc::ServerContext& ctx, const Caller& caller) const;
 
   // BeginGet, ReleaseGets, BeginPut and CommitPut for an identified caller,
   // whichever way the call came (gRPC, or the data plane's control calls).
-  grpc::Status DoBeginPut(const Caller& caller, const LeaseOwner& owner,
+  // Inside the service statuses are absl's; a handler's RpcTimer turns its
+  // answer into gRPC's, and a data-plane reply carries the absl code.
+  absl::Status DoBeginPut(const Caller& caller, const LeaseOwner& owner,
                           const v1::BeginPutRequest& req, v1::BeginPutResponse* resp);
-  grpc::Status DoBeginGet(const Caller& caller, const LeaseOwner& owner,
+  absl::Status DoBeginGet(const Caller& caller, const LeaseOwner& owner,
                           const v1::BeginGetRequest& req, v1::BeginGetResponse* resp);
-  grpc::Status DoReleaseGets(const Caller& caller, const v1::ReleaseGetsRequest& req,
+  absl::Status DoReleaseGets(const Caller& caller, const v1::ReleaseGetsRequest& req,
                              v1::ReleaseGetsResponse* resp);
-  grpc::Status DoCommitPut(const Caller& caller, const v1::CommitPutRequest& req,
+  absl::Status DoCommitPut(const Caller& caller, const v1::CommitPutRequest& req,
                            v1::CommitPutResponse* resp);
 
   // Data-plane sessions: ConnectDataPlane hands one out per connection, so a

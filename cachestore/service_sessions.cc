@@ -1,0 +1,161 @@
+// The data plane's sessions: ConnectDataPlane hands one out, control calls
+// on the data plane act as its caller, and socket transfers are granted
+// against the caller's leases.
+#include "absl/strings/str_cat.h"
+#include "cachestore/service.h"
+#include "cachestore/service_detail.h"
+#include "common/ucx/calls.h"
+#include "openssl/rand.h"
+
+namespace kvtier::store {
+
+using service_detail::RpcTimer;
+
+absl::StatusOr<SocketDataPlane::Grant> StoreService::GrantTransfer(std::string_view session_id,
+                                                                   bool is_put, uint64_t lease,
+                                                                   uint64_t addr, uint64_t length) {
+  auto session = SessionOf(session_id);
+  if (!session.ok()) return session.status();
+  const int tenant = session->caller.tenant_index();
+  // An address below the arena wraps to an offset past it: no slot holds it.
+  const Arena& arena = store_->ram().arena();
+  const uint64_t offset = addr - reinterpret_cast<uint64_t>(arena.base());
+  auto hold = store_->UseLease(lease, is_put, tenant, offset, length);
+  if (!hold.ok()) return hold.status();
+  return SocketDataPlane::Grant{arena.at(offset), hold->deadline, std::move(hold->token)};
+}
+
+std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerContext& ctx) {
+  std::string id(ucx::kSessionBytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(id.data()), static_cast<int>(id.size())) != 1) {
+    return {};  // no randomness: no session (the client keeps gRPC)
+  }
+  Session session{caller, OwnerOf(ctx, caller)};
+  std::lock_guard lk(sessions_mu_);
+  if (session_order_.size() >= kMaxSessions) {
+    sessions_.erase(session_order_.front());
+    session_order_.pop_front();
+  }
+  sessions_.emplace(id, std::move(session));
+  session_order_.push_back(id);
+  return id;
+}
+
+absl::StatusOr<StoreService::Session> StoreService::SessionOf(std::string_view id) const {
+  std::lock_guard lk(sessions_mu_);
+  auto it = sessions_.find(std::string(id));
+  if (it == sessions_.end()) {
+    return absl::UnauthenticatedError(
+        "unknown data-plane session (the store restarted or dropped it); call "
+        "ConnectDataPlane again");
+  }
+  return it->second;
+}
+
+DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_view session_id,
+                                                   std::string_view request) {
+  auto session = SessionOf(session_id);
+  if (!session.ok()) {
+    return {static_cast<int>(absl::StatusCode::kUnauthenticated),
+            std::string(session.status().message())};
+  }
+  // Parses the request, runs `body` for it and encodes the answer, timed
+  // under `rpc`.
+  auto serve = [&](const char* rpc, auto req, auto resp, auto body) {
+    RpcTimer t(fence_, Histogram(rpc));
+    absl::Status s = req.ParseFromArray(request.data(), static_cast<int>(request.size()))
+                         ? body(req, &resp)
+                         : absl::InvalidArgumentError(absl::StrCat(rpc, ": not a ", req.GetDescriptor()->name()));
+    t.Finish(s);
+    DataPlaneServer::CallReply r{static_cast<int>(s.code()), {}};
+    if (s.ok()) {
+      resp.SerializeToString(&r.body);
+    } else {
+      r.body = std::string(s.message());
+    }
+    return r;
+  };
+  switch (method) {
+    case ucx::kCallBeginGet:
+      return serve("DataPlaneBeginGet", v1::BeginGetRequest(), v1::BeginGetResponse(),
+                   [&](const v1::BeginGetRequest& req, v1::BeginGetResponse* resp) {
+                     return DoBeginGet(session->caller, session->owner, req, resp);
+                   });
+    case ucx::kCallReleaseGets:
+      return serve("DataPlaneReleaseGets", v1::ReleaseGetsRequest(), v1::ReleaseGetsResponse(),
+                   [&](const v1::ReleaseGetsRequest& req, v1::ReleaseGetsResponse* resp) {
+                     return DoReleaseGets(session->caller, req, resp);
+                   });
+    case ucx::kCallBeginPut:
+      return serve("DataPlaneBeginPut", v1::BeginPutRequest(), v1::BeginPutResponse(),
+                   [&](const v1::BeginPutRequest& req, v1::BeginPutResponse* resp) {
+                     return DoBeginPut(session->caller, session->owner, req, resp);
+                   });
+    case ucx::kCallCommitPut:
+      return serve("DataPlaneCommitPut", v1::CommitPutRequest(), v1::CommitPutResponse(),
+                   [&](const v1::CommitPutRequest& req, v1::CommitPutResponse* resp) {
+                     return DoCommitPut(session->caller, req, resp);
+                   });
+    default:
+      return {static_cast<int>(absl::StatusCode::kUnimplemented),
+              absl::StrCat("data-plane call method ", method,
+                           " is not one this store knows (1: BeginGet, 2: ReleaseGets, "
+                           "3: BeginPut, 4: CommitPut)")};
+  }
+}
+
+grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
+                                            const v1::ConnectDataPlaneRequest* req,
+                                            v1::ConnectDataPlaneResponse* resp) {
+  RpcTimer t(fence_, Histogram("ConnectDataPlane"));
+  if (sockets_) {
+    Caller caller;
+    if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+    resp->set_data_address(sockets_->address());
+    resp->set_instance_id(instance_id_);
+    // Addresses are names of slots here, checked on every transfer; the
+    // region is the arena (and its memfd for a same-host client without
+    // tenants, the one trusted tenant of --local-shm).
+    const Arena& arena = store_->ram().arena();
+    uint64_t offset = 0, length = arena.size();
+    if (caller.tenant) {  // its own region: where every slot it is handed lies
+      const auto regions = store_->ram().pool_regions();
+      const size_t i = static_cast<size_t>(caller.tenant->index);
+      if (i < regions.size()) offset = regions[i].offset, length = regions[i].length;
+    }
+    auto* r = resp->add_regions();
+    r->set_rkey_id(0);
+    r->set_base_addr(reinterpret_cast<uint64_t>(arena.base()) + offset);
+    r->set_length(length);
+    if (offer_shm_ && caller.tenant == nullptr) r->set_shm_path(arena.shm_path());
+    resp->set_session(OpenSession(caller, *ctx));
+    return t.Done(absl::OkStatus());
+  }
+  if (!dataplane_) {
+    return t.Done(absl::FailedPreconditionError("this store has no data plane (start kvtier-store with "
+                               "--data-listen HOST:PORT); use PutBlocks/GetBlocks instead"));
+  }
+  Caller caller;
+  if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  resp->set_ucx_address(dataplane_->address());
+  resp->set_worker_address(dataplane_->worker_address());
+  resp->set_instance_id(instance_id_);
+  // A tenant gets its own region's key only (as rkey_id 0: the one region
+  // its connection knows), and never the arena's memfd, which would map
+  // every tenant's region.
+  const size_t region = caller.tenant ? static_cast<size_t>(caller.tenant->index) : 0;
+  if (region >= dataplane_->regions()) {
+    return t.Done(absl::FailedPreconditionError("this store's data plane registered no region for the caller's "
+                               "tenant; use PutBlocks/GetBlocks"));
+  }
+  auto* r = resp->add_regions();
+  r->set_rkey_id(0);
+  r->set_base_addr(dataplane_->base(region));
+  r->set_length(dataplane_->length(region));
+  r->set_packed_rkey(dataplane_->packed_rkey(region));
+  if (offer_shm_ && caller.tenant == nullptr) r->set_shm_path(store_->ram().arena().shm_path());
+  resp->set_session(OpenSession(caller, *ctx));
+  return t.Done(absl::OkStatus());
+}
+
+}  // namespace kvtier::store

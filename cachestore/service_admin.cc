@@ -115,8 +115,7 @@ grpc::Status StoreService::Evict(grpc::ServerContext* ctx, const v1::EvictReques
       break;
     }
     default:
-      return t.Done(
-          absl::InvalidArgumentError("evict needs a target: all, namespace_id or keys"));
+      return t.Done(absl::InvalidArgumentError("evict needs a target: all, namespace_id or keys"));
   }
   if (!r.ok()) return t.Done(r.status());
   resp->set_ram_blocks(r->ram_blocks);

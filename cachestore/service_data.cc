@@ -192,7 +192,8 @@ grpc::Status StoreService::PutBlocks(grpc::ServerContext* ctx,
   uint32_t index = 0;
   while (reader->Read(&req)) {
     if (!req.has_hash()) {
-      return t.Done(absl::InvalidArgumentError(absl::StrCat("message ", index, " of the stream has no hash")));
+      return t.Done(absl::InvalidArgumentError(
+          absl::StrCat("message ", index, " of the stream has no hash")));
     }
     absl::StatusOr<InlinePutResult> r = absl::UnknownError("unset");
     uint64_t ns;

@@ -65,7 +65,8 @@ DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_
     RpcTimer t(fence_, Histogram(rpc));
     absl::Status s = req.ParseFromArray(request.data(), static_cast<int>(request.size()))
                          ? body(req, &resp)
-                         : absl::InvalidArgumentError(absl::StrCat(rpc, ": not a ", req.GetDescriptor()->name()));
+                         : absl::InvalidArgumentError(
+                               absl::StrCat(rpc, ": not a ", req.GetDescriptor()->name()));
     t.Finish(s);
     DataPlaneServer::CallReply r{static_cast<int>(s.code()), {}};
     if (s.ok()) {
@@ -132,8 +133,9 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
     return t.Done(absl::OkStatus());
   }
   if (!dataplane_) {
-    return t.Done(absl::FailedPreconditionError("this store has no data plane (start kvtier-store with "
-                               "--data-listen HOST:PORT); use PutBlocks/GetBlocks instead"));
+    return t.Done(
+        absl::FailedPreconditionError("this store has no data plane (start kvtier-store with "
+                                      "--data-listen HOST:PORT); use PutBlocks/GetBlocks instead"));
   }
   Caller caller;
   if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
@@ -145,8 +147,9 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
   // every tenant's region.
   const size_t region = caller.tenant ? static_cast<size_t>(caller.tenant->index) : 0;
   if (region >= dataplane_->regions()) {
-    return t.Done(absl::FailedPreconditionError("this store's data plane registered no region for the caller's "
-                               "tenant; use PutBlocks/GetBlocks"));
+    return t.Done(absl::FailedPreconditionError(
+        "this store's data plane registered no region for the caller's "
+        "tenant; use PutBlocks/GetBlocks"));
   }
   auto* r = resp->add_regions();
   r->set_rkey_id(0);

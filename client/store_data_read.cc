@@ -224,7 +224,7 @@ template absl::StatusOr<GetOutcome> StoreDataClient::ReadVia<DataPlaneConnection
     DataPlaneConnection&, const Deadline&, const PinnedBlocks&, uint64_t, size_t, size_t,
     const ReadPlan&);
 template absl::StatusOr<GetOutcome> StoreDataClient::ReadVia<store_data_detail::MappedReads>(
-    store_data_detail::MappedReads&, const Deadline&, const PinnedBlocks&, uint64_t, size_t,
-    size_t, const ReadPlan&);
+    store_data_detail::MappedReads&, const Deadline&, const PinnedBlocks&, uint64_t, size_t, size_t,
+    const ReadPlan&);
 
 }  // namespace kvtier

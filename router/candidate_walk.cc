@@ -211,7 +211,8 @@ WalkResult Walk::Run() {
     for (const auto& [num, depth] : m_.gpu_depth) hit[num] = 1;
     const PrefixIndex& index = *in_.index;
     for (const auto& g : m_.groups) {
-      WalkCold(g.depth, [&](SourceNum num) { return index.InGroup(g, num); }, hit);
+      WalkCold(
+          g.depth, [&](SourceNum num) { return index.InGroup(g, num); }, hit);
     }
     WalkCold(
         0,

@@ -28,7 +28,7 @@ struct WalkInput {
   double fetch_cost = 0;   // per fetched token
   double load_weight = 0;  // per queued token
   uint64_t balance_threshold_tokens = 0;
-  size_t keep = 1;        // the cheapest kept
+  size_t keep = 1;         // the cheapest kept
   bool stop_early = true;  // false: weigh every worker (the reference)
   uint64_t request_hash = 0;
 };

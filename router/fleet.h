@@ -65,9 +65,7 @@ struct Fleet {
   // A worker's reported prefill rate changes from `was` to `now` (0: none).
   void PrefillRateChanged(double was, double now);
   // The mean rate its workers report (0: none reported).
-  double MeanPrefillRate() const {
-    return prefill_count > 0 ? prefill_sum / prefill_count : 0;
-  }
+  double MeanPrefillRate() const { return prefill_count > 0 ? prefill_sum / prefill_count : 0; }
   // A route raised `num`'s load to `load`. Safe beside other routes.
   void RaiseBound(SourceNum num, uint64_t load);
   // Atomic reads of the bound and its owner, beside concurrent routes.

@@ -23,8 +23,8 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   if (fleet_it == fleets_.end()) {
     counters_.unavailable++;
     return absl::UnavailableError(absl::StrCat("no live worker serves namespace ",
-                                               NamespaceName(q.namespace_id), " (",
-                                               sources_.size(), " sources registered)"));
+                                               NamespaceName(q.namespace_id), " (", sources_.size(),
+                                               " sources registered)"));
   }
   Fleet& fleet = fleet_it->second;
   const uint32_t bt = sources_.ByNum(fleet.nums[0])->hello.block_tokens;
@@ -130,8 +130,7 @@ RouteResult RouterCore::Decide(const RouteQuery& q, Fleet& fleet, const CostKnob
       max_load = std::max(max_load, c.load_tokens);
     }
   }
-  const Decision d =
-      router::Decide(k, prompt_tokens, bt, request_hash, cands, max_load);
+  const Decision d = router::Decide(k, prompt_tokens, bt, request_hash, cands, max_load);
   const Candidate& best = cands[d.chosen];
   Source* chosen = sources_.ByNum(best.num);
   // A dry run (kvctl route) explains a decision without making it: the

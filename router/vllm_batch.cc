@@ -47,7 +47,8 @@ absl::Status Hashes(const Obj* o, std::vector<uint64_t>* out) {
   }
   if (o->via.array.size > limits::kMaxEventHashes) {
     return absl::InvalidArgumentError(absl::StrCat("block_hashes has ", o->via.array.size,
-                                                   " entries (at most ", limits::kMaxEventHashes, ")"));
+                                                   " entries (at most ", limits::kMaxEventHashes,
+                                                   ")"));
   }
   for (uint32_t i = 0; i < o->via.array.size; ++i) {
     auto h = Hash(o->via.array.ptr[i]);

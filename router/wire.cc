@@ -53,8 +53,8 @@ v1::SourceKind ToWire(SourceKind kind) {
 }
 
 SourceHello FromWire(const v1::Hello& h) {
-  return SourceHello{h.source_id(), FromWire(h.kind()), h.endpoint(), h.namespace_id(),
-                     h.block_tokens(), h.epoch()};
+  return SourceHello{h.source_id(),    FromWire(h.kind()), h.endpoint(),
+                     h.namespace_id(), h.block_tokens(),   h.epoch()};
 }
 
 SourceLoad FromWire(const v1::Heartbeat& hb) {

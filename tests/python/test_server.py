@@ -143,3 +143,46 @@ def test_a_handler_answer_of_the_wrong_type_is_an_error_not_a_crash() -> None:
             assert field in err.value.details()
     finally:
         srv.stop()
+
+
+class _MalformedError:
+    """A handler raising a KvtierError whose ``code`` it replaced with a
+    string, and one raising an exception whose ``str`` itself raises."""
+
+    def submit(self, req: dict) -> dict:
+        import kvtier.errors
+
+        err = kvtier.errors.NotFound(5, "no such request")
+        err.code = "five"  # type: ignore[assignment]
+        raise err
+
+    def stats(self) -> dict:
+        class _Unprintable(Exception):
+            def __str__(self) -> str:
+                raise RuntimeError("cannot print")
+
+        raise _Unprintable()
+
+
+def test_a_malformed_handler_error_is_internal_not_a_crash() -> None:
+    """Converting a handler's exception must not throw out of the native
+    gRPC handler (a py::cast_error there ended the process): it comes back
+    as INTERNAL, and the server keeps serving."""
+    import kvtier
+
+    ns = kvtier.Namespace("malformed-error", "fp16", 1, 1, 8, 16)
+    srv = kvtier.WorkerServer(_MalformedError(), "127.0.0.1:0", [],
+                              "malformed-0", "", ns, 1000)
+    try:
+        stub = worker_pb2_grpc.SimWorkerStub(
+            grpc.insecure_channel(srv.address))
+        for call, req in ((stub.Submit, worker_pb2.SubmitRequest(request_id=1)),
+                          (stub.GetWorkerStats,
+                           worker_pb2.GetWorkerStatsRequest()),
+                          (stub.Submit, worker_pb2.SubmitRequest(request_id=2))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(req, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert "handler" in err.value.details()
+    finally:
+        srv.stop()

@@ -5,9 +5,7 @@
 
 namespace kvtier::python {
 
-void Invalid(const std::string& message) {
-  throw StatusError(absl::InvalidArgumentError(message));
-}
+void Invalid(const std::string& message) { throw StatusError(absl::InvalidArgumentError(message)); }
 
 // The Python exception for a status (kvtier.errors.from_status).
 py::object PyError(const absl::Status& s) {
@@ -64,8 +62,7 @@ NamespaceSpec SpecFrom(const std::string& model, const std::string& dtype, uint3
   return s;
 }
 
-DataClientOptions DataOptions(int deadline_ms, const std::string& shared_memory,
-                              const Tls& tls) {
+DataClientOptions DataOptions(int deadline_ms, const std::string& shared_memory, const Tls& tls) {
   DataClientOptions o;
   TlsFlags flags;
   flags.ca_file = tls.ca;

@@ -101,8 +101,8 @@ grpc::Status FromPython(py::error_already_set& e) {
     }
   } catch (const py::error_already_set& inner) {
     code = grpc::StatusCode::INTERNAL;
-    message = absl::StrCat("the engine's handler raised an error that could not be read: ",
-                           inner.what());
+    message =
+        absl::StrCat("the engine's handler raised an error that could not be read: ", inner.what());
   } catch (const std::exception& inner) {  // py::cast_error among them
     code = grpc::StatusCode::INTERNAL;
     message = absl::StrCat("the engine's handler raised an error of a malformed kind (", e.what(),

@@ -1,0 +1,74 @@
+// kvtier-bench replay's cluster on loopback: its options, the store,
+// router and workers of one mode started and warmed up, and the counters
+// read from them once the mode has run.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "bench/bench_util.h"
+#include "bench/replay_result.h"
+#include "common/block_key.h"
+#include "kvtier/v1/router.grpc.pb.h"
+#include "kvtier/v1/worker.grpc.pb.h"
+
+namespace kvtier::bench {
+
+struct Options {
+  std::string trace = KVTIER_SOURCE_DIR "/bench/traces/conversation_trace.jsonl";
+  int64_t limit = 2000;
+  double speed = 20;  // trace time / speed; 0: as fast as the cluster serves
+  int64_t workers = 4;
+  int64_t pages = 1024;
+  uint64_t block_bytes = 64 << 10;
+  uint64_t ram_bytes = 2ull << 30;
+  uint64_t disk_bytes = 16ull << 30;
+  int64_t concurrency = 256;
+  double prefill_tps = 50000;
+  double fetch_cost = 0.1, load_weight = 1.0;
+  int64_t balance = 32768;
+  std::string modes = "round-robin,round-robin+store,kv-aware,kvtier";
+  std::string plot;
+  std::string per_request;  // --per-request: JSONL of every request's parts, per mode
+  bool json = false, progress = true;
+  int64_t restart_router_at = 0;  // kill -9 and restart the router after this many requests
+  bool restart_control = false;   // measure the same windows without restarting
+  std::string bin_dir;
+  std::string kv_wire;              // "" or "int8" (--kv-wire)
+  std::string engine = "sim";       // "sim" (kvtier-sim-worker) or "torch" (kvtier-torch-engine)
+  int64_t trace_block_tokens = 32;  // torch: real tokens per 512-token trace block
+  int64_t torch_max_step_tokens = 512;
+};
+
+// The torch engine's geometry (kvtier.engine defaults: 2 layers, 2 KV heads
+// of 32, fp16) with vLLM's 16-token pages, and its vocabulary.
+inline constexpr uint32_t kTorchBlockTokens = 16;
+inline constexpr uint32_t kTorchVocab = 4096;
+inline NamespaceSpec TorchGeometry() {
+  return NamespaceSpec{"kvtier-reference", "fp16", 2, 2, 32, kTorchBlockTokens, 0, 1, "", "", ""};
+}
+
+// One mode's cluster: the store and router (each only where the mode uses
+// it), the workers and their stubs, and the namespace requests are in.
+struct Cluster {
+  std::unique_ptr<LocalServer> store, router;
+  std::vector<std::unique_ptr<LocalServer>> workers;
+  std::vector<std::unique_ptr<v1::SimWorker::Stub>> stubs;
+  std::map<std::string, size_t> by_endpoint;  // worker address -> index
+  std::unique_ptr<v1::Router::Stub> rstub;
+  NamespaceSpec spec;
+  uint64_t ns = 0;
+};
+
+// Starts `mode`'s cluster under `dir`, waits until every worker registered
+// with the router, and warms each worker up with one request no trace
+// request shares.
+absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode, const TempDir& dir);
+
+// The store's put and pin counts and the workers' offload figures, into `res`.
+void ReadCounters(Cluster& c, ModeResult* res);
+
+}  // namespace kvtier::bench

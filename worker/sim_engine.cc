@@ -1,0 +1,335 @@
+#include "worker/sim_engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "common/rpc/grpc_status.h"
+#include "common/rpc/proto_convert.h"
+#include "worker/model.h"
+
+namespace kvtier::worker {
+
+namespace {
+
+void ToProto(const TransferTimes& t, v1::TimeBreakdown* out) {
+  out->set_control_ms(t.control_ms);
+  out->set_queue_ms(t.queue_ms);
+  out->set_rma_ms(t.rma_ms);
+  out->set_checksum_ms(t.checksum_ms);
+}
+
+void ToProto(const LoadTimes& t, v1::TimeBreakdown* out) {
+  ToProto(t.transfer, out);
+  out->set_staging_ms(t.staging_ms);
+  out->set_scatter_ms(t.scatter_ms);
+}
+
+}  // namespace
+
+SimWorkerService::SimWorkerService(KvConnector* c, SimOptions o) : c_(c), o_(std::move(o)) {
+  engine_ = std::thread([this] { EngineLoop(); });
+}
+
+SimWorkerService::~SimWorkerService() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  engine_.join();
+}
+
+v1::Heartbeat SimWorkerService::Load() const {
+  v1::Heartbeat h;
+  h.set_running_requests(static_cast<uint32_t>(running_.load()));
+  h.set_queued_prefill_tokens(o_.time_scale > 0 ? SimulatedBacklog() : queued_tokens_.load());
+  h.set_free_gpu_pages(c_->stats().pool.free);
+  // Its prefill rate in the clock the tier's costs are counted in: the
+  // simulated engine takes a load's real milliseconds as simulated ones,
+  // so the router weighs a fetch against simulated compute.
+  h.set_prefill_tokens_per_s(o_.prefill_tokens_per_s);
+  return h;
+}
+
+grpc::Status SimWorkerService::Submit(grpc::ServerContext*, const v1::SubmitRequest* req,
+                                      v1::SubmitResponse* resp) {
+  auto done = fence_.Enter();
+  auto parsed = PromptFromRequest(*req, c_->namespace_id(), c_->block_tokens(), "submit");
+  if (!parsed.ok()) return ToGrpc(parsed.status());
+  auto job = std::make_shared<Job>();
+  job->id = req->request_id() ? req->request_id() : next_id_++;
+  job->chain = std::move(parsed->chain);
+  job->prompt = parsed->prompt_tokens;
+  job->arrival = req->has_arrival_ms() ? req->arrival_ms() : SimNow();
+  job->ready = job->arrival;
+  job->output_tokens = req->output_tokens();
+  job->resp = resp;
+  running_++;
+  // Until its lookup says how much it computes, the whole prompt counts
+  // in the load routers see.
+  queued_tokens_ += job->prompt;
+  job->queued_tokens = job->prompt;
+  {
+    // Where simulated time 0 lies in real time: the earliest any request's
+    // arrival maps to (the least delayed delivery tells it best).
+    std::lock_guard lk(mu_);
+    const auto origin = Clock::now() - std::chrono::microseconds(
+                                           static_cast<int64_t>(job->arrival * 1000 * Scale()));
+    if (!have_origin_ || origin < origin_) origin_ = origin;
+    have_origin_ = true;
+  }
+  if (c_->has_store()) {
+    // Looked up, and what the store holds loaded, as it arrives, on this
+    // thread while it waits for the engine (the engine meanwhile serves
+    // the requests before it, and waits only for a lookup or load of a
+    // request that came before the one it would take).
+    {
+      std::lock_guard lk(mu_);
+      job->load_from = job->arrival;
+      loading_jobs_.insert(job.get());
+    }
+    const absl::Status onboarded = Onboard(*job);
+    {
+      std::lock_guard lk(mu_);
+      loading_jobs_.erase(job.get());
+    }
+    cv_.notify_all();
+    if (!onboarded.ok()) {
+      queued_tokens_ -= job->queued_tokens;
+      running_--;
+      return ToGrpc(onboarded);
+    }
+    job->looked_up = true;
+  }
+  Enqueue(job);
+  {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return job->state == Job::kDone; });
+  }
+  queued_tokens_ -= job->queued_tokens;
+  running_--;
+  return job->status;
+}
+
+grpc::Status SimWorkerService::GetWorkerStats(grpc::ServerContext*,
+                                              const v1::GetWorkerStatsRequest*,
+                                              v1::GetWorkerStatsResponse* resp) {
+  auto done = fence_.Enter();
+  ConnectorStats s = c_->stats();
+  {
+    std::lock_guard lk(id_mu_);
+    resp->set_worker_id(worker_id_);
+  }
+  resp->set_requests(requests_);
+  resp->set_pages(c_->pool().layout().num_pages);
+  resp->set_free_pages(s.pool.free);
+  resp->set_cached_pages(s.pool.cached);
+  resp->set_loaded_blocks(s.loaded_blocks);
+  resp->set_load_failures(s.load_failures);
+  resp->set_offloaded_blocks(s.offloaded_blocks);
+  resp->set_offload_dropped(s.offload_dropped_full);
+  resp->set_offload_batches(s.offload_batches);
+  resp->set_offload_round_trips(s.offload_round_trips);
+  resp->set_offloaded_bytes(s.offloaded_bytes);
+  resp->set_computed_blocks(s.computed_blocks);
+  resp->set_offload_failures(s.offload_failures);
+  resp->set_staging_peak_blocks(s.staging_peak);
+  resp->set_staging_blocks(s.staging_blocks);
+  resp->set_verified_blocks(verified_);
+  resp->set_mismatched_blocks(mismatched_);
+  resp->set_page_evictions(s.pool.evictions);
+  ToProto(s.offload_times, resp->mutable_offload_breakdown());
+  resp->mutable_offload_breakdown()->set_gather_ms(s.offload_gather_ms);
+  ToProto(s.load_times, resp->mutable_onboard_breakdown());
+  return grpc::Status::OK;
+}
+
+uint64_t SimWorkerService::SimulatedBacklog() const {
+  std::lock_guard lk(mu_);
+  if (!have_origin_) return 0;
+  const double now =
+      std::chrono::duration<double, std::milli>(Clock::now() - origin_).count() / Scale();
+  double busy = busy_until_.load();
+  double left_ms = std::max(0.0, busy - now);
+  auto add = [&](double ready, uint64_t tokens) {
+    const double start = std::max(busy, ready);
+    busy = start + 1000.0 * static_cast<double>(tokens) / o_.prefill_tokens_per_s;
+    left_ms += std::max(0.0, busy - std::max(start, now));
+  };
+  // In ready order: the waiting and the loading (ready at the earliest
+  // when their load started).
+  std::vector<std::pair<double, uint64_t>> ahead;
+  for (const auto& [key, j] : waiting_) ahead.emplace_back(j->ready, EstimatedPrefill(*j));
+  for (const Job* j : loading_jobs_) ahead.emplace_back(j->load_from, EstimatedPrefill(*j));
+  std::sort(ahead.begin(), ahead.end());
+  for (const auto& [ready, tokens] : ahead) add(ready, tokens);
+  return static_cast<uint64_t>(left_ms * o_.prefill_tokens_per_s / 1000.0);
+}
+
+absl::Status SimWorkerService::Onboard(Job& job) {
+  const auto t = Clock::now();
+  // The lookup may take as long as computing the whole prompt would (real
+  // milliseconds count as simulated ones); a store slower than that, or
+  // stalled, is given up on and the prompt computed.
+  const auto budget = std::chrono::milliseconds(static_cast<int64_t>(
+      std::ceil(1000.0 * static_cast<double>(job.prompt) / o_.prefill_tokens_per_s)));
+  auto m = c_->Begin(job.id, job.chain, budget);
+  if (!m.ok()) return m.status();
+  job.match = *m;
+  if (!m->store_status.ok()) {
+    job.resp->set_load_status(
+        absl::StrCat("store lookup failed, computing instead: ", m->store_status.message()));
+  }
+  if (m->store_blocks > 0) {
+    const absl::Status started = c_->StartLoad(job.id);
+    auto l = started.ok() ? c_->WaitForLoad(job.id) : absl::StatusOr<uint32_t>(started);
+    if (l.ok()) {
+      job.loaded = *l;
+      job.resp->set_onboarded_from_disk(c_->LoadedFromDisk(job.id));
+    } else {
+      job.resp->set_load_status(std::string(l.status().message()));
+    }
+    ToProto(c_->LoadTimesOf(job.id), job.resp->mutable_onboard_breakdown());
+  }
+  const double ms = Ms(Clock::now() - t);
+  job.onboard_ms += ms;
+  job.ready += ms;
+  return absl::OkStatus();
+}
+
+void SimWorkerService::EngineLoop() {
+  std::unique_lock lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stop_ || !waiting_.empty(); });
+    if (stop_) {
+      for (auto& [key, job] : waiting_) {
+        job->status = grpc::Status(grpc::UNAVAILABLE, "the worker is stopping");
+        job->state = Job::kDone;
+      }
+      waiting_.clear();
+      cv_.notify_all();
+      return;
+    }
+    // First come first served among the requests ready when the engine
+    // is next free (or, idle, when the first becomes ready): the earliest
+    // arrival among them. A request back from its lookup or load keeps
+    // its place by arrival.
+    double earliest = std::numeric_limits<double>::max();
+    for (const auto& [key, j] : waiting_) earliest = std::min(earliest, j->ready);
+    const double at = std::max(clock_ms_, earliest);
+    auto first = waiting_.begin();
+    while (first->second->ready > at) ++first;
+    // Taken once the reorder window past its ready time has passed in real
+    // time (one that arrived before it may still be on its way); an engine
+    // behind real time takes it at once.
+    const auto due = o_.time_scale > 0 ? RealAt(first->second->ready) + o_.reorder_window
+                                       : first->second->received + o_.reorder_window;
+    if (Clock::now() < due) {
+      cv_.wait_until(lk, due);
+      continue;
+    }
+    // A request that arrived before it and is looking up or loading may
+    // be ready by then: until its lookup ends (real milliseconds) nobody
+    // knows, so the engine waits.
+    const std::pair<double, uint64_t> key = first->first;
+    if (std::any_of(loading_jobs_.begin(), loading_jobs_.end(), [&](const Job* j) {
+          return j->load_from <= at && std::make_pair(j->arrival, j->id) < key;
+        })) {
+      cv_.wait(lk);
+      continue;
+    }
+    std::shared_ptr<Job> job = first->second;
+    waiting_.erase(first);
+    lk.unlock();
+    Schedule(*job);
+    lk.lock();
+  }
+}
+
+void SimWorkerService::Schedule(Job& job) {
+  const uint32_t bt = c_->block_tokens();
+  double now = std::max(clock_ms_, job.ready);
+  if (!job.looked_up) {
+    job.looked_up = true;
+    // No store: matching the GPU pages is the engine's own bookkeeping.
+    auto m = c_->Begin(job.id, job.chain);
+    if (!m.ok()) return Finish(job, ToGrpc(m.status()));
+    job.match = *m;
+  }
+  // Every onboarded byte against the model.
+  uint32_t verified = 0, mismatched = 0;
+  {
+    auto pages = c_->pool().MatchAndRef(job.chain);
+    const uint32_t gpu = job.match.gpu_blocks;
+    for (uint32_t i = gpu; i < gpu + job.loaded && i < pages.size(); ++i) {
+      bool same = PageMatchesModel(c_->pool().layout(), c_->pool().layer_bases(), pages[i],
+                                   c_->namespace_id(), job.chain[i], o_.packed);
+      ++verified;
+      mismatched += !same;
+    }
+    for (auto it = pages.rbegin(); it != pages.rend(); ++it) c_->pool().Unref(*it);  // tail first
+  }
+  // What other requests computed since its lookup, as a scheduler matches
+  // a request when it runs it.
+  const uint32_t more = c_->MatchMore(job.id);
+  const uint64_t cached =
+      std::min<uint64_t>(uint64_t{job.match.gpu_blocks + job.loaded + more} * bt, job.prompt);
+  const uint64_t prefill = job.prompt - cached;
+  // Pages for the computed blocks; with every page held by requests
+  // loading, the prompt is computed without caching its blocks.
+  auto pages = c_->AllocateForCompute(job.id);
+  if (!pages.ok() && pages.status().code() != absl::StatusCode::kResourceExhausted) {
+    c_->Finished(job.id);
+    return Finish(job, ToGrpc(pages.status()));
+  }
+  if (!pages.ok()) pages = std::vector<uint32_t>();
+  const size_t first = job.match.gpu_blocks + job.loaded + more;
+  for (size_t i = 0; i < pages->size(); ++i) {
+    ComputeIntoPage(c_->pool().layout(), c_->pool().layer_bases(), (*pages)[i], c_->namespace_id(),
+                    job.chain[first + i]);
+  }
+  const double prefill_ms = 1000.0 * static_cast<double>(prefill) / o_.prefill_tokens_per_s;
+  queued_tokens_ -= job.queued_tokens - prefill;
+  job.queued_tokens = prefill;
+  clock_ms_ = now + prefill_ms;
+  busy_until_ = clock_ms_;
+  if (o_.time_scale > 0) {
+    // Pace: the prefill ends when its simulated end comes in real time (an
+    // engine behind real time, held up by the host, catches up instead).
+    Clock::time_point end;
+    {
+      std::lock_guard lk(mu_);
+      end = RealAt(clock_ms_);
+    }
+    std::this_thread::sleep_until(end);
+  }
+  // Saves are staged (copied out) and written in the background: neither
+  // the first token nor the request's end waits for the store.
+  absl::Status saved = c_->Save(job.id);
+  c_->Finished(job.id);
+  if (!saved.ok()) return Finish(job, ToGrpc(saved));
+  requests_++;
+  verified_ += verified;
+  mismatched_ += mismatched;
+  v1::SubmitResponse* resp = job.resp;
+  resp->set_prompt_tokens(job.prompt);
+  resp->set_prefill_tokens(prefill);
+  resp->set_gpu_hit_tokens(
+      std::min<uint64_t>(uint64_t{job.match.gpu_blocks + more} * bt, job.prompt));
+  resp->set_onboarded_tokens(
+      std::min<uint64_t>(uint64_t{job.loaded} * bt, job.prompt - resp->gpu_hit_tokens()));
+  resp->set_verified_blocks(verified);
+  resp->set_mismatched_blocks(mismatched);
+  resp->set_onboard_ms(job.onboard_ms);
+  resp->set_decode_ms(o_.decode_ms_per_token * job.output_tokens);
+  // TTFT in simulated time, from arrival to the prefill's end: onboarding
+  // (real, as measured), the prefill, and the rest waiting for the engine.
+  const double ttft = clock_ms_ - job.arrival;
+  resp->set_ttft_ms(ttft);
+  resp->set_prefill_ms(prefill_ms);
+  resp->set_queue_ms(std::max(0.0, ttft - prefill_ms - job.onboard_ms));
+  Finish(job, grpc::Status::OK);
+}
+
+}  // namespace kvtier::worker

@@ -39,6 +39,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "bench/chaos_report.h"
 #include "bench/trace.h"
 #include "common/config.h"
 #include "common/log.h"
@@ -61,55 +62,6 @@ ShellResult Sh(const std::string& cmd) { return RunShell(cmd + " 2>&1"); }
 // SIGINT or SIGTERM: stop after the current phase and clean up.
 std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
-
-// A server inside a host's namespace, restartable with the same flags.
-class Server {
- public:
-  Server(std::string ip_path, Host host, std::string binary, std::vector<std::string> flags,
-         std::string log)
-      : ip_(std::move(ip_path)),
-        host_(std::move(host)),
-        binary_(std::move(binary)),
-        flags_(std::move(flags)),
-        log_(std::move(log)) {}
-  void Start() {
-    std::vector<std::string> args = {"netns", "exec", host_.ns, binary_};
-    args.insert(args.end(), flags_.begin(), flags_.end());
-    proc_ = std::make_unique<Process>(ip_, args, log_);
-  }
-  void Kill9() {
-    if (proc_) proc_->Kill(SIGKILL);
-  }
-  void Stop() {
-    if (proc_) proc_->Kill(SIGTERM);
-  }
-  const Host& host() const { return host_; }
-
- private:
-  std::string ip_;
-  Host host_;
-  std::string binary_;
-  std::vector<std::string> flags_;
-  std::string log_;
-  std::unique_ptr<Process> proc_;
-};
-
-struct PhaseFigures {
-  uint64_t done = 0, failed = 0, load_failed = 0, verified = 0, mismatched = 0, unrouted = 0;
-  std::vector<double> ttft, wall;  // simulated TTFT; wall time of the whole request
-  nlohmann::json Json() const {
-    return {{"done", done},
-            {"failed", failed},
-            {"loads_failed_recomputed", load_failed},
-            {"verified_blocks", verified},
-            {"wrong_blocks", mismatched},
-            {"routes_failed", unrouted},
-            {"ttft_p50_ms", Percentile(ttft, 0.5)},
-            {"ttft_p99_ms", Percentile(ttft, 0.99)},
-            {"wall_p50_ms", Percentile(wall, 0.5)},
-            {"wall_p99_ms", Percentile(wall, 0.99)}};
-  }
-};
 
 struct Scenario {
   std::string name, what;
@@ -135,7 +87,7 @@ class Chaos {
     for (int s = 0; s < kStores; ++s) {
       const Host& h = net_.at(absl::StrCat("store", s));
       stores += (s ? "," : "") + h.ip + ":7400";
-      store_.push_back(std::make_unique<Server>(
+      store_.push_back(std::make_unique<NetnsServer>(
           ip_path, h, DefaultBinary("cachestore", "kvtier-store"),
           std::vector<std::string>{"--listen=" + h.ip + ":7400", "--data-listen=" + h.ip + ":7401",
                                    absl::StrCat("--data-dir=", scratch, "/db", s),
@@ -145,13 +97,13 @@ class Chaos {
           absl::StrCat(scratch, "/store", s, ".log")));
     }
     const Host& rh = net_.at("router");
-    router_ = std::make_unique<Server>(
+    router_ = std::make_unique<NetnsServer>(
         ip_path, rh, DefaultBinary("router", "kvtier-router"),
         std::vector<std::string>{"--listen=" + rh.ip + ":7500", "--heartbeat-deadline=2s"},
         scratch + "/router.log");
     for (int w = 0; w < kWorkers; ++w) {
       const Host& h = net_.at(absl::StrCat("worker", w));
-      worker_.push_back(std::make_unique<Server>(
+      worker_.push_back(std::make_unique<NetnsServer>(
           ip_path, h, DefaultBinary("worker", "kvtier-sim-worker"),
           std::vector<std::string>{
               "--listen=" + h.ip + ":8000", absl::StrCat("--worker-id=worker", w),
@@ -386,27 +338,14 @@ class Chaos {
   const double phase_s_;
   const int concurrency_;
   NetnsLab net_{kTag};
-  std::vector<std::unique_ptr<Server>> store_, worker_;
-  std::unique_ptr<Server> router_;
+  std::vector<std::unique_ptr<NetnsServer>> store_, worker_;
+  std::unique_ptr<NetnsServer> router_;
   std::vector<std::string> endpoints_;
   std::vector<std::unique_ptr<v1::SimWorker::Stub>> workers_;
   std::unique_ptr<v1::Router::Stub> router_stub_;
   uint64_t ns_ = 0;
   std::atomic<size_t> next_{0};
 };
-
-std::string Row(const std::string& phase, const nlohmann::json& f) {
-  char buf[320];
-  std::snprintf(buf, sizeof buf,
-                "  %-7s %5lu done %3lu failed %3lu loads recomputed %5lu verified %lu wrong | TTFT "
-                "p50/p99 %6.0f / %6.0f ms | request p50/p99 %6.0f / %6.0f ms",
-                phase.c_str(), f["done"].get<uint64_t>(), f["failed"].get<uint64_t>(),
-                f["loads_failed_recomputed"].get<uint64_t>(), f["verified_blocks"].get<uint64_t>(),
-                f["wrong_blocks"].get<uint64_t>(), f["ttft_p50_ms"].get<double>(),
-                f["ttft_p99_ms"].get<double>(), f["wall_p50_ms"].get<double>(),
-                f["wall_p99_ms"].get<double>());
-  return buf;
-}
 
 }  // namespace
 
@@ -486,29 +425,7 @@ int RunChaos(int argc, const char* const* argv) {
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
-  std::printf(
-      "kvtier-bench chaos: 3 store shards, a router, 4 workers and a client, each in its own "
-      "network namespace; %.1f s per phase, %ld requests in flight\n\n",
-      phase_s, static_cast<long>(concurrency));
-  for (const auto& j : out) {
-    if (j.contains("skipped")) {
-      std::printf("%s: skipped (%s)\n\n", j["scenario"].get<std::string>().c_str(),
-                  j["skipped"].get<std::string>().c_str());
-      continue;
-    }
-    std::printf("%s: %s\n", j["scenario"].get<std::string>().c_str(),
-                j["fault"].get<std::string>().c_str());
-    for (const char* p : {"before", "during", "after"}) std::printf("%s\n", Row(p, j[p]).c_str());
-    if (j["during"]["routes_failed"].get<uint64_t>() > 0) {
-      std::printf("  routes that failed (sent round-robin instead): %lu during, %lu after\n",
-                  j["during"]["routes_failed"].get<uint64_t>(),
-                  j["after"]["routes_failed"].get<uint64_t>());
-    }
-    std::printf(
-        "  every source back at the router %.2f s after healing; last failed request or "
-        "load %.2f s after healing\n\n",
-        j["sources_back_s"].get<double>(), j["last_failure_after_heal_s"].get<double>());
-  }
+  PrintChaosReport(out, phase_s, concurrency);
   return 0;
 }
 

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -140,6 +141,39 @@ class NetnsLab {
 
   std::string tag_, hub_;
   std::vector<Host> hosts_;
+};
+
+// A server inside a host's namespace (run through `ip netns exec`; ip_path:
+// NetnsLab::IpPath()), restartable with the same flags.
+class NetnsServer {
+ public:
+  NetnsServer(std::string ip_path, NetnsLab::Host host, std::string binary,
+              std::vector<std::string> flags, std::string log)
+      : ip_(std::move(ip_path)),
+        host_(std::move(host)),
+        binary_(std::move(binary)),
+        flags_(std::move(flags)),
+        log_(std::move(log)) {}
+  void Start() {
+    std::vector<std::string> args = {"netns", "exec", host_.ns, binary_};
+    args.insert(args.end(), flags_.begin(), flags_.end());
+    proc_ = std::make_unique<Process>(ip_, args, log_);
+  }
+  void Kill9() {
+    if (proc_) proc_->Kill(SIGKILL);
+  }
+  void Stop() {
+    if (proc_) proc_->Kill(SIGTERM);
+  }
+  const NetnsLab::Host& host() const { return host_; }
+
+ private:
+  std::string ip_;
+  NetnsLab::Host host_;
+  std::string binary_;
+  std::vector<std::string> flags_;
+  std::string log_;
+  std::unique_ptr<Process> proc_;
 };
 
 }  // namespace kvtier

@@ -10,8 +10,18 @@
 namespace kvtier {
 
 grpc::Status AdminGate::Check(const grpc::ServerContext& ctx, const char* rpc) const {
+  std::vector<std::string> names;
+  if (!identity_.empty()) names = PeerCertificateNames(ctx);
+  auto it = ctx.client_metadata().find("x-kvtier-admin-token");
+  std::string_view token;
+  if (it != ctx.client_metadata().end())
+    token = std::string_view(it->second.data(), it->second.size());
+  return Check(names, it != ctx.client_metadata().end() ? &token : nullptr, rpc);
+}
+
+grpc::Status AdminGate::Check(const std::vector<std::string>& names, const std::string_view* token,
+                              const char* rpc) const {
   if (!identity_.empty()) {
-    std::vector<std::string> names = PeerCertificateNames(ctx);
     if (std::find(names.begin(), names.end(), identity_) == names.end()) {
       return grpc::Status(
           grpc::PERMISSION_DENIED,
@@ -23,12 +33,11 @@ grpc::Status AdminGate::Check(const grpc::ServerContext& ctx, const char* rpc) c
     }
   }
   if (token_.empty()) return grpc::Status::OK;
-  auto it = ctx.client_metadata().find("x-kvtier-admin-token");
-  bool ok = it != ctx.client_metadata().end() && it->second.size() == token_.size();
+  bool ok = token != nullptr && token->size() == token_.size();
   // Compare every byte (no early exit on the first difference).
   unsigned diff = ok ? 0 : 1;
   if (ok) {
-    for (size_t i = 0; i < token_.size(); ++i) diff |= it->second.data()[i] ^ token_[i];
+    for (size_t i = 0; i < token_.size(); ++i) diff |= (*token)[i] ^ token_[i];
   }
   if (diff != 0) {
     return grpc::Status(grpc::PERMISSION_DENIED,

@@ -7,6 +7,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace kvtier {
 
@@ -19,6 +21,11 @@ class AdminGate {
   // identity mismatch, whom the client's certificate names). The token is
   // compared in constant time.
   grpc::Status Check(const grpc::ServerContext& ctx, const char* rpc) const;
+  // The same decision from what the call carries: the names of the
+  // client's verified certificate and its x-kvtier-admin-token metadata
+  // (nullptr: none).
+  grpc::Status Check(const std::vector<std::string>& peer_names, const std::string_view* token,
+                     const char* rpc) const;
 
  private:
   std::string token_;

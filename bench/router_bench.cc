@@ -17,6 +17,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "common/config.h"
+#include "common/limits.h"
 #include "common/log.h"
 #include "router/router_core.h"
 #include "router/service.h"
@@ -268,7 +269,8 @@ int RunRouterBench(int argc, const char* const* argv) {
   flags.Int("fleet-ms", &fleet_ms, 50, 600000, "Milliseconds per rate (fleet run)");
   flags.Int("blocks", &blocks, 1000, int64_t{1} << 32, "Indexed blocks");
   flags.Int("requests", &requests, 10, 1 << 24, "Route calls per case");
-  flags.Int("prompt-blocks", &prompt_blocks, 1, 16384, "Blocks per prompt (16 tokens each)");
+  flags.Int("prompt-blocks", &prompt_blocks, 1, static_cast<int64_t>(limits::kMaxPromptBlocks),
+            "Blocks per prompt (16 tokens each)");
   flags.String("workers", &workers_list, "Comma-separated worker counts");
   flags.Bool("quick", &quick, "A reduced run (200k blocks, 200 requests)");
   flags.Bool("json", &json, "Print JSON");

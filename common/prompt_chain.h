@@ -14,13 +14,13 @@
 
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
+#include "common/limits.h"
 
 namespace kvtier {
 
-// Most tokens / full blocks one prompt may carry (2 Mi tokens: 16 Ki blocks
-// of 128 tokens).
-inline constexpr uint64_t kMaxPromptTokens = 2097152;
-inline constexpr uint64_t kMaxPromptBlocks = 16384;
+// The prompt limits (common/limits.h).
+using limits::kMaxPromptBlocks;
+using limits::kMaxPromptTokens;
 
 struct PromptChain {
   std::vector<BlockHash> chain;  // one hash per full block

@@ -10,6 +10,9 @@ import numpy.typing as npt
 from kvtier.errors import KvtierError
 
 __version__: str
+MAX_BLOCK_TOKENS: int
+MAX_BLOCKS_PER_REQUEST: int
+MAX_PROMPT_TOKENS: int
 
 class NamespaceSpec:
     """A model's KV geometry; validated on construction."""

@@ -21,6 +21,7 @@
 #include <pybind11/stl.h>
 
 #include "common/block_key.h"
+#include "common/limits.h"
 #include "common/version.h"
 #include "python/src/native_common.h"
 
@@ -29,6 +30,10 @@ PYBIND11_MODULE(_native, m) {
   using namespace kvtier::python;
   m.doc() = "kvtier's C++ library (use the kvtier package, not this module, directly)";
   m.attr("__version__") = Version();
+  // The protocol's limits (common/limits.h), for the Python side's checks.
+  m.attr("MAX_BLOCK_TOKENS") = limits::kMaxBlockTokens;
+  m.attr("MAX_BLOCKS_PER_REQUEST") = limits::kMaxBlocksPerRequest;
+  m.attr("MAX_PROMPT_TOKENS") = limits::kMaxPromptTokens;
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

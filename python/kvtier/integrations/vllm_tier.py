@@ -120,7 +120,8 @@ def tier_namespace(offloading_spec: Any, row_bytes: int) -> kvtier.Namespace:
             f"(supported: {', '.join(sorted(_DTYPES))})")
     kv_dtype = _DTYPES[dtype]
     elem = 1 if kv_dtype.startswith("fp8") else 2
-    if row_bytes <= 0 or row_bytes % _PAGE or row_bytes // _PAGE > 65536:
+    if (row_bytes <= 0 or row_bytes % _PAGE
+            or row_bytes // _PAGE > kvtier._native.MAX_BLOCK_TOKENS):
         raise InvalidArgument(
             StatusCode.INVALID_ARGUMENT,
             f"vLLM's offload rows are {row_bytes} bytes; kvtier stores rows "

@@ -50,61 +50,37 @@ size_t RendezvousShard(const BlockKey& key, const std::vector<std::string>& shar
   return RendezvousPick(RendezvousKey(key), shards);
 }
 
-struct ShardedStoreClient::Health {
-  std::atomic<int64_t> skip_until_ms{0};  // steady clock; 0: not skipped
-  std::atomic<uint64_t> skip_ms{0};       // the last skip's length
-};
-
 namespace {
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-bool Unreachable(const absl::Status& s) {
-  return s.code() == absl::StatusCode::kUnavailable ||
-         s.code() == absl::StatusCode::kDeadlineExceeded;
-}
 }  // namespace
 
 ShardedStoreClient::ShardedStoreClient(std::vector<std::string> addresses,
                                        DataClientOptions options)
     : addresses_(std::move(addresses)), options_(options) {
-  for (const auto& a : addresses_) shards_.push_back(std::make_unique<StoreDataClient>(a, options));
-  health_ = std::make_unique<Health[]>(addresses_.size());
+  for (const auto& a : addresses_) {
+    shards_.push_back(std::make_unique<StoreDataClient>(a, options));
+    // A probe holds the others off for its own deadline and a second more.
+    health_.push_back(std::make_unique<ShardSkip>(
+        options_.shard_skip_min_ms, options_.shard_skip_max_ms,
+        static_cast<uint64_t>(std::max(0, options_.deadline_ms)) + 1000));
+  }
 }
 
 absl::Status ShardedStoreClient::Admit(size_t s) {
-  Health& h = health_[s];
-  int64_t until = h.skip_until_ms.load(std::memory_order_relaxed);
-  if (until == 0) return absl::OkStatus();
-  const int64_t now = NowMs();
-  // The skip is over: the first caller to move it past its own call probes.
-  if (now >= until &&
-      h.skip_until_ms.compare_exchange_strong(until, now + options_.deadline_ms + 1000)) {
-    return absl::OkStatus();
-  }
-  return absl::UnavailableError(absl::StrCat(
-      "store shard ", addresses_[s], " failed its last call (unreachable); skipped for another ",
-      std::max<int64_t>(0, h.skip_until_ms.load(std::memory_order_relaxed) - now), " ms"));
+  int64_t left = 0;
+  if (health_[s]->Admit(NowMs(), &left)) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("store shard ", addresses_[s],
+                                             " failed its last call (unreachable); skipped for "
+                                             "another ",
+                                             left, " ms"));
 }
 
 void ShardedStoreClient::Note(size_t s, const absl::Status& status) {
-  Health& h = health_[s];
-  if (!Unreachable(status) || options_.shard_skip_min_ms == 0) {
-    if (h.skip_until_ms.load(std::memory_order_relaxed) != 0) {
-      h.skip_until_ms.store(0, std::memory_order_relaxed);
-      h.skip_ms.store(0, std::memory_order_relaxed);
-    }
-    return;
-  }
-  const uint64_t last = h.skip_ms.load(std::memory_order_relaxed);
-  const uint64_t next =
-      last == 0
-          ? options_.shard_skip_min_ms
-          : std::min(last * 2, std::max(options_.shard_skip_max_ms, options_.shard_skip_min_ms));
-  h.skip_ms.store(next, std::memory_order_relaxed);
-  h.skip_until_ms.store(NowMs() + static_cast<int64_t>(next), std::memory_order_relaxed);
+  health_[s]->Note(status, NowMs());
 }
 
 ShardedStoreClient::~ShardedStoreClient() = default;

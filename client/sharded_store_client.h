@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "client/data_client_types.h"
+#include "client/shard_skip.h"
 #include "client/store_client.h"
 #include "common/block_key.h"
 
@@ -106,7 +107,6 @@ class ShardedStoreClient {
   StoreDataClient& shard(size_t i) { return *shards_[i]; }
 
  private:
-  struct Health;  // per shard: skipped until when, and for how long next
   // OK when shard s may be called now (or this call is its probe);
   // UNAVAILABLE while it is skipped.
   absl::Status Admit(size_t s);
@@ -117,7 +117,7 @@ class ShardedStoreClient {
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<StoreDataClient>> shards_;
   DataClientOptions options_;
-  std::unique_ptr<Health[]> health_;
+  std::vector<std::unique_ptr<ShardSkip>> health_;  // per shard (client/shard_skip.h)
 };
 
 }  // namespace kvtier

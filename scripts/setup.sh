@@ -8,7 +8,8 @@
 # and packet loss (kvtier-bench chaos).
 # nodejs, npm (when no node is installed): the chart test validates the
 # rendered manifests against the Kubernetes API schemas with the npm package
-# kubernetes-models, installed into tests/helm/node_modules from its lock file.
+# kubernetes-models, installed into tests/helm/node_modules from its lock file;
+# helm and kube-score, built from the Go module proxy into tests/helm/.bin.
 # clang-format: the C++ style check CI runs (scripts/check_format.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +55,21 @@ if ! cmp -s tests/helm/package-lock.json tests/helm/node_modules/.kvtier-install
     exit 1
   fi
   cp tests/helm/package-lock.json tests/helm/node_modules/.kvtier-installed-lock
+fi
+
+# The chart test's renderer and linter, helm itself (pinned), built from the
+# Go module proxy into tests/helm/.bin (a few minutes, once per machine).
+HELM_VERSION=v3.22.0
+if [ "$(cat tests/helm/.bin/.helm-version 2>/dev/null)" != "$HELM_VERSION" ]; then
+  echo "setup: go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION (the chart test renders with it)"
+  mkdir -p tests/helm/.bin
+  if ! GOBIN="$PWD/tests/helm/.bin" GOFLAGS=-mod=mod \
+       go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >/dev/null; then
+    echo "setup: go install of helm failed: the chart test renders and lints the chart with it" \
+         "and needs the Go module proxy (or GOPROXY set to a mirror)" >&2
+    exit 1
+  fi
+  echo "$HELM_VERSION" > tests/helm/.bin/.helm-version
 fi
 
 # The chart test's manifest linter, kube-score (pinned), built from the Go

@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
-"""Tests of helm/kvtier without a helm binary: the chart is rendered with Go
-text/template + sprig (tests/helm/render.go), the engine Helm uses, and the
-rendered objects are checked -- names and kinds, ports, probes, security,
-toggles -- and the store's and router's rendered arguments are run through
-the real binaries' --check-config. values.schema.json must accept the
-defaults and reject bad values. Ends with "N passed, N failed"."""
+"""Tests of helm/kvtier: every configuration tried is linted and rendered by
+helm itself (a pinned helm, built by scripts/setup.sh into
+tests/helm/.bin), and the rendered objects are checked -- names and kinds,
+ports, probes, security, toggles -- and the store's and router's rendered
+arguments are run through the real binaries' --check-config.
+values.schema.json must accept the defaults and reject bad values.
+
+Two things `helm template` cannot show without a cluster are rendered
+otherwise: NOTES.txt (helm renders it only on install; here a copy of the
+chart renders it through `tpl` in one more template), and the admin token
+an upgrade finds in the cluster (`lookup` finds nothing offline; that one
+check renders with Go text/template + sprig, tests/helm/render.go, which
+answers lookup from a given cluster). Ends with "N passed, N failed"."""
 import copy
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,13 +58,32 @@ def load_values():
         return yaml.safe_load(f)
 
 
-def render(values, release="kv", cluster=None):
+HELM = os.path.join(ROOT, "tests", "helm", ".bin", "helm")
+_PREVIEW = []  # the chart copy that renders NOTES.txt too (made once)
+
+
+def _preview_chart():
+    """A copy of the chart with one more template: NOTES.txt through tpl."""
+    if not _PREVIEW:
+        d = tempfile.mkdtemp(prefix="kvtier-chart-")
+        dst = os.path.join(d, "kvtier")
+        shutil.copytree(CHART, dst)
+        shutil.copy(os.path.join(CHART, "templates", "NOTES.txt"),
+                    os.path.join(dst, "notes-source.txt"))
+        with open(os.path.join(dst, "templates", "zz-notes-preview.yaml"), "w") as f:
+            f.write('notes: {{ tpl (.Files.Get "notes-source.txt") . | toJson }}\n')
+        _PREVIEW.append(dst)
+    return _PREVIEW[0]
+
+
+def _render_go(values, release, cluster):
+    """render.go: Go text/template + sprig, lookup answered from `cluster`."""
     with open(os.path.join(CHART, "Chart.yaml")) as f:
         chart = yaml.safe_load(f)
     ctx = {"Values": values, "Release": {"Name": release, "Namespace": "default"},
            "Chart": {"Name": chart["name"], "Version": chart["version"],
                      "AppVersion": chart["appVersion"]},
-           "Cluster": cluster or {}}
+           "Cluster": cluster}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(ctx, f)
         path = f.name
@@ -71,6 +98,41 @@ def render(values, release="kv", cluster=None):
     for chunk in out.stdout.split("# Source: ")[1:]:
         name, _, body = chunk.partition("\n")
         files[name] = body
+    return files
+
+
+def render(values, release="kv", cluster=None):
+    """The chart's files rendered with `values` (the whole values tree), by
+    template file name; each configuration is linted by helm too."""
+    if cluster:
+        return _render_go(values, release, cluster)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(values, f)
+        path = f.name
+    try:
+        lint = subprocess.run([HELM, "lint", CHART, "-f", path, "--namespace", "default"],
+                              capture_output=True, text=True, timeout=120)
+        check(lint.returncode == 0, "helm lint: %s%s" % (lint.stdout, lint.stderr))
+        out = subprocess.run([HELM, "template", release, _preview_chart(), "-f", path,
+                              "--namespace", "default"],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        os.unlink(path)
+    if out.returncode != 0:
+        raise RuntimeError("helm template failed: " + out.stderr)
+    files = {}
+    for doc in out.stdout.split("\n---\n"):
+        doc = doc.strip("\n")
+        if doc.startswith("---\n"):
+            doc = doc[4:]
+        if not doc.startswith("# Source: "):
+            continue
+        source, _, body = doc.partition("\n")
+        name = source[len("# Source: "):].split("/templates/", 1)[1]
+        if name == "zz-notes-preview.yaml":
+            files["NOTES.txt"] = yaml.safe_load(body)["notes"]
+            continue
+        files[name] = files[name] + "---\n" + body + "\n" if name in files else body + "\n"
     return files
 
 
@@ -266,6 +328,31 @@ def check_engine(values, schema):
           ev.get("replay_endpoint") == "tcp://*:5558", "vLLM publishes KV events with a replay socket")
     check(engine_arg(c["args"], "--block-size") == "16", "block size from values")
     check(c["resources"]["limits"].get("nvidia.com/gpu") == "1", "a GPU requested")
+    # vLLM's own offloading with kvtier as its secondary tier.
+    v["engine"]["vllmMode"] = "tier"
+    v["engine"]["tier"]["cpuBytes"] = 4 << 30
+    jsonschema.validate(v, schema)
+    c = find(objects(render(v)), "Deployment", "-engine")["spec"]["template"]["spec"]["containers"][0]
+    kvt = json.loads(engine_arg(c["args"], "--kv-transfer-config") or "{}")
+    spec = kvt.get("kv_connector_extra_config", {})
+    tiers = spec.get("secondary_tiers", [{}])
+    check(kvt.get("kv_connector") == "OffloadingConnector" and
+          spec.get("spec_name") == "TieringOffloadingSpec" and
+          spec.get("cpu_bytes_to_use") == 4 << 30 and len(tiers) == 1,
+          "vllmMode tier: vLLM's OffloadingConnector with a CPU tier: %s" % kvt)
+    t = tiers[0]
+    check(t.get("type") == "KvtierTier" and t.get("module_path") == "kvtier.integrations.vllm_tier" and
+          t.get("stores") == stores and t.get("io_threads") == 2 and t.get("locality") == "REMOTE" and
+          t.get("tls_ca") == "/etc/kvtier/tls/ca.crt" and t.get("deadline_ms") == 10000,
+          "kvtier is its secondary tier, with every shard and the TLS files: %s" % t)
+    # The tier's keys are the ones KvtierTier accepts (it refuses any other).
+    with open(os.path.join(ROOT, "python", "kvtier", "integrations", "vllm_tier.py")) as f:
+        m = re.search(r"TIER_KEYS = \(([^)]*)\)", f.read())
+    tier_keys = {"type", "module_path"} | set(re.findall(r'"(\w+)"', m.group(1) if m else ""))
+    check(len(tier_keys) > 2, "vllm_tier.py's TIER_KEYS read")
+    check(set(t) <= tier_keys, "only keys KvtierTier takes: %s" % sorted(set(t) - tier_keys))
+    check_schema_refuses(v, schema, "engine", (("vllmMode", "both"),))
+    v["engine"]["vllmMode"] = "connector"
     v["engine"]["kind"] = "sglang"
     jsonschema.validate(v, schema)
     c = find(objects(render(v)), "Deployment", "-engine")["spec"]["template"]["spec"]["containers"][0]
@@ -562,7 +649,8 @@ def check_operator_controls(values, schema):
     check("--labels=kvtier.io/kvctl=true" in notes, "NOTES run kvctl with the admitted label")
     check("in this namespace only" in notes, "NOTES say engines of other namespaces are not admitted")
     v = copy.deepcopy(values)
-    v["networkPolicy"]["kvctlLabels"] = {"a": "1", "b": "2"}
+    # Helm merges a values file's maps into the defaults: null drops the default label.
+    v["networkPolicy"]["kvctlLabels"] = {"kvtier.io/kvctl": None, "a": "1", "b": "2"}
     v["networkPolicy"]["engineNamespaces"] = {"kubernetes.io/metadata.name": "inference"}
     notes = render(v)["NOTES.txt"]
     check("--labels=a=1,b=2 " in notes, "NOTES join several kvctl labels with commas")
@@ -615,6 +703,9 @@ def check_operator_controls(values, schema):
 
 
 def main():
+    if not os.path.exists(HELM):
+        print("FAIL: helm is not installed at %s (scripts/setup.sh builds the pinned one)" % HELM)
+        sys.exit(1)
     values = load_values()
     schema = json.load(open(os.path.join(CHART, "values.schema.json")))
     check_app_version()

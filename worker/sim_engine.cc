@@ -40,7 +40,7 @@ SimWorkerService::~SimWorkerService() {
   engine_.join();
 }
 
-v1::Heartbeat SimWorkerService::Load() const {
+v1::Heartbeat SimWorkerService::Load() {
   v1::Heartbeat h;
   h.set_running_requests(static_cast<uint32_t>(running_.load()));
   h.set_queued_prefill_tokens(o_.time_scale > 0 ? SimulatedBacklog() : queued_tokens_.load());
@@ -52,18 +52,14 @@ v1::Heartbeat SimWorkerService::Load() const {
   return h;
 }
 
-grpc::Status SimWorkerService::Submit(grpc::ServerContext*, const v1::SubmitRequest* req,
-                                      v1::SubmitResponse* resp) {
-  auto done = fence_.Enter();
-  auto parsed = PromptFromRequest(*req, c_->namespace_id(), c_->block_tokens(), "submit");
-  if (!parsed.ok()) return ToGrpc(parsed.status());
+absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse* resp) {
   auto job = std::make_shared<Job>();
-  job->id = req->request_id() ? req->request_id() : next_id_++;
-  job->chain = std::move(parsed->chain);
-  job->prompt = parsed->prompt_tokens;
-  job->arrival = req->has_arrival_ms() ? req->arrival_ms() : SimNow();
+  job->id = p.request_id ? p.request_id : next_id_++;
+  job->chain = p.prompt.chain;
+  job->prompt = p.prompt.prompt_tokens;
+  job->arrival = p.arrival_ms ? *p.arrival_ms : SimNow();
   job->ready = job->arrival;
-  job->output_tokens = req->output_tokens();
+  job->output_tokens = p.output_tokens;
   job->resp = resp;
   running_++;
   // Until its lookup says how much it computes, the whole prompt counts
@@ -98,7 +94,7 @@ grpc::Status SimWorkerService::Submit(grpc::ServerContext*, const v1::SubmitRequ
     if (!onboarded.ok()) {
       queued_tokens_ -= job->queued_tokens;
       running_--;
-      return ToGrpc(onboarded);
+      return onboarded;
     }
     job->looked_up = true;
   }
@@ -112,10 +108,7 @@ grpc::Status SimWorkerService::Submit(grpc::ServerContext*, const v1::SubmitRequ
   return job->status;
 }
 
-grpc::Status SimWorkerService::GetWorkerStats(grpc::ServerContext*,
-                                              const v1::GetWorkerStatsRequest*,
-                                              v1::GetWorkerStatsResponse* resp) {
-  auto done = fence_.Enter();
+absl::Status SimWorkerService::Stats(v1::GetWorkerStatsResponse* resp) {
   ConnectorStats s = c_->stats();
   {
     std::lock_guard lk(id_mu_);
@@ -142,7 +135,7 @@ grpc::Status SimWorkerService::GetWorkerStats(grpc::ServerContext*,
   ToProto(s.offload_times, resp->mutable_offload_breakdown());
   resp->mutable_offload_breakdown()->set_gather_ms(s.offload_gather_ms);
   ToProto(s.load_times, resp->mutable_onboard_breakdown());
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
 uint64_t SimWorkerService::SimulatedBacklog() const {
@@ -204,7 +197,7 @@ void SimWorkerService::EngineLoop() {
     cv_.wait(lk, [&] { return stop_ || !waiting_.empty(); });
     if (stop_) {
       for (auto& [key, job] : waiting_) {
-        job->status = grpc::Status(grpc::UNAVAILABLE, "the worker is stopping");
+        job->status = absl::UnavailableError("the worker is stopping");
         job->state = Job::kDone;
       }
       waiting_.clear();
@@ -254,7 +247,7 @@ void SimWorkerService::Schedule(Job& job) {
     job.looked_up = true;
     // No store: matching the GPU pages is the engine's own bookkeeping.
     auto m = c_->Begin(job.id, job.chain);
-    if (!m.ok()) return Finish(job, ToGrpc(m.status()));
+    if (!m.ok()) return Finish(job, m.status());
     job.match = *m;
   }
   // Every onboarded byte against the model.
@@ -281,7 +274,7 @@ void SimWorkerService::Schedule(Job& job) {
   auto pages = c_->AllocateForCompute(job.id);
   if (!pages.ok() && pages.status().code() != absl::StatusCode::kResourceExhausted) {
     c_->Finished(job.id);
-    return Finish(job, ToGrpc(pages.status()));
+    return Finish(job, pages.status());
   }
   if (!pages.ok()) pages = std::vector<uint32_t>();
   const size_t first = job.match.gpu_blocks + job.loaded + more;
@@ -308,7 +301,7 @@ void SimWorkerService::Schedule(Job& job) {
   // the first token nor the request's end waits for the store.
   absl::Status saved = c_->Save(job.id);
   c_->Finished(job.id);
-  if (!saved.ok()) return Finish(job, ToGrpc(saved));
+  if (!saved.ok()) return Finish(job, saved);
   requests_++;
   verified_ += verified;
   mismatched_ += mismatched;
@@ -329,7 +322,7 @@ void SimWorkerService::Schedule(Job& job) {
   resp->set_ttft_ms(ttft);
   resp->set_prefill_ms(prefill_ms);
   resp->set_queue_ms(std::max(0.0, ttft - prefill_ms - job.onboard_ms));
-  Finish(job, grpc::Status::OK);
+  Finish(job, absl::OkStatus());
 }
 
 }  // namespace kvtier::worker

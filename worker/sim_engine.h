@@ -19,6 +19,7 @@
 #include "common/rpc/grpc_server.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
+#include "worker/worker_server.h"
 
 namespace kvtier::worker {
 
@@ -52,27 +53,23 @@ struct SimOptions {
 // engine (it sleeps time_scale x each prefill, so the load routers see and
 // the pages it holds last as long, scaled, as in simulation): how the host
 // schedules threads never enters a request's times.
-class SimWorkerService final : public v1::SimWorker::Service {
+class SimWorkerService final : public WorkerEngine {
  public:
   SimWorkerService(KvConnector* c, SimOptions o);
   ~SimWorkerService() override;
 
   // Load for heartbeats.
-  v1::Heartbeat Load() const;
+  v1::Heartbeat Load() override;
 
-  grpc::Status Submit(grpc::ServerContext*, const v1::SubmitRequest* req,
-                      v1::SubmitResponse* resp) override;
+  absl::Status Submit(const SubmitPrompt& p, v1::SubmitResponse* resp) override;
 
-  // After the server stopped (see HandlerFence).
-  void Quiesce() const { fence_.Quiesce(); }
   // Its id towards routers, known once it serves (it may name the port).
   void SetWorkerId(std::string id) {
     std::lock_guard lk(id_mu_);
     worker_id_ = std::move(id);
   }
 
-  grpc::Status GetWorkerStats(grpc::ServerContext*, const v1::GetWorkerStatsRequest*,
-                              v1::GetWorkerStatsResponse* resp) override;
+  absl::Status Stats(v1::GetWorkerStatsResponse* resp) override;
 
  private:
   struct Job {
@@ -89,7 +86,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
     double onboard_ms = 0;  // real: lookup and load
     double load_from = 0;   // simulated ms: when its load started
     v1::SubmitResponse* resp = nullptr;
-    grpc::Status status;
+    absl::Status status;
   };
 
   // Tokens a request is expected to compute: its prompt after what the GPU
@@ -131,7 +128,7 @@ class SimWorkerService final : public v1::SimWorker::Service {
   }
 
   // Ends a job: its answer is in job.resp (or job.status).
-  void Finish(Job& job, grpc::Status status) {
+  void Finish(Job& job, absl::Status status) {
     std::lock_guard lk(mu_);
     job.status = std::move(status);
     job.state = Job::kDone;
@@ -155,7 +152,6 @@ class SimWorkerService final : public v1::SimWorker::Service {
 
   KvConnector* c_;
   SimOptions o_;
-  HandlerFence fence_;
   std::mutex id_mu_;
   std::string worker_id_;  // guarded by id_mu_
   const Clock::time_point started_ = Clock::now();

@@ -93,12 +93,10 @@ int main(int argc, char** argv) {
   ParseFlagsOrExit(flags, argc, argv);
   sim.reorder_window = std::chrono::microseconds(sim.time_scale > 0 ? reorder_ms * 1000 : 0);
   auto client_security = ClientSecurity(tls);
-  auto server_credentials = ServerCredentials(tls);
-  for (const absl::Status& s : {client_security.status(), server_credentials.status()}) {
-    if (!s.ok()) {
-      std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(s.message()).c_str());
-      return 2;
-    }
+  if (!client_security.ok()) {
+    std::fprintf(stderr, "kvtier-sim-worker: %s\n",
+                 std::string(client_security.status().message()).c_str());
+    return 2;
   }
 
   worker::ConnectorOptions co;
@@ -127,61 +125,49 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  // Publishers need the bound port (the endpoint names it): they are
-  // attached to the connector once the server is up.
-  std::unique_ptr<RouterFanout> fanout;  // every router replica each --router name has
-  std::unique_ptr<worker::KvConnector> connector;
-  std::unique_ptr<worker::SimWorkerService> service;
-
   auto c = worker::KvConnector::Create(co);
   if (!c.ok()) {
     std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(c.status().message()).c_str());
     return 1;
   }
-  connector = std::move(*c);
-  service = std::make_unique<worker::SimWorkerService>(connector.get(), sim);
-  auto started = kvtier::StartGrpcServer(
-      {"kvtier-sim-worker", listen, *server_credentials, {service.get()}, 64 << 20});
-  if (!started.ok()) {
-    std::fprintf(stderr, "kvtier-sim-worker: %s\n",
-                 std::string(started.status().message()).c_str());
-    return 1;
-  }
-  grpc::Server* server = started->server.get();
-  const std::string bound = started->address();
-  if (worker_id.empty()) worker_id = "sim-worker@" + bound;
-  service->SetWorkerId(worker_id);
-  if (endpoint.empty()) endpoint = bound;
-  std::vector<std::string> router_list;
+  std::unique_ptr<worker::KvConnector> connector = std::move(*c);
+  auto engine = std::make_unique<worker::SimWorkerService>(connector.get(), sim);
+  // The server and its publishers: the path Python's WorkerServer takes too.
+  worker::WorkerServerOptions wo;
+  wo.binary = "kvtier-sim-worker";
+  wo.id_prefix = "sim-worker";
+  wo.listen = listen;
+  wo.tls = tls;
   for (absl::string_view r : absl::StrSplit(routers, ',', absl::SkipEmpty()))
-    router_list.emplace_back(r);
-  if (!router_list.empty()) {
-    PublisherOptions po;
-    po.hello.set_source_id(worker_id);
-    po.hello.set_kind(v1::SOURCE_WORKER);
-    po.hello.set_endpoint(endpoint);
-    po.hello.set_namespace_id(connector->namespace_id());
-    po.hello.set_block_tokens(static_cast<uint32_t>(block_tokens));
-    po.heartbeat_ms = heartbeat_ms;
-    po.security = *client_security;
-    auto* svc = service.get();
-    fanout = std::make_unique<RouterFanout>(
-        router_list, po, [svc] { return svc->Load(); }, router_refresh_ms);
+    wo.routers.emplace_back(r);
+  wo.worker_id = worker_id;
+  wo.endpoint = endpoint;
+  wo.namespace_id = connector->namespace_id();
+  wo.block_tokens = static_cast<uint32_t>(block_tokens);
+  wo.heartbeat_ms = heartbeat_ms;
+  wo.router_refresh_ms = router_refresh_ms;
+  auto server = worker::WorkerServer::Start(engine.get(), wo);
+  if (!server.ok()) {
+    std::fprintf(stderr, "kvtier-sim-worker: %s\n", std::string(server.status().message()).c_str());
+    return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
+  worker_id = (*server)->worker_id();
+  engine->SetWorkerId(worker_id);
+  const std::string bound = (*server)->address();
   std::vector<BlockEventSink*> pubs;
-  if (fanout) pubs.push_back(fanout.get());
+  if ((*server)->events()) pubs.push_back((*server)->events());
   connector->SetPublishers(pubs);
   Log("sim-worker", worker_id, " listening on ", bound, " (namespace ",
       NamespaceName(connector->namespace_id()), ", ", pages, " pages of ", connector->block_bytes(),
       " bytes, offload ", offload, ", ", co.stores.size(), " store(s), ", pubs.size(),
       " router(s))");
-  kvtier::AnnounceListening("kvtier-sim-worker", *started, "", port_file);
-  kvtier::ServeUntilSignalled(server, "sim-worker");
-  service->Quiesce();
-  // Publishers first: their heartbeats read the service's load; then the
-  // engine, which uses the connector.
-  if (fanout) fanout->Stop();
-  service.reset();
+  kvtier::AnnounceListening("kvtier-sim-worker", (*server)->started(), "", port_file);
+  kvtier::ServeUntilSignalled((*server)->started().server.get(), "sim-worker");
+  // The server and its publishers first (heartbeats read the engine's
+  // load); then the engine, which uses the connector.
+  (*server)->Stop();
+  server->reset();
+  engine.reset();
   connector.reset();
   Log("sim-worker", "stopped");
   return 0;

@@ -86,11 +86,18 @@ class EngineConnector:
 class WorkerServer:
     """Serves kvtier.v1.SimWorker for ``handler`` (its ``submit(dict) ->
     dict`` and ``stats() -> dict`` run with the GIL) and publishes KV
-    events and heartbeats to ``routers``."""
+    events and heartbeats to ``routers``: kvtier-sim-worker's server
+    (worker/worker_server.h). A prompt is checked against the prompt
+    limits and the namespace's block size before ``submit`` sees it. With
+    ``tls_cert`` and ``tls_key`` it serves TLS (mutual with
+    ``tls_require_client_cert``); ``tls_ca`` verifies clients and
+    routers."""
 
     def __init__(self, handler: Any, listen: str, routers: Sequence[str],
                  worker_id: str, endpoint: str, spec: NamespaceSpec,
-                 heartbeat_ms: int) -> None: ...
+                 heartbeat_ms: int, tls_cert: str = "", tls_key: str = "",
+                 tls_ca: str = "",
+                 tls_require_client_cert: bool = False) -> None: ...
     def stop(self) -> None: ...
     def set_load(self, running: int, queued_tokens: int,
                  free_pages: int) -> None: ...

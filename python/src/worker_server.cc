@@ -16,6 +16,7 @@
 #include "common/rpc/grpc_status.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "python/src/native_common.h"
+#include "worker/worker_server.h"
 
 namespace kvtier::python {
 namespace {
@@ -118,147 +119,130 @@ grpc::Status FromException(const std::exception& e) {
                       absl::StrCat("the engine's handler failed: ", e.what()));
 }
 
-// kvtier.v1.SimWorker for a Python engine: each call runs the handler's
-// submit(dict) -> dict / stats() -> dict with the GIL held.
-class PyWorkerService final : public v1::SimWorker::Service {
+// The engine behind worker::WorkerServer for a Python engine: each call
+// runs the handler's submit(dict) -> dict / stats() -> dict with the GIL
+// held, on a prompt the server checked and hashed.
+class PyEngine final : public worker::WorkerEngine {
  public:
-  explicit PyWorkerService(py::object handler) : handler_(std::move(handler)) {}
-  ~PyWorkerService() override {
+  explicit PyEngine(py::object handler) : handler_(std::move(handler)) {}
+  ~PyEngine() override {
     py::gil_scoped_acquire gil;
     handler_ = py::object();
   }
 
-  grpc::Status Submit(grpc::ServerContext*, const v1::SubmitRequest* req,
-                      v1::SubmitResponse* resp) override {
-    auto done = fence_.Enter();
+  absl::Status Submit(const worker::SubmitPrompt& p, v1::SubmitResponse* resp) override {
     py::gil_scoped_acquire gil;
     try {
       py::dict d;
-      d["request_id"] = req->request_id();
-      d["prompt_tokens"] = req->prompt_tokens();
-      d["output_tokens"] = req->output_tokens();
+      d["request_id"] = p.request_id;
+      d["prompt_tokens"] = p.prompt.prompt_tokens;
+      d["output_tokens"] = p.output_tokens;
       d["tokens"] = py::none();
       d["hashes"] = py::none();
-      if (req->prompt_case() == v1::SubmitRequest::kTokens) {
-        const auto& ids = req->tokens().ids();
-        py::array_t<int64_t> t(ids.size());
-        int64_t* p = t.mutable_data();
-        for (int i = 0; i < ids.size(); ++i) p[i] = ids[i];
+      if (!p.tokens.empty()) {
+        py::array_t<int64_t> t(static_cast<py::ssize_t>(p.tokens.size()));
+        int64_t* out = t.mutable_data();
+        for (size_t i = 0; i < p.tokens.size(); ++i) out[i] = p.tokens[i];
         d["tokens"] = t;
-      } else if (req->prompt_case() == v1::SubmitRequest::kHashes) {
-        std::vector<BlockHash> chain;
-        for (const auto& h : req->hashes().hashes()) chain.push_back({h.hi(), h.lo()});
-        d["hashes"] = HashArray(chain);
+      } else if (p.hashed) {
+        d["hashes"] = HashArray(p.prompt.chain);
       }
       py::object r = handler_.attr("submit")(d);
       if (!py::isinstance<py::dict>(r)) {
-        return grpc::Status(grpc::StatusCode::INTERNAL,
-                            "the engine's submit did not return a dict");
+        return absl::InternalError("the engine's submit did not return a dict");
       }
-      return ToGrpc(FillMessage(r.cast<py::dict>(), resp));
+      return FillMessage(r.cast<py::dict>(), resp);
     } catch (py::error_already_set& e) {
-      return FromPython(e);
+      return FromGrpc(FromPython(e));
     } catch (const std::exception& e) {
-      return FromException(e);
+      return FromGrpc(FromException(e));
     }
   }
 
-  grpc::Status GetWorkerStats(grpc::ServerContext*, const v1::GetWorkerStatsRequest*,
-                              v1::GetWorkerStatsResponse* resp) override {
-    auto done = fence_.Enter();
+  absl::Status Stats(v1::GetWorkerStatsResponse* resp) override {
     py::gil_scoped_acquire gil;
     try {
       py::object r = handler_.attr("stats")();
       if (!py::isinstance<py::dict>(r)) {
-        return grpc::Status(grpc::StatusCode::INTERNAL, "the engine's stats did not return a dict");
+        return absl::InternalError("the engine's stats did not return a dict");
       }
-      return ToGrpc(FillMessage(r.cast<py::dict>(), resp));
+      return FillMessage(r.cast<py::dict>(), resp);
     } catch (py::error_already_set& e) {
-      return FromPython(e);
+      return FromGrpc(FromPython(e));
     } catch (const std::exception& e) {
-      return FromException(e);
+      return FromGrpc(FromException(e));
     }
   }
 
-  void Quiesce() const { fence_.Quiesce(); }
+  v1::Heartbeat Load() override {
+    v1::Heartbeat h;
+    h.set_running_requests(running.load());
+    h.set_queued_prefill_tokens(queued_tokens.load());
+    h.set_free_gpu_pages(free_pages.load());
+    return h;
+  }
+
+  std::atomic<uint32_t> running{0};
+  std::atomic<uint64_t> queued_tokens{0}, free_pages{0};
 
  private:
   py::object handler_;
-  HandlerFence fence_;
 };
 
-// Serves a Python engine on gRPC and tells routers about it.
+// Serves a Python engine on gRPC (worker::WorkerServer: the path
+// kvtier-sim-worker takes) and tells routers about it.
 class WorkerServer {
  public:
   WorkerServer(py::object handler, const std::string& listen, std::vector<std::string> routers,
                const std::string& worker_id, const std::string& endpoint, const NamespaceSpec& spec,
-               uint64_t heartbeat_ms)
-      : ns_(NamespaceId(spec)), service_(std::make_unique<PyWorkerService>(std::move(handler))) {
+               uint64_t heartbeat_ms, const std::string& tls_cert, const std::string& tls_key,
+               const std::string& tls_ca, bool tls_require_client_cert)
+      : ns_(NamespaceId(spec)), engine_(std::make_unique<PyEngine>(std::move(handler))) {
     if (heartbeat_ms == 0) Invalid("heartbeat_ms must be positive");
-    {
-      py::gil_scoped_release nogil;
-      started_ = Unwrap(StartGrpcServer({"kvtier-torch-engine",
-                                         listen,
-                                         grpc::InsecureServerCredentials(),
-                                         {service_.get()},
-                                         64 << 20}));
-    }
-    worker_id_ = worker_id.empty() ? "torch-engine@" + started_.address() : worker_id;
-    if (!routers.empty()) {
-      // Every replica each router name resolves to (client/router_fanout.h).
-      PublisherOptions po;
-      po.hello.set_source_id(worker_id_);
-      po.hello.set_kind(v1::SOURCE_WORKER);
-      po.hello.set_endpoint(endpoint.empty() ? started_.address() : endpoint);
-      po.hello.set_namespace_id(ns_);
-      po.hello.set_block_tokens(spec.block_tokens);
-      po.heartbeat_ms = heartbeat_ms;
-      fanout_ = std::make_unique<RouterFanout>(routers, po, [this] {
-        v1::Heartbeat h;
-        h.set_running_requests(running_.load());
-        h.set_queued_prefill_tokens(queued_tokens_.load());
-        h.set_free_gpu_pages(free_pages_.load());
-        return h;
-      });
-    }
+    worker::WorkerServerOptions o;
+    o.binary = "kvtier-torch-engine";
+    o.id_prefix = "torch-engine";
+    o.listen = listen;
+    o.tls.cert_file = tls_cert;
+    o.tls.key_file = tls_key;
+    o.tls.ca_file = tls_ca;
+    o.tls.require_client_cert = tls_require_client_cert;
+    o.routers = std::move(routers);
+    o.worker_id = worker_id;
+    o.endpoint = endpoint;
+    o.namespace_id = ns_;
+    o.block_tokens = spec.block_tokens;
+    o.heartbeat_ms = heartbeat_ms;
+    py::gil_scoped_release nogil;
+    server_ = Unwrap(worker::WorkerServer::Start(engine_.get(), std::move(o)));
   }
   ~WorkerServer() { Stop(); }
 
   void Stop() {
     py::gil_scoped_release nogil;  // handlers in flight need the GIL to finish
-    if (started_.server) {
-      started_.server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      started_.server->Wait();
-      service_->Quiesce();
-      started_.server.reset();
-    }
-    if (fanout_) fanout_->Stop();
+    if (server_) server_->Stop();
   }
   void SetLoad(uint32_t running, uint64_t queued_tokens, uint64_t free_pages) {
-    running_ = running;
-    queued_tokens_ = queued_tokens;
-    free_pages_ = free_pages;
+    engine_->running = running;
+    engine_->queued_tokens = queued_tokens;
+    engine_->free_pages = free_pages;
   }
   void PublishStored(const py::array& hashes) {
     auto chain = ChainFrom(hashes);
-    if (fanout_) fanout_->Stored(ns_, chain);
+    if (server_->events()) server_->events()->Stored(ns_, chain);
   }
   void PublishRemoved(const py::array& hashes) {
     auto chain = ChainFrom(hashes);
-    if (fanout_) fanout_->Removed(ns_, chain);
+    if (server_->events()) server_->events()->Removed(ns_, chain);
   }
-  std::string address() const { return started_.address(); }
-  int port() const { return started_.port; }
-  const std::string& worker_id() const { return worker_id_; }
+  std::string address() const { return server_->address(); }
+  int port() const { return server_->port(); }
+  const std::string& worker_id() const { return server_->worker_id(); }
 
  private:
   uint64_t ns_;
-  std::unique_ptr<PyWorkerService> service_;
-  StartedServer started_;
-  std::string worker_id_;
-  std::atomic<uint32_t> running_{0};
-  std::atomic<uint64_t> queued_tokens_{0}, free_pages_{0};
-  std::unique_ptr<RouterFanout> fanout_;  // after the load figures its heartbeats read
+  std::unique_ptr<PyEngine> engine_;
+  std::unique_ptr<worker::WorkerServer> server_;  // before the engine goes
 };
 
 }  // namespace
@@ -266,9 +250,12 @@ class WorkerServer {
 void BindWorkerServer(py::module_& m) {
   py::class_<WorkerServer>(m, "WorkerServer")
       .def(py::init<py::object, const std::string&, std::vector<std::string>, const std::string&,
-                    const std::string&, const NamespaceSpec&, uint64_t>(),
+                    const std::string&, const NamespaceSpec&, uint64_t, const std::string&,
+                    const std::string&, const std::string&, bool>(),
            py::arg("handler"), py::arg("listen"), py::arg("routers"), py::arg("worker_id"),
-           py::arg("endpoint"), py::arg("spec"), py::arg("heartbeat_ms"))
+           py::arg("endpoint"), py::arg("spec"), py::arg("heartbeat_ms"), py::arg("tls_cert") = "",
+           py::arg("tls_key") = "", py::arg("tls_ca") = "",
+           py::arg("tls_require_client_cert") = false)
       .def("stop", &WorkerServer::Stop)
       .def("set_load", &WorkerServer::SetLoad)
       .def("publish_stored", &WorkerServer::PublishStored)

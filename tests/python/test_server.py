@@ -108,6 +108,13 @@ def test_submit_route_stats_and_stop(cluster) -> None:
     assert engine.wait(timeout=30) == 0
 
 
+def _submit(request_id: int, tokens: int = 40) -> worker_pb2.SubmitRequest:
+    """A Submit of ``tokens`` token ids."""
+    req = worker_pb2.SubmitRequest(request_id=request_id, output_tokens=1)
+    req.tokens.ids.extend(range(1, tokens + 1))
+    return req
+
+
 class _WrongTypes:
     """A handler whose answers carry values of the wrong type."""
 
@@ -131,12 +138,10 @@ def test_a_handler_answer_of_the_wrong_type_is_an_error_not_a_crash() -> None:
         stub = worker_pb2_grpc.SimWorkerStub(
             grpc.insecure_channel(srv.address))
         for call, req, field in (
-                (stub.Submit, worker_pb2.SubmitRequest(request_id=1),
-                 "ttft_ms"),
+                (stub.Submit, _submit(1), "ttft_ms"),
                 (stub.GetWorkerStats, worker_pb2.GetWorkerStatsRequest(),
                  "requests"),
-                (stub.Submit, worker_pb2.SubmitRequest(request_id=2),
-                 "ttft_ms")):
+                (stub.Submit, _submit(2), "ttft_ms")):
             with pytest.raises(grpc.RpcError) as err:
                 call(req, timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -176,13 +181,117 @@ def test_a_malformed_handler_error_is_internal_not_a_crash() -> None:
     try:
         stub = worker_pb2_grpc.SimWorkerStub(
             grpc.insecure_channel(srv.address))
-        for call, req in ((stub.Submit, worker_pb2.SubmitRequest(request_id=1)),
+        for call, req in ((stub.Submit, _submit(1)),
                           (stub.GetWorkerStats,
                            worker_pb2.GetWorkerStatsRequest()),
-                          (stub.Submit, worker_pb2.SubmitRequest(request_id=2))):
+                          (stub.Submit, _submit(2))):
             with pytest.raises(grpc.RpcError) as err:
                 call(req, timeout=10)
             assert err.value.code() == grpc.StatusCode.INTERNAL
             assert "handler" in err.value.details()
+    finally:
+        srv.stop()
+
+
+class _Recorder:
+    """A handler that records what it was given and answers a TTFT."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def submit(self, req: dict) -> dict:
+        self.seen.append(req)
+        return {"ttft_ms": 1.0, "prompt_tokens": int(req["prompt_tokens"])}
+
+    def stats(self) -> dict:
+        return {"requests": len(self.seen)}
+
+
+def test_prompts_are_checked_before_the_handler_sees_them() -> None:
+    """The Python server takes kvtier-sim-worker's path: a prompt over the
+    prompt limit, an empty one, or a chain with a prompt_tokens that does
+    not fit is INVALID_ARGUMENT and never reaches the handler; a good one
+    arrives with its length counted and its hashes, if given, as an array
+    of the chain (it used to be decoded by hand, unchecked)."""
+    import kvtier
+
+    ns = kvtier.Namespace("checked-prompts", "fp16", 1, 1, 8, 16)
+    rec = _Recorder()
+    srv = kvtier.WorkerServer(rec, "127.0.0.1:0", [], "checked-0", "", ns,
+                              1000)
+    try:
+        stub = worker_pb2_grpc.SimWorkerStub(
+            grpc.insecure_channel(srv.address,
+                                  options=[("grpc.max_send_message_length",
+                                            64 << 20)]))
+        too_long = _submit(1, tokens=kvtier._native.MAX_PROMPT_TOKENS + 1)
+        hashed = worker_pb2.SubmitRequest(request_id=3, prompt_tokens=10)
+        for i in range(2):
+            h = hashed.hashes.hashes.add()
+            h.hi, h.lo = i + 1, 7
+        for req, needle in ((too_long, "limit"),
+                            (worker_pb2.SubmitRequest(request_id=2), "empty"),
+                            (hashed, "prompt_tokens")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Submit(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in err.value.details(), err.value.details()
+        assert rec.seen == []
+        assert stub.Submit(_submit(4, tokens=40), timeout=10).prompt_tokens == 40
+        hashed.prompt_tokens = 20
+        assert stub.Submit(hashed, timeout=10).prompt_tokens == 20
+        assert len(rec.seen) == 2
+        assert list(rec.seen[0]["tokens"]) == list(range(1, 41))
+        assert rec.seen[0]["hashes"] is None
+        assert rec.seen[1]["tokens"] is None
+        assert np.asarray(rec.seen[1]["hashes"]).tolist() == [[1, 7], [2, 7]]
+    finally:
+        srv.stop()
+
+
+def _certs(d: Path) -> None:
+    """A CA and a certificate for 127.0.0.1 it signs, in ``d``."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True,
+                       capture_output=True, timeout=60)
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt",
+        "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "ca.key",
+        "-out", "ca.crt", "-days", "1", "-subj", "/CN=kvtier-test-ca")
+    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+        "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj",
+        "/CN=127.0.0.1")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-set_serial", "1", "-days", "1", "-extfile", "ext.cnf",
+        "-out", "tls.crt")
+
+
+def test_the_python_server_serves_tls(tmp_path: Path) -> None:
+    """With a certificate the Python server serves TLS, as
+    kvtier-sim-worker does with --tls-cert (it used to serve plaintext
+    only): a client that trusts the CA is answered, a plaintext one is
+    not; a certificate file that cannot be read is InvalidArgument."""
+    import kvtier
+
+    _certs(tmp_path)
+    ns = kvtier.Namespace("tls-server", "fp16", 1, 1, 8, 16)
+    with pytest.raises(kvtier.errors.InvalidArgument):
+        kvtier.WorkerServer(_Recorder(), "127.0.0.1:0", [], "tls-1", "", ns,
+                            1000, tls_cert=str(tmp_path / "none.crt"),
+                            tls_key=str(tmp_path / "tls.key"))
+    srv = kvtier.WorkerServer(_Recorder(), "127.0.0.1:0", [], "tls-0", "",
+                              ns, 1000, tls_cert=str(tmp_path / "tls.crt"),
+                              tls_key=str(tmp_path / "tls.key"))
+    try:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=(tmp_path / "ca.crt").read_bytes())
+        secure = worker_pb2_grpc.SimWorkerStub(
+            grpc.secure_channel(srv.address, creds))
+        assert secure.Submit(_submit(1), timeout=10).prompt_tokens == 40
+        plain = worker_pb2_grpc.SimWorkerStub(
+            grpc.insecure_channel(srv.address))
+        with pytest.raises(grpc.RpcError) as err:
+            plain.Submit(_submit(2), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop()

@@ -132,6 +132,15 @@ def _flags(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--port-file", default="",
                    help="write the bound port here once serving")
     p.add_argument("--heartbeat-ms", type=int, default=200)
+    p.add_argument("--tls-cert", default="",
+                   help="PEM certificate chain this engine presents (serving "
+                        "TLS; also to stores and routers)")
+    p.add_argument("--tls-key", default="", help="its private key")
+    p.add_argument("--tls-ca", default="",
+                   help="PEM CA bundle stores, routers and clients are "
+                        "verified against")
+    p.add_argument("--tls-require-client-cert", action="store_true",
+                   help="refuse clients without a CA-signed certificate")
     p.add_argument("--deadline-ms", type=int, default=10000,
                    help="deadline of each store operation")
     p.add_argument("--pages", type=int, default=EngineConfig.num_pages)
@@ -200,14 +209,18 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         engine = Engine(Transformer(mc), ec, stores, stored, removed,
-                        {"deadline_ms": a.deadline_ms})
+                        {"deadline_ms": a.deadline_ms, "tls_ca": a.tls_ca,
+                         "tls_cert": a.tls_cert, "tls_key": a.tls_key})
     except kvtier.KvtierError as e:
         print(f"kvtier-torch-engine: {e}", file=sys.stderr)
         return 1
     handler = Handler(engine, a.worker_id, a.max_decode_tokens)
     try:
-        srv = kvtier.WorkerServer(handler, a.listen, routers, a.worker_id,
-                                  a.endpoint, ns, a.heartbeat_ms)
+        srv = kvtier.WorkerServer(
+            handler, a.listen, routers, a.worker_id, a.endpoint, ns,
+            a.heartbeat_ms, tls_cert=a.tls_cert, tls_key=a.tls_key,
+            tls_ca=a.tls_ca,
+            tls_require_client_cert=a.tls_require_client_cert)
     except kvtier.KvtierError as e:
         print(f"kvtier-torch-engine: {e}", file=sys.stderr)
         engine.close()

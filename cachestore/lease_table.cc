@@ -10,12 +10,21 @@
 namespace kvtier::store {
 
 LeaseTable::LeaseTable(uint64_t lease_ms, uint64_t max_per_client, ReleaseFn release)
-    : lease_ms_(lease_ms), max_per_client_(max_per_client), release_(std::move(release)) {
+    : LeaseTable(
+          lease_ms, max_per_client, std::move(release),
+          [] { return std::chrono::steady_clock::now(); }, /*reaper=*/true) {}
+
+LeaseTable::LeaseTable(uint64_t lease_ms, uint64_t max_per_client, ReleaseFn release, Clock clock,
+                       bool reaper)
+    : lease_ms_(lease_ms),
+      max_per_client_(max_per_client),
+      release_(std::move(release)),
+      clock_(std::move(clock)) {
   // 52 random bits: far from wrapping to 0 (no lease) and from another
   // process's ids.
   std::random_device rd;
   next_id_ = ((uint64_t{rd()} << 32 | rd()) >> 12) + 1;
-  reaper_ = std::thread([this] { ReaperLoop(); });
+  if (reaper) reaper_ = std::thread([this] { ReaperLoop(); });
 }
 
 LeaseTable::~LeaseTable() {
@@ -25,6 +34,9 @@ LeaseTable::~LeaseTable() {
   }
   cv_.notify_all();
   if (reaper_.joinable()) reaper_.join();
+  // Shutting down: nothing can write any more.
+  for (const auto& b : graveyard_) release_(b.lease);
+  graveyard_.clear();
 }
 
 absl::StatusOr<uint64_t> LeaseTable::Claim(const LeaseOwner& owner) {
@@ -53,7 +65,7 @@ void LeaseTable::Unclaim(const std::string& client) {
 }
 
 void LeaseTable::Open(uint64_t id, Lease lease) {
-  lease.deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(lease_ms_);
+  lease.deadline = clock_() + std::chrono::milliseconds(lease_ms_);
   lease.ranges.clear();
   lease.ranges.reserve(lease.items.size());
   for (const auto& [key, slot] : lease.items) lease.ranges.emplace_back(slot.offset, slot.length);
@@ -74,7 +86,7 @@ absl::StatusOr<LeaseTable::Hold> LeaseTable::Use(uint64_t id, bool is_put, int t
   const char* kind = is_put ? "put" : "get";
   std::lock_guard lk(mu_);
   auto it = leases_.find(id);
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = clock_();
   if (it == leases_.end() || it->second.tenant != tenant || it->second.deadline <= now ||
       ending_.count(id) != 0) {
     return absl::FailedPreconditionError(
@@ -151,44 +163,54 @@ LeaseCounts LeaseTable::counts() const {
   return LeaseCounts{put_, get_, expired_.load()};
 }
 
+std::vector<Lease> LeaseTable::ReapLocked(std::chrono::steady_clock::time_point now) {
+  const auto grace = std::chrono::milliseconds(lease_ms_);
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.deadline <= now) {
+      ForgetLocked(it->second);
+      Log("store", it->second.is_put ? "put" : "get", " lease ", it->first, " expired; its ",
+          it->second.items.size(), " slots are reclaimed after a grace period");
+      graveyard_.push_back(Buried{now + grace, it->first, std::move(it->second)});
+      it = leases_.erase(it);
+      expired_.fetch_add(1);
+    } else {
+      ++it;
+    }
+  }
+  std::vector<Lease> due;
+  for (auto it = graveyard_.begin(); it != graveyard_.end();) {
+    // A transfer still holding an expired lease keeps its slots (it ends
+    // by the lease's deadline, so this waits a period at most).
+    if (it->due <= now && holds_.count(it->id) == 0) {
+      due.push_back(std::move(it->lease));
+      it = graveyard_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return due;
+}
+
+void LeaseTable::ReapNow() {
+  std::vector<Lease> due;
+  {
+    std::lock_guard lk(mu_);
+    due = ReapLocked(clock_());
+  }
+  for (const auto& lease : due) release_(lease);
+}
+
 void LeaseTable::ReaperLoop() {
   const auto period = std::chrono::milliseconds(std::clamp<uint64_t>(lease_ms_ / 4, 1, 200));
-  const auto grace = std::chrono::milliseconds(lease_ms_);
   std::unique_lock lk(mu_);
   while (!stop_) {
     cv_.wait_for(lk, period, [&] { return stop_; });
-    auto now = std::chrono::steady_clock::now();
-    for (auto it = leases_.begin(); it != leases_.end();) {
-      if (it->second.deadline <= now) {
-        ForgetLocked(it->second);
-        Log("store", it->second.is_put ? "put" : "get", " lease ", it->first, " expired; its ",
-            it->second.items.size(), " slots are reclaimed after a grace period");
-        graveyard_.push_back(Buried{now + grace, it->first, std::move(it->second)});
-        it = leases_.erase(it);
-        expired_.fetch_add(1);
-      } else {
-        ++it;
-      }
-    }
-    std::vector<Lease> due;
-    for (auto it = graveyard_.begin(); it != graveyard_.end();) {
-      // A transfer still holding an expired lease keeps its slots (it ends
-      // by the lease's deadline, so this waits a period at most).
-      if (it->due <= now && holds_.count(it->id) == 0) {
-        due.push_back(std::move(it->lease));
-        it = graveyard_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    std::vector<Lease> due = ReapLocked(clock_());
     if (due.empty()) continue;
     lk.unlock();
     for (const auto& lease : due) release_(lease);
     lk.lock();
   }
-  // Shutting down: nothing can write any more.
-  for (const auto& b : graveyard_) release_(b.lease);
-  graveyard_.clear();
 }
 
 }  // namespace kvtier::store

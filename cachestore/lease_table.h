@@ -70,8 +70,15 @@ class LeaseTable {
   // for expired leases, never under the table's lock.
   using ReleaseFn = std::function<void(const Lease&)>;
 
+  // The table's time: deadlines, expiry and the graveyard follow it.
+  using Clock = std::function<std::chrono::steady_clock::time_point()>;
+
   // max_per_client 0: no limit. Starts the reaper. REQUIRES: lease_ms > 0.
   LeaseTable(uint64_t lease_ms, uint64_t max_per_client, ReleaseFn release);
+  // On `clock` (tests turn it by hand); with reaper false no thread runs:
+  // ReapNow does its work.
+  LeaseTable(uint64_t lease_ms, uint64_t max_per_client, ReleaseFn release, Clock clock,
+             bool reaper);
   // Stops the reaper and releases what the graveyard still holds.
   ~LeaseTable();
 
@@ -114,14 +121,22 @@ class LeaseTable {
   // Open leases counted against a holder.
   uint64_t Held(const std::string& holder) const;
   uint64_t lease_ms() const { return lease_ms_; }
+  // One pass of the reaper at the clock's now: expired leases leave the
+  // table for the graveyard, and what the graveyard holds past its grace
+  // (and no transfer holds) is released.
+  void ReapNow();
 
  private:
   void ForgetLocked(const Lease& lease);
   void ReaperLoop();
+  // The reaper's pass at `now` under mu_; returns the leases to release
+  // (outside the lock).
+  std::vector<Lease> ReapLocked(std::chrono::steady_clock::time_point now);
 
   const uint64_t lease_ms_;
   const uint64_t max_per_client_;
   const ReleaseFn release_;
+  const Clock clock_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -125,26 +125,53 @@ TEST(LeaseTable, EndingAHeldLeaseWaitsForItsTransfersAndRefusesNewOnes) {
   EXPECT_TRUE(take.get());
 }
 
+// On a clock the test turns (no reaper thread, no sleeping): a lease
+// expires at its deadline, its slots go one lease period later, and an
+// expired lease a transfer still holds keeps its slots until the hold ends.
 TEST(LeaseTable, AnExpiredLeasesSlotsStayWhileATransferHoldsIt) {
   Released r;
-  LeaseTable t(100, 0, r.Fn());  // 100 ms leases, one more as grace
+  auto now = std::chrono::steady_clock::time_point{} + std::chrono::hours(1);
+  LeaseTable t(
+      100, 0, r.Fn(), [&] { return now; }, /*reaper=*/false);  // 100 ms leases
   const uint64_t held = *t.Claim("c"), idle = *t.Claim("c");
   t.Open(held, TwoSlots(true));
   t.Open(idle, TwoSlots(true));
   auto hold = t.Use(held, true, -1, 32768, 4096);
   ASSERT_TRUE(hold.ok());
-  EXPECT_LE(hold->deadline, std::chrono::steady_clock::now() + 100ms);
-  // The idle lease is released after its lease and grace; the held one's
-  // slots stay however long its transfer runs past that.
-  ASSERT_TRUE(testing::WaitFor([&] { return r.count() == 1; }, 5s));
-  std::this_thread::sleep_for(400ms);
-  EXPECT_EQ(r.count(), 1) << "a held lease's slots were released under its transfer";
+  EXPECT_EQ(hold->deadline, now + 100ms) << "a transfer must end by the lease's deadline";
+  now += 99ms;
+  t.ReapNow();
+  EXPECT_EQ(t.counts().expired, 0u);
+  EXPECT_TRUE(t.Use(idle, true, -1, 32768, 4096).ok()) << "live until its deadline";
+  now += 1ms;  // the deadline: both expire, their slots wait a lease period
+  t.ReapNow();
+  EXPECT_EQ(t.counts().expired, 2u);
+  EXPECT_EQ(r.count(), 0);
   EXPECT_EQ(t.Use(held, true, -1, 32768, 4096).status().code(),
             absl::StatusCode::kFailedPrecondition)
       << "an expired lease grants nothing";
+  now += 99ms;
+  t.ReapNow();
+  EXPECT_EQ(r.count(), 0) << "released before the grace period ended";
+  now += 1ms;
+  t.ReapNow();
+  EXPECT_EQ(r.count(), 1) << "the idle lease's slots go after its grace";
+  now += 10s;  // however long the held one's transfer runs past that
+  t.ReapNow();
+  EXPECT_EQ(r.count(), 1) << "a held lease's slots were released under its transfer";
   hold->token.reset();
-  EXPECT_TRUE(testing::WaitFor([&] { return r.count() == 2; }, 5s));
-  EXPECT_EQ(t.counts().expired, 2u);
+  t.ReapNow();
+  EXPECT_EQ(r.count(), 2);
+}
+
+// The same with the reaper thread on the real clock: it does the passes.
+TEST(LeaseTable, TheReaperExpiresAndReleasesOnItsOwn) {
+  Released r;
+  LeaseTable t(50, 0, r.Fn());
+  const uint64_t id = *t.Claim("c");
+  t.Open(id, TwoSlots(false));
+  ASSERT_TRUE(testing::WaitFor([&] { return r.count() == 1; }, 5s));
+  EXPECT_EQ(t.counts().expired, 1u);
 }
 
 }  // namespace

@@ -57,32 +57,22 @@ if ! cmp -s tests/helm/package-lock.json tests/helm/node_modules/.kvtier-install
   cp tests/helm/package-lock.json tests/helm/node_modules/.kvtier-installed-lock
 fi
 
-# The chart test's renderer and linter, helm itself (pinned), built from the
-# Go module proxy into tests/helm/.bin (a few minutes, once per machine).
-HELM_VERSION=v3.22.0
-if [ "$(cat tests/helm/.bin/.helm-version 2>/dev/null)" != "$HELM_VERSION" ]; then
-  echo "setup: go install helm.sh/helm/v3/cmd/helm@$HELM_VERSION (the chart test renders with it)"
+# go_tool NAME PACKAGE VERSION WHAT: builds a pinned Go tool from the Go
+# module proxy into tests/helm/.bin, once per version.
+go_tool() {
+  local name="$1" pkg="$2" version="$3" what="$4"
+  [ "$(cat "tests/helm/.bin/.$name-version" 2>/dev/null)" = "$version" ] && return 0
+  echo "setup: go install $pkg@$version ($what)"
   mkdir -p tests/helm/.bin
-  if ! GOBIN="$PWD/tests/helm/.bin" GOFLAGS=-mod=mod \
-       go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >/dev/null; then
-    echo "setup: go install of helm failed: the chart test renders and lints the chart with it" \
-         "and needs the Go module proxy (or GOPROXY set to a mirror)" >&2
+  if ! GOBIN="$PWD/tests/helm/.bin" GOFLAGS=-mod=mod go install "$pkg@$version" >/dev/null; then
+    echo "setup: go install of $name failed: $what, and it needs the Go module proxy" \
+         "(or GOPROXY set to a mirror)" >&2
     exit 1
   fi
-  echo "$HELM_VERSION" > tests/helm/.bin/.helm-version
-fi
-
-# The chart test's manifest linter, kube-score (pinned), built from the Go
-# module proxy into tests/helm/.bin.
-KUBE_SCORE_VERSION=v1.20.0
-if [ "$(cat tests/helm/.bin/.kube-score-version 2>/dev/null)" != "$KUBE_SCORE_VERSION" ]; then
-  echo "setup: go install github.com/zegl/kube-score/cmd/kube-score@$KUBE_SCORE_VERSION (the chart test's linter)"
-  mkdir -p tests/helm/.bin
-  if ! GOBIN="$PWD/tests/helm/.bin" GOFLAGS=-mod=mod \
-       go install "github.com/zegl/kube-score/cmd/kube-score@$KUBE_SCORE_VERSION" >/dev/null; then
-    echo "setup: go install of kube-score failed: the chart test lints the rendered manifests with it" \
-         "and needs the Go module proxy (or GOPROXY set to a mirror)" >&2
-    exit 1
-  fi
-  echo "$KUBE_SCORE_VERSION" > tests/helm/.bin/.kube-score-version
-fi
+  echo "$version" > "tests/helm/.bin/.$name-version"
+}
+# The chart test's renderer and linter, helm itself (a few minutes, once per
+# machine), and its manifest linter, kube-score.
+go_tool helm helm.sh/helm/v3/cmd/helm v3.22.0 "the chart test renders and lints the chart with it"
+go_tool kube-score github.com/zegl/kube-score/cmd/kube-score v1.20.0 \
+  "the chart test lints the rendered manifests with it"

@@ -7,7 +7,7 @@
 // at once, but its slots are released only one more lease period later (the
 // graveyard), so a late RMA from a slow or dead client cannot land in a slot
 // that was reused. A reaper thread (period lease/4, at most 200 ms) does
-// both. Thread-safe.
+// both, or, built without it, ReapNow. Thread-safe.
 #pragma once
 
 #include <atomic>

@@ -166,6 +166,7 @@ int main(int argc, char** argv) {
   // The server and its publishers first (heartbeats read the engine's
   // load); then the engine, which uses the connector.
   (*server)->Stop();
+  connector->SetPublishers({});  // the fanout goes with the server
   server->reset();
   engine.reset();
   connector.reset();

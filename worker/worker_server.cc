@@ -52,7 +52,9 @@ absl::StatusOr<std::unique_ptr<WorkerServer>> WorkerServer::Start(WorkerEngine* 
   if (o.block_tokens < limits::kMinBlockTokens || o.block_tokens > limits::kMaxBlockTokens) {
     return absl::InvalidArgumentError("worker server: block_tokens out of range");
   }
-  if (o.heartbeat_ms == 0) return absl::InvalidArgumentError("heartbeat_ms must be positive");
+  if (!o.routers.empty() && o.heartbeat_ms == 0) {
+    return absl::InvalidArgumentError("the heartbeat period towards routers must be positive");
+  }
   auto credentials = ServerCredentials(o.tls);
   if (!credentials.ok()) return credentials.status();
   auto security = ClientSecurity(o.tls);

@@ -1,11 +1,12 @@
 // kvtier-bench replay: the main job. Starts a whole kvtier cluster on
-// loopback -- one kvtier-store (RAM + RocksDB NVMe tier), one kvtier-router,
+// loopback -- one kvtier-store (RAM + RocksDB NVMe tier), a router (inside
+// this process, where requests enter, or a kvtier-router process: --router),
 // N kvtier-sim-workers with small GPU page pools -- and replays a Mooncake
 // trace through it in several modes, each on a fresh cluster:
 //   round-robin        round-robin routing, no store (per-engine prefix caching)
 //   round-robin+store  round-robin routing, workers onboard/offload via the store
-//   kv-aware           kvtier-router's cost-based routing, no store
-//   kvtier             kvtier-router + the store
+//   kv-aware           kvtier's cost-based routing, no store
+//   kvtier             kvtier's routing + the store
 //   oracle             an infinite cache shared by all engines, from the trace
 // Every onboarded block is verified byte for byte by the workers.
 #include <grpcpp/grpcpp.h>
@@ -30,6 +31,7 @@
 #include "bench/trace.h"
 #include "common/config.h"
 #include "common/log.h"
+#include "router/wire.h"
 
 namespace kvtier::bench {
 namespace {
@@ -119,6 +121,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       v1::RouteRequest rr;
       rr.set_namespace_id(ns);
       rr.set_prompt_tokens(tr.input_length);
+      rr.set_request_id(req.request_id());  // the worker lists it once it has it
       if (torch) {
         const std::vector<uint32_t> tokens = TraceTokens(tr, o.trace_block_tokens);
         req.clear_prompt_tokens();
@@ -135,7 +138,13 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       }
       size_t w = i % o.workers;
       double route_ms = 0;  // real: the router's cost, as measured
-      if (rstub) {
+      if (cluster.embedded) {
+        // The router in this process: the decision, no round trip.
+        const auto asked = Clock::now();
+        auto route = cluster.embedded->Route(kvtier::router::FromWire(rr));
+        if (route.ok() && by_endpoint.count(route->endpoint)) w = by_endpoint[route->endpoint];
+        route_ms = std::chrono::duration<double, std::milli>(Clock::now() - asked).count();
+      } else if (rstub) {
         const auto asked = Clock::now();
         grpc::ClientContext ctx;
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
@@ -279,6 +288,10 @@ int RunReplay(int argc, const char* const* argv) {
   flags.Int("restart-router-at", &o.restart_router_at, 0, 1 << 30,
             "Kill -9 the router after this many requests and restart it (KV-aware modes); "
             "reports the GPU-hit ratio of the 1,000 requests before and after");
+  flags.Choice("router", &o.router, {"frontend", "process"},
+               "KV-aware modes route in this process (a router in the frontend, as Dynamo's "
+               "KV router runs: no round trip per request) or through a kvtier-router process "
+               "over gRPC");
   flags.Bool("restart-control", &o.restart_control,
              "With --restart-router-at: measure the same windows without restarting (control)");
   std::string kv_wire = "none";
@@ -301,6 +314,12 @@ int RunReplay(int argc, const char* const* argv) {
   flags.Bool("progress", &o.progress, "Progress bars on stderr");
   ParseFlagsOrExit(flags, argc, argv);
   o.kv_wire = kv_wire == "none" ? "" : kv_wire;
+  if (o.restart_router_at > 0 && o.router != "process") {
+    std::fprintf(stderr,
+                 "kvtier-bench replay: flag --restart-router-at kills the kvtier-router "
+                 "process: add --router=process\n");
+    return 2;
+  }
   SetLogQuiet(true);
   if (o.block_bytes % 2048 != 0 || o.block_bytes / 2048 == 0 || o.block_bytes / 2048 > 4096) {
     std::fprintf(stderr,

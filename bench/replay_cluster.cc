@@ -2,6 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -10,6 +12,13 @@
 
 namespace kvtier::bench {
 
+namespace {
+int64_t HeartbeatMs(double speed) {
+  if (!(speed > 0)) return 20;
+  return std::clamp<int64_t>(std::llround(100.0 / speed), 1, 20);
+}
+}  // namespace
+
 absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                                      const TempDir& dir) {
   const bool with_store = mode == "round-robin+store" || mode == "kvtier";
@@ -17,16 +26,26 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
   const std::string scratch = dir.sub(mode);
   Cluster c;
   std::unique_ptr<LocalServer>& store = c.store;
-  std::unique_ptr<LocalServer>& router = c.router;
   std::string tag = mode == "round-robin+store" ? "rr-store" : mode;
-  if (kv_aware) {
+  if (kv_aware && o.router == "frontend") {
+    router::RouterOptions ro;
+    ro.heartbeat_deadline_ms = 3000;
+    ro.knobs.fetch_cost = o.fetch_cost;
+    ro.knobs.load_weight = o.load_weight;
+    ro.knobs.balance_threshold_tokens = static_cast<uint64_t>(o.balance);
+    auto r = router::EmbeddedRouter::Start(ro, "127.0.0.1:0");
+    if (!r.ok()) return r.status();
+    c.embedded = std::move(*r);
+    c.router_address = c.embedded->address();
+  } else if (kv_aware) {
     auto r =
         LocalServer::Start(DefaultBinary("router", "kvtier-router"), scratch + "-router",
                            {"--heartbeat-deadline=3s", absl::StrCat("--fetch-cost=", o.fetch_cost),
                             absl::StrCat("--load-weight=", o.load_weight),
                             absl::StrCat("--balance-threshold-tokens=", o.balance)});
     if (!r.ok()) return r.status();
-    router = std::move(*r);
+    c.router = std::move(*r);
+    c.router_address = c.router->address();
   }
   if (with_store) {
     std::vector<std::string> flags = {"--data-dir=" + scratch + "-db",
@@ -37,7 +56,7 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                                       absl::StrCat("--demote-queue-bytes=", 256 << 20)};
     // The store tells the router what it holds: a store hit is one every
     // worker can have, so the router need not send a prefix to its holder.
-    if (router) flags.push_back("--router=" + router->address());
+    if (kv_aware) flags.push_back("--router=" + c.router_address);
     auto s =
         LocalServer::Start(DefaultBinary("cachestore", "kvtier-store"), scratch + "-store", flags);
     if (!s.ok()) return s.status();
@@ -66,8 +85,9 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                "--layers=1", "--kv-heads=1", absl::StrCat("--head-dim=", head_dim),
                "--block-tokens=512", absl::StrCat("--pages=", o.pages),
                absl::StrCat("--prefill-tokens-per-s=", o.prefill_tps),
-               // Load reaches the router often next to the compressed trace.
-               absl::StrCat("--heartbeat=", o.speed > 20 ? 5 : 20, "ms"),
+               // Load reaches the router every 100 ms of simulated time
+               // (1..20 ms real), the same staleness at every speed.
+               absl::StrCat("--heartbeat=", HeartbeatMs(o.speed), "ms"),
                absl::StrCat("--staging-blocks=", 256),
                // Engines sleep their simulated prefill time compressed like the trace.
                absl::StrCat("--time-scale=", o.speed > 0 ? 1.0 / o.speed : 0.0),
@@ -75,7 +95,7 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                absl::StrCat("--kv-wire=", o.kv_wire.empty() ? "none" : o.kv_wire)};
     }
     if (store) flags.push_back("--store=" + store->address());
-    if (router) flags.push_back("--router=" + router->address());
+    if (kv_aware) flags.push_back("--router=" + c.router_address);
     auto s = LocalServer::Start(torch ? DefaultBinary("python", "kvtier-torch-engine")
                                       : DefaultBinary("worker", "kvtier-sim-worker"),
                                 absl::StrCat(scratch, "-w", w), flags);
@@ -93,9 +113,9 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
   uint64_t& ns = c.ns;
   ns = NamespaceId(c.spec);
   std::unique_ptr<v1::Router::Stub>& rstub = c.rstub;
-  if (router) {
+  if (kv_aware) {
     rstub = v1::Router::NewStub(
-        grpc::CreateChannel(router->address(), grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(c.router_address, grpc::InsecureChannelCredentials()));
     // Wait until every worker has registered with the router.
     for (int i = 0; i < 300; ++i) {
       if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -14,6 +14,7 @@
 #include "common/block_key.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
+#include "router/embedded_router.h"
 
 namespace kvtier::bench {
 
@@ -41,6 +42,11 @@ struct Options {
   std::string engine = "sim";       // "sim" (kvtier-sim-worker) or "torch" (kvtier-torch-engine)
   int64_t trace_block_tokens = 32;  // torch: real tokens per 512-token trace block
   int64_t torch_max_step_tokens = 512;
+  // Where KV-aware modes route: "frontend" (a router inside the replay's
+  // client, the way Dynamo's KV router runs in its frontend: no round trip
+  // on a request's path) or "process" (a kvtier-router process, asked over
+  // gRPC; --restart-router-at needs it).
+  std::string router = "frontend";
 };
 
 // The torch engine's geometry (kvtier.engine defaults: 2 layers, 2 KV heads
@@ -54,11 +60,14 @@ inline NamespaceSpec TorchGeometry() {
 // One mode's cluster: the store and router (each only where the mode uses
 // it), the workers and their stubs, and the namespace requests are in.
 struct Cluster {
+  // The router is a process (`router`) or in this one (`embedded`), or none.
+  std::unique_ptr<router::EmbeddedRouter> embedded;
   std::unique_ptr<LocalServer> store, router;
   std::vector<std::unique_ptr<LocalServer>> workers;
   std::vector<std::unique_ptr<v1::SimWorker::Stub>> stubs;
   std::map<std::string, size_t> by_endpoint;  // worker address -> index
-  std::unique_ptr<v1::Router::Stub> rstub;
+  std::unique_ptr<v1::Router::Stub> rstub;    // either router's gRPC service
+  std::string router_address;
   NamespaceSpec spec;
   uint64_t ns = 0;
 };

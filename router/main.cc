@@ -13,6 +13,7 @@
 #include "common/rpc/grpc_server.h"
 #include "common/rpc/metrics.h"
 #include "common/rpc/tls.h"
+#include "router/embedded_router.h"
 #include "router/router_core.h"
 #include "router/service.h"
 #include "router/vllm_events.h"
@@ -71,6 +72,11 @@ int main(int argc, char** argv) {
       "inflight", &inflight_ms,
       "How long a route may take to reach its worker: tokens routed this recently "
       "stay in the worker's load past its next heartbeat (0: a heartbeat resets them)");
+  uint64_t pending_ms = 2000;
+  flags.DurationMs("pending", &pending_ms,
+                   "How long a routed prompt's blocks count as its worker's before the worker's "
+                   "events show them, so a burst sharing a prefix is costed as the worker will "
+                   "run it (0: off; at most 10m)");
   flags.Double("temperature", &temperature, 0, 100,
                "0: always the cheapest; above 0: sample by cost (relative to the prompt length)");
   flags.Bytes("max-message-bytes", &max_message, "Largest gRPC message accepted");
@@ -103,6 +109,7 @@ int main(int argc, char** argv) {
   o.knobs.balance_threshold_tokens = static_cast<uint64_t>(balance);
   o.knobs.temperature = temperature;
   o.inflight_ms = inflight_ms;
+  o.pending_ms = pending_ms;
   if (auto s = o.Validate(); !s.ok()) {
     std::fprintf(stderr, "kvtier-router: %s\n", std::string(s.message()).c_str());
     return 2;
@@ -187,23 +194,10 @@ int main(int argc, char** argv) {
               temperature, ")");
   kvtier::AnnounceListening("kvtier-router", *started, tls_mode, port_file);
 
-  std::mutex mu;
-  std::condition_variable cv;
-  bool stop = false;
-  std::thread expiry([&] {
-    auto period = std::chrono::milliseconds(std::clamp<uint64_t>(deadline_ms / 4, 10, 100));
-    std::unique_lock lk(mu);
-    while (!cv.wait_for(lk, period, [&] { return stop; })) {
-      core.ExpireSources(std::chrono::steady_clock::now());
-    }
-  });
-  kvtier::ServeUntilSignalled(started->server.get(), "router");
   {
-    std::lock_guard lk(mu);
-    stop = true;
+    kvtier::router::ExpiryTimer expiry(&core, deadline_ms);
+    kvtier::ServeUntilSignalled(started->server.get(), "router");
   }
-  cv.notify_all();
-  expiry.join();
   kvtier::Log("router", "stopped");
   return 0;
 }

@@ -62,6 +62,9 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   } else {
     index_.Match(q.namespace_id, chain, &match, /*groups=*/!options_.scan_all_workers);
   }
+  if (options_.pending_ms > 0) {
+    pending_.Deepen(q.namespace_id, chain, index_, &match, Clock::now());
+  }
   if (!chain.empty()) {
     const BlockHash h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
     request_hash = h.hi ^ (h.lo * 0x9E3779B97F4A7C15ull);
@@ -97,13 +100,13 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   in.stop_early = !options_.scan_all_workers;
   in.request_hash = request_hash;
   const WalkResult walk = WalkCandidates(in);
-  RouteResult r = Decide(q, fleet, k, match, walk, prompt_tokens, bt, request_hash, shown);
+  RouteResult r = Decide(q, chain, fleet, k, match, walk, prompt_tokens, bt, request_hash, shown);
   r.fetch = basis;
   return r;
 }
 
-RouteResult RouterCore::Decide(const RouteQuery& q, Fleet& fleet, const CostKnobs& k,
-                               const PrefixMatch& match, const WalkResult& walk,
+RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Fleet& fleet,
+                               const CostKnobs& k, const PrefixMatch& match, const WalkResult& walk,
                                uint64_t prompt_tokens, uint32_t bt, uint64_t request_hash,
                                size_t shown) {
   std::vector<Candidate> cands;
@@ -137,8 +140,13 @@ RouteResult RouterCore::Decide(const RouteQuery& q, Fleet& fleet, const CostKnob
   // worker's load and the decision counters stay as they were.
   if (!q.dry_run) {
     chosen->routed_since_heartbeat += best.prefill_tokens;
-    if (options_.inflight_ms > 0) chosen->NoteRoute(Clock::now(), best.prefill_tokens);
+    if (options_.inflight_ms > 0 || q.request_id != 0) {
+      chosen->NoteRoute(Clock::now(), best.prefill_tokens, q.request_id);
+    }
     fleet.RaiseBound(best.num, board_.AddRouted(best.num, best.prefill_tokens));
+    if (options_.pending_ms > 0 && best.gpu_blocks < chain.size()) {
+      pending_.Add(q.namespace_id, best.num, chain, best.gpu_blocks, Clock::now());
+    }
   }
   decide.unlock();
   RouteResult r;

@@ -21,6 +21,10 @@ absl::Status RouterOptions::Validate() const {
   if (!(knobs.temperature >= 0)) {
     return absl::InvalidArgumentError("flag --temperature must be >= 0");
   }
+  if (pending_ms > 600000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flag --pending is ", pending_ms, " ms (allowed 0..600000)"));
+  }
   return absl::OkStatus();
 }
 
@@ -54,7 +58,8 @@ absl::Status CheckHello(const SourceHello& h) {
 
 }  // namespace
 
-RouterCore::RouterCore(RouterOptions options) : options_(options) {}
+RouterCore::RouterCore(RouterOptions options)
+    : options_(options), pending_(std::chrono::milliseconds(options.pending_ms)) {}
 
 absl::Status RouterCore::Hello(const SourceHello& h, std::vector<RouterCommand>* commands) {
   if (absl::Status s = CheckHello(h); !s.ok()) return s;
@@ -127,6 +132,7 @@ void RouterCore::LeaveFleet(Source& s) {
     return;
   }
   SetPrefillRate(s, 0);
+  pending_.Forget(s.num);
   auto it = fleets_.find(s.hello.namespace_id);
   const SourceNum moved = it->second.Leave(s.slot, s.num, board_);
   sources_.ByNum(moved)->slot = s.slot;
@@ -184,9 +190,14 @@ absl::Status RouterCore::Handle(const std::string& id, const SourceMessage& m,
 
 void RouterCore::Heartbeat(Source& s, const SourceLoad& load) {
   s.load = load;
-  // Routes too recent to have reached the worker stay counted.
-  const uint64_t inflight =
-      s.InflightSince(Clock::now() - std::chrono::milliseconds(options_.inflight_ms));
+  // Routes that have not reached the worker yet stay counted: those the
+  // worker does not list as arrived, or without an id, those too recent.
+  const auto now = Clock::now();
+  const uint64_t inflight = s.InflightAfter(
+      now - std::chrono::milliseconds(options_.inflight_ms),
+      now - std::chrono::milliseconds(std::max<uint64_t>(options_.inflight_ms, kRouteArrivalMs)),
+      load.arrived_request_ids);
+  s.load.arrived_request_ids.clear();
   s.routed_since_heartbeat = inflight;
   if (s.hello.kind == SourceKind::kStore) {
     UpdateStoreFetch();

@@ -28,6 +28,7 @@
 #include "router/candidate_walk.h"
 #include "router/cost.h"
 #include "router/fleet.h"
+#include "router/pending_routes.h"
 #include "router/prefix_index.h"
 #include "router/source_messages.h"
 #include "router/source_table.h"
@@ -38,6 +39,9 @@ using limits::kMaxEventHashes;
 // A measured fetch cost is capped here (a store 1000x slower than computing
 // is as good as absent).
 inline constexpr double kMaxFetchCost = 1000;
+// A route with a request id counts as on its way to its worker until the
+// worker's heartbeat lists the id, or this long (a request never sent).
+inline constexpr uint64_t kRouteArrivalMs = 1000;
 // With --temperature > 0, Route samples among this many of the cheapest.
 inline constexpr size_t kSampledCandidates = 16;
 
@@ -58,6 +62,9 @@ struct RouterOptions {
   // it a burst routed between two heartbeats looks gone from the load the
   // moment the first heartbeat comes, and piles onto one worker.
   uint64_t inflight_ms = 20;
+  // How long a routed prompt's blocks count as its worker's before its
+  // events show them (router/pending_routes.h); 0: not at all.
+  uint64_t pending_ms = 2000;
 
   // INVALID_ARGUMENT naming the flag of the first field out of range.
   absl::Status Validate() const;
@@ -136,7 +143,9 @@ class RouterCore {
   void LeaveFleet(Source& s);
   // Route's last step: picks among the walk's candidates and, unless a dry
   // run, adds the request to the chosen worker's load.
-  RouteResult Decide(const RouteQuery& q, Fleet& fleet, const CostKnobs& k,
+  // Its prompt's blocks the chosen worker will compute or load become
+  // pending on it.
+  RouteResult Decide(const RouteQuery& q, const ChainView& chain, Fleet& fleet, const CostKnobs& k,
                      const PrefixMatch& match, const WalkResult& walk, uint64_t prompt_tokens,
                      uint32_t bt, uint64_t request_hash, size_t shown);
 
@@ -156,6 +165,7 @@ class RouterCore {
     uint32_t queue_depth = 0;
   } slowest_store_;
   PrefixIndex index_;
+  PendingRoutes pending_;
 
   struct Counters {
     std::atomic<uint64_t> applied{0}, duplicate{0}, rejected{0}, snapshots_requested{0},

@@ -47,6 +47,8 @@ struct SourceLoad {
   uint64_t free_gpu_pages = 0;
   double prefill_tokens_per_s = 0;  // workers (0: unknown)
   std::vector<TierFetch> fetch;     // store shards
+  // Workers: requests that reached it recently, counted in the queue above.
+  std::vector<uint64_t> arrived_request_ids;
 };
 
 // A block event (router.proto KvEvent): blocks stored or removed in one
@@ -91,6 +93,8 @@ struct RouteQuery {
   uint64_t prompt_tokens = 0;        // kHashes: 0 means hashes x block_tokens
   uint32_t max_candidates = 0;       // 0: RouterOptions::default_candidates
   bool dry_run = false;              // explain only: no load added, no counters
+  // The id the worker will know the request by (SourceLoad::arrived_request_ids); 0: none.
+  uint64_t request_id = 0;
 };
 
 // What the router knows of one source (router.proto SourceInfo).

@@ -1,22 +1,31 @@
 #include "router/source_table.h"
+#include <algorithm>
 
 #include "router/cost.h"
 
 namespace kvtier::router {
 
-void Source::NoteRoute(RouterClock::time_point now, uint64_t tokens) {
+void Source::NoteRoute(RouterClock::time_point now, uint64_t tokens, uint64_t request_id) {
   std::lock_guard lk(routes_mu_);
-  recent_routes_.emplace_back(now, tokens);
+  recent_routes_.push_back({now, tokens, request_id});
   if (recent_routes_.size() > 4096) recent_routes_.pop_front();
 }
 
-uint64_t Source::InflightSince(RouterClock::time_point cutoff) {
+uint64_t Source::InflightAfter(RouterClock::time_point cutoff, RouterClock::time_point id_cutoff,
+                               const std::vector<uint64_t>& arrived) {
   std::lock_guard lk(routes_mu_);
-  while (!recent_routes_.empty() && recent_routes_.front().first < cutoff) {
-    recent_routes_.pop_front();
-  }
   uint64_t tokens = 0;
-  for (const auto& [when, n] : recent_routes_) tokens += n;
+  std::deque<RecentRoute> kept;
+  for (const RecentRoute& r : recent_routes_) {
+    const bool on_way = r.request_id == 0
+                            ? r.when >= cutoff
+                            : r.when >= id_cutoff && std::find(arrived.begin(), arrived.end(),
+                                                               r.request_id) == arrived.end();
+    if (!on_way) continue;
+    tokens += r.tokens;
+    kept.push_back(r);
+  }
+  recent_routes_.swap(kept);
   return tokens;
 }
 

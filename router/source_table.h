@@ -39,15 +39,25 @@ struct Source {
   size_t slot = 0;                  // workers: place in their fleet's arrays
   double prefill_tokens_per_s = 0;  // workers: as last reported
 
-  // Workers: a route of `tokens` made at `now` (at most 4096 kept: a worker
-  // whose heartbeats stopped keeps no more).
-  void NoteRoute(RouterClock::time_point now, uint64_t tokens);
-  // Tokens routed here after `cutoff`; forgets older routes.
-  uint64_t InflightSince(RouterClock::time_point cutoff);
+  // Workers: a route of `tokens` made at `now` for the caller's request
+  // `request_id` (0: none). At most 4096 kept: a worker whose heartbeats
+  // stopped keeps no more.
+  void NoteRoute(RouterClock::time_point now, uint64_t tokens, uint64_t request_id = 0);
+  // Tokens routed here still on their way, as a heartbeat listing the
+  // requests that reached the worker (`arrived`) tells: a route with a
+  // request id until the worker lists it (or, never sent, until
+  // `id_cutoff`), one without until `cutoff`. Forgets the rest.
+  uint64_t InflightAfter(RouterClock::time_point cutoff, RouterClock::time_point id_cutoff,
+                         const std::vector<uint64_t>& arrived);
 
  private:
+  struct RecentRoute {
+    RouterClock::time_point when;
+    uint64_t tokens = 0;
+    uint64_t request_id = 0;
+  };
   std::mutex routes_mu_;
-  std::deque<std::pair<RouterClock::time_point, uint64_t>> recent_routes_;  // oldest first
+  std::deque<RecentRoute> recent_routes_;  // oldest first
 };
 
 class SourceTable {

@@ -66,6 +66,7 @@ SourceLoad FromWire(const v1::Heartbeat& hb) {
   for (const auto& t : hb.fetch()) {
     l.fetch.push_back({t.tier(), t.blocks(), t.bytes_per_s(), t.us_per_block(), t.queue_depth()});
   }
+  l.arrived_request_ids.assign(hb.arrived_request_ids().begin(), hb.arrived_request_ids().end());
   return l;
 }
 
@@ -82,6 +83,8 @@ void ToWire(const SourceLoad& l, v1::Heartbeat* out) {
     o->set_us_per_block(t.us_per_block);
     o->set_queue_depth(t.queue_depth);
   }
+  out->mutable_arrived_request_ids()->Add(l.arrived_request_ids.begin(),
+                                          l.arrived_request_ids.end());
 }
 
 SourceMessage FromWire(const v1::SourceMessage& m) {
@@ -137,6 +140,7 @@ RouteQuery FromWire(const v1::RouteRequest& req) {
   q.prompt_tokens = req.prompt_tokens();
   q.max_candidates = req.max_candidates();
   q.dry_run = req.dry_run();
+  q.request_id = req.request_id();
   if (req.prompt_case() == v1::RouteRequest::kTokens) {
     q.prompt = RouteQuery::Prompt::kTokens;
     const auto& ids = req.tokens().ids();

@@ -208,6 +208,7 @@ TEST(RouterInflight, TokensRoutedJustBeforeAHeartbeatStayInTheLoadUntilTheyCanHa
     SCOPED_TRACE(inflight);
     RouterOptions o;
     o.inflight_ms = inflight;
+    o.pending_ms = 0;  // the same prompt twice: pending, its worker would cost the same
     RouterCore core(o);
     for (const char* id : {"w1", "w2"}) {
       std::vector<RouterCommand> cmds;
@@ -234,6 +235,122 @@ TEST(RouterInflight, TokensRoutedJustBeforeAHeartbeatStayInTheLoadUntilTheyCanHa
       EXPECT_EQ(second->worker_id, first->worker_id);  // the same tie-break, the same worker
     }
   }
+}
+
+TEST(RouterInflight, ARouteWithAnIdStaysInTheLoadUntilTheWorkerListsIt) {
+  // inflight_ms 0: without an id a heartbeat would wipe the route at once.
+  RouterOptions o;
+  o.inflight_ms = 0;
+  o.pending_ms = 0;
+  RouterCore core(o);
+  for (const char* id : {"w1", "w2"}) {
+    std::vector<RouterCommand> cmds;
+    ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
+    ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
+  }
+  v1::RouteRequest req = Req(6);
+  req.set_request_id(41);
+  auto first = core.Route(FromWire(req));
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto routed = [&] {
+    for (const auto& src : core.Sources()) {
+      if (src.source_id == first->worker_id) return src.routed_tokens_since_heartbeat;
+    }
+    return uint64_t{999};
+  };
+  std::vector<RouterCommand> cmds;
+  v1::SourceMessage hb;
+  hb.mutable_heartbeat()->add_arrived_request_ids(40);  // another request
+  ASSERT_TRUE(core.Handle(first->worker_id, FromWire(hb), &cmds).ok());
+  EXPECT_EQ(routed(), 96u);
+  // Still on its way: the next request of the burst goes to the other worker.
+  auto second = core.Route(FromWire(Req(6)));
+  ASSERT_TRUE(second.ok());
+  EXPECT_NE(second->worker_id, first->worker_id);
+  hb.mutable_heartbeat()->add_arrived_request_ids(41);
+  hb.mutable_heartbeat()->set_queued_prefill_tokens(96);
+  ASSERT_TRUE(core.Handle(first->worker_id, FromWire(hb), &cmds).ok());
+  EXPECT_EQ(routed(), 0u);  // now in the worker's own queue, counted once
+}
+
+TEST(RouterPending, ABurstSharingAPrefixIsCostedAsItsWorkerWillRunIt) {
+  // Two idle workers, w2 a little busy. A prompt of 10 blocks goes to w1;
+  // the next one, the same 10 blocks and one more, arrives before w1's
+  // events show them. w1 will have them by the time it runs it (it matches
+  // its cache again): 160 queued + 16 to compute there against 50 + 176
+  // on w2. Without pending routes w1 looks like 160 + 176.
+  for (uint64_t pending : {uint64_t{0}, uint64_t{2000}}) {
+    SCOPED_TRACE(pending);
+    RouterOptions o;
+    o.pending_ms = pending;
+    RouterCore core(o);
+    std::vector<RouterCommand> cmds;
+    for (const char* id : {"w1", "w2"}) {
+      ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
+      ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
+    }
+    v1::SourceMessage hb;
+    hb.mutable_heartbeat()->set_queued_prefill_tokens(50);
+    ASSERT_TRUE(core.Handle("w2", FromWire(hb), &cmds).ok());
+    auto first = core.Route(FromWire(Req(10)));
+    ASSERT_TRUE(first.ok());
+    ASSERT_EQ(first->worker_id, "w1");
+    auto second = core.Route(FromWire(Req(11)));
+    ASSERT_TRUE(second.ok());
+    if (pending > 0) {
+      EXPECT_EQ(second->worker_id, "w1");
+      EXPECT_EQ(second->gpu_blocks, 10u);
+      EXPECT_EQ(second->prefill_tokens, 16u);
+    } else {
+      EXPECT_EQ(second->worker_id, "w2");
+      EXPECT_EQ(second->prefill_tokens, 176u);
+    }
+  }
+}
+
+TEST(RouterPending, PendingBlocksExpireAndLeaveWithTheirWorker) {
+  RouterOptions o;
+  o.pending_ms = 50;
+  RouterCore core(o);
+  std::vector<RouterCommand> cmds;
+  for (const char* id : {"w1", "w2"}) {
+    ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
+    ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
+  }
+  auto first = core.Route(FromWire(Req(10)));
+  ASSERT_TRUE(first.ok());
+  auto dry = [&] {
+    v1::RouteRequest req = Req(10);
+    req.set_dry_run(true);
+    req.set_max_candidates(2);
+    return core.Route(FromWire(req));
+  };
+  auto now = dry();
+  ASSERT_TRUE(now.ok());
+  ASSERT_EQ(now->candidates.size(), 2u);
+  for (const auto& c : now->candidates) {
+    EXPECT_EQ(c.gpu_blocks, c.worker_id == first->worker_id ? 10u : 0u) << c.worker_id;
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  auto later = dry();
+  ASSERT_TRUE(later.ok());
+  for (const auto& c : later->candidates) EXPECT_EQ(c.gpu_blocks, 0u) << c.worker_id;
+  // A worker that leaves takes its pending blocks along (its number may
+  // be given to the next worker that joins).
+  o.pending_ms = 600000;
+  RouterCore kept(o);
+  ASSERT_TRUE(kept.Hello(FromWire(Worker("w1")), &cmds).ok());
+  ASSERT_TRUE(kept.Handle("w1", FromWire(Snapshot(0, {})), &cmds).ok());
+  ASSERT_TRUE(kept.Route(FromWire(Req(10))).ok());
+  ASSERT_EQ(kept.ExpireSources(RouterCore::Clock::now() + std::chrono::hours(1)), 1u);
+  ASSERT_TRUE(kept.Hello(FromWire(Worker("w3")), &cmds).ok());
+  ASSERT_TRUE(kept.Handle("w3", FromWire(Snapshot(0, {})), &cmds).ok());
+  v1::RouteRequest req = Req(10);
+  req.set_dry_run(true);
+  auto fresh = kept.Route(FromWire(req));
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(fresh->worker_id, "w3");
+  EXPECT_EQ(fresh->gpu_blocks, 0u);
 }
 
 TEST_F(RouterCoreTest, StoreHeldBlocksCountAsFetchable) {

@@ -3,11 +3,14 @@
 
 #include <atomic>
 #include <cstdio>
+#include <optional>
 #include <thread>
 
 #include "client/store_client.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
+#include "router/embedded_router.h"
+#include "router/wire.h"
 #include "tests/test_util.h"
 #include "worker/model.h"
 
@@ -330,6 +333,66 @@ TEST_F(SimCluster, AStalledStoreCostsOneRequestAtMostItsComputeAndTheNextNothing
   EXPECT_LT(r.onboard_ms(), 10);
   EXPECT_LT(r.ttft_ms(), 100 + 10);
   store_->proc().Kill(SIGCONT);
+}
+
+TEST_F(SimCluster, HeartbeatsCountASharedPrefixOnceAndListTheRequestsThatArrived) {
+  // A router in this process (router/embedded_router.h) that the worker
+  // publishes to, which keeps a route's tokens as on their way for ten
+  // minutes unless the worker lists the request as arrived.
+  router::RouterOptions ro;
+  ro.inflight_ms = 600000;
+  auto started = router::EmbeddedRouter::Start(ro, "127.0.0.1:0");
+  ASSERT_TRUE(started.ok()) << started.status();
+  router::EmbeddedRouter& r = **started;
+  ServerProcess w(
+      KVTIER_SIM_WORKER_BIN, dir_.sub("hb"),
+      {"--listen=127.0.0.1:0", "--router=" + r.address(), "--worker-id=hb", "--pages=2048",
+       "--offload=none", "--prefill-tokens-per-s=10000", "--time-scale=1", "--heartbeat=20ms"});
+  ASSERT_GT(w.port(), 0) << w.Log();
+  auto source = [&]() -> std::optional<router::SourceInfo> {
+    for (const auto& s : r.core().Sources()) {
+      if (s.source_id == "hb") return s;
+    }
+    return std::nullopt;
+  };
+  ASSERT_TRUE(WaitFor([&] { return source().has_value(); }));
+  const uint64_t ns = source()->namespace_id;
+  auto s = Stub(w);
+  // A 20,000-token prompt takes the engine for 2 s; behind it, four
+  // requests with one 1,600-token prompt, each routed with its id first.
+  std::vector<std::thread> ts;
+  std::vector<v1::SubmitResponse> out(5);
+  ts.emplace_back([&] { EXPECT_TRUE(Submit(*s, Prompt(1, 20000, 1), &out[0]).ok()); });
+  ASSERT_TRUE(WaitFor([&] { return source()->load.queued_prefill_tokens > 0; }));
+  for (uint64_t id = 2; id <= 5; ++id) {
+    v1::SubmitRequest req = Prompt(2, 1600, id);
+    v1::RouteRequest rr;
+    rr.set_namespace_id(ns);
+    *rr.mutable_tokens() = req.tokens();
+    rr.set_request_id(id);
+    auto route = r.Route(router::FromWire(rr));
+    ASSERT_TRUE(route.ok()) << route.status();
+    // The first costs its prompt; the others follow it on the same worker
+    // (router/pending_routes.h) and cost nothing more.
+    EXPECT_EQ(route->prefill_tokens, id == 2 ? 1600u : 0u) << id;
+    ts.emplace_back([&, req, id] { EXPECT_TRUE(Submit(*s, req, &out[id - 1]).ok()); });
+  }
+  // Once the worker lists the four as arrived they leave the routed count
+  // (the ten-minute window alone would keep them), and its backlog counts
+  // their shared prompt once: at most the first prompt and one shared one.
+  std::optional<router::SourceInfo> seen;
+  ASSERT_TRUE(WaitFor([&] {
+    seen = source();
+    return seen->routed_tokens_since_heartbeat == 0;
+  })) << "routed tokens still counted: "
+      << seen->routed_tokens_since_heartbeat;
+  EXPECT_LE(seen->load.queued_prefill_tokens, 20000u + 1600u);
+  EXPECT_GT(seen->load.queued_prefill_tokens, 1600u);
+  for (auto& t : ts) t.join();
+  // Whichever of the four the engine took first computed the prompt.
+  uint64_t computed = 0;
+  for (int i = 1; i < 5; ++i) computed += out[i].prefill_tokens();
+  EXPECT_EQ(computed, 1600u);
 }
 
 }  // namespace

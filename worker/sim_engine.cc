@@ -43,6 +43,9 @@ SimWorkerService::~SimWorkerService() {
 v1::Heartbeat SimWorkerService::Load() {
   v1::Heartbeat h;
   h.set_running_requests(static_cast<uint32_t>(running_.load()));
+  // Listed before the backlog is read: every request listed is in it (or done).
+  const std::vector<uint64_t> arrived = RecentArrivals();
+  h.mutable_arrived_request_ids()->Add(arrived.begin(), arrived.end());
   h.set_queued_prefill_tokens(o_.time_scale > 0 ? SimulatedBacklog() : queued_tokens_.load());
   h.set_free_gpu_pages(c_->stats().pool.free);
   // Its prefill rate in the clock the tier's costs are counted in: the
@@ -55,6 +58,7 @@ v1::Heartbeat SimWorkerService::Load() {
 absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse* resp) {
   auto job = std::make_shared<Job>();
   job->id = p.request_id ? p.request_id : next_id_++;
+  job->caller_id = p.request_id;
   job->chain = p.prompt.chain;
   job->prompt = p.prompt.prompt_tokens;
   job->arrival = p.arrival_ms ? *p.arrival_ms : SimNow();
@@ -84,6 +88,7 @@ absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse*
       std::lock_guard lk(mu_);
       job->load_from = job->arrival;
       loading_jobs_.insert(job.get());
+      NoteArrivalLocked(job->caller_id);
     }
     const absl::Status onboarded = Onboard(*job);
     {
@@ -138,6 +143,16 @@ absl::Status SimWorkerService::Stats(v1::GetWorkerStatsResponse* resp) {
   return absl::OkStatus();
 }
 
+std::vector<uint64_t> SimWorkerService::RecentArrivals() {
+  std::lock_guard lk(mu_);
+  const auto cutoff = Clock::now() - kArrivalsListedFor;
+  while (!arrivals_.empty() && arrivals_.front().first < cutoff) arrivals_.pop_front();
+  std::vector<uint64_t> ids;
+  ids.reserve(arrivals_.size());
+  for (const auto& [when, id] : arrivals_) ids.push_back(id);
+  return ids;
+}
+
 uint64_t SimWorkerService::SimulatedBacklog() const {
   std::lock_guard lk(mu_);
   if (!have_origin_) return 0;
@@ -152,11 +167,16 @@ uint64_t SimWorkerService::SimulatedBacklog() const {
   };
   // In ready order: the waiting and the loading (ready at the earliest
   // when their load started).
-  std::vector<std::pair<double, uint64_t>> ahead;
-  for (const auto& [key, j] : waiting_) ahead.emplace_back(j->ready, EstimatedPrefill(*j));
-  for (const Job* j : loading_jobs_) ahead.emplace_back(j->load_from, EstimatedPrefill(*j));
-  std::sort(ahead.begin(), ahead.end());
-  for (const auto& [ready, tokens] : ahead) add(ready, tokens);
+  std::vector<std::pair<double, const Job*>> ahead;
+  for (const auto& [key, j] : waiting_) ahead.emplace_back(j->ready, j.get());
+  for (const Job* j : loading_jobs_) ahead.emplace_back(j->load_from, j);
+  std::stable_sort(ahead.begin(), ahead.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  absl::flat_hash_set<BlockHash, BlockHashHasher> earlier;
+  for (const auto& [ready, j] : ahead) {
+    add(ready, ExpectedPrefill(*j, earlier));
+    earlier.insert(j->chain.begin(), j->chain.end());
+  }
   return static_cast<uint64_t>(left_ms * o_.prefill_tokens_per_s / 1000.0);
 }
 
@@ -170,6 +190,10 @@ absl::Status SimWorkerService::Onboard(Job& job) {
   auto m = c_->Begin(job.id, job.chain, budget);
   if (!m.ok()) return m.status();
   job.match = *m;
+  {
+    std::lock_guard lk(mu_);
+    job.found_blocks = m->gpu_blocks + m->store_blocks;
+  }
   if (!m->store_status.ok()) {
     job.resp->set_load_status(
         absl::StrCat("store lookup failed, computing instead: ", m->store_status.message()));

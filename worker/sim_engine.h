@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <limits>
 #include <map>
 #include <memory>
@@ -16,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "common/rpc/grpc_server.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "worker/connector.h"
@@ -75,6 +77,7 @@ class SimWorkerService final : public WorkerEngine {
   struct Job {
     enum State { kWaiting, kDone } state = kWaiting;
     uint64_t id = 0, prompt = 0, queued_tokens = 0;
+    uint64_t caller_id = 0;  // the request id its caller gave (0: none)
     uint32_t output_tokens = 0;
     std::vector<BlockHash> chain;
     double arrival = 0;          // simulated ms
@@ -85,21 +88,30 @@ class SimWorkerService final : public WorkerEngine {
     uint32_t loaded = 0;
     double onboard_ms = 0;  // real: lookup and load
     double load_from = 0;   // simulated ms: when its load started
+    // Guarded by mu_: the blocks its lookup found (GPU and store) while
+    // they load, which it will not compute.
+    uint32_t found_blocks = 0;
     v1::SubmitResponse* resp = nullptr;
     absl::Status status;
   };
 
   // Tokens a request is expected to compute: its prompt after what the GPU
-  // pages hold now.
-  uint64_t EstimatedPrefill(const Job& job) const {
-    const uint64_t cached = uint64_t{c_->pool().Match(job.chain)} * c_->block_tokens();
+  // pages hold now (or it is loading) and the blocks of `earlier`, the requests the engine
+  // runs before it (it matches the pages again when it runs a request, so
+  // a request queued behind another with the same prefix computes only
+  // what follows that prefix).
+  uint64_t ExpectedPrefill(const Job& job,
+                           const absl::flat_hash_set<BlockHash, BlockHashHasher>& earlier) const {
+    size_t held = std::max<size_t>(c_->pool().Match(job.chain), job.found_blocks);
+    while (held < job.chain.size() && earlier.contains(job.chain[held])) ++held;
+    const uint64_t cached = uint64_t{held} * c_->block_tokens();
     return job.prompt - std::min(job.prompt, cached);
   }
 
   // The engine's backlog in prefill tokens at the present moment of
   // simulated time: the rest of what it booked, and what the requests
-  // waiting for it (or loading) are expected to compute, first come first
-  // served from their ready times. The requests the real process holds
+  // waiting for it (or loading) are expected to compute (ExpectedPrefill),
+  // first come first served from their ready times. The requests the real process holds
   // (queued_tokens_) are not it: a request waits in real time for the
   // reorder window, and the process may lag its simulation.
   uint64_t SimulatedBacklog() const;
@@ -123,9 +135,23 @@ class SimWorkerService final : public WorkerEngine {
     // Requests that arrived at the same moment go in the caller's order
     // (its request ids), not in the order the host happened to deliver them.
     job->received = Clock::now();
+    if (!job->looked_up) NoteArrivalLocked(job->caller_id);
     waiting_.emplace(std::make_pair(job->arrival, job->id), job);
     cv_.notify_all();
   }
+
+  // A request joined the backlog (mu_ held, in the same hold that makes
+  // it part of the backlog): heartbeats list its id for a while.
+  void NoteArrivalLocked(uint64_t id) {
+    if (id == 0) return;
+    arrivals_.emplace_back(Clock::now(), id);
+    if (arrivals_.size() > kArrivalsListed) arrivals_.pop_front();
+  }
+  // The ids of the requests that joined the backlog in the last
+  // kArrivalsListedFor (at most kArrivalsListed).
+  std::vector<uint64_t> RecentArrivals();
+  static constexpr size_t kArrivalsListed = 256;
+  static constexpr std::chrono::milliseconds kArrivalsListedFor{250};
 
   // Ends a job: its answer is in job.resp (or job.status).
   void Finish(Job& job, absl::Status status) {
@@ -171,6 +197,7 @@ class SimWorkerService final : public WorkerEngine {
   std::atomic<double> busy_until_{std::numeric_limits<double>::lowest()};
   Clock::time_point origin_;  // simulated time 0 in real time
   bool have_origin_ = false;
+  std::deque<std::pair<Clock::time_point, uint64_t>> arrivals_;  // guarded by mu_
   bool stop_ = false;
   double clock_ms_ = std::numeric_limits<double>::lowest();
   std::thread engine_;

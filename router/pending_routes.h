@@ -1,0 +1,64 @@
+// Prompts routed to a worker that its block events do not show yet
+// (docs/router.md, "Pending routes"). A request routed to worker W will
+// have its prompt's blocks on W as soon as W runs it, and a request queued
+// behind it on W with the same prefix computes only what follows (an
+// engine matches its prefix cache again when it runs a request). Until W's
+// events say so, the router keeps the blocks it expects W to compute or
+// load here, for `ttl` (the longest a request is expected to wait), and a
+// route deepens each worker's match with them: the second request of a
+// burst that shares a long prefix then costs its suffix on the first one's
+// worker, not the whole prefix, and the load a route adds is what the
+// worker will really compute. SGLang's router inserts a routed prompt into
+// its worker's tree the same way. Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
+#include "common/block_key.h"
+#include "router/prefix_index.h"
+
+namespace kvtier::router {
+
+class PendingRoutes {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit PendingRoutes(std::chrono::milliseconds ttl) : ttl_(ttl) {}
+
+  // Worker `num` will hold chain[from, chain.size()) once it runs a request
+  // routed to it at `now`. Forgets what expired.
+  void Add(uint64_t ns, SourceNum num, const ChainView& chain, uint32_t from,
+           Clock::time_point now);
+  // Deepens the workers' depths in `match` (a match of `chain` in `index`)
+  // with the blocks pending on them at `now`: a worker holding d leading
+  // blocks (named, or in one of the match's groups), with chain[d],
+  // chain[d + 1], ... pending, is named at the end of that run. The store's
+  // runs from a new depth are derived from the ones the match holds.
+  void Deepen(uint64_t ns, const ChainView& chain, const PrefixIndex& index, PrefixMatch* match,
+              Clock::time_point now) const;
+  // A worker left (its number may be given to another): drops its blocks.
+  void Forget(SourceNum num);
+  // Blocks pending, over all workers.
+  size_t size() const;
+
+ private:
+  struct Entry {
+    SourceNum num;
+    Clock::time_point until;
+  };
+  using Holders = absl::InlinedVector<Entry, 2>;
+  bool Holds(const BlockKey& key, SourceNum num, Clock::time_point now) const;
+  void ExpireLocked(Clock::time_point now);
+
+  const std::chrono::milliseconds ttl_;
+  mutable std::mutex mu_;
+  absl::flat_hash_map<BlockKey, Holders, BlockKeyHasher> map_;
+  std::deque<std::pair<Clock::time_point, BlockKey>> expiry_;  // oldest first
+  size_t entries_ = 0;
+};
+
+}  // namespace kvtier::router

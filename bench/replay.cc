@@ -292,6 +292,9 @@ int RunReplay(int argc, const char* const* argv) {
                "KV-aware modes route in this process (a router in the frontend, as Dynamo's "
                "KV router runs: no round trip per request) or through a kvtier-router process "
                "over gRPC");
+  flags.Choice("kvtier-offload", &o.kvtier_offload, {"write-through", "write-back"},
+               "The kvtier mode's offload: every computed block as it is computed, or a "
+               "block when the GPU pages evict it (round-robin+store writes through)");
   flags.Bool("restart-control", &o.restart_control,
              "With --restart-router-at: measure the same windows without restarting (control)");
   std::string kv_wire = "none";

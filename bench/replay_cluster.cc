@@ -91,7 +91,9 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                absl::StrCat("--staging-blocks=", 256),
                // Engines sleep their simulated prefill time compressed like the trace.
                absl::StrCat("--time-scale=", o.speed > 0 ? 1.0 / o.speed : 0.0),
-               with_store ? "--offload=write-through" : "--offload=none",
+               !with_store        ? std::string("--offload=none")
+               : mode == "kvtier" ? "--offload=" + o.kvtier_offload
+                                  : std::string("--offload=write-through"),
                absl::StrCat("--kv-wire=", o.kv_wire.empty() ? "none" : o.kv_wire)};
     }
     if (store) flags.push_back("--store=" + store->address());

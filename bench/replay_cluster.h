@@ -47,6 +47,9 @@ struct Options {
   // on a request's path) or "process" (a kvtier-router process, asked over
   // gRPC; --restart-router-at needs it).
   std::string router = "frontend";
+  // How the kvtier mode's workers offload ("write-through" or
+  // "write-back"); round-robin+store always writes through.
+  std::string kvtier_offload = "write-through";
 };
 
 // The torch engine's geometry (kvtier.engine defaults: 2 layers, 2 KV heads

@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
   flags.DurationMs("pending", &pending_ms,
                    "How long a routed prompt's blocks count as its worker's before the worker's "
                    "events show them, so a burst sharing a prefix is costed as the worker will "
-                   "run it (0: off; at most 10m)");
+                   "run it (0: off; at most 1m)");
   flags.Double("temperature", &temperature, 0, 100,
                "0: always the cheapest; above 0: sample by cost (relative to the prompt length)");
   flags.Bytes("max-message-bytes", &max_message, "Largest gRPC message accepted");

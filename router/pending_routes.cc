@@ -18,10 +18,24 @@ void PendingRoutes::ExpireLocked(Clock::time_point now) {
   }
 }
 
+void PendingRoutes::EraseLocked(const BlockKey& key, SourceNum num) {
+  auto it = map_.find(key);
+  if (it == map_.end()) return;
+  Holders& h = it->second;
+  const size_t before = h.size();
+  h.erase(std::remove_if(h.begin(), h.end(), [&](const Entry& e) { return e.num == num; }),
+          h.end());
+  entries_ -= before - h.size();
+  if (h.empty()) map_.erase(it);
+}
+
 void PendingRoutes::Add(uint64_t ns, SourceNum num, const ChainView& chain, uint32_t from,
                         Clock::time_point now) {
-  std::lock_guard lk(mu_);
+  std::unique_lock lk(mu_);
   ExpireLocked(now);
+  const size_t adding = chain.size() - std::min<size_t>(from, chain.size());
+  // Over the bound the oldest go first, as if their time had come.
+  while (entries_ + adding > kMaxBlocks && !expiry_.empty()) ExpireLocked(expiry_.front().first);
   const Clock::time_point until = now + ttl_;
   for (size_t i = from; i < chain.size(); ++i) {
     const BlockKey key{ns, chain[i]};
@@ -46,8 +60,8 @@ bool PendingRoutes::Holds(const BlockKey& key, SourceNum num, Clock::time_point 
 
 void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, const PrefixIndex& index,
                            PrefixMatch* match, Clock::time_point now) const {
-  std::lock_guard lk(mu_);
-  if (map_.empty() || chain.empty()) return;
+  if (entries_.load(std::memory_order_relaxed) == 0 || chain.empty()) return;
+  std::shared_lock lk(mu_);
   auto depth_of = [&](SourceNum num) -> uint32_t {
     for (const auto& [s, d] : match->gpu_depth) {
       if (s == num) return d;
@@ -107,8 +121,15 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, const PrefixInde
   }
 }
 
+void PendingRoutes::Drop(uint64_t ns, SourceNum num, std::span<const BlockHash> hashes) {
+  if (entries_.load(std::memory_order_relaxed) == 0) return;
+  std::unique_lock lk(mu_);
+  for (const BlockHash& h : hashes) EraseLocked(BlockKey{ns, h}, num);
+}
+
 void PendingRoutes::Forget(SourceNum num) {
-  std::lock_guard lk(mu_);
+  if (entries_.load(std::memory_order_relaxed) == 0) return;
+  std::unique_lock lk(mu_);
   for (auto it = map_.begin(); it != map_.end();) {
     Holders& h = it->second;
     const size_t before = h.size();
@@ -121,11 +142,6 @@ void PendingRoutes::Forget(SourceNum num) {
       ++it;
     }
   }
-}
-
-size_t PendingRoutes::size() const {
-  std::lock_guard lk(mu_);
-  return entries_;
 }
 
 }  // namespace kvtier::router

@@ -4,7 +4,9 @@
 // behind it on W with the same prefix computes only what follows (an
 // engine matches its prefix cache again when it runs a request). Until W's
 // events say so, the router keeps the blocks it expects W to compute or
-// load here, for `ttl` (the longest a request is expected to wait), and a
+// load here, for `ttl` (the longest a request is expected to wait; W's
+// Removed event drops them; routes that rely on them do not extend them, so
+// routes never run cannot keep them alive), and a
 // route deepens each worker's match with them: the second request of a
 // burst that shares a long prefix then costs its suffix on the first one's
 // worker, not the whole prefix, and the load a route adds is what the
@@ -12,10 +14,13 @@
 // its worker's tree the same way. Thread-safe.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <shared_mutex>
+#include <span>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
@@ -27,6 +32,9 @@ namespace kvtier::router {
 class PendingRoutes {
  public:
   using Clock = std::chrono::steady_clock;
+  // At most this many (worker, block) pairs are kept: past it the oldest go.
+  static constexpr size_t kMaxBlocks = size_t{1} << 20;
+
   explicit PendingRoutes(std::chrono::milliseconds ttl) : ttl_(ttl) {}
 
   // Worker `num` will hold chain[from, chain.size()) once it runs a request
@@ -40,10 +48,13 @@ class PendingRoutes {
   // runs from a new depth are derived from the ones the match holds.
   void Deepen(uint64_t ns, const ChainView& chain, const PrefixIndex& index, PrefixMatch* match,
               Clock::time_point now) const;
-  // A worker left (its number may be given to another): drops its blocks.
+  // Worker `num` no longer holds `hashes` (its Removed event).
+  void Drop(uint64_t ns, SourceNum num, std::span<const BlockHash> hashes);
+  // A worker left (its number may be given to another) or cleared its
+  // blocks: drops its pending ones.
   void Forget(SourceNum num);
-  // Blocks pending, over all workers.
-  size_t size() const;
+  // (worker, block) pairs pending.
+  size_t size() const { return entries_.load(std::memory_order_relaxed); }
 
  private:
   struct Entry {
@@ -52,13 +63,15 @@ class PendingRoutes {
   };
   using Holders = absl::InlinedVector<Entry, 2>;
   bool Holds(const BlockKey& key, SourceNum num, Clock::time_point now) const;
+  // Drops the pairs of the keys queued for expiry up to `now` whose time passed.
   void ExpireLocked(Clock::time_point now);
+  void EraseLocked(const BlockKey& key, SourceNum num);
 
   const std::chrono::milliseconds ttl_;
-  mutable std::mutex mu_;
+  mutable std::shared_mutex mu_;  // Deepen reads beside other routes
   absl::flat_hash_map<BlockKey, Holders, BlockKeyHasher> map_;
   std::deque<std::pair<Clock::time_point, BlockKey>> expiry_;  // oldest first
-  size_t entries_ = 0;
+  std::atomic<size_t> entries_{0};                             // written under mu_
 };
 
 }  // namespace kvtier::router

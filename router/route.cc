@@ -144,6 +144,8 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
       chosen->NoteRoute(Clock::now(), best.prefill_tokens, q.request_id);
     }
     fleet.RaiseBound(best.num, board_.AddRouted(best.num, best.prefill_tokens));
+    // Past what it holds or has pending: blocks pending already are not
+    // refreshed, so a route that is never run cannot keep them alive.
     if (options_.pending_ms > 0 && best.gpu_blocks < chain.size()) {
       pending_.Add(q.namespace_id, best.num, chain, best.gpu_blocks, Clock::now());
     }

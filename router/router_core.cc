@@ -21,9 +21,9 @@ absl::Status RouterOptions::Validate() const {
   if (!(knobs.temperature >= 0)) {
     return absl::InvalidArgumentError("flag --temperature must be >= 0");
   }
-  if (pending_ms > 600000) {
+  if (pending_ms > 60000) {
     return absl::InvalidArgumentError(
-        absl::StrCat("flag --pending is ", pending_ms, " ms (allowed 0..600000)"));
+        absl::StrCat("flag --pending is ", pending_ms, " ms (allowed 0..60000)"));
   }
   return absl::OkStatus();
 }
@@ -109,6 +109,7 @@ void RouterCore::RequestSnapshot(Source& s, const std::string& reason,
 void RouterCore::ClearSource(Source& s) {
   if (s.indexed > 0) index_.RemoveSource(s.num);
   s.indexed = 0;
+  pending_.Forget(s.num);
 }
 
 void RouterCore::JoinFleet(Source& s) {
@@ -250,6 +251,8 @@ void RouterCore::ApplyEvent(Source& s, const BlockEvent& e, std::vector<RouterCo
       s.indexed += index_.Add(BlockKey{e.namespace_id, h}, s.num);
     }
   } else {
+    // A block it evicted is not pending there either.
+    if (s.hello.kind == SourceKind::kWorker) pending_.Drop(e.namespace_id, s.num, e.hashes);
     for (const BlockHash& h : e.hashes) {
       if (index_.Remove(BlockKey{e.namespace_id, h}, s.num)) {
         --s.indexed;

@@ -1,6 +1,6 @@
 #include "router/source_table.h"
-#include <algorithm>
 
+#include "absl/container/flat_hash_set.h"
 #include "router/cost.h"
 
 namespace kvtier::router {
@@ -13,14 +13,13 @@ void Source::NoteRoute(RouterClock::time_point now, uint64_t tokens, uint64_t re
 
 uint64_t Source::InflightAfter(RouterClock::time_point cutoff, RouterClock::time_point id_cutoff,
                                const std::vector<uint64_t>& arrived) {
+  const absl::flat_hash_set<uint64_t> listed(arrived.begin(), arrived.end());
   std::lock_guard lk(routes_mu_);
   uint64_t tokens = 0;
   std::deque<RecentRoute> kept;
   for (const RecentRoute& r : recent_routes_) {
-    const bool on_way = r.request_id == 0
-                            ? r.when >= cutoff
-                            : r.when >= id_cutoff && std::find(arrived.begin(), arrived.end(),
-                                                               r.request_id) == arrived.end();
+    const bool on_way = r.request_id == 0 ? r.when >= cutoff
+                                          : r.when >= id_cutoff && !listed.contains(r.request_id);
     if (!on_way) continue;
     tokens += r.tokens;
     kept.push_back(r);

@@ -2,7 +2,7 @@
 // registration, event sequence state, last heartbeat and the routes of the
 // last moments, each under a dense number (SourceNum) that the prefix index
 // and the fleets' arrays are indexed by. Not thread-safe: RouterCore guards
-// it, but for Source::NoteRoute / InflightSince (their own mutex) and
+// it, but for Source::NoteRoute / InflightAfter (their own mutex) and
 // routed_since_heartbeat (atomic), which Route calls under a shared lock.
 #pragma once
 

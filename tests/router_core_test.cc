@@ -310,7 +310,7 @@ TEST(RouterPending, ABurstSharingAPrefixIsCostedAsItsWorkerWillRunIt) {
 
 TEST(RouterPending, PendingBlocksExpireAndLeaveWithTheirWorker) {
   RouterOptions o;
-  o.pending_ms = 50;
+  o.pending_ms = 500;
   RouterCore core(o);
   std::vector<RouterCommand> cmds;
   for (const char* id : {"w1", "w2"}) {
@@ -331,13 +331,13 @@ TEST(RouterPending, PendingBlocksExpireAndLeaveWithTheirWorker) {
   for (const auto& c : now->candidates) {
     EXPECT_EQ(c.gpu_blocks, c.worker_id == first->worker_id ? 10u : 0u) << c.worker_id;
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  std::this_thread::sleep_for(std::chrono::milliseconds(700));
   auto later = dry();
   ASSERT_TRUE(later.ok());
   for (const auto& c : later->candidates) EXPECT_EQ(c.gpu_blocks, 0u) << c.worker_id;
   // A worker that leaves takes its pending blocks along (its number may
   // be given to the next worker that joins).
-  o.pending_ms = 600000;
+  o.pending_ms = 60000;
   RouterCore kept(o);
   ASSERT_TRUE(kept.Hello(FromWire(Worker("w1")), &cmds).ok());
   ASSERT_TRUE(kept.Handle("w1", FromWire(Snapshot(0, {})), &cmds).ok());
@@ -627,6 +627,9 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
   for (uint64_t threshold : {uint64_t{0}, uint64_t{3000}}) {
     RouterOptions o;
     o.knobs.balance_threshold_tokens = threshold;
+    // The two cores see each message a moment apart: a time window on
+    // routed tokens could end between them (RouterInflight tests it).
+    o.inflight_ms = 0;
     RouterOptions ro = o;
     ro.scan_all_workers = true;
     RouterCore fast(o), ref(ro);
@@ -690,6 +693,7 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
 TEST(RouterLoadOrder, GroupsOfSharedPrefixesDecideAsNamingEveryWorker) {
   RouterOptions o;
   o.knobs.balance_threshold_tokens = 20000;
+  o.inflight_ms = 0;  // as above
   RouterOptions ro = o;
   ro.scan_all_workers = true;
   RouterCore fast(o), ref(ro);

@@ -6,6 +6,7 @@
 #include <optional>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "client/store_client.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
@@ -360,8 +361,13 @@ TEST_F(SimCluster, HeartbeatsCountASharedPrefixOnceAndListTheRequestsThatArrived
   auto s = Stub(w);
   // A 20,000-token prompt takes the engine for 2 s; behind it, four
   // requests with one 1,600-token prompt, each routed with its id first.
-  std::vector<std::thread> ts;
   std::vector<v1::SubmitResponse> out(5);
+  std::vector<std::thread> ts;
+  absl::Cleanup join = [&] {
+    for (auto& t : ts) {
+      if (t.joinable()) t.join();
+    }
+  };
   ts.emplace_back([&] { EXPECT_TRUE(Submit(*s, Prompt(1, 20000, 1), &out[0]).ok()); });
   ASSERT_TRUE(WaitFor([&] { return source()->load.queued_prefill_tokens > 0; }));
   for (uint64_t id = 2; id <= 5; ++id) {
@@ -388,7 +394,7 @@ TEST_F(SimCluster, HeartbeatsCountASharedPrefixOnceAndListTheRequestsThatArrived
       << seen->routed_tokens_since_heartbeat;
   EXPECT_LE(seen->load.queued_prefill_tokens, 20000u + 1600u);
   EXPECT_GT(seen->load.queued_prefill_tokens, 1600u);
-  for (auto& t : ts) t.join();
+  std::move(join).Invoke();
   // Whichever of the four the engine took first computed the prompt.
   uint64_t computed = 0;
   for (int i = 1; i < 5; ++i) computed += out[i].prefill_tokens();

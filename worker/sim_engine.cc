@@ -91,19 +91,19 @@ absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse*
       NoteArrivalLocked(job->caller_id);
     }
     const absl::Status onboarded = Onboard(*job);
-    {
-      std::lock_guard lk(mu_);
-      loading_jobs_.erase(job.get());
-    }
-    cv_.notify_all();
     if (!onboarded.ok()) {
+      {
+        std::lock_guard lk(mu_);
+        loading_jobs_.erase(job.get());
+      }
+      cv_.notify_all();
       queued_tokens_ -= job->queued_tokens;
       running_--;
       return onboarded;
     }
     job->looked_up = true;
   }
-  Enqueue(job);
+  Enqueue(job);  // out of loading_jobs_ and into waiting_ in one hold
   {
     std::unique_lock lk(mu_);
     cv_.wait(lk, [&] { return job->state == Job::kDone; });
@@ -145,7 +145,7 @@ absl::Status SimWorkerService::Stats(v1::GetWorkerStatsResponse* resp) {
 
 std::vector<uint64_t> SimWorkerService::RecentArrivals() {
   std::lock_guard lk(mu_);
-  const auto cutoff = Clock::now() - kArrivalsListedFor;
+  const auto cutoff = Clock::now() - o_.arrivals_listed_for;
   while (!arrivals_.empty() && arrivals_.front().first < cutoff) arrivals_.pop_front();
   std::vector<uint64_t> ids;
   ids.reserve(arrivals_.size());
@@ -173,6 +173,7 @@ uint64_t SimWorkerService::SimulatedBacklog() const {
   std::stable_sort(ahead.begin(), ahead.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });
   absl::flat_hash_set<BlockHash, BlockHashHasher> earlier;
+  if (scheduling_ != nullptr) ahead.insert(ahead.begin(), {scheduling_->ready, scheduling_});
   for (const auto& [ready, j] : ahead) {
     add(ready, ExpectedPrefill(*j, earlier));
     earlier.insert(j->chain.begin(), j->chain.end());
@@ -258,9 +259,11 @@ void SimWorkerService::EngineLoop() {
     }
     std::shared_ptr<Job> job = first->second;
     waiting_.erase(first);
+    scheduling_ = job.get();
     lk.unlock();
     Schedule(*job);
     lk.lock();
+    scheduling_ = nullptr;
   }
 }
 
@@ -310,7 +313,11 @@ void SimWorkerService::Schedule(Job& job) {
   queued_tokens_ -= job.queued_tokens - prefill;
   job.queued_tokens = prefill;
   clock_ms_ = now + prefill_ms;
-  busy_until_ = clock_ms_;
+  {
+    std::lock_guard lk(mu_);
+    busy_until_ = clock_ms_;
+    scheduling_ = nullptr;  // booked: busy_until_ counts it
+  }
   if (o_.time_scale > 0) {
     // Pace: the prefill ends when its simulated end comes in real time (an
     // engine behind real time, held up by the host, catches up instead).

@@ -36,6 +36,9 @@ struct SimOptions {
   // How long (real time) the engine waits for requests ready before the
   // one it would take next that may still be on their way.
   std::chrono::microseconds reorder_window{0};
+  // How long a heartbeat lists a request that arrived: at least three of
+  // its periods, so every heartbeat stream sees it (docs/router.md, "In flight").
+  std::chrono::milliseconds arrivals_listed_for{250};
 };
 
 // The simulated engine. A request is looked up in the store as it arrives,
@@ -135,7 +138,11 @@ class SimWorkerService final : public WorkerEngine {
     // Requests that arrived at the same moment go in the caller's order
     // (its request ids), not in the order the host happened to deliver them.
     job->received = Clock::now();
-    if (!job->looked_up) NoteArrivalLocked(job->caller_id);
+    if (job->looked_up) {
+      loading_jobs_.erase(job.get());  // (heartbeats never see it in neither)
+    } else {
+      NoteArrivalLocked(job->caller_id);
+    }
     waiting_.emplace(std::make_pair(job->arrival, job->id), job);
     cv_.notify_all();
   }
@@ -148,10 +155,9 @@ class SimWorkerService final : public WorkerEngine {
     if (arrivals_.size() > kArrivalsListed) arrivals_.pop_front();
   }
   // The ids of the requests that joined the backlog in the last
-  // kArrivalsListedFor (at most kArrivalsListed).
+  // SimOptions::arrivals_listed_for (at most kArrivalsListed).
   std::vector<uint64_t> RecentArrivals();
-  static constexpr size_t kArrivalsListed = 256;
-  static constexpr std::chrono::milliseconds kArrivalsListedFor{250};
+  static constexpr size_t kArrivalsListed = 4096;
 
   // Ends a job: its answer is in job.resp (or job.status).
   void Finish(Job& job, absl::Status status) {
@@ -198,6 +204,9 @@ class SimWorkerService final : public WorkerEngine {
   Clock::time_point origin_;  // simulated time 0 in real time
   bool have_origin_ = false;
   std::deque<std::pair<Clock::time_point, uint64_t>> arrivals_;  // guarded by mu_
+  // Guarded by mu_: the request the engine took and has not booked yet
+  // (out of waiting_, its prefill not in busy_until_): the backlog counts it.
+  const Job* scheduling_ = nullptr;
   bool stop_ = false;
   double clock_ms_ = std::numeric_limits<double>::lowest();
   std::thread engine_;

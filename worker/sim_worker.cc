@@ -92,6 +92,7 @@ int main(int argc, char** argv) {
   AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/true);
   ParseFlagsOrExit(flags, argc, argv);
   sim.reorder_window = std::chrono::microseconds(sim.time_scale > 0 ? reorder_ms * 1000 : 0);
+  sim.arrivals_listed_for = std::chrono::milliseconds(std::max<uint64_t>(250, 3 * heartbeat_ms));
   auto client_security = ClientSecurity(tls);
   if (!client_security.ok()) {
     std::fprintf(stderr, "kvtier-sim-worker: %s\n",

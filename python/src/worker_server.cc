@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -176,14 +177,19 @@ class PyEngine final : public worker::WorkerEngine {
 
   v1::Heartbeat Load() override {
     v1::Heartbeat h;
-    h.set_running_requests(running.load());
-    h.set_queued_prefill_tokens(queued_tokens.load());
-    h.set_free_gpu_pages(free_pages.load());
+    std::lock_guard lk(load_mu);
+    h.set_running_requests(running);
+    h.set_queued_prefill_tokens(queued_tokens);
+    h.set_free_gpu_pages(free_pages);
+    h.mutable_arrived_request_ids()->Add(arrived.begin(), arrived.end());
     return h;
   }
 
-  std::atomic<uint32_t> running{0};
-  std::atomic<uint64_t> queued_tokens{0}, free_pages{0};
+  // The engine's last load report (WorkerServer::SetLoad), one snapshot.
+  std::mutex load_mu;
+  uint32_t running = 0;
+  uint64_t queued_tokens = 0, free_pages = 0;
+  std::vector<uint64_t> arrived;  // callers' ids, each counted in queued_tokens
 
  private:
   py::object handler_;
@@ -222,10 +228,13 @@ class WorkerServer {
     py::gil_scoped_release nogil;  // handlers in flight need the GIL to finish
     if (server_) server_->Stop();
   }
-  void SetLoad(uint32_t running, uint64_t queued_tokens, uint64_t free_pages) {
+  void SetLoad(uint32_t running, uint64_t queued_tokens, uint64_t free_pages,
+               std::vector<uint64_t> arrived) {
+    std::lock_guard lk(engine_->load_mu);
     engine_->running = running;
     engine_->queued_tokens = queued_tokens;
     engine_->free_pages = free_pages;
+    engine_->arrived = std::move(arrived);
   }
   void PublishStored(const py::array& hashes) {
     auto chain = ChainFrom(hashes);
@@ -257,7 +266,8 @@ void BindWorkerServer(py::module_& m) {
            py::arg("tls_key") = "", py::arg("tls_ca") = "",
            py::arg("tls_require_client_cert") = false)
       .def("stop", &WorkerServer::Stop)
-      .def("set_load", &WorkerServer::SetLoad)
+      .def("set_load", &WorkerServer::SetLoad, py::arg("running"), py::arg("queued_tokens"),
+           py::arg("free_pages"), py::arg("arrived") = std::vector<uint64_t>{})
       .def("publish_stored", &WorkerServer::PublishStored)
       .def("publish_removed", &WorkerServer::PublishRemoved)
       .def_property_readonly("address", &WorkerServer::address)

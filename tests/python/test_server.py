@@ -108,6 +108,54 @@ def test_submit_route_stats_and_stop(cluster) -> None:
     assert engine.wait(timeout=30) == 0
 
 
+def test_a_route_counts_until_the_engine_lists_its_request(
+        tmp_path: Path) -> None:
+    """A route naming its request stays in the engine's load at the router
+    (ten minutes of --inflight would keep it anyway) until the engine's
+    heartbeat lists the request as arrived; then its own queue counts it."""
+    router, raddr = _serve([str(BUILD / "router" / "kvtier-router"),
+                            "--listen=127.0.0.1:0", "--inflight=10m",
+                            "--pending=0", "--heartbeat-deadline=3s"],
+                           tmp_path, "router")
+    procs = [router]
+    try:
+        engine, eaddr = _serve([str(BUILD / "python" / "kvtier-torch-engine"),
+                                "--listen=127.0.0.1:0", f"--router={raddr}",
+                                "--pages=256", "--heartbeat-ms=50",
+                                "--worker-id=torch-ids"], tmp_path, "engine")
+        procs.insert(0, engine)
+        router_stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(raddr))
+        worker = worker_pb2_grpc.SimWorkerStub(grpc.insecure_channel(eaddr))
+
+        def source() -> router_pb2.SourceInfo:
+            deadline = time.monotonic() + 10
+            while True:
+                got = router_stub.ListWorkers(router_pb2.ListWorkersRequest(),
+                                              timeout=5).sources
+                if got:
+                    return got[0]
+                assert time.monotonic() < deadline, "the engine never joined"
+                time.sleep(0.05)
+
+        req = _submit(77, tokens=64)
+        rr = router_pb2.RouteRequest(namespace_id=source().namespace_id,
+                                     request_id=77)
+        rr.tokens.ids.extend(req.tokens.ids)
+        assert router_stub.Route(rr, timeout=5).prefill_tokens == 64
+        time.sleep(0.3)  # several heartbeats that do not list it
+        assert source().routed_tokens_since_heartbeat == 64
+        assert worker.Submit(req, timeout=60).prefill_tokens == 64
+        deadline = time.monotonic() + 10
+        while source().routed_tokens_since_heartbeat != 0:
+            assert time.monotonic() < deadline, "the route never arrived"
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+
+
 def _submit(request_id: int, tokens: int = 40) -> worker_pb2.SubmitRequest:
     """A Submit of ``tokens`` token ids."""
     req = worker_pb2.SubmitRequest(request_id=request_id, output_tokens=1)

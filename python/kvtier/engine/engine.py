@@ -181,6 +181,20 @@ class _Pages:
         return len(self.free) + len(self.lru)
 
 
+# How long a request's caller id is listed in load reports after it
+# arrives, at least (load_report's listed_s).
+ARRIVALS_LISTED_S = 0.25
+
+
+@dataclass
+class LoadReport:
+    """An engine's load for routers (``Engine.load_report``)."""
+    running: int
+    queued_tokens: int
+    free_pages: int
+    arrived: list[int]
+
+
 @dataclass
 class _Request:
     rid: int
@@ -205,6 +219,7 @@ class _Request:
     first_token_at: float = 0.0
     first_logits: Optional[torch.Tensor] = None
     error: Optional[BaseException] = None
+    caller_id: int = 0            # the id its caller gave (0: none)
     result: Optional[Result] = None
 
     @property
@@ -256,6 +271,9 @@ class Engine:
         self._running: list[_Request] = []
         self._stop = False
         self._next_id = 1 << 40
+        # (arrival, caller's id) of recent requests, for routers.
+        self._arrivals: collections.deque[tuple[float, int]] = \
+            collections.deque(maxlen=4096)
         self.stats: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name="kvtier-engine")
@@ -265,11 +283,14 @@ class Engine:
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1,
                  request_id: Optional[int] = None,
-                 timeout: Optional[float] = None) -> Result:
+                 timeout: Optional[float] = None,
+                 caller_id: int = 0) -> Result:
         """Runs a request to completion: greedy decoding of
         ``max_new_tokens`` tokens (>= 1) after ``prompt``. Raises ValueError
         for an empty prompt, a token outside the vocabulary or a prompt
-        larger than the whole KV cache; TimeoutError after ``timeout``."""
+        larger than the whole KV cache; TimeoutError after ``timeout``.
+        ``caller_id`` (non-zero) is the id a router knows the request by:
+        ``load_report`` lists it once the request counts in the load."""
         vocab = self.model.config.vocab_size
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -291,7 +312,10 @@ class Engine:
             r = _Request(request_id, list(prompt), max_new_tokens,
                          time.monotonic())
             r.hashes = self.namespace.hash_tokens(np.asarray(prompt))
+            r.caller_id = caller_id
             self._waiting.append(r)
+            if caller_id:
+                self._arrivals.append((r.arrival, caller_id))
             self._mu.notify_all()
         if not r.done.wait(timeout):
             raise TimeoutError(f"request {request_id} did not finish in "
@@ -303,13 +327,41 @@ class Engine:
 
     def load(self) -> tuple[int, int, int]:
         """(running requests, prompt tokens still to compute, free pages)
-        now: the waiting requests' prompts and what the running ones have
-        left, the work a router weighs a new request against."""
+        now (``load_report`` without the arrivals)."""
+        r = self.load_report()
+        return r.running, r.queued_tokens, r.free_pages
+
+    def load_report(self, listed_s: float = ARRIVALS_LISTED_S
+                    ) -> "LoadReport":
+        """The load a router weighs a new request against, now: what the
+        running requests have left to compute and what each waiting one
+        will compute, in order, past what the cache holds or the requests
+        before it will have computed (a waiting request matches the cache
+        again when it is scheduled, and computes at least its last page);
+        and the callers' ids of the requests that arrived in the last
+        ``listed_s`` seconds (each counted; a server heartbeating every
+        ``p`` seconds passes at least ``3 p``)."""
+        bt = self.config.page_tokens
         with self._mu:
-            queued = sum(len(r.prompt) for r in self._waiting)
-            queued += sum(max(0, len(r.prompt) - r.computed)
-                          for r in self._running)
-            return len(self._running), queued, self.pages.free_count
+            queued = sum(max(0, len(r.prompt) - r.computed)
+                         for r in self._running)
+            earlier: set[tuple[int, int]] = set()
+            for r in self._running:
+                earlier.update(map(tuple, r.hashes.tolist()))
+            for r in self._waiting:
+                blocks = [tuple(h) for h in r.hashes.tolist()]
+                limit = (len(r.prompt) - 1) // bt  # as the scheduler admits
+                held = 0
+                while held < min(len(blocks), limit) and (
+                        blocks[held] in earlier
+                        or blocks[held] in self.pages.page_of):
+                    held += 1
+                queued += max(0, len(r.prompt) - held * bt)
+                earlier.update(blocks)
+            cutoff = time.monotonic() - max(listed_s, ARRIVALS_LISTED_S)
+            arrived = [rid for at, rid in self._arrivals if at >= cutoff]
+            return LoadReport(len(self._running), queued,
+                              self.pages.free_count, arrived)
 
     def close(self) -> None:
         """Stops the engine thread (requests still waiting fail), closes

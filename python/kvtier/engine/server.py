@@ -80,7 +80,8 @@ class Handler:
                 "the torch engine needs the prompt's token ids "
                 "(SubmitRequest.tokens), not block hashes")
         n_out = max(1, min(int(req["output_tokens"]), self.max_decode_tokens))
-        res = self.engine.generate(np.asarray(tokens).tolist(), n_out)
+        res = self.engine.generate(np.asarray(tokens).tolist(), n_out,
+                                   caller_id=int(req["request_id"]))
         return response_of(res)
 
     def stats(self) -> dict[str, Any]:
@@ -236,8 +237,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.port_file:
         _write_port_file(a.port_file, srv.port)
     while not stop.wait(a.heartbeat_ms / 1000.0):
-        running, queued, free = engine.load()
-        srv.set_load(running, queued, free)
+        rep = engine.load_report(listed_s=3 * a.heartbeat_ms / 1000.0)
+        srv.set_load(rep.running, rep.queued_tokens, rep.free_pages,
+                     rep.arrived)
     srv.stop()
     engine.close()
     print("kvtier-torch-engine stopped", flush=True)

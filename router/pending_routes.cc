@@ -30,14 +30,16 @@ void PendingRoutes::EraseLocked(const BlockKey& key, SourceNum num) {
 }
 
 void PendingRoutes::Add(uint64_t ns, SourceNum num, const ChainView& chain, uint32_t from,
-                        Clock::time_point now) {
+                        uint32_t stride, Clock::time_point now) {
+  if (from >= chain.size()) return;
+  stride = std::max<uint32_t>(stride, 1);
   std::unique_lock lk(mu_);
   ExpireLocked(now);
-  const size_t adding = chain.size() - std::min<size_t>(from, chain.size());
+  const size_t adding = (chain.size() - from) / stride + 1;
   // Over the bound the oldest go first, as if their time had come.
   while (entries_ + adding > kMaxBlocks && !expiry_.empty()) ExpireLocked(expiry_.front().first);
   const Clock::time_point until = now + ttl_;
-  for (size_t i = from; i < chain.size(); ++i) {
+  auto add = [&](size_t i) {
     const BlockKey key{ns, chain[i]};
     Holders& h = map_[key];
     auto it = std::find_if(h.begin(), h.end(), [&](const Entry& e) { return e.num == num; });
@@ -48,7 +50,10 @@ void PendingRoutes::Add(uint64_t ns, SourceNum num, const ChainView& chain, uint
       ++entries_;
     }
     expiry_.emplace_back(until, key);
-  }
+  };
+  // Every stride-th block (a block's hash names its whole prefix) and the last.
+  for (size_t i = Sampled(from, stride); i < chain.size(); i += stride) add(i);
+  if ((chain.size() % stride) != 0) add(chain.size() - 1);
 }
 
 bool PendingRoutes::Holds(const BlockKey& key, SourceNum num, Clock::time_point now) const {
@@ -58,9 +63,11 @@ bool PendingRoutes::Holds(const BlockKey& key, SourceNum num, Clock::time_point 
                      [&](const Entry& e) { return e.num == num && e.until > now; });
 }
 
-void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, const PrefixIndex& index,
-                           PrefixMatch* match, Clock::time_point now) const {
+void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
+                           const PrefixIndex& index, PrefixMatch* match,
+                           Clock::time_point now) const {
   if (entries_.load(std::memory_order_relaxed) == 0 || chain.empty()) return;
+  stride = std::max<uint32_t>(stride, 1);
   std::shared_lock lk(mu_);
   auto depth_of = [&](SourceNum num) -> uint32_t {
     for (const auto& [s, d] : match->gpu_depth) {
@@ -71,25 +78,60 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, const PrefixInde
     }
     return 0;
   };
-  // A worker's pending run continues its match: look where runs can start
-  // (position 0, and each worker's or group's depth).
+  const uint32_t n = static_cast<uint32_t>(chain.size());
+  // The last pending block of `num` among chain[lo, hi] (n: none).
+  auto last_held = [&](uint32_t lo, uint32_t hi, SourceNum num) -> uint32_t {
+    for (uint32_t q = hi + 1; q-- > lo;) {
+      if (Holds(BlockKey{ns, chain[q]}, num, now)) return q;
+    }
+    return n;
+  };
+  // A worker's pending run continues its match: from each of position 0
+  // and the workers' and groups' depths, the furthest block pending within
+  // one stride (a route keeps every stride-th block and its last). A block
+  // pending on a worker means its whole prefix will be there (a block's
+  // hash names its prefix).
   absl::InlinedVector<uint32_t, 8> starts{0};
   auto start_at = [&](uint32_t d) {
-    if (d < chain.size() && std::find(starts.begin(), starts.end(), d) == starts.end()) {
-      starts.push_back(d);
-    }
+    if (d < n && std::find(starts.begin(), starts.end(), d) == starts.end()) starts.push_back(d);
   };
   for (const auto& [s, d] : match->gpu_depth) start_at(d);
   for (const auto& g : match->groups) start_at(g.depth);
   absl::InlinedVector<std::pair<SourceNum, uint32_t>, 4> deeper;
-  for (uint32_t at : starts) {
-    auto it = map_.find(BlockKey{ns, chain[at]});
-    if (it == map_.end()) continue;
-    for (const Entry& e : it->second) {
-      if (e.until <= now || depth_of(e.num) != at) continue;
-      uint32_t d = at + 1;
-      while (d < chain.size() && Holds(BlockKey{ns, chain[d]}, e.num, now)) ++d;
-      deeper.emplace_back(e.num, d);
+  for (uint32_t from : starts) {
+    const uint32_t top = std::min<uint32_t>(static_cast<uint32_t>(Sampled(from, stride)), n - 1);
+    const Holders* holders = nullptr;
+    uint32_t at = top + 1;
+    while (at-- > from) {
+      auto it = map_.find(BlockKey{ns, chain[at]});
+      if (it != map_.end()) {
+        holders = &it->second;
+        break;
+      }
+    }
+    if (holders == nullptr) continue;
+    for (const Entry& e : *holders) {
+      if (e.until <= now) continue;
+      // Stride by stride, then the last block kept within the next stride.
+      uint32_t last = at;
+      for (uint32_t q = static_cast<uint32_t>(Sampled(at + 1, stride));
+           q < n && Holds(BlockKey{ns, chain[q]}, e.num, now); q += stride) {
+        last = q;
+      }
+      if (last + 1 < n) {
+        const uint32_t hi =
+            std::min<uint32_t>(static_cast<uint32_t>(Sampled(last + 1, stride)), n - 1);
+        if (const uint32_t q = last_held(last + 1, hi, e.num); q < n) last = q;
+      }
+      const uint32_t d = last + 1;
+      if (d <= depth_of(e.num)) continue;
+      auto known = std::find_if(deeper.begin(), deeper.end(),
+                                [&](const auto& x) { return x.first == e.num; });
+      if (known == deeper.end()) {
+        deeper.emplace_back(e.num, d);
+      } else {
+        known->second = std::max(known->second, d);
+      }
     }
   }
   for (const auto& [num, d] : deeper) {

@@ -14,6 +14,7 @@
 // its worker's tree the same way. Thread-safe.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -38,16 +39,28 @@ class PendingRoutes {
   explicit PendingRoutes(std::chrono::milliseconds ttl) : ttl_(ttl) {}
 
   // Worker `num` will hold chain[from, chain.size()) once it runs a request
-  // routed to it at `now`. Forgets what expired.
-  void Add(uint64_t ns, SourceNum num, const ChainView& chain, uint32_t from,
+  // routed to it at `now`. Kept: every `stride`-th block (positions
+  // stride - 1, 2 stride - 1, ...) and the last; a block's hash names its
+  // whole prefix, so that is enough to know the prefix to within `stride`
+  // blocks. Forgets what expired.
+  void Add(uint64_t ns, SourceNum num, const ChainView& chain, uint32_t from, uint32_t stride,
            Clock::time_point now);
   // Deepens the workers' depths in `match` (a match of `chain` in `index`)
   // with the blocks pending on them at `now`: a worker holding d leading
   // blocks (named, or in one of the match's groups), with chain[d],
   // chain[d + 1], ... pending, is named at the end of that run. The store's
   // runs from a new depth are derived from the ones the match holds.
-  void Deepen(uint64_t ns, const ChainView& chain, const PrefixIndex& index, PrefixMatch* match,
-              Clock::time_point now) const;
+  // `stride` as given to Add.
+  void Deepen(uint64_t ns, const ChainView& chain, uint32_t stride, const PrefixIndex& index,
+              PrefixMatch* match, Clock::time_point now) const;
+  // The first position at or past `from` Add keeps with `stride`.
+  static size_t Sampled(size_t from, uint32_t stride) {
+    return (from / stride) * stride + stride - 1;
+  }
+  // The stride for blocks of `block_tokens`: a block kept every 256 tokens.
+  static uint32_t StrideFor(uint32_t block_tokens) {
+    return std::max<uint32_t>(1, 256 / std::max<uint32_t>(block_tokens, 1));
+  }
   // Worker `num` no longer holds `hashes` (its Removed event).
   void Drop(uint64_t ns, SourceNum num, std::span<const BlockHash> hashes);
   // A worker left (its number may be given to another) or cleared its

@@ -63,7 +63,8 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
     index_.Match(q.namespace_id, chain, &match, /*groups=*/!options_.scan_all_workers);
   }
   if (options_.pending_ms > 0) {
-    pending_.Deepen(q.namespace_id, chain, index_, &match, Clock::now());
+    pending_.Deepen(q.namespace_id, chain, PendingRoutes::StrideFor(bt), index_, &match,
+                    Clock::now());
   }
   if (!chain.empty()) {
     const BlockHash h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
@@ -147,7 +148,8 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
     // Past what it holds or has pending: blocks pending already are not
     // refreshed, so a route that is never run cannot keep them alive.
     if (options_.pending_ms > 0 && best.gpu_blocks < chain.size()) {
-      pending_.Add(q.namespace_id, best.num, chain, best.gpu_blocks, Clock::now());
+      pending_.Add(q.namespace_id, best.num, chain, best.gpu_blocks, PendingRoutes::StrideFor(bt),
+                   Clock::now());
     }
   }
   decide.unlock();

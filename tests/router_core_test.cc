@@ -308,6 +308,44 @@ TEST(RouterPending, ABurstSharingAPrefixIsCostedAsItsWorkerWillRunIt) {
   }
 }
 
+TEST(RouterPending, ALongPromptKeepsABlockEvery256TokensAndItsLast) {
+  // 16-token blocks: a route keeps every 16th block and the last. Another
+  // prompt sharing 1,500 of its 2,000 blocks then finds the worker's run
+  // to the last kept block it shares (1,488: within 16 blocks), and one
+  // sharing all of it and one more block finds all 2,000 (its last block
+  // was kept).
+  RouterOptions o;
+  RouterCore core(o);
+  std::vector<RouterCommand> cmds;
+  for (const char* id : {"w1", "w2"}) {
+    ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
+    ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
+  }
+  auto first = core.Route(FromWire(Req(2000)));
+  ASSERT_TRUE(first.ok());
+  auto dry = [&](v1::RouteRequest r) {
+    r.set_dry_run(true);
+    r.set_max_candidates(2);
+    auto res = core.Route(FromWire(r));
+    EXPECT_TRUE(res.ok());
+    for (const auto& c : res->candidates) {
+      if (c.worker_id == first->worker_id) return c.gpu_blocks;
+    }
+    return uint32_t{999999};
+  };
+  v1::RouteRequest shared = Req(1500);
+  for (int i = 0; i < 500; ++i) {
+    auto* h = shared.mutable_hashes()->add_hashes();
+    h->set_hi(H(100000 + i).hi);
+    h->set_lo(H(100000 + i).lo);
+  }
+  EXPECT_EQ(dry(shared), 1488u);
+  EXPECT_EQ(dry(Req(2001)), 2000u);
+  // A shared prefix shorter than a stride (112 tokens) is not seen: none of
+  // its blocks was kept.
+  EXPECT_EQ(dry(Req(7)), 0u);
+}
+
 TEST(RouterPending, PendingBlocksExpireAndLeaveWithTheirWorker) {
   RouterOptions o;
   o.pending_ms = 500;

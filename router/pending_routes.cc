@@ -45,8 +45,9 @@ void PendingRoutes::Add(uint64_t ns, SourceNum num, const ChainView& chain, uint
     auto it = std::find_if(h.begin(), h.end(), [&](const Entry& e) { return e.num == num; });
     if (it != h.end()) {
       it->until = until;
+      it->from = std::min(it->from, from);
     } else {
-      h.push_back({num, until});
+      h.push_back({num, until, from});
       ++entries_;
     }
     expiry_.emplace_back(until, key);
@@ -86,11 +87,11 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
     }
     return n;
   };
-  // A worker's pending run continues its match: from each of position 0
-  // and the workers' and groups' depths, the furthest block pending within
-  // one stride (a route keeps every stride-th block and its last). A block
-  // pending on a worker means its whole prefix will be there (a block's
-  // hash names its prefix).
+  // A worker's pending run continues its match: from the first block a
+  // route keeps (every stride-th, or the prompt's last) at or past position
+  // 0 and each worker's and group's depth. A block pending on a worker
+  // means its whole prefix will be there (a block's hash names its prefix).
+  // A shared run shorter than a stride past a worker's depth goes unseen.
   absl::InlinedVector<uint32_t, 8> starts{0};
   auto start_at = [&](uint32_t d) {
     if (d < n && std::find(starts.begin(), starts.end(), d) == starts.end()) starts.push_back(d);
@@ -99,19 +100,14 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
   for (const auto& g : match->groups) start_at(g.depth);
   absl::InlinedVector<std::pair<SourceNum, uint32_t>, 4> deeper;
   for (uint32_t from : starts) {
-    const uint32_t top = std::min<uint32_t>(static_cast<uint32_t>(Sampled(from, stride)), n - 1);
-    const Holders* holders = nullptr;
-    uint32_t at = top + 1;
-    while (at-- > from) {
-      auto it = map_.find(BlockKey{ns, chain[at]});
-      if (it != map_.end()) {
-        holders = &it->second;
-        break;
-      }
-    }
+    const uint32_t at = std::min<uint32_t>(static_cast<uint32_t>(Sampled(from, stride)), n - 1);
+    auto found = map_.find(BlockKey{ns, chain[at]});
+    const Holders* holders = found == map_.end() ? nullptr : &found->second;
     if (holders == nullptr) continue;
     for (const Entry& e : *holders) {
-      if (e.until <= now) continue;
+      // A worker that lost part of the prefix it held when routed (evicted
+      // it since) will not have the pending blocks past it either.
+      if (e.until <= now || e.from > depth_of(e.num)) continue;
       // Stride by stride, then the last block kept within the next stride.
       uint32_t last = at;
       for (uint32_t q = static_cast<uint32_t>(Sampled(at + 1, stride));

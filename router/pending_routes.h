@@ -73,6 +73,9 @@ class PendingRoutes {
   struct Entry {
     SourceNum num;
     Clock::time_point until;
+    // The worker's depth when it was routed: the prefix it held then must
+    // still be there for the pending blocks past it to follow it.
+    uint32_t from;
   };
   using Holders = absl::InlinedVector<Entry, 2>;
   bool Holds(const BlockKey& key, SourceNum num, Clock::time_point now) const;

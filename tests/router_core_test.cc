@@ -274,11 +274,11 @@ TEST(RouterInflight, ARouteWithAnIdStaysInTheLoadUntilTheWorkerListsIt) {
 }
 
 TEST(RouterPending, ABurstSharingAPrefixIsCostedAsItsWorkerWillRunIt) {
-  // Two idle workers, w2 a little busy. A prompt of 10 blocks goes to w1;
-  // the next one, the same 10 blocks and one more, arrives before w1's
+  // Two idle workers, w2 a little busy. A prompt of 40 blocks goes to w1;
+  // the next one, the same 40 blocks and one more, arrives before w1's
   // events show them. w1 will have them by the time it runs it (it matches
-  // its cache again): 160 queued + 16 to compute there against 50 + 176
-  // on w2. Without pending routes w1 looks like 160 + 176.
+  // its cache again): 640 queued + 16 to compute there against 50 + 656
+  // on w2. Without pending routes w1 looks like 640 + 656.
   for (uint64_t pending : {uint64_t{0}, uint64_t{2000}}) {
     SCOPED_TRACE(pending);
     RouterOptions o;
@@ -292,18 +292,18 @@ TEST(RouterPending, ABurstSharingAPrefixIsCostedAsItsWorkerWillRunIt) {
     v1::SourceMessage hb;
     hb.mutable_heartbeat()->set_queued_prefill_tokens(50);
     ASSERT_TRUE(core.Handle("w2", FromWire(hb), &cmds).ok());
-    auto first = core.Route(FromWire(Req(10)));
+    auto first = core.Route(FromWire(Req(40)));
     ASSERT_TRUE(first.ok());
     ASSERT_EQ(first->worker_id, "w1");
-    auto second = core.Route(FromWire(Req(11)));
+    auto second = core.Route(FromWire(Req(41)));
     ASSERT_TRUE(second.ok());
     if (pending > 0) {
       EXPECT_EQ(second->worker_id, "w1");
-      EXPECT_EQ(second->gpu_blocks, 10u);
+      EXPECT_EQ(second->gpu_blocks, 40u);
       EXPECT_EQ(second->prefill_tokens, 16u);
     } else {
       EXPECT_EQ(second->worker_id, "w2");
-      EXPECT_EQ(second->prefill_tokens, 176u);
+      EXPECT_EQ(second->prefill_tokens, 656u);
     }
   }
 }

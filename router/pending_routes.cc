@@ -4,6 +4,20 @@
 
 namespace kvtier::router {
 
+namespace {
+// Sets the value of `key` in a list of (key, value) pairs, adding it if absent.
+template <class K, class V>
+void Set(std::vector<std::pair<K, V>>& list, K key, V value) {
+  for (auto& [k, v] : list) {
+    if (k == key) {
+      v = value;
+      return;
+    }
+  }
+  list.emplace_back(key, value);
+}
+}  // namespace
+
 void PendingRoutes::ExpireLocked(Clock::time_point now) {
   while (!expiry_.empty() && expiry_.front().first <= now) {
     auto it = map_.find(expiry_.front().second);
@@ -138,24 +152,8 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
     for (const auto& [at, r] : match->store_runs) {
       if ((at == was || at == 0) && at + r > d) run = std::max(run, at + r - d);
     }
-    bool listed = false;
-    for (auto& [s, depth] : match->gpu_depth) {
-      if (s == num) {
-        depth = d;
-        listed = true;
-      }
-    }
-    if (!listed) match->gpu_depth.emplace_back(num, d);
-    if (match->StoreRun(d) < run) {
-      bool set = false;
-      for (auto& [at, r] : match->store_runs) {
-        if (at == d) {
-          r = run;
-          set = true;
-        }
-      }
-      if (!set) match->store_runs.emplace_back(d, run);
-    }
+    Set(match->gpu_depth, num, d);
+    if (match->StoreRun(d) < run) Set(match->store_runs, d, run);
   }
 }
 

@@ -75,6 +75,15 @@ v1::RouteRequest Req(int blocks) {
   return r;
 }
 
+// Registers workers holding nothing.
+void JoinIdle(RouterCore& core, std::initializer_list<const char*> ids) {
+  std::vector<RouterCommand> cmds;
+  for (const char* id : ids) {
+    ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
+    ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
+  }
+}
+
 class RouterCoreTest : public ::testing::Test {
  protected:
   RouterCoreTest() : core_(RouterOptions{}) {}
@@ -210,11 +219,7 @@ TEST(RouterInflight, TokensRoutedJustBeforeAHeartbeatStayInTheLoadUntilTheyCanHa
     o.inflight_ms = inflight;
     o.pending_ms = 0;  // the same prompt twice: pending, its worker would cost the same
     RouterCore core(o);
-    for (const char* id : {"w1", "w2"}) {
-      std::vector<RouterCommand> cmds;
-      ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
-      ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
-    }
+    JoinIdle(core, {"w1", "w2"});
     auto first = core.Route(FromWire(Req(6)));
     ASSERT_TRUE(first.ok()) << first.status();
     EXPECT_EQ(first->prefill_tokens, 96u);
@@ -285,10 +290,7 @@ TEST(RouterPending, ABurstSharingAPrefixIsCostedAsItsWorkerWillRunIt) {
     o.pending_ms = pending;
     RouterCore core(o);
     std::vector<RouterCommand> cmds;
-    for (const char* id : {"w1", "w2"}) {
-      ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
-      ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
-    }
+    JoinIdle(core, {"w1", "w2"});
     v1::SourceMessage hb;
     hb.mutable_heartbeat()->set_queued_prefill_tokens(50);
     ASSERT_TRUE(core.Handle("w2", FromWire(hb), &cmds).ok());
@@ -317,10 +319,7 @@ TEST(RouterPending, ALongPromptKeepsABlockEvery256TokensAndItsLast) {
   RouterOptions o;
   RouterCore core(o);
   std::vector<RouterCommand> cmds;
-  for (const char* id : {"w1", "w2"}) {
-    ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
-    ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
-  }
+  JoinIdle(core, {"w1", "w2"});
   auto first = core.Route(FromWire(Req(2000)));
   ASSERT_TRUE(first.ok());
   auto dry = [&](v1::RouteRequest r) {
@@ -351,10 +350,7 @@ TEST(RouterPending, PendingBlocksExpireAndLeaveWithTheirWorker) {
   o.pending_ms = 500;
   RouterCore core(o);
   std::vector<RouterCommand> cmds;
-  for (const char* id : {"w1", "w2"}) {
-    ASSERT_TRUE(core.Hello(FromWire(Worker(id)), &cmds).ok());
-    ASSERT_TRUE(core.Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
-  }
+  JoinIdle(core, {"w1", "w2"});
   auto first = core.Route(FromWire(Req(10)));
   ASSERT_TRUE(first.ok());
   auto dry = [&] {

@@ -71,6 +71,9 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   if (!started.ok()) return started.status();
   Cluster& cluster = *started;
   const bool torch = o.engine == "torch";
+  // Only kvtier is a router and a store together (the torch engine does its
+  // own lookups).
+  const bool hint = o.store_hint && mode == "kvtier" && !torch;
   const uint32_t block_tokens = torch ? kTorchBlockTokens : 512;
   const NamespaceSpec& spec = cluster.spec;
   const uint64_t ns = cluster.ns;
@@ -142,7 +145,10 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         // The router in this process: the decision, no round trip.
         const auto asked = Clock::now();
         auto route = cluster.embedded->Route(kvtier::router::FromWire(rr));
-        if (route.ok() && by_endpoint.count(route->endpoint)) w = by_endpoint[route->endpoint];
+        if (route.ok() && by_endpoint.count(route->endpoint)) {
+          w = by_endpoint[route->endpoint];
+          if (hint) req.set_store_hint_blocks(route->store_end);
+        }
         route_ms = std::chrono::duration<double, std::milli>(Clock::now() - asked).count();
       } else if (rstub) {
         const auto asked = Clock::now();
@@ -150,7 +156,10 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
         v1::RouteResponse route;
         grpc::Status s = rstub->Route(&ctx, rr, &route);
-        if (s.ok() && by_endpoint.count(route.endpoint())) w = by_endpoint[route.endpoint()];
+        if (s.ok() && by_endpoint.count(route.endpoint())) {
+          w = by_endpoint[route.endpoint()];
+          if (hint) req.set_store_hint_blocks(route.store_end_blocks());
+        }
         route_ms = std::chrono::duration<double, std::milli>(Clock::now() - asked).count();
       }
       // The sim engine's clock starts at the trace's: the request reaches
@@ -181,6 +190,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       res.verified += resp.verified_blocks();
       res.mismatched += resp.mismatched_blocks();
       res.load_failures += !resp.load_status().empty();
+      res.lookups_skipped += resp.store_lookup_skipped();
       Timed t;
       t.worker = w;
       t.prompt = resp.prompt_tokens();
@@ -295,6 +305,9 @@ int RunReplay(int argc, const char* const* argv) {
   flags.Choice("kvtier-offload", &o.kvtier_offload, {"write-through", "write-back"},
                "The kvtier mode's offload: every computed block as it is computed, or a "
                "block when the GPU pages evict it (round-robin+store writes through)");
+  flags.Bool("store-hint", &o.store_hint,
+             "The kvtier mode's workers skip a store lookup when the router knows the store "
+             "holds nothing past their GPU pages (false: they always look up)");
   flags.Bool("restart-control", &o.restart_control,
              "With --restart-router-at: measure the same windows without restarting (control)");
   std::string kv_wire = "none";

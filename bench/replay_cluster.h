@@ -50,6 +50,10 @@ struct Options {
   // How the kvtier mode's workers offload ("write-through" or
   // "write-back"); round-robin+store always writes through.
   std::string kvtier_offload = "write-through";
+  // The kvtier mode passes the router's store_end_blocks to its workers
+  // (SubmitRequest.store_hint_blocks), which skip a store lookup that can
+  // find nothing the router knows of.
+  bool store_hint = true;
 };
 
 // The torch engine's geometry (kvtier.engine defaults: 2 layers, 2 KV heads

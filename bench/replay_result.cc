@@ -48,6 +48,7 @@ nlohmann::json ToJson(const ModeResult& r) {
       {"verified_blocks", r.verified},
       {"mismatched_blocks", r.mismatched},
       {"load_fallbacks", r.load_failures},
+      {"store_lookups_skipped", r.lookups_skipped},
       {"bytes_moved", r.BytesMoved()},
       {"wire_block_bytes", r.wire_block_bytes},
       {"onboard_gb_per_s", r.onboard_ms > 0 ? r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9 : 0},
@@ -172,11 +173,13 @@ void PrintReport(const ReportHeader& h, const std::vector<ModeResult>& results,
           "    onboarding %.0f ms in %lu loads (pin p50 %.2f ms, of which the store's "
           "handler %.3f ms mean): pin %.0f, lane "
           "wait %.0f, staging wait %.0f, RMA %.0f, checksum %.0f, unpack %.0f, other "
-          "(lookups that found nothing, page allocation, hand-offs, release) %.0f\n",
+          "(lookups that found nothing, page allocation, hand-offs, release) %.0f; %lu "
+          "lookups skipped (the router knew the store held nothing past the GPU pages)\n",
           r.onboard_ms, b.count, Percentile(b.control_each, 0.5), r.store_pin_handler_ms, b.control,
           b.queue, b.staging, b.rma, b.checksum, b.scatter,
-          std::max(0.0, r.onboard_ms - b.control - b.queue - b.staging - b.rma - b.checksum -
-                            b.scatter));
+          std::max(0.0,
+                   r.onboard_ms - b.control - b.queue - b.staging - b.rma - b.checksum - b.scatter),
+          r.lookups_skipped);
       const Breakdown& f = r.offload;
       std::printf(
           "    offloading (background): gather%s %.0f ms, lane wait %.0f, BeginPut+CommitPut "

@@ -61,7 +61,8 @@ struct Breakdown {
 struct ModeResult {
   std::string name;
   uint64_t requests = 0, prompt_tokens = 0, computed = 0, gpu_hit = 0, store_ram = 0,
-           store_disk = 0, verified = 0, mismatched = 0, load_failures = 0, offloaded_blocks = 0;
+           store_disk = 0, verified = 0, mismatched = 0, load_failures = 0, offloaded_blocks = 0,
+           lookups_skipped = 0;  // store lookups skipped on the router's hint
   std::vector<double> ttft;
   // Where each request's TTFT went, in the replay's clock (see Part).
   std::array<std::vector<double>, kParts> parts;

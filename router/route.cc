@@ -158,6 +158,8 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
   r.endpoint = chosen->hello.endpoint;
   r.gpu_blocks = best.gpu_blocks;
   r.store_blocks = best.store_blocks;
+  r.store_end =
+      std::max(match.StoreRun(0), best.store_blocks > 0 ? best.gpu_blocks + best.store_blocks : 0);
   r.prefill_tokens = best.prefill_tokens;
   r.block_tokens = bt;
   r.reason = d.reason;

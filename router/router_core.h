@@ -96,6 +96,10 @@ struct RouteResult {
   std::string endpoint;
   uint32_t gpu_blocks = 0;
   uint32_t store_blocks = 0;
+  // The end of the deepest run of the prompt's blocks the stores hold, from
+  // the start or from gpu_blocks (0: none): a worker holding that many
+  // need not look the store up (SubmitRequest.store_hint_blocks).
+  uint32_t store_end = 0;
   uint64_t prefill_tokens = 0;
   uint32_t block_tokens = 0;
   Reason reason = Reason::kLowestCost;

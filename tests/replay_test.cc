@@ -71,6 +71,10 @@ TEST(Replay, AWholeClusterServesTheTraceAndKvtierComputesLeast) {
             0.0);
   EXPECT_LT(m["kvtier"]["computed_fraction"].get<double>(),
             m["round-robin"]["computed_fraction"].get<double>());
+  // A new conversation's first turn: the router knows the store has none of
+  // it, and the worker does not ask. Without a router every worker asks.
+  EXPECT_GT(m["kvtier"]["store_lookups_skipped"].get<uint64_t>(), 0u);
+  EXPECT_EQ(m["round-robin+store"]["store_lookups_skipped"].get<uint64_t>(), 0u);
   EXPECT_NEAR(m["oracle"]["computed_fraction"].get<double>(),
               IndependentOracleComputedFraction(300), 1e-9);
   EXPECT_GE(m["kvtier"]["computed_fraction"].get<double>() + 1e-9,

@@ -404,6 +404,35 @@ TEST_F(RouterCoreTest, StoreHeldBlocksCountAsFetchable) {
   EXPECT_EQ(r->store_blocks, 7u);
   EXPECT_EQ(r->prefill_tokens, 32u);
   EXPECT_EQ(r->candidates[1].store_blocks, 8u);  // w2 would fetch all eight
+  EXPECT_EQ(r->store_end, 8u);                   // what the worker's lookup may find
+  v1::RouteResponse wire;
+  ToWire(*r, &wire);
+  EXPECT_EQ(wire.store_end_blocks(), 8u);
+}
+
+// A route tells its worker how far the stores' run of the prompt goes, so a
+// worker holding that much skips a lookup that cannot find anything.
+TEST_F(RouterCoreTest, TheStoresRunEndsWhereTheirBlocksEnd) {
+  Join("w1", {0, 1, 2, 3, 4});
+  std::vector<RouterCommand> cmds;
+  v1::Hello store;
+  store.set_source_id("store-0");
+  store.set_kind(v1::SOURCE_STORE);
+  store.set_epoch(1);
+  ASSERT_TRUE(core_.Hello(FromWire(store), &cmds).ok());
+  Send("store-0", Snapshot(0, {0, 1, 2}));
+  v1::RouteRequest req = Req(10);
+  req.set_dry_run(true);  // (a route would leave w1 holding all ten, pending)
+  auto behind = core_.Route(FromWire(req));
+  ASSERT_TRUE(behind.ok());
+  EXPECT_EQ(behind->gpu_blocks, 5u);
+  EXPECT_EQ(behind->store_blocks, 0u);
+  EXPECT_EQ(behind->store_end, 3u);  // w1 holds more: its lookup could find nothing
+  Send("store-0", Stored(1, {5, 6}));
+  auto past = core_.Route(FromWire(req));
+  ASSERT_TRUE(past.ok());
+  EXPECT_EQ(past->store_blocks, 2u);
+  EXPECT_EQ(past->store_end, 7u);  // from w1's five, blocks 5 and 6
 }
 
 // The fetch cost follows the slowest store shard's reported time per block

@@ -107,6 +107,38 @@ TEST_F(WorkerTest, WriteThroughThenAnotherWorkerOnboardsByteExact) {
   EXPECT_EQ(a->stats().offloaded_blocks, 40u);
 }
 
+// A router's hint that the stores hold nothing past the pages skips the
+// lookup; a hint past the pages asks the store, which answers as ever.
+TEST_F(WorkerTest, TheStoreIsAskedOnlyWhenTheHintReachesPastThePages) {
+  auto a = Make(256, "write-through");
+  auto b = Make(256, "none");
+  auto chain = Chain(2, 12);
+  EXPECT_EQ(Serve(*a, 1, chain), 0u);  // the store now holds all twelve
+  auto skipped = a->Begin(2, Chain(3, 12), std::nullopt, /*store_hint=*/0);
+  ASSERT_TRUE(skipped.ok()) << skipped.status();
+  EXPECT_TRUE(skipped->lookup_skipped);
+  EXPECT_EQ(skipped->store_blocks, 0u);
+  a->Finished(2);
+  // A stale hint (the router had not heard of the twelve yet) costs the
+  // hits, never a wrong block.
+  auto stale = b->Begin(3, chain, std::nullopt, /*store_hint=*/0);
+  ASSERT_TRUE(stale.ok()) << stale.status();
+  EXPECT_TRUE(stale->lookup_skipped);
+  EXPECT_EQ(stale->store_blocks, 0u);
+  b->Finished(3);
+  auto asked = b->Begin(4, chain, std::nullopt, /*store_hint=*/12);
+  ASSERT_TRUE(asked.ok()) << asked.status();
+  EXPECT_FALSE(asked->lookup_skipped);
+  EXPECT_EQ(asked->store_blocks, 12u);
+  b->Finished(4);
+  // A worker holding the whole prompt has nothing to look up either way.
+  auto held = a->Begin(5, chain, std::nullopt, /*store_hint=*/12);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_FALSE(held->lookup_skipped);
+  EXPECT_EQ(held->gpu_blocks, 12u);
+  a->Finished(5);
+}
+
 TEST_F(WorkerTest, WriteBackOffloadsEvictedPagesAndSkipsKnownOnes) {
   auto a = Make(32, "write-back");
   // 4 chains of 16 blocks through 32 pages: the first two are evicted.

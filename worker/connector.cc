@@ -159,7 +159,7 @@ absl::Status KvConnector::PinRest(Request* r, std::optional<std::chrono::millise
 
 absl::StatusOr<KvConnector::Match> KvConnector::Begin(
     uint64_t request, std::vector<BlockHash> chain,
-    std::optional<std::chrono::milliseconds> lookup_budget) {
+    std::optional<std::chrono::milliseconds> lookup_budget, std::optional<uint32_t> store_hint) {
   if (!pool_)
     return absl::FailedPreconditionError("Begin needs the connector's own pages; use Lookup");
   if (chain.empty()) return absl::InvalidArgumentError("request has no full block to match");
@@ -167,8 +167,10 @@ absl::StatusOr<KvConnector::Match> KvConnector::Begin(
   r->pages = pool_->MatchAndRef(chain);
   r->gpu_blocks = static_cast<uint32_t>(r->pages.size());
   r->chain = std::move(chain);
-  absl::Status store_status = PinRest(r.get(), lookup_budget);
-  Match m{r->gpu_blocks, r->store_blocks, store_status};
+  const bool skip =
+      store_ && store_hint && r->gpu_blocks >= *store_hint && r->gpu_blocks < r->chain.size();
+  absl::Status store_status = skip ? absl::OkStatus() : PinRest(r.get(), lookup_budget);
+  Match m{r->gpu_blocks, r->store_blocks, store_status, skip};
   std::lock_guard lk(mu_);
   if (requests_.count(request)) {
     for (auto it = r->pages.rbegin(); it != r->pages.rend(); ++it) pool_->Unref(*it);  // tail first

@@ -142,9 +142,10 @@ struct ConnectorStats {
 class KvConnector {
  public:
   struct Match {
-    uint32_t gpu_blocks = 0;    // leading blocks on this worker's pages (now pinned)
-    uint32_t store_blocks = 0;  // blocks after those the store holds
-    absl::Status store_status;  // why the store could not be asked (then store_blocks is 0)
+    uint32_t gpu_blocks = 0;      // leading blocks on this worker's pages (now pinned)
+    uint32_t store_blocks = 0;    // blocks after those the store holds
+    absl::Status store_status;    // why the store could not be asked (then store_blocks is 0)
+    bool lookup_skipped = false;  // the store was not asked (Begin's store_hint)
   };
 
   static absl::StatusOr<std::unique_ptr<KvConnector>> Create(ConnectorOptions options);
@@ -174,9 +175,13 @@ class KvConnector {
   // store unreachable, store_status says why and the engine computes). The
   // store's shard is then skipped for a while (ShardedStoreClient), so a
   // stalled store costs one request its budget, not every request.
-  absl::StatusOr<Match> Begin(
-      uint64_t request, std::vector<BlockHash> chain,
-      std::optional<std::chrono::milliseconds> lookup_budget = std::nullopt);
+  // `store_hint`: the end of the deepest run of the chain's blocks the
+  // stores hold, as a router knows them (RouteResponse.store_end_blocks);
+  // when the pages hold at least that many the store is not asked
+  // (lookup_skipped). A stale hint costs compute, never a wrong block.
+  absl::StatusOr<Match> Begin(uint64_t request, std::vector<BlockHash> chain,
+                              std::optional<std::chrono::milliseconds> lookup_budget = std::nullopt,
+                              std::optional<uint32_t> store_hint = std::nullopt);
 
   // Engine mode. Opens the request over its chain, of which the engine has
   // the first skip_blocks itself, and pins in the store the blocks after

@@ -64,6 +64,7 @@ absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse*
   job->arrival = p.arrival_ms ? *p.arrival_ms : SimNow();
   job->ready = job->arrival;
   job->output_tokens = p.output_tokens;
+  job->store_hint = p.store_hint_blocks;
   job->resp = resp;
   running_++;
   // Until its lookup says how much it computes, the whole prompt counts
@@ -188,9 +189,10 @@ absl::Status SimWorkerService::Onboard(Job& job) {
   // stalled, is given up on and the prompt computed.
   const auto budget = std::chrono::milliseconds(static_cast<int64_t>(
       std::ceil(1000.0 * static_cast<double>(job.prompt) / o_.prefill_tokens_per_s)));
-  auto m = c_->Begin(job.id, job.chain, budget);
+  auto m = c_->Begin(job.id, job.chain, budget, job.store_hint);
   if (!m.ok()) return m.status();
   job.match = *m;
+  job.resp->set_store_lookup_skipped(m->lookup_skipped);
   {
     std::lock_guard lk(mu_);
     job.found_blocks = m->gpu_blocks + m->store_blocks;

@@ -82,6 +82,7 @@ class SimWorkerService final : public WorkerEngine {
     uint64_t id = 0, prompt = 0, queued_tokens = 0;
     uint64_t caller_id = 0;  // the request id its caller gave (0: none)
     uint32_t output_tokens = 0;
+    std::optional<uint32_t> store_hint;  // SubmitRequest.store_hint_blocks
     std::vector<BlockHash> chain;
     double arrival = 0;          // simulated ms
     double ready = 0;            // when it can next be scheduled, simulated ms

@@ -28,6 +28,7 @@ class WorkerServer::Service final : public v1::SimWorker::Service {
     p.hashed = req->prompt_case() == v1::SubmitRequest::kHashes;
     p.output_tokens = req->output_tokens();
     if (req->has_arrival_ms()) p.arrival_ms = req->arrival_ms();
+    if (req->has_store_hint_blocks()) p.store_hint_blocks = req->store_hint_blocks();
     return ToGrpc(engine_->Submit(p, resp));
   }
 

@@ -29,6 +29,7 @@ struct SubmitPrompt {
   bool hashed = false;           // the request gave its own chain instead
   uint32_t output_tokens = 0;
   std::optional<double> arrival_ms;
+  std::optional<uint32_t> store_hint_blocks;  // SubmitRequest.store_hint_blocks
 };
 
 // The engine behind the server. Its methods may run on several gRPC

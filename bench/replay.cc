@@ -147,7 +147,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         auto route = cluster.embedded->Route(kvtier::router::FromWire(rr));
         if (route.ok() && by_endpoint.count(route->endpoint)) {
           w = by_endpoint[route->endpoint];
-          if (hint) req.set_store_hint_blocks(route->store_end);
+          if (hint && route->store_end) req.set_store_hint_blocks(*route->store_end);
         }
         route_ms = std::chrono::duration<double, std::milli>(Clock::now() - asked).count();
       } else if (rstub) {
@@ -158,7 +158,9 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         grpc::Status s = rstub->Route(&ctx, rr, &route);
         if (s.ok() && by_endpoint.count(route.endpoint())) {
           w = by_endpoint[route.endpoint()];
-          if (hint) req.set_store_hint_blocks(route.store_end_blocks());
+          if (hint && route.has_store_end_blocks()) {
+            req.set_store_hint_blocks(route.store_end_blocks());
+          }
         }
         route_ms = std::chrono::duration<double, std::milli>(Clock::now() - asked).count();
       }

@@ -38,20 +38,29 @@ void PrintRouteJson(const v1::RouteResponse& r) {
     basis["store_queue_depth"] = b.store_queue_depth();
     basis["prefill_tokens_per_s"] = b.prefill_tokens_per_s();
   }
-  PrintJson({{"worker", r.worker_id()},
-             {"endpoint", r.endpoint()},
-             {"fetch", basis},
-             {"gpu_hit_blocks", r.gpu_hit_blocks()},
-             {"store_hit_blocks", r.store_hit_blocks()},
-             {"prefill_tokens", r.prefill_tokens()},
-             {"reason", Reason(r.reason())},
-             {"candidates", cands}});
+  nlohmann::json out = {{"worker", r.worker_id()},
+                        {"endpoint", r.endpoint()},
+                        {"fetch", basis},
+                        {"gpu_hit_blocks", r.gpu_hit_blocks()},
+                        {"store_hit_blocks", r.store_hit_blocks()},
+                        {"prefill_tokens", r.prefill_tokens()},
+                        {"reason", Reason(r.reason())},
+                        {"candidates", cands}};
+  // Unknown (no store, or one's snapshot still to come): null.
+  out["store_end_blocks"] =
+      r.has_store_end_blocks() ? nlohmann::json(r.store_end_blocks()) : nlohmann::json(nullptr);
+  PrintJson(out);
 }
 
 void PrintRouteTable(const v1::RouteResponse& r) {
   std::printf("-> %s (%s): %u blocks on GPU, %u from the store, %lu tokens to prefill; %s\n\n",
               r.worker_id().c_str(), r.endpoint().c_str(), r.gpu_hit_blocks(), r.store_hit_blocks(),
               r.prefill_tokens(), Reason(r.reason()));
+  if (r.has_store_end_blocks()) {
+    std::printf("the stores hold the prompt's blocks up to block %u\n\n", r.store_end_blocks());
+  } else {
+    std::printf("what the stores hold is not known yet\n\n");
+  }
   const auto& b = r.fetch_basis();
   if (b.measured()) {
     std::printf(

@@ -84,9 +84,26 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
   if (entries_.load(std::memory_order_relaxed) == 0 || chain.empty()) return;
   stride = std::max<uint32_t>(stride, 1);
   std::shared_lock lk(mu_);
+  // A holder's place among the named workers: a pass over them, or, when
+  // there are many (a fleet's popular prefix), a map built on first use.
+  absl::flat_hash_map<SourceNum, size_t> named;
+  auto named_at = [&](SourceNum num) -> size_t {
+    const auto& depths = match->gpu_depth;
+    if (depths.size() <= kNamedScan) {
+      for (size_t i = 0; i < depths.size(); ++i) {
+        if (depths[i].first == num) return i;
+      }
+      return depths.size();
+    }
+    if (named.empty()) {
+      for (size_t i = 0; i < depths.size(); ++i) named.emplace(depths[i].first, i);
+    }
+    auto it = named.find(num);
+    return it == named.end() ? depths.size() : it->second;
+  };
   auto depth_of = [&](SourceNum num) -> uint32_t {
-    for (const auto& [s, d] : match->gpu_depth) {
-      if (s == num) return d;
+    if (const size_t i = named_at(num); i < match->gpu_depth.size()) {
+      return match->gpu_depth[i].second;
     }
     for (const auto& g : match->groups) {
       if (index.InGroup(g, num)) return g.depth;
@@ -113,6 +130,7 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
   for (const auto& [s, d] : match->gpu_depth) start_at(d);
   for (const auto& g : match->groups) start_at(g.depth);
   absl::InlinedVector<std::pair<SourceNum, uint32_t>, 4> deeper;
+  absl::flat_hash_map<SourceNum, size_t> deeper_at;  // where each is in `deeper`
   for (uint32_t from : starts) {
     const uint32_t at = std::min<uint32_t>(static_cast<uint32_t>(Sampled(from, stride)), n - 1);
     auto found = map_.find(BlockKey{ns, chain[at]});
@@ -135,16 +153,28 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
       }
       const uint32_t d = last + 1;
       if (d <= depth_of(e.num)) continue;
-      auto known = std::find_if(deeper.begin(), deeper.end(),
-                                [&](const auto& x) { return x.first == e.num; });
-      if (known == deeper.end()) {
-        deeper.emplace_back(e.num, d);
+      size_t k = deeper.size();
+      if (deeper.size() <= kNamedScan) {
+        for (size_t i = 0; i < deeper.size(); ++i) {
+          if (deeper[i].first == e.num) k = i;
+        }
       } else {
-        known->second = std::max(known->second, d);
+        if (deeper_at.empty()) {
+          for (size_t i = 0; i < deeper.size(); ++i) deeper_at.emplace(deeper[i].first, i);
+        }
+        if (auto it = deeper_at.find(e.num); it != deeper_at.end()) k = it->second;
+      }
+      if (k < deeper.size()) {
+        deeper[k].second = std::max(deeper[k].second, d);
+      } else {
+        if (!deeper_at.empty()) deeper_at.emplace(e.num, deeper.size());
+        deeper.emplace_back(e.num, d);
       }
     }
   }
+  // (Each worker once: a named one's depth is read before it is set.)
   for (const auto& [num, d] : deeper) {
+    const size_t at_named = named_at(num);
     const uint32_t was = depth_of(num);
     // The store's run from d: what a run from the worker's old depth (or
     // from 0) covers past d.
@@ -152,7 +182,11 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
     for (const auto& [at, r] : match->store_runs) {
       if ((at == was || at == 0) && at + r > d) run = std::max(run, at + r - d);
     }
-    Set(match->gpu_depth, num, d);
+    if (at_named < match->gpu_depth.size()) {
+      match->gpu_depth[at_named].second = d;
+    } else {
+      match->gpu_depth.emplace_back(num, d);
+    }
     if (match->StoreRun(d) < run) Set(match->store_runs, d, run);
   }
 }

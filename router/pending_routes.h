@@ -35,6 +35,8 @@ class PendingRoutes {
   using Clock = std::chrono::steady_clock;
   // At most this many (worker, block) pairs are kept: past it the oldest go.
   static constexpr size_t kMaxBlocks = size_t{1} << 20;
+  // Up to this many workers named in a match are scanned; more are mapped.
+  static constexpr size_t kNamedScan = 16;
 
   explicit PendingRoutes(std::chrono::milliseconds ttl) : ttl_(ttl) {}
 

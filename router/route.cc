@@ -158,8 +158,13 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
   r.endpoint = chosen->hello.endpoint;
   r.gpu_blocks = best.gpu_blocks;
   r.store_blocks = best.store_blocks;
-  r.store_end =
-      std::max(match.StoreRun(0), best.store_blocks > 0 ? best.gpu_blocks + best.store_blocks : 0);
+  if (StoresKnown()) {
+    uint32_t end = 0;
+    for (const auto& [at, run] : match.store_runs) {
+      if (run > 0) end = std::max(end, at + run);
+    }
+    r.store_end = end;
+  }
   r.prefill_tokens = best.prefill_tokens;
   r.block_tokens = bt;
   r.reason = d.reason;

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -96,10 +97,12 @@ struct RouteResult {
   std::string endpoint;
   uint32_t gpu_blocks = 0;
   uint32_t store_blocks = 0;
-  // The end of the deepest run of the prompt's blocks the stores hold, from
-  // the start or from gpu_blocks (0: none): a worker holding that many
-  // need not look the store up (SubmitRequest.store_hint_blocks).
-  uint32_t store_end = 0;
+  // The end of the deepest run of the prompt's blocks the stores hold, of
+  // the runs matched (from the start and from the candidates' depths; 0:
+  // none): a worker holding that many need not look the store up
+  // (SubmitRequest.store_hint_blocks). Unset while the router does not know
+  // what the stores hold (none registered, or a snapshot still to come).
+  std::optional<uint32_t> store_end;
   uint64_t prefill_tokens = 0;
   uint32_t block_tokens = 0;
   Reason reason = Reason::kLowestCost;
@@ -134,6 +137,15 @@ class RouterCore {
  private:
   // Recomputes slowest_store_ from the store shards' last heartbeats.
   void UpdateStoreFetch();
+  // Whether the index knows what the stores hold: some store shard
+  // registered, and none waiting for its snapshot. REQUIRES: mu_ held.
+  bool StoresKnown() const {
+    if (store_nums_.empty()) return false;
+    for (SourceNum n : store_nums_) {
+      if (sources_.ByNum(n)->resyncing) return false;
+    }
+    return true;
+  }
   // A worker's reported prefill rate changes (0: none).
   void SetPrefillRate(Source& s, double tokens_per_s);
   void Heartbeat(Source& s, const SourceLoad& load);

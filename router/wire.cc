@@ -161,7 +161,7 @@ void ToWire(const RouteResult& r, v1::RouteResponse* out) {
   out->set_endpoint(r.endpoint);
   out->set_gpu_hit_blocks(r.gpu_blocks);
   out->set_store_hit_blocks(r.store_blocks);
-  out->set_store_end_blocks(r.store_end);
+  if (r.store_end) out->set_store_end_blocks(*r.store_end);
   out->set_prefill_tokens(r.prefill_tokens);
   out->set_reason(ToWire(r.reason));
   out->set_block_tokens(r.block_tokens);

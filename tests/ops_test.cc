@@ -197,6 +197,7 @@ TEST_F(Ops, LookupWorkersAndRoute) {
   j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["worker"], "w1");
   EXPECT_EQ(j["gpu_hit_blocks"].get<uint64_t>(), 6u);
+  EXPECT_TRUE(j.contains("store_end_blocks")) << r.out;  // a number, or null while unknown
   EXPECT_EQ(j["candidates"].size(), 1u);
   r = Kvctl("route --namespace " + ns_ + " --tokens " + dir_.sub("tokens.txt"), stores_env_);
   EXPECT_NE(r.out.find("candidate"), std::string::npos) << r.out;

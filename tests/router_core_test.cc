@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <random>
+#include <set>
 
 namespace kvtier::router {
 namespace {
@@ -310,6 +311,68 @@ TEST(RouterPending, ABurstSharingAPrefixIsCostedAsItsWorkerWillRunIt) {
   }
 }
 
+// The same on a fleet whose every worker holds the prompt's first blocks
+// (more than Deepen scans: it maps them): the burst's second request
+// follows the first, and the others stay at the depth they hold.
+TEST(RouterPending, ABurstOnAFleetSharingAPrefixFollowsItsFirstRequest) {
+  RouterOptions o;
+  RouterCore core(o);
+  std::vector<RouterCommand> cmds;
+  std::vector<std::string> ids;
+  for (int i = 0; i < 40; ++i) {
+    ids.push_back("w" + std::to_string(i));
+    ASSERT_TRUE(core.Hello(FromWire(Worker(ids.back())), &cmds).ok());
+    ASSERT_TRUE(core.Handle(ids.back(), FromWire(Snapshot(0, {0, 1, 2, 3})), &cmds).ok());
+  }
+  auto first = core.Route(FromWire(Req(40)));
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->gpu_blocks, 4u);
+  // The others a little busy (an idle fleet would tie: the first request's
+  // compute is in its worker's load).
+  v1::SourceMessage hb;
+  hb.mutable_heartbeat()->set_queued_prefill_tokens(50);
+  for (const auto& id : ids) {
+    if (id == first->worker_id) continue;
+    ASSERT_TRUE(core.Handle(id, FromWire(hb), &cmds).ok());
+  }
+  v1::RouteRequest next = Req(41);
+  next.set_dry_run(true);
+  next.set_max_candidates(40);
+  auto second = core.Route(FromWire(next));
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->worker_id, first->worker_id);
+  EXPECT_EQ(second->gpu_blocks, 40u);
+  EXPECT_EQ(second->prefill_tokens, 16u);
+  ASSERT_EQ(second->candidates.size(), 40u);
+  for (const auto& c : second->candidates) {
+    EXPECT_EQ(c.gpu_blocks, c.worker_id == first->worker_id ? 40u : 4u) << c.worker_id;
+  }
+}
+
+// Deepen on many holders (past the few it scans): each worker once, at the
+// end of its pending run; a named worker in place, one not named added.
+TEST(RouterPending, DeepenNamesEachOfManyWorkersOnceAtItsPendingDepth) {
+  PendingRoutes pending(std::chrono::milliseconds(2000));
+  PrefixIndex index;
+  std::vector<BlockHash> chain;
+  for (uint64_t i = 0; i < 10; ++i) chain.push_back(H(i));
+  const auto now = PendingRoutes::Clock::now();
+  // Workers 0..39 hold the first four; 0..29 have the rest pending, and
+  // 40..59 (holding nothing) the whole prompt.
+  for (SourceNum w = 0; w < 30; ++w) pending.Add(kNs, w, ChainView(chain), 4, 1, now);
+  for (SourceNum w = 40; w < 60; ++w) pending.Add(kNs, w, ChainView(chain), 0, 1, now);
+  PrefixMatch m;
+  for (SourceNum w = 0; w < 40; ++w) m.gpu_depth.emplace_back(w, 4);
+  m.store_runs.emplace_back(0, 0);
+  pending.Deepen(kNs, ChainView(chain), 1, index, &m, now);
+  ASSERT_EQ(m.gpu_depth.size(), 60u);
+  std::set<SourceNum> seen;
+  for (const auto& [w, d] : m.gpu_depth) {
+    EXPECT_TRUE(seen.insert(w).second) << "worker " << w << " named twice";
+    EXPECT_EQ(d, w >= 30 && w < 40 ? 4u : 10u) << "worker " << w;
+  }
+}
+
 TEST(RouterPending, ALongPromptKeepsABlockEvery256TokensAndItsLast) {
   // 16-token blocks: a route keeps every 16th block and the last. Another
   // prompt sharing 1,500 of its 2,000 blocks then finds the worker's run
@@ -414,15 +477,25 @@ TEST_F(RouterCoreTest, StoreHeldBlocksCountAsFetchable) {
 // worker holding that much skips a lookup that cannot find anything.
 TEST_F(RouterCoreTest, TheStoresRunEndsWhereTheirBlocksEnd) {
   Join("w1", {0, 1, 2, 3, 4});
+  v1::RouteRequest req = Req(10);
+  req.set_dry_run(true);  // (a route would leave w1 holding all ten, pending)
+  // No store known: no hint (a worker must look up).
+  auto unknown = core_.Route(FromWire(req));
+  ASSERT_TRUE(unknown.ok());
+  EXPECT_FALSE(unknown->store_end.has_value());
+  v1::RouteResponse wire;
+  ToWire(*unknown, &wire);
+  EXPECT_FALSE(wire.has_store_end_blocks());
   std::vector<RouterCommand> cmds;
   v1::Hello store;
   store.set_source_id("store-0");
   store.set_kind(v1::SOURCE_STORE);
   store.set_epoch(1);
   ASSERT_TRUE(core_.Hello(FromWire(store), &cmds).ok());
+  auto syncing = core_.Route(FromWire(req));  // its snapshot still to come
+  ASSERT_TRUE(syncing.ok());
+  EXPECT_FALSE(syncing->store_end.has_value());
   Send("store-0", Snapshot(0, {0, 1, 2}));
-  v1::RouteRequest req = Req(10);
-  req.set_dry_run(true);  // (a route would leave w1 holding all ten, pending)
   auto behind = core_.Route(FromWire(req));
   ASSERT_TRUE(behind.ok());
   EXPECT_EQ(behind->gpu_blocks, 5u);

@@ -113,30 +113,42 @@ TEST_F(WorkerTest, TheStoreIsAskedOnlyWhenTheHintReachesPastThePages) {
   auto a = Make(256, "write-through");
   auto b = Make(256, "none");
   auto chain = Chain(2, 12);
+  const std::vector<BlockHash> head(chain.begin(), chain.begin() + 6);
   EXPECT_EQ(Serve(*a, 1, chain), 0u);  // the store now holds all twelve
-  auto skipped = a->Begin(2, Chain(3, 12), std::nullopt, /*store_hint=*/0);
-  ASSERT_TRUE(skipped.ok()) << skipped.status();
-  EXPECT_TRUE(skipped->lookup_skipped);
-  EXPECT_EQ(skipped->store_blocks, 0u);
-  a->Finished(2);
+  EXPECT_EQ(Serve(*b, 2, head), 6u);   // b's pages hold the first six
+  // The hint ends where b's pages do: not asked.
+  auto at = b->Begin(3, chain, std::nullopt, /*store_hint=*/6);
+  ASSERT_TRUE(at.ok()) << at.status();
+  EXPECT_EQ(at->gpu_blocks, 6u);
+  EXPECT_TRUE(at->lookup_skipped);
+  EXPECT_EQ(at->store_blocks, 0u);
+  b->Finished(3);
+  // One block past them: asked, and the store has the other six.
+  auto past = b->Begin(4, chain, std::nullopt, /*store_hint=*/7);
+  ASSERT_TRUE(past.ok()) << past.status();
+  EXPECT_FALSE(past->lookup_skipped);
+  EXPECT_EQ(past->store_blocks, 6u);
+  b->Finished(4);
+  // No hint: asked.
+  auto none = b->Begin(5, chain);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->lookup_skipped);
+  EXPECT_EQ(none->store_blocks, 6u);
+  b->Finished(5);
   // A stale hint (the router had not heard of the twelve yet) costs the
   // hits, never a wrong block.
-  auto stale = b->Begin(3, chain, std::nullopt, /*store_hint=*/0);
+  auto c = Make(256, "none");
+  auto stale = c->Begin(6, chain, std::nullopt, /*store_hint=*/0);
   ASSERT_TRUE(stale.ok()) << stale.status();
   EXPECT_TRUE(stale->lookup_skipped);
-  EXPECT_EQ(stale->store_blocks, 0u);
-  b->Finished(3);
-  auto asked = b->Begin(4, chain, std::nullopt, /*store_hint=*/12);
-  ASSERT_TRUE(asked.ok()) << asked.status();
-  EXPECT_FALSE(asked->lookup_skipped);
-  EXPECT_EQ(asked->store_blocks, 12u);
-  b->Finished(4);
+  EXPECT_EQ(stale->gpu_blocks + stale->store_blocks, 0u);
+  c->Finished(6);
   // A worker holding the whole prompt has nothing to look up either way.
-  auto held = a->Begin(5, chain, std::nullopt, /*store_hint=*/12);
+  auto held = a->Begin(7, chain, std::nullopt, /*store_hint=*/12);
   ASSERT_TRUE(held.ok()) << held.status();
   EXPECT_FALSE(held->lookup_skipped);
   EXPECT_EQ(held->gpu_blocks, 12u);
-  a->Finished(5);
+  a->Finished(7);
 }
 
 TEST_F(WorkerTest, WriteBackOffloadsEvictedPagesAndSkipsKnownOnes) {

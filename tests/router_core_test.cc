@@ -96,6 +96,15 @@ class RouterCoreTest : public ::testing::Test {
     EXPECT_EQ(cmds[0].reason, "unknown source");
     Send(id, Snapshot(0, blocks));
   }
+  // A store shard says hello; its snapshot is still to come.
+  void HelloStore(const std::string& id) {
+    std::vector<RouterCommand> cmds;
+    v1::Hello store;
+    store.set_source_id(id);
+    store.set_kind(v1::SOURCE_STORE);
+    store.set_epoch(1);
+    ASSERT_TRUE(core_.Hello(FromWire(store), &cmds).ok());
+  }
   std::vector<RouterCommand> Send(const std::string& id, const v1::SourceMessage& m) {
     std::vector<RouterCommand> cmds;
     auto s = core_.Handle(id, FromWire(m), &cmds);
@@ -453,12 +462,7 @@ TEST(RouterPending, PendingBlocksExpireAndLeaveWithTheirWorker) {
 TEST_F(RouterCoreTest, StoreHeldBlocksCountAsFetchable) {
   Join("w1", {0});
   Join("w2", {});
-  std::vector<RouterCommand> cmds;
-  v1::Hello store;
-  store.set_source_id("store-0");
-  store.set_kind(v1::SOURCE_STORE);
-  store.set_epoch(1);
-  ASSERT_TRUE(core_.Hello(FromWire(store), &cmds).ok());
+  HelloStore("store-0");
   Send("store-0", Snapshot(0, {0, 1, 2, 3, 4, 5, 6, 7}));
   auto r = core_.Route(FromWire(Req(10)));
   ASSERT_TRUE(r.ok());
@@ -486,12 +490,7 @@ TEST_F(RouterCoreTest, TheStoresRunEndsWhereTheirBlocksEnd) {
   v1::RouteResponse wire;
   ToWire(*unknown, &wire);
   EXPECT_FALSE(wire.has_store_end_blocks());
-  std::vector<RouterCommand> cmds;
-  v1::Hello store;
-  store.set_source_id("store-0");
-  store.set_kind(v1::SOURCE_STORE);
-  store.set_epoch(1);
-  ASSERT_TRUE(core_.Hello(FromWire(store), &cmds).ok());
+  HelloStore("store-0");
   auto syncing = core_.Route(FromWire(req));  // its snapshot still to come
   ASSERT_TRUE(syncing.ok());
   EXPECT_FALSE(syncing->store_end.has_value());
@@ -515,11 +514,7 @@ TEST_F(RouterCoreTest, FetchCostFollowsStoreAndWorkerFigures) {
   Join("w2", {});
   std::vector<RouterCommand> cmds;
   for (const char* id : {"store-0", "store-1"}) {
-    v1::Hello store;
-    store.set_source_id(id);
-    store.set_kind(v1::SOURCE_STORE);
-    store.set_epoch(1);
-    ASSERT_TRUE(core_.Hello(FromWire(store), &cmds).ok());
+    HelloStore(id);
     Send(id, Snapshot(0, {0, 1, 2, 3, 4, 5, 6, 7}));
   }
   auto r = core_.Route(FromWire(Req(10)));

@@ -112,43 +112,36 @@ TEST_F(WorkerTest, WriteThroughThenAnotherWorkerOnboardsByteExact) {
 TEST_F(WorkerTest, TheStoreIsAskedOnlyWhenTheHintReachesPastThePages) {
   auto a = Make(256, "write-through");
   auto b = Make(256, "none");
+  auto c = Make(256, "none");
   auto chain = Chain(2, 12);
   const std::vector<BlockHash> head(chain.begin(), chain.begin() + 6);
   EXPECT_EQ(Serve(*a, 1, chain), 0u);  // the store now holds all twelve
   EXPECT_EQ(Serve(*b, 2, head), 6u);   // b's pages hold the first six
-  // The hint ends where b's pages do: not asked.
-  auto at = b->Begin(3, chain, std::nullopt, /*store_hint=*/6);
-  ASSERT_TRUE(at.ok()) << at.status();
-  EXPECT_EQ(at->gpu_blocks, 6u);
-  EXPECT_TRUE(at->lookup_skipped);
-  EXPECT_EQ(at->store_blocks, 0u);
-  b->Finished(3);
-  // One block past them: asked, and the store has the other six.
-  auto past = b->Begin(4, chain, std::nullopt, /*store_hint=*/7);
-  ASSERT_TRUE(past.ok()) << past.status();
-  EXPECT_FALSE(past->lookup_skipped);
-  EXPECT_EQ(past->store_blocks, 6u);
-  b->Finished(4);
-  // No hint: asked.
-  auto none = b->Begin(5, chain);
-  ASSERT_TRUE(none.ok()) << none.status();
-  EXPECT_FALSE(none->lookup_skipped);
-  EXPECT_EQ(none->store_blocks, 6u);
-  b->Finished(5);
-  // A stale hint (the router had not heard of the twelve yet) costs the
-  // hits, never a wrong block.
-  auto c = Make(256, "none");
-  auto stale = c->Begin(6, chain, std::nullopt, /*store_hint=*/0);
-  ASSERT_TRUE(stale.ok()) << stale.status();
-  EXPECT_TRUE(stale->lookup_skipped);
-  EXPECT_EQ(stale->gpu_blocks + stale->store_blocks, 0u);
-  c->Finished(6);
-  // A worker holding the whole prompt has nothing to look up either way.
-  auto held = a->Begin(7, chain, std::nullopt, /*store_hint=*/12);
-  ASSERT_TRUE(held.ok()) << held.status();
-  EXPECT_FALSE(held->lookup_skipped);
-  EXPECT_EQ(held->gpu_blocks, 12u);
-  a->Finished(7);
+  struct Case {
+    const char* what;
+    KvConnector* worker;
+    std::optional<uint32_t> hint;
+    bool skipped;
+    uint32_t gpu, store;
+  };
+  const Case cases[] = {
+      {"the hint ends where the pages do: not asked", b.get(), 6, true, 6, 0},
+      {"one block past them: asked, the store has six", b.get(), 7, false, 6, 6},
+      {"no hint: asked", b.get(), std::nullopt, false, 6, 6},
+      // (the router had not heard of the twelve yet: costs the hits, never a wrong block)
+      {"a stale hint: not asked", c.get(), 0, true, 0, 0},
+      {"the whole prompt on the pages: nothing to ask", a.get(), 12, false, 12, 0},
+  };
+  uint64_t id = 10;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    auto m = k.worker->Begin(++id, chain, std::nullopt, k.hint);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(m->lookup_skipped, k.skipped);
+    EXPECT_EQ(m->gpu_blocks, k.gpu);
+    EXPECT_EQ(m->store_blocks, k.store);
+    k.worker->Finished(id);
+  }
 }
 
 TEST_F(WorkerTest, WriteBackOffloadsEvictedPagesAndSkipsKnownOnes) {

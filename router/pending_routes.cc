@@ -16,6 +16,31 @@ void Set(std::vector<std::pair<K, V>>& list, K key, V value) {
   }
   list.emplace_back(key, value);
 }
+
+// Where a worker is in a list of (worker, depth) pairs (list.size() when
+// absent): a pass over a short list, a map over a long one (a fleet's
+// popular prefix), which takes in entries appended since the last call.
+template <class List>
+class PlaceOf {
+ public:
+  explicit PlaceOf(const List& list) : list_(list) {}
+  size_t operator()(SourceNum num) {
+    if (list_.size() <= PendingRoutes::kNamedScan) {
+      for (size_t i = 0; i < list_.size(); ++i) {
+        if (list_[i].first == num) return i;
+      }
+      return list_.size();
+    }
+    for (; mapped_ < list_.size(); ++mapped_) map_.emplace(list_[mapped_].first, mapped_);
+    auto it = map_.find(num);
+    return it == map_.end() ? list_.size() : it->second;
+  }
+
+ private:
+  const List& list_;
+  absl::flat_hash_map<SourceNum, size_t> map_;
+  size_t mapped_ = 0;
+};
 }  // namespace
 
 void PendingRoutes::ExpireLocked(Clock::time_point now) {
@@ -84,23 +109,7 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
   if (entries_.load(std::memory_order_relaxed) == 0 || chain.empty()) return;
   stride = std::max<uint32_t>(stride, 1);
   std::shared_lock lk(mu_);
-  // A holder's place among the named workers: a pass over them, or, when
-  // there are many (a fleet's popular prefix), a map built on first use.
-  absl::flat_hash_map<SourceNum, size_t> named;
-  auto named_at = [&](SourceNum num) -> size_t {
-    const auto& depths = match->gpu_depth;
-    if (depths.size() <= kNamedScan) {
-      for (size_t i = 0; i < depths.size(); ++i) {
-        if (depths[i].first == num) return i;
-      }
-      return depths.size();
-    }
-    if (named.empty()) {
-      for (size_t i = 0; i < depths.size(); ++i) named.emplace(depths[i].first, i);
-    }
-    auto it = named.find(num);
-    return it == named.end() ? depths.size() : it->second;
-  };
+  PlaceOf named_at(match->gpu_depth);
   auto depth_of = [&](SourceNum num) -> uint32_t {
     if (const size_t i = named_at(num); i < match->gpu_depth.size()) {
       return match->gpu_depth[i].second;
@@ -130,7 +139,7 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
   for (const auto& [s, d] : match->gpu_depth) start_at(d);
   for (const auto& g : match->groups) start_at(g.depth);
   absl::InlinedVector<std::pair<SourceNum, uint32_t>, 4> deeper;
-  absl::flat_hash_map<SourceNum, size_t> deeper_at;  // where each is in `deeper`
+  PlaceOf deeper_at(deeper);
   for (uint32_t from : starts) {
     const uint32_t at = std::min<uint32_t>(static_cast<uint32_t>(Sampled(from, stride)), n - 1);
     auto found = map_.find(BlockKey{ns, chain[at]});
@@ -153,21 +162,9 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
       }
       const uint32_t d = last + 1;
       if (d <= depth_of(e.num)) continue;
-      size_t k = deeper.size();
-      if (deeper.size() <= kNamedScan) {
-        for (size_t i = 0; i < deeper.size(); ++i) {
-          if (deeper[i].first == e.num) k = i;
-        }
-      } else {
-        if (deeper_at.empty()) {
-          for (size_t i = 0; i < deeper.size(); ++i) deeper_at.emplace(deeper[i].first, i);
-        }
-        if (auto it = deeper_at.find(e.num); it != deeper_at.end()) k = it->second;
-      }
-      if (k < deeper.size()) {
+      if (const size_t k = deeper_at(e.num); k < deeper.size()) {
         deeper[k].second = std::max(deeper[k].second, d);
       } else {
-        if (!deeper_at.empty()) deeper_at.emplace(e.num, deeper.size());
         deeper.emplace_back(e.num, d);
       }
     }

@@ -245,10 +245,11 @@ class Chaos {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
     };
     sleep(phase_s_);
-    absl::Status injected = sc.inject();
+    // Interrupted: no fault is injected (or healed) on the way out.
+    absl::Status injected = g_stop ? absl::OkStatus() : sc.inject();
     phase = 1;
     sleep(phase_s_);
-    absl::Status heal_status = sc.heal();
+    absl::Status heal_status = g_stop ? absl::OkStatus() : sc.heal();
     const Clock::time_point healed = Clock::now();
     healed_at = healed.time_since_epoch().count();
     phase = 2;
@@ -326,7 +327,16 @@ class Chaos {
     return m;
   }
 
+  // The client's channels go first: an idle gRPC client reads a server's
+  // GOAWAY only when its backup poller runs (every 5 s), and a server's
+  // graceful shutdown waits for that connection to close (up to its 2 s
+  // grace). Then every server is sent SIGTERM at once and reaped.
   void Stop() {
+    workers_.clear();
+    router_stub_.reset();
+    for (auto& w : worker_) w->Terminate();
+    for (auto& s : store_) s->Terminate();
+    if (router_) router_->Terminate();
     for (auto& w : worker_) w->Stop();
     for (auto& s : store_) s->Stop();
     if (router_) router_->Stop();
@@ -394,6 +404,11 @@ int RunChaos(int argc, const char* const* argv) {
   chaos.set_namespace(
       NamespaceId(NamespaceSpec{"mooncake-trace", "fp16", 1, 1, 32, 512, 0, 1, "", "", ""}));
   if (auto s = chaos.Setup(dir.path()); !s.ok()) {
+    chaos.Stop();
+    if (g_stop) {
+      std::fprintf(stderr, "kvtier-bench chaos: interrupted; namespaces removed\n");
+      return 130;
+    }
     std::fprintf(stderr, "kvtier-bench chaos: %s\n", std::string(s.message()).c_str());
     return 1;
   }

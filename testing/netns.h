@@ -165,6 +165,11 @@ class NetnsServer {
   void Stop() {
     if (proc_) proc_->Kill(SIGTERM);
   }
+  // Sends SIGTERM without waiting: servers stopped together shut down in
+  // parallel (each may wait out its own grace period); Stop() then reaps.
+  void Terminate() {
+    if (proc_ && proc_->running()) ::kill(proc_->pid(), SIGTERM);
+  }
   const NetnsLab::Host& host() const { return host_; }
 
  private:

@@ -71,9 +71,8 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   if (!started.ok()) return started.status();
   Cluster& cluster = *started;
   const bool torch = o.engine == "torch";
-  // Only kvtier is a router and a store together (the torch engine does its
-  // own lookups).
-  const bool hint = o.store_hint && mode == "kvtier" && !torch;
+  // Only kvtier is a router and a store together.
+  const bool hint = o.store_hint && mode == "kvtier";
   const uint32_t block_tokens = torch ? kTorchBlockTokens : 512;
   const NamespaceSpec& spec = cluster.spec;
   const uint64_t ns = cluster.ns;

@@ -125,6 +125,10 @@ TEST(Replay, TheTorchEngineServesTheTraceWithRealComputeAndLoadsVerifiedBlocks) 
             m["round-robin"]["computed_fraction"].get<double>());
   EXPECT_LT(m["kvtier"]["computed_fraction"].get<double>(),
             m["round-robin"]["computed_fraction"].get<double>());
+  // The router's store hint reaches the torch engine: a second turn routed
+  // to the worker holding its first skips the lookup, as does a new prompt.
+  EXPECT_GT(m["kvtier"]["store_lookups_skipped"].get<uint64_t>(), 0u);
+  EXPECT_EQ(m["round-robin+store"]["store_lookups_skipped"].get<uint64_t>(), 0u);
 }
 
 }  // namespace

@@ -129,14 +129,20 @@ class SchedulerHalf:
         self._reqs: dict[int, _Tracked] = {}
         self._step = StepMeta()
         self.lookup_errors = 0
+        self.lookups_skipped = 0
 
     def num_loadable_tokens(self, request: int, hashes: np.ndarray,
-                            prompt_tokens: int, num_computed_tokens: int
-                            ) -> int:
+                            prompt_tokens: int, num_computed_tokens: int,
+                            store_hint: Optional[int] = None) -> int:
         """Tokens after ``num_computed_tokens`` (the engine's own prefix, a
         multiple of block_tokens) that the store can supply; at least the
         prompt's last token is always left to compute. A store that cannot
-        be asked supplies nothing (counted in ``lookup_errors``)."""
+        be asked supplies nothing (counted in ``lookup_errors``).
+        ``store_hint``: how far, in blocks from the prompt's start, a router
+        knows the stores hold the prompt (``RouteResponse.store_end_blocks``;
+        None: unknown). When the engine's own prefix reaches it the store is
+        not asked and nothing is loadable (counted in ``lookups_skipped``); a
+        stale hint costs compute, never a wrong byte."""
         bt = self.block_tokens
         skip = num_computed_tokens // bt
         t = self._reqs.get(request)
@@ -147,6 +153,9 @@ class SchedulerHalf:
         t.loadable = 0
         limit = min((prompt_tokens - 1) // bt, len(hashes))
         if self.store is None or skip >= limit:
+            return 0
+        if store_hint is not None and skip >= store_hint:
+            self.lookups_skipped += 1
             return 0
         try:
             # From the engine's prefix on: the store may have lost blocks the

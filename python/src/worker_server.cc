@@ -138,6 +138,7 @@ class PyEngine final : public worker::WorkerEngine {
       d["request_id"] = p.request_id;
       d["prompt_tokens"] = p.prompt.prompt_tokens;
       d["output_tokens"] = p.output_tokens;
+      d["store_hint_blocks"] = p.store_hint_blocks ? py::cast(*p.store_hint_blocks) : py::none();
       d["tokens"] = py::none();
       d["hashes"] = py::none();
       if (!p.tokens.empty()) {

@@ -343,3 +343,57 @@ def test_the_python_server_serves_tls(tmp_path: Path) -> None:
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop()
+
+
+def test_a_store_hint_spares_the_lookup_only_when_the_pages_reach_it(
+        store, tmp_path: Path) -> None:
+    """``SubmitRequest.store_hint_blocks`` (a router's ``store_end_blocks``)
+    reaches the torch engine: at or below its own prefix the store is not
+    asked, so blocks the store does hold are not loaded (a stale hint costs
+    compute); past it, or without one, they are."""
+    import kvtier
+    from kvtier.engine.engine import EngineConfig, namespace_for
+    from kvtier.engine.model import ModelConfig
+
+    engine, eaddr = _serve([str(BUILD / "python" / "kvtier-torch-engine"),
+                            "--listen=127.0.0.1:0", f"--store={store.address}",
+                            "--pages=256", "--worker-id=torch-hint"],
+                           tmp_path, "engine")
+    try:
+        worker = worker_pb2_grpc.SimWorkerStub(grpc.insecure_channel(eaddr))
+        ns = namespace_for(ModelConfig(), EngineConfig(page_tokens=16))
+        rng = np.random.default_rng(11)
+
+        def prompt_in_store() -> list[int]:
+            """160 tokens whose 10 blocks the store holds (zeros)."""
+            tokens = rng.integers(0, 4096, 160).tolist()
+            hashes = kvtier.hash_tokens(ns, tokens)
+            c = kvtier.StoreClient([store.address])
+            c.register_namespace(ns)
+            data = np.zeros(len(hashes) * ns.block_bytes, dtype=np.uint8)
+            assert c.put(ns, hashes, data)["written"] == 10
+            return tokens
+
+        def submit(tokens: list[int], rid: int,
+                   hint: int | None) -> worker_pb2.SubmitResponse:
+            req = worker_pb2.SubmitRequest(request_id=rid, output_tokens=1)
+            req.tokens.ids.extend(tokens)
+            if hint is not None:
+                req.store_hint_blocks = hint
+            return worker.Submit(req, timeout=60)
+
+        # Hint 0, no pages: the store is not asked; all 160 computed.
+        r = submit(prompt_in_store(), 1, 0)
+        assert r.store_lookup_skipped
+        assert r.onboarded_tokens == 0 and r.prefill_tokens == 160
+        # Hint 1 reaches past the (empty) pages: asked, 9 blocks loaded (the
+        # last token is always computed).
+        r = submit(prompt_in_store(), 2, 1)
+        assert not r.store_lookup_skipped
+        assert r.onboarded_tokens == 144 and r.prefill_tokens == 16
+        # No hint: asked as before.
+        r = submit(prompt_in_store(), 3, None)
+        assert not r.store_lookup_skipped and r.onboarded_tokens == 144
+    finally:
+        os.kill(engine.pid, signal.SIGTERM)
+        assert engine.wait(timeout=30) == 0

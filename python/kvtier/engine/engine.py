@@ -100,6 +100,7 @@ class Result:
     decode_ms: float
     first_logits: torch.Tensor
     load_times: dict[str, float] = field(default_factory=dict)
+    store_lookup_skipped: bool = False
 
 
 class _Pages:
@@ -220,6 +221,8 @@ class _Request:
     first_logits: Optional[torch.Tensor] = None
     error: Optional[BaseException] = None
     caller_id: int = 0            # the id its caller gave (0: none)
+    store_hint: Optional[int] = None  # the router's store_end_blocks
+    lookup_skipped: bool = False  # the hint spared the store lookup
     result: Optional[Result] = None
 
     @property
@@ -284,18 +287,25 @@ class Engine:
     def generate(self, prompt: list[int], max_new_tokens: int = 1,
                  request_id: Optional[int] = None,
                  timeout: Optional[float] = None,
-                 caller_id: int = 0) -> Result:
+                 caller_id: int = 0,
+                 store_hint: Optional[int] = None) -> Result:
         """Runs a request to completion: greedy decoding of
         ``max_new_tokens`` tokens (>= 1) after ``prompt``. Raises ValueError
-        for an empty prompt, a token outside the vocabulary or a prompt
-        larger than the whole KV cache; TimeoutError after ``timeout``.
-        ``caller_id`` (non-zero) is the id a router knows the request by:
-        ``load_report`` lists it once the request counts in the load."""
+        for an empty prompt, a token outside the vocabulary, a prompt
+        larger than the whole KV cache or a negative ``store_hint``;
+        TimeoutError after ``timeout``. ``caller_id`` (non-zero) is the id a
+        router knows the request by: ``load_report`` lists it once the
+        request counts in the load. ``store_hint``: how many of the
+        prompt's blocks a router knows the stores hold from its start
+        (``RouteResponse.store_end_blocks``; None: unknown); the store is
+        not asked when this engine's own prefix reaches it."""
         vocab = self.model.config.vocab_size
         if not prompt:
             raise ValueError("the prompt is empty")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
+        if store_hint is not None and store_hint < 0:
+            raise ValueError(f"store_hint must be >= 0, not {store_hint}")
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token {bad[0]} is outside the vocabulary "
@@ -313,6 +323,7 @@ class Engine:
                          time.monotonic())
             r.hashes = self.namespace.hash_tokens(np.asarray(prompt))
             r.caller_id = caller_id
+            r.store_hint = store_hint
             self._waiting.append(r)
             if caller_id:
                 self._arrivals.append((r.arrival, caller_id))
@@ -406,8 +417,11 @@ class Engine:
             limit = (len(r.prompt) - 1) // bt
             gpu = self.pages.match(r.hashes, limit)
             t0 = time.monotonic()
+            skipped_before = self.scheduler.lookups_skipped
             found = self.scheduler.num_loadable_tokens(
-                r.rid, r.hashes, len(r.prompt), len(gpu) * bt) // bt
+                r.rid, r.hashes, len(r.prompt), len(gpu) * bt,
+                store_hint=r.store_hint) // bt
+            r.lookup_skipped = self.scheduler.lookups_skipped > skipped_before
             r.onboard_ms = (time.monotonic() - t0) * 1000.0 if found else 0.0
             # Pages for the prompt and every token it decodes, taken now: a
             # running request never waits for a page (there is no preemption).
@@ -564,7 +578,8 @@ class Engine:
             onboard_ms=r.onboard_ms,
             decode_ms=(now - r.first_token_at) * 1000.0,
             first_logits=r.first_logits,
-            load_times=r.load_times)
+            load_times=r.load_times,
+            store_lookup_skipped=r.lookup_skipped)
         self.stats["requests"] += 1
         self.stats["computed_tokens"] += r.computed_tokens
         r.done.set()

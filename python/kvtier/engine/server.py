@@ -59,6 +59,7 @@ def response_of(res: Result) -> dict[str, Any]:
         "onboard_ms": res.onboard_ms,
         "onboarded_from_disk": res.loaded_from_disk,
         "decode_ms": res.decode_ms,
+        "store_lookup_skipped": res.store_lookup_skipped,
     }
 
 
@@ -80,8 +81,11 @@ class Handler:
                 "the torch engine needs the prompt's token ids "
                 "(SubmitRequest.tokens), not block hashes")
         n_out = max(1, min(int(req["output_tokens"]), self.max_decode_tokens))
-        res = self.engine.generate(np.asarray(tokens).tolist(), n_out,
-                                   caller_id=int(req["request_id"]))
+        hint = req.get("store_hint_blocks")
+        res = self.engine.generate(
+            np.asarray(tokens).tolist(), n_out,
+            caller_id=int(req["request_id"]),
+            store_hint=None if hint is None else int(hint))
         return response_of(res)
 
     def stats(self) -> dict[str, Any]:

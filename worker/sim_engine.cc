@@ -295,9 +295,32 @@ void SimWorkerService::Schedule(Job& job) {
   // What other requests computed since its lookup, as a scheduler matches
   // a request when it runs it.
   const uint32_t more = c_->MatchMore(job.id);
+  const uint64_t own = std::min<uint64_t>(uint64_t{job.match.gpu_blocks + more} * bt, job.prompt);
   const uint64_t cached =
       std::min<uint64_t>(uint64_t{job.match.gpu_blocks + job.loaded + more} * bt, job.prompt);
-  const uint64_t prefill = job.prompt - cached;
+  uint64_t prefill = job.prompt - cached;
+  auto compute_ms = [&](uint64_t tokens) {
+    return 1000.0 * static_cast<double>(tokens) / o_.prefill_tokens_per_s;
+  };
+  // The request never waits on the tier: the engine, free for it from
+  // `free_at` (it took nothing else while the lookup and load were out),
+  // computes from then on, and the store's blocks shorten that only if
+  // they arrive sooner than computing them would end (chunked prefill
+  // that skips ahead to what landed). A slow or stalled store therefore
+  // costs the request nothing beyond computing its prompt.
+  bool computed_instead = false;
+  if (job.onboard_ms > 0) {
+    const double free_at = std::max(clock_ms_, job.load_from);
+    if (free_at + compute_ms(job.prompt - own) < now + compute_ms(prefill)) {
+      computed_instead = true;
+      now = free_at;
+      prefill = job.prompt - own;
+      if (job.loaded > 0 && job.resp->load_status().empty()) {
+        job.resp->set_load_status(
+            "the store's blocks arrived after computing them would have ended: computed instead");
+      }
+    }
+  }
   // Pages for the computed blocks; with every page held by requests
   // loading, the prompt is computed without caching its blocks.
   auto pages = c_->AllocateForCompute(job.id);
@@ -311,7 +334,7 @@ void SimWorkerService::Schedule(Job& job) {
     ComputeIntoPage(c_->pool().layout(), c_->pool().layer_bases(), (*pages)[i], c_->namespace_id(),
                     job.chain[first + i]);
   }
-  const double prefill_ms = 1000.0 * static_cast<double>(prefill) / o_.prefill_tokens_per_s;
+  const double prefill_ms = compute_ms(prefill);
   queued_tokens_ -= job.queued_tokens - prefill;
   job.queued_tokens = prefill;
   clock_ms_ = now + prefill_ms;
@@ -344,17 +367,20 @@ void SimWorkerService::Schedule(Job& job) {
   resp->set_gpu_hit_tokens(
       std::min<uint64_t>(uint64_t{job.match.gpu_blocks + more} * bt, job.prompt));
   resp->set_onboarded_tokens(
-      std::min<uint64_t>(uint64_t{job.loaded} * bt, job.prompt - resp->gpu_hit_tokens()));
+      computed_instead
+          ? 0
+          : std::min<uint64_t>(uint64_t{job.loaded} * bt, job.prompt - resp->gpu_hit_tokens()));
   resp->set_verified_blocks(verified);
   resp->set_mismatched_blocks(mismatched);
-  resp->set_onboard_ms(job.onboard_ms);
+  // What the tier added to its path (none when the engine computed instead).
+  resp->set_onboard_ms(computed_instead ? 0 : job.onboard_ms);
   resp->set_decode_ms(o_.decode_ms_per_token * job.output_tokens);
   // TTFT in simulated time, from arrival to the prefill's end: onboarding
   // (real, as measured), the prefill, and the rest waiting for the engine.
   const double ttft = clock_ms_ - job.arrival;
   resp->set_ttft_ms(ttft);
   resp->set_prefill_ms(prefill_ms);
-  resp->set_queue_ms(std::max(0.0, ttft - prefill_ms - job.onboard_ms));
+  resp->set_queue_ms(std::max(0.0, ttft - prefill_ms - resp->onboard_ms()));
   Finish(job, absl::OkStatus());
 }
 

@@ -49,13 +49,18 @@ class SimCluster : public ::testing::Test {
     ASSERT_GT(router_->port(), 0) << router_->Log();
   }
   std::unique_ptr<ServerProcess> Worker(const std::string& id,
-                                        const std::string& offload = "write-through") {
-    auto w = std::make_unique<ServerProcess>(
-        KVTIER_SIM_WORKER_BIN, dir_.sub(id),
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--store=" + store_->address(),
-                                 "--router=" + router_->address(), "--worker-id=" + id,
-                                 "--pages=256", "--offload=" + offload, "--heartbeat=100ms",
-                                 "--deadline=2s"});
+                                        const std::string& offload = "write-through",
+                                        const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> flags{"--listen=127.0.0.1:0",
+                                   "--store=" + store_->address(),
+                                   "--router=" + router_->address(),
+                                   "--worker-id=" + id,
+                                   "--pages=256",
+                                   "--offload=" + offload,
+                                   "--heartbeat=100ms",
+                                   "--deadline=2s"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    auto w = std::make_unique<ServerProcess>(KVTIER_SIM_WORKER_BIN, dir_.sub(id), flags);
     EXPECT_GT(w->port(), 0) << w->Log();
     return w;
   }
@@ -115,6 +120,27 @@ TEST_F(SimCluster, BlocksTravelFromOneWorkerThroughTheStoreToAnother) {
   ASSERT_TRUE(router->Route(&ctx, rr, &route).ok());
   EXPECT_EQ(route.gpu_hit_blocks(), 62u);
   EXPECT_EQ(route.prefill_tokens(), 8u);
+}
+
+// A load that lands after computing the prompt would have ended is not
+// waited for: at a prefill speed where 1,000 tokens take a microsecond, the
+// store's 62 blocks (moved and verified) come too late, and the request is
+// answered as computed from the moment the engine was free for it.
+TEST_F(SimCluster, ALoadSlowerThanComputingThePromptIsNotWaitedFor) {
+  auto w1 = Worker("w1");
+  auto fast = Worker("fast", "write-through", {"--prefill-tokens-per-s=1000000000"});
+  auto s1 = Stub(*w1), sf = Stub(*fast);
+  v1::SubmitResponse r;
+  ASSERT_TRUE(Submit(*s1, Prompt(1, 1000, 1), &r).ok());
+  ASSERT_TRUE(WaitFor([&] { return Offloaded(*s1) == 62; }));
+  ASSERT_TRUE(Submit(*sf, Prompt(1, 1000, 2), &r).ok());
+  EXPECT_EQ(r.verified_blocks(), 62u);
+  EXPECT_EQ(r.mismatched_blocks(), 0u);
+  EXPECT_EQ(r.onboarded_tokens(), 0u);
+  EXPECT_EQ(r.prefill_tokens(), 1000u);
+  EXPECT_EQ(r.onboard_ms(), 0);
+  EXPECT_NE(r.load_status().find("computed instead"), std::string::npos) << r.load_status();
+  EXPECT_NEAR(r.ttft_ms(), 0.001, 1e-6);
 }
 
 TEST_F(SimCluster, AWorkerKilledMidOffloadLeavesNoPartialBlock) {

@@ -163,7 +163,7 @@ uint64_t SimWorkerService::SimulatedBacklog() const {
   double left_ms = std::max(0.0, busy - now);
   auto add = [&](double ready, uint64_t tokens) {
     const double start = std::max(busy, ready);
-    busy = start + 1000.0 * static_cast<double>(tokens) / o_.prefill_tokens_per_s;
+    busy = start + ComputeMs(tokens);
     left_ms += std::max(0.0, busy - std::max(start, now));
   };
   // In ready order: the waiting and the loading (ready at the earliest
@@ -187,8 +187,8 @@ absl::Status SimWorkerService::Onboard(Job& job) {
   // The lookup may take as long as computing the whole prompt would (real
   // milliseconds count as simulated ones); a store slower than that, or
   // stalled, is given up on and the prompt computed.
-  const auto budget = std::chrono::milliseconds(static_cast<int64_t>(
-      std::ceil(1000.0 * static_cast<double>(job.prompt) / o_.prefill_tokens_per_s)));
+  const auto budget =
+      std::chrono::milliseconds(static_cast<int64_t>(std::ceil(ComputeMs(job.prompt))));
   auto m = c_->Begin(job.id, job.chain, budget, job.store_hint);
   if (!m.ok()) return m.status();
   job.match = *m;
@@ -299,9 +299,6 @@ void SimWorkerService::Schedule(Job& job) {
   const uint64_t cached =
       std::min<uint64_t>(uint64_t{job.match.gpu_blocks + job.loaded + more} * bt, job.prompt);
   uint64_t prefill = job.prompt - cached;
-  auto compute_ms = [&](uint64_t tokens) {
-    return 1000.0 * static_cast<double>(tokens) / o_.prefill_tokens_per_s;
-  };
   // The request never waits on the tier: the engine, free for it from
   // `free_at` (it took nothing else while the lookup and load were out),
   // computes from then on, and the store's blocks shorten that only if
@@ -311,7 +308,7 @@ void SimWorkerService::Schedule(Job& job) {
   bool computed_instead = false;
   if (job.onboard_ms > 0) {
     const double free_at = std::max(clock_ms_, job.load_from);
-    if (free_at + compute_ms(job.prompt - own) < now + compute_ms(prefill)) {
+    if (free_at + ComputeMs(job.prompt - own) < now + ComputeMs(prefill)) {
       computed_instead = true;
       now = free_at;
       prefill = job.prompt - own;
@@ -334,7 +331,7 @@ void SimWorkerService::Schedule(Job& job) {
     ComputeIntoPage(c_->pool().layout(), c_->pool().layer_bases(), (*pages)[i], c_->namespace_id(),
                     job.chain[first + i]);
   }
-  const double prefill_ms = compute_ms(prefill);
+  const double prefill_ms = ComputeMs(prefill);
   queued_tokens_ -= job.queued_tokens - prefill;
   job.queued_tokens = prefill;
   clock_ms_ = now + prefill_ms;
@@ -364,8 +361,7 @@ void SimWorkerService::Schedule(Job& job) {
   v1::SubmitResponse* resp = job.resp;
   resp->set_prompt_tokens(job.prompt);
   resp->set_prefill_tokens(prefill);
-  resp->set_gpu_hit_tokens(
-      std::min<uint64_t>(uint64_t{job.match.gpu_blocks + more} * bt, job.prompt));
+  resp->set_gpu_hit_tokens(own);
   resp->set_onboarded_tokens(
       computed_instead
           ? 0

@@ -179,6 +179,11 @@ class SimWorkerService final : public WorkerEngine {
 
   void EngineLoop();
 
+  // Simulated milliseconds the engine takes to prefill `tokens`.
+  double ComputeMs(uint64_t tokens) const {
+    return 1000.0 * static_cast<double>(tokens) / o_.prefill_tokens_per_s;
+  }
+
   // The engine takes the job: looks it up (the first time), sends it to
   // load, or computes it.
   void Schedule(Job& job);

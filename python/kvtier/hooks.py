@@ -142,7 +142,11 @@ class SchedulerHalf:
         knows the stores hold the prompt (``RouteResponse.store_end_blocks``;
         None: unknown). When the engine's own prefix reaches it the store is
         not asked and nothing is loadable (counted in ``lookups_skipped``); a
-        stale hint costs compute, never a wrong byte."""
+        stale hint costs compute, never a wrong byte. Raises InvalidArgument
+        for a negative hint."""
+        if store_hint is not None and store_hint < 0:
+            raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
+                                  f"store_hint must be >= 0, not {store_hint}")
         bt = self.block_tokens
         skip = num_computed_tokens // bt
         t = self._reqs.get(request)

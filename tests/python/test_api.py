@@ -282,3 +282,18 @@ def test_a_connector_to_an_unknown_store_computes_instead() -> None:
                                           errors.DeadlineExceeded))
     c.finished(1)
     c.close()
+
+
+def test_a_negative_store_hint_is_an_error_naming_it() -> None:
+    """``SchedulerHalf.num_loadable_tokens`` refuses a negative hint (a
+    router's ``store_end_blocks`` is never below 0) instead of treating it as
+    "nothing stored", and the engine refuses it before queueing."""
+    from kvtier.hooks import SchedulerHalf
+
+    a = ns()
+    s = SchedulerHalf(a, None, 16)
+    hashes = kvtier.hash_tokens(a, list(range(4 * 16)))
+    with pytest.raises(errors.InvalidArgument, match="store_hint"):
+        s.num_loadable_tokens(1, hashes, 64, 0, store_hint=-1)
+    assert s.lookups_skipped == 0
+    assert s.num_loadable_tokens(1, hashes, 64, 0, store_hint=0) == 0

@@ -390,10 +390,13 @@ TEST_F(Ops, EveryDashboardQueryNamesAMetricALiveProcessExports) {
   }
   ASSERT_GE(queried.size(), 10u);
   // A second worker onboards the fixture's prompt from store 0 (a fetch).
-  ServerProcess w2(
-      KVTIER_SIM_WORKER_BIN, dir_.sub("w2"),
-      {"--listen=127.0.0.1:0", "--store=" + stores_[0]->address(), "--router=" + router_->address(),
-       "--worker-id=w2", "--pages=128", "--offload=write-through", "--heartbeat=100ms"});
+  // Its prefill is slow enough (100 tokens: 1 s) that the first load, data
+  // plane connection and all, always lands before computing would end: the
+  // engine does not wait for a load slower than computing.
+  ServerProcess w2(KVTIER_SIM_WORKER_BIN, dir_.sub("w2"),
+                   {"--listen=127.0.0.1:0", "--store=" + stores_[0]->address(),
+                    "--router=" + router_->address(), "--worker-id=w2", "--pages=128",
+                    "--offload=write-through", "--heartbeat=100ms", "--prefill-tokens-per-s=100"});
   ASSERT_GT(w2.port(), 0) << w2.Log();
   auto stub =
       v1::SimWorker::NewStub(grpc::CreateChannel(w2.address(), grpc::InsecureChannelCredentials()));

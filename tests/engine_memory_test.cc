@@ -4,11 +4,14 @@
 // same leases and checksums as the pool mode. Against a real kvtier-store,
 // over UCX (TCP) and through the mapped arena; and the C ABI's engine calls.
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <thread>
 
+#include "client/store_client.h"
 #include "tests/test_util.h"
 #include "worker/connector.h"
 #include "worker/kvtier_worker.h"
@@ -198,6 +201,74 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineMemory,
                            return std::string(std::get<0>(info.param)) + "_" +
                                   std::get<1>(info.param);
                          });
+
+// Issue #30 ("offloads never hold a request"): with the store stalled, a
+// save finds the staging full (the offloader's put is stuck) and waits no
+// longer than kOffloadStalled, not the deadline: it takes the slots of the
+// oldest request's queued blocks (dropped, counted), and when only its own
+// blocks are queued it drops the rest of its save. Once the store answers
+// again, what was not dropped reaches it: each chain keeps a prefix.
+TEST(EngineMemorySaves, ASaveNeverWaitsForAStalledStoreItDropsTheOldestQueuedBlocks) {
+  testing::TempDir dir;
+  auto store = testing::StartLoopbackStore(dir.sub("store"));
+  ASSERT_GT(store->port(), 0) << store->Log();
+  EngineCache cache("kv_first");
+  for (uint32_t p = 0; p < kPages; ++p) cache.Fill(p, p);
+  worker::ConnectorOptions o;
+  o.spec = Spec();
+  o.num_pages = kPages;
+  o.stores = {store->address()};
+  o.staging_blocks = 4;
+  o.offload_batch = 2;
+  o.data.deadline_ms = 5000;
+  o.data.shared_memory = DataClientOptions::SharedMemory::kOff;
+  o.engine_memory = cache.memory;
+  auto made = worker::KvConnector::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  auto& c = **made;
+  const auto old_chain = Chain(4, 1), new_chain = Chain(4, 2);
+  // Healthy: both requests open (their lookups answered) and a save lands.
+  ASSERT_TRUE(c.Lookup(1, Chain(1, 3), 0).ok());
+  ASSERT_TRUE(c.SaveFrom(1, 0, {11}).ok());
+  ASSERT_TRUE(c.WaitForSave(1).ok());
+  ASSERT_TRUE(c.Lookup(2, old_chain, 0).ok());
+  ASSERT_TRUE(c.Lookup(3, new_chain, 0).ok());
+
+  ASSERT_TRUE(store->proc().Stop());
+  // Request 2's four blocks fill the staging: one batch of two goes out and
+  // sticks, two stay queued.
+  ASSERT_TRUE(c.SaveFrom(2, 0, {0, 1, 2, 3}).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status saved = c.SaveFrom(3, 0, {4, 5, 6, 7});
+  const auto save_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
+  ::kill(store->proc().pid(), SIGCONT);
+  std::printf("a save with the store stalled returned after %lld ms: %s\n",
+              static_cast<long long>(save_ms), saved.ToString().c_str());
+  EXPECT_LT(save_ms, 1000) << "the save waited for the stalled store";
+  // Blocks 0 and 1 took request 2's queued slots; block 2 found only its own
+  // request queued: it and block 3 are not saved.
+  EXPECT_EQ(saved.code(), absl::StatusCode::kResourceExhausted) << saved;
+  EXPECT_NE(saved.message().find("block 2"), std::string::npos) << saved;
+  EXPECT_EQ(c.stats().offload_dropped_full, 3u);
+
+  // The stuck put and the queued blocks land once the store answers.
+  EXPECT_TRUE(c.WaitForSave(2).ok());
+  EXPECT_TRUE(c.WaitForSave(3).ok());
+  StoreClient control(store->address());
+  auto ns = control.RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  auto old_held = control.Lookup(ns->id, old_chain);
+  auto new_held = control.Lookup(ns->id, new_chain);
+  ASSERT_TRUE(old_held.ok() && new_held.ok());
+  EXPECT_EQ(old_held->size(), 2u);  // the batch that was out
+  EXPECT_EQ(new_held->size(), 2u);  // the blocks that took the queued slots
+  c.Finished(1);
+  c.Finished(2);
+  c.Finished(3);
+}
 
 TEST(EngineMemoryOptions, RegistrationErrorsAreClear) {
   EngineCache cache("kv_first");

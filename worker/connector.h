@@ -345,6 +345,15 @@ class KvConnector {
   // offload (or the load) half of the staging memory.
   bool AcquireStagingLocked(std::unique_lock<std::mutex>& lk, size_t n, int wait_ms,
                             std::vector<uint32_t>* slots, bool for_load = false);
+  // REQUIRES: staging_mu_ held. An offload slot for a save: waits up to
+  // wait_ms while the offloader makes progress; once it has had a put out
+  // for kOffloadStalled without one finishing, the save does not wait: it
+  // takes the slot of the oldest request's last queued block (that block
+  // is dropped and returned in *dropped), or fails when nothing is queued
+  // or the oldest is the saving request (`waiter`) itself: a chain keeps
+  // a prefix in the store. Drops are counted in offload_dropped_full.
+  bool AcquireSaveSlotLocked(std::unique_lock<std::mutex>& lk, int wait_ms, const SaveState* waiter,
+                             uint32_t* slot, std::optional<Staged>* dropped);
   void ReleaseStaging(const std::vector<uint32_t>& slots);
   uint8_t* Slot(uint32_t slot) const { return staging_ + uint64_t{slot} * wire_bytes_; }
 
@@ -377,6 +386,11 @@ class KvConnector {
   std::deque<Staged> offload_queue_;
   std::deque<Held> held_;  // pool-mode saves not yet copied out (their pages referenced)
   uint64_t offloads_running_ = 0;
+  // When a put last finished, or the offloader last went from idle to busy.
+  std::chrono::steady_clock::time_point offload_progress_{};
+  // A put out this long with none finishing: the store is stalled (a batch
+  // normally takes well under a millisecond, docs/benchmarks.md).
+  static constexpr std::chrono::milliseconds kOffloadStalled{50};
   bool stop_ = false;
   std::vector<std::thread> offloaders_;
 

@@ -33,12 +33,16 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
   }
   uint32_t slot = 0;
   bool have_slot = false;
+  std::optional<Staged> dropped;
   {
     std::unique_lock lk(staging_mu_);
-    std::vector<uint32_t> got;
-    have_slot = AcquireStagingLocked(lk, 1, wait_ms, &got);
-    if (have_slot) slot = got[0];
+    have_slot = AcquireSaveSlotLocked(lk, wait_ms, waiter.get(), &slot, &dropped);
   }
+  if (dropped && dropped->waiter) {
+    std::lock_guard lk(mu_);
+    dropped->waiter->pending--;
+  }
+  if (dropped) drained_cv_.notify_all();
   if (!have_slot) {
     {
       std::lock_guard sl(stats_mu_);
@@ -165,7 +169,9 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
     // staging (as vLLM's own save blocks its step until copied).
     if (!StageForOffload(h, pages[i], r->saves, options_.data.deadline_ms)) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("no staging memory for block ", first_block + i, " before the deadline"));
+          absl::StrCat("no staging memory for block ", first_block + i,
+                       " (the store has taken no offload for a while, or the deadline passed): it "
+                       "and the blocks after it are not saved"));
     }
   }
   return absl::OkStatus();
@@ -236,6 +242,9 @@ void KvConnector::OffloadLoop() {
         held_slots.push_back(free_slots_.back());
         free_slots_.pop_back();
       }
+      if (offloads_running_ == 0 && !(batch.empty() && held.empty())) {
+        offload_progress_ = std::chrono::steady_clock::now();
+      }
       offloads_running_ += batch.size() + held.size();
       std::lock_guard sl(stats_mu_);
       stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
@@ -285,6 +294,7 @@ void KvConnector::OffloadLoop() {
     {
       std::lock_guard lk(staging_mu_);
       offloads_running_ -= batch.size();
+      offload_progress_ = std::chrono::steady_clock::now();
     }
     drained_cv_.notify_all();
   }

@@ -51,6 +51,42 @@ bool KvConnector::AcquireStagingLocked(std::unique_lock<std::mutex>& lk, size_t 
   return true;
 }
 
+bool KvConnector::AcquireSaveSlotLocked(std::unique_lock<std::mutex>& lk, int wait_ms,
+                                        const SaveState* waiter, uint32_t* slot,
+                                        std::optional<Staged>* dropped) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+  for (;;) {
+    if (stop_) return false;
+    if (!free_slots_.empty()) {
+      std::vector<uint32_t> got;
+      AcquireStagingLocked(lk, 1, 0, &got);  // cannot fail: a slot is free
+      *slot = got[0];
+      return true;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    const auto stalled_at = offload_progress_ + kOffloadStalled;
+    if (offloads_running_ > 0 && now >= stalled_at) {
+      if (offload_queue_.empty()) return false;
+      // The oldest request's blocks go, from its chain's tail, as in
+      // DropOldestHeld.
+      const SaveState* oldest = offload_queue_.front().waiter.get();
+      if (oldest == waiter && waiter != nullptr) return false;
+      auto it = offload_queue_.end();
+      do {
+        --it;
+      } while (it != offload_queue_.begin() && it->waiter.get() != oldest);
+      *slot = it->slot;
+      *dropped = std::move(*it);
+      offload_queue_.erase(it);
+      std::lock_guard sl(stats_mu_);
+      stats_.offload_dropped_full++;
+      return true;
+    }
+    if (now >= give_up) return false;
+    staging_cv_.wait_until(lk, offloads_running_ > 0 ? std::min(give_up, stalled_at) : give_up);
+  }
+}
+
 void KvConnector::ReleaseStaging(const std::vector<uint32_t>& slots) {
   {
     std::lock_guard lk(staging_mu_);

@@ -30,11 +30,13 @@ recomputes them and never uses their bytes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+import math
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -70,6 +72,34 @@ def request_key(request_id: object) -> int:
         return request_id
     digest = hashlib.blake2b(str(request_id).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class _LookupThread:
+    """Runs store lookups one after another on a daemon thread, so that a
+    scheduler can stop waiting for one (it goes on to its deadline)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[Callable[[], int],
+                                       concurrent.futures.Future[int]]] = \
+            queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="kvtier-lookup")
+        self._thread.start()
+
+    def submit(self, call: Callable[[], int]
+               ) -> concurrent.futures.Future[int]:
+        """The future of ``call()``."""
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._queue.put((call, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            call, future = self._queue.get()
+            try:
+                future.set_result(call())
+            except Exception as e:  # handed to the waiter
+                future.set_exception(e)
 
 
 @dataclass
@@ -130,10 +160,15 @@ class SchedulerHalf:
         self._step = StepMeta()
         self.lookup_errors = 0
         self.lookups_skipped = 0
+        self.lookups_late = 0          # past their budget
+        self.lookups_not_asked = 0     # a late one was still out
+        self._lookups: Optional[_LookupThread] = None
+        self._late: Optional[concurrent.futures.Future[int]] = None
 
     def num_loadable_tokens(self, request: int, hashes: np.ndarray,
                             prompt_tokens: int, num_computed_tokens: int,
-                            store_hint: Optional[int] = None) -> int:
+                            store_hint: Optional[int] = None,
+                            budget_ms: Optional[float] = None) -> int:
         """Tokens after ``num_computed_tokens`` (the engine's own prefix, a
         multiple of block_tokens) that the store can supply; at least the
         prompt's last token is always left to compute. A store that cannot
@@ -142,11 +177,23 @@ class SchedulerHalf:
         knows the stores hold the prompt (``RouteResponse.store_end_blocks``;
         None: unknown). When the engine's own prefix reaches it the store is
         not asked and nothing is loadable (counted in ``lookups_skipped``); a
-        stale hint costs compute, never a wrong byte. Raises InvalidArgument
-        for a negative hint."""
+        stale hint costs compute, never a wrong byte.
+
+        ``budget_ms``: how long to wait for the store's answer (None: as long
+        as the client's deadline). An answer later than that supplies
+        nothing (counted in ``lookups_late``); the lookup goes on to its
+        deadline meanwhile, and until it ends the store is not asked again
+        (``lookups_not_asked``): a stalled store costs one request its
+        budget and the next ones nothing, and a late answer is no failure.
+        Raises InvalidArgument for a negative hint or a budget that is not
+        a positive number."""
         if store_hint is not None and store_hint < 0:
             raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
                                   f"store_hint must be >= 0, not {store_hint}")
+        if budget_ms is not None and not (0 < budget_ms < math.inf):
+            raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
+                                  f"budget_ms must be a positive number of "
+                                  f"milliseconds, not {budget_ms}")
         bt = self.block_tokens
         skip = num_computed_tokens // bt
         t = self._reqs.get(request)
@@ -161,10 +208,30 @@ class SchedulerHalf:
         if store_hint is not None and skip >= store_hint:
             self.lookups_skipped += 1
             return 0
-        try:
+        store, namespace = self.store, self.namespace
+        chain = hashes[skip:limit]
+
+        def lookup() -> int:
             # From the engine's prefix on: the store may have lost blocks the
             # engine still holds.
-            present = self.store.lookup(self.namespace, hashes[skip:limit])
+            return store.lookup(namespace, chain)
+
+        try:
+            if budget_ms is None:
+                present = lookup()
+            else:
+                if self._late is not None and not self._late.done():
+                    self.lookups_not_asked += 1
+                    return 0
+                if self._lookups is None:
+                    self._lookups = _LookupThread()
+                future = self._lookups.submit(lookup)
+                try:
+                    present = future.result(timeout=budget_ms / 1000.0)
+                except concurrent.futures.TimeoutError:
+                    self.lookups_late += 1
+                    self._late = future
+                    return 0
         except KvtierError:
             self.lookup_errors += 1
             return 0

@@ -55,6 +55,23 @@ class Store:
     def pid(self) -> int:
         return self.proc.pid
 
+    def pause(self) -> None:
+        """SIGSTOP, returning once the kernel reports the process stopped
+        (kill returns before a busy process's threads have all stopped):
+        its sockets stay open and nothing answers, as in a partition."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+            if stat[stat.rindex(")") + 2] == "T":
+                return
+            time.sleep(0.001)
+        raise RuntimeError(f"{self.name} did not stop")
+
+    def resume(self) -> None:
+        """SIGCONT."""
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL, then reap."""
         if self.proc.poll() is None:
@@ -62,8 +79,9 @@ class Store:
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        """SIGTERM, SIGKILL after 10 s."""
+        """SIGTERM (after SIGCONT, were it paused), SIGKILL after 10 s."""
         if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)

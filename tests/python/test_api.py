@@ -297,3 +297,49 @@ def test_a_negative_store_hint_is_an_error_naming_it() -> None:
         s.num_loadable_tokens(1, hashes, 64, 0, store_hint=-1)
     assert s.lookups_skipped == 0
     assert s.num_loadable_tokens(1, hashes, 64, 0, store_hint=0) == 0
+
+
+
+def test_a_lookup_budget_bounds_the_wait_and_a_late_lookup_spares_the_next(
+        store) -> None:
+    """``SchedulerHalf.num_loadable_tokens(budget_ms=)`` (issue #30: a
+    stalled store costs a request no more than the compute it could save):
+    with the store SIGSTOPped the wait ends at the budget, not at the
+    client's 5 s deadline, and supplies nothing (``lookups_late``); while
+    that lookup is still out the store is not asked again
+    (``lookups_not_asked``, at once); once the store answers, lookups find
+    the blocks again. A budget that is not a positive number is
+    InvalidArgument."""
+    import time
+
+    from kvtier.hooks import SchedulerHalf
+
+    a = ns()
+    c = kvtier.StoreClient([store.address], deadline_ms=5000)
+    c.register_namespace(a)
+    hashes = kvtier.hash_tokens(a, list(range(4 * 16)))
+    c.put(a, hashes, np.ones(4 * a.block_bytes, dtype=np.uint8))
+    s = SchedulerHalf(a, c, 16)
+    prompt = 4 * 16 + 1
+    assert s.num_loadable_tokens(1, hashes, prompt, 0, budget_ms=1000) == 64
+    for bad in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(errors.InvalidArgument, match="budget_ms"):
+            s.num_loadable_tokens(2, hashes, prompt, 0, budget_ms=bad)
+    store.pause()
+    try:
+        t0 = time.monotonic()
+        assert s.num_loadable_tokens(3, hashes, prompt, 0, budget_ms=50) == 0
+        late_ms = (time.monotonic() - t0) * 1000.0
+        t0 = time.monotonic()
+        assert s.num_loadable_tokens(4, hashes, prompt, 0,
+                                     budget_ms=1000) == 0
+        spared_ms = (time.monotonic() - t0) * 1000.0
+    finally:
+        store.resume()
+    assert (s.lookups_late, s.lookups_not_asked, s.lookup_errors) == (1, 1, 0)
+    assert 50 <= late_ms < 1000, late_ms
+    assert spared_ms < 20, spared_ms
+    deadline = time.monotonic() + 10
+    while s.num_loadable_tokens(5, hashes, prompt, 0, budget_ms=1000) == 0:
+        assert time.monotonic() < deadline, "the store was not asked again"
+        time.sleep(0.01)

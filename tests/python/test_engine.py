@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 import kvtier
-from kvtier.engine.engine import EngineConfig, namespace_for
-from kvtier.engine.model import ModelConfig
+from kvtier.engine.engine import Engine, EngineConfig, namespace_for
+from kvtier.engine.model import ModelConfig, Transformer
 
 from conftest import engine_env
 
@@ -93,6 +93,66 @@ def test_store_killed_mid_load_b_computes_and_the_output_is_the_same(
     assert b["tokens"] == b["cold_tokens"]
     torch.testing.assert_close(b["logits"], b["cold_logits"], atol=1e-4,
                                rtol=1e-4)
+
+
+def test_a_stalled_store_costs_a_request_little_beyond_computing_it(
+        store) -> None:
+    """Issue #30: with the store SIGSTOPped (sockets open, nothing
+    answers) the engine waits for a lookup at most ``lookup_wait_share`` of
+    the time its prompt takes to compute, does not ask again while that
+    lookup is out, and its saves never hold a step: each request's TTFT
+    stays near computing its prompt, not the store's 3 s deadline. Once the
+    store answers again, a new engine loads what was saved before the
+    stall."""
+    torch.set_num_threads(1)
+    mc = ModelConfig()
+    ec = EngineConfig(num_pages=512)
+    opts = {"deadline_ms": 3000, "shared_memory": "off"}
+    rng = np.random.default_rng(7)
+
+    def prompt(n: int = 1000) -> list:
+        return rng.integers(0, mc.vocab_size, n).tolist()
+
+    saved = prompt()
+    engine = Engine(Transformer(mc), ec, [store.address],
+                    connector_options=opts)
+    try:
+        computing = [engine.generate(p).ttft_ms
+                     for p in (saved, prompt(), prompt())]
+        assert engine.connector is not None
+        engine.connector.drain()  # saved's blocks are in the store
+        budget = engine.lookup_wait_ms(1000)
+        assert budget is not None and budget > 0
+        store.pause()
+        try:
+            stalled = [engine.generate(prompt()) for _ in range(4)]
+        finally:
+            store.resume()
+        late = engine.scheduler.lookups_late
+        spared = engine.scheduler.lookups_not_asked
+        dropped = engine.connector.stats()["offload_dropped_full"]
+    finally:
+        engine.close()
+    ref = max(computing)
+    print(f"computing {computing} ms; stalled "
+          f"{[round(r.ttft_ms, 1) for r in stalled]} ms; lookup budget "
+          f"{budget:.1f} ms ({ec.lookup_wait_share} of the compute); "
+          f"lookups late {late}, not asked {spared}; saves dropped "
+          f"{dropped}")
+    assert late >= 1 and late + spared == len(stalled)
+    assert "did not answer the lookup" in stalled[0].load_status
+    for r in stalled:
+        assert (r.computed_tokens, r.loaded_tokens, r.onboard_ms) == \
+            (1000, 0, 0.0)
+        assert r.ttft_ms <= 2 * ref + 100, (r.ttft_ms, computing)
+
+    reader = Engine(Transformer(mc), ec, [store.address],
+                    connector_options=opts)
+    try:
+        back = reader.generate(saved + prompt(45))
+    finally:
+        reader.close()
+    assert back.loaded_tokens == (len(saved) // BT) * BT, back.load_status
 
 
 def test_the_engine_server_says_its_version() -> None:

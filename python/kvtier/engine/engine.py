@@ -26,6 +26,17 @@ kvtier saves whole blocks once a step has computed them (a block is the
 store's unit and its checksum covers every layer), so ``save_kv_layer`` has
 nothing to do per layer here.
 
+A slow or stalled store costs a request little beyond computing its
+prompt: the scheduler waits for the store's lookup at most
+``EngineConfig.lookup_wait_share`` of the time the engine would take to
+compute what the store could supply (from its measured compute per token;
+a profile run at start-up gives the first figure), and not less than
+``MIN_LOOKUP_WAIT_MS``; a later answer is not used, and until it comes the
+store is not asked again, so a stalled store costs one request that wait
+and the next ones nothing. Saves never wait for a store that has stopped
+taking them (the connector drops the oldest queued ones). The worker's pin
+after a lookup that answered still waits up to the client's deadline.
+
 Silent wrong KV is never used: a load's verdict comes before the step's
 results are kept. A failed load (store gone, checksum mismatch, a block
 evicted between the scheduler's lookup and the worker's pin) rolls the
@@ -60,6 +71,9 @@ class EngineConfig:
     max_running: int = 8           # requests in a step at most
     kv_dtype: str = "fp16"         # "fp16" or "bf16"
     layout: str = "kv_first"       # vLLM layout of each layer's tensor
+    # How long a store lookup is waited for, as a share of computing what
+    # it could save (None: up to the store client's deadline).
+    lookup_wait_share: Optional[float] = 0.25
 
 
 def namespace_for(model: ModelConfig, engine: EngineConfig,
@@ -81,7 +95,8 @@ class Result:
     and real compute). ``computed_tokens``: prompt tokens this engine
     computed; ``gpu_hit_tokens``: found in its own prefix cache;
     ``loaded_tokens``: loaded from kvtier and verified. ``load_status``:
-    empty, or why a load failed (its tokens were computed instead).
+    empty, or why a load failed or the store's lookup was not waited for
+    (its tokens were computed instead).
     ``onboard_ms``: what kvtier added to the request's path: the lookup's
     round trip (the pin) and the time the steps waited for layers and for
     the verdict (a load overlapped with compute costs nothing more).
@@ -186,6 +201,14 @@ class _Pages:
 # arrives, at least (load_report's listed_s).
 ARRIVALS_LISTED_S = 0.25
 
+# The shortest wait for a store lookup (a loopback round trip takes
+# 0.3-1 ms; a loaded host's scheduling adds a few).
+MIN_LOOKUP_WAIT_MS = 5.0
+
+# Steps feeding fewer tokens than this do not update the compute estimate
+# (a decode step's cost is mostly per-step overhead).
+_TIMED_STEP_TOKENS = 64
+
 
 @dataclass
 class LoadReport:
@@ -248,6 +271,10 @@ class Engine:
         if config.kv_dtype not in dtype:
             raise ValueError(
                 f'kv_dtype "{config.kv_dtype}" is not fp16 or bf16')
+        share = config.lookup_wait_share
+        if share is not None and not 0 < share < float("inf"):
+            raise ValueError(f"lookup_wait_share must be a positive number "
+                             f"or None, not {share}")
         self.model = model
         self.config = config
         self.namespace = namespace_for(model.config, config)
@@ -278,6 +305,10 @@ class Engine:
         self._arrivals: collections.deque[tuple[float, int]] = \
             collections.deque(maxlen=4096)
         self.stats: collections.Counter[str] = collections.Counter()
+        # Milliseconds of forward per prompt token (a moving average).
+        self.ms_per_token: Optional[float] = None
+        if store is not None:
+            self._profile_run()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name="kvtier-engine")
         self._thread.start()
@@ -390,7 +421,39 @@ class Engine:
         if self.connector is not None:
             self.connector.close()
 
+    def lookup_wait_ms(self, tokens: int) -> Optional[float]:
+        """How long to wait for the store to say what it holds of ``tokens``
+        tokens this engine would otherwise compute: ``lookup_wait_share`` of
+        computing them, at least ``MIN_LOOKUP_WAIT_MS`` (None: no bound
+        but the client's deadline)."""
+        share = self.config.lookup_wait_share
+        if share is None or self.ms_per_token is None:
+            return None
+        return max(MIN_LOOKUP_WAIT_MS, share * tokens * self.ms_per_token)
+
     # ----------------------------------------------------------- the loop
+
+    def _profile_run(self) -> None:
+        """Times one prefill chunk into free pages, as vLLM's profile run
+        at start-up: the first compute estimate (the second of two runs;
+        the first warms the model up)."""
+        bt = self.config.page_tokens
+        n = min(self.config.max_step_tokens, 256, self.config.num_pages * bt)
+        chunk = SeqChunk(torch.zeros(n, dtype=torch.long), 0,
+                         torch.arange(-(-n // bt), dtype=torch.long))
+        for _ in range(2):
+            t0 = time.monotonic()
+            self.model.forward([chunk], self.cache)
+            ms = (time.monotonic() - t0) * 1000.0
+        self.ms_per_token = ms / n
+
+    def _timed(self, tokens: int, ms: float) -> None:
+        """A forward of ``tokens`` tokens took ``ms`` of compute."""
+        if tokens < _TIMED_STEP_TOKENS:
+            return
+        sample = ms / tokens
+        self.ms_per_token = (sample if self.ms_per_token is None else
+                             0.8 * self.ms_per_token + 0.2 * sample)
 
     def _loop(self) -> None:
         while True:
@@ -418,10 +481,17 @@ class Engine:
             gpu = self.pages.match(r.hashes, limit)
             t0 = time.monotonic()
             skipped_before = self.scheduler.lookups_skipped
+            late_before = self.scheduler.lookups_late
+            wait_ms = self.lookup_wait_ms(len(r.prompt) - len(gpu) * bt)
             found = self.scheduler.num_loadable_tokens(
                 r.rid, r.hashes, len(r.prompt), len(gpu) * bt,
-                store_hint=r.store_hint) // bt
+                store_hint=r.store_hint, budget_ms=wait_ms) // bt
             r.lookup_skipped = self.scheduler.lookups_skipped > skipped_before
+            r.load_status = ""  # admission may be tried again
+            if self.scheduler.lookups_late > late_before:
+                r.load_status = (f"the store did not answer the lookup within "
+                                 f"{wait_ms:.1f} ms (a share of computing "
+                                 f"the prompt): computed instead")
             r.onboard_ms = (time.monotonic() - t0) * 1000.0 if found else 0.0
             # Pages for the prompt and every token it decodes, taken now: a
             # running request never waits for a page (there is no preemption).
@@ -478,16 +548,22 @@ class Engine:
             for r in loading:
                 r.onboard_ms += pinned_ms
             worker = self.worker
+            waited = [0.0]
 
             def before_layer(layer: int) -> None:
                 t = time.monotonic()
                 worker.wait_for_layer(layer)  # wait_for_layer_load
+                ms = (time.monotonic() - t) * 1000.0
+                waited[0] += ms
                 for r in loading:
-                    r.onboard_ms += (time.monotonic() - t) * 1000.0
+                    r.onboard_ms += ms
 
             if chunks:
+                t0 = time.monotonic()
                 logits = self.model.forward(chunks, self.cache,
                                             before_layer=before_layer)
+                self._timed(sum(n for _, n in members),
+                            (time.monotonic() - t0) * 1000.0 - waited[0])
             t0 = time.monotonic()
             worker.wait_for_save(step)
             for r in loading:

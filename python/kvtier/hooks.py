@@ -35,6 +35,7 @@ import hashlib
 import math
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -141,6 +142,11 @@ class _Tracked:
     loadable: int = 0          # blocks the store can supply after skip
     saved_blocks: int = 0      # blocks [0, saved) are in the store or saved
     load: Optional[LoadSpec] = None
+    # A lookup under way: (skip_blocks it asked from, its answer to come),
+    # when the request was first asked for, and an answer not yet planned.
+    asked: Optional[tuple[int, concurrent.futures.Future[int]]] = None
+    first_ask: Optional[float] = None
+    answer: Optional[tuple[int, int]] = None  # (skip_blocks, present)
 
 
 class SchedulerHalf:
@@ -187,6 +193,31 @@ class SchedulerHalf:
         budget and the next ones nothing, and a late answer is no failure.
         Raises InvalidArgument for a negative hint or a budget that is not
         a positive number."""
+        n = self._loadable(request, hashes, prompt_tokens,
+                           num_computed_tokens, store_hint, budget_ms,
+                           block=True)
+        assert n is not None
+        return n
+
+    def poll_loadable_tokens(self, request: int, hashes: np.ndarray,
+                             prompt_tokens: int, num_computed_tokens: int,
+                             wait_ms: float,
+                             store_hint: Optional[int] = None
+                             ) -> Optional[int]:
+        """:meth:`num_loadable_tokens` without blocking, for a scheduler
+        that can ask again later (vLLM's, when
+        ``get_num_new_matched_tokens`` answers None): None while the
+        store's answer has not come, for at most ``wait_ms`` from the
+        request's first ask (as ``budget_ms``); then 0 (``lookups_late``).
+        An answer is kept for the same own prefix until the engine
+        allocates for it, so asking again costs no round trip."""
+        return self._loadable(request, hashes, prompt_tokens,
+                              num_computed_tokens, store_hint, wait_ms,
+                              block=False)
+
+    def _loadable(self, request: int, hashes: np.ndarray, prompt_tokens: int,
+                  num_computed_tokens: int, store_hint: Optional[int],
+                  budget_ms: Optional[float], block: bool) -> Optional[int]:
         if store_hint is not None and store_hint < 0:
             raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
                                   f"store_hint must be >= 0, not {store_hint}")
@@ -208,8 +239,22 @@ class SchedulerHalf:
         if store_hint is not None and skip >= store_hint:
             self.lookups_skipped += 1
             return 0
+        if not block and t.answer is not None and t.answer[0] == skip:
+            present = t.answer[1]
+        else:
+            got = self._ask(t, hashes[skip:limit], skip, budget_ms, block)
+            if got is None:
+                return None
+            present = got
+        t.loadable = min(present, limit - skip)
+        return t.loadable * bt
+
+    def _ask(self, t: _Tracked, chain: np.ndarray, skip: int,
+             budget_ms: Optional[float], block: bool) -> Optional[int]:
+        """What the store holds of ``chain`` (0 when it cannot say in
+        time); None when not blocking and the answer is still to come."""
+        assert self.store is not None
         store, namespace = self.store, self.namespace
-        chain = hashes[skip:limit]
 
         def lookup() -> int:
             # From the engine's prefix on: the store may have lost blocks the
@@ -218,25 +263,41 @@ class SchedulerHalf:
 
         try:
             if budget_ms is None:
-                present = lookup()
-            else:
+                return lookup()
+            now = time.monotonic()
+            if t.asked is None or t.asked[0] != skip:
                 if self._late is not None and not self._late.done():
                     self.lookups_not_asked += 1
                     return 0
                 if self._lookups is None:
                     self._lookups = _LookupThread()
-                future = self._lookups.submit(lookup)
-                try:
-                    present = future.result(timeout=budget_ms / 1000.0)
-                except concurrent.futures.TimeoutError:
-                    self.lookups_late += 1
-                    self._late = future
-                    return 0
+                if t.first_ask is None:
+                    t.first_ask = now
+                t.asked = (skip, self._lookups.submit(lookup))
+            future = t.asked[1]
+            assert t.first_ask is not None
+            left = budget_ms / 1000.0 - (now - t.first_ask)
+            try:
+                if block:
+                    present = future.result(timeout=max(0.0, left))
+                elif future.done():
+                    present = future.result()
+                elif left > 0:
+                    return None
+                else:
+                    raise concurrent.futures.TimeoutError()
+            except concurrent.futures.TimeoutError:
+                self.lookups_late += 1
+                self._late = future
+                return 0
+            finally:
+                if future.done() or block or left <= 0:
+                    t.asked = t.first_ask = None
+            t.answer = (skip, present)
+            return present
         except KvtierError:
             self.lookup_errors += 1
             return 0
-        t.loadable = min(present, limit - skip)
-        return t.loadable * bt
 
     def skip_blocks(self, request: int) -> int:
         """The engine's own prefix, in blocks, at the last lookup."""
@@ -250,6 +311,7 @@ class SchedulerHalf:
         if t is None or not load_pages:
             return
         pages = list(load_pages[:t.loadable])
+        t.answer = None  # a later plan asks the store afresh
         t.load = LoadSpec(request, t.hashes, t.skip_blocks, pages)
         t.saved_blocks = max(t.saved_blocks, t.skip_blocks + len(pages))
         self._step.loads.append(t.load)
@@ -279,6 +341,7 @@ class SchedulerHalf:
             t.saved_blocks = min(t.saved_blocks,
                                  num_computed_tokens // self.block_tokens)
             t.loadable = 0
+            t.answer = None
 
     def finished(self, request: int) -> None:
         """The request is done: the worker closes it after this step."""

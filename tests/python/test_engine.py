@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import kvtier
@@ -153,6 +154,26 @@ def test_a_stalled_store_costs_a_request_little_beyond_computing_it(
     finally:
         reader.close()
     assert back.loaded_tokens == (len(saved) // BT) * BT, back.load_status
+
+
+def test_an_error_in_the_engine_loop_fails_its_requests_instead_of_hanging(
+        store) -> None:
+    """An error the engine's loop cannot handle (here the scheduler half
+    raising) stops the engine: the request in flight and every later one
+    fail at once with a RuntimeError naming it; none waits forever."""
+    engine = Engine(Transformer(ModelConfig()), EngineConfig(num_pages=64),
+                    [store.address])
+
+    def broken(*args: object, **kw: object) -> int:
+        raise ValueError("scheduler half broke")
+
+    engine.scheduler.num_loadable_tokens = broken  # type: ignore
+    try:
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="scheduler half broke"):
+                engine.generate(list(range(1, 100)), timeout=30)
+    finally:
+        engine.close()
 
 
 def test_the_engine_server_says_its_version() -> None:

@@ -63,12 +63,25 @@ def worker(store):
     w.stop()
 
 
+def matched(sched: KvtierConnector, req: Any,
+            computed: int) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` as vLLM's scheduler calls it: again
+    in a later step while it answers None (the lookup is still out)."""
+    deadline = time.monotonic() + 10
+    while True:
+        n, load_async = sched.get_num_new_matched_tokens(req, computed)
+        if n is not None:
+            return n, load_async
+        assert time.monotonic() < deadline, "the lookup never answered"
+        time.sleep(0.001)
+
+
 def run_new(sched: KvtierConnector, w: Worker, rid: str, prompt: list[int],
             pages: list[int], seeds: dict[int, int]) -> tuple[int, Any]:
     """One request through the hooks for its first step (its whole
     prompt): returns the tokens loaded and the worker's answer."""
     req = v.Request(rid, prompt)
-    n, load_async = sched.get_num_new_matched_tokens(req, 0)
+    n, load_async = matched(sched, req, 0)
     assert load_async is False
     sched.update_state_after_alloc(req, v.KVCacheBlocks(pages), n)
     req.num_computed_tokens = n
@@ -183,19 +196,74 @@ def test_salted_lora_and_multimodal_requests_never_share_blocks(
         assert time.monotonic() < deadline
         time.sleep(0.02)
     again = v.Request("again", prompt)
-    assert sched.get_num_new_matched_tokens(again, 0) == (4 * BS, False)
+    assert matched(sched, again, 0) == (4 * BS, False)
     salted = v.Request("salted", prompt)
     salted.cache_salt = "tenant-b"  # type: ignore[attr-defined]
-    assert sched.get_num_new_matched_tokens(salted, 0) == (0, False)
+    assert matched(sched, salted, 0) == (0, False)
     lora = v.Request("lora", prompt)
     lora.lora_request = type("LoRARequest", (), {  # type: ignore
         "lora_name": "sql", "lora_int_id": 1})()
-    assert sched.get_num_new_matched_tokens(lora, 0) == (0, False)
+    assert matched(sched, lora, 0) == (0, False)
     mm = v.Request("mm", prompt)
     mm.mm_features = [object()]  # type: ignore[attr-defined]
-    assert sched.get_num_new_matched_tokens(mm, 0) == (0, False)
+    assert matched(sched, mm, 0) == (0, False)
     # A salt that holds the canonical string's separator (even one ending
     # as the kv_wire field would) is a namespace of its own, not an error.
     odd = v.Request("odd", prompt)
     odd.cache_salt = "x|int8"  # type: ignore[attr-defined]
-    assert sched.get_num_new_matched_tokens(odd, 0) == (0, False)
+    assert matched(sched, odd, 0) == (0, False)
+
+
+def test_a_lookup_is_never_waited_for_on_the_scheduler_thread(store) -> None:
+    """``get_num_new_matched_tokens`` does not block vLLM's scheduler: it
+    answers None (ask again later) until the store answers, and 0 once
+    ``lookup_wait_ms`` has passed with the store SIGSTOPped; while that
+    lookup is out the store is not asked again (0 at once). After the
+    store answers again, hits come back. ``lookup_wait_ms`` 0 asks
+    synchronously; a negative one is refused at start-up."""
+    probe = kvtier.StoreClient([store.address])
+    sched = KvtierConnector(v.config([store.address],
+                                     lookup_wait_ms=200),
+                            KVConnectorRole.SCHEDULER)
+    ns = sched._scheduler.namespace
+    prompt = np.random.default_rng(13).integers(0, 4096, 70).tolist()
+    hashes = kvtier.hash_tokens(ns, prompt)
+    probe.register_namespace(ns)
+    probe.put(ns, hashes, np.ones(len(hashes) * ns.block_bytes, np.uint8))
+    first = sched.get_num_new_matched_tokens(v.Request("a", prompt), 0)
+    assert first in ((None, False), (4 * BS, False))
+    assert matched(sched, v.Request("a", prompt), 0) == (4 * BS, False)
+
+    store.pause()
+    try:
+        t0 = time.monotonic()
+        asks = 0
+        while True:
+            n, _ = sched.get_num_new_matched_tokens(v.Request("b", prompt), 0)
+            asks += 1
+            if n is not None:
+                break
+            time.sleep(0.005)
+        waited = time.monotonic() - t0
+        t0 = time.monotonic()
+        spared = sched.get_num_new_matched_tokens(v.Request("c", prompt), 0)
+        spared_s = time.monotonic() - t0
+    finally:
+        store.resume()
+    assert n == 0 and asks > 1
+    assert 0.2 <= waited < 1.0, waited
+    assert spared == (0, False) and spared_s < 0.05, spared_s
+    assert sched._scheduler.lookups_late == 1
+    assert sched._scheduler.lookups_not_asked == 1
+    deadline = time.monotonic() + 10
+    while matched(sched, v.Request("d", prompt), 0)[0] != 4 * BS:
+        assert time.monotonic() < deadline, "hits never came back"
+        time.sleep(0.05)
+
+    sync = KvtierConnector(v.config([store.address], lookup_wait_ms=0),
+                           KVConnectorRole.SCHEDULER)
+    assert sync.get_num_new_matched_tokens(v.Request("e", prompt), 0) == \
+        (4 * BS, False)
+    with pytest.raises(kvtier.errors.InvalidArgument, match="lookup_wait_ms"):
+        KvtierConnector(v.config([store.address], lookup_wait_ms=-1),
+                        KVConnectorRole.SCHEDULER)

@@ -270,6 +270,38 @@ def test_a_store_down_at_start_up(work: Path,
             store.stop()
 
 
+def test_a_stalled_store_holds_no_step(
+        work: Path, reference: dict[int, list[list[int]]]) -> None:
+    """The store SIGSTOPped (its sockets open, nothing answers), with a 5 s
+    store deadline: vLLM's scheduler never waits on it (the lookup runs
+    off its thread; ``get_num_new_matched_tokens`` answers None until the
+    store answers, then 0 after ``lookup_wait_ms``, 100 ms), and the saves
+    never wait for it (the connector drops what it cannot queue): the
+    requests complete with the same tokens in about the time computing
+    them takes, not the deadline."""
+    store = Store(work, "store-stall")
+    try:
+        e = start(work, "engine-stall", store.address, deadline_ms=5000)
+        try:
+            healthy = e.generate(prompts(3))
+            assert [o["tokens"] for o in healthy["outputs"]] == reference[3]
+            store.pause()
+            try:
+                stalled = e.generate(prompts(2))
+            finally:
+                store.resume()
+            print(f"vLLM with the store healthy {healthy['seconds']:.2f} s, "
+                  f"stalled {stalled['seconds']:.2f} s (2 prompts of "
+                  f"{PREFIX + 40} tokens)")
+            assert [o["tokens"] for o in stalled["outputs"]] == reference[2]
+            assert stalled["seconds"] < healthy["seconds"] + 1.0, \
+                (healthy["seconds"], stalled["seconds"])
+        finally:
+            e.stop()
+    finally:
+        store.stop()
+
+
 def test_router_routes_on_vllm_events(work: Path) -> None:
     ns = connector_namespace()
     # ipc:// endpoints: vLLM's publisher binds them (it connects to a plain

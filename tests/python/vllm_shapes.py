@@ -59,10 +59,11 @@ class VllmConfig:
     kv_transfer_config: KVTransferConfig
 
 
-def config(stores: list[str]) -> VllmConfig:
+def config(stores: list[str], **extra: Any) -> VllmConfig:
     return VllmConfig(ModelConfig(), CacheConfig(), ParallelConfig(),
                       KVTransferConfig(kv_connector_extra_config={
-                          "stores": ",".join(stores), "deadline_ms": 3000}))
+                          "stores": ",".join(stores), "deadline_ms": 3000,
+                          **extra}))
 
 
 @dataclass

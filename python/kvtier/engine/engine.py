@@ -47,6 +47,7 @@ instead; the output is what a cold run gives.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,9 @@ from kvtier import Connector, Namespace, StoreClient
 from kvtier.hooks import SchedulerHalf, WorkerHalf
 from kvtier.engine.model import (ModelConfig, PagedKvCache, SeqChunk,
                                  Transformer, greedy)
+
+
+log = logging.getLogger("kvtier.engine")
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,7 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._stop = False
+        self._broken: Optional[BaseException] = None
         self._next_id = 1 << 40
         # (arrival, caller's id) of recent requests, for routers.
         self._arrivals: collections.deque[tuple[float, int]] = \
@@ -324,7 +329,8 @@ class Engine:
         ``max_new_tokens`` tokens (>= 1) after ``prompt``. Raises ValueError
         for an empty prompt, a token outside the vocabulary, a prompt
         larger than the whole KV cache or a negative ``store_hint``;
-        TimeoutError after ``timeout``. ``caller_id`` (non-zero) is the id a
+        TimeoutError after ``timeout``; RuntimeError naming the error that
+        stopped the engine's loop, if one did. ``caller_id`` (non-zero) is the id a
         router knows the request by: ``load_report`` lists it once the
         request counts in the load. ``store_hint``: how many of the
         prompt's blocks a router knows the stores hold from its start
@@ -347,6 +353,9 @@ class Engine:
             raise ValueError(f"the request needs {need} pages; the KV cache "
                              f"has {self.config.num_pages}")
         with self._mu:
+            if self._broken is not None:
+                raise RuntimeError(f"the engine stopped on an error: "
+                                   f"{self._broken!r}") from self._broken
             if request_id is None:
                 request_id = self._next_id
                 self._next_id += 1
@@ -456,6 +465,25 @@ class Engine:
                              0.8 * self.ms_per_token + 0.2 * sample)
 
     def _loop(self) -> None:
+        """Runs the steps; an error it cannot handle stops the engine, and
+        every request waiting or running (and every later one) fails with
+        it instead of waiting forever."""
+        try:
+            self._serve()
+        except BaseException as e:
+            with self._mu:
+                self._broken = e
+                failed = list(self._waiting) + self._running
+                self._waiting.clear()
+                self._running.clear()
+            for r in failed:
+                r.error = RuntimeError(f"the engine stopped on an error: "
+                                       f"{e!r}")
+                r.error.__cause__ = e
+                r.done.set()
+            log.exception("the engine stopped on an error")
+
+    def _serve(self) -> None:
         while True:
             with self._mu:
                 while not self._stop and not self._waiting and \

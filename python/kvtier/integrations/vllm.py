@@ -16,8 +16,10 @@ vLLM's own offloading with kvtier as its secondary tier
 
 Extra config keys: ``stores`` (comma-separated or a list; required),
 ``deadline_ms`` (10000), ``shared_memory`` ("auto", "on", "off"),
-``staging_blocks`` (64), ``tls_ca`` / ``tls_cert`` / ``tls_key`` (PEM
-files: TLS, mutual with a certificate, towards the stores).
+``staging_blocks`` (64), ``lookup_wait_ms`` (100; 0: the scheduler waits
+for each lookup up to the deadline), ``tls_ca`` / ``tls_cert`` /
+``tls_key`` (PEM files: TLS, mutual with a certificate, towards the
+stores).
 
 Every decision is in kvtier.hooks; this module only translates vLLM's
 objects into its calls. vLLM builds one connector with role SCHEDULER in the
@@ -32,7 +34,12 @@ Per hook:
   kvtier, pipeline parallelism is refused); returns the
   tokens after vLLM's own prefix hit that the store holds, always leaving the
   last prompt token to compute, and ``False`` (loaded in the same step,
-  layer by layer).
+  layer by layer). The lookup runs off vLLM's scheduler thread: until it
+  answers the hook returns None and vLLM schedules the request in a later
+  step (its other requests run meanwhile); past ``lookup_wait_ms`` the
+  request computes, and while that lookup is still out the store is not
+  asked again, so a stalled store holds no step and costs a request at most
+  that wait.
 - ``update_state_after_alloc(request, blocks, num_external_tokens)``: the
   pages for those tokens (``blocks.get_block_ids()[0]`` after the local hit).
 - ``build_connector_meta(scheduler_output)``: this step's loads, the prompt
@@ -277,6 +284,13 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._stores, self._opts = store_options(
             extra, "kv_connector_extra_config")
         self._staging = int(extra.get("staging_blocks", 64))
+        wait = float(extra.get("lookup_wait_ms", 100))
+        if not 0 <= wait < float("inf"):
+            raise kvtier.errors.InvalidArgument(
+                kvtier.StatusCode.INVALID_ARGUMENT,
+                f"kv_connector_extra_config: lookup_wait_ms must be a "
+                f"number of milliseconds >= 0, not {wait}")
+        self._lookup_wait_ms: Optional[float] = wait or None
         self._block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
@@ -306,9 +320,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
-        """Tokens after vLLM's own prefix the store can supply; loaded in
-        the same step (False: not asynchronous)."""
+                                   ) -> tuple[Optional[int], bool]:
+        """Tokens after vLLM's own prefix the store can supply (None: not
+        known yet, vLLM asks again in a later step); loaded in the same
+        step (False: not asynchronous)."""
         assert self._scheduler is not None
         rid = request.request_id
         if request.prompt_token_ids is None:
@@ -324,9 +339,13 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     namespace_of(self._vllm_config, 0, salt,
                                  kv_cache_config=self._kv_config()))
             self._hashes[rid] = kvtier.hash_tokens(seed, prompt)
-        n = self._scheduler.num_loadable_tokens(
+        if self._lookup_wait_ms is None:
+            return self._scheduler.num_loadable_tokens(
+                request_key(rid), self._hashes[rid], len(prompt),
+                num_computed_tokens), False
+        n = self._scheduler.poll_loadable_tokens(
             request_key(rid), self._hashes[rid], len(prompt),
-            num_computed_tokens)
+            num_computed_tokens, self._lookup_wait_ms)
         return n, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any,

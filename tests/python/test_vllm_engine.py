@@ -20,6 +20,7 @@ be installed (scripts/setup_venv.sh)."""
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import time
@@ -56,9 +57,22 @@ def prompts(prefix_seed: int, n: int = 2) -> list[list[int]]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port on 127.0.0.1 below the kernel's ephemeral range: a
+    client that keeps connecting to it before its server starts is never
+    given it as its own source port (a TCP self-connect would hold it and
+    the server could not listen; seen once in ctest)."""
+    lowest = int(Path("/proc/sys/net/ipv4/ip_local_port_range")
+                 .read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lowest - 10000), lowest)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def vllm_config(**kw: object) -> object:

@@ -350,8 +350,9 @@ class KvConnector {
   // for kOffloadStalled without one finishing, the save does not wait: it
   // takes the slot of the oldest request's last queued block (that block
   // is dropped and returned in *dropped), or fails when nothing is queued
-  // or the oldest is the saving request (`waiter`) itself: a chain keeps
-  // a prefix in the store. Drops are counted in offload_dropped_full.
+  // or the oldest is the saving request (`waiter`, not null) itself: a
+  // chain keeps a prefix in the store. Drops are counted in
+  // offload_dropped_full.
   bool AcquireSaveSlotLocked(std::unique_lock<std::mutex>& lk, int wait_ms, const SaveState* waiter,
                              uint32_t* slot, std::optional<Staged>* dropped);
   void ReleaseStaging(const std::vector<uint32_t>& slots);

@@ -36,7 +36,13 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
   std::optional<Staged> dropped;
   {
     std::unique_lock lk(staging_mu_);
-    have_slot = AcquireSaveSlotLocked(lk, wait_ms, waiter.get(), &slot, &dropped);
+    if (waiter) {
+      have_slot = AcquireSaveSlotLocked(lk, wait_ms, waiter.get(), &slot, &dropped);
+    } else {  // write-back: a free slot now or nothing
+      std::vector<uint32_t> got;
+      have_slot = AcquireStagingLocked(lk, 1, wait_ms, &got);
+      if (have_slot) slot = got[0];
+    }
   }
   if (dropped && dropped->waiter) {
     std::lock_guard lk(mu_);
@@ -223,6 +229,7 @@ void KvConnector::OffloadLoop() {
     std::vector<Staged> batch;
     std::vector<Held> held;
     std::vector<uint32_t> held_slots;
+    bool started = false;  // from idle: a save waiting for a slot times its stall from now
     {
       std::unique_lock lk(staging_mu_);
       offload_cv_.wait(lk, [&] {
@@ -244,12 +251,14 @@ void KvConnector::OffloadLoop() {
       }
       if (offloads_running_ == 0 && !(batch.empty() && held.empty())) {
         offload_progress_ = std::chrono::steady_clock::now();
+        started = true;
       }
       offloads_running_ += batch.size() + held.size();
       std::lock_guard sl(stats_mu_);
       stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
       stats_.staging_peak = std::max(stats_.staging_peak, stats_.staging_in_use);
     }
+    if (started) staging_cv_.notify_all();
     if (!held.empty()) batch = GatherHeld(std::move(held), held_slots);
     std::vector<PutBlock> blocks;
     for (const auto& s : batch) blocks.push_back({s.hash, Slot(s.slot)});

@@ -70,7 +70,7 @@ bool KvConnector::AcquireSaveSlotLocked(std::unique_lock<std::mutex>& lk, int wa
       // The oldest request's blocks go, from its chain's tail, as in
       // DropOldestHeld.
       const SaveState* oldest = offload_queue_.front().waiter.get();
-      if (oldest == waiter && waiter != nullptr) return false;
+      if (oldest == waiter) return false;
       auto it = offload_queue_.end();
       do {
         --it;
@@ -83,7 +83,10 @@ bool KvConnector::AcquireSaveSlotLocked(std::unique_lock<std::mutex>& lk, int wa
       return true;
     }
     if (now >= give_up) return false;
-    staging_cv_.wait_until(lk, offloads_running_ > 0 ? std::min(give_up, stalled_at) : give_up);
+    // Woken when a slot frees or the offloader takes a batch (its stamp);
+    // looked at again within kOffloadStalled either way.
+    staging_cv_.wait_until(
+        lk, std::min(give_up, offloads_running_ > 0 ? stalled_at : now + kOffloadStalled));
   }
 }
 

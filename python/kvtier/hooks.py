@@ -80,8 +80,8 @@ class _LookupThread:
     scheduler can stop waiting for one (it goes on to its deadline)."""
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[Callable[[], int],
-                                       concurrent.futures.Future[int]]] = \
+        self._queue: queue.Queue[Optional[tuple[
+            Callable[[], int], concurrent.futures.Future[int]]]] = \
             queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="kvtier-lookup")
@@ -94,12 +94,20 @@ class _LookupThread:
         self._queue.put((call, future))
         return future
 
+    def close(self) -> None:
+        """Ends the thread once the lookups queued before are done (it is
+        not waited for: one may be out until its deadline)."""
+        self._queue.put(None)
+
     def _run(self) -> None:
         while True:
-            call, future = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            call, future = item
             try:
                 future.set_result(call())
-            except Exception as e:  # handed to the waiter
+            except BaseException as e:  # handed to the waiter, whatever it is
                 future.set_exception(e)
 
 
@@ -170,6 +178,7 @@ class SchedulerHalf:
         self.lookups_not_asked = 0     # a late one was still out
         self._lookups: Optional[_LookupThread] = None
         self._late: Optional[concurrent.futures.Future[int]] = None
+        self._answered: list[_Tracked] = []  # kept answers, this step
 
     def num_loadable_tokens(self, request: int, hashes: np.ndarray,
                             prompt_tokens: int, num_computed_tokens: int,
@@ -209,8 +218,9 @@ class SchedulerHalf:
         ``get_num_new_matched_tokens`` answers None): None while the
         store's answer has not come, for at most ``wait_ms`` from the
         request's first ask (as ``budget_ms``); then 0 (``lookups_late``).
-        An answer is kept for the same own prefix until the engine
-        allocates for it, so asking again costs no round trip."""
+        An answer is kept for the same own prefix until the step's end
+        (:meth:`build_step`), so asking again in the step costs no round
+        trip."""
         return self._loadable(request, hashes, prompt_tokens,
                               num_computed_tokens, store_hint, wait_ms,
                               block=False)
@@ -277,23 +287,20 @@ class SchedulerHalf:
             future = t.asked[1]
             assert t.first_ask is not None
             left = budget_ms / 1000.0 - (now - t.first_ask)
+            done = future.done()
+            if not block and not done and left > 0:
+                return None
+            t.asked = t.first_ask = None
             try:
-                if block:
-                    present = future.result(timeout=max(0.0, left))
-                elif future.done():
-                    present = future.result()
-                elif left > 0:
-                    return None
-                else:
-                    raise concurrent.futures.TimeoutError()
+                present = future.result(timeout=max(0.0, left) if block
+                                        else 0.0)
             except concurrent.futures.TimeoutError:
                 self.lookups_late += 1
                 self._late = future
                 return 0
-            finally:
-                if future.done() or block or left <= 0:
-                    t.asked = t.first_ask = None
-            t.answer = (skip, present)
+            if not block:
+                t.answer = (skip, present)
+                self._answered.append(t)
             return present
         except KvtierError:
             self.lookup_errors += 1
@@ -349,9 +356,32 @@ class SchedulerHalf:
             self._step.finished.append(request)
 
     def build_step(self) -> StepMeta:
-        """This step's metadata; the next step starts empty."""
+        """This step's metadata; the next step starts empty (and asks the
+        store afresh)."""
+        for t in self._answered:
+            t.answer = None
+        self._answered.clear()
         step, self._step = self._step, StepMeta()
         return step
+
+    def warm_up(self) -> None:
+        """Opens the connection to the store off the caller's thread, so
+        that the first request's lookup does not pay it (a store down now
+        only delays the lookups queued behind this one)."""
+        if self.store is None:
+            return
+        if self._lookups is None:
+            self._lookups = _LookupThread()
+        store, namespace = self.store, self.namespace
+        self._lookups.submit(lambda: store.lookup(
+            namespace, np.zeros((1, 2), dtype=np.uint64)))
+
+    def close(self) -> None:
+        """Ends the lookup thread (a lookup still out ends at its
+        deadline)."""
+        if self._lookups is not None:
+            self._lookups.close()
+            self._lookups = None
 
 
 class WorkerHalf:

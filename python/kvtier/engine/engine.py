@@ -297,6 +297,8 @@ class Engine:
                                        **opts)
         self.scheduler = SchedulerHalf(self.namespace, store,
                                        config.page_tokens)
+        if config.lookup_wait_share is not None:
+            self.scheduler.warm_up()
         self.worker = (WorkerHalf(self.connector)
                        if self.connector is not None else None)
         self.pages = _Pages(config.num_pages, on_stored, on_removed)
@@ -427,6 +429,7 @@ class Engine:
         if self.worker is not None:
             self.worker.wait_for_save(self.scheduler.build_step())
             self.worker.close()
+        self.scheduler.close()
         if self.connector is not None:
             self.connector.close()
 
@@ -510,17 +513,24 @@ class Engine:
             t0 = time.monotonic()
             skipped_before = self.scheduler.lookups_skipped
             late_before = self.scheduler.lookups_late
+            spared_before = self.scheduler.lookups_not_asked
             wait_ms = self.lookup_wait_ms(len(r.prompt) - len(gpu) * bt)
             found = self.scheduler.num_loadable_tokens(
                 r.rid, r.hashes, len(r.prompt), len(gpu) * bt,
                 store_hint=r.store_hint, budget_ms=wait_ms) // bt
             r.lookup_skipped = self.scheduler.lookups_skipped > skipped_before
             r.load_status = ""  # admission may be tried again
-            if self.scheduler.lookups_late > late_before:
+            late = self.scheduler.lookups_late > late_before
+            if late:
                 r.load_status = (f"the store did not answer the lookup within "
                                  f"{wait_ms:.1f} ms (a share of computing "
                                  f"the prompt): computed instead")
-            r.onboard_ms = (time.monotonic() - t0) * 1000.0 if found else 0.0
+            elif self.scheduler.lookups_not_asked > spared_before:
+                r.load_status = ("the store was not asked: an earlier lookup "
+                                 "is still unanswered; computed instead")
+            # What the lookup added to the request's path (the wait, too).
+            r.onboard_ms = ((time.monotonic() - t0) * 1000.0
+                            if found or late else 0.0)
             # Pages for the prompt and every token it decodes, taken now: a
             # running request never waits for a page (there is no preemption).
             total = -(-(len(r.prompt) + r.max_new) // bt)

@@ -303,6 +303,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._scheduler = SchedulerHalf(
                 ns, kvtier.StoreClient(self._stores, **self._opts),
                 self._block_size)
+            if self._lookup_wait_ms is not None:
+                self._scheduler.warm_up()
         else:
             self._namespace = namespace_of(vllm_config, _tp_rank(vllm_config),
                                            kv_cache_config=self._kv_config())
@@ -541,7 +543,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         """Closes open requests (their saves are written) and the
-        connector."""
+        connector; the scheduler's lookup thread ends."""
+        if self._scheduler is not None:
+            self._scheduler.close()
         if self._worker is not None:
             self._worker.close()
             self._worker.connector.close()

@@ -357,7 +357,10 @@ def test_a_store_hint_spares_the_lookup_only_when_the_pages_reach_it(
 
     engine, eaddr = _serve([str(BUILD / "python" / "kvtier-torch-engine"),
                             "--listen=127.0.0.1:0", f"--store={store.address}",
-                            "--pages=256", "--worker-id=torch-hint"],
+                            "--pages=256", "--worker-id=torch-hint",
+                            # Loads asserted exactly: the lookup is waited
+                            # for up to the deadline, however loaded the host.
+                            "--lookup-wait-share=0"],
                            tmp_path, "engine")
     try:
         worker = worker_pb2_grpc.SimWorkerStub(grpc.insecure_channel(eaddr))

@@ -148,6 +148,11 @@ def _flags(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="refuse clients without a CA-signed certificate")
     p.add_argument("--deadline-ms", type=int, default=10000,
                    help="deadline of each store operation")
+    p.add_argument("--lookup-wait-share", type=float,
+                   default=EngineConfig.lookup_wait_share,
+                   help="how long a store lookup is waited for, as a share "
+                        "of computing what it could save (at least 5 ms; "
+                        "0: up to the deadline)")
     p.add_argument("--pages", type=int, default=EngineConfig.num_pages)
     p.add_argument("--page-tokens", type=int,
                    default=EngineConfig.page_tokens)
@@ -193,7 +198,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ec = EngineConfig(num_pages=a.pages, page_tokens=a.page_tokens,
                           max_step_tokens=a.max_step_tokens,
                           max_running=a.max_running, kv_dtype=a.kv_dtype,
-                          layout=a.layout)
+                          layout=a.layout,
+                          lookup_wait_share=a.lookup_wait_share or None)
     except ValueError as e:
         print(f"kvtier-torch-engine: {e}", file=sys.stderr)
         return 2

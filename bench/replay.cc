@@ -90,8 +90,12 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   std::vector<Timed> timed(trace.size());
   std::atomic<size_t> next{0}, done{0};
   absl::Status failure = absl::OkStatus();
-  const auto start = Clock::now();
+  // The trace's clock starts once every client thread exists: starting
+  // 256 threads takes real milliseconds that no request should be charged.
+  Clock::time_point start;
+  std::atomic<bool> clock_started{false};
   auto run = [&] {
+    while (!clock_started.load(std::memory_order_acquire)) std::this_thread::yield();
     for (;;) {
       size_t i = next++;
       if (i >= trace.size() || g_interrupted) return;
@@ -223,6 +227,8 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   };
   std::vector<std::thread> threads;
   for (int64_t t = 0; t < o.concurrency; ++t) threads.emplace_back(run);
+  start = Clock::now();
+  clock_started.store(true, std::memory_order_release);
   auto schedule = [&] {
     std::ofstream out;
     if (!o.per_request.empty()) out.open(o.per_request, std::ios::app);
@@ -294,6 +300,8 @@ int RunReplay(int argc, const char* const* argv) {
   flags.Double("prefill-tokens-per-s", &o.prefill_tps, 1, 1e9, "Simulated prefill speed");
   flags.Double("fetch-cost", &o.fetch_cost, 0, 10, "Router: fetch cost per token");
   flags.Double("load-weight", &o.load_weight, 0, 1000, "Router: cost per queued token");
+  flags.Double("occupancy-weight", &o.occupancy_weight, 0, 1000,
+               "Router: cost in fetches per token placed in new pages of a full worker");
   flags.Int("balance-threshold-tokens", &o.balance, 0, int64_t{1} << 40, "Router: balance guard");
   flags.String("modes", &o.modes, "Modes to run, comma-separated");
   flags.Int("restart-router-at", &o.restart_router_at, 0, 1 << 30,

@@ -79,6 +79,11 @@ absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse*
                                            static_cast<int64_t>(job->arrival * 1000 * Scale()));
     if (!have_origin_ || origin < origin_) origin_ = origin;
     have_origin_ = true;
+    if (o_.time_scale > 0) {
+      const double late_real_ms =
+          std::chrono::duration<double, std::milli>(origin - origin_ - o_.reorder_window).count();
+      job->late_ms = std::max(0.0, late_real_ms) / o_.time_scale;
+    }
   }
   if (c_->has_store()) {
     // Looked up, and what the store holds loaded, as it arrives, on this
@@ -373,7 +378,9 @@ void SimWorkerService::Schedule(Job& job) {
   resp->set_decode_ms(o_.decode_ms_per_token * job.output_tokens);
   // TTFT in simulated time, from arrival to the prefill's end: onboarding
   // (real, as measured), the prefill, and the rest waiting for the engine.
-  const double ttft = clock_ms_ - job.arrival;
+  // Less the time the caller took to deliver it (Job::late_ms).
+  const double ttft =
+      std::max(clock_ms_ - job.arrival - job.late_ms, prefill_ms + resp->onboard_ms());
   resp->set_ttft_ms(ttft);
   resp->set_prefill_ms(prefill_ms);
   resp->set_queue_ms(std::max(0.0, ttft - prefill_ms - resp->onboard_ms()));

@@ -57,7 +57,10 @@ struct SimOptions {
 // for while the engine serves others) enter it as measured. Real time only paces the
 // engine (it sleeps time_scale x each prefill, so the load routers see and
 // the pages it holds last as long, scaled, as in simulation): how the host
-// schedules threads never enters a request's times.
+// schedules threads never enters a request's times. A request delivered
+// later than its arrival plus the reorder window (the caller's threads or
+// the RPC held up by the host) is run as soon as it arrives and is not
+// charged the simulated time that passed meanwhile.
 class SimWorkerService final : public WorkerEngine {
  public:
   SimWorkerService(KvConnector* c, SimOptions o);
@@ -87,6 +90,10 @@ class SimWorkerService final : public WorkerEngine {
     double arrival = 0;          // simulated ms
     double ready = 0;            // when it can next be scheduled, simulated ms
     Clock::time_point received;  // real: when it joined the waiting queue
+    // Simulated ms by which it reached the engine after its arrival came in
+    // real time, past the reorder window: the caller's delivery, charged to
+    // no request (at time_scale 1/s a real ms would count s simulated ones).
+    double late_ms = 0;
     bool looked_up = false;
     KvConnector::Match match;
     uint32_t loaded = 0;

@@ -32,6 +32,7 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
     ro.heartbeat_deadline_ms = 3000;
     ro.knobs.fetch_cost = o.fetch_cost;
     ro.knobs.load_weight = o.load_weight;
+    ro.knobs.occupancy_weight = o.occupancy_weight;
     ro.knobs.balance_threshold_tokens = static_cast<uint64_t>(o.balance);
     auto r = router::EmbeddedRouter::Start(ro, "127.0.0.1:0");
     if (!r.ok()) return r.status();
@@ -42,6 +43,7 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
         LocalServer::Start(DefaultBinary("router", "kvtier-router"), scratch + "-router",
                            {"--heartbeat-deadline=3s", absl::StrCat("--fetch-cost=", o.fetch_cost),
                             absl::StrCat("--load-weight=", o.load_weight),
+                            absl::StrCat("--occupancy-weight=", o.occupancy_weight),
                             absl::StrCat("--balance-threshold-tokens=", o.balance)});
     if (!r.ok()) return r.status();
     c.router = std::move(*r);

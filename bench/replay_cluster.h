@@ -29,7 +29,7 @@ struct Options {
   uint64_t disk_bytes = 16ull << 30;
   int64_t concurrency = 256;
   double prefill_tps = 50000;
-  double fetch_cost = 0.1, load_weight = 1.0;
+  double fetch_cost = 0.1, load_weight = 1.0, occupancy_weight = 4.0;
   int64_t balance = 32768;
   std::string modes = "round-robin,round-robin+store,kv-aware,kvtier";
   std::string plot;

@@ -25,6 +25,7 @@ class Walk {
         m_(*in.match),
         load_(in.board->load.data()),
         id_hash_(in.board->id_hash.data()),
+        occupancy_(in.board->occupancy.data()),
         lw_(in.load_weight),
         keep_(in.keep),
         request_hash_(in.request_hash) {}
@@ -32,6 +33,20 @@ class Walk {
   WalkResult Run();
 
  private:
+  // The prompt's tokens a worker holding `depth` of its blocks has no page for.
+  uint64_t PlacedAt(uint32_t depth) const {
+    return in_.prompt_tokens -
+           std::min<uint64_t>(uint64_t{depth} * in_.block_tokens, in_.prompt_tokens);
+  }
+  // The occupancy term of `num` at the current depth (a lower bound of 0
+  // holds for every worker: the walk's load-order stops stay valid).
+  double OccupancyOf(SourceNum num) const { return placed_cost_ * occupancy_[num]; }
+  // Sets the base cost and the occupancy price per unit of occupancy for
+  // workers holding `depth` blocks.
+  void SetDepth(uint32_t depth) {
+    base_ = BaseAt(depth);
+    placed_cost_ = in_.occupancy_cost * static_cast<double>(PlacedAt(depth));
+  }
   // The cost of the prompt's blocks to a worker holding `depth` of them.
   double BaseAt(uint32_t depth) const {
     const uint64_t bt = in_.block_tokens, prompt = in_.prompt_tokens;
@@ -49,7 +64,7 @@ class Walk {
   void Look(SourceNum num, uint32_t depth) {
     const uint64_t load = LoadAt(num);
     max_load_ = std::max(max_load_, load);
-    const double cost = base_ + lw_ * static_cast<double>(load);
+    const double cost = base_ + lw_ * static_cast<double>(load) + OccupancyOf(num);
     if (load > reject_load_ && cost > reject_cost_) return;
     Admit(num, depth, load, cost);
   }
@@ -63,6 +78,7 @@ class Walk {
   // The hot loop's inputs, by value.
   const uint64_t* const load_;
   const uint64_t* const id_hash_;
+  const double* const occupancy_;
   const double lw_;
   const size_t keep_;
   const uint64_t request_hash_;
@@ -71,6 +87,7 @@ class Walk {
   bool have_least_ = false;
   uint64_t max_load_ = 0;
   double base_ = 0;
+  double placed_cost_ = 0;  // occupancy_cost x the tokens placed at base_'s depth
   // A worker costlier than the keep-th cheapest and busier than the least
   // loaded so far is out: the hot loop tests just that.
   double reject_cost_ = std::numeric_limits<double>::infinity();
@@ -112,7 +129,7 @@ void Walk::Admit(SourceNum num, uint32_t depth, uint64_t load, double cost) {
 // it (loads only grew since, but for the lowered ones, looked at apart).
 template <class Member>
 void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& hit) {
-  base_ = BaseAt(depth);
+  SetDepth(depth);
   const double lw = lw_;
   const Fleet& fleet = *in_.fleet;
   for (SourceNum num : fleet.lowered) {
@@ -150,7 +167,9 @@ void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& h
       if (load > tie) continue;
       if (load < tie) break;
       if (RendezvousRank(request_hash_, id_hash_[other]) <= rank_to_beat) continue;
-      Admit(other, depth, load, tie_cost);
+      // A worker whose pages are fuller costs more than the tie: it can
+      // still be the least loaded (Admit sorts that out), never the cheapest.
+      Admit(other, depth, load, tie_cost + OccupancyOf(other));
       if (reject_load_ != tie || reject_cost_ != tie_cost) {
         ++j;
         break;
@@ -191,7 +210,7 @@ WalkResult Walk::Run() {
   for (const auto& [num, depth] : m_.gpu_depth) {
     if (depth != base_depth) {
       base_depth = depth;
-      base_ = BaseAt(depth);
+      SetDepth(depth);
     }
     Look(num, depth);
   }

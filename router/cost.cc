@@ -36,7 +36,8 @@ Decision Decide(const CostKnobs& k, uint64_t prompt_tokens, uint32_t block_token
         std::min<uint64_t>(uint64_t{x.store_blocks} * block_tokens, prompt_tokens - cached);
     x.prefill_tokens = prompt_tokens - cached - fetched;
     x.cost = static_cast<double>(x.prefill_tokens) + k.fetch_cost * static_cast<double>(fetched) +
-             k.load_weight * static_cast<double>(x.load_tokens);
+             k.load_weight * static_cast<double>(x.load_tokens) +
+             OccupancyCost(k, prompt_tokens - cached, x.occupancy);
   }
   std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {
     return a.cost != b.cost ? a.cost < b.cost : a.id_hash < b.id_hash;

@@ -2,9 +2,15 @@
 // prefill-token equivalents,
 //   cost = tokens to compute + fetch_cost x tokens fetched from the store
 //          + load_weight x (queued prefill tokens + tokens routed since its
-//            last heartbeat).
-// The cheapest wins. Ties go to a rendezvous hash of (the request's deepest
-// matched block, worker id), stable across replicas and restarts. When the
+//            last heartbeat)
+//          + occupancy_weight x fetch_cost x tokens it must place in new
+//            pages (fetched or computed) x the share of its pages in use.
+// The last term prices the pages a placement takes from what the worker
+// caches: with a store, a block a worker holds saves only a fetch, so a
+// short shared prefix (a system prompt) must not pull every new session
+// onto its holder while other workers' pages sit unused.
+// The cheapest wins. Ties go to a rendezvous hash of (the prompt's last
+// block, worker id), stable across replicas and restarts. When the
 // spread of load among candidates exceeds balance_threshold_tokens the
 // least-loaded worker wins instead. temperature > 0 samples by cost with a
 // seed drawn from the request, so replicas agree. Pure functions.
@@ -23,6 +29,11 @@ struct CostKnobs {
   double load_weight = 1.0;               // per queued token
   uint64_t balance_threshold_tokens = 0;  // 0: no balance guard
   double temperature = 0;                 // 0: deterministic
+  // Per token placed in new pages on a worker whose pages are all in use,
+  // in fetches (x fetch_cost); scaled by the worker's share of pages in use.
+  // 0: off (Route turns it off while it knows no store: the term prices
+  // pages that a store could give back).
+  double occupancy_weight = 4.0;
 };
 
 struct Candidate {
@@ -34,6 +45,8 @@ struct Candidate {
   uint32_t gpu_blocks = 0;
   uint32_t store_blocks = 0;
   uint64_t load_tokens = 0;
+  // The share of its GPU pages in use at its last heartbeat, 0..1.
+  double occupancy = 0;
   // Filled by Decide:
   uint64_t prefill_tokens = 0;
   double cost = 0;
@@ -51,6 +64,13 @@ uint64_t WorkerIdHash(std::string_view worker_id);
 // The rendezvous score of a worker for a request: the highest wins a tie.
 inline uint64_t RendezvousRank(uint64_t request_hash, uint64_t id_hash) {
   return Mix64(request_hash ^ id_hash);
+}
+
+// The occupancy term of a candidate: `placed_tokens` (the prompt's tokens
+// it holds no page for) priced at occupancy_weight x fetch_cost each,
+// scaled by its share of pages in use.
+inline double OccupancyCost(const CostKnobs& k, uint64_t placed_tokens, double occupancy) {
+  return k.occupancy_weight * k.fetch_cost * static_cast<double>(placed_tokens) * occupancy;
 }
 
 // Computes each candidate's cost, sorts candidates cheapest first (ties by

@@ -9,6 +9,7 @@ void LoadBoard::Ensure(SourceNum num) {
   if (num < load.size()) return;
   load.resize(num + 1, 0);
   id_hash.resize(num + 1, 0);
+  occupancy.resize(num + 1, 0);
   lowered.resize(num + 1, 0);
 }
 

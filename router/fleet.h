@@ -23,6 +23,10 @@ namespace kvtier::router {
 
 struct LoadBoard {
   std::vector<uint64_t> load, id_hash;
+  // The share of the worker's GPU pages in use (blocks indexed over those
+  // plus its free pages), as of its last heartbeat: the cost's occupancy
+  // term. Written under the core's exclusive lock.
+  std::vector<double> occupancy;
   std::vector<uint8_t> lowered;  // in its fleet's `lowered`
 
   // Makes room for `num`.

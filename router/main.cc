@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
   bool check_config = false;
   uint64_t deadline_ms = 5000;
   uint64_t max_message = 64ull << 20;
-  double fetch_cost = 0.1, load_weight = 1.0, temperature = 0;
+  double fetch_cost = 0.1, load_weight = 1.0, temperature = 0, occupancy_weight = 4.0;
   int64_t balance = 32768;
   kvtier::TlsFlags tls;
   kvtier::FlagSet flags(
@@ -56,7 +56,9 @@ int main(int argc, char** argv) {
       "indexes the KV blocks workers and store shards report (kvtier.v1.Router event\n"
       "streams) and scores every live worker of the request's namespace by\n"
       "  cost = tokens to compute + fetch_cost x tokens fetched from the store\n"
-      "         + load_weight x (queued prefill tokens + tokens routed since its heartbeat).\n"
+      "         + load_weight x (queued prefill tokens + tokens routed since its heartbeat)\n"
+      "         + occupancy_weight x fetch_cost x tokens placed in new pages x its pages' use\n"
+      "           (the last only while store shards report).\n"
       "Example: kvtier-router --listen 0.0.0.0:7500 --heartbeat-deadline 5s --fetch-cost 0.1");
   flags.HostPort("listen", &listen, "gRPC address HOST:PORT (port 0 picks a free port)");
   flags.DurationMs("heartbeat-deadline", &deadline_ms,
@@ -64,6 +66,10 @@ int main(int argc, char** argv) {
   flags.Double("fetch-cost", &fetch_cost, 0, 10,
                "Cost of fetching one token's KV from the store, relative to computing it");
   flags.Double("load-weight", &load_weight, 0, 1000, "Cost per queued prefill token of a worker");
+  flags.Double("occupancy-weight", &occupancy_weight, 0, 1000,
+               "Cost, in fetches, per token a request places in new pages of a worker whose pages "
+               "are all in use (scaled by the share in use; 0: off): spreads new sessions over "
+               "workers with room instead of onto the holder of a short shared prefix");
   flags.Int("balance-threshold-tokens", &balance, 0, int64_t{1} << 40,
             "Route by load alone when the load spread among candidates exceeds this many "
             "tokens (0: never)");
@@ -106,6 +112,7 @@ int main(int argc, char** argv) {
   o.heartbeat_deadline_ms = deadline_ms;
   o.knobs.fetch_cost = fetch_cost;
   o.knobs.load_weight = load_weight;
+  o.knobs.occupancy_weight = occupancy_weight;
   o.knobs.balance_threshold_tokens = static_cast<uint64_t>(balance);
   o.knobs.temperature = temperature;
   o.inflight_ms = inflight_ms;
@@ -133,9 +140,10 @@ int main(int argc, char** argv) {
   if (check_config) {
     std::printf(
         "kvtier-router configuration OK: listen=%s metrics-listen=%s heartbeat-deadline=%lums "
-        "fetch-cost=%g load-weight=%g balance-threshold-tokens=%ld temperature=%g\n",
-        listen.c_str(), metrics_listen.c_str(), deadline_ms, fetch_cost, load_weight, balance,
-        temperature);
+        "fetch-cost=%g load-weight=%g occupancy-weight=%g balance-threshold-tokens=%ld "
+        "temperature=%g\n",
+        listen.c_str(), metrics_listen.c_str(), deadline_ms, fetch_cost, load_weight,
+        occupancy_weight, balance, temperature);
     return 0;
   }
 

@@ -67,7 +67,10 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
                     Clock::now());
   }
   if (!chain.empty()) {
-    const BlockHash h = chain[match.deepest >= 0 ? match.deepest : chain.size() - 1];
+    // The prompt's last block names the whole prompt: prompts that share a
+    // prefix (a system prompt every worker holds) and differ after it
+    // spread over the workers tied on that prefix.
+    const BlockHash h = chain[chain.size() - 1];
     request_hash = h.hi ^ (h.lo * 0x9E3779B97F4A7C15ull);
   }
   CostKnobs k = options_.knobs;
@@ -84,6 +87,8 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
     basis.measured = true;
     k.fetch_cost = basis.fetch_cost;
   }
+  // Pages a store can give back are what the occupancy term prices.
+  if (!StoresKnown()) k.occupancy_weight = 0;
   WalkInput in;
   in.index = &index_;
   in.match = &match;
@@ -94,6 +99,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   in.prompt_tokens = prompt_tokens;
   in.fetch_cost = k.fetch_cost;
   in.load_weight = k.load_weight;
+  in.occupancy_cost = k.occupancy_weight * k.fetch_cost;
   in.balance_threshold_tokens = k.balance_threshold_tokens;
   // Sampling draws among a fixed number of the cheapest, whatever the
   // response lists, so a request is routed the same way by every caller.
@@ -120,6 +126,7 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
     c.gpu_blocks = p.depth;
     c.store_blocks = match.StoreRun(p.depth);
     c.load_tokens = p.load;
+    c.occupancy = board_.occupancy[p.num];
     cands.push_back(c);
   }
   uint64_t max_load = walk.max_load;
@@ -188,7 +195,8 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
   // cheaper ones, then the cheapest.
   auto show = [&](const Candidate& c) {
     r.candidates.push_back(RouteCandidate{std::string(c.worker_id), c.gpu_blocks, c.store_blocks,
-                                          c.load_tokens, c.prefill_tokens, k.fetch_cost, c.cost});
+                                          c.load_tokens, c.prefill_tokens, k.fetch_cost, c.cost,
+                                          c.occupancy});
   };
   const bool chosen_shown = d.chosen < shown;
   for (size_t i = 0; i < cands.size() && r.candidates.size() < shown; ++i) {

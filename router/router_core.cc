@@ -18,6 +18,9 @@ absl::Status RouterOptions::Validate() const {
   if (!(knobs.load_weight >= 0)) {
     return absl::InvalidArgumentError("flag --load-weight must be >= 0");
   }
+  if (!(knobs.occupancy_weight >= 0)) {
+    return absl::InvalidArgumentError("flag --occupancy-weight must be >= 0");
+  }
   if (!(knobs.temperature >= 0)) {
     return absl::InvalidArgumentError("flag --temperature must be >= 0");
   }
@@ -116,6 +119,7 @@ void RouterCore::JoinFleet(Source& s) {
   board_.Ensure(s.num);
   board_.load[s.num] = s.load.queued_prefill_tokens + s.routed_since_heartbeat.load();
   board_.id_hash[s.num] = s.id_hash;
+  board_.occupancy[s.num] = 0;
   if (s.hello.kind == SourceKind::kStore) {
     index_.SetStore(s.num, true);
     store_nums_.push_back(s.num);
@@ -206,6 +210,9 @@ void RouterCore::Heartbeat(Source& s, const SourceLoad& load) {
   }
   const uint64_t before = board_.load[s.num];
   board_.load[s.num] = s.load.queued_prefill_tokens + inflight;
+  const double held = static_cast<double>(s.indexed);
+  const double pages = held + static_cast<double>(s.load.free_gpu_pages);
+  board_.occupancy[s.num] = pages > 0 ? held / pages : 0;
   fleets_.at(s.hello.namespace_id).LoadReported(s.num, before, board_);
   SetPrefillRate(s, s.load.prefill_tokens_per_s);
 }

@@ -80,6 +80,7 @@ struct RouteCandidate {
   uint64_t prefill_tokens = 0;
   double fetch_cost = 0;  // per fetched token, relative to computing it
   double cost = 0;
+  double occupancy = 0;  // the share of its GPU pages in use (cost's occupancy term)
 };
 
 // What the fetch cost per store token was made of (docs/router.md, "Fetch cost").

@@ -181,6 +181,7 @@ void ToWire(const RouteResult& r, v1::RouteResponse* out) {
     o->set_load_tokens(c.load_tokens);
     o->set_cost(c.cost);
     o->set_fetch_cost(c.fetch_cost);
+    o->set_occupancy(c.occupancy);
   }
 }
 

@@ -559,6 +559,81 @@ TEST_F(RouterCoreTest, FetchCostFollowsStoreAndWorkerFigures) {
   EXPECT_EQ(core_.ExpireSources(RouterCore::Clock::now() + std::chrono::hours(1)), 4u);
 }
 
+// With the stores known, a worker's pages in use are priced: a new session
+// whose only match is a short prefix the store also holds goes to a worker
+// with room rather than to the full worker holding that prefix, and a
+// session stays where its history is when the workers are equally full.
+// Without a store, the holder wins as before.
+TEST_F(RouterCoreTest, NewSessionsGoWhereThereIsRoomWhileTheStoresAreKnown) {
+  Join("w1", {0, 1, 100, 101, 102, 103});  // the system prompt (0, 1) and another session
+  Join("w2", {});
+  auto free_pages = [&](const std::string& id, uint64_t n) {
+    v1::SourceMessage m;
+    m.mutable_heartbeat()->set_free_gpu_pages(n);
+    Send(id, m);
+  };
+  free_pages("w1", 0);                // 6 held, 0 free: occupancy 1
+  free_pages("w2", 64);               // 0 held: occupancy 0
+  v1::RouteRequest session = Req(4);  // blocks 0, 1 (shared), 2, 3 (its own)
+  session.set_dry_run(true);
+  auto no_store = core_.Route(FromWire(session));
+  ASSERT_TRUE(no_store.ok());
+  EXPECT_EQ(no_store->worker_id, "w1");  // no store to give pages back: the holder
+  EXPECT_DOUBLE_EQ(no_store->candidates[0].occupancy, 1.0);
+  HelloStore("store-0");
+  Send("store-0", Snapshot(0, {0, 1, 100, 101, 102, 103}));
+  auto spread = core_.Route(FromWire(session));
+  ASSERT_TRUE(spread.ok());
+  ASSERT_EQ(spread->candidates.size(), 2u);
+  EXPECT_EQ(spread->worker_id, "w2");
+  EXPECT_EQ(spread->store_blocks, 2u);  // it fetches the shared prefix
+  // w1: 32 tokens to compute + 4 x 0.1 x 32 placed x 1.0; w2: 32 + 0.1 x 32 fetched.
+  EXPECT_NEAR(spread->candidates[0].cost, 32 + 3.2, 1e-9);
+  EXPECT_NEAR(spread->candidates[1].cost, 32 + 12.8, 1e-9);
+  // Equally full, the session's next turn stays with its history (w1
+  // holds blocks 100..103 of that other session).
+  free_pages("w2", 0);
+  Send("w2", Stored(1, {200, 201, 202, 203, 204, 205}));
+  free_pages("w2", 0);
+  v1::RouteRequest next_turn;
+  next_turn.set_namespace_id(kNs);
+  next_turn.set_dry_run(true);
+  for (uint64_t i : {0, 1, 100, 101, 102, 103, 104, 105}) {
+    auto* h = next_turn.mutable_hashes()->add_hashes();
+    h->set_hi(H(i).hi);
+    h->set_lo(H(i).lo);
+  }
+  auto sticky = core_.Route(FromWire(next_turn));
+  ASSERT_TRUE(sticky.ok());
+  EXPECT_EQ(sticky->worker_id, "w1");
+  EXPECT_EQ(sticky->gpu_blocks, 6u);
+}
+
+// Prompts that share only a prefix every worker holds tie on cost; they
+// spread over the workers by their own last block, not all to the one that
+// the shared prefix's hash ranks first.
+TEST_F(RouterCoreTest, PromptsTiedOnASharedPrefixSpreadOverItsHolders) {
+  for (const char* id : {"w1", "w2", "w3", "w4"}) Join(id, {0});
+  std::set<std::string> chosen;
+  for (uint64_t k = 1; k <= 40; ++k) {
+    v1::RouteRequest req;
+    req.set_namespace_id(kNs);
+    req.set_dry_run(true);
+    for (uint64_t i : {uint64_t{0}, 1000 + k}) {
+      auto* h = req.mutable_hashes()->add_hashes();
+      h->set_hi(H(i).hi);
+      h->set_lo(H(i).lo);
+    }
+    auto r = core_.Route(FromWire(req));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->reason, Reason::kTieBreak);
+    chosen.insert(r->worker_id);
+    auto again = core_.Route(FromWire(req));  // stable for the same prompt
+    EXPECT_EQ(again->worker_id, r->worker_id);
+  }
+  EXPECT_EQ(chosen.size(), 4u);
+}
+
 // Holes (the invariant broken) can make group counts overlap; the workers
 // holding nothing of the prompt are still weighed (a review's counterexample:
 // 600 workers sharing block 0, half with a hole at block 1, one idle worker).

@@ -333,6 +333,35 @@ TEST_F(SimCluster, TheSimulatedClockQueuesByArrivalWhateverTheSpeed) {
   EXPECT_EQ(seen[0], seen[1]);
 }
 
+// A request the host delivers late (the caller's thread or the RPC held up)
+// is not charged, as simulated queue, the simulated time that passed while
+// it was on its way: at time scale 0.02 each real millisecond would count
+// 50. Request 3 arrives (simulated) at 1,100 ms but reaches the engine only
+// after request 2, which arrived at 5,000 ms, has been computed: the engine
+// runs it at once and its queue is not the 4,000 ms between.
+TEST_F(SimCluster, ALateDeliveryIsNotChargedAsSimulatedQueue) {
+  ServerProcess w(KVTIER_SIM_WORKER_BIN, dir_.sub("late"),
+                  {"--listen=127.0.0.1:0", "--pages=256", "--offload=none",
+                   "--prefill-tokens-per-s=10000", "--time-scale=0.02", "--reorder-window=10ms"});
+  ASSERT_GT(w.port(), 0) << w.Log();
+  auto s = Stub(w);
+  v1::SubmitResponse r;
+  for (auto [id, arrival] : {std::pair{1, 1000.0}, std::pair{2, 5000.0}}) {
+    v1::SubmitRequest req = Prompt(40 + id, 1000, id);
+    req.set_arrival_ms(arrival);
+    ASSERT_TRUE(Submit(*s, req, &r).ok());
+    EXPECT_NEAR(r.ttft_ms(), 100, 1e-6) << id;  // the engine was idle for each
+  }
+  v1::SubmitRequest late = Prompt(43, 1000, 3);
+  late.set_arrival_ms(1100);
+  ASSERT_TRUE(Submit(*s, late, &r).ok());
+  EXPECT_DOUBLE_EQ(r.prefill_ms(), 100);
+  EXPECT_GE(r.ttft_ms(), 100);
+  // At most the reorder window (500 simulated ms) and what the delivery
+  // took past request 2's end; not 4,000 ms.
+  EXPECT_LT(r.queue_ms(), 1000) << r.DebugString();
+}
+
 TEST_F(SimCluster, AStalledStoreCostsNoRequestMoreThanComputingItsPrompt) {
   auto w1 = Worker("w1");
   auto s1 = Stub(*w1);

@@ -830,7 +830,12 @@ void ExpectSameRoute(const RouteResult& a, const RouteResult& b, int step) {
 // through events, heartbeats that raise and lower loads, restarts, the
 // balance guard and any max_candidates.
 TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
-  for (uint64_t threshold : {uint64_t{0}, uint64_t{3000}}) {
+  // The third round knows a store (so the occupancy term counts) and its
+  // heartbeats report free pages.
+  for (auto [threshold, with_store] :
+       {std::pair{uint64_t{0}, false}, std::pair{uint64_t{3000}, false},
+        std::pair{uint64_t{0}, true}}) {
+    SCOPED_TRACE(with_store ? "with a store" : "without a store");
     RouterOptions o;
     o.knobs.balance_threshold_tokens = threshold;
     // The two cores see each message a moment apart: a time window on
@@ -849,15 +854,25 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
         ASSERT_TRUE(r->Hello(FromWire(Worker(id)), &cmds).ok());
         ASSERT_TRUE(r->Handle(id, FromWire(Snapshot(0, {})), &cmds).ok());
       }
+      if (with_store) {
+        v1::Hello store;
+        store.set_source_id("store-0");
+        store.set_kind(v1::SOURCE_STORE);
+        store.set_epoch(1);
+        ASSERT_TRUE(r->Hello(FromWire(store), &cmds).ok());
+        ASSERT_TRUE(r->Handle("store-0", FromWire(Snapshot(0, {0, 1, 2, 3, 4, 5})), &cmds).ok());
+      }
     }
-    int compared = 0;
+    int compared = 0, occupied = 0;
     for (int step = 0; step < 4000; ++step) {
       const size_t w = rng() % ids.size();
       v1::SourceMessage m;
       bool send = true;
       switch (rng() % 6) {
         case 0:
-          m.mutable_heartbeat()->set_queued_prefill_tokens(rng() % 6000);
+          // (Loads the size of the occupancy term where it counts.)
+          m.mutable_heartbeat()->set_queued_prefill_tokens(rng() % (with_store ? 300 : 6000));
+          if (with_store) m.mutable_heartbeat()->set_free_gpu_pages(rng() % 64);
           break;
         case 1:
         case 2: {
@@ -872,12 +887,15 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
           send = false;
           v1::RouteRequest r = Req(1 + static_cast<int>(rng() % 34));
           r.set_max_candidates(static_cast<uint32_t>(rng() % 6));
+          // (With a store, routes leave loads as the heartbeats set them.)
+          r.set_dry_run(with_store);
           auto a = fast.Route(FromWire(r));
           auto b = ref.Route(FromWire(r));
           ASSERT_EQ(a.ok(), b.ok());
           if (!a.ok()) break;
           ExpectSameRoute(*a, *b, step);
           ++compared;
+          for (const auto& c : a->candidates) occupied += c.occupancy > 0;
         }
       }
       if (!send) continue;
@@ -887,9 +905,61 @@ TEST(RouterLoadOrder, WalkingInLoadOrderDecidesAsWeighingEveryWorker) {
       }
     }
     EXPECT_GT(compared, 1000);
+    if (with_store) {
+      EXPECT_GT(occupied, 1000);  // the term took part
+    }
     if (threshold > 0) {
       EXPECT_GT(fast.Stats().balance_guard, 0u);
     }
+  }
+}
+
+// An idle fleet (every load 0) is walked a tied worker at a time, one
+// hash each; with a store known, a tied worker whose pages are in use costs
+// more than the tie and must not be kept for its rank alone.
+TEST(RouterLoadOrder, TiedIdleWorkersAreWeighedWithTheirPagesInUse) {
+  RouterOptions o;
+  o.inflight_ms = 0;
+  RouterOptions ro = o;
+  ro.scan_all_workers = true;
+  RouterCore fast(o), ref(ro);
+  for (RouterCore* r : {&fast, &ref}) {
+    std::vector<RouterCommand> cmds;
+    for (int i = 0; i < 60; ++i) {
+      const std::string id = "w" + std::to_string(i);
+      ASSERT_TRUE(r->Hello(FromWire(Worker(id)), &cmds).ok());
+      // Every other worker holds a block no route asks for, its pages full.
+      ASSERT_TRUE(r->Handle(id,
+                            FromWire(Snapshot(
+                                0, i % 2 ? std::vector<uint64_t>{900} : std::vector<uint64_t>{})),
+                            &cmds)
+                      .ok());
+      v1::SourceMessage beat;
+      beat.mutable_heartbeat()->set_free_gpu_pages(i % 2 ? 0 : 64);
+      ASSERT_TRUE(r->Handle(id, FromWire(beat), &cmds).ok());
+    }
+    v1::Hello store;
+    store.set_source_id("store-0");
+    store.set_kind(v1::SOURCE_STORE);
+    store.set_epoch(1);
+    ASSERT_TRUE(r->Hello(FromWire(store), &cmds).ok());
+    ASSERT_TRUE(r->Handle("store-0", FromWire(Snapshot(0, {0})), &cmds).ok());
+  }
+  for (uint64_t k = 1; k <= 200; ++k) {
+    v1::RouteRequest req;
+    req.set_namespace_id(kNs);
+    req.set_dry_run(true);
+    req.set_max_candidates(1 + k % 3);
+    for (uint64_t i : {uint64_t{0}, 1000 + k}) {
+      auto* h = req.mutable_hashes()->add_hashes();
+      h->set_hi(H(i).hi);
+      h->set_lo(H(i).lo);
+    }
+    auto a = fast.Route(FromWire(req));
+    auto b = ref.Route(FromWire(req));
+    ASSERT_TRUE(a.ok() && b.ok());
+    ExpectSameRoute(*a, *b, static_cast<int>(k));
+    EXPECT_EQ(std::stoi(a->worker_id.substr(1)) % 2, 0) << a->worker_id << " has no room";
   }
 }
 

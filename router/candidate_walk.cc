@@ -40,7 +40,9 @@ class Walk {
   }
   // The occupancy term of `num` at the current depth (a lower bound of 0
   // holds for every worker: the walk's load-order stops stay valid).
-  double OccupancyOf(SourceNum num) const { return placed_cost_ * occupancy_[num]; }
+  double OccupancyOf(SourceNum num) const {
+    return placed_cost_ * std::max(0.0, occupancy_[num] - in_.occupancy_floor);
+  }
   // Sets the base cost and the occupancy price per unit of occupancy for
   // workers holding `depth` blocks.
   void SetDepth(uint32_t depth) {

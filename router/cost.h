@@ -4,11 +4,13 @@
 //          + load_weight x (queued prefill tokens + tokens routed since its
 //            last heartbeat)
 //          + occupancy_weight x fetch_cost x tokens it must place in new
-//            pages (fetched or computed) x the share of its pages in use.
-// The last term prices the pages a placement takes from what the worker
-// caches: with a store, a block a worker holds saves only a fetch, so a
-// short shared prefix (a system prompt) must not pull every new session
-// onto its holder while other workers' pages sit unused.
+//            pages (fetched or computed) x how far the share of its pages
+//            in use exceeds its fleet's mean (0 if it does not).
+// The last term prices the pages a placement takes from a worker fuller
+// than the others: with a store, a block a worker holds saves only a
+// fetch, so a short shared prefix (a system prompt) must not pull every
+// new session onto its holder while other workers' pages sit unused. With
+// every worker as full as the rest it is 0.
 // The cheapest wins. Ties go to a rendezvous hash of (the prompt's last
 // block, worker id), stable across replicas and restarts. When the
 // spread of load among candidates exceeds balance_threshold_tokens the
@@ -16,6 +18,7 @@
 // seed drawn from the request, so replicas agree. Pure functions.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string_view>
 #include <vector>
@@ -29,10 +32,11 @@ struct CostKnobs {
   double load_weight = 1.0;               // per queued token
   uint64_t balance_threshold_tokens = 0;  // 0: no balance guard
   double temperature = 0;                 // 0: deterministic
-  // Per token placed in new pages on a worker whose pages are all in use,
-  // in fetches (x fetch_cost); scaled by the worker's share of pages in use.
-  // 0: off (Route turns it off while it knows no store: the term prices
-  // pages that a store could give back).
+  // Per token placed in new pages on a worker whose pages are all in use
+  // while its fleet's are all free, in fetches (x fetch_cost); scaled by
+  // how far its share of pages in use exceeds the fleet's mean. 0: off
+  // (Route turns it off while it knows no store: the term prices pages
+  // that a store could give back).
   double occupancy_weight = 4.0;
 };
 
@@ -68,9 +72,12 @@ inline uint64_t RendezvousRank(uint64_t request_hash, uint64_t id_hash) {
 
 // The occupancy term of a candidate: `placed_tokens` (the prompt's tokens
 // it holds no page for) priced at occupancy_weight x fetch_cost each,
-// scaled by its share of pages in use.
-inline double OccupancyCost(const CostKnobs& k, uint64_t placed_tokens, double occupancy) {
-  return k.occupancy_weight * k.fetch_cost * static_cast<double>(placed_tokens) * occupancy;
+// scaled by how far its share of pages in use exceeds `fleet_occupancy`
+// (its fleet's mean).
+inline double OccupancyCost(const CostKnobs& k, uint64_t placed_tokens, double occupancy,
+                            double fleet_occupancy) {
+  return k.occupancy_weight * k.fetch_cost * static_cast<double>(placed_tokens) *
+         std::max(0.0, occupancy - fleet_occupancy);
 }
 
 // Computes each candidate's cost, sorts candidates cheapest first (ties by
@@ -78,9 +85,10 @@ inline double OccupancyCost(const CostKnobs& k, uint64_t placed_tokens, double o
 // long as it holds every worker that could win: the balance guard then
 // needs the fleet's highest load (fleet_max_load; the candidates' own
 // highest counts too), and sampling draws among the candidates given.
+// fleet_occupancy: the mean occupancy of the fleet's workers.
 // REQUIRES: !candidates.empty().
 Decision Decide(const CostKnobs& knobs, uint64_t prompt_tokens, uint32_t block_tokens,
                 uint64_t request_hash, std::vector<Candidate>& candidates,
-                uint64_t fleet_max_load = 0);
+                uint64_t fleet_max_load = 0, double fleet_occupancy = 0);
 
 }  // namespace kvtier::router

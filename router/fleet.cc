@@ -24,6 +24,7 @@ SourceNum Fleet::Leave(size_t slot, SourceNum num, LoadBoard& board) {
   nums[slot] = moved;
   nums.pop_back();
   board.lowered[num] = 0;
+  occupancy_sum -= board.occupancy[num];
   lowered.erase(std::remove(lowered.begin(), lowered.end(), num), lowered.end());
   if (!nums.empty()) RebuildOrder(board);
   return moved;
@@ -32,7 +33,9 @@ SourceNum Fleet::Leave(size_t slot, SourceNum num, LoadBoard& board) {
 void Fleet::RebuildOrder(LoadBoard& board) {
   order.clear();
   max_load_bound = 0;
+  occupancy_sum = 0;  // summed afresh: no drift from rounding
   for (SourceNum n : nums) {
+    occupancy_sum += board.occupancy[n];
     order.emplace_back(board.load[n], n);
     if (board.load[n] >= max_load_bound) {
       max_load_bound = board.load[n];

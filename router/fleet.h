@@ -12,6 +12,7 @@
 // Not thread-safe but where a method says so: RouterCore guards both.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <utility>
@@ -48,6 +49,8 @@ struct Fleet {
   // Sum and count of the prefill rates its workers report (> 0 only).
   double prefill_sum = 0;
   uint32_t prefill_count = 0;
+  // Sum of its workers' LoadBoard::occupancy.
+  double occupancy_sum = 0;
   // (load at the last rebuild, worker), ascending.
   std::vector<std::pair<uint64_t, SourceNum>> order;
   std::vector<SourceNum> lowered;  // loads a heartbeat lowered since
@@ -70,6 +73,12 @@ struct Fleet {
   void PrefillRateChanged(double was, double now);
   // The mean rate its workers report (0: none reported).
   double MeanPrefillRate() const { return prefill_count > 0 ? prefill_sum / prefill_count : 0; }
+  // A heartbeat set `num`'s occupancy on the board (it was `was`).
+  void OccupancyReported(double was, double now) { occupancy_sum += now - was; }
+  // The mean share of its workers' pages in use.
+  double MeanOccupancy() const {
+    return nums.empty() ? 0 : std::max(0.0, occupancy_sum / static_cast<double>(nums.size()));
+  }
   // A route raised `num`'s load to `load`. Safe beside other routes.
   void RaiseBound(SourceNum num, uint64_t load);
   // Atomic reads of the bound and its owner, beside concurrent routes.

@@ -100,6 +100,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   in.fetch_cost = k.fetch_cost;
   in.load_weight = k.load_weight;
   in.occupancy_cost = k.occupancy_weight * k.fetch_cost;
+  in.occupancy_floor = fleet.MeanOccupancy();
   in.balance_threshold_tokens = k.balance_threshold_tokens;
   // Sampling draws among a fixed number of the cheapest, whatever the
   // response lists, so a request is routed the same way by every caller.
@@ -141,7 +142,8 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
       max_load = std::max(max_load, c.load_tokens);
     }
   }
-  const Decision d = router::Decide(k, prompt_tokens, bt, request_hash, cands, max_load);
+  const Decision d =
+      router::Decide(k, prompt_tokens, bt, request_hash, cands, max_load, fleet.MeanOccupancy());
   const Candidate& best = cands[d.chosen];
   Source* chosen = sources_.ByNum(best.num);
   // A dry run (kvctl route) explains a decision without making it: the

@@ -212,8 +212,11 @@ void RouterCore::Heartbeat(Source& s, const SourceLoad& load) {
   board_.load[s.num] = s.load.queued_prefill_tokens + inflight;
   const double held = static_cast<double>(s.indexed);
   const double pages = held + static_cast<double>(s.load.free_gpu_pages);
+  const double was = board_.occupancy[s.num];
   board_.occupancy[s.num] = pages > 0 ? held / pages : 0;
-  fleets_.at(s.hello.namespace_id).LoadReported(s.num, before, board_);
+  Fleet& fleet = fleets_.at(s.hello.namespace_id);
+  fleet.OccupancyReported(was, board_.occupancy[s.num]);
+  fleet.LoadReported(s.num, before, board_);
   SetPrefillRate(s, s.load.prefill_tokens_per_s);
 }
 

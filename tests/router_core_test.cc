@@ -587,12 +587,12 @@ TEST_F(RouterCoreTest, NewSessionsGoWhereThereIsRoomWhileTheStoresAreKnown) {
   ASSERT_EQ(spread->candidates.size(), 2u);
   EXPECT_EQ(spread->worker_id, "w2");
   EXPECT_EQ(spread->store_blocks, 2u);  // it fetches the shared prefix
-  // w1: 32 tokens to compute + 4 x 0.1 x 32 placed x 1.0; w2: 32 + 0.1 x 32 fetched.
+  // The fleet's mean occupancy is 0.5. w2: 32 tokens to compute + 0.1 x 32
+  // fetched; w1: 32 + 4 x 0.1 x 32 placed x (1.0 - 0.5).
   EXPECT_NEAR(spread->candidates[0].cost, 32 + 3.2, 1e-9);
-  EXPECT_NEAR(spread->candidates[1].cost, 32 + 12.8, 1e-9);
-  // Equally full, the session's next turn stays with its history (w1
-  // holds blocks 100..103 of that other session).
-  free_pages("w2", 0);
+  EXPECT_NEAR(spread->candidates[1].cost, 32 + 6.4, 1e-9);
+  // Equally full, the term is 0 and the session's next turn stays with its
+  // history (w1 holds blocks 100..103 of that other session).
   Send("w2", Stored(1, {200, 201, 202, 203, 204, 205}));
   free_pages("w2", 0);
   v1::RouteRequest next_turn;
@@ -607,6 +607,9 @@ TEST_F(RouterCoreTest, NewSessionsGoWhereThereIsRoomWhileTheStoresAreKnown) {
   ASSERT_TRUE(sticky.ok());
   EXPECT_EQ(sticky->worker_id, "w1");
   EXPECT_EQ(sticky->gpu_blocks, 6u);
+  ASSERT_EQ(sticky->candidates.size(), 2u);
+  EXPECT_NEAR(sticky->candidates[0].cost, 32, 1e-9);             // 2 blocks to compute
+  EXPECT_NEAR(sticky->candidates[1].cost, 32 + 0.1 * 96, 1e-9);  // + 6 fetched
 }
 
 // Prompts that share only a prefix every worker holds tie on cost; they

@@ -57,8 +57,8 @@ int main(int argc, char** argv) {
       "streams) and scores every live worker of the request's namespace by\n"
       "  cost = tokens to compute + fetch_cost x tokens fetched from the store\n"
       "         + load_weight x (queued prefill tokens + tokens routed since its heartbeat)\n"
-      "         + occupancy_weight x fetch_cost x tokens placed in new pages x its pages' use\n"
-      "           (the last only while store shards report).\n"
+      "         + occupancy_weight x fetch_cost x tokens placed in new pages\n"
+      "           x its pages' use above its fleet's mean (only while store shards report).\n"
       "Example: kvtier-router --listen 0.0.0.0:7500 --heartbeat-deadline 5s --fetch-cost 0.1");
   flags.HostPort("listen", &listen, "gRPC address HOST:PORT (port 0 picks a free port)");
   flags.DurationMs("heartbeat-deadline", &deadline_ms,
@@ -66,10 +66,11 @@ int main(int argc, char** argv) {
   flags.Double("fetch-cost", &fetch_cost, 0, 10,
                "Cost of fetching one token's KV from the store, relative to computing it");
   flags.Double("load-weight", &load_weight, 0, 1000, "Cost per queued prefill token of a worker");
-  flags.Double("occupancy-weight", &occupancy_weight, 0, 1000,
-               "Cost, in fetches, per token a request places in new pages of a worker whose pages "
-               "are all in use (scaled by the share in use; 0: off): spreads new sessions over "
-               "workers with room instead of onto the holder of a short shared prefix");
+  flags.Double(
+      "occupancy-weight", &occupancy_weight, 0, 1000,
+      "Cost, in fetches, per token a request places in new pages of a worker, times how far "
+      "the share of its pages in use exceeds its fleet's mean (0: off): new sessions go "
+      "to workers with room instead of onto the holder of a short shared prefix");
   flags.Int("balance-threshold-tokens", &balance, 0, int64_t{1} << 40,
             "Route by load alone when the load spread among candidates exceeds this many "
             "tokens (0: never)");

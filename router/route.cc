@@ -87,8 +87,17 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
     basis.measured = true;
     k.fetch_cost = basis.fetch_cost;
   }
-  // Pages a store can give back are what the occupancy term prices.
-  if (!StoresKnown()) k.occupancy_weight = 0;
+  // Pages a store can give back are what the occupancy term prices. Its
+  // price per token is capped at occupancy_weight x the configured fetch
+  // cost: a measured one above it (an idle store's fetches include their
+  // lease's release delay: 1.35 was seen on loopback) would otherwise make
+  // an idle worker a little fuller than the mean cost more than another's
+  // queue of thousands of tokens.
+  if (!StoresKnown()) {
+    k.occupancy_weight = 0;
+  } else if (k.fetch_cost > options_.knobs.fetch_cost) {
+    k.occupancy_weight *= options_.knobs.fetch_cost / k.fetch_cost;
+  }
   WalkInput in;
   in.index = &index_;
   in.match = &match;

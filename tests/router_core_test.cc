@@ -612,6 +612,44 @@ TEST_F(RouterCoreTest, NewSessionsGoWhereThereIsRoomWhileTheStoresAreKnown) {
   EXPECT_NEAR(sticky->candidates[1].cost, 32 + 0.1 * 96, 1e-9);  // + 6 fetched
 }
 
+// A fetch cost measured above the configured one (an idle store's fetches
+// count their lease's release delay) prices fetching as measured, but the
+// occupancy term's price per token stays capped at occupancy_weight x the
+// configured fetch cost.
+TEST_F(RouterCoreTest, TheOccupancyPriceIsCappedAtTheConfiguredFetchCost) {
+  Join("w1", {0, 1});
+  Join("w2", {});
+  HelloStore("store-0");
+  Send("store-0", Snapshot(0, {0, 1}));
+  auto beat = [&](const std::string& id, uint64_t free, double tps, double us) {
+    v1::SourceMessage m;
+    m.mutable_heartbeat()->set_free_gpu_pages(free);
+    m.mutable_heartbeat()->set_prefill_tokens_per_s(tps);
+    if (us > 0) {
+      auto* t = m.mutable_heartbeat()->add_fetch();
+      t->set_tier("ram");
+      t->set_blocks(10);
+      t->set_us_per_block(us);
+    }
+    Send(id, m);
+  };
+  beat("w1", 0, 8000, 0);       // occupancy 1
+  beat("w2", 64, 8000, 0);      // occupancy 0: the mean is 0.5
+  beat("store-0", 0, 0, 2000);  // 2 ms a 16-token block at 8,000 tokens/s: 1.0
+  v1::RouteRequest req = Req(4);
+  req.set_dry_run(true);
+  auto r = core_.Route(FromWire(req));
+  ASSERT_TRUE(r.ok());
+  ASSERT_TRUE(r->fetch.measured);
+  EXPECT_NEAR(r->fetch.fetch_cost, 1.0, 1e-12);
+  ASSERT_EQ(r->candidates.size(), 2u);
+  EXPECT_EQ(r->worker_id, "w1");
+  // w1: 32 to compute + 4 x 0.1 (not 1.0) x 32 placed x (1 - 0.5);
+  // w2: 32 + 1.0 x 32 fetched.
+  EXPECT_NEAR(r->candidates[0].cost, 32 + 6.4, 1e-9);
+  EXPECT_NEAR(r->candidates[1].cost, 32 + 32, 1e-9);
+}
+
 // Prompts that share only a prefix every worker holds tie on cost; they
 // spread over the workers by their own last block, not all to the one that
 // the shared prefix's hash ranks first.

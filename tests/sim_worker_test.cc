@@ -126,21 +126,33 @@ TEST_F(SimCluster, BlocksTravelFromOneWorkerThroughTheStoreToAnother) {
 // waited for: at a prefill speed where 1,000 tokens take a microsecond, the
 // store's 62 blocks (moved and verified) come too late, and the request is
 // answered as computed from the moment the engine was free for it.
+// The lookup itself may take as long as computing (a millisecond, rounded
+// up): on a loaded host it can run out first, which is the same verdict
+// (computed, not waited for) by the other path; the test then tries a fresh
+// prompt until one lookup answered in time, and checks that one's load.
 TEST_F(SimCluster, ALoadSlowerThanComputingThePromptIsNotWaitedFor) {
   auto w1 = Worker("w1");
   auto fast = Worker("fast", "write-through", {"--prefill-tokens-per-s=1000000000"});
   auto s1 = Stub(*w1), sf = Stub(*fast);
-  v1::SubmitResponse r;
-  ASSERT_TRUE(Submit(*s1, Prompt(1, 1000, 1), &r).ok());
-  ASSERT_TRUE(WaitFor([&] { return Offloaded(*s1) == 62; }));
-  ASSERT_TRUE(Submit(*sf, Prompt(1, 1000, 2), &r).ok());
-  EXPECT_EQ(r.verified_blocks(), 62u);
-  EXPECT_EQ(r.mismatched_blocks(), 0u);
-  EXPECT_EQ(r.onboarded_tokens(), 0u);
-  EXPECT_EQ(r.prefill_tokens(), 1000u);
-  EXPECT_EQ(r.onboard_ms(), 0);
-  EXPECT_NE(r.load_status().find("computed instead"), std::string::npos) << r.load_status();
-  EXPECT_NEAR(r.ttft_ms(), 0.001, 1e-6);
+  bool load_came_late = false;
+  for (uint64_t attempt = 0; attempt < 8 && !load_came_late; ++attempt) {
+    SCOPED_TRACE(attempt);
+    v1::SubmitResponse r;
+    ASSERT_TRUE(Submit(*s1, Prompt(1 + attempt, 1000, 10 + 2 * attempt), &r).ok());
+    ASSERT_TRUE(WaitFor([&] { return Offloaded(*s1) == 62 * (attempt + 1); }));
+    ASSERT_TRUE(Submit(*sf, Prompt(1 + attempt, 1000, 11 + 2 * attempt), &r).ok());
+    // Either way: computed from the moment the engine was free for it.
+    EXPECT_EQ(r.onboarded_tokens(), 0u);
+    EXPECT_EQ(r.prefill_tokens(), 1000u);
+    EXPECT_EQ(r.onboard_ms(), 0);
+    EXPECT_NEAR(r.ttft_ms(), 0.001, 1e-6);
+    if (r.load_status().find("store lookup failed") != std::string::npos) continue;
+    load_came_late = true;
+    EXPECT_EQ(r.verified_blocks(), 62u);
+    EXPECT_EQ(r.mismatched_blocks(), 0u);
+    EXPECT_NE(r.load_status().find("computed instead"), std::string::npos) << r.load_status();
+  }
+  EXPECT_TRUE(load_came_late) << "no lookup of 8 answered within a millisecond";
 }
 
 TEST_F(SimCluster, AWorkerKilledMidOffloadLeavesNoPartialBlock) {

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <latch>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -93,9 +94,9 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   // The trace's clock starts once every client thread exists: starting
   // 256 threads takes real milliseconds that no request should be charged.
   Clock::time_point start;
-  std::atomic<bool> clock_started{false};
+  std::latch clock_started(1);
   auto run = [&] {
-    while (!clock_started.load(std::memory_order_acquire)) std::this_thread::yield();
+    clock_started.wait();
     for (;;) {
       size_t i = next++;
       if (i >= trace.size() || g_interrupted) return;
@@ -228,7 +229,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   std::vector<std::thread> threads;
   for (int64_t t = 0; t < o.concurrency; ++t) threads.emplace_back(run);
   start = Clock::now();
-  clock_started.store(true, std::memory_order_release);
+  clock_started.count_down();
   auto schedule = [&] {
     std::ofstream out;
     if (!o.per_request.empty()) out.open(o.per_request, std::ios::app);

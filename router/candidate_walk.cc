@@ -41,13 +41,13 @@ class Walk {
   // The occupancy term of `num` at the current depth (a lower bound of 0
   // holds for every worker: the walk's load-order stops stay valid).
   double OccupancyOf(SourceNum num) const {
-    return placed_cost_ * std::max(0.0, occupancy_[num] - in_.occupancy_floor);
+    return placed_cost_ * in_.occupancy.Excess(occupancy_[num]);
   }
   // Sets the base cost and the occupancy price per unit of occupancy for
   // workers holding `depth` blocks.
   void SetDepth(uint32_t depth) {
     base_ = BaseAt(depth);
-    placed_cost_ = in_.occupancy_cost * static_cast<double>(PlacedAt(depth));
+    placed_cost_ = in_.occupancy.price_per_token * static_cast<double>(PlacedAt(depth));
   }
   // The cost of the prompt's blocks to a worker holding `depth` of them.
   double BaseAt(uint32_t depth) const {
@@ -89,7 +89,7 @@ class Walk {
   bool have_least_ = false;
   uint64_t max_load_ = 0;
   double base_ = 0;
-  double placed_cost_ = 0;  // occupancy_cost x the tokens placed at base_'s depth
+  double placed_cost_ = 0;  // the occupancy price x the tokens placed at base_'s depth
   // A worker costlier than the keep-th cheapest and busier than the least
   // loaded so far is out: the hot loop tests just that.
   double reject_cost_ = std::numeric_limits<double>::infinity();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
+#include "router/cost.h"
 #include "router/fleet.h"
 #include "router/prefix_index.h"
 
@@ -25,13 +26,9 @@ struct WalkInput {
   size_t num_limit = 0;  // one past the highest SourceNum
   uint32_t block_tokens = 0;
   uint64_t prompt_tokens = 0;
-  double fetch_cost = 0;   // per fetched token
-  double load_weight = 0;  // per queued token
-  // Per token a worker must place in new pages, times its occupancy's
-  // excess over occupancy_floor (CostKnobs::occupancy_weight x fetch_cost;
-  // 0: off), and that floor (the fleet's mean occupancy).
-  double occupancy_cost = 0;
-  double occupancy_floor = 0;
+  double fetch_cost = 0;    // per fetched token
+  double load_weight = 0;   // per queued token
+  OccupancyTerm occupancy;  // the pages a worker must place, priced
   uint64_t balance_threshold_tokens = 0;
   size_t keep = 1;         // the cheapest kept
   bool stop_early = true;  // false: weigh every worker (the reference)

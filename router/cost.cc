@@ -30,7 +30,7 @@ size_t Rendezvous(const std::vector<Candidate>& c, const std::vector<size_t>& pi
 
 Decision Decide(const CostKnobs& k, uint64_t prompt_tokens, uint32_t block_tokens,
                 uint64_t request_hash, std::vector<Candidate>& c, uint64_t fleet_max_load,
-                double fleet_occupancy) {
+                const OccupancyTerm& occupancy) {
   for (auto& x : c) {
     uint64_t cached = std::min<uint64_t>(uint64_t{x.gpu_blocks} * block_tokens, prompt_tokens);
     uint64_t fetched =
@@ -38,7 +38,7 @@ Decision Decide(const CostKnobs& k, uint64_t prompt_tokens, uint32_t block_token
     x.prefill_tokens = prompt_tokens - cached - fetched;
     x.cost = static_cast<double>(x.prefill_tokens) + k.fetch_cost * static_cast<double>(fetched) +
              k.load_weight * static_cast<double>(x.load_tokens) +
-             OccupancyCost(k, prompt_tokens - cached, x.occupancy, fleet_occupancy);
+             occupancy.Cost(prompt_tokens - cached, x.occupancy);
   }
   std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {
     return a.cost != b.cost ? a.cost < b.cost : a.id_hash < b.id_hash;

@@ -33,11 +33,22 @@ struct CostKnobs {
   uint64_t balance_threshold_tokens = 0;  // 0: no balance guard
   double temperature = 0;                 // 0: deterministic
   // Per token placed in new pages on a worker whose pages are all in use
-  // while its fleet's are all free, in fetches (x fetch_cost); scaled by
-  // how far its share of pages in use exceeds the fleet's mean. 0: off
-  // (Route turns it off while it knows no store: the term prices pages
-  // that a store could give back).
+  // while its fleet's are all free, in fetches; scaled by how far its share
+  // of pages in use exceeds the fleet's mean. 0: off. RouterCore::Route
+  // turns it into an OccupancyTerm.
   double occupancy_weight = 4.0;
+};
+
+// The occupancy term of one route: a candidate placing `placed` tokens in
+// new pages costs price_per_token x placed x how far its occupancy exceeds
+// fleet_mean (never negative). A default term costs nothing.
+struct OccupancyTerm {
+  double price_per_token = 0;
+  double fleet_mean = 0;
+  double Excess(double occupancy) const { return std::max(0.0, occupancy - fleet_mean); }
+  double Cost(uint64_t placed, double occupancy) const {
+    return price_per_token * static_cast<double>(placed) * Excess(occupancy);
+  }
 };
 
 struct Candidate {
@@ -70,25 +81,16 @@ inline uint64_t RendezvousRank(uint64_t request_hash, uint64_t id_hash) {
   return Mix64(request_hash ^ id_hash);
 }
 
-// The occupancy term of a candidate: `placed_tokens` (the prompt's tokens
-// it holds no page for) priced at occupancy_weight x fetch_cost each,
-// scaled by how far its share of pages in use exceeds `fleet_occupancy`
-// (its fleet's mean).
-inline double OccupancyCost(const CostKnobs& k, uint64_t placed_tokens, double occupancy,
-                            double fleet_occupancy) {
-  return k.occupancy_weight * k.fetch_cost * static_cast<double>(placed_tokens) *
-         std::max(0.0, occupancy - fleet_occupancy);
-}
-
 // Computes each candidate's cost, sorts candidates cheapest first (ties by
 // id hash), and picks one. `candidates` may be a subset of the fleet as
 // long as it holds every worker that could win: the balance guard then
 // needs the fleet's highest load (fleet_max_load; the candidates' own
 // highest counts too), and sampling draws among the candidates given.
-// fleet_occupancy: the mean occupancy of the fleet's workers.
+// `occupancy` prices the pages each candidate places (knobs.occupancy_weight
+// is read only through it).
 // REQUIRES: !candidates.empty().
 Decision Decide(const CostKnobs& knobs, uint64_t prompt_tokens, uint32_t block_tokens,
                 uint64_t request_hash, std::vector<Candidate>& candidates,
-                uint64_t fleet_max_load = 0, double fleet_occupancy = 0);
+                uint64_t fleet_max_load = 0, const OccupancyTerm& occupancy = {});
 
 }  // namespace kvtier::router

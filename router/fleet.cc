@@ -24,7 +24,6 @@ SourceNum Fleet::Leave(size_t slot, SourceNum num, LoadBoard& board) {
   nums[slot] = moved;
   nums.pop_back();
   board.lowered[num] = 0;
-  occupancy_sum -= board.occupancy[num];
   lowered.erase(std::remove(lowered.begin(), lowered.end(), num), lowered.end());
   if (!nums.empty()) RebuildOrder(board);
   return moved;

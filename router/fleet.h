@@ -73,7 +73,7 @@ struct Fleet {
   void PrefillRateChanged(double was, double now);
   // The mean rate its workers report (0: none reported).
   double MeanPrefillRate() const { return prefill_count > 0 ? prefill_sum / prefill_count : 0; }
-  // A heartbeat set `num`'s occupancy on the board (it was `was`).
+  // A heartbeat set one of its workers' occupancy from `was` to `now`.
   void OccupancyReported(double was, double now) { occupancy_sum += now - was; }
   // The mean share of its workers' pages in use.
   double MeanOccupancy() const {

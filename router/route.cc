@@ -87,16 +87,17 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
     basis.measured = true;
     k.fetch_cost = basis.fetch_cost;
   }
-  // Pages a store can give back are what the occupancy term prices. Its
-  // price per token is capped at occupancy_weight x the configured fetch
-  // cost: a measured one above it (an idle store's fetches include their
-  // lease's release delay: 1.35 was seen on loopback) would otherwise make
-  // an idle worker a little fuller than the mean cost more than another's
-  // queue of thousands of tokens.
-  if (!StoresKnown()) {
-    k.occupancy_weight = 0;
-  } else if (k.fetch_cost > options_.knobs.fetch_cost) {
-    k.occupancy_weight *= options_.knobs.fetch_cost / k.fetch_cost;
+  // Pages a store can give back are what the occupancy term prices (none
+  // while it knows no store), at occupancy_weight fetches a token, a fetch
+  // at most the configured fetch cost: a measured one above it (an idle
+  // store's fetches include their lease's release delay: 1.35 was seen on
+  // loopback) would make an idle worker a little fuller than the mean cost
+  // more than another's queue of thousands of tokens.
+  OccupancyTerm occupancy;
+  if (StoresKnown()) {
+    occupancy.price_per_token =
+        k.occupancy_weight * std::min(k.fetch_cost, options_.knobs.fetch_cost);
+    occupancy.fleet_mean = fleet.MeanOccupancy();
   }
   WalkInput in;
   in.index = &index_;
@@ -108,8 +109,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   in.prompt_tokens = prompt_tokens;
   in.fetch_cost = k.fetch_cost;
   in.load_weight = k.load_weight;
-  in.occupancy_cost = k.occupancy_weight * k.fetch_cost;
-  in.occupancy_floor = fleet.MeanOccupancy();
+  in.occupancy = occupancy;
   in.balance_threshold_tokens = k.balance_threshold_tokens;
   // Sampling draws among a fixed number of the cheapest, whatever the
   // response lists, so a request is routed the same way by every caller.
@@ -117,13 +117,15 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   in.stop_early = !options_.scan_all_workers;
   in.request_hash = request_hash;
   const WalkResult walk = WalkCandidates(in);
-  RouteResult r = Decide(q, chain, fleet, k, match, walk, prompt_tokens, bt, request_hash, shown);
+  RouteResult r =
+      Decide(q, chain, fleet, k, occupancy, match, walk, prompt_tokens, bt, request_hash, shown);
   r.fetch = basis;
   return r;
 }
 
 RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Fleet& fleet,
-                               const CostKnobs& k, const PrefixMatch& match, const WalkResult& walk,
+                               const CostKnobs& k, const OccupancyTerm& occupancy,
+                               const PrefixMatch& match, const WalkResult& walk,
                                uint64_t prompt_tokens, uint32_t bt, uint64_t request_hash,
                                size_t shown) {
   std::vector<Candidate> cands;
@@ -151,8 +153,7 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
       max_load = std::max(max_load, c.load_tokens);
     }
   }
-  const Decision d =
-      router::Decide(k, prompt_tokens, bt, request_hash, cands, max_load, fleet.MeanOccupancy());
+  const Decision d = router::Decide(k, prompt_tokens, bt, request_hash, cands, max_load, occupancy);
   const Candidate& best = cands[d.chosen];
   Source* chosen = sources_.ByNum(best.num);
   // A dry run (kvctl route) explains a decision without making it: the

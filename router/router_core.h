@@ -163,8 +163,9 @@ class RouterCore {
   // Its prompt's blocks the chosen worker will compute or load become
   // pending on it.
   RouteResult Decide(const RouteQuery& q, const ChainView& chain, Fleet& fleet, const CostKnobs& k,
-                     const PrefixMatch& match, const WalkResult& walk, uint64_t prompt_tokens,
-                     uint32_t bt, uint64_t request_hash, size_t shown);
+                     const OccupancyTerm& occupancy, const PrefixMatch& match,
+                     const WalkResult& walk, uint64_t prompt_tokens, uint32_t bt,
+                     uint64_t request_hash, size_t shown);
 
   RouterOptions options_;
   mutable WriterPreferringMutex mu_;  // routes never hold an event batch back for long

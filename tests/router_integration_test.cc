@@ -463,10 +463,10 @@ TEST(RouterFlags, BadFlagsExitNonZeroNamingTheFlag) {
     std::ofstream bad(dir.sub("vllm.txt"));
     bad << "id=vllm-0,endpoint=e:1,events=tcp://127.0.0.1:5557,namespace=nothex,block-tokens=16\n";
   }
-  for (std::string flag : std::vector<std::string>{"--fetch-cost=-1", "--heartbeat-deadline=soon",
-                                                   "--temperature=x", "--listen=nowhere", "--bogus",
-                                                   "--vllm-sources=" + dir.sub("none.txt"),
-                                                   "--vllm-sources=" + dir.sub("vllm.txt")}) {
+  for (std::string flag : std::vector<std::string>{
+           "--fetch-cost=-1", "--occupancy-weight=-1", "--heartbeat-deadline=soon",
+           "--temperature=x", "--listen=nowhere", "--bogus",
+           "--vllm-sources=" + dir.sub("none.txt"), "--vllm-sources=" + dir.sub("vllm.txt")}) {
     std::string log = dir.sub("flags.log");
     std::remove(log.c_str());
     testing::Process p(KVTIER_ROUTER_BIN, {flag}, log);

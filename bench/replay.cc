@@ -203,6 +203,9 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       t.computed = resp.prefill_tokens();
       t.gpu_hit = resp.gpu_hit_tokens();
       t.onboarded = resp.onboarded_tokens();
+      t.late_ms = resp.late_ms();
+      res.late_deliveries += resp.late_ms() > 0;
+      res.late_ms_max = std::max(res.late_ms_max, resp.late_ms());
       t.part[kWindow] = window_ms;
       t.part[kRoute] = route_ms;
       t.part[kOnboard] = resp.onboard_ms();
@@ -244,7 +247,8 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
                              {"prompt_tokens", t.prompt},
                              {"computed_tokens", t.computed},
                              {"gpu_hit_tokens", t.gpu_hit},
-                             {"onboarded_tokens", t.onboarded}};
+                             {"onboarded_tokens", t.onboarded},
+                             {"late_ms", t.late_ms}};
       for (int p = 0; p < kParts; ++p) {
         res.parts[p].push_back(t.part[p]);
         ttft += t.part[p];
@@ -303,6 +307,9 @@ int RunReplay(int argc, const char* const* argv) {
   flags.Double("load-weight", &o.load_weight, 0, 1000, "Router: cost per queued token");
   flags.Double("occupancy-weight", &o.occupancy_weight, 0, 1000,
                "Router: cost in fetches per token placed in new pages of a full worker");
+  flags.DurationMs("reorder-window", &o.reorder_window_ms,
+                   "Simulated workers: how long a request waits (real time) for requests before "
+                   "it in simulated time to reach the engine");
   flags.Int("balance-threshold-tokens", &o.balance, 0, int64_t{1} << 40, "Router: balance guard");
   flags.String("modes", &o.modes, "Modes to run, comma-separated");
   flags.Int("restart-router-at", &o.restart_router_at, 0, 1 << 30,

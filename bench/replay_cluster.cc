@@ -91,6 +91,7 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                // (1..20 ms real), the same staleness at every speed.
                absl::StrCat("--heartbeat=", HeartbeatMs(o.speed), "ms"),
                absl::StrCat("--staging-blocks=", 256),
+               absl::StrCat("--reorder-window=", o.reorder_window_ms, "ms"),
                // Engines sleep their simulated prefill time compressed like the trace.
                absl::StrCat("--time-scale=", o.speed > 0 ? 1.0 / o.speed : 0.0),
                !with_store        ? std::string("--offload=none")
@@ -165,7 +166,11 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                                               workers[w]->LogTail()));
     }
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Then a second for the processes to finish starting (threads, first
+  // touches of their memory): without it, at speed 50 requests in the
+  // replay's first 300 ms reached their workers up to 240 ms late, and the
+  // simulated engines could not place them by their arrival.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
   return c;
 }
 

@@ -31,6 +31,10 @@ struct Options {
   double prefill_tps = 50000;
   double fetch_cost = 0.1, load_weight = 1.0, occupancy_weight = 4.0;
   int64_t balance = 32768;
+  // Simulated workers: how long (real ms) a request waits for ones before
+  // it in simulated time to reach the engine (kvtier-sim-worker
+  // --reorder-window).
+  uint64_t reorder_window_ms = 10;
   std::string modes = "round-robin,round-robin+store,kv-aware,kvtier";
   std::string plot;
   std::string per_request;  // --per-request: JSONL of every request's parts, per mode

@@ -49,6 +49,8 @@ nlohmann::json ToJson(const ModeResult& r) {
       {"mismatched_blocks", r.mismatched},
       {"load_fallbacks", r.load_failures},
       {"store_lookups_skipped", r.lookups_skipped},
+      {"late_deliveries", r.late_deliveries},
+      {"late_ms_max", r.late_ms_max},
       {"bytes_moved", r.BytesMoved()},
       {"wire_block_bytes", r.wire_block_bytes},
       {"onboard_gb_per_s", r.onboard_ms > 0 ? r.onboarded_bytes / (r.onboard_ms / 1000) / 1e9 : 0},
@@ -137,6 +139,15 @@ void PrintReport(const ReportHeader& h, const std::vector<ModeResult>& results,
                   j[kPartNames[p]].value("slowest_1pct_mean_ms", 0.0));
     }
     std::printf("\n");
+  }
+  for (const auto& r : results) {
+    if (r.late_deliveries == 0) continue;
+    // The simulated engines' clock is only as good as the host's delivery:
+    // say when it was not (their wait behind the engine is not counted).
+    std::printf(
+        "  %s: %lu requests reached their worker past its reorder window, the latest %.0f "
+        "simulated ms late (the host could not deliver them on time at this speed)\n",
+        r.name.c_str(), r.late_deliveries, r.late_ms_max);
   }
   for (const auto& r : results) {
     if (r.offloaded_blocks == 0) continue;

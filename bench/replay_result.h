@@ -33,6 +33,7 @@ struct Timed {
   int64_t worker = -1;  // -1: not served
   std::array<double, kParts> part{};
   uint64_t prompt = 0, computed = 0, gpu_hit = 0, onboarded = 0;
+  double late_ms = 0;  // SubmitResponse::late_ms: past the reorder window
 };
 
 // Milliseconds per step, summed (the SubmitResponse / worker stats breakdown).
@@ -63,6 +64,10 @@ struct ModeResult {
   uint64_t requests = 0, prompt_tokens = 0, computed = 0, gpu_hit = 0, store_ram = 0,
            store_disk = 0, verified = 0, mismatched = 0, load_failures = 0, offloaded_blocks = 0,
            lookups_skipped = 0;  // store lookups skipped on the router's hint
+  // Requests that reached their simulated worker past its reorder window
+  // (the host did not deliver them on time), and the latest, simulated ms.
+  uint64_t late_deliveries = 0;
+  double late_ms_max = 0;
   std::vector<double> ttft;
   // Where each request's TTFT went, in the replay's clock (see Part).
   std::array<std::vector<double>, kParts> parts;

@@ -63,6 +63,8 @@ TEST(Replay, AWholeClusterServesTheTraceAndKvtierComputesLeast) {
   }
   for (const char* mode : {"round-robin", "round-robin+store", "kv-aware", "kvtier"}) {
     EXPECT_EQ(m[mode]["requests"].get<uint64_t>(), 300u) << mode;
+    // How many the host delivered too late to place by arrival: reported.
+    EXPECT_TRUE(m[mode].contains("late_deliveries")) << mode;
   }
   EXPECT_EQ(j["mismatched_blocks"].get<uint64_t>(), 0u);
   EXPECT_GT(m["kvtier"]["verified_blocks"].get<uint64_t>(), 0u);

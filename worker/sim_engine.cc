@@ -384,6 +384,7 @@ void SimWorkerService::Schedule(Job& job) {
   resp->set_ttft_ms(ttft);
   resp->set_prefill_ms(prefill_ms);
   resp->set_queue_ms(std::max(0.0, ttft - prefill_ms - resp->onboard_ms()));
+  resp->set_late_ms(job.late_ms);
   Finish(job, absl::OkStatus());
 }
 

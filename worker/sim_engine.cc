@@ -56,6 +56,7 @@ v1::Heartbeat SimWorkerService::Load() {
 }
 
 absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse* resp) {
+  const auto delivered = Clock::now();
   auto job = std::make_shared<Job>();
   job->id = p.request_id ? p.request_id : next_id_++;
   job->caller_id = p.request_id;
@@ -75,8 +76,8 @@ absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse*
     // Where simulated time 0 lies in real time: the earliest any request's
     // arrival maps to (the least delayed delivery tells it best).
     std::lock_guard lk(mu_);
-    const auto origin = Clock::now() - std::chrono::microseconds(
-                                           static_cast<int64_t>(job->arrival * 1000 * Scale()));
+    const auto origin =
+        delivered - std::chrono::microseconds(static_cast<int64_t>(job->arrival * 1000 * Scale()));
     if (!have_origin_ || origin < origin_) origin_ = origin;
     have_origin_ = true;
     if (o_.time_scale > 0) {

@@ -16,9 +16,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <fstream>
 #include <latch>
+#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -95,14 +97,35 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   // 256 threads takes real milliseconds that no request should be charged.
   Clock::time_point start;
   std::latch clock_started(1);
+  // Requests are routed and sent in the trace's order, as a frontend takes
+  // them: at speed 50 requests 0.1 ms apart in real time woke their
+  // threads out of order, and the router then decided later arrivals
+  // before earlier ones (placing a burst on loads the engines, serving in
+  // arrival order, never had). `turn` is the next request to go. A request
+  // waits for the one before it at most kTurnWait (a thread the host left
+  // asleep longer does not hold up every request behind it), and a thread
+  // that stops without sending its request frees the rest.
+  constexpr auto kTurnWait = std::chrono::microseconds(500);
+  std::mutex turn_mu;
+  std::condition_variable turn_cv;
+  size_t turn = 0;
+  bool stopped = false;
+  auto stop_turns = [&] {
+    {
+      std::lock_guard lk(turn_mu);
+      stopped = true;
+    }
+    turn_cv.notify_all();
+  };
   auto run = [&] {
     clock_started.wait();
     for (;;) {
       size_t i = next++;
-      if (i >= trace.size() || g_interrupted) return;
+      if (i >= trace.size()) return;
+      if (g_interrupted) return stop_turns();
       {
         std::lock_guard lk(mu);
-        if (!failure.ok()) return;
+        if (!failure.ok()) return stop_turns();
       }
       const TraceRequest& tr = trace[i];
       // A request is due at its trace time / speed. One picked after that
@@ -143,6 +166,11 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         p->set_lo(h.lo);
         *rr.mutable_hashes()->add_hashes() = *p;
       }
+      {
+        std::unique_lock lk(turn_mu);
+        turn_cv.wait_until(lk, Clock::now() + kTurnWait, [&] { return turn >= i || stopped; });
+        if (stopped) return;
+      }
       size_t w = i % o.workers;
       double route_ms = 0;  // real: the router's cost, as measured
       if (cluster.embedded) {
@@ -168,6 +196,11 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         }
         route_ms = std::chrono::duration<double, std::milli>(Clock::now() - asked).count();
       }
+      {
+        std::lock_guard lk(turn_mu);
+        turn = std::max(turn, i + 1);
+      }
+      turn_cv.notify_all();
       // The sim engine's clock starts at the trace's: the request reaches
       // the worker after its window wait and its routing.
       if (!torch) req.set_arrival_ms(tr.timestamp_ms + window_ms + route_ms);

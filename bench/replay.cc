@@ -97,52 +97,50 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   // 256 threads takes real milliseconds that no request should be charged.
   Clock::time_point start;
   std::latch clock_started(1);
-  // Requests are routed and sent in the trace's order, as a frontend takes
-  // them: at speed 50 requests 0.1 ms apart in real time woke their
-  // threads out of order, and the router then decided later arrivals
-  // before earlier ones (placing a burst on loads the engines, serving in
-  // arrival order, never had). `turn` is the next request to go. A request
-  // waits for the one before it at most kTurnWait (a thread the host left
-  // asleep longer does not hold up every request behind it), and a thread
-  // that stops without sending its request frees the rest.
-  constexpr auto kTurnWait = std::chrono::microseconds(500);
-  std::mutex turn_mu;
-  std::condition_variable turn_cv;
-  size_t turn = 0;
-  bool stopped = false;
-  auto stop_turns = [&] {
-    {
-      std::lock_guard lk(turn_mu);
-      stopped = true;
-    }
-    turn_cv.notify_all();
+  // One dispatcher takes the requests in the trace's order, as a frontend
+  // does: each when due, routed, then handed to one of `concurrency`
+  // senders, which submit it and wait for its answer. (With a thread per
+  // request in flight, at speed 50 a burst's requests 0.1 ms apart in real
+  // time woke their threads out of order, and the router decided later
+  // arrivals before earlier ones, on loads the engines, serving in arrival
+  // order, never had.)
+  struct Dispatched {
+    size_t i = 0, w = 0;
+    v1::SubmitRequest req;
+    double window_ms = 0, route_ms = 0;
   };
-  auto run = [&] {
+  std::mutex dmu;
+  std::condition_variable work_cv, sender_cv;  // senders wait for work; the dispatcher for a sender
+  std::deque<Dispatched> ready;
+  int64_t free_senders = o.concurrency;
+  bool dispatched_all = false;
+  auto dispatch = [&] {
     clock_started.wait();
-    for (;;) {
-      size_t i = next++;
-      if (i >= trace.size()) return;
-      if (g_interrupted) return stop_turns();
+    for (size_t i = 0; i < trace.size() && !g_interrupted; ++i) {
       {
         std::lock_guard lk(mu);
-        if (!failure.ok()) return stop_turns();
+        if (!failure.ok()) break;
       }
       const TraceRequest& tr = trace[i];
-      // A request is due at its trace time / speed. One picked after that
-      // waited for the client's window (every slot busy): that wait is part
-      // of its TTFT. One picked early sleeps until due; how late the sleep
-      // wakes is host noise, not the request's.
+      // A request is due at its trace time / speed; the dispatcher sleeps
+      // until then (how late the sleep wakes is host noise, not the
+      // request's). One that then finds every sender busy waits for the
+      // client's window: that wait is part of its TTFT.
       double window_ms = 0;
-      if (o.speed > 0) {
-        auto due = start + std::chrono::microseconds(
-                               static_cast<int64_t>(tr.timestamp_ms * 1000.0 / o.speed));
-        const auto picked = Clock::now();
-        if (picked > due) {
-          window_ms = std::chrono::duration<double, std::milli>(picked - due).count() *
-                      (torch ? 1.0 : o.speed);
-        } else {
-          std::this_thread::sleep_until(due);
+      const auto due = start + std::chrono::microseconds(static_cast<int64_t>(
+                                   o.speed > 0 ? tr.timestamp_ms * 1000.0 / o.speed : 0));
+      if (o.speed > 0 && Clock::now() < due) std::this_thread::sleep_until(due);
+      {
+        std::unique_lock lk(dmu);
+        if (free_senders == 0) {
+          sender_cv.wait(lk, [&] { return free_senders > 0; });
+          const auto got = Clock::now();
+          if (o.speed > 0 && got > due) {
+            window_ms = std::chrono::duration<double, std::milli>(got - due).count() *
+                        (torch ? 1.0 : o.speed);
+          }
         }
+        free_senders--;
       }
       v1::SubmitRequest req;
       req.set_request_id(i + 1);
@@ -165,11 +163,6 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         p->set_hi(h.hi);
         p->set_lo(h.lo);
         *rr.mutable_hashes()->add_hashes() = *p;
-      }
-      {
-        std::unique_lock lk(turn_mu);
-        turn_cv.wait_until(lk, Clock::now() + kTurnWait, [&] { return turn >= i || stopped; });
-        if (stopped) return;
       }
       size_t w = i % o.workers;
       double route_ms = 0;  // real: the router's cost, as measured
@@ -196,74 +189,102 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         }
         route_ms = std::chrono::duration<double, std::milli>(Clock::now() - asked).count();
       }
-      {
-        std::lock_guard lk(turn_mu);
-        turn = std::max(turn, i + 1);
-      }
-      turn_cv.notify_all();
       // The sim engine's clock starts at the trace's: the request reaches
       // the worker after its window wait and its routing.
       if (!torch) req.set_arrival_ms(tr.timestamp_ms + window_ms + route_ms);
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
-      v1::SubmitResponse resp;
-      grpc::Status s = stubs[w]->Submit(&ctx, req, &resp);
-      std::lock_guard lk(mu);
-      if (!s.ok()) {
-        if (failure.ok()) {
-          failure = absl::InternalError(
-              absl::StrCat("request ", i, " on worker ", w, ": ", s.error_message(),
-                           "; the worker's log ends:\n", workers[w]->LogTail()));
-        }
-        return;
+      {
+        std::lock_guard lk(dmu);
+        ready.push_back({i, w, std::move(req), window_ms, route_ms});
       }
-      res.requests++;
-      res.prompt_tokens += resp.prompt_tokens();
-      res.computed += resp.prefill_tokens();
-      res.gpu_hit += resp.gpu_hit_tokens();
-      // Onboarded tokens split by the tier the blocks came from.
-      uint64_t disk_tokens = std::min<uint64_t>(uint64_t{resp.onboarded_from_disk()} * block_tokens,
-                                                resp.onboarded_tokens());
-      res.store_disk += disk_tokens;
-      res.store_ram += resp.onboarded_tokens() - disk_tokens;
-      res.verified += resp.verified_blocks();
-      res.mismatched += resp.mismatched_blocks();
-      res.load_failures += !resp.load_status().empty();
-      res.lookups_skipped += resp.store_lookup_skipped();
-      Timed t;
-      t.worker = w;
-      t.prompt = resp.prompt_tokens();
-      t.computed = resp.prefill_tokens();
-      t.gpu_hit = resp.gpu_hit_tokens();
-      t.onboarded = resp.onboarded_tokens();
-      t.late_ms = resp.late_ms();
-      res.late_deliveries += resp.late_ms() > 0;
-      res.late_ms_max = std::max(res.late_ms_max, resp.late_ms());
-      t.part[kWindow] = window_ms;
-      t.part[kRoute] = route_ms;
-      t.part[kOnboard] = resp.onboard_ms();
-      if (torch) {
-        // Real time throughout: the engine's own TTFT, less what kvtier added.
-        t.part[kOther] = std::max(0.0, resp.ttft_ms() - resp.onboard_ms());
-      } else {
-        t.part[kQueue] = resp.queue_ms();
-        t.part[kPrefill] = resp.prefill_ms();
+      next = i + 1;
+      work_cv.notify_one();
+    }
+    std::lock_guard lk(dmu);
+    dispatched_all = true;
+    work_cv.notify_all();
+  };
+  auto submit = [&](Dispatched& d) {
+    const size_t i = d.i, w = d.w;
+    const double window_ms = d.window_ms, route_ms = d.route_ms;
+    const v1::SubmitRequest& req = d.req;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    v1::SubmitResponse resp;
+    grpc::Status s = stubs[w]->Submit(&ctx, req, &resp);
+    std::lock_guard lk(mu);
+    if (!s.ok()) {
+      if (failure.ok()) {
+        failure = absl::InternalError(absl::StrCat("request ", i, " on worker ", w, ": ",
+                                                   s.error_message(), "; the worker's log ends:\n",
+                                                   workers[w]->LogTail()));
       }
-      timed[i] = t;
-      res.work[w] += resp.prefill_tokens();
-      res.per_request[i] = {resp.gpu_hit_tokens(), resp.prompt_tokens()};
-      res.onboard_ms += resp.onboard_ms();
-      if (resp.has_onboard_breakdown()) res.onboard.Add(resp.onboard_breakdown());
-      res.onboarded_bytes +=
-          uint64_t{resp.verified_blocks()} * (torch ? res.wire_block_bytes : o.block_bytes);
-      res.onboarded_blocks += resp.verified_blocks();
-      size_t d = ++done;
-      if (o.progress && isatty(2) && (d % 20 == 0 || d == trace.size()))
-        Progress(mode, d, trace.size());
+      return;
+    }
+    res.requests++;
+    res.prompt_tokens += resp.prompt_tokens();
+    res.computed += resp.prefill_tokens();
+    res.gpu_hit += resp.gpu_hit_tokens();
+    // Onboarded tokens split by the tier the blocks came from.
+    uint64_t disk_tokens = std::min<uint64_t>(uint64_t{resp.onboarded_from_disk()} * block_tokens,
+                                              resp.onboarded_tokens());
+    res.store_disk += disk_tokens;
+    res.store_ram += resp.onboarded_tokens() - disk_tokens;
+    res.verified += resp.verified_blocks();
+    res.mismatched += resp.mismatched_blocks();
+    res.load_failures += !resp.load_status().empty();
+    res.lookups_skipped += resp.store_lookup_skipped();
+    Timed t;
+    t.worker = w;
+    t.prompt = resp.prompt_tokens();
+    t.computed = resp.prefill_tokens();
+    t.gpu_hit = resp.gpu_hit_tokens();
+    t.onboarded = resp.onboarded_tokens();
+    t.late_ms = resp.late_ms();
+    res.late_deliveries += resp.late_ms() > 0;
+    res.late_ms_max = std::max(res.late_ms_max, resp.late_ms());
+    t.part[kWindow] = window_ms;
+    t.part[kRoute] = route_ms;
+    t.part[kOnboard] = resp.onboard_ms();
+    if (torch) {
+      // Real time throughout: the engine's own TTFT, less what kvtier added.
+      t.part[kOther] = std::max(0.0, resp.ttft_ms() - resp.onboard_ms());
+    } else {
+      t.part[kQueue] = resp.queue_ms();
+      t.part[kPrefill] = resp.prefill_ms();
+    }
+    timed[i] = t;
+    res.work[w] += resp.prefill_tokens();
+    res.per_request[i] = {resp.gpu_hit_tokens(), resp.prompt_tokens()};
+    res.onboard_ms += resp.onboard_ms();
+    if (resp.has_onboard_breakdown()) res.onboard.Add(resp.onboard_breakdown());
+    res.onboarded_bytes +=
+        uint64_t{resp.verified_blocks()} * (torch ? res.wire_block_bytes : o.block_bytes);
+    res.onboarded_blocks += resp.verified_blocks();
+    const size_t n = ++done;
+    if (o.progress && isatty(2) && (n % 20 == 0 || n == trace.size()))
+      Progress(mode, n, trace.size());
+  };
+  auto send = [&] {
+    for (;;) {
+      Dispatched d;
+      {
+        std::unique_lock lk(dmu);
+        work_cv.wait(lk, [&] { return !ready.empty() || dispatched_all; });
+        if (ready.empty()) return;
+        d = std::move(ready.front());
+        ready.pop_front();
+      }
+      submit(d);
+      {
+        std::lock_guard lk(dmu);
+        free_senders++;
+      }
+      sender_cv.notify_one();
     }
   };
   std::vector<std::thread> threads;
-  for (int64_t t = 0; t < o.concurrency; ++t) threads.emplace_back(run);
+  for (int64_t t = 0; t < o.concurrency; ++t) threads.emplace_back(send);
+  threads.emplace_back(dispatch);
   start = Clock::now();
   clock_started.count_down();
   auto schedule = [&] {

@@ -20,7 +20,6 @@
 #include <cstdio>
 #include <fstream>
 #include <latch>
-#include <limits>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -203,7 +202,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     dispatched_all = true;
     work_cv.notify_all();
   };
-  auto submit = [&](Dispatched& d) {
+  auto submit = [&](const Dispatched& d) {
     const size_t i = d.i, w = d.w;
     const double window_ms = d.window_ms, route_ms = d.route_ms;
     const v1::SubmitRequest& req = d.req;
@@ -240,8 +239,6 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     t.gpu_hit = resp.gpu_hit_tokens();
     t.onboarded = resp.onboarded_tokens();
     t.late_ms = resp.late_ms();
-    res.late_deliveries += resp.late_ms() > 0;
-    res.late_ms_max = std::max(res.late_ms_max, resp.late_ms());
     t.part[kWindow] = window_ms;
     t.part[kRoute] = route_ms;
     t.part[kOnboard] = resp.onboard_ms();
@@ -303,6 +300,8 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
                              {"gpu_hit_tokens", t.gpu_hit},
                              {"onboarded_tokens", t.onboarded},
                              {"late_ms", t.late_ms}};
+      res.late_deliveries += t.late_ms > 0;
+      res.late_ms_max = std::max(res.late_ms_max, t.late_ms);
       for (int p = 0; p < kParts; ++p) {
         res.parts[p].push_back(t.part[p]);
         ttft += t.part[p];

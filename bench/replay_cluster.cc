@@ -143,10 +143,11 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
   // Warm-up: one request of a prompt no trace request shares on each
   // worker, so connections to the store and the first allocations are made
   // before the clock starts, as a deployment warms up before taking load.
-  // Its simulated time lies far before the trace's. 64 blocks, not one: the
-  // first large write-through (staging, lanes) otherwise fell inside the
-  // trace and held one worker's deliveries up to 210 ms (real) in 3 of 9
-  // runs of mix at speed 50 with round-robin+store; none in 4 runs with 64.
+  // Its simulated time lies far before the trace's. 64 blocks, not one:
+  // with one, something on the first large request's path (which part was
+  // not found) fell inside the trace and held one worker's deliveries up
+  // to 210 ms (real) in 3 of 9 runs of mix at speed 50 with
+  // round-robin+store; none in 4 runs with 64.
   for (size_t w = 0; w < stubs.size(); ++w) {
     v1::SubmitRequest req;
     req.set_request_id((uint64_t{1} << 62) + w);

@@ -195,6 +195,7 @@ absl::Status RouterCore::Handle(const std::string& id, const SourceMessage& m,
 
 void RouterCore::Heartbeat(Source& s, const SourceLoad& load) {
   s.load = load;
+  s.heard_load = true;
   // Routes that have not reached the worker yet stay counted: those the
   // worker does not list as arrived, or without an id, those too recent.
   const auto now = Clock::now();
@@ -210,14 +211,18 @@ void RouterCore::Heartbeat(Source& s, const SourceLoad& load) {
   }
   const uint64_t before = board_.load[s.num];
   board_.load[s.num] = s.load.queued_prefill_tokens + inflight;
+  UpdateOccupancy(s);
+  fleets_.at(s.hello.namespace_id).LoadReported(s.num, before, board_);
+  SetPrefillRate(s, s.load.prefill_tokens_per_s);
+}
+
+void RouterCore::UpdateOccupancy(Source& s) {
+  if (s.hello.kind == SourceKind::kStore) return;
   const double held = static_cast<double>(s.indexed);
   const double pages = held + static_cast<double>(s.load.free_gpu_pages);
   const double was = board_.occupancy[s.num];
   board_.occupancy[s.num] = pages > 0 ? held / pages : 0;
-  Fleet& fleet = fleets_.at(s.hello.namespace_id);
-  fleet.OccupancyReported(was, board_.occupancy[s.num]);
-  fleet.LoadReported(s.num, before, board_);
-  SetPrefillRate(s, s.load.prefill_tokens_per_s);
+  fleets_.at(s.hello.namespace_id).OccupancyReported(was, board_.occupancy[s.num]);
 }
 
 void RouterCore::ApplyEvent(Source& s, const BlockEvent& e, std::vector<RouterCommand>* commands) {
@@ -302,6 +307,11 @@ void RouterCore::ApplySnapshotChunk(Source& s, const SnapshotChunk& c,
   s.last_seq = c.seq;
   s.resyncing = false;
   counters_.snapshots_applied++;
+  // What it holds is known now, not at its next heartbeat: a restarted
+  // router would otherwise price a worker whose heartbeat came before its
+  // snapshot as empty, and steer its prefixes elsewhere for a heartbeat.
+  // (Before any heartbeat its free pages are unknown: it stays at 0.)
+  if (s.heard_load) UpdateOccupancy(s);
 }
 
 void RouterCore::RemoveSourceLocked(const std::string& id) {

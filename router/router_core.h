@@ -150,6 +150,9 @@ class RouterCore {
   // A worker's reported prefill rate changes (0: none).
   void SetPrefillRate(Source& s, double tokens_per_s);
   void Heartbeat(Source& s, const SourceLoad& load);
+  // Its occupancy (pages held over held + free) from what the index holds
+  // of it and its last free-page count. REQUIRES: mu_ held.
+  void UpdateOccupancy(Source& s);
 
   void RequestSnapshot(Source& s, const std::string& reason, std::vector<RouterCommand>* commands);
   void ClearSource(Source& s);

@@ -33,6 +33,7 @@ struct Source {
   uint64_t indexed = 0;            // blocks the index holds for it
   std::vector<uint64_t> snapshot;  // fingerprints of the chunks received so far
   SourceLoad load;                 // the last heartbeat
+  bool heard_load = false;         // a heartbeat has come since its hello
   std::atomic<uint64_t> routed_since_heartbeat{0};
   RouterClock::time_point last_seen;
   int streams = 0;

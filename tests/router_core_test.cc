@@ -612,6 +612,45 @@ TEST_F(RouterCoreTest, NewSessionsGoWhereThereIsRoomWhileTheStoresAreKnown) {
   EXPECT_NEAR(sticky->candidates[1].cost, 32 + 0.1 * 96, 1e-9);  // + 6 fetched
 }
 
+// A restarted router hears some workers' heartbeats before their
+// snapshots: a snapshot updates its worker's occupancy at once, so the
+// worker is not priced as empty (and its prefixes sent elsewhere) until its
+// next heartbeat.
+TEST_F(RouterCoreTest, ASnapshotAfterAHeartbeatUpdatesTheOccupancy) {
+  HelloStore("store-0");
+  Send("store-0", Snapshot(0, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  auto full = [&](const std::string& id) {
+    v1::SourceMessage m;
+    m.mutable_heartbeat()->set_free_gpu_pages(0);
+    Send(id, m);
+  };
+  Join("w1", {0, 1, 2, 3, 4, 5, 6, 7});
+  full("w1");  // after its snapshot: 8 held, 0 free
+  std::vector<RouterCommand> cmds;
+  ASSERT_TRUE(core_.Hello(FromWire(Worker("w2")), &cmds).ok());
+  full("w2");  // before its snapshot
+  Send("w2", Snapshot(0, {0, 1, 2}));
+  v1::RouteRequest req = Req(10);
+  req.set_dry_run(true);
+  auto r = core_.Route(FromWire(req));
+  ASSERT_TRUE(r.ok());
+  ASSERT_EQ(r->candidates.size(), 2u);
+  for (const auto& c : r->candidates) EXPECT_DOUBLE_EQ(c.occupancy, 1.0) << c.worker_id;
+  EXPECT_EQ(r->worker_id, "w1");
+  EXPECT_EQ(r->gpu_blocks, 8u);
+  // A worker with no heartbeat yet stays at 0: its free pages are unknown.
+  Join("w3", {0, 1, 2, 3});
+  auto again = core_.Route(FromWire(req));
+  ASSERT_TRUE(again.ok());
+  bool seen = false;
+  for (const auto& c : again->candidates) {
+    if (c.worker_id != "w3") continue;
+    seen = true;
+    EXPECT_DOUBLE_EQ(c.occupancy, 0.0);
+  }
+  EXPECT_TRUE(seen);
+}
+
 // A fetch cost measured above the configured one (an idle store's fetches
 // count their lease's release delay) prices fetching as measured, but the
 // occupancy term's price per token stays capped at occupancy_weight x the

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <fstream>
 #include <latch>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -292,6 +293,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       if (t.worker < 0) continue;
       double ttft = 0;
       nlohmann::json line = {{"mode", mode},
+                             {"run", o.run},
                              {"request", i},
                              {"worker", t.worker},
                              {"arrival_ms", trace[i].timestamp_ms},
@@ -394,12 +396,23 @@ int RunReplay(int argc, const char* const* argv) {
   flags.String("plot", &o.plot, "Write an SVG chart of the comparison to this file");
   flags.String("per-request", &o.per_request,
                "Append every request's TTFT and its parts to this file, one JSON object per line "
-               "per mode (mode, request, worker, arrival_ms, window_ms, route_ms, onboard_ms, "
+               "per mode (mode, run, request, worker, arrival_ms, window_ms, route_ms, onboard_ms, "
                "queue_ms, prefill_ms, other_ms, ttft_ms, token counts)");
+  flags.Int("repeat", &o.repeat, 1, 100,
+            "Run every mode this many times, each on a fresh cluster, the modes interleaved "
+            "(run r starts at mode r mod modes); TTFT and counts pool every run's requests, and "
+            "each run's mean and p99 are listed (a p99 within host noise of another mode's "
+            "reads off the pooled figure, not one run)");
   flags.Bool("json", &o.json, "Print JSON");
   flags.Bool("progress", &o.progress, "Progress bars on stderr");
   ParseFlagsOrExit(flags, argc, argv);
   o.kv_wire = kv_wire == "none" ? "" : kv_wire;
+  if (o.restart_router_at > 0 && o.repeat > 1) {
+    std::fprintf(stderr,
+                 "kvtier-bench replay: flag --repeat: a router restart's windows are one run's; "
+                 "use --repeat=1 with --restart-router-at\n");
+    return 2;
+  }
   if (o.restart_router_at > 0 && o.router != "process") {
     std::fprintf(stderr,
                  "kvtier-bench replay: flag --restart-router-at kills the kvtier-router "
@@ -444,13 +457,20 @@ int RunReplay(int argc, const char* const* argv) {
                  "kvtier replay: %zu requests, %ld workers x %ld pages, %s per 512-token block\n",
                  trace->size(), o.workers, o.pages, FormatBytes(o.block_bytes).c_str());
   }
-  for (size_t i = 0; i < modes.size(); ++i) {
+  std::map<std::string, size_t> slot;  // mode -> its place in results
+  const size_t runs = static_cast<size_t>(o.repeat);
+  for (size_t k = 0; k < runs * modes.size(); ++k) {
+    const size_t run = k / modes.size();
+    const size_t i = (k + run) % modes.size();
     const std::string& m = modes[i];
     // Progress, one line as each mode starts and ends (a mode takes tens of
     // seconds): on stderr, so --json's stdout stays one document.
-    std::fprintf(stderr, "kvtier replay: mode %zu/%zu %s: starting a fresh cluster\n", i + 1,
-                 modes.size(), m.c_str());
-    auto r = RunMode(o, m, *trace, dir);
+    std::fprintf(stderr, "kvtier replay: mode %zu/%zu %s%s: starting a fresh cluster\n", i + 1,
+                 modes.size(), m.c_str(),
+                 runs > 1 ? absl::StrCat(" (run ", run + 1, "/", runs, ")").c_str() : "");
+    Options run_o = o;
+    run_o.run = static_cast<int64_t>(run);
+    auto r = RunMode(run_o, m, *trace, dir);
     if (r.ok()) {
       std::fprintf(stderr,
                    "kvtier replay: mode %zu/%zu %s: done in %.0f s (%.2f%% of prompt tokens "
@@ -467,8 +487,19 @@ int RunReplay(int argc, const char* const* argv) {
                    std::string(r.status().message()).c_str());
       return 1;
     }
-    results.push_back(std::move(*r));
+    r->runs = {RunFigures{r->TtftMean(), r->TtftP99(), r->late_deliveries}};
+    if (auto at = slot.find(m); at != slot.end()) {
+      results[at->second].Pool(*r);
+    } else {
+      slot[m] = results.size();
+      results.push_back(std::move(*r));
+    }
   }
+  // In the order asked for, whichever mode a run started with.
+  std::sort(results.begin(), results.end(), [&](const ModeResult& a, const ModeResult& b) {
+    return std::find(modes.begin(), modes.end(), a.name) <
+           std::find(modes.begin(), modes.end(), b.name);
+  });
   PrefixCacheFigures oracle = SharedPrefixCache(*trace, 0);
   uint64_t verified = 0, mismatched = 0;
   for (const auto& r : results) {

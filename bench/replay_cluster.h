@@ -38,6 +38,8 @@ struct Options {
   std::string modes = "round-robin,round-robin+store,kv-aware,kvtier";
   std::string plot;
   std::string per_request;  // --per-request: JSONL of every request's parts, per mode
+  int64_t repeat = 1;       // --repeat: runs of every mode, pooled
+  int64_t run = 0;          // which run this is (0-based; per-request lines carry it)
   bool json = false, progress = true;
   int64_t restart_router_at = 0;  // kill -9 and restart the router after this many requests
   bool restart_control = false;   // measure the same windows without restarting

@@ -9,6 +9,35 @@
 
 namespace kvtier::bench {
 
+void ModeResult::Pool(const ModeResult& o) {
+  requests += o.requests, prompt_tokens += o.prompt_tokens, computed += o.computed;
+  gpu_hit += o.gpu_hit, store_ram += o.store_ram, store_disk += o.store_disk;
+  verified += o.verified, mismatched += o.mismatched, load_failures += o.load_failures;
+  offloaded_blocks += o.offloaded_blocks, lookups_skipped += o.lookups_skipped;
+  late_deliveries += o.late_deliveries;
+  late_ms_max = std::max(late_ms_max, o.late_ms_max);
+  ttft.insert(ttft.end(), o.ttft.begin(), o.ttft.end());
+  for (int p = 0; p < kParts; ++p)
+    parts[p].insert(parts[p].end(), o.parts[p].begin(), o.parts[p].end());
+  if (work.size() < o.work.size()) work.resize(o.work.size());
+  for (size_t w = 0; w < o.work.size(); ++w) work[w] += o.work[w];
+  const uint64_t pins = onboard.count + o.onboard.count;
+  if (pins > 0) {
+    store_pin_handler_ms =
+        (store_pin_handler_ms * onboard.count + o.store_pin_handler_ms * o.onboard.count) / pins;
+  }
+  seconds += o.seconds, onboard_ms += o.onboard_ms;
+  onboarded_bytes += o.onboarded_bytes, onboarded_blocks += o.onboarded_blocks;
+  onboard.Add(o.onboard);
+  offload.Add(o.offload);
+  offload_batches += o.offload_batches, offload_round_trips += o.offload_round_trips;
+  offloaded_bytes += o.offloaded_bytes, computed_blocks += o.computed_blocks;
+  offload_dropped += o.offload_dropped;
+  store_begin_puts += o.store_begin_puts, store_grpc_commits += o.store_grpc_commits;
+  store_pipelined_commits += o.store_pipelined_commits;
+  runs.insert(runs.end(), o.runs.begin(), o.runs.end());
+}
+
 double Mean(const std::vector<double>& v) {
   double s = 0;
   for (double x : v) s += x;
@@ -35,7 +64,14 @@ nlohmann::json PartsJson(const ModeResult& r) {
 }
 
 nlohmann::json ToJson(const ModeResult& r) {
+  nlohmann::json runs = nlohmann::json::array();
+  for (const RunFigures& f : r.runs) {
+    runs.push_back({{"ttft_mean_ms", f.ttft_mean_ms},
+                    {"ttft_p99_ms", f.ttft_p99_ms},
+                    {"late_deliveries", f.late_deliveries}});
+  }
   return {
+      {"runs", runs},
       {"requests", r.requests},
       {"prompt_tokens", r.prompt_tokens},
       {"computed_fraction", r.Frac(r.computed)},
@@ -122,6 +158,18 @@ void PrintReport(const ReportHeader& h, const std::vector<ModeResult>& results,
   }
   std::printf("%-18s %8.2f%%   (infinite cache shared by all engines, from the trace)\n", "oracle",
               100 * (1 - oracle_hit_ratio));
+  if (!results.empty() && results[0].runs.size() > 1) {
+    // --repeat: the table pools every run's requests; each run's own figures.
+    std::printf(
+        "\n%zu runs of each mode (fresh clusters, modes interleaved); each run's TTFT "
+        "mean / p99, ms:\n",
+        results[0].runs.size());
+    for (const auto& r : results) {
+      std::printf("%-18s", r.name.c_str());
+      for (const RunFigures& f : r.runs) std::printf(" %.2f/%.2f", f.ttft_mean_ms, f.ttft_p99_ms);
+      std::printf("\n");
+    }
+  }
   std::printf("\nonboarded blocks verified byte for byte: %lu, mismatched: %lu\n", verified,
               mismatched);
   // Where each mode's TTFT went: mean over all requests, and mean over the

@@ -52,11 +52,22 @@ struct Breakdown {
     scatter += b.scatter_ms();
     gather += b.gather_ms();
   }
+  void Add(const Breakdown& b) {
+    control += b.control, queue += b.queue, rma += b.rma, checksum += b.checksum;
+    staging += b.staging, scatter += b.scatter, gather += b.gather, count += b.count;
+    control_each.insert(control_each.end(), b.control_each.begin(), b.control_each.end());
+  }
   nlohmann::json Json() const {
     return {{"control_ms", control},   {"lane_wait_ms", queue},      {"rma_ms", rma},
             {"checksum_ms", checksum}, {"staging_wait_ms", staging}, {"scatter_ms", scatter},
             {"gather_ms", gather}};
   }
+};
+
+// One run of a mode, as --repeat lists it.
+struct RunFigures {
+  double ttft_mean_ms = 0, ttft_p99_ms = 0;
+  uint64_t late_deliveries = 0;
 };
 
 struct ModeResult {
@@ -88,6 +99,13 @@ struct ModeResult {
   // round trip of their own, after a flush) or behind the bytes on the data
   // plane (none of their own).
   uint64_t store_begin_puts = 0, store_grpc_commits = 0, store_pipelined_commits = 0;
+  // Each run's own figures (--repeat; one entry for a single run).
+  std::vector<RunFigures> runs;
+  // Adds another run of the same mode (--repeat): its requests join the
+  // TTFT distributions (the mean and p99 are then over every run's
+  // requests), its counts and times the totals. Not for runs with a
+  // router restart (per_request stays this run's).
+  void Pool(const ModeResult& other);
   // Waits on the store per block written, counted by the store: a
   // reservation's, and for a gRPC commit the flush's and the commit's; a
   // pipelined commit's is the bytes' own.

@@ -2,6 +2,7 @@
 // simulated workers) -- the main job in small.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -81,6 +82,40 @@ TEST(Replay, AWholeClusterServesTheTraceAndKvtierComputesLeast) {
               IndependentOracleComputedFraction(300), 1e-9);
   EXPECT_GE(m["kvtier"]["computed_fraction"].get<double>() + 1e-9,
             m["oracle"]["computed_fraction"].get<double>());
+}
+
+// --repeat runs each mode again on a fresh cluster and pools the runs: the
+// counts are the runs' sums, TTFT is over every run's requests, and each
+// run's own mean and p99 are listed.
+TEST(Replay, RepeatedRunsArePooledAndEachIsListed) {
+  int rc = 0;
+  auto j = Replay(std::string("--trace ") + kTrace +
+                      " --limit 60 --workers 2 --pages 256 --block-bytes 16KiB --speed 50"
+                      " --modes round-robin,kvtier --repeat 2",
+                  &rc);
+  ASSERT_EQ(rc, 0) << "the replay failed or found mismatched bytes";
+  for (const char* mode : {"round-robin", "kvtier"}) {
+    const auto& m = j["modes"][mode];
+    EXPECT_EQ(m["requests"].get<uint64_t>(), 120u) << mode;
+    ASSERT_EQ(m["runs"].size(), 2u) << mode;
+    double lo = 1e18, hi = 0, mean = 0;
+    for (const auto& r : m["runs"]) {
+      const double p99 = r["ttft_p99_ms"].get<double>();
+      lo = std::min(lo, p99);
+      hi = std::max(hi, p99);
+      mean += r["ttft_mean_ms"].get<double>() / 2;
+      EXPECT_GT(r["ttft_mean_ms"].get<double>(), 0) << mode;
+    }
+    // Equal request counts: the pooled mean is the runs' mean; the pooled
+    // p99 lies within the runs' (a quantile of the union).
+    EXPECT_NEAR(m["ttft_mean_ms"].get<double>(), mean, 1e-6 * mean) << mode;
+    EXPECT_GE(m["ttft_p99_ms"].get<double>(), lo - 1e-9) << mode;
+    EXPECT_LE(m["ttft_p99_ms"].get<double>(), hi + 1e-9) << mode;
+  }
+  ShellResult bad = RunShell(std::string(KVTIER_BENCH_BIN) + " replay --trace " + kTrace +
+                             " --limit 10 --repeat 2 --router process --restart-router-at 5 2>&1");
+  EXPECT_EQ(bad.exit_code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("--repeat"), std::string::npos) << bad.out;
 }
 
 // The same job with the PyTorch reference engine: real forward passes, real

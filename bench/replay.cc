@@ -20,7 +20,6 @@
 #include <cstdio>
 #include <fstream>
 #include <latch>
-#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -457,7 +456,7 @@ int RunReplay(int argc, const char* const* argv) {
                  "kvtier replay: %zu requests, %ld workers x %ld pages, %s per 512-token block\n",
                  trace->size(), o.workers, o.pages, FormatBytes(o.block_bytes).c_str());
   }
-  std::map<std::string, size_t> slot;  // mode -> its place in results
+  results.resize(modes.size());  // in the order asked for, whichever mode a run starts with
   const size_t runs = static_cast<size_t>(o.repeat);
   for (size_t k = 0; k < runs * modes.size(); ++k) {
     const size_t run = k / modes.size();
@@ -488,18 +487,12 @@ int RunReplay(int argc, const char* const* argv) {
       return 1;
     }
     r->runs = {RunFigures{r->TtftMean(), r->TtftP99(), r->late_deliveries}};
-    if (auto at = slot.find(m); at != slot.end()) {
-      results[at->second].Pool(*r);
+    if (results[i].runs.empty()) {
+      results[i] = std::move(*r);
     } else {
-      slot[m] = results.size();
-      results.push_back(std::move(*r));
+      results[i].Pool(*r);
     }
   }
-  // In the order asked for, whichever mode a run started with.
-  std::sort(results.begin(), results.end(), [&](const ModeResult& a, const ModeResult& b) {
-    return std::find(modes.begin(), modes.end(), a.name) <
-           std::find(modes.begin(), modes.end(), b.name);
-  });
   PrefixCacheFigures oracle = SharedPrefixCache(*trace, 0);
   uint64_t verified = 0, mismatched = 0;
   for (const auto& r : results) {

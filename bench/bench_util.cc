@@ -21,6 +21,9 @@
 #include "common/pattern.h"
 
 namespace kvtier::bench {
+namespace {
+constexpr std::chrono::seconds kStartTimeout{120};
+}  // namespace
 
 absl::StatusOr<NamespaceSpec> SpecForBlockBytes(uint64_t block_bytes, const std::string& model) {
   if (block_bytes == 0 || block_bytes % 8192 != 0 || block_bytes / 8192 > 1024) {
@@ -97,9 +100,13 @@ absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(
   s->scratch_ = scratch;
   s->args_ = args;
   s->proc_ = std::make_unique<Process>(binary, args, scratch + ".log");
-  int port = WaitForPortFile(port_file, std::chrono::seconds(30));
+  // A process that exits is noticed at once; one still starting gets two
+  // minutes: the first engine to import torch from a cold page cache on a
+  // busy machine took over 30 s (CI, ctest -j2).
+  int port = WaitForPortFile(port_file, kStartTimeout, s->proc_->pid());
   if (port == 0) {
-    return absl::UnavailableError(absl::StrCat(binary, " did not start; see ", scratch, ".log"));
+    return absl::UnavailableError(
+        absl::StrCat(binary, " did not start; see ", scratch, ".log, which ends:\n", s->LogTail()));
   }
   s->address_ = absl::StrCat("127.0.0.1:", port);
   return s;
@@ -115,9 +122,9 @@ absl::Status LocalServer::Restart() {
   std::vector<std::string> args = args_;
   args.push_back("--listen=" + address_);
   proc_ = std::make_unique<Process>(binary_, args, scratch_ + ".log");
-  if (WaitForPortFile(port_file, std::chrono::seconds(30)) == 0) {
-    return absl::UnavailableError(
-        absl::StrCat(binary_, " did not restart; see ", scratch_, ".log"));
+  if (WaitForPortFile(port_file, kStartTimeout, proc_->pid()) == 0) {
+    return absl::UnavailableError(absl::StrCat(binary_, " did not restart; see ", scratch_,
+                                               ".log, which ends:\n", LogTail()));
   }
   return absl::OkStatus();
 }

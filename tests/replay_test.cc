@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -18,12 +19,19 @@ using kvtier::ShellResult;
 
 const char* kTrace = KVTIER_SOURCE_DIR "/bench/traces/conversation_trace.jsonl";
 
+// stdout is the JSON document; stderr (progress, and the cause when the
+// replay fails) goes to a file whose end a failure shows.
 nlohmann::json Replay(const std::string& args, int* rc) {
-  std::string cmd = std::string(KVTIER_BENCH_BIN) + " replay " + args + " --json 2>/dev/null";
+  const std::string err = ::testing::TempDir() + "/replay_stderr.txt";
+  std::string cmd = std::string(KVTIER_BENCH_BIN) + " replay " + args + " --json 2>" + err;
   ShellResult r = RunShell(cmd);
   *rc = r.exit_code;
+  std::ifstream in(err);
+  std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (log.size() > 4000) log = log.substr(log.size() - 4000);
   auto j = nlohmann::json::parse(r.out, nullptr, false);
-  EXPECT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_FALSE(j.is_discarded()) << "stdout:\n" << r.out << "\nstderr ends:\n" << log;
+  if (r.exit_code != 0) ADD_FAILURE() << "exit " << r.exit_code << "; stderr ends:\n" << log;
   return j;
 }
 

@@ -95,7 +95,9 @@ class Ops : public ::testing::Test {
                  (st.offloaded_blocks() == 6 || st.offload_failures() > 0);
         },
         std::chrono::seconds(60)));
-    ASSERT_EQ(st.offloaded_blocks(), 6u) << st.DebugString();
+    ASSERT_EQ(st.offloaded_blocks(), 6u) << st.DebugString() << "worker log:\n"
+                                         << worker_->Log() << "store log:\n"
+                                         << stores_[0]->Log();
     stores_env_ = "KVTIER_STORE=" + stores_[0]->address() + "," + stores_[1]->address() +
                   " KVTIER_ROUTER=" + router_->address();
     ns_ = absl::StrFormat(

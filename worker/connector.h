@@ -400,6 +400,7 @@ class KvConnector {
 
   mutable std::mutex stats_mu_;
   ConnectorStats stats_;
+  std::chrono::steady_clock::time_point last_failure_logged_{};  // an offload's (stats_mu_)
 
   // Last: destroyed first, once ~KvConnector has waited for every load.
   ThreadCache load_threads_;

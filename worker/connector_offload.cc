@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/elapsed.h"
+#include "common/log.h"
 
 namespace kvtier::worker {
 
@@ -267,6 +268,7 @@ void KvConnector::OffloadLoop() {
     auto r = store_->Put(ns_, bb, blocks);
     if (ForgotNamespace(r.status())) r = store_->Put(ns_, bb, blocks);
     if (!r.ok()) st = r.status();
+    uint64_t failures_to_log = 0;  // a failure is counted always, logged at most once a second
     {
       std::lock_guard sl(stats_mu_);
       stats_.offload_batches++;
@@ -278,7 +280,16 @@ void KvConnector::OffloadLoop() {
         stats_.offload_skipped_known += r->already_present;
       } else {
         stats_.offload_failures += batch.size();
+        const auto now = std::chrono::steady_clock::now();
+        if (now - last_failure_logged_ >= std::chrono::seconds(1)) {
+          last_failure_logged_ = now;
+          failures_to_log = stats_.offload_failures;
+        }
       }
+    }
+    if (failures_to_log > 0) {
+      Log("worker", "offload of ", batch.size(), " blocks failed (", failures_to_log,
+          " failed so far): ", r.status().ToString());
     }
     if (r.ok() && r->no_space > 0) {
       // Some blocks found no room: which ones is not reported, so none is

@@ -67,6 +67,10 @@ ShardedStoreClient::ShardedStoreClient(std::vector<std::string> addresses,
     health_.push_back(std::make_unique<ShardSkip>(
         options_.shard_skip_min_ms, options_.shard_skip_max_ms,
         static_cast<uint64_t>(std::max(0, options_.deadline_ms)) + 1000));
+    // A budget is shorter than the deadline: its probe holds the others off
+    // for one skip.
+    slow_.push_back(std::make_unique<ShardSkip>(
+        options_.shard_skip_min_ms, options_.shard_skip_max_ms, options_.shard_skip_min_ms));
   }
 }
 
@@ -79,8 +83,29 @@ absl::Status ShardedStoreClient::Admit(size_t s) {
                                              left, " ms"));
 }
 
+absl::Status ShardedStoreClient::AdmitWithinBudget(size_t s) {
+  int64_t left = 0;
+  // The budget skip first: a refusal there leaves the other skip's probe alone.
+  if (!slow_[s]->Admit(NowMs(), &left)) {
+    return absl::UnavailableError(absl::StrCat("store shard ", addresses_[s],
+                                               " missed a lookup's budget; lookups skip it for "
+                                               "another ",
+                                               left, " ms"));
+  }
+  return Admit(s);
+}
+
 void ShardedStoreClient::Note(size_t s, const absl::Status& status) {
   health_[s]->Note(status, NowMs());
+}
+
+void ShardedStoreClient::NoteWithinBudget(size_t s, const absl::Status& status) {
+  if (status.code() == absl::StatusCode::kDeadlineExceeded) {
+    slow_[s]->Note(status, NowMs());
+    return;
+  }
+  if (status.ok()) slow_[s]->Note(status, NowMs());
+  Note(s, status);
 }
 
 ShardedStoreClient::~ShardedStoreClient() = default;
@@ -216,13 +241,22 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(
   ShardedPin pin;
   pin.parts = ByShard(ns, chain, addresses_);
   pin.pins.resize(shards_.size());
+  const bool budgeted = budget && *budget < std::chrono::milliseconds(options_.deadline_ms);
+  auto admit = [&](size_t s) { return budgeted ? AdmitWithinBudget(s) : Admit(s); };
+  auto note = [&](size_t s, const absl::Status& st) {
+    if (budgeted) {
+      NoteWithinBudget(s, st);
+    } else {
+      Note(s, st);
+    }
+  };
   // Every shard at once: the caller's thread asks the first, threads the rest.
   std::vector<std::pair<size_t, std::future<absl::StatusOr<PinnedBlocks>>>> others;
   std::vector<absl::StatusOr<PinnedBlocks>> got(shards_.size(), PinnedBlocks{});
   size_t first = shards_.size();
   for (size_t s = 0; s < shards_.size(); ++s) {
     if (pin.parts[s].empty()) continue;
-    if (absl::Status a = Admit(s); !a.ok()) {
+    if (absl::Status a = admit(s); !a.ok()) {
       got[s] = a;
       continue;
     }
@@ -237,11 +271,11 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(
   }
   if (first < shards_.size()) {
     got[first] = shards_[first]->Pin(ns, block_bytes, Select(chain, pin.parts[first]), budget);
-    Note(first, got[first].status());
+    note(first, got[first].status());
   }
   for (auto& [s, f] : others) {
     got[s] = f.get();
-    Note(s, got[s].status());
+    note(s, got[s].status());
   }
   // A shard that failed holds nothing: the prefix ends before its first block.
   absl::Status failed = absl::OkStatus();

@@ -26,6 +26,13 @@
 // chain: the prefix ends at its first block, and Pin fails only when that
 // leaves nothing pinned.
 //
+// A Pin that misses its own `budget` (shorter than the deadline: a request
+// that would rather compute than wait) says the shard is slow, not that it
+// is unreachable: it skips the shard for budgeted Pins only, by the same
+// rules, and a budgeted Pin that answers ends that skip. Every other call
+// (a save's Put, an unbudgeted Pin) still goes to a slow shard: one slow
+// lookup on a busy host once dropped the saves behind it.
+//
 // Included by client/store_data_client.h, whose users reach these through
 // it; so this header needs only the shared types, not StoreDataClient's.
 #pragma once
@@ -110,14 +117,21 @@ class ShardedStoreClient {
   // OK when shard s may be called now (or this call is its probe);
   // UNAVAILABLE while it is skipped.
   absl::Status Admit(size_t s);
+  // Admit for a Pin within a budget: also UNAVAILABLE while the shard is
+  // skipped for missing a budget.
+  absl::Status AdmitWithinBudget(size_t s);
   // Records a call's outcome: a failure that says the shard is unreachable
   // starts or lengthens its skip; anything else ends it.
   void Note(size_t s, const absl::Status& status);
+  // Records a budgeted Pin's outcome: DEADLINE_EXCEEDED (its budget ran
+  // out) starts or lengthens the budget skip alone; success ends it.
+  void NoteWithinBudget(size_t s, const absl::Status& status);
 
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<StoreDataClient>> shards_;
   DataClientOptions options_;
   std::vector<std::unique_ptr<ShardSkip>> health_;  // per shard (client/shard_skip.h)
+  std::vector<std::unique_ptr<ShardSkip>> slow_;    // per shard: missed budgets
 };
 
 }  // namespace kvtier

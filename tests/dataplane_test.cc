@@ -458,5 +458,85 @@ TEST(ShardedStore, AnUnreachableShardIsSkippedNotWaitedFor) {
   EXPECT_EQ(pinned, n) << "the shard answers again but is still skipped";
 }
 
+// A pin that misses its own budget (a request that would rather compute)
+// says the shard is slow, not unreachable: budgeted pins skip it for a
+// while, but a save's Put and an unbudgeted pin still reach it. (Before,
+// one slow lookup on a busy host skipped the shard for every call and the
+// saves behind it failed.)
+TEST(ShardedStore, AMissedBudgetSkipsOnlyBudgetedPins) {
+  setenv("UCX_TLS", "tcp", 1);
+  testing::TempDir dir;
+  std::vector<std::string> addrs;
+  auto stores = StartShards(dir, 2, &addrs);
+  for (const auto& st : stores) ASSERT_GT(st->port(), 0) << st->Log();
+  DataClientOptions o;
+  o.deadline_ms = 5000;
+  o.shard_skip_min_ms = 3000;  // long beside a loaded machine's hiccups
+  o.shard_skip_max_ms = 6000;
+  o.shared_memory = DataClientOptions::SharedMemory::kOff;
+  ShardedStoreClient c(addrs, o);
+  auto ns = c.RegisterNamespace(Spec256K());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  const uint64_t n = 16;
+  std::vector<uint8_t> src(n * kBlock);
+  Fill(src, 1700, n);
+  ASSERT_TRUE(c.RegisterMemory(src.data(), src.size()).ok());
+  std::vector<PutBlock> put;
+  std::vector<BlockHash> chain;
+  size_t first_other = n;
+  for (uint64_t i = 0; i < n; ++i) {
+    put.push_back({H(5000 + i), src.data() + i * kBlock});
+    chain.push_back(H(5000 + i));
+    if (RendezvousShard({ns->id, H(5000 + i)}, addrs) == 1 && first_other == n) first_other = i;
+  }
+  ASSERT_LT(first_other, n);
+  // Half the chain stored; the rest is for the Put while a skip is on.
+  std::vector<PutBlock> first_half(put.begin(), put.begin() + n / 2);
+  std::vector<PutBlock> second_half(put.begin() + n / 2, put.end());
+  ASSERT_TRUE(c.Put(ns->id, kBlock, first_half).ok());
+
+  const auto budget = std::chrono::milliseconds(100);
+  ASSERT_TRUE(stores[1]->proc().Stop());
+  auto pin = c.Pin(ns->id, kBlock, chain, budget);  // shard 1 misses the budget
+  kill(stores[1]->proc().pid(), SIGCONT);
+  ASSERT_TRUE(pin.ok() || first_other == 0) << pin.status();
+  if (pin.ok()) {
+    EXPECT_LE(pin->blocks, first_other);
+    c.Release(*pin);
+  }
+  // Budgeted pins skip shard 1 now, although it answers again.
+  pin = c.Pin(ns->id, kBlock, chain, budget);
+  if (first_other == 0) {
+    ASSERT_FALSE(pin.ok());
+    EXPECT_NE(pin.status().message().find("budget"), std::string::npos) << pin.status();
+  } else {
+    ASSERT_TRUE(pin.ok()) << pin.status();
+    EXPECT_EQ(pin->blocks, std::min<size_t>(first_other, n / 2))
+        << "the prefix ends before the skipped shard's block (or the stored half)";
+    c.Release(*pin);
+  }
+  // A save is not a lookup: it reaches shard 1 and writes.
+  auto r = c.Put(ns->id, kBlock, second_half);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->written + r->already_present, second_half.size());
+  // Nor is an unbudgeted pin: the whole chain.
+  pin = c.Pin(ns->id, kBlock, chain);
+  ASSERT_TRUE(pin.ok()) << pin.status();
+  EXPECT_EQ(pin->blocks, n);
+  c.Release(*pin);
+  // Once the budget skip ends, a budgeted pin probes and gets it all.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  uint32_t pinned = 0;
+  while (pinned < n && std::chrono::steady_clock::now() < until) {
+    pin = c.Pin(ns->id, kBlock, chain, std::chrono::milliseconds(2000));
+    if (pin.ok()) {
+      pinned = pin->blocks;
+      c.Release(*pin);
+    }
+    if (pinned < n) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(pinned, n) << "shard 1 answers again but budgeted pins still skip it";
+}
+
 }  // namespace
 }  // namespace kvtier

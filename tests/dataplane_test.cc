@@ -369,6 +369,43 @@ TEST(ShardedStore, BlocksSpreadOverShardsAndComeBack) {
   EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
 }
 
+// Client options for the shard-skip tests: RMA over the connection (no
+// shared memory, so a stopped store stops the bytes too), the deadline and
+// the skip window given.
+DataClientOptions SkippingOverTcp(int deadline_ms, uint64_t skip_min_ms, uint64_t skip_max_ms) {
+  DataClientOptions o;
+  o.deadline_ms = deadline_ms;
+  o.shard_skip_min_ms = skip_min_ms;
+  o.shard_skip_max_ms = skip_max_ms;
+  o.shared_memory = DataClientOptions::SharedMemory::kOff;
+  return o;
+}
+
+// n blocks of test data (Fill from `seed`) registered with `c`, as Puts and as
+// a chain of hashes H(base + i), and the first of them shard 1 holds (n:
+// none).
+struct ShardChain {
+  std::vector<uint8_t> src;
+  std::vector<PutBlock> put;
+  std::vector<BlockHash> chain;
+  size_t first_other = 0;
+  absl::Status registered;
+};
+ShardChain MakeShardChain(ShardedStoreClient& c, uint64_t ns, const std::vector<std::string>& addrs,
+                          uint64_t base, uint64_t n, uint64_t seed) {
+  ShardChain b;
+  b.src.resize(n * kBlock);
+  Fill(b.src, seed, n);
+  b.registered = c.RegisterMemory(b.src.data(), b.src.size());
+  b.first_other = n;
+  for (uint64_t i = 0; i < n; ++i) {
+    b.put.push_back({H(base + i), b.src.data() + i * kBlock});
+    b.chain.push_back(H(base + i));
+    if (RendezvousShard({ns, H(base + i)}, addrs) == 1 && b.first_other == n) b.first_other = i;
+  }
+  return b;
+}
+
 // A shard that stops answering on an open connection (a dead link, here a
 // SIGSTOPped store: every call to it costs the whole deadline) is skipped
 // after one failure: the next calls return at once, Pin still pins the
@@ -382,14 +419,9 @@ TEST(ShardedStore, AnUnreachableShardIsSkippedNotWaitedFor) {
   std::vector<std::string> addrs;
   auto stores = StartShards(dir, 2, &addrs);
   for (const auto& st : stores) ASSERT_GT(st->port(), 0) << st->Log();
-  DataClientOptions o;
-  o.deadline_ms = 400;
   // Skips long beside the deadline, so a loaded machine (ctest -j) stays
   // inside each window below.
-  o.shard_skip_min_ms = 600;
-  o.shard_skip_max_ms = 2400;
-  o.shared_memory = DataClientOptions::SharedMemory::kOff;  // RMA over the connection
-  ShardedStoreClient c(addrs, o);
+  ShardedStoreClient c(addrs, SkippingOverTcp(400, 600, 2400));
   auto ns = c.RegisterNamespace(Spec256K());
   ASSERT_TRUE(ns.ok()) << ns.status();
   // A chain whose first two blocks are shard 0's.
@@ -399,17 +431,12 @@ TEST(ShardedStore, AnUnreachableShardIsSkippedNotWaitedFor) {
          RendezvousShard({ns->id, H(base + 1)}, addrs) != 0) {
     ++base;
   }
-  std::vector<uint8_t> src(n * kBlock);
-  Fill(src, 900, n);
-  ASSERT_TRUE(c.RegisterMemory(src.data(), src.size()).ok());
-  std::vector<PutBlock> put;
-  std::vector<BlockHash> chain;
-  size_t first_other = n;
-  for (uint64_t i = 0; i < n; ++i) {
-    put.push_back({H(base + i), src.data() + i * kBlock});
-    chain.push_back(H(base + i));
-    if (RendezvousShard({ns->id, H(base + i)}, addrs) == 1 && first_other == n) first_other = i;
-  }
+  ShardChain blocks = MakeShardChain(c, ns->id, addrs, base, n, 900);
+  ASSERT_TRUE(blocks.registered.ok()) << blocks.registered;
+  const std::vector<uint8_t>& src = blocks.src;
+  const std::vector<PutBlock>& put = blocks.put;
+  const std::vector<BlockHash>& chain = blocks.chain;
+  const size_t first_other = blocks.first_other;
   ASSERT_LT(first_other, n);
   auto r = c.Put(ns->id, kBlock, put);
   ASSERT_TRUE(r.ok()) << r.status();
@@ -469,26 +496,15 @@ TEST(ShardedStore, AMissedBudgetSkipsOnlyBudgetedPins) {
   std::vector<std::string> addrs;
   auto stores = StartShards(dir, 2, &addrs);
   for (const auto& st : stores) ASSERT_GT(st->port(), 0) << st->Log();
-  DataClientOptions o;
-  o.deadline_ms = 5000;
-  o.shard_skip_min_ms = 3000;  // long beside a loaded machine's hiccups
-  o.shard_skip_max_ms = 6000;
-  o.shared_memory = DataClientOptions::SharedMemory::kOff;
-  ShardedStoreClient c(addrs, o);
+  ShardedStoreClient c(addrs, SkippingOverTcp(5000, 3000, 6000));  // long beside hiccups
   auto ns = c.RegisterNamespace(Spec256K());
   ASSERT_TRUE(ns.ok()) << ns.status();
   const uint64_t n = 16;
-  std::vector<uint8_t> src(n * kBlock);
-  Fill(src, 1700, n);
-  ASSERT_TRUE(c.RegisterMemory(src.data(), src.size()).ok());
-  std::vector<PutBlock> put;
-  std::vector<BlockHash> chain;
-  size_t first_other = n;
-  for (uint64_t i = 0; i < n; ++i) {
-    put.push_back({H(5000 + i), src.data() + i * kBlock});
-    chain.push_back(H(5000 + i));
-    if (RendezvousShard({ns->id, H(5000 + i)}, addrs) == 1 && first_other == n) first_other = i;
-  }
+  ShardChain blocks = MakeShardChain(c, ns->id, addrs, 5000, n, 1700);
+  ASSERT_TRUE(blocks.registered.ok()) << blocks.registered;
+  const std::vector<PutBlock>& put = blocks.put;
+  const std::vector<BlockHash>& chain = blocks.chain;
+  const size_t first_other = blocks.first_other;
   ASSERT_LT(first_other, n);
   // Half the chain stored; the rest is for the Put while a skip is on.
   std::vector<PutBlock> first_half(put.begin(), put.begin() + n / 2);

@@ -74,8 +74,15 @@ ShardedStoreClient::ShardedStoreClient(std::vector<std::string> addresses,
   }
 }
 
-absl::Status ShardedStoreClient::Admit(size_t s) {
+absl::Status ShardedStoreClient::Admit(size_t s, bool budgeted) {
   int64_t left = 0;
+  // The budget skip first: a refusal there leaves the other skip's probe alone.
+  if (budgeted && !slow_[s]->Admit(NowMs(), &left)) {
+    return absl::UnavailableError(absl::StrCat("store shard ", addresses_[s],
+                                               " missed a lookup's budget; lookups skip it for "
+                                               "another ",
+                                               left, " ms"));
+  }
   if (health_[s]->Admit(NowMs(), &left)) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat("store shard ", addresses_[s],
                                              " failed its last call (unreachable); skipped for "
@@ -83,29 +90,11 @@ absl::Status ShardedStoreClient::Admit(size_t s) {
                                              left, " ms"));
 }
 
-absl::Status ShardedStoreClient::AdmitWithinBudget(size_t s) {
-  int64_t left = 0;
-  // The budget skip first: a refusal there leaves the other skip's probe alone.
-  if (!slow_[s]->Admit(NowMs(), &left)) {
-    return absl::UnavailableError(absl::StrCat("store shard ", addresses_[s],
-                                               " missed a lookup's budget; lookups skip it for "
-                                               "another ",
-                                               left, " ms"));
-  }
-  return Admit(s);
-}
-
-void ShardedStoreClient::Note(size_t s, const absl::Status& status) {
-  health_[s]->Note(status, NowMs());
-}
-
-void ShardedStoreClient::NoteWithinBudget(size_t s, const absl::Status& status) {
-  if (status.code() == absl::StatusCode::kDeadlineExceeded) {
-    slow_[s]->Note(status, NowMs());
-    return;
-  }
-  if (status.ok()) slow_[s]->Note(status, NowMs());
-  Note(s, status);
+void ShardedStoreClient::Note(size_t s, const absl::Status& status, bool budgeted) {
+  const bool out_of_budget = budgeted && status.code() == absl::StatusCode::kDeadlineExceeded;
+  // Out of budget: slow, not unreachable. A budgeted answer ends that skip.
+  if (out_of_budget || (budgeted && status.ok())) slow_[s]->Note(status, NowMs());
+  if (!out_of_budget) health_[s]->Note(status, NowMs());
 }
 
 ShardedStoreClient::~ShardedStoreClient() = default;
@@ -242,21 +231,13 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(
   pin.parts = ByShard(ns, chain, addresses_);
   pin.pins.resize(shards_.size());
   const bool budgeted = budget && *budget < std::chrono::milliseconds(options_.deadline_ms);
-  auto admit = [&](size_t s) { return budgeted ? AdmitWithinBudget(s) : Admit(s); };
-  auto note = [&](size_t s, const absl::Status& st) {
-    if (budgeted) {
-      NoteWithinBudget(s, st);
-    } else {
-      Note(s, st);
-    }
-  };
   // Every shard at once: the caller's thread asks the first, threads the rest.
   std::vector<std::pair<size_t, std::future<absl::StatusOr<PinnedBlocks>>>> others;
   std::vector<absl::StatusOr<PinnedBlocks>> got(shards_.size(), PinnedBlocks{});
   size_t first = shards_.size();
   for (size_t s = 0; s < shards_.size(); ++s) {
     if (pin.parts[s].empty()) continue;
-    if (absl::Status a = admit(s); !a.ok()) {
+    if (absl::Status a = Admit(s, budgeted); !a.ok()) {
       got[s] = a;
       continue;
     }
@@ -271,11 +252,11 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(
   }
   if (first < shards_.size()) {
     got[first] = shards_[first]->Pin(ns, block_bytes, Select(chain, pin.parts[first]), budget);
-    note(first, got[first].status());
+    Note(first, got[first].status(), budgeted);
   }
   for (auto& [s, f] : others) {
     got[s] = f.get();
-    note(s, got[s].status());
+    Note(s, got[s].status(), budgeted);
   }
   // A shard that failed holds nothing: the prefix ends before its first block.
   absl::Status failed = absl::OkStatus();

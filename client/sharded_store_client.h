@@ -115,17 +115,14 @@ class ShardedStoreClient {
 
  private:
   // OK when shard s may be called now (or this call is its probe);
-  // UNAVAILABLE while it is skipped.
-  absl::Status Admit(size_t s);
-  // Admit for a Pin within a budget: also UNAVAILABLE while the shard is
-  // skipped for missing a budget.
-  absl::Status AdmitWithinBudget(size_t s);
+  // UNAVAILABLE while it is skipped. `budgeted` (a Pin within a budget):
+  // also while it is skipped for missing a budget.
+  absl::Status Admit(size_t s, bool budgeted = false);
   // Records a call's outcome: a failure that says the shard is unreachable
-  // starts or lengthens its skip; anything else ends it.
-  void Note(size_t s, const absl::Status& status);
-  // Records a budgeted Pin's outcome: DEADLINE_EXCEEDED (its budget ran
-  // out) starts or lengthens the budget skip alone; success ends it.
-  void NoteWithinBudget(size_t s, const absl::Status& status);
+  // starts or lengthens its skip; anything else ends it. `budgeted`:
+  // DEADLINE_EXCEEDED (the budget ran out) starts or lengthens the budget
+  // skip alone, and success ends that one too.
+  void Note(size_t s, const absl::Status& status, bool budgeted = false);
 
   std::vector<std::string> addresses_;
   std::vector<std::unique_ptr<StoreDataClient>> shards_;

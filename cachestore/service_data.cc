@@ -1,6 +1,8 @@
 // The data path's RPCs: lookups, put and get leases, inline puts and gets,
 // verification.
 #include <algorithm>
+#include <span>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cachestore/service.h"
@@ -20,10 +22,34 @@ grpc::Status StoreService::Lookup(grpc::ServerContext* ctx, const v1::LookupRequ
   Caller caller;
   uint64_t ns;
   if (auto s = Identify(*ctx, req->namespace_id(), &caller, &ns); !s.ok()) return t.Done(s);
-  auto tiers = store_->Lookup(ns, Hashes(req->hashes()));
-  if (!tiers.ok()) return t.Done(tiers.status());
-  resp->set_present_blocks(static_cast<uint32_t>(tiers->size()));
-  for (TierKind tier : *tiers) resp->add_tiers(ToProto(tier));
+  std::vector<BlockHash> hashes = Hashes(req->hashes());
+  if (req->chain_lengths_size() == 0) {
+    auto tiers = store_->Lookup(ns, hashes);
+    if (!tiers.ok()) return t.Done(tiers.status());
+    resp->set_present_blocks(static_cast<uint32_t>(tiers->size()));
+    for (TierKind tier : *tiers) resp->add_tiers(ToProto(tier));
+    return t.Done(absl::OkStatus());
+  }
+  // Several chains, back to back: each one's present prefix. The lengths
+  // are checked whole before any chain is looked up.
+  size_t total = 0;
+  for (uint32_t n : req->chain_lengths()) {
+    if (n == 0) return t.Done(absl::InvalidArgumentError("a chain in chain_lengths is empty"));
+    total += n;
+  }
+  if (total != hashes.size()) {
+    return t.Done(absl::InvalidArgumentError(absl::StrCat("chain_lengths add up to ", total,
+                                                          " but the request names ", hashes.size(),
+                                                          " block hashes")));
+  }
+  std::span<const BlockHash> all(hashes);
+  size_t at = 0;
+  for (uint32_t n : req->chain_lengths()) {
+    auto tiers = store_->Lookup(ns, all.subspan(at, n));
+    if (!tiers.ok()) return t.Done(tiers.status());
+    resp->add_present_per_chain(static_cast<uint32_t>(tiers->size()));
+    at += n;
+  }
   return t.Done(absl::OkStatus());
 }
 

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 
 #include "client/store_data_client.h"
+#include "common/limits.h"
 #include "common/rendezvous.h"
 
 namespace kvtier {
@@ -131,6 +132,97 @@ absl::StatusOr<uint32_t> ShardedStoreClient::Lookup(uint64_t ns,
     if (tiers->size() < parts[s].size()) prefix = std::min(prefix, parts[s][tiers->size()]);
   }
   return static_cast<uint32_t>(prefix);
+}
+
+absl::StatusOr<std::vector<uint32_t>> ShardedStoreClient::LookupMany(
+    uint64_t ns, const std::vector<std::vector<BlockHash>>& chains,
+    std::optional<std::chrono::milliseconds> budget) {
+  const size_t n = chains.size();
+  std::vector<uint32_t> prefix(n);
+  // parts[c][s]: chain c's indices on shard s.
+  std::vector<std::vector<std::vector<size_t>>> parts(n);
+  for (size_t c = 0; c < n; ++c) {
+    prefix[c] = static_cast<uint32_t>(chains[c].size());
+    parts[c] = ByShard(ns, chains[c], addresses_);
+  }
+  const auto deadline =
+      std::chrono::system_clock::now() +
+      budget.value_or(std::chrono::milliseconds(std::max(0, options_.deadline_ms)));
+  const bool budgeted = budget.has_value();
+  // One batch per shard: the chains with a part there, each part cut to
+  // what one request may name (a longer part's prefix then ends at the cut).
+  struct Batch {
+    std::vector<size_t> chain;                  // chain index of each entry
+    std::vector<std::vector<BlockHash>> parts;  // its part on this shard
+  };
+  std::vector<std::pair<size_t, std::future<absl::StatusOr<std::vector<uint32_t>>>>> calls;
+  std::vector<Batch> batches;
+  batches.reserve(shards_.size() * 2);
+  absl::Status first = absl::OkStatus();
+  size_t failed = 0;
+  auto fail = [&](size_t s, const Batch& b, const absl::Status& st) {
+    if (first.ok()) first = st;
+    ++failed;
+    for (size_t i = 0; i < b.chain.size(); ++i) {
+      const size_t c = b.chain[i];
+      prefix[c] = std::min<uint32_t>(prefix[c], static_cast<uint32_t>(parts[c][s][0]));
+    }
+  };
+  std::vector<size_t> batch_shard;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    Batch b;
+    size_t hashes = 0;
+    auto flush = [&] {
+      if (b.chain.empty()) return;
+      batches.push_back(std::move(b));
+      batch_shard.push_back(s);
+      b = Batch{};
+      hashes = 0;
+    };
+    for (size_t c = 0; c < n; ++c) {
+      const auto& idx = parts[c][s];
+      if (idx.empty()) continue;
+      const size_t take = std::min(idx.size(), limits::kMaxBlocksPerRequest);
+      if (hashes + take > limits::kMaxBlocksPerRequest) flush();
+      std::vector<BlockHash> part;
+      part.reserve(take);
+      for (size_t i = 0; i < take; ++i) part.push_back(chains[c][idx[i]]);
+      b.chain.push_back(c);
+      b.parts.push_back(std::move(part));
+      hashes += take;
+    }
+    flush();
+  }
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const size_t s = batch_shard[i];
+    if (absl::Status a = Admit(s, budgeted); !a.ok()) {
+      fail(s, batches[i], a);
+      continue;
+    }
+    calls.emplace_back(i, std::async(std::launch::async, [this, s, ns, deadline, &batches, i] {
+                         return shards_[s]->control().LookupChains(ns, batches[i].parts, deadline);
+                       }));
+  }
+  for (auto& [i, f] : calls) {
+    const size_t s = batch_shard[i];
+    auto r = f.get();
+    Note(s, r.status(), budgeted);
+    if (!r.ok()) {
+      fail(s, batches[i], r.status());
+      continue;
+    }
+    const Batch& b = batches[i];
+    for (size_t k = 0; k < b.chain.size(); ++k) {
+      const size_t c = b.chain[k];
+      const auto& idx = parts[c][s];
+      const uint32_t present = (*r)[k];
+      if (present < idx.size()) {
+        prefix[c] = std::min<uint32_t>(prefix[c], static_cast<uint32_t>(idx[present]));
+      }
+    }
+  }
+  if (!batches.empty() && failed == batches.size()) return first;
+  return prefix;
 }
 
 absl::StatusOr<uint32_t> ShardedStoreClient::VerifyBlocks(uint64_t ns,

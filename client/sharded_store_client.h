@@ -83,6 +83,17 @@ class ShardedStoreClient {
   absl::StatusOr<RegisteredNamespace> RegisterNamespace(const NamespaceSpec& spec);
   // Leading blocks of the chain present on their shards.
   absl::StatusOr<uint32_t> Lookup(uint64_t ns, const std::vector<BlockHash>& chain);
+  // Many chains at once (an engine scheduler's step): one round trip per
+  // shard, the shards in parallel, each chain's leading blocks present on
+  // their shards. A shard that fails or is skipped holds none of any chain
+  // (each prefix ends before its first block there); the first failing
+  // shard's status only when every shard asked failed. `budget` (shorter
+  // than the deadline): each shard's deadline, a missed one noted as a
+  // missed budget (Pin's rule); without one, the client's deadline. Empty
+  // chains answer 0.
+  absl::StatusOr<std::vector<uint32_t>> LookupMany(
+      uint64_t ns, const std::vector<std::vector<BlockHash>>& chains,
+      std::optional<std::chrono::milliseconds> budget = std::nullopt);
   // Each block's shard checks its copy and drops it if corrupt (a read here
   // failed its checksum); the blocks dropped in all.
   absl::StatusOr<uint32_t> VerifyBlocks(uint64_t ns, const std::vector<BlockHash>& blocks);

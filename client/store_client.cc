@@ -64,6 +64,27 @@ absl::StatusOr<std::vector<v1::Tier>> StoreClient::Lookup(uint64_t ns,
   return out;
 }
 
+absl::StatusOr<std::vector<uint32_t>> StoreClient::LookupChains(
+    uint64_t ns, const std::vector<std::vector<BlockHash>>& chains,
+    std::chrono::system_clock::time_point deadline) {
+  v1::LookupRequest req;
+  req.set_namespace_id(ns);
+  for (const auto& chain : chains) {
+    req.add_chain_lengths(static_cast<uint32_t>(chain.size()));
+    for (const auto& h : chain) ToProto(h, req.add_hashes());
+  }
+  v1::LookupResponse resp;
+  auto ctx = Context(deadline);
+  if (auto st = stub_->Lookup(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  if (static_cast<size_t>(resp.present_per_chain_size()) != chains.size()) {
+    // A store from before LookupRequest.chain_lengths answers one chain.
+    return absl::UnimplementedError(
+        absl::StrCat("the store answered ", resp.present_per_chain_size(), " of ", chains.size(),
+                     " chains: it predates batched lookups (upgrade kvtier-store)"));
+  }
+  return std::vector<uint32_t>(resp.present_per_chain().begin(), resp.present_per_chain().end());
+}
+
 absl::StatusOr<uint32_t> StoreClient::VerifyBlocks(uint64_t ns,
                                                    const std::vector<BlockHash>& hashes) {
   v1::VerifyBlocksRequest req;

@@ -53,6 +53,12 @@ class StoreClient {
   absl::StatusOr<RegisteredNamespace> RegisterNamespace(const NamespaceSpec& spec);
   // Tier of each leading present block.
   absl::StatusOr<std::vector<v1::Tier>> Lookup(uint64_t ns, const std::vector<BlockHash>& hashes);
+  // Several chains in one round trip (LookupRequest.chain_lengths): each
+  // chain's leading present blocks, in order. Every chain is non-empty and
+  // together they name at most kMaxBlocksPerRequest hashes. By `deadline`.
+  absl::StatusOr<std::vector<uint32_t>> LookupChains(
+      uint64_t ns, const std::vector<std::vector<BlockHash>>& chains,
+      std::chrono::system_clock::time_point deadline);
   // Asks the store to check its copies of blocks that failed their
   // checksums here and drop the corrupt ones; how many it dropped.
   absl::StatusOr<uint32_t> VerifyBlocks(uint64_t ns, const std::vector<BlockHash>& hashes);

@@ -554,5 +554,54 @@ TEST(ShardedStore, AMissedBudgetSkipsOnlyBudgetedPins) {
   EXPECT_EQ(pinned, n) << "shard 1 answers again but budgeted pins still skip it";
 }
 
+// A step's lookups in one call: every chain's present prefix, as one
+// Lookup each would answer, in one round trip per shard; a shard that
+// misses the budget holds none of any chain (each prefix ends before its
+// first block there) and answers within the budget, not the deadline.
+TEST(ShardedStore, ManyChainsAreLookedUpInOneCallPerShard) {
+  setenv("UCX_TLS", "tcp", 1);
+  testing::TempDir dir;
+  std::vector<std::string> addrs;
+  auto stores = StartShards(dir, 2, &addrs);
+  for (const auto& st : stores) ASSERT_GT(st->port(), 0) << st->Log();
+  ShardedStoreClient c(addrs, SkippingOverTcp(5000, 3000, 6000));
+  auto ns = c.RegisterNamespace(Spec256K());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  // Three chains of 16: stored whole, stored half, not stored; and an empty one.
+  const uint64_t n = 16;
+  std::vector<ShardChain> chains;
+  for (uint64_t k = 0; k < 3; ++k) {
+    chains.push_back(MakeShardChain(c, ns->id, addrs, 7000 + 100 * k, n, 2000 + k));
+    ASSERT_TRUE(chains.back().registered.ok());
+  }
+  ASSERT_TRUE(c.Put(ns->id, kBlock, chains[0].put).ok());
+  std::vector<PutBlock> half(chains[1].put.begin(), chains[1].put.begin() + n / 2);
+  ASSERT_TRUE(c.Put(ns->id, kBlock, half).ok());
+  std::vector<std::vector<BlockHash>> ask = {chains[0].chain, chains[1].chain, chains[2].chain, {}};
+  auto got = c.LookupMany(ns->id, ask);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), 4u);
+  for (size_t k = 0; k < 3; ++k) EXPECT_EQ((*got)[k], *c.Lookup(ns->id, ask[k])) << "chain " << k;
+  EXPECT_EQ((*got)[0], n);
+  EXPECT_EQ((*got)[1], n / 2);
+  EXPECT_EQ((*got)[2], 0u);
+  EXPECT_EQ((*got)[3], 0u);
+
+  // Shard 1 stops answering: within the budget, each prefix ends before
+  // its first block on shard 1.
+  ASSERT_TRUE(stores[1]->proc().Stop());
+  const auto t = std::chrono::steady_clock::now();
+  got = c.LookupMany(ns->id, ask, std::chrono::milliseconds(150));
+  const auto took =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t)
+          .count();
+  kill(stores[1]->proc().pid(), SIGCONT);
+  EXPECT_LT(took, 2000) << "the budget, not the 5 s deadline";
+  ASSERT_TRUE(got.ok()) << got.status() << " (shard 0 answered)";
+  EXPECT_EQ((*got)[0], chains[0].first_other);
+  EXPECT_EQ((*got)[1], std::min<size_t>(chains[1].first_other, n / 2));
+  EXPECT_EQ((*got)[2], 0u);
+}
+
 }  // namespace
 }  // namespace kvtier

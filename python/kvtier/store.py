@@ -55,6 +55,19 @@ class StoreClient:
         """How many leading blocks of the chain the shards hold."""
         return int(self._c.lookup(namespace, hashes))
 
+    def lookup_many(self, namespace: _native.NamespaceSpec,
+                    chains: Sequence[Any],
+                    budget_ms: float = 0.0) -> list[int]:
+        """How many leading blocks of each chain the shards hold, in one
+        round trip per shard (the shards asked in parallel): an engine
+        scheduler's whole step at once. A shard that fails or is skipped
+        holds none of any chain; raises only when every shard asked failed.
+        ``budget_ms`` > 0 bounds the wait (a shard that misses it is then
+        skipped by budgeted calls for a while); 0: the client's deadline.
+        An empty chain answers 0."""
+        return [int(n) for n in self._c.lookup_many(namespace, list(chains),
+                                                     float(budget_ms))]
+
     def put(self, namespace: _native.NamespaceSpec, hashes: Any,
             data: Any) -> dict[str, Any]:
         """Writes block i of the chain from bytes [i * block_bytes, ...) of

@@ -4,6 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +37,24 @@ class PyStoreClient {
     auto chain = ChainFrom(hashes);
     py::gil_scoped_release nogil;
     return Unwrap(client_.Lookup(NamespaceId(spec), chain));
+  }
+  // Each chain's leading present blocks, one round trip per shard;
+  // budget_ms > 0 bounds the wait (0: the client's deadline).
+  std::vector<uint32_t> LookupMany(const NamespaceSpec& spec, const py::list& chains,
+                                   double budget_ms) {
+    if (!(budget_ms >= 0) || budget_ms > 3.6e6) {
+      Invalid(absl::StrCat("budget_ms must be between 0 and 3600000 ms, not ", budget_ms));
+    }
+    std::vector<std::vector<BlockHash>> all;
+    all.reserve(chains.size());
+    for (const auto& c : chains) all.push_back(ChainFrom(py::cast<py::array>(c)));
+    const uint64_t ns = NamespaceId(spec);
+    std::optional<std::chrono::milliseconds> budget;
+    if (budget_ms > 0) {
+      budget = std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(budget_ms)));
+    }
+    py::gil_scoped_release nogil;
+    return Unwrap(client_.LookupMany(ns, all, budget));
   }
   py::dict Put(const NamespaceSpec& spec, const py::array& hashes, uintptr_t addr, size_t length) {
     auto chain = ChainFrom(hashes);
@@ -137,6 +158,8 @@ void BindStoreClient(py::module_& m) {
       .def("register_memory", &PyStoreClient::RegisterMemory)
       .def("register_namespace", &PyStoreClient::RegisterNamespace)
       .def("lookup", &PyStoreClient::Lookup)
+      .def("lookup_many", &PyStoreClient::LookupMany, py::arg("spec"), py::arg("chains"),
+           py::arg("budget_ms") = 0.0)
       .def("put", &PyStoreClient::Put)
       .def("get", &PyStoreClient::Get)
       .def("put_at", &PyStoreClient::PutAt)

@@ -305,9 +305,10 @@ def test_a_lookup_budget_bounds_the_wait_and_a_late_lookup_spares_the_next(
     """``SchedulerHalf.num_loadable_tokens(budget_ms=)`` (issue #30: a
     stalled store costs a request no more than the compute it could save):
     with the store SIGSTOPped the wait ends at the budget, not at the
-    client's 5 s deadline, and supplies nothing (``lookups_late``); while
-    that lookup is still out the store is not asked again
-    (``lookups_not_asked``, at once); once the store answers, lookups find
+    client's 5 s deadline, and supplies nothing (``lookups_late``); the
+    client then skips the slow store for a while, so the next lookup is
+    not asked (``lookups_not_asked``, at once); once the store answers and
+    the skip ends, lookups find
     the blocks again. A budget that is not a positive number is
     InvalidArgument."""
     import time

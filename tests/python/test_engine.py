@@ -101,8 +101,8 @@ def test_a_stalled_store_costs_a_request_little_beyond_computing_it(
         store) -> None:
     """Issue #30: with the store SIGSTOPped (sockets open, nothing
     answers) the engine waits for a lookup at most ``lookup_wait_share`` of
-    the time its prompt takes to compute, does not ask again while that
-    lookup is out, and its saves never hold a step: each request's TTFT
+    the time its prompt takes to compute, does not ask again while the
+    client skips the slow store, and its saves never hold a step: each request's TTFT
     stays near computing its prompt, not the store's 3 s deadline. Once the
     store answers again, a new engine loads what was saved before the
     stall."""
@@ -141,12 +141,17 @@ def test_a_stalled_store_costs_a_request_little_beyond_computing_it(
           f"{budget:.1f} ms ({ec.lookup_wait_share} of the compute); "
           f"lookups late {late}, not asked {spared}; saves dropped "
           f"{dropped}")
-    assert late >= 1 and late + spared == len(stalled)
+    assert late >= 1 and spared >= 1 and late + spared == len(stalled)
     assert "did not answer the lookup" in stalled[0].load_status
-    # The first waited its budget; the others were not asked at all.
-    assert budget <= stalled[0].onboard_ms < budget + 100
-    for r in stalled[1:]:
-        assert "not asked" in r.load_status and r.onboard_ms == 0.0
+    # The first waited its budget; then the client skips the slow store
+    # for a while (those are not asked at all), and one lookup probes it
+    # when a skip ends, again for its budget at most.
+    for r in stalled:
+        if "not asked" in r.load_status:
+            assert r.onboard_ms == 0.0
+        else:
+            assert "did not answer the lookup" in r.load_status
+            assert budget <= r.onboard_ms < budget + 100
     for r in stalled:
         assert (r.computed_tokens, r.loaded_tokens) == (1000, 0)
         assert r.ttft_ms <= 2 * ref + 100, (r.ttft_ms, computing)

@@ -31,9 +31,10 @@ prompt: the scheduler waits for the store's lookup at most
 ``EngineConfig.lookup_wait_share`` of the time the engine would take to
 compute what the store could supply (from its measured compute per token;
 a profile run at start-up gives the first figure), and not less than
-``MIN_LOOKUP_WAIT_MS``; a later answer is not used, and until it comes the
-store is not asked again, so a stalled store costs one request that wait
-and the next ones nothing. Saves never wait for a store that has stopped
+``MIN_LOOKUP_WAIT_MS``; a later answer is not used, and the client then
+skips the slow store for a while (200 ms, doubling to 1 s while it stays
+slow), so a stalled store costs one request in each such window that wait
+and the others nothing. Saves never wait for a store that has stopped
 taking them (the connector drops the oldest queued ones). The worker's pin
 after a lookup that answered still waits up to the client's deadline.
 
@@ -526,8 +527,9 @@ class Engine:
                                  f"{wait_ms:.1f} ms (a share of computing "
                                  f"the prompt): computed instead")
             elif self.scheduler.lookups_not_asked > spared_before:
-                r.load_status = ("the store was not asked: an earlier lookup "
-                                 "is still unanswered; computed instead")
+                r.load_status = ("the store was not asked: it missed an "
+                                 "earlier lookup's budget and is skipped "
+                                 "for a while; computed instead")
             # What the lookup added to the request's path (the wait, too).
             r.onboard_ms = ((time.monotonic() - t0) * 1000.0
                             if found or late else 0.0)

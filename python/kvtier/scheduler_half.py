@@ -1,0 +1,319 @@
+"""kvtier in an engine's scheduler, engine-neutral.
+
+An engine like vLLM splits its KV connector in two halves that live in
+different processes and talk only through a per-step plan:
+
+- :class:`SchedulerHalf` (here; no KV memory): how many tokens beyond the
+  engine's own prefix the store can supply (every new request of a step in
+  one batched lookup, :mod:`kvtier.step_lookups`), which engine pages those
+  go to, which computed blocks to save, which requests finished;
+  :meth:`SchedulerHalf.build_step` packs that into a :class:`StepMeta`
+  (plain, picklable).
+- :class:`kvtier.worker_half.WorkerHalf` and
+  :class:`kvtier.worker_half.AsyncLoads` (own the KV tensors): execute it.
+
+The reference engine (kvtier.engine) and the vLLM adapter
+(kvtier.integrations.vllm) both drive the halves in vLLM's hook order:
+
+  scheduler: num_loadable_tokens / poll_loadable_tokens -> (engine
+             allocates) -> allocated -> computed (after a step) ->
+             build_step -> finished
+
+Between the scheduler's lookup and the worker's pin a block may leave the
+store; the worker then loads fewer and reports the rest as failed pages,
+exactly like a load that failed its checksum: either way the engine
+recomputes them and never uses their bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from kvtier._native import NamespaceSpec
+from kvtier.errors import InvalidArgument, KvtierError, StatusCode
+from kvtier.step_lookups import ANSWERED, FAILED, LATE, SKIPPED, StepLookups
+from kvtier.store import StoreClient
+
+
+@dataclass
+class LoadSpec:
+    """Load blocks [skip_blocks, skip_blocks + len(pages)) of the chain
+    into ``pages`` (the engine holds blocks [0, skip_blocks) itself).
+    ``name``: the engine's own id of the request (vLLM's, reported back
+    when an asynchronous load ends)."""
+
+    request: int
+    hashes: np.ndarray
+    skip_blocks: int
+    pages: list[int]
+    name: str = ""
+
+
+@dataclass
+class SaveSpec:
+    """Save blocks [first_block, first_block + len(pages)) of the chain,
+    computed into ``pages``."""
+
+    request: int
+    hashes: np.ndarray
+    first_block: int
+    pages: list[int]
+
+
+@dataclass
+class StepMeta:
+    """What the scheduler half hands the worker half for one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    hashes: np.ndarray
+    prompt_tokens: int
+    skip_blocks: int = 0
+    loadable: int = 0          # blocks the store can supply after skip
+    saved_blocks: int = 0      # blocks [0, saved) are in the store or saved
+    load: Optional[LoadSpec] = None
+    asked: Optional[int] = None            # skip_blocks of a lookup out
+    answer: Optional[tuple[int, int]] = None  # (skip_blocks, present)
+    gave_up: Optional[int] = None          # skip_blocks late: 0 from now on
+
+
+class SchedulerHalf:
+    """The scheduler's side: asks the store, plans loads and saves.
+
+    ``store``: a client of the store shards (None: no store tier; nothing is
+    ever loadable or saved). ``block_tokens``: tokens per block (== the
+    engine's page size). Not thread-safe (a scheduler is one thread).
+    """
+
+    def __init__(self, namespace: NamespaceSpec, store: Optional[StoreClient],
+                 block_tokens: int, lookup_threads: int = 2) -> None:
+        self.namespace = namespace
+        self.store = store
+        self.block_tokens = block_tokens
+        self._reqs: dict[int, _Tracked] = {}
+        self._step = StepMeta()
+        self._lookups = (StepLookups(store, namespace, lookup_threads)
+                         if store is not None else None)
+        self.lookup_errors = 0
+        self.lookups_skipped = 0
+        self.lookups_late = 0          # past their budget
+        self.lookups_not_asked = 0     # the store skipped after a late one
+        self._answered: list[_Tracked] = []  # kept answers, this step
+
+    @property
+    def lookup_batches(self) -> int:
+        """Batched lookups sent so far (each one round trip per shard)."""
+        return self._lookups.batches if self._lookups is not None else 0
+
+    def num_loadable_tokens(self, request: int, hashes: np.ndarray,
+                            prompt_tokens: int, num_computed_tokens: int,
+                            store_hint: Optional[int] = None,
+                            budget_ms: Optional[float] = None) -> int:
+        """Tokens after ``num_computed_tokens`` (the engine's own prefix, a
+        multiple of block_tokens) that the store can supply; at least the
+        prompt's last token is always left to compute. A store that cannot
+        be asked supplies nothing (counted in ``lookup_errors``).
+        ``store_hint``: how far, in blocks from the prompt's start, a router
+        knows the stores hold the prompt (``RouteResponse.store_end_blocks``;
+        None: unknown). When the engine's own prefix reaches it the store is
+        not asked and nothing is loadable (counted in ``lookups_skipped``); a
+        stale hint costs compute, never a wrong byte.
+
+        ``budget_ms``: how long to wait for the store's answer (None: as long
+        as the client's deadline). An answer later than that supplies
+        nothing (counted in ``lookups_late``), and the client then skips
+        the slow store for a while, answering at once
+        (``lookups_not_asked``): a stalled store costs one request its
+        budget and the next ones nothing, and a late answer is no failure.
+        Raises InvalidArgument for a negative hint or a budget that is not
+        a positive number."""
+        n = self._loadable(request, hashes, prompt_tokens,
+                           num_computed_tokens, store_hint, budget_ms,
+                           block=True)
+        assert n is not None
+        return n
+
+    def poll_loadable_tokens(self, request: int, hashes: np.ndarray,
+                             prompt_tokens: int, num_computed_tokens: int,
+                             wait_ms: float,
+                             store_hint: Optional[int] = None
+                             ) -> Optional[int]:
+        """:meth:`num_loadable_tokens` without blocking, for a scheduler
+        that asks again in a later step (vLLM's, when
+        ``get_num_new_matched_tokens`` answers None): None until the
+        store's answer has come, for at most ``wait_ms`` from the first
+        ask (as ``budget_ms``); then 0 (``lookups_late``), and 0 from then
+        on for the same own prefix. Every request asked in a step goes out
+        in one batch at the step's end (:meth:`build_step`). An answer is
+        kept for the same own prefix until the step's end, so asking again
+        in the step costs no round trip."""
+        return self._loadable(request, hashes, prompt_tokens,
+                              num_computed_tokens, store_hint, wait_ms,
+                              block=False)
+
+    def _loadable(self, request: int, hashes: np.ndarray, prompt_tokens: int,
+                  num_computed_tokens: int, store_hint: Optional[int],
+                  budget_ms: Optional[float], block: bool) -> Optional[int]:
+        if store_hint is not None and store_hint < 0:
+            raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
+                                  f"store_hint must be >= 0, not {store_hint}")
+        if budget_ms is not None and not (0 < budget_ms < math.inf):
+            raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
+                                  f"budget_ms must be a positive number of "
+                                  f"milliseconds, not {budget_ms}")
+        bt = self.block_tokens
+        skip = num_computed_tokens // bt
+        t = self._reqs.get(request)
+        if t is None:
+            t = self._reqs[request] = _Tracked(hashes, prompt_tokens)
+        t.skip_blocks = skip
+        t.saved_blocks = max(t.saved_blocks, skip)
+        t.loadable = 0
+        limit = min((prompt_tokens - 1) // bt, len(hashes))
+        if self.store is None or skip >= limit:
+            return 0
+        if store_hint is not None and skip >= store_hint:
+            self.lookups_skipped += 1
+            return 0
+        if t.answer is not None and t.answer[0] == skip:
+            present = t.answer[1]
+        elif t.gave_up == skip:
+            return 0
+        else:
+            got = self._ask(request, t, hashes[skip:limit], skip, budget_ms,
+                            block)
+            if got is None:
+                return None
+            present = got
+        t.loadable = min(present, limit - skip)
+        return t.loadable * bt
+
+    def _ask(self, request: int, t: _Tracked, chain: np.ndarray, skip: int,
+             budget_ms: Optional[float], block: bool) -> Optional[int]:
+        """What the store holds of ``chain`` (0 when it cannot say in
+        time); None when not blocking and the answer is still to come."""
+        assert self.store is not None and self._lookups is not None
+        if budget_ms is None:
+            try:
+                # From the engine's prefix on: the store may have lost
+                # blocks the engine still holds.
+                return self.store.lookup(self.namespace, chain)
+            except KvtierError:
+                self.lookup_errors += 1
+                return 0
+        if t.asked != skip:
+            self._lookups.ask(request, chain, budget_ms)
+            t.asked = skip
+            if not block:
+                return None
+            self._lookups.flush()
+        o = self._lookups.outcome(request, block=block)
+        if o is None:
+            return None
+        t.asked = None
+        if o.kind == ANSWERED:
+            t.answer = (skip, o.present)
+            self._answered.append(t)
+            return o.present
+        if o.kind == LATE:
+            # Asked again for the same prefix (vLLM could not schedule it
+            # yet), it is not made to wait a second budget.
+            t.gave_up = skip
+            self.lookups_late += 1
+        elif o.kind == SKIPPED:
+            self.lookups_not_asked += 1
+        elif o.kind == FAILED:
+            self.lookup_errors += 1
+        return 0
+
+    def skip_blocks(self, request: int) -> int:
+        """The engine's own prefix, in blocks, at the last lookup."""
+        t = self._reqs.get(request)
+        return t.skip_blocks if t is not None else 0
+
+    def allocated(self, request: int, load_pages: list[int],
+                  name: str = "") -> Optional[LoadSpec]:
+        """The engine gave the loadable blocks these pages (fewer than
+        offered if it takes fewer tokens); they load this step. The plan
+        (None when there is nothing to load); ``name``: the engine's id of
+        the request, carried to the worker."""
+        t = self._reqs.get(request)
+        if t is None or not load_pages:
+            return None
+        pages = list(load_pages[:t.loadable])
+        t.answer = None  # a later plan asks the store afresh
+        t.gave_up = None
+        t.load = LoadSpec(request, t.hashes, t.skip_blocks, pages, name)
+        t.saved_blocks = max(t.saved_blocks, t.skip_blocks + len(pages))
+        self._step.loads.append(t.load)
+        return t.load
+
+    def computed(self, request: int, num_computed_tokens: int,
+                 block_pages: list[int]) -> None:
+        """After a step: the request's first ``num_computed_tokens`` tokens
+        have KV in ``block_pages`` (its pages in block order); prompt blocks
+        that became full since the last save are saved."""
+        t = self._reqs.get(request)
+        if t is None or self.store is None:
+            return
+        full = min(num_computed_tokens, t.prompt_tokens) // self.block_tokens
+        full = min(full, len(t.hashes), len(block_pages))
+        if full > t.saved_blocks:
+            first = t.saved_blocks
+            self._step.saves.append(SaveSpec(request, t.hashes, first,
+                                             list(block_pages[first:full])))
+            t.saved_blocks = full
+
+    def load_failed(self, request: int, num_computed_tokens: int) -> None:
+        """The worker reported the request's load failed and the engine
+        rolled it back to ``num_computed_tokens``: blocks after it are
+        computed (and saved) again."""
+        t = self._reqs.get(request)
+        if t is not None:
+            t.saved_blocks = min(t.saved_blocks,
+                                 num_computed_tokens // self.block_tokens)
+            t.loadable = 0
+            t.answer = None
+
+    def finished(self, request: int) -> None:
+        """The request is done: the worker closes it after this step."""
+        if self._lookups is not None:
+            self._lookups.forget(request)
+        if self._reqs.pop(request, None) is not None:
+            self._step.finished.append(request)
+
+    def build_step(self) -> StepMeta:
+        """This step's plan; the lookups asked in the step go out, in one
+        batch. The next step starts empty (and asks the store afresh)."""
+        if self._lookups is not None:
+            self._lookups.flush()
+        for t in self._answered:
+            t.answer = None
+        self._answered.clear()
+        step, self._step = self._step, StepMeta()
+        return step
+
+    def warm_up(self) -> None:
+        """Opens the connection to the store off the caller's thread, so
+        that the first request's lookup does not pay it; a store that
+        cannot be asked is said in the log."""
+        if self._lookups is None:
+            return
+        self._lookups.ask(-1, np.zeros((1, 2), dtype=np.uint64), 60000.0)
+        self._lookups.flush()
+
+    def close(self) -> None:
+        """Ends the lookup threads (a batch still out ends within its
+        budget)."""
+        if self._lookups is not None:
+            self._lookups.close()
+

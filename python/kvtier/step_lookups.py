@@ -1,0 +1,194 @@
+"""A scheduler's store lookups, batched by step and bounded by a budget.
+
+An engine's scheduler asks, for every new request of a step, how much of
+its prompt the store holds. :class:`StepLookups` collects those questions
+and sends them together when the step ends (:meth:`StepLookups.flush`): one
+``lookup_many`` call, which is one round trip per store shard, the shards in
+parallel. Each batch runs on a small pool of threads, never on the
+scheduler's, and each is bounded by the smallest budget left among its
+requests, so a stalled store costs a batch its budget and the next batches
+nothing more (the client then skips the slow shard for a while and answers
+at once). A burst of 64 new requests is one batch, not 64 round trips in a
+row.
+
+Each request's outcome is one of :data:`ANSWERED`, :data:`LATE` (no answer
+within its budget), :data:`SKIPPED` (the client is skipping the store after
+a missed budget) or :data:`FAILED` (the store could not be asked); only an
+answered request has blocks to load.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from kvtier._native import NamespaceSpec
+from kvtier.errors import DeadlineExceeded, KvtierError
+from kvtier.store import StoreClient
+
+log = logging.getLogger("vllm.kvtier")
+
+ANSWERED, LATE, SKIPPED, FAILED = "answered", "late", "skipped", "failed"
+
+
+@dataclass
+class Outcome:
+    """A request's lookup: ``present`` leading blocks (0 unless
+    ``kind`` is ANSWERED) and why (``error``: the store's message)."""
+
+    kind: str
+    present: int = 0
+    error: str = ""
+
+
+@dataclass
+class _Ask:
+    key: int
+    chain: np.ndarray
+    asked: float      # time.monotonic() of the ask
+    budget_s: float
+
+
+class StepLookups:
+    """Batched lookups of one namespace (see the module docstring).
+    Thread-safe; ``threads`` batches may be out at once."""
+
+    def __init__(self, store: StoreClient, namespace: NamespaceSpec,
+                 threads: int = 2) -> None:
+        self.store = store
+        self.namespace = namespace
+        self._lock = threading.Condition()
+        self._pending: list[_Ask] = []
+        self._out: dict[int, _Ask] = {}          # asked, answer to come
+        self._done: dict[int, Outcome] = {}
+        self._inflight: dict[int, float] = {}    # batch -> its deadline
+        self._next_batch = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="kvtier-lookup")
+        self.batches = 0
+        self.batched_requests = 0
+        self._last_warning = 0.0
+
+    def ask(self, key: int, chain: np.ndarray, budget_ms: float) -> None:
+        """Queues a lookup of ``chain`` for request ``key`` (its answer
+        wanted within ``budget_ms`` from now); it goes out at the next
+        :meth:`flush`. A request asked again replaces its earlier ask."""
+        with self._lock:
+            self._done.pop(key, None)
+            self._pending = [a for a in self._pending if a.key != key]
+            self._pending.append(_Ask(key, chain, time.monotonic(),
+                                      budget_ms / 1000.0))
+
+    def flush(self) -> None:
+        """Sends every queued lookup as one batch (nothing when none)."""
+        with self._lock:
+            batch, self._pending = self._pending, []
+            for a in batch:
+                self._out[a.key] = a
+        if batch:
+            self.batches += 1
+            self.batched_requests += len(batch)
+            self._pool.submit(self._run, batch)
+
+    def outcome(self, key: int, block: bool = False) -> Optional[Outcome]:
+        """The request's outcome once known (then forgotten), or LATE once
+        its budget has passed without one (its answer, when it comes, is
+        dropped); None while it may still come; FAILED for a request not
+        asked. ``block``: wait for it
+        until the budget ends."""
+        with self._lock:
+            while True:
+                done = self._done.pop(key, None)
+                if done is not None:
+                    return done
+                a = self._out.get(key) or next(
+                    (p for p in self._pending if p.key == key), None)
+                if a is None:  # never asked, or forgotten: none to come
+                    return Outcome(FAILED, 0, "not asked")
+                left = a.asked + a.budget_s - time.monotonic()
+                if left <= 0:
+                    self._forget_locked(key)
+                    return Outcome(LATE)
+                if not block:
+                    return None
+                self._lock.wait(left)
+
+    def forget(self, key: int) -> None:
+        """Drops the request's ask and any answer to it."""
+        with self._lock:
+            self._forget_locked(key)
+
+    def _forget_locked(self, key: int) -> None:
+        self._out.pop(key, None)
+        self._done.pop(key, None)
+        self._pending = [a for a in self._pending if a.key != key]
+
+    def _run(self, batch: list[_Ask]) -> None:
+        with self._lock:
+            # A batch out past its deadline is about to return (its call
+            # has that deadline): wait for it (50 ms at most), so that a
+            # store it found slow is skipped by the client, not asked again
+            # for another budget.
+            grace = time.monotonic() + 0.05
+            while time.monotonic() < grace and any(
+                    d < time.monotonic() for d in self._inflight.values()):
+                self._lock.wait(0.005)
+            now = time.monotonic()
+            left_ms = min(a.asked + a.budget_s - now for a in batch) * 1000.0
+            self._next_batch += 1
+            batch_id = self._next_batch
+            self._inflight[batch_id] = now + max(0.0, left_ms) / 1000.0
+        try:
+            outcomes = self._call(batch, left_ms)
+        finally:
+            with self._lock:
+                del self._inflight[batch_id]
+                for a, o in zip(batch, outcomes):
+                    if self._out.get(a.key) is a:
+                        del self._out[a.key]
+                        self._done[a.key] = o
+                self._lock.notify_all()
+
+    def _call(self, batch: list[_Ask], left_ms: float) -> list[Outcome]:
+        """The store's answer to ``batch`` within ``left_ms``."""
+        outcomes: list[Outcome]
+        if left_ms < 1.0:
+            outcomes = [Outcome(LATE)] * len(batch)
+        else:
+            try:
+                found = self.store.lookup_many(
+                    self.namespace, [a.chain for a in batch],
+                    budget_ms=left_ms)
+                outcomes = [Outcome(ANSWERED, n) for n in found]
+            except DeadlineExceeded:
+                outcomes = [Outcome(LATE)] * len(batch)
+            except KvtierError as e:
+                # The client skips a shard that missed a budget: answered
+                # at once, with nothing.
+                kind = SKIPPED if "budget" in str(e) else FAILED
+                outcomes = [Outcome(kind, 0, str(e))] * len(batch)
+                if kind == FAILED:
+                    self._warn(e)
+            except BaseException as e:  # never lose a waiter to a bug
+                outcomes = [Outcome(FAILED, 0, repr(e))] * len(batch)
+                self._warn(e)
+        return outcomes
+
+    def _warn(self, e: BaseException) -> None:
+        """The store cannot be asked: said in the engine's log, at most
+        once every 10 s."""
+        now = time.monotonic()
+        if now - self._last_warning >= 10.0:
+            self._last_warning = now
+            log.warning("kvtier: the store cannot be asked (%s); requests "
+                        "compute their prompts until it answers", e)
+
+    def close(self) -> None:
+        """Stops taking batches (one out ends within its budget)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,255 @@
+"""kvtier in an engine's worker: executes the scheduler half's plans.
+
+:class:`WorkerHalf` owns nothing but a :class:`kvtier.Connector` over the
+engine's KV tensors and runs each step's :class:`StepMeta`:
+
+- loads, either **asynchronously** (:meth:`WorkerHalf.start_loads`: vLLM's
+  connector; each load pins, moves and verifies its blocks on a loader
+  thread, and :meth:`WorkerHalf.finished_loads` hands back the requests
+  whose load ended, with the pages that did not load: the engine schedules
+  a request only then, so no byte is used before its checksum passed and a
+  forward pass never waits on the store), or **synchronously, layer by
+  layer** (:meth:`WorkerHalf.start_load`, :meth:`WorkerHalf.wait_for_layer`;
+  the reference engine, which discards the step's output of a request
+  whose load then fails);
+- saves (:meth:`WorkerHalf.wait_for_save`: the bytes are copied out of the
+  pages before it returns; the store writes go on in the background);
+- finished requests (closed on a background thread, after their saves).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from typing import Optional
+
+import numpy as np
+
+from kvtier.connector import Connector
+from kvtier.errors import KvtierError
+from kvtier.scheduler_half import LoadSpec, StepMeta
+
+
+class WorkerHalf:
+    """The worker's side over one connector. The model runner's calls come
+    from one thread; asynchronous loads run on ``load_threads`` threads of
+    their own."""
+
+    def __init__(self, connector: Connector, load_threads: int = 2) -> None:
+        self.connector = connector
+        self._lock = threading.Lock()
+        self._open: set[int] = set()
+        self._loading: dict[int, LoadSpec] = {}       # synchronous
+        self._async: dict[int, concurrent.futures.Future[None]] = {}
+        self._ended: list[tuple[str, list[int]]] = []  # async: name, failed
+        self._errors: set[int] = set()
+        self.loaded_blocks = 0
+        self.failed_loads = 0
+        self.load_failures: list[str] = []
+        self._load_threads = load_threads
+        self._loader: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._closing: queue.Queue[Optional[int]] = queue.Queue()
+        self._closer: Optional[threading.Thread] = None
+
+    def _open_request(self, request: int, hashes: np.ndarray) -> None:
+        with self._lock:
+            if request in self._open:
+                return
+            self._open.add(request)
+        # Opens the request without a pin (every block skipped).
+        self.connector.lookup(request, hashes, len(hashes))
+
+    def _pin(self, spec: LoadSpec) -> int:
+        """Opens (or reopens) the request and pins its blocks; how many of
+        its pages the store still holds."""
+        with self._lock:
+            reopen = spec.request in self._open
+            self._open.add(spec.request)
+        if reopen:
+            # Loaded or saved before (a preempted request that resumes):
+            # closed first, then looked up afresh.
+            self.connector.finished(spec.request)
+        found = self.connector.lookup(spec.request, spec.hashes,
+                                      spec.skip_blocks)
+        return min(found.blocks, len(spec.pages))
+
+    # ------------------------------------------------- asynchronous loads
+
+    def start_loads(self, step: StepMeta) -> None:
+        """Starts the step's loads on the loader threads and returns at
+        once; :meth:`finished_loads` reports each when it ends."""
+        if not step.loads:
+            return
+        if self._loader is None:
+            self._loader = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self._load_threads,
+                thread_name_prefix="kvtier-load")
+        for spec in step.loads:
+            with self._lock:
+                self._async[spec.request] = self._loader.submit(
+                    self._load_whole, spec)
+
+    def _load_whole(self, spec: LoadSpec) -> None:
+        """Pins, moves and verifies one request's blocks; the pages that
+        did not load (evicted since the lookup, failed their checksum, the
+        store gone) are its failed pages."""
+        failed = list(spec.pages)
+        try:
+            n = self._pin(spec)
+            if n > 0:
+                self.connector.start_load(spec.request, spec.pages[:n])
+                loaded = self.connector.wait_for_load(spec.request)
+                failed = spec.pages[loaded:]
+                with self._lock:
+                    self.loaded_blocks += loaded
+        except KvtierError as e:
+            with self._lock:
+                self.failed_loads += 1
+                self.load_failures.append(str(e))
+        except BaseException as e:  # a bug must not hang the request
+            with self._lock:
+                self.failed_loads += 1
+                self.load_failures.append(repr(e))
+        with self._lock:
+            self._async.pop(spec.request, None)
+            self._ended.append((spec.name, failed))
+
+    def finished_loads(self) -> tuple[set[str], set[int]]:
+        """The engine ids of requests whose asynchronous load ended since
+        the last call, and the pages of theirs that did not load (the
+        engine recomputes those blocks; every other page holds verified
+        bytes)."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        names = {name for name, _ in ended}
+        pages = {p for _, failed in ended for p in failed}
+        return names, pages
+
+    def loads_in_flight(self) -> int:
+        """Asynchronous loads not yet ended."""
+        with self._lock:
+            return len(self._async)
+
+    # -------------------------------------- synchronous, layer-wise loads
+
+    def start_load(self, step: StepMeta) -> None:
+        """Pins and starts the step's loads on the caller's thread. Blocks
+        the store no longer holds are reported as failed pages at once."""
+        for spec in step.loads:
+            try:
+                n = self._pin(spec)
+                self._errors.update(spec.pages[n:])
+                if n == 0:
+                    continue
+                self.connector.start_load(spec.request, spec.pages[:n])
+                self._loading[spec.request] = LoadSpec(
+                    spec.request, spec.hashes, spec.skip_blocks,
+                    spec.pages[:n], spec.name)
+            except KvtierError as e:
+                self._fail(spec, e)
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Returns once ``layer`` of every synchronous load of the step is
+        in its pages (unverified: :meth:`wait_for_save` takes the
+        verdicts, and the engine discards what it computed from a load
+        that failed)."""
+        for request in list(self._loading):
+            try:
+                self.connector.wait_for_layer(request, layer)
+            except KvtierError:
+                pass  # the verdict reports it
+
+    def wait_for_save(self, step: StepMeta) -> None:
+        """The end of the step: each synchronous load's verdict (failed
+        pages are reported), then the step's saves (their bytes are copied
+        before this returns; the store writes continue in the background),
+        then the finished requests are closed."""
+        failed: set[int] = set()
+        for request, spec in list(self._loading.items()):
+            del self._loading[request]
+            try:
+                loaded = self.connector.wait_for_load(request)
+            except KvtierError as e:
+                self._fail(spec, e)
+                failed.add(request)
+                continue
+            self.loaded_blocks += loaded
+            if loaded < len(spec.pages):
+                self._errors.update(spec.pages[loaded:])
+                failed.add(request)
+        for spec in step.loads:
+            if set(spec.pages) & self._errors:
+                failed.add(spec.request)
+        for save in step.saves:
+            if save.request in failed:
+                continue  # computed from KV that failed its load: never saved
+            try:
+                self._open_request(save.request, save.hashes)
+                self.connector.save(save.request, save.first_block,
+                                    save.pages)
+            except KvtierError:
+                pass  # a save that fails costs a future hit, nothing else
+        for request in step.finished:
+            self.finished(request)
+
+    def _fail(self, spec: LoadSpec, e: KvtierError) -> None:
+        self.failed_loads += 1
+        self.load_failures.append(str(e))
+        self._errors.update(spec.pages)
+
+    def load_error_pages(self) -> set[int]:
+        """Pages whose synchronous load failed since the last call (their
+        blocks must be recomputed; their bytes never used)."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # ------------------------------------------------------------ closing
+
+    def finished(self, request: int) -> None:
+        """Closes the request. Its queued saves are written first, by a
+        background thread, so the engine's step never waits for the store
+        (their bytes were copied out of the pages already); a load still
+        running ends first."""
+        if request in self._loading:
+            try:
+                self._loading.pop(request)
+                self.connector.wait_for_load(request)
+            except KvtierError:
+                pass
+        with self._lock:
+            self._open.discard(request)
+            running = self._async.get(request)
+        if self._closer is None:
+            self._closer = threading.Thread(target=self._close_loop,
+                                            daemon=True, name="kvtier-close")
+            self._closer.start()
+        if running is not None:
+            running.add_done_callback(lambda _: self._closing.put(request))
+        else:
+            self._closing.put(request)
+
+    def _close_loop(self) -> None:
+        while True:
+            request = self._closing.get()
+            if request is None:
+                return
+            try:
+                self.connector.finished(request)
+            except KvtierError:
+                pass
+
+    def close(self) -> None:
+        """Waits for running loads, closes every request still open and
+        waits for their saves."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
+        with self._lock:
+            still_open = list(self._open)
+        for request in still_open:
+            self.finished(request)
+        if self._closer is not None:
+            self._closing.put(None)
+            self._closer.join()
+            self._closer = None

@@ -244,6 +244,26 @@ def test_unsupported_pools_and_hooks_are_refused_at_registration(
     b.close()
 
 
+@pytest.mark.parametrize("field, value, says", [
+    ("model_name", None, "model_name"),
+    ("model_name", "  ", "model_name"),
+    ("tp_rank", None, "tp_rank"),
+    ("tp_rank", 2, "tp_rank = 2 is not a rank of tp_size = 2"),
+    ("pp_size", "1", "pp_size"),
+    ("attn_cp_rank", True, "attn_cp_rank"),
+])
+def test_an_identity_sglang_does_not_give_is_refused_not_guessed(
+        store, field: str, value: object, says: str) -> None:
+    """Two ranks or two models of equal geometry must never share blocks:
+    a rank or model name the backend cannot read is refused at
+    registration, naming the field, instead of defaulting to rank 0 or a
+    constant model name."""
+    cfg = sp.storage_config(store.address, tp=(0, 2))
+    setattr(cfg, field, value)
+    with pytest.raises(InvalidArgument, match=says):
+        sp.attach(cfg, sp.mha_pool("layer_first", 1))
+
+
 def test_a_corrupt_block_is_a_miss_and_bad_input_fails_softly(store) -> None:
     a_pool, b_pool = sp.mha_pool("layer_first", 5), sp.mha_pool(
         "layer_first", 6)

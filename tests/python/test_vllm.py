@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import corrupt_in_store, engine_env
+from conftest import BUILD, corrupt_in_store, engine_env
 import kvtier
 import vllm_shapes as v
-from kvtier.integrations.vllm import KvtierConnector, KVConnectorRole
+from kvtier.integrations.vllm import (KvtierConnector, KvtierConnectorMetadata,
+                                      KVConnectorRole)
 
 HERE = Path(__file__).parent
 BS = 16
@@ -44,8 +45,10 @@ class Worker:
         assert line, "the worker process died"
         return pickle.loads(bytes.fromhex(line.decode().strip()))
 
-    def step(self, meta: Any, compute: list[tuple[int, int]]) -> Any:
-        return self.call(op="step", meta=meta, compute=compute)
+    def step(self, meta: Any, compute: list[tuple[int, int]],
+             await_loads: bool = True) -> Any:
+        return self.call(op="step", meta=meta, compute=compute,
+                         await_loads=await_loads)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -73,26 +76,47 @@ def matched(sched: KvtierConnector, req: Any,
         if n is not None:
             return n, load_async
         assert time.monotonic() < deadline, "the lookup never answered"
+        # The step ends (its lookups go out in one batch); the next asks.
+        sched.build_connector_meta(v.SchedulerOutput())
         time.sleep(0.001)
 
 
 def run_new(sched: KvtierConnector, w: Worker, rid: str, prompt: list[int],
-            pages: list[int], seeds: dict[int, int]) -> tuple[int, Any]:
-    """One request through the hooks for its first step (its whole
-    prompt): returns the tokens loaded and the worker's answer."""
+            pages: list[int], seeds: dict[int, int]
+            ) -> tuple[int, Any, Any]:
+    """One request through the hooks as vLLM drives an asynchronous load:
+    the lookup; if the store holds blocks, a step that only loads them
+    (the request waits for its KV; the worker reports the load ended, and
+    the pages that did not load); then the step that computes the rest of
+    the prompt, from the first page that did not load. Returns the tokens
+    the store offered, the worker's answers (load errors and failures
+    merged) and the computing step's plan."""
     req = v.Request(rid, prompt)
     n, load_async = matched(sched, req, 0)
-    assert load_async is False
+    assert load_async is (n > 0)
     sched.update_state_after_alloc(req, v.KVCacheBlocks(pages), n)
-    req.num_computed_tokens = n
+    loaded = {"errors": [], "failures": [], "finished": []}
+    computed = n
+    if n:
+        meta = sched.build_connector_meta(v.SchedulerOutput())
+        assert [s.name for s in meta.step.loads] == [rid]
+        loaded = w.step(pickle.loads(pickle.dumps(meta)), [])
+        assert loaded["finished"] == [rid], loaded
+        sched.update_connector_output(
+            v.KVConnectorOutput(finished_recving=set(loaded["finished"])))
+        if loaded["errors"]:  # vLLM cuts back to the first failed block
+            computed = min(pages.index(p) for p in loaded["errors"]) * BS
+    req.num_computed_tokens = computed
     out = v.SchedulerOutput(
-        scheduled_new_reqs=[v.NewRequestData(rid, prompt, (pages,), n)],
-        num_scheduled_tokens={rid: len(prompt) - n})
+        scheduled_new_reqs=[v.NewRequestData(rid, prompt, (pages,), computed)],
+        num_scheduled_tokens={rid: len(prompt) - computed})
     meta = sched.build_connector_meta(out)
     meta = pickle.loads(pickle.dumps(meta))  # what vLLM ships
-    first = n // BS
-    compute = [(pages[b], seeds[b]) for b in range(first, len(pages))]
-    return n, w.step(meta, compute)
+    compute = [(pages[b], seeds[b]) for b in range(computed // BS, len(pages))]
+    r = w.step(meta, compute)
+    r["errors"] = sorted(set(r["errors"]) | set(loaded["errors"]))
+    r["failures"] = loaded["failures"] + r["failures"]
+    return n, r, meta
 
 
 def test_two_processes_save_load_and_recompute_a_corrupt_block(
@@ -104,7 +128,7 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     seeds = {b: 1000 + b for b in range(9)}  # block b's content
 
     # A: nothing in the store; its 6 full blocks are saved after the step.
-    n, r = run_new(sched, worker, "A", prompt, list(range(0, 7)), seeds)
+    n, r, _ = run_new(sched, worker, "A", prompt, list(range(0, 7)), seeds)
     assert n == 0 and r["errors"] == []
     assert sched.request_finished(v.Request("A", prompt), list(range(7))) \
         == (False, None)
@@ -118,9 +142,10 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
         assert time.monotonic() < deadline, "A's blocks never got stored"
         time.sleep(0.02)
 
-    # B: A's prompt and more: 6 blocks load into B's pages 10..15.
+    # B: A's prompt and more: 6 blocks load into B's pages 10..15, in a
+    # step of their own (asynchronously), before B computes the rest.
     longer = prompt + rng.integers(0, 4096, 30).tolist()
-    n, r = run_new(sched, worker, "B", longer, list(range(10, 19)), seeds)
+    n, r, _ = run_new(sched, worker, "B", longer, list(range(10, 19)), seeds)
     assert n == 6 * BS
     assert r["errors"] == [], r
     pages = worker.call(op="read", pages=list(range(0, 6)) +
@@ -132,28 +157,18 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     sched.request_finished(v.Request("B", longer), list(range(10, 19)))
 
     # A block corrupted behind the store's back: C's load reports every
-    # page of it as failed; the connector has the store check its copies
-    # (the corrupt one is dropped), and vLLM's recompute saves it again.
+    # page of it as failed (with the load's end, before vLLM could schedule
+    # C); the connector has the store check its copies (the corrupt one is
+    # dropped), and vLLM's recompute, from block 0, saves it again.
     needle = pages[2][0][0].numpy().tobytes()  # block 2, layer 0, K
     assert corrupt_in_store(store.pid, needle)
-    n, r = run_new(sched, worker, "C", prompt, list(range(20, 27)), seeds)
+    n, r, meta = run_new(sched, worker, "C", prompt, list(range(20, 27)),
+                         seeds)
     assert n == 6 * BS
     assert set(r["errors"]) == set(range(20, 26)), r
     assert any("DATA_LOSS" in f for f in r["failures"]), r["failures"]
-    deadline = time.monotonic() + 10
-    while probe.lookup(ns, hashes) != 2:  # blocks 0-1 remain, 2 was dropped
-        assert time.monotonic() < deadline, "the corrupt block stayed"
-        time.sleep(0.02)
-    # vLLM cuts C back to its first failed block (0) and recomputes.
-    out = v.SchedulerOutput(
-        scheduled_cached_reqs=v.CachedRequestData(
-            req_ids=["C"], new_block_ids=[None], num_computed_tokens=[0]),
-        num_scheduled_tokens={"C": len(prompt)})
-    meta = sched.build_connector_meta(out)
     assert [(s.first_block, len(s.pages)) for s in meta.step.saves] \
         == [(0, 6)], "the recomputed blocks are saved again"
-    r = worker.step(meta, [(20 + b, seeds[b]) for b in range(7)])
-    assert r["errors"] == []
     again = worker.call(op="read", pages=[2, 22])
     assert (again[22][0] == again[2][0]).all(), "block 2 was recomputed"
     sched.request_finished(v.Request("C", prompt), list(range(20, 27)))
@@ -162,7 +177,7 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     while probe.lookup(ns, hashes) < 6:
         assert time.monotonic() < deadline, "block 2 was never saved again"
         time.sleep(0.02)
-    n, r = run_new(sched, worker, "D", prompt, list(range(30, 37)), seeds)
+    n, r, _ = run_new(sched, worker, "D", prompt, list(range(30, 37)), seeds)
     assert n == 6 * BS and r["errors"] == [], r
     d = worker.call(op="read", pages=[2, 32])
     assert all((d[32][layer] == d[2][layer]).all() for layer in range(2))
@@ -196,7 +211,7 @@ def test_salted_lora_and_multimodal_requests_never_share_blocks(
         assert time.monotonic() < deadline
         time.sleep(0.02)
     again = v.Request("again", prompt)
-    assert matched(sched, again, 0) == (4 * BS, False)
+    assert matched(sched, again, 0) == (4 * BS, True)
     salted = v.Request("salted", prompt)
     salted.cache_salt = "tenant-b"  # type: ignore[attr-defined]
     assert matched(sched, salted, 0) == (0, False)
@@ -217,10 +232,10 @@ def test_salted_lora_and_multimodal_requests_never_share_blocks(
 def test_a_lookup_is_never_waited_for_on_the_scheduler_thread(store) -> None:
     """``get_num_new_matched_tokens`` does not block vLLM's scheduler: it
     answers None (ask again later) until the store answers, and 0 once
-    ``lookup_wait_ms`` has passed with the store SIGSTOPped; while that
-    lookup is out the store is not asked again (0 at once). After the
-    store answers again, hits come back. ``lookup_wait_ms`` 0 asks
-    synchronously; a negative one is refused at start-up."""
+    ``lookup_wait_ms`` has passed with the store SIGSTOPped; the client
+    then skips the slow store for a while, so the next request's lookup
+    answers 0 within a step instead of costing it the budget again. After
+    the store answers again, hits come back."""
     probe = kvtier.StoreClient([store.address])
     sched = KvtierConnector(v.config([store.address],
                                      lookup_wait_ms=200),
@@ -231,28 +246,29 @@ def test_a_lookup_is_never_waited_for_on_the_scheduler_thread(store) -> None:
     probe.register_namespace(ns)
     probe.put(ns, hashes, np.ones(len(hashes) * ns.block_bytes, np.uint8))
     first = sched.get_num_new_matched_tokens(v.Request("a", prompt), 0)
-    assert first in ((None, False), (4 * BS, False))
-    assert matched(sched, v.Request("a", prompt), 0) == (4 * BS, False)
+    assert first == (None, False), "asked in this step, sent at its end"
+    assert matched(sched, v.Request("a", prompt), 0) == (4 * BS, True)
+
+    def poll(rid: str) -> tuple[int, int, float]:
+        """Steps until the request's answer: (tokens, steps, seconds)."""
+        t0, steps = time.monotonic(), 0
+        while True:
+            n, _ = sched.get_num_new_matched_tokens(v.Request(rid, prompt), 0)
+            steps += 1
+            if n is not None:
+                return n, steps, time.monotonic() - t0
+            sched.build_connector_meta(v.SchedulerOutput())
+            time.sleep(0.005)
 
     store.pause()
     try:
-        t0 = time.monotonic()
-        asks = 0
-        while True:
-            n, _ = sched.get_num_new_matched_tokens(v.Request("b", prompt), 0)
-            asks += 1
-            if n is not None:
-                break
-            time.sleep(0.005)
-        waited = time.monotonic() - t0
-        t0 = time.monotonic()
-        spared = sched.get_num_new_matched_tokens(v.Request("c", prompt), 0)
-        spared_s = time.monotonic() - t0
+        n, steps, waited = poll("b")
+        spared, _, spared_s = poll("c")
     finally:
         store.resume()
-    assert n == 0 and asks > 1
+    assert n == 0 and steps > 1
     assert 0.2 <= waited < 1.0, waited
-    assert spared == (0, False) and spared_s < 0.05, spared_s
+    assert spared == 0 and spared_s < 0.15, spared_s
     assert sched._scheduler.lookups_late == 1
     assert sched._scheduler.lookups_not_asked == 1
     deadline = time.monotonic() + 10
@@ -260,10 +276,140 @@ def test_a_lookup_is_never_waited_for_on_the_scheduler_thread(store) -> None:
         assert time.monotonic() < deadline, "hits never came back"
         time.sleep(0.05)
 
-    sync = KvtierConnector(v.config([store.address], lookup_wait_ms=0),
-                           KVConnectorRole.SCHEDULER)
-    assert sync.get_num_new_matched_tokens(v.Request("e", prompt), 0) == \
-        (4 * BS, False)
-    with pytest.raises(kvtier.errors.InvalidArgument, match="lookup_wait_ms"):
-        KvtierConnector(v.config([store.address], lookup_wait_ms=-1),
-                        KVConnectorRole.SCHEDULER)
+
+def test_a_burst_is_one_lookup_per_step_and_every_request_hits(
+        two_stores) -> None:
+    """64 new requests in one scheduler step (16 stored prefixes x 4
+    suffixes) over two store shards: one batched lookup, and every request
+    is offered its whole stored prefix in the next step; a request that
+    arrives in a later step is a batch of its own."""
+    stores = [s.address for s in two_stores]
+    probe = kvtier.StoreClient(stores)
+    sched = KvtierConnector(v.config(stores, lookup_wait_ms=5000),
+                            KVConnectorRole.SCHEDULER)
+    ns = sched._scheduler.namespace
+    probe.register_namespace(ns)
+    rng = np.random.default_rng(14)
+    heads = [rng.integers(0, 4096, 8 * BS).tolist() for _ in range(16)]
+    for h in heads:
+        chain = kvtier.hash_tokens(ns, h)
+        probe.put(ns, chain, np.ones(len(chain) * ns.block_bytes, np.uint8))
+    reqs = [v.Request(f"r{i}-{j}", h + rng.integers(0, 4096, 20).tolist())
+            for i, h in enumerate(heads) for j in range(4)]
+    before = sched._scheduler.lookup_batches
+    assert all(sched.get_num_new_matched_tokens(r, 0) == (None, False)
+               for r in reqs)
+    sched.build_connector_meta(v.SchedulerOutput())
+    assert sched._scheduler.lookup_batches == before + 1
+    got = [matched(sched, r, 0) for r in reqs]
+    assert got == [(8 * BS, True)] * len(reqs)
+    assert sched._scheduler.lookup_batches == before + 1
+    late = v.Request("late", heads[0] + [1, 2, 3])
+    assert matched(sched, late, 0) == (8 * BS, True)
+    assert sched._scheduler.lookup_batches == before + 2
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"lookup_wait": 50}, '"lookup_wait" is not a kvtier setting'),
+    ({"deadline_ms": "10s"}, '"deadline_ms" takes an integer'),
+    ({"deadline_ms": 2.5}, '"deadline_ms" takes an integer'),
+    ({"stores": 7400}, '"stores" takes kvtier-store addresses'),
+    ({"stores": "localhost"}, "not HOST:PORT"),
+    ({"lookup_wait_ms": -1}, '"lookup_wait_ms" takes a number'),
+    ({"lookup_wait_ms": True}, '"lookup_wait_ms" takes a number'),
+    ({"shared_memory": "yes"}, "'auto', 'on', 'off'"),
+    ({"load_threads": 0}, '"load_threads" takes an integer from 1'),
+])
+def test_a_bad_setting_is_refused_at_start_up_naming_its_key(
+        extra: dict, says: str) -> None:
+    """Every kvtier key of ``kv_connector_extra_config`` is checked when the
+    connector is built (in vLLM, before the engine loads its model), with
+    a message that names the key and what it takes; nothing is coerced."""
+    cfg = v.config(["127.0.0.1:1"])
+    cfg.kv_transfer_config.kv_connector_extra_config.update(extra)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(kvtier.errors.InvalidArgument, match=says):
+            KvtierConnector(cfg, role)
+
+
+def test_a_failure_policy_it_cannot_serve_is_refused() -> None:
+    """vLLM's default ``kv_load_failure_policy`` ("fail") would abort a
+    request whose block the store lost between lookup and load: refused,
+    naming the key and the value to set."""
+    cfg = v.config(["127.0.0.1:1"])
+    cfg.kv_transfer_config.kv_load_failure_policy = "fail"
+    with pytest.raises(kvtier.errors.InvalidArgument,
+                       match='"kv_load_failure_policy": "recompute"'):
+        KvtierConnector(cfg, KVConnectorRole.SCHEDULER)
+
+
+def planned_load(sched: KvtierConnector, store: Any, rid: str,
+                 pages: list[int]) -> tuple[list[int], Any]:
+    """A stored 4-block prompt looked up and given ``pages``: the step's
+    plan, which loads it."""
+    probe = kvtier.StoreClient([store.address])
+    ns = sched._scheduler.namespace
+    prompt = np.random.default_rng(hash(rid) % 1000).integers(
+        0, 4096, 70).tolist()
+    hashes = kvtier.hash_tokens(ns, prompt)
+    probe.register_namespace(ns)
+    probe.put(ns, hashes, np.ones(len(hashes) * ns.block_bytes, np.uint8))
+    req = v.Request(rid, prompt)
+    assert matched(sched, req, 0) == (4 * BS, True)
+    sched.update_state_after_alloc(req, v.KVCacheBlocks(pages), 4 * BS)
+    return prompt, sched.build_connector_meta(v.SchedulerOutput())
+
+
+def test_a_block_evicted_between_lookup_and_load_is_recomputed(
+        store, worker) -> None:
+    """The store answered the lookup, then lost the blocks (an operator's
+    evict here; a writer filling it does the same): the load ends, and
+    every page it could not fill is reported for vLLM to recompute; no
+    request fails."""
+    sched = KvtierConnector(v.config([store.address]),
+                            KVConnectorRole.SCHEDULER)
+    _, meta = planned_load(sched, store, "evicted", list(range(0, 5)))
+    r = subprocess.run([str(BUILD / "cli" / "kvctl"), "evict", "--all",
+                        "--yes", f"--store={store.address}"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = worker.step(pickle.loads(pickle.dumps(meta)), [])
+    assert got["finished"] == ["evicted"], got
+    assert got["errors"] == [0, 1, 2, 3], got
+
+
+def test_a_stalled_store_never_holds_a_step(store, worker) -> None:
+    """The store SIGSTOPped after the lookup answered, with the load
+    planned: the step's hooks return at once (the load runs on a loader
+    thread), and when the load gives up at the client's deadline (3 s
+    here) its pages are reported for recompute and the request is
+    released; once the store answers again, loads succeed."""
+    sched = KvtierConnector(v.config([store.address]),
+                            KVConnectorRole.SCHEDULER)
+    _, meta = planned_load(sched, store, "stalled", list(range(0, 5)))
+    store.pause()
+    try:
+        got = worker.step(pickle.loads(pickle.dumps(meta)), [],
+                          await_loads=False)
+        assert got["step_seconds"] < 0.5, got
+        assert got["finished"] == []
+        t0 = time.monotonic()
+        while "stalled" not in got["finished"]:
+            assert time.monotonic() - t0 < 20, "the load never ended"
+            got = worker.step(KvtierConnectorMetadata(), [],
+                              await_loads=False)
+            assert got["step_seconds"] < 0.5, got
+            time.sleep(0.05)
+    finally:
+        store.resume()
+    assert got["errors"] == [0, 1, 2, 3], got
+    deadline = time.monotonic() + 20
+    while True:
+        _, meta = planned_load(sched, store, f"back-{time.monotonic()}",
+                               list(range(10, 15)))
+        got = worker.step(pickle.loads(pickle.dumps(meta)), [])
+        if got["errors"] == []:
+            break
+        assert time.monotonic() < deadline, got
+        time.sleep(0.2)
+

@@ -9,6 +9,14 @@ seed, token-id prompts, real kvtier-store and kvtier-router processes.
   tokens; the engine keeps serving when a store comes back.
 - A block corrupted in the store's memory is never used: same tokens, the
   load error is reported to vLLM and the store drops its copy.
+- A burst: 32 requests at once (8 stored prefixes x 4 suffixes) into an
+  engine warmed only through the store: one lookup per step, >= 90 % of
+  the shared prefix tokens loaded, tokens equal to the engine that
+  computed them.
+- The positive control: wrong KV that passes verification (written into
+  the store under the prompt's own block hashes) changes vLLM's output
+  tokens, so "tokens equal to vLLM alone" is evidence that the right KV
+  was loaded.
 - kvtier-router subscribed to both engines' real KV event streams routes a
   prompt to the engine that computed its prefix.
 - A store that is down at start-up: the engine serves (no hits) and uses
@@ -257,12 +265,13 @@ def test_a_corrupted_block_is_never_used(
         assert [o["tokens"] for o in out] == reference[4]
         log = Path(b.log_path).read_text(errors="replace")
         assert "Recovered from KV load failure" in log, log[-3000:]
-        # The store dropped its corrupt copy; vLLM's recompute saved the
-        # block again, intact.
+        # The store dropped its corrupt copy (a read of it would fail its
+        # checksum) and vLLM's recompute saved the block again: the same
+        # bytes engine c1 computed, the flipped byte among them.
         again = np.zeros(ns.block_bytes, dtype=np.uint8)
         assert client.get(ns, chain[:1], again) == 1
-        assert int(again[at]) == int(first[at]) or \
-            bytes(again[at:at + 64]) != bytes(first[at:at + 64])
+        assert bytes(again) == bytes(first), \
+            "the re-saved block is not the one computed before"
     finally:
         store.stop()
 
@@ -387,3 +396,67 @@ def test_a_page_moves_whole_in_every_accepted_layout(layout: str) -> None:
     padded = torch.zeros(pages, 2, BLOCK, 128, dtype=torch.bfloat16)
     with pytest.raises(kvtier.errors.InvalidArgument, match="contiguous"):
         conn._page_view(padded[:, :, :, :64])
+
+
+BURST_PREFIX = 1024
+
+
+def burst_prompts() -> list[list[int]]:
+    """8 prefixes of BURST_PREFIX tokens x 4 suffixes of 40: 32 prompts."""
+    out = []
+    for p in range(8):
+        head = prompt(500 + p, BURST_PREFIX)
+        out += [head + prompt(5000 + 10 * p + i, 40) for i in range(4)]
+    return out
+
+
+def test_a_burst_loads_every_shared_prefix_and_wrong_kv_shows(
+        work: Path, reference: dict[int, list[list[int]]]) -> None:
+    """Engine A computes the burst's prompts (its saves fill the store);
+    engine B, warmed only through the store, gets all 32 at once: every
+    prefix comes from the store (>= 90 % of the shared prefix tokens,
+    counted by vLLM), with A's tokens. Then the positive control: the
+    store's blocks of a prompt B never saw are overwritten with other,
+    correctly checksummed bytes, and B's tokens for it differ from vLLM
+    alone's."""
+    store = Store(work, "store-burst", ram="512MiB")
+    try:
+        burst = burst_prompts()
+        a = start(work, "engine-burst-a", store.address)
+        try:
+            out_a = a.generate(burst)["outputs"]
+        finally:
+            a.stop()
+        b = start(work, "engine-burst-b", store.address)
+        try:
+            got = b.generate(burst)
+            out_b = got["outputs"]
+            cached = sum(o["cached"] for o in out_b)
+            shared = len(burst) * (BURST_PREFIX // BLOCK) * BLOCK
+            print(f"burst of {len(burst)}: {cached} of {shared} shared "
+                  f"prefix tokens not computed ({cached / shared:.1%}), "
+                  f"{got['seconds']:.2f} s")
+            assert cached >= 0.9 * shared, b.tail()
+            assert [o["tokens"] for o in out_b] == \
+                [o["tokens"] for o in out_a]
+
+            # The positive control, on prompt set 3 (B has not seen it).
+            ns = connector_namespace()
+            client = kvtier.StoreClient([store.address])
+            chain = kvtier.hash_tokens(ns, prompts(3)[0])[:PREFIX // BLOCK]
+            wrong = np.random.default_rng(7).integers(
+                0, 16, len(chain) * ns.block_bytes, dtype=np.uint8)
+            # bf16 values of small magnitude: every other byte 0x3c.
+            wrong[1::2] = 0x3C
+            put = client.put(ns, chain, wrong)
+            assert put["written"] == len(chain), put
+            out = b.generate(prompts(3)[:1])["outputs"]
+            assert out[0]["cached"] >= 0.9 * PREFIX, b.tail()
+            assert out[0]["tokens"] != reference[3][0], \
+                "wrong KV did not change the output: the comparison " \
+                "with vLLM alone proves nothing"
+        finally:
+            b.stop()
+    finally:
+        store.stop()
+

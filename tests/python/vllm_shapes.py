@@ -49,6 +49,7 @@ class KVTransferConfig:
     kv_connector_module_path: str = "kvtier.integrations.vllm"
     kv_role: str = "kv_both"
     kv_connector_extra_config: dict = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"
 
 
 @dataclass
@@ -96,6 +97,12 @@ class CachedRequestData:
     new_block_ids: list[Optional[tuple[list[int], ...]]] = field(
         default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class KVConnectorOutput:
+    finished_sending: Optional[set[str]] = None
+    finished_recving: Optional[set[str]] = None
 
 
 @dataclass

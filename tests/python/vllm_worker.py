@@ -1,22 +1,25 @@
 """The worker process of test_vllm.py: vLLM's worker side of the connector
 over real KV tensors in vLLM's FlashAttention layout. Each step it receives
 the scheduler's pickled metadata and which pages the model computes, and
-makes the model runner's calls in vLLM's order (bind, start_load_kv,
-wait_for_layer_load / forward / save_kv_layer per layer, wait_for_save,
-get_finished, get_block_ids_with_load_errors, clear)."""
+makes the model runner's calls in vLLM's order (bind, wait_for_layer_load /
+forward / save_kv_layer per layer, start_load_kv (asynchronous loads start
+after the forward), wait_for_save, get_finished,
+get_block_ids_with_load_errors, clear), then, as vLLM's steps that schedule
+nothing do, polls get_finished until the step's loads have ended."""
 
 from __future__ import annotations
 
 import os
 import pickle
 import sys
+import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
 from kvtier.integrations.vllm import (  # noqa: E402
-    KvtierConnector, KVConnectorRole)
+    KvtierConnector, KvtierConnectorMetadata, KVConnectorRole)
 import vllm_shapes  # noqa: E402
 
 PAGES = 40
@@ -46,20 +49,41 @@ def main() -> None:
             out = {p: [kv_caches[n][:, p].clone() for n in names]
                    for p in msg["pages"]}
         else:
-            conn.bind_connector_metadata(msg["meta"])
-            conn.start_load_kv(None)
+            # The model runner's order: the forward (each layer computed
+            # and offered to save_kv_layer), then the asynchronous loads
+            # start, then wait_for_save, get_finished, the load errors.
+            meta = msg["meta"]
+            want = {spec.name for spec in meta.step.loads}
+            t0 = time.monotonic()
+            conn.bind_connector_metadata(meta)
             for name in names:
                 conn.wait_for_layer_load(name)
                 for page, seed in msg["compute"]:
                     fill(kv_caches[name], page, seed * 100 + names.index(name))
                 conn.save_kv_layer(name, kv_caches[name], None)
+            conn.start_load_kv(None)
             conn.wait_for_save()
-            done = conn.get_finished(set(msg.get("finished", [])))
-            errors = conn.get_block_ids_with_load_errors()
-            conn.clear_connector_metadata()
+            step_seconds = time.monotonic() - t0
+            if not msg.get("await_loads", True):
+                want = set()
+            finished: set[str] = set()
+            errors: set[int] = set()
+            deadline = time.monotonic() + 30
+            while True:
+                _, done = conn.get_finished(set(msg.get("finished", [])))
+                finished |= done or set()
+                errors |= conn.get_block_ids_with_load_errors()
+                conn.clear_connector_metadata()
+                # vLLM's later steps (nothing scheduled) poll the loads.
+                if want <= finished or time.monotonic() > deadline:
+                    break
+                time.sleep(0.002)
+                conn.bind_connector_metadata(KvtierConnectorMetadata())
+                conn.start_load_kv(None)
+                conn.wait_for_save()
             failures = list(conn._worker.load_failures) if conn._worker else []
-            out = {"errors": sorted(errors), "finished": done,
-                   "failures": failures}
+            out = {"errors": sorted(errors), "finished": sorted(finished),
+                   "failures": failures, "step_seconds": step_seconds}
         sys.stdout.write(pickle.dumps(out).hex() + "\n")
         sys.stdout.flush()
     conn.shutdown()

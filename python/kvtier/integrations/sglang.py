@@ -141,6 +141,38 @@ def _bad(message: str) -> InvalidArgument:
     return InvalidArgument(StatusCode.INVALID_ARGUMENT, message)
 
 
+#: The fields of SGLang's HiCacheStorageConfig that say whose KV a page is.
+_RANKS = (("tp_rank", "tp_size"), ("pp_rank", "pp_size"),
+          ("attn_cp_rank", "attn_cp_size"))
+
+
+def storage_identity(config: Any) -> dict[str, Any]:
+    """The model and the ranks of SGLang's storage config, read, never
+    guessed: two ranks or two models of equal geometry must not share
+    blocks. InvalidArgument naming the field when one is missing or not a
+    rank within its size, or when the model name is empty."""
+    out: dict[str, Any] = {}
+    for rank, size in _RANKS:
+        for name in (rank, size):
+            value = getattr(config, name, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise _bad(f"SGLang's HiCacheStorageConfig.{name} is "
+                           f"{value!r}; kvtier needs it (an integer) to keep "
+                           "each rank's blocks apart")
+            out[name] = value
+        if not 0 <= out[rank] < out[size]:
+            raise _bad(f"SGLang's HiCacheStorageConfig.{rank} = {out[rank]} "
+                       f"is not a rank of {size} = {out[size]}")
+    model = getattr(config, "model_name", None)
+    if not isinstance(model, str) or not model.strip():
+        raise _bad(f"SGLang's HiCacheStorageConfig.model_name is {model!r}; "
+                   "kvtier needs the model's name so that two models of "
+                   "equal geometry never share blocks (SGLang sets it from "
+                   "--model-path / --served-model-name)")
+    out["model_name"] = model
+    return out
+
+
 def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
     inv = [0] * len(perm)
     for i, p in enumerate(perm):
@@ -203,19 +235,17 @@ class PoolCodec:
 
     def _namespace(self, pool: Any, c: Any) -> kvtier.Namespace:
         g, dtype = self._g, _DTYPES[pool.dtype]
-        ranks = (f"pp={int(getattr(c, 'pp_rank', 0))}"
-                 f"/{int(getattr(c, 'pp_size', 1))}"
-                 f"|cp={int(getattr(c, 'attn_cp_rank', 0))}"
-                 f"/{int(getattr(c, 'attn_cp_size', 1))}")
-        model = str(getattr(c, "model_name", None) or "sglang-model")
-        model = model.replace("|", "/")
+        ident = storage_identity(c)
+        ranks = (f"pp={ident['pp_rank']}/{ident['pp_size']}"
+                 f"|cp={ident['attn_cp_rank']}/{ident['attn_cp_size']}")
+        model = str(ident["model_name"]).replace("|", "/")
         if self.kind == "mha":
             layout = (f"sglang-mha|pool={self.name}|v_head_dim="
                       f"{int(getattr(pool, 'v_head_dim', g['D']))}|{ranks}")
             return kvtier.Namespace(
                 model, dtype, g["L"], g["H"], g["D"], g["P"],
-                tp_rank=int(getattr(c, "tp_rank", 0)),
-                tp_size=int(getattr(c, "tp_size", 1)), layout=layout)
+                tp_rank=ident["tp_rank"], tp_size=ident["tp_size"],
+                layout=layout)
         # An MLA page is [L, P, C]; the namespace sizes a block as
         # 2 x layers x heads x head_dim x tokens elements, so halve C or P.
         L, P, C = g["L"], g["P"], g["C"]

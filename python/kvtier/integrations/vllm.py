@@ -14,32 +14,34 @@ The connector moves host memory (vLLM's CPU platform). On a GPU, use
 vLLM's own offloading with kvtier as its secondary tier
 (:mod:`kvtier.integrations.vllm_tier`).
 
-Extra config keys: ``stores`` (comma-separated or a list; required),
-``deadline_ms`` (10000), ``shared_memory`` ("auto", "on", "off"),
-``staging_blocks`` (64), ``lookup_wait_ms`` (100; 0: the scheduler waits
-for each lookup up to the deadline), ``tls_ca`` / ``tls_cert`` /
-``tls_key`` (PEM files: TLS, mutual with a certificate, towards the
-stores).
+Extra config keys (checked at start-up: an unknown key, a wrong type or a
+value out of range is refused, naming it): ``stores`` (comma-separated or a
+list; required), ``deadline_ms`` (10000: any one store call), ``shared_memory``
+("auto", "on", "off"), ``staging_blocks`` (64), ``lookup_wait_ms`` (100: a
+new request's wait for the store's answer), ``lookup_threads`` (2),
+``load_threads`` (2), ``tls_ca`` / ``tls_cert`` / ``tls_key`` (PEM files:
+TLS, mutual with a certificate, towards the stores).
+``kv_load_failure_policy`` must be "recompute".
 
-Every decision is in kvtier.hooks; this module only translates vLLM's
-objects into its calls. vLLM builds one connector with role SCHEDULER in the
-engine-core process and one with role WORKER per GPU worker; the two talk
-only through :class:`KvtierConnectorMetadata` (pickled by vLLM), as here.
+Every decision is in kvtier.scheduler_half and kvtier.worker_half; this
+module only translates vLLM's objects into their calls. vLLM builds one
+connector with role SCHEDULER in the engine-core process and one with role
+WORKER per GPU worker; the two talk only through
+:class:`KvtierConnectorMetadata` (pickled by vLLM), as here.
 
 Per hook:
 
-- ``get_num_new_matched_tokens(request, num_computed_tokens)``: one lookup
-  over every store shard for the prompt's chained block hashes (seeded with
-  the request's cache_salt and LoRA adapter; multimodal requests do not use
-  kvtier, pipeline parallelism is refused); returns the
-  tokens after vLLM's own prefix hit that the store holds, always leaving the
-  last prompt token to compute, and ``False`` (loaded in the same step,
-  layer by layer). The lookup runs off vLLM's scheduler thread: until it
-  answers the hook returns None and vLLM schedules the request in a later
-  step (its other requests run meanwhile); past ``lookup_wait_ms`` the
-  request computes, and while that lookup is still out the store is not
-  asked again, so a stalled store holds no step and costs a request at most
-  that wait.
+- ``get_num_new_matched_tokens(request, num_computed_tokens)``: the
+  prompt's chained block hashes (seeded with the request's cache_salt and
+  LoRA adapter; multimodal requests do not use kvtier, pipeline
+  parallelism is refused) are looked up together with every other request
+  asked in the same scheduler step: one batched call, one round trip per
+  store shard, sent when the step's plan is built, off vLLM's thread. Until
+  it answers the hook returns None and vLLM schedules the request in a
+  later step (its other requests run meanwhile); past ``lookup_wait_ms``
+  the request computes its prompt (0). The answer: the tokens after vLLM's
+  own prefix hit that the store holds, always leaving the last prompt
+  token to compute, and ``True`` (loaded asynchronously).
 - ``update_state_after_alloc(request, blocks, num_external_tokens)``: the
   pages for those tokens (``blocks.get_block_ids()[0]`` after the local hit).
 - ``build_connector_meta(scheduler_output)``: this step's loads, the prompt
@@ -55,19 +57,22 @@ Per hook:
   else (another layout, several KV groups, PP/DCP/PCP > 1, K and V of
   different head sizes, a dtype kvtier does not store, an unknown TP rank)
   is refused at start-up with a message that names it.
-- ``start_load_kv``: pins each load in the store and starts it.
-- ``wait_for_layer_load(layer_name)``: returns once that layer of every load
-  is in its pages, so attention of layer 0 overlaps the load of layer 1.
+- ``start_load_kv``: hands this step's loads to the worker's loader
+  threads, which pin each request's blocks, move them into its pages and
+  verify each block's checksum; the forward pass never waits on the store.
+- ``wait_for_layer_load``: nothing (a request is scheduled only once its
+  KV is loaded and verified).
 - ``save_kv_layer``: nothing (kvtier saves whole blocks; their checksum
   covers every layer).
-- ``wait_for_save``: each load's verdict, then the step's saves (copied out
-  of the pages before it returns; written in the background).
-- ``get_block_ids_with_load_errors``: pages whose load failed (store gone,
-  checksum mismatch, evicted after the lookup); with
-  ``kv_load_failure_policy: "recompute"`` vLLM recomputes them.
-- ``request_finished`` / ``get_finished``: the request is closed on the
-  worker in the next step; blocks are freed at once (nothing is sent
-  asynchronously).
+- ``wait_for_save``: the step's saves (copied out of the pages before it
+  returns; written in the background).
+- ``get_finished``: the requests whose load ended (vLLM then schedules
+  them); ``get_block_ids_with_load_errors`` in the same pass: the pages
+  that did not load (evicted after the lookup, a checksum mismatch, the
+  store gone, a TP rank whose shard lacks a block), which vLLM recomputes.
+- ``request_finished``: the request is closed on the worker in the next
+  step; its blocks are freed at once, or, for a request aborted while its
+  load runs, once the workers report that load ended.
 """
 
 from __future__ import annotations
@@ -80,8 +85,10 @@ from typing import Any, Optional
 import numpy as np
 
 import kvtier
-from kvtier.hooks import (SchedulerHalf, StepMeta, WorkerHalf, request_key,
-                          store_options)
+from kvtier.hooks import SchedulerHalf, StepMeta, WorkerHalf, request_key
+from kvtier.integrations.vllm_config import (_tp_rank, connector_options,
+                                             namespace_of, request_salt)
+from kvtier.options import client_options
 
 try:  # vLLM's classes when vLLM is installed; kvtier imports without it.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -128,149 +135,11 @@ except ImportError:  # pragma: no cover - exercised where vLLM is absent
 # A child of vLLM's own logger, so the connector's lines appear with vLLM's.
 log = logging.getLogger("vllm.kvtier")
 
-
 @dataclass
 class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's plan, from the scheduler process to the workers."""
 
     step: StepMeta = field(default_factory=StepMeta)
-
-
-_DTYPES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16",
-           "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
-
-
-def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
-                 kv_cache_config: Any = None) -> kvtier.Namespace:
-    """The kvtier namespace of a vLLM deployment's KV on one TP rank (with
-    ``salt``: the namespace whose seed hashes a salted request's blocks).
-
-    With ``kv_cache_config`` (vLLM 0.26 and later: every layer a view of one
-    shared buffer, K and V packed in a page) the layout field records vLLM's
-    ``KVCacheLayout`` and, on the CPU platform, the attention kernels' ISA
-    (their pages are prepacked for it), so pages of another layout or ISA
-    are never read as these. InvalidArgument for what kvtier cannot store:
-    pipeline or context parallelism, a KV dtype it does not know, K and V
-    of different head sizes."""
-    mc, cc, pc = (vllm_config.model_config, vllm_config.cache_config,
-                  vllm_config.parallel_config)
-    for name in ("pipeline_parallel_size", "decode_context_parallel_size",
-                 "prefill_context_parallel_size"):
-        if int(getattr(pc, name, 1) or 1) > 1:
-            raise kvtier.errors.InvalidArgument(
-                kvtier.StatusCode.INVALID_ARGUMENT,
-                f"{name} = {getattr(pc, name)} is not supported by kvtier's "
-                "connector: a rank's blocks would need that rank in their "
-                "namespace (use tensor parallelism, or vLLM's offloading "
-                "connector with kvtier.integrations.vllm_tier)")
-    dtype = str(cc.cache_dtype)
-    if dtype == "auto":
-        dtype = str(mc.dtype).replace("torch.", "")
-    if dtype not in _DTYPES:
-        raise kvtier.errors.InvalidArgument(
-            kvtier.StatusCode.INVALID_ARGUMENT,
-            f"KV cache dtype {dtype} is not one kvtier stores (supported: "
-            f"{', '.join(sorted(_DTYPES))}; run vLLM with --dtype bfloat16 "
-            "or float16)")
-    head = mc.get_head_size()
-    head_v = getattr(mc, "get_head_size_v", None)
-    if head_v is not None and int(head_v()) != int(head):
-        raise kvtier.errors.InvalidArgument(
-            kvtier.StatusCode.INVALID_ARGUMENT,
-            f"K head size {head} and V head size {head_v()} differ; kvtier's "
-            "connector stores pages whose K and V halves are equal")
-    layout = ""
-    if kv_cache_config is not None:
-        layout = _page_layout(vllm_config, kv_cache_config)
-    return kvtier.Namespace(
-        str(mc.model), _DTYPES[dtype], _kv_layers(mc, pc, kv_cache_config),
-        mc.get_num_kv_heads(pc), head, cc.block_size,
-        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, cache_salt=salt,
-        layout=layout)
-
-
-def _kv_layers(mc: Any, pc: Any, kv_cache_config: Any) -> int:
-    """Layers that hold KV: from the KV cache config where vLLM gives one
-    (it knows which layers attend), else the model's hidden layers."""
-    if kv_cache_config is not None:
-        groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
-        if len(groups) > 1:
-            raise kvtier.errors.InvalidArgument(
-                kvtier.StatusCode.INVALID_ARGUMENT,
-                f"{len(groups)} KV cache groups (a hybrid model); kvtier's "
-                "connector stores models with one group")
-        if groups:
-            return len(groups[0].layer_names)
-    return int(mc.get_num_layers(pc))
-
-
-def _page_layout(vllm_config: Any, kv_cache_config: Any) -> str:
-    """What decides a page's bytes beyond the geometry: vLLM's KV cache
-    layout and, on the CPU platform, the attention ISA."""
-    name = getattr(kv_cache_config, "kv_cache_layout", None)
-    if name is None:
-        name = str(vllm_config.cache_config.get_resolved_kv_cache_layout().name)
-    name = str(getattr(name, "name", name))
-    if not name.startswith(("LB", "BL")):
-        raise kvtier.errors.InvalidArgument(
-            kvtier.StatusCode.INVALID_ARGUMENT,
-            f"vLLM KV cache layout {name} is not supported by kvtier's "
-            "connector (supported: LBHNC, LBNHC, BLHNC, BLNHC: a block's "
-            "page of a layer contiguous)")
-    from vllm.platforms import current_platform
-    if not current_platform.is_cpu():
-        raise kvtier.errors.InvalidArgument(
-            kvtier.StatusCode.INVALID_ARGUMENT,
-            "kvtier's connector moves host memory; on a GPU use vLLM's "
-            "OffloadingConnector with kvtier.integrations.vllm_tier "
-            "(docs/engines.md)")
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    isa = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(),
-                        str(cc.cache_dtype))
-    return f"vllm-page={name}|cpu-attn={isa}"
-
-
-def request_salt(request: Any) -> Optional[str]:
-    """What besides its tokens decides a request's KV: its cache_salt and
-    LoRA adapter ("" for neither). None for a multimodal request, whose
-    placeholder tokens do not name its inputs: kvtier is not used for it."""
-    if getattr(request, "mm_features", None) or \
-            getattr(request, "mm_hashes", None):
-        return None
-    parts = []
-    salt = getattr(request, "cache_salt", None)
-    if salt:
-        parts.append(f"salt={_field(salt)}")
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora={_field(getattr(lora, 'lora_name', ''))}:"
-                     f"{_field(getattr(lora, 'lora_int_id', ''))}")
-    return "|".join(parts)
-
-
-def _field(value: Any) -> str:
-    """A request's salt or adapter name with "%" and "|" percent-encoded, so
-    "|" only ever separates parts and a part can never pose as another
-    field of the namespace (a salt may not end in "|int8")."""
-    return str(value).replace("%", "%25").replace("|", "%7C")
-
-
-def _tp_rank(vllm_config: Any) -> int:
-    """This worker's TP rank: 0 without tensor parallelism, else vLLM's TP
-    group's; raises when that is not set up (never a guess: a wrong rank
-    would write over another rank's blocks)."""
-    if int(vllm_config.parallel_config.tensor_parallel_size) == 1:
-        return 0
-    try:
-        from vllm.distributed.parallel_state import \
-            get_tensor_model_parallel_rank
-        return int(get_tensor_model_parallel_rank())
-    except Exception as e:
-        raise kvtier.errors.KvtierError(
-            kvtier.StatusCode.FAILED_PRECONDITION,
-            f"kvtier cannot learn this worker's tensor-parallel rank ({e}); "
-            "it would otherwise write over another rank's blocks") from e
 
 
 class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -279,22 +148,16 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(getattr(self._kv_transfer_config,
-                             "kv_connector_extra_config", None) or {})
-        self._stores, self._opts = store_options(
-            extra, "kv_connector_extra_config")
-        self._staging = int(extra.get("staging_blocks", 64))
-        wait = float(extra.get("lookup_wait_ms", 100))
-        if not 0 <= wait < float("inf"):
-            raise kvtier.errors.InvalidArgument(
-                kvtier.StatusCode.INVALID_ARGUMENT,
-                f"kv_connector_extra_config: lookup_wait_ms must be a "
-                f"number of milliseconds >= 0, not {wait}")
-        self._lookup_wait_ms: Optional[float] = wait or None
+        opts = connector_options(vllm_config)
+        self._stores = list(opts["stores"])
+        self._opts = client_options(opts)
+        self._staging = int(opts["staging_blocks"])
+        self._load_threads = int(opts["load_threads"])
+        self._lookup_wait_ms = float(opts["lookup_wait_ms"])
         self._block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
-        self._layers: dict[str, int] = {}
+        self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler asks in the namespace of TP rank 0 (every rank
             # saves the same blocks of its own shard).
@@ -302,15 +165,17 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                               kv_cache_config=self._kv_config())
             self._scheduler = SchedulerHalf(
                 ns, kvtier.StoreClient(self._stores, **self._opts),
-                self._block_size)
-            if self._lookup_wait_ms is not None:
-                self._scheduler.warm_up()
+                self._block_size, lookup_threads=int(opts["lookup_threads"]))
+            self._scheduler.warm_up()
         else:
             self._namespace = namespace_of(vllm_config, _tp_rank(vllm_config),
                                            kv_cache_config=self._kv_config())
         self._hashes: dict[str, np.ndarray] = {}
         self._planned: dict[str, int] = {}
         self._blocks: dict[str, list[int]] = {}
+        # Requests whose asynchronous load is planned and not yet reported
+        # ended by the workers: their pages stay theirs until it is.
+        self._loading: set[str] = set()
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -324,8 +189,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                    num_computed_tokens: int
                                    ) -> tuple[Optional[int], bool]:
         """Tokens after vLLM's own prefix the store can supply (None: not
-        known yet, vLLM asks again in a later step); loaded in the same
-        step (False: not asynchronous)."""
+        known yet, vLLM asks again in a later step; every request asked in
+        a step goes to the store in one batch at the step's end), loaded
+        asynchronously (True whenever there are any)."""
         assert self._scheduler is not None
         rid = request.request_id
         if request.prompt_token_ids is None:
@@ -341,26 +207,36 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     namespace_of(self._vllm_config, 0, salt,
                                  kv_cache_config=self._kv_config()))
             self._hashes[rid] = kvtier.hash_tokens(seed, prompt)
-        if self._lookup_wait_ms is None:
-            return self._scheduler.num_loadable_tokens(
-                request_key(rid), self._hashes[rid], len(prompt),
-                num_computed_tokens), False
         n = self._scheduler.poll_loadable_tokens(
             request_key(rid), self._hashes[rid], len(prompt),
             num_computed_tokens, self._lookup_wait_ms)
-        return n, False
+        return n, bool(n)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        """The pages of the external tokens: after vLLM's local hit."""
+        """The pages of the external tokens: after vLLM's local hit. They
+        load asynchronously from this step on; vLLM schedules the request
+        once the workers report the load ended."""
         assert self._scheduler is not None
         if num_external_tokens <= 0:
             return
         ids = list(blocks.get_block_ids()[0])
-        key = request_key(request.request_id)
+        rid = request.request_id
+        key = request_key(rid)
         local = self._scheduler.skip_blocks(key)  # vLLM's own prefix hit
         n = num_external_tokens // self._block_size
-        self._scheduler.allocated(key, ids[local:local + n])
+        spec = self._scheduler.allocated(key, ids[local:local + n], rid)
+        if spec is not None:
+            self._loading.add(rid)
+            # Where the request stands if every block loads: vLLM rolling
+            # it back below this is a failed load (recomputed and saved).
+            self._planned[rid] = (local + len(spec.pages)) * self._block_size
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' report: loads that ended (their pages are vLLM's
+        to use or to recompute now)."""
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._loading.discard(rid)
 
     def build_connector_meta(self, scheduler_output: Any
                              ) -> KvtierConnectorMetadata:
@@ -399,14 +275,16 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
-        """Closes the request (on the worker, next step); blocks are freed
-        at once: nothing is sent from them asynchronously."""
+        """Closes the request (on the worker, next step). Its blocks are
+        freed at once, unless a load into them is still running (a request
+        aborted while it waits for its KV): then vLLM frees them when the
+        workers report that load ended."""
         assert self._scheduler is not None
         rid = request.request_id
         self._scheduler.finished(request_key(rid))
         for d in (self._hashes, self._planned, self._blocks):
             d.pop(rid, None)
-        return False, None
+        return rid in self._loading, None
 
     # --------------------------------------------------------- worker side
 
@@ -420,7 +298,6 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         whole, as opaque bytes (the namespace records the layout). Older
         vLLM: 5-D ``[2, blocks, ...]`` or ``[blocks, 2, ...]`` tensors."""
         names = self._layer_order(kv_caches)
-        self._layers = {name: i for i, name in enumerate(names)}
         tensors = [kv_caches[n] for n in names]
         if tensors[0].dim() == 4:
             layout = "blocks_first"
@@ -439,7 +316,7 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         conn = kvtier.Connector(self._namespace, tensors,
                                 stores=self._stores, layout=layout,
                                 staging_blocks=self._staging, **self._opts)
-        self._worker = WorkerHalf(conn)
+        self._worker = WorkerHalf(conn, load_threads=self._load_threads)
         log.info("kvtier connector: namespace %016x (%s), %d layers of %d "
                  "pages, stores %s", self._namespace.id,
                  self._namespace.layout or "kvtier's layout", len(tensors),
@@ -511,35 +388,44 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Pins and starts this step's loads."""
+        """Starts this step's loads on the loader threads (pin, move,
+        verify); returns at once."""
         assert self._worker is not None
-        self._worker.start_load(self._metadata().step)
+        self._worker.start_loads(self._metadata().step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Returns once this layer of every load is in its pages."""
-        assert self._worker is not None
-        self._worker.wait_for_layer(self._layers.get(layer_name, 0))
+        """Nothing to wait for: a request's KV is loaded, and verified,
+        before vLLM schedules it."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any,
                       attn_metadata: Any, **kwargs: Any) -> None:
         """Nothing per layer: whole blocks are saved in wait_for_save."""
 
     def wait_for_save(self) -> None:
-        """Load verdicts, then this step's saves."""
+        """This step's saves (copied out of the pages before it returns)
+        and closes."""
         assert self._worker is not None
         self._worker.wait_for_save(self._metadata().step)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """Nothing is sent or received asynchronously."""
-        return None, None
+        """Requests whose load ended since the last call (loaded and
+        verified, or failed: their failed pages are reported by
+        :meth:`get_block_ids_with_load_errors` in the same pass). Nothing
+        is sent asynchronously."""
+        if self._worker is None:
+            return None, None
+        names, failed = self._worker.finished_loads()
+        self._load_errors |= failed
+        return None, (names or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Pages whose load failed since the last call: vLLM recomputes
-        their blocks."""
+        """Pages whose load failed (evicted since the lookup, a checksum
+        mismatch, the store gone): vLLM recomputes their blocks."""
         if self._worker is None:
             return set()
-        return self._worker.load_error_pages()
+        errors, self._load_errors = self._load_errors, set()
+        return errors | self._worker.load_error_pages()
 
     def shutdown(self) -> None:
         """Closes open requests (their saves are written) and the

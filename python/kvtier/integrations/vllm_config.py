@@ -1,0 +1,187 @@
+"""What kvtier's vLLM connector reads from vLLM's config, in one place:
+its settings (``kv_connector_extra_config``, ``kv_load_failure_policy``),
+checked at start-up, and the kvtier namespace of a deployment: everything
+that decides what a stored block's bytes mean (model, KV dtype, geometry,
+TP rank, vLLM's page layout and CPU attention ISA, a request's salt or
+LoRA adapter), with the refusal, naming it, of what the connector cannot
+store."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import kvtier
+from kvtier.options import CLIENT_OPTIONS, Option, read_options
+
+#: ``kv_connector_extra_config``'s keys: the store client's and these.
+CONNECTOR_OPTIONS: tuple[Option, ...] = CLIENT_OPTIONS + (
+    Option("staging_blocks", "int", 64,
+           "blocks of staging memory for saves", 1, 1 << 20),
+    Option("lookup_wait_ms", "number", 100,
+           "how long a new request waits for the store's answer before it "
+           "computes its prompt", 1, 60000),
+    Option("lookup_threads", "int", 2,
+           "batched lookups out at once", 1, 64),
+    Option("load_threads", "int", 2,
+           "asynchronous loads moving at once per worker", 1, 64),
+)
+
+_WHERE = "kv_connector_extra_config"
+
+
+def connector_options(vllm_config: Any) -> dict[str, Any]:
+    """kvtier's settings of a vLLM config, checked: every key of
+    ``kv_connector_extra_config`` (CONNECTOR_OPTIONS), and
+    ``kv_load_failure_policy``, which must be "recompute" (a block the
+    store loses between the lookup and the load is recomputed, never a
+    failed request). InvalidArgument naming the key otherwise."""
+    ktc = vllm_config.kv_transfer_config
+    values = read_options(getattr(ktc, "kv_connector_extra_config", None),
+                          CONNECTOR_OPTIONS, _WHERE)
+    policy = getattr(ktc, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise kvtier.errors.InvalidArgument(
+            kvtier.StatusCode.INVALID_ARGUMENT,
+            f"kv_transfer_config: \"kv_load_failure_policy\" is {policy!r}; "
+            "kvtier's connector needs \"recompute\" (set "
+            "\"kv_load_failure_policy\": \"recompute\"): a cache may lose a "
+            "block between its lookup and its load, and vLLM then recomputes "
+            "it instead of failing the request")
+    return values
+
+
+_DTYPES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+           "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
+                 kv_cache_config: Any = None) -> kvtier.Namespace:
+    """The kvtier namespace of a vLLM deployment's KV on one TP rank (with
+    ``salt``: the namespace whose seed hashes a salted request's blocks).
+
+    With ``kv_cache_config`` (vLLM 0.26 and later: every layer a view of one
+    shared buffer, K and V packed in a page) the layout field records vLLM's
+    ``KVCacheLayout`` and, on the CPU platform, the attention kernels' ISA
+    (their pages are prepacked for it), so pages of another layout or ISA
+    are never read as these. InvalidArgument for what kvtier cannot store:
+    pipeline or context parallelism, a KV dtype it does not know, K and V
+    of different head sizes."""
+    mc, cc, pc = (vllm_config.model_config, vllm_config.cache_config,
+                  vllm_config.parallel_config)
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size",
+                 "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) > 1:
+            raise kvtier.errors.InvalidArgument(
+                kvtier.StatusCode.INVALID_ARGUMENT,
+                f"{name} = {getattr(pc, name)} is not supported by kvtier's "
+                "connector: a rank's blocks would need that rank in their "
+                "namespace (use tensor parallelism, or vLLM's offloading "
+                "connector with kvtier.integrations.vllm_tier)")
+    dtype = str(cc.cache_dtype)
+    if dtype == "auto":
+        dtype = str(mc.dtype).replace("torch.", "")
+    if dtype not in _DTYPES:
+        raise kvtier.errors.InvalidArgument(
+            kvtier.StatusCode.INVALID_ARGUMENT,
+            f"KV cache dtype {dtype} is not one kvtier stores (supported: "
+            f"{', '.join(sorted(_DTYPES))}; run vLLM with --dtype bfloat16 "
+            "or float16)")
+    head = mc.get_head_size()
+    head_v = getattr(mc, "get_head_size_v", None)
+    if head_v is not None and int(head_v()) != int(head):
+        raise kvtier.errors.InvalidArgument(
+            kvtier.StatusCode.INVALID_ARGUMENT,
+            f"K head size {head} and V head size {head_v()} differ; kvtier's "
+            "connector stores pages whose K and V halves are equal")
+    layout = ""
+    if kv_cache_config is not None:
+        layout = _page_layout(vllm_config, kv_cache_config)
+    return kvtier.Namespace(
+        str(mc.model), _DTYPES[dtype], _kv_layers(mc, pc, kv_cache_config),
+        mc.get_num_kv_heads(pc), head, cc.block_size,
+        tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, cache_salt=salt,
+        layout=layout)
+
+
+def _kv_layers(mc: Any, pc: Any, kv_cache_config: Any) -> int:
+    """Layers that hold KV: from the KV cache config where vLLM gives one
+    (it knows which layers attend), else the model's hidden layers."""
+    if kv_cache_config is not None:
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+        if len(groups) > 1:
+            raise kvtier.errors.InvalidArgument(
+                kvtier.StatusCode.INVALID_ARGUMENT,
+                f"{len(groups)} KV cache groups (a hybrid model); kvtier's "
+                "connector stores models with one group")
+        if groups:
+            return len(groups[0].layer_names)
+    return int(mc.get_num_layers(pc))
+
+
+def _page_layout(vllm_config: Any, kv_cache_config: Any) -> str:
+    """What decides a page's bytes beyond the geometry: vLLM's KV cache
+    layout and, on the CPU platform, the attention ISA."""
+    name = getattr(kv_cache_config, "kv_cache_layout", None)
+    if name is None:
+        name = str(vllm_config.cache_config.get_resolved_kv_cache_layout().name)
+    name = str(getattr(name, "name", name))
+    if not name.startswith(("LB", "BL")):
+        raise kvtier.errors.InvalidArgument(
+            kvtier.StatusCode.INVALID_ARGUMENT,
+            f"vLLM KV cache layout {name} is not supported by kvtier's "
+            "connector (supported: LBHNC, LBNHC, BLHNC, BLNHC: a block's "
+            "page of a layer contiguous)")
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        raise kvtier.errors.InvalidArgument(
+            kvtier.StatusCode.INVALID_ARGUMENT,
+            "kvtier's connector moves host memory; on a GPU use vLLM's "
+            "OffloadingConnector with kvtier.integrations.vllm_tier "
+            "(docs/engines.md)")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    isa = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(),
+                        str(cc.cache_dtype))
+    return f"vllm-page={name}|cpu-attn={isa}"
+
+
+def request_salt(request: Any) -> Optional[str]:
+    """What besides its tokens decides a request's KV: its cache_salt and
+    LoRA adapter ("" for neither). None for a multimodal request, whose
+    placeholder tokens do not name its inputs: kvtier is not used for it."""
+    if getattr(request, "mm_features", None) or \
+            getattr(request, "mm_hashes", None):
+        return None
+    parts = []
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt={_field(salt)}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={_field(getattr(lora, 'lora_name', ''))}:"
+                     f"{_field(getattr(lora, 'lora_int_id', ''))}")
+    return "|".join(parts)
+
+
+def _field(value: Any) -> str:
+    """A request's salt or adapter name with "%" and "|" percent-encoded, so
+    "|" only ever separates parts and a part can never pose as another
+    field of the namespace (a salt may not end in "|int8")."""
+    return str(value).replace("%", "%25").replace("|", "%7C")
+
+
+def _tp_rank(vllm_config: Any) -> int:
+    """This worker's TP rank: 0 without tensor parallelism, else vLLM's TP
+    group's; raises when that is not set up (never a guess: a wrong rank
+    would write over another rank's blocks)."""
+    if int(vllm_config.parallel_config.tensor_parallel_size) == 1:
+        return 0
+    try:
+        from vllm.distributed.parallel_state import \
+            get_tensor_model_parallel_rank
+        return int(get_tensor_model_parallel_rank())
+    except Exception as e:
+        raise kvtier.errors.KvtierError(
+            kvtier.StatusCode.FAILED_PRECONDITION,
+            f"kvtier cannot learn this worker's tensor-parallel rank ({e}); "
+            "it would otherwise write over another rank's blocks") from e

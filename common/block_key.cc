@@ -1,4 +1,5 @@
 #include "common/block_key.h"
+#include "common/engine_key.h"
 
 #include "common/limits.h"
 
@@ -116,6 +117,11 @@ BlockHash NextBlockHash(const BlockHash& parent, std::span<const uint32_t> ids) 
   // platform kvtier supports).
   XXH3_128bits_update(&st, ids.data(), ids.size_bytes());
   XXH128_hash_t h = XXH3_128bits_digest(&st);
+  return BlockHash{h.high64, h.low64};
+}
+
+BlockHash EngineKeyHash(std::string_view key) {
+  XXH128_hash_t h = XXH3_128bits(key.data(), key.size());
   return BlockHash{h.high64, h.low64};
 }
 

@@ -111,3 +111,9 @@ class WorkerServer:
     def port(self) -> int: ...
     @property
     def worker_id(self) -> str: ...
+
+DTYPE_SPELLINGS: dict[str, str]
+DTYPE_ELEMENT_BYTES: dict[str, int]
+
+
+def engine_key_hashes(keys: list[Any]) -> Any: ...

@@ -26,12 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from kvtier import _native
+from kvtier.dtypes import storage_dtype
 from kvtier.errors import InvalidArgument, KvtierError, StatusCode
 from kvtier.memory import as_tensor
 
-#: The torch dtypes of a namespace's dtype names.
-_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp8": "uint8",
-           "fp8_e4m3": "uint8", "fp8_e5m2": "uint8"}
 
 #: Layouts of one layer's KV cache tensor (P pages of T tokens):
 #:   "kv_first"      [2, P, T, kv_heads, head_dim]   vLLM's FlashAttention
@@ -202,7 +200,7 @@ def _describe(ns: _native.NamespaceSpec, kv_caches: Sequence[LayerCache],
     if len(kv_caches) != ns.layers:
         raise _bad(f"{len(kv_caches)} layers of KV cache for a namespace of "
                    f"{ns.layers} layers")
-    want = getattr(torch, _DTYPES[ns.dtype])
+    want = getattr(torch, storage_dtype(ns.dtype))
     page_shape = (ns.block_tokens, ns.kv_heads, ns.head_dim)
     ks: list[int] = []
     vs: list[int] = []

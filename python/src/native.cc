@@ -21,6 +21,8 @@
 #include <pybind11/stl.h>
 
 #include "common/block_key.h"
+#include "common/dtype.h"
+#include "common/engine_key.h"
 #include "common/limits.h"
 #include "common/version.h"
 #include "python/src/native_common.h"
@@ -34,6 +36,33 @@ PYBIND11_MODULE(_native, m) {
   m.attr("MAX_BLOCK_TOKENS") = limits::kMaxBlockTokens;
   m.attr("MAX_BLOCKS_PER_REQUEST") = limits::kMaxBlocksPerRequest;
   m.attr("MAX_PROMPT_TOKENS") = limits::kMaxPromptTokens;
+  // Engine dtype names -> kvtier's (common/dtype.h), and each kvtier
+  // name's bytes per element.
+  py::dict spellings, element_bytes;
+  for (const auto& s : kDtypeSpellings) {
+    spellings[s.engine] = s.kvtier;
+    element_bytes[s.kvtier] = ElementBytes(*ParseDtype(s.kvtier));
+  }
+  m.attr("DTYPE_SPELLINGS") = spellings;
+  m.attr("DTYPE_ELEMENT_BYTES") = element_bytes;
+  // The block hash of each engine key (bytes or str, UTF-8): uint64 [n, 2].
+  m.def("engine_key_hashes", [](const py::list& keys) {
+    std::vector<BlockHash> out;
+    out.reserve(keys.size());
+    for (const auto& k : keys) {
+      std::string bytes;
+      if (py::isinstance<py::bytes>(k)) {
+        bytes = std::string(py::cast<py::bytes>(k));
+      } else if (py::isinstance<py::str>(k)) {
+        bytes = py::cast<std::string>(k);
+      } else {
+        throw py::type_error("engine keys are bytes or str, not " +
+                             std::string(py::str(py::type::of(k))));
+      }
+      out.push_back(EngineKeyHash(bytes));
+    }
+    return HashArray(out);
+  });
 
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -344,3 +344,28 @@ def test_a_lookup_budget_bounds_the_wait_and_a_late_lookup_spares_the_next(
     while s.num_loadable_tokens(5, hashes, prompt, 0, budget_ms=1000) == 0:
         assert time.monotonic() < deadline, "the store was not asked again"
         time.sleep(0.01)
+
+
+def test_one_dtype_table_and_one_engine_key_hash_from_the_extension() -> None:
+    """Every engine spelling of a KV dtype maps, through the one table the
+    C++ library holds, to a dtype a namespace accepts (an fp8 format keeps
+    its own name); an unknown one is refused by name. Engine keys hash with
+    the library's one function, alike from bytes and str, and both vLLM
+    integrations use it."""
+    from kvtier import dtypes
+    from kvtier.integrations.vllm_config import key_hashes
+    assert dtypes.kvtier_dtype("torch.bfloat16") == "bf16"
+    assert dtypes.kvtier_dtype("half") == "fp16"
+    assert dtypes.kvtier_dtype("float8_e4m3fn") == "fp8_e4m3"
+    assert dtypes.kvtier_dtype("fp8_e5m2") == "fp8_e5m2"
+    for name in set(dtypes.SPELLINGS.values()):
+        kvtier.Namespace("m", name, 1, 1, 64, 16)  # the C++ parser takes it
+        assert dtypes.ELEMENT_BYTES[name] in (1, 2)
+    with pytest.raises(errors.InvalidArgument, match="float32"):
+        dtypes.kvtier_dtype("float32")
+    h = dtypes.engine_key_hashes([b"abc", "abc", b"abd"])
+    assert h.shape == (3, 2) and h.dtype == np.uint64
+    assert (h[0] == h[1]).all() and not (h[0] == h[2]).all()
+    assert (key_hashes([b"abc"]) == h[:1]).all()
+    with pytest.raises(TypeError, match="bytes or str"):
+        dtypes.engine_key_hashes([3])

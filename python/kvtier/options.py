@@ -105,6 +105,9 @@ def read_options(extra: Optional[Mapping[str, Any]],
     for opt in options:
         if opt.name in extra:
             out[opt.name] = _check(where, opt, extra[opt.name])
+        elif opt.default is None and opt.kind == "stores":
+            raise _bad(where, opt.name, "names no kvtier-store (set it to "
+                       "\"HOST:PORT\", e.g. \"127.0.0.1:7400\")")
         elif opt.default is None:
             raise _bad(where, opt.name, f"is required ({opt.what})")
         else:

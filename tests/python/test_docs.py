@@ -200,11 +200,15 @@ def test_the_engine_pages_configs_are_the_ones_the_tests_run() -> None:
         assert connector[key] == tested[key], key
     assert class_defined(connector["kv_connector_module_path"],
                          "KvtierConnector")
-    tier_keys = next(
-        ast.literal_eval(n.value) for n in ast.parse(
-            (ROOT / "python/kvtier/integrations/vllm_tier.py").read_text()).body
-        if isinstance(n, ast.Assign)
-        and getattr(n.targets[0], "id", "") == "TIER_KEYS")
+    # The tier's keys: every Option(...) of its own and the store
+    # client's (read from the source: vLLM is not installed here).
+    tier_keys = {
+        ast.literal_eval(n.args[0])
+        for path in ("integrations/vllm_tier.py", "options.py")
+        for n in ast.walk(ast.parse(
+            (ROOT / "python/kvtier" / path).read_text()))
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Option"}
+    assert {"stores", "io_threads", "lookup_budget_ms"} <= tier_keys
     offloading = next(c for c in kv if c["kv_connector"] == "OffloadingConnector")
     extra = offloading["kv_connector_extra_config"]
     assert extra["spec_name"] == "TieringOffloadingSpec"

@@ -168,3 +168,60 @@ def test_the_namespace_binds_the_row_layout(store: Store) -> None:
         finally:
             e.close()
     assert len(ids) == 4
+
+
+def test_a_shared_tier_refuses_block_hashes_no_other_engine_can_match(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM seeds xxhash block hashes at random per process unless
+    PYTHONHASHSEED is set: a REMOTE tier (a store shared by engines) would
+    then never share a row, silently. Refused at start-up, naming
+    PYTHONHASHSEED; a LOCAL tier, a set PYTHONHASHSEED or sha256 is
+    served."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    cfg = VllmConfig()
+    cfg.cache_config.prefix_caching_hash_algo = "xxhash"
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with set_current_vllm_config(cfg):
+        with pytest.raises(kvtier.errors.InvalidArgument,
+                           match="PYTHONHASHSEED"):
+            TierEngine(kvtier_tier(store.address))
+        TierEngine(kvtier_tier(store.address, locality="LOCAL")).close()
+        monkeypatch.setenv("PYTHONHASHSEED", "0")
+        TierEngine(kvtier_tier(store.address)).close()
+        monkeypatch.delenv("PYTHONHASHSEED")
+        cfg.cache_config.prefix_caching_hash_algo = "sha256"
+        TierEngine(kvtier_tier(store.address)).close()
+
+
+def test_store_jobs_past_the_bound_fail_at_once_and_lookups_keep_a_budget(
+        store: Store) -> None:
+    """With the store SIGSTOPped, store jobs beyond ``max_queued_stores``
+    fail at once instead of queueing without bound (their rows stay in
+    vLLM's CPU tier), and a lookup answers within ``lookup_budget_ms``
+    (a miss), not the client's deadline."""
+    import time
+    from types import SimpleNamespace
+    e = TierEngine(kvtier_tier(store.address, deadline_ms=3000,
+                               io_threads=1, max_queued_stores=1,
+                               lookup_budget_ms=100))
+    tier = e.tier
+    try:
+        e.store(offload_keys(41, 1), 41)  # the namespace is registered
+        store.pause()
+        try:
+            keys = offload_keys(42, 3)
+            for i, k in enumerate(keys):
+                tier.submit_store(SimpleNamespace(job_id=100 + i, keys=[k],
+                                                  chunk_ids=[i]))
+            failed = [r for r in tier.get_finished_jobs()]
+            assert tier.stores_refused == 2
+            assert sorted(r.job_id for r in failed) == [101, 102]
+            assert not any(r.success for r in failed)
+            t0 = time.monotonic()
+            assert tier.present(offload_keys(43, 2)) == [False, False]
+            assert time.monotonic() - t0 < 1.0
+        finally:
+            store.resume()
+        tier.drain_jobs()
+    finally:
+        e.close()

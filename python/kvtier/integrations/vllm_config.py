@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import hashlib
+import os
+from typing import Sequence
+
+import numpy as np
+
 import kvtier
+from kvtier.dtypes import (ELEMENT_BYTES, SPELLINGS, engine_key_hashes,
+                           kvtier_dtype)
+from kvtier.errors import InvalidArgument, StatusCode
 from kvtier.options import CLIENT_OPTIONS, Option, read_options
 
 #: ``kv_connector_extra_config``'s keys: the store client's and these.
@@ -50,8 +59,6 @@ def connector_options(vllm_config: Any) -> dict[str, Any]:
     return values
 
 
-_DTYPES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16",
-           "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
 def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
@@ -80,11 +87,11 @@ def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
     dtype = str(cc.cache_dtype)
     if dtype == "auto":
         dtype = str(mc.dtype).replace("torch.", "")
-    if dtype not in _DTYPES:
+    if dtype not in SPELLINGS:
         raise kvtier.errors.InvalidArgument(
             kvtier.StatusCode.INVALID_ARGUMENT,
             f"KV cache dtype {dtype} is not one kvtier stores (supported: "
-            f"{', '.join(sorted(_DTYPES))}; run vLLM with --dtype bfloat16 "
+            f"{', '.join(sorted(SPELLINGS))}; run vLLM with --dtype bfloat16 "
             "or float16)")
     head = mc.get_head_size()
     head_v = getattr(mc, "get_head_size_v", None)
@@ -97,7 +104,7 @@ def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
     if kv_cache_config is not None:
         layout = _page_layout(vllm_config, kv_cache_config)
     return kvtier.Namespace(
-        str(mc.model), _DTYPES[dtype], _kv_layers(mc, pc, kv_cache_config),
+        str(mc.model), SPELLINGS[dtype], _kv_layers(mc, pc, kv_cache_config),
         mc.get_num_kv_heads(pc), head, cc.block_size,
         tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, cache_salt=salt,
         layout=layout)
@@ -185,3 +192,93 @@ def _tp_rank(vllm_config: Any) -> int:
             kvtier.StatusCode.FAILED_PRECONDITION,
             f"kvtier cannot learn this worker's tensor-parallel rank ({e}); "
             "it would otherwise write over another rank's blocks") from e
+
+
+# ------------------------------------------- vLLM's offloading tier
+
+#: Rows are page multiples; the namespace sizes a row as PAGE-byte units.
+_PAGE = 4096
+
+
+def tier_namespace(offloading_spec: Any, row_bytes: int) -> kvtier.Namespace:
+    """The kvtier namespace of one vLLM deployment's offload rows.
+
+    A row is opaque bytes to kvtier: the geometry fields only size it
+    (1 layer, 1 head, ``row_bytes / 4096`` tokens of 4096 bytes), and the
+    layout field names everything that decides what the bytes mean.
+    InvalidArgument for a dtype kvtier does not store or a row size that is
+    not a multiple of 4096 bytes up to 256 MiB."""
+    cfg = offloading_spec.config
+    dtype = str(cfg.model.dtype).replace("torch.", "")
+    kv_dtype = kvtier_dtype(dtype, "vLLM's KV dtype")
+    elem = ELEMENT_BYTES[kv_dtype]
+    if (row_bytes <= 0 or row_bytes % _PAGE
+            or row_bytes // _PAGE > kvtier._native.MAX_BLOCK_TOKENS):
+        raise InvalidArgument(
+            StatusCode.INVALID_ARGUMENT,
+            f"vLLM's offload rows are {row_bytes} bytes; kvtier stores rows "
+            f"of a multiple of {_PAGE} bytes up to 256 MiB")
+    from vllm import __version__ as _vllm_version
+    p = cfg.parallel
+    groups = hashlib.blake2b(repr(tuple(
+        (g.group_id, g.tokens_per_block, tuple(g.layer_names))
+        for g in cfg.groups)).encode(), digest_size=6).hexdigest()
+    layout = "|".join([
+        f"vllm-offload-row={_vllm_version}",
+        # The KV cache dtype as vLLM spells it: two fp8 formats (or fp8 and
+        # uint8 rows) of equal geometry never share rows.
+        f"kv_cache_dtype={dtype}",
+        f"bytes={row_bytes}",
+        f"kv_bytes_per_block={cfg.worker_kv_bytes_per_block}",
+        f"tokens_per_hash={cfg.cache.tokens_per_hash}",
+        f"blocks_per_chunk={cfg.cache.blocks_per_chunk}",
+        f"groups={len(cfg.groups)}:{groups}",
+        f"world={p.world_size}", f"tp={p.tp_size}", f"pp={p.pp_size}",
+        f"pcp={p.pcp_size}", f"dcp={p.dcp_size}",
+        f"replicated={int(bool(getattr(cfg, 'replicated_layout', False)))}",
+        f"canonical={int(bool(getattr(cfg, 'canonical_layout', False)))}",
+    ])
+    return kvtier.Namespace(str(cfg.model.name), kv_dtype, 1, 1,
+                            _PAGE // (2 * elem), row_bytes // _PAGE,
+                            layout=layout)
+
+
+def check_block_hashes_shareable(locality: Any) -> None:
+    """Refuses (InvalidArgument naming PYTHONHASHSEED) a tier shared by
+    several engines (REMOTE) when vLLM's block hashes cannot match across
+    processes: a non-cryptographic ``prefix_caching_hash_algo`` (xxhash,
+    xxhash_cbor) without PYTHONHASHSEED seeds them at random per process,
+    so no two engines, nor one engine after a restart, would ever share a
+    row. Read from vLLM's current config where vLLM has set one; vLLM's
+    engine core sets none while it builds its scheduler, so there
+    :meth:`KvtierTier._check_seed` checks vLLM's resolved seed at the
+    first lookup instead."""
+    if str(getattr(locality, "value", locality)) != "REMOTE" or \
+            os.environ.get("PYTHONHASHSEED") is not None:
+        return
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+        cfg = get_current_vllm_config_or_none()
+    except ImportError:  # pragma: no cover - older vLLM
+        cfg = None
+    algo = str(getattr(getattr(cfg, "cache_config", None),
+                       "prefix_caching_hash_algo", "sha256"))
+    if algo.startswith("xxhash"):
+        raise InvalidArgument(
+            StatusCode.INVALID_ARGUMENT,
+            "kvtier tier config \"locality\" " + SEED_MESSAGE.format(algo=algo))
+
+
+SEED_MESSAGE = (
+    "is REMOTE (a store shared by engines) but vLLM's block hashes are "
+    "not reproducible across processes: prefix_caching_hash_algo {algo} "
+    "without PYTHONHASHSEED seeds them at random per process, so no two "
+    "engines would ever share a row. Set PYTHONHASHSEED to one value on "
+    "every engine, or use --prefix-caching-hash-algo sha256")
+
+
+def key_hashes(keys: Sequence[Any]) -> np.ndarray:
+    """kvtier block hashes (uint64 [n, 2]) of vLLM offload keys (a block
+    hash and a KV group; the one engine-key function,
+    kvtier.dtypes.engine_key_hashes)."""
+    return engine_key_hashes([bytes(k) for k in keys])

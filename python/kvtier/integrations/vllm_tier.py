@@ -22,8 +22,14 @@ Tier keys (beside vLLM's ``type``, ``module_path``, ``backpressure``):
 (10000), ``shared_memory`` ("auto", "on", "off"), ``tls_ca`` /
 ``tls_cert`` / ``tls_key``, ``io_threads`` (2: loads go first),
 ``locality`` ("REMOTE": the store is shared by every engine; or "LOCAL"),
-``enable_kv_events`` (true). Any other key is refused with a message that
-names it.
+``enable_kv_events`` (true), ``lookup_budget_ms`` (100: one step's lookup;
+past it the keys miss), ``max_queued_stores`` (256: store jobs beyond it
+fail at once, their rows staying in vLLM's CPU tier). Any other key, a
+wrong type or a value out of range is refused with a message that names
+the key. A REMOTE tier whose vLLM seeds block hashes at random per process
+(``prefix_caching_hash_algo`` xxhash without ``PYTHONHASHSEED``) is refused
+where vLLM's config is at hand, and said in the log at the first lookup
+otherwise.
 
 What it promises:
 
@@ -57,22 +63,24 @@ vLLM's default sha256 block hash is seeded from a fixed value unless
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Optional, Sequence
+from typing import Any, ClassVar, Iterable, Optional
 
 import numpy as np
 
 import kvtier
-from kvtier.errors import (DataLoss, InvalidArgument, KvtierError, NotFound,
+from kvtier.errors import (DataLoss, KvtierError, NotFound,
                            StatusCode)
-from kvtier.hooks import store_options
+from kvtier.integrations.vllm_config import (
+    SEED_MESSAGE, check_block_hashes_shareable, key_hashes, tier_namespace)
+from kvtier.options import (CLIENT_OPTIONS, Option, client_options,
+                            read_options)
 
-from vllm import __version__ as _vllm_version
 from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium,
                                      OffloadingEvent, OffloadKey, ReqContext)
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
@@ -86,77 +94,21 @@ from vllm.v1.kv_offload.tiering.base import (JobId, JobResult,
 log = logging.getLogger("vllm.kvtier")
 
 #: The tier's own keys in its JSON entry (vLLM takes type, module_path and
-#: backpressure out before it builds the tier).
-TIER_KEYS = ("stores", "deadline_ms", "shared_memory", "tls_ca", "tls_cert",
-             "tls_key", "io_threads", "locality", "enable_kv_events")
-
-_DTYPES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16",
-           "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
-           "uint8": "fp8"}
-
-#: Rows are page multiples; the namespace sizes a row as PAGE-byte units.
-_PAGE = 4096
-
-
-def _bad(key: str, message: str) -> InvalidArgument:
-    return InvalidArgument(StatusCode.INVALID_ARGUMENT,
-                           f"kvtier tier config \"{key}\": {message}")
-
-
-def tier_namespace(offloading_spec: Any, row_bytes: int) -> kvtier.Namespace:
-    """The kvtier namespace of one vLLM deployment's offload rows.
-
-    A row is opaque bytes to kvtier: the geometry fields only size it
-    (1 layer, 1 head, ``row_bytes / 4096`` tokens of 4096 bytes), and the
-    layout field names everything that decides what the bytes mean.
-    InvalidArgument for a dtype kvtier does not store or a row size that is
-    not a multiple of 4096 bytes up to 256 MiB."""
-    cfg = offloading_spec.config
-    dtype = str(cfg.model.dtype).replace("torch.", "")
-    if dtype not in _DTYPES:
-        raise InvalidArgument(
-            StatusCode.INVALID_ARGUMENT,
-            f"vLLM's KV dtype {dtype} is not one kvtier stores "
-            f"(supported: {', '.join(sorted(_DTYPES))})")
-    kv_dtype = _DTYPES[dtype]
-    elem = 1 if kv_dtype.startswith("fp8") else 2
-    if (row_bytes <= 0 or row_bytes % _PAGE
-            or row_bytes // _PAGE > kvtier._native.MAX_BLOCK_TOKENS):
-        raise InvalidArgument(
-            StatusCode.INVALID_ARGUMENT,
-            f"vLLM's offload rows are {row_bytes} bytes; kvtier stores rows "
-            f"of a multiple of {_PAGE} bytes up to 256 MiB")
-    p = cfg.parallel
-    groups = hashlib.blake2b(repr(tuple(
-        (g.group_id, g.tokens_per_block, tuple(g.layer_names))
-        for g in cfg.groups)).encode(), digest_size=6).hexdigest()
-    layout = "|".join([
-        f"vllm-offload-row={_vllm_version}",
-        f"bytes={row_bytes}",
-        f"kv_bytes_per_block={cfg.worker_kv_bytes_per_block}",
-        f"tokens_per_hash={cfg.cache.tokens_per_hash}",
-        f"blocks_per_chunk={cfg.cache.blocks_per_chunk}",
-        f"groups={len(cfg.groups)}:{groups}",
-        f"world={p.world_size}", f"tp={p.tp_size}", f"pp={p.pp_size}",
-        f"pcp={p.pcp_size}", f"dcp={p.dcp_size}",
-        f"replicated={int(bool(getattr(cfg, 'replicated_layout', False)))}",
-        f"canonical={int(bool(getattr(cfg, 'canonical_layout', False)))}",
-    ])
-    return kvtier.Namespace(str(cfg.model.name), kv_dtype, 1, 1,
-                            _PAGE // (2 * elem), row_bytes // _PAGE,
-                            layout=layout)
-
-
-def key_hashes(keys: Sequence[OffloadKey]) -> np.ndarray:
-    """kvtier block hashes (uint64 [n, 2]) of vLLM offload keys (a block
-    hash and a KV group): the first 128 bits of BLAKE2b of the key."""
-    out = np.empty((len(keys), 2), dtype=np.uint64)
-    for i, key in enumerate(keys):
-        d = hashlib.blake2b(bytes(key), digest_size=16).digest()
-        out[i, 0] = int.from_bytes(d[:8], "little")
-        out[i, 1] = int.from_bytes(d[8:], "little")
-    return out
-
+#: backpressure out before it builds the tier): the store client's and these.
+TIER_OPTIONS: tuple[Option, ...] = CLIENT_OPTIONS + (
+    Option("io_threads", "int", 2, "threads moving rows", 1, 64),
+    Option("locality", "str", "REMOTE",
+           "REMOTE: the store is shared by every engine",
+           choices=("LOCAL", "REMOTE")),
+    Option("enable_kv_events", "bool", True, "report stored rows"),
+    Option("lookup_budget_ms", "number", 100,
+           "how long one step's lookup may take before its keys miss",
+           1, 60000),
+    Option("max_queued_stores", "int", 256,
+           "store jobs queued at most; more fail at once (the rows stay in "
+           "vLLM's CPU tier)", 1, 1 << 20),
+)
+TIER_KEYS = tuple(o.name for o in TIER_OPTIONS)
 
 @dataclass
 class _Job:
@@ -193,26 +145,20 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                  **config: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type,
                          backpressure_detector)
-        for key in config:
-            if key not in TIER_KEYS:
-                raise _bad(key, "is not a key of the kvtier tier (its keys: "
-                           f"{', '.join(TIER_KEYS)})")
-        deadline = config.get("deadline_ms", 10000)
-        if not isinstance(deadline, int) or deadline <= 0:
-            raise _bad("deadline_ms", f"{deadline!r} is not a positive integer")
-        stores, opts = store_options(config, "kvtier tier config")
-        threads = config.get("io_threads", 2)
-        if not isinstance(threads, int) or not 1 <= threads <= 64:
-            raise _bad("io_threads", f"{threads!r} is not an integer in 1..64")
-        locality = config.get("locality", "REMOTE")
-        try:
-            self.locality = Locality(str(locality).upper())
-        except ValueError:
-            raise _bad("locality", f"{locality!r} is not LOCAL or REMOTE") \
-                from None
-        events = config.get("enable_kv_events", True)
-        if not isinstance(events, bool):
-            raise _bad("enable_kv_events", f"{events!r} is not true or false")
+        if isinstance(config.get("locality"), str):
+            config = {**config, "locality": config["locality"].upper()}
+        values = read_options(config, TIER_OPTIONS, "kvtier tier config")
+        stores, opts = list(values["stores"]), client_options(values)
+        threads = int(values["io_threads"])
+        self.locality = Locality(values["locality"])
+        events = bool(values["enable_kv_events"])
+        self._lookup_budget_ms = float(values["lookup_budget_ms"])
+        self._max_queued_stores = int(values["max_queued_stores"])
+        self._queued_stores = 0   # store jobs queued or moving (under _idle)
+        self.stores_refused = 0
+        self._last_refusal_log = 0.0
+        check_block_hashes_shareable(self.locality)
+        self._seed_checked = False
         self._events: Optional[list[OffloadingEvent]] = (
             [] if events and offloading_spec.kv_events_config
             .enable_kv_cache_events else None)
@@ -270,12 +216,15 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             return fn(self._ensure_namespace())
 
     def present(self, keys: list[OffloadKey]) -> list[bool]:
-        """Whether the store holds each key: one round trip. The batch is a
-        chain in vLLM's order, so keys after the first miss are misses. A
-        store that cannot be asked holds nothing."""
+        """Whether the store holds each key: one round trip, within
+        ``lookup_budget_ms``. The batch is a chain in vLLM's order, so keys
+        after the first miss are misses. A store that cannot be asked in
+        time holds nothing (the client then skips a slow shard for a
+        while, answering at once)."""
         try:
-            n = self._call(lambda s: s.lookup(self.namespace,
-                                              key_hashes(keys)))
+            n = self._call(lambda s: s.lookup_many(
+                self.namespace, [key_hashes(keys)],
+                budget_ms=self._lookup_budget_ms)[0])
         except KvtierError as e:
             log.debug("kvtier tier: lookup failed: %s", e)
             n = 0
@@ -313,14 +262,31 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             self._done.put((job, loaded, time.monotonic() - start))
             with self._idle:
                 self._running -= 1
+                if not job.load:
+                    self._queued_stores -= 1
                 self._idle.notify_all()
 
     def _submit(self, job_metadata: TransferJob, load: bool) -> None:
         job = _Job(job_metadata.job_id, load, list(job_metadata.keys),
                    [int(c) for c in job_metadata.chunk_ids])
         with self._idle:
-            self._running += 1
             self._unreported += 1
+            if not load and self._queued_stores >= self._max_queued_stores:
+                # The store is behind: the job fails at once (its rows stay
+                # in vLLM's CPU tier) instead of queueing without bound.
+                self.stores_refused += 1
+                self._done.put((job, None, 0.0))
+                now = time.monotonic()
+                if now - self._last_refusal_log >= 10.0:
+                    self._last_refusal_log = now
+                    log.warning("kvtier tier: %d store jobs queued (the "
+                                "max_queued_stores bound); store jobs fail "
+                                "until the store catches up (%d so far)",
+                                self._queued_stores, self.stores_refused)
+                return
+            self._running += 1
+            if not load:
+                self._queued_stores += 1
         self._seq += 1
         self._queue.put((0 if load else 1, self._seq, job))
 
@@ -333,10 +299,31 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
     def lookup(self, key: OffloadKey, req_context: ReqContext
                ) -> LookupResult:
         """HIT or MISS once this step's batch was answered; RETRY before."""
+        if not self._seed_checked:
+            self._check_seed()
         result = self._lookups.lookup(key, req_context)
         if result is None:
             return LookupResult.RETRY
         return LookupResult.HIT if result else LookupResult.MISS
+
+    def _check_seed(self) -> None:
+        """Once vLLM has seeded its block hashes (before its first
+        request): a random per-process seed under a shared store is said
+        in the log, as an error naming PYTHONHASHSEED (rows this engine
+        writes are found by this process only)."""
+        self._seed_checked = True
+        if self.locality != Locality.REMOTE or \
+                os.environ.get("PYTHONHASHSEED") is not None:
+            return
+        try:
+            from vllm.v1.core import kv_cache_utils as kcu
+        except ImportError:  # pragma: no cover - older vLLM
+            return
+        seed = getattr(kcu, "_NONE_HASH_SEED", None)
+        if seed is not None and seed != getattr(
+                kcu, "DEFAULT_NONE_HASH_SEED", seed):
+            log.error("kvtier tier: locality %s", SEED_MESSAGE.format(
+                algo="(a non-cryptographic one)"))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Sends this step's lookups as one batch."""

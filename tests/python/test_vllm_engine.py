@@ -251,9 +251,10 @@ def test_a_corrupted_block_is_never_used(
         nonzero = np.flatnonzero(first)
         at = int(nonzero[len(nonzero) // 2])
         assert corrupt_in_store(store.pid, first[at:at + 64].tobytes())
-        # Behind the store's back: its own read check now fails.
+        # Behind the store's back: its own read check now fails (the read
+        # lands the corrupt bytes before its verdict: not into `first`).
         with pytest.raises(kvtier.errors.DataLoss):
-            client.get(ns, chain[:1], first)
+            client.get(ns, chain[:1], np.zeros_like(first))
 
         b = start(work, "engine-c2", store.address)
         try:
@@ -422,11 +423,22 @@ def test_a_burst_loads_every_shared_prefix_and_wrong_kv_shows(
     store = Store(work, "store-burst", ram="512MiB")
     try:
         burst = burst_prompts()
+        ns = connector_namespace()
+        client = kvtier.StoreClient([store.address])
         a = start(work, "engine-burst-a", store.address)
         try:
+            # A computes each prefix in a request of its own (a burst of
+            # saves can outrun the staging, which then drops the oldest:
+            # the store is to hold every prefix here), then all 32 (its own
+            # prefix cache answers) for the tokens B must give.
+            for p in range(8):
+                a.generate([burst[4 * p]])
             out_a = a.generate(burst)["outputs"]
         finally:
             a.stop()
+        for p in range(8):
+            chain = kvtier.hash_tokens(ns, burst[4 * p])
+            assert client.lookup(ns, chain) >= BURST_PREFIX // BLOCK, p
         b = start(work, "engine-burst-b", store.address)
         try:
             got = b.generate(burst)
@@ -441,8 +453,6 @@ def test_a_burst_loads_every_shared_prefix_and_wrong_kv_shows(
                 [o["tokens"] for o in out_a]
 
             # The positive control, on prompt set 3 (B has not seen it).
-            ns = connector_namespace()
-            client = kvtier.StoreClient([store.address])
             chain = kvtier.hash_tokens(ns, prompts(3)[0])[:PREFIX // BLOCK]
             wrong = np.random.default_rng(7).integers(
                 0, 16, len(chain) * ns.block_bytes, dtype=np.uint8)

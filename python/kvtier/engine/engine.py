@@ -1,30 +1,14 @@
 """The reference engine: continuous batching over a paged KV cache, with
 kvtier driven exactly as vLLM's scheduler and worker drive a KV connector.
 
-One engine thread runs steps. The scheduler half (kvtier.hooks.SchedulerHalf,
-no KV memory) and the worker half (kvtier.hooks.WorkerHalf, over the KV
-tensors) talk only through each step's StepMeta, as vLLM's two processes do,
-so kvtier.integrations.vllm is a translation of the calls made here:
-
-=====================================  =====================================
-vLLM KVConnectorBase_V1                here
-=====================================  =====================================
-get_num_new_matched_tokens             ``SchedulerHalf.num_loadable_tokens``
-update_state_after_alloc               ``SchedulerHalf.allocated``
-build_connector_meta                   ``SchedulerHalf.computed`` +
-                                       ``build_step``
-start_load_kv                          ``WorkerHalf.start_load``
-wait_for_layer_load                    ``WorkerHalf.wait_for_layer``
-save_kv_layer                          (nothing: blocks are saved whole)
-wait_for_save                          ``WorkerHalf.wait_for_save``
-get_block_ids_with_load_errors         ``WorkerHalf.load_error_pages``
-request_finished / get_finished        ``SchedulerHalf.finished`` /
-                                       closed in the next step
-=====================================  =====================================
-
-kvtier saves whole blocks once a step has computed them (a block is the
-store's unit and its checksum covers every layer), so ``save_kv_layer`` has
-nothing to do per layer here.
+One engine thread runs steps. The scheduler half
+(kvtier.scheduler_half.SchedulerHalf, no KV memory) and the worker half
+(kvtier.worker_half.WorkerHalf, over the KV tensors) talk only through each
+step's StepMeta, as vLLM's two processes do; docs/engines.md maps each of
+vLLM's connector hooks to the call made here. kvtier saves whole blocks
+once a step has computed them (a block is the store's unit and its checksum
+covers every layer). Its own pages and prefix cache are
+kvtier.engine.pages, its requests and results kvtier.engine.requests.
 
 A slow or stalled store costs a request little beyond computing its
 prompt: the scheduler waits for the store's lookup at most
@@ -51,211 +35,23 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from kvtier import Connector, Namespace, StoreClient
+from kvtier import Connector, StoreClient
 from kvtier.hooks import SchedulerHalf, WorkerHalf
-from kvtier.engine.model import (ModelConfig, PagedKvCache, SeqChunk,
-                                 Transformer, greedy)
+from kvtier.engine.model import PagedKvCache, SeqChunk, Transformer, greedy
+from kvtier.engine.pages import _Pages
+from kvtier.engine.requests import (ARRIVALS_LISTED_S, ComputeEstimate,
+                                    EngineConfig, LoadReport, Result,
+                                    _Request, namespace_for, queued_tokens)
+
+__all__ = ["Engine", "EngineConfig", "LoadReport", "Result", "namespace_for"]
 
 
 log = logging.getLogger("kvtier.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Sizes of the engine (its KV cache and its steps)."""
-
-    num_pages: int = 2048
-    page_tokens: int = 16          # tokens per page == kvtier block_tokens
-    max_step_tokens: int = 1024    # prefill + decode tokens per step
-    max_running: int = 8           # requests in a step at most
-    kv_dtype: str = "fp16"         # "fp16" or "bf16"
-    layout: str = "kv_first"       # vLLM layout of each layer's tensor
-    # How long a store lookup is waited for, as a share of computing what
-    # it could save (None: up to the store client's deadline).
-    lookup_wait_share: Optional[float] = 0.25
-
-
-def namespace_for(model: ModelConfig, engine: EngineConfig,
-                  kv_wire: str = "") -> Namespace:
-    """The kvtier namespace of a model's KV: engines with equal model
-    configurations (weights included, via the seed) share blocks."""
-    name = (f"kvtier-reference-v{model.vocab_size}-h{model.hidden}"
-            f"-l{model.layers}-q{model.heads}-f{model.ffn}"
-            f"-r{model.rope_theta:g}-s{model.seed}")
-    return Namespace(name, engine.kv_dtype, model.layers, model.kv_heads,
-                     model.head_dim, engine.page_tokens, kv_wire=kv_wire)
-
-
-@dataclass
-class Result:
-    """One request's outcome.
-
-    ``ttft_ms``: from submission to the first output token (queueing, loads
-    and real compute). ``computed_tokens``: prompt tokens this engine
-    computed; ``gpu_hit_tokens``: found in its own prefix cache;
-    ``loaded_tokens``: loaded from kvtier and verified. ``load_status``:
-    empty, or why a load failed or the store's lookup was not waited for
-    (its tokens were computed instead).
-    ``onboard_ms``: what kvtier added to the request's path: the lookup's
-    round trip (the pin) and the time the steps waited for layers and for
-    the verdict (a load overlapped with compute costs nothing more).
-    """
-
-    tokens: list[int]
-    ttft_ms: float
-    prompt_tokens: int
-    computed_tokens: int
-    gpu_hit_tokens: int
-    loaded_tokens: int
-    loaded_blocks: int
-    loaded_from_disk: int
-    load_status: str
-    onboard_ms: float
-    decode_ms: float
-    first_logits: torch.Tensor
-    load_times: dict[str, float] = field(default_factory=dict)
-    store_lookup_skipped: bool = False
-
-
-class _Pages:
-    """The engine's own page allocator and prefix cache (as vLLM's block
-    manager): full blocks are cached by chain hash, referenced while a
-    request uses them and kept in LRU order afterwards until evicted."""
-
-    def __init__(self, num_pages: int,
-                 on_stored: Callable[[np.ndarray], None],
-                 on_removed: Callable[[np.ndarray], None]) -> None:
-        self.free: collections.deque[int] = collections.deque(range(num_pages))
-        self.refs = [0] * num_pages
-        self.hash_of: dict[int, tuple[int, int]] = {}
-        self.page_of: dict[tuple[int, int], int] = {}
-        self.lru: collections.OrderedDict[int, None] = \
-            collections.OrderedDict()
-        self.on_stored = on_stored
-        self.on_removed = on_removed
-
-    def match(self, hashes: np.ndarray, limit: int) -> list[int]:
-        """Pages of the longest cached prefix (at most ``limit`` blocks),
-        each referenced."""
-        pages: list[int] = []
-        for hi, lo in hashes[:limit].tolist():
-            page = self.page_of.get((hi, lo))
-            if page is None:
-                break
-            pages.append(page)
-        for p in pages:
-            self._ref(p)
-        return pages
-
-    def _ref(self, page: int) -> None:
-        self.refs[page] += 1
-        self.lru.pop(page, None)
-
-    def allocate(self, n: int) -> Optional[list[int]]:
-        """``n`` referenced pages, evicting cached ones; None if there are
-        not enough unreferenced pages (nothing is taken then)."""
-        if len(self.free) + len(self.lru) < n:
-            return None
-        out: list[int] = []
-        removed: list[tuple[int, int]] = []
-        for _ in range(n):
-            if self.free:
-                page = self.free.popleft()
-            else:
-                page, _ = self.lru.popitem(last=False)
-                h = self.hash_of.pop(page)
-                del self.page_of[h]
-                removed.append(h)
-            self.refs[page] = 1
-            out.append(page)
-        if removed:
-            self.on_removed(np.array(removed, dtype=np.uint64))
-        return out
-
-    def commit(self, page: int, h: tuple[int, int]) -> None:
-        """The page holds the block of hash ``h``: it becomes matchable."""
-        if h in self.page_of or page in self.hash_of:
-            return
-        self.page_of[h] = page
-        self.hash_of[page] = h
-        self.on_stored(np.array([h], dtype=np.uint64))
-
-    def release(self, pages: list[int]) -> None:
-        """Drops one reference of each page; cached ones stay matchable."""
-        for p in pages:
-            self.refs[p] -= 1
-            if self.refs[p] == 0:
-                if p in self.hash_of:
-                    self.lru[p] = None
-                else:
-                    self.free.append(p)
-
-    @property
-    def free_count(self) -> int:
-        """Pages that could be allocated now."""
-        return len(self.free) + len(self.lru)
-
-
-# How long a request's caller id is listed in load reports after it
-# arrives, at least (load_report's listed_s).
-ARRIVALS_LISTED_S = 0.25
-
-# The shortest wait for a store lookup (a loopback round trip takes
-# 0.3-1 ms; a loaded host's scheduling adds a few).
-MIN_LOOKUP_WAIT_MS = 5.0
-
-# Steps feeding fewer tokens than this do not update the compute estimate
-# (a decode step's cost is mostly per-step overhead).
-_TIMED_STEP_TOKENS = 64
-
-
-@dataclass
-class LoadReport:
-    """An engine's load for routers (``Engine.load_report``)."""
-    running: int
-    queued_tokens: int
-    free_pages: int
-    arrived: list[int]
-
-
-@dataclass
-class _Request:
-    rid: int
-    prompt: list[int]
-    max_new: int
-    arrival: float
-    done: threading.Event = field(default_factory=threading.Event)
-    hashes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2),
-                                                                np.uint64))
-    pages: list[int] = field(default_factory=list)
-    gpu_blocks: int = 0
-    computed: int = 0             # positions whose KV is in the pages
-    computed_tokens: int = 0      # of those, computed by this engine
-    saved_blocks: int = 0         # blocks committed / saved so far
-    load_blocks: int = 0          # blocks loading in the current step
-    loaded_blocks: int = 0
-    loaded_from_disk: int = 0
-    load_status: str = ""
-    onboard_ms: float = 0.0
-    load_times: dict[str, float] = field(default_factory=dict)
-    out: list[int] = field(default_factory=list)
-    first_token_at: float = 0.0
-    first_logits: Optional[torch.Tensor] = None
-    error: Optional[BaseException] = None
-    caller_id: int = 0            # the id its caller gave (0: none)
-    store_hint: Optional[int] = None  # the router's store_end_blocks
-    lookup_skipped: bool = False  # the hint spared the store lookup
-    result: Optional[Result] = None
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.out)
 
 
 class Engine:
@@ -313,8 +109,7 @@ class Engine:
         self._arrivals: collections.deque[tuple[float, int]] = \
             collections.deque(maxlen=4096)
         self.stats: collections.Counter[str] = collections.Counter()
-        # Milliseconds of forward per prompt token (a moving average).
-        self.ms_per_token: Optional[float] = None
+        self.compute = ComputeEstimate(config.lookup_wait_share)
         if store is not None:
             self._profile_run()
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -395,23 +190,10 @@ class Engine:
         and the callers' ids of the requests that arrived in the last
         ``listed_s`` seconds (each counted; a server heartbeating every
         ``p`` seconds passes at least ``3 p``)."""
-        bt = self.config.page_tokens
         with self._mu:
-            queued = sum(max(0, len(r.prompt) - r.computed)
-                         for r in self._running)
-            earlier: set[tuple[int, int]] = set()
-            for r in self._running:
-                earlier.update(map(tuple, r.hashes.tolist()))
-            for r in self._waiting:
-                blocks = [tuple(h) for h in r.hashes.tolist()]
-                limit = (len(r.prompt) - 1) // bt  # as the scheduler admits
-                held = 0
-                while held < min(len(blocks), limit) and (
-                        blocks[held] in earlier
-                        or blocks[held] in self.pages.page_of):
-                    held += 1
-                queued += max(0, len(r.prompt) - held * bt)
-                earlier.update(blocks)
+            queued = queued_tokens(self._running, self._waiting,
+                                   self.pages.page_of,
+                                   self.config.page_tokens)
             cutoff = time.monotonic() - max(listed_s, ARRIVALS_LISTED_S)
             arrived = [rid for at, rid in self._arrivals if at >= cutoff]
             return LoadReport(len(self._running), queued,
@@ -436,13 +218,14 @@ class Engine:
 
     def lookup_wait_ms(self, tokens: int) -> Optional[float]:
         """How long to wait for the store to say what it holds of ``tokens``
-        tokens this engine would otherwise compute: ``lookup_wait_share`` of
-        computing them, at least ``MIN_LOOKUP_WAIT_MS`` (None: no bound
-        but the client's deadline)."""
-        share = self.config.lookup_wait_share
-        if share is None or self.ms_per_token is None:
-            return None
-        return max(MIN_LOOKUP_WAIT_MS, share * tokens * self.ms_per_token)
+        tokens this engine would otherwise compute
+        (:meth:`ComputeEstimate.lookup_wait_ms`)."""
+        return self.compute.lookup_wait_ms(tokens)
+
+    @property
+    def ms_per_token(self) -> Optional[float]:
+        """Milliseconds of forward per prompt token (a moving average)."""
+        return self.compute.ms_per_token
 
     # ----------------------------------------------------------- the loop
 
@@ -458,15 +241,7 @@ class Engine:
             t0 = time.monotonic()
             self.model.forward([chunk], self.cache)
             ms = (time.monotonic() - t0) * 1000.0
-        self.ms_per_token = ms / n
-
-    def _timed(self, tokens: int, ms: float) -> None:
-        """A forward of ``tokens`` tokens took ``ms`` of compute."""
-        if tokens < _TIMED_STEP_TOKENS:
-            return
-        sample = ms / tokens
-        self.ms_per_token = (sample if self.ms_per_token is None else
-                             0.8 * self.ms_per_token + 0.2 * sample)
+        self.compute.ms_per_token = ms / n
 
     def _loop(self) -> None:
         """Runs the steps; an error it cannot handle stops the engine, and
@@ -602,7 +377,7 @@ class Engine:
                 t0 = time.monotonic()
                 logits = self.model.forward(chunks, self.cache,
                                             before_layer=before_layer)
-                self._timed(sum(n for _, n in members),
+                self.compute.timed(sum(n for _, n in members),
                             (time.monotonic() - t0) * 1000.0 - waited[0])
             t0 = time.monotonic()
             worker.wait_for_save(step)

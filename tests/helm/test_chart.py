@@ -346,10 +346,13 @@ def check_engine(values, schema):
           t.get("tls_ca") == "/etc/kvtier/tls/ca.crt" and t.get("deadline_ms") == 10000,
           "kvtier is its secondary tier, with every shard and the TLS files: %s" % t)
     # The tier's keys are the ones KvtierTier accepts (it refuses any other).
-    with open(os.path.join(ROOT, "python", "kvtier", "integrations", "vllm_tier.py")) as f:
-        m = re.search(r"TIER_KEYS = \(([^)]*)\)", f.read())
-    tier_keys = {"type", "module_path"} | set(re.findall(r'"(\w+)"', m.group(1) if m else ""))
-    check(len(tier_keys) > 2, "vllm_tier.py's TIER_KEYS read")
+    # Its own Option(...) entries and the store client's (options.py).
+    tier_keys = {"type", "module_path"}
+    for part in (("integrations", "vllm_tier.py"), ("options.py",)):
+        with open(os.path.join(ROOT, "python", "kvtier", *part)) as f:
+            tier_keys |= set(re.findall(r'Option\(\s*"(\w+)"', f.read()))
+    check({"stores", "io_threads", "lookup_budget_ms"} <= tier_keys,
+          "the tier's keys read from vllm_tier.py and options.py")
     check(set(t) <= tier_keys, "only keys KvtierTier takes: %s" % sorted(set(t) - tier_keys))
     check_schema_refuses(v, schema, "engine", (("vllmMode", "both"),))
     v["engine"]["vllmMode"] = "connector"

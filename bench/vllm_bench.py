@@ -191,13 +191,16 @@ def preemption(args: argparse.Namespace, work: Path, store: Store) -> None:
     from vllm_engine import Engine
     env = bench_env()
     k = args.preempt_requests
-    long_prompts = [prompt(3000 + i, args.prefix) for i in range(k)]
     blocks = int(1.5 * args.prefix / 32)
     print(f"\n== (d) headroom: {k} requests of {args.prefix} tokens + "
           f"{args.decode} decoded at once, KV memory for {blocks} blocks of "
           "32 tokens; pairs interleaved ==")
     ratios = []
     for i in range(args.repeat):
+        # Fresh prompts each pair: the store holds only what this pair's
+        # kvtier engine saved (what preemption evicted comes back).
+        long_prompts = [prompt(3000 + 100 * i + j, args.prefix)
+                        for j in range(k)]
         res = {}
         for label, stores in (("vLLM alone", ""), ("+ kvtier", store.address)):
             e = Engine(str(work / f"d-{label[:4]}-{i}.log"), stores=stores,

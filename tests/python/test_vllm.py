@@ -413,3 +413,40 @@ def test_a_stalled_store_never_holds_a_step(store, worker) -> None:
         assert time.monotonic() < deadline, got
         time.sleep(0.2)
 
+
+
+def test_requests_sharing_a_prefix_load_it_once(store) -> None:
+    """Two requests of one step share a stored prefix: the first loads it;
+    the second waits (None) while that load runs, instead of moving the
+    same blocks again, and is looked up afresh once the load ended (vLLM's
+    prefix cache then holds the blocks). Without vLLM's prefix caching
+    each request loads its own."""
+    probe = kvtier.StoreClient([store.address])
+    cfg = v.config([store.address])
+    cfg.cache_config.enable_prefix_caching = True  # type: ignore[attr-defined]
+    sched = KvtierConnector(cfg, KVConnectorRole.SCHEDULER)
+    ns = sched._scheduler.namespace
+    head = np.random.default_rng(15).integers(0, 4096, 64).tolist()
+    probe.register_namespace(ns)
+    chain = kvtier.hash_tokens(ns, head)
+    probe.put(ns, chain, np.ones(len(chain) * ns.block_bytes, np.uint8))
+    first = v.Request("first", head + [1, 2, 3])
+    second = v.Request("second", head + [4, 5, 6])
+    assert matched(sched, first, 0) == (4 * BS, True)
+    sched.update_state_after_alloc(first, v.KVCacheBlocks([0, 1, 2, 3, 4]),
+                                   4 * BS)
+    for _ in range(3):  # steps while the first request's load runs
+        assert sched.get_num_new_matched_tokens(second, 0) == (None, False)
+        sched.build_connector_meta(v.SchedulerOutput())
+    sched.update_connector_output(
+        v.KVConnectorOutput(finished_recving={"first"}))
+    # vLLM's prefix cache now holds the 4 blocks: nothing left to load.
+    assert matched(sched, second, 4 * BS) == (0, False)
+    # Without prefix caching there is nothing to wait for.
+    plain = KvtierConnector(v.config([store.address]),
+                            KVConnectorRole.SCHEDULER)
+    a, b = v.Request("a", head + [7]), v.Request("b", head + [8])
+    assert matched(plain, a, 0) == (4 * BS, True)
+    plain.update_state_after_alloc(a, v.KVCacheBlocks([0, 1, 2, 3, 4]),
+                                   4 * BS)
+    assert matched(plain, b, 0) == (4 * BS, True)

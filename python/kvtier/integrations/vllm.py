@@ -176,6 +176,13 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Requests whose asynchronous load is planned and not yet reported
         # ended by the workers: their pages stay theirs until it is.
         self._loading: set[str] = set()
+        # Blocks being loaded (hash bytes -> the loading request): a request
+        # whose next block is among them waits for that load, then finds it
+        # in vLLM's prefix cache (a burst of requests sharing a prefix moves
+        # it once, not once per request).
+        self._inflight: dict[bytes, str] = {}
+        self._share_loads = bool(getattr(vllm_config.cache_config,
+                                         "enable_prefix_caching", False))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -207,8 +214,17 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     namespace_of(self._vllm_config, 0, salt,
                                  kv_cache_config=self._kv_config()))
             self._hashes[rid] = kvtier.hash_tokens(seed, prompt)
+        hashes = self._hashes[rid]
+        skip = num_computed_tokens // self._block_size
+        owner = (self._inflight.get(hashes[skip].tobytes())
+                 if self._share_loads and skip < len(hashes) else None)
+        if owner is not None and owner != rid:
+            # Another request is loading the next blocks of this prompt:
+            # wait for it (vLLM's prefix cache then holds them) instead of
+            # moving the same blocks twice.
+            return None, False
         n = self._scheduler.poll_loadable_tokens(
-            request_key(rid), self._hashes[rid], len(prompt),
+            request_key(rid), hashes, len(prompt),
             num_computed_tokens, self._lookup_wait_ms)
         return n, bool(n)
 
@@ -228,6 +244,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         spec = self._scheduler.allocated(key, ids[local:local + n], rid)
         if spec is not None:
             self._loading.add(rid)
+            for h in spec.hashes[local:local + len(spec.pages)]:
+                self._inflight.setdefault(h.tobytes(), rid)
             # Where the request stands if every block loads: vLLM rolling
             # it back below this is a failed load (recomputed and saved).
             self._planned[rid] = (local + len(spec.pages)) * self._block_size
@@ -237,6 +255,12 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         to use or to recompute now)."""
         for rid in getattr(connector_output, "finished_recving", None) or ():
             self._loading.discard(rid)
+            self._release_inflight(rid)
+
+    def _release_inflight(self, rid: str) -> None:
+        """The blocks ``rid`` was loading are no longer in flight."""
+        for h in [h for h, owner in self._inflight.items() if owner == rid]:
+            del self._inflight[h]
 
     def build_connector_meta(self, scheduler_output: Any
                              ) -> KvtierConnectorMetadata:
@@ -284,6 +308,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler.finished(request_key(rid))
         for d in (self._hashes, self._planned, self._blocks):
             d.pop(rid, None)
+        if rid not in self._loading:
+            self._release_inflight(rid)
         return rid in self._loading, None
 
     # --------------------------------------------------------- worker side

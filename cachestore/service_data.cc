@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "cachestore/service.h"
 #include "cachestore/service_detail.h"
+#include "common/limits.h"
 #include "common/rpc/proto_convert.h"
 
 namespace kvtier::store {
@@ -36,6 +37,11 @@ grpc::Status StoreService::Lookup(grpc::ServerContext* ctx, const v1::LookupRequ
   for (uint32_t n : req->chain_lengths()) {
     if (n == 0) return t.Done(absl::InvalidArgumentError("a chain in chain_lengths is empty"));
     total += n;
+  }
+  if (hashes.size() > limits::kMaxBlocksPerRequest) {
+    return t.Done(absl::InvalidArgumentError(
+        absl::StrCat("request names ", hashes.size(), " block hashes; the limit is ",
+                     limits::kMaxBlocksPerRequest, " over all its chains")));
   }
   if (total != hashes.size()) {
     return t.Done(absl::InvalidArgumentError(absl::StrCat("chain_lengths add up to ", total,

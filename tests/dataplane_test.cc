@@ -586,6 +586,18 @@ TEST(ShardedStore, ManyChainsAreLookedUpInOneCallPerShard) {
   EXPECT_EQ((*got)[1], n / 2);
   EXPECT_EQ((*got)[2], 0u);
   EXPECT_EQ((*got)[3], 0u);
+  // Past one request's limit the client splits the batch; the store refuses
+  // one request that names more, whatever its chains.
+  std::vector<std::vector<BlockHash>> big(2, {H(7000)});  // stored, then 8,999 absent
+  for (auto& chain : big) {
+    for (uint64_t i = 0; i < 8999; ++i) chain.push_back(H(900000 + i));
+  }
+  auto split = c.LookupMany(ns->id, big);
+  ASSERT_TRUE(split.ok()) << split.status();
+  EXPECT_EQ(*split, (std::vector<uint32_t>{1, 1}));
+  auto refused = c.shard(0).control().LookupChains(
+      ns->id, big, std::chrono::system_clock::now() + std::chrono::seconds(5));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
 
   // Shard 1 stops answering: within the budget, each prefix ends before
   // its first block on shard 1.

@@ -10,6 +10,8 @@ Engines (real vLLM processes, one at a time on 2 cores):
       preempts and recomputes): throughput and TTFT without and with
       kvtier, whose connector reloads what preemption dropped; pairs
       interleaved, each pair's ratio listed;
+  (e) reuse: prompts computed, then asked again into KV memory for 1.5 of
+      them: vLLM alone recomputes what it evicted, kvtier loads it back;
   burst: 64 requests at once into an engine warmed only through the
       store, beside vLLM alone; pairs interleaved.
 Every engine computes on the same threads (VLLM_CPU_NUM_OF_RESERVED_CPU=1).
@@ -82,7 +84,7 @@ def threads_note() -> str:
 
 def engines(args: argparse.Namespace, work: Path) -> None:
     """The engine parts that args.parts names, on one store."""
-    if not {"ttft", "preempt", "burst"} & set(args.parts.split(",")):
+    if not {"ttft", "preempt", "burst", "reuse"} & set(args.parts.split(",")):
         return
     print(threads_note())
     store = Store(work, "bench-store", ram="2GiB")
@@ -93,6 +95,8 @@ def engines(args: argparse.Namespace, work: Path) -> None:
             ttft_cases(args, work, store)
         if "preempt" in args.parts:
             preemption(args, work, store)
+        if "reuse" in args.parts:
+            reuse(args, work, store)
     finally:
         store.stop()
 
@@ -226,6 +230,50 @@ def preemption(args: argparse.Namespace, work: Path, store: Store) -> None:
     print(f"throughput ratios, pair by pair: "
           f"{', '.join(f'{r:.2f}' for r in ratios)} (median "
           f"{statistics.median(ratios):.2f}; target >= 1.5)")
+
+
+def reuse(args: argparse.Namespace, work: Path, store: Store) -> None:
+    """(e) The seeds' promise: args.preempt_requests prompts of
+    args.prefix tokens computed one after another, then asked again, all
+    at once, into KV memory for 1.5 of them: vLLM alone recomputes what
+    its cache evicted; with kvtier it comes back from the store. Round 2
+    timed; args.repeat pairs, interleaved, fresh prompts each pair."""
+    from vllm_engine import Engine
+    env = bench_env()
+    k = args.preempt_requests
+    blocks = int(1.5 * args.prefix / 32)
+    print(f"\n== (e) reuse: {k} prompts of {args.prefix} tokens computed, "
+          f"then asked again at once; KV memory for {blocks} blocks of 32 "
+          "tokens; round 2 timed, pairs interleaved ==")
+    ratios = []
+    for i in range(args.repeat):
+        prompts = [prompt(9000 + 100 * i + j, args.prefix) for j in range(k)]
+        res = {}
+        for label, stores in (("vLLM alone", ""), ("+ kvtier", store.address)):
+            e = Engine(str(work / f"e-{label[:4]}-{i}.log"), stores=stores,
+                       env=env, num_blocks=blocks,
+                       max_model_len=args.prefix + args.decode + 64)
+            e.generate([prompt(7, 64)], max_tokens=1)  # warm up
+            for p in prompts:  # round 1, one at a time
+                e.generate([p], max_tokens=1)
+            t = time.monotonic()
+            out = e.generate(prompts, max_tokens=args.decode)
+            res[label] = (time.monotonic() - t, out)
+            e.stop()
+        for label, (took, out) in res.items():
+            cached = sum(o["cached"] for o in out["outputs"])
+            t = sorted(o["ttft"] for o in out["outputs"])
+            print(f"pair {i + 1} {label:12s} round 2 {took:7.2f} s  TTFT "
+                  f"mean {statistics.mean(t):.3f} s  not computed "
+                  f"{cached / (k * args.prefix):.1%}")
+        same = [o["tokens"] for o in res["vLLM alone"][1]["outputs"]] == \
+            [o["tokens"] for o in res["+ kvtier"][1]["outputs"]]
+        ratios.append(res["vLLM alone"][0] / res["+ kvtier"][0])
+        print(f"pair {i + 1}: round 2 throughput kvtier / vLLM alone "
+              f"{ratios[-1]:.2f}; outputs identical: {same}")
+    print(f"round 2 throughput ratios, pair by pair: "
+          f"{', '.join(f'{r:.2f}' for r in ratios)} (median "
+          f"{statistics.median(ratios):.2f})")
 
 
 def tier(args: argparse.Namespace, work: Path) -> None:

@@ -40,8 +40,10 @@ bench: build
 	$(BUILD_DIR)/bench/kvtier-bench worker
 	$(BUILD_DIR)/bench/kvtier-bench router
 
-# kvtier with a real vLLM (CPU build): TTFT beside vLLM alone, preemption,
-# and the offloading tier beside vLLM's own filesystem tier.
+# kvtier with a real vLLM (CPU build), each beside vLLM alone with equal
+# threads, pairs interleaved: a burst, TTFT from the store, headroom, reuse
+# beyond the engine's KV memory, and the offloading tier beside vLLM's own
+# filesystem tier.
 bench-vllm: build venv
 	KVTIER_BUILD_DIR=$(BUILD_DIR) $(BUILD_DIR)/venv/bin/python bench/vllm_bench.py
 

@@ -187,49 +187,66 @@ def ttft_cases(args: argparse.Namespace, work: Path, store: Store) -> None:
           f"{'met' if m(times[2]) <= 0.1 * m(t_ref) else 'NOT met'}")
 
 
-def preemption(args: argparse.Namespace, work: Path, store: Store) -> None:
-    """(d): all requests at once, KV memory for about 1.5 of them, so vLLM
-    preempts; with kvtier a resumed request reloads its saved prefix.
-    args.repeat pairs, vLLM alone and kvtier interleaved, each pair's
-    ratio listed (this host's speed drifts within minutes)."""
+def small_kv_pair(args: argparse.Namespace, work: Path, store: Store,
+                  tag: str, prompts: list[list[int]], first_round: bool
+                  ) -> dict[str, tuple[float, dict]]:
+    """vLLM alone, then kvtier, each a fresh engine with KV memory for 1.5
+    of ``prompts``: (seconds, outputs) of all of them asked at once (after
+    each was asked alone first, with ``first_round``)."""
     from vllm_engine import Engine
-    env = bench_env()
+    res = {}
+    for label, stores in (("vLLM alone", ""), ("+ kvtier", store.address)):
+        e = Engine(str(work / f"{tag}-{label[:4]}.log"), stores=stores,
+                   env=bench_env(), num_blocks=int(1.5 * args.prefix / 32),
+                   max_model_len=args.prefix + args.decode + 64)
+        e.generate([prompt(7, 64)], max_tokens=1)  # warm up
+        if first_round:
+            for p in prompts:
+                e.generate([p], max_tokens=1)
+        t = time.monotonic()
+        out = e.generate(prompts, max_tokens=args.decode)
+        res[label] = (time.monotonic() - t, out)
+        e.stop()
+    return res
+
+
+def report_pair(i: int, res: dict[str, tuple[float, dict]], tokens: int,
+                ratios: list[float]) -> None:
+    """Each engine's line, then the pair's throughput ratio (appended to
+    ``ratios``) and whether their outputs are identical."""
+    for label, (took, out) in res.items():
+        outs = out["outputs"]
+        t = sorted(o["ttft"] for o in outs)
+        cached = sum(o["cached"] for o in outs)
+        print(f"pair {i + 1} {label:12s} {took:7.2f} s "
+              f"{tokens / took:9.0f} tokens/s  TTFT mean "
+              f"{statistics.mean(t):.3f} s, max {t[-1]:.3f} s  not computed "
+              f"{cached / tokens:.1%}")
+    same = [o["tokens"] for o in res["vLLM alone"][1]["outputs"]] == \
+        [o["tokens"] for o in res["+ kvtier"][1]["outputs"]]
+    ratios.append(res["vLLM alone"][0] / res["+ kvtier"][0])
+    print(f"pair {i + 1}: throughput kvtier / vLLM alone {ratios[-1]:.2f}; "
+          f"outputs identical: {same}")
+
+
+def preemption(args: argparse.Namespace, work: Path, store: Store) -> None:
+    """(d): all requests at once, KV memory for about 1.5 of them (vLLM
+    mostly queues them; what it preempts, kvtier can reload). args.repeat
+    pairs, vLLM alone and kvtier interleaved, fresh prompts each pair, each
+    pair's ratio listed (this host's speed drifts within minutes)."""
     k = args.preempt_requests
-    blocks = int(1.5 * args.prefix / 32)
     print(f"\n== (d) headroom: {k} requests of {args.prefix} tokens + "
-          f"{args.decode} decoded at once, KV memory for {blocks} blocks of "
-          "32 tokens; pairs interleaved ==")
-    ratios = []
+          f"{args.decode} decoded at once, KV memory for "
+          f"{int(1.5 * args.prefix / 32)} blocks of 32 tokens; pairs "
+          "interleaved ==")
+    ratios: list[float] = []
     for i in range(args.repeat):
-        # Fresh prompts each pair: the store holds only what this pair's
-        # kvtier engine saved (what preemption evicted comes back).
-        long_prompts = [prompt(3000 + 100 * i + j, args.prefix)
-                        for j in range(k)]
-        res = {}
-        for label, stores in (("vLLM alone", ""), ("+ kvtier", store.address)):
-            e = Engine(str(work / f"d-{label[:4]}-{i}.log"), stores=stores,
-                       env=env, num_blocks=blocks,
-                       max_model_len=args.prefix + args.decode + 64)
-            e.generate([prompt(7, 64)], max_tokens=1)  # warm up
-            t = time.monotonic()
-            out = e.generate(long_prompts, max_tokens=args.decode)
-            res[label] = (time.monotonic() - t, out)
-            e.stop()
-        base = res["vLLM alone"][0]
-        for label, (took, out) in res.items():
-            toks = k * (args.prefix + args.decode)
-            t = sorted(o["ttft"] for o in out["outputs"])
-            print(f"pair {i + 1} {label:12s} {took:7.2f} s "
-                  f"{toks / took:9.0f} tokens/s  TTFT mean "
-                  f"{statistics.mean(t):.3f} s, max {t[-1]:.3f} s")
-        same = [o["tokens"] for o in res["vLLM alone"][1]["outputs"]] == \
-            [o["tokens"] for o in res["+ kvtier"][1]["outputs"]]
-        ratios.append(base / res["+ kvtier"][0])
-        print(f"pair {i + 1}: throughput kvtier / vLLM alone "
-              f"{ratios[-1]:.2f}; outputs identical: {same}")
+        prompts = [prompt(3000 + 100 * i + j, args.prefix) for j in range(k)]
+        res = small_kv_pair(args, work, store, f"d-{i}", prompts, False)
+        report_pair(i, res, k * (args.prefix + args.decode), ratios)
     print(f"throughput ratios, pair by pair: "
           f"{', '.join(f'{r:.2f}' for r in ratios)} (median "
-          f"{statistics.median(ratios):.2f}; target >= 1.5)")
+          f"{statistics.median(ratios):.2f})")
 
 
 def reuse(args: argparse.Namespace, work: Path, store: Store) -> None:
@@ -238,42 +255,19 @@ def reuse(args: argparse.Namespace, work: Path, store: Store) -> None:
     at once, into KV memory for 1.5 of them: vLLM alone recomputes what
     its cache evicted; with kvtier it comes back from the store. Round 2
     timed; args.repeat pairs, interleaved, fresh prompts each pair."""
-    from vllm_engine import Engine
-    env = bench_env()
     k = args.preempt_requests
-    blocks = int(1.5 * args.prefix / 32)
     print(f"\n== (e) reuse: {k} prompts of {args.prefix} tokens computed, "
-          f"then asked again at once; KV memory for {blocks} blocks of 32 "
-          "tokens; round 2 timed, pairs interleaved ==")
-    ratios = []
+          f"then asked again at once; KV memory for "
+          f"{int(1.5 * args.prefix / 32)} blocks of 32 tokens; round 2 "
+          "timed, pairs interleaved ==")
+    ratios: list[float] = []
     for i in range(args.repeat):
         prompts = [prompt(9000 + 100 * i + j, args.prefix) for j in range(k)]
-        res = {}
-        for label, stores in (("vLLM alone", ""), ("+ kvtier", store.address)):
-            e = Engine(str(work / f"e-{label[:4]}-{i}.log"), stores=stores,
-                       env=env, num_blocks=blocks,
-                       max_model_len=args.prefix + args.decode + 64)
-            e.generate([prompt(7, 64)], max_tokens=1)  # warm up
-            for p in prompts:  # round 1, one at a time
-                e.generate([p], max_tokens=1)
-            t = time.monotonic()
-            out = e.generate(prompts, max_tokens=args.decode)
-            res[label] = (time.monotonic() - t, out)
-            e.stop()
-        for label, (took, out) in res.items():
-            cached = sum(o["cached"] for o in out["outputs"])
-            t = sorted(o["ttft"] for o in out["outputs"])
-            print(f"pair {i + 1} {label:12s} round 2 {took:7.2f} s  TTFT "
-                  f"mean {statistics.mean(t):.3f} s  not computed "
-                  f"{cached / (k * args.prefix):.1%}")
-        same = [o["tokens"] for o in res["vLLM alone"][1]["outputs"]] == \
-            [o["tokens"] for o in res["+ kvtier"][1]["outputs"]]
-        ratios.append(res["vLLM alone"][0] / res["+ kvtier"][0])
-        print(f"pair {i + 1}: round 2 throughput kvtier / vLLM alone "
-              f"{ratios[-1]:.2f}; outputs identical: {same}")
+        res = small_kv_pair(args, work, store, f"e-{i}", prompts, True)
+        report_pair(i, res, k * args.prefix, ratios)
     print(f"round 2 throughput ratios, pair by pair: "
           f"{', '.join(f'{r:.2f}' for r in ratios)} (median "
-          f"{statistics.median(ratios):.2f})")
+          f"{statistics.median(ratios):.2f}; target >= 1.5)")
 
 
 def tier(args: argparse.Namespace, work: Path) -> None:

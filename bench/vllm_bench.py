@@ -94,9 +94,9 @@ def engines(args: argparse.Namespace, work: Path) -> None:
         if "ttft" in args.parts:
             ttft_cases(args, work, store)
         if "preempt" in args.parts:
-            preemption(args, work, store)
+            small_kv(args, work, store, reuse=False)
         if "reuse" in args.parts:
-            reuse(args, work, store)
+            small_kv(args, work, store, reuse=True)
     finally:
         store.stop()
 
@@ -229,45 +229,37 @@ def report_pair(i: int, res: dict[str, tuple[float, dict]], tokens: int,
           f"outputs identical: {same}")
 
 
-def preemption(args: argparse.Namespace, work: Path, store: Store) -> None:
-    """(d): all requests at once, KV memory for about 1.5 of them (vLLM
-    mostly queues them; what it preempts, kvtier can reload). args.repeat
-    pairs, vLLM alone and kvtier interleaved, fresh prompts each pair, each
-    pair's ratio listed (this host's speed drifts within minutes)."""
+def small_kv(args: argparse.Namespace, work: Path, store: Store,
+             reuse: bool) -> None:
+    """args.preempt_requests prompts of args.prefix tokens into KV memory
+    for 1.5 of them, asked all at once; args.repeat pairs, vLLM alone and
+    kvtier interleaved, fresh prompts each pair, each pair's ratio listed
+    (this host's speed drifts within minutes).
+
+    (d) headroom (``reuse`` False): asked once, decoding args.decode
+    tokens (vLLM mostly queues them; what it preempts, kvtier can reload).
+    (e) reuse, the seeds' promise: computed one after another first, then
+    asked again: vLLM alone recomputes what its cache evicted, kvtier loads
+    it back from the store; round 2 is timed."""
     k = args.preempt_requests
-    print(f"\n== (d) headroom: {k} requests of {args.prefix} tokens + "
-          f"{args.decode} decoded at once, KV memory for "
-          f"{int(1.5 * args.prefix / 32)} blocks of 32 tokens; pairs "
-          "interleaved ==")
+    what = ("(e) reuse: {k} prompts of {n} tokens computed, then asked again "
+            "at once" if reuse else
+            "(d) headroom: {k} requests of {n} tokens + {d} decoded at once")
+    print("\n== " + what.format(k=k, n=args.prefix, d=args.decode) +
+          f"; KV memory for {int(1.5 * args.prefix / 32)} blocks of 32 "
+          "tokens; pairs interleaved ==")
     ratios: list[float] = []
     for i in range(args.repeat):
-        prompts = [prompt(3000 + 100 * i + j, args.prefix) for j in range(k)]
-        res = small_kv_pair(args, work, store, f"d-{i}", prompts, False)
-        report_pair(i, res, k * (args.prefix + args.decode), ratios)
+        seed = (9000 if reuse else 3000) + 100 * i
+        prompts = [prompt(seed + j, args.prefix) for j in range(k)]
+        res = small_kv_pair(args, work, store, f"{'e' if reuse else 'd'}-{i}",
+                            prompts, reuse)
+        tokens = k * (args.prefix if reuse else args.prefix + args.decode)
+        report_pair(i, res, tokens, ratios)
     print(f"throughput ratios, pair by pair: "
           f"{', '.join(f'{r:.2f}' for r in ratios)} (median "
-          f"{statistics.median(ratios):.2f})")
-
-
-def reuse(args: argparse.Namespace, work: Path, store: Store) -> None:
-    """(e) The seeds' promise: args.preempt_requests prompts of
-    args.prefix tokens computed one after another, then asked again, all
-    at once, into KV memory for 1.5 of them: vLLM alone recomputes what
-    its cache evicted; with kvtier it comes back from the store. Round 2
-    timed; args.repeat pairs, interleaved, fresh prompts each pair."""
-    k = args.preempt_requests
-    print(f"\n== (e) reuse: {k} prompts of {args.prefix} tokens computed, "
-          f"then asked again at once; KV memory for "
-          f"{int(1.5 * args.prefix / 32)} blocks of 32 tokens; round 2 "
-          "timed, pairs interleaved ==")
-    ratios: list[float] = []
-    for i in range(args.repeat):
-        prompts = [prompt(9000 + 100 * i + j, args.prefix) for j in range(k)]
-        res = small_kv_pair(args, work, store, f"e-{i}", prompts, True)
-        report_pair(i, res, k * args.prefix, ratios)
-    print(f"round 2 throughput ratios, pair by pair: "
-          f"{', '.join(f'{r:.2f}' for r in ratios)} (median "
-          f"{statistics.median(ratios):.2f}; target >= 1.5)")
+          f"{statistics.median(ratios):.2f}"
+          f"{'; target >= 1.5' if reuse else ''})")
 
 
 def tier(args: argparse.Namespace, work: Path) -> None:

@@ -7,20 +7,17 @@ the integrations use, from the modules that hold them.
   (:mod:`kvtier.step_lookups`).
 - :mod:`kvtier.worker_half`: :class:`WorkerHalf`, which executes a plan
   (asynchronous or layer-wise loads, saves, closes).
-- :mod:`kvtier.options`: an engine config's kvtier settings, checked
-  (:func:`store_options`).
 """
 
 from __future__ import annotations
 
 import hashlib
 
-from kvtier.options import store_options
 from kvtier.scheduler_half import LoadSpec, SaveSpec, SchedulerHalf, StepMeta
 from kvtier.worker_half import WorkerHalf
 
 __all__ = ["LoadSpec", "SaveSpec", "SchedulerHalf", "StepMeta", "WorkerHalf",
-           "request_key", "store_options"]
+           "request_key"]
 
 
 def request_key(request_id: object) -> int:

@@ -72,7 +72,6 @@ class StepLookups:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="kvtier-lookup")
         self.batches = 0
-        self.batched_requests = 0
         self._last_warning = 0.0
 
     def ask(self, key: int, chain: np.ndarray, budget_ms: float) -> None:
@@ -93,7 +92,6 @@ class StepLookups:
                 self._out[a.key] = a
         if batch:
             self.batches += 1
-            self.batched_requests += len(batch)
             self._pool.submit(self._run, batch)
 
     def outcome(self, key: int, block: bool = False) -> Optional[Outcome]:

@@ -126,11 +126,6 @@ class WorkerHalf:
         pages = {p for _, failed in ended for p in failed}
         return names, pages
 
-    def loads_in_flight(self) -> int:
-        """Asynchronous loads not yet ended."""
-        with self._lock:
-            return len(self._async)
-
     # -------------------------------------- synchronous, layer-wise loads
 
     def start_load(self, step: StepMeta) -> None:

@@ -74,11 +74,12 @@ absl::Status Validate(const KvLayout& l, const PageMemory& m) {
   return absl::OkStatus();
 }
 
-void GatherCpu(const KvLayout& l, const PageMemory& m, const uint32_t* pages, size_t count,
-               uint8_t* const* blocks) {
+void GatherLayersCpu(const KvLayout& l, const PageMemory& m, uint32_t layer_begin,
+                     uint32_t layer_end, const uint32_t* pages, size_t count,
+                     uint8_t* const* blocks) {
   const uint64_t chunk = l.chunk_elems() * l.elem_bytes();
   for (size_t i = 0; i < count; ++i) {
-    for (uint32_t layer = 0; layer < l.layers; ++layer) {
+    for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
       uint8_t* out = blocks[i] + layer * 2 * chunk;
       std::memcpy(out, m.K(layer, pages[i]), chunk);
       std::memcpy(out + chunk, m.V(layer, pages[i]), chunk);
@@ -86,16 +87,27 @@ void GatherCpu(const KvLayout& l, const PageMemory& m, const uint32_t* pages, si
   }
 }
 
-void ScatterCpu(const KvLayout& l, const PageMemory& m, const uint32_t* pages, size_t count,
-                const uint8_t* const* blocks) {
+void ScatterLayersCpu(const KvLayout& l, const PageMemory& m, uint32_t layer_begin,
+                      uint32_t layer_end, const uint32_t* pages, size_t count,
+                      const uint8_t* const* blocks) {
   const uint64_t chunk = l.chunk_elems() * l.elem_bytes();
   for (size_t i = 0; i < count; ++i) {
-    for (uint32_t layer = 0; layer < l.layers; ++layer) {
+    for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
       const uint8_t* in = blocks[i] + layer * 2 * chunk;
       std::memcpy(m.K(layer, pages[i]), in, chunk);
       std::memcpy(m.V(layer, pages[i]), in + chunk, chunk);
     }
   }
+}
+
+void GatherCpu(const KvLayout& l, const PageMemory& m, const uint32_t* pages, size_t count,
+               uint8_t* const* blocks) {
+  GatherLayersCpu(l, m, 0, l.layers, pages, count, blocks);
+}
+
+void ScatterCpu(const KvLayout& l, const PageMemory& m, const uint32_t* pages, size_t count,
+                const uint8_t* const* blocks) {
+  ScatterLayersCpu(l, m, 0, l.layers, pages, count, blocks);
 }
 
 void GatherCpu(const KvLayout& l, const uint8_t* const* layer_bases, const uint32_t* pages,

@@ -84,6 +84,14 @@ void GatherCpu(const KvLayout& layout, const PageMemory& memory, const uint32_t*
                size_t count, uint8_t* const* blocks);
 void ScatterCpu(const KvLayout& layout, const PageMemory& memory, const uint32_t* pages,
                 size_t count, const uint8_t* const* blocks);
+// The same for layers [layer_begin, layer_end) only (a block buffer is
+// layer-major: those layers are one byte range of it).
+void GatherLayersCpu(const KvLayout& layout, const PageMemory& memory, uint32_t layer_begin,
+                     uint32_t layer_end, const uint32_t* pages, size_t count,
+                     uint8_t* const* blocks);
+void ScatterLayersCpu(const KvLayout& layout, const PageMemory& memory, uint32_t layer_begin,
+                      uint32_t layer_end, const uint32_t* pages, size_t count,
+                      const uint8_t* const* blocks);
 
 // blocks[i] receives page pages[i]. REQUIRES: pages[i] < num_pages.
 void GatherCpu(const KvLayout& layout, const uint8_t* const* layer_bases, const uint32_t* pages,

@@ -40,6 +40,15 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
     }
     if (auto s = gpu::Validate(c->layout_, *o.engine_memory); !s.ok()) return s;
     c->memory_ = *o.engine_memory;
+    if (!o.page_copier.empty()) {
+      auto copier = gpu::OpenPageCopier(o.page_copier);
+      if (!copier.ok()) return copier.status();
+      if (auto s = (*copier)->CheckMemory(c->layout_, c->memory_); !s.ok()) return s;
+      c->copier_ = std::move(*copier);
+    }
+  } else if (!o.page_copier.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_copier \"", o.page_copier, "\" is for engine memory; this connector owns its pages"));
   } else {
     c->pool_ = std::make_unique<PagePool>(c->layout_);
     c->memory_ = gpu::PageMemory::Contiguous(c->layout_, c->pool_->layer_bases());
@@ -47,7 +56,7 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   c->stats_.staging_blocks = o.staging_blocks;
   if (!o.stores.empty()) c->store_ = std::make_unique<ShardedStoreClient>(o.stores, o.data);
   if (auto s = c->InitStaging(); !s.ok()) return s;
-  if (c->store_) {
+  if (c->store_ && !c->copier_) {
     // Loads land in the pages themselves: register the memory the pages
     // span (every layer's K and V range, merged where they touch, so no
     // byte the engine did not hand over is registered, and none twice).
@@ -102,8 +111,10 @@ KvConnector::~KvConnector() {
     for (const auto& [id, r] : requests_) ids.push_back(id);
   }
   for (uint64_t id : ids) Finished(id);
-  // The store's registration of the staging memory must go before the memory.
+  // The store's and the copier's registrations of the staging memory must
+  // go before the memory.
   store_.reset();
+  copier_.reset();
   std::free(staging_);
 }
 

@@ -88,6 +88,7 @@
 #include "common/block_key.h"
 #include "common/thread_cache.h"
 #include "gpu/kv_layout.h"
+#include "gpu/page_copier.h"
 #include "worker/page_pool.h"
 
 namespace kvtier::worker {
@@ -108,6 +109,15 @@ struct ConnectorOptions {
   // Set: the engine owns the KV cache (see above) and num_pages is its page
   // count. The memory must outlive the connector.
   std::optional<gpu::PageMemory> engine_memory;
+  // Engine mode: how the connector reaches the engine's pages. Empty: they
+  // are host memory it reads and writes itself (loads land in them by RMA).
+  // "cuda" / "cuda:N": they are on that GPU; "host": host memory reached
+  // the same way as a GPU's (the staged path, gpu/page_copier.h). Staged,
+  // every load lands in the load half of the staging memory (registered
+  // with the data plane and pinned for the GPU) and is copied into the
+  // pages layer by layer as the layers arrive; every save is copied from
+  // the pages into the offload half before SaveFrom returns.
+  std::string page_copier;
 };
 
 // Where a load's time went, in milliseconds.
@@ -306,7 +316,12 @@ class KvConnector {
   // Loads r's next n store blocks into `pages`: RMA straight into them, or
   // through staging for int8. Returns how many were loaded and verified.
   absl::StatusOr<uint32_t> LoadDirect(Request* r, const std::vector<uint32_t>& pages);
-  absl::StatusOr<uint32_t> LoadPacked(Request* r, const std::vector<uint32_t>& pages);
+  // Through the load half of the staging memory, unpacked (int8) or copied
+  // by the page copier into the pages as each layer lands.
+  absl::StatusOr<uint32_t> LoadStaged(Request* r, const std::vector<uint32_t>& pages);
+  // page's bytes (all layers) into the staging slot at dst: packed, by the
+  // page copier, or copied here.
+  absl::Status GatherInto(uint32_t page, uint8_t* dst);
   // Layers [0, n) of every block of r's load are in.
   void LayersIn(Request* r, uint32_t n);
   // A load failed its checksums: the store checks its copies of `blocks`
@@ -365,6 +380,7 @@ class KvConnector {
   bool packed_ = false;             // kv_wire int8
   std::unique_ptr<PagePool> pool_;  // null in engine mode
   gpu::PageMemory memory_;          // the pages: the pool's or the engine's
+  std::unique_ptr<gpu::PageCopier> copier_;  // engine memory reached by copies (a GPU's)
   std::unique_ptr<ShardedStoreClient> store_;
   std::mutex publishers_mu_;  // publishers_
   std::vector<BlockEventSink*> publishers_;
@@ -390,8 +406,18 @@ class KvConnector {
   // When a put last finished, or the offloader last went from idle to busy.
   std::chrono::steady_clock::time_point offload_progress_{};
   // A put out this long with none finishing: the store is stalled (a batch
-  // normally takes well under a millisecond, docs/benchmarks.md).
+  // of small blocks normally takes well under a millisecond,
+  // docs/benchmarks.md), plus the time its bytes take at kOffloadSlowest:
+  // a batch of 32 blocks of 2 MiB (a Llama-3-8B layer set) is no stall at
+  // 200 ms. REQUIRES: staging_mu_ held.
   static constexpr std::chrono::milliseconds kOffloadStalled{50};
+  static constexpr double kOffloadSlowest = 200e6;  // bytes a second
+  std::chrono::steady_clock::duration StalledAfterLocked() const {
+    return kOffloadStalled +
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+               std::chrono::duration<double>(double(offloads_running_) * double(wire_bytes_) /
+                                             kOffloadSlowest));
+  }
   bool stop_ = false;
   std::vector<std::thread> offloaders_;
 

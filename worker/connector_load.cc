@@ -150,9 +150,9 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
     if (!p) break;
     pages.push_back(*p);
   }
-  auto got = pages.empty() ? absl::StatusOr<uint32_t>(0u)
-             : packed_     ? LoadPacked(r, pages)
-                           : LoadDirect(r, pages);
+  auto got = pages.empty()        ? absl::StatusOr<uint32_t>(0u)
+             : packed_ || copier_ ? LoadStaged(r, pages)
+                                  : LoadDirect(r, pages);
   store_->Release(r->pin);  // after every transfer, whatever the outcome
   const uint32_t done = got.ok() ? *got : r->loaded;
   if (!got.ok() && got.status().code() == absl::StatusCode::kDataLoss) {
@@ -219,9 +219,8 @@ absl::StatusOr<uint32_t> KvConnector::LoadDirect(Request* r, const std::vector<u
   return got->blocks;
 }
 
-absl::StatusOr<uint32_t> KvConnector::LoadPacked(Request* r, const std::vector<uint32_t>& pages) {
-  const uint64_t layer_bytes = layout_.packed_layer_bytes();
-  uint8_t* const* bases = pool_->layer_bases();
+absl::StatusOr<uint32_t> KvConnector::LoadStaged(Request* r, const std::vector<uint32_t>& pages) {
+  const uint64_t layer_bytes = packed_ ? layout_.packed_layer_bytes() : layout_.layer_page_bytes();
   const uint32_t total = static_cast<uint32_t>(pages.size());
   // In runs of at most staging_blocks; layers are reported in with the last run.
   for (uint32_t first = 0; first < total;) {
@@ -242,24 +241,26 @@ absl::StatusOr<uint32_t> KvConnector::LoadPacked(Request* r, const std::vector<u
     plan.dest = [&](size_t i, size_t layer) -> void* {
       return Slot(slots[i - first]) + layer * layer_bytes;
     };
-    absl::Status unpacked = absl::OkStatus();
+    absl::Status copied = absl::OkStatus();
     double scatter_ms = 0;
+    std::vector<uint8_t*> src;
+    for (uint32_t slot : slots) src.push_back(Slot(slot));
     plan.on_segment = [&](size_t layer) {
       const auto t = std::chrono::steady_clock::now();
-      std::vector<const uint8_t*> src;
-      for (uint32_t slot : slots) src.push_back(Slot(slot));
-      absl::Status s = gpu::UnpackScatterInt8Cpu(layout_, static_cast<uint32_t>(layer),
-                                                 static_cast<uint32_t>(layer + 1), bases,
-                                                 pages.data() + first, n, src.data());
-      if (unpacked.ok()) unpacked = s;
+      const auto l = static_cast<uint32_t>(layer);
+      absl::Status s = packed_ ? gpu::UnpackScatterInt8Cpu(layout_, l, l + 1, pool_->layer_bases(),
+                                                           pages.data() + first, n, src.data())
+                               : copier_->Copy(/*gather=*/false, layout_, memory_, l, l + 1,
+                                               pages.data() + first, n, src.data());
+      if (copied.ok()) copied = s;
       scatter_ms += MsSince(t);
-      if (last) LayersIn(r, static_cast<uint32_t>(layer + 1));
+      if (last && copied.ok()) LayersIn(r, l + 1);
     };
     auto got = store_->Read(r->pin, wire_bytes_, first, n, plan);
     ReleaseStaging(slots);
     r->load_times.scatter_ms += scatter_ms;
     if (!got.ok()) return got.status();
-    if (!unpacked.ok()) return unpacked;
+    if (!copied.ok()) return copied;
     r->load_times.transfer += got->times;
     first += n;
     std::lock_guard lk(mu_);

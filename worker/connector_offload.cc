@@ -62,17 +62,22 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
     drained_cv_.notify_all();
     return false;
   }
-  uint8_t* dst = Slot(slot);
   const auto gather_start = std::chrono::steady_clock::now();
-  if (packed_) {
-    // Cannot fail: Create refused int8 for an 8-bit dtype.
-    gpu::GatherPackInt8Cpu(layout_, pool_->layer_bases(), &page, 1, &dst).IgnoreError();
-  } else {
-    gpu::GatherCpu(layout_, memory_, &page, 1, &dst);
-  }
+  absl::Status gathered = GatherInto(page, Slot(slot));
   {
     std::lock_guard sl(stats_mu_);
     stats_.offload_gather_ms += MsSince(gather_start);
+    if (!gathered.ok()) stats_.offload_failures++;
+  }
+  if (!gathered.ok()) {
+    Log("worker", "copying page ", page, " out for the store failed: ", gathered.ToString());
+    ReleaseStaging({slot});
+    if (waiter) {
+      std::lock_guard lk(mu_);
+      waiter->pending--;
+    }
+    drained_cv_.notify_all();
+    return false;
   }
   {
     std::lock_guard lk(staging_mu_);
@@ -80,6 +85,18 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
   }
   offload_cv_.notify_one();
   return true;
+}
+
+absl::Status KvConnector::GatherInto(uint32_t page, uint8_t* dst) {
+  if (packed_) {
+    // Cannot fail: Create refused int8 for an 8-bit dtype.
+    return gpu::GatherPackInt8Cpu(layout_, pool_->layer_bases(), &page, 1, &dst);
+  }
+  if (copier_) {
+    return copier_->Copy(/*gather=*/true, layout_, memory_, 0, layout_.layers, &page, 1, &dst);
+  }
+  gpu::GatherCpu(layout_, memory_, &page, 1, &dst);
+  return absl::OkStatus();
 }
 
 void KvConnector::HoldForOffload(const BlockHash& hash, uint32_t page,
@@ -134,12 +151,8 @@ std::vector<KvConnector::Staged> KvConnector::GatherHeld(std::vector<Held> held,
   std::vector<Staged> out;
   const auto gather_start = std::chrono::steady_clock::now();
   for (size_t i = 0; i < held.size(); ++i) {
-    uint8_t* dst = Slot(slots[i]);
-    if (packed_) {
-      gpu::GatherPackInt8Cpu(layout_, pool_->layer_bases(), &held[i].page, 1, &dst).IgnoreError();
-    } else {
-      gpu::GatherCpu(layout_, memory_, &held[i].page, 1, &dst);
-    }
+    // Pool mode: host memory, packed or copied here; neither can fail.
+    GatherInto(held[i].page, Slot(slots[i])).IgnoreError();
     pool_->Unref(held[i].page);
     out.push_back(Staged{held[i].hash, slots[i], std::move(held[i].waiter)});
   }

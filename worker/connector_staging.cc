@@ -29,6 +29,10 @@ absl::Status KvConnector::InitStaging() {
     free_slots_.push_back(static_cast<uint32_t>(i));
     load_free_slots_.push_back(static_cast<uint32_t>(options_.staging_blocks + i));
   }
+  // The page copier's copies reach it too (pinned and mapped for a GPU).
+  if (copier_) {
+    if (auto s = copier_->RegisterHost(staging_, staging_bytes); !s.ok()) return s;
+  }
   if (store_) return store_->RegisterMemory(staging_, staging_bytes);
   return absl::OkStatus();
 }
@@ -64,7 +68,7 @@ bool KvConnector::AcquireSaveSlotLocked(std::unique_lock<std::mutex>& lk, int wa
       return true;
     }
     const auto now = std::chrono::steady_clock::now();
-    const auto stalled_at = offload_progress_ + kOffloadStalled;
+    const auto stalled_at = offload_progress_ + StalledAfterLocked();
     if (offloads_running_ > 0 && now >= stalled_at) {
       if (offload_queue_.empty()) return false;
       // The oldest request's blocks go, from its chain's tail, as in

@@ -236,6 +236,12 @@ kvtier_connector* kvtier_connector_create(const kvtier_connector_config* cfg) {
 
 kvtier_connector* kvtier_connector_create_engine(const kvtier_connector_config* cfg,
                                                  const kvtier_engine_kv* kv) {
+  return kvtier_connector_create_engine_on(cfg, kv, nullptr);
+}
+
+kvtier_connector* kvtier_connector_create_engine_on(const kvtier_connector_config* cfg,
+                                                    const kvtier_engine_kv* kv,
+                                                    const char* page_copier) {
   return Call([&]() -> absl::StatusOr<kvtier_connector*> {
     auto o = OptionsFrom(cfg);
     if (!o.ok()) return o.status();
@@ -248,6 +254,7 @@ kvtier_connector* kvtier_connector_create_engine(const kvtier_connector_config* 
     }
     m.page_stride = kv->page_stride;
     o->engine_memory = std::move(m);
+    if (page_copier != nullptr) o->page_copier = page_copier;
     auto c = KvConnector::Create(*std::move(o));
     if (!c.ok()) return c.status();
     return new kvtier_connector{std::move(*c)};

@@ -144,6 +144,18 @@ typedef struct {
  *                            kv_wire int8 (it needs a kvtier-owned pool). */
 kvtier_connector* kvtier_connector_create_engine(const kvtier_connector_config* config,
                                                  const kvtier_engine_kv* kv);
+/* The same over memory reached through a page copier (gpu/page_copier.h):
+ * page_copier "cuda" or "cuda:N" for KV pages on that GPU, "host" for host
+ * pages taking the same staged path; NULL or "" is
+ * kvtier_connector_create_engine. Besides its codes:
+ *   KVTIER_INVALID_ARGUMENT     an unknown page copier, or a layer's memory
+ *                               not on its device.
+ *   KVTIER_FAILED_PRECONDITION  no libkvtier_cuda.so could be loaded
+ *                               (scripts/build_cuda_module.sh builds it).
+ *   KVTIER_UNAVAILABLE          CUDA finds no such device. */
+kvtier_connector* kvtier_connector_create_engine_on(const kvtier_connector_config* config,
+                                                    const kvtier_engine_kv* kv,
+                                                    const char* page_copier);
 /* NULL: nothing happens. Waits for pending offloads. */
 void kvtier_connector_destroy(kvtier_connector* c);
 

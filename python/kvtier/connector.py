@@ -66,7 +66,16 @@ class Connector:
     anything with ``__dlpack__`` or the buffer protocol, shared, never
     copied; the connector keeps them alive). Every layer has the same page
     count, the namespace's ``block_tokens`` per page, and each page's
-    [block_tokens, kv_heads, head_dim] contiguous.
+    [block_tokens, kv_heads, head_dim] contiguous. Every layer's tensors
+    are on one device: the host's, or one CUDA device's. CUDA pages are
+    reached through the connector's page copier (``libkvtier_cuda.so``,
+    built on the GPU host by ``scripts/build_cuda_module.sh``): loads land
+    in pinned host staging and are copied into the pages layer by layer,
+    saves are copied out before :meth:`save` returns.
+    ``page_copier``: for host tensors, "" (the connector reads and writes
+    the pages itself; loads land in them directly) or "host" (the path CUDA
+    pages take, with host copies: for tests and comparisons). CUDA tensors
+    always take "cuda:N"; naming anything else for them is refused.
     ``stores``: kvtier-store addresses (HOST:PORT; blocks are sharded over
     them); empty: no store tier (lookups find nothing, saves do nothing).
     ``tls_ca`` / ``tls_cert`` / ``tls_key``: PEM files for TLS (mutual with
@@ -82,16 +91,28 @@ class Connector:
                  stores: Sequence[str] = (), layout: str = "kv_first",
                  staging_blocks: int = 64, deadline_ms: int = 10000,
                  shared_memory: str = "auto", tls_ca: str = "",
-                 tls_cert: str = "", tls_key: str = "") -> None:
+                 tls_cert: str = "", tls_key: str = "",
+                 page_copier: str = "") -> None:
         self.namespace = namespace
         self.layout = layout
-        k, v, stride, pages, keep = _describe(namespace, kv_caches, layout)
+        k, v, stride, pages, keep, device = _describe(namespace, kv_caches,
+                                                      layout)
+        if page_copier not in ("", "host"):
+            raise _bad(f'page_copier "{page_copier}" is not "" or "host" '
+                       "(CUDA pages choose their own)")
+        if device != "cpu":
+            if page_copier:
+                raise _bad(f'page_copier "{page_copier}" is for host '
+                           f"tensors; these are on {device}")
+            page_copier = device
         self.num_pages: int = pages
+        #: How the pages are reached: "" (directly), "host" or "cuda:N".
+        self.page_copier = page_copier
         self._c = _native.EngineConnector(
             namespace, list(stores), k, v, stride, pages,
             staging_blocks=staging_blocks, deadline_ms=deadline_ms,
             shared_memory=shared_memory, tls_ca=tls_ca, tls_cert=tls_cert,
-            tls_key=tls_key)
+            tls_key=tls_key, page_copier=page_copier)
         # The tensors kvtier writes into stay alive until the connector is
         # closed (set after _c: released after it, see __del__).
         self._keep = keep
@@ -190,9 +211,11 @@ class Connector:
 
 
 def _describe(ns: _native.NamespaceSpec, kv_caches: Sequence[LayerCache],
-              layout: str) -> tuple[list[int], list[int], int, int, list]:
-    """(K addresses, V addresses, page stride, pages, tensors) of the caches,
-    checked against the namespace."""
+              layout: str
+              ) -> tuple[list[int], list[int], int, int, list, str]:
+    """(K addresses, V addresses, page stride, pages, tensors, device) of
+    the caches, checked against the namespace; device is "cpu" or
+    "cuda:N"."""
     import torch
 
     if layout not in LAYOUTS:
@@ -206,6 +229,7 @@ def _describe(ns: _native.NamespaceSpec, kv_caches: Sequence[LayerCache],
     vs: list[int] = []
     keep: list = []
     stride = pages = -1
+    device = ""
     for layer, entry in enumerate(kv_caches):
         if layout == "split":
             if not isinstance(entry, (tuple, list)) or len(entry) != 2:
@@ -217,10 +241,17 @@ def _describe(ns: _native.NamespaceSpec, kv_caches: Sequence[LayerCache],
             t = as_tensor(entry)
             tensors = [t]
         for t in tensors:
-            if t.device.type != "cpu":
-                raise _bad(f"layer {layer}: KV memory on {t.device} is not "
-                           "supported yet (host memory only in this version; "
-                           "docs/engines.md)")
+            if t.device.type == "cpu":
+                on = "cpu"
+            elif t.device.type == "cuda":
+                on = f"cuda:{t.device.index or 0}"
+            else:
+                raise _bad(f"layer {layer}: KV memory on {t.device}: the "
+                           "connector reaches host and CUDA memory only")
+            if device and on != device:
+                raise _bad(f"layer {layer}: KV memory on {on}, layer 0's on "
+                           f"{device}: every layer must be on one device")
+            device = on
             if t.dtype != want:
                 raise _bad(f"layer {layer}: dtype {t.dtype} does not match "
                            f"the namespace's {ns.dtype} ({want})")
@@ -267,4 +298,4 @@ def _describe(ns: _native.NamespaceSpec, kv_caches: Sequence[LayerCache],
         vs.append(v_view.data_ptr())
         keep.append(tensors)
     esize = torch.empty(0, dtype=want).element_size()
-    return ks, vs, stride * esize, pages, keep
+    return ks, vs, stride * esize, pages, keep, device

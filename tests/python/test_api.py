@@ -137,15 +137,19 @@ def test_an_unknown_store_raises_unavailable_or_deadline() -> None:
 
 @pytest.mark.parametrize("layout", list(kvtier.LAYOUTS))
 @pytest.mark.parametrize("shm", ["on", "off"])
+@pytest.mark.parametrize("copier", ["", "host"])
 def test_connector_saves_from_one_engine_and_loads_into_another(
-        store, layout, shm) -> None:
+        store, layout, shm, copier) -> None:
+    """Direct or through the page copier's staged path (the one CUDA pages
+    take, here with host copies): the same bytes land."""
     a_cache, b_cache = caches(layout, 1), caches(layout, 2)
     before = [kv_of(b_cache, layout, layer, p).clone()
               for layer in range(2) for p in range(PAGES)]
     a = kvtier.Connector(ns(), a_cache, stores=[store.address], layout=layout,
-                         shared_memory=shm)
+                         shared_memory=shm, page_copier=copier)
     b = kvtier.Connector(ns(), b_cache, stores=[store.address], layout=layout,
-                         shared_memory=shm)
+                         shared_memory=shm, page_copier=copier)
+    assert b.page_copier == copier
     hashes = kvtier.hash_tokens(a.namespace, list(range(4 * 16)))
     assert a.lookup(1, hashes).blocks == 0
     a.save(1, 0, [6, 2, 9, 4])
@@ -236,6 +240,10 @@ def test_bad_tensors_and_pages_raise_and_touch_nothing(store) -> None:
         kvtier.Connector(ns(), good, layout="heads_first")
     with pytest.raises(errors.InvalidArgument, match="pair"):
         kvtier.Connector(ns(), good, layout="split")
+    with pytest.raises(errors.InvalidArgument, match="CUDA pages choose"):
+        kvtier.Connector(ns(), good, page_copier="cuda:0")
+    with pytest.raises(errors.InvalidArgument, match="host and CUDA memory"):
+        kvtier.Connector(ns(), [t.to("meta") for t in good])
     snapshot = [t.clone() for t in good]
     c = kvtier.Connector(ns(), good, stores=[store.address])
     hashes = kvtier.hash_tokens(c.namespace, list(range(3 * 16)))

@@ -10,9 +10,12 @@ the v0.15 series working. Load it with::
         "kv_connector_extra_config":
             {"stores": "10.0.0.5:7400,10.0.0.6:7400"}}'
 
-The connector moves host memory (vLLM's CPU platform). On a GPU, use
-vLLM's own offloading with kvtier as its secondary tier
-(:mod:`kvtier.integrations.vllm_tier`).
+The connector moves host memory (vLLM's CPU platform) and CUDA memory
+(through ``libkvtier_cuda.so``, built on the GPU host by
+``scripts/build_cuda_module.sh``: loads land in pinned staging and are
+copied into the pages layer by layer; docs/engines.md, "CUDA pages"). On
+other platforms, use vLLM's own offloading with kvtier as its secondary
+tier (:mod:`kvtier.integrations.vllm_tier`).
 
 Extra config keys (checked at start-up: an unknown key, a wrong type or a
 value out of range is refused, naming it): ``stores`` (comma-separated or a

@@ -139,12 +139,16 @@ def _page_layout(vllm_config: Any, kv_cache_config: Any) -> str:
             "connector (supported: LBHNC, LBNHC, BLHNC, BLNHC: a block's "
             "page of a layer contiguous)")
     from vllm.platforms import current_platform
+    if current_platform.is_cuda():
+        # CUDA pages, reached through libkvtier_cuda (docs/engines.md, "CUDA
+        # pages"): the layout name says how a page's bytes are ordered.
+        return f"vllm-page={name}|cuda"
     if not current_platform.is_cpu():
         raise kvtier.errors.InvalidArgument(
             kvtier.StatusCode.INVALID_ARGUMENT,
-            "kvtier's connector moves host memory; on a GPU use vLLM's "
-            "OffloadingConnector with kvtier.integrations.vllm_tier "
-            "(docs/engines.md)")
+            "kvtier's connector moves host and CUDA memory; on this "
+            "platform use vLLM's OffloadingConnector with "
+            "kvtier.integrations.vllm_tier (docs/engines.md)")
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     isa = _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(),

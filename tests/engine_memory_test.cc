@@ -89,7 +89,10 @@ std::vector<BlockHash> Chain(uint64_t n, uint64_t salt = 0) {
   return ChainHashes(NamespaceId(Spec()), tokens, Spec().block_tokens);
 }
 
-class EngineMemory : public ::testing::TestWithParam<std::tuple<const char*, const char*>> {
+// (layout, transport, page copier: "" the connector reaches the pages
+// itself, "host" the staged path CUDA pages take, with host copies).
+class EngineMemory
+    : public ::testing::TestWithParam<std::tuple<const char*, const char*, const char*>> {
  protected:
   void SetUp() override {
     store_ = testing::StartLoopbackStore(dir_.sub("store"));
@@ -106,6 +109,7 @@ class EngineMemory : public ::testing::TestWithParam<std::tuple<const char*, con
                                ? DataClientOptions::SharedMemory::kOn
                                : DataClientOptions::SharedMemory::kOff;
     o.engine_memory = cache.memory;
+    o.page_copier = std::get<2>(GetParam());
     auto c = worker::KvConnector::Create(o);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
@@ -196,10 +200,12 @@ TEST_P(EngineMemory, BadPagesAndCallsOfTheOtherModeAreRefusedAndChangeNothing) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, EngineMemory,
                          ::testing::Combine(::testing::Values("kv_first", "blocks_first", "split"),
-                                            ::testing::Values("ucx", "mapped")),
+                                            ::testing::Values("ucx", "mapped"),
+                                            ::testing::Values("", "host")),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param)) + "_" +
-                                  std::get<1>(info.param);
+                                  std::get<1>(info.param) +
+                                  (*std::get<2>(info.param) ? "_staged" : "");
                          });
 
 // Issue #30 ("offloads never hold a request"): with the store stalled, a
@@ -308,6 +314,43 @@ TEST(EngineMemoryOptions, RegistrationErrorsAreClear) {
   EXPECT_NE(c.status().message().find("int8"), std::string::npos) << c.status();
 }
 
+TEST(EngineMemoryOptions, PageCopiersAreCheckedAtCreation) {
+  EngineCache cache("kv_first");
+  worker::ConnectorOptions o;
+  o.spec = Spec();
+  o.num_pages = kPages;
+  o.engine_memory = cache.memory;
+  o.page_copier = "gpu";
+  auto c = worker::KvConnector::Create(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("cuda:N"), std::string::npos) << c.status();
+  // The pool mode has no engine memory to reach.
+  o.engine_memory.reset();
+  o.page_copier = "host";
+  c = worker::KvConnector::Create(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("engine memory"), std::string::npos) << c.status();
+  // Host pages named as a GPU's: without the module (or without a GPU)
+  // there is no CUDA; with both, the pages are not on the device. Refused
+  // either way, saying why.
+  o.engine_memory = cache.memory;
+  o.page_copier = "cuda:0";
+  c = worker::KvConnector::Create(o);
+  ASSERT_FALSE(c.ok());
+  const auto code = c.status().code();
+  EXPECT_TRUE(code == absl::StatusCode::kFailedPrecondition ||
+              code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kInvalidArgument)
+      << c.status();
+  if (code == absl::StatusCode::kFailedPrecondition) {
+    EXPECT_NE(c.status().message().find("build_cuda_module.sh"), std::string::npos) << c.status();
+  }
+  if (code == absl::StatusCode::kInvalidArgument) {
+    EXPECT_NE(c.status().message().find("host memory, not on cuda:0"), std::string::npos)
+        << c.status();
+  }
+}
+
 TEST(EngineMemoryCAbi, EngineCallsWorkAndPoolCallsAreRefused) {
   EngineCache cache("blocks_first");
   std::vector<void*> k(cache.memory.k.begin(), cache.memory.k.end());
@@ -345,6 +388,16 @@ TEST(EngineMemoryCAbi, EngineCallsWorkAndPoolCallsAreRefused) {
   kvtier_connector_destroy(c);
   EXPECT_EQ(kvtier_connector_create_engine(&cfg, nullptr), nullptr);
   EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
+  // The staged path through the C ABI; an unknown page copier is refused.
+  c = kvtier_connector_create_engine_on(&cfg, &kv, "host");
+  ASSERT_NE(c, nullptr) << kvtier_last_error();
+  ASSERT_EQ(kvtier_lookup(c, 1, hashes, 2, 0, &store_tokens), KVTIER_OK) << kvtier_last_error();
+  EXPECT_EQ(kvtier_save_blocks(c, 1, 0, pages, 2), KVTIER_OK);
+  kvtier_request_finished(c, 1);
+  kvtier_connector_destroy(c);
+  EXPECT_EQ(kvtier_connector_create_engine_on(&cfg, &kv, "tpu"), nullptr);
+  EXPECT_EQ(kvtier_last_status(), KVTIER_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvtier_last_error()).find("tpu"), std::string::npos);
 }
 
 }  // namespace

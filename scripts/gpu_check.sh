@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The device check of docs/engines.md ("CUDA pages"): on a host with one
+# NVIDIA GPU, CUDA's compiler (optional) and PyTorch, from a bundle made by
+# scripts/gpu_bundle.sh (kvtier's binaries and the libraries they need).
+#   scripts/gpu_check.sh BUNDLE [OUT_DIR]
+# Builds libkvtier_cuda.so with the host's nvcc when there is one (else
+# uses the bundle's), starts a kvtier-store on 127.0.0.1, runs
+# kvtier-gpu-check (kernels against the CPU byte for byte; 4,096- and
+# 32,768-token prompts of a Llama-3-8B layer set saved from and loaded into
+# CUDA pages through the store, every byte compared, GB/s beside
+# cudaMemcpyAsync) and bench/gpu_layer_time.py (a layer's compute), and
+# stops the store by its pid. Results, one JSON line each, in
+# OUT_DIR/gpu_check.jsonl. Exit 0 only when everything matched.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+bundle=$(cd "${1:?usage: gpu_check.sh BUNDLE [OUT_DIR]}" && pwd)
+out=${2:-$(mktemp -d)}
+mkdir -p "$out"
+json="$out/gpu_check.jsonl"
+: >"$json"
+# The bundle's libraries for kvtier's binaries only (PyTorch keeps the host's).
+libs="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+[[ -d $bundle/lib/ucx ]] && export UCX_MODULE_DIR="$bundle/lib/ucx"
+export UCX_TLS=tcp
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+module="$bundle/lib/libkvtier_cuda.so"
+if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  nvcc --version | tail -2 || true
+  if built=$(bash "$root/scripts/build_cuda_module.sh" "$out/module"); then
+    module=$built
+    echo "libkvtier_cuda.so built here: $module"
+  fi
+fi
+[[ -f $module ]] || { echo "gpu_check: no libkvtier_cuda.so" >&2; exit 2; }
+export KVTIER_CUDA_MODULE=$module
+scratch=$(mktemp -d)
+LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-store" --listen=127.0.0.1:0 --data-listen=127.0.0.1:0 \
+  --data-dir="$scratch/db" --hugepages=false --ram-bytes=8GiB \
+  --port-file="$scratch/port" >"$out/store.log" 2>&1 &
+store=$!
+for _ in $(seq 300); do [[ -s $scratch/port ]] && break; sleep 0.1; done
+if [[ ! -s $scratch/port ]]; then
+  echo "gpu_check: the store did not start" >&2
+  cat "$out/store.log" >&2
+  kill "$store" 2>/dev/null
+  exit 2
+fi
+rc=0
+LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-gpu-check" --store="127.0.0.1:$(cat "$scratch/port")" \
+  --device=cuda:0 --tokens=4096,32768 --json="$json" || rc=$?
+python3 "$root/bench/gpu_layer_time.py" 4096 | tee -a "$json" || rc=1
+kill "$store"
+wait "$store" 2>/dev/null
+rm -rf "$scratch"
+echo "gpu_check: exit $rc; results in $json"
+exit $rc

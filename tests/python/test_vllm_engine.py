@@ -167,13 +167,32 @@ def start(work: Path, name: str, stores: str, **kw: object) -> Engine:
                   **kw)  # type: ignore[arg-type]
 
 
+def wait_stored(e: Engine, store: Store, tokens: list[int],
+                blocks: int, timeout: float = 120) -> None:
+    """Waits until the store holds the first ``blocks`` blocks of
+    ``tokens``. Saves are written behind the engine's steps by a thread of
+    lower priority, so on a busy machine they land seconds after the
+    request ended; an engine that stops (vLLM kills its workers 5 s after
+    asking them to stop) may leave some unwritten."""
+    ns = connector_namespace()
+    client = kvtier.StoreClient([store.address])
+    chain = kvtier.hash_tokens(ns, tokens)
+    deadline = time.monotonic() + timeout
+    while (have := client.lookup(ns, chain)) < blocks:
+        assert time.monotonic() < deadline, \
+            f"the store holds {have} of {blocks} blocks: {e.tail()}"
+        time.sleep(0.2)
+
+
 def computed_by_one_engine(work: Path, name: str, store: Store,
                            seed: int) -> list[dict]:
-    """A kvtier engine that computes prompt set ``seed`` and stops (its
-    saves are written before it exits); its outputs."""
+    """A kvtier engine that computes prompt set ``seed``, waits for its
+    saves to reach the store, and stops; its outputs."""
     e = start(work, name, store.address)
     try:
-        return e.generate(prompts(seed))["outputs"]
+        out = e.generate(prompts(seed))["outputs"]
+        wait_stored(e, store, prompts(seed)[0], PREFIX // BLOCK)
+        return out
     finally:
         e.stop()
 
@@ -427,18 +446,18 @@ def test_a_burst_loads_every_shared_prefix_and_wrong_kv_shows(
         client = kvtier.StoreClient([store.address])
         a = start(work, "engine-burst-a", store.address)
         try:
-            # A computes each prefix in a request of its own (a burst of
-            # saves can outrun the staging, which then drops the oldest:
-            # the store is to hold every prefix here), then all 32 (its own
-            # prefix cache answers) for the tokens B must give.
+            # A computes each prefix in a request of its own and waits for
+            # its saves (a burst of saves can outrun the staging, which
+            # then drops the oldest request's; on a busy machine the saves
+            # of 8 prefixes do: the store is to hold every prefix here),
+            # then all 32 (its own prefix cache answers) for the tokens B
+            # must give.
             for p in range(8):
                 a.generate([burst[4 * p]])
+                wait_stored(a, store, burst[4 * p], BURST_PREFIX // BLOCK)
             out_a = a.generate(burst)["outputs"]
         finally:
             a.stop()
-        for p in range(8):
-            chain = kvtier.hash_tokens(ns, burst[4 * p])
-            assert client.lookup(ns, chain) >= BURST_PREFIX // BLOCK, p
         b = start(work, "engine-burst-b", store.address)
         try:
             got = b.generate(burst)

@@ -173,7 +173,8 @@ bool CheckKernels(const Args& a, gpu::CudaDevice* dev, gpu::PageCopier& copier) 
   const uint64_t bb = l.block_bytes();
   const uint32_t n = 24;
   std::vector<uint8_t> staging(n * bb);
-  if (auto s = copier.RegisterHost(staging.data(), staging.size()); !s.ok()) Memory::Die(s.ToString());
+  if (auto s = copier.RegisterHost(staging.data(), staging.size()); !s.ok())
+    Memory::Die(s.ToString());
   std::vector<uint8_t*> blocks;
   for (uint32_t i = 0; i < n; ++i) blocks.push_back(staging.data() + i * bb);
   std::mt19937_64 rng(11);
@@ -206,12 +207,13 @@ bool CheckKernels(const Args& a, gpu::CudaDevice* dev, gpu::PageCopier& copier) 
     }
     for (uint32_t i = 0; i < n && gather_same; ++i) {
       const uint64_t lo = lb * l.layer_page_bytes(), hi = le * l.layer_page_bytes();
-      gather_same = std::memcmp(staging.data() + i * bb + lo, want.data() + i * bb + lo,
-                                hi - lo) == 0;
+      gather_same =
+          std::memcmp(staging.data() + i * bb + lo, want.data() + i * bb + lo, hi - lo) == 0;
     }
     // Scatter: distinct pages (a page named twice has no defined winner).
     std::vector<uint32_t> distinct;
-    for (uint32_t p = 0; p < l.num_pages && distinct.size() < n; p += 2) distinct.push_back(p + (rng() % 2));
+    for (uint32_t p = 0; p < l.num_pages && distinct.size() < n; p += 2)
+      distinct.push_back(p + (rng() % 2));
     Randomize(staging, 7);
     gpu::ScatterLayersCpu(l, m.pages, 0, 3, distinct.data(), n, blocks.data());
     gpu::ScatterLayersCpu(l, m.pages, 3, l.layers, distinct.data(), n, blocks.data());
@@ -256,8 +258,17 @@ bool CheckStore(const Args& a, gpu::CudaDevice* dev, uint64_t tokens, uint64_t s
     mem.ToDevice(c.allocations[i].first, m.bytes[i].data(), m.bytes[i].size());
   }
   worker::ConnectorOptions o;
-  o.spec = NamespaceSpec{"gpu-check/llama-3-8b", "bf16", a.layers, a.kv_heads, a.head_dim,
-                         a.block_tokens, 0, 1, "", "", ""};
+  o.spec = NamespaceSpec{"gpu-check/llama-3-8b",
+                         "bf16",
+                         a.layers,
+                         a.kv_heads,
+                         a.head_dim,
+                         a.block_tokens,
+                         0,
+                         1,
+                         "",
+                         "",
+                         ""};
   o.num_pages = l.num_pages;
   o.stores = {a.store};
   o.offload = "write-through";
@@ -274,7 +285,7 @@ bool CheckStore(const Args& a, gpu::CudaDevice* dev, uint64_t tokens, uint64_t s
   const auto chain = ChainHashes(NamespaceId(o.spec), tok, a.block_tokens);
   std::vector<uint32_t> src(n), dst(n);
   for (uint32_t i = 0; i < n; ++i) {
-    src[i] = 2 * i;      // interleaved, as an engine's free list hands them out
+    src[i] = 2 * i;  // interleaved, as an engine's free list hands them out
     dst[i] = 2 * i + 1;
   }
   // Warm-up: the connector's first put sets up its data plane (connects,
@@ -352,7 +363,8 @@ bool CheckStore(const Args& a, gpu::CudaDevice* dev, uint64_t tokens, uint64_t s
   }
   auto copier = gpu::OpenPageCopier(a.device);
   if (!copier.ok()) Memory::Die(copier.status().ToString());
-  if (auto s = (*copier)->RegisterHost(host.data(), host.size()); !s.ok()) Memory::Die(s.ToString());
+  if (auto s = (*copier)->RegisterHost(host.data(), host.size()); !s.ok())
+    Memory::Die(s.ToString());
   std::vector<uint8_t*> blocks;
   for (uint32_t i = 0; i < n; ++i) blocks.push_back(host.data() + uint64_t{i} * bb);
   t = Clock::now();
@@ -371,16 +383,16 @@ bool CheckStore(const Args& a, gpu::CudaDevice* dev, uint64_t tokens, uint64_t s
   auto gbs = [&](double s) { return s > 0 ? bytes / s / 1e9 : 0.0; };
   Emit(a, absl::StrCat(
               "{\"check\": \"store\", \"device\": \"", a.device, "\", \"tokens\": ", tokens,
-              ", \"blocks\": ", n, ", \"bytes\": ", bytes, ", \"identical\": ",
-              same ? "true" : "false", ", \"transport\": \"", a.mapped ? "mapped" : "socket",
-              "\", \"save_step_s\": ", step_s, ", \"save_s\": ", save_s, ", \"load_s\": ", load_s,
-              ", \"save_gbs\": ", gbs(save_s), ", \"load_gbs\": ", gbs(load_s),
-              ", \"ref_d2h_gbs\": ", gbs(d2h_s), ", \"ref_h2d_gbs\": ", gbs(h2d_s),
-              ", \"save_ratio\": ", gbs(save_s) / gbs(d2h_s), ", \"load_ratio\": ",
-              gbs(load_s) / gbs(h2d_s), ", \"copier_in_gbs\": ", gbs(leg_in_s),
-              ", \"copier_out_gbs\": ", gbs(leg_out_s), ", \"copier_in_ratio\": ",
-              gbs(leg_in_s) / gbs(h2d_s), ", \"copier_out_ratio\": ", gbs(leg_out_s) / gbs(d2h_s),
-              ", \"load_scatter_ms\": ", stats.load_times.scatter_ms,
+              ", \"blocks\": ", n, ", \"bytes\": ", bytes,
+              ", \"identical\": ", same ? "true" : "false", ", \"transport\": \"",
+              a.mapped ? "mapped" : "socket", "\", \"save_step_s\": ", step_s,
+              ", \"save_s\": ", save_s, ", \"load_s\": ", load_s, ", \"save_gbs\": ", gbs(save_s),
+              ", \"load_gbs\": ", gbs(load_s), ", \"ref_d2h_gbs\": ", gbs(d2h_s),
+              ", \"ref_h2d_gbs\": ", gbs(h2d_s), ", \"save_ratio\": ", gbs(save_s) / gbs(d2h_s),
+              ", \"load_ratio\": ", gbs(load_s) / gbs(h2d_s),
+              ", \"copier_in_gbs\": ", gbs(leg_in_s), ", \"copier_out_gbs\": ", gbs(leg_out_s),
+              ", \"copier_in_ratio\": ", gbs(leg_in_s) / gbs(h2d_s), ", \"copier_out_ratio\": ",
+              gbs(leg_out_s) / gbs(d2h_s), ", \"load_scatter_ms\": ", stats.load_times.scatter_ms,
               ", \"load_rma_ms\": ", stats.load_times.transfer.rma_ms,
               ", \"load_checksum_ms\": ", stats.load_times.transfer.checksum_ms,
               ", \"save_gather_ms\": ", stats.offload_gather_ms, "}"));
@@ -405,7 +417,8 @@ int Main(int argc, char** argv) {
     } else if ((v = value("--transport")) != "\x01") {
       a.mapped = v == "mapped";
     } else if ((v = value("--staging-blocks")) != "\x01") {
-      if (!absl::SimpleAtoi(v, &a.staging_blocks) || a.staging_blocks == 0) Memory::Die("bad --staging-blocks");
+      if (!absl::SimpleAtoi(v, &a.staging_blocks) || a.staging_blocks == 0)
+        Memory::Die("bad --staging-blocks");
     } else if ((v = value("--layers")) != "\x01") {
       if (!absl::SimpleAtoi(v, &a.layers) || a.layers < 4) Memory::Die("--layers is at least 4");
     } else if ((v = value("--tokens")) != "\x01") {
@@ -427,8 +440,8 @@ int Main(int argc, char** argv) {
   std::unique_ptr<gpu::CudaDevice> dev;
   if (a.device != "host") {
     int index = 0;
-    if (a.device != "cuda" && (a.device.rfind("cuda:", 0) != 0 ||
-                               !absl::SimpleAtoi(a.device.substr(5), &index))) {
+    if (a.device != "cuda" &&
+        (a.device.rfind("cuda:", 0) != 0 || !absl::SimpleAtoi(a.device.substr(5), &index))) {
       Memory::Die("--device is host, cuda or cuda:N");
     }
     auto d = gpu::CudaDevice::Open(index);

@@ -89,9 +89,9 @@ absl::StatusOr<const Module*> LoadModule() {
     get(m.memcpy, "kvtier_cuda_memcpy");
     get(m.time_memcpy, "kvtier_cuda_time_memcpy");
     if (missing || m.abi() != KVTIER_CUDA_ABI) {
-      loaded = new absl::StatusOr<Module>(absl::FailedPreconditionError(absl::StrCat(
-          "the CUDA module found is of another version (ABI ", missing ? -1 : m.abi(),
-          ", this build needs ", KVTIER_CUDA_ABI, "): ", kHowToBuild)));
+      loaded = new absl::StatusOr<Module>(absl::FailedPreconditionError(
+          absl::StrCat("the CUDA module found is of another version (ABI ", missing ? -1 : m.abi(),
+                       ", this build needs ", KVTIER_CUDA_ABI, "): ", kHowToBuild)));
       return;
     }
     loaded = new absl::StatusOr<Module>(m);
@@ -143,10 +143,10 @@ class CudaCopier final : public PageCopier {
       for (int kv = 0; kv < 2; ++kv) {
         const int on = m_->pointer_device(kv == 0 ? m.k[layer] : m.v[layer]);
         if (on != device_) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "layer ", layer, "'s ", kv == 0 ? "K" : "V", " memory is ",
-              on < 0 ? std::string("host memory") : absl::StrCat("on cuda:", on), ", not on ",
-              name_));
+          return absl::InvalidArgumentError(
+              absl::StrCat("layer ", layer, "'s ", kv == 0 ? "K" : "V", " memory is ",
+                           on < 0 ? std::string("host memory") : absl::StrCat("on cuda:", on),
+                           ", not on ", name_));
         }
       }
     }
@@ -234,10 +234,9 @@ absl::StatusOr<std::unique_ptr<PageCopier>> OpenPageCopier(const std::string& de
   if (device == "host") return std::unique_ptr<PageCopier>(new HostCopier());
   int index = 0;
   if (device != "cuda") {
-    if (device.rfind("cuda:", 0) != 0 || !absl::SimpleAtoi(device.substr(5), &index) ||
-        index < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "page copier \"", device, "\" is not \"host\", \"cuda\" or \"cuda:N\""));
+    if (device.rfind("cuda:", 0) != 0 || !absl::SimpleAtoi(device.substr(5), &index) || index < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page copier \"", device, "\" is not \"host\", \"cuda\" or \"cuda:N\""));
     }
   }
   auto opened = OpenDevice(index);

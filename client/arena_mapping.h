@@ -34,6 +34,9 @@ class ArenaMapping {
   // to stay in bounds).
   uint8_t* At(uint64_t remote_addr, size_t length) const;
   uint64_t instance() const { return instance_; }
+  // The whole mapping, here.
+  uint8_t* local() const { return local_; }
+  size_t length() const { return length_; }
 
  private:
   ArenaMapping(uint8_t* local, uint64_t base, size_t length, uint64_t instance)

@@ -7,8 +7,10 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -135,5 +137,29 @@ struct GetOutcome {
   uint32_t from_disk = 0;  // of those, promoted from the store's NVMe tier
   TransferTimes times;
 };
+
+// Pinned blocks where they lie in a same-host store's arena mapped into this
+// process (StoreDataClient::View): read in place, with no copy. The bytes
+// stay as pinned until the pin is released or expires; nothing here has
+// been verified (VerifyViews does that).
+struct BlockViews {
+  std::vector<const uint8_t*> blocks;  // each block_bytes bytes, in chain order
+  std::vector<uint64_t> checksums;     // each block's XXH3-64, as the store has it
+  uint32_t from_disk = 0;              // promoted from the store's NVMe tier for the pin
+  // The mapped arenas the views lie in, each whole (for registering them
+  // with a device that reads them): they stay mapped while `keep` is held.
+  struct Region {
+    uint8_t* base = nullptr;
+    size_t length = 0;
+    std::shared_ptr<const void> keep;
+  };
+  std::vector<Region> regions;
+};
+
+// The leading blocks of `views` whose bytes (block_bytes each) match their
+// checksums, summed on up to `threads` threads at once (the caller's among
+// them): a large view is read at memory speed by each. Every block is
+// summed, the ones after a bad one too.
+size_t VerifyViews(const BlockViews& views, uint64_t block_bytes, int threads);
 
 }  // namespace kvtier

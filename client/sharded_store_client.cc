@@ -377,6 +377,44 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(
   return pin;
 }
 
+void ShardedStoreClient::Warm() {
+  for (auto& shard : shards_) shard->Warm();
+}
+
+absl::StatusOr<BlockViews> ShardedStoreClient::View(const ShardedPin& pin, uint64_t block_bytes,
+                                                    uint32_t first, uint32_t count) {
+  if (first > pin.blocks || count > pin.blocks - first || pin.pins.size() != shards_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("view of blocks [", first, ", ", first + count,
+                                                   "); ", pin.blocks, " are pinned"));
+  }
+  BlockViews out;
+  out.blocks.assign(count, nullptr);
+  out.checksums.assign(count, 0);
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const std::vector<size_t>& idx = pin.parts[s];
+    const size_t pinned = std::min(idx.size(), pin.pins[s].sources.size());
+    size_t from = 0;
+    while (from < pinned && idx[from] < first) ++from;
+    size_t to = from;
+    while (to < pinned && idx[to] < first + count) ++to;
+    if (to == from) continue;
+    auto part = shards_[s]->View(pin.pins[s], block_bytes, from, to - from);
+    if (!part.ok()) return part.status();
+    for (size_t k = from; k < to; ++k) {
+      out.blocks[idx[k] - first] = part->blocks[k - from];
+      out.checksums[idx[k] - first] = part->checksums[k - from];
+    }
+    out.from_disk += part->from_disk;
+    for (auto& r : part->regions) out.regions.push_back(std::move(r));
+  }
+  for (uint32_t i = 0; i < count; ++i) {
+    if (out.blocks[i] == nullptr) {
+      return absl::InternalError(absl::StrCat("block ", first + i, " of the pin is on no shard"));
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<GetOutcome> ShardedStoreClient::Read(const ShardedPin& pin, uint64_t block_bytes,
                                                     uint32_t first, uint32_t count,
                                                     const ReadPlan& plan) {

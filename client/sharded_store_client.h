@@ -118,6 +118,14 @@ class ShardedStoreClient {
   // The pins stay: Release them once done.
   absl::StatusOr<GetOutcome> Read(const ShardedPin& pin, uint64_t block_bytes, uint32_t first,
                                   uint32_t count, const ReadPlan& plan);
+  // Chain blocks [first, first + count) in place, each in its shard's arena
+  // mapped here (StoreDataClient::View): FAILED_PRECONDITION when any shard
+  // holding one is not mapped here (Read them instead), INVALID_ARGUMENT for
+  // a range past the pinned prefix, else the first failing shard's status.
+  absl::StatusOr<BlockViews> View(const ShardedPin& pin, uint64_t block_bytes, uint32_t first,
+                                  uint32_t count);
+  // Connects every shard's data plane in the background (StoreDataClient::Warm).
+  void Warm();
   // Ends every shard's pin (asynchronously; never blocks). Idempotent.
   void Release(ShardedPin& pin);
 

@@ -161,6 +161,7 @@ std::future<absl::StatusOr<Outcome>> StoreDataClient::Start(TransferLanes::Class
               // restarted without offering one must not keep the old one alive).
               std::lock_guard lk(mapping_mu_);
               if (mapping_ != lane.mapping()) mapping_ = lane.mapping();
+              lane_connected_ = true;
             }
             r = op(lane, deadline);
           } else {
@@ -321,6 +322,61 @@ std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Read(const PinnedBlocks
                                DataPlaneConnection& lane, const Deadline& deadline) {
                              return ReadVia(lane, deadline, pinned, block_bytes, first, count,
                                             plan);
+                           });
+}
+
+absl::StatusOr<BlockViews> StoreDataClient::View(const PinnedBlocks& pinned, uint64_t block_bytes,
+                                                 size_t first, size_t count) {
+  const std::string prefix = absl::StrCat("view of store ", address_, ": ");
+  if (first > pinned.sources.size() || count > pinned.sources.size() - first) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, "blocks [", first, ", ", first + count,
+                                                   ") of ", pinned.sources.size(), " pinned"));
+  }
+  std::shared_ptr<ArenaMapping> mapped;
+  bool known = false;
+  {
+    std::lock_guard lk(mapping_mu_);
+    mapped = mapping_;
+    known = lane_connected_;
+  }
+  if (!known && options_.shared_memory != DataClientOptions::SharedMemory::kOff) {
+    // No lane has connected yet, so whether the store is mapped here is not
+    // known: connect one (what a read would do first), which maps it.
+    auto connected = Connect().get();
+    if (!connected.ok()) return Prefixed(connected.status(), prefix);
+    std::lock_guard lk(mapping_mu_);
+    mapped = mapping_;
+  }
+  if (!mapped || pinned.instance == 0 || mapped->instance() != pinned.instance) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(prefix, "its arena is not mapped in this process; read the blocks instead"));
+  }
+  if (std::chrono::steady_clock::now() >= pinned.expires) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        prefix, "lease ", pinned.lease, " expired before the view; pin the blocks again"));
+  }
+  BlockViews out;
+  out.blocks.reserve(count);
+  out.checksums.reserve(count);
+  for (size_t i = first; i < first + count; ++i) {
+    const uint8_t* at = mapped->At(pinned.sources[i].remote_addr, block_bytes);
+    if (at == nullptr) {
+      return absl::InternalError(
+          absl::StrCat(prefix, "the store placed block ", i, " outside its arena"));
+    }
+    out.blocks.push_back(at);
+    out.checksums.push_back(pinned.sources[i].checksum);
+    if (pinned.sources[i].from_disk) out.from_disk++;
+  }
+  out.regions.push_back(BlockViews::Region{mapped->local(), mapped->length(), mapped});
+  return out;
+}
+
+std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Connect() {
+  return Start<GetOutcome>(TransferLanes::Class::kLoad, 1, 0,
+                           absl::StrCat("connect to store ", address_, ": "),
+                           [](DataPlaneConnection&, const Deadline&) {
+                             return absl::StatusOr<GetOutcome>(GetOutcome{});
                            });
 }
 

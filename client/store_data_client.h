@@ -109,6 +109,18 @@ class StoreDataClient {
   // its owner releases it once done with every read.
   std::future<absl::StatusOr<GetOutcome>> Read(const PinnedBlocks& pinned, uint64_t block_bytes,
                                                size_t first, size_t count, ReadPlan plan);
+  // Connects a lane now, in the background, as a first transfer would (for
+  // a same-host store, that maps its arena). Never blocks; a failure is
+  // the next operation's to report.
+  void Warm() { Connect(); }
+  // Pinned blocks [first, first + count) in place, where this process maps
+  // the pin's store's arena (a same-host store): no bytes move, and none are
+  // verified (VerifyViews). FAILED_PRECONDITION when the arena is not mapped
+  // here (Read instead: it moves them), or the lease expired;
+  // INVALID_ARGUMENT for a range past the pin; INTERNAL for a block the
+  // store placed outside its arena.
+  absl::StatusOr<BlockViews> View(const PinnedBlocks& pinned, uint64_t block_bytes, size_t first,
+                                  size_t count);
   // Ends a pin (0: none). Never blocks (see the header comment).
   void Release(uint64_t lease);
 
@@ -135,6 +147,8 @@ class StoreDataClient {
                                        const std::vector<PutBlock>& blocks);
   absl::StatusOr<PinnedBlocks> PinBy(std::chrono::system_clock::time_point deadline, uint64_t ns,
                                      uint64_t block_bytes, const std::vector<BlockHash>& chain);
+  // A lane job that connects and does nothing else (Warm, View's probe).
+  std::future<absl::StatusOr<GetOutcome>> Connect();
   // The read protocol over a lane's connection, or over the mapped arena on
   // the caller's thread (store_data_client.cc's MappedReads).
   template <typename Transport>
@@ -175,6 +189,7 @@ class StoreDataClient {
   // instance are memcpys on the caller's thread, with no lane hand-off.
   std::mutex mapping_mu_;
   std::shared_ptr<ArenaMapping> mapping_;  // guarded by mapping_mu_
+  bool lane_connected_ = false;            // a lane has connected (so mapping_ is known)
 
   // The connections control calls travel on, on the callers' threads: each
   // has its own UCX worker (connected on first use; it maps no arena) and

@@ -4,6 +4,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <vector>
@@ -109,6 +110,7 @@ class HostCopier final : public PageCopier {
     return absl::OkStatus();  // host memory is all this copier ever touches
   }
   absl::Status RegisterHost(void*, size_t) override { return absl::OkStatus(); }
+  void UnregisterHost(void*) override {}
   absl::Status Copy(bool gather, const KvLayout& l, const PageMemory& m, uint32_t layer_begin,
                     uint32_t layer_end, const uint32_t* pages, size_t count,
                     uint8_t* const* blocks) override {
@@ -161,6 +163,13 @@ class CudaCopier final : public PageCopier {
     std::lock_guard lk(mu_);
     registered_.push_back(p);
     return absl::OkStatus();
+  }
+  void UnregisterHost(void* p) override {
+    std::lock_guard lk(mu_);
+    auto it = std::find(registered_.begin(), registered_.end(), p);
+    if (it == registered_.end()) return;
+    registered_.erase(it);
+    m_->host_unregister(c_, p);
   }
 
   absl::Status Copy(bool gather, const KvLayout& l, const PageMemory& m, uint32_t layer_begin,

@@ -31,6 +31,9 @@ class PageCopier {
   // Makes host [p, p + n) reachable by the copies (pinned and mapped for a
   // GPU); undone by the copier's destruction. Block buffers must lie in it.
   virtual absl::Status RegisterHost(void* p, size_t n) = 0;
+  // Undoes RegisterHost(p, ...) once no copy reads or writes it; a p not
+  // registered is ignored.
+  virtual void UnregisterHost(void* p) = 0;
   // gather: page pages[i]'s layers [layer_begin, layer_end) into blocks[i]
   // (layer-major, layout.block_bytes()); else blocks[i] into the pages.
   virtual absl::Status Copy(bool gather, const KvLayout& layout, const PageMemory& memory,

@@ -115,6 +115,12 @@ class EngineMemory
     return c.ok() ? std::move(*c) : nullptr;
   }
 
+  // The page copier reads the blocks in place: a staged variant whose
+  // store is mapped here.
+  static bool InPlace() {
+    return std::string(std::get<1>(GetParam())) == "mapped" && *std::get<2>(GetParam()) != 0;
+  }
+
   testing::TempDir dir_;
   std::unique_ptr<ServerProcess> store_;
 };
@@ -155,6 +161,120 @@ TEST_P(EngineMemory, BlocksSavedFromOneEnginesPagesLoadIntoAnothersLayerByLayer)
   for (uint32_t p : {1u, 3u, 5u, 6u, 7u, 8u, 9u, 11u}) EXPECT_TRUE(b_cache.Zero(p)) << "page " << p;
   b->Finished(2);
   EXPECT_EQ(b->stats().loaded_blocks, 4u);
+  // A page copier reads a mapped store's blocks in place (no staging); the
+  // other paths move them.
+  EXPECT_EQ(b->stats().in_place_blocks, InPlace() ? 4u : 0u);
+}
+
+// A byte flipped in the store's copy of block 2 (its RAM, read through the
+// arena mapped here): the load keeps the two verified blocks before it,
+// fails from it on, and the store drops the corrupt block, so the next
+// lookup ends before it instead of failing on it again.
+TEST_P(EngineMemory, ACorruptBlockInTheStoreEndsTheLoadAndTheStoreDropsIt) {
+  EngineCache a_cache(std::get<0>(GetParam())), b_cache(std::get<0>(GetParam()));
+  auto a = Make(a_cache);
+  auto b = Make(b_cache);
+  ASSERT_TRUE(a && b);
+  const auto chain = Chain(4, 11);
+  for (uint32_t i = 0; i < 4; ++i) a_cache.Fill(i, 40 + i);
+  ASSERT_TRUE(a->Lookup(1, chain, 0).ok());
+  ASSERT_TRUE(a->SaveFrom(1, 0, {0, 1, 2, 3}).ok());
+  ASSERT_TRUE(a->WaitForSave(1).ok());
+  a->Finished(1);
+  {
+    DataClientOptions o;
+    o.shared_memory = DataClientOptions::SharedMemory::kOn;
+    ShardedStoreClient raw({store_->address()}, o);
+    auto ns = raw.RegisterNamespace(Spec());
+    ASSERT_TRUE(ns.ok()) << ns.status();
+    auto pin = raw.Pin(ns->id, ns->block_bytes, chain);
+    ASSERT_TRUE(pin.ok()) << pin.status();
+    ASSERT_EQ(pin->blocks, 4u);
+    auto views = raw.View(*pin, ns->block_bytes, 0, 4);
+    ASSERT_TRUE(views.ok()) << views.status();
+    EXPECT_EQ(VerifyViews(*views, ns->block_bytes, 2), 4u);
+    const_cast<uint8_t*>(views->blocks[2])[kChunk + 3] ^= 0x5a;  // layer 0's V chunk
+    EXPECT_EQ(VerifyViews(*views, ns->block_bytes, 2), 2u);
+    raw.Release(*pin);
+  }
+  auto m = b->Lookup(2, chain, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->store_blocks, 4u);
+  ASSERT_TRUE(b->StartLoadInto(2, {8, 9, 10, 11}).ok());
+  auto loaded = b->WaitForLoad(2);
+  if (InPlace()) {
+    // Verified block by block: the two before the corrupt one are kept.
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    EXPECT_EQ(*loaded, 2u);
+    EXPECT_TRUE(b_cache.Same(8, a_cache, 0));
+    EXPECT_TRUE(b_cache.Same(9, a_cache, 1));
+  } else {
+    // One read of the four: its checksum verdict fails it whole.
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss) << loaded.status();
+  }
+  b->Finished(2);
+  const worker::ConnectorStats st = b->stats();
+  EXPECT_EQ(st.load_failures, 1u);
+  EXPECT_EQ(st.loaded_blocks, InPlace() ? 2u : 0u);
+  EXPECT_EQ(st.corrupt_dropped, 1u) << "the store drops the corrupt block, no more";
+  m = b->Lookup(3, chain, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->store_blocks, 2u) << "the corrupt block is gone from the store";
+  b->Finished(3);
+}
+
+// The store is killed between a request's pin and its load: the load ends
+// with a verdict by its deadline (in place, the arena this process maps
+// still holds the pinned bytes, and they verify; over the data plane the
+// read fails), and once a store is back the connector saves and loads
+// again.
+TEST_P(EngineMemory, AStoreKilledUnderAPinnedLoadLeavesAVerdictAndTheConnectorServing) {
+  EngineCache a_cache(std::get<0>(GetParam())), b_cache(std::get<0>(GetParam()));
+  auto a = Make(a_cache);
+  auto b = Make(b_cache);
+  ASSERT_TRUE(a && b);
+  const auto chain = Chain(3, 23);
+  for (uint32_t i = 0; i < 3; ++i) a_cache.Fill(i, 60 + i);
+  ASSERT_TRUE(a->Lookup(1, chain, 0).ok());
+  ASSERT_TRUE(a->SaveFrom(1, 0, {0, 1, 2}).ok());
+  ASSERT_TRUE(a->WaitForSave(1).ok());
+  a->Finished(1);
+  auto m = b->Lookup(2, chain, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->store_blocks, 3u);
+  store_->proc().Kill(SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(b->StartLoadInto(2, {4, 5, 6}).ok());
+  auto loaded = b->WaitForLoad(2);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(8));
+  if (InPlace()) {
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    EXPECT_EQ(*loaded, 3u);
+    for (uint32_t i = 0; i < 3; ++i) EXPECT_TRUE(b_cache.Same(4 + i, a_cache, i));
+  } else {
+    EXPECT_FALSE(loaded.ok()) << "a read from a dead store";
+  }
+  b->Finished(2);
+
+  store_->Start();  // empty, on a new port: connectors for it
+  ASSERT_GT(store_->port(), 0) << store_->Log();
+  auto a2 = Make(a_cache);
+  ASSERT_TRUE(a2);
+  ASSERT_TRUE(a2->Lookup(3, chain, 0).ok());
+  ASSERT_TRUE(a2->SaveFrom(3, 0, {0, 1, 2}).ok());
+  ASSERT_TRUE(a2->WaitForSave(3).ok());
+  a2->Finished(3);
+  auto b2 = Make(b_cache);
+  ASSERT_TRUE(b2);
+  m = b2->Lookup(4, chain, 0);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->store_blocks, 3u);
+  ASSERT_TRUE(b2->StartLoadInto(4, {8, 9, 10}).ok());
+  loaded = b2->WaitForLoad(4);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, 3u);
+  for (uint32_t i = 0; i < 3; ++i) EXPECT_TRUE(b_cache.Same(8 + i, a_cache, i));
+  b2->Finished(4);
 }
 
 TEST_P(EngineMemory, BadPagesAndCallsOfTheOtherModeAreRefusedAndChangeNothing) {

@@ -83,6 +83,10 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   }
   // A store that is down now is registered with on first use instead.
   if (c->store_) c->registered_ = c->store_->RegisterNamespace(o.spec).ok();
+  // A page copier reads a same-host store's blocks in place, through its
+  // arena mapped by a connected lane: connect now, in the background, so
+  // the first load finds it mapped (and pays no connect).
+  if (c->store_ && c->copier_) c->store_->Warm();
   KvConnector* self = c.get();
   if (c->pool_) {
     c->pool_->SetEvictCallback([self](const BlockHash& h, uint32_t page) {

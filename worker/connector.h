@@ -58,8 +58,13 @@
 //   WaitForSave / Finished
 // Begin, AllocateForCompute, Save and pool() are for the first mode only
 // (FAILED_PRECONDITION otherwise), Lookup, StartLoadInto and SaveFrom for
-// the second. Engine memory is host memory in this version, and takes plain
-// blocks only (kv_wire int8 needs the pool).
+// the second. Engine memory takes plain blocks only (kv_wire int8 needs the
+// pool). It is host memory the connector reads and writes itself, or memory
+// it reaches through a page copier (ConnectorOptions::page_copier: a GPU's).
+// With a copier, a load from a same-host store whose arena is mapped here
+// is read in place: the copier reads each block where the store holds it,
+// other threads verify the checksums meanwhile, and the layers are reported
+// in once all are verified; elsewhere it goes through the staging memory.
 //
 // Implementation, one concept per file: connector.cc (construction, the
 // request table, matching), connector_load.cc (onboard), connector_offload.cc
@@ -112,11 +117,13 @@ struct ConnectorOptions {
   // Engine mode: how the connector reaches the engine's pages. Empty: they
   // are host memory it reads and writes itself (loads land in them by RMA).
   // "cuda" / "cuda:N": they are on that GPU; "host": host memory reached
-  // the same way as a GPU's (the staged path, gpu/page_copier.h). Staged,
-  // every load lands in the load half of the staging memory (registered
-  // with the data plane and pinned for the GPU) and is copied into the
-  // pages layer by layer as the layers arrive; every save is copied from
-  // the pages into the offload half before SaveFrom returns.
+  // the same way as a GPU's (gpu/page_copier.h). From a store whose arena
+  // is mapped here, a load is copied into the pages in place (the arena is
+  // registered with the copier on first use: pinned for a GPU); otherwise
+  // it lands in the load half of the staging memory (registered with the
+  // data plane and pinned for the GPU) and is copied into the pages layer
+  // by layer as the layers arrive. Every save is copied from the pages into
+  // the offload half before SaveFrom returns.
   std::string page_copier;
 };
 
@@ -143,6 +150,9 @@ struct ConnectorStats {
   uint64_t staging_in_use = 0, staging_peak = 0, staging_blocks = 0;  // offload staging
   uint64_t load_staging_peak = 0;                                     // load staging
   uint64_t corrupt_dropped = 0;  // blocks that failed their checksum and the store dropped
+  // Of loaded_blocks, read by the page copier in place from a store's arena
+  // mapped here (no staging).
+  uint64_t in_place_blocks = 0;
   LoadTimes load_times;          // summed over loads
   TransferTimes offload_times;   // summed over offload batches
   double offload_gather_ms = 0;  // gathering (and packing) pages into staging
@@ -319,6 +329,17 @@ class KvConnector {
   // Through the load half of the staging memory, unpacked (int8) or copied
   // by the page copier into the pages as each layer lands.
   absl::StatusOr<uint32_t> LoadStaged(Request* r, const std::vector<uint32_t>& pages);
+  // In place, where this process maps the store's arena: the page copier
+  // reads each block where the store holds it (no staging, no copy on the
+  // CPU) while other threads sum the blocks' checksums; the layers are
+  // reported in once every block is verified. FAILED_PRECONDITION, with
+  // nothing moved, when the store is not mapped here or the copier cannot
+  // reach its arena: the caller loads staged instead.
+  absl::StatusOr<uint32_t> LoadInPlace(Request* r, const std::vector<uint32_t>& pages);
+  // Makes the arenas `views` lie in reachable by the copier (registered once
+  // each), and lets go of arenas no longer mapped; FAILED_PRECONDITION for
+  // one the copier refused (it is not tried again).
+  absl::Status ReachArenas(const BlockViews& views);
   // page's bytes (all layers) into the staging slot at dst: packed, by the
   // page copier, or copied here.
   absl::Status GatherInto(uint32_t page, uint8_t* dst);
@@ -381,6 +402,15 @@ class KvConnector {
   std::unique_ptr<PagePool> pool_;  // null in engine mode
   gpu::PageMemory memory_;          // the pages: the pool's or the engine's
   std::unique_ptr<gpu::PageCopier> copier_;  // engine memory reached by copies (a GPU's)
+  // Store arenas mapped here that copier_ reaches (registered with it), and
+  // the ones it refused; each entry keeps its mapping alive. arenas_mu_.
+  struct ReachedArena {
+    uint8_t* base;
+    std::shared_ptr<const void> keep;
+    bool refused;
+  };
+  std::mutex arenas_mu_;
+  std::vector<ReachedArena> arenas_;
   std::unique_ptr<ShardedStoreClient> store_;
   std::mutex publishers_mu_;  // publishers_
   std::vector<BlockEventSink*> publishers_;

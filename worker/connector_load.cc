@@ -8,9 +8,12 @@
 // request's path (client/store_data_client.h). WaitForLayer and WaitForLoad
 // hand over progress and the outcome.
 #include <algorithm>
+#include <future>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/elapsed.h"
+#include "common/log.h"
 #include "worker/connector.h"
 
 namespace kvtier::worker {
@@ -150,9 +153,18 @@ absl::StatusOr<uint32_t> KvConnector::Load(Request* r) {
     if (!p) break;
     pages.push_back(*p);
   }
-  auto got = pages.empty()        ? absl::StatusOr<uint32_t>(0u)
-             : packed_ || copier_ ? LoadStaged(r, pages)
-                                  : LoadDirect(r, pages);
+  absl::StatusOr<uint32_t> got = 0u;
+  if (!pages.empty() && copier_ && !packed_) {
+    got = LoadInPlace(r, pages);
+    if (got.ok()) {
+      std::lock_guard sl(stats_mu_);
+      stats_.in_place_blocks += *got;
+    } else if (got.status().code() == absl::StatusCode::kFailedPrecondition) {
+      got = LoadStaged(r, pages);  // not mapped here: nothing moved yet
+    }
+  } else if (!pages.empty()) {
+    got = packed_ ? LoadStaged(r, pages) : LoadDirect(r, pages);
+  }
   store_->Release(r->pin);  // after every transfer, whatever the outcome
   const uint32_t done = got.ok() ? *got : r->loaded;
   if (!got.ok() && got.status().code() == absl::StatusCode::kDataLoss) {
@@ -217,6 +229,70 @@ absl::StatusOr<uint32_t> KvConnector::LoadDirect(Request* r, const std::vector<u
   std::lock_guard lk(mu_);
   r->loaded_from_disk = got->from_disk;
   return got->blocks;
+}
+
+absl::Status KvConnector::ReachArenas(const BlockViews& views) {
+  std::lock_guard lk(arenas_mu_);
+  // An arena only this list still holds is no longer mapped by the store
+  // client (the store restarted) and no load reads it: let it go.
+  for (auto it = arenas_.begin(); it != arenas_.end();) {
+    if (it->keep.use_count() == 1) {
+      if (!it->refused) copier_->UnregisterHost(it->base);
+      it = arenas_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (const BlockViews::Region& region : views.regions) {
+    auto known = std::find_if(arenas_.begin(), arenas_.end(),
+                              [&](const ReachedArena& a) { return a.base == region.base; });
+    if (known == arenas_.end()) {
+      absl::Status s = copier_->RegisterHost(region.base, region.length);
+      if (!s.ok()) {
+        Log("worker", "the page copier cannot reach the store's mapped arena (", region.length,
+            " bytes); loads go through staging: ", s.ToString());
+      }
+      known = arenas_.insert(arenas_.end(), ReachedArena{region.base, region.keep, !s.ok()});
+    }
+    if (known->refused) {
+      return absl::FailedPreconditionError("the page copier cannot reach the store's arena");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint32_t> KvConnector::LoadInPlace(Request* r, const std::vector<uint32_t>& pages) {
+  const auto n = static_cast<uint32_t>(pages.size());
+  auto views = store_->View(r->pin, wire_bytes_, 0, n);
+  if (!views.ok()) return views.status();
+  if (auto s = ReachArenas(*views); !s.ok()) return s;
+  // Checksums on other threads, beside the copy (host memory bandwidth is
+  // shared by the two; the copy's reads go over the bus for a GPU).
+  static const int kSumThreads =
+      static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u));
+  const auto start = std::chrono::steady_clock::now();
+  auto verified =
+      std::async(std::launch::async, [&] { return VerifyViews(*views, wire_bytes_, kSumThreads); });
+  std::vector<uint8_t*> blocks;
+  blocks.reserve(n);
+  // The copier reads them only (a scatter); its interface is shared with gathers.
+  for (const uint8_t* b : views->blocks) blocks.push_back(const_cast<uint8_t*>(b));
+  absl::Status copied = copier_->Copy(/*gather=*/false, layout_, memory_, 0, layout_.layers,
+                                      pages.data(), n, blocks.data());
+  const double copy_ms = MsSince(start);
+  const size_t good = verified.get();
+  r->load_times.scatter_ms += copy_ms;
+  r->load_times.transfer.checksum_ms += std::max(0.0, MsSince(start) - copy_ms);
+  if (!copied.ok()) return copied;  // the copier's error: nothing counts as loaded
+  std::lock_guard lk(mu_);
+  r->loaded_from_disk += views->from_disk;
+  if (good < n) {
+    r->loaded = static_cast<uint32_t>(good);  // the verified leading blocks are kept
+    return absl::DataLossError(absl::StrCat("block ", good, " of the load failed its checksum ",
+                                            "in the store's mapped arena; not used"));
+  }
+  r->loaded = n;
+  return n;
 }
 
 absl::StatusOr<uint32_t> KvConnector::LoadStaged(Request* r, const std::vector<uint32_t>& pages) {

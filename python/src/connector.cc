@@ -136,6 +136,7 @@ class EngineConnector {
     d["staging_peak"] = s.staging_peak;
     d["staging_blocks"] = s.staging_blocks;
     d["corrupt_dropped"] = s.corrupt_dropped;
+    d["in_place_blocks"] = s.in_place_blocks;
     d["offload_batches"] = s.offload_batches;
     d["offload_round_trips"] = s.offload_round_trips;
     d["offloaded_bytes"] = s.offloaded_bytes;

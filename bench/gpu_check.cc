@@ -406,8 +406,12 @@ bool CheckStore(const Args& a, gpu::CudaDevice* dev, uint64_t tokens, uint64_t s
               gbs(leg_out_s) / gbs(d2h_s), ", \"load_scatter_ms\": ", stats.load_times.scatter_ms,
               ", \"load_rma_ms\": ", stats.load_times.transfer.rma_ms,
               ", \"load_checksum_ms\": ", stats.load_times.transfer.checksum_ms,
-              ", \"save_gather_ms\": ", stats.offload_gather_ms, ", \"in_place_blocks\": ",
-              stats.in_place_blocks - in_place_before, ", \"first_load_s\": ", first_load_s, "}"));
+              ", \"save_gather_ms\": ", stats.offload_gather_ms,
+              ", \"in_place_blocks\": ", stats.in_place_blocks - in_place_before,
+              ", \"in_place_saved\": ", stats.in_place_saved,
+              ", \"save_checksum_ms\": ", stats.offload_times.checksum_ms,
+              ", \"save_control_ms\": ", stats.offload_times.control_ms,
+              ", \"first_load_s\": ", first_load_s, "}"));
   return same;
 }
 

@@ -64,6 +64,12 @@ grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPut
   RpcTimer t(fence_, Histogram("BeginPut"));
   Caller caller;
   if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  // A caller that stopped waiting (a writer's short budget, spent while this
+  // store was stalled) would never commit or abort what this reserved: the
+  // slots would stay busy to every other writer until the lease expired.
+  if (ctx->deadline() <= std::chrono::system_clock::now()) {
+    return t.Done(absl::DeadlineExceededError("BeginPut arrived after its deadline"));
+  }
   return t.Done(DoBeginPut(caller, OwnerOf(*ctx, caller), *req, resp));
 }
 

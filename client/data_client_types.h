@@ -156,6 +156,32 @@ struct BlockViews {
   std::vector<Region> regions;
 };
 
+// A put whose writer fills the store's slots itself, where this process
+// maps the store's arena (StoreDataClient::Reserve): the writer copies each
+// reserved block's bytes into its slot, then commits them (with their
+// checksums) or aborts. Slots stay reserved until then, or until the
+// store's lease on them expires.
+struct Reservation {
+  // Per block asked for, in order: where its bytes go, or nullptr (not
+  // reserved: the store has it, another writer has it in flight, or the
+  // store had no room).
+  std::vector<uint8_t*> slots;
+  uint32_t already_present = 0, busy = 0, no_space = 0;
+  struct Lease {
+    size_t shard = 0;
+    uint64_t id = 0;
+    std::vector<size_t> blocks;  // the reserved blocks' indices, in commit order
+  };
+  std::vector<Lease> leases;                // one per store that reserved any
+  std::vector<BlockViews::Region> regions;  // the mapped arenas the slots lie in
+  double control_ms = 0;                    // BeginPut's round trip (the slowest store's)
+};
+
+// XXH3-64 of each block (block_bytes each), on up to `threads` threads at
+// once (the caller's among them).
+std::vector<uint64_t> SumBlocks(const std::vector<const uint8_t*>& blocks, uint64_t block_bytes,
+                                int threads);
+
 // The leading blocks of `views` whose bytes (block_bytes each) match their
 // checksums, summed on up to `threads` threads at once (the caller's among
 // them): a large view is read at memory speed by each. Every block is

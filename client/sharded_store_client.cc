@@ -377,8 +377,71 @@ absl::StatusOr<ShardedPin> ShardedStoreClient::Pin(
   return pin;
 }
 
-void ShardedStoreClient::Warm() {
-  for (auto& shard : shards_) shard->Warm();
+absl::StatusOr<Reservation> ShardedStoreClient::Reserve(
+    uint64_t ns, uint64_t block_bytes, const std::vector<BlockHash>& hashes,
+    std::optional<std::chrono::milliseconds> budget) {
+  std::vector<std::vector<size_t>> parts = ByShard(ns, hashes, addresses_);
+  Reservation out;
+  out.slots.assign(hashes.size(), nullptr);
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (parts[s].empty()) continue;
+    absl::Status admitted = Admit(s);
+    absl::StatusOr<Reservation> r =
+        admitted.ok() ? shards_[s]->Reserve(ns, block_bytes, Select(hashes, parts[s]), budget)
+                      : absl::StatusOr<Reservation>(admitted);
+    if (!r.ok()) {
+      // A missed budget says the shard is slow right now, not unreachable.
+      if (!budget || r.status().code() != absl::StatusCode::kDeadlineExceeded) {
+        Note(s, r.status());
+      }
+      Abort(out);
+      return r.status();
+    }
+    Note(s, absl::OkStatus());
+    for (size_t k = 0; k < parts[s].size(); ++k) out.slots[parts[s][k]] = r->slots[k];
+    for (Reservation::Lease& lease : r->leases) {
+      lease.shard = s;
+      for (size_t& b : lease.blocks) b = parts[s][b];
+      out.leases.push_back(std::move(lease));
+    }
+    out.already_present += r->already_present;
+    out.busy += r->busy;
+    out.no_space += r->no_space;
+    out.control_ms = std::max(out.control_ms, r->control_ms);
+    for (auto& region : r->regions) out.regions.push_back(std::move(region));
+  }
+  return out;
+}
+
+absl::StatusOr<uint32_t> ShardedStoreClient::Commit(const Reservation& r,
+                                                    const std::vector<uint64_t>& checksums) {
+  uint32_t committed = 0;
+  absl::Status first = absl::OkStatus();
+  for (const Reservation::Lease& lease : r.leases) {
+    std::vector<uint64_t> sums;
+    sums.reserve(lease.blocks.size());
+    for (size_t b : lease.blocks) sums.push_back(b < checksums.size() ? checksums[b] : 0);
+    auto n = shards_[lease.shard]->CommitReserved(lease.id, sums);
+    Note(lease.shard, n.status());
+    if (n.ok()) {
+      committed += *n;
+    } else if (first.ok()) {
+      first = n.status();
+    }
+  }
+  if (!first.ok()) return first;
+  return committed;
+}
+
+void ShardedStoreClient::Abort(const Reservation& r) {
+  for (const Reservation::Lease& lease : r.leases) shards_[lease.shard]->AbortReserved(lease.id);
+}
+
+void ShardedStoreClient::Warm(std::chrono::milliseconds wait) {
+  std::vector<std::future<absl::StatusOr<GetOutcome>>> connects;
+  for (auto& shard : shards_) connects.push_back(shard->Warm());
+  const auto until = std::chrono::steady_clock::now() + wait;
+  for (auto& c : connects) c.wait_until(until);
 }
 
 absl::StatusOr<BlockViews> ShardedStoreClient::View(const ShardedPin& pin, uint64_t block_bytes,

@@ -124,8 +124,23 @@ class ShardedStoreClient {
   // a range past the pinned prefix, else the first failing shard's status.
   absl::StatusOr<BlockViews> View(const ShardedPin& pin, uint64_t block_bytes, uint32_t first,
                                   uint32_t count);
-  // Connects every shard's data plane in the background (StoreDataClient::Warm).
-  void Warm();
+  // StoreDataClient::Reserve of each block on its shard, the shards one
+  // after another (each a round trip of its own; `budget` each). Any
+  // shard's failure gives the other shards' slots back and returns it
+  // (FAILED_PRECONDITION: a shard not mapped here; put instead). A shard
+  // missing the budget counts as no failure of the shard's.
+  absl::StatusOr<Reservation> Reserve(
+      uint64_t ns, uint64_t block_bytes, const std::vector<BlockHash>& hashes,
+      std::optional<std::chrono::milliseconds> budget = std::nullopt);
+  // Commits every lease of `r`, its slots filled; `checksums` per block
+  // asked for (those of unreserved blocks are ignored). The blocks
+  // committed, or the first failing shard's status once all have answered.
+  absl::StatusOr<uint32_t> Commit(const Reservation& r, const std::vector<uint64_t>& checksums);
+  // Gives every lease of `r` back (best effort).
+  void Abort(const Reservation& r);
+  // Connects every shard's data plane (StoreDataClient::Warm), waiting up
+  // to `wait` for them (the connects go on in the background after it).
+  void Warm(std::chrono::milliseconds wait);
   // Ends every shard's pin (asynchronously; never blocks). Idempotent.
   void Release(ShardedPin& pin);
 

@@ -332,21 +332,9 @@ absl::StatusOr<BlockViews> StoreDataClient::View(const PinnedBlocks& pinned, uin
     return absl::InvalidArgumentError(absl::StrCat(prefix, "blocks [", first, ", ", first + count,
                                                    ") of ", pinned.sources.size(), " pinned"));
   }
-  std::shared_ptr<ArenaMapping> mapped;
-  bool known = false;
-  {
-    std::lock_guard lk(mapping_mu_);
-    mapped = mapping_;
-    known = lane_connected_;
-  }
-  if (!known && options_.shared_memory != DataClientOptions::SharedMemory::kOff) {
-    // No lane has connected yet, so whether the store is mapped here is not
-    // known: connect one (what a read would do first), which maps it.
-    auto connected = Connect().get();
-    if (!connected.ok()) return Prefixed(connected.status(), prefix);
-    std::lock_guard lk(mapping_mu_);
-    mapped = mapping_;
-  }
+  auto known = KnownMapping(/*probe=*/true);
+  if (!known.ok()) return Prefixed(known.status(), prefix);
+  std::shared_ptr<ArenaMapping> mapped = std::move(*known);
   if (!mapped || pinned.instance == 0 || mapped->instance() != pinned.instance) {
     return absl::FailedPreconditionError(
         absl::StrCat(prefix, "its arena is not mapped in this process; read the blocks instead"));
@@ -370,6 +358,22 @@ absl::StatusOr<BlockViews> StoreDataClient::View(const PinnedBlocks& pinned, uin
   }
   out.regions.push_back(BlockViews::Region{mapped->local(), mapped->length(), mapped});
   return out;
+}
+
+absl::StatusOr<std::shared_ptr<ArenaMapping>> StoreDataClient::KnownMapping(bool probe) {
+  {
+    std::lock_guard lk(mapping_mu_);
+    if (!probe || lane_connected_ ||
+        options_.shared_memory == DataClientOptions::SharedMemory::kOff) {
+      return mapping_;
+    }
+  }
+  // No lane has connected yet, so whether the store is mapped here is not
+  // known: connect one (what a transfer would do first), which maps it.
+  auto connected = Connect().get();
+  if (!connected.ok()) return connected.status();
+  std::lock_guard lk(mapping_mu_);
+  return mapping_;
 }
 
 std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Connect() {

@@ -109,10 +109,28 @@ class StoreDataClient {
   // its owner releases it once done with every read.
   std::future<absl::StatusOr<GetOutcome>> Read(const PinnedBlocks& pinned, uint64_t block_bytes,
                                                size_t first, size_t count, ReadPlan plan);
+  // A put's first half where this process maps the store's arena (a
+  // same-host store): BeginPut of `hashes` on the caller's thread, by the
+  // deadline or `budget` when sooner, answering each block's slot in the
+  // mapping (Reservation). The caller fills the reserved slots, then
+  // CommitReserved or AbortReserved. FAILED_PRECONDITION when the arena is
+  // not mapped here (Put instead) or the store restarted since it was;
+  // BeginPut's statuses; INTERNAL for an answer of the wrong shape or a
+  // slot outside the arena (then nothing stays reserved).
+  absl::StatusOr<Reservation> Reserve(
+      uint64_t ns, uint64_t block_bytes, const std::vector<BlockHash>& hashes,
+      std::optional<std::chrono::milliseconds> budget = std::nullopt);
+  // CommitPut of a lease Reserve opened, its slots filled: `checksums` are
+  // the reserved blocks' XXH3-64s in commit order. The blocks committed;
+  // CommitPut's statuses (DATA_LOSS: a slot's bytes do not match).
+  absl::StatusOr<uint32_t> CommitReserved(uint64_t lease, const std::vector<uint64_t>& checksums);
+  // Gives a reservation's slots back (best effort: the lease expires anyway).
+  void AbortReserved(uint64_t lease);
+
   // Connects a lane now, in the background, as a first transfer would (for
-  // a same-host store, that maps its arena). Never blocks; a failure is
-  // the next operation's to report.
-  void Warm() { Connect(); }
+  // a same-host store, that maps its arena). Never blocks; ready when the
+  // connect ended (a failure is the next operation's to report, too).
+  std::future<absl::StatusOr<GetOutcome>> Warm() { return Connect(); }
   // Pinned blocks [first, first + count) in place, where this process maps
   // the pin's store's arena (a same-host store): no bytes move, and none are
   // verified (VerifyViews). FAILED_PRECONDITION when the arena is not mapped
@@ -149,6 +167,10 @@ class StoreDataClient {
                                      uint64_t block_bytes, const std::vector<BlockHash>& chain);
   // A lane job that connects and does nothing else (Warm, View's probe).
   std::future<absl::StatusOr<GetOutcome>> Connect();
+  // The store's arena as mapped here (null: not mapped, or not known yet
+  // and `probe` false). With `probe`, connects a lane first if none has
+  // (what a transfer would do first); the connect's error.
+  absl::StatusOr<std::shared_ptr<ArenaMapping>> KnownMapping(bool probe);
   // The read protocol over a lane's connection, or over the mapped arena on
   // the caller's thread (store_data_client.cc's MappedReads).
   template <typename Transport>

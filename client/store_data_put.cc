@@ -1,6 +1,7 @@
 // StoreDataClient's put on one lane: BeginPut (on the data plane where it
 // can travel), the blocks' bytes by RMA, CommitPut right behind them.
 #include <algorithm>
+#include <atomic>
 
 #include "client/data_plane_connection.h"
 #include "client/store_data_detail.h"
@@ -12,6 +13,7 @@
 namespace kvtier {
 
 using store_data_detail::Call;
+using store_data_detail::Prefixed;
 
 namespace {
 
@@ -25,7 +27,115 @@ v1::BeginPutRequest BeginPutOf(uint64_t ns, const std::string& client,
   return req;
 }
 
+v1::BeginPutRequest BeginPutOf(uint64_t ns, const std::string& client,
+                               const std::vector<BlockHash>& hashes) {
+  v1::BeginPutRequest req;
+  req.set_namespace_id(ns);
+  req.set_client_id(client);
+  for (const auto& h : hashes) ToProto(h, req.add_hashes());
+  return req;
+}
+
 }  // namespace
+
+absl::StatusOr<Reservation> StoreDataClient::Reserve(
+    uint64_t ns, uint64_t block_bytes, const std::vector<BlockHash>& hashes,
+    std::optional<std::chrono::milliseconds> budget) {
+  const std::string prefix = absl::StrCat("reserve in store ", address_, ": ");
+  Reservation out;
+  if (hashes.empty()) return out;
+  // No probe: a save does not wait for a connect (Warm makes one early).
+  auto known = KnownMapping(/*probe=*/false);
+  if (!known.ok()) return Prefixed(known.status(), prefix);
+  std::shared_ptr<ArenaMapping> mapped = std::move(*known);
+  if (!mapped) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(prefix, "its arena is not mapped in this process; put the blocks instead"));
+  }
+  auto wait = std::chrono::milliseconds(options_.deadline_ms);
+  if (budget && *budget < wait) wait = *budget;
+  const auto start = std::chrono::steady_clock::now();
+  auto req = BeginPutOf(ns, options_.client_id, hashes);
+  v1::BeginPutResponse resp;
+  // Over gRPC, whose deadline travels with the call: a store that gets it
+  // after the caller gave up refuses it rather than reserve slots nobody
+  // will fill (a data-plane call carries no deadline).
+  if (auto s = Call(control_, &v1::Store::Stub::BeginPut, req, &resp,
+                    std::chrono::system_clock::now() + wait);
+      !s.ok()) {
+    return Prefixed(s, prefix);
+  }
+  out.control_ms = MsSince(start);
+  absl::Status bad = absl::OkStatus();
+  if (resp.targets_size() != static_cast<int>(hashes.size())) {
+    bad = absl::InternalError(absl::StrCat(prefix, "the store answered BeginPut of ", hashes.size(),
+                                           " blocks with ", resp.targets_size(), " targets"));
+  } else if (resp.instance_id() != mapped->instance()) {
+    bad = absl::FailedPreconditionError(
+        absl::StrCat(prefix, "the store restarted since its arena was mapped here"));
+  }
+  out.slots.assign(hashes.size(), nullptr);
+  Reservation::Lease lease{0, resp.lease_id(), {}};
+  for (int i = 0; i < resp.targets_size() && bad.ok(); ++i) {
+    const auto& t = resp.targets(i);
+    switch (t.disposition()) {
+      case v1::PUT_RESERVED:
+        out.slots[i] =
+            t.length() == block_bytes ? mapped->At(t.remote_addr(), block_bytes) : nullptr;
+        if (out.slots[i] == nullptr) {
+          bad = absl::InternalError(absl::StrCat(prefix, "the store reserved block ", i,
+                                                 " a slot outside its arena or of ", t.length(),
+                                                 " bytes, not ", block_bytes));
+        }
+        lease.blocks.push_back(static_cast<size_t>(i));
+        break;
+      case v1::PUT_ALREADY_PRESENT:
+        out.already_present++;
+        break;
+      case v1::PUT_BUSY:
+        out.busy++;
+        break;
+      default:
+        out.no_space++;
+        break;
+    }
+  }
+  if (!bad.ok()) {
+    if (resp.lease_id() != 0) AbortReserved(resp.lease_id());
+    return bad;
+  }
+  if (!lease.blocks.empty()) out.leases.push_back(std::move(lease));
+  out.regions.push_back(BlockViews::Region{mapped->local(), mapped->length(), mapped});
+  return out;
+}
+
+absl::StatusOr<uint32_t> StoreDataClient::CommitReserved(uint64_t lease,
+                                                         const std::vector<uint64_t>& checksums) {
+  // The slots were written through this process's mapping (by a copy
+  // kernel or memcpy, complete before this call): a sequentially consistent
+  // read-modify-write orders them before the commit is sent.
+  static std::atomic<uint32_t> fences{0};
+  fences.fetch_add(1, std::memory_order_seq_cst);
+  v1::CommitPutRequest commit;
+  commit.set_lease_id(lease);
+  for (uint64_t c : checksums) commit.add_checksums(c);
+  v1::CommitPutResponse cr;
+  const auto deadline =
+      std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms);
+  if (auto s = Call(control_, &v1::Store::Stub::CommitPut, commit, &cr, deadline); !s.ok()) {
+    return Prefixed(s, absl::StrCat("commit to store ", address_, ": "));
+  }
+  return cr.committed();
+}
+
+void StoreDataClient::AbortReserved(uint64_t lease) {
+  v1::AbortPutRequest abort;
+  abort.set_lease_id(lease);
+  v1::AbortPutResponse ar;
+  const auto deadline =
+      std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms);
+  Call(control_, &v1::Store::Stub::AbortPut, abort, &ar, deadline).IgnoreError();
+}
 
 absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
                                                       const Deadline& deadline, uint64_t ns,

@@ -220,18 +220,17 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
   return out;
 }
 
-size_t VerifyViews(const BlockViews& views, uint64_t block_bytes, int threads) {
-  const size_t n = views.blocks.size();
+std::vector<uint64_t> SumBlocks(const std::vector<const uint8_t*>& blocks, uint64_t block_bytes,
+                                int threads) {
+  const size_t n = blocks.size();
   // Below a few MiB a thread's start costs more than it saves.
   constexpr uint64_t kBytesPerThread = 4ull << 20;
   const uint64_t by_size = std::max<uint64_t>(1, n * block_bytes / kBytesPerThread);
   const size_t parts = static_cast<size_t>(
       std::min<uint64_t>({by_size, static_cast<uint64_t>(std::max(threads, 1)), n == 0 ? 1 : n}));
-  std::vector<uint8_t> good(n, 0);
+  std::vector<uint64_t> sums(n, 0);
   auto sum = [&](size_t part) {
-    for (size_t i = part; i < n; i += parts) {  // interleaved: a bad block is found by any part
-      good[i] = Checksum(views.blocks[i], block_bytes) == views.checksums[i];
-    }
+    for (size_t i = part; i < n; i += parts) sums[i] = Checksum(blocks[i], block_bytes);
   };
   std::vector<std::thread> helpers;
   for (size_t p = 1; p < parts; ++p) {
@@ -243,8 +242,16 @@ size_t VerifyViews(const BlockViews& views, uint64_t block_bytes, int threads) {
   }
   sum(0);
   for (auto& t : helpers) t.join();
+  return sums;
+}
+
+size_t VerifyViews(const BlockViews& views, uint64_t block_bytes, int threads) {
+  const std::vector<uint64_t> sums = SumBlocks(views.blocks, block_bytes, threads);
   size_t leading = 0;
-  while (leading < n && good[leading] != 0) ++leading;
+  while (leading < sums.size() && leading < views.checksums.size() &&
+         sums[leading] == views.checksums[leading]) {
+    ++leading;
+  }
   return leading;
 }
 

@@ -110,6 +110,7 @@ class EngineMemory
                                : DataClientOptions::SharedMemory::kOff;
     o.engine_memory = cache.memory;
     o.page_copier = std::get<2>(GetParam());
+    o.reserve_budget_ms = 5000;  // in place, however busy the host (the counts say so)
     auto c = worker::KvConnector::Create(o);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
@@ -142,6 +143,8 @@ TEST_P(EngineMemory, BlocksSavedFromOneEnginesPagesLoadIntoAnothersLayerByLayer)
   ASSERT_TRUE(a->WaitForSave(1).ok());
   a->Finished(1);
   EXPECT_EQ(a->stats().offloaded_blocks, 6u);
+  EXPECT_EQ(a->stats().in_place_saved, InPlace() ? 6u : 0u)
+      << "a page copier gathers into a mapped store's slots";
   for (size_t i = 0; i < a_pages.size(); ++i) a_cache.Fill(a_pages[i], 100 + i);  // for comparing
 
   // B has block 0 in its own prefix cache and loads blocks 1..4 of the 5 found.
@@ -400,6 +403,60 @@ TEST(EngineMemorySaves, ASaveNeverWaitsForAStalledStoreItDropsTheOldestQueuedBlo
   c.Finished(1);
   c.Finished(2);
   c.Finished(3);
+}
+
+// Saves through a page copier to a mapped store go straight into the
+// store's slots (a reservation, then the gather); with the store stalled,
+// the reservation misses its budget and the save goes through the staging
+// instead, which never waits: SaveFrom returns at once, and every block
+// lands once the store answers.
+TEST(EngineMemorySaves, ASaveInPlaceNeverWaitsForAStalledStore) {
+  testing::TempDir dir;
+  auto store = testing::StartLoopbackStore(dir.sub("store"));
+  ASSERT_GT(store->port(), 0) << store->Log();
+  EngineCache cache("blocks_first");
+  for (uint32_t p = 0; p < kPages; ++p) cache.Fill(p, p);
+  worker::ConnectorOptions o;
+  o.spec = Spec();
+  o.num_pages = kPages;
+  o.stores = {store->address()};
+  o.staging_blocks = 8;
+  o.offload_batch = 2;
+  o.data.deadline_ms = 5000;
+  o.data.shared_memory = DataClientOptions::SharedMemory::kOn;
+  o.engine_memory = cache.memory;
+  o.page_copier = "host";
+  auto made = worker::KvConnector::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  auto& c = **made;
+  const auto chain = Chain(4, 5);
+  ASSERT_TRUE(c.Lookup(1, Chain(1, 6), 0).ok());
+  ASSERT_TRUE(c.SaveFrom(1, 0, {11}).ok());
+  ASSERT_TRUE(c.WaitForSave(1).ok());
+  EXPECT_EQ(c.stats().in_place_saved, 1u);
+  ASSERT_TRUE(c.Lookup(2, chain, 0).ok());
+
+  ASSERT_TRUE(store->proc().Stop());
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status saved = c.SaveFrom(2, 0, {0, 1, 2, 3});
+  const auto save_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
+  ::kill(store->proc().pid(), SIGCONT);
+  EXPECT_TRUE(saved.ok()) << saved;
+  EXPECT_LT(save_ms, 1000) << "the save waited for the stalled store";
+  ASSERT_TRUE(c.WaitForSave(2).ok());
+  const worker::ConnectorStats st = c.stats();
+  EXPECT_EQ(st.offloaded_blocks, 5u);
+  EXPECT_EQ(st.in_place_saved, 1u) << "the stalled store's blocks went through the staging";
+  StoreClient control(store->address());
+  auto ns = control.RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  auto held = control.Lookup(ns->id, chain);
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->size(), 4u);
+  c.Finished(1);
+  c.Finished(2);
 }
 
 TEST(EngineMemoryOptions, RegistrationErrorsAreClear) {

@@ -83,10 +83,13 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   }
   // A store that is down now is registered with on first use instead.
   if (c->store_) c->registered_ = c->store_->RegisterNamespace(o.spec).ok();
-  // A page copier reads a same-host store's blocks in place, through its
-  // arena mapped by a connected lane: connect now, in the background, so
-  // the first load finds it mapped (and pays no connect).
-  if (c->store_ && c->copier_) c->store_->Warm();
+  // A page copier reads and writes a same-host store's blocks in place,
+  // through its arena mapped by a connected lane: connect now (waiting a
+  // little: a store that is down or slow is found out by later calls), so
+  // the first load and save find it mapped and pay no connect.
+  if (c->store_ && c->copier_) {
+    c->store_->Warm(std::chrono::milliseconds(std::min(o.data.deadline_ms, 2000)));
+  }
   KvConnector* self = c.get();
   if (c->pool_) {
     c->pool_->SetEvictCallback([self](const BlockHash& h, uint32_t page) {
@@ -96,6 +99,13 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   }
   for (uint32_t i = 0; i < std::max<uint32_t>(1, o.offload_threads); ++i) {
     c->offloaders_.emplace_back([self] { self->OffloadLoop(); });
+  }
+  if (c->store_ && c->copier_) {
+    // Several, so runs' checksums and commits (the store hashes each block
+    // again at commit) overlap each other and the next runs' gathers.
+    for (unsigned i = 0; i < kCommitters; ++i) {
+      c->committers_.emplace_back([self] { self->CommitLoop(); });
+    }
   }
   return c;
 }
@@ -108,7 +118,9 @@ KvConnector::~KvConnector() {
   }
   offload_cv_.notify_all();
   staging_cv_.notify_all();
+  commit_cv_.notify_all();
   for (auto& t : offloaders_) t.join();
+  for (auto& t : committers_) t.join();
   std::vector<uint64_t> ids;
   {
     std::lock_guard lk(mu_);

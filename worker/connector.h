@@ -71,6 +71,7 @@
 // (save and offload), connector_staging.cc (the staging memory both use).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -125,6 +126,10 @@ struct ConnectorOptions {
   // by layer as the layers arrive. Every save is copied from the pages into
   // the offload half before SaveFrom returns.
   std::string page_copier;
+  // A save through a page copier to a store mapped here waits at most this
+  // long for the store to reserve its slots (it goes through the staging
+  // instead, which never waits for the store).
+  int reserve_budget_ms = 50;
 };
 
 // Where a load's time went, in milliseconds.
@@ -153,6 +158,9 @@ struct ConnectorStats {
   // Of loaded_blocks, read by the page copier in place from a store's arena
   // mapped here (no staging).
   uint64_t in_place_blocks = 0;
+  // Of offloaded_blocks, gathered by the page copier straight into a
+  // mapped store's slots (no staging).
+  uint64_t in_place_saved = 0;
   LoadTimes load_times;          // summed over loads
   TransferTimes offload_times;   // summed over offload batches
   double offload_gather_ms = 0;  // gathering (and packing) pages into staging
@@ -368,6 +376,23 @@ class KvConnector {
   // chain (its page unreferenced, counted in offload_dropped_full); false if
   // none is held.
   bool DropOldestHeld();
+  // SaveFrom through a page copier, where this process maps the store's
+  // arena: in runs of offload_batch blocks, reserves the blocks' slots in
+  // the store (BeginPut, within reserve_budget_ms), gathers the pages straight
+  // into them and queues the run for CommitLoop. Returns how many leading
+  // blocks it took (reserved and gathered, or found present); the caller
+  // stages the rest (a store not mapped here, or slow to answer).
+  size_t SaveInPlace(const std::vector<BlockHash>& hashes, const std::vector<uint32_t>& pages,
+                     const std::shared_ptr<SaveState>& waiter);
+  // Committer threads (a quarter of the cores, 2 to 4), and the threads
+  // each sums a run's blocks on (their share of half the cores).
+  static inline const unsigned kCommitters =
+      std::clamp(std::thread::hardware_concurrency() / 4, 2u, 4u);
+  static inline const int kCommitSumThreads =
+      static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / (2 * kCommitters)));
+  // The committers: sum each queued run's slots (on several threads) and
+  // commit them; the waiter hears the outcome.
+  void CommitLoop();
   // The offloader: copies held pages into `slots` (one each) and lets the
   // pages go. REQUIRES: slots.size() == held.size().
   std::vector<Staged> GatherHeld(std::vector<Held> held, const std::vector<uint32_t>& slots);
@@ -450,6 +475,17 @@ class KvConnector {
   }
   bool stop_ = false;
   std::vector<std::thread> offloaders_;
+  // Saves gathered in place into a mapped store's slots, waiting for their
+  // checksums and CommitPut (CommitLoop); staging_mu_, with commit_cv_.
+  struct InPlaceCommit {
+    Reservation reservation;
+    std::vector<BlockHash> hashes;  // per block asked for
+    std::shared_ptr<SaveState> waiter;
+  };
+  std::deque<InPlaceCommit> commit_queue_;
+  uint64_t commits_running_ = 0;  // queued or committing
+  std::condition_variable commit_cv_;
+  std::vector<std::thread> committers_;
 
   mutable std::mutex known_mu_;
   absl::flat_hash_set<BlockHash, BlockHashHasher> known_;

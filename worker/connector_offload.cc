@@ -12,6 +12,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 #include "common/elapsed.h"
 #include "common/log.h"
@@ -177,6 +180,9 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
     stats_.computed_blocks += pages.size();
   }
   if (!store_) return absl::OkStatus();
+  std::vector<BlockHash> hashes;
+  std::vector<uint32_t> todo;   // pages of the blocks the store may lack
+  std::vector<uint32_t> index;  // their block numbers
   for (size_t i = 0; i < pages.size(); ++i) {
     const BlockHash& h = r->chain[first_block + i];
     if (KnownStored(h)) {
@@ -184,17 +190,160 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
       stats_.offload_skipped_known++;
       continue;
     }
-    // The engine reuses its pages once this returns: each block is copied
-    // out now, waiting for a staging slot if the save is larger than the
-    // staging (as vLLM's own save blocks its step until copied).
-    if (!StageForOffload(h, pages[i], r->saves, options_.data.deadline_ms)) {
+    hashes.push_back(h);
+    todo.push_back(pages[i]);
+    index.push_back(first_block + static_cast<uint32_t>(i));
+  }
+  // The engine reuses its pages once this returns: each block is copied
+  // out now, into the store's own slots where it is mapped here, else into
+  // the staging (waiting for a slot if the save is larger than the staging,
+  // as vLLM's own save blocks its step until copied).
+  const size_t in_place = copier_ && !packed_ ? SaveInPlace(hashes, todo, r->saves) : 0;
+  for (size_t i = in_place; i < todo.size(); ++i) {
+    if (!StageForOffload(hashes[i], todo[i], r->saves, options_.data.deadline_ms)) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("no staging memory for block ", first_block + i,
+          absl::StrCat("no staging memory for block ", index[i],
                        " (the store has taken no offload for a while, or the deadline passed): it "
                        "and the blocks after it are not saved"));
     }
   }
   return absl::OkStatus();
+}
+
+size_t KvConnector::SaveInPlace(const std::vector<BlockHash>& hashes,
+                                const std::vector<uint32_t>& pages,
+                                const std::shared_ptr<SaveState>& waiter) {
+  size_t done = 0;
+  while (done < hashes.size()) {
+    const size_t n =
+        std::min<size_t>(hashes.size() - done, std::max<uint64_t>(1, options_.offload_batch));
+    std::vector<BlockHash> run(hashes.begin() + static_cast<long>(done),
+                               hashes.begin() + static_cast<long>(done + n));
+    EnsureRegistered().IgnoreError();  // a failure shows in the reservation's status
+    const std::chrono::milliseconds budget(options_.reserve_budget_ms);
+    auto res = store_->Reserve(ns_, wire_bytes_, run, budget);
+    if (!res.ok() && ForgotNamespace(res.status()))
+      res = store_->Reserve(ns_, wire_bytes_, run, budget);
+    if (!res.ok()) break;  // staged instead: that path never waits on the store
+    if (!ReachArenas(BlockViews{{}, {}, 0, res->regions}).ok()) {
+      store_->Abort(*res);
+      break;
+    }
+    std::vector<uint32_t> gather_pages;
+    std::vector<uint8_t*> slots;
+    for (size_t i = 0; i < n; ++i) {
+      if (res->slots[i] == nullptr) continue;
+      gather_pages.push_back(pages[done + i]);
+      slots.push_back(res->slots[i]);
+    }
+    const auto gather_start = std::chrono::steady_clock::now();
+    absl::Status gathered =
+        slots.empty() ? absl::OkStatus()
+                      : copier_->Copy(/*gather=*/true, layout_, memory_, 0, layout_.layers,
+                                      gather_pages.data(), slots.size(), slots.data());
+    {
+      std::lock_guard sl(stats_mu_);
+      stats_.offload_gather_ms += MsSince(gather_start);
+      stats_.offload_skipped_known += res->already_present;
+    }
+    if (!gathered.ok()) {
+      store_->Abort(*res);
+      Log("worker", "copying ", slots.size(),
+          " pages into the store's slots failed: ", gathered.ToString());
+      break;  // the staged path copies them, or reports the same failure
+    }
+    if (res->no_space > 0) {
+      // As a staged put's: which blocks found no room is for the waiter to hear.
+      std::lock_guard lk(mu_);
+      if (waiter && waiter->status.ok()) {
+        waiter->status = absl::ResourceExhaustedError(
+            absl::StrCat("the store had no room for ", res->no_space, " of ", n, " blocks"));
+      }
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (res->slots[i] == nullptr && res->no_space == 0 && res->busy == 0) NoteStored(run[i]);
+    }
+    if (!slots.empty()) {
+      if (waiter) {
+        std::lock_guard lk(mu_);
+        waiter->pending++;
+      }
+      {
+        std::lock_guard lk(staging_mu_);
+        commit_queue_.push_back(InPlaceCommit{std::move(*res), std::move(run), waiter});
+        commits_running_++;
+      }
+      commit_cv_.notify_one();
+    }
+    done += n;
+  }
+  return done;
+}
+
+void KvConnector::CommitLoop() {
+  for (;;) {
+    InPlaceCommit job;
+    {
+      std::unique_lock lk(staging_mu_);
+      commit_cv_.wait(lk, [&] { return stop_ || !commit_queue_.empty(); });
+      if (commit_queue_.empty()) return;  // stopped with nothing left
+      job = std::move(commit_queue_.front());
+      commit_queue_.pop_front();
+    }
+    const Reservation& res = job.reservation;
+    std::vector<const uint8_t*> filled;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < res.slots.size(); ++i) {
+      if (res.slots[i] == nullptr) continue;
+      filled.push_back(res.slots[i]);
+      which.push_back(i);
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<uint64_t> sums = SumBlocks(filled, wire_bytes_, kCommitSumThreads);
+    const double sum_ms = MsSince(start);
+    std::vector<uint64_t> checksums(res.slots.size(), 0);
+    for (size_t k = 0; k < which.size(); ++k) checksums[which[k]] = sums[k];
+    const auto commit_start = std::chrono::steady_clock::now();
+    auto committed = store_->Commit(res, checksums);
+    const double commit_ms = MsSince(commit_start);
+    uint64_t failures_to_log = 0;
+    {
+      std::lock_guard sl(stats_mu_);
+      stats_.offload_batches++;
+      if (committed.ok()) {
+        stats_.offload_round_trips += 2;  // BeginPut's, CommitPut's
+        stats_.offloaded_bytes += uint64_t{filled.size()} * wire_bytes_;
+        stats_.offloaded_blocks += *committed;
+        stats_.in_place_saved += *committed;
+        stats_.offload_times.control_ms += res.control_ms + commit_ms;
+        stats_.offload_times.checksum_ms += sum_ms;
+      } else {
+        stats_.offload_failures += filled.size();
+        const auto now = std::chrono::steady_clock::now();
+        if (now - last_failure_logged_ >= std::chrono::seconds(1)) {
+          last_failure_logged_ = now;
+          failures_to_log = stats_.offload_failures;
+        }
+      }
+    }
+    if (failures_to_log > 0) {
+      Log("worker", "commit of ", filled.size(), " blocks saved in place failed (", failures_to_log,
+          " failed so far): ", committed.status().ToString());
+    }
+    if (committed.ok()) {
+      for (size_t i : which) NoteStored(job.hashes[i]);
+    }
+    if (job.waiter) {
+      std::lock_guard lk(mu_);
+      job.waiter->pending--;
+      if (!committed.ok() && job.waiter->status.ok()) job.waiter->status = committed.status();
+    }
+    {
+      std::lock_guard lk(staging_mu_);
+      commits_running_--;
+    }
+    drained_cv_.notify_all();
+  }
 }
 
 absl::Status KvConnector::Save(uint64_t request) {
@@ -336,7 +485,8 @@ void KvConnector::OffloadLoop() {
 void KvConnector::Drain() {
   std::unique_lock lk(staging_mu_);
   // drained_cv_ is notified under mu_ changes too; poll briefly to stay simple.
-  while (!offload_queue_.empty() || !held_.empty() || offloads_running_ > 0) {
+  while (!offload_queue_.empty() || !held_.empty() || offloads_running_ > 0 ||
+         commits_running_ > 0) {
     lk.unlock();
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
     lk.lock();

@@ -137,6 +137,7 @@ class EngineConnector {
     d["staging_blocks"] = s.staging_blocks;
     d["corrupt_dropped"] = s.corrupt_dropped;
     d["in_place_blocks"] = s.in_place_blocks;
+    d["in_place_saved"] = s.in_place_saved;
     d["offload_batches"] = s.offload_batches;
     d["offload_round_trips"] = s.offload_round_trips;
     d["offloaded_bytes"] = s.offloaded_bytes;

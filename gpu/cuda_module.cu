@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -80,6 +81,9 @@ struct Region {
 
 struct kvtier_cuda {
   int device = 0;
+  // KVTIER_CUDA_COPY=dma at open: copies go to the copy engines as one
+  // batch of chunk copies (cudaMemcpyBatchAsync) instead of CopyChunks.
+  bool dma = false;
   std::mutex mu;
   std::vector<Lane*> free_lanes;
   std::vector<Lane*> all_lanes;
@@ -156,6 +160,8 @@ kvtier_cuda* kvtier_cuda_open(int device, char* err, size_t err_len) {
   }
   auto* c = new kvtier_cuda();
   c->device = device;
+  const char* how = std::getenv("KVTIER_CUDA_COPY");
+  c->dma = how != nullptr && std::strcmp(how, "dma") == 0;
   return c;
 }
 
@@ -212,6 +218,72 @@ int kvtier_cuda_pointer_device(const void* p) {
   return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
 }
 
+namespace {
+
+// The copy by the copy engines: every (block, layer, K|V) chunk one copy
+// of a batch, in pieces of kBatch copies.
+int CopyByDma(kvtier_cuda* c, const kvtier_cuda_pages* m, int gather, uint32_t layer_begin,
+              uint32_t layer_end, const uint32_t* pages, uint8_t* const* blocks, size_t n,
+              char* err, size_t err_len) {
+#if CUDART_VERSION >= 12080
+  const uint64_t block_span = 2ull * m->layers * m->chunk_bytes;
+  {
+    std::lock_guard<std::mutex> lk(c->mu);
+    for (size_t i = 0; i < n; ++i) {
+      bool found = false;
+      for (const Region& r : c->regions) {
+        found |= blocks[i] >= r.host && blocks[i] + block_span <= r.host + r.bytes;
+      }
+      if (!found) {
+        std::snprintf(err, err_len, "block buffer %zu is not in registered host memory", i);
+        return 1;
+      }
+    }
+  }
+  const size_t count = n * 2 * (layer_end - layer_begin);
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  dsts.reserve(count);
+  srcs.reserve(count);
+  for (size_t i = 0; i < n; ++i) {
+    for (uint32_t l = layer_begin; l < layer_end; ++l) {
+      for (uint32_t kv = 0; kv < 2; ++kv) {
+        uint8_t* blk = blocks[i] + (2ull * l + kv) * m->chunk_bytes;
+        uint8_t* pg = (kv == 0 ? m->k[l] : m->v[l]) + uint64_t{pages[i]} * m->page_stride;
+        dsts.push_back(gather ? blk : pg);
+        srcs.push_back(gather ? pg : blk);
+      }
+    }
+  }
+  std::vector<size_t> sizes(count, m->chunk_bytes);
+  Lane* lane = TakeLane(c, 0, err, err_len);
+  if (lane == nullptr) return 1;
+  constexpr size_t kBatch = 8192;
+  cudaError_t e = cudaSuccess;
+  for (size_t at = 0; at < count && e == cudaSuccess; at += kBatch) {
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t first = 0;
+    e = cudaMemcpyBatchAsync(dsts.data() + at, srcs.data() + at, sizes.data() + at,
+                             std::min(kBatch, count - at), &attr, &first, 1, lane->stream);
+  }
+  if (e != cudaSuccess || (e = cudaStreamSynchronize(lane->stream)) != cudaSuccess) {
+    SetErr(err, err_len, gather ? "gather copies" : "scatter copies", e);
+    GiveLane(c, lane);
+    return 1;
+  }
+  GiveLane(c, lane);
+  return 0;
+#else
+  (void)c, (void)m, (void)gather, (void)layer_begin, (void)layer_end, (void)pages, (void)blocks,
+      (void)n;
+  std::snprintf(err, err_len, "KVTIER_CUDA_COPY=dma needs a module built with CUDA 12.8 or later");
+  return 1;
+#endif
+}
+
+}  // namespace
+
 int kvtier_cuda_copy(kvtier_cuda* c, const kvtier_cuda_pages* m, int gather, uint32_t layer_begin,
                      uint32_t layer_end, const uint32_t* pages, uint8_t* const* blocks, size_t n,
                      char* err, size_t err_len) {
@@ -222,6 +294,7 @@ int kvtier_cuda_copy(kvtier_cuda* c, const kvtier_cuda_pages* m, int gather, uin
     return 1;
   }
   cudaSetDevice(c->device);
+  if (c->dma) return CopyByDma(c, m, gather, layer_begin, layer_end, pages, blocks, n, err, err_len);
   // The call's arguments in one buffer: K and V tables, device addresses of
   // the block buffers, the page list.
   const size_t tables = 2 * m->layers * sizeof(void*);

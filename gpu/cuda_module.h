@@ -10,7 +10,11 @@
  *
  * Memory: pages are device memory; block buffers are host memory registered
  * with kvtier_cuda_host_register (pinned and mapped), read and written by
- * the copy kernels straight over the bus, one launch per call.
+ * the copy kernels straight over the bus, one launch per call; or, with
+ * KVTIER_CUDA_COPY=dma in the environment at kvtier_cuda_open, by the copy
+ * engines, each (block, layer, K|V) chunk one copy of a
+ * cudaMemcpyBatchAsync batch (CUDA 12.8 or later; slower from a store's
+ * 4 KiB-paged arena on an H200, docs/benchmarks.md).
  *
  * Errors: calls that can fail return 0 on success, else nonzero with a
  * message written into err (err_len bytes, NUL-terminated). Thread-safe:

@@ -35,7 +35,7 @@ fi
 export KVTIER_CUDA_MODULE=$module
 scratch=$(mktemp -d)
 LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-store" --listen=127.0.0.1:0 --data-listen=127.0.0.1:0 \
-  --data-dir="$scratch/db" --hugepages=false --ram-bytes=8GiB \
+  --data-dir="$scratch/db" --hugepages=false --ram-bytes=12GiB \
   --port-file="$scratch/port" >"$out/store.log" 2>&1 &
 store=$!
 for _ in $(seq 300); do [[ -s $scratch/port ]] && break; sleep 0.1; done
@@ -48,6 +48,11 @@ fi
 rc=0
 LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-gpu-check" --store="127.0.0.1:$(cat "$scratch/port")" \
   --device=cuda:0 --tokens=4096,32768 --json="$json" || rc=$?
+# Again with the copy engines doing the copies (one batch of chunk copies
+# instead of the copy kernel), new blocks of the same sizes.
+KVTIER_CUDA_COPY=dma LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-gpu-check" \
+  --store="127.0.0.1:$(cat "$scratch/port")" --device=cuda:0 --tokens=4096,32768 \
+  --json="$json" || rc=$?
 python3 "$root/bench/gpu_layer_time.py" 4096 | tee -a "$json" || rc=1
 kill "$store"
 wait "$store" 2>/dev/null

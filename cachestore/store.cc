@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
+#include <system_error>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -224,16 +226,41 @@ absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uin
                                                    checksums.size(), " checksums; the lease has ",
                                                    want, " reserved blocks"));
   }
-  for (size_t i = 0; i < checksums.size() && options_.verify_commits; ++i) {
+  // Every block's hash, on up to kCommitHashThreads threads for a large
+  // commit (a run of 2 MiB blocks took ~10 ms on one).
+  std::vector<uint64_t> actual(options_.verify_commits ? checksums.size() : 0);
+  if (options_.verify_commits) {
+    uint64_t bytes = 0;
+    for (const auto& item : lease->items) bytes += item.second.length;
+    const size_t parts = static_cast<size_t>(std::min<uint64_t>(
+        {kCommitHashThreads, std::max<uint64_t>(1, bytes / kCommitBytesPerThread),
+         std::max<uint64_t>(1, actual.size())}));
+    auto hash = [&](size_t part) {
+      for (size_t i = part; i < actual.size(); i += parts) {
+        const Slot& slot = lease->items[i].second;
+        actual[i] = Checksum(ram_->data(slot), slot.length);
+      }
+    };
+    std::vector<std::thread> helpers;
+    for (size_t p = 1; p < parts; ++p) {
+      try {
+        helpers.emplace_back(hash, p);
+      } catch (const std::system_error&) {  // no thread to be had: hash that part here
+        hash(p);
+      }
+    }
+    hash(0);
+    for (auto& t : helpers) t.join();
+  }
+  for (size_t i = 0; i < actual.size(); ++i) {
     const auto& [key, slot] = lease->items[i];
-    uint64_t actual = Checksum(ram_->data(slot), slot.length);
-    if (actual != checksums[i]) {
+    if (actual[i] != checksums[i]) {
       ReleaseLease(*lease);
       commit_checksum_failures_.fetch_add(1);
       return absl::DataLossError(absl::StrFormat(
           "checksum mismatch on block %d (%s) of lease %d: client says %016x, the bytes in the "
           "slot hash to %016x; no block of the lease was stored",
-          i, ToHex(key.hash), lease_id, checksums[i], actual));
+          i, ToHex(key.hash), lease_id, checksums[i], actual[i]));
     }
   }
   uint32_t committed = 0;

@@ -111,6 +111,11 @@ struct StoreStats {
 
 class Store {
  public:
+  // CommitPut hashes a large commit's blocks (verify_commits) on up to this
+  // many threads, one per kCommitBytesPerThread of them.
+  static constexpr uint64_t kCommitHashThreads = 4;
+  static constexpr uint64_t kCommitBytesPerThread = 8ull << 20;
+
   // INVALID_ARGUMENT for bad options; the tiers' errors otherwise.
   static absl::StatusOr<std::unique_ptr<Store>> Open(const StoreOptions& options);
   ~Store();

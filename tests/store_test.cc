@@ -120,6 +120,40 @@ TEST_F(StoreTest, CommitWithAWrongChecksumStoresNothing) {
   EXPECT_EQ(store_->Stats().checksum_failures, 1u);
 }
 
+// A commit past Store::kCommitBytesPerThread is hashed on several threads:
+// the same verdicts, naming the same block.
+TEST_F(StoreTest, ALargeCommitIsVerifiedOnSeveralThreadsWithTheSameVerdicts) {
+  Open(64 << 20);
+  constexpr uint64_t kN = 400;  // 25 MiB: three hashing threads
+  static_assert(kN * kBlock >= 3 * Store::kCommitBytesPerThread);
+  std::vector<BlockHash> hs;
+  for (uint64_t i = 0; i < kN; ++i) hs.push_back(H(i + 1));
+  auto fill = [&](const BeginPutResult& r) {
+    std::vector<uint64_t> sums;
+    for (uint64_t i = 0; i < kN; ++i) {
+      std::string b = testing::BlockBytesFor(i + 1, kBlock);
+      std::memcpy(store_->ram().data(r.targets[i].slot), b.data(), kBlock);
+      sums.push_back(Checksum(b.data(), kBlock));
+    }
+    return sums;
+  };
+  auto r = store_->BeginPut(ns_, hs, "t");
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<uint64_t> sums = fill(*r);
+  sums[301] ^= 1;
+  auto c = store_->CommitPut(r->lease, sums);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(c.status().message().find("checksum mismatch on block 301"), std::string::npos)
+      << c.status();
+  EXPECT_EQ(store_->Lookup(ns_, hs)->size(), 0u);
+  r = store_->BeginPut(ns_, hs, "t");
+  ASSERT_TRUE(r.ok()) << r.status();
+  c = store_->CommitPut(r->lease, fill(*r));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(*c, kN);
+  EXPECT_EQ(store_->Lookup(ns_, hs)->size(), kN);
+}
+
 TEST_F(StoreTest, CommitWithTheWrongCountKeepsTheLease) {
   Open();
   std::vector<BlockHash> hs = {H(1)};

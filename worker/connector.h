@@ -385,11 +385,12 @@ class KvConnector {
   size_t SaveInPlace(const std::vector<BlockHash>& hashes, const std::vector<uint32_t>& pages,
                      const std::shared_ptr<SaveState>& waiter);
   // Committer threads (a quarter of the cores, 2 to 4), and the threads
-  // each sums a run's blocks on (their share of half the cores).
+  // each sums a run's blocks on (a quarter of the cores, 8 at most: the
+  // last run's sums are the save's tail, with nothing left to overlap).
   static inline const unsigned kCommitters =
       std::clamp(std::thread::hardware_concurrency() / 4, 2u, 4u);
   static inline const int kCommitSumThreads =
-      static_cast<int>(std::max(1u, std::thread::hardware_concurrency() / (2 * kCommitters)));
+      static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 4, 1u, 8u));
   // The committers: sum each queued run's slots (on several threads) and
   // commit them; the waiter hears the outcome.
   void CommitLoop();

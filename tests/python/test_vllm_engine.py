@@ -21,6 +21,9 @@ seed, token-id prompts, real kvtier-store and kvtier-router processes.
   prompt to the engine that computed its prefix.
 - A store that is down at start-up: the engine serves (no hits) and uses
   the store once it appears.
+- A sliding-window model (tiny Gemma 2: sliding-window and full-attention
+  layers interleaved) loads its prefix through the store, tokens equal to
+  vLLM alone's.
 
 Skipped, with the reason, where the project's Python environment could not
 be installed (scripts/setup_venv.sh)."""
@@ -47,6 +50,10 @@ vllm = pytest.importorskip(
 
 import kvtier  # noqa: E402
 from vllm_engine import TINY_MODEL, Engine  # noqa: E402
+
+# Gemma 2's shape: sliding-window (256 tokens) and full-attention layers
+# interleaved, a hybrid model for vLLM's KV cache manager.
+TINY_GEMMA2 = str(Path(TINY_MODEL).parent / "tiny-gemma2")
 
 BLOCK = 32
 PREFIX = 2048
@@ -102,12 +109,13 @@ def kv_cache_config(layout: str = "LBHNC", groups: int = 1) -> object:
                                      for i in range(4)])] * groups)
 
 
-def connector_namespace() -> kvtier.Namespace:
-    """The namespace kvtier's connector computes for the tiny model as the
+def connector_namespace(model: str = TINY_MODEL) -> kvtier.Namespace:
+    """The namespace kvtier's connector computes for a tiny model as the
     engines here run it (TP rank 0): vLLM's CPU layout and attention ISA
     are part of it."""
     from kvtier.integrations.vllm import namespace_of
-    return namespace_of(vllm_config(), 0, kv_cache_config=kv_cache_config())
+    return namespace_of(vllm_config(model=model), 0,
+                        kv_cache_config=kv_cache_config())
 
 
 @pytest.mark.parametrize("change, says", [
@@ -168,13 +176,14 @@ def start(work: Path, name: str, stores: str, **kw: object) -> Engine:
 
 
 def wait_stored(e: Engine, store: Store, tokens: list[int],
-                blocks: int, timeout: float = 120) -> None:
+                blocks: int, timeout: float = 120,
+                model: str = TINY_MODEL) -> None:
     """Waits until the store holds the first ``blocks`` blocks of
     ``tokens``. Saves are written behind the engine's steps by a thread of
     lower priority, so on a busy machine they land seconds after the
     request ended; an engine that stops (vLLM kills its workers 5 s after
     asking them to stop) may leave some unwritten."""
-    ns = connector_namespace()
+    ns = connector_namespace(model)
     client = kvtier.StoreClient([store.address])
     chain = kvtier.hash_tokens(ns, tokens)
     deadline = time.monotonic() + timeout
@@ -489,3 +498,42 @@ def test_a_burst_loads_every_shared_prefix_and_wrong_kv_shows(
     finally:
         store.stop()
 
+
+
+def test_a_sliding_window_model_loads_its_prefix_through_the_store(
+        work: Path) -> None:
+    """Gemma 2's interleaved sliding-window and full-attention layers
+    through the connector. kvtier's connector does not implement vLLM's
+    SupportsHMA, so vLLM runs the model with its hybrid KV cache manager
+    off (one group: sliding-window layers keep every block, as full
+    attention does; the attention stays windowed) and says so in its log.
+    Engine B, warmed only through the store, loads >= 90 % of the prefix
+    engine A computed, and both give vLLM alone's tokens (vLLM alone runs
+    the hybrid manager)."""
+    ps = prompts(6)
+    ref = Engine(str(work / "gemma-reference.log"), env=engine_env(),
+                 model=TINY_GEMMA2)
+    try:
+        expected = [o["tokens"] for o in ref.generate(ps)["outputs"]]
+    finally:
+        ref.stop()
+    store = Store(work, "store-gemma")
+    try:
+        a = start(work, "gemma-a", store.address, model=TINY_GEMMA2)
+        try:
+            out_a = a.generate(ps)["outputs"]
+            assert [o["tokens"] for o in out_a] == expected
+            wait_stored(a, store, ps[0], PREFIX // BLOCK, model=TINY_GEMMA2)
+            assert "Turning off hybrid kv cache manager" in Path(
+                a.log_path).read_text(errors="replace")
+        finally:
+            a.stop()
+        b = start(work, "gemma-b", store.address, model=TINY_GEMMA2)
+        try:
+            out_b = b.generate(ps)["outputs"]
+            assert out_b[0]["cached"] >= 0.9 * PREFIX, b.tail()
+            assert [o["tokens"] for o in out_b] == expected
+        finally:
+            b.stop()
+    finally:
+        store.stop()

@@ -49,10 +49,13 @@ rc=0
 LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-gpu-check" --store="127.0.0.1:$(cat "$scratch/port")" \
   --device=cuda:0 --tokens=4096,32768 --json="$json" || rc=$?
 # Again with the copy engines doing the copies (one batch of chunk copies
-# instead of the copy kernel), new blocks of the same sizes.
-KVTIER_CUDA_COPY=dma LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-gpu-check" \
-  --store="127.0.0.1:$(cat "$scratch/port")" --device=cuda:0 --tokens=4096,32768 \
-  --json="$json" || rc=$?
+# instead of the copy kernel), new blocks of the same sizes; GPU_CHECK_DMA=0
+# skips this pass.
+if [[ ${GPU_CHECK_DMA:-1} != 0 ]]; then
+  KVTIER_CUDA_COPY=dma LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-gpu-check" \
+    --store="127.0.0.1:$(cat "$scratch/port")" --device=cuda:0 --tokens=4096,32768 \
+    --json="$json" || rc=$?
+fi
 python3 "$root/bench/gpu_layer_time.py" 4096 | tee -a "$json" || rc=1
 kill "$store"
 wait "$store" 2>/dev/null

@@ -13,8 +13,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <future>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/elapsed.h"
 #include "common/log.h"
@@ -213,18 +215,39 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
 size_t KvConnector::SaveInPlace(const std::vector<BlockHash>& hashes,
                                 const std::vector<uint32_t>& pages,
                                 const std::shared_ptr<SaveState>& waiter) {
+  const size_t per_run = std::max<uint64_t>(1, options_.offload_batch);
+  // Each run's reservation is asked for while the run before it gathers,
+  // so the step waits for the first round trip only.
+  auto reserve = [this, &hashes, per_run](size_t from) {
+    std::vector<BlockHash> run(
+        hashes.begin() + static_cast<long>(from),
+        hashes.begin() + static_cast<long>(std::min(hashes.size(), from + per_run)));
+    return std::async(std::launch::async, [this, run = std::move(run)] {
+      EnsureRegistered().IgnoreError();  // a failure shows in the reservation's status
+      const std::chrono::milliseconds budget(options_.reserve_budget_ms);
+      auto res = store_->Reserve(ns_, wire_bytes_, run, budget);
+      if (!res.ok() && ForgotNamespace(res.status())) {
+        res = store_->Reserve(ns_, wire_bytes_, run, budget);
+      }
+      return res;
+    });
+  };
+  std::future<absl::StatusOr<Reservation>> next;
+  if (!hashes.empty()) next = reserve(0);
+  // A reservation asked for and not used gives its slots back.
+  absl::Cleanup abort_unused = [&] {
+    if (!next.valid()) return;
+    auto unused = next.get();
+    if (unused.ok()) store_->Abort(*unused);
+  };
   size_t done = 0;
   while (done < hashes.size()) {
-    const size_t n =
-        std::min<size_t>(hashes.size() - done, std::max<uint64_t>(1, options_.offload_batch));
+    const size_t n = std::min(hashes.size() - done, per_run);
     std::vector<BlockHash> run(hashes.begin() + static_cast<long>(done),
                                hashes.begin() + static_cast<long>(done + n));
-    EnsureRegistered().IgnoreError();  // a failure shows in the reservation's status
-    const std::chrono::milliseconds budget(options_.reserve_budget_ms);
-    auto res = store_->Reserve(ns_, wire_bytes_, run, budget);
-    if (!res.ok() && ForgotNamespace(res.status()))
-      res = store_->Reserve(ns_, wire_bytes_, run, budget);
+    auto res = next.get();
     if (!res.ok()) break;  // staged instead: that path never waits on the store
+    if (done + n < hashes.size()) next = reserve(done + n);
     if (!ReachArenas(BlockViews{{}, {}, 0, res->regions}).ok()) {
       store_->Abort(*res);
       break;

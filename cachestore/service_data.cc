@@ -70,7 +70,14 @@ grpc::Status StoreService::BeginPut(grpc::ServerContext* ctx, const v1::BeginPut
   if (ctx->deadline() <= std::chrono::system_clock::now()) {
     return t.Done(absl::DeadlineExceededError("BeginPut arrived after its deadline"));
   }
-  return t.Done(DoBeginPut(caller, OwnerOf(*ctx, caller), *req, resp));
+  absl::Status s = DoBeginPut(caller, OwnerOf(*ctx, caller), *req, resp);
+  if (s.ok() && (ctx->IsCancelled() || ctx->deadline() <= std::chrono::system_clock::now())) {
+    // Reserved, but too late for the caller to hear it: give the slots back.
+    if (resp->lease_id() != 0)
+      store_->AbortPut(resp->lease_id(), caller.tenant_index()).IgnoreError();
+    return t.Done(absl::DeadlineExceededError("BeginPut answered after its deadline"));
+  }
+  return t.Done(s);
 }
 
 absl::Status StoreService::DoBeginPut(const Caller& caller, const LeaseOwner& owner,

@@ -383,15 +383,30 @@ absl::StatusOr<Reservation> ShardedStoreClient::Reserve(
   std::vector<std::vector<size_t>> parts = ByShard(ns, hashes, addresses_);
   Reservation out;
   out.slots.assign(hashes.size(), nullptr);
+  // Every shard involved must be mapped here before any is asked: a mix
+  // would reserve on some and give the slots back on every run.
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (!parts[s].empty() && !shards_[s]->ArenaMapped()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "store ", addresses_[s], "'s arena is not mapped in this process; put instead"));
+    }
+  }
   for (size_t s = 0; s < shards_.size(); ++s) {
     if (parts[s].empty()) continue;
-    absl::Status admitted = Admit(s);
+    // A refusal here is no call to the shard: it says nothing new of it
+    // (noting it would push its skip on, and no probe would ever come).
+    if (absl::Status a = Admit(s); !a.ok()) {
+      Abort(out);
+      return a;
+    }
     absl::StatusOr<Reservation> r =
-        admitted.ok() ? shards_[s]->Reserve(ns, block_bytes, Select(hashes, parts[s]), budget)
-                      : absl::StatusOr<Reservation>(admitted);
+        shards_[s]->Reserve(ns, block_bytes, Select(hashes, parts[s]), budget);
     if (!r.ok()) {
-      // A missed budget says the shard is slow right now, not unreachable.
-      if (!budget || r.status().code() != absl::StatusCode::kDeadlineExceeded) {
+      // A missed budget says the shard is slow right now, not unreachable;
+      // FAILED_PRECONDITION (not mapped, restarted) made no call to it.
+      const auto code = r.status().code();
+      if (!(budget && code == absl::StatusCode::kDeadlineExceeded) &&
+          code != absl::StatusCode::kFailedPrecondition) {
         Note(s, r.status());
       }
       Abort(out);
@@ -425,9 +440,14 @@ absl::StatusOr<uint32_t> ShardedStoreClient::Commit(const Reservation& r,
     Note(lease.shard, n.status());
     if (n.ok()) {
       committed += *n;
-    } else if (first.ok()) {
-      first = n.status();
+      continue;
     }
+    // The store released a lease whose bytes failed their checksums; any
+    // other failure may have left its slots reserved: give them back.
+    if (n.status().code() != absl::StatusCode::kDataLoss) {
+      shards_[lease.shard]->AbortReserved(lease.id);
+    }
+    if (first.ok()) first = n.status();
   }
   if (!first.ok()) return first;
   return committed;

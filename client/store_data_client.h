@@ -126,6 +126,12 @@ class StoreDataClient {
   absl::StatusOr<uint32_t> CommitReserved(uint64_t lease, const std::vector<uint64_t>& checksums);
   // Gives a reservation's slots back (best effort: the lease expires anyway).
   void AbortReserved(uint64_t lease);
+  // This process maps the store's arena now (as far as a connected lane
+  // has told; no call is made).
+  bool ArenaMapped() {
+    auto m = KnownMapping(/*probe=*/false);
+    return m.ok() && *m != nullptr;
+  }
 
   // Connects a lane now, in the background, as a first transfer would (for
   // a same-host store, that maps its arena). Never blocks; ready when the

@@ -225,7 +225,7 @@ namespace {
 int CopyByDma(kvtier_cuda* c, const kvtier_cuda_pages* m, int gather, uint32_t layer_begin,
               uint32_t layer_end, const uint32_t* pages, uint8_t* const* blocks, size_t n,
               char* err, size_t err_len) {
-#if CUDART_VERSION >= 12080
+#if CUDART_VERSION >= 13000  // 12.8 and 12.9 declare it with a failIdx argument
   const uint64_t block_span = 2ull * m->layers * m->chunk_bytes;
   {
     std::lock_guard<std::mutex> lk(c->mu);
@@ -277,7 +277,7 @@ int CopyByDma(kvtier_cuda* c, const kvtier_cuda_pages* m, int gather, uint32_t l
 #else
   (void)c, (void)m, (void)gather, (void)layer_begin, (void)layer_end, (void)pages, (void)blocks,
       (void)n;
-  std::snprintf(err, err_len, "KVTIER_CUDA_COPY=dma needs a module built with CUDA 12.8 or later");
+  std::snprintf(err, err_len, "KVTIER_CUDA_COPY=dma needs a module built with CUDA 13 or later");
   return 1;
 #endif
 }

@@ -13,7 +13,7 @@
  * the copy kernels straight over the bus, one launch per call; or, with
  * KVTIER_CUDA_COPY=dma in the environment at kvtier_cuda_open, by the copy
  * engines, each (block, layer, K|V) chunk one copy of a
- * cudaMemcpyBatchAsync batch (CUDA 12.8 or later; slower from a store's
+ * cudaMemcpyBatchAsync batch (a module built with CUDA 13 or later; slower from a store's
  * 4 KiB-paged arena on an H200, docs/benchmarks.md).
  *
  * Errors: calls that can fail return 0 on success, else nonzero with a

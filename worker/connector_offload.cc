@@ -215,6 +215,9 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
 size_t KvConnector::SaveInPlace(const std::vector<BlockHash>& hashes,
                                 const std::vector<uint32_t>& pages,
                                 const std::shared_ptr<SaveState>& waiter) {
+  // Registering the namespace takes the client's whole deadline when the
+  // store does not answer: the offloader does it, off the engine's step.
+  if (!registered_.load()) return 0;
   const size_t per_run = std::max<uint64_t>(1, options_.offload_batch);
   // Each run's reservation is asked for while the run before it gathers,
   // so the step waits for the first round trip only.
@@ -223,7 +226,6 @@ size_t KvConnector::SaveInPlace(const std::vector<BlockHash>& hashes,
         hashes.begin() + static_cast<long>(from),
         hashes.begin() + static_cast<long>(std::min(hashes.size(), from + per_run)));
     return std::async(std::launch::async, [this, run = std::move(run)] {
-      EnsureRegistered().IgnoreError();  // a failure shows in the reservation's status
       const std::chrono::milliseconds budget(options_.reserve_budget_ms);
       auto res = store_->Reserve(ns_, wire_bytes_, run, budget);
       if (!res.ok() && ForgotNamespace(res.status())) {

@@ -6,6 +6,7 @@ cold run; also over two store shards, and with the store killed mid-load
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -141,17 +142,25 @@ def test_a_stalled_store_costs_a_request_little_beyond_computing_it(
           f"{budget:.1f} ms ({ec.lookup_wait_share} of the compute); "
           f"lookups late {late}, not asked {spared}; saves dropped "
           f"{dropped}")
-    assert late >= 1 and spared >= 1 and late + spared == len(stalled)
+    # Every stalled request's lookup was late or not asked; a request whose
+    # admission is retried (no free pages yet: a busy host's saves hold
+    # them while the store is stalled) is looked up again, so more.
+    assert late >= 1 and spared >= 1 and late + spared >= len(stalled)
     assert "did not answer the lookup" in stalled[0].load_status
     # The first waited its budget; then the client skips the slow store
     # for a while (those are not asked at all), and one lookup probes it
-    # when a skip ends, again for its budget at most.
+    # when a skip ends, again for its budget at most. Each request's budget
+    # is the share of its own compute estimate, which the stalled requests'
+    # computing updates: the one it used is in its status.
     for r in stalled:
         if "not asked" in r.load_status:
             assert r.onboard_ms == 0.0
         else:
             assert "did not answer the lookup" in r.load_status
-            assert budget <= r.onboard_ms < budget + 100
+            used = re.search(r"within ([0-9.]+) ms", r.load_status)
+            assert used is not None, r.load_status
+            assert float(used.group(1)) - 0.1 <= r.onboard_ms, r
+            assert r.onboard_ms < float(used.group(1)) + 100, r
     for r in stalled:
         assert (r.computed_tokens, r.loaded_tokens) == (1000, 0)
         assert r.ttft_ms <= 2 * ref + 100, (r.ttft_ms, computing)

@@ -5,13 +5,12 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
-#include <system_error>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/checksum.h"
 #include "common/log.h"
+#include "common/parallel.h"
 
 namespace kvtier::store {
 
@@ -229,29 +228,12 @@ absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uin
   // Every block's hash, on up to kCommitHashThreads threads for a large
   // commit (a run of 2 MiB blocks took ~10 ms on one).
   std::vector<uint64_t> actual(options_.verify_commits ? checksums.size() : 0);
-  if (options_.verify_commits) {
-    uint64_t bytes = 0;
-    for (const auto& item : lease->items) bytes += item.second.length;
-    const size_t parts = static_cast<size_t>(std::min<uint64_t>(
-        {kCommitHashThreads, std::max<uint64_t>(1, bytes / kCommitBytesPerThread),
-         std::max<uint64_t>(1, actual.size())}));
-    auto hash = [&](size_t part) {
-      for (size_t i = part; i < actual.size(); i += parts) {
-        const Slot& slot = lease->items[i].second;
-        actual[i] = Checksum(ram_->data(slot), slot.length);
-      }
-    };
-    std::vector<std::thread> helpers;
-    for (size_t p = 1; p < parts; ++p) {
-      try {
-        helpers.emplace_back(hash, p);
-      } catch (const std::system_error&) {  // no thread to be had: hash that part here
-        hash(p);
-      }
-    }
-    hash(0);
-    for (auto& t : helpers) t.join();
-  }
+  uint64_t bytes = 0;
+  for (const auto& item : lease->items) bytes += item.second.length;
+  ParallelFor(actual.size(), bytes, kCommitBytesPerThread, kCommitHashThreads, [&](size_t i) {
+    const Slot& slot = lease->items[i].second;
+    actual[i] = Checksum(ram_->data(slot), slot.length);
+  });
   for (size_t i = 0; i < actual.size(); ++i) {
     const auto& [key, slot] = lease->items[i];
     if (actual[i] != checksums[i]) {

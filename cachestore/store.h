@@ -113,7 +113,7 @@ class Store {
  public:
   // CommitPut hashes a large commit's blocks (verify_commits) on up to this
   // many threads, one per kCommitBytesPerThread of them.
-  static constexpr uint64_t kCommitHashThreads = 4;
+  static constexpr int kCommitHashThreads = 4;
   static constexpr uint64_t kCommitBytesPerThread = 8ull << 20;
 
   // INVALID_ARGUMENT for bad options; the tiers' errors otherwise.

@@ -45,6 +45,30 @@ std::vector<Block> Select(const std::vector<Block>& blocks, const std::vector<si
   return out;
 }
 
+// Shard s's part of chain blocks [first, first + count) of `pin`: its
+// pinned blocks [from, to) (positions in pin.parts[s] and its pin).
+std::pair<size_t, size_t> ShardRun(const ShardedPin& pin, size_t s, uint32_t first,
+                                   uint32_t count) {
+  const std::vector<size_t>& idx = pin.parts[s];
+  const size_t pinned = std::min(idx.size(), pin.pins[s].sources.size());
+  size_t from = 0;
+  while (from < pinned && idx[from] < first) ++from;
+  size_t to = from;
+  while (to < pinned && idx[to] < first + count) ++to;
+  return {from, to};
+}
+
+// INVALID_ARGUMENT unless chain blocks [first, first + count) are pinned
+// by `pin` (of `shards` shards); `what`: "read", "view".
+absl::Status CheckPinned(const ShardedPin& pin, size_t shards, uint32_t first, uint32_t count,
+                         const char* what) {
+  if (first > pin.blocks || count > pin.blocks - first || pin.pins.size() != shards) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " of blocks [", first, ", ", first + count,
+                                                   "); ", pin.blocks, " are pinned"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 size_t RendezvousShard(const BlockKey& key, const std::vector<std::string>& shards) {
@@ -466,20 +490,13 @@ void ShardedStoreClient::Warm(std::chrono::milliseconds wait) {
 
 absl::StatusOr<BlockViews> ShardedStoreClient::View(const ShardedPin& pin, uint64_t block_bytes,
                                                     uint32_t first, uint32_t count) {
-  if (first > pin.blocks || count > pin.blocks - first || pin.pins.size() != shards_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("view of blocks [", first, ", ", first + count,
-                                                   "); ", pin.blocks, " are pinned"));
-  }
+  if (auto bad = CheckPinned(pin, shards_.size(), first, count, "view"); !bad.ok()) return bad;
   BlockViews out;
   out.blocks.assign(count, nullptr);
   out.checksums.assign(count, 0);
   for (size_t s = 0; s < shards_.size(); ++s) {
     const std::vector<size_t>& idx = pin.parts[s];
-    const size_t pinned = std::min(idx.size(), pin.pins[s].sources.size());
-    size_t from = 0;
-    while (from < pinned && idx[from] < first) ++from;
-    size_t to = from;
-    while (to < pinned && idx[to] < first + count) ++to;
+    const auto [from, to] = ShardRun(pin, s, first, count);
     if (to == from) continue;
     auto part = shards_[s]->View(pin.pins[s], block_bytes, from, to - from);
     if (!part.ok()) return part.status();
@@ -501,10 +518,7 @@ absl::StatusOr<BlockViews> ShardedStoreClient::View(const ShardedPin& pin, uint6
 absl::StatusOr<GetOutcome> ShardedStoreClient::Read(const ShardedPin& pin, uint64_t block_bytes,
                                                     uint32_t first, uint32_t count,
                                                     const ReadPlan& plan) {
-  if (first > pin.blocks || count > pin.blocks - first || pin.pins.size() != shards_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("read of blocks [", first, ", ", first + count,
-                                                   "); ", pin.blocks, " are pinned"));
-  }
+  if (auto bad = CheckPinned(pin, shards_.size(), first, count, "read"); !bad.ok()) return bad;
   // on_segment(s) once every shard that reads has landed segment s, in order.
   struct Join {
     std::mutex mu;
@@ -517,12 +531,7 @@ absl::StatusOr<GetOutcome> ShardedStoreClient::Read(const ShardedPin& pin, uint6
   std::vector<std::pair<size_t, size_t>> runs(shards_.size(), {0, 0});  // (from, n)
   size_t readers = 0;
   for (size_t s = 0; s < shards_.size(); ++s) {
-    const std::vector<size_t>& idx = pin.parts[s];
-    const size_t pinned = std::min(idx.size(), pin.pins[s].sources.size());
-    size_t from = 0;
-    while (from < pinned && idx[from] < first) ++from;
-    size_t to = from;
-    while (to < pinned && idx[to] < first + count) ++to;
+    const auto [from, to] = ShardRun(pin, s, first, count);
     runs[s] = {from, to - from};
     readers += to > from;
   }

@@ -370,13 +370,13 @@ absl::StatusOr<std::shared_ptr<ArenaMapping>> StoreDataClient::KnownMapping(bool
   }
   // No lane has connected yet, so whether the store is mapped here is not
   // known: connect one (what a transfer would do first), which maps it.
-  auto connected = Connect().get();
+  auto connected = Warm().get();
   if (!connected.ok()) return connected.status();
   std::lock_guard lk(mapping_mu_);
   return mapping_;
 }
 
-std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Connect() {
+std::future<absl::StatusOr<GetOutcome>> StoreDataClient::Warm() {
   return Start<GetOutcome>(TransferLanes::Class::kLoad, 1, 0,
                            absl::StrCat("connect to store ", address_, ": "),
                            [](DataPlaneConnection&, const Deadline&) {

@@ -134,9 +134,10 @@ class StoreDataClient {
   }
 
   // Connects a lane now, in the background, as a first transfer would (for
-  // a same-host store, that maps its arena). Never blocks; ready when the
-  // connect ended (a failure is the next operation's to report, too).
-  std::future<absl::StatusOr<GetOutcome>> Warm() { return Connect(); }
+  // a same-host store, that maps its arena): a lane job that does nothing
+  // else. Never blocks; ready when the connect ended (a failure is the next
+  // operation's to report, too).
+  std::future<absl::StatusOr<GetOutcome>> Warm();
   // Pinned blocks [first, first + count) in place, where this process maps
   // the pin's store's arena (a same-host store): no bytes move, and none are
   // verified (VerifyViews). FAILED_PRECONDITION when the arena is not mapped
@@ -171,8 +172,8 @@ class StoreDataClient {
                                        const std::vector<PutBlock>& blocks);
   absl::StatusOr<PinnedBlocks> PinBy(std::chrono::system_clock::time_point deadline, uint64_t ns,
                                      uint64_t block_bytes, const std::vector<BlockHash>& chain);
-  // A lane job that connects and does nothing else (Warm, View's probe).
-  std::future<absl::StatusOr<GetOutcome>> Connect();
+  // AbortPut of a put's lease, by `deadline` (best effort).
+  void AbortLease(uint64_t lease, std::chrono::system_clock::time_point deadline);
   // The store's arena as mapped here (null: not mapped, or not known yet
   // and `probe` false). With `probe`, connects a lane first if none has
   // (what a transfer would do first); the connect's error.

@@ -17,23 +17,39 @@ using store_data_detail::Prefixed;
 
 namespace {
 
-// BeginPut of the blocks' hashes.
+const BlockHash& HashOf(const BlockHash& h) { return h; }
+const BlockHash& HashOf(const PutBlock& b) { return b.hash; }
+
+// BeginPut of the blocks' (or the hashes') hashes.
+template <typename Block>
 v1::BeginPutRequest BeginPutOf(uint64_t ns, const std::string& client,
-                               const std::vector<PutBlock>& blocks) {
+                               const std::vector<Block>& blocks) {
   v1::BeginPutRequest req;
   req.set_namespace_id(ns);
   req.set_client_id(client);
-  for (const auto& b : blocks) ToProto(b.hash, req.add_hashes());
+  for (const auto& b : blocks) ToProto(HashOf(b), req.add_hashes());
   return req;
 }
 
-v1::BeginPutRequest BeginPutOf(uint64_t ns, const std::string& client,
-                               const std::vector<BlockHash>& hashes) {
-  v1::BeginPutRequest req;
-  req.set_namespace_id(ns);
-  req.set_client_id(client);
-  for (const auto& h : hashes) ToProto(h, req.add_hashes());
-  return req;
+// Counts a target the store did not reserve into `out` (the store has the
+// block, another writer has it in flight, or no room); false for a
+// reserved one, which the caller handles.
+template <typename Counts>
+bool CountedUnreserved(const v1::PutTarget& t, Counts& out) {
+  switch (t.disposition()) {
+    case v1::PUT_RESERVED:
+      return false;
+    case v1::PUT_ALREADY_PRESENT:
+      out.already_present++;
+      break;
+    case v1::PUT_BUSY:
+      out.busy++;
+      break;
+    default:
+      out.no_space++;
+      break;
+  }
+  return true;
 }
 
 }  // namespace
@@ -78,27 +94,14 @@ absl::StatusOr<Reservation> StoreDataClient::Reserve(
   Reservation::Lease lease{0, resp.lease_id(), {}};
   for (int i = 0; i < resp.targets_size() && bad.ok(); ++i) {
     const auto& t = resp.targets(i);
-    switch (t.disposition()) {
-      case v1::PUT_RESERVED:
-        out.slots[i] =
-            t.length() == block_bytes ? mapped->At(t.remote_addr(), block_bytes) : nullptr;
-        if (out.slots[i] == nullptr) {
-          bad = absl::InternalError(absl::StrCat(prefix, "the store reserved block ", i,
-                                                 " a slot outside its arena or of ", t.length(),
-                                                 " bytes, not ", block_bytes));
-        }
-        lease.blocks.push_back(static_cast<size_t>(i));
-        break;
-      case v1::PUT_ALREADY_PRESENT:
-        out.already_present++;
-        break;
-      case v1::PUT_BUSY:
-        out.busy++;
-        break;
-      default:
-        out.no_space++;
-        break;
+    if (CountedUnreserved(t, out)) continue;
+    out.slots[i] = t.length() == block_bytes ? mapped->At(t.remote_addr(), block_bytes) : nullptr;
+    if (out.slots[i] == nullptr) {
+      bad = absl::InternalError(absl::StrCat(prefix, "the store reserved block ", i,
+                                             " a slot outside its arena or of ", t.length(),
+                                             " bytes, not ", block_bytes));
     }
+    lease.blocks.push_back(static_cast<size_t>(i));
   }
   if (!bad.ok()) {
     if (resp.lease_id() != 0) AbortReserved(resp.lease_id());
@@ -129,11 +132,15 @@ absl::StatusOr<uint32_t> StoreDataClient::CommitReserved(uint64_t lease,
 }
 
 void StoreDataClient::AbortReserved(uint64_t lease) {
+  AbortLease(lease,
+             std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms));
+}
+
+void StoreDataClient::AbortLease(uint64_t lease, std::chrono::system_clock::time_point deadline) {
   v1::AbortPutRequest abort;
   abort.set_lease_id(lease);
   v1::AbortPutResponse ar;
-  const auto deadline =
-      std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms);
+  // Best effort: the lease expires anyway.
   Call(control_, &v1::Store::Stub::AbortPut, abort, &ar, deadline).IgnoreError();
 }
 
@@ -152,13 +159,7 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
   }
   out.times.control_ms = MsSince(start);
   out.round_trips = 1;
-  auto abort_lease = [&] {
-    v1::AbortPutRequest abort;
-    abort.set_lease_id(resp.lease_id());
-    v1::AbortPutResponse ar;
-    // Best effort: the lease expires anyway.
-    Call(control_, &v1::Store::Stub::AbortPut, abort, &ar, deadline.rpcs).IgnoreError();
-  };
+  auto abort_lease = [&] { AbortLease(resp.lease_id(), deadline.rpcs); };
   // Check the whole answer before a byte is posted: nothing may be left in
   // flight from blocks the caller is told are done with.
   bool malformed = resp.targets_size() != static_cast<int>(blocks.size());
@@ -182,25 +183,13 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
   start = std::chrono::steady_clock::now();
   for (int i = 0; i < resp.targets_size(); ++i) {
     const auto& t = resp.targets(i);
-    switch (t.disposition()) {
-      case v1::PUT_RESERVED:
-        // Each block is summed just before it is posted: the transport then
-        // reads it from cache (a post copies what the socket takes at once;
-        // summing the whole batch afterwards read it from memory twice and
-        // held up the sends, which need this thread).
-        commit.add_checksums(Checksum(blocks[i].data, block_bytes));
-        reqs.push_back(lane.PostPut(blocks[i].data, block_bytes, t.remote_addr(), resp.lease_id()));
-        break;
-      case v1::PUT_ALREADY_PRESENT:
-        out.already_present++;
-        break;
-      case v1::PUT_BUSY:
-        out.busy++;
-        break;
-      default:
-        out.no_space++;
-        break;
-    }
+    if (CountedUnreserved(t, out)) continue;
+    // Each block is summed just before it is posted: the transport then
+    // reads it from cache (a post copies what the socket takes at once;
+    // summing the whole batch afterwards read it from memory twice and
+    // held up the sends, which need this thread).
+    commit.add_checksums(Checksum(blocks[i].data, block_bytes));
+    reqs.push_back(lane.PostPut(blocks[i].data, block_bytes, t.remote_addr(), resp.lease_id()));
   }
   if (reqs.empty()) return out;
   out.round_trips = 2;  // BeginPut's, then the bytes' with the commit behind them

@@ -12,6 +12,7 @@
 #include "client/store_data_detail.h"
 #include "common/checksum.h"
 #include "common/elapsed.h"
+#include "common/parallel.h"
 
 namespace kvtier {
 
@@ -222,26 +223,10 @@ absl::StatusOr<GetOutcome> StoreDataClient::ReadVia(Transport& lane, const Deadl
 
 std::vector<uint64_t> SumBlocks(const std::vector<const uint8_t*>& blocks, uint64_t block_bytes,
                                 int threads) {
-  const size_t n = blocks.size();
+  std::vector<uint64_t> sums(blocks.size(), 0);
   // Below a few MiB a thread's start costs more than it saves.
-  constexpr uint64_t kBytesPerThread = 4ull << 20;
-  const uint64_t by_size = std::max<uint64_t>(1, n * block_bytes / kBytesPerThread);
-  const size_t parts = static_cast<size_t>(
-      std::min<uint64_t>({by_size, static_cast<uint64_t>(std::max(threads, 1)), n == 0 ? 1 : n}));
-  std::vector<uint64_t> sums(n, 0);
-  auto sum = [&](size_t part) {
-    for (size_t i = part; i < n; i += parts) sums[i] = Checksum(blocks[i], block_bytes);
-  };
-  std::vector<std::thread> helpers;
-  for (size_t p = 1; p < parts; ++p) {
-    try {
-      helpers.emplace_back(sum, p);
-    } catch (const std::system_error&) {  // no thread to be had: this one sums that part
-      sum(p);
-    }
-  }
-  sum(0);
-  for (auto& t : helpers) t.join();
+  ParallelFor(blocks.size(), blocks.size() * block_bytes, 4ull << 20, threads,
+              [&](size_t i) { sums[i] = Checksum(blocks[i], block_bytes); });
   return sums;
 }
 

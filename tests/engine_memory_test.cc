@@ -116,6 +116,17 @@ class EngineMemory
     return c.ok() ? std::move(*c) : nullptr;
   }
 
+  // `c` computes chain[i] into pages[i] (filled from seed + i) and saves
+  // them all to the store as `request`.
+  static void ComputeAndSave(worker::KvConnector& c, EngineCache& cache, uint64_t request,
+                             const std::vector<BlockHash>& chain,
+                             const std::vector<uint32_t>& pages, uint64_t seed) {
+    for (uint32_t i = 0; i < pages.size(); ++i) cache.Fill(pages[i], seed + i);
+    ASSERT_TRUE(c.Lookup(request, chain, 0).ok());
+    ASSERT_TRUE(c.SaveFrom(request, 0, pages).ok());
+    ASSERT_TRUE(c.WaitForSave(request).ok());
+    c.Finished(request);
+  }
   // The page copier reads the blocks in place: a staged variant whose
   // store is mapped here.
   static bool InPlace() {
@@ -179,11 +190,7 @@ TEST_P(EngineMemory, ACorruptBlockInTheStoreEndsTheLoadAndTheStoreDropsIt) {
   auto b = Make(b_cache);
   ASSERT_TRUE(a && b);
   const auto chain = Chain(4, 11);
-  for (uint32_t i = 0; i < 4; ++i) a_cache.Fill(i, 40 + i);
-  ASSERT_TRUE(a->Lookup(1, chain, 0).ok());
-  ASSERT_TRUE(a->SaveFrom(1, 0, {0, 1, 2, 3}).ok());
-  ASSERT_TRUE(a->WaitForSave(1).ok());
-  a->Finished(1);
+  ASSERT_NO_FATAL_FAILURE(ComputeAndSave(*a, a_cache, 1, chain, {0, 1, 2, 3}, 40));
   {
     DataClientOptions o;
     o.shared_memory = DataClientOptions::SharedMemory::kOn;
@@ -237,11 +244,7 @@ TEST_P(EngineMemory, AStoreKilledUnderAPinnedLoadLeavesAVerdictAndTheConnectorSe
   auto b = Make(b_cache);
   ASSERT_TRUE(a && b);
   const auto chain = Chain(3, 23);
-  for (uint32_t i = 0; i < 3; ++i) a_cache.Fill(i, 60 + i);
-  ASSERT_TRUE(a->Lookup(1, chain, 0).ok());
-  ASSERT_TRUE(a->SaveFrom(1, 0, {0, 1, 2}).ok());
-  ASSERT_TRUE(a->WaitForSave(1).ok());
-  a->Finished(1);
+  ASSERT_NO_FATAL_FAILURE(ComputeAndSave(*a, a_cache, 1, chain, {0, 1, 2}, 60));
   auto m = b->Lookup(2, chain, 0);
   ASSERT_TRUE(m.ok()) << m.status();
   ASSERT_EQ(m->store_blocks, 3u);
@@ -263,10 +266,7 @@ TEST_P(EngineMemory, AStoreKilledUnderAPinnedLoadLeavesAVerdictAndTheConnectorSe
   ASSERT_GT(store_->port(), 0) << store_->Log();
   auto a2 = Make(a_cache);
   ASSERT_TRUE(a2);
-  ASSERT_TRUE(a2->Lookup(3, chain, 0).ok());
-  ASSERT_TRUE(a2->SaveFrom(3, 0, {0, 1, 2}).ok());
-  ASSERT_TRUE(a2->WaitForSave(3).ok());
-  a2->Finished(3);
+  ASSERT_NO_FATAL_FAILURE(ComputeAndSave(*a2, a_cache, 3, chain, {0, 1, 2}, 60));
   auto b2 = Make(b_cache);
   ASSERT_TRUE(b2);
   m = b2->Lookup(4, chain, 0);

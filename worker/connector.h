@@ -359,6 +359,15 @@ class KvConnector {
   void ReportCorrupt(const std::vector<BlockHash>& blocks);
 
   // connector_offload.cc
+  // One block's save is under way, or has ended, for `waiter` (null: none,
+  // a write-back): WaitForSave waits until every one ended, and answers
+  // the first error one ended with.
+  void SaveStarted(const std::shared_ptr<SaveState>& waiter);
+  void SaveEnded(const std::shared_ptr<SaveState>& waiter,
+                 const absl::Status& s = absl::OkStatus());
+  // An offload operation (`what`: "offload", "in-place commit") of `blocks`
+  // blocks failed: counted, and logged at most once a second.
+  void NoteOffloadFailed(size_t blocks, const char* what, const absl::Status& s);
   // The pool evicts page (holding h): write it back if the policy says so.
   void WriteBack(const BlockHash& h, uint32_t page);
   // Gathers page into a staging slot and queues it for the store, counted

@@ -23,6 +23,39 @@
 
 namespace kvtier::worker {
 
+void KvConnector::SaveStarted(const std::shared_ptr<SaveState>& waiter) {
+  if (!waiter) return;
+  std::lock_guard lk(mu_);
+  waiter->pending++;
+}
+
+void KvConnector::SaveEnded(const std::shared_ptr<SaveState>& waiter, const absl::Status& s) {
+  if (waiter) {
+    std::lock_guard lk(mu_);
+    waiter->pending--;
+    if (!s.ok() && waiter->status.ok()) waiter->status = s;
+  }
+  drained_cv_.notify_all();
+}
+
+void KvConnector::NoteOffloadFailed(size_t blocks, const char* what, const absl::Status& s) {
+  uint64_t failures_to_log = 0;  // a failure is counted always, logged at most once a second
+  {
+    std::lock_guard sl(stats_mu_);
+    stats_.offload_batches++;
+    stats_.offload_failures += blocks;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_failure_logged_ >= std::chrono::seconds(1)) {
+      last_failure_logged_ = now;
+      failures_to_log = stats_.offload_failures;
+    }
+  }
+  if (failures_to_log > 0) {
+    Log("worker", what, " of ", blocks, " blocks failed (", failures_to_log,
+        " failed so far): ", s.ToString());
+  }
+}
+
 void KvConnector::WriteBack(const BlockHash& h, uint32_t page) {
   // On an allocation's path: a page being evicted is copied out only if a
   // staging slot is free now, else its offload is dropped (counted).
@@ -33,10 +66,7 @@ void KvConnector::WriteBack(const BlockHash& h, uint32_t page) {
 
 bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
                                   const std::shared_ptr<SaveState>& waiter, int wait_ms) {
-  if (waiter) {
-    std::lock_guard lk(mu_);
-    waiter->pending++;
-  }
+  SaveStarted(waiter);
   uint32_t slot = 0;
   bool have_slot = false;
   std::optional<Staged> dropped;
@@ -50,21 +80,13 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
       if (have_slot) slot = got[0];
     }
   }
-  if (dropped && dropped->waiter) {
-    std::lock_guard lk(mu_);
-    dropped->waiter->pending--;
-  }
-  if (dropped) drained_cv_.notify_all();
+  if (dropped) SaveEnded(dropped->waiter);
   if (!have_slot) {
     {
       std::lock_guard sl(stats_mu_);
       stats_.offload_dropped_full++;
     }
-    if (waiter) {
-      std::lock_guard lk(mu_);
-      waiter->pending--;
-    }
-    drained_cv_.notify_all();
+    SaveEnded(waiter);
     return false;
   }
   const auto gather_start = std::chrono::steady_clock::now();
@@ -77,11 +99,7 @@ bool KvConnector::StageForOffload(const BlockHash& hash, uint32_t page,
   if (!gathered.ok()) {
     Log("worker", "copying page ", page, " out for the store failed: ", gathered.ToString());
     ReleaseStaging({slot});
-    if (waiter) {
-      std::lock_guard lk(mu_);
-      waiter->pending--;
-    }
-    drained_cv_.notify_all();
+    SaveEnded(waiter);
     return false;
   }
   {
@@ -106,10 +124,7 @@ absl::Status KvConnector::GatherInto(uint32_t page, uint8_t* dst) {
 
 void KvConnector::HoldForOffload(const BlockHash& hash, uint32_t page,
                                  const std::shared_ptr<SaveState>& waiter) {
-  {
-    std::lock_guard lk(mu_);
-    waiter->pending++;
-  }
+  SaveStarted(waiter);
   pool_->Ref(page);  // before staging_mu_: the pool's eviction callback takes staging_mu_
   const uint64_t max_held =
       options_.max_held_pages > 0 ? options_.max_held_pages : options_.num_pages;
@@ -143,11 +158,7 @@ bool KvConnector::DropOldestHeld() {
     std::lock_guard sl(stats_mu_);
     stats_.offload_dropped_full++;
   }
-  {
-    std::lock_guard lk(mu_);
-    dropped->waiter->pending--;
-  }
-  drained_cv_.notify_all();
+  SaveEnded(dropped->waiter);
   return true;
 }
 
@@ -289,10 +300,7 @@ size_t KvConnector::SaveInPlace(const std::vector<BlockHash>& hashes,
       if (res->slots[i] == nullptr && res->no_space == 0 && res->busy == 0) NoteStored(run[i]);
     }
     if (!slots.empty()) {
-      if (waiter) {
-        std::lock_guard lk(mu_);
-        waiter->pending++;
-      }
+      SaveStarted(waiter);
       {
         std::lock_guard lk(staging_mu_);
         commit_queue_.push_back(InPlaceCommit{std::move(*res), std::move(run), waiter});
@@ -331,43 +339,26 @@ void KvConnector::CommitLoop() {
     const auto commit_start = std::chrono::steady_clock::now();
     auto committed = store_->Commit(res, checksums);
     const double commit_ms = MsSince(commit_start);
-    uint64_t failures_to_log = 0;
-    {
-      std::lock_guard sl(stats_mu_);
-      stats_.offload_batches++;
-      if (committed.ok()) {
+    if (!committed.ok()) {
+      NoteOffloadFailed(filled.size(), "in-place commit", committed.status());
+    } else {
+      {
+        std::lock_guard sl(stats_mu_);
+        stats_.offload_batches++;
         stats_.offload_round_trips += 2;  // BeginPut's, CommitPut's
         stats_.offloaded_bytes += uint64_t{filled.size()} * wire_bytes_;
         stats_.offloaded_blocks += *committed;
         stats_.in_place_saved += *committed;
         stats_.offload_times.control_ms += res.control_ms + commit_ms;
         stats_.offload_times.checksum_ms += sum_ms;
-      } else {
-        stats_.offload_failures += filled.size();
-        const auto now = std::chrono::steady_clock::now();
-        if (now - last_failure_logged_ >= std::chrono::seconds(1)) {
-          last_failure_logged_ = now;
-          failures_to_log = stats_.offload_failures;
-        }
       }
-    }
-    if (failures_to_log > 0) {
-      Log("worker", "commit of ", filled.size(), " blocks saved in place failed (", failures_to_log,
-          " failed so far): ", committed.status().ToString());
-    }
-    if (committed.ok()) {
       for (size_t i : which) NoteStored(job.hashes[i]);
-    }
-    if (job.waiter) {
-      std::lock_guard lk(mu_);
-      job.waiter->pending--;
-      if (!committed.ok() && job.waiter->status.ok()) job.waiter->status = committed.status();
     }
     {
       std::lock_guard lk(staging_mu_);
       commits_running_--;
     }
-    drained_cv_.notify_all();
+    SaveEnded(job.waiter, committed.status());
   }
 }
 
@@ -455,28 +446,16 @@ void KvConnector::OffloadLoop() {
     auto r = store_->Put(ns_, bb, blocks);
     if (ForgotNamespace(r.status())) r = store_->Put(ns_, bb, blocks);
     if (!r.ok()) st = r.status();
-    uint64_t failures_to_log = 0;  // a failure is counted always, logged at most once a second
-    {
+    if (r.ok()) {
       std::lock_guard sl(stats_mu_);
       stats_.offload_batches++;
-      if (r.ok()) {
-        stats_.offload_round_trips += r->round_trips;
-        stats_.offloaded_bytes += r->bytes_sent;
-        stats_.offloaded_blocks += r->written;
-        stats_.offload_times += r->times;
-        stats_.offload_skipped_known += r->already_present;
-      } else {
-        stats_.offload_failures += batch.size();
-        const auto now = std::chrono::steady_clock::now();
-        if (now - last_failure_logged_ >= std::chrono::seconds(1)) {
-          last_failure_logged_ = now;
-          failures_to_log = stats_.offload_failures;
-        }
-      }
-    }
-    if (failures_to_log > 0) {
-      Log("worker", "offload of ", batch.size(), " blocks failed (", failures_to_log,
-          " failed so far): ", r.status().ToString());
+      stats_.offload_round_trips += r->round_trips;
+      stats_.offloaded_bytes += r->bytes_sent;
+      stats_.offloaded_blocks += r->written;
+      stats_.offload_times += r->times;
+      stats_.offload_skipped_known += r->already_present;
+    } else {
+      NoteOffloadFailed(batch.size(), "offload", r.status());
     }
     if (r.ok() && r->no_space > 0) {
       // Some blocks found no room: which ones is not reported, so none is

@@ -109,13 +109,14 @@ def kv_cache_config(layout: str = "LBHNC", groups: int = 1) -> object:
                                      for i in range(4)])] * groups)
 
 
-def connector_namespace(model: str = TINY_MODEL) -> kvtier.Namespace:
+def connector_namespace(model: str = TINY_MODEL, tp: int = 1,
+                        rank: int = 0) -> kvtier.Namespace:
     """The namespace kvtier's connector computes for a tiny model as the
-    engines here run it (TP rank 0): vLLM's CPU layout and attention ISA
-    are part of it."""
+    engines here run it (TP rank ``rank`` of ``tp``): vLLM's CPU layout and
+    attention ISA are part of it."""
     from kvtier.integrations.vllm import namespace_of
-    return namespace_of(vllm_config(model=model), 0,
-                        kv_cache_config=kv_cache_config())
+    return namespace_of(vllm_config(model=model, tensor_parallel_size=tp),
+                        rank, kv_cache_config=kv_cache_config())
 
 
 @pytest.mark.parametrize("change, says", [
@@ -177,17 +178,30 @@ def start(work: Path, name: str, stores: str, **kw: object) -> Engine:
 
 def wait_stored(e: Engine, store: Store, tokens: list[int],
                 blocks: int, timeout: float = 120,
-                model: str = TINY_MODEL) -> None:
+                model: str = TINY_MODEL,
+                ns: kvtier.Namespace | None = None,
+                chain_ns: kvtier.Namespace | None = None) -> None:
     """Waits until the store holds the first ``blocks`` blocks of
-    ``tokens``. Saves are written behind the engine's steps by a thread of
-    lower priority, so on a busy machine they land seconds after the
-    request ended; an engine that stops (vLLM kills its workers 5 s after
-    asking them to stop) may leave some unwritten."""
-    ns = connector_namespace(model)
+    ``tokens`` (in ``ns``: the tiny model's namespace by default; keyed
+    by ``chain_ns``'s hashes, by default ``ns``'s). Saves are written
+    behind the engine's steps by a thread of lower priority, so on a
+    busy machine they land seconds after the request ended; an engine
+    that stops (vLLM kills its workers 5 s after asking them to stop)
+    may leave some unwritten."""
+    ns = ns or connector_namespace(model)
     client = kvtier.StoreClient([store.address])
-    chain = kvtier.hash_tokens(ns, tokens)
+    chain = kvtier.hash_tokens(chain_ns or ns, tokens)
     deadline = time.monotonic() + timeout
-    while (have := client.lookup(ns, chain)) < blocks:
+    have = 0
+    while True:
+        try:
+            have = client.lookup(ns, chain)
+        except kvtier.errors.Unavailable:
+            # A TP engine's ranks spin on both cores between steps: this
+            # client's connection can time out in its handshake. Retried.
+            pass
+        if have >= blocks:
+            return
         assert time.monotonic() < deadline, \
             f"the store holds {have} of {blocks} blocks: {e.tail()}"
         time.sleep(0.2)
@@ -535,5 +549,67 @@ def test_a_sliding_window_model_loads_its_prefix_through_the_store(
             assert [o["tokens"] for o in out_b] == expected
         finally:
             b.stop()
+    finally:
+        store.stop()
+
+
+def evict(store: Store, ns: kvtier.Namespace, hashes: np.ndarray) -> None:
+    """Drops the blocks ``hashes`` of ``ns`` from the store (kvctl evict,
+    as an operator would)."""
+    ns_id = kvtier.StoreClient([store.address]).register_namespace(ns)
+    keys = ",".join(f"{ns_id:016x}:{int(h[0]):016x}{int(h[1]):016x}"
+                    for h in hashes)
+    r = subprocess.run([str(BUILD / "cli" / "kvctl"), "evict", "--yes",
+                        f"--key={keys}", f"--store={store.address}"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_tensor_parallel_ranks_load_their_own_shards(work: Path) -> None:
+    """TP = 2 in vLLM's CPU build (two worker processes, a core each):
+    each rank saves and loads its own shard of every block (its own
+    namespace); vLLM's scheduler looks up rank 0's, and every rank keys
+    its blocks by the hashes the scheduler computed (rank 0's chain).
+    Engine B, warmed only through the store, loads >= 90 % of the prefix
+    engine A computed, with vLLM alone's tokens (TP = 2 too). Then rank
+    1's shard lacks 8 blocks that rank 0's holds (its save dropped, or
+    evicted): the request does not fail; vLLM recomputes the blocks rank
+    1 could not load, and the tokens stay vLLM alone's."""
+    sets = {seed: prompts(seed) for seed in (11, 12)}
+    ref = Engine(str(work / "tp-reference.log"), env=engine_env(), tp=2)
+    try:
+        expected = {seed: [o["tokens"] for o in ref.generate(ps)["outputs"]]
+                    for seed, ps in sets.items()}
+    finally:
+        ref.stop()
+    ranks = [connector_namespace(tp=2, rank=r) for r in (0, 1)]
+    store = Store(work, "store-tp")
+    try:
+        a = start(work, "tp-a", store.address, tp=2)
+        try:
+            for seed, ps in sets.items():
+                out = a.generate(ps)["outputs"]
+                assert [o["tokens"] for o in out] == expected[seed]
+                for ns in ranks:
+                    wait_stored(a, store, ps[0], PREFIX // BLOCK, ns=ns,
+                                chain_ns=ranks[0])
+        finally:
+            a.stop()
+        chain = kvtier.hash_tokens(ranks[0], sets[12][0])
+        evict(store, ranks[1], chain[8:16])
+        client = kvtier.StoreClient([store.address])
+        assert client.lookup(ranks[1], chain) == 8
+        assert client.lookup(ranks[0], chain) >= PREFIX // BLOCK
+        b = start(work, "tp-b", store.address, tp=2)
+        try:
+            out = b.generate(sets[11])["outputs"]
+            assert out[0]["cached"] >= 0.9 * PREFIX, b.tail()
+            assert [o["tokens"] for o in out] == expected[11]
+            out = b.generate(sets[12])["outputs"]
+            assert [o["tokens"] for o in out] == expected[12]
+        finally:
+            b.stop()
+        log = Path(b.log_path).read_text(errors="replace")
+        assert "Recovered from KV load failure" in log, log[-3000:]
     finally:
         store.stop()

@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--prefix-caching", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel size (one worker process a rank)")
     ap.add_argument("--num-blocks", type=int, default=0,
                     help="KV blocks (vLLM's num_gpu_blocks_override; 0: "
                     "sized by VLLM_CPU_KVCACHE_SPACE)")
@@ -72,6 +74,13 @@ def main() -> None:
                                                       args.deadline_ms)
     if args.num_blocks:
         kw["num_gpu_blocks_override"] = args.num_blocks
+    if args.tp > 1:
+        # One rank a core: vLLM's CPU build binds each rank's threads to
+        # the cores named here.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+            str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
+        kw.update(tensor_parallel_size=args.tp,
+                  distributed_executor_backend="mp")
     if args.kv_events:
         kw["kv_events_config"] = {"enable_kv_cache_events": True,
                                   "publisher": "zmq",

@@ -31,7 +31,8 @@ class Store:
     """A kvtier-store process; ``address`` once it serves."""
 
     def __init__(self, tmp: Path, name: str = "store",
-                 ram: str = "64MiB", port: int = 0) -> None:
+                 ram: str = "64MiB", port: int = 0,
+                 flags: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
         self.name = name
         self.port_file = tmp / f"{name}.port"
@@ -39,7 +40,8 @@ class Store:
         args = [str(BUILD / "cachestore" / "kvtier-store"),
                 f"--listen=127.0.0.1:{port}", "--data-listen=127.0.0.1:0",
                 f"--data-dir={tmp / (name + '-db')}", "--hugepages=false",
-                f"--ram-bytes={ram}", f"--port-file={self.port_file}"]
+                f"--ram-bytes={ram}", f"--port-file={self.port_file}",
+                *flags]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log,
                                          stderr=subprocess.STDOUT)

@@ -21,6 +21,12 @@ seed, token-id prompts, real kvtier-store and kvtier-router processes.
   prompt to the engine that computed its prefix.
 - A store that is down at start-up: the engine serves (no hits) and uses
   the store once it appears.
+- A store SIGSTOPped right after it answered a step's lookups (loads in
+  flight), beside a running decode: no step waits for it; the stalled
+  requests compute, with vLLM alone's tokens; after SIGCONT the next
+  requests load from the store. A writer filling the store between a
+  lookup and its load: vLLM recomputes what was evicted.
+- TP = 2: each rank loads its own shard; a rank lacking blocks recomputes.
 - A sliding-window model (tiny Gemma 2: sliding-window and full-attention
   layers interleaved) loads its prefix through the store, tokens equal to
   vLLM alone's.
@@ -34,6 +40,7 @@ import json
 import random
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -611,5 +618,116 @@ def test_tensor_parallel_ranks_load_their_own_shards(work: Path) -> None:
             b.stop()
         log = Path(b.log_path).read_text(errors="replace")
         assert "Recovered from KV load failure" in log, log[-3000:]
+    finally:
+        store.stop()
+
+
+FILL = """
+import sys, time, numpy as np, kvtier
+c = kvtier.StoreClient([sys.argv[1]])
+ns = kvtier.Namespace("filler", "bf16", 4, 2, 32, 32)
+c.register_namespace(ns)
+for i in range(int(sys.argv[2])):
+    chain = kvtier.hash_tokens(ns, list(range(i * 32 * 16, (i + 1) * 32 * 16)))
+    c.put(ns, chain, np.full(len(chain) * ns.block_bytes, i % 251, np.uint8))
+"""
+
+
+PROBES = (4, 5, 6, 7, 8)
+
+
+def recoveries(e: Engine) -> int:
+    """How often vLLM logged recomputing blocks whose load failed."""
+    return Path(e.log_path).read_text(errors="replace").count(
+        "Recovered from KV load failure")
+
+
+def step_stats(got: dict, start: float, end: float) -> tuple[int, float]:
+    """How many of a generate's steps started in [start, end), and the
+    longest of them (seconds)."""
+    inside = [d for t, d in got["steps"] if start <= t < end]
+    return len(inside), max(inside, default=0.0)
+
+
+def test_a_store_that_stalls_or_loses_blocks_after_its_lookup_fails_nothing(
+        work: Path, reference: dict[int, list[list[int]]]) -> None:
+    """Engine B runs its engine core in this test's helper process, each
+    ``LLMEngine.step()`` timed. (1) The store SIGSTOPped right after it
+    answered a step's lookups, so the loads it promised start against a
+    store that answers nothing, while a long decode runs beside them: no
+    step waits for it (each step while it is stopped is no longer than
+    B's decode steps with the store healthy + 50 ms); the stalled loads
+    give up at the client's deadline (3 s here) and vLLM computes those
+    prompts, with vLLM alone's tokens. After SIGCONT, a request sent
+    within 1 s loads from the store. (2) Between a lookup's answer and its
+    load, a writer fills the store (another namespace),
+    evicting every block the lookup counted (48 MiB of RAM and NVMe quotas:
+    the writer puts 120 MiB): vLLM recomputes them (its log says so),
+    tokens equal vLLM alone's."""
+    store = Store(work, "store-race", ram="16MiB",
+                  flags=("--disk-bytes=32MiB",))
+    try:
+        a = start(work, "race-a", store.address)
+        try:
+            for seed in (*PROBES, 3, 2):
+                a.generate(prompts(seed, 1 if seed in PROBES else 2))
+                wait_stored(a, store, prompts(seed)[0], PREFIX // BLOCK)
+        finally:
+            a.stop()
+        b = start(work, "race-b", store.address, deadline_ms=3000, inproc=1)
+        try:
+            decode = prompt(77, 200)
+            healthy = b.generate([decode], max_tokens=200)
+            _, decode_step = step_stats(healthy, healthy["steps"][2][0],
+                                        float("inf"))
+            got = b.generate(prompts(2) + [prompt(78, 200)],
+                             max_tokens=[8, 8, 600],
+                             after_lookup={"stop": store.pid})
+            stopped_at = got["acted_at"]
+            assert stopped_at is not None, "no lookup was answered"
+            # The stalled loads give up at 3 s: steps up to 2.5 s after
+            # the stop ran beside them.
+            n, longest = step_stats(got, stopped_at, stopped_at + 2.5)
+            print(f"store stopped with loads in flight: {n} steps in 2.5 s,"
+                  f" the longest {longest * 1e3:.1f} ms (decode steps with "
+                  f"the store healthy: up to {decode_step * 1e3:.1f} ms)")
+            assert n >= 20, got["steps"]
+            assert longest <= decode_step + 0.05, (longest, decode_step)
+            out = got["outputs"]
+            assert [o["tokens"] for o in out[:2]] == reference[2]
+            # The first computed its prompt; the second shares its prefix
+            # and waited for the first's load, then found it in vLLM's
+            # own prefix cache.
+            assert out[0]["cached"] == 0, out
+            assert recoveries(b) >= 1, b.tail()
+            # SIGCONT, then one new stored prompt every 0.25 s: one sent
+            # within 1 s loads its prefix (the client skips a shard that
+            # failed for up to 1 s before it probes it again).
+            store.resume()
+            t0 = time.monotonic()
+            resumed = None
+            for k, seed in enumerate(PROBES):
+                time.sleep(max(0.0, t0 + 0.25 * k - time.monotonic()))
+                sent = time.monotonic() - t0
+                back = b.generate(prompts(seed, 1))["outputs"][0]
+                if seed in reference:
+                    assert back["tokens"] == reference[seed][0]
+                if back["cached"] >= 0.9 * PREFIX:
+                    resumed = sent
+                    break
+            print(f"after SIGCONT: the first request to load from the store "
+                  f"was sent {resumed} s after it")
+            assert resumed is not None and resumed <= 1.0, b.tail()
+
+            # (2) A writer fills the store between lookup and load.
+            fill = [sys.executable, "-c", FILL, store.address, "240"]
+            recovered = recoveries(b)
+            raced = b.generate(prompts(3), after_lookup={"run": fill})
+            assert raced["acted_at"] is not None, "no lookup was answered"
+            assert [o["tokens"] for o in raced["outputs"]] == reference[3]
+            # The load found the blocks gone and vLLM recomputed them.
+            assert recoveries(b) > recovered, b.tail()
+        finally:
+            b.stop()
     finally:
         store.stop()

@@ -7,6 +7,17 @@ and the benchmark drive over stdin/stdout, one JSON object a line:
           "seconds": S}
     {"op": "stop"} -> {"stopped": true}
 
+``max_tokens`` may be a list (one a prompt). With ``--inproc 1`` the
+engine core runs in this process (vLLM's
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the answer carries every
+``LLMEngine.step()``'s start and duration (``"steps": [[t, s], ...]``,
+``time.monotonic()`` of this process), and a generate may carry
+``"after_lookup"``: an action taken once, right after the first step
+whose kvtier lookups the store has answered and before the step that
+plans their loads (``{"stop": PID}``: SIGSTOP that process and wait until
+it is stopped; ``{"run": [ARGV...]}``: run that command to its end); the
+answer then says when (``"acted_at"``).
+
 It prints {"ready": true, ...} once the engine serves. ``cached`` is vLLM's
 own count of prompt tokens it did not compute (its prefix cache plus the
 connector's external hits); ``ttft`` vLLM's own time from the request's
@@ -24,7 +35,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -49,6 +60,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--prefix-caching", type=int, default=1)
+    ap.add_argument("--inproc", type=int, default=0,
+                    help="1: the engine core in this process, its steps "
+                    "timed (see the module docstring)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size (one worker process a rank)")
     ap.add_argument("--num-blocks", type=int, default=0,
@@ -65,6 +79,8 @@ def main() -> None:
     # 1 GiB of KV memory (a million tokens of the tiny model), not vLLM's
     # default share of the machine's memory.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.inproc:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -95,19 +111,27 @@ def main() -> None:
     print(json.dumps({"ready": True,
                       "start_seconds": time.monotonic() - start}),
           file=proto, flush=True)
+    timed = _StepTimer(llm) if args.inproc else None
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["op"] == "stop":
             print(json.dumps({"stopped": True}), file=proto, flush=True)
             break
-        sp = SamplingParams(max_tokens=int(msg.get("max_tokens", 8)),
-                            temperature=0.0, detokenize=False,
-                            ignore_eos=True)
+        want = msg.get("max_tokens", 8)
+        if not isinstance(want, list):
+            want = [want] * len(msg["prompts"])
+        sp = [SamplingParams(max_tokens=int(n), temperature=0.0,
+                             detokenize=False, ignore_eos=True) for n in want]
+        extra: dict[str, Any] = {}
+        if timed is not None:
+            timed.begin(msg.get("after_lookup"))
         t = time.monotonic()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p)
                              for p in msg["prompts"]], sp, use_tqdm=False)
         took = time.monotonic() - t
-        print(json.dumps({
+        if timed is not None:
+            extra = timed.end()
+        print(json.dumps({**extra,
             "outputs": [{"tokens": list(o.outputs[0].token_ids),
                          "cached": int(o.num_cached_tokens or 0),
                          "ttft": float(getattr(o.metrics,
@@ -116,6 +140,66 @@ def main() -> None:
                         for o in outs],
             "seconds": took}), file=proto, flush=True)
     del llm
+
+
+class _StepTimer:
+    """Times each ``LLMEngine.step()`` of an in-process engine core and
+    takes a generate's ``after_lookup`` action (module docstring)."""
+
+    def __init__(self, llm: Any) -> None:
+        self._engine = llm.llm_engine
+        self._step = self._engine.step
+        self._engine.step = self._timed_step
+        core = self._engine.engine_core.engine_core  # InprocClient's core
+        self._lookups = core.scheduler.connector._scheduler._lookups
+        self._steps: list[list[float]] = []
+        self._action: Any = None
+        self._acted_at: Optional[float] = None
+
+    def begin(self, action: Any) -> None:
+        self._steps, self._action, self._acted_at = [], action, None
+
+    def end(self) -> dict[str, Any]:
+        return {"steps": self._steps, "acted_at": self._acted_at}
+
+    def _timed_step(self) -> Any:
+        t = time.monotonic()
+        out = self._step()
+        self._steps.append([t, time.monotonic() - t])
+        if self._action is not None and self._answered():
+            self._act(self._action)
+            self._action = None
+            self._acted_at = time.monotonic()
+        return out
+
+    def _answered(self) -> bool:
+        """True once a lookup is answered and not yet used: waits (5 s at
+        most) for lookups out; False when none was asked."""
+        lk = self._lookups
+        deadline = time.monotonic() + 5
+        with lk._lock:
+            while lk._out or lk._pending:
+                if time.monotonic() > deadline:
+                    return False
+                lk._lock.wait(0.01)
+            return bool(lk._done)
+
+    @staticmethod
+    def _act(action: dict[str, Any]) -> None:
+        import signal
+        import subprocess
+        if "stop" in action:
+            pid = int(action["stop"])
+            os.kill(pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                stat = open(f"/proc/{pid}/stat").read()
+                if stat[stat.rindex(")") + 2] == "T":
+                    return
+                time.sleep(0.001)
+            raise RuntimeError(f"process {pid} did not stop")
+        subprocess.run(action["run"], check=True, timeout=120,
+                       stdout=sys.stderr)
 
 
 if __name__ == "__main__":
@@ -164,13 +248,15 @@ class Engine:
         with open(self.log_path, "rb") as f:
             return f.read()[-3000:].decode(errors="replace")
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8,
-                 timeout: float = 240) -> dict[str, Any]:
-        """vLLM's greedy output of each prompt and its cached tokens."""
+    def generate(self, prompts: list[list[int]],
+                 max_tokens: int | list[int] = 8, timeout: float = 240,
+                 **extra: Any) -> dict[str, Any]:
+        """vLLM's greedy output of each prompt and its cached tokens
+        (``extra``: more fields of the request, e.g. ``after_lookup``)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(
             {"op": "generate", "prompts": prompts,
-             "max_tokens": max_tokens}).encode() + b"\n")
+             "max_tokens": max_tokens, **extra}).encode() + b"\n")
         self.proc.stdin.flush()
         return self._read(timeout)
 

@@ -57,6 +57,8 @@ struct Args {
   uint64_t staging_blocks = 256;
   std::string json;
   bool mapped = true;
+  bool writer_hashes = false;  // in-place saves hashed here, not by the store
+  uint64_t pass = 0;           // --pass: new blocks for each pass on one store
 };
 
 // Memory for pages: the device's or the host's, freed at the end.
@@ -284,6 +286,7 @@ bool CheckStore(const Args& a, gpu::CudaDevice* dev, uint64_t tokens, uint64_t s
       a.mapped ? DataClientOptions::SharedMemory::kOn : DataClientOptions::SharedMemory::kOff;
   o.engine_memory = c.pages;
   o.page_copier = a.device;
+  o.in_place_store_hashes = !a.writer_hashes;
   auto conn = worker::KvConnector::Create(o);
   if (!conn.ok()) Memory::Die(conn.status().ToString());
   std::vector<uint32_t> tok(tokens);
@@ -423,6 +426,7 @@ bool CheckStore(const Args& a, gpu::CudaDevice* dev, uint64_t tokens, uint64_t s
   auto gbs = [&](double s) { return s > 0 ? bytes / s / 1e9 : 0.0; };
   Emit(a, absl::StrCat(
               "{\"check\": \"store\", \"device\": \"", a.device, "\", \"copy\": \"", CopyMode(),
+              "\", \"hashes\": \"", a.writer_hashes ? "writer" : "store",
               "\", \"tokens\": ", tokens, ", \"blocks\": ", n, ", \"bytes\": ", bytes,
               ", \"identical\": ", same ? "true" : "false", ", \"transport\": \"",
               a.mapped ? "mapped" : "socket", "\", \"save_step_s\": ", step_s,
@@ -465,6 +469,11 @@ int Main(int argc, char** argv) {
     } else if ((v = value("--staging-blocks")) != "\x01") {
       if (!absl::SimpleAtoi(v, &a.staging_blocks) || a.staging_blocks == 0)
         Memory::Die("bad --staging-blocks");
+    } else if ((v = value("--pass")) != "\x01") {
+      if (!absl::SimpleAtoi(v, &a.pass) || a.pass > 1000) Memory::Die("bad --pass");
+    } else if ((v = value("--hashes")) != "\x01") {
+      if (v != "store" && v != "writer") Memory::Die("--hashes is store or writer");
+      a.writer_hashes = v == "writer";
     } else if ((v = value("--layers")) != "\x01") {
       if (!absl::SimpleAtoi(v, &a.layers) || a.layers < 4) Memory::Die("--layers is at least 4");
     } else if ((v = value("--tokens")) != "\x01") {
@@ -475,10 +484,11 @@ int Main(int argc, char** argv) {
         a.tokens.push_back(x);
       }
     } else {
-      std::fprintf(stderr,
-                   "usage: kvtier-gpu-check --store=HOST:PORT [--device=cuda:0|host] "
-                   "[--tokens=4096,32768] [--layers=32] [--staging-blocks=256] "
-                   "[--transport=mapped|socket] [--json=FILE]\n");
+      std::fprintf(
+          stderr,
+          "usage: kvtier-gpu-check --store=HOST:PORT [--device=cuda:0|host] "
+          "[--tokens=4096,32768] [--layers=32] [--staging-blocks=256] "
+          "[--transport=mapped|socket] [--hashes=store|writer] [--pass=N] [--json=FILE]\n");
       return 2;
     }
   }
@@ -498,7 +508,9 @@ int Main(int argc, char** argv) {
   if (!copier.ok()) Memory::Die(copier.status().ToString());
   bool ok = CheckKernels(a, dev.get(), **copier);
   copier->reset();
-  uint64_t salt = CopyMode() == "dma" ? 101 : 1;  // a second pass saves new blocks
+  // A later pass against the same store saves new blocks (not ones the
+  // store holds already).
+  uint64_t salt = (CopyMode() == "dma" ? 101 : 1) + (a.writer_hashes ? 201 : 0) + a.pass * 1000;
   for (uint64_t t : a.tokens) ok &= CheckStore(a, dev.get(), t, salt++);
   std::printf("kvtier-gpu-check: %s\n", ok ? "every byte matched" : "MISMATCH");
   return ok ? 0 : 1;

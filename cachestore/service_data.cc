@@ -130,7 +130,7 @@ grpc::Status StoreService::CommitPut(grpc::ServerContext* ctx, const v1::CommitP
 absl::Status StoreService::DoCommitPut(const Caller& caller, const v1::CommitPutRequest& req,
                                        v1::CommitPutResponse* resp) {
   std::vector<uint64_t> sums(req.checksums().begin(), req.checksums().end());
-  auto n = store_->CommitPut(req.lease_id(), sums, caller.tenant_index());
+  auto n = store_->CommitPut(req.lease_id(), sums, caller.tenant_index(), req.store_checksums());
   if (!n.ok()) return n.status();
   resp->set_committed(*n);
   return absl::OkStatus();

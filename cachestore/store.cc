@@ -214,27 +214,34 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
 }
 
 absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uint64_t> checksums,
-                                          int tenant) {
+                                          int tenant, bool store_checksums) {
   auto lease = leases_->Take(lease_id, true, tenant);
   if (!lease.ok()) return lease.status();
-  if (checksums.size() != lease->items.size()) {
-    size_t want = lease->items.size();
+  const size_t want = store_checksums ? 0 : lease->items.size();
+  if (checksums.size() != want) {
     // A malformed commit does not cost the caller its lease.
     leases_->Restore(lease_id, std::move(*lease));
-    return absl::InvalidArgumentError(absl::StrCat("CommitPut of lease ", lease_id, " carries ",
-                                                   checksums.size(), " checksums; the lease has ",
-                                                   want, " reserved blocks"));
+    return absl::InvalidArgumentError(
+        store_checksums
+            ? absl::StrCat("CommitPut of lease ", lease_id,
+                           " asks the store to hash its blocks "
+                           "and carries ",
+                           checksums.size(), " checksums; send none")
+            : absl::StrCat("CommitPut of lease ", lease_id, " carries ", checksums.size(),
+                           " checksums; the lease has ", want, " reserved blocks"));
   }
   // Every block's hash, on up to kCommitHashThreads threads for a large
   // commit (a run of 2 MiB blocks took ~10 ms on one).
-  std::vector<uint64_t> actual(options_.verify_commits ? checksums.size() : 0);
+  std::vector<uint64_t> actual(options_.verify_commits || store_checksums ? lease->items.size()
+                                                                          : 0);
   uint64_t bytes = 0;
   for (const auto& item : lease->items) bytes += item.second.length;
   ParallelFor(actual.size(), bytes, kCommitBytesPerThread, kCommitHashThreads, [&](size_t i) {
     const Slot& slot = lease->items[i].second;
     actual[i] = Checksum(ram_->data(slot), slot.length);
   });
-  for (size_t i = 0; i < actual.size(); ++i) {
+  if (store_checksums) checksums = actual;  // recorded as the slots hold them
+  for (size_t i = 0; i < actual.size() && !store_checksums; ++i) {
     const auto& [key, slot] = lease->items[i];
     if (actual[i] != checksums[i]) {
       ReleaseLease(*lease);

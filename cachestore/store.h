@@ -111,8 +111,9 @@ struct StoreStats {
 
 class Store {
  public:
-  // CommitPut hashes a large commit's blocks (verify_commits) on up to this
-  // many threads, one per kCommitBytesPerThread of them.
+  // CommitPut hashes a large commit's blocks (verify_commits or
+  // store_checksums) on up to this many threads, one per
+  // kCommitBytesPerThread of them.
   static constexpr int kCommitHashThreads = 4;
   static constexpr uint64_t kCommitBytesPerThread = 8ull << 20;
 
@@ -152,9 +153,11 @@ class Store {
   // lease kept) for a wrong checksum count; FAILED_PRECONDITION for an
   // unknown, ended or expired lease. Returns how many blocks became visible.
   // tenant >= 0: only that tenant's lease (LeaseTable::Take), here and in
-  // AbortPut, EndGet and ReleaseGets.
+  // AbortPut, EndGet and ReleaseGets. store_checksums: `checksums` is empty
+  // and the store records each slot's own hash (CommitPutRequest's
+  // store_checksums; whatever verify_commits says).
   absl::StatusOr<uint32_t> CommitPut(uint64_t lease, std::span<const uint64_t> checksums,
-                                     int tenant = -1);
+                                     int tenant = -1, bool store_checksums = false);
   // FAILED_PRECONDITION / INVALID_ARGUMENT as LeaseTable::Take.
   absl::Status AbortPut(uint64_t lease, int tenant = -1);
   // A socket data-plane transfer's hold on [offset, offset + length) of the

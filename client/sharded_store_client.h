@@ -133,8 +133,10 @@ class ShardedStoreClient {
       uint64_t ns, uint64_t block_bytes, const std::vector<BlockHash>& hashes,
       std::optional<std::chrono::milliseconds> budget = std::nullopt);
   // Commits every lease of `r`, its slots filled; `checksums` per block
-  // asked for (those of unreserved blocks are ignored). The blocks
-  // committed, or the first failing shard's status once all have answered.
+  // asked for (those of unreserved blocks are ignored), or empty: each
+  // store hashes its slots itself (StoreDataClient::CommitReserved). The
+  // blocks committed, or the first failing shard's status once all have
+  // answered.
   absl::StatusOr<uint32_t> Commit(const Reservation& r, const std::vector<uint64_t>& checksums);
   // Gives every lease of `r` back (best effort).
   void Abort(const Reservation& r);

@@ -121,8 +121,12 @@ class StoreDataClient {
       uint64_t ns, uint64_t block_bytes, const std::vector<BlockHash>& hashes,
       std::optional<std::chrono::milliseconds> budget = std::nullopt);
   // CommitPut of a lease Reserve opened, its slots filled: `checksums` are
-  // the reserved blocks' XXH3-64s in commit order. The blocks committed;
-  // CommitPut's statuses (DATA_LOSS: a slot's bytes do not match).
+  // the reserved blocks' XXH3-64s in commit order, or empty: the store
+  // hashes the slots itself (CommitPutRequest.store_checksums; this
+  // process wrote them through its mapping, so a hash of its own would read
+  // the same bytes twice). The blocks committed; CommitPut's statuses
+  // (DATA_LOSS: a slot's bytes do not match; INVALID_ARGUMENT, the lease
+  // kept, from a store too old to hash them: send the checksums).
   absl::StatusOr<uint32_t> CommitReserved(uint64_t lease, const std::vector<uint64_t>& checksums);
   // Gives a reservation's slots back (best effort: the lease expires anyway).
   void AbortReserved(uint64_t lease);

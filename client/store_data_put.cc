@@ -122,6 +122,7 @@ absl::StatusOr<uint32_t> StoreDataClient::CommitReserved(uint64_t lease,
   v1::CommitPutRequest commit;
   commit.set_lease_id(lease);
   for (uint64_t c : checksums) commit.add_checksums(c);
+  commit.set_store_checksums(checksums.empty());
   v1::CommitPutResponse cr;
   const auto deadline =
       std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms);

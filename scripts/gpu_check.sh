@@ -35,7 +35,7 @@ fi
 export KVTIER_CUDA_MODULE=$module
 scratch=$(mktemp -d)
 LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-store" --listen=127.0.0.1:0 --data-listen=127.0.0.1:0 \
-  --data-dir="$scratch/db" --hugepages=false --ram-bytes=12GiB \
+  --data-dir="$scratch/db" --hugepages=false --ram-bytes=32GiB \
   --port-file="$scratch/port" >"$out/store.log" 2>&1 &
 store=$!
 for _ in $(seq 300); do [[ -s $scratch/port ]] && break; sleep 0.1; done
@@ -55,6 +55,17 @@ if [[ ${GPU_CHECK_DMA:-1} != 0 ]]; then
   KVTIER_CUDA_COPY=dma LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-gpu-check" \
     --store="127.0.0.1:$(cat "$scratch/port")" --device=cuda:0 --tokens=4096,32768 \
     --json="$json" || rc=$?
+fi
+# In-place saves hashed by the writer and checked by the store (the way
+# before the store hashed them itself), interleaved with the default, as a
+# host's speed drifts; new blocks each pass. GPU_CHECK_HASHES=0 skips it.
+if [[ ${GPU_CHECK_HASHES:-1} != 0 ]]; then
+  for hashes in writer store writer store; do
+    pass=$((${pass:-0} + 1))
+    LD_LIBRARY_PATH=$libs "$bundle/bin/kvtier-gpu-check" --hashes=$hashes --pass=$pass \
+      --store="127.0.0.1:$(cat "$scratch/port")" --device=cuda:0 --tokens=4096,32768 \
+      --json="$json" || rc=$?
+  done
 fi
 python3 "$root/bench/gpu_layer_time.py" 4096 | tee -a "$json" || rc=1
 kill "$store"

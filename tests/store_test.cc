@@ -164,6 +164,31 @@ TEST_F(StoreTest, CommitWithTheWrongCountKeepsTheLease) {
   EXPECT_EQ(store_->Stats().ram.used_bytes, 0u);
 }
 
+// CommitPutRequest.store_checksums: the store records each slot's own hash
+// (a writer that filled them through its mapping sends none); a reader
+// verifies against it. With checksums too, the commit is refused and the
+// lease kept.
+TEST_F(StoreTest, TheStoreHashesTheSlotsWhenAskedTo) {
+  Open(64 << 20);
+  constexpr uint64_t kN = 200;  // 12.5 MiB: hashed on two threads
+  std::vector<BlockHash> hs;
+  for (uint64_t i = 0; i < kN; ++i) hs.push_back(H(i + 1));
+  auto r = store_->BeginPut(ns_, hs, "t");
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (uint64_t i = 0; i < kN; ++i) {
+    std::string b = testing::BlockBytesFor(i + 1, kBlock);
+    std::memcpy(store_->ram().data(r->targets[i].slot), b.data(), kBlock);
+  }
+  auto c = store_->CommitPut(r->lease, std::vector<uint64_t>{7}, -1, /*store_checksums=*/true);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("send none"), std::string::npos) << c.status();
+  c = store_->CommitPut(r->lease, {}, -1, /*store_checksums=*/true);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(*c, kN);
+  for (uint64_t i : {uint64_t{1}, uint64_t{kN / 2}, kN}) EXPECT_EQ(GetAndCheck(i), TierKind::kRam);
+  EXPECT_EQ(store_->Stats().checksum_failures, 0u);
+}
+
 TEST_F(StoreTest, ExpiredPutLeaseIsReclaimedAndItsCommitRefused) {
   Open(1 << 20, /*lease_ms=*/100);
   std::vector<BlockHash> hs = {H(1), H(2)};

@@ -130,6 +130,12 @@ struct ConnectorOptions {
   // long for the store to reserve its slots (it goes through the staging
   // instead, which never waits for the store).
   int reserve_budget_ms = 50;
+  // A save in place is committed with the store hashing the slots
+  // (CommitPutRequest.store_checksums): one pass over the bytes instead of
+  // this process's and the store's verification. false: this process sums
+  // them (on kCommitSumThreads) and the store checks them (a store too old
+  // to hash them refuses the commit).
+  bool in_place_store_hashes = true;
 };
 
 // Where a load's time went, in milliseconds.

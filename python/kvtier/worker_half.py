@@ -115,13 +115,20 @@ class WorkerHalf:
             self._async.pop(spec.request, None)
             self._ended.append((spec.name, failed))
 
+    def ended_loads(self) -> list[tuple[str, list[int]]]:
+        """Each asynchronous load that ended since the last call (or
+        :meth:`finished_loads`): the request's engine id and its pages that
+        did not load."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended
+
     def finished_loads(self) -> tuple[set[str], set[int]]:
         """The engine ids of requests whose asynchronous load ended since
         the last call, and the pages of theirs that did not load (the
         engine recomputes those blocks; every other page holds verified
         bytes)."""
-        with self._lock:
-            ended, self._ended = self._ended, []
+        ended = self.ended_loads()
         names = {name for name, _ in ended}
         pages = {p for _, failed in ended for p in failed}
         return names, pages

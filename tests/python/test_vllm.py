@@ -450,3 +450,70 @@ def test_requests_sharing_a_prefix_load_it_once(store) -> None:
     plain.update_state_after_alloc(a, v.KVCacheBlocks([0, 1, 2, 3, 4]),
                                    4 * BS)
     assert matched(plain, b, 0) == (4 * BS, True)
+
+
+# ------------------------------------------------ hybrid models (HMA)
+
+def test_a_hybrid_models_plan_reaches_every_group() -> None:
+    """The primary (full-attention) group's plan carried to a window
+    group: its load covers only the non-null pages (the window's), its
+    saves skip null pages; a group whose pages are not one run ending at
+    the load's last block fails the request's load."""
+    from kvtier.integrations.vllm_groups import GroupPlans, non_null_runs
+    from kvtier.scheduler_half import LoadSpec, SaveSpec, StepMeta
+    assert non_null_runs(4, [0, 0, 7, 8, 0, 9]) == [(6, [7, 8]), (9, [9])]
+    plans = GroupPlans(groups=2, primary=1)
+    hashes = np.zeros((10, 2), dtype=np.uint64)
+    # Blocks 0-7 loaded: group 1 (full) pages 10-17, group 0 (window of 2
+    # blocks) null but for the last two.
+    plans.planned_load("r", 5, ([0] * 6 + [30, 31], list(range(10, 18))),
+                       0, 8)
+    plans.track("r", 5, ([0] * 6 + [30, 31, 32], list(range(10, 19))))
+    step = StepMeta(loads=[LoadSpec(5, hashes, 0, list(range(10, 18)), "r")],
+                    saves=[SaveSpec(5, hashes, 6, [16, 17, 18])],
+                    finished=[9])
+    groups, failed = plans.steps(step)
+    assert failed == [] and groups[1] is step
+    window = groups[0]
+    assert [(s.skip_blocks, s.pages, s.name) for s in window.loads] == \
+        [(6, [30, 31], "r")]
+    assert [(s.first_block, s.pages) for s in window.saves] == \
+        [(6, [30, 31, 32])]
+    assert window.finished == [9]
+    # Null pages inside the window group's range: never planned.
+    plans.planned_load("q", 6, ([40, 0, 41], [50, 51, 52]), 0, 3)
+    groups, failed = plans.steps(StepMeta(loads=[
+        LoadSpec(6, hashes, 0, [50, 51, 52], "q")]))
+    assert failed == ["q"] and groups[0].loads == []
+
+
+def test_a_hybrid_requests_load_ends_with_its_last_group() -> None:
+    from kvtier.integrations.vllm_groups import GroupLoads
+    loads = GroupLoads()
+    loads.expect("a", 2)
+    loads.expect("b", 1)
+    loads.expect("c", 0, failed=True)
+    loads.ended("a", False)
+    loads.ended("b", False)
+    assert loads.done() == ({"b", "c"}, {"c"})
+    loads.ended("a", True)
+    assert loads.done() == ({"a"}, {"a"})
+    assert loads.done() == (set(), set())
+
+
+def test_group_kinds_kvtier_cannot_store_are_refused_by_name() -> None:
+    from types import SimpleNamespace
+    from kvtier.integrations.vllm_groups import group_kinds, primary_group
+    window = type("SlidingWindowSpec", (), {"sliding_window": 4096})()
+    full = type("FullAttentionSpec", (), {})()
+    kc = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=window),
+        SimpleNamespace(kv_cache_spec=full)])
+    kinds = group_kinds(kc)
+    assert kinds == ["window=4096", "full"] and primary_group(kinds) == 1
+    for name in ("MambaSpec", "ChunkedLocalAttentionSpec",
+                 "CrossAttentionSpec"):
+        kc.kv_cache_groups[1].kv_cache_spec = type(name, (), {})()
+        with pytest.raises(kvtier.errors.InvalidArgument,
+                           match=f"group 1 is a {name}"):
+            group_kinds(kc)

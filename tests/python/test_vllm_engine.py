@@ -108,12 +108,16 @@ def vllm_config(**kw: object) -> object:
     return EngineArgs(**args).create_engine_config()  # type: ignore[arg-type]
 
 
-def kv_cache_config(layout: str = "LBHNC", groups: int = 1) -> object:
-    """The part of vLLM's KVCacheConfig the connector reads."""
+def kv_cache_config(layout: str = "LBHNC", second: str = "") -> object:
+    """The part of vLLM's KVCacheConfig the connector reads (``second``: a
+    second group's vLLM spec class name)."""
     from types import SimpleNamespace
-    return SimpleNamespace(kv_cache_layout=layout, kv_cache_groups=[
-        SimpleNamespace(layer_names=[f"model.layers.{i}.self_attn.attn"
-                                     for i in range(4)])] * groups)
+    groups = [SimpleNamespace(layer_names=[f"model.layers.{i}.self_attn.attn"
+                                           for i in range(4)])]
+    if second:
+        groups.append(SimpleNamespace(layer_names=groups[0].layer_names,
+                                      kv_cache_spec=type(second, (), {})()))
+    return SimpleNamespace(kv_cache_layout=layout, kv_cache_groups=groups)
 
 
 def connector_namespace(model: str = TINY_MODEL, tp: int = 1,
@@ -130,7 +134,7 @@ def connector_namespace(model: str = TINY_MODEL, tp: int = 1,
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size = 2"),
     ({"decode_context_parallel_size": 2}, "decode_context_parallel_size"),
     ({"layout": "LHBNC"}, "LHBNC"),
-    ({"groups": 2}, "2 KV cache groups"),
+    ({"second": "MambaSpec"}, "group 1 is a MambaSpec"),
     ({"dtype": "float32"}, "float32"),
 ])
 def test_what_the_connector_cannot_store_is_refused_at_start_up(
@@ -141,7 +145,7 @@ def test_what_the_connector_cannot_store_is_refused_at_start_up(
         if name in change:
             setattr(cfg.parallel_config, name, change[name])
     kc = kv_cache_config(change.get("layout", "LBHNC"),
-                         change.get("groups", 1))
+                         change.get("second", ""))
     with pytest.raises(kvtier.errors.InvalidArgument, match=says):
         namespace_of(cfg, 0, kv_cache_config=kc)
 
@@ -431,21 +435,19 @@ def test_a_page_moves_whole_in_every_accepted_layout(layout: str) -> None:
     covers each page's bytes exactly once (K|V packed, heads and tokens in
     either order); a view whose page is not contiguous is refused."""
     import torch
-    from kvtier.integrations.vllm import KvtierConnector
-    conn = KvtierConnector.__new__(KvtierConnector)
-    conn._namespace = kvtier.Namespace("m", "bf16", 1, 2, 32, BLOCK)
-    conn._kv_cache_config = None
+    from kvtier.integrations.vllm_pages import page_view
+    ns = kvtier.Namespace("m", "bf16", 1, 2, 32, BLOCK)
     pages, page = 5, 2 * BLOCK * 64
     buf = torch.zeros(pages * page, dtype=torch.bfloat16)
     view = (buf.view(pages, 2, BLOCK, 64) if layout == "LBHNC" else
             buf.view(pages, BLOCK, 2, 64).permute(0, 2, 1, 3))
-    whole = conn._page_view(view)
+    whole = page_view(view, ns)
     whole[3].fill_(1)  # page 3, as kvtier would write it
     assert int(buf.sum()) == page
     assert bool((buf[3 * page:4 * page] == 1).all())
     padded = torch.zeros(pages, 2, BLOCK, 128, dtype=torch.bfloat16)
     with pytest.raises(kvtier.errors.InvalidArgument, match="contiguous"):
-        conn._page_view(padded[:, :, :, :64])
+        page_view(padded[:, :, :, :64], ns)
 
 
 BURST_PREFIX = 1024
@@ -521,39 +523,87 @@ def test_a_burst_loads_every_shared_prefix_and_wrong_kv_shows(
 
 
 
+def logged_group_namespaces(log: str, model: str) -> list[kvtier.Namespace]:
+    """The namespaces of a hybrid model's KV cache groups, as a worker's
+    connector logged them (index, kind, layers), rebuilt with the
+    connector's own namespace_of; each must have the logged id."""
+    import re
+    from types import SimpleNamespace
+    from kvtier.integrations.vllm import namespace_of
+    found = {int(m[2]): (m[1], m[3], int(m[4])) for m in re.finditer(
+        r"namespace ([0-9a-f]{16}) \([^)]*\|group=(\d+):([^)]*)\), "
+        r"(\d+) layers", log)}
+    assert found, "no group namespace in the engine's log"
+    groups = []
+    for g in sorted(found):
+        kind, layers = found[g][1], found[g][2]
+        if kind == "full":
+            spec = type("FullAttentionSpec", (), {})()
+        else:
+            spec = type("SlidingWindowSpec", (), {})()
+            spec.sliding_window = int(kind.split("=")[1])
+        groups.append(SimpleNamespace(
+            layer_names=[f"layers.{i}" for i in range(layers)],
+            kv_cache_spec=spec))
+    kc = SimpleNamespace(kv_cache_layout="LBHNC", kv_cache_groups=groups)
+    out = [namespace_of(vllm_config(model=model), 0, kv_cache_config=kc,
+                        group=g) for g in range(len(groups))]
+    assert [f"{ns.id:016x}" for ns in out] == \
+        [found[g][0] for g in sorted(found)]
+    return out
+
+
 def test_a_sliding_window_model_loads_its_prefix_through_the_store(
         work: Path) -> None:
     """Gemma 2's interleaved sliding-window and full-attention layers
-    through the connector. kvtier's connector does not implement vLLM's
-    SupportsHMA, so vLLM runs the model with its hybrid KV cache manager
-    off (one group: sliding-window layers keep every block, as full
-    attention does; the attention stays windowed) and says so in its log.
-    Engine B, warmed only through the store, loads >= 90 % of the prefix
-    engine A computed, and both give vLLM alone's tokens (vLLM alone runs
-    the hybrid manager)."""
-    ps = prompts(6)
+    through the connector, with vLLM's hybrid KV cache manager on (kvtier
+    implements SupportsHMA): a KV cache group each, a namespace each, the
+    window group loading only the blocks of its window. Engine B, warmed
+    only through the store, loads >= 90 % of the prefix engine A computed,
+    and both give vLLM alone's tokens. A prompt whose window blocks the
+    store lost (its full-attention blocks all there) fails its load in the
+    window group: vLLM computes it whole, with vLLM alone's tokens."""
+    sets = {seed: prompts(seed) for seed in (6, 7)}
     ref = Engine(str(work / "gemma-reference.log"), env=engine_env(),
                  model=TINY_GEMMA2)
     try:
-        expected = [o["tokens"] for o in ref.generate(ps)["outputs"]]
+        expected = {seed: [o["tokens"] for o in ref.generate(ps)["outputs"]]
+                    for seed, ps in sets.items()}
     finally:
         ref.stop()
     store = Store(work, "store-gemma")
     try:
         a = start(work, "gemma-a", store.address, model=TINY_GEMMA2)
         try:
-            out_a = a.generate(ps)["outputs"]
-            assert [o["tokens"] for o in out_a] == expected
-            wait_stored(a, store, ps[0], PREFIX // BLOCK, model=TINY_GEMMA2)
-            assert "Turning off hybrid kv cache manager" in Path(
-                a.log_path).read_text(errors="replace")
+            for seed, ps in sets.items():
+                out_a = a.generate(ps)["outputs"]
+                assert [o["tokens"] for o in out_a] == expected[seed]
+            log = Path(a.log_path).read_text(errors="replace")
+            groups = logged_group_namespaces(log, TINY_GEMMA2)
+            primary = next(ns for ns in groups if "full" in ns.layout)
+            window = next(ns for ns in groups if "window" in ns.layout)
+            for ps in sets.values():
+                for ns in groups:
+                    wait_stored(a, store, ps[0], PREFIX // BLOCK, ns=ns,
+                                chain_ns=primary)
+            # vLLM keeps its hybrid KV cache manager (kvtier's connector
+            # implements SupportsHMA): two groups, a namespace each.
+            assert "Turning off hybrid kv cache manager" not in log
+            assert "window=256" in window.layout
         finally:
             a.stop()
+        # Set 7's last 8 prefix blocks (the 256-token window the load
+        # needs) gone from the window group's namespace only.
+        chain = kvtier.hash_tokens(primary, sets[7][0])
+        evict(store, window, chain[PREFIX // BLOCK - 8:PREFIX // BLOCK])
         b = start(work, "gemma-b", store.address, model=TINY_GEMMA2)
         try:
-            out_b = b.generate(ps)["outputs"]
+            out_b = b.generate(sets[6])["outputs"]
             assert out_b[0]["cached"] >= 0.9 * PREFIX, b.tail()
-            assert [o["tokens"] for o in out_b] == expected
+            assert [o["tokens"] for o in out_b] == expected[6]
+            out_b = b.generate(sets[7][:1])["outputs"]
+            assert out_b[0]["cached"] < PREFIX // 2, out_b
+            assert [o["tokens"] for o in out_b] == expected[7][:1]
         finally:
             b.stop()
     finally:

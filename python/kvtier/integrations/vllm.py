@@ -32,50 +32,13 @@ connector with role SCHEDULER in the engine-core process and one with role
 WORKER per GPU worker; the two talk only through
 :class:`KvtierConnectorMetadata` (pickled by vLLM), as here.
 
-Per hook:
-
-- ``get_num_new_matched_tokens(request, num_computed_tokens)``: the
-  prompt's chained block hashes (seeded with the request's cache_salt and
-  LoRA adapter; multimodal requests do not use kvtier, pipeline
-  parallelism is refused) are looked up together with every other request
-  asked in the same scheduler step: one batched call, one round trip per
-  store shard, sent when the step's plan is built, off vLLM's thread. Until
-  it answers the hook returns None and vLLM schedules the request in a
-  later step (its other requests run meanwhile); past ``lookup_wait_ms``
-  the request computes its prompt (0). The answer: the tokens after vLLM's
-  own prefix hit that the store holds, always leaving the last prompt
-  token to compute, and ``True`` (loaded asynchronously).
-- ``update_state_after_alloc(request, blocks, num_external_tokens)``: the
-  pages for those tokens (``blocks.get_block_ids()[0]`` after the local hit).
-- ``build_connector_meta(scheduler_output)``: this step's loads, the prompt
-  blocks this step fills (saved after the forward), finished requests.
-- ``register_kv_caches(kv_caches)``: a :class:`kvtier.Connector` over
-  vLLM's KV memory. vLLM 0.26 and later hand 4-D views ``[blocks, heads,
-  tokens, K|V]`` of one buffer shared by the layers (layers in the order
-  of ``kv_cache_config``'s group); a block's page of a layer is contiguous
-  in every layout accepted (``LB*`` and ``BL*``), so pages move whole, as
-  opaque bytes, and the namespace records vLLM's ``KVCacheLayout`` and the
-  CPU attention ISA they are prepacked for. Older vLLM: 5-D
-  ``[2, num_blocks, ...]`` or ``[num_blocks, 2, ...]`` tensors. Anything
-  else (another layout, several KV groups, PP/DCP/PCP > 1, K and V of
-  different head sizes, a dtype kvtier does not store, an unknown TP rank)
-  is refused at start-up with a message that names it.
-- ``start_load_kv``: hands this step's loads to the worker's loader
-  threads, which pin each request's blocks, move them into its pages and
-  verify each block's checksum; the forward pass never waits on the store.
-- ``wait_for_layer_load``: nothing (a request is scheduled only once its
-  KV is loaded and verified).
-- ``save_kv_layer``: nothing (kvtier saves whole blocks; their checksum
-  covers every layer).
-- ``wait_for_save``: the step's saves (copied out of the pages before it
-  returns; written in the background).
-- ``get_finished``: the requests whose load ended (vLLM then schedules
-  them); ``get_block_ids_with_load_errors`` in the same pass: the pages
-  that did not load (evicted after the lookup, a checksum mismatch, the
-  store gone, a TP rank whose shard lacks a block), which vLLM recomputes.
-- ``request_finished``: the request is closed on the worker in the next
-  step; its blocks are freed at once, or, for a request aborted while its
-  load runs, once the workers report that load ended.
+Each hook says what it does in its docstring, and docs/engines.md has
+them in one table. Loads are asynchronous (looked up in one batch per
+scheduler step, moved and verified on loader threads, reported through
+``get_finished``); saves copy the step's filled blocks out of the pages in
+``wait_for_save`` and are written behind the step. A hybrid model's KV
+cache groups (vLLM's ``SupportsHMA``) each have a namespace; their plans
+are carried from the looked-up group by :mod:`kvtier.integrations.vllm_groups`.
 """
 
 from __future__ import annotations
@@ -89,51 +52,15 @@ import numpy as np
 
 import kvtier
 from kvtier.hooks import SchedulerHalf, StepMeta, WorkerHalf, request_key
+from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
+                                           KVConnectorMetadata,
+                                           KVConnectorRole, SupportsHMA)
 from kvtier.integrations.vllm_config import (_tp_rank, connector_options,
                                              namespace_of, request_salt)
+from kvtier.integrations.vllm_pages import page_view
+from kvtier.integrations.vllm_groups import (GroupLoads, GroupPlans,
+                                             group_kinds, primary_group)
 from kvtier.options import client_options
-
-try:  # vLLM's classes when vLLM is installed; kvtier imports without it.
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
-except ImportError:  # pragma: no cover - exercised where vLLM is absent
-    import enum
-
-    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
-        """vLLM's KVConnectorRole, value for value."""
-
-        SCHEDULER = 0
-        WORKER = 1
-
-    class KVConnectorMetadata:  # type: ignore[no-redef]
-        """vLLM's KVConnectorMetadata (an empty base class)."""
-
-    class KVConnectorBase_V1:  # type: ignore[no-redef]
-        """The part of vLLM's base class a connector relies on: the config
-        and the metadata binding (vLLM's own is used when installed)."""
-
-        def __init__(self, vllm_config: Any, role: Any,
-                     kv_cache_config: Any = None) -> None:
-            self._vllm_config = vllm_config
-            self._kv_transfer_config = vllm_config.kv_transfer_config
-            self._kv_cache_config = kv_cache_config
-            self._role = role
-            self._connector_metadata: Optional[KVConnectorMetadata] = None
-
-        @property
-        def role(self) -> Any:
-            return self._role
-
-        def bind_connector_metadata(self, metadata: Any) -> None:
-            self._connector_metadata = metadata
-
-        def clear_connector_metadata(self) -> None:
-            self._connector_metadata = None
-
-        def _get_connector_metadata(self) -> Any:
-            assert self._connector_metadata is not None
-            return self._connector_metadata
-
 
 # A child of vLLM's own logger, so the connector's lines appear with vLLM's.
 log = logging.getLogger("vllm.kvtier")
@@ -143,9 +70,13 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's plan, from the scheduler process to the workers."""
 
     step: StepMeta = field(default_factory=StepMeta)
+    # A hybrid model's plan per KV cache group (the primary's is ``step``),
+    # and the requests whose load fails in some group; empty otherwise.
+    groups: list[StepMeta] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
 
 
-class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """vLLM's KV connector over kvtier (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any,
@@ -161,18 +92,31 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
         self._load_errors: set[int] = set()
+        kc = self._kv_config()
+        # A hybrid model's groups (kvtier.integrations.vllm_groups): the
+        # primary group's namespace seeds the chain and is looked up.
+        self._kinds = group_kinds(kc) if kc is not None else ["full"]
+        self._primary = primary_group(self._kinds)
+        self._plans = (GroupPlans(len(self._kinds), self._primary)
+                       if len(self._kinds) > 1 else None)
+        self._group_loads = GroupLoads()
+        self._computes: set[str] = set()  # failed loads: computed whole
+        self._workers: list[WorkerHalf] = []
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler asks in the namespace of TP rank 0 (every rank
             # saves the same blocks of its own shard).
-            ns = namespace_of(vllm_config, 0,
-                              kv_cache_config=self._kv_config())
+            ns = namespace_of(vllm_config, 0, kv_cache_config=kc,
+                              group=self._primary)
             self._scheduler = SchedulerHalf(
                 ns, kvtier.StoreClient(self._stores, **self._opts),
                 self._block_size, lookup_threads=int(opts["lookup_threads"]))
             self._scheduler.warm_up()
         else:
-            self._namespace = namespace_of(vllm_config, _tp_rank(vllm_config),
-                                           kv_cache_config=self._kv_config())
+            rank = _tp_rank(vllm_config)
+            self._namespaces = [namespace_of(vllm_config, rank,
+                                             kv_cache_config=kc, group=g)
+                                for g in range(len(self._kinds))]
+            self._namespace = self._namespaces[self._primary]
         self._hashes: dict[str, np.ndarray] = {}
         self._planned: dict[str, int] = {}
         self._blocks: dict[str, list[int]] = {}
@@ -215,9 +159,12 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # under another salt or adapter never share blocks.
             seed = (self._scheduler.namespace if not salt else
                     namespace_of(self._vllm_config, 0, salt,
-                                 kv_cache_config=self._kv_config()))
+                                 kv_cache_config=self._kv_config(),
+                                 group=self._primary))
             self._hashes[rid] = kvtier.hash_tokens(seed, prompt)
         hashes = self._hashes[rid]
+        if rid in self._computes:
+            return 0, False
         skip = num_computed_tokens // self._block_size
         owner = (self._inflight.get(hashes[skip].tobytes())
                  if self._share_loads and skip < len(hashes) else None)
@@ -239,7 +186,8 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         if num_external_tokens <= 0:
             return
-        ids = list(blocks.get_block_ids()[0])
+        all_ids = blocks.get_block_ids()
+        ids = list(all_ids[self._primary])
         rid = request.request_id
         key = request_key(rid)
         local = self._scheduler.skip_blocks(key)  # vLLM's own prefix hit
@@ -252,6 +200,9 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # Where the request stands if every block loads: vLLM rolling
             # it back below this is a failed load (recomputed and saved).
             self._planned[rid] = (local + len(spec.pages)) * self._block_size
+            if self._plans is not None:
+                self._plans.planned_load(rid, key, all_ids, local,
+                                         len(spec.pages))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' report: loads that ended (their pages are vLLM's
@@ -259,6 +210,10 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for rid in getattr(connector_output, "finished_recving", None) or ():
             self._loading.discard(rid)
             self._release_inflight(rid)
+        # A hybrid model's failed load: vLLM computes the request whole;
+        # the store, which still offers what failed, is not asked again.
+        self._computes |= set(getattr(connector_output, "failed_recving",
+                                      None) or ())
 
     def _release_inflight(self, rid: str) -> None:
         """The blocks ``rid`` was loading are no longer in flight."""
@@ -274,20 +229,30 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # Preempted: its pages are gone; when it resumes, its computed
             # tokens restart without that being a failed load.
             self._planned.pop(rid, None)
+        p, plans = self._primary, self._plans
         for new in scheduler_output.scheduled_new_reqs:
-            self._blocks[new.req_id] = list(new.block_ids[0])
+            self._blocks[new.req_id] = list(new.block_ids[p])
+            if plans is not None:
+                plans.track(new.req_id, request_key(new.req_id),
+                            new.block_ids)
             self._step_computed(new.req_id, new.num_computed_tokens,
                                 n_sched.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            if rid in getattr(cached, "resumed_req_ids", set()):
-                self._blocks[rid] = list(new_ids[0]) if new_ids else []
+            resumed = rid in getattr(cached, "resumed_req_ids", set())
+            if resumed:
+                self._blocks[rid] = list(new_ids[p]) if new_ids else []
             elif new_ids is not None:
-                self._blocks.setdefault(rid, []).extend(new_ids[0])
+                self._blocks.setdefault(rid, []).extend(new_ids[p])
+            if plans is not None:
+                plans.track(rid, request_key(rid), new_ids, resumed)
             self._step_computed(rid, cached.num_computed_tokens[i],
                                 n_sched.get(rid, 0))
-        return KvtierConnectorMetadata(self._scheduler.build_step())
+        meta = KvtierConnectorMetadata(self._scheduler.build_step())
+        if plans is not None:
+            meta.groups, meta.failed = plans.steps(meta.step)
+        return meta
 
     def _step_computed(self, rid: str, num_computed: int,
                        scheduled: int) -> None:
@@ -311,9 +276,19 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler.finished(request_key(rid))
         for d in (self._hashes, self._planned, self._blocks):
             d.pop(rid, None)
+        self._computes.discard(rid)
+        if self._plans is not None:
+            self._plans.forget(rid)
         if rid not in self._loading:
             self._release_inflight(rid)
         return rid in self._loading, None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, Optional[dict[str, Any]]]:
+        """:meth:`request_finished` for a hybrid model (every group's
+        blocks; freed at once unless a load into them still runs)."""
+        return self.request_finished(request, list(block_ids[self._primary]))
 
     # --------------------------------------------------------- worker side
 
@@ -326,30 +301,39 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         contiguous range in every layout kvtier accepts, so kvtier moves it
         whole, as opaque bytes (the namespace records the layout). Older
         vLLM: 5-D ``[2, blocks, ...]`` or ``[blocks, 2, ...]`` tensors."""
-        names = self._layer_order(kv_caches)
-        tensors = [kv_caches[n] for n in names]
-        if tensors[0].dim() == 4:
-            layout = "blocks_first"
-            tensors = [self._page_view(t) for t in tensors]
-        elif tensors[0].dim() == 5:
-            first = tensors[0]
-            layout = ("kv_first" if first.shape[0] == 2 and
-                      first.shape[1] != 2 else "blocks_first")
-        else:
-            raise kvtier.errors.InvalidArgument(
-                kvtier.StatusCode.INVALID_ARGUMENT,
-                f"vLLM handed kvtier a {tensors[0].dim()}-D KV tensor of "
-                f"shape {tuple(tensors[0].shape)}; kvtier's connector takes "
-                "4-D [blocks, heads, tokens, K|V] views (vLLM 0.26 and "
-                "later) or 5-D [2, blocks, ...] / [blocks, 2, ...] tensors")
-        conn = kvtier.Connector(self._namespace, tensors,
-                                stores=self._stores, layout=layout,
-                                staging_blocks=self._staging, **self._opts)
-        self._worker = WorkerHalf(conn, load_threads=self._load_threads)
-        log.info("kvtier connector: namespace %016x (%s), %d layers of %d "
-                 "pages, stores %s", self._namespace.id,
-                 self._namespace.layout or "kvtier's layout", len(tensors),
-                 conn.num_pages, ",".join(self._stores))
+        for g, ns in enumerate(self._namespaces):
+            names = self._layer_order(kv_caches, g)
+            tensors = [kv_caches[n] for n in names]
+            if tensors[0].dim() == 4:
+                layout = "blocks_first"
+                tensors = [page_view(t, ns, self._layout_name())
+                           for t in tensors]
+            elif tensors[0].dim() == 5:
+                first = tensors[0]
+                layout = ("kv_first" if first.shape[0] == 2 and
+                          first.shape[1] != 2 else "blocks_first")
+            else:
+                raise kvtier.errors.InvalidArgument(
+                    kvtier.StatusCode.INVALID_ARGUMENT,
+                    f"vLLM handed kvtier a {tensors[0].dim()}-D KV tensor of "
+                    f"shape {tuple(tensors[0].shape)}; kvtier's connector "
+                    "takes 4-D [blocks, heads, tokens, K|V] views (vLLM 0.26 "
+                    "and later) or 5-D [2, blocks, ...] / [blocks, 2, ...] "
+                    "tensors")
+            conn = kvtier.Connector(ns, tensors, stores=self._stores,
+                                    layout=layout,
+                                    staging_blocks=self._staging, **self._opts)
+            self._workers.append(WorkerHalf(conn,
+                                            load_threads=self._load_threads))
+            log.info("kvtier connector: namespace %016x (%s), %d layers of "
+                     "%d pages, stores %s", ns.id,
+                     ns.layout or "kvtier's layout", len(tensors),
+                     conn.num_pages, ",".join(self._stores))
+        self._worker = self._workers[self._primary]
+
+    def _layout_name(self) -> str:
+        """vLLM's KV cache layout, for messages."""
+        return str(getattr(self._kv_config(), "kv_cache_layout", "?"))
 
     def _kv_config(self) -> Any:
         """vLLM's KVCacheConfig when it carries a layout (vLLM 0.26 and
@@ -359,13 +343,14 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
         return kc
 
-    def _layer_order(self, kv_caches: dict[str, Any]) -> list[str]:
+    def _layer_order(self, kv_caches: dict[str, Any],
+                     group: int = 0) -> list[str]:
         """The KV layers in order: the KV cache group's own list when vLLM
         gives one (the dict may also hold aliases of shared layers), else
         the layer names sorted by their index."""
         kc = self._kv_config()
         if kc is not None and getattr(kc, "kv_cache_groups", None):
-            names = list(kc.kv_cache_groups[0].layer_names)
+            names = list(kc.kv_cache_groups[group].layer_names)
             missing = [n for n in names if n not in kv_caches]
             if missing:
                 raise kvtier.errors.InvalidArgument(
@@ -378,36 +363,6 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return int(m.group(1)) if m else 0
         return sorted(kv_caches, key=index)
 
-    def _page_view(self, t: Any) -> Any:
-        """A 4-D layer view [P, H, T, C] as [P, 2, T, H, D] over the same
-        bytes: each page's first and second halves as "K" and "V", so the
-        connector moves every page whole. InvalidArgument unless a page of
-        the layer is contiguous (C = 2 x head size; the block stride may
-        carry padding)."""
-        import torch
-        ns = self._namespace
-        p, h, tok, c = (int(x) for x in t.shape)
-        d = int(ns.head_dim)
-        # The page's dims, innermost first, must tile it densely (in
-        # whichever order the layout puts heads and tokens).
-        dims = sorted(zip(t.stride()[1:], t.shape[1:]))
-        dense = all(stride == (1 if i == 0 else
-                               dims[i - 1][0] * dims[i - 1][1])
-                    for i, (stride, _) in enumerate(dims))
-        if (h, tok, c) != (int(ns.kv_heads), int(ns.block_tokens), 2 * d) \
-                or not dense or t.stride()[0] < h * tok * c:
-            raise kvtier.errors.InvalidArgument(
-                kvtier.StatusCode.INVALID_ARGUMENT,
-                f"vLLM's KV view of shape {tuple(t.shape)} and strides "
-                f"{tuple(t.stride())} is not [blocks, {ns.kv_heads} heads, "
-                f"{ns.block_tokens} tokens, K|V of {2 * d}] with each page "
-                "contiguous (layout "
-                f"{getattr(self._kv_config(), 'kv_cache_layout', '?')})")
-        half = tok * h * d
-        return torch.as_strided(t, (p, 2, tok, h, d),
-                                (t.stride()[0], half, h * d, d, 1),
-                                t.storage_offset())
-
     def _metadata(self) -> KvtierConnectorMetadata:
         """This step's metadata, as our scheduler half built it."""
         meta = self._get_connector_metadata()
@@ -418,9 +373,23 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Starts this step's loads on the loader threads (pin, move,
-        verify); returns at once."""
+        verify), in every KV cache group; returns at once."""
         assert self._worker is not None
-        self._worker.start_loads(self._metadata().step)
+        meta = self._metadata()
+        if not meta.groups:
+            self._worker.start_loads(meta.step)
+            return
+        # Counted before any starts: a group's load may end at once.
+        loads: dict[str, int] = {}
+        for step in meta.groups:
+            for spec in step.loads:
+                loads[spec.name] = loads.get(spec.name, 0) + 1
+        for name in meta.failed:
+            self._group_loads.expect(name, 0, failed=True)
+        for name, n in loads.items():
+            self._group_loads.expect(name, n)
+        for worker, step in zip(self._workers, meta.groups):
+            worker.start_loads(step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: a request's KV is loaded, and verified,
@@ -431,10 +400,12 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Nothing per layer: whole blocks are saved in wait_for_save."""
 
     def wait_for_save(self) -> None:
-        """This step's saves (copied out of the pages before it returns)
-        and closes."""
+        """This step's saves, in every KV cache group (copied out of the
+        pages before it returns), and closes."""
         assert self._worker is not None
-        self._worker.wait_for_save(self._metadata().step)
+        meta = self._metadata()
+        for worker, step in zip(self._workers, meta.groups or [meta.step]):
+            worker.wait_for_save(step)
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[Optional[set[str]], Optional[set[str]]]:
@@ -448,19 +419,36 @@ class KvtierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_errors |= failed
         return None, (names or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32's report of ended loads. A hybrid model's request has
+        loaded when every group's load ended; one that failed in any group
+        is in ``failed_recving`` (vLLM recomputes it whole: it takes no
+        per-block errors from a model with several groups)."""
+        if len(self._workers) <= 1:
+            return super().get_transfer_results(finished_req_ids)
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
+            KVConnectorTransferResults
+        for worker in self._workers:
+            for name, failed in worker.ended_loads():
+                self._group_loads.ended(name, bool(failed))
+        names, failed_names = self._group_loads.done()
+        return KVConnectorTransferResults(finished_recving=names,
+                                          failed_recving=failed_names)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Pages whose load failed (evicted since the lookup, a checksum
-        mismatch, the store gone): vLLM recomputes their blocks."""
-        if self._worker is None:
+        mismatch, the store gone): vLLM recomputes their blocks. None for
+        a hybrid model (its failures are whole requests)."""
+        if self._worker is None or len(self._workers) > 1:
             return set()
         errors, self._load_errors = self._load_errors, set()
         return errors | self._worker.load_error_pages()
 
     def shutdown(self) -> None:
         """Closes open requests (their saves are written) and the
-        connector; the scheduler's lookup thread ends."""
+        connectors; the scheduler's lookup thread ends."""
         if self._scheduler is not None:
             self._scheduler.close()
-        if self._worker is not None:
-            self._worker.close()
-            self._worker.connector.close()
+        for worker in self._workers:
+            worker.close()
+            worker.connector.close()

@@ -20,6 +20,7 @@ import kvtier
 from kvtier.dtypes import (ELEMENT_BYTES, SPELLINGS, engine_key_hashes,
                            kvtier_dtype)
 from kvtier.errors import InvalidArgument, StatusCode
+from kvtier.integrations.vllm_groups import group_kinds
 from kvtier.options import CLIENT_OPTIONS, Option, read_options
 
 #: ``kv_connector_extra_config``'s keys: the store client's and these.
@@ -62,7 +63,8 @@ def connector_options(vllm_config: Any) -> dict[str, Any]:
 
 
 def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
-                 kv_cache_config: Any = None) -> kvtier.Namespace:
+                 kv_cache_config: Any = None,
+                 group: int = 0) -> kvtier.Namespace:
     """The kvtier namespace of a vLLM deployment's KV on one TP rank (with
     ``salt``: the namespace whose seed hashes a salted request's blocks).
 
@@ -72,7 +74,10 @@ def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
     (their pages are prepacked for it), so pages of another layout or ISA
     are never read as these. InvalidArgument for what kvtier cannot store:
     pipeline or context parallelism, a KV dtype it does not know, K and V
-    of different head sizes."""
+    of different head sizes, a KV cache group kind it does not store. A
+    hybrid model's KV cache groups (vLLM's HMA) each have a namespace:
+    ``group``'s layers, its index and kind in the layout field
+    (kvtier.integrations.vllm_groups)."""
     mc, cc, pc = (vllm_config.model_config, vllm_config.cache_config,
                   vllm_config.parallel_config)
     for name in ("pipeline_parallel_size", "decode_context_parallel_size",
@@ -103,25 +108,25 @@ def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
     layout = ""
     if kv_cache_config is not None:
         layout = _page_layout(vllm_config, kv_cache_config)
+        kinds = group_kinds(kv_cache_config)
+        if len(kinds) > 1:
+            layout += f"|group={group}:{kinds[group]}"
     return kvtier.Namespace(
-        str(mc.model), SPELLINGS[dtype], _kv_layers(mc, pc, kv_cache_config),
+        str(mc.model), SPELLINGS[dtype],
+        _kv_layers(mc, pc, kv_cache_config, group),
         mc.get_num_kv_heads(pc), head, cc.block_size,
         tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, cache_salt=salt,
         layout=layout)
 
 
-def _kv_layers(mc: Any, pc: Any, kv_cache_config: Any) -> int:
-    """Layers that hold KV: from the KV cache config where vLLM gives one
-    (it knows which layers attend), else the model's hidden layers."""
+def _kv_layers(mc: Any, pc: Any, kv_cache_config: Any, group: int) -> int:
+    """Layers that hold KV (in ``group``): from the KV cache config where
+    vLLM gives one (it knows which layers attend), else the model's hidden
+    layers."""
     if kv_cache_config is not None:
         groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
-        if len(groups) > 1:
-            raise kvtier.errors.InvalidArgument(
-                kvtier.StatusCode.INVALID_ARGUMENT,
-                f"{len(groups)} KV cache groups (a hybrid model); kvtier's "
-                "connector stores models with one group")
         if groups:
-            return len(groups[0].layer_names)
+            return len(groups[group].layer_names)
     return int(mc.get_num_layers(pc))
 
 

@@ -46,6 +46,8 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
   m.Counter("kvtier_store_leases_expired_total", "Leases reclaimed at expiry", s.leases_expired);
   m.Counter("kvtier_store_checksum_failures_total", "Blocks refused for a checksum mismatch",
             s.checksum_failures);
+  m.Counter("kvtier_store_disk_read_errors_total",
+            "Reads of the NVMe tier that failed (I/O errors, not misses)", s.disk_read_errors);
   m.Counter("kvtier_store_dataplane_bytes_total", "Bytes reserved or pinned for the data plane",
             rma_put_bytes_.load(), {{"direction", "put"}});
   m.Counter("kvtier_store_dataplane_bytes_total", "Bytes reserved or pinned for the data plane",

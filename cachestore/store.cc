@@ -260,6 +260,21 @@ absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uin
   return committed;
 }
 
+absl::Status Store::DiskReadFailed(const BlockKey& key, const absl::Status& error) {
+  disk_read_errors_.fetch_add(1, std::memory_order_relaxed);
+  const int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  int64_t last = disk_read_logged_ms_.load(std::memory_order_relaxed);
+  if (now - last >= 1000 && disk_read_logged_ms_.compare_exchange_strong(last, now)) {
+    Log("store", "reading block ", ToHex(key.hash), " of namespace ", NamespaceName(key.ns),
+        " from the NVMe tier failed (", disk_read_errors_.load(),
+        " such reads so far): ", error.ToString());
+  }
+  return absl::UnavailableError(
+      absl::StrCat("the NVMe tier could not read block ", ToHex(key.hash), ": ", error.message()));
+}
+
 absl::Status Store::AbortPut(uint64_t lease_id, int tenant) {
   auto lease = leases_->Take(lease_id, true, tenant);
   if (!lease.ok()) return lease.status();
@@ -286,7 +301,19 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
     uint64_t checksum;
     const auto read_start = std::chrono::steady_clock::now();
     auto bytes = disk_->Read(k, &checksum);
-    if (!bytes.ok()) break;
+    if (!bytes.ok()) {
+      // A miss, or a corrupt record (dropped: a miss from now on) ends the
+      // prefix; an I/O error ends it too, counted and said, and is the
+      // get's error when nothing came before it.
+      if (absl::IsUnavailable(bytes.status())) {
+        absl::Status failed = DiskReadFailed(k, bytes.status());
+        if (lease.items.empty()) {
+          leases_->Unclaim(owner.holder);
+          return failed;
+        }
+      }
+      break;
+    }
     const double read_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - read_start).count();
     Slot slot;
@@ -427,6 +454,7 @@ StoreStats Store::Stats() const {
   s.get_leases = leases.get;
   s.leases_expired = leases.expired;
   s.checksum_failures = commit_checksum_failures_.load() + disk_->checksum_failures();
+  s.disk_read_errors = disk_read_errors_.load();
   return s;
 }
 

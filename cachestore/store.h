@@ -107,6 +107,8 @@ struct StoreStats {
   TierSnapshot ram, disk;
   DiskQueueStats queue;
   uint64_t put_leases = 0, get_leases = 0, leases_expired = 0, checksum_failures = 0;
+  // Reads the NVMe tier failed (I/O errors, not misses); each ended a get.
+  uint64_t disk_read_errors = 0;
 };
 
 class Store {
@@ -236,6 +238,12 @@ class Store {
   std::unique_ptr<ChangeFeed> feed_;
   NamespaceUsageTable usage_;
   std::atomic<uint64_t> commit_checksum_failures_{0};
+  // A read of the NVMe tier that failed for a reason other than a miss
+  // (UNAVAILABLE: an I/O error; the block stays): counted, and logged at
+  // most once a second. Its status for a get that found nothing before it.
+  absl::Status DiskReadFailed(const BlockKey& key, const absl::Status& error);
+  std::atomic<uint64_t> disk_read_errors_{0};
+  std::atomic<int64_t> disk_read_logged_ms_{0};
 };
 
 }  // namespace kvtier::store

@@ -82,7 +82,15 @@ absl::Status Store::GetInline(
     }
     uint64_t checksum;
     auto bytes = disk_->Read(k, &checksum);
-    if (!bytes.ok()) break;
+    if (!bytes.ok()) {
+      // As BeginGet: an I/O error is counted, said, and the get's error
+      // when nothing came before it.
+      if (absl::IsUnavailable(bytes.status())) {
+        absl::Status failed = DiskReadFailed(k, bytes.status());
+        if (i == 0) return failed;
+      }
+      break;
+    }
     Slot slot;
     // Promote when there is room; serve from the disk copy either way.
     ram_->InsertCopy(k, reinterpret_cast<const uint8_t*>(bytes->data()), bytes->size(), checksum,

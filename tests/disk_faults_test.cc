@@ -257,5 +257,73 @@ TEST(DiskFaults, AStoreOnAFullDiskKeepsServingFromRam) {
   EXPECT_EQ(served, on_disk);
 }
 
+// An I/O error reading the NVMe tier is an error, not a miss: a get that
+// found nothing before it is UNAVAILABLE naming the block, one that did
+// ends its prefix there; both are counted; the block stays and reads again
+// once the device does. A block that is not there is still a miss.
+TEST(DiskFaults, AReadErrorOnAGetIsAnErrorNotAMiss) {
+  testing::TempDir dir;
+  FaultInjectingBackend* faults = nullptr;
+  StoreOptions o;
+  o.ram.bytes = 8 << 20;
+  o.ram.slab_bytes = 1 << 20;
+  o.ram.try_hugepages = false;
+  o.disk.dir = dir.path();
+  o.disk_backend = [&]() -> std::unique_ptr<StorageBackend> {
+    auto b = std::make_unique<FaultInjectingBackend>(*RocksDbBackend::Open(dir.path()));
+    faults = b.get();
+    return b;
+  };
+  auto store = Store::Open(o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  NamespaceSpec spec;
+  spec.model = "m";
+  spec.dtype = "fp16";
+  spec.layers = 2;
+  spec.kv_heads = 2;
+  spec.head_dim = 64;
+  spec.block_tokens = 64;
+  auto ns = (*store)->RegisterNamespace(spec, 0);
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  const uint64_t bytes = ns->block_bytes;
+  for (uint64_t n = 0; n < 400; ++n) {  // more than RAM holds: the oldest reach NVMe
+    std::string b = testing::BlockBytesFor(n, bytes);
+    ASSERT_TRUE((*store)->PutInline(ns->id, BlockHash{n, n}, b, Checksum(b.data(), b.size())).ok());
+  }
+  (*store)->disk().WaitIdle();
+  std::vector<BlockKey> on_disk = (*store)->disk().Keys();
+  ASSERT_FALSE(on_disk.empty());
+  const BlockHash cold = on_disk.front().hash;
+  const BlockHash hot{399, 399};
+  ASSERT_EQ((*(*store)->Lookup(ns->id, std::vector<BlockHash>{hot}))[0], TierKind::kRam);
+
+  faults->set_read_error(absl::UnavailableError("IO error: injected read failure"));
+  std::vector<BlockHash> cold_first = {cold, hot};
+  auto g = (*store)->BeginGet(ns->id, cold_first, "t");
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(g.status().message().find(ToHex(cold)), std::string::npos) << g.status();
+  std::vector<BlockHash> hot_first = {hot, cold};
+  g = (*store)->BeginGet(ns->id, hot_first, "t");
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->sources.size(), 1u);  // the prefix ends at the failed read
+  ASSERT_TRUE((*store)->EndGet(g->lease).ok());
+  auto inline_get = (*store)->GetInline(
+      ns->id, cold_first, [](uint32_t, TierKind, std::string_view, uint64_t) { return true; });
+  EXPECT_EQ(inline_get.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*store)->Stats().disk_read_errors, 3u);
+  EXPECT_EQ((*store)->Stats().get_leases, 0u);  // the refused get holds nothing
+
+  faults->set_read_error(absl::OkStatus());
+  std::vector<BlockHash> missing = {BlockHash{9999, 9999}};
+  g = (*store)->BeginGet(ns->id, missing, "t");
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_TRUE(g->sources.empty());  // a block that is not there: a miss
+  g = (*store)->BeginGet(ns->id, cold_first, "t");
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->sources.size(), 2u);
+  ASSERT_TRUE((*store)->EndGet(g->lease).ok());
+  EXPECT_EQ((*store)->Stats().disk_read_errors, 3u);
+}
+
 }  // namespace
 }  // namespace kvtier::store

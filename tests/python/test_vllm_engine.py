@@ -642,11 +642,16 @@ def test_tensor_parallel_ranks_load_their_own_shards(work: Path) -> None:
     ranks = [connector_namespace(tp=2, rank=r) for r in (0, 1)]
     store = Store(work, "store-tp")
     try:
-        a = start(work, "tp-a", store.address, tp=2)
+        # Lookups wait up to 5 s: on a loaded host a late answer would
+        # have the request computed without a load, and the rank lacking
+        # blocks would have nothing to fail.
+        a = start(work, "tp-a", store.address, tp=2, lookup_wait_ms=5000)
         try:
             for seed, ps in sets.items():
-                out = a.generate(ps)["outputs"]
-                assert [o["tokens"] for o in out] == expected[seed]
+                # One request a prefix: two saving the same blocks at once
+                # on a loaded host can lose one to the staging bound.
+                out = a.generate(ps[:1])["outputs"]
+                assert out[0]["tokens"] == expected[seed][0]
                 for ns in ranks:
                     wait_stored(a, store, ps[0], PREFIX // BLOCK, ns=ns,
                                 chain_ns=ranks[0])
@@ -657,7 +662,7 @@ def test_tensor_parallel_ranks_load_their_own_shards(work: Path) -> None:
         client = kvtier.StoreClient([store.address])
         assert client.lookup(ranks[1], chain) == 8
         assert client.lookup(ranks[0], chain) >= PREFIX // BLOCK
-        b = start(work, "tp-b", store.address, tp=2)
+        b = start(work, "tp-b", store.address, tp=2, lookup_wait_ms=5000)
         try:
             out = b.generate(sets[11])["outputs"]
             assert out[0]["cached"] >= 0.9 * PREFIX, b.tail()

@@ -240,8 +240,10 @@ absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uin
     const Slot& slot = lease->items[i].second;
     actual[i] = Checksum(ram_->data(slot), slot.length);
   });
-  if (store_checksums) checksums = actual;  // recorded as the slots hold them
-  for (size_t i = 0; i < actual.size() && !store_checksums; ++i) {
+  // The store's own hashes are recorded as the slots hold them; a writer's
+  // are checked against them (verify_commits).
+  if (store_checksums) checksums = actual;
+  for (size_t i = 0; !store_checksums && i < actual.size(); ++i) {
     const auto& [key, slot] = lease->items[i];
     if (actual[i] != checksums[i]) {
       ReleaseLease(*lease);

@@ -457,10 +457,9 @@ absl::StatusOr<uint32_t> ShardedStoreClient::Commit(const Reservation& r,
   uint32_t committed = 0;
   absl::Status first = absl::OkStatus();
   for (const Reservation::Lease& lease : r.leases) {
-    std::vector<uint64_t> sums;
-    sums.reserve(lease.blocks.size());
-    for (size_t b : lease.blocks) {
-      if (!checksums.empty()) sums.push_back(b < checksums.size() ? checksums[b] : 0);
+    std::vector<uint64_t> sums;  // empty: the store hashes them
+    if (!checksums.empty()) {
+      for (size_t b : lease.blocks) sums.push_back(b < checksums.size() ? checksums[b] : 0);
     }
     auto n = shards_[lease.shard]->CommitReserved(lease.id, sums);
     Note(lease.shard, n.status());

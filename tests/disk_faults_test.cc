@@ -197,58 +197,74 @@ TEST(DiskFaults, AMetadataScanFailureStopsStartUpAndBadIndexEntriesAreCounted) {
   EXPECT_TRUE((*store)->RegisterNamespace(spec, ns).ok()) << "the namespace survived";
 }
 
+// A whole Store (8 MiB of RAM) over a real RocksDB behind a
+// FaultInjectingBackend, one namespace registered, and Open() puts blocks
+// 0-399: more than RAM holds, so the oldest are demoted to NVMe.
+struct FaultyStore {
+  testing::TempDir dir;
+  FaultInjectingBackend* faults = nullptr;
+  std::unique_ptr<Store> store;
+  uint64_t ns = 0, bytes = 0;
+
+  void Open() {
+    StoreOptions o;
+    o.ram.bytes = 8 << 20;
+    o.ram.slab_bytes = 1 << 20;
+    o.ram.try_hugepages = false;
+    o.disk.dir = dir.path();
+    o.disk_backend = [this]() -> std::unique_ptr<StorageBackend> {
+      auto b = std::make_unique<FaultInjectingBackend>(*RocksDbBackend::Open(dir.path()));
+      faults = b.get();
+      return b;
+    };
+    auto s = Store::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    store = std::move(*s);
+    NamespaceSpec spec;
+    spec.model = "m";
+    spec.dtype = "fp16";
+    spec.layers = 2;
+    spec.kv_heads = 2;
+    spec.head_dim = 64;
+    spec.block_tokens = 64;
+    auto info = store->RegisterNamespace(spec, 0);
+    ASSERT_TRUE(info.ok()) << info.status();
+    ns = info->id;
+    bytes = info->block_bytes;
+    for (uint64_t n = 0; n < 400; ++n) ASSERT_NO_FATAL_FAILURE(Put(n));
+    store->disk().WaitIdle();
+  }
+  void Put(uint64_t n) {
+    std::string b = testing::BlockBytesFor(n, bytes);
+    auto r = store->PutInline(ns, BlockHash{n, n}, b, Checksum(b.data(), b.size()));
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+};
+
 // The whole store over a full disk: puts go on into RAM, reads of NVMe
 // blocks go on, nothing is lost.
 TEST(DiskFaults, AStoreOnAFullDiskKeepsServingFromRam) {
-  testing::TempDir dir;
-  FaultInjectingBackend* faults = nullptr;
-  StoreOptions o;
-  o.ram.bytes = 8 << 20;
-  o.ram.slab_bytes = 1 << 20;
-  o.disk.dir = dir.path();
-  o.disk_backend = [&]() -> std::unique_ptr<StorageBackend> {
-    auto b = std::make_unique<FaultInjectingBackend>(*RocksDbBackend::Open(dir.path()));
-    faults = b.get();
-    return b;
-  };
-  auto store = Store::Open(o);
-  ASSERT_TRUE(store.ok()) << store.status();
-  NamespaceSpec spec;
-  spec.model = "m";
-  spec.dtype = "fp16";
-  spec.layers = 2;
-  spec.kv_heads = 2;
-  spec.head_dim = 64;
-  spec.block_tokens = 64;
-  auto ns = (*store)->RegisterNamespace(spec, 0);
-  ASSERT_TRUE(ns.ok()) << ns.status();
-  const uint64_t bytes = ns->block_bytes;
-  auto put = [&](uint64_t n) {
-    std::string b = testing::BlockBytesFor(n, bytes);
-    auto r = (*store)->PutInline(ns->id, BlockHash{n, n}, b, Checksum(b.data(), b.size()));
-    ASSERT_TRUE(r.ok()) << r.status();
-  };
-  for (uint64_t n = 0; n < 400; ++n) put(n);  // more than RAM holds: demotions reach NVMe
-  (*store)->disk().WaitIdle();
-  const uint64_t on_disk = (*store)->Stats().disk.items;
+  FaultyStore f;
+  ASSERT_NO_FATAL_FAILURE(f.Open());
+  const uint64_t on_disk = f.store->Stats().disk.items;
   ASSERT_GT(on_disk, 0u);
-  faults->set_free_bytes(0);
-  for (uint64_t n = 400; n < 800; ++n) put(n);
-  (*store)->disk().WaitIdle();
-  StoreStats st = (*store)->Stats();
+  f.faults->set_free_bytes(0);
+  for (uint64_t n = 400; n < 800; ++n) ASSERT_NO_FATAL_FAILURE(f.Put(n));
+  f.store->disk().WaitIdle();
+  StoreStats st = f.store->Stats();
   EXPECT_TRUE(st.disk.degraded);
   EXPECT_EQ(st.disk.items, on_disk) << "nothing written, nothing lost";
   // The newest blocks are in RAM and every NVMe block is still readable.
   std::vector<BlockHash> last = {BlockHash{799, 799}};
-  EXPECT_EQ((*(*store)->Lookup(ns->id, last))[0], TierKind::kRam);
+  EXPECT_EQ((*f.store->Lookup(f.ns, last))[0], TierKind::kRam);
   uint64_t served = 0;
-  for (const BlockKey& k : (*store)->disk().Keys()) {
+  for (const BlockKey& k : f.store->disk().Keys()) {
     std::vector<BlockHash> one = {k.hash};
-    ASSERT_TRUE((*store)
-                    ->GetInline(ns->id, one,
+    ASSERT_TRUE(f.store
+                    ->GetInline(f.ns, one,
                                 [&](uint32_t, TierKind, std::string_view b, uint64_t) {
                                   EXPECT_EQ(std::string(b),
-                                            testing::BlockBytesFor(k.hash.lo, bytes));
+                                            testing::BlockBytesFor(k.hash.lo, f.bytes));
                                   ++served;
                                   return true;
                                 })
@@ -262,67 +278,40 @@ TEST(DiskFaults, AStoreOnAFullDiskKeepsServingFromRam) {
 // ends its prefix there; both are counted; the block stays and reads again
 // once the device does. A block that is not there is still a miss.
 TEST(DiskFaults, AReadErrorOnAGetIsAnErrorNotAMiss) {
-  testing::TempDir dir;
-  FaultInjectingBackend* faults = nullptr;
-  StoreOptions o;
-  o.ram.bytes = 8 << 20;
-  o.ram.slab_bytes = 1 << 20;
-  o.ram.try_hugepages = false;
-  o.disk.dir = dir.path();
-  o.disk_backend = [&]() -> std::unique_ptr<StorageBackend> {
-    auto b = std::make_unique<FaultInjectingBackend>(*RocksDbBackend::Open(dir.path()));
-    faults = b.get();
-    return b;
-  };
-  auto store = Store::Open(o);
-  ASSERT_TRUE(store.ok()) << store.status();
-  NamespaceSpec spec;
-  spec.model = "m";
-  spec.dtype = "fp16";
-  spec.layers = 2;
-  spec.kv_heads = 2;
-  spec.head_dim = 64;
-  spec.block_tokens = 64;
-  auto ns = (*store)->RegisterNamespace(spec, 0);
-  ASSERT_TRUE(ns.ok()) << ns.status();
-  const uint64_t bytes = ns->block_bytes;
-  for (uint64_t n = 0; n < 400; ++n) {  // more than RAM holds: the oldest reach NVMe
-    std::string b = testing::BlockBytesFor(n, bytes);
-    ASSERT_TRUE((*store)->PutInline(ns->id, BlockHash{n, n}, b, Checksum(b.data(), b.size())).ok());
-  }
-  (*store)->disk().WaitIdle();
-  std::vector<BlockKey> on_disk = (*store)->disk().Keys();
+  FaultyStore f;
+  ASSERT_NO_FATAL_FAILURE(f.Open());
+  std::vector<BlockKey> on_disk = f.store->disk().Keys();
   ASSERT_FALSE(on_disk.empty());
   const BlockHash cold = on_disk.front().hash;
   const BlockHash hot{399, 399};
-  ASSERT_EQ((*(*store)->Lookup(ns->id, std::vector<BlockHash>{hot}))[0], TierKind::kRam);
+  ASSERT_EQ((*f.store->Lookup(f.ns, std::vector<BlockHash>{hot}))[0], TierKind::kRam);
 
-  faults->set_read_error(absl::UnavailableError("IO error: injected read failure"));
+  f.faults->set_read_error(absl::UnavailableError("IO error: injected read failure"));
   std::vector<BlockHash> cold_first = {cold, hot};
-  auto g = (*store)->BeginGet(ns->id, cold_first, "t");
+  auto g = f.store->BeginGet(f.ns, cold_first, "t");
   EXPECT_EQ(g.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(g.status().message().find(ToHex(cold)), std::string::npos) << g.status();
   std::vector<BlockHash> hot_first = {hot, cold};
-  g = (*store)->BeginGet(ns->id, hot_first, "t");
+  g = f.store->BeginGet(f.ns, hot_first, "t");
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ(g->sources.size(), 1u);  // the prefix ends at the failed read
-  ASSERT_TRUE((*store)->EndGet(g->lease).ok());
-  auto inline_get = (*store)->GetInline(
-      ns->id, cold_first, [](uint32_t, TierKind, std::string_view, uint64_t) { return true; });
+  ASSERT_TRUE(f.store->EndGet(g->lease).ok());
+  auto inline_get = f.store->GetInline(
+      f.ns, cold_first, [](uint32_t, TierKind, std::string_view, uint64_t) { return true; });
   EXPECT_EQ(inline_get.code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ((*store)->Stats().disk_read_errors, 3u);
-  EXPECT_EQ((*store)->Stats().get_leases, 0u);  // the refused get holds nothing
+  EXPECT_EQ(f.store->Stats().disk_read_errors, 3u);
+  EXPECT_EQ(f.store->Stats().get_leases, 0u);  // the refused get holds nothing
 
-  faults->set_read_error(absl::OkStatus());
+  f.faults->set_read_error(absl::OkStatus());
   std::vector<BlockHash> missing = {BlockHash{9999, 9999}};
-  g = (*store)->BeginGet(ns->id, missing, "t");
+  g = f.store->BeginGet(f.ns, missing, "t");
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_TRUE(g->sources.empty());  // a block that is not there: a miss
-  g = (*store)->BeginGet(ns->id, cold_first, "t");
+  g = f.store->BeginGet(f.ns, cold_first, "t");
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ(g->sources.size(), 2u);
-  ASSERT_TRUE((*store)->EndGet(g->lease).ok());
-  EXPECT_EQ((*store)->Stats().disk_read_errors, 3u);
+  ASSERT_TRUE(f.store->EndGet(g->lease).ok());
+  EXPECT_EQ(f.store->Stats().disk_read_errors, 3u);
 }
 
 }  // namespace

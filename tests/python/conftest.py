@@ -17,6 +17,8 @@ from typing import Iterator
 
 import pytest
 
+from processes import sigstop
+
 # One BLAS thread per process (OpenBLAS spins a thread per core otherwise);
 # before anything imports numpy or torch.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -58,17 +60,9 @@ class Store:
         return self.proc.pid
 
     def pause(self) -> None:
-        """SIGSTOP, returning once the kernel reports the process stopped
-        (kill returns before a busy process's threads have all stopped):
-        its sockets stay open and nothing answers, as in a partition."""
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
-            if stat[stat.rindex(")") + 2] == "T":
-                return
-            time.sleep(0.001)
-        raise RuntimeError(f"{self.name} did not stop")
+        """SIGSTOP, once the store has stopped (processes.sigstop): its
+        sockets stay open and nothing answers, as in a partition."""
+        sigstop(self.proc.pid)
 
     def resume(self) -> None:
         """SIGCONT."""

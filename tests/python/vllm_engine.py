@@ -192,18 +192,11 @@ class _StepTimer:
 
     @staticmethod
     def _act(action: dict[str, Any]) -> None:
-        import signal
         import subprocess
+        from processes import sigstop
         if "stop" in action:
-            pid = int(action["stop"])
-            os.kill(pid, signal.SIGSTOP)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                stat = open(f"/proc/{pid}/stat").read()
-                if stat[stat.rindex(")") + 2] == "T":
-                    return
-                time.sleep(0.001)
-            raise RuntimeError(f"process {pid} did not stop")
+            sigstop(int(action["stop"]))
+            return
         subprocess.run(action["run"], check=True, timeout=120,
                        stdout=sys.stderr)
 

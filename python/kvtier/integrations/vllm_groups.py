@@ -54,7 +54,9 @@ def group_kinds(kv_cache_config: Any) -> list[str]:
                 f"KV cache group {g} is a {name}; kvtier's connector stores "
                 "full-attention and sliding-window groups only (Mamba/SSM "
                 "state is one running value per request, not blocks of a "
-                "prefix; chunked local and cross-attention are not stored)")
+                "prefix; chunked local and cross-attention are not stored): "
+                "serve this model without kvtier's KvtierConnector in "
+                "kv_transfer_config")
     return kinds
 
 

@@ -346,7 +346,9 @@ def test_a_lookup_budget_bounds_the_wait_and_a_late_lookup_spares_the_next(
     finally:
         store.resume()
     assert (s.lookups_late, s.lookups_not_asked, s.lookup_errors) == (1, 1, 0)
-    assert 50 <= late_ms < 1000, late_ms
+    # The late answer is the store call's own deadline (gRPC's clock, which
+    # may fire a fraction of a millisecond before this one's 50 ms).
+    assert 49 <= late_ms < 1000, late_ms
     assert spared_ms < 200, spared_ms  # not the 5 s deadline
     deadline = time.monotonic() + 10
     while s.num_loadable_tokens(5, hashes, prompt, 0, budget_ms=1000) == 0:

@@ -21,6 +21,7 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane, SocketDataP
       instance_id_(((uint64_t{std::random_device{}()} << 32) ^ std::random_device{}()) | 1),
       dataplane_(dataplane),
       sockets_(sockets),
+      abandoned_(std::chrono::milliseconds(store->lease_ms()), kMaxAbandonTokens),
       started_(Clock::now()) {
   for (const char* rpc :
        {"RegisterNamespace", "ListNamespaces", "Lookup", "BeginPut", "CommitPut", "AbortPut",

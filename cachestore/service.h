@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 
+#include "cachestore/abandoned_puts.h"
 #include "cachestore/dataplane.h"
 #include "cachestore/socket_dataplane.h"
 #include "cachestore/store.h"
@@ -125,6 +126,8 @@ class StoreService final : public kvtier::v1::Store::Service {
     LeaseOwner owner;  // OwnerOf the ConnectDataPlane call
   };
   static constexpr size_t kMaxSessions = 65536;
+  // BeginPut tokens (and tombstones) kept for writers that give up waiting.
+  static constexpr size_t kMaxAbandonTokens = 65536;
   std::string OpenSession(const Caller& caller, const grpc::ServerContext& ctx);
   // The session handed out as `id`; UNAUTHENTICATED (saying to connect
   // again) for one the store does not know.
@@ -150,6 +153,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   mutable std::mutex sessions_mu_;
   std::map<std::string, Session> sessions_;  // guarded by sessions_mu_
   std::deque<std::string> session_order_;    // oldest first; guarded by sessions_mu_
+  AbandonedPuts abandoned_;                  // BeginPut tokens their writers gave up on
   std::chrono::steady_clock::time_point started_;
   // Bytes handed out for RMA (reserved by BeginPut, pinned by BeginGet).
   std::atomic<uint64_t> rma_put_bytes_{0}, rma_get_bytes_{0};

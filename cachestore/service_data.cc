@@ -84,8 +84,16 @@ absl::Status StoreService::DoBeginPut(const Caller& caller, const LeaseOwner& ow
                                       const v1::BeginPutRequest& req, v1::BeginPutResponse* resp) {
   uint64_t ns;
   if (auto s = Resolve(caller, req.namespace_id(), &ns); !s.ok()) return s;
+  const uint64_t token = req.abandon_token();
+  if (token != 0 && abandoned_.GivenUp(caller.tenant_index(), token)) {
+    return absl::AbortedError("BeginPut was given up by its writer (AbortPut of its token)");
+  }
   auto r = store_->BeginPut(ns, Hashes(req.hashes()), owner);
   if (!r.ok()) return r.status();
+  if (token != 0 && r->lease != 0 && abandoned_.Opened(caller.tenant_index(), token, r->lease)) {
+    store_->AbortPut(r->lease, caller.tenant_index()).IgnoreError();
+    return absl::AbortedError("BeginPut was given up by its writer while it was served");
+  }
   if (caller.tenant && r->lease == 0 &&
       std::any_of(r->targets.begin(), r->targets.end(),
                   [](const PutTarget& p) { return p.placement == Placement::kNoSpace; })) {
@@ -141,6 +149,16 @@ grpc::Status StoreService::AbortPut(grpc::ServerContext* ctx, const v1::AbortPut
   RpcTimer t(fence_, Histogram("AbortPut"));
   Caller caller;
   if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
+  if (req->begin_token() != 0) {
+    if (req->lease_id() != 0) {
+      return t.Done(
+          absl::InvalidArgumentError("AbortPut names a lease_id or a begin_token, not both"));
+    }
+    const uint64_t lease = abandoned_.Abandon(caller.tenant_index(), req->begin_token());
+    // The lease may have been committed since: then there is nothing to give back.
+    if (lease != 0) store_->AbortPut(lease, caller.tenant_index()).IgnoreError();
+    return t.Done(absl::OkStatus());
+  }
   return t.Done(store_->AbortPut(req->lease_id(), caller.tenant_index()));
 }
 

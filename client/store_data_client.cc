@@ -396,8 +396,29 @@ void StoreDataClient::Release(uint64_t lease) {
 void StoreDataClient::ReleaseLoop() {
   std::unique_lock lk(release_mu_);
   for (;;) {
-    release_cv_.wait(lk, [&] { return release_stop_ || !pending_releases_.empty(); });
-    if (pending_releases_.empty()) return;  // stopped with nothing left
+    release_cv_.wait(lk, [&] {
+      return release_stop_ || !pending_releases_.empty() || !pending_abandons_.empty();
+    });
+    if (pending_releases_.empty() && pending_abandons_.empty()) return;  // stopped, nothing left
+    if (!pending_abandons_.empty()) {
+      std::vector<uint64_t> tokens = std::move(pending_abandons_);
+      pending_abandons_.clear();
+      const int budget_ms =
+          release_stop_ ? std::min(options_.deadline_ms, 1000) : options_.deadline_ms;
+      lk.unlock();
+      for (uint64_t token : tokens) {
+        v1::AbortPutRequest req;
+        req.set_begin_token(token);
+        v1::AbortPutResponse resp;
+        // Best effort: the lease expires anyway.
+        store_data_detail::Call(
+            control_, &v1::Store::Stub::AbortPut, req, &resp,
+            std::chrono::system_clock::now() + std::chrono::milliseconds(budget_ms))
+            .IgnoreError();
+      }
+      lk.lock();
+      continue;
+    }
     // Give the next Pin a chance to carry them.
     release_cv_.wait_for(lk, std::chrono::milliseconds(options_.release_delay_ms),
                          [&] { return release_stop_ || pending_releases_.empty(); });

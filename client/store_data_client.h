@@ -55,6 +55,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -178,6 +179,12 @@ class StoreDataClient {
                                      uint64_t block_bytes, const std::vector<BlockHash>& chain);
   // AbortPut of a put's lease, by `deadline` (best effort).
   void AbortLease(uint64_t lease, std::chrono::system_clock::time_point deadline);
+  // A BeginPut's abandon_token, unique to this client.
+  uint64_t NewPutToken();
+  // After a BeginPut that failed with `failed`: if the store may still serve
+  // it (a deadline, a lost connection), the releaser gives it up by token
+  // (AbortPut), so its slots do not stay reserved for a lease period.
+  void GiveUpPut(uint64_t token, const absl::Status& failed);
   // The store's arena as mapped here (null: not mapped, or not known yet
   // and `probe` false). With `probe`, connects a lane first if none has
   // (what a transfer would do first); the connect's error.
@@ -188,7 +195,8 @@ class StoreDataClient {
   absl::StatusOr<GetOutcome> ReadVia(Transport& transport, const Deadline& deadline,
                                      const PinnedBlocks& pinned, uint64_t block_bytes, size_t first,
                                      size_t count, const ReadPlan& plan);
-  // The releaser thread: sends the releases no Pin took within release_delay_ms.
+  // The releaser thread: sends the releases no Pin took within release_delay_ms,
+  // and the abandons GiveUpPut queued (at once).
   void ReleaseLoop();
   // A control call on the data plane (a free call lane): the store's answer, or
   // nullopt when it cannot travel there now (no data plane, a store that
@@ -237,7 +245,10 @@ class StoreDataClient {
   std::mutex release_mu_;
   std::condition_variable release_cv_;
   std::vector<uint64_t> pending_releases_;  // guarded by release_mu_
-  bool release_stop_ = false;               // guarded by release_mu_
+  std::vector<uint64_t> pending_abandons_;  // BeginPut tokens; guarded by release_mu_
+  const uint64_t token_salt_ = (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+  std::atomic<uint64_t> put_tokens_{1};
+  bool release_stop_ = false;  // guarded by release_mu_
   std::thread releaser_;
   // Declared last, so destroyed first: even when the constructor throws,
   // the lane threads end before what they read goes.

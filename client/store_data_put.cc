@@ -21,12 +21,14 @@ const BlockHash& HashOf(const BlockHash& h) { return h; }
 const BlockHash& HashOf(const PutBlock& b) { return b.hash; }
 
 // BeginPut of the blocks' (or the hashes') hashes.
+// A writer that stops waiting for the answer gives the call up by `token`.
 template <typename Block>
-v1::BeginPutRequest BeginPutOf(uint64_t ns, const std::string& client,
+v1::BeginPutRequest BeginPutOf(uint64_t ns, const std::string& client, uint64_t token,
                                const std::vector<Block>& blocks) {
   v1::BeginPutRequest req;
   req.set_namespace_id(ns);
   req.set_client_id(client);
+  req.set_abandon_token(token);
   for (const auto& b : blocks) ToProto(HashOf(b), req.add_hashes());
   return req;
 }
@@ -71,14 +73,17 @@ absl::StatusOr<Reservation> StoreDataClient::Reserve(
   auto wait = std::chrono::milliseconds(options_.deadline_ms);
   if (budget && *budget < wait) wait = *budget;
   const auto start = std::chrono::steady_clock::now();
-  auto req = BeginPutOf(ns, options_.client_id, hashes);
+  auto req = BeginPutOf(ns, options_.client_id, NewPutToken(), hashes);
   v1::BeginPutResponse resp;
   // Over gRPC, whose deadline travels with the call: a store that gets it
   // after the caller gave up refuses it rather than reserve slots nobody
-  // will fill (a data-plane call carries no deadline).
+  // will fill. gRPC's deadline is relative, counted from when the store
+  // reads the call: a call that waited out a stall in the store's socket
+  // looks fresh then, so the caller also gives it up by its token.
   if (auto s = Call(control_, &v1::Store::Stub::BeginPut, req, &resp,
                     std::chrono::system_clock::now() + wait);
       !s.ok()) {
+    GiveUpPut(req.abandon_token(), s);
     return Prefixed(s, prefix);
   }
   out.control_ms = MsSince(start);
@@ -137,6 +142,27 @@ void StoreDataClient::AbortReserved(uint64_t lease) {
              std::chrono::system_clock::now() + std::chrono::milliseconds(options_.deadline_ms));
 }
 
+uint64_t StoreDataClient::NewPutToken() {
+  // Distinct per call; the salt keeps two clients of one tenant apart.
+  const uint64_t n = put_tokens_.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t token = token_salt_ ^ (n * 0x9e3779b97f4a7c15ULL);
+  return token == 0 ? 1 : token;
+}
+
+void StoreDataClient::GiveUpPut(uint64_t token, const absl::Status& failed) {
+  // Only a call that may still be served later: a refusal opened nothing.
+  const auto code = failed.code();
+  if (code != absl::StatusCode::kDeadlineExceeded && code != absl::StatusCode::kUnavailable &&
+      code != absl::StatusCode::kCancelled) {
+    return;
+  }
+  {
+    std::lock_guard lk(release_mu_);
+    pending_abandons_.push_back(token);
+  }
+  release_cv_.notify_all();
+}
+
 void StoreDataClient::AbortLease(uint64_t lease, std::chrono::system_clock::time_point deadline) {
   v1::AbortPutRequest abort;
   abort.set_lease_id(lease);
@@ -151,11 +177,12 @@ absl::StatusOr<PutOutcome> StoreDataClient::PutOnLane(DataPlaneConnection& lane,
                                                       const std::vector<PutBlock>& blocks) {
   PutOutcome out;
   auto start = std::chrono::steady_clock::now();
-  auto req = BeginPutOf(ns, options_.client_id, blocks);
+  auto req = BeginPutOf(ns, options_.client_id, NewPutToken(), blocks);
   v1::BeginPutResponse resp;
   if (auto s =
           ControlCall(ucx::kCallBeginPut, &v1::Store::Stub::BeginPut, req, &resp, deadline.rpcs);
       !s.ok()) {
+    GiveUpPut(req.abandon_token(), s);
     return s;
   }
   out.times.control_ms = MsSince(start);

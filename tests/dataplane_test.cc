@@ -225,6 +225,69 @@ TEST_F(DataPlaneFaults, AClientKilledMidPutLeavesNothingVisibleAndItsSlotsComeBa
   EXPECT_EQ(r->written, 8u);
 }
 
+// A writer whose budget ran out while the store was stopped gives its
+// BeginPut up; gRPC's deadline cannot (it is relative, counted from when the
+// resumed store reads the call), so without the abandon token the store
+// would reserve the blocks for nobody and every other writer would find
+// them busy for a whole lease period. Both ways a put reserves: Reserve
+// (gRPC, for writes into the mapped arena) and Put (the data plane's call).
+TEST_F(DataPlaneFaults, AWriterThatGaveUpOnAStalledStoreLeavesNoBlockBusy) {
+  setenv("UCX_TLS", "sm,tcp", 1);
+  ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store"),
+                      {"--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0",
+                       "--data-dir=" + dir_.sub("db"), "--hugepages=false", "--lease-ms=30s"});
+  ASSERT_GT(store.port(), 0) << store.Log();
+  DataClientOptions o;
+  o.shared_memory = DataClientOptions::SharedMemory::kOn;
+  o.deadline_ms = 300;
+  StoreDataClient writer(store.address(), o);
+  auto ns = writer.control().RegisterNamespace(Spec256K());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  std::vector<uint8_t> src(16 * kBlock);
+  Fill(src, 0, 16);
+  std::vector<PutBlock> warm = {{H(99), src.data()}};
+  ASSERT_TRUE(writer.Put(ns->id, kBlock, warm).get().ok());  // connected, the arena mapped
+
+  std::vector<BlockHash> reserved, put_hashes;
+  std::vector<PutBlock> all, put;
+  for (uint64_t i = 0; i < 16; ++i) {
+    all.push_back({H(i), src.data() + i * kBlock});
+    (i < 8 ? reserved : put_hashes).push_back(H(i));
+    if (i >= 8) put.push_back(all.back());
+  }
+  ASSERT_TRUE(store.proc().Stop());
+  auto r = writer.Reserve(ns->id, kBlock, reserved, std::chrono::milliseconds(50));
+  EXPECT_FALSE(r.ok()) << "a stopped store reserved";
+  auto p = writer.Put(ns->id, kBlock, put).get();
+  EXPECT_FALSE(p.ok()) << "a stopped store took a put";
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the abandons are sent
+  kill(store.proc().pid(), SIGCONT);
+
+  // Another writer writes all 16 soon after, not a 30 s lease period later.
+  StoreDataClient other(store.address());
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + std::chrono::seconds(10);
+  uint32_t busy = 0, stored = 0;
+  do {
+    auto got = other.Put(ns->id, kBlock, all).get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    busy = got->busy;
+    stored += got->written;
+    if (busy > 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  } while (busy > 0 && std::chrono::steady_clock::now() < until);
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::steady_clock::now() - start)
+                        .count();
+  std::printf("all 16 blocks written %lld ms after the store resumed\n",
+              static_cast<long long>(took));
+  EXPECT_EQ(busy, 0u) << "blocks stayed reserved for a writer that gave up";
+  EXPECT_EQ(stored, 16u);
+  std::vector<BlockHash> chain;
+  for (const auto& b : all) chain.push_back(b.hash);
+  EXPECT_EQ(other.control().Lookup(ns->id, chain)->size(), 16u);
+  EXPECT_EQ(other.control().GetStats()->put_leases(), 0u) << "a reservation was left open";
+}
+
 TEST_F(DataPlaneFaults, AStoreKilledMidGetFailsTheClientCleanlyAndItReconnects) {
   int port = testing::FreePort(), ucx_port = testing::FreePort();
   std::vector<std::string> args = {"--listen=127.0.0.1:" + std::to_string(port),

@@ -76,3 +76,27 @@ go_tool() {
 go_tool helm helm.sh/helm/v3/cmd/helm v3.22.0 "the chart test renders and lints the chart with it"
 go_tool kube-score github.com/zegl/kube-score/cmd/kube-score v1.20.0 \
   "the chart test lints the rendered manifests with it"
+
+# Rust, for the frontend's text layer (frontend/text: Hugging Face
+# `tokenizers` and `minijinja` from crates.io, pinned by its Cargo.lock).
+# Debian 12's rustc (1.63) is older than those crates need: without a cargo
+# of at least RUST_MIN, rustup installs the pinned toolchain into ~/.cargo
+# (CMake looks there too).
+RUST_MIN=1.82.0
+RUST_TOOLCHAIN=1.95.0
+cargo_bin="$(command -v cargo || echo "$HOME/.cargo/bin/cargo")"
+have="$("$cargo_bin" --version 2>/dev/null | awk '{print $2}')" || have=""
+if [ -z "$have" ] || [ "$(printf '%s\n%s\n' "$RUST_MIN" "$have" | sort -V | head -1)" != "$RUST_MIN" ]; then
+  echo "setup: installing Rust $RUST_TOOLCHAIN with rustup (found: ${have:-no cargo})"
+  init="$(mktemp)"
+  if ! curl -sSfL -o "$init" \
+      "https://static.rust-lang.org/rustup/dist/$(uname -m)-unknown-linux-gnu/rustup-init"; then
+    echo "setup: cannot download rustup-init: the frontend's tokenizer is built with cargo >=" \
+         "$RUST_MIN (install Rust from https://rustup.rs)" >&2
+    exit 1
+  fi
+  chmod +x "$init"
+  "$init" -y -q --profile minimal -c rustfmt --default-toolchain "$RUST_TOOLCHAIN" \
+    --no-modify-path >/dev/null
+  rm -f "$init"
+fi

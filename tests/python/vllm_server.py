@@ -1,0 +1,125 @@
+"""A real ``vllm serve`` (the OpenAI API server of vLLM's CPU build) on
+127.0.0.1, for tests that talk HTTP to an engine. Stopped by its process
+group (vLLM's engine core runs in a child process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_LLAMA = ROOT / "tests" / "models" / "tiny-llama"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` with the tiny model
+    (dummy weights, its own tokenizer) unless ``model`` says otherwise.
+    ``url`` once /health answers; RuntimeError, with the log's tail, if it
+    does not within ``timeout`` seconds. ``stop()`` ends the whole group."""
+
+    def __init__(
+        self,
+        log: Path,
+        model: Path = TINY_LLAMA,
+        name: str = "tiny",
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        timeout: float = 600,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self.name = name
+        environ = dict(env if env is not None else os.environ)
+        # 1 GiB of KV memory, not vLLM's default share of the machine's.
+        environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            name,
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "4096",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *extra,
+        ]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=environ,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited {self.proc.returncode}:\n{self.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(
+            f"vllm serve did not answer /health in {timeout:.0f} s:\n{self.tail()}"
+        )
+
+    def tail(self, lines: int = 30) -> str:
+        """The last lines of the server's log."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 60) -> Any:
+        """POSTs JSON; the decoded JSON answer (HTTPError on a non-2xx)."""
+        import json
+
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        """SIGTERM to the group, SIGKILL after 20 s; waits for the server."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                pass

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 PKGS=(
   build-essential cmake ninja-build ccache pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libucx-dev ucx-utils librocksdb-dev libabsl-dev libgtest-dev libxxhash-dev libzmq3-dev cppzmq-dev libmsgpack-dev
+  libboost-dev libucx-dev ucx-utils librocksdb-dev libabsl-dev libgtest-dev libxxhash-dev libzmq3-dev cppzmq-dev libmsgpack-dev
   nlohmann-json3-dev prometheus-cpp-dev redis-server redis-tools fio python3
   golang-go golang-github-masterminds-sprig-dev python3-jsonschema python3-yaml
   clang libclang-rt-14-dev clang-format openssl libssl-dev

@@ -4,6 +4,7 @@ group (vLLM's engine core runs in a child process)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -28,8 +29,9 @@ def free_port() -> int:
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` with the tiny model
     (dummy weights, its own tokenizer) unless ``model`` says otherwise.
-    ``url`` once /health answers; RuntimeError, with the log's tail, if it
-    does not within ``timeout`` seconds. ``stop()`` ends the whole group."""
+    With ``start`` (the default) it is started and waited for; else call
+    ``start()`` then ``wait()`` (to start several at once). ``url`` serves
+    once ``wait()`` returned; ``stop()`` ends the whole group."""
 
     def __init__(
         self,
@@ -39,43 +41,44 @@ class VllmServer:
         extra: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         timeout: float = 600,
+        start: bool = True,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         self.name = name
-        environ = dict(env if env is not None else os.environ)
+        self.timeout = timeout
+        self.env = dict(env if env is not None else os.environ)
         # 1 GiB of KV memory, not vLLM's default share of the machine's.
-        environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        args = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--served-model-name",
-            name,
-            "--load-format",
-            "dummy",
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            "4096",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *extra,
-        ]
-        with open(log, "wb") as out:
+        self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", name,
+            "--load-format", "dummy", "--dtype", "bfloat16",
+            "--max-model-len", "4096", "--host", "127.0.0.1",
+            "--port", str(self.port), *extra,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+        if start:
+            self.start()
+            self.wait()
+
+    def start(self) -> None:
+        """Starts the server's process (in a session of its own)."""
+        with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                args,
+                self.args,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=environ,
+                env=self.env,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + timeout
+
+    def wait(self) -> None:
+        """Returns once /health answers 200; RuntimeError, with the log's
+        tail, if the server exits or does not answer within the timeout."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -90,20 +93,19 @@ class VllmServer:
             time.sleep(1)
         self.stop()
         raise RuntimeError(
-            f"vllm serve did not answer /health in {timeout:.0f} s:\n{self.tail()}"
+            f"vllm serve did not answer /health in {self.timeout:.0f} s:\n{self.tail()}"
         )
 
     def tail(self, lines: int = 30) -> str:
         """The last lines of the server's log."""
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+            text = self.log.read_text(errors="replace")
         except OSError:
             return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 60) -> Any:
         """POSTs JSON; the decoded JSON answer (HTTPError on a non-2xx)."""
-        import json
-
         req = urllib.request.Request(
             self.url + path,
             data=json.dumps(body).encode(),
@@ -114,12 +116,13 @@ class VllmServer:
 
     def stop(self) -> None:
         """SIGTERM to the group, SIGKILL after 20 s; waits for the server."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass

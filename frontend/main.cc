@@ -1,0 +1,105 @@
+// kvtier-frontend: the OpenAI-compatible front door of a vLLM fleet
+// (frontend/server.h, docs/frontend.md).
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_replace.h"
+#include "common/config.h"
+#include "common/log.h"
+#include "frontend/server.h"
+
+int main(int argc, char** argv) {
+  kvtier::frontend::FrontendOptions o;
+  std::string model_dir, engines, engines_file, port_file;
+  int64_t threads = 2, max_attempts = 3, max_prompts = 64, max_model_len = 0;
+  uint64_t max_prompt_tokens = 131072, heartbeat_ms = 5000;
+  kvtier::FlagSet flags("kvtier-frontend",
+                        "An OpenAI-compatible HTTP front door that routes every request by "
+                        "prefix, load and the store's holdings to vLLM servers.");
+  flags.HostPort("listen", &o.listen, "where clients connect (host:port; port 0: any)");
+  flags.String("model", &model_dir,
+               "the model's directory: its tokenizer.json and tokenizer_config.json");
+  flags.String("served-model-name", &o.served_model, "the model name clients send");
+  flags.String("engines", &engines, "the engines, ';'-separated, each as a line of --engines-file");
+  flags.String("engines-file", &engines_file,
+               "one engine a line: id=ID,endpoint=HOST:PORT,events=tcp://HOST:PORT,"
+               "[replay=tcp://...],namespace=16 hex digits,block-tokens=N (docs/router.md)");
+  flags.HostPort("router-listen", &o.router_listen,
+                 "where store shards publish their events to the router in this process");
+  flags.Int("threads", &threads, 1, 256, "threads serving requests");
+  flags.Int("max-attempts", &max_attempts, 1, 16, "engines tried for one request");
+  flags.Bytes("max-body-bytes", &o.max_body_bytes, "largest request body taken");
+  flags.Bytes("max-prompt-tokens", &max_prompt_tokens, "largest prompt taken, in tokens");
+  flags.Int("max-prompts", &max_prompts, 1, 4096, "prompts in one completions request");
+  flags.Int("max-model-len", &max_model_len, 0, int64_t{1} << 30, "what /v1/models reports");
+  flags.DurationMs("client-timeout", &o.client_timeout_ms, "time to read a client's request");
+  flags.DurationMs("connect-timeout", &o.connect_timeout_ms, "time to connect to an engine");
+  flags.DurationMs("upstream-timeout", &o.upstream_timeout_ms,
+                   "an engine's longest silence within a response");
+  flags.DurationMs("health-interval", &o.health_interval_ms, "between engine health checks");
+  flags.DurationMs("down", &o.down_ms, "how long an engine that failed a request is skipped");
+  flags.DurationMs("heartbeat-deadline", &heartbeat_ms,
+                   "an engine silent this long (its health check failing) leaves the index");
+  flags.String("port-file", &port_file, "write the port served to this file once listening");
+  kvtier::ParseFlagsOrExit(flags, argc, argv);
+  o.threads = static_cast<int>(threads);
+  o.max_attempts = static_cast<uint32_t>(max_attempts);
+  o.limits.max_prompt_tokens = max_prompt_tokens;
+  o.limits.max_prompts = static_cast<uint32_t>(max_prompts);
+  o.max_model_len = static_cast<uint64_t>(max_model_len);
+  o.router.heartbeat_deadline_ms = heartbeat_ms;
+
+  std::string spec_text = absl::StrReplaceAll(engines, {{";", "\n"}});
+  if (!engines_file.empty()) {
+    auto text = kvtier::ReadTextFile(engines_file);
+    if (!text.ok()) {
+      std::fprintf(stderr, "kvtier-frontend: --engines-file: %s\n",
+                   std::string(text.status().message()).c_str());
+      return 2;
+    }
+    spec_text += "\n" + *text;
+  }
+  auto specs = kvtier::router::ParseVllmSources(spec_text);
+  if (!specs.ok()) {
+    std::fprintf(stderr, "kvtier-frontend: --engines: %s\n",
+                 std::string(specs.status().message()).c_str());
+    return 2;
+  }
+  o.engines = std::move(*specs);
+  if (model_dir.empty()) {
+    std::fprintf(stderr, "kvtier-frontend: --model is required\n");
+    return 2;
+  }
+  auto text = kvtier::frontend::TextModel::Open(model_dir);
+  if (!text.ok()) {
+    std::fprintf(stderr, "kvtier-frontend: %s\n", std::string(text.status().message()).c_str());
+    return 2;
+  }
+  if (auto s = o.Validate(); !s.ok()) {
+    std::fprintf(stderr, "kvtier-frontend: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  // Block SIGINT and SIGTERM before any thread starts: sigwait takes them.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  auto fe = kvtier::frontend::Frontend::Start(o, std::move(*text));
+  if (!fe.ok()) {
+    std::fprintf(stderr, "kvtier-frontend: %s\n", std::string(fe.status().message()).c_str());
+    return 1;
+  }
+  kvtier::Log("frontend", "serving ", o.served_model, " on port ", (*fe)->port(), " in front of ",
+              o.engines.size(), " engines; store shards publish to ", (*fe)->router_address());
+  if (!port_file.empty()) std::ofstream(port_file) << (*fe)->port() << "\n";
+  int sig = 0;
+  sigwait(&set, &sig);
+  kvtier::Log("frontend", "stopping on signal ", sig);
+  fe->reset();
+  return 0;
+}

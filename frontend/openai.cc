@@ -1,0 +1,281 @@
+#include "frontend/openai.h"
+
+#include <set>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvtier::frontend {
+namespace {
+
+using nlohmann::json;
+
+// OpenAI's fields of each endpoint and vLLM's extra ones (its protocol
+// models): anything else is a client's mistake, answered as OpenAI answers
+// it rather than silently ignored.
+const std::set<std::string, std::less<>>& CommonFields() {
+  static const std::set<std::string, std::less<>> f = {"model",
+                                                       "stream",
+                                                       "stream_options",
+                                                       "max_tokens",
+                                                       "n",
+                                                       "best_of",
+                                                       "temperature",
+                                                       "top_p",
+                                                       "top_k",
+                                                       "min_p",
+                                                       "seed",
+                                                       "stop",
+                                                       "stop_token_ids",
+                                                       "frequency_penalty",
+                                                       "presence_penalty",
+                                                       "repetition_penalty",
+                                                       "length_penalty",
+                                                       "logit_bias",
+                                                       "logprobs",
+                                                       "user",
+                                                       "echo",
+                                                       "use_beam_search",
+                                                       "include_stop_str_in_output",
+                                                       "ignore_eos",
+                                                       "min_tokens",
+                                                       "skip_special_tokens",
+                                                       "spaces_between_special_tokens",
+                                                       "truncate_prompt_tokens",
+                                                       "allowed_token_ids",
+                                                       "prompt_logprobs",
+                                                       "bad_words",
+                                                       "response_format",
+                                                       "structured_outputs",
+                                                       "guided_json",
+                                                       "guided_regex",
+                                                       "guided_choice",
+                                                       "guided_grammar",
+                                                       "guided_decoding_backend",
+                                                       "guided_whitespace_pattern",
+                                                       "priority",
+                                                       "request_id",
+                                                       "return_tokens_as_token_ids",
+                                                       "return_token_ids",
+                                                       "cache_salt",
+                                                       "kv_transfer_params",
+                                                       "vllm_xargs",
+                                                       "logits_processors",
+                                                       "add_special_tokens",
+                                                       "metadata",
+                                                       "service_tier",
+                                                       "store",
+                                                       "thinking_token_budget",
+                                                       "mm_processor_kwargs"};
+  return f;
+}
+const std::set<std::string, std::less<>>& CompletionFields() {
+  static const std::set<std::string, std::less<>> f = {"prompt", "suffix", "prompt_embeds"};
+  return f;
+}
+const std::set<std::string, std::less<>>& ChatFields() {
+  static const std::set<std::string, std::less<>> f = {"messages",
+                                                       "max_completion_tokens",
+                                                       "top_logprobs",
+                                                       "tools",
+                                                       "tool_choice",
+                                                       "parallel_tool_calls",
+                                                       "functions",
+                                                       "function_call",
+                                                       "add_generation_prompt",
+                                                       "continue_final_message",
+                                                       "chat_template",
+                                                       "chat_template_kwargs",
+                                                       "documents",
+                                                       "reasoning_effort",
+                                                       "modalities",
+                                                       "prediction",
+                                                       "audio",
+                                                       "include_reasoning"};
+  return f;
+}
+
+ApiError Invalid(std::string message, std::string param = "") {
+  return ApiError{400, "invalid_request_error", std::move(message), std::move(param), ""};
+}
+
+PrepareResult Fail(ApiError e) {
+  PrepareResult r;
+  r.error = std::move(e);
+  return r;
+}
+
+// The ids of one prompt: text (tokenized) or token ids (checked).
+std::optional<ApiError> PromptIds(const json& p, const TextModel& text, bool add_special,
+                                  std::vector<uint32_t>* out) {
+  if (p.is_string()) {
+    auto ids = text.Encode(p.get_ref<const std::string&>(), add_special);
+    if (!ids.ok()) return Invalid(std::string(ids.status().message()), "prompt");
+    *out = std::move(*ids);
+    return std::nullopt;
+  }
+  if (!p.is_array() || p.empty()) {
+    return Invalid("prompt must be a string, token ids, or a list of either", "prompt");
+  }
+  const uint64_t vocab = text.vocab_size();
+  out->reserve(p.size());
+  for (const json& id : p) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+        static_cast<uint64_t>(id.get<int64_t>()) >= vocab) {
+      return Invalid(absl::StrCat("prompt token ids must be integers in [0, ", vocab, ")"),
+                     "prompt");
+    }
+    out->push_back(static_cast<uint32_t>(id.get<int64_t>()));
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::string ErrorBody(const ApiError& e) {
+  json err = {{"message", e.message},
+              {"type", e.type},
+              {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+              {"code", e.code.empty() ? json(nullptr) : json(e.code)}};
+  return json{{"error", err}}.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
+                      const std::string& served_model, const RequestLimits& limits) {
+  json req = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (req.is_discarded()) return Fail(Invalid("the body is not valid JSON"));
+  if (!req.is_object()) return Fail(Invalid("the body must be a JSON object"));
+  const bool chat = endpoint == Endpoint::kChat;
+  for (const auto& [key, value] : req.items()) {
+    const bool known = CommonFields().count(key) > 0 ||
+                       (chat ? ChatFields().count(key) : CompletionFields().count(key)) > 0;
+    if (!known) {
+      return Fail(Invalid(absl::StrCat("Unrecognized request argument supplied: ", key), key));
+    }
+  }
+  if (req.contains("model")) {
+    if (!req["model"].is_string()) return Fail(Invalid("model must be a string", "model"));
+    const std::string& model = req["model"].get_ref<const std::string&>();
+    if (!model.empty() && model != served_model) {
+      return Fail(ApiError{404, "NotFoundError",
+                           absl::StrCat("The model `", model, "` does not exist."), "model",
+                           "model_not_found"});
+    }
+  }
+  PrepareResult r;
+  Prepared& p = r.prepared;
+  p.endpoint = endpoint;
+  if (req.contains("stream")) {
+    if (!req["stream"].is_boolean()) return Fail(Invalid("stream must be a boolean", "stream"));
+    p.stream = req["stream"].get<bool>();
+  }
+  if (req.contains("cache_salt")) {
+    if (!req["cache_salt"].is_string()) {
+      return Fail(Invalid("cache_salt must be a string", "cache_salt"));
+    }
+    p.cache_salt = req["cache_salt"].get<std::string>();
+  }
+  if (req.contains("prompt_embeds")) {
+    return Fail(
+        Invalid("prompt_embeds are not routed by the frontend; send a prompt", "prompt_embeds"));
+  }
+  if (!chat) {
+    p.path = "/v1/completions";
+    if (!req.contains("prompt")) return Fail(Invalid("prompt is required", "prompt"));
+    bool add_special = true;
+    if (req.contains("add_special_tokens")) {
+      if (!req["add_special_tokens"].is_boolean()) {
+        return Fail(Invalid("add_special_tokens must be a boolean", "add_special_tokens"));
+      }
+      add_special = req["add_special_tokens"].get<bool>();
+    }
+    const json& prompt = req["prompt"];
+    // A list of prompts: of strings, or of token id lists.
+    const bool batch =
+        prompt.is_array() && !prompt.empty() && (prompt[0].is_string() || prompt[0].is_array());
+    std::vector<std::vector<uint32_t>> all;
+    if (batch) {
+      if (prompt.size() > limits.max_prompts) {
+        return Fail(
+            Invalid(absl::StrCat("at most ", limits.max_prompts, " prompts a request"), "prompt"));
+      }
+      for (const json& one : prompt) {
+        std::vector<uint32_t> ids;
+        if (one.is_array() && !one.empty() && !one[0].is_number_integer()) {
+          return Fail(Invalid("a list of prompts holds strings or token id lists", "prompt"));
+        }
+        if (auto e = PromptIds(one, text, add_special, &ids)) return Fail(*e);
+        p.prompt_tokens += ids.size();
+        all.push_back(std::move(ids));
+      }
+    } else {
+      std::vector<uint32_t> ids;
+      if (auto e = PromptIds(prompt, text, add_special, &ids)) return Fail(*e);
+      p.prompt_tokens = ids.size();
+      all.push_back(std::move(ids));
+    }
+    if (p.prompt_tokens > limits.max_prompt_tokens) {
+      return Fail(
+          ApiError{400, "invalid_request_error",
+                   absl::StrCat("the prompt has ", p.prompt_tokens,
+                                " tokens; this frontend takes at most ", limits.max_prompt_tokens),
+                   "prompt", "context_length_exceeded"});
+    }
+    p.tokens = all.front();
+    req["prompt"] = batch ? json(all) : json(all.front());
+    // The ids already carry what add_special_tokens asked for.
+    req.erase("add_special_tokens");
+  } else {
+    p.path = "/v1/chat/completions";
+    if (!req.contains("messages") || !req["messages"].is_array() || req["messages"].empty()) {
+      return Fail(Invalid("messages must be a non-empty array", "messages"));
+    }
+    if (req.contains("chat_template")) {
+      return Fail(
+          Invalid("a request's own chat_template is not taken: the frontend and the "
+                  "engine render the model's",
+                  "chat_template"));
+    }
+    if (req.value("continue_final_message", false)) {
+      return Fail(Invalid("continue_final_message is not supported by the frontend",
+                          "continue_final_message"));
+    }
+    json render = {{"messages", req["messages"]}};
+    if (req.contains("add_generation_prompt")) {
+      if (!req["add_generation_prompt"].is_boolean()) {
+        return Fail(Invalid("add_generation_prompt must be a boolean", "add_generation_prompt"));
+      }
+      render["add_generation_prompt"] = req["add_generation_prompt"];
+    }
+    for (const char* key : {"tools", "documents", "chat_template_kwargs"}) {
+      if (req.contains(key) && !req[key].is_null()) render[key] = req[key];
+    }
+    auto ids = text.EncodeChat(render.dump());
+    if (!ids.ok()) return Fail(Invalid(std::string(ids.status().message()), "messages"));
+    p.tokens = std::move(*ids);
+    p.prompt_tokens = p.tokens.size();
+    if (p.prompt_tokens > limits.max_prompt_tokens) {
+      return Fail(
+          ApiError{400, "invalid_request_error",
+                   absl::StrCat("the messages are ", p.prompt_tokens,
+                                " tokens; this frontend takes at most ", limits.max_prompt_tokens),
+                   "messages", "context_length_exceeded"});
+    }
+  }
+  if (!req.contains("model") || req["model"].get_ref<const std::string&>().empty()) {
+    req["model"] = served_model;
+  }
+  p.body = req.dump(-1, ' ', false, json::error_handler_t::replace);
+  return r;
+}
+
+std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
+                       uint64_t max_model_len) {
+  json model = {{"id", served_model},
+                {"object", "model"},
+                {"created", created_unix},
+                {"owned_by", "kvtier"},
+                {"max_model_len", max_model_len}};
+  return json{{"object", "list"}, {"data", json::array({model})}}.dump();
+}
+
+}  // namespace kvtier::frontend

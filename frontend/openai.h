@@ -1,0 +1,67 @@
+// The OpenAI API's requests as the frontend takes them: checked (OpenAI's
+// error JSON with the status a client should see), tokenized with the
+// model's own tokenizer and chat template (TextModel), and rewritten for the
+// engine: a completion's prompt travels as token ids, so the engine computes
+// exactly the blocks the router priced; a chat travels as messages, which
+// vLLM renders with the same template into the same ids (tests/python/
+// test_text_model.py holds the two equal), so its response keeps the chat
+// format. Pure functions: tests/openai_test.cc.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "frontend/text_model.h"
+#include "nlohmann/json.hpp"
+
+namespace kvtier::frontend {
+
+// An error a client gets, in OpenAI's shape:
+// {"error": {"message", "type", "param", "code"}} with an HTTP status.
+struct ApiError {
+  int status = 400;
+  std::string type = "invalid_request_error";
+  std::string message;
+  std::string param;  // "" : null
+  std::string code;   // "" : null
+};
+std::string ErrorBody(const ApiError& e);
+
+enum class Endpoint { kCompletions, kChat };
+
+struct RequestLimits {
+  uint64_t max_prompt_tokens = 131072;  // summed over a batch's prompts
+  uint32_t max_prompts = 64;            // prompts in one completions request
+};
+
+// A request ready to go upstream.
+struct Prepared {
+  Endpoint endpoint = Endpoint::kCompletions;
+  std::string path;              // /v1/completions or /v1/chat/completions
+  std::string body;              // the JSON sent upstream
+  std::vector<uint32_t> tokens;  // what routing prices: the (first) prompt's ids
+  uint64_t prompt_tokens = 0;    // every prompt's ids
+  bool stream = false;
+  std::string cache_salt;  // vLLM's cache_salt: blocks hash apart (routing cannot match them)
+};
+
+// Checks and prepares `body` for `endpoint`. `served_model`: the name
+// clients use (an empty model field means it; another name is a 404).
+// Errors: 400 for JSON that is not a request of this endpoint (a field of
+// the wrong type, an unknown field, a prompt the template refuses), 404 for
+// another model, 413 for a prompt over the limit.
+struct PrepareResult {
+  std::optional<ApiError> error;
+  Prepared prepared;
+};
+PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
+                      const std::string& served_model, const RequestLimits& limits);
+
+// GET /v1/models: the one model this frontend serves.
+std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
+                       uint64_t max_model_len);
+
+}  // namespace kvtier::frontend

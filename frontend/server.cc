@@ -1,0 +1,676 @@
+// <utility> before Asio: Boost 1.74's awaitable.hpp uses std::exchange
+// without including it.
+#include <utility>
+// clang-format off
+#include "frontend/server.h"
+// clang-format on
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <boost/beast.hpp>
+#include <chrono>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/log.h"
+#include "router/embedded_router.h"
+#include "router/vllm_events.h"
+
+namespace kvtier::frontend {
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using Clock = std::chrono::steady_clock;
+using ErrorCode = boost::system::error_code;
+template <typename T = void>
+using Task = net::awaitable<T>;
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+const char* ReasonName(router::Reason r) {
+  switch (r) {
+    case router::Reason::kLowestCost:
+      return "lowest_cost";
+    case router::Reason::kTieBreak:
+      return "tie_break";
+    case router::Reason::kBalanceGuard:
+      return "balance_guard";
+    case router::Reason::kSampled:
+      return "sampled";
+  }
+  return "unknown";
+}
+
+// One engine of the fleet: where it answers, what the frontend sends it,
+// whether it is up, and its idle keep-alive connections.
+struct Engine {
+  router::VllmSourceSpec spec;
+  std::string host, port;
+  std::atomic<int64_t> in_flight{0}, in_flight_tokens{0};
+  std::atomic<bool> healthy{true};
+  std::atomic<int64_t> down_until_ms{0};
+  std::atomic<uint64_t> requests{0}, failures{0};
+  std::mutex mu;
+  std::vector<std::unique_ptr<beast::tcp_stream>> idle;  // guarded by mu
+  std::unique_ptr<router::VllmEventSource> events;       // guarded by mu
+
+  bool Usable(int64_t now) const { return healthy.load() && down_until_ms.load() <= now; }
+};
+
+// What the frontend counts, for /metrics.
+struct Counters {
+  std::mutex mu;
+  std::map<std::pair<std::string, int>, uint64_t> requests;        // (endpoint, status)
+  std::map<std::pair<std::string, std::string>, uint64_t> routes;  // (engine, reason)
+  std::atomic<uint64_t> failovers{0}, client_disconnects{0}, no_engine{0};
+  std::atomic<uint64_t> added_us_sum{0}, added_count{0};
+
+  void Request(const std::string& endpoint, int status) {
+    std::lock_guard lk(mu);
+    requests[{endpoint, status}]++;
+  }
+  void Route(const std::string& engine, const std::string& reason) {
+    std::lock_guard lk(mu);
+    routes[{engine, reason}]++;
+  }
+};
+
+// How one try at an engine ended.
+enum class Tried { kDone, kRetry, kClientGone };
+
+}  // namespace
+
+struct Frontend::Impl {
+  FrontendOptions options;
+  std::unique_ptr<TextModel> text;
+  std::unique_ptr<router::EmbeddedRouter> router;
+  std::vector<std::unique_ptr<Engine>> engines;
+  std::map<std::string, Engine*> by_id;
+  Counters counters;
+  net::io_context io;
+  tcp::acceptor acceptor{io};
+  std::vector<std::thread> threads;
+  uint64_t started_unix = 0;
+  int port = 0;
+
+  // --- choosing an engine ---------------------------------------------
+
+  struct Choice {
+    Engine* engine = nullptr;
+    std::string explain;
+  };
+
+  Choice Choose(const Prepared& p, const std::set<Engine*>& tried) {
+    const int64_t now = NowMs();
+    Choice c;
+    router::RouteQuery q;
+    q.namespace_id = options.engines.front().namespace_id;
+    q.prompt = router::RouteQuery::Prompt::kTokens;
+    q.tokens = p.tokens;
+    q.max_candidates = static_cast<uint32_t>(engines.size());
+    auto routed = router->Route(q);
+    if (routed.ok()) {
+      for (const router::RouteCandidate& cand : routed->candidates) {
+        auto it = by_id.find(cand.worker_id);
+        if (it == by_id.end() || tried.count(it->second) || !it->second->Usable(now)) continue;
+        const bool first = cand.worker_id == routed->worker_id;
+        const std::string reason = first ? ReasonName(routed->reason) : "failover";
+        c.engine = it->second;
+        c.explain =
+            absl::StrCat("engine=", cand.worker_id, "; gpu_blocks=", cand.gpu_blocks,
+                         "; store_blocks=", cand.store_blocks, "; load_tokens=", cand.load_tokens,
+                         "; cost=", cand.cost, "; reason=", reason);
+        counters.Route(cand.worker_id, reason);
+        return c;
+      }
+    }
+    // No route (no engine has said hello yet, or every candidate is down or
+    // tried): the usable engine with the fewest requests in flight.
+    for (auto& e : engines) {
+      if (tried.count(e.get()) || !e->Usable(now)) continue;
+      if (c.engine == nullptr || e->in_flight.load() < c.engine->in_flight.load()) {
+        c.engine = e.get();
+      }
+    }
+    if (c.engine != nullptr) {
+      const std::string why = routed.ok() ? "least_loaded_fallback" : "no_route";
+      c.explain =
+          absl::StrCat("engine=", c.engine->spec.id, "; gpu_blocks=0; store_blocks=0",
+                       "; in_flight=", c.engine->in_flight.load(), "; reason=", why,
+                       routed.ok() ? "" : absl::StrCat(" (", routed.status().message(), ")"));
+      counters.Route(c.engine->spec.id, why);
+    }
+    return c;
+  }
+
+  void MarkDown(Engine& e, const std::string& why) {
+    e.failures++;
+    e.down_until_ms = NowMs() + static_cast<int64_t>(options.down_ms);
+    Log("frontend", "engine ", e.spec.id, " (", e.spec.endpoint, ") skipped for ", options.down_ms,
+        " ms: ", why);
+  }
+
+  // --- upstream connections -------------------------------------------
+
+  Task<std::unique_ptr<beast::tcp_stream>> Connect(Engine& e, ErrorCode& ec) {
+    auto exec = co_await net::this_coro::executor;
+    tcp::resolver resolver(exec);
+    auto results = co_await resolver.async_resolve(e.host, e.port,
+                                                   net::redirect_error(net::use_awaitable, ec));
+    if (ec) co_return nullptr;
+    auto s = std::make_unique<beast::tcp_stream>(exec);
+    s->expires_after(std::chrono::milliseconds(options.connect_timeout_ms));
+    co_await s->async_connect(results, net::redirect_error(net::use_awaitable, ec));
+    if (ec) co_return nullptr;
+    s->socket().set_option(tcp::no_delay(true));
+    co_return s;
+  }
+
+  std::unique_ptr<beast::tcp_stream> Pooled(Engine& e) {
+    std::lock_guard lk(e.mu);
+    if (e.idle.empty()) return nullptr;
+    auto s = std::move(e.idle.back());
+    e.idle.pop_back();
+    return s;
+  }
+
+  void ReturnToPool(Engine& e, std::unique_ptr<beast::tcp_stream> s) {
+    std::lock_guard lk(e.mu);
+    if (e.idle.size() < options.idle_per_engine) e.idle.push_back(std::move(s));
+  }
+
+  // --- one try at an engine -------------------------------------------
+
+  // Watches the client's socket while the engine works: a peer that closed
+  // (readable with nothing to read) closes the upstream connection, which
+  // cancels what waits on it and tells vLLM to abort the request.
+  static Task<> WatchClient(beast::tcp_stream* client, std::weak_ptr<beast::tcp_stream> upstream,
+                            std::shared_ptr<std::atomic<bool>> gone) {
+    ErrorCode ec;
+    co_await client->socket().async_wait(tcp::socket::wait_read,
+                                         net::redirect_error(net::use_awaitable, ec));
+    if (ec) co_return;  // cancelled: the exchange ended first
+    ErrorCode aec;
+    if (client->socket().available(aec) == 0) {
+      gone->store(true);
+      ErrorCode ignored;
+      if (auto up = upstream.lock()) up->socket().close(ignored);
+    }
+  }
+
+  Task<Tried> Forward(Engine& e, const Prepared& p, const std::string& explain,
+                      beast::tcp_stream& client, bool keep_alive, bool* client_keep) {
+    ErrorCode ec;
+    std::shared_ptr<beast::tcp_stream> up;
+    http::request<http::string_body> req{http::verb::post, p.path, 11};
+    req.set(http::field::host, e.spec.endpoint);
+    req.set(http::field::content_type, "application/json");
+    req.set(http::field::user_agent, "kvtier-frontend");
+    req.keep_alive(true);
+    req.body() = p.body;
+    req.prepare_payload();
+    beast::flat_buffer ubuf;
+    std::optional<http::response_parser<http::buffer_body>> parser;
+    parser.emplace();
+    parser->body_limit(std::numeric_limits<std::uint64_t>::max());
+    // A pooled connection the engine closed while idle fails at once: one
+    // fresh connection is tried before the engine is blamed.
+    for (int fresh = 0; fresh < 2; ++fresh) {
+      auto pooled = fresh == 0 ? Pooled(e) : nullptr;
+      const bool reused = pooled != nullptr;
+      if (reused) {
+        up = std::move(pooled);
+      } else {
+        auto made = co_await Connect(e, ec);
+        if (!made) {
+          MarkDown(e, absl::StrCat("connect: ", ec.message()));
+          co_return Tried::kRetry;
+        }
+        up = std::move(made);
+      }
+      up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
+      co_await http::async_write(*up, req, net::redirect_error(net::use_awaitable, ec));
+      if (!ec) {
+        co_await http::async_read_header(*up, ubuf, *parser,
+                                         net::redirect_error(net::use_awaitable, ec));
+      }
+      if (!ec) break;
+      if (reused) {
+        parser.emplace();
+        parser->body_limit(std::numeric_limits<std::uint64_t>::max());
+        ubuf.clear();
+        continue;
+      }
+      MarkDown(e, absl::StrCat("request: ", ec.message()));
+      co_return Tried::kRetry;
+    }
+    if (ec) co_return Tried::kRetry;
+    const unsigned status = parser->get().result_int();
+    if (status >= 500) {
+      MarkDown(e, absl::StrCat("answered ", status));
+      co_return Tried::kRetry;  // the connection is dropped with `up`
+    }
+    // From here the client has bytes: no other engine is tried.
+    auto gone = std::make_shared<std::atomic<bool>>(false);
+    std::weak_ptr<beast::tcp_stream> watched = up;
+    net::co_spawn(client.get_executor(), WatchClient(&client, watched, gone), net::detached);
+    http::response<http::empty_body> res{static_cast<http::status>(status), 11};
+    res.set(http::field::server, "kvtier-frontend");
+    for (auto field : {http::field::content_type, http::field::cache_control}) {
+      auto it = parser->get().find(field);
+      if (it != parser->get().end()) res.set(field, it->value());
+    }
+    res.set("x-kvtier-route", explain);
+    res.keep_alive(keep_alive);
+    res.chunked(true);
+    http::response_serializer<http::empty_body> sr{res};
+    co_await http::async_write_header(client, sr, net::redirect_error(net::use_awaitable, ec));
+    Tried outcome = Tried::kDone;
+    char chunk[16384];
+    while (!ec && !parser->is_done()) {
+      parser->get().body().data = chunk;
+      parser->get().body().size = sizeof(chunk);
+      up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
+      ErrorCode rec;
+      co_await http::async_read_some(*up, ubuf, *parser,
+                                     net::redirect_error(net::use_awaitable, rec));
+      if (rec == http::error::need_buffer) rec = {};
+      const size_t n = sizeof(chunk) - parser->get().body().size;
+      if (n > 0) {
+        auto piece = http::make_chunk(net::buffer(chunk, n));
+        co_await net::async_write(client, piece, net::redirect_error(net::use_awaitable, ec));
+      }
+      if (rec && !ec) {
+        // The engine failed mid-response: the client's stream ends short
+        // (no last chunk), which it sees as an error, not as a whole answer.
+        Log("frontend", "engine ", e.spec.id, " failed mid-response: ", rec.message());
+        e.failures++;
+        *client_keep = false;
+        outcome = gone->load() ? Tried::kClientGone : Tried::kDone;
+        break;
+      }
+    }
+    ErrorCode ignored;
+    client.socket().cancel(ignored);  // ends the watcher
+    if (ec || gone->load()) {
+      counters.client_disconnects++;
+      *client_keep = false;
+      up->socket().close(ignored);
+      co_return Tried::kClientGone;
+    }
+    if (outcome != Tried::kDone || !parser->is_done()) {
+      *client_keep = false;
+      co_return outcome;
+    }
+    auto last = http::make_chunk_last();
+    co_await net::async_write(client, last, net::redirect_error(net::use_awaitable, ec));
+    if (ec) *client_keep = false;
+    if (parser->get().keep_alive()) {
+      up->expires_never();
+      ReturnToPool(e, std::make_unique<beast::tcp_stream>(std::move(*up)));
+    }
+    co_return Tried::kDone;
+  }
+
+  // --- the client's side ----------------------------------------------
+
+  template <typename Body>
+  Task<bool> Reply(beast::tcp_stream& client, http::response<Body>& res, bool keep_alive) {
+    res.set(http::field::server, "kvtier-frontend");
+    res.keep_alive(keep_alive);
+    res.prepare_payload();
+    ErrorCode ec;
+    co_await http::async_write(client, res, net::redirect_error(net::use_awaitable, ec));
+    co_return !ec && keep_alive;
+  }
+
+  // GCC 12 destroys some temporaries of a co_await's full-expression twice:
+  // every argument of a coroutine call here is a named local.
+  Task<bool> ReplyJson(beast::tcp_stream& client, unsigned status, std::string body,
+                       bool keep_alive) {
+    http::response<http::string_body> res{static_cast<http::status>(status), 11};
+    res.set(http::field::content_type, "application/json");
+    res.body() = std::move(body);
+    const bool again = co_await Reply(client, res, keep_alive);
+    co_return again;
+  }
+
+  Task<bool> ReplyError(beast::tcp_stream& client, std::string endpoint, ApiError e,
+                        bool keep_alive) {
+    counters.Request(endpoint, e.status);
+    std::string body = ErrorBody(e);
+    const bool again = co_await ReplyJson(client, e.status, std::move(body), keep_alive);
+    co_return again;
+  }
+
+  Task<bool> Proxy(beast::tcp_stream& client, Endpoint endpoint, const std::string& name,
+                   const std::string& body, bool keep_alive, Clock::time_point arrived) {
+    PrepareResult prep = Prepare(endpoint, body, *text, options.served_model, options.limits);
+    if (prep.error) {
+      ApiError err = *prep.error;
+      const bool again = co_await ReplyError(client, name, std::move(err), keep_alive);
+      co_return again;
+    }
+    const Prepared& p = prep.prepared;
+    std::set<Engine*> tried;
+    bool client_keep = keep_alive;
+    for (uint32_t attempt = 0; attempt < options.max_attempts; ++attempt) {
+      Choice c = Choose(p, tried);
+      if (c.engine == nullptr) break;
+      tried.insert(c.engine);
+      if (attempt > 0) counters.failovers++;
+      if (attempt == 0) {
+        const auto us =
+            std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - arrived).count();
+        counters.added_us_sum += static_cast<uint64_t>(us);
+        counters.added_count++;
+      }
+      Engine& e = *c.engine;
+      e.requests++;
+      e.in_flight++;
+      e.in_flight_tokens += static_cast<int64_t>(p.prompt_tokens);
+      const std::string explain = absl::StrCat(c.explain, "; attempt=", attempt + 1);
+      Tried t = co_await Forward(e, p, explain, client, keep_alive, &client_keep);
+      e.in_flight--;
+      e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
+      if (t == Tried::kDone) {
+        counters.Request(name, 200);
+        co_return client_keep;
+      }
+      if (t == Tried::kClientGone) {
+        counters.Request(name, 499);
+        co_return false;
+      }
+    }
+    counters.no_engine++;
+    ApiError none{503, "service_unavailable",
+                  tried.empty() ? "no engine is available"
+                                : absl::StrCat("no engine could serve the request (", tried.size(),
+                                               " tried)"),
+                  "", ""};
+    const bool again = co_await ReplyError(client, name, std::move(none), keep_alive);
+    co_return again;
+  }
+
+  std::string Metrics() {
+    std::string out;
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_requests_total counter\n");
+    {
+      std::lock_guard lk(counters.mu);
+      for (const auto& [k, v] : counters.requests) {
+        absl::StrAppend(&out, "kvtier_frontend_requests_total{endpoint=\"", k.first, "\",code=\"",
+                        k.second, "\"} ", v, "\n");
+      }
+      absl::StrAppend(&out, "# TYPE kvtier_frontend_routes_total counter\n");
+      for (const auto& [k, v] : counters.routes) {
+        absl::StrAppend(&out, "kvtier_frontend_routes_total{engine=\"", k.first, "\",reason=\"",
+                        k.second, "\"} ", v, "\n");
+      }
+    }
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_failovers_total counter\n",
+                    "kvtier_frontend_failovers_total ", counters.failovers.load(), "\n",
+                    "# TYPE kvtier_frontend_client_disconnects_total counter\n",
+                    "kvtier_frontend_client_disconnects_total ", counters.client_disconnects.load(),
+                    "\n", "# TYPE kvtier_frontend_no_engine_total counter\n",
+                    "kvtier_frontend_no_engine_total ", counters.no_engine.load(), "\n",
+                    "# TYPE kvtier_frontend_added_seconds summary\n",
+                    "kvtier_frontend_added_seconds_sum ",
+                    static_cast<double>(counters.added_us_sum.load()) / 1e6, "\n",
+                    "kvtier_frontend_added_seconds_count ", counters.added_count.load(), "\n");
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_engine_up gauge\n");
+    const int64_t now = NowMs();
+    for (auto& e : engines) {
+      absl::StrAppend(&out, "kvtier_frontend_engine_up{engine=\"", e->spec.id, "\"} ",
+                      e->Usable(now) ? 1 : 0, "\n");
+    }
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_in_flight gauge\n");
+    for (auto& e : engines) {
+      absl::StrAppend(&out, "kvtier_frontend_in_flight{engine=\"", e->spec.id, "\"} ",
+                      e->in_flight.load(), "\n");
+    }
+    // Each engine's KV event stream (router/vllm_events.h), as the router's
+    // GetRouterStats names the counters.
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_vllm_events_total counter\n");
+    for (auto& e : engines) {
+      std::lock_guard lk(e->mu);
+      if (!e->events) continue;
+      e->events->stats().ForEach([&](const char* name, uint64_t v) {
+        absl::StrAppend(&out, "kvtier_frontend_vllm_events_total{engine=\"", e->spec.id,
+                        "\",counter=\"", name, "\"} ", v, "\n");
+      });
+    }
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_engine_failures_total counter\n");
+    for (auto& e : engines) {
+      absl::StrAppend(&out, "kvtier_frontend_engine_failures_total{engine=\"", e->spec.id, "\"} ",
+                      e->failures.load(), "\n");
+    }
+    return out;
+  }
+
+  Task<> Session(tcp::socket socket) {
+    beast::tcp_stream client(std::move(socket));
+    beast::flat_buffer buf;
+    for (;;) {
+      http::request_parser<http::string_body> parser;
+      parser.body_limit(options.max_body_bytes);
+      parser.header_limit(64 << 10);
+      client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
+      ErrorCode ec;
+      co_await http::async_read(client, buf, parser, net::redirect_error(net::use_awaitable, ec));
+      if (ec == http::error::body_limit) {
+        ApiError big{413, "invalid_request_error",
+                     absl::StrCat("the body is over ", options.max_body_bytes, " bytes"), "", ""};
+        std::string other = "other";
+        co_await ReplyError(client, std::move(other), std::move(big), false);
+        break;
+      }
+      if (ec) break;  // closed, timed out or not HTTP
+      client.expires_never();
+      const auto arrived = Clock::now();
+      auto& req = parser.get();
+      const bool keep = req.keep_alive();
+      const std::string target(req.target());
+      const std::string path = target.substr(0, target.find('?'));
+      bool again = keep;
+      if (path == "/v1/completions" || path == "/v1/chat/completions") {
+        const bool chat = path == "/v1/chat/completions";
+        const std::string name = chat ? "chat" : "completions";
+        if (req.method() != http::verb::post) {
+          ApiError post{405, "invalid_request_error", "use POST", "", ""};
+          again = co_await ReplyError(client, name, std::move(post), keep);
+        } else {
+          const Endpoint endpoint = chat ? Endpoint::kChat : Endpoint::kCompletions;
+          const std::string& body = req.body();
+          again = co_await Proxy(client, endpoint, name, body, keep, arrived);
+        }
+      } else if (path == "/v1/models" && req.method() == http::verb::get) {
+        counters.Request("models", 200);
+        std::string models = ModelsBody(options.served_model, started_unix, options.max_model_len);
+        again = co_await ReplyJson(client, 200, std::move(models), keep);
+      } else if (path == "/health" && req.method() == http::verb::get) {
+        size_t up = 0;
+        const int64_t now = NowMs();
+        for (auto& e : engines) up += e->Usable(now) ? 1 : 0;
+        const unsigned status = up > 0 ? 200 : 503;
+        counters.Request("health", static_cast<int>(status));
+        std::string health =
+            absl::StrCat("{\"status\":\"", up > 0 ? "ok" : "no engine", "\",\"engines_up\":", up,
+                         ",\"engines\":", engines.size(), "}");
+        again = co_await ReplyJson(client, status, std::move(health), keep);
+      } else if (path == "/metrics" && req.method() == http::verb::get) {
+        http::response<http::string_body> res{http::status::ok, 11};
+        res.set(http::field::content_type, "text/plain; version=0.0.4");
+        res.body() = Metrics();
+        again = co_await Reply(client, res, keep);
+      } else {
+        ApiError missing{404, "invalid_request_error", absl::StrCat("no route ", path), "", ""};
+        std::string other = "other";
+        again = co_await ReplyError(client, std::move(other), std::move(missing), keep);
+      }
+      if (!again) break;
+    }
+    ErrorCode ignored;
+    client.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  }
+
+  Task<> Accept() {
+    for (;;) {
+      ErrorCode ec;
+      tcp::socket s = co_await acceptor.async_accept(net::make_strand(io),
+                                                     net::redirect_error(net::use_awaitable, ec));
+      if (ec) {
+        if (ec == net::error::operation_aborted) co_return;
+        continue;
+      }
+      s.set_option(tcp::no_delay(true), ec);
+      auto exec = s.get_executor();
+      net::co_spawn(exec, Session(std::move(s)), net::detached);
+    }
+  }
+
+  // --- engine health ---------------------------------------------------
+
+  Task<bool> HealthOk(Engine& e) {
+    ErrorCode ec;
+    auto s = co_await Connect(e, ec);
+    if (!s) co_return false;
+    http::request<http::empty_body> req{http::verb::get, "/health", 11};
+    req.set(http::field::host, e.spec.endpoint);
+    s->expires_after(
+        std::chrono::milliseconds(std::max<uint64_t>(1000, options.health_interval_ms)));
+    co_await http::async_write(*s, req, net::redirect_error(net::use_awaitable, ec));
+    if (ec) co_return false;
+    beast::flat_buffer b;
+    http::response<http::string_body> res;
+    co_await http::async_read(*s, b, res, net::redirect_error(net::use_awaitable, ec));
+    co_return !ec && res.result_int() == 200;
+  }
+
+  Task<> HealthLoop(Engine* e) {
+    net::steady_timer timer(co_await net::this_coro::executor);
+    for (;;) {
+      const bool ok = co_await HealthOk(*e);
+      const bool was = e->healthy.exchange(ok);
+      if (was != ok) {
+        Log("frontend", "engine ", e->spec.id, " (", e->spec.endpoint, ") is ",
+            ok ? "healthy again" : "failing its health check");
+        std::lock_guard lk(e->mu);
+        if (ok) {
+          // Its events feed the router again (a hello and a resync).
+          e->events = std::make_unique<router::VllmEventSource>(e->spec, &router->core());
+        } else {
+          // Its heartbeats stop: the router drops its blocks at its deadline.
+          e->events.reset();
+          e->idle.clear();
+        }
+      }
+      timer.expires_after(std::chrono::milliseconds(options.health_interval_ms));
+      ErrorCode ec;
+      co_await timer.async_wait(net::redirect_error(net::use_awaitable, ec));
+      if (ec) co_return;
+    }
+  }
+};
+
+absl::Status FrontendOptions::Validate() const {
+  if (served_model.empty()) return absl::InvalidArgumentError("--served-model-name is required");
+  if (engines.empty()) return absl::InvalidArgumentError("--engines: at least one engine");
+  if (threads < 1 || threads > 256) return absl::InvalidArgumentError("--threads: 1..256");
+  if (max_attempts < 1) return absl::InvalidArgumentError("--max-attempts: at least 1");
+  std::set<std::string> ids;
+  for (const auto& e : engines) {
+    if (e.id.empty() || e.endpoint.empty()) {
+      return absl::InvalidArgumentError("--engines: every engine needs id= and endpoint=");
+    }
+    if (!ids.insert(e.id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("--engines: engine id ", e.id, " twice"));
+    }
+    if (e.endpoint.rfind(':') == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--engines: endpoint ", e.endpoint, " is not host:port"));
+    }
+    if (e.namespace_id != engines.front().namespace_id ||
+        e.block_tokens != engines.front().block_tokens) {
+      return absl::InvalidArgumentError(
+          "--engines: every engine serves the same model: one namespace and block-tokens");
+    }
+  }
+  return router.Validate();
+}
+
+Frontend::Frontend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions options,
+                                                          std::unique_ptr<TextModel> text) {
+  if (auto s = options.Validate(); !s.ok()) return s;
+  auto impl = std::make_unique<Impl>();
+  impl->options = std::move(options);
+  impl->text = std::move(text);
+  const FrontendOptions& o = impl->options;
+  auto router = router::EmbeddedRouter::Start(o.router, o.router_listen);
+  if (!router.ok()) return router.status();
+  impl->router = std::move(*router);
+  for (const auto& spec : o.engines) {
+    auto e = std::make_unique<Engine>();
+    e->spec = spec;
+    const size_t colon = spec.endpoint.rfind(':');
+    e->host = spec.endpoint.substr(0, colon);
+    e->port = spec.endpoint.substr(colon + 1);
+    if (!spec.events.empty()) {
+      e->events = std::make_unique<router::VllmEventSource>(spec, &impl->router->core());
+    }
+    impl->by_id[spec.id] = e.get();
+    impl->engines.push_back(std::move(e));
+  }
+  const size_t colon = o.listen.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("--listen ", o.listen, " is not host:port"));
+  }
+  ErrorCode ec;
+  auto addr = net::ip::make_address(o.listen.substr(0, colon), ec);
+  if (ec)
+    return absl::InvalidArgumentError(absl::StrCat("--listen ", o.listen, ": ", ec.message()));
+  tcp::endpoint ep(addr, static_cast<uint16_t>(std::stoi(o.listen.substr(colon + 1))));
+  impl->acceptor.open(ep.protocol(), ec);
+  if (!ec) impl->acceptor.set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) impl->acceptor.bind(ep, ec);
+  if (!ec) impl->acceptor.listen(net::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen, ": ", ec.message()));
+  }
+  impl->port = impl->acceptor.local_endpoint().port();
+  impl->started_unix =
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::seconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count());
+  Impl* raw = impl.get();
+  net::co_spawn(raw->io, raw->Accept(), net::detached);
+  for (auto& e : raw->engines) {
+    net::co_spawn(net::make_strand(raw->io), raw->HealthLoop(e.get()), net::detached);
+  }
+  for (int i = 0; i < o.threads; ++i) raw->threads.emplace_back([raw] { raw->io.run(); });
+  return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
+}
+
+Frontend::~Frontend() {
+  impl_->io.stop();
+  for (auto& t : impl_->threads) t.join();
+}
+
+int Frontend::port() const { return impl_->port; }
+
+std::string Frontend::router_address() const { return impl_->router->address(); }
+
+}  // namespace kvtier::frontend

@@ -1,0 +1,72 @@
+// kvtier-frontend's server: an OpenAI-compatible HTTP front door (Boost.Beast
+// over Asio, C++20 coroutines) in front of vLLM servers. Each request is
+// checked and tokenized (frontend/openai.h), routed by the router core in
+// process (router/embedded_router.h, fed by every engine's own ZeroMQ KV
+// events and by the store shards that publish to it), and proxied to the
+// chosen engine over a pooled keep-alive connection, its response passed
+// through chunk by chunk (SSE unbuffered). docs/frontend.md.
+//
+// Failover: an engine that refuses the connection, fails before answering or
+// answers 5xx is skipped for `down_ms` and the request goes to the next
+// candidate (never after the first byte reached the client); an engine
+// whose /health fails stops feeding the router (its blocks leave the index
+// at the router's heartbeat deadline) until it answers again. A client that
+// disconnects closes its upstream connection, which vLLM takes as an abort.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "frontend/openai.h"
+#include "frontend/text_model.h"
+#include "router/router_core.h"
+#include "router/vllm_source_spec.h"
+
+namespace kvtier::frontend {
+
+struct FrontendOptions {
+  std::string listen = "127.0.0.1:8000";  // host:port; port 0: any free one
+  int threads = 2;                        // Asio threads
+  std::string served_model;               // the name clients use
+  uint64_t max_model_len = 0;             // what /v1/models reports
+  RequestLimits limits;
+  uint64_t max_body_bytes = 8 << 20;
+  uint64_t client_timeout_ms = 30000;     // to read a request
+  uint64_t connect_timeout_ms = 2000;     // to reach an engine
+  uint64_t upstream_timeout_ms = 600000;  // an engine's silence, between bytes
+  uint64_t health_interval_ms = 2000;
+  uint64_t down_ms = 5000;        // an engine that failed a request is skipped this long
+  uint32_t max_attempts = 3;      // engines tried for one request
+  uint32_t idle_per_engine = 64;  // pooled keep-alive connections kept per engine
+  // The engines: their API (endpoint), their KV events; one namespace and
+  // block size for all.
+  std::vector<router::VllmSourceSpec> engines;
+  router::RouterOptions router;
+  std::string router_listen = "127.0.0.1:0";  // where store shards publish
+
+  // INVALID_ARGUMENT naming the first field out of range.
+  absl::Status Validate() const;
+};
+
+class Frontend {
+ public:
+  static absl::StatusOr<std::unique_ptr<Frontend>> Start(FrontendOptions options,
+                                                         std::unique_ptr<TextModel> text);
+  ~Frontend();  // stops serving; requests in flight are cut
+  Frontend(const Frontend&) = delete;
+  Frontend& operator=(const Frontend&) = delete;
+
+  int port() const;
+  std::string router_address() const;  // where store shards publish their events
+
+  struct Impl;
+
+ private:
+  explicit Frontend(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvtier::frontend

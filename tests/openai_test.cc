@@ -1,0 +1,140 @@
+// Prepare (frontend/openai.h): what a request becomes upstream (a
+// completion's prompt as the model's token ids, a chat as its messages),
+// what routing prices, and the error each bad request gets, in OpenAI's
+// shape and status.
+#include "frontend/openai.h"
+
+#include <gtest/gtest.h>
+
+#include "nlohmann/json.hpp"
+
+namespace kvtier::frontend {
+namespace {
+
+using nlohmann::json;
+
+const TextModel& Tiny() {
+  static std::unique_ptr<TextModel> m = [] {
+    auto t = TextModel::Open(std::string(KVTIER_SOURCE_DIR) + "/tests/models/tiny-llama");
+    EXPECT_TRUE(t.ok()) << t.status();
+    return std::move(*t);
+  }();
+  return *m;
+}
+
+PrepareResult Completion(const json& body, RequestLimits limits = {}) {
+  return Prepare(Endpoint::kCompletions, body.dump(), Tiny(), "tiny", limits);
+}
+
+TEST(OpenAi, ATextPromptTravelsAsTheModelsTokenIds) {
+  auto r = Completion({{"model", "tiny"},
+                       {"prompt", "The store tiers blocks."},
+                       {"max_tokens", 4},
+                       {"stream", true},
+                       {"priority", 2}});
+  ASSERT_FALSE(r.error) << r.error->message;
+  const auto want = *Tiny().Encode("The store tiers blocks.");
+  EXPECT_EQ(r.prepared.tokens, want);
+  EXPECT_EQ(r.prepared.path, "/v1/completions");
+  EXPECT_TRUE(r.prepared.stream);
+  json up = json::parse(r.prepared.body);
+  EXPECT_EQ(up["prompt"].get<std::vector<uint32_t>>(), want);
+  EXPECT_EQ(up["max_tokens"], 4);
+  EXPECT_EQ(up["priority"], 2) << "vLLM's own fields pass through";
+  // Without the model's BOS when the client says so; the field is spent.
+  auto plain = Completion({{"prompt", "The store tiers blocks."}, {"add_special_tokens", false}});
+  ASSERT_FALSE(plain.error);
+  EXPECT_EQ(plain.prepared.tokens.size() + 1, want.size());
+  EXPECT_FALSE(json::parse(plain.prepared.body).contains("add_special_tokens"));
+  EXPECT_EQ(json::parse(plain.prepared.body)["model"], "tiny") << "an absent model is ours";
+}
+
+TEST(OpenAi, TokenIdsAndListsOfPromptsAreTaken) {
+  auto ids = Completion({{"prompt", {1, 200, 300}}});
+  ASSERT_FALSE(ids.error);
+  EXPECT_EQ(ids.prepared.tokens, (std::vector<uint32_t>{1, 200, 300}));
+  auto batch = Completion({{"prompt", {"first prompt", "second"}}});
+  ASSERT_FALSE(batch.error);
+  json up = json::parse(batch.prepared.body);
+  ASSERT_EQ(up["prompt"].size(), 2u);
+  EXPECT_EQ(up["prompt"][1].get<std::vector<uint32_t>>(), *Tiny().Encode("second"));
+  EXPECT_EQ(batch.prepared.tokens, *Tiny().Encode("first prompt")) << "routed by the first";
+  auto lists = Completion({{"prompt", {{1, 2}, {1, 3, 4}}}});
+  ASSERT_FALSE(lists.error);
+  EXPECT_EQ(lists.prepared.prompt_tokens, 5u);
+}
+
+TEST(OpenAi, AChatTravelsAsMessagesAndIsPricedByItsTemplatesIds) {
+  json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}};
+  auto r = Prepare(Endpoint::kChat, body.dump(), Tiny(), "tiny", {});
+  ASSERT_FALSE(r.error) << r.error->message;
+  EXPECT_EQ(r.prepared.path, "/v1/chat/completions");
+  EXPECT_EQ(r.prepared.tokens,
+            *Tiny().EncodeChat(R"({"messages": [{"role": "user", "content": "hi"}]})"));
+  EXPECT_EQ(json::parse(r.prepared.body)["messages"], body["messages"]);
+}
+
+TEST(OpenAi, EachBadRequestGetsItsStatusAndSaysWhatWasWrong) {
+  struct Case {
+    Endpoint endpoint;
+    std::string body;
+    int status;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {Endpoint::kCompletions, R"({"prompt": )", 400, "not valid JSON"},
+      {Endpoint::kCompletions, R"([1, 2])", 400, "JSON object"},
+      {Endpoint::kCompletions, R"({"prompt": "x", "model": "gpt-9"})", 404, "gpt-9"},
+      {Endpoint::kCompletions, R"({"prompt": "x", "frobnicate": 1})", 400, "frobnicate"},
+      {Endpoint::kCompletions, R"({"max_tokens": 3})", 400, "prompt is required"},
+      {Endpoint::kCompletions, R"({"prompt": {"a": 1}})", 400, "prompt must be"},
+      {Endpoint::kCompletions, R"({"prompt": [1, 99999]})", 400, "[0, 4096)"},
+      {Endpoint::kCompletions, R"({"prompt": [1, -2]})", 400, "[0, 4096)"},
+      {Endpoint::kCompletions, R"({"prompt": "x", "stream": "yes"})", 400, "stream"},
+      {Endpoint::kCompletions, R"({"prompt": "x", "messages": []})", 400, "messages"},
+      {Endpoint::kChat, R"({"messages": []})", 400, "non-empty"},
+      {Endpoint::kChat, R"({"messages": [{"role": "wizard", "content": "x"}]})", 400,
+       "unknown role"},
+      {Endpoint::kChat, R"({"messages": [{"role": "user", "content": "x"}], "prompt": "x"})", 400,
+       "prompt"},
+      {Endpoint::kChat,
+       R"({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"})", 400,
+       "chat_template"},
+  };
+  for (const Case& c : cases) {
+    auto r = Prepare(c.endpoint, c.body, Tiny(), "tiny", {});
+    ASSERT_TRUE(r.error) << c.body;
+    EXPECT_EQ(r.error->status, c.status) << c.body;
+    EXPECT_NE(r.error->message.find(c.says), std::string::npos)
+        << c.body << ": " << r.error->message;
+    json err = json::parse(ErrorBody(*r.error));
+    EXPECT_EQ(err["error"]["message"], r.error->message);
+    EXPECT_TRUE(err["error"].contains("type") && err["error"].contains("param") &&
+                err["error"].contains("code"));
+  }
+}
+
+TEST(OpenAi, PromptsOverTheLimitAreRefusedAsOpenAiRefusesThem) {
+  RequestLimits small;
+  small.max_prompt_tokens = 8;
+  small.max_prompts = 2;
+  auto r = Completion({{"prompt", std::vector<uint32_t>(9, 5)}}, small);
+  ASSERT_TRUE(r.error);
+  EXPECT_EQ(r.error->status, 400);
+  EXPECT_EQ(r.error->code, "context_length_exceeded");
+  auto many = Completion({{"prompt", {"a", "b", "c"}}}, small);
+  ASSERT_TRUE(many.error);
+  EXPECT_NE(many.error->message.find("at most 2 prompts"), std::string::npos);
+  EXPECT_FALSE(Completion({{"prompt", std::vector<uint32_t>(8, 5)}}, small).error);
+}
+
+TEST(OpenAi, ModelsListsTheServedModel) {
+  json m = json::parse(ModelsBody("tiny", 1700000000, 4096));
+  EXPECT_EQ(m["object"], "list");
+  ASSERT_EQ(m["data"].size(), 1u);
+  EXPECT_EQ(m["data"][0]["id"], "tiny");
+  EXPECT_EQ(m["data"][0]["max_model_len"], 4096);
+}
+
+}  // namespace
+}  // namespace kvtier::frontend

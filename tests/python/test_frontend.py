@@ -1,0 +1,321 @@
+"""kvtier-frontend in front of two real ``vllm serve`` processes (vLLM's CPU
+build, the tiny model with its own tokenizer, prefix caching and KV events
+on), driven by the ``openai`` package: completions and chats, streamed and
+not; a conversation's second turn goes to the engine that holds its first
+(from vLLM's own KV events, seen in the explanation header and in that
+engine's prefix-cache hits); a client that disconnects mid-stream aborts
+its request in vLLM; bad input gets OpenAI's error shape and status and the
+frontend keeps serving; an engine killed mid-run: requests succeed on the
+other and the dead engine leaves the router's index.
+
+Run with the project's environment (tests/python/run_venv_pytest.sh);
+skipped, saying why, without it. Two engines take both cores for ~2 min to
+start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from conftest import BUILD
+from vllm_server import TINY_LLAMA, VllmServer, free_port
+
+pytest.importorskip("vllm", reason="vLLM's CPU build is in the project's environment")
+openai = pytest.importorskip(
+    "openai", reason="the openai package is in the environment"
+)
+transformers = pytest.importorskip(
+    "transformers", reason="in the project's environment"
+)
+
+FRONTEND_BIN = BUILD / "frontend" / "kvtier-frontend"
+NAMESPACE = "00c0ffee00c0ffee"
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+
+
+class Fleet:
+    """Two engines and the frontend in front of them."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.engines: dict[str, VllmServer] = {}
+        specs = []
+        for name in ("e0", "e1"):
+            # vLLM's publisher binds an ipc:// endpoint (it connects to a
+            # plain tcp://HOST:PORT); its replay socket binds either way.
+            events, replay = f"ipc://{tmp}/{name}-kv-events", free_port()
+            cfg = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": events,
+                "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+                "topic": "kv-events",
+            }
+            self.engines[name] = VllmServer(
+                tmp / f"{name}.log",
+                start=False,
+                extra=(
+                    "--block-size",
+                    str(BLOCK),
+                    "--enable-prefix-caching",
+                    "--kv-events-config",
+                    json.dumps(cfg),
+                ),
+            )
+            specs.append(
+                f"id={name},endpoint=127.0.0.1:{self.engines[name].port},"
+                f"events={events},replay=tcp://127.0.0.1:{replay},"
+                f"topic=kv-events,namespace={NAMESPACE},block-tokens={BLOCK}"
+            )
+        for e in self.engines.values():
+            e.start()
+        for e in self.engines.values():
+            e.wait()
+        port_file = tmp / "frontend.port"
+        self.log = tmp / "frontend.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    str(FRONTEND_BIN),
+                    "--listen=127.0.0.1:0",
+                    f"--port-file={port_file}",
+                    f"--model={TINY_LLAMA}",
+                    "--served-model-name=tiny",
+                    "--engines=" + ";".join(specs),
+                    "--max-prompt-tokens=2048",
+                    "--health-interval=500ms",
+                    "--heartbeat-deadline=2s",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 20
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "the frontend did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        self.client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key="none", max_retries=0
+        )
+
+    def engine_metric(self, name: str, metric: str) -> float:
+        """A vLLM metric's value summed over its label sets."""
+        with urllib.request.urlopen(
+            self.engines[name].url + "/metrics", timeout=10
+        ) as r:
+            text = r.read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(metric + "{") or line.startswith(metric + " ")
+        )
+
+    def stop(self) -> None:
+        """Stops the frontend and both engines, each by its pid."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for e in self.engines.values():
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    if not FRONTEND_BIN.exists():
+        pytest.fail(f"{FRONTEND_BIN} is not built (cmake --build build)")
+    f = Fleet(tmp_path_factory.mktemp("fleet"))
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def route_of(headers: Any) -> dict[str, str]:
+    """The x-kvtier-route header as a dict."""
+    raw = headers.get("x-kvtier-route", "")
+    return dict(part.strip().split("=", 1) for part in raw.split(";") if "=" in part)
+
+
+def test_completions_and_chats_streamed_or_not(fleet: Fleet) -> None:
+    c = fleet.client
+    prompt = "The store tiers blocks across RAM and NVMe."
+    raw = c.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=8
+    )
+    done = raw.parse()
+    assert route_of(raw.headers)["engine"] in fleet.engines
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    # The ids the frontend sent: the model's tokenizer's, <s> first.
+    want = transformers.AutoTokenizer.from_pretrained(str(TINY_LLAMA))(prompt)[
+        "input_ids"
+    ]
+    assert done.usage.prompt_tokens == len(want)
+    assert done.choices[0].text
+    chat = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "What is a KV cache?"}],
+        max_tokens=6,
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and chat.usage.completion_tokens == 6
+    pieces = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Stream it."}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert len(pieces) >= 6, "each token is its own chunk, passed through as it came"
+    assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 6
+    streamed = list(
+        c.completions.create(
+            model="tiny", prompt=[1, 200, 300, 400], max_tokens=5, stream=True
+        )
+    )
+    assert sum(1 for p in streamed if p.choices) >= 5
+    listed = c.models.list()
+    assert [m.id for m in listed.data] == ["tiny"]
+
+
+def test_a_conversations_second_turn_goes_to_the_engine_holding_its_first(
+    fleet: Fleet,
+) -> None:
+    c = fleet.client
+    systems = [
+        f"You are assistant number {i}. " + "Answer about caches and tiers. " * 40
+        for i in range(4)
+    ]
+    first: dict[int, str] = {}
+    for i, system in enumerate(systems):
+        raw = c.chat.completions.with_raw_response.create(
+            model="tiny",
+            max_tokens=4,
+            messages=[
+                {"role": "system", "content": system},
+                {"role": "user", "content": "First question?"},
+            ],
+        )
+        first[i] = route_of(raw.headers)["engine"]
+    assert len(set(first.values())) == 2, f"first turns all on one engine: {first}"
+    time.sleep(1.5)  # vLLM's events reach the router
+    hits_before = {
+        n: fleet.engine_metric(n, "vllm:prefix_cache_hits_total") for n in fleet.engines
+    }
+    for i, system in enumerate(systems):
+        raw = c.chat.completions.with_raw_response.create(
+            model="tiny",
+            max_tokens=4,
+            messages=[
+                {"role": "system", "content": system},
+                {"role": "user", "content": "First question?"},
+                {"role": "assistant", "content": "An answer."},
+                {"role": "user", "content": "Second question?"},
+            ],
+        )
+        route = route_of(raw.headers)
+        assert route["engine"] == first[i], (i, route, first)
+        assert int(route["gpu_blocks"]) >= 10, route  # the system prompt's blocks
+    for name in fleet.engines:
+        gained = (
+            fleet.engine_metric(name, "vllm:prefix_cache_hits_total")
+            - hits_before[name]
+        )
+        turns = sum(1 for e in first.values() if e == name)
+        assert gained >= turns * 10 * BLOCK, (name, gained)
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(fleet: Fleet) -> None:
+    req = urllib.request.Request(
+        fleet.url + "/v1/completions",
+        data=json.dumps(
+            {
+                "model": "tiny",
+                "prompt": "Tell a long story.",
+                "max_tokens": 3000,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    r = urllib.request.urlopen(req, timeout=30)
+    engine = route_of(r.headers)["engine"]
+    r.readline()  # the first event arrived: the request runs
+    assert fleet.engine_metric(engine, "vllm:num_requests_running") >= 1
+    r.close()
+    deadline = time.monotonic() + 10
+    while fleet.engine_metric(engine, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "vLLM still runs a request its client left"
+        time.sleep(0.2)
+
+
+def test_bad_input_gets_openais_errors_and_the_frontend_keeps_serving(
+    fleet: Fleet,
+) -> None:
+    c = fleet.client
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    assert nf.value.status_code == 404
+    with pytest.raises(openai.BadRequestError) as long:
+        c.completions.create(model="tiny", prompt=list(range(5, 2100)), max_tokens=1)
+    assert "at most 2048" in str(long.value)
+    with pytest.raises(openai.BadRequestError) as unknown:
+        c.completions.create(
+            model="tiny", prompt="x", max_tokens=1, extra_body={"frobnicate": True}
+        )
+    assert "frobnicate" in str(unknown.value)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(
+            model="tiny", max_tokens=1, messages=[{"role": "wizard", "content": "hi"}]
+        )
+    for body in (b'{"model": "tiny", "prompt": ', b"[1, 2]", b'{"prompt": {"a": 1}}'):
+        req = urllib.request.Request(
+            fleet.url + "/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(req, timeout=10)
+        assert bad.value.code == 400
+        err = json.loads(bad.value.read())["error"]
+        assert err["type"] == "invalid_request_error" and err["message"], err
+    assert c.completions.create(model="tiny", prompt="still here", max_tokens=2).choices
+
+
+def test_a_killed_engine_is_skipped_and_leaves_the_index(fleet: Fleet) -> None:
+    c = fleet.client
+    victim = fleet.engines["e1"]
+    assert victim.proc is not None
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    assert victim.proc is not None
+    victim.proc.wait()
+    served = []
+    for i in range(6):
+        raw = c.completions.with_raw_response.create(
+            model="tiny", prompt=f"Prompt number {i} after a crash.", max_tokens=2
+        )
+        served.append(route_of(raw.headers)["engine"])
+        assert raw.parse().choices
+    assert set(served) == {"e0"}, served
+    deadline = time.monotonic() + 10
+    while "source e1 missed its heartbeat deadline" not in fleet.log.read_text():
+        assert time.monotonic() < deadline, fleet.log.read_text()[-2000:]
+        time.sleep(0.2)
+    with urllib.request.urlopen(fleet.url + "/health", timeout=10) as r:
+        assert json.loads(r.read())["engines_up"] == 1

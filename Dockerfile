@@ -1,6 +1,8 @@
 # kvtier's container image: the same build as README's `make`, in two stages
 # on Debian 12. Binaries: kvtier-store, kvtier-router, kvtier-sim-worker,
-# kvctl, kvtier-bench. Runs as uid 10001 (the Helm chart's default).
+# kvctl, kvtier-bench, kvtier-frontend, kvtier-text. Runs as uid 10001 (the
+# Helm chart's default). The frontend's tokenizer crate is built with the Rust
+# toolchain scripts/setup.sh installs (rustup) and linked statically.
 FROM debian:bookworm AS build
 WORKDIR /src
 COPY . .
@@ -16,8 +18,9 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
  && useradd --uid 10001 --user-group --no-create-home kvtier
 COPY --from=build /src/build/cachestore/kvtier-store /src/build/router/kvtier-router \
      /src/build/worker/kvtier-sim-worker /src/build/cli/kvctl /src/build/bench/kvtier-bench \
+     /src/build/frontend/kvtier-frontend /src/build/frontend/kvtier-text \
      /usr/local/bin/
 USER 10001
-EXPOSE 7400 7401 7500 9400 9500
+EXPOSE 7400 7401 7500 8000 9400 9500
 ENTRYPOINT []
 CMD ["kvtier-store", "--help"]

@@ -63,8 +63,12 @@ struct Engine {
   std::atomic<int64_t> down_until_ms{0};
   std::atomic<uint64_t> requests{0}, failures{0};
   std::mutex mu;
-  std::vector<std::unique_ptr<beast::tcp_stream>> idle;  // guarded by mu
-  std::unique_ptr<router::VllmEventSource> events;       // guarded by mu
+  struct Idle {
+    std::unique_ptr<beast::tcp_stream> stream;
+    Clock::time_point since;
+  };
+  std::vector<Idle> idle;                           // guarded by mu; newest last
+  std::unique_ptr<router::VllmEventSource> events;  // guarded by mu
 
   bool Usable(int64_t now) const { return healthy.load() && down_until_ms.load() <= now; }
 };
@@ -178,17 +182,30 @@ struct Frontend::Impl {
     co_return s;
   }
 
+  // An idle connection older than this is dropped, not reused: uvicorn
+  // (vLLM's server) closes keep-alive connections idle for 5 s, and a
+  // request sent on one it is closing fails and must be sent again.
+  static constexpr auto kPoolIdle = std::chrono::seconds(4);
+
   std::unique_ptr<beast::tcp_stream> Pooled(Engine& e) {
     std::lock_guard lk(e.mu);
+    const auto now = Clock::now();
+    // The newest are last; everything before an expired one is older still.
+    for (size_t i = e.idle.size(); i > 0; --i) {
+      if (now - e.idle[i - 1].since > kPoolIdle) {
+        e.idle.erase(e.idle.begin(), e.idle.begin() + static_cast<long>(i));
+        break;
+      }
+    }
     if (e.idle.empty()) return nullptr;
-    auto s = std::move(e.idle.back());
+    auto s = std::move(e.idle.back().stream);
     e.idle.pop_back();
     return s;
   }
 
   void ReturnToPool(Engine& e, std::unique_ptr<beast::tcp_stream> s) {
     std::lock_guard lk(e.mu);
-    if (e.idle.size() < options.idle_per_engine) e.idle.push_back(std::move(s));
+    if (e.idle.size() < options.idle_per_engine) e.idle.push_back({std::move(s), Clock::now()});
   }
 
   // --- one try at an engine -------------------------------------------
@@ -293,10 +310,14 @@ struct Frontend::Impl {
         co_await net::async_write(client, piece, net::redirect_error(net::use_awaitable, ec));
       }
       if (rec && !ec) {
-        // The engine failed mid-response: the client's stream ends short
-        // (no last chunk), which it sees as an error, not as a whole answer.
-        Log("frontend", "engine ", e.spec.id, " failed mid-response: ", rec.message());
-        e.failures++;
+        // The client left (the watcher closed the engine's connection: an
+        // SSE client may close once it read [DONE]), or the engine failed
+        // mid-response: then the client's stream ends short (no last
+        // chunk), which it sees as an error, not as a whole answer.
+        if (!gone->load()) {
+          Log("frontend", "engine ", e.spec.id, " failed mid-response: ", rec.message());
+          e.failures++;
+        }
         *client_keep = false;
         outcome = gone->load() ? Tried::kClientGone : Tried::kDone;
         break;

@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PKGS=(
-  build-essential cmake ninja-build ccache pkg-config
+  build-essential cmake ninja-build ccache pkg-config curl ca-certificates
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libboost-dev libucx-dev ucx-utils librocksdb-dev libabsl-dev libgtest-dev libxxhash-dev libzmq3-dev cppzmq-dev libmsgpack-dev
   nlohmann-json3-dev prometheus-cpp-dev redis-server redis-tools fio python3

@@ -181,14 +181,21 @@ def test_completions_and_chats_streamed_or_not(fleet: Fleet) -> None:
             stream_options={"include_usage": True},
         )
     )
-    assert len(pieces) >= 6, "each token is its own chunk, passed through as it came"
+    # Passed through as they came, not as one buffered answer (vLLM merges
+    # tokens into one chunk when its reader lags, so not one per token).
+    assert len(pieces) >= 3, pieces
     assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 6
     streamed = list(
         c.completions.create(
-            model="tiny", prompt=[1, 200, 300, 400], max_tokens=5, stream=True
+            model="tiny",
+            prompt=[1, 200, 300, 400],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
-    assert sum(1 for p in streamed if p.choices) >= 5
+    assert sum(1 for p in streamed if p.choices) >= 2, streamed
+    assert streamed[-1].usage is not None and streamed[-1].usage.completion_tokens == 5
     listed = c.models.list()
     assert [m.id for m in listed.data] == ["tiny"]
 
@@ -257,9 +264,12 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(fleet: Fleet) -> Non
     r = urllib.request.urlopen(req, timeout=30)
     engine = route_of(r.headers)["engine"]
     r.readline()  # the first event arrived: the request runs
-    assert fleet.engine_metric(engine, "vllm:num_requests_running") >= 1
-    r.close()
     deadline = time.monotonic() + 10
+    while fleet.engine_metric(engine, "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline, "vLLM does not show the request running"
+        time.sleep(0.1)
+    r.close()
+    deadline = time.monotonic() + 20
     while fleet.engine_metric(engine, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "vLLM still runs a request its client left"
         time.sleep(0.2)

@@ -272,7 +272,10 @@ absl::StatusOr<std::vector<uint32_t>> KvConnector::AllocateForCompute(uint64_t r
     auto p = pool_->Allocate();
     // Saves waiting for the store give their pages up to compute (the oldest
     // first): an offload never holds a request back.
-    while (!p && DropOldestHeld()) p = pool_->Allocate();
+    // Pages the offloader is copying out come free once copied (it runs at
+    // a low priority, so a busy host can hold it mid-copy).
+    int waits = 0;  // bounded: a copy never waits, but nothing may spin here
+    while (!p && (DropOldestHeld() || (waits++ < 3 && WaitForGathers()))) p = pool_->Allocate();
     if (!p) {
       for (uint32_t q : out) pool_->Discard(q);
       return absl::ResourceExhaustedError(absl::StrCat(

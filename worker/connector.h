@@ -391,6 +391,9 @@ class KvConnector {
   // chain (its page unreferenced, counted in offload_dropped_full); false if
   // none is held.
   bool DropOldestHeld();
+  // When the offloader is copying held pages out (a memcpy, never a wait on
+  // the store), waits until it has let them go; false if none were.
+  bool WaitForGathers();
   // SaveFrom through a page copier, where this process maps the store's
   // arena: in runs of offload_batch blocks, reserves the blocks' slots in
   // the store (BeginPut, within reserve_budget_ms), gathers the pages straight
@@ -473,6 +476,10 @@ class KvConnector {
   std::vector<uint32_t> load_free_slots_;  // load half: [staging_blocks, 2 x staging_blocks)
   std::deque<Staged> offload_queue_;
   std::deque<Held> held_;  // pool-mode saves not yet copied out (their pages referenced)
+  // Held pages the offloader took out of held_ and is copying into staging
+  // (still referenced, no longer droppable); guarded by staging_mu_,
+  // staging_cv_ told when it falls.
+  uint64_t gathering_ = 0;
   uint64_t offloads_running_ = 0;
   // When a put last finished, or the offloader last went from idle to busy.
   std::chrono::steady_clock::time_point offload_progress_{};

@@ -137,6 +137,15 @@ void KvConnector::HoldForOffload(const BlockHash& hash, uint32_t page,
   if (over) DropOldestHeld();
 }
 
+bool KvConnector::WaitForGathers() {
+  std::unique_lock lk(staging_mu_);
+  if (gathering_ == 0) return false;
+  // Bounded: the copy waits on nothing; the bound only keeps a wedged
+  // offloader from holding a request forever.
+  staging_cv_.wait_for(lk, std::chrono::seconds(1), [&] { return gathering_ == 0 || stop_; });
+  return true;
+}
+
 bool KvConnector::DropOldestHeld() {
   std::optional<Held> dropped;
   {
@@ -172,6 +181,11 @@ std::vector<KvConnector::Staged> KvConnector::GatherHeld(std::vector<Held> held,
     pool_->Unref(held[i].page);
     out.push_back(Staged{held[i].hash, slots[i], std::move(held[i].waiter)});
   }
+  {
+    std::lock_guard lk(staging_mu_);
+    gathering_ -= held.size();
+  }
+  staging_cv_.notify_all();
   std::lock_guard sl(stats_mu_);
   stats_.offload_gather_ms += MsSince(gather_start);
   return out;
@@ -437,6 +451,7 @@ void KvConnector::OffloadLoop() {
         started = true;
       }
       offloads_running_ += batch.size() + held.size();
+      gathering_ += held.size();
       std::lock_guard sl(stats_mu_);
       stats_.staging_in_use = options_.staging_blocks - free_slots_.size();
       stats_.staging_peak = std::max(stats_.staging_peak, stats_.staging_in_use);

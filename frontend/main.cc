@@ -13,7 +13,7 @@
 
 int main(int argc, char** argv) {
   kvtier::frontend::FrontendOptions o;
-  std::string model_dir, engines, engines_file, port_file;
+  std::string model_dir, engines, engines_file, engines_dns, port_file;
   int64_t threads = 2, max_attempts = 3, max_prompts = 64, max_model_len = 0;
   uint64_t max_prompt_tokens = 131072, heartbeat_ms = 5000;
   kvtier::FlagSet flags("kvtier-frontend",
@@ -27,6 +27,10 @@ int main(int argc, char** argv) {
   flags.String("engines-file", &engines_file,
                "one engine a line: id=ID,endpoint=HOST:PORT,events=tcp://HOST:PORT,"
                "[replay=tcp://...],namespace=16 hex digits,block-tokens=N (docs/router.md)");
+  flags.String("engines-dns", &engines_dns,
+               "engines by DNS name (a headless Service), re-resolved: name=HOST:PORT,"
+               "events-port=N,[replay-port=N],namespace=16 hex digits,block-tokens=N");
+  flags.DurationMs("dns-interval", &o.dns_interval_ms, "between resolutions of --engines-dns");
   flags.HostPort("router-listen", &o.router_listen,
                  "where store shards publish their events to the router in this process");
   flags.Int("threads", &threads, 1, 256, "threads serving requests");
@@ -44,6 +48,9 @@ int main(int argc, char** argv) {
   flags.DurationMs("heartbeat-deadline", &heartbeat_ms,
                    "an engine silent this long (its health check failing) leaves the index");
   flags.String("port-file", &port_file, "write the port served to this file once listening");
+  bool check_config = false;
+  flags.Bool("check-config", &check_config,
+             "validate the flags and exit 0 (the model is not read, no port is opened)");
   kvtier::ParseFlagsOrExit(flags, argc, argv);
   o.threads = static_cast<int>(threads);
   o.max_attempts = static_cast<uint32_t>(max_attempts);
@@ -69,9 +76,24 @@ int main(int argc, char** argv) {
     return 2;
   }
   o.engines = std::move(*specs);
+  if (!engines_dns.empty()) {
+    if (auto s = kvtier::frontend::ParseEnginesDns(engines_dns, &o); !s.ok()) {
+      std::fprintf(stderr, "kvtier-frontend: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
   if (model_dir.empty()) {
     std::fprintf(stderr, "kvtier-frontend: --model is required\n");
     return 2;
+  }
+  if (check_config) {
+    if (auto s = o.Validate(); !s.ok()) {
+      std::fprintf(stderr, "kvtier-frontend: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+    std::printf("kvtier-frontend: the flags are valid (%zu engines%s)\n", o.engines.size(),
+                o.dns.endpoint.empty() ? "" : (" and DNS " + o.dns.endpoint).c_str());
+    return 0;
   }
   auto text = kvtier::frontend::TextModel::Open(model_dir);
   if (!text.ok()) {
@@ -95,7 +117,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   kvtier::Log("frontend", "serving ", o.served_model, " on port ", (*fe)->port(), " in front of ",
-              o.engines.size(), " engines; store shards publish to ", (*fe)->router_address());
+              o.engines.size(), " engines",
+              o.dns.endpoint.empty() ? "" : " and those of DNS " + o.dns.endpoint,
+              "; store shards publish to ", (*fe)->router_address());
   if (!port_file.empty()) std::ofstream(port_file) << (*fe)->port() << "\n";
   int sig = 0;
   sigwait(&set, &sig);

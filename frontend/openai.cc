@@ -1,8 +1,12 @@
 #include "frontend/openai.h"
 
+#include <algorithm>
+#include <cmath>
 #include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace kvtier::frontend {
 namespace {
@@ -276,6 +280,46 @@ std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
                 {"owned_by", "kvtier"},
                 {"max_model_len", max_model_len}};
   return json{{"object", "list"}, {"data", json::array({model})}}.dump();
+}
+
+VllmLoad ParseVllmMetrics(absl::string_view text) {
+  VllmLoad load;
+  double usage_sum = 0;
+  int usage_n = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.empty() || line.front() == '#') continue;
+    const size_t name_end = line.find_first_of("{ ");
+    if (name_end == absl::string_view::npos) continue;
+    const absl::string_view name = line.substr(0, name_end);
+    const size_t space = line.rfind(' ');
+    if (space == absl::string_view::npos || space + 1 >= line.size()) continue;
+    double value = 0;
+    if (!absl::SimpleAtod(line.substr(space + 1), &value) || !std::isfinite(value)) continue;
+    if (name == "vllm:num_requests_running") {
+      load.running += value;
+      load.seen = true;
+    } else if (name == "vllm:num_requests_waiting") {
+      load.waiting += value;
+      load.seen = true;
+    } else if (name == "vllm:kv_cache_usage_perc") {
+      usage_sum += value;
+      usage_n++;
+      load.seen = true;
+    } else if (name == "vllm:cache_config_info") {
+      constexpr absl::string_view kKey = "num_gpu_blocks=\"";
+      const size_t at = line.find(kKey);
+      if (at == absl::string_view::npos) continue;
+      const size_t from = at + kKey.size();
+      const size_t to = line.find('"', from);
+      uint64_t blocks = 0;
+      if (to != absl::string_view::npos &&
+          absl::SimpleAtoi(line.substr(from, to - from), &blocks)) {
+        load.gpu_blocks += blocks;
+      }
+    }
+  }
+  if (usage_n > 0) load.kv_usage = std::clamp(usage_sum / usage_n, 0.0, 1.0);
+  return load;
 }
 
 }  // namespace kvtier::frontend

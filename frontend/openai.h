@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "frontend/text_model.h"
 #include "nlohmann/json.hpp"
 
@@ -63,5 +64,18 @@ PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel&
 // GET /v1/models: the one model this frontend serves.
 std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
                        uint64_t max_model_len);
+
+// What a vLLM server's own /metrics (Prometheus text) says of its load:
+// each gauge summed over its label sets (one per model and engine).
+struct VllmLoad {
+  bool seen = false;        // any of the gauges below was present
+  double running = 0;       // vllm:num_requests_running
+  double waiting = 0;       // vllm:num_requests_waiting
+  double kv_usage = -1;     // vllm:kv_cache_usage_perc, 0..1 (-1: absent)
+  uint64_t gpu_blocks = 0;  // num_gpu_blocks of vllm:cache_config_info (0: absent)
+};
+// Reads the lines it knows and skips every other; text that is not
+// Prometheus' gives seen == false, never an error.
+VllmLoad ParseVllmMetrics(absl::string_view text);
 
 }  // namespace kvtier::frontend

@@ -9,6 +9,7 @@
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <chrono>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -16,8 +17,11 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "common/limits.h"
 #include "common/log.h"
 #include "router/embedded_router.h"
 #include "router/vllm_events.h"
@@ -58,8 +62,14 @@ const char* ReasonName(router::Reason r) {
 struct Engine {
   router::VllmSourceSpec spec;
   std::string host, port;
+  bool from_dns = false;
   std::atomic<int64_t> in_flight{0}, in_flight_tokens{0};
+  // Prompt tokens and requests sent there and not answered yet (for a
+  // stream: no first byte yet), the load a prefill queue puts on it.
+  std::atomic<int64_t> waiting_tokens{0}, waiting_requests{0};
   std::atomic<bool> healthy{true};
+  int health_failures = 0;           // in a row; only its health loop touches it
+  std::atomic<bool> removed{false};  // left the fleet (DNS): its loops end
   std::atomic<int64_t> down_until_ms{0};
   std::atomic<uint64_t> requests{0}, failures{0};
   std::mutex mu;
@@ -69,6 +79,10 @@ struct Engine {
   };
   std::vector<Idle> idle;                           // guarded by mu; newest last
   std::unique_ptr<router::VllmEventSource> events;  // guarded by mu
+  VllmLoad vllm;                                    // guarded by mu: its /metrics, last scraped
+  // Requests vLLM said wait there beyond this frontend's own, when scraped:
+  // other frontends' (guarded by mu).
+  double foreign_waiting = 0;
 
   bool Usable(int64_t now) const { return healthy.load() && down_until_ms.load() <= now; }
 };
@@ -80,6 +94,18 @@ struct Counters {
   std::map<std::pair<std::string, std::string>, uint64_t> routes;  // (engine, reason)
   std::atomic<uint64_t> failovers{0}, client_disconnects{0}, no_engine{0};
   std::atomic<uint64_t> added_us_sum{0}, added_count{0};
+  // The added latency (request read to engine chosen) by bucket, in µs.
+  static constexpr uint64_t kAddedBoundsUs[] = {25,   50,   100,   250,   500,   1000,
+                                                2500, 5000, 10000, 25000, 100000};
+  std::atomic<uint64_t> added_buckets[std::size(kAddedBoundsUs) + 1] = {};
+
+  void Added(uint64_t us) {
+    added_us_sum += us;
+    added_count++;
+    size_t i = 0;
+    while (i < std::size(kAddedBoundsUs) && us > kAddedBoundsUs[i]) ++i;
+    added_buckets[i]++;
+  }
 
   void Request(const std::string& endpoint, int status) {
     std::lock_guard lk(mu);
@@ -96,12 +122,20 @@ enum class Tried { kDone, kRetry, kClientGone };
 
 }  // namespace
 
+// The engines serving now: a snapshot, replaced whole when one joins or
+// leaves; a request holds the engines it uses.
+struct Fleet {
+  std::vector<std::shared_ptr<Engine>> engines;
+};
+
 struct Frontend::Impl {
   FrontendOptions options;
   std::unique_ptr<TextModel> text;
   std::unique_ptr<router::EmbeddedRouter> router;
-  std::vector<std::unique_ptr<Engine>> engines;
-  std::map<std::string, Engine*> by_id;
+  uint64_t namespace_id = 0;
+  std::mutex fleet_mu;
+  std::shared_ptr<const Fleet> fleet = std::make_shared<Fleet>();  // guarded by fleet_mu
+  std::atomic<uint64_t> prompt_tokens_seen{0}, prompts_seen{0};
   Counters counters;
   net::io_context io;
   tcp::acceptor acceptor{io};
@@ -111,27 +145,39 @@ struct Frontend::Impl {
 
   // --- choosing an engine ---------------------------------------------
 
+  std::shared_ptr<const Fleet> Snapshot() {
+    std::lock_guard lk(fleet_mu);
+    return fleet;
+  }
+
   struct Choice {
-    Engine* engine = nullptr;
+    std::shared_ptr<Engine> engine;
     std::string explain;
   };
 
   Choice Choose(const Prepared& p, const std::set<Engine*>& tried) {
     const int64_t now = NowMs();
+    const std::shared_ptr<const Fleet> f = Snapshot();
     Choice c;
     router::RouteQuery q;
-    q.namespace_id = options.engines.front().namespace_id;
+    q.namespace_id = namespace_id;
     q.prompt = router::RouteQuery::Prompt::kTokens;
     q.tokens = p.tokens;
-    q.max_candidates = static_cast<uint32_t>(engines.size());
+    q.max_candidates = static_cast<uint32_t>(std::max<size_t>(1, f->engines.size()));
     auto routed = router->Route(q);
+    auto find = [&](const std::string& id) -> std::shared_ptr<Engine> {
+      for (const auto& e : f->engines) {
+        if (e->spec.id == id) return e;
+      }
+      return nullptr;
+    };
     if (routed.ok()) {
       for (const router::RouteCandidate& cand : routed->candidates) {
-        auto it = by_id.find(cand.worker_id);
-        if (it == by_id.end() || tried.count(it->second) || !it->second->Usable(now)) continue;
+        std::shared_ptr<Engine> e = find(cand.worker_id);
+        if (e == nullptr || tried.count(e.get()) || !e->Usable(now)) continue;
         const bool first = cand.worker_id == routed->worker_id;
         const std::string reason = first ? ReasonName(routed->reason) : "failover";
-        c.engine = it->second;
+        c.engine = std::move(e);
         c.explain =
             absl::StrCat("engine=", cand.worker_id, "; gpu_blocks=", cand.gpu_blocks,
                          "; store_blocks=", cand.store_blocks, "; load_tokens=", cand.load_tokens,
@@ -142,14 +188,28 @@ struct Frontend::Impl {
     }
     // No route (no engine has said hello yet, or every candidate is down or
     // tried): the usable engine with the fewest requests in flight.
-    for (auto& e : engines) {
+    for (const auto& e : f->engines) {
       if (tried.count(e.get()) || !e->Usable(now)) continue;
       if (c.engine == nullptr || e->in_flight.load() < c.engine->in_flight.load()) {
-        c.engine = e.get();
+        c.engine = e;
+      }
+    }
+    // None usable: an engine whose health check fails (slow, or gone) but
+    // which failed no request lately is still worth a try before a 503.
+    bool unhealthy = false;
+    if (c.engine == nullptr) {
+      for (const auto& e : f->engines) {
+        if (tried.count(e.get()) || e->down_until_ms.load() > now) continue;
+        if (c.engine == nullptr || e->in_flight.load() < c.engine->in_flight.load()) {
+          c.engine = e;
+          unhealthy = true;
+        }
       }
     }
     if (c.engine != nullptr) {
-      const std::string why = routed.ok() ? "least_loaded_fallback" : "no_route";
+      const std::string why = unhealthy     ? "unhealthy_fallback"
+                              : routed.ok() ? "least_loaded_fallback"
+                                            : "no_route";
       c.explain =
           absl::StrCat("engine=", c.engine->spec.id, "; gpu_blocks=0; store_blocks=0",
                        "; in_flight=", c.engine->in_flight.load(), "; reason=", why,
@@ -157,6 +217,135 @@ struct Frontend::Impl {
       counters.Route(c.engine->spec.id, why);
     }
     return c;
+  }
+
+  // Tells the router what this frontend knows of an engine's load: the
+  // prompt tokens it sent there and has no answer to yet, and (for other
+  // frontends' requests) what vLLM says waits beyond those, priced at the
+  // mean prompt seen here; vLLM's running requests; its free KV pages.
+  void PushLoad(Engine& e) {
+    router::SourceLoad load;
+    const int64_t in_flight = std::max<int64_t>(0, e.in_flight.load());
+    const uint64_t prompts = prompts_seen.load();
+    const double mean_prompt =
+        prompts > 0 ? static_cast<double>(prompt_tokens_seen.load()) / prompts : 0;
+    std::lock_guard lk(e.mu);
+    if (!e.events) return;
+    load.queued_prefill_tokens =
+        static_cast<uint64_t>(std::max<int64_t>(0, e.waiting_tokens.load())) +
+        static_cast<uint64_t>(e.foreign_waiting * mean_prompt);
+    load.running_requests =
+        static_cast<uint32_t>(std::max<double>(e.vllm.running, static_cast<double>(in_flight)));
+    if (e.vllm.kv_usage >= 0 && e.vllm.gpu_blocks > 0) {
+      load.free_gpu_pages =
+          static_cast<uint64_t>((1.0 - e.vllm.kv_usage) * static_cast<double>(e.vllm.gpu_blocks));
+    }
+    e.events->SetLoad(load);
+  }
+
+  // --- the fleet ----------------------------------------------------------
+
+  void AddEngine(const router::VllmSourceSpec& spec, bool from_dns) {
+    auto e = std::make_shared<Engine>();
+    e->spec = spec;
+    e->from_dns = from_dns;
+    const size_t colon = spec.endpoint.rfind(':');
+    e->host = spec.endpoint.substr(0, colon);
+    e->port = spec.endpoint.substr(colon + 1);
+    if (!spec.events.empty()) {
+      e->events = std::make_unique<router::VllmEventSource>(spec, &router->core());
+    }
+    {
+      std::lock_guard lk(fleet_mu);
+      auto next = std::make_shared<Fleet>(*fleet);
+      next->engines.push_back(e);
+      fleet = std::move(next);
+    }
+    if (from_dns) {
+      Log("frontend", "engine ", spec.id, " joined the fleet (DNS ", options.dns.endpoint, ")");
+    }
+    net::co_spawn(net::make_strand(io), HealthLoop(e), net::detached);
+  }
+
+  // The engine leaves routing and the index now; requests it serves finish.
+  void RemoveEngine(const std::shared_ptr<Engine>& e, const std::string& why) {
+    {
+      std::lock_guard lk(fleet_mu);
+      auto next = std::make_shared<Fleet>();
+      for (const auto& other : fleet->engines) {
+        if (other != e) next->engines.push_back(other);
+      }
+      fleet = std::move(next);
+    }
+    std::unique_ptr<router::VllmEventSource> events;
+    {
+      std::lock_guard lk(e->mu);
+      e->removed = true;
+      events = std::move(e->events);
+      e->idle.clear();
+    }
+    events.reset();  // its thread ends: no event or heartbeat after this
+    const bool indexed = router->core().RemoveSource(e->spec.id);
+    Log("frontend", "engine ", e->spec.id, " left the fleet (", why, ")",
+        indexed ? "; its blocks left the index" : "");
+  }
+
+  // One resolution of the DNS name: engines join and leave to match it.
+  void SyncDns(const std::set<std::string>& addresses, const std::string& port) {
+    const std::shared_ptr<const Fleet> f = Snapshot();
+    std::set<std::string> have;
+    for (const auto& e : f->engines) {
+      if (!e->from_dns) {
+        have.insert(e->spec.id);
+      } else if (addresses.count(e->host) == 0) {
+        RemoveEngine(e, absl::StrCat("gone from DNS ", options.dns.endpoint));
+      } else {
+        have.insert(e->spec.id);
+      }
+    }
+    for (const std::string& a : addresses) {
+      router::VllmSourceSpec spec = options.dns;
+      spec.id = absl::StrCat(a, ":", port);
+      spec.endpoint = spec.id;
+      if (have.count(spec.id)) continue;
+      spec.events = options.dns_events_port == 0
+                        ? ""
+                        : absl::StrCat("tcp://", a, ":", options.dns_events_port);
+      spec.replay = options.dns_replay_port == 0
+                        ? ""
+                        : absl::StrCat("tcp://", a, ":", options.dns_replay_port);
+      AddEngine(spec, true);
+    }
+  }
+
+  Task<> DnsLoop() {
+    auto exec = co_await net::this_coro::executor;
+    net::steady_timer timer(exec);
+    tcp::resolver resolver(exec);
+    const size_t colon = options.dns.endpoint.rfind(':');
+    const std::string host = options.dns.endpoint.substr(0, colon);
+    const std::string port = options.dns.endpoint.substr(colon + 1);
+    bool failing = false;
+    for (;;) {
+      ErrorCode ec;
+      auto results = co_await resolver.async_resolve(tcp::v4(), host, port,
+                                                     net::redirect_error(net::use_awaitable, ec));
+      if (ec) {
+        if (!failing) {
+          Log("frontend", "cannot resolve ", host, " (", ec.message(),
+              "); the fleet stays as it is until it resolves");
+        }
+        failing = true;
+      } else {
+        failing = false;
+        std::set<std::string> addresses;
+        for (const auto& r : results) addresses.insert(r.endpoint().address().to_string());
+        SyncDns(addresses, port);
+      }
+      timer.expires_after(std::chrono::milliseconds(options.dns_interval_ms));
+      co_await timer.async_wait(net::redirect_error(net::use_awaitable, ec));
+      if (ec) co_return;
+    }
   }
 
   void MarkDown(Engine& e, const std::string& why) {
@@ -227,8 +416,18 @@ struct Frontend::Impl {
     }
   }
 
+  // The engine answered (or failed) the request: its prompt no longer waits.
+  void Answered(Engine& e, const Prepared& p, bool* answered) {
+    if (*answered) return;
+    *answered = true;
+    e.waiting_tokens -= static_cast<int64_t>(p.prompt_tokens);
+    e.waiting_requests--;
+    PushLoad(e);
+  }
+
   Task<Tried> Forward(Engine& e, const Prepared& p, const std::string& explain,
-                      beast::tcp_stream& client, bool keep_alive, bool* client_keep) {
+                      beast::tcp_stream& client, bool keep_alive, bool* client_keep,
+                      bool* answered) {
     ErrorCode ec;
     std::shared_ptr<beast::tcp_stream> up;
     http::request<http::string_body> req{http::verb::post, p.path, 11};
@@ -274,6 +473,7 @@ struct Frontend::Impl {
       co_return Tried::kRetry;
     }
     if (ec) co_return Tried::kRetry;
+    Answered(e, p, answered);
     const unsigned status = parser->get().result_int();
     if (status >= 500) {
       MarkDown(e, absl::StrCat("answered ", status));
@@ -306,6 +506,9 @@ struct Frontend::Impl {
       if (rec == http::error::need_buffer) rec = {};
       const size_t n = sizeof(chunk) - parser->get().body().size;
       if (n > 0) {
+        // A client that stops reading is cut after the client timeout,
+        // freeing the engine's connection.
+        client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
         auto piece = http::make_chunk(net::buffer(chunk, n));
         co_await net::async_write(client, piece, net::redirect_error(net::use_awaitable, ec));
       }
@@ -337,6 +540,7 @@ struct Frontend::Impl {
     }
     auto last = http::make_chunk_last();
     co_await net::async_write(client, last, net::redirect_error(net::use_awaitable, ec));
+    client.expires_never();
     if (ec) *client_keep = false;
     if (parser->get().keep_alive()) {
       up->expires_never();
@@ -385,27 +589,35 @@ struct Frontend::Impl {
       co_return again;
     }
     const Prepared& p = prep.prepared;
+    prompt_tokens_seen += p.prompt_tokens;
+    prompts_seen++;
     std::set<Engine*> tried;
     bool client_keep = keep_alive;
     for (uint32_t attempt = 0; attempt < options.max_attempts; ++attempt) {
       Choice c = Choose(p, tried);
       if (c.engine == nullptr) break;
-      tried.insert(c.engine);
+      tried.insert(c.engine.get());
       if (attempt > 0) counters.failovers++;
       if (attempt == 0) {
         const auto us =
             std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - arrived).count();
-        counters.added_us_sum += static_cast<uint64_t>(us);
-        counters.added_count++;
+        counters.Added(static_cast<uint64_t>(us));
       }
-      Engine& e = *c.engine;
+      const std::shared_ptr<Engine> held = c.engine;  // lives while it serves
+      Engine& e = *held;
       e.requests++;
       e.in_flight++;
       e.in_flight_tokens += static_cast<int64_t>(p.prompt_tokens);
+      e.waiting_tokens += static_cast<int64_t>(p.prompt_tokens);
+      e.waiting_requests++;
+      PushLoad(e);
       const std::string explain = absl::StrCat(c.explain, "; attempt=", attempt + 1);
-      Tried t = co_await Forward(e, p, explain, client, keep_alive, &client_keep);
+      bool answered = false;
+      Tried t = co_await Forward(e, p, explain, client, keep_alive, &client_keep, &answered);
       e.in_flight--;
       e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
+      Answered(e, p, &answered);
+      PushLoad(e);
       if (t == Tried::kDone) {
         counters.Request(name, 200);
         co_return client_keep;
@@ -446,10 +658,23 @@ struct Frontend::Impl {
                     "kvtier_frontend_client_disconnects_total ", counters.client_disconnects.load(),
                     "\n", "# TYPE kvtier_frontend_no_engine_total counter\n",
                     "kvtier_frontend_no_engine_total ", counters.no_engine.load(), "\n",
-                    "# TYPE kvtier_frontend_added_seconds summary\n",
-                    "kvtier_frontend_added_seconds_sum ",
+                    "# TYPE kvtier_frontend_added_seconds histogram\n");
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i <= std::size(Counters::kAddedBoundsUs); ++i) {
+      cumulative += counters.added_buckets[i].load();
+      const std::string le = i < std::size(Counters::kAddedBoundsUs)
+                                 ? absl::StrCat(Counters::kAddedBoundsUs[i] / 1e6)
+                                 : std::string("+Inf");
+      absl::StrAppend(&out, "kvtier_frontend_added_seconds_bucket{le=\"", le, "\"} ", cumulative,
+                      "\n");
+    }
+    absl::StrAppend(&out, "kvtier_frontend_added_seconds_sum ",
                     static_cast<double>(counters.added_us_sum.load()) / 1e6, "\n",
                     "kvtier_frontend_added_seconds_count ", counters.added_count.load(), "\n");
+    const std::shared_ptr<const Fleet> f = Snapshot();
+    const auto& engines = f->engines;
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_engines gauge\n", "kvtier_frontend_engines ",
+                    engines.size(), "\n");
     absl::StrAppend(&out, "# TYPE kvtier_frontend_engine_up gauge\n");
     const int64_t now = NowMs();
     for (auto& e : engines) {
@@ -471,6 +696,20 @@ struct Frontend::Impl {
         absl::StrAppend(&out, "kvtier_frontend_vllm_events_total{engine=\"", e->spec.id,
                         "\",counter=\"", name, "\"} ", v, "\n");
       });
+    }
+    // What each engine's own /metrics said at the last health check.
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_engine_load gauge\n");
+    for (auto& e : engines) {
+      std::lock_guard lk(e->mu);
+      if (!e->vllm.seen) continue;
+      absl::StrAppend(&out, "kvtier_frontend_engine_load{engine=\"", e->spec.id,
+                      "\",gauge=\"running\"} ", e->vllm.running, "\n",
+                      "kvtier_frontend_engine_load{engine=\"", e->spec.id, "\",gauge=\"waiting\"} ",
+                      e->vllm.waiting, "\n");
+      if (e->vllm.kv_usage >= 0) {
+        absl::StrAppend(&out, "kvtier_frontend_engine_load{engine=\"", e->spec.id,
+                        "\",gauge=\"kv_usage\"} ", e->vllm.kv_usage, "\n");
+      }
     }
     absl::StrAppend(&out, "# TYPE kvtier_frontend_engine_failures_total counter\n");
     for (auto& e : engines) {
@@ -523,6 +762,8 @@ struct Frontend::Impl {
       } else if (path == "/health" && req.method() == http::verb::get) {
         size_t up = 0;
         const int64_t now = NowMs();
+        const std::shared_ptr<const Fleet> f = Snapshot();
+        const auto& engines = f->engines;
         for (auto& e : engines) up += e->Usable(now) ? 1 : 0;
         const unsigned status = up > 0 ? 200 : 503;
         counters.Request("health", static_cast<int>(status));
@@ -563,34 +804,61 @@ struct Frontend::Impl {
 
   // --- engine health ---------------------------------------------------
 
-  Task<bool> HealthOk(Engine& e) {
+  static constexpr int kHealthFailures = 2;
+
+  // GET `path` on a connection of its own: the body of a 200, or nothing.
+  Task<std::optional<std::string>> Get(Engine& e, std::string path) {
     ErrorCode ec;
     auto s = co_await Connect(e, ec);
-    if (!s) co_return false;
-    http::request<http::empty_body> req{http::verb::get, "/health", 11};
+    if (!s) co_return std::nullopt;
+    http::request<http::empty_body> req{http::verb::get, path, 11};
     req.set(http::field::host, e.spec.endpoint);
     s->expires_after(
-        std::chrono::milliseconds(std::max<uint64_t>(1000, options.health_interval_ms)));
+        std::chrono::milliseconds(std::max<uint64_t>(2000, options.health_interval_ms)));
     co_await http::async_write(*s, req, net::redirect_error(net::use_awaitable, ec));
-    if (ec) co_return false;
+    if (ec) co_return std::nullopt;
     beast::flat_buffer b;
-    http::response<http::string_body> res;
-    co_await http::async_read(*s, b, res, net::redirect_error(net::use_awaitable, ec));
-    co_return !ec && res.result_int() == 200;
+    http::response_parser<http::string_body> parser;
+    parser.body_limit(16 << 20);
+    co_await http::async_read(*s, b, parser, net::redirect_error(net::use_awaitable, ec));
+    if (ec || parser.get().result_int() != 200) co_return std::nullopt;
+    co_return std::move(parser.get().body());
   }
 
-  Task<> HealthLoop(Engine* e) {
+  Task<> HealthLoop(std::shared_ptr<Engine> e) {
     net::steady_timer timer(co_await net::this_coro::executor);
-    for (;;) {
-      const bool ok = co_await HealthOk(*e);
+    while (!e->removed) {
+      std::string health = "/health";
+      const bool answered = (co_await Get(*e, health)).has_value();
+      // One slow answer (an engine busy with a long prefill) is not a
+      // failure: two in a row are. A refused request marks it down anyway.
+      e->health_failures = answered ? 0 : e->health_failures + 1;
+      const bool ok = answered || e->health_failures < kHealthFailures;
+      if (answered) {
+        std::string metrics = "/metrics";
+        std::optional<std::string> body = co_await Get(*e, metrics);
+        VllmLoad load = body ? ParseVllmMetrics(*body) : VllmLoad{};
+        // Every request of ours vLLM counts as waiting is one we have no
+        // answer to yet: what it counts beyond those is other frontends'.
+        const double ours = static_cast<double>(std::max<int64_t>(0, e->waiting_requests.load()));
+        {
+          std::lock_guard lk(e->mu);
+          e->vllm = load;
+          e->foreign_waiting = std::max(0.0, load.waiting - ours);
+        }
+        PushLoad(*e);
+      }
       const bool was = e->healthy.exchange(ok);
       if (was != ok) {
         Log("frontend", "engine ", e->spec.id, " (", e->spec.endpoint, ") is ",
             ok ? "healthy again" : "failing its health check");
         std::lock_guard lk(e->mu);
+        if (e->removed) co_return;
         if (ok) {
           // Its events feed the router again (a hello and a resync).
-          e->events = std::make_unique<router::VllmEventSource>(e->spec, &router->core());
+          if (!e->spec.events.empty()) {
+            e->events = std::make_unique<router::VllmEventSource>(e->spec, &router->core());
+          }
         } else {
           // Its heartbeats stop: the router drops its blocks at its deadline.
           e->events.reset();
@@ -605,9 +873,77 @@ struct Frontend::Impl {
   }
 };
 
+absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options) {
+  auto bad = [](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("--engines-dns: ", why));
+  };
+  router::VllmSourceSpec spec;
+  uint32_t events = 0, replay = 0;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    const size_t eq = part.find('=');
+    if (eq == absl::string_view::npos) return bad(absl::StrCat("\"", part, "\" is not key=value"));
+    const std::string key(absl::StripAsciiWhitespace(part.substr(0, eq)));
+    const std::string value(absl::StripAsciiWhitespace(part.substr(eq + 1)));
+    auto port = [&](uint32_t* dst) {
+      return absl::SimpleAtoi(value, dst) && *dst >= 1 && *dst <= 65535;
+    };
+    if (key == "name") {
+      spec.endpoint = value;
+    } else if (key == "events-port") {
+      if (!port(&events)) return bad(absl::StrCat("events-port \"", value, "\" is not a port"));
+    } else if (key == "replay-port") {
+      if (!port(&replay)) return bad(absl::StrCat("replay-port \"", value, "\" is not a port"));
+    } else if (key == "namespace") {
+      if (value.size() != 16 || !absl::SimpleHexAtoi(value, &spec.namespace_id) ||
+          spec.namespace_id == 0) {
+        return bad(absl::StrCat("namespace \"", value, "\" must be 16 hex digits, not all 0"));
+      }
+    } else if (key == "block-tokens") {
+      if (!absl::SimpleAtoi(value, &spec.block_tokens) ||
+          spec.block_tokens < limits::kMinBlockTokens ||
+          spec.block_tokens > limits::kMaxBlockTokens) {
+        return bad(absl::StrCat("block-tokens \"", value, "\" must be ", limits::kMinBlockTokens,
+                                "..", limits::kMaxBlockTokens));
+      }
+    } else {
+      return bad(absl::StrCat("unknown key \"", key,
+                              "\" (name, events-port, replay-port, namespace, block-tokens)"));
+    }
+  }
+  const size_t colon = spec.endpoint.rfind(':');
+  if (spec.endpoint.empty() || colon == std::string::npos || colon == 0 ||
+      colon + 1 == spec.endpoint.size()) {
+    return bad("name=HOST:PORT is missing");
+  }
+  if (events == 0) return bad("events-port is missing (vLLM's --kv-events-config port)");
+  if (spec.namespace_id == 0) return bad("namespace is missing");
+  if (spec.block_tokens == 0) return bad("block-tokens is missing");
+  options->dns = std::move(spec);
+  options->dns_events_port = events;
+  options->dns_replay_port = replay;
+  return absl::OkStatus();
+}
+
 absl::Status FrontendOptions::Validate() const {
   if (served_model.empty()) return absl::InvalidArgumentError("--served-model-name is required");
-  if (engines.empty()) return absl::InvalidArgumentError("--engines: at least one engine");
+  if (engines.empty() && dns.endpoint.empty()) {
+    return absl::InvalidArgumentError("--engines or --engines-dns: at least one engine");
+  }
+  if (!dns.endpoint.empty()) {
+    const size_t colon = dns.endpoint.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == dns.endpoint.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--engines-dns ", dns.endpoint, " is not host:port"));
+    }
+    if (dns.block_tokens == 0) {
+      return absl::InvalidArgumentError("--engines-dns needs --block-tokens (vLLM's --block-size)");
+    }
+    if (dns_events_port > 65535 || dns_replay_port > 65535) {
+      return absl::InvalidArgumentError("--engines-events-port/--engines-replay-port: 0..65535");
+    }
+    if (dns_interval_ms < 100) return absl::InvalidArgumentError("--dns-interval: at least 100 ms");
+  }
+  const router::VllmSourceSpec& first = engines.empty() ? dns : engines.front();
   if (threads < 1 || threads > 256) return absl::InvalidArgumentError("--threads: 1..256");
   if (max_attempts < 1) return absl::InvalidArgumentError("--max-attempts: at least 1");
   std::set<std::string> ids;
@@ -622,8 +958,7 @@ absl::Status FrontendOptions::Validate() const {
       return absl::InvalidArgumentError(
           absl::StrCat("--engines: endpoint ", e.endpoint, " is not host:port"));
     }
-    if (e.namespace_id != engines.front().namespace_id ||
-        e.block_tokens != engines.front().block_tokens) {
+    if (e.namespace_id != first.namespace_id || e.block_tokens != first.block_tokens) {
       return absl::InvalidArgumentError(
           "--engines: every engine serves the same model: one namespace and block-tokens");
     }
@@ -643,18 +978,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   auto router = router::EmbeddedRouter::Start(o.router, o.router_listen);
   if (!router.ok()) return router.status();
   impl->router = std::move(*router);
-  for (const auto& spec : o.engines) {
-    auto e = std::make_unique<Engine>();
-    e->spec = spec;
-    const size_t colon = spec.endpoint.rfind(':');
-    e->host = spec.endpoint.substr(0, colon);
-    e->port = spec.endpoint.substr(colon + 1);
-    if (!spec.events.empty()) {
-      e->events = std::make_unique<router::VllmEventSource>(spec, &impl->router->core());
-    }
-    impl->by_id[spec.id] = e.get();
-    impl->engines.push_back(std::move(e));
-  }
+  impl->namespace_id = o.engines.empty() ? o.dns.namespace_id : o.engines.front().namespace_id;
   const size_t colon = o.listen.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("--listen ", o.listen, " is not host:port"));
@@ -678,9 +1002,9 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
                                 .count());
   Impl* raw = impl.get();
   net::co_spawn(raw->io, raw->Accept(), net::detached);
-  for (auto& e : raw->engines) {
-    net::co_spawn(net::make_strand(raw->io), raw->HealthLoop(e.get()), net::detached);
-  }
+  for (const auto& spec : o.engines) raw->AddEngine(spec, false);
+  if (!o.dns.endpoint.empty())
+    net::co_spawn(net::make_strand(raw->io), raw->DnsLoop(), net::detached);
   for (int i = 0; i < o.threads; ++i) raw->threads.emplace_back([raw] { raw->io.run(); });
   return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
 }

@@ -12,6 +12,11 @@
 // whose /health fails stops feeding the router (its blocks leave the index
 // at the router's heartbeat deadline) until it answers again. A client that
 // disconnects closes its upstream connection, which vLLM takes as an abort.
+//
+// Load: the router sees what this frontend sent each engine (the prompt
+// tokens of requests not yet answered, requests in flight) and what the
+// engine's own /metrics says (running, waiting, KV cache use), scraped with
+// each health check.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "frontend/openai.h"
 #include "frontend/text_model.h"
 #include "router/router_core.h"
@@ -44,12 +50,28 @@ struct FrontendOptions {
   // The engines: their API (endpoint), their KV events; one namespace and
   // block size for all.
   std::vector<router::VllmSourceSpec> engines;
+  // Engines by DNS name as well (a Kubernetes headless Service): every IPv4
+  // address `dns.endpoint`'s host resolves to is an engine at that address
+  // and port, its events at tcp://ADDRESS:dns_events_port (and its replay
+  // socket at dns_replay_port, 0: none), with dns's namespace and block
+  // size. The name is resolved again every dns_interval_ms: an address
+  // that appears joins the fleet, one that is gone leaves it and the
+  // index at once; a failed resolution keeps the fleet as it was.
+  router::VllmSourceSpec dns;  // endpoint "" : none
+  uint32_t dns_events_port = 0;
+  uint32_t dns_replay_port = 0;
+  uint64_t dns_interval_ms = 5000;
   router::RouterOptions router;
   std::string router_listen = "127.0.0.1:0";  // where store shards publish
 
   // INVALID_ARGUMENT naming the first field out of range.
   absl::Status Validate() const;
 };
+
+// --engines-dns: "name=HOST:PORT,events-port=N[,replay-port=N],
+// namespace=16 hex digits,block-tokens=N" into options->dns and its ports.
+// INVALID_ARGUMENT naming the key that is wrong or missing.
+absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options);
 
 class Frontend {
  public:

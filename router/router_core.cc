@@ -322,6 +322,13 @@ void RouterCore::RemoveSourceLocked(const std::string& id) {
   sources_.Remove(id);
 }
 
+bool RouterCore::RemoveSource(const std::string& source_id) {
+  std::unique_lock lk(mu_);
+  if (sources_.Find(source_id) == nullptr) return false;
+  RemoveSourceLocked(source_id);
+  return true;
+}
+
 size_t RouterCore::ExpireSources(Clock::time_point now) {
   std::unique_lock lk(mu_);
   const auto dead = sources_.Silent(now, std::chrono::milliseconds(options_.heartbeat_deadline_ms));

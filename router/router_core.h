@@ -129,6 +129,9 @@ class RouterCore {
 
   // Drops sources silent past the deadline; returns how many.
   size_t ExpireSources(Clock::time_point now);
+  // Drops one source now, with every block it indexed (an engine that left
+  // the fleet); false when it was not registered.
+  bool RemoveSource(const std::string& source_id);
 
   std::vector<SourceInfo> Sources() const;  // by source id
   RouterStats Stats() const;

@@ -41,8 +41,9 @@ struct VllmEventSource::Impl {
   VllmSourceStats stats;
   VllmChainMap chain;
   uint64_t router_seq = 0;
-  std::optional<uint64_t> last;  // vLLM's last applied sequence number
-  bool registered = false;       // the router took the last hello
+  std::optional<uint64_t> last;         // vLLM's last applied sequence number
+  std::atomic<bool> registered{false};  // the router took the last hello
+  SourceLoad load;                      // guarded by mu: SetLoad's last
 
   Impl(VllmSourceSpec s, RouterCore* c)
       : spec(std::move(s)), core(c), chain(spec.namespace_id, spec.block_tokens) {}
@@ -246,7 +247,12 @@ struct VllmEventSource::Impl {
     auto next_beat = std::chrono::steady_clock::now();
     while (!stop) {
       if (std::chrono::steady_clock::now() >= next_beat) {
-        Deliver(SourceLoad{});
+        SourceLoad beat;
+        {
+          std::lock_guard lk(mu);
+          beat = load;
+        }
+        Deliver(beat);
         next_beat = std::chrono::steady_clock::now() + std::chrono::seconds(1);
       }
       zmq::pollitem_t item{sub.handle(), 0, ZMQ_POLLIN, 0};
@@ -315,6 +321,17 @@ VllmEventSource::VllmEventSource(VllmSourceSpec spec, RouterCore* core)
 VllmEventSource::~VllmEventSource() {
   impl_->stop = true;
   thread_.join();
+}
+
+void VllmEventSource::SetLoad(const SourceLoad& load) {
+  {
+    std::lock_guard lk(impl_->mu);
+    impl_->load = load;
+  }
+  // Not registered (or expired meanwhile): the next heartbeat carries it.
+  if (!impl_->registered) return;
+  std::vector<RouterCommand> ignored;
+  (void)impl_->core->Handle(impl_->spec.id, SourceMessage(load), &ignored);
 }
 
 VllmSourceStats VllmEventSource::stats() const {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <thread>
 
+#include "router/source_messages.h"
 #include "router/vllm_batch.h"
 #include "router/vllm_chain_map.h"
 #include "router/vllm_source_spec.h"
@@ -27,8 +28,9 @@ class RouterCore;
 
 // Subscribes to one engine and feeds `core` as a worker source: a hello and
 // an empty snapshot, then its events with the source's own sequence
-// numbers, and a heartbeat a second (vLLM reports no load: the router
-// counts what it routed there since). A gap in vLLM's sequence is filled
+// numbers, and a heartbeat a second (vLLM's events carry no load: the router
+// counts what it routed there since, and a caller may add what it knows
+// with SetLoad). A gap in vLLM's sequence is filled
 // from the replay socket; when it cannot be (no replay socket, the batches
 // gone, a malformed message) the source resyncs: the router forgets the
 // engine's blocks and replays what the engine's buffer holds. A sequence
@@ -39,6 +41,10 @@ class VllmEventSource {
   VllmEventSource(VllmSourceSpec spec, RouterCore* core);
   ~VllmEventSource();  // stops the thread
   VllmSourceStats stats() const;
+  // The engine's load as its caller sees it (a frontend: the prompt tokens
+  // it sent there and vLLM's own /metrics), told to the router now and with
+  // each heartbeat after, in place of the router's own count alone.
+  void SetLoad(const SourceLoad& load);
   const VllmSourceSpec& spec() const { return spec_; }
 
  private:

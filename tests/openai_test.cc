@@ -136,5 +136,43 @@ TEST(OpenAi, ModelsListsTheServedModel) {
   EXPECT_EQ(m["data"][0]["max_model_len"], 4096);
 }
 
+// The gauges as vLLM 0.1x's /metrics writes them (labels per model and
+// engine; two engines of a data-parallel server are summed).
+TEST(OpenAi, VllmsMetricsGiveItsRunningWaitingAndKvUse) {
+  const std::string text =
+      R"(# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 7.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="1000",num_cpu_blocks="None"} 1.0
+vllm:num_requests_running_total 99
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 12345.0
+)";
+  VllmLoad load = ParseVllmMetrics(text);
+  EXPECT_TRUE(load.seen);
+  EXPECT_DOUBLE_EQ(load.running, 4);
+  EXPECT_DOUBLE_EQ(load.waiting, 7);
+  EXPECT_DOUBLE_EQ(load.kv_usage, 0.375);
+  EXPECT_EQ(load.gpu_blocks, 1000u);
+}
+
+TEST(OpenAi, MetricsThatAreNotVllmsSayNothing) {
+  for (const char* text :
+       {"", "<html>nope</html>", "vllm:num_requests_running{ NaN\n",
+        "vllm:num_requests_running{a=\"b\"} not-a-number\n", "vllm:kv_cache_usage_perc 1e999\n"}) {
+    VllmLoad load = ParseVllmMetrics(text);
+    EXPECT_FALSE(load.seen) << text;
+    EXPECT_EQ(load.kv_usage, -1) << text;
+  }
+  EXPECT_EQ(ParseVllmMetrics("vllm:kv_cache_usage_perc 7\n").kv_usage, 1);
+}
+
 }  // namespace
 }  // namespace kvtier::frontend

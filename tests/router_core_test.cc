@@ -196,6 +196,22 @@ TEST_F(RouterCoreTest, SilentSourcesExpireWithTheirBlocks) {
             absl::StatusCode::kNotFound);
 }
 
+TEST_F(RouterCoreTest, ASourceRemovedLeavesTheIndexAtOnce) {
+  Join("w1", {0, 1, 2});
+  Join("w2", {0});
+  EXPECT_TRUE(core_.RemoveSource("w1"));
+  EXPECT_FALSE(core_.RemoveSource("w1"));
+  EXPECT_FALSE(core_.RemoveSource("nobody"));
+  EXPECT_EQ(core_.Stats().indexed_blocks, 1u);
+  auto r = core_.Route(FromWire(Req(3)));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->worker_id, "w2");
+  EXPECT_EQ(r->gpu_blocks, 1u);
+  std::vector<RouterCommand> cmds;
+  EXPECT_EQ(core_.Handle("w1", FromWire(Stored(3, {1})), &cmds).code(),
+            absl::StatusCode::kNotFound);
+}
+
 TEST_F(RouterCoreTest, RoutesToTheLongestPrefixAndExplains) {
   Join("w1", {0, 1, 2, 3});
   Join("w2", {0});

@@ -369,6 +369,77 @@ def check_engine(values, schema):
     check_schema_refuses(v, schema, "engine", (("kind", "trt"), ("blockSize", 0), ("port", 70000)))
 
 
+def check_frontend(values, schema):
+    """With vLLM engines the frontend is the entry point: a Deployment
+    finding the engines through their headless Service (API, KV events and
+    replay ports), probed on /health and /v1/models, the model's tokenizer
+    fetched by an init container, the store shards publishing to its
+    router (not under TLS: it speaks plain gRPC), a NetworkPolicy opening
+    its HTTP port only, and NOTES that send the first request."""
+    check(find(objects(render(values)), "Deployment", "-frontend") is None,
+          "no frontend without engines")
+    v = copy.deepcopy(values)
+    v["engine"]["enabled"] = True
+    jsonschema.validate(v, schema)
+    files = render(v)
+    objs = objects(files)
+    dep = find(objs, "Deployment", "-frontend")
+    check(dep is not None and dep["spec"]["replicas"] == 2, "a frontend Deployment of 2 replicas")
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    check(c["command"] == ["kvtier-frontend"], "the frontend runs kvtier-frontend")
+    dns = engine_arg(c["args"], "--engines-dns")
+    check(dns == "name=kv-engine-headless:8000,events-port=5557,replay-port=5558,"
+          "namespace=00c0ffee00c0ffee,block-tokens=16",
+          "engines by their headless Service, with their events and replay ports: %s" % dns)
+    check(engine_arg(c["args"], "--served-model-name") == v["engine"]["model"],
+          "the served model is the engine's")
+    check(c["readinessProbe"]["httpGet"]["path"] == "/health" and
+          c["livenessProbe"]["httpGet"]["path"] == "/v1/models", "probes: /health, /v1/models")
+    init = pod.get("initContainers", [{}])[0]
+    check(init.get("image") == v["engine"]["image"] and v["engine"]["model"] in init.get("args", []),
+          "an init container fetches the model's tokenizer with the engine's image")
+    check(pod["securityContext"]["runAsNonRoot"] is True and
+          c["securityContext"]["readOnlyRootFilesystem"] is True, "non-root, read-only root")
+    rc, out = check_config("frontend/kvtier-frontend", c["args"])
+    check(rc == 0, "kvtier-frontend rejects the rendered arguments: %s" % out)
+    eh = find(objs, "Service", "-engine-headless")
+    check(eh is not None and eh["spec"]["clusterIP"] == "None" and
+          {p["port"] for p in eh["spec"]["ports"]} == {8000, 5557, 5558},
+          "a headless Service names every engine pod with its API and events ports")
+    fs = find(objs, "Service", "-frontend")
+    check(fs is not None and fs["spec"]["ports"][0]["port"] == 8000, "the frontend Service")
+    store_args = find(objs, "StatefulSet", "-store")["spec"]["template"]["spec"]["containers"][0]["args"]
+    check("--router=kv-router-headless:7500,kv-frontend-headless:7600" in store_args,
+          "store shards publish to the routers and the frontends: %s" % store_args)
+    np = find(objs, "NetworkPolicy", "-frontend")
+    check(np is not None and np["spec"]["ingress"][0] == {"ports": [{"port": 8000, "protocol": "TCP"}]},
+          "the frontend's HTTP port is open, its router port is not")
+    notes = files.get("NOTES.txt", "")
+    check("kubectl port-forward svc/kv-frontend" in notes and "/v1/completions" in notes,
+          "NOTES send the first request through the frontend")
+    v["tls"]["enabled"] = True
+    store_args = find(objects(render(v)), "StatefulSet", "-store")["spec"]["template"]["spec"]["containers"][0]["args"]
+    check("--router=kv-router-headless:7500" in store_args,
+          "under TLS the store shards publish to the routers only: %s" % store_args)
+    v["tls"]["enabled"] = False
+    v["frontend"]["tokenizer"] = {"source": "configMap", "configMap": "llama-tokenizer"}
+    pod = find(objects(render(v)), "Deployment", "-frontend")["spec"]["template"]["spec"]
+    check("initContainers" not in pod and
+          pod["volumes"][0] == {"name": "model", "configMap": {"name": "llama-tokenizer"}},
+          "the tokenizer from a ConfigMap: %s" % pod["volumes"])
+    check_schema_refuses(v, schema, "frontend", (
+        ("namespace", "12"), ("replicas", 0), ("maxAttempts", 0), ("typo", 1)))
+    v["engine"]["kind"] = "sglang"
+    files = render(v)
+    check(find(objects(files), "Deployment", "-frontend") is None and
+          "front door   : none" in files.get("NOTES.txt", ""),
+          "no frontend in front of SGLang engines (it reads vLLM's KV events), and NOTES say so")
+    v["engine"]["kind"] = "vllm"
+    v["frontend"]["enabled"] = False
+    check(find(objects(render(v)), "Deployment", "-frontend") is None, "frontend.enabled=false")
+
+
 def check_vllm_sources(values, schema):
     """router.vllmSources: a ConfigMap in --vllm-sources' format, mounted and
     named by the flag; kvtier-router --check-config accepts the rendered file."""
@@ -588,9 +659,12 @@ def check_kube_score(values):
     engine = dict(values, engine=dict(values["engine"], enabled=True))
     for name, v, only, ignored in (
             ("defaults", values, None, KUBE_SCORE_IGNORED),
-            ("engine", engine, "engine.yaml", KUBE_SCORE_IGNORED | KUBE_SCORE_IGNORED_ENGINE)):
+            ("engine", engine, "engine.yaml", KUBE_SCORE_IGNORED | KUBE_SCORE_IGNORED_ENGINE),
+            ("frontend", engine, ("frontend.yaml", "networkpolicy.yaml"), KUBE_SCORE_IGNORED)):
+        if isinstance(only, str):
+            only = (only,)
         docs = [body for f, body in render(v).items()
-                if not f.endswith(".txt") and (only is None or f == only)]
+                if not f.endswith(".txt") and (only is None or f in only)]
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             f.write("\n---\n".join(docs))
             path = f.name
@@ -604,6 +678,8 @@ def check_kube_score(values):
                     and "does not have a matching egress NetworkPolicy" not in ln
                     and not (ln.startswith("[CRITICAL] kv-engine ")
                              and "does not have a matching NetworkPolicy" in ln)]
+        if name == "frontend":  # the other policies' pods are not in this render
+            findings = [ln for ln in findings if " kv-frontend " in ln]
         check(not findings, "kube-score on the %s render: %s" % (name, "\n".join(findings)))
 
 
@@ -822,6 +898,7 @@ def main():
 
     check_tls(values, schema)
     check_engine(values, schema)
+    check_frontend(values, schema)
     check_vllm_sources(values, schema)
     check_source_identities(values, schema)
     check_admin_token_and_network_policy(values, schema)

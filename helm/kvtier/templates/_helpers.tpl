@@ -8,6 +8,11 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- define "kvtier.storeHeadless" -}}{{ include "kvtier.fullname" . }}-store-headless{{- end -}}
 {{- define "kvtier.routerService" -}}{{ include "kvtier.fullname" . }}-router{{- end -}}
 {{- /* Resolves to every router replica: sources publish to each. */ -}}
+{{- /* "true" when the frontend is rendered: vLLM engines (it reads their KV events) and frontend.enabled. */ -}}
+{{- define "kvtier.frontendOn" -}}{{ if and .Values.engine.enabled .Values.frontend.enabled (eq .Values.engine.kind "vllm") }}true{{ end }}{{- end -}}
+{{- define "kvtier.frontendService" -}}{{ include "kvtier.fullname" . }}-frontend{{- end -}}
+{{- define "kvtier.frontendHeadless" -}}{{ include "kvtier.fullname" . }}-frontend-headless{{- end -}}
+{{- define "kvtier.engineHeadless" -}}{{ include "kvtier.fullname" . }}-engine-headless{{- end -}}
 {{- define "kvtier.routerHeadless" -}}{{ include "kvtier.fullname" . }}-router-headless{{- end -}}
 {{- /* The Secret holding the admin token, or "" when admin RPCs are open. */ -}}
 {{- define "kvtier.adminTokenSecret" -}}

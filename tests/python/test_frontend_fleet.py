@@ -1,0 +1,330 @@
+"""kvtier-frontend finding its engines by DNS, as it does behind a Kubernetes
+headless Service: the frontend runs in a mount namespace of its own whose
+``/etc/hosts`` is a file the test rewrites (the C library's resolver reads
+it at each resolution, as it reads a cluster's DNS answers). The engines
+are nginx servers on 127.0.0.2-4 answering a canned completion, their
+``/health`` and a ``/metrics`` in vLLM's format: what is under test is the
+fleet's membership (an address that appears joins, one that goes leaves,
+a failed resolution keeps the fleet) and the load read from each engine's
+metrics; the real engines' side is test_frontend.py's.
+
+Skipped, saying why, without nginx or without the right to make a mount
+namespace (root, as in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from conftest import BUILD
+
+FRONTEND_BIN = BUILD / "frontend" / "kvtier-frontend"
+TINY_LLAMA = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
+NAME = "engines.kvtier.test"
+NAMESPACE = "00c0ffee00c0ffee"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(
+        ["unshare", "-m", "true"], capture_output=True, timeout=10, check=False
+    )
+    return r.returncode == 0
+
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed"),
+    pytest.mark.skipif(
+        not _can_unshare(), reason="cannot make a mount namespace (needs root)"
+    ),
+]
+
+
+def _nginx_conf(tmp: Path, port: int) -> str:
+    """One server per engine address; each names itself in its answers and
+    in its metrics runs as many requests as its last octet; 127.0.0.5 has a
+    deep queue (40 waiting), the others none."""
+    servers = []
+    for octet in (2, 3, 4, 5):
+        completion = json.dumps(
+            {
+                "id": f"cmpl-{octet}",
+                "object": "text_completion",
+                "model": "tiny",
+                "choices": [
+                    {"index": 0, "text": f"engine {octet}", "finish_reason": "length"}
+                ],
+                "usage": {
+                    "prompt_tokens": 1,
+                    "completion_tokens": 1,
+                    "total_tokens": 2,
+                },
+            }
+        )
+        metrics = (
+            f'vllm:num_requests_running{{engine="0",model_name="tiny"}} {octet}.0\\n'
+            f'vllm:num_requests_waiting{{engine="0",model_name="tiny"}} '
+            f"{40 if octet == 5 else 0}.0\\n"
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="tiny"}} 0.25\\n'
+        )
+        servers.append(
+            f"""
+  server {{
+    listen 127.0.0.{octet}:{port};
+    location = /health {{ return 200 ''; }}
+    location = /metrics {{ default_type text/plain; return 200 '{metrics}'; }}
+    location / {{ default_type application/json; return 200 '{completion}'; }}
+  }}"""
+        )
+    return f"""
+daemon off;
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log;
+events {{ worker_connections 256; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp};
+  {''.join(servers)}
+}}
+"""
+
+
+class DnsFleet:
+    """nginx as three engines and the frontend resolving them by name."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.hosts = tmp / "hosts"
+        self.set_addresses([2, 3])
+        self.port = _free_port()
+        conf = tmp / "nginx.conf"
+        conf.write_text(_nginx_conf(tmp, self.port))
+        self.nginx = subprocess.Popen(
+            ["nginx", "-p", str(tmp), "-c", str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        port_file = tmp / "frontend.port"
+        self.log = tmp / "frontend.log"
+        dns = (
+            f"name={NAME}:{self.port},events-port={_free_port()},"
+            f"namespace={NAMESPACE},block-tokens=32"
+        )
+        frontend = " ".join(
+            [
+                str(FRONTEND_BIN),
+                "--listen=127.0.0.1:0",
+                f"--port-file={port_file}",
+                f"--model={TINY_LLAMA}",
+                "--served-model-name=tiny",
+                f"'--engines-dns={dns}'",
+                "--dns-interval=200ms",
+                "--health-interval=200ms",
+            ]
+        )
+        # exec: the frontend keeps the shell's pid, which the test stops.
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    "unshare",
+                    "-m",
+                    "sh",
+                    "-c",
+                    f"mount --bind {self.hosts} /etc/hosts && exec {frontend}",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 20
+        while not port_file.exists() or not port_file.read_text().strip():
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, "the frontend did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
+
+    def set_addresses(self, octets: list[int]) -> None:
+        """What the name resolves to from now on (the file is rewritten in
+        place: the bind mount shows the same inode)."""
+        with open(self.hosts, "w") as f:
+            f.write("127.0.0.1 localhost\n")
+            for o in octets:
+                f.write(f"127.0.0.{o} {NAME}\n")
+
+    def complete(self, prompt: str = "hello there") -> tuple[int, str, str]:
+        """One completion: (status, the engine that answered, the route header)."""
+        req = urllib.request.Request(
+            self.url + "/v1/completions",
+            data=json.dumps(
+                {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+            ).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                body = json.loads(r.read())
+                return r.status, body["choices"][0]["text"], r.headers["x-kvtier-route"]
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(), ""
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return str(r.read().decode())
+
+    def engines(self) -> set[str]:
+        """The engines the frontend serves now, from its metrics."""
+        out = set()
+        for line in self.metrics().splitlines():
+            if line.startswith("kvtier_frontend_engine_up{"):
+                out.add(line.split('engine="', 1)[1].split('"', 1)[0])
+        return out
+
+    def wait_engines(self, octets: list[int], timeout: float = 10) -> None:
+        want = {f"127.0.0.{o}:{self.port}" for o in octets}
+        deadline = time.monotonic() + timeout
+        while self.engines() != want:
+            assert time.monotonic() < deadline, (self.engines(), want)
+            time.sleep(0.05)
+
+    def served_by(self, n: int) -> set[str]:
+        """The engines that answered n different prompts (the router breaks
+        ties by the prompt's hash: one prompt would always go one way)."""
+        seen = set()
+        for i in range(n):
+            status, text, route = self.complete(f"question {i} of {n}: how are you?")
+            assert status == 200, text
+            assert route.startswith("engine=127.0.0."), route
+            seen.add(text)
+        return seen
+
+    def stop(self) -> None:
+        for p in (self.proc, self.nginx):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[DnsFleet]:
+    f = DnsFleet(tmp_path)
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def test_engines_join_and_leave_as_the_name_resolves(fleet: DnsFleet) -> None:
+    fleet.wait_engines([2, 3])
+    # The router spreads requests by load: both engines answer.
+    assert fleet.served_by(12) == {"engine 2", "engine 3"}
+
+    fleet.set_addresses([3, 4])
+    fleet.wait_engines([3, 4])
+    assert fleet.served_by(12) == {"engine 3", "engine 4"}
+    log = fleet.log.read_text()
+    assert f"engine 127.0.0.2:{fleet.port} left the fleet (gone from DNS" in log
+    assert f"engine 127.0.0.4:{fleet.port} joined the fleet" in log
+
+
+def test_a_failed_resolution_keeps_the_fleet(fleet: DnsFleet) -> None:
+    fleet.wait_engines([2, 3])
+    fleet.set_addresses([])  # the name no longer resolves
+    time.sleep(1.0)  # five resolutions
+    assert fleet.engines() == {f"127.0.0.{o}:{fleet.port}" for o in (2, 3)}
+    assert fleet.served_by(6) <= {"engine 2", "engine 3"}
+    assert f"cannot resolve {NAME}" in fleet.log.read_text()
+
+
+def test_each_engines_own_metrics_feed_its_load(fleet: DnsFleet) -> None:
+    fleet.set_addresses([2, 5])
+    fleet.wait_engines([2, 5])
+    want = {
+        f'kvtier_frontend_engine_load{{engine="127.0.0.{o}:{fleet.port}",'
+        f'gauge="running"}} {o}'
+        for o in (2, 5)
+    } | {
+        f'kvtier_frontend_engine_load{{engine="127.0.0.5:{fleet.port}",'
+        'gauge="waiting"} 40'
+    }
+    deadline = time.monotonic() + 10
+    while not want <= set(fleet.metrics().splitlines()):
+        assert time.monotonic() < deadline, fleet.metrics()
+        time.sleep(0.1)
+    assert (
+        f'kvtier_frontend_engine_load{{engine="127.0.0.2:{fleet.port}",'
+        'gauge="kv_usage"} 0.25'
+    ) in fleet.metrics().splitlines()
+    # The queue 127.0.0.5 reports (other frontends' requests) is priced at
+    # the mean prompt seen here: once a prompt is seen, nothing goes there.
+    fleet.complete()
+    time.sleep(0.5)  # two scrapes: the load is told to the router again
+    assert fleet.served_by(10) == {"engine 2"}
+
+
+@pytest.mark.parametrize(
+    "spec, error",
+    [
+        (
+            "name=engines:8000,namespace=00c0ffee00c0ffee,block-tokens=32",
+            "events-port is missing",
+        ),
+        (
+            "name=engines,events-port=5557,namespace=00c0ffee00c0ffee,block-tokens=32",
+            "name=HOST:PORT is missing",
+        ),
+        (
+            "name=engines:8000,events-port=5557,namespace=12,block-tokens=32",
+            "must be 16 hex digits",
+        ),
+        (
+            "name=engines:8000,events-port=99999,namespace=00c0ffee00c0ffee,"
+            "block-tokens=32",
+            "is not a port",
+        ),
+        (
+            "name=engines:8000,events-port=5557,namespace=00c0ffee00c0ffee,"
+            "block-tokens=32,colour=red",
+            'unknown key "colour"',
+        ),
+    ],
+)
+def test_a_bad_dns_spec_is_refused_saying_what_is_wrong(spec: str, error: str) -> None:
+    r = subprocess.run(
+        [
+            str(FRONTEND_BIN),
+            f"--model={TINY_LLAMA}",
+            "--served-model-name=tiny",
+            f"--engines-dns={spec}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ},
+        check=False,
+    )
+    assert r.returncode == 2, r.stderr
+    assert error in r.stderr, r.stderr

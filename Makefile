@@ -8,7 +8,7 @@ BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all setup venv build test demo bench bench-vllm fuzz asan tsan soak format clean
+.PHONY: all setup venv build test demo demo-vllm bench bench-vllm bench-frontend fuzz asan tsan soak format clean
 
 all: build
 
@@ -32,6 +32,19 @@ test: build venv
 
 demo: build
 	bash scripts/demo.sh $(BUILD_DIR)
+
+# The whole fleet with real engines (minutes): a kvtier store, two vLLM CPU
+# servers with kvtier's connector, the frontend in front of them, and vLLM's
+# own `vllm bench serve` replaying the Mooncake slice trace through nginx
+# (least_conn, round-robin) and through kvtier-frontend, side by side.
+demo-vllm: build venv
+	KVTIER_BUILD_DIR=$(BUILD_DIR) $(BUILD_DIR)/venv/bin/python bench/frontend_bench.py \
+		--parts replay --runs 1 --store --datasets mooncake_slice_trace
+
+# kvtier-frontend beside nginx: added latency, forwarding capacity, memory at
+# 1,000 streams, and trace replays through each (docs/benchmarks.md).
+bench-frontend: build venv
+	KVTIER_BUILD_DIR=$(BUILD_DIR) $(BUILD_DIR)/venv/bin/python bench/frontend_bench.py
 
 # Every benchmark, each beside its reference (minutes; not part of make test).
 bench: build

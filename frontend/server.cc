@@ -5,9 +5,12 @@
 #include "frontend/server.h"
 // clang-format on
 
+#include <sys/socket.h>
+
 #include <atomic>
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
+#include <cerrno>
 #include <chrono>
 #include <iterator>
 #include <limits>
@@ -17,6 +20,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -83,6 +87,7 @@ struct Engine {
   // Requests vLLM said wait there beyond this frontend's own, when scraped:
   // other frontends' (guarded by mu).
   double foreign_waiting = 0;
+  int64_t last_push_us = 0;  // guarded by mu: when the router was last told its load
 
   bool Usable(int64_t now) const { return healthy.load() && down_until_ms.load() <= now; }
 };
@@ -223,7 +228,12 @@ struct Frontend::Impl {
   // prompt tokens it sent there and has no answer to yet, and (for other
   // frontends' requests) what vLLM says waits beyond those, priced at the
   // mean prompt seen here; vLLM's running requests; its free KV pages.
-  void PushLoad(Engine& e) {
+  // Told at once when `now` or none was told for kPushEvery (a burst of
+  // answers is one update: each costs the router's write lock), else with
+  // the next update or the engine's heartbeat. A route needs no update:
+  // the router counts what it routed until the engine's next one.
+  static constexpr int64_t kPushEveryUs = 2000;
+  void PushLoad(Engine& e, bool now) {
     router::SourceLoad load;
     const int64_t in_flight = std::max<int64_t>(0, e.in_flight.load());
     const uint64_t prompts = prompts_seen.load();
@@ -240,7 +250,12 @@ struct Frontend::Impl {
       load.free_gpu_pages =
           static_cast<uint64_t>((1.0 - e.vllm.kv_usage) * static_cast<double>(e.vllm.gpu_blocks));
     }
-    e.events->SetLoad(load);
+    const int64_t t =
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch())
+            .count();
+    const bool tell = now || t - e.last_push_us >= kPushEveryUs;
+    if (tell) e.last_push_us = t;
+    e.events->SetLoad(load, tell);
   }
 
   // --- the fleet ----------------------------------------------------------
@@ -401,20 +416,33 @@ struct Frontend::Impl {
 
   // Watches the client's socket while the engine works: a peer that closed
   // (readable with nothing to read) closes the upstream connection, which
-  // cancels what waits on it and tells vLLM to abort the request.
-  static Task<> WatchClient(beast::tcp_stream* client, std::weak_ptr<beast::tcp_stream> upstream,
-                            std::shared_ptr<std::atomic<bool>> gone) {
-    ErrorCode ec;
-    co_await client->socket().async_wait(tcp::socket::wait_read,
-                                         net::redirect_error(net::use_awaitable, ec));
-    if (ec) co_return;  // cancelled: the exchange ended first
-    ErrorCode aec;
-    if (client->socket().available(aec) == 0) {
-      gone->store(true);
+  // cancels what waits on it and tells vLLM to abort the request. Runs on
+  // the client's strand, as the exchange does.
+  struct Watch {
+    std::weak_ptr<beast::tcp_stream> upstream;  // the connection in use now
+    bool gone = false;
+  };
+  static Task<> WatchClient(beast::tcp_stream* client, std::shared_ptr<Watch> watch) {
+    for (;;) {
+      ErrorCode ec;
+      co_await client->socket().async_wait(tcp::socket::wait_read,
+                                           net::redirect_error(net::use_awaitable, ec));
+      if (ec) co_return;  // cancelled: the exchange ended first
+      // Readiness can be stale (the epoll edge of bytes the request's read
+      // already took): only an end of stream, or an error, is a client gone.
+      char byte;
+      const ssize_t n = ::recv(client->socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+      if (n > 0) co_return;  // its next request: it is still there
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      watch->gone = true;
       ErrorCode ignored;
-      if (auto up = upstream.lock()) up->socket().close(ignored);
+      if (auto up = watch->upstream.lock()) up->socket().close(ignored);
+      co_return;
     }
   }
+
+  // Unstreamed answers up to this size are forwarded whole, in one write.
+  static constexpr uint64_t kWholeAnswerBytes = 4 << 20;
 
   // The engine answered (or failed) the request: its prompt no longer waits.
   void Answered(Engine& e, const Prepared& p, bool* answered) {
@@ -422,12 +450,27 @@ struct Frontend::Impl {
     *answered = true;
     e.waiting_tokens -= static_cast<int64_t>(p.prompt_tokens);
     e.waiting_requests--;
-    PushLoad(e);
+    PushLoad(e, false);
   }
 
+  // The client is watched from the first byte sent upstream: one that
+  // leaves while the engine computes (before its answer starts) cancels
+  // the request too. The watcher ends with the try.
   Task<Tried> Forward(Engine& e, const Prepared& p, const std::string& explain,
                       beast::tcp_stream& client, bool keep_alive, bool* client_keep,
                       bool* answered) {
+    auto watch = std::make_shared<Watch>();
+    net::co_spawn(client.get_executor(), WatchClient(&client, watch), net::detached);
+    const Tried t =
+        co_await ForwardWatched(e, p, explain, client, keep_alive, client_keep, answered, watch);
+    ErrorCode ignored;
+    client.socket().cancel(ignored);
+    co_return t;
+  }
+
+  Task<Tried> ForwardWatched(Engine& e, const Prepared& p, const std::string& explain,
+                             beast::tcp_stream& client, bool keep_alive, bool* client_keep,
+                             bool* answered, std::shared_ptr<Watch> watch) {
     ErrorCode ec;
     std::shared_ptr<beast::tcp_stream> up;
     http::request<http::string_body> req{http::verb::post, p.path, 11};
@@ -439,11 +482,12 @@ struct Frontend::Impl {
     req.prepare_payload();
     beast::flat_buffer ubuf;
     std::optional<http::response_parser<http::buffer_body>> parser;
-    parser.emplace();
-    parser->body_limit(std::numeric_limits<std::uint64_t>::max());
     // A pooled connection the engine closed while idle fails at once: one
     // fresh connection is tried before the engine is blamed.
     for (int fresh = 0; fresh < 2; ++fresh) {
+      parser.emplace();
+      parser->body_limit(std::numeric_limits<std::uint64_t>::max());
+      ubuf.clear();
       auto pooled = fresh == 0 ? Pooled(e) : nullptr;
       const bool reused = pooled != nullptr;
       if (reused) {
@@ -456,19 +500,17 @@ struct Frontend::Impl {
         }
         up = std::move(made);
       }
+      watch->upstream = up;
+      if (watch->gone) co_return Tried::kClientGone;
       up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
       co_await http::async_write(*up, req, net::redirect_error(net::use_awaitable, ec));
       if (!ec) {
         co_await http::async_read_header(*up, ubuf, *parser,
                                          net::redirect_error(net::use_awaitable, ec));
       }
+      if (watch->gone) co_return Tried::kClientGone;
       if (!ec) break;
-      if (reused) {
-        parser.emplace();
-        parser->body_limit(std::numeric_limits<std::uint64_t>::max());
-        ubuf.clear();
-        continue;
-      }
+      if (reused) continue;
       MarkDown(e, absl::StrCat("request: ", ec.message()));
       co_return Tried::kRetry;
     }
@@ -479,10 +521,58 @@ struct Frontend::Impl {
       MarkDown(e, absl::StrCat("answered ", status));
       co_return Tried::kRetry;  // the connection is dropped with `up`
     }
-    // From here the client has bytes: no other engine is tried.
-    auto gone = std::make_shared<std::atomic<bool>>(false);
-    std::weak_ptr<beast::tcp_stream> watched = up;
-    net::co_spawn(client.get_executor(), WatchClient(&client, watched, gone), net::detached);
+    char chunk[16384];
+    // A whole answer of known length (vLLM's unstreamed responses; not an
+    // event stream) is read first and goes to the client in one write: one
+    // send, as it came.
+    const auto length = parser->content_length();
+    const auto type = parser->get().find(http::field::content_type);
+    const bool events =
+        type != parser->get().end() && type->value().starts_with("text/event-stream");
+    if (!parser->chunked() && !events && length && *length <= kWholeAnswerBytes) {
+      std::string body;
+      body.reserve(*length);
+      ErrorCode rec;
+      while (!parser->is_done() && !rec) {
+        parser->get().body().data = chunk;
+        parser->get().body().size = sizeof(chunk);
+        up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
+        co_await http::async_read_some(*up, ubuf, *parser,
+                                       net::redirect_error(net::use_awaitable, rec));
+        if (rec == http::error::need_buffer) rec = {};
+        body.append(chunk, sizeof(chunk) - parser->get().body().size);
+      }
+      if (watch->gone) co_return Tried::kClientGone;
+      if (!parser->is_done()) {  // nothing reached the client: another engine may answer
+        MarkDown(e, absl::StrCat("answer cut short: ", rec.message()));
+        co_return Tried::kRetry;
+      }
+      http::response<http::string_body> res{static_cast<http::status>(status), 11};
+      res.set(http::field::server, "kvtier-frontend");
+      for (auto field : {http::field::content_type, http::field::cache_control}) {
+        auto it = parser->get().find(field);
+        if (it != parser->get().end()) res.set(field, it->value());
+      }
+      res.set("x-kvtier-route", explain);
+      res.keep_alive(keep_alive);
+      res.body() = std::move(body);
+      res.prepare_payload();
+      client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
+      co_await http::async_write(client, res, net::redirect_error(net::use_awaitable, ec));
+      client.expires_never();
+      if (ec) {
+        counters.client_disconnects++;
+        *client_keep = false;
+        co_return Tried::kClientGone;
+      }
+      if (!watch->gone && parser->get().keep_alive()) {
+        up->expires_never();
+        ReturnToPool(e, std::make_unique<beast::tcp_stream>(std::move(*up)));
+      }
+      co_return Tried::kDone;
+    }
+    // A stream: from here the client has bytes, chunk by chunk as the engine
+    // writes them; no other engine is tried.
     http::response<http::empty_body> res{static_cast<http::status>(status), 11};
     res.set(http::field::server, "kvtier-frontend");
     for (auto field : {http::field::content_type, http::field::cache_control}) {
@@ -495,7 +585,6 @@ struct Frontend::Impl {
     http::response_serializer<http::empty_body> sr{res};
     co_await http::async_write_header(client, sr, net::redirect_error(net::use_awaitable, ec));
     Tried outcome = Tried::kDone;
-    char chunk[16384];
     while (!ec && !parser->is_done()) {
       parser->get().body().data = chunk;
       parser->get().body().size = sizeof(chunk);
@@ -517,18 +606,17 @@ struct Frontend::Impl {
         // SSE client may close once it read [DONE]), or the engine failed
         // mid-response: then the client's stream ends short (no last
         // chunk), which it sees as an error, not as a whole answer.
-        if (!gone->load()) {
+        if (!watch->gone) {
           Log("frontend", "engine ", e.spec.id, " failed mid-response: ", rec.message());
           e.failures++;
         }
         *client_keep = false;
-        outcome = gone->load() ? Tried::kClientGone : Tried::kDone;
+        outcome = watch->gone ? Tried::kClientGone : Tried::kDone;
         break;
       }
     }
     ErrorCode ignored;
-    client.socket().cancel(ignored);  // ends the watcher
-    if (ec || gone->load()) {
+    if (ec || watch->gone) {
       counters.client_disconnects++;
       *client_keep = false;
       up->socket().close(ignored);
@@ -610,14 +698,12 @@ struct Frontend::Impl {
       e.in_flight_tokens += static_cast<int64_t>(p.prompt_tokens);
       e.waiting_tokens += static_cast<int64_t>(p.prompt_tokens);
       e.waiting_requests++;
-      PushLoad(e);
       const std::string explain = absl::StrCat(c.explain, "; attempt=", attempt + 1);
       bool answered = false;
       Tried t = co_await Forward(e, p, explain, client, keep_alive, &client_keep, &answered);
       e.in_flight--;
       e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
       Answered(e, p, &answered);
-      PushLoad(e);
       if (t == Tried::kDone) {
         counters.Request(name, 200);
         co_return client_keep;
@@ -846,7 +932,7 @@ struct Frontend::Impl {
           e->vllm = load;
           e->foreign_waiting = std::max(0.0, load.waiting - ours);
         }
-        PushLoad(*e);
+        PushLoad(*e, true);
       }
       const bool was = e->healthy.exchange(ok);
       if (was != ok) {

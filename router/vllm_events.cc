@@ -323,11 +323,12 @@ VllmEventSource::~VllmEventSource() {
   thread_.join();
 }
 
-void VllmEventSource::SetLoad(const SourceLoad& load) {
+void VllmEventSource::SetLoad(const SourceLoad& load, bool tell_now) {
   {
     std::lock_guard lk(impl_->mu);
     impl_->load = load;
   }
+  if (!tell_now) return;
   // Not registered (or expired meanwhile): the next heartbeat carries it.
   if (!impl_->registered) return;
   std::vector<RouterCommand> ignored;

@@ -43,8 +43,9 @@ class VllmEventSource {
   VllmSourceStats stats() const;
   // The engine's load as its caller sees it (a frontend: the prompt tokens
   // it sent there and vLLM's own /metrics), told to the router now and with
-  // each heartbeat after, in place of the router's own count alone.
-  void SetLoad(const SourceLoad& load);
+  // each heartbeat after (only then, without tell_now), in place of the
+  // router's own count alone.
+  void SetLoad(const SourceLoad& load, bool tell_now = true);
   const VllmSourceSpec& spec() const { return spec_; }
 
  private:

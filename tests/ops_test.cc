@@ -389,11 +389,13 @@ TEST_F(Ops, EveryDashboardQueryNamesAMetricALiveProcessExports) {
   std::set<std::string> queried;
   const std::regex name("kvtier_[a-z0-9_]+");
   for (const auto& panel : dash["panels"]) {
-    for (const auto& target : panel["targets"]) {
+    // A row has no queries; the front door's panels are checked against a
+    // live kvtier-frontend by tests/python/test_frontend_fleet.py.
+    for (const auto& target : panel.value("targets", nlohmann::json::array())) {
       const std::string expr = target["expr"];
       for (auto it = std::sregex_iterator(expr.begin(), expr.end(), name);
            it != std::sregex_iterator(); ++it) {
-        queried.insert(it->str());
+        if (it->str().rfind("kvtier_frontend_", 0) != 0) queried.insert(it->str());
       }
     }
   }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -328,3 +329,25 @@ def test_a_bad_dns_spec_is_refused_saying_what_is_wrong(spec: str, error: str) -
     )
     assert r.returncode == 2, r.stderr
     assert error in r.stderr, r.stderr
+
+
+def test_every_front_door_panel_queries_a_metric_the_frontend_exports(
+    fleet: DnsFleet,
+) -> None:
+    fleet.wait_engines([2, 3])
+    fleet.served_by(2)
+    dash = json.loads(
+        (
+            Path(__file__).resolve().parents[2] / "helm/kvtier/dashboards/kvtier.json"
+        ).read_text()
+    )
+    queried = {
+        m
+        for panel in dash["panels"]
+        for t in panel.get("targets", [])
+        for m in re.findall(r"kvtier_frontend_[a-z0-9_]+", t["expr"])
+    }
+    assert len(queried) >= 5, queried
+    exported = fleet.metrics()
+    for metric in queried:
+        assert f"\n{metric}{{" in exported or f"\n{metric} " in exported, metric

@@ -441,6 +441,20 @@ struct Frontend::Impl {
     }
   }
 
+  // The client's answer header: the engine's status (set by the caller),
+  // content type and cache control, and the route's explanation.
+  template <class Body, class Upstream>
+  static void AnswerHeader(http::response<Body>& res, const Upstream& upstream,
+                           const std::string& explain, bool keep_alive) {
+    res.set(http::field::server, "kvtier-frontend");
+    for (auto field : {http::field::content_type, http::field::cache_control}) {
+      auto it = upstream.find(field);
+      if (it != upstream.end()) res.set(field, it->value());
+    }
+    res.set("x-kvtier-route", explain);
+    res.keep_alive(keep_alive);
+  }
+
   // Unstreamed answers up to this size are forwarded whole, in one write.
   static constexpr uint64_t kWholeAnswerBytes = 4 << 20;
 
@@ -548,13 +562,7 @@ struct Frontend::Impl {
         co_return Tried::kRetry;
       }
       http::response<http::string_body> res{static_cast<http::status>(status), 11};
-      res.set(http::field::server, "kvtier-frontend");
-      for (auto field : {http::field::content_type, http::field::cache_control}) {
-        auto it = parser->get().find(field);
-        if (it != parser->get().end()) res.set(field, it->value());
-      }
-      res.set("x-kvtier-route", explain);
-      res.keep_alive(keep_alive);
+      AnswerHeader(res, parser->get(), explain, keep_alive);
       res.body() = std::move(body);
       res.prepare_payload();
       client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
@@ -574,13 +582,7 @@ struct Frontend::Impl {
     // A stream: from here the client has bytes, chunk by chunk as the engine
     // writes them; no other engine is tried.
     http::response<http::empty_body> res{static_cast<http::status>(status), 11};
-    res.set(http::field::server, "kvtier-frontend");
-    for (auto field : {http::field::content_type, http::field::cache_control}) {
-      auto it = parser->get().find(field);
-      if (it != parser->get().end()) res.set(field, it->value());
-    }
-    res.set("x-kvtier-route", explain);
-    res.keep_alive(keep_alive);
+    AnswerHeader(res, parser->get(), explain, keep_alive);
     res.chunked(true);
     http::response_serializer<http::empty_body> sr{res};
     co_await http::async_write_header(client, sr, net::redirect_error(net::use_awaitable, ec));

@@ -28,6 +28,7 @@ Parts (--parts, comma-separated; all by default):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -41,7 +42,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", ROOT / "build")).resolve()
@@ -439,13 +440,7 @@ def latency(args: argparse.Namespace, work: Path) -> None:
     print("== latency: 1-token completions, directly and through the frontend")
     env = dict(os.environ)
     engine = VllmServer(work / "lat-engine.log", env=env, extra=("--block-size", "32"))
-    fe = Frontend(
-        work,
-        [
-            f"id=e0,endpoint=127.0.0.1:{engine.port},events=ipc://{work}/none,"
-            f"namespace={NAMESPACE},block-tokens={BLOCK}"
-        ],
-    )
+    fe = Frontend(work, one_engine(engine.port, work))
     try:
         direct = http.client.HTTPConnection("127.0.0.1", engine.port)
         front = http.client.HTTPConnection("127.0.0.1", fe.port)
@@ -518,19 +513,23 @@ def wrk(url: str, work: Path, seconds: int, conns: int) -> float:
     )
 
 
-def capacity(args: argparse.Namespace, work: Path) -> None:
-    print("== capacity: short completions, an upstream answering at once (nginx)")
-    if shutil.which("wrk") is None:
-        print("  wrk is not installed: skipped")
-        return
+def one_engine(port: int, work: Path) -> list[str]:
+    """The frontend's --engines for one engine at port (no KV events)."""
+    return [
+        f"id=e0,endpoint=127.0.0.1:{port},events=ipc://{work}/none,"
+        f"namespace={NAMESPACE},block-tokens={BLOCK}"
+    ]
+
+
+@contextlib.contextmanager
+def behind_each(
+    work: Path, name: str, server: str
+) -> Iterator[tuple[int, Frontend, Nginx]]:
+    """An nginx upstream with `server`'s locations, and in front of it nginx
+    proxying and kvtier-frontend: (nginx's port, the frontend, nginx)."""
     up_port, px_port = free_port(), free_port()
     upstream = Nginx(
-        work,
-        "nginx-canned",
-        f" server {{\n  listen 127.0.0.1:{up_port};\n"
-        "  location = /health { return 200 ''; }\n"
-        "  location / { default_type application/json; "
-        f"return 200 '{CANNED}'; }}\n }}\n",
+        work, name, f" server {{\n  listen 127.0.0.1:{up_port};\n{server} }}\n"
     )
     proxy = Nginx(
         work, "nginx-front", proxy_block(px_port, "up", [f"127.0.0.1:{up_port}"], "")
@@ -539,13 +538,26 @@ def capacity(args: argparse.Namespace, work: Path) -> None:
     try:
         wait_port(up_port, upstream.proc, "nginx")
         wait_port(px_port, proxy.proc, "nginx")
-        fe = Frontend(
-            work,
-            [
-                f"id=e0,endpoint=127.0.0.1:{up_port},events=ipc://{work}/none,"
-                f"namespace={NAMESPACE},block-tokens={BLOCK}"
-            ],
-        )
+        fe = Frontend(work, one_engine(up_port, work))
+        yield px_port, fe, proxy
+    finally:
+        if fe is not None:
+            fe.stop()
+        proxy.stop()
+        upstream.stop()
+
+
+def capacity(args: argparse.Namespace, work: Path) -> None:
+    print("== capacity: short completions, an upstream answering at once (nginx)")
+    if shutil.which("wrk") is None:
+        print("  wrk is not installed: skipped")
+        return
+    server = (
+        "  location = /health { return 200 ''; }\n"
+        "  location / { default_type application/json; "
+        f"return 200 '{CANNED}'; }}\n"
+    )
+    with behind_each(work, "nginx-canned", server) as (px_port, fe, _):
         ratios = []
         for i in range(args.runs * 2):
             n = wrk(f"http://127.0.0.1:{px_port}", work, args.seconds, 32)
@@ -556,11 +568,6 @@ def capacity(args: argparse.Namespace, work: Path) -> None:
                   f"ratio {k / n:.2f}")  # fmt: skip
         print(f"  ratio median {statistics.median(ratios):.2f} "
               f"(range {min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
-    finally:
-        if fe is not None:
-            fe.stop()
-        proxy.stop()
-        upstream.stop()
 
 
 # --- memory -----------------------------------------------------------------
@@ -598,29 +605,12 @@ def memory(args: argparse.Namespace, work: Path) -> None:
         '"text":" word","finish_reason":null}]}\\n\\n'
         for _ in range(25)  # nginx takes a 4 KiB parameter at most
     )
-    up_port, px_port = free_port(), free_port()
-    upstream = Nginx(
-        work,
-        "nginx-trickle",
-        f" server {{\n  listen 127.0.0.1:{up_port};\n  limit_rate 16;\n"
-        "  location = /health { return 200 ''; }\n"
+    server = (
+        "  limit_rate 16;\n  location = /health { return 200 ''; }\n"
         "  location / { default_type text/event-stream; "
-        f"return 200 '{events}'; }}\n }}\n",
+        f"return 200 '{events}'; }}\n"
     )
-    proxy = Nginx(
-        work, "nginx-front", proxy_block(px_port, "up", [f"127.0.0.1:{up_port}"], "")
-    )
-    fe: Frontend | None = None
-    try:
-        wait_port(up_port, upstream.proc, "nginx")
-        wait_port(px_port, proxy.proc, "nginx")
-        fe = Frontend(
-            work,
-            [
-                f"id=e0,endpoint=127.0.0.1:{up_port},events=ipc://{work}/none,"
-                f"namespace={NAMESPACE},block-tokens={BLOCK}"
-            ],
-        )
+    with behind_each(work, "nginx-trickle", server) as (px_port, fe, proxy):
         for name, port, pids in (
             ("kvtier-frontend", fe.port, [fe.proc.pid]),
             ("nginx", px_port, [proxy.proc.pid, *children(proxy.proc.pid)]),
@@ -635,11 +625,6 @@ def memory(args: argparse.Namespace, work: Path) -> None:
                   f"{held / 1024:7.1f} MiB "
                   f"({(held - idle) / args.streams:.1f} KiB a stream)")  # fmt: skip
             time.sleep(1)
-    finally:
-        if fe is not None:
-            fe.stop()
-        proxy.stop()
-        upstream.stop()
 
 
 def main() -> None:

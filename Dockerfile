@@ -12,7 +12,7 @@ RUN apt-get update && bash scripts/setup.sh \
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends \
-      libgrpc++1.51 libprotobuf32 librocksdb7.8 libucx0 ucx-utils libxxhash0 libzmq5 libmsgpackc2 \
+      libgrpc++1.51 libprotobuf32 librocksdb7.8 libucx0 ucx-utils libxxhash0 libzmq5 libmsgpackc2 libjemalloc2 \
       libabsl20220623 libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --uid 10001 --user-group --no-create-home kvtier

@@ -39,8 +39,22 @@ namespace http = beast::http;
 using tcp = net::ip::tcp;
 using Clock = std::chrono::steady_clock;
 using ErrorCode = boost::system::error_code;
+// Every socket, timer and coroutine runs on one thread's io_context, named
+// by its concrete executor type: no strands and no type-erased executor on
+// the request path (they were a fifth of the frontend's CPU per request).
+using Executor = net::io_context::executor_type;
 template <typename T = void>
-using Task = net::awaitable<T>;
+using Task = net::awaitable<T, Executor>;
+using Stream = beast::basic_stream<tcp, Executor>;
+using Socket = net::basic_stream_socket<tcp, Executor>;
+using Timer = net::basic_waitable_timer<Clock, net::wait_traits<Clock>, Executor>;
+using Resolver = net::ip::basic_resolver<tcp, Executor>;
+using Acceptor = net::basic_socket_acceptor<tcp, Executor>;
+constexpr net::use_awaitable_t<Executor> kAwait;
+
+// The io_context (by index) this thread runs: a pooled upstream connection
+// is reused only by the thread whose reactor it is registered with.
+thread_local size_t t_loop = 0;
 
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
@@ -78,10 +92,11 @@ struct Engine {
   std::atomic<uint64_t> requests{0}, failures{0};
   std::mutex mu;
   struct Idle {
-    std::unique_ptr<beast::tcp_stream> stream;
+    std::shared_ptr<Stream> stream;
     Clock::time_point since;
   };
-  std::vector<Idle> idle;                           // guarded by mu; newest last
+  // Per thread (t_loop), newest last; guarded by mu.
+  std::vector<std::vector<Idle>> idle;
   std::unique_ptr<router::VllmEventSource> events;  // guarded by mu
   VllmLoad vllm;                                    // guarded by mu: its /metrics, last scraped
   // Requests vLLM said wait there beyond this frontend's own, when scraped:
@@ -142,8 +157,12 @@ struct Frontend::Impl {
   std::shared_ptr<const Fleet> fleet = std::make_shared<Fleet>();  // guarded by fleet_mu
   std::atomic<uint64_t> prompt_tokens_seen{0}, prompts_seen{0};
   Counters counters;
-  net::io_context io;
-  tcp::acceptor acceptor{io};
+  // One io_context per thread; connections are dealt round-robin.
+  std::vector<std::unique_ptr<net::io_context>> loops;
+  // Each loop runs until stopped, whether or not it has connections yet.
+  std::vector<net::executor_work_guard<Executor>> keep_running;
+  std::optional<Acceptor> acceptor;
+  size_t next_loop = 0;
   std::vector<std::thread> threads;
   uint64_t started_unix = 0;
   int port = 0;
@@ -279,7 +298,7 @@ struct Frontend::Impl {
     if (from_dns) {
       Log("frontend", "engine ", spec.id, " joined the fleet (DNS ", options.dns.endpoint, ")");
     }
-    net::co_spawn(net::make_strand(io), HealthLoop(e), net::detached);
+    net::co_spawn(loops[0]->get_executor(), HealthLoop(e), net::detached);
   }
 
   // The engine leaves routing and the index now; requests it serves finish.
@@ -335,16 +354,16 @@ struct Frontend::Impl {
 
   Task<> DnsLoop() {
     auto exec = co_await net::this_coro::executor;
-    net::steady_timer timer(exec);
-    tcp::resolver resolver(exec);
+    Timer timer(exec);
+    Resolver resolver(exec);
     const size_t colon = options.dns.endpoint.rfind(':');
     const std::string host = options.dns.endpoint.substr(0, colon);
     const std::string port = options.dns.endpoint.substr(colon + 1);
     bool failing = false;
     for (;;) {
       ErrorCode ec;
-      auto results = co_await resolver.async_resolve(tcp::v4(), host, port,
-                                                     net::redirect_error(net::use_awaitable, ec));
+      auto results =
+          co_await resolver.async_resolve(tcp::v4(), host, port, net::redirect_error(kAwait, ec));
       if (ec) {
         if (!failing) {
           Log("frontend", "cannot resolve ", host, " (", ec.message(),
@@ -358,7 +377,7 @@ struct Frontend::Impl {
         SyncDns(addresses, port);
       }
       timer.expires_after(std::chrono::milliseconds(options.dns_interval_ms));
-      co_await timer.async_wait(net::redirect_error(net::use_awaitable, ec));
+      co_await timer.async_wait(net::redirect_error(kAwait, ec));
       if (ec) co_return;
     }
   }
@@ -372,15 +391,14 @@ struct Frontend::Impl {
 
   // --- upstream connections -------------------------------------------
 
-  Task<std::unique_ptr<beast::tcp_stream>> Connect(Engine& e, ErrorCode& ec) {
+  Task<std::unique_ptr<Stream>> Connect(Engine& e, ErrorCode& ec) {
     auto exec = co_await net::this_coro::executor;
-    tcp::resolver resolver(exec);
-    auto results = co_await resolver.async_resolve(e.host, e.port,
-                                                   net::redirect_error(net::use_awaitable, ec));
+    Resolver resolver(exec);
+    auto results = co_await resolver.async_resolve(e.host, e.port, net::redirect_error(kAwait, ec));
     if (ec) co_return nullptr;
-    auto s = std::make_unique<beast::tcp_stream>(exec);
+    auto s = std::make_unique<Stream>(exec);
     s->expires_after(std::chrono::milliseconds(options.connect_timeout_ms));
-    co_await s->async_connect(results, net::redirect_error(net::use_awaitable, ec));
+    co_await s->async_connect(results, net::redirect_error(kAwait, ec));
     if (ec) co_return nullptr;
     s->socket().set_option(tcp::no_delay(true));
     co_return s;
@@ -391,25 +409,31 @@ struct Frontend::Impl {
   // request sent on one it is closing fails and must be sent again.
   static constexpr auto kPoolIdle = std::chrono::seconds(4);
 
-  std::unique_ptr<beast::tcp_stream> Pooled(Engine& e) {
+  std::shared_ptr<Stream> Pooled(Engine& e) {
     std::lock_guard lk(e.mu);
+    if (e.idle.size() <= t_loop) return nullptr;
+    std::vector<Engine::Idle>& idle = e.idle[t_loop];
     const auto now = Clock::now();
     // The newest are last; everything before an expired one is older still.
-    for (size_t i = e.idle.size(); i > 0; --i) {
-      if (now - e.idle[i - 1].since > kPoolIdle) {
-        e.idle.erase(e.idle.begin(), e.idle.begin() + static_cast<long>(i));
+    for (size_t i = idle.size(); i > 0; --i) {
+      if (now - idle[i - 1].since > kPoolIdle) {
+        idle.erase(idle.begin(), idle.begin() + static_cast<long>(i));
         break;
       }
     }
-    if (e.idle.empty()) return nullptr;
-    auto s = std::move(e.idle.back().stream);
-    e.idle.pop_back();
+    if (idle.empty()) return nullptr;
+    auto s = std::move(idle.back().stream);
+    idle.pop_back();
     return s;
   }
 
-  void ReturnToPool(Engine& e, std::unique_ptr<beast::tcp_stream> s) {
+  // Each thread keeps its share of the engine's idle connections.
+  void ReturnToPool(Engine& e, std::shared_ptr<Stream> s) {
     std::lock_guard lk(e.mu);
-    if (e.idle.size() < options.idle_per_engine) e.idle.push_back({std::move(s), Clock::now()});
+    if (e.idle.size() <= t_loop) e.idle.resize(t_loop + 1);
+    std::vector<Engine::Idle>& idle = e.idle[t_loop];
+    const size_t share = std::max<size_t>(1, options.idle_per_engine / loops.size());
+    if (idle.size() < share) idle.push_back({std::move(s), Clock::now()});
   }
 
   // --- one try at an engine -------------------------------------------
@@ -417,28 +441,29 @@ struct Frontend::Impl {
   // Watches the client's socket while the engine works: a peer that closed
   // (readable with nothing to read) closes the upstream connection, which
   // cancels what waits on it and tells vLLM to abort the request. Runs on
-  // the client's strand, as the exchange does.
+  // the client's thread, as the exchange does; a plain handler, not a
+  // coroutine (one per request).
   struct Watch {
-    std::weak_ptr<beast::tcp_stream> upstream;  // the connection in use now
+    std::weak_ptr<Stream> upstream;  // the connection in use now
     bool gone = false;
+    bool done = false;  // the try ended: a late wake-up touches nothing
   };
-  static Task<> WatchClient(beast::tcp_stream* client, std::shared_ptr<Watch> watch) {
-    for (;;) {
-      ErrorCode ec;
-      co_await client->socket().async_wait(tcp::socket::wait_read,
-                                           net::redirect_error(net::use_awaitable, ec));
-      if (ec) co_return;  // cancelled: the exchange ended first
+  static void WatchClient(Stream* client, std::shared_ptr<Watch> watch) {
+    client->socket().async_wait(tcp::socket::wait_read, [client, watch](const ErrorCode& ec) {
+      if (ec || watch->done) return;  // cancelled: the exchange ended first
       // Readiness can be stale (the epoll edge of bytes the request's read
       // already took): only an end of stream, or an error, is a client gone.
       char byte;
       const ssize_t n = ::recv(client->socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (n > 0) co_return;  // its next request: it is still there
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      if (n > 0) return;  // its next request: it is still there
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        WatchClient(client, watch);
+        return;
+      }
       watch->gone = true;
       ErrorCode ignored;
       if (auto up = watch->upstream.lock()) up->socket().close(ignored);
-      co_return;
-    }
+    });
   }
 
   // The client's answer header: the engine's status (set by the caller),
@@ -470,23 +495,23 @@ struct Frontend::Impl {
   // The client is watched from the first byte sent upstream: one that
   // leaves while the engine computes (before its answer starts) cancels
   // the request too. The watcher ends with the try.
-  Task<Tried> Forward(Engine& e, const Prepared& p, const std::string& explain,
-                      beast::tcp_stream& client, bool keep_alive, bool* client_keep,
-                      bool* answered) {
+  Task<Tried> Forward(Engine& e, const Prepared& p, const std::string& explain, Stream& client,
+                      bool keep_alive, bool* client_keep, bool* answered) {
     auto watch = std::make_shared<Watch>();
-    net::co_spawn(client.get_executor(), WatchClient(&client, watch), net::detached);
+    WatchClient(&client, watch);
     const Tried t =
         co_await ForwardWatched(e, p, explain, client, keep_alive, client_keep, answered, watch);
+    watch->done = true;
     ErrorCode ignored;
     client.socket().cancel(ignored);
     co_return t;
   }
 
   Task<Tried> ForwardWatched(Engine& e, const Prepared& p, const std::string& explain,
-                             beast::tcp_stream& client, bool keep_alive, bool* client_keep,
-                             bool* answered, std::shared_ptr<Watch> watch) {
+                             Stream& client, bool keep_alive, bool* client_keep, bool* answered,
+                             std::shared_ptr<Watch> watch) {
     ErrorCode ec;
-    std::shared_ptr<beast::tcp_stream> up;
+    std::shared_ptr<Stream> up;
     http::request<http::string_body> req{http::verb::post, p.path, 11};
     req.set(http::field::host, e.spec.endpoint);
     req.set(http::field::content_type, "application/json");
@@ -517,10 +542,9 @@ struct Frontend::Impl {
       watch->upstream = up;
       if (watch->gone) co_return Tried::kClientGone;
       up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
-      co_await http::async_write(*up, req, net::redirect_error(net::use_awaitable, ec));
+      co_await http::async_write(*up, req, net::redirect_error(kAwait, ec));
       if (!ec) {
-        co_await http::async_read_header(*up, ubuf, *parser,
-                                         net::redirect_error(net::use_awaitable, ec));
+        co_await http::async_read_header(*up, ubuf, *parser, net::redirect_error(kAwait, ec));
       }
       if (watch->gone) co_return Tried::kClientGone;
       if (!ec) break;
@@ -551,8 +575,7 @@ struct Frontend::Impl {
         parser->get().body().data = chunk;
         parser->get().body().size = sizeof(chunk);
         up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
-        co_await http::async_read_some(*up, ubuf, *parser,
-                                       net::redirect_error(net::use_awaitable, rec));
+        co_await http::async_read_some(*up, ubuf, *parser, net::redirect_error(kAwait, rec));
         if (rec == http::error::need_buffer) rec = {};
         body.append(chunk, sizeof(chunk) - parser->get().body().size);
       }
@@ -566,7 +589,7 @@ struct Frontend::Impl {
       res.body() = std::move(body);
       res.prepare_payload();
       client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
-      co_await http::async_write(client, res, net::redirect_error(net::use_awaitable, ec));
+      co_await http::async_write(client, res, net::redirect_error(kAwait, ec));
       client.expires_never();
       if (ec) {
         counters.client_disconnects++;
@@ -575,7 +598,7 @@ struct Frontend::Impl {
       }
       if (!watch->gone && parser->get().keep_alive()) {
         up->expires_never();
-        ReturnToPool(e, std::make_unique<beast::tcp_stream>(std::move(*up)));
+        ReturnToPool(e, std::move(up));
       }
       co_return Tried::kDone;
     }
@@ -585,15 +608,14 @@ struct Frontend::Impl {
     AnswerHeader(res, parser->get(), explain, keep_alive);
     res.chunked(true);
     http::response_serializer<http::empty_body> sr{res};
-    co_await http::async_write_header(client, sr, net::redirect_error(net::use_awaitable, ec));
+    co_await http::async_write_header(client, sr, net::redirect_error(kAwait, ec));
     Tried outcome = Tried::kDone;
     while (!ec && !parser->is_done()) {
       parser->get().body().data = chunk;
       parser->get().body().size = sizeof(chunk);
       up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
       ErrorCode rec;
-      co_await http::async_read_some(*up, ubuf, *parser,
-                                     net::redirect_error(net::use_awaitable, rec));
+      co_await http::async_read_some(*up, ubuf, *parser, net::redirect_error(kAwait, rec));
       if (rec == http::error::need_buffer) rec = {};
       const size_t n = sizeof(chunk) - parser->get().body().size;
       if (n > 0) {
@@ -601,7 +623,7 @@ struct Frontend::Impl {
         // freeing the engine's connection.
         client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
         auto piece = http::make_chunk(net::buffer(chunk, n));
-        co_await net::async_write(client, piece, net::redirect_error(net::use_awaitable, ec));
+        co_await net::async_write(client, piece, net::redirect_error(kAwait, ec));
       }
       if (rec && !ec) {
         // The client left (the watcher closed the engine's connection: an
@@ -629,12 +651,12 @@ struct Frontend::Impl {
       co_return outcome;
     }
     auto last = http::make_chunk_last();
-    co_await net::async_write(client, last, net::redirect_error(net::use_awaitable, ec));
+    co_await net::async_write(client, last, net::redirect_error(kAwait, ec));
     client.expires_never();
     if (ec) *client_keep = false;
     if (parser->get().keep_alive()) {
       up->expires_never();
-      ReturnToPool(e, std::make_unique<beast::tcp_stream>(std::move(*up)));
+      ReturnToPool(e, std::move(up));
     }
     co_return Tried::kDone;
   }
@@ -642,19 +664,18 @@ struct Frontend::Impl {
   // --- the client's side ----------------------------------------------
 
   template <typename Body>
-  Task<bool> Reply(beast::tcp_stream& client, http::response<Body>& res, bool keep_alive) {
+  Task<bool> Reply(Stream& client, http::response<Body>& res, bool keep_alive) {
     res.set(http::field::server, "kvtier-frontend");
     res.keep_alive(keep_alive);
     res.prepare_payload();
     ErrorCode ec;
-    co_await http::async_write(client, res, net::redirect_error(net::use_awaitable, ec));
+    co_await http::async_write(client, res, net::redirect_error(kAwait, ec));
     co_return !ec && keep_alive;
   }
 
   // GCC 12 destroys some temporaries of a co_await's full-expression twice:
   // every argument of a coroutine call here is a named local.
-  Task<bool> ReplyJson(beast::tcp_stream& client, unsigned status, std::string body,
-                       bool keep_alive) {
+  Task<bool> ReplyJson(Stream& client, unsigned status, std::string body, bool keep_alive) {
     http::response<http::string_body> res{static_cast<http::status>(status), 11};
     res.set(http::field::content_type, "application/json");
     res.body() = std::move(body);
@@ -662,15 +683,14 @@ struct Frontend::Impl {
     co_return again;
   }
 
-  Task<bool> ReplyError(beast::tcp_stream& client, std::string endpoint, ApiError e,
-                        bool keep_alive) {
+  Task<bool> ReplyError(Stream& client, std::string endpoint, ApiError e, bool keep_alive) {
     counters.Request(endpoint, e.status);
     std::string body = ErrorBody(e);
     const bool again = co_await ReplyJson(client, e.status, std::move(body), keep_alive);
     co_return again;
   }
 
-  Task<bool> Proxy(beast::tcp_stream& client, Endpoint endpoint, const std::string& name,
+  Task<bool> Proxy(Stream& client, Endpoint endpoint, const std::string& name,
                    const std::string& body, bool keep_alive, Clock::time_point arrived) {
     PrepareResult prep = Prepare(endpoint, body, *text, options.served_model, options.limits);
     if (prep.error) {
@@ -807,8 +827,8 @@ struct Frontend::Impl {
     return out;
   }
 
-  Task<> Session(tcp::socket socket) {
-    beast::tcp_stream client(std::move(socket));
+  Task<> Session(Socket socket) {
+    Stream client(std::move(socket));
     beast::flat_buffer buf;
     for (;;) {
       http::request_parser<http::string_body> parser;
@@ -816,7 +836,7 @@ struct Frontend::Impl {
       parser.header_limit(64 << 10);
       client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
       ErrorCode ec;
-      co_await http::async_read(client, buf, parser, net::redirect_error(net::use_awaitable, ec));
+      co_await http::async_read(client, buf, parser, net::redirect_error(kAwait, ec));
       if (ec == http::error::body_limit) {
         ApiError big{413, "invalid_request_error",
                      absl::StrCat("the body is over ", options.max_body_bytes, " bytes"), "", ""};
@@ -878,8 +898,8 @@ struct Frontend::Impl {
   Task<> Accept() {
     for (;;) {
       ErrorCode ec;
-      tcp::socket s = co_await acceptor.async_accept(net::make_strand(io),
-                                                     net::redirect_error(net::use_awaitable, ec));
+      const Executor to = loops[next_loop++ % loops.size()]->get_executor();
+      Socket s = co_await acceptor->async_accept(to, net::redirect_error(kAwait, ec));
       if (ec) {
         if (ec == net::error::operation_aborted) co_return;
         continue;
@@ -903,18 +923,18 @@ struct Frontend::Impl {
     req.set(http::field::host, e.spec.endpoint);
     s->expires_after(
         std::chrono::milliseconds(std::max<uint64_t>(2000, options.health_interval_ms)));
-    co_await http::async_write(*s, req, net::redirect_error(net::use_awaitable, ec));
+    co_await http::async_write(*s, req, net::redirect_error(kAwait, ec));
     if (ec) co_return std::nullopt;
     beast::flat_buffer b;
     http::response_parser<http::string_body> parser;
     parser.body_limit(16 << 20);
-    co_await http::async_read(*s, b, parser, net::redirect_error(net::use_awaitable, ec));
+    co_await http::async_read(*s, b, parser, net::redirect_error(kAwait, ec));
     if (ec || parser.get().result_int() != 200) co_return std::nullopt;
     co_return std::move(parser.get().body());
   }
 
   Task<> HealthLoop(std::shared_ptr<Engine> e) {
-    net::steady_timer timer(co_await net::this_coro::executor);
+    Timer timer(co_await net::this_coro::executor);
     while (!e->removed) {
       std::string health = "/health";
       const bool answered = (co_await Get(*e, health)).has_value();
@@ -955,7 +975,7 @@ struct Frontend::Impl {
       }
       timer.expires_after(std::chrono::milliseconds(options.health_interval_ms));
       ErrorCode ec;
-      co_await timer.async_wait(net::redirect_error(net::use_awaitable, ec));
+      co_await timer.async_wait(net::redirect_error(kAwait, ec));
       if (ec) co_return;
     }
   }
@@ -1076,29 +1096,39 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   if (ec)
     return absl::InvalidArgumentError(absl::StrCat("--listen ", o.listen, ": ", ec.message()));
   tcp::endpoint ep(addr, static_cast<uint16_t>(std::stoi(o.listen.substr(colon + 1))));
-  impl->acceptor.open(ep.protocol(), ec);
-  if (!ec) impl->acceptor.set_option(net::socket_base::reuse_address(true), ec);
-  if (!ec) impl->acceptor.bind(ep, ec);
-  if (!ec) impl->acceptor.listen(net::socket_base::max_listen_connections, ec);
+  for (int i = 0; i < o.threads; ++i) {
+    impl->loops.push_back(std::make_unique<net::io_context>(BOOST_ASIO_CONCURRENCY_HINT_1));
+    impl->keep_running.push_back(net::make_work_guard(impl->loops.back()->get_executor()));
+  }
+  impl->acceptor.emplace(impl->loops[0]->get_executor());
+  impl->acceptor->open(ep.protocol(), ec);
+  if (!ec) impl->acceptor->set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec) impl->acceptor->bind(ep, ec);
+  if (!ec) impl->acceptor->listen(net::socket_base::max_listen_connections, ec);
   if (ec) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", o.listen, ": ", ec.message()));
   }
-  impl->port = impl->acceptor.local_endpoint().port();
+  impl->port = impl->acceptor->local_endpoint().port();
   impl->started_unix =
       static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::seconds>(
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count());
   Impl* raw = impl.get();
-  net::co_spawn(raw->io, raw->Accept(), net::detached);
+  const Executor first = raw->loops[0]->get_executor();
+  net::co_spawn(first, raw->Accept(), net::detached);
   for (const auto& spec : o.engines) raw->AddEngine(spec, false);
-  if (!o.dns.endpoint.empty())
-    net::co_spawn(net::make_strand(raw->io), raw->DnsLoop(), net::detached);
-  for (int i = 0; i < o.threads; ++i) raw->threads.emplace_back([raw] { raw->io.run(); });
+  if (!o.dns.endpoint.empty()) net::co_spawn(first, raw->DnsLoop(), net::detached);
+  for (size_t i = 0; i < raw->loops.size(); ++i) {
+    raw->threads.emplace_back([raw, i] {
+      t_loop = i;
+      raw->loops[i]->run();
+    });
+  }
   return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
 }
 
 Frontend::~Frontend() {
-  impl_->io.stop();
+  for (auto& loop : impl_->loops) loop->stop();
   for (auto& t : impl_->threads) t.join();
 }
 

@@ -23,7 +23,7 @@ PKGS=(
   clang libclang-rt-14-dev clang-format openssl libssl-dev
   python3-dev pybind11-dev python3-numpy python3-pytest python3-torch
   python3-grpcio python3-protobuf python3-venv libopenblas0-pthread
-  iproute2 nftables nginx-light wrk
+  iproute2 nftables nginx-light wrk libjemalloc-dev
 )
 
 # A node from elsewhere (e.g. NodeSource) brings its own npm: keep it.

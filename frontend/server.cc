@@ -559,7 +559,9 @@ struct Frontend::Impl {
       MarkDown(e, absl::StrCat("answered ", status));
       co_return Tried::kRetry;  // the connection is dropped with `up`
     }
-    char chunk[16384];
+    // An SSE event is a few hundred bytes: 4 KiB holds many, and a held
+    // stream costs its coroutine frame, this buffer included.
+    char chunk[4096];
     // A whole answer of known length (vLLM's unstreamed responses; not an
     // event stream) is read first and goes to the client in one write: one
     // send, as it came.

@@ -28,6 +28,7 @@ Parts (--parts, comma-separated; all by default):
 from __future__ import annotations
 
 import argparse
+import itertools
 import contextlib
 import json
 import math
@@ -158,7 +159,12 @@ def proxy_block(port: int, upstream: str, servers: list[str], balance: str) -> s
 
 class Frontend:
     def __init__(
-        self, work: Path, engines: list[str], threads: int = 1, router_port: int = 0
+        self,
+        work: Path,
+        engines: list[str],
+        threads: int = 1,
+        router_port: int = 0,
+        flags: tuple[str, ...] = (),
     ) -> None:
         self.port = free_port()
         self.log = work / f"frontend-{self.port}.log"
@@ -174,6 +180,7 @@ class Frontend:
                     "--max-prompt-tokens=8192",
                     "--health-interval=1s",
                     f"--router-listen=127.0.0.1:{router_port}",
+                    *flags,
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -341,7 +348,11 @@ def replay(args: argparse.Namespace, work: Path) -> None:
             "--ignore-eos",
         ]  # fmt: skip
         chosen = [d for d in args.datasets.split(",") if d in datasets]
-        configs = ["nginx-least_conn", "nginx-round_robin", "kvtier"]
+        # --variant NAME=FLAGS: the frontend again with other flags, beside.
+        variants = {"kvtier": ()} | {
+            v.split("=", 1)[0]: tuple(v.split("=", 1)[1].split()) for v in args.variant
+        }
+        configs = ["nginx-least_conn", "nginx-round_robin", *variants]
         rows: dict[tuple[str, str], list[dict[str, float]]] = {}
         for run in range(args.runs):
             for ds in chosen:
@@ -360,8 +371,9 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                         for n, e in engines.items()
                     }
                     fe = None
-                    if cfg == "kvtier":
-                        fe = Frontend(work, specs, threads=1, router_port=router_port)
+                    if cfg in variants:
+                        fe = Frontend(work, specs, threads=1, router_port=router_port,
+                                      flags=variants[cfg])  # fmt: skip
                         time.sleep(1.5)  # its subscriptions are up
                         url = fe.url
                     else:
@@ -400,14 +412,14 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                     )
         print("  kvtier / the better nginx (lower TTFT is better), per run:")
         for ds in chosen:
-            for run in range(args.runs):
-                k = rows[(ds, "kvtier")][run]
+            for run, name in itertools.product(range(args.runs), variants):
+                k = rows[(ds, name)][run]
                 best = min(
                     (rows[(ds, c)][run] for c in configs[:2]),
                     key=lambda r: r["ttft_mean"],
                 )
                 print(
-                    f"  {ds:20s} run {run + 1}: TTFT mean "
+                    f"  {ds:20s} {name} run {run + 1}: TTFT mean "
                     f"{ratio(k['ttft_mean'], best['ttft_mean'])}x, "
                     f"p99 {ratio(k['ttft_p99'], best['ttft_p99'])}x, "
                     f"ITL p99 {ratio(k['itl_p99'], best['itl_p99'])}x, "
@@ -654,6 +666,12 @@ def main() -> None:
         "--store",
         action="store_true",
         help="replay: the engines with kvtier's connector and a store",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="replay: NAME=FLAGS, the frontend with FLAGS as one more config",
     )
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--seconds", type=int, default=5)

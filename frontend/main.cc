@@ -44,6 +44,9 @@ int main(int argc, char** argv) {
   flags.DurationMs("upstream-timeout", &o.upstream_timeout_ms,
                    "an engine's longest silence within a response");
   flags.DurationMs("health-interval", &o.health_interval_ms, "between engine health checks");
+  flags.Double("decode-weight", &o.decode_weight, 0, 16,
+               "load of a request being decoded, per prompt token, against a prompt "
+               "token waiting for prefill (0: only waiting prompts are load)");
   flags.DurationMs("down", &o.down_ms, "how long an engine that failed a request is skipped");
   flags.DurationMs("heartbeat-deadline", &heartbeat_ms,
                    "an engine silent this long (its health check failing) leaves the index");

@@ -246,7 +246,11 @@ struct Frontend::Impl {
   // Tells the router what this frontend knows of an engine's load: the
   // prompt tokens it sent there and has no answer to yet, and (for other
   // frontends' requests) what vLLM says waits beyond those, priced at the
-  // mean prompt seen here; vLLM's running requests; its free KV pages.
+  // mean prompt seen here; the prompt tokens of the requests it is
+  // decoding, at decode_weight (each is a sequence every step of the next
+  // prefill shares: with no prefix to match, this is what spreads streams
+  // as least-connections would); vLLM's running requests; its free KV
+  // pages.
   // Told at once when `now` or none was told for kPushEvery (a burst of
   // answers is one update: each costs the router's write lock), else with
   // the next update or the engine's heartbeat. A route needs no update:
@@ -260,9 +264,11 @@ struct Frontend::Impl {
         prompts > 0 ? static_cast<double>(prompt_tokens_seen.load()) / prompts : 0;
     std::lock_guard lk(e.mu);
     if (!e.events) return;
+    const int64_t waiting = std::max<int64_t>(0, e.waiting_tokens.load());
+    const int64_t decoding = std::max<int64_t>(0, e.in_flight_tokens.load() - waiting);
     load.queued_prefill_tokens =
-        static_cast<uint64_t>(std::max<int64_t>(0, e.waiting_tokens.load())) +
-        static_cast<uint64_t>(e.foreign_waiting * mean_prompt);
+        static_cast<uint64_t>(waiting) + static_cast<uint64_t>(e.foreign_waiting * mean_prompt) +
+        static_cast<uint64_t>(options.decode_weight * static_cast<double>(decoding));
     load.running_requests =
         static_cast<uint32_t>(std::max<double>(e.vllm.running, static_cast<double>(in_flight)));
     if (e.vllm.kv_usage >= 0 && e.vllm.gpu_blocks > 0) {
@@ -727,7 +733,11 @@ struct Frontend::Impl {
       Tried t = co_await Forward(e, p, explain, client, keep_alive, &client_keep, &answered);
       e.in_flight--;
       e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
-      Answered(e, p, &answered);
+      if (answered && options.decode_weight > 0) {
+        PushLoad(e, false);  // its decoding ended
+      } else {
+        Answered(e, p, &answered);
+      }
       if (t == Tried::kDone) {
         counters.Request(name, 200);
         co_return client_keep;
@@ -1056,6 +1066,9 @@ absl::Status FrontendOptions::Validate() const {
   const router::VllmSourceSpec& first = engines.empty() ? dns : engines.front();
   if (threads < 1 || threads > 256) return absl::InvalidArgumentError("--threads: 1..256");
   if (max_attempts < 1) return absl::InvalidArgumentError("--max-attempts: at least 1");
+  if (!(decode_weight >= 0 && decode_weight <= 16)) {
+    return absl::InvalidArgumentError("--decode-weight: 0..16");
+  }
   std::set<std::string> ids;
   for (const auto& e : engines) {
     if (e.id.empty() || e.endpoint.empty()) {

@@ -47,6 +47,14 @@ struct FrontendOptions {
   uint64_t down_ms = 5000;        // an engine that failed a request is skipped this long
   uint32_t max_attempts = 3;      // engines tried for one request
   uint32_t idle_per_engine = 64;  // pooled keep-alive connections kept per engine
+  // A request an engine is decoding (answered, not finished) weighs on the
+  // next one's time to first token there: its prompt tokens count in the
+  // engine's load at this weight (prefill tokens a token held). Small by
+  // default: a decoding stream adds about a token a step to the next
+  // prefill's steps, so it breaks ties among engines with nothing waiting
+  // (fewer streams win, as least-connections would choose) without
+  // outweighing a prefix hit. 0: only prompts waiting for prefill are load.
+  double decode_weight = 0.05;
   // The engines: their API (endpoint), their KV events; one namespace and
   // block size for all.
   std::vector<router::VllmSourceSpec> engines;

@@ -351,3 +351,34 @@ def test_every_front_door_panel_queries_a_metric_the_frontend_exports(
     exported = fleet.metrics()
     for metric in queried:
         assert f"\n{metric}{{" in exported or f"\n{metric} " in exported, metric
+
+
+def test_a_body_over_the_limit_is_refused_with_413_and_the_frontend_serves_on(
+    fleet: DnsFleet,
+) -> None:
+    """A request declaring more than --max-body-bytes (8 MiB by default) is
+    answered 413 in OpenAI's error JSON before its body is read, and the
+    next request is served."""
+    import socket
+
+    fleet.wait_engines([2, 3])
+    port = int(fleet.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: 9000000\r\n\r\n"
+        )
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            piece = s.recv(4096)
+            if not piece:
+                break
+            answer += piece
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), answer
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error", error
+    assert "8388608 bytes" in error["message"], error
+    status, _, _ = fleet.complete()
+    assert status == 200

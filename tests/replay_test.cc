@@ -129,9 +129,11 @@ TEST(Replay, RepeatedRunsArePooledAndEachIsListed) {
 // The same job with the PyTorch reference engine: real forward passes, real
 // KV blocks through the store, every loaded one verified by its checksum.
 // A trace of its own, so the reuse does not hang on timing: 21 conversations
-// whose second turn (4 s after the first turns, an odd number of requests
+// whose second turn (10 s after the first turns, an odd number of requests
 // later) extends the first; round-robin puts it on the other worker, which
-// must load the prefix from the store; the router puts it where it is.
+// must load the prefix from the store; the router puts it where it is. (With
+// 4 s, a CI machine running other tests beside it once had not saved any
+// first turn when the second turns came: none loaded anything.)
 TEST(Replay, TheTorchEngineServesTheTraceWithRealComputeAndLoadsVerifiedBlocks) {
   if (std::ifstream(KVTIER_TORCH_ENGINE).fail()) {
     GTEST_SKIP() << "no Python package in this build (sanitizer / fuzz builds have none)";
@@ -143,7 +145,7 @@ TEST(Replay, TheTorchEngineServesTheTraceWithRealComputeAndLoadsVerifiedBlocks) 
       for (int c = 0; c < 21; ++c) {
         nlohmann::json ids = nlohmann::json::array();
         for (int b = 0; b < 5 + 2 * turn; ++b) ids.push_back(1000 * (c + 1) + b);
-        out << nlohmann::json{{"timestamp", turn * 4000 + c * 20},
+        out << nlohmann::json{{"timestamp", turn * 10000 + c * 20},
                               {"input_length", 512 * (5 + 2 * turn) - 100},
                               {"output_length", 4},
                               {"hash_ids", ids}}

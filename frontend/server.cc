@@ -150,6 +150,12 @@ struct Fleet {
 
 struct Frontend::Impl {
   FrontendOptions options;
+  // One io_context per thread; connections are dealt round-robin. Declared
+  // first of what uses them: the engines' pooled connections (in `fleet`)
+  // are destroyed before their io_contexts.
+  std::vector<std::unique_ptr<net::io_context>> loops;
+  // Each loop runs until stopped, whether or not it has connections yet.
+  std::vector<net::executor_work_guard<Executor>> keep_running;
   std::unique_ptr<TextModel> text;
   std::unique_ptr<router::EmbeddedRouter> router;
   uint64_t namespace_id = 0;
@@ -157,10 +163,6 @@ struct Frontend::Impl {
   std::shared_ptr<const Fleet> fleet = std::make_shared<Fleet>();  // guarded by fleet_mu
   std::atomic<uint64_t> prompt_tokens_seen{0}, prompts_seen{0};
   Counters counters;
-  // One io_context per thread; connections are dealt round-robin.
-  std::vector<std::unique_ptr<net::io_context>> loops;
-  // Each loop runs until stopped, whether or not it has connections yet.
-  std::vector<net::executor_work_guard<Executor>> keep_running;
   std::optional<Acceptor> acceptor;
   size_t next_loop = 0;
   std::vector<std::thread> threads;

@@ -190,6 +190,13 @@ struct Frontend::Impl {
     q.prompt = router::RouteQuery::Prompt::kTokens;
     q.tokens = p.tokens;
     q.max_candidates = static_cast<uint32_t>(std::max<size_t>(1, f->engines.size()));
+    // The router chooses among the engines this request can be sent to: the
+    // route's load and pending blocks go where the request goes.
+    std::vector<std::string> exclude;
+    for (const auto& e : f->engines) {
+      if (tried.count(e.get()) || !e->Usable(now)) exclude.push_back(e->spec.id);
+    }
+    q.exclude = exclude;
     auto routed = router->Route(q);
     auto find = [&](const std::string& id) -> std::shared_ptr<Engine> {
       for (const auto& e : f->engines) {

@@ -99,6 +99,10 @@ class Walk {
 };
 
 void Walk::Admit(SourceNum num, uint32_t depth, uint64_t load, double cost) {
+  if (!in_.exclude.empty() &&
+      std::find(in_.exclude.begin(), in_.exclude.end(), num) != in_.exclude.end()) {
+    return;
+  }
   // A worker met twice (in two groups: only where holes break the
   // invariant) is kept once in the list.
   if (!m_.groups.empty()) {

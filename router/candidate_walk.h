@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
@@ -33,6 +34,8 @@ struct WalkInput {
   size_t keep = 1;         // the cheapest kept
   bool stop_early = true;  // false: weigh every worker (the reference)
   uint64_t request_hash = 0;
+  // Workers never picked (RouteQuery::exclude).
+  std::span<const SourceNum> exclude;
 };
 
 struct WalkPick {

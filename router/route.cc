@@ -116,7 +116,18 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   in.keep = k.temperature > 0 ? kSampledCandidates : std::max<size_t>(shown, 1);
   in.stop_early = !options_.scan_all_workers;
   in.request_hash = request_hash;
+  absl::InlinedVector<SourceNum, 4> excluded;
+  for (const std::string& id : q.exclude) {
+    if (const Source* s = sources_.Find(id); s != nullptr) excluded.push_back(s->num);
+  }
+  in.exclude = excluded;
   const WalkResult walk = WalkCandidates(in);
+  if (walk.picks.empty()) {
+    counters_.unavailable++;
+    return absl::UnavailableError(absl::StrCat("no live worker serves namespace ",
+                                               NamespaceName(q.namespace_id), " but the ",
+                                               excluded.size(), " excluded"));
+  }
   RouteResult r =
       Decide(q, chain, fleet, k, occupancy, match, walk, prompt_tokens, bt, request_hash, shown);
   r.fetch = basis;

@@ -95,6 +95,10 @@ struct RouteQuery {
   bool dry_run = false;              // explain only: no load added, no counters
   // The id the worker will know the request by (SourceLoad::arrived_request_ids); 0: none.
   uint64_t request_id = 0;
+  // Workers not to choose (a caller's engines that are down, or already
+  // tried for this request): the route, its load and its pending blocks go
+  // to the best of the others. Unknown ids are ignored.
+  std::span<const std::string> exclude;
 };
 
 // What the router knows of one source (router.proto SourceInfo).

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include <algorithm>
+#include <map>
 #include <random>
 #include <set>
 
@@ -232,6 +233,45 @@ TEST_F(RouterCoreTest, RoutesToTheLongestPrefixAndExplains) {
   Send("w1", hb);
   r = core_.Route(FromWire(Req(6)));
   EXPECT_EQ(r->worker_id, "w2");  // 32 + 1000 > 80
+}
+
+// A caller that cannot send to a worker (down, or tried already) names it:
+// the route goes to the best of the others, and its load and pending blocks
+// go with it, not to the worker the request never reached.
+TEST_F(RouterCoreTest, ExcludedWorkersAreNeitherChosenNorChargedWithTheRoute) {
+  Join("w1", {0, 1, 2, 3});
+  Join("w2", {0});
+  Join("w3", {});
+  const v1::RouteRequest req = Req(6);
+  const std::vector<std::string> w1_down = {"w1", "no-such-worker"};
+  RouteQuery q = FromWire(req);
+  q.exclude = w1_down;
+  auto r = core_.Route(q);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->worker_id, "w2");
+  EXPECT_EQ(r->gpu_blocks, 1u);
+  for (const auto& c : r->candidates) EXPECT_NE(c.worker_id, "w1");
+  for (const auto& s : core_.Sources()) {
+    EXPECT_EQ(s.routed_tokens_since_heartbeat, s.source_id == "w2" ? 80u : 0u) << s.source_id;
+  }
+  // The blocks pending are w2's: an explanation of the same prompt sees w2
+  // holding all six and w1 only the four its events named.
+  v1::RouteRequest dry = Req(6);
+  dry.set_dry_run(true);
+  auto again = core_.Route(FromWire(dry));
+  ASSERT_TRUE(again.ok());
+  std::map<std::string, uint32_t> depth;
+  for (const auto& c : again->candidates) depth[c.worker_id] = c.gpu_blocks;
+  EXPECT_EQ(depth["w2"], 6u);
+  EXPECT_EQ(depth["w1"], 4u);
+  // Every worker excluded: no route, and nobody charged.
+  const std::vector<std::string> all = {"w1", "w2", "w3"};
+  q.exclude = all;
+  auto none = core_.Route(q);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable) << none.status();
+  uint64_t routed = 0;
+  for (const auto& s : core_.Sources()) routed += s.routed_tokens_since_heartbeat;
+  EXPECT_EQ(routed, 80u);
 }
 
 TEST(RouterInflight, TokensRoutedJustBeforeAHeartbeatStayInTheLoadUntilTheyCanHaveArrived) {

@@ -209,6 +209,7 @@ def test_a_conversations_second_turn_goes_to_the_engine_holding_its_first(
         for i in range(4)
     ]
     first: dict[int, str] = {}
+    first_routes: dict[int, dict[str, str]] = {}
     for i, system in enumerate(systems):
         raw = c.chat.completions.with_raw_response.create(
             model="tiny",
@@ -218,7 +219,8 @@ def test_a_conversations_second_turn_goes_to_the_engine_holding_its_first(
                 {"role": "user", "content": "First question?"},
             ],
         )
-        first[i] = route_of(raw.headers)["engine"]
+        first_routes[i] = route_of(raw.headers)
+        first[i] = first_routes[i]["engine"]
     # Where the first turns go is the load and occupancy terms' choice (new
     # prompts go to the emptier engine); what matters is the second turns.
     time.sleep(1.5)  # vLLM's events reach the router
@@ -237,7 +239,12 @@ def test_a_conversations_second_turn_goes_to_the_engine_holding_its_first(
             ],
         )
         route = route_of(raw.headers)
-        assert route["engine"] == first[i], (i, route, first)
+        assert route["engine"] == first[i], (
+            i,
+            route,
+            first_routes,
+            fleet.log.read_text()[-3000:],
+        )
         assert int(route["gpu_blocks"]) >= 10, route  # the system prompt's blocks
     for name in fleet.engines:
         gained = (

@@ -235,6 +235,21 @@ class SchedulerHalf:
             self.lookup_errors += 1
         return 0
 
+    def saved_blocks(self, request: int) -> int:
+        """Blocks [0, n) of the request's prompt are in the store or on
+        their way there (saved by this engine or found there); 0 for a
+        request not tracked."""
+        t = self._reqs.get(request)
+        return t.saved_blocks if t is not None else 0
+
+    def retry(self, request: int) -> None:
+        """The next poll asks the store again for the same own prefix, even
+        after a late answer (a decode waiting on a handoff's fence)."""
+        t = self._reqs.get(request)
+        if t is not None:
+            t.answer = None
+            t.gave_up = None
+
     def skip_blocks(self, request: int) -> int:
         """The engine's own prefix, in blocks, at the last lookup."""
         t = self._reqs.get(request)

@@ -319,6 +319,8 @@ def test_a_burst_is_one_lookup_per_step_and_every_request_hits(
     ({"lookup_wait_ms": True}, '"lookup_wait_ms" takes a number'),
     ({"shared_memory": "yes"}, "'auto', 'on', 'off'"),
     ({"load_threads": 0}, '"load_threads" takes an integer from 1'),
+    ({"handoff_wait_ms": 0}, '"handoff_wait_ms" takes a number'),
+    ({"handoff_wait_ms": 700000}, '"handoff_wait_ms" takes a number'),
 ])
 def test_a_bad_setting_is_refused_at_start_up_naming_its_key(
         extra: dict, says: str) -> None:
@@ -517,3 +519,128 @@ def test_group_kinds_kvtier_cannot_store_are_refused_by_name() -> None:
         with pytest.raises(kvtier.errors.InvalidArgument,
                            match=f"group 1 is a {name}"):
             group_kinds(kc)
+
+
+# ------------------------------------------------ prefill/decode handoff
+
+def decode_connector(store: Any, wait_ms: float = 5000) -> KvtierConnector:
+    """A decode engine's scheduler-side connector (``kv_consumer``)."""
+    cfg = v.config([store.address], handoff_wait_ms=wait_ms)
+    cfg.kv_transfer_config.kv_role = "kv_consumer"
+    return KvtierConnector(cfg, KVConnectorRole.SCHEDULER)
+
+
+def counted(sched: KvtierConnector) -> dict[str, float]:
+    """The handoff counters the connector gives vLLM now."""
+    stats = sched.get_kv_connector_stats()
+    return dict(stats.data) if stats is not None else {}
+
+
+def test_a_prefill_hands_every_block_to_a_decode_through_the_store(
+        store, worker) -> None:
+    """A prefill asked with ``do_remote_decode`` computes and saves its
+    prompt, and ``request_finished`` returns the fence (its namespace and
+    6 blocks); a ``kv_consumer`` given those params loads all 6 (the
+    prompt's last partial block is computed), counted ``loaded``, and
+    plans no save of its own."""
+    prefill = KvtierConnector(v.config([store.address]),
+                              KVConnectorRole.SCHEDULER)
+    prompt = np.random.default_rng(31).integers(0, 4096, 100).tolist()
+    n, r, _ = run_new(prefill, worker, "P", prompt, list(range(7)),
+                      {b: 500 + b for b in range(7)})
+    assert n == 0 and r["errors"] == []
+    req = v.Request("P", prompt, kv_transfer_params={"do_remote_decode": True})
+    delay, params = prefill.request_finished(req, list(range(7)))
+    ns = prefill._scheduler.namespace
+    assert delay is False
+    assert params == {"kvtier": {"namespace": f"{ns.id:016x}", "blocks": 6,
+                                 "prompt_tokens": 100, "block_tokens": BS}}
+    assert counted(prefill) == {"sent": 1}
+
+    decode = decode_connector(store)
+    got = matched(decode, v.Request("D", prompt, kv_transfer_params=params), 0)
+    assert got == (6 * BS, True)
+    c = counted(decode)
+    assert c["loaded"] == 1 and "computed_blocks" not in c, c
+    # A consumer computes the tail and saves nothing: the prefill pool does.
+    out = v.SchedulerOutput(
+        scheduled_new_reqs=[v.NewRequestData("E", prompt, (list(range(7)),), 0)],
+        num_scheduled_tokens={"E": len(prompt)})
+    assert decode.build_connector_meta(out).step.saves == []
+
+
+def test_a_decode_waits_on_the_fence_for_writes_still_on_their_way(
+        store) -> None:
+    """The decode asks before the prefill's blocks are in the store (the
+    writes race the decode's lookup): it answers None (vLLM asks again a
+    step later) until all 6 are there, 0.4 s later here, then loads them
+    all; it never loads a partial prefix while the fence is unmet."""
+    decode = decode_connector(store)
+    ns = decode._scheduler.namespace
+    prompt = np.random.default_rng(32).integers(0, 4096, 100).tolist()
+    hashes = kvtier.hash_tokens(ns, prompt)
+    params = {"kvtier": {"namespace": f"{ns.id:016x}", "blocks": 6,
+                         "prompt_tokens": 100, "block_tokens": BS}}
+    probe = kvtier.StoreClient([store.address])
+    probe.register_namespace(ns)
+    # The first three land at once, the rest 0.4 s later.
+    probe.put(ns, hashes[:3], np.ones(3 * ns.block_bytes, np.uint8))
+    req = v.Request("D", prompt, kv_transfer_params=params)
+    t0 = time.monotonic()
+    wrote = None
+    while True:
+        got = decode.get_num_new_matched_tokens(req, 0)
+        if got[0] is not None:
+            break
+        if wrote is None and time.monotonic() - t0 > 0.4:
+            probe.put(ns, hashes[3:6], np.ones(3 * ns.block_bytes, np.uint8))
+            wrote = time.monotonic() - t0
+        assert time.monotonic() - t0 < 10, "the fence was never met"
+        decode.build_connector_meta(v.SchedulerOutput())
+        time.sleep(0.001)
+    assert wrote is not None and got == (6 * BS, True)
+    c = counted(decode)
+    assert c["loaded"] == 1 and c["wait_seconds"] >= 0.4, c
+
+
+def test_a_fence_never_met_is_waited_for_its_budget_then_computed(
+        store) -> None:
+    """A handoff whose blocks never reach the store (the prefill died):
+    the decode waits its budget (300 ms), then computes the prompt, and
+    says so: ``computed``, 6 blocks computed, the wait counted."""
+    decode = decode_connector(store, wait_ms=300)
+    ns = decode._scheduler.namespace
+    prompt = np.random.default_rng(33).integers(0, 4096, 100).tolist()
+    params = {"kvtier": {"namespace": f"{ns.id:016x}", "blocks": 6,
+                         "prompt_tokens": 100, "block_tokens": BS}}
+    t0 = time.monotonic()
+    got = matched(decode, v.Request("D", prompt, kv_transfer_params=params), 0)
+    took = time.monotonic() - t0
+    assert got == (0, False)
+    assert 0.3 <= took < 2.0, took
+    c = counted(decode)
+    assert c["computed"] == 1 and c["computed_blocks"] == 6, c
+    assert 0.3 <= c["wait_seconds"] < 2.0, c
+
+
+@pytest.mark.parametrize("entry, outcome", [
+    ({"namespace": "not-hex", "blocks": 6}, "invalid"),
+    ({"namespace": "00", "blocks": -1}, "invalid"),
+    ({"namespace": "00", "blocks": 6, "block_tokens": 32}, "invalid"),
+    ({"namespace": "00", "blocks": 6, "prompt_tokens": 99}, "invalid"),
+    ({"namespace": "00", "blocks": 9}, "invalid"),
+    ({"namespace": "0123456789abcdef", "blocks": 6}, "other_namespace"),
+])
+def test_handoff_params_that_cannot_be_used_serve_the_request_as_usual(
+        store, entry: dict, outcome: str) -> None:
+    """Malformed params, or another deployment's namespace: the request is
+    looked up as any other (it waits for no fence), and the reason is
+    counted."""
+    decode = decode_connector(store)
+    prompt = np.random.default_rng(34).integers(0, 4096, 100).tolist()
+    full = {"prompt_tokens": 100, "block_tokens": BS, **entry}
+    req = v.Request("D", prompt, kv_transfer_params={"kvtier": full})
+    t0 = time.monotonic()
+    assert matched(decode, req, 0) == (0, False)
+    assert time.monotonic() - t0 < 1.0
+    assert counted(decode) == {outcome: 1}

@@ -72,6 +72,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     num_computed_tokens: int = 0
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 @dataclass

@@ -22,8 +22,10 @@ value out of range is refused, naming it): ``stores`` (comma-separated or a
 list; required), ``deadline_ms`` (10000: any one store call), ``shared_memory``
 ("auto", "on", "off"), ``staging_blocks`` (64), ``lookup_wait_ms`` (100: a
 new request's wait for the store's answer), ``lookup_threads`` (2),
-``load_threads`` (2), ``tls_ca`` / ``tls_cert`` / ``tls_key`` (PEM files:
-TLS, mutual with a certificate, towards the stores).
+``load_threads`` (2), ``handoff_wait_ms`` (5000: a decode's wait for a
+prefill's blocks, docs/disaggregation.md), ``tls_ca`` / ``tls_cert`` /
+``tls_key`` (PEM files: TLS, mutual with a certificate, towards the
+stores).
 ``kv_load_failure_policy`` must be "recompute".
 
 Every decision is in kvtier.scheduler_half and kvtier.worker_half; this
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -60,6 +63,10 @@ from kvtier.integrations.vllm_config import (_tp_rank, connector_options,
 from kvtier.integrations.vllm_pages import page_view
 from kvtier.integrations.vllm_groups import (GroupLoads, GroupPlans,
                                              group_kinds, primary_group)
+from kvtier.integrations.vllm_handoff import (RETRY_S, HandoffCounts,
+                                              KvtierPromMetrics, KvtierStats,
+                                              Waiting, producer_params,
+                                              read_fence, wants_handoff)
 from kvtier.options import client_options
 
 # A child of vLLM's own logger, so the connector's lines appear with vLLM's.
@@ -89,6 +96,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._load_threads = int(opts["load_threads"])
         self._lookup_wait_ms = float(opts["lookup_wait_ms"])
         self._block_size = int(vllm_config.cache_config.block_size)
+        # Prefill/decode roles (docs/disaggregation.md): a producer hands
+        # every prompt to a decode engine; a consumer saves nothing (the
+        # prefill engines do) and waits on the fences it is given.
+        self._kv_role = str(getattr(vllm_config.kv_transfer_config,
+                                    "kv_role", None) or "kv_both")
+        self._saves = self._kv_role != "kv_consumer"
+        self._handoff_wait_s = float(opts["handoff_wait_ms"]) / 1000
+        self._fences: dict[str, Optional[Waiting]] = {}
+        self._counts = HandoffCounts()
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
         self._load_errors: set[int] = set()
@@ -173,10 +189,61 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             # wait for it (vLLM's prefix cache then holds them) instead of
             # moving the same blocks twice.
             return None, False
+        wait = self._fence_of(request, len(prompt))
+        now = time.monotonic()
+        if wait is not None and now < wait.next_ask:
+            return None, False
         n = self._scheduler.poll_loadable_tokens(
             request_key(rid), hashes, len(prompt),
             num_computed_tokens, self._lookup_wait_ms)
+        if wait is None or n is None:
+            return n, bool(n)
+        # A handoff: every block the prefill wrote, or the budget spent.
+        have = skip + n // self._block_size
+        need = min(wait.fence.blocks, (len(prompt) - 1) // self._block_size)
+        waited = now - wait.since
+        if have < need and waited < self._handoff_wait_s:
+            wait.next_ask = now + RETRY_S
+            self._scheduler.retry(request_key(rid))
+            return None, False
+        self._fences[rid] = None  # settled: a preempted request asks afresh
+        outcome = ("loaded" if have >= need else
+                   "partial" if n else "computed")
+        self._counts.add(outcome)
+        self._counts.add("wait_seconds", waited)
+        if have < need:
+            self._counts.add("computed_blocks", need - have)
+            log.warning("kvtier handoff of request %s: %d of the %d blocks "
+                        "the prefill wrote were in the store after %.0f ms; "
+                        "computing the rest", rid, have, need, waited * 1e3)
         return n, bool(n)
+
+    def _fence_of(self, request: Any, prompt_tokens: int
+                  ) -> Optional[Waiting]:
+        """The handoff fence a decode request waits on (None: none, or
+        settled). Malformed params or another namespace's are logged,
+        counted and ignored: the request is served as an ordinary one."""
+        rid = request.request_id
+        if rid in self._fences:
+            return self._fences[rid]
+        assert self._scheduler is not None
+        fence, bad = read_fence(getattr(request, "kv_transfer_params", None),
+                                prompt_tokens, self._block_size)
+        wait = None
+        if bad:
+            self._counts.add("invalid")
+            log.warning("kvtier handoff of request %s ignored: %s", rid, bad)
+        elif (fence is not None and
+              fence.namespace != self._scheduler.namespace.id):
+            self._counts.add("other_namespace")
+            log.warning("kvtier handoff of request %s ignored: its prefill "
+                        "wrote namespace %016x, this engine reads %016x "
+                        "(another model, dtype, layout or TP size)", rid,
+                        fence.namespace, self._scheduler.namespace.id)
+        elif fence is not None:
+            wait = Waiting(fence)
+        self._fences[rid] = wait
+        return wait
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -262,26 +329,40 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             # vLLM rolled the request back (a load error): recompute, resave.
             self._scheduler.load_failed(key, num_computed)
         self._planned[rid] = num_computed + scheduled
-        self._scheduler.computed(key, num_computed + scheduled,
-                                 self._blocks.get(rid, []))
+        if self._saves:
+            self._scheduler.computed(key, num_computed + scheduled,
+                                     self._blocks.get(rid, []))
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
         """Closes the request (on the worker, next step). Its blocks are
         freed at once, unless a load into them is still running (a request
         aborted while it waits for its KV): then vLLM frees them when the
-        workers report that load ended."""
+        workers report that load ended. A prefill handed to a decode engine
+        (``kv_producer``, or ``do_remote_decode``) returns the handoff's
+        ``kv_transfer_params``: the blocks are copied out of the pages in
+        the step that computed them, so nothing waits on their writes."""
         assert self._scheduler is not None
         rid = request.request_id
-        self._scheduler.finished(request_key(rid))
-        for d in (self._hashes, self._planned, self._blocks):
+        key = request_key(rid)
+        params = None
+        if self._saves and (self._kv_role == "kv_producer" or wants_handoff(
+                getattr(request, "kv_transfer_params", None))):
+            prompt = request.prompt_token_ids
+            params = producer_params(
+                self._scheduler.namespace.id,
+                self._scheduler.saved_blocks(key),
+                len(prompt) if prompt is not None else 0, self._block_size)
+            self._counts.add("sent")
+        self._scheduler.finished(key)
+        for d in (self._hashes, self._planned, self._blocks, self._fences):
             d.pop(rid, None)
         self._computes.discard(rid)
         if self._plans is not None:
             self._plans.forget(rid)
         if rid not in self._loading:
             self._release_inflight(rid)
-        return rid in self._loading, None
+        return rid in self._loading, params
 
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]
@@ -289,6 +370,28 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """:meth:`request_finished` for a hybrid model (every group's
         blocks; freed at once unless a load into them still runs)."""
         return self.request_finished(request, list(block_ids[self._primary]))
+
+    def get_kv_connector_stats(self) -> Optional[KvtierStats]:
+        """The scheduler's handoff counters since the last call (vLLM
+        carries them to its loggers and to ``/metrics``)."""
+        data = self._counts.take() if self._scheduler is not None else {}
+        return KvtierStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None
+                                 ) -> KvtierStats:
+        """kvtier's stats from their wire form."""
+        return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KvtierPromMetrics:
+        """kvtier's counters on vLLM's ``/metrics``
+        (:class:`kvtier.integrations.vllm_handoff.KvtierPromMetrics`)."""
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
 
     # --------------------------------------------------------- worker side
 

@@ -30,6 +30,9 @@ CONNECTOR_OPTIONS: tuple[Option, ...] = CLIENT_OPTIONS + (
     Option("lookup_wait_ms", "number", 100,
            "how long a new request waits for the store's answer before it "
            "computes its prompt", 1, 60000),
+    Option("handoff_wait_ms", "number", 5000,
+           "how long a decode request waits for a prefill's blocks to "
+           "reach the store before it computes what is missing", 1, 600000),
     Option("lookup_threads", "int", 2,
            "batched lookups out at once", 1, 64),
     Option("load_threads", "int", 2,

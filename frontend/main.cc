@@ -26,7 +26,8 @@ int main(int argc, char** argv) {
   flags.String("engines", &engines, "the engines, ';'-separated, each as a line of --engines-file");
   flags.String("engines-file", &engines_file,
                "one engine a line: id=ID,endpoint=HOST:PORT,events=tcp://HOST:PORT,"
-               "[replay=tcp://...],namespace=16 hex digits,block-tokens=N (docs/router.md)");
+               "[replay=tcp://...],namespace=16 hex digits,block-tokens=N,"
+               "[role=prefill|decode|both] (docs/router.md, docs/disaggregation.md)");
   flags.String("engines-dns", &engines_dns,
                "engines by DNS name (a headless Service), re-resolved: name=HOST:PORT,"
                "events-port=N,[replay-port=N],namespace=16 hex digits,block-tokens=N");
@@ -47,6 +48,10 @@ int main(int argc, char** argv) {
   flags.Double("decode-weight", &o.decode_weight, 0, 16,
                "load of a request being decoded, per prompt token, against a prompt "
                "token waiting for prefill (0: only waiting prompts are load)");
+  int64_t pd_threshold = static_cast<int64_t>(o.pd_threshold);
+  flags.Int("pd-threshold", &pd_threshold, 0, int64_t{1} << 30,
+            "with prefill engines: prompt tokens the decode engine would compute past "
+            "which a request is prefilled on a prefill engine first");
   flags.DurationMs("down", &o.down_ms, "how long an engine that failed a request is skipped");
   flags.DurationMs("heartbeat-deadline", &heartbeat_ms,
                    "an engine silent this long (its health check failing) leaves the index");
@@ -57,6 +62,7 @@ int main(int argc, char** argv) {
   kvtier::ParseFlagsOrExit(flags, argc, argv);
   o.threads = static_cast<int>(threads);
   o.max_attempts = static_cast<uint32_t>(max_attempts);
+  o.pd_threshold = static_cast<uint64_t>(pd_threshold);
   o.limits.max_prompt_tokens = max_prompt_tokens;
   o.limits.max_prompts = static_cast<uint32_t>(max_prompts);
   o.max_model_len = static_cast<uint64_t>(max_model_len);

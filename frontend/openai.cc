@@ -268,8 +268,40 @@ PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel&
   if (!req.contains("model") || req["model"].get_ref<const std::string&>().empty()) {
     req["model"] = served_model;
   }
+  const bool one_prompt =
+      chat || !(req["prompt"].is_array() && !req["prompt"].empty() && req["prompt"][0].is_array());
+  const bool one_choice = !req.contains("n") || req["n"].is_null() || req["n"] == 1;
+  p.disaggregable =
+      one_prompt && one_choice && !req.contains("kv_transfer_params") && !req.contains("best_of");
   p.body = req.dump(-1, ' ', false, json::error_handler_t::replace);
   return r;
+}
+
+std::string PrefillBody(const Prepared& p) {
+  json req = json::parse(p.body, nullptr, false);
+  req["max_tokens"] = 1;
+  if (req.contains("max_completion_tokens")) req["max_completion_tokens"] = 1;
+  // Nothing that asks for more than the one token, or streams it.
+  for (const char* key : {"min_tokens", "stream_options", "best_of"}) req.erase(key);
+  req["stream"] = false;
+  req["kv_transfer_params"] = json{{"do_remote_decode", true}};
+  return req.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::optional<json> HandoffParams(absl::string_view answer) {
+  const json res = json::parse(answer.begin(), answer.end(), nullptr, false);
+  if (!res.is_object()) return std::nullopt;
+  auto it = res.find("kv_transfer_params");
+  if (it == res.end() || !it->is_object()) return std::nullopt;
+  auto entry = it->find("kvtier");
+  if (entry == it->end() || !entry->is_object()) return std::nullopt;
+  return *it;
+}
+
+std::string DecodeBody(const Prepared& p, const json& params) {
+  json req = json::parse(p.body, nullptr, false);
+  req["kv_transfer_params"] = params;
+  return req.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 std::string ModelsBody(const std::string& served_model, uint64_t created_unix,

@@ -47,6 +47,9 @@ struct Prepared {
   uint64_t prompt_tokens = 0;    // every prompt's ids
   bool stream = false;
   std::string cache_salt;  // vLLM's cache_salt: blocks hash apart (routing cannot match them)
+  // One prompt, one choice, no kv_transfer_params of the client's own: a
+  // prefill engine may compute it for a decode engine.
+  bool disaggregable = false;
 };
 
 // Checks and prepares `body` for `endpoint`. `served_model`: the name
@@ -60,6 +63,17 @@ struct PrepareResult {
 };
 PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
                       const std::string& served_model, const RequestLimits& limits);
+
+// Prefill/decode (docs/disaggregation.md). The prefill engine's request:
+// `p`'s, answered with one token, unstreamed, asking the engine's KV
+// connector to hand the prompt's KV on (vLLM's do_remote_decode).
+std::string PrefillBody(const Prepared& p);
+// The kv_transfer_params of a prefill's answer when they name a kvtier
+// handoff; nullopt for anything else (not JSON, no params, another
+// connector's).
+std::optional<nlohmann::json> HandoffParams(absl::string_view answer);
+// The decode engine's request: `p`'s with the prefill's kv_transfer_params.
+std::string DecodeBody(const Prepared& p, const nlohmann::json& params);
 
 // GET /v1/models: the one model this frontend serves.
 std::string ModelsBody(const std::string& served_model, uint64_t created_unix,

@@ -113,6 +113,7 @@ struct Counters {
   std::map<std::pair<std::string, int>, uint64_t> requests;        // (endpoint, status)
   std::map<std::pair<std::string, std::string>, uint64_t> routes;  // (engine, reason)
   std::atomic<uint64_t> failovers{0}, client_disconnects{0}, no_engine{0};
+  std::map<std::string, uint64_t> handoffs;  // prefill/decode, by outcome
   std::atomic<uint64_t> added_us_sum{0}, added_count{0};
   // The added latency (request read to engine chosen) by bucket, in µs.
   static constexpr uint64_t kAddedBoundsUs[] = {25,   50,   100,   250,   500,   1000,
@@ -135,7 +136,19 @@ struct Counters {
     std::lock_guard lk(mu);
     routes[{engine, reason}]++;
   }
+  void Handoff(const std::string& outcome) {
+    std::lock_guard lk(mu);
+    handoffs[outcome]++;
+  }
 };
+
+// Which engines a choice is among: those that decode (every request's
+// answer comes from one) or the prefill engines.
+enum class Want { kDecode, kPrefill };
+bool Serves(const router::VllmSourceSpec& spec, Want want) {
+  return want == Want::kPrefill ? spec.role == router::EngineRole::kPrefill
+                                : spec.role != router::EngineRole::kPrefill;
+}
 
 // How one try at an engine ended.
 enum class Tried { kDone, kRetry, kClientGone };
@@ -179,9 +192,16 @@ struct Frontend::Impl {
   struct Choice {
     std::shared_ptr<Engine> engine;
     std::string explain;
+    uint64_t uncached = 0;  // prompt tokens the engine would compute (router's estimate)
   };
 
-  Choice Choose(const Prepared& p, const std::set<Engine*>& tried) {
+  bool HasPrefillEngines() {
+    const std::shared_ptr<const Fleet> f = Snapshot();
+    return std::any_of(f->engines.begin(), f->engines.end(),
+                       [](const auto& e) { return Serves(e->spec, Want::kPrefill); });
+  }
+
+  Choice Choose(const Prepared& p, const std::set<Engine*>& tried, Want want = Want::kDecode) {
     const int64_t now = NowMs();
     const std::shared_ptr<const Fleet> f = Snapshot();
     Choice c;
@@ -194,7 +214,9 @@ struct Frontend::Impl {
     // route's load and pending blocks go where the request goes.
     std::vector<std::string> exclude;
     for (const auto& e : f->engines) {
-      if (tried.count(e.get()) || !e->Usable(now)) exclude.push_back(e->spec.id);
+      if (tried.count(e.get()) || !e->Usable(now) || !Serves(e->spec, want)) {
+        exclude.push_back(e->spec.id);
+      }
     }
     q.exclude = exclude;
     auto routed = router->Route(q);
@@ -207,7 +229,9 @@ struct Frontend::Impl {
     if (routed.ok()) {
       for (const router::RouteCandidate& cand : routed->candidates) {
         std::shared_ptr<Engine> e = find(cand.worker_id);
-        if (e == nullptr || tried.count(e.get()) || !e->Usable(now)) continue;
+        if (e == nullptr || tried.count(e.get()) || !e->Usable(now) || !Serves(e->spec, want)) {
+          continue;
+        }
         const bool first = cand.worker_id == routed->worker_id;
         const std::string reason = first ? ReasonName(routed->reason) : "failover";
         c.engine = std::move(e);
@@ -215,14 +239,16 @@ struct Frontend::Impl {
             absl::StrCat("engine=", cand.worker_id, "; gpu_blocks=", cand.gpu_blocks,
                          "; store_blocks=", cand.store_blocks, "; load_tokens=", cand.load_tokens,
                          "; cost=", cand.cost, "; reason=", reason);
+        c.uncached = cand.prefill_tokens;
         counters.Route(cand.worker_id, reason);
         return c;
       }
     }
     // No route (no engine has said hello yet, or every candidate is down or
     // tried): the usable engine with the fewest requests in flight.
+    c.uncached = p.prompt_tokens;
     for (const auto& e : f->engines) {
-      if (tried.count(e.get()) || !e->Usable(now)) continue;
+      if (tried.count(e.get()) || !e->Usable(now) || !Serves(e->spec, want)) continue;
       if (c.engine == nullptr || e->in_flight.load() < c.engine->in_flight.load()) {
         c.engine = e;
       }
@@ -232,7 +258,9 @@ struct Frontend::Impl {
     bool unhealthy = false;
     if (c.engine == nullptr) {
       for (const auto& e : f->engines) {
-        if (tried.count(e.get()) || e->down_until_ms.load() > now) continue;
+        if (tried.count(e.get()) || e->down_until_ms.load() > now || !Serves(e->spec, want)) {
+          continue;
+        }
         if (c.engine == nullptr || e->in_flight.load() < c.engine->in_flight.load()) {
           c.engine = e;
           unhealthy = true;
@@ -678,6 +706,118 @@ struct Frontend::Impl {
     co_return Tried::kDone;
   }
 
+  // --- prefill/decode ----------------------------------------------------
+
+  // One whole unstreamed exchange with an engine (a prefill): the status
+  // (0: no answer: the engine is skipped for --down, as is one answering
+  // 5xx) and the answer's body in `out`. The client is watched meanwhile.
+  Task<unsigned> Exchange(Engine& e, const std::string& path, const std::string& body,
+                          std::string* out, std::shared_ptr<Watch> watch) {
+    ErrorCode ec;
+    std::shared_ptr<Stream> up;
+    http::request<http::string_body> req{http::verb::post, path, 11};
+    req.set(http::field::host, e.spec.endpoint);
+    req.set(http::field::content_type, "application/json");
+    req.set(http::field::user_agent, "kvtier-frontend");
+    req.keep_alive(true);
+    req.body() = body;
+    req.prepare_payload();
+    beast::flat_buffer ubuf;
+    std::optional<http::response_parser<http::string_body>> parser;
+    for (int fresh = 0; fresh < 2; ++fresh) {
+      parser.emplace();
+      parser->body_limit(kWholeAnswerBytes);
+      ubuf.clear();
+      auto pooled = fresh == 0 ? Pooled(e) : nullptr;
+      const bool reused = pooled != nullptr;
+      if (reused) {
+        up = std::move(pooled);
+      } else {
+        auto made = co_await Connect(e, ec);
+        if (!made) {
+          MarkDown(e, absl::StrCat("connect: ", ec.message()));
+          co_return 0u;
+        }
+        up = std::move(made);
+      }
+      watch->upstream = up;
+      if (watch->gone) co_return 0u;
+      up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
+      co_await http::async_write(*up, req, net::redirect_error(kAwait, ec));
+      if (!ec) co_await http::async_read(*up, ubuf, *parser, net::redirect_error(kAwait, ec));
+      if (watch->gone) co_return 0u;
+      if (!ec) break;
+      if (reused) continue;
+      MarkDown(e, absl::StrCat("prefill: ", ec.message()));
+      co_return 0u;
+    }
+    if (ec) co_return 0u;
+    const unsigned status = parser->get().result_int();
+    *out = std::move(parser->get().body());
+    if (status >= 500) {
+      MarkDown(e, absl::StrCat("prefill answered ", status));
+    } else if (parser->get().keep_alive()) {
+      up->expires_never();
+      ReturnToPool(e, std::move(up));
+    }
+    co_return status;
+  }
+
+  // The prompt computed on a prefill engine (chosen by prefix, in GPU and
+  // store, and queue) for a decode engine: the decode's kv_transfer_params,
+  // or nullopt when no prefill engine could do it (then the decode engine
+  // computes the prompt itself: a failed handoff costs time, never a
+  // request). `*note` explains it for the route header; `*client_gone`:
+  // the client left meanwhile (the prefill was cancelled with it).
+  Task<std::optional<nlohmann::json>> Prefill(const Prepared& p, Stream& client, std::string* note,
+                                              bool* client_gone) {
+    const std::set<Engine*> none;
+    Choice c = Choose(p, none, Want::kPrefill);
+    if (c.engine == nullptr) {
+      counters.Handoff("no_prefill_engine");
+      *note = "; prefill=none";
+      co_return std::nullopt;
+    }
+    const std::shared_ptr<Engine> held = c.engine;
+    Engine& e = *held;
+    e.requests++;
+    e.in_flight++;
+    e.in_flight_tokens += static_cast<int64_t>(p.prompt_tokens);
+    e.waiting_tokens += static_cast<int64_t>(p.prompt_tokens);
+    e.waiting_requests++;
+    auto watch = std::make_shared<Watch>();
+    WatchClient(&client, watch);
+    std::string answer;
+    const std::string body = PrefillBody(p);
+    const unsigned status = co_await Exchange(e, p.path, body, &answer, watch);
+    watch->done = true;
+    ErrorCode ignored;
+    client.socket().cancel(ignored);
+    e.in_flight--;
+    e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
+    bool answered = false;
+    Answered(e, p, &answered);
+    if (watch->gone) {
+      *client_gone = true;
+      counters.Handoff("client_gone");
+      co_return std::nullopt;
+    }
+    std::optional<nlohmann::json> params;
+    if (status == 200) params = HandoffParams(answer);
+    if (!params) {
+      counters.Handoff("prefill_failed");
+      Log("frontend", "prefill on ", e.spec.id, " gave no handoff (status ", status,
+          "): the decode engine computes the prompt");
+      *note = absl::StrCat("; prefill=", e.spec.id, " (failed: ", status, ")");
+      co_return std::nullopt;
+    }
+    counters.Handoff("handed_off");
+    const nlohmann::json& entry = (*params)["kvtier"];
+    *note = absl::StrCat("; prefill=", e.spec.id,
+                         "; handoff_blocks=", entry.value("blocks", int64_t{0}));
+    co_return params;
+  }
+
   // --- the client's side ----------------------------------------------
 
   template <typename Body>
@@ -720,9 +860,28 @@ struct Frontend::Impl {
     prompts_seen++;
     std::set<Engine*> tried;
     bool client_keep = keep_alive;
+    // With prefill engines, a long uncached prompt is prefilled there first
+    // and the decode engine sent it with the handoff's params.
+    Prepared handed;
+    const Prepared* send = &p;
+    std::string prefill_note;
     for (uint32_t attempt = 0; attempt < options.max_attempts; ++attempt) {
       Choice c = Choose(p, tried);
       if (c.engine == nullptr) break;
+      if (attempt == 0 && p.disaggregable && c.uncached > options.pd_threshold &&
+          HasPrefillEngines()) {
+        bool gone = false;
+        auto params = co_await Prefill(p, client, &prefill_note, &gone);
+        if (gone) {
+          counters.Request(name, 499);
+          co_return false;
+        }
+        if (params) {
+          handed = p;
+          handed.body = DecodeBody(p, *params);
+          send = &handed;
+        }
+      }
       tried.insert(c.engine.get());
       if (attempt > 0) counters.failovers++;
       if (attempt == 0) {
@@ -737,9 +896,9 @@ struct Frontend::Impl {
       e.in_flight_tokens += static_cast<int64_t>(p.prompt_tokens);
       e.waiting_tokens += static_cast<int64_t>(p.prompt_tokens);
       e.waiting_requests++;
-      const std::string explain = absl::StrCat(c.explain, "; attempt=", attempt + 1);
+      const std::string explain = absl::StrCat(c.explain, prefill_note, "; attempt=", attempt + 1);
       bool answered = false;
-      Tried t = co_await Forward(e, p, explain, client, keep_alive, &client_keep, &answered);
+      Tried t = co_await Forward(e, *send, explain, client, keep_alive, &client_keep, &answered);
       e.in_flight--;
       e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
       if (answered && options.decode_weight > 0) {
@@ -779,6 +938,14 @@ struct Frontend::Impl {
       for (const auto& [k, v] : counters.routes) {
         absl::StrAppend(&out, "kvtier_frontend_routes_total{engine=\"", k.first, "\",reason=\"",
                         k.second, "\"} ", v, "\n");
+      }
+    }
+    {
+      std::lock_guard lk(counters.mu);
+      absl::StrAppend(&out, "# TYPE kvtier_frontend_handoffs_total counter\n");
+      for (const auto& [outcome, v] : counters.handoffs) {
+        absl::StrAppend(&out, "kvtier_frontend_handoffs_total{outcome=\"", outcome, "\"} ", v,
+                        "\n");
       }
     }
     absl::StrAppend(&out, "# TYPE kvtier_frontend_failovers_total counter\n",
@@ -1077,6 +1244,23 @@ absl::Status FrontendOptions::Validate() const {
   if (max_attempts < 1) return absl::InvalidArgumentError("--max-attempts: at least 1");
   if (!(decode_weight >= 0 && decode_weight <= 16)) {
     return absl::InvalidArgumentError("--decode-weight: 0..16");
+  }
+  // Roles pair: a prefill engine's requests need an engine that decodes.
+  std::string prefill_only;
+  bool decodes = !dns.endpoint.empty() && dns.role != router::EngineRole::kPrefill;
+  for (const auto& e : engines) {
+    if (e.role == router::EngineRole::kPrefill) {
+      prefill_only = e.id;
+    } else {
+      decodes = true;
+    }
+  }
+  if (dns.role == router::EngineRole::kPrefill && !dns.endpoint.empty()) prefill_only = "(DNS)";
+  if (!prefill_only.empty() && !decodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--engines: engine ", prefill_only,
+                     " has role=prefill but no engine decodes (role=decode or both): the "
+                     "prefill's KV would have nowhere to go"));
   }
   std::set<std::string> ids;
   for (const auto& e : engines) {

@@ -55,6 +55,12 @@ struct FrontendOptions {
   // (fewer streams win, as least-connections would choose) without
   // outweighing a prefix hit. 0: only prompts waiting for prefill are load.
   double decode_weight = 0.05;
+  // Prefill/decode (docs/disaggregation.md): with engines of role prefill,
+  // a request whose prompt tokens the chosen decode engine would compute
+  // (neither on its GPU nor in the store) number more than this goes to a
+  // prefill engine first (max_tokens 1), then to the decode engine with
+  // the prefill's kv_transfer_params.
+  uint64_t pd_threshold = 512;
   // The engines: their API (endpoint), their KV events; one namespace and
   // block size for all.
   std::vector<router::VllmSourceSpec> engines;

@@ -46,10 +46,20 @@ absl::StatusOr<std::vector<VllmSourceSpec>> ParseVllmSources(absl::string_view t
           return bad(absl::StrCat("block-tokens \"", value, "\" must be ", limits::kMinBlockTokens,
                                   "..", limits::kMaxBlockTokens));
         }
+      } else if (key == "role") {
+        if (value == "prefill") {
+          s.role = EngineRole::kPrefill;
+        } else if (value == "decode") {
+          s.role = EngineRole::kDecode;
+        } else if (value == "both") {
+          s.role = EngineRole::kBoth;
+        } else {
+          return bad(absl::StrCat("role \"", value, "\" must be prefill, decode or both"));
+        }
       } else {
-        return bad(
-            absl::StrCat("unknown key \"", key,
-                         "\" (id, endpoint, events, replay, topic, namespace, block-tokens)"));
+        return bad(absl::StrCat(
+            "unknown key \"", key,
+            "\" (id, endpoint, events, replay, topic, namespace, block-tokens, role)"));
       }
     }
     auto zmq_url = [](const std::string& u) {

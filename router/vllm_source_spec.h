@@ -11,6 +11,10 @@
 
 namespace kvtier::router {
 
+// What an engine does in a prefill/decode split (kvtier-frontend's
+// pairing, docs/disaggregation.md; the router ignores it).
+enum class EngineRole : uint8_t { kBoth, kPrefill, kDecode };
+
 // One vLLM engine the router subscribes to.
 struct VllmSourceSpec {
   std::string id;        // its source id (the worker id routes name)
@@ -20,11 +24,13 @@ struct VllmSourceSpec {
   std::string topic;     // subscription prefix ("" : every topic)
   uint64_t namespace_id = 0;
   uint32_t block_tokens = 0;  // must equal the engine's --block-size
+  EngineRole role = EngineRole::kBoth;
 };
 
 // One spec per non-empty, non-# line: comma-separated key=value with keys
-// id, endpoint, events, replay, topic, namespace (16 hex digits) and
-// block-tokens. INVALID_ARGUMENT naming the line and the key.
+// id, endpoint, events, replay, topic, namespace (16 hex digits),
+// block-tokens and role (prefill, decode or both, the default).
+// INVALID_ARGUMENT naming the line and the key.
 absl::StatusOr<std::vector<VllmSourceSpec>> ParseVllmSources(absl::string_view text);
 
 }  // namespace kvtier::router

@@ -64,6 +64,49 @@ TEST(OpenAi, TokenIdsAndListsOfPromptsAreTaken) {
   EXPECT_EQ(lists.prepared.prompt_tokens, 5u);
 }
 
+// Prefill/decode: the prefill engine answers one token, unstreamed, and
+// hands the KV on; the decode gets the client's request with the prefill's
+// params; only a kvtier handoff in an answer counts.
+TEST(OpenAi, APrefillAsksForOneTokenAndTheDecodeCarriesItsHandoff) {
+  auto r = Completion({{"prompt", {1, 200, 300}},
+                       {"max_tokens", 40},
+                       {"min_tokens", 8},
+                       {"stream", true},
+                       {"stream_options", {{"include_usage", true}}},
+                       {"priority", 3}});
+  ASSERT_FALSE(r.error);
+  EXPECT_TRUE(r.prepared.disaggregable);
+  json pre = json::parse(PrefillBody(r.prepared));
+  EXPECT_EQ(pre["max_tokens"], 1);
+  EXPECT_EQ(pre["stream"], false);
+  EXPECT_FALSE(pre.contains("min_tokens")) << "more than one token would be refused";
+  EXPECT_FALSE(pre.contains("stream_options"));
+  EXPECT_EQ(pre["kv_transfer_params"], json({{"do_remote_decode", true}}));
+  EXPECT_EQ(pre["prompt"], json({1, 200, 300}));
+  EXPECT_EQ(pre["priority"], 3);
+  const json params = {{"kvtier", {{"namespace", "00c0ffee00c0ffee"}, {"blocks", 31}}}};
+  auto found =
+      HandoffParams(json({{"choices", json::array()}, {"kv_transfer_params", params}}).dump());
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(*found, params);
+  for (const std::string& answer :
+       {std::string("not json"), json({{"choices", json::array()}}).dump(),
+        json({{"kv_transfer_params", nullptr}}).dump(),
+        json({{"kv_transfer_params", {{"remote_block_ids", {1, 2}}}}}).dump()}) {
+    EXPECT_FALSE(HandoffParams(answer).has_value()) << answer;
+  }
+  json dec = json::parse(DecodeBody(r.prepared, params));
+  EXPECT_EQ(dec["kv_transfer_params"], params);
+  EXPECT_EQ(dec["max_tokens"], 40);
+  EXPECT_EQ(dec["min_tokens"], 8);
+  EXPECT_EQ(dec["stream"], true);
+  // Not split: several prompts or choices, or the client's own params.
+  EXPECT_FALSE(Completion({{"prompt", {{1, 2}, {1, 3}}}}).prepared.disaggregable);
+  EXPECT_FALSE(Completion({{"prompt", {1, 2}}, {"n", 2}}).prepared.disaggregable);
+  EXPECT_FALSE(
+      Completion({{"prompt", {1, 2}}, {"kv_transfer_params", {{"x", 1}}}}).prepared.disaggregable);
+}
+
 TEST(OpenAi, AChatTravelsAsMessagesAndIsPricedByItsTemplatesIds) {
   json body = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}};
   auto r = Prepare(Endpoint::kChat, body.dump(), Tiny(), "tiny", {});

@@ -329,9 +329,11 @@ TEST(VllmSources, SpecsParseAndBadOnesNameLineAndKey) {
       "namespace=00c0ffee00c0ffee,block-tokens=16\n\n"
       "id=vllm-1, endpoint=10.0.0.6:8000, events=ipc:///run/ev, topic=kv, "
       "namespace=00c0ffee00c0ffee, "
-      "block-tokens=16\n");
+      "block-tokens=16, role=prefill\n");
   ASSERT_TRUE(ok.ok()) << ok.status();
   ASSERT_EQ(ok->size(), 2u);
+  EXPECT_EQ((*ok)[0].role, EngineRole::kBoth);
+  EXPECT_EQ((*ok)[1].role, EngineRole::kPrefill);
   EXPECT_EQ((*ok)[0].replay, "tcp://10.0.0.5:5558");
   EXPECT_EQ((*ok)[1].topic, "kv");
   EXPECT_EQ((*ok)[1].namespace_id, kNs);
@@ -344,6 +346,8 @@ TEST(VllmSources, SpecsParseAndBadOnesNameLineAndKey) {
             "block-tokens"},
            {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4,colour=red",
             "unknown key \"colour\""},
+           {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4,role=pre",
+            "role \"pre\" must be prefill, decode or both"},
            {"id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4\n"
             "id=a,endpoint=e,events=tcp://x:1,namespace=00c0ffee00c0ffee,block-tokens=4",
             "used twice"},

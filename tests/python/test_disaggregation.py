@@ -1,13 +1,17 @@
 """Prefill/decode disaggregation through the store with real engines: two
 ``vllm serve`` processes of vLLM's CPU build, a prefill engine
 (``kv_role: kv_producer``) and a decode engine (``kv_consumer``), kvtier's
-connector in both, one kvtier-store; driven over HTTP as an orchestrator
-(the frontend, llm-d's sidecar) drives them. The prefill answers with
-``kv_transfer_params`` naming the fence; the decode given them computes
-only the prompt's tail (vLLM's own ``cached_tokens``) and answers the
-tokens one engine alone answers; a handoff whose blocks never come is
-waited for within the decode's budget, then computed, and counted on
-vLLM's ``/metrics``.
+connector in both, one kvtier-store, and kvtier-frontend in front of them
+(``role=prefill`` and ``role=decode``). Driven over HTTP as an
+orchestrator drives them: the prefill answers with ``kv_transfer_params``
+naming the fence; the decode given them computes only the prompt's tail
+(vLLM's own ``cached_tokens``) and answers the tokens one engine alone
+answers; a handoff whose blocks never come is waited for within the
+decode's budget, then computed, and counted on vLLM's ``/metrics``.
+Through the frontend (the ``openai`` package as the client): a long
+prompt is prefilled, then streamed from the decode engine; a short one
+goes straight to it; a prefill engine killed mid-prefill costs the
+request nothing but time (the decode engine computes it).
 
 Run with the project's environment (tests/python/run_venv_pytest.sh);
 skipped, saying why, without it.
@@ -16,17 +20,30 @@ skipped, saying why, without it.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import urllib.request
+
 import numpy as np
 import pytest
 
-from conftest import Store, engine_env
-from vllm_server import VllmServer
+from conftest import BUILD, Store, engine_env
+from vllm_server import TINY_LLAMA, VllmServer, free_port
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is in the project's environment")
+openai = pytest.importorskip(
+    "openai", reason="the openai package is in the environment"
+)
+
+FRONTEND_BIN = BUILD / "frontend" / "kvtier-frontend"
+NAMESPACE = "00c0ffee00c0ffee"
+THRESHOLD = 256  # --pd-threshold: prompt tokens past which a prefill runs first
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 WAIT_MS = 2000  # the decode's handoff budget here
@@ -51,35 +68,73 @@ class PD:
 
     def __init__(self, tmp: Path) -> None:
         self.store = Store(tmp, "pd-store", ram="256MiB")
+        self.frontend: subprocess.Popen[bytes] | None = None
         env = engine_env()
-        common = ("--block-size", str(BLOCK), "--enable-prefix-caching",
-                  "--enable-prompt-tokens-details")  # fmt: skip
-        self.prefill = VllmServer(
-            tmp / "prefill.log",
-            start=False,
-            env=env,
-            extra=(*common, "--kv-transfer-config",
-                   connector(self.store.address, "kv_producer")),
-        )  # fmt: skip
-        self.decode = VllmServer(
-            tmp / "decode.log",
-            start=False,
-            env=env,
-            extra=(*common, "--kv-transfer-config",
-                   connector(self.store.address, "kv_consumer",
-                             handoff_wait_ms=WAIT_MS)),
-        )  # fmt: skip
+        specs = []
+        servers = {}
+        for name, role, extra in (
+            ("prefill", "kv_producer", {}),
+            ("decode", "kv_consumer", {"handoff_wait_ms": WAIT_MS}),
+        ):
+            events, replay = f"ipc://{tmp}/{name}-kv-events", free_port()
+            cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+                   "endpoint": events,
+                   "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+                   "topic": "kv-events"}  # fmt: skip
+            servers[name] = VllmServer(
+                tmp / f"{name}.log",
+                start=False,
+                env=env,
+                extra=("--block-size", str(BLOCK), "--enable-prefix-caching",
+                       "--enable-prompt-tokens-details",
+                       "--kv-events-config", json.dumps(cfg),
+                       "--kv-transfer-config",
+                       connector(self.store.address, role, **extra)),
+            )  # fmt: skip
+            specs.append(
+                f"id={name},endpoint=127.0.0.1:{servers[name].port},"
+                f"events={events},replay=tcp://127.0.0.1:{replay},topic=kv-events,"
+                f"namespace={NAMESPACE},block-tokens={BLOCK},"
+                f"role={name}"
+            )
+        self.prefill, self.decode = servers["prefill"], servers["decode"]
         try:
             self.prefill.start()
             self.decode.start()
             self.prefill.wait()
             self.decode.wait()
+            port_file = tmp / "frontend.port"
+            self.log = tmp / "frontend.log"
+            with open(self.log, "wb") as out:
+                self.frontend = subprocess.Popen(
+                    [str(FRONTEND_BIN), "--listen=127.0.0.1:0",
+                     f"--port-file={port_file}", f"--model={TINY_LLAMA}",
+                     "--served-model-name=tiny", "--engines=" + ";".join(specs),
+                     f"--pd-threshold={THRESHOLD}", "--health-interval=500ms"],
+                    stdout=out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            deadline = time.monotonic() + 20
+            while not port_file.exists() or not port_file.read_text().strip():
+                assert self.frontend.poll() is None, self.log.read_text()
+                assert time.monotonic() < deadline, "the frontend did not start"
+                time.sleep(0.05)
+            self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
+            self.client = openai.OpenAI(
+                base_url=self.url + "/v1", api_key="none", max_retries=0
+            )
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        """Stops both engines and the store, each by its pid."""
+        """Stops the frontend, both engines and the store, each by its pid."""
+        if self.frontend is not None and self.frontend.poll() is None:
+            self.frontend.send_signal(signal.SIGTERM)
+            try:
+                self.frontend.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.frontend.kill()
+                self.frontend.wait()
         self.prefill.stop()
         self.decode.stop()
         self.store.stop()
@@ -118,8 +173,6 @@ def complete(
 def metric(engine: VllmServer, name: str, **labels: str) -> float:
     """A metric of vLLM's ``/metrics``, summed over the series whose labels
     include ``labels``."""
-    import urllib.request
-
     with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     total = 0.0
@@ -189,3 +242,94 @@ def test_a_handoff_whose_blocks_never_come_is_computed_after_its_budget(
         assert time.monotonic() < deadline, "the computed blocks were not counted"
         time.sleep(0.5)
     assert metric(pd.decode, "vllm:kvtier_handoffs_total", outcome="computed") >= 1
+
+
+def route_of(headers: Any) -> dict[str, str]:
+    """The frontend's x-kvtier-route header as a dict."""
+    raw = headers.get("x-kvtier-route", "")
+    return dict(part.strip().split("=", 1) for part in raw.split(";") if "=" in part)
+
+
+def test_the_frontend_prefills_a_long_prompt_and_streams_the_decodes_answer(
+    pd: PD,
+) -> None:
+    """A 1,200-token prompt through the frontend: prefilled on the prefill
+    engine (its route header names it and the 37 blocks handed off), then
+    answered by the decode engine, which computed only the tail and whose
+    tokens are one engine's; streamed, it comes chunk by chunk from the
+    decode engine. A 100-token prompt goes straight to the decode engine."""
+    ids = prompt(10, 1200)
+    raw = pd.client.completions.with_raw_response.create(
+        model="tiny", prompt=ids, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    route = route_of(raw.headers)
+    assert route["engine"] == "decode" and route.get("prefill") == "prefill", route
+    assert route["handoff_blocks"] == "37", route
+    answer = raw.parse()
+    details = answer.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == 37 * BLOCK, answer.usage
+    alone = complete(pd.prefill, ids, 12)
+    assert answer.choices[0].text == alone["choices"][0]["text"]
+
+    streamed = pd.client.completions.with_raw_response.create(
+        model="tiny", prompt=prompt(11, 1200), max_tokens=12, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert route_of(streamed.headers).get("prefill") == "prefill"
+    pieces = [c for c in streamed.parse() if c.choices]
+    assert len(pieces) >= 3, pieces
+    assert (
+        "".join(c.choices[0].text for c in pieces)
+        == complete(pd.prefill, prompt(11, 1200), 12)["choices"][0]["text"]
+    )
+
+    short = pd.client.completions.with_raw_response.create(
+        model="tiny", prompt=prompt(12, 100), max_tokens=4, temperature=0
+    )
+    route = route_of(short.headers)
+    assert route["engine"] == "decode" and "prefill" not in route, route
+    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert 'kvtier_frontend_handoffs_total{outcome="handed_off"} 2' in metrics, metrics
+
+
+def test_a_prefill_engine_killed_mid_prefill_costs_the_request_nothing(
+    pd: PD,
+) -> None:
+    """The prefill engine stopped (SIGSTOP) with the request on its socket,
+    then SIGKILLed: the frontend's prefill fails, and the decode engine
+    computes the whole prompt: the client gets 200 and one engine's tokens.
+    (Kills the prefill engine: the module's last test.)"""
+    assert pd.prefill.proc is not None
+    ids = prompt(20, 900)
+    reference = complete(pd.decode, prompt(21, 64), 1)  # the decode serves
+    assert reference["choices"]
+    got: dict[str, Any] = {}
+
+    def send() -> None:
+        got["raw"] = pd.client.completions.with_raw_response.create(
+            model="tiny", prompt=ids, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    os.killpg(pd.prefill.proc.pid, signal.SIGSTOP)
+    t = threading.Thread(target=send)
+    t.start()
+    time.sleep(0.5)
+    os.killpg(pd.prefill.proc.pid, signal.SIGKILL)
+    t.join(timeout=120)
+    assert not t.is_alive(), "the request never ended"
+    raw = got["raw"]
+    route = route_of(raw.headers)
+    assert route["engine"] == "decode" and route["prefill"].startswith(
+        "prefill (failed"
+    ), route
+    answer = raw.parse()
+    alone = complete(pd.decode, ids, 8)
+    assert answer.choices[0].text == alone["choices"][0]["text"]
+    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+        assert (
+            'kvtier_frontend_handoffs_total{outcome="prefill_failed"} 1'
+            in r.read().decode()
+        )

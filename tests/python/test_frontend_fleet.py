@@ -331,6 +331,46 @@ def test_a_bad_dns_spec_is_refused_saying_what_is_wrong(spec: str, error: str) -
     assert error in r.stderr, r.stderr
 
 
+ENGINE = (
+    "endpoint=127.0.0.1:1,events=tcp://127.0.0.1:2,"
+    "namespace=00c0ffee00c0ffee,block-tokens=32"
+)
+
+
+@pytest.mark.parametrize(
+    "engines, error",
+    [
+        (
+            f"id=p0,{ENGINE},role=prefill",
+            "engine p0 has role=prefill but no engine decodes",
+        ),
+        (
+            f"id=p0,{ENGINE},role=primary",
+            'role "primary" must be prefill, decode or both',
+        ),
+    ],
+)
+def test_engine_roles_that_do_not_pair_are_refused_naming_them(
+    engines: str, error: str
+) -> None:
+    """Prefill engines with nothing to decode their requests, or a role the
+    frontend does not know: refused at start-up, naming the engine or the
+    role; a prefill and a decode engine pair."""
+    base = [str(FRONTEND_BIN), f"--model={TINY_LLAMA}", "--served-model-name=tiny"]
+    r = subprocess.run(
+        [*base, f"--engines={engines}", "--check-config"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert error in r.stderr, r.stderr
+    paired = f"id=p0,{ENGINE},role=prefill;id=d0,{ENGINE},role=decode"
+    r = subprocess.run(
+        [*base, f"--engines={paired}", "--check-config"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
 def test_every_front_door_panel_queries_a_metric_the_frontend_exports(
     fleet: DnsFleet,
 ) -> None:

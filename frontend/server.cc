@@ -804,6 +804,11 @@ struct Frontend::Impl {
     }
     std::optional<nlohmann::json> params;
     if (status == 200) params = HandoffParams(answer);
+    if (status == 200 && !params) {
+      // It prefilled but handed nothing on (its store did not answer):
+      // requests go colocated until it is tried again.
+      MarkDown(e, "prefill answered without a handoff (is its store down?)");
+    }
     if (!params) {
       counters.Handoff("prefill_failed");
       Log("frontend", "prefill on ", e.spec.id, " gave no handoff (status ", status,

@@ -84,6 +84,7 @@ class _Tracked:
     asked: Optional[int] = None            # skip_blocks of a lookup out
     answer: Optional[tuple[int, int]] = None  # (skip_blocks, present)
     gave_up: Optional[int] = None          # skip_blocks late: 0 from now on
+    store_missed: bool = False  # a lookup failed or was not sent
 
 
 class SchedulerHalf:
@@ -224,6 +225,11 @@ class SchedulerHalf:
             t.answer = (skip, o.present)
             self._answered.append(t)
             return o.present
+        # Failed, or not sent to a store that failed; a namespace the store
+        # has not seen yet (its first save registers it) is no miss.
+        if o.kind == SKIPPED or (o.kind == FAILED and
+                                 not o.error.startswith("NOT_FOUND")):
+            t.store_missed = True
         if o.kind == LATE:
             # Asked again for the same prefix (vLLM could not schedule it
             # yet), it is not made to wait a second budget.
@@ -241,6 +247,13 @@ class SchedulerHalf:
         request not tracked."""
         t = self._reqs.get(request)
         return t.saved_blocks if t is not None else 0
+
+    def store_missed(self, request: int) -> bool:
+        """Whether a lookup of the request's failed or was not sent (the
+        client skipping a store that failed): its saves are unlikely to
+        land either. A late answer (a slow store) is not a miss."""
+        t = self._reqs.get(request)
+        return t is not None and t.store_missed
 
     def retry(self, request: int) -> None:
         """The next poll asks the store again for the same own prefix, even

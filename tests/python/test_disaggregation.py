@@ -46,7 +46,7 @@ NAMESPACE = "00c0ffee00c0ffee"
 THRESHOLD = 256  # --pd-threshold: prompt tokens past which a prefill runs first
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
-WAIT_MS = 2000  # the decode's handoff budget here
+WAIT_MS = 5000  # the decode's handoff budget here
 
 
 def connector(stores: str, role: str, **extra: Any) -> str:
@@ -67,24 +67,29 @@ class PD:
     """The store, a prefill engine and a decode engine."""
 
     def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
         self.store = Store(tmp, "pd-store", ram="256MiB")
         self.frontend: subprocess.Popen[bytes] | None = None
         env = engine_env()
         specs = []
         servers = {}
-        for name, role, extra in (
-            ("prefill", "kv_producer", {}),
-            ("decode", "kv_consumer", {"handoff_wait_ms": WAIT_MS}),
+        for name, role, extra, core in (
+            ("prefill", "kv_producer", {}, "0"),
+            ("decode", "kv_consumer", {"handoff_wait_ms": WAIT_MS}, "1"),
         ):
             events, replay = f"ipc://{tmp}/{name}-kv-events", free_port()
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
                    "endpoint": events,
                    "replay_endpoint": f"tcp://127.0.0.1:{replay}",
                    "topic": "kv-events"}  # fmt: skip
+            # Each engine computes on a core of its own, as in a P/D
+            # deployment: on a shared core the other engine's OpenMP
+            # threads, spinning after their step, hold the prefill engine's
+            # background writes (the decode's fence waits on) for ~1 s.
             servers[name] = VllmServer(
                 tmp / f"{name}.log",
                 start=False,
-                env=env,
+                env={**env, "VLLM_CPU_OMP_THREADS_BIND": core},
                 extra=("--block-size", str(BLOCK), "--enable-prefix-caching",
                        "--enable-prompt-tokens-details",
                        "--kv-events-config", json.dumps(cfg),
@@ -110,7 +115,8 @@ class PD:
                     [str(FRONTEND_BIN), "--listen=127.0.0.1:0",
                      f"--port-file={port_file}", f"--model={TINY_LLAMA}",
                      "--served-model-name=tiny", "--engines=" + ";".join(specs),
-                     f"--pd-threshold={THRESHOLD}", "--health-interval=500ms"],
+                     f"--pd-threshold={THRESHOLD}", "--health-interval=500ms",
+                     "--down=1s"],
                     stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
             deadline = time.monotonic() + 20
@@ -218,7 +224,7 @@ def test_a_handoff_whose_blocks_never_come_is_computed_after_its_budget(
     pd: PD,
 ) -> None:
     """The prefill died before writing (the params name 20 blocks of a
-    prompt nobody computed): the decode waits its 2 s budget, computes the
+    prompt nobody computed): the decode waits its 5 s budget, computes the
     prompt and answers 200 with one engine's tokens; ``computed`` and the
     20 blocks are counted."""
     ids = prompt(2, 700)
@@ -294,6 +300,97 @@ def test_the_frontend_prefills_a_long_prompt_and_streams_the_decodes_answer(
     assert 'kvtier_frontend_handoffs_total{outcome="handed_off"} 2' in metrics, metrics
 
 
+def frontend_metric(pd: PD, line: str) -> bool:
+    """Whether the frontend's /metrics has ``line``."""
+    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+        return line in r.read().decode()
+
+
+def handoffs(pd: PD, outcome: str) -> int:
+    """kvtier_frontend_handoffs_total{outcome} (0: not counted yet)."""
+    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(
+                f'kvtier_frontend_handoffs_total{{outcome="{outcome}"}}'
+            ):
+                return int(line.rsplit(" ", 1)[1])
+    return 0
+
+
+def test_a_client_that_leaves_during_the_prefill_leaves_nothing_behind(
+    pd: PD,
+) -> None:
+    """The prefill engine held (SIGSTOP) with a streamed request on its
+    socket; the client closes its connection: the frontend closes the
+    prefill's, counts ``client_gone``, and sends nothing to the decode
+    engine; once the prefill engine runs again it has no request left."""
+    import socket
+
+    assert pd.prefill.proc is not None
+    decoded = metric(pd.decode, "vllm:request_success_total")
+    body = json.dumps(
+        {"model": "tiny", "prompt": prompt(40, 1000), "max_tokens": 8, "stream": True}
+    ).encode()
+    port = int(pd.url.rsplit(":", 1)[1])
+    os.killpg(pd.prefill.proc.pid, signal.SIGSTOP)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            c.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            time.sleep(0.5)
+    finally:
+        time.sleep(0.5)
+        os.killpg(pd.prefill.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 20
+    while not frontend_metric(
+        pd, 'kvtier_frontend_handoffs_total{outcome="client_gone"} 1'
+    ):
+        assert time.monotonic() < deadline, "the client's leaving was not seen"
+        time.sleep(0.2)
+    while metric(pd.prefill, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the prefill engine kept the request"
+        time.sleep(0.2)
+    assert metric(pd.decode, "vllm:request_success_total") == decoded
+
+
+def test_with_the_store_down_requests_are_served_colocated(pd: PD) -> None:
+    """The store stopped: the prefill engine's lookup fails, so it hands
+    nothing on; the frontend sends the request to the decode engine, which
+    computes it, well inside the decode's budget (it waits on no fence),
+    and the next long request goes straight there (the prefill engine is
+    skipped for --down). No request fails; tokens are one engine's. The
+    store is started again on its port afterwards."""
+    address = pd.store.address
+    pd.store.stop()
+    try:
+        ids = prompt(30, 1000)
+        t0 = time.monotonic()
+        raw = pd.client.completions.with_raw_response.create(
+            model="tiny", prompt=ids, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        took = time.monotonic() - t0
+        route = route_of(raw.headers)
+        assert route["engine"] == "decode", route
+        assert route["prefill"].startswith("prefill (failed"), route
+        assert took < WAIT_MS / 1000, took
+        alone = complete(pd.decode, ids, 8)
+        assert raw.parse().choices[0].text == alone["choices"][0]["text"]
+        again = pd.client.completions.with_raw_response.create(
+            model="tiny", prompt=prompt(31, 1000), max_tokens=4, temperature=0
+        )
+        route = route_of(again.headers)
+        assert route["engine"] == "decode" and route["prefill"] == "none", route
+    finally:
+        port = int(address.rsplit(":", 1)[1])
+        pd.store = Store(pd.tmp, "pd-store-again", ram="256MiB", port=port)
+        time.sleep(1.5)  # the prefill engine's --down passes
+
+
 def test_a_prefill_engine_killed_mid_prefill_costs_the_request_nothing(
     pd: PD,
 ) -> None:
@@ -304,6 +401,7 @@ def test_a_prefill_engine_killed_mid_prefill_costs_the_request_nothing(
     assert pd.prefill.proc is not None
     ids = prompt(20, 900)
     reference = complete(pd.decode, prompt(21, 64), 1)  # the decode serves
+    failed = handoffs(pd, "prefill_failed")
     assert reference["choices"]
     got: dict[str, Any] = {}
 
@@ -328,8 +426,4 @@ def test_a_prefill_engine_killed_mid_prefill_costs_the_request_nothing(
     answer = raw.parse()
     alone = complete(pd.decode, ids, 8)
     assert answer.choices[0].text == alone["choices"][0]["text"]
-    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
-        assert (
-            'kvtier_frontend_handoffs_total{outcome="prefill_failed"} 1'
-            in r.read().decode()
-        )
+    assert handoffs(pd, "prefill_failed") == failed + 1

@@ -644,3 +644,17 @@ def test_handoff_params_that_cannot_be_used_serve_the_request_as_usual(
     assert matched(decode, req, 0) == (0, False)
     assert time.monotonic() - t0 < 1.0
     assert counted(decode) == {outcome: 1}
+
+
+def test_a_prefill_whose_store_did_not_answer_hands_nothing_on() -> None:
+    """The store is unreachable (nothing listens): the prefill's lookup
+    fails, so its saves would not land either; ``request_finished``
+    returns no fence (a decode would wait its budget for nothing) and
+    counts ``not_sent``."""
+    prefill = KvtierConnector(v.config(["127.0.0.1:1"], deadline_ms=500),
+                              KVConnectorRole.SCHEDULER)
+    prompt = np.random.default_rng(35).integers(0, 4096, 100).tolist()
+    req = v.Request("P", prompt, kv_transfer_params={"do_remote_decode": True})
+    assert matched(prefill, req, 0) == (0, False)
+    assert prefill.request_finished(req, list(range(7))) == (False, None)
+    assert counted(prefill) == {"not_sent": 1}

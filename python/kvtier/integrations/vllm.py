@@ -192,6 +192,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         wait = self._fence_of(request, len(prompt))
         now = time.monotonic()
         if wait is not None and now < wait.next_ask:
+            self._idle_pause(wait.next_ask - now)
             return None, False
         n = self._scheduler.poll_loadable_tokens(
             request_key(rid), hashes, len(prompt),
@@ -217,6 +218,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                         "the prefill wrote were in the store after %.0f ms; "
                         "computing the rest", rid, have, need, waited * 1e3)
         return n, bool(n)
+
+    def _idle_pause(self, seconds: float) -> None:
+        """While requests wait on fences and none runs, vLLM's engine loop
+        would step empty steps as fast as it can, taking a core from the
+        prefill engine's background writes (they run at low priority) that
+        the fences wait for: with nothing running, the scheduler sleeps
+        until the next ask instead."""
+        if not self._blocks and seconds > 0:
+            time.sleep(min(seconds, RETRY_S))
 
     def _fence_of(self, request: Any, prompt_tokens: int
                   ) -> Optional[Waiting]:
@@ -341,19 +351,28 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         workers report that load ended. A prefill handed to a decode engine
         (``kv_producer``, or ``do_remote_decode``) returns the handoff's
         ``kv_transfer_params``: the blocks are copied out of the pages in
-        the step that computed them, so nothing waits on their writes."""
+        the step that computed them, so nothing waits on their writes. A
+        request whose store lookup failed (the store down or stalled)
+        returns none: its saves would not land, and a decode would wait its
+        budget for them; the orchestrator serves it colocated instead."""
         assert self._scheduler is not None
         rid = request.request_id
         key = request_key(rid)
         params = None
         if self._saves and (self._kv_role == "kv_producer" or wants_handoff(
                 getattr(request, "kv_transfer_params", None))):
-            prompt = request.prompt_token_ids
-            params = producer_params(
-                self._scheduler.namespace.id,
-                self._scheduler.saved_blocks(key),
-                len(prompt) if prompt is not None else 0, self._block_size)
-            self._counts.add("sent")
+            if self._scheduler.store_missed(key):
+                self._counts.add("not_sent")
+                log.warning("kvtier handoff of request %s not sent: the store "
+                            "did not answer its lookup", rid)
+            else:
+                prompt = request.prompt_token_ids
+                params = producer_params(
+                    self._scheduler.namespace.id,
+                    self._scheduler.saved_blocks(key),
+                    len(prompt) if prompt is not None else 0,
+                    self._block_size)
+                self._counts.add("sent")
         self._scheduler.finished(key)
         for d in (self._hashes, self._planned, self._blocks, self._fences):
             d.pop(rid, None)

@@ -150,6 +150,7 @@ class KvtierStats(KVConnectorStats):  # type: ignore[misc,valid-type]
 
 #: Prometheus names of the counters (vLLM's ``vllm:`` prefix).
 SENT = "vllm:kvtier_handoffs_sent_total"
+NOT_SENT = "vllm:kvtier_handoffs_not_sent_total"
 DECODED = "vllm:kvtier_handoffs_total"
 MISSING = "vllm:kvtier_handoff_computed_blocks_total"
 WAITED = "vllm:kvtier_handoff_wait_seconds_total"
@@ -158,6 +159,8 @@ WAITED = "vllm:kvtier_handoff_wait_seconds_total"
 class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type]
     """kvtier's handoff counters on vLLM's ``/metrics``:
     ``vllm:kvtier_handoffs_sent_total`` (prefills that returned a fence),
+    ``vllm:kvtier_handoffs_not_sent_total`` (prefills whose store did not
+    answer: no fence),
     ``vllm:kvtier_handoffs_total{outcome}`` (decodes by outcome: loaded,
     partial, computed, invalid, other_namespace),
     ``vllm:kvtier_handoff_computed_blocks_total`` (blocks a fence named
@@ -172,6 +175,10 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
         self._sent: Any = counter(name=SENT, labelnames=self._labelnames,
                              documentation="Prefills whose KV kvtier handed "
                              "to a decode engine (a fence returned).")
+        self._not_sent: Any = counter(
+            name=NOT_SENT, labelnames=self._labelnames,
+            documentation="Prefills asked for a handoff that returned none: "
+            "the store did not answer their lookup.")
         self._decoded: Any = counter(
             name=DECODED, labelnames=self._labelnames + ["outcome"],
             documentation="Decode requests given a kvtier handoff, by "
@@ -195,6 +202,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
                 continue
             if name == "sent":
                 self._sent.labels(*labels).inc(value)
+            elif name == "not_sent":
+                self._not_sent.labels(*labels).inc(value)
             elif name in OUTCOMES:
                 self._decoded.labels(*labels, name).inc(value)
             elif name == "computed_blocks":

@@ -20,6 +20,7 @@ engine's KV tensors and runs each step's :class:`StepMeta`:
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 from typing import Optional
@@ -29,6 +30,10 @@ import numpy as np
 from kvtier.connector import Connector
 from kvtier.errors import KvtierError
 from kvtier.scheduler_half import LoadSpec, StepMeta
+
+# A load that fails, or loads fewer blocks than its lookup promised, says
+# why in the engine's log (the engine then computes those blocks).
+log = logging.getLogger("kvtier.loads")
 
 
 class WorkerHalf:
@@ -103,11 +108,18 @@ class WorkerHalf:
                 failed = spec.pages[loaded:]
                 with self._lock:
                     self.loaded_blocks += loaded
+            if failed:
+                log.warning("kvtier load of %s: %d of %d blocks loaded (%d "
+                            "still in the store when pinned); the engine "
+                            "computes the rest", spec.name,
+                            len(spec.pages) - len(failed), len(spec.pages), n)
         except KvtierError as e:
+            log.warning("kvtier load of %s failed: %s", spec.name, e)
             with self._lock:
                 self.failed_loads += 1
                 self.load_failures.append(str(e))
         except BaseException as e:  # a bug must not hang the request
+            log.warning("kvtier load of %s failed: %r", spec.name, e)
             with self._lock:
                 self.failed_loads += 1
                 self.load_failures.append(repr(e))

@@ -23,6 +23,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import Optional
 
 import numpy as np
@@ -56,6 +57,8 @@ class WorkerHalf:
         self._loader: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._closing: queue.Queue[Optional[int]] = queue.Queue()
         self._closer: Optional[threading.Thread] = None
+        self.failed_saves = 0
+        self._save_logged = 0.0  # when a failed save was last logged
 
     def _open_request(self, request: int, hashes: np.ndarray) -> None:
         with self._lock:
@@ -202,8 +205,16 @@ class WorkerHalf:
                 self._open_request(save.request, save.hashes)
                 self.connector.save(save.request, save.first_block,
                                     save.pages)
-            except KvtierError:
-                pass  # a save that fails costs a future hit, nothing else
+            except KvtierError as e:
+                # A save that fails costs a future hit, nothing else; said
+                # in the log at most every 10 s, with the count since.
+                self.failed_saves += 1
+                now = time.monotonic()
+                if now - self._save_logged >= 10:
+                    self._save_logged = now
+                    log.warning("kvtier save of %d blocks failed (%d failed "
+                                "saves so far): %s", len(save.pages),
+                                self.failed_saves, e)
         for request in step.finished:
             self.finished(request)
 

@@ -20,7 +20,6 @@ tokens with only the prompt's partial last block computed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,26 +33,11 @@ BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", ROOT / "build")).resolve()
 sys.path[:0] = [str(BUILD / "python"), str(ROOT / "tests" / "python")]
 os.environ["KVTIER_BUILD_DIR"] = str(BUILD)
 
-import numpy as np  # noqa: E402
-
 from conftest import Store, engine_env  # noqa: E402
-from vllm_server import VllmServer  # noqa: E402
+from vllm_server import (VllmServer, cached_tokens,  # noqa: E402
+                         kvtier_connector, prompt_ids)
 
 BLOCK = 32
-
-
-def connector(stores: str, role: str) -> str:
-    """kvtier as vLLM's KV connector in ``role``."""
-    return json.dumps({"kv_connector": "KvtierConnector",
-                       "kv_connector_module_path": "kvtier.integrations.vllm",
-                       "kv_role": role, "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": {"stores": stores}})
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    """Token ids of a deterministic prompt."""
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in rng.integers(10, 4000, size=length)]
 
 
 def timed(engine: VllmServer, ids: list[int],
@@ -66,12 +50,6 @@ def timed(engine: VllmServer, ids: list[int],
     t0 = time.perf_counter()
     answer = engine.post("/v1/completions", body, timeout=300)
     return time.perf_counter() - t0, answer
-
-
-def cached(answer: dict[str, Any]) -> int:
-    """The prompt tokens vLLM did not compute."""
-    details = answer["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
 
 
 def main() -> None:
@@ -106,10 +84,10 @@ def main() -> None:
                 args.bind.split(","))
         p = VllmServer(work / "p.log", env=p_env, start=False,
                        extra=(*common, "--kv-transfer-config",
-                              connector(store.address, "kv_producer")))
+                              kvtier_connector(store.address, "kv_producer")))
         d = VllmServer(work / "d.log", env=d_env, start=False,
                        extra=(*common, "--kv-transfer-config",
-                              connector(store.address, "kv_consumer")))
+                              kvtier_connector(store.address, "kv_consumer")))
         try:
             p.start()
             d.start()
@@ -119,26 +97,26 @@ def main() -> None:
             # plane's connections): a colocated request on each engine and
             # one handoff, untimed.
             for e in (p, d):
-                timed(e, prompt(999, args.tokens // 2))
-            _, warm = timed(p, prompt(998, args.tokens // 2),
+                timed(e, prompt_ids(999, args.tokens // 2))
+            _, warm = timed(p, prompt_ids(998, args.tokens // 2),
                             {"do_remote_decode": True})
-            timed(d, prompt(998, args.tokens // 2), warm["kv_transfer_params"])
+            timed(d, prompt_ids(998, args.tokens // 2), warm["kv_transfer_params"])
             rows = []
             for r in range(args.rounds):
-                a_ids = prompt(1000 + r, args.tokens)
-                b_ids = prompt(2000 + r, args.tokens)
+                a_ids = prompt_ids(1000 + r, args.tokens)
+                b_ids = prompt_ids(2000 + r, args.tokens)
                 result: dict[str, Any] = {}
                 order = ("a", "b") if r % 2 == 0 else ("b", "a")
                 for which in order:
                     if which == "a":
                         result["a"], answer = timed(d, a_ids)
-                        result["a_cached"] = cached(answer)
+                        result["a_cached"] = cached_tokens(answer)
                     else:
                         result["p"], pre = timed(p, b_ids,
                                                  {"do_remote_decode": True})
                         params = pre["kv_transfer_params"]
                         result["b"], answer = timed(d, b_ids, params)
-                        result["b_cached"] = cached(answer)
+                        result["b_cached"] = cached_tokens(answer)
                         result["fence"] = params["kvtier"]["blocks"]
                 rows.append(result)
                 print(f"round {r + 1}: (a) D computes: {result['a']:.3f} s "

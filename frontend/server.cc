@@ -527,6 +527,21 @@ struct Frontend::Impl {
   static constexpr uint64_t kWholeAnswerBytes = 4 << 20;
 
   // The engine answered (or failed) the request: its prompt no longer waits.
+  // A request sent to the engine: in flight, its prompt waiting there.
+  static void Charge(Engine& e, const Prepared& p) {
+    e.requests++;
+    e.in_flight++;
+    e.in_flight_tokens += static_cast<int64_t>(p.prompt_tokens);
+    e.waiting_tokens += static_cast<int64_t>(p.prompt_tokens);
+    e.waiting_requests++;
+  }
+  // The request's exchange with the engine ended (its prompt stops waiting
+  // through Answered).
+  static void Release(Engine& e, const Prepared& p) {
+    e.in_flight--;
+    e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
+  }
+
   void Answered(Engine& e, const Prepared& p, bool* answered) {
     if (*answered) return;
     *answered = true;
@@ -550,25 +565,33 @@ struct Frontend::Impl {
     co_return t;
   }
 
-  Task<Tried> ForwardWatched(Engine& e, const Prepared& p, const std::string& explain,
-                             Stream& client, bool keep_alive, bool* client_keep, bool* answered,
-                             std::shared_ptr<Watch> watch) {
-    ErrorCode ec;
-    std::shared_ptr<Stream> up;
-    http::request<http::string_body> req{http::verb::post, p.path, 11};
+  static http::request<http::string_body> EngineRequest(const Engine& e, const std::string& path,
+                                                        const std::string& body) {
+    http::request<http::string_body> req{http::verb::post, path, 11};
     req.set(http::field::host, e.spec.endpoint);
     req.set(http::field::content_type, "application/json");
     req.set(http::field::user_agent, "kvtier-frontend");
     req.keep_alive(true);
-    req.body() = p.body;
+    req.body() = body;
     req.prepare_payload();
-    beast::flat_buffer ubuf;
-    std::optional<http::response_parser<http::buffer_body>> parser;
-    // A pooled connection the engine closed while idle fails at once: one
-    // fresh connection is tried before the engine is blamed.
+    return req;
+  }
+
+  // Sends `req` to the engine on a pooled connection and reads its
+  // answer's header (`whole`: the whole answer) into `parser`, `up` the
+  // connection it came on. A pooled connection the engine closed while
+  // idle fails at once: one fresh connection is tried before the engine
+  // is blamed (skipped for --down, `what` naming the exchange in the log).
+  enum class Sent { kOk, kFailed, kClientGone };
+  template <class Body>
+  Task<Sent> Send(Engine& e, const http::request<http::string_body>& req, bool whole,
+                  uint64_t body_limit, beast::flat_buffer& ubuf,
+                  std::optional<http::response_parser<Body>>& parser, std::shared_ptr<Stream>& up,
+                  Watch& watch, const char* what) {
+    ErrorCode ec;
     for (int fresh = 0; fresh < 2; ++fresh) {
       parser.emplace();
-      parser->body_limit(std::numeric_limits<std::uint64_t>::max());
+      parser->body_limit(body_limit);
       ubuf.clear();
       auto pooled = fresh == 0 ? Pooled(e) : nullptr;
       const bool reused = pooled != nullptr;
@@ -578,24 +601,40 @@ struct Frontend::Impl {
         auto made = co_await Connect(e, ec);
         if (!made) {
           MarkDown(e, absl::StrCat("connect: ", ec.message()));
-          co_return Tried::kRetry;
+          co_return Sent::kFailed;
         }
         up = std::move(made);
       }
-      watch->upstream = up;
-      if (watch->gone) co_return Tried::kClientGone;
+      watch.upstream = up;
+      if (watch.gone) co_return Sent::kClientGone;
       up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
       co_await http::async_write(*up, req, net::redirect_error(kAwait, ec));
-      if (!ec) {
+      if (!ec && whole) {
+        co_await http::async_read(*up, ubuf, *parser, net::redirect_error(kAwait, ec));
+      } else if (!ec) {
         co_await http::async_read_header(*up, ubuf, *parser, net::redirect_error(kAwait, ec));
       }
-      if (watch->gone) co_return Tried::kClientGone;
-      if (!ec) break;
+      if (watch.gone) co_return Sent::kClientGone;
+      if (!ec) co_return Sent::kOk;
       if (reused) continue;
-      MarkDown(e, absl::StrCat("request: ", ec.message()));
-      co_return Tried::kRetry;
+      MarkDown(e, absl::StrCat(what, ": ", ec.message()));
+      co_return Sent::kFailed;
     }
-    if (ec) co_return Tried::kRetry;
+    co_return Sent::kFailed;
+  }
+
+  Task<Tried> ForwardWatched(Engine& e, const Prepared& p, const std::string& explain,
+                             Stream& client, bool keep_alive, bool* client_keep, bool* answered,
+                             std::shared_ptr<Watch> watch) {
+    ErrorCode ec;
+    std::shared_ptr<Stream> up;
+    const http::request<http::string_body> req = EngineRequest(e, p.path, p.body);
+    beast::flat_buffer ubuf;
+    std::optional<http::response_parser<http::buffer_body>> parser;
+    const uint64_t unlimited = std::numeric_limits<std::uint64_t>::max();
+    const Sent sent = co_await Send(e, req, false, unlimited, ubuf, parser, up, *watch, "request");
+    if (sent == Sent::kClientGone) co_return Tried::kClientGone;
+    if (sent == Sent::kFailed) co_return Tried::kRetry;
     Answered(e, p, answered);
     const unsigned status = parser->get().result_int();
     if (status >= 500) {
@@ -713,45 +752,13 @@ struct Frontend::Impl {
   // 5xx) and the answer's body in `out`. The client is watched meanwhile.
   Task<unsigned> Exchange(Engine& e, const std::string& path, const std::string& body,
                           std::string* out, std::shared_ptr<Watch> watch) {
-    ErrorCode ec;
     std::shared_ptr<Stream> up;
-    http::request<http::string_body> req{http::verb::post, path, 11};
-    req.set(http::field::host, e.spec.endpoint);
-    req.set(http::field::content_type, "application/json");
-    req.set(http::field::user_agent, "kvtier-frontend");
-    req.keep_alive(true);
-    req.body() = body;
-    req.prepare_payload();
+    const http::request<http::string_body> req = EngineRequest(e, path, body);
     beast::flat_buffer ubuf;
     std::optional<http::response_parser<http::string_body>> parser;
-    for (int fresh = 0; fresh < 2; ++fresh) {
-      parser.emplace();
-      parser->body_limit(kWholeAnswerBytes);
-      ubuf.clear();
-      auto pooled = fresh == 0 ? Pooled(e) : nullptr;
-      const bool reused = pooled != nullptr;
-      if (reused) {
-        up = std::move(pooled);
-      } else {
-        auto made = co_await Connect(e, ec);
-        if (!made) {
-          MarkDown(e, absl::StrCat("connect: ", ec.message()));
-          co_return 0u;
-        }
-        up = std::move(made);
-      }
-      watch->upstream = up;
-      if (watch->gone) co_return 0u;
-      up->expires_after(std::chrono::milliseconds(options.upstream_timeout_ms));
-      co_await http::async_write(*up, req, net::redirect_error(kAwait, ec));
-      if (!ec) co_await http::async_read(*up, ubuf, *parser, net::redirect_error(kAwait, ec));
-      if (watch->gone) co_return 0u;
-      if (!ec) break;
-      if (reused) continue;
-      MarkDown(e, absl::StrCat("prefill: ", ec.message()));
-      co_return 0u;
-    }
-    if (ec) co_return 0u;
+    const uint64_t limit = kWholeAnswerBytes;
+    const Sent sent = co_await Send(e, req, true, limit, ubuf, parser, up, *watch, "prefill");
+    if (sent != Sent::kOk) co_return 0u;
     const unsigned status = parser->get().result_int();
     *out = std::move(parser->get().body());
     if (status >= 500) {
@@ -780,11 +787,7 @@ struct Frontend::Impl {
     }
     const std::shared_ptr<Engine> held = c.engine;
     Engine& e = *held;
-    e.requests++;
-    e.in_flight++;
-    e.in_flight_tokens += static_cast<int64_t>(p.prompt_tokens);
-    e.waiting_tokens += static_cast<int64_t>(p.prompt_tokens);
-    e.waiting_requests++;
+    Charge(e, p);
     auto watch = std::make_shared<Watch>();
     WatchClient(&client, watch);
     std::string answer;
@@ -793,8 +796,7 @@ struct Frontend::Impl {
     watch->done = true;
     ErrorCode ignored;
     client.socket().cancel(ignored);
-    e.in_flight--;
-    e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
+    Release(e, p);
     bool answered = false;
     Answered(e, p, &answered);
     if (watch->gone) {
@@ -896,16 +898,11 @@ struct Frontend::Impl {
       }
       const std::shared_ptr<Engine> held = c.engine;  // lives while it serves
       Engine& e = *held;
-      e.requests++;
-      e.in_flight++;
-      e.in_flight_tokens += static_cast<int64_t>(p.prompt_tokens);
-      e.waiting_tokens += static_cast<int64_t>(p.prompt_tokens);
-      e.waiting_requests++;
+      Charge(e, p);
       const std::string explain = absl::StrCat(c.explain, prefill_note, "; attempt=", attempt + 1);
       bool answered = false;
       Tried t = co_await Forward(e, *send, explain, client, keep_alive, &client_keep, &answered);
-      e.in_flight--;
-      e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
+      Release(e, p);
       if (answered && options.decode_weight > 0) {
         PushLoad(e, false);  // its decoding ended
       } else {

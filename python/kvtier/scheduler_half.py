@@ -228,7 +228,7 @@ class SchedulerHalf:
         # Failed, or not sent to a store that failed; a namespace the store
         # has not seen yet (its first save registers it) is no miss.
         if o.kind == SKIPPED or (o.kind == FAILED and
-                                 not o.error.startswith("NOT_FOUND")):
+                                 o.code != StatusCode.NOT_FOUND):
             t.store_missed = True
         if o.kind == LATE:
             # Asked again for the same prefix (vLLM could not schedule it

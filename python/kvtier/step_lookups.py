@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from kvtier._native import NamespaceSpec
-from kvtier.errors import DeadlineExceeded, KvtierError
+from kvtier.errors import DeadlineExceeded, KvtierError, StatusCode
 from kvtier.store import StoreClient
 
 log = logging.getLogger("vllm.kvtier")
@@ -40,11 +40,13 @@ ANSWERED, LATE, SKIPPED, FAILED = "answered", "late", "skipped", "failed"
 @dataclass
 class Outcome:
     """A request's lookup: ``present`` leading blocks (0 unless
-    ``kind`` is ANSWERED) and why (``error``: the store's message)."""
+    ``kind`` is ANSWERED) and why (``error``: the store's message, ``code``:
+    its status when the store answered with one)."""
 
     kind: str
     present: int = 0
     error: str = ""
+    code: Optional[StatusCode] = None
 
 
 @dataclass
@@ -170,7 +172,7 @@ class StepLookups:
                 # The client skips a shard that missed a budget: answered
                 # at once, with nothing.
                 kind = SKIPPED if "budget" in str(e) else FAILED
-                outcomes = [Outcome(kind, 0, str(e))] * len(batch)
+                outcomes = [Outcome(kind, 0, str(e), e.code)] * len(batch)
                 if kind == FAILED:
                     self._warn(e)
             except BaseException as e:  # never lose a waiter to a bug

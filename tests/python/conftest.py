@@ -110,6 +110,19 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+def served_port(proc: subprocess.Popen[bytes], port_file: Path, log: Path,
+                timeout: float = 20) -> int:
+    """The port a server started with ``--port-file`` listens on, once it
+    wrote it; fails with the server's log if it exits first or takes longer
+    than ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not port_file.exists() or not port_file.read_text().strip():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"{proc.args!r} did not start"
+        time.sleep(0.05)
+    return int(port_file.read_text())
+
+
 def corrupt_in_store(store_pid: int, needle: bytes) -> bool:
     """Flips one byte of the first copy of ``needle`` in the store's RAM
     arena, behind the store's back (through /proc/PID/fd of its memfd, as a

@@ -30,11 +30,17 @@ from typing import Any, Iterator
 
 import urllib.request
 
-import numpy as np
 import pytest
 
-from conftest import BUILD, Store, engine_env
-from vllm_server import TINY_LLAMA, VllmServer, free_port
+from conftest import BUILD, Store, engine_env, served_port
+from vllm_server import (
+    TINY_LLAMA,
+    VllmServer,
+    cached_tokens,
+    free_port,
+    kvtier_connector,
+)
+from vllm_server import prompt_ids as prompt
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is in the project's environment")
 openai = pytest.importorskip(
@@ -47,20 +53,6 @@ THRESHOLD = 256  # --pd-threshold: prompt tokens past which a prefill runs first
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 WAIT_MS = 5000  # the decode's handoff budget here
-
-
-def connector(stores: str, role: str, **extra: Any) -> str:
-    """kvtier as vLLM's KV connector in ``role``, as docs/disaggregation.md
-    gives it."""
-    return json.dumps(
-        {
-            "kv_connector": "KvtierConnector",
-            "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"stores": stores, **extra},
-        }
-    )
 
 
 class PD:
@@ -94,7 +86,7 @@ class PD:
                        "--enable-prompt-tokens-details",
                        "--kv-events-config", json.dumps(cfg),
                        "--kv-transfer-config",
-                       connector(self.store.address, role, **extra)),
+                       kvtier_connector(self.store.address, role, **extra)),
             )  # fmt: skip
             specs.append(
                 f"id={name},endpoint=127.0.0.1:{servers[name].port},"
@@ -119,12 +111,8 @@ class PD:
                      "--down=1s"],
                     stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
-            deadline = time.monotonic() + 20
-            while not port_file.exists() or not port_file.read_text().strip():
-                assert self.frontend.poll() is None, self.log.read_text()
-                assert time.monotonic() < deadline, "the frontend did not start"
-                time.sleep(0.05)
-            self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
+            port = served_port(self.frontend, port_file, self.log)
+            self.url = f"http://127.0.0.1:{port}"
             self.client = openai.OpenAI(
                 base_url=self.url + "/v1", api_key="none", max_retries=0
             )
@@ -153,12 +141,6 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
         yield p
     finally:
         p.stop()
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    """Token ids of a deterministic prompt (the tiny model's vocabulary)."""
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in rng.integers(10, 4000, size=length)]
 
 
 def complete(
@@ -190,12 +172,6 @@ def metric(engine: VllmServer, name: str, **labels: str) -> float:
     return total
 
 
-def cached(answer: dict[str, Any]) -> int:
-    """The prompt tokens the engine did not compute (vLLM's own count)."""
-    details = answer["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
-
-
 def test_a_decode_computes_only_the_tail_of_what_the_prefill_wrote(pd: PD) -> None:
     """1,000 prompt tokens: the prefill (max_tokens 1, ``do_remote_decode``)
     returns the fence, 31 blocks; the decode sent the same prompt with
@@ -210,7 +186,7 @@ def test_a_decode_computes_only_the_tail_of_what_the_prefill_wrote(pd: PD) -> No
     assert params["kvtier"]["prompt_tokens"] == 1000
     before = metric(pd.decode, "vllm:kvtier_handoffs_total", outcome="loaded")
     dec = complete(pd.decode, ids, 16, params)
-    assert cached(dec) == 31 * BLOCK, (dec["usage"], pd.decode.tail())
+    assert cached_tokens(dec) == 31 * BLOCK, (dec["usage"], pd.decode.tail())
     alone = complete(pd.prefill, ids, 16)
     assert dec["choices"][0]["text"] == alone["choices"][0]["text"]
     deadline = time.monotonic() + 15  # vLLM's loggers publish every few s
@@ -237,7 +213,7 @@ def test_a_handoff_whose_blocks_never_come_is_computed_after_its_budget(
     dec = complete(pd.decode, ids, 8, params)
     took = time.monotonic() - t0
     assert took >= WAIT_MS / 1000, took
-    assert cached(dec) == 0, dec["usage"]
+    assert cached_tokens(dec) == 0, dec["usage"]
     alone = complete(pd.prefill, ids, 8)
     assert dec["choices"][0]["text"] == alone["choices"][0]["text"]
     deadline = time.monotonic() + 15

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import BUILD
+from conftest import BUILD, served_port
 from vllm_server import TINY_LLAMA, VllmServer, free_port
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is in the project's environment")
@@ -98,12 +98,8 @@ class Fleet:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 20
-        while not port_file.exists() or not port_file.read_text().strip():
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "the frontend did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        port = served_port(self.proc, port_file, self.log)
+        self.url = f"http://127.0.0.1:{port}"
         self.client = openai.OpenAI(
             base_url=self.url + "/v1", api_key="none", max_retries=0
         )

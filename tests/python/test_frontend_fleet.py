@@ -28,7 +28,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import BUILD
+from conftest import BUILD, served_port
 
 FRONTEND_BIN = BUILD / "frontend" / "kvtier-frontend"
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
@@ -157,12 +157,8 @@ class DnsFleet:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + 20
-        while not port_file.exists() or not port_file.read_text().strip():
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "the frontend did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        port = served_port(self.proc, port_file, self.log)
+        self.url = f"http://127.0.0.1:{port}"
 
     def set_addresses(self, octets: list[int]) -> None:
         """What the name resolves to from now on (the file is rewritten in

@@ -22,6 +22,7 @@ import kvtier
 import vllm_shapes as v
 from kvtier.integrations.vllm import (KvtierConnector, KvtierConnectorMetadata,
                                       KVConnectorRole)
+from kvtier.integrations.vllm_handoff import producer_params
 
 HERE = Path(__file__).parent
 BS = 16
@@ -579,8 +580,7 @@ def test_a_decode_waits_on_the_fence_for_writes_still_on_their_way(
     ns = decode._scheduler.namespace
     prompt = np.random.default_rng(32).integers(0, 4096, 100).tolist()
     hashes = kvtier.hash_tokens(ns, prompt)
-    params = {"kvtier": {"namespace": f"{ns.id:016x}", "blocks": 6,
-                         "prompt_tokens": 100, "block_tokens": BS}}
+    params = producer_params(ns.id, 6, 100, BS)  # a prefill's fence
     probe = kvtier.StoreClient([store.address])
     probe.register_namespace(ns)
     # The first three land at once, the rest 0.4 s later.
@@ -611,8 +611,7 @@ def test_a_fence_never_met_is_waited_for_its_budget_then_computed(
     decode = decode_connector(store, wait_ms=300)
     ns = decode._scheduler.namespace
     prompt = np.random.default_rng(33).integers(0, 4096, 100).tolist()
-    params = {"kvtier": {"namespace": f"{ns.id:016x}", "blocks": 6,
-                         "prompt_tokens": 100, "block_tokens": BS}}
+    params = producer_params(ns.id, 6, 100, BS)  # a prefill's fence
     t0 = time.monotonic()
     got = matched(decode, v.Request("D", prompt, kv_transfer_params=params), 0)
     took = time.monotonic() - t0

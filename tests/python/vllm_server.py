@@ -19,6 +19,36 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = ROOT / "tests" / "models" / "tiny-llama"
 
 
+def kvtier_connector(stores: str, role: str, **extra: Any) -> str:
+    """``--kv-transfer-config``: kvtier's connector in vLLM ``role``
+    (kv_producer, kv_consumer, kv_both) with its stores and extra keys, as
+    docs/disaggregation.md gives it."""
+    return json.dumps(
+        {
+            "kv_connector": "KvtierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"stores": stores, **extra},
+        }
+    )
+
+
+def prompt_ids(seed: int, length: int) -> list[int]:
+    """Token ids of a deterministic prompt in the tiny model's vocabulary."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(10, 4000, size=length)]
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    """The prompt tokens vLLM did not compute for a completion (its usage's
+    ``prompt_tokens_details.cached_tokens``; --enable-prompt-tokens-details)."""
+    details = answer["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nothing listens on now."""
     with socket.socket() as s:

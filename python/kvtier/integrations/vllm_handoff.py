@@ -197,16 +197,13 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
                 engine_idx: int = 0) -> None:
         """Adds one interval's counters to the engine's series."""
         labels = self.per_engine_labelvalues[engine_idx]
+        plain = {"sent": self._sent, "not_sent": self._not_sent,
+                 "computed_blocks": self._missing,
+                 "wait_seconds": self._waited}
         for name, value in transfer_stats_data.items():
             if not value:
                 continue
-            if name == "sent":
-                self._sent.labels(*labels).inc(value)
-            elif name == "not_sent":
-                self._not_sent.labels(*labels).inc(value)
-            elif name in OUTCOMES:
+            if name in OUTCOMES:
                 self._decoded.labels(*labels, name).inc(value)
-            elif name == "computed_blocks":
-                self._missing.labels(*labels).inc(value)
-            elif name == "wait_seconds":
-                self._waited.labels(*labels).inc(value)
+            elif name in plain:
+                plain[name].labels(*labels).inc(value)

@@ -53,6 +53,7 @@ THRESHOLD = 256  # --pd-threshold: prompt tokens past which a prefill runs first
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 WAIT_MS = 5000  # the decode's handoff budget here
+DOWN_S = 10  # --down: how long an engine that failed is skipped
 
 
 class PD:
@@ -108,7 +109,7 @@ class PD:
                      f"--port-file={port_file}", f"--model={TINY_LLAMA}",
                      "--served-model-name=tiny", "--engines=" + ";".join(specs),
                      f"--pd-threshold={THRESHOLD}", "--health-interval=500ms",
-                     "--down=1s"],
+                     f"--down={DOWN_S}s"],
                     stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
             port = served_port(self.frontend, port_file, self.log)
@@ -341,30 +342,36 @@ def test_with_the_store_down_requests_are_served_colocated(pd: PD) -> None:
     skipped for --down). No request fails; tokens are one engine's. The
     store is started again on its port afterwards."""
     address = pd.store.address
+    t0 = time.monotonic()
+    answered: float | None = None
     pd.store.stop()
     try:
         ids = prompt(30, 1000)
-        t0 = time.monotonic()
         raw = pd.client.completions.with_raw_response.create(
             model="tiny", prompt=ids, max_tokens=8, temperature=0,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
-        took = time.monotonic() - t0
+        answered = time.monotonic()  # the prefill engine was marked down before
+        took = answered - t0
         route = route_of(raw.headers)
         assert route["engine"] == "decode", route
         assert route["prefill"].startswith("prefill (failed"), route
         assert took < WAIT_MS / 1000, took
-        alone = complete(pd.decode, ids, 8)
-        assert raw.parse().choices[0].text == alone["choices"][0]["text"]
+        # Inside the prefill engine's --down (it began after t0).
+        assert time.monotonic() - t0 < DOWN_S - 1, "too slow to judge"
         again = pd.client.completions.with_raw_response.create(
             model="tiny", prompt=prompt(31, 1000), max_tokens=4, temperature=0
         )
         route = route_of(again.headers)
         assert route["engine"] == "decode" and route["prefill"] == "none", route
+        alone = complete(pd.decode, ids, 8)
+        assert raw.parse().choices[0].text == alone["choices"][0]["text"]
     finally:
         port = int(address.rsplit(":", 1)[1])
         pd.store = Store(pd.tmp, "pd-store-again", ram="256MiB", port=port)
-        time.sleep(1.5)  # the prefill engine's --down passes
+        # The prefill engine's --down passes (it began before `answered`).
+        until = (answered or time.monotonic()) + DOWN_S + 0.5
+        time.sleep(max(0.0, until - time.monotonic()))
 
 
 def test_a_prefill_engine_killed_mid_prefill_costs_the_request_nothing(

@@ -29,8 +29,9 @@ int main(int argc, char** argv) {
                "[replay=tcp://...],namespace=16 hex digits,block-tokens=N,"
                "[role=prefill|decode|both] (docs/router.md, docs/disaggregation.md)");
   flags.String("engines-dns", &engines_dns,
-               "engines by DNS name (a headless Service), re-resolved: name=HOST:PORT,"
-               "events-port=N,[replay-port=N],namespace=16 hex digits,block-tokens=N");
+               "engines by DNS name (a headless Service per pool), re-resolved; pools "
+               "';'-separated, each name=HOST:PORT,events-port=N,[replay-port=N],"
+               "namespace=16 hex digits,block-tokens=N,[role=prefill|decode|both]");
   flags.DurationMs("dns-interval", &o.dns_interval_ms, "between resolutions of --engines-dns");
   flags.HostPort("router-listen", &o.router_listen,
                  "where store shards publish their events to the router in this process");
@@ -100,8 +101,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kvtier-frontend: %s\n", std::string(s.message()).c_str());
       return 2;
     }
-    std::printf("kvtier-frontend: the flags are valid (%zu engines%s)\n", o.engines.size(),
-                o.dns.endpoint.empty() ? "" : (" and DNS " + o.dns.endpoint).c_str());
+    std::printf("kvtier-frontend: the flags are valid (%zu engines and %zu DNS pools)\n",
+                o.engines.size(), o.dns.size());
     return 0;
   }
   auto text = kvtier::frontend::TextModel::Open(model_dir);
@@ -126,8 +127,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   kvtier::Log("frontend", "serving ", o.served_model, " on port ", (*fe)->port(), " in front of ",
-              o.engines.size(), " engines",
-              o.dns.endpoint.empty() ? "" : " and those of DNS " + o.dns.endpoint,
+              o.engines.size(), " engines and ", o.dns.size(), " DNS pools",
               "; store shards publish to ", (*fe)->router_address());
   if (!port_file.empty()) std::ofstream(port_file) << (*fe)->port() << "\n";
   int sig = 0;

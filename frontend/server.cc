@@ -80,7 +80,7 @@ const char* ReasonName(router::Reason r) {
 struct Engine {
   router::VllmSourceSpec spec;
   std::string host, port;
-  bool from_dns = false;
+  int dns_pool = -1;  // index in options.dns; -1: a static engine
   std::atomic<int64_t> in_flight{0}, in_flight_tokens{0};
   // Prompt tokens and requests sent there and not answered yet (for a
   // stream: no first byte yet), the load a prefill queue puts on it.
@@ -145,6 +145,17 @@ struct Counters {
 // Which engines a choice is among: those that decode (every request's
 // answer comes from one) or the prefill engines.
 enum class Want { kDecode, kPrefill };
+const char* RoleName(router::EngineRole role) {
+  switch (role) {
+    case router::EngineRole::kPrefill:
+      return "prefill";
+    case router::EngineRole::kDecode:
+      return "decode";
+    case router::EngineRole::kBoth:
+      break;
+  }
+  return "both";
+}
 bool Serves(const router::VllmSourceSpec& spec, Want want) {
   return want == Want::kPrefill ? spec.role == router::EngineRole::kPrefill
                                 : spec.role != router::EngineRole::kPrefill;
@@ -322,10 +333,10 @@ struct Frontend::Impl {
 
   // --- the fleet ----------------------------------------------------------
 
-  void AddEngine(const router::VllmSourceSpec& spec, bool from_dns) {
+  void AddEngine(const router::VllmSourceSpec& spec, int dns_pool) {
     auto e = std::make_shared<Engine>();
     e->spec = spec;
-    e->from_dns = from_dns;
+    e->dns_pool = dns_pool;
     const size_t colon = spec.endpoint.rfind(':');
     e->host = spec.endpoint.substr(0, colon);
     e->port = spec.endpoint.substr(colon + 1);
@@ -338,8 +349,10 @@ struct Frontend::Impl {
       next->engines.push_back(e);
       fleet = std::move(next);
     }
-    if (from_dns) {
-      Log("frontend", "engine ", spec.id, " joined the fleet (DNS ", options.dns.endpoint, ")");
+    if (dns_pool >= 0) {
+      Log("frontend", "engine ", spec.id, " joined the fleet (DNS ",
+          options.dns[static_cast<size_t>(dns_pool)].spec.endpoint, ", role ", RoleName(spec.role),
+          ")");
     }
     net::co_spawn(loops[0]->get_executor(), HealthLoop(e), net::detached);
   }
@@ -367,41 +380,39 @@ struct Frontend::Impl {
         indexed ? "; its blocks left the index" : "");
   }
 
-  // One resolution of the DNS name: engines join and leave to match it.
-  void SyncDns(const std::set<std::string>& addresses, const std::string& port) {
+  // One resolution of pool `index`'s name: its engines join and leave to
+  // match it. An address already in the fleet (another pool's, or a static
+  // engine) is not added twice.
+  void SyncDns(size_t index, const std::set<std::string>& addresses, const std::string& port) {
+    const FrontendOptions::DnsPool& pool = options.dns[index];
     const std::shared_ptr<const Fleet> f = Snapshot();
     std::set<std::string> have;
     for (const auto& e : f->engines) {
-      if (!e->from_dns) {
-        have.insert(e->spec.id);
-      } else if (addresses.count(e->host) == 0) {
-        RemoveEngine(e, absl::StrCat("gone from DNS ", options.dns.endpoint));
+      if (e->dns_pool == static_cast<int>(index) && addresses.count(e->host) == 0) {
+        RemoveEngine(e, absl::StrCat("gone from DNS ", pool.spec.endpoint));
       } else {
         have.insert(e->spec.id);
       }
     }
     for (const std::string& a : addresses) {
-      router::VllmSourceSpec spec = options.dns;
+      router::VllmSourceSpec spec = pool.spec;
       spec.id = absl::StrCat(a, ":", port);
       spec.endpoint = spec.id;
       if (have.count(spec.id)) continue;
-      spec.events = options.dns_events_port == 0
-                        ? ""
-                        : absl::StrCat("tcp://", a, ":", options.dns_events_port);
-      spec.replay = options.dns_replay_port == 0
-                        ? ""
-                        : absl::StrCat("tcp://", a, ":", options.dns_replay_port);
-      AddEngine(spec, true);
+      spec.events = pool.events_port == 0 ? "" : absl::StrCat("tcp://", a, ":", pool.events_port);
+      spec.replay = pool.replay_port == 0 ? "" : absl::StrCat("tcp://", a, ":", pool.replay_port);
+      AddEngine(spec, static_cast<int>(index));
     }
   }
 
-  Task<> DnsLoop() {
+  Task<> DnsLoop(size_t index) {
     auto exec = co_await net::this_coro::executor;
     Timer timer(exec);
     Resolver resolver(exec);
-    const size_t colon = options.dns.endpoint.rfind(':');
-    const std::string host = options.dns.endpoint.substr(0, colon);
-    const std::string port = options.dns.endpoint.substr(colon + 1);
+    const std::string& name = options.dns[index].spec.endpoint;
+    const size_t colon = name.rfind(':');
+    const std::string host = name.substr(0, colon);
+    const std::string port = name.substr(colon + 1);
     bool failing = false;
     for (;;) {
       ErrorCode ec;
@@ -417,7 +428,7 @@ struct Frontend::Impl {
         failing = false;
         std::set<std::string> addresses;
         for (const auto& r : results) addresses.insert(r.endpoint().address().to_string());
-        SyncDns(addresses, port);
+        SyncDns(index, addresses, port);
       }
       timer.expires_after(std::chrono::milliseconds(options.dns_interval_ms));
       co_await timer.async_wait(net::redirect_error(kAwait, ec));
@@ -1175,73 +1186,108 @@ absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options) {
   auto bad = [](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("--engines-dns: ", why));
   };
-  router::VllmSourceSpec spec;
-  uint32_t events = 0, replay = 0;
-  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
-    const size_t eq = part.find('=');
-    if (eq == absl::string_view::npos) return bad(absl::StrCat("\"", part, "\" is not key=value"));
-    const std::string key(absl::StripAsciiWhitespace(part.substr(0, eq)));
-    const std::string value(absl::StripAsciiWhitespace(part.substr(eq + 1)));
-    auto port = [&](uint32_t* dst) {
-      return absl::SimpleAtoi(value, dst) && *dst >= 1 && *dst <= 65535;
-    };
-    if (key == "name") {
-      spec.endpoint = value;
-    } else if (key == "events-port") {
-      if (!port(&events)) return bad(absl::StrCat("events-port \"", value, "\" is not a port"));
-    } else if (key == "replay-port") {
-      if (!port(&replay)) return bad(absl::StrCat("replay-port \"", value, "\" is not a port"));
-    } else if (key == "namespace") {
-      if (value.size() != 16 || !absl::SimpleHexAtoi(value, &spec.namespace_id) ||
-          spec.namespace_id == 0) {
-        return bad(absl::StrCat("namespace \"", value, "\" must be 16 hex digits, not all 0"));
+  for (absl::string_view one : absl::StrSplit(text, ';', absl::SkipWhitespace())) {
+    FrontendOptions::DnsPool pool;
+    router::VllmSourceSpec& spec = pool.spec;
+    for (absl::string_view part : absl::StrSplit(one, ',', absl::SkipWhitespace())) {
+      const size_t eq = part.find('=');
+      if (eq == absl::string_view::npos) {
+        return bad(absl::StrCat("\"", part, "\" is not key=value"));
       }
-    } else if (key == "block-tokens") {
-      if (!absl::SimpleAtoi(value, &spec.block_tokens) ||
-          spec.block_tokens < limits::kMinBlockTokens ||
-          spec.block_tokens > limits::kMaxBlockTokens) {
-        return bad(absl::StrCat("block-tokens \"", value, "\" must be ", limits::kMinBlockTokens,
-                                "..", limits::kMaxBlockTokens));
+      const std::string key(absl::StripAsciiWhitespace(part.substr(0, eq)));
+      const std::string value(absl::StripAsciiWhitespace(part.substr(eq + 1)));
+      auto port = [&](uint32_t* dst) {
+        return absl::SimpleAtoi(value, dst) && *dst >= 1 && *dst <= 65535;
+      };
+      if (key == "name") {
+        spec.endpoint = value;
+      } else if (key == "events-port") {
+        if (!port(&pool.events_port)) {
+          return bad(absl::StrCat("events-port \"", value, "\" is not a port"));
+        }
+      } else if (key == "replay-port") {
+        if (!port(&pool.replay_port)) {
+          return bad(absl::StrCat("replay-port \"", value, "\" is not a port"));
+        }
+      } else if (key == "namespace") {
+        if (value.size() != 16 || !absl::SimpleHexAtoi(value, &spec.namespace_id) ||
+            spec.namespace_id == 0) {
+          return bad(absl::StrCat("namespace \"", value, "\" must be 16 hex digits, not all 0"));
+        }
+      } else if (key == "block-tokens") {
+        if (!absl::SimpleAtoi(value, &spec.block_tokens) ||
+            spec.block_tokens < limits::kMinBlockTokens ||
+            spec.block_tokens > limits::kMaxBlockTokens) {
+          return bad(absl::StrCat("block-tokens \"", value, "\" must be ", limits::kMinBlockTokens,
+                                  "..", limits::kMaxBlockTokens));
+        }
+      } else if (key == "role") {
+        if (value == "prefill") {
+          spec.role = router::EngineRole::kPrefill;
+        } else if (value == "decode") {
+          spec.role = router::EngineRole::kDecode;
+        } else if (value == "both") {
+          spec.role = router::EngineRole::kBoth;
+        } else {
+          return bad(absl::StrCat("role \"", value, "\" must be prefill, decode or both"));
+        }
+      } else {
+        return bad(
+            absl::StrCat("unknown key \"", key,
+                         "\" (name, events-port, replay-port, namespace, block-tokens, role)"));
       }
-    } else {
-      return bad(absl::StrCat("unknown key \"", key,
-                              "\" (name, events-port, replay-port, namespace, block-tokens)"));
     }
+    const size_t colon = spec.endpoint.rfind(':');
+    if (spec.endpoint.empty() || colon == std::string::npos || colon == 0 ||
+        colon + 1 == spec.endpoint.size()) {
+      return bad("name=HOST:PORT is missing");
+    }
+    if (pool.events_port == 0) {
+      return bad(
+          absl::StrCat(spec.endpoint, ": events-port is missing (vLLM's --kv-events-config port)"));
+    }
+    if (spec.namespace_id == 0) return bad(absl::StrCat(spec.endpoint, ": namespace is missing"));
+    if (spec.block_tokens == 0) {
+      return bad(absl::StrCat(spec.endpoint, ": block-tokens is missing"));
+    }
+    for (const auto& other : options->dns) {
+      if (other.spec.endpoint == spec.endpoint) {
+        return bad(absl::StrCat(spec.endpoint, " twice"));
+      }
+    }
+    options->dns.push_back(std::move(pool));
   }
-  const size_t colon = spec.endpoint.rfind(':');
-  if (spec.endpoint.empty() || colon == std::string::npos || colon == 0 ||
-      colon + 1 == spec.endpoint.size()) {
-    return bad("name=HOST:PORT is missing");
-  }
-  if (events == 0) return bad("events-port is missing (vLLM's --kv-events-config port)");
-  if (spec.namespace_id == 0) return bad("namespace is missing");
-  if (spec.block_tokens == 0) return bad("block-tokens is missing");
-  options->dns = std::move(spec);
-  options->dns_events_port = events;
-  options->dns_replay_port = replay;
+  if (options->dns.empty()) return bad("no name=HOST:PORT");
   return absl::OkStatus();
 }
 
 absl::Status FrontendOptions::Validate() const {
   if (served_model.empty()) return absl::InvalidArgumentError("--served-model-name is required");
-  if (engines.empty() && dns.endpoint.empty()) {
+  if (engines.empty() && dns.empty()) {
     return absl::InvalidArgumentError("--engines or --engines-dns: at least one engine");
   }
-  if (!dns.endpoint.empty()) {
-    const size_t colon = dns.endpoint.rfind(':');
-    if (colon == std::string::npos || colon == 0 || colon + 1 == dns.endpoint.size()) {
+  // Every engine serves one model: one namespace and block size.
+  std::vector<std::pair<std::string, const router::VllmSourceSpec*>> all;
+  for (const auto& e : engines) all.emplace_back(e.id, &e);
+  for (const auto& pool : dns) {
+    const router::VllmSourceSpec& d = pool.spec;
+    const size_t colon = d.endpoint.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == d.endpoint.size()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--engines-dns ", dns.endpoint, " is not host:port"));
+          absl::StrCat("--engines-dns ", d.endpoint, " is not host:port"));
     }
-    if (dns.block_tokens == 0) {
+    if (d.block_tokens == 0) {
       return absl::InvalidArgumentError("--engines-dns needs --block-tokens (vLLM's --block-size)");
     }
-    if (dns_events_port > 65535 || dns_replay_port > 65535) {
-      return absl::InvalidArgumentError("--engines-events-port/--engines-replay-port: 0..65535");
+    if (pool.events_port > 65535 || pool.replay_port > 65535) {
+      return absl::InvalidArgumentError("--engines-dns: events-port/replay-port: 1..65535");
     }
-    if (dns_interval_ms < 100) return absl::InvalidArgumentError("--dns-interval: at least 100 ms");
+    all.emplace_back(absl::StrCat("(DNS ", d.endpoint, ")"), &d);
   }
-  const router::VllmSourceSpec& first = engines.empty() ? dns : engines.front();
+  if (!dns.empty() && dns_interval_ms < 100) {
+    return absl::InvalidArgumentError("--dns-interval: at least 100 ms");
+  }
+  const router::VllmSourceSpec& first = *all.front().second;
   if (threads < 1 || threads > 256) return absl::InvalidArgumentError("--threads: 1..256");
   if (max_attempts < 1) return absl::InvalidArgumentError("--max-attempts: at least 1");
   if (!(decode_weight >= 0 && decode_weight <= 16)) {
@@ -1249,15 +1295,18 @@ absl::Status FrontendOptions::Validate() const {
   }
   // Roles pair: a prefill engine's requests need an engine that decodes.
   std::string prefill_only;
-  bool decodes = !dns.endpoint.empty() && dns.role != router::EngineRole::kPrefill;
-  for (const auto& e : engines) {
-    if (e.role == router::EngineRole::kPrefill) {
-      prefill_only = e.id;
+  bool decodes = false;
+  for (const auto& [name, e] : all) {
+    if (e->role == router::EngineRole::kPrefill) {
+      prefill_only = name;
     } else {
       decodes = true;
     }
+    if (e->namespace_id != first.namespace_id || e->block_tokens != first.block_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "engine ", name, ": every engine serves the same model: one namespace and block-tokens"));
+    }
   }
-  if (dns.role == router::EngineRole::kPrefill && !dns.endpoint.empty()) prefill_only = "(DNS)";
   if (!prefill_only.empty() && !decodes) {
     return absl::InvalidArgumentError(
         absl::StrCat("--engines: engine ", prefill_only,
@@ -1276,10 +1325,6 @@ absl::Status FrontendOptions::Validate() const {
       return absl::InvalidArgumentError(
           absl::StrCat("--engines: endpoint ", e.endpoint, " is not host:port"));
     }
-    if (e.namespace_id != first.namespace_id || e.block_tokens != first.block_tokens) {
-      return absl::InvalidArgumentError(
-          "--engines: every engine serves the same model: one namespace and block-tokens");
-    }
   }
   return router.Validate();
 }
@@ -1296,7 +1341,8 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   auto router = router::EmbeddedRouter::Start(o.router, o.router_listen);
   if (!router.ok()) return router.status();
   impl->router = std::move(*router);
-  impl->namespace_id = o.engines.empty() ? o.dns.namespace_id : o.engines.front().namespace_id;
+  impl->namespace_id =
+      o.engines.empty() ? o.dns.front().spec.namespace_id : o.engines.front().namespace_id;
   const size_t colon = o.listen.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("--listen ", o.listen, " is not host:port"));
@@ -1326,8 +1372,8 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   Impl* raw = impl.get();
   const Executor first = raw->loops[0]->get_executor();
   net::co_spawn(first, raw->Accept(), net::detached);
-  for (const auto& spec : o.engines) raw->AddEngine(spec, false);
-  if (!o.dns.endpoint.empty()) net::co_spawn(first, raw->DnsLoop(), net::detached);
+  for (const auto& spec : o.engines) raw->AddEngine(spec, -1);
+  for (size_t i = 0; i < o.dns.size(); ++i) net::co_spawn(first, raw->DnsLoop(i), net::detached);
   for (size_t i = 0; i < raw->loops.size(); ++i) {
     raw->threads.emplace_back([raw, i] {
       t_loop = i;

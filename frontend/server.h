@@ -64,16 +64,19 @@ struct FrontendOptions {
   // The engines: their API (endpoint), their KV events; one namespace and
   // block size for all.
   std::vector<router::VllmSourceSpec> engines;
-  // Engines by DNS name as well (a Kubernetes headless Service): every IPv4
-  // address `dns.endpoint`'s host resolves to is an engine at that address
-  // and port, its events at tcp://ADDRESS:dns_events_port (and its replay
-  // socket at dns_replay_port, 0: none), with dns's namespace and block
-  // size. The name is resolved again every dns_interval_ms: an address
-  // that appears joins the fleet, one that is gone leaves it and the
-  // index at once; a failed resolution keeps the fleet as it was.
-  router::VllmSourceSpec dns;  // endpoint "" : none
-  uint32_t dns_events_port = 0;
-  uint32_t dns_replay_port = 0;
+  // Engines by DNS name as well (Kubernetes headless Services, one per
+  // pool): every IPv4 address a name's host resolves to is an engine at
+  // that address and port, its events at tcp://ADDRESS:events_port (and its
+  // replay socket at replay_port, 0: none), with the name's namespace,
+  // block size and role. Each name is resolved again every dns_interval_ms:
+  // an address that appears joins the fleet, one that is gone leaves it and
+  // the index at once; a failed resolution keeps that pool as it was.
+  struct DnsPool {
+    router::VllmSourceSpec spec;  // endpoint: the name, HOST:PORT
+    uint32_t events_port = 0;
+    uint32_t replay_port = 0;
+  };
+  std::vector<DnsPool> dns;
   uint64_t dns_interval_ms = 5000;
   router::RouterOptions router;
   std::string router_listen = "127.0.0.1:0";  // where store shards publish
@@ -82,8 +85,9 @@ struct FrontendOptions {
   absl::Status Validate() const;
 };
 
-// --engines-dns: "name=HOST:PORT,events-port=N[,replay-port=N],
-// namespace=16 hex digits,block-tokens=N" into options->dns and its ports.
+// --engines-dns: pools separated by ';', each "name=HOST:PORT,
+// events-port=N[,replay-port=N],namespace=16 hex digits,block-tokens=N
+// [,role=prefill|decode|both]", appended to options->dns.
 // INVALID_ARGUMENT naming the key that is wrong or missing.
 absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options);
 

@@ -33,6 +33,7 @@ from conftest import BUILD, served_port
 FRONTEND_BIN = BUILD / "frontend" / "kvtier-frontend"
 TINY_LLAMA = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
 NAME = "engines.kvtier.test"
+PREFILL_NAME = "prefill.kvtier.test"  # the prefill pool's Service, when there is one
 NAMESPACE = "00c0ffee00c0ffee"
 
 
@@ -112,11 +113,15 @@ http {{
 
 
 class DnsFleet:
-    """nginx as three engines and the frontend resolving them by name."""
+    """nginx as three engines and the frontend resolving them by name. With
+    ``prefill`` the frontend also resolves PREFILL_NAME, a second pool of
+    role prefill (the decode pool is NAME's, role decode), with
+    --pd-threshold 4."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, prefill: list[int] | None = None) -> None:
         self.tmp = tmp
         self.hosts = tmp / "hosts"
+        self.prefill = prefill
         self.set_addresses([2, 3])
         self.port = _free_port()
         conf = tmp / "nginx.conf"
@@ -132,6 +137,14 @@ class DnsFleet:
             f"name={NAME}:{self.port},events-port={_free_port()},"
             f"namespace={NAMESPACE},block-tokens=32"
         )
+        pd = []
+        if prefill is not None:
+            dns += (
+                f",role=decode;name={PREFILL_NAME}:{self.port},"
+                f"events-port={_free_port()},namespace={NAMESPACE},block-tokens=32,"
+                "role=prefill"
+            )
+            pd = ["--pd-threshold=4"]
         frontend = " ".join(
             [
                 str(FRONTEND_BIN),
@@ -142,6 +155,7 @@ class DnsFleet:
                 f"'--engines-dns={dns}'",
                 "--dns-interval=200ms",
                 "--health-interval=200ms",
+                *pd,
             ]
         )
         # exec: the frontend keeps the shell's pid, which the test stops.
@@ -167,6 +181,8 @@ class DnsFleet:
             f.write("127.0.0.1 localhost\n")
             for o in octets:
                 f.write(f"127.0.0.{o} {NAME}\n")
+            for o in self.prefill or []:
+                f.write(f"127.0.0.{o} {PREFILL_NAME}\n")
 
     def complete(self, prompt: str = "hello there") -> tuple[int, str, str]:
         """One completion: (status, the engine that answered, the route header)."""
@@ -247,6 +263,29 @@ def test_engines_join_and_leave_as_the_name_resolves(fleet: DnsFleet) -> None:
     assert f"engine 127.0.0.4:{fleet.port} joined the fleet" in log
 
 
+def test_a_prefill_pool_and_a_decode_pool_each_keep_their_role(
+    tmp_path: Path,
+) -> None:
+    """Two names, two pools (as the chart's prefill and decode Services):
+    engines join with their pool's role. A long prompt goes to the prefill
+    pool's engine first; these engines hand nothing on (canned answers, no
+    kv_transfer_params), so it is marked down and the decode pool's engine
+    answers; no request is ever answered by the prefill engine."""
+    fleet = DnsFleet(tmp_path, prefill=[4])
+    try:
+        fleet.wait_engines([2, 3, 4])
+        log = fleet.log.read_text()
+        assert f"127.0.0.4:{fleet.port} joined the fleet (DNS {PREFILL_NAME}" in log
+        assert "role prefill)" in log and "role decode)" in log
+        status, text, route = fleet.complete("a prompt long enough for a prefill")
+        assert status == 200, text
+        assert text in ("engine 2", "engine 3"), route
+        assert f"prefill=127.0.0.4:{fleet.port} (failed: 200)" in route, route
+        assert fleet.served_by(8) <= {"engine 2", "engine 3"}
+    finally:
+        fleet.stop()
+
+
 def test_a_failed_resolution_keeps_the_fleet(fleet: DnsFleet) -> None:
     fleet.wait_engines([2, 3])
     fleet.set_addresses([])  # the name no longer resolves
@@ -306,6 +345,21 @@ def test_each_engines_own_metrics_feed_its_load(fleet: DnsFleet) -> None:
             "name=engines:8000,events-port=5557,namespace=00c0ffee00c0ffee,"
             "block-tokens=32,colour=red",
             'unknown key "colour"',
+        ),
+        (
+            "name=p:8000,events-port=5557,namespace=00c0ffee00c0ffee,"
+            "block-tokens=32,role=prefill",
+            "has role=prefill but no engine decodes",
+        ),
+        (
+            "name=p:8000,events-port=5557,namespace=00c0ffee00c0ffee,"
+            "block-tokens=32,role=primary",
+            'role "primary" must be prefill, decode or both',
+        ),
+        (
+            "name=d:8000,events-port=5557,namespace=00c0ffee00c0ffee,block-tokens=32;"
+            "name=p:8000,events-port=5557,namespace=00c0ffee00c0ffee,block-tokens=64",
+            "one namespace and block-tokens",
         ),
     ],
 )

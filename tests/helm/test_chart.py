@@ -369,6 +369,76 @@ def check_engine(values, schema):
     check_schema_refuses(v, schema, "engine", (("kind", "trt"), ("blockSize", 0), ("port", 70000)))
 
 
+def check_disaggregation(values, schema):
+    """engine.prefill.replicas > 0: two pools. The prefill Deployment's
+    engines are kv_producer, the engine Deployment's kv_consumer with the
+    handoff budget; each pool has its own headless Service and the frontend
+    resolves both, each with its role, and gets --pd-threshold; the
+    ordinary engine Service reaches decode engines only. Refused for SGLang
+    or vLLM's tier mode (the handoff is kvtier's vLLM connector's)."""
+    v = copy.deepcopy(values)
+    v["engine"]["enabled"] = True
+    v["engine"]["prefill"]["replicas"] = 2
+    v["engine"]["prefill"]["handoffWaitMs"] = 3000
+    v["engine"]["prefill"]["resources"] = {"limits": {"nvidia.com/gpu": 2}}
+    jsonschema.validate(v, schema)
+    objs = objects(render(v))
+    pre = find(objs, "Deployment", "-engine-prefill")
+    dec = find(objs, "Deployment", "-engine")
+    check(pre is not None and pre["spec"]["replicas"] == 2, "a prefill Deployment of 2 replicas")
+    check(dec is not None and dec["spec"]["replicas"] == 1, "the decode Deployment")
+
+    def kv_config(dep):
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        return json.loads(engine_arg(c["args"], "--kv-transfer-config") or "{}"), c
+
+    pk, pc = kv_config(pre)
+    dk, dc = kv_config(dec)
+    check(pk.get("kv_role") == "kv_producer" and dk.get("kv_role") == "kv_consumer",
+          "prefill engines produce, decode engines consume: %s %s" % (pk, dk))
+    check(dk["kv_connector_extra_config"].get("handoff_wait_ms") == 3000 and
+          "handoff_wait_ms" not in pk["kv_connector_extra_config"],
+          "the decode's handoff budget")
+    with open(os.path.join(ROOT, "python", "kvtier", "integrations", "vllm_handoff.py")) as f:
+        check("handoff_wait_ms" in f.read(), "handoff_wait_ms is the connector's key")
+    check(pc["resources"]["limits"].get("nvidia.com/gpu") == "2" and
+          dc["resources"]["limits"].get("nvidia.com/gpu") == "1", "each pool's resources")
+    labels = pre["spec"]["template"]["metadata"]["labels"]
+    check(labels.get("app.kubernetes.io/component") == "engine-prefill" and
+          pre["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "engine-prefill",
+          "prefill pods are their own component")
+    svc = find(objs, "Service", "kv-engine")
+    check(svc["spec"]["selector"]["app.kubernetes.io/component"] == "engine",
+          "the engine Service reaches decode engines only")
+    ph = find(objs, "Service", "-engine-prefill-headless")
+    check(ph is not None and ph["spec"]["clusterIP"] == "None" and
+          ph["spec"]["selector"]["app.kubernetes.io/component"] == "engine-prefill" and
+          {p["port"] for p in ph["spec"]["ports"]} == {8000, 5557, 5558},
+          "a headless Service names every prefill pod with its API and events ports")
+    fc = find(objs, "Deployment", "-frontend")["spec"]["template"]["spec"]["containers"][0]
+    dns = engine_arg(fc["args"], "--engines-dns")
+    pool = "events-port=5557,replay-port=5558,namespace=00c0ffee00c0ffee,block-tokens=16"
+    check(dns == "name=kv-engine-headless:8000,%s,role=decode;"
+          "name=kv-engine-prefill-headless:8000,%s,role=prefill" % (pool, pool),
+          "the frontend resolves both pools, each with its role: %s" % dns)
+    check(engine_arg(fc["args"], "--pd-threshold") == "512", "the frontend's --pd-threshold")
+    rc, out = check_config("frontend/kvtier-frontend", fc["args"])
+    check(rc == 0, "kvtier-frontend rejects the rendered two pools: %s" % out)
+    check_schema_refuses(v["engine"], schema["properties"]["engine"], "prefill", (
+        ("replicas", -1), ("handoffWaitMs", 0), ("handoffWaitMs", 600001)))
+    for key, bad in (("kind", "sglang"), ("vllmMode", "tier")):
+        w = copy.deepcopy(v)
+        w["engine"][key] = bad
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(w, f)
+            f.flush()
+            out = subprocess.run([HELM, "template", "kv", CHART, "-f", f.name],
+                                 capture_output=True, text=True, timeout=120)
+        check(out.returncode != 0 and "engine.prefill.replicas needs" in out.stderr,
+              "a prefill pool with engine.%s=%s refused, naming the setting: %s"
+              % (key, bad, out.stderr))
+
+
 def check_frontend(values, schema):
     """With vLLM engines the frontend is the entry point: a Deployment
     finding the engines through their headless Service (API, KV events and
@@ -899,6 +969,7 @@ def main():
     check_tls(values, schema)
     check_engine(values, schema)
     check_frontend(values, schema)
+    check_disaggregation(values, schema)
     check_vllm_sources(values, schema)
     check_source_identities(values, schema)
     check_admin_token_and_network_policy(values, schema)

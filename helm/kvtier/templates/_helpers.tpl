@@ -13,6 +13,7 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 {{- define "kvtier.frontendService" -}}{{ include "kvtier.fullname" . }}-frontend{{- end -}}
 {{- define "kvtier.frontendHeadless" -}}{{ include "kvtier.fullname" . }}-frontend-headless{{- end -}}
 {{- define "kvtier.engineHeadless" -}}{{ include "kvtier.fullname" . }}-engine-headless{{- end -}}
+{{- define "kvtier.prefillHeadless" -}}{{ include "kvtier.fullname" . }}-engine-prefill-headless{{- end -}}
 {{- define "kvtier.routerHeadless" -}}{{ include "kvtier.fullname" . }}-router-headless{{- end -}}
 {{- /* The Secret holding the admin token, or "" when admin RPCs are open. */ -}}
 {{- define "kvtier.adminTokenSecret" -}}

@@ -26,7 +26,7 @@ pytest.importorskip(
                     "build/venv: scripts/setup_venv.sh)"))
 
 import kvtier  # noqa: E402
-from kvtier.integrations.vllm_tier import key_hashes  # noqa: E402
+from kvtier.integrations.vllm_tier import key_hashes, pd_role  # noqa: E402
 from vllm_tier_harness import (TierEngine, kvtier_tier,  # noqa: E402
                                offload_keys, row_bytes)
 
@@ -146,6 +146,8 @@ def test_a_store_down_at_start_up(tmp_path: Path) -> None:
     ({"stores": "127.0.0.1:1", "enable_kv_events": "yes"},
      "enable_kv_events"),
     ({"stores": "127.0.0.1:1", "deadline_ms": "soon"}, "deadline_ms"),
+    ({"stores": "127.0.0.1:1", "handoff_wait_ms": 0}, "handoff_wait_ms"),
+    ({"stores": "127.0.0.1:1", "handoff_wait_ms": 600001}, "handoff_wait_ms"),
     ({}, '"stores" names no kvtier-store'),
 ])
 def test_a_malformed_tier_config_names_the_key(entry: dict, key: str) -> None:
@@ -225,3 +227,105 @@ def test_store_jobs_past_the_bound_fail_at_once_and_lookups_keep_a_budget(
         tier.drain_jobs()
     finally:
         e.close()
+
+
+# --- vLLM's P/D keys (vLLM's orchestration-layer protocol, llm-d's sidecar)
+
+
+def pd_params(side: str, rid: str = "handoff-1") -> dict:
+    """kv_transfer_params as llm-d's routing sidecar sends them with
+    ``--kv-connector offloading``: remote_decoder to the prefill,
+    remote_prefiller (with the prefill's host and port) to the decode."""
+    if side == "decode":
+        return {"remote_prefiller": {"kv_request_id": rid,
+                                     "remote_host": "10.0.0.9",
+                                     "remote_port": 7777}}
+    return {"remote_decoder": {"kv_request_id": rid}}
+
+
+def test_a_decode_request_waits_for_its_prefills_rows_and_loads_them(
+        store: Store) -> None:
+    """Engine D's request (remote_prefiller) looks up a prompt engine P has
+    not stored yet: its lookups are deferred (RETRY), not misses. P's
+    request (remote_decoder, which the tier stores whole: REQUEST_LEVEL)
+    stores it 0.5 s later; D then loads every row bit-exactly, and
+    counts one complete handoff. Without the keys, the same lookup missed
+    at once."""
+    import threading
+
+    from vllm.v1.kv_offload.base import OffloadPolicy
+
+    p = TierEngine(kvtier_tier(store.address))
+    d = TierEngine(kvtier_tier(store.address, handoff_wait_ms=20000))
+    try:
+        keys = offload_keys(51, 8)
+        got, took = d.load(keys)
+        assert got == [None] * 8 and took < 5
+        timer = threading.Timer(0.5, p.store, (keys, 51, pd_params("prefill")))
+        timer.start()
+        got, took = d.load(keys, params=pd_params("decode"))
+        timer.join()
+        assert p.policy.policy is OffloadPolicy.REQUEST_LEVEL
+        assert took >= 0.45, took
+        assert [g == row_bytes(51, i).tobytes() for i, g in enumerate(got)] \
+            == [True] * 8
+        assert d.tier.handoffs["complete"] == 1
+        assert d.tier.handoffs["timed_out"] == 0
+        assert p.tier.handoffs["prefill"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_decode_whose_prefill_stored_part_waits_its_budget_then_computes(
+        store: Store) -> None:
+    """P stored the first 2 of 4 rows (the rest never come): D waits
+    handoff_wait_ms (0.4 s), no longer, loads the 2 rows bit-exactly and
+    misses the others (vLLM computes them); one timed-out handoff."""
+    p = TierEngine(kvtier_tier(store.address))
+    d = TierEngine(kvtier_tier(store.address, handoff_wait_ms=400))
+    try:
+        keys = offload_keys(52, 4)
+        p.store(keys[:2], 52, pd_params("prefill", "h2"))
+        got, took = d.load(keys, params=pd_params("decode", "h2"))
+        assert 0.4 <= took < 5, took
+        assert got[0] == row_bytes(52, 0).tobytes()
+        assert got[1] == row_bytes(52, 1).tobytes()
+        assert got[2:] == [None, None]
+        assert d.tier.handoffs == {"complete": 0, "timed_out": 1,
+                                   "ignored": 0, "prefill": 0}
+        assert d.tier.handoff_wait_seconds >= 0.4
+        assert not d.manager.has_pending_work()
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("params, why", [
+    ({**pd_params("decode"), **pd_params("prefill")},
+     "remote_prefiller goes alone"),
+    ({**pd_params("decode"), "remote_kv_source": {"kv_request_id": "s"}},
+     "remote_prefiller goes alone"),
+    ({"remote_prefiller": {"remote_host": "10.0.0.9", "remote_port": 7777}},
+     "remote_prefiller needs a non-empty string kv_request_id"),
+    ({"remote_decoder": {"kv_request_id": 7}},
+     "remote_decoder needs a non-empty string kv_request_id"),
+    ({"remote_decoder": "h1"},
+     "remote_decoder needs a non-empty string kv_request_id"),
+])
+def test_p_d_keys_the_protocol_forbids_run_an_ordinary_request(
+        store: Store, params: dict, why: str) -> None:
+    """Keys vLLM's protocol forbids, or malformed ones: the request runs as
+    an ordinary one (no wait, the default store policy), counted as
+    ignored, and the reason names the key."""
+    from vllm.v1.kv_offload.base import OffloadPolicy
+
+    assert why in pd_role(params)[2]
+    d = TierEngine(kvtier_tier(store.address, handoff_wait_ms=20000))
+    try:
+        got, took = d.load(offload_keys(53, 2), params=params)
+        assert got == [None, None] and took < 5
+        assert d.policy.policy is OffloadPolicy.CHUNK_LEVEL
+        assert d.tier.handoffs["ignored"] == 1
+    finally:
+        d.close()

@@ -110,11 +110,13 @@ class TierEngine:
             time.sleep(0.005)
             self.step()
 
-    def store(self, keys: list[bytes], seed: int) -> float:
+    def store(self, keys: list[bytes], seed: int,
+              params: Optional[dict[str, Any]] = None) -> float:
         """A request's blocks offloaded from the "GPU" (written into the
         rows vLLM chose), then cascaded to the secondary tier. Returns the
-        seconds until every job finished."""
-        ctx = self._request()
+        seconds until every job finished. ``params``: the request's
+        kv_transfer_params."""
+        ctx = self._request(params)
         out = self.manager.prepare_store(keys, ctx)
         for i, row in enumerate(out.store_spec.chunk_ids):
             self.rows[int(row)] = row_bytes(seed, i)
@@ -125,13 +127,15 @@ class TierEngine:
         self.manager.on_request_finished(ctx)
         return took
 
-    def load(self, keys: list[bytes], timeout: float = 30
+    def load(self, keys: list[bytes], timeout: float = 30,
+             params: Optional[dict[str, Any]] = None
              ) -> tuple[list[Optional[bytes]], float]:
         """A request looks its blocks up: a secondary hit is promoted into
         the primary tier (a load job), then read as a GPU worker would.
         Returns each key's row bytes (None for a miss) and the seconds the
-        lookups and promotions took."""
-        ctx = self._request()
+        lookups and promotions took. As vLLM's scheduler does, it asks
+        again each step while any lookup is deferred."""
+        ctx = self._request(params)
         start = time.monotonic()
         deadline = start + timeout
         while True:
@@ -164,10 +168,11 @@ class TierEngine:
         self._rows = None
         self.manager.shutdown()
 
-    def _request(self) -> ReqContext:
+    def _request(self, params: Optional[dict[str, Any]] = None
+                 ) -> ReqContext:
         self._n += 1
-        ctx = ReqContext(req_id=f"req-{self._n}")
-        self.manager.on_new_request(ctx)
+        ctx = ReqContext(req_id=f"req-{self._n}", kv_transfer_params=params)
+        self.policy = self.manager.on_new_request(ctx)
         return ctx
 
 

@@ -24,7 +24,8 @@ Tier keys (beside vLLM's ``type``, ``module_path``, ``backpressure``):
 ``locality`` ("REMOTE": the store is shared by every engine; or "LOCAL"),
 ``enable_kv_events`` (true), ``lookup_budget_ms`` (100: one step's lookup;
 past it the keys miss), ``max_queued_stores`` (256: store jobs beyond it
-fail at once, their rows staying in vLLM's CPU tier). Any other key, a
+fail at once, their rows staying in vLLM's CPU tier), ``handoff_wait_ms``
+(5000: a decode request's wait for its prefill's rows). Any other key, a
 wrong type or a value out of range is refused with a message that names
 the key. A REMOTE tier whose vLLM seeds block hashes at random per process
 (``prefix_caching_hash_algo`` xxhash without ``PYTHONHASHSEED``) is refused
@@ -55,6 +56,16 @@ What it promises:
   failed job; the tier keeps serving and uses the store once it answers.
 - Events: a stored row is reported (``take_events``) with medium STORAGE
   and the tier's locality, when vLLM's KV events are on.
+- Prefill/decode through the store, driven by vLLM's own P/D keys in
+  ``kv_transfer_params`` (vLLM's orchestration-layer protocol, which
+  llm-d's routing sidecar speaks with ``--kv-connector offloading``): a
+  request with ``remote_decoder: {kv_request_id}`` stores every row of its
+  prompt (prefix hits too); one with ``remote_prefiller: {kv_request_id,
+  remote_host, remote_port}`` waits (RETRY) for each row it looks up until
+  the store holds it committed, or ``handoff_wait_ms`` has passed (then
+  computes what is missing). The store is the medium: host and port are
+  not used, and neither side needs the other. Keys the protocol forbids or
+  malformed ones run the request as an ordinary one, said in the log.
 
 Engines that share rows through the store must hash blocks the same way:
 vLLM's default sha256 block hash is seeded from a fixed value unless
@@ -82,7 +93,8 @@ from kvtier.options import (CLIENT_OPTIONS, Option, client_options,
                             read_options)
 
 from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium,
-                                     OffloadingEvent, OffloadKey, ReqContext)
+                                     OffloadingEvent, OffloadKey,
+                                     OffloadPolicy, ReqContext)
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import (JobId, JobResult,
                                              RequestOffloadingContext,
@@ -107,8 +119,60 @@ TIER_OPTIONS: tuple[Option, ...] = CLIENT_OPTIONS + (
     Option("max_queued_stores", "int", 256,
            "store jobs queued at most; more fail at once (the rows stay in "
            "vLLM's CPU tier)", 1, 1 << 20),
+    Option("handoff_wait_ms", "number", 5000,
+           "how long a decode request (remote_prefiller) waits for the "
+           "prefill's rows before it computes what is missing", 1, 600000),
 )
+
+#: The shortest time between two probes of one handoff's keys.
+HANDOFF_PROBE_INTERVAL_S = 0.005
 TIER_KEYS = tuple(o.name for o in TIER_OPTIONS)
+
+@dataclass
+class _Handoff:
+    """A decode request's wait for a prefill's rows (vLLM's
+    ``remote_prefiller``): which keys it asked for and which the store was
+    seen to hold. Touched on vLLM's scheduler thread only; probes report
+    through the tier's queue."""
+
+    kv_request_id: str
+    deadline: float
+    start: float
+    asked: dict[OffloadKey, None]     # every key looked up, in order
+    present: set[OffloadKey]          # committed in the store
+    probing: bool = False
+    next_probe: float = 0.0
+    outcome: Optional[str] = None     # None: waiting; "complete", "timed_out"
+
+
+def pd_role(params: Any) -> tuple[Optional[str], Optional[str], str]:
+    """What vLLM's offloading P/D keys in ``kv_transfer_params`` ask of the
+    tier (vLLM's "orchestration-layer protocol", the one llm-d's routing
+    sidecar speaks): ``("decode", kv_request_id, "")`` for
+    ``remote_prefiller``, ``("prefill", kv_request_id, "")`` for
+    ``remote_decoder``, ``(None, None, "")`` for neither, and
+    ``(None, None, why)`` for keys the protocol forbids or that are
+    malformed (the request then runs as an ordinary one).
+    ``remote_kv_source`` needs nothing of this tier: every engine finds what
+    the shared store holds by its ordinary lookups."""
+    if not isinstance(params, dict):
+        return None, None, ""
+    pre = params.get("remote_prefiller")
+    dec = params.get("remote_decoder")
+    if pre is None and dec is None:
+        return None, None, ""
+    if pre is not None and (dec is not None or
+                            params.get("remote_kv_source") is not None):
+        return None, None, ("remote_prefiller goes alone (not with "
+                            "remote_decoder or remote_kv_source)")
+    key = "remote_prefiller" if pre is not None else "remote_decoder"
+    value = pre if pre is not None else dec
+    rid = value.get("kv_request_id") if isinstance(value, dict) else None
+    if not isinstance(rid, str) or not rid:
+        return None, None, (f"{key} needs a non-empty string kv_request_id "
+                            f"(got {value!r:.80})")
+    return ("decode" if pre is not None else "prefill"), rid, ""
+
 
 @dataclass
 class _Job:
@@ -188,6 +252,24 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         for t in self._threads:
             t.start()
         self._lookups = _Lookups(self)
+        # P/D (vLLM's remote_prefiller / remote_decoder keys).
+        self._handoff_wait_s = float(values["handoff_wait_ms"]) / 1000.0
+        self._handoffs: dict[str, _Handoff] = {}   # by vLLM's req_id
+        self._probes: "queue.SimpleQueue[Optional[tuple[_Handoff, list[OffloadKey]]]]" \
+            = queue.SimpleQueue()
+        self._probed: "queue.SimpleQueue[tuple[_Handoff, list[OffloadKey]]]" \
+            = queue.SimpleQueue()
+        self._prober = threading.Thread(target=self._probe_loop, daemon=True,
+                                        name="kvtier-tier-handoff")
+        self._prober.start()
+        #: Handoffs by outcome: complete (every row the decode asked for
+        #: was found), timed_out (it computed what was missing), ignored
+        #: (keys malformed or forbidden: an ordinary request), prefill
+        #: (remote_decoder requests, whose every row is stored).
+        self.handoffs = {"complete": 0, "timed_out": 0, "ignored": 0,
+                         "prefill": 0}
+        self.handoff_wait_seconds = 0.0
+        self._last_handoff_log = 0.0
         log.info("kvtier tier: stores %s, namespace %016x, rows of %d bytes",
                  ",".join(stores), self.namespace.id, self._row_bytes)
 
@@ -294,13 +376,49 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
 
     def on_new_request(self, req_context: ReqContext
                        ) -> RequestOffloadingContext:
+        """vLLM's P/D keys: a ``remote_decoder`` (prefill) request stores
+        every row of its prompt, prefix hits too (REQUEST_LEVEL), so a
+        decode engine finds the whole prompt in the store; a
+        ``remote_prefiller`` (decode) request waits for its rows (lookup).
+        The handoff's medium is the store: ``remote_host`` /
+        ``remote_port`` are not used."""
+        role, rid, why = pd_role(req_context.kv_transfer_params)
+        if why:
+            self.handoffs["ignored"] += 1
+            self._log_handoff(f"request {req_context.req_id}: {why}; it runs "
+                              "as an ordinary request")
+            return RequestOffloadingContext()
+        if role == "prefill":
+            self.handoffs["prefill"] += 1
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        if role == "decode":
+            assert rid is not None
+            now = time.monotonic()
+            h = _Handoff(rid, now + self._handoff_wait_s, now, {}, set())
+            req_context.set_state(h)
+            self._handoffs[req_context.req_id] = h
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext
                ) -> LookupResult:
-        """HIT or MISS once this step's batch was answered; RETRY before."""
+        """HIT or MISS once this step's batch was answered; RETRY before.
+        A decode request (``remote_prefiller``) gets RETRY for each key
+        the store does not hold yet, until its rows are found or
+        ``handoff_wait_ms`` has passed (then ordinary lookups: what is
+        missing is computed); a row is seen only once committed, so no
+        row the prefill is still writing is ever loaded."""
         if not self._seed_checked:
             self._check_seed()
+        h = req_context.get_state(_Handoff)
+        if h is not None:
+            self._take_probes()
+            if key in h.present:
+                return LookupResult.HIT
+            if h.outcome is None:
+                if time.monotonic() < h.deadline:
+                    h.asked[key] = None
+                    return LookupResult.RETRY
+                self._end_handoff(h, "timed_out")
         result = self._lookups.lookup(key, req_context)
         if result is None:
             return LookupResult.RETRY
@@ -326,11 +444,86 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 algo="(a non-cryptographic one)"))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Sends this step's lookups as one batch."""
+        """Sends this step's lookups as one batch, and a probe for each
+        waiting handoff's keys (at most one in flight each, at most every
+        HANDOFF_PROBE_INTERVAL_S)."""
         self._lookups.flush()
+        self._take_probes()
+        now = time.monotonic()
+        for h in self._handoffs.values():
+            if h.outcome is not None or h.probing or now < h.next_probe:
+                continue
+            wanted = [k for k in h.asked if k not in h.present]
+            if wanted:
+                h.probing = True
+                h.next_probe = now + HANDOFF_PROBE_INTERVAL_S
+                self._probes.put((h, wanted))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookups.cleanup(req_context.req_id)
+        h = self._handoffs.pop(req_context.req_id, None)
+        if h is not None and h.outcome is None:
+            # Finished (or aborted) while waiting: no longer waited for.
+            self._end_handoff(h, "timed_out" if time.monotonic() >= h.deadline
+                              else "complete" if h.asked and
+                              all(k in h.present for k in h.asked) else None)
+
+    # ---------------------------------------------------------- P/D handoffs
+
+    def _probe_loop(self) -> None:
+        """The handoff prober's thread: which of a handoff's keys the store
+        holds (each key its own chain: vLLM may ask in any order), within
+        the lookup budget; a store that cannot answer holds none."""
+        while True:
+            item = self._probes.get()
+            if item is None:
+                return
+            h, keys = item
+            try:
+                counts = self._call(lambda s: s.lookup_many(
+                    self.namespace, [key_hashes([k]) for k in keys],
+                    budget_ms=self._lookup_budget_ms))
+                found = [k for k, n in zip(keys, counts) if n]
+            except KvtierError as e:
+                log.debug("kvtier tier: handoff probe failed: %s", e)
+                found = []
+            self._probed.put((h, found))
+
+    def _take_probes(self) -> None:
+        """Applies finished probes (on the scheduler thread); a handoff
+        whose every asked key is present is complete."""
+        while True:
+            try:
+                h, found = self._probed.get_nowait()
+            except queue.Empty:
+                return
+            h.probing = False
+            h.present.update(found)
+            if h.outcome is None and h.asked and \
+                    all(k in h.present for k in h.asked):
+                self._end_handoff(h, "complete")
+
+    def _end_handoff(self, h: _Handoff, outcome: Optional[str]) -> None:
+        if outcome is None:  # left before it asked anything
+            h.outcome = "gone"
+            return
+        h.outcome = outcome
+        self.handoffs[outcome] += 1
+        self.handoff_wait_seconds += time.monotonic() - h.start
+        if outcome == "timed_out":
+            self._log_handoff(
+                f"handoff {h.kv_request_id}: {len(h.present)} of "
+                f"{len(h.asked)} rows in the store after "
+                f"{self._handoff_wait_s * 1000:.0f} ms (handoff_wait_ms); "
+                "the rest is computed")
+
+    def _log_handoff(self, line: str) -> None:
+        """A handoff problem in the log, at most every 10 s (with counts)."""
+        now = time.monotonic()
+        if now - self._last_handoff_log >= 10.0:
+            self._last_handoff_log = now
+            log.warning("kvtier tier: %s (handoffs so far: %s)", line,
+                        self.handoffs)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Queues rows ``chunk_ids`` for the store (keys it holds are not
@@ -376,6 +569,11 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             self._idle.wait_for(lambda: self._running == 0)
 
     def has_pending_work(self) -> bool:
+        """Jobs not yet reported, or a handoff still waiting (vLLM keeps
+        stepping, so its lookups are asked again)."""
+        if any(h.outcome is None and h.asked
+               for h in self._handoffs.values()):
+            return True
         with self._idle:
             return self._unreported > 0
 
@@ -393,5 +591,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         for t in self._threads:
             t.join(timeout=30)
         self._lookups.shutdown()
+        self._probes.put(None)
+        self._prober.join(timeout=30)
         self._store = None
         self._region = np.empty(0, dtype=np.uint8)

@@ -14,12 +14,21 @@ Two engines on one kvtier-store: P (``kv_role: kv_producer``) and D
 Prints each pair and its ratio (b)/(a); the target is <= 0.2 at 4,096
 tokens with only the prompt's partial last block computed.
 
+``--connector nixl`` runs the same rounds with vLLM's NixlConnector (the
+reference: P's KV pulled by D over NIXL's UCX backend, no store) instead of
+kvtier's connector. NIXL is not in build/venv; install it beside it:
+
+    build/venv/bin/pip install --no-deps --target build/nixl \
+        nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1
+
     build/venv/bin/python bench/pd_bench.py [--tokens 4096] [--rounds 4]
+        [--connector kvtier|nixl]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -35,7 +44,9 @@ os.environ["KVTIER_BUILD_DIR"] = str(BUILD)
 
 from conftest import Store, engine_env  # noqa: E402
 from vllm_server import (VllmServer, cached_tokens,  # noqa: E402
-                         kvtier_connector, prompt_ids)
+                         free_port, kvtier_connector, prompt_ids)
+
+NIXL_DIR = BUILD / "nixl"  # where --connector nixl finds the nixl packages
 
 BLOCK = 32
 
@@ -59,17 +70,26 @@ def main() -> None:
     ap.add_argument("--bind", default="0,1",
                     help="P's and D's compute cores (VLLM_CPU_OMP_THREADS_BIND; "
                     "'' : vLLM's own choice for both)")
+    ap.add_argument("--connector", choices=("kvtier", "nixl"), default="kvtier",
+                    help="kvtier: kvtier's connector through the store; nixl: "
+                    "vLLM's NixlConnector (the reference; needs build/nixl)")
     args = ap.parse_args()
     if os.environ.get("KVTIER_FLAGS_ONLY") == "1":  # the docs' check
         return
     env = engine_env()
+    if args.connector == "nixl":
+        if not (NIXL_DIR / "nixl").is_dir():
+            sys.exit(f"--connector nixl: no nixl package in {NIXL_DIR} (see "
+                     "this script's docstring for the pip command)")
+        env["PYTHONPATH"] = f"{NIXL_DIR}:{env.get('PYTHONPATH', '')}"
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
     cores = os.cpu_count() or 1
     where = (f"P computes on core {args.bind.split(',')[0]}, D on core "
              f"{args.bind.split(',')[1]}" if args.bind else
              f"{max(1, cores - 1)} compute thread(s) each")
-    print(f"every engine: VLLM_CPU_NUM_OF_RESERVED_CPU=1, {where} of {cores} "
-          f"cores; prompts of {args.tokens} tokens, {BLOCK}-token blocks")
+    print(f"{args.connector}: every engine: VLLM_CPU_NUM_OF_RESERVED_CPU=1, "
+          f"{where} of {cores} cores; prompts of {args.tokens} tokens, "
+          f"{BLOCK}-token blocks")
     with tempfile.TemporaryDirectory(prefix="kvtier-pd-") as tmp:
         work = Path(tmp)
         store = Store(work, "pd-store", ram="2GiB")
@@ -82,12 +102,21 @@ def main() -> None:
             # engine's prefill does not share a core with the other.
             p_env["VLLM_CPU_OMP_THREADS_BIND"], d_env["VLLM_CPU_OMP_THREADS_BIND"] = (
                 args.bind.split(","))
+        if args.connector == "nixl":
+            # vLLM's NixlConnector: both engines kv_both (as vLLM's own P/D
+            # examples run it), KV in CPU memory, each its side channel.
+            nixl = json.dumps({"kv_connector": "NixlConnector",
+                               "kv_role": "kv_both", "kv_buffer_device": "cpu"})
+            p_cfg = d_cfg = nixl
+            p_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+            d_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+        else:
+            p_cfg = kvtier_connector(store.address, "kv_producer")
+            d_cfg = kvtier_connector(store.address, "kv_consumer")
         p = VllmServer(work / "p.log", env=p_env, start=False,
-                       extra=(*common, "--kv-transfer-config",
-                              kvtier_connector(store.address, "kv_producer")))
+                       extra=(*common, "--kv-transfer-config", p_cfg))
         d = VllmServer(work / "d.log", env=d_env, start=False,
-                       extra=(*common, "--kv-transfer-config",
-                              kvtier_connector(store.address, "kv_consumer")))
+                       extra=(*common, "--kv-transfer-config", d_cfg))
         try:
             p.start()
             d.start()
@@ -117,7 +146,9 @@ def main() -> None:
                         params = pre["kv_transfer_params"]
                         result["b"], answer = timed(d, b_ids, params)
                         result["b_cached"] = cached_tokens(answer)
-                        result["fence"] = params["kvtier"]["blocks"]
+                        result["fence"] = (params["kvtier"]["blocks"]
+                                           if "kvtier" in params else
+                                           len(params["remote_block_ids"][0]))
                 rows.append(result)
                 print(f"round {r + 1}: (a) D computes: {result['a']:.3f} s "
                       f"(cached {result['a_cached']}); (b) P prefills "
@@ -131,8 +162,10 @@ def main() -> None:
                   f"(b) D after the handoff: median "
                   f"{statistics.median(x['b'] for x in rows):.3f} s; "
                   f"(b)/(a) per pair: {', '.join(f'{q:.3f}' for q in ratios)}; "
-                  f"D computed {args.tokens - min(x['b_cached'] for x in rows)} "
-                  f"prompt tokens at most (target: <= 0.2, the tail only)")
+                  + (f"D computed {args.tokens - min(x['b_cached'] for x in rows)} "
+                     "prompt tokens at most" if args.connector == "kvtier" else
+                     "vLLM reports no cached tokens for NIXL's transfers")
+                  + " (target: <= 0.2, the tail only)")
         finally:
             p.stop()
             d.stop()

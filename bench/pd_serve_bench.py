@@ -135,18 +135,20 @@ def main() -> None:
                             "--request-rate", str(args.rate),
                             "--seed", str(run)], n)  # fmt: skip
                         handed = frontend_counter(
-                            fe.url, 'kvtier_frontend_handoffs_total{outcome="ok"}')
+                            fe.url, 'kvtier_frontend_handoffs_total{outcome="handed_off"}')
                     finally:
                         fe.stop()
                     pair[mode] = {
-                        "itl_p99": res["p99_itl_ms"], "ttft_mean": res["mean_ttft_ms"],
+                        "itl_p99": res["p99_itl_ms"], "itl_p50": res["median_itl_ms"],
+                        "ttft_mean": res["mean_ttft_ms"],
                         "ttft_p99": res["p99_ttft_ms"],
                         "tok_s": res["output_throughput"],
                         "ok": res["completed"], "handoffs": handed,
                     }  # fmt: skip
                     if run:
                         r = pair[mode]
-                        print(f"run {run} {mode:>13}: ITL p99 {r['itl_p99']:.1f} ms, "
+                        print(f"run {run} {mode:>13}: ITL p99 {r['itl_p99']:.1f} ms "
+                              f"(p50 {r['itl_p50']:.1f}), "
                               f"TTFT mean {r['ttft_mean']:.0f} ms p99 "
                               f"{r['ttft_p99']:.0f} ms, {r['tok_s']:.1f} output "
                               f"tokens/s, {r['ok']:.0f} completed, "

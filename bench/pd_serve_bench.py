@@ -45,6 +45,9 @@ from conftest import Store, engine_env  # noqa: E402
 from vllm_server import VllmServer, free_port, kvtier_connector  # noqa: E402
 
 
+HANDED_OFF = 'kvtier_frontend_handoffs_total{outcome="handed_off"}'
+
+
 def frontend_counter(url: str, prefix: str) -> float:
     """The sum of the frontend's metric lines that start with prefix."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
@@ -134,8 +137,7 @@ def main() -> None:
                             "--random-range-ratio", "0", "--ignore-eos",
                             "--request-rate", str(args.rate),
                             "--seed", str(run)], n)  # fmt: skip
-                        handed = frontend_counter(
-                            fe.url, 'kvtier_frontend_handoffs_total{outcome="handed_off"}')
+                        handed = frontend_counter(fe.url, HANDED_OFF)
                     finally:
                         fe.stop()
                     pair[mode] = {

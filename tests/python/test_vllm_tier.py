@@ -292,7 +292,7 @@ def test_a_decode_whose_prefill_stored_part_waits_its_budget_then_computes(
         assert got[0] == row_bytes(52, 0).tobytes()
         assert got[1] == row_bytes(52, 1).tobytes()
         assert got[2:] == [None, None]
-        assert d.tier.handoffs == {"complete": 0, "timed_out": 1,
+        assert d.tier.handoffs == {"complete": 0, "timed_out": 1, "partial": 0,
                                    "ignored": 0, "prefill": 0}
         assert d.tier.handoff_wait_seconds >= 0.4
         assert not d.manager.has_pending_work()
@@ -327,5 +327,53 @@ def test_p_d_keys_the_protocol_forbids_run_an_ordinary_request(
         assert got == [None, None] and took < 5
         assert d.policy.policy is OffloadPolicy.CHUNK_LEVEL
         assert d.tier.handoffs["ignored"] == 1
+    finally:
+        d.close()
+
+
+def test_a_handed_off_row_that_fails_its_load_is_computed_not_promised_again(
+        store: Store) -> None:
+    """P stored 4 rows, then one was corrupted in the store: D's handoff
+    finds all 4 committed, but the promotion fails its checksum. The rows
+    that failed are misses from then on (vLLM computes them), not HITs
+    promised again step after step; nothing corrupt is read."""
+    p = TierEngine(kvtier_tier(store.address))
+    d = TierEngine(kvtier_tier(store.address, handoff_wait_ms=20000))
+    try:
+        keys = offload_keys(54, 4)
+        p.store(keys, 54, pd_params("prefill", "h4"))
+        assert corrupt_in_store(store.pid, row_bytes(54, 2).tobytes()[4096:4160])
+        got, took = d.load(keys, timeout=15, params=pd_params("decode", "h4"))
+        assert got[2] is None
+        assert all(g is None or g == row_bytes(54, i).tobytes()
+                   for i, g in enumerate(got))
+        assert took < 10, took
+        assert d.tier.handoffs["complete"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_handoff_ends_when_vllm_schedules_its_request(store: Store) -> None:
+    """vLLM scheduled the decode request before every row it asked for was
+    found (sliding-window lookups ask rows a prefill never stores): the
+    handoff ends there, counted partial, and no longer keeps vLLM stepping
+    or the store probed."""
+    from vllm.v1.kv_offload.base import (LookupResult, ReqContext,
+                                         ScheduleEndContext)
+
+    d = TierEngine(kvtier_tier(store.address, handoff_wait_ms=20000))
+    try:
+        ctx = ReqContext(req_id="r-sched",
+                         kv_transfer_params=pd_params("decode", "h5"))
+        d.manager.on_new_request(ctx)
+        assert [d.manager.lookup(k, ctx) for k in offload_keys(55, 2)] == \
+            [LookupResult.RETRY] * 2
+        assert d.manager.has_pending_work()
+        d.manager.on_schedule_end(ScheduleEndContext(
+            new_req_ids=["r-sched"], preempted_req_ids=()))
+        assert d.tier.handoffs["partial"] == 1
+        assert not d.manager.has_pending_work()
+        d.manager.on_request_finished(ctx)
     finally:
         d.close()

@@ -79,7 +79,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Optional
 
 import numpy as np
@@ -136,13 +136,20 @@ class _Handoff:
     through the tier's queue."""
 
     kv_request_id: str
-    deadline: float
-    start: float
-    asked: dict[OffloadKey, None]     # every key looked up, in order
-    present: set[OffloadKey]          # committed in the store
+    deadline: float = 0.0             # set at the first lookup
+    start: float = 0.0
+    asked: dict[OffloadKey, None] = field(default_factory=dict)  # in order
+    present: set[OffloadKey] = field(default_factory=set)  # committed there
+    failed: set[OffloadKey] = field(default_factory=set)   # loads that failed
     probing: bool = False
     next_probe: float = 0.0
-    outcome: Optional[str] = None     # None: waiting; "complete", "timed_out"
+    # None: waiting; "complete", "timed_out", "partial" (scheduled with
+    # some asked rows missing), "gone" (finished before it asked).
+    outcome: Optional[str] = None
+
+
+#: One handoff's keys to look for in the store.
+_Probe = tuple[_Handoff, list[OffloadKey]]
 
 
 def pd_role(params: Any) -> tuple[Optional[str], Optional[str], str]:
@@ -180,6 +187,7 @@ class _Job:
     load: bool
     keys: list[OffloadKey]
     rows: list[int]
+    req_id: Optional[str] = None
 
 
 class _Lookups(AsyncLookupManager):
@@ -255,19 +263,21 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         # P/D (vLLM's remote_prefiller / remote_decoder keys).
         self._handoff_wait_s = float(values["handoff_wait_ms"]) / 1000.0
         self._handoffs: dict[str, _Handoff] = {}   # by vLLM's req_id
-        self._probes: "queue.SimpleQueue[Optional[tuple[_Handoff, list[OffloadKey]]]]" \
-            = queue.SimpleQueue()
+        self._probes: "queue.SimpleQueue[Optional[list[_Probe]]]" = \
+            queue.SimpleQueue()
         self._probed: "queue.SimpleQueue[tuple[_Handoff, list[OffloadKey]]]" \
             = queue.SimpleQueue()
         self._prober = threading.Thread(target=self._probe_loop, daemon=True,
                                         name="kvtier-tier-handoff")
         self._prober.start()
         #: Handoffs by outcome: complete (every row the decode asked for
-        #: was found), timed_out (it computed what was missing), ignored
-        #: (keys malformed or forbidden: an ordinary request), prefill
-        #: (remote_decoder requests, whose every row is stored).
-        self.handoffs = {"complete": 0, "timed_out": 0, "ignored": 0,
-                         "prefill": 0}
+        #: was found), timed_out (it computed what was missing), partial
+        #: (vLLM scheduled it before every row it asked for was found, as
+        #: sliding-window lookups do), ignored (keys malformed or
+        #: forbidden: an ordinary request), prefill (remote_decoder
+        #: requests, whose every row is stored).
+        self.handoffs = {"complete": 0, "timed_out": 0, "partial": 0,
+                         "ignored": 0, "prefill": 0}
         self.handoff_wait_seconds = 0.0
         self._last_handoff_log = 0.0
         log.info("kvtier tier: stores %s, namespace %016x, rows of %d bytes",
@@ -349,8 +359,10 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 self._idle.notify_all()
 
     def _submit(self, job_metadata: TransferJob, load: bool) -> None:
+        ctx = getattr(job_metadata, "req_context", None)
         job = _Job(job_metadata.job_id, load, list(job_metadata.keys),
-                   [int(c) for c in job_metadata.chunk_ids])
+                   [int(c) for c in job_metadata.chunk_ids],
+                   getattr(ctx, "req_id", None))
         with self._idle:
             self._unreported += 1
             if not load and self._queued_stores >= self._max_queued_stores:
@@ -393,10 +405,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         if role == "decode":
             assert rid is not None
-            now = time.monotonic()
-            h = _Handoff(rid, now + self._handoff_wait_s, now, {}, set())
-            req_context.set_state(h)
-            self._handoffs[req_context.req_id] = h
+            self._handoffs[req_context.req_id] = _Handoff(rid)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext
@@ -409,13 +418,18 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         row the prefill is still writing is ever loaded."""
         if not self._seed_checked:
             self._check_seed()
-        h = req_context.get_state(_Handoff)
+        h = self._handoffs.get(req_context.req_id)
         if h is not None:
             self._take_probes()
+            if key in h.failed:  # its load failed: computed, not retried
+                return LookupResult.MISS
             if key in h.present:
                 return LookupResult.HIT
             if h.outcome is None:
-                if time.monotonic() < h.deadline:
+                now = time.monotonic()
+                if not h.asked:  # the wait starts at the first lookup
+                    h.start, h.deadline = now, now + self._handoff_wait_s
+                if now < h.deadline:
                     h.asked[key] = None
                     return LookupResult.RETRY
                 self._end_handoff(h, "timed_out")
@@ -444,29 +458,43 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
                 algo="(a non-cryptographic one)"))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Sends this step's lookups as one batch, and a probe for each
-        waiting handoff's keys (at most one in flight each, at most every
-        HANDOFF_PROBE_INTERVAL_S)."""
+        """Sends this step's lookups as one batch, and one probe for the
+        waiting handoffs' keys (each handoff at most once in flight and at
+        most every HANDOFF_PROBE_INTERVAL_S). A handoff whose request vLLM
+        scheduled this step, or whose wait has run out, ends here: its
+        lookups are over."""
         self._lookups.flush()
         self._take_probes()
         now = time.monotonic()
-        for h in self._handoffs.values():
-            if h.outcome is not None or h.probing or now < h.next_probe:
+        scheduled = set(context.new_req_ids)
+        batch = []
+        for req_id, h in self._handoffs.items():
+            if h.outcome is not None or not h.asked:
+                continue
+            if req_id in scheduled:
+                self._end_handoff(h, "complete" if all(
+                    k in h.present for k in h.asked) else "partial")
+                continue
+            if now >= h.deadline:
+                self._end_handoff(h, "timed_out")
+                continue
+            if h.probing or now < h.next_probe:
                 continue
             wanted = [k for k in h.asked if k not in h.present]
             if wanted:
                 h.probing = True
                 h.next_probe = now + HANDOFF_PROBE_INTERVAL_S
-                self._probes.put((h, wanted))
+                batch.append((h, wanted))
+        if batch:
+            self._probes.put(batch)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookups.cleanup(req_context.req_id)
         h = self._handoffs.pop(req_context.req_id, None)
         if h is not None and h.outcome is None:
             # Finished (or aborted) while waiting: no longer waited for.
-            self._end_handoff(h, "timed_out" if time.monotonic() >= h.deadline
-                              else "complete" if h.asked and
-                              all(k in h.present for k in h.asked) else None)
+            self._end_handoff(h, None if not h.asked else "timed_out"
+                              if time.monotonic() >= h.deadline else "partial")
 
     # ---------------------------------------------------------- P/D handoffs
 
@@ -475,19 +503,25 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         holds (each key its own chain: vLLM may ask in any order), within
         the lookup budget; a store that cannot answer holds none."""
         while True:
-            item = self._probes.get()
-            if item is None:
+            batch = self._probes.get()
+            if batch is None:
                 return
-            h, keys = item
+            keys = [k for _, ks in batch for k in ks]
             try:
                 counts = self._call(lambda s: s.lookup_many(
                     self.namespace, [key_hashes([k]) for k in keys],
                     budget_ms=self._lookup_budget_ms))
-                found = [k for k, n in zip(keys, counts) if n]
             except KvtierError as e:
                 log.debug("kvtier tier: handoff probe failed: %s", e)
-                found = []
-            self._probed.put((h, found))
+                counts = [0] * len(keys)
+            except Exception:  # a bug: the handoffs wait on, unprobed
+                log.exception("kvtier tier: handoff probe failed")
+                counts = [0] * len(keys)
+            i = 0
+            for h, ks in batch:
+                self._probed.put((h, [k for k, n in zip(ks, counts[i:])
+                                      if n]))
+                i += len(ks)
 
     def _take_probes(self) -> None:
         """Applies finished probes (on the scheduler thread); a handoff
@@ -550,6 +584,11 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             kept = job.keys[:moved] if moved else []
             if job.load and not ok:
                 self._lookups.mark_miss(job.keys[len(kept):])
+                h = self._handoffs.get(job.req_id or "")
+                if h is not None:  # never promised again: computed
+                    for k in job.keys[len(kept):]:
+                        h.present.discard(k)
+                        h.failed.add(k)
             if not job.load and ok and self._events is not None:
                 self._events.append(OffloadingEvent(
                     keys=list(job.keys), medium=self.medium, removed=False,
@@ -573,7 +612,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         stepping, so its lookups are asked again)."""
         if any(h.outcome is None and h.asked
                for h in self._handoffs.values()):
-            return True
+            return True  # on_schedule_end ends it at its deadline
         with self._idle:
             return self._unreported > 0
 

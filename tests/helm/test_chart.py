@@ -371,7 +371,7 @@ def check_engine(values, schema):
 
 def check_disaggregation(values, schema):
     """engine.prefill.replicas > 0: two pools. The prefill Deployment's
-    engines are kv_producer, the engine Deployment's kv_consumer with the
+    engines are kv_producer, the engine Deployment's kv_both with the
     handoff budget; each pool has its own headless Service and the frontend
     resolves both, each with its role, and gets --pd-threshold; the
     ordinary engine Service reaches decode engines only. Refused for SGLang
@@ -394,13 +394,15 @@ def check_disaggregation(values, schema):
 
     pk, pc = kv_config(pre)
     dk, dc = kv_config(dec)
-    check(pk.get("kv_role") == "kv_producer" and dk.get("kv_role") == "kv_consumer",
-          "prefill engines produce, decode engines consume: %s %s" % (pk, dk))
+    check(pk.get("kv_role") == "kv_producer" and dk.get("kv_role") == "kv_both",
+          "prefill engines produce; decode engines also serve and save what is not "
+          "handed off: %s %s" % (pk, dk))
     check(dk["kv_connector_extra_config"].get("handoff_wait_ms") == 3000 and
           "handoff_wait_ms" not in pk["kv_connector_extra_config"],
           "the decode's handoff budget")
-    with open(os.path.join(ROOT, "python", "kvtier", "integrations", "vllm_handoff.py")) as f:
-        check("handoff_wait_ms" in f.read(), "handoff_wait_ms is the connector's key")
+    with open(os.path.join(ROOT, "python", "kvtier", "integrations", "vllm_config.py")) as f:
+        check(re.search(r'Option\(\s*"handoff_wait_ms"', f.read()) is not None,
+              "handoff_wait_ms is a key the connector takes")
     check(pc["resources"]["limits"].get("nvidia.com/gpu") == "2" and
           dc["resources"]["limits"].get("nvidia.com/gpu") == "1", "each pool's resources")
     labels = pre["spec"]["template"]["metadata"]["labels"]

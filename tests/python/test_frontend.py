@@ -235,11 +235,11 @@ def test_a_conversations_second_turn_goes_to_the_engine_holding_its_first(
             ],
         )
         route = route_of(raw.headers)
+        # A string, not a tuple: pytest prints it whole (a tuple's repr is cut).
         assert route["engine"] == first[i], (
-            i,
-            route,
-            first_routes,
-            fleet.log.read_text()[-3000:],
+            f"conversation {i}: second turn {json.dumps(route)}; first turns "
+            f"{json.dumps(first_routes)}; frontend log:\n"
+            + fleet.log.read_text()[-3000:]
         )
         assert int(route["gpu_blocks"]) >= 10, route  # the system prompt's blocks
     for name in fleet.engines:

@@ -145,17 +145,6 @@ struct Counters {
 // Which engines a choice is among: those that decode (every request's
 // answer comes from one) or the prefill engines.
 enum class Want { kDecode, kPrefill };
-const char* RoleName(router::EngineRole role) {
-  switch (role) {
-    case router::EngineRole::kPrefill:
-      return "prefill";
-    case router::EngineRole::kDecode:
-      return "decode";
-    case router::EngineRole::kBoth:
-      break;
-  }
-  return "both";
-}
 bool Serves(const router::VllmSourceSpec& spec, Want want) {
   return want == Want::kPrefill ? spec.role == router::EngineRole::kPrefill
                                 : spec.role != router::EngineRole::kPrefill;
@@ -351,8 +340,8 @@ struct Frontend::Impl {
     }
     if (dns_pool >= 0) {
       Log("frontend", "engine ", spec.id, " joined the fleet (DNS ",
-          options.dns[static_cast<size_t>(dns_pool)].spec.endpoint, ", role ", RoleName(spec.role),
-          ")");
+          options.dns[static_cast<size_t>(dns_pool)].spec.endpoint, ", role ",
+          router::EngineRoleName(spec.role), ")");
     }
     net::co_spawn(loops[0]->get_executor(), HealthLoop(e), net::detached);
   }
@@ -1222,15 +1211,9 @@ absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options) {
                                   "..", limits::kMaxBlockTokens));
         }
       } else if (key == "role") {
-        if (value == "prefill") {
-          spec.role = router::EngineRole::kPrefill;
-        } else if (value == "decode") {
-          spec.role = router::EngineRole::kDecode;
-        } else if (value == "both") {
-          spec.role = router::EngineRole::kBoth;
-        } else {
-          return bad(absl::StrCat("role \"", value, "\" must be prefill, decode or both"));
-        }
+        auto role = router::ParseEngineRole(value);
+        if (!role.ok()) return bad(std::string(role.status().message()));
+        spec.role = *role;
       } else {
         return bad(
             absl::StrCat("unknown key \"", key,

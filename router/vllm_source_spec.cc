@@ -9,6 +9,26 @@
 
 namespace kvtier::router {
 
+absl::StatusOr<EngineRole> ParseEngineRole(absl::string_view value) {
+  if (value == "prefill") return EngineRole::kPrefill;
+  if (value == "decode") return EngineRole::kDecode;
+  if (value == "both") return EngineRole::kBoth;
+  return absl::InvalidArgumentError(
+      absl::StrCat("role \"", value, "\" must be prefill, decode or both"));
+}
+
+const char* EngineRoleName(EngineRole role) {
+  switch (role) {
+    case EngineRole::kPrefill:
+      return "prefill";
+    case EngineRole::kDecode:
+      return "decode";
+    case EngineRole::kBoth:
+      break;
+  }
+  return "both";
+}
+
 absl::StatusOr<std::vector<VllmSourceSpec>> ParseVllmSources(absl::string_view text) {
   std::vector<VllmSourceSpec> out;
   int line_no = 0;
@@ -47,15 +67,9 @@ absl::StatusOr<std::vector<VllmSourceSpec>> ParseVllmSources(absl::string_view t
                                   "..", limits::kMaxBlockTokens));
         }
       } else if (key == "role") {
-        if (value == "prefill") {
-          s.role = EngineRole::kPrefill;
-        } else if (value == "decode") {
-          s.role = EngineRole::kDecode;
-        } else if (value == "both") {
-          s.role = EngineRole::kBoth;
-        } else {
-          return bad(absl::StrCat("role \"", value, "\" must be prefill, decode or both"));
-        }
+        auto role = ParseEngineRole(value);
+        if (!role.ok()) return bad(std::string(role.status().message()));
+        s.role = *role;
       } else {
         return bad(absl::StrCat(
             "unknown key \"", key,

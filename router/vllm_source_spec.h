@@ -15,6 +15,11 @@ namespace kvtier::router {
 // pairing, docs/disaggregation.md; the router ignores it).
 enum class EngineRole : uint8_t { kBoth, kPrefill, kDecode };
 
+// "prefill", "decode" or "both" as a role; INVALID_ARGUMENT naming the
+// value otherwise. EngineRoleName is its inverse.
+absl::StatusOr<EngineRole> ParseEngineRole(absl::string_view value);
+const char* EngineRoleName(EngineRole role);
+
 // One vLLM engine the router subscribes to.
 struct VllmSourceSpec {
   std::string id;        // its source id (the worker id routes name)

@@ -100,6 +100,15 @@ size_t PrefixIndex::RemoveSource(SourceNum source, const absl::flat_hash_set<uin
   return dropped;
 }
 
+void PrefixIndex::SoleHeld(std::vector<uint64_t>* counts) const {
+  for (const auto& [fp, h] : map_) {
+    // A spilled list holds more than two; an inline pair with h[1] set, two.
+    if (h.h[0] == kNone || h.h[0] == kSpill || h.h[1] != kNone || IsStore(h.h[0])) continue;
+    if (h.h[0] >= counts->size()) counts->resize(h.h[0] + 1, 0);
+    (*counts)[h.h[0]]++;
+  }
+}
+
 const PrefixIndex::Holders* PrefixIndex::Find(uint64_t ns, const BlockHash& hash,
                                               PrefixMatch* out) const {
   ++out->probes;

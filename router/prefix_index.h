@@ -140,6 +140,11 @@ class PrefixIndex {
   // holds the prefix or a store holds the block (exact with holes too).
   void MatchLinear(uint64_t ns, const ChainView& chain, PrefixMatch* out) const;
 
+  // For each source number, the blocks it alone holds (its only holder,
+  // and not a store): (*counts)[num]. One pass over the table: for
+  // ListWorkers and metrics, never for a route.
+  void SoleHeld(std::vector<uint64_t>* counts) const;
+
   size_t blocks() const { return map_.size(); }
   size_t replicas() const { return replicas_; }
   // Bytes used by the table (slots, control bytes and spilled holder lists).

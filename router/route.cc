@@ -120,13 +120,14 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   for (const std::string& id : q.exclude) {
     if (const Source* s = sources_.Find(id); s != nullptr) excluded.push_back(s->num);
   }
+  excluded.insert(excluded.end(), draining_.begin(), draining_.end());
   in.exclude = excluded;
   const WalkResult walk = WalkCandidates(in);
   if (walk.picks.empty()) {
     counters_.unavailable++;
     return absl::UnavailableError(absl::StrCat("no live worker serves namespace ",
                                                NamespaceName(q.namespace_id), " but the ",
-                                               excluded.size(), " excluded"));
+                                               excluded.size(), " excluded or draining"));
   }
   RouteResult r =
       Decide(q, chain, fleet, k, occupancy, match, walk, prompt_tokens, bt, request_hash, shown);

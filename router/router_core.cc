@@ -98,7 +98,16 @@ absl::Status RouterCore::Hello(const SourceHello& h, std::vector<RouterCommand>*
 
 void RouterCore::Connected(const std::string& id, bool up) {
   std::unique_lock lk(mu_);
-  if (Source* s = sources_.Find(id)) s->streams += up ? 1 : -1;
+  Source* s = sources_.Find(id);
+  if (s == nullptr) return;
+  s->streams += up ? 1 : -1;
+  // A draining worker whose last stream closed has left (it saved what it
+  // meant to; the store's own events index that): its blocks go now, not
+  // at the heartbeat deadline.
+  if (!up && s->streams == 0 && s->hello.kind == SourceKind::kWorker && s->load.draining) {
+    Log("router", "worker ", id, " drained and left; dropped with ", s->indexed, " blocks");
+    RemoveSourceLocked(id);
+  }
 }
 
 void RouterCore::RequestSnapshot(Source& s, const std::string& reason,
@@ -208,6 +217,13 @@ void RouterCore::Heartbeat(Source& s, const SourceLoad& load) {
   if (s.hello.kind == SourceKind::kStore) {
     UpdateStoreFetch();
     return;
+  }
+  const auto at = std::find(draining_.begin(), draining_.end(), s.num);
+  if (load.draining && at == draining_.end()) {
+    draining_.push_back(s.num);
+    Log("router", "worker ", s.hello.source_id, " is draining: no new routes go to it");
+  } else if (!load.draining && at != draining_.end()) {
+    draining_.erase(at);
   }
   const uint64_t before = board_.load[s.num];
   board_.load[s.num] = s.load.queued_prefill_tokens + inflight;
@@ -319,6 +335,7 @@ void RouterCore::RemoveSourceLocked(const std::string& id) {
   if (s == nullptr) return;
   ClearSource(*s);
   LeaveFleet(*s);
+  draining_.erase(std::remove(draining_.begin(), draining_.end(), s->num), draining_.end());
   sources_.Remove(id);
 }
 
@@ -345,6 +362,8 @@ std::vector<SourceInfo> RouterCore::Sources() const {
   std::shared_lock lk(mu_);
   std::vector<SourceInfo> out;
   const auto now = Clock::now();
+  std::vector<uint64_t> sole;
+  index_.SoleHeld(&sole);
   sources_.ForEach([&](const std::string& id, const Source& s) {
     SourceInfo i;
     i.source_id = id;
@@ -360,6 +379,13 @@ std::vector<SourceInfo> RouterCore::Sources() const {
     i.last_seq = s.last_seq;
     i.resyncing = s.resyncing;
     i.connected = s.streams > 0;
+    if (s.hello.kind == SourceKind::kWorker && s.num < sole.size()) {
+      i.sole_blocks = sole[s.num];
+      if (s.load.prefill_tokens_per_s > 0) {
+        i.sole_recompute_seconds =
+            static_cast<double>(i.sole_blocks) * s.hello.block_tokens / s.load.prefill_tokens_per_s;
+      }
+    }
     out.push_back(std::move(i));
   });
   std::sort(out.begin(), out.end(),

@@ -122,7 +122,8 @@ class RouterCore {
   // registers or refreshes it).
   absl::Status Handle(const std::string& source_id, const SourceMessage& message,
                       std::vector<RouterCommand>* commands);
-  // Stream bookkeeping (for ListWorkers).
+  // Stream bookkeeping (for ListWorkers). A draining worker whose last
+  // stream closes is removed at once.
   void Connected(const std::string& source_id, bool up);
 
   absl::StatusOr<RouteResult> Route(const RouteQuery& query);
@@ -181,6 +182,8 @@ class RouterCore {
   absl::flat_hash_map<uint64_t, Fleet> fleets_;  // namespace -> its workers
   LoadBoard board_;
   std::vector<SourceNum> store_nums_;
+  // Workers whose last heartbeat said draining: no route picks them.
+  std::vector<SourceNum> draining_;
   // The store shard whose fetches take longest per block (by its last
   // heartbeat; us 0: no shard reported any).
   struct {

@@ -49,6 +49,7 @@ struct SourceLoad {
   std::vector<TierFetch> fetch;     // store shards
   // Workers: requests that reached it recently, counted in the queue above.
   std::vector<uint64_t> arrived_request_ids;
+  bool draining = false;  // workers: leaving; routes skip it
 };
 
 // A block event (router.proto KvEvent): blocks stored or removed in one
@@ -115,6 +116,10 @@ struct SourceInfo {
   uint64_t last_seq = 0;
   bool resyncing = false;
   bool connected = false;
+  // Workers: blocks no other source holds, and their prefill seconds at
+  // its reported rate (0 without one).
+  uint64_t sole_blocks = 0;
+  double sole_recompute_seconds = 0;
 };
 
 // The core's counters (router.proto GetRouterStatsResponse, less what the

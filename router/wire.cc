@@ -67,6 +67,7 @@ SourceLoad FromWire(const v1::Heartbeat& hb) {
     l.fetch.push_back({t.tier(), t.blocks(), t.bytes_per_s(), t.us_per_block(), t.queue_depth()});
   }
   l.arrived_request_ids.assign(hb.arrived_request_ids().begin(), hb.arrived_request_ids().end());
+  l.draining = hb.draining();
   return l;
 }
 
@@ -85,6 +86,7 @@ void ToWire(const SourceLoad& l, v1::Heartbeat* out) {
   }
   out->mutable_arrived_request_ids()->Add(l.arrived_request_ids.begin(),
                                           l.arrived_request_ids.end());
+  out->set_draining(l.draining);
 }
 
 SourceMessage FromWire(const v1::SourceMessage& m) {
@@ -198,6 +200,8 @@ void ToWire(const SourceInfo& i, v1::SourceInfo* out) {
   out->set_last_seq(i.last_seq);
   out->set_resyncing(i.resyncing);
   out->set_connected(i.connected);
+  out->set_sole_blocks(i.sole_blocks);
+  out->set_sole_recompute_seconds(i.sole_recompute_seconds);
 }
 
 void ToWire(const RouterStats& s, v1::GetRouterStatsResponse* out) {

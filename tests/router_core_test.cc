@@ -213,6 +213,70 @@ TEST_F(RouterCoreTest, ASourceRemovedLeavesTheIndexAtOnce) {
             absl::StatusCode::kNotFound);
 }
 
+v1::SourceMessage Beat(bool draining, double prefill_tokens_per_s = 1000) {
+  v1::SourceMessage m;
+  m.mutable_heartbeat()->set_draining(draining);
+  m.mutable_heartbeat()->set_prefill_tokens_per_s(prefill_tokens_per_s);
+  return m;
+}
+
+TEST_F(RouterCoreTest, ADrainingWorkerGetsNoRouteAndLeavesAtOnceWhenItsStreamCloses) {
+  Join("w1", {0, 1, 2});
+  Join("w2", {});
+  core_.Connected("w1", true);
+  core_.Connected("w2", true);
+  auto r = core_.Route(FromWire(Req(3)));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->worker_id, "w1");
+  Send("w1", Beat(true));
+  for (int i = 0; i < 5; ++i) {
+    r = core_.Route(FromWire(Req(3)));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->worker_id, "w2");  // its prefix or not, w1 takes nothing new
+  }
+  // Its blocks stay indexed while it drains (it still holds them).
+  EXPECT_EQ(Blocks("w1"), 3u);
+  // Draining no more (an operator's undo): it is routed to again.
+  Send("w1", Beat(false));
+  r = core_.Route(FromWire(Req(3)));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->worker_id, "w1");
+  // Draining, and every worker draining: no route at all.
+  Send("w1", Beat(true));
+  Send("w2", Beat(true));
+  EXPECT_EQ(core_.Route(FromWire(Req(3))).status().code(), absl::StatusCode::kUnavailable);
+  Send("w2", Beat(false));
+  // A stream closing leaves a worker that is not draining listed (it may
+  // reconnect; the heartbeat deadline decides) ...
+  core_.Connected("w2", false);
+  EXPECT_EQ(core_.Sources().size(), 2u);
+  // ... and removes a draining one with its blocks now.
+  core_.Connected("w1", false);
+  ASSERT_EQ(core_.Sources().size(), 1u);
+  EXPECT_EQ(core_.Sources()[0].source_id, "w2");
+  EXPECT_EQ(core_.Stats().indexed_blocks, 0u);
+}
+
+TEST_F(RouterCoreTest, ListedWorkersCountTheBlocksOnlyTheyHold) {
+  Join("w1", {0, 1, 2, 3});
+  Join("w2", {0, 1});
+  Send("w1", Beat(false, 1600));  // 16-token blocks: 0.01 s a block
+  HelloStore("s1");
+  Send("s1", Snapshot(0, {3, 9}));
+  std::map<std::string, SourceInfo> by_id;
+  for (const auto& s : core_.Sources()) by_id[s.source_id] = s;
+  // w1: block 2 alone (0 and 1 are w2's too, 3 the store's).
+  EXPECT_EQ(by_id["w1"].sole_blocks, 1u);
+  EXPECT_DOUBLE_EQ(by_id["w1"].sole_recompute_seconds, 0.01);
+  EXPECT_EQ(by_id["w2"].sole_blocks, 0u);
+  EXPECT_EQ(by_id["w2"].sole_recompute_seconds, 0);
+  EXPECT_EQ(by_id["s1"].sole_blocks, 0u);  // stores are not counted
+  v1::SourceInfo wire;
+  ToWire(by_id["w1"], &wire);
+  EXPECT_EQ(wire.sole_blocks(), 1u);
+  EXPECT_DOUBLE_EQ(wire.sole_recompute_seconds(), 0.01);
+}
+
 TEST_F(RouterCoreTest, RoutesToTheLongestPrefixAndExplains) {
   Join("w1", {0, 1, 2, 3});
   Join("w2", {0});

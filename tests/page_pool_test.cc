@@ -91,5 +91,35 @@ TEST(PagePool, EvictionTakesTheLeastRecentlyUsedUnreferencedPageAndTellsFirst) {
   (void)b;
 }
 
+TEST(PagePool, CachedBlocksRankByHitsThenRecencyWithAPrefixBeforeItsTail) {
+  PagePool pool(Layout(16));
+  Cache(pool, {H(1), H(2), H(3)});  // a chain found twice below
+  Cache(pool, {H(10), H(11)});      // never found again, used last
+  for (int i = 0; i < 2; ++i) {
+    auto pages = pool.MatchAndRef({H(1), H(2), H(3)});
+    ASSERT_EQ(pages.size(), 3u);
+    for (auto it = pages.rbegin(); it != pages.rend(); ++it) pool.Unref(*it);
+  }
+  auto ranked = pool.CachedByValue();
+  ASSERT_EQ(ranked.size(), 5u);
+  std::vector<BlockHash> order;
+  for (const auto& b : ranked) order.push_back(b.hash);
+  EXPECT_EQ(order, (std::vector<BlockHash>{H(1), H(2), H(3), H(10), H(11)}));
+  EXPECT_EQ(ranked[0].hits, 2u);
+  EXPECT_EQ(ranked[3].hits, 0u);
+  // A page handed to another block is no longer what it held.
+  EXPECT_TRUE(pool.RefIfHolds(ranked[4].page, H(11)));
+  pool.Unref(ranked[4].page);
+  EXPECT_FALSE(pool.RefIfHolds(ranked[4].page, H(12)));
+  // Recommitting a page resets its hits: the count is the block's.
+  PagePool small(Layout(1));
+  Cache(small, {H(1)});
+  auto again = small.MatchAndRef({H(1)});
+  small.Unref(again[0]);
+  Cache(small, {H(2)});  // evicts H(1)
+  ASSERT_EQ(small.CachedByValue().size(), 1u);
+  EXPECT_EQ(small.CachedByValue()[0].hits, 0u);
+}
+
 }  // namespace
 }  // namespace kvtier::worker

@@ -276,6 +276,31 @@ class KvConnector {
 
   // Waits until every queued offload has finished (tests, shutdown).
   void Drain();
+
+  // What SaveHot did.
+  struct HotSave {
+    uint64_t cached = 0;  // blocks the pool held
+    uint64_t known = 0;   // of those, known to be in the store already
+    uint64_t queued = 0;  // copied out for the store, most valuable first
+    uint64_t saved = 0;   // of those, in the store now (written, or found there)
+    uint64_t bytes = 0;   // wire bytes queued
+    // Why it stopped short of every block the store lacked: "" (it did
+    // not), "bytes" (the byte budget), "time" (the deadline: what was
+    // still queued was dropped), "store" (the store refused or failed
+    // some), "no store".
+    std::string stopped;
+    double ms = 0;
+  };
+  // Pool mode, for an engine on its way out (docs/operations.md, "Scaling
+  // without losing the cache"): copies the pool's cached blocks the store
+  // is not known to hold to the store, most valuable first
+  // (PagePool::CachedByValue), at most max_bytes of them, and waits for
+  // them until `deadline`; what is still queued then is dropped (nothing
+  // is half-written: a put commits whole blocks or none), so it returns by
+  // the deadline plus one store operation's. Meant for an engine that
+  // takes no more requests. FAILED_PRECONDITION in engine mode.
+  absl::StatusOr<HotSave> SaveHot(uint64_t max_bytes,
+                                  std::chrono::steady_clock::time_point deadline);
   ConnectorStats stats() const;
 
  private:

@@ -516,4 +516,86 @@ void KvConnector::Drain() {
   }
 }
 
+absl::StatusOr<KvConnector::HotSave> KvConnector::SaveHot(
+    uint64_t max_bytes, std::chrono::steady_clock::time_point deadline) {
+  if (!pool_) {
+    return absl::FailedPreconditionError(
+        "SaveHot: the engine owns its pages (engine mode); it saves its own blocks");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  HotSave out;
+  const std::vector<PagePool::CachedBlock> blocks = pool_->CachedByValue();
+  out.cached = blocks.size();
+  if (!store_) {
+    out.stopped = "no store";
+    return out;
+  }
+  std::vector<BlockHash> queued;
+  for (const PagePool::CachedBlock& b : blocks) {
+    if (KnownStored(b.hash)) {
+      out.known++;
+      continue;
+    }
+    if (out.bytes + wire_bytes_ > max_bytes) {
+      out.stopped = "bytes";
+      break;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      out.stopped = "time";
+      break;
+    }
+    if (!pool_->RefIfHolds(b.page, b.hash)) continue;  // gone meanwhile
+    // A free staging slot within the time left (the write-back path: it
+    // never takes another save's slot).
+    const int wait_ms = static_cast<int>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count());
+    const bool staged = StageForOffload(b.hash, b.page, nullptr, std::max(wait_ms, 1));
+    pool_->Unref(b.page);
+    if (!staged) {
+      out.stopped = "time";
+      break;
+    }
+    queued.push_back(b.hash);
+    out.queued++;
+    out.bytes += wire_bytes_;
+  }
+  // Until the offloader has written them, or the deadline.
+  {
+    std::unique_lock lk(staging_mu_);
+    while (!offload_queue_.empty() || offloads_running_ > 0) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        // What the offloader has not taken goes: the engine is leaving.
+        std::vector<uint32_t> slots;
+        for (const Staged& st : offload_queue_) slots.push_back(st.slot);
+        const size_t dropped = offload_queue_.size();
+        offload_queue_.clear();
+        lk.unlock();
+        ReleaseStaging(slots);
+        {
+          std::lock_guard sl(stats_mu_);
+          stats_.offload_dropped_full += dropped;
+        }
+        out.stopped = "time";
+        lk.lock();
+        // The batch in flight ends within the store's deadline.
+        while (offloads_running_ > 0) {
+          lk.unlock();
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          lk.lock();
+        }
+        break;
+      }
+      lk.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      lk.lock();
+    }
+  }
+  for (const BlockHash& h : queued) out.saved += KnownStored(h);
+  if (out.stopped.empty() && out.saved < out.queued) out.stopped = "store";
+  out.ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return out;
+}
+
 }  // namespace kvtier::worker

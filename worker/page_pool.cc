@@ -55,6 +55,7 @@ std::vector<uint32_t> PagePool::MatchAndRef(const std::vector<BlockHash>& chain)
     Page& p = pages_[it->second];
     RemoveFromLruLocked(p);
     ++p.refs;
+    ++p.hits;
     out.push_back(it->second);
   }
   return out;
@@ -105,6 +106,7 @@ uint32_t PagePool::Commit(const BlockHash& hash, uint32_t page) {
   Page& p = pages_[page];
   p.state = State::kCached;
   p.hash = hash;
+  p.hits = 0;
   index_[hash] = page;
   return page;
 }
@@ -125,6 +127,16 @@ void PagePool::Ref(uint32_t page) {
   ++p.refs;
 }
 
+bool PagePool::RefIfHolds(uint32_t page, const BlockHash& hash) {
+  std::lock_guard lk(mu_);
+  if (page >= pages_.size()) return false;
+  Page& p = pages_[page];
+  if (p.state != State::kCached || !(p.hash == hash)) return false;
+  RemoveFromLruLocked(p);
+  ++p.refs;
+  return true;
+}
+
 void PagePool::Unref(uint32_t page) {
   std::lock_guard lk(mu_);
   Page& p = pages_[page];
@@ -138,6 +150,23 @@ void PagePool::Unref(uint32_t page) {
     p.state = State::kFree;
     free_.push_back(page);
   }
+}
+
+std::vector<PagePool::CachedBlock> PagePool::CachedByValue() const {
+  std::vector<CachedBlock> out;
+  std::lock_guard lk(mu_);
+  out.reserve(index_.size());
+  // Referenced pages first (in use: the most recent), then the LRU from
+  // its front.
+  for (const auto& [hash, page] : index_) {
+    if (pages_[page].refs > 0) out.push_back({hash, page, pages_[page].hits, 0});
+  }
+  uint64_t rank = 1;
+  for (uint32_t page : lru_) out.push_back({pages_[page].hash, page, pages_[page].hits, rank++});
+  std::stable_sort(out.begin(), out.end(), [](const CachedBlock& a, const CachedBlock& b) {
+    return a.hits != b.hits ? a.hits > b.hits : a.recency < b.recency;
+  });
+  return out;
 }
 
 PagePool::Counters PagePool::counters() const {

@@ -46,6 +46,8 @@ class PagePool {
   // Gives back a FILLING page that was never committed.
   void Discard(uint32_t page);
   void Ref(uint32_t page);
+  // Refs `page` if it still holds `hash` cached; false (nothing taken) if not.
+  bool RefIfHolds(uint32_t page, const BlockHash& hash);
   // The last reference gone, a cached page becomes the most recently used:
   // unreference a chain's pages tail first so that eviction takes its tail.
   void Unref(uint32_t page);
@@ -58,6 +60,20 @@ class PagePool {
   struct Counters {
     uint64_t free = 0, cached = 0, referenced = 0, evictions = 0;
   };
+  // A cached block and what it is worth keeping: how many requests found
+  // it (MatchAndRef) since it was cached, and its place in the LRU order
+  // (0: the most recently used; referenced pages count as most recent).
+  struct CachedBlock {
+    BlockHash hash;
+    uint32_t page = 0;
+    uint32_t hits = 0;
+    uint64_t recency = 0;
+  };
+  // Every cached block, most valuable first: by hits, then by recency. A
+  // chain's earlier blocks have at least its later ones' hits (a match
+  // takes the prefix) and are released after them (Unref tail first), so
+  // a prefix ranks before what follows it.
+  std::vector<CachedBlock> CachedByValue() const;
   Counters counters() const;
 
  private:
@@ -68,6 +84,7 @@ class PagePool {
     BlockHash hash;
     std::list<uint32_t>::iterator lru;
     bool in_lru = false;
+    uint32_t hits = 0;  // MatchAndRef finds since it was cached
   };
   void RemoveFromLruLocked(Page& p);
 

@@ -52,7 +52,15 @@ v1::Heartbeat SimWorkerService::Load() {
   // simulated engine takes a load's real milliseconds as simulated ones,
   // so the router weighs a fetch against simulated compute.
   h.set_prefill_tokens_per_s(o_.prefill_tokens_per_s);
+  h.set_draining(draining_.load());
   return h;
+}
+
+int64_t SimWorkerService::WaitIdle(Clock::time_point deadline) const {
+  while (running_.load() > 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return running_.load();
 }
 
 absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse* resp) {
@@ -67,7 +75,14 @@ absl::Status SimWorkerService::Submit(const SubmitPrompt& p, v1::SubmitResponse*
   job->output_tokens = p.output_tokens;
   job->store_hint = p.store_hint_blocks;
   job->resp = resp;
+  // Counted before draining_ is read: a drain that sees no request running
+  // has every later Submit refused.
   running_++;
+  if (draining_.load()) {
+    running_--;
+    return absl::UnavailableError(
+        "this worker is draining (it is leaving the fleet): send the request to another worker");
+  }
   // Until its lookup says how much it computes, the whole prompt counts
   // in the load routers see.
   queued_tokens_ += job->prompt;

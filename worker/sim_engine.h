@@ -79,6 +79,14 @@ class SimWorkerService final : public WorkerEngine {
 
   absl::Status Stats(v1::GetWorkerStatsResponse* resp) override;
 
+  // Leaving (SIGTERM): from now on heartbeats say draining (routers send
+  // nothing new) and Submit answers UNAVAILABLE, so a caller tries
+  // another engine; requests already taken run to their end.
+  void StartDraining() { draining_ = true; }
+  // Waits until no request is in flight, at most until `deadline`; the
+  // requests still in flight then (0: none).
+  int64_t WaitIdle(Clock::time_point deadline) const;
+
  private:
   struct Job {
     enum State { kWaiting, kDone } state = kWaiting;
@@ -202,6 +210,7 @@ class SimWorkerService final : public WorkerEngine {
   const Clock::time_point started_ = Clock::now();
   std::atomic<uint64_t> next_id_{1ull << 62}, requests_{0}, verified_{0}, mismatched_{0};
   std::atomic<int64_t> running_{0};
+  std::atomic<bool> draining_{false};
   std::atomic<uint64_t> queued_tokens_{0};
   // The engine: waiting jobs by (arrival, request id), guarded by mu_; its
   // clock (simulated ms), touched by its thread only.

@@ -89,6 +89,16 @@ int main(int argc, char** argv) {
                    "replica behind a headless Service; 0: once)");
   flags.DurationMs("deadline", &deadline_ms, "Deadline of each store operation");
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
+  bool drain = true;
+  uint64_t drain_ms = 20000, drain_bytes = uint64_t{4} << 30;
+  flags.Bool("drain", &drain,
+             "On SIGTERM, leave without losing the cache: announce draining (routers send "
+             "nothing new), finish the requests in flight, save the most valuable blocks the "
+             "store lacks, then stop (false: stop at once; what only this worker held is lost)");
+  flags.DurationMs("drain-timeout", &drain_ms,
+                   "The whole drain's budget, requests in flight and saving together (keep it "
+                   "under the pod's terminationGracePeriodSeconds)");
+  flags.Bytes("drain-bytes", &drain_bytes, "At most this many block bytes saved by a drain");
   AddTlsFlags(flags, &tls, /*serves=*/true, /*dials=*/true);
   ParseFlagsOrExit(flags, argc, argv);
   sim.reorder_window = std::chrono::microseconds(sim.time_scale > 0 ? reorder_ms * 1000 : 0);
@@ -163,7 +173,28 @@ int main(int argc, char** argv) {
       " bytes, offload ", offload, ", ", co.stores.size(), " store(s), ", pubs.size(),
       " router(s))");
   kvtier::AnnounceListening("kvtier-sim-worker", (*server)->started(), "", port_file);
-  kvtier::ServeUntilSignalled((*server)->started().server.get(), "sim-worker");
+  auto leave = [&](int) {
+    if (!drain) return;
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + std::chrono::milliseconds(drain_ms);
+    engine->StartDraining();
+    Log("sim-worker", worker_id, " draining: no new requests; ", drain_ms, " ms budget");
+    const int64_t left = engine->WaitIdle(deadline);
+    const double idle_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (left > 0) Log("sim-worker", left, " requests still running at the drain's deadline");
+    auto saved = connector->SaveHot(drain_bytes, deadline);
+    if (!saved.ok()) {
+      Log("sim-worker", "drain: ", saved.status().ToString());
+      return;
+    }
+    Log("sim-worker", "drained in ", static_cast<int64_t>(idle_ms + saved->ms), " ms (",
+        static_cast<int64_t>(idle_ms), " ms for requests in flight): ", saved->cached,
+        " blocks cached, ", saved->known, " known stored, ", saved->queued, " saved (",
+        saved->bytes, " bytes), ", saved->saved, " now in the store",
+        saved->stopped.empty() ? std::string() : ", stopped by " + saved->stopped);
+  };
+  kvtier::ServeUntilSignalled((*server)->started().server.get(), "sim-worker", leave);
   // The server and its publishers first (heartbeats read the engine's
   // load); then the engine, which uses the connector.
   (*server)->Stop();

@@ -112,7 +112,8 @@ void WritePortFile(const std::string& path, int port) {
   std::rename(tmp.c_str(), path.c_str());
 }
 
-void ServeUntilSignalled(grpc::Server* server, const std::string& component) {
+void ServeUntilSignalled(grpc::Server* server, const std::string& component,
+                         const std::function<void(int signal)>& before_shutdown) {
   std::thread signals([&] {
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -120,6 +121,7 @@ void ServeUntilSignalled(grpc::Server* server, const std::string& component) {
     sigaddset(&sigs, SIGTERM);
     int sig = 0;
     sigwait(&sigs, &sig);
+    if (before_shutdown) before_shutdown(sig);
     Log(component, "signal ", sig, ": shutting down");
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   });

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,7 +77,11 @@ void AnnounceListening(const std::string& binary, const StartedServer& server,
 std::string TlsModeSuffix(bool tls, bool mutual);
 
 // Returns once SIGINT or SIGTERM arrived and the server has shut down (2 s
-// grace for calls in flight). REQUIRES: BlockShutdownSignals() was called.
-void ServeUntilSignalled(grpc::Server* server, const std::string& component);
+// grace for calls in flight). `before_shutdown`, if set, runs first, on the
+// signal's thread, while the server still serves (a worker's drain); a
+// second signal meanwhile is not waited for. REQUIRES: BlockShutdownSignals()
+// was called.
+void ServeUntilSignalled(grpc::Server* server, const std::string& component,
+                         const std::function<void(int signal)>& before_shutdown = nullptr);
 
 }  // namespace kvtier

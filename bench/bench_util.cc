@@ -114,6 +114,12 @@ absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(
 
 void LocalServer::Kill9() { proc_->Kill(SIGKILL); }
 
+void LocalServer::Signal(int sig) {
+  if (proc_->running()) ::kill(proc_->pid(), sig);
+}
+
+int LocalServer::WaitExit(std::chrono::milliseconds timeout) { return proc_->Wait(timeout); }
+
 absl::Status LocalServer::Restart() {
   proc_->Kill(SIGKILL);
   std::string port_file = scratch_ + ".port";

@@ -60,6 +60,11 @@ class LocalServer {
   absl::Status Restart();
   // kill -9, no restart (Restart brings it back).
   void Kill9();
+  // Sends `sig` and returns (WaitExit waits for the process).
+  void Signal(int sig);
+  // Waits up to `timeout` for the process to exit (then kill -9); its
+  // wait status.
+  int WaitExit(std::chrono::milliseconds timeout);
   // The last `bytes` of the server's log (for failure messages).
   std::string LogTail(size_t bytes = 2000) const;
 

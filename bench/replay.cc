@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -69,12 +70,18 @@ void Progress(const std::string& mode, size_t done, size_t total) {
 
 absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
                                    const std::vector<TraceRequest>& trace, const TempDir& dir) {
-  auto started = StartCluster(o, mode, dir);
+  // MODE@down / MODE@drain: MODE's cluster, scaled down mid-replay.
+  const size_t at_sign = mode.find('@');
+  const std::string base = mode.substr(0, at_sign);
+  const std::string scenario = at_sign == std::string::npos ? "" : mode.substr(at_sign + 1);
+  Options co = o;
+  co.worker_drain = scenario == "drain";
+  auto started = StartCluster(co, base, dir);
   if (!started.ok()) return started.status();
   Cluster& cluster = *started;
   const bool torch = o.engine == "torch";
   // Only kvtier is a router and a store together.
-  const bool hint = o.store_hint && mode == "kvtier";
+  const bool hint = o.store_hint && base == "kvtier";
   const uint32_t block_tokens = torch ? kTorchBlockTokens : 512;
   const NamespaceSpec& spec = cluster.spec;
   const uint64_t ns = cluster.ns;
@@ -92,6 +99,12 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   std::vector<Timed> timed(trace.size());
   std::atomic<size_t> next{0}, done{0};
   absl::Status failure = absl::OkStatus();
+  // Workers told to leave (a scale-down): a request one of them refused,
+  // or lost as it stopped, is sent again to another, as a frontend fails
+  // over. leaving_ids guarded by mu.
+  std::vector<std::atomic<bool>> leaving(static_cast<size_t>(o.workers));
+  std::vector<std::string> leaving_ids;
+  uint64_t retried = 0;  // guarded by mu
   // The trace's clock starts once every client thread exists: starting
   // 256 threads takes real milliseconds that no request should be charged.
   Clock::time_point start;
@@ -106,6 +119,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   struct Dispatched {
     size_t i = 0, w = 0;
     v1::SubmitRequest req;
+    v1::RouteRequest rr;  // to route it again if its worker leaves
     double window_ms = 0, route_ms = 0;
   };
   std::mutex dmu;
@@ -164,6 +178,9 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
         *rr.mutable_hashes()->add_hashes() = *p;
       }
       size_t w = i % o.workers;
+      // A Service's endpoints drop a pod that leaves: round-robin goes on
+      // over the workers that stay.
+      if (!cluster.embedded && !rstub && leaving[w]) w = i % o.scale_down_to;
       double route_ms = 0;  // real: the router's cost, as measured
       if (cluster.embedded) {
         // The router in this process: the decision, no round trip.
@@ -193,7 +210,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       if (!torch) req.set_arrival_ms(tr.timestamp_ms + window_ms + route_ms);
       {
         std::lock_guard lk(dmu);
-        ready.push_back({i, w, std::move(req), window_ms, route_ms});
+        ready.push_back({i, w, std::move(req), std::move(rr), window_ms, route_ms});
       }
       next = i + 1;
       work_cv.notify_one();
@@ -203,13 +220,43 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
     work_cv.notify_all();
   };
   auto submit = [&](const Dispatched& d) {
-    const size_t i = d.i, w = d.w;
+    const size_t i = d.i;
+    size_t w = d.w;
     const double window_ms = d.window_ms, route_ms = d.route_ms;
     const v1::SubmitRequest& req = d.req;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
     v1::SubmitResponse resp;
-    grpc::Status s = stubs[w]->Submit(&ctx, req, &resp);
+    grpc::Status s;
+    {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      s = stubs[w]->Submit(&ctx, req, &resp);
+    }
+    if (!s.ok() && leaving[w]) {
+      // Its worker is leaving: the next best of those that stay.
+      size_t again = i % static_cast<size_t>(o.scale_down_to);
+      if (cluster.embedded) {
+        std::vector<std::string> exclude;
+        {
+          std::lock_guard lk(mu);
+          exclude = leaving_ids;
+        }
+        kvtier::router::RouteQuery q = kvtier::router::FromWire(d.rr);
+        q.exclude = exclude;
+        auto route = cluster.embedded->Route(q);
+        if (route.ok()) {
+          if (auto it = by_endpoint.find(route->endpoint); it != by_endpoint.end()) {
+            again = it->second;
+          }
+        }
+      }
+      w = again;
+      resp.Clear();
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+      s = stubs[w]->Submit(&ctx, req, &resp);
+      std::lock_guard lk(mu);
+      retried++;
+    }
     std::lock_guard lk(mu);
     if (!s.ok()) {
       if (failure.ok()) {
@@ -313,6 +360,39 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
       if (out.is_open()) out << line.dump() << "\n";
     }
   };
+  std::vector<std::pair<double, uint64_t>> drains;
+  int64_t scaled_at = -1;
+  if (!scenario.empty() && o.scale_down_at > 0 &&
+      static_cast<size_t>(o.scale_down_at) < trace.size()) {
+    while (next < static_cast<size_t>(o.scale_down_at) && !g_interrupted) {
+      {
+        std::lock_guard lk(mu);
+        if (!failure.ok()) break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    scaled_at = static_cast<int64_t>(next.load());
+    const size_t from = static_cast<size_t>(o.scale_down_to);
+    {
+      std::lock_guard lk(mu);
+      for (size_t w = from; w < workers.size(); ++w) leaving_ids.push_back(cluster.worker_ids[w]);
+    }
+    for (size_t w = from; w < workers.size(); ++w) leaving[w] = true;
+    // As Kubernetes does: every leaving pod gets SIGTERM at once.
+    const auto signalled = Clock::now();
+    for (size_t w = from; w < workers.size(); ++w) workers[w]->Signal(SIGTERM);
+    for (size_t w = from; w < workers.size(); ++w) {
+      workers[w]->WaitExit(std::chrono::milliseconds(o.drain_timeout_ms + 15000));
+      const double ms = std::chrono::duration<double, std::milli>(Clock::now() - signalled).count();
+      // "... N saved (B bytes) ..." in the worker's drain line.
+      uint64_t bytes = 0;
+      const std::string log = workers[w]->LogTail(4000);
+      if (size_t at = log.find(" saved ("); at != std::string::npos) {
+        absl::SimpleAtoi(log.substr(at + 8, log.find(' ', at + 8) - at - 8), &bytes);
+      }
+      drains.emplace_back(ms, bytes);
+    }
+  }
   if (router && o.restart_router_at > 0 &&
       static_cast<size_t>(o.restart_router_at) < trace.size()) {
     // The router dies and comes back on the same port mid-replay; workers
@@ -331,6 +411,28 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   for (auto& t : threads) t.join();
   res.seconds = Seconds(start);
   schedule();
+  if (o.scale_down_at > 0) {
+    ScaleFigures f;
+    f.scaled = scaled_at >= 0;
+    f.at = f.scaled ? scaled_at : o.scale_down_at;
+    uint64_t computed = 0, prompt = 0;
+    std::vector<double> ttft;
+    for (size_t i = static_cast<size_t>(f.at); i < timed.size(); ++i) {
+      const Timed& t = timed[i];
+      if (t.worker < 0) continue;
+      computed += t.computed;
+      prompt += t.prompt;
+      double sum = 0;
+      for (double part : t.part) sum += part;
+      ttft.push_back(sum);
+    }
+    f.computed_pct = prompt ? 100.0 * static_cast<double>(computed) / prompt : 0;
+    f.ttft_mean_ms = Mean(ttft);
+    f.ttft_p99_ms = Percentile(ttft, 0.99);
+    f.retried = retried;
+    f.drains = drains;
+    res.scale = {f};
+  }
   if (!failure.ok()) return failure;
   if (g_interrupted) return absl::CancelledError("interrupted");
   ReadCounters(cluster, &res);
@@ -365,7 +467,9 @@ int RunReplay(int argc, const char* const* argv) {
                    "Simulated workers: how long a request waits (real time) for requests before "
                    "it in simulated time to reach the engine");
   flags.Int("balance-threshold-tokens", &o.balance, 0, int64_t{1} << 40, "Router: balance guard");
-  flags.String("modes", &o.modes, "Modes to run, comma-separated");
+  flags.String("modes", &o.modes,
+               "Modes to run, comma-separated; MODE@down and MODE@drain scale MODE's cluster "
+               "down mid-replay (--scale-down-at)");
   flags.Int("restart-router-at", &o.restart_router_at, 0, 1 << 30,
             "Kill -9 the router after this many requests and restart it (KV-aware modes); "
             "reports the GPU-hit ratio of the 1,000 requests before and after");
@@ -379,6 +483,15 @@ int RunReplay(int argc, const char* const* argv) {
   flags.Bool("store-hint", &o.store_hint,
              "The kvtier mode's workers skip a store lookup when the router knows the store "
              "holds nothing past their GPU pages (false: they always look up)");
+  flags.Int("scale-down-at", &o.scale_down_at, 0, 1 << 30,
+            "Scale down after this many requests were dispatched, in the modes named "
+            "MODE@down (the leaving workers stop at once, as pods go today) and MODE@drain "
+            "(they drain first); every mode reports its requests from here on");
+  flags.Int("scale-down-to", &o.scale_down_to, 0, 64,
+            "With --scale-down-at: the workers that stay (the others get SIGTERM)");
+  flags.DurationMs("drain-timeout", &o.drain_timeout_ms,
+                   "MODE@drain: each leaving worker's drain budget (kvtier-sim-worker "
+                   "--drain-timeout)");
   flags.Bool("restart-control", &o.restart_control,
              "With --restart-router-at: measure the same windows without restarting (control)");
   std::string kv_wire = "none";
@@ -428,8 +541,23 @@ int RunReplay(int argc, const char* const* argv) {
   }
   std::vector<std::string> modes;
   for (absl::string_view m : absl::StrSplit(o.modes, ',', absl::SkipEmpty())) {
-    if (m != "round-robin" && m != "round-robin+store" && m != "kv-aware" && m != "kvtier") {
-      std::fprintf(stderr, "kvtier-bench replay: flag --modes: unknown mode \"%s\"\n",
+    const absl::string_view base = m.substr(0, m.find('@'));
+    const absl::string_view scenario =
+        m.find('@') == absl::string_view::npos ? "" : m.substr(m.find('@') + 1);
+    if ((base != "round-robin" && base != "round-robin+store" && base != "kv-aware" &&
+         base != "kvtier") ||
+        (scenario != "" && scenario != "down" && scenario != "drain")) {
+      std::fprintf(stderr,
+                   "kvtier-bench replay: flag --modes: unknown mode \"%s\" (round-robin, "
+                   "round-robin+store, kv-aware or kvtier, each optionally @down or @drain)\n",
+                   std::string(m).c_str());
+      return 2;
+    }
+    if (!scenario.empty() && (o.scale_down_at == 0 || o.scale_down_to == 0 ||
+                              o.scale_down_to >= o.workers || o.engine != "sim")) {
+      std::fprintf(stderr,
+                   "kvtier-bench replay: flag --modes: %s scales down: give --scale-down-at > 0 "
+                   "and --scale-down-to between 1 and --workers - 1 (sim engine only)\n",
                    std::string(m).c_str());
       return 2;
     }

@@ -99,7 +99,9 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                !with_store        ? std::string("--offload=none")
                : mode == "kvtier" ? "--offload=" + o.kvtier_offload
                                   : std::string("--offload=write-through"),
-               absl::StrCat("--kv-wire=", o.kv_wire.empty() ? "none" : o.kv_wire)};
+               absl::StrCat("--kv-wire=", o.kv_wire.empty() ? "none" : o.kv_wire),
+               absl::StrCat("--drain=", o.worker_drain ? "true" : "false"),
+               absl::StrCat("--drain-timeout=", o.drain_timeout_ms, "ms")};
     }
     if (store) flags.push_back("--store=" + store->address());
     if (kv_aware) flags.push_back("--router=" + c.router_address);
@@ -108,6 +110,7 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                                 absl::StrCat(scratch, "-w", w), flags);
     if (!s.ok()) return s.status();
     by_endpoint[(*s)->address()] = workers.size();
+    c.worker_ids.push_back(absl::StrCat(tag, "-w", w));
     stubs.push_back(v1::SimWorker::NewStub(
         grpc::CreateChannel((*s)->address(), grpc::InsecureChannelCredentials())));
     workers.push_back(std::move(*s));

@@ -56,6 +56,14 @@ struct Options {
   // How the kvtier mode's workers offload ("write-through" or
   // "write-back"); round-robin+store always writes through.
   std::string kvtier_offload = "write-through";
+  // Scaling down mid-replay (modes MODE@down and MODE@drain): after this
+  // many requests were dispatched the workers from scale_down_to on get
+  // SIGTERM; @drain's workers drain first (kvtier-sim-worker --drain),
+  // @down's stop at once. 0: no scale-down; every mode's second half
+  // (from scale_down_at) is still reported, the reference.
+  int64_t scale_down_at = 0, scale_down_to = 0;
+  bool worker_drain = false;  // this run's workers drain on SIGTERM
+  uint64_t drain_timeout_ms = 8000;
   // The kvtier mode passes the router's store_end_blocks to its workers
   // (SubmitRequest.store_hint_blocks), which skip a store lookup that can
   // find nothing the router knows of.
@@ -79,6 +87,7 @@ struct Cluster {
   std::vector<std::unique_ptr<LocalServer>> workers;
   std::vector<std::unique_ptr<v1::SimWorker::Stub>> stubs;
   std::map<std::string, size_t> by_endpoint;  // worker address -> index
+  std::vector<std::string> worker_ids;        // by index
   std::unique_ptr<v1::Router::Stub> rstub;    // either router's gRPC service
   std::string router_address;
   NamespaceSpec spec;

@@ -36,6 +36,7 @@ void ModeResult::Pool(const ModeResult& o) {
   store_begin_puts += o.store_begin_puts, store_grpc_commits += o.store_grpc_commits;
   store_pipelined_commits += o.store_pipelined_commits;
   runs.insert(runs.end(), o.runs.begin(), o.runs.end());
+  scale.insert(scale.end(), o.scale.begin(), o.scale.end());
 }
 
 double Mean(const std::vector<double>& v) {
@@ -70,7 +71,20 @@ nlohmann::json ToJson(const ModeResult& r) {
                     {"ttft_p99_ms", f.ttft_p99_ms},
                     {"late_deliveries", f.late_deliveries}});
   }
+  nlohmann::json scale = nlohmann::json::array();
+  for (const ScaleFigures& f : r.scale) {
+    nlohmann::json drains = nlohmann::json::array();
+    for (const auto& [ms, bytes] : f.drains) drains.push_back({{"exit_ms", ms}, {"bytes", bytes}});
+    scale.push_back({{"from_request", f.at},
+                     {"scaled", f.scaled},
+                     {"computed_pct", f.computed_pct},
+                     {"ttft_mean_ms", f.ttft_mean_ms},
+                     {"ttft_p99_ms", f.ttft_p99_ms},
+                     {"retried", f.retried},
+                     {"drains", drains}});
+  }
   return {
+      {"scale_down", scale},
       {"runs", runs},
       {"requests", r.requests},
       {"prompt_tokens", r.prompt_tokens},
@@ -244,6 +258,23 @@ void PrintReport(const ReportHeader& h, const std::vector<ModeResult>& results,
           "    offloading (background): gather%s %.0f ms, lane wait %.0f, BeginPut+CommitPut "
           "%.0f, RMA %.0f\n",
           h.packed ? "+pack" : "", f.gather, f.queue, f.control, f.rma);
+    }
+  }
+  for (const auto& r : results) {
+    for (size_t k = 0; k < r.scale.size(); ++k) {
+      const ScaleFigures& f = r.scale[k];
+      std::string drains;
+      for (const auto& [ms, bytes] : f.drains) {
+        drains +=
+            absl::StrFormat("%s%.0f ms/%s", drains.empty() ? "" : ", ", ms, FormatBytes(bytes));
+      }
+      std::printf(
+          "  %s run %zu, from request %ld%s: %.2f%% of prompt tokens computed, TTFT mean %.0f "
+          "ms, p99 %.0f ms; %lu requests sent again%s%s\n",
+          r.name.c_str(), k + 1, f.at, f.scaled ? " (workers left)" : " (no scale-down)",
+          f.computed_pct, f.ttft_mean_ms, f.ttft_p99_ms, f.retried,
+          drains.empty() ? "" : "; leaving workers (SIGTERM to exit / bytes drained): ",
+          drains.c_str());
     }
   }
   for (const auto& r : results) {

@@ -70,6 +70,18 @@ struct RunFigures {
   uint64_t late_deliveries = 0;
 };
 
+// The replay's second half, from --scale-down-at: what a scale-down cost.
+struct ScaleFigures {
+  int64_t at = 0;           // the request the second half starts at
+  bool scaled = false;      // workers left (MODE@down, MODE@drain)
+  double computed_pct = 0;  // prompt tokens computed, % of the second half's
+  double ttft_mean_ms = 0, ttft_p99_ms = 0;
+  uint64_t retried = 0;  // requests sent again after their worker refused or left
+  // Per leaving worker: ms from SIGTERM to exit, and the bytes its drain
+  // saved (from its log; 0 without a drain).
+  std::vector<std::pair<double, uint64_t>> drains;
+};
+
 struct ModeResult {
   std::string name;
   uint64_t requests = 0, prompt_tokens = 0, computed = 0, gpu_hit = 0, store_ram = 0,
@@ -101,6 +113,7 @@ struct ModeResult {
   uint64_t store_begin_puts = 0, store_grpc_commits = 0, store_pipelined_commits = 0;
   // Each run's own figures (--repeat; one entry for a single run).
   std::vector<RunFigures> runs;
+  std::vector<ScaleFigures> scale;  // one per run, with --scale-down-at
   // Adds another run of the same mode (--repeat): its requests join the
   // TTFT distributions (the mean and p99 are then over every run's
   // requests), its counts and times the totals. Not for runs with a

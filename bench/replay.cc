@@ -76,7 +76,7 @@ absl::StatusOr<ModeResult> RunMode(const Options& o, const std::string& mode,
   const std::string scenario = at_sign == std::string::npos ? "" : mode.substr(at_sign + 1);
   Options co = o;
   co.worker_drain = scenario == "drain";
-  auto started = StartCluster(co, base, dir);
+  auto started = StartCluster(co, mode, dir);
   if (!started.ok()) return started.status();
   Cluster& cluster = *started;
   const bool torch = o.engine == "torch";

@@ -23,12 +23,18 @@ int64_t HeartbeatMs(double speed) {
 
 absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                                      const TempDir& dir) {
-  const bool with_store = mode == "round-robin+store" || mode == "kvtier";
-  const bool kv_aware = mode == "kv-aware" || mode == "kvtier";
-  const std::string scratch = dir.sub(mode);
+  // MODE@down / MODE@drain run MODE's cluster.
+  const std::string full = mode;
+  const std::string base = mode.substr(0, mode.find('@'));
+  const bool with_store = base == "round-robin+store" || base == "kvtier";
+  const bool kv_aware = base == "kv-aware" || base == "kvtier";
+  // Each run of each mode in a directory of its own: a store's NVMe tier
+  // outlives its process, and a later run must not start with an earlier
+  // one's blocks on disk.
+  const std::string scratch = dir.sub(absl::StrCat(full, "-run", o.run));
   Cluster c;
   std::unique_ptr<LocalServer>& store = c.store;
-  std::string tag = mode == "round-robin+store" ? "rr-store" : mode;
+  std::string tag = base == "round-robin+store" ? "rr-store" : base;
   if (kv_aware && o.router == "frontend") {
     router::RouterOptions ro;
     ro.heartbeat_deadline_ms = 3000;
@@ -97,7 +103,7 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                // Engines sleep their simulated prefill time compressed like the trace.
                absl::StrCat("--time-scale=", o.speed > 0 ? 1.0 / o.speed : 0.0),
                !with_store        ? std::string("--offload=none")
-               : mode == "kvtier" ? "--offload=" + o.kvtier_offload
+               : base == "kvtier" ? "--offload=" + o.kvtier_offload
                                   : std::string("--offload=write-through"),
                absl::StrCat("--kv-wire=", o.kv_wire.empty() ? "none" : o.kv_wire),
                absl::StrCat("--drain=", o.worker_drain ? "true" : "false"),

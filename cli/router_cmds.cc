@@ -108,19 +108,24 @@ int RunWorkers(const CommandLine& line) {
                    {"free_gpu_pages", w.load().free_gpu_pages()},
                    {"last_heartbeat_ms", w.last_seen_ms()},
                    {"connected", w.connected()},
-                   {"resyncing", w.resyncing()}});
+                   {"resyncing", w.resyncing()},
+                   {"draining", w.load().draining()},
+                   {"sole_blocks", w.sole_blocks()},
+                   {"sole_recompute_seconds", w.sole_recompute_seconds()}});
     }
     PrintJson({{"sources", j}});
     return kOk;
   }
-  std::printf("%-24s %-6s %-22s %-16s %8s %7s %8s %9s %8s\n", "id", "kind", "endpoint", "namespace",
-              "blocks", "running", "queued", "free pages", "last hb");
+  // "only here": blocks no other source holds (what losing it costs).
+  std::printf("%-24s %-6s %-22s %-16s %8s %9s %7s %8s %9s %8s\n", "id", "kind", "endpoint",
+              "namespace", "blocks", "only here", "running", "queued", "free pages", "last hb");
   for (const auto& w : resp.sources()) {
-    std::printf("%-24s %-6s %-22s %016lx %8lu %7u %8lu %9lu %6lums%s\n", w.source_id().c_str(),
-                w.kind() == v1::SOURCE_STORE ? "store" : "worker", w.endpoint().c_str(),
-                w.namespace_id(), w.indexed_blocks(), w.load().running_requests(),
-                w.load().queued_prefill_tokens(), w.load().free_gpu_pages(), w.last_seen_ms(),
-                w.connected() ? "" : " (disconnected)");
+    std::printf("%-24s %-6s %-22s %016lx %8lu %9lu %7u %8lu %9lu %6lums%s%s\n",
+                w.source_id().c_str(), w.kind() == v1::SOURCE_STORE ? "store" : "worker",
+                w.endpoint().c_str(), w.namespace_id(), w.indexed_blocks(), w.sole_blocks(),
+                w.load().running_requests(), w.load().queued_prefill_tokens(),
+                w.load().free_gpu_pages(), w.last_seen_ms(), w.connected() ? "" : " (disconnected)",
+                w.load().draining() ? " (draining)" : "");
   }
   return kOk;
 }

@@ -163,6 +163,12 @@ std::vector<prometheus::MetricFamily> RouterService::CollectMetrics() {
             s.indexed_blocks, l);
     m.Gauge("kvtier_router_source_queued_prefill_tokens", "Queued prefill tokens (last heartbeat)",
             s.load.queued_prefill_tokens, l);
+    if (s.kind == SourceKind::kWorker) {
+      m.Gauge("kvtier_router_source_sole_blocks",
+              "Blocks only this worker holds (no other worker, no store shard)", s.sole_blocks, l);
+      m.Gauge("kvtier_router_source_draining", "1 while the worker says it is draining",
+              s.load.draining ? 1 : 0, l);
+    }
     if (s.kind == SourceKind::kWorker && s.load.prefill_tokens_per_s > 0) {
       m.Gauge("kvtier_router_source_prefill_tokens_per_second",
               "Prefill rate the worker reports (last heartbeat)", s.load.prefill_tokens_per_s, l);

@@ -296,5 +296,57 @@ TEST_F(ScaleDown, AWorkerKilledDuringItsDrainLeavesNothingCorruptAndTheIndexForg
   }
 }
 
+TEST_F(ScaleDown, ANewWorkerStartsWarmFromWhatARestartedStoreHoldsOnNvme) {
+  // A store whose RAM holds 40 blocks: the rest of a prompt goes to NVMe.
+  store_ = std::make_unique<ServerProcess>(
+      KVTIER_STORE_BIN, dir_.sub("small-store"),
+      testing::LoopbackStoreArgs(
+          dir_.sub("small-store"),
+          {"--ram-bytes=" + std::to_string(40 * kBlockBytes), "--ram-slab-bytes=128KiB",
+           "--router=" + router_->address(), "--store-id=shard-0"}));
+  ASSERT_GT(store_->port(), 0) << store_->Log();
+  control_ = std::make_unique<StoreClient>(store_->address());
+  auto w1 = Worker("w1", {"--offload=write-through"});
+  auto s1 = Stub(*w1);
+  ASSERT_TRUE(Submit(*s1, Prompt(1, 1000, 1)).ok());
+  ASSERT_TRUE(WaitFor([&] {
+    auto st = control_->GetStats();
+    if (!st.ok()) return false;
+    for (const auto& t : st->tiers()) {
+      if (t.tier() == v1::TIER_DISK && t.items() >= 20) return true;
+    }
+    return false;
+  })) << store_->Log();
+  // w1 leaves (it held nothing the store lacked), the store restarts: its
+  // RAM is gone, its NVMe tier comes back and is announced to the router.
+  EXPECT_EQ(Terminate(*w1, std::chrono::seconds(15)), 0) << w1->Log();
+  store_->proc().Kill(SIGTERM);
+  store_->Start();
+  ASSERT_GT(store_->port(), 0) << store_->Log();
+  control_ = std::make_unique<StoreClient>(store_->address());
+  // What came back is a prefix of the prompt, every block on NVMe (the
+  // RAM tier died with the process). Looked up, not read: a read would
+  // promote them.
+  auto tiers = control_->Lookup(ns_, Chain(1, 1000));
+  ASSERT_TRUE(tiers.ok()) << tiers.status();
+  const int on_disk = static_cast<int>(tiers->size());
+  ASSERT_GE(on_disk, 20);
+  for (v1::Tier t : *tiers) EXPECT_EQ(t, v1::TIER_DISK);
+  // A worker that never saw the prompt joins; the router knows the store
+  // holds its prefix and sends it there, and it loads instead of computing.
+  auto w2 = Worker("w2");
+  auto s2 = Stub(*w2);
+  ASSERT_TRUE(WaitFor([&] {
+    auto r = Route(1, 1000);
+    return r.ok() && r->worker_id() == "w2" && r->store_hit_blocks() == uint32_t(on_disk);
+  })) << router_->Log();
+  v1::SubmitResponse resp;
+  ASSERT_TRUE(Submit(*s2, Prompt(1, 1000, 2), &resp).ok());
+  EXPECT_EQ(resp.verified_blocks(), uint32_t(on_disk));
+  EXPECT_EQ(resp.onboarded_from_disk(), uint32_t(on_disk));
+  EXPECT_EQ(resp.mismatched_blocks(), 0u);
+  EXPECT_EQ(resp.prefill_tokens(), 1000u - 16u * on_disk);
+}
+
 }  // namespace
 }  // namespace kvtier

@@ -33,6 +33,14 @@ int main(int argc, char** argv) {
                "';'-separated, each name=HOST:PORT,events-port=N,[replay-port=N],"
                "namespace=16 hex digits,block-tokens=N,[role=prefill|decode|both]");
   flags.DurationMs("dns-interval", &o.dns_interval_ms, "between resolutions of --engines-dns");
+  flags.String("deletion-cost-selector", &o.deletion_cost.selector,
+               "keep each engine pod's controller.kubernetes.io/pod-deletion-cost at the prompt "
+               "tokens only it holds, for the pods this label selector lists, so a scale-down "
+               "removes the cheapest (in a pod; needs a Role to list and patch pods; empty: off)");
+  flags.String("deletion-cost-namespace", &o.deletion_cost.k8s_namespace,
+               "the engine pods' Kubernetes namespace [default: the service account's]");
+  flags.DurationMs("deletion-cost-interval", &o.deletion_cost.interval_ms,
+                   "between updates of the pods' deletion costs");
   flags.HostPort("router-listen", &o.router_listen,
                  "where store shards publish their events to the router in this process");
   flags.Int("threads", &threads, 1, 256, "threads serving requests");

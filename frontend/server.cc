@@ -171,6 +171,7 @@ struct Frontend::Impl {
   std::vector<net::executor_work_guard<Executor>> keep_running;
   std::unique_ptr<TextModel> text;
   std::unique_ptr<router::EmbeddedRouter> router;
+  std::unique_ptr<DeletionCostUpdater> deletion_costs;  // --deletion-cost-selector
   uint64_t namespace_id = 0;
   std::mutex fleet_mu;
   std::shared_ptr<const Fleet> fleet = std::make_shared<Fleet>();  // guarded by fleet_mu
@@ -1009,6 +1010,18 @@ struct Frontend::Impl {
                         "\",gauge=\"kv_usage\"} ", e->vllm.kv_usage, "\n");
       }
     }
+    // What the fleet loses with each engine: the prompt tokens of the
+    // blocks only it holds (what its pod's deletion cost is kept at).
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_engine_sole_tokens gauge\n");
+    {
+      std::map<std::string, uint64_t> sole;
+      for (const auto& s : router->core().Sources()) sole[s.source_id] = s.sole_blocks;
+      for (auto& e : engines) {
+        absl::StrAppend(&out, "kvtier_frontend_engine_sole_tokens{engine=\"", e->spec.id, "\"} ",
+                        sole[e->spec.id] * e->spec.block_tokens, "\n");
+      }
+    }
+    if (deletion_costs) absl::StrAppend(&out, deletion_costs->Metrics());
     absl::StrAppend(&out, "# TYPE kvtier_frontend_engine_failures_total counter\n");
     for (auto& e : engines) {
       absl::StrAppend(&out, "kvtier_frontend_engine_failures_total{engine=\"", e->spec.id, "\"} ",
@@ -1249,6 +1262,13 @@ absl::Status FrontendOptions::Validate() const {
   if (engines.empty() && dns.empty()) {
     return absl::InvalidArgumentError("--engines or --engines-dns: at least one engine");
   }
+  if (!deletion_cost.selector.empty() &&
+      (deletion_cost.interval_ms < 1000 || deletion_cost.interval_ms > 3600000)) {
+    return absl::InvalidArgumentError(absl::StrCat("--deletion-cost-interval is ",
+                                                   deletion_cost.interval_ms,
+                                                   " ms (allowed 1s..1h: Kubernetes asks that "
+                                                   "pod-deletion-cost not churn)"));
+  }
   // Every engine serves one model: one namespace and block size.
   std::vector<std::pair<std::string, const router::VllmSourceSpec*>> all;
   for (const auto& e : engines) all.emplace_back(e.id, &e);
@@ -1352,6 +1372,15 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
       static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::seconds>(
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count());
+  if (!o.deletion_cost.selector.empty()) {
+    router::RouterCore* core = &impl->router->core();
+    auto costs = DeletionCostUpdater::Start(
+        o.deletion_cost,
+        o.engines.empty() ? o.dns.front().spec.block_tokens : o.engines.front().block_tokens,
+        [core] { return core->Sources(); });
+    if (!costs.ok()) return costs.status();
+    impl->deletion_costs = std::move(*costs);
+  }
   Impl* raw = impl.get();
   const Executor first = raw->loops[0]->get_executor();
   net::co_spawn(first, raw->Accept(), net::detached);
@@ -1367,6 +1396,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
 }
 
 Frontend::~Frontend() {
+  impl_->deletion_costs.reset();
   for (auto& loop : impl_->loops) loop->stop();
   for (auto& t : impl_->threads) t.join();
 }

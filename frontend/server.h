@@ -26,6 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "frontend/deletion_cost.h"
 #include "frontend/openai.h"
 #include "frontend/text_model.h"
 #include "router/router_core.h"
@@ -80,6 +81,9 @@ struct FrontendOptions {
   uint64_t dns_interval_ms = 5000;
   router::RouterOptions router;
   std::string router_listen = "127.0.0.1:0";  // where store shards publish
+  // The engine pods' deletion costs (frontend/deletion_cost.h); off
+  // without a selector.
+  DeletionCostOptions deletion_cost;
 
   // INVALID_ARGUMENT naming the first field out of range.
   absl::Status Validate() const;

@@ -441,6 +441,84 @@ def check_disaggregation(values, schema):
               % (key, bad, out.stderr))
 
 
+def check_scaling(values, schema):
+    """Scaling without losing the cache: every engine pod sleeps
+    engine.drain.preStopSeconds before SIGTERM (out of the Services first)
+    within its grace period; frontend.deletionCost.enabled gives the
+    frontend a ServiceAccount, a Role that may get, list and patch pods and
+    nothing else, its RoleBinding, and the --deletion-cost-* flags, which
+    kvtier-frontend accepts. Off by default: no RBAC object rendered."""
+    v = copy.deepcopy(values)
+    v["engine"]["enabled"] = True
+    v["engine"]["prefill"]["replicas"] = 1
+    jsonschema.validate(v, schema)
+    objs = objects(render(v))
+    for suffix in ("-engine", "-engine-prefill"):
+        pod = find(objs, "Deployment", suffix)["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        check(pod.get("terminationGracePeriodSeconds") == 120 and
+              c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command") ==
+              ["/bin/sh", "-c", "sleep 10"],
+              "%s pods leave the Services, then drain within 120 s" % suffix)
+    check(not any(o["kind"] in ("ServiceAccount", "Role", "RoleBinding") for o in objs),
+          "no RBAC object without frontend.deletionCost.enabled")
+    fc = find(objs, "Deployment", "-frontend")["spec"]["template"]["spec"]
+    check(engine_arg(fc["containers"][0]["args"], "--deletion-cost-selector") is None and
+          "serviceAccountName" not in fc, "no deletion-cost updater by default")
+    v["frontend"]["deletionCost"] = {"enabled": True, "interval": "45s"}
+    v["engine"]["drain"] = {"preStopSeconds": 20, "terminationGracePeriodSeconds": 300}
+    jsonschema.validate(v, schema)
+    objs = objects(render(v))
+    pod = find(objs, "Deployment", "-engine")["spec"]["template"]["spec"]
+    check(pod["terminationGracePeriodSeconds"] == 300 and
+          pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == "sleep 20",
+          "engine.drain sets the grace period and the preStop sleep")
+    fpod = find(objs, "Deployment", "-frontend")["spec"]["template"]["spec"]
+    args = fpod["containers"][0]["args"]
+    check(fpod.get("serviceAccountName") == "kv-frontend" and
+          fpod.get("automountServiceAccountToken") is True,
+          "the frontend runs as its ServiceAccount with the token mounted: %s"
+          % fpod.get("serviceAccountName"))
+    check(engine_arg(args, "--deletion-cost-selector") ==
+          "app.kubernetes.io/instance=kv,app.kubernetes.io/component in (engine,engine-prefill)" and
+          engine_arg(args, "--deletion-cost-namespace") == "default" and
+          engine_arg(args, "--deletion-cost-interval") == "45s",
+          "the updater's flags name both engine pools: %s" % args)
+    rc, out = check_config("frontend/kvtier-frontend", args)
+    check(rc == 0, "kvtier-frontend rejects the rendered deletion-cost flags: %s" % out)
+    sa = find(objs, "ServiceAccount", "-frontend")
+    role = find(objs, "Role", "-frontend-deletion-cost")
+    binding = find(objs, "RoleBinding", "-frontend-deletion-cost")
+    check(sa is not None and sa["metadata"]["name"] == "kv-frontend", "a ServiceAccount")
+    check(role is not None and role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "patch"]}],
+        "the Role may get, list and patch pods, nothing more: %s" % (role or {}).get("rules"))
+    check(binding is not None and binding["roleRef"]["name"] == role["metadata"]["name"] and
+          binding["subjects"] == [{"kind": "ServiceAccount", "name": "kv-frontend",
+                                   "namespace": "default"}],
+          "the RoleBinding gives the Role to the frontend's account")
+    for section, key, cases in (
+            ("engine", "drain", (("preStopSeconds", -1), ("terminationGracePeriodSeconds", 0),
+                                 ("grace", 1))),
+            ("frontend", "deletionCost", (("enabled", "yes"), ("interval", "soon"),
+                                          ("selector", "x")))):
+        for field, bad in cases:
+            w = copy.deepcopy(v)
+            w[section][key][field] = bad
+            try:
+                jsonschema.validate(w, schema)
+                check(False, "schema accepted %s.%s.%s=%r" % (section, key, field, bad))
+            except jsonschema.ValidationError:
+                check(True, "")
+    w = copy.deepcopy(v)
+    w["frontend"]["deletionCost"]["interval"] = "100ms"
+    fargs = find(objects(render(w)), "Deployment", "-frontend")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    rc, out = check_config("frontend/kvtier-frontend", fargs)
+    check(rc != 0 and "--deletion-cost-interval" in out,
+          "an interval under a second is refused, naming the flag: %s" % out)
+
+
 def check_frontend(values, schema):
     """With vLLM engines the frontend is the entry point: a Deployment
     finding the engines through their headless Service (API, KV events and
@@ -972,6 +1050,7 @@ def main():
     check_engine(values, schema)
     check_frontend(values, schema)
     check_disaggregation(values, schema)
+    check_scaling(values, schema)
     check_vllm_sources(values, schema)
     check_source_identities(values, schema)
     check_admin_token_and_network_policy(values, schema)

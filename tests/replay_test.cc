@@ -126,6 +126,49 @@ TEST(Replay, RepeatedRunsArePooledAndEachIsListed) {
   EXPECT_NE(bad.out.find("--repeat"), std::string::npos) << bad.out;
 }
 
+// Scale 4 -> 2 workers mid-replay (issue #48): with and without a drain,
+// every request is served (a refused or lost one goes to a worker that
+// stays), every loaded byte is right, the leaving workers exit, and only
+// the drain saves their blocks.
+TEST(Replay, AFleetScaledDownMidReplayServesEveryRequestAndOnlyTheDrainSavesBlocks) {
+  int rc = 0;
+  auto j = Replay(std::string("--trace ") + kTrace +
+                      " --limit 400 --workers 4 --pages 256 --block-bytes 16KiB --speed 50"
+                      " --modes kvtier,kvtier@down,kvtier@drain --scale-down-at 200"
+                      " --scale-down-to 2 --kvtier-offload write-back",
+                  &rc);
+  ASSERT_EQ(rc, 0) << "the replay failed or found mismatched bytes";
+  EXPECT_EQ(j["mismatched_blocks"].get<uint64_t>(), 0u);
+  for (const char* mode : {"kvtier", "kvtier@down", "kvtier@drain"}) {
+    const auto& m = j["modes"][mode];
+    EXPECT_EQ(m["requests"].get<uint64_t>(), 400u) << mode;
+    ASSERT_EQ(m["scale_down"].size(), 1u) << mode;
+    const auto& f = m["scale_down"][0];
+    EXPECT_GE(f["from_request"].get<int64_t>(), 200) << mode;
+    EXPECT_GT(f["computed_pct"].get<double>(), 0) << mode;
+    EXPECT_GT(f["ttft_mean_ms"].get<double>(), 0) << mode;
+    if (std::string(mode) == "kvtier") {
+      EXPECT_FALSE(f["scaled"].get<bool>());
+      EXPECT_TRUE(f["drains"].empty());
+      continue;
+    }
+    EXPECT_TRUE(f["scaled"].get<bool>()) << mode;
+    ASSERT_EQ(f["drains"].size(), 2u) << mode;
+    for (const auto& d : f["drains"]) {
+      EXPECT_GT(d["exit_ms"].get<double>(), 0) << mode;
+      if (std::string(mode) == "kvtier@drain") {
+        EXPECT_GT(d["bytes"].get<uint64_t>(), 0u) << f.dump();
+      } else {
+        EXPECT_EQ(d["bytes"].get<uint64_t>(), 0u) << f.dump();
+      }
+    }
+  }
+  ShellResult bad = RunShell(std::string(KVTIER_BENCH_BIN) + " replay --trace " + kTrace +
+                             " --limit 10 --modes kvtier@drain 2>&1");
+  EXPECT_EQ(bad.exit_code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("--scale-down-at"), std::string::npos) << bad.out;
+}
+
 // The same job with the PyTorch reference engine: real forward passes, real
 // KV blocks through the store, every loaded one verified by its checksum.
 // A trace of its own, so the reuse does not hang on timing: 21 conversations

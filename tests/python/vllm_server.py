@@ -49,11 +49,22 @@ def cached_tokens(answer: dict[str, Any]) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 nothing listens on now, and not one this
+    process was given before: the kernel hands a port just closed out
+    again, and two given out before either server binds would collide (seen
+    in CI: an engine's API port equal to its replay socket's, so /health
+    reached the ZMQ socket for 600 s)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class VllmServer:

@@ -15,6 +15,7 @@
 #include "client/store_client.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
+#include "tests/sim_prompts.h"
 #include "tests/test_util.h"
 #include "worker/model.h"
 
@@ -25,18 +26,11 @@ using testing::ServerProcess;
 using testing::WaitFor;
 using Clock = std::chrono::steady_clock;
 
-NamespaceSpec SimSpec() {
-  return NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", "", ""};
-}
+using testing::SimSpec;
 constexpr uint64_t kBlockBytes = 2 * 4 * 2 * 64 * 16 * 2;  // K and V, fp16
 
 v1::SubmitRequest Prompt(uint64_t salt, int tokens, uint64_t id) {
-  v1::SubmitRequest r;
-  r.set_request_id(id);
-  for (int i = 0; i < tokens; ++i)
-    r.mutable_tokens()->add_ids(static_cast<uint32_t>(salt * 7919 + i));
-  r.set_output_tokens(1);
-  return r;
+  return testing::SimPrompt(salt, tokens, id, /*output_tokens=*/1);
 }
 
 class ScaleDown : public ::testing::Test {

@@ -12,6 +12,7 @@
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "router/embedded_router.h"
 #include "router/wire.h"
+#include "tests/sim_prompts.h"
 #include "tests/test_util.h"
 #include "worker/model.h"
 
@@ -21,18 +22,10 @@ namespace {
 using testing::ServerProcess;
 using testing::WaitFor;
 
-// The sim worker's defaults: 4 layers x 2 heads x 64 dim, fp16, 16 tokens.
-NamespaceSpec SimSpec() {
-  return NamespaceSpec{"sim-model", "fp16", 4, 2, 64, 16, 0, 1, "", "", ""};
-}
+using testing::SimSpec;
 
 v1::SubmitRequest Prompt(uint64_t salt, int tokens, uint64_t id) {
-  v1::SubmitRequest r;
-  r.set_request_id(id);
-  for (int i = 0; i < tokens; ++i)
-    r.mutable_tokens()->add_ids(static_cast<uint32_t>(salt * 7919 + i));
-  r.set_output_tokens(8);
-  return r;
+  return testing::SimPrompt(salt, tokens, id, /*output_tokens=*/8);
 }
 
 class SimCluster : public ::testing::Test {

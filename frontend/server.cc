@@ -228,7 +228,10 @@ struct Frontend::Impl {
       return nullptr;
     };
     if (routed.ok()) {
-      for (const router::RouteCandidate& cand : routed->candidates) {
+      // The router's choice first: the route, its load and its pending
+      // blocks are counted on that worker.
+      for (const router::RouteCandidate* cp : routed->ChosenFirst()) {
+        const router::RouteCandidate& cand = *cp;
         std::shared_ptr<Engine> e = find(cand.worker_id);
         if (e == nullptr || tried.count(e.get()) || !e->Usable(now) || !Serves(e->spec, want)) {
           continue;

@@ -215,8 +215,8 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
         break;
     }
   }
-  // The chosen worker first if sampling or the balance guard passed over
-  // cheaper ones, then the cheapest.
+  // The cheapest `shown`, cheapest first, the chosen one among them: in the
+  // last place if sampling or the balance guard passed over all of those.
   auto show = [&](const Candidate& c) {
     r.candidates.push_back(RouteCandidate{std::string(c.worker_id), c.gpu_blocks, c.store_blocks,
                                           c.load_tokens, c.prefill_tokens, k.fetch_cost, c.cost,

@@ -107,8 +107,26 @@ struct RouteResult {
   uint64_t prefill_tokens = 0;
   uint32_t block_tokens = 0;
   Reason reason = Reason::kLowestCost;
-  std::vector<RouteCandidate> candidates;  // the cheapest few, cheapest first
+  // The cheapest few, cheapest first; the chosen worker is always among
+  // them, though not first when a tie-break, the balance guard or sampling
+  // passed over a cheaper one.
+  std::vector<RouteCandidate> candidates;
   FetchBasis fetch;
+
+  // The candidates in the order a caller should try them: the chosen
+  // worker (the one the route was counted on), then the rest cheapest
+  // first.
+  std::vector<const RouteCandidate*> ChosenFirst() const {
+    std::vector<const RouteCandidate*> order;
+    order.reserve(candidates.size());
+    for (const RouteCandidate& c : candidates) {
+      if (c.worker_id == worker_id)
+        order.insert(order.begin(), &c);
+      else
+        order.push_back(&c);
+    }
+    return order;
+  }
 };
 
 class RouterCore {

@@ -815,6 +815,7 @@ TEST_F(RouterCoreTest, TheOccupancyPriceIsCappedAtTheConfiguredFetchCost) {
 TEST_F(RouterCoreTest, PromptsTiedOnASharedPrefixSpreadOverItsHolders) {
   for (const char* id : {"w1", "w2", "w3", "w4"}) Join(id, {0});
   std::set<std::string> chosen;
+  int passed_over_first = 0;
   for (uint64_t k = 1; k <= 40; ++k) {
     v1::RouteRequest req;
     req.set_namespace_id(kNs);
@@ -827,11 +828,18 @@ TEST_F(RouterCoreTest, PromptsTiedOnASharedPrefixSpreadOverItsHolders) {
     auto r = core_.Route(FromWire(req));
     ASSERT_TRUE(r.ok());
     EXPECT_EQ(r->reason, Reason::kTieBreak);
+    // A caller tries the chosen worker first, whatever place the tie gave
+    // it among the equally cheap.
+    const auto order = r->ChosenFirst();
+    ASSERT_EQ(order.size(), r->candidates.size());
+    EXPECT_EQ(order[0]->worker_id, r->worker_id);
+    if (r->candidates[0].worker_id != r->worker_id) passed_over_first++;
     chosen.insert(r->worker_id);
     auto again = core_.Route(FromWire(req));  // stable for the same prompt
     EXPECT_EQ(again->worker_id, r->worker_id);
   }
   EXPECT_EQ(chosen.size(), 4u);
+  EXPECT_GT(passed_over_first, 0);  // the case the frontend once got wrong
 }
 
 // Holes (the invariant broken) can make group counts overlap; the workers

@@ -217,6 +217,9 @@ def test_a_conversations_second_turn_goes_to_the_engine_holding_its_first(
         )
         first_routes[i] = route_of(raw.headers)
         first[i] = first_routes[i]["engine"]
+        # With every engine up, the first attempt goes where the router chose
+        # (and counted the route and its pending blocks): never "failover".
+        assert first_routes[i]["reason"] != "failover", first_routes[i]
     # Where the first turns go is the load and occupancy terms' choice (new
     # prompts go to the emptier engine); what matters is the second turns.
     time.sleep(1.5)  # vLLM's events reach the router

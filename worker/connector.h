@@ -275,7 +275,13 @@ class KvConnector {
   uint32_t LoadedFromDisk(uint64_t request);
 
   // Waits until every queued offload has finished (tests, shutdown).
-  void Drain();
+  void Drain() { Drain(std::chrono::steady_clock::time_point::max()); }
+  // The same, until `deadline`: then what the offloader has not taken yet
+  // is dropped (counted in offload_dropped_full; nothing is half-written:
+  // a put commits whole blocks or none) and it returns once the batch in
+  // flight ends, within one store operation's deadline. False if it
+  // dropped anything or saves were still held or committing.
+  bool Drain(std::chrono::steady_clock::time_point deadline);
 
   // What SaveHot did.
   struct HotSave {

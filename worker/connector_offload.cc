@@ -505,15 +505,37 @@ void KvConnector::OffloadLoop() {
   }
 }
 
-void KvConnector::Drain() {
+bool KvConnector::Drain(std::chrono::steady_clock::time_point deadline) {
   std::unique_lock lk(staging_mu_);
   // drained_cv_ is notified under mu_ changes too; poll briefly to stay simple.
   while (!offload_queue_.empty() || !held_.empty() || offloads_running_ > 0 ||
          commits_running_ > 0) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      // What the offloader has not taken goes: the caller is leaving.
+      std::vector<uint32_t> slots;
+      for (const Staged& st : offload_queue_) slots.push_back(st.slot);
+      const size_t dropped = offload_queue_.size();
+      offload_queue_.clear();
+      lk.unlock();
+      ReleaseStaging(slots);
+      {
+        std::lock_guard sl(stats_mu_);
+        stats_.offload_dropped_full += dropped;
+      }
+      lk.lock();
+      // The batch in flight ends within the store's deadline.
+      while (offloads_running_ > 0) {
+        lk.unlock();
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        lk.lock();
+      }
+      return false;
+    }
     lk.unlock();
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
     lk.lock();
   }
+  return true;
 }
 
 absl::StatusOr<KvConnector::HotSave> KvConnector::SaveHot(
@@ -561,36 +583,7 @@ absl::StatusOr<KvConnector::HotSave> KvConnector::SaveHot(
     out.bytes += wire_bytes_;
   }
   // Until the offloader has written them, or the deadline.
-  {
-    std::unique_lock lk(staging_mu_);
-    while (!offload_queue_.empty() || offloads_running_ > 0) {
-      if (std::chrono::steady_clock::now() >= deadline) {
-        // What the offloader has not taken goes: the engine is leaving.
-        std::vector<uint32_t> slots;
-        for (const Staged& st : offload_queue_) slots.push_back(st.slot);
-        const size_t dropped = offload_queue_.size();
-        offload_queue_.clear();
-        lk.unlock();
-        ReleaseStaging(slots);
-        {
-          std::lock_guard sl(stats_mu_);
-          stats_.offload_dropped_full += dropped;
-        }
-        out.stopped = "time";
-        lk.lock();
-        // The batch in flight ends within the store's deadline.
-        while (offloads_running_ > 0) {
-          lk.unlock();
-          std::this_thread::sleep_for(std::chrono::milliseconds(2));
-          lk.lock();
-        }
-        break;
-      }
-      lk.unlock();
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      lk.lock();
-    }
-  }
+  if (!Drain(deadline)) out.stopped = "time";
   for (const BlockHash& h : queued) out.saved += KnownStored(h);
   if (out.stopped.empty() && out.saved < out.queued) out.stopped = "store";
   out.ms =

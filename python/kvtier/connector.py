@@ -188,9 +188,13 @@ class Connector:
         checksum_ms, gather_ms (copying pages out)."""
         return dict(self._c.offload_times())
 
-    def drain(self) -> None:
-        """Waits until every queued save has been written (or failed)."""
-        self._c.drain()
+    def drain(self, timeout_s: Optional[float] = None) -> bool:
+        """Waits until every queued save has been written (or failed); True
+        then. With ``timeout_s``, at most that long (plus the store
+        operation in flight): saves not yet sent are then dropped whole
+        (none is half-written) and it returns False. ValueError for a
+        negative timeout."""
+        return bool(self._c.drain(timeout_s))
 
     def close(self) -> None:
         """Waits for queued saves and releases everything (idempotent)."""

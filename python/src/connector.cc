@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -151,11 +153,19 @@ class EngineConnector {
     d["gather_ms"] = s.offload_gather_ms;
     return d;
   }
-  void Drain() {
+  bool Drain(std::optional<double> timeout_s) {
+    if (timeout_s && !(*timeout_s >= 0 && *timeout_s < 1e9)) {
+      throw py::value_error(absl::StrCat("timeout_s must be >= 0 seconds, not ", *timeout_s));
+    }
     auto held = c();
     worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
-    k.Drain();
+    if (!timeout_s) {
+      k.Drain();
+      return true;
+    }
+    return k.Drain(std::chrono::steady_clock::now() +
+                   std::chrono::microseconds(static_cast<int64_t>(*timeout_s * 1e6)));
   }
 
   // The bench's C++ side (python -m kvtier.bench): `reps` loads, the same
@@ -227,7 +237,7 @@ void BindEngineConnector(py::module_& m) {
       .def("load_times", &EngineConnector::LoadTimes)
       .def("stats", &EngineConnector::Stats)
       .def("offload_times", &EngineConnector::OffloadTimes)
-      .def("drain", &EngineConnector::Drain)
+      .def("drain", &EngineConnector::Drain, py::arg("timeout_s") = py::none())
       .def("_load_loop", &EngineConnector::LoadLoop);
 }
 

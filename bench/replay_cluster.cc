@@ -89,7 +89,9 @@ absl::StatusOr<Cluster> StartCluster(const Options& o, const std::string& mode,
                absl::StrCat("--max-step-tokens=", o.torch_max_step_tokens),
                "--heartbeat-ms=100",
                "--max-decode-tokens=1",
-               "--threads=1"};
+               "--threads=1",
+               o.worker_drain ? "--drain" : "--no-drain",
+               absl::StrCat("--drain-timeout=", static_cast<double>(o.drain_timeout_ms) / 1000.0)};
     } else {
       flags = {absl::StrCat("--worker-id=", tag, "-w", w), "--model=mooncake-trace", "--dtype=fp16",
                "--layers=1", "--kv-heads=1", absl::StrCat("--head-dim=", head_dim),

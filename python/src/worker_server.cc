@@ -132,6 +132,10 @@ class PyEngine final : public worker::WorkerEngine {
   }
 
   absl::Status Submit(const worker::SubmitPrompt& p, v1::SubmitResponse* resp) override {
+    if (draining.load()) {
+      return absl::UnavailableError(
+          "this worker is draining (it is leaving the fleet): send the request to another worker");
+    }
     py::gil_scoped_acquire gil;
     try {
       py::dict d;
@@ -183,8 +187,13 @@ class PyEngine final : public worker::WorkerEngine {
     h.set_queued_prefill_tokens(queued_tokens);
     h.set_free_gpu_pages(free_pages);
     h.mutable_arrived_request_ids()->Add(arrived.begin(), arrived.end());
+    h.set_draining(draining.load());
     return h;
   }
+
+  // Leaving: Submit answers UNAVAILABLE and heartbeats say draining (the
+  // routers and frontends send nothing more).
+  std::atomic<bool> draining{false};
 
   // The engine's last load report (WorkerServer::SetLoad), one snapshot.
   std::mutex load_mu;
@@ -237,6 +246,8 @@ class WorkerServer {
     engine_->free_pages = free_pages;
     engine_->arrived = std::move(arrived);
   }
+  void SetDraining() { engine_->draining = true; }
+  bool draining() const { return engine_->draining.load(); }
   void PublishStored(const py::array& hashes) {
     auto chain = ChainFrom(hashes);
     if (server_->events()) server_->events()->Stored(ns_, chain);
@@ -269,6 +280,8 @@ void BindWorkerServer(py::module_& m) {
       .def("stop", &WorkerServer::Stop)
       .def("set_load", &WorkerServer::SetLoad, py::arg("running"), py::arg("queued_tokens"),
            py::arg("free_pages"), py::arg("arrived") = std::vector<uint64_t>{})
+      .def("set_draining", &WorkerServer::SetDraining)
+      .def_property_readonly("draining", &WorkerServer::draining)
       .def("publish_stored", &WorkerServer::PublishStored)
       .def("publish_removed", &WorkerServer::PublishRemoved)
       .def_property_readonly("address", &WorkerServer::address)

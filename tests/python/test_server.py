@@ -6,8 +6,10 @@ a clean stop on SIGTERM."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -15,6 +17,7 @@ from typing import Iterator
 import grpc
 import numpy as np
 import pytest
+import torch
 
 from conftest import BUILD, engine_env
 from kvtier.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -400,3 +403,115 @@ def test_a_store_hint_spares_the_lookup_only_when_the_pages_reach_it(
     finally:
         os.kill(engine.pid, signal.SIGTERM)
         assert engine.wait(timeout=30) == 0
+
+
+def test_a_draining_engine_saves_what_the_store_lacks(
+        tmp_path: Path) -> None:
+    """SIGTERM with --drain (issue #48): the router hears "draining", a new
+    Submit is UNAVAILABLE, the request in flight finishes, and the cached
+    blocks whose saves failed while the store was down reach the restarted
+    store, where another engine loads them and continues like a cold run."""
+    from conftest import Store
+    from kvtier.engine.engine import EngineConfig, namespace_for
+    from kvtier.engine.model import ModelConfig
+    from test_engine import BT, prompts, run
+
+    store = Store(tmp_path, "store-a")
+    port = int(store.address.rsplit(":", 1)[1])
+    router, raddr = _serve([str(BUILD / "router" / "kvtier-router"),
+                            "--listen=127.0.0.1:0",
+                            "--heartbeat-deadline=3s"], tmp_path, "router")
+    procs = [router]
+    restarted: list[Store] = []
+    try:
+        engine, eaddr = _serve(
+            [str(BUILD / "python" / "kvtier-torch-engine"),
+             "--listen=127.0.0.1:0", f"--router={raddr}",
+             f"--store={store.address}", "--pages=256", "--heartbeat-ms=100",
+             "--deadline-ms=2000", "--max-decode-tokens=1500",
+             "--worker-id=torch-drain", "--drain-timeout=30"],
+            tmp_path, "engine")
+        procs.insert(0, engine)
+        worker = worker_pb2_grpc.SimWorkerStub(grpc.insecure_channel(eaddr))
+        router_stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(raddr))
+
+        # The store goes; the prompt is computed and its saves fail.
+        store.kill()
+        prompt, longer = prompts()
+        req = worker_pb2.SubmitRequest(request_id=1, output_tokens=1)
+        req.tokens.ids.extend(prompt)
+        assert worker.Submit(req, timeout=60).prefill_tokens == len(prompt)
+        deadline = time.monotonic() + 20
+        while worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(),
+                                    timeout=10).offload_failures == 0:
+            assert time.monotonic() < deadline, "the saves never failed"
+            time.sleep(0.1)
+        restarted.append(Store(tmp_path, "store-b", port=port))
+
+        # A long decode is in flight when SIGTERM comes.
+        long_req = _submit(2, tokens=40)
+        long_req.output_tokens = 1500
+        answers: dict[str, object] = {}
+
+        def serve_long() -> None:
+            try:
+                answers["long"] = worker.Submit(long_req, timeout=120)
+            except grpc.RpcError as e:
+                answers["long"] = e
+
+        t = threading.Thread(target=serve_long)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive(), "the long request ended before SIGTERM"
+        os.kill(engine.pid, signal.SIGTERM)
+
+        # New requests are refused, saying why; the router sees draining.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                worker.Submit(_submit(3, tokens=20), timeout=30)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                assert "draining" in e.details()
+                break
+            assert time.monotonic() < deadline, "never refused"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while not any(s.load.draining for s in router_stub.ListWorkers(
+                router_pb2.ListWorkersRequest(), timeout=5).sources):
+            assert time.monotonic() < deadline, "the router never heard"
+            time.sleep(0.05)
+
+        t.join(timeout=120)
+        long_answer = answers["long"]
+        assert isinstance(long_answer, worker_pb2.SubmitResponse), long_answer
+        assert engine.wait(timeout=60) == 0
+        log = (tmp_path / "engine.log").read_text()
+        drained = re.search(r"drained in \d+ ms: 0 requests unfinished, "
+                            r"(\d+) blocks cached, (\d+) known stored, "
+                            r"(\d+) saved \((\d+) bytes\), (\d+) written", log)
+        assert drained, log[-3000:]
+        full = len(prompt) // BT
+        # The prompt's blocks (the first save failed) and the long
+        # request's, saved before; nothing stopped the drain.
+        cached, known, queued, size, written = map(int, drained.groups())
+        block = namespace_for(ModelConfig(), EngineConfig()).block_bytes
+        assert known + queued == cached and size == queued * block, log
+        assert queued >= full and written >= full, log
+        line = next(x for x in log.splitlines() if "drained in" in x)
+        assert "stopped by" not in line, line
+
+        # Another engine loads the prompt from the restarted store.
+        b = run("reader", restarted, longer, tmp_path)
+        assert b["load_status"] == ""
+        assert b["loaded_tokens"] == full * BT
+        assert b["tokens"] == b["cold_tokens"]
+        torch.testing.assert_close(b["logits"], b["cold_logits"], atol=1e-4,
+                                   rtol=1e-4)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        for s in [store, *restarted]:
+            s.stop()

@@ -41,14 +41,23 @@ import numpy as np
 import torch
 
 from kvtier import Connector, StoreClient
+from kvtier.errors import KvtierError, StatusCode, Unavailable
 from kvtier.hooks import SchedulerHalf, WorkerHalf
 from kvtier.engine.model import PagedKvCache, SeqChunk, Transformer, greedy
 from kvtier.engine.pages import _Pages
 from kvtier.engine.requests import (ARRIVALS_LISTED_S, ComputeEstimate,
-                                    EngineConfig, LoadReport, Result,
-                                    _Request, namespace_for, queued_tokens)
+                                    DrainReport, EngineConfig, LoadReport,
+                                    Result, _Request, namespace_for,
+                                    queued_tokens)
 
-__all__ = ["Engine", "EngineConfig", "LoadReport", "Result", "namespace_for"]
+__all__ = ["DrainReport", "Engine", "EngineConfig", "LoadReport", "Result",
+           "namespace_for"]
+
+# The drain's own connector request (the engine's ids start at 1 << 40).
+_DRAIN_REQUEST = (1 << 63) - 1
+# Blocks copied out per SaveFrom call while draining (each call copies its
+# blocks before it returns; the deadline is checked between calls).
+_DRAIN_CHUNK = 64
 
 
 log = logging.getLogger("kvtier.engine")
@@ -103,6 +112,7 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._stop = False
+        self._draining = False
         self._broken: Optional[BaseException] = None
         self._next_id = 1 << 40
         # (arrival, caller's id) of recent requests, for routers.
@@ -128,7 +138,8 @@ class Engine:
         for an empty prompt, a token outside the vocabulary, a prompt
         larger than the whole KV cache or a negative ``store_hint``;
         TimeoutError after ``timeout``; RuntimeError naming the error that
-        stopped the engine's loop, if one did. ``caller_id`` (non-zero) is the id a
+        stopped the engine's loop, if one did; :class:`kvtier.errors.Unavailable`
+        once :meth:`drain` was called. ``caller_id`` (non-zero) is the id a
         router knows the request by: ``load_report`` lists it once the
         request counts in the load. ``store_hint``: how many of the
         prompt's blocks a router knows the stores hold from its start
@@ -154,6 +165,10 @@ class Engine:
             if self._broken is not None:
                 raise RuntimeError(f"the engine stopped on an error: "
                                    f"{self._broken!r}") from self._broken
+            if self._draining:
+                raise Unavailable(StatusCode.UNAVAILABLE,
+                                  "the engine is draining (it is leaving the "
+                                  "fleet): send the request to another one")
             if request_id is None:
                 request_id = self._next_id
                 self._next_id += 1
@@ -198,6 +213,82 @@ class Engine:
             arrived = [rid for at, rid in self._arrivals if at >= cutoff]
             return LoadReport(len(self._running), queued,
                               self.pages.free_count, arrived)
+
+    def drain(self, timeout_s: float, max_bytes: int) -> DrainReport:
+        """Leaves without losing the cache (docs/operations.md, "Scaling
+        without losing the cache"): from now on :meth:`generate` raises
+        RuntimeError; the requests already taken finish (until
+        ``timeout_s`` seconds from now); then the prefix cache's blocks the
+        store is not known to hold are copied out for it, most valuable
+        first (:meth:`_Pages.by_value`), at most ``max_bytes`` of block
+        bytes, and waited for until the deadline, when what is still queued
+        is dropped whole (a put commits whole blocks or none). Returns by
+        the deadline plus one store operation's. The engine still serves
+        nothing new afterwards; call :meth:`close` next. ValueError for a
+        negative timeout or byte budget."""
+        if not timeout_s >= 0 or max_bytes < 0:
+            raise ValueError(f"drain needs timeout_s >= 0 and max_bytes >= 0"
+                             f", not {timeout_s} and {max_bytes}")
+        start = time.monotonic()
+        deadline = start + timeout_s
+        out = DrainReport()
+        with self._mu:
+            self._draining = True
+            while (self._waiting or self._running) and \
+                    self._broken is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._mu.wait(min(left, 0.05))
+            out.unfinished = len(self._waiting) + len(self._running)
+            ranked = self.pages.by_value()
+        out.cached = len(ranked)
+        conn = self.connector
+        if conn is None:
+            out.stopped = "no store"
+            out.ms = (time.monotonic() - start) * 1000.0
+            return out
+        block_bytes = max(1, int(self.namespace.block_bytes))
+        budget = max_bytes // block_bytes  # blocks the store lacks, at most
+        before = conn.stats()
+
+        def grew(name: str) -> int:
+            return int(conn.stats().get(name, 0)) - int(before.get(name, 0))
+
+        if ranked:
+            hashes = np.array([h for _, h in ranked], dtype=np.uint64)
+            conn.lookup(_DRAIN_REQUEST, hashes, skip_blocks=len(ranked))
+            i = 0
+            try:
+                while i < len(ranked):
+                    # A known block is skipped for free: a call of n blocks
+                    # queues at most n, so the budget is never overrun.
+                    n = min(_DRAIN_CHUNK, len(ranked) - i,
+                            budget - (i - grew("offload_skipped_known")))
+                    if n <= 0:
+                        out.stopped = "bytes"
+                        break
+                    if time.monotonic() >= deadline:
+                        out.stopped = "time"
+                        break
+                    conn.save(_DRAIN_REQUEST, i,
+                              [p for p, _ in ranked[i:i + n]])
+                    i += n
+            except KvtierError as e:
+                log.warning("drain: saving stopped: %s", e)
+                out.stopped = "store"
+            if not conn.drain(max(0.0, deadline - time.monotonic())):
+                out.stopped = "time"
+            conn.finished(_DRAIN_REQUEST)
+            out.known = grew("offload_skipped_known")
+            out.queued = i - out.known
+        out.bytes = out.queued * block_bytes
+        out.saved = grew("offloaded_blocks")
+        if not out.stopped and (grew("offload_failures") or
+                                grew("offload_dropped_full")):
+            out.stopped = "store"
+        out.ms = (time.monotonic() - start) * 1000.0
+        return out
 
     def close(self) -> None:
         """Stops the engine thread (requests still waiting fail), closes

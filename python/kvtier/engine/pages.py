@@ -25,6 +25,8 @@ class _Pages:
         self.page_of: dict[tuple[int, int], int] = {}
         self.lru: collections.OrderedDict[int, None] = \
             collections.OrderedDict()
+        # Prefix-cache hits of each page's block since it was cached.
+        self.hits = [0] * num_pages
         self.on_stored = on_stored
         self.on_removed = on_removed
 
@@ -39,6 +41,7 @@ class _Pages:
             pages.append(page)
         for p in pages:
             self._ref(p)
+            self.hits[p] += 1
         return pages
 
     def _ref(self, page: int) -> None:
@@ -72,17 +75,31 @@ class _Pages:
             return
         self.page_of[h] = page
         self.hash_of[page] = h
+        self.hits[page] = 0
         self.on_stored(np.array([h], dtype=np.uint64))
 
     def release(self, pages: list[int]) -> None:
-        """Drops one reference of each page; cached ones stay matchable."""
-        for p in pages:
+        """Drops one reference of each page; cached ones stay matchable.
+        Released tail first, as vLLM frees a request's blocks: a chain's
+        tail is evicted before its prefix."""
+        for p in reversed(pages):
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 if p in self.hash_of:
                     self.lru[p] = None
                 else:
                     self.free.append(p)
+
+    def by_value(self) -> list[tuple[int, tuple[int, int]]]:
+        """Every cached block as (page, hash), the most valuable first:
+        most hits, then most recently used (pages in use count as the most
+        recent). A chain's prefix is hit whenever its tail is, so it comes
+        before the tail."""
+        recency = {p: i for i, p in enumerate(self.lru)}
+        in_use = len(recency)
+        return sorted(self.hash_of.items(),
+                      key=lambda ph: (-self.hits[ph[0]],
+                                      -recency.get(ph[0], in_use)))
 
     @property
     def free_count(self) -> int:

@@ -40,6 +40,32 @@ def namespace_for(model: ModelConfig, engine: EngineConfig,
 
 
 @dataclass
+class DrainReport:
+    """What :meth:`Engine.drain` did.
+
+    ``unfinished``: requests still waiting or running at the deadline
+    (they fail when the engine closes). ``cached``: blocks in the prefix
+    cache; ``known``: of those, skipped as known to be in the store (saved
+    or loaded earlier); ``queued``: copied out for the store, most valuable
+    first; ``saved``: written to the store (of this drain's saves and any
+    still queued before it); ``bytes``: block bytes queued. ``stopped``:
+    why it stopped short of every block the store lacked: "" (it did not),
+    "bytes" (the byte budget), "time" (the deadline: what was still queued
+    was dropped), "store" (the store refused or failed some), "no store".
+    ``ms``: from the call to its return.
+    """
+
+    unfinished: int = 0
+    cached: int = 0
+    known: int = 0
+    queued: int = 0
+    saved: int = 0
+    bytes: int = 0
+    stopped: str = ""
+    ms: float = 0.0
+
+
+@dataclass
 class Result:
     """One request's outcome.
 

@@ -11,8 +11,11 @@ its prefix cache's blocks as KV events and its load as heartbeats to routers.
 
 Submit needs the prompt's token ids (``SubmitRequest.tokens``); a request
 naming only block hashes is INVALID_ARGUMENT (no tokens, nothing to compute).
-SIGTERM or SIGINT stops it: the server first, then the engine (queued saves
-are written).
+SIGTERM or SIGINT stops it: with ``--drain`` (the default) it first drains
+(Engine.drain: announces draining, finishes the requests it took, saves the
+cached blocks the store lacks within ``--drain-timeout`` and
+``--drain-bytes``); then the server, then the engine (queued saves are
+written).
 """
 
 from __future__ import annotations
@@ -167,12 +170,27 @@ def _flags(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="cap on a request's output tokens (TTFT is what a "
                         "replay measures)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--drain", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="on SIGTERM, leave without losing the cache: "
+                        "announce draining, finish the requests taken, save "
+                        "the cached blocks the store lacks (most valuable "
+                        "first), then stop")
+    p.add_argument("--drain-timeout", type=float, default=20.0,
+                   help="the drain's budget in seconds (requests in flight "
+                        "and saves together)")
+    p.add_argument("--drain-bytes", type=int, default=4 << 30,
+                   help="at most this many block bytes saved by the drain")
     d = ModelConfig()
     for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads",
                  "head_dim", "ffn", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int,
                        default=getattr(d, name))
     a = p.parse_args(argv)
+    if not 0 <= a.drain_timeout <= 3600:
+        p.error(f"--drain-timeout is {a.drain_timeout} s (allowed 0..3600)")
+    if a.drain_bytes < 0:
+        p.error(f"--drain-bytes is {a.drain_bytes} (must be >= 0)")
     if os.environ.get("KVTIER_FLAGS_ONLY") == "1":  # the docs' check
         sys.exit(0)
     return a
@@ -250,6 +268,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         rep = engine.load_report(listed_s=3 * a.heartbeat_ms / 1000.0)
         srv.set_load(rep.running, rep.queued_tokens, rep.free_pages,
                      rep.arrived)
+    if a.drain:
+        # Routers hear it with the next heartbeat; a Submit from now on is
+        # UNAVAILABLE (the replay and frontends send it elsewhere).
+        srv.set_draining()
+        print(f"kvtier-torch-engine draining: no new requests; "
+              f"{a.drain_timeout:g} s budget", flush=True)
+        d = engine.drain(a.drain_timeout, a.drain_bytes)
+        print(f"kvtier-torch-engine drained in {d.ms:.0f} ms: "
+              f"{d.unfinished} requests unfinished, {d.cached} blocks cached, "
+              f"{d.known} known stored, {d.queued} saved ({d.bytes} bytes), "
+              f"{d.saved} written"
+              + (f", stopped by {d.stopped}" if d.stopped else ""),
+              flush=True)
     srv.stop()
     engine.close()
     print("kvtier-torch-engine stopped", flush=True)

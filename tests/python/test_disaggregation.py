@@ -35,9 +35,9 @@ import pytest
 from conftest import BUILD, Store, engine_env, served_port
 from vllm_server import (
     TINY_LLAMA,
+    KvEvents,
     VllmServer,
     cached_tokens,
-    free_port,
     kvtier_connector,
 )
 from vllm_server import prompt_ids as prompt
@@ -70,11 +70,7 @@ class PD:
             ("prefill", "kv_producer", {}, "0"),
             ("decode", "kv_consumer", {"handoff_wait_ms": WAIT_MS}, "1"),
         ):
-            events, replay = f"ipc://{tmp}/{name}-kv-events", free_port()
-            cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-                   "endpoint": events,
-                   "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-                   "topic": "kv-events"}  # fmt: skip
+            events = KvEvents(tmp, name)
             # Each engine computes on a core of its own, as in a P/D
             # deployment: on a shared core the other engine's OpenMP
             # threads, spinning after their step, hold the prefill engine's
@@ -84,16 +80,12 @@ class PD:
                 start=False,
                 env={**env, "VLLM_CPU_OMP_THREADS_BIND": core},
                 extra=("--block-size", str(BLOCK), "--enable-prefix-caching",
-                       "--enable-prompt-tokens-details",
-                       "--kv-events-config", json.dumps(cfg),
+                       "--enable-prompt-tokens-details", *events.flags(),
                        "--kv-transfer-config",
                        kvtier_connector(self.store.address, role, **extra)),
             )  # fmt: skip
             specs.append(
-                f"id={name},endpoint=127.0.0.1:{servers[name].port},"
-                f"events={events},replay=tcp://127.0.0.1:{replay},topic=kv-events,"
-                f"namespace={NAMESPACE},block-tokens={BLOCK},"
-                f"role={name}"
+                events.spec(servers[name].port, NAMESPACE, BLOCK, role=name)
             )
         self.prefill, self.decode = servers["prefill"], servers["decode"]
         try:

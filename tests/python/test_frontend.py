@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import pytest
 
 from conftest import BUILD, served_port
-from vllm_server import TINY_LLAMA, VllmServer, free_port
+from vllm_server import TINY_LLAMA, KvEvents, VllmServer
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is in the project's environment")
 openai = pytest.importorskip(
@@ -50,16 +50,7 @@ class Fleet:
         self.engines: dict[str, VllmServer] = {}
         specs = []
         for name in ("e0", "e1"):
-            # vLLM's publisher binds an ipc:// endpoint (it connects to a
-            # plain tcp://HOST:PORT); its replay socket binds either way.
-            events, replay = f"ipc://{tmp}/{name}-kv-events", free_port()
-            cfg = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": events,
-                "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-                "topic": "kv-events",
-            }
+            events = KvEvents(tmp, name)
             self.engines[name] = VllmServer(
                 tmp / f"{name}.log",
                 start=False,
@@ -67,15 +58,10 @@ class Fleet:
                     "--block-size",
                     str(BLOCK),
                     "--enable-prefix-caching",
-                    "--kv-events-config",
-                    json.dumps(cfg),
+                    *events.flags(),
                 ),
             )
-            specs.append(
-                f"id={name},endpoint=127.0.0.1:{self.engines[name].port},"
-                f"events={events},replay=tcp://127.0.0.1:{replay},"
-                f"topic=kv-events,namespace={NAMESPACE},block-tokens={BLOCK}"
-            )
+            specs.append(events.spec(self.engines[name].port, NAMESPACE, BLOCK))
         for e in self.engines.values():
             e.start()
         for e in self.engines.values():

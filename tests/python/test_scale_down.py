@@ -28,6 +28,7 @@ import pytest
 from conftest import BUILD, Store, engine_env, served_port
 from vllm_server import (
     TINY_LLAMA,
+    KvEvents,
     VllmServer,
     cached_tokens,
     free_port,
@@ -55,26 +56,18 @@ class ScaledFleet:
         self.engines: dict[str, VllmServer] = {}
         specs = []
         for name, core in (("e0", "0"), ("e1", "1")):
-            events, replay = f"ipc://{tmp}/{name}-kv-events", free_port()
-            cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-                   "endpoint": events,
-                   "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-                   "topic": "kv-events"}  # fmt: skip
+            events = KvEvents(tmp, name)
             self.engines[name] = VllmServer(
                 tmp / f"{name}.log",
                 start=False,
                 env={**env, "VLLM_CPU_OMP_THREADS_BIND": core},
                 extra=("--block-size", str(BLOCK), "--enable-prefix-caching",
-                       "--enable-prompt-tokens-details",
-                       "--kv-events-config", json.dumps(cfg),
+                       "--enable-prompt-tokens-details", *events.flags(),
                        "--kv-transfer-config",
                        kvtier_connector(self.store.address, "kv_both")),
             )  # fmt: skip
-            specs.append(
-                f"id={name},endpoint=127.0.0.1:{self.engines[name].port},"
-                f"events={events},replay=tcp://127.0.0.1:{replay},topic=kv-events,"
-                "namespace={ns},block-tokens=" + str(BLOCK)
-            )
+            # The namespace is the connector's: filled in once it logs it.
+            specs.append(events.spec(self.engines[name].port, "{ns}", BLOCK))
         try:
             for e in self.engines.values():
                 e.start()

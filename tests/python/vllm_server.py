@@ -67,6 +67,39 @@ def free_port() -> int:
             return port
 
 
+class KvEvents:
+    """vLLM's ZeroMQ KV-event publisher for one engine: the flags that
+    turn it on, and the frontend's ``--engines`` spec that subscribes to it.
+    vLLM's publisher binds an ipc:// endpoint (it connects to a plain
+    tcp://HOST:PORT); its replay socket binds either way."""
+
+    def __init__(self, tmp: Path, name: str) -> None:
+        self.name = name
+        self.endpoint = f"ipc://{tmp}/{name}-kv-events"
+        self.replay = f"tcp://127.0.0.1:{free_port()}"
+
+    def flags(self) -> tuple[str, str]:
+        """``--kv-events-config`` and its JSON."""
+        cfg = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay,
+            "topic": "kv-events",
+        }
+        return "--kv-events-config", json.dumps(cfg)
+
+    def spec(self, port: int, namespace: str, block: int, **more: str) -> str:
+        """The frontend's spec of the engine serving on ``port``
+        (``more``: further keys, e.g. ``role``)."""
+        extra = "".join(f",{k}={v}" for k, v in more.items())
+        return (
+            f"id={self.name},endpoint=127.0.0.1:{port},events={self.endpoint},"
+            f"replay={self.replay},topic=kv-events,namespace={namespace},"
+            f"block-tokens={block}{extra}"
+        )
+
+
 class VllmServer:
     """``python -m vllm.entrypoints.openai.api_server`` with the tiny model
     (dummy weights, its own tokenizer) unless ``model`` says otherwise.

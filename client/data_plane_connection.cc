@@ -126,9 +126,13 @@ void DataPlaneConnection::Reset() {
 
 absl::Status DataPlaneConnection::EnsureConnected(
     std::chrono::system_clock::time_point rpc_deadline) {
-  if (sock_ && !sock_->failed()) return absl::OkStatus();
+  if (sock_ && !sock_->PeerClosed()) return absl::OkStatus();
   if (ep_ && !ep_->failed()) return absl::OkStatus();
+  // A socket the store closed while idle reconnects at once, no backoff:
+  // nothing failed.
+  const bool idle_closed = sock_ != nullptr;
   Drop();
+  if (idle_closed) next_attempt_ = {};
   auto now = ucx::Clock::now();
   if (now < next_attempt_) {
     return absl::UnavailableError(absl::StrCat(

@@ -89,6 +89,19 @@ uint64_t SocketChannel::PostMark() {
   return Post(std::move(op));
 }
 
+bool SocketChannel::PeerClosed() {
+  if (failed()) return true;
+  if (!ops_.empty()) return false;  // an answer may be what is readable
+  pollfd p{fd_, POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  char byte;
+  const ssize_t r = recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (r > 0) return false;  // bytes nobody asked for: the next read fails on them
+  if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+  Fail(absl::UnavailableError("the store closed the idle data-plane connection")).IgnoreError();
+  return true;
+}
+
 absl::Status SocketChannel::Fail(absl::Status s) {
   if (failure_.ok()) failure_ = std::move(s);
   // Nothing more moves: every op still queued has failed with it.

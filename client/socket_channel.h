@@ -55,6 +55,11 @@ class SocketChannel {
                                    Clock::time_point deadline);
 
   bool failed() const { return !failure_.ok(); }
+  // With nothing in flight: whether the store has closed the connection
+  // (it closes one idle past its --data-idle-timeout); then the channel is
+  // failed(). A caller checks before reusing a pooled channel, so an idle
+  // close costs a reconnect, not an operation.
+  bool PeerClosed();
 
  private:
   struct Op {

@@ -16,6 +16,7 @@
 #include "cachestore/service.h"
 #include "cachestore/store.h"
 #include "common/config.h"
+#include "common/limits.h"
 #include "common/log.h"
 #include "common/rpc/grpc_server.h"
 #include "common/rpc/metrics.h"
@@ -57,6 +58,10 @@ struct Flags {
   kvtier::TlsFlags tls;
   int64_t max_leases_per_client = 1024;
   int64_t max_namespaces = 1024;
+  int64_t data_max_connections = kvtier::limits::kDataConnections;
+  int64_t data_max_unhelloed = kvtier::limits::kDataUnhelloed;
+  uint64_t data_hello_timeout_ms = kvtier::limits::kDataHelloMs;
+  uint64_t data_idle_timeout_ms = kvtier::limits::kDataIdleMs;
 };
 
 }  // namespace
@@ -103,6 +108,17 @@ int main(int argc, char** argv) {
                "Data-plane listener HOST:PORT (blocks move between clients and the RAM arena "
                "there, as --data-plane says); empty: inline gRPC path only");
   flags.String("ucx-listen", &f.data_listen, "Former name of --data-listen (still accepted)");
+  flags.Int("data-max-connections", &f.data_max_connections, 1, int64_t{1} << 20,
+            "Socket data-plane connections open at once; more are closed at accept (each "
+            "tenant has its own connections= within it: docs/security.md)");
+  flags.Int("data-max-unhelloed", &f.data_max_unhelloed, 1, int64_t{1} << 20,
+            "Socket data-plane connections that have not presented a session yet; past it a "
+            "new one evicts the oldest of them");
+  flags.DurationMs("data-hello-timeout", &f.data_hello_timeout_ms,
+                   "How long a new data-plane connection has to present its session");
+  flags.DurationMs("data-idle-timeout", &f.data_idle_timeout_ms,
+                   "How long a data-plane connection may wait between requests before it is "
+                   "closed (clients reconnect)");
   flags.Choice("data-plane", &f.data_plane, {"socket", "ucx"},
                "The data plane's transport: socket (the store checks every transfer against "
                "the caller's lease before it touches its memory; safe with any client), or "
@@ -179,6 +195,12 @@ int main(int argc, char** argv) {
                    std::string(s.message()).c_str());
       return 2;
     }
+  }
+  if (f.data_hello_timeout_ms == 0 || f.data_idle_timeout_ms == 0) {
+    std::fprintf(stderr,
+                 "kvtier-store: flags --data-hello-timeout and --data-idle-timeout "
+                 "must be positive\n");
+    return 2;
   }
   if (!f.data_listen.empty()) {
     if (auto s = kvtier::ValidateHostPort(f.data_listen); !s.ok()) {
@@ -337,7 +359,12 @@ int main(int argc, char** argv) {
   std::unique_ptr<kvtier::store::DataPlaneServer> dataplane;
   std::unique_ptr<kvtier::store::SocketDataPlane> sockets;
   if (!f.data_listen.empty() && f.data_plane == "socket") {
-    auto sp = kvtier::store::SocketDataPlane::Start(f.data_listen);
+    kvtier::store::SocketDataPlane::Options so;
+    so.max_connections = static_cast<size_t>(f.data_max_connections);
+    so.max_unhelloed = static_cast<size_t>(f.data_max_unhelloed);
+    so.hello_timeout = std::chrono::milliseconds(f.data_hello_timeout_ms);
+    so.idle_timeout = std::chrono::milliseconds(f.data_idle_timeout_ms);
+    auto sp = kvtier::store::SocketDataPlane::Start(f.data_listen, so);
     if (!sp.ok()) {
       std::fprintf(stderr, "kvtier-store: socket data plane: %s\n",
                    std::string(sp.status().message()).c_str());

@@ -48,7 +48,7 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane, SocketDataP
         },
         [this](std::string_view session, bool is_put, uint64_t lease, uint64_t addr,
                uint64_t length) { return GrantTransfer(session, is_put, lease, addr, length); },
-        [this](std::string_view session) { return SessionOf(session).status(); });
+        [this](std::string_view session) { return AdmitConnection(session); });
   }
 }
 

@@ -119,19 +119,24 @@ class StoreService final : public kvtier::v1::Store::Service {
 
   // Data-plane sessions: ConnectDataPlane hands one out per connection, so a
   // control call on the data plane acts as the authenticated caller did.
-  // At most kMaxSessions are kept (the oldest goes first; its client is
-  // answered UNAUTHENTICATED and connects again).
+  // Each tenant keeps at most its `sessions=` (a store without tenants,
+  // limits::kSessions): its oldest goes first, never another tenant's; the
+  // client is answered UNAUTHENTICATED and connects again.
   struct Session {
     Caller caller;
     LeaseOwner owner;  // OwnerOf the ConnectDataPlane call
   };
-  static constexpr size_t kMaxSessions = 65536;
   // BeginPut tokens (and tombstones) kept for writers that give up waiting.
   static constexpr size_t kMaxAbandonTokens = 65536;
   std::string OpenSession(const Caller& caller, const grpc::ServerContext& ctx);
   // The session handed out as `id`; UNAUTHENTICATED (saying to connect
   // again) for one the store does not know.
   absl::StatusOr<Session> SessionOf(std::string_view id) const;
+  // A socket data-plane connection presenting session `id`: its ticket
+  // (held while the connection lives) within its tenant's `connections=`;
+  // RESOURCE_EXHAUSTED naming the limit past it (counted, logged at most
+  // once a second per tenant).
+  absl::StatusOr<std::shared_ptr<void>> AdmitConnection(std::string_view id);
   DataPlaneServer::CallReply ServeCall(uint16_t method, std::string_view session,
                                        std::string_view request);
   // A socket data-plane transfer of `length` bytes at `addr` (as BeginGet or
@@ -152,8 +157,24 @@ class StoreService final : public kvtier::v1::Store::Service {
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
   mutable std::mutex sessions_mu_;
   std::map<std::string, Session> sessions_;  // guarded by sessions_mu_
-  std::deque<std::string> session_order_;    // oldest first; guarded by sessions_mu_
-  AbandonedPuts abandoned_;                  // BeginPut tokens their writers gave up on
+  // Each tenant's (index; -1: none) sessions, oldest first; guarded by
+  // sessions_mu_.
+  std::map<int, std::deque<std::string>> session_order_;
+  // Each tenant's data-plane connections (AdmitConnection).
+  struct TenantConnections {
+    uint64_t open = 0;
+    uint64_t refused = 0;
+    uint64_t sessions_dropped = 0;  // its oldest, for its newer ones
+    std::chrono::steady_clock::time_point last_log;
+    uint64_t unlogged = 0;
+  };
+  struct ConnectionCounts {
+    std::mutex mu;
+    std::map<int, TenantConnections> by_tenant;  // guarded by mu
+  };
+  // Shared with the tickets, which may outlive the service.
+  const std::shared_ptr<ConnectionCounts> conns_ = std::make_shared<ConnectionCounts>();
+  AbandonedPuts abandoned_;  // BeginPut tokens their writers gave up on
   std::chrono::steady_clock::time_point started_;
   // Bytes handed out for RMA (reserved by BeginPut, pinned by BeginGet).
   std::atomic<uint64_t> rma_put_bytes_{0}, rma_get_bytes_{0};

@@ -59,6 +59,37 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
   m.Gauge("kvtier_store_dataplane_connections",
           "Open data-plane connections (socket connections or UCX endpoints)",
           (dataplane_ ? dataplane_->connections() : 0) + (sockets_ ? sockets_->connections() : 0));
+  if (sockets_) {
+    const SocketDataPlane::Stats d = sockets_->stats();
+    const char* help =
+        "Socket data-plane connections turned away or closed by a limit (docs/security.md)";
+    for (const auto& [reason, n] :
+         {std::pair{"connections", d.refused_full}, std::pair{"unhelloed", d.evicted_unhelloed},
+          std::pair{"hello_timeout", d.hello_timeouts}, std::pair{"hello", d.hellos_refused},
+          std::pair{"idle", d.idle_closed}}) {
+      m.Counter("kvtier_store_dataplane_closed_total", help, n, {{"reason", reason}});
+    }
+    m.Gauge("kvtier_store_dataplane_unhelloed_connections",
+            "Socket data-plane connections that have not presented a session yet",
+            sockets_->unhelloed());
+  }
+  if (const Tenants* tenants = store_->tenants()) {
+    std::lock_guard lk(conns_->mu);
+    for (const Tenant& t : tenants->all()) {
+      auto it = conns_->by_tenant.find(t.index);
+      const TenantConnections tc = it == conns_->by_tenant.end() ? TenantConnections{} : it->second;
+      MetricsBuilder::Labels l = {{"tenant", t.name}};
+      m.Gauge("kvtier_store_tenant_dataplane_connections",
+              "The tenant's open socket data-plane connections", tc.open, l);
+      m.Counter("kvtier_store_tenant_dataplane_refused_total",
+                "The tenant's data-plane connections refused at its connections= limit", tc.refused,
+                l);
+      m.Counter("kvtier_store_tenant_sessions_dropped_total",
+                "The tenant's oldest data-plane sessions dropped for newer ones at its sessions= "
+                "limit",
+                tc.sessions_dropped, l);
+    }
+  }
   for (const auto& [name, tier] :
        {std::pair{"ram", FetchMeter::kRam}, std::pair{"disk", FetchMeter::kDisk}}) {
     m.Histogram("kvtier_store_fetch_duration_seconds",

@@ -1,9 +1,13 @@
 // The data plane's sessions: ConnectDataPlane hands one out, control calls
 // on the data plane act as its caller, and socket transfers are granted
 // against the caller's leases.
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "cachestore/service.h"
 #include "cachestore/service_detail.h"
+#include "common/limits.h"
+#include "common/log.h"
 #include "common/ucx/calls.h"
 #include "openssl/rand.h"
 
@@ -31,14 +35,64 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
     return {};  // no randomness: no session (the client keeps gRPC)
   }
   Session session{caller, OwnerOf(ctx, caller)};
-  std::lock_guard lk(sessions_mu_);
-  if (session_order_.size() >= kMaxSessions) {
-    sessions_.erase(session_order_.front());
-    session_order_.pop_front();
+  const int tenant = caller.tenant_index();
+  const uint64_t cap = caller.tenant ? caller.tenant->max_sessions : limits::kSessions;
+  uint64_t dropped = 0;
+  {
+    std::lock_guard lk(sessions_mu_);
+    std::deque<std::string>& order = session_order_[tenant];
+    while (!order.empty() && order.size() >= cap) {
+      sessions_.erase(order.front());
+      order.pop_front();
+      dropped++;
+    }
+    sessions_.emplace(id, std::move(session));
+    order.push_back(id);
   }
-  sessions_.emplace(id, std::move(session));
-  session_order_.push_back(id);
+  if (dropped > 0) {
+    std::lock_guard lk(conns_->mu);
+    conns_->by_tenant[tenant].sessions_dropped += dropped;
+  }
   return id;
+}
+
+absl::StatusOr<std::shared_ptr<void>> StoreService::AdmitConnection(std::string_view id) {
+  auto session = SessionOf(id);
+  if (!session.ok()) return session.status();
+  const Tenant* t = session->caller.tenant;
+  const int tenant = session->caller.tenant_index();
+  // A store without tenants bounds its connections with
+  // --data-max-connections alone.
+  const uint64_t cap = t ? t->max_connections : std::numeric_limits<uint64_t>::max();
+  std::string log;
+  {
+    std::lock_guard lk(conns_->mu);
+    TenantConnections& tc = conns_->by_tenant[tenant];
+    if (tc.open < cap) {
+      tc.open++;
+      return std::shared_ptr<void>(nullptr, [counts = conns_, tenant](void*) {
+        std::lock_guard lk(counts->mu);
+        counts->by_tenant[tenant].open--;
+      });
+    }
+    tc.refused++;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - tc.last_log >= std::chrono::seconds(1)) {
+      tc.last_log = now;
+      log = absl::StrCat(
+          "data plane: tenant ", t->name, " refused a connection at its limit of ", cap,
+          " (connections= in the tenants file)",
+          tc.unlogged > 0 ? absl::StrCat("; ", tc.unlogged, " more not logged") : std::string());
+      tc.unlogged = 0;
+    } else {
+      tc.unlogged++;
+    }
+  }
+  if (!log.empty()) Log("store", log);
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "tenant ", t->name, " has ", cap,
+      " data-plane connections open, its limit (connections= in the tenants file): close one "
+      "or raise it"));
 }
 
 absl::StatusOr<StoreService::Session> StoreService::SessionOf(std::string_view id) const {

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -34,7 +35,12 @@ constexpr auto kSpin = std::chrono::microseconds(50);
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SocketDataPlane>> SocketDataPlane::Start(const std::string& listen,
-                                                                        size_t max_connections) {
+                                                                        Options options) {
+  if (options.max_connections == 0 || options.max_unhelloed == 0 ||
+      options.hello_timeout.count() <= 0 || options.idle_timeout.count() <= 0) {
+    return absl::InvalidArgumentError(
+        "data plane: connection limits and timeouts must be positive");
+  }
   std::unique_ptr<SocketDataPlane> d(new SocketDataPlane());
   auto fd = net::Listen(listen, &d->address_);
   if (!fd.ok()) {
@@ -46,7 +52,7 @@ absl::StatusOr<std::unique_ptr<SocketDataPlane>> SocketDataPlane::Start(const st
   if (d->stop_fd_ < 0) {
     return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
   }
-  d->max_connections_ = max_connections;
+  d->options_ = options;
   d->acceptor_ = std::thread([p = d.get()] { p->AcceptLoop(); });
   return d;
 }
@@ -59,9 +65,49 @@ SocketDataPlane::~SocketDataPlane() {
   if (acceptor_.joinable()) acceptor_.join();
   for (auto& c : conns_) {
     if (c->thread.joinable()) c->thread.join();
+    close(c->fd);
   }
   if (listen_fd_ >= 0) close(listen_fd_);
   if (stop_fd_ >= 0) close(stop_fd_);
+}
+
+SocketDataPlane::Stats SocketDataPlane::stats() const {
+  return Stats{refused_full_.load(), evicted_.load(), hello_timeouts_.load(),
+               hellos_refused_.load(), idle_closed_.load()};
+}
+
+void SocketDataPlane::LogLimited(const std::string& what) {
+  std::lock_guard lk(log_mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_log_ < std::chrono::seconds(1)) {
+    unlogged_++;
+    return;
+  }
+  last_log_ = now;
+  const uint64_t more = std::exchange(unlogged_, 0);
+  Log("store", "data plane: ", what,
+      more > 0 ? absl::StrCat(" (and ", more, " more refusals in the last second)") : "");
+}
+
+bool SocketDataPlane::Leave(Connection* c, State to) {
+  int expected = kUnhelloed;
+  if (!c->state.compare_exchange_strong(expected, to)) return false;
+  unhelloed_--;
+  return true;
+}
+
+void SocketDataPlane::EvictOldestUnhelloed() {
+  // conns_ is in accept order: the first one still without a hello is the
+  // one closest to its hello deadline.
+  for (auto& c : conns_) {
+    if (c->done.load() || !Leave(c.get(), kEvicted)) continue;
+    evicted_++;
+    // Its thread, blocked reading the hello, sees the socket end; the fd
+    // stays open (this thread closes it at Reap), so its number is not
+    // reused meanwhile.
+    shutdown(c->fd, SHUT_RDWR);
+    return;
+  }
 }
 
 void SocketDataPlane::SetHandlers(CallHandler call, GrantFn grant, HelloFn hello) {
@@ -75,6 +121,7 @@ void SocketDataPlane::Reap() {
   for (auto it = conns_.begin(); it != conns_.end();) {
     if ((*it)->done.load()) {
       (*it)->thread.join();
+      close((*it)->fd);
       it = conns_.erase(it);
     } else {
       ++it;
@@ -95,23 +142,28 @@ void SocketDataPlane::AcceptLoop() {
     if (n <= 0 || !(fds[0].revents & POLLIN)) continue;
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) continue;  // the peer went already, or out of fds: the next try
-    if (connections_.load() >= max_connections_) {
-      Log("store", "data plane: a connection was refused (", max_connections_, " already open)");
+    if (connections_.load() >= options_.max_connections) {
+      refused_full_++;
+      LogLimited(absl::StrCat("a connection was refused (", options_.max_connections,
+                              " already open: --data-max-connections)"));
       close(fd);
       continue;
     }
+    if (unhelloed_.load() >= options_.max_unhelloed) EvictOldestUnhelloed();
     const int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     auto c = std::make_unique<Connection>();
     c->fd = fd;
     connections_++;
+    unhelloed_++;
     Connection* raw = c.get();
     try {
       c->thread = std::thread([this, raw] { Serve(raw); });
     } catch (const std::system_error&) {  // no thread to be had
-      Log("store", "data plane: no thread for a new connection; closed");
+      LogLimited("no thread for a new connection; closed");
       close(fd);
       connections_--;
+      unhelloed_--;
       continue;
     }
     conns_.push_back(std::move(c));
@@ -134,7 +186,9 @@ void SocketDataPlane::Serve(Connection* c) {
   };
   std::string session(ucx::kSessionBytes, '\0');
   wire::Frame f;
-  bool open = net::ReadAll(fd, &f, sizeof(f), soon(), stop_fd_).ok();
+  // The hello (its frame and the session) within hello_timeout of accept.
+  const auto hello_by = net::Clock::now() + options_.hello_timeout;
+  bool open = net::ReadAll(fd, &f, sizeof(f), hello_by, stop_fd_).ok();
   if (open &&
       (f.magic != wire::kFrameMagic || f.op != wire::kHello || f.length != ucx::kSessionBytes)) {
     reply(kInvalidArgument, "the first frame on the data plane must be a hello with a session",
@@ -142,19 +196,30 @@ void SocketDataPlane::Serve(Connection* c) {
         .IgnoreError();
     open = false;
   }
-  open = open && net::ReadAll(fd, session.data(), session.size(), soon(), stop_fd_).ok();
+  open = open && net::ReadAll(fd, session.data(), session.size(), hello_by, stop_fd_).ok();
+  if (!open && c->state.load() == kUnhelloed && net::Clock::now() >= hello_by) hello_timeouts_++;
+  std::shared_ptr<void> ticket;  // the tenant's count of this connection
   if (open) {
     // Only a session ConnectDataPlane handed out keeps a connection.
-    absl::Status known;
+    absl::StatusOr<std::shared_ptr<void>> known;
     {
       std::shared_lock lk(handlers_mu_);
       known = hello_ ? hello_(session)
                      : absl::UnavailableError("the store is not taking data-plane connections");
     }
-    open = reply(static_cast<int>(known.code()), std::string(known.message()), nullptr, 0, soon())
+    if (known.ok()) {
+      ticket = std::move(*known);
+    } else {
+      hellos_refused_++;
+    }
+    // Evicted meanwhile (it was the oldest without a hello): closed.
+    open = Leave(c, kAuthenticated) &&
+           reply(static_cast<int>(known.status().code()), std::string(known.status().message()),
+                 nullptr, 0, soon())
                .ok() &&
            known.ok();
   }
+  Leave(c, kEvicted);  // a connection that ends before its hello
   std::string request;
   while (open) {
     // The next request of a busy client comes within microseconds: poll
@@ -164,7 +229,13 @@ void SocketDataPlane::Serve(Connection* c) {
       pollfd p{fd, POLLIN, 0};
       ready = poll(&p, 1, 0) > 0;
     }
-    if (!ready && !net::WaitReadable(fd, net::Clock::time_point::max(), stop_fd_)) break;
+    if (!ready) {
+      const auto idle_by = net::Clock::now() + options_.idle_timeout;
+      if (!net::WaitReadable(fd, idle_by, stop_fd_)) {
+        if (net::Clock::now() >= idle_by) idle_closed_++;
+        break;
+      }
+    }
     if (!net::ReadAll(fd, &f, sizeof(f), soon(), stop_fd_).ok()) break;
     if (f.magic != wire::kFrameMagic) {
       reply(kInvalidArgument, "not a kvtier data-plane frame (bad magic)", nullptr, 0, soon())
@@ -228,7 +299,9 @@ void SocketDataPlane::Serve(Connection* c) {
       open = reply(0, {}, g->at, f.length, g->deadline).ok();
     }
   }
-  close(fd);
+  // The peer sees the end now; the accept thread closes the fd.
+  shutdown(fd, SHUT_RDWR);
+  ticket.reset();
   connections_--;
   c->done.store(true);
 }

@@ -10,6 +10,10 @@
 // the rest of the process (docs/security.md). A malformed or refused
 // request gets its status; the connection stays (a put's refused bytes are
 // read and dropped) unless the frame itself is unusable.
+// Connections are bounded (Options): in all, without a hello yet (the
+// oldest such is evicted for a new one), in time to the hello, and idle;
+// the service's HelloFn bounds each tenant's. Refusals are counted (Stats)
+// and logged at most once a second.
 // Thread-safe.
 #pragma once
 
@@ -26,6 +30,7 @@
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "common/limits.h"
 
 namespace kvtier::store {
 
@@ -47,14 +52,39 @@ class SocketDataPlane {
   };
   using GrantFn = std::function<absl::StatusOr<Grant>(
       std::string_view session, bool is_put, uint64_t lease, uint64_t addr, uint64_t length)>;
-  // Whether a connection may present `session` (OK) or is closed with the
-  // status (UNAUTHENTICATED for a session the store does not know).
-  using HelloFn = std::function<absl::Status(std::string_view session)>;
+  // Whether a connection may present `session`: an admission ticket the
+  // connection holds while it lives (its tenant's connection count; may be
+  // null), or the status it is closed with (UNAUTHENTICATED for a session
+  // the store does not know, RESOURCE_EXHAUSTED for a tenant at its limit).
+  using HelloFn = std::function<absl::StatusOr<std::shared_ptr<void>>(std::string_view session)>;
 
-  // listen: HOST:PORT (port 0 picks one). At most max_connections at once
-  // (more are closed at accept).
+  struct Options {
+    // Connections open at once: more are closed at accept.
+    size_t max_connections = limits::kDataConnections;
+    // Connections that have not presented a session yet: past it, a new
+    // one evicts the oldest of them (a client sends its hello at once; a
+    // flood of silent connections only ever evicts itself).
+    size_t max_unhelloed = limits::kDataUnhelloed;
+    // How long a new connection has to present its session.
+    std::chrono::milliseconds hello_timeout{limits::kDataHelloMs};
+    // How long an authenticated connection may wait between requests.
+    std::chrono::milliseconds idle_timeout{limits::kDataIdleMs};
+  };
+  // Connections turned away or closed, by why (counters).
+  struct Stats {
+    uint64_t refused_full = 0;       // max_connections open already
+    uint64_t evicted_unhelloed = 0;  // evicted by a newer connection
+    uint64_t hello_timeouts = 0;     // no hello within hello_timeout
+    uint64_t hellos_refused = 0;     // HelloFn said no
+    uint64_t idle_closed = 0;        // idle past idle_timeout
+  };
+
+  // listen: HOST:PORT (port 0 picks one).
   static absl::StatusOr<std::unique_ptr<SocketDataPlane>> Start(const std::string& listen,
-                                                                size_t max_connections = 4096);
+                                                                Options options);
+  static absl::StatusOr<std::unique_ptr<SocketDataPlane>> Start(const std::string& listen) {
+    return Start(listen, Options());
+  }
   // Closes the listener and every connection, and joins their threads.
   ~SocketDataPlane();
 
@@ -65,26 +95,45 @@ class SocketDataPlane {
   // HOST:PORT actually bound.
   const std::string& address() const { return address_; }
   size_t connections() const { return connections_.load(); }
+  // Of those, the ones that have not presented a session yet.
+  size_t unhelloed() const { return unhelloed_.load(); }
+  Stats stats() const;
 
  private:
+  enum State : int { kUnhelloed, kAuthenticated, kEvicted };
   struct Connection {
-    int fd = -1;
+    int fd = -1;  // closed by the accept thread once the connection is done
     std::thread thread;
+    std::atomic<int> state{kUnhelloed};
     std::atomic<bool> done{false};
   };
   SocketDataPlane() = default;
   void AcceptLoop();
   void Serve(Connection* c);
-  // Joins the connections that ended (accept thread only).
+  // Joins the connections that ended and closes their sockets (accept
+  // thread only).
   void Reap();
+  // The connection leaves kUnhelloed for `to`; false if another thread
+  // moved it first.
+  bool Leave(Connection* c, State to);
+  // Evicts the oldest connection still without a hello (accept thread).
+  void EvictOldestUnhelloed();
+  // Logs at most once a second (and how many were not logged).
+  void LogLimited(const std::string& what);
 
   int listen_fd_ = -1;
   int stop_fd_ = -1;  // an eventfd: readable once stopping
-  size_t max_connections_ = 0;
+  Options options_;
   std::string address_;
   std::thread acceptor_;
   std::list<std::unique_ptr<Connection>> conns_;  // accept thread (and destructor)
   std::atomic<size_t> connections_{0};
+  std::atomic<size_t> unhelloed_{0};
+  std::atomic<uint64_t> refused_full_{0}, evicted_{0}, hello_timeouts_{0}, hellos_refused_{0},
+      idle_closed_{0};
+  std::mutex log_mu_;
+  std::chrono::steady_clock::time_point last_log_;  // guarded by log_mu_
+  uint64_t unlogged_ = 0;                           // guarded by log_mu_
   // Held shared while a request runs a handler; SetHandlers takes it
   // exclusively.
   std::shared_mutex handlers_mu_;

@@ -115,11 +115,15 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
         if (!b.ok()) return bad(key, ": ", b.status().message());
         (key == "ram" ? tn.ram_bytes : tn.nvme_bytes) = *b;
         has_ram |= key == "ram";
-      } else if (key == "leases" || key == "namespaces") {
+      } else if (key == "leases" || key == "namespaces" || key == "connections" ||
+                 key == "sessions") {
         uint64_t n = 0;
         if (!absl::SimpleAtoi(value, &n) || n == 0)
           return bad(key, "=", value, " is not a count >= 1");
-        (key == "leases" ? tn.max_leases : tn.max_namespaces) = n;
+        (key == "leases"        ? tn.max_leases
+         : key == "namespaces"  ? tn.max_namespaces
+         : key == "connections" ? tn.max_connections
+                                : tn.max_sessions) = n;
       } else if (key == "identities") {
         tn.identities = List(value);
         for (const auto& id : tn.identities) {
@@ -138,7 +142,8 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
         tn.models = List(value);
       } else {
         return bad("unknown key \"", key,
-                   "\" (known: ram, nvme, leases, namespaces, identities, token-sha256, models)");
+                   "\" (known: ram, nvme, leases, namespaces, connections, sessions, identities, "
+                   "token-sha256, models)");
       }
     }
     if (!has_ram || tn.ram_bytes == 0) {

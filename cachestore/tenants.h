@@ -6,13 +6,16 @@
 //
 //   secret SECRET                       (required, once, first: keys the salts)
 //   tenant NAME ram=SIZE [nvme=SIZE] [leases=N] [namespaces=N]
+//          [connections=N] [sessions=N]
 //          [identities=NAME,...] [token-sha256=HEX,...] [models=PATTERN,...]
 //
 // ram: the tenant's own region of the RAM arena (its RAM quota; it gets
 // only that region's UCX key). nvme: most bytes of its blocks on NVMe (0:
 // only the store's quota). leases: open leases at once (default: the
 // store's --max-leases-per-client). namespaces: registered at once (default
-// 16). identities: certificate names (CN or a SAN) that act as the tenant.
+// 16). connections: data-plane connections open at once (default 1024);
+// sessions: data-plane sessions kept, its oldest dropped first (default
+// 4096; common/limits.h). identities: certificate names (CN or a SAN) that act as the tenant.
 // token-sha256: SHA-256 (hex) of bearer tokens a client presents in
 // metadata x-kvtier-tenant-token. models: the models it may register
 // (a trailing * is a prefix); default any.
@@ -37,6 +40,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/block_key.h"
+#include "common/limits.h"
 
 namespace kvtier::store {
 
@@ -48,6 +52,10 @@ struct Tenant {
   uint64_t nvme_bytes = 0;  // 0: no tenant limit
   uint64_t max_leases = 0;  // 0: the store's per-client limit
   uint64_t max_namespaces = 16;
+  // Data-plane connections open at once, and sessions kept (its oldest
+  // goes first).
+  uint64_t max_connections = limits::kTenantDataConnections;
+  uint64_t max_sessions = limits::kTenantSessions;
   std::vector<std::string> identities;
   std::vector<std::string> token_sha256;  // lowercase hex
   std::vector<std::string> models;        // empty: any

@@ -21,4 +21,26 @@ inline constexpr uint32_t kMaxBlockTokens = 65536;
 inline constexpr uint64_t kMaxPromptTokens = 2097152;
 inline constexpr uint64_t kMaxPromptBlocks = 16384;
 
+// The socket data plane (kvtier-store; docs/security.md, "Resource
+// limits"). Defaults of the store's flags and the tenants file's keys.
+// Connections open at once (--data-max-connections).
+inline constexpr uint64_t kDataConnections = 4096;
+// Connections that have not presented a session yet (--data-max-unhelloed):
+// past it, a new connection evicts the oldest of them.
+inline constexpr uint64_t kDataUnhelloed = 256;
+// How long a new connection has to present its session
+// (--data-hello-timeout, milliseconds).
+inline constexpr uint64_t kDataHelloMs = 1000;
+// How long an authenticated connection may sit without a request
+// (--data-idle-timeout, milliseconds).
+inline constexpr uint64_t kDataIdleMs = 600000;
+// A tenant's data-plane connections open at once (tenants file
+// connections=N).
+inline constexpr uint64_t kTenantDataConnections = 1024;
+// A tenant's data-plane sessions kept (tenants file sessions=N): its
+// oldest goes first, never another tenant's. A store without tenants keeps
+// kSessions.
+inline constexpr uint64_t kTenantSessions = 4096;
+inline constexpr uint64_t kSessions = 65536;
+
 }  // namespace kvtier::limits

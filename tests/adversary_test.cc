@@ -9,6 +9,7 @@
 // tenant's blocks must read back byte-exact, and the store must keep
 // serving. Run with UCX_TLS=tcp and UCX_TLS=all (docs/security.md).
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -308,6 +309,200 @@ TEST_P(Adversary, NoClientAddressesTheStoresMemory) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, Adversary, ::testing::Values("tcp", "all"),
                          [](const auto& info) { return info.param; });
+
+// The resource attacks of issue #46, against a store with small limits:
+// alpha may hold 32 data-plane connections and 64 sessions; beta has the
+// defaults. Each failed on the store before the limits (its only bound was
+// 4,096 connections in all, 65,536 sessions in all, 30 s to a hello, and
+// no idle timeout).
+class DataPlaneLimits : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    {
+      std::ofstream f(dir_.sub("tenants"));
+      f << "secret adversary-limits\n"
+        << "tenant alpha ram=16MiB connections=32 sessions=64 token-sha256="
+        << store::Sha256Hex(kAlphaToken) << "\n"
+        << "tenant beta ram=16MiB token-sha256=" << store::Sha256Hex(kBetaToken) << "\n";
+      std::ofstream a(dir_.sub("admin"));
+      a << kAdminToken << "\n";
+    }
+    store_ = std::make_unique<ServerProcess>(
+        KVTIER_STORE_BIN, dir_.sub("store"),
+        std::vector<std::string>{
+            "--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db"),
+            "--hugepages=false", "--ram-bytes=40MiB", "--tenants-file=" + dir_.sub("tenants"),
+            "--admin-token-file=" + dir_.sub("admin"), "--data-max-connections=256",
+            "--data-max-unhelloed=64", "--data-hello-timeout=500ms", "--data-idle-timeout=2s",
+            "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port_)});
+    ASSERT_GT(store_->port(), 0) << store_->Log();
+    const auto b = Connect(kBetaToken);
+    data_port_ = std::stoi(b.data_address().substr(b.data_address().rfind(':') + 1));
+  }
+  v1::ConnectDataPlaneResponse Connect(const std::string& token) {
+    auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.AddMetadata("x-kvtier-tenant-token", token);
+    v1::ConnectDataPlaneResponse resp;
+    EXPECT_TRUE(stub->ConnectDataPlane(&ctx, {}, &resp).ok());
+    return resp;
+  }
+  // Beta writes 8 blocks and reads them back byte-exact, each step within
+  // `budget` (its usual latency here is milliseconds).
+  void BetaWorks(std::chrono::milliseconds budget) {
+    DataClientOptions o;
+    o.tenant_token = kBetaToken;
+    StoreDataClient beta(store_->address(), o);
+    auto ns = beta.control().RegisterNamespace(Spec());
+    ASSERT_TRUE(ns.ok()) << ns.status();
+    std::vector<std::string> keep;
+    std::vector<PutBlock> put;
+    for (uint64_t i = 0; i < 8; ++i) {
+      keep.push_back(testing::BlockBytesFor(700 + i, kBlock));
+      put.push_back({H(100 + i), keep.back().data()});
+    }
+    auto t0 = Clock::now();
+    auto wrote = beta.Put(ns->id, kBlock, put).get();
+    ASSERT_TRUE(wrote.ok()) << wrote.status();
+    EXPECT_LT(Clock::now() - t0, budget);
+    std::vector<uint8_t> dst(8 * kBlock);
+    std::vector<GetBlock> blocks;
+    for (uint64_t i = 0; i < 8; ++i) blocks.push_back({H(100 + i), dst.data() + i * kBlock});
+    t0 = Clock::now();
+    auto got = beta.Get(ns->id, kBlock, blocks).get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_LT(Clock::now() - t0, budget);
+    ASSERT_EQ(got->blocks, 8u);
+    for (uint64_t i = 0; i < 8; ++i) {
+      EXPECT_EQ(std::memcmp(dst.data() + i * kBlock, keep[i].data(), kBlock), 0) << i;
+    }
+  }
+  double Metric(const std::string& series) {
+    std::string page = testing::HttpGet(metrics_port_, "/metrics");
+    size_t at = page.find("\n" + series + " ");
+    return at == std::string::npos ? -1 : std::stod(page.substr(at + series.size() + 2));
+  }
+  // Whether the store has closed `fd` (EOF within `wait`).
+  static bool ClosedWithin(int fd, std::chrono::milliseconds wait) {
+    char byte;
+    const auto deadline = Clock::now() + wait;
+    while (Clock::now() < deadline) {
+      pollfd p{fd, POLLIN, 50};
+      if (poll(&p, 1, 50) > 0) return recv(fd, &byte, 1, 0) <= 0;
+    }
+    return false;
+  }
+
+  testing::TempDir dir_;
+  int metrics_port_ = testing::FreePort();
+  std::unique_ptr<ServerProcess> store_;
+  int data_port_ = 0;
+};
+
+TEST_F(DataPlaneLimits, AFloodOfSilentConnectionsNeverLocksATenantOut) {
+  // 600 connections that never say hello: more than the store's 256
+  // connections in all. Each new one evicts the oldest silent one past 64.
+  std::vector<int> flood;
+  for (int i = 0; i < 600; ++i) {
+    auto fd = net::Connect("127.0.0.1", data_port_, Soon());
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    flood.push_back(*fd);
+  }
+  BetaWorks(std::chrono::milliseconds(2000));
+  // The oldest were closed long before the hello deadline; the rest go at it.
+  EXPECT_TRUE(ClosedWithin(flood.front(), std::chrono::milliseconds(100)));
+  EXPECT_TRUE(ClosedWithin(flood.back(), std::chrono::milliseconds(2000)));
+  for (int fd : flood) close(fd);
+  EXPECT_GE(Metric("kvtier_store_dataplane_closed_total{reason=\"unhelloed\"}"), 600 - 64);
+  EXPECT_LE(Metric("kvtier_store_dataplane_unhelloed_connections"), 64);
+}
+
+TEST_F(DataPlaneLimits, ATenantAtItsConnectionLimitLeavesTheOtherAlone) {
+  const std::string session = Connect(kAlphaToken).session();
+  std::vector<std::unique_ptr<RawConn>> held;
+  for (int i = 0; i < 32; ++i) {
+    held.push_back(std::make_unique<RawConn>(data_port_, session));
+    ASSERT_EQ(held.back()->hello_.first, 0) << i << ": " << held.back()->hello_.second;
+  }
+  for (int i = 0; i < 20; ++i) {
+    RawConn more(data_port_, session);
+    EXPECT_EQ(more.hello_.first, static_cast<int>(absl::StatusCode::kResourceExhausted));
+    EXPECT_NE(more.hello_.second.find("connections="), std::string::npos) << more.hello_.second;
+    EXPECT_NE(more.hello_.second.find("alpha"), std::string::npos) << more.hello_.second;
+  }
+  BetaWorks(std::chrono::milliseconds(2000));
+  EXPECT_EQ(Metric("kvtier_store_tenant_dataplane_refused_total{tenant=\"alpha\"}"), 20);
+  EXPECT_EQ(Metric("kvtier_store_tenant_dataplane_connections{tenant=\"alpha\"}"), 32);
+  // One of alpha's goes: alpha may open one again.
+  held.pop_back();
+  const auto deadline = Clock::now() + std::chrono::seconds(3);
+  for (;;) {
+    RawConn again(data_port_, session);
+    if (again.hello_.first == 0) break;
+    ASSERT_LT(Clock::now(), deadline) << "alpha's closed connection was never counted out";
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Twenty refusals in well under a second: one log line.
+  const std::string log = store_->Log();
+  size_t lines = 0;
+  for (size_t at = log.find("refused a connection"); at != std::string::npos;
+       at = log.find("refused a connection", at + 1)) {
+    lines++;
+  }
+  EXPECT_GE(lines, 1u);
+  EXPECT_LE(lines, 3u);
+}
+
+TEST_F(DataPlaneLimits, SessionChurnDropsOnlyTheChurningTenantsOwnSessions) {
+  const std::string beta_session = Connect(kBetaToken).session();
+  const std::string alpha_first = Connect(kAlphaToken).session();
+  for (int i = 0; i < 100; ++i) Connect(kAlphaToken);  // past alpha's 64
+  RawConn beta(data_port_, beta_session);
+  EXPECT_EQ(beta.hello_.first, 0) << beta.hello_.second;
+  RawConn old(data_port_, alpha_first);
+  EXPECT_EQ(old.hello_.first, static_cast<int>(absl::StatusCode::kUnauthenticated))
+      << old.hello_.second;
+  RawConn fresh(data_port_, Connect(kAlphaToken).session());
+  EXPECT_EQ(fresh.hello_.first, 0) << fresh.hello_.second;
+  // 102 sessions of alpha's, 64 kept.
+  EXPECT_EQ(Metric("kvtier_store_tenant_sessions_dropped_total{tenant=\"alpha\"}"), 102 - 64);
+  EXPECT_EQ(Metric("kvtier_store_tenant_sessions_dropped_total{tenant=\"beta\"}"), 0);
+}
+
+TEST_F(DataPlaneLimits, SilentAndIdleConnectionsAreClosedAndClientsReconnect) {
+  // No hello: closed at the 500 ms hello deadline (it was 30 s).
+  auto silent = net::Connect("127.0.0.1", data_port_, Soon());
+  ASSERT_TRUE(silent.ok());
+  const auto t0 = Clock::now();
+  EXPECT_TRUE(ClosedWithin(*silent, std::chrono::milliseconds(3000)));
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(2000));
+  close(*silent);
+  // Authenticated but idle: closed after 2 s (it was never).
+  RawConn idle(data_port_, Connect(kBetaToken).session());
+  ASSERT_EQ(idle.hello_.first, 0);
+  EXPECT_TRUE(ClosedWithin(idle.fd(), std::chrono::milliseconds(4000)));
+  EXPECT_EQ(Metric("kvtier_store_dataplane_closed_total{reason=\"hello_timeout\"}"), 1);
+  EXPECT_GE(Metric("kvtier_store_dataplane_closed_total{reason=\"idle\"}"), 1);
+  // A client whose pooled connections the store closed while idle
+  // reconnects before its next operation: nothing fails.
+  DataClientOptions o;
+  o.tenant_token = kBetaToken;
+  StoreDataClient beta(store_->address(), o);
+  auto ns = beta.control().RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  const std::string bytes = testing::BlockBytesFor(900, kBlock);
+  std::vector<PutBlock> put = {{H(200), bytes.data()}};
+  auto wrote = beta.Put(ns->id, kBlock, put).get();
+  ASSERT_TRUE(wrote.ok()) << wrote.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(2600));
+  std::vector<uint8_t> dst(kBlock);
+  std::vector<GetBlock> get = {{H(200), dst.data()}};
+  auto got = beta.Get(ns->id, kBlock, get).get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->blocks, 1u);
+  EXPECT_EQ(std::memcmp(dst.data(), bytes.data(), kBlock), 0);
+}
 
 }  // namespace
 }  // namespace kvtier

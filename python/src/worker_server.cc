@@ -146,7 +146,11 @@ class PyEngine final : public worker::WorkerEngine {
       d["tokens"] = py::none();
       d["hashes"] = py::none();
       if (!p.tokens.empty()) {
-        py::array_t<int64_t> t(static_cast<py::ssize_t>(p.tokens.size()));
+        // The shape constructor: array_t's strides come from sizeof(T).
+        // The count constructor takes the item size from the dtype, which
+        // pybind11 2.10 misreads under numpy 2 (stride 0: every element
+        // read as the first).
+        py::array_t<int64_t> t(std::vector<py::ssize_t>{static_cast<py::ssize_t>(p.tokens.size())});
         int64_t* out = t.mutable_data();
         for (size_t i = 0; i < p.tokens.size(); ++i) out[i] = p.tokens[i];
         d["tokens"] = t;

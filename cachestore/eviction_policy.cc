@@ -6,12 +6,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/limits.h"
 
 namespace kvtier::store {
 namespace {
 
-// Least recently used: front of the list is the most recent. A resident that
-// cannot be evicted is treated as just used (it is in use: it is pinned).
+// Least recently used: front of the list is the most recent. Eviction walks
+// from the least recent, past residents that cannot go (pinned by a lease)
+// without moving them: a pin is not a use, so a pinned block keeps its
+// place, and a pass does not rotate every pinned block. At most
+// limits::kEvictScan residents are looked at per eviction (CacheLib's
+// MMLru bounds its search the same way): past them it finds no victim, the
+// caller's put is refused, and nothing is lost.
 class Lru final : public EvictionPolicy {
  public:
   std::string name() const override { return "lru"; }
@@ -30,14 +36,15 @@ class Lru final : public EvictionPolicy {
     pos_.erase(it);
   }
   std::optional<uint64_t> Evict(const std::function<bool(uint64_t)>& can_evict) override {
-    for (size_t tries = order_.size(); tries > 0; --tries) {
-      uint64_t id = order_.back();
-      if (can_evict(id)) {
-        order_.pop_back();
+    size_t tries = 0;
+    for (auto it = order_.rbegin(); it != order_.rend() && tries < limits::kEvictScan;
+         ++it, ++tries) {
+      if (can_evict(*it)) {
+        const uint64_t id = *it;
+        order_.erase(std::next(it).base());
         pos_.erase(id);
         return id;
       }
-      order_.splice(order_.begin(), order_, std::prev(order_.end()));
     }
     return std::nullopt;
   }

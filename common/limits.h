@@ -21,6 +21,10 @@ inline constexpr uint32_t kMaxBlockTokens = 65536;
 inline constexpr uint64_t kMaxPromptTokens = 2097152;
 inline constexpr uint64_t kMaxPromptBlocks = 16384;
 
+// Residents an LRU eviction looks at for one victim, from the least recent
+// (pinned ones are passed over in place): past it no victim is found.
+inline constexpr size_t kEvictScan = 4096;
+
 // The socket data plane (kvtier-store; docs/security.md, "Resource
 // limits"). Defaults of the store's flags and the tenants file's keys.
 // Connections open at once (--data-max-connections).

@@ -5,6 +5,8 @@
 #include <set>
 #include <vector>
 
+#include "common/limits.h"
+
 namespace kvtier::store {
 namespace {
 
@@ -38,6 +40,35 @@ TEST(Lru, SkipsPinnedAndKeepsThem) {
   EXPECT_EQ(p->size(), 2u);
   EXPECT_FALSE(p->Evict([](uint64_t) { return false; }).has_value());
   EXPECT_EQ(p->size(), 2u);
+}
+
+// A pin is not a use: passing over a pinned resident leaves it where it
+// was (it used to move to the most recent place on every pass).
+TEST(Lru, PinnedResidentsKeepTheirPlace) {
+  auto p = Make("lru");
+  for (uint64_t i : {1, 2, 3, 4}) p->Insert(i);
+  EXPECT_EQ(*p->Evict([](uint64_t id) { return id != 1; }), 2u);
+  EXPECT_EQ(*p->Evict([](uint64_t id) { return id != 1; }), 3u);
+  EXPECT_EQ(Drain(*p), (std::vector<uint64_t>{1, 4}));
+}
+
+// One eviction looks at most limits::kEvictScan residents: behind that many
+// pinned ones it finds no victim, and nothing moves or is lost.
+TEST(Lru, TheSearchPastPinnedResidentsIsBounded) {
+  auto p = Make("lru");
+  const uint64_t pinned = limits::kEvictScan;
+  for (uint64_t i = 0; i < pinned + 10; ++i) p->Insert(i);  // 0 is the least recent
+  size_t looked = 0;
+  auto pin_old = [&](uint64_t id) {
+    looked++;
+    return id >= pinned;
+  };
+  EXPECT_FALSE(p->Evict(pin_old).has_value());
+  EXPECT_EQ(looked, limits::kEvictScan);
+  EXPECT_EQ(p->size(), pinned + 10);
+  // One fewer pinned: the first one past them goes.
+  EXPECT_EQ(*p->Evict([&](uint64_t id) { return id >= pinned - 1; }), pinned - 1);
+  EXPECT_EQ(*p->Evict(kAny), 0u);  // the least recent, still in its place
 }
 
 TEST(Sieve, ReferenceOrder) {

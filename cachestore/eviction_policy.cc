@@ -16,8 +16,8 @@ namespace {
 // without moving them: a pin is not a use, so a pinned block keeps its
 // place, and a pass does not rotate every pinned block. At most
 // limits::kEvictScan residents are looked at per eviction (CacheLib's
-// MMLru bounds its search the same way): past them it finds no victim, the
-// caller's put is refused, and nothing is lost.
+// MMLru bounds its search the same way): past them it finds no victim, as
+// when every resident is pinned.
 class Lru final : public EvictionPolicy {
  public:
   std::string name() const override { return "lru"; }

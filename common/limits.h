@@ -33,8 +33,11 @@ inline constexpr uint64_t kDataConnections = 4096;
 // past it, a new connection evicts the oldest of them.
 inline constexpr uint64_t kDataUnhelloed = 256;
 // How long a new connection has to present its session
-// (--data-hello-timeout, milliseconds).
-inline constexpr uint64_t kDataHelloMs = 1000;
+// (--data-hello-timeout, milliseconds). Not less: a client's thread sends
+// its hello at once, but on a host whose cores an engine keeps busy a
+// low-priority thread (the offloader runs at nice 10) can wait seconds for
+// a turn; silent floods are bounded by kDataUnhelloed, not by this.
+inline constexpr uint64_t kDataHelloMs = 5000;
 // How long an authenticated connection may sit without a request
 // (--data-idle-timeout, milliseconds).
 inline constexpr uint64_t kDataIdleMs = 600000;

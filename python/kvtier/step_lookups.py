@@ -173,7 +173,9 @@ class StepLookups:
                 # at once, with nothing.
                 kind = SKIPPED if "budget" in str(e) else FAILED
                 outcomes = [Outcome(kind, 0, str(e), e.code)] * len(batch)
-                if kind == FAILED:
+                # A namespace the store has not seen yet (the engine's
+                # first save registers it) holds nothing: no warning.
+                if kind == FAILED and e.code != StatusCode.NOT_FOUND:
                     self._warn(e)
             except BaseException as e:  # never lose a waiter to a bug
                 outcomes = [Outcome(FAILED, 0, repr(e))] * len(batch)

@@ -68,9 +68,10 @@ class WorkerHalf:
         # Opens the request without a pin (every block skipped).
         self.connector.lookup(request, hashes, len(hashes))
 
-    def _pin(self, spec: LoadSpec) -> int:
-        """Opens (or reopens) the request and pins its blocks; how many of
-        its pages the store still holds."""
+    def _pin(self, spec: LoadSpec) -> tuple[int, Optional[BaseException]]:
+        """Opens (or reopens) the request and pins its blocks: how many of
+        its pages the store still holds, and the store's error when it
+        could not be asked (None when it answered)."""
         with self._lock:
             reopen = spec.request in self._open
             self._open.add(spec.request)
@@ -80,7 +81,7 @@ class WorkerHalf:
             self.connector.finished(spec.request)
         found = self.connector.lookup(spec.request, spec.hashes,
                                       spec.skip_blocks)
-        return min(found.blocks, len(spec.pages))
+        return min(found.blocks, len(spec.pages)), found.store_error
 
     # ------------------------------------------------- asynchronous loads
 
@@ -104,7 +105,7 @@ class WorkerHalf:
         store gone) are its failed pages."""
         failed = list(spec.pages)
         try:
-            n = self._pin(spec)
+            n, store_error = self._pin(spec)
             if n > 0:
                 self.connector.start_load(spec.request, spec.pages[:n])
                 loaded = self.connector.wait_for_load(spec.request)
@@ -113,9 +114,10 @@ class WorkerHalf:
                     self.loaded_blocks += loaded
             if failed:
                 log.warning("kvtier load of %s: %d of %d blocks loaded (%d "
-                            "still in the store when pinned); the engine "
+                            "still in the store when pinned%s); the engine "
                             "computes the rest", spec.name,
-                            len(spec.pages) - len(failed), len(spec.pages), n)
+                            len(spec.pages) - len(failed), len(spec.pages), n,
+                            f": {store_error}" if store_error else "")
         except KvtierError as e:
             log.warning("kvtier load of %s failed: %s", spec.name, e)
             with self._lock:
@@ -155,7 +157,7 @@ class WorkerHalf:
         the store no longer holds are reported as failed pages at once."""
         for spec in step.loads:
             try:
-                n = self._pin(spec)
+                n, store_error = self._pin(spec)
                 self._errors.update(spec.pages[n:])
                 if n == 0:
                     continue

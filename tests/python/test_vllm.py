@@ -386,9 +386,15 @@ def test_a_stalled_store_never_holds_a_step(store, worker) -> None:
     planned: the step's hooks return at once (the load runs on a loader
     thread), and when the load gives up at the client's deadline (3 s
     here) its pages are reported for recompute and the request is
-    released; once the store answers again, loads succeed."""
+    released; once the store answers again, loads succeed. The worker
+    has loaded once before, as a serving engine has: its connections are
+    up, so the stalled store holds the call (a first connection to a
+    stopped store can instead fail at once, the handshake unanswered)."""
     sched = KvtierConnector(v.config([store.address]),
                             KVConnectorRole.SCHEDULER)
+    _, meta = planned_load(sched, store, "warm", list(range(20, 25)))
+    got = worker.step(pickle.loads(pickle.dumps(meta)), [])
+    assert got["finished"] == ["warm"] and got["errors"] == [], got
     _, meta = planned_load(sched, store, "stalled", list(range(0, 5)))
     store.pause()
     try:

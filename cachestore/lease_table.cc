@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <iterator>
-#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "openssl/rand.h"
 
 namespace kvtier::store {
 
@@ -20,10 +20,6 @@ LeaseTable::LeaseTable(uint64_t lease_ms, uint64_t max_per_client, ReleaseFn rel
       max_per_client_(max_per_client),
       release_(std::move(release)),
       clock_(std::move(clock)) {
-  // 52 random bits: far from wrapping to 0 (no lease) and from another
-  // process's ids.
-  std::random_device rd;
-  next_id_ = ((uint64_t{rd()} << 32 | rd()) >> 12) + 1;
   if (reaper) reaper_ = std::thread([this] { ReaperLoop(); });
 }
 
@@ -48,8 +44,25 @@ absl::StatusOr<uint64_t> LeaseTable::Claim(const LeaseOwner& owner) {
                                                      " open leases (the limit is ", limit,
                                                      "); commit, end or abort some first"));
   }
+  // A random id: no client learns another's lease from its own (ids from a
+  // counter are one apart), and one from a store that restarted (a late
+  // release) names none of this process's.
+  uint64_t id = 0;
+  while (id == 0 || leases_.count(id) != 0) {
+    if (spare_ids_.empty()) {
+      spare_ids_.resize(256);
+      if (RAND_bytes(reinterpret_cast<unsigned char*>(spare_ids_.data()),
+                     static_cast<int>(spare_ids_.size() * sizeof(uint64_t))) != 1) {
+        spare_ids_.clear();
+        if (held == 0) by_client_.erase(owner.holder);
+        return absl::UnavailableError("the store has no randomness for a lease id; try again");
+      }
+    }
+    id = spare_ids_.back();
+    spare_ids_.pop_back();
+  }
   ++held;
-  return next_id_++;
+  return id;
 }
 
 uint64_t LeaseTable::Held(const std::string& holder) const {

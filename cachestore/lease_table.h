@@ -83,8 +83,9 @@ class LeaseTable {
   ~LeaseTable();
 
   // Counts one more open lease for the owner's holder and returns the id
-  // the lease will have. RESOURCE_EXHAUSTED past the holder's limit (check
-  // and count in one step, so concurrent claims cannot overshoot).
+  // the lease will have: random, never 0 or a live lease's. RESOURCE_EXHAUSTED
+  // past the holder's limit (check and count in one step, so concurrent
+  // claims cannot overshoot).
   absl::StatusOr<uint64_t> Claim(const LeaseOwner& owner);
   // Gives back a claim that did not become a lease (nothing reserved).
   void Unclaim(const std::string& client);
@@ -152,9 +153,8 @@ class LeaseTable {
   std::unordered_set<uint64_t> ending_;
   std::condition_variable holds_cv_;
   std::unordered_map<std::string, uint64_t> by_client_;
-  // Starts at a random point per process, so a lease id from a store that
-  // restarted (a late release) never names one of this process's leases.
-  uint64_t next_id_;
+  // Random lease ids drawn ahead, a batch at a time (Claim).
+  std::vector<uint64_t> spare_ids_;
   uint64_t put_ = 0, get_ = 0;
   std::atomic<uint64_t> expired_{0};
   bool stop_ = false;

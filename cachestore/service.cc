@@ -48,7 +48,9 @@ StoreService::StoreService(Store* store, DataPlaneServer* dataplane, SocketDataP
         },
         [this](std::string_view session, bool is_put, uint64_t lease, uint64_t addr,
                uint64_t length) { return GrantTransfer(session, is_put, lease, addr, length); },
-        [this](std::string_view session) { return AdmitConnection(session); });
+        [this](std::string_view id, std::string_view nonce, std::string_view proof) {
+          return AdmitConnection(id, nonce, proof);
+        });
   }
 }
 

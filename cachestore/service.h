@@ -125,18 +125,26 @@ class StoreService final : public kvtier::v1::Store::Service {
   struct Session {
     Caller caller;
     LeaseOwner owner;  // OwnerOf the ConnectDataPlane call
+    std::string key;   // the socket data plane's hello key (empty on UCX)
   };
   // BeginPut tokens (and tombstones) kept for writers that give up waiting.
   static constexpr size_t kMaxAbandonTokens = 65536;
-  std::string OpenSession(const Caller& caller, const grpc::ServerContext& ctx);
+  // A new session for `caller`: what ConnectDataPlane hands out as its
+  // `session`. On the socket data plane it is the id and a key to prove it
+  // with (common/data_hello.h); on UCX the id alone. Empty without
+  // randomness (the client keeps gRPC).
+  std::string OpenSession(const Caller& caller, const grpc::ServerContext& ctx, bool keyed);
   // The session handed out as `id`; UNAUTHENTICATED (saying to connect
   // again) for one the store does not know.
   absl::StatusOr<Session> SessionOf(std::string_view id) const;
-  // A socket data-plane connection presenting session `id`: its ticket
-  // (held while the connection lives) within its tenant's `connections=`;
+  // A socket data-plane connection presenting session `id` with `proof`
+  // for its challenge `nonce`: UNAUTHENTICATED unless the proof holds for
+  // the session's key; else its ticket (held while the connection lives)
+  // within its tenant's `connections=`;
   // RESOURCE_EXHAUSTED naming the limit past it (counted, logged at most
   // once a second per tenant).
-  absl::StatusOr<std::shared_ptr<void>> AdmitConnection(std::string_view id);
+  absl::StatusOr<std::shared_ptr<void>> AdmitConnection(std::string_view id, std::string_view nonce,
+                                                        std::string_view proof);
   DataPlaneServer::CallReply ServeCall(uint16_t method, std::string_view session,
                                        std::string_view request);
   // A socket data-plane transfer of `length` bytes at `addr` (as BeginGet or

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "cachestore/service.h"
 #include "cachestore/service_detail.h"
+#include "common/data_hello.h"
 #include "common/limits.h"
 #include "common/log.h"
 #include "common/ucx/calls.h"
@@ -29,12 +30,17 @@ absl::StatusOr<SocketDataPlane::Grant> StoreService::GrantTransfer(std::string_v
   return SocketDataPlane::Grant{arena.at(offset), hold->deadline, std::move(hold->token)};
 }
 
-std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerContext& ctx) {
-  std::string id(ucx::kSessionBytes, '\0');
-  if (RAND_bytes(reinterpret_cast<unsigned char*>(id.data()), static_cast<int>(id.size())) != 1) {
+std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerContext& ctx,
+                                      bool keyed) {
+  static_assert(ucx::kSessionBytes == wire::kSessionIdBytes);
+  std::string id(wire::kSessionIdBytes, '\0');
+  std::string key(keyed ? wire::kSessionKeyBytes : 0, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(id.data()), static_cast<int>(id.size())) != 1 ||
+      (keyed && RAND_bytes(reinterpret_cast<unsigned char*>(key.data()),
+                           static_cast<int>(key.size())) != 1)) {
     return {};  // no randomness: no session (the client keeps gRPC)
   }
-  Session session{caller, OwnerOf(ctx, caller)};
+  Session session{caller, OwnerOf(ctx, caller), key};
   const int tenant = caller.tenant_index();
   const uint64_t cap = caller.tenant ? caller.tenant->max_sessions : limits::kSessions;
   uint64_t dropped = 0;
@@ -53,12 +59,19 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
     std::lock_guard lk(conns_->mu);
     conns_->by_tenant[tenant].sessions_dropped += dropped;
   }
-  return id;
+  return id + key;
 }
 
-absl::StatusOr<std::shared_ptr<void>> StoreService::AdmitConnection(std::string_view id) {
+absl::StatusOr<std::shared_ptr<void>> StoreService::AdmitConnection(std::string_view id,
+                                                                    std::string_view nonce,
+                                                                    std::string_view proof) {
   auto session = SessionOf(id);
   if (!session.ok()) return session.status();
+  if (session->key.empty() || !wire::ProofHolds(session->key, nonce, id, proof)) {
+    return absl::UnauthenticatedError(
+        "the hello's proof does not hold for this connection's challenge (a hello read off the "
+        "wire opens no other connection); call ConnectDataPlane and prove its session's key");
+  }
   const Tenant* t = session->caller.tenant;
   const int tenant = session->caller.tenant_index();
   // A store without tenants bounds its connections with
@@ -183,7 +196,7 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
     r->set_base_addr(reinterpret_cast<uint64_t>(arena.base()) + offset);
     r->set_length(length);
     if (offer_shm_ && caller.tenant == nullptr) r->set_shm_path(arena.shm_path());
-    resp->set_session(OpenSession(caller, *ctx));
+    resp->set_session(OpenSession(caller, *ctx, /*keyed=*/true));
     return t.Done(absl::OkStatus());
   }
   if (!dataplane_) {
@@ -211,7 +224,7 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
   r->set_length(dataplane_->length(region));
   r->set_packed_rkey(dataplane_->packed_rkey(region));
   if (offer_shm_ && caller.tenant == nullptr) r->set_shm_path(store_->ram().arena().shm_path());
-  resp->set_session(OpenSession(caller, *ctx));
+  resp->set_session(OpenSession(caller, *ctx, /*keyed=*/false));
   return t.Done(absl::OkStatus());
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/data_hello.h"
 #include "common/data_wire.h"
 #include "common/log.h"
 #include "common/socket_io.h"
@@ -184,27 +185,41 @@ void SocketDataPlane::Serve(Connection* c) {
                   {const_cast<void*>(data), data_bytes}};
     return net::WriteAll(fd, v, 3, deadline, stop_fd_);
   };
-  std::string session(ucx::kSessionBytes, '\0');
-  wire::Frame f;
-  // The hello (its frame and the session) within hello_timeout of accept.
+  // The challenge first: a nonce the hello's proof must cover, so a hello
+  // read off the wire opens no other connection (common/data_hello.h).
   const auto hello_by = net::Clock::now() + options_.hello_timeout;
-  bool open = net::ReadAll(fd, &f, sizeof(f), hello_by, stop_fd_).ok();
+  const std::string nonce = wire::FreshNonce();
+  wire::Reply challenge;
+  challenge.magic = wire::kChallengeMagic;
+  challenge.data_bytes = nonce.size();
+  iovec cv[2] = {{&challenge, sizeof(challenge)}, {const_cast<char*>(nonce.data()), nonce.size()}};
+  bool open = !nonce.empty() && net::WriteAll(fd, cv, 2, hello_by, stop_fd_).ok();
+  // The hello (its frame, the session id and the proof) within
+  // hello_timeout of accept.
+  wire::Frame f;
+  open = open && net::ReadAll(fd, &f, sizeof(f), hello_by, stop_fd_).ok();
   if (open &&
-      (f.magic != wire::kFrameMagic || f.op != wire::kHello || f.length != ucx::kSessionBytes)) {
-    reply(kInvalidArgument, "the first frame on the data plane must be a hello with a session",
+      (f.magic != wire::kFrameMagic || f.op != wire::kHello || f.length != wire::kHelloBytes)) {
+    reply(kInvalidArgument,
+          absl::StrCat("the first frame on the data plane must be a hello of ", wire::kHelloBytes,
+                       " bytes: the session id and its proof for the store's challenge"),
           nullptr, 0, soon())
         .IgnoreError();
     open = false;
   }
-  open = open && net::ReadAll(fd, session.data(), session.size(), hello_by, stop_fd_).ok();
+  std::string hello(wire::kHelloBytes, '\0');
+  open = open && net::ReadAll(fd, hello.data(), hello.size(), hello_by, stop_fd_).ok();
   if (!open && c->state.load() == kUnhelloed && net::Clock::now() >= hello_by) hello_timeouts_++;
+  // The connection acts as this session from here on.
+  const std::string session = hello.substr(0, wire::kSessionIdBytes);
   std::shared_ptr<void> ticket;  // the tenant's count of this connection
   if (open) {
-    // Only a session ConnectDataPlane handed out keeps a connection.
+    // Only a session ConnectDataPlane handed out, proven with its key,
+    // keeps a connection.
     absl::StatusOr<std::shared_ptr<void>> known;
     {
       std::shared_lock lk(handlers_mu_);
-      known = hello_ ? hello_(session)
+      known = hello_ ? hello_(session, nonce, std::string_view(hello).substr(wire::kSessionIdBytes))
                      : absl::UnavailableError("the store is not taking data-plane connections");
     }
     if (known.ok()) {

@@ -52,11 +52,14 @@ class SocketDataPlane {
   };
   using GrantFn = std::function<absl::StatusOr<Grant>(
       std::string_view session, bool is_put, uint64_t lease, uint64_t addr, uint64_t length)>;
-  // Whether a connection may present `session`: an admission ticket the
-  // connection holds while it lives (its tenant's connection count; may be
-  // null), or the status it is closed with (UNAUTHENTICATED for a session
-  // the store does not know, RESOURCE_EXHAUSTED for a tenant at its limit).
-  using HelloFn = std::function<absl::StatusOr<std::shared_ptr<void>>(std::string_view session)>;
+  // Whether a connection may act as session `id`, whose hello carried
+  // `proof` for the store's `nonce` (common/data_hello.h): an admission
+  // ticket the connection holds while it lives (its tenant's connection
+  // count; may be null), or the status it is closed with (UNAUTHENTICATED
+  // for a session the store does not know or a proof that does not hold,
+  // RESOURCE_EXHAUSTED for a tenant at its limit).
+  using HelloFn = std::function<absl::StatusOr<std::shared_ptr<void>>(
+      std::string_view id, std::string_view nonce, std::string_view proof)>;
 
   struct Options {
     // Connections open at once: more are closed at accept.

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/data_hello.h"
 #include "common/socket_io.h"
 
 namespace kvtier {
@@ -37,10 +38,27 @@ absl::StatusOr<std::unique_ptr<SocketChannel>> SocketChannel::Connect(const std:
   auto fd = net::Connect(host, port, deadline);
   if (!fd.ok()) return fd.status();
   std::unique_ptr<SocketChannel> c(new SocketChannel(*fd));
+  // The store's challenge, then the hello that proves the session's key
+  // for it (common/data_hello.h).
+  wire::Reply challenge;
+  if (auto s = net::ReadAll(*fd, &challenge, sizeof(challenge), deadline); !s.ok()) return s;
+  if (challenge.magic != wire::kChallengeMagic || challenge.message_bytes != 0 ||
+      challenge.data_bytes != wire::kNonceBytes) {
+    return absl::UnavailableError(
+        "the store's data plane sent no challenge: another protocol or an older store");
+  }
+  std::string nonce(wire::kNonceBytes, '\0');
+  if (auto s = net::ReadAll(*fd, nonce.data(), nonce.size(), deadline); !s.ok()) return s;
+  const std::string payload = wire::HelloPayload(session, nonce);
+  if (payload.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a socket data-plane session is ", wire::kSocketSessionBytes, " bytes (id and key), not ",
+        session.size(), ": ConnectDataPlane's session from a store of this version"));
+  }
   wire::Frame hello;
   hello.op = wire::kHello;
-  hello.length = session.size();
-  iovec v[2] = {{&hello, sizeof(hello)}, {const_cast<char*>(session.data()), session.size()}};
+  hello.length = payload.size();
+  iovec v[2] = {{&hello, sizeof(hello)}, {const_cast<char*>(payload.data()), payload.size()}};
   if (auto s = net::WriteAll(*fd, v, 2, deadline); !s.ok()) return s;
   wire::Reply r;
   if (auto s = net::ReadAll(*fd, &r, sizeof(r), deadline); !s.ok()) return s;

@@ -26,9 +26,11 @@ class SocketChannel {
  public:
   using Clock = std::chrono::steady_clock;
 
-  // Connects to host:port and presents `session` (ConnectDataPlane's).
-  // UNAVAILABLE if the store cannot be reached or refuses the session,
-  // DEADLINE_EXCEEDED past the deadline.
+  // Connects to host:port and, answering the store's challenge, proves
+  // `session` (ConnectDataPlane's: id and key; the key is never sent).
+  // UNAVAILABLE if the store cannot be reached, the store's code (such as
+  // UNAUTHENTICATED) if it refuses the session, DEADLINE_EXCEEDED past the
+  // deadline.
   static absl::StatusOr<std::unique_ptr<SocketChannel>> Connect(const std::string& host, int port,
                                                                 const std::string& session,
                                                                 Clock::time_point deadline);

@@ -6,11 +6,14 @@
 // BeginPut handed out and can reach nothing else.
 //
 // A connection carries, in order:
-//   client: Frame{kHello, length = session bytes} + the session that
-//           ConnectDataPlane handed out;
+//   store:  Reply{kChallengeMagic, data_bytes = kNonceBytes} + a fresh nonce;
+//   client: Frame{kHello, length = kHelloBytes} + the session's id and its
+//           proof for the nonce (common/data_hello.h: an HMAC with the key
+//           ConnectDataPlane handed out with the id; the key itself never
+//           crosses the data plane);
 //   store:  Reply (code 0, or UNAUTHENTICATED for a session it does not
-//           know, then it closes: only callers ConnectDataPlane authenticated
-//           hold connections).
+//           know or a proof that does not hold, then it closes: only callers
+//           ConnectDataPlane authenticated hold connections).
 // then any number of requests, each answered by one Reply, in order:
 //   kCall  method, length = request bytes, then the request (a kvtier.v1
 //          message; common/ucx/calls.h's methods). Reply: message = the
@@ -31,8 +34,9 @@
 
 namespace kvtier::wire {
 
-constexpr uint32_t kFrameMagic = 0x3164766b;  // "kvd1"
-constexpr uint32_t kReplyMagic = 0x3172766b;  // "kvr1"
+constexpr uint32_t kFrameMagic = 0x3164766b;      // "kvd1"
+constexpr uint32_t kReplyMagic = 0x3172766b;      // "kvr1"
+constexpr uint32_t kChallengeMagic = 0x3163766b;  // "kvc1": the store's first message
 
 enum Op : uint16_t {
   kHello = 1,

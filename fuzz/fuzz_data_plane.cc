@@ -23,6 +23,7 @@
 #include "cachestore/socket_dataplane.h"
 #include "cachestore/store.h"
 #include "common/checksum.h"
+#include "common/data_hello.h"
 #include "common/data_wire.h"
 #include "common/log.h"
 #include "common/rpc/proto_convert.h"
@@ -129,9 +130,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     wire.append(reinterpret_cast<const char*>(&fr), sizeof(fr));
   };
   const uint8_t mode = static_cast<uint8_t>(in.Take(1));
-  const std::string session = (mode & 1) ? std::string(16, static_cast<char>(mode)) : f->session;
-  if ((mode & 6) != 6) frame(Frame{kvtier::wire::kFrameMagic, kvtier::wire::kHello, 0, 0, 0, 16});
-  wire += session;
+  // The hello goes in front once the store's challenge is read: real (its
+  // proof for the nonce) or forged, with or without its frame.
+  const bool forged = (mode & 1) != 0;
+  const bool hello_frame = (mode & 6) != 6;
   for (int frames = 0; frames < 24 && in.n > 0; ++frames) {
     const uint8_t kind = static_cast<uint8_t>(in.Take(1));
     const uint8_t sel = static_cast<uint8_t>(in.Take(1));
@@ -185,6 +187,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto fd = kvtier::net::Connect("127.0.0.1", f->port,
                                  std::chrono::steady_clock::now() + std::chrono::seconds(5));
   if (!fd.ok()) __builtin_trap();  // the store stopped listening
+  {
+    Frame hello{kvtier::wire::kFrameMagic, kvtier::wire::kHello, 0, 0, 0,
+                kvtier::wire::kHelloBytes};
+    kvtier::wire::Reply challenge;
+    std::string nonce(kvtier::wire::kNonceBytes, '\0');
+    const auto by = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    if (!kvtier::net::ReadAll(*fd, &challenge, sizeof(challenge), by).ok() ||
+        challenge.magic != kvtier::wire::kChallengeMagic ||
+        !kvtier::net::ReadAll(*fd, nonce.data(), nonce.size(), by).ok()) {
+      __builtin_trap();  // every connection starts with a challenge
+    }
+    std::string front = hello_frame
+                            ? std::string(reinterpret_cast<const char*>(&hello), sizeof(hello))
+                            : std::string();
+    front += forged ? std::string(kvtier::wire::kHelloBytes, static_cast<char>(mode))
+                    : kvtier::wire::HelloPayload(f->session, nonce);
+    wire = front + wire;
+  }
   // Write and read together (the answers may exceed the socket's buffer),
   // until the store has answered everything and closed, or closed early.
   size_t sent = 0;

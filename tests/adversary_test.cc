@@ -25,8 +25,10 @@
 #include "common/data_wire.h"
 #include "common/rpc/proto_convert.h"
 #include "common/socket_io.h"
+#include "common/ucx/calls.h"
 #include "common/ucx/ucx.h"
 #include "kvtier/v1/store.grpc.pb.h"
+#include "tests/raw_hello.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -60,13 +62,24 @@ uint64_t HeapOf(pid_t pid) {
 // A raw data-plane connection: frames as the attacker writes them.
 class RawConn {
  public:
+  // Reads the store's challenge, then (unless `session` is empty) says
+  // hello with it: with the proof its key gives when it is one
+  // ConnectDataPlane handed out, else as a forger would (testing::HelloFor).
   RawConn(int port, const std::string& session) {
     auto fd = net::Connect("127.0.0.1", port, Soon());
     EXPECT_TRUE(fd.ok()) << fd.status();
     fd_ = fd.ok() ? *fd : -1;
-    if (!session.empty())
-      hello_ = Send(wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, session.size()}, session);
+    auto nonce = testing::ReadChallenge(fd_, Soon());
+    EXPECT_TRUE(nonce.ok()) << nonce.status();
+    nonce_ = nonce.ok() ? *nonce : "";
+    if (!session.empty()) Hello(testing::HelloFor(session, nonce_));
   }
+  // Says hello with `payload` as it is (what an eavesdropper replays).
+  void Hello(const std::string& payload) {
+    hello_payload_ = payload;
+    hello_ = Send(wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, payload.size()}, payload);
+  }
+  const std::string& hello_payload() const { return hello_payload_; }
   ~RawConn() {
     if (fd_ >= 0) close(fd_);
   }
@@ -99,6 +112,8 @@ class RawConn {
 
  private:
   int fd_ = -1;
+  std::string nonce_;
+  std::string hello_payload_;
 };
 
 class Adversary : public ::testing::TestWithParam<std::string> {
@@ -383,15 +398,41 @@ class DataPlaneLimits : public ::testing::Test {
     size_t at = page.find("\n" + series + " ");
     return at == std::string::npos ? -1 : std::stod(page.substr(at + series.size() + 2));
   }
-  // Whether the store has closed `fd` (EOF within `wait`).
+  // Whether the store has closed `fd` (EOF within `wait`; what it sent
+  // before, such as its challenge, is read and dropped).
   static bool ClosedWithin(int fd, std::chrono::milliseconds wait) {
-    char byte;
+    char buf[256];
     const auto deadline = Clock::now() + wait;
     while (Clock::now() < deadline) {
-      pollfd p{fd, POLLIN, 50};
-      if (poll(&p, 1, 50) > 0) return recv(fd, &byte, 1, 0) <= 0;
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, 50) > 0 && recv(fd, buf, sizeof(buf), 0) <= 0) return true;
     }
     return false;
+  }
+  // BeginPut of `n` blocks from H(first) for `token`'s tenant, on a gRPC
+  // connection of its own (another client).
+  v1::BeginPutResponse BeginPut(const std::string& token, uint64_t ns, uint64_t first, int n) {
+    auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.AddMetadata("x-kvtier-tenant-token", token);
+    v1::BeginPutRequest req;
+    req.set_namespace_id(ns);
+    for (int i = 0; i < n; ++i) ToProto(H(first + i), req.add_hashes());
+    v1::BeginPutResponse resp;
+    EXPECT_TRUE(stub->BeginPut(&ctx, req, &resp).ok());
+    return resp;
+  }
+  // AbortPut of `lease` as `token`'s tenant: the status code.
+  grpc::StatusCode AbortPut(const std::string& token, uint64_t lease) {
+    auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.AddMetadata("x-kvtier-tenant-token", token);
+    v1::AbortPutRequest req;
+    req.set_lease_id(lease);
+    v1::AbortPutResponse resp;
+    return stub->AbortPut(&ctx, req, &resp).error_code();
   }
 
   testing::TempDir dir_;
@@ -502,6 +543,83 @@ TEST_F(DataPlaneLimits, SilentAndIdleConnectionsAreClosedAndClientsReconnect) {
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->blocks, 1u);
   EXPECT_EQ(std::memcmp(dst.data(), bytes.data(), kBlock), 0);
+}
+
+TEST_F(DataPlaneLimits, ASniffedHelloOpensNoConnectionAndCommitsNothing) {
+  // Alpha's client says hello; an eavesdropper reads all of it off the wire
+  // (the session id, the store's nonce, the proof) and replays it, or sends
+  // the id as a session the way a hello used to carry it. (Before the
+  // challenge, the hello was the session itself: a replay was alpha.)
+  const std::string session = Connect(kAlphaToken).session();
+  ASSERT_EQ(session.size(), wire::kSocketSessionBytes);
+  RawConn alpha(data_port_, session);
+  ASSERT_EQ(alpha.hello_.first, 0) << alpha.hello_.second;
+  const std::string sniffed = alpha.hello_payload();
+  const std::string id = sniffed.substr(0, wire::kSessionIdBytes);
+  DataClientOptions o;
+  o.tenant_token = kAlphaToken;
+  StoreDataClient owner(store_->address(), o);
+  auto ns = owner.control().RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  v1::BeginPutRequest begin;
+  begin.set_namespace_id(ns->id);
+  ToProto(H(900), begin.add_hashes());
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    RawConn thief(data_port_, "");
+    if (attempt == 0) thief.Hello(sniffed);  // the whole hello, replayed
+    if (attempt == 1) thief.Hello(id);       // the id as the session
+    if (attempt == 2) thief.Hello(id + std::string(wire::kProofBytes, '\0'));  // a guessed proof
+    EXPECT_NE(thief.hello_.first, 0) << attempt;
+    if (attempt != 1) {
+      EXPECT_EQ(thief.hello_.first, static_cast<int>(absl::StatusCode::kUnauthenticated));
+      EXPECT_NE(thief.hello_.second.find("proof"), std::string::npos) << thief.hello_.second;
+    }
+    // Whatever it sends next finds the connection closed: no BeginPut, so
+    // no slot to write and nothing to commit.
+    const std::string body = begin.SerializeAsString();
+    EXPECT_EQ(thief
+                  .Send(wire::Frame{wire::kFrameMagic, wire::kCall, ucx::kCallBeginPut, 0, 0,
+                                    body.size()},
+                        body)
+                  .first,
+              -1)
+        << attempt;
+  }
+  // Nothing of the thief's is stored, and alpha's own connection serves on.
+  auto found = owner.control().Lookup(ns->id, {H(900)});
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_TRUE(found->empty()) << "a block the thief began";
+  const std::string body = begin.SerializeAsString();
+  EXPECT_EQ(
+      alpha
+          .Send(wire::Frame{wire::kFrameMagic, wire::kCall, ucx::kCallBeginPut, 0, 0, body.size()},
+                body)
+          .first,
+      0);
+  EXPECT_GE(Metric("kvtier_store_dataplane_closed_total{reason=\"hello\"}"), 2);
+}
+
+TEST_F(DataPlaneLimits, ALeaseIdNamesNoOtherClientsLease) {
+  // Two clients of one tenant: the second, knowing its own lease id, tries
+  // the ids around it against the first's put. (Ids came from a counter:
+  // the first's was the second's minus one.)
+  DataClientOptions o;
+  o.tenant_token = kAlphaToken;
+  StoreDataClient alpha(store_->address(), o);
+  auto ns = alpha.control().RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  const v1::BeginPutResponse first = BeginPut(kAlphaToken, ns->id, 300, 1);
+  const v1::BeginPutResponse second = BeginPut(kAlphaToken, ns->id, 310, 1);
+  ASSERT_NE(first.lease_id(), 0u);
+  ASSERT_NE(second.lease_id(), 0u);
+  for (int64_t d = -64; d <= 64; ++d) {
+    if (d == 0) continue;
+    const uint64_t guess = second.lease_id() + static_cast<uint64_t>(d);
+    EXPECT_EQ(AbortPut(kAlphaToken, guess), grpc::FAILED_PRECONDITION) << d;
+  }
+  // The first client's lease is still its own to end.
+  EXPECT_EQ(AbortPut(kAlphaToken, first.lease_id()), grpc::OK);
+  EXPECT_EQ(AbortPut(kAlphaToken, second.lease_id()), grpc::OK);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "common/thread_cache.h"
 #include "common/ucx/calls.h"
 #include "common/ucx/ucx.h"
+#include "tests/raw_hello.h"
 #include "tests/test_util.h"
 #include "tests/transports.h"
 #include "worker/connector.h"
@@ -419,6 +420,7 @@ class RawCaller {
     worker_.reset();
   }
   const std::string& session() const { return connect_.session(); }
+  bool sockets() const { return !connect_.data_address().empty(); }
   // Sends one call; the reply's code and body (code -1: no reply in 2 s).
   std::pair<int, std::string> Call(uint16_t method, const std::string& session,
                                    const std::string& body, uint32_t magic = ucx::kCallMagic) {
@@ -477,8 +479,14 @@ class RawCaller {
       if (!net::ReadAll(*fd, text.data(), text.size(), deadline).ok()) return {-1, ""};
       return {r.code, text};
     };
+    auto nonce = testing::ReadChallenge(*fd, deadline);
+    if (!nonce.ok()) {
+      close(*fd);
+      return {-1, std::string(nonce.status().message())};
+    }
+    const std::string hello = testing::HelloFor(session, *nonce);
     std::pair<int, std::string> out =
-        exchange(wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, session.size()}, session);
+        exchange(wire::Frame{wire::kFrameMagic, wire::kHello, 0, 0, 0, hello.size()}, hello);
     if (out.first == 0) {
       out = exchange(wire::Frame{magic == ucx::kCallMagic ? wire::kFrameMagic : magic, wire::kCall,
                                  method, 0, 0, body.size()},
@@ -503,7 +511,8 @@ TEST_P(FetchPath, BadDataPlaneCallsAreRefusedAndChangeNothingStored) {
   ASSERT_TRUE(ns.ok());
   auto src = PutBlocks(c, ns->id, 2);
   RawCaller raw(c.control());
-  ASSERT_EQ(raw.session().size(), ucx::kSessionBytes) << "the store hands out a session";
+  ASSERT_EQ(raw.session().size(), raw.sockets() ? wire::kSocketSessionBytes : ucx::kSessionBytes)
+      << "the store hands out a session";
   v1::BeginGetRequest pin;
   pin.set_namespace_id(ns->id);
   for (const auto& h : Chain(2)) ToProto(h, pin.add_hashes());

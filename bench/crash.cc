@@ -65,14 +65,18 @@ struct Oracle {
 struct Figures {
   uint64_t kills = 0, puts = 0, put_blocks = 0, gets = 0, served_blocks = 0, evicts = 0;
   uint64_t acked = 0, checked = 0, lost = 0, wrong = 0, failed_calls = 0;
+  double load_seconds = 0;  // under load, restarts and checks aside
   std::vector<double> restart_ms, check_ms;
   std::vector<std::string> problems;  // the first few, for the report
 };
 
 class Driver {
  public:
-  Driver(std::string dir, uint64_t seed, size_t block_bytes)
-      : dir_(std::move(dir)), rng_(seed), block_bytes_(block_bytes) {}
+  Driver(std::string dir, uint64_t seed, size_t block_bytes, std::string disk_sync)
+      : dir_(std::move(dir)),
+        rng_(seed),
+        block_bytes_(block_bytes),
+        disk_sync_(std::move(disk_sync)) {}
 
   // Starts the store, or (once started) restarts it on the same data and port.
   absl::Status Start() {
@@ -87,10 +91,11 @@ class Driver {
       // A fresh channel: the old one backs off after the refused connects.
       client_ = std::make_unique<StoreClient>(store_->address(), Options());
     } else {
-      auto s = LocalServer::Start(
-          DefaultBinary("cachestore", "kvtier-store"), dir_ + "/store",
-          {"--data-dir=" + dir_ + "/db", "--ram-bytes=1MiB", "--ram-slab-bytes=64KiB",
-           "--disk-bytes=2GiB", "--hugepages=false", "--demote-queue-bytes=4MiB"});
+      auto s =
+          LocalServer::Start(DefaultBinary("cachestore", "kvtier-store"), dir_ + "/store",
+                             {"--data-dir=" + dir_ + "/db", "--ram-bytes=1MiB",
+                              "--ram-slab-bytes=64KiB", "--disk-bytes=2GiB", "--hugepages=false",
+                              "--demote-queue-bytes=4MiB", "--disk-sync=" + disk_sync_});
       if (!s.ok()) return s.status();
       store_ = std::move(*s);
       client_ = std::make_unique<StoreClient>(store_->address(), Options());
@@ -261,8 +266,10 @@ class Driver {
     std::vector<std::thread> threads;
     for (int t = 0; t < 2; ++t) threads.emplace_back([this, &stop, t] { Load(&stop, rng_() + t); });
     std::uniform_int_distribution<int> ms(30, 400);
+    const auto loaded = Clock::now();
     std::this_thread::sleep_for(std::chrono::milliseconds(ms(rng_)));
     store_->Kill9();
+    figures_.load_seconds += std::chrono::duration<double>(Clock::now() - loaded).count();
     figures_.kills++;
     stop = true;
     for (auto& t : threads) t.join();
@@ -292,6 +299,7 @@ class Driver {
   std::string dir_;
   std::mt19937_64 rng_;
   size_t block_bytes_;
+  std::string disk_sync_;  // the store's --disk-sync
   std::unique_ptr<LocalServer> store_;
   std::unique_ptr<StoreClient> client_;
   uint64_t ns_ = 0;
@@ -307,6 +315,7 @@ class Driver {
 int RunCrash(int argc, const char* const* argv) {
   int64_t kills = 100, sample = 200, seed = 1, wipe_at = 0;
   bool json = false;
+  std::string disk_sync = "none";
   FlagSet flags("kvtier-bench crash",
                 "Kills kvtier-store with SIGKILL at random moments under mixed put/get/evict\n"
                 "load with demotions to NVMe, restarts it on the same data, and checks an\n"
@@ -320,12 +329,14 @@ int RunCrash(int argc, const char* const* argv) {
   flags.Int("wipe-at", &wipe_at, 0, 1000000,
             "Checks the checker: delete the store's data before restart N (0: never); the run "
             "must then report lost blocks");
+  flags.Choice("disk-sync", &disk_sync, {"none", "commit", "group"},
+               "The store's --disk-sync: when its NVMe writes are fsynced");
   flags.Bool("json", &json, "Print JSON");
   ParseFlagsOrExit(flags, argc, argv);
   SetLogQuiet(true);
   TempDir dir;
   const size_t block_bytes = BlockBytes(Driver::Spec());
-  Driver d(dir.path(), static_cast<uint64_t>(seed), block_bytes);
+  Driver d(dir.path(), static_cast<uint64_t>(seed), block_bytes, disk_sync);
   if (auto s = d.Start(); !s.ok()) {
     std::fprintf(stderr, "kvtier-bench crash: %s\n", std::string(s.message()).c_str());
     return 1;
@@ -345,8 +356,12 @@ int RunCrash(int argc, const char* const* argv) {
   Figures& f = d.figures();
   f.acked = d.acked();
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  nlohmann::json j = {{"kills", f.kills},
+  const double put_rate = f.load_seconds > 0 ? f.put_blocks / f.load_seconds : 0;
+  nlohmann::json j = {{"disk_sync", disk_sync},
+                      {"kills", f.kills},
                       {"seconds", seconds},
+                      {"load_seconds", f.load_seconds},
+                      {"put_blocks_per_s", put_rate},
                       {"puts", f.puts},
                       {"put_blocks", f.put_blocks},
                       {"gets", f.gets},
@@ -365,14 +380,16 @@ int RunCrash(int argc, const char* const* argv) {
   } else {
     if (isatty(2)) std::fprintf(stderr, "\n");
     std::printf(
-        "kvtier-bench crash: %lu SIGKILLs in %.0f s under put/get/evict load with demotions\n"
-        "  %lu puts (%lu blocks), %lu gets (%lu blocks served, every one checked), %lu evictions\n"
+        "kvtier-bench crash: %lu SIGKILLs in %.0f s under put/get/evict load with demotions "
+        "(--disk-sync=%s)\n"
+        "  %lu puts (%lu blocks, %.0f blocks/s under load), %lu gets (%lu blocks served, every "
+        "one checked), %lu evictions\n"
         "  %lu blocks acknowledged on NVMe at the end; %lu reads after restarts\n"
         "  lost: %lu   wrong bytes: %lu   calls failed around kills: %lu\n"
         "  restart to serving: p50 %.0f ms, p99 %.0f ms\n",
-        f.kills, seconds, f.puts, f.put_blocks, f.gets, f.served_blocks, f.evicts, f.acked,
-        f.checked, f.lost, f.wrong, f.failed_calls, Percentile(f.restart_ms, 0.5),
-        Percentile(f.restart_ms, 0.99));
+        f.kills, seconds, disk_sync.c_str(), f.puts, f.put_blocks, put_rate, f.gets,
+        f.served_blocks, f.evicts, f.acked, f.checked, f.lost, f.wrong, f.failed_calls,
+        Percentile(f.restart_ms, 0.5), Percentile(f.restart_ms, 0.99));
     for (const auto& p : f.problems) std::printf("  problem: %s\n", p.c_str());
   }
   return f.lost == 0 && f.wrong == 0 ? 0 : 1;

@@ -16,6 +16,12 @@ absl::Status DiskTierOptions::Validate() const {
         absl::StrCat("disk admission \"", admission, "\" is not one of all, reused"));
   }
   if (bytes == 0) return absl::InvalidArgumentError("disk quota must be at least 1 byte");
+  if (sync == DiskSync::kGroup &&
+      (sync_interval_ms == 0 || sync_interval_ms > limits::kDiskSyncIntervalMaxMs)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("disk sync interval of ", sync_interval_ms, " ms: a group sync needs 1 to ",
+                     limits::kDiskSyncIntervalMaxMs, " ms (--disk-sync-interval)"));
+  }
   return MakePolicy(policy, policy_params).status();
 }
 
@@ -23,6 +29,50 @@ absl::Status DiskTierOptions::Validate() const {
 // and stop it while queue_ still points at the queue.
 DiskTier::~DiskTier() {
   if (queue_) queue_->Stop();
+  if (syncer_.joinable()) {
+    {
+      std::lock_guard lk(sync_mu_);
+      sync_stop_ = true;
+    }
+    sync_cv_.notify_all();
+    syncer_.join();
+    SyncGroup();  // what the queue wrote last
+  }
+}
+
+void DiskTier::SyncLoop() {
+  std::unique_lock lk(sync_mu_);
+  while (!sync_stop_) {
+    sync_cv_.wait_for(lk, std::chrono::milliseconds(options_.sync_interval_ms));
+    if (sync_stop_) break;
+    lk.unlock();
+    SyncGroup();
+    lk.lock();
+  }
+}
+
+void DiskTier::SyncGroup() {
+  {
+    std::lock_guard lk(mu_);
+    if (unsynced_.empty()) return;
+    // Every key here was in the WAL before it was added: the fsync covers it.
+    syncing_.swap(unsynced_);
+  }
+  absl::Status s = backend_->Sync();
+  std::lock_guard lk(mu_);
+  if (s.ok()) {
+    syncs_.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    // Not durable: the next group tries again; lookups do not say NVMe.
+    sync_failures_.fetch_add(1, std::memory_order_relaxed);
+    unsynced_.insert(syncing_.begin(), syncing_.end());
+    const uint64_t failures = sync_failures_.load();
+    if (failures == 1 || failures % 1000 == 0) {
+      Log("store", "disk tier: fsync of the WAL failed (", failures,
+          " times so far): ", s.message(), "; its blocks are not counted durable");
+    }
+  }
+  syncing_.clear();
 }
 
 void DiskTier::SetChangeListener(ChangeListener listener) {
@@ -52,7 +102,7 @@ bool DiskTier::Contains(const BlockKey& key) const {
 
 bool DiskTier::Durable(const BlockKey& key) const {
   std::lock_guard lk(mu_);
-  return index_.count(key) > 0;
+  return index_.count(key) > 0 && unsynced_.count(key) == 0 && syncing_.count(key) == 0;
 }
 
 bool DiskTier::Enqueue(const EvictedBlock& b) {
@@ -107,6 +157,8 @@ void DiskTier::DropIndexLocked(const BlockKey& key) {
     b->second -= it->second.record_bytes;
     if (b->second == 0) ns_bytes_.erase(b);
   }
+  unsynced_.erase(key);  // before the erase: `key` may be the entry's own
+  syncing_.erase(key);
   by_seq_.erase(it->second.seq);
   index_.erase(it);
 }
@@ -200,7 +252,7 @@ absl::Status DiskTier::WriteRecord(const BlockKey& key, const std::string& recor
   batch.Put(Column::kIndex, enc, EncodeIndexEntry(IndexEntry{record_bytes, checksum, seq}));
   // Without mu_: lookups and reads go on while the record reaches the WAL
   // (a reader of a victim then finds it gone and counts a miss).
-  absl::Status s = backend_->Write(batch, /*sync=*/false);
+  absl::Status s = backend_->Write(batch, /*sync=*/options_.sync == DiskSync::kCommit);
   std::lock_guard lk(mu_);
   if (!s.ok()) {
     // Nothing was applied: put the victims back in the policy as they were.
@@ -215,6 +267,7 @@ absl::Status DiskTier::WriteRecord(const BlockKey& key, const std::string& recor
   }
   index_[key] = IndexEntry{record_bytes, checksum, seq};
   by_seq_[seq] = key;
+  if (options_.sync == DiskSync::kGroup) unsynced_.insert(key);
   if (options_.tenant_of) ns_bytes_[key.ns] += record_bytes;
   policy_->Insert(seq);
   counters_.used_bytes.fetch_add(record_bytes, std::memory_order_relaxed);

@@ -12,12 +12,15 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -30,8 +33,18 @@
 #include "cachestore/tier_stats.h"
 #include "cachestore/write_back_queue.h"
 #include "common/block_key.h"
+#include "common/limits.h"
 
 namespace kvtier::store {
+
+// When a block written to NVMe is durable against a host crash (power
+// loss, a kernel panic), not just a crash of the store's process, which
+// every mode survives (docs/reliability.md, "Durability").
+enum class DiskSync {
+  kNone,    // never fsynced by the store (the OS writes back in its time)
+  kCommit,  // each block's write is fsynced before it counts as on NVMe
+  kGroup,   // fsynced every sync_interval_ms; on NVMe once its group is
+};
 
 struct DiskTierOptions {
   std::string dir;
@@ -51,9 +64,11 @@ struct DiskTierOptions {
   // must outlive the tier. Empty: no tenant limits.
   std::vector<uint64_t> tenant_bytes;
   const NamespaceTenants* tenant_of = nullptr;
+  DiskSync sync = DiskSync::kNone;
+  uint64_t sync_interval_ms = limits::kDiskSyncIntervalMs;  // kGroup's period
 
   // INVALID_ARGUMENT naming the field: unknown admission or policy, a zero
-  // quota.
+  // quota, a group sync without an interval.
   absl::Status Validate() const;
 };
 
@@ -81,8 +96,12 @@ class DiskTier : public Tier {
   // True if the block is on disk or waiting in the write-back queue.
   bool Contains(const BlockKey& key) const override;
   // On NVMe: written, so it survives a crash of the process (a queued block
-  // does not).
+  // does not), and with DiskSync kCommit or kGroup fsynced, so it survives
+  // a crash of the host too (kGroup: once its group's fsync returned).
   bool Durable(const BlockKey& key) const;
+  // Group fsyncs done (kGroup), and fsyncs that failed.
+  uint64_t syncs() const { return syncs_.load(); }
+  uint64_t sync_failures() const { return sync_failures_.load(); }
 
   // Demotion sink: copies the block into the write-back queue. False if it
   // is not admitted, writes are stopped or paused, or the queue is full
@@ -140,6 +159,11 @@ class DiskTier : public Tier {
   absl::Status WriteRecord(const BlockKey& key, const std::string& record, uint64_t length,
                            uint64_t checksum, std::vector<BlockKey>* evicted);
   void SetDegraded(const std::string& reason);
+  // kGroup: every sync_interval_ms, fsyncs what was written since the last
+  // group, then counts it durable.
+  void SyncLoop();
+  // One group: the keys written so far become durable once fsynced.
+  void SyncGroup();
   // Tells the listener (if any) that `removed` left the tier and `added`
   // (when not null) arrived.
   void Notify(const std::vector<BlockKey>& removed, const BlockKey* added);
@@ -178,6 +202,15 @@ class DiskTier : public Tier {
 
   TierCounters counters_;
   std::atomic<uint64_t> checksum_failures_{0};
+
+  // kGroup: blocks written (in index_) but not yet fsynced, and those the
+  // running fsync covers; neither is Durable yet. Guarded by mu_.
+  std::unordered_set<BlockKey, BlockKeyHasher> unsynced_, syncing_;
+  std::atomic<uint64_t> syncs_{0}, sync_failures_{0};
+  std::mutex sync_mu_;  // sync_stop_
+  std::condition_variable sync_cv_;
+  bool sync_stop_ = false;
+  std::thread syncer_;
   // Last member: destroyed first, draining into the members above.
   std::unique_ptr<WriteBackQueue> queue_;
 };

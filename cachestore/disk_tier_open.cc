@@ -87,6 +87,7 @@ absl::StatusOr<std::unique_ptr<DiskTier>> DiskTier::Open(const DiskTierOptions& 
                                   self->SetDegraded("");
                                   return true;
                                 }});
+  if (o.sync == DiskSync::kGroup) t->syncer_ = std::thread([self] { self->SyncLoop(); });
   return t;
 }
 

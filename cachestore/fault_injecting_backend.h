@@ -56,7 +56,15 @@ class FaultInjectingBackend : public StorageBackend {
     std::lock_guard lk(mu_);
     scan_errors_[static_cast<int>(column)] = std::move(s);
   }
+  // Every Sync fails with this status; OK: syncs pass.
+  void set_sync_error(absl::Status s) {
+    std::lock_guard lk(mu_);
+    sync_error_ = std::move(s);
+  }
   uint64_t writes_attempted() const { return writes_.load(); }
+  // Writes asked to sync, and Syncs that reached the base.
+  uint64_t synced_writes() const { return synced_writes_.load(); }
+  uint64_t syncs() const { return syncs_.load(); }
 
   absl::Status Write(const WriteBatch& batch, bool sync) override {
     writes_.fetch_add(1);
@@ -64,7 +72,16 @@ class FaultInjectingBackend : public StorageBackend {
       std::lock_guard lk(mu_);
       if (!write_error_.ok()) return write_error_;
     }
+    if (sync) synced_writes_.fetch_add(1);
     return base_->Write(batch, sync);
+  }
+  absl::Status Sync() override {
+    {
+      std::lock_guard lk(mu_);
+      if (!sync_error_.ok()) return sync_error_;
+    }
+    syncs_.fetch_add(1);
+    return base_->Sync();
   }
   absl::Status Get(Column column, absl::string_view key,
                    const std::function<void(absl::string_view)>& use) override {
@@ -120,11 +137,14 @@ class FaultInjectingBackend : public StorageBackend {
   mutable std::mutex mu_;
   std::optional<uint64_t> free_bytes_;
   absl::Status write_error_;
+  absl::Status sync_error_;
   absl::Status read_error_;
   absl::Status scan_errors_[kColumns];
   std::optional<size_t> corrupt_at_;
   RecordFault record_fault_ = RecordFault::kNone;
   std::atomic<uint64_t> writes_{0};
+  std::atomic<uint64_t> synced_writes_{0};
+  std::atomic<uint64_t> syncs_{0};
 };
 
 }  // namespace kvtier::store

@@ -38,6 +38,8 @@ struct Flags {
   uint64_t demote_queue_bytes = 64ull << 20;
   uint64_t disk_reserve_bytes = 64ull << 20;
   std::string disk_admission = "all";
+  std::string disk_sync = "none";
+  uint64_t disk_sync_interval_ms = kvtier::limits::kDiskSyncIntervalMs;
   bool hugepages = true;
   bool local_shm = true;
   bool prefault = true;
@@ -93,6 +95,12 @@ int main(int argc, char** argv) {
               "degraded; reads and RAM go on) until space returns");
   flags.Choice("disk-admission", &f.disk_admission, {"all", "reused"},
                "Which evicted RAM blocks go to NVMe: all, or only those read at least once");
+  flags.Choice("disk-sync", &f.disk_sync, {"none", "commit", "group"},
+               "When an NVMe block is fsynced: none (survives a crash of the store, not of the "
+               "host), commit (each write), group (every --disk-sync-interval); lookups say "
+               "NVMe only for what the mode makes durable (docs/reliability.md)");
+  flags.DurationMs("disk-sync-interval", &f.disk_sync_interval_ms,
+                   "The group fsync period of --disk-sync=group (e.g. 10ms; at most 10s)");
   flags.Bool("hugepages", &f.hugepages, "Back the RAM arena with 2 MiB hugepages when reserved");
   flags.Bool("local-shm", &f.local_shm,
              "Let data-plane clients on this host, running as this user, map the RAM arena and "
@@ -172,6 +180,15 @@ int main(int argc, char** argv) {
 
   if (f.ram_bytes == 0) {
     std::fprintf(stderr, "kvtier-store: flag --ram-bytes must be above 0\n");
+    return 2;
+  }
+  if (f.disk_sync == "group" &&
+      (f.disk_sync_interval_ms == 0 ||
+       f.disk_sync_interval_ms > kvtier::limits::kDiskSyncIntervalMaxMs)) {
+    std::fprintf(stderr,
+                 "kvtier-store: flag --disk-sync-interval must be 1ms to 10s with "
+                 "--disk-sync=group (got %lu ms)\n",
+                 static_cast<unsigned long>(f.disk_sync_interval_ms));
     return 2;
   }
   if (f.disk_bytes == 0) {
@@ -309,6 +326,10 @@ int main(int argc, char** argv) {
   o.disk.queue_bytes = f.demote_queue_bytes;
   o.disk.reserve_bytes = f.disk_reserve_bytes;
   o.disk.admission = f.disk_admission;
+  o.disk.sync = f.disk_sync == "commit"  ? kvtier::store::DiskSync::kCommit
+                : f.disk_sync == "group" ? kvtier::store::DiskSync::kGroup
+                                         : kvtier::store::DiskSync::kNone;
+  o.disk.sync_interval_ms = f.disk_sync_interval_ms;
   o.lease_ms = f.lease_ms;
   o.verify_commits = f.verify_commits;
   o.max_leases_per_client = static_cast<uint64_t>(f.max_leases_per_client);

@@ -111,6 +111,12 @@ absl::Status RocksDbBackend::Write(const WriteBatch& batch, bool sync) {
   return FromRocks(s, "write error", dir_);
 }
 
+absl::Status RocksDbBackend::Sync() {
+  // The WAL is flushed to the file by every write (manual_wal_flush off):
+  // only the fsync is left.
+  return FromRocks(db_->SyncWAL(), "syncing the WAL", dir_);
+}
+
 absl::Status RocksDbBackend::Get(Column column, absl::string_view key,
                                  const std::function<void(absl::string_view)>& use) {
   rocksdb::PinnableSlice v;

@@ -41,6 +41,7 @@ class RocksDbBackend : public StorageBackend {
   absl::Status Scan(Column column, absl::string_view prefix,
                     const std::function<bool(absl::string_view key, absl::string_view value)>&
                         visit) const override;
+  absl::Status Sync() override;
   absl::StatusOr<uint64_t> FreeBytes() const override;
   std::string location() const override { return dir_; }
 

@@ -56,6 +56,11 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
           "NVMe index entries found at start that could not be decoded (their blocks are not "
           "served)",
           store_->disk().skipped_index_entries());
+  m.Counter("kvtier_store_disk_syncs_total",
+            "Group fsyncs of the NVMe tier's WAL (--disk-sync=group)", store_->disk().syncs());
+  m.Counter("kvtier_store_disk_sync_failures_total",
+            "Failed fsyncs of the NVMe tier's WAL: their blocks are not counted durable",
+            store_->disk().sync_failures());
   m.Gauge("kvtier_store_dataplane_connections",
           "Open data-plane connections (socket connections or UCX endpoints)",
           (dataplane_ ? dataplane_->connections() : 0) + (sockets_ ? sockets_->connections() : 0));

@@ -69,6 +69,11 @@ class StorageBackend {
       Column column, absl::string_view prefix,
       const std::function<bool(absl::string_view key, absl::string_view value)>& visit) const = 0;
 
+  // Makes every write that returned so far durable (fsync of the WAL):
+  // what a write without sync needs to survive a host crash. UNAVAILABLE
+  // for an I/O error.
+  virtual absl::Status Sync() = 0;
+
   // Bytes the filesystem holding the data still has for this process;
   // UNAVAILABLE when it cannot be asked.
   virtual absl::StatusOr<uint64_t> FreeBytes() const = 0;

@@ -48,6 +48,11 @@ inline constexpr uint64_t kTenantDataConnections = 1024;
 // oldest goes first, never another tenant's. A store without tenants keeps
 // kSessions.
 inline constexpr uint64_t kTenantSessions = 4096;
+
+// The NVMe tier's group fsync period (--disk-sync=group,
+// --disk-sync-interval, milliseconds), and its most.
+inline constexpr uint64_t kDiskSyncIntervalMs = 10;
+inline constexpr uint64_t kDiskSyncIntervalMaxMs = 10000;
 inline constexpr uint64_t kSessions = 65536;
 
 }  // namespace kvtier::limits

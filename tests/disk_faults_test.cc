@@ -26,7 +26,8 @@ struct FaultyTier {
   std::unique_ptr<DiskTier> tier;
 };
 
-FaultyTier Open(const std::string& dir, uint64_t reserve = 64 << 20) {
+FaultyTier Open(const std::string& dir, uint64_t reserve = 64 << 20,
+                DiskSync sync = DiskSync::kNone, uint64_t sync_interval_ms = 10) {
   auto rocks = RocksDbBackend::Open(dir);
   EXPECT_TRUE(rocks.ok()) << rocks.status();
   auto backend = std::make_unique<FaultInjectingBackend>(std::move(*rocks));
@@ -36,6 +37,8 @@ FaultyTier Open(const std::string& dir, uint64_t reserve = 64 << 20) {
   o.dir = dir;
   o.bytes = 64 << 20;
   o.reserve_bytes = reserve;
+  o.sync = sync;
+  o.sync_interval_ms = sync_interval_ms;
   auto t = DiskTier::Open(o, std::move(backend));
   EXPECT_TRUE(t.ok()) << t.status();
   f.tier = std::move(*t);
@@ -312,6 +315,59 @@ TEST(DiskFaults, AReadErrorOnAGetIsAnErrorNotAMiss) {
   EXPECT_EQ(g->sources.size(), 2u);
   ASSERT_TRUE(f.store->EndGet(g->lease).ok());
   EXPECT_EQ(f.store->Stats().disk_read_errors, 3u);
+}
+
+TEST(DiskFaults, EachSyncModeSaysNvmeOnlyForWhatItMadeDurable) {
+  {
+    // none: on NVMe once written (a crash of the process keeps it); no fsync.
+    testing::TempDir dir;
+    FaultyTier f = Open(dir.path(), 64 << 20, DiskSync::kNone);
+    ASSERT_TRUE(Write(*f.tier, 1).ok());
+    EXPECT_TRUE(f.tier->Durable(Key(1)));
+    EXPECT_EQ(f.faults->synced_writes(), 0u);
+    EXPECT_EQ(f.faults->syncs(), 0u);
+  }
+  {
+    // commit: each write is fsynced before it returns.
+    testing::TempDir dir;
+    FaultyTier f = Open(dir.path(), 64 << 20, DiskSync::kCommit);
+    ASSERT_TRUE(Write(*f.tier, 1).ok());
+    ASSERT_TRUE(Write(*f.tier, 2).ok());
+    EXPECT_TRUE(f.tier->Durable(Key(1)));
+    EXPECT_TRUE(f.tier->Durable(Key(2)));
+    EXPECT_EQ(f.faults->synced_writes(), 2u);
+  }
+  {
+    // group: durable once the next group's fsync returned; a failing fsync
+    // keeps its blocks from counting, and the next one that works counts
+    // them. Reads never wait for it.
+    testing::TempDir dir;
+    FaultyTier f = Open(dir.path(), 64 << 20, DiskSync::kGroup, 50);
+    f.faults->set_sync_error(absl::UnavailableError("fsync: input/output error"));
+    ASSERT_TRUE(Write(*f.tier, 1).ok());
+    ASSERT_TRUE(Write(*f.tier, 2).ok());
+    EXPECT_FALSE(f.tier->Durable(Key(1)));
+    ExpectBlock(*f.tier, 1);
+    ASSERT_TRUE(testing::WaitFor([&] { return f.tier->sync_failures() >= 2; }));
+    EXPECT_FALSE(f.tier->Durable(Key(1)));
+    EXPECT_FALSE(f.tier->Durable(Key(2)));
+    EXPECT_EQ(f.faults->synced_writes(), 0u);
+    f.faults->set_sync_error(absl::OkStatus());
+    ASSERT_TRUE(testing::WaitFor([&] { return f.tier->Durable(Key(1)); }));
+    EXPECT_TRUE(f.tier->Durable(Key(2)));
+    EXPECT_GE(f.tier->syncs(), 1u);
+    // An evicted block leaves the unsynced set with the index.
+    ASSERT_TRUE(Write(*f.tier, 3).ok());
+    f.tier->Erase({Key(3)});
+    EXPECT_FALSE(f.tier->Durable(Key(3)));
+  }
+  // A group sync needs an interval.
+  DiskTierOptions o;
+  o.sync = DiskSync::kGroup;
+  o.sync_interval_ms = 0;
+  absl::Status bad = o.Validate();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("--disk-sync-interval"), std::string::npos) << bad;
 }
 
 }  // namespace

@@ -342,6 +342,8 @@ TEST(StoreIntegration, BadFlagsExitNonZeroNamingTheFlag) {
   } cases[] = {{"--ram-bytes=lots", "--ram-bytes"},
                {"--ram-policy=fifo", "--ram-policy"},
                {"--lease-ms=soon", "--lease-ms"},
+               {"--disk-sync=sometimes", "--disk-sync"},
+               {"--disk-sync-interval=soon", "--disk-sync-interval"},
                {"--listen=nowhere", "--listen"},
                {"--no-such-flag", "--no-such-flag"}};
   for (const auto& tc : cases) {

@@ -14,13 +14,17 @@ namespace {
 // Least recently used: front of the list is the most recent. Eviction walks
 // from the least recent, past residents that cannot go (pinned by a lease)
 // without moving them: a pin is not a use, so a pinned block keeps its
-// place, and a pass does not rotate every pinned block. At most
-// limits::kEvictScan residents are looked at per eviction (CacheLib's
-// MMLru bounds its search the same way): past them it finds no victim, as
-// when every resident is pinned.
+// place, and a pass does not rotate every pinned block. At most max_scan
+// residents (parameter max_scan, limits::kEvictScan by default) are looked
+// at per eviction (CacheLib's MMLru bounds its search the same way): past
+// them it finds no victim, as when every resident is pinned.
 class Lru final : public EvictionPolicy {
  public:
+  explicit Lru(size_t max_scan) : max_scan_(max_scan) {}
   std::string name() const override { return "lru"; }
+  std::map<std::string, double> params() const override {
+    return {{"max_scan", static_cast<double>(max_scan_)}};
+  }
   void Insert(uint64_t id) override {
     order_.push_front(id);
     pos_[id] = order_.begin();
@@ -37,8 +41,7 @@ class Lru final : public EvictionPolicy {
   }
   std::optional<uint64_t> Evict(const std::function<bool(uint64_t)>& can_evict) override {
     size_t tries = 0;
-    for (auto it = order_.rbegin(); it != order_.rend() && tries < limits::kEvictScan;
-         ++it, ++tries) {
+    for (auto it = order_.rbegin(); it != order_.rend() && tries < max_scan_; ++it, ++tries) {
       if (can_evict(*it)) {
         const uint64_t id = *it;
         order_.erase(std::next(it).base());
@@ -51,6 +54,7 @@ class Lru final : public EvictionPolicy {
   size_t size() const override { return pos_.size(); }
 
  private:
+  const size_t max_scan_;
   std::list<uint64_t> order_;
   std::unordered_map<uint64_t, std::list<uint64_t>::iterator> pos_;
 };
@@ -237,8 +241,20 @@ absl::StatusOr<std::unique_ptr<EvictionPolicy>> MakePolicy(
     return absl::OkStatus();
   };
   if (name == "lru") {
-    if (auto s = reject_params("lru"); !s.ok()) return s;
-    return std::unique_ptr<EvictionPolicy>(new Lru());
+    double max_scan = static_cast<double>(limits::kEvictScan);
+    for (const auto& [k, v] : params) {
+      if (k != "max_scan") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("policy lru has no parameter \"", k, "\" (it takes max_scan)"));
+      }
+      if (!(v >= 1 && v <= static_cast<double>(limits::kEvictScanMax)) ||
+          v != static_cast<uint64_t>(v)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "lru max_scan ", v, " is not a whole number in 1..", limits::kEvictScanMax));
+      }
+      max_scan = v;
+    }
+    return std::unique_ptr<EvictionPolicy>(new Lru(static_cast<size_t>(max_scan)));
   }
   if (name == "sieve") {
     if (auto s = reject_params("sieve"); !s.ok()) return s;

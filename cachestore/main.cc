@@ -33,6 +33,7 @@ struct Flags {
   uint64_t disk_bytes = 8ull << 30;
   uint64_t slab_bytes = 4ull << 20;
   std::string ram_policy = "s3fifo";
+  int64_t lru_max_scan = static_cast<int64_t>(kvtier::limits::kEvictScan);
   std::string disk_policy = "lru";
   uint64_t lease_ms = 10000;
   uint64_t demote_queue_bytes = 64ull << 20;
@@ -84,6 +85,10 @@ int main(int argc, char** argv) {
   flags.Bytes("ram-slab-bytes", &f.slab_bytes,
               "Slab size of the RAM arena; the largest block the store accepts");
   flags.Choice("ram-policy", &f.ram_policy, {"lru", "s3fifo", "sieve"}, "RAM eviction policy");
+  flags.Int("lru-max-scan", &f.lru_max_scan, 1, static_cast<int64_t>(kvtier::limits::kEvictScanMax),
+            "Residents an LRU eviction looks at for one victim (pinned ones are passed over); "
+            "past it none is found. The lru policy's max_scan at start (kvctl policy set lru "
+            "--param max_scan=N changes it)");
   flags.Choice("disk-policy", &f.disk_policy, {"lru", "s3fifo", "sieve"}, "NVMe eviction policy");
   flags.DurationMs("lease-ms", &f.lease_ms,
                    "How long an uncommitted put or an un-ended get holds its slots (e.g. 10s)");
@@ -314,6 +319,7 @@ int main(int argc, char** argv) {
   o.ram.bytes = f.ram_bytes;
   o.ram.slab_bytes = f.slab_bytes;
   o.ram.policy = f.ram_policy;
+  if (f.ram_policy == "lru") o.ram.policy_params["max_scan"] = static_cast<double>(f.lru_max_scan);
   o.ram.try_hugepages = f.hugepages;
   // With tenants the arena is never a memfd: a same-host process that could
   // open it would map every tenant's region.
@@ -323,6 +329,9 @@ int main(int argc, char** argv) {
   o.disk.dir = f.data_dir;
   o.disk.bytes = f.disk_bytes;
   o.disk.policy = f.disk_policy;
+  if (f.disk_policy == "lru") {
+    o.disk.policy_params["max_scan"] = static_cast<double>(f.lru_max_scan);
+  }
   o.disk.queue_bytes = f.demote_queue_bytes;
   o.disk.reserve_bytes = f.disk_reserve_bytes;
   o.disk.admission = f.disk_admission;

@@ -86,11 +86,11 @@ int RunPolicy(const CommandLine& line) {
   bool set = line.words[1] == "set";
   SharedFlags c;
   std::string tier = "ram", params;
-  FlagSet f(
-      set ? "kvctl policy set" : "kvctl policy get",
-      set ? "Switch a tier's eviction policy on every shard (no block is dropped).\n"
-            "Usage: kvctl policy set --tier ram|disk lru|s3fifo|sieve [--param small_fraction=0.2]"
-          : "Show each tier's eviction policy on every shard.");
+  FlagSet f(set ? "kvctl policy set" : "kvctl policy get",
+            set ? "Switch a tier's eviction policy on every shard (no block is dropped).\n"
+                  "Usage: kvctl policy set --tier ram|disk lru|s3fifo|sieve [--param "
+                  "small_fraction=0.2 | max_scan=4096]"
+                : "Show each tier's eviction policy on every shard.");
   c.Register(f, SharedFlags::Dials::kStores);
   if (set) {
     f.Choice("tier", &tier, {"ram", "disk"}, "Tier to change");

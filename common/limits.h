@@ -22,8 +22,11 @@ inline constexpr uint64_t kMaxPromptTokens = 2097152;
 inline constexpr uint64_t kMaxPromptBlocks = 16384;
 
 // Residents an LRU eviction looks at for one victim, from the least recent
-// (pinned ones are passed over in place): past it no victim is found.
+// (pinned ones are passed over in place): past it no victim is found. The
+// lru policy's max_scan parameter (--lru-max-scan; kvctl policy set lru
+// --param max_scan=N), at most kEvictScanMax.
 inline constexpr size_t kEvictScan = 4096;
+inline constexpr size_t kEvictScanMax = 1 << 20;
 
 // The socket data plane (kvtier-store; docs/security.md, "Resource
 // limits"). Defaults of the store's flags and the tenants file's keys.

@@ -71,6 +71,23 @@ TEST(Lru, TheSearchPastPinnedResidentsIsBounded) {
   EXPECT_EQ(*p->Evict(kAny), 0u);  // the least recent, still in its place
 }
 
+TEST(Lru, TheSearchBoundIsItsMaxScanParameter) {
+  auto p = MakePolicy("lru", {{"max_scan", 8}});
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)->params().at("max_scan"), 8);
+  EXPECT_EQ(Make("lru")->params().at("max_scan"), static_cast<double>(limits::kEvictScan));
+  for (uint64_t i = 0; i < 20; ++i) (*p)->Insert(i);
+  size_t looked = 0;
+  EXPECT_FALSE((*p)->Evict([&](uint64_t id) { return ++looked, id >= 10; }).has_value());
+  EXPECT_EQ(looked, 8u);
+  for (double bad : {0.0, 2.5, 1e9}) {
+    auto r = MakePolicy("lru", {{"max_scan", bad}});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("max_scan"), std::string::npos) << r.status();
+  }
+  EXPECT_FALSE(MakePolicy("lru", {{"small_fraction", 0.1}}).ok());
+}
+
 TEST(Sieve, ReferenceOrder) {
   // Queue head..tail: 4 3 2 1. Hits on 1 and 3 set their visited bits. The
   // hand starts at the tail: 1 (visited: clear) -> 2 evicted; hand at 3

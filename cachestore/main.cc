@@ -63,6 +63,7 @@ struct Flags {
   int64_t max_namespaces = 1024;
   int64_t data_max_connections = kvtier::limits::kDataConnections;
   int64_t data_max_unhelloed = kvtier::limits::kDataUnhelloed;
+  uint64_t data_max_buffered = kvtier::limits::kDataBufferedBytes;
   uint64_t data_hello_timeout_ms = kvtier::limits::kDataHelloMs;
   uint64_t data_idle_timeout_ms = kvtier::limits::kDataIdleMs;
 };
@@ -127,6 +128,10 @@ int main(int argc, char** argv) {
   flags.Int("data-max-unhelloed", &f.data_max_unhelloed, 1, int64_t{1} << 20,
             "Socket data-plane connections that have not presented a session yet; past it a "
             "new one evicts the oldest of them");
+  flags.Bytes("data-max-buffered", &f.data_max_buffered,
+              "Bytes of socket data-plane call bodies being read at once on a store without "
+              "tenants (each tenant has its own buffered= instead); a call past it is answered "
+              "RESOURCE_EXHAUSTED");
   flags.DurationMs("data-hello-timeout", &f.data_hello_timeout_ms,
                    "How long a new data-plane connection has to present its session");
   flags.DurationMs("data-idle-timeout", &f.data_idle_timeout_ms,
@@ -194,6 +199,10 @@ int main(int argc, char** argv) {
                  "kvtier-store: flag --disk-sync-interval must be 1ms to 10s with "
                  "--disk-sync=group (got %lu ms)\n",
                  static_cast<unsigned long>(f.disk_sync_interval_ms));
+    return 2;
+  }
+  if (f.data_max_buffered == 0) {
+    std::fprintf(stderr, "kvtier-store: flag --data-max-buffered must be above 0\n");
     return 2;
   }
   if (f.disk_bytes == 0) {
@@ -392,6 +401,7 @@ int main(int argc, char** argv) {
     kvtier::store::SocketDataPlane::Options so;
     so.max_connections = static_cast<size_t>(f.data_max_connections);
     so.max_unhelloed = static_cast<size_t>(f.data_max_unhelloed);
+    so.max_buffered_bytes = f.data_max_buffered;
     so.hello_timeout = std::chrono::milliseconds(f.data_hello_timeout_ms);
     so.idle_timeout = std::chrono::milliseconds(f.data_idle_timeout_ms);
     auto sp = kvtier::store::SocketDataPlane::Start(f.data_listen, so);

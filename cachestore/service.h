@@ -143,8 +143,9 @@ class StoreService final : public kvtier::v1::Store::Service {
   // within its tenant's `connections=`;
   // RESOURCE_EXHAUSTED naming the limit past it (counted, logged at most
   // once a second per tenant).
-  absl::StatusOr<std::shared_ptr<void>> AdmitConnection(std::string_view id, std::string_view nonce,
-                                                        std::string_view proof);
+  absl::StatusOr<SocketDataPlane::Admission> AdmitConnection(std::string_view id,
+                                                             std::string_view nonce,
+                                                             std::string_view proof);
   DataPlaneServer::CallReply ServeCall(uint16_t method, std::string_view session,
                                        std::string_view request);
   // A socket data-plane transfer of `length` bytes at `addr` (as BeginGet or
@@ -172,7 +173,8 @@ class StoreService final : public kvtier::v1::Store::Service {
   struct TenantConnections {
     uint64_t open = 0;
     uint64_t refused = 0;
-    uint64_t sessions_dropped = 0;  // its oldest, for its newer ones
+    uint64_t sessions_dropped = 0;       // its oldest, for its newer ones
+    std::shared_ptr<ByteBudget> buffer;  // its call bodies being read (buffered=)
     std::chrono::steady_clock::time_point last_log;
     uint64_t unlogged = 0;
   };

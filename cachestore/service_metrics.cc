@@ -74,6 +74,10 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
           std::pair{"idle", d.idle_closed}}) {
       m.Counter("kvtier_store_dataplane_closed_total", help, n, {{"reason", reason}});
     }
+    m.Counter("kvtier_store_dataplane_calls_refused_total",
+              "Socket data-plane calls answered RESOURCE_EXHAUSTED: their bodies would pass "
+              "the caller's budget of call bodies being read (buffered=, --data-max-buffered)",
+              d.calls_refused_buffer, {{"reason", "buffered"}});
     m.Gauge("kvtier_store_dataplane_unhelloed_connections",
             "Socket data-plane connections that have not presented a session yet",
             sockets_->unhelloed());
@@ -93,6 +97,9 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
                 "The tenant's oldest data-plane sessions dropped for newer ones at its sessions= "
                 "limit",
                 tc.sessions_dropped, l);
+      m.Gauge("kvtier_store_tenant_dataplane_buffered_bytes",
+              "Bytes of the tenant's data-plane call bodies being read now (buffered= bounds it)",
+              tc.buffer ? tc.buffer->used() : 0, l);
     }
   }
   for (const auto& [name, tier] :

@@ -62,9 +62,9 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
   return id + key;
 }
 
-absl::StatusOr<std::shared_ptr<void>> StoreService::AdmitConnection(std::string_view id,
-                                                                    std::string_view nonce,
-                                                                    std::string_view proof) {
+absl::StatusOr<SocketDataPlane::Admission> StoreService::AdmitConnection(std::string_view id,
+                                                                         std::string_view nonce,
+                                                                         std::string_view proof) {
   auto session = SessionOf(id);
   if (!session.ok()) return session.status();
   if (session->key.empty() || !wire::ProofHolds(session->key, nonce, id, proof)) {
@@ -83,10 +83,18 @@ absl::StatusOr<std::shared_ptr<void>> StoreService::AdmitConnection(std::string_
     TenantConnections& tc = conns_->by_tenant[tenant];
     if (tc.open < cap) {
       tc.open++;
-      return std::shared_ptr<void>(nullptr, [counts = conns_, tenant](void*) {
-        std::lock_guard lk(counts->mu);
-        counts->by_tenant[tenant].open--;
-      });
+      // A tenant's call bodies count against its own budget; a store
+      // without tenants leaves them to the data plane's.
+      if (t && !tc.buffer) {
+        tc.buffer = std::make_shared<ByteBudget>(
+            t->max_buffered, absl::StrCat("buffered= of tenant ", t->name, " in the tenants file"));
+      }
+      return SocketDataPlane::Admission{std::shared_ptr<void>(nullptr,
+                                                              [counts = conns_, tenant](void*) {
+                                                                std::lock_guard lk(counts->mu);
+                                                                counts->by_tenant[tenant].open--;
+                                                              }),
+                                        tc.buffer};
     }
     tc.refused++;
     const auto now = std::chrono::steady_clock::now();

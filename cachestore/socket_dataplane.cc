@@ -26,7 +26,11 @@ namespace kvtier::store {
 namespace {
 
 constexpr int kInvalidArgument = 3;
+constexpr int kResourceExhausted = 8;
 constexpr int kUnavailable = 14;
+// A call body is read this much at a time (and a buffer past it is freed
+// after the call).
+constexpr size_t kReadChunk = 64 << 10;
 // How long a client may take to send the rest of a frame it began, or to
 // take a reply that is not a transfer's (a transfer has its lease's deadline).
 constexpr auto kFrameTime = std::chrono::seconds(30);
@@ -38,7 +42,8 @@ constexpr auto kSpin = std::chrono::microseconds(50);
 absl::StatusOr<std::unique_ptr<SocketDataPlane>> SocketDataPlane::Start(const std::string& listen,
                                                                         Options options) {
   if (options.max_connections == 0 || options.max_unhelloed == 0 ||
-      options.hello_timeout.count() <= 0 || options.idle_timeout.count() <= 0) {
+      options.hello_timeout.count() <= 0 || options.idle_timeout.count() <= 0 ||
+      options.max_buffered_bytes == 0) {
     return absl::InvalidArgumentError(
         "data plane: connection limits and timeouts must be positive");
   }
@@ -54,6 +59,7 @@ absl::StatusOr<std::unique_ptr<SocketDataPlane>> SocketDataPlane::Start(const st
     return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
   }
   d->options_ = options;
+  d->buffered_ = std::make_unique<ByteBudget>(options.max_buffered_bytes, "--data-max-buffered");
   d->acceptor_ = std::thread([p = d.get()] { p->AcceptLoop(); });
   return d;
 }
@@ -73,8 +79,8 @@ SocketDataPlane::~SocketDataPlane() {
 }
 
 SocketDataPlane::Stats SocketDataPlane::stats() const {
-  return Stats{refused_full_.load(), evicted_.load(), hello_timeouts_.load(),
-               hellos_refused_.load(), idle_closed_.load()};
+  return Stats{refused_full_.load(),   evicted_.load(),     hello_timeouts_.load(),
+               hellos_refused_.load(), idle_closed_.load(), calls_refused_buffer_.load()};
 }
 
 void SocketDataPlane::LogLimited(const std::string& what) {
@@ -212,18 +218,18 @@ void SocketDataPlane::Serve(Connection* c) {
   if (!open && c->state.load() == kUnhelloed && net::Clock::now() >= hello_by) hello_timeouts_++;
   // The connection acts as this session from here on.
   const std::string session = hello.substr(0, wire::kSessionIdBytes);
-  std::shared_ptr<void> ticket;  // the tenant's count of this connection
+  Admission admission;  // the tenant's count of this connection, its budget
   if (open) {
     // Only a session ConnectDataPlane handed out, proven with its key,
     // keeps a connection.
-    absl::StatusOr<std::shared_ptr<void>> known;
+    absl::StatusOr<Admission> known;
     {
       std::shared_lock lk(handlers_mu_);
       known = hello_ ? hello_(session, nonce, std::string_view(hello).substr(wire::kSessionIdBytes))
                      : absl::UnavailableError("the store is not taking data-plane connections");
     }
     if (known.ok()) {
-      ticket = std::move(*known);
+      admission = std::move(*known);
     } else {
       hellos_refused_++;
     }
@@ -265,14 +271,42 @@ void SocketDataPlane::Serve(Connection* c) {
             .IgnoreError();
         break;
       }
-      request.resize(f.length);
-      if (!net::ReadAll(fd, request.data(), request.size(), soon(), stop_fd_).ok()) break;
+      // The body counts against the budget while it is read and served.
+      ByteBudget& budget = admission.buffer ? *admission.buffer : *buffered_;
+      if (!budget.Take(f.length)) {
+        calls_refused_buffer_++;
+        open = reply(kResourceExhausted,
+                     absl::StrCat("a call of ", f.length,
+                                  " bytes would take call bodies being "
+                                  "read past ",
+                                  budget.cap(), " bytes (", budget.limit(), "; ", budget.used(),
+                                  " now): retry once calls end"),
+                     nullptr, 0, soon())
+                   .ok() &&
+               net::Discard(fd, f.length, soon(), stop_fd_).ok();
+        continue;
+      }
+      // Read as it arrives: the buffer grows with the bytes received, not
+      // with the length a frame declares.
+      request.clear();
+      bool read = true;
+      for (uint64_t left = f.length; read && left > 0;) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(left, kReadChunk));
+        const size_t at = request.size();
+        request.resize(at + n);
+        read = net::ReadAll(fd, request.data() + at, n, soon(), stop_fd_).ok();
+        left -= n;
+      }
       CallReply r;
-      {
+      if (read) {
         std::shared_lock lk(handlers_mu_);
         r = call_ ? call_(f.method, session, request)
                   : CallReply{kUnavailable, "the store is not taking data-plane calls"};
       }
+      budget.Give(f.length);
+      // An idle connection keeps no large buffer.
+      if (request.capacity() > kReadChunk) std::string().swap(request);
+      if (!read) break;
       open = reply(r.code, r.body, nullptr, 0, soon()).ok();
       continue;
     }
@@ -316,7 +350,7 @@ void SocketDataPlane::Serve(Connection* c) {
   }
   // The peer sees the end now; the accept thread closes the fd.
   shutdown(fd, SHUT_RDWR);
-  ticket.reset();
+  admission = {};
   connections_--;
   c->done.store(true);
 }

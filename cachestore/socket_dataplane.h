@@ -17,6 +17,7 @@
 // Thread-safe.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -33,6 +34,31 @@
 #include "common/limits.h"
 
 namespace kvtier::store {
+
+// Bytes of call bodies being read at once, within a cap (one per tenant,
+// or the data plane's own for a store without tenants). Thread-safe.
+class ByteBudget {
+ public:
+  // `limit`: how a refusal names the setting (e.g. "buffered= of tenant a").
+  ByteBudget(uint64_t cap, std::string limit) : cap_(cap), limit_(std::move(limit)) {}
+  // Counts n more bytes; false (nothing counted) past the cap.
+  bool Take(uint64_t n) {
+    uint64_t used = used_.load(std::memory_order_relaxed);
+    do {
+      if (n > cap_ - std::min(used, cap_)) return false;
+    } while (!used_.compare_exchange_weak(used, used + n, std::memory_order_relaxed));
+    return true;
+  }
+  void Give(uint64_t n) { used_.fetch_sub(n, std::memory_order_relaxed); }
+  uint64_t used() const { return used_.load(std::memory_order_relaxed); }
+  uint64_t cap() const { return cap_; }
+  const std::string& limit() const { return limit_; }
+
+ private:
+  const uint64_t cap_;
+  const std::string limit_;
+  std::atomic<uint64_t> used_{0};
+};
 
 class SocketDataPlane {
  public:
@@ -52,13 +78,19 @@ class SocketDataPlane {
   };
   using GrantFn = std::function<absl::StatusOr<Grant>(
       std::string_view session, bool is_put, uint64_t lease, uint64_t addr, uint64_t length)>;
+  // What an admitted connection holds while it lives: a ticket (its
+  // tenant's connection count; may be null) and the budget its call bodies
+  // count against (its tenant's; null: the data plane's own).
+  struct Admission {
+    std::shared_ptr<void> ticket;
+    std::shared_ptr<ByteBudget> buffer;
+  };
   // Whether a connection may act as session `id`, whose hello carried
-  // `proof` for the store's `nonce` (common/data_hello.h): an admission
-  // ticket the connection holds while it lives (its tenant's connection
-  // count; may be null), or the status it is closed with (UNAUTHENTICATED
-  // for a session the store does not know or a proof that does not hold,
-  // RESOURCE_EXHAUSTED for a tenant at its limit).
-  using HelloFn = std::function<absl::StatusOr<std::shared_ptr<void>>(
+  // `proof` for the store's `nonce` (common/data_hello.h): its Admission,
+  // or the status it is closed with (UNAUTHENTICATED for a session the
+  // store does not know or a proof that does not hold, RESOURCE_EXHAUSTED
+  // for a tenant at its limit).
+  using HelloFn = std::function<absl::StatusOr<Admission>(
       std::string_view id, std::string_view nonce, std::string_view proof)>;
 
   struct Options {
@@ -72,14 +104,18 @@ class SocketDataPlane {
     std::chrono::milliseconds hello_timeout{limits::kDataHelloMs};
     // How long an authenticated connection may wait between requests.
     std::chrono::milliseconds idle_timeout{limits::kDataIdleMs};
+    // Bytes of call bodies being read at once on connections whose
+    // admission names no budget of its own (a store without tenants).
+    uint64_t max_buffered_bytes = limits::kDataBufferedBytes;
   };
   // Connections turned away or closed, by why (counters).
   struct Stats {
-    uint64_t refused_full = 0;       // max_connections open already
-    uint64_t evicted_unhelloed = 0;  // evicted by a newer connection
-    uint64_t hello_timeouts = 0;     // no hello within hello_timeout
-    uint64_t hellos_refused = 0;     // HelloFn said no
-    uint64_t idle_closed = 0;        // idle past idle_timeout
+    uint64_t refused_full = 0;          // max_connections open already
+    uint64_t evicted_unhelloed = 0;     // evicted by a newer connection
+    uint64_t hello_timeouts = 0;        // no hello within hello_timeout
+    uint64_t hellos_refused = 0;        // HelloFn said no
+    uint64_t idle_closed = 0;           // idle past idle_timeout
+    uint64_t calls_refused_buffer = 0;  // a call body past its budget (answered, not closed)
   };
 
   // listen: HOST:PORT (port 0 picks one).
@@ -133,7 +169,8 @@ class SocketDataPlane {
   std::atomic<size_t> connections_{0};
   std::atomic<size_t> unhelloed_{0};
   std::atomic<uint64_t> refused_full_{0}, evicted_{0}, hello_timeouts_{0}, hellos_refused_{0},
-      idle_closed_{0};
+      idle_closed_{0}, calls_refused_buffer_{0};
+  std::unique_ptr<ByteBudget> buffered_;  // Options::max_buffered_bytes
   std::mutex log_mu_;
   std::chrono::steady_clock::time_point last_log_;  // guarded by log_mu_
   uint64_t unlogged_ = 0;                           // guarded by log_mu_

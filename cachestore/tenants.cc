@@ -110,10 +110,11 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
       const std::string key(kv.first), value(kv.second);
       if (value.empty()) return bad("\"", f[i], "\" is not KEY=VALUE");
       if (!keys.insert(key).second) return bad(key, "= is given twice for tenant ", tn.name);
-      if (key == "ram" || key == "nvme") {
+      if (key == "ram" || key == "nvme" || key == "buffered") {
         auto b = ParseBytes(value);
         if (!b.ok()) return bad(key, ": ", b.status().message());
-        (key == "ram" ? tn.ram_bytes : tn.nvme_bytes) = *b;
+        if (key == "buffered" && *b == 0) return bad("buffered=", value, " is not a size >= 1");
+        (key == "ram" ? tn.ram_bytes : key == "nvme" ? tn.nvme_bytes : tn.max_buffered) = *b;
         has_ram |= key == "ram";
       } else if (key == "leases" || key == "namespaces" || key == "connections" ||
                  key == "sessions") {
@@ -142,7 +143,8 @@ absl::StatusOr<std::shared_ptr<const Tenants>> Tenants::Parse(std::string_view t
         tn.models = List(value);
       } else {
         return bad("unknown key \"", key,
-                   "\" (known: ram, nvme, leases, namespaces, connections, sessions, identities, "
+                   "\" (known: ram, nvme, leases, namespaces, connections, sessions, buffered, "
+                   "identities, "
                    "token-sha256, models)");
       }
     }

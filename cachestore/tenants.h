@@ -6,7 +6,7 @@
 //
 //   secret SECRET                       (required, once, first: keys the salts)
 //   tenant NAME ram=SIZE [nvme=SIZE] [leases=N] [namespaces=N]
-//          [connections=N] [sessions=N]
+//          [connections=N] [sessions=N] [buffered=SIZE]
 //          [identities=NAME,...] [token-sha256=HEX,...] [models=PATTERN,...]
 //
 // ram: the tenant's own region of the RAM arena (its RAM quota; it gets
@@ -15,10 +15,11 @@
 // store's --max-leases-per-client). namespaces: registered at once (default
 // 16). connections: data-plane connections open at once (default 1024);
 // sessions: data-plane sessions kept, its oldest dropped first (default
-// 4096; common/limits.h). identities: certificate names (CN or a SAN) that act as the tenant.
-// token-sha256: SHA-256 (hex) of bearer tokens a client presents in
-// metadata x-kvtier-tenant-token. models: the models it may register
-// (a trailing * is a prefix); default any.
+// 4096; common/limits.h); buffered: bytes of data-plane call bodies being
+// read at once on its connections (default 64MiB). identities: certificate names (CN or a SAN) that
+// act as the tenant. token-sha256: SHA-256 (hex) of bearer tokens a client presents in metadata
+// x-kvtier-tenant-token. models: the models it may register (a trailing * is a prefix); default
+// any.
 //
 // A tenant's salt -- first 16 bytes of SHA-256("kvtier-tenant" | secret |
 // NAME), so nobody without the file can compute it -- enters the identity
@@ -56,6 +57,7 @@ struct Tenant {
   // goes first).
   uint64_t max_connections = limits::kTenantDataConnections;
   uint64_t max_sessions = limits::kTenantSessions;
+  uint64_t max_buffered = limits::kTenantBufferedBytes;
   std::vector<std::string> identities;
   std::vector<std::string> token_sha256;  // lowercase hex
   std::vector<std::string> models;        // empty: any

@@ -51,6 +51,12 @@ inline constexpr uint64_t kTenantDataConnections = 1024;
 // oldest goes first, never another tenant's. A store without tenants keeps
 // kSessions.
 inline constexpr uint64_t kTenantSessions = 4096;
+// Bytes of data-plane call bodies being read at once: a tenant's (tenants
+// file buffered=SIZE), and a store's without tenants (--data-max-buffered).
+// A call past it is answered RESOURCE_EXHAUSTED; a body is read as it
+// arrives, never allocated at the length a frame declares.
+inline constexpr uint64_t kTenantBufferedBytes = 64ull << 20;
+inline constexpr uint64_t kDataBufferedBytes = 256ull << 20;
 
 // The NVMe tier's group fsync period (--disk-sync=group,
 // --disk-sync-interval, milliseconds), and its most.

@@ -336,7 +336,7 @@ class DataPlaneLimits : public ::testing::Test {
     {
       std::ofstream f(dir_.sub("tenants"));
       f << "secret adversary-limits\n"
-        << "tenant alpha ram=16MiB connections=32 sessions=64 token-sha256="
+        << "tenant alpha ram=16MiB connections=32 sessions=64 buffered=1MiB token-sha256="
         << store::Sha256Hex(kAlphaToken) << "\n"
         << "tenant beta ram=16MiB token-sha256=" << store::Sha256Hex(kBetaToken) << "\n";
       std::ofstream a(dir_.sub("admin"));
@@ -620,6 +620,48 @@ TEST_F(DataPlaneLimits, ALeaseIdNamesNoOtherClientsLease) {
   // The first client's lease is still its own to end.
   EXPECT_EQ(AbortPut(kAlphaToken, first.lease_id()), grpc::OK);
   EXPECT_EQ(AbortPut(kAlphaToken, second.lease_id()), grpc::OK);
+}
+
+TEST_F(DataPlaneLimits, DeclaredCallsTakeNoMemoryAndATenantsBodiesStayInItsBudget) {
+  // 31 of alpha's connections each declare a call of the largest size
+  // (4 MiB) and send none of it. The store allocated each declared length
+  // at once: 124 MiB resident for nothing sent. Now a body is read as it
+  // arrives, and alpha's bodies being read stay within its buffered=1MiB.
+  const std::string session = Connect(kAlphaToken).session();
+  std::vector<std::unique_ptr<RawConn>> conns;
+  for (int i = 0; i < 31; ++i) {
+    conns.push_back(std::make_unique<RawConn>(data_port_, session));
+    ASSERT_EQ(conns.back()->hello_.first, 0) << conns.back()->hello_.second;
+  }
+  // Each connection has a thread of its own still (no event loop yet):
+  // what the calls add is measured from here.
+  const uint64_t before = RssBytes(store_->proc().pid());
+  // The first declares 768 KiB (within the budget) and sends nothing.
+  wire::Frame big{wire::kFrameMagic, wire::kCall, ucx::kCallBeginPut, 0, 0, 768 << 10};
+  ASSERT_TRUE(net::WriteAll(conns[0]->fd(), &big, sizeof(big), Soon()).ok());
+  // The others: past the budget, each is answered at once, naming it.
+  for (size_t i = 1; i < conns.size(); ++i) {
+    wire::Frame f{wire::kFrameMagic, wire::kCall, ucx::kCallBeginPut, 0, 0, wire::kMaxMessageBytes};
+    ASSERT_TRUE(net::WriteAll(conns[i]->fd(), &f, sizeof(f), Soon()).ok());
+    wire::Reply r;
+    ASSERT_TRUE(net::ReadAll(conns[i]->fd(), &r, sizeof(r), Soon()).ok()) << i;
+    std::string text(r.message_bytes, '\0');
+    ASSERT_TRUE(net::ReadAll(conns[i]->fd(), text.data(), text.size(), Soon()).ok());
+    EXPECT_EQ(r.code, static_cast<int>(absl::StatusCode::kResourceExhausted)) << text;
+    EXPECT_NE(text.find("buffered= of tenant alpha"), std::string::npos) << text;
+  }
+  EXPECT_EQ(Metric("kvtier_store_dataplane_calls_refused_total{reason=\"buffered\"}"), 30);
+  EXPECT_EQ(Metric("kvtier_store_tenant_dataplane_buffered_bytes{tenant=\"alpha\"}"), 768 << 10);
+  const uint64_t after = RssBytes(store_->proc().pid());
+  EXPECT_LT(after, before + (8ull << 20)) << "resident bytes grew by " << (after - before);
+  // Beta is untouched by alpha's budget.
+  BetaWorks(std::chrono::milliseconds(2000));
+  EXPECT_EQ(Metric("kvtier_store_tenant_dataplane_buffered_bytes{tenant=\"beta\"}"), 0);
+  // Alpha's declared call goes with its connection; its budget comes back.
+  conns[0].reset();
+  ASSERT_TRUE(testing::WaitFor([&] {
+    return Metric("kvtier_store_tenant_dataplane_buffered_bytes{tenant=\"alpha\"}") == 0;
+  }));
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -125,17 +126,29 @@ absl::StatusOr<LeaseTable::Hold> LeaseTable::Use(uint64_t id, bool is_put, int t
   Hold h;
   h.deadline = l.deadline;
   h.token = std::shared_ptr<void>(nullptr, [this, id](void*) {
-    std::lock_guard lk(mu_);
-    auto hit = holds_.find(id);
-    if (hit != holds_.end() && --hit->second == 0) holds_.erase(hit);
-    holds_cv_.notify_all();
+    std::optional<Lease> ended;
+    {
+      std::lock_guard lk(mu_);
+      auto hit = holds_.find(id);
+      if (hit == holds_.end() || --hit->second != 0) return;
+      holds_.erase(hit);
+      // The last hold of a lease Take ended meanwhile (kDefer) releases it
+      // (unless it expired first: then the reaper's graveyard does).
+      if (ending_.erase(id) == 0) return;
+      auto it = leases_.find(id);
+      if (it == leases_.end()) return;
+      ended = std::move(it->second);
+      leases_.erase(it);
+      ForgetLocked(*ended);
+    }
+    release_(*ended);
   });
   return h;
 }
 
-absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant) {
+absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant, WhenHeld when_held) {
   const char* kind = is_put ? "put" : "get";
-  std::unique_lock lk(mu_);
+  std::lock_guard lk(mu_);
   auto gone = [&] {
     return absl::FailedPreconditionError(
         absl::StrCat(kind, " lease ", id, " is unknown, already ended, or expired (leases last ",
@@ -151,12 +164,18 @@ absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant) {
                                                    " lease, not a ", kind, " lease"));
   }
   if (holds_.count(id) != 0) {
-    // Transfers still move its bytes: they end by the lease's deadline.
+    // A transfer still moves its bytes (it ends by the lease's deadline).
+    if (when_held == WhenHeld::kRefuse) {
+      return absl::UnavailableError(absl::StrCat(
+          kind, " lease ", id,
+          ": a transfer into its slots is still under way on another data-plane connection; "
+          "try again once it has ended"));
+    }
     ending_.insert(id);
-    holds_cv_.wait(lk, [&] { return holds_.count(id) == 0; });
-    ending_.erase(id);
-    it = leases_.find(id);
-    if (it == leases_.end()) return gone();  // expired meanwhile
+    Lease none;
+    none.is_put = is_put;
+    none.tenant = it->second.tenant;
+    return none;
   }
   Lease l = std::move(it->second);
   leases_.erase(it);
@@ -183,6 +202,7 @@ std::vector<Lease> LeaseTable::ReapLocked(std::chrono::steady_clock::time_point 
       ForgetLocked(it->second);
       Log("store", it->second.is_put ? "put" : "get", " lease ", it->first, " expired; its ",
           it->second.items.size(), " slots are reclaimed after a grace period");
+      ending_.erase(it->first);  // the graveyard releases it once its holds end
       graveyard_.push_back(Buried{now + grace, it->first, std::move(it->second)});
       it = leases_.erase(it);
       expired_.fetch_add(1);

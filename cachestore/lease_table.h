@@ -94,9 +94,9 @@ class LeaseTable {
 
   // A transfer's hold on a live lease (the socket data plane's get or put of
   // bytes in one of its slots): while any hold lives, Take of the lease
-  // waits, and an expired lease's slots stay out of reuse, so no slot is
-  // reused while the store still reads or writes it for the lease's holder.
-  // Holds end when the object (and its copies) go.
+  // does not end it (see WhenHeld), and an expired lease's slots stay out
+  // of reuse, so no slot is reused while the store still reads or writes it
+  // for the lease's holder. Holds end when the object (and its copies) go.
   struct Hold {
     std::shared_ptr<void> token;
     // When the lease expires: the transfer must end by then.
@@ -109,11 +109,22 @@ class LeaseTable {
   // range, never what lies there).
   absl::StatusOr<Hold> Use(uint64_t id, bool is_put, int tenant, uint64_t offset, uint64_t length);
 
-  // Removes and returns a live lease, once no transfer holds it (new holds
-  // are refused meanwhile). FAILED_PRECONDITION if it is unknown, ended or
-  // expired, or (tenant >= 0) another tenant's, which reads as unknown;
-  // INVALID_ARGUMENT if it is of the other kind.
-  absl::StatusOr<Lease> Take(uint64_t id, bool is_put, int tenant = -1);
+  // What Take does with a lease a transfer still holds (on another
+  // connection: one connection's frames are served in order). It never
+  // waits: a server thread is never parked for a transfer a client can
+  // trickle until the lease's deadline.
+  enum class WhenHeld {
+    kRefuse,  // UNAVAILABLE, nothing changed (a commit: its bytes are not all there)
+    kDefer,   // ended now: no new holds, and the last hold to go releases it
+  };
+  // Removes and returns a live lease. FAILED_PRECONDITION if it is unknown,
+  // ended or expired, or (tenant >= 0) another tenant's, which reads as
+  // unknown; INVALID_ARGUMENT if it is of the other kind. A held lease:
+  // UNAVAILABLE (kRefuse), or (kDefer) a lease of its kind with no items
+  // (nothing for the caller to release: its release comes with the last
+  // hold's end).
+  absl::StatusOr<Lease> Take(uint64_t id, bool is_put, int tenant = -1,
+                             WhenHeld when_held = WhenHeld::kRefuse);
   // Puts a taken lease back unchanged (a malformed commit does not cost the
   // caller its lease).
   void Restore(uint64_t id, Lease lease);
@@ -148,10 +159,10 @@ class LeaseTable {
     Lease lease;
   };
   std::vector<Buried> graveyard_;
-  // Transfers holding each lease (Use), and the leases a Take is ending.
+  // Transfers holding each lease (Use), and the held leases a Take ended
+  // (kDefer): released when their last hold goes.
   std::unordered_map<uint64_t, uint32_t> holds_;
   std::unordered_set<uint64_t> ending_;
-  std::condition_variable holds_cv_;
   std::unordered_map<std::string, uint64_t> by_client_;
   // Random lease ids drawn ahead, a batch at a time (Claim).
   std::vector<uint64_t> spare_ids_;

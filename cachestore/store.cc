@@ -278,7 +278,7 @@ absl::Status Store::DiskReadFailed(const BlockKey& key, const absl::Status& erro
 }
 
 absl::Status Store::AbortPut(uint64_t lease_id, int tenant) {
-  auto lease = leases_->Take(lease_id, true, tenant);
+  auto lease = leases_->Take(lease_id, true, tenant, LeaseTable::WhenHeld::kDefer);
   if (!lease.ok()) return lease.status();
   ReleaseLease(*lease);
   return absl::OkStatus();
@@ -340,7 +340,7 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
 }
 
 absl::Status Store::EndGet(uint64_t lease_id, int tenant) {
-  auto lease = leases_->Take(lease_id, false, tenant);
+  auto lease = leases_->Take(lease_id, false, tenant, LeaseTable::WhenHeld::kDefer);
   if (!lease.ok()) return lease.status();
   ReleaseLease(*lease);
   return absl::OkStatus();
@@ -354,7 +354,7 @@ absl::StatusOr<std::vector<uint64_t>> Store::ReleaseGets(std::span<const uint64_
   }
   std::vector<uint64_t> not_found;
   for (uint64_t id : leases) {
-    auto lease = leases_->Take(id, false, tenant);
+    auto lease = leases_->Take(id, false, tenant, LeaseTable::WhenHeld::kDefer);
     if (!lease.ok()) {
       not_found.push_back(id);
       continue;

@@ -664,5 +664,53 @@ TEST_F(DataPlaneLimits, DeclaredCallsTakeNoMemoryAndATenantsBodiesStayInItsBudge
   }));
 }
 
+TEST_F(DataPlaneLimits, ATrickledPutHoldsNoCommitThread) {
+  // Alpha reserves a block and trickles its bytes on one connection (half
+  // sent, the rest withheld), then commits and aborts on others. The commit
+  // waited for the transfer, parking a gRPC thread until the lease's
+  // deadline (10 s here); one such per connection ties up the server.
+  DataClientOptions o;
+  o.tenant_token = kAlphaToken;
+  StoreDataClient alpha(store_->address(), o);
+  auto ns = alpha.control().RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  const v1::BeginPutResponse put = BeginPut(kAlphaToken, ns->id, 400, 1);
+  ASSERT_EQ(put.targets_size(), 1);
+  RawConn c(data_port_, Connect(kAlphaToken).session());
+  ASSERT_EQ(c.hello_.first, 0) << c.hello_.second;
+  wire::Frame f{
+      wire::kFrameMagic, wire::kPut, 0, put.lease_id(), put.targets(0).remote_addr(), kBlock};
+  const std::string half(kBlock / 2, 'x');
+  ASSERT_TRUE(net::WriteAll(c.fd(), &f, sizeof(f), Soon()).ok());
+  ASSERT_TRUE(net::WriteAll(c.fd(), half.data(), half.size(), Soon()).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the store reads into the slot
+  auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  ctx.AddMetadata("x-kvtier-tenant-token", kAlphaToken);
+  v1::CommitPutRequest commit;
+  commit.set_lease_id(put.lease_id());
+  commit.add_checksums(0);
+  v1::CommitPutResponse committed;
+  const auto t0 = Clock::now();
+  const grpc::Status st = stub->CommitPut(&ctx, commit, &committed);
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1)) << "the commit waited on the transfer";
+  EXPECT_EQ(st.error_code(), grpc::UNAVAILABLE) << st.error_message();
+  EXPECT_NE(st.error_message().find("still under way"), std::string::npos) << st.error_message();
+  // Ending it does not wait either; the transfer's end releases it.
+  const auto t1 = Clock::now();
+  EXPECT_EQ(AbortPut(kAlphaToken, put.lease_id()), grpc::OK);
+  EXPECT_LT(Clock::now() - t1, std::chrono::seconds(1)) << "the abort waited on the transfer";
+  BetaWorks(std::chrono::milliseconds(2000));
+  // The rest of the bytes land in the slot the store still held for them;
+  // nothing of the aborted put is stored.
+  ASSERT_TRUE(net::WriteAll(c.fd(), half.data(), half.size(), Soon()).ok());
+  wire::Reply r;
+  ASSERT_TRUE(net::ReadAll(c.fd(), &r, sizeof(r), Soon()).ok());
+  auto found = alpha.control().Lookup(ns->id, {H(400)});
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_TRUE(found->empty());
+}
+
 }  // namespace
 }  // namespace kvtier

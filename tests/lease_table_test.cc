@@ -1,6 +1,7 @@
 // LeaseTable (cachestore/lease_table.h): claims and limits, Take's checks,
 // and the transfer holds the socket data plane takes (Use): what a hold
-// may cover, that ending a held lease waits for its transfers, and that an
+// may cover, that a held lease is never waited on (a commit is refused, an
+// end is deferred to the last hold), and that an
 // expired lease's slots are not released while a transfer still holds it.
 #include "cachestore/lease_table.h"
 
@@ -103,26 +104,41 @@ TEST(LeaseTable, AHoldCoversOnlyWholeRangesInsideOneOfTheLeasesSlots) {
             absl::StatusCode::kFailedPrecondition);
 }
 
-TEST(LeaseTable, EndingAHeldLeaseWaitsForItsTransfersAndRefusesNewOnes) {
+TEST(LeaseTable, AHeldLeaseIsNeverWaitedOn) {
+  // A transfer on another connection holds the lease (a client can trickle
+  // it until the deadline). A commit is refused at once, nothing changed;
+  // an end (abort, release) ends it at once and the hold's end releases it.
+  // Neither parks the calling thread.
   Released r;
   LeaseTable t(10000, 0, r.Fn());
-  const uint64_t id = *t.Claim("c");
-  t.Open(id, TwoSlots(false));
-  auto hold = t.Use(id, false, -1, 8192, 4096);
-  ASSERT_TRUE(hold.ok());
-  std::atomic<bool> taken{false};
-  auto take = std::async(std::launch::async, [&] {
-    auto l = t.Take(id, false);
-    taken = true;
-    return l.ok();
-  });
-  std::this_thread::sleep_for(200ms);
-  EXPECT_FALSE(taken) << "the lease ended while a transfer still moved its bytes";
-  EXPECT_EQ(t.Use(id, false, -1, 8192, 4096).status().code(), absl::StatusCode::kFailedPrecondition)
-      << "a new transfer of a lease being ended";
-  hold->token.reset();  // the transfer ends
-  ASSERT_EQ(take.wait_for(5s), std::future_status::ready);
-  EXPECT_TRUE(take.get());
+  const uint64_t put = *t.Claim("c"), get = *t.Claim("c");
+  t.Open(put, TwoSlots(true));
+  t.Open(get, TwoSlots(false));
+  auto put_hold = t.Use(put, true, -1, 8192, 4096);
+  auto get_hold = t.Use(get, false, -1, 8192, 4096);
+  ASSERT_TRUE(put_hold.ok() && get_hold.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto commit = t.Take(put, true);
+  EXPECT_EQ(commit.status().code(), absl::StatusCode::kUnavailable) << commit.status();
+  EXPECT_NE(commit.status().message().find("still under way"), std::string::npos);
+  auto end = t.Take(get, false, -1, LeaseTable::WhenHeld::kDefer);
+  ASSERT_TRUE(end.ok()) << end.status();
+  EXPECT_TRUE(end->items.empty()) << "nothing for the caller to release";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 100ms) << "a call waited on a transfer";
+  EXPECT_EQ(t.Use(get, false, -1, 8192, 4096).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "a new transfer of an ended lease";
+  EXPECT_EQ(t.Take(get, false, -1, LeaseTable::WhenHeld::kDefer).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "ended twice";
+  EXPECT_EQ(r.count(), 0) << "released under its transfer";
+  get_hold->token.reset();  // the get's transfer ends: its lease goes with it
+  EXPECT_EQ(r.count(), 1);
+  EXPECT_EQ(t.counts().get, 0u);
+  put_hold->token.reset();  // the put's bytes are in: the commit goes through
+  auto again = t.Take(put, true);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->items.size(), 2u);
 }
 
 // On a clock the test turns (no reaper thread, no sleeping): a lease

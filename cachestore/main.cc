@@ -64,6 +64,8 @@ struct Flags {
   int64_t data_max_connections = kvtier::limits::kDataConnections;
   int64_t data_max_unhelloed = kvtier::limits::kDataUnhelloed;
   uint64_t data_max_buffered = kvtier::limits::kDataBufferedBytes;
+  int64_t data_max_connections_per_client =
+      static_cast<int64_t>(kvtier::limits::kClientDataConnections);
   uint64_t data_hello_timeout_ms = kvtier::limits::kDataHelloMs;
   uint64_t data_idle_timeout_ms = kvtier::limits::kDataIdleMs;
 };
@@ -128,6 +130,11 @@ int main(int argc, char** argv) {
   flags.Int("data-max-unhelloed", &f.data_max_unhelloed, 1, int64_t{1} << 20,
             "Socket data-plane connections that have not presented a session yet; past it a "
             "new one evicts the oldest of them");
+  flags.Int("data-max-connections-per-client", &f.data_max_connections_per_client, 1,
+            int64_t{1} << 20,
+            "Socket data-plane connections one client may hold open on a store without tenants "
+            "(a client: its certificate's identity under mutual TLS, else its host); tenants "
+            "have connections= instead");
   flags.Bytes("data-max-buffered", &f.data_max_buffered,
               "Bytes of socket data-plane call bodies being read at once on a store without "
               "tenants (each tenant has its own buffered= instead); a call past it is answered "
@@ -443,6 +450,7 @@ int main(int argc, char** argv) {
   service.OfferSharedMemory(f.local_shm && !tenants);
   service.SetAdminToken(admin_token);
   service.SetAdminIdentity(f.admin_identity);
+  service.SetClientConnectionLimit(static_cast<uint64_t>(f.data_max_connections_per_client));
   auto started = kvtier::StartGrpcServer(
       {"kvtier-store", f.listen, *server_credentials, {&service}, f.max_message_bytes});
   if (!started.ok()) {

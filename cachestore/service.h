@@ -15,6 +15,7 @@
 #include "cachestore/socket_dataplane.h"
 #include "cachestore/store.h"
 #include "common/histogram.h"
+#include "common/limits.h"
 #include "common/rpc/admin_gate.h"
 #include "common/rpc/grpc_server.h"
 #include "common/rpc/metrics.h"
@@ -43,6 +44,9 @@ class StoreService final : public kvtier::v1::Store::Service {
   // Admin RPCs then also need a verified client certificate (mutual TLS)
   // whose common name or a subject alternative name is `name`.
   void SetAdminIdentity(std::string name) { admin_.set_identity(std::move(name)); }
+  // A client's socket data-plane connections open at once on a store
+  // without tenants (tenants have connections= instead). Set before serving.
+  void SetClientConnectionLimit(uint64_t n) { client_connections_ = n; }
   // Call once the gRPC server has shut down (see HandlerFence).
   void Quiesce() const { fence_.Quiesce(); }
 
@@ -126,6 +130,9 @@ class StoreService final : public kvtier::v1::Store::Service {
     Caller caller;
     LeaseOwner owner;  // OwnerOf the ConnectDataPlane call
     std::string key;   // the socket data plane's hello key (empty on UCX)
+    // Without tenants, whose connections it counts against: a verified
+    // certificate's identity, else the caller's host.
+    std::string client;
   };
   // BeginPut tokens (and tombstones) kept for writers that give up waiting.
   static constexpr size_t kMaxAbandonTokens = 65536;
@@ -143,6 +150,8 @@ class StoreService final : public kvtier::v1::Store::Service {
   // within its tenant's `connections=`;
   // RESOURCE_EXHAUSTED naming the limit past it (counted, logged at most
   // once a second per tenant).
+  // Without tenants: within the client's --data-max-connections-per-client.
+  absl::StatusOr<SocketDataPlane::Admission> AdmitClientConnection(const std::string& client);
   absl::StatusOr<SocketDataPlane::Admission> AdmitConnection(std::string_view id,
                                                              std::string_view nonce,
                                                              std::string_view proof);
@@ -161,6 +170,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   const uint64_t instance_id_;  // random per process (ConnectDataPlaneResponse.instance_id)
   DataPlaneServer* dataplane_;
   SocketDataPlane* sockets_;
+  uint64_t client_connections_ = limits::kClientDataConnections;
   AdminGate admin_;
   HandlerFence fence_;  // every handler releases it as it finishes
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
@@ -181,6 +191,11 @@ class StoreService final : public kvtier::v1::Store::Service {
   struct ConnectionCounts {
     std::mutex mu;
     std::map<int, TenantConnections> by_tenant;  // guarded by mu
+    // Without tenants: each client's open connections (entries go at 0),
+    // and refusals in all.
+    std::map<std::string, uint64_t> by_client;              // guarded by mu
+    uint64_t clients_refused = 0;                           // guarded by mu
+    std::chrono::steady_clock::time_point last_client_log;  // guarded by mu
   };
   // Shared with the tickets, which may outlive the service.
   const std::shared_ptr<ConnectionCounts> conns_ = std::make_shared<ConnectionCounts>();

@@ -27,6 +27,19 @@ inline std::string LeaseHolder(const grpc::ServerContext& ctx) {
                        : absl::StrCat("identity ", names[0]);
 }
 
+// Whom a data-plane connection counts against on a store without tenants
+// (--data-max-connections-per-client): a verified certificate's identity,
+// else the peer's host without its port (a client opening more gRPC
+// connections is still one client; clients behind one address share).
+inline std::string ClientOf(const grpc::ServerContext& ctx) {
+  std::vector<std::string> names = PeerCertificateNames(ctx);
+  if (!names.empty()) return absl::StrCat("identity ", names[0]);
+  const std::string peer = ctx.peer();  // "ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"
+  const size_t colon = peer.rfind(':');
+  const size_t scheme = peer.find(':');
+  return colon != std::string::npos && colon != scheme ? peer.substr(0, colon) : peer;
+}
+
 using Clock = std::chrono::steady_clock;
 
 // The metadata key a tenant's bearer token travels in.

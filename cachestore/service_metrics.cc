@@ -81,6 +81,15 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
     m.Gauge("kvtier_store_dataplane_unhelloed_connections",
             "Socket data-plane connections that have not presented a session yet",
             sockets_->unhelloed());
+    uint64_t clients_refused = 0;
+    {
+      std::lock_guard lk(conns_->mu);
+      clients_refused = conns_->clients_refused;
+    }
+    m.Counter("kvtier_store_client_dataplane_refused_total",
+              "Data-plane connections refused at a client's --data-max-connections-per-client "
+              "(a store without tenants)",
+              clients_refused);
   }
   if (const Tenants* tenants = store_->tenants()) {
     std::lock_guard lk(conns_->mu);

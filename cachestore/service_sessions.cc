@@ -14,6 +14,7 @@
 
 namespace kvtier::store {
 
+using service_detail::ClientOf;
 using service_detail::RpcTimer;
 
 absl::StatusOr<SocketDataPlane::Grant> StoreService::GrantTransfer(std::string_view session_id,
@@ -40,7 +41,7 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
                            static_cast<int>(key.size())) != 1)) {
     return {};  // no randomness: no session (the client keeps gRPC)
   }
-  Session session{caller, OwnerOf(ctx, caller), key};
+  Session session{caller, OwnerOf(ctx, caller), key, ClientOf(ctx)};
   const int tenant = caller.tenant_index();
   const uint64_t cap = caller.tenant ? caller.tenant->max_sessions : limits::kSessions;
   uint64_t dropped = 0;
@@ -73,10 +74,9 @@ absl::StatusOr<SocketDataPlane::Admission> StoreService::AdmitConnection(std::st
         "wire opens no other connection); call ConnectDataPlane and prove its session's key");
   }
   const Tenant* t = session->caller.tenant;
+  if (t == nullptr) return AdmitClientConnection(session->client);
   const int tenant = session->caller.tenant_index();
-  // A store without tenants bounds its connections with
-  // --data-max-connections alone.
-  const uint64_t cap = t ? t->max_connections : std::numeric_limits<uint64_t>::max();
+  const uint64_t cap = t->max_connections;
   std::string log;
   {
     std::lock_guard lk(conns_->mu);
@@ -113,6 +113,41 @@ absl::StatusOr<SocketDataPlane::Admission> StoreService::AdmitConnection(std::st
   return absl::ResourceExhaustedError(absl::StrCat(
       "tenant ", t->name, " has ", cap,
       " data-plane connections open, its limit (connections= in the tenants file): close one "
+      "or raise it"));
+}
+
+absl::StatusOr<SocketDataPlane::Admission> StoreService::AdmitClientConnection(
+    const std::string& client) {
+  std::string log;
+  {
+    std::lock_guard lk(conns_->mu);
+    uint64_t& open = conns_->by_client[client];
+    if (open < client_connections_) {
+      open++;
+      return SocketDataPlane::Admission{
+          std::shared_ptr<void>(nullptr,
+                                [counts = conns_, client](void*) {
+                                  std::lock_guard lk(counts->mu);
+                                  auto it = counts->by_client.find(client);
+                                  if (it != counts->by_client.end() && --it->second == 0) {
+                                    counts->by_client.erase(it);
+                                  }
+                                }),
+          nullptr};
+    }
+    conns_->clients_refused++;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - conns_->last_client_log >= std::chrono::seconds(1)) {
+      conns_->last_client_log = now;
+      log = absl::StrCat("data plane: client ", client, " refused a connection at its limit of ",
+                         client_connections_, " (--data-max-connections-per-client; ",
+                         conns_->clients_refused, " refused so far)");
+    }
+  }
+  if (!log.empty()) Log("store", log);
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "client ", client, " has ", client_connections_,
+      " data-plane connections open, its limit (--data-max-connections-per-client): close one "
       "or raise it"));
 }
 

@@ -56,6 +56,10 @@ inline constexpr uint64_t kTenantSessions = 4096;
 // A call past it is answered RESOURCE_EXHAUSTED; a body is read as it
 // arrives, never allocated at the length a frame declares.
 inline constexpr uint64_t kTenantBufferedBytes = 64ull << 20;
+// A client's data-plane connections open at once on a store without
+// tenants (--data-max-connections-per-client): a client is its verified
+// certificate's identity, else its host (never a port or a client_id).
+inline constexpr uint64_t kClientDataConnections = 1024;
 inline constexpr uint64_t kDataBufferedBytes = 256ull << 20;
 
 // The NVMe tier's group fsync period (--disk-sync=group,

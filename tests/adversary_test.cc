@@ -712,5 +712,45 @@ TEST_F(DataPlaneLimits, ATrickledPutHoldsNoCommitThread) {
   EXPECT_TRUE(found->empty());
 }
 
+TEST(DataPlaneClients, AClientOfAStoreWithoutTenantsHoldsAtMostItsConnections) {
+  // No tenants: one client (here, its host) may not take every connection.
+  // A new gRPC connection, and so a new session, is still the same client.
+  testing::TempDir dir;
+  const int metrics_port = testing::FreePort();
+  auto store = testing::StartLoopbackStore(
+      dir.sub("store"), {"--data-max-connections-per-client=8",
+                         "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port)});
+  ASSERT_GT(store->port(), 0) << store->Log();
+  auto connect = [&] {
+    auto stub = v1::Store::NewStub(OpenChannel(store->address(), {}));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::ConnectDataPlaneResponse resp;
+    EXPECT_TRUE(stub->ConnectDataPlane(&ctx, {}, &resp).ok());
+    return resp;
+  };
+  const auto first = connect();
+  const int port = std::stoi(first.data_address().substr(first.data_address().rfind(':') + 1));
+  std::vector<std::unique_ptr<RawConn>> held;
+  for (int i = 0; i < 8; ++i) {
+    held.push_back(std::make_unique<RawConn>(port, first.session()));
+    ASSERT_EQ(held.back()->hello_.first, 0) << i << ": " << held.back()->hello_.second;
+  }
+  for (const auto& session : {first.session(), connect().session()}) {
+    RawConn more(port, session);
+    EXPECT_EQ(more.hello_.first, static_cast<int>(absl::StatusCode::kResourceExhausted));
+    EXPECT_NE(more.hello_.second.find("--data-max-connections-per-client"), std::string::npos)
+        << more.hello_.second;
+  }
+  const std::string page = testing::HttpGet(metrics_port, "/metrics");
+  EXPECT_NE(page.find("\nkvtier_store_client_dataplane_refused_total 2"), std::string::npos);
+  // One closes: the client may open one again.
+  held.pop_back();
+  EXPECT_TRUE(testing::WaitFor([&] {
+    RawConn again(port, first.session());
+    return again.hello_.first == 0;
+  }));
+}
+
 }  // namespace
 }  // namespace kvtier

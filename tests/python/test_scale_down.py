@@ -148,8 +148,14 @@ def test_an_engine_scaled_down_leaves_its_prompt_in_the_fleet(
     holder = route["engine"]
     stays = "e1" if holder == "e0" else "e0"
     # Its connector saved the prompt's blocks; the store told the frontend's
-    # router, which now prices them as the store's for either engine.
+    # router, which now prices them as the store's for either engine. (The
+    # store's source registers with its first blocks; until then the sole
+    # tokens can read 0 only because the engine's own events are not in.)
     deadline = time.monotonic() + 30
+    while not re.search(r"source kvtier-store@\S+ \(store.*registered",
+                        fleet.log.read_text()):
+        assert time.monotonic() < deadline, fleet.log.read_text()[-3000:]
+        time.sleep(0.2)
     while True:
         text = fleet.metrics()
         line = f'kvtier_frontend_engine_sole_tokens{{engine="{holder}"}} 0'

@@ -11,6 +11,7 @@ int RunStoreBench(int argc, const char* const* argv);
 int RunTraceStore(int argc, const char* const* argv);
 int RunRouterBench(int argc, const char* const* argv);
 int RunDataPlaneBench(int argc, const char* const* argv);
+int RunIdleBench(int argc, const char* const* argv);
 int RunWorkerBench(int argc, const char* const* argv);
 int RunReplay(int argc, const char* const* argv);
 int RunChaos(int argc, const char* const* argv);
@@ -31,6 +32,8 @@ void Usage(FILE* out) {
       "          verifying every byte, beside the infinite-cache bound\n"
       "  dataplane  put/get over UCX (TCP, shared memory) and inline gRPC beside\n"
       "          ucx_perftest and redis-benchmark\n"
+      "  idle    another tenant's get latency beside idle data-plane connections, and\n"
+      "          the store's threads and memory with thousands of them\n"
       "  worker  offload/onboard through the worker library beside the plain data\n"
       "          plane; CPU gather/scatter beside memcpy\n"
       "  router  Route latency, event ingestion and memory per block of the router\n"
@@ -59,6 +62,7 @@ int main(int argc, char** argv) {
   if (cmd == "trace") return kvtier::bench::RunTraceStore(argc - 1, sub);
   if (cmd == "router") return kvtier::bench::RunRouterBench(argc - 1, sub);
   if (cmd == "dataplane") return kvtier::bench::RunDataPlaneBench(argc - 1, sub);
+  if (cmd == "idle") return kvtier::bench::RunIdleBench(argc - 1, sub);
   if (cmd == "worker") return kvtier::bench::RunWorkerBench(argc - 1, sub);
   if (cmd == "replay") return kvtier::bench::RunReplay(argc - 1, sub);
   if (cmd == "chaos") return kvtier::bench::RunChaos(argc - 1, sub);

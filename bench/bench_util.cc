@@ -147,6 +147,8 @@ std::string LocalServer::LogTail(size_t bytes) const {
   return all.size() > bytes ? all.substr(all.size() - bytes) : all;
 }
 
+pid_t LocalServer::pid() const { return proc_->pid(); }
+
 LocalServer::~LocalServer() {
   if (proc_) proc_->Kill(SIGTERM);
 }

@@ -56,6 +56,7 @@ class LocalServer {
                                                             const std::vector<std::string>& flags);
   ~LocalServer();
   const std::string& address() const { return address_; }
+  pid_t pid() const;
   // kill -9 and start again with the same flags on the same port.
   absl::Status Restart();
   // kill -9, no restart (Restart brings it back).

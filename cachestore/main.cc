@@ -68,6 +68,7 @@ struct Flags {
       static_cast<int64_t>(kvtier::limits::kClientDataConnections);
   uint64_t data_hello_timeout_ms = kvtier::limits::kDataHelloMs;
   uint64_t data_idle_timeout_ms = kvtier::limits::kDataIdleMs;
+  int64_t data_threads = 0;
 };
 
 }  // namespace
@@ -144,6 +145,9 @@ int main(int argc, char** argv) {
   flags.DurationMs("data-idle-timeout", &f.data_idle_timeout_ms,
                    "How long a data-plane connection may wait between requests before it is "
                    "closed (clients reconnect)");
+  flags.Int("data-threads", &f.data_threads, 0, 8,
+            "Event-loop threads of the socket data plane (each serves its share of the "
+            "connections); 0: two per core, at most 8");
   flags.Choice("data-plane", &f.data_plane, {"socket", "ucx"},
                "The data plane's transport: socket (the store checks every transfer against "
                "the caller's lease before it touches its memory; safe with any client), or "
@@ -411,6 +415,7 @@ int main(int argc, char** argv) {
     so.max_buffered_bytes = f.data_max_buffered;
     so.hello_timeout = std::chrono::milliseconds(f.data_hello_timeout_ms);
     so.idle_timeout = std::chrono::milliseconds(f.data_idle_timeout_ms);
+    so.threads = static_cast<size_t>(f.data_threads);
     auto sp = kvtier::store::SocketDataPlane::Start(f.data_listen, so);
     if (!sp.ok()) {
       std::fprintf(stderr, "kvtier-store: socket data plane: %s\n",

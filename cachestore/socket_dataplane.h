@@ -1,6 +1,9 @@
 // The store side of the socket data plane (common/data_wire.h), the default
-// data plane: a TCP listener and one thread per client connection that
-// serves, in order, the connection's control calls and transfers. The store
+// data plane: a TCP listener (one accept thread) and a few event loops
+// (epoll, one thread each; a connection belongs to one) that serve each
+// connection's control calls and transfers in order, with non-blocking
+// sockets, so an idle connection costs a few hundred bytes and no thread,
+// and a slow client holds no thread. Handlers run on the loop's thread. The store
 // moves every byte itself: a get is written from the leased slot straight
 // into the socket, a put read from the socket straight into the reserved
 // slot, each only after the grant function (the service: the session's
@@ -21,14 +24,15 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/limits.h"
@@ -107,6 +111,8 @@ class SocketDataPlane {
     // Bytes of call bodies being read at once on connections whose
     // admission names no budget of its own (a store without tenants).
     uint64_t max_buffered_bytes = limits::kDataBufferedBytes;
+    // Event-loop threads (0: two per core, at most 8).
+    size_t threads = 0;
   };
   // Connections turned away or closed, by why (counters).
   struct Stats {
@@ -124,7 +130,7 @@ class SocketDataPlane {
   static absl::StatusOr<std::unique_ptr<SocketDataPlane>> Start(const std::string& listen) {
     return Start(listen, Options());
   }
-  // Closes the listener and every connection, and joins their threads.
+  // Closes the listener and every connection, and joins the threads.
   ~SocketDataPlane();
 
   // Sets (nullptr: clears) the handlers; requests that arrive without them
@@ -140,18 +146,10 @@ class SocketDataPlane {
 
  private:
   enum State : int { kUnhelloed, kAuthenticated, kEvicted };
-  struct Connection {
-    int fd = -1;  // closed by the accept thread once the connection is done
-    std::thread thread;
-    std::atomic<int> state{kUnhelloed};
-    std::atomic<bool> done{false};
-  };
+  struct Connection;  // socket_dataplane.cc
+  class Loop;         // socket_dataplane.cc
   SocketDataPlane() = default;
   void AcceptLoop();
-  void Serve(Connection* c);
-  // Joins the connections that ended and closes their sockets (accept
-  // thread only).
-  void Reap();
   // The connection leaves kUnhelloed for `to`; false if another thread
   // moved it first.
   bool Leave(Connection* c, State to);
@@ -165,7 +163,10 @@ class SocketDataPlane {
   Options options_;
   std::string address_;
   std::thread acceptor_;
-  std::list<std::unique_ptr<Connection>> conns_;  // accept thread (and destructor)
+  std::vector<std::unique_ptr<Loop>> loops_;
+  // Connections in accept order that may still be without a hello (accept
+  // thread; pruned as it goes).
+  std::deque<std::weak_ptr<Connection>> unhelloed_order_;
   std::atomic<size_t> connections_{0};
   std::atomic<size_t> unhelloed_{0};
   std::atomic<uint64_t> refused_full_{0}, evicted_{0}, hello_timeouts_{0}, hellos_refused_{0},

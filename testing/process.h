@@ -171,6 +171,20 @@ inline uint64_t RssBytes(pid_t pid = getpid()) {
   return 0;
 }
 
+// Threads of a process (Threads:); 0 if it cannot be read.
+inline int ThreadCount(pid_t pid = getpid()) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string key;
+  while (in >> key) {
+    if (key == "Threads:") {
+      int n = 0;
+      in >> n;
+      return n;
+    }
+  }
+  return 0;
+}
+
 // Waits for a port file written by a server started with --port-file; 0 on
 // timeout, or as soon as process `pid` (> 0) has exited without writing it.
 inline int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout,

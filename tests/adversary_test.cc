@@ -633,8 +633,7 @@ TEST_F(DataPlaneLimits, DeclaredCallsTakeNoMemoryAndATenantsBodiesStayInItsBudge
     conns.push_back(std::make_unique<RawConn>(data_port_, session));
     ASSERT_EQ(conns.back()->hello_.first, 0) << conns.back()->hello_.second;
   }
-  // Each connection has a thread of its own still (no event loop yet):
-  // what the calls add is measured from here.
+  // What the calls add is measured from here.
   const uint64_t before = RssBytes(store_->proc().pid());
   // The first declares 768 KiB (within the budget) and sends nothing.
   wire::Frame big{wire::kFrameMagic, wire::kCall, ucx::kCallBeginPut, 0, 0, 768 << 10};
@@ -710,6 +709,67 @@ TEST_F(DataPlaneLimits, ATrickledPutHoldsNoCommitThread) {
   auto found = alpha.control().Lookup(ns->id, {H(400)});
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_TRUE(found->empty());
+}
+
+TEST(DataPlaneClients, IdleConnectionsTakeNoThreadsAndLittleMemory) {
+  // 1,500 authenticated connections that say nothing more. The store ran a
+  // thread per connection: 1,500 threads (and their stacks) for nothing.
+  // Now a few event loops serve them all, and another client's transfers
+  // stay byte-exact and prompt meanwhile.
+  constexpr int kIdle = 1500;
+  testing::TempDir dir;
+  auto store = testing::StartLoopbackStore(
+      dir.sub("store"), {"--data-max-connections=4096", "--data-max-connections-per-client=4096",
+                         "--data-max-unhelloed=2048"});
+  ASSERT_GT(store->port(), 0) << store->Log();
+  auto stub = v1::Store::NewStub(OpenChannel(store->address(), {}));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ConnectDataPlaneResponse first;
+  ASSERT_TRUE(stub->ConnectDataPlane(&ctx, {}, &first).ok());
+  const int port = std::stoi(first.data_address().substr(first.data_address().rfind(':') + 1));
+  // A working client first, so its own connections are in `before`.
+  StoreDataClient client(store->address());
+  auto ns = client.control().RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  auto round_trip = [&](uint64_t salt) {
+    std::vector<std::string> keep;
+    std::vector<PutBlock> put;
+    for (uint64_t i = 0; i < 8; ++i) {
+      keep.push_back(testing::BlockBytesFor(salt + i, kBlock));
+      put.push_back({H(salt + i), keep.back().data()});
+    }
+    auto wrote = client.Put(ns->id, kBlock, put).get();
+    ASSERT_TRUE(wrote.ok()) << wrote.status();
+    std::vector<uint8_t> dst(8 * kBlock);
+    std::vector<GetBlock> blocks;
+    for (uint64_t i = 0; i < 8; ++i) blocks.push_back({H(salt + i), dst.data() + i * kBlock});
+    const auto t0 = Clock::now();
+    auto got = client.Get(ns->id, kBlock, blocks).get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1));
+    ASSERT_EQ(got->blocks, 8u);
+    for (uint64_t i = 0; i < 8; ++i) {
+      EXPECT_EQ(std::memcmp(dst.data() + i * kBlock, keep[i].data(), kBlock), 0) << i;
+    }
+  };
+  round_trip(1000);
+  const pid_t pid = store->proc().pid();
+  const int threads_before = ThreadCount(pid);
+  const uint64_t rss_before = RssBytes(pid);
+  std::vector<std::unique_ptr<RawConn>> idle;
+  for (int i = 0; i < kIdle; ++i) {
+    idle.push_back(std::make_unique<RawConn>(port, first.session()));
+    ASSERT_EQ(idle.back()->hello_.first, 0) << i << ": " << idle.back()->hello_.second;
+  }
+  const int threads_after = ThreadCount(pid);
+  const uint64_t rss_after = RssBytes(pid);
+  EXPECT_LT(threads_after - threads_before, 8)
+      << threads_before << " threads before the idle connections, " << threads_after << " after";
+  EXPECT_LT(rss_after, rss_before + (32ull << 20))
+      << "resident bytes grew by " << (rss_after - rss_before) << " for " << kIdle
+      << " idle connections";
+  round_trip(2000);
 }
 
 TEST(DataPlaneClients, AClientOfAStoreWithoutTenantsHoldsAtMostItsConnections) {

@@ -98,8 +98,8 @@ int RunIdleBench(int argc, const char* const* argv) {
   int64_t idle = 1000, many = 4000, rounds = 2, gets = 2000;
   std::string store_bin;
   FlagSet flags("kvtier-bench idle",
-              "Another tenant's 64 KiB get latency beside N idle data-plane connections, and "
-              "the store's threads and memory with many");
+                "Another tenant's 64 KiB get latency beside N idle data-plane connections, and "
+                "the store's threads and memory with many");
   flags.Int("idle", &idle, 1, 100000, "Idle connections while the gets are timed");
   flags.Int("many", &many, 1, 100000, "Idle connections for the threads and memory figure");
   flags.Int("rounds", &rounds, 1, 100, "Pairs of (none, --idle) timings");
@@ -112,8 +112,8 @@ int RunIdleBench(int argc, const char* const* argv) {
   {
     std::ofstream t(dir.sub("tenants"));
     t << "secret idle-bench\n"
-      << "tenant idle ram=16MiB connections=" << many + 16 << " token-sha256="
-      << Sha256Hex(kIdleToken) << "\n"
+      << "tenant idle ram=16MiB connections=" << many + 16
+      << " token-sha256=" << Sha256Hex(kIdleToken) << "\n"
       << "tenant busy ram=16MiB token-sha256=" << Sha256Hex(kBusyToken) << "\n";
     std::ofstream a(dir.sub("admin"));
     a << "idle-bench-admin-token\n";
@@ -169,9 +169,10 @@ int RunIdleBench(int argc, const char* const* argv) {
     std::fprintf(stderr, "kvtier-bench idle: %s\n", std::string(warm.status().message()).c_str());
     return 1;
   }
-  std::printf("busy tenant's 64 KiB get (us), %lld gets per timing, beside %lld idle connections "
-              "of another tenant\n",
-              static_cast<long long>(gets), static_cast<long long>(idle));
+  std::printf(
+      "busy tenant's 64 KiB get (us), %lld gets per timing, beside %lld idle connections "
+      "of another tenant\n",
+      static_cast<long long>(gets), static_cast<long long>(idle));
   std::printf("%-6s | %9s %9s | %9s %9s | %9s\n", "round", "none p50", "none p99", "idle p50",
               "idle p99", "p99 ratio");
   std::vector<int> fds;
@@ -192,8 +193,7 @@ int RunIdleBench(int argc, const char* const* argv) {
       return 1;
     }
     std::printf("%-6lld | %9.1f %9.1f | %9.1f %9.1f | %9.2f\n", static_cast<long long>(r + 1),
-                none->first, none->second, with->first, with->second,
-                with->second / none->second);
+                none->first, none->second, with->first, with->second, with->second / none->second);
   }
   // Threads and memory: let the closed connections go first.
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
@@ -210,11 +210,12 @@ int RunIdleBench(int argc, const char* const* argv) {
   const int threads1 = ThreadCount(pid);
   const uint64_t rss1 = RssBytes(pid);
   CloseAll(&fds);
-  std::printf("store with %lld idle connections: threads %d (none: %d, +%d), resident %.1f MiB "
-              "(none: %.1f MiB, +%.1f MiB); cores %u\n",
-              static_cast<long long>(many), threads1, threads0, threads1 - threads0,
-              rss1 / 1048576.0, rss0 / 1048576.0, (double(rss1) - double(rss0)) / 1048576.0,
-              std::thread::hardware_concurrency());
+  std::printf(
+      "store with %lld idle connections: threads %d (none: %d, +%d), resident %.1f MiB "
+      "(none: %.1f MiB, +%.1f MiB); cores %u\n",
+      static_cast<long long>(many), threads1, threads0, threads1 - threads0, rss1 / 1048576.0,
+      rss0 / 1048576.0, (double(rss1) - double(rss0)) / 1048576.0,
+      std::thread::hardware_concurrency());
   return 0;
 }
 

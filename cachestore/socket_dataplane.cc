@@ -749,7 +749,7 @@ void SocketDataPlane::AcceptLoop() {
     // Entries that said their hello (or ended) leave from the front as
     // eviction passes them; past a bound, all at once.
     if (unhelloed_order_.size() > 2 * options_.max_unhelloed + 64) {
-      std::erase_if(unhelloed_order_, [this](const std::weak_ptr<Connection>& w) {
+      std::erase_if(unhelloed_order_, [](const std::weak_ptr<Connection>& w) {
         auto l = w.lock();
         return !l || l->state.load() != kUnhelloed;
       });

@@ -48,7 +48,11 @@ struct Fixture {
   Fixture() {
     store =
         kvtier::fuzz::OpenScratchStore("kvtier-fuzz-dp", 3600 * 1000);  // leases outlive the run
-    plane = std::move(*kvtier::store::SocketDataPlane::Start("127.0.0.1:0"));
+    // One event loop: coverage then follows the input, not which of
+    // several loops took the connection.
+    kvtier::store::SocketDataPlane::Options options;
+    options.threads = 1;
+    plane = std::move(*kvtier::store::SocketDataPlane::Start("127.0.0.1:0", options));
     service = std::make_unique<kvtier::store::StoreService>(store.get(), nullptr, plane.get());
     port = std::stoi(plane->address().substr(plane->address().rfind(':') + 1));
     kvtier::NamespaceSpec spec{"fuzz", "fp16", 1, 1, 8, 16, 0, 1, "", "", ""};

@@ -146,7 +146,11 @@ def test_a_stalled_store_costs_a_request_little_beyond_computing_it(
     # admission is retried (no free pages yet: a busy host's saves hold
     # them while the store is stalled) is looked up again, so more.
     assert late >= 1 and spared >= 1 and late + spared >= len(stalled)
-    assert "did not answer the lookup" in stalled[0].load_status
+    # A stalled request's lookup waited its budget. (Usually the first; on
+    # a host busy enough that a lookup before the stall missed its budget,
+    # the first is skipped and a later one probes the store.)
+    assert any("did not answer the lookup" in r.load_status
+               for r in stalled), [r.load_status for r in stalled]
     # The first waited its budget; then the client skips the slow store
     # for a while (those are not asked at all), and one lookup probes it
     # when a skip ends, again for its budget at most. Each request's budget

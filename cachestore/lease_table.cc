@@ -95,14 +95,26 @@ void LeaseTable::ForgetLocked(const Lease& lease) {
   if (it != by_client_.end() && --it->second == 0) by_client_.erase(it);
 }
 
+namespace {
+
+// A lease opened on a data-plane session is that session's: a call or
+// transfer on another session finds no such lease. A gRPC caller (no
+// session) and a lease opened over gRPC are not bound.
+bool SessionMayUse(const Lease& lease, std::string_view session) {
+  return session.empty() || lease.session.empty() || lease.session == session;
+}
+
+}  // namespace
+
 absl::StatusOr<LeaseTable::Hold> LeaseTable::Use(uint64_t id, bool is_put, int tenant,
-                                                 uint64_t offset, uint64_t length) {
+                                                 uint64_t offset, uint64_t length,
+                                                 std::string_view session) {
   const char* kind = is_put ? "put" : "get";
   std::lock_guard lk(mu_);
   auto it = leases_.find(id);
   const auto now = clock_();
   if (it == leases_.end() || it->second.tenant != tenant || it->second.deadline <= now ||
-      ending_.count(id) != 0) {
+      ending_.count(id) != 0 || !SessionMayUse(it->second, session)) {
     return absl::FailedPreconditionError(
         absl::StrCat(kind, " lease ", id, " is unknown, already ended, or expired (leases last ",
                      lease_ms_, " ms)"));
@@ -146,7 +158,8 @@ absl::StatusOr<LeaseTable::Hold> LeaseTable::Use(uint64_t id, bool is_put, int t
   return h;
 }
 
-absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant, WhenHeld when_held) {
+absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant, WhenHeld when_held,
+                                       std::string_view session) {
   const char* kind = is_put ? "put" : "get";
   std::lock_guard lk(mu_);
   auto gone = [&] {
@@ -156,7 +169,7 @@ absl::StatusOr<Lease> LeaseTable::Take(uint64_t id, bool is_put, int tenant, Whe
   };
   auto it = leases_.find(id);
   if (it == leases_.end() || (tenant >= 0 && it->second.tenant != tenant) ||
-      ending_.count(id) != 0) {
+      ending_.count(id) != 0 || !SessionMayUse(it->second, session)) {
     return gone();
   }
   if (it->second.is_put != is_put) {

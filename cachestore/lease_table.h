@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -42,6 +43,9 @@ struct LeaseOwner {
   std::string holder;
   uint64_t limit = 0;
   int tenant = -1;
+  // The data-plane session the lease is opened on (empty over gRPC): only
+  // that session's connections and calls may use or end it.
+  std::string session{};
 };
 
 struct Lease {
@@ -58,6 +62,7 @@ struct Lease {
   uint32_t disk_items = 0;
   uint64_t disk_bytes = 0;
   double disk_seconds = 0;
+  std::string session{};  // LeaseOwner::session
 };
 
 struct LeaseCounts {
@@ -102,12 +107,14 @@ class LeaseTable {
     // When the lease expires: the transfer must end by then.
     std::chrono::steady_clock::time_point deadline;
   };
-  // A hold on lease `id` for [offset, offset + length) of the arena.
-  // FAILED_PRECONDITION as Take (unknown, ended, expired, being ended, or
-  // another tenant's); INVALID_ARGUMENT for a lease of the other kind, or
-  // for a range that is not inside one of the lease's slots (it names the
-  // range, never what lies there).
-  absl::StatusOr<Hold> Use(uint64_t id, bool is_put, int tenant, uint64_t offset, uint64_t length);
+  // A hold on lease `id` for [offset, offset + length) of the arena, for a
+  // connection of data-plane `session`.
+  // FAILED_PRECONDITION as Take (unknown, ended, expired, being ended,
+  // another tenant's, or opened on another session); INVALID_ARGUMENT for a lease of the other
+  // kind, or for a range that is not inside one of the lease's slots (it names the range, never
+  // what lies there).
+  absl::StatusOr<Hold> Use(uint64_t id, bool is_put, int tenant, uint64_t offset, uint64_t length,
+                           std::string_view session = {});
 
   // What Take does with a lease a transfer still holds (on another
   // connection: one connection's frames are served in order). It never
@@ -118,13 +125,13 @@ class LeaseTable {
     kDefer,   // ended now: no new holds, and the last hold to go releases it
   };
   // Removes and returns a live lease. FAILED_PRECONDITION if it is unknown,
-  // ended or expired, or (tenant >= 0) another tenant's, which reads as
-  // unknown; INVALID_ARGUMENT if it is of the other kind. A held lease:
-  // UNAVAILABLE (kRefuse), or (kDefer) a lease of its kind with no items
-  // (nothing for the caller to release: its release comes with the last
-  // hold's end).
+  // ended or expired, (tenant >= 0) another tenant's, or (a call on data-
+  // plane `session`) opened on another session, each of which reads as
+  // unknown (a gRPC caller, with no session, may end any of its tenant's); INVALID_ARGUMENT if it
+  // is of the other kind. A held lease: UNAVAILABLE (kRefuse), or (kDefer) a lease of its kind with
+  // no items (nothing for the caller to release: its release comes with the last hold's end).
   absl::StatusOr<Lease> Take(uint64_t id, bool is_put, int tenant = -1,
-                             WhenHeld when_held = WhenHeld::kRefuse);
+                             WhenHeld when_held = WhenHeld::kRefuse, std::string_view session = {});
   // Puts a taken lease back unchanged (a malformed commit does not cost the
   // caller its lease).
   void Restore(uint64_t id, Lease lease);

@@ -95,6 +95,9 @@ class StoreService final : public kvtier::v1::Store::Service {
   // particular (and nothing is looked at).
   struct Caller {
     const Tenant* tenant = nullptr;
+    // The data-plane session a call came on (empty over gRPC): the leases
+    // it opens are that session's (LeaseOwner::session).
+    std::string session{};
     int tenant_index() const { return tenant ? tenant->index : -1; }
   };
   absl::Status Identify(const grpc::ServerContext& ctx, Caller* caller) const;

@@ -91,7 +91,7 @@ absl::Status StoreService::DoBeginPut(const Caller& caller, const LeaseOwner& ow
   auto r = store_->BeginPut(ns, Hashes(req.hashes()), owner);
   if (!r.ok()) return r.status();
   if (token != 0 && r->lease != 0 && abandoned_.Opened(caller.tenant_index(), token, r->lease)) {
-    store_->AbortPut(r->lease, caller.tenant_index()).IgnoreError();
+    store_->AbortPut(r->lease, caller.tenant_index(), caller.session).IgnoreError();
     return absl::AbortedError("BeginPut was given up by its writer while it was served");
   }
   if (caller.tenant && r->lease == 0 &&
@@ -138,7 +138,8 @@ grpc::Status StoreService::CommitPut(grpc::ServerContext* ctx, const v1::CommitP
 absl::Status StoreService::DoCommitPut(const Caller& caller, const v1::CommitPutRequest& req,
                                        v1::CommitPutResponse* resp) {
   std::vector<uint64_t> sums(req.checksums().begin(), req.checksums().end());
-  auto n = store_->CommitPut(req.lease_id(), sums, caller.tenant_index(), req.store_checksums());
+  auto n = store_->CommitPut(req.lease_id(), sums, caller.tenant_index(), req.store_checksums(),
+                             caller.session);
   if (!n.ok()) return n.status();
   resp->set_committed(*n);
   return absl::OkStatus();
@@ -177,7 +178,7 @@ absl::Status StoreService::DoBeginGet(const Caller& caller, const LeaseOwner& ow
   if (req.end_leases_size() > 0) {
     auto gone = store_->ReleaseGets(
         std::span<const uint64_t>(req.end_leases().data(), req.end_leases_size()),
-        caller.tenant_index());
+        caller.tenant_index(), caller.session);
     if (!gone.ok()) return gone.status();
     for (uint64_t id : *gone) resp->add_leases_not_found(id);
   }
@@ -224,7 +225,7 @@ absl::Status StoreService::DoReleaseGets(const Caller& caller, const v1::Release
   }
   auto gone =
       store_->ReleaseGets(std::span<const uint64_t>(req.lease_ids().data(), req.lease_ids_size()),
-                          caller.tenant_index());
+                          caller.tenant_index(), caller.session);
   if (!gone.ok()) return gone.status();
   for (uint64_t id : *gone) resp->add_not_found(id);
   resp->set_released(static_cast<uint32_t>(req.lease_ids_size() - gone->size()));

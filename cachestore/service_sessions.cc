@@ -26,7 +26,7 @@ absl::StatusOr<SocketDataPlane::Grant> StoreService::GrantTransfer(std::string_v
   // An address below the arena wraps to an offset past it: no slot holds it.
   const Arena& arena = store_->ram().arena();
   const uint64_t offset = addr - reinterpret_cast<uint64_t>(arena.base());
-  auto hold = store_->UseLease(lease, is_put, tenant, offset, length);
+  auto hold = store_->UseLease(lease, is_put, tenant, offset, length, session_id);
   if (!hold.ok()) return hold.status();
   return SocketDataPlane::Grant{arena.at(offset), hold->deadline, std::move(hold->token)};
 }
@@ -169,6 +169,9 @@ DataPlaneServer::CallReply StoreService::ServeCall(uint16_t method, std::string_
     return {static_cast<int>(absl::StatusCode::kUnauthenticated),
             std::string(session.status().message())};
   }
+  // What the call opens is this session's; what it ends must be.
+  session->caller.session = std::string(session_id);
+  session->owner.session = std::string(session_id);
   // Parses the request, runs `body` for it and encodes the answer, timed
   // under `rpc`.
   auto serve = [&](const char* rpc, auto req, auto resp, auto body) {

@@ -191,6 +191,7 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
   auto id = leases_->Claim(owner);
   if (!id.ok()) return id.status();
   Lease lease{owner.holder, owner.tenant, true, {}, {}};
+  lease.session = owner.session;
   BeginPutResult r;
   r.targets.reserve(hashes.size());
   for (const auto& h : hashes) {
@@ -214,8 +215,9 @@ absl::StatusOr<BeginPutResult> Store::BeginPut(uint64_t ns, std::span<const Bloc
 }
 
 absl::StatusOr<uint32_t> Store::CommitPut(uint64_t lease_id, std::span<const uint64_t> checksums,
-                                          int tenant, bool store_checksums) {
-  auto lease = leases_->Take(lease_id, true, tenant);
+                                          int tenant, bool store_checksums,
+                                          std::string_view session) {
+  auto lease = leases_->Take(lease_id, true, tenant, LeaseTable::WhenHeld::kRefuse, session);
   if (!lease.ok()) return lease.status();
   const size_t want = store_checksums ? 0 : lease->items.size();
   if (checksums.size() != want) {
@@ -277,8 +279,8 @@ absl::Status Store::DiskReadFailed(const BlockKey& key, const absl::Status& erro
       absl::StrCat("the NVMe tier could not read block ", ToHex(key.hash), ": ", error.message()));
 }
 
-absl::Status Store::AbortPut(uint64_t lease_id, int tenant) {
-  auto lease = leases_->Take(lease_id, true, tenant, LeaseTable::WhenHeld::kDefer);
+absl::Status Store::AbortPut(uint64_t lease_id, int tenant, std::string_view session) {
+  auto lease = leases_->Take(lease_id, true, tenant, LeaseTable::WhenHeld::kDefer, session);
   if (!lease.ok()) return lease.status();
   ReleaseLease(*lease);
   return absl::OkStatus();
@@ -291,6 +293,7 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
   auto id = leases_->Claim(owner);
   if (!id.ok()) return id.status();
   Lease lease{owner.holder, owner.tenant, false, {}, {}};
+  lease.session = owner.session;
   lease.opened = std::chrono::steady_clock::now();
   BeginGetResult r;
   for (const auto& h : hashes) {
@@ -339,22 +342,22 @@ absl::StatusOr<BeginGetResult> Store::BeginGet(uint64_t ns, std::span<const Bloc
   return r;
 }
 
-absl::Status Store::EndGet(uint64_t lease_id, int tenant) {
-  auto lease = leases_->Take(lease_id, false, tenant, LeaseTable::WhenHeld::kDefer);
+absl::Status Store::EndGet(uint64_t lease_id, int tenant, std::string_view session) {
+  auto lease = leases_->Take(lease_id, false, tenant, LeaseTable::WhenHeld::kDefer, session);
   if (!lease.ok()) return lease.status();
   ReleaseLease(*lease);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<uint64_t>> Store::ReleaseGets(std::span<const uint64_t> leases,
-                                                         int tenant) {
+                                                         int tenant, std::string_view session) {
   if (leases.size() > kMaxBlocksPerRequest) {
     return absl::InvalidArgumentError(
         absl::StrCat("release of ", leases.size(), " leases; at most ", kMaxBlocksPerRequest));
   }
   std::vector<uint64_t> not_found;
   for (uint64_t id : leases) {
-    auto lease = leases_->Take(id, false, tenant, LeaseTable::WhenHeld::kDefer);
+    auto lease = leases_->Take(id, false, tenant, LeaseTable::WhenHeld::kDefer, session);
     if (!lease.ok()) {
       not_found.push_back(id);
       continue;

@@ -155,18 +155,20 @@ class Store {
   // lease kept) for a wrong checksum count; FAILED_PRECONDITION for an
   // unknown, ended or expired lease. Returns how many blocks became visible.
   // tenant >= 0: only that tenant's lease (LeaseTable::Take), here and in
-  // AbortPut, EndGet and ReleaseGets. store_checksums: `checksums` is empty
+  // AbortPut, EndGet and ReleaseGets; session (a data-plane call's): only a
+  // lease opened on it, or over gRPC. store_checksums: `checksums` is empty
   // and the store records each slot's own hash (CommitPutRequest's
   // store_checksums; whatever verify_commits says).
   absl::StatusOr<uint32_t> CommitPut(uint64_t lease, std::span<const uint64_t> checksums,
-                                     int tenant = -1, bool store_checksums = false);
+                                     int tenant = -1, bool store_checksums = false,
+                                     std::string_view session = {});
   // FAILED_PRECONDITION / INVALID_ARGUMENT as LeaseTable::Take.
-  absl::Status AbortPut(uint64_t lease, int tenant = -1);
+  absl::Status AbortPut(uint64_t lease, int tenant = -1, std::string_view session = {});
   // A socket data-plane transfer's hold on [offset, offset + length) of the
   // arena under lease `id` of `tenant` (-1: no tenants): LeaseTable::Use.
   absl::StatusOr<LeaseTable::Hold> UseLease(uint64_t id, bool is_put, int tenant, uint64_t offset,
-                                            uint64_t length) {
-    return leases_->Use(id, is_put, tenant, offset, length);
+                                            uint64_t length, std::string_view session) {
+    return leases_->Use(id, is_put, tenant, offset, length, session);
   }
 
   // Pins the leading present blocks (promoting from disk) under one lease.
@@ -174,12 +176,12 @@ class Store {
   absl::StatusOr<BeginGetResult> BeginGet(uint64_t ns, std::span<const BlockHash> hashes,
                                           const LeaseOwner& owner);
   // FAILED_PRECONDITION / INVALID_ARGUMENT as LeaseTable::Take.
-  absl::Status EndGet(uint64_t lease, int tenant = -1);
+  absl::Status EndGet(uint64_t lease, int tenant = -1, std::string_view session = {});
   // Ends every get lease of `leases` it knows; returns the ids it did not
   // (unknown, ended, expired, or a put lease), for which nothing was done.
   // INVALID_ARGUMENT (nothing ended) for more than kMaxBlocksPerRequest ids.
   absl::StatusOr<std::vector<uint64_t>> ReleaseGets(std::span<const uint64_t> leases,
-                                                    int tenant = -1);
+                                                    int tenant = -1, std::string_view session = {});
   // Recomputes the checksum of each block's RAM copy and drops the copies
   // that do not match the one committed (a client saw them fail), with
   // their NVMe copies. Errors as Lookup's (unknown namespace, too many

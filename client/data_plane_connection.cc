@@ -146,75 +146,88 @@ absl::Status DataPlaneConnection::EnsureConnected(
     backoff_ms_ = std::min(backoff_ms_ * 2, options_.backoff_max_ms);
     return s;
   };
-  v1::ConnectDataPlaneRequest req;
-  req.set_client_id(options_.client_id);
-  v1::ConnectDataPlaneResponse resp;
-  auto ctx = control_.Context(rpc_deadline);
-  if (auto s = control_.stub().ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) {
-    return fail(FromGrpc(s));
-  }
-  if (resp.regions_size() != 1 || resp.regions(0).rkey_id() != 0) {
-    return fail(absl::InternalError("store data plane offers no region 0"));
-  }
-  const bool sockets = !resp.data_address().empty();
-  std::string addr = sockets ? resp.data_address() : resp.ucx_address();
-  std::string host = HostOf(addr);
-  if (host.empty() || host == "0.0.0.0" || host == "::") host = HostOf(address_);
-  // Map the store's arena when it offers it and this client uses shared
-  // memory; any failure (another user, another container) keeps the
-  // connection's own transfers.
-  const bool shm = UseSharedMemory(options_, address_);
-  std::shared_ptr<ArenaMapping> mapping;
-  if (map_arena_ && shm) {
-    auto m = ArenaMapping::Map(resp.regions(0), resp.instance_id());
-    if (m.ok()) mapping = std::move(*m);
-  }
-  if (sockets) {
-    int port = 0;
-    if (!absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port)) {
-      return fail(absl::InternalError(
-          absl::StrCat("store's data-plane address \"", addr, "\" has no port")));
+  // Connects with the client's shared session (StoreClient::
+  // DataPlaneSession); the answer's errors are the attempt's.
+  auto attempt = [&](const v1::ConnectDataPlaneResponse& resp) -> absl::Status {
+    if (resp.regions_size() != 1 || resp.regions(0).rkey_id() != 0) {
+      return (absl::InternalError("store data plane offers no region 0"));
     }
-    const auto left = rpc_deadline - std::chrono::system_clock::now();
-    auto ch = SocketChannel::Connect(host, port, resp.session(), ucx::Clock::now() + left);
-    if (!ch.ok()) return fail(ch.status());
-    sock_ = std::move(*ch);
-    sock_generation_++;
+    const bool sockets = !resp.data_address().empty();
+    std::string addr = sockets ? resp.data_address() : resp.ucx_address();
+    std::string host = HostOf(addr);
+    if (host.empty() || host == "0.0.0.0" || host == "::") host = HostOf(address_);
+    // Map the store's arena when it offers it and this client uses shared
+    // memory; any failure (another user, another container) keeps the
+    // connection's own transfers.
+    const bool shm = UseSharedMemory(options_, address_);
+    std::shared_ptr<ArenaMapping> mapping;
+    if (map_arena_ && shm) {
+      auto m = ArenaMapping::Map(resp.regions(0), resp.instance_id());
+      if (m.ok()) mapping = std::move(*m);
+    }
+    if (sockets) {
+      int port = 0;
+      if (!absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port)) {
+        return (absl::InternalError(
+            absl::StrCat("store's data-plane address \"", addr, "\" has no port")));
+      }
+      const auto left = rpc_deadline - std::chrono::system_clock::now();
+      auto ch = SocketChannel::Connect(host, port, resp.session(), ucx::Clock::now() + left);
+      if (!ch.ok()) return (ch.status());
+      sock_ = std::move(*ch);
+      sock_generation_++;
+      instance_ = resp.instance_id();
+      session_ = resp.session();
+      backoff_ms_ = options_.backoff_min_ms;
+      mapping_ = std::move(mapping);
+      return absl::OkStatus();
+    }
+    if (!init_error_.ok()) return (init_error_);
+    absl::StatusOr<std::unique_ptr<ucx::Endpoint>> ep;
+    if (!options_.use_sockaddr && !resp.worker_address().empty()) {
+      // UCX's shared-memory transports only where they move the bytes: a
+      // mapped connection, or one that makes control calls only, keeps peer-
+      // failure handling (TCP on the host), so a dead store fails it at once
+      // and it can always be force-closed (UCX 1.13 cannot force-close an
+      // endpoint without it, which then fails later inside UCX).
+      // (Not to be had when UCX_TLS allows shared memory only.)
+      const bool pfh = !shm || ((mapping || !map_arena_) && ucx::NetworkTransportsAllowed());
+      ep = ucx::Endpoint::ConnectToWorker(worker_.get(), resp.worker_address(), pfh);
+    } else {
+      int port = 0;
+      if (!absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port)) {
+        return (
+            absl::InternalError(absl::StrCat("store's UCX address \"", addr, "\" has no port")));
+      }
+      ep = ucx::Endpoint::Connect(worker_.get(), host, port);
+    }
+    if (!ep.ok()) return (ep.status());
+    auto rkey = (*ep)->Unpack(resp.regions(0).packed_rkey());
+    if (!rkey.ok()) return (rkey.status());
+    ep_ = std::move(*ep);
+    rkey_ = std::move(*rkey);
     instance_ = resp.instance_id();
     session_ = resp.session();
     backoff_ms_ = options_.backoff_min_ms;
     mapping_ = std::move(mapping);
     return absl::OkStatus();
-  }
-  if (!init_error_.ok()) return fail(init_error_);
-  absl::StatusOr<std::unique_ptr<ucx::Endpoint>> ep;
-  if (!options_.use_sockaddr && !resp.worker_address().empty()) {
-    // UCX's shared-memory transports only where they move the bytes: a
-    // mapped connection, or one that makes control calls only, keeps peer-
-    // failure handling (TCP on the host), so a dead store fails it at once
-    // and it can always be force-closed (UCX 1.13 cannot force-close an
-    // endpoint without it, which then fails later inside UCX).
-    // (Not to be had when UCX_TLS allows shared memory only.)
-    const bool pfh = !shm || ((mapping || !map_arena_) && ucx::NetworkTransportsAllowed());
-    ep = ucx::Endpoint::ConnectToWorker(worker_.get(), resp.worker_address(), pfh);
-  } else {
-    int port = 0;
-    if (!absl::SimpleAtoi(addr.substr(addr.rfind(':') + 1), &port)) {
-      return fail(
-          absl::InternalError(absl::StrCat("store's UCX address \"", addr, "\" has no port")));
+  };
+  bool fresh = false;
+  auto got = control_.DataPlaneSession(options_.client_id, rpc_deadline, &fresh);
+  if (!got.ok()) return fail(got.status());
+  absl::Status s = attempt(*got);
+  if (!s.ok()) {
+    // A kept session may be one the store no longer has (it restarted, or
+    // dropped it): once more with a new one.
+    control_.ForgetDataPlaneSession(got->session());
+    if (!fresh) {
+      got = control_.DataPlaneSession(options_.client_id, rpc_deadline, &fresh);
+      if (!got.ok()) return fail(got.status());
+      s = attempt(*got);
+      if (!s.ok()) control_.ForgetDataPlaneSession(got->session());
     }
-    ep = ucx::Endpoint::Connect(worker_.get(), host, port);
   }
-  if (!ep.ok()) return fail(ep.status());
-  auto rkey = (*ep)->Unpack(resp.regions(0).packed_rkey());
-  if (!rkey.ok()) return fail(rkey.status());
-  ep_ = std::move(*ep);
-  rkey_ = std::move(*rkey);
-  instance_ = resp.instance_id();
-  session_ = resp.session();
-  backoff_ms_ = options_.backoff_min_ms;
-  mapping_ = std::move(mapping);
-  return absl::OkStatus();
+  return s.ok() ? s : fail(s);
 }
 
 absl::Status DataPlaneConnection::EnsureInstance(

@@ -26,6 +26,30 @@ StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
   stub_ = v1::Store::NewStub(channel_);
 }
 
+absl::StatusOr<v1::ConnectDataPlaneResponse> StoreClient::DataPlaneSession(
+    const std::string& client_id, std::chrono::system_clock::time_point deadline, bool* fresh) {
+  *fresh = false;
+  {
+    std::lock_guard lk(session_mu_);
+    if (session_) return *session_;
+  }
+  v1::ConnectDataPlaneRequest req;
+  req.set_client_id(client_id);
+  v1::ConnectDataPlaneResponse resp;
+  auto ctx = Context(deadline);
+  if (auto s = stub_->ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) return FromGrpc(s);
+  *fresh = true;
+  std::lock_guard lk(session_mu_);
+  // Two connections that asked at once keep the first answer.
+  if (!session_) session_ = resp;
+  return *session_;
+}
+
+void StoreClient::ForgetDataPlaneSession(const std::string& session) {
+  std::lock_guard lk(session_mu_);
+  if (session_ && session_->session() == session) session_.reset();
+}
+
 std::unique_ptr<grpc::ClientContext> StoreClient::Context() const {
   return Context(std::chrono::system_clock::now() +
                  std::chrono::milliseconds(options_.deadline_ms));

@@ -7,6 +7,8 @@
 
 #include <chrono>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -83,10 +85,23 @@ class StoreClient {
   std::unique_ptr<grpc::ClientContext> Context(
       std::chrono::system_clock::time_point deadline) const;
 
+  // The data-plane session this client's connections share: the store's
+  // ConnectDataPlane answer, asked once (by `deadline`) and kept until
+  // forgotten, so that a lease one connection opens can be used and ended
+  // on another (the store binds a lease to the session it was opened on).
+  // *fresh: whether this call asked the store. Thread-safe.
+  absl::StatusOr<v1::ConnectDataPlaneResponse> DataPlaneSession(
+      const std::string& client_id, std::chrono::system_clock::time_point deadline, bool* fresh);
+  // Forgets the kept session if it is `session` (the store refused it: a
+  // restarted store, or one that dropped it).
+  void ForgetDataPlaneSession(const std::string& session);
+
  private:
   StoreClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Store::Stub> stub_;
+  std::mutex session_mu_;
+  std::optional<v1::ConnectDataPlaneResponse> session_;  // guarded by session_mu_
 };
 
 }  // namespace kvtier

@@ -622,6 +622,58 @@ TEST_F(DataPlaneLimits, ALeaseIdNamesNoOtherClientsLease) {
   EXPECT_EQ(AbortPut(kAlphaToken, second.lease_id()), grpc::OK);
 }
 
+TEST_F(DataPlaneLimits, ALeaseIsOnlyTheSessionsThatOpenedIt) {
+  // Two sessions of one tenant (two clients of alpha). A put lease opened
+  // by a call on the first was usable by the second: it could write the
+  // slot and commit it. Now only the opening session's connections may.
+  DataClientOptions o;
+  o.tenant_token = kAlphaToken;
+  StoreDataClient alpha(store_->address(), o);
+  auto ns = alpha.control().RegisterNamespace(Spec());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  RawConn owner(data_port_, Connect(kAlphaToken).session());
+  RawConn other(data_port_, Connect(kAlphaToken).session());
+  ASSERT_EQ(owner.hello_.first, 0) << owner.hello_.second;
+  ASSERT_EQ(other.hello_.first, 0) << other.hello_.second;
+  auto call = [](RawConn& c, uint16_t method, const google::protobuf::Message& req) {
+    const std::string body = req.SerializeAsString();
+    return c.Send(wire::Frame{wire::kFrameMagic, wire::kCall, method, 0, 0, body.size()}, body);
+  };
+  v1::BeginPutRequest begin;
+  begin.set_namespace_id(ns->id);
+  ToProto(H(900), begin.add_hashes());
+  auto [code, text] = call(owner, ucx::kCallBeginPut, begin);
+  ASSERT_EQ(code, 0) << text;
+  v1::BeginPutResponse put;
+  ASSERT_TRUE(put.ParseFromString(text));
+  ASSERT_EQ(put.targets_size(), 1);
+  const uint64_t addr = put.targets(0).remote_addr();
+  v1::CommitPutRequest commit;
+  commit.set_lease_id(put.lease_id());
+  commit.set_store_checksums(true);
+  // The other session: no such lease, for its transfers and its calls.
+  const int gone = static_cast<int>(absl::StatusCode::kFailedPrecondition);
+  auto refused = other.Put(put.lease_id(), addr, kBlock);
+  EXPECT_EQ(refused.first, gone) << refused.second;
+  EXPECT_NE(refused.second.find("unknown"), std::string::npos) << refused.second;
+  refused = call(other, ucx::kCallCommitPut, commit);
+  EXPECT_EQ(refused.first, gone) << refused.second;
+  // The opening session writes and commits it.
+  auto wrote = owner.Put(put.lease_id(), addr, kBlock);
+  ASSERT_EQ(wrote.first, 0) << wrote.second;
+  auto [committed, reply] = call(owner, ucx::kCallCommitPut, commit);
+  ASSERT_EQ(committed, 0) << reply;
+  v1::CommitPutResponse done;
+  ASSERT_TRUE(done.ParseFromString(reply));
+  EXPECT_EQ(done.committed(), 1u);
+  // And the tenant reads back the owner's bytes, not anything else.
+  std::vector<uint8_t> dst(kBlock);
+  auto got = alpha.Get(ns->id, kBlock, {{H(900), dst.data()}}).get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->blocks, 1u);
+  EXPECT_EQ(dst, std::vector<uint8_t>(kBlock, 0x66));
+}
+
 TEST_F(DataPlaneLimits, DeclaredCallsTakeNoMemoryAndATenantsBodiesStayInItsBudget) {
   // 31 of alpha's connections each declare a call of the largest size
   // (4 MiB) and send none of it. The store allocated each declared length

@@ -104,6 +104,29 @@ TEST(LeaseTable, AHoldCoversOnlyWholeRangesInsideOneOfTheLeasesSlots) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+TEST(LeaseTable, ALeaseOpenedOnASessionIsThatSessions) {
+  // Opened by a data-plane call of session "s1": another session finds no
+  // such lease, for a transfer or a call; s1 and a gRPC caller (no
+  // session) do. A lease opened over gRPC is bound to no session.
+  Released r;
+  LeaseTable t(10000, 0, r.Fn());
+  const uint64_t bound = *t.Claim("c"), free = *t.Claim("c");
+  Lease l = TwoSlots(true);
+  l.session = "s1";
+  t.Open(bound, std::move(l));
+  t.Open(free, TwoSlots(true));
+  EXPECT_EQ(t.Use(bound, true, -1, 8192, 4096, "s2").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.Take(bound, true, -1, LeaseTable::WhenHeld::kRefuse, "s2").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(t.Use(bound, true, -1, 8192, 4096, "s1").ok());
+  EXPECT_TRUE(t.Use(free, true, -1, 8192, 4096, "s2").ok());
+  auto taken = t.Take(bound, true, -1, LeaseTable::WhenHeld::kRefuse, "s1");
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(taken->session, "s1");
+  EXPECT_TRUE(t.Take(free, true).ok()) << "a gRPC caller";
+}
+
 TEST(LeaseTable, AHeldLeaseIsNeverWaitedOn) {
   // A transfer on another connection holds the lease (a client can trickle
   // it until the deadline). A commit is refused at once, nothing changed;

@@ -157,32 +157,27 @@ inline ShellResult RunShell(const std::string& command) {
   return r;
 }
 
-// Resident set size of a process in bytes (VmRSS); 0 if it cannot be read.
-inline uint64_t RssBytes(pid_t pid = getpid()) {
+// The number after `key` (e.g. "VmRSS:") in /proc/PID/status; 0 if it
+// cannot be read.
+inline uint64_t ProcStatus(pid_t pid, const std::string& key) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string key;
-  while (in >> key) {
-    if (key == "VmRSS:") {
-      uint64_t kb = 0;
-      in >> kb;
-      return kb * 1024;
-    }
-  }
-  return 0;
-}
-
-// Threads of a process (Threads:); 0 if it cannot be read.
-inline int ThreadCount(pid_t pid = getpid()) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string key;
-  while (in >> key) {
-    if (key == "Threads:") {
-      int n = 0;
+  std::string word;
+  while (in >> word) {
+    if (word == key) {
+      uint64_t n = 0;
       in >> n;
       return n;
     }
   }
   return 0;
+}
+
+// Resident set size of a process in bytes (VmRSS); 0 if it cannot be read.
+inline uint64_t RssBytes(pid_t pid = getpid()) { return ProcStatus(pid, "VmRSS:") * 1024; }
+
+// Threads of a process; 0 if it cannot be read.
+inline int ThreadCount(pid_t pid = getpid()) {
+  return static_cast<int>(ProcStatus(pid, "Threads:"));
 }
 
 // Waits for a port file written by a server started with --port-file; 0 on

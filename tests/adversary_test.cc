@@ -99,6 +99,12 @@ class RawConn {
     if (data) *data = std::move(bytes);
     return {r.code, text};
   }
+  // A control call on the data plane: `req` serialized as the body; the
+  // reply's text is the serialized response (or the error).
+  std::pair<int, std::string> Call(uint16_t method, const google::protobuf::Message& req) {
+    const std::string body = req.SerializeAsString();
+    return Send(wire::Frame{wire::kFrameMagic, wire::kCall, method, 0, 0, body.size()}, body);
+  }
   std::pair<int, std::string> Get(uint64_t lease, uint64_t addr, uint64_t length,
                                   std::string* data = nullptr) {
     return Send(wire::Frame{wire::kFrameMagic, wire::kGet, 0, lease, addr, length}, "", data);
@@ -363,13 +369,21 @@ class DataPlaneLimits : public ::testing::Test {
     EXPECT_TRUE(stub->ConnectDataPlane(&ctx, {}, &resp).ok());
     return resp;
   }
+  // A data client of `token`'s tenant; *ns: Spec()'s namespace registered
+  // through it.
+  std::unique_ptr<StoreDataClient> TenantClient(const std::string& token,
+                                                absl::StatusOr<RegisteredNamespace>* ns) {
+    DataClientOptions o;
+    o.tenant_token = token;
+    auto c = std::make_unique<StoreDataClient>(store_->address(), o);
+    *ns = c->control().RegisterNamespace(Spec());
+    return c;
+  }
   // Beta writes 8 blocks and reads them back byte-exact, each step within
   // `budget` (its usual latency here is milliseconds).
   void BetaWorks(std::chrono::milliseconds budget) {
-    DataClientOptions o;
-    o.tenant_token = kBetaToken;
-    StoreDataClient beta(store_->address(), o);
-    auto ns = beta.control().RegisterNamespace(Spec());
+    absl::StatusOr<RegisteredNamespace> ns;
+    auto beta = TenantClient(kBetaToken, &ns);
     ASSERT_TRUE(ns.ok()) << ns.status();
     std::vector<std::string> keep;
     std::vector<PutBlock> put;
@@ -378,14 +392,14 @@ class DataPlaneLimits : public ::testing::Test {
       put.push_back({H(100 + i), keep.back().data()});
     }
     auto t0 = Clock::now();
-    auto wrote = beta.Put(ns->id, kBlock, put).get();
+    auto wrote = beta->Put(ns->id, kBlock, put).get();
     ASSERT_TRUE(wrote.ok()) << wrote.status();
     EXPECT_LT(Clock::now() - t0, budget);
     std::vector<uint8_t> dst(8 * kBlock);
     std::vector<GetBlock> blocks;
     for (uint64_t i = 0; i < 8; ++i) blocks.push_back({H(100 + i), dst.data() + i * kBlock});
     t0 = Clock::now();
-    auto got = beta.Get(ns->id, kBlock, blocks).get();
+    auto got = beta->Get(ns->id, kBlock, blocks).get();
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_LT(Clock::now() - t0, budget);
     ASSERT_EQ(got->blocks, 8u);
@@ -556,10 +570,8 @@ TEST_F(DataPlaneLimits, ASniffedHelloOpensNoConnectionAndCommitsNothing) {
   ASSERT_EQ(alpha.hello_.first, 0) << alpha.hello_.second;
   const std::string sniffed = alpha.hello_payload();
   const std::string id = sniffed.substr(0, wire::kSessionIdBytes);
-  DataClientOptions o;
-  o.tenant_token = kAlphaToken;
-  StoreDataClient owner(store_->address(), o);
-  auto ns = owner.control().RegisterNamespace(Spec());
+  absl::StatusOr<RegisteredNamespace> ns;
+  auto owner = TenantClient(kAlphaToken, &ns);
   ASSERT_TRUE(ns.ok()) << ns.status();
   v1::BeginPutRequest begin;
   begin.set_namespace_id(ns->id);
@@ -576,26 +588,13 @@ TEST_F(DataPlaneLimits, ASniffedHelloOpensNoConnectionAndCommitsNothing) {
     }
     // Whatever it sends next finds the connection closed: no BeginPut, so
     // no slot to write and nothing to commit.
-    const std::string body = begin.SerializeAsString();
-    EXPECT_EQ(thief
-                  .Send(wire::Frame{wire::kFrameMagic, wire::kCall, ucx::kCallBeginPut, 0, 0,
-                                    body.size()},
-                        body)
-                  .first,
-              -1)
-        << attempt;
+    EXPECT_EQ(thief.Call(ucx::kCallBeginPut, begin).first, -1) << attempt;
   }
   // Nothing of the thief's is stored, and alpha's own connection serves on.
-  auto found = owner.control().Lookup(ns->id, {H(900)});
+  auto found = owner->control().Lookup(ns->id, {H(900)});
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_TRUE(found->empty()) << "a block the thief began";
-  const std::string body = begin.SerializeAsString();
-  EXPECT_EQ(
-      alpha
-          .Send(wire::Frame{wire::kFrameMagic, wire::kCall, ucx::kCallBeginPut, 0, 0, body.size()},
-                body)
-          .first,
-      0);
+  EXPECT_EQ(alpha.Call(ucx::kCallBeginPut, begin).first, 0);
   EXPECT_GE(Metric("kvtier_store_dataplane_closed_total{reason=\"hello\"}"), 2);
 }
 
@@ -603,10 +602,8 @@ TEST_F(DataPlaneLimits, ALeaseIdNamesNoOtherClientsLease) {
   // Two clients of one tenant: the second, knowing its own lease id, tries
   // the ids around it against the first's put. (Ids came from a counter:
   // the first's was the second's minus one.)
-  DataClientOptions o;
-  o.tenant_token = kAlphaToken;
-  StoreDataClient alpha(store_->address(), o);
-  auto ns = alpha.control().RegisterNamespace(Spec());
+  absl::StatusOr<RegisteredNamespace> ns;
+  auto alpha = TenantClient(kAlphaToken, &ns);
   ASSERT_TRUE(ns.ok()) << ns.status();
   const v1::BeginPutResponse first = BeginPut(kAlphaToken, ns->id, 300, 1);
   const v1::BeginPutResponse second = BeginPut(kAlphaToken, ns->id, 310, 1);
@@ -626,23 +623,17 @@ TEST_F(DataPlaneLimits, ALeaseIsOnlyTheSessionsThatOpenedIt) {
   // Two sessions of one tenant (two clients of alpha). A put lease opened
   // by a call on the first was usable by the second: it could write the
   // slot and commit it. Now only the opening session's connections may.
-  DataClientOptions o;
-  o.tenant_token = kAlphaToken;
-  StoreDataClient alpha(store_->address(), o);
-  auto ns = alpha.control().RegisterNamespace(Spec());
+  absl::StatusOr<RegisteredNamespace> ns;
+  auto alpha = TenantClient(kAlphaToken, &ns);
   ASSERT_TRUE(ns.ok()) << ns.status();
   RawConn owner(data_port_, Connect(kAlphaToken).session());
   RawConn other(data_port_, Connect(kAlphaToken).session());
   ASSERT_EQ(owner.hello_.first, 0) << owner.hello_.second;
   ASSERT_EQ(other.hello_.first, 0) << other.hello_.second;
-  auto call = [](RawConn& c, uint16_t method, const google::protobuf::Message& req) {
-    const std::string body = req.SerializeAsString();
-    return c.Send(wire::Frame{wire::kFrameMagic, wire::kCall, method, 0, 0, body.size()}, body);
-  };
   v1::BeginPutRequest begin;
   begin.set_namespace_id(ns->id);
   ToProto(H(900), begin.add_hashes());
-  auto [code, text] = call(owner, ucx::kCallBeginPut, begin);
+  auto [code, text] = owner.Call(ucx::kCallBeginPut, begin);
   ASSERT_EQ(code, 0) << text;
   v1::BeginPutResponse put;
   ASSERT_TRUE(put.ParseFromString(text));
@@ -656,19 +647,19 @@ TEST_F(DataPlaneLimits, ALeaseIsOnlyTheSessionsThatOpenedIt) {
   auto refused = other.Put(put.lease_id(), addr, kBlock);
   EXPECT_EQ(refused.first, gone) << refused.second;
   EXPECT_NE(refused.second.find("unknown"), std::string::npos) << refused.second;
-  refused = call(other, ucx::kCallCommitPut, commit);
+  refused = other.Call(ucx::kCallCommitPut, commit);
   EXPECT_EQ(refused.first, gone) << refused.second;
   // The opening session writes and commits it.
   auto wrote = owner.Put(put.lease_id(), addr, kBlock);
   ASSERT_EQ(wrote.first, 0) << wrote.second;
-  auto [committed, reply] = call(owner, ucx::kCallCommitPut, commit);
+  auto [committed, reply] = owner.Call(ucx::kCallCommitPut, commit);
   ASSERT_EQ(committed, 0) << reply;
   v1::CommitPutResponse done;
   ASSERT_TRUE(done.ParseFromString(reply));
   EXPECT_EQ(done.committed(), 1u);
   // And the tenant reads back the owner's bytes, not anything else.
   std::vector<uint8_t> dst(kBlock);
-  auto got = alpha.Get(ns->id, kBlock, {{H(900), dst.data()}}).get();
+  auto got = alpha->Get(ns->id, kBlock, {{H(900), dst.data()}}).get();
   ASSERT_TRUE(got.ok()) << got.status();
   ASSERT_EQ(got->blocks, 1u);
   EXPECT_EQ(dst, std::vector<uint8_t>(kBlock, 0x66));
@@ -720,10 +711,8 @@ TEST_F(DataPlaneLimits, ATrickledPutHoldsNoCommitThread) {
   // sent, the rest withheld), then commits and aborts on others. The commit
   // waited for the transfer, parking a gRPC thread until the lease's
   // deadline (10 s here); one such per connection ties up the server.
-  DataClientOptions o;
-  o.tenant_token = kAlphaToken;
-  StoreDataClient alpha(store_->address(), o);
-  auto ns = alpha.control().RegisterNamespace(Spec());
+  absl::StatusOr<RegisteredNamespace> ns;
+  auto alpha = TenantClient(kAlphaToken, &ns);
   ASSERT_TRUE(ns.ok()) << ns.status();
   const v1::BeginPutResponse put = BeginPut(kAlphaToken, ns->id, 400, 1);
   ASSERT_EQ(put.targets_size(), 1);
@@ -758,7 +747,7 @@ TEST_F(DataPlaneLimits, ATrickledPutHoldsNoCommitThread) {
   ASSERT_TRUE(net::WriteAll(c.fd(), half.data(), half.size(), Soon()).ok());
   wire::Reply r;
   ASSERT_TRUE(net::ReadAll(c.fd(), &r, sizeof(r), Soon()).ok());
-  auto found = alpha.control().Lookup(ns->id, {H(400)});
+  auto found = alpha->control().Lookup(ns->id, {H(400)});
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_TRUE(found->empty());
 }

@@ -21,6 +21,7 @@
 #include "common/rpc/grpc_server.h"
 #include "common/rpc/metrics.h"
 #include "common/rpc/tls.h"
+#include "common/tls_stream.h"
 
 namespace {
 
@@ -51,7 +52,9 @@ struct Flags {
   uint64_t router_refresh_ms = 5000;
   std::string store_id, advertise_address;
   std::string data_listen;
+  std::string data_advertise;
   std::string data_plane = "socket";
+  bool data_tls = false;
   bool verify_commits = true;
   std::string metrics_listen;
   bool check_config = false;
@@ -124,6 +127,10 @@ int main(int argc, char** argv) {
   flags.String("data-listen", &f.data_listen,
                "Data-plane listener HOST:PORT (blocks move between clients and the RAM arena "
                "there, as --data-plane says); empty: inline gRPC path only");
+  flags.String("data-advertise", &f.data_advertise,
+               "HOST:PORT clients are told to reach the socket data plane at, when that is not "
+               "--data-listen's (a proxy, NAT or a port-forward in between) [default: the bound "
+               "address; a host of 0.0.0.0 means the host the client reached the store at]");
   flags.String("ucx-listen", &f.data_listen, "Former name of --data-listen (still accepted)");
   flags.Int("data-max-connections", &f.data_max_connections, 1, int64_t{1} << 20,
             "Socket data-plane connections open at once; more are closed at accept (each "
@@ -148,6 +155,10 @@ int main(int argc, char** argv) {
   flags.Int("data-threads", &f.data_threads, 0, 8,
             "Event-loop threads of the socket data plane (each serves its share of the "
             "connections); 0: two per core, at most 8");
+  flags.Bool("data-tls", &f.data_tls,
+             "Serve the socket data plane over TLS 1.3 with --tls-cert/--tls-key (kernel TLS "
+             "where the kernel has it): an eavesdropper then reads no block, session or call; "
+             "clients verify the store against their --tls-ca");
   flags.Choice("data-plane", &f.data_plane, {"socket", "ucx"},
                "The data plane's transport: socket (the store checks every transfer against "
                "the caller's lease before it touches its memory; safe with any client), or "
@@ -250,6 +261,29 @@ int main(int argc, char** argv) {
                    std::string(s.message()).c_str());
       return 2;
     }
+  }
+  if (!f.data_advertise.empty()) {
+    if (auto s = kvtier::ValidateHostPort(f.data_advertise); !s.ok()) {
+      std::fprintf(stderr, "kvtier-store: flag --data-advertise: %s\n",
+                   std::string(s.message()).c_str());
+      return 2;
+    }
+  }
+  if (f.data_tls && (f.tls.cert_file.empty() || f.data_plane != "socket")) {
+    std::fprintf(stderr,
+                 "kvtier-store: flag --data-tls needs --tls-cert and --tls-key (the certificate "
+                 "the data plane serves with) and --data-plane socket\n");
+    return 2;
+  }
+  std::shared_ptr<kvtier::net::TlsContext> data_tls;
+  if (f.data_tls) {
+    auto ctx = kvtier::net::TlsContext::Server(f.tls.cert_file, f.tls.key_file);
+    if (!ctx.ok()) {
+      std::fprintf(stderr, "kvtier-store: flag --data-tls: %s\n",
+                   std::string(ctx.status().message()).c_str());
+      return 2;
+    }
+    data_tls = std::move(*ctx);
   }
   // Built before --check-config returns, so it checks the TLS files too.
   auto router_security = kvtier::ClientSecurity(f.tls);
@@ -416,6 +450,7 @@ int main(int argc, char** argv) {
     so.hello_timeout = std::chrono::milliseconds(f.data_hello_timeout_ms);
     so.idle_timeout = std::chrono::milliseconds(f.data_idle_timeout_ms);
     so.threads = static_cast<size_t>(f.data_threads);
+    so.tls = data_tls;
     auto sp = kvtier::store::SocketDataPlane::Start(f.data_listen, so);
     if (!sp.ok()) {
       std::fprintf(stderr, "kvtier-store: socket data plane: %s\n",
@@ -456,6 +491,7 @@ int main(int argc, char** argv) {
   service.SetAdminToken(admin_token);
   service.SetAdminIdentity(f.admin_identity);
   service.SetClientConnectionLimit(static_cast<uint64_t>(f.data_max_connections_per_client));
+  service.AdvertiseDataPlane(f.data_advertise);
   auto started = kvtier::StartGrpcServer(
       {"kvtier-store", f.listen, *server_credentials, {&service}, f.max_message_bytes});
   if (!started.ok()) {
@@ -476,17 +512,23 @@ int main(int argc, char** argv) {
   }
   const std::string tls_mode =
       kvtier::TlsModeSuffix(!f.tls.cert_file.empty(), f.tls.require_client_cert);
-  kvtier::Log("store", "listening on ", started->address(),
-              f.tls.cert_file.empty()     ? ""
-              : f.tls.require_client_cert ? ", mutual TLS"
-                                          : ", TLS",
-              " (RAM ", (*store)->ram().arena().size(), " bytes in ", (*store)->ram().shards(),
-              " shards", (*store)->ram().arena().hugepages() ? ", hugepages" : "", "; disk quota ",
-              f.disk_bytes, " bytes in ", f.data_dir, ")");
-  kvtier::AnnounceListening("kvtier-store", *started,
-                            tls_mode + (dataplane ? ", UCX on " + dataplane->address() : "") +
-                                (sockets ? ", data plane on " + sockets->address() : ""),
-                            f.port_file);
+  kvtier::Log(
+      "store", "listening on ", started->address(),
+      f.tls.cert_file.empty()     ? ""
+      : f.tls.require_client_cert ? ", mutual TLS"
+                                  : ", TLS",
+      " (RAM ", (*store)->ram().arena().size(), " bytes in ", (*store)->ram().shards(), " shards",
+      (*store)->ram().arena().hugepages() ? ", hugepages" : "", "; disk quota ", f.disk_bytes,
+      " bytes in ", f.data_dir, ")",
+      sockets ? absl::StrCat("; data plane on ", sockets->address(), sockets->tls() ? " (TLS)" : "")
+              : "");
+  kvtier::AnnounceListening(
+      "kvtier-store", *started,
+      tls_mode + (dataplane ? ", UCX on " + dataplane->address() : "") +
+          (sockets ? (sockets->tls() ? ", data plane (TLS) on " : ", data plane on ") +
+                         sockets->address()
+                   : ""),
+      f.port_file);
 
   // Health: "" and kvtier.v1.Store stay SERVING while the process serves;
   // "kvtier.v1.Store/disk" follows the NVMe tier (NOT_SERVING while degraded).

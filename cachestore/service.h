@@ -47,6 +47,10 @@ class StoreService final : public kvtier::v1::Store::Service {
   // A client's socket data-plane connections open at once on a store
   // without tenants (tenants have connections= instead). Set before serving.
   void SetClientConnectionLimit(uint64_t n) { client_connections_ = n; }
+  // The HOST:PORT ConnectDataPlane names for the socket data plane instead
+  // of the one it is bound to (a proxy, NAT or a port-forward in between);
+  // empty: the bound one. Set before serving.
+  void AdvertiseDataPlane(std::string address) { data_advertise_ = std::move(address); }
   // Call once the gRPC server has shut down (see HandlerFence).
   void Quiesce() const { fence_.Quiesce(); }
 
@@ -173,6 +177,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   const uint64_t instance_id_;  // random per process (ConnectDataPlaneResponse.instance_id)
   DataPlaneServer* dataplane_;
   SocketDataPlane* sockets_;
+  std::string data_advertise_;  // AdvertiseDataPlane
   uint64_t client_connections_ = limits::kClientDataConnections;
   AdminGate admin_;
   HandlerFence fence_;  // every handler releases it as it finishes

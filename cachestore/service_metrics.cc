@@ -71,13 +71,17 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
     for (const auto& [reason, n] :
          {std::pair{"connections", d.refused_full}, std::pair{"unhelloed", d.evicted_unhelloed},
           std::pair{"hello_timeout", d.hello_timeouts}, std::pair{"hello", d.hellos_refused},
-          std::pair{"idle", d.idle_closed}}) {
+          std::pair{"idle", d.idle_closed}, std::pair{"tls_handshake", d.tls_handshakes_failed}}) {
       m.Counter("kvtier_store_dataplane_closed_total", help, n, {{"reason", reason}});
     }
     m.Counter("kvtier_store_dataplane_calls_refused_total",
               "Socket data-plane calls answered RESOURCE_EXHAUSTED: their bodies would pass "
               "the caller's budget of call bodies being read (buffered=, --data-max-buffered)",
               d.calls_refused_buffer, {{"reason", "buffered"}});
+    m.Counter("kvtier_store_dataplane_tls_kernel_total",
+              "Socket data-plane TLS connections whose records the kernel encrypts (kTLS); "
+              "the others are encrypted by OpenSSL in user space",
+              d.tls_kernel);
     m.Gauge("kvtier_store_dataplane_unhelloed_connections",
             "Socket data-plane connections that have not presented a session yet",
             sockets_->unhelloed());

@@ -225,7 +225,8 @@ grpc::Status StoreService::ConnectDataPlane(grpc::ServerContext* ctx,
   if (sockets_) {
     Caller caller;
     if (auto s = Identify(*ctx, &caller); !s.ok()) return t.Done(s);
-    resp->set_data_address(sockets_->address());
+    resp->set_data_address(data_advertise_.empty() ? sockets_->address() : data_advertise_);
+    resp->set_data_tls(sockets_->tls());
     resp->set_instance_id(instance_id_);
     // Addresses are names of slots here, checked on every transfer; the
     // region is the arena (and its memfd for a same-host client without

@@ -70,10 +70,12 @@ struct SocketDataPlane::Connection {
   enum class Then { kHello, kNextFrame, kDiscard, kLinger };
   bool closed = false;
   bool writing = false;
-  bool idle = false;        // waiting for a request, none of it read yet
-  bool lingering = false;   // draining after an error reply
-  bool registered = false;  // in its loop's epoll set
-  bool queued = false;      // in its loop's ready list
+  bool idle = false;                    // waiting for a request, none of it read yet
+  bool lingering = false;               // draining after an error reply
+  bool registered = false;              // in its loop's epoll set
+  bool queued = false;                  // in its loop's ready list
+  bool handshaking = false;             // TLS: before the challenge
+  std::unique_ptr<net::TlsStream> tls;  // null: plaintext
   net::Clock::time_point deadline;
   // Reading: `left` more bytes into `to` (nullptr: dropped; kCallBody:
   // appended to `request`).
@@ -143,6 +145,10 @@ class SocketDataPlane::Loop {
   void TakeInbox();
   void Sweep();
   void Begin(Connection* c);
+  // A TLS handshake's next step; true once it is over (the challenge sent
+  // or the connection closed).
+  bool Handshake(Connection* c);
+  void Challenge(Connection* c);
   // Moves bytes and takes the steps that follow until the connection must
   // wait (or its turn is over).
   void Progress(Connection* c);
@@ -289,6 +295,45 @@ void SocketDataPlane::Loop::Sweep() {
 }
 
 void SocketDataPlane::Loop::Begin(Connection* c) {
+  SetDeadline(c, net::Clock::now() + p_->options_.hello_timeout);
+  if (p_->options_.tls) {
+    // TLS from the first byte: the challenge and everything after it are
+    // records only this connection's peer can read.
+    c->tls = net::TlsStream::Accept(*p_->options_.tls, c->fd);
+    if (!c->tls) {
+      p_->tls_failed_++;
+      p_->LogLimited("no memory for a TLS connection; closed");
+      Close(c);
+      return;
+    }
+    c->handshaking = true;
+    Progress(c);
+    return;
+  }
+  Challenge(c);
+}
+
+bool SocketDataPlane::Loop::Handshake(Connection* c) {
+  switch (c->tls->Handshake()) {
+    case net::TlsStream::Step::kWantRead:
+    case net::TlsStream::Step::kWantWrite:
+      return false;  // on the next edge
+    case net::TlsStream::Step::kFailed:
+      p_->tls_failed_++;
+      p_->LogLimited(absl::StrCat("a data-plane connection failed its TLS handshake (",
+                                  c->tls->error(), "); closed"));
+      Close(c);
+      return true;
+    case net::TlsStream::Step::kDone:
+      break;
+  }
+  c->handshaking = false;
+  if (c->tls->KernelSend()) p_->tls_kernel_++;
+  Challenge(c);
+  return true;
+}
+
+void SocketDataPlane::Loop::Challenge(Connection* c) {
   // The challenge first: a nonce the hello's proof must cover, so a hello
   // read off the wire opens no other connection (common/data_hello.h).
   // The hello (its frame, the session id and the proof) is due within
@@ -309,11 +354,14 @@ void SocketDataPlane::Loop::Begin(Connection* c) {
   c->data_left = 0;
   c->writing = true;
   c->then = Then::kHello;
-  SetDeadline(c, net::Clock::now() + p_->options_.hello_timeout);
   Progress(c);
 }
 
 void SocketDataPlane::Loop::Progress(Connection* c) {
+  if (c->handshaking) {
+    Handshake(c);  // which goes on with the challenge once it is over
+    return;
+  }
   uint64_t moved = 0;
   while (!c->closed && Move(c, &moved)) Finished(c);
 }
@@ -336,7 +384,7 @@ bool SocketDataPlane::Loop::Move(Connection* c, uint64_t* moved) {
       msghdr m{};
       m.msg_iov = v;
       m.msg_iovlen = k;
-      const ssize_t w = sendmsg(c->fd, &m, MSG_NOSIGNAL);
+      const ssize_t w = c->tls ? c->tls->Send(v, k) : sendmsg(c->fd, &m, MSG_NOSIGNAL);
       if (w < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return false;  // on the next edge
@@ -373,7 +421,7 @@ bool SocketDataPlane::Loop::Move(Connection* c, uint64_t* moved) {
       at = reinterpret_cast<char*>(c->to);
       want = static_cast<size_t>(std::min<uint64_t>(c->left, kTurnBytes));
     }
-    const ssize_t r = recv(c->fd, at, want, 0);
+    const ssize_t r = c->tls ? c->tls->Recv(at, want) : recv(c->fd, at, want, 0);
     if (c->reading == Read::kCallBody) c->request.resize(grown_from + std::max<ssize_t>(r, 0));
     if (r == 0) {
       Close(c);  // the peer closed
@@ -439,6 +487,7 @@ void SocketDataPlane::Loop::Reply(Connection* c, int code, std::string_view mess
 void SocketDataPlane::Loop::Linger(Connection* c) {
   // The peer sees the end now; what it still sends is drained for a moment
   // so that the error reply is not lost to a reset.
+  if (c->tls) c->tls->Shutdown();
   shutdown(c->fd, SHUT_WR);
   c->lingering = true;
   ReadInto(c, Read::kDrain, nullptr, ~uint64_t{0}, net::Clock::now() + kLingerTime);
@@ -450,6 +499,7 @@ void SocketDataPlane::Loop::Close(Connection* c) {
   {
     std::lock_guard lk(c->fd_mu);
     if (c->registered) epoll_ctl(epfd_, EPOLL_CTL_DEL, c->fd, nullptr);
+    c->tls.reset();
     close(c->fd);
     c->fd = -1;
   }
@@ -674,7 +724,8 @@ SocketDataPlane::~SocketDataPlane() {
 
 SocketDataPlane::Stats SocketDataPlane::stats() const {
   return Stats{refused_full_.load(),   evicted_.load(),     hello_timeouts_.load(),
-               hellos_refused_.load(), idle_closed_.load(), calls_refused_buffer_.load()};
+               hellos_refused_.load(), idle_closed_.load(), calls_refused_buffer_.load(),
+               tls_failed_.load(),     tls_kernel_.load()};
 }
 
 void SocketDataPlane::LogLimited(const std::string& what) {

@@ -13,6 +13,9 @@
 // the rest of the process (docs/security.md). A malformed or refused
 // request gets its status; the connection stays (a put's refused bytes are
 // read and dropped) unless the frame itself is unusable.
+// With Options::tls, every connection is TLS 1.3 (common/tls_stream.h) from
+// its first byte: the handshake comes before the challenge, within the
+// hello deadline, and runs on the loop like any other step.
 // Connections are bounded (Options): in all, without a hello yet (the
 // oldest such is evicted for a new one), in time to the hello, and idle;
 // the service's HelloFn bounds each tenant's. Refusals are counted (Stats)
@@ -36,6 +39,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/limits.h"
+#include "common/tls_stream.h"
 
 namespace kvtier::store {
 
@@ -113,15 +117,19 @@ class SocketDataPlane {
     uint64_t max_buffered_bytes = limits::kDataBufferedBytes;
     // Event-loop threads (0: two per core, at most 8).
     size_t threads = 0;
+    // A server context: every connection speaks TLS (null: plaintext).
+    std::shared_ptr<net::TlsContext> tls;
   };
   // Connections turned away or closed, by why (counters).
   struct Stats {
-    uint64_t refused_full = 0;          // max_connections open already
-    uint64_t evicted_unhelloed = 0;     // evicted by a newer connection
-    uint64_t hello_timeouts = 0;        // no hello within hello_timeout
-    uint64_t hellos_refused = 0;        // HelloFn said no
-    uint64_t idle_closed = 0;           // idle past idle_timeout
-    uint64_t calls_refused_buffer = 0;  // a call body past its budget (answered, not closed)
+    uint64_t refused_full = 0;           // max_connections open already
+    uint64_t evicted_unhelloed = 0;      // evicted by a newer connection
+    uint64_t hello_timeouts = 0;         // no hello within hello_timeout
+    uint64_t hellos_refused = 0;         // HelloFn said no
+    uint64_t idle_closed = 0;            // idle past idle_timeout
+    uint64_t calls_refused_buffer = 0;   // a call body past its budget (answered, not closed)
+    uint64_t tls_handshakes_failed = 0;  // not TLS, or a handshake that failed
+    uint64_t tls_kernel = 0;             // TLS connections the kernel encrypts (kTLS)
   };
 
   // listen: HOST:PORT (port 0 picks one).
@@ -139,6 +147,8 @@ class SocketDataPlane {
 
   // HOST:PORT actually bound.
   const std::string& address() const { return address_; }
+  // Whether connections speak TLS (Options::tls).
+  bool tls() const { return options_.tls != nullptr; }
   size_t connections() const { return connections_.load(); }
   // Of those, the ones that have not presented a session yet.
   size_t unhelloed() const { return unhelloed_.load(); }
@@ -170,7 +180,7 @@ class SocketDataPlane {
   std::atomic<size_t> connections_{0};
   std::atomic<size_t> unhelloed_{0};
   std::atomic<uint64_t> refused_full_{0}, evicted_{0}, hello_timeouts_{0}, hellos_refused_{0},
-      idle_closed_{0}, calls_refused_buffer_{0};
+      idle_closed_{0}, calls_refused_buffer_{0}, tls_failed_{0}, tls_kernel_{0};
   std::unique_ptr<ByteBudget> buffered_;  // Options::max_buffered_bytes
   std::mutex log_mu_;
   std::chrono::steady_clock::time_point last_log_;  // guarded by log_mu_

@@ -171,8 +171,19 @@ absl::Status DataPlaneConnection::EnsureConnected(
         return (absl::InternalError(
             absl::StrCat("store's data-plane address \"", addr, "\" has no port")));
       }
+      const net::TlsContext* tls = nullptr;
+      if (resp.data_tls()) {
+        tls = options_.security.data_plane.get();
+        if (tls == nullptr) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("store ", address_,
+                           " serves its data plane over TLS (--data-tls): this client "
+                           "needs the CA to verify it by (--tls-ca)"));
+        }
+      }
       const auto left = rpc_deadline - std::chrono::system_clock::now();
-      auto ch = SocketChannel::Connect(host, port, resp.session(), ucx::Clock::now() + left);
+      auto ch = SocketChannel::Connect(host, port, resp.session(), ucx::Clock::now() + left, tls,
+                                       options_.security.server_name);
       if (!ch.ok()) return (ch.status());
       sock_ = std::move(*ch);
       sock_generation_++;

@@ -20,7 +20,8 @@
 //
 // EnsureConnected returns: the lane's worker-creation error; UNAVAILABLE
 // while backing off after a failed attempt; ConnectDataPlane's own status
-// (FAILED_PRECONDITION from a store without a data plane); INTERNAL for an
+// (FAILED_PRECONDITION from a store without a data plane, or from one that
+// serves it over TLS to a client with no CA to verify it); INTERNAL for an
 // answer it cannot use; or the connect's status. Wait returns the
 // transfers' first error (the store's status for a transfer it refused,
 // DEADLINE_EXCEEDED past the deadline), or UNAVAILABLE if the connection

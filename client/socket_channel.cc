@@ -31,24 +31,32 @@ absl::Status StoreStatus(int code, const std::string& message) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<SocketChannel>> SocketChannel::Connect(const std::string& host,
-                                                                      int port,
-                                                                      const std::string& session,
-                                                                      Clock::time_point deadline) {
+absl::StatusOr<std::unique_ptr<SocketChannel>> SocketChannel::Connect(
+    const std::string& host, int port, const std::string& session, Clock::time_point deadline,
+    const net::TlsContext* tls, const std::string& tls_name) {
   auto fd = net::Connect(host, port, deadline);
   if (!fd.ok()) return fd.status();
   std::unique_ptr<SocketChannel> c(new SocketChannel(*fd));
+  if (tls != nullptr) {
+    // The store proves its certificate before anything is sent.
+    c->tls_ = net::TlsStream::Connect(*tls, *fd, tls_name.empty() ? host : tls_name);
+    if (!c->tls_) return absl::ResourceExhaustedError("no memory for a TLS connection");
+    if (auto s = c->tls_->HandshakeBy(deadline); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("the store's data plane (TLS, ", host, ":", port,
+                                                 "): ", s.message()));
+    }
+  }
   // The store's challenge, then the hello that proves the session's key
   // for it (common/data_hello.h).
   wire::Reply challenge;
-  if (auto s = net::ReadAll(*fd, &challenge, sizeof(challenge), deadline); !s.ok()) return s;
+  if (auto s = c->ReadFully(&challenge, sizeof(challenge), deadline); !s.ok()) return s;
   if (challenge.magic != wire::kChallengeMagic || challenge.message_bytes != 0 ||
       challenge.data_bytes != wire::kNonceBytes) {
     return absl::UnavailableError(
         "the store's data plane sent no challenge: another protocol or an older store");
   }
   std::string nonce(wire::kNonceBytes, '\0');
-  if (auto s = net::ReadAll(*fd, nonce.data(), nonce.size(), deadline); !s.ok()) return s;
+  if (auto s = c->ReadFully(nonce.data(), nonce.size(), deadline); !s.ok()) return s;
   const std::string payload = wire::HelloPayload(session, nonce);
   if (payload.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -59,20 +67,97 @@ absl::StatusOr<std::unique_ptr<SocketChannel>> SocketChannel::Connect(const std:
   hello.op = wire::kHello;
   hello.length = payload.size();
   iovec v[2] = {{&hello, sizeof(hello)}, {const_cast<char*>(payload.data()), payload.size()}};
-  if (auto s = net::WriteAll(*fd, v, 2, deadline); !s.ok()) return s;
+  if (auto s = c->WriteFully(v, 2, deadline); !s.ok()) return s;
   wire::Reply r;
-  if (auto s = net::ReadAll(*fd, &r, sizeof(r), deadline); !s.ok()) return s;
+  if (auto s = c->ReadFully(&r, sizeof(r), deadline); !s.ok()) return s;
   if (r.magic != wire::kReplyMagic || r.message_bytes > 4096 || r.data_bytes != 0) {
     return absl::UnavailableError("the store's data plane answered in another protocol");
   }
   std::string message(r.message_bytes, '\0');
-  if (auto s = net::ReadAll(*fd, message.data(), message.size(), deadline); !s.ok()) return s;
+  if (auto s = c->ReadFully(message.data(), message.size(), deadline); !s.ok()) return s;
   if (r.code != 0) return StoreStatus(r.code, message);
   return c;
 }
 
 SocketChannel::~SocketChannel() {
+  tls_.reset();
   if (fd_ >= 0) close(fd_);
+}
+
+ssize_t SocketChannel::Recv(void* to, size_t n) {
+  return tls_ ? tls_->Recv(to, n) : recv(fd_, to, n, 0);
+}
+
+ssize_t SocketChannel::Send(const iovec* iov, size_t k) {
+  if (tls_) return tls_->Send(iov, k);
+  msghdr m{};
+  m.msg_iov = const_cast<iovec*>(iov);
+  m.msg_iovlen = k;
+  return sendmsg(fd_, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+ssize_t SocketChannel::Peek() {
+  if (tls_) return tls_->Peek();
+  char byte;
+  return recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+}
+
+std::string SocketChannel::IoError() const {
+  return tls_ && !tls_->error().empty() ? tls_->error() : std::strerror(errno);
+}
+
+absl::Status SocketChannel::ReadFully(void* to, size_t n, Clock::time_point deadline) {
+  if (!tls_) return net::ReadAll(fd_, to, n, deadline);
+  auto* at = static_cast<char*>(to);
+  while (n > 0) {
+    const ssize_t r = tls_->Recv(at, n);
+    if (r > 0) {
+      at += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0) return absl::UnavailableError("the store closed the data-plane connection");
+    if (errno != EAGAIN) {
+      return absl::UnavailableError(
+          absl::StrCat("the store's data-plane connection failed: ", IoError()));
+    }
+    if (!net::WaitReadable(fd_, deadline)) {
+      return absl::DeadlineExceededError("the store's data plane did not answer in time");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SocketChannel::WriteFully(iovec* iov, size_t k, Clock::time_point deadline) {
+  if (!tls_) return net::WriteAll(fd_, iov, static_cast<int>(k), deadline);
+  size_t i = 0;
+  while (i < k) {
+    if (iov[i].iov_len == 0) {
+      ++i;
+      continue;
+    }
+    const ssize_t w = tls_->Send(iov + i, k - i);
+    if (w < 0) {
+      if (errno != EAGAIN) {
+        return absl::UnavailableError(
+            absl::StrCat("the store's data-plane connection failed: ", IoError()));
+      }
+      pollfd p{fd_, POLLOUT, 0};
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) == 0) {
+        return absl::DeadlineExceededError("the store's data plane took no bytes in time");
+      }
+      continue;
+    }
+    for (auto done = static_cast<size_t>(w); done > 0;) {
+      const size_t take = std::min(done, iov[i].iov_len);
+      iov[i].iov_base = static_cast<char*>(iov[i].iov_base) + take;
+      iov[i].iov_len -= take;
+      done -= take;
+      if (iov[i].iov_len == 0) ++i;
+    }
+  }
+  return absl::OkStatus();
 }
 
 uint64_t SocketChannel::Post(Op op) {
@@ -112,8 +197,7 @@ bool SocketChannel::PeerClosed() {
   if (!ops_.empty()) return false;  // an answer may be what is readable
   pollfd p{fd_, POLLIN, 0};
   if (poll(&p, 1, 0) <= 0) return false;
-  char byte;
-  const ssize_t r = recv(fd_, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  const ssize_t r = Peek();
   if (r > 0) return false;  // bytes nobody asked for: the next read fails on them
   if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
   Fail(absl::UnavailableError("the store closed the idle data-plane connection")).IgnoreError();
@@ -126,6 +210,7 @@ absl::Status SocketChannel::Fail(absl::Status s) {
   if (!ops_.empty()) done_seq_ = ops_.back().seq;
   ops_.clear();
   unsent_ = 0;
+  tls_.reset();
   if (fd_ >= 0) {
     close(fd_);
     fd_ = -1;
@@ -143,8 +228,7 @@ absl::Status SocketChannel::HandleReadable() {
     }
     if (ops_.empty()) {
       // Nothing is owed: bytes now are an answer to no request.
-      char c;
-      const ssize_t r = recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+      const ssize_t r = Peek();
       if (r > 0) {
         return Fail(absl::InternalError("the store's data plane answered a request never made"));
       }
@@ -167,13 +251,13 @@ absl::Status SocketChannel::HandleReadable() {
       want = reply_.data_bytes - at;
     }
     if (want > 0) {
-      const ssize_t r = recv(fd_, to, want, 0);
+      const ssize_t r = Recv(to, want);
       if (r == 0) return Fail(absl::UnavailableError("the store closed the data-plane connection"));
       if (r < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
         return Fail(absl::UnavailableError(
-            absl::StrCat("the store's data-plane connection failed: ", std::strerror(errno))));
+            absl::StrCat("the store's data-plane connection failed: ", IoError())));
       }
       const uint64_t before = reply_got_;
       reply_got_ += static_cast<uint64_t>(r);
@@ -228,9 +312,15 @@ absl::Status SocketChannel::Step(Clock::time_point deadline) {
   // thread's wake-up costs as much again.
   int n = 0;
   const auto spin_end = Clock::now() + kSpin;
+  // Bytes TLS decrypted already are readable though the socket says not.
+  const bool buffered = tls_ && tls_->Pending();
   do {
     n = poll(&p, 1, 0);
-  } while (n == 0 && Clock::now() < spin_end);
+  } while (n == 0 && !buffered && Clock::now() < spin_end);
+  if (buffered && n >= 0) {
+    p.revents |= POLLIN;
+    n = 1;
+  }
   if (n == 0) {
     n = poll(&p, 1,
              static_cast<int>(std::min<int64_t>(
@@ -259,13 +349,10 @@ absl::Status SocketChannel::Step(Clock::time_point deadline) {
         iov[k++] = {const_cast<uint8_t*>(op.src) + off, payload - off};
       }
     }
-    msghdr m{};
-    m.msg_iov = iov;
-    m.msg_iovlen = k;
-    const ssize_t w = k > 0 ? sendmsg(fd_, &m, MSG_NOSIGNAL | MSG_DONTWAIT) : 0;
+    const ssize_t w = k > 0 ? Send(iov, k) : 0;
     if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       return Fail(absl::UnavailableError(
-          absl::StrCat("the store's data-plane connection failed: ", std::strerror(errno))));
+          absl::StrCat("the store's data-plane connection failed: ", IoError())));
     }
     uint64_t wrote = w > 0 ? static_cast<uint64_t>(w) : 0;
     for (size_t i = unsent_; i < ops_.size() && wrote > 0; ++i) {

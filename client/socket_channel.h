@@ -6,6 +6,10 @@
 // every transfer against the lease it names, so the addresses a client
 // holds name slots, not memory.
 //
+// With a TLS context (a store serving --data-tls), the channel speaks TLS
+// 1.3 from its first byte and verifies the store's certificate before it
+// sends anything (common/tls_stream.h).
+//
 // Not thread-safe: a channel belongs to its lane's thread. Internal to
 // kvtier_dataclient.
 #pragma once
@@ -19,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/data_wire.h"
+#include "common/tls_stream.h"
 
 namespace kvtier {
 
@@ -28,12 +33,14 @@ class SocketChannel {
 
   // Connects to host:port and, answering the store's challenge, proves
   // `session` (ConnectDataPlane's: id and key; the key is never sent).
-  // UNAVAILABLE if the store cannot be reached, the store's code (such as
-  // UNAUTHENTICATED) if it refuses the session, DEADLINE_EXCEEDED past the
-  // deadline.
-  static absl::StatusOr<std::unique_ptr<SocketChannel>> Connect(const std::string& host, int port,
-                                                                const std::string& session,
-                                                                Clock::time_point deadline);
+  // With `tls`, over TLS: the store's certificate must verify against it
+  // and name `tls_name` (empty: `host`).
+  // UNAVAILABLE if the store cannot be reached or its certificate does not
+  // verify, the store's code (such as UNAUTHENTICATED) if it refuses the
+  // session, DEADLINE_EXCEEDED past the deadline.
+  static absl::StatusOr<std::unique_ptr<SocketChannel>> Connect(
+      const std::string& host, int port, const std::string& session, Clock::time_point deadline,
+      const net::TlsContext* tls = nullptr, const std::string& tls_name = "");
   ~SocketChannel();
   SocketChannel(const SocketChannel&) = delete;
   SocketChannel& operator=(const SocketChannel&) = delete;
@@ -74,12 +81,23 @@ class SocketChannel {
   };
   explicit SocketChannel(int fd) : fd_(fd) {}
   uint64_t Post(Op op);
+  // The socket's bytes, through TLS when the channel has it.
+  ssize_t Recv(void* to, size_t n);
+  ssize_t Send(const iovec* iov, size_t k);
+  // Whether a byte waits (1), the peer closed (0), or neither yet (-1).
+  ssize_t Peek();
+  // Why the last Recv/Send failed.
+  std::string IoError() const;
+  // Whole reads and writes (the handshake's), polling until the deadline.
+  absl::Status ReadFully(void* to, size_t n, Clock::time_point deadline);
+  absl::Status WriteFully(iovec* iov, size_t k, Clock::time_point deadline);
   // One round of writing and reading; false after a failure.
   absl::Status Step(Clock::time_point deadline);
   absl::Status Fail(absl::Status s);
   absl::Status HandleReadable();
 
   int fd_;
+  std::unique_ptr<net::TlsStream> tls_;  // null: plaintext
   uint64_t next_seq_ = 1;
   uint64_t done_seq_ = 0;     // every op up to this one has completed
   std::deque<Op> ops_;        // not yet completed, in order

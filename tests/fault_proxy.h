@@ -1,7 +1,9 @@
 // A TCP proxy on 127.0.0.1 that a test puts between two kvtier processes and
 // turns faulty on demand: forward, black-hole (connections stay open, no byte
 // moves either way: a partition), or reset (every connection, open or new,
-// is closed with RST). Thread per connection; bounded to test scale.
+// is closed with RST). Thread per connection; bounded to test scale. It
+// keeps every byte it forwarded, both ways (Seen): what an eavesdropper on
+// the link reads.
 #pragma once
 
 #include <arpa/inet.h>
@@ -49,6 +51,11 @@ class FaultProxy {
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   void Set(Mode m) { mode_ = m; }
   uint64_t connections() const { return connections_; }
+  // Every byte forwarded so far, either way, in the order forwarded.
+  std::string Seen() const {
+    std::lock_guard lk(seen_mu_);
+    return seen_;
+  }
 
  private:
   static sockaddr_in Loopback(int port) {
@@ -113,6 +120,10 @@ class FaultProxy {
         if (!(p[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
         int from = i == 0 ? a : b, to = i == 0 ? b : a;
         ssize_t n = recv(from, buf, sizeof(buf), 0);
+        if (n > 0) {
+          std::lock_guard lk(seen_mu_);
+          seen_.append(buf, static_cast<size_t>(n));
+        }
         closed = n <= 0 || !WriteAll(to, buf, n);
       }
       if (closed) break;
@@ -129,7 +140,9 @@ class FaultProxy {
   std::atomic<uint64_t> connections_{0};
   std::thread acceptor_;
   std::mutex mu_;
-  std::vector<std::thread> pumps_;
+  std::vector<std::thread> pumps_;  // guarded by mu_
+  mutable std::mutex seen_mu_;
+  std::string seen_;  // guarded by seen_mu_
 };
 
 }  // namespace kvtier::testing

@@ -2,7 +2,8 @@
 // with certificates made by openssl for each test run: plaintext and
 // unknown-CA clients are refused, mTLS refuses clients without a CA-signed
 // certificate, --admin-identity keeps a worker's certificate from the admin
-// RPCs, and a store, a router and a worker talk to each other over mTLS.
+// RPCs, a store, a router and a worker talk to each other over mTLS, and a
+// store's socket data plane under --data-tls shows an eavesdropper nothing.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -13,10 +14,12 @@
 
 #include "client/router_client.h"
 #include "client/store_client.h"
+#include "client/store_data_client.h"
 #include "common/block_key.h"
 #include "common/rpc/tls.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
+#include "tests/fault_proxy.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -503,6 +506,127 @@ TEST_F(Tls, SourceIdentitiesDecideWhoMayClaimWhichSource) {
   }
 }
 
+// --data-tls: the socket data plane speaks TLS 1.3 from its first byte.
+// Through a tap that keeps every byte it forwards (an eavesdropper on the
+// link), a put and a get move a block whole and the link carries none of
+// its bytes. The same through a plaintext data plane carries them in the
+// clear, so the tap would have seen them.
+TEST_F(Tls, OnATlsDataPlaneAnEavesdropperReadsNoBlock) {
+  constexpr uint64_t kBlock = 64 << 10;  // 2 x 1 x 1 x 128 x 2 bytes x 128 tokens
+  const NamespaceSpec spec{"tls-model", "bf16", 1, 1, 128, 128, 0, 1, "", "", ""};
+  const std::string secret = "kvtier-secret-block-bytes@";
+  std::string block;
+  while (block.size() < kBlock) block += secret + std::to_string(block.size()) + ";";
+  block.resize(kBlock);
+  for (bool tls : {false, true}) {
+    SCOPED_TRACE(tls ? "--data-tls" : "plaintext data plane");
+    const std::string name = tls ? "tls" : "plain";
+    const int data_port = testing::FreePort();
+    testing::FaultProxy tap(data_port);
+    std::vector<std::string> args = pki_.ServerFlags(/*mutual=*/false);
+    args.insert(args.end(), {"--listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db-" + name),
+                             "--hugepages=false", "--ram-bytes=4MiB", "--local-shm=false",
+                             "--data-listen=127.0.0.1:" + std::to_string(data_port),
+                             "--data-advertise=" + tap.address()});
+    if (tls) args.push_back("--data-tls");
+    ServerProcess store(KVTIER_STORE_BIN, dir_.sub("store-" + name), args);
+    ASSERT_GT(store.port(), 0) << store.Log();
+    EXPECT_EQ(store.Log().find(absl::StrCat("data plane on 127.0.0.1:", data_port, " (TLS)")) !=
+                  std::string::npos,
+              tls)
+        << store.Log();
+
+    DataClientOptions o;
+    o.security = pki_.Client("ca");
+    o.shared_memory = DataClientOptions::SharedMemory::kOff;
+    StoreDataClient c(store.address(), o);
+    auto ns = c.control().RegisterNamespace(spec);
+    ASSERT_TRUE(ns.ok()) << ns.status();
+    auto put = c.Put(ns->id, kBlock, {{BlockHash{7, 9}, block.data()}}).get();
+    ASSERT_TRUE(put.ok()) << put.status() << store.Log();
+    EXPECT_EQ(put->written, 1u);
+    std::string back(kBlock, '\0');
+    auto got = c.Get(ns->id, kBlock, {{BlockHash{7, 9}, back.data()}}).get();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->blocks, 1u);
+    EXPECT_TRUE(back == block);
+
+    const std::string seen = tap.Seen();
+    EXPECT_GT(seen.size(), 2 * kBlock);  // both transfers crossed the tap
+    EXPECT_EQ(seen.find(secret) != std::string::npos, !tls) << seen.size() << " bytes seen";
+  }
+}
+
+// A peer that does not speak TLS to a --data-tls data plane is closed and
+// counted; a client whose security has no data-plane trust is told what it
+// lacks; and the store serves TLS clients on.
+TEST_F(Tls, APlaintextPeerOnATlsDataPlaneIsClosedAndTheStoreServesOn) {
+  constexpr uint64_t kBlock = 64 << 10;
+  const NamespaceSpec spec{"tls-model", "bf16", 1, 1, 128, 128, 0, 1, "", "", ""};
+  const int data_port = testing::FreePort();
+  const int metrics_port = testing::FreePort();
+  std::vector<std::string> args = pki_.ServerFlags(/*mutual=*/false);
+  args.insert(args.end(),
+              {"--data-listen=127.0.0.1:" + std::to_string(data_port), "--data-tls",
+               "--local-shm=false", "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port)});
+  ServerProcess store = Store(args);
+  ASSERT_GT(store.port(), 0) << store.Log();
+
+  // A plaintext hello frame where a TLS ClientHello belongs.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(data_port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  const std::string frame(56, 'x');
+  ASSERT_EQ(send(fd, frame.data(), frame.size(), MSG_NOSIGNAL), 56);
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char buf[4096];
+  ssize_t n;
+  std::string answer;
+  while ((n = recv(fd, buf, sizeof(buf), 0)) > 0) answer.append(buf, static_cast<size_t>(n));
+  close(fd);
+  EXPECT_TRUE(n == 0 || (n < 0 && errno == ECONNRESET)) << "not closed: " << std::strerror(errno);
+  EXPECT_EQ(answer.find("challenge"), std::string::npos);  // no plaintext protocol answered
+  const auto handshakes_failed = [&] {
+    const std::string m = testing::HttpGet(metrics_port, "/metrics");
+    const std::string key = "kvtier_store_dataplane_closed_total{reason=\"tls_handshake\"} ";
+    const size_t at = m.find(key);
+    return at == std::string::npos ? -1.0 : std::stod(m.substr(at + key.size()));
+  };
+  ASSERT_TRUE(WaitFor([&] { return handshakes_failed() == 1; }, std::chrono::seconds(5)))
+      << testing::HttpGet(metrics_port, "/metrics");
+  EXPECT_NE(store.Log().find("failed its TLS handshake"), std::string::npos) << store.Log();
+
+  // Trust for the control plane but none for the data plane: said so.
+  DataClientOptions untrusting;
+  untrusting.security = pki_.Client("ca");
+  untrusting.security.data_plane.reset();
+  untrusting.shared_memory = DataClientOptions::SharedMemory::kOff;
+  StoreDataClient u(store.address(), untrusting);
+  auto ns = u.control().RegisterNamespace(spec);
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  std::string block(kBlock, 'b');
+  auto refused = u.Put(ns->id, kBlock, {{BlockHash{1, 1}, block.data()}}).get();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find("--tls-ca"), std::string::npos) << refused.status();
+
+  DataClientOptions o;
+  o.security = pki_.Client("ca");
+  o.shared_memory = DataClientOptions::SharedMemory::kOff;
+  StoreDataClient c(store.address(), o);
+  auto put = c.Put(ns->id, kBlock, {{BlockHash{1, 1}, block.data()}}).get();
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->written, 1u);
+  std::string back(kBlock, '\0');
+  auto got = c.Get(ns->id, kBlock, {{BlockHash{1, 1}, back.data()}}).get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->blocks, 1u);
+  EXPECT_TRUE(back == block);
+}
+
 TEST_F(Tls, BadTlsFlagsAreRefusedNamingTheFlag) {
   std::ofstream(dir_.sub("not-pem")) << "hello\n";
   struct Case {
@@ -520,6 +644,8 @@ TEST_F(Tls, BadTlsFlagsAreRefusedNamingTheFlag) {
       {KVTIER_STORE_BIN,
        "--check-config --tls-cert " + cert + " --tls-key " + key + " --admin-identity x",
        "--tls-require-client-cert"},
+      {KVTIER_STORE_BIN, "--check-config --data-listen 127.0.0.1:0 --data-tls",
+       "--data-tls needs --tls-cert"},
       {KVTIER_ROUTER_BIN, "--check-config --tls-key " + key, "--tls-cert"},
       // Refused before it serves.
       {KVTIER_SIM_WORKER_BIN, "--listen 127.0.0.1:0 --tls-server-name x", "--tls-ca"},

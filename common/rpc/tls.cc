@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/config.h"
+#include "common/tls_stream.h"
 
 namespace kvtier {
 namespace {
@@ -88,6 +89,13 @@ absl::StatusOr<ChannelSecurity> ClientSecurity(const TlsFlags& tls) {
   }
   out.credentials = grpc::SslCredentials(o);
   out.server_name = tls.server_name;
+  // The same trust for a store's socket data plane under --data-tls.
+  auto data = net::TlsContext::Client(tls.ca_file, tls.cert_file, tls.key_file);
+  if (!data.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flag --tls-ca/--tls-cert: ", data.status().message()));
+  }
+  out.data_plane = std::move(*data);
   return out;
 }
 

@@ -3,9 +3,11 @@
 // Every binary takes the same flags (AddTlsFlags): a certificate and key it
 // serves with (and presents as a client), the CA that signs the cluster's
 // certificates, and whether its server demands a client certificate (mTLS).
-// With none of them given, channels are plaintext. The UCX data plane is not
-// covered: RDMA and shared-memory transfers carry block bytes only, after
-// the gRPC control plane (which is) has granted the slots.
+// With none of them given, channels are plaintext. A client's CA also
+// verifies a store's socket data plane when the store serves it over TLS
+// (--data-tls; common/tls_stream.h). The UCX data plane is not covered:
+// RDMA and shared-memory transfers carry block bytes only, after the gRPC
+// control plane (which is) has granted the slots.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -19,6 +21,9 @@
 namespace kvtier {
 
 class FlagSet;
+namespace net {
+class TlsContext;
+}
 
 struct TlsFlags {
   std::string cert_file;             // PEM certificate chain this process presents
@@ -35,6 +40,8 @@ void AddTlsFlags(FlagSet& flags, TlsFlags* dst, bool serves, bool dials);
 struct ChannelSecurity {
   std::shared_ptr<grpc::ChannelCredentials> credentials;  // null: plaintext
   std::string server_name;  // overrides the host name verified in the server's certificate
+  // The same trust for a socket data plane served over TLS (null: plaintext).
+  std::shared_ptr<net::TlsContext> data_plane;
   bool tls() const { return credentials != nullptr; }
 };
 

@@ -245,6 +245,7 @@ def check_tls(values, schema):
     real certificate files."""
     v = copy.deepcopy(values)
     v["tls"]["enabled"] = True
+    v["tls"]["dataPlane"] = True
     v["store"]["adminIdentity"] = "kvctl-admin"
     v["exampleWorker"]["enabled"] = True
     jsonschema.validate(v, schema)
@@ -275,6 +276,7 @@ def check_tls(values, schema):
         if binary.endswith("store"):
             check("--admin-identity=kvctl-admin" in c["args"], "store gets --admin-identity")
             check("tls=mutual" in out, "store reports mutual TLS: %s" % out)
+            check("--data-tls" in c["args"], "tls.dataPlane gives the store --data-tls")
     worker = find(objs, "Pod", "example-worker")
     env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
     check(env.get("KVTIER_TLS_CA") == "/etc/kvtier/tls/ca.crt" and

@@ -197,6 +197,70 @@ absl::StatusOr<MooncakeFigures> MooncakeStoreGbps(uint64_t block_bytes, uint64_t
   return f;
 }
 
+absl::StatusOr<std::pair<double, double>> NginxPlainTlsBytesPerSec(const std::string& dir,
+                                                                   const std::string& cert,
+                                                                   const std::string& key,
+                                                                   uint64_t bytes, int connections,
+                                                                   int seconds) {
+  for (const char* tool : {"nginx", "wrk"}) {
+    if (!HaveCommand(tool)) return absl::UnavailableError(absl::StrCat(tool, " not installed"));
+  }
+  const std::string root = dir + "/nginx-www";
+  std::filesystem::create_directories(root);
+  {
+    std::ofstream body(root + "/body", std::ios::binary | std::ios::trunc);
+    std::string chunk(1 << 16, '\0');
+    for (size_t i = 0; i < chunk.size(); ++i) chunk[i] = static_cast<char>(i * 2654435761u >> 24);
+    for (uint64_t left = bytes; left > 0;) {
+      const uint64_t n = std::min<uint64_t>(left, chunk.size());
+      body.write(chunk.data(), static_cast<std::streamsize>(n));
+      left -= n;
+    }
+  }
+  const int plain = FreeLoopbackPort();
+  int tls = FreeLoopbackPort();
+  while (tls == plain) tls = FreeLoopbackPort();
+  // The configuration a user serving static bodies would run: a worker
+  // per core, sendfile, keep-alive without a request limit, no access log.
+  std::ofstream(dir + "/nginx.conf", std::ios::trunc)
+      << (geteuid() == 0 ? "user root;\n" : "")  // its workers read this process's scratch
+      << "worker_processes auto;\npid " << dir << "/nginx.pid;\nerror_log " << dir
+      << "/nginx-error.log;\ndaemon off;\nevents { worker_connections 1024; }\nhttp {\n"
+      << "  access_log off; sendfile on; tcp_nopush on; tcp_nodelay on;\n"
+      << "  keepalive_requests 100000000; open_file_cache max=16;\n"
+      << "  server {\n    listen 127.0.0.1:" << plain << ";\n    listen 127.0.0.1:" << tls
+      << " ssl;\n    ssl_protocols TLSv1.3;\n    ssl_certificate " << cert
+      << ";\n    ssl_certificate_key " << key << ";\n    root " << root << ";\n  }\n}\n";
+  Process server("/usr/bin/env", {"nginx", "-c", dir + "/nginx.conf", "-p", dir},
+                 dir + "/nginx.log");
+  bool up = false;
+  for (int i = 0; i < 200 && !up; ++i) {
+    up = RunCapture(absl::StrCat("curl -sf -o /dev/null http://127.0.0.1:", plain, "/body")).ok();
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  if (!up) {
+    std::ifstream log(dir + "/nginx-error.log");
+    std::string why((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    return absl::UnavailableError("nginx did not start: " + why);
+  }
+  auto rate = [&](const std::string& scheme, int port) -> absl::StatusOr<double> {
+    auto out = RunCapture(absl::StrCat("wrk -t1 -c", connections, " -d", seconds, "s ", scheme,
+                                       "://127.0.0.1:", port, "/body 2>&1"));
+    if (!out.ok()) return out.status();
+    const size_t at = out->find("Requests/sec:");
+    if (at == std::string::npos || out->find("Non-2xx") != std::string::npos) {
+      return absl::InternalError("cannot use wrk's output:\n" + *out);
+    }
+    return std::stod(out->substr(at + 13)) * static_cast<double>(bytes);
+  };
+  auto p = rate("http", plain);
+  if (!p.ok()) return p.status();
+  auto t = rate("https", tls);
+  if (!t.ok()) return t.status();
+  server.Kill(SIGTERM);
+  return std::make_pair(*p, *t);
+}
+
 absl::StatusOr<std::pair<double, double>> RedisSetGetRps(const std::string& dir,
                                                          uint64_t value_bytes, int64_t keys,
                                                          int64_t clients, int64_t pipeline) {

@@ -75,6 +75,16 @@ class LocalServer {
   std::vector<std::string> args_;
 };
 
+// nginx (Debian's, sendfile, keepalive) serving one body of `bytes` from
+// `dir` over HTTP and over HTTPS (TLS 1.3 with `cert`/`key`), each read by
+// wrk with `connections` keep-alive connections for `seconds`: bytes per
+// second over each, {plain, tls}.
+absl::StatusOr<std::pair<double, double>> NginxPlainTlsBytesPerSec(const std::string& dir,
+                                                                   const std::string& cert,
+                                                                   const std::string& key,
+                                                                   uint64_t bytes, int connections,
+                                                                   int seconds);
+
 // Starts a redis-server on a free loopback port and runs redis-benchmark
 // SET then GET with values of value_bytes over `keys` keys (-r), `clients`
 // connections and `pipeline` requests per round trip. Returns (SET rps,

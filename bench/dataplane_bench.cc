@@ -15,6 +15,12 @@
 //    once with no control plane in the loop: the data plane's own ceiling.
 //    Socket and inline-gRPC rows are compared with the UCX TCP one (a
 //    socket store serves no RMA).
+//  - the socket data plane under TLS (--transports tls: the store with
+//    --data-tls and TLS gRPC, certificates made here with openssl) beside the
+//    plaintext socket row of the same case: what encryption costs; and
+//    nginx serving a body of the block's size over HTTP and HTTPS (a
+//    worker per core, sendfile, wrk with keep-alive connections): what TLS
+//    costs a server that is good at moving bytes, on this machine.
 //  - the transport's ceiling for distinct buffers: ucx_perftest (ucp_put_bw /
 //    ucp_get over TCP, started here) for TCP and inline gRPC; for shared
 //    memory, memcpy of the same working set between distinct buffers, since
@@ -46,6 +52,8 @@
 #include "common/config.h"
 #include "common/limits.h"
 #include "common/log.h"
+#include "common/rpc/tls.h"
+#include "testing/process.h"
 
 namespace kvtier::bench {
 namespace {
@@ -54,7 +62,23 @@ struct Transport {
   std::string name;        // row label
   std::string ucx_tls;     // for kvtier (needs a sockaddr-capable transport too)
   std::string data_plane;  // the store's --data-plane
+  bool tls = false;        // the store's --data-tls (and TLS gRPC)
 };
+
+// A CA and a certificate it signs for 127.0.0.1 in `dir` (ca.pem,
+// store.pem, store.key), made with openssl as an operator would.
+absl::Status MakeCertificates(const std::string& dir) {
+  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const std::string cmd = absl::StrCat(
+      "cd '", dir, "' && printf 'subjectAltName=IP:127.0.0.1\\nbasicConstraints=CA:FALSE\\n' ",
+      "> store.ext && openssl req -x509 ", ec, " -keyout ca.key -out ca.pem -days 1 -subj /CN=ca",
+      " && openssl req ", ec, " -keyout store.key -out store.csr -subj /CN=store",
+      " && openssl x509 -req -in store.csr -CA ca.pem -CAkey ca.key -set_serial 1 -days 1 ",
+      "-extfile store.ext -out store.pem 2>&1");
+  ShellResult r = RunShell(cmd);
+  if (r.exit_code != 0) return absl::InternalError("openssl: " + r.out);
+  return absl::OkStatus();
+}
 
 // Times `ops` operations of `batch` blocks, all submitted at once.
 template <typename Submit>
@@ -86,7 +110,9 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
                 "ceiling), Redis at its best and Mooncake Store over TCP, in one run.");
   flags.String("sizes", &sizes_flag, "Block sizes, comma-separated");
   flags.String("batches", &batches_flag, "Blocks per operation, comma-separated");
-  flags.String("transports", &transports_flag, "Transports: tcp (UCX), shm (shared memory)");
+  flags.String("transports", &transports_flag,
+               "Transports: tcp (UCX and the socket data plane), tls (the socket data plane "
+               "over TLS), shm (shared memory)");
   flags.Bytes("working-set", &working_set, "Bytes moved per case (larger than the CPU caches)");
   flags.Bool("inline", &inline_path, "Also measure the inline gRPC path");
   flags.Bool("references", &references,
@@ -117,17 +143,21 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   const std::vector<uint64_t>& sizes = *sizes_or;
   const std::vector<int64_t>& batches = *batches_or;
   std::vector<Transport> transports;
-  bool have_tcp = false, have_shm = false;
+  bool have_tcp = false, have_shm = false, have_tls = false;
   for (absl::string_view t : absl::StrSplit(transports_flag, ',', absl::SkipEmpty())) {
     if (t == "tcp") {
       transports.push_back({"ucx-tcp", "tcp", "ucx"});
       transports.push_back({"socket", "tcp", "socket"});
       have_tcp = true;
+    } else if (t == "tls") {
+      transports.push_back({"socket-tls", "tcp", "socket", /*tls=*/true});
+      have_tls = true;
     } else if (t == "shm") {
       transports.push_back({"shm", "sm", "socket"});
       have_shm = true;
     } else {
-      std::fprintf(stderr, "kvtier-bench dataplane: flag --transports: \"%s\" is not tcp or shm\n",
+      std::fprintf(stderr,
+                   "kvtier-bench dataplane: flag --transports: \"%s\" is not tcp, tls or shm\n",
                    std::string(t).c_str());
       return 2;
     }
@@ -145,16 +175,38 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   std::vector<Row> rows;
   uint64_t salt = 1;
 
-  auto measure = [&](const std::string& path, const std::string& tls,
-                     const std::string& data_plane) -> int {
+  auto measure = [&](const std::string& path, const std::string& tls, const std::string& data_plane,
+                     bool data_tls = false) -> int {
     setenv("UCX_TLS", tls.c_str(), 1);
-    auto store = LocalServer::Start(
-        store_bin, dir.sub("store-" + path),
-        {"--data-dir=" + dir.sub("store-" + path), absl::StrCat("--ram-bytes=", ram),
-         absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
-         "--data-listen=127.0.0.1:0", "--data-plane=" + data_plane, "--hugepages=false",
-         "--ram-policy=lru", absl::StrCat("--verify-commits=", verify_commits ? "true" : "false"),
-         absl::StrCat("--max-message-bytes=", std::max<uint64_t>(64 << 20, 40 * max_size))});
+    std::vector<std::string> args = {
+        "--data-dir=" + dir.sub("store-" + path),
+        absl::StrCat("--ram-bytes=", ram),
+        absl::StrCat("--ram-slab-bytes=", std::max<uint64_t>(4 << 20, max_size)),
+        "--data-listen=127.0.0.1:0",
+        "--data-plane=" + data_plane,
+        "--hugepages=false",
+        "--ram-policy=lru",
+        absl::StrCat("--verify-commits=", verify_commits ? "true" : "false"),
+        absl::StrCat("--max-message-bytes=", std::max<uint64_t>(64 << 20, 40 * max_size))};
+    ChannelSecurity security;
+    if (data_tls) {
+      if (auto s = MakeCertificates(dir.path()); !s.ok()) {
+        std::fprintf(stderr, "kvtier-bench dataplane: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+      args.insert(args.end(), {"--tls-cert=" + dir.sub("store.pem"),
+                               "--tls-key=" + dir.sub("store.key"), "--data-tls"});
+      TlsFlags t;
+      t.ca_file = dir.sub("ca.pem");
+      auto sec = ClientSecurity(t);
+      if (!sec.ok()) {
+        std::fprintf(stderr, "kvtier-bench dataplane: %s\n",
+                     std::string(sec.status().message()).c_str());
+        return 1;
+      }
+      security = std::move(*sec);
+    }
+    auto store = LocalServer::Start(store_bin, dir.sub("store-" + path), args);
     if (!store.ok()) {
       std::fprintf(stderr, "kvtier-bench dataplane: %s: %s\n", path.c_str(),
                    std::string(store.status().message()).c_str());
@@ -165,8 +217,10 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
     o.deadline_ms = 60000;
     o.shared_memory = path == "shm" ? DataClientOptions::SharedMemory::kOn
                                     : DataClientOptions::SharedMemory::kOff;
+    o.security = security;
     StoreDataClient client((*store)->address(), o);
     StoreClientOptions so;
+    so.security = security;
     so.max_message_bytes = static_cast<int>(std::max<uint64_t>(64 << 20, 40 * max_size));
     so.deadline_ms = 60000;
     StoreClient inline_client((*store)->address(), so);
@@ -338,14 +392,14 @@ int RunDataPlaneBench(int argc, const char* const* argv) {
   };
 
   for (const auto& t : transports) {
-    if (int rc = measure(t.name, t.ucx_tls, t.data_plane); rc != 0) return rc;
+    if (int rc = measure(t.name, t.ucx_tls, t.data_plane, t.tls); rc != 0) return rc;
   }
   if (inline_path) {
     if (int rc = measure("inline-grpc", "tcp", "socket"); rc != 0) return rc;
   }
   References refs;
   RefPlan plan{sizes,    batches,  blocks_of,   dir.path(), repeats,
-               have_tcp, have_shm, inline_path, references};
+               have_tcp, have_shm, inline_path, have_tls,   references};
   if (auto st = MeasureReferences(plan, &refs); !st.ok()) {
     std::fprintf(stderr, "kvtier-bench dataplane: %s\n", std::string(st.message()).c_str());
     return 1;

@@ -179,6 +179,24 @@ absl::Status MeasureReferences(const RefPlan& p, References* out) {
       }
     }
   }
+  // nginx over HTTP and HTTPS, the same body size, beside the TLS rows:
+  // what TLS costs a server that is good at moving bytes.
+  if (p.references && p.have_tls) {
+    for (uint64_t size : p.sizes) {
+      NginxFigures best;
+      for (int64_t rep = 0; rep < p.repeats; ++rep) {
+        auto n =
+            NginxPlainTlsBytesPerSec(p.dir, p.dir + "/store.pem", p.dir + "/store.key", size, 4, 3);
+        if (!n.ok()) {
+          return absl::Status(n.status().code(), absl::StrCat("nginx at ", FormatBytes(size), ": ",
+                                                              n.status().message()));
+        }
+        best.plain_gbps = std::max(best.plain_gbps, n->first / 1e9);
+        best.tls_gbps = std::max(best.tls_gbps, n->second / 1e9);
+      }
+      out->nginx[size] = best;
+    }
+  }
   // Mooncake Store over TCP (its zero-copy batch calls, one client as here)
   // per size and batch, beside the TCP rows.
   if (p.references && (p.have_tcp || p.inline_path)) {
@@ -213,15 +231,22 @@ void AttachReferences(const References& refs, std::vector<Row>* rows) {
         r.mooncake_gbps = put ? m->second.put_gbps : m->second.get_gbps;
       }
     }
-    if (r.path == "inline-grpc" || r.path == "socket") {
+    if (r.path == "inline-grpc" || r.path == "socket" || r.path == "socket-tls") {
       // No raw RMA of its own: compared with UCX TCP's of the same case
-      // (and a socket row with the UCX data plane's own figure).
+      // (a socket row with the UCX data plane's own figure, a TLS row with
+      // the plaintext socket's).
       for (const auto& t : *rows) {
-        if (t.path == "ucx-tcp" && t.block_bytes == r.block_bytes && t.batch == r.batch &&
-            t.op == r.op) {
+        if (t.block_bytes != r.block_bytes || t.batch != r.batch || t.op != r.op) continue;
+        if (t.path == "ucx-tcp") {
           r.raw_gbps = t.raw_gbps;
           if (r.path == "socket") r.ucx_gbps = t.gbps;
         }
+        if (t.path == "socket" && r.path == "socket-tls") r.plain_gbps = t.gbps;
+      }
+    }
+    if (r.path == "socket-tls" && !put) {
+      if (auto n = refs.nginx.find(r.block_bytes); n != refs.nginx.end()) {
+        r.nginx_tls_gbps = n->second.tls_gbps;
       }
     }
     if (auto rb = refs.redis_best.find(r.block_bytes); rb != refs.redis_best.end()) {

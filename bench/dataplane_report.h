@@ -18,7 +18,7 @@
 namespace kvtier::bench {
 
 struct Row {
-  std::string path;  // "socket", "ucx-tcp", "shm", "inline-grpc"
+  std::string path;  // "socket", "socket-tls", "ucx-tcp", "shm", "inline-grpc"
   uint64_t block_bytes;
   int64_t batch;
   std::string op;  // "put" / "get"
@@ -29,6 +29,13 @@ struct Row {
   double redis_best_gbps = 0;  // Redis at its best for this block size
   double ucx_gbps = 0;         // socket rows: the UCX data plane's (ucx-tcp) figure, same case
   double mooncake_gbps = 0;    // TCP rows: Mooncake Store, same block size, batch and clients
+  double plain_gbps = 0;       // socket-tls rows: the plaintext socket row's figure, same case
+  double nginx_tls_gbps = 0;   // socket-tls get rows: nginx over HTTPS, same body size
+};
+
+// nginx serving one body of a block's size, over HTTP and HTTPS (bytes/s).
+struct NginxFigures {
+  double plain_gbps = 0, tls_gbps = 0;
 };
 
 // Redis's best SET and best GET for one value size, and where each was found.
@@ -60,6 +67,7 @@ struct RefPlan {
   std::string dir;                              // scratch for Redis
   int64_t repeats = 1;
   bool have_tcp = false, have_shm = false, inline_path = false;
+  bool have_tls = false;   // nginx over HTTP and HTTPS (certificates in dir: store.pem, store.key)
   bool references = true;  // Redis, ucx_perftest and Mooncake (memcpy always with shm)
 };
 
@@ -69,7 +77,8 @@ struct References {
   std::map<uint64_t, RedisBest> redis_best;
   std::map<std::pair<uint64_t, std::string>, double> perftest;  // (size, test) -> GB/s over TCP
   std::map<std::pair<uint64_t, int64_t>, MooncakeFigures> mooncake;
-  std::string mooncake_why;  // why Mooncake was not measured ("" : it was)
+  std::string mooncake_why;                // why Mooncake was not measured ("" : it was)
+  std::map<uint64_t, NginxFigures> nginx;  // by block size
 };
 
 // Measures the references. A reference that cannot be measured (a tool not

@@ -71,6 +71,30 @@ TEST(BenchSmoke, RouterBenchReportsLatencyIngestionAndMemory) {
 
 namespace {
 
+// --transports tls: the socket data plane under --data-tls moves every
+// block (the bench checks the bytes read back), beside the plaintext socket
+// row of the same case and nginx over HTTPS.
+TEST(BenchSmoke, DataPlaneBenchMeasuresTlsBesidePlaintextAndNginx) {
+  auto j = RunJson(
+      "dataplane --transports tcp,tls --sizes 64KiB --batches 32 --working-set 4MiB "
+      "--inline=false --repeats 1 --json");
+  ASSERT_TRUE(j.contains("cases"));
+  int tls_rows = 0;
+  for (const auto& c : j["cases"]) {
+    if (c["path"] != "socket-tls") continue;
+    tls_rows++;
+    EXPECT_GT(c["gb_per_s"].get<double>(), 0) << c.dump();
+    EXPECT_GT(c["ratio_vs_plain_socket"].get<double>(), 0) << c.dump();
+    if (c["op"] == "get") {
+      EXPECT_GT(c["ratio_vs_nginx_https"].get<double>(), 0) << c.dump();
+    }
+  }
+  EXPECT_EQ(tls_rows, 2);  // a put and a get
+  ASSERT_TRUE(j.contains("nginx"));
+  EXPECT_GT(j["nginx"][0]["http_gb_per_s"].get<double>(), 0);
+  EXPECT_GT(j["nginx"][0]["https_gb_per_s"].get<double>(), 0);
+}
+
 TEST(BenchSmoke, DataPlaneBenchCarriesRatiosForEveryCase) {
   auto j = RunJson("dataplane --sizes 256KiB --batches 1,32 --working-set 8MiB --json");
   ASSERT_TRUE(j.contains("cases"));

@@ -70,8 +70,7 @@ absl::StatusOr<std::shared_ptr<TlsContext>> TlsContext::Server(const std::string
   }
   if (SSL_CTX_use_PrivateKey_file(ctx, key_file.c_str(), SSL_FILETYPE_PEM) != 1 ||
       SSL_CTX_check_private_key(ctx) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TLS key \"", key_file, "\": ", QueueText()));
+    return absl::InvalidArgumentError(absl::StrCat("TLS key \"", key_file, "\": ", QueueText()));
   }
   // No resumption: a data-plane connection lives long, and tickets would be
   // records a kernel-TLS receiver has to hand back to OpenSSL.
@@ -98,8 +97,7 @@ absl::StatusOr<std::shared_ptr<TlsContext>> TlsContext::Client(const std::string
           absl::StrCat("TLS certificate \"", cert_file, "\": ", QueueText()));
     }
     if (SSL_CTX_use_PrivateKey_file(ctx, key_file.c_str(), SSL_FILETYPE_PEM) != 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("TLS key \"", key_file, "\": ", QueueText()));
+      return absl::InvalidArgumentError(absl::StrCat("TLS key \"", key_file, "\": ", QueueText()));
     }
   }
   return out;
@@ -167,8 +165,8 @@ absl::Status TlsStream::HandshakeBy(std::chrono::steady_clock::time_point deadli
     if (s == Step::kDone) return absl::OkStatus();
     if (s == Step::kFailed) return absl::UnavailableError(error_);
     pollfd p{SSL_get_fd(ssl_), static_cast<short>(s == Step::kWantRead ? POLLIN : POLLOUT), 0};
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::ceil<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
       return absl::DeadlineExceededError("the TLS handshake did not end in time");
     }

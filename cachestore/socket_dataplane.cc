@@ -319,9 +319,11 @@ bool SocketDataPlane::Loop::Handshake(Connection* c) {
     case net::TlsStream::Step::kWantWrite:
       return false;  // on the next edge
     case net::TlsStream::Step::kFailed:
-      p_->tls_failed_++;
-      p_->LogLimited(absl::StrCat("a data-plane connection failed its TLS handshake (",
-                                  c->tls->error(), "); closed"));
+      if (c->state.load() != kEvicted) {  // not the eviction's shutdown
+        p_->tls_failed_++;
+        p_->LogLimited(absl::StrCat("a data-plane connection failed its TLS handshake (",
+                                    c->tls->error(), "); closed"));
+      }
       Close(c);
       return true;
     case net::TlsStream::Step::kDone:

@@ -182,8 +182,12 @@ absl::Status DataPlaneConnection::EnsureConnected(
         }
       }
       const auto left = rpc_deadline - std::chrono::system_clock::now();
+      // The data plane serves the certificate gRPC does: it is verified
+      // for the name the control plane was (the address it is dialled at
+      // came from that authenticated answer).
+      const std::string& name = options_.security.server_name;
       auto ch = SocketChannel::Connect(host, port, resp.session(), ucx::Clock::now() + left, tls,
-                                       options_.security.server_name);
+                                       name.empty() ? HostOf(address_) : name);
       if (!ch.ok()) return (ch.status());
       sock_ = std::move(*ch);
       sock_generation_++;

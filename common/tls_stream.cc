@@ -114,7 +114,11 @@ std::unique_ptr<TlsStream> TlsStream::Accept(const TlsContext& ctx, int fd) {
 }
 
 std::unique_ptr<TlsStream> TlsStream::Connect(const TlsContext& ctx, int fd,
-                                              const std::string& verify_name) {
+                                              const std::string& name) {
+  // An IPv6 address as a URL host: [::1].
+  const std::string verify_name = name.size() > 2 && name.front() == '[' && name.back() == ']'
+                                      ? name.substr(1, name.size() - 2)
+                                      : name;
   SSL* ssl = SSL_new(ctx.get());
   if (ssl == nullptr) return nullptr;
   std::unique_ptr<TlsStream> s(new TlsStream(ssl));
@@ -136,6 +140,7 @@ TlsStream::~TlsStream() { SSL_free(ssl_); }
 
 TlsStream::Step TlsStream::Handshake() {
   ERR_clear_error();
+  errno = 0;
   const int r = SSL_do_handshake(ssl_);
   if (r == 1) return Step::kDone;
   switch (SSL_get_error(ssl_, r)) {
@@ -216,34 +221,46 @@ ssize_t TlsStream::Send(const iovec* iov, size_t k) {
       at = 0;
       continue;
     }
-    // A short piece (a frame, a reply's header) goes into one record with
-    // what follows it, up to a record's worth, instead of a record (and a
-    // system call) of its own. The record is made from the same bytes
-    // however often a write that would block is tried again, since the
-    // iovec from this point is the same, or longer.
+    // One record per call: a call that blocks holds exactly one record
+    // back, and its retry (exactly its bytes) ends with all of them
+    // counted. A short piece (a frame, a reply's header) goes into one
+    // record with what follows it instead of a record, and a system call,
+    // of its own.
     const char* from = static_cast<const char*>(iov[i].iov_base) + at;
-    size_t n = iov[i].iov_len - at;
-    if (n < kRecordBytes) {
-      stage_.clear();
-      for (size_t j = i, off = at; j < k && stage_.size() < kRecordBytes; ++j, off = 0) {
-        const size_t take = std::min(iov[j].iov_len - off, kRecordBytes - stage_.size());
-        stage_.append(static_cast<const char*>(iov[j].iov_base) + off, take);
+    size_t n = std::min(iov[i].iov_len - at, kRecordBytes);
+    const bool stage = blocked_ > 0 ? blocked_staged_ : n < kRecordBytes;
+    if (blocked_ > 0) n = blocked_;
+    if (stage) {
+      if (!stage_) stage_ = std::make_unique<char[]>(kRecordBytes);
+      const size_t want = blocked_ > 0 ? blocked_ : kRecordBytes;
+      size_t got = 0;
+      for (size_t j = i, off = at; j < k && got < want; ++j, off = 0) {
+        const size_t take = std::min(iov[j].iov_len - off, want - got);
+        std::memcpy(stage_.get() + got, static_cast<const char*>(iov[j].iov_base) + off, take);
+        got += take;
       }
-      from = stage_.data();
-      n = stage_.size();
+      from = stage_.get();
+      n = got;
     }
     ERR_clear_error();
     errno = 0;
     size_t wrote = 0;
     if (SSL_write_ex(ssl_, from, n, &wrote) != 1) {
       const ssize_t r = Fail(0);
-      if (r < 0 && errno == EAGAIN && total > 0) break;
+      if (r < 0 && errno == EAGAIN) {
+        blocked_ = n;
+        blocked_staged_ = stage;
+        if (total > 0) return static_cast<ssize_t>(total);
+        errno = EAGAIN;
+        return -1;
+      }
       if (r == 0) {
         errno = EPIPE;  // a close alert while sending: the peer is gone
         return -1;
       }
       return r;
     }
+    blocked_ = 0;
     total += wrote;
     for (size_t left = wrote; left > 0;) {  // past what was written
       const size_t take = std::min(left, iov[i].iov_len - at);
@@ -255,7 +272,7 @@ ssize_t TlsStream::Send(const iovec* iov, size_t k) {
       }
     }
   }
-  if (stage_.capacity() > kRecordBytes) std::string().swap(stage_);
+  stage_.reset();  // nothing of it is held back
   return static_cast<ssize_t>(total);
 }
 
@@ -268,7 +285,7 @@ ssize_t TlsStream::Peek() {
   return Fail(0);
 }
 
-bool TlsStream::Pending() const { return SSL_pending(ssl_) > 0 || SSL_has_pending(ssl_) == 1; }
+bool TlsStream::Pending() const { return SSL_pending(ssl_) > 0; }
 
 void TlsStream::Shutdown() {
   ERR_clear_error();

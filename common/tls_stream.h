@@ -58,16 +58,18 @@ class TlsContext {
 // the socket must become readable or writable first, or another errno when
 // the connection failed (error() then says why). A Send that returned -1
 // with EAGAIN, or fewer bytes than given, must be called again from the
-// first byte it did not count, with the same bytes after it (they may be
-// in a record already; more may follow them).
+// first byte it did not count, with the same bytes after it (more may
+// follow them): a record of them may be half sent. Send writes one record
+// per OpenSSL call and tries a blocked one again with exactly its bytes,
+// so every byte that reached the peer has been counted by the call that
+// sent it (a peer cannot answer a request its sender has not counted).
 class TlsStream {
  public:
   // The server side of an accepted socket.
   static std::unique_ptr<TlsStream> Accept(const TlsContext& ctx, int fd);
   // The client side of a connected socket; the server's certificate must
-  // name `verify_name` (an IP address or a DNS name).
-  static std::unique_ptr<TlsStream> Connect(const TlsContext& ctx, int fd,
-                                            const std::string& verify_name);
+  // name `name` (an IP address, bracketed or not, or a DNS name).
+  static std::unique_ptr<TlsStream> Connect(const TlsContext& ctx, int fd, const std::string& name);
   ~TlsStream();
   TlsStream(const TlsStream&) = delete;
   TlsStream& operator=(const TlsStream&) = delete;
@@ -88,7 +90,9 @@ class TlsStream {
   // peer closed, -1 (errno EAGAIN) not yet.
   ssize_t Peek();
   // Whether decrypted bytes wait here, which a poll of the socket would
-  // not show.
+  // not show. (A part of a record read ahead is not: its rest comes by the
+  // socket. A whole record read ahead stays only behind bytes a reader
+  // did not ask for, since Recv goes on to it before it says EAGAIN.)
   bool Pending() const;
   // Sends the close alert if the socket takes it now (no wait).
   void Shutdown();
@@ -109,7 +113,12 @@ class TlsStream {
 
   SSL* ssl_;
   std::string error_;
-  std::string stage_;  // short pieces gathered into one record (Send)
+  // Short pieces gathered into one record (Send). Kept, and not moved,
+  // while a write of it is blocked: with kernel TLS, OpenSSL 3.0 sends a
+  // blocked record's rest from the first call's buffer.
+  std::unique_ptr<char[]> stage_;
+  size_t blocked_ = 0;           // bytes of the write that blocked (0: none)
+  bool blocked_staged_ = false;  // whether it was of stage_
 };
 
 }  // namespace kvtier::net

@@ -17,6 +17,7 @@
 #include "client/store_data_client.h"
 #include "common/block_key.h"
 #include "common/rpc/tls.h"
+#include "common/tls_stream.h"
 #include "kvtier/v1/router.grpc.pb.h"
 #include "kvtier/v1/worker.grpc.pb.h"
 #include "tests/fault_proxy.h"
@@ -625,6 +626,95 @@ TEST_F(Tls, APlaintextPeerOnATlsDataPlaneIsClosedAndTheStoreServesOn) {
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->blocks, 1u);
   EXPECT_TRUE(back == block);
+}
+
+// TlsStream::Send over a socket that blocks every few KiB, with the bytes
+// offered growing between calls (as a channel posts more operations while
+// a write is blocked) and pieces of every size: the peer reads every byte,
+// once, in order, and every call's count is what it sent.
+TEST_F(Tls, ATlsStreamDeliversEveryByteInOrderThroughBlockedWrites) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0, sv), 0);
+  const int small = 4096;
+  setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &small, sizeof(small));
+  setsockopt(sv[1], SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  auto server_ctx = net::TlsContext::Server(pki_.pem("server"), pki_.key("server"));
+  auto client_ctx = net::TlsContext::Client(pki_.pem("ca"));
+  ASSERT_TRUE(server_ctx.ok()) << server_ctx.status();
+  ASSERT_TRUE(client_ctx.ok()) << client_ctx.status();
+  auto sender = net::TlsStream::Connect(**client_ctx, sv[0], "127.0.0.1");
+  auto receiver = net::TlsStream::Accept(**server_ctx, sv[1]);
+  bool sent_done = false, received_done = false;
+  for (int i = 0; i < 1000 && !(sent_done && received_done); ++i) {
+    if (!sent_done) {
+      auto st = sender->Handshake();
+      ASSERT_NE(st, net::TlsStream::Step::kFailed) << sender->error();
+      sent_done = st == net::TlsStream::Step::kDone;
+    }
+    if (!received_done) {
+      auto st = receiver->Handshake();
+      ASSERT_NE(st, net::TlsStream::Step::kFailed) << receiver->error();
+      received_done = st == net::TlsStream::Step::kDone;
+    }
+  }
+  ASSERT_TRUE(sent_done && received_done);
+
+  // Pieces of 1 B to 100 KiB, each byte numbered by its place in the stream.
+  std::vector<std::string> pieces;
+  std::string all;
+  for (size_t i = 0; all.size() < (2u << 20); ++i) {
+    const size_t n = std::vector<size_t>{40, 1, 16384, 100000, 7, 16383, 16385, 3000}[i % 8];
+    std::string p(n, '\0');
+    for (size_t j = 0; j < n; ++j) p[j] = static_cast<char>((all.size() + j) * 131 % 251);
+    all += p;
+    pieces.push_back(std::move(p));
+  }
+  std::string got;
+  size_t piece = 0, at = 0, offered = 1, blocked = 0;
+  char buf[1 << 16];
+  while (got.size() < all.size()) {
+    if (piece < pieces.size()) {
+      // More pieces are offered each round, whether or not a write blocked.
+      offered = std::min(pieces.size(), offered + 2);
+      std::vector<iovec> iov;
+      iov.push_back({const_cast<char*>(pieces[piece].data()) + at, pieces[piece].size() - at});
+      for (size_t j = piece + 1; j < offered; ++j) {
+        iov.push_back({const_cast<char*>(pieces[j].data()), pieces[j].size()});
+      }
+      const ssize_t w = sender->Send(iov.data(), iov.size());
+      if (w < 0) {
+        ASSERT_EQ(errno, EAGAIN) << sender->error();
+        blocked++;
+      }
+      for (size_t left = w > 0 ? static_cast<size_t>(w) : 0; left > 0;) {
+        const size_t take = std::min(left, pieces[piece].size() - at);
+        at += take;
+        left -= take;
+        if (at == pieces[piece].size()) {
+          piece++;
+          at = 0;
+        }
+      }
+      // Nothing reaches the peer that a call has not counted.
+      size_t counted = at;
+      for (size_t j = 0; j < piece; ++j) counted += pieces[j].size();
+      ASSERT_LE(got.size(), counted);
+    }
+    for (;;) {
+      const ssize_t r = receiver->Recv(buf, sizeof(buf));
+      if (r <= 0) {
+        ASSERT_TRUE(r < 0 && errno == EAGAIN) << r << " " << receiver->error();
+        break;
+      }
+      got.append(buf, static_cast<size_t>(r));
+    }
+  }
+  EXPECT_GT(blocked, 10u);  // the socket did block, many times
+  EXPECT_TRUE(got == all) << got.size() << " of " << all.size();
+  sender.reset();
+  receiver.reset();
+  close(sv[0]);
+  close(sv[1]);
 }
 
 TEST_F(Tls, BadTlsFlagsAreRefusedNamingTheFlag) {

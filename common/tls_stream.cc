@@ -301,12 +301,4 @@ bool TlsStream::KernelSend() const {
 #endif
 }
 
-bool TlsStream::KernelRecv() const {
-#ifdef BIO_CTRL_GET_KTLS_RECV
-  return BIO_ctrl(SSL_get_rbio(ssl_), BIO_CTRL_GET_KTLS_RECV, 0, nullptr) > 0;
-#else
-  return false;
-#endif
-}
-
 }  // namespace kvtier::net

@@ -4,7 +4,7 @@
 //
 // TLS 1.3 only. Kernel TLS (kTLS) is asked for on every connection: where
 // the kernel has its `tls` module, OpenSSL hands the record layer to the
-// kernel after the handshake (TlsStream::KernelSend/KernelRecv say so);
+// kernel after the handshake (TlsStream::KernelSend says so);
 // elsewhere OpenSSL encrypts in user space. Either way the bytes on the wire
 // are the same. A connection holds its record buffers only while it moves
 // bytes (SSL_MODE_RELEASE_BUFFERS): an idle one keeps OpenSSL's connection
@@ -97,10 +97,8 @@ class TlsStream {
   // Sends the close alert if the socket takes it now (no wait).
   void Shutdown();
 
-  // Whether the kernel encrypts (kTLS) what is sent, and decrypts what is
-  // received, on this connection.
+  // Whether the kernel encrypts (kTLS) what is sent on this connection.
   bool KernelSend() const;
-  bool KernelRecv() const;
   const std::string& error() const { return error_; }
 
  private:

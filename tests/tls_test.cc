@@ -507,18 +507,41 @@ TEST_F(Tls, SourceIdentitiesDecideWhoMayClaimWhichSource) {
   }
 }
 
+// 64 KiB blocks: 2 x 1 layer x 1 head x 128 dim x 2 bytes x 128 tokens.
+constexpr uint64_t kTlsBlock = 64 << 10;
+const NamespaceSpec kTlsSpec{"tls-model", "bf16", 1, 1, 128, 128, 0, 1, "", "", ""};
+
+// A data client of `store` trusting `ca`, over its socket data plane (no
+// shared memory: the bytes cross the socket).
+DataClientOptions SocketClientOptions(const Pki& pki) {
+  DataClientOptions o;
+  o.security = pki.Client("ca");
+  o.shared_memory = DataClientOptions::SharedMemory::kOff;
+  return o;
+}
+
+// Puts `block` as `hash` and reads it back: both must succeed, byte-exact.
+void RoundTrip(StoreDataClient& c, uint64_t ns, BlockHash hash, const std::string& block) {
+  auto put = c.Put(ns, kTlsBlock, {{hash, block.data()}}).get();
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->written, 1u);
+  std::string back(kTlsBlock, '\0');
+  auto got = c.Get(ns, kTlsBlock, {{hash, back.data()}}).get();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->blocks, 1u);
+  EXPECT_TRUE(back == block);
+}
+
 // --data-tls: the socket data plane speaks TLS 1.3 from its first byte.
 // Through a tap that keeps every byte it forwards (an eavesdropper on the
 // link), a put and a get move a block whole and the link carries none of
 // its bytes. The same through a plaintext data plane carries them in the
 // clear, so the tap would have seen them.
 TEST_F(Tls, OnATlsDataPlaneAnEavesdropperReadsNoBlock) {
-  constexpr uint64_t kBlock = 64 << 10;  // 2 x 1 x 1 x 128 x 2 bytes x 128 tokens
-  const NamespaceSpec spec{"tls-model", "bf16", 1, 1, 128, 128, 0, 1, "", "", ""};
   const std::string secret = "kvtier-secret-block-bytes@";
   std::string block;
-  while (block.size() < kBlock) block += secret + std::to_string(block.size()) + ";";
-  block.resize(kBlock);
+  while (block.size() < kTlsBlock) block += secret + std::to_string(block.size()) + ";";
+  block.resize(kTlsBlock);
   for (bool tls : {false, true}) {
     SCOPED_TRACE(tls ? "--data-tls" : "plaintext data plane");
     const std::string name = tls ? "tls" : "plain";
@@ -537,23 +560,14 @@ TEST_F(Tls, OnATlsDataPlaneAnEavesdropperReadsNoBlock) {
               tls)
         << store.Log();
 
-    DataClientOptions o;
-    o.security = pki_.Client("ca");
-    o.shared_memory = DataClientOptions::SharedMemory::kOff;
-    StoreDataClient c(store.address(), o);
-    auto ns = c.control().RegisterNamespace(spec);
+    StoreDataClient c(store.address(), SocketClientOptions(pki_));
+    auto ns = c.control().RegisterNamespace(kTlsSpec);
     ASSERT_TRUE(ns.ok()) << ns.status();
-    auto put = c.Put(ns->id, kBlock, {{BlockHash{7, 9}, block.data()}}).get();
-    ASSERT_TRUE(put.ok()) << put.status() << store.Log();
-    EXPECT_EQ(put->written, 1u);
-    std::string back(kBlock, '\0');
-    auto got = c.Get(ns->id, kBlock, {{BlockHash{7, 9}, back.data()}}).get();
-    ASSERT_TRUE(got.ok()) << got.status();
-    EXPECT_EQ(got->blocks, 1u);
-    EXPECT_TRUE(back == block);
+    RoundTrip(c, ns->id, BlockHash{7, 9}, block);
+    if (HasFatalFailure()) return;
 
     const std::string seen = tap.Seen();
-    EXPECT_GT(seen.size(), 2 * kBlock);  // both transfers crossed the tap
+    EXPECT_GT(seen.size(), 2 * kTlsBlock);  // both transfers crossed the tap
     EXPECT_EQ(seen.find(secret) != std::string::npos, !tls) << seen.size() << " bytes seen";
   }
 }
@@ -562,8 +576,6 @@ TEST_F(Tls, OnATlsDataPlaneAnEavesdropperReadsNoBlock) {
 // counted; a client whose security has no data-plane trust is told what it
 // lacks; and the store serves TLS clients on.
 TEST_F(Tls, APlaintextPeerOnATlsDataPlaneIsClosedAndTheStoreServesOn) {
-  constexpr uint64_t kBlock = 64 << 10;
-  const NamespaceSpec spec{"tls-model", "bf16", 1, 1, 128, 128, 0, 1, "", "", ""};
   const int data_port = testing::FreePort();
   const int metrics_port = testing::FreePort();
   std::vector<std::string> args = pki_.ServerFlags(/*mutual=*/false);
@@ -602,30 +614,18 @@ TEST_F(Tls, APlaintextPeerOnATlsDataPlaneIsClosedAndTheStoreServesOn) {
   EXPECT_NE(store.Log().find("failed its TLS handshake"), std::string::npos) << store.Log();
 
   // Trust for the control plane but none for the data plane: said so.
-  DataClientOptions untrusting;
-  untrusting.security = pki_.Client("ca");
+  DataClientOptions untrusting = SocketClientOptions(pki_);
   untrusting.security.data_plane.reset();
-  untrusting.shared_memory = DataClientOptions::SharedMemory::kOff;
   StoreDataClient u(store.address(), untrusting);
-  auto ns = u.control().RegisterNamespace(spec);
+  auto ns = u.control().RegisterNamespace(kTlsSpec);
   ASSERT_TRUE(ns.ok()) << ns.status();
-  std::string block(kBlock, 'b');
-  auto refused = u.Put(ns->id, kBlock, {{BlockHash{1, 1}, block.data()}}).get();
+  std::string block(kTlsBlock, 'b');
+  auto refused = u.Put(ns->id, kTlsBlock, {{BlockHash{1, 1}, block.data()}}).get();
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_NE(refused.status().message().find("--tls-ca"), std::string::npos) << refused.status();
 
-  DataClientOptions o;
-  o.security = pki_.Client("ca");
-  o.shared_memory = DataClientOptions::SharedMemory::kOff;
-  StoreDataClient c(store.address(), o);
-  auto put = c.Put(ns->id, kBlock, {{BlockHash{1, 1}, block.data()}}).get();
-  ASSERT_TRUE(put.ok()) << put.status();
-  EXPECT_EQ(put->written, 1u);
-  std::string back(kBlock, '\0');
-  auto got = c.Get(ns->id, kBlock, {{BlockHash{1, 1}, back.data()}}).get();
-  ASSERT_TRUE(got.ok()) << got.status();
-  EXPECT_EQ(got->blocks, 1u);
-  EXPECT_TRUE(back == block);
+  StoreDataClient c(store.address(), SocketClientOptions(pki_));
+  RoundTrip(c, ns->id, BlockHash{1, 1}, block);
 }
 
 // TlsStream::Send over a socket that blocks every few KiB, with the bytes

@@ -23,7 +23,17 @@ EventPublisher::EventPublisher(PublisherOptions options, LoadFn load)
                                   std::chrono::system_clock::now().time_since_epoch())
                                   .count()));
   }
-  stub_ = v1::Router::NewStub(OpenChannel(options_.router, options_.security));
+  // gRPC backs reconnects off up to 120 s by default: a source started long
+  // before its router (a store shard before the frontend, a worker before a
+  // rolled router) would wait up to that long once the router is up. Keep the
+  // channel's back-off within the publisher's own.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
+              static_cast<int>(std::clamp<uint64_t>(options_.backoff_min_ms, 100, 600000)));
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+              static_cast<int>(std::clamp<uint64_t>(options_.backoff_max_ms, 100, 600000)));
+  channel_ = OpenChannel(options_.router, options_.security, args);
+  stub_ = v1::Router::NewStub(channel_);
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -155,6 +165,15 @@ bool EventPublisher::Pump(grpc::ClientReaderWriter<v1::SourceMessage, v1::Router
 void EventPublisher::Run() {
   uint64_t backoff = options_.backoff_min_ms;
   while (true) {
+    // Wait on the channel until it connects. A call failing fast on a down
+    // channel does not drive its reconnects: with no call in flight, gRPC's
+    // synchronous client only looks at a connect attempt every 5 s (its
+    // backup poller), so a router that came back would be seen that late.
+    while (!channel_->WaitForConnected(std::chrono::system_clock::now() +
+                                       std::chrono::milliseconds(200))) {
+      std::lock_guard lk(mu_);
+      if (stop_) return;
+    }
     grpc::ClientContext ctx;
     {
       std::lock_guard lk(mu_);

@@ -33,6 +33,10 @@ struct PublisherOptions {
   std::string router;  // HOST:PORT
   v1::Hello hello;     // epoch 0 is replaced by the current time in ns
   uint64_t heartbeat_ms = 1000;
+  // Between reconnects; these also bound the channel's own reconnect back-off
+  // (at least 100 ms), and the publisher waits on the channel while it is
+  // down, so a source reaches a router within about backoff_max_ms of its
+  // coming up, however long it was away.
   uint64_t backoff_min_ms = 50;
   uint64_t backoff_max_ms = 2000;
   size_t max_queued_events = 100000;
@@ -83,6 +87,7 @@ class EventPublisher : public BlockEventSink {
 
   PublisherOptions options_;
   LoadFn load_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Router::Stub> stub_;
 
   mutable std::mutex mu_;

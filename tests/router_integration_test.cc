@@ -2,6 +2,10 @@
 // (EventPublisher, the library workers and store shards link).
 #include <grpcpp/generic/generic_stub.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <fstream>
 #include <sstream>
@@ -176,6 +180,60 @@ TEST_F(RouterIntegration, ASourceRestartingWithANewEpochReplacesItsBlocks) {
   v1::RouteResponse r;
   ASSERT_TRUE(client_->Route(Chain(0, 6), &r).ok());
   EXPECT_EQ(r.gpu_hit_blocks(), 0u);  // the old epoch's blocks are gone
+}
+
+// A source started long before its router (a store shard before the
+// frontend that routes for it) keeps trying every few hundred ms however long
+// the router is away, and registers as soon as it is up. (gRPC alone would
+// try every 5 s at best, its back-off growing to 120 s.)
+TEST_F(RouterIntegration, ASourceStartedBeforeItsRouterKeepsTryingAndRegistersOnceItIsUp) {
+  int port = testing::FreePort();
+  // Where the router will be: for now a listener that resets every
+  // connection, as a closed port refuses it, counting when each came.
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(listen(fd, 64), 0);
+  auto store = Source("127.0.0.1:" + std::to_string(port), "store-early", 1,
+                      v1::SOURCE_STORE);  // back-off up to 200 ms
+  store->Stored(kNs, Chain(0, 4));
+  using Clock = std::chrono::steady_clock;
+  std::vector<Clock::time_point> attempts;
+  auto start = Clock::now();
+  auto end = start + std::chrono::seconds(8);
+  while (Clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 50) != 1) continue;
+    int c = accept(fd, nullptr, nullptr);
+    if (c < 0) continue;
+    attempts.push_back(Clock::now());
+    linger reset{1, 0};  // RST, not FIN
+    setsockopt(c, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+    close(c);
+  }
+  close(fd);
+  ASSERT_FALSE(attempts.empty());
+  auto widest = attempts.front() - start;
+  std::string when;
+  for (size_t i = 0; i < attempts.size(); ++i) {
+    if (i > 0) widest = std::max(widest, attempts[i] - attempts[i - 1]);
+    when += std::to_string((attempts[i] - start) / std::chrono::milliseconds(1)) + " ";
+  }
+  widest = std::max(widest, end - attempts.back());
+  EXPECT_LT(widest, std::chrono::milliseconds(1500)) << "tries at ms " << when;
+  EXPECT_GE(attempts.size(), 10u) << "tries at ms " << when;
+  EXPECT_FALSE(store->connected());
+  StartRouter(port);
+  ASSERT_EQ(router_->port(), port);
+  auto up = Clock::now();
+  ASSERT_TRUE(WaitFor([&] { return client_->Blocks("store-early") == 4; }));
+  EXPECT_LT(Clock::now() - up, std::chrono::milliseconds(1500));
 }
 
 TEST_F(RouterIntegration, ARestartedRouterRebuildsItsIndexFromSnapshots) {

@@ -79,6 +79,7 @@ struct Flags {
 int main(int argc, char** argv) {
   // First, before gRPC (TLS credentials, channels) starts any thread.
   kvtier::BlockShutdownSignals();
+  kvtier::PrepareGrpcProcess();
   Flags f;
   FlagSet flags("kvtier-store",
                 "The kvtier cache service: keeps KV-cache blocks in a RAM tier and an NVMe tier\n"

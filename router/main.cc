@@ -42,6 +42,7 @@ bool ParseFlagFile(const char* flag, const std::string& path, Parse parse, std::
 int main(int argc, char** argv) {
   // First, before gRPC (TLS credentials, channels) starts any thread.
   kvtier::BlockShutdownSignals();
+  kvtier::PrepareGrpcProcess();
   std::string listen = "127.0.0.1:7500";
   std::string port_file, metrics_listen, vllm_sources_file, source_identities_file;
   bool check_config = false;

@@ -220,6 +220,40 @@ bool DrainedToDisk(StoreClient& c) {
 
 }  // namespace disk_full
 
+// A client whose store restarts is back as soon as the store listens again:
+// its calls fail fast meanwhile, and with no call in flight gRPC alone would
+// look at the lost channel only every 5 s (PrepareGrpcProcess).
+TEST(Faults, AClientIsBackWithinASecondOfItsStoreListeningAgain) {
+  testing::TempDir dir;
+  const int port = testing::FreePort();
+  ServerProcess store(KVTIER_STORE_BIN, dir.sub("store"),
+                      {"--listen=127.0.0.1:" + std::to_string(port), "--data-dir=" + dir.sub("db"),
+                       "--hugepages=false", "--ram-bytes=8MiB"});
+  ASSERT_GT(store.port(), 0) << store.Log();
+  StoreClientOptions o;
+  o.deadline_ms = 500;
+  StoreClient client(store.address(), o);
+  ASSERT_TRUE(client.GetStats().ok());
+  for (int round = 0; round < 3; ++round) {
+    store.proc().Kill(SIGKILL);
+    // Calls while it is down fail, as a connector's lookups would.
+    auto down = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() - down < std::chrono::milliseconds(300)) {
+      EXPECT_FALSE(client.GetStats().ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    store.Start();
+    ASSERT_EQ(store.port(), port) << store.Log();
+    auto up = std::chrono::steady_clock::now();
+    while (!client.GetStats().ok()) {
+      ASSERT_LT(std::chrono::steady_clock::now() - up, std::chrono::seconds(10));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - up, std::chrono::milliseconds(1000))
+        << "round " << round;
+  }
+}
+
 TEST(Faults, DiskFullPausesTheNvmeTierKeepsServingAndRecoversWhenSpaceReturns) {
   using namespace disk_full;
   testing::TempDir dir;

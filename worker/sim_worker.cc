@@ -40,6 +40,7 @@
 int main(int argc, char** argv) {
   // First, before gRPC (TLS credentials, channels) starts any thread.
   kvtier::BlockShutdownSignals();
+  kvtier::PrepareGrpcProcess();
   using namespace kvtier;
   std::string listen = "127.0.0.1:7600", stores, routers, worker_id, endpoint, port_file;
   std::string model = "sim-model", dtype = "fp16", offload = "write-back", kv_wire = "none";

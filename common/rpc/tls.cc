@@ -1,6 +1,8 @@
 #include "common/rpc/tls.h"
 
+#include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -119,9 +121,15 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const
   return grpc::SslServerCredentials(o);
 }
 
+void PrepareGrpcProcess() {
+  static std::once_flag once;
+  std::call_once(once, [] { setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "100", 0); });
+}
+
 std::shared_ptr<grpc::Channel> OpenChannel(const std::string& address,
                                            const ChannelSecurity& security,
                                            grpc::ChannelArguments args) {
+  PrepareGrpcProcess();
   if (!security.tls()) {
     return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   }

@@ -53,6 +53,15 @@ absl::StatusOr<ChannelSecurity> ClientSecurity(const TlsFlags& tls);
 // TLS when cert_file and key_file are set; plaintext otherwise.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const TlsFlags& tls);
 
+// Process-wide gRPC settings, set before gRPC initializes (it reads them
+// once, from the environment; a value the user set is kept). Now one: a
+// client channel that lost its server is looked at every 100 ms, not 5 s, so
+// calls that fail fast while a store or router restarts (as every kvtier
+// call does) find it again as soon as it listens, not up to 5 s later (gRPC's
+// GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS). OpenChannel calls it; mains
+// call it first, before a server of theirs starts gRPC. Idempotent.
+void PrepareGrpcProcess();
+
 // A channel to address with the given security and arguments.
 std::shared_ptr<grpc::Channel> OpenChannel(const std::string& address,
                                            const ChannelSecurity& security,

@@ -165,10 +165,12 @@ bool EventPublisher::Pump(grpc::ClientReaderWriter<v1::SourceMessage, v1::Router
 void EventPublisher::Run() {
   uint64_t backoff = options_.backoff_min_ms;
   while (true) {
-    // Wait on the channel until it connects. A call failing fast on a down
-    // channel does not drive its reconnects: with no call in flight, gRPC's
-    // synchronous client only looks at a connect attempt every 5 s (its
-    // backup poller), so a router that came back would be seen that late.
+    // Wait on the channel until it connects, then open the stream at once
+    // (not at the next back-off). Waiting also drives the channel's
+    // reconnects: a call failing fast on a down channel does not, and with
+    // none in flight gRPC looks at it only every 5 s (100 ms after
+    // PrepareGrpcProcess, which a process embedding this may not have run
+    // before gRPC started).
     while (!channel_->WaitForConnected(std::chrono::system_clock::now() +
                                        std::chrono::milliseconds(200))) {
       std::lock_guard lk(mu_);

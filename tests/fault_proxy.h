@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,6 +52,12 @@ class FaultProxy {
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   void Set(Mode m) { mode_ = m; }
   uint64_t connections() const { return connections_; }
+  // When each connection came, forwarded or not (a refused upstream, or
+  // reset mode, resets it).
+  std::vector<std::chrono::steady_clock::time_point> Accepted() const {
+    std::lock_guard lk(seen_mu_);
+    return accepted_;
+  }
   // Every byte forwarded so far, either way, in the order forwarded.
   std::string Seen() const {
     std::lock_guard lk(seen_mu_);
@@ -87,6 +94,10 @@ class FaultProxy {
       if (poll(&p, 1, 20) <= 0) continue;
       int client = accept(listen_fd_, nullptr, nullptr);
       if (client < 0) continue;
+      {
+        std::lock_guard lk(seen_mu_);
+        accepted_.push_back(std::chrono::steady_clock::now());
+      }
       if (mode_ == Mode::kReset) {
         Reset(client);
         continue;
@@ -142,7 +153,8 @@ class FaultProxy {
   std::mutex mu_;
   std::vector<std::thread> pumps_;  // guarded by mu_
   mutable std::mutex seen_mu_;
-  std::string seen_;  // guarded by seen_mu_
+  std::string seen_;                                             // guarded by seen_mu_
+  std::vector<std::chrono::steady_clock::time_point> accepted_;  // guarded by seen_mu_
 };
 
 }  // namespace kvtier::testing

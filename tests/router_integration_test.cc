@@ -2,10 +2,6 @@
 // (EventPublisher, the library workers and store shards link).
 #include <grpcpp/generic/generic_stub.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <fstream>
 #include <sstream>
@@ -18,6 +14,7 @@
 #include "client/router_client.h"
 #include "client/router_fanout.h"
 #include "client/store_client.h"
+#include "tests/fault_proxy.h"
 #include "tests/test_util.h"
 
 namespace kvtier {
@@ -187,37 +184,19 @@ TEST_F(RouterIntegration, ASourceRestartingWithANewEpochReplacesItsBlocks) {
 // the router is away, and registers as soon as it is up. (gRPC alone would
 // try every 5 s at best, its back-off growing to 120 s.)
 TEST_F(RouterIntegration, ASourceStartedBeforeItsRouterKeepsTryingAndRegistersOnceItIsUp) {
+  // The source reaches the router's port through a proxy that notes when
+  // each try came; until the router listens there, the proxy's upstream
+  // connect is refused and it resets the try.
   int port = testing::FreePort();
-  // Where the router will be: for now a listener that resets every
-  // connection, as a closed port refuses it, counting when each came.
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  ASSERT_EQ(listen(fd, 64), 0);
-  auto store = Source("127.0.0.1:" + std::to_string(port), "store-early", 1,
+  testing::FaultProxy proxy(port);
+  auto store = Source(proxy.address(), "store-early", 1,
                       v1::SOURCE_STORE);  // back-off up to 200 ms
   store->Stored(kNs, Chain(0, 4));
   using Clock = std::chrono::steady_clock;
-  std::vector<Clock::time_point> attempts;
   auto start = Clock::now();
-  auto end = start + std::chrono::seconds(8);
-  while (Clock::now() < end) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 50) != 1) continue;
-    int c = accept(fd, nullptr, nullptr);
-    if (c < 0) continue;
-    attempts.push_back(Clock::now());
-    linger reset{1, 0};  // RST, not FIN
-    setsockopt(c, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
-    close(c);
-  }
-  close(fd);
+  std::this_thread::sleep_for(std::chrono::seconds(8));
+  auto end = Clock::now();
+  auto attempts = proxy.Accepted();
   ASSERT_FALSE(attempts.empty());
   auto widest = attempts.front() - start;
   std::string when;

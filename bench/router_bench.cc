@@ -85,7 +85,7 @@ v1::RouteRequest Request(uint64_t chain, uint32_t matched, uint32_t blocks, uint
 // A router that picks round-robin: the same gRPC path with no index work.
 class RoundRobinService final : public v1::Router::Service {
  public:
-  grpc::Status Route(grpc::ServerContext*, const v1::RouteRequest* req,
+  grpc::Status Route(grpc::ServerContext*, const v1::RouteRequest*,
                      v1::RouteResponse* resp) override {
     resp->set_worker_id(absl::StrCat("worker-", next_++ % 8));
     return grpc::Status::OK;
@@ -96,10 +96,11 @@ class RoundRobinService final : public v1::Router::Service {
 };
 
 absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint32_t blocks_per_req,
-                         uint64_t queued_tokens) {
+                         uint64_t queued_tokens, uint64_t pending_ms) {
   Case c;
   c.workers = workers;
   router::RouterOptions o;
+  o.pending_ms = pending_ms;
   std::vector<router::RouterCommand> cmds;
   // Chains of blocks_per_req blocks, one worker each (chain % workers),
   // published as BlockStored events of `batch` blocks; returns the events.
@@ -252,6 +253,7 @@ int RunRouterBench(int argc, const char* const* argv) {
   std::string fleet_list, trace = KVTIER_SOURCE_DIR "/bench/traces/conversation_trace.jsonl";
   std::string inproc_rates = "50000,100000,150000,200000", grpc_rates = "1000,2000,4000,8000";
   int64_t stores = 4, threads = 1, fleet_ms = 1000, queued_tokens = 0;
+  int64_t pending_ms = static_cast<int64_t>(router::RouterOptions{}.pending_ms);
   FlagSet flags("kvtier-bench router",
                 "Route latency (in-process and over gRPC), event ingestion rate and memory per\n"
                 "indexed block of the router's index, beside a bare hash walk and a round-robin\n"
@@ -272,6 +274,8 @@ int RunRouterBench(int argc, const char* const* argv) {
   flags.Int("prompt-blocks", &prompt_blocks, 1, static_cast<int64_t>(limits::kMaxPromptBlocks),
             "Blocks per prompt (16 tokens each)");
   flags.String("workers", &workers_list, "Comma-separated worker counts");
+  flags.Int("pending", &pending_ms, 0, 60000,
+            "Milliseconds a routed prompt's blocks count as pending on its worker (0: off)");
   flags.Bool("quick", &quick, "A reduced run (200k blocks, 200 requests)");
   flags.Bool("json", &json, "Print JSON");
   ParseFlagsOrExit(flags, argc, argv);
@@ -300,7 +304,7 @@ int RunRouterBench(int argc, const char* const* argv) {
   for (int64_t w : *workers) {
     int n = static_cast<int>(w);
     auto c = Run(n, blocks, static_cast<int>(requests), static_cast<uint32_t>(prompt_blocks),
-                 static_cast<uint64_t>(queued_tokens));
+                 static_cast<uint64_t>(queued_tokens), static_cast<uint64_t>(pending_ms));
     if (!c.ok()) {
       std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(c.status().message()).c_str());
       return 1;

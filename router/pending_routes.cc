@@ -1,6 +1,10 @@
 #include "router/pending_routes.h"
 
 #include <algorithm>
+#include <bit>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 
 namespace kvtier::router {
 
@@ -43,70 +47,151 @@ class PlaceOf {
 };
 }  // namespace
 
-void PendingRoutes::ExpireLocked(Clock::time_point now) {
-  while (!expiry_.empty() && expiry_.front().first <= now) {
-    auto it = map_.find(expiry_.front().second);
-    expiry_.pop_front();
-    if (it == map_.end()) continue;
-    Holders& h = it->second;
-    const size_t before = h.size();
-    h.erase(std::remove_if(h.begin(), h.end(), [&](const Entry& e) { return e.until <= now; }),
-            h.end());
-    entries_ -= before - h.size();
-    if (h.empty()) map_.erase(it);
+PendingRoutes::PendingRoutes(std::chrono::milliseconds ttl) : ttl_(std::min(ttl, kMaxTtl)) {
+  const auto now = Clock::now();
+  gens_[0].Reset(now);
+  gens_[1].Reset(now);
+}
+
+void PendingRoutes::Generation::Reset(Clock::time_point at) {
+  start = at;
+  // A table much larger than the last stretch needed is given back.
+  constexpr size_t kMinSlots = 1024;
+  if (slots_.size() > 4 * std::max(kMinSlots, 2 * used_)) {
+    std::vector<Slot>().swap(slots_);
+    shift_ = 64;
+  } else {
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+  }
+  used_ = 0;
+  live = 0;
+}
+
+void PendingRoutes::Generation::Reserve(size_t more) {
+  const size_t want = 2 * (used_ + more);
+  if (want <= slots_.size()) return;
+  size_t cap = std::max<size_t>(slots_.size(), 1024);
+  while (cap < want) cap *= 2;
+  std::vector<Slot> old(cap);
+  old.swap(slots_);
+  shift_ = 64 - std::countr_zero(cap);
+  used_ = 0;
+  for (const Slot& s : old) {
+    if (s.fp == 0 || s.dropped != 0) continue;
+    size_t i = Home(s.fp);
+    while (slots_[i].fp != 0) i = (i + 1) & (cap - 1);
+    slots_[i] = s;
+    ++used_;
   }
 }
 
-void PendingRoutes::EraseLocked(const BlockKey& key, SourceNum num) {
-  auto it = map_.find(key);
-  if (it == map_.end()) return;
-  Holders& h = it->second;
-  const size_t before = h.size();
-  h.erase(std::remove_if(h.begin(), h.end(), [&](const Entry& e) { return e.num == num; }),
-          h.end());
-  entries_ -= before - h.size();
-  if (h.empty()) map_.erase(it);
+void PendingRoutes::Generation::Prefetch(uint64_t fp) const {
+  if (!slots_.empty()) __builtin_prefetch(&slots_[Home(fp)], 1);
+}
+
+bool PendingRoutes::Generation::Put(uint64_t fp, SourceNum num, uint32_t from,
+                                    Clock::time_point until) {
+  const size_t mask = slots_.size() - 1;
+  const auto us = static_cast<uint32_t>(std::max<int64_t>(Us(until), 0));
+  size_t free = slots_.size();
+  size_t i = Home(fp);
+  for (; slots_[i].fp != 0; i = (i + 1) & mask) {
+    Slot& s = slots_[i];
+    if (s.dropped != 0) {
+      if (free == slots_.size()) free = i;
+    } else if (s.fp == fp && s.num == num) {
+      s.until_us = us;
+      s.from = std::min(s.from, from);
+      return false;
+    }
+  }
+  if (free == slots_.size()) {
+    free = i;
+    ++used_;
+  }
+  slots_[free] = Slot{fp, num, from, us, 0};
+  ++live;
+  return true;
+}
+
+bool PendingRoutes::Generation::Holds(uint64_t fp, SourceNum num, Clock::time_point now) const {
+  if (live == 0) return false;
+  const size_t mask = slots_.size() - 1;
+  const int64_t at = Us(now);
+  for (size_t i = Home(fp); slots_[i].fp != 0; i = (i + 1) & mask) {
+    const Slot& s = slots_[i];
+    if (s.fp == fp && s.num == num && s.dropped == 0) return s.until_us > at;
+  }
+  return false;
+}
+
+template <class F>
+void PendingRoutes::Generation::ForEach(uint64_t fp, Clock::time_point now, F&& f) const {
+  if (live == 0) return;
+  const size_t mask = slots_.size() - 1;
+  const int64_t at = Us(now);
+  for (size_t i = Home(fp); slots_[i].fp != 0; i = (i + 1) & mask) {
+    const Slot& s = slots_[i];
+    if (s.fp == fp && s.dropped == 0 && s.until_us > at) f(s.num, s.from);
+  }
+}
+
+size_t PendingRoutes::Generation::Erase(uint64_t fp, SourceNum num) {
+  if (live == 0) return 0;
+  const size_t mask = slots_.size() - 1;
+  for (size_t i = Home(fp); slots_[i].fp != 0; i = (i + 1) & mask) {
+    Slot& s = slots_[i];
+    if (s.fp == fp && s.num == num && s.dropped == 0) {
+      s.dropped = 1;
+      --live;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+size_t PendingRoutes::Generation::EraseAll(SourceNum num) {
+  size_t n = 0;
+  for (Slot& s : slots_) {
+    if (s.fp != 0 && s.dropped == 0 && s.num == num) {
+      s.dropped = 1;
+      ++n;
+    }
+  }
+  live -= n;
+  return n;
 }
 
 void PendingRoutes::Add(uint64_t ns, SourceNum num, const ChainView& chain, uint32_t from,
                         uint32_t stride, Clock::time_point now) {
   if (from >= chain.size()) return;
   stride = std::max<uint32_t>(stride, 1);
-  std::unique_lock lk(mu_);
-  ExpireLocked(now);
-  const size_t adding = (chain.size() - from) / stride + 1;
-  // Over the bound the oldest go first, as if their time had come.
-  while (entries_ + adding > kMaxBlocks && !expiry_.empty()) ExpireLocked(expiry_.front().first);
-  const Clock::time_point until = now + ttl_;
-  // The keys first, each one's table group prefetched: a route adds tens of
-  // keys to a table of hundreds of thousands, and their cache misses then
+  // The keys first, each one's slot prefetched: a route adds tens of keys
+  // to a table of hundreds of thousands, and their cache misses then
   // overlap instead of following one another.
-  absl::InlinedVector<BlockKey, 64> keys;
-  keys.reserve(adding);
+  absl::InlinedVector<uint64_t, 64> fps;
+  fps.reserve((chain.size() - from) / stride + 1);
   for (size_t i = Sampled(from, stride); i < chain.size(); i += stride) {
-    keys.push_back(BlockKey{ns, chain[i]});
+    fps.push_back(Fp(ns, chain[i]));
   }
-  if ((chain.size() % stride) != 0) keys.push_back(BlockKey{ns, chain[chain.size() - 1]});
-  for (const BlockKey& key : keys) map_.prefetch(key);
-  for (const BlockKey& key : keys) {
-    Holders& h = map_[key];
-    auto it = std::find_if(h.begin(), h.end(), [&](const Entry& e) { return e.num == num; });
-    if (it != h.end()) {
-      it->until = until;
-      it->from = std::min(it->from, from);
-    } else {
-      h.push_back({num, until, from});
-      ++entries_;
-    }
-    expiry_.emplace_back(until, key);
+  if ((chain.size() % stride) != 0) fps.push_back(Fp(ns, chain[chain.size() - 1]));
+  std::unique_lock lk(mu_);
+  // A stretch of `ttl` over (or half the bound taken): the older
+  // generation's pairs have all expired (or are the oldest), and it starts
+  // over as the newest.
+  Generation* cur = &gens_[cur_];
+  if (now - cur->start >= ttl_ || cur->live + fps.size() > kMaxBlocks / 2) {
+    cur_ ^= 1;
+    cur = &gens_[cur_];
+    entries_ -= cur->live;
+    cur->Reset(now);
   }
-}
-
-bool PendingRoutes::Holds(const BlockKey& key, SourceNum num, Clock::time_point now) const {
-  auto it = map_.find(key);
-  if (it == map_.end()) return false;
-  return std::any_of(it->second.begin(), it->second.end(),
-                     [&](const Entry& e) { return e.num == num && e.until > now; });
+  cur->Reserve(fps.size());
+  for (uint64_t fp : fps) cur->Prefetch(fp);
+  const Clock::time_point until = now + ttl_;
+  size_t added = 0;
+  for (uint64_t fp : fps) added += cur->Put(fp, num, from, until) ? 1 : 0;
+  entries_ += added;
 }
 
 void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
@@ -126,10 +211,11 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
     return 0;
   };
   const uint32_t n = static_cast<uint32_t>(chain.size());
+  auto holds = [&](uint32_t q, SourceNum num) { return Holds(Fp(ns, chain[q]), num, now); };
   // The last pending block of `num` among chain[lo, hi] (n: none).
   auto last_held = [&](uint32_t lo, uint32_t hi, SourceNum num) -> uint32_t {
     for (uint32_t q = hi + 1; q-- > lo;) {
-      if (Holds(BlockKey{ns, chain[q]}, num, now)) return q;
+      if (holds(q, num)) return q;
     }
     return n;
   };
@@ -148,32 +234,32 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
   PlaceOf deeper_at(deeper);
   for (uint32_t from : starts) {
     const uint32_t at = std::min<uint32_t>(static_cast<uint32_t>(Sampled(from, stride)), n - 1);
-    auto found = map_.find(BlockKey{ns, chain[at]});
-    const Holders* holders = found == map_.end() ? nullptr : &found->second;
-    if (holders == nullptr) continue;
-    for (const Entry& e : *holders) {
+    auto visit = [&](SourceNum num, uint32_t routed_from) {
       // A worker that lost part of the prefix it held when routed (evicted
       // it since) will not have the pending blocks past it either.
-      if (e.until <= now || e.from > depth_of(e.num)) continue;
+      if (routed_from > depth_of(num)) return;
       // Stride by stride, then the last block kept within the next stride.
       uint32_t last = at;
-      for (uint32_t q = static_cast<uint32_t>(Sampled(at + 1, stride));
-           q < n && Holds(BlockKey{ns, chain[q]}, e.num, now); q += stride) {
+      for (uint32_t q = static_cast<uint32_t>(Sampled(at + 1, stride)); q < n && holds(q, num);
+           q += stride) {
         last = q;
       }
       if (last + 1 < n) {
         const uint32_t hi =
             std::min<uint32_t>(static_cast<uint32_t>(Sampled(last + 1, stride)), n - 1);
-        if (const uint32_t q = last_held(last + 1, hi, e.num); q < n) last = q;
+        if (const uint32_t q = last_held(last + 1, hi, num); q < n) last = q;
       }
       const uint32_t d = last + 1;
-      if (d <= depth_of(e.num)) continue;
-      if (const size_t k = deeper_at(e.num); k < deeper.size()) {
+      if (d <= depth_of(num)) return;
+      if (const size_t k = deeper_at(num); k < deeper.size()) {
         deeper[k].second = std::max(deeper[k].second, d);
       } else {
-        deeper.emplace_back(e.num, d);
+        deeper.emplace_back(num, d);
       }
-    }
+    };
+    const uint64_t fp = Fp(ns, chain[at]);
+    gens_[0].ForEach(fp, now, visit);
+    gens_[1].ForEach(fp, now, visit);
   }
   // (Each worker once: a named one's depth is read before it is set.)
   for (const auto& [num, d] : deeper) {
@@ -197,24 +283,18 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
 void PendingRoutes::Drop(uint64_t ns, SourceNum num, std::span<const BlockHash> hashes) {
   if (entries_.load(std::memory_order_relaxed) == 0) return;
   std::unique_lock lk(mu_);
-  for (const BlockHash& h : hashes) EraseLocked(BlockKey{ns, h}, num);
+  size_t dropped = 0;
+  for (const BlockHash& h : hashes) {
+    const uint64_t fp = Fp(ns, h);
+    dropped += gens_[0].Erase(fp, num) + gens_[1].Erase(fp, num);
+  }
+  entries_ -= dropped;
 }
 
 void PendingRoutes::Forget(SourceNum num) {
   if (entries_.load(std::memory_order_relaxed) == 0) return;
   std::unique_lock lk(mu_);
-  for (auto it = map_.begin(); it != map_.end();) {
-    Holders& h = it->second;
-    const size_t before = h.size();
-    h.erase(std::remove_if(h.begin(), h.end(), [&](const Entry& e) { return e.num == num; }),
-            h.end());
-    entries_ -= before - h.size();
-    if (h.empty()) {
-      map_.erase(it++);
-    } else {
-      ++it;
-    }
-  }
+  entries_ -= gens_[0].EraseAll(num) + gens_[1].EraseAll(num);
 }
 
 }  // namespace kvtier::router

@@ -18,13 +18,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <mutex>
 #include <shared_mutex>
 #include <span>
+#include <vector>
 
-#include "absl/container/flat_hash_map.h"
-#include "absl/container/inlined_vector.h"
 #include "common/block_key.h"
 #include "router/prefix_index.h"
 
@@ -37,8 +35,11 @@ class PendingRoutes {
   static constexpr size_t kMaxBlocks = size_t{1} << 20;
   // Up to this many workers named in a match are scanned; more are mapped.
   static constexpr size_t kNamedScan = 16;
+  // The longest `ttl` (a generation's times are 32-bit microseconds).
+  static constexpr std::chrono::milliseconds kMaxTtl{600000};
 
-  explicit PendingRoutes(std::chrono::milliseconds ttl) : ttl_(ttl) {}
+  // `ttl` at most kMaxTtl.
+  explicit PendingRoutes(std::chrono::milliseconds ttl);
 
   // Worker `num` will hold chain[from, chain.size()) once it runs a request
   // routed to it at `now`. Kept: every `stride`-th block (positions
@@ -68,28 +69,68 @@ class PendingRoutes {
   // A worker left (its number may be given to another) or cleared its
   // blocks: drops its pending ones.
   void Forget(SourceNum num);
-  // (worker, block) pairs pending.
+  // (worker, block) pairs kept: an expired one until its generation goes.
   size_t size() const { return entries_.load(std::memory_order_relaxed); }
 
  private:
-  struct Entry {
-    SourceNum num;
-    Clock::time_point until;
+  // One (worker, block) pair, 24 bytes.
+  struct Slot {
+    uint64_t fp = 0;  // PrefixIndex::Fingerprint of the block; 0: empty
+    SourceNum num = 0;
     // The worker's depth when it was routed: the prefix it held then must
     // still be there for the pending blocks past it to follow it.
-    uint32_t from;
+    uint32_t from = 0;
+    uint32_t until_us = 0;  // microseconds past its generation's start
+    uint32_t dropped = 0;   // 1: a tombstone (probe runs go on past it)
   };
-  using Holders = absl::InlinedVector<Entry, 2>;
-  bool Holds(const BlockKey& key, SourceNum num, Clock::time_point now) const;
-  // Drops the pairs of the keys queued for expiry up to `now` whose time passed.
-  void ExpireLocked(Clock::time_point now);
-  void EraseLocked(const BlockKey& key, SourceNum num);
+  // The pairs added over one stretch of at most `ttl`: an open-addressed
+  // table (linear probing, at most half full) whose pairs all expire by the
+  // time the next stretch ends, so it is dropped whole then, not pair by
+  // pair. The pairs of one block lie in one probe run.
+  class Generation {
+   public:
+    Clock::time_point start;
+    size_t live = 0;  // pairs not dropped (expired ones included)
+
+    // Empties it for pairs added from `at` on.
+    void Reset(Clock::time_point at);
+    // Room for `more` pairs without growing.
+    void Reserve(size_t more);
+    void Prefetch(uint64_t fp) const;
+    // Sets (fp, num) to expire at `until` (its `from` the smaller of the
+    // two), adding it if absent; true if added. Reserve first.
+    bool Put(uint64_t fp, SourceNum num, uint32_t from, Clock::time_point until);
+    // Whether (fp, num) is kept unexpired at `now`.
+    bool Holds(uint64_t fp, SourceNum num, Clock::time_point now) const;
+    // Calls f(num, from) for each pair of `fp` unexpired at `now`.
+    template <class F>
+    void ForEach(uint64_t fp, Clock::time_point now, F&& f) const;
+    // Drops (fp, num) / every pair of `num`; the pairs dropped.
+    size_t Erase(uint64_t fp, SourceNum num);
+    size_t EraseAll(SourceNum num);
+
+   private:
+    size_t Home(uint64_t fp) const { return (fp * 0x9E3779B97F4A7C15ull) >> shift_; }
+    int64_t Us(Clock::time_point t) const {
+      return std::chrono::duration_cast<std::chrono::microseconds>(t - start).count();
+    }
+    std::vector<Slot> slots_;  // a power of two; empty until the first Reserve
+    size_t used_ = 0;          // slots taken, tombstones included
+    int shift_ = 64;
+  };
+  static uint64_t Fp(uint64_t ns, const BlockHash& h) {
+    const uint64_t fp = PrefixIndex::Fingerprint(BlockKey{ns, h});
+    return fp == 0 ? 1 : fp;
+  }
+  bool Holds(uint64_t fp, SourceNum num, Clock::time_point now) const {
+    return gens_[0].Holds(fp, num, now) || gens_[1].Holds(fp, num, now);
+  }
 
   const std::chrono::milliseconds ttl_;
   mutable std::shared_mutex mu_;  // Deepen reads beside other routes
-  absl::flat_hash_map<BlockKey, Holders, BlockKeyHasher> map_;
-  std::deque<std::pair<Clock::time_point, BlockKey>> expiry_;  // oldest first
-  std::atomic<size_t> entries_{0};                             // written under mu_
+  Generation gens_[2];            // gens_[cur_] takes new pairs; the other is older
+  int cur_ = 0;
+  std::atomic<size_t> entries_{0};  // written under mu_
 };
 
 }  // namespace kvtier::router

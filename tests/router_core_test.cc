@@ -502,6 +502,76 @@ TEST(RouterPending, DeepenNamesEachOfManyWorkersOnceAtItsPendingDepth) {
   }
 }
 
+// Pairs are kept in generations of `ttl` dropped whole: a pair lives its
+// whole ttl across a new generation, is gone once its time passes, Drop
+// finds it in either generation, and an old generation's pairs leave size().
+TEST(RouterPending, APairLivesItsTtlAcrossGenerationsAndNoLonger) {
+  using namespace std::chrono_literals;
+  const auto t0 = PendingRoutes::Clock::now();
+  PendingRoutes pending(1000ms);
+  PrefixIndex index;
+  std::vector<BlockHash> chain, other;
+  for (uint64_t i = 0; i < 8; ++i) chain.push_back(H(i));
+  for (uint64_t i = 0; i < 8; ++i) other.push_back(H(1000 + i));
+  auto depth = [&](SourceNum w, PendingRoutes::Clock::time_point at) {
+    PrefixMatch m;
+    m.store_runs.emplace_back(0, 0);
+    pending.Deepen(kNs, ChainView(chain), 1, index, &m, at);
+    for (const auto& [num, d] : m.gpu_depth) {
+      if (num == w) return d;
+    }
+    return 0u;
+  };
+  // Worker 3 in the first generation (until t0 + 1.5 s), worker 1 too
+  // (until t0 + 1.9 s).
+  pending.Add(kNs, 3, ChainView(chain), 0, 1, t0 + 500ms);
+  pending.Add(kNs, 1, ChainView(chain), 0, 1, t0 + 900ms);
+  EXPECT_EQ(pending.size(), 16u);
+  // A generation starts at t0 + 1.2 s (the first one is 1 s old); worker 3
+  // is in both.
+  pending.Add(kNs, 2, ChainView(other), 0, 1, t0 + 1200ms);
+  pending.Add(kNs, 3, ChainView(chain), 0, 1, t0 + 1300ms);
+  EXPECT_EQ(pending.size(), 32u);
+  EXPECT_EQ(depth(1, t0 + 1800ms), 8u);
+  EXPECT_EQ(depth(1, t0 + 1950ms), 0u);
+  // Drop reaches both generations: the first's pairs would still hold.
+  EXPECT_EQ(depth(3, t0 + 1400ms), 8u);
+  pending.Drop(kNs, 3, std::span<const BlockHash>(chain).subspan(4));
+  EXPECT_EQ(depth(3, t0 + 1400ms), 4u);
+  EXPECT_EQ(pending.size(), 24u);
+  // A third stretch drops the first generation (workers 1 and 3: 12
+  // pairs), a fourth the second (workers 2 and 3: 12 more).
+  pending.Add(kNs, 4, ChainView(other), 0, 1, t0 + 2300ms);
+  EXPECT_EQ(pending.size(), 20u);
+  pending.Add(kNs, 4, ChainView(other), 0, 1, t0 + 3400ms);
+  EXPECT_EQ(pending.size(), 16u);
+  pending.Forget(4);
+  EXPECT_EQ(pending.size(), 0u);
+}
+
+// Past the bound the oldest pairs go first, before their time.
+TEST(RouterPending, PastTheBoundTheOldestPairsGo) {
+  const auto now = PendingRoutes::Clock::now();
+  PendingRoutes pending(std::chrono::milliseconds(60000));
+  PrefixIndex index;
+  std::vector<BlockHash> first;
+  for (uint64_t i = 0; i < 4; ++i) first.push_back(H(i));
+  pending.Add(kNs, 1, ChainView(first), 0, 1, now);
+  std::vector<BlockHash> chain(4096);
+  for (uint64_t r = 0; pending.size() < PendingRoutes::kMaxBlocks; ++r) {
+    for (uint64_t i = 0; i < chain.size(); ++i) chain[i] = BlockHash{r + 10, i};
+    const size_t before = pending.size();
+    pending.Add(kNs, 2, ChainView(chain), 0, 1, now);
+    if (pending.size() <= before) break;  // a generation went
+    ASSERT_LT(r, 1000u);
+  }
+  EXPECT_LE(pending.size(), PendingRoutes::kMaxBlocks);
+  PrefixMatch m;
+  m.store_runs.emplace_back(0, 0);
+  pending.Deepen(kNs, ChainView(first), 1, index, &m, now);
+  EXPECT_TRUE(m.gpu_depth.empty());
+}
+
 TEST(RouterPending, ALongPromptKeepsABlockEvery256TokensAndItsLast) {
   // 16-token blocks: a route keeps every 16th block and the last. Another
   // prompt sharing 1,500 of its 2,000 blocks then finds the worker's run

@@ -53,11 +53,14 @@ PendingRoutes::PendingRoutes(std::chrono::milliseconds ttl) : ttl_(std::min(ttl,
   gens_[1].Reset(now);
 }
 
+namespace {
+constexpr size_t kMinSlots = 1024;
+}  // namespace
+
 void PendingRoutes::Generation::Reset(Clock::time_point at) {
   start = at;
-  // A table much larger than the last stretch needed is given back.
-  constexpr size_t kMinSlots = 1024;
-  if (slots_.size() > 4 * std::max(kMinSlots, 2 * used_)) {
+  // A table much larger than the last stretch's pairs need is given back.
+  if (slots_.size() > 4 * std::max(kMinSlots, 4 * live)) {
     std::vector<Slot>().swap(slots_);
     shift_ = 64;
   } else {
@@ -68,10 +71,12 @@ void PendingRoutes::Generation::Reset(Clock::time_point at) {
 }
 
 void PendingRoutes::Generation::Reserve(size_t more) {
-  const size_t want = 2 * (used_ + more);
-  if (want <= slots_.size()) return;
-  size_t cap = std::max<size_t>(slots_.size(), 1024);
-  while (cap < want) cap *= 2;
+  if (2 * (used_ + more) <= slots_.size()) return;
+  // Rehashed at a quarter full with the live pairs: the dropped ones'
+  // tombstones stay behind, so drops do not grow the table, and as many
+  // pairs again fit before the next rehash.
+  size_t cap = kMinSlots;
+  while (cap < 4 * (live + more)) cap *= 2;
   std::vector<Slot> old(cap);
   old.swap(slots_);
   shift_ = 64 - std::countr_zero(cap);
@@ -278,6 +283,11 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
     }
     if (match->StoreRun(d) < run) Set(match->store_runs, d, run);
   }
+}
+
+size_t PendingRoutes::MemoryBytes() const {
+  std::shared_lock lk(mu_);
+  return gens_[0].bytes() + gens_[1].bytes();
 }
 
 void PendingRoutes::Drop(uint64_t ns, SourceNum num, std::span<const BlockHash> hashes) {

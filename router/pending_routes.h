@@ -71,6 +71,8 @@ class PendingRoutes {
   void Forget(SourceNum num);
   // (worker, block) pairs kept: an expired one until its generation goes.
   size_t size() const { return entries_.load(std::memory_order_relaxed); }
+  // Bytes of the generations' tables.
+  size_t MemoryBytes() const;
 
  private:
   // One (worker, block) pair, 24 bytes.
@@ -91,6 +93,7 @@ class PendingRoutes {
    public:
     Clock::time_point start;
     size_t live = 0;  // pairs not dropped (expired ones included)
+    size_t bytes() const { return slots_.size() * sizeof(Slot); }
 
     // Empties it for pairs added from `at` on.
     void Reset(Clock::time_point at);

@@ -570,6 +570,29 @@ TEST(RouterPending, PastTheBoundTheOldestPairsGo) {
   m.store_runs.emplace_back(0, 0);
   pending.Deepen(kNs, ChainView(first), 1, index, &m, now);
   EXPECT_TRUE(m.gpu_depth.empty());
+  // The newest route's pairs stay.
+  PrefixMatch last;
+  last.store_runs.emplace_back(0, 0);
+  pending.Deepen(kNs, ChainView(chain), 1, index, &last, now);
+  ASSERT_EQ(last.gpu_depth.size(), 1u);
+  EXPECT_EQ(last.gpu_depth[0], std::make_pair(SourceNum{2}, uint32_t{4096}));
+}
+
+// Pairs dropped (a worker's Removed events) leave no lasting room behind:
+// routes and evictions of the same few blocks for a whole stretch keep the
+// tables at their smallest.
+TEST(RouterPending, DroppedPairsDoNotGrowTheTables) {
+  const auto now = PendingRoutes::Clock::now();
+  PendingRoutes pending(std::chrono::milliseconds(60000));
+  std::vector<BlockHash> chain;
+  for (uint64_t r = 0; r < 20000; ++r) {
+    chain.clear();
+    for (uint64_t i = 0; i < 16; ++i) chain.push_back(BlockHash{r + 1, i});
+    pending.Add(kNs, 1, ChainView(chain), 0, 1, now);
+    pending.Drop(kNs, 1, chain);
+  }
+  EXPECT_EQ(pending.size(), 0u);
+  EXPECT_LE(pending.MemoryBytes(), size_t{64} << 10);
 }
 
 TEST(RouterPending, ALongPromptKeepsABlockEvery256TokensAndItsLast) {

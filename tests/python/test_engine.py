@@ -163,7 +163,10 @@ def test_a_stalled_store_costs_a_request_little_beyond_computing_it(
             assert "did not answer the lookup" in r.load_status
             used = re.search(r"within ([0-9.]+) ms", r.load_status)
             assert used is not None, r.load_status
-            assert float(used.group(1)) - 0.1 <= r.onboard_ms, r
+            # (gRPC core keeps its deadlines in whole milliseconds, so the
+            # wait may end up to 1 ms before the budget as Python measures
+            # it: CI saw 13.89 ms of a 14.0 ms budget.)
+            assert float(used.group(1)) - 1.0 <= r.onboard_ms, r
             assert r.onboard_ms < float(used.group(1)) + 100, r
     for r in stalled:
         assert (r.computed_tokens, r.loaded_tokens) == (1000, 0)

@@ -119,15 +119,19 @@ bool PendingRoutes::Generation::Put(uint64_t fp, SourceNum num, uint32_t from,
   return true;
 }
 
-bool PendingRoutes::Generation::Holds(uint64_t fp, SourceNum num, Clock::time_point now) const {
-  if (live == 0) return false;
+const PendingRoutes::Slot* PendingRoutes::Generation::Find(uint64_t fp, SourceNum num) const {
+  if (live == 0) return nullptr;
   const size_t mask = slots_.size() - 1;
-  const int64_t at = Us(now);
   for (size_t i = Home(fp); slots_[i].fp != 0; i = (i + 1) & mask) {
     const Slot& s = slots_[i];
-    if (s.fp == fp && s.num == num && s.dropped == 0) return s.until_us > at;
+    if (s.fp == fp && s.num == num && s.dropped == 0) return &s;
   }
-  return false;
+  return nullptr;
+}
+
+bool PendingRoutes::Generation::Holds(uint64_t fp, SourceNum num, Clock::time_point now) const {
+  const Slot* s = Find(fp, num);
+  return s != nullptr && s->until_us > Us(now);
 }
 
 template <class F>
@@ -142,17 +146,11 @@ void PendingRoutes::Generation::ForEach(uint64_t fp, Clock::time_point now, F&& 
 }
 
 size_t PendingRoutes::Generation::Erase(uint64_t fp, SourceNum num) {
-  if (live == 0) return 0;
-  const size_t mask = slots_.size() - 1;
-  for (size_t i = Home(fp); slots_[i].fp != 0; i = (i + 1) & mask) {
-    Slot& s = slots_[i];
-    if (s.fp == fp && s.num == num && s.dropped == 0) {
-      s.dropped = 1;
-      --live;
-      return 1;
-    }
-  }
-  return 0;
+  const Slot* s = Find(fp, num);
+  if (s == nullptr) return 0;
+  slots_[static_cast<size_t>(s - slots_.data())].dropped = 1;
+  --live;
+  return 1;
 }
 
 size_t PendingRoutes::Generation::EraseAll(SourceNum num) {

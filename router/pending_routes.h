@@ -103,6 +103,8 @@ class PendingRoutes {
     // Sets (fp, num) to expire at `until` (its `from` the smaller of the
     // two), adding it if absent; true if added. Reserve first.
     bool Put(uint64_t fp, SourceNum num, uint32_t from, Clock::time_point until);
+    // The pair (fp, num), not dropped (expired or not); null if absent.
+    const Slot* Find(uint64_t fp, SourceNum num) const;
     // Whether (fp, num) is kept unexpired at `now`.
     bool Holds(uint64_t fp, SourceNum num, Clock::time_point now) const;
     // Calls f(num, from) for each pair of `fp` unexpired at `now`.

@@ -502,6 +502,17 @@ TEST(RouterPending, DeepenNamesEachOfManyWorkersOnceAtItsPendingDepth) {
   }
 }
 
+// A match of `chain` that an empty index gives, deepened with what is
+// pending at `at`.
+PrefixMatch PendingOnly(const PendingRoutes& pending, const std::vector<BlockHash>& chain,
+                        PendingRoutes::Clock::time_point at) {
+  PrefixIndex index;
+  PrefixMatch m;
+  m.store_runs.emplace_back(0, 0);
+  pending.Deepen(kNs, ChainView(chain), 1, index, &m, at);
+  return m;
+}
+
 // Pairs are kept in generations of `ttl` dropped whole: a pair lives its
 // whole ttl across a new generation, is gone once its time passes, Drop
 // finds it in either generation, and an old generation's pairs leave size().
@@ -509,15 +520,11 @@ TEST(RouterPending, APairLivesItsTtlAcrossGenerationsAndNoLonger) {
   using namespace std::chrono_literals;
   const auto t0 = PendingRoutes::Clock::now();
   PendingRoutes pending(1000ms);
-  PrefixIndex index;
   std::vector<BlockHash> chain, other;
   for (uint64_t i = 0; i < 8; ++i) chain.push_back(H(i));
   for (uint64_t i = 0; i < 8; ++i) other.push_back(H(1000 + i));
   auto depth = [&](SourceNum w, PendingRoutes::Clock::time_point at) {
-    PrefixMatch m;
-    m.store_runs.emplace_back(0, 0);
-    pending.Deepen(kNs, ChainView(chain), 1, index, &m, at);
-    for (const auto& [num, d] : m.gpu_depth) {
+    for (const auto& [num, d] : PendingOnly(pending, chain, at).gpu_depth) {
       if (num == w) return d;
     }
     return 0u;
@@ -553,7 +560,6 @@ TEST(RouterPending, APairLivesItsTtlAcrossGenerationsAndNoLonger) {
 TEST(RouterPending, PastTheBoundTheOldestPairsGo) {
   const auto now = PendingRoutes::Clock::now();
   PendingRoutes pending(std::chrono::milliseconds(60000));
-  PrefixIndex index;
   std::vector<BlockHash> first;
   for (uint64_t i = 0; i < 4; ++i) first.push_back(H(i));
   pending.Add(kNs, 1, ChainView(first), 0, 1, now);
@@ -566,14 +572,9 @@ TEST(RouterPending, PastTheBoundTheOldestPairsGo) {
     ASSERT_LT(r, 1000u);
   }
   EXPECT_LE(pending.size(), PendingRoutes::kMaxBlocks);
-  PrefixMatch m;
-  m.store_runs.emplace_back(0, 0);
-  pending.Deepen(kNs, ChainView(first), 1, index, &m, now);
-  EXPECT_TRUE(m.gpu_depth.empty());
+  EXPECT_TRUE(PendingOnly(pending, first, now).gpu_depth.empty());
   // The newest route's pairs stay.
-  PrefixMatch last;
-  last.store_runs.emplace_back(0, 0);
-  pending.Deepen(kNs, ChainView(chain), 1, index, &last, now);
+  const PrefixMatch last = PendingOnly(pending, chain, now);
   ASSERT_EQ(last.gpu_depth.size(), 1u);
   EXPECT_EQ(last.gpu_depth[0], std::make_pair(SourceNum{2}, uint32_t{4096}));
 }

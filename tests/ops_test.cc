@@ -40,27 +40,32 @@ class Ops : public ::testing::Test {
  protected:
   void SetUp() override {
     setenv("UCX_TLS", "tcp", 1);
-    router_metrics_ = testing::FreePort();
-    router_ = std::make_unique<ServerProcess>(
-        KVTIER_ROUTER_BIN, dir_.sub("router"),
-        std::vector<std::string>{"--listen=127.0.0.1:0", "--heartbeat-deadline=2s",
-                                 "--metrics-listen=127.0.0.1:" + std::to_string(router_metrics_)});
+    router_ = testing::StartOnFreePorts(KVTIER_ROUTER_BIN, dir_.sub("router"), [&] {
+      router_metrics_ = testing::FreePort();
+      return std::vector<std::string>{
+          "--listen=127.0.0.1:0", "--heartbeat-deadline=2s",
+          "--metrics-listen=127.0.0.1:" + std::to_string(router_metrics_)};
+    });
+    ASSERT_GT(router_->port(), 0) << router_->Log();
+    metrics_ports_.resize(2);
     for (int s = 0; s < 2; ++s) {
-      metrics_ports_.push_back(testing::FreePort());
-      std::vector<std::string> flags = {
-          "--listen=127.0.0.1:0",
-          "--data-listen=127.0.0.1:0",
-          "--data-dir=" + dir_.sub("db" + std::to_string(s)),
-          "--hugepages=false",
-          "--ram-bytes=16MiB",
-          "--metrics-listen=127.0.0.1:" + std::to_string(metrics_ports_.back())};
-      if (s == 0) {
-        flags.push_back("--router=" + router_->address());  // its fetch figures, for routes
-        // A port of its own, so the address it advertises to the router is known.
-        flags[0] = "--listen=127.0.0.1:" + std::to_string(testing::FreePort());
-      }
-      stores_.push_back(std::make_unique<ServerProcess>(
-          KVTIER_STORE_BIN, dir_.sub("store" + std::to_string(s)), flags));
+      stores_.push_back(
+          testing::StartOnFreePorts(KVTIER_STORE_BIN, dir_.sub("store" + std::to_string(s)), [&] {
+            metrics_ports_[s] = testing::FreePort();
+            std::vector<std::string> flags = {
+                "--listen=127.0.0.1:0",
+                "--data-listen=127.0.0.1:0",
+                "--data-dir=" + dir_.sub("db" + std::to_string(s)),
+                "--hugepages=false",
+                "--ram-bytes=16MiB",
+                "--metrics-listen=127.0.0.1:" + std::to_string(metrics_ports_[s])};
+            if (s == 0) {
+              flags.push_back("--router=" + router_->address());  // its fetch figures, for routes
+              // A port of its own, so the address it advertises to the router is known.
+              flags[0] = "--listen=127.0.0.1:" + std::to_string(testing::FreePort());
+            }
+            return flags;
+          }));
       ASSERT_GT(stores_.back()->port(), 0) << stores_.back()->Log();
     }
     worker_ = std::make_unique<ServerProcess>(

@@ -102,21 +102,19 @@ class Tenants : public ::testing::Test {
     Start();
   }
   void Start() {
-    // The metrics port was free when picked; a listener of a test running
-    // beside may take it first: then pick another.
-    for (int attempt = 0; attempt < 3; ++attempt) {
-      store_ = std::make_unique<ServerProcess>(
-          KVTIER_STORE_BIN, dir_.sub("store"),
-          std::vector<std::string>{
-              "--listen=127.0.0.1:0", "--data-listen=127.0.0.1:0", "--data-dir=" + dir_.sub("db"),
-              "--hugepages=false", "--ram-bytes=40MiB", "--disk-bytes=256MiB",
-              "--tenants-file=" + dir_.sub("tenants"), "--admin-token-file=" + dir_.sub("admin"),
-              "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port_)});
-      if (store_->port() > 0 || store_->Log().find("cannot serve metrics") == std::string::npos) {
-        break;
-      }
+    store_ = testing::StartOnFreePorts(KVTIER_STORE_BIN, dir_.sub("store"), [&] {
       metrics_port_ = testing::FreePort();
-    }
+      return std::vector<std::string>{
+          "--listen=127.0.0.1:0",
+          "--data-listen=127.0.0.1:0",
+          "--data-dir=" + dir_.sub("db"),
+          "--hugepages=false",
+          "--ram-bytes=40MiB",
+          "--disk-bytes=256MiB",
+          "--tenants-file=" + dir_.sub("tenants"),
+          "--admin-token-file=" + dir_.sub("admin"),
+          "--metrics-listen=127.0.0.1:" + std::to_string(metrics_port_)};
+    });
     ASSERT_GT(store_->port(), 0) << store_->Log();
   }
   std::unique_ptr<StoreClient> Control(const std::string& token) {
@@ -178,7 +176,7 @@ class Tenants : public ::testing::Test {
   }
 
   testing::TempDir dir_;
-  int metrics_port_ = testing::FreePort();
+  int metrics_port_ = 0;
   std::unique_ptr<ServerProcess> store_;
 };
 

@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <random>
@@ -83,6 +84,22 @@ class ServerProcess {
   std::unique_ptr<Process> proc_;
   int port_ = 0;
 };
+
+// A server whose flags name ports picked with FreePort. Such a port was free
+// when picked, but a process running beside may bind it first (a listener,
+// or an outgoing connection's ephemeral port), and the server then exits at
+// start. So while it reports no port, it is started again with flags from
+// `args`, which picks fresh ports on each call (3 tries).
+inline std::unique_ptr<ServerProcess> StartOnFreePorts(
+    const std::string& binary, const std::string& scratch,
+    const std::function<std::vector<std::string>()>& args) {
+  std::unique_ptr<ServerProcess> server;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    server = std::make_unique<ServerProcess>(binary, scratch, args());
+    if (server->port() > 0) break;
+  }
+  return server;
+}
 
 // Flags of a kvtier-store on 127.0.0.1 with a data plane (the socket one
 // unless `extra` says --data-plane=ucx), its data in `scratch` + "-db", no

@@ -94,7 +94,7 @@ void PendingRoutes::Generation::Prefetch(uint64_t fp) const {
   if (!slots_.empty()) __builtin_prefetch(&slots_[Home(fp)], 1);
 }
 
-bool PendingRoutes::Generation::Put(uint64_t fp, SourceNum num, uint32_t from,
+bool PendingRoutes::Generation::Put(uint64_t fp, SourceNum num, uint32_t from, uint32_t tail,
                                     Clock::time_point until) {
   const size_t mask = slots_.size() - 1;
   const auto us = static_cast<uint32_t>(std::max<int64_t>(Us(until), 0));
@@ -107,6 +107,7 @@ bool PendingRoutes::Generation::Put(uint64_t fp, SourceNum num, uint32_t from,
     } else if (s.fp == fp && s.num == num) {
       s.until_us = us;
       s.from = std::min(s.from, from);
+      s.tail = std::max<uint32_t>(s.tail, tail);
       return false;
     }
   }
@@ -114,7 +115,7 @@ bool PendingRoutes::Generation::Put(uint64_t fp, SourceNum num, uint32_t from,
     free = i;
     ++used_;
   }
-  slots_[free] = Slot{fp, num, from, us, 0};
+  slots_[free] = Slot{fp, num, from, us, tail, 0};
   ++live;
   return true;
 }
@@ -129,9 +130,10 @@ const PendingRoutes::Slot* PendingRoutes::Generation::Find(uint64_t fp, SourceNu
   return nullptr;
 }
 
-bool PendingRoutes::Generation::Holds(uint64_t fp, SourceNum num, Clock::time_point now) const {
+const PendingRoutes::Slot* PendingRoutes::Generation::Live(uint64_t fp, SourceNum num,
+                                                           Clock::time_point now) const {
   const Slot* s = Find(fp, num);
-  return s != nullptr && s->until_us > Us(now);
+  return s != nullptr && s->until_us > Us(now) ? s : nullptr;
 }
 
 template <class F>
@@ -141,7 +143,7 @@ void PendingRoutes::Generation::ForEach(uint64_t fp, Clock::time_point now, F&& 
   const int64_t at = Us(now);
   for (size_t i = Home(fp); slots_[i].fp != 0; i = (i + 1) & mask) {
     const Slot& s = slots_[i];
-    if (s.fp == fp && s.dropped == 0 && s.until_us > at) f(s.num, s.from);
+    if (s.fp == fp && s.dropped == 0 && s.until_us > at) f(s.num, s.from, s.tail);
   }
 }
 
@@ -172,12 +174,18 @@ void PendingRoutes::Add(uint64_t ns, SourceNum num, const ChainView& chain, uint
   // The keys first, each one's slot prefetched: a route adds tens of keys
   // to a table of hundreds of thousands, and their cache misses then
   // overlap instead of following one another.
-  absl::InlinedVector<uint64_t, 64> fps;
-  fps.reserve((chain.size() - from) / stride + 1);
-  for (size_t i = Sampled(from, stride); i < chain.size(); i += stride) {
-    fps.push_back(Fp(ns, chain[i]));
+  // The last kept block before the prompt's end (if it ends between two)
+  // records how far the end is: a prompt that goes on past this one finds
+  // its end there.
+  const size_t end = chain.size() - 1;
+  absl::InlinedVector<std::pair<uint64_t, uint32_t>, 64> fps;  // (fingerprint, tail)
+  for (size_t i = Sampled(from, stride); i < chain.size();) {
+    const size_t next = Sampled(i + 1, stride);
+    const size_t tail = next > end && i < end ? end - i : 0;
+    fps.emplace_back(Fp(ns, chain[i]), static_cast<uint32_t>(std::min<size_t>(tail, kMaxTail)));
+    i = next;
   }
-  if ((chain.size() % stride) != 0) fps.push_back(Fp(ns, chain[chain.size() - 1]));
+  if (Sampled(end, stride) != end) fps.emplace_back(Fp(ns, chain[end]), 0);
   std::unique_lock lk(mu_);
   // A stretch of `ttl` over (or half the bound taken): the older
   // generation's pairs have all expired (or are the oldest), and it starts
@@ -190,10 +198,10 @@ void PendingRoutes::Add(uint64_t ns, SourceNum num, const ChainView& chain, uint
     cur->Reset(now);
   }
   cur->Reserve(fps.size());
-  for (uint64_t fp : fps) cur->Prefetch(fp);
+  for (const auto& [fp, tail] : fps) cur->Prefetch(fp);
   const Clock::time_point until = now + ttl_;
   size_t added = 0;
-  for (uint64_t fp : fps) added += cur->Put(fp, num, from, until) ? 1 : 0;
+  for (const auto& [fp, tail] : fps) added += cur->Put(fp, num, from, tail, until) ? 1 : 0;
   entries_ += added;
 }
 
@@ -214,19 +222,14 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
     return 0;
   };
   const uint32_t n = static_cast<uint32_t>(chain.size());
-  auto holds = [&](uint32_t q, SourceNum num) { return Holds(Fp(ns, chain[q]), num, now); };
-  // The last pending block of `num` among chain[lo, hi] (n: none).
-  auto last_held = [&](uint32_t lo, uint32_t hi, SourceNum num) -> uint32_t {
-    for (uint32_t q = hi + 1; q-- > lo;) {
-      if (holds(q, num)) return q;
-    }
-    return n;
-  };
+  auto held_tail = [&](uint32_t q, SourceNum num) { return HeldTail(Fp(ns, chain[q]), num, now); };
+  auto next = [&](uint32_t q) { return static_cast<uint32_t>(Sampled(q, stride)); };
   // A worker's pending run continues its match: from the first block a
-  // route keeps (every stride-th, or the prompt's last) at or past position
-  // 0 and each worker's and group's depth. A block pending on a worker
-  // means its whole prefix will be there (a block's hash names its prefix).
-  // A shared run shorter than a stride past a worker's depth goes unseen.
+  // route keeps (Sampled, or the prompt's last) at or past position 0 and
+  // each worker's and group's depth. A block pending on a worker means its
+  // whole prefix will be there (a block's hash names its prefix). A shared
+  // run shorter than the step between kept blocks past a worker's depth
+  // goes unseen.
   absl::InlinedVector<uint32_t, 8> starts{0};
   auto start_at = [&](uint32_t d) {
     if (d < n && std::find(starts.begin(), starts.end(), d) == starts.end()) starts.push_back(d);
@@ -235,22 +238,33 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
   for (const auto& g : match->groups) start_at(g.depth);
   absl::InlinedVector<std::pair<SourceNum, uint32_t>, 4> deeper;
   PlaceOf deeper_at(deeper);
+  // Each start's first kept block, its slots prefetched in both
+  // generations: the misses of a match with many depths overlap.
+  absl::InlinedVector<std::pair<uint32_t, uint64_t>, 8> firsts;  // (position, fingerprint)
   for (uint32_t from : starts) {
-    const uint32_t at = std::min<uint32_t>(static_cast<uint32_t>(Sampled(from, stride)), n - 1);
-    auto visit = [&](SourceNum num, uint32_t routed_from) {
+    const uint32_t at = std::min<uint32_t>(next(from), n - 1);
+    firsts.emplace_back(at, Fp(ns, chain[at]));
+    gens_[0].Prefetch(firsts.back().second);
+    gens_[1].Prefetch(firsts.back().second);
+  }
+  for (const auto& first : firsts) {
+    const uint32_t at = first.first;  // (a plain name: the lambda captures it)
+    auto visit = [&](SourceNum num, uint32_t routed_from, int64_t tail) {
       // A worker that lost part of the prefix it held when routed (evicted
       // it since) will not have the pending blocks past it either.
       if (routed_from > depth_of(num)) return;
-      // Stride by stride, then the last block kept within the next stride.
+      // Kept block by kept block; then the end of a routed prompt that
+      // ended before the next kept block, which the last one names.
       uint32_t last = at;
-      for (uint32_t q = static_cast<uint32_t>(Sampled(at + 1, stride)); q < n && holds(q, num);
-           q += stride) {
+      for (uint32_t q = next(at + 1); q < n;) {
+        const int64_t t = held_tail(q, num);
+        if (t < 0) break;
         last = q;
+        tail = t;
+        q = next(q + 1);
       }
-      if (last + 1 < n) {
-        const uint32_t hi =
-            std::min<uint32_t>(static_cast<uint32_t>(Sampled(last + 1, stride)), n - 1);
-        if (const uint32_t q = last_held(last + 1, hi, num); q < n) last = q;
+      if (tail > 0 && last + tail < n && held_tail(last + static_cast<uint32_t>(tail), num) >= 0) {
+        last += static_cast<uint32_t>(tail);
       }
       const uint32_t d = last + 1;
       if (d <= depth_of(num)) return;
@@ -260,9 +274,8 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
         deeper.emplace_back(num, d);
       }
     };
-    const uint64_t fp = Fp(ns, chain[at]);
-    gens_[0].ForEach(fp, now, visit);
-    gens_[1].ForEach(fp, now, visit);
+    gens_[0].ForEach(first.second, now, visit);
+    gens_[1].ForEach(first.second, now, visit);
   }
   // (Each worker once: a named one's depth is read before it is set.)
   for (const auto& [num, d] : deeper) {

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstdint>
 #include <mutex>
@@ -42,10 +43,8 @@ class PendingRoutes {
   explicit PendingRoutes(std::chrono::milliseconds ttl);
 
   // Worker `num` will hold chain[from, chain.size()) once it runs a request
-  // routed to it at `now`. Kept: every `stride`-th block (positions
-  // stride - 1, 2 stride - 1, ...) and the last; a block's hash names its
-  // whole prefix, so that is enough to know the prefix to within `stride`
-  // blocks. Forgets what expired.
+  // routed to it at `now`. Kept: the positions Sampled names at or past
+  // `from`, and the last. Forgets what expired.
   void Add(uint64_t ns, SourceNum num, const ChainView& chain, uint32_t from, uint32_t stride,
            Clock::time_point now);
   // Deepens the workers' depths in `match` (a match of `chain` in `index`)
@@ -56,9 +55,19 @@ class PendingRoutes {
   // `stride` as given to Add.
   void Deepen(uint64_t ns, const ChainView& chain, uint32_t stride, const PrefixIndex& index,
               PrefixMatch* match, Clock::time_point now) const;
-  // The first position at or past `from` Add keeps with `stride`.
+  // The first position at or past `from` that Add keeps with `stride`.
+  // Kept: every stride-th block (positions stride - 1, 2 stride - 1, ...)
+  // over the first 16 strides, then 8 evenly spaced in each doubling of the
+  // depth (with 16-token blocks: a block every 256 tokens up to 4,096, then
+  // every 512 up to 8,192, ...). A block's hash names its whole prefix, so
+  // a pending prefix is known to within a stride or an eighth of its
+  // length, whichever is more, and a route keeps a number of blocks that
+  // grows with the log of its prompt's length, not with its length.
   static size_t Sampled(size_t from, uint32_t stride) {
-    return (from / stride) * stride + stride - 1;
+    const size_t n = from + 1;  // blocks up to and with `from`
+    const size_t step =
+        size_t{stride} * std::max<size_t>(1, std::bit_floor(n / (8 * size_t{stride})));
+    return (n + step - 1) / step * step - 1;
   }
   // The stride for blocks of `block_tokens`: a block kept every 256 tokens.
   static uint32_t StrideFor(uint32_t block_tokens) {
@@ -83,8 +92,12 @@ class PendingRoutes {
     // still be there for the pending blocks past it to follow it.
     uint32_t from = 0;
     uint32_t until_us = 0;  // microseconds past its generation's start
-    uint32_t dropped = 0;   // 1: a tombstone (probe runs go on past it)
+    // Blocks from this one to the last of a prompt routed with it, when that
+    // lies before the next kept block (0: none; the largest of its routes').
+    uint32_t tail : 31 = 0;
+    uint32_t dropped : 1 = 0;  // a tombstone (probe runs go on past it)
   };
+  static constexpr uint32_t kMaxTail = (uint32_t{1} << 31) - 1;
   // The pairs added over one stretch of at most `ttl`: an open-addressed
   // table (linear probing, at most half full) whose pairs all expire by the
   // time the next stretch ends, so it is dropped whole then, not pair by
@@ -101,13 +114,14 @@ class PendingRoutes {
     void Reserve(size_t more);
     void Prefetch(uint64_t fp) const;
     // Sets (fp, num) to expire at `until` (its `from` the smaller of the
-    // two), adding it if absent; true if added. Reserve first.
-    bool Put(uint64_t fp, SourceNum num, uint32_t from, Clock::time_point until);
+    // two, its `tail` the larger), adding it if absent; true if added.
+    // Reserve first.
+    bool Put(uint64_t fp, SourceNum num, uint32_t from, uint32_t tail, Clock::time_point until);
     // The pair (fp, num), not dropped (expired or not); null if absent.
     const Slot* Find(uint64_t fp, SourceNum num) const;
-    // Whether (fp, num) is kept unexpired at `now`.
-    bool Holds(uint64_t fp, SourceNum num, Clock::time_point now) const;
-    // Calls f(num, from) for each pair of `fp` unexpired at `now`.
+    // The pair (fp, num) if kept unexpired at `now`; null if not.
+    const Slot* Live(uint64_t fp, SourceNum num, Clock::time_point now) const;
+    // Calls f(num, from, tail) for each pair of `fp` unexpired at `now`.
     template <class F>
     void ForEach(uint64_t fp, Clock::time_point now, F&& f) const;
     // Drops (fp, num) / every pair of `num`; the pairs dropped.
@@ -127,8 +141,13 @@ class PendingRoutes {
     const uint64_t fp = PrefixIndex::Fingerprint(BlockKey{ns, h});
     return fp == 0 ? 1 : fp;
   }
-  bool Holds(uint64_t fp, SourceNum num, Clock::time_point now) const {
-    return gens_[0].Holds(fp, num, now) || gens_[1].Holds(fp, num, now);
+  // The tail of (fp, num) kept unexpired at `now` (the larger of the two
+  // generations'); -1 if not kept.
+  int64_t HeldTail(uint64_t fp, SourceNum num, Clock::time_point now) const {
+    const Slot* a = gens_[0].Live(fp, num, now);
+    const Slot* b = gens_[1].Live(fp, num, now);
+    if (a == nullptr && b == nullptr) return -1;
+    return std::max<int64_t>(a != nullptr ? a->tail : 0, b != nullptr ? b->tail : 0);
   }
 
   const std::chrono::milliseconds ttl_;

@@ -90,8 +90,13 @@ void PendingRoutes::Generation::Reserve(size_t more) {
   }
 }
 
-void PendingRoutes::Generation::Prefetch(uint64_t fp) const {
-  if (!slots_.empty()) __builtin_prefetch(&slots_[Home(fp)], 1);
+void PendingRoutes::Generation::Prefetch(uint64_t fp, bool for_write) const {
+  if (slots_.empty()) return;
+  if (for_write) {
+    __builtin_prefetch(&slots_[Home(fp)], 1);
+  } else {
+    __builtin_prefetch(&slots_[Home(fp)], 0);
+  }
 }
 
 bool PendingRoutes::Generation::Put(uint64_t fp, SourceNum num, uint32_t from, uint32_t tail,
@@ -198,7 +203,7 @@ void PendingRoutes::Add(uint64_t ns, SourceNum num, const ChainView& chain, uint
     cur->Reset(now);
   }
   cur->Reserve(fps.size());
-  for (const auto& [fp, tail] : fps) cur->Prefetch(fp);
+  for (const auto& [fp, tail] : fps) cur->Prefetch(fp, /*for_write=*/true);
   const Clock::time_point until = now + ttl_;
   size_t added = 0;
   for (const auto& [fp, tail] : fps) added += cur->Put(fp, num, from, tail, until) ? 1 : 0;
@@ -243,9 +248,12 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
   absl::InlinedVector<std::pair<uint32_t, uint64_t>, 8> firsts;  // (position, fingerprint)
   for (uint32_t from : starts) {
     const uint32_t at = std::min<uint32_t>(next(from), n - 1);
+    if (std::any_of(firsts.begin(), firsts.end(), [&](const auto& f) { return f.first == at; })) {
+      continue;  // depths within one gap start at the same kept block
+    }
     firsts.emplace_back(at, Fp(ns, chain[at]));
-    gens_[0].Prefetch(firsts.back().second);
-    gens_[1].Prefetch(firsts.back().second);
+    gens_[0].Prefetch(firsts.back().second, /*for_write=*/false);
+    gens_[1].Prefetch(firsts.back().second, /*for_write=*/false);
   }
   for (const auto& first : firsts) {
     const uint32_t at = first.first;  // (a plain name: the lambda captures it)
@@ -254,18 +262,21 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
       // it since) will not have the pending blocks past it either.
       if (routed_from > depth_of(num)) return;
       // Kept block by kept block; then the end of a routed prompt that
-      // ended before the next kept block, which the last one names.
+      // ended before the next kept block, which the last one names; past
+      // the last kept block of this prompt, its own end (a route of the
+      // same prompt from a depth past its last kept block kept only that).
       uint32_t last = at;
-      for (uint32_t q = next(at + 1); q < n;) {
+      uint32_t q = next(at + 1);
+      for (; q < n; q = next(q + 1)) {
         const int64_t t = held_tail(q, num);
         if (t < 0) break;
         last = q;
         tail = t;
-        q = next(q + 1);
       }
       if (tail > 0 && last + tail < n && held_tail(last + static_cast<uint32_t>(tail), num) >= 0) {
         last += static_cast<uint32_t>(tail);
       }
+      if (q >= n && last + 1 < n && held_tail(n - 1, num) >= 0) last = n - 1;
       const uint32_t d = last + 1;
       if (d <= depth_of(num)) return;
       if (const size_t k = deeper_at(num); k < deeper.size()) {

@@ -97,6 +97,7 @@ class PendingRoutes {
     uint32_t tail : 31 = 0;
     uint32_t dropped : 1 = 0;  // a tombstone (probe runs go on past it)
   };
+  static_assert(sizeof(Slot) == 24);
   static constexpr uint32_t kMaxTail = (uint32_t{1} << 31) - 1;
   // The pairs added over one stretch of at most `ttl`: an open-addressed
   // table (linear probing, at most half full) whose pairs all expire by the
@@ -112,7 +113,8 @@ class PendingRoutes {
     void Reset(Clock::time_point at);
     // Room for `more` pairs without growing.
     void Reserve(size_t more);
-    void Prefetch(uint64_t fp) const;
+    // Prefetches fp's first slot (for a Put if `for_write`, else a read).
+    void Prefetch(uint64_t fp, bool for_write) const;
     // Sets (fp, num) to expire at `until` (its `from` the smaller of the
     // two, its `tail` the larger), adding it if absent; true if added.
     // Reserve first.

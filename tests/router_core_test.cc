@@ -505,12 +505,54 @@ TEST(RouterPending, DeepenNamesEachOfManyWorkersOnceAtItsPendingDepth) {
 // A match of `chain` that an empty index gives, deepened with what is
 // pending at `at`.
 PrefixMatch PendingOnly(const PendingRoutes& pending, const std::vector<BlockHash>& chain,
-                        PendingRoutes::Clock::time_point at) {
+                        PendingRoutes::Clock::time_point at, uint32_t stride = 1) {
   PrefixIndex index;
   PrefixMatch m;
   m.store_runs.emplace_back(0, 0);
-  pending.Deepen(kNs, ChainView(chain), 1, index, &m, at);
+  pending.Deepen(kNs, ChainView(chain), stride, index, &m, at);
   return m;
+}
+
+// The kept positions: Sampled(from) is the first at or past `from`, a kept
+// one names itself, and between two kept ones every position names the
+// next; every stride-th over the first 16 strides, then 8 a doubling.
+TEST(RouterPending, SampledNamesTheNextKeptBlock) {
+  for (uint32_t stride : {1u, 2u, 5u, 16u, 85u}) {
+    SCOPED_TRACE(stride);
+    size_t kept = 0;
+    for (size_t from = 0; from < 100000; ++from) {
+      const size_t s = PendingRoutes::Sampled(from, stride);
+      ASSERT_GE(s, from);
+      ASSERT_EQ(PendingRoutes::Sampled(s, stride), s);
+      ASSERT_TRUE(s == from || s == PendingRoutes::Sampled(from + 1, stride)) << from;
+      if (s == from && from < 16 * size_t{stride}) {
+        ASSERT_EQ((from + 1) % stride, 0u) << from;
+      }
+      if (s == from && from + 1 > 16 * size_t{stride} && from + 1 <= 32 * size_t{stride}) ++kept;
+    }
+    EXPECT_EQ(kept, 8u);  // in the first doubling past 16 strides
+  }
+}
+
+// A 2,000-block prompt's end is found through the last kept block before
+// it, only while the end's own pair holds; a prompt of the same length
+// that parts from it after that kept block is not credited with the rest.
+TEST(RouterPending, APromptsEndIsFoundThroughTheLastKeptBlockBeforeIt) {
+  const auto now = PendingRoutes::Clock::now();
+  PendingRoutes pending(std::chrono::milliseconds(60000));
+  std::vector<BlockHash> chain;
+  for (uint64_t i = 0; i < 2000; ++i) chain.push_back(H(i));
+  pending.Add(kNs, 1, ChainView(chain), 0, 16, now);
+  auto depth = [&](const std::vector<BlockHash>& c) {
+    const PrefixMatch m = PendingOnly(pending, c, now, 16);
+    return m.gpu_depth.empty() ? 0u : m.gpu_depth[0].second;
+  };
+  EXPECT_EQ(depth(chain), 2000u);
+  std::vector<BlockHash> other(chain.begin(), chain.begin() + 1920);
+  for (uint64_t i = 1920; i < 2000; ++i) other.push_back(H(50000 + i));
+  EXPECT_EQ(depth(other), 1920u);
+  pending.Drop(kNs, 1, std::span<const BlockHash>(chain).subspan(1999));
+  EXPECT_EQ(depth(chain), 1920u);
 }
 
 // Pairs are kept in generations of `ttl` dropped whole: a pair lives its
@@ -632,6 +674,18 @@ TEST(RouterPending, ALongPromptKeepsABlockEvery256TokensThenEightADoublingAndIts
   EXPECT_EQ(dry(Req(2001)), 2000u);
   // Within the first 256 blocks, to within 16: the route's first 200.
   EXPECT_EQ(dry(Req(200)), 192u);
+  // A longer prompt routed there (the other worker excluded: the first
+  // one's queue makes them tie) from the 2,000 pending blocks keeps only
+  // its end (its first kept block past them, 2,047, is past its end): a
+  // repeat of it still finds all of it.
+  const v1::RouteRequest lreq = Req(2010);
+  RouteQuery lq = FromWire(lreq);  // (views into lreq)
+  const std::vector<std::string> other = {first->worker_id == "w1" ? "w2" : "w1"};
+  lq.exclude = other;
+  auto longer = core.Route(lq);
+  ASSERT_TRUE(longer.ok());
+  ASSERT_EQ(longer->worker_id, first->worker_id);
+  EXPECT_EQ(dry(Req(2010)), 2010u);
   PendingRoutes alone(std::chrono::milliseconds(2000));
   std::vector<BlockHash> chain;
   for (uint64_t i = 0; i < 2000; ++i) chain.push_back(H(i));

@@ -234,27 +234,25 @@ void PendingRoutes::Deepen(uint64_t ns, const ChainView& chain, uint32_t stride,
   // each worker's and group's depth. A block pending on a worker means its
   // whole prefix will be there (a block's hash names its prefix). A shared
   // run shorter than the step between kept blocks past a worker's depth
-  // goes unseen.
-  absl::InlinedVector<uint32_t, 8> starts{0};
-  auto start_at = [&](uint32_t d) {
-    if (d < n && std::find(starts.begin(), starts.end(), d) == starts.end()) starts.push_back(d);
-  };
-  for (const auto& [s, d] : match->gpu_depth) start_at(d);
-  for (const auto& g : match->groups) start_at(g.depth);
-  absl::InlinedVector<std::pair<SourceNum, uint32_t>, 4> deeper;
-  PlaceOf deeper_at(deeper);
-  // Each start's first kept block, its slots prefetched in both
-  // generations: the misses of a match with many depths overlap.
+  // goes unseen. Each start's first kept block is read once (depths within
+  // one gap share it), its slots prefetched in both generations as it is
+  // found: the misses of a match with many depths overlap.
   absl::InlinedVector<std::pair<uint32_t, uint64_t>, 8> firsts;  // (position, fingerprint)
-  for (uint32_t from : starts) {
-    const uint32_t at = std::min<uint32_t>(next(from), n - 1);
+  auto start_at = [&](uint32_t d) {
+    if (d >= n) return;
+    const uint32_t at = std::min<uint32_t>(next(d), n - 1);
     if (std::any_of(firsts.begin(), firsts.end(), [&](const auto& f) { return f.first == at; })) {
-      continue;  // depths within one gap start at the same kept block
+      return;
     }
     firsts.emplace_back(at, Fp(ns, chain[at]));
     gens_[0].Prefetch(firsts.back().second, /*for_write=*/false);
     gens_[1].Prefetch(firsts.back().second, /*for_write=*/false);
-  }
+  };
+  start_at(0);
+  for (const auto& [s, d] : match->gpu_depth) start_at(d);
+  for (const auto& g : match->groups) start_at(g.depth);
+  absl::InlinedVector<std::pair<SourceNum, uint32_t>, 4> deeper;
+  PlaceOf deeper_at(deeper);
   for (const auto& first : firsts) {
     const uint32_t at = first.first;  // (a plain name: the lambda captures it)
     auto visit = [&](SourceNum num, uint32_t routed_from, int64_t tail) {

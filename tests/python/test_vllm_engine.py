@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -58,6 +56,7 @@ vllm = pytest.importorskip(
 
 import kvtier  # noqa: E402
 from vllm_engine import TINY_MODEL, Engine  # noqa: E402
+from vllm_server import free_port  # noqa: E402
 
 # Gemma 2's shape: sliding-window (256 tokens) and full-attention layers
 # interleaved, a hybrid model for vLLM's KV cache manager.
@@ -77,25 +76,6 @@ def prompts(prefix_seed: int, n: int = 2) -> list[list[int]]:
     """n prompts sharing one PREFIX-token prefix, each with its own tail."""
     head = prompt(prefix_seed, PREFIX)
     return [head + prompt(prefix_seed * 100 + i, 40) for i in range(n)]
-
-
-def free_port() -> int:
-    """A free port on 127.0.0.1 below the kernel's ephemeral range: a
-    client that keeps connecting to it before its server starts is never
-    given it as its own source port (a TCP self-connect would hold it and
-    the server could not listen; seen once in ctest)."""
-    lowest = int(Path("/proc/sys/net/ipv4/ip_local_port_range")
-                 .read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, lowest - 10000), lowest)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def vllm_config(**kw: object) -> object:

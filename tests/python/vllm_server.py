@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -53,18 +54,29 @@ _GIVEN: set[int] = set()
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 nothing listens on now, and not one this
-    process was given before: the kernel hands a port just closed out
-    again, and two given out before either server binds would collide (seen
-    in CI: an engine's API port equal to its replay socket's, so /health
-    reached the ZMQ socket for 600 s)."""
-    while True:
+    """A TCP port on 127.0.0.1 nothing listens on now, below the kernel's
+    ephemeral range, and not one this process was given before.
+    - Below the range: a client that keeps connecting to the port before its
+      server starts (a store to its router) is never given it as its own
+      source port; a TCP self-connect would hold it and the server could
+      not listen (seen in CI, twice).
+    - Not given before: two ports given out before either server binds would
+      otherwise collide (seen in CI: an engine's API port equal to its
+      replay socket's, so /health reached the ZMQ socket for 600 s)."""
+    lowest = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lowest - 10000), lowest)
+        if port in _GIVEN:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class KvEvents:

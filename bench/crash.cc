@@ -313,7 +313,7 @@ class Driver {
 }  // namespace
 
 int RunCrash(int argc, const char* const* argv) {
-  int64_t kills = 100, sample = 200, seed = 1, wipe_at = 0;
+  int64_t kills = 100, sample = 200, seed = 1, wipe_at = 0, min_acked = 0;
   bool json = false;
   std::string disk_sync = "none";
   FlagSet flags("kvtier-bench crash",
@@ -323,6 +323,10 @@ int RunCrash(int argc, const char* const* argv) {
                 "NVMe comes back byte-exact (unless evicted since), and every block served is\n"
                 "exact. Exit 1 if anything was lost or wrong.");
   flags.Int("kills", &kills, 1, 1000000, "SIGKILLs (and restarts)");
+  flags.Int("min-acknowledged", &min_acked, 0, int64_t{1} << 40,
+            "Keeps killing past --kills (up to 4x as many) until the oracle holds this many "
+            "blocks the store reported on NVMe, so a slow host still gives the checks "
+            "something to hold the store to");
   flags.Int("sample", &sample, 0, 1 << 20,
             "Older acknowledged blocks read back after each restart");
   flags.Int("seed", &seed, 0, int64_t{1} << 62, "Random seed (kill moments, operations)");
@@ -342,7 +346,11 @@ int RunCrash(int argc, const char* const* argv) {
     return 1;
   }
   const auto t0 = Clock::now();
-  for (int64_t k = 0; k < kills; ++k) {
+  // Past --kills only while the oracle holds too little (a slow host).
+  auto more = [&](int64_t k) {
+    return k < kills || (k < 4 * kills && d.acked() < static_cast<size_t>(min_acked));
+  };
+  for (int64_t k = 0; more(k); ++k) {
     if (auto s = d.Cycle(static_cast<size_t>(sample), k + 1 == wipe_at); !s.ok()) {
       std::fprintf(stderr, "kvtier-bench crash: restart %ld: %s\n", static_cast<long>(k + 1),
                    std::string(s.message()).c_str());

@@ -1,5 +1,6 @@
 // The crash test (kvtier-bench crash, in the style of RocksDB's
-// db_crashtest.py), short: the store is SIGKILLed 20 times at random
+// db_crashtest.py), short: the store is SIGKILLed 20 times (more on a slow
+// host, until the oracle holds enough NVMe blocks to check) at random
 // moments under put/get/evict load with demotions to NVMe and restarted on
 // the same data; after every restart each block it had reported on NVMe is
 // back byte-exact and nothing served is wrong, in each --disk-sync mode. And
@@ -24,10 +25,10 @@ nlohmann::json RunCrash(const std::string& args, int* exit_code) {
 
 TEST(Crash, AcknowledgedNvmeBlocksSurviveTwentyKillsByteExact) {
   int code = -1;
-  nlohmann::json j = RunCrash("--kills 20 --seed 7", &code);
+  nlohmann::json j = RunCrash("--kills 20 --seed 7 --min-acknowledged 150", &code);
   ASSERT_TRUE(j.is_object()) << "no JSON from kvtier-bench crash (exit " << code << ")";
   EXPECT_EQ(code, 0) << j.dump(2);
-  EXPECT_EQ(j["kills"].get<uint64_t>(), 20u);
+  EXPECT_GE(j["kills"].get<uint64_t>(), 20u);
   EXPECT_EQ(j["lost"].get<uint64_t>(), 0u) << j.dump(2);
   EXPECT_EQ(j["wrong"].get<uint64_t>(), 0u) << j.dump(2);
   // The oracle had something to hold the store to.
@@ -44,10 +45,12 @@ class CrashPerSyncMode : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CrashPerSyncMode, AcknowledgedNvmeBlocksSurviveKillsByteExact) {
   int code = -1;
-  nlohmann::json j = RunCrash("--kills 8 --seed 5 --disk-sync " + GetParam(), &code);
+  nlohmann::json j =
+      RunCrash("--kills 8 --seed 5 --min-acknowledged 80 --disk-sync " + GetParam(), &code);
   ASSERT_TRUE(j.is_object()) << "no JSON from kvtier-bench crash (exit " << code << ")";
   EXPECT_EQ(code, 0) << j.dump(2);
   EXPECT_EQ(j["disk_sync"].get<std::string>(), GetParam());
+  EXPECT_GE(j["kills"].get<uint64_t>(), 8u);
   EXPECT_EQ(j["lost"].get<uint64_t>(), 0u) << j.dump(2);
   EXPECT_EQ(j["wrong"].get<uint64_t>(), 0u) << j.dump(2);
   EXPECT_GT(j["acknowledged_on_nvme"].get<uint64_t>(), 50u) << j.dump(2);

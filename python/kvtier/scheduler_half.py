@@ -225,10 +225,11 @@ class SchedulerHalf:
             t.answer = (skip, o.present)
             self._answered.append(t)
             return o.present
-        # Failed, or not sent to a store that failed; a namespace the store
-        # has not seen yet (its first save registers it) is no miss.
-        if o.kind == SKIPPED or (o.kind == FAILED and
-                                 o.code != StatusCode.NOT_FOUND):
+        # Failed, or not sent to a store that failed (unreachable): a miss.
+        # A namespace the store has not seen yet (its first save registers
+        # it) is none, nor is a slow store: late, or skipped for a while
+        # after it missed a budget (SKIPPED), it still takes the saves.
+        if o.kind == FAILED and o.code != StatusCode.NOT_FOUND:
             t.store_missed = True
         if o.kind == LATE:
             # Asked again for the same prefix (vLLM could not schedule it
@@ -251,7 +252,9 @@ class SchedulerHalf:
     def store_missed(self, request: int) -> bool:
         """Whether a lookup of the request's failed or was not sent (the
         client skipping a store that failed): its saves are unlikely to
-        land either. A late answer (a slow store) is not a miss."""
+        land either. A slow store is not a miss: a late answer, or a
+        lookup not sent because the store missed an earlier budget (its
+        saves land late, and a decode waits on the fence for them)."""
         t = self._reqs.get(request)
         return t is not None and t.store_missed
 

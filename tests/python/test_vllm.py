@@ -663,3 +663,35 @@ def test_a_prefill_whose_store_did_not_answer_hands_nothing_on() -> None:
     assert matched(prefill, req, 0) == (0, False)
     assert prefill.request_finished(req, list(range(7))) == (False, None)
     assert counted(prefill) == {"not_sent": 1}
+
+
+def test_a_prefill_whose_store_is_slow_still_hands_on(store) -> None:
+    """The store SIGSTOPped: one prefill's lookup misses its budget (late)
+    and the next one's is not sent (the client skips the slow store for a
+    while). A slow store is not a down one: it still takes the saves, and
+    a decode waits on the fence for them, so both prefills return their
+    fence and count ``sent``, none ``not_sent`` (seen under CI's load: a
+    busy host's store missed a 100 ms budget, and the frontend's prefill
+    engine then handed nothing on and was skipped for 10 s)."""
+    prefill = KvtierConnector(v.config([store.address], lookup_wait_ms=200),
+                              KVConnectorRole.SCHEDULER)
+    ns = prefill._scheduler.namespace
+    kvtier.StoreClient([store.address]).register_namespace(ns)
+    rng = np.random.default_rng(36)
+    assert matched(prefill, v.Request("warm", rng.integers(0, 4096, 64).tolist()),
+                   0) == (0, False)
+    reqs = [v.Request(rid, rng.integers(0, 4096, 100).tolist(),
+                      kv_transfer_params={"do_remote_decode": True})
+            for rid in ("late", "skipped")]
+    store.pause()
+    try:
+        for r in reqs:
+            assert matched(prefill, r, 0) == (0, False)
+    finally:
+        store.resume()
+    assert prefill._scheduler.lookups_late == 1
+    assert prefill._scheduler.lookups_not_asked == 1
+    for r in reqs:
+        delay, params = prefill.request_finished(r, list(range(4)))
+        assert params is not None and "kvtier" in params, (r.request_id, params)
+    assert counted(prefill) == {"sent": 2}

@@ -495,17 +495,41 @@ struct Frontend::Impl {
     bool gone = false;
     bool done = false;  // the try ended: a late wake-up touches nothing
   };
+  enum class Peeked { kThere, kQuiet, kGone };
+  // Whether the client is gone now, without waiting: only an end of
+  // stream, or an error, is a client gone; bytes are its next request.
+  static Peeked Peek(Stream* client) {
+    char byte;
+    const ssize_t n = ::recv(client->socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return Peeked::kThere;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return Peeked::kQuiet;
+    return Peeked::kGone;
+  }
   static void WatchClient(Stream* client, std::shared_ptr<Watch> watch) {
+    // Asio's reactor is edge-triggered and a wait is never tried at once:
+    // a client that closed before this wait began (while its request was
+    // read or routed) raises no new edge, so it is looked for first.
+    switch (Peek(client)) {
+      case Peeked::kThere:
+        return;  // its next request: it is still there
+      case Peeked::kGone:
+        watch->gone = true;
+        return;
+      case Peeked::kQuiet:
+        break;
+    }
     client->socket().async_wait(tcp::socket::wait_read, [client, watch](const ErrorCode& ec) {
       if (ec || watch->done) return;  // cancelled: the exchange ended first
       // Readiness can be stale (the epoll edge of bytes the request's read
-      // already took): only an end of stream, or an error, is a client gone.
-      char byte;
-      const ssize_t n = ::recv(client->socket().native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-      if (n > 0) return;  // its next request: it is still there
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-        WatchClient(client, watch);
-        return;
+      // already took): Peek tells.
+      switch (Peek(client)) {
+        case Peeked::kThere:
+          return;
+        case Peeked::kQuiet:
+          WatchClient(client, watch);
+          return;
+        case Peeked::kGone:
+          break;
       }
       watch->gone = true;
       ErrorCode ignored;
@@ -594,6 +618,7 @@ struct Frontend::Impl {
                   Watch& watch, const char* what) {
     ErrorCode ec;
     for (int fresh = 0; fresh < 2; ++fresh) {
+      if (watch.gone) co_return Sent::kClientGone;  // before a connection is taken
       parser.emplace();
       parser->body_limit(body_limit);
       ubuf.clear();

@@ -225,6 +225,21 @@ def route_of(headers: Any) -> dict[str, str]:
     return dict(part.strip().split("=", 1) for part in raw.split(";") if "=" in part)
 
 
+def wait_usable(pd: PD, *engines: str) -> None:
+    """Waits until the frontend counts each engine usable
+    (``kvtier_frontend_engine_up`` 1), so a test does not inherit an
+    earlier one's ``--down`` (a prefill that handed nothing on skips its
+    engine for 10 s)."""
+    deadline = time.monotonic() + DOWN_S + 10
+    while True:
+        with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        if all(f'kvtier_frontend_engine_up{{engine="{e}"}} 1' in text for e in engines):
+            return
+        assert time.monotonic() < deadline, f"engines {engines} not usable: {text}"
+        time.sleep(0.2)
+
+
 def test_the_frontend_prefills_a_long_prompt_and_streams_the_decodes_answer(
     pd: PD,
 ) -> None:
@@ -233,6 +248,7 @@ def test_the_frontend_prefills_a_long_prompt_and_streams_the_decodes_answer(
     answered by the decode engine, which computed only the tail and whose
     tokens are one engine's; streamed, it comes chunk by chunk from the
     decode engine. A 100-token prompt goes straight to the decode engine."""
+    wait_usable(pd, "prefill", "decode")
     ids = prompt(10, 1200)
     raw = pd.client.completions.with_raw_response.create(
         model="tiny", prompt=ids, max_tokens=12, temperature=0,
@@ -269,12 +285,6 @@ def test_the_frontend_prefills_a_long_prompt_and_streams_the_decodes_answer(
     assert 'kvtier_frontend_handoffs_total{outcome="handed_off"} 2' in metrics, metrics
 
 
-def frontend_metric(pd: PD, line: str) -> bool:
-    """Whether the frontend's /metrics has ``line``."""
-    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
-        return line in r.read().decode()
-
-
 def handoffs(pd: PD, outcome: str) -> int:
     """kvtier_frontend_handoffs_total{outcome} (0: not counted yet)."""
     with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
@@ -289,36 +299,44 @@ def handoffs(pd: PD, outcome: str) -> int:
 def test_a_client_that_leaves_during_the_prefill_leaves_nothing_behind(
     pd: PD,
 ) -> None:
-    """The prefill engine held (SIGSTOP) with a streamed request on its
-    socket; the client closes its connection: the frontend closes the
-    prefill's, counts ``client_gone``, and sends nothing to the decode
-    engine; once the prefill engine runs again it has no request left."""
+    """The prefill engine held (SIGSTOP); two clients send a streamed
+    request each and close their connections: one at once (its close
+    reaches the frontend before the request is routed), one after 0.5 s
+    (while the prefill engine holds the request). For each the frontend
+    closes the prefill's connection, counts ``client_gone``, and sends
+    nothing to the decode engine; once the prefill engine runs again it
+    has no request left."""
     import socket
 
     assert pd.prefill.proc is not None
+    wait_usable(pd, "prefill", "decode")
     decoded = metric(pd.decode, "vllm:request_success_total")
-    body = json.dumps(
-        {"model": "tiny", "prompt": prompt(40, 1000), "max_tokens": 8, "stream": True}
-    ).encode()
+    gone = handoffs(pd, "client_gone")
     port = int(pd.url.rsplit(":", 1)[1])
     os.killpg(pd.prefill.proc.pid, signal.SIGSTOP)
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
-            c.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                b"Content-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )
-            time.sleep(0.5)
+        for seed, stay in ((40, 0.0), (41, 0.5)):
+            body = json.dumps(
+                {"model": "tiny", "prompt": prompt(seed, 1000), "max_tokens": 8,
+                 "stream": True}
+            ).encode()  # fmt: skip
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+                c.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                time.sleep(stay)
     finally:
         time.sleep(0.5)
         os.killpg(pd.prefill.proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + 20
-    while not frontend_metric(
-        pd, 'kvtier_frontend_handoffs_total{outcome="client_gone"} 1'
-    ):
-        assert time.monotonic() < deadline, "the client's leaving was not seen"
+    while handoffs(pd, "client_gone") < gone + 2:
+        assert time.monotonic() < deadline, (
+            f"client_gone {handoffs(pd, 'client_gone')}, not {gone + 2}: "
+            f"{pd.log.read_text()[-3000:]}"
+        )
         time.sleep(0.2)
     while metric(pd.prefill, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the prefill engine kept the request"

@@ -11,12 +11,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -126,8 +129,40 @@ class Process {
 };
 
 // A TCP port on 127.0.0.1 that was free a moment ago (for a server that
-// must come back on the same port, or a tool that takes no port 0).
+// must come back on the same port, or a tool that takes no port 0), never
+// one this process gave before. It lies below the kernel's ephemeral range,
+// in the 10,000 ports under the 10,000 the Python tests take
+// (tests/python/vllm_server.py): a port from bind(0) lies in the range, so
+// a client connecting to it before its server starts can be given it as
+// its own source port (a TCP self-connect holds it), and any connect of
+// another process can take it. Ports are walked from a random start, so two
+// test processes meet only when their walks overlap in time and place.
 inline int FreeLoopbackPort() {
+  static std::mutex mu;
+  static int lo = 0, hi = 0, next = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (hi == 0) {
+    int lowest = 32768;
+    std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range");
+    range >> lowest;
+    lo = std::max(1024, lowest - 20000);
+    hi = std::max(lo + 1000, lowest - 10000);
+    next = lo + static_cast<int>(std::random_device{}() % static_cast<unsigned>(hi - lo));
+  }
+  for (int tried = 0; tried < hi - lo; ++tried) {
+    const int port = next;
+    next = next + 1 < hi ? next + 1 : lo;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) break;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  // Every port there in use: one the kernel picks.
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;

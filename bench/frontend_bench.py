@@ -296,6 +296,8 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                 "--kv-events-config", json.dumps(events_cfg),
                 "--max-num-seqs", "32",
                 "--num-gpu-blocks-override", str(args.kv_blocks),
+                *(("--hf-overrides", args.hf_overrides)
+                  if args.hf_overrides else ()),
                 *(("--kv-transfer-config",
                    json.dumps(kv_transfer_config(f"127.0.0.1:{store_port}")))
                   if args.store else ()),
@@ -661,6 +663,12 @@ def main() -> None:
         type=int,
         default=256,
         help="each engine's KV memory, in 32-token blocks",
+    )
+    ap.add_argument(
+        "--hf-overrides",
+        default="",
+        help="replay: vLLM's --hf-overrides (JSON) for every engine: the tiny "
+        "model in another shape (dummy weights), e.g. one whose prefill costs more",
     )
     ap.add_argument(
         "--store",

@@ -137,7 +137,23 @@ class Process {
 // its own source port (a TCP self-connect holds it), and any connect of
 // another process can take it. Ports are walked from a random start, so two
 // test processes meet only when their walks overlap in time and place.
+// Only with every port there in use does the kernel pick one (bind(0)).
 inline int FreeLoopbackPort() {
+  // Binds 127.0.0.1:port (0: the kernel picks) and closes it: the port
+  // bound, or 0.
+  auto bind_and_close = [](int port) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return 0;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    socklen_t len = sizeof(a);
+    const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                       getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+    close(fd);
+    return bound ? static_cast<int>(ntohs(a.sin_port)) : 0;
+  };
   static std::mutex mu;
   static int lo = 0, hi = 0, next = 0;
   std::lock_guard<std::mutex> lock(mu);
@@ -152,26 +168,9 @@ inline int FreeLoopbackPort() {
   for (int tried = 0; tried < hi - lo; ++tried) {
     const int port = next;
     next = next + 1 < hi ? next + 1 : lo;
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) break;
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-    close(fd);
-    if (free) return port;
+    if (bind_and_close(port) == port) return port;
   }
-  // Every port there in use: one the kernel picks.
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
+  return bind_and_close(0);  // every port there in use: one the kernel picks
 }
 
 // The output (stdout) and exit code of a shell command; exit code -1 when it

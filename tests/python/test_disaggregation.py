@@ -232,8 +232,7 @@ def wait_usable(pd: PD, *engines: str) -> None:
     engine for 10 s)."""
     deadline = time.monotonic() + DOWN_S + 10
     while True:
-        with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = frontend_metrics(pd)
         if all(f'kvtier_frontend_engine_up{{engine="{e}"}} 1' in text for e in engines):
             return
         assert time.monotonic() < deadline, f"engines {engines} not usable: {text}"
@@ -280,19 +279,21 @@ def test_the_frontend_prefills_a_long_prompt_and_streams_the_decodes_answer(
     )
     route = route_of(short.headers)
     assert route["engine"] == "decode" and "prefill" not in route, route
-    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
-        metrics = r.read().decode()
+    metrics = frontend_metrics(pd)
     assert 'kvtier_frontend_handoffs_total{outcome="handed_off"} 2' in metrics, metrics
+
+
+def frontend_metrics(pd: PD) -> str:
+    """The frontend's ``/metrics`` text."""
+    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
+        return r.read().decode()
 
 
 def handoffs(pd: PD, outcome: str) -> int:
     """kvtier_frontend_handoffs_total{outcome} (0: not counted yet)."""
-    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(
-                f'kvtier_frontend_handoffs_total{{outcome="{outcome}"}}'
-            ):
-                return int(line.rsplit(" ", 1)[1])
+    for line in frontend_metrics(pd).splitlines():
+        if line.startswith(f'kvtier_frontend_handoffs_total{{outcome="{outcome}"}}'):
+            return int(line.rsplit(" ", 1)[1])
     return 0
 
 

@@ -29,20 +29,12 @@ from typing import Iterator
 import pytest
 
 from conftest import BUILD, served_port
+from vllm_server import TINY_LLAMA, free_port
 
 FRONTEND_BIN = BUILD / "frontend" / "kvtier-frontend"
-TINY_LLAMA = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
 NAME = "engines.kvtier.test"
 PREFILL_NAME = "prefill.kvtier.test"  # the prefill pool's Service, when there is one
 NAMESPACE = "00c0ffee00c0ffee"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _can_unshare() -> bool:
@@ -123,7 +115,7 @@ class DnsFleet:
         self.hosts = tmp / "hosts"
         self.prefill = prefill
         self.set_addresses([2, 3])
-        self.port = _free_port()
+        self.port = free_port()
         conf = tmp / "nginx.conf"
         conf.write_text(_nginx_conf(tmp, self.port))
         self.nginx = subprocess.Popen(
@@ -134,14 +126,14 @@ class DnsFleet:
         port_file = tmp / "frontend.port"
         self.log = tmp / "frontend.log"
         dns = (
-            f"name={NAME}:{self.port},events-port={_free_port()},"
+            f"name={NAME}:{self.port},events-port={free_port()},"
             f"namespace={NAMESPACE},block-tokens=32"
         )
         pd = []
         if prefill is not None:
             dns += (
                 f",role=decode;name={PREFILL_NAME}:{self.port},"
-                f"events-port={_free_port()},namespace={NAMESPACE},block-tokens=32,"
+                f"events-port={free_port()},namespace={NAMESPACE},block-tokens=32,"
                 "role=prefill"
             )
             pd = ["--pd-threshold=4"]

@@ -81,10 +81,13 @@ struct Engine {
   router::VllmSourceSpec spec;
   std::string host, port;
   int dns_pool = -1;  // index in options.dns; -1: a static engine
-  std::atomic<int64_t> in_flight{0}, in_flight_tokens{0};
-  // Prompt tokens and requests sent there and not answered yet (for a
-  // stream: no first byte yet), the load a prefill queue puts on it.
+  std::atomic<int64_t> in_flight{0};
+  // Requests sent there and not answered yet (for a stream: no first byte
+  // yet), and the prompt tokens the router expected it to compute for
+  // them (its prefill queue, as this frontend sees it).
   std::atomic<int64_t> waiting_tokens{0}, waiting_requests{0};
+  // The prompt tokens of the requests it answered and is still decoding.
+  std::atomic<int64_t> decoding_tokens{0};
   std::atomic<bool> healthy{true};
   int health_failures = 0;           // in a row; only its health loop touches it
   std::atomic<bool> removed{false};  // left the fleet (DNS): its loops end
@@ -175,7 +178,9 @@ struct Frontend::Impl {
   uint64_t namespace_id = 0;
   std::mutex fleet_mu;
   std::shared_ptr<const Fleet> fleet = std::make_shared<Fleet>();  // guarded by fleet_mu
-  std::atomic<uint64_t> prompt_tokens_seen{0}, prompts_seen{0};
+  // The tokens routes expected engines to compute, over the requests routed:
+  // the price of a request another frontend queued.
+  std::atomic<uint64_t> uncached_tokens_seen{0}, prompts_seen{0};
   Counters counters;
   std::optional<Acceptor> acceptor;
   size_t next_loop = 0;
@@ -285,13 +290,13 @@ struct Frontend::Impl {
   }
 
   // Tells the router what this frontend knows of an engine's load: the
-  // prompt tokens it sent there and has no answer to yet, and (for other
-  // frontends' requests) what vLLM says waits beyond those, priced at the
-  // mean prompt seen here; the prompt tokens of the requests it is
-  // decoding, at decode_weight (each is a sequence every step of the next
-  // prefill shares: with no prefix to match, this is what spreads streams
-  // as least-connections would); vLLM's running requests; its free KV
-  // pages.
+  // tokens it expects the engine to compute for the requests it sent there
+  // and has no answer to yet, and (for other frontends' requests) what
+  // vLLM says waits beyond those, priced at the mean of those tokens here;
+  // the prompt tokens of the requests it is decoding, at decode_weight
+  // (each is a sequence every step of the next prefill shares: with no
+  // prefix to match, this is what spreads streams as least-connections
+  // would); vLLM's running requests; its free KV pages.
   // Told at once when `now` or none was told for kPushEvery (a burst of
   // answers is one update: each costs the router's write lock), else with
   // the next update or the engine's heartbeat. A route needs no update:
@@ -301,14 +306,14 @@ struct Frontend::Impl {
     router::SourceLoad load;
     const int64_t in_flight = std::max<int64_t>(0, e.in_flight.load());
     const uint64_t prompts = prompts_seen.load();
-    const double mean_prompt =
-        prompts > 0 ? static_cast<double>(prompt_tokens_seen.load()) / prompts : 0;
+    const double mean_uncached =
+        prompts > 0 ? static_cast<double>(uncached_tokens_seen.load()) / prompts : 0;
     std::lock_guard lk(e.mu);
     if (!e.events) return;
     const int64_t waiting = std::max<int64_t>(0, e.waiting_tokens.load());
-    const int64_t decoding = std::max<int64_t>(0, e.in_flight_tokens.load() - waiting);
+    const int64_t decoding = std::max<int64_t>(0, e.decoding_tokens.load());
     load.queued_prefill_tokens =
-        static_cast<uint64_t>(waiting) + static_cast<uint64_t>(e.foreign_waiting * mean_prompt) +
+        static_cast<uint64_t>(waiting) + static_cast<uint64_t>(e.foreign_waiting * mean_uncached) +
         static_cast<uint64_t>(options.decode_weight * static_cast<double>(decoding));
     load.running_requests =
         static_cast<uint32_t>(std::max<double>(e.vllm.running, static_cast<double>(in_flight)));
@@ -554,27 +559,44 @@ struct Frontend::Impl {
   // Unstreamed answers up to this size are forwarded whole, in one write.
   static constexpr uint64_t kWholeAnswerBytes = 4 << 20;
 
-  // The engine answered (or failed) the request: its prompt no longer waits.
-  // A request sent to the engine: in flight, its prompt waiting there.
-  static void Charge(Engine& e, const Prepared& p) {
+  // One request sent to an engine, as its load: until the engine answers,
+  // the prompt tokens the route expected it to compute wait in its prefill
+  // queue (a prefix hit waits as its uncached tail, not its whole prompt:
+  // the engine's own prefill work); once answered, the whole prompt is a
+  // sequence it decodes.
+  struct Ticket {
+    int64_t prompt_tokens = 0;
+    int64_t uncached = 0;
+    bool answered = false;
+  };
+  static Ticket Charge(Engine& e, const Prepared& p, uint64_t uncached) {
+    Ticket t{static_cast<int64_t>(p.prompt_tokens),
+             static_cast<int64_t>(std::min<uint64_t>(uncached, p.prompt_tokens)), false};
     e.requests++;
     e.in_flight++;
-    e.in_flight_tokens += static_cast<int64_t>(p.prompt_tokens);
-    e.waiting_tokens += static_cast<int64_t>(p.prompt_tokens);
+    e.waiting_tokens += t.uncached;
     e.waiting_requests++;
+    return t;
   }
-  // The request's exchange with the engine ended (its prompt stops waiting
-  // through Answered).
-  static void Release(Engine& e, const Prepared& p) {
-    e.in_flight--;
-    e.in_flight_tokens -= static_cast<int64_t>(p.prompt_tokens);
-  }
-
-  void Answered(Engine& e, const Prepared& p, bool* answered) {
-    if (*answered) return;
-    *answered = true;
-    e.waiting_tokens -= static_cast<int64_t>(p.prompt_tokens);
+  // Its answer began: its prefill is done, it decodes.
+  void Answered(Engine& e, Ticket* t) {
+    if (t->answered) return;
+    t->answered = true;
+    e.waiting_tokens -= t->uncached;
     e.waiting_requests--;
+    e.decoding_tokens += t->prompt_tokens;
+    PushLoad(e, false);
+  }
+  // Its exchange with the engine ended, answered or not.
+  void Finish(Engine& e, Ticket* t) {
+    e.in_flight--;
+    if (!t->answered) {
+      e.waiting_tokens -= t->uncached;
+      e.waiting_requests--;
+    } else {
+      e.decoding_tokens -= t->prompt_tokens;
+      if (options.decode_weight <= 0) return;  // no load the router sees changed
+    }
     PushLoad(e, false);
   }
 
@@ -582,11 +604,11 @@ struct Frontend::Impl {
   // leaves while the engine computes (before its answer starts) cancels
   // the request too. The watcher ends with the try.
   Task<Tried> Forward(Engine& e, const Prepared& p, const std::string& explain, Stream& client,
-                      bool keep_alive, bool* client_keep, bool* answered) {
+                      bool keep_alive, bool* client_keep, Ticket* ticket) {
     auto watch = std::make_shared<Watch>();
     WatchClient(&client, watch);
     const Tried t =
-        co_await ForwardWatched(e, p, explain, client, keep_alive, client_keep, answered, watch);
+        co_await ForwardWatched(e, p, explain, client, keep_alive, client_keep, ticket, watch);
     watch->done = true;
     ErrorCode ignored;
     client.socket().cancel(ignored);
@@ -653,7 +675,7 @@ struct Frontend::Impl {
   }
 
   Task<Tried> ForwardWatched(Engine& e, const Prepared& p, const std::string& explain,
-                             Stream& client, bool keep_alive, bool* client_keep, bool* answered,
+                             Stream& client, bool keep_alive, bool* client_keep, Ticket* ticket,
                              std::shared_ptr<Watch> watch) {
     ErrorCode ec;
     std::shared_ptr<Stream> up;
@@ -664,7 +686,6 @@ struct Frontend::Impl {
     const Sent sent = co_await Send(e, req, false, unlimited, ubuf, parser, up, *watch, "request");
     if (sent == Sent::kClientGone) co_return Tried::kClientGone;
     if (sent == Sent::kFailed) co_return Tried::kRetry;
-    Answered(e, p, answered);
     const unsigned status = parser->get().result_int();
     if (status >= 500) {
       MarkDown(e, absl::StrCat("answered ", status));
@@ -681,6 +702,7 @@ struct Frontend::Impl {
     const bool events =
         type != parser->get().end() && type->value().starts_with("text/event-stream");
     if (!parser->chunked() && !events && length && *length <= kWholeAnswerBytes) {
+      Answered(e, ticket);  // a whole answer comes once the engine is done
       std::string body;
       body.reserve(*length);
       ErrorCode rec;
@@ -732,6 +754,12 @@ struct Frontend::Impl {
       if (rec == http::error::need_buffer) rec = {};
       const size_t n = sizeof(chunk) - parser->get().body().size;
       if (n > 0) {
+        // vLLM sends a stream's header at once, its first event with the
+        // first token: until then the prompt waits in its prefill queue (a
+        // keep-alive comment, --sse-keep-alive-interval, is no answer).
+        if (!events || std::string_view(chunk, n).find("data:") != std::string_view::npos) {
+          Answered(e, ticket);
+        }
         // A client that stops reading is cut after the client timeout,
         // freeing the engine's connection.
         client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
@@ -816,7 +844,7 @@ struct Frontend::Impl {
     }
     const std::shared_ptr<Engine> held = c.engine;
     Engine& e = *held;
-    Charge(e, p);
+    Ticket ticket = Charge(e, p, c.uncached);
     auto watch = std::make_shared<Watch>();
     WatchClient(&client, watch);
     std::string answer;
@@ -825,9 +853,7 @@ struct Frontend::Impl {
     watch->done = true;
     ErrorCode ignored;
     client.socket().cancel(ignored);
-    Release(e, p);
-    bool answered = false;
-    Answered(e, p, &answered);
+    Finish(e, &ticket);
     if (watch->gone) {
       *client_gone = true;
       counters.Handoff("client_gone");
@@ -892,8 +918,6 @@ struct Frontend::Impl {
       co_return again;
     }
     const Prepared& p = prep.prepared;
-    prompt_tokens_seen += p.prompt_tokens;
-    prompts_seen++;
     std::set<Engine*> tried;
     bool client_keep = keep_alive;
     // With prefill engines, a long uncached prompt is prefilled there first
@@ -904,6 +928,10 @@ struct Frontend::Impl {
     for (uint32_t attempt = 0; attempt < options.max_attempts; ++attempt) {
       Choice c = Choose(p, tried);
       if (c.engine == nullptr) break;
+      if (attempt == 0) {
+        uncached_tokens_seen += c.uncached;
+        prompts_seen++;
+      }
       if (attempt == 0 && p.disaggregable && c.uncached > options.pd_threshold &&
           HasPrefillEngines()) {
         bool gone = false;
@@ -927,16 +955,12 @@ struct Frontend::Impl {
       }
       const std::shared_ptr<Engine> held = c.engine;  // lives while it serves
       Engine& e = *held;
-      Charge(e, p);
+      // After a handoff the decode engine loads the prompt's KV rather
+      // than computing it: its prefill queue gains nothing.
+      Ticket ticket = Charge(e, p, send == &handed ? 0 : c.uncached);
       const std::string explain = absl::StrCat(c.explain, prefill_note, "; attempt=", attempt + 1);
-      bool answered = false;
-      Tried t = co_await Forward(e, *send, explain, client, keep_alive, &client_keep, &answered);
-      Release(e, p);
-      if (answered && options.decode_weight > 0) {
-        PushLoad(e, false);  // its decoding ended
-      } else {
-        Answered(e, p, &answered);
-      }
+      Tried t = co_await Forward(e, *send, explain, client, keep_alive, &client_keep, &ticket);
+      Finish(e, &ticket);
       if (t == Tried::kDone) {
         counters.Request(name, 200);
         co_return client_keep;

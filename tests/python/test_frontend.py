@@ -28,7 +28,8 @@ from typing import Any, Iterator
 import pytest
 
 from conftest import BUILD, served_port
-from vllm_server import TINY_LLAMA, KvEvents, VllmServer
+from processes import sigstop
+from vllm_server import TINY_LLAMA, KvEvents, VllmServer, prompt_ids
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is in the project's environment")
 openai = pytest.importorskip(
@@ -304,6 +305,80 @@ def test_bad_input_gets_openais_errors_and_the_frontend_keeps_serving(
         err = json.loads(bad.value.read())["error"]
         assert err["type"] == "invalid_request_error" and err["message"], err
     assert c.completions.create(model="tiny", prompt="still here", max_tokens=2).choices
+
+
+def engine_core_pid(server: VllmServer) -> int:
+    """The pid of the engine's EngineCore process (in its API server's
+    process group: the process that computes): stopping it leaves the API
+    server answering /health and /metrics and holding every request it is
+    sent."""
+    assert server.proc is not None
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            # Its title (setproctitle) is in cmdline: stat's name is cut
+            # at 15 characters.
+            title = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[2]) == server.proc.pid and b"EngineCore" in title:
+            return int(stat.parent.name)
+    raise AssertionError(f"no EngineCore in process group {server.proc.pid}")
+
+
+def open_stream(fleet: Fleet, prompt: list[int]) -> Any:
+    """A streamed completion sent through the frontend, its header read."""
+    req = urllib.request.Request(
+        fleet.url + "/v1/completions",
+        data=json.dumps(
+            {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True}
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    return urllib.request.urlopen(req, timeout=60)
+
+
+def test_a_request_waiting_for_its_first_token_weighs_its_uncached_tokens(
+    fleet: Fleet,
+) -> None:
+    """vLLM answers a stream's header at once and its first event with the
+    first token: the request waits in the engine's prefill queue until that
+    event, and what waits is the part of its prompt the engine computes
+    (past the prefix it holds), not its whole prompt. Seen in the next
+    route's load, with the holder's EngineCore stopped so the first request
+    waits as long as the test needs."""
+    system = prompt_ids(71, 20 * BLOCK)
+    first = fleet.client.completions.with_raw_response.create(
+        model="tiny", prompt=system, max_tokens=2
+    )
+    holder = route_of(first.headers)["engine"]
+    time.sleep(1.5)  # vLLM's events reach the router
+    core = engine_core_pid(fleet.engines[holder])
+    tail = 200
+    streams = []
+    sigstop(core)
+    try:
+        streams.append(open_stream(fleet, system + prompt_ids(72, tail)))
+        waiting = route_of(streams[0].headers)
+        assert waiting["engine"] == holder, waiting
+        assert int(waiting["gpu_blocks"]) == 20, waiting
+        # Two health checks: the router has been told the engine's load,
+        # and no longer counts the first route as its own.
+        time.sleep(1.2)
+        streams.append(open_stream(fleet, system + prompt_ids(73, tail)))
+        second = route_of(streams[1].headers)
+    finally:
+        os.kill(core, signal.SIGCONT)
+    # Still the holder: its queue (the first request's 200 uncached tokens)
+    # costs less than computing all 840 tokens elsewhere.
+    assert second["engine"] == holder, second
+    load = float(second["load_tokens"])
+    assert tail <= load < len(system) + tail, second
+    for r in streams:
+        body = r.read().decode()
+        assert "data: [DONE]" in body, body[-500:]
+        r.close()
 
 
 def test_a_killed_engine_is_skipped_and_leaves_the_index(fleet: Fleet) -> None:

@@ -307,7 +307,9 @@ def test_each_engines_own_metrics_feed_its_load(fleet: DnsFleet) -> None:
         'gauge="kv_usage"} 0.25'
     ) in fleet.metrics().splitlines()
     # The queue 127.0.0.5 reports (other frontends' requests) is priced at
-    # the mean prompt seen here: once a prompt is seen, nothing goes there.
+    # the mean of the tokens routes here expected engines to compute (these
+    # engines hold nothing: whole prompts): once one is seen, nothing goes
+    # there.
     fleet.complete()
     time.sleep(0.5)  # two scrapes: the load is told to the router again
     assert fleet.served_by(10) == {"engine 2"}

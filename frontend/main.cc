@@ -57,6 +57,9 @@ int main(int argc, char** argv) {
   flags.Double("decode-weight", &o.decode_weight, 0, 16,
                "load of a request being decoded, per prompt token, against a prompt "
                "token waiting for prefill (0: only waiting prompts are load)");
+  flags.Double("load-weight", &o.router.knobs.load_weight, 0, 1000,
+               "cost per token an engine has waiting for prefill, against a token the "
+               "request itself would compute there (docs/frontend.md, \"Load\")");
   int64_t pd_threshold = static_cast<int64_t>(o.pd_threshold);
   flags.Int("pd-threshold", &pd_threshold, 0, int64_t{1} << 30,
             "with prefill engines: prompt tokens the decode engine would compute past "

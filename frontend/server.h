@@ -79,7 +79,16 @@ struct FrontendOptions {
   };
   std::vector<DnsPool> dns;
   uint64_t dns_interval_ms = 5000;
-  router::RouterOptions router;
+  // The router in process. Its load weight here is 0.5, not the router's
+  // 1: vLLM batches the prefills waiting on an engine into the same steps,
+  // so a prefix hit queued behind another prompt waits for less than that
+  // prompt's whole prefill, while computing it elsewhere costs the fleet
+  // its whole prompt again (docs/frontend.md, "Load").
+  router::RouterOptions router = [] {
+    router::RouterOptions r;
+    r.knobs.load_weight = 0.5;
+    return r;
+  }();
   std::string router_listen = "127.0.0.1:0";  // where store shards publish
   // The engine pods' deletion costs (frontend/deletion_cost.h); off
   // without a selector.

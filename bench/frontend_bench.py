@@ -165,13 +165,14 @@ class Frontend:
         threads: int = 1,
         router_port: int = 0,
         flags: tuple[str, ...] = (),
+        binary: Path = FRONTEND,
     ) -> None:
         self.port = free_port()
         self.log = work / f"frontend-{self.port}.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [
-                    str(FRONTEND),
+                    str(binary),
                     f"--listen=127.0.0.1:{self.port}",
                     f"--model={TINY_LLAMA}",
                     "--served-model-name=tiny",
@@ -350,10 +351,16 @@ def replay(args: argparse.Namespace, work: Path) -> None:
             "--ignore-eos",
         ]  # fmt: skip
         chosen = [d for d in args.datasets.split(",") if d in datasets]
-        # --variant NAME=FLAGS: the frontend again with other flags, beside.
-        variants = {"kvtier": ()} | {
-            v.split("=", 1)[0]: tuple(v.split("=", 1)[1].split()) for v in args.variant
-        }
+        # --variant NAME=FLAGS: the frontend again with other flags, beside
+        # (a first word @PATH: that frontend binary, an earlier build).
+        variants: dict[str, tuple[Path, tuple[str, ...]]] = {"kvtier": (FRONTEND, ())}
+        for v in args.variant:
+            name, _, rest = v.partition("=")
+            words = rest.split()
+            binary = FRONTEND
+            if words and words[0].startswith("@"):
+                binary = Path(words.pop(0)[1:]).resolve()
+            variants[name] = (binary, tuple(words))
         configs = ["nginx-least_conn", "nginx-round_robin", *variants]
         rows: dict[tuple[str, str], list[dict[str, float]]] = {}
         for run in range(args.runs):
@@ -375,7 +382,8 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                     fe = None
                     if cfg in variants:
                         fe = Frontend(work, specs, threads=1, router_port=router_port,
-                                      flags=variants[cfg])  # fmt: skip
+                                      flags=variants[cfg][1],
+                                      binary=variants[cfg][0])  # fmt: skip
                         time.sleep(1.5)  # its subscriptions are up
                         url = fe.url
                     else:
@@ -679,7 +687,8 @@ def main() -> None:
         "--variant",
         action="append",
         default=[],
-        help="replay: NAME=FLAGS, the frontend with FLAGS as one more config",
+        help="replay: NAME=FLAGS, the frontend with FLAGS as one more config "
+        "(FLAGS starting @PATH: the frontend binary at PATH, e.g. an earlier build)",
     )
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--seconds", type=int, default=5)

@@ -546,6 +546,9 @@ def check_frontend(values, schema):
           "engines by their headless Service, with their events and replay ports: %s" % dns)
     check(engine_arg(c["args"], "--served-model-name") == v["engine"]["model"],
           "the served model is the engine's")
+    check(engine_arg(c["args"], "--load-weight") == "0.5" and
+          engine_arg(c["args"], "--decode-weight") == "0.05",
+          "the routing weights from values: %s" % c["args"])
     check(c["readinessProbe"]["httpGet"]["path"] == "/health" and
           c["livenessProbe"]["httpGet"]["path"] == "/v1/models", "probes: /health, /v1/models")
     init = pod.get("initContainers", [{}])[0]
@@ -581,7 +584,8 @@ def check_frontend(values, schema):
           pod["volumes"][0] == {"name": "model", "configMap": {"name": "llama-tokenizer"}},
           "the tokenizer from a ConfigMap: %s" % pod["volumes"])
     check_schema_refuses(v, schema, "frontend", (
-        ("namespace", "12"), ("replicas", 0), ("maxAttempts", 0), ("typo", 1)))
+        ("namespace", "12"), ("replicas", 0), ("maxAttempts", 0), ("loadWeight", -1),
+        ("decodeWeight", "high"), ("typo", 1)))
     v["engine"]["kind"] = "sglang"
     files = render(v)
     check(find(objects(files), "Deployment", "-frontend") is None and

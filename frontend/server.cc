@@ -82,7 +82,7 @@ struct Engine {
   std::string host, port;
   int dns_pool = -1;  // index in options.dns; -1: a static engine
   std::atomic<int64_t> in_flight{0};
-  // Requests sent there and not answered yet (for a stream: no first byte
+  // Requests sent there and not answered yet (for a stream: no first event
   // yet), and the prompt tokens the router expected it to compute for
   // them (its prefill queue, as this frontend sees it).
   std::atomic<int64_t> waiting_tokens{0}, waiting_requests{0};
@@ -757,7 +757,8 @@ struct Frontend::Impl {
         // vLLM sends a stream's header at once, its first event with the
         // first token: until then the prompt waits in its prefill queue (a
         // keep-alive comment, --sse-keep-alive-interval, is no answer).
-        if (!events || std::string_view(chunk, n).find("data:") != std::string_view::npos) {
+        if (!ticket->answered &&
+            (!events || std::string_view(chunk, n).find("data:") != std::string_view::npos)) {
           Answered(e, ticket);
         }
         // A client that stops reading is cut after the client timeout,

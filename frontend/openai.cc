@@ -304,6 +304,15 @@ std::string DecodeBody(const Prepared& p, const json& params) {
   return req.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
+size_t SseEventsEnd(std::string_view s) {
+  const size_t lf = s.rfind("\n\n");
+  const size_t crlf = s.rfind("\r\n\r\n");
+  size_t end = 0;
+  if (lf != std::string_view::npos) end = lf + 2;
+  if (crlf != std::string_view::npos) end = std::max(end, crlf + 4);
+  return end;
+}
+
 std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
                        uint64_t max_model_len) {
   json model = {{"id", served_model},

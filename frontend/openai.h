@@ -75,6 +75,11 @@ std::optional<nlohmann::json> HandoffParams(absl::string_view answer);
 // The decode engine's request: `p`'s with the prefill's kv_transfer_params.
 std::string DecodeBody(const Prepared& p, const nlohmann::json& params);
 
+// Where the last whole event of a piece of an SSE stream ends: just past
+// the last blank line ("\n\n" or "\r\n\r\n"), 0 when no event in it is
+// whole. A stream is forwarded up to there; the rest waits for its end.
+size_t SseEventsEnd(std::string_view s);
+
 // GET /v1/models: the one model this frontend serves.
 std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
                        uint64_t max_model_len);

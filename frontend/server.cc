@@ -558,6 +558,9 @@ struct Frontend::Impl {
 
   // Unstreamed answers up to this size are forwarded whole, in one write.
   static constexpr uint64_t kWholeAnswerBytes = 4 << 20;
+  // Longest event held back for its end (an event stream forwards whole
+  // events; vLLM's are a few hundred bytes, more with logprobs).
+  static constexpr size_t kMaxEventBytes = 1 << 20;
 
   // One request sent to an engine, as its load: until the engine answers,
   // the prompt tokens the route expected it to compute wait in its prefill
@@ -745,6 +748,15 @@ struct Frontend::Impl {
     http::response_serializer<http::empty_body> sr{res};
     co_await http::async_write_header(client, sr, net::redirect_error(kAwait, ec));
     Tried outcome = Tried::kDone;
+    // An event stream goes to the client in whole events. A read of the
+    // engine's backlog (a stream the frontend fell behind on) can end
+    // mid-event, and a client that parses each read on its own misreads
+    // the event cut in two: vLLM's own `vllm bench serve` strips every
+    // read, so "data:" at a read's end and " {...}" at the next one's start
+    // become "data:{...}", which it fails to parse. What follows the last
+    // event's end waits here for the rest of its event (never a whole
+    // event; all of it past kMaxEventBytes, or at the stream's end).
+    std::string carry, whole;
     while (!ec && !parser->is_done()) {
       parser->get().body().data = chunk;
       parser->get().body().size = sizeof(chunk);
@@ -752,19 +764,26 @@ struct Frontend::Impl {
       ErrorCode rec;
       co_await http::async_read_some(*up, ubuf, *parser, net::redirect_error(kAwait, rec));
       if (rec == http::error::need_buffer) rec = {};
-      const size_t n = sizeof(chunk) - parser->get().body().size;
-      if (n > 0) {
+      std::string_view got(chunk, sizeof(chunk) - parser->get().body().size);
+      if (events && (!carry.empty() || SseEventsEnd(got) != got.size())) {
+        carry.append(got);
+        size_t end = SseEventsEnd(carry);
+        if (rec || parser->is_done() || carry.size() > kMaxEventBytes) end = carry.size();
+        whole.assign(carry, 0, end);
+        carry.erase(0, end);
+        got = whole;
+      }
+      if (!got.empty()) {
         // vLLM sends a stream's header at once, its first event with the
         // first token: until then the prompt waits in its prefill queue (a
         // keep-alive comment, --sse-keep-alive-interval, is no answer).
-        if (!ticket->answered &&
-            (!events || std::string_view(chunk, n).find("data:") != std::string_view::npos)) {
+        if (!ticket->answered && (!events || got.find("data:") != std::string_view::npos)) {
           Answered(e, ticket);
         }
         // A client that stops reading is cut after the client timeout,
         // freeing the engine's connection.
         client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
-        auto piece = http::make_chunk(net::buffer(chunk, n));
+        auto piece = http::make_chunk(net::buffer(got.data(), got.size()));
         co_await net::async_write(client, piece, net::redirect_error(kAwait, ec));
       }
       if (rec && !ec) {

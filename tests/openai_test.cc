@@ -179,6 +179,21 @@ TEST(OpenAi, ModelsListsTheServedModel) {
   EXPECT_EQ(m["data"][0]["max_model_len"], 4096);
 }
 
+// A stream is forwarded up to its last whole event: a piece cut after
+// "data:" keeps that event back until its end comes.
+TEST(OpenAi, SseEventsEndIsJustPastTheLastBlankLine) {
+  EXPECT_EQ(SseEventsEnd(""), 0u);
+  EXPECT_EQ(SseEventsEnd("data: {\"a\":1}"), 0u);
+  EXPECT_EQ(SseEventsEnd("data: {\"a\":1}\n"), 0u);
+  const std::string one = "data: {\"a\":1}\n\n";
+  EXPECT_EQ(SseEventsEnd(one), one.size());
+  EXPECT_EQ(SseEventsEnd(one + "data:"), one.size());
+  EXPECT_EQ(SseEventsEnd(one + one + "da"), 2 * one.size());
+  const std::string crlf = "data: {\"a\":1}\r\n\r\n";
+  EXPECT_EQ(SseEventsEnd(crlf + "data: {"), crlf.size());
+  EXPECT_EQ(SseEventsEnd(": keep-alive\n\n"), 14u);
+}
+
 // The gauges as vLLM 0.1x's /metrics writes them (labels per model and
 // engine; two engines of a data-parallel server are summed).
 TEST(OpenAi, VllmsMetricsGiveItsRunningWaitingAndKvUse) {

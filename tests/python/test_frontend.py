@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -38,6 +39,7 @@ openai = pytest.importorskip(
 transformers = pytest.importorskip(
     "transformers", reason="in the project's environment"
 )
+h11 = pytest.importorskip("h11", reason="in the project's environment")
 
 FRONTEND_BIN = BUILD / "frontend" / "kvtier-frontend"
 NAMESPACE = "00c0ffee00c0ffee"
@@ -379,6 +381,84 @@ def test_a_request_waiting_for_its_first_token_weighs_its_uncached_tokens(
         body = r.read().decode()
         assert "data: [DONE]" in body, body[-500:]
         r.close()
+
+
+def test_a_stream_reaches_its_client_in_whole_events(fleet: Fleet) -> None:
+    """A stream the frontend fell behind on is read from the engine in
+    pieces that end mid-event; each HTTP chunk the client gets still holds
+    whole events (vLLM's own ``vllm bench serve`` strips every read before
+    splitting it into events, and misparses an event cut after "data:").
+    The frontend is stopped while vLLM streams 100 tokens with logprobs
+    (tens of KiB), so it then reads that backlog 4 KiB at a time."""
+    port = int(fleet.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    conn = h11.Connection(h11.CLIENT)
+
+    def next_event() -> Any:
+        while True:
+            ev = conn.next_event()
+            if ev is not h11.NEED_DATA:
+                return ev
+            conn.receive_data(sock.recv(65536))
+
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": prompt_ids(74, 40),
+            "max_tokens": 100,
+            "logprobs": 5,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    try:
+        head = h11.Request(
+            method="POST",
+            target="/v1/completions",
+            headers=[
+                ("Host", "127.0.0.1"),
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(body))),
+            ],
+        )
+        sock.sendall(conn.send(head) + conn.send(h11.Data(data=body)))
+        sock.sendall(conn.send(h11.EndOfMessage()))
+        res = next_event()
+        assert isinstance(res, h11.Response) and res.status_code == 200, res
+        sigstop(fleet.proc.pid)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and any(
+                fleet.engine_metric(n, "vllm:num_requests_running") > 0
+                for n in fleet.engines
+            ):
+                time.sleep(0.2)
+        finally:
+            os.kill(fleet.proc.pid, signal.SIGCONT)
+        chunks: list[bytes] = []
+        piece = b""
+        while True:
+            ev = next_event()
+            if isinstance(ev, h11.Data):
+                piece += ev.data
+                if ev.chunk_end:
+                    chunks.append(piece)
+                    piece = b""
+            elif isinstance(ev, h11.EndOfMessage):
+                break
+    finally:
+        sock.close()
+    text = b"".join(chunks)
+    assert text.endswith(b"data: [DONE]\n\n"), text[-200:]
+    assert len(text) > 4 * 4096, f"a backlog of {len(text)} bytes is no test"
+    cut = [c[-40:] for c in chunks if not c.endswith(b"\n\n")]
+    assert not cut, f"{len(cut)} of {len(chunks)} chunks end mid-event: {cut[:3]}"
+    tokens = sum(
+        len(json.loads(ev[len(b"data: ") :])["choices"][0]["logprobs"]["tokens"])
+        for ev in text.split(b"\n\n")
+        if ev.startswith(b"data: {") and b'"choices":[{' in ev
+    )
+    assert tokens == 100
 
 
 def test_a_killed_engine_is_skipped_and_leaves_the_index(fleet: Fleet) -> None:

@@ -60,6 +60,8 @@ int main(int argc, char** argv) {
   flags.Double("load-weight", &o.router.knobs.load_weight, 0, 1000,
                "cost per token an engine has waiting for prefill, against a token the "
                "request itself would compute there (docs/frontend.md, \"Load\")");
+  flags.Bool("log-routes", &o.log_routes,
+             "log every request's route (its x-kvtier-route header) to stderr");
   int64_t pd_threshold = static_cast<int64_t>(o.pd_threshold);
   flags.Int("pd-threshold", &pd_threshold, 0, int64_t{1} << 30,
             "with prefill engines: prompt tokens the decode engine would compute past "

@@ -979,6 +979,7 @@ struct Frontend::Impl {
       // than computing it: its prefill queue gains nothing.
       Ticket ticket = Charge(e, p, send == &handed ? 0 : c.uncached);
       const std::string explain = absl::StrCat(c.explain, prefill_note, "; attempt=", attempt + 1);
+      if (options.log_routes) Log("route", explain, "; prompt_tokens=", p.prompt_tokens);
       Tried t = co_await Forward(e, *send, explain, client, keep_alive, &client_keep, &ticket);
       Finish(e, &ticket);
       if (t == Tried::kDone) {

@@ -56,6 +56,9 @@ struct FrontendOptions {
   // (fewer streams win, as least-connections would choose) without
   // outweighing a prefix hit. 0: only prompts waiting for prefill are load.
   double decode_weight = 0.05;
+  // One log line per request sent to an engine: its explanation header
+  // (engine, matched blocks, load, cost, reason) and prompt tokens.
+  bool log_routes = false;
   // Prefill/decode (docs/disaggregation.md): with engines of role prefill,
   // a request whose prompt tokens the chosen decode engine would compute
   // (neither on its GPU nor in the store) number more than this goes to a

@@ -299,8 +299,8 @@ struct Frontend::Impl {
   // would); vLLM's running requests; its free KV pages.
   // Told at once when `now` or none was told for kPushEvery (a burst of
   // answers is one update: each costs the router's write lock), else with
-  // the next update or the engine's heartbeat. A route needs no update:
-  // the router counts what it routed until the engine's next one.
+  // the next update or the engine's heartbeat (each second). The router
+  // counts what it routed until the engine's next update, which holds it.
   static constexpr int64_t kPushEveryUs = 2000;
   void PushLoad(Engine& e, bool now) {
     router::SourceLoad load;
@@ -572,13 +572,17 @@ struct Frontend::Impl {
     int64_t uncached = 0;
     bool answered = false;
   };
-  static Ticket Charge(Engine& e, const Prepared& p, uint64_t uncached) {
+  // The load it tells from here holds the request: the router counted its
+  // route only until then (the load the engine's source repeats each
+  // second is this one, not one from before it was sent).
+  Ticket Charge(Engine& e, const Prepared& p, uint64_t uncached) {
     Ticket t{static_cast<int64_t>(p.prompt_tokens),
              static_cast<int64_t>(std::min<uint64_t>(uncached, p.prompt_tokens)), false};
     e.requests++;
     e.in_flight++;
     e.waiting_tokens += t.uncached;
     e.waiting_requests++;
+    PushLoad(e, false);
     return t;
   }
   // Its answer began: its prefill is done, it decodes.

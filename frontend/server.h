@@ -86,10 +86,15 @@ struct FrontendOptions {
   // 1: vLLM batches the prefills waiting on an engine into the same steps,
   // so a prefix hit queued behind another prompt waits for less than that
   // prompt's whole prefill, while computing it elsewhere costs the fleet
-  // its whole prompt again (docs/frontend.md, "Load").
+  // its whole prompt again (docs/frontend.md, "Load"). No route counts as
+  // "on its way" past a load update (inflight_ms 0): the load this frontend
+  // tells holds every request it sent from the moment it sent it, so a
+  // route the router kept counting after an update would count twice
+  // (seen: a cold prompt's tokens twice on its engine for a whole prefill).
   router::RouterOptions router = [] {
     router::RouterOptions r;
     r.knobs.load_weight = 0.5;
+    r.inflight_ms = 0;
     return r;
   }();
   std::string router_listen = "127.0.0.1:0";  // where store shards publish

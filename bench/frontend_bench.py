@@ -218,6 +218,37 @@ def scale_trace(src: Path, dst: Path, n: int, div: int, out_div: int) -> int:
     return chunk
 
 
+def reachable_hits(path: Path, engines: int = 2) -> tuple[float, float]:
+    """The share of a trace's prompt blocks (hash ids) that would be prefix
+    hits on engines with unbounded caches: (requests sent round-robin,
+    each request sent to the engine holding its longest prefix). Their gap
+    bounds what prefix-aware routing can save on that trace, whatever the
+    router; finite caches only narrow it for round-robin's duplicates."""
+
+    def replay(aware: bool) -> float:
+        held: list[set[int]] = [set() for _ in range(engines)]
+        total = hits = 0
+        with open(path) as f:
+            for i, line in enumerate(f):
+                ids = json.loads(line)["hash_ids"]
+
+                def matched(e: int) -> int:
+                    n = 0
+                    while n < len(ids) and ids[n] in held[e]:
+                        n += 1
+                    return n
+
+                e = i % engines
+                if aware:
+                    e = max(range(engines), key=lambda x: (matched(x), x == i % engines))
+                total += len(ids)
+                hits += matched(e)
+                held[e].update(ids)
+        return hits / total if total else 0.0
+
+    return replay(False), replay(True)
+
+
 def engine_counter(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
@@ -229,15 +260,30 @@ def engine_counter(url: str, name: str) -> float:
 
 
 def reset_caches(engines: dict[str, VllmServer]) -> None:
+    """Empties every engine's prefix cache, and has each say so in its KV
+    events: vLLM publishes events (AllBlocksCleared too) at its next step,
+    so an idle engine would leave the next frontend's index, replayed from
+    the engine's events, holding the last run's blocks until its first
+    request. A one-token completion (no whole block) is that step."""
     for e in engines.values():
         req = urllib.request.Request(e.url + "/reset_prefix_cache", method="POST")
         urllib.request.urlopen(req, timeout=60).read()
+        step = urllib.request.Request(
+            e.url + "/v1/completions",
+            data=json.dumps({"model": "tiny", "prompt": [1], "max_tokens": 1}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        urllib.request.urlopen(step, timeout=60).read()
 
 
 def bench_serve(
-    url: str, work: Path, tag: str, dataset: list[str], n: int
+    url: str, work: Path, tag: str, dataset: list[str], n: int, keep: Path | None = None
 ) -> dict[str, Any]:
-    """One `vllm bench serve` run (vLLM's own client) against url."""
+    """One `vllm bench serve` run (vLLM's own client) against url.
+
+    Returns its result JSON; with keep, a copy of it (with every request's
+    TTFT and ITLs, in the order sent) goes there as TAG.json.
+    """
     result = work / f"{tag}.json"
     env = dict(os.environ, PYTHONHASHSEED="0")
     args = [
@@ -247,13 +293,16 @@ def bench_serve(
         "--num-prompts", str(n), "--seed", "0",
         "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(work), "--result-filename", result.name,
-        "--disable-tqdm", *dataset,
+        "--disable-tqdm", *(("--save-detailed",) if keep else ()), *dataset,
     ]  # fmt: skip
     with open(work / f"{tag}.log", "wb") as log:
         r = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     if r.returncode != 0 or not result.exists():
         tail = (work / f"{tag}.log").read_text()[-3000:]
         raise RuntimeError(f"vllm bench serve failed ({tag}):\n{tail}")
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(result, keep / result.name)
     return dict(json.loads(result.read_text()))
 
 
@@ -332,6 +381,9 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                 continue
             dst = work / f"{trace}-scaled.jsonl"
             chunk = scale_trace(src, dst, args.requests, args.div, args.out_div)
+            rr, aware = reachable_hits(dst)
+            print(f"  {trace}: prefix hits reachable with unbounded caches, "
+                  f"round-robin {rr:.1%}, prefix-aware {aware:.1%} of prompt blocks")
             datasets[trace] = [
                 "--dataset-name", "timed_trace", "--dataset-path", str(dst),
                 "--timed-trace-chunk-hash-size", str(chunk),
@@ -382,7 +434,8 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                     fe = None
                     if cfg in variants:
                         fe = Frontend(work, specs, threads=1, router_port=router_port,
-                                      flags=variants[cfg][1],
+                                      flags=variants[cfg][1]
+                                      + (("--log-routes",) if args.keep else ()),
                                       binary=variants[cfg][0])  # fmt: skip
                         time.sleep(1.5)  # its subscriptions are up
                         url = fe.url
@@ -392,10 +445,12 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                     try:
                         res = bench_serve(url, work, f"{ds}-{cfg}-{run}", datasets[ds],
                                           args.num_prompts if not ds.endswith("trace")
-                                          else args.requests)  # fmt: skip
+                                          else args.requests, args.keep)  # fmt: skip
                     finally:
                         if fe is not None:
                             stop(fe.proc)
+                            if args.keep is not None:
+                                shutil.copy(fe.log, args.keep / f"{ds}-{cfg}-{run}-frontend.log")
                     hit = {}
                     for n, e in engines.items():
                         h = engine_counter(e.url, "vllm:prefix_cache_hits_total")
@@ -689,6 +744,13 @@ def main() -> None:
         default=[],
         help="replay: NAME=FLAGS, the frontend with FLAGS as one more config "
         "(FLAGS starting @PATH: the frontend binary at PATH, e.g. an earlier build)",
+    )
+    ap.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="replay: copy every run's result (per-request TTFT and ITLs) and "
+        "frontend log (with --log-routes) here",
     )
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--seconds", type=int, default=5)

@@ -240,7 +240,9 @@ def reachable_hits(path: Path, engines: int = 2) -> tuple[float, float]:
 
                 e = i % engines
                 if aware:
-                    e = max(range(engines), key=lambda x: (matched(x), x == i % engines))
+                    e = max(
+                        range(engines), key=lambda x: (matched(x), x == i % engines)
+                    )
                 total += len(ids)
                 hits += matched(e)
                 held[e].update(ids)
@@ -450,7 +452,8 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                         if fe is not None:
                             stop(fe.proc)
                             if args.keep is not None:
-                                shutil.copy(fe.log, args.keep / f"{ds}-{cfg}-{run}-frontend.log")
+                                kept = f"{ds}-{cfg}-{run}-frontend.log"
+                                shutil.copy(fe.log, args.keep / kept)
                     hit = {}
                     for n, e in engines.items():
                         h = engine_counter(e.url, "vllm:prefix_cache_hits_total")

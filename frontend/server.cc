@@ -760,7 +760,7 @@ struct Frontend::Impl {
     // become "data:{...}", which it fails to parse. What follows the last
     // event's end waits here for the rest of its event (never a whole
     // event; all of it past kMaxEventBytes, or at the stream's end).
-    std::string carry, whole;
+    std::string carry;
     while (!ec && !parser->is_done()) {
       parser->get().body().data = chunk;
       parser->get().body().size = sizeof(chunk);
@@ -769,13 +769,12 @@ struct Frontend::Impl {
       co_await http::async_read_some(*up, ubuf, *parser, net::redirect_error(kAwait, rec));
       if (rec == http::error::need_buffer) rec = {};
       std::string_view got(chunk, sizeof(chunk) - parser->get().body().size);
+      size_t from_carry = 0;  // the head of carry that `got` is, sent below
       if (events && (!carry.empty() || SseEventsEnd(got) != got.size())) {
         carry.append(got);
-        size_t end = SseEventsEnd(carry);
-        if (rec || parser->is_done() || carry.size() > kMaxEventBytes) end = carry.size();
-        whole.assign(carry, 0, end);
-        carry.erase(0, end);
-        got = whole;
+        from_carry = SseEventsEnd(carry);
+        if (rec || parser->is_done() || carry.size() > kMaxEventBytes) from_carry = carry.size();
+        got = std::string_view(carry).substr(0, from_carry);
       }
       if (!got.empty()) {
         // vLLM sends a stream's header at once, its first event with the
@@ -790,6 +789,7 @@ struct Frontend::Impl {
         auto piece = http::make_chunk(net::buffer(got.data(), got.size()));
         co_await net::async_write(client, piece, net::redirect_error(kAwait, ec));
       }
+      carry.erase(0, from_carry);
       if (rec && !ec) {
         // The client left (the watcher closed the engine's connection: an
         // SSE client may close once it read [DONE]), or the engine failed

@@ -55,8 +55,10 @@ struct Prepared {
 // Checks and prepares `body` for `endpoint`. `served_model`: the name
 // clients use (an empty model field means it; another name is a 404).
 // Errors: 400 for JSON that is not a request of this endpoint (a field of
-// the wrong type, an unknown field, a prompt the template refuses), 404 for
-// another model, 413 for a prompt over the limit.
+// the wrong type, an unknown field, a prompt the template refuses) and for
+// a prompt over the limit (code context_length_exceeded, as OpenAI and
+// vLLM answer), 404 for another model. (413 is the server's, for a body
+// over --max-body-bytes.)
 struct PrepareResult {
   std::optional<ApiError> error;
   Prepared prepared;

@@ -26,7 +26,8 @@ pytest.importorskip(
                     "build/venv: scripts/setup_venv.sh)"))
 
 import kvtier  # noqa: E402
-from kvtier.integrations.vllm_tier import key_hashes, pd_role  # noqa: E402
+from kvtier.integrations.vllm_tier import key_hashes  # noqa: E402
+from kvtier.integrations.vllm_tier_handoff import pd_role  # noqa: E402
 from vllm_tier_harness import (TierEngine, kvtier_tier,  # noqa: E402
                                offload_keys, row_bytes)
 
@@ -377,3 +378,54 @@ def test_a_handoff_ends_when_vllm_schedules_its_request(store: Store) -> None:
         d.manager.on_request_finished(ctx)
     finally:
         d.close()
+
+
+def test_the_tier_namespace_binds_the_engines_model_identity() -> None:
+    """Issue #60: vLLM hands the tier an OffloadingConfig naming only the
+    model and dtype; the tier reads the engine's VllmConfig from the vLLM
+    frame that builds it (here a function holding ``vllm_config``, as
+    vLLM's OffloadingConnectorScheduler does), so engines differing in RoPE
+    (an ``hf_overrides``) never share rows and identical ones do. Without
+    such a frame the rows bind the model id alone, said in the log."""
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_offload.config import (OffloadingCacheConfig,
+                                           OffloadingConfig,
+                                           OffloadingGroupConfig,
+                                           OffloadingModelConfig,
+                                           OffloadingParallelConfig)
+
+    from kvtier.integrations.vllm_config import tier_namespace
+    from vllm_engine import TINY_MODEL
+
+    def offloading_config() -> OffloadingConfig:
+        return OffloadingConfig(
+            groups=(OffloadingGroupConfig(
+                tokens_per_block=16, layer_names=("model.layers.0.attn",),
+                group_id=0),),
+            worker_kv_bytes_per_block=64 * 1024, enable_kv_cache_events=False,
+            extra_config={}, engine_id="identity-test",
+            model=OffloadingModelConfig(name=TINY_MODEL, dtype="bfloat16"),
+            cache=OffloadingCacheConfig(tokens_per_hash=16,
+                                        blocks_per_chunk=1),
+            parallel=OffloadingParallelConfig(
+                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
+                dcp_size=1, data_parallel_index=0, data_parallel_size=1,
+                data_parallel_rank_local=None, is_parallelism_agnostic=True))
+
+    def built_by_an_engine(**kw: object) -> int:
+        vllm_config = EngineArgs(  # noqa: F841 - read by tier_namespace
+            model=TINY_MODEL, load_format="dummy", skip_tokenizer_init=True,
+            dtype="bfloat16", block_size=16, enforce_eager=True,
+            **kw).create_engine_config()  # type: ignore[arg-type]
+        spec = SimpleNamespace(config=offloading_config())
+        return tier_namespace(spec, 64 * 1024).id
+
+    base = built_by_an_engine()
+    assert built_by_an_engine(max_model_len=2048) == base
+    assert built_by_an_engine(hf_overrides={"rope_parameters": {
+        "rope_type": "default", "rope_theta": 1000000.0}}) != base
+    alone = tier_namespace(SimpleNamespace(config=offloading_config()),
+                           64 * 1024)
+    assert "ident=unresolved" in alone.layout and alone.id != base

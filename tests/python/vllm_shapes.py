@@ -20,6 +20,14 @@ class ModelConfig:
     layers: int = 2
     kv_heads: int = 2
     head_size: int = 32
+    # The model's Hugging Face config after overrides (what vLLM reads).
+    hf_config: dict = field(default_factory=lambda: {
+        "model_type": "llama", "rope_theta": 10000.0,
+        "max_position_embeddings": 4096})
+
+    @property
+    def hf_text_config(self) -> dict:
+        return self.hf_config
 
     def get_num_layers(self, parallel_config: Any) -> int:
         return self.layers
@@ -73,6 +81,8 @@ class Request:
     prompt_token_ids: list[int]
     num_computed_tokens: int = 0
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # vLLM sets it for prompt_logprobs requests (every position computed).
+    skip_reading_prefix_cache: bool = False
 
 
 @dataclass

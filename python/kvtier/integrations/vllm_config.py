@@ -2,15 +2,16 @@
 its settings (``kv_connector_extra_config``, ``kv_load_failure_policy``),
 checked at start-up, and the kvtier namespace of a deployment: everything
 that decides what a stored block's bytes mean (model, KV dtype, geometry,
-TP rank, vLLM's page layout and CPU attention ISA, a request's salt or
-LoRA adapter), with the refusal, naming it, of what the connector cannot
-store."""
+TP rank, vLLM's page layout and CPU attention ISA, the identity fields of
+:mod:`kvtier.identity`, a request's salt or LoRA adapter), with the
+refusal, naming it, of what the connector cannot store."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import hashlib
+import logging
 import os
 from typing import Sequence
 
@@ -20,6 +21,7 @@ import kvtier
 from kvtier.dtypes import (ELEMENT_BYTES, SPELLINGS, engine_key_hashes,
                            kvtier_dtype)
 from kvtier.errors import InvalidArgument, StatusCode
+from kvtier.identity import config_fields, identity_tag, weights_fingerprint
 from kvtier.integrations.vllm_groups import group_kinds
 from kvtier.options import CLIENT_OPTIONS, Option, read_options
 
@@ -108,9 +110,9 @@ def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
             kvtier.StatusCode.INVALID_ARGUMENT,
             f"K head size {head} and V head size {head_v()} differ; kvtier's "
             "connector stores pages whose K and V halves are equal")
-    layout = ""
+    layout = model_identity_tag(vllm_config)
     if kv_cache_config is not None:
-        layout = _page_layout(vllm_config, kv_cache_config)
+        layout = _page_layout(vllm_config, kv_cache_config) + "|" + layout
         kinds = group_kinds(kv_cache_config)
         if len(kinds) > 1:
             layout += f"|group={group}:{kinds[group]}"
@@ -120,6 +122,56 @@ def namespace_of(vllm_config: Any, tp_rank: int, salt: str = "",
         mc.get_num_kv_heads(pc), head, cc.block_size,
         tp_rank=tp_rank, tp_size=pc.tensor_parallel_size, cache_salt=salt,
         layout=layout)
+
+
+def model_identity(vllm_config: Any) -> dict[str, Any]:
+    """The identity fields (:data:`kvtier.identity.FIELDS`) of a vLLM
+    deployment, read from vLLM's resolved config (after ``hf_overrides``):
+    which weights (revision, snapshot, fingerprint or dummy seed), the
+    model config and compute dtype, the quantization method, where fp8 KV
+    scales come from, RoPE and the sliding window."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    lc = getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(lc, "load_format", "auto") or "auto")
+    load_format = str(getattr(load_format, "value", load_format))
+    hf = getattr(mc, "hf_config", None)
+    if hf is None:
+        raise InvalidArgument(
+            StatusCode.INVALID_ARGUMENT,
+            "vLLM's model config carries no hf_config; kvtier cannot tell "
+            "which model config (RoPE, sliding window, ...) computed the KV")
+    rope, _ = config_fields(getattr(mc, "hf_text_config", None) or hf)
+    _, rest = config_fields(hf)
+    kv_dtype = str(cc.cache_dtype)
+    scales = ("none" if not kv_dtype.startswith("fp8") else
+              "calculated" if getattr(cc, "calculate_kv_scales", False)
+              else "checkpoint")
+    window = getattr(mc, "get_sliding_window", lambda: None)()
+    return {
+        "weights": weights_fingerprint(str(mc.model),
+                                       getattr(mc, "revision", None),
+                                       load_format,
+                                       int(getattr(mc, "seed", 0) or 0)),
+        "config": {"hf": rest, "dtype": str(mc.dtype)},
+        "quantization": str(getattr(mc, "quantization", None) or "none"),
+        "kv_scales": scales,
+        "rope": rope,
+        "sliding_window": window if window is not None else "none",
+    }
+
+
+def model_identity_tag(vllm_config: Any) -> str:
+    """:func:`kvtier.identity.identity_tag` of :func:`model_identity`,
+    computed once per config object (salted requests ask for it anew)."""
+    key = id(vllm_config)
+    hit = _TAGS.get(key)
+    if hit is None or hit[0] is not vllm_config:
+        hit = (vllm_config, identity_tag(model_identity(vllm_config)))
+        _TAGS[key] = hit
+    return hit[1]
+
+
+_TAGS: dict[int, tuple[Any, str]] = {}
 
 
 def _kv_layers(mc: Any, pc: Any, kv_cache_config: Any, group: int) -> int:
@@ -249,10 +301,40 @@ def tier_namespace(offloading_spec: Any, row_bytes: int) -> kvtier.Namespace:
         f"pcp={p.pcp_size}", f"dcp={p.dcp_size}",
         f"replicated={int(bool(getattr(cfg, 'replicated_layout', False)))}",
         f"canonical={int(bool(getattr(cfg, 'canonical_layout', False)))}",
+        tier_identity_tag(str(cfg.model.name)),
     ])
     return kvtier.Namespace(str(cfg.model.name), kv_dtype, 1, 1,
                             _PAGE // (2 * elem), row_bytes // _PAGE,
                             layout=layout)
+
+
+def tier_identity_tag(model: str) -> str:
+    """The identity tag (:mod:`kvtier.identity`) of the engine building an
+    offloading tier of ``model``. vLLM hands a tier only its
+    ``OffloadingConfig`` (the model's id and dtype), so the engine's own
+    ``VllmConfig`` is read from the caller that holds it (vLLM's
+    ``OffloadingConnectorScheduler.__init__``), only when it names the same
+    model; ``"ident=unresolved"`` (logged) when none does: then rows bind
+    the model id, dtype and layouts, not its revision, RoPE or overrides."""
+    import inspect
+    frame = inspect.currentframe()
+    try:
+        f = frame.f_back if frame is not None else None
+        for _ in range(16):
+            if f is None:
+                break
+            found = f.f_locals.get("vllm_config")
+            mc = getattr(found, "model_config", None)
+            if mc is not None and str(getattr(mc, "model", "")) == model:
+                return model_identity_tag(found)
+            f = f.f_back
+    finally:
+        del frame
+    logging.getLogger("vllm.kvtier").warning(
+        "kvtier tier: vLLM's config of model %s was not found; its rows bind "
+        "the model id, dtype and layouts, not its revision, RoPE or "
+        "hf_overrides", model)
+    return "ident=unresolved"
 
 
 def check_block_hashes_shareable(locality: Any) -> None:
@@ -279,6 +361,26 @@ def check_block_hashes_shareable(locality: Any) -> None:
         raise InvalidArgument(
             StatusCode.INVALID_ARGUMENT,
             "kvtier tier config \"locality\" " + SEED_MESSAGE.format(algo=algo))
+
+
+def warn_if_seeded_at_random(locality: Any) -> None:
+    """Once vLLM has seeded its block hashes (before its first request): a
+    random per-process seed under a shared (REMOTE) tier is said in the
+    log, as an error naming PYTHONHASHSEED (rows this engine writes are
+    found by this process only)."""
+    if str(getattr(locality, "value", locality)) != "REMOTE" or \
+            os.environ.get("PYTHONHASHSEED") is not None:
+        return
+    try:
+        from vllm.v1.core import kv_cache_utils as kcu
+    except ImportError:  # pragma: no cover - older vLLM
+        return
+    seed = getattr(kcu, "_NONE_HASH_SEED", None)
+    if seed is not None and seed != getattr(kcu, "DEFAULT_NONE_HASH_SEED",
+                                            seed):
+        logging.getLogger("vllm.kvtier").error(
+            "kvtier tier: locality %s",
+            SEED_MESSAGE.format(algo="(a non-cryptographic one)"))
 
 
 SEED_MESSAGE = (

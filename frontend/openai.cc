@@ -168,6 +168,10 @@ PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel&
   PrepareResult r;
   Prepared& p = r.prepared;
   p.endpoint = endpoint;
+  // kv_transfer_params come only from the frontend: a client's own could
+  // name a kvtier fence (a decode engine would wait on the store for it)
+  // or ask an engine to hand its KV on.
+  req.erase("kv_transfer_params");
   if (req.contains("stream")) {
     if (!req["stream"].is_boolean()) return Fail(Invalid("stream must be a boolean", "stream"));
     p.stream = req["stream"].get<bool>();
@@ -271,8 +275,14 @@ PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel&
   const bool one_prompt =
       chat || !(req["prompt"].is_array() && !req["prompt"].empty() && req["prompt"][0].is_array());
   const bool one_choice = !req.contains("n") || req["n"].is_null() || req["n"] == 1;
-  p.disaggregable =
-      one_prompt && one_choice && !req.contains("kv_transfer_params") && !req.contains("best_of");
+  // Prompt logprobs (and echo) need every prompt position computed where
+  // the answer is made: a decode engine that loaded the prompt has none.
+  const auto asks = [&req](const char* key) {
+    auto it = req.find(key);
+    return it != req.end() && !it->is_null() && *it != false;
+  };
+  p.disaggregable = one_prompt && one_choice && !req.contains("best_of") &&
+                    !asks("prompt_logprobs") && !asks("echo");
   p.body = req.dump(-1, ' ', false, json::error_handler_t::replace);
   return r;
 }

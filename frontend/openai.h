@@ -47,8 +47,9 @@ struct Prepared {
   uint64_t prompt_tokens = 0;    // every prompt's ids
   bool stream = false;
   std::string cache_salt;  // vLLM's cache_salt: blocks hash apart (routing cannot match them)
-  // One prompt, one choice, no kv_transfer_params of the client's own: a
-  // prefill engine may compute it for a decode engine.
+  // One prompt, one choice, no prompt logprobs or echo: a prefill engine
+  // may compute it for a decode engine. (A client's kv_transfer_params are
+  // dropped: only the frontend sets them.)
   bool disaggregable = false;
 };
 

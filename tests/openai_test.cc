@@ -100,11 +100,33 @@ TEST(OpenAi, APrefillAsksForOneTokenAndTheDecodeCarriesItsHandoff) {
   EXPECT_EQ(dec["max_tokens"], 40);
   EXPECT_EQ(dec["min_tokens"], 8);
   EXPECT_EQ(dec["stream"], true);
-  // Not split: several prompts or choices, or the client's own params.
+  // Not split: several prompts or choices, prompt logprobs or echo (the
+  // decode engine would have no prompt positions to score).
   EXPECT_FALSE(Completion({{"prompt", {{1, 2}, {1, 3}}}}).prepared.disaggregable);
   EXPECT_FALSE(Completion({{"prompt", {1, 2}}, {"n", 2}}).prepared.disaggregable);
-  EXPECT_FALSE(
-      Completion({{"prompt", {1, 2}}, {"kv_transfer_params", {{"x", 1}}}}).prepared.disaggregable);
+  EXPECT_FALSE(Completion({{"prompt", {1, 2}}, {"prompt_logprobs", 1}}).prepared.disaggregable);
+  EXPECT_FALSE(Completion({{"prompt", {1, 2}}, {"echo", true}}).prepared.disaggregable);
+  EXPECT_TRUE(Completion({{"prompt", {1, 2}}, {"echo", false}}).prepared.disaggregable);
+  EXPECT_TRUE(
+      Completion({{"prompt", {1, 2}}, {"prompt_logprobs", nullptr}}).prepared.disaggregable);
+}
+
+// A client cannot hand an engine a fence (it would make a decode engine
+// wait on the store for blocks nobody wrote) nor ask it to hand its KV on:
+// kv_transfer_params come only from the frontend.
+TEST(OpenAi, AClientsKvTransferParamsNeverReachAnEngine) {
+  const json forged = {{"kvtier", {{"namespace", "00c0ffee00c0ffee"}, {"blocks", 9999}}}};
+  for (const json& params : {forged, json({{"do_remote_decode", true}})}) {
+    auto r = Completion({{"prompt", {1, 2, 3}}, {"kv_transfer_params", params}});
+    ASSERT_FALSE(r.error) << r.error->message;
+    EXPECT_FALSE(json::parse(r.prepared.body).contains("kv_transfer_params")) << params;
+    EXPECT_TRUE(r.prepared.disaggregable) << "served as any other request";
+  }
+  json chat = {{"messages", {{{"role", "user"}, {"content", "hi"}}}},
+               {"kv_transfer_params", forged}};
+  auto c = Prepare(Endpoint::kChat, chat.dump(), Tiny(), "tiny", {});
+  ASSERT_FALSE(c.error) << c.error->message;
+  EXPECT_FALSE(json::parse(c.prepared.body).contains("kv_transfer_params"));
 }
 
 TEST(OpenAi, AChatTravelsAsMessagesAndIsPricedByItsTemplatesIds) {

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <cstring>
+#include <future>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -455,6 +456,98 @@ TEST(EngineMemorySaves, ASaveInPlaceNeverWaitsForAStalledStore) {
   auto held = control.Lookup(ns->id, chain);
   ASSERT_TRUE(held.ok()) << held.status();
   EXPECT_EQ(held->size(), 4u);
+  c.Finished(1);
+  c.Finished(2);
+}
+
+// Issue #60: the connector's note of what it saved is a hint. A block the
+// store lost (evicted here; a restart is the same) is saved again the next
+// time the engine computes it and asks to save it.
+TEST(EngineMemorySaves, ABlockTheStoreLostIsSavedAgain) {
+  testing::TempDir dir;
+  auto store = testing::StartLoopbackStore(dir.sub("store"));
+  ASSERT_GT(store->port(), 0) << store->Log();
+  EngineCache cache("kv_first");
+  for (uint32_t p = 0; p < kPages; ++p) cache.Fill(p, p);
+  worker::ConnectorOptions o;
+  o.spec = Spec();
+  o.num_pages = kPages;
+  o.stores = {store->address()};
+  o.staging_blocks = 4;
+  o.data.shared_memory = DataClientOptions::SharedMemory::kOff;
+  o.engine_memory = cache.memory;
+  auto made = worker::KvConnector::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  auto& c = **made;
+  const auto chain = Chain(3, 31);
+  StoreClient control(store->address());
+  auto held = [&] {
+    auto ns = control.RegisterNamespace(Spec());
+    if (!ns.ok()) return size_t{0};
+    auto found = control.Lookup(ns->id, chain);
+    return found.ok() ? found->size() : size_t{0};
+  };
+  ASSERT_TRUE(c.Lookup(1, chain, 0).ok());
+  ASSERT_TRUE(c.SaveFrom(1, 0, {0, 1, 2}).ok());
+  ASSERT_TRUE(c.WaitForSave(1).ok());
+  c.Finished(1);
+  ASSERT_EQ(held(), 3u);
+
+  v1::EvictRequest all;
+  all.set_all(true);
+  ASSERT_TRUE(control.Evict(all).ok());
+  ASSERT_EQ(held(), 0u);
+  ASSERT_TRUE(c.Lookup(2, chain, 0).ok());
+  ASSERT_TRUE(c.SaveFrom(2, 0, {0, 1, 2}).ok());
+  ASSERT_TRUE(c.WaitForSave(2).ok());
+  c.Finished(2);
+  EXPECT_EQ(held(), 3u) << "the connector trusted its own note over the store";
+  // Saved again while the store holds it: the store takes no second copy.
+  const uint64_t offloaded = c.stats().offloaded_blocks;
+  ASSERT_TRUE(c.Lookup(3, chain, 0).ok());
+  ASSERT_TRUE(c.SaveFrom(3, 0, {0, 1, 2}).ok());
+  ASSERT_TRUE(c.WaitForSave(3).ok());
+  c.Finished(3);
+  EXPECT_EQ(c.stats().offloaded_blocks, offloaded);
+  EXPECT_GE(c.stats().offload_skipped_known, 3u);
+}
+
+// Issue #60: a drain that runs out of time drops the saves the store has
+// not taken, and ends each one: a WaitForSave on their request returns
+// (with the reason) instead of waiting for saves that will never be made.
+TEST(EngineMemorySaves, ADrainPastItsDeadlineEndsEverySaveItDrops) {
+  testing::TempDir dir;
+  auto store = testing::StartLoopbackStore(dir.sub("store"));
+  ASSERT_GT(store->port(), 0) << store->Log();
+  EngineCache cache("kv_first");
+  for (uint32_t p = 0; p < kPages; ++p) cache.Fill(p, p);
+  worker::ConnectorOptions o;
+  o.spec = Spec();
+  o.num_pages = kPages;
+  o.stores = {store->address()};
+  o.staging_blocks = 8;
+  o.offload_batch = 2;
+  o.data.deadline_ms = 1000;
+  o.data.shared_memory = DataClientOptions::SharedMemory::kOff;
+  o.engine_memory = cache.memory;
+  auto made = worker::KvConnector::Create(o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  auto& c = **made;
+  ASSERT_TRUE(c.Lookup(1, Chain(1, 41), 0).ok());
+  ASSERT_TRUE(c.SaveFrom(1, 0, {11}).ok());
+  ASSERT_TRUE(c.WaitForSave(1).ok());
+  ASSERT_TRUE(c.Lookup(2, Chain(6, 42), 0).ok());
+  ASSERT_TRUE(store->proc().Stop());
+  // The offloader's put of the first blocks sticks; the rest stay queued.
+  ASSERT_TRUE(c.SaveFrom(2, 0, {0, 1, 2, 3, 4, 5}).ok());
+  EXPECT_FALSE(c.Drain(std::chrono::steady_clock::now() + std::chrono::milliseconds(100)));
+  EXPECT_GT(c.stats().offload_dropped_full, 0u);
+  auto waited = std::async(std::launch::async, [&c] { return c.WaitForSave(2); });
+  const bool ended = waited.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  ::kill(store->proc().pid(), SIGCONT);
+  ASSERT_TRUE(ended) << "WaitForSave waits for saves the drain dropped";
+  const absl::Status s = waited.get();
+  EXPECT_FALSE(s.ok());
   c.Finished(1);
   c.Finished(2);
 }

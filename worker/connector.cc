@@ -166,7 +166,12 @@ absl::Status KvConnector::EnsureRegistered() {
 bool KvConnector::ForgotNamespace(const absl::Status& s) {
   // A store that restarted without its RAM (or a new shard) does not know
   // the namespace: register again; the caller retries once.
+  // What this process noted as stored went with it.
   if (s.code() != absl::StatusCode::kNotFound) return false;
+  {
+    std::lock_guard lk(known_mu_);
+    known_.clear();
+  }
   registered_ = false;
   return EnsureRegistered().ok();
 }

@@ -38,7 +38,8 @@
 // larger than the staging waits for slots as the offloader frees them.
 // Staging is bounded: staging_blocks for offloads and as many for loads (so
 // neither starves the other).
-// Blocks known to be in the store are not offloaded again. A store that
+// In pool mode, blocks known to be in the store are not offloaded again (a
+// store that forgets the namespace clears what is known). A store that
 // fails makes loads return an error (the engine computes those blocks
 // instead) and offloads count as failed; nothing blocks for longer than the
 // configured deadlines. Thread-safe; one request id is used by one thread at
@@ -234,11 +235,15 @@ class KvConnector {
   absl::Status StartLoadInto(uint64_t request, std::vector<uint32_t> pages);
   // Engine mode. Queues blocks chain[first_block + i], computed into
   // pages[i], for the store; their bytes are copied out before it returns,
-  // so the engine may reuse the pages at once. Blocks known to be stored
-  // are skipped. INVALID_ARGUMENT for blocks beyond the chain or a page id
-  // out of range; RESOURCE_EXHAUSTED when no staging memory came before the
+  // so the engine may reuse the pages at once. Every block is offered to the
+  // store, which takes only those it lacks (a hint of this process's is
+  // never trusted alone: the store may have restarted or evicted them since),
+  // unless skip_known: then blocks this process saw stored are skipped (a
+  // drain sweeping the whole cache within a byte budget). INVALID_ARGUMENT for blocks beyond the
+  // chain or a page id out of range; RESOURCE_EXHAUSTED when no staging memory came before the
   // deadline (the blocks before that one are queued).
-  absl::Status SaveFrom(uint64_t request, uint32_t first_block, const std::vector<uint32_t>& pages);
+  absl::Status SaveFrom(uint64_t request, uint32_t first_block, const std::vector<uint32_t>& pages,
+                        bool skip_known = false);
   // Starts onboarding the blocks Begin found in the store. NOT_FOUND for an
   // unknown request, FAILED_PRECONDITION for one whose load already started.
   absl::Status StartLoad(uint64_t request);

@@ -192,7 +192,7 @@ std::vector<KvConnector::Staged> KvConnector::GatherHeld(std::vector<Held> held,
 }
 
 absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
-                                   const std::vector<uint32_t>& pages) {
+                                   const std::vector<uint32_t>& pages, bool skip_known) {
   auto found = Find(request, /*engine_mode=*/true);
   if (!found.ok()) return found.status();
   Request* r = *found;
@@ -207,17 +207,22 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
     stats_.computed_blocks += pages.size();
   }
   if (!store_) return absl::OkStatus();
+  // Every block asked for goes to the store, which answers what it holds
+  // already (not sent again): the engine's scheduler asked it whether it
+  // lacks them, and a hint of this process's (the store restarted or
+  // evicted since) would leave the store without them for good. Only a
+  // caller that asks (a drain's sweep of the whole cache) skips blocks this
+  // process saw stored.
   std::vector<BlockHash> hashes;
-  std::vector<uint32_t> todo;   // pages of the blocks the store may lack
+  std::vector<uint32_t> todo;   // pages of the blocks to save
   std::vector<uint32_t> index;  // their block numbers
   for (size_t i = 0; i < pages.size(); ++i) {
-    const BlockHash& h = r->chain[first_block + i];
-    if (KnownStored(h)) {
+    if (skip_known && KnownStored(r->chain[first_block + i])) {
       std::lock_guard sl(stats_mu_);
       stats_.offload_skipped_known++;
       continue;
     }
-    hashes.push_back(h);
+    hashes.push_back(r->chain[first_block + i]);
     todo.push_back(pages[i]);
     index.push_back(first_block + static_cast<uint32_t>(i));
   }
@@ -513,11 +518,20 @@ bool KvConnector::Drain(std::chrono::steady_clock::time_point deadline) {
     if (std::chrono::steady_clock::now() >= deadline) {
       // What the offloader has not taken goes: the caller is leaving.
       std::vector<uint32_t> slots;
-      for (const Staged& st : offload_queue_) slots.push_back(st.slot);
+      std::vector<std::shared_ptr<SaveState>> waiters;
+      for (const Staged& st : offload_queue_) {
+        slots.push_back(st.slot);
+        waiters.push_back(st.waiter);
+      }
       const size_t dropped = offload_queue_.size();
       offload_queue_.clear();
       lk.unlock();
       ReleaseStaging(slots);
+      // Each dropped save ends (failed), so no WaitForSave waits for it.
+      for (const auto& w : waiters) {
+        SaveEnded(w, absl::AbortedError("the save was dropped: the connector drained past its "
+                                        "deadline before the store took it"));
+      }
       {
         std::lock_guard sl(stats_mu_);
         stats_.offload_dropped_full += dropped;

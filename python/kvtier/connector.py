@@ -149,13 +149,14 @@ class Connector:
         return int(self._c.wait_for_load(request_id))
 
     def save(self, request_id: int, first_block: int,
-             pages: Sequence[int]) -> None:
+             pages: Sequence[int], skip_known: bool = False) -> None:
         """Queues blocks ``first_block + i`` of the request, computed into
         ``pages[i]``, for the store; their bytes are copied before it
         returns (a save larger than the staging waits for slots as earlier
-        blocks leave for the store). Blocks known to be stored are
-        skipped."""
-        self._c.save(request_id, first_block, pages)
+        blocks leave for the store). The store takes only the blocks it
+        lacks. ``skip_known``: blocks this process saw stored are not even
+        copied (a hint: the store may have lost them since)."""
+        self._c.save(request_id, first_block, pages, skip_known)
 
     def wait_for_save(self, request_id: int) -> None:
         """Waits for the request's queued saves; raises the first failure."""

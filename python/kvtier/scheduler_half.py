@@ -79,12 +79,19 @@ class _Tracked:
     prompt_tokens: int
     skip_blocks: int = 0
     loadable: int = 0          # blocks the store can supply after skip
-    saved_blocks: int = 0      # blocks [0, saved) are in the store or saved
+    saved_blocks: int = 0      # blocks [0, saved) need no save
+    # Blocks [0, stored) the store answered it holds, loaded from it, or
+    # this engine saved: what a handoff's fence may promise.
+    stored_blocks: int = 0
     load: Optional[LoadSpec] = None
     asked: Optional[int] = None            # skip_blocks of a lookup out
     answer: Optional[tuple[int, int]] = None  # (skip_blocks, present)
     gave_up: Optional[int] = None          # skip_blocks late: 0 from now on
     store_missed: bool = False  # a lookup failed or was not sent
+
+
+#: :meth:`SchedulerHalf._ask`'s "the store said nothing in time".
+_NO_ANSWER = -1
 
 
 class SchedulerHalf:
@@ -177,40 +184,54 @@ class SchedulerHalf:
         if t is None:
             t = self._reqs[request] = _Tracked(hashes, prompt_tokens)
         t.skip_blocks = skip
-        t.saved_blocks = max(t.saved_blocks, skip)
         t.loadable = 0
         limit = min((prompt_tokens - 1) // bt, len(hashes))
-        if self.store is None or skip >= limit:
-            return 0
-        if store_hint is not None and skip >= store_hint:
-            self.lookups_skipped += 1
+        if self.store is None or skip >= limit or (
+                store_hint is not None and skip >= store_hint):
+            # Not asked: the engine's own prefix is taken as saved (a hint:
+            # the store is asked whenever the prompt has a block to load).
+            t.saved_blocks = max(t.saved_blocks, skip)
+            if self.store is not None and skip < limit:
+                self.lookups_skipped += 1
             return 0
         if t.answer is not None and t.answer[0] == skip:
             present = t.answer[1]
         elif t.gave_up == skip:
+            t.saved_blocks = max(t.saved_blocks, skip)
             return 0
         else:
-            got = self._ask(request, t, hashes[skip:limit], skip, budget_ms,
+            # The whole chain from its first block: the store may have lost
+            # (restarted, evicted) blocks the engine still holds, and those
+            # are saved again from the engine's pages.
+            got = self._ask(request, t, hashes[:limit], skip, budget_ms,
                             block)
             if got is None:
                 return None
             present = got
-        t.loadable = min(present, limit - skip)
+        if present == _NO_ANSWER:
+            # Late, failed or skipped: nothing learnt of the store.
+            t.saved_blocks = max(t.saved_blocks, skip)
+            return 0
+        t.stored_blocks = max(t.stored_blocks, min(present, limit))
+        t.saved_blocks = max(t.saved_blocks, min(present, skip))
+        t.loadable = max(0, min(present, limit) - skip)
         return t.loadable * bt
 
     def _ask(self, request: int, t: _Tracked, chain: np.ndarray, skip: int,
              budget_ms: Optional[float], block: bool) -> Optional[int]:
-        """What the store holds of ``chain`` (0 when it cannot say in
-        time); None when not blocking and the answer is still to come."""
+        """How many leading blocks of ``chain`` the store holds (0 where it
+        does not know the namespace: it restarted, or nothing was saved
+        yet); _NO_ANSWER when it cannot say in time; None when not
+        blocking and the answer is still to come."""
         assert self.store is not None and self._lookups is not None
         if budget_ms is None:
             try:
-                # From the engine's prefix on: the store may have lost
-                # blocks the engine still holds.
                 return self.store.lookup(self.namespace, chain)
-            except KvtierError:
+            except KvtierError as e:
+                if e.code == StatusCode.NOT_FOUND:
+                    return 0
                 self.lookup_errors += 1
-                return 0
+                return _NO_ANSWER
         if t.asked != skip:
             self._lookups.ask(request, chain, budget_ms)
             t.asked = skip
@@ -229,7 +250,9 @@ class SchedulerHalf:
         # A namespace the store has not seen yet (its first save registers
         # it) is none, nor is a slow store: late, or skipped for a while
         # after it missed a budget (SKIPPED), it still takes the saves.
-        if o.kind == FAILED and o.code != StatusCode.NOT_FOUND:
+        if o.kind == FAILED and o.code == StatusCode.NOT_FOUND:
+            return 0  # an answer: the store holds nothing of the namespace
+        if o.kind == FAILED:
             t.store_missed = True
         if o.kind == LATE:
             # Asked again for the same prefix (vLLM could not schedule it
@@ -240,14 +263,15 @@ class SchedulerHalf:
             self.lookups_not_asked += 1
         elif o.kind == FAILED:
             self.lookup_errors += 1
-        return 0
+        return _NO_ANSWER
 
     def saved_blocks(self, request: int) -> int:
-        """Blocks [0, n) of the request's prompt are in the store or on
-        their way there (saved by this engine or found there); 0 for a
+        """Blocks [0, n) of the request's prompt the store answered it
+        holds, or that were loaded from it or saved by this engine (on
+        their way there): never the engine's own prefix unasked. 0 for a
         request not tracked."""
         t = self._reqs.get(request)
-        return t.saved_blocks if t is not None else 0
+        return t.stored_blocks if t is not None else 0
 
     def store_missed(self, request: int) -> bool:
         """Whether a lookup of the request's failed or was not sent (the
@@ -285,6 +309,7 @@ class SchedulerHalf:
         t.gave_up = None
         t.load = LoadSpec(request, t.hashes, t.skip_blocks, pages, name)
         t.saved_blocks = max(t.saved_blocks, t.skip_blocks + len(pages))
+        t.stored_blocks = max(t.stored_blocks, t.skip_blocks + len(pages))
         self._step.loads.append(t.load)
         return t.load
 
@@ -303,6 +328,7 @@ class SchedulerHalf:
             self._step.saves.append(SaveSpec(request, t.hashes, first,
                                              list(block_pages[first:full])))
             t.saved_blocks = full
+            t.stored_blocks = max(t.stored_blocks, full)
 
     def load_failed(self, request: int, num_computed_tokens: int) -> None:
         """The worker reported the request's load failed and the engine
@@ -312,6 +338,7 @@ class SchedulerHalf:
         if t is not None:
             t.saved_blocks = min(t.saved_blocks,
                                  num_computed_tokens // self.block_tokens)
+            t.stored_blocks = min(t.stored_blocks, t.saved_blocks)
             t.loadable = 0
             t.answer = None
 

@@ -98,12 +98,12 @@ class EngineConnector {
     py::gil_scoped_release nogil;
     return Unwrap(k.WaitForLoad(request));
   }
-  void Save(uint64_t request, uint32_t first_block, const py::handle& pages) {
+  void Save(uint64_t request, uint32_t first_block, const py::handle& pages, bool skip_known) {
     auto p = Uint32sFrom(pages, "pages");
     auto held = c();
     worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
-    Check(k.SaveFrom(request, first_block, p));
+    Check(k.SaveFrom(request, first_block, p, skip_known));
   }
   void WaitForSave(uint64_t request) {
     auto held = c();
@@ -230,7 +230,8 @@ void BindEngineConnector(py::module_& m) {
       .def("start_load", &EngineConnector::StartLoad)
       .def("wait_for_layer", &EngineConnector::WaitForLayer)
       .def("wait_for_load", &EngineConnector::WaitForLoad)
-      .def("save", &EngineConnector::Save)
+      .def("save", &EngineConnector::Save, py::arg("request"), py::arg("first_block"),
+           py::arg("pages"), py::arg("skip_known") = false)
       .def("wait_for_save", &EngineConnector::WaitForSave)
       .def("finished", &EngineConnector::Finished)
       .def("loaded_from_disk", &EngineConnector::LoadedFromDisk)

@@ -22,6 +22,13 @@ ldd "$out"/bin/* | awk '$3 ~ /^\// {print $3}' | sort -u | while read -r lib; do
     *) cp -L "$lib" "$out/lib/" ;;
   esac
 done
+# kvtier's Python package, for the ordering check (bench/gpu_order_check.py;
+# it runs where the host's Python is the build's version).
+if [[ -d $build/python/kvtier ]]; then
+  mkdir -p "$out/python"
+  cp -rL "$build/python/kvtier" "$out/python/"
+  cp "$root/bench/gpu_order_check.py" "$out/python/"
+fi
 if [[ -d /usr/lib/x86_64-linux-gnu/ucx ]]; then
   cp -rL /usr/lib/x86_64-linux-gnu/ucx "$out/lib/ucx"
 fi

@@ -8,7 +8,8 @@
 # kvtier-gpu-check (kernels against the CPU byte for byte; 4,096- and
 # 32,768-token prompts of a Llama-3-8B layer set saved from and loaded into
 # CUDA pages through the store, every byte compared, GB/s beside
-# cudaMemcpyAsync) and bench/gpu_layer_time.py (a layer's compute), and
+# cudaMemcpyAsync), bench/gpu_order_check.py (copies ordered after the
+# engine's stream) and bench/gpu_layer_time.py (a layer's compute), and
 # stops the store by its pid. Results, one JSON line each, in
 # OUT_DIR/gpu_check.jsonl. Exit 0 only when everything matched.
 set -uo pipefail
@@ -66,6 +67,17 @@ if [[ ${GPU_CHECK_HASHES:-1} != 0 ]]; then
       --store="127.0.0.1:$(cat "$scratch/port")" --device=cuda:0 --tokens=4096,32768 \
       --json="$json" || rc=$?
   done
+fi
+# Issue #60: saves and loads ordered against the engine's stream (a long
+# kernel writing the pages, the copy called at once). Needs the bundle's
+# Python package, built for this host's Python version.
+if [[ -d $bundle/python/kvtier ]]; then
+  PYTHONPATH="$bundle/python" LD_LIBRARY_PATH=$libs python3 "$bundle/python/gpu_order_check.py" \
+    --store="127.0.0.1:$(cat "$scratch/port")" --passes=20 | tee -a "$json"
+  [[ ${PIPESTATUS[0]} == 0 ]] || rc=1
+else
+  echo "gpu_check: the bundle has no Python package; the ordering check did not run" >&2
+  rc=1
 fi
 python3 "$root/bench/gpu_layer_time.py" 4096 | tee -a "$json" || rc=1
 kill "$store"

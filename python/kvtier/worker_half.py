@@ -15,6 +15,18 @@ engine's KV tensors and runs each step's :class:`StepMeta`:
 - saves (:meth:`WorkerHalf.wait_for_save`: the bytes are copied out of the
   pages before it returns; the store writes go on in the background);
 - finished requests (closed on a background thread, after their saves).
+
+**Ordered against the engine's stream.** On a GPU the engine launches its
+forward and returns before the pages are written; kvtier's copies run on
+streams of their own. With ``stream_fence`` (a callable that marks the
+engine's current stream and returns a fence with ``synchronize()``, such
+as a ``torch.cuda.Event`` recorded on ``torch.cuda.current_stream()``), a
+save's copy starts only after the work the engine launched before
+:meth:`WorkerHalf.wait_for_save` (the forward that wrote its pages), and a
+load's copy only after the work launched before
+:meth:`WorkerHalf.start_loads` (vLLM's own writes to the pages it gave the
+load); the load is reported ended only once its copy is done, so the
+engine's first use of the pages comes after it.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -37,13 +49,22 @@ from kvtier.scheduler_half import LoadSpec, StepMeta
 log = logging.getLogger("kvtier.loads")
 
 
+class _Abandoned(Exception):
+    """A load whose request finished before a loader thread took it."""
+
+
 class WorkerHalf:
     """The worker's side over one connector. The model runner's calls come
     from one thread; asynchronous loads run on ``load_threads`` threads of
     their own."""
 
-    def __init__(self, connector: Connector, load_threads: int = 2) -> None:
+    def __init__(self, connector: Connector, load_threads: int = 2,
+                 stream_fence: Optional[Callable[[], Any]] = None) -> None:
         self.connector = connector
+        self._stream_fence = stream_fence
+        # Requests finished while their load waited for a loader thread:
+        # the load is skipped (their pages may be vLLM's again).
+        self._abandoned: set[int] = set()
         self._lock = threading.Lock()
         self._open: set[int] = set()
         self._loading: dict[int, LoadSpec] = {}       # synchronous
@@ -73,6 +94,8 @@ class WorkerHalf:
         its pages the store still holds, and the store's error when it
         could not be asked (None when it answered)."""
         with self._lock:
+            if spec.request in self._abandoned:
+                raise _Abandoned()
             reopen = spec.request in self._open
             self._open.add(spec.request)
         if reopen:
@@ -94,19 +117,24 @@ class WorkerHalf:
             self._loader = concurrent.futures.ThreadPoolExecutor(
                 max_workers=self._load_threads,
                 thread_name_prefix="kvtier-load")
+        fence = self._stream_fence() if self._stream_fence else None
         for spec in step.loads:
             with self._lock:
                 self._async[spec.request] = self._loader.submit(
-                    self._load_whole, spec)
+                    self._load_whole, spec, fence)
 
-    def _load_whole(self, spec: LoadSpec) -> None:
-        """Pins, moves and verifies one request's blocks; the pages that
-        did not load (evicted since the lookup, failed their checksum, the
-        store gone) are its failed pages."""
+    def _load_whole(self, spec: LoadSpec, fence: Any = None) -> None:
+        """Pins, moves and verifies one request's blocks (after ``fence``:
+        the engine's work on the pages launched before the load); the
+        pages that did not load (evicted since the lookup, failed their
+        checksum, the store gone, the request finished before its load
+        began) are its failed pages."""
         failed = list(spec.pages)
         try:
             n, store_error = self._pin(spec)
             if n > 0:
+                if fence is not None:
+                    fence.synchronize()
                 self.connector.start_load(spec.request, spec.pages[:n])
                 loaded = self.connector.wait_for_load(spec.request)
                 failed = spec.pages[loaded:]
@@ -118,6 +146,8 @@ class WorkerHalf:
                             "computes the rest", spec.name,
                             len(spec.pages) - len(failed), len(spec.pages), n,
                             f": {store_error}" if store_error else "")
+        except _Abandoned:
+            pass  # finished first: nothing pinned, no page written
         except KvtierError as e:
             log.warning("kvtier load of %s failed: %s", spec.name, e)
             with self._lock:
@@ -130,6 +160,7 @@ class WorkerHalf:
                 self.load_failures.append(repr(e))
         with self._lock:
             self._async.pop(spec.request, None)
+            self._abandoned.discard(spec.request)
             self._ended.append((spec.name, failed))
 
     def ended_loads(self) -> list[tuple[str, list[int]]]:
@@ -200,6 +231,9 @@ class WorkerHalf:
         for spec in step.loads:
             if set(spec.pages) & self._errors:
                 failed.add(spec.request)
+        if step.saves and self._stream_fence is not None:
+            # The forward that wrote these pages was launched, not done.
+            self._stream_fence().synchronize()
         for save in step.saves:
             if save.request in failed:
                 continue  # computed from KV that failed its load: never saved
@@ -247,6 +281,8 @@ class WorkerHalf:
         with self._lock:
             self._open.discard(request)
             running = self._async.get(request)
+            if running is not None:
+                self._abandoned.add(request)
         if self._closer is None:
             self._closer = threading.Thread(target=self._close_loop,
                                             daemon=True, name="kvtier-close")

@@ -1,0 +1,186 @@
+"""kvtier.worker_half.WorkerHalf ordered against an engine's stream, and a
+load whose request finishes before the load begins (issue #60).
+
+On a GPU the engine launches work on its stream and returns before it is
+done; kvtier copies on streams of its own. :class:`EngineStream` is that
+on the CPU: work launched on it runs later, in order, on a thread of its
+own, and its fence (what a ``torch.cuda.Event`` recorded on the engine's
+current stream is on a GPU) returns from ``synchronize()`` once the work
+launched before it is done. Real connectors over host tensors, a real
+kvtier-store."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+import kvtier
+from kvtier.scheduler_half import LoadSpec, SaveSpec, StepMeta
+from kvtier.worker_half import WorkerHalf
+
+SPEC = dict(model="py-order", dtype="fp16", layers=2, kv_heads=2,
+            head_dim=32, block_tokens=16)
+PAGES = 8
+
+
+class EngineStream:
+    """Work in launch order on a thread of its own (module docstring)."""
+
+    def __init__(self) -> None:
+        self._work: queue.Queue[Optional[Callable[[], None]]] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._work.get()
+            if fn is None:
+                return
+            fn()
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        self._work.put(fn)
+
+    def fence(self) -> threading.Event:
+        """A fence after the work launched so far (``synchronize()`` waits
+        for it)."""
+        done = threading.Event()
+        done.synchronize = done.wait  # type: ignore[attr-defined]
+        self._work.put(done.set)
+        return done
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join()
+
+
+def caches(fill: float) -> list[torch.Tensor]:
+    return [torch.full((2, PAGES, 16, 2, 32), fill).half() for _ in range(2)]
+
+
+def write(cache: list[torch.Tensor], pages: list[int], value: float,
+          after_s: float) -> Callable[[], None]:
+    """Engine work: ``after_s`` of compute, then ``value`` into ``pages``."""
+    def run() -> None:
+        time.sleep(after_s)
+        for layer in cache:
+            layer[:, pages] = value
+    return run
+
+
+def test_a_save_copies_the_pages_the_forward_wrote(store) -> None:
+    """The save is called right after the forward is launched (as vLLM
+    calls wait_for_save): the store gets the forward's bytes, not the
+    pages' bytes from before it."""
+    ns = kvtier.Namespace(**SPEC)
+    engine, stream = caches(1.0), EngineStream()
+    half = WorkerHalf(kvtier.Connector(ns, engine, stores=[store.address]),
+                      stream_fence=stream.fence)
+    hashes = kvtier.hash_tokens(ns, list(range(2 * 16)))
+    try:
+        stream.launch(write(engine, [3, 4], 7.0, after_s=0.3))
+        half.wait_for_save(StepMeta(saves=[SaveSpec(1, hashes, 0, [3, 4])],
+                                    finished=[1]))
+        half.close()
+    finally:
+        stream.close()
+    other = caches(0.0)
+    reader = kvtier.Connector(ns, other, stores=[store.address])
+    deadline = time.monotonic() + 10
+    while reader.lookup(2, hashes).blocks < 2:
+        assert time.monotonic() < deadline, "the save never reached the store"
+        reader.finished(2)
+        time.sleep(0.02)
+    reader.start_load(2, [0, 1])
+    assert reader.wait_for_load(2) == 2
+    reader.finished(2)
+    reader.close()
+    for layer in other:
+        assert bool((layer[:, 0:2] == 7.0).all()), \
+            "the save copied the pages before the forward wrote them"
+
+
+def test_a_load_lands_after_the_engines_own_writes_to_its_pages(
+        store) -> None:
+    """The engine launches its own writes to the pages it gave a load
+    (vLLM zeroing new blocks) and then starts the load: the loaded bytes
+    are what the pages hold when the load is reported ended."""
+    ns = kvtier.Namespace(**SPEC)
+    hashes = kvtier.hash_tokens(ns, list(range(2 * 16)))
+    source = caches(5.0)
+    writer = kvtier.Connector(ns, source, stores=[store.address])
+    writer.lookup(1, hashes)
+    writer.save(1, 0, [0, 1])
+    writer.wait_for_save(1)
+    writer.finished(1)
+    writer.close()
+    engine, stream = caches(1.0), EngineStream()
+    half = WorkerHalf(kvtier.Connector(ns, engine, stores=[store.address]),
+                      stream_fence=stream.fence)
+    try:
+        stream.launch(write(engine, [2, 3], 0.0, after_s=0.3))
+        half.start_loads(StepMeta(loads=[LoadSpec(2, hashes, 0, [2, 3],
+                                                  "r2")]))
+        deadline = time.monotonic() + 10
+        while True:
+            names, failed = half.finished_loads()
+            if names:
+                break
+            assert time.monotonic() < deadline, "the load never ended"
+            time.sleep(0.01)
+        assert names == {"r2"} and failed == set()
+        for layer in engine:
+            assert bool((layer[:, 2:4] == 5.0).all()), \
+                "the engine's earlier writes landed over the loaded bytes"
+        half.finished(2)
+        half.close()
+    finally:
+        stream.close()
+
+
+def test_a_request_finished_before_its_load_began_is_not_loaded(
+        store) -> None:
+    """One loader thread, held by a first load; the second request is
+    finished (vLLM aborted it) while its load waits: the load is reported
+    ended with every page failed, writes none of them, and leaves the
+    request closed."""
+    ns = kvtier.Namespace(**SPEC)
+    hashes = kvtier.hash_tokens(ns, list(range(2 * 16)))
+    source = caches(5.0)
+    writer = kvtier.Connector(ns, source, stores=[store.address])
+    writer.lookup(1, hashes)
+    writer.save(1, 0, [0, 1])
+    writer.wait_for_save(1)
+    writer.finished(1)
+    writer.close()
+    engine = caches(1.0)
+    gate = threading.Event()
+
+    class Held:
+        """A fence that holds the loader thread until the gate opens."""
+
+        def synchronize(self) -> None:
+            gate.wait(10)
+
+    half = WorkerHalf(kvtier.Connector(ns, engine, stores=[store.address]),
+                      load_threads=1, stream_fence=Held)
+    half.start_loads(StepMeta(loads=[LoadSpec(2, hashes, 0, [0, 1], "r2")]))
+    half.start_loads(StepMeta(loads=[LoadSpec(3, hashes, 0, [4, 5], "r3")]))
+    half.finished(3)
+    gate.set()
+    ended: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 10
+    while len(ended) < 2:
+        ended.update(dict(half.ended_loads()))
+        assert time.monotonic() < deadline, f"loads never ended: {ended}"
+        time.sleep(0.01)
+    assert ended == {"r2": [], "r3": [4, 5]}
+    for layer in engine:
+        assert bool((layer[:, 4:6] == 1.0).all()), "an aborted load wrote"
+    half.finished(2)
+    half.close()
+    assert half._open == set()

@@ -187,7 +187,8 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
 def test_imports_without_vllm_and_refuses_a_config_without_stores() -> None:
     import kvtier.integrations.vllm as mod
 
-    assert mod.KvtierConnector.__mro__[1].__name__ == "KVConnectorBase_V1"
+    assert "KVConnectorBase_V1" in [c.__name__ for c in
+                                     mod.KvtierConnector.__mro__]
     cfg = v.config([])
     cfg.kv_transfer_config.kv_connector_extra_config = {}
     with pytest.raises(ValueError, match="stores"):
@@ -535,6 +536,95 @@ def decode_connector(store: Any, wait_ms: float = 5000) -> KvtierConnector:
     cfg = v.config([store.address], handoff_wait_ms=wait_ms)
     cfg.kv_transfer_config.kv_role = "kv_consumer"
     return KvtierConnector(cfg, KVConnectorRole.SCHEDULER)
+
+
+def stored(store: Any, ns: kvtier.Namespace, tokens: list[int],
+           blocks: int) -> None:
+    """Waits (10 s at most) until the store holds the first ``blocks``
+    blocks of ``tokens``: saves are written behind the step."""
+    probe = kvtier.StoreClient([store.address])
+    hashes = kvtier.hash_tokens(ns, tokens)
+    deadline = time.monotonic() + 10
+    have = 0
+    while True:
+        try:
+            have = probe.lookup(ns, hashes)
+        except kvtier.errors.NotFound:
+            have = 0
+        if have >= blocks:
+            return
+        assert time.monotonic() < deadline, \
+            f"the store holds {have} of {blocks} blocks"
+        time.sleep(0.02)
+
+
+def test_a_prompt_logprobs_request_never_reads_the_store(store,
+                                                        worker) -> None:
+    """Issue #60: vLLM computes every prompt position of a request that
+    asks for prompt logprobs (``skip_reading_prefix_cache``); the
+    connector offers it nothing, though the store holds its prompt (an
+    ordinary request of the same prompt is offered all of it)."""
+    sched = KvtierConnector(v.config([store.address]),
+                            KVConnectorRole.SCHEDULER)
+    prompt = np.random.default_rng(41).integers(0, 4096, 100).tolist()
+    run_new(sched, worker, "A", prompt, list(range(7)),
+            {b: 700 + b for b in range(7)})
+    sched.request_finished(v.Request("A", prompt), list(range(7)))
+    stored(store, sched._scheduler.namespace, prompt, 6)
+    plain = v.Request("plain", prompt)
+    assert matched(sched, plain, 0) == (6 * BS, True)
+    sched.request_finished(plain, [])
+    scored = v.Request("scored", prompt, skip_reading_prefix_cache=True)
+    assert sched.get_num_new_matched_tokens(scored, 0) == (0, False)
+    sched.request_finished(scored, [])
+
+
+def test_a_store_that_lost_an_engines_prefix_gets_it_back(store,
+                                                          worker) -> None:
+    """Issue #60: A computes and saves 6 blocks; the store loses them
+    (``kvctl evict --all``, as after a restart). P, A's prompt and a tail
+    whose first 6 blocks vLLM holds itself (A's pages), is looked up from
+    its first block: the store holds none, so P's plan saves blocks 0..7
+    from its pages (A's among them), its fence promises those 8 and no
+    block it did not save, and the store holds all 8 again. A request
+    whose whole prompt vLLM holds is not looked up: its fence promises
+    nothing (nothing of it is on its way to the store)."""
+    sched = KvtierConnector(v.config([store.address]),
+                            KVConnectorRole.SCHEDULER)
+    ns = sched._scheduler.namespace
+    rng = np.random.default_rng(42)
+    prompt = rng.integers(0, 4096, 100).tolist()
+    seeds = {b: 800 + b for b in range(9)}
+    run_new(sched, worker, "A", prompt, list(range(7)), seeds)
+    sched.request_finished(v.Request("A", prompt), list(range(7)))
+    stored(store, ns, prompt, 6)
+    r = subprocess.run([str(BUILD / "cli" / "kvctl"), "evict", "--all",
+                        "--yes", f"--store={store.address}"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    probe = kvtier.StoreClient([store.address])
+    assert probe.lookup(ns, kvtier.hash_tokens(ns, prompt)) == 0
+
+    longer = prompt[:6 * BS] + rng.integers(0, 4096, 34).tolist()
+    req = v.Request("P", longer, kv_transfer_params={"do_remote_decode": True})
+    assert matched(sched, req, 6 * BS) == (0, False)
+    pages = list(range(6)) + [10, 11, 12]
+    meta = sched.build_connector_meta(v.SchedulerOutput(
+        scheduled_new_reqs=[v.NewRequestData("P", longer, (pages,), 6 * BS)],
+        num_scheduled_tokens={"P": len(longer) - 6 * BS}))
+    assert [(s.first_block, len(s.pages)) for s in meta.step.saves] \
+        == [(0, 8)], "the blocks the store lost are saved again"
+    worker.step(pickle.loads(pickle.dumps(meta)),
+                [(10, seeds[6]), (11, seeds[7]), (12, seeds[8])])
+    _, params = sched.request_finished(req, pages)
+    assert params is not None and params["kvtier"]["blocks"] == 8
+    stored(store, ns, longer, 8)
+
+    # Whole prompt held by vLLM: no lookup, so no promise.
+    again = v.Request("Q", prompt, kv_transfer_params={"do_remote_decode": True})
+    assert sched.get_num_new_matched_tokens(again, 6 * BS) == (0, False)
+    _, params = sched.request_finished(again, list(range(7)))
+    assert params is not None and params["kvtier"]["blocks"] == 0
 
 
 def counted(sched: KvtierConnector) -> dict[str, float]:

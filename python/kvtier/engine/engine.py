@@ -43,8 +43,9 @@ import torch
 from kvtier import Connector, StoreClient
 from kvtier.errors import KvtierError, StatusCode, Unavailable
 from kvtier.hooks import SchedulerHalf, WorkerHalf
-from kvtier.engine.model import PagedKvCache, SeqChunk, Transformer, greedy
+from kvtier.engine.model import PagedKvCache, SeqChunk, Transformer
 from kvtier.engine.pages import _Pages
+from kvtier.engine.steps import Steps
 from kvtier.engine.requests import (ARRIVALS_LISTED_S, ComputeEstimate,
                                     DrainReport, EngineConfig, LoadReport,
                                     Result, _Request, namespace_for,
@@ -120,6 +121,9 @@ class Engine:
             collections.deque(maxlen=4096)
         self.stats: collections.Counter[str] = collections.Counter()
         self.compute = ComputeEstimate(config.lookup_wait_share)
+        self._steps = Steps(model, self.cache, config, self.scheduler,
+                            self.worker, self.connector, self.pages,
+                            self.compute, self.stats, self._finish)
         if store is not None:
             self._profile_run()
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -272,7 +276,8 @@ class Engine:
                         out.stopped = "time"
                         break
                     conn.save(_DRAIN_REQUEST, i,
-                              [p for p, _ in ranked[i:i + n]])
+                              [p for p, _ in ranked[i:i + n]],
+                              skip_known=True)
                     i += n
             except KvtierError as e:
                 log.warning("drain: saving stopped: %s", e)
@@ -364,7 +369,7 @@ class Engine:
                 self._admit()
                 batch = list(self._running)
             if batch:
-                self._step(batch)
+                self._steps.run(batch)
             else:
                 time.sleep(0.002)  # every page is held: wait for a finish
 
@@ -414,129 +419,6 @@ class Engine:
             r.load_blocks = found
             r.computed = (len(gpu) + found) * bt
             self._running.append(r)
-
-    def _step(self, batch: list[_Request]) -> None:
-        """One forward over the batch: a prefill chunk per prefilling
-        request, one token per decoding one; the connector's hooks around
-        it; then verdicts, first tokens and completions."""
-        budget = self.config.max_step_tokens
-        chunks: list[SeqChunk] = []
-        members: list[tuple[_Request, int]] = []  # (request, tokens fed)
-        for r in batch:
-            if r.computed < len(r.prompt):
-                if budget <= 0 and not r.load_blocks:
-                    continue  # prefills next step; decodes still run
-                # A request whose load starts this step always runs in it:
-                # its verdict belongs to this step.
-                n = min(len(r.prompt) - r.computed, max(budget, 1))
-                budget -= n
-                toks = r.prompt[r.computed:r.computed + n]
-                start = r.computed
-                # build_connector_meta: blocks this step fills are saved.
-                self.scheduler.computed(r.rid, r.computed + n, r.pages)
-            else:
-                n = 1
-                budget -= 1
-                toks = [r.out[-1]]
-                start = r.length - 1  # its pages were taken at admission
-            chunks.append(SeqChunk(torch.tensor(toks, dtype=torch.long),
-                                   start,
-                                   torch.tensor(r.pages, dtype=torch.long)))
-            members.append((r, n))
-        step = self.scheduler.build_step()
-        errors: set[int] = set()
-        logits: Optional[torch.Tensor] = None
-        if self.worker is not None:
-            t0 = time.monotonic()
-            self.worker.start_load(step)
-            pinned_ms = (time.monotonic() - t0) * 1000.0
-            loading = [r for r, _ in members if r.load_blocks > 0]
-            for r in loading:
-                r.onboard_ms += pinned_ms
-            worker = self.worker
-            waited = [0.0]
-
-            def before_layer(layer: int) -> None:
-                t = time.monotonic()
-                worker.wait_for_layer(layer)  # wait_for_layer_load
-                ms = (time.monotonic() - t) * 1000.0
-                waited[0] += ms
-                for r in loading:
-                    r.onboard_ms += ms
-
-            if chunks:
-                t0 = time.monotonic()
-                logits = self.model.forward(chunks, self.cache,
-                                            before_layer=before_layer)
-                self.compute.timed(sum(n for _, n in members),
-                            (time.monotonic() - t0) * 1000.0 - waited[0])
-            t0 = time.monotonic()
-            worker.wait_for_save(step)
-            for r in loading:
-                r.onboard_ms += (time.monotonic() - t0) * 1000.0
-            errors = worker.load_error_pages()
-        elif chunks:
-            logits = self.model.forward(chunks, self.cache)
-        if logits is None:
-            return
-        now = time.monotonic()
-        for i, (r, n) in enumerate(members):
-            if r.load_blocks > 0 and not self._verdict(r, errors):
-                continue  # rolled back: this step's output is not used
-            if r.computed < len(r.prompt):
-                r.computed += n
-                r.computed_tokens += n
-                self._cache_full_blocks(r)
-                if r.computed < len(r.prompt):
-                    continue
-                r.first_token_at = now
-                r.first_logits = logits[i].clone()
-                r.out.append(int(greedy(logits[i])))
-            else:
-                r.out.append(int(greedy(logits[i])))
-            if len(r.out) >= r.max_new:
-                self._finish(r)
-
-    def _verdict(self, r: _Request, errors: set[int]) -> bool:
-        """The load's verdict (get_block_ids_with_load_errors): verified
-        blocks enter the prefix cache; a failure rolls the request back to
-        its own prefix."""
-        bt = self.config.page_tokens
-        n = r.load_blocks
-        r.load_blocks = 0
-        first = r.gpu_blocks
-        load_pages = r.pages[first:first + n]
-        self.stats["loads"] += 1
-        if not errors.intersection(load_pages):
-            assert self.connector is not None
-            r.loaded_blocks = n
-            r.loaded_from_disk = self.connector.loaded_from_disk(r.rid)
-            r.load_times = self.connector.load_times(r.rid)
-            for b in range(first, first + n):
-                self.pages.commit(r.pages[b], self._key(r, b))
-            r.saved_blocks = first + n
-            self.stats["loaded_blocks"] += n
-            return True
-        self.stats["load_failures"] += 1
-        failures = self.worker.load_failures if self.worker else []
-        r.load_status = ("load failed, computed instead: " +
-                         (failures[-1] if failures else
-                          "blocks left the store before they were pinned"))
-        r.computed = r.gpu_blocks * bt  # recompute from the engine's prefix
-        self.scheduler.load_failed(r.rid, r.computed)
-        return False
-
-    @staticmethod
-    def _key(r: _Request, block: int) -> tuple[int, int]:
-        hi, lo = r.hashes[block].tolist()
-        return int(hi), int(lo)
-
-    def _cache_full_blocks(self, r: _Request) -> None:
-        """Prompt blocks that became full enter the prefix cache."""
-        full = min(r.computed, len(r.prompt)) // self.config.page_tokens
-        for b in range(r.saved_blocks, full):
-            self.pages.commit(r.pages[b], self._key(r, b))
-        r.saved_blocks = max(r.saved_blocks, full)
 
     def _finish(self, r: _Request) -> None:
         now = time.monotonic()

@@ -17,16 +17,10 @@ copied into the pages layer by layer; docs/engines.md, "CUDA pages"). On
 other platforms, use vLLM's own offloading with kvtier as its secondary
 tier (:mod:`kvtier.integrations.vllm_tier`).
 
-Extra config keys (checked at start-up: an unknown key, a wrong type or a
-value out of range is refused, naming it): ``stores`` (comma-separated or a
-list; required), ``deadline_ms`` (10000: any one store call), ``shared_memory``
-("auto", "on", "off"), ``staging_blocks`` (64), ``lookup_wait_ms`` (100: a
-new request's wait for the store's answer), ``lookup_threads`` (2),
-``load_threads`` (2), ``handoff_wait_ms`` (5000: a decode's wait for a
-prefill's blocks, docs/disaggregation.md), ``tls_ca`` / ``tls_cert`` /
-``tls_key`` (PEM files: TLS, mutual with a certificate, towards the
-stores).
-``kv_load_failure_policy`` must be "recompute".
+Its ``kv_connector_extra_config`` keys (``stores`` required) are
+:data:`kvtier.integrations.vllm_config.CONNECTOR_OPTIONS`, checked at
+start-up (an unknown key, a wrong type or a value out of range is refused,
+naming it); ``kv_load_failure_policy`` must be "recompute".
 
 Every decision is in kvtier.scheduler_half and kvtier.worker_half; this
 module only translates vLLM's objects into their calls. vLLM builds one
@@ -46,7 +40,6 @@ are carried from the looked-up group by :mod:`kvtier.integrations.vllm_groups`.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -60,13 +53,10 @@ from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
                                            KVConnectorRole, SupportsHMA)
 from kvtier.integrations.vllm_config import (_tp_rank, connector_options,
                                              namespace_of, request_salt)
-from kvtier.integrations.vllm_pages import page_view
+from kvtier.integrations.vllm_pages import cuda_stream_fence, engine_tensors
 from kvtier.integrations.vllm_groups import (GroupLoads, GroupPlans,
                                              group_kinds, primary_group)
-from kvtier.integrations.vllm_handoff import (RETRY_S, HandoffCounts,
-                                              KvtierPromMetrics, KvtierStats,
-                                              Waiting, producer_params,
-                                              read_fence, wants_handoff)
+from kvtier.integrations.vllm_handoff import Handoffs, HandoffStatsHooks
 from kvtier.options import client_options
 
 # A child of vLLM's own logger, so the connector's lines appear with vLLM's.
@@ -83,7 +73,8 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     failed: list[str] = field(default_factory=list)
 
 
-class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[misc]
+                      SupportsHMA):
     """vLLM's KV connector over kvtier (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, role: Any,
@@ -99,12 +90,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         # Prefill/decode roles (docs/disaggregation.md): a producer hands
         # every prompt to a decode engine; a consumer saves nothing (the
         # prefill engines do) and waits on the fences it is given.
-        self._kv_role = str(getattr(vllm_config.kv_transfer_config,
-                                    "kv_role", None) or "kv_both")
-        self._saves = self._kv_role != "kv_consumer"
-        self._handoff_wait_s = float(opts["handoff_wait_ms"]) / 1000
-        self._fences: dict[str, Optional[Waiting]] = {}
-        self._counts = HandoffCounts()
+        kv_role = str(getattr(vllm_config.kv_transfer_config, "kv_role",
+                              None) or "kv_both")
+        self._saves = kv_role != "kv_consumer"
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
         self._load_errors: set[int] = set()
@@ -127,6 +115,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 ns, kvtier.StoreClient(self._stores, **self._opts),
                 self._block_size, lookup_threads=int(opts["lookup_threads"]))
             self._scheduler.warm_up()
+            self._handoffs = Handoffs(kv_role,
+                                      float(opts["handoff_wait_ms"]) / 1000,
+                                      ns.id, self._block_size)
         else:
             rank = _tp_rank(vllm_config)
             self._namespaces = [namespace_of(vllm_config, rank,
@@ -166,6 +157,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         rid = request.request_id
         if request.prompt_token_ids is None:
             return 0, False  # prompt embeddings: no token ids to hash
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # prompt_logprobs (and echo with logprobs): vLLM computes every
+            # prompt position, so nothing is loaded for it either.
+            return 0, False
         prompt = list(request.prompt_token_ids)
         if rid not in self._hashes:
             salt = request_salt(request)
@@ -189,10 +184,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             # wait for it (vLLM's prefix cache then holds them) instead of
             # moving the same blocks twice.
             return None, False
-        wait = self._fence_of(request, len(prompt))
+        wait = self._handoffs.waiting(
+            rid, getattr(request, "kv_transfer_params", None), len(prompt))
         now = time.monotonic()
         if wait is not None and now < wait.next_ask:
-            self._idle_pause(wait.next_ask - now)
+            self._handoffs.idle_pause(wait.next_ask - now,
+                                      running=bool(self._blocks))
             return None, False
         n = self._scheduler.poll_loadable_tokens(
             request_key(rid), hashes, len(prompt),
@@ -200,60 +197,11 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if wait is None or n is None:
             return n, bool(n)
         # A handoff: every block the prefill wrote, or the budget spent.
-        have = skip + n // self._block_size
-        need = min(wait.fence.blocks, (len(prompt) - 1) // self._block_size)
-        waited = now - wait.since
-        if have < need and waited < self._handoff_wait_s:
-            wait.next_ask = now + RETRY_S
+        if self._handoffs.settle(rid, wait, skip + n // self._block_size,
+                                 bool(n), len(prompt), now):
             self._scheduler.retry(request_key(rid))
             return None, False
-        self._fences[rid] = None  # settled: a preempted request asks afresh
-        outcome = ("loaded" if have >= need else
-                   "partial" if n else "computed")
-        self._counts.add(outcome)
-        self._counts.add("wait_seconds", waited)
-        if have < need:
-            self._counts.add("computed_blocks", need - have)
-            log.warning("kvtier handoff of request %s: %d of the %d blocks "
-                        "the prefill wrote were in the store after %.0f ms; "
-                        "computing the rest", rid, have, need, waited * 1e3)
         return n, bool(n)
-
-    def _idle_pause(self, seconds: float) -> None:
-        """While requests wait on fences and none runs, vLLM's engine loop
-        would step empty steps as fast as it can, taking a core from the
-        prefill engine's background writes (they run at low priority) that
-        the fences wait for: with nothing running, the scheduler sleeps
-        until the next ask instead."""
-        if not self._blocks and seconds > 0:
-            time.sleep(min(seconds, RETRY_S))
-
-    def _fence_of(self, request: Any, prompt_tokens: int
-                  ) -> Optional[Waiting]:
-        """The handoff fence a decode request waits on (None: none, or
-        settled). Malformed params or another namespace's are logged,
-        counted and ignored: the request is served as an ordinary one."""
-        rid = request.request_id
-        if rid in self._fences:
-            return self._fences[rid]
-        assert self._scheduler is not None
-        fence, bad = read_fence(getattr(request, "kv_transfer_params", None),
-                                prompt_tokens, self._block_size)
-        wait = None
-        if bad:
-            self._counts.add("invalid")
-            log.warning("kvtier handoff of request %s ignored: %s", rid, bad)
-        elif (fence is not None and
-              fence.namespace != self._scheduler.namespace.id):
-            self._counts.add("other_namespace")
-            log.warning("kvtier handoff of request %s ignored: its prefill "
-                        "wrote namespace %016x, this engine reads %016x "
-                        "(another model, dtype, layout or TP size)", rid,
-                        fence.namespace, self._scheduler.namespace.id)
-        elif fence is not None:
-            wait = Waiting(fence)
-        self._fences[rid] = wait
-        return wait
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -350,31 +298,22 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         aborted while it waits for its KV): then vLLM frees them when the
         workers report that load ended. A prefill handed to a decode engine
         (``kv_producer``, or ``do_remote_decode``) returns the handoff's
-        ``kv_transfer_params``: the blocks are copied out of the pages in
-        the step that computed them, so nothing waits on their writes. A
-        request whose store lookup failed (the store down or stalled)
-        returns none: its saves would not land, and a decode would wait its
-        budget for them; the orchestrator serves it colocated instead."""
+        ``kv_transfer_params`` (:meth:`Handoffs.params`): the blocks are
+        copied out of the pages in the step that computed them, so nothing
+        waits on their writes; none when its store did not answer (the
+        orchestrator serves it colocated instead)."""
         assert self._scheduler is not None
         rid = request.request_id
         key = request_key(rid)
-        params = None
-        if self._saves and (self._kv_role == "kv_producer" or wants_handoff(
-                getattr(request, "kv_transfer_params", None))):
-            if self._scheduler.store_missed(key):
-                self._counts.add("not_sent")
-                log.warning("kvtier handoff of request %s not sent: the store "
-                            "did not answer its lookup", rid)
-            else:
-                prompt = request.prompt_token_ids
-                params = producer_params(
-                    self._scheduler.namespace.id,
-                    self._scheduler.saved_blocks(key),
-                    len(prompt) if prompt is not None else 0,
-                    self._block_size)
-                self._counts.add("sent")
+        prompt = request.prompt_token_ids
+        params = self._handoffs.params(
+            rid, getattr(request, "kv_transfer_params", None),
+            self._scheduler.store_missed(key),
+            self._scheduler.saved_blocks(key),
+            len(prompt) if prompt is not None else 0)
         self._scheduler.finished(key)
-        for d in (self._hashes, self._planned, self._blocks, self._fences):
+        self._handoffs.forget(rid)
+        for d in (self._hashes, self._planned, self._blocks):
             d.pop(rid, None)
         self._computes.discard(rid)
         if self._plans is not None:
@@ -390,28 +329,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         blocks; freed at once unless a load into them still runs)."""
         return self.request_finished(request, list(block_ids[self._primary]))
 
-    def get_kv_connector_stats(self) -> Optional[KvtierStats]:
-        """The scheduler's handoff counters since the last call (vLLM
-        carries them to its loggers and to ``/metrics``)."""
-        data = self._counts.take() if self._scheduler is not None else {}
-        return KvtierStats(data=data) if data else None
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None
-                                 ) -> KvtierStats:
-        """kvtier's stats from their wire form."""
-        return KvtierStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any,
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]
-                           ) -> KvtierPromMetrics:
-        """kvtier's counters on vLLM's ``/metrics``
-        (:class:`kvtier.integrations.vllm_handoff.KvtierPromMetrics`)."""
-        return KvtierPromMetrics(vllm_config, metric_types, labelnames,
-                                 per_engine_labelvalues)
-
     # --------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -423,39 +340,23 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         contiguous range in every layout kvtier accepts, so kvtier moves it
         whole, as opaque bytes (the namespace records the layout). Older
         vLLM: 5-D ``[2, blocks, ...]`` or ``[blocks, 2, ...]`` tensors."""
+        kc = self._kv_config()
         for g, ns in enumerate(self._namespaces):
-            names = self._layer_order(kv_caches, g)
-            tensors = [kv_caches[n] for n in names]
-            if tensors[0].dim() == 4:
-                layout = "blocks_first"
-                tensors = [page_view(t, ns, self._layout_name())
-                           for t in tensors]
-            elif tensors[0].dim() == 5:
-                first = tensors[0]
-                layout = ("kv_first" if first.shape[0] == 2 and
-                          first.shape[1] != 2 else "blocks_first")
-            else:
-                raise kvtier.errors.InvalidArgument(
-                    kvtier.StatusCode.INVALID_ARGUMENT,
-                    f"vLLM handed kvtier a {tensors[0].dim()}-D KV tensor of "
-                    f"shape {tuple(tensors[0].shape)}; kvtier's connector "
-                    "takes 4-D [blocks, heads, tokens, K|V] views (vLLM 0.26 "
-                    "and later) or 5-D [2, blocks, ...] / [blocks, 2, ...] "
-                    "tensors")
+            tensors, layout = engine_tensors(kv_caches, kc, g, ns)
             conn = kvtier.Connector(ns, tensors, stores=self._stores,
                                     layout=layout,
                                     staging_blocks=self._staging, **self._opts)
+            # CUDA pages: every copy ordered after the engine's stream work
+            # (kvtier.worker_half, "Ordered against the engine's stream").
+            fence = cuda_stream_fence if tensors[0].is_cuda else None
             self._workers.append(WorkerHalf(conn,
-                                            load_threads=self._load_threads))
+                                            load_threads=self._load_threads,
+                                            stream_fence=fence))
             log.info("kvtier connector: namespace %016x (%s), %d layers of "
                      "%d pages, stores %s", ns.id,
                      ns.layout or "kvtier's layout", len(tensors),
                      conn.num_pages, ",".join(self._stores))
         self._worker = self._workers[self._primary]
-
-    def _layout_name(self) -> str:
-        """vLLM's KV cache layout, for messages."""
-        return str(getattr(self._kv_config(), "kv_cache_layout", "?"))
 
     def _kv_config(self) -> Any:
         """vLLM's KVCacheConfig when it carries a layout (vLLM 0.26 and
@@ -464,26 +365,6 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if kc is None or not hasattr(kc, "kv_cache_layout"):
             return None
         return kc
-
-    def _layer_order(self, kv_caches: dict[str, Any],
-                     group: int = 0) -> list[str]:
-        """The KV layers in order: the KV cache group's own list when vLLM
-        gives one (the dict may also hold aliases of shared layers), else
-        the layer names sorted by their index."""
-        kc = self._kv_config()
-        if kc is not None and getattr(kc, "kv_cache_groups", None):
-            names = list(kc.kv_cache_groups[group].layer_names)
-            missing = [n for n in names if n not in kv_caches]
-            if missing:
-                raise kvtier.errors.InvalidArgument(
-                    kvtier.StatusCode.INVALID_ARGUMENT,
-                    f"vLLM registered no KV tensor for layers {missing}")
-            return names
-
-        def index(name: str) -> int:
-            m = re.search(r"\.(\d+)\.", name)
-            return int(m.group(1)) if m else 0
-        return sorted(kv_caches, key=index)
 
     def _metadata(self) -> KvtierConnectorMetadata:
         """This step's metadata, as our scheduler half built it."""
@@ -502,14 +383,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._worker.start_loads(meta.step)
             return
         # Counted before any starts: a group's load may end at once.
-        loads: dict[str, int] = {}
-        for step in meta.groups:
-            for spec in step.loads:
-                loads[spec.name] = loads.get(spec.name, 0) + 1
-        for name in meta.failed:
-            self._group_loads.expect(name, 0, failed=True)
-        for name, n in loads.items():
-            self._group_loads.expect(name, n)
+        self._group_loads.expect_step(meta.groups, meta.failed)
         for worker, step in zip(self._workers, meta.groups):
             worker.start_loads(step)
 

@@ -177,6 +177,18 @@ class GroupLoads:
         if failed:
             self.failed.add(name)
 
+    def expect_step(self, steps: list[StepMeta], failed: list[str]) -> None:
+        """A step's plans of every group (and the requests whose load
+        fails in some group): each request's group loads to wait for."""
+        loads: dict[str, int] = {}
+        for step in steps:
+            for spec in step.loads:
+                loads[spec.name] = loads.get(spec.name, 0) + 1
+        for name in failed:
+            self.expect(name, 0, failed=True)
+        for name, n in loads.items():
+            self.expect(name, n)
+
     def ended(self, name: str, failed: bool) -> None:
         """One group's load of the request ended."""
         self.pending[name] = self.pending.get(name, 1) - 1

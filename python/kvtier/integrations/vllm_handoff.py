@@ -17,9 +17,13 @@ exported through vLLM's own Prometheus endpoint
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+# A child of vLLM's own logger, so the lines appear with vLLM's.
+log = logging.getLogger("vllm.kvtier")
 
 #: The key of kvtier's entry in vLLM's ``kv_transfer_params``.
 HANDOFF_KEY = "kvtier"
@@ -112,6 +116,104 @@ class HandoffCounts:
         """The counts since the last take (empty when none)."""
         out, self.values = self.values, {}
         return out
+
+
+class Handoffs:
+    """kvtier's handoff on a connector's scheduler side: the fence a prefill
+    returns (:meth:`params`) and a decode's wait on one (:meth:`waiting`,
+    :meth:`settle`), with their counters (``counts``). ``role``: vLLM's
+    ``kv_role`` (a ``kv_producer`` hands every prompt on; a
+    ``kv_consumer`` saves nothing); ``wait_s``: a decode's budget
+    (``handoff_wait_ms``). Not thread-safe (vLLM's scheduler thread)."""
+
+    def __init__(self, role: str, wait_s: float, namespace_id: int,
+                 block_tokens: int) -> None:
+        self.role = role
+        self.saves = role != "kv_consumer"
+        self.wait_s = wait_s
+        self.namespace_id = namespace_id
+        self.block_tokens = block_tokens
+        self.counts = HandoffCounts()
+        self._fences: dict[str, Optional[Waiting]] = {}
+
+    def waiting(self, rid: str, params: Any,
+                prompt_tokens: int) -> Optional[Waiting]:
+        """The fence request ``rid`` waits on (None: none, or settled).
+        Malformed params or another namespace's are logged, counted and
+        ignored: the request is served as an ordinary one."""
+        if rid in self._fences:
+            return self._fences[rid]
+        fence, bad = read_fence(params, prompt_tokens, self.block_tokens)
+        wait = None
+        if bad:
+            self.counts.add("invalid")
+            log.warning("kvtier handoff of request %s ignored: %s", rid, bad)
+        elif fence is not None and fence.namespace != self.namespace_id:
+            self.counts.add("other_namespace")
+            log.warning("kvtier handoff of request %s ignored: its prefill "
+                        "wrote namespace %016x, this engine reads %016x "
+                        "(another model, dtype, layout or TP size)", rid,
+                        fence.namespace, self.namespace_id)
+        elif fence is not None:
+            wait = Waiting(fence)
+        self._fences[rid] = wait
+        return wait
+
+    def settle(self, rid: str, wait: Waiting, have: int, loads: bool,
+               prompt_tokens: int, now: float) -> bool:
+        """A decode holds ``have`` leading blocks (its own and the store's;
+        ``loads``: any of them from the store): True to ask again later
+        (the fence unmet within the budget), else the handoff is settled
+        (counted, and the rest computed)."""
+        need = min(wait.fence.blocks, (prompt_tokens - 1) // self.block_tokens)
+        waited = now - wait.since
+        if have < need and waited < self.wait_s:
+            wait.next_ask = now + RETRY_S
+            return True
+        self._fences[rid] = None  # settled: a preempted request asks afresh
+        self.counts.add("loaded" if have >= need else
+                        "partial" if loads else "computed")
+        self.counts.add("wait_seconds", waited)
+        if have < need:
+            self.counts.add("computed_blocks", need - have)
+            log.warning("kvtier handoff of request %s: %d of the %d blocks "
+                        "the prefill wrote were in the store after %.0f ms; "
+                        "computing the rest", rid, have, need, waited * 1e3)
+        return False
+
+    def params(self, rid: str, request_params: Any, store_missed: bool,
+               stored_blocks: int, prompt_tokens: int
+               ) -> Optional[dict[str, Any]]:
+        """The ``kv_transfer_params`` a finished prefill returns (None when
+        it hands nothing on): a ``kv_producer``'s or a ``do_remote_decode``
+        request's fence, the blocks the store holds or this engine saved;
+        none when its store did not answer (its saves would not land, and a
+        decode would wait its budget for them)."""
+        if not self.saves or not (self.role == "kv_producer" or
+                                  wants_handoff(request_params)):
+            return None
+        if store_missed:
+            self.counts.add("not_sent")
+            log.warning("kvtier handoff of request %s not sent: the store "
+                        "did not answer its lookup", rid)
+            return None
+        self.counts.add("sent")
+        return producer_params(self.namespace_id, stored_blocks,
+                               prompt_tokens, self.block_tokens)
+
+    def forget(self, rid: str) -> None:
+        """Request ``rid`` ended."""
+        self._fences.pop(rid, None)
+
+    @staticmethod
+    def idle_pause(seconds: float, running: bool) -> None:
+        """While requests wait on fences and none runs, vLLM's engine loop
+        would step empty steps as fast as it can, taking a core from the
+        prefill engine's background writes (they run at low priority) that
+        the fences wait for: with nothing ``running``, the scheduler sleeps
+        until the next ask instead."""
+        if not running and seconds > 0:
+            time.sleep(min(seconds, RETRY_S))
 
 
 try:  # vLLM's stats classes; kvtier imports without vLLM.
@@ -207,3 +309,34 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
                 self._decoded.labels(*labels, name).inc(value)
             elif name in plain:
                 plain[name].labels(*labels).inc(value)
+
+
+class HandoffStatsHooks:
+    """vLLM's connector hooks for kvtier's handoff counters (a mixin of
+    :class:`kvtier.integrations.vllm.KvtierConnector`, whose scheduler
+    side holds a :class:`Handoffs` as ``_handoffs``)."""
+
+    _handoffs: Handoffs  # set on the scheduler side only
+
+    def get_kv_connector_stats(self) -> Optional[KvtierStats]:
+        """The scheduler's handoff counters since the last call (vLLM
+        carries them to its loggers and to ``/metrics``)."""
+        handoffs: Optional[Handoffs] = getattr(self, "_handoffs", None)
+        data = handoffs.counts.take() if handoffs is not None else {}
+        return KvtierStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None
+                                 ) -> KvtierStats:
+        """kvtier's stats from their wire form."""
+        return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KvtierPromMetrics:
+        """kvtier's counters on vLLM's ``/metrics``
+        (:class:`KvtierPromMetrics`)."""
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)

@@ -17,17 +17,10 @@ interface is vLLM 0.32's ``SecondaryTierManager``
           "module_path": "kvtier.integrations.vllm_tier",
           "stores": "kv-store-0:7400,kv-store-1:7400"}]}}'
 
-Tier keys (beside vLLM's ``type``, ``module_path``, ``backpressure``):
-``stores`` (required: comma-separated HOST:PORT or a list), ``deadline_ms``
-(10000), ``shared_memory`` ("auto", "on", "off"), ``tls_ca`` /
-``tls_cert`` / ``tls_key``, ``io_threads`` (2: loads go first),
-``locality`` ("REMOTE": the store is shared by every engine; or "LOCAL"),
-``enable_kv_events`` (true), ``lookup_budget_ms`` (100: one step's lookup;
-past it the keys miss), ``max_queued_stores`` (256: store jobs beyond it
-fail at once, their rows staying in vLLM's CPU tier), ``handoff_wait_ms``
-(5000: a decode request's wait for its prefill's rows). Any other key, a
-wrong type or a value out of range is refused with a message that names
-the key. A REMOTE tier whose vLLM seeds block hashes at random per process
+Its keys (beside vLLM's ``type``, ``module_path``, ``backpressure``) are
+:data:`TIER_OPTIONS` (``stores`` required); any other key, a wrong type or
+a value out of range is refused with a message that names the key. A
+REMOTE tier whose vLLM seeds block hashes at random per process
 (``prefix_caching_hash_algo`` xxhash without ``PYTHONHASHSEED``) is refused
 where vLLM's config is at hand, and said in the log at the first lookup
 otherwise.
@@ -49,23 +42,17 @@ What it promises:
   queued and running job.
 - The namespace binds everything that decides a row's bytes: model, dtype,
   vLLM's version, tokens per hash, blocks per chunk, bytes per row, the KV
-  groups, vLLM's row layout (canonical or per rank, replicated MLA) and the
-  parallel layout (world size, TP, PP, PCP, DCP), so rows of another layout
-  or version are never read as these.
+  groups, vLLM's row layout (canonical or per rank, replicated MLA), the
+  parallel layout (world size, TP, PP, PCP, DCP) and the identity fields
+  of :mod:`kvtier.identity`, so rows of another layout, version or model
+  are never read as these.
 - A store that is down (at start-up too) is a miss for every lookup and a
   failed job; the tier keeps serving and uses the store once it answers.
 - Events: a stored row is reported (``take_events``) with medium STORAGE
   and the tier's locality, when vLLM's KV events are on.
-- Prefill/decode through the store, driven by vLLM's own P/D keys in
-  ``kv_transfer_params`` (vLLM's orchestration-layer protocol, which
-  llm-d's routing sidecar speaks with ``--kv-connector offloading``): a
-  request with ``remote_decoder: {kv_request_id}`` stores every row of its
-  prompt (prefix hits too); one with ``remote_prefiller: {kv_request_id,
-  remote_host, remote_port}`` waits (RETRY) for each row it looks up until
-  the store holds it committed, or ``handoff_wait_ms`` has passed (then
-  computes what is missing). The store is the medium: host and port are
-  not used, and neither side needs the other. Keys the protocol forbids or
-  malformed ones run the request as an ordinary one, said in the log.
+- Prefill/decode through the store, driven by vLLM's own P/D keys
+  (``remote_decoder`` / ``remote_prefiller``; the store is the medium):
+  :mod:`kvtier.integrations.vllm_tier_handoff`.
 
 Engines that share rows through the store must hash blocks the same way:
 vLLM's default sha256 block hash is seeded from a fixed value unless
@@ -75,11 +62,10 @@ vLLM's default sha256 block hash is seeded from a fixed value unless
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Optional
 
 import numpy as np
@@ -88,7 +74,9 @@ import kvtier
 from kvtier.errors import (DataLoss, KvtierError, NotFound,
                            StatusCode)
 from kvtier.integrations.vllm_config import (
-    SEED_MESSAGE, check_block_hashes_shareable, key_hashes, tier_namespace)
+    check_block_hashes_shareable, key_hashes, tier_namespace,
+    warn_if_seeded_at_random)
+from kvtier.integrations.vllm_tier_handoff import TierHandoffs
 from kvtier.options import (CLIENT_OPTIONS, Option, client_options,
                             read_options)
 
@@ -124,61 +112,7 @@ TIER_OPTIONS: tuple[Option, ...] = CLIENT_OPTIONS + (
            "prefill's rows before it computes what is missing", 1, 600000),
 )
 
-#: The shortest time between two probes of one handoff's keys.
-HANDOFF_PROBE_INTERVAL_S = 0.005
 TIER_KEYS = tuple(o.name for o in TIER_OPTIONS)
-
-@dataclass
-class _Handoff:
-    """A decode request's wait for a prefill's rows (vLLM's
-    ``remote_prefiller``): which keys it asked for and which the store was
-    seen to hold. Touched on vLLM's scheduler thread only; probes report
-    through the tier's queue."""
-
-    kv_request_id: str
-    deadline: float = 0.0             # set at the first lookup
-    start: float = 0.0
-    asked: dict[OffloadKey, None] = field(default_factory=dict)  # in order
-    present: set[OffloadKey] = field(default_factory=set)  # committed there
-    failed: set[OffloadKey] = field(default_factory=set)   # loads that failed
-    probing: bool = False
-    next_probe: float = 0.0
-    # None: waiting; "complete", "timed_out", "partial" (scheduled with
-    # some asked rows missing), "gone" (finished before it asked).
-    outcome: Optional[str] = None
-
-
-#: One handoff's keys to look for in the store.
-_Probe = tuple[_Handoff, list[OffloadKey]]
-
-
-def pd_role(params: Any) -> tuple[Optional[str], Optional[str], str]:
-    """What vLLM's offloading P/D keys in ``kv_transfer_params`` ask of the
-    tier (vLLM's "orchestration-layer protocol", the one llm-d's routing
-    sidecar speaks): ``("decode", kv_request_id, "")`` for
-    ``remote_prefiller``, ``("prefill", kv_request_id, "")`` for
-    ``remote_decoder``, ``(None, None, "")`` for neither, and
-    ``(None, None, why)`` for keys the protocol forbids or that are
-    malformed (the request then runs as an ordinary one).
-    ``remote_kv_source`` needs nothing of this tier: every engine finds what
-    the shared store holds by its ordinary lookups."""
-    if not isinstance(params, dict):
-        return None, None, ""
-    pre = params.get("remote_prefiller")
-    dec = params.get("remote_decoder")
-    if pre is None and dec is None:
-        return None, None, ""
-    if pre is not None and (dec is not None or
-                            params.get("remote_kv_source") is not None):
-        return None, None, ("remote_prefiller goes alone (not with "
-                            "remote_decoder or remote_kv_source)")
-    key = "remote_prefiller" if pre is not None else "remote_decoder"
-    value = pre if pre is not None else dec
-    rid = value.get("kv_request_id") if isinstance(value, dict) else None
-    if not isinstance(rid, str) or not rid:
-        return None, None, (f"{key} needs a non-empty string kv_request_id "
-                            f"(got {value!r:.80})")
-    return ("decode" if pre is not None else "prefill"), rid, ""
 
 
 @dataclass
@@ -261,27 +195,23 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             t.start()
         self._lookups = _Lookups(self)
         # P/D (vLLM's remote_prefiller / remote_decoder keys).
-        self._handoff_wait_s = float(values["handoff_wait_ms"]) / 1000.0
-        self._handoffs: dict[str, _Handoff] = {}   # by vLLM's req_id
-        self._probes: "queue.SimpleQueue[Optional[list[_Probe]]]" = \
-            queue.SimpleQueue()
-        self._probed: "queue.SimpleQueue[tuple[_Handoff, list[OffloadKey]]]" \
-            = queue.SimpleQueue()
-        self._prober = threading.Thread(target=self._probe_loop, daemon=True,
-                                        name="kvtier-tier-handoff")
-        self._prober.start()
-        #: Handoffs by outcome: complete (every row the decode asked for
-        #: was found), timed_out (it computed what was missing), partial
-        #: (vLLM scheduled it before every row it asked for was found, as
-        #: sliding-window lookups do), ignored (keys malformed or
-        #: forbidden: an ordinary request), prefill (remote_decoder
-        #: requests, whose every row is stored).
-        self.handoffs = {"complete": 0, "timed_out": 0, "partial": 0,
-                         "ignored": 0, "prefill": 0}
-        self.handoff_wait_seconds = 0.0
-        self._last_handoff_log = 0.0
+        self._pd = TierHandoffs(
+            float(values["handoff_wait_ms"]) / 1000.0,
+            lambda keys: self._call(lambda st: st.lookup_many(
+                self.namespace, [key_hashes([k]) for k in keys],
+                budget_ms=self._lookup_budget_ms)))
         log.info("kvtier tier: stores %s, namespace %016x, rows of %d bytes",
                  ",".join(stores), self.namespace.id, self._row_bytes)
+
+    @property
+    def handoffs(self) -> dict[str, int]:
+        """P/D handoffs by outcome (:class:`TierHandoffs`)."""
+        return self._pd.counts
+
+    @property
+    def handoff_wait_seconds(self) -> float:
+        """Seconds decode requests waited for their prefills' rows."""
+        return self._pd.wait_seconds
 
     # ------------------------------------------------------- the store side
 
@@ -394,18 +324,10 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         ``remote_prefiller`` (decode) request waits for its rows (lookup).
         The handoff's medium is the store: ``remote_host`` /
         ``remote_port`` are not used."""
-        role, rid, why = pd_role(req_context.kv_transfer_params)
-        if why:
-            self.handoffs["ignored"] += 1
-            self._log_handoff(f"request {req_context.req_id}: {why}; it runs "
-                              "as an ordinary request")
-            return RequestOffloadingContext()
+        role = self._pd.start(req_context.req_id,
+                              req_context.kv_transfer_params)
         if role == "prefill":
-            self.handoffs["prefill"] += 1
             return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
-        if role == "decode":
-            assert rid is not None
-            self._handoffs[req_context.req_id] = _Handoff(rid)
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext
@@ -417,45 +339,17 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         missing is computed); a row is seen only once committed, so no
         row the prefill is still writing is ever loaded."""
         if not self._seed_checked:
-            self._check_seed()
-        h = self._handoffs.get(req_context.req_id)
-        if h is not None:
-            self._take_probes()
-            if key in h.failed:  # its load failed: computed, not retried
-                return LookupResult.MISS
-            if key in h.present:
-                return LookupResult.HIT
-            if h.outcome is None:
-                now = time.monotonic()
-                if not h.asked:  # the wait starts at the first lookup
-                    h.start, h.deadline = now, now + self._handoff_wait_s
-                if now < h.deadline:
-                    h.asked[key] = None
-                    return LookupResult.RETRY
-                self._end_handoff(h, "timed_out")
+            self._seed_checked = True
+            warn_if_seeded_at_random(self.locality)
+        seen = self._pd.lookup(req_context.req_id, key)
+        if seen is not None:
+            return LookupResult.HIT if seen else LookupResult.MISS
+        if self._pd.waiting(req_context.req_id):
+            return LookupResult.RETRY
         result = self._lookups.lookup(key, req_context)
         if result is None:
             return LookupResult.RETRY
         return LookupResult.HIT if result else LookupResult.MISS
-
-    def _check_seed(self) -> None:
-        """Once vLLM has seeded its block hashes (before its first
-        request): a random per-process seed under a shared store is said
-        in the log, as an error naming PYTHONHASHSEED (rows this engine
-        writes are found by this process only)."""
-        self._seed_checked = True
-        if self.locality != Locality.REMOTE or \
-                os.environ.get("PYTHONHASHSEED") is not None:
-            return
-        try:
-            from vllm.v1.core import kv_cache_utils as kcu
-        except ImportError:  # pragma: no cover - older vLLM
-            return
-        seed = getattr(kcu, "_NONE_HASH_SEED", None)
-        if seed is not None and seed != getattr(
-                kcu, "DEFAULT_NONE_HASH_SEED", seed):
-            log.error("kvtier tier: locality %s", SEED_MESSAGE.format(
-                algo="(a non-cryptographic one)"))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Sends this step's lookups as one batch, and one probe for the
@@ -464,100 +358,11 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         scheduled this step, or whose wait has run out, ends here: its
         lookups are over."""
         self._lookups.flush()
-        self._take_probes()
-        now = time.monotonic()
-        scheduled = set(context.new_req_ids)
-        batch = []
-        for req_id, h in self._handoffs.items():
-            if h.outcome is not None or not h.asked:
-                continue
-            if req_id in scheduled:
-                self._end_handoff(h, "complete" if all(
-                    k in h.present for k in h.asked) else "partial")
-                continue
-            if now >= h.deadline:
-                self._end_handoff(h, "timed_out")
-                continue
-            if h.probing or now < h.next_probe:
-                continue
-            wanted = [k for k in h.asked if k not in h.present]
-            if wanted:
-                h.probing = True
-                h.next_probe = now + HANDOFF_PROBE_INTERVAL_S
-                batch.append((h, wanted))
-        if batch:
-            self._probes.put(batch)
+        self._pd.schedule_end(context.new_req_ids)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._lookups.cleanup(req_context.req_id)
-        h = self._handoffs.pop(req_context.req_id, None)
-        if h is not None and h.outcome is None:
-            # Finished (or aborted) while waiting: no longer waited for.
-            self._end_handoff(h, None if not h.asked else "timed_out"
-                              if time.monotonic() >= h.deadline else "partial")
-
-    # ---------------------------------------------------------- P/D handoffs
-
-    def _probe_loop(self) -> None:
-        """The handoff prober's thread: which of a handoff's keys the store
-        holds (each key its own chain: vLLM may ask in any order), within
-        the lookup budget; a store that cannot answer holds none."""
-        while True:
-            batch = self._probes.get()
-            if batch is None:
-                return
-            keys = [k for _, ks in batch for k in ks]
-            try:
-                counts = self._call(lambda s: s.lookup_many(
-                    self.namespace, [key_hashes([k]) for k in keys],
-                    budget_ms=self._lookup_budget_ms))
-            except KvtierError as e:
-                log.debug("kvtier tier: handoff probe failed: %s", e)
-                counts = [0] * len(keys)
-            except Exception:  # a bug: the handoffs wait on, unprobed
-                log.exception("kvtier tier: handoff probe failed")
-                counts = [0] * len(keys)
-            i = 0
-            for h, ks in batch:
-                self._probed.put((h, [k for k, n in zip(ks, counts[i:])
-                                      if n]))
-                i += len(ks)
-
-    def _take_probes(self) -> None:
-        """Applies finished probes (on the scheduler thread); a handoff
-        whose every asked key is present is complete."""
-        while True:
-            try:
-                h, found = self._probed.get_nowait()
-            except queue.Empty:
-                return
-            h.probing = False
-            h.present.update(found)
-            if h.outcome is None and h.asked and \
-                    all(k in h.present for k in h.asked):
-                self._end_handoff(h, "complete")
-
-    def _end_handoff(self, h: _Handoff, outcome: Optional[str]) -> None:
-        if outcome is None:  # left before it asked anything
-            h.outcome = "gone"
-            return
-        h.outcome = outcome
-        self.handoffs[outcome] += 1
-        self.handoff_wait_seconds += time.monotonic() - h.start
-        if outcome == "timed_out":
-            self._log_handoff(
-                f"handoff {h.kv_request_id}: {len(h.present)} of "
-                f"{len(h.asked)} rows in the store after "
-                f"{self._handoff_wait_s * 1000:.0f} ms (handoff_wait_ms); "
-                "the rest is computed")
-
-    def _log_handoff(self, line: str) -> None:
-        """A handoff problem in the log, at most every 10 s (with counts)."""
-        now = time.monotonic()
-        if now - self._last_handoff_log >= 10.0:
-            self._last_handoff_log = now
-            log.warning("kvtier tier: %s (handoffs so far: %s)", line,
-                        self.handoffs)
+        self._pd.finished(req_context.req_id)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Queues rows ``chunk_ids`` for the store (keys it holds are not
@@ -584,11 +389,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
             kept = job.keys[:moved] if moved else []
             if job.load and not ok:
                 self._lookups.mark_miss(job.keys[len(kept):])
-                h = self._handoffs.get(job.req_id or "")
-                if h is not None:  # never promised again: computed
-                    for k in job.keys[len(kept):]:
-                        h.present.discard(k)
-                        h.failed.add(k)
+                self._pd.load_failed(job.req_id or "", job.keys[len(kept):])
             if not job.load and ok and self._events is not None:
                 self._events.append(OffloadingEvent(
                     keys=list(job.keys), medium=self.medium, removed=False,
@@ -610,8 +411,7 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
     def has_pending_work(self) -> bool:
         """Jobs not yet reported, or a handoff still waiting (vLLM keeps
         stepping, so its lookups are asked again)."""
-        if any(h.outcome is None and h.asked
-               for h in self._handoffs.values()):
+        if self._pd.pending():
             return True  # on_schedule_end ends it at its deadline
         with self._idle:
             return self._unreported > 0
@@ -630,7 +430,6 @@ class KvtierTier(SecondaryTierManager):  # type: ignore[misc]
         for t in self._threads:
             t.join(timeout=30)
         self._lookups.shutdown()
-        self._probes.put(None)
-        self._prober.join(timeout=30)
+        self._pd.close()
         self._store = None
         self._region = np.empty(0, dtype=np.uint8)

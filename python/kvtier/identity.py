@@ -1,7 +1,7 @@
 """What makes a stored block's bytes the bytes an engine would compute: the
-one table of identity fields every engine adapter fills (vLLM's connector
-and offloading tier, SGLang's backend), and the tag they put into the
-namespace's layout field.
+one table of identity fields an engine adapter fills (vLLM's connector
+and offloading tier; SGLang's backend does not yet: docs/engines.md), and
+the tag they put into the namespace's layout field.
 
 The geometry (model id, KV dtype, layers, heads, head size, block size),
 the TP rank, the engine's page layout, a request's cache salt and LoRA

@@ -147,6 +147,63 @@ def test_the_connector_never_guesses_a_tp_rank_or_a_store() -> None:
         KvtierConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
 
 
+def namespace_with(**kw: object) -> kvtier.Namespace:
+    """The connector's namespace of the tiny model under vLLM's config with
+    ``kw`` (EngineArgs) changed."""
+    from kvtier.integrations.vllm import namespace_of
+    return namespace_of(vllm_config(**kw), 0,
+                        kv_cache_config=kv_cache_config())
+
+
+# Issue #60: each identity field (kvtier.identity.FIELDS) changed alone, as
+# vLLM's own config reads it after the change.
+@pytest.mark.parametrize("field, change", [
+    ("weights", {"seed": 1}),  # dummy weights of another seed
+    ("weights", {"load_format": "auto"}),  # the directory's (none: dummy)
+    ("config", {"hf_overrides": {"hidden_act": "gelu"}}),
+    ("rope", {"hf_overrides": {"rope_parameters": {
+        "rope_type": "default", "rope_theta": 1000000.0}}}),
+    ("rope", {"hf_overrides": {"rope_parameters": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}}),
+    ("sliding_window", {"hf_overrides": {"sliding_window": 256}}),
+])
+def test_what_changes_a_kv_byte_changes_the_namespace(
+        field: str, change: dict) -> None:
+    from kvtier.identity import FIELDS
+    assert field in {f.name for f in FIELDS}
+    assert namespace_with(**change).id != namespace_with().id, field
+
+
+def test_what_changes_no_kv_byte_keeps_the_namespace() -> None:
+    """Identical engines share: max_model_len, batch limits and KV memory
+    change no KV byte."""
+    base = namespace_with().id
+    assert namespace_with(max_model_len=2048).id == base
+    assert namespace_with(max_num_seqs=7, max_num_batched_tokens=4096,
+                          num_gpu_blocks_override=99).id == base
+
+
+def test_the_identity_table_is_whole_and_its_values_matter() -> None:
+    """Every adapter fills every field of the one table, nothing else; a
+    change of any field's value changes the tag (so the namespace):
+    revision, quantization and KV scales included, which vLLM's CPU build
+    cannot run."""
+    from kvtier.identity import FIELDS, identity_tag, weights_fingerprint
+    from kvtier.integrations.vllm_config import model_identity
+    values = model_identity(vllm_config())
+    assert sorted(values) == sorted(f.name for f in FIELDS)
+    tag = identity_tag(values)
+    for f in FIELDS:
+        assert identity_tag({**values, f.name: "other"}) != tag, f.name
+    with pytest.raises(kvtier.errors.InvalidArgument, match="missing: rope"):
+        identity_tag({k: v for k, v in values.items() if k != "rope"})
+    with pytest.raises(kvtier.errors.InvalidArgument, match="unknown: mine"):
+        identity_tag({**values, "mine": 1})
+    assert weights_fingerprint("org/model", revision="abc") == "rev=abc"
+    assert weights_fingerprint(TINY_MODEL, load_format="dummy", seed=3) == \
+        "dummy:3"
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm")
@@ -272,6 +329,12 @@ def test_engine_b_loads_engine_a_prefix_through_the_store(
             out = b.generate(prompts(3))["outputs"]
             assert [o["tokens"] for o in out] == reference[3]
             saves_reach(b, store, 100)
+            # Issue #60: B holds prompts(1)'s prefix itself (it loaded it
+            # from the store that died); asked again with a new tail, it
+            # finds the new store lacks it and saves it there.
+            head = prompts(1)[0][:PREFIX]
+            b.generate([head + prompt(991, 40)])
+            wait_stored(b, store, head, PREFIX // BLOCK, timeout=60)
         finally:
             b.stop()
     finally:
@@ -779,3 +842,84 @@ def test_a_store_that_stalls_or_loses_blocks_after_its_lookup_fails_nothing(
             b.stop()
     finally:
         store.stop()
+
+
+def test_engines_that_rotate_differently_never_share_a_block(
+        work: Path) -> None:
+    """Issue #60: weights under which attention depends on position
+    (tests/python/seeded_model.py). Engine A (RoPE theta 1e4, the config's)
+    computes and saves a prefix; engine B, the same model with vLLM's
+    ``hf_overrides`` setting theta 1e6, gets no block of it (its namespace
+    differs) and answers as vLLM alone does with that override. The
+    override changes the tokens, so KV shared across it would show."""
+    from seeded_model import write_seeded_model
+    model = str(write_seeded_model(work / "seeded-llama"))
+    over = json.dumps({"rope_parameters": {"rope_type": "default",
+                                           "rope_theta": 1000000.0}})
+    ns_a = namespace_with(model=model, load_format="auto")
+    assert ns_a.id != namespace_with(model=model, load_format="auto",
+                                     hf_overrides=json.loads(over)).id
+    store = Store(work, "store-rope")
+    try:
+        a = start(work, "rope-a", store.address, model=model,
+                  load_format="auto")
+        try:
+            out_a = [o["tokens"] for o in a.generate(prompts(21))["outputs"]]
+            wait_stored(a, store, prompts(21)[0], PREFIX // BLOCK, ns=ns_a)
+        finally:
+            a.stop()
+        alone = Engine(str(work / "rope-alone.log"), env=engine_env(),
+                       model=model, load_format="auto", hf_overrides=over)
+        try:
+            want = [o["tokens"] for o in alone.generate(prompts(21))
+                    ["outputs"]]
+        finally:
+            alone.stop()
+        assert want != out_a, "the override does not change the tokens"
+        b = start(work, "rope-b", store.address, model=model,
+                  load_format="auto", hf_overrides=over)
+        try:
+            out_b = b.generate(prompts(21))["outputs"]
+        finally:
+            b.stop()
+        assert out_b[0]["cached"] == 0, "B loaded KV rotated by A's RoPE"
+        assert [o["tokens"] for o in out_b] == want
+    finally:
+        store.stop()
+
+
+def test_prompt_logprobs_are_computed_never_loaded(work: Path) -> None:
+    """Issue #60: a request asking for prompt logprobs gets every prompt
+    position computed (vLLM's ``skip_reading_prefix_cache``), so an engine
+    whose store holds the prompt scores it exactly as an engine scores it
+    from nothing (engine A, which computed and saved the prompt: vLLM
+    reads none of its own prefix cache for such a request either)."""
+    store = Store(work, "store-plp")
+    one = [prompts(22)[0]]
+    try:
+        a = start(work, "plp-a", store.address)
+        try:
+            a.generate(one, max_tokens=2)
+            wait_stored(a, store, one[0], PREFIX // BLOCK)
+            out_a = a.generate(one, max_tokens=2, prompt_logprobs=1)
+            assert out_a["outputs"][0]["cached"] == 0
+        finally:
+            a.stop()
+        b = start(work, "plp-b", store.address)
+        try:
+            out_b = b.generate(one, max_tokens=2, prompt_logprobs=1)
+        finally:
+            b.stop()
+    finally:
+        store.stop()
+    got, want = (o["outputs"][0] for o in (out_b, out_a))
+    assert got["cached"] == 0, "the prompt was read from the store"
+    assert len(got["prompt_logprobs"]) == len(want["prompt_logprobs"]) == \
+        len(one[0])
+    for pos, (g, w) in enumerate(zip(got["prompt_logprobs"],
+                                     want["prompt_logprobs"])):
+        assert (g is None) == (w is None), pos
+        if g is not None:
+            assert g.keys() == w.keys(), pos
+            for tok in g:
+                assert abs(g[tok] - w[tok]) < 0.05, (pos, tok, g[tok], w[tok])

@@ -7,7 +7,10 @@ and the benchmark drive over stdin/stdout, one JSON object a line:
           "seconds": S}
     {"op": "stop"} -> {"stopped": true}
 
-``max_tokens`` may be a list (one a prompt). With ``--inproc 1`` the
+``max_tokens`` may be a list (one a prompt); ``"prompt_logprobs": K`` asks
+vLLM for each prompt position's top K (the answer's outputs then carry
+``"prompt_logprobs"``: per position, token id -> logprob, None for the
+first). With ``--inproc 1`` the
 engine core runs in this process (vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the answer carries every
 ``LLMEngine.step()``'s start and duration (``"steps": [[t, s], ...]``,
@@ -63,6 +66,11 @@ def main() -> None:
     ap.add_argument("--lookup-wait-ms", type=float, default=0,
                     help="the connector's lookup_wait_ms (0: its default)")
     ap.add_argument("--kv-events", default="")
+    ap.add_argument("--load-format", default="dummy",
+                    help="vLLM's load_format (dummy: random weights from "
+                    "the seed; auto: the model directory's weights)")
+    ap.add_argument("--hf-overrides", default="",
+                    help="vLLM's hf_overrides, as JSON")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--prefix-caching", type=int, default=1)
@@ -109,7 +117,10 @@ def main() -> None:
                                   "endpoint": args.kv_events,
                                   "topic": "kv-events"}
     start = time.monotonic()
-    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True,
+    if args.hf_overrides:
+        kw["hf_overrides"] = json.loads(args.hf_overrides)
+    llm = LLM(model=args.model, load_format=args.load_format,
+              skip_tokenizer_init=True,
               seed=0, dtype="bfloat16", block_size=args.block_size,
               max_model_len=args.max_model_len, enforce_eager=True,
               enable_prefix_caching=bool(args.prefix_caching),
@@ -126,8 +137,10 @@ def main() -> None:
         want = msg.get("max_tokens", 8)
         if not isinstance(want, list):
             want = [want] * len(msg["prompts"])
+        plp = msg.get("prompt_logprobs")
         sp = [SamplingParams(max_tokens=int(n), temperature=0.0,
-                             detokenize=False, ignore_eos=True) for n in want]
+                             detokenize=False, ignore_eos=True,
+                             prompt_logprobs=plp) for n in want]
         extra: dict[str, Any] = {}
         if timed is not None:
             timed.begin(msg.get("after_lookup"))
@@ -140,12 +153,21 @@ def main() -> None:
         print(json.dumps({**extra,
             "outputs": [{"tokens": list(o.outputs[0].token_ids),
                          "cached": int(o.num_cached_tokens or 0),
+                         **({"prompt_logprobs": _prompt_logprobs(o)}
+                            if plp is not None else {}),
                          "ttft": float(getattr(o.metrics,
                                                "first_token_latency", 0.0)
                                        or 0.0)}
                         for o in outs],
             "seconds": took}), file=proto, flush=True)
     del llm
+
+
+def _prompt_logprobs(out: Any) -> list[Optional[dict[str, float]]]:
+    """vLLM's prompt logprobs of one output as plain JSON."""
+    return [None if pos is None else
+            {str(tok): float(lp.logprob) for tok, lp in pos.items()}
+            for pos in (out.prompt_logprobs or [])]
 
 
 class _StepTimer:

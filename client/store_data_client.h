@@ -55,7 +55,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -179,7 +178,7 @@ class StoreDataClient {
                                      uint64_t block_bytes, const std::vector<BlockHash>& chain);
   // AbortPut of a put's lease, by `deadline` (best effort).
   void AbortLease(uint64_t lease, std::chrono::system_clock::time_point deadline);
-  // A BeginPut's abandon_token, unique to this client.
+  // A BeginPut's abandon_token: random, so no other client guesses it.
   uint64_t NewPutToken();
   // After a BeginPut that failed with `failed`: if the store may still serve
   // it (a deadline, a lost connection), the releaser gives it up by token
@@ -246,8 +245,6 @@ class StoreDataClient {
   std::condition_variable release_cv_;
   std::vector<uint64_t> pending_releases_;  // guarded by release_mu_
   std::vector<uint64_t> pending_abandons_;  // BeginPut tokens; guarded by release_mu_
-  const uint64_t token_salt_ = (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
-  std::atomic<uint64_t> put_tokens_{1};
   bool release_stop_ = false;  // guarded by release_mu_
   std::thread releaser_;
   // Declared last, so destroyed first: even when the constructor throws,

@@ -2,6 +2,7 @@
 // can travel), the blocks' bytes by RMA, CommitPut right behind them.
 #include <algorithm>
 #include <atomic>
+#include <random>
 
 #include "client/data_plane_connection.h"
 #include "client/store_data_detail.h"
@@ -143,9 +144,11 @@ void StoreDataClient::AbortReserved(uint64_t lease) {
 }
 
 uint64_t StoreDataClient::NewPutToken() {
-  // Distinct per call; the salt keeps two clients of one tenant apart.
-  const uint64_t n = put_tokens_.fetch_add(1, std::memory_order_relaxed);
-  const uint64_t token = token_salt_ ^ (n * 0x9e3779b97f4a7c15ULL);
+  // Random per call (the kernel's generator): a token names a put to give
+  // up, so another client of the same tenant must not be able to guess one
+  // from tokens it has seen of its own.
+  thread_local std::random_device rd;
+  const uint64_t token = (uint64_t{rd()} << 32) ^ uint64_t{rd()};
   return token == 0 ? 1 : token;
 }
 

@@ -245,7 +245,7 @@ class StoreDataClient {
   std::condition_variable release_cv_;
   std::vector<uint64_t> pending_releases_;  // guarded by release_mu_
   std::vector<uint64_t> pending_abandons_;  // BeginPut tokens; guarded by release_mu_
-  bool release_stop_ = false;  // guarded by release_mu_
+  bool release_stop_ = false;               // guarded by release_mu_
   std::thread releaser_;
   // Declared last, so destroyed first: even when the constructor throws,
   // the lane threads end before what they read goes.

@@ -148,7 +148,8 @@ uint64_t StoreDataClient::NewPutToken() {
   // up, so another client of the same tenant must not be able to guess one
   // from tokens it has seen of its own.
   thread_local std::random_device rd;
-  const uint64_t token = (uint64_t{rd()} << 32) ^ uint64_t{rd()};
+  const uint64_t high = rd(), low = rd();
+  const uint64_t token = (high << 32) ^ low;
   return token == 0 ? 1 : token;
 }
 

@@ -332,6 +332,23 @@ INSTANTIATE_TEST_SUITE_P(Layouts, EngineMemory,
                                   (*std::get<2>(info.param) ? "_staged" : "");
                          });
 
+// Options of an engine-mode connector over `cache` saving to `store`
+// through the staging (no shared memory).
+worker::ConnectorOptions StagedSaves(const testing::ServerProcess& store, EngineCache& cache,
+                                     uint32_t staging_blocks, uint32_t offload_batch,
+                                     int deadline_ms) {
+  worker::ConnectorOptions o;
+  o.spec = Spec();
+  o.num_pages = kPages;
+  o.stores = {store.address()};
+  o.staging_blocks = staging_blocks;
+  o.offload_batch = offload_batch;
+  o.data.deadline_ms = deadline_ms;
+  o.data.shared_memory = DataClientOptions::SharedMemory::kOff;
+  o.engine_memory = cache.memory;
+  return o;
+}
+
 // Issue #30 ("offloads never hold a request"): with the store stalled, a
 // save finds the staging full (the offloader's put is stuck) and waits no
 // longer than kOffloadStalled, not the deadline: it takes the slots of the
@@ -346,16 +363,7 @@ TEST(EngineMemorySaves, ASaveNeverWaitsForAStalledStoreItDropsTheOldestQueuedBlo
   ASSERT_GT(store->port(), 0) << store->Log();
   EngineCache cache("kv_first");
   for (uint32_t p = 0; p < kPages; ++p) cache.Fill(p, p);
-  worker::ConnectorOptions o;
-  o.spec = Spec();
-  o.num_pages = kPages;
-  o.stores = {store->address()};
-  o.staging_blocks = 4;
-  o.offload_batch = 2;
-  o.data.deadline_ms = 5000;
-  o.data.shared_memory = DataClientOptions::SharedMemory::kOff;
-  o.engine_memory = cache.memory;
-  auto made = worker::KvConnector::Create(o);
+  auto made = worker::KvConnector::Create(StagedSaves(*store, cache, 4, 2, 5000));
   ASSERT_TRUE(made.ok()) << made.status();
   auto& c = **made;
   const auto old_chain = Chain(4, 1), new_chain = Chain(4, 2);
@@ -469,14 +477,7 @@ TEST(EngineMemorySaves, ABlockTheStoreLostIsSavedAgain) {
   ASSERT_GT(store->port(), 0) << store->Log();
   EngineCache cache("kv_first");
   for (uint32_t p = 0; p < kPages; ++p) cache.Fill(p, p);
-  worker::ConnectorOptions o;
-  o.spec = Spec();
-  o.num_pages = kPages;
-  o.stores = {store->address()};
-  o.staging_blocks = 4;
-  o.data.shared_memory = DataClientOptions::SharedMemory::kOff;
-  o.engine_memory = cache.memory;
-  auto made = worker::KvConnector::Create(o);
+  auto made = worker::KvConnector::Create(StagedSaves(*store, cache, 4, 32, 10000));
   ASSERT_TRUE(made.ok()) << made.status();
   auto& c = **made;
   const auto chain = Chain(3, 31);
@@ -521,16 +522,7 @@ TEST(EngineMemorySaves, ADrainPastItsDeadlineEndsEverySaveItDrops) {
   ASSERT_GT(store->port(), 0) << store->Log();
   EngineCache cache("kv_first");
   for (uint32_t p = 0; p < kPages; ++p) cache.Fill(p, p);
-  worker::ConnectorOptions o;
-  o.spec = Spec();
-  o.num_pages = kPages;
-  o.stores = {store->address()};
-  o.staging_blocks = 8;
-  o.offload_batch = 2;
-  o.data.deadline_ms = 1000;
-  o.data.shared_memory = DataClientOptions::SharedMemory::kOff;
-  o.engine_memory = cache.memory;
-  auto made = worker::KvConnector::Create(o);
+  auto made = worker::KvConnector::Create(StagedSaves(*store, cache, 8, 2, 1000));
   ASSERT_TRUE(made.ok()) << made.status();
   auto& c = **made;
   ASSERT_TRUE(c.Lookup(1, Chain(1, 41), 0).ok());

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 import kvtier
@@ -72,6 +73,19 @@ def write(cache: list[torch.Tensor], pages: list[int], value: float,
     return run
 
 
+def stored_blocks(store) -> tuple[kvtier.Namespace, np.ndarray]:
+    """Two blocks of 5.0s saved into the store, and their hashes."""
+    ns = kvtier.Namespace(**SPEC)
+    hashes = kvtier.hash_tokens(ns, list(range(2 * 16)))
+    writer = kvtier.Connector(ns, caches(5.0), stores=[store.address])
+    writer.lookup(1, hashes)
+    writer.save(1, 0, [0, 1])
+    writer.wait_for_save(1)
+    writer.finished(1)
+    writer.close()
+    return ns, hashes
+
+
 def test_a_save_copies_the_pages_the_forward_wrote(store) -> None:
     """The save is called right after the forward is launched (as vLLM
     calls wait_for_save): the store gets the forward's bytes, not the
@@ -109,15 +123,7 @@ def test_a_load_lands_after_the_engines_own_writes_to_its_pages(
     """The engine launches its own writes to the pages it gave a load
     (vLLM zeroing new blocks) and then starts the load: the loaded bytes
     are what the pages hold when the load is reported ended."""
-    ns = kvtier.Namespace(**SPEC)
-    hashes = kvtier.hash_tokens(ns, list(range(2 * 16)))
-    source = caches(5.0)
-    writer = kvtier.Connector(ns, source, stores=[store.address])
-    writer.lookup(1, hashes)
-    writer.save(1, 0, [0, 1])
-    writer.wait_for_save(1)
-    writer.finished(1)
-    writer.close()
+    ns, hashes = stored_blocks(store)
     engine, stream = caches(1.0), EngineStream()
     half = WorkerHalf(kvtier.Connector(ns, engine, stores=[store.address]),
                       stream_fence=stream.fence)
@@ -148,15 +154,7 @@ def test_a_request_finished_before_its_load_began_is_not_loaded(
     finished (vLLM aborted it) while its load waits: the load is reported
     ended with every page failed, writes none of them, and leaves the
     request closed."""
-    ns = kvtier.Namespace(**SPEC)
-    hashes = kvtier.hash_tokens(ns, list(range(2 * 16)))
-    source = caches(5.0)
-    writer = kvtier.Connector(ns, source, stores=[store.address])
-    writer.lookup(1, hashes)
-    writer.save(1, 0, [0, 1])
-    writer.wait_for_save(1)
-    writer.finished(1)
-    writer.close()
+    ns, hashes = stored_blocks(store)
     engine = caches(1.0)
     gate = threading.Event()
 

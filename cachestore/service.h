@@ -3,7 +3,7 @@
 #pragma once
 
 #include <atomic>
-#include <deque>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -140,6 +140,7 @@ class StoreService final : public kvtier::v1::Store::Service {
     // Without tenants, whose connections it counts against: a verified
     // certificate's identity, else the caller's host.
     std::string client;
+    std::list<std::string>::iterator at;  // its place in session_order_
   };
   // BeginPut tokens (and tombstones) kept for writers that give up waiting.
   static constexpr size_t kMaxAbandonTokens = 65536;
@@ -184,9 +185,10 @@ class StoreService final : public kvtier::v1::Store::Service {
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
   mutable std::mutex sessions_mu_;
   std::map<std::string, Session> sessions_;  // guarded by sessions_mu_
-  // Each tenant's (index; -1: none) sessions, oldest first; guarded by
-  // sessions_mu_.
-  std::map<int, std::deque<std::string>> session_order_;
+  // Each tenant's (index; -1: none) sessions, the longest idle first (a
+  // session's use moves it to the back): past the tenant's cap the idlest
+  // goes, never a long-lived engine's busy one. Guarded by sessions_mu_.
+  mutable std::map<int, std::list<std::string>> session_order_;
   // Each tenant's data-plane connections (AdmitConnection).
   struct TenantConnections {
     uint64_t open = 0;

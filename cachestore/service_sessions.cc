@@ -41,20 +41,20 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
                            static_cast<int>(key.size())) != 1)) {
     return {};  // no randomness: no session (the client keeps gRPC)
   }
-  Session session{caller, OwnerOf(ctx, caller), key, ClientOf(ctx)};
+  Session session{caller, OwnerOf(ctx, caller), key, ClientOf(ctx), {}};
   const int tenant = caller.tenant_index();
   const uint64_t cap = caller.tenant ? caller.tenant->max_sessions : limits::kSessions;
   uint64_t dropped = 0;
   {
     std::lock_guard lk(sessions_mu_);
-    std::deque<std::string>& order = session_order_[tenant];
+    std::list<std::string>& order = session_order_[tenant];
     while (!order.empty() && order.size() >= cap) {
       sessions_.erase(order.front());
       order.pop_front();
       dropped++;
     }
+    session.at = order.insert(order.end(), id);
     sessions_.emplace(id, std::move(session));
-    order.push_back(id);
   }
   if (dropped > 0) {
     std::lock_guard lk(conns_->mu);
@@ -159,6 +159,9 @@ absl::StatusOr<StoreService::Session> StoreService::SessionOf(std::string_view i
         "unknown data-plane session (the store restarted or dropped it); call "
         "ConnectDataPlane again");
   }
+  // Used now: the last of its tenant's to be dropped.
+  std::list<std::string>& order = session_order_[it->second.caller.tenant_index()];
+  order.splice(order.end(), order, it->second.at);
   return it->second;
 }
 

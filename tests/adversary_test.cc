@@ -525,6 +525,22 @@ TEST_F(DataPlaneLimits, SessionChurnDropsOnlyTheChurningTenantsOwnSessions) {
   EXPECT_EQ(Metric("kvtier_store_tenant_sessions_dropped_total{tenant=\"beta\"}"), 0);
 }
 
+// Issue #60: past a tenant's session cap the session idle longest goes, not
+// the oldest: a long-lived engine that keeps using its session keeps it
+// while another client of the tenant churns through new ones.
+TEST_F(DataPlaneLimits, SessionChurnDropsTheIdlestSessionNotALongLivedBusyOne) {
+  const std::string engine = Connect(kAlphaToken).session();
+  for (int i = 0; i < 100; ++i) {
+    Connect(kAlphaToken);  // past alpha's 64, many times over
+    if (i % 16 == 0) {
+      RawConn used(data_port_, engine);
+      ASSERT_EQ(used.hello_.first, 0) << "at churn " << i << ": " << used.hello_.second;
+    }
+  }
+  RawConn still(data_port_, engine);
+  EXPECT_EQ(still.hello_.first, 0) << still.hello_.second;
+}
+
 TEST_F(DataPlaneLimits, SilentAndIdleConnectionsAreClosedAndClientsReconnect) {
   // No hello: closed at the 500 ms hello deadline (it was 30 s).
   auto silent = net::Connect("127.0.0.1", data_port_, Soon());

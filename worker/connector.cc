@@ -213,9 +213,9 @@ absl::StatusOr<KvConnector::Match> KvConnector::Begin(
   return m;
 }
 
-absl::StatusOr<KvConnector::Match> KvConnector::Lookup(uint64_t request,
-                                                       std::vector<BlockHash> chain,
-                                                       uint32_t skip_blocks) {
+absl::StatusOr<KvConnector::Match> KvConnector::Lookup(
+    uint64_t request, std::vector<BlockHash> chain, uint32_t skip_blocks,
+    std::optional<std::chrono::milliseconds> budget) {
   if (pool_)
     return absl::FailedPreconditionError("Lookup needs engine-registered memory; use Begin");
   if (chain.empty()) return absl::InvalidArgumentError("request has no full block to match");
@@ -226,7 +226,7 @@ absl::StatusOr<KvConnector::Match> KvConnector::Lookup(uint64_t request,
   auto r = std::make_unique<Request>();
   r->gpu_blocks = skip_blocks;
   r->chain = std::move(chain);
-  absl::Status store_status = PinRest(r.get());
+  absl::Status store_status = PinRest(r.get(), budget);
   Match m{r->gpu_blocks, r->store_blocks, store_status};
   std::unique_ptr<Request> old;
   {

@@ -226,8 +226,10 @@ class KvConnector {
   // INVALID_ARGUMENT for an empty chain or skip_blocks beyond it;
   // FAILED_PRECONDITION in pool mode or for an open request whose load
   // started.
-  absl::StatusOr<Match> Lookup(uint64_t request, std::vector<BlockHash> chain,
-                               uint32_t skip_blocks);
+  // budget: how long the store's pin may take (none: the client's
+  // deadline); past it the lookup finds nothing in the store and says why.
+  absl::StatusOr<Match> Lookup(uint64_t request, std::vector<BlockHash> chain, uint32_t skip_blocks,
+                               std::optional<std::chrono::milliseconds> budget = std::nullopt);
   // Engine mode. Starts loading the first pages.size() blocks Lookup pinned
   // into those pages (an engine may take fewer than were found); the pins of
   // the rest are released. INVALID_ARGUMENT for more pages than blocks

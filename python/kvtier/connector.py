@@ -123,11 +123,16 @@ class Connector:
         return int(self.namespace.block_tokens)
 
     def lookup(self, request_id: int, hashes: Any,
-               skip_blocks: int = 0) -> Lookup:
+               skip_blocks: int = 0,
+               budget_ms: Optional[float] = None) -> Lookup:
         """Opens the request over its chain (``hashes``: uint64 [n, 2]) and
         pins in the store the blocks after the first ``skip_blocks`` (those
-        the engine has itself). Asking again before a load restarts it."""
-        blocks, err = self._c.lookup(request_id, hashes, skip_blocks)
+        the engine has itself), waiting for the store at most ``budget_ms``
+        (None: the client's deadline; past it nothing is pinned and
+        ``store_error`` says why). Asking again before a load restarts
+        it. InvalidArgument for a budget that is not a positive number."""
+        blocks, err = self._c.lookup(request_id, hashes, skip_blocks,
+                                     budget_ms)
         return Lookup(int(blocks), err)
 
     def start_load(self, request_id: int, pages: Sequence[int]) -> None:

@@ -59,9 +59,13 @@ class WorkerHalf:
     their own."""
 
     def __init__(self, connector: Connector, load_threads: int = 2,
-                 stream_fence: Optional[Callable[[], Any]] = None) -> None:
+                 stream_fence: Optional[Callable[[], Any]] = None,
+                 pin_wait_ms: Optional[float] = None) -> None:
         self.connector = connector
         self._stream_fence = stream_fence
+        # How long a load's pin waits for the store (None: the client's
+        # deadline): past it the load fails and the engine computes.
+        self._pin_wait_ms = pin_wait_ms
         # Requests finished while their load waited for a loader thread:
         # the load is skipped (their pages may be vLLM's again).
         self._abandoned: set[int] = set()
@@ -103,7 +107,7 @@ class WorkerHalf:
             # closed first, then looked up afresh.
             self.connector.finished(spec.request)
         found = self.connector.lookup(spec.request, spec.hashes,
-                                      spec.skip_blocks)
+                                      spec.skip_blocks, self._pin_wait_ms)
         return min(found.blocks, len(spec.pages)), found.store_error
 
     # ------------------------------------------------- asynchronous loads

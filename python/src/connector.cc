@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -65,14 +66,23 @@ class EngineConnector {
     return c_;
   }
 
-  py::tuple Lookup(uint64_t request, const py::array& hashes, uint32_t skip_blocks) {
+  py::tuple Lookup(uint64_t request, const py::array& hashes, uint32_t skip_blocks,
+                   std::optional<double> budget_ms) {
     auto chain = ChainFrom(hashes);
+    std::optional<std::chrono::milliseconds> budget;
+    if (budget_ms) {
+      if (!(*budget_ms > 0 && *budget_ms < 1e9)) {
+        Check(absl::InvalidArgumentError(
+            absl::StrCat("budget_ms must be a positive number of milliseconds, not ", *budget_ms)));
+      }
+      budget = std::chrono::milliseconds(static_cast<int64_t>(std::ceil(*budget_ms)));
+    }
     auto held = c();
     worker::KvConnector& k = *held;
     absl::StatusOr<worker::KvConnector::Match> m;
     {
       py::gil_scoped_release nogil;
-      m = k.Lookup(request, std::move(chain), skip_blocks);
+      m = k.Lookup(request, std::move(chain), skip_blocks, budget);
     }
     Check(m.status());
     py::object store_error = py::none();
@@ -226,7 +236,8 @@ void BindEngineConnector(py::module_& m) {
            py::arg("shared_memory") = "auto", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
            py::arg("tls_key") = "", py::arg("page_copier") = "")
       .def("close", &EngineConnector::Close)
-      .def("lookup", &EngineConnector::Lookup)
+      .def("lookup", &EngineConnector::Lookup, py::arg("request"), py::arg("hashes"),
+           py::arg("skip_blocks"), py::arg("budget_ms") = py::none())
       .def("start_load", &EngineConnector::StartLoad)
       .def("wait_for_layer", &EngineConnector::WaitForLayer)
       .def("wait_for_load", &EngineConnector::WaitForLoad)

@@ -9,6 +9,7 @@ nothing do, polls get_finished until the step's loads have ended."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
@@ -33,7 +34,9 @@ def fill(kv: torch.Tensor, page: int, seed: int) -> None:
 
 def main() -> None:
     stores = sys.argv[1].split(",")
-    cfg = vllm_shapes.config(stores)
+    # More kv_connector_extra_config keys, as JSON (optional).
+    extra = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    cfg = vllm_shapes.config(stores, **extra)
     mc = cfg.model_config
     names = [f"model.layers.{i}.self_attn.attn" for i in range(mc.layers)]
     kv_caches = {n: torch.zeros(2, PAGES, cfg.cache_config.block_size,

@@ -85,11 +85,11 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
         self._opts = client_options(opts)
         self._staging = int(opts["staging_blocks"])
         self._load_threads = int(opts["load_threads"])
+        self._pin_wait_ms = float(opts["pin_wait_ms"])
         self._lookup_wait_ms = float(opts["lookup_wait_ms"])
         self._block_size = int(vllm_config.cache_config.block_size)
-        # Prefill/decode roles (docs/disaggregation.md): a producer hands
-        # every prompt to a decode engine; a consumer saves nothing (the
-        # prefill engines do) and waits on the fences it is given.
+        # P/D roles (docs/disaggregation.md): a producer hands every prompt
+        # on; a consumer saves nothing and waits on the fences it is given.
         kv_role = str(getattr(vllm_config.kv_transfer_config, "kv_role",
                               None) or "kv_both")
         self._saves = kv_role != "kv_consumer"
@@ -349,9 +349,9 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
             # CUDA pages: every copy ordered after the engine's stream work
             # (kvtier.worker_half, "Ordered against the engine's stream").
             fence = cuda_stream_fence if tensors[0].is_cuda else None
-            self._workers.append(WorkerHalf(conn,
-                                            load_threads=self._load_threads,
-                                            stream_fence=fence))
+            self._workers.append(WorkerHalf(
+                conn, load_threads=self._load_threads, stream_fence=fence,
+                pin_wait_ms=self._pin_wait_ms))
             log.info("kvtier connector: namespace %016x (%s), %d layers of "
                      "%d pages, stores %s", ns.id,
                      ns.layout or "kvtier's layout", len(tensors),

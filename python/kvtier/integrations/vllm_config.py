@@ -39,6 +39,9 @@ CONNECTOR_OPTIONS: tuple[Option, ...] = CLIENT_OPTIONS + (
            "batched lookups out at once", 1, 64),
     Option("load_threads", "int", 2,
            "asynchronous loads moving at once per worker", 1, 64),
+    Option("pin_wait_ms", "number", 1000,
+           "how long a load waits for the store to pin its blocks before "
+           "vLLM computes them instead", 1, 600000),
 )
 
 _WHERE = "kv_connector_extra_config"

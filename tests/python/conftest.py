@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import pytest
 
@@ -27,6 +27,24 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", ROOT / "build")).resolve()
 sys.path.insert(0, str(BUILD / "python"))
 os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+
+
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], what: str,
+               timeout: float = 30) -> T:
+    """Calls ``check`` until it returns something true (returned), for
+    ``timeout`` seconds at most; then fails saying what was awaited and
+    what ``check`` last returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = check()
+        if seen:
+            return seen
+        assert time.monotonic() < deadline, \
+            f"{what}: not within {timeout} s (last seen: {seen!r})"
+        time.sleep(0.01)
 
 
 class Store:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import BUILD, corrupt_in_store, engine_env
+from conftest import BUILD, corrupt_in_store, engine_env, wait_until
 import kvtier
 import vllm_shapes as v
 from kvtier.integrations.vllm import (KvtierConnector, KvtierConnectorMetadata,
@@ -552,22 +552,19 @@ def decode_connector(store: Any, wait_ms: float = 5000) -> KvtierConnector:
 
 def stored(store: Any, ns: kvtier.Namespace, tokens: list[int],
            blocks: int) -> None:
-    """Waits (10 s at most) until the store holds the first ``blocks``
-    blocks of ``tokens``: saves are written behind the step."""
+    """Waits until the store holds the first ``blocks`` blocks of
+    ``tokens``: saves are written behind the step."""
     probe = kvtier.StoreClient([store.address])
     hashes = kvtier.hash_tokens(ns, tokens)
-    deadline = time.monotonic() + 10
-    have = 0
-    while True:
+
+    def held() -> int:
         try:
             have = probe.lookup(ns, hashes)
         except kvtier.errors.NotFound:
             have = 0
-        if have >= blocks:
-            return
-        assert time.monotonic() < deadline, \
-            f"the store holds {have} of {blocks} blocks"
-        time.sleep(0.02)
+        return have if have >= blocks else 0
+
+    wait_until(held, f"the store holds {blocks} blocks", timeout=10)
 
 
 def test_a_prompt_logprobs_request_never_reads_the_store(store,

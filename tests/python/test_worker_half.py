@@ -22,6 +22,7 @@ import torch
 import kvtier
 from kvtier.scheduler_half import LoadSpec, SaveSpec, StepMeta
 from kvtier.worker_half import WorkerHalf
+from conftest import wait_until
 
 SPEC = dict(model="py-order", dtype="fp16", layers=2, kv_heads=2,
             head_dim=32, block_tokens=16)
@@ -104,11 +105,15 @@ def test_a_save_copies_the_pages_the_forward_wrote(store) -> None:
         stream.close()
     other = caches(0.0)
     reader = kvtier.Connector(ns, other, stores=[store.address])
-    deadline = time.monotonic() + 10
-    while reader.lookup(2, hashes).blocks < 2:
-        assert time.monotonic() < deadline, "the save never reached the store"
-        reader.finished(2)
-        time.sleep(0.02)
+
+    def held() -> int:
+        blocks = reader.lookup(2, hashes).blocks
+        if blocks < 2:
+            reader.finished(2)
+            return 0
+        return blocks
+
+    wait_until(held, "the save reaches the store")
     reader.start_load(2, [0, 1])
     assert reader.wait_for_load(2) == 2
     reader.finished(2)
@@ -131,14 +136,8 @@ def test_a_load_lands_after_the_engines_own_writes_to_its_pages(
         stream.launch(write(engine, [2, 3], 0.0, after_s=0.3))
         half.start_loads(StepMeta(loads=[LoadSpec(2, hashes, 0, [2, 3],
                                                   "r2")]))
-        deadline = time.monotonic() + 10
-        while True:
-            names, failed = half.finished_loads()
-            if names:
-                break
-            assert time.monotonic() < deadline, "the load never ended"
-            time.sleep(0.01)
-        assert names == {"r2"} and failed == set()
+        ended = wait_until(half.ended_loads, "the load ends")
+        assert ended == [("r2", [])]
         for layer in engine:
             assert bool((layer[:, 2:4] == 5.0).all()), \
                 "the engine's earlier writes landed over the loaded bytes"
@@ -171,12 +170,12 @@ def test_a_request_finished_before_its_load_began_is_not_loaded(
     half.finished(3)
     gate.set()
     ended: dict[str, list[int]] = {}
-    deadline = time.monotonic() + 10
-    while len(ended) < 2:
+
+    def both() -> dict[str, list[int]]:
         ended.update(dict(half.ended_loads()))
-        assert time.monotonic() < deadline, f"loads never ended: {ended}"
-        time.sleep(0.01)
-    assert ended == {"r2": [], "r3": [4, 5]}
+        return ended if len(ended) == 2 else {}
+
+    assert wait_until(both, "both loads end") == {"r2": [], "r3": [4, 5]}
     for layer in engine:
         assert bool((layer[:, 4:6] == 1.0).all()), "an aborted load wrote"
     half.finished(2)

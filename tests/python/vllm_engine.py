@@ -46,12 +46,16 @@ TINY_MODEL = os.path.join(ROOT, "tests", "models", "tiny-llama")
 
 
 def kv_transfer_config(stores: str, deadline_ms: int = 2000,
-                       lookup_wait_ms: float = 0) -> dict[str, Any]:
+                       lookup_wait_ms: float = 0,
+                       pin_wait_ms: float = 0) -> dict[str, Any]:
     """kvtier as vLLM's KV connector, exactly as docs/engines.md gives it
-    (``lookup_wait_ms`` 0: the connector's default)."""
+    (``lookup_wait_ms`` and ``pin_wait_ms`` 0: the connector's
+    defaults)."""
     extra: dict[str, Any] = {"stores": stores, "deadline_ms": deadline_ms}
     if lookup_wait_ms:
         extra["lookup_wait_ms"] = lookup_wait_ms
+    if pin_wait_ms:
+        extra["pin_wait_ms"] = pin_wait_ms
     return {"kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -65,6 +69,8 @@ def main() -> None:
     ap.add_argument("--deadline-ms", type=int, default=2000)
     ap.add_argument("--lookup-wait-ms", type=float, default=0,
                     help="the connector's lookup_wait_ms (0: its default)")
+    ap.add_argument("--pin-wait-ms", type=float, default=0,
+                    help="the connector's pin_wait_ms (0: its default)")
     ap.add_argument("--kv-events", default="")
     ap.add_argument("--load-format", default="dummy",
                     help="vLLM's load_format (dummy: random weights from "
@@ -101,7 +107,8 @@ def main() -> None:
     kw: dict[str, Any] = {}
     if args.stores:
         kw["kv_transfer_config"] = kv_transfer_config(
-            args.stores, args.deadline_ms, args.lookup_wait_ms)
+            args.stores, args.deadline_ms, args.lookup_wait_ms,
+            args.pin_wait_ms)
     if args.num_blocks:
         kw["num_gpu_blocks_override"] = args.num_blocks
     if args.tp > 1:

@@ -93,6 +93,7 @@ struct Engine {
   std::atomic<bool> removed{false};  // left the fleet (DNS): its loops end
   std::atomic<int64_t> down_until_ms{0};
   std::atomic<uint64_t> requests{0}, failures{0};
+  std::atomic<uint64_t> health_checks{0};  // ended, answered or not
   std::mutex mu;
   struct Idle {
     std::shared_ptr<Stream> stream;
@@ -117,6 +118,7 @@ struct Counters {
   std::map<std::pair<std::string, std::string>, uint64_t> routes;  // (engine, reason)
   std::atomic<uint64_t> failovers{0}, client_disconnects{0}, no_engine{0};
   std::map<std::string, uint64_t> handoffs;  // prefill/decode, by outcome
+  std::map<std::pair<std::string, std::string>, uint64_t> resolutions;  // (name, outcome)
   std::atomic<uint64_t> added_us_sum{0}, added_count{0};
   // The added latency (request read to engine chosen) by bucket, in µs.
   static constexpr uint64_t kAddedBoundsUs[] = {25,   50,   100,   250,   500,   1000,
@@ -142,6 +144,10 @@ struct Counters {
   void Handoff(const std::string& outcome) {
     std::lock_guard lk(mu);
     handoffs[outcome]++;
+  }
+  void Resolution(const std::string& name, bool ok) {
+    std::lock_guard lk(mu);
+    resolutions[{name, ok ? "ok" : "failed"}]++;
   }
 };
 
@@ -422,8 +428,10 @@ struct Frontend::Impl {
               "); the fleet stays as it is until it resolves");
         }
         failing = true;
+        counters.Resolution(name, false);
       } else {
         failing = false;
+        counters.Resolution(name, true);
         std::set<std::string> addresses;
         for (const auto& r : results) addresses.insert(r.endpoint().address().to_string());
         SyncDns(index, addresses, port);
@@ -1099,6 +1107,19 @@ struct Frontend::Impl {
       }
     }
     if (deletion_costs) absl::StrAppend(&out, deletion_costs->Metrics());
+    absl::StrAppend(&out, "# TYPE kvtier_frontend_engine_health_checks_total counter\n");
+    for (auto& e : engines) {
+      absl::StrAppend(&out, "kvtier_frontend_engine_health_checks_total{engine=\"", e->spec.id,
+                      "\"} ", e->health_checks.load(), "\n");
+    }
+    {
+      std::lock_guard lk(counters.mu);
+      absl::StrAppend(&out, "# TYPE kvtier_frontend_dns_resolutions_total counter\n");
+      for (const auto& [k, v] : counters.resolutions) {
+        absl::StrAppend(&out, "kvtier_frontend_dns_resolutions_total{name=\"", k.first,
+                        "\",outcome=\"", k.second, "\"} ", v, "\n");
+      }
+    }
     absl::StrAppend(&out, "# TYPE kvtier_frontend_engine_failures_total counter\n");
     for (auto& e : engines) {
       absl::StrAppend(&out, "kvtier_frontend_engine_failures_total{engine=\"", e->spec.id, "\"} ",
@@ -1236,6 +1257,7 @@ struct Frontend::Impl {
         }
         PushLoad(*e, true);
       }
+      e->health_checks++;
       const bool was = e->healthy.exchange(ok);
       if (was != ok) {
         Log("frontend", "engine ", e->spec.id, " (", e->spec.endpoint, ") is ",

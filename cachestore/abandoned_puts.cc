@@ -1,9 +1,13 @@
 #include "cachestore/abandoned_puts.h"
 
+#include <utility>
+
 namespace kvtier::store {
 
-AbandonedPuts::AbandonedPuts(std::chrono::milliseconds keep, size_t capacity)
-    : keep_(keep), capacity_(capacity == 0 ? 1 : capacity) {}
+AbandonedPuts::AbandonedPuts(std::chrono::milliseconds keep, size_t capacity, Clock clock)
+    : keep_(keep),
+      capacity_(capacity == 0 ? 1 : capacity),
+      clock_(clock ? std::move(clock) : Clock([] { return std::chrono::steady_clock::now(); })) {}
 
 void AbandonedPuts::Prune(std::chrono::steady_clock::time_point now) {
   while (!order_.empty() && (order_.front().second + keep_ <= now || entries_.size() > capacity_)) {
@@ -23,7 +27,7 @@ bool AbandonedPuts::GivenUp(int tenant, uint64_t token) {
 }
 
 bool AbandonedPuts::Opened(int tenant, uint64_t token, uint64_t lease) {
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = clock_();
   std::lock_guard lk(mu_);
   auto [it, inserted] = entries_.try_emplace({tenant, token}, Entry{lease, now});
   if (!inserted) {
@@ -39,7 +43,7 @@ bool AbandonedPuts::Opened(int tenant, uint64_t token, uint64_t lease) {
 }
 
 uint64_t AbandonedPuts::Abandon(int tenant, uint64_t token) {
-  const auto now = std::chrono::steady_clock::now();
+  const auto now = clock_();
   std::lock_guard lk(mu_);
   auto it = entries_.find({tenant, token});
   if (it != entries_.end() && it->second.lease != 0) {

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -23,7 +24,9 @@ namespace kvtier::store {
 
 class AbandonedPuts {
  public:
-  AbandonedPuts(std::chrono::milliseconds keep, size_t capacity);
+  using Clock = std::function<std::chrono::steady_clock::time_point()>;
+  // On `clock` (steady_clock by default; tests turn one by hand).
+  AbandonedPuts(std::chrono::milliseconds keep, size_t capacity, Clock clock = {});
 
   // Before a BeginPut with `token` (nonzero) is served: true if its writer
   // already gave it up (the tombstone is consumed; refuse the call).
@@ -48,6 +51,7 @@ class AbandonedPuts {
 
   const std::chrono::milliseconds keep_;
   const size_t capacity_;
+  const Clock clock_;
   mutable std::mutex mu_;
   std::map<Key, Entry> entries_;                                             // guarded by mu_
   std::deque<std::pair<Key, std::chrono::steady_clock::time_point>> order_;  // oldest first

@@ -4,8 +4,6 @@
 
 #include <gtest/gtest.h>
 
-#include <thread>
-
 namespace kvtier::store {
 namespace {
 
@@ -43,15 +41,20 @@ TEST(AbandonedPuts, ATenantCannotGiveUpAnothersPut) {
 }
 
 TEST(AbandonedPuts, EntriesLastALeasePeriodAndTheOldestGoFirst) {
-  AbandonedPuts a(50ms, 4);
+  auto now = std::chrono::steady_clock::time_point{} + 1h;
+  AbandonedPuts a(50ms, 4, [&] { return now; });
   for (uint64_t t = 1; t <= 6; ++t) EXPECT_FALSE(a.Opened(-1, t, 100 + t));
   EXPECT_EQ(a.size(), 4u);
   EXPECT_EQ(a.Abandon(-1, 1), 0u) << "the oldest went first";
   EXPECT_EQ(a.Abandon(-1, 6), 106u);
-  std::this_thread::sleep_for(100ms);
+  now += 49ms;
+  EXPECT_FALSE(a.Opened(-1, 8, 108));  // within the period: all kept
+  EXPECT_EQ(a.size(), 4u);
+  now += 1ms;
   EXPECT_FALSE(a.Opened(-1, 9, 109));  // prunes what is past its period
-  EXPECT_EQ(a.size(), 1u);
+  EXPECT_EQ(a.size(), 2u);
   EXPECT_EQ(a.Abandon(-1, 5), 0u);
+  EXPECT_EQ(a.Abandon(-1, 8), 108u);
 }
 
 }  // namespace

@@ -89,7 +89,10 @@ class ScaleDown : public ::testing::Test {
   }
   // Leading blocks of the prompt the store holds, each checked byte for
   // byte against the model (a block that is there is whole).
-  int StoreHolds(uint64_t salt, int tokens) {
+  // The blocks of the prompt's prefix the store holds, from its first
+  // (each checked byte for byte); `*anywhere`: every block of the prompt it
+  // holds, in the prefix or not (checked the same way).
+  int StoreHolds(uint64_t salt, int tokens, int* anywhere = nullptr) {
     const auto chain = Chain(salt, tokens);
     auto got = control_->GetInline(ns_, chain);
     EXPECT_TRUE(got.ok()) << got.status();
@@ -97,13 +100,15 @@ class ScaleDown : public ::testing::Test {
     gpu::KvLayout layout{4, 2, 64, 16, gpu::Dtype::kFp16, 1};
     std::vector<uint8_t> want(layout.block_bytes());
     int n = 0;
+    bool prefix = true;
     for (const auto& b : *got) {
       worker::ModelBlock(layout, ns_, chain[b.index], want.data());
       EXPECT_EQ(b.data.size(), want.size());
       EXPECT_EQ(0, std::memcmp(b.data.data(), want.data(), want.size())) << "block " << b.index;
-      if (b.index != static_cast<uint32_t>(n)) break;
-      ++n;
+      prefix = prefix && b.index == static_cast<uint32_t>(n);
+      if (prefix) ++n;
     }
+    if (anywhere != nullptr) *anywhere = static_cast<int>(got->size());
     return n;
   }
   std::map<std::string, v1::SourceInfo> Sources() {
@@ -255,9 +260,20 @@ TEST_F(ScaleDown, ADrainPastItsDeadlineStopsCleanlyAndWhatItSavedIsWhole) {
   EXPECT_EQ(Terminate(*w1, std::chrono::seconds(15)), 0) << w1->Log();
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - signalled).count(), 5) << w1->Log();
   EXPECT_NE(w1->Log().find("stopped by time"), std::string::npos) << w1->Log();
-  // Whatever reached the store is whole (StoreHolds checks every byte),
-  // and nothing is left leased.
-  for (uint64_t salt : {1, 2, 3, 4}) EXPECT_GE(StoreHolds(salt, 2000), 0);
+  // What reached the store is whole (StoreHolds checks every byte) and is
+  // exactly what the drain says it left there; nothing is left leased.
+  const std::string log = w1->Log();
+  const size_t at = log.find(" now in the store");
+  ASSERT_NE(at, std::string::npos) << log;
+  const size_t from = log.rfind(' ', at - 1) + 1;
+  const int said = std::stoi(log.substr(from, at - from));
+  int held = 0;
+  for (uint64_t salt : {1, 2, 3, 4}) {
+    int anywhere = 0;
+    ASSERT_GE(StoreHolds(salt, 2000, &anywhere), 0);
+    held += anywhere;
+  }
+  EXPECT_EQ(held, said) << log;
   ASSERT_TRUE(WaitFor([&] { return control_->GetStats()->put_leases() == 0; }));
 }
 
@@ -271,7 +287,13 @@ TEST_F(ScaleDown, AWorkerKilledDuringItsDrainLeavesNothingCorruptAndTheIndexForg
   ASSERT_TRUE(store_->proc().Stop());
   ::kill(w1->proc().pid(), SIGTERM);
   ASSERT_TRUE(WaitFor([&] { return Sources()["w1"].load().draining(); })) << router_->Log();
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Its drain has staged blocks for the stopped store: they are in flight.
+  ASSERT_TRUE(WaitFor([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    v1::GetWorkerStatsResponse st;
+    return s1->GetWorkerStats(&ctx, {}, &st).ok() && st.staging_peak_blocks() > 0;
+  })) << w1->Log();
   w1->proc().Kill(SIGKILL);
   ::kill(store_->proc().pid(), SIGCONT);
   // Its stream is gone and it was draining: the router forgets it now.

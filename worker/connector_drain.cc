@@ -42,8 +42,9 @@ bool KvConnector::Drain(std::chrono::steady_clock::time_point deadline) {
         stats_.offload_dropped_full += dropped;
       }
       lk.lock();
-      // The batch in flight ends within the store's deadline.
-      while (offloads_running_ > 0) {
+      // The batch in flight and its commit end within the store's deadline:
+      // once this returns nothing more reaches the store.
+      while (offloads_running_ > 0 || commits_running_ > 0) {
         lk.unlock();
         std::this_thread::sleep_for(std::chrono::milliseconds(2));
         lk.lock();

@@ -178,8 +178,7 @@ def test_connector_saves_from_one_engine_and_loads_into_another(
 
 def test_a_block_corrupted_in_the_store_fails_once_then_is_dropped(
         store) -> None:
-    from conftest import corrupt_in_store
-    import time
+    from conftest import corrupt_in_store, wait_until
 
     a_cache, b_cache = caches("kv_first", 8), caches("kv_first", 9)
     a = kvtier.Connector(ns(), a_cache, stores=[store.address])
@@ -198,10 +197,8 @@ def test_a_block_corrupted_in_the_store_fails_once_then_is_dropped(
     b.finished(2)
     # The connector reported the failed blocks; the store checked its copies
     # and dropped the corrupt one: later loads stop before it.
-    deadline = time.monotonic() + 10
-    while b.stats()["corrupt_dropped"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: b.stats()["corrupt_dropped"] >= 1,
+               "the store to drop the corrupt block", timeout=10)
     assert b.stats()["corrupt_dropped"] == 1
     assert b.lookup(3, hashes).blocks == 2
     b.start_load(3, [4, 5])
@@ -321,6 +318,7 @@ def test_a_lookup_budget_bounds_the_wait_and_a_late_lookup_spares_the_next(
     InvalidArgument."""
     import time
 
+    from conftest import wait_until
     from kvtier.hooks import SchedulerHalf
 
     a = ns()
@@ -350,10 +348,9 @@ def test_a_lookup_budget_bounds_the_wait_and_a_late_lookup_spares_the_next(
     # may fire a fraction of a millisecond before this one's 50 ms).
     assert 49 <= late_ms < 1000, late_ms
     assert spared_ms < 200, spared_ms  # not the 5 s deadline
-    deadline = time.monotonic() + 10
-    while s.num_loadable_tokens(5, hashes, prompt, 0, budget_ms=1000) == 0:
-        assert time.monotonic() < deadline, "the store was not asked again"
-        time.sleep(0.01)
+    wait_until(lambda: s.num_loadable_tokens(5, hashes, prompt, 0,
+                                             budget_ms=1000) != 0,
+               "the store to be asked again", timeout=10)
 
 
 def test_one_dtype_table_and_one_engine_key_hash_from_the_extension() -> None:

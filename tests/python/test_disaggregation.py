@@ -32,7 +32,7 @@ import urllib.request
 
 import pytest
 
-from conftest import BUILD, Store, engine_env, served_port
+from conftest import BUILD, Store, engine_env, served_port, wait_until
 from vllm_server import (
     TINY_LLAMA,
     KvEvents,
@@ -306,7 +306,8 @@ def test_a_client_that_leaves_during_the_prefill_leaves_nothing_behind(
     (while the prefill engine holds the request). For each the frontend
     closes the prefill's connection, counts ``client_gone``, and sends
     nothing to the decode engine; once the prefill engine runs again it
-    has no request left."""
+    has no request left. The frontend's part is seen while the prefill
+    engine is still stopped."""
     import socket
 
     assert pd.prefill.proc is not None
@@ -328,17 +329,14 @@ def test_a_client_that_leaves_during_the_prefill_leaves_nothing_behind(
                     + f"Content-Length: {len(body)}\r\n\r\n".encode()
                     + body
                 )
-                time.sleep(stay)
+                time.sleep(stay)  # the client's own time, the subject
+        wait_until(
+            lambda: handoffs(pd, "client_gone") >= gone + 2,
+            "client_gone counted for both clients",
+        )
     finally:
-        time.sleep(0.5)
         os.killpg(pd.prefill.proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + 20
-    while handoffs(pd, "client_gone") < gone + 2:
-        assert time.monotonic() < deadline, (
-            f"client_gone {handoffs(pd, 'client_gone')}, not {gone + 2}: "
-            f"{pd.log.read_text()[-3000:]}"
-        )
-        time.sleep(0.2)
     while metric(pd.prefill, "vllm:num_requests_running") > 0:
         assert time.monotonic() < deadline, "the prefill engine kept the request"
         time.sleep(0.2)
@@ -380,9 +378,8 @@ def test_with_the_store_down_requests_are_served_colocated(pd: PD) -> None:
     finally:
         port = int(address.rsplit(":", 1)[1])
         pd.store = Store(pd.tmp, "pd-store-again", ram="256MiB", port=port)
-        # The prefill engine's --down passes (it began before `answered`).
-        until = (answered or time.monotonic()) + DOWN_S + 0.5
-        time.sleep(max(0.0, until - time.monotonic()))
+        # The prefill engine's --down passes.
+        wait_usable(pd, "prefill", "decode")
 
 
 def test_a_prefill_engine_killed_mid_prefill_costs_the_request_nothing(
@@ -408,7 +405,12 @@ def test_a_prefill_engine_killed_mid_prefill_costs_the_request_nothing(
     os.killpg(pd.prefill.proc.pid, signal.SIGSTOP)
     t = threading.Thread(target=send)
     t.start()
-    time.sleep(0.5)
+    # The request sent to the stopped prefill engine.
+    wait_until(
+        lambda: 'kvtier_frontend_in_flight{engine="prefill"} 1'
+        in frontend_metrics(pd).splitlines(),
+        "the request in flight at the prefill engine",
+    )
     os.killpg(pd.prefill.proc.pid, signal.SIGKILL)
     t.join(timeout=120)
     assert not t.is_alive(), "the request never ended"

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import BUILD, served_port
+from conftest import BUILD, served_port, wait_until
 from processes import sigstop
 from vllm_server import TINY_LLAMA, KvEvents, VllmServer, prompt_ids
 
@@ -104,6 +104,34 @@ class Fleet:
             for line in text.splitlines()
             if line.startswith(metric + "{") or line.startswith(metric + " ")
         )
+
+    def frontend_metric(self, metric: str, **labels: str) -> float:
+        """One of the frontend's metrics, summed over its label sets that
+        carry every label of ``labels``."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        total = 0.0
+        for line in text.splitlines():
+            name, _, rest = line.partition("{")
+            if name != metric or not rest:
+                continue
+            label_set, _, value = rest.rpartition("} ")
+            if all(w in label_set.split(",") for w in want):
+                total += float(value)
+        return total
+
+    def stored_blocks(self, engine: str) -> float:
+        """The blocks the router was told ``engine`` stored (its KV event
+        stream's BlockStored hashes, as the frontend counts them)."""
+        return self.frontend_metric(
+            "kvtier_frontend_vllm_events_total", engine=engine,
+            counter="blocks_stored")
+
+    def health_checks(self, engine: str) -> float:
+        """The frontend's health checks of ``engine`` that have ended."""
+        return self.frontend_metric(
+            "kvtier_frontend_engine_health_checks_total", engine=engine)
 
     def stop(self) -> None:
         """Stops the frontend and both engines, each by its pid."""
@@ -195,6 +223,8 @@ def test_a_conversations_second_turn_goes_to_the_engine_holding_its_first(
     ]
     first: dict[int, str] = {}
     first_routes: dict[int, dict[str, str]] = {}
+    stored_before = {n: fleet.stored_blocks(n) for n in fleet.engines}
+    new_blocks = dict.fromkeys(fleet.engines, 0)
     for i, system in enumerate(systems):
         raw = c.chat.completions.with_raw_response.create(
             model="tiny",
@@ -206,12 +236,22 @@ def test_a_conversations_second_turn_goes_to_the_engine_holding_its_first(
         )
         first_routes[i] = route_of(raw.headers)
         first[i] = first_routes[i]["engine"]
+        usage = raw.parse().usage
+        assert usage is not None
+        new_blocks[first[i]] += usage.prompt_tokens // BLOCK
         # With every engine up, the first attempt goes where the router chose
         # (and counted the route and its pending blocks): never "failover".
         assert first_routes[i]["reason"] != "failover", first_routes[i]
     # Where the first turns go is the load and occupancy terms' choice (new
     # prompts go to the emptier engine); what matters is the second turns.
-    time.sleep(1.5)  # vLLM's events reach the router
+    # vLLM's events of the first turns' prompt blocks reach the router.
+    wait_until(
+        lambda: all(
+            fleet.stored_blocks(n) - stored_before[n] >= new_blocks[n]
+            for n in fleet.engines
+        ),
+        f"the router told of the blocks each engine stored ({new_blocks})",
+    )
     hits_before = {
         n: fleet.engine_metric(n, "vllm:prefix_cache_hits_total") for n in fleet.engines
     }
@@ -351,11 +391,15 @@ def test_a_request_waiting_for_its_first_token_weighs_its_uncached_tokens(
     route's load, with the holder's EngineCore stopped so the first request
     waits as long as the test needs."""
     system = prompt_ids(71, 20 * BLOCK)
+    stored_before = {n: fleet.stored_blocks(n) for n in fleet.engines}
     first = fleet.client.completions.with_raw_response.create(
         model="tiny", prompt=system, max_tokens=2
     )
     holder = route_of(first.headers)["engine"]
-    time.sleep(1.5)  # vLLM's events reach the router
+    wait_until(
+        lambda: fleet.stored_blocks(holder) - stored_before[holder] >= 20,
+        f"the router told of the 20 blocks {holder} stored",
+    )
     core = engine_core_pid(fleet.engines[holder])
     tail = 200
     streams = []
@@ -367,7 +411,11 @@ def test_a_request_waiting_for_its_first_token_weighs_its_uncached_tokens(
         assert int(waiting["gpu_blocks"]) == 20, waiting
         # Two health checks: the router has been told the engine's load,
         # and no longer counts the first route as its own.
-        time.sleep(1.2)
+        checks = fleet.health_checks(holder)
+        wait_until(
+            lambda: fleet.health_checks(holder) >= checks + 2,
+            f"two health checks of {holder}",
+        )
         streams.append(open_stream(fleet, system + prompt_ids(73, tail)))
         second = route_of(streams[1].headers)
     finally:
@@ -393,14 +441,23 @@ def test_a_stream_reaches_its_client_in_whole_events(fleet: Fleet) -> None:
     port = int(fleet.url.rsplit(":", 1)[1])
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     conn = h11.Connection(h11.CLIENT)
+    received = [0]  # bytes read from the socket by next_event
 
     def next_event() -> Any:
         while True:
             ev = conn.next_event()
             if ev is not h11.NEED_DATA:
                 return ev
-            conn.receive_data(sock.recv(65536))
+            data = sock.recv(65536)
+            received[0] += len(data)
+            conn.receive_data(data)
 
+    def finished() -> float:
+        return sum(
+            fleet.engine_metric(n, "vllm:request_success_total") for n in fleet.engines
+        )
+
+    finished_before = finished()
     body = json.dumps(
         {
             "model": "tiny",
@@ -427,14 +484,23 @@ def test_a_stream_reaches_its_client_in_whole_events(fleet: Fleet) -> None:
         assert isinstance(res, h11.Response) and res.status_code == 200, res
         sigstop(fleet.proc.pid)
         try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and any(
-                fleet.engine_metric(n, "vllm:num_requests_running") > 0
-                for n in fleet.engines
-            ):
-                time.sleep(0.2)
+            # vLLM streams the whole answer into the stopped frontend's
+            # socket.
+            wait_until(
+                lambda: finished() > finished_before,
+                "vLLM done with the request streaming to the stopped frontend",
+            )
+            # What the frontend relayed before it stopped is not backlog.
+            sock.setblocking(False)
+            try:
+                while data := sock.recv(65536):
+                    conn.receive_data(data)
+            except BlockingIOError:
+                pass
+            sock.settimeout(60)
         finally:
             os.kill(fleet.proc.pid, signal.SIGCONT)
+        received[0] = 0
         chunks: list[bytes] = []
         piece = b""
         while True:
@@ -450,7 +516,8 @@ def test_a_stream_reaches_its_client_in_whole_events(fleet: Fleet) -> None:
         sock.close()
     text = b"".join(chunks)
     assert text.endswith(b"data: [DONE]\n\n"), text[-200:]
-    assert len(text) > 4 * 4096, f"a backlog of {len(text)} bytes is no test"
+    backlog = received[0]
+    assert backlog > 4 * 4096, f"a backlog of {backlog} bytes is no test"
     cut = [c[-40:] for c in chunks if not c.endswith(b"\n\n")]
     assert not cut, f"{len(cut)} of {len(chunks)} chunks end mid-event: {cut[:3]}"
     tokens = sum(
@@ -476,9 +543,16 @@ def test_a_killed_engine_is_skipped_and_leaves_the_index(fleet: Fleet) -> None:
         served.append(route_of(raw.headers)["engine"])
         assert raw.parse().choices
     assert set(served) == {"e0"}, served
-    deadline = time.monotonic() + 10
-    while "source e1 missed its heartbeat deadline" not in fleet.log.read_text():
-        assert time.monotonic() < deadline, fleet.log.read_text()[-2000:]
-        time.sleep(0.2)
-    with urllib.request.urlopen(fleet.url + "/health", timeout=10) as r:
-        assert json.loads(r.read())["engines_up"] == 1
+    # Two failed health checks mark it down; the router drops its blocks
+    # at its heartbeat deadline. The two are not ordered: each is awaited.
+
+    def engines_up() -> int:
+        with urllib.request.urlopen(fleet.url + "/health", timeout=10) as r:
+            return int(json.loads(r.read())["engines_up"])
+
+    wait_until(lambda: engines_up() == 1, "/health counting one engine up", 10)
+    wait_until(
+        lambda: "source e1 missed its heartbeat deadline" in fleet.log.read_text(),
+        "the router dropping e1 at its heartbeat deadline",
+        10,
+    )

@@ -28,7 +28,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import BUILD, served_port
+from conftest import BUILD, served_port, wait_until
 from vllm_server import TINY_LLAMA, free_port
 
 FRONTEND_BIN = BUILD / "frontend" / "kvtier-frontend"
@@ -196,6 +196,14 @@ class DnsFleet:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             return str(r.read().decode())
 
+    def metric(self, line_start: str) -> float:
+        """The value of the frontend's metric line that starts with
+        ``line_start`` (its name and labels), 0 when there is none."""
+        for line in self.metrics().splitlines():
+            if line.startswith(line_start + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
     def engines(self) -> set[str]:
         """The engines the frontend serves now, from its metrics."""
         out = set()
@@ -280,8 +288,12 @@ def test_a_prefill_pool_and_a_decode_pool_each_keep_their_role(
 
 def test_a_failed_resolution_keeps_the_fleet(fleet: DnsFleet) -> None:
     fleet.wait_engines([2, 3])
+    failed = (
+        "kvtier_frontend_dns_resolutions_total"
+        f'{{name="{NAME}:{fleet.port}",outcome="failed"}}'
+    )
     fleet.set_addresses([])  # the name no longer resolves
-    time.sleep(1.0)  # five resolutions
+    wait_until(lambda: fleet.metric(failed) >= 5, "five failed resolutions")
     assert fleet.engines() == {f"127.0.0.{o}:{fleet.port}" for o in (2, 3)}
     assert fleet.served_by(6) <= {"engine 2", "engine 3"}
     assert f"cannot resolve {NAME}" in fleet.log.read_text()
@@ -311,7 +323,15 @@ def test_each_engines_own_metrics_feed_its_load(fleet: DnsFleet) -> None:
     # engines hold nothing: whole prompts): once one is seen, nothing goes
     # there.
     fleet.complete()
-    time.sleep(0.5)  # two scrapes: the load is told to the router again
+    # Two scrapes: the load is told to the router again.
+    checked = (
+        "kvtier_frontend_engine_health_checks_total"
+        f'{{engine="127.0.0.5:{fleet.port}"}}'
+    )
+    checks = fleet.metric(checked)
+    wait_until(
+        lambda: fleet.metric(checked) >= checks + 2, "two health checks of 127.0.0.5"
+    )
     assert fleet.served_by(10) == {"engine 2"}
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import BUILD, engine_env
+from conftest import BUILD, engine_env, wait_until
 from kvtier.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
@@ -131,14 +131,10 @@ def test_a_route_counts_until_the_engine_lists_its_request(
         worker = worker_pb2_grpc.SimWorkerStub(grpc.insecure_channel(eaddr))
 
         def source() -> router_pb2.SourceInfo:
-            deadline = time.monotonic() + 10
-            while True:
-                got = router_stub.ListWorkers(router_pb2.ListWorkersRequest(),
-                                              timeout=5).sources
-                if got:
-                    return got[0]
-                assert time.monotonic() < deadline, "the engine never joined"
-                time.sleep(0.05)
+            return wait_until(
+                lambda: router_stub.ListWorkers(
+                    router_pb2.ListWorkersRequest(), timeout=5).sources,
+                "the engine to join the router", timeout=10)[0]
 
         req = _submit(77, tokens=64)
         rr = router_pb2.RouteRequest(namespace_id=source().namespace_id,
@@ -148,10 +144,8 @@ def test_a_route_counts_until_the_engine_lists_its_request(
         time.sleep(0.3)  # several heartbeats that do not list it
         assert source().routed_tokens_since_heartbeat == 64
         assert worker.Submit(req, timeout=60).prefill_tokens == 64
-        deadline = time.monotonic() + 10
-        while source().routed_tokens_since_heartbeat != 0:
-            assert time.monotonic() < deadline, "the route never arrived"
-            time.sleep(0.05)
+        wait_until(lambda: source().routed_tokens_since_heartbeat == 0,
+                   "the route to arrive", timeout=10)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -441,11 +435,10 @@ def test_a_draining_engine_saves_what_the_store_lacks(
         req = worker_pb2.SubmitRequest(request_id=1, output_tokens=1)
         req.tokens.ids.extend(prompt)
         assert worker.Submit(req, timeout=60).prefill_tokens == len(prompt)
-        deadline = time.monotonic() + 20
-        while worker.GetWorkerStats(worker_pb2.GetWorkerStatsRequest(),
-                                    timeout=10).offload_failures == 0:
-            assert time.monotonic() < deadline, "the saves never failed"
-            time.sleep(0.1)
+        wait_until(lambda: worker.GetWorkerStats(
+            worker_pb2.GetWorkerStatsRequest(),
+            timeout=10).offload_failures != 0,
+            "the saves to fail", timeout=20)
         restarted.append(Store(tmp_path, "store-b", port=port))
 
         # A long decode is in flight when SIGTERM comes.
@@ -476,11 +469,9 @@ def test_a_draining_engine_saves_what_the_store_lacks(
                 break
             assert time.monotonic() < deadline, "never refused"
             time.sleep(0.05)
-        deadline = time.monotonic() + 10
-        while not any(s.load.draining for s in router_stub.ListWorkers(
-                router_pb2.ListWorkersRequest(), timeout=5).sources):
-            assert time.monotonic() < deadline, "the router never heard"
-            time.sleep(0.05)
+        wait_until(lambda: any(s.load.draining for s in router_stub.ListWorkers(
+            router_pb2.ListWorkersRequest(), timeout=5).sources),
+            "the router to hear the engine is draining", timeout=10)
 
         t.join(timeout=120)
         long_answer = answers["long"]

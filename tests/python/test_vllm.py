@@ -140,10 +140,8 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     probe = kvtier.StoreClient([store.address])
     ns = sched._scheduler.namespace
     hashes = kvtier.hash_tokens(ns, prompt)
-    deadline = time.monotonic() + 10
-    while probe.lookup(ns, hashes) < 6:
-        assert time.monotonic() < deadline, "A's blocks never got stored"
-        time.sleep(0.02)
+    wait_until(lambda: probe.lookup(ns, hashes) >= 6,
+               "A's blocks to be stored", timeout=10)
 
     # B: A's prompt and more: 6 blocks load into B's pages 10..15, in a
     # step of their own (asynchronously), before B computes the rest.
@@ -176,10 +174,8 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     assert (again[22][0] == again[2][0]).all(), "block 2 was recomputed"
     sched.request_finished(v.Request("C", prompt), list(range(20, 27)))
     # The recompute's blocks reached the store: D loads all six, intact.
-    deadline = time.monotonic() + 10
-    while probe.lookup(ns, hashes) < 6:
-        assert time.monotonic() < deadline, "block 2 was never saved again"
-        time.sleep(0.02)
+    wait_until(lambda: probe.lookup(ns, hashes) >= 6,
+               "block 2 to be saved again", timeout=10)
     n, r, _ = run_new(sched, worker, "D", prompt, list(range(30, 37)), seeds)
     assert n == 6 * BS and r["errors"] == [], r
     d = worker.call(op="read", pages=[2, 32])
@@ -210,10 +206,8 @@ def test_salted_lora_and_multimodal_requests_never_share_blocks(
     run_new(sched, worker, "plain", prompt, list(range(0, 5)), seeds)
     probe = kvtier.StoreClient([store.address])
     ns = sched._scheduler.namespace
-    deadline = time.monotonic() + 10
-    while probe.lookup(ns, kvtier.hash_tokens(ns, prompt)) < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: probe.lookup(ns, kvtier.hash_tokens(ns, prompt)) >= 4,
+               "the plain request's blocks to be stored", timeout=10)
     again = v.Request("again", prompt)
     assert matched(sched, again, 0) == (4 * BS, True)
     salted = v.Request("salted", prompt)
@@ -275,10 +269,8 @@ def test_a_lookup_is_never_waited_for_on_the_scheduler_thread(store) -> None:
     assert spared == 0 and spared_s < 0.15, spared_s
     assert sched._scheduler.lookups_late == 1
     assert sched._scheduler.lookups_not_asked == 1
-    deadline = time.monotonic() + 10
-    while matched(sched, v.Request("d", prompt), 0)[0] != 4 * BS:
-        assert time.monotonic() < deadline, "hits never came back"
-        time.sleep(0.05)
+    wait_until(lambda: matched(sched, v.Request("d", prompt), 0)[0] == 4 * BS,
+               "hits to come back", timeout=10)
 
 
 def test_a_burst_is_one_lookup_per_step_and_every_request_hits(

@@ -90,13 +90,14 @@ def test_a_corrupted_row_is_never_a_hit(store: Store) -> None:
     b = TierEngine(kvtier_tier(store.address))
     try:
         got, _ = b.load(keys)
-        # The promotion failed its checksum: no key of it is a hit, the
-        # lookups turned into misses, and nothing corrupt was read.
-        assert all(g is None or g == row_bytes(11, i).tobytes()
-                   for i, g in enumerate(got))
-        assert got[2] is None
+        # The promotion failed its checksum: it fails whole (vLLM's load
+        # job), so no key of it is a hit and nothing corrupt was read.
+        assert got == [None] * 4
+        # Asked again, the rows before the corrupt one load, byte-exact;
+        # the corrupt row and the rows chained after it miss.
         again, _ = b.load(keys)
-        assert again[2] is None
+        assert again == [row_bytes(11, 0).tobytes(), row_bytes(11, 1).tobytes(),
+                         None, None]
         # The store dropped its corrupt copy.
         client = kvtier.StoreClient([store.address])
         assert client.lookup(b.tier.namespace, key_hashes(keys[2:3])) == 0
@@ -345,9 +346,8 @@ def test_a_handed_off_row_that_fails_its_load_is_computed_not_promised_again(
         p.store(keys, 54, pd_params("prefill", "h4"))
         assert corrupt_in_store(store.pid, row_bytes(54, 2).tobytes()[4096:4160])
         got, took = d.load(keys, timeout=15, params=pd_params("decode", "h4"))
-        assert got[2] is None
-        assert all(g is None or g == row_bytes(54, i).tobytes()
-                   for i, g in enumerate(got))
+        # The promotion fails whole: nothing of it is a hit.
+        assert got == [None] * 4
         assert took < 10, took
         assert d.tier.handoffs["complete"] == 1
     finally:

@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -89,7 +91,16 @@ TEST(Chaos, NamespacesAreRemovedAfterAnInterruptionAndAKill) {
   auto p = start("interrupted.log");
   const pid_t first = p->pid();
   ASSERT_EQ(wait_for_namespaces(first), 10);  // hub, 3 stores, router, 4 workers, client
-  std::this_thread::sleep_for(std::chrono::seconds(2));
+  // Mid-run: its set-up done, a scenario running.
+  auto running = [&] {
+    std::ifstream in(dir.sub("interrupted.log"));
+    const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return log.find("  scenario kill9...") != std::string::npos;
+  };
+  for (int i = 0; i < 600 && !running(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(running()) << "the run never reached its scenario";
   int st = p->Kill(SIGTERM);
   EXPECT_TRUE(WIFEXITED(st)) << st;
   EXPECT_EQ(Namespaces(first), 0);

@@ -378,7 +378,8 @@ TEST(EngineMemorySaves, ASaveNeverWaitsForAStalledStoreItDropsTheOldestQueuedBlo
   // Request 2's four blocks fill the staging: the offloader's put of its
   // first k (1 or 2) sticks, the rest stay queued.
   ASSERT_TRUE(c.SaveFrom(2, 0, {0, 1}).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // The offloader took them into its put (it runs at nice 10: waited for).
+  ASSERT_TRUE(testing::WaitFor([&] { return c.stats().offload_blocks_in_flight > 0; }));
   ASSERT_TRUE(c.SaveFrom(2, 2, {2, 3}).ok());
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status saved = c.SaveFrom(3, 0, {4, 5, 6, 7});

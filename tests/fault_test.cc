@@ -106,9 +106,12 @@ TEST(Faults, KillNineDuringPutsGetsAndDemotionLosesNothingCommittedToDisk) {
   });
   // Let bursts run (8 MiB RAM: most blocks are being demoted), then kill -9.
   ASSERT_TRUE(WaitFor([&] { return put_ok >= 40 && get_ok >= 20; }, std::chrono::seconds(30)));
+  const uint64_t errors_before = put_err + get_err;
   store.proc().Kill(SIGKILL);
   const uint64_t before = put_ok;
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // The clients see the store gone before it comes back.
+  ASSERT_TRUE(WaitFor([&] { return put_err + get_err > errors_before; }))
+      << "the kill was not seen by the clients";
   store.Start();
   ASSERT_EQ(store.port(), port) << store.Log();
   // The client recovers by itself: new puts succeed again.

@@ -128,9 +128,11 @@ TEST_F(StoreBehindAFaultyNetwork, ResetConnectionsFailCallsFastAndTheClientRecon
     }
   });
   ASSERT_TRUE(WaitFor([&] { return ok_puts >= 1; }, std::chrono::seconds(20)));
+  const uint64_t failed_before = failed_puts;
   proxy.Set(FaultProxy::Mode::kReset);
-  // While every connection is reset, calls fail quickly with UNAVAILABLE.
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Once the reset reached the client (a put failed), calls fail quickly
+  // with UNAVAILABLE.
+  EXPECT_TRUE(WaitFor([&] { return failed_puts > failed_before; }, std::chrono::seconds(5)));
   auto t0 = Clock::now();
   auto s = c.GetStats();
   EXPECT_EQ(s.status().code(), absl::StatusCode::kUnavailable) << s.status();
@@ -288,10 +290,14 @@ TEST(NetworkFaults, ARouterStreamCutOffOrResetDropsThenResyncsTheSource) {
 
   // Reset: the publisher reconnects by itself; blocks stored meanwhile arrive.
   proxy.Set(FaultProxy::Mode::kReset);
+  EXPECT_TRUE(WaitFor([&] { return !pub.connected(); })) << "the reset never reached the stream";
   std::vector<BlockHash> more;
   for (uint64_t i = 50; i < 60; ++i) more.push_back(H(i));
   pub.Stored(42, more);
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // It tries to reconnect and is reset again, then the network heals.
+  const size_t tries = proxy.Accepted().size();
+  EXPECT_TRUE(WaitFor([&] { return proxy.Accepted().size() > tries; }))
+      << "the publisher did not try to reconnect";
   proxy.Set(FaultProxy::Mode::kForward);
   EXPECT_TRUE(WaitFor([&] { return blocks() == 60; }, std::chrono::seconds(10))) << blocks();
   pub.Stop();

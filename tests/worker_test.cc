@@ -230,19 +230,19 @@ TEST_F(WorkerTest, AStoreKilledMidOnboardFallsBackToPrefill) {
   auto b = Make(512, "none");
   auto m = b->Begin(2, chain);
   ASSERT_EQ(m->store_blocks, 400u);
+  // The store stopped first, so the load is in flight when it dies.
+  ASSERT_TRUE(store_->proc().Stop());
   ASSERT_TRUE(b->StartLoad(2).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_TRUE(testing::WaitFor([&] { return b->stats().loads == 1; }));
   store_->proc().Kill(SIGKILL);
   auto l = b->WaitForLoad(2);
-  // Either the load finished before the kill, or it failed with a status
-  // that says why; in both cases the engine can compute the rest.
-  uint32_t loaded = l.ok() ? *l : 0;
-  if (!l.ok()) {
-    EXPECT_NE(l.status().message().find("store"), std::string::npos) << l.status();
-  }
+  // The load fails with a status that says why, and the engine can
+  // compute the rest.
+  ASSERT_FALSE(l.ok()) << "a load from a stopped, then killed store succeeded";
+  EXPECT_NE(l.status().message().find("store"), std::string::npos) << l.status();
   auto pages = b->AllocateForCompute(2);
   ASSERT_TRUE(pages.ok()) << pages.status();
-  EXPECT_EQ(pages->size(), 400u - loaded);
+  EXPECT_EQ(pages->size(), 400u);
   b->Finished(2);
   // A new request with the store gone: no store blocks, served by prefill.
   auto gone = b->Begin(3, Chain(8, 10));

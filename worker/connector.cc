@@ -358,6 +358,10 @@ ConnectorStats KvConnector::stats() const {
     std::lock_guard sl(stats_mu_);
     s = stats_;
   }
+  {
+    std::lock_guard lk(staging_mu_);
+    s.offload_blocks_in_flight = offloads_running_;
+  }
   if (pool_) s.pool = pool_->counters();
   return s;
 }

@@ -75,8 +75,9 @@ struct ConnectorStats {
   // bytes they sent; blocks computed into the pool (pool mode).
   uint64_t offload_batches = 0, offload_round_trips = 0, offloaded_bytes = 0, computed_blocks = 0;
   uint64_t staging_in_use = 0, staging_peak = 0, staging_blocks = 0;  // offload staging
-  uint64_t load_staging_peak = 0;                                     // load staging
-  uint64_t corrupt_dropped = 0;  // blocks that failed their checksum and the store dropped
+  uint64_t offload_blocks_in_flight = 0;  // taken by the offloader, not yet written or failed
+  uint64_t load_staging_peak = 0;         // load staging
+  uint64_t corrupt_dropped = 0;           // blocks that failed their checksum and the store dropped
   // Of loaded_blocks, read by the page copier in place from a store's arena
   // mapped here (no staging).
   uint64_t in_place_blocks = 0;

@@ -32,18 +32,21 @@ os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 T = TypeVar("T")
 
 
-def wait_until(check: Callable[[], T], what: str,
+def wait_until(check: Callable[[], T], what: str | Callable[[], str],
                timeout: float = 30) -> T:
     """Calls ``check`` until it returns something true (returned), for
-    ``timeout`` seconds at most; then fails saying what was awaited and
-    what ``check`` last returned."""
+    ``timeout`` seconds at most; then fails saying what was awaited
+    (``what``, or what it returns then: a log's tail, say) and what
+    ``check`` last returned."""
     deadline = time.monotonic() + timeout
     while True:
         seen = check()
         if seen:
             return seen
-        assert time.monotonic() < deadline, \
-            f"{what}: not within {timeout} s (last seen: {seen!r})"
+        if time.monotonic() >= deadline:
+            said = what() if callable(what) else what
+            raise AssertionError(
+                f"{said}: not within {timeout} s (last seen: {seen!r})")
         time.sleep(0.01)
 
 

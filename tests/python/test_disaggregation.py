@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -32,14 +31,9 @@ import urllib.request
 
 import pytest
 
-from conftest import BUILD, Store, engine_env, served_port, wait_until
-from vllm_server import (
-    TINY_LLAMA,
-    KvEvents,
-    VllmServer,
-    cached_tokens,
-    kvtier_connector,
-)
+from conftest import Store, wait_until
+from fleet import BLOCK, EngineSpec, Fleet
+from vllm_server import VllmServer, cached_tokens
 from vllm_server import prompt_ids as prompt
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is in the project's environment")
@@ -47,84 +41,29 @@ openai = pytest.importorskip(
     "openai", reason="the openai package is in the environment"
 )
 
-FRONTEND_BIN = BUILD / "frontend" / "kvtier-frontend"
-NAMESPACE = "00c0ffee00c0ffee"
 THRESHOLD = 256  # --pd-threshold: prompt tokens past which a prefill runs first
 
-BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 WAIT_MS = 5000  # the decode's handoff budget here
 DOWN_S = 10  # --down: how long an engine that failed is skipped
 
 
-class PD:
-    """The store, a prefill engine and a decode engine."""
+class PD(Fleet):
+    """The store, a prefill engine and a decode engine, each computing on a
+    core of its own, as in a P/D deployment: on a shared core the other
+    engine's OpenMP threads, spinning after their step, hold the prefill
+    engine's background writes (the decode's fence waits on) for ~1 s."""
 
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.store = Store(tmp, "pd-store", ram="256MiB")
-        self.frontend: subprocess.Popen[bytes] | None = None
-        env = engine_env()
-        specs = []
-        servers = {}
-        for name, role, extra, core in (
-            ("prefill", "kv_producer", {}, "0"),
-            ("decode", "kv_consumer", {"handoff_wait_ms": WAIT_MS}, "1"),
-        ):
-            events = KvEvents(tmp, name)
-            # Each engine computes on a core of its own, as in a P/D
-            # deployment: on a shared core the other engine's OpenMP
-            # threads, spinning after their step, hold the prefill engine's
-            # background writes (the decode's fence waits on) for ~1 s.
-            servers[name] = VllmServer(
-                tmp / f"{name}.log",
-                start=False,
-                env={**env, "VLLM_CPU_OMP_THREADS_BIND": core},
-                extra=("--block-size", str(BLOCK), "--enable-prefix-caching",
-                       "--enable-prompt-tokens-details", *events.flags(),
-                       "--kv-transfer-config",
-                       kvtier_connector(self.store.address, role, **extra)),
-            )  # fmt: skip
-            specs.append(
-                events.spec(servers[name].port, NAMESPACE, BLOCK, role=name)
-            )
-        self.prefill, self.decode = servers["prefill"], servers["decode"]
-        try:
-            self.prefill.start()
-            self.decode.start()
-            self.prefill.wait()
-            self.decode.wait()
-            port_file = tmp / "frontend.port"
-            self.log = tmp / "frontend.log"
-            with open(self.log, "wb") as out:
-                self.frontend = subprocess.Popen(
-                    [str(FRONTEND_BIN), "--listen=127.0.0.1:0",
-                     f"--port-file={port_file}", f"--model={TINY_LLAMA}",
-                     "--served-model-name=tiny", "--engines=" + ";".join(specs),
-                     f"--pd-threshold={THRESHOLD}", "--health-interval=500ms",
-                     f"--down={DOWN_S}s"],
-                    stdout=out, stderr=subprocess.STDOUT,
-                )  # fmt: skip
-            port = served_port(self.frontend, port_file, self.log)
-            self.url = f"http://127.0.0.1:{port}"
-            self.client = openai.OpenAI(
-                base_url=self.url + "/v1", api_key="none", max_retries=0
-            )
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        """Stops the frontend, both engines and the store, each by its pid."""
-        if self.frontend is not None and self.frontend.poll() is None:
-            self.frontend.send_signal(signal.SIGTERM)
-            try:
-                self.frontend.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.frontend.kill()
-                self.frontend.wait()
-        self.prefill.stop()
-        self.decode.stop()
-        self.store.stop()
+        super().__init__(
+            tmp,
+            [EngineSpec("prefill", "kv_producer", role="prefill", core="0"),
+             EngineSpec("decode", "kv_consumer", {"handoff_wait_ms": WAIT_MS},
+                        role="decode", core="1")],
+            store_ram="256MiB",
+            frontend_flags=(f"--pd-threshold={THRESHOLD}", "--health-interval=500ms",
+                            f"--down={DOWN_S}s"),
+        )  # fmt: skip
+        self.prefill, self.decode = self.engines["prefill"], self.engines["decode"]
 
 
 @pytest.fixture(scope="module")
@@ -302,12 +241,12 @@ def test_a_client_that_leaves_during_the_prefill_leaves_nothing_behind(
 ) -> None:
     """The prefill engine held (SIGSTOP); two clients send a streamed
     request each and close their connections: one at once (its close
-    reaches the frontend before the request is routed), one after 0.5 s
-    (while the prefill engine holds the request). For each the frontend
-    closes the prefill's connection, counts ``client_gone``, and sends
-    nothing to the decode engine; once the prefill engine runs again it
-    has no request left. The frontend's part is seen while the prefill
-    engine is still stopped."""
+    reaches the frontend before the request is routed), one once the
+    frontend has sent its request to the prefill engine (which holds it).
+    For each the frontend closes the prefill's connection, counts
+    ``client_gone``, and sends nothing to the decode engine; once the
+    prefill engine runs again it has no request left. The frontend's part
+    is seen while the prefill engine is still stopped."""
     import socket
 
     assert pd.prefill.proc is not None
@@ -317,7 +256,7 @@ def test_a_client_that_leaves_during_the_prefill_leaves_nothing_behind(
     port = int(pd.url.rsplit(":", 1)[1])
     os.killpg(pd.prefill.proc.pid, signal.SIGSTOP)
     try:
-        for seed, stay in ((40, 0.0), (41, 0.5)):
+        for seed, stay in ((40, False), (41, True)):
             body = json.dumps(
                 {"model": "tiny", "prompt": prompt(seed, 1000), "max_tokens": 8,
                  "stream": True}
@@ -329,7 +268,12 @@ def test_a_client_that_leaves_during_the_prefill_leaves_nothing_behind(
                     + f"Content-Length: {len(body)}\r\n\r\n".encode()
                     + body
                 )
-                time.sleep(stay)  # the client's own time, the subject
+                if stay:
+                    wait_until(
+                        lambda: 'kvtier_frontend_in_flight{engine="prefill"} 1'
+                        in frontend_metrics(pd).splitlines(),
+                        "the request in flight at the stopped prefill engine",
+                    )
         wait_until(
             lambda: handoffs(pd, "client_gone") >= gone + 2,
             "client_gone counted for both clients",

@@ -176,7 +176,7 @@ class VllmServer:
                         return
             except OSError:
                 pass
-            time.sleep(1)
+            time.sleep(0.2)
         self.stop()
         raise RuntimeError(
             f"vllm serve did not answer /health in {self.timeout:.0f} s:\n{self.tail()}"

@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import time
 
 import numpy as np
 import torch
 
 from kvtier.engine.engine import Engine, EngineConfig
 from kvtier.engine.model import ModelConfig, Transformer
+from processes import dead_or_gone
 
 
 def block_kv(engine: Engine, hashes: np.ndarray, n: int) -> list:
@@ -67,7 +67,7 @@ def main() -> None:
 
         def kill_then_load(rid: int, pages: list) -> None:
             os.kill(a.kill_store_pid, signal.SIGKILL)
-            time.sleep(0.3)
+            dead_or_gone(a.kill_store_pid)
             real(rid, pages)
 
         engine.connector.start_load = kill_then_load  # type: ignore

@@ -21,3 +21,20 @@ def sigstop(pid: int, timeout: float = 5) -> None:
             return
         time.sleep(0.001)
     raise RuntimeError(f"process {pid} did not stop")
+
+
+def dead_or_gone(pid: int, timeout: float = 5) -> None:
+    """Returns once ``pid`` has died (a zombie its parent has not reaped,
+    or gone): its sockets are closed. RuntimeError if it still runs after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:
+            return
+        if stat[stat.rindex(")") + 2] in "ZX":
+            return
+        time.sleep(0.001)
+    raise RuntimeError(f"process {pid} did not die")

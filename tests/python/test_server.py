@@ -141,7 +141,17 @@ def test_a_route_counts_until_the_engine_lists_its_request(
                                      request_id=77)
         rr.tokens.ids.extend(req.tokens.ids)
         assert router_stub.Route(rr, timeout=5).prefill_tokens == 64
-        time.sleep(0.3)  # several heartbeats that do not list it
+
+        def heard_since(t: float) -> bool:
+            """The router heard from the engine after ``t``."""
+            elapsed_ms = (time.monotonic() - t) * 1000
+            return source().last_seen_ms + 1 < elapsed_ms
+
+        # Two heartbeats that do not list it.
+        routed_at = time.monotonic()
+        wait_until(lambda: heard_since(routed_at), "a heartbeat after the route")
+        first = time.monotonic()
+        wait_until(lambda: heard_since(first), "a second heartbeat")
         assert source().routed_tokens_since_heartbeat == 64
         assert worker.Submit(req, timeout=60).prefill_tokens == 64
         wait_until(lambda: source().routed_tokens_since_heartbeat == 0,
@@ -454,7 +464,11 @@ def test_a_draining_engine_saves_what_the_store_lacks(
 
         t = threading.Thread(target=serve_long)
         t.start()
-        time.sleep(0.5)
+        # The engine runs it (its heartbeat says so to the router).
+        wait_until(lambda: any(
+            s.load.running_requests >= 1 for s in router_stub.ListWorkers(
+                router_pb2.ListWorkersRequest(), timeout=5).sources),
+            "the long request running on the engine", timeout=20)
         assert t.is_alive(), "the long request ended before SIGTERM"
         os.kill(engine.pid, signal.SIGTERM)
 

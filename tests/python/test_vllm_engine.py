@@ -215,7 +215,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(work: Path) -> dict[int, list[list[int]]]:
     """Greedy tokens of every prompt set from an engine without kvtier."""
-    e = Engine(str(work / "reference.log"), env=engine_env())
+    e = Engine(str(work / "reference.log"), env=engine_env(), one_process=1)
     try:
         return {seed: [o["tokens"] for o in e.generate(prompts(seed))
                        ["outputs"]] for seed in (1, 2, 3, 4)}
@@ -224,6 +224,19 @@ def reference(work: Path) -> dict[int, list[list[int]]]:
 
 
 def start(work: Path, name: str, stores: str, **kw: object) -> Engine:
+    """An engine of the tiny model (``kw``: vllm_engine.py's flags). One
+    rank runs in one process (``one_process``: it starts in a third of the
+    time) unless ``one_process=0`` asks for vLLM's worker processes."""
+    if kw.get("tp", 1) == 1:
+        kw.setdefault("one_process", 1)
+    if stores:
+        # Staging for a whole burst of saves (these prompts are 65 blocks):
+        # a save then waits for no slot, so an offloader starved on a busy
+        # host delays blocks but drops none. With the default 64 slots a
+        # save's 65th block waits for a slot and is given up when the
+        # offloader has finished nothing for 50 ms: saves are best effort,
+        # and a test that needs blocks stored must not rely on luck.
+        kw.setdefault("staging_blocks", 512)
     return Engine(str(work / f"{name}.log"), stores=stores, env=engine_env(),
                   **kw)  # type: ignore[arg-type]
 
@@ -260,12 +273,12 @@ def wait_stored(e: Engine, store: Store, tokens: list[int],
 
 
 def computed_by_one_engine(work: Path, name: str, store: Store,
-                           seed: int, blocks: int = PREFIX // BLOCK
-                           ) -> list[dict]:
-    """A kvtier engine that computes prompt set ``seed``, waits for its
-    saves of the first prompt's first ``blocks`` blocks to reach the
-    store, and stops; its outputs."""
-    e = start(work, name, store.address)
+                           seed: int, blocks: int = PREFIX // BLOCK,
+                           **kw: object) -> list[dict]:
+    """A kvtier engine (``kw``: as :func:`start`'s) that computes prompt
+    set ``seed``, waits for its saves of the first prompt's first
+    ``blocks`` blocks to reach the store, and stops; its outputs."""
+    e = start(work, name, store.address, **kw)
     try:
         out = e.generate(prompts(seed))["outputs"]
         wait_stored(e, store, prompts(seed)[0], blocks)
@@ -303,7 +316,10 @@ def test_engine_b_loads_engine_a_prefix_through_the_store(
     # 120 s, 63 of 64: a save dropped under load; noted, not chased here.)
     needed = math.ceil(0.9 * PREFIX / BLOCK)
     try:
-        out_a = computed_by_one_engine(work, "engine-a", store, 1, needed)
+        # Both engines as vLLM serves them: the connector's metadata
+        # crosses from the engine core to its worker process.
+        out_a = computed_by_one_engine(work, "engine-a", store, 1, needed,
+                                       one_process=0)
         assert out_a[0]["cached"] == 0
         assert [o["tokens"] for o in out_a] == reference[1]
         # The store holds A's prefix in the connector's namespace.
@@ -312,7 +328,7 @@ def test_engine_b_loads_engine_a_prefix_through_the_store(
         chain = kvtier.hash_tokens(ns, prompts(1)[0])
         assert client.lookup(ns, chain) >= needed
 
-        b = start(work, "engine-b", store.address)
+        b = start(work, "engine-b", store.address, one_process=0)
         try:
             out_b = b.generate(prompts(1))["outputs"]
             # B computed nothing of the prefix itself: its first request's
@@ -618,7 +634,7 @@ def test_a_sliding_window_model_loads_its_prefix_through_the_store(
     window group: vLLM computes it whole, with vLLM alone's tokens."""
     sets = {seed: prompts(seed) for seed in (6, 7)}
     ref = Engine(str(work / "gemma-reference.log"), env=engine_env(),
-                 model=TINY_GEMMA2)
+                 model=TINY_GEMMA2, one_process=1)
     try:
         expected = {seed: [o["tokens"] for o in ref.generate(ps)["outputs"]]
                     for seed, ps in sets.items()}
@@ -877,7 +893,8 @@ def test_engines_that_rotate_differently_never_share_a_block(
         finally:
             a.stop()
         alone = Engine(str(work / "rope-alone.log"), env=engine_env(),
-                       model=model, load_format="auto", hf_overrides=over)
+                       model=model, load_format="auto", hf_overrides=over,
+                       one_process=1)
         try:
             want = [o["tokens"] for o in alone.generate(prompts(21))
                     ["outputs"]]

@@ -38,6 +38,12 @@ class ThreadCache {
     return future;
   }
 
+  // Threads waiting for a task now.
+  size_t idle() {
+    std::lock_guard lk(mu_);
+    return idle_;
+  }
+
  private:
   void Post(std::function<void()> task);
   void Loop();

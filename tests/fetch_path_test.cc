@@ -96,15 +96,14 @@ TEST(TransferLanes, OffloadBytesNeverHoldALoadsSubmit) {
 TEST(ThreadCache, ReusesAThreadForTasksInSequenceAndRunsConcurrentOnesAtOnce) {
   ThreadCache cache;
   // A task's thread goes back to the cache just after its result is
-  // delivered, so a task right behind it may still start a thread of its
-  // own on a busy machine; over ten tasks in sequence, cached threads take
-  // almost all of them (a thread per task would be ten).
+  // delivered: once it waits there, the next task is its, so ten tasks in
+  // sequence run on one thread (a thread per task would be ten).
   std::set<std::thread::id> ids;
   for (int i = 0; i < 10; ++i) {
     ids.insert(cache.Run([] { return std::this_thread::get_id(); }).get());
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    ASSERT_TRUE(testing::WaitFor([&] { return cache.idle() == 1; })) << cache.idle();
   }
-  EXPECT_LE(ids.size(), 3u) << "cached threads took the tasks in sequence";
+  EXPECT_EQ(ids.size(), 1u) << "the cached thread took the tasks in sequence";
   EXPECT_FALSE(ids.contains(std::this_thread::get_id()));
   // Two tasks that wait for each other finish only if both run at once.
   std::promise<void> a, b;

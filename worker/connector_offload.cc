@@ -326,6 +326,22 @@ void KvConnector::OffloadLoop() {
     EnsureRegistered().IgnoreError();  // a failure shows in the put's status
     auto r = store_->Put(ns_, bb, blocks);
     if (ForgotNamespace(r.status())) r = store_->Put(ns_, bb, blocks);
+    // Blocks busy under another put may be under one this connector gave
+    // up on (an in-place reservation past its budget, its AbortPut still
+    // on its way to a store that was stalled): nobody would commit them.
+    // Asked again once the abort had time to land; a real writer's blocks
+    // are then present (or still busy: left to it).
+    for (int again = 0; again < kBusyRetries && r.ok() && r->busy > 0; ++again) {
+      std::this_thread::sleep_for(kBusyRetryAfter);
+      auto retried = store_->Put(ns_, bb, blocks);
+      if (!retried.ok()) break;
+      r->written += retried->written;
+      r->busy = retried->busy;
+      r->no_space = retried->no_space;
+      r->round_trips += retried->round_trips;
+      r->bytes_sent += retried->bytes_sent;
+      r->times += retried->times;
+    }
     if (!r.ok()) st = r.status();
     if (r.ok()) {
       std::lock_guard sl(stats_mu_);

@@ -20,8 +20,13 @@ StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
   args.SetMaxSendMessageSize(options.max_message_bytes);
   // Come back quickly after a store restart (gRPC's default starts at 1 s).
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  // gRPC gives each connection attempt this long at least, its handshake
+  // included. At 100 ms a client in a starved process (an engine whose
+  // ranks spin on every core) never finished one; a refused attempt ends
+  // at once either way, so a restarted store is still found within the
+  // back-off.
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 1000);
   channel_ = OpenChannel(address, options.security, args);
   stub_ = v1::Store::NewStub(channel_);
 }

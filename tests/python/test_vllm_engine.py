@@ -230,6 +230,13 @@ def start(work: Path, name: str, stores: str, **kw: object) -> Engine:
     if kw.get("tp", 1) == 1:
         kw.setdefault("one_process", 1)
     if stores:
+        # A test that asserts a hit gives the store's answers room on a
+        # busy host (the connector uses an answer that comes within
+        # lookup_wait_ms, 100 by default, and a pin within pin_wait_ms,
+        # 1000): a busy run here saw both late. The tests of what a late
+        # or stalled store costs set their own.
+        kw.setdefault("lookup_wait_ms", 5000)
+        kw.setdefault("pin_wait_ms", 10000)
         # Staging for a whole burst of saves (these prompts are 65 blocks):
         # a save then waits for no slot, so an offloader starved on a busy
         # host delays blocks but drops none. With the default 64 slots a
@@ -237,7 +244,8 @@ def start(work: Path, name: str, stores: str, **kw: object) -> Engine:
         # offloader has finished nothing for 50 ms: saves are best effort,
         # and a test that needs blocks stored must not rely on luck.
         kw.setdefault("staging_blocks", 512)
-    return Engine(str(work / f"{name}.log"), stores=stores, env=engine_env(),
+    env = kw.pop("env", None) or engine_env()
+    return Engine(str(work / f"{name}.log"), stores=stores, env=env,
                   **kw)  # type: ignore[arg-type]
 
 
@@ -427,7 +435,9 @@ def test_a_stalled_store_holds_no_step(
     them takes, not the deadline."""
     store = Store(work, "store-stall")
     try:
-        e = start(work, "engine-stall", store.address, deadline_ms=5000)
+        # vLLM's worker process, as served: the step times are the claim.
+        e = start(work, "engine-stall", store.address, deadline_ms=5000,
+                  lookup_wait_ms=100, pin_wait_ms=1000, one_process=0)
         try:
             healthy = e.generate(prompts(3))
             assert [o["tokens"] for o in healthy["outputs"]] == reference[3]
@@ -802,7 +812,8 @@ def test_a_store_that_stalls_or_loses_blocks_after_its_lookup_fails_nothing(
         finally:
             a.stop()
         b = start(work, "race-b", store.address, deadline_ms=3000,
-                  pin_wait_ms=2500, inproc=1)
+                  lookup_wait_ms=100, pin_wait_ms=2500, inproc=1,
+                  one_process=0)
         try:
             # The same work with the store healthy, after one request
             # that warms the engine up: a 200-token prefill, then its

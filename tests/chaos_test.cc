@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "testing/process.h"
+#include "tests/test_util.h"
 
 namespace kvtier {
 namespace {
@@ -97,10 +98,8 @@ TEST(Chaos, NamespacesAreRemovedAfterAnInterruptionAndAKill) {
     const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     return log.find("  scenario kill9...") != std::string::npos;
   };
-  for (int i = 0; i < 600 && !running(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ASSERT_TRUE(running()) << "the run never reached its scenario";
+  ASSERT_TRUE(testing::WaitFor(running, std::chrono::seconds(60)))
+      << "the run never reached its scenario";
   int st = p->Kill(SIGTERM);
   EXPECT_TRUE(WIFEXITED(st)) << st;
   EXPECT_EQ(Namespaces(first), 0);

@@ -27,12 +27,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import urllib.request
-
 import pytest
 
 from conftest import Store, wait_until
-from fleet import BLOCK, EngineSpec, Fleet
+from fleet import BLOCK, EngineSpec, Fleet, get_text, metric_sum
 from vllm_server import VllmServer, cached_tokens
 from vllm_server import prompt_ids as prompt
 
@@ -93,15 +91,7 @@ def complete(
 def metric(engine: VllmServer, name: str, **labels: str) -> float:
     """A metric of vLLM's ``/metrics``, summed over the series whose labels
     include ``labels``."""
-    with urllib.request.urlopen(engine.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_sum(get_text(engine.url + "/metrics"), name, **labels)
 
 
 def test_a_decode_computes_only_the_tail_of_what_the_prefill_wrote(pd: PD) -> None:
@@ -224,8 +214,7 @@ def test_the_frontend_prefills_a_long_prompt_and_streams_the_decodes_answer(
 
 def frontend_metrics(pd: PD) -> str:
     """The frontend's ``/metrics`` text."""
-    with urllib.request.urlopen(pd.url + "/metrics", timeout=10) as r:
-        return r.read().decode()
+    return pd.metrics()
 
 
 def handoffs(pd: PD, outcome: str) -> int:

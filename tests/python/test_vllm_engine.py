@@ -244,8 +244,7 @@ def start(work: Path, name: str, stores: str, **kw: object) -> Engine:
         # offloader has finished nothing for 50 ms: saves are best effort,
         # and a test that needs blocks stored must not rely on luck.
         kw.setdefault("staging_blocks", 512)
-    env = kw.pop("env", None) or engine_env()
-    return Engine(str(work / f"{name}.log"), stores=stores, env=env,
+    return Engine(str(work / f"{name}.log"), stores=stores, env=engine_env(),
                   **kw)  # type: ignore[arg-type]
 
 

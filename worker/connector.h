@@ -456,10 +456,6 @@ class KvConnector {
   // a batch of 32 blocks of 2 MiB (a Llama-3-8B layer set) is no stall at
   // 200 ms. REQUIRES: staging_mu_ held.
   static constexpr std::chrono::milliseconds kOffloadStalled{50};
-  // A batch with blocks busy under another put is put again this many
-  // times, this far apart (connector_offload.cc).
-  static constexpr int kBusyRetries = 3;
-  static constexpr std::chrono::milliseconds kBusyRetryAfter{50};
   static constexpr double kOffloadSlowest = 200e6;  // bytes a second
   std::chrono::steady_clock::duration StalledAfterLocked() const {
     return kOffloadStalled +

@@ -23,6 +23,11 @@
 
 namespace kvtier::worker {
 
+// A batch with blocks busy under another put is put again this many times,
+// this far apart (OffloadLoop).
+constexpr int kBusyRetries = 3;
+constexpr std::chrono::milliseconds kBusyRetryAfter{50};
+
 void KvConnector::SaveStarted(const std::shared_ptr<SaveState>& waiter) {
   if (!waiter) return;
   std::lock_guard lk(mu_);

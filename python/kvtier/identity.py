@@ -1,6 +1,6 @@
 """What makes a stored block's bytes the bytes an engine would compute: the
 one table of identity fields an engine adapter fills (vLLM's connector
-and offloading tier; SGLang's backend does not yet: docs/engines.md), and
+and offloading tier, SGLang's storage backend: docs/engines.md), and
 the tag they put into the namespace's layout field.
 
 The geometry (model id, KV dtype, layers, heads, head size, block size),
@@ -71,6 +71,8 @@ _CONFIG_NOISE = frozenset({
     "decoder_start_token_id", "max_length", "min_length", "id2label",
     "label2id", "task_specific_params", "architectures_auto_map",
     "auto_map", "max_model_len",
+    # SGLang writes its served context length into the config it runs.
+    "context_len",
 })
 
 #: Keys of a config that decide RoPE.

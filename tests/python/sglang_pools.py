@@ -24,6 +24,10 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
+from sglang.srt.runtime_context import publish
+from sglang.srt.server_args import ServerArgs
+
+from vllm_engine import TINY_MODEL
 
 L, H, D, P = 2, 2, 32, 16
 LORA, ROPE = 32, 16
@@ -165,6 +169,15 @@ def storage_config(store: str, *, model: str = "test-org/tiny-model",
                       "stores": store, "deadline_ms": 3000, **extra})
 
 
+def publish_server_args(**args: Any) -> ServerArgs:
+    """Publishes, as SGLang's scheduler does before it makes the storage
+    backend, server args for the tiny Llama on CPU with ``args`` set (the
+    backend reads a block's identity from them)."""
+    server_args = ServerArgs(model_path=TINY_MODEL, device="cpu", **args)
+    publish(server_args, role="scheduler")
+    return server_args
+
+
 def attach(config: HiCacheStorageConfig, pool: Any) -> Any:
     """The backend as SGLang's cache controller attaches it: made by
     SGLang's own factory from the extra config, then given the host pool."""
@@ -175,6 +188,7 @@ def attach(config: HiCacheStorageConfig, pool: Any) -> Any:
 
 def main(argv: list[str]) -> int:
     store, seed = argv[1], int(argv[2])
+    publish_server_args()
     for kind, layout in CASES:
         pool = make_pool(kind, layout, seed)
         b = attach(storage_config(store, mla=kind == "mla"), pool)

@@ -33,6 +33,13 @@ from kvtier.errors import InvalidArgument  # noqa: E402
 from kvtier.integrations.sglang import KvtierHiCacheStorage  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _server_args() -> None:
+    """SGLang's scheduler publishes its server args before it makes the
+    storage backend; so does every test here (the tiny Llama's)."""
+    sp.publish_server_args()
+
+
 def test_every_layout_round_trips_between_processes(store) -> None:
     """Another process writes pages of every pool kind and layout; this one
     reads them into pools of the same layout and of another, bit for bit,
@@ -142,6 +149,75 @@ def test_the_namespace_follows_every_rank_and_shape_that_changes_the_bytes(
         b.close()
     for x in (base, same, dp):
         x.close()
+
+
+@pytest.mark.parametrize("field, args", [
+    ("weights (a pinned revision)", {"revision": "0123abcd"}),
+    ("weights (dummy weights from another seed)",
+     {"load_format": "dummy", "random_seed": 3}),
+    ("model config (RoPE theta)",
+     {"json_model_override_args": '{"rope_theta": 1000000}'}),
+    ("RoPE scaling", {"json_model_override_args":
+                      '{"rope_scaling": {"rope_type": "linear", '
+                      '"factor": 2.0}}'}),
+    ("sliding window", {"json_model_override_args":
+                        '{"sliding_window": 32, "use_sliding_window": true}'}),
+    ("quantization", {"quantization": "fp8"}),
+    ("KV dtype and its scales", {"kv_cache_dtype": "fp8_e4m3"}),
+    ("compute dtype", {"dtype": "float16"}),
+])
+def test_an_identity_field_keeps_sglang_deployments_apart(
+        store, field: str, args: dict) -> None:
+    """The identity table every kvtier adapter fills (kvtier.identity),
+    read from the server args SGLang's scheduler publishes: a deployment
+    that differs in one field finds nothing another stored, though the
+    model name, ranks and pool are the same."""
+    keys = sp.page_keys(list(range(700, 700 + 2 * sp.P)))
+    sp.publish_server_args()
+    base = sp.attach(sp.storage_config(store.address),
+                     sp.mha_pool("layer_first", 1))
+    assert base.batch_set_v1(keys, sp.host_indices([0, 1])) == [True] * 2
+    sp.publish_server_args(**args)
+    other = sp.attach(sp.storage_config(store.address),
+                      sp.mha_pool("layer_first", 2))
+    assert other.batch_exists(keys) == 0, field
+    base.close()
+    other.close()
+
+
+def test_what_changes_no_kv_byte_keeps_sglang_deployments_sharing(
+        store) -> None:
+    """Context length and scheduling options change no KV byte: such
+    deployments share every block. Without published server args the
+    backend is refused, naming what it needs, not keyed on a guess."""
+    keys = sp.page_keys(list(range(800, 800 + 2 * sp.P)))
+    sp.publish_server_args()
+    base = sp.attach(sp.storage_config(store.address),
+                     sp.mha_pool("layer_first", 1))
+    assert base.batch_set_v1(keys, sp.host_indices([0, 1])) == [True] * 2
+    sp.publish_server_args(context_length=64, chunked_prefill_size=128,
+                           max_running_requests=7)
+    other = sp.attach(sp.storage_config(store.address),
+                      sp.mha_pool("page_head", 2))
+    assert other.batch_exists(keys) == 2
+    assert other.batch_get_v1(keys, sp.host_indices([4, 5])) == [True] * 2
+    assert sp.same_page(other.mem_pool_host, 4, base.mem_pool_host, 0)
+    base.close()
+    other.close()
+    here = Path(__file__).parent
+    env = engine_env()
+    env["PYTHONPATH"] = f"{here}:{env['PYTHONPATH']}"
+    code = ("import sglang_pools as sp\n"
+            "from kvtier.errors import InvalidArgument\n"
+            "try:\n"
+            f"    sp.attach(sp.storage_config({store.address!r}),\n"
+            "              sp.mha_pool('layer_first', 3))\n"
+            "except InvalidArgument as e:\n"
+            "    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, timeout=240,
+                         capture_output=True, text=True)
+    assert "refused: " in out.stdout and "no server args" in out.stdout, \
+        out.stdout + out.stderr[-3000:]
 
 
 def test_asymmetric_kv_head_sizes_round_trip(store) -> None:

@@ -32,7 +32,12 @@ geometry and dtype, the pool's name (``kv``, or a hybrid pool registered
 through ``register_mem_host_pool_v2``: ``draft``, ``swa``, ...), and every
 rank that changes the bytes: the TP rank (MHA only: MLA pages are the same
 on every TP rank and are stored once for all of them), the pipeline stage and
-the attention context-parallel rank. Data-parallel replicas share blocks.
+the attention context-parallel rank; and the identity fields every kvtier
+adapter fills (``kvtier.identity``: weights, model config after overrides,
+quantization, KV scales, RoPE, sliding window), read from the server args
+SGLang's scheduler publishes (``kvtier.integrations.sglang_identity``; a
+backend made where none are published is refused). Data-parallel replicas
+share blocks.
 Keys SGLang seeds with a request's ``extra_key`` / ``cache_salt``
 (``get_storage_hash_str``) differ per tenant, so tenants never meet.
 
@@ -66,6 +71,7 @@ import torch
 import kvtier
 from kvtier.errors import KvtierError
 from kvtier.integrations.sglang_codec import (PoolCodec, _bad, key_hashes)
+from kvtier.integrations.sglang_identity import published_identity_tag
 from kvtier.options import store_options
 
 try:  # SGLang's classes when SGLang is installed.
@@ -98,6 +104,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise _bad("SGLang's should_split_heads (a page_head pool shared "
                        "by ranks of different TP sizes) is not supported by "
                        "kvtier")
+        self._ident = published_identity_tag()
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self._stores, self._opts = store_options(
             extra, "hicache storage backend extra config")
@@ -118,7 +125,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         names the namespace. InvalidArgument for a pool kvtier does not
         store (module docstring)."""
         super().register_mem_pool_host(mem_pool_host)
-        codec = PoolCodec(mem_pool_host, "kv", self.config)
+        codec = PoolCodec(mem_pool_host, "kv", self.config, self._ident)
         self._pools["kv"] = codec
         self.namespace = codec.namespace
 
@@ -129,7 +136,7 @@ class KvtierHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         kvtier does not store (Mamba states and the DeepSeek V4 pools are
         not): SGLang's attach fails, naming it."""
         name = str(getattr(host_pool_name, "value", host_pool_name))
-        codec = PoolCodec(host_pool, name, self.config)
+        codec = PoolCodec(host_pool, name, self.config, self._ident)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         self._pools[name] = codec
 

@@ -98,10 +98,12 @@ def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
 class PoolCodec:
     """Moves the pages of one SGLang host pool between the pool's buffer
     (in its layout) and kvtier's stored page format, and names the pool's
-    kvtier namespace. Raises InvalidArgument for a pool class, layout or
+    kvtier namespace (its ranks, geometry and ``ident``, the deployment's
+    identity tag). Raises InvalidArgument for a pool class, layout or
     dtype kvtier does not store."""
 
-    def __init__(self, pool: Any, name: str, config: Any) -> None:
+    def __init__(self, pool: Any, name: str, config: Any,
+                 ident: str) -> None:
         cls = type(pool).__name__
         layout = str(getattr(pool, "layout", ""))
         if hasattr(pool, "kv_lora_rank") and hasattr(pool, "kv_cache_dim"):
@@ -137,6 +139,7 @@ class PoolCodec:
         self._g = g
         self._grid, self._axis, self._perm = _LAYOUTS[(kind, layout)]
         self._inv = _inverse(self._perm)
+        self._ident = ident
         self.pages = int(buf.numel()) // int(np.prod(self._grid(g, 1)))
         self.namespace = self._namespace(pool, config)
         self.block_bytes = int(self.namespace.block_bytes)
@@ -149,7 +152,8 @@ class PoolCodec:
         g, dtype = self._g, kvtier_dtype(pool.dtype)
         ident = storage_identity(c)
         ranks = (f"pp={ident['pp_rank']}/{ident['pp_size']}"
-                 f"|cp={ident['attn_cp_rank']}/{ident['attn_cp_size']}")
+                 f"|cp={ident['attn_cp_rank']}/{ident['attn_cp_size']}"
+                 f"|{self._ident}")
         model = str(ident["model_name"]).replace("|", "/")
         if self.kind == "mha":
             layout = (f"sglang-mha|pool={self.name}|v_head_dim="

@@ -128,11 +128,12 @@ class StoreService final : public kvtier::v1::Store::Service {
   absl::Status DoCommitPut(const Caller& caller, const v1::CommitPutRequest& req,
                            v1::CommitPutResponse* resp);
 
-  // Data-plane sessions: ConnectDataPlane hands one out per connection, so a
+  // Data-plane sessions: ConnectDataPlane hands one out per client, so a
   // control call on the data plane acts as the authenticated caller did.
   // Each tenant keeps at most its `sessions=` (a store without tenants,
-  // limits::kSessions): its oldest goes first, never another tenant's; the
-  // client is answered UNAUTHENTICATED and connects again.
+  // limits::kSessions): its idlest goes first, never another tenant's; the
+  // client is answered UNAUTHENTICATED and connects again. A socket
+  // session is released when its last connection closes.
   struct Session {
     Caller caller;
     LeaseOwner owner;  // OwnerOf the ConnectDataPlane call
@@ -140,7 +141,23 @@ class StoreService final : public kvtier::v1::Store::Service {
     // Without tenants, whose connections it counts against: a verified
     // certificate's identity, else the caller's host.
     std::string client;
-    std::list<std::string>::iterator at;  // its place in session_order_
+    std::list<std::string>::iterator at;  // its place in Sessions::order
+    int connections = 0;                  // its open socket connections
+  };
+  // The sessions, shared with the tickets of their connections (which
+  // release them as they close, whenever that is).
+  struct Sessions {
+    std::mutex mu;
+    std::map<std::string, Session> by_id;  // guarded by mu
+    // Each tenant's (index; -1: none) sessions, the longest idle first (a
+    // session's use moves it to the back): past the tenant's cap the idlest
+    // goes, never a long-lived engine's busy one. Guarded by mu.
+    std::map<int, std::list<std::string>> order;
+    uint64_t released = 0;  // by their last connection's close; guarded by mu
+    // `ticket` (an admitted connection's) wrapped so that its release also
+    // releases session `id` when that was the session's last connection.
+    static std::shared_ptr<void> Hold(const std::shared_ptr<Sessions>& self, const std::string& id,
+                                      std::shared_ptr<void> ticket);
   };
   // BeginPut tokens (and tombstones) kept for writers that give up waiting.
   static constexpr size_t kMaxAbandonTokens = 65536;
@@ -160,6 +177,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   // once a second per tenant).
   // Without tenants: within the client's --data-max-connections-per-client.
   absl::StatusOr<SocketDataPlane::Admission> AdmitClientConnection(const std::string& client);
+  absl::StatusOr<SocketDataPlane::Admission> AdmitTenantConnection(const Session& session);
   absl::StatusOr<SocketDataPlane::Admission> AdmitConnection(std::string_view id,
                                                              std::string_view nonce,
                                                              std::string_view proof);
@@ -183,12 +201,7 @@ class StoreService final : public kvtier::v1::Store::Service {
   AdminGate admin_;
   HandlerFence fence_;  // every handler releases it as it finishes
   std::map<std::string, std::unique_ptr<LatencyHistogram>> histograms_;
-  mutable std::mutex sessions_mu_;
-  std::map<std::string, Session> sessions_;  // guarded by sessions_mu_
-  // Each tenant's (index; -1: none) sessions, the longest idle first (a
-  // session's use moves it to the back): past the tenant's cap the idlest
-  // goes, never a long-lived engine's busy one. Guarded by sessions_mu_.
-  mutable std::map<int, std::list<std::string>> session_order_;
+  const std::shared_ptr<Sessions> sessions_ = std::make_shared<Sessions>();
   // Each tenant's data-plane connections (AdmitConnection).
   struct TenantConnections {
     uint64_t open = 0;

@@ -157,7 +157,7 @@ grpc::Status StoreService::AbortPut(grpc::ServerContext* ctx, const v1::AbortPut
     }
     const uint64_t lease = abandoned_.Abandon(caller.tenant_index(), req->begin_token());
     // The lease may have been committed since: then there is nothing to give back.
-    if (lease != 0) store_->AbortPut(lease, caller.tenant_index()).IgnoreError();
+    if (lease != 0) store_->AbortPut(lease, caller.tenant_index(), caller.session).IgnoreError();
     return t.Done(absl::OkStatus());
   }
   return t.Done(store_->AbortPut(req->lease_id(), caller.tenant_index()));

@@ -94,6 +94,17 @@ std::vector<prometheus::MetricFamily> StoreService::CollectMetrics() {
               "Data-plane connections refused at a client's --data-max-connections-per-client "
               "(a store without tenants)",
               clients_refused);
+    uint64_t sessions = 0, released = 0;
+    {
+      std::lock_guard lk(sessions_->mu);
+      sessions = sessions_->by_id.size();
+      released = sessions_->released;
+    }
+    m.Gauge("kvtier_store_dataplane_sessions",
+            "Data-plane sessions the store holds (ConnectDataPlane hands one out per client)",
+            sessions);
+    m.Counter("kvtier_store_dataplane_sessions_released_total",
+              "Socket data-plane sessions released as their last connection closed", released);
   }
   if (const Tenants* tenants = store_->tenants()) {
     std::lock_guard lk(conns_->mu);

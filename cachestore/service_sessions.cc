@@ -46,15 +46,15 @@ std::string StoreService::OpenSession(const Caller& caller, const grpc::ServerCo
   const uint64_t cap = caller.tenant ? caller.tenant->max_sessions : limits::kSessions;
   uint64_t dropped = 0;
   {
-    std::lock_guard lk(sessions_mu_);
-    std::list<std::string>& order = session_order_[tenant];
+    std::lock_guard lk(sessions_->mu);
+    std::list<std::string>& order = sessions_->order[tenant];
     while (!order.empty() && order.size() >= cap) {
-      sessions_.erase(order.front());
+      sessions_->by_id.erase(order.front());
       order.pop_front();
       dropped++;
     }
     session.at = order.insert(order.end(), id);
-    sessions_.emplace(id, std::move(session));
+    sessions_->by_id.emplace(id, std::move(session));
   }
   if (dropped > 0) {
     std::lock_guard lk(conns_->mu);
@@ -73,9 +73,39 @@ absl::StatusOr<SocketDataPlane::Admission> StoreService::AdmitConnection(std::st
         "the hello's proof does not hold for this connection's challenge (a hello read off the "
         "wire opens no other connection); call ConnectDataPlane and prove its session's key");
   }
-  const Tenant* t = session->caller.tenant;
-  if (t == nullptr) return AdmitClientConnection(session->client);
-  const int tenant = session->caller.tenant_index();
+  auto admitted = session->caller.tenant == nullptr ? AdmitClientConnection(session->client)
+                                                    : AdmitTenantConnection(*session);
+  if (admitted.ok()) {
+    admitted->ticket = Sessions::Hold(sessions_, std::string(id), std::move(admitted->ticket));
+  }
+  return admitted;
+}
+
+std::shared_ptr<void> StoreService::Sessions::Hold(const std::shared_ptr<Sessions>& self,
+                                                   const std::string& id,
+                                                   std::shared_ptr<void> ticket) {
+  {
+    std::lock_guard lk(self->mu);
+    auto it = self->by_id.find(id);
+    // Dropped since the hello was checked: its next call is refused anyway.
+    if (it == self->by_id.end()) return ticket;
+    it->second.connections++;
+  }
+  return std::shared_ptr<void>(nullptr, [self, id, ticket = std::move(ticket)](void*) mutable {
+    ticket.reset();
+    std::lock_guard lk(self->mu);
+    auto it = self->by_id.find(id);
+    if (it == self->by_id.end() || --it->second.connections > 0) return;
+    self->order[it->second.caller.tenant_index()].erase(it->second.at);
+    self->by_id.erase(it);
+    self->released++;
+  });
+}
+
+absl::StatusOr<SocketDataPlane::Admission> StoreService::AdmitTenantConnection(
+    const Session& session) {
+  const Tenant* t = session.caller.tenant;
+  const int tenant = session.caller.tenant_index();
   const uint64_t cap = t->max_connections;
   std::string log;
   {
@@ -152,15 +182,15 @@ absl::StatusOr<SocketDataPlane::Admission> StoreService::AdmitClientConnection(
 }
 
 absl::StatusOr<StoreService::Session> StoreService::SessionOf(std::string_view id) const {
-  std::lock_guard lk(sessions_mu_);
-  auto it = sessions_.find(std::string(id));
-  if (it == sessions_.end()) {
+  std::lock_guard lk(sessions_->mu);
+  auto it = sessions_->by_id.find(std::string(id));
+  if (it == sessions_->by_id.end()) {
     return absl::UnauthenticatedError(
         "unknown data-plane session (the store restarted or dropped it); call "
         "ConnectDataPlane again");
   }
   // Used now: the last of its tenant's to be dropped.
-  std::list<std::string>& order = session_order_[it->second.caller.tenant_index()];
+  std::list<std::string>& order = sessions_->order[it->second.caller.tenant_index()];
   order.splice(order.end(), order, it->second.at);
   return it->second;
 }

@@ -530,6 +530,8 @@ TEST_F(DataPlaneLimits, SessionChurnDropsOnlyTheChurningTenantsOwnSessions) {
 // while another client of the tenant churns through new ones.
 TEST_F(DataPlaneLimits, SessionChurnDropsTheIdlestSessionNotALongLivedBusyOne) {
   const std::string engine = Connect(kAlphaToken).session();
+  RawConn held(data_port_, engine);  // the engine's pooled connection
+  ASSERT_EQ(held.hello_.first, 0) << held.hello_.second;
   for (int i = 0; i < 100; ++i) {
     Connect(kAlphaToken);  // past alpha's 64, many times over
     if (i % 16 == 0) {
@@ -539,6 +541,35 @@ TEST_F(DataPlaneLimits, SessionChurnDropsTheIdlestSessionNotALongLivedBusyOne) {
   }
   RawConn still(data_port_, engine);
   EXPECT_EQ(still.hello_.first, 0) << still.hello_.second;
+}
+
+// Issue #60: a socket session is released when its last connection closes
+// (it stayed until its tenant's cap pushed it out); while one of its
+// connections lives, the session serves on.
+TEST_F(DataPlaneLimits, ASessionIsReleasedWhenItsLastConnectionCloses) {
+  const std::string released_series = "kvtier_store_dataplane_sessions_released_total";
+  const double released = std::max(0.0, Metric(released_series));
+  const std::string session = Connect(kAlphaToken).session();
+  const double held = Metric("kvtier_store_dataplane_sessions");
+  EXPECT_GE(held, 1);
+  auto open = [&] { return Metric("kvtier_store_tenant_dataplane_connections{tenant=\"alpha\"}"); };
+  const double before = open();
+  auto b = std::make_unique<RawConn>(data_port_, session);
+  ASSERT_EQ(b->hello_.first, 0) << b->hello_.second;
+  auto a = std::make_unique<RawConn>(data_port_, session);
+  ASSERT_EQ(a->hello_.first, 0) << a->hello_.second;
+  a.reset();
+  ASSERT_TRUE(testing::WaitFor([&] { return open() == before + 1; })) << open();
+  auto c = std::make_unique<RawConn>(data_port_, session);
+  EXPECT_EQ(c->hello_.first, 0) << "released with a connection open: " << c->hello_.second;
+  b.reset();
+  c.reset();
+  ASSERT_TRUE(testing::WaitFor([&] { return Metric(released_series) == released + 1; }))
+      << Metric(released_series);
+  EXPECT_EQ(Metric("kvtier_store_dataplane_sessions"), held - 1);
+  RawConn late(data_port_, session);
+  EXPECT_EQ(late.hello_.first, static_cast<int>(absl::StatusCode::kUnauthenticated))
+      << late.hello_.second;
 }
 
 TEST_F(DataPlaneLimits, SilentAndIdleConnectionsAreClosedAndClientsReconnect) {
@@ -679,6 +710,59 @@ TEST_F(DataPlaneLimits, ALeaseIsOnlyTheSessionsThatOpenedIt) {
   ASSERT_TRUE(got.ok()) << got.status();
   ASSERT_EQ(got->blocks, 1u);
   EXPECT_EQ(dst, std::vector<uint8_t>(kBlock, 0x66));
+}
+
+// Issue #60: AbortPut by a BeginPut's abandon token ends only that put: not
+// when another tenant presents the token, and the writer's own abandon (over
+// gRPC, for a put begun on its data-plane session) ends it for good.
+TEST_F(DataPlaneLimits, AnAbandonTokenEndsOnlyItsWritersPut) {
+  absl::StatusOr<RegisteredNamespace> ns;
+  auto alpha = TenantClient(kAlphaToken, &ns);
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  RawConn writer(data_port_, Connect(kAlphaToken).session());
+  ASSERT_EQ(writer.hello_.first, 0) << writer.hello_.second;
+  auto begin = [&](uint64_t block, uint64_t token) {
+    v1::BeginPutRequest req;
+    req.set_namespace_id(ns->id);
+    req.set_abandon_token(token);
+    ToProto(H(block), req.add_hashes());
+    auto [code, text] = writer.Call(ucx::kCallBeginPut, req);
+    EXPECT_EQ(code, 0) << text;
+    v1::BeginPutResponse put;
+    EXPECT_TRUE(put.ParseFromString(text));
+    EXPECT_EQ(put.targets_size(), 1);
+    return put;
+  };
+  auto abandon = [&](const std::string& token, uint64_t begin_token) {
+    auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.AddMetadata("x-kvtier-tenant-token", token);
+    v1::AbortPutRequest req;
+    req.set_begin_token(begin_token);
+    v1::AbortPutResponse resp;
+    return stub->AbortPut(&ctx, req, &resp).error_code();
+  };
+  const uint64_t kept_token = 0x9e3779b97f4a7c15, dropped_token = 0x2545f4914f6cdd1d;
+  const v1::BeginPutResponse kept = begin(950, kept_token);
+  const v1::BeginPutResponse dropped = begin(951, dropped_token);
+  // Beta presenting alpha's token: answered, and nothing of alpha's ends.
+  EXPECT_EQ(abandon(kBetaToken, kept_token), grpc::OK);
+  auto wrote = writer.Put(kept.lease_id(), kept.targets(0).remote_addr(), kBlock);
+  ASSERT_EQ(wrote.first, 0) << wrote.second;
+  v1::CommitPutRequest commit;
+  commit.set_lease_id(kept.lease_id());
+  commit.set_store_checksums(true);
+  auto [committed, reply] = writer.Call(ucx::kCallCommitPut, commit);
+  ASSERT_EQ(committed, 0) << reply;
+  // The writer's own abandon ends its put: no transfer, no commit.
+  EXPECT_EQ(abandon(kAlphaToken, dropped_token), grpc::OK);
+  auto refused = writer.Put(dropped.lease_id(), dropped.targets(0).remote_addr(), kBlock);
+  EXPECT_EQ(refused.first, static_cast<int>(absl::StatusCode::kFailedPrecondition))
+      << refused.second;
+  auto found = alpha->control().Lookup(ns->id, {H(950), H(951)});
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_EQ(found->size(), 1u);
 }
 
 TEST_F(DataPlaneLimits, DeclaredCallsTakeNoMemoryAndATenantsBodiesStayInItsBudget) {

@@ -407,7 +407,14 @@ class RawCaller {
     v1::ConnectDataPlaneRequest req;
     grpc::ClientContext ctx;
     EXPECT_TRUE(control.stub().ConnectDataPlane(&ctx, req, &connect_).ok());
-    if (!connect_.data_address().empty()) return;  // the socket data plane: Call connects
+    if (!connect_.data_address().empty()) {
+      // The socket data plane: Call connects. The session lives while one
+      // of its connections does, as a client's pooled connection keeps it.
+      keeper_ = SocketCall(ucx::kCallReleaseGets, session(), "", ucx::kCallMagic, &keeper_fd_);
+      // (An empty ReleaseGets: refused as naming no lease, after the hello.)
+      EXPECT_EQ(keeper_.first, grpc::INVALID_ARGUMENT) << keeper_.second;
+      return;
+    }
     ctx_ = *ucx::Context::Create();
     worker_ = std::move(*ucx::Worker::Create(ctx_, true));
     EXPECT_TRUE(worker_->SetAmHandler(ucx::kReplyAmId, &RawCaller::OnReply, this).ok());
@@ -415,6 +422,7 @@ class RawCaller {
                                                     /*peer_failure_handling=*/true));
   }
   ~RawCaller() {
+    if (keeper_fd_ >= 0) close(keeper_fd_);
     ep_.reset();
     worker_.reset();
   }
@@ -458,9 +466,11 @@ class RawCaller {
   }
   // The same call as a socket data-plane frame, on a connection that
   // presented `session` (a frame of another magic stands for the UCX
-  // header's; the store then closes the connection).
+  // header's; the store then closes the connection). The connection is
+  // closed after, or with `keep`, left open there.
   std::pair<int, std::string> SocketCall(uint16_t method, const std::string& session,
-                                         const std::string& body, uint32_t magic) {
+                                         const std::string& body, uint32_t magic,
+                                         int* keep = nullptr) {
     const std::string& a = connect_.data_address();
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     auto fd = net::Connect("127.0.0.1", std::stoi(a.substr(a.rfind(':') + 1)), deadline);
@@ -491,10 +501,16 @@ class RawCaller {
                                  method, 0, 0, body.size()},
                      body);
     }
-    close(*fd);
+    if (keep != nullptr) {
+      *keep = *fd;
+    } else {
+      close(*fd);
+    }
     return out;
   }
   v1::ConnectDataPlaneResponse connect_;
+  std::pair<int, std::string> keeper_;
+  int keeper_fd_ = -1;
   std::shared_ptr<ucx::Context> ctx_;
   std::unique_ptr<ucx::Worker> worker_;
   std::unique_ptr<ucx::Endpoint> ep_;

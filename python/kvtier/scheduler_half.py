@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from kvtier._native import NamespaceSpec
 from kvtier.errors import InvalidArgument, KvtierError, StatusCode
-from kvtier.step_lookups import ANSWERED, FAILED, LATE, SKIPPED, StepLookups
+from kvtier.step_lookups import (ANSWERED, FAILED, LATE, SKIPPED, StepLookups,
+                                 lookup_ranks)
 from kvtier.store import StoreClient
 
 
@@ -103,13 +104,16 @@ class SchedulerHalf:
     """
 
     def __init__(self, namespace: NamespaceSpec, store: Optional[StoreClient],
-                 block_tokens: int, lookup_threads: int = 2) -> None:
+                 block_tokens: int, lookup_threads: int = 2,
+                 ranks: Sequence[NamespaceSpec] = ()) -> None:
         self.namespace = namespace
+        self.ranks = tuple(ranks)
         self.store = store
         self.block_tokens = block_tokens
         self._reqs: dict[int, _Tracked] = {}
         self._step = StepMeta()
-        self._lookups = (StepLookups(store, namespace, lookup_threads)
+        self._lookups = (StepLookups(store, namespace, lookup_threads,
+                                     self.ranks)
                          if store is not None else None)
         self.lookup_errors = 0
         self.lookups_skipped = 0
@@ -226,7 +230,8 @@ class SchedulerHalf:
         assert self.store is not None and self._lookups is not None
         if budget_ms is None:
             try:
-                return self.store.lookup(self.namespace, chain)
+                return lookup_ranks(self.store, self.namespace, self.ranks,
+                                    [chain])[0]
             except KvtierError as e:
                 if e.code == StatusCode.NOT_FOUND:
                     return 0

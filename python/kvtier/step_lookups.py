@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -58,13 +58,17 @@ class _Ask:
 
 
 class StepLookups:
-    """Batched lookups of one namespace (see the module docstring).
-    Thread-safe; ``threads`` batches may be out at once."""
+    """Batched lookups of one namespace (see the module docstring); with
+    ``ranks`` (the other TP ranks' namespaces, whose blocks a load needs
+    too) a chain's answer is the prefix every rank holds. Thread-safe;
+    ``threads`` batches may be out at once."""
 
     def __init__(self, store: StoreClient, namespace: NamespaceSpec,
-                 threads: int = 2) -> None:
+                 threads: int = 2,
+                 ranks: Sequence[NamespaceSpec] = ()) -> None:
         self.store = store
         self.namespace = namespace
+        self.ranks = tuple(ranks)
         self._lock = threading.Condition()
         self._pending: list[_Ask] = []
         self._out: dict[int, _Ask] = {}          # asked, answer to come
@@ -162,9 +166,8 @@ class StepLookups:
             outcomes = [Outcome(LATE)] * len(batch)
         else:
             try:
-                found = self.store.lookup_many(
-                    self.namespace, [a.chain for a in batch],
-                    budget_ms=left_ms)
+                found = lookup_ranks(self.store, self.namespace, self.ranks,
+                                     [a.chain for a in batch], left_ms)
                 outcomes = [Outcome(ANSWERED, n) for n in found]
             except DeadlineExceeded:
                 outcomes = [Outcome(LATE)] * len(batch)
@@ -194,3 +197,37 @@ class StepLookups:
     def close(self) -> None:
         """Stops taking batches (one out ends within its budget)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def lookup_ranks(store: StoreClient, namespace: NamespaceSpec,
+                 ranks: Sequence[NamespaceSpec], chains: Sequence[np.ndarray],
+                 budget_ms: float = 0.0) -> list[int]:
+    """How many leading blocks of each chain ``namespace`` and every one of
+    ``ranks`` hold (a TP engine loads a block only when each rank's shard
+    of it is stored), the ranks asked only for what the ones before hold,
+    all within ``budget_ms`` (0: the client's deadline). A namespace the
+    store does not know holds nothing; other errors raise as
+    :meth:`StoreClient.lookup_many`'s."""
+    deadline = time.monotonic() + budget_ms / 1000.0
+    found = store.lookup_many(namespace, chains, budget_ms=budget_ms)
+    for ns in ranks:
+        asked = [i for i, n in enumerate(found) if n > 0]
+        if not asked:
+            break
+        left = 0.0
+        if budget_ms > 0:
+            left = (deadline - time.monotonic()) * 1000.0
+            if left < 1.0:
+                raise DeadlineExceeded(StatusCode.DEADLINE_EXCEEDED,
+                                       "the TP ranks' lookups ran past "
+                                       "their budget")
+        try:
+            more = store.lookup_many(
+                ns, [chains[i][:found[i]] for i in asked], budget_ms=left)
+        except KvtierError as e:
+            if e.code != StatusCode.NOT_FOUND:
+                raise
+            more = [0] * len(asked)
+        for i, n in zip(asked, more):
+            found[i] = min(found[i], n)
+    return found

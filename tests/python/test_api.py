@@ -353,6 +353,37 @@ def test_a_lookup_budget_bounds_the_wait_and_a_late_lookup_spares_the_next(
                "the store to be asked again", timeout=10)
 
 
+def test_a_tp_engine_loads_only_what_every_rank_holds(store) -> None:
+    """A TP engine's scheduler asks in rank 0's namespace; a block is
+    loadable (and a P/D handoff's fence met) only once every rank's shard
+    of it is in the store (issue #60: with rank 1's saves behind rank 0's,
+    rank 0's answer alone promised blocks rank 1 could not load). A rank
+    whose namespace the store has not seen yet holds nothing."""
+    from kvtier.hooks import SchedulerHalf
+
+    r0, r1 = ns(tp_rank=0, tp_size=2), ns(tp_rank=1, tp_size=2)
+    c = kvtier.StoreClient([store.address], deadline_ms=5000)
+    chain = kvtier.hash_tokens(r0, list(range(700, 700 + 4 * 16)))
+    prompt = 4 * 16 + 1
+    c.register_namespace(r0)
+    c.put(r0, chain, np.ones(4 * r0.block_bytes, dtype=np.uint8))
+    for budget in (None, 1000):
+        s = SchedulerHalf(r0, c, 16, ranks=[r1])
+        assert s.num_loadable_tokens(1, chain, prompt, 0,
+                                     budget_ms=budget) == 0, budget
+    c.register_namespace(r1)
+    c.put(r1, chain[:2], np.ones(2 * r1.block_bytes, dtype=np.uint8))
+    for budget in (None, 1000):
+        s = SchedulerHalf(r0, c, 16, ranks=[r1])
+        assert s.num_loadable_tokens(1, chain, prompt, 0,
+                                     budget_ms=budget) == 2 * 16, budget
+        assert SchedulerHalf(r0, c, 16).num_loadable_tokens(
+            1, chain, prompt, 0, budget_ms=budget) == 4 * 16, "rank 0 alone"
+    c.put(r1, chain, np.ones(4 * r1.block_bytes, dtype=np.uint8))
+    s = SchedulerHalf(r0, c, 16, ranks=[r1])
+    assert s.num_loadable_tokens(1, chain, prompt, 0, budget_ms=1000) == 64
+
+
 def test_one_dtype_table_and_one_engine_key_hash_from_the_extension() -> None:
     """Every engine spelling of a KV dtype maps, through the one table the
     C++ library holds, to a dtype a namespace accepts (an fp8 format keeps

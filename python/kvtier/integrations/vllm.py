@@ -28,13 +28,11 @@ connector with role SCHEDULER in the engine-core process and one with role
 WORKER per GPU worker; the two talk only through
 :class:`KvtierConnectorMetadata` (pickled by vLLM), as here.
 
-Each hook says what it does in its docstring, and docs/engines.md has
-them in one table. Loads are asynchronous (looked up in one batch per
-scheduler step, moved and verified on loader threads, reported through
-``get_finished``); saves copy the step's filled blocks out of the pages in
+docs/engines.md tables the hooks. Loads are asynchronous (looked up in one
+batch per step, moved and verified on loader threads, reported through
+``get_finished``); saves copy the step's filled blocks out in
 ``wait_for_save`` and are written behind the step. A hybrid model's KV
-cache groups (vLLM's ``SupportsHMA``) each have a namespace; their plans
-are carried from the looked-up group by :mod:`kvtier.integrations.vllm_groups`.
+cache groups each have a namespace (:mod:`kvtier.integrations.vllm_groups`).
 """
 
 from __future__ import annotations
@@ -107,13 +105,15 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
         self._computes: set[str] = set()  # failed loads: computed whole
         self._workers: list[WorkerHalf] = []
         if role == KVConnectorRole.SCHEDULER:
-            # The scheduler asks in the namespace of TP rank 0 (every rank
-            # saves the same blocks of its own shard).
-            ns = namespace_of(vllm_config, 0, kv_cache_config=kc,
-                              group=self._primary)
+            # Every TP rank saves the same blocks of its own shard: a block
+            # is loadable (and a handoff's fence met) once every rank's is in.
+            ns, *ranks = [namespace_of(vllm_config, r, kv_cache_config=kc,
+                                       group=self._primary) for r in range(
+                int(vllm_config.parallel_config.tensor_parallel_size))]
             self._scheduler = SchedulerHalf(
                 ns, kvtier.StoreClient(self._stores, **self._opts),
-                self._block_size, lookup_threads=int(opts["lookup_threads"]))
+                self._block_size, lookup_threads=int(opts["lookup_threads"]),
+                ranks=ranks)
             self._scheduler.warm_up()
             self._handoffs = Handoffs(kv_role,
                                       float(opts["handoff_wait_ms"]) / 1000,

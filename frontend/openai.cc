@@ -287,25 +287,39 @@ PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel&
   return r;
 }
 
-std::string PrefillBody(const Prepared& p) {
+std::string PrefillBody(const Prepared& p, const std::string& kv_request_id) {
   json req = json::parse(p.body, nullptr, false);
   req["max_tokens"] = 1;
   if (req.contains("max_completion_tokens")) req["max_completion_tokens"] = 1;
   // Nothing that asks for more than the one token, or streams it.
   for (const char* key : {"min_tokens", "stream_options", "best_of"}) req.erase(key);
   req["stream"] = false;
-  req["kv_transfer_params"] = json{{"do_remote_decode", true}};
+  req["kv_transfer_params"] = json{{"remote_decoder", {{"kv_request_id", kv_request_id}}}};
   return req.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-std::optional<json> HandoffParams(absl::string_view answer) {
+Handoff HandoffOf(absl::string_view answer, const std::string& kv_request_id) {
+  Handoff h;
   const json res = json::parse(answer.begin(), answer.end(), nullptr, false);
-  if (!res.is_object()) return std::nullopt;
+  if (!res.is_object()) {
+    h.why = "its answer is not a JSON object";
+    return h;
+  }
+  h.params = json{{"remote_prefiller", {{"kv_request_id", kv_request_id}}}};
+  h.kind = Handoff::kKeysOnly;
   auto it = res.find("kv_transfer_params");
-  if (it == res.end() || !it->is_object()) return std::nullopt;
+  if (it == res.end() || !it->is_object()) return h;
   auto entry = it->find("kvtier");
-  if (entry == it->end() || !entry->is_object()) return std::nullopt;
-  return *it;
+  if (entry == it->end() || !entry->is_object()) return h;
+  if (entry->contains("not_sent")) {
+    h.kind = Handoff::kNotSent;
+    h.why = entry->at("not_sent").is_string() ? entry->at("not_sent").get<std::string>()
+                                              : entry->at("not_sent").dump();
+    return h;
+  }
+  h.kind = Handoff::kFence;
+  h.params["kvtier"] = *entry;
+  return h;
 }
 
 std::string DecodeBody(const Prepared& p, const json& params) {

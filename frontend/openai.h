@@ -67,15 +67,29 @@ struct PrepareResult {
 PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
                       const std::string& served_model, const RequestLimits& limits);
 
-// Prefill/decode (docs/disaggregation.md). The prefill engine's request:
-// `p`'s, answered with one token, unstreamed, asking the engine's KV
-// connector to hand the prompt's KV on (vLLM's do_remote_decode).
-std::string PrefillBody(const Prepared& p);
-// The kv_transfer_params of a prefill's answer when they name a kvtier
-// handoff; nullopt for anything else (not JSON, no params, another
-// connector's).
-std::optional<nlohmann::json> HandoffParams(absl::string_view answer);
-// The decode engine's request: `p`'s with the prefill's kv_transfer_params.
+// Prefill/decode (docs/disaggregation.md, "The protocol": vLLM's offloading
+// P/D keys, which kvtier's connector and its offloading tier both speak).
+// The prefill engine's request: `p`'s, answered with one token, unstreamed,
+// asking the engine to hand the prompt's KV on under `kv_request_id`
+// (vLLM's remote_decoder).
+std::string PrefillBody(const Prepared& p, const std::string& kv_request_id);
+// What a prefill's 200 answer says of its handoff.
+struct Handoff {
+  enum Kind {
+    kFence,     // kvtier's connector: the decode's keys and its fence
+    kKeysOnly,  // no params (vLLM's offloading connector, kvtier's tier)
+    kNotSent,   // the engine handed nothing on (its store did not answer)
+  };
+  Kind kind = kNotSent;
+  nlohmann::json params;  // the decode's kv_transfer_params (not kNotSent)
+  std::string why;        // kNotSent: why
+};
+// The decode's kv_transfer_params for `kv_request_id` from a prefill's 200
+// answer: vLLM's remote_prefiller keys, with the kvtier fence the answer
+// carries (kFence) or alone (kKeysOnly); kNotSent when the answer says the
+// engine handed nothing on, or is not an answer (not a JSON object).
+Handoff HandoffOf(absl::string_view answer, const std::string& kv_request_id);
+// The decode engine's request: `p`'s with the handoff's kv_transfer_params.
 std::string DecodeBody(const Prepared& p, const nlohmann::json& params);
 
 // Where the last whole event of a piece of an SSE stream ends: just past

@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <set>
 #include <thread>
 
@@ -187,6 +188,10 @@ struct Frontend::Impl {
   // The tokens routes expected engines to compute, over the requests routed:
   // the price of a request another frontend queued.
   std::atomic<uint64_t> uncached_tokens_seen{0}, prompts_seen{0};
+  // A handoff's kv_request_id: this frontend's random prefix and a count.
+  const std::string handoff_prefix = absl::StrCat(absl::Hex(
+      (uint64_t{std::random_device{}()} << 32) | std::random_device{}(), absl::kZeroPad16));
+  std::atomic<uint64_t> handoff_ids{0};
   Counters counters;
   std::optional<Acceptor> acceptor;
   size_t next_loop = 0;
@@ -880,7 +885,9 @@ struct Frontend::Impl {
     auto watch = std::make_shared<Watch>();
     WatchClient(&client, watch);
     std::string answer;
-    const std::string body = PrefillBody(p);
+    const std::string kv_request_id =
+        absl::StrCat("kvtier-", handoff_prefix, "-", handoff_ids.fetch_add(1) + 1);
+    const std::string body = PrefillBody(p, kv_request_id);
     const unsigned status = co_await Exchange(e, p.path, body, &answer, watch);
     watch->done = true;
     ErrorCode ignored;
@@ -892,11 +899,13 @@ struct Frontend::Impl {
       co_return std::nullopt;
     }
     std::optional<nlohmann::json> params;
-    if (status == 200) params = HandoffParams(answer);
+    Handoff handoff;
+    if (status == 200) handoff = HandoffOf(answer, kv_request_id);
+    if (status == 200 && handoff.kind != Handoff::kNotSent) params = handoff.params;
     if (status == 200 && !params) {
       // It prefilled but handed nothing on (its store did not answer):
       // requests go colocated until it is tried again.
-      MarkDown(e, "prefill answered without a handoff (is its store down?)");
+      MarkDown(e, absl::StrCat("prefill answered without a handoff (", handoff.why, ")"));
     }
     if (!params) {
       counters.Handoff("prefill_failed");
@@ -906,9 +915,10 @@ struct Frontend::Impl {
       co_return std::nullopt;
     }
     counters.Handoff("handed_off");
-    const nlohmann::json& entry = (*params)["kvtier"];
-    *note = absl::StrCat("; prefill=", e.spec.id,
-                         "; handoff_blocks=", entry.value("blocks", int64_t{0}));
+    *note = absl::StrCat("; prefill=", e.spec.id, "; handoff_blocks=",
+                         handoff.kind == Handoff::kFence
+                             ? absl::StrCat((*params)["kvtier"].value("blocks", int64_t{0}))
+                             : std::string("prompt"));
     co_return params;
   }
 

@@ -76,27 +76,45 @@ TEST(OpenAi, APrefillAsksForOneTokenAndTheDecodeCarriesItsHandoff) {
                        {"priority", 3}});
   ASSERT_FALSE(r.error);
   EXPECT_TRUE(r.prepared.disaggregable);
-  json pre = json::parse(PrefillBody(r.prepared));
+  json pre = json::parse(PrefillBody(r.prepared, "kvtier-1"));
   EXPECT_EQ(pre["max_tokens"], 1);
   EXPECT_EQ(pre["stream"], false);
   EXPECT_FALSE(pre.contains("min_tokens")) << "more than one token would be refused";
   EXPECT_FALSE(pre.contains("stream_options"));
-  EXPECT_EQ(pre["kv_transfer_params"], json({{"do_remote_decode", true}}));
+  EXPECT_EQ(pre["kv_transfer_params"], json::parse(R"({"remote_decoder":
+                                                         {"kv_request_id": "kvtier-1"}})"));
   EXPECT_EQ(pre["prompt"], json({1, 200, 300}));
   EXPECT_EQ(pre["priority"], 3);
-  const json params = {{"kvtier", {{"namespace", "00c0ffee00c0ffee"}, {"blocks", 31}}}};
-  auto found =
-      HandoffParams(json({{"choices", json::array()}, {"kv_transfer_params", params}}).dump());
-  ASSERT_TRUE(found.has_value());
-  EXPECT_EQ(*found, params);
+  const json keys = {{"remote_prefiller", {{"kv_request_id", "kvtier-1"}}}};
+  // kvtier's connector: its fence rides with the decode's keys.
+  const json fence = {{"namespace", "00c0ffee00c0ffee"}, {"blocks", 31}};
+  Handoff h =
+      HandoffOf(json({{"choices", json::array()},
+                      {"kv_transfer_params",
+                       {{"remote_prefiller", {{"kv_request_id", "x"}}}, {"kvtier", fence}}}})
+                    .dump(),
+                "kvtier-1");
+  ASSERT_EQ(h.kind, Handoff::kFence);
+  json want = keys;
+  want["kvtier"] = fence;
+  EXPECT_EQ(h.params, want) << "the frontend's own id, the engine's fence";
+  // An engine that answers no params (vLLM's offloading connector with
+  // kvtier's tier), or another connector's: the keys alone.
   for (const std::string& answer :
-       {std::string("not json"), json({{"choices", json::array()}}).dump(),
-        json({{"kv_transfer_params", nullptr}}).dump(),
+       {json({{"choices", json::array()}}).dump(), json({{"kv_transfer_params", nullptr}}).dump(),
         json({{"kv_transfer_params", {{"remote_block_ids", {1, 2}}}}}).dump()}) {
-    EXPECT_FALSE(HandoffParams(answer).has_value()) << answer;
+    h = HandoffOf(answer, "kvtier-1");
+    EXPECT_EQ(h.kind, Handoff::kKeysOnly) << answer;
+    EXPECT_EQ(h.params, keys) << answer;
   }
-  json dec = json::parse(DecodeBody(r.prepared, params));
-  EXPECT_EQ(dec["kv_transfer_params"], params);
+  // Handed nothing on: no handoff, saying why.
+  h = HandoffOf(json({{"kv_transfer_params", {{"kvtier", {{"not_sent", "store down"}}}}}}).dump(),
+                "kvtier-1");
+  EXPECT_EQ(h.kind, Handoff::kNotSent);
+  EXPECT_EQ(h.why, "store down");
+  EXPECT_EQ(HandoffOf("not json", "kvtier-1").kind, Handoff::kNotSent);
+  json dec = json::parse(DecodeBody(r.prepared, want));
+  EXPECT_EQ(dec["kv_transfer_params"], want);
   EXPECT_EQ(dec["max_tokens"], 40);
   EXPECT_EQ(dec["min_tokens"], 8);
   EXPECT_EQ(dec["stream"], true);

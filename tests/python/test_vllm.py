@@ -23,7 +23,7 @@ import kvtier
 import vllm_shapes as v
 from kvtier.integrations.vllm import (KvtierConnector, KvtierConnectorMetadata,
                                       KVConnectorRole)
-from kvtier.integrations.vllm_handoff import producer_params
+from kvtier.integrations.pd import producer_params
 
 HERE = Path(__file__).parent
 BS = 16
@@ -636,22 +636,26 @@ def counted(sched: KvtierConnector) -> dict[str, float]:
 
 def test_a_prefill_hands_every_block_to_a_decode_through_the_store(
         store, worker) -> None:
-    """A prefill asked with ``do_remote_decode`` computes and saves its
-    prompt, and ``request_finished`` returns the fence (its namespace and
-    6 blocks); a ``kv_consumer`` given those params loads all 6 (the
-    prompt's last partial block is computed), counted ``loaded``, and
-    plans no save of its own."""
+    """A prefill asked with vLLM's ``remote_decoder`` (as kvtier-frontend
+    asks, kvtier.integrations.pd) computes and saves its prompt, and
+    ``request_finished`` returns the decode's keys (``remote_prefiller``,
+    its kv_request_id) and the fence (its namespace and 6 blocks); a
+    ``kv_consumer`` given those params loads all 6 (the prompt's last
+    partial block is computed), counted ``loaded``, and plans no save of
+    its own."""
     prefill = KvtierConnector(v.config([store.address]),
                               KVConnectorRole.SCHEDULER)
     prompt = np.random.default_rng(31).integers(0, 4096, 100).tolist()
     n, r, _ = run_new(prefill, worker, "P", prompt, list(range(7)),
                       {b: 500 + b for b in range(7)})
     assert n == 0 and r["errors"] == []
-    req = v.Request("P", prompt, kv_transfer_params={"do_remote_decode": True})
+    req = v.Request("P", prompt, kv_transfer_params={
+        "remote_decoder": {"kv_request_id": "kvtier-7"}})
     delay, params = prefill.request_finished(req, list(range(7)))
     ns = prefill._scheduler.namespace
     assert delay is False
-    assert params == {"kvtier": {"namespace": f"{ns.id:016x}", "blocks": 6,
+    assert params == {"remote_prefiller": {"kv_request_id": "kvtier-7"},
+                      "kvtier": {"namespace": f"{ns.id:016x}", "blocks": 6,
                                  "prompt_tokens": 100, "block_tokens": BS}}
     assert counted(prefill) == {"sent": 1}
 
@@ -677,7 +681,7 @@ def test_a_decode_waits_on_the_fence_for_writes_still_on_their_way(
     ns = decode._scheduler.namespace
     prompt = np.random.default_rng(32).integers(0, 4096, 100).tolist()
     hashes = kvtier.hash_tokens(ns, prompt)
-    params = producer_params(ns.id, 6, 100, BS)  # a prefill's fence
+    params = producer_params(ns.id, 6, 100, BS, "h1")  # a prefill's fence
     probe = kvtier.StoreClient([store.address])
     probe.register_namespace(ns)
     # The first three land at once, the rest 0.4 s later.
@@ -700,6 +704,36 @@ def test_a_decode_waits_on_the_fence_for_writes_still_on_their_way(
     assert c["loaded"] == 1 and c["wait_seconds"] >= 0.4, c
 
 
+def test_a_decode_given_only_vllms_keys_waits_for_the_whole_prompt(
+        store) -> None:
+    """A prefill that answered no params (vLLM's offloading connector with
+    kvtier's tier: kvtier.integrations.pd): the frontend sends the decode
+    vLLM's ``remote_prefiller`` keys alone. The connector waits until the
+    store holds the prompt's whole blocks in its own namespace (not a
+    prefix of them: 3 of 6 are there at first), then loads all 6."""
+    decode = decode_connector(store)
+    ns = decode._scheduler.namespace
+    prompt = np.random.default_rng(36).integers(0, 4096, 100).tolist()
+    hashes = kvtier.hash_tokens(ns, prompt)
+    probe = kvtier.StoreClient([store.address])
+    probe.register_namespace(ns)
+    probe.put(ns, hashes[:3], np.ones(3 * ns.block_bytes, np.uint8))
+    req = v.Request("D", prompt, kv_transfer_params={
+        "remote_prefiller": {"kv_request_id": "kvtier-9"}})
+    for _ in range(20):
+        assert decode.get_num_new_matched_tokens(req, 0) == (None, False)
+        decode.build_connector_meta(v.SchedulerOutput())
+        time.sleep(0.005)
+    probe.put(ns, hashes[3:6], np.ones(3 * ns.block_bytes, np.uint8))
+    deadline = time.monotonic() + 10
+    while (got := decode.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline, "the prompt's blocks were never met"
+        decode.build_connector_meta(v.SchedulerOutput())
+        time.sleep(0.001)
+    assert got == (6 * BS, True)
+    assert counted(decode)["loaded"] == 1
+
+
 def test_a_fence_never_met_is_waited_for_its_budget_then_computed(
         store) -> None:
     """A handoff whose blocks never reach the store (the prefill died):
@@ -708,7 +742,7 @@ def test_a_fence_never_met_is_waited_for_its_budget_then_computed(
     decode = decode_connector(store, wait_ms=300)
     ns = decode._scheduler.namespace
     prompt = np.random.default_rng(33).integers(0, 4096, 100).tolist()
-    params = producer_params(ns.id, 6, 100, BS)  # a prefill's fence
+    params = producer_params(ns.id, 6, 100, BS, "h1")  # a prefill's fence
     t0 = time.monotonic()
     got = matched(decode, v.Request("D", prompt, kv_transfer_params=params), 0)
     took = time.monotonic() - t0
@@ -745,14 +779,17 @@ def test_handoff_params_that_cannot_be_used_serve_the_request_as_usual(
 def test_a_prefill_whose_store_did_not_answer_hands_nothing_on() -> None:
     """The store is unreachable (nothing listens): the prefill's lookup
     fails, so its saves would not land either; ``request_finished``
-    returns no fence (a decode would wait its budget for nothing) and
-    counts ``not_sent``."""
+    returns no fence (a decode would wait its budget for nothing) but says
+    so, for the frontend to serve the request colocated, and counts
+    ``not_sent``."""
     prefill = KvtierConnector(v.config(["127.0.0.1:1"], deadline_ms=500),
                               KVConnectorRole.SCHEDULER)
     prompt = np.random.default_rng(35).integers(0, 4096, 100).tolist()
     req = v.Request("P", prompt, kv_transfer_params={"do_remote_decode": True})
     assert matched(prefill, req, 0) == (0, False)
-    assert prefill.request_finished(req, list(range(7))) == (False, None)
+    assert prefill.request_finished(req, list(range(7))) == (False, {
+        "kvtier": {"not_sent": "the prefill's store did not answer its "
+                               "lookup"}})
     assert counted(prefill) == {"not_sent": 1}
 
 

@@ -234,25 +234,38 @@ def test_store_jobs_past_the_bound_fail_at_once_and_lookups_keep_a_budget(
 # --- vLLM's P/D keys (vLLM's orchestration-layer protocol, llm-d's sidecar)
 
 
-def pd_params(side: str, rid: str = "handoff-1") -> dict:
-    """kv_transfer_params as llm-d's routing sidecar sends them with
-    ``--kv-connector offloading``: remote_decoder to the prefill,
-    remote_prefiller (with the prefill's host and port) to the decode."""
+def pd_params(side: str, rid: str = "handoff-1",
+              sender: str = "llm-d") -> dict:
+    """kv_transfer_params as ``sender`` sends them: llm-d's routing sidecar
+    with ``--kv-connector offloading`` (remote_decoder to the prefill,
+    remote_prefiller with the prefill's host and port to the decode);
+    kvtier-frontend (kvtier.integrations.pd: the same keys, the decode's
+    with only its kv_request_id, and kvtier's fence, which the tier does
+    not need, when a connector answered one); vllm-router
+    (do_remote_decode to the prefill)."""
     if side == "decode":
+        if sender == "kvtier-frontend":
+            return {"remote_prefiller": {"kv_request_id": rid},
+                    "kvtier": {"namespace": "00c0ffee00c0ffee", "blocks": 8,
+                               "prompt_tokens": 8 * 16, "block_tokens": 16}}
         return {"remote_prefiller": {"kv_request_id": rid,
                                      "remote_host": "10.0.0.9",
                                      "remote_port": 7777}}
+    if sender == "vllm-router":
+        return {"do_remote_decode": True}
     return {"remote_decoder": {"kv_request_id": rid}}
 
 
+@pytest.mark.parametrize("sender", ["llm-d", "kvtier-frontend"])
 def test_a_decode_request_waits_for_its_prefills_rows_and_loads_them(
-        store: Store) -> None:
+        store: Store, sender: str) -> None:
     """Engine D's request (remote_prefiller) looks up a prompt engine P has
     not stored yet: its lookups are deferred (RETRY), not misses. P's
     request (remote_decoder, which the tier stores whole: REQUEST_LEVEL)
     stores it 0.5 s later; D then loads every row bit-exactly, and
     counts one complete handoff. Without the keys, the same lookup missed
-    at once."""
+    at once. The keys as llm-d sends them, and as kvtier-frontend does
+    (the protocol kvtier's connector speaks too)."""
     import threading
 
     from vllm.v1.kv_offload.base import OffloadPolicy
@@ -263,9 +276,10 @@ def test_a_decode_request_waits_for_its_prefills_rows_and_loads_them(
         keys = offload_keys(51, 8)
         got, took = d.load(keys)
         assert got == [None] * 8 and took < 5
-        timer = threading.Timer(0.5, p.store, (keys, 51, pd_params("prefill")))
+        timer = threading.Timer(0.5, p.store, (keys, 51, pd_params(
+            "prefill", sender=sender)))
         timer.start()
-        got, took = d.load(keys, params=pd_params("decode"))
+        got, took = d.load(keys, params=pd_params("decode", sender=sender))
         timer.join()
         assert p.policy.policy is OffloadPolicy.REQUEST_LEVEL
         assert took >= 0.45, took
@@ -277,6 +291,23 @@ def test_a_decode_request_waits_for_its_prefills_rows_and_loads_them(
     finally:
         p.close()
         d.close()
+
+
+def test_a_do_remote_decode_prefill_stores_its_whole_prompt(
+        store: Store) -> None:
+    """vllm-router's prefill key (``do_remote_decode``, which kvtier's
+    connector also takes) makes a tier prefill as remote_decoder does: the
+    whole prompt stored (REQUEST_LEVEL), counted as a prefill."""
+    from vllm.v1.kv_offload.base import OffloadPolicy
+
+    p = TierEngine(kvtier_tier(store.address))
+    try:
+        p.store(offload_keys(53, 2), 53, pd_params("prefill",
+                                                   sender="vllm-router"))
+        assert p.policy.policy is OffloadPolicy.REQUEST_LEVEL
+        assert p.tier.handoffs["prefill"] == 1
+    finally:
+        p.close()
 
 
 def test_a_decode_whose_prefill_stored_part_waits_its_budget_then_computes(

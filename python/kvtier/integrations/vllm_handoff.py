@@ -1,18 +1,19 @@
 """Prefill/decode handoff through the store, for kvtier's vLLM connector
-(docs/disaggregation.md).
+(docs/disaggregation.md), in the protocol of :mod:`kvtier.integrations.pd`
+(shared with the offloading tier).
 
 A prefill engine (``kv_role`` ``kv_producer``, or any engine asked with
-vLLM's ``kv_transfer_params: {"do_remote_decode": true}``) saves a
-prompt's blocks as it computes them and answers with
-``kv_transfer_params: {"kvtier": {...}}`` (:func:`producer_params`):
-the namespace, and the fence: the number of the prompt's leading blocks
-that are in the store or on their way there. A decode engine given those
-params waits, within its budget (``handoff_wait_ms``), until the store
-shows that many blocks (a block is visible to a lookup only once its write
-committed), then loads them; past the budget it loads what is there and
-computes the rest. Each outcome is counted (:class:`HandoffCounts`) and
-exported through vLLM's own Prometheus endpoint
-(:class:`KvtierPromMetrics`).
+``remote_decoder`` or ``do_remote_decode``) saves a prompt's blocks as it
+computes them and answers with the decode's keys and kvtier's fence
+(:func:`kvtier.integrations.pd.producer_params`): the namespace and the
+number of the prompt's leading blocks that are in the store or on their
+way there. A decode engine given those params (or ``remote_prefiller``
+alone: then the prompt's whole blocks) waits, within its budget
+(``handoff_wait_ms``), until the store shows that many blocks (a block is
+visible to a lookup only once its write committed, on every TP rank), then
+loads them; past the budget it loads what is there and computes the rest.
+Each outcome is counted (:class:`HandoffCounts`) and exported through
+vLLM's own Prometheus endpoint (:class:`KvtierPromMetrics`).
 """
 
 from __future__ import annotations
@@ -22,73 +23,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvtier.integrations.pd import (Fence, not_sent_params, producer_params,
+                                    read_handoff)
+
 # A child of vLLM's own logger, so the lines appear with vLLM's.
 log = logging.getLogger("vllm.kvtier")
 
-#: The key of kvtier's entry in vLLM's ``kv_transfer_params``.
-HANDOFF_KEY = "kvtier"
 #: A decode waiting on a fence asks the store again at most this often.
 RETRY_S = 0.005
 #: Outcomes of a decode's handoff (the ``outcome`` label).
 OUTCOMES = ("loaded", "partial", "computed", "invalid", "other_namespace")
-
-
-def producer_params(namespace_id: int, blocks: int, prompt_tokens: int,
-                    block_tokens: int) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a prefill returns: its namespace (hex),
-    the fence (``blocks``: the prompt's leading blocks in the store or
-    being written), the prompt's length and the block size."""
-    return {HANDOFF_KEY: {"namespace": f"{namespace_id:016x}",
-                          "blocks": int(blocks),
-                          "prompt_tokens": int(prompt_tokens),
-                          "block_tokens": int(block_tokens)}}
-
-
-def wants_handoff(params: Any) -> bool:
-    """Whether a request's ``kv_transfer_params`` ask this engine to hand
-    its prompt's KV to a decode engine (vLLM's ``do_remote_decode``)."""
-    return isinstance(params, dict) and params.get("do_remote_decode") is True
-
-
-@dataclass
-class Fence:
-    """What a decode waits for: ``blocks`` leading blocks of the prompt in
-    namespace ``namespace``."""
-
-    namespace: int
-    blocks: int
-
-
-def read_fence(params: Any, prompt_tokens: int,
-               block_tokens: int) -> tuple[Optional[Fence], str]:
-    """The fence named by a request's ``kv_transfer_params`` (None when
-    they name none), and what was wrong with them ("" when nothing was: a
-    request whose kvtier entry is malformed is served as an ordinary one,
-    and counted ``invalid``)."""
-    if not isinstance(params, dict) or HANDOFF_KEY not in params:
-        return None, ""
-    entry = params[HANDOFF_KEY]
-    if not isinstance(entry, dict):
-        return None, f"kv_transfer_params.{HANDOFF_KEY} is not an object"
-    ns, blocks = entry.get("namespace"), entry.get("blocks")
-    bt, n = entry.get("block_tokens"), entry.get("prompt_tokens")
-    try:
-        ns_id = int(ns, 16) if isinstance(ns, str) else -1
-    except ValueError:
-        ns_id = -1
-    if not 0 <= ns_id < 1 << 64:
-        return None, f"namespace {ns!r} is not 16 hex digits"
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
-        return None, f"blocks {blocks!r} is not a count"
-    if bt != block_tokens:
-        return None, (f"block_tokens {bt!r} differs from this engine's "
-                      f"{block_tokens}")
-    if n != prompt_tokens:
-        return None, (f"prompt_tokens {n!r} differs from this request's "
-                      f"{prompt_tokens} (another prompt's handoff)")
-    if blocks * block_tokens > prompt_tokens:
-        return None, f"blocks {blocks} exceed the prompt's {prompt_tokens} tokens"
-    return Fence(ns_id, blocks), ""
 
 
 @dataclass
@@ -143,11 +87,15 @@ class Handoffs:
         ignored: the request is served as an ordinary one."""
         if rid in self._fences:
             return self._fences[rid]
-        fence, bad = read_fence(params, prompt_tokens, self.block_tokens)
+        ask = read_handoff(params, prompt_tokens, self.block_tokens)
+        fence = ask.fence
         wait = None
-        if bad:
+        if ask.problem:
             self.counts.add("invalid")
-            log.warning("kvtier handoff of request %s ignored: %s", rid, bad)
+            log.warning("kvtier handoff of request %s ignored: %s", rid,
+                        ask.problem)
+        elif fence is not None and fence.namespace is None:
+            wait = Waiting(Fence(self.namespace_id, fence.blocks))
         elif fence is not None and fence.namespace != self.namespace_id:
             self.counts.add("other_namespace")
             log.warning("kvtier handoff of request %s ignored: its prefill "
@@ -185,21 +133,24 @@ class Handoffs:
                stored_blocks: int, prompt_tokens: int
                ) -> Optional[dict[str, Any]]:
         """The ``kv_transfer_params`` a finished prefill returns (None when
-        it hands nothing on): a ``kv_producer``'s or a ``do_remote_decode``
-        request's fence, the blocks the store holds or this engine saved;
-        none when its store did not answer (its saves would not land, and a
-        decode would wait its budget for them)."""
+        it hands nothing on): a ``kv_producer``'s or a prefill request's
+        decode keys and fence, the blocks the store holds or this engine
+        saved; "not sent" when its store did not answer (its saves would not
+        land, and a decode would wait its budget for them)."""
+        ask = read_handoff(request_params, prompt_tokens, self.block_tokens)
         if not self.saves or not (self.role == "kv_producer" or
-                                  wants_handoff(request_params)):
+                                  ask.role == "prefill"):
             return None
         if store_missed:
             self.counts.add("not_sent")
             log.warning("kvtier handoff of request %s not sent: the store "
                         "did not answer its lookup", rid)
-            return None
+            return not_sent_params("the prefill's store did not answer its "
+                                   "lookup")
         self.counts.add("sent")
         return producer_params(self.namespace_id, stored_blocks,
-                               prompt_tokens, self.block_tokens)
+                               prompt_tokens, self.block_tokens,
+                               ask.kv_request_id or rid)
 
     def forget(self, rid: str) -> None:
         """Request ``rid`` ended."""

@@ -1,6 +1,8 @@
 """Prefill/decode handoff through the store for kvtier's vLLM offloading
-tier (:mod:`kvtier.integrations.vllm_tier`), over vLLM's own P/D keys:
-a ``remote_decoder`` (prefill) request stores every row of its prompt; a
+tier (:mod:`kvtier.integrations.vllm_tier`), in the protocol of
+:mod:`kvtier.integrations.pd` (shared with the connector): a
+``remote_decoder`` or ``do_remote_decode`` (prefill) request stores every
+row of its prompt; a
 ``remote_prefiller`` (decode) request's lookups answer RETRY until the
 store holds the rows it asked for, or ``handoff_wait_ms`` has passed (then
 ordinary lookups: what is missing is computed). A row is seen only once
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from kvtier.errors import KvtierError
+from kvtier.integrations.pd import pd_role
 
 # A child of vLLM's own logger, so the tier's lines appear with vLLM's.
 log = logging.getLogger("vllm.kvtier")
@@ -47,35 +50,6 @@ class _Handoff:
 
 #: One handoff's keys to look for in the store.
 _Probe = tuple[_Handoff, list[Any]]
-
-
-def pd_role(params: Any) -> tuple[Optional[str], Optional[str], str]:
-    """What vLLM's offloading P/D keys in ``kv_transfer_params`` ask of the
-    tier (vLLM's "orchestration-layer protocol", the one llm-d's routing
-    sidecar speaks): ``("decode", kv_request_id, "")`` for
-    ``remote_prefiller``, ``("prefill", kv_request_id, "")`` for
-    ``remote_decoder``, ``(None, None, "")`` for neither, and
-    ``(None, None, why)`` for keys the protocol forbids or that are
-    malformed (the request then runs as an ordinary one).
-    ``remote_kv_source`` needs nothing of this tier: every engine finds what
-    the shared store holds by its ordinary lookups."""
-    if not isinstance(params, dict):
-        return None, None, ""
-    pre = params.get("remote_prefiller")
-    dec = params.get("remote_decoder")
-    if pre is None and dec is None:
-        return None, None, ""
-    if pre is not None and (dec is not None or
-                            params.get("remote_kv_source") is not None):
-        return None, None, ("remote_prefiller goes alone (not with "
-                            "remote_decoder or remote_kv_source)")
-    key = "remote_prefiller" if pre is not None else "remote_decoder"
-    value = pre if pre is not None else dec
-    rid = value.get("kv_request_id") if isinstance(value, dict) else None
-    if not isinstance(rid, str) or not rid:
-        return None, None, (f"{key} needs a non-empty string kv_request_id "
-                            f"(got {value!r:.80})")
-    return ("decode" if pre is not None else "prefill"), rid, ""
 
 
 class TierHandoffs:

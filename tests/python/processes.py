@@ -23,6 +23,11 @@ def sigstop(pid: int, timeout: float = 5) -> None:
     raise RuntimeError(f"process {pid} did not stop")
 
 
+def sigcont(pid: int) -> None:
+    """SIGCONT: a process :func:`sigstop` stopped runs on."""
+    os.kill(pid, signal.SIGCONT)
+
+
 def dead_or_gone(pid: int, timeout: float = 5) -> None:
     """Returns once ``pid`` has died (a zombie its parent has not reaped,
     or gone): its sockets are closed. RuntimeError if it still runs after

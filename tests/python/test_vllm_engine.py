@@ -30,6 +30,10 @@ seed, token-id prompts, real kvtier-store and kvtier-router processes.
 - A sliding-window model (tiny Gemma 2: sliding-window and full-attention
   layers interleaved) loads its prefix through the store, tokens equal to
   vLLM alone's.
+- A request aborted while its load stalls in flight: its pages go to the
+  next request only after the load ended, whose tokens equal vLLM alone's,
+  and no map of the connector keeps either request. Requests preempted
+  around their loads (100 KV blocks for 162 wanted) answer as vLLM alone.
 
 Skipped, with the reason, where the project's Python environment could not
 be installed (scripts/setup_venv.sh)."""
@@ -870,6 +874,83 @@ def test_a_store_that_stalls_or_loses_blocks_after_its_lookup_fails_nothing(
             assert [o["tokens"] for o in raced["outputs"]] == reference[3]
             # The load found the blocks gone and vLLM recomputed them.
             assert recoveries(b) > recovered, b.tail()
+        finally:
+            b.stop()
+    finally:
+        store.stop()
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_leaves_nothing(
+        work: Path, reference: dict[int, list[list[int]]]) -> None:
+    """Issue #60. Engine B (100 KV blocks: one 2,088-token prompt at a
+    time) computes the victim prompt, which reaches the store. Asked
+    again with an empty prefix cache, its load is planned and stalls in
+    flight (the store SIGSTOPped once the lookup answered); vLLM aborts
+    it; the next request, which needs the victim's pages, is added. The
+    connector keeps the victim's pages until the load ended, so the next
+    request is scheduled only after the store is back (1 s later) and
+    its tokens equal vLLM alone's (had the pages gone to it at the abort,
+    the stalled load would have written the victim's KV over them). Once
+    a later request has run, every map of the connector's scheduler and
+    worker halves is empty."""
+    store = Store(work, "store-abort", ram="256MiB")
+    try:
+        b = start(work, "abort-b", store.address, inproc=1, num_blocks=100,
+                  max_model_len=3072)
+        try:
+            victim = prompts(3)[0]
+            b.generate([victim])
+            wait_stored(b, store, victim, PREFIX // BLOCK)
+            got = b.abort_during_load(victim=victim, next=prompts(4)[0],
+                                      flush=prompt(98, 40),
+                                      store_pid=store.pid, hold_s=1.0)
+            print("abort during a load:", got)
+            assert got["held"], "the victim's pages went back mid-load"
+            assert got["scheduled_at"] is not None and \
+                got["scheduled_at"] > got["resumed_at"], got
+            assert got["tokens"] == reference[4][0]
+            assert {k: v for k, v in got["maps"].items() if v} == {}
+        finally:
+            b.stop()
+    finally:
+        store.resume()
+        store.stop()
+
+
+def test_requests_preempted_around_their_loads_answer_as_vllm_alone(
+        work: Path) -> None:
+    """Issue #60. Engine B (100 KV blocks) finds two 1,000-token prompts
+    in the store (it computed them, then emptied its prefix cache) and
+    runs them beside a third, new one, each decoding 700 tokens: 162
+    blocks wanted of 99, so vLLM preempts (its own count says so), frees
+    the preempted requests' pages, and schedules them again later, looked
+    up and loaded anew. Every request's tokens equal an engine's without
+    kvtier (the same 100 blocks, so it preempts alike). vLLM cannot
+    preempt a request whose load is in flight (it is not running: vLLM
+    holds its pages until the load ends, as the abort test shows)."""
+    heads = [prompt(61, 1000), prompt(62, 1000), prompt(63, 1000)]
+    plain = Engine(str(work / "preempt-ref.log"), env=engine_env(),
+                   one_process=1, num_blocks=100, max_model_len=3072)
+    try:
+        want = [o["tokens"] for o in
+                plain.generate(heads, max_tokens=700)["outputs"]]
+    finally:
+        plain.stop()
+    store = Store(work, "store-preempt", ram="256MiB")
+    try:
+        b = start(work, "preempt-b", store.address, num_blocks=100,
+                  max_model_len=3072)
+        try:
+            b.generate(heads[:2], max_tokens=1)
+            for head in heads[:2]:
+                wait_stored(b, store, head, len(head) // BLOCK)
+            assert b.reset_prefix_cache()
+            got = b.generate(heads, max_tokens=700)
+            print("preempted around loads:", got["preemptions"],
+                  [o["cached"] for o in got["outputs"]])
+            assert got["preemptions"] > 0, "vLLM preempted nothing"
+            assert [o["tokens"] for o in got["outputs"]] == want
+            assert got["outputs"][0]["cached"] >= 31 * BLOCK - BLOCK
         finally:
             b.stop()
     finally:

@@ -5,9 +5,16 @@ and the benchmark drive over stdin/stdout, one JSON object a line:
     {"op": "generate", "prompts": [[ids...], ...], "max_tokens": 8}
       -> {"outputs": [{"tokens": [...], "cached": N, "ttft": S}, ...],
           "seconds": S}
+    {"op": "abort_during_load", "victim": [ids], "next": [ids],
+     "flush": [ids], "store_pid": PID, "hold_s": S}
+      -> {"tokens": [...], "held": B, "maps": {...}, ...}
+    {"op": "reset_prefix_cache"} -> {"reset": B}
     {"op": "stop"} -> {"stopped": true}
 
-``max_tokens`` may be a list (one a prompt); ``"prompt_logprobs": K`` asks
+A generate's answer also carries vLLM's count of preemptions so far
+(``"preemptions"``). ``abort_during_load`` needs ``--inproc 1
+--one-process 1`` (:func:`_abort_during_load`). ``max_tokens`` may be a
+list (one a prompt); ``"prompt_logprobs": K`` asks
 vLLM for each prompt position's top K (the answer's outputs then carry
 ``"prompt_logprobs"``: per position, token id -> logprob, None for the
 first). With ``--inproc 1`` the
@@ -158,6 +165,14 @@ def main() -> None:
         if msg["op"] == "stop":
             print(json.dumps({"stopped": True}), file=proto, flush=True)
             break
+        if msg["op"] == "reset_prefix_cache":
+            print(json.dumps({"reset": bool(llm.reset_prefix_cache())}),
+                  file=proto, flush=True)
+            continue
+        if msg["op"] == "abort_during_load":
+            print(json.dumps(_abort_during_load(llm, msg)), file=proto,
+                  flush=True)
+            continue
         want = msg.get("max_tokens", 8)
         if not isinstance(want, list):
             want = [want] * len(msg["prompts"])
@@ -183,8 +198,102 @@ def main() -> None:
                                                "first_token_latency", 0.0)
                                        or 0.0)}
                         for o in outs],
-            "seconds": took}), file=proto, flush=True)
+            "seconds": took, "preemptions": _preemptions(llm)}), file=proto,
+            flush=True)
     del llm
+
+
+def _abort_during_load(llm: Any, msg: dict[str, Any]) -> dict[str, Any]:
+    """The ``abort_during_load`` op (an in-process engine core with its
+    worker in this process, ``--one-process 1``): request ``victim`` is
+    looked up; the store (pid ``store_pid``) is SIGSTOPped once the lookup
+    is answered, so the victim's load stalls in flight; the victim is
+    aborted and ``next`` added; after ``hold_s`` the store is SIGCONTed.
+    Answers ``next``'s tokens, whether the connector still held the
+    victim's pages right after the abort (``held``), the step count at
+    which ``next`` was first scheduled and at SIGCONT, and every map of the
+    scheduler's and the worker's connector halves once a later ``flush``
+    request has run (each should be empty)."""
+    from processes import sigcont, sigstop
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.inputs import TokensPrompt
+
+    from kvtier.hooks import request_key
+
+    eng = llm.llm_engine
+    core = eng.engine_core.engine_core
+    conn = core.scheduler.connector
+    lookups = conn._scheduler._lookups
+    sp = SamplingParams(max_tokens=int(msg.get("max_tokens", 8)),
+                        temperature=0.0, detokenize=False, ignore_eos=True)
+    llm.reset_prefix_cache()
+    # vLLM makes each id its own (a suffix): the connector sees that one.
+    victim = eng.add_request(
+        "victim", TokensPrompt(prompt_token_ids=msg["victim"]), sp)
+    pid = int(msg["store_pid"])
+    deadline = time.monotonic() + 60
+    stopped = False
+    key = request_key(victim)
+    while victim not in conn._loading:
+        eng.step()
+        # The victim's lookup answered, its load not yet planned (the
+        # next step plans it): the store stops before the load pins.
+        wait = time.monotonic() + 5
+        while not stopped and key not in lookups._done and \
+                time.monotonic() < wait:
+            time.sleep(0.001)
+        if not stopped and key in lookups._done:
+            sigstop(pid)
+            stopped = True
+        assert time.monotonic() < deadline, "the victim's load never began"
+    assert stopped, "the load was planned before its lookup was seen"
+    eng.abort_request(["victim"])
+    eng.step()
+    held = victim in conn._loading
+    nxt = eng.add_request("next", TokensPrompt(prompt_token_ids=msg["next"]),
+                          sp)
+    tokens: list[int] = []
+    steps, scheduled_at, resumed_at = 0, None, None
+    t0 = time.monotonic()
+    done = False
+    while not done:
+        if resumed_at is None and time.monotonic() - t0 >= msg["hold_s"]:
+            sigcont(pid)
+            resumed_at = steps
+        for out in eng.step():
+            if out.request_id in ("next", nxt):
+                tokens = list(out.outputs[0].token_ids)
+                done = out.finished
+        steps += 1
+        if scheduled_at is None and any(
+                r.request_id == nxt for r in core.scheduler.running):
+            scheduled_at = steps
+        assert time.monotonic() < deadline + 60, "next never finished"
+    if resumed_at is None:
+        sigcont(pid)
+    llm.generate([TokensPrompt(prompt_token_ids=msg["flush"])], sp,
+                 use_tqdm=False)
+    worker = get_kv_transfer_group()
+    maps = {f"scheduler.{k}": len(getattr(conn, k)) for k in
+            ("_loading", "_inflight", "_blocks", "_hashes", "_planned",
+             "_computes")}
+    maps["scheduler._reqs"] = len(conn._scheduler._reqs)
+    for i, w in enumerate(worker._workers):
+        for k in ("_loading", "_async", "_ended", "_abandoned", "_errors"):
+            maps[f"worker{i}.{k}"] = len(getattr(w, k))
+        # The flush request closes on the worker with the next step.
+        mine = {key, request_key(nxt)} & set(w._open)
+        maps[f"worker{i}._open (victim, next)"] = len(mine)
+    return {"tokens": tokens, "held": held, "scheduled_at": scheduled_at,
+            "resumed_at": resumed_at, "maps": maps}
+
+
+def _preemptions(llm: Any) -> int:
+    """vLLM's own count of preempted requests so far
+    (``vllm:num_preemptions``)."""
+    return int(sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                   if m.name == "vllm:num_preemptions"))
 
 
 def _prompt_logprobs(out: Any) -> list[Optional[dict[str, float]]]:
@@ -304,6 +413,22 @@ class Engine:
              "max_tokens": max_tokens, **extra}).encode() + b"\n")
         self.proc.stdin.flush()
         return self._read(timeout)
+
+    def abort_during_load(self, timeout: float = 240,
+                          **fields: Any) -> dict[str, Any]:
+        """The ``abort_during_load`` op (:func:`_abort_during_load`)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(
+            {"op": "abort_during_load", **fields}).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties vLLM's prefix cache (vLLM's ``reset_prefix_cache``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b'{"op": "reset_prefix_cache"}\n')
+        self.proc.stdin.flush()
+        return bool(self._read(60)["reset"])
 
     def stop(self) -> None:
         """Asks the engine to stop; kills its process group after 60 s."""

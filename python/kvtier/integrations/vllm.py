@@ -297,11 +297,11 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
         freed at once, unless a load into them is still running (a request
         aborted while it waits for its KV): then vLLM frees them when the
         workers report that load ended. A prefill handed to a decode engine
-        (``kv_producer``, or ``do_remote_decode``) returns the handoff's
-        ``kv_transfer_params`` (:meth:`Handoffs.params`): the blocks are
-        copied out of the pages in the step that computed them, so nothing
-        waits on their writes; none when its store did not answer (the
-        orchestrator serves it colocated instead)."""
+        (``kv_producer``, or a prefill request: kvtier.integrations.pd)
+        returns the handoff's ``kv_transfer_params``
+        (:meth:`Handoffs.params`; the blocks were copied out of the pages
+        in the step that computed them); ``not_sent`` when its store did
+        not answer (the orchestrator serves it colocated)."""
         assert self._scheduler is not None
         rid = request.request_id
         key = request_key(rid)

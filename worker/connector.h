@@ -71,7 +71,8 @@
 // request table, matching), connector_load.cc (onboard), connector_offload.cc
 // (save and offload), connector_in_place.cc (saves into a mapped store's
 // slots), connector_drain.cc (Drain, SaveHot), connector_staging.cc (the
-// staging memory both use). Options and counters: connector_options.h.
+// staging memory both use). Options and counters: connector_options.h; the
+// records of its requests and saves: connector_records.h.
 #pragma once
 
 #include <algorithm>
@@ -99,6 +100,7 @@
 #include "gpu/kv_layout.h"
 #include "gpu/page_copier.h"
 #include "worker/connector_options.h"
+#include "worker/connector_records.h"
 #include "worker/page_pool.h"
 
 namespace kvtier::worker {
@@ -246,45 +248,12 @@ class KvConnector {
   ConnectorStats stats() const;
 
  private:
-  // A request's offloads in flight (guarded by mu_).
-  struct SaveState {
-    uint64_t pending = 0;
-    absl::Status status;  // the first failure
-  };
-  struct Request {
-    std::vector<BlockHash> chain;
-    std::vector<uint32_t> pages;  // pinned pages, chain order, for the first pages.size() blocks
-    uint32_t gpu_blocks = 0, store_blocks = 0, loaded = 0, loaded_from_disk = 0;
-    std::vector<uint32_t> computed;    // pages from AllocateForCompute
-    std::vector<uint32_t> load_pages;  // engine mode: the engine's pages to load into
-    ShardedPin pin;                    // the store's pin of the blocks after the GPU prefix
-    // The load runs once, on a cached thread or on the thread that waits for
-    // it first (whichever claims it): a caller that waits at once pays no
-    // hand-off. Shared, so a cached thread that comes late never touches a
-    // finished request.
-    std::shared_ptr<std::atomic<bool>> load_claim;
-    std::promise<absl::StatusOr<uint32_t>> load_promise;
-    std::future<absl::StatusOr<uint32_t>> load;
-    bool load_started = false, load_ended = false;  // guarded by mu_
-    uint32_t layers_in = 0;                         // guarded by mu_
-    absl::Status load_status;                       // guarded by mu_, once load_ended
-    LoadTimes load_times;
-    // Its saves, shared with the staged blocks: they outlive a request
-    // finished before its saves are written.
-    std::shared_ptr<SaveState> saves = std::make_shared<SaveState>();
-  };
-  struct Staged {
-    BlockHash hash;
-    uint32_t slot;
-    std::shared_ptr<SaveState> waiter;  // the request's saves; none for write-back
-  };
-  // A save waiting for a staging slot, its page held (referenced) until the
-  // offloader has copied it out.
-  struct Held {
-    BlockHash hash;
-    uint32_t page;
-    std::shared_ptr<SaveState> waiter;
-  };
+  using SaveState = connector_detail::SaveState;
+  using Request = connector_detail::Request;
+  using Staged = connector_detail::Staged;
+  using Held = connector_detail::Held;
+  using ReachedArena = connector_detail::ReachedArena;
+  using InPlaceCommit = connector_detail::InPlaceCommit;
 
   KvConnector() = default;
 
@@ -415,11 +384,6 @@ class KvConnector {
   std::unique_ptr<gpu::PageCopier> copier_;  // engine memory reached by copies (a GPU's)
   // Store arenas mapped here that copier_ reaches (registered with it), and
   // the ones it refused; each entry keeps its mapping alive. arenas_mu_.
-  struct ReachedArena {
-    uint8_t* base;
-    std::shared_ptr<const void> keep;
-    bool refused;
-  };
   std::mutex arenas_mu_;
   std::vector<ReachedArena> arenas_;
   std::unique_ptr<ShardedStoreClient> store_;
@@ -467,11 +431,6 @@ class KvConnector {
   std::vector<std::thread> offloaders_;
   // Saves gathered in place into a mapped store's slots, waiting for their
   // checksums and CommitPut (CommitLoop); staging_mu_, with commit_cv_.
-  struct InPlaceCommit {
-    Reservation reservation;
-    std::vector<BlockHash> hashes;  // per block asked for
-    std::shared_ptr<SaveState> waiter;
-  };
   std::deque<InPlaceCommit> commit_queue_;
   uint64_t commits_running_ = 0;  // queued or committing
   std::condition_variable commit_cv_;

@@ -437,14 +437,16 @@ class DataPlaneLimits : public ::testing::Test {
     EXPECT_TRUE(stub->BeginPut(&ctx, req, &resp).ok());
     return resp;
   }
-  // AbortPut of `lease` as `token`'s tenant: the status code.
-  grpc::StatusCode AbortPut(const std::string& token, uint64_t lease) {
+  // AbortPut of `lease` (or of the put begun with `begin_token`) as
+  // `token`'s tenant, over gRPC: the status code.
+  grpc::StatusCode AbortPut(const std::string& token, uint64_t lease, uint64_t begin_token = 0) {
     auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     ctx.AddMetadata("x-kvtier-tenant-token", token);
     v1::AbortPutRequest req;
     req.set_lease_id(lease);
+    req.set_begin_token(begin_token);
     v1::AbortPutResponse resp;
     return stub->AbortPut(&ctx, req, &resp).error_code();
   }
@@ -734,14 +736,7 @@ TEST_F(DataPlaneLimits, AnAbandonTokenEndsOnlyItsWritersPut) {
     return put;
   };
   auto abandon = [&](const std::string& token, uint64_t begin_token) {
-    auto stub = v1::Store::NewStub(OpenChannel(store_->address(), {}));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    ctx.AddMetadata("x-kvtier-tenant-token", token);
-    v1::AbortPutRequest req;
-    req.set_begin_token(begin_token);
-    v1::AbortPutResponse resp;
-    return stub->AbortPut(&ctx, req, &resp).error_code();
+    return AbortPut(token, 0, begin_token);
   };
   const uint64_t kept_token = 0x9e3779b97f4a7c15, dropped_token = 0x2545f4914f6cdd1d;
   const v1::BeginPutResponse kept = begin(950, kept_token);

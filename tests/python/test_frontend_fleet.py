@@ -268,9 +268,11 @@ def test_a_prefill_pool_and_a_decode_pool_each_keep_their_role(
 ) -> None:
     """Two names, two pools (as the chart's prefill and decode Services):
     engines join with their pool's role. A long prompt goes to the prefill
-    pool's engine first; these engines hand nothing on (canned answers, no
-    kv_transfer_params), so it is marked down and the decode pool's engine
-    answers; no request is ever answered by the prefill engine."""
+    pool's engine first; its answer carries no kv_transfer_params (as
+    vLLM's offloading connector with kvtier's tier answers), so the decode
+    pool's engine is sent vLLM's remote_prefiller keys alone
+    (``handoff_blocks=prompt``) and answers; no request is ever answered by
+    the prefill engine."""
     fleet = DnsFleet(tmp_path, prefill=[4])
     try:
         fleet.wait_engines([2, 3, 4])
@@ -280,7 +282,7 @@ def test_a_prefill_pool_and_a_decode_pool_each_keep_their_role(
         status, text, route = fleet.complete("a prompt long enough for a prefill")
         assert status == 200, text
         assert text in ("engine 2", "engine 3"), route
-        assert f"prefill=127.0.0.4:{fleet.port} (failed: 200)" in route, route
+        assert f"prefill=127.0.0.4:{fleet.port}; handoff_blocks=prompt" in route, route
         assert fleet.served_by(8) <= {"engine 2", "engine 3"}
     finally:
         fleet.stop()

@@ -23,10 +23,13 @@ StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   // gRPC gives each connection attempt this long at least, its handshake
   // included. At 100 ms a client in a starved process (an engine whose
-  // ranks spin on every core) never finished one; a refused attempt ends
-  // at once either way, so a restarted store is still found within the
-  // back-off.
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 1000);
+  // ranks spin on every core) never finished one, and at 1 s a TP = 2
+  // engine's scheduler beside a CPU hog timed out its first ("before
+  // receiving SETTINGS frame"), so its lookups failed until the back-off
+  // let it try again; calls are bounded by their own deadlines meanwhile.
+  // A refused attempt ends at once either way, so a restarted store is
+  // still found within the back-off.
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 5000);
   channel_ = OpenChannel(address, options.security, args);
   stub_ = v1::Store::NewStub(channel_);
 }

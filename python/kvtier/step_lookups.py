@@ -79,6 +79,7 @@ class StepLookups:
             max_workers=threads, thread_name_prefix="kvtier-lookup")
         self.batches = 0
         self._last_warning = 0.0
+        self._last_late_warning = -10.0
 
     def ask(self, key: int, chain: np.ndarray, budget_ms: float) -> None:
         """Queues a lookup of ``chain`` for request ``key`` (its answer
@@ -118,6 +119,7 @@ class StepLookups:
                 left = a.asked + a.budget_s - time.monotonic()
                 if left <= 0:
                     self._forget_locked(key)
+                    self._warn_late(a.budget_s)
                     return Outcome(LATE)
                 if not block:
                     return None
@@ -193,6 +195,16 @@ class StepLookups:
             self._last_warning = now
             log.warning("kvtier: the store cannot be asked (%s); requests "
                         "compute their prompts until it answers", e)
+
+    def _warn_late(self, budget_s: float) -> None:
+        """A lookup got no answer within its budget: said in the engine's
+        log, at most once every 10 s (``late`` counts every one)."""
+        now = time.monotonic()
+        if now - self._last_late_warning >= 10.0:
+            self._last_late_warning = now
+            log.warning("kvtier: a lookup got no answer within its %.0f ms "
+                        "budget (lookup_wait_ms); its request computes its "
+                        "prompt", budget_s * 1000.0)
 
     def close(self) -> None:
         """Stops taking batches (one out ends within its budget)."""

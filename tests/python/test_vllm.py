@@ -720,16 +720,22 @@ def test_a_decode_given_only_vllms_keys_waits_for_the_whole_prompt(
     probe.put(ns, hashes[:3], np.ones(3 * ns.block_bytes, np.uint8))
     req = v.Request("D", prompt, kv_transfer_params={
         "remote_prefiller": {"kv_request_id": "kvtier-9"}})
-    for _ in range(20):
-        assert decode.get_num_new_matched_tokens(req, 0) == (None, False)
+    def ask() -> tuple:
+        got = decode.get_num_new_matched_tokens(req, 0)
         decode.build_connector_meta(v.SchedulerOutput())
-        time.sleep(0.005)
+        return got
+
+    # Five lookups answered "3 of 6": each leaves the request waiting.
+    first = decode._scheduler.lookup_batches
+
+    def five_lookups_waited() -> bool:
+        assert ask() == (None, False), "loaded a prefix of the prompt"
+        return decode._scheduler.lookup_batches >= first + 5
+
+    wait_until(five_lookups_waited, "five lookups of the half-stored prompt")
     probe.put(ns, hashes[3:6], np.ones(3 * ns.block_bytes, np.uint8))
-    deadline = time.monotonic() + 10
-    while (got := decode.get_num_new_matched_tokens(req, 0))[0] is None:
-        assert time.monotonic() < deadline, "the prompt's blocks were never met"
-        decode.build_connector_meta(v.SchedulerOutput())
-        time.sleep(0.001)
+    got = wait_until(lambda: (lambda g: g if g[0] is not None else None)(
+        ask()), "the prompt's blocks to be met", timeout=10)
     assert got == (6 * BS, True)
     assert counted(decode)["loaded"] == 1
 

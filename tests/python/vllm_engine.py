@@ -239,10 +239,9 @@ def _abort_during_load(llm: Any, msg: dict[str, Any]) -> dict[str, Any]:
         eng.step()
         # The victim's lookup answered, its load not yet planned (the
         # next step plans it): the store stops before the load pins.
-        wait = time.monotonic() + 5
-        while not stopped and key not in lookups._done and \
-                time.monotonic() < wait:
-            time.sleep(0.001)
+        if not stopped:
+            with lookups._lock:  # told as each answer comes
+                lookups._lock.wait_for(lambda: key in lookups._done, 5)
         if not stopped and key in lookups._done:
             sigstop(pid)
             stopped = True

@@ -1,0 +1,164 @@
+// The frontend's flags: --engines-dns parsed, and the options checked as
+// a whole before anything starts (frontend/server.h).
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "frontend/server.h"
+
+namespace kvtier::frontend {
+
+absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options) {
+  auto bad = [](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("--engines-dns: ", why));
+  };
+  for (absl::string_view one : absl::StrSplit(text, ';', absl::SkipWhitespace())) {
+    FrontendOptions::DnsPool pool;
+    router::VllmSourceSpec& spec = pool.spec;
+    for (absl::string_view part : absl::StrSplit(one, ',', absl::SkipWhitespace())) {
+      const size_t eq = part.find('=');
+      if (eq == absl::string_view::npos) {
+        return bad(absl::StrCat("\"", part, "\" is not key=value"));
+      }
+      const std::string key(absl::StripAsciiWhitespace(part.substr(0, eq)));
+      const std::string value(absl::StripAsciiWhitespace(part.substr(eq + 1)));
+      auto port = [&](uint32_t* dst) {
+        return absl::SimpleAtoi(value, dst) && *dst >= 1 && *dst <= 65535;
+      };
+      if (key == "name") {
+        spec.endpoint = value;
+      } else if (key == "events-port") {
+        if (!port(&pool.events_port)) {
+          return bad(absl::StrCat("events-port \"", value, "\" is not a port"));
+        }
+      } else if (key == "replay-port") {
+        if (!port(&pool.replay_port)) {
+          return bad(absl::StrCat("replay-port \"", value, "\" is not a port"));
+        }
+      } else if (key == "namespace") {
+        if (value.size() != 16 || !absl::SimpleHexAtoi(value, &spec.namespace_id) ||
+            spec.namespace_id == 0) {
+          return bad(absl::StrCat("namespace \"", value, "\" must be 16 hex digits, not all 0"));
+        }
+      } else if (key == "block-tokens") {
+        if (!absl::SimpleAtoi(value, &spec.block_tokens) ||
+            spec.block_tokens < limits::kMinBlockTokens ||
+            spec.block_tokens > limits::kMaxBlockTokens) {
+          return bad(absl::StrCat("block-tokens \"", value, "\" must be ", limits::kMinBlockTokens,
+                                  "..", limits::kMaxBlockTokens));
+        }
+      } else if (key == "role") {
+        auto role = router::ParseEngineRole(value);
+        if (!role.ok()) return bad(std::string(role.status().message()));
+        spec.role = *role;
+      } else {
+        return bad(
+            absl::StrCat("unknown key \"", key,
+                         "\" (name, events-port, replay-port, namespace, block-tokens, role)"));
+      }
+    }
+    const size_t colon = spec.endpoint.rfind(':');
+    if (spec.endpoint.empty() || colon == std::string::npos || colon == 0 ||
+        colon + 1 == spec.endpoint.size()) {
+      return bad("name=HOST:PORT is missing");
+    }
+    if (pool.events_port == 0) {
+      return bad(
+          absl::StrCat(spec.endpoint, ": events-port is missing (vLLM's --kv-events-config port)"));
+    }
+    if (spec.namespace_id == 0) return bad(absl::StrCat(spec.endpoint, ": namespace is missing"));
+    if (spec.block_tokens == 0) {
+      return bad(absl::StrCat(spec.endpoint, ": block-tokens is missing"));
+    }
+    for (const auto& other : options->dns) {
+      if (other.spec.endpoint == spec.endpoint) {
+        return bad(absl::StrCat(spec.endpoint, " twice"));
+      }
+    }
+    options->dns.push_back(std::move(pool));
+  }
+  if (options->dns.empty()) return bad("no name=HOST:PORT");
+  return absl::OkStatus();
+}
+
+absl::Status FrontendOptions::Validate() const {
+  if (served_model.empty()) return absl::InvalidArgumentError("--served-model-name is required");
+  if (engines.empty() && dns.empty()) {
+    return absl::InvalidArgumentError("--engines or --engines-dns: at least one engine");
+  }
+  if (!deletion_cost.selector.empty() &&
+      (deletion_cost.interval_ms < 1000 || deletion_cost.interval_ms > 3600000)) {
+    return absl::InvalidArgumentError(absl::StrCat("--deletion-cost-interval is ",
+                                                   deletion_cost.interval_ms,
+                                                   " ms (allowed 1s..1h: Kubernetes asks that "
+                                                   "pod-deletion-cost not churn)"));
+  }
+  // Every engine serves one model: one namespace and block size.
+  std::vector<std::pair<std::string, const router::VllmSourceSpec*>> all;
+  for (const auto& e : engines) all.emplace_back(e.id, &e);
+  for (const auto& pool : dns) {
+    const router::VllmSourceSpec& d = pool.spec;
+    const size_t colon = d.endpoint.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == d.endpoint.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--engines-dns ", d.endpoint, " is not host:port"));
+    }
+    if (d.block_tokens == 0) {
+      return absl::InvalidArgumentError("--engines-dns needs --block-tokens (vLLM's --block-size)");
+    }
+    if (pool.events_port > 65535 || pool.replay_port > 65535) {
+      return absl::InvalidArgumentError("--engines-dns: events-port/replay-port: 1..65535");
+    }
+    all.emplace_back(absl::StrCat("(DNS ", d.endpoint, ")"), &d);
+  }
+  if (!dns.empty() && dns_interval_ms < 100) {
+    return absl::InvalidArgumentError("--dns-interval: at least 100 ms");
+  }
+  const router::VllmSourceSpec& first = *all.front().second;
+  if (threads < 1 || threads > 256) return absl::InvalidArgumentError("--threads: 1..256");
+  if (max_attempts < 1) return absl::InvalidArgumentError("--max-attempts: at least 1");
+  if (!(decode_weight >= 0 && decode_weight <= 16)) {
+    return absl::InvalidArgumentError("--decode-weight: 0..16");
+  }
+  // Roles pair: a prefill engine's requests need an engine that decodes.
+  std::string prefill_only;
+  bool decodes = false;
+  for (const auto& [name, e] : all) {
+    if (e->role == router::EngineRole::kPrefill) {
+      prefill_only = name;
+    } else {
+      decodes = true;
+    }
+    if (e->namespace_id != first.namespace_id || e->block_tokens != first.block_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "engine ", name, ": every engine serves the same model: one namespace and block-tokens"));
+    }
+  }
+  if (!prefill_only.empty() && !decodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--engines: engine ", prefill_only,
+                     " has role=prefill but no engine decodes (role=decode or both): the "
+                     "prefill's KV would have nowhere to go"));
+  }
+  std::set<std::string> ids;
+  for (const auto& e : engines) {
+    if (e.id.empty() || e.endpoint.empty()) {
+      return absl::InvalidArgumentError("--engines: every engine needs id= and endpoint=");
+    }
+    if (!ids.insert(e.id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("--engines: engine id ", e.id, " twice"));
+    }
+    if (e.endpoint.rfind(':') == std::string::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--engines: endpoint ", e.endpoint, " is not host:port"));
+    }
+  }
+  return router.Validate();
+}
+
+}  // namespace kvtier::frontend

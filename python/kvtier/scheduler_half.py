@@ -157,8 +157,8 @@ class SchedulerHalf:
     def poll_loadable_tokens(self, request: int, hashes: np.ndarray,
                              prompt_tokens: int, num_computed_tokens: int,
                              wait_ms: float,
-                             store_hint: Optional[int] = None
-                             ) -> Optional[int]:
+                             store_hint: Optional[int] = None,
+                             idle_wait_s: float = 0.0) -> Optional[int]:
         """:meth:`num_loadable_tokens` without blocking, for a scheduler
         that asks again in a later step (vLLM's, when
         ``get_num_new_matched_tokens`` answers None): None until the
@@ -167,14 +167,18 @@ class SchedulerHalf:
         on for the same own prefix. Every request asked in a step goes out
         in one batch at the step's end (:meth:`build_step`). An answer is
         kept for the same own prefix until the step's end, so asking again
-        in the step costs no round trip."""
+        in the step costs no round trip. ``idle_wait_s``: for a request
+        already sent, wait up to that long for its answer (a scheduler
+        with nothing else to run would otherwise step empty steps as fast
+        as it can, taking the CPU the lookup needs)."""
         return self._loadable(request, hashes, prompt_tokens,
                               num_computed_tokens, store_hint, wait_ms,
-                              block=False)
+                              block=False, idle_wait_s=idle_wait_s)
 
     def _loadable(self, request: int, hashes: np.ndarray, prompt_tokens: int,
                   num_computed_tokens: int, store_hint: Optional[int],
-                  budget_ms: Optional[float], block: bool) -> Optional[int]:
+                  budget_ms: Optional[float], block: bool,
+                  idle_wait_s: float = 0.0) -> Optional[int]:
         if store_hint is not None and store_hint < 0:
             raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
                                   f"store_hint must be >= 0, not {store_hint}")
@@ -208,7 +212,7 @@ class SchedulerHalf:
             # (restarted, evicted) blocks the engine still holds, and those
             # are saved again from the engine's pages.
             got = self._ask(request, t, hashes[:limit], skip, budget_ms,
-                            block)
+                            block, idle_wait_s)
             if got is None:
                 return None
             present = got
@@ -222,11 +226,13 @@ class SchedulerHalf:
         return t.loadable * bt
 
     def _ask(self, request: int, t: _Tracked, chain: np.ndarray, skip: int,
-             budget_ms: Optional[float], block: bool) -> Optional[int]:
+             budget_ms: Optional[float], block: bool,
+             idle_wait_s: float = 0.0) -> Optional[int]:
         """How many leading blocks of ``chain`` the store holds (0 where it
         does not know the namespace: it restarted, or nothing was saved
         yet); _NO_ANSWER when it cannot say in time; None when not
-        blocking and the answer is still to come."""
+        blocking and the answer is still to come (after up to
+        ``idle_wait_s`` for an ask already sent)."""
         assert self.store is not None and self._lookups is not None
         if budget_ms is None:
             try:
@@ -243,7 +249,7 @@ class SchedulerHalf:
             if not block:
                 return None
             self._lookups.flush()
-        o = self._lookups.outcome(request, block=block)
+        o = self._lookups.outcome(request, block=block, wait_s=idle_wait_s)
         if o is None:
             return None
         t.asked = None
@@ -369,10 +375,8 @@ class SchedulerHalf:
         """Opens the connection to the store off the caller's thread, so
         that the first request's lookup does not pay it; a store that
         cannot be asked is said in the log."""
-        if self._lookups is None:
-            return
-        self._lookups.ask(-1, np.zeros((1, 2), dtype=np.uint64), 60000.0)
-        self._lookups.flush()
+        if self._lookups is not None:
+            self._lookups.warm_up()
 
     def close(self) -> None:
         """Ends the lookup threads (a batch still out ends within its

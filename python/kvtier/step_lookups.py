@@ -80,6 +80,8 @@ class StepLookups:
         self.batches = 0
         self._last_warning = 0.0
         self._last_late_warning = -10.0
+        self._closed = threading.Event()
+        self.warm = threading.Event()  # the store answered the warm-up
 
     def ask(self, key: int, chain: np.ndarray, budget_ms: float) -> None:
         """Queues a lookup of ``chain`` for request ``key`` (its answer
@@ -101,12 +103,14 @@ class StepLookups:
             self.batches += 1
             self._pool.submit(self._run, batch)
 
-    def outcome(self, key: int, block: bool = False) -> Optional[Outcome]:
+    def outcome(self, key: int, block: bool = False,
+                wait_s: float = 0.0) -> Optional[Outcome]:
         """The request's outcome once known (then forgotten), or LATE once
         its budget has passed without one (its answer, when it comes, is
         dropped); None while it may still come; FAILED for a request not
-        asked. ``block``: wait for it
-        until the budget ends."""
+        asked. ``block``: wait for it until the budget ends; else up to
+        ``wait_s`` (a scheduler with nothing else to run)."""
+        until = time.monotonic() + wait_s
         with self._lock:
             while True:
                 done = self._done.pop(key, None)
@@ -122,7 +126,9 @@ class StepLookups:
                     self._warn_late(a.budget_s)
                     return Outcome(LATE)
                 if not block:
-                    return None
+                    left = min(left, until - time.monotonic())
+                    if left <= 0:
+                        return None
                 self._lock.wait(left)
 
     def forget(self, key: int) -> None:
@@ -164,8 +170,11 @@ class StepLookups:
     def _call(self, batch: list[_Ask], left_ms: float) -> list[Outcome]:
         """The store's answer to ``batch`` within ``left_ms``."""
         outcomes: list[Outcome]
+        budget_s = min(a.budget_s for a in batch)
         if left_ms < 1.0:
+            # Its budget was spent before a lookup thread took it.
             outcomes = [Outcome(LATE)] * len(batch)
+            self._warn_late(budget_s)
         else:
             try:
                 found = lookup_ranks(self.store, self.namespace, self.ranks,
@@ -173,11 +182,14 @@ class StepLookups:
                 outcomes = [Outcome(ANSWERED, n) for n in found]
             except DeadlineExceeded:
                 outcomes = [Outcome(LATE)] * len(batch)
+                self._warn_late(budget_s)
             except KvtierError as e:
                 # The client skips a shard that missed a budget: answered
                 # at once, with nothing.
                 kind = SKIPPED if "budget" in str(e) else FAILED
                 outcomes = [Outcome(kind, 0, str(e), e.code)] * len(batch)
+                if kind == SKIPPED:
+                    self._warn_late(budget_s, skipped=str(e))
                 # A namespace the store has not seen yet (the engine's
                 # first save registers it) holds nothing: no warning.
                 if kind == FAILED and e.code != StatusCode.NOT_FOUND:
@@ -196,18 +208,61 @@ class StepLookups:
             log.warning("kvtier: the store cannot be asked (%s); requests "
                         "compute their prompts until it answers", e)
 
-    def _warn_late(self, budget_s: float) -> None:
-        """A lookup got no answer within its budget: said in the engine's
-        log, at most once every 10 s (``late`` counts every one)."""
+    def _warn_late(self, budget_s: float, skipped: str = "") -> None:
+        """A lookup got no answer within its budget, or was not sent
+        because the store missed an earlier one (``skipped``: the client's
+        words): said in the engine's log, at most once every 10 s (the
+        scheduler counts every one)."""
         now = time.monotonic()
-        if now - self._last_late_warning >= 10.0:
-            self._last_late_warning = now
+        if now - self._last_late_warning < 10.0:
+            return
+        self._last_late_warning = now
+        if skipped:
+            log.warning("kvtier: a lookup was not sent (%s); its request "
+                        "computes its prompt", skipped)
+        else:
             log.warning("kvtier: a lookup got no answer within its %.0f ms "
                         "budget (lookup_wait_ms); its request computes its "
                         "prompt", budget_s * 1000.0)
 
+    def warm_up(self, retry_s: float = 1.0) -> None:
+        """Opens the connection to the store on a thread of its own, so that
+        the first request's lookup does not pay it: a lookup of a chain
+        nobody holds, within the client's deadline, tried again every
+        ``retry_s`` until the store answers or :meth:`close`. The first
+        failure, and the first answer with how long it took, are said in
+        the log; :attr:`warm` is set once it answered."""
+        threading.Thread(target=self._warm_up, args=(retry_s,), daemon=True,
+                         name="kvtier-lookup-warm-up").start()
+
+    def _warm_up(self, retry_s: float) -> None:
+        start = time.monotonic()
+        failed = False
+        while not self._closed.is_set():
+            try:
+                self.store.lookup_many(self.namespace,
+                                       [np.zeros((1, 2), dtype=np.uint64)])
+                break
+            except KvtierError as e:
+                if e.code == StatusCode.NOT_FOUND:
+                    break  # it answered: it does not know the namespace yet
+                if not failed:
+                    failed = True
+                    log.warning("kvtier: the store could not be asked after "
+                                "%.0f ms (%s); requests compute their "
+                                "prompts until it answers",
+                                (time.monotonic() - start) * 1000.0, e)
+            self._closed.wait(retry_s)
+        else:
+            return
+        self.warm.set()
+        log.info("kvtier: the store answered its first lookup after %.0f ms",
+                 (time.monotonic() - start) * 1000.0)
+
     def close(self) -> None:
-        """Stops taking batches (one out ends within its budget)."""
+        """Stops taking batches (one out ends within its budget) and the
+        warm-up's tries."""
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -60,6 +60,11 @@ from kvtier.options import client_options
 # A child of vLLM's own logger, so the connector's lines appear with vLLM's.
 log = logging.getLogger("vllm.kvtier")
 
+# How long, at most once a step, a scheduler with nothing running waits for
+# a lookup's answer before vLLM steps again (seconds).
+LOOKUP_IDLE_WAIT_S = 0.02
+
+
 @dataclass
 class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's plan, from the scheduler process to the workers."""
@@ -71,6 +76,20 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     failed: list[str] = field(default_factory=list)
 
 
+def _log_with_vllm() -> None:
+    """kvtier's engine-neutral loggers (``kvtier.*``: a load that failed,
+    say) write where vLLM's own lines go, in vLLM's format, in every
+    process that makes a connector (vLLM configures only ``vllm``)."""
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
 class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[misc]
                       SupportsHMA):
     """vLLM's KV connector over kvtier (see the module docstring)."""
@@ -78,6 +97,7 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
     def __init__(self, vllm_config: Any, role: Any,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_with_vllm()
         opts = connector_options(vllm_config)
         self._stores = list(opts["stores"])
         self._opts = client_options(opts)
@@ -135,6 +155,7 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
         # in vLLM's prefix cache (a burst of requests sharing a prefix moves
         # it once, not once per request).
         self._inflight: dict[bytes, str] = {}
+        self._idle_waited = False  # this step's idle wait is spent
         self._share_loads = bool(getattr(vllm_config.cache_config,
                                          "enable_prefix_caching", False))
 
@@ -191,9 +212,17 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
             self._handoffs.idle_pause(wait.next_ask - now,
                                       running=bool(self._blocks))
             return None, False
+        # With nothing running, vLLM's loop would step empty steps as fast
+        # as it can while lookups are out, taking the CPU they need: the
+        # first request still waiting in a step waits a little for its
+        # answer instead.
+        idle = (LOOKUP_IDLE_WAIT_S
+                if not self._blocks and not self._idle_waited else 0.0)
         n = self._scheduler.poll_loadable_tokens(
             request_key(rid), hashes, len(prompt),
-            num_computed_tokens, self._lookup_wait_ms)
+            num_computed_tokens, self._lookup_wait_ms, idle_wait_s=idle)
+        if idle and n is None:
+            self._idle_waited = True
         if wait is None or n is None:
             return n, bool(n)
         # A handoff: every block the prefill wrote, or the budget spent.
@@ -249,6 +278,7 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
                              ) -> KvtierConnectorMetadata:
         """This step's loads, the prompt blocks it fills, its finishes."""
         assert self._scheduler is not None
+        self._idle_waited = False
         n_sched = scheduler_output.num_scheduled_tokens
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             # Preempted: its pages are gone; when it resumes, its computed

@@ -136,10 +136,12 @@ def main() -> None:
         assert args.tp == 1, "--one-process runs one rank"
         kw["distributed_executor_backend"] = "uni"
     if args.tp > 1:
-        # One rank a core: vLLM's CPU build binds each rank's threads to
-        # the cores named here.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
-            str(i % (os.cpu_count() or 1)) for i in range(args.tp)))
+        # Ranks not bound to cores: vLLM's CPU build binds each rank's
+        # threads to a core of its own by default, and with both of a
+        # 2-core host's cores held by spinning ranks, beside make
+        # test-busy's hogs, the store and the test waited tens of seconds
+        # for a core.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         kw.update(tensor_parallel_size=args.tp,
                   distributed_executor_backend="mp")
     if args.kv_events:

@@ -157,8 +157,8 @@ class SchedulerHalf:
     def poll_loadable_tokens(self, request: int, hashes: np.ndarray,
                              prompt_tokens: int, num_computed_tokens: int,
                              wait_ms: float,
-                             store_hint: Optional[int] = None,
-                             idle_wait_s: float = 0.0) -> Optional[int]:
+                             store_hint: Optional[int] = None
+                             ) -> Optional[int]:
         """:meth:`num_loadable_tokens` without blocking, for a scheduler
         that asks again in a later step (vLLM's, when
         ``get_num_new_matched_tokens`` answers None): None until the
@@ -167,18 +167,14 @@ class SchedulerHalf:
         on for the same own prefix. Every request asked in a step goes out
         in one batch at the step's end (:meth:`build_step`). An answer is
         kept for the same own prefix until the step's end, so asking again
-        in the step costs no round trip. ``idle_wait_s``: for a request
-        already sent, wait up to that long for its answer (a scheduler
-        with nothing else to run would otherwise step empty steps as fast
-        as it can, taking the CPU the lookup needs)."""
+        in the step costs no round trip."""
         return self._loadable(request, hashes, prompt_tokens,
                               num_computed_tokens, store_hint, wait_ms,
-                              block=False, idle_wait_s=idle_wait_s)
+                              block=False)
 
     def _loadable(self, request: int, hashes: np.ndarray, prompt_tokens: int,
                   num_computed_tokens: int, store_hint: Optional[int],
-                  budget_ms: Optional[float], block: bool,
-                  idle_wait_s: float = 0.0) -> Optional[int]:
+                  budget_ms: Optional[float], block: bool) -> Optional[int]:
         if store_hint is not None and store_hint < 0:
             raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
                                   f"store_hint must be >= 0, not {store_hint}")
@@ -212,7 +208,7 @@ class SchedulerHalf:
             # (restarted, evicted) blocks the engine still holds, and those
             # are saved again from the engine's pages.
             got = self._ask(request, t, hashes[:limit], skip, budget_ms,
-                            block, idle_wait_s)
+                            block)
             if got is None:
                 return None
             present = got
@@ -226,13 +222,11 @@ class SchedulerHalf:
         return t.loadable * bt
 
     def _ask(self, request: int, t: _Tracked, chain: np.ndarray, skip: int,
-             budget_ms: Optional[float], block: bool,
-             idle_wait_s: float = 0.0) -> Optional[int]:
+             budget_ms: Optional[float], block: bool) -> Optional[int]:
         """How many leading blocks of ``chain`` the store holds (0 where it
         does not know the namespace: it restarted, or nothing was saved
         yet); _NO_ANSWER when it cannot say in time; None when not
-        blocking and the answer is still to come (after up to
-        ``idle_wait_s`` for an ask already sent)."""
+        blocking and the answer is still to come."""
         assert self.store is not None and self._lookups is not None
         if budget_ms is None:
             try:
@@ -249,7 +243,7 @@ class SchedulerHalf:
             if not block:
                 return None
             self._lookups.flush()
-        o = self._lookups.outcome(request, block=block, wait_s=idle_wait_s)
+        o = self._lookups.outcome(request, block=block)
         if o is None:
             return None
         t.asked = None

@@ -81,6 +81,7 @@ class StepLookups:
         self._last_warning = 0.0
         self._last_late_warning = -10.0
         self._closed = threading.Event()
+        self._warmer: Optional[threading.Thread] = None
         self.warm = threading.Event()  # the store answered the warm-up
 
     def ask(self, key: int, chain: np.ndarray, budget_ms: float) -> None:
@@ -103,14 +104,11 @@ class StepLookups:
             self.batches += 1
             self._pool.submit(self._run, batch)
 
-    def outcome(self, key: int, block: bool = False,
-                wait_s: float = 0.0) -> Optional[Outcome]:
+    def outcome(self, key: int, block: bool = False) -> Optional[Outcome]:
         """The request's outcome once known (then forgotten), or LATE once
         its budget has passed without one (its answer, when it comes, is
         dropped); None while it may still come; FAILED for a request not
-        asked. ``block``: wait for it until the budget ends; else up to
-        ``wait_s`` (a scheduler with nothing else to run)."""
-        until = time.monotonic() + wait_s
+        asked. ``block``: wait for it until the budget ends."""
         with self._lock:
             while True:
                 done = self._done.pop(key, None)
@@ -126,9 +124,7 @@ class StepLookups:
                     self._warn_late(a.budget_s)
                     return Outcome(LATE)
                 if not block:
-                    left = min(left, until - time.monotonic())
-                    if left <= 0:
-                        return None
+                    return None
                 self._lock.wait(left)
 
     def forget(self, key: int) -> None:
@@ -232,8 +228,10 @@ class StepLookups:
         ``retry_s`` until the store answers or :meth:`close`. The first
         failure, and the first answer with how long it took, are said in
         the log; :attr:`warm` is set once it answered."""
-        threading.Thread(target=self._warm_up, args=(retry_s,), daemon=True,
-                         name="kvtier-lookup-warm-up").start()
+        self._warmer = threading.Thread(
+            target=self._warm_up, args=(retry_s,), daemon=True,
+            name="kvtier-lookup-warm-up")
+        self._warmer.start()
 
     def _warm_up(self, retry_s: float) -> None:
         start = time.monotonic()
@@ -261,8 +259,11 @@ class StepLookups:
 
     def close(self) -> None:
         """Stops taking batches (one out ends within its budget) and the
-        warm-up's tries."""
+        warm-up's tries, waiting for a try still out (within the client's
+        deadline: a native call must not outlive the interpreter)."""
         self._closed.set()
+        if self._warmer is not None:
+            self._warmer.join()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -273,49 +273,6 @@ def test_a_lookup_is_never_waited_for_on_the_scheduler_thread(store) -> None:
                "hits to come back", timeout=10)
 
 
-def test_an_idle_scheduler_waits_briefly_for_its_lookup_a_busy_one_never(
-        store) -> None:
-    """With nothing running, vLLM's loop would step empty steps as fast as
-    it can while a lookup is out, taking the CPU the lookup needs: the
-    first request still waiting in a step waits up to LOOKUP_IDLE_WAIT_S
-    for its answer (and no longer: the store SIGSTOPped), the rest of that
-    step's requests not at all; the next step waits again. Once a request
-    runs (it has pages), no poll waits."""
-    from kvtier.integrations.vllm import LOOKUP_IDLE_WAIT_S as IDLE
-    sched = KvtierConnector(v.config([store.address], lookup_wait_ms=20000),
-                            KVConnectorRole.SCHEDULER)
-    rng = np.random.default_rng(15)
-    reqs = [v.Request(f"r{i}", rng.integers(0, 4096, 70).tolist())
-            for i in range(2)]
-
-    def poll(req: v.Request) -> tuple[Any, float]:
-        t0 = time.monotonic()
-        n, _ = sched.get_num_new_matched_tokens(req, 0)
-        return n, time.monotonic() - t0
-
-    lookups = sched._scheduler._lookups
-    assert lookups is not None and lookups.warm.wait(30)  # connected
-    store.pause()
-    try:
-        assert [poll(r)[0] for r in reqs] == [None, None]  # asked
-        sched.build_connector_meta(v.SchedulerOutput())    # sent
-        for _ in range(2):  # two steps
-            (n0, first), (n1, second) = poll(reqs[0]), poll(reqs[1])
-            assert (n0, n1) == (None, None)
-            assert IDLE * 0.9 <= first < IDLE * 5, first
-            assert second < IDLE * 0.5, second
-            sched.build_connector_meta(v.SchedulerOutput())
-        # r0 gets pages and runs: no poll waits from then on.
-        sched.build_connector_meta(v.SchedulerOutput(scheduled_new_reqs=[
-            v.NewRequestData("running", [1] * 40, ([0, 1],), 0)]))
-        for _ in range(3):
-            n, took = poll(reqs[1])
-            assert n is None and took < IDLE * 0.5, took
-    finally:
-        store.resume()
-        sched.shutdown()
-
-
 def test_a_store_down_at_start_is_connected_when_it_comes(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The scheduler opens its store connection before requests come (a
@@ -354,8 +311,7 @@ h.setFormatter(logging.Formatter("VLLM-HANDLER %(levelname)s %(message)s"))
 logging.getLogger("vllm").addHandler(h)
 sys.path.insert(0, sys.argv[2])
 import vllm_shapes as v
-from kvtier.integrations.vllm import KvtierConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from kvtier.integrations.vllm import KvtierConnector, KVConnectorRole
 c = KvtierConnector(v.config([sys.argv[1]]), KVConnectorRole.SCHEDULER)
 ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
 assert theirs.handlers, "vLLM configured no handler"

@@ -60,10 +60,6 @@ from kvtier.options import client_options
 # A child of vLLM's own logger, so the connector's lines appear with vLLM's.
 log = logging.getLogger("vllm.kvtier")
 
-# How long, at most once a step, a scheduler with nothing running waits for
-# a lookup's answer before vLLM steps again (seconds).
-LOOKUP_IDLE_WAIT_S = 0.02
-
 
 @dataclass
 class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -155,7 +151,6 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
         # in vLLM's prefix cache (a burst of requests sharing a prefix moves
         # it once, not once per request).
         self._inflight: dict[bytes, str] = {}
-        self._idle_waited = False  # this step's idle wait is spent
         self._share_loads = bool(getattr(vllm_config.cache_config,
                                          "enable_prefix_caching", False))
 
@@ -212,17 +207,9 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
             self._handoffs.idle_pause(wait.next_ask - now,
                                       running=bool(self._blocks))
             return None, False
-        # With nothing running, vLLM's loop would step empty steps as fast
-        # as it can while lookups are out, taking the CPU they need: the
-        # first request still waiting in a step waits a little for its
-        # answer instead.
-        idle = (LOOKUP_IDLE_WAIT_S
-                if not self._blocks and not self._idle_waited else 0.0)
         n = self._scheduler.poll_loadable_tokens(
             request_key(rid), hashes, len(prompt),
-            num_computed_tokens, self._lookup_wait_ms, idle_wait_s=idle)
-        if idle and n is None:
-            self._idle_waited = True
+            num_computed_tokens, self._lookup_wait_ms)
         if wait is None or n is None:
             return n, bool(n)
         # A handoff: every block the prefill wrote, or the budget spent.
@@ -278,7 +265,6 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
                              ) -> KvtierConnectorMetadata:
         """This step's loads, the prompt blocks it fills, its finishes."""
         assert self._scheduler is not None
-        self._idle_waited = False
         n_sched = scheduler_output.num_scheduled_tokens
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             # Preempted: its pages are gone; when it resumes, its computed

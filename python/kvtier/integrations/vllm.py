@@ -49,8 +49,8 @@ from kvtier.hooks import SchedulerHalf, StepMeta, WorkerHalf, request_key
 from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
                                            KVConnectorMetadata,
                                            KVConnectorRole, SupportsHMA)
-from kvtier.integrations.vllm_config import (_tp_rank, connector_options,
-                                             namespace_of, request_salt)
+from kvtier.integrations.vllm_config import (
+    _tp_rank, connector_options, log_with_vllm, namespace_of, request_salt)
 from kvtier.integrations.vllm_pages import cuda_stream_fence, engine_tensors
 from kvtier.integrations.vllm_groups import (GroupLoads, GroupPlans,
                                              group_kinds, primary_group)
@@ -72,20 +72,6 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     failed: list[str] = field(default_factory=list)
 
 
-def _log_with_vllm() -> None:
-    """kvtier's engine-neutral loggers (``kvtier.*``: a load that failed,
-    say) write where vLLM's own lines go, in vLLM's format, in every
-    process that makes a connector (vLLM configures only ``vllm``)."""
-    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
-        return
-    for h in theirs.handlers:
-        ours.addHandler(h)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
-    ours.propagate = False
-
-
 class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[misc]
                       SupportsHMA):
     """vLLM's KV connector over kvtier (see the module docstring)."""
@@ -93,7 +79,7 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
     def __init__(self, vllm_config: Any, role: Any,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _log_with_vllm()
+        log_with_vllm()
         opts = connector_options(vllm_config)
         self._stores = list(opts["stores"])
         self._opts = client_options(opts)

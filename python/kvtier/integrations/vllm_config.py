@@ -399,3 +399,17 @@ def key_hashes(keys: Sequence[Any]) -> np.ndarray:
     hash and a KV group; the one engine-key function,
     kvtier.dtypes.engine_key_hashes)."""
     return engine_key_hashes([bytes(k) for k in keys])
+
+
+def log_with_vllm() -> None:
+    """kvtier's engine-neutral loggers (``kvtier.*``: a load that failed,
+    say) write where vLLM's own lines go, in vLLM's format, in every
+    process that makes a connector (vLLM configures only ``vllm``)."""
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
+    ours.propagate = False

@@ -39,40 +39,29 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
 import kvtier
-from kvtier.hooks import SchedulerHalf, StepMeta, WorkerHalf, request_key
+from kvtier.hooks import SchedulerHalf, WorkerHalf, request_key
 from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
-                                           KVConnectorMetadata,
                                            KVConnectorRole, SupportsHMA)
 from kvtier.integrations.vllm_config import (
     _tp_rank, connector_options, log_with_vllm, namespace_of, request_salt)
-from kvtier.integrations.vllm_pages import cuda_stream_fence, engine_tensors
 from kvtier.integrations.vllm_groups import (GroupLoads, GroupPlans,
                                              group_kinds, primary_group)
 from kvtier.integrations.vllm_handoff import Handoffs, HandoffStatsHooks
+from kvtier.integrations.vllm_worker import (KvtierConnectorMetadata,
+                                             WorkerHooks)
 from kvtier.options import client_options
 
 # A child of vLLM's own logger, so the connector's lines appear with vLLM's.
 log = logging.getLogger("vllm.kvtier")
 
 
-@dataclass
-class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """One step's plan, from the scheduler process to the workers."""
-
-    step: StepMeta = field(default_factory=StepMeta)
-    # A hybrid model's plan per KV cache group (the primary's is ``step``),
-    # and the requests whose load fails in some group; empty otherwise.
-    groups: list[StepMeta] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-
-
-class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[misc]
+class KvtierConnector(HandoffStatsHooks, WorkerHooks,
+                      KVConnectorBase_V1,  # type: ignore[misc]
                       SupportsHMA):
     """vLLM's KV connector over kvtier (see the module docstring)."""
 
@@ -330,123 +319,3 @@ class KvtierConnector(HandoffStatsHooks, KVConnectorBase_V1,  # type: ignore[mis
         """:meth:`request_finished` for a hybrid model (every group's
         blocks; freed at once unless a load into them still runs)."""
         return self.request_finished(request, list(block_ids[self._primary]))
-
-    # --------------------------------------------------------- worker side
-
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """A kvtier.Connector over vLLM's KV memory.
-
-        vLLM 0.26 and later: each layer is a 4-D view ``[blocks, heads,
-        tokens, K|V]`` of one buffer shared by the layers (``kv_cache_config``
-        says which layers, in which order). A block's page of a layer is one
-        contiguous range in every layout kvtier accepts, so kvtier moves it
-        whole, as opaque bytes (the namespace records the layout). Older
-        vLLM: 5-D ``[2, blocks, ...]`` or ``[blocks, 2, ...]`` tensors."""
-        kc = self._kv_config()
-        for g, ns in enumerate(self._namespaces):
-            tensors, layout = engine_tensors(kv_caches, kc, g, ns)
-            conn = kvtier.Connector(ns, tensors, stores=self._stores,
-                                    layout=layout,
-                                    staging_blocks=self._staging, **self._opts)
-            # CUDA pages: every copy ordered after the engine's stream work
-            # (kvtier.worker_half, "Ordered against the engine's stream").
-            fence = cuda_stream_fence if tensors[0].is_cuda else None
-            self._workers.append(WorkerHalf(
-                conn, load_threads=self._load_threads, stream_fence=fence,
-                pin_wait_ms=self._pin_wait_ms))
-            log.info("kvtier connector: namespace %016x (%s), %d layers of "
-                     "%d pages, stores %s", ns.id,
-                     ns.layout or "kvtier's layout", len(tensors),
-                     conn.num_pages, ",".join(self._stores))
-        self._worker = self._workers[self._primary]
-
-    def _kv_config(self) -> Any:
-        """vLLM's KVCacheConfig when it carries a layout (vLLM 0.26 and
-        later), else None (the older per-layer tensors)."""
-        kc = getattr(self, "_kv_cache_config", None)
-        if kc is None or not hasattr(kc, "kv_cache_layout"):
-            return None
-        return kc
-
-    def _metadata(self) -> KvtierConnectorMetadata:
-        """This step's metadata, as our scheduler half built it."""
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KvtierConnectorMetadata):
-            raise TypeError(f"kvtier's connector got {type(meta).__name__} "
-                            "metadata, not its own")
-        return meta
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Starts this step's loads on the loader threads (pin, move,
-        verify), in every KV cache group; returns at once."""
-        assert self._worker is not None
-        meta = self._metadata()
-        if not meta.groups:
-            self._worker.start_loads(meta.step)
-            return
-        # Counted before any starts: a group's load may end at once.
-        self._group_loads.expect_step(meta.groups, meta.failed)
-        for worker, step in zip(self._workers, meta.groups):
-            worker.start_loads(step)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: a request's KV is loaded, and verified,
-        before vLLM schedules it."""
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any,
-                      attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing per layer: whole blocks are saved in wait_for_save."""
-
-    def wait_for_save(self) -> None:
-        """This step's saves, in every KV cache group (copied out of the
-        pages before it returns), and closes."""
-        assert self._worker is not None
-        meta = self._metadata()
-        for worker, step in zip(self._workers, meta.groups or [meta.step]):
-            worker.wait_for_save(step)
-
-    def get_finished(self, finished_req_ids: set[str]
-                     ) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """Requests whose load ended since the last call (loaded and
-        verified, or failed: their failed pages are reported by
-        :meth:`get_block_ids_with_load_errors` in the same pass). Nothing
-        is sent asynchronously."""
-        if self._worker is None:
-            return None, None
-        names, failed = self._worker.finished_loads()
-        self._load_errors |= failed
-        return None, (names or None)
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        """vLLM 0.32's report of ended loads. A hybrid model's request has
-        loaded when every group's load ended; one that failed in any group
-        is in ``failed_recving`` (vLLM recomputes it whole: it takes no
-        per-block errors from a model with several groups)."""
-        if len(self._workers) <= 1:
-            return super().get_transfer_results(finished_req_ids)
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import \
-            KVConnectorTransferResults
-        for worker in self._workers:
-            for name, failed in worker.ended_loads():
-                self._group_loads.ended(name, bool(failed))
-        names, failed_names = self._group_loads.done()
-        return KVConnectorTransferResults(finished_recving=names,
-                                          failed_recving=failed_names)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """Pages whose load failed (evicted since the lookup, a checksum
-        mismatch, the store gone): vLLM recomputes their blocks. None for
-        a hybrid model (its failures are whole requests)."""
-        if self._worker is None or len(self._workers) > 1:
-            return set()
-        errors, self._load_errors = self._load_errors, set()
-        return errors | self._worker.load_error_pages()
-
-    def shutdown(self) -> None:
-        """Closes open requests (their saves are written) and the
-        connectors; the scheduler's lookup thread ends."""
-        if self._scheduler is not None:
-            self._scheduler.close()
-        for worker in self._workers:
-            worker.close()
-            worker.connector.close()

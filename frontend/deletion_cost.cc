@@ -159,12 +159,12 @@ DeletionCostUpdater::~DeletionCostUpdater() {
   if (thread_.joinable()) thread_.join();
 }
 
-std::string DeletionCostUpdater::Metrics() const {
-  return absl::StrCat("# TYPE kvtier_frontend_deletion_cost_patches_total counter\n",
-                      "kvtier_frontend_deletion_cost_patches_total ", patches_.load(), "\n",
-                      "# TYPE kvtier_frontend_deletion_cost_failed_rounds_total counter\n",
-                      "kvtier_frontend_deletion_cost_failed_rounds_total ", failed_rounds_.load(),
-                      "\n");
+void DeletionCostUpdater::AddMetrics(MetricsBuilder& m) const {
+  m.Counter("kvtier_frontend_deletion_cost_patches_total", "Pod deletion costs patched.",
+            static_cast<double>(patches_.load()));
+  m.Counter("kvtier_frontend_deletion_cost_failed_rounds_total",
+            "Rounds of deletion-cost updates that failed.",
+            static_cast<double>(failed_rounds_.load()));
 }
 
 void DeletionCostUpdater::Loop() {

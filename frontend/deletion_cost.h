@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/rpc/metrics.h"
 #include "router/source_messages.h"
 
 namespace kvtier::frontend {
@@ -76,8 +77,8 @@ class DeletionCostUpdater {
                                                                     SourcesFn sources);
   ~DeletionCostUpdater();  // stops its thread
 
-  // Prometheus lines: patches made and rounds failed.
-  std::string Metrics() const;
+  // Its series (patches made, rounds failed) added to `m`.
+  void AddMetrics(MetricsBuilder& m) const;
 
  private:
   DeletionCostUpdater() = default;

@@ -143,8 +143,10 @@ std::string ErrorBody(const ApiError& e) {
   return json{{"error", err}}.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
-                      const std::string& served_model, const RequestLimits& limits) {
+namespace {
+
+PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body, const TextModel& text,
+                             const std::string& served_model, const RequestLimits& limits) {
   json req = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (req.is_discarded()) return Fail(Invalid("the body is not valid JSON"));
   if (!req.is_object()) return Fail(Invalid("the body must be a JSON object"));
@@ -285,6 +287,19 @@ PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel&
                     !asks("prompt_logprobs") && !asks("echo");
   p.body = req.dump(-1, ' ', false, json::error_handler_t::replace);
   return r;
+}
+
+}  // namespace
+
+PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
+                      const std::string& served_model, const RequestLimits& limits) {
+  // A field of the wrong type that a check above missed (JSON's own
+  // accessors throw) is the client's error, answered as such.
+  try {
+    return PrepareOrThrow(endpoint, body, text, served_model, limits);
+  } catch (const json::exception& e) {
+    return Fail(Invalid(absl::StrCat("a field has the wrong type: ", e.what())));
+  }
 }
 
 std::string PrefillBody(const Prepared& p, const std::string& kv_request_id) {

@@ -1,0 +1,56 @@
+// What kvtier-frontend counts, and its Prometheus exposition (built at
+// scrape time with kvtier's MetricsBuilder from the counters, the fleet and
+// the router's sources; docs/frontend.md lists the series).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "common/histogram.h"
+#include "frontend/fleet.h"
+#include "router/router_core.h"
+
+namespace kvtier::frontend {
+
+class DeletionCostUpdater;
+
+struct Counters {
+  std::mutex mu;
+  std::map<std::pair<std::string, int>, uint64_t> requests;        // (endpoint, status)
+  std::map<std::pair<std::string, std::string>, uint64_t> routes;  // (engine, reason)
+  std::atomic<uint64_t> failovers{0}, client_disconnects{0}, no_engine{0};
+  std::map<std::string, uint64_t> handoffs;  // prefill/decode, by outcome
+  std::map<std::pair<std::string, std::string>, uint64_t> resolutions;  // (name, outcome)
+  // The added latency: request read to engine chosen.
+  LatencyHistogram added;
+
+  void Request(const std::string& endpoint, int status) {
+    std::lock_guard lk(mu);
+    requests[{endpoint, status}]++;
+  }
+  void Route(const std::string& engine, const std::string& reason) {
+    std::lock_guard lk(mu);
+    routes[{engine, reason}]++;
+  }
+  void Handoff(const std::string& outcome) {
+    std::lock_guard lk(mu);
+    handoffs[outcome]++;
+  }
+  void Resolution(const std::string& name, bool ok) {
+    std::lock_guard lk(mu);
+    resolutions[{name, ok ? "ok" : "failed"}]++;
+  }
+};
+
+// The Prometheus text of the frontend's series: `counters`, each engine of
+// `fleet` (up, in flight, its KV event stream, its vLLM load, the tokens
+// only it holds per `core`, its health checks and failures), `costs` when
+// set, and the process's own metrics.
+std::string RenderMetrics(Counters& counters, const FleetView& fleet, router::RouterCore& core,
+                          const DeletionCostUpdater* costs);
+
+}  // namespace kvtier::frontend

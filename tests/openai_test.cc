@@ -186,8 +186,8 @@ TEST(OpenAi, EachBadRequestGetsItsStatusAndSaysWhatWasWrong) {
       // JSON's own accessors throw on a wrong type: answered, not a dropped
       // connection.
       {Endpoint::kChat,
-       R"({"messages": [{"role": "user", "content": "x"}], "continue_final_message": "yes"})",
-       400, "wrong type"},
+       R"({"messages": [{"role": "user", "content": "x"}], "continue_final_message": "yes"})", 400,
+       "wrong type"},
   };
   for (const Case& c : cases) {
     auto r = Prepare(c.endpoint, c.body, Tiny(), "tiny", {});

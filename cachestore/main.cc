@@ -16,6 +16,7 @@
 #include "cachestore/service.h"
 #include "cachestore/store.h"
 #include "common/config.h"
+#include "common/file_limit.h"
 #include "common/limits.h"
 #include "common/log.h"
 #include "common/rpc/grpc_server.h"
@@ -80,6 +81,7 @@ int main(int argc, char** argv) {
   // First, before gRPC (TLS credentials, channels) starts any thread.
   kvtier::BlockShutdownSignals();
   kvtier::PrepareGrpcProcess();
+  kvtier::RaiseFileLimit();  // a descriptor per client connection
   Flags f;
   FlagSet flags("kvtier-store",
                 "The kvtier cache service: keeps KV-cache blocks in a RAM tier and an NVMe tier\n"

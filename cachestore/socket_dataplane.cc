@@ -784,7 +784,17 @@ void SocketDataPlane::AcceptLoop() {
     if (fds[1].revents & POLLIN) return;
     if (n <= 0 || !(fds[0].revents & POLLIN)) continue;
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) continue;  // the peer went already, or out of fds: the next try
+    if (fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
+      // Out of descriptors: the listener stays readable, so polling again
+      // at once would spin. The connection waits in the backlog while
+      // those open end; the stop descriptor still ends the wait.
+      LogLimited(absl::StrCat("cannot accept a connection: ", std::strerror(errno),
+                              "; accepts pause 50 ms"));
+      pollfd stop = {stop_fd_, POLLIN, 0};
+      if (poll(&stop, 1, 50) > 0) return;
+      continue;
+    }
+    if (fd < 0) continue;  // the peer went already: the next try
     if (connections_.load() >= options_.max_connections) {
       refused_full_++;
       LogLimited(absl::StrCat("a connection was refused (", options_.max_connections,

@@ -54,6 +54,17 @@ void Fleet::MarkDown(Engine& e, const std::string& why) const {
       " ms: ", why);
 }
 
+void Fleet::AnswerFailed(Engine& e, const std::string& why) const {
+  const uint32_t in_a_row = ++e.failed_in_a_row;
+  if (in_a_row < kBreakerErrors) {
+    e.failures++;
+    Log("frontend", "engine ", e.spec.id, " ", why, "; the request goes to another");
+    return;
+  }
+  e.failed_in_a_row = 0;
+  MarkDown(e, absl::StrCat(why, ", ", in_a_row, " answers in a row"));
+}
+
 void Fleet::Add(const router::VllmSourceSpec& spec, int dns_pool) {
   auto e = std::make_shared<Engine>();
   e->spec = spec;

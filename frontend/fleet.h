@@ -43,6 +43,8 @@ struct Engine {
   std::atomic<bool> removed{false};  // left the fleet (DNS): its loops end
   std::atomic<int64_t> down_until_ms{0};
   std::atomic<uint64_t> requests{0}, failures{0};
+  // Its answers that failed (5xx) since its last whole answer.
+  std::atomic<uint32_t> failed_in_a_row{0};
   std::atomic<uint64_t> health_checks{0};  // ended, answered or not
   std::mutex mu;
   struct Idle {
@@ -87,8 +89,16 @@ class Fleet {
   std::shared_ptr<const FleetView> Snapshot() const;
   bool HasPrefillEngines() const;
 
-  // The engine failed a request: it is skipped for --down.
+  // The engine failed as a server (refused, reset, timed out, cut an
+  // answer short): it is skipped for --down.
   void MarkDown(Engine& e, const std::string& why) const;
+  // It answered a request with a 5xx: the request's failure, unless its
+  // answers fail kBreakerErrors times in a row (then it is skipped for
+  // --down, as a circuit breaker opens). An engine's whole answer
+  // (Answered) closes the count.
+  void AnswerFailed(Engine& e, const std::string& why) const;
+  static void Answered(Engine& e) { e.failed_in_a_row = 0; }
+  static constexpr uint32_t kBreakerErrors = 3;
 
   // GET `path` on a connection of its own: the body of a 200, or nothing.
   Task<std::optional<std::string>> Get(Engine& e, std::string path) const;

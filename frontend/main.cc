@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_replace.h"
 #include "common/config.h"
+#include "common/file_limit.h"
 #include "common/log.h"
 #include "frontend/server.h"
 
@@ -15,7 +16,8 @@ int main(int argc, char** argv) {
   kvtier::frontend::FrontendOptions o;
   std::string model_dir, engines, engines_file, engines_dns, port_file;
   int64_t threads = 2, max_attempts = 3, max_prompts = 64, max_model_len = 0;
-  uint64_t max_prompt_tokens = 131072, heartbeat_ms = 5000;
+  uint64_t max_prompt_tokens = 131072, heartbeat_ms = 5000, drain_timeout_ms = 25000;
+  int64_t max_connections = static_cast<int64_t>(o.max_connections);
   kvtier::FlagSet flags("kvtier-frontend",
                         "An OpenAI-compatible HTTP front door that routes every request by "
                         "prefix, load and the store's holdings to vLLM servers.");
@@ -49,7 +51,13 @@ int main(int argc, char** argv) {
   flags.Bytes("max-prompt-tokens", &max_prompt_tokens, "largest prompt taken, in tokens");
   flags.Int("max-prompts", &max_prompts, 1, 4096, "prompts in one completions request");
   flags.Int("max-model-len", &max_model_len, 0, int64_t{1} << 30, "what /v1/models reports");
-  flags.DurationMs("client-timeout", &o.client_timeout_ms, "time to read a client's request");
+  flags.DurationMs("client-timeout", &o.client_timeout_ms,
+                   "time to read a client's request, and to write it each piece of its answer");
+  flags.Int("max-connections", &max_connections, 1, int64_t{1} << 20,
+            "client connections held at once (one more is answered 503 with Retry-After)");
+  flags.DurationMs("drain-timeout", &drain_timeout_ms,
+                   "on SIGTERM, how long the requests in flight may take to end (keep it under "
+                   "the pod's terminationGracePeriodSeconds less its preStop sleep)");
   flags.DurationMs("connect-timeout", &o.connect_timeout_ms, "time to connect to an engine");
   flags.DurationMs("upstream-timeout", &o.upstream_timeout_ms,
                    "an engine's longest silence within a response");
@@ -80,6 +88,7 @@ int main(int argc, char** argv) {
   o.limits.max_prompt_tokens = max_prompt_tokens;
   o.limits.max_prompts = static_cast<uint32_t>(max_prompts);
   o.max_model_len = static_cast<uint64_t>(max_model_len);
+  o.max_connections = static_cast<uint64_t>(max_connections);
   o.router.heartbeat_deadline_ms = heartbeat_ms;
 
   std::string spec_text = absl::StrReplaceAll(engines, {{";", "\n"}});
@@ -134,6 +143,7 @@ int main(int argc, char** argv) {
   sigaddset(&set, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  kvtier::RaiseFileLimit();  // a descriptor per client and upstream connection
   auto fe = kvtier::frontend::Frontend::Start(o, std::move(*text));
   if (!fe.ok()) {
     std::fprintf(stderr, "kvtier-frontend: %s\n", std::string(fe.status().message()).c_str());
@@ -145,6 +155,11 @@ int main(int argc, char** argv) {
   if (!port_file.empty()) std::ofstream(port_file) << (*fe)->port() << "\n";
   int sig = 0;
   sigwait(&set, &sig);
+  if (sig == SIGTERM) {
+    // A rollout or a scale-in: the streams in flight end whole.
+    kvtier::Log("frontend", "draining on SIGTERM");
+    (*fe)->Drain(drain_timeout_ms);
+  }
   kvtier::Log("frontend", "stopping on signal ", sig);
   fe->reset();
   return 0;

@@ -34,6 +34,9 @@ std::string RenderMetrics(Counters& counters, const FleetView& fleet, router::Ro
             static_cast<double>(counters.failovers.load()));
   m.Counter("kvtier_frontend_client_disconnects_total", "Clients gone before their answer ended.",
             static_cast<double>(counters.client_disconnects.load()));
+  m.Counter("kvtier_frontend_streams_cut_total",
+            "Streams that ended short: their engine failed after their first event.",
+            static_cast<double>(counters.streams_cut.load()));
   m.Counter("kvtier_frontend_no_engine_total", "Requests no engine could serve (503).",
             static_cast<double>(counters.no_engine.load()));
   m.Histogram("kvtier_frontend_added_seconds", "Request read to engine chosen.",

@@ -22,7 +22,7 @@ struct Counters {
   std::mutex mu;
   std::map<std::pair<std::string, int>, uint64_t> requests;        // (endpoint, status)
   std::map<std::pair<std::string, std::string>, uint64_t> routes;  // (engine, reason)
-  std::atomic<uint64_t> failovers{0}, client_disconnects{0}, no_engine{0};
+  std::atomic<uint64_t> failovers{0}, client_disconnects{0}, no_engine{0}, streams_cut{0};
   std::map<std::string, uint64_t> handoffs;  // prefill/decode, by outcome
   std::map<std::pair<std::string, std::string>, uint64_t> resolutions;  // (name, outcome)
   // The added latency: request read to engine chosen.

@@ -87,11 +87,12 @@ void WatchClient(Stream* client, std::shared_ptr<Watch> watch) {
 // leaves while the engine computes (before its answer starts) cancels
 // the request too. The watcher ends with the try.
 Task<Tried> Relay::Forward(Engine& e, const Prepared& p, const std::string& explain, Stream& client,
-                           bool keep_alive, bool* client_keep, Ticket* ticket) {
+                           bool keep_alive, bool* client_keep, Ticket* ticket,
+                           ClientAnswer* answer) {
   auto watch = std::make_shared<Watch>();
   WatchClient(&client, watch);
-  const Tried t =
-      co_await ForwardWatched(e, p, explain, client, keep_alive, client_keep, ticket, watch);
+  const Tried t = co_await ForwardWatched(e, p, explain, client, keep_alive, client_keep, ticket,
+                                         answer, watch);
   watch->done = true;
   ErrorCode ignored;
   client.socket().cancel(ignored);
@@ -137,6 +138,9 @@ Task<Relay::Sent> Relay::Send(Engine& e, const http::request<http::string_body>&
     }
     if (watch.gone) co_return Sent::kClientGone;
     if (!ec) co_return Sent::kOk;
+    // An answer larger than the frontend takes (a prefill with
+    // prompt_logprobs) is the request's, not a failing engine's.
+    if (ec == http::error::body_limit) co_return Sent::kFailed;
     if (reused) continue;
     fleet_.MarkDown(e, absl::StrCat(what, ": ", ec.message()));
     co_return Sent::kFailed;
@@ -146,7 +150,8 @@ Task<Relay::Sent> Relay::Send(Engine& e, const http::request<http::string_body>&
 
 Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::string& explain,
                                   Stream& client, bool keep_alive, bool* client_keep,
-                                  Ticket* ticket, std::shared_ptr<Watch> watch) {
+                                  Ticket* ticket, ClientAnswer* answer,
+                                  std::shared_ptr<Watch> watch) {
   ErrorCode ec;
   std::shared_ptr<Stream> up;
   const http::request<http::string_body> req = EngineRequest(e, p.path, p.body);
@@ -158,7 +163,9 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
   if (sent == Sent::kFailed) co_return Tried::kRetry;
   const unsigned status = parser->get().result_int();
   if (status >= 500) {
-    fleet_.MarkDown(e, absl::StrCat("answered ", status));
+    // The request failed there: another engine may answer it. The engine
+    // is skipped only when its answers fail kBreakerErrors times in a row.
+    fleet_.AnswerFailed(e, absl::StrCat("answered ", status));
     co_return Tried::kRetry;  // the connection is dropped with `up`
   }
   // An SSE event is a few hundred bytes: 4 KiB holds many, and a held
@@ -188,8 +195,16 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       fleet_.MarkDown(e, absl::StrCat("answer cut short: ", rec.message()));
       co_return Tried::kRetry;
     }
+    if (answer->head_sent) {
+      // An engine tried before began the client's event stream: this
+      // answer (an error) ends it as an event.
+      *client_keep = false;
+      const bool told = co_await EndWithEvent(client, body);
+      co_return told ? Tried::kDone : Tried::kClientGone;
+    }
     http::response<http::string_body> res{static_cast<http::status>(status), 11};
     AnswerHeader(res, parser->get(), explain, keep_alive);
+    answer->status = static_cast<int>(status);
     res.body() = std::move(body);
     res.prepare_payload();
     client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
@@ -205,13 +220,24 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
     }
     co_return Tried::kDone;
   }
-  // A stream: from here the client has bytes, chunk by chunk as the engine
-  // writes them; no other engine is tried.
-  http::response<http::empty_body> res{static_cast<http::status>(status), 11};
-  AnswerHeader(res, parser->get(), explain, keep_alive);
-  res.chunked(true);
-  http::response_serializer<http::empty_body> sr{res};
-  co_await http::async_write_header(client, sr, net::redirect_error(kAwait, ec));
+  // A stream. vLLM sends its header before the prefill and its first
+  // event with the first token: the client has the header at once (the
+  // first engine's route in it), and the request is committed to an
+  // engine at its first event. An engine failing before then leaves the
+  // request to another, whose events continue the same stream. From the
+  // first event on, the client has the engine's bytes chunk by chunk as
+  // the engine writes them; no other engine is tried.
+  if (!answer->head_sent) {
+    http::response<http::empty_body> res{static_cast<http::status>(status), 11};
+    AnswerHeader(res, parser->get(), explain, keep_alive);
+    res.chunked(true);
+    http::response_serializer<http::empty_body> sr{res};
+    client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
+    co_await http::async_write_header(client, sr, net::redirect_error(kAwait, ec));
+    answer->head_sent = true;
+    answer->status = static_cast<int>(status);
+  }
+  bool committed = false;  // this engine's bytes reached the client
   Tried outcome = Tried::kDone;
   // An event stream goes to the client in whole events. A read of the
   // engine's backlog (a stream the frontend fell behind on) can end
@@ -247,10 +273,16 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       // A client that stops reading is cut after the client timeout,
       // freeing the engine's connection.
       client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
+      committed = true;
       auto piece = http::make_chunk(net::buffer(got.data(), got.size()));
       co_await net::async_write(client, piece, net::redirect_error(kAwait, ec));
     }
     carry.erase(0, from_carry);
+    if (rec && !ec && !committed && !watch->gone) {
+      // Nothing reached the client: another engine may answer.
+      fleet_.MarkDown(e, absl::StrCat("failed before its first event: ", rec.message()));
+      co_return Tried::kRetry;
+    }
     if (rec && !ec) {
       // The client left (the watcher closed the engine's connection: an
       // SSE client may close once it read [DONE]), or the engine failed
@@ -259,6 +291,7 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       if (!watch->gone) {
         Log("frontend", "engine ", e.spec.id, " failed mid-response: ", rec.message());
         e.failures++;
+        answer->cut = true;
       }
       *client_keep = false;
       outcome = watch->gone ? Tried::kClientGone : Tried::kDone;
@@ -276,6 +309,7 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
     *client_keep = false;
     co_return outcome;
   }
+  client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
   auto last = http::make_chunk_last();
   co_await net::async_write(client, last, net::redirect_error(kAwait, ec));
   client.expires_never();
@@ -301,12 +335,24 @@ Task<unsigned> Relay::Exchange(Engine& e, const std::string& path, const std::st
   const unsigned status = parser->get().result_int();
   *out = std::move(parser->get().body());
   if (status >= 500) {
-    fleet_.MarkDown(e, absl::StrCat("prefill answered ", status));
+    fleet_.AnswerFailed(e, absl::StrCat("prefill answered ", status));
   } else if (parser->get().keep_alive()) {
     Reuse(e, std::move(up));
   }
   co_return status;
 }
+Task<bool> Relay::EndWithEvent(Stream& client, std::string json) {
+  const std::string events = absl::StrCat("data: ", json, "\n\ndata: [DONE]\n\n");
+  ErrorCode ec;
+  client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
+  auto piece = http::make_chunk(net::buffer(events));
+  co_await net::async_write(client, piece, net::redirect_error(kAwait, ec));
+  auto last = http::make_chunk_last();
+  if (!ec) co_await net::async_write(client, last, net::redirect_error(kAwait, ec));
+  client.expires_never();
+  co_return !ec;
+}
+
 void Relay::Reuse(Engine& e, std::shared_ptr<Stream> up) const {
   up->expires_never();
   ReturnIdle(e, std::move(up), options_.idle_per_engine / threads_);

@@ -35,6 +35,15 @@ struct Watch {
 // socket's waits are cancelled.
 void WatchClient(Stream* client, std::shared_ptr<Watch> watch);
 
+// The client's answer over the tries of one request: once an engine's
+// event stream began it (its header written), another engine's events
+// continue it.
+struct ClientAnswer {
+  bool head_sent = false;
+  int status = 0;    // the status the client was answered
+  bool cut = false;  // its stream ended short (the engine failed mid-stream)
+};
+
 class Relay {
  public:
   Relay(const FrontendOptions& options, const Fleet& fleet, LoadBook& load, Counters& counters,
@@ -52,7 +61,12 @@ class Relay {
   // another engine may answer; `*client_keep` false when the client's
   // connection cannot carry another request.
   Task<Tried> Forward(Engine& e, const Prepared& p, const std::string& explain, Stream& client,
-                      bool keep_alive, bool* client_keep, Ticket* ticket);
+                      bool keep_alive, bool* client_keep, Ticket* ticket, ClientAnswer* answer);
+
+  // Ends a client's event stream with `json` as its last event (an error,
+  // as vLLM ends a stream that failed) and [DONE]. False: the client is
+  // gone.
+  Task<bool> EndWithEvent(Stream& client, std::string json);
 
   // One whole unstreamed exchange with an engine (a prefill): the status
   // (0: no answer: the engine is skipped for --down, as is one answering
@@ -69,7 +83,7 @@ class Relay {
                   Watch& watch, const char* what);
   Task<Tried> ForwardWatched(Engine& e, const Prepared& p, const std::string& explain,
                              Stream& client, bool keep_alive, bool* client_keep, Ticket* ticket,
-                             std::shared_ptr<Watch> watch);
+                             ClientAnswer* answer, std::shared_ptr<Watch> watch);
   void Reuse(Engine& e, std::shared_ptr<Stream> up) const;
 
   const FrontendOptions& options_;

@@ -6,6 +6,15 @@
 // load (load.h) and metrics (metrics.h).
 #include "frontend/server.h"
 
+// GCC 12 warns that Asio's coroutine frames, allocated by their own
+// operator new, are freed by their own operator delete "mismatched" once
+// it inlines one frame's code into another's (a false positive: both are
+// awaitable_frame_base's, a recycling allocator's pair).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+
+#include <future>
 #include <memory>
 #include <set>
 #include <thread>
@@ -45,6 +54,10 @@ struct Frontend::Impl {
   std::vector<std::thread> threads;
   uint64_t started_unix = 0;
   int port = 0;
+  // Client connections open, connections being refused, requests being
+  // served (read, not yet answered whole).
+  std::atomic<int64_t> connections{0}, refusing{0}, requests_in_flight{0};
+  std::atomic<bool> draining{false}, out_of_descriptors{false};
 
   template <typename Body>
   Task<bool> Reply(Stream& client, http::response<Body>& res, bool keep_alive) {
@@ -52,7 +65,10 @@ struct Frontend::Impl {
     res.keep_alive(keep_alive);
     res.prepare_payload();
     ErrorCode ec;
+    // A client that does not read its answer is cut at the client timeout.
+    client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
     co_await http::async_write(client, res, net::redirect_error(kAwait, ec));
+    client.expires_never();
     co_return !ec && keep_alive;
   }
 
@@ -83,6 +99,7 @@ struct Frontend::Impl {
     }
     const Prepared& p = prep.prepared;
     std::set<const Engine*> tried;
+    ClientAnswer answer;  // over the tries
     bool client_keep = keep_alive;
     // With prefill engines, a long uncached prompt is prefilled there first
     // and the decode engine sent it with the handoff's params.
@@ -122,11 +139,13 @@ struct Frontend::Impl {
       Ticket ticket = load->Charge(e, p.prompt_tokens, send == &handed ? 0 : c.uncached);
       const std::string explain = absl::StrCat(c.explain, prefill_note, "; attempt=", attempt + 1);
       if (options.log_routes) Log("route", explain, "; prompt_tokens=", p.prompt_tokens);
-      Tried t =
-          co_await relay->Forward(e, *send, explain, client, keep_alive, &client_keep, &ticket);
+      Tried t = co_await relay->Forward(e, *send, explain, client, keep_alive, &client_keep,
+                                        &ticket, &answer);
       load->Finish(e, &ticket);
       if (t == Tried::kDone) {
-        counters.Request(name, 200);
+        if (!answer.cut) Fleet::Answered(e);
+        counters.Request(name, answer.status);
+        if (answer.cut) counters.streams_cut++;
         co_return client_keep;
       }
       if (t == Tried::kClientGone) {
@@ -140,17 +159,36 @@ struct Frontend::Impl {
                                 : absl::StrCat("no engine could serve the request (", tried.size(),
                                                " tried)"),
                   "", ""};
+    if (answer.head_sent) {  // its event stream began: it ends with the error
+      counters.Request(name, 503);
+      std::string error = ErrorBody(none);
+      const bool told = co_await relay->EndWithEvent(client, std::move(error));
+      if (!told) counters.client_disconnects++;
+      co_return false;
+    }
     const bool again = co_await ReplyError(client, name, std::move(none), keep_alive);
     co_return again;
   }
 
+  static constexpr uint32_t kHeaderLimit = 64 << 10;
+
+  // Counts one while it lives.
+  struct Held {
+    explicit Held(std::atomic<int64_t>* n) : n(n) { ++*n; }
+    ~Held() { --*n; }
+    Held(const Held&) = delete;
+    Held& operator=(const Held&) = delete;
+    std::atomic<int64_t>* n;
+  };
+
   Task<> Session(Socket socket) {
+    Held open(&connections);
     Stream client(std::move(socket));
     beast::flat_buffer buf;
     for (;;) {
       http::request_parser<http::string_body> parser;
       parser.body_limit(options.max_body_bytes);
-      parser.header_limit(64 << 10);
+      parser.header_limit(kHeaderLimit);
       client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
       ErrorCode ec;
       co_await http::async_read(client, buf, parser, net::redirect_error(kAwait, ec));
@@ -161,11 +199,20 @@ struct Frontend::Impl {
         co_await ReplyError(client, std::move(other), std::move(big), false);
         break;
       }
+      if (ec == http::error::header_limit) {
+        ApiError big{431, "invalid_request_error",
+                     absl::StrCat("the header is over ", kHeaderLimit, " bytes"), "", ""};
+        std::string other = "other";
+        co_await ReplyError(client, std::move(other), std::move(big), false);
+        break;
+      }
       if (ec) break;  // closed, timed out or not HTTP
       client.expires_never();
       const auto arrived = Clock::now();
+      Held busy(&requests_in_flight);
       auto& req = parser.get();
-      const bool keep = req.keep_alive();
+      // Draining: this request is served and its connection closed.
+      const bool keep = req.keep_alive() && !draining.load();
       const std::string target(req.target());
       const std::string path = target.substr(0, target.find('?'));
       bool again = keep;
@@ -190,11 +237,13 @@ struct Frontend::Impl {
         const std::shared_ptr<const FleetView> f = fleet->Snapshot();
         const auto& engines = f->engines;
         for (auto& e : engines) up += e->Usable(now) ? 1 : 0;
-        const unsigned status = up > 0 ? 200 : 503;
+        // Draining: failing, so that load balancers send no more.
+        const bool ok = up > 0 && !draining.load();
+        const unsigned status = ok ? 200 : 503;
         counters.Request("health", static_cast<int>(status));
-        std::string health =
-            absl::StrCat("{\"status\":\"", up > 0 ? "ok" : "no engine", "\",\"engines_up\":", up,
-                         ",\"engines\":", engines.size(), "}");
+        std::string health = absl::StrCat(
+            "{\"status\":\"", draining.load() ? "draining" : (up > 0 ? "ok" : "no engine"),
+            "\",\"engines_up\":", up, ",\"engines\":", engines.size(), "}");
         again = co_await ReplyJson(client, status, std::move(health), keep);
       } else if (path == "/metrics" && req.method() == http::verb::get) {
         http::response<http::string_body> res{http::status::ok, 11};
@@ -213,20 +262,54 @@ struct Frontend::Impl {
     client.socket().shutdown(tcp::socket::shutdown_send, ignored);
   }
 
+  // A connection past --max-connections: answered 503 with Retry-After
+  // (within the client timeout) and closed.
+  Task<> Refuse(Socket socket) {
+    Held open(&refusing);
+    Stream client(std::move(socket));
+    counters.Request("other", 503);
+    http::response<http::string_body> res{http::status::service_unavailable, 11};
+    res.set(http::field::content_type, "application/json");
+    res.set(http::field::retry_after, "1");
+    res.body() = ErrorBody(ApiError{503, "service_unavailable",
+                                    absl::StrCat("the frontend holds its most connections (",
+                                                 options.max_connections, "); try again"),
+                                    "", ""});
+    co_await Reply(client, res, false);
+    ErrorCode ignored;
+    client.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  }
+
   Task<> Accept() {
+    Timer pause(co_await net::this_coro::executor);
     for (;;) {
       ErrorCode ec;
       const Executor to = loops[next_loop++ % loops.size()]->get_executor();
       Socket s = co_await acceptor->async_accept(to, net::redirect_error(kAwait, ec));
-      if (ec) {
-        if (ec == net::error::operation_aborted) co_return;
+      if (ec == net::error::operation_aborted) co_return;
+      if (ec == net::error::no_descriptors || ec == net::error::no_buffer_space ||
+          ec == net::error::no_memory || ec.value() == ENFILE) {
+        // Out of descriptors: the pending connection waits in the backlog
+        // while those in flight end (accepting again at once would spin).
+        if (!out_of_descriptors.exchange(true)) {
+          Log("frontend", "cannot accept: ", ec.message(), "; pausing accepts");
+        }
+        pause.expires_after(std::chrono::milliseconds(50));
+        co_await pause.async_wait(net::redirect_error(kAwait, ec));
         continue;
       }
+      if (ec) continue;  // that connection failed (reset before it was taken)
+      out_of_descriptors = false;
       s.set_option(tcp::no_delay(true), ec);
       auto exec = s.get_executor();
+      if (connections.load() + refusing.load() >= static_cast<int64_t>(options.max_connections)) {
+        if (refusing.load() < kMostRefusing) net::co_spawn(exec, Refuse(std::move(s)), net::detached);
+        continue;  // past both caps: closed unanswered
+      }
       net::co_spawn(exec, Session(std::move(s)), net::detached);
     }
   }
+  static constexpr int64_t kMostRefusing = 64;
 };
 
 Frontend::Frontend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -294,6 +377,28 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
     });
   }
   return std::unique_ptr<Frontend>(new Frontend(std::move(impl)));
+}
+
+bool Frontend::Drain(uint64_t grace_ms) {
+  Impl* impl = impl_.get();
+  if (impl->draining.exchange(true)) return impl->requests_in_flight.load() == 0;
+  std::promise<void> closed;
+  net::post(impl->loops[0]->get_executor(), [impl, &closed] {
+    ErrorCode ignored;
+    impl->acceptor->close(ignored);
+    closed.set_value();
+  });
+  closed.get_future().wait();
+  Log("frontend", "draining: no new connection; ", impl->requests_in_flight.load(),
+      " requests in flight get up to ", grace_ms, " ms");
+  const auto until = Clock::now() + std::chrono::milliseconds(grace_ms);
+  while (impl->requests_in_flight.load() > 0 && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const int64_t left = impl->requests_in_flight.load();
+  Log("frontend", left == 0 ? "drained: every request in flight ended"
+                            : absl::StrCat("drain timed out: ", left, " requests are cut"));
+  return left == 0;
 }
 
 Frontend::~Frontend() {

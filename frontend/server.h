@@ -41,6 +41,9 @@ struct FrontendOptions {
   uint64_t max_model_len = 0;             // what /v1/models reports
   RequestLimits limits;
   uint64_t max_body_bytes = 8 << 20;
+  // Client connections held at once; one past it is answered 503 with
+  // Retry-After and closed.
+  uint64_t max_connections = 4096;
   uint64_t client_timeout_ms = 30000;     // to read a request
   uint64_t connect_timeout_ms = 2000;     // to reach an engine
   uint64_t upstream_timeout_ms = 600000;  // an engine's silence, between bytes
@@ -117,6 +120,12 @@ class Frontend {
   static absl::StatusOr<std::unique_ptr<Frontend>> Start(FrontendOptions options,
                                                          std::unique_ptr<TextModel> text);
   ~Frontend();  // stops serving; requests in flight are cut
+
+  // Stops accepting connections (new ones are refused), fails /health,
+  // closes each client connection once its request is answered, and waits
+  // up to `grace_ms` for the requests in flight to end. True when they all
+  // did. What SIGTERM does before the process exits.
+  bool Drain(uint64_t grace_ms);
   Frontend(const Frontend&) = delete;
   Frontend& operator=(const Frontend&) = delete;
 

@@ -253,9 +253,10 @@ class StepLookups:
             self._closed.wait(retry_s)
         else:
             return
-        self.warm.set()
+        # Said before it is set: whoever waits on it finds the line logged.
         log.info("kvtier: the store answered its first lookup after %.0f ms",
                  (time.monotonic() - start) * 1000.0)
+        self.warm.set()
 
     def close(self) -> None:
         """Stops taking batches (one out ends within its budget) and the

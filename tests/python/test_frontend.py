@@ -202,13 +202,23 @@ def test_a_conversations_second_turn_goes_to_the_engine_holding_its_first(
 
 
 def test_a_client_that_leaves_mid_stream_aborts_its_request(fleet: Fleet) -> None:
+    # Every engine idle first: what the engine generates from here on is
+    # this request's alone (an earlier test's request ending meanwhile
+    # would count as a success of its own).
+    def busy() -> float:
+        return sum(fleet.engine_metric(e, "vllm:num_requests_running")
+                   + fleet.engine_metric(e, "vllm:num_requests_waiting")
+                   for e in fleet.engines)
+
+    wait_until(lambda: busy() == 0, "the engines to be idle", 60)
+    asked = 4000
     req = urllib.request.Request(
         fleet.url + "/v1/completions",
         data=json.dumps(
             {
                 "model": "tiny",
                 "prompt": "Tell a long story.",
-                "max_tokens": 3000,
+                "max_tokens": asked,
                 "ignore_eos": True,
                 "stream": True,
             }
@@ -224,7 +234,10 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(fleet: Fleet) -> Non
             engine, "vllm:request_success_total", finished_reason="length"
         )
 
-    completed_before = completed()
+    def generated() -> float:
+        return fleet.engine_metric(engine, "vllm:generation_tokens_total")
+
+    completed_before, generated_before = completed(), generated()
     # Three token events arrived: vLLM runs the request.
     events = 0
     while events < 3:
@@ -233,14 +246,15 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request(fleet: Fleet) -> Non
         events += line.startswith(b"data: {")
     r.close()
     # vLLM stops it: nothing runs there, and the request never completed
-    # its 3,000 tokens (vLLM does not count an abort as a success).
+    # its tokens (vLLM does not count an abort as a success).
     wait_until(
         lambda: fleet.engine_metric(engine, "vllm:num_requests_running") == 0,
         "vLLM to stop the request its client left",
         20,
     )
+    made = generated() - generated_before
+    assert made < asked, f"the request ran to its end ({made:.0f} tokens)"
     assert completed() == completed_before, "the request ran to its end"
-
 
 def test_bad_input_gets_openais_errors_and_the_frontend_keeps_serving(
     fleet: Fleet,

@@ -45,8 +45,7 @@ import numpy as np
 
 import kvtier
 from kvtier.hooks import SchedulerHalf, WorkerHalf, request_key
-from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
-                                           KVConnectorRole, SupportsHMA)
+from kvtier.integrations.vllm_base import KVConnectorRole, SupportsHMA
 from kvtier.integrations.vllm_config import (
     _tp_rank, connector_options, log_with_vllm, namespace_of, request_salt)
 from kvtier.integrations.vllm_groups import (GroupLoads, GroupPlans,
@@ -60,8 +59,7 @@ from kvtier.options import client_options
 log = logging.getLogger("vllm.kvtier")
 
 
-class KvtierConnector(HandoffStatsHooks, WorkerHooks,
-                      KVConnectorBase_V1,  # type: ignore[misc]
+class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
                       SupportsHMA):
     """vLLM's KV connector over kvtier (see the module docstring)."""
 

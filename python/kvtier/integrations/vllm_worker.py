@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import kvtier
-from kvtier.hooks import StepMeta, WorkerHalf
-from kvtier.integrations.vllm_base import KVConnectorMetadata
+from kvtier.hooks import SchedulerHalf, StepMeta, WorkerHalf
+from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
+                                           KVConnectorMetadata)
 from kvtier.integrations.vllm_groups import GroupLoads
 from kvtier.integrations.vllm_pages import cuda_stream_fence, engine_tensors
 
@@ -38,10 +39,17 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 
-class WorkerHooks:
+class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM's worker-side connector hooks over kvtier's WorkerHalf (see the
     module docstring)."""
 
+    _stores: list[str]
+    _opts: dict[str, Any]
+    _staging: int
+    _load_threads: int
+    _pin_wait_ms: float
+    _primary: int
+    _scheduler: Optional[SchedulerHalf]
     _workers: list[WorkerHalf]
     _worker: Optional[WorkerHalf]
     _namespaces: list[Any]

@@ -1,0 +1,301 @@
+// kvtier-frontend against fake engines (tests/fake_engine.h): what it does
+// when an engine answers 5xx, dies before a stream's first event, or a
+// client sends too much or holds too many connections, and how it drains.
+// Real Frontend, real sockets on 127.0.0.1, the tiny model's tokenizer;
+// the engines' side is scripted. test_frontend.py runs real vLLM engines.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fake_engine.h"
+#include "frontend/server.h"
+#include "test_util.h"
+
+namespace kvtier::frontend {
+namespace {
+
+namespace net = boost::asio;
+namespace http = boost::beast::http;
+using tcp = net::ip::tcp;
+using testing::FakeEngine;
+using testing::WaitFor;
+
+std::unique_ptr<Frontend> StartFrontend(const std::vector<const FakeEngine*>& engines,
+                                        FrontendOptions o = {}) {
+  o.listen = "127.0.0.1:0";
+  o.router_listen = "127.0.0.1:0";
+  o.served_model = "tiny";
+  o.health_interval_ms = 200;
+  for (size_t i = 0; i < engines.size(); ++i) {
+    router::VllmSourceSpec spec;
+    spec.id = "e" + std::to_string(i);
+    spec.endpoint = engines[i]->endpoint();
+    spec.namespace_id = 1;
+    spec.block_tokens = 16;
+    o.engines.push_back(spec);
+  }
+  auto text = TextModel::Open(std::string(KVTIER_SOURCE_DIR) + "/tests/models/tiny-llama");
+  EXPECT_TRUE(text.ok()) << text.status();
+  auto fe = Frontend::Start(o, std::move(*text));
+  EXPECT_TRUE(fe.ok()) << fe.status();
+  return std::move(*fe);
+}
+
+// A client connection with a receive timeout: a test never waits forever.
+tcp::socket Dial(net::io_context& io, int port, int rcvbuf = 0) {
+  tcp::socket s(io);
+  s.open(tcp::v4());
+  if (rcvbuf > 0) s.set_option(net::socket_base::receive_buffer_size(rcvbuf));
+  timeval tv{10, 0};
+  setsockopt(s.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  s.connect({net::ip::make_address("127.0.0.1"), static_cast<uint16_t>(port)});
+  return s;
+}
+
+struct Answer {
+  int status = 0;
+  std::string body;
+  std::string route;        // x-kvtier-route
+  std::string retry_after;  // Retry-After
+  bool whole = false;       // read to its end
+  std::string error;
+};
+
+Answer Read(tcp::socket& s) {
+  boost::beast::flat_buffer buf;
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(64 << 20);
+  boost::system::error_code ec;
+  http::read(s, buf, parser, ec);
+  Answer a;
+  a.status = parser.is_header_done() ? parser.get().result_int() : 0;
+  a.body = parser.get().body();
+  a.route = std::string(parser.get()["x-kvtier-route"]);
+  a.retry_after = std::string(parser.get()[http::field::retry_after]);
+  a.whole = !ec && parser.is_done();
+  a.error = ec.message();
+  return a;
+}
+
+Answer Send(tcp::socket& s, http::verb verb, const std::string& target, const std::string& body,
+            bool keep_alive = true) {
+  http::request<http::string_body> req{verb, target, 11};
+  req.set(http::field::host, "127.0.0.1");
+  if (!body.empty()) req.set(http::field::content_type, "application/json");
+  req.body() = body;
+  req.keep_alive(keep_alive);
+  req.prepare_payload();
+  http::write(s, req);
+  return Read(s);
+}
+
+Answer Post(int port, const std::string& body, const std::string& target = "/v1/completions") {
+  net::io_context io;
+  tcp::socket s = Dial(io, port);
+  return Send(s, http::verb::post, target, body, false);
+}
+
+Answer Get(int port, const std::string& target) {
+  net::io_context io;
+  tcp::socket s = Dial(io, port);
+  return Send(s, http::verb::get, target, "", false);
+}
+
+const std::string kCompletion = R"({"model": "tiny", "prompt": "hello there", "max_tokens": 4})";
+const std::string kStreamed =
+    R"({"model": "tiny", "prompt": "hello there", "max_tokens": 4, "stream": true})";
+
+TEST(FrontendRelay, AWholeAnswerAndAStreamPassThrough) {
+  FakeEngine e0(FakeEngine::Mode::kWhole);
+  auto fe = StartFrontend({&e0});
+  Answer a = Post(fe->port(), kCompletion);
+  EXPECT_EQ(a.status, 200) << a.body;
+  EXPECT_TRUE(a.whole) << a.error;
+  EXPECT_NE(a.body.find("\"text\":\"ok\""), std::string::npos) << a.body;
+  e0.mode = FakeEngine::Mode::kStream;
+  a = Post(fe->port(), kStreamed);
+  EXPECT_EQ(a.status, 200);
+  EXPECT_TRUE(a.whole) << a.error;
+  for (const char* t : {"t0", "t1", "t2", "[DONE]"}) {
+    EXPECT_NE(a.body.find(t), std::string::npos) << t << " not in " << a.body;
+  }
+}
+
+// A 5xx is that request's failure: it goes to another engine, and the
+// engine that answered it keeps taking requests.
+TEST(FrontendRelay, AnEngineAnswering5xxLosesTheRequestNotItsPlace) {
+  FakeEngine e0(FakeEngine::Mode::kStatus500), e1(FakeEngine::Mode::kWhole);
+  FrontendOptions o;
+  o.down_ms = 60000;  // were it taken out, it would stay out for the test
+  auto fe = StartFrontend({&e0, &e1}, o);
+  Answer a = Post(fe->port(), kCompletion);
+  ASSERT_EQ(a.status, 200) << a.body;
+  EXPECT_NE(a.route.find("engine=e1"), std::string::npos) << a.route;
+  EXPECT_NE(a.route.find("attempt=2"), std::string::npos) << a.route;
+  EXPECT_EQ(e0.completions.load(), 1);
+  // The next request goes to e0 first again (fewest in flight, first):
+  // it was not skipped for --down.
+  e0.mode = FakeEngine::Mode::kWhole;
+  a = Post(fe->port(), kCompletion);
+  ASSERT_EQ(a.status, 200) << a.body;
+  EXPECT_NE(a.route.find("engine=e0"), std::string::npos) << a.route;
+  EXPECT_EQ(e0.completions.load(), 2);
+}
+
+// An engine whose every answer fails is skipped once it failed
+// kBreakerErrors in a row, as a circuit breaker opens.
+TEST(FrontendRelay, AnEngineWhoseAnswersKeepFailingIsSkipped) {
+  FakeEngine e0(FakeEngine::Mode::kStatus500), e1(FakeEngine::Mode::kWhole);
+  FrontendOptions o;
+  o.down_ms = 60000;
+  auto fe = StartFrontend({&e0, &e1}, o);
+  for (int i = 0; i < 5; ++i) {
+    Answer a = Post(fe->port(), kCompletion);
+    ASSERT_EQ(a.status, 200) << a.body;
+  }
+  EXPECT_EQ(e0.completions.load(), 3);  // tried three times, then skipped
+  EXPECT_EQ(e1.completions.load(), 5);
+}
+
+// vLLM sends a stream's header before its prefill: an engine that dies
+// before the first event has sent the client nothing, and another answers.
+TEST(FrontendRelay, AStreamWhoseEngineDiesBeforeItsFirstEventGoesToAnother) {
+  FakeEngine e0(FakeEngine::Mode::kDiesBeforeAnEvent), e1(FakeEngine::Mode::kStream);
+  auto fe = StartFrontend({&e0, &e1});
+  Answer a = Post(fe->port(), kStreamed);
+  ASSERT_EQ(a.status, 200);
+  EXPECT_TRUE(a.whole) << a.error;
+  // The header came from the first engine tried; the events from e1.
+  EXPECT_NE(a.route.find("engine=e0"), std::string::npos) << a.route;
+  for (const char* t : {"t0", "t1", "t2", "[DONE]"}) {
+    EXPECT_NE(a.body.find(t), std::string::npos) << t << " not in " << a.body;
+  }
+  EXPECT_EQ(e0.completions.load(), 1);
+  EXPECT_EQ(e1.completions.load(), 1);
+}
+
+// When no engine can continue a stream that began, it ends with an error
+// event, as vLLM ends a stream that failed, never silently short.
+TEST(FrontendRelay, AStreamNoEngineCouldContinueEndsWithAnErrorEvent) {
+  FakeEngine e0(FakeEngine::Mode::kDiesBeforeAnEvent), e1(FakeEngine::Mode::kDiesBeforeAnEvent);
+  auto fe = StartFrontend({&e0, &e1});
+  Answer a = Post(fe->port(), kStreamed);
+  ASSERT_EQ(a.status, 200);
+  EXPECT_TRUE(a.whole) << a.error;
+  EXPECT_NE(a.body.find("\"error\""), std::string::npos) << a.body;
+  EXPECT_NE(a.body.find("no engine could serve"), std::string::npos) << a.body;
+  EXPECT_NE(a.body.find("[DONE]"), std::string::npos) << a.body;
+  EXPECT_EQ(e0.completions.load() + e1.completions.load(), 2);
+}
+
+TEST(FrontendRelay, AHeaderOverTheLimitIsAnswered431) {
+  FakeEngine e0(FakeEngine::Mode::kWhole);
+  auto fe = StartFrontend({&e0});
+  net::io_context io;
+  tcp::socket s = Dial(io, fe->port());
+  // Raw bytes: Beast's own request refuses a field this long.
+  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Padding: " +
+                          std::string(80 << 10, 'x') + "\r\nContent-Length: " +
+                          std::to_string(kCompletion.size()) + "\r\n\r\n" + kCompletion;
+  boost::system::error_code ec;
+  net::write(s, net::buffer(req), ec);
+  Answer a = Read(s);
+  EXPECT_EQ(a.status, 431) << a.error;
+  EXPECT_NE(a.body.find("header"), std::string::npos) << a.body;
+  EXPECT_EQ(e0.completions.load(), 0);
+}
+
+TEST(FrontendRelay, AConnectionPastTheCapIsAnswered503WithRetryAfter) {
+  FakeEngine e0(FakeEngine::Mode::kWhole);
+  FrontendOptions o;
+  o.max_connections = 2;
+  auto fe = StartFrontend({&e0}, o);
+  net::io_context io;
+  // Two connections held (each answered once, so each was taken).
+  tcp::socket a = Dial(io, fe->port()), b = Dial(io, fe->port());
+  ASSERT_EQ(Send(a, http::verb::get, "/v1/models", "").status, 200);
+  ASSERT_EQ(Send(b, http::verb::get, "/v1/models", "").status, 200);
+  Answer third = Get(fe->port(), "/v1/models");
+  EXPECT_EQ(third.status, 503) << third.body;
+  EXPECT_EQ(third.retry_after, "1");
+  EXPECT_NE(third.body.find("most connections"), std::string::npos) << third.body;
+  // One closes: a new connection is served again.
+  a.close();
+  EXPECT_TRUE(WaitFor([&] { return Get(fe->port(), "/v1/models").status == 200; }))
+      << "a connection was still refused after one of the two closed";
+}
+
+// A client that never reads what it asked for is cut at the client
+// timeout, not held forever: the frontend stops writing and closes.
+TEST(FrontendRelay, AClientThatNeverReadsIsCutAtTheWriteDeadline) {
+  FakeEngine e0(FakeEngine::Mode::kWhole);
+  FrontendOptions o;
+  o.client_timeout_ms = 500;
+  auto fe = StartFrontend({&e0}, o);
+  net::io_context io;
+  tcp::socket s = Dial(io, fe->port(), /*rcvbuf=*/4096);
+  // Requests pipelined, their answers (a few KiB each) left unread: far
+  // more than the socket buffers hold.
+  constexpr int kAsked = 4000;
+  std::string many;
+  for (int i = 0; i < kAsked; ++i) many += "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  std::thread writer([&] {
+    boost::system::error_code ignored;
+    net::write(s, net::buffer(many), ignored);
+  });
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // the subject: a client that waits
+  // Reading now finds the answers written before the deadline, then the
+  // connection's end, long before all were answered.
+  int answered = 0;
+  boost::beast::flat_buffer buf;
+  boost::system::error_code ec;
+  while (!ec) {
+    http::response<http::string_body> res;
+    http::read(s, buf, res, ec);
+    if (!ec) answered++;
+  }
+  s.shutdown(tcp::socket::shutdown_both, ec);
+  writer.join();
+  EXPECT_LT(answered, kAsked);
+  EXPECT_NE(ec, boost::asio::error::would_block) << "the connection was held open";
+  EXPECT_NE(ec, boost::asio::error::try_again) << "the connection was held open";
+}
+
+// SIGTERM's drain: no new connection, /health failing on connections
+// already open, and the stream in flight ends whole.
+TEST(FrontendRelay, ADrainEndsTheStreamsInFlightWholeAndTakesNoNewConnection) {
+  FakeEngine e0(FakeEngine::Mode::kStream);
+  e0.events = 10;
+  e0.gap_ms = 100;
+  auto fe = StartFrontend({&e0});
+  net::io_context io;
+  tcp::socket held = Dial(io, fe->port());  // a keep-alive connection, open before the drain
+  ASSERT_EQ(Send(held, http::verb::get, "/health", "").status, 200);
+  auto stream = std::async(std::launch::async, [&] { return Post(fe->port(), kStreamed); });
+  ASSERT_TRUE(WaitFor([&] { return e0.completions.load() == 1; }));
+  auto drained = std::async(std::launch::async, [&] { return fe->Drain(10000); });
+  // The drain closes the listener: a new connection is refused.
+  EXPECT_TRUE(WaitFor([&] {
+    tcp::socket s(io);
+    boost::system::error_code ec;
+    s.connect({net::ip::make_address("127.0.0.1"), static_cast<uint16_t>(fe->port())}, ec);
+    return ec == net::error::connection_refused;
+  })) << "new connections were still taken while draining";
+  Answer health = Send(held, http::verb::get, "/health", "");
+  EXPECT_EQ(health.status, 503);
+  EXPECT_NE(health.body.find("draining"), std::string::npos) << health.body;
+  Answer a = stream.get();
+  EXPECT_EQ(a.status, 200);
+  EXPECT_TRUE(a.whole) << a.error;
+  EXPECT_NE(a.body.find("t9"), std::string::npos) << a.body;
+  EXPECT_NE(a.body.find("[DONE]"), std::string::npos) << a.body;
+  EXPECT_TRUE(drained.get());
+}
+
+}  // namespace
+}  // namespace kvtier::frontend

@@ -92,7 +92,7 @@ Task<Tried> Relay::Forward(Engine& e, const Prepared& p, const std::string& expl
   auto watch = std::make_shared<Watch>();
   WatchClient(&client, watch);
   const Tried t = co_await ForwardWatched(e, p, explain, client, keep_alive, client_keep, ticket,
-                                         answer, watch);
+                                          answer, watch);
   watch->done = true;
   ErrorCode ignored;
   client.socket().cancel(ignored);

@@ -303,7 +303,8 @@ struct Frontend::Impl {
       s.set_option(tcp::no_delay(true), ec);
       auto exec = s.get_executor();
       if (connections.load() + refusing.load() >= static_cast<int64_t>(options.max_connections)) {
-        if (refusing.load() < kMostRefusing) net::co_spawn(exec, Refuse(std::move(s)), net::detached);
+        if (refusing.load() < kMostRefusing)
+          net::co_spawn(exec, Refuse(std::move(s)), net::detached);
         continue;  // past both caps: closed unanswered
       }
       net::co_spawn(exec, Session(std::move(s)), net::detached);

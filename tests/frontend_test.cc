@@ -199,9 +199,9 @@ TEST(FrontendRelay, AHeaderOverTheLimitIsAnswered431) {
   net::io_context io;
   tcp::socket s = Dial(io, fe->port());
   // Raw bytes: Beast's own request refuses a field this long.
-  const std::string req = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Padding: " +
-                          std::string(80 << 10, 'x') + "\r\nContent-Length: " +
-                          std::to_string(kCompletion.size()) + "\r\n\r\n" + kCompletion;
+  const std::string req =
+      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Padding: " + std::string(80 << 10, 'x') +
+      "\r\nContent-Length: " + std::to_string(kCompletion.size()) + "\r\n\r\n" + kCompletion;
   boost::system::error_code ec;
   net::write(s, net::buffer(req), ec);
   Answer a = Read(s);

@@ -558,6 +558,14 @@ def check_frontend(values, schema):
           c["securityContext"]["readOnlyRootFilesystem"] is True, "non-root, read-only root")
     rc, out = check_config("frontend/kvtier-frontend", c["args"])
     check(rc == 0, "kvtier-frontend rejects the rendered arguments: %s" % out)
+    # SIGTERM comes after the preStop sleep; the drain ends before the
+    # grace period does (the kubelet's SIGKILL would cut what drains).
+    grace, pre = pod["terminationGracePeriodSeconds"], c["lifecycle"]["preStop"]["exec"]["command"]
+    drain = engine_arg(c["args"], "--drain-timeout")
+    check(drain is not None and pre[-1] == "sleep 5" and
+          int(drain.rstrip("s")) + 5 < grace,
+          "the drain fits the grace period after preStop: drain %s, grace %s" % (drain, grace))
+    check(engine_arg(c["args"], "--max-connections") == "4096", "the connection cap from values")
     eh = find(objs, "Service", "-engine-headless")
     check(eh is not None and eh["spec"]["clusterIP"] == "None" and
           {p["port"] for p in eh["spec"]["ports"]} == {8000, 5557, 5558},
@@ -585,7 +593,7 @@ def check_frontend(values, schema):
           "the tokenizer from a ConfigMap: %s" % pod["volumes"])
     check_schema_refuses(v, schema, "frontend", (
         ("namespace", "12"), ("replicas", 0), ("maxAttempts", 0), ("loadWeight", -1),
-        ("decodeWeight", "high"), ("typo", 1)))
+        ("decodeWeight", "high"), ("maxConnections", 0), ("typo", 1)))
     v["engine"]["kind"] = "sglang"
     files = render(v)
     check(find(objects(files), "Deployment", "-frontend") is None and

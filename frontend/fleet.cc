@@ -106,6 +106,7 @@ void Fleet::Remove(const std::shared_ptr<Engine>& e, const std::string& why) {
   }
   events.reset();  // its thread ends: no event or heartbeat after this
   const bool indexed = core_->RemoveSource(e->spec.id);
+  counters_->Forget(e->spec.id);
   Log("frontend", "engine ", e->spec.id, " left the fleet (", why, ")",
       indexed ? "; its blocks left the index" : "");
 }

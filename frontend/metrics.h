@@ -36,6 +36,13 @@ struct Counters {
     std::lock_guard lk(mu);
     routes[{engine, reason}]++;
   }
+  // An engine left the fleet: its series go (a pod's IP is not reused by
+  // the same engine; series kept for every pod that ever served would grow
+  // without end).
+  void Forget(const std::string& engine) {
+    std::lock_guard lk(mu);
+    std::erase_if(routes, [&](const auto& kv) { return kv.first.first == engine; });
+  }
   void Handoff(const std::string& outcome) {
     std::lock_guard lk(mu);
     handoffs[outcome]++;

@@ -110,7 +110,14 @@ struct Frontend::Impl {
       Choice c = Choose(router->core(), namespace_id, *fleet->Snapshot(), p.tokens, p.prompt_tokens,
                         tried, Want::kDecode, counters);
       if (c.engine == nullptr) break;
-      if (attempt == 0) load->Seen(c.uncached);
+      if (attempt == 0) {
+        load->Seen(c.uncached);
+        // What the frontend adds: read to chosen (a handoff's prefill is
+        // the engines' time, not the frontend's).
+        const auto us =
+            std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - arrived).count();
+        counters.added.Record(static_cast<uint64_t>(us));
+      }
       if (attempt == 0 && p.disaggregable && c.uncached > options.pd_threshold &&
           fleet->HasPrefillEngines()) {
         bool gone = false;
@@ -127,11 +134,6 @@ struct Frontend::Impl {
       }
       tried.insert(c.engine.get());
       if (attempt > 0) counters.failovers++;
-      if (attempt == 0) {
-        const auto us =
-            std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - arrived).count();
-        counters.added.Record(static_cast<uint64_t>(us));
-      }
       const std::shared_ptr<Engine> held = c.engine;  // lives while it serves
       Engine& e = *held;
       // After a handoff the decode engine loads the prompt's KV rather

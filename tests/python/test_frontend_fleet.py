@@ -261,6 +261,10 @@ def test_engines_join_and_leave_as_the_name_resolves(fleet: DnsFleet) -> None:
     log = fleet.log.read_text()
     assert f"engine 127.0.0.2:{fleet.port} left the fleet (gone from DNS" in log
     assert f"engine 127.0.0.4:{fleet.port} joined the fleet" in log
+    # The engine that left leaves the metrics too (pod IPs come and go:
+    # series kept for each would grow without end).
+    gone = f'engine="127.0.0.2:{fleet.port}"'
+    assert gone not in fleet.metrics(), "series of an engine gone from DNS"
 
 
 def test_a_prefill_pool_and_a_decode_pool_each_keep_their_role(

@@ -46,6 +46,9 @@ int main(int argc, char** argv) {
   flags.HostPort("router-listen", &o.router_listen,
                  "where store shards publish their events to the router in this process");
   flags.Int("threads", &threads, 1, 256, "threads serving requests");
+  int64_t text_threads = o.text_threads;
+  flags.Int("text-threads", &text_threads, 1, 256,
+            "threads tokenizing large prompts and rendering long chats (off the serving threads)");
   flags.Int("max-attempts", &max_attempts, 1, 16, "engines tried for one request");
   flags.Bytes("max-body-bytes", &o.max_body_bytes, "largest request body taken");
   flags.Bytes("max-prompt-tokens", &max_prompt_tokens, "largest prompt taken, in tokens");
@@ -89,6 +92,7 @@ int main(int argc, char** argv) {
   o.limits.max_prompts = static_cast<uint32_t>(max_prompts);
   o.max_model_len = static_cast<uint64_t>(max_model_len);
   o.max_connections = static_cast<uint64_t>(max_connections);
+  o.text_threads = static_cast<int>(text_threads);
   o.router.heartbeat_deadline_ms = heartbeat_ms;
 
   std::string spec_text = absl::StrReplaceAll(engines, {{";", "\n"}});

@@ -89,6 +89,10 @@ absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options) {
 absl::Status FrontendOptions::Validate() const {
   if (served_model.empty()) return absl::InvalidArgumentError("--served-model-name is required");
   if (max_connections == 0) return absl::InvalidArgumentError("--max-connections must be >= 1");
+  if (text_threads < 1 || text_threads > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--text-threads is ", text_threads, " (allowed 1..256)"));
+  }
   if (engines.empty() && dns.empty()) {
     return absl::InvalidArgumentError("--engines or --engines-dns: at least one engine");
   }

@@ -27,6 +27,7 @@
 #include "frontend/handoff.h"
 #include "frontend/load.h"
 #include "frontend/metrics.h"
+#include "frontend/offload.h"
 #include "frontend/relay.h"
 #include "router/embedded_router.h"
 
@@ -41,6 +42,9 @@ struct Frontend::Impl {
   // Each loop runs until stopped, whether or not it has connections yet.
   std::vector<net::executor_work_guard<Executor>> keep_running;
   std::unique_ptr<TextModel> text;
+  // Prepares large requests (joined before `text` goes).
+  std::optional<net::thread_pool> text_pool;
+  static constexpr size_t kInlineBody = 16 << 10;
   std::unique_ptr<router::EmbeddedRouter> router;
   std::unique_ptr<DeletionCostUpdater> deletion_costs;  // --deletion-cost-selector
   uint64_t namespace_id = 0;
@@ -91,7 +95,19 @@ struct Frontend::Impl {
 
   Task<bool> Proxy(Stream& client, Endpoint endpoint, const std::string& name,
                    const std::string& body, bool keep_alive, Clock::time_point arrived) {
-    PrepareResult prep = Prepare(endpoint, body, *text, options.served_model, options.limits);
+    // A large body (a long prompt to tokenize, a long chat to render) is
+    // prepared off this thread: the streams it serves go on meanwhile.
+    auto prepare = [this, endpoint, &body] {
+      return Prepare(endpoint, body, *text, options.served_model, options.limits);
+    };
+    PrepareResult prep;
+    if (body.size() <= kInlineBody) {
+      prep = prepare();
+    } else {
+      // GCC 12: the coroutine's argument a named local, its result one too.
+      PrepareResult off = co_await OffThread(*text_pool, prepare);
+      prep = std::move(off);
+    }
     if (prep.error) {
       ApiError err = *prep.error;
       const bool again = co_await ReplyError(client, name, std::move(err), keep_alive);
@@ -367,6 +383,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   Impl* raw = impl.get();
   const Executor first = raw->loops[0]->get_executor();
   raw->load.emplace(o.decode_weight);
+  raw->text_pool.emplace(static_cast<size_t>(o.text_threads));
   raw->fleet = std::make_unique<Fleet>(o, &raw->router->core(), &*raw->load, &raw->counters, first);
   raw->relay = std::make_unique<Relay>(o, *raw->fleet, *raw->load, raw->counters, o.threads);
   raw->prefiller = std::make_unique<Prefiller>(raw->router->core(), raw->namespace_id, *raw->fleet,

@@ -37,8 +37,9 @@ namespace kvtier::frontend {
 struct FrontendOptions {
   std::string listen = "127.0.0.1:8000";  // host:port; port 0: any free one
   int threads = 2;                        // Asio threads
-  std::string served_model;               // the name clients use
-  uint64_t max_model_len = 0;             // what /v1/models reports
+  int text_threads = 2;        // threads preparing large requests (tokenizing, templates)
+  std::string served_model;    // the name clients use
+  uint64_t max_model_len = 0;  // what /v1/models reports
   RequestLimits limits;
   uint64_t max_body_bytes = 8 << 20;
   // Client connections held at once; one past it is answered 503 with

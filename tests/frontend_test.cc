@@ -297,5 +297,61 @@ TEST(FrontendRelay, ADrainEndsTheStreamsInFlightWholeAndTakesNoNewConnection) {
   EXPECT_TRUE(drained.get());
 }
 
+// A large prompt is tokenized off the I/O threads: a stream served by the
+// same (only) thread goes on while it is.
+TEST(FrontendRelay, ALargePromptBeingTokenizedHoldsNoStream) {
+  FakeEngine e0(FakeEngine::Mode::kStream);
+  e0.events = 200;
+  e0.gap_ms = 10;
+  FrontendOptions o;
+  o.threads = 1;
+  auto fe = StartFrontend({&e0}, o);
+  net::io_context io;
+  tcp::socket s = Dial(io, fe->port());
+  http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
+  req.set(http::field::host, "x");
+  req.set(http::field::content_type, "application/json");
+  req.body() = kStreamed;
+  req.prepare_payload();
+  http::write(s, req);
+  // Each read's arrival: the stream's events, timed.
+  std::vector<std::chrono::steady_clock::time_point> reads;
+  std::atomic<bool> ended{false};
+  std::thread reader([&] {
+    char buf[4096];
+    boost::system::error_code ec;
+    std::string all;
+    while (!ec && all.find("[DONE]") == std::string::npos) {
+      const size_t n = s.read_some(net::buffer(buf), ec);
+      all.append(buf, n);
+      reads.push_back(std::chrono::steady_clock::now());
+    }
+    ended = true;
+  });
+  ASSERT_TRUE(WaitFor([&] { return e0.completions.load() == 1; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // events flowing
+  // 6 MiB of text: refused (over --max-prompt-tokens) once tokenized.
+  std::string words;
+  while (words.size() < (6u << 20)) words += "the store tiers blocks across memory ";
+  const auto asked = std::chrono::steady_clock::now();
+  Answer big =
+      Post(fe->port(), R"({"model": "tiny", "prompt": ")" + words + R"(", "max_tokens": 1})");
+  const auto answered = std::chrono::steady_clock::now();
+  EXPECT_EQ(big.status, 400) << big.body.substr(0, 200);
+  reader.join();
+  ASSERT_TRUE(ended.load());
+  // The longest silence of the stream while the big prompt was prepared.
+  std::chrono::steady_clock::duration longest{};
+  for (size_t i = 1; i < reads.size(); ++i) {
+    if (reads[i] < asked || reads[i - 1] > answered) continue;
+    longest = std::max(longest, reads[i] - reads[i - 1]);
+  }
+  const auto took = answered - asked;
+  auto ms = [](auto d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); };
+  EXPECT_GT(ms(took), 100) << "the prompt was prepared too fast to tell";
+  EXPECT_LT(ms(longest) * 3, ms(took)) << "the stream stood still " << ms(longest) << " ms of the "
+                                       << ms(took) << " ms the large prompt took";
+}
+
 }  // namespace
 }  // namespace kvtier::frontend

@@ -212,10 +212,14 @@ absl::Status DeletionCostUpdater::Round() {
   return absl::OkStatus();
 }
 
+// One call to the API server, each step within kCallTimeout (the exchange
+// runs asynchronously on a local io_context, so a stalled server times out
+// rather than holding the updater, and the frontend's shutdown, forever).
 absl::StatusOr<std::string> DeletionCostUpdater::Call(const std::string& method,
                                                       const std::string& target,
                                                       const std::string& body,
                                                       const std::string& content_type) {
+  const std::string what = absl::StrCat(method, " ", target, " to ", host_, ":", port_);
   try {
     net::io_context ioc;
     ssl::context ctx(ssl::context::tls_client);
@@ -224,9 +228,6 @@ absl::StatusOr<std::string> DeletionCostUpdater::Call(const std::string& method,
     ctx.set_verify_callback(ssl::host_name_verification(host_));
     beast::ssl_stream<beast::tcp_stream> stream(ioc, ctx);
     tcp::resolver resolver(ioc);
-    beast::get_lowest_layer(stream).expires_after(std::chrono::seconds(10));
-    beast::get_lowest_layer(stream).connect(resolver.resolve(host_, port_));
-    stream.handshake(ssl::stream_base::client);
     http::request<http::string_body> req(http::string_to_verb(method), target, 11);
     req.set(http::field::host, host_);
     std::string token = ReadFile(token_file_);  // the kubelet rotates it
@@ -238,20 +239,55 @@ absl::StatusOr<std::string> DeletionCostUpdater::Call(const std::string& method,
       req.body() = body;
     }
     req.prepare_payload();
-    http::write(stream, req);
     beast::flat_buffer buf;
-    http::response<http::string_body> res;
-    http::read(stream, buf, res);
-    beast::error_code ignored;
-    stream.shutdown(ignored);
+    http::response_parser<http::string_body> parser;
+    parser.body_limit(kMaxAnswerBytes);  // a pod list of a large fleet is over Beast's 8 MiB
+    beast::error_code ec;
+    std::string step = "resolve";
+    auto& tcp_layer = beast::get_lowest_layer(stream);
+    auto fail = [&](const char* at, beast::error_code e) {
+      ec = e;
+      step = at;
+    };
+    // Each step chains the next; `ec` and `step` say where it ended.
+    resolver.async_resolve(host_, port_, [&](beast::error_code e, tcp::resolver::results_type r) {
+      if (e) return fail("resolve", e);
+      tcp_layer.expires_after(kCallTimeout);
+      tcp_layer.async_connect(r, [&](beast::error_code e, const tcp::endpoint&) {
+        if (e) return fail("connect", e);
+        tcp_layer.expires_after(kCallTimeout);
+        stream.async_handshake(ssl::stream_base::client, [&](beast::error_code e) {
+          if (e) return fail("TLS handshake", e);
+          tcp_layer.expires_after(kCallTimeout);
+          http::async_write(stream, req, [&](beast::error_code e, size_t) {
+            if (e) return fail("write", e);
+            tcp_layer.expires_after(kCallTimeout);
+            http::async_read(stream, buf, parser, [&](beast::error_code e, size_t) {
+              if (e) return fail("read", e);
+              step = "done";
+            });
+          });
+        });
+      });
+    });
+    // The resolver has no timer of its own: the whole call is bounded too.
+    ioc.run_for(4 * kCallTimeout);
+    if (step != "done") {
+      if (!ec) ec = beast::error::timeout;
+      return absl::UnavailableError(absl::StrCat(what, ": ", step, ": ", ec.message()));
+    }
+    tcp_layer.expires_after(std::chrono::seconds(1));
+    stream.async_shutdown([](beast::error_code) {});
+    ioc.restart();
+    ioc.run_for(std::chrono::seconds(1));
+    http::response<http::string_body>& res = parser.get();
     if (res.result_int() / 100 != 2) {
       return absl::UnavailableError(absl::StrCat(method, " ", target, ": HTTP ", res.result_int(),
                                                  ": ", res.body().substr(0, 300)));
     }
     return std::move(res.body());
   } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat(method, " ", target, " to ", host_, ":", port_, ": ", e.what()));
+    return absl::UnavailableError(absl::StrCat(what, ": ", e.what()));
   }
 }
 

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -86,6 +87,9 @@ class DeletionCostUpdater {
   absl::Status Round();
   absl::StatusOr<std::string> Call(const std::string& method, const std::string& target,
                                    const std::string& body, const std::string& content_type);
+
+  static constexpr std::chrono::seconds kCallTimeout{10};
+  static constexpr uint64_t kMaxAnswerBytes = 256 << 20;
 
   DeletionCostOptions options_;
   uint32_t block_tokens_ = 0;

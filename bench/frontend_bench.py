@@ -176,6 +176,7 @@ class Frontend:
                     f"--listen=127.0.0.1:{self.port}",
                     f"--model={TINY_LLAMA}",
                     "--served-model-name=tiny",
+                    "--route-header",
                     "--engines=" + ";".join(engines),
                     f"--threads={threads}",
                     "--max-prompt-tokens=8192",

@@ -54,6 +54,12 @@ int main(int argc, char** argv) {
   flags.Bytes("max-prompt-tokens", &max_prompt_tokens, "largest prompt taken, in tokens");
   flags.Int("max-prompts", &max_prompts, 1, 4096, "prompts in one completions request");
   flags.Int("max-model-len", &max_model_len, 0, int64_t{1} << 30, "what /v1/models reports");
+  flags.HostPort("metrics-listen", &o.metrics_listen,
+                 "serve GET /metrics here only, off the clients' port (HOST:PORT; empty: on "
+                 "--listen)");
+  flags.Bool("route-header", &o.route_header,
+             "answer each request's x-kvtier-route header (engine, matches, load, cost; it "
+             "names engine addresses: for operators and tests)");
   flags.DurationMs("client-timeout", &o.client_timeout_ms,
                    "time to read a client's request, and to write it each piece of its answer");
   flags.Int("max-connections", &max_connections, 1, int64_t{1} << 20,
@@ -152,6 +158,9 @@ int main(int argc, char** argv) {
   if (!fe.ok()) {
     std::fprintf(stderr, "kvtier-frontend: %s\n", std::string(fe.status().message()).c_str());
     return 1;
+  }
+  if ((*fe)->metrics_port() != 0) {
+    kvtier::Log("frontend", "metrics on port ", (*fe)->metrics_port());
   }
   kvtier::Log("frontend", "serving ", o.served_model, " on port ", (*fe)->port(), " in front of ",
               o.engines.size(), " engines and ", o.dns.size(), " DNS pools",

@@ -7,8 +7,9 @@
 
 namespace kvtier::frontend {
 
-std::string RenderMetrics(Counters& counters, const FleetView& fleet, router::RouterCore& core,
-                          const DeletionCostUpdater* costs) {
+std::vector<prometheus::MetricFamily> CollectMetrics(Counters& counters, const FleetView& fleet,
+                                                     router::RouterCore& core,
+                                                     const DeletionCostUpdater* costs) {
   MetricsBuilder m;
   {
     std::lock_guard lk(counters.mu);
@@ -83,8 +84,16 @@ std::string RenderMetrics(Counters& counters, const FleetView& fleet, router::Ro
     }
   }
   if (costs != nullptr) costs->AddMetrics(m);
-  AddProcessMetrics(m);
-  return prometheus::TextSerializer().Serialize(m.Take());
+  return m.Take();
+}
+
+std::string RenderMetrics(Counters& counters, const FleetView& fleet, router::RouterCore& core,
+                          const DeletionCostUpdater* costs) {
+  std::vector<prometheus::MetricFamily> families = CollectMetrics(counters, fleet, core, costs);
+  MetricsBuilder process;
+  AddProcessMetrics(process);
+  for (auto& f : process.Take()) families.push_back(std::move(f));
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 }  // namespace kvtier::frontend

@@ -9,6 +9,9 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
+
+#include <prometheus/metric_family.h>
 
 #include "common/histogram.h"
 #include "frontend/fleet.h"
@@ -53,10 +56,13 @@ struct Counters {
   }
 };
 
-// The Prometheus text of the frontend's series: `counters`, each engine of
-// `fleet` (up, in flight, its KV event stream, its vLLM load, the tokens
-// only it holds per `core`, its health checks and failures), `costs` when
-// set, and the process's own metrics.
+// The frontend's series: `counters`, each engine of `fleet` (up, in
+// flight, its KV event stream, its vLLM load, the tokens only it holds per
+// `core`, its health checks and failures), and `costs` when set.
+std::vector<prometheus::MetricFamily> CollectMetrics(Counters& counters, const FleetView& fleet,
+                                                     router::RouterCore& core,
+                                                     const DeletionCostUpdater* costs);
+// CollectMetrics' series and the process's own, as Prometheus text.
 std::string RenderMetrics(Counters& counters, const FleetView& fleet, router::RouterCore& core,
                           const DeletionCostUpdater* costs);
 

@@ -33,7 +33,7 @@ void AnswerHeader(http::response<Body>& res, const Upstream& upstream, const std
     auto it = upstream.find(field);
     if (it != upstream.end()) res.set(field, it->value());
   }
-  res.set("x-kvtier-route", explain);
+  if (!explain.empty()) res.set("x-kvtier-route", explain);
   res.keep_alive(keep_alive);
 }
 
@@ -203,7 +203,7 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       co_return told ? Tried::kDone : Tried::kClientGone;
     }
     http::response<http::string_body> res{static_cast<http::status>(status), 11};
-    AnswerHeader(res, parser->get(), explain, keep_alive);
+    AnswerHeader(res, parser->get(), options_.route_header ? explain : "", keep_alive);
     answer->status = static_cast<int>(status);
     res.body() = std::move(body);
     res.prepare_payload();
@@ -229,7 +229,7 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
   // the engine writes them; no other engine is tried.
   if (!answer->head_sent) {
     http::response<http::empty_body> res{static_cast<http::status>(status), 11};
-    AnswerHeader(res, parser->get(), explain, keep_alive);
+    AnswerHeader(res, parser->get(), options_.route_header ? explain : "", keep_alive);
     res.chunked(true);
     http::response_serializer<http::empty_body> sr{res};
     client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));

@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/rpc/metrics.h"
 #include "frontend/asio.h"
 #include "frontend/choice.h"
 #include "frontend/fleet.h"
@@ -53,6 +54,7 @@ struct Frontend::Impl {
   std::unique_ptr<Fleet> fleet;
   std::unique_ptr<Relay> relay;
   std::unique_ptr<Prefiller> prefiller;
+  std::unique_ptr<MetricsServer> metrics_server;  // --metrics-listen
   std::optional<Acceptor> acceptor;
   size_t next_loop = 0;
   std::vector<std::thread> threads;
@@ -263,7 +265,8 @@ struct Frontend::Impl {
             "{\"status\":\"", draining.load() ? "draining" : (up > 0 ? "ok" : "no engine"),
             "\",\"engines_up\":", up, ",\"engines\":", engines.size(), "}");
         again = co_await ReplyJson(client, status, std::move(health), keep);
-      } else if (path == "/metrics" && req.method() == http::verb::get) {
+      } else if (path == "/metrics" && req.method() == http::verb::get &&
+                 options.metrics_listen.empty()) {
         http::response<http::string_body> res{http::status::ok, 11};
         res.set(http::field::content_type, "text/plain; version=0.0.4");
         res.body() =
@@ -388,6 +391,14 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   raw->relay = std::make_unique<Relay>(o, *raw->fleet, *raw->load, raw->counters, o.threads);
   raw->prefiller = std::make_unique<Prefiller>(raw->router->core(), raw->namespace_id, *raw->fleet,
                                                *raw->load, raw->counters, *raw->relay);
+  if (!o.metrics_listen.empty()) {
+    auto server = MetricsServer::Start(o.metrics_listen, [raw] {
+      return CollectMetrics(raw->counters, *raw->fleet->Snapshot(), raw->router->core(),
+                            raw->deletion_costs.get());
+    });
+    if (!server.ok()) return server.status();
+    raw->metrics_server = std::move(*server);
+  }
   net::co_spawn(first, raw->Accept(), net::detached);
   raw->fleet->Start();
   for (size_t i = 0; i < raw->loops.size(); ++i) {
@@ -422,6 +433,7 @@ bool Frontend::Drain(uint64_t grace_ms) {
 }
 
 Frontend::~Frontend() {
+  impl_->metrics_server.reset();  // its scrapes read what follows
   impl_->deletion_costs.reset();
   for (auto& loop : impl_->loops) loop->stop();
   for (auto& t : impl_->threads) t.join();
@@ -431,6 +443,10 @@ Frontend::~Frontend() {
 }
 
 int Frontend::port() const { return impl_->port; }
+
+int Frontend::metrics_port() const {
+  return impl_->metrics_server ? impl_->metrics_server->port() : 0;
+}
 
 std::string Frontend::router_address() const { return impl_->router->address(); }
 

@@ -60,6 +60,12 @@ struct FrontendOptions {
   // (fewer streams win, as least-connections would choose) without
   // outweighing a prefix hit. 0: only prompts waiting for prefill are load.
   double decode_weight = 0.05;
+  // Where GET /metrics is served: "" on `listen` with the API; else on
+  // this operator port only (HOST:PORT), off the port clients reach.
+  std::string metrics_listen;
+  // Each answer's x-kvtier-route header (its engine, matched blocks, load
+  // and cost): for operators and tests; it names engine addresses.
+  bool route_header = false;
   // One log line per request sent to an engine: its explanation header
   // (engine, matched blocks, load, cost, reason) and prompt tokens.
   bool log_routes = false;
@@ -131,6 +137,7 @@ class Frontend {
   Frontend& operator=(const Frontend&) = delete;
 
   int port() const;
+  int metrics_port() const;            // --metrics-listen's port; 0: /metrics is on port()
   std::string router_address() const;  // where store shards publish their events
 
   struct Impl;

@@ -26,11 +26,12 @@ using testing::FakeEngine;
 using testing::WaitFor;
 
 std::unique_ptr<Frontend> StartFrontend(const std::vector<const FakeEngine*>& engines,
-                                        FrontendOptions o = {}) {
+                                        FrontendOptions o = {}, bool route_header = true) {
   o.listen = "127.0.0.1:0";
   o.router_listen = "127.0.0.1:0";
   o.served_model = "tiny";
   o.health_interval_ms = 200;
+  o.route_header = route_header;
   for (size_t i = 0; i < engines.size(); ++i) {
     router::VllmSourceSpec spec;
     spec.id = "e" + std::to_string(i);
@@ -351,6 +352,26 @@ TEST(FrontendRelay, ALargePromptBeingTokenizedHoldsNoStream) {
   EXPECT_GT(ms(took), 100) << "the prompt was prepared too fast to tell";
   EXPECT_LT(ms(longest) * 3, ms(took)) << "the stream stood still " << ms(longest) << " ms of the "
                                        << ms(took) << " ms the large prompt took";
+}
+
+// What names engines and their load is for operators: the route header
+// only when asked for, /metrics on the operator port when one is given.
+TEST(FrontendRelay, RoutesAndMetricsAreShownOnlyToOperators) {
+  FakeEngine e0(FakeEngine::Mode::kWhole);
+  FrontendOptions o;
+  o.metrics_listen = "127.0.0.1:0";
+  auto fe = StartFrontend({&e0}, o, /*route_header=*/false);
+  Answer a = Post(fe->port(), kCompletion);
+  EXPECT_EQ(a.status, 200);
+  EXPECT_EQ(a.route, "") << "the route header was sent unasked";
+  EXPECT_EQ(Get(fe->port(), "/metrics").status, 404);
+  ASSERT_NE(fe->metrics_port(), 0);
+  Answer m = Get(fe->metrics_port(), "/metrics");
+  EXPECT_EQ(m.status, 200);
+  EXPECT_NE(m.body.find("kvtier_frontend_requests_total{code=\"200\",endpoint=\"completions\"} 1"),
+            std::string::npos)
+      << m.body.substr(0, 2000);
+  EXPECT_NE(m.body.find("process_open_fds"), std::string::npos);
 }
 
 }  // namespace

@@ -566,6 +566,15 @@ def check_frontend(values, schema):
           int(drain.rstrip("s")) + 5 < grace,
           "the drain fits the grace period after preStop: drain %s, grace %s" % (drain, grace))
     check(engine_arg(c["args"], "--max-connections") == "4096", "the connection cap from values")
+    # Metrics on the operator port, scraped through the headless Service;
+    # the clients' Service has the API port only; no route header.
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    check(engine_arg(c["args"], "--metrics-listen") == "0.0.0.0:%d" % ports["metrics"] and
+          "--route-header" not in c["args"], "metrics on the operator port: %s" % c["args"])
+    fh = find(objs, "Service", "-frontend-headless")
+    check({p["name"] for p in fh["spec"]["ports"]} == {"router", "metrics"} and
+          {p["name"] for p in find(objs, "Service", "-frontend")["spec"]["ports"]} == {"http"},
+          "the metrics port is on the headless Service only")
     eh = find(objs, "Service", "-engine-headless")
     check(eh is not None and eh["spec"]["clusterIP"] == "None" and
           {p["port"] for p in eh["spec"]["ports"]} == {8000, 5557, 5558},
@@ -576,8 +585,9 @@ def check_frontend(values, schema):
     check("--router=kv-router-headless:7500,kv-frontend-headless:7600" in store_args,
           "store shards publish to the routers and the frontends: %s" % store_args)
     np = find(objs, "NetworkPolicy", "-frontend")
-    check(np is not None and np["spec"]["ingress"][0] == {"ports": [{"port": 8000, "protocol": "TCP"}]},
-          "the frontend's HTTP port is open, its router port is not")
+    check(np is not None and np["spec"]["ingress"][0] == {"ports": [{"port": 8000, "protocol": "TCP"}]}
+          and np["spec"]["ingress"][1] == {"ports": [{"port": 9600, "protocol": "TCP"}]},
+          "the frontend's HTTP and metrics ports are open, its router port is not")
     notes = files.get("NOTES.txt", "")
     check("kubectl port-forward svc/kv-frontend" in notes and "/v1/completions" in notes,
           "NOTES send the first request through the frontend")

@@ -147,6 +147,7 @@ class Fleet:
             self.proc = subprocess.Popen(
                 [str(FRONTEND_BIN), "--listen=127.0.0.1:0", f"--port-file={port_file}",
                  f"--model={TINY_LLAMA}", "--served-model-name=tiny",
+                 "--route-header",
                  "--engines=" + ";".join(specs), *router, *frontend_flags],
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip

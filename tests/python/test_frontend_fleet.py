@@ -141,6 +141,7 @@ class DnsFleet:
             [
                 str(FRONTEND_BIN),
                 "--listen=127.0.0.1:0",
+                "--route-header",
                 f"--port-file={port_file}",
                 f"--model={TINY_LLAMA}",
                 "--served-model-name=tiny",

@@ -51,6 +51,8 @@ int main(int argc, char** argv) {
             "threads tokenizing large prompts and rendering long chats (off the serving threads)");
   flags.Int("max-attempts", &max_attempts, 1, 16, "engines tried for one request");
   flags.Bytes("max-body-bytes", &o.max_body_bytes, "largest request body taken");
+  flags.Bytes("max-body-bytes-in-flight", &o.max_body_bytes_in_flight,
+              "request bodies held at once (one more is answered 503 with Retry-After)");
   flags.Bytes("max-prompt-tokens", &max_prompt_tokens, "largest prompt taken, in tokens");
   flags.Int("max-prompts", &max_prompts, 1, 4096, "prompts in one completions request");
   flags.Int("max-model-len", &max_model_len, 0, int64_t{1} << 30, "what /v1/models reports");

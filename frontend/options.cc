@@ -89,6 +89,11 @@ absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options) {
 absl::Status FrontendOptions::Validate() const {
   if (served_model.empty()) return absl::InvalidArgumentError("--served-model-name is required");
   if (max_connections == 0) return absl::InvalidArgumentError("--max-connections must be >= 1");
+  if (max_body_bytes_in_flight < max_body_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-body-bytes-in-flight (", max_body_bytes_in_flight, ") is under --max-body-bytes (",
+        max_body_bytes, "): no largest body could be read"));
+  }
   if (text_threads < 1 || text_threads > 256) {
     return absl::InvalidArgumentError(
         absl::StrCat("--text-threads is ", text_threads, " (allowed 1..256)"));

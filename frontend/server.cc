@@ -63,6 +63,7 @@ struct Frontend::Impl {
   // Client connections open, connections being refused, requests being
   // served (read, not yet answered whole).
   std::atomic<int64_t> connections{0}, refusing{0}, requests_in_flight{0};
+  std::atomic<uint64_t> body_bytes_in_flight{0};  // request bodies being read or served
   std::atomic<bool> draining{false}, out_of_descriptors{false};
 
   template <typename Body>
@@ -201,22 +202,62 @@ struct Frontend::Impl {
     std::atomic<int64_t>* n;
   };
 
+  // `n` bytes counted in `*total` while it lives; ok() when the total
+  // with them is within a cap.
+  struct Reserved {
+    Reserved(std::atomic<uint64_t>* total, uint64_t n) : total(total), n(n), after(*total += n) {}
+    ~Reserved() { *total -= n; }
+    Reserved(const Reserved&) = delete;
+    Reserved& operator=(const Reserved&) = delete;
+    bool ok(uint64_t cap) const { return n == 0 || after <= cap; }
+    std::atomic<uint64_t>* total;
+    uint64_t n, after;
+  };
+
   Task<> Session(Socket socket) {
     Held open(&connections);
     Stream client(std::move(socket));
     beast::flat_buffer buf;
+    bool unread = false;  // refused with bytes of its request unread
     for (;;) {
       http::request_parser<http::string_body> parser;
       parser.body_limit(options.max_body_bytes);
       parser.header_limit(kHeaderLimit);
+      // The whole request within the client timeout, header and body.
       client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
       ErrorCode ec;
-      co_await http::async_read(client, buf, parser, net::redirect_error(kAwait, ec));
+      co_await http::async_read_header(client, buf, parser, net::redirect_error(kAwait, ec));
+      // The body's bytes are held from its header on: bodies read at once
+      // stay within --max-body-bytes-in-flight (a chunked one counts as
+      // --max-body-bytes). One that would pass it is refused unread.
+      const uint64_t length = !ec && parser.content_length() ? *parser.content_length()
+                              : !ec && parser.chunked()      ? options.max_body_bytes
+                                                             : 0;
+      Reserved body_bytes(&body_bytes_in_flight, std::min(length, options.max_body_bytes));
+      if (!ec && !body_bytes.ok(options.max_body_bytes_in_flight)) {
+        counters.Request("other", 503);
+        ApiError busy{503, "service_unavailable",
+                      absl::StrCat("the frontend holds its most request bodies in flight (",
+                                   options.max_body_bytes_in_flight, " bytes); try again"),
+                      "", ""};
+        std::string body = ErrorBody(busy);
+        http::response<http::string_body> res{http::status::service_unavailable, 11};
+        res.set(http::field::content_type, "application/json");
+        res.set(http::field::retry_after, "1");
+        res.body() = std::move(body);
+        co_await Reply(client, res, false);
+        unread = true;
+        break;
+      }
+      if (!ec && !parser.is_done()) {
+        co_await http::async_read(client, buf, parser, net::redirect_error(kAwait, ec));
+      }
       if (ec == http::error::body_limit) {
         ApiError big{413, "invalid_request_error",
                      absl::StrCat("the body is over ", options.max_body_bytes, " bytes"), "", ""};
         std::string other = "other";
         co_await ReplyError(client, std::move(other), std::move(big), false);
+        unread = true;
         break;
       }
       if (ec == http::error::header_limit) {
@@ -224,6 +265,7 @@ struct Frontend::Impl {
                      absl::StrCat("the header is over ", kHeaderLimit, " bytes"), "", ""};
         std::string other = "other";
         co_await ReplyError(client, std::move(other), std::move(big), false);
+        unread = true;
         break;
       }
       if (ec) break;  // closed, timed out or not HTTP
@@ -279,8 +321,29 @@ struct Frontend::Impl {
       }
       if (!again) break;
     }
-    ErrorCode ignored;
-    client.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    if (unread) {
+      co_await Linger(client);
+    } else {
+      ErrorCode ignored;
+      client.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    }
+  }
+
+  // Closes a connection whose client may still be sending (a request
+  // refused unread): the answer's end is sent, then what comes is read and
+  // dropped for up to kLinger, so that closing with unread bytes (a TCP
+  // reset) does not destroy the answer before the client reads it.
+  static constexpr auto kLinger = std::chrono::seconds(1);
+  static constexpr size_t kLingerBytes = 16 << 20;
+  Task<> Linger(Stream& client) {
+    ErrorCode ec;
+    client.socket().shutdown(tcp::socket::shutdown_send, ec);
+    client.expires_after(kLinger);
+    char scratch[16384];
+    for (size_t dropped = 0; !ec && dropped < kLingerBytes;) {
+      dropped +=
+          co_await client.async_read_some(net::buffer(scratch), net::redirect_error(kAwait, ec));
+    }
   }
 
   // A connection past --max-connections: answered 503 with Retry-After
@@ -297,8 +360,7 @@ struct Frontend::Impl {
                                                  options.max_connections, "); try again"),
                                     "", ""});
     co_await Reply(client, res, false);
-    ErrorCode ignored;
-    client.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    co_await Linger(client);
   }
 
   Task<> Accept() {

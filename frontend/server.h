@@ -42,6 +42,9 @@ struct FrontendOptions {
   uint64_t max_model_len = 0;  // what /v1/models reports
   RequestLimits limits;
   uint64_t max_body_bytes = 8 << 20;
+  // Request bodies held at once (read, or being served): one that would
+  // pass it is answered 503 with Retry-After before it is read.
+  uint64_t max_body_bytes_in_flight = 512 << 20;
   // Client connections held at once; one past it is answered 503 with
   // Retry-After and closed.
   uint64_t max_connections = 4096;

@@ -374,5 +374,40 @@ TEST(FrontendRelay, RoutesAndMetricsAreShownOnlyToOperators) {
   EXPECT_NE(m.body.find("process_open_fds"), std::string::npos);
 }
 
+// Bodies held at once are capped: a client trickling a large body holds
+// its bytes from its header on, and a body that would pass the cap is
+// refused unread (503, Retry-After) until the first is gone.
+TEST(FrontendRelay, BodiesPastTheInFlightCapAreAnswered503) {
+  FakeEngine e0(FakeEngine::Mode::kWhole);
+  FrontendOptions o;
+  o.max_body_bytes = 1 << 20;
+  o.max_body_bytes_in_flight = 1 << 20;
+  auto fe = StartFrontend({&e0}, o);
+  net::io_context io;
+  // 800 KiB announced, 10 bytes sent: the rest never comes.
+  tcp::socket slow = Dial(io, fe->port());
+  const std::string head =
+      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+      "Content-Length: " +
+      std::to_string(800 << 10) + "\r\n\r\n{\"prompt\":";
+  net::write(slow, net::buffer(head));
+  // A whole 500 KiB body (not JSON: 400 when read) from another client.
+  auto other = [&] { return Post(fe->port(), std::string(500 << 10, 'x')); };
+  Answer refused;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        refused = other();
+        return refused.status == 503;
+      },
+      std::chrono::seconds(30)))
+      << "a body past the cap was read: " << refused.status << " " << refused.error << " "
+      << refused.body.substr(0, 200);
+  EXPECT_EQ(refused.retry_after, "1");
+  EXPECT_NE(refused.body.find("bodies in flight"), std::string::npos) << refused.body;
+  slow.close();
+  EXPECT_TRUE(WaitFor([&] { return other().status == 400; }, std::chrono::seconds(30)))
+      << "bodies were still refused after the slow one left";
+}
+
 }  // namespace
 }  // namespace kvtier::frontend

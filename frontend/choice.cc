@@ -75,7 +75,8 @@ Choice Choose(router::RouterCore& core, uint64_t namespace_id, const FleetView& 
   bool unhealthy = false;
   if (c.engine == nullptr) {
     for (const auto& e : fleet.engines) {
-      if (tried.count(e.get()) || e->down_until_ms.load() > now || !Serves(e->spec, want)) {
+      if (tried.count(e.get()) || e->refused.load() || e->down_until_ms.load() > now ||
+          !Serves(e->spec, want)) {
         continue;
       }
       if (c.engine == nullptr || e->in_flight.load() < c.engine->in_flight.load()) {

@@ -5,6 +5,7 @@
 #include "frontend/load.h"
 #include "frontend/metrics.h"
 #include "frontend/pool.h"
+#include "frontend/token_check.h"
 
 namespace kvtier::frontend {
 
@@ -14,8 +15,13 @@ bool Serves(const router::VllmSourceSpec& spec, Want want) {
 }
 
 Fleet::Fleet(const FrontendOptions& options, router::RouterCore* core, LoadBook* load,
-             Counters* counters, Executor health)
-    : options_(options), core_(core), load_(load), counters_(counters), health_(health) {}
+             Counters* counters, Executor health, const TextModel* text)
+    : options_(options),
+      core_(core),
+      load_(load),
+      counters_(counters),
+      health_(health),
+      text_(text) {}
 
 void Fleet::Start() {
   for (const auto& spec : options_.engines) Add(spec, -1);
@@ -170,11 +176,24 @@ Task<> Fleet::DnsLoop(size_t index) {
 }
 
 Task<std::optional<std::string>> Fleet::Get(Engine& e, std::string path) const {
+  auto got = co_await Fetch(e, http::verb::get, std::move(path), std::string());
+  if (!got || got->first != 200) co_return std::nullopt;
+  co_return std::move(got->second);
+}
+
+Task<std::optional<std::pair<unsigned, std::string>>> Fleet::Fetch(Engine& e, http::verb verb,
+                                                                   std::string path,
+                                                                   std::string body) const {
   ErrorCode ec;
   auto s = co_await Connect(e, options_.connect_timeout_ms, ec);
   if (!s) co_return std::nullopt;
-  http::request<http::empty_body> req{http::verb::get, path, 11};
+  http::request<http::string_body> req{verb, path, 11};
   req.set(http::field::host, e.spec.endpoint);
+  if (!body.empty()) {
+    req.set(http::field::content_type, "application/json");
+    req.body() = std::move(body);
+  }
+  req.prepare_payload();
   s->expires_after(
       std::chrono::milliseconds(std::max<uint64_t>(2000, options_.health_interval_ms)));
   co_await http::async_write(*s, req, net::redirect_error(kAwait, ec));
@@ -183,8 +202,8 @@ Task<std::optional<std::string>> Fleet::Get(Engine& e, std::string path) const {
   http::response_parser<http::string_body> parser;
   parser.body_limit(16 << 20);
   co_await http::async_read(*s, b, parser, net::redirect_error(kAwait, ec));
-  if (ec || parser.get().result_int() != 200) co_return std::nullopt;
-  co_return std::move(parser.get().body());
+  if (ec) co_return std::nullopt;
+  co_return std::make_pair(parser.get().result_int(), std::move(parser.get().body()));
 }
 
 // One slow answer (an engine busy with a long prefill) is not a failure:
@@ -211,6 +230,7 @@ Task<> Fleet::HealthLoop(std::shared_ptr<Engine> e) {
         e->foreign_waiting = std::max(0.0, load.waiting - ours);
       }
       load_->Push(*e, true);
+      if (!e->tokens_checked && text_ != nullptr) co_await CheckTokens(*e);
     }
     e->health_checks++;
     const bool was = e->healthy.exchange(ok);
@@ -234,6 +254,33 @@ Task<> Fleet::HealthLoop(std::shared_ptr<Engine> e) {
     ErrorCode ec;
     co_await timer.async_wait(net::redirect_error(kAwait, ec));
     if (ec) co_return;
+  }
+}
+
+Task<> Fleet::CheckTokens(Engine& e) {
+  for (const TokenProbe& probe : TokenProbes(*text_)) {
+    std::string path = "/tokenize";
+    std::string body = probe.Request(options_.served_model);
+    auto answer = co_await Fetch(e, http::verb::post, path, body);
+    if (!answer) co_return;  // no answer: tried again at the next health check
+    e.tokens_checked = true;
+    const TokenProbe::Compared c = answer->first == 200
+                                       ? probe.Compare(answer->second)
+                                       : TokenProbe::Compared{TokenProbe::Compared::kNoIds,
+                                                              absl::StrCat("HTTP ", answer->first)};
+    if (c.kind == TokenProbe::Compared::kNoIds) {
+      Log("frontend", "engine ", e.spec.id, " has no vLLM /tokenize (", c.why,
+          "): its tokenizer is not compared with the frontend's");
+      co_return;
+    }
+    if (c.kind == TokenProbe::Compared::kDiffers) {
+      e.refused = true;
+      Log("frontend", "engine ", e.spec.id,
+          " is refused: its token ids differ from the frontend's (", c.why,
+          "); the frontend sends token ids, so that engine would compute other prompts. "
+          "Give the frontend the engine's own tokenizer files (--model)");
+      co_return;
+    }
   }
 }
 

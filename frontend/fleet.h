@@ -60,7 +60,14 @@ struct Engine {
   double foreign_waiting = 0;
   int64_t last_push_us = 0;  // guarded by mu: when the router was last told its load
 
-  bool Usable(int64_t now) const { return healthy.load() && down_until_ms.load() <= now; }
+  // Its tokenizer was compared with the frontend's (frontend/token_check.h):
+  // once it answered; refused when its ids differ (it never serves).
+  bool tokens_checked = false;  // only its health loop touches it
+  std::atomic<bool> refused{false};
+
+  bool Usable(int64_t now) const {
+    return healthy.load() && !refused.load() && down_until_ms.load() <= now;
+  }
 };
 
 // Which engines a choice is among: those that decode (every request's
@@ -76,8 +83,10 @@ struct FleetView {
 class Fleet {
  public:
   // `health` runs the health and DNS loops. Nothing starts before Start().
+  // `text` (may be null: no tokenizer check) is compared with each
+  // engine's /tokenize once it answers.
   Fleet(const FrontendOptions& options, router::RouterCore* core, LoadBook* load,
-        Counters* counters, Executor health);
+        Counters* counters, Executor health, const TextModel* text = nullptr);
 
   // The static engines join; each DNS pool is resolved now and every
   // dns_interval_ms.
@@ -102,6 +111,11 @@ class Fleet {
 
   // GET `path` on a connection of its own: the body of a 200, or nothing.
   Task<std::optional<std::string>> Get(Engine& e, std::string path) const;
+  // `verb` `path` with a JSON `body` on a connection of its own: the
+  // answer's status and body, or nothing when it did not answer.
+  Task<std::optional<std::pair<unsigned, std::string>>> Fetch(Engine& e, http::verb verb,
+                                                              std::string path,
+                                                              std::string body) const;
 
  private:
   void Add(const router::VllmSourceSpec& spec, int dns_pool);
@@ -109,12 +123,14 @@ class Fleet {
   void SyncDns(size_t index, const std::set<std::string>& addresses, const std::string& port);
   Task<> DnsLoop(size_t index);
   Task<> HealthLoop(std::shared_ptr<Engine> e);
+  Task<> CheckTokens(Engine& e);
 
   const FrontendOptions& options_;
   router::RouterCore* core_;
   LoadBook* load_;
   Counters* counters_;
   Executor health_;
+  const TextModel* text_;
   mutable std::mutex mu_;
   std::shared_ptr<const FleetView> view_ = std::make_shared<FleetView>();  // guarded by mu_
 };

@@ -40,6 +40,12 @@ std::vector<prometheus::MetricFamily> CollectMetrics(Counters& counters, const F
             static_cast<double>(counters.streams_cut.load()));
   m.Counter("kvtier_frontend_no_engine_total", "Requests no engine could serve (503).",
             static_cast<double>(counters.no_engine.load()));
+  m.Gauge("kvtier_frontend_connections", "Client connections open.",
+          static_cast<double>(counters.connections.load()));
+  m.Gauge("kvtier_frontend_requests_in_flight", "Requests read and not yet answered whole.",
+          static_cast<double>(counters.requests_in_flight.load()));
+  m.Gauge("kvtier_frontend_body_bytes_in_flight", "Bytes of the request bodies held.",
+          static_cast<double>(counters.body_bytes_in_flight.load()));
   m.Histogram("kvtier_frontend_added_seconds", "Request read to engine chosen.",
               counters.added.Take());
   const auto& engines = fleet.engines;

@@ -28,6 +28,10 @@ struct Counters {
   std::atomic<uint64_t> failovers{0}, client_disconnects{0}, no_engine{0}, streams_cut{0};
   std::map<std::string, uint64_t> handoffs;  // prefill/decode, by outcome
   std::map<std::pair<std::string, std::string>, uint64_t> resolutions;  // (name, outcome)
+  // Client connections open, requests being served (read, not yet
+  // answered whole), and the bytes of request bodies held.
+  std::atomic<int64_t> connections{0}, requests_in_flight{0};
+  std::atomic<uint64_t> body_bytes_in_flight{0};
   // The added latency: request read to engine chosen.
   LatencyHistogram added;
 

@@ -62,8 +62,10 @@ struct Frontend::Impl {
   int port = 0;
   // Client connections open, connections being refused, requests being
   // served (read, not yet answered whole).
-  std::atomic<int64_t> connections{0}, refusing{0}, requests_in_flight{0};
-  std::atomic<uint64_t> body_bytes_in_flight{0};  // request bodies being read or served
+  std::atomic<int64_t> refusing{0};
+  std::atomic<int64_t>& connections = counters.connections;
+  std::atomic<int64_t>& requests_in_flight = counters.requests_in_flight;
+  std::atomic<uint64_t>& body_bytes_in_flight = counters.body_bytes_in_flight;
   std::atomic<bool> draining{false}, out_of_descriptors{false};
 
   template <typename Body>
@@ -449,7 +451,8 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   const Executor first = raw->loops[0]->get_executor();
   raw->load.emplace(o.decode_weight);
   raw->text_pool.emplace(static_cast<size_t>(o.text_threads));
-  raw->fleet = std::make_unique<Fleet>(o, &raw->router->core(), &*raw->load, &raw->counters, first);
+  raw->fleet = std::make_unique<Fleet>(o, &raw->router->core(), &*raw->load, &raw->counters, first,
+                                       raw->text.get());
   raw->relay = std::make_unique<Relay>(o, *raw->fleet, *raw->load, raw->counters, o.threads);
   raw->prefiller = std::make_unique<Prefiller>(raw->router->core(), raw->namespace_id, *raw->fleet,
                                                *raw->load, raw->counters, *raw->relay);

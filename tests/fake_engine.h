@@ -12,6 +12,7 @@
 #include <boost/asio.hpp>
 #include <boost/beast.hpp>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -59,6 +60,9 @@ class FakeEngine {
   std::atomic<int> events{3};
   std::atomic<int> gap_ms{0};
   std::atomic<int> completions{0};  // completion requests received
+  // /tokenize's answer to a request body (vLLM's {"tokens": [...]}); unset:
+  // 404, as a server without the endpoint. Set before the engine is used.
+  std::function<std::string(const std::string&)> tokenize;
 
  private:
   using tcp = boost::asio::ip::tcp;
@@ -86,6 +90,17 @@ class FakeEngine {
       const std::string target(req.target());
       if (target == "/health" || target == "/metrics") {
         http::response<http::string_body> res{http::status::ok, 11};
+        res.keep_alive(req.keep_alive());
+        res.prepare_payload();
+        http::write(s, res, ec);
+        if (ec || !req.keep_alive()) return;
+        continue;
+      }
+      if (target == "/tokenize") {
+        http::response<http::string_body> res{tokenize ? http::status::ok : http::status::not_found,
+                                              11};
+        res.set(http::field::content_type, "application/json");
+        res.body() = tokenize ? tokenize(req.body()) : R"({"detail":"Not Found"})";
         res.keep_alive(req.keep_alive());
         res.prepare_payload();
         http::write(s, res, ec);

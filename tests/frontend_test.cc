@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "fake_engine.h"
 #include "frontend/server.h"
 #include "test_util.h"
@@ -391,6 +393,12 @@ TEST(FrontendRelay, BodiesPastTheInFlightCapAreAnswered503) {
       "Content-Length: " +
       std::to_string(800 << 10) + "\r\n\r\n{\"prompt\":";
   net::write(slow, net::buffer(head));
+  // Its header read: its bytes are held.
+  ASSERT_TRUE(WaitFor([&] {
+    return Get(fe->port(), "/metrics")
+               .body.find("kvtier_frontend_body_bytes_in_flight " + std::to_string(800 << 10)) !=
+           std::string::npos;
+  })) << Get(fe->port(), "/metrics").body.substr(0, 3000);
   // A whole 500 KiB body (not JSON: 400 when read) from another client.
   auto other = [&] { return Post(fe->port(), std::string(500 << 10, 'x')); };
   Answer refused;
@@ -407,6 +415,44 @@ TEST(FrontendRelay, BodiesPastTheInFlightCapAreAnswered503) {
   slow.close();
   EXPECT_TRUE(WaitFor([&] { return other().status == 400; }, std::chrono::seconds(30)))
       << "bodies were still refused after the slow one left";
+}
+
+// The frontend forwards token ids: an engine whose tokenizer gives other
+// ids for the same text is refused (it would read them as another
+// prompt); one whose ids agree serves.
+TEST(FrontendRelay, AnEngineWhoseTokenIdsDifferIsRefused) {
+  auto model = TextModel::Open(std::string(KVTIER_SOURCE_DIR) + "/tests/models/tiny-llama");
+  ASSERT_TRUE(model.ok());
+  const TextModel* text = model->get();
+  // vLLM's /tokenize over the same files, and one off by an id at the end.
+  auto same = [text](const std::string& body) {
+    const auto j = nlohmann::json::parse(body);
+    auto ids = j.contains("messages") ? text->EncodeChat(body)
+                                      : text->Encode(j["prompt"].get<std::string>(), true);
+    return nlohmann::json{{"tokens", *ids}, {"count", ids->size()}}.dump();
+  };
+  FakeEngine e0(FakeEngine::Mode::kWhole), e1(FakeEngine::Mode::kWhole);
+  e0.tokenize = [same](const std::string& body) {
+    auto j = nlohmann::json::parse(same(body));
+    j["tokens"].back() = j["tokens"].back().get<uint64_t>() + 1;
+    return j.dump();
+  };
+  e1.tokenize = same;
+  auto fe = StartFrontend({&e0, &e1});
+  // e0 would be first (fewest in flight, first); once checked, never.
+  ASSERT_TRUE(WaitFor([&] {
+    Answer h = Get(fe->port(), "/metrics");
+    return h.body.find("kvtier_frontend_engine_up{engine=\"e0\"} 0") != std::string::npos;
+  })) << "e0 was not refused";
+  const int before = e0.completions.load();
+  for (int i = 0; i < 4; ++i) {
+    Answer a = Post(fe->port(), kCompletion);
+    EXPECT_EQ(a.status, 200);
+    EXPECT_NE(a.route.find("engine=e1"), std::string::npos) << a.route;
+  }
+  EXPECT_EQ(e0.completions.load(), before);
+  EXPECT_NE(Get(fe->port(), "/metrics").body.find("kvtier_frontend_engine_up{engine=\"e1\"} 1"),
+            std::string::npos);
 }
 
 }  // namespace

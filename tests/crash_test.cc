@@ -1,6 +1,6 @@
 // The crash test (kvtier-bench crash, in the style of RocksDB's
 // db_crashtest.py), short: the store is SIGKILLed 20 times (more on a slow
-// host, until the oracle holds enough NVMe blocks to check) at random
+// host, until enough reads after restarts were of NVMe blocks) at random
 // moments under put/get/evict load with demotions to NVMe and restarted on
 // the same data; after every restart each block it had reported on NVMe is
 // back byte-exact and nothing served is wrong, in each --disk-sync mode. And
@@ -53,8 +53,9 @@ TEST_P(CrashPerSyncMode, AcknowledgedNvmeBlocksSurviveKillsByteExact) {
   EXPECT_GE(j["kills"].get<uint64_t>(), 8u);
   EXPECT_EQ(j["lost"].get<uint64_t>(), 0u) << j.dump(2);
   EXPECT_EQ(j["wrong"].get<uint64_t>(), 0u) << j.dump(2);
-  EXPECT_GT(j["acknowledged_on_nvme"].get<uint64_t>(), 50u) << j.dump(2);
-  EXPECT_GT(j["checked_after_restarts"].get<uint64_t>(), 50u) << j.dump(2);
+  // The checks had acknowledged blocks to hold the store to (evictions may
+  // leave the oracle few at the end of a run on a loaded host).
+  EXPECT_GT(j["acknowledged_checked_after_restarts"].get<uint64_t>(), 50u) << j.dump(2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CrashPerSyncMode, ::testing::Values("commit", "group"));

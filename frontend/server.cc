@@ -1,9 +1,8 @@
-// kvtier-frontend's server: the client's side (each connection's requests
-// read, checked and answered; completions tried on the engines the router
-// chooses, in turn) and the parts' assembly. The parts: the fleet and its
-// health (frontend/fleet.h), the choice (choice.h), upstream connections
+// kvtier-frontend's server: the parts' assembly, and a completion's tries
+// on the engines the router chooses. The parts: the fleet and its health
+// (frontend/fleet.h), the choice (choice.h), upstream connections
 // (pool.h), the relay of one try (relay.h), prefill/decode (handoff.h),
-// load (load.h) and metrics (metrics.h).
+// load (load.h), metrics (metrics.h); the client's side is session.cc.
 #include "frontend/server.h"
 
 // GCC 12 warns that Asio's coroutine frames, allocated by their own
@@ -21,382 +20,126 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
-#include "common/rpc/metrics.h"
-#include "frontend/asio.h"
 #include "frontend/choice.h"
-#include "frontend/fleet.h"
-#include "frontend/handoff.h"
-#include "frontend/load.h"
-#include "frontend/metrics.h"
 #include "frontend/offload.h"
-#include "frontend/relay.h"
-#include "router/embedded_router.h"
+#include "frontend/server_impl.h"
 
 namespace kvtier::frontend {
 
-struct Frontend::Impl {
-  FrontendOptions options;
-  // One io_context per thread; connections are dealt round-robin. Declared
-  // first of what uses them: coroutines and pooled connections are
-  // destroyed before their io_contexts.
-  std::vector<std::unique_ptr<net::io_context>> loops;
-  // Each loop runs until stopped, whether or not it has connections yet.
-  std::vector<net::executor_work_guard<Executor>> keep_running;
-  std::unique_ptr<TextModel> text;
-  // Prepares large requests (joined before `text` goes).
-  std::optional<net::thread_pool> text_pool;
-  static constexpr size_t kInlineBody = 16 << 10;
-  std::unique_ptr<router::EmbeddedRouter> router;
-  std::unique_ptr<DeletionCostUpdater> deletion_costs;  // --deletion-cost-selector
-  uint64_t namespace_id = 0;
-  Counters counters;
-  std::optional<LoadBook> load;
-  std::unique_ptr<Fleet> fleet;
-  std::unique_ptr<Relay> relay;
-  std::unique_ptr<Prefiller> prefiller;
-  std::unique_ptr<MetricsServer> metrics_server;  // --metrics-listen
-  std::optional<Acceptor> acceptor;
-  size_t next_loop = 0;
-  std::vector<std::thread> threads;
-  uint64_t started_unix = 0;
-  int port = 0;
-  // Client connections open, connections being refused, requests being
-  // served (read, not yet answered whole).
-  std::atomic<int64_t> refusing{0};
-  std::atomic<int64_t>& connections = counters.connections;
-  std::atomic<int64_t>& requests_in_flight = counters.requests_in_flight;
-  std::atomic<uint64_t>& body_bytes_in_flight = counters.body_bytes_in_flight;
-  std::atomic<bool> draining{false}, out_of_descriptors{false};
+// GCC 12 destroys some temporaries of a co_await's full-expression twice:
+// every argument of a coroutine call here is a named local.
+Task<bool> Frontend::Impl::ReplyJson(Stream& client, unsigned status, std::string body,
+                                     bool keep_alive) {
+  http::response<http::string_body> res{static_cast<http::status>(status), 11};
+  res.set(http::field::content_type, "application/json");
+  res.body() = std::move(body);
+  const bool again = co_await Reply(client, res, keep_alive);
+  co_return again;
+}
 
-  template <typename Body>
-  Task<bool> Reply(Stream& client, http::response<Body>& res, bool keep_alive) {
-    res.set(http::field::server, "kvtier-frontend");
-    res.keep_alive(keep_alive);
-    res.prepare_payload();
-    ErrorCode ec;
-    // A client that does not read its answer is cut at the client timeout.
-    client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
-    co_await http::async_write(client, res, net::redirect_error(kAwait, ec));
-    client.expires_never();
-    co_return !ec && keep_alive;
+Task<bool> Frontend::Impl::ReplyError(Stream& client, std::string endpoint, ApiError e,
+                                      bool keep_alive) {
+  counters.Request(endpoint, e.status);
+  std::string body = ErrorBody(e);
+  const bool again = co_await ReplyJson(client, e.status, std::move(body), keep_alive);
+  co_return again;
+}
+
+Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::string& name,
+                                 const std::string& body, bool keep_alive,
+                                 Clock::time_point arrived) {
+  // A large body (a long prompt to tokenize, a long chat to render) is
+  // prepared off this thread: the streams it serves go on meanwhile.
+  auto prepare = [this, endpoint, &body] {
+    return Prepare(endpoint, body, *text, options.served_model, options.limits);
+  };
+  PrepareResult prep;
+  if (body.size() <= kInlineBody) {
+    prep = prepare();
+  } else {
+    // GCC 12: the coroutine's argument a named local, its result one too.
+    PrepareResult off = co_await OffThread(*text_pool, prepare);
+    prep = std::move(off);
   }
-
-  // GCC 12 destroys some temporaries of a co_await's full-expression twice:
-  // every argument of a coroutine call here is a named local.
-  Task<bool> ReplyJson(Stream& client, unsigned status, std::string body, bool keep_alive) {
-    http::response<http::string_body> res{static_cast<http::status>(status), 11};
-    res.set(http::field::content_type, "application/json");
-    res.body() = std::move(body);
-    const bool again = co_await Reply(client, res, keep_alive);
+  if (prep.error) {
+    ApiError err = *prep.error;
+    const bool again = co_await ReplyError(client, name, std::move(err), keep_alive);
     co_return again;
   }
-
-  Task<bool> ReplyError(Stream& client, std::string endpoint, ApiError e, bool keep_alive) {
-    counters.Request(endpoint, e.status);
-    std::string body = ErrorBody(e);
-    const bool again = co_await ReplyJson(client, e.status, std::move(body), keep_alive);
-    co_return again;
-  }
-
-  Task<bool> Proxy(Stream& client, Endpoint endpoint, const std::string& name,
-                   const std::string& body, bool keep_alive, Clock::time_point arrived) {
-    // A large body (a long prompt to tokenize, a long chat to render) is
-    // prepared off this thread: the streams it serves go on meanwhile.
-    auto prepare = [this, endpoint, &body] {
-      return Prepare(endpoint, body, *text, options.served_model, options.limits);
-    };
-    PrepareResult prep;
-    if (body.size() <= kInlineBody) {
-      prep = prepare();
-    } else {
-      // GCC 12: the coroutine's argument a named local, its result one too.
-      PrepareResult off = co_await OffThread(*text_pool, prepare);
-      prep = std::move(off);
+  const Prepared& p = prep.prepared;
+  std::set<const Engine*> tried;
+  ClientAnswer answer;  // over the tries
+  bool client_keep = keep_alive;
+  // With prefill engines, a long uncached prompt is prefilled there first
+  // and the decode engine sent it with the handoff's params.
+  Prepared handed;
+  const Prepared* send = &p;
+  std::string prefill_note;
+  for (uint32_t attempt = 0; attempt < options.max_attempts; ++attempt) {
+    Choice c = Choose(router->core(), namespace_id, *fleet->Snapshot(), p.tokens, p.prompt_tokens,
+                      tried, Want::kDecode, counters);
+    if (c.engine == nullptr) break;
+    if (attempt == 0) {
+      load->Seen(c.uncached);
+      // What the frontend adds: read to chosen (a handoff's prefill is
+      // the engines' time, not the frontend's).
+      const auto us =
+          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - arrived).count();
+      counters.added.Record(static_cast<uint64_t>(us));
     }
-    if (prep.error) {
-      ApiError err = *prep.error;
-      const bool again = co_await ReplyError(client, name, std::move(err), keep_alive);
-      co_return again;
-    }
-    const Prepared& p = prep.prepared;
-    std::set<const Engine*> tried;
-    ClientAnswer answer;  // over the tries
-    bool client_keep = keep_alive;
-    // With prefill engines, a long uncached prompt is prefilled there first
-    // and the decode engine sent it with the handoff's params.
-    Prepared handed;
-    const Prepared* send = &p;
-    std::string prefill_note;
-    for (uint32_t attempt = 0; attempt < options.max_attempts; ++attempt) {
-      Choice c = Choose(router->core(), namespace_id, *fleet->Snapshot(), p.tokens, p.prompt_tokens,
-                        tried, Want::kDecode, counters);
-      if (c.engine == nullptr) break;
-      if (attempt == 0) {
-        load->Seen(c.uncached);
-        // What the frontend adds: read to chosen (a handoff's prefill is
-        // the engines' time, not the frontend's).
-        const auto us =
-            std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - arrived).count();
-        counters.added.Record(static_cast<uint64_t>(us));
-      }
-      if (attempt == 0 && p.disaggregable && c.uncached > options.pd_threshold &&
-          fleet->HasPrefillEngines()) {
-        bool gone = false;
-        auto params = co_await prefiller->Prefill(p, client, &prefill_note, &gone);
-        if (gone) {
-          counters.Request(name, 499);
-          co_return false;
-        }
-        if (params) {
-          handed = p;
-          handed.body = DecodeBody(p, *params);
-          send = &handed;
-        }
-      }
-      tried.insert(c.engine.get());
-      if (attempt > 0) counters.failovers++;
-      const std::shared_ptr<Engine> held = c.engine;  // lives while it serves
-      Engine& e = *held;
-      // After a handoff the decode engine loads the prompt's KV rather
-      // than computing it: its prefill queue gains nothing.
-      Ticket ticket = load->Charge(e, p.prompt_tokens, send == &handed ? 0 : c.uncached);
-      const std::string explain = absl::StrCat(c.explain, prefill_note, "; attempt=", attempt + 1);
-      if (options.log_routes) Log("route", explain, "; prompt_tokens=", p.prompt_tokens);
-      Tried t = co_await relay->Forward(e, *send, explain, client, keep_alive, &client_keep,
-                                        &ticket, &answer);
-      load->Finish(e, &ticket);
-      if (t == Tried::kDone) {
-        if (!answer.cut) Fleet::Answered(e);
-        counters.Request(name, answer.status);
-        if (answer.cut) counters.streams_cut++;
-        co_return client_keep;
-      }
-      if (t == Tried::kClientGone) {
+    if (attempt == 0 && p.disaggregable && c.uncached > options.pd_threshold &&
+        fleet->HasPrefillEngines()) {
+      bool gone = false;
+      auto params = co_await prefiller->Prefill(p, client, &prefill_note, &gone);
+      if (gone) {
         counters.Request(name, 499);
         co_return false;
       }
+      if (params) {
+        handed = p;
+        handed.body = DecodeBody(p, *params);
+        send = &handed;
+      }
     }
-    counters.no_engine++;
-    ApiError none{503, "service_unavailable",
-                  tried.empty() ? "no engine is available"
-                                : absl::StrCat("no engine could serve the request (", tried.size(),
-                                               " tried)"),
-                  "", ""};
-    if (answer.head_sent) {  // its event stream began: it ends with the error
-      counters.Request(name, 503);
-      std::string error = ErrorBody(none);
-      const bool told = co_await relay->EndWithEvent(client, std::move(error));
-      if (!told) counters.client_disconnects++;
+    tried.insert(c.engine.get());
+    if (attempt > 0) counters.failovers++;
+    const std::shared_ptr<Engine> held = c.engine;  // lives while it serves
+    Engine& e = *held;
+    // After a handoff the decode engine loads the prompt's KV rather
+    // than computing it: its prefill queue gains nothing.
+    Ticket ticket = load->Charge(e, p.prompt_tokens, send == &handed ? 0 : c.uncached);
+    const std::string explain = absl::StrCat(c.explain, prefill_note, "; attempt=", attempt + 1);
+    if (options.log_routes) Log("route", explain, "; prompt_tokens=", p.prompt_tokens);
+    Tried t = co_await relay->Forward(e, *send, explain, client, keep_alive, &client_keep, &ticket,
+                                      &answer);
+    load->Finish(e, &ticket);
+    if (t == Tried::kDone) {
+      if (!answer.cut) Fleet::Answered(e);
+      counters.Request(name, answer.status);
+      if (answer.cut) counters.streams_cut++;
+      co_return client_keep;
+    }
+    if (t == Tried::kClientGone) {
+      counters.Request(name, 499);
       co_return false;
     }
-    const bool again = co_await ReplyError(client, name, std::move(none), keep_alive);
-    co_return again;
   }
-
-  static constexpr uint32_t kHeaderLimit = 64 << 10;
-
-  // Counts one while it lives.
-  struct Held {
-    explicit Held(std::atomic<int64_t>* n) : n(n) { ++*n; }
-    ~Held() { --*n; }
-    Held(const Held&) = delete;
-    Held& operator=(const Held&) = delete;
-    std::atomic<int64_t>* n;
-  };
-
-  // `n` bytes counted in `*total` while it lives; ok() when the total
-  // with them is within a cap.
-  struct Reserved {
-    Reserved(std::atomic<uint64_t>* total, uint64_t n) : total(total), n(n), after(*total += n) {}
-    ~Reserved() { *total -= n; }
-    Reserved(const Reserved&) = delete;
-    Reserved& operator=(const Reserved&) = delete;
-    bool ok(uint64_t cap) const { return n == 0 || after <= cap; }
-    std::atomic<uint64_t>* total;
-    uint64_t n, after;
-  };
-
-  Task<> Session(Socket socket) {
-    Held open(&connections);
-    Stream client(std::move(socket));
-    beast::flat_buffer buf;
-    bool unread = false;  // refused with bytes of its request unread
-    for (;;) {
-      http::request_parser<http::string_body> parser;
-      parser.body_limit(options.max_body_bytes);
-      parser.header_limit(kHeaderLimit);
-      // The whole request within the client timeout, header and body.
-      client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
-      ErrorCode ec;
-      co_await http::async_read_header(client, buf, parser, net::redirect_error(kAwait, ec));
-      // The body's bytes are held from its header on: bodies read at once
-      // stay within --max-body-bytes-in-flight (a chunked one counts as
-      // --max-body-bytes). One that would pass it is refused unread.
-      const uint64_t length = !ec && parser.content_length() ? *parser.content_length()
-                              : !ec && parser.chunked()      ? options.max_body_bytes
-                                                             : 0;
-      Reserved body_bytes(&body_bytes_in_flight, std::min(length, options.max_body_bytes));
-      if (!ec && !body_bytes.ok(options.max_body_bytes_in_flight)) {
-        counters.Request("other", 503);
-        ApiError busy{503, "service_unavailable",
-                      absl::StrCat("the frontend holds its most request bodies in flight (",
-                                   options.max_body_bytes_in_flight, " bytes); try again"),
-                      "", ""};
-        std::string body = ErrorBody(busy);
-        http::response<http::string_body> res{http::status::service_unavailable, 11};
-        res.set(http::field::content_type, "application/json");
-        res.set(http::field::retry_after, "1");
-        res.body() = std::move(body);
-        co_await Reply(client, res, false);
-        unread = true;
-        break;
-      }
-      if (!ec && !parser.is_done()) {
-        co_await http::async_read(client, buf, parser, net::redirect_error(kAwait, ec));
-      }
-      if (ec == http::error::body_limit) {
-        ApiError big{413, "invalid_request_error",
-                     absl::StrCat("the body is over ", options.max_body_bytes, " bytes"), "", ""};
-        std::string other = "other";
-        co_await ReplyError(client, std::move(other), std::move(big), false);
-        unread = true;
-        break;
-      }
-      if (ec == http::error::header_limit) {
-        ApiError big{431, "invalid_request_error",
-                     absl::StrCat("the header is over ", kHeaderLimit, " bytes"), "", ""};
-        std::string other = "other";
-        co_await ReplyError(client, std::move(other), std::move(big), false);
-        unread = true;
-        break;
-      }
-      if (ec) break;  // closed, timed out or not HTTP
-      client.expires_never();
-      const auto arrived = Clock::now();
-      Held busy(&requests_in_flight);
-      auto& req = parser.get();
-      // Draining: this request is served and its connection closed.
-      const bool keep = req.keep_alive() && !draining.load();
-      const std::string target(req.target());
-      const std::string path = target.substr(0, target.find('?'));
-      bool again = keep;
-      if (path == "/v1/completions" || path == "/v1/chat/completions") {
-        const bool chat = path == "/v1/chat/completions";
-        const std::string name = chat ? "chat" : "completions";
-        if (req.method() != http::verb::post) {
-          ApiError post{405, "invalid_request_error", "use POST", "", ""};
-          again = co_await ReplyError(client, name, std::move(post), keep);
-        } else {
-          const Endpoint endpoint = chat ? Endpoint::kChat : Endpoint::kCompletions;
-          const std::string& body = req.body();
-          again = co_await Proxy(client, endpoint, name, body, keep, arrived);
-        }
-      } else if (path == "/v1/models" && req.method() == http::verb::get) {
-        counters.Request("models", 200);
-        std::string models = ModelsBody(options.served_model, started_unix, options.max_model_len);
-        again = co_await ReplyJson(client, 200, std::move(models), keep);
-      } else if (path == "/health" && req.method() == http::verb::get) {
-        size_t up = 0;
-        const int64_t now = NowMs();
-        const std::shared_ptr<const FleetView> f = fleet->Snapshot();
-        const auto& engines = f->engines;
-        for (auto& e : engines) up += e->Usable(now) ? 1 : 0;
-        // Draining: failing, so that load balancers send no more.
-        const bool ok = up > 0 && !draining.load();
-        const unsigned status = ok ? 200 : 503;
-        counters.Request("health", static_cast<int>(status));
-        std::string health = absl::StrCat(
-            "{\"status\":\"", draining.load() ? "draining" : (up > 0 ? "ok" : "no engine"),
-            "\",\"engines_up\":", up, ",\"engines\":", engines.size(), "}");
-        again = co_await ReplyJson(client, status, std::move(health), keep);
-      } else if (path == "/metrics" && req.method() == http::verb::get &&
-                 options.metrics_listen.empty()) {
-        http::response<http::string_body> res{http::status::ok, 11};
-        res.set(http::field::content_type, "text/plain; version=0.0.4");
-        res.body() =
-            RenderMetrics(counters, *fleet->Snapshot(), router->core(), deletion_costs.get());
-        again = co_await Reply(client, res, keep);
-      } else {
-        ApiError missing{404, "invalid_request_error", absl::StrCat("no route ", path), "", ""};
-        std::string other = "other";
-        again = co_await ReplyError(client, std::move(other), std::move(missing), keep);
-      }
-      if (!again) break;
-    }
-    if (unread) {
-      co_await Linger(client);
-    } else {
-      ErrorCode ignored;
-      client.socket().shutdown(tcp::socket::shutdown_send, ignored);
-    }
+  counters.no_engine++;
+  ApiError none{503, "service_unavailable",
+                tried.empty()
+                    ? "no engine is available"
+                    : absl::StrCat("no engine could serve the request (", tried.size(), " tried)"),
+                "", ""};
+  if (answer.head_sent) {  // its event stream began: it ends with the error
+    counters.Request(name, 503);
+    std::string error = ErrorBody(none);
+    const bool told = co_await relay->EndWithEvent(client, std::move(error));
+    if (!told) counters.client_disconnects++;
+    co_return false;
   }
-
-  // Closes a connection whose client may still be sending (a request
-  // refused unread): the answer's end is sent, then what comes is read and
-  // dropped for up to kLinger, so that closing with unread bytes (a TCP
-  // reset) does not destroy the answer before the client reads it.
-  static constexpr auto kLinger = std::chrono::seconds(1);
-  static constexpr size_t kLingerBytes = 16 << 20;
-  Task<> Linger(Stream& client) {
-    ErrorCode ec;
-    client.socket().shutdown(tcp::socket::shutdown_send, ec);
-    client.expires_after(kLinger);
-    char scratch[16384];
-    for (size_t dropped = 0; !ec && dropped < kLingerBytes;) {
-      dropped +=
-          co_await client.async_read_some(net::buffer(scratch), net::redirect_error(kAwait, ec));
-    }
-  }
-
-  // A connection past --max-connections: answered 503 with Retry-After
-  // (within the client timeout) and closed.
-  Task<> Refuse(Socket socket) {
-    Held open(&refusing);
-    Stream client(std::move(socket));
-    counters.Request("other", 503);
-    http::response<http::string_body> res{http::status::service_unavailable, 11};
-    res.set(http::field::content_type, "application/json");
-    res.set(http::field::retry_after, "1");
-    res.body() = ErrorBody(ApiError{503, "service_unavailable",
-                                    absl::StrCat("the frontend holds its most connections (",
-                                                 options.max_connections, "); try again"),
-                                    "", ""});
-    co_await Reply(client, res, false);
-    co_await Linger(client);
-  }
-
-  Task<> Accept() {
-    Timer pause(co_await net::this_coro::executor);
-    for (;;) {
-      ErrorCode ec;
-      const Executor to = loops[next_loop++ % loops.size()]->get_executor();
-      Socket s = co_await acceptor->async_accept(to, net::redirect_error(kAwait, ec));
-      if (ec == net::error::operation_aborted) co_return;
-      if (ec == net::error::no_descriptors || ec == net::error::no_buffer_space ||
-          ec == net::error::no_memory || ec.value() == ENFILE) {
-        // Out of descriptors: the pending connection waits in the backlog
-        // while those in flight end (accepting again at once would spin).
-        if (!out_of_descriptors.exchange(true)) {
-          Log("frontend", "cannot accept: ", ec.message(), "; pausing accepts");
-        }
-        pause.expires_after(std::chrono::milliseconds(50));
-        co_await pause.async_wait(net::redirect_error(kAwait, ec));
-        continue;
-      }
-      if (ec) continue;  // that connection failed (reset before it was taken)
-      out_of_descriptors = false;
-      s.set_option(tcp::no_delay(true), ec);
-      auto exec = s.get_executor();
-      if (connections.load() + refusing.load() >= static_cast<int64_t>(options.max_connections)) {
-        if (refusing.load() < kMostRefusing)
-          net::co_spawn(exec, Refuse(std::move(s)), net::detached);
-        continue;  // past both caps: closed unanswered
-      }
-      net::co_spawn(exec, Session(std::move(s)), net::detached);
-    }
-  }
-  static constexpr int64_t kMostRefusing = 64;
-};
+  const bool again = co_await ReplyError(client, name, std::move(none), keep_alive);
+  co_return again;
+}
 
 Frontend::Frontend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 

@@ -1,0 +1,186 @@
+// kvtier-frontend's client side: each connection's requests read within
+// the client timeout and their caps (header, body, bodies in flight),
+// routed to their endpoint and answered; connections past the cap refused;
+// the accept loop, which pauses when out of descriptors.
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "frontend/server_impl.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // as in server.cc
+#endif
+
+namespace kvtier::frontend {
+
+Task<> Frontend::Impl::Session(Socket socket) {
+  Held open(&connections);
+  Stream client(std::move(socket));
+  beast::flat_buffer buf;
+  bool unread = false;  // refused with bytes of its request unread
+  for (;;) {
+    http::request_parser<http::string_body> parser;
+    parser.body_limit(options.max_body_bytes);
+    parser.header_limit(kHeaderLimit);
+    // The whole request within the client timeout, header and body.
+    client.expires_after(std::chrono::milliseconds(options.client_timeout_ms));
+    ErrorCode ec;
+    co_await http::async_read_header(client, buf, parser, net::redirect_error(kAwait, ec));
+    // The body's bytes are held from its header on: bodies read at once
+    // stay within --max-body-bytes-in-flight (a chunked one counts as
+    // --max-body-bytes). One that would pass it is refused unread.
+    const uint64_t length = !ec && parser.content_length() ? *parser.content_length()
+                            : !ec && parser.chunked()      ? options.max_body_bytes
+                                                           : 0;
+    Reserved body_bytes(&body_bytes_in_flight, std::min(length, options.max_body_bytes));
+    if (!ec && !body_bytes.ok(options.max_body_bytes_in_flight)) {
+      counters.Request("other", 503);
+      ApiError busy{503, "service_unavailable",
+                    absl::StrCat("the frontend holds its most request bodies in flight (",
+                                 options.max_body_bytes_in_flight, " bytes); try again"),
+                    "", ""};
+      std::string body = ErrorBody(busy);
+      http::response<http::string_body> res{http::status::service_unavailable, 11};
+      res.set(http::field::content_type, "application/json");
+      res.set(http::field::retry_after, "1");
+      res.body() = std::move(body);
+      co_await Reply(client, res, false);
+      unread = true;
+      break;
+    }
+    if (!ec && !parser.is_done()) {
+      co_await http::async_read(client, buf, parser, net::redirect_error(kAwait, ec));
+    }
+    if (ec == http::error::body_limit) {
+      ApiError big{413, "invalid_request_error",
+                   absl::StrCat("the body is over ", options.max_body_bytes, " bytes"), "", ""};
+      std::string other = "other";
+      co_await ReplyError(client, std::move(other), std::move(big), false);
+      unread = true;
+      break;
+    }
+    if (ec == http::error::header_limit) {
+      ApiError big{431, "invalid_request_error",
+                   absl::StrCat("the header is over ", kHeaderLimit, " bytes"), "", ""};
+      std::string other = "other";
+      co_await ReplyError(client, std::move(other), std::move(big), false);
+      unread = true;
+      break;
+    }
+    if (ec) break;  // closed, timed out or not HTTP
+    client.expires_never();
+    const auto arrived = Clock::now();
+    Held busy(&requests_in_flight);
+    auto& req = parser.get();
+    // Draining: this request is served and its connection closed.
+    const bool keep = req.keep_alive() && !draining.load();
+    const std::string target(req.target());
+    const std::string path = target.substr(0, target.find('?'));
+    bool again = keep;
+    if (path == "/v1/completions" || path == "/v1/chat/completions") {
+      const bool chat = path == "/v1/chat/completions";
+      const std::string name = chat ? "chat" : "completions";
+      if (req.method() != http::verb::post) {
+        ApiError post{405, "invalid_request_error", "use POST", "", ""};
+        again = co_await ReplyError(client, name, std::move(post), keep);
+      } else {
+        const Endpoint endpoint = chat ? Endpoint::kChat : Endpoint::kCompletions;
+        const std::string& body = req.body();
+        again = co_await Proxy(client, endpoint, name, body, keep, arrived);
+      }
+    } else if (path == "/v1/models" && req.method() == http::verb::get) {
+      counters.Request("models", 200);
+      std::string models = ModelsBody(options.served_model, started_unix, options.max_model_len);
+      again = co_await ReplyJson(client, 200, std::move(models), keep);
+    } else if (path == "/health" && req.method() == http::verb::get) {
+      size_t up = 0;
+      const int64_t now = NowMs();
+      const std::shared_ptr<const FleetView> f = fleet->Snapshot();
+      const auto& engines = f->engines;
+      for (auto& e : engines) up += e->Usable(now) ? 1 : 0;
+      // Draining: failing, so that load balancers send no more.
+      const bool ok = up > 0 && !draining.load();
+      const unsigned status = ok ? 200 : 503;
+      counters.Request("health", static_cast<int>(status));
+      std::string health = absl::StrCat(
+          "{\"status\":\"", draining.load() ? "draining" : (up > 0 ? "ok" : "no engine"),
+          "\",\"engines_up\":", up, ",\"engines\":", engines.size(), "}");
+      again = co_await ReplyJson(client, status, std::move(health), keep);
+    } else if (path == "/metrics" && req.method() == http::verb::get &&
+               options.metrics_listen.empty()) {
+      http::response<http::string_body> res{http::status::ok, 11};
+      res.set(http::field::content_type, "text/plain; version=0.0.4");
+      res.body() =
+          RenderMetrics(counters, *fleet->Snapshot(), router->core(), deletion_costs.get());
+      again = co_await Reply(client, res, keep);
+    } else {
+      ApiError missing{404, "invalid_request_error", absl::StrCat("no route ", path), "", ""};
+      std::string other = "other";
+      again = co_await ReplyError(client, std::move(other), std::move(missing), keep);
+    }
+    if (!again) break;
+  }
+  if (unread) {
+    co_await Linger(client);
+  } else {
+    ErrorCode ignored;
+    client.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  }
+}
+
+Task<> Frontend::Impl::Linger(Stream& client) {
+  ErrorCode ec;
+  client.socket().shutdown(tcp::socket::shutdown_send, ec);
+  client.expires_after(kLinger);
+  char scratch[16384];
+  for (size_t dropped = 0; !ec && dropped < kLingerBytes;) {
+    dropped +=
+        co_await client.async_read_some(net::buffer(scratch), net::redirect_error(kAwait, ec));
+  }
+}
+
+Task<> Frontend::Impl::Refuse(Socket socket) {
+  Held open(&refusing);
+  Stream client(std::move(socket));
+  counters.Request("other", 503);
+  http::response<http::string_body> res{http::status::service_unavailable, 11};
+  res.set(http::field::content_type, "application/json");
+  res.set(http::field::retry_after, "1");
+  res.body() = ErrorBody(ApiError{503, "service_unavailable",
+                                  absl::StrCat("the frontend holds its most connections (",
+                                               options.max_connections, "); try again"),
+                                  "", ""});
+  co_await Reply(client, res, false);
+  co_await Linger(client);
+}
+
+Task<> Frontend::Impl::Accept() {
+  Timer pause(co_await net::this_coro::executor);
+  for (;;) {
+    ErrorCode ec;
+    const Executor to = loops[next_loop++ % loops.size()]->get_executor();
+    Socket s = co_await acceptor->async_accept(to, net::redirect_error(kAwait, ec));
+    if (ec == net::error::operation_aborted) co_return;
+    if (ec == net::error::no_descriptors || ec == net::error::no_buffer_space ||
+        ec == net::error::no_memory || ec.value() == ENFILE) {
+      // Out of descriptors: the pending connection waits in the backlog
+      // while those in flight end (accepting again at once would spin).
+      if (!out_of_descriptors.exchange(true)) {
+        Log("frontend", "cannot accept: ", ec.message(), "; pausing accepts");
+      }
+      pause.expires_after(std::chrono::milliseconds(50));
+      co_await pause.async_wait(net::redirect_error(kAwait, ec));
+      continue;
+    }
+    if (ec) continue;  // that connection failed (reset before it was taken)
+    out_of_descriptors = false;
+    s.set_option(tcp::no_delay(true), ec);
+    auto exec = s.get_executor();
+    if (connections.load() + refusing.load() >= static_cast<int64_t>(options.max_connections)) {
+      if (refusing.load() < kMostRefusing) net::co_spawn(exec, Refuse(std::move(s)), net::detached);
+      continue;  // past both caps: closed unanswered
+    }
+    net::co_spawn(exec, Session(std::move(s)), net::detached);
+  }
+}
+
+}  // namespace kvtier::frontend

@@ -211,7 +211,6 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
     co_await http::async_write(client, res, net::redirect_error(kAwait, ec));
     client.expires_never();
     if (ec) {
-      counters_.client_disconnects++;
       *client_keep = false;
       co_return Tried::kClientGone;
     }
@@ -300,7 +299,6 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
   }
   ErrorCode ignored;
   if (ec || watch->gone) {
-    counters_.client_disconnects++;
     *client_keep = false;
     up->socket().close(ignored);
     co_return Tried::kClientGone;

@@ -46,9 +46,8 @@ struct ClientAnswer {
 
 class Relay {
  public:
-  Relay(const FrontendOptions& options, const Fleet& fleet, LoadBook& load, Counters& counters,
-        size_t threads)
-      : options_(options), fleet_(fleet), load_(load), counters_(counters), threads_(threads) {}
+  Relay(const FrontendOptions& options, const Fleet& fleet, LoadBook& load, size_t threads)
+      : options_(options), fleet_(fleet), load_(load), threads_(threads) {}
 
   // Unstreamed answers up to this size are forwarded whole, in one write.
   static constexpr uint64_t kWholeAnswerBytes = 4 << 20;
@@ -89,7 +88,6 @@ class Relay {
   const FrontendOptions& options_;
   const Fleet& fleet_;
   LoadBook& load_;
-  Counters& counters_;
   const size_t threads_;
 };
 

@@ -93,6 +93,7 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
       auto params = co_await prefiller->Prefill(p, client, &prefill_note, &gone);
       if (gone) {
         counters.Request(name, 499);
+        counters.client_disconnects++;
         co_return false;
       }
       if (params) {
@@ -119,8 +120,9 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
       if (answer.cut) counters.streams_cut++;
       co_return client_keep;
     }
-    if (t == Tried::kClientGone) {
+    if (t == Tried::kClientGone) {  // every way a client leaves is counted here
       counters.Request(name, 499);
+      counters.client_disconnects++;
       co_return false;
     }
   }
@@ -196,7 +198,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   raw->text_pool.emplace(static_cast<size_t>(o.text_threads));
   raw->fleet = std::make_unique<Fleet>(o, &raw->router->core(), &*raw->load, &raw->counters, first,
                                        raw->text.get());
-  raw->relay = std::make_unique<Relay>(o, *raw->fleet, *raw->load, raw->counters, o.threads);
+  raw->relay = std::make_unique<Relay>(o, *raw->fleet, *raw->load, o.threads);
   raw->prefiller = std::make_unique<Prefiller>(raw->router->core(), raw->namespace_id, *raw->fleet,
                                                *raw->load, raw->counters, *raw->relay);
   if (!o.metrics_listen.empty()) {

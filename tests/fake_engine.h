@@ -24,11 +24,12 @@ namespace kvtier::testing {
 class FakeEngine {
  public:
   enum class Mode {
-    kWhole,               // 200, a JSON body of known length
-    kStream,              // 200, `events` SSE events `gap` apart, then [DONE]
-    kStatus500,           // 500, a JSON error
-    kDiesBeforeAnEvent,   // an event stream's header, then the connection closed
-    kHangsAfterItsHeader  // an event stream's header, then nothing until closed
+    kWhole,                // 200, a JSON body of known length
+    kStream,               // 200, `events` SSE events `gap` apart, then [DONE]
+    kStatus500,            // 500, a JSON error
+    kDiesBeforeAnEvent,    // an event stream's header, then the connection closed
+    kHangsAfterItsHeader,  // an event stream's header, then nothing until closed
+    kSilent                // no answer at all until closed (a long prefill, unstreamed)
   };
 
   explicit FakeEngine(Mode mode) : mode(mode) {
@@ -128,6 +129,11 @@ class FakeEngine {
           http::write(s, res, ec);
           if (ec || !req.keep_alive()) return;
           continue;
+        }
+        case Mode::kSilent: {
+          char byte;
+          s.read_some(boost::asio::buffer(&byte, 1), ec);  // until closed
+          return;
         }
         case Mode::kStream:
         case Mode::kDiesBeforeAnEvent:

@@ -138,5 +138,27 @@ TEST(FrontendRelay, AnEngineWhoseTokenIdsDifferIsRefused) {
             std::string::npos);
 }
 
+// A client that leaves before its engine answered is counted as gone (and
+// its engine connection closed, which vLLM takes as an abort).
+TEST(FrontendRelay, AClientThatLeavesBeforeTheAnswerIsCountedGone) {
+  FakeEngine e0(FakeEngine::Mode::kSilent);
+  auto fe = StartFrontend({&e0});
+  {
+    net::io_context io;
+    tcp::socket s = Dial(io, fe->port());
+    http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
+    req.set(http::field::host, "x");
+    req.body() = kCompletion;
+    req.prepare_payload();
+    http::write(s, req);
+    ASSERT_TRUE(WaitFor([&] { return e0.completions.load() == 1; }));
+  }  // the client leaves
+  EXPECT_TRUE(WaitFor([&] {
+    const std::string m = Get(fe->port(), "/metrics").body;
+    return m.find("kvtier_frontend_client_disconnects_total 1") != std::string::npos &&
+           m.find("code=\"499\"") != std::string::npos;
+  })) << Get(fe->port(), "/metrics").body.substr(0, 1500);
+}
+
 }  // namespace
 }  // namespace kvtier::frontend::testing

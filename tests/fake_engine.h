@@ -165,6 +165,7 @@ class FakeEngine {
       return;
     }
     for (int i = 0; i < events.load(); ++i) {
+      // The pace of a decode, as the test sets it: time is the subject.
       if (gap_ms.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms.load()));
       const std::string e = "data: {\"choices\":[{\"text\":\"t" + std::to_string(i) + "\"}]}\n\n";
       boost::asio::write(s, http::make_chunk(boost::asio::buffer(e)), ec);

@@ -70,7 +70,15 @@ TEST(FrontendLimits, AClientThatNeverReadsIsCutAtTheWriteDeadline) {
     boost::system::error_code ignored;
     net::write(s, net::buffer(many), ignored);
   });
-  std::this_thread::sleep_for(std::chrono::seconds(2));  // the subject: a client that waits
+  // The frontend gives up on the client that does not read: its
+  // connection ends, leaving only the one this metrics request holds.
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return Get(fe->port(), "/metrics").body.find("kvtier_frontend_connections 1\n") !=
+               std::string::npos;
+      },
+      std::chrono::seconds(30)))
+      << "the connection was held open";
   // Reading now finds the answers written before the deadline, then the
   // connection's end, long before all were answered.
   int answered = 0;
@@ -138,6 +146,7 @@ TEST(FrontendLimits, ALargePromptBeingTokenizedHoldsNoStream) {
   http::write(s, req);
   // Each read's arrival: the stream's events, timed.
   std::vector<std::chrono::steady_clock::time_point> reads;
+  std::atomic<size_t> read_count{0};
   std::atomic<bool> ended{false};
   std::thread reader([&] {
     char buf[4096];
@@ -147,11 +156,13 @@ TEST(FrontendLimits, ALargePromptBeingTokenizedHoldsNoStream) {
       const size_t n = s.read_some(net::buffer(buf), ec);
       all.append(buf, n);
       reads.push_back(std::chrono::steady_clock::now());
+      read_count = reads.size();
     }
     ended = true;
   });
   ASSERT_TRUE(WaitFor([&] { return e0.completions.load() == 1; }));
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // events flowing
+  // Events flowing before the large prompt comes.
+  ASSERT_TRUE(WaitFor([&] { return read_count.load() >= 3; }));
   // 6 MiB of text: refused (over --max-prompt-tokens) once tokenized.
   std::string words;
   while (words.size() < (6u << 20)) words += "the store tiers blocks across memory ";

@@ -89,58 +89,41 @@ class FakeEngine {
       http::read(s, buf, req, ec);
       if (ec) return;
       const std::string target(req.target());
+      // A whole answer; false when the connection ends with it.
+      auto answer = [&](http::status status, std::string body) {
+        http::response<http::string_body> res{status, 11};
+        if (!body.empty()) res.set(http::field::content_type, "application/json");
+        res.body() = std::move(body);
+        res.keep_alive(req.keep_alive());
+        res.prepare_payload();
+        http::write(s, res, ec);
+        return !ec && req.keep_alive();
+      };
+      bool again = true;
       if (target == "/health" || target == "/metrics") {
-        http::response<http::string_body> res{http::status::ok, 11};
-        res.keep_alive(req.keep_alive());
-        res.prepare_payload();
-        http::write(s, res, ec);
-        if (ec || !req.keep_alive()) return;
-        continue;
-      }
-      if (target == "/tokenize") {
-        http::response<http::string_body> res{tokenize ? http::status::ok : http::status::not_found,
-                                              11};
-        res.set(http::field::content_type, "application/json");
-        res.body() = tokenize ? tokenize(req.body()) : R"({"detail":"Not Found"})";
-        res.keep_alive(req.keep_alive());
-        res.prepare_payload();
-        http::write(s, res, ec);
-        if (ec || !req.keep_alive()) return;
-        continue;
-      }
-      completions++;
-      switch (mode.load()) {
-        case Mode::kWhole: {
-          http::response<http::string_body> res{http::status::ok, 11};
-          res.set(http::field::content_type, "application/json");
-          res.body() = R"({"id":"cmpl-1","object":"text_completion","choices":[{"text":"ok"}]})";
-          res.keep_alive(req.keep_alive());
-          res.prepare_payload();
-          http::write(s, res, ec);
-          if (ec || !req.keep_alive()) return;
-          continue;
-        }
-        case Mode::kStatus500: {
-          http::response<http::string_body> res{http::status::internal_server_error, 11};
-          res.set(http::field::content_type, "application/json");
-          res.body() = R"({"error":{"message":"engine trouble","type":"InternalServerError"}})";
-          res.keep_alive(req.keep_alive());
-          res.prepare_payload();
-          http::write(s, res, ec);
-          if (ec || !req.keep_alive()) return;
-          continue;
-        }
-        case Mode::kSilent: {
+        again = answer(http::status::ok, "");
+      } else if (target == "/tokenize") {
+        again = tokenize ? answer(http::status::ok, tokenize(req.body()))
+                         : answer(http::status::not_found, R"({"detail":"Not Found"})");
+      } else {
+        completions++;
+        const Mode m = mode.load();
+        if (m == Mode::kWhole) {
+          again = answer(http::status::ok,
+                         R"({"id":"cmpl-1","object":"text_completion","choices":[{"text":"ok"}]})");
+        } else if (m == Mode::kStatus500) {
+          again = answer(http::status::internal_server_error,
+                         R"({"error":{"message":"engine trouble","type":"InternalServerError"}})");
+        } else if (m == Mode::kSilent) {
           char byte;
           s.read_some(boost::asio::buffer(&byte, 1), ec);  // until closed
           return;
-        }
-        case Mode::kStream:
-        case Mode::kDiesBeforeAnEvent:
-        case Mode::kHangsAfterItsHeader:
-          Stream(s, mode.load());
+        } else {
+          Stream(s, m);
           return;
+        }
       }
+      if (!again) return;
     }
   }
 

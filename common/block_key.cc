@@ -125,12 +125,33 @@ BlockHash EngineKeyHash(std::string_view key) {
   return BlockHash{h.high64, h.low64};
 }
 
+uint64_t ChainVariant(std::string_view lora_name, std::string_view cache_salt) {
+  if (lora_name.empty() && cache_salt.empty()) return 0;
+  auto field = [](std::string_view v) {
+    std::string out;
+    for (char c : v) {
+      if (c == '%')
+        out += "%25";
+      else if (c == '|')
+        out += "%7C";
+      else
+        out += c;
+    }
+    return out;
+  };
+  std::string s;
+  if (!lora_name.empty()) s = absl::StrCat("lora=", field(lora_name));
+  if (!cache_salt.empty()) absl::StrAppend(&s, s.empty() ? "" : "|", "salt=", field(cache_salt));
+  const uint64_t v = XXH3_64bits(s.data(), s.size());
+  return v == 0 ? 1 : v;
+}
+
 std::vector<BlockHash> ChainHashes(uint64_t namespace_id, std::span<const uint32_t> tokens,
-                                   uint32_t block_tokens) {
+                                   uint32_t block_tokens, uint64_t variant) {
   std::vector<BlockHash> out;
   if (block_tokens == 0) return out;
   out.reserve(tokens.size() / block_tokens);
-  BlockHash parent{namespace_id, 0};
+  BlockHash parent{namespace_id, variant};
   for (size_t off = 0; off + block_tokens <= tokens.size(); off += block_tokens) {
     parent = NextBlockHash(parent, tokens.subspan(off, block_tokens));
     out.push_back(parent);

@@ -11,6 +11,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -102,11 +103,20 @@ uint64_t WireLayerBytes(const NamespaceSpec& spec);
 // layers x WireLayerBytes. REQUIRES: ValidateNamespace(spec).ok().
 uint64_t BlockBytes(const NamespaceSpec& spec);
 
+// What besides its tokens decides a request's KV in an engine's prefix
+// cache, for routing: its LoRA adapter and its cache salt. 0 for neither;
+// otherwise XXH3-64 of "lora=NAME", "salt=SALT" or both joined by "|" (each
+// value with "%" and "|" percent-encoded), never 0. The router roots such a
+// request's chain at {namespace id, variant}, so equal tokens under another
+// adapter or salt never match.
+uint64_t ChainVariant(std::string_view lora_name, std::string_view cache_salt);
+
 // h[i] = XXH3-128(h[i-1] || little-endian u32 token ids of block i), with
-// h[-1] = {hi: namespace id, lo: 0}. Only full blocks are hashed: a trailing
-// partial block yields no hash.
+// h[-1] = {hi: namespace id, lo: variant} (ChainVariant; 0 for a plain
+// request). Only full blocks are hashed: a trailing partial block yields no
+// hash.
 std::vector<BlockHash> ChainHashes(uint64_t namespace_id, std::span<const uint32_t> tokens,
-                                   uint32_t block_tokens);
+                                   uint32_t block_tokens, uint64_t variant = 0);
 
 // One link of the chain: the hash of a block given its parent's hash.
 BlockHash NextBlockHash(const BlockHash& parent, std::span<const uint32_t> block_token_ids);

@@ -5,14 +5,15 @@
 namespace kvtier {
 
 absl::StatusOr<PromptChain> ChainFromTokens(uint64_t namespace_id, std::span<const uint32_t> tokens,
-                                            uint32_t block_tokens, absl::string_view what) {
+                                            uint32_t block_tokens, absl::string_view what,
+                                            uint64_t variant) {
   if (tokens.empty())
     return absl::InvalidArgumentError(absl::StrCat(what, ": the prompt is empty"));
   if (tokens.size() > kMaxPromptTokens) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": the prompt has ", tokens.size(),
                                                    " tokens; the limit is ", kMaxPromptTokens));
   }
-  return PromptChain{ChainHashes(namespace_id, tokens, block_tokens), tokens.size()};
+  return PromptChain{ChainHashes(namespace_id, tokens, block_tokens, variant), tokens.size()};
 }
 
 absl::StatusOr<uint64_t> HashedPromptTokens(size_t blocks, uint64_t prompt_tokens,

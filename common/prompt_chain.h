@@ -27,11 +27,12 @@ struct PromptChain {
   uint64_t prompt_tokens = 0;    // full blocks plus a trailing partial block
 };
 
-// Token ids: ChainHashes(namespace_id, tokens, block_tokens). INVALID_ARGUMENT
-// (prefixed with `what`, e.g. "route") for an empty prompt or one over
-// kMaxPromptTokens. REQUIRES: block_tokens > 0.
+// Token ids: ChainHashes(namespace_id, tokens, block_tokens, variant).
+// INVALID_ARGUMENT (prefixed with `what`, e.g. "route") for an empty prompt
+// or one over kMaxPromptTokens. REQUIRES: block_tokens > 0.
 absl::StatusOr<PromptChain> ChainFromTokens(uint64_t namespace_id, std::span<const uint32_t> tokens,
-                                            uint32_t block_tokens, absl::string_view what);
+                                            uint32_t block_tokens, absl::string_view what,
+                                            uint64_t variant = 0);
 
 // The caller's own chain. prompt_tokens 0 means "exactly the full blocks";
 // otherwise it must reach into the chain's last block (tokens after the

@@ -41,7 +41,7 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
       break;
     }
     case RouteQuery::Prompt::kTokens: {
-      auto prompt = ChainFromTokens(q.namespace_id, q.tokens, bt, "route");
+      auto prompt = ChainFromTokens(q.namespace_id, q.tokens, bt, "route", q.variant);
       if (!prompt.ok()) return prompt.status();
       hashed = std::move(prompt->chain);
       prompt_tokens = prompt->prompt_tokens;

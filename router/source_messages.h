@@ -90,10 +90,13 @@ struct RouteQuery {
   uint64_t namespace_id = 0;
   Prompt prompt = Prompt::kNone;
   std::span<const uint32_t> tokens;  // kTokens
-  ChainView hashes;                  // kHashes
-  uint64_t prompt_tokens = 0;        // kHashes: 0 means hashes x block_tokens
-  uint32_t max_candidates = 0;       // 0: RouterOptions::default_candidates
-  bool dry_run = false;              // explain only: no load added, no counters
+  // kTokens: the request's LoRA adapter and cache salt as ChainVariant (0:
+  // neither); its chain is rooted there (common/block_key.h).
+  uint64_t variant = 0;
+  ChainView hashes;             // kHashes
+  uint64_t prompt_tokens = 0;   // kHashes: 0 means hashes x block_tokens
+  uint32_t max_candidates = 0;  // 0: RouterOptions::default_candidates
+  bool dry_run = false;         // explain only: no load added, no counters
   // The id the worker will know the request by (SourceLoad::arrived_request_ids); 0: none.
   uint64_t request_id = 0;
   // Workers not to choose (a caller's engines that are down, or already

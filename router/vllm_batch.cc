@@ -4,6 +4,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/block_key.h"
 #include "common/limits.h"
 
 namespace kvtier::router {
@@ -71,6 +72,7 @@ struct Fields {
   const Obj* extra_keys = nullptr;
   const Obj* group_idx = nullptr;
   const Obj* spec_kind = nullptr;
+  const Obj* locality = nullptr;
 };
 
 absl::StatusOr<Fields> ReadFields(const Obj& e) {
@@ -83,9 +85,9 @@ absl::StatusOr<Fields> ReadFields(const Obj& e) {
     if (f.tag == "BlockStored") {
       f.hashes = at(1), f.parent = at(2), f.tokens = at(3), f.block_size = at(4);
       f.lora_id = at(5), f.medium = at(6), f.lora_name = at(7), f.extra_keys = at(8);
-      f.group_idx = at(9), f.spec_kind = at(10);
+      f.group_idx = at(9), f.spec_kind = at(10), f.locality = at(12);
     } else if (f.tag == "BlockRemoved") {
-      f.hashes = at(1), f.medium = at(2), f.group_idx = at(3);
+      f.hashes = at(1), f.medium = at(2), f.group_idx = at(3), f.locality = at(4);
     }
   } else if (e.type == MSGPACK_OBJECT_MAP) {
     for (uint32_t i = 0; i < e.via.map.size; ++i) {
@@ -114,6 +116,8 @@ absl::StatusOr<Fields> ReadFields(const Obj& e) {
         f.group_idx = v;
       else if (k == "kv_cache_spec_kind")
         f.spec_kind = v;
+      else if (k == "locality")
+        f.locality = v;
     }
   } else {
     return absl::InvalidArgumentError("an event is neither an array nor a map");
@@ -122,37 +126,71 @@ absl::StatusOr<Fields> ReadFields(const Obj& e) {
   return f;
 }
 
-// Why the router cannot map an event's blocks to kvtier's, or "".
-std::string SkipReason(const Fields& f) {
-  if (!IsNil(f.medium) && Str(*f.medium) != "GPU") {
-    return absl::StrCat("medium ", Str(*f.medium));
+// Why the router cannot map an event's blocks to kvtier's, or "". Reads
+// the medium, group and (for BlockStored) the chain's variant into `e`.
+std::string Classify(const Fields& f, VllmEvent* e) {
+  if (!IsNil(f.medium)) {
+    if (f.medium->type != MSGPACK_OBJECT_STR || Str(*f.medium).empty()) {
+      return "malformed: medium is not a name";
+    }
+    e->medium = std::string(Str(*f.medium));
   }
-  if (!IsNil(f.group_idx) &&
-      !(f.group_idx->type == MSGPACK_OBJECT_POSITIVE_INTEGER && f.group_idx->via.u64 == 0)) {
-    return "a KV cache group other than 0";
+  if (!IsNil(f.group_idx)) {
+    if (f.group_idx->type != MSGPACK_OBJECT_POSITIVE_INTEGER || f.group_idx->via.u64 > 1024) {
+      return "malformed: group_idx is not an integer in 0..1024";
+    }
+    e->group = static_cast<uint32_t>(f.group_idx->via.u64);
   }
+  if (!IsNil(f.locality) && Str(*f.locality) == "REMOTE") return "blocks remote to the engine";
   if (!IsNil(f.spec_kind) && Str(*f.spec_kind) != "full_attention" &&
       Str(*f.spec_kind) != "mla_attention") {
     return absl::StrCat("attention kind ", Str(*f.spec_kind));
   }
-  if (!IsNil(f.lora_id) || !IsNil(f.lora_name)) return "a LoRA adapter";
+  if (e->kind != VllmEvent::kStored) return "";
+  absl::string_view lora;
+  if (!IsNil(f.lora_name)) {
+    if (f.lora_name->type != MSGPACK_OBJECT_STR) return "malformed: lora_name is not a string";
+    lora = Str(*f.lora_name);
+  } else if (!IsNil(f.lora_id)) {
+    return "a LoRA adapter with an id and no name";
+  }
+  // extra_keys: one entry per block, nil or the block's keys untagged, in
+  // vLLM's order: the adapter's name (when lora_name is set), multimodal
+  // (identifier, offset) pairs, the cache salt (a chain's first block
+  // only), prompt-embedding digests.
+  absl::string_view salt;
   if (!IsNil(f.extra_keys)) {
-    if (f.extra_keys->type != MSGPACK_OBJECT_ARRAY) return "extra keys";
+    if (f.extra_keys->type != MSGPACK_OBJECT_ARRAY) return "malformed: extra_keys is not an array";
     for (uint32_t i = 0; i < f.extra_keys->via.array.size; ++i) {
-      if (f.extra_keys->via.array.ptr[i].type != MSGPACK_OBJECT_NIL) {
-        return "extra keys (a cache salt or multimodal inputs)";
+      const Obj& keys = f.extra_keys->via.array.ptr[i];
+      if (keys.type == MSGPACK_OBJECT_NIL) continue;
+      if (keys.type != MSGPACK_OBJECT_ARRAY) return "malformed: a block's extra keys";
+      uint32_t k = 0;
+      if (!lora.empty() && keys.via.array.size > 0 && Str(keys.via.array.ptr[0]) == lora) k = 1;
+      for (; k < keys.via.array.size; ++k) {
+        const Obj& key = keys.via.array.ptr[k];
+        if (key.type == MSGPACK_OBJECT_ARRAY) return "extra keys: multimodal inputs";
+        if (key.type == MSGPACK_OBJECT_BIN) return "extra keys: prompt embeddings";
+        if (key.type != MSGPACK_OBJECT_STR) return "malformed: an extra key";
+        // A salt opens a request's chain: on its first block, parentless.
+        if (i != 0 || !IsNil(f.parent) || !salt.empty()) {
+          return "malformed: a cache salt past a chain's first block";
+        }
+        salt = Str(key);
       }
     }
   }
+  e->variant = ChainVariant(std::string_view(lora.data(), lora.size()),
+                            std::string_view(salt.data(), salt.size()));
   return "";
 }
 
-// One event. Never fails: an event the router cannot use (another medium,
-// KV group, attention kind, a LoRA adapter or extra keys, a type it does
-// not know, or fields of the wrong shape) comes back with skip_reason set,
-// so the rest of its batch still applies. Fields are checked only on the
-// events that are applied (vLLM's CPU offloading reports its blocks with
-// block_size 0 and no tokens: skipped for their medium first).
+// One event. Never fails: an event the router cannot use (an attention
+// kind other than full, multimodal or embedding keys, remote blocks, a
+// type it does not know, or fields of the wrong shape) comes back with
+// skip_reason set, so the rest of its batch still applies. vLLM's
+// offloading tiers may report a block by hash alone (block_size 0, no
+// tokens): by_hash.
 VllmEvent ReadEvent(const Obj& o) {
   VllmEvent e;
   auto skip = [&](std::string why) {
@@ -173,8 +211,15 @@ VllmEvent ReadEvent(const Obj& o) {
     e.hashes.clear();
     return skip(absl::StrCat("malformed: ", s.message()));
   }
-  if (auto why = SkipReason(*f); !why.empty()) return skip(std::move(why));
+  if (auto why = Classify(*f, &e); !why.empty()) return skip(std::move(why));
   if (e.kind == VllmEvent::kRemoved) return e;
+  if (e.medium != "GPU" && f->block_size != nullptr &&
+      f->block_size->type == MSGPACK_OBJECT_POSITIVE_INTEGER && f->block_size->via.u64 == 0 &&
+      f->tokens != nullptr && f->tokens->type == MSGPACK_OBJECT_ARRAY &&
+      f->tokens->via.array.size == 0) {
+    e.by_hash = true;
+    return e;
+  }
   if (!IsNil(f->parent)) {
     auto p = Hash(*f->parent);
     if (!p.ok()) return skip(absl::StrCat("malformed: parent_block_hash: ", p.status().message()));

@@ -19,9 +19,21 @@ struct VllmEvent {
   std::optional<uint64_t> parent;   // BlockStored: the parent block's hash, if any
   std::vector<uint32_t> token_ids;  // BlockStored
   uint32_t block_size = 0;          // BlockStored
+  // Where the blocks are: "GPU" (also when the event names none), or an
+  // offloading tier of the engine's own ("CPU", "STORAGE", ...).
+  std::string medium = "GPU";
+  uint32_t group = 0;  // the KV cache group (group_idx; 0 when not named)
+  // BlockStored: the chain's LoRA adapter and, on a chain's first block,
+  // cache salt, as ChainVariant (0: neither). Only meaningful without a
+  // parent: a block with one inherits its parent's.
+  uint64_t variant = 0;
+  // BlockStored by an offloading tier that names its blocks by hash alone
+  // (block_size 0, no token ids): only blocks already mapped can be placed.
+  bool by_hash = false;
   // Non-empty when the router cannot map the event's blocks to kvtier's
-  // (a LoRA adapter, extra keys such as a cache salt or multimodal inputs,
-  // another KV group or attention kind, a medium other than the GPU).
+  // (multimodal inputs or prompt embeddings among the extra keys, an
+  // attention kind other than full attention, blocks remote to the engine,
+  // fields of the wrong shape, a type it does not know).
   std::string skip_reason;
 };
 

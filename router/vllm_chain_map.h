@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -41,27 +43,47 @@ struct VllmSourceStats {
 };
 
 // Maps one engine's vLLM hashes to kvtier's. Not thread-safe.
+//
+// A block counts as the engine's while any of its media holds it: the GPU,
+// or an offloading tier of its own (vLLM's CPU or disk offloading), from
+// which the engine loads it without recomputing. One KV cache group is
+// indexed: the first full-attention group a BlockStored names (a hybrid
+// model's sliding-window groups are left out by the decoder); the events of
+// other groups are skipped and counted.
 class VllmChainMap {
  public:
   VllmChainMap(uint64_t namespace_id, uint32_t block_tokens)
       : ns_(namespace_id), block_tokens_(block_tokens) {}
-  // The kvtier hashes an event stores or removes (a stored block whose
-  // parent is unknown, and those after it, are counted and left out; an
-  // event with a skip_reason, another block size or not block_tokens token
-  // ids per hash maps nothing and counts its hashes as skipped).
+  // The kvtier hashes an event stores: blocks new to the engine (a stored
+  // block whose parent is unknown, and those after it, are counted and left
+  // out; an event with a skip_reason, another block size or not
+  // block_tokens token ids per hash maps nothing and counts its hashes as
+  // skipped). A chain without a parent is rooted at the event's variant.
   std::vector<BlockHash> Stored(const VllmEvent& e, VllmSourceStats* stats);
+  // The kvtier hashes no medium of the engine holds any more.
   std::vector<BlockHash> Removed(const VllmEvent& e, VllmSourceStats* stats);
-  void Clear() { map_.clear(); }
+  void Clear() {
+    map_.clear();
+    group_.reset();
+  }
   size_t size() const { return map_.size(); }
   template <class F>  // f(const BlockHash&) for every mapped block
   void ForEach(F f) const {
-    for (const auto& [vllm, kvtier] : map_) f(kvtier);
+    for (const auto& [vllm, held] : map_) f(held.hash);
   }
 
  private:
+  struct Held {
+    BlockHash hash;
+    uint8_t media = 0;  // a bit per medium holding it (MediumBit)
+  };
+  static uint8_t MediumBit(const std::string& medium);
+  bool OtherGroup(const VllmEvent& e);
+
   uint64_t ns_;
   uint32_t block_tokens_;
-  absl::flat_hash_map<uint64_t, BlockHash> map_;
+  std::optional<uint32_t> group_;  // the group indexed, once one is named
+  absl::flat_hash_map<uint64_t, Held> map_;
 };
 
 }  // namespace kvtier::router

@@ -23,6 +23,20 @@ constexpr int64_t kMaxMessageBytes = int64_t{256} << 20;
 // (those are at most a subscriber queue, ZeroMQ's 1,000 by default, behind).
 constexpr uint64_t kRestartLag = 10000;
 
+// Notes when the subscriber's connection to the engine drops: a message
+// after that whose sequence goes back is the engine restarted, however
+// short its new sequence is.
+class PeerWatch : public zmq::monitor_t {
+ public:
+  explicit PeerWatch(std::atomic<bool>* lost) : lost_(lost) {}
+  void on_event_disconnected(const zmq_event_t&, const char*) override { *lost_ = true; }
+
+ private:
+  std::atomic<bool>* lost_;
+};
+
+std::atomic<uint64_t> watch_ids{0};
+
 uint64_t BigEndian64(const zmq::message_t& m) {
   uint64_t v = 0;
   const auto* p = static_cast<const uint8_t*>(m.data());
@@ -44,6 +58,8 @@ struct VllmEventSource::Impl {
   std::optional<uint64_t> last;         // vLLM's last applied sequence number
   std::atomic<bool> registered{false};  // the router took the last hello
   SourceLoad load;                      // guarded by mu: SetLoad's last
+  std::atomic<bool> peer_lost{false};   // the connection dropped since the last message
+  PeerWatch* watch = nullptr;           // Run's, while it runs
 
   Impl(VllmSourceSpec s, RouterCore* c)
       : spec(std::move(s)), core(c), chain(spec.namespace_id, spec.block_tokens) {}
@@ -241,6 +257,17 @@ struct VllmEventSource::Impl {
     sub.set(zmq::sockopt::linger, 0);
     sub.set(zmq::sockopt::subscribe, spec.topic);
     sub.set(zmq::sockopt::maxmsgsize, kMaxMessageBytes);
+    PeerWatch w(&peer_lost);
+    w.init(sub, absl::StrCat("inproc://kvtier-vllm-watch-", ++watch_ids), ZMQ_EVENT_DISCONNECTED);
+    watch = &w;
+    struct Unwatch {
+      Impl* impl;
+      PeerWatch* w;
+      ~Unwatch() {
+        impl->watch = nullptr;
+        w->abort();
+      }
+    } unwatch{this, &w};
     sub.connect(spec.events);
     // What the engine published before we subscribed.
     if (!spec.replay.empty()) Replay(0);
@@ -257,6 +284,7 @@ struct VllmEventSource::Impl {
       }
       zmq::pollitem_t item{sub.handle(), 0, ZMQ_POLLIN, 0};
       zmq::poll(&item, 1, std::chrono::milliseconds(100));
+      w.check_event(0);
       if (!(item.revents & ZMQ_POLLIN)) continue;
       std::vector<zmq::message_t> parts;
       if (!zmq::recv_multipart(sub, std::back_inserter(parts), zmq::recv_flags::dontwait)) continue;
@@ -271,14 +299,24 @@ struct VllmEventSource::Impl {
       return;
     }
     const uint64_t seq = BigEndian64(parts[1]);
+    if (last && seq <= *last && watch != nullptr) {
+      while (watch->check_event(0)) {  // a disconnect not yet read
+      }
+    }
+    const bool reconnected = peer_lost.exchange(false);
     if (last && seq <= *last) {
-      if (seq == 0 ||
-          *last - seq > kRestartLag) {  // the engine restarted: its sequence starts again
+      // The engine restarted (its sequence starts again): seen as a
+      // sequence back at 0, one after the connection dropped, or one too
+      // far behind to be a stale duplicate.
+      if (seq == 0 || reconnected || *last - seq > kRestartLag) {
         Count([](VllmSourceStats& s) { s.restarts++; });
         Log("router", "vLLM source ", spec.id, " restarted; its blocks are cleared");
         chain.Clear();
         Register();
         last.reset();
+        // What the new engine published before this message.
+        if (seq > 0) Replay(0);
+        if (last && seq <= *last) return;  // the replay covered it
       } else {
         Count([](VllmSourceStats& s) { s.out_of_order++; });
         return;

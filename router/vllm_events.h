@@ -34,7 +34,9 @@ class RouterCore;
 // from the replay socket; when it cannot be (no replay socket, the batches
 // gone, a malformed message) the source resyncs: the router forgets the
 // engine's blocks and replays what the engine's buffer holds. A sequence
-// back at 0, or over 10,000 behind the last applied, is an engine restart.
+// back at 0, one that goes back after the connection to the engine dropped,
+// or one over 10,000 behind the last applied is an engine restart: its old
+// blocks are forgotten and what the new engine published is replayed.
 // Nothing a peer sends can crash it.
 class VllmEventSource {
  public:

@@ -18,6 +18,7 @@
 #include "router/router_core.h"
 #include "router/vllm_events.h"
 #include "tests/test_util.h"
+#include "tests/vllm_event_fakes.h"
 
 namespace kvtier::router {
 namespace {
@@ -154,8 +155,7 @@ TEST(VllmDecode, AnEventTheRouterCannotUseIsSkippedNotItsBatch) {
 // vLLM 0.32's own bytes (msgspec, from its BlockPool and its CPU offloading
 // events tracker): a GPU BlockStored of two 16-token blocks, the CPU
 // offloading's placeholder for one of them (block_size 0, no tokens), two
-// GPU removals and AllBlocksCleared, in one batch. The CPU event is skipped
-// for its medium; everything else applies.
+// GPU removals and AllBlocksCleared, in one batch. Every event applies.
 constexpr char kVllm032Mixed[] =
     "93cb41d954fc40200000958aa474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657392cf137bb0"
     "37547f4cafcf16d077ad0843c577b1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473dc002001"
@@ -179,103 +179,13 @@ TEST(VllmDecode, Vllm032BatchWithCpuOffloadingEventsApplies) {
             (std::vector<uint64_t>{1403909460543360175ull, 1643945449041937783ull}));
   EXPECT_EQ(b->events[0].block_size, 16u);
   EXPECT_EQ(b->events[0].token_ids.size(), 32u);
-  EXPECT_EQ(b->events[1].skip_reason, "medium CPU");
+  // The CPU tier's placeholder names its block by hash alone.
+  EXPECT_TRUE(b->events[1].skip_reason.empty());
+  EXPECT_TRUE(b->events[1].by_hash);
+  EXPECT_EQ(b->events[1].medium, "CPU");
   EXPECT_TRUE(b->events[2].skip_reason.empty());
   EXPECT_TRUE(b->events[3].skip_reason.empty());
   EXPECT_EQ(b->events[4].kind, VllmEvent::kCleared);
-}
-
-// A test encoder following vLLM 0.26+'s layout (map events in declaration
-// order, the batch an array), with the msgpack-c packer.
-std::string Encode(const std::function<void(msgpack_packer*)>& f) {
-  msgpack_sbuffer sb;
-  msgpack_sbuffer_init(&sb);
-  msgpack_packer pk;
-  msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
-  f(&pk);
-  std::string out(sb.data, sb.size);
-  msgpack_sbuffer_destroy(&sb);
-  return out;
-}
-void Key(msgpack_packer* pk, const std::string& s) {
-  msgpack_pack_str(pk, s.size());
-  msgpack_pack_str_body(pk, s.data(), s.size());
-}
-struct Ev {
-  enum Kind { kStored, kRemoved, kCleared };
-  Ev(Kind k, std::vector<uint64_t> h = {}, std::optional<uint64_t> p = std::nullopt,
-     std::vector<uint32_t> t = {}, std::string lora = "")
-      : kind(k),
-        hashes(std::move(h)),
-        parent(p),
-        tokens(std::move(t)),
-        lora_name(std::move(lora)) {}
-  Kind kind;
-  std::vector<uint64_t> hashes;
-  std::optional<uint64_t> parent;
-  std::vector<uint32_t> tokens;
-  std::string lora_name;
-};
-std::string Batch(const std::vector<Ev>& events, uint32_t block_size) {
-  return Encode([&](msgpack_packer* pk) {
-    msgpack_pack_array(pk, 3);
-    msgpack_pack_double(pk, 1700000000.25);
-    msgpack_pack_array(pk, events.size());
-    for (const auto& e : events) {
-      if (e.kind == Ev::kCleared) {
-        msgpack_pack_map(pk, 1);
-        Key(pk, "type");
-        Key(pk, "AllBlocksCleared");
-        continue;
-      }
-      const bool stored = e.kind == Ev::kStored;
-      msgpack_pack_map(pk, stored ? 11 : 4);
-      Key(pk, "type");
-      Key(pk, stored ? "BlockStored" : "BlockRemoved");
-      Key(pk, "block_hashes");
-      msgpack_pack_array(pk, e.hashes.size());
-      for (uint64_t h : e.hashes) msgpack_pack_uint64(pk, h);
-      if (stored) {
-        Key(pk, "parent_block_hash");
-        e.parent ? msgpack_pack_uint64(pk, *e.parent) : msgpack_pack_nil(pk);
-        Key(pk, "token_ids");
-        msgpack_pack_array(pk, e.tokens.size());
-        for (uint32_t t : e.tokens) msgpack_pack_uint32(pk, t);
-        Key(pk, "block_size");
-        msgpack_pack_uint32(pk, block_size);
-        Key(pk, "lora_id");
-        msgpack_pack_nil(pk);
-      }
-      Key(pk, "medium");
-      Key(pk, "GPU");
-      if (stored) {
-        Key(pk, "lora_name");
-        if (e.lora_name.empty()) {
-          msgpack_pack_nil(pk);
-        } else {
-          Key(pk, e.lora_name);
-        }
-        Key(pk, "extra_keys");
-        msgpack_pack_array(pk, e.hashes.size());
-        for (size_t i = 0; i < e.hashes.size(); ++i) msgpack_pack_nil(pk);
-      }
-      Key(pk, "group_idx");
-      msgpack_pack_uint32(pk, 0);
-      if (stored) {
-        Key(pk, "kv_cache_spec_kind");
-        Key(pk, "full_attention");
-      }
-    }
-    msgpack_pack_uint32(pk, 0);
-  });
-}
-
-constexpr uint64_t kNs = 0x00c0ffee00c0ffee;
-constexpr uint32_t kBt = 4;
-std::vector<uint32_t> Tokens(uint32_t from, uint32_t n) {
-  std::vector<uint32_t> t;
-  for (uint32_t i = 0; i < n; ++i) t.push_back(from + i);
-  return t;
 }
 
 TEST(VllmDecode, TheTestEncoderWritesWhatTheDecoderReads) {
@@ -292,8 +202,8 @@ TEST(VllmDecode, TheTestEncoderWritesWhatTheDecoderReads) {
 TEST(VllmChainMap, StoredBlocksGetKvtierChainHashesThroughTheirParents) {
   VllmChainMap m(kNs, kBt);
   VllmSourceStats st;
-  VllmEvent a{VllmEvent::kStored, {11, 12}, std::nullopt, Tokens(0, 8), kBt, ""};
-  VllmEvent b{VllmEvent::kStored, {13}, 12, Tokens(8, 4), kBt, ""};
+  VllmEvent a = Made(VllmEvent::kStored, {11, 12}, std::nullopt, Tokens(0, 8), kBt, "");
+  VllmEvent b = Made(VllmEvent::kStored, {13}, 12, Tokens(8, 4), kBt, "");
   auto ha = m.Stored(a, &st);
   auto hb = m.Stored(b, &st);
   auto whole = ChainHashes(kNs, Tokens(0, 12), kBt);
@@ -303,21 +213,22 @@ TEST(VllmChainMap, StoredBlocksGetKvtierChainHashesThroughTheirParents) {
   EXPECT_EQ(ha[1], whole[1]);
   EXPECT_EQ(hb[0], whole[2]);
   // An unknown parent, or another block size, is counted and left out.
-  VllmEvent orphan{VllmEvent::kStored, {21}, 99, Tokens(0, 4), kBt, ""};
+  VllmEvent orphan = Made(VllmEvent::kStored, {21}, 99, Tokens(0, 4), kBt, "");
   EXPECT_TRUE(m.Stored(orphan, &st).empty());
   EXPECT_EQ(st.unknown_parents, 1u);
-  VllmEvent wide{VllmEvent::kStored, {31}, std::nullopt, Tokens(0, 8), 8, ""};
+  VllmEvent wide = Made(VllmEvent::kStored, {31}, std::nullopt, Tokens(0, 8), 8, "");
   EXPECT_TRUE(m.Stored(wide, &st).empty());
   EXPECT_EQ(st.skipped, 1u);
   // An event without a block's worth of tokens per hash (a skipped one, or
   // one built by hand) maps nothing: there are no tokens to hash. The fuzzer
   // found the unchecked walk reading past the tokens.
-  VllmEvent short_tokens{VllmEvent::kStored, {41, 42}, std::nullopt, Tokens(0, 4), kBt, ""};
+  VllmEvent short_tokens = Made(VllmEvent::kStored, {41, 42}, std::nullopt, Tokens(0, 4), kBt, "");
   EXPECT_TRUE(m.Stored(short_tokens, &st).empty());
-  VllmEvent marked{VllmEvent::kStored, {51}, std::nullopt, Tokens(0, 4), kBt, "malformed: x"};
+  VllmEvent marked =
+      Made(VllmEvent::kStored, {51}, std::nullopt, Tokens(0, 4), kBt, "malformed: x");
   EXPECT_TRUE(m.Stored(marked, &st).empty());
   EXPECT_EQ(st.skipped, 4u);
-  VllmEvent gone{VllmEvent::kRemoved, {12, 77}, std::nullopt, {}, 0, ""};
+  VllmEvent gone = Made(VllmEvent::kRemoved, {12, 77}, std::nullopt, {}, 0, "");
   EXPECT_EQ(m.Removed(gone, &st), std::vector<BlockHash>{whole[1]});
   EXPECT_EQ(m.size(), 2u);
 }
@@ -358,116 +269,6 @@ TEST(VllmSources, SpecsParseAndBadOnesNameLineAndKey) {
     EXPECT_NE(bad.status().message().find(says), std::string::npos) << bad.status();
   }
 }
-
-// A vLLM engine's two sockets: PUB for the live stream and ROUTER for
-// replay, answering from every batch it published (vLLM 0.26+ framing).
-class FakeEngine {
- public:
-  FakeEngine() : pub_(ctx_, zmq::socket_type::pub), router_(ctx_, zmq::socket_type::router) {
-    pub_.set(zmq::sockopt::linger, 0);
-    router_.set(zmq::sockopt::linger, 0);
-    pub_.bind("tcp://127.0.0.1:*");
-    router_.bind("tcp://127.0.0.1:*");
-    events_ = pub_.get(zmq::sockopt::last_endpoint);
-    replay_ = router_.get(zmq::sockopt::last_endpoint);
-    replayer_ = std::thread([this] { Serve(); });
-  }
-  ~FakeEngine() {
-    stop_ = true;
-    replayer_.join();
-  }
-  // Records the batch for replay; sends it live unless `drop` (a message
-  // the subscriber never sees).
-  void Publish(uint64_t seq, const std::string& payload, bool drop = false) {
-    {
-      std::lock_guard lk(mu_);
-      buffer_.emplace_back(seq, payload);
-    }
-    if (!drop) SendLive({"", Seq(seq), payload});
-  }
-  void SendLive(const std::vector<std::string>& frames) {
-    std::vector<zmq::const_buffer> parts;
-    for (const auto& f : frames) parts.push_back(zmq::buffer(f));
-    std::lock_guard lk(pub_mu_);
-    zmq::send_multipart(pub_, parts);
-  }
-  void ForgetBefore(uint64_t seq) {
-    std::lock_guard lk(mu_);
-    while (!buffer_.empty() && buffer_.front().first < seq) buffer_.pop_front();
-  }
-  void Restart() {
-    std::lock_guard lk(mu_);
-    buffer_.clear();
-  }
-  static std::string Seq(uint64_t s) {
-    std::string b(8, '\0');
-    for (int i = 0; i < 8; ++i) b[i] = static_cast<char>(s >> (56 - 8 * i));
-    return b;
-  }
-  const std::string& events() const { return events_; }
-  const std::string& replay() const { return replay_; }
-  std::atomic<int> replay_requests{0};
-
- private:
-  void Serve() {
-    while (!stop_) {
-      zmq::pollitem_t item{router_.handle(), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, std::chrono::milliseconds(50));
-      if (!(item.revents & ZMQ_POLLIN)) continue;
-      std::vector<zmq::message_t> req;
-      if (!zmq::recv_multipart(router_, std::back_inserter(req))) continue;
-      if (req.size() != 3 || req[2].size() != 8) continue;  // as vLLM: ignored
-      replay_requests++;
-      uint64_t from = 0;
-      for (int i = 0; i < 8; ++i)
-        from = (from << 8) | static_cast<const uint8_t*>(req[2].data())[i];
-      const std::string id = req[0].to_string();
-      std::vector<std::pair<uint64_t, std::string>> items;
-      {
-        std::lock_guard lk(mu_);
-        for (const auto& b : buffer_) {
-          if (b.first >= from) items.push_back(b);
-        }
-      }
-      auto reply = [&](const std::vector<std::string>& frames) {
-        std::vector<zmq::const_buffer> parts = {zmq::buffer(id), zmq::buffer(id.data(), 0)};
-        for (const auto& f : frames) parts.push_back(zmq::buffer(f));
-        zmq::send_multipart(router_, parts);
-      };
-      for (const auto& [seq, payload] : items) reply({"", Seq(seq), payload});
-      reply({"", Seq(~uint64_t{0}), ""});
-    }
-  }
-
-  zmq::context_t ctx_{1};
-  zmq::socket_t pub_, router_;
-  std::mutex pub_mu_, mu_;
-  std::string events_, replay_;
-  std::deque<std::pair<uint64_t, std::string>> buffer_;
-  std::atomic<bool> stop_{false};
-  std::thread replayer_;
-};
-
-class VllmSubscriber : public ::testing::Test {
- protected:
-  VllmSubscriber() : core_(RouterOptions{}) {}
-  uint64_t Held() {
-    for (const auto& s : core_.Sources()) {
-      if (s.source_id == "vllm-0") return s.indexed_blocks;
-    }
-    return ~uint64_t{0};
-  }
-  uint32_t GpuHit(uint32_t tokens_from, uint32_t n) {
-    const std::vector<uint32_t> tokens = Tokens(tokens_from, n);
-    RouteQuery q;
-    q.namespace_id = kNs;
-    q.prompt = RouteQuery::Prompt::kTokens;
-    q.tokens = tokens;
-    auto res = core_.Route(q);
-    return res.ok() && res->worker_id == "vllm-0" ? res->gpu_blocks : 0;
-  }
-  RouterCore core_;
-};
 
 // A hello the router refuses (here: an endpoint over 256 bytes) leaves the
 // engine out of routing; the subscriber says so, counts it and tries again
@@ -512,8 +313,11 @@ TEST_F(VllmSubscriber, IndexesTheDocumentedStreamThroughGapsBadMessagesAndRestar
       << Held() << " blocks, " << source.stats().gaps << " gaps";
   EXPECT_EQ(GpuHit(0, 32), 7u);
   EXPECT_EQ(source.stats().resyncs, 0u);
-  // A LoRA adapter's blocks cannot be mapped: skipped, counted.
-  engine.Publish(4, Batch({Ev(Ev::kStored, {200}, std::nullopt, Tokens(1000, 4), "adapter")}, kBt));
+  // A sliding-window group's blocks are not a prefix: skipped, counted.
+  Ev window(Ev::kStored, {200}, std::nullopt, Tokens(1000, 4));
+  window.spec_kind = "sliding_window";
+  window.group = 1;
+  engine.Publish(4, Batch({window}, kBt));
   ASSERT_TRUE(testing::WaitFor([&] { return source.stats().skipped == 1; }));
   EXPECT_EQ(Held(), 7u);
   // A malformed batch: counted, and a resync rebuilds the index from the

@@ -19,7 +19,7 @@ const char* ReasonName(router::Reason r) {
 }
 
 Choice Choose(router::RouterCore& core, uint64_t namespace_id, const FleetView& fleet,
-              const std::vector<uint32_t>& tokens, uint64_t prompt_tokens,
+              const std::vector<uint32_t>& tokens, uint64_t prompt_tokens, uint64_t variant,
               const std::set<const Engine*>& tried, Want want, Counters& counters, int64_t now) {
   Choice c;
   auto open = [&](const Engine& e) {
@@ -29,6 +29,7 @@ Choice Choose(router::RouterCore& core, uint64_t namespace_id, const FleetView& 
   q.namespace_id = namespace_id;
   q.prompt = router::RouteQuery::Prompt::kTokens;
   q.tokens = tokens;
+  q.variant = variant;
   q.max_candidates = static_cast<uint32_t>(std::max<size_t>(1, fleet.engines.size()));
   // The router chooses among the engines this request can be sent to: the
   // route's load and pending blocks go where the request goes.

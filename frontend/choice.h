@@ -25,9 +25,10 @@ struct Choice {
 
 const char* ReasonName(router::Reason r);
 
-// Each choice is counted in `counters` by engine and reason.
+// Each choice is counted in `counters` by engine and reason. `variant`: the
+// request's LoRA adapter and cache salt (ChainVariant; 0 for neither).
 Choice Choose(router::RouterCore& core, uint64_t namespace_id, const FleetView& fleet,
-              const std::vector<uint32_t>& tokens, uint64_t prompt_tokens,
+              const std::vector<uint32_t>& tokens, uint64_t prompt_tokens, uint64_t variant,
               const std::set<const Engine*>& tried, Want want, Counters& counters,
               int64_t now_ms = NowMs());
 

@@ -25,8 +25,8 @@ Task<std::optional<nlohmann::json>> Prefiller::Prefill(const Prepared& p, Stream
                                                        std::string* note, bool* client_gone) {
   const std::set<const Engine*> none;
   const std::shared_ptr<const FleetView> fleet = fleet_.Snapshot();
-  Choice c = Choose(core_, namespace_id_, *fleet, p.tokens, p.prompt_tokens, none, Want::kPrefill,
-                    counters_);
+  Choice c = Choose(core_, namespace_id_, *fleet, p.tokens, p.prompt_tokens, p.variant, none,
+                    Want::kPrefill, counters_);
   if (c.engine == nullptr) {
     counters_.Handoff("no_prefill_engine");
     *note = "; prefill=none";

@@ -6,7 +6,9 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "common/config.h"
 #include "common/file_limit.h"
 #include "common/log.h"
@@ -25,6 +27,10 @@ int main(int argc, char** argv) {
   flags.String("model", &model_dir,
                "the model's directory: its tokenizer.json and tokenizer_config.json");
   flags.String("served-model-name", &o.served_model, "the model name clients send");
+  std::string adapters;
+  flags.String("lora-adapters", &adapters,
+               "the LoRA adapters every engine serves (the names of vLLM's --lora-modules), "
+               "','-separated: a request naming one is routed on that adapter's blocks");
   flags.String("engines", &engines, "the engines, ';'-separated, each as a line of --engines-file");
   flags.String("engines-file", &engines_file,
                "one engine a line: id=ID,endpoint=HOST:PORT,events=tcp://HOST:PORT,"
@@ -102,6 +108,9 @@ int main(int argc, char** argv) {
   o.max_connections = static_cast<uint64_t>(max_connections);
   o.text_threads = static_cast<int>(text_threads);
   o.router.heartbeat_deadline_ms = heartbeat_ms;
+  for (absl::string_view a : absl::StrSplit(adapters, ',', absl::SkipWhitespace())) {
+    o.lora_adapters.emplace_back(absl::StripAsciiWhitespace(a));
+  }
 
   std::string spec_text = absl::StrReplaceAll(engines, {{";", "\n"}});
   if (!engines_file.empty()) {

@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/block_key.h"
 
 namespace kvtier::frontend {
 namespace {
@@ -146,7 +147,8 @@ std::string ErrorBody(const ApiError& e) {
 namespace {
 
 PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body, const TextModel& text,
-                             const std::string& served_model, const RequestLimits& limits) {
+                             const std::string& served_model, const RequestLimits& limits,
+                             const std::vector<std::string>& adapters) {
   json req = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (req.is_discarded()) return Fail(Invalid("the body is not valid JSON"));
   if (!req.is_object()) return Fail(Invalid("the body must be a JSON object"));
@@ -161,7 +163,8 @@ PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body, const Tex
   if (req.contains("model")) {
     if (!req["model"].is_string()) return Fail(Invalid("model must be a string", "model"));
     const std::string& model = req["model"].get_ref<const std::string&>();
-    if (!model.empty() && model != served_model) {
+    if (!model.empty() && model != served_model &&
+        std::find(adapters.begin(), adapters.end(), model) == adapters.end()) {
       return Fail(ApiError{404, "NotFoundError",
                            absl::StrCat("The model `", model, "` does not exist."), "model",
                            "model_not_found"});
@@ -170,6 +173,9 @@ PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body, const Tex
   PrepareResult r;
   Prepared& p = r.prepared;
   p.endpoint = endpoint;
+  if (req.contains("model") && req["model"] != served_model) {
+    p.adapter = req["model"].get<std::string>();
+  }
   // kv_transfer_params come only from the frontend: a client's own could
   // name a kvtier fence (a decode engine would wait on the store for it)
   // or ask an engine to hand its KV on.
@@ -184,6 +190,7 @@ PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body, const Tex
     }
     p.cache_salt = req["cache_salt"].get<std::string>();
   }
+  p.variant = ChainVariant(p.adapter, p.cache_salt);
   if (req.contains("prompt_embeds")) {
     return Fail(
         Invalid("prompt_embeds are not routed by the frontend; send a prompt", "prompt_embeds"));
@@ -292,11 +299,12 @@ PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body, const Tex
 }  // namespace
 
 PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
-                      const std::string& served_model, const RequestLimits& limits) {
+                      const std::string& served_model, const RequestLimits& limits,
+                      const std::vector<std::string>& adapters) {
   // A field of the wrong type that a check above missed (JSON's own
   // accessors throw) is the client's error, answered as such.
   try {
-    return PrepareOrThrow(endpoint, body, text, served_model, limits);
+    return PrepareOrThrow(endpoint, body, text, served_model, limits, adapters);
   } catch (const json::exception& e) {
     return Fail(Invalid(absl::StrCat("a field has the wrong type: ", e.what())));
   }
@@ -353,13 +361,25 @@ size_t SseEventsEnd(std::string_view s) {
 }
 
 std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
-                       uint64_t max_model_len) {
-  json model = {{"id", served_model},
-                {"object", "model"},
-                {"created", created_unix},
-                {"owned_by", "kvtier"},
-                {"max_model_len", max_model_len}};
-  return json{{"object", "list"}, {"data", json::array({model})}}.dump();
+                       uint64_t max_model_len, const std::vector<std::string>& adapters) {
+  json models = json::array();
+  models.push_back({{"id", served_model},
+                    {"object", "model"},
+                    {"created", created_unix},
+                    {"owned_by", "kvtier"},
+                    {"root", served_model},
+                    {"parent", nullptr},
+                    {"max_model_len", max_model_len}});
+  for (const auto& a : adapters) {
+    models.push_back({{"id", a},
+                      {"object", "model"},
+                      {"created", created_unix},
+                      {"owned_by", "kvtier"},
+                      {"root", a},
+                      {"parent", served_model},
+                      {"max_model_len", max_model_len}});
+  }
+  return json{{"object", "list"}, {"data", models}}.dump();
 }
 
 VllmLoad ParseVllmMetrics(absl::string_view text) {

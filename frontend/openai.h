@@ -46,7 +46,9 @@ struct Prepared {
   std::vector<uint32_t> tokens;  // what routing prices: the (first) prompt's ids
   uint64_t prompt_tokens = 0;    // every prompt's ids
   bool stream = false;
-  std::string cache_salt;  // vLLM's cache_salt: blocks hash apart (routing cannot match them)
+  std::string cache_salt;  // vLLM's cache_salt: its blocks hash apart
+  std::string adapter;     // the LoRA adapter the request names ("": the base model)
+  uint64_t variant = 0;    // ChainVariant(adapter, cache_salt): where its chain is rooted
   // One prompt, one choice, no prompt logprobs or echo: a prefill engine
   // may compute it for a decode engine. (A client's kv_transfer_params are
   // dropped: only the frontend sets them.)
@@ -54,7 +56,9 @@ struct Prepared {
 };
 
 // Checks and prepares `body` for `endpoint`. `served_model`: the name
-// clients use (an empty model field means it; another name is a 404).
+// clients use (an empty model field means it); `adapters`: the LoRA
+// adapters the engines serve, which a request may name instead (another
+// name is a 404).
 // Errors: 400 for JSON that is not a request of this endpoint (a field of
 // the wrong type, an unknown field, a prompt the template refuses) and for
 // a prompt over the limit (code context_length_exceeded, as OpenAI and
@@ -65,7 +69,8 @@ struct PrepareResult {
   Prepared prepared;
 };
 PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
-                      const std::string& served_model, const RequestLimits& limits);
+                      const std::string& served_model, const RequestLimits& limits,
+                      const std::vector<std::string>& adapters = {});
 
 // Prefill/decode (docs/disaggregation.md, "The protocol": vLLM's offloading
 // P/D keys, which kvtier's connector and its offloading tier both speak).
@@ -97,9 +102,10 @@ std::string DecodeBody(const Prepared& p, const nlohmann::json& params);
 // whole. A stream is forwarded up to there; the rest waits for its end.
 size_t SseEventsEnd(std::string_view s);
 
-// GET /v1/models: the one model this frontend serves.
+// GET /v1/models: the model this frontend serves and its LoRA adapters
+// (each with the model as its parent, as vLLM lists them).
 std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
-                       uint64_t max_model_len);
+                       uint64_t max_model_len, const std::vector<std::string>& adapters = {});
 
 // What a vLLM server's own /metrics (Prometheus text) says of its load:
 // each gauge summed over its label sets (one per model and engine).

@@ -88,6 +88,12 @@ absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options) {
 
 absl::Status FrontendOptions::Validate() const {
   if (served_model.empty()) return absl::InvalidArgumentError("--served-model-name is required");
+  for (const auto& a : lora_adapters) {
+    if (a == served_model) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--lora-adapters: \"", a, "\" is the served model's own name"));
+    }
+  }
   if (max_connections == 0) return absl::InvalidArgumentError("--max-connections must be >= 1");
   if (max_body_bytes_in_flight < max_body_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -51,7 +51,8 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
   // A large body (a long prompt to tokenize, a long chat to render) is
   // prepared off this thread: the streams it serves go on meanwhile.
   auto prepare = [this, endpoint, &body] {
-    return Prepare(endpoint, body, *text, options.served_model, options.limits);
+    return Prepare(endpoint, body, *text, options.served_model, options.limits,
+                   options.lora_adapters);
   };
   PrepareResult prep;
   if (body.size() <= kInlineBody) {
@@ -77,7 +78,7 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
   std::string prefill_note;
   for (uint32_t attempt = 0; attempt < options.max_attempts; ++attempt) {
     Choice c = Choose(router->core(), namespace_id, *fleet->Snapshot(), p.tokens, p.prompt_tokens,
-                      tried, Want::kDecode, counters);
+                      p.variant, tried, Want::kDecode, counters);
     if (c.engine == nullptr) break;
     if (attempt == 0) {
       load->Seen(c.uncached);

@@ -37,8 +37,11 @@ namespace kvtier::frontend {
 struct FrontendOptions {
   std::string listen = "127.0.0.1:8000";  // host:port; port 0: any free one
   int threads = 2;                        // Asio threads
-  int text_threads = 2;        // threads preparing large requests (tokenizing, templates)
-  std::string served_model;    // the name clients use
+  int text_threads = 2;      // threads preparing large requests (tokenizing, templates)
+  std::string served_model;  // the name clients use
+  // The LoRA adapters every engine serves (vLLM's --lora-modules names): a
+  // request naming one is routed on that adapter's blocks.
+  std::vector<std::string> lora_adapters;
   uint64_t max_model_len = 0;  // what /v1/models reports
   RequestLimits limits;
   uint64_t max_body_bytes = 8 << 20;

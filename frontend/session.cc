@@ -89,7 +89,8 @@ Task<> Frontend::Impl::Session(Socket socket) {
       }
     } else if (path == "/v1/models" && req.method() == http::verb::get) {
       counters.Request("models", 200);
-      std::string models = ModelsBody(options.served_model, started_unix, options.max_model_len);
+      std::string models = ModelsBody(options.served_model, started_unix, options.max_model_len,
+                                      options.lora_adapters);
       again = co_await ReplyJson(client, 200, std::move(models), keep);
     } else if (path == "/health" && req.method() == http::verb::get) {
       size_t up = 0;

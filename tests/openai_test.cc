@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/block_key.h"
 #include "nlohmann/json.hpp"
 
 namespace kvtier::frontend {
@@ -222,6 +223,35 @@ TEST(OpenAi, ModelsListsTheServedModel) {
   ASSERT_EQ(m["data"].size(), 1u);
   EXPECT_EQ(m["data"][0]["id"], "tiny");
   EXPECT_EQ(m["data"][0]["max_model_len"], 4096);
+}
+
+// A request naming a LoRA adapter the engines serve goes to them as it is,
+// its chain rooted at the adapter (and its cache salt, if any), so it is
+// routed on that adapter's blocks; an adapter nobody serves is a 404.
+TEST(OpenAi, AnAdapterOrACacheSaltRootsTheRequestsChain) {
+  const std::vector<std::string> adapters = {"sql"};
+  auto prepare = [&](const json& body) {
+    return Prepare(Endpoint::kCompletions, body.dump(), Tiny(), "tiny", {}, adapters);
+  };
+  auto lora = prepare({{"model", "sql"}, {"prompt", "hello there"}});
+  ASSERT_FALSE(lora.error) << lora.error->message;
+  EXPECT_EQ(lora.prepared.adapter, "sql");
+  EXPECT_EQ(lora.prepared.variant, ChainVariant("sql", ""));
+  EXPECT_EQ(json::parse(lora.prepared.body)["model"], "sql");
+  auto salted = prepare({{"model", "sql"}, {"prompt", "hello there"}, {"cache_salt", "t7"}});
+  EXPECT_EQ(salted.prepared.variant, ChainVariant("sql", "t7"));
+  auto base = prepare({{"model", "tiny"}, {"prompt", "hello there"}});
+  EXPECT_EQ(base.prepared.adapter, "");
+  EXPECT_EQ(base.prepared.variant, 0u);
+  EXPECT_EQ(prepare({{"prompt", "hello"}, {"cache_salt", "t7"}}).prepared.variant,
+            ChainVariant("", "t7"));
+  auto other = prepare({{"model", "chat"}, {"prompt", "hello"}});
+  ASSERT_TRUE(other.error);
+  EXPECT_EQ(other.error->status, 404);
+  json m = json::parse(ModelsBody("tiny", 1700000000, 4096, adapters));
+  ASSERT_EQ(m["data"].size(), 2u);
+  EXPECT_EQ(m["data"][1]["id"], "sql");
+  EXPECT_EQ(m["data"][1]["parent"], "tiny");
 }
 
 // A stream is forwarded up to its last whole event: a piece cut after

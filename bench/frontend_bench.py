@@ -53,6 +53,9 @@ from conftest import Store, engine_env  # noqa: E402
 from vllm_engine import kv_transfer_config  # noqa: E402
 from vllm_server import TINY_LLAMA, VllmServer, free_port  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from peer_routers import PeerRouter  # noqa: E402
+
 FRONTEND = BUILD / "frontend" / "kvtier-frontend"
 TRACES = ROOT.parent / "shared" / "traces"
 NAMESPACE = "00c0ffee00c0ffee"
@@ -329,14 +332,21 @@ def replay(args: argparse.Namespace, work: Path) -> None:
         flags = (f"--router=127.0.0.1:{router_port}", "--router-refresh=1s")
         return Store(d, ram="1GiB", port=store_port, flags=flags)
 
+    peers = [p for p in args.peers.split(",") if p]
+    events_at: list[str] = []
+    replays_at: list[str] = []
     for i, name in enumerate(("e0", "e1")):
-        events, rep = f"ipc://{work}/{name}-events", free_port()
+        # TCP and topic "": what vllm-router's kv_aware subscribes to (it
+        # drops every message with another topic); kvtier reads the same.
+        events, rep = f"tcp://127.0.0.1:{free_port()}", free_port()
+        events_at.append(events)
+        replays_at.append(f"tcp://127.0.0.1:{rep}")
         events_cfg = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": events,
             "replay_endpoint": f"tcp://127.0.0.1:{rep}",
-            "topic": "kv-events",
+            "topic": "",
         }
         env = dict(engine_env(), VLLM_SERVER_DEV_MODE="1")
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(i % (os.cpu_count() or 1))
@@ -348,6 +358,9 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                 "--block-size", str(BLOCK), "--enable-prefix-caching",
                 "--kv-events-config", json.dumps(events_cfg),
                 "--max-num-seqs", "32",
+                # vllm-router tokenizes text prompts through the engine's
+                # render endpoint, which vLLM serves only with this.
+                *(("--enable-scale-out",) if peers else ()),
                 "--num-gpu-blocks-override", str(args.kv_blocks),
                 *(("--hf-overrides", args.hf_overrides)
                   if args.hf_overrides else ()),
@@ -358,7 +371,7 @@ def replay(args: argparse.Namespace, work: Path) -> None:
         )  # fmt: skip
         specs.append(
             f"id={name},endpoint=127.0.0.1:{engines[name].port},events={events},"
-            f"replay=tcp://127.0.0.1:{rep},topic=kv-events,"
+            f"replay=tcp://127.0.0.1:{rep},"
             f"namespace={NAMESPACE},block-tokens={BLOCK}"
         )
     upstreams = [f"127.0.0.1:{e.port}" for e in engines.values()]
@@ -385,8 +398,10 @@ def replay(args: argparse.Namespace, work: Path) -> None:
             dst = work / f"{trace}-scaled.jsonl"
             chunk = scale_trace(src, dst, args.requests, args.div, args.out_div)
             rr, aware = reachable_hits(dst)
-            print(f"  {trace}: prefix hits reachable with unbounded caches, "
-                  f"round-robin {rr:.1%}, prefix-aware {aware:.1%} of prompt blocks")
+            print(
+                f"  {trace}: prefix hits reachable with unbounded caches, "
+                f"round-robin {rr:.1%}, prefix-aware {aware:.1%} of prompt blocks"
+            )
             datasets[trace] = [
                 "--dataset-name", "timed_trace", "--dataset-path", str(dst),
                 "--timed-trace-chunk-hash-size", str(chunk),
@@ -416,7 +431,8 @@ def replay(args: argparse.Namespace, work: Path) -> None:
             if words and words[0].startswith("@"):
                 binary = Path(words.pop(0)[1:]).resolve()
             variants[name] = (binary, tuple(words))
-        configs = ["nginx-least_conn", "nginx-round_robin", *variants]
+        configs = ["nginx-least_conn", "nginx-round_robin", *peers, *variants]
+        workers = [f"http://127.0.0.1:{e.port}" for e in engines.values()]
         rows: dict[tuple[str, str], list[dict[str, float]]] = {}
         for run in range(args.runs):
             for ds in chosen:
@@ -435,7 +451,15 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                         for n, e in engines.items()
                     }
                     fe = None
-                    if cfg in variants:
+                    peer: PeerRouter | None = None
+                    if cfg in peers:
+                        peer = PeerRouter(BUILD, cfg, work, workers,
+                                          events_at, replays_at,
+                                          BLOCK, "tiny")  # fmt: skip
+                        wait_port(peer.port, peer.proc, cfg)
+                        time.sleep(1.5)  # its subscriptions and health checks are up
+                        url = peer.url
+                    elif cfg in variants:
                         fe = Frontend(work, specs, threads=1, router_port=router_port,
                                       flags=variants[cfg][1]
                                       + (("--log-routes",) if args.keep else ()),
@@ -449,7 +473,26 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                         res = bench_serve(url, work, f"{ds}-{cfg}-{run}", datasets[ds],
                                           args.num_prompts if not ds.endswith("trace")
                                           else args.requests, args.keep)  # fmt: skip
+                    except RuntimeError as e:
+                        if peer is None:
+                            raise
+                        # A peer that cannot serve this set: said, not fatal.
+                        print(f"  run {run + 1} {ds:20s} {cfg:18s} FAILED: "
+                              + str(e).strip().splitlines()[-1][:300],
+                              flush=True)  # fmt: skip
+                        continue
                     finally:
+                        if peer is not None:
+                            lookups = peer.metric(
+                                "vllm_router_kv_placement_lookups_total"
+                            )
+                            if lookups:
+                                print(f"  {cfg} KV lookups: {lookups}")
+                            stop(peer.proc)
+                            if args.keep is not None:
+                                shutil.copy(
+                                    peer.log, args.keep / f"{ds}-{cfg}-{run}.log"
+                                )
                         if fe is not None:
                             stop(fe.proc)
                             if args.keep is not None:
@@ -479,20 +522,29 @@ def replay(args: argparse.Namespace, work: Path) -> None:
                         f"failed {int(row['failed'])}",
                         flush=True,
                     )
-        print("  kvtier / the better nginx (lower TTFT is better), per run:")
+        print(
+            "  kvtier / each reference, and / the best of them"
+            " (lower TTFT is better), per run:"
+        )
         for ds in chosen:
             for run, name in itertools.product(range(args.runs), variants):
                 k = rows[(ds, name)][run]
-                best = min(
-                    (rows[(ds, c)][run] for c in configs[:2]),
-                    key=lambda r: r["ttft_mean"],
+                refs = {c: rows[(ds, c)][run] for c in configs
+                        if c not in variants
+                        and len(rows.get((ds, c), [])) > run}  # fmt: skip
+                best = min(refs, key=lambda c: refs[c]["ttft_mean"])
+                each = ", ".join(
+                    f"{c} {ratio(k['ttft_mean'], r['ttft_mean'])}x/"
+                    f"{ratio(k['ttft_p99'], r['ttft_p99'])}x"
+                    for c, r in refs.items()
                 )
+                b = refs[best]
                 print(
-                    f"  {ds:20s} {name} run {run + 1}: TTFT mean "
-                    f"{ratio(k['ttft_mean'], best['ttft_mean'])}x, "
-                    f"p99 {ratio(k['ttft_p99'], best['ttft_p99'])}x, "
-                    f"ITL p99 {ratio(k['itl_p99'], best['itl_p99'])}x, "
-                    f"tok/s {ratio(k['tok_s'], best['tok_s'])}x"
+                    f"  {ds:20s} {name} run {run + 1}: best ({best}) TTFT mean "
+                    f"{ratio(k['ttft_mean'], b['ttft_mean'])}x, "
+                    f"p99 {ratio(k['ttft_p99'], b['ttft_p99'])}x, "
+                    f"ITL p99 {ratio(k['itl_p99'], b['itl_p99'])}x, "
+                    f"tok/s {ratio(k['tok_s'], b['tok_s'])}x; mean/p99 against {each}"
                 )
     finally:
         nginx.stop()
@@ -755,6 +807,13 @@ def main() -> None:
         default=None,
         help="replay: copy every run's result (per-request TTFT and ITLs) and "
         "frontend log (with --log-routes) here",
+    )
+    ap.add_argument(
+        "--peers",
+        default="",
+        help="replay: peer routers as more configs, ','-separated: "
+        "vllm-router-kv_aware, vllm-router-cache_aware, sglang-router "
+        "(scripts/peer_routers.sh installs them)",
     )
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--seconds", type=int, default=5)

@@ -95,6 +95,10 @@ int main(int argc, char** argv) {
   flags.DurationMs("heartbeat-deadline", &heartbeat_ms,
                    "an engine silent this long (its health check failing) leaves the index");
   flags.String("port-file", &port_file, "write the port served to this file once listening");
+  flags.Bool("reuse-port", &o.reuse_port,
+             "let another frontend listen on the same address while this one drains (a "
+             "rolling restart in place; set net.ipv4.tcp_migrate_req=1 so a closing "
+             "listener's queued connections move to the other)");
   bool check_config = false;
   flags.Bool("check-config", &check_config,
              "validate the flags and exit 0 (the model is not read, no port is opened)");

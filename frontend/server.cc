@@ -13,6 +13,8 @@
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 #endif
 
+#include <sys/socket.h>
+
 #include <future>
 #include <memory>
 #include <set>
@@ -174,6 +176,14 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   impl->acceptor.emplace(impl->loops[0]->get_executor());
   impl->acceptor->open(ep.protocol(), ec);
   if (!ec) impl->acceptor->set_option(net::socket_base::reuse_address(true), ec);
+  if (!ec && o.reuse_port) {
+    // Another frontend may listen on the same address (a rolling restart).
+    const int one = 1;
+    if (::setsockopt(impl->acceptor->native_handle(), SOL_SOCKET, SO_REUSEPORT, &one,
+                     sizeof(one)) != 0) {
+      ec = ErrorCode(errno, boost::system::system_category());
+    }
+  }
   if (!ec) impl->acceptor->bind(ep, ec);
   if (!ec) impl->acceptor->listen(net::socket_base::max_listen_connections, ec);
   if (ec) {
@@ -232,13 +242,29 @@ bool Frontend::Drain(uint64_t grace_ms) {
   });
   closed.get_future().wait();
   Log("frontend", "draining: no new connection; ", impl->requests_in_flight.load(),
-      " requests in flight get up to ", grace_ms, " ms");
+      " requests in flight and ", impl->connections.load(), " connections get up to ", grace_ms,
+      " ms");
+  // Each connection ends after its next answer (sent with Connection:
+  // close), so a busy keep-alive client's next request is answered, never
+  // met by a close: once no request is in flight the drain still waits up
+  // to kIdleLinger for the connections to end; those idle past it are
+  // closed with no request on them.
+  constexpr auto kIdleLinger = std::chrono::seconds(2);
   const auto until = Clock::now() + std::chrono::milliseconds(grace_ms);
-  while (impl->requests_in_flight.load() > 0 && Clock::now() < until) {
+  std::optional<Clock::time_point> idle_since;
+  for (auto now = Clock::now(); now < until; now = Clock::now()) {
+    if (impl->requests_in_flight.load() > 0) {
+      idle_since.reset();
+    } else {
+      if (impl->connections.load() == 0) break;
+      if (!idle_since) idle_since = now;
+      if (now - *idle_since >= kIdleLinger) break;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   const int64_t left = impl->requests_in_flight.load();
-  Log("frontend", left == 0 ? "drained: every request in flight ended"
+  Log("frontend", left == 0 ? absl::StrCat("drained: every request in flight ended (",
+                                           impl->connections.load(), " idle connections closed)")
                             : absl::StrCat("drain timed out: ", left, " requests are cut"));
   return left == 0;
 }

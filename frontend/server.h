@@ -51,6 +51,11 @@ struct FrontendOptions {
   // Client connections held at once; one past it is answered 503 with
   // Retry-After and closed.
   uint64_t max_connections = 4096;
+  // SO_REUSEPORT on the listener: a second frontend may listen on the same
+  // address while this one drains (a rolling restart in place). Where they
+  // share it, net.ipv4.tcp_migrate_req=1 hands a closing listener's queued
+  // connections to the other instead of resetting them.
+  bool reuse_port = false;
   uint64_t client_timeout_ms = 30000;     // to read a request
   uint64_t connect_timeout_ms = 2000;     // to reach an engine
   uint64_t upstream_timeout_ms = 600000;  // an engine's silence, between bytes

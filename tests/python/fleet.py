@@ -85,6 +85,7 @@ class Fleet:
         self.store: Store | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.engines: dict[str, VllmServer] = {}
+        self.specs: list[str] = []  # the frontend's --engines
         try:
             self._start(engines, store_ram, store_router, frontend_flags)
         except BaseException:
@@ -140,24 +141,35 @@ class Fleet:
             found = re.search(r"kvtier connector: namespace ([0-9a-f]{16})", log)
             assert found, log[-3000:]
             specs = [s.replace("{ns}", found.group(1)) for s in specs]
-        port_file = self.tmp / "frontend.port"
+        self.specs = specs
         self.log = self.tmp / "frontend.log"
         router = (f"--router-listen=127.0.0.1:{router_port}",) if store_router else ()
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [str(FRONTEND_BIN), "--listen=127.0.0.1:0", f"--port-file={port_file}",
-                 f"--model={TINY_LLAMA}", "--served-model-name=tiny",
-                 "--route-header",
-                 "--engines=" + ";".join(specs), *router, *frontend_flags],
-                stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        port = served_port(self.proc, port_file, self.log)
+        self.proc, port = self.start_frontend("frontend", 0, (*router, *frontend_flags))
         self.url = f"http://127.0.0.1:{port}"
         import openai
 
         # The frontend's OpenAI client (no retries: a test sees each answer).
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none",
                                     max_retries=0)
+
+    def start_frontend(
+        self, name: str, port: int, flags: tuple[str, ...]
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        """A frontend in front of the fleet's engines on 127.0.0.1:``port``
+        (0: any free one), logging to TMP/NAME.log, with ``flags`` besides;
+        returns it and its port once it listens."""
+        port_file = self.tmp / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        log = self.tmp / f"{name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [str(FRONTEND_BIN), f"--listen=127.0.0.1:{port}",
+                 f"--port-file={port_file}",
+                 f"--model={TINY_LLAMA}", "--served-model-name=tiny",
+                 "--route-header", "--engines=" + ";".join(self.specs), *flags],
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        return proc, served_port(proc, port_file, log)
 
     def metrics(self) -> str:
         """The frontend's /metrics text."""

@@ -338,13 +338,17 @@ def replay(args: argparse.Namespace, work: Path) -> None:
     for i, name in enumerate(("e0", "e1")):
         # TCP and topic "": what vllm-router's kv_aware subscribes to (it
         # drops every message with another topic); kvtier reads the same.
-        events, rep = f"tcp://127.0.0.1:{free_port()}", free_port()
+        # The engine binds only a wildcard address (vLLM 0.32 connects its
+        # PUB socket to any other tcp:// endpoint); subscribers connect to
+        # it on loopback.
+        ev_port, rep = free_port(), free_port()
+        events = f"tcp://127.0.0.1:{ev_port}"
         events_at.append(events)
         replays_at.append(f"tcp://127.0.0.1:{rep}")
         events_cfg = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": events,
+            "endpoint": f"tcp://*:{ev_port}",
             "replay_endpoint": f"tcp://127.0.0.1:{rep}",
             "topic": "",
         }
@@ -529,9 +533,12 @@ def replay(args: argparse.Namespace, work: Path) -> None:
         for ds in chosen:
             for run, name in itertools.product(range(args.runs), variants):
                 k = rows[(ds, name)][run]
+                # A reference that failed requests (sglang-router refuses
+                # token-id prompts) is no reference: said above, left out.
                 refs = {c: rows[(ds, c)][run] for c in configs
                         if c not in variants
-                        and len(rows.get((ds, c), [])) > run}  # fmt: skip
+                        and len(rows.get((ds, c), [])) > run
+                        and rows[(ds, c)][run]["failed"] == 0}  # fmt: skip
                 best = min(refs, key=lambda c: refs[c]["ttft_mean"])
                 each = ", ".join(
                     f"{c} {ratio(k['ttft_mean'], r['ttft_mean'])}x/"

@@ -16,6 +16,7 @@ block size); token ids come from a token-id prompt, or from the engine's
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import urllib.request
@@ -53,7 +54,7 @@ class PeerRouter:
                 "--policy", policy, "--worker-urls", *workers,
                 "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(self.metrics_port),
-                "--log-level", "warning",
+                "--log-level", os.environ.get("KVTIER_PEER_LOG", "warning"),
             ]  # fmt: skip
             if policy == "kv_aware":
                 for w, e, r in zip(workers, events, replays):

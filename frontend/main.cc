@@ -95,6 +95,10 @@ int main(int argc, char** argv) {
   flags.DurationMs("heartbeat-deadline", &heartbeat_ms,
                    "an engine silent this long (its health check failing) leaves the index");
   flags.String("port-file", &port_file, "write the port served to this file once listening");
+  flags.DurationMs("session-affinity-ttl", &o.session_ttl_ms,
+                   "send a request with an x-session-id header to the engine that answered its "
+                   "session last, while that engine is usable and the session was used within "
+                   "this long (0: off)");
   flags.Bool("reuse-port", &o.reuse_port,
              "let another frontend listen on the same address while this one drains (a "
              "rolling restart in place; set net.ipv4.tcp_migrate_req=1 so a closing "

@@ -49,7 +49,7 @@ Task<bool> Frontend::Impl::ReplyError(Stream& client, std::string endpoint, ApiE
 
 Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::string& name,
                                  const std::string& body, bool keep_alive,
-                                 Clock::time_point arrived) {
+                                 Clock::time_point arrived, const std::string& session_id) {
   // A large body (a long prompt to tokenize, a long chat to render) is
   // prepared off this thread: the streams it serves go on meanwhile.
   auto prepare = [this, endpoint, &body] {
@@ -78,9 +78,27 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
   Prepared handed;
   const Prepared* send = &p;
   std::string prefill_note;
+  const bool affine = sessions.has_value() && !session_id.empty();
   for (uint32_t attempt = 0; attempt < options.max_attempts; ++attempt) {
-    Choice c = Choose(router->core(), namespace_id, *fleet->Snapshot(), p.tokens, p.prompt_tokens,
-                      p.variant, tried, Want::kDecode, counters);
+    const std::shared_ptr<const FleetView> view = fleet->Snapshot();
+    Choice c;
+    if (attempt == 0 && affine) {
+      // The session's engine, if it is usable: the router is asked with
+      // every other engine left out, so the route's load lands there.
+      if (std::string bound = sessions->Engine(session_id, NowMs()); !bound.empty()) {
+        std::set<const Engine*> others;
+        for (const auto& e : view->engines) {
+          if (e->spec.id != bound) others.insert(e.get());
+        }
+        c = Choose(router->core(), namespace_id, *view, p.tokens, p.prompt_tokens, p.variant,
+                   others, Want::kDecode, counters);
+        if (c.engine != nullptr) absl::StrAppend(&c.explain, "; session=kept");
+      }
+    }
+    if (c.engine == nullptr) {
+      c = Choose(router->core(), namespace_id, *view, p.tokens, p.prompt_tokens, p.variant, tried,
+                 Want::kDecode, counters);
+    }
     if (c.engine == nullptr) break;
     if (attempt == 0) {
       load->Seen(c.uncached);
@@ -119,6 +137,7 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
     load->Finish(e, &ticket);
     if (t == Tried::kDone) {
       if (!answer.cut) Fleet::Answered(e);
+      if (affine && answer.status < 500) sessions->Bind(session_id, e.spec.id, NowMs());
       counters.Request(name, answer.status);
       if (answer.cut) counters.streams_cut++;
       co_return client_keep;
@@ -210,6 +229,7 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   raw->fleet = std::make_unique<Fleet>(o, &raw->router->core(), &*raw->load, &raw->counters, first,
                                        raw->text.get());
   raw->relay = std::make_unique<Relay>(o, *raw->fleet, *raw->load, o.threads);
+  if (o.session_ttl_ms > 0) raw->sessions.emplace(static_cast<int64_t>(o.session_ttl_ms));
   raw->prefiller = std::make_unique<Prefiller>(raw->router->core(), raw->namespace_id, *raw->fleet,
                                                *raw->load, raw->counters, *raw->relay);
   if (!o.metrics_listen.empty()) {

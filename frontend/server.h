@@ -56,6 +56,10 @@ struct FrontendOptions {
   // share it, net.ipv4.tcp_migrate_req=1 hands a closing listener's queued
   // connections to the other instead of resetting them.
   bool reuse_port = false;
+  // A request with an x-session-id header goes to the engine that answered
+  // its session last, while that engine is usable and the session was used
+  // within this long (0: no affinity; routing alone decides).
+  uint64_t session_ttl_ms = 0;
   uint64_t client_timeout_ms = 30000;     // to read a request
   uint64_t connect_timeout_ms = 2000;     // to reach an engine
   uint64_t upstream_timeout_ms = 600000;  // an engine's silence, between bytes

@@ -19,6 +19,7 @@
 #include "frontend/metrics.h"
 #include "frontend/relay.h"
 #include "frontend/server.h"
+#include "frontend/sessions.h"
 #include "router/embedded_router.h"
 
 namespace kvtier::frontend {
@@ -43,6 +44,7 @@ struct Frontend::Impl {
   std::unique_ptr<Fleet> fleet;
   std::unique_ptr<Relay> relay;
   std::unique_ptr<Prefiller> prefiller;
+  std::optional<SessionBook> sessions;            // --session-affinity-ttl
   std::unique_ptr<MetricsServer> metrics_server;  // --metrics-listen
   std::optional<Acceptor> acceptor;
   size_t next_loop = 0;
@@ -107,8 +109,10 @@ struct Frontend::Impl {
   Task<bool> ReplyError(Stream& client, std::string endpoint, ApiError e, bool keep_alive);
   // A completion: prepared, then tried on the engines the router chooses,
   // in turn (server.cc).
+  // `session_id`: the client's x-session-id ("" for none).
   Task<bool> Proxy(Stream& client, Endpoint endpoint, const std::string& name,
-                   const std::string& body, bool keep_alive, Clock::time_point arrived);
+                   const std::string& body, bool keep_alive, Clock::time_point arrived,
+                   const std::string& session_id);
   // One client connection's requests (session.cc).
   Task<> Session(Socket socket);
   Task<> Linger(Stream& client);

@@ -85,7 +85,10 @@ Task<> Frontend::Impl::Session(Socket socket) {
       } else {
         const Endpoint endpoint = chat ? Endpoint::kChat : Endpoint::kCompletions;
         const std::string& body = req.body();
-        again = co_await Proxy(client, endpoint, name, body, keep, arrived);
+        // A session id past 256 bytes is not one a client means: ignored.
+        std::string session_id(req["x-session-id"]);
+        if (session_id.size() > 256) session_id.clear();
+        again = co_await Proxy(client, endpoint, name, body, keep, arrived, session_id);
       }
     } else if (path == "/v1/models" && req.method() == http::verb::get) {
       counters.Request("models", 200);

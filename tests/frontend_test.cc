@@ -160,5 +160,51 @@ TEST(FrontendRelay, AClientThatLeavesBeforeTheAnswerIsCountedGone) {
   })) << Get(fe->port(), "/metrics").body.substr(0, 1500);
 }
 
+Answer PostInSession(int port, const std::string& session) {
+  net::io_context io;
+  tcp::socket s = Dial(io, port);
+  http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
+  req.set(http::field::host, "127.0.0.1");
+  req.set(http::field::content_type, "application/json");
+  req.set("x-session-id", session);
+  req.body() = kCompletion;
+  req.keep_alive(false);
+  req.prepare_payload();
+  http::write(s, req);
+  return Read(s);
+}
+
+// With --session-affinity-ttl a session's requests go to the engine that
+// answered it last, where routing alone (here: fewest requests in flight,
+// e0 on a tie) would send them elsewhere; requests without one are routed.
+TEST(FrontendRelay, ASessionStaysOnItsEngine) {
+  FakeEngine e0(FakeEngine::Mode::kStream), e1(FakeEngine::Mode::kWhole);
+  e0.events = 10;
+  e0.gap_ms = 100;
+  FrontendOptions o;
+  o.session_ttl_ms = 60000;
+  auto fe = StartFrontend({&e0, &e1}, o);
+  // e0 busy with a stream: the session's first request goes to e1.
+  auto stream = std::async(std::launch::async, [&] { return Post(fe->port(), kStreamed); });
+  ASSERT_TRUE(WaitFor([&] { return e0.completions.load() == 1; }));
+  Answer first = PostInSession(fe->port(), "s1");
+  ASSERT_EQ(first.status, 200) << first.body;
+  EXPECT_NE(first.route.find("engine=e1"), std::string::npos) << first.route;
+  EXPECT_TRUE(stream.get().whole);
+  e0.mode = FakeEngine::Mode::kWhole;
+  // Both idle: routing alone picks e0; the session stays on e1.
+  for (int i = 0; i < 4; ++i) {
+    Answer a = PostInSession(fe->port(), "s1");
+    ASSERT_EQ(a.status, 200) << a.body;
+    EXPECT_NE(a.route.find("engine=e1"), std::string::npos) << a.route;
+    EXPECT_NE(a.route.find("session=kept"), std::string::npos) << a.route;
+  }
+  Answer other = Post(fe->port(), kCompletion);
+  EXPECT_NE(other.route.find("engine=e0"), std::string::npos) << other.route;
+  Answer fresh = PostInSession(fe->port(), "s2");
+  EXPECT_NE(fresh.route.find("engine=e0"), std::string::npos) << fresh.route;
+  EXPECT_EQ(fresh.route.find("session=kept"), std::string::npos) << fresh.route;
+}
+
 }  // namespace
 }  // namespace kvtier::frontend::testing

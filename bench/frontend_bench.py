@@ -51,7 +51,7 @@ sys.path[:0] = [str(ROOT / "tests" / "python")]
 
 from conftest import Store, engine_env  # noqa: E402
 from vllm_engine import kv_transfer_config  # noqa: E402
-from vllm_server import TINY_LLAMA, VllmServer, free_port  # noqa: E402
+from vllm_server import BENCH_SERVE, TINY_LLAMA, VllmServer, free_port  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from peer_routers import PeerRouter  # noqa: E402
@@ -60,14 +60,6 @@ FRONTEND = BUILD / "frontend" / "kvtier-frontend"
 TRACES = ROOT.parent / "shared" / "traces"
 NAMESPACE = "00c0ffee00c0ffee"
 BLOCK = 32
-BENCH_SERVE = (
-    "import sys\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "p = FlexibleArgumentParser()\n"
-    "add_cli_args(p)\n"
-    "main(p.parse_args(sys.argv[1:]))\n"
-)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -663,10 +655,11 @@ def one_engine(port: int, work: Path) -> list[str]:
 
 @contextlib.contextmanager
 def behind_each(
-    work: Path, name: str, server: str
-) -> Iterator[tuple[int, Frontend, Nginx]]:
+    work: Path, name: str, server: str, peer: str = ""
+) -> Iterator[tuple[int, Frontend, Nginx, PeerRouter | None]]:
     """An nginx upstream with `server`'s locations, and in front of it nginx
-    proxying and kvtier-frontend: (nginx's port, the frontend, nginx)."""
+    proxying, kvtier-frontend and (`peer`, a name of bench/peer_routers.py)
+    a peer router: (nginx's port, the frontend, nginx, the peer or None)."""
     up_port, px_port = free_port(), free_port()
     upstream = Nginx(
         work, name, f" server {{\n  listen 127.0.0.1:{up_port};\n{server} }}\n"
@@ -675,16 +668,30 @@ def behind_each(
         work, "nginx-front", proxy_block(px_port, "up", [f"127.0.0.1:{up_port}"], "")
     )
     fe: Frontend | None = None
+    other: PeerRouter | None = None
     try:
         wait_port(up_port, upstream.proc, "nginx")
         wait_port(px_port, proxy.proc, "nginx")
         fe = Frontend(work, one_engine(up_port, work))
-        yield px_port, fe, proxy
+        if peer:
+            other = PeerRouter(BUILD, peer, work, [f"http://127.0.0.1:{up_port}"],
+                               [], [], BLOCK, "tiny")  # fmt: skip
+            wait_port(other.port, other.proc, peer)
+        yield px_port, fe, proxy, other
     finally:
+        if other is not None:
+            stop(other.proc)
         if fe is not None:
             fe.stop()
         proxy.stop()
         upstream.stop()
+
+
+def peer_of(args: argparse.Namespace) -> str:
+    """The vllm-router config of --peers that capacity and memory measure
+    beside nginx ("" for none): their upstream is one canned nginx, so the
+    policy does not matter; cache_aware is vllm-router's default."""
+    return "vllm-router-cache_aware" if "vllm-router" in args.peers else ""
 
 
 def capacity(args: argparse.Namespace, work: Path) -> None:
@@ -697,17 +704,26 @@ def capacity(args: argparse.Namespace, work: Path) -> None:
         "  location / { default_type application/json; "
         f"return 200 '{CANNED}'; }}\n"
     )
-    with behind_each(work, "nginx-canned", server) as (px_port, fe, _):
-        ratios = []
+    with behind_each(work, "nginx-canned", server, peer_of(args)) as (
+        px_port, fe, _, peer,
+    ):  # fmt: skip
+        ratios, peer_ratios = [], []
         for i in range(args.runs * 2):
             n = wrk(f"http://127.0.0.1:{px_port}", work, args.seconds, 32)
             k = wrk(fe.url, work, args.seconds, 32)
             ratios.append(k / n)
-            print(f"  pair {i + 1}: nginx {n:9.0f} req/s, "
-                  f"kvtier-frontend {k:9.0f} req/s, "
-                  f"ratio {k / n:.2f}")  # fmt: skip
-        print(f"  ratio median {statistics.median(ratios):.2f} "
+            line = (f"  pair {i + 1}: nginx {n:9.0f} req/s, "
+                    f"kvtier-frontend {k:9.0f} req/s, ratio {k / n:.2f}")  # fmt: skip
+            if peer is not None:
+                v = wrk(peer.url, work, args.seconds, 32)
+                peer_ratios.append(k / v)
+                line += f"; {peer.name} {v:9.0f} req/s, kvtier / it {k / v:.2f}"
+            print(line)
+        print(f"  ratio to nginx median {statistics.median(ratios):.2f} "
               f"(range {min(ratios):.2f}-{max(ratios):.2f})")  # fmt: skip
+        if peer_ratios:
+            print(f"  ratio to {peer.name} median {statistics.median(peer_ratios):.2f} "
+                  f"(range {min(peer_ratios):.2f}-{max(peer_ratios):.2f})")  # fmt: skip
 
 
 # --- memory -----------------------------------------------------------------
@@ -746,15 +762,23 @@ def memory(args: argparse.Namespace, work: Path) -> None:
         for _ in range(25)  # nginx takes a 4 KiB parameter at most
     )
     server = (
-        "  limit_rate 16;\n  location = /health { return 200 ''; }\n"
+        # Health checks answered at once (a peer router waits for them).
+        "  limit_rate 16;\n  location = /health { limit_rate 0; return 200 ''; }\n"
         "  location / { default_type text/event-stream; "
         f"return 200 '{events}'; }}\n"
     )
-    with behind_each(work, "nginx-trickle", server) as (px_port, fe, proxy):
-        for name, port, pids in (
+    with behind_each(work, "nginx-trickle", server, peer_of(args)) as (
+        px_port, fe, proxy, peer,
+    ):  # fmt: skip
+        measured = [
             ("kvtier-frontend", fe.port, [fe.proc.pid]),
             ("nginx", px_port, [proxy.proc.pid, *children(proxy.proc.pid)]),
-        ):
+        ]
+        if peer is not None:
+            measured.append(
+                (peer.name, peer.port, [peer.proc.pid, *children(peer.proc.pid)])
+            )
+        for name, port, pids in measured:
             idle = rss_kib(pids)
             socks = hold_streams(port, args.streams)
             time.sleep(1)
@@ -820,7 +844,8 @@ def main() -> None:
         default="",
         help="replay: peer routers as more configs, ','-separated: "
         "vllm-router-kv_aware, vllm-router-cache_aware, sglang-router "
-        "(scripts/peer_routers.sh installs them)",
+        "(scripts/peer_routers.sh installs them); capacity and memory: "
+        "vllm-router beside nginx when one is named",
     )
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--seconds", type=int, default=5)

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fake_engine.h"
@@ -81,10 +82,14 @@ inline Answer Read(tcp::socket& s) {
   return a;
 }
 
+// `headers`: more header fields (name, value) to send.
+using Headers = std::vector<std::pair<std::string, std::string>>;
+
 inline Answer Send(tcp::socket& s, http::verb verb, const std::string& target,
-                   const std::string& body, bool keep_alive = true) {
+                   const std::string& body, bool keep_alive = true, const Headers& headers = {}) {
   http::request<http::string_body> req{verb, target, 11};
   req.set(http::field::host, "127.0.0.1");
+  for (const auto& [name, value] : headers) req.set(name, value);
   if (!body.empty()) req.set(http::field::content_type, "application/json");
   req.body() = body;
   req.keep_alive(keep_alive);
@@ -93,11 +98,11 @@ inline Answer Send(tcp::socket& s, http::verb verb, const std::string& target,
   return Read(s);
 }
 
-inline Answer Post(int port, const std::string& body,
-                   const std::string& target = "/v1/completions") {
+inline Answer Post(int port, const std::string& body, const std::string& target = "/v1/completions",
+                   const Headers& headers = {}) {
   net::io_context io;
   tcp::socket s = Dial(io, port);
-  return Send(s, http::verb::post, target, body, false);
+  return Send(s, http::verb::post, target, body, false, headers);
 }
 
 inline Answer Get(int port, const std::string& target) {

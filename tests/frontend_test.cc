@@ -161,17 +161,7 @@ TEST(FrontendRelay, AClientThatLeavesBeforeTheAnswerIsCountedGone) {
 }
 
 Answer PostInSession(int port, const std::string& session) {
-  net::io_context io;
-  tcp::socket s = Dial(io, port);
-  http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
-  req.set(http::field::host, "127.0.0.1");
-  req.set(http::field::content_type, "application/json");
-  req.set("x-session-id", session);
-  req.body() = kCompletion;
-  req.keep_alive(false);
-  req.prepare_payload();
-  http::write(s, req);
-  return Read(s);
+  return Post(port, kCompletion, "/v1/completions", {{"x-session-id", session}});
 }
 
 // With --session-affinity-ttl a session's requests go to the engine that

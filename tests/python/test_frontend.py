@@ -32,7 +32,7 @@ import fleet as fleet_module
 from conftest import wait_until
 from fleet import BLOCK, EngineSpec
 from processes import sigstop
-from vllm_server import TINY_LLAMA, VllmServer, prompt_ids
+from vllm_server import BENCH_SERVE, TINY_LLAMA, VllmServer, prompt_ids
 
 pytest.importorskip("vllm", reason="vLLM's CPU build is in the project's environment")
 openai = pytest.importorskip(
@@ -465,14 +465,6 @@ def test_a_stream_reaches_its_client_in_whole_events(fleet: Fleet) -> None:
     assert tokens == 100
 
 
-BENCH_SERVE = (
-    "import sys\n"
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-    "from vllm.benchmarks.serve import add_cli_args, main\n"
-    "p = FlexibleArgumentParser()\n"
-    "add_cli_args(p)\n"
-    "main(p.parse_args(sys.argv[1:]))\n"
-)
 MIGRATE = Path("/proc/sys/net/ipv4/tcp_migrate_req")
 
 

@@ -18,6 +18,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = ROOT / "tests" / "models" / "tiny-llama"
+# `vllm bench serve` (vLLM's own client) as `python -c BENCH_SERVE ARGS...`,
+# without the `vllm` CLI's startup.
+BENCH_SERVE = (
+    "import sys\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "p = FlexibleArgumentParser()\n"
+    "add_cli_args(p)\n"
+    "main(p.parse_args(sys.argv[1:]))\n"
+)
 
 
 def kvtier_connector(stores: str, role: str, **extra: Any) -> str:

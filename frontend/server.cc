@@ -15,6 +15,7 @@
 
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <future>
 #include <memory>
 #include <set>
@@ -85,10 +86,14 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
     if (attempt == 0 && affine) {
       // The session's engine, if it is usable: the router is asked with
       // every other engine left out, so the route's load lands there.
-      if (std::string bound = sessions->Engine(session_id, NowMs()); !bound.empty()) {
+      const std::string bound = sessions->Engine(session_id, NowMs());
+      const auto kept = std::find_if(view->engines.begin(), view->engines.end(), [&](auto& e) {
+        return e->spec.id == bound && e->Usable(NowMs()) && Serves(e->spec, Want::kDecode);
+      });
+      if (kept != view->engines.end()) {
         std::set<const Engine*> others;
         for (const auto& e : view->engines) {
-          if (e->spec.id != bound) others.insert(e.get());
+          if (e != *kept) others.insert(e.get());
         }
         c = Choose(router->core(), namespace_id, *view, p.tokens, p.prompt_tokens, p.variant,
                    others, Want::kDecode, counters);

@@ -569,33 +569,47 @@ def timed_post(conn: Any, path: str, body: bytes) -> float:
 def latency(args: argparse.Namespace, work: Path) -> None:
     import http.client
 
-    print("== latency: 1-token completions, directly and through the frontend")
+    print("== latency: 1-token completions, directly and through the frontend"
+          " (and through --peers' vllm-router)")  # fmt: skip
     env = dict(os.environ)
     engine = VllmServer(work / "lat-engine.log", env=env, extra=("--block-size", "32"))
     fe = Frontend(work, one_engine(engine.port, work))
+    name = peer_of(args)
+    peer: PeerRouter | None = None
     try:
+        if name:
+            peer = PeerRouter(BUILD, name, work, [f"http://127.0.0.1:{engine.port}"],
+                              [], [], BLOCK, "tiny")  # fmt: skip
+            wait_port(peer.port, peer.proc, name)
         direct = http.client.HTTPConnection("127.0.0.1", engine.port)
         front = http.client.HTTPConnection("127.0.0.1", fe.port)
+        other = http.client.HTTPConnection("127.0.0.1", peer.port) if peer else None
         for kind, prompt in (
             ("token ids", list(range(100, 164))),
             ("text", "Hi " * 60),
         ):
             body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1})
-            for c in (direct, front):
-                for _ in range(20):
+            for c in (direct, front, other):
+                for _ in range(20 if c is not None else 0):
                     timed_post(c, "/v1/completions", body.encode())
-            d, f = [], []
+            d, f, v = [], [], []
             for _ in range(args.pairs):
                 d.append(timed_post(direct, "/v1/completions", body.encode()))
                 f.append(timed_post(front, "/v1/completions", body.encode()))
+                if other is not None:
+                    v.append(timed_post(other, "/v1/completions", body.encode()))
             for q in (0.5, 0.99):
-                print(
-                    f"  {kind:9s} p{int(q * 100):<2d} "
-                    f"direct {pct(d, q) * 1e3:7.3f} ms, "
-                    f"frontend {pct(f, q) * 1e3:7.3f} ms, added "
-                    f"{(pct(f, q) - pct(d, q)) * 1e3:+.3f} ms"
-                )
+                line = (f"  {kind:9s} p{int(q * 100):<2d} "
+                        f"direct {pct(d, q) * 1e3:7.3f} ms, "
+                        f"frontend {pct(f, q) * 1e3:7.3f} ms, added "
+                        f"{(pct(f, q) - pct(d, q)) * 1e3:+.3f} ms")  # fmt: skip
+                if v:
+                    line += (f"; {name} {pct(v, q) * 1e3:7.3f} ms, added "
+                             f"{(pct(v, q) - pct(d, q)) * 1e3:+.3f} ms")  # fmt: skip
+                print(line)
     finally:
+        if peer is not None:
+            stop(peer.proc)
         fe.stop()
         engine.stop()
 

@@ -23,7 +23,8 @@ Choice Choose(router::RouterCore& core, uint64_t namespace_id, const FleetView& 
               const std::set<const Engine*>& tried, Want want, Counters& counters, int64_t now) {
   Choice c;
   auto open = [&](const Engine& e) {
-    return !tried.count(&e) && e.Usable(now) && Serves(e.spec, want);
+    return !tried.count(&e) && e.Usable(now) && Serves(e.spec, want) &&
+           e.spec.namespace_id == namespace_id;
   };
   router::RouteQuery q;
   q.namespace_id = namespace_id;
@@ -77,7 +78,7 @@ Choice Choose(router::RouterCore& core, uint64_t namespace_id, const FleetView& 
   if (c.engine == nullptr) {
     for (const auto& e : fleet.engines) {
       if (tried.count(e.get()) || e->refused.load() || e->down_until_ms.load() > now ||
-          !Serves(e->spec, want)) {
+          !Serves(e->spec, want) || e->spec.namespace_id != namespace_id) {
         continue;
       }
       if (c.engine == nullptr || e->in_flight.load() < c.engine->in_flight.load()) {

@@ -1,8 +1,8 @@
 // Choosing the engine a request goes to: the router's choice among the
-// engines the request can be sent to (usable, not tried, of the role
-// wanted), then its other candidates in order; with no route, the usable
-// engine with the fewest requests in flight; with none usable, an engine
-// whose health check fails but which failed no request lately.
+// engines the request can be sent to (serving its model's namespace,
+// usable, not tried, of the role wanted), then its other candidates in order; with no route, the
+// usable engine with the fewest requests in flight; with none usable, an engine whose health check
+// fails but which failed no request lately.
 #pragma once
 
 #include <cstdint>

@@ -15,13 +15,13 @@ bool Serves(const router::VllmSourceSpec& spec, Want want) {
 }
 
 Fleet::Fleet(const FrontendOptions& options, router::RouterCore* core, LoadBook* load,
-             Counters* counters, Executor health, const TextModel* text)
+             Counters* counters, Executor health, const std::vector<ServedModel>* models)
     : options_(options),
       core_(core),
       load_(load),
       counters_(counters),
       health_(health),
-      text_(text) {}
+      models_(models) {}
 
 void Fleet::Start() {
   for (const auto& spec : options_.engines) Add(spec, -1);
@@ -62,12 +62,14 @@ void Fleet::MarkDown(Engine& e, const std::string& why) const {
 
 void Fleet::AnswerFailed(Engine& e, const std::string& why) const {
   const uint32_t in_a_row = ++e.failed_in_a_row;
-  if (in_a_row < kBreakerErrors) {
+  if (in_a_row < options_.breaker_errors) {
     e.failures++;
     Log("frontend", "engine ", e.spec.id, " ", why, "; the request goes to another");
     return;
   }
-  e.failed_in_a_row = 0;
+  // Open; once --down passes, one more failure opens it again at once
+  // (half-open), and a whole answer closes it.
+  e.failed_in_a_row = options_.breaker_errors - 1;
   MarkDown(e, absl::StrCat(why, ", ", in_a_row, " answers in a row"));
 }
 
@@ -230,7 +232,7 @@ Task<> Fleet::HealthLoop(std::shared_ptr<Engine> e) {
         e->foreign_waiting = std::max(0.0, load.waiting - ours);
       }
       load_->Push(*e, true);
-      if (!e->tokens_checked && text_ != nullptr) co_await CheckTokens(*e);
+      if (!e->tokens_checked && models_ != nullptr) co_await CheckTokens(*e);
     }
     e->health_checks++;
     const bool was = e->healthy.exchange(ok);
@@ -258,9 +260,14 @@ Task<> Fleet::HealthLoop(std::shared_ptr<Engine> e) {
 }
 
 Task<> Fleet::CheckTokens(Engine& e) {
-  for (const TokenProbe& probe : TokenProbes(*text_)) {
+  const ServedModel* model = nullptr;
+  for (const ServedModel& m : *models_) {
+    if (m.namespace_id == e.spec.namespace_id) model = &m;
+  }
+  if (model == nullptr || model->text == nullptr) co_return;
+  for (const TokenProbe& probe : TokenProbes(*model->text)) {
     std::string path = "/tokenize";
-    std::string body = probe.Request(options_.served_model);
+    std::string body = probe.Request(model->name);
     auto answer = co_await Fetch(e, http::verb::post, path, body);
     if (!answer) co_return;  // no answer: tried again at the next health check
     e.tokens_checked = true;

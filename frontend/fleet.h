@@ -83,10 +83,10 @@ struct FleetView {
 class Fleet {
  public:
   // `health` runs the health and DNS loops. Nothing starts before Start().
-  // `text` (may be null: no tokenizer check) is compared with each
-  // engine's /tokenize once it answers.
+  // The tokenizer of each engine's model (`models`, by namespace; none:
+  // no check) is compared with the engine's /tokenize once it answers.
   Fleet(const FrontendOptions& options, router::RouterCore* core, LoadBook* load,
-        Counters* counters, Executor health, const TextModel* text = nullptr);
+        Counters* counters, Executor health, const std::vector<ServedModel>* models = nullptr);
 
   // The static engines join; each DNS pool is resolved now and every
   // dns_interval_ms.
@@ -102,12 +102,11 @@ class Fleet {
   // answer short): it is skipped for --down.
   void MarkDown(Engine& e, const std::string& why) const;
   // It answered a request with a 5xx: the request's failure, unless its
-  // answers fail kBreakerErrors times in a row (then it is skipped for
-  // --down, as a circuit breaker opens). An engine's whole answer
-  // (Answered) closes the count.
+  // answers fail --breaker-errors times in a row (then it is skipped for
+  // --down, as a circuit breaker opens; half-open after it, one more
+  // failure opens it again). An engine's whole answer (Answered) closes it.
   void AnswerFailed(Engine& e, const std::string& why) const;
   static void Answered(Engine& e) { e.failed_in_a_row = 0; }
-  static constexpr uint32_t kBreakerErrors = 3;
 
   // GET `path` on a connection of its own: the body of a 200, or nothing.
   Task<std::optional<std::string>> Get(Engine& e, std::string path) const;
@@ -130,7 +129,7 @@ class Fleet {
   LoadBook* load_;
   Counters* counters_;
   Executor health_;
-  const TextModel* text_;
+  const std::vector<ServedModel>* models_;
   mutable std::mutex mu_;
   std::shared_ptr<const FleetView> view_ = std::make_shared<FleetView>();  // guarded by mu_
 };

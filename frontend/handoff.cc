@@ -10,10 +10,9 @@
 
 namespace kvtier::frontend {
 
-Prefiller::Prefiller(router::RouterCore& core, uint64_t namespace_id, Fleet& fleet, LoadBook& load,
-                     Counters& counters, Relay& relay)
+Prefiller::Prefiller(router::RouterCore& core, Fleet& fleet, LoadBook& load, Counters& counters,
+                     Relay& relay)
     : core_(core),
-      namespace_id_(namespace_id),
       fleet_(fleet),
       load_(load),
       counters_(counters),
@@ -25,7 +24,7 @@ Task<std::optional<nlohmann::json>> Prefiller::Prefill(const Prepared& p, Stream
                                                        std::string* note, bool* client_gone) {
   const std::set<const Engine*> none;
   const std::shared_ptr<const FleetView> fleet = fleet_.Snapshot();
-  Choice c = Choose(core_, namespace_id_, *fleet, p.tokens, p.prompt_tokens, p.variant, none,
+  Choice c = Choose(core_, p.namespace_id, *fleet, p.tokens, p.prompt_tokens, p.variant, none,
                     Want::kPrefill, counters_);
   if (c.engine == nullptr) {
     counters_.Handoff("no_prefill_engine");

@@ -22,8 +22,8 @@ namespace kvtier::frontend {
 
 class Prefiller {
  public:
-  Prefiller(router::RouterCore& core, uint64_t namespace_id, Fleet& fleet, LoadBook& load,
-            Counters& counters, Relay& relay);
+  Prefiller(router::RouterCore& core, Fleet& fleet, LoadBook& load, Counters& counters,
+            Relay& relay);
 
   // The decode's kv_transfer_params, or nullopt when no prefill engine
   // could do it. `*note` explains it for the route header; `*client_gone`:
@@ -33,7 +33,6 @@ class Prefiller {
 
  private:
   router::RouterCore& core_;
-  const uint64_t namespace_id_;
   Fleet& fleet_;
   LoadBook& load_;
   Counters& counters_;

@@ -103,6 +103,32 @@ int main(int argc, char** argv) {
              "let another frontend listen on the same address while this one drains (a "
              "rolling restart in place; set net.ipv4.tcp_migrate_req=1 so a closing "
              "listener's queued connections move to the other)");
+  std::string extra_models;
+  flags.String("extra-models", &extra_models,
+               "more models behind this frontend, ';'-separated, each name=NAME,model=DIR,"
+               "namespace=16 hex digits[,lora-adapters=A|B][,max-model-len=N]: a request's "
+               "`model` picks the engines of that namespace and that tokenizer");
+  flags.String("api-keys-file", &o.api_keys_file,
+               "ask every API request for a key (Authorization: Bearer KEY): one a line, "
+               "SHA256 NAME [TOKENS_PER_MINUTE] (a Kubernetes Secret mounted as a file; "
+               "empty: no key asked)");
+  int64_t key_tpm = 0, max_concurrent = 0, queue_size = static_cast<int64_t>(o.queue_size),
+          breaker_errors = static_cast<int64_t>(o.breaker_errors);
+  flags.Int("key-tokens-per-minute", &key_tpm, 0, int64_t{1} << 40,
+            "each key's prompt and max_tokens per minute where its line sets none (0: no limit; "
+            "past it 429 with Retry-After)");
+  flags.Int("max-concurrent-requests", &max_concurrent, 0, int64_t{1} << 30,
+            "requests served at once; more wait in a queue (0: no cap)");
+  flags.Int("queue-size", &queue_size, 0, int64_t{1} << 30,
+            "requests that may wait for a turn; one more is answered 429 with Retry-After");
+  flags.DurationMs("queue-timeout", &o.queue_timeout_ms,
+                   "how long a request waits for a turn before it is answered 429");
+  flags.DurationMs("retry-backoff", &o.retry_backoff_ms,
+                   "once every engine failed a request, wait this long (doubling, with jitter) "
+                   "and try the usable ones again, within --max-attempts (0: off)");
+  flags.DurationMs("retry-backoff-max", &o.retry_backoff_max_ms, "the longest back-off");
+  flags.Int("breaker-errors", &breaker_errors, 1, 1000,
+            "an engine whose answers fail (5xx) this many times in a row is skipped for --down");
   bool check_config = false;
   flags.Bool("check-config", &check_config,
              "validate the flags and exit 0 (the model is not read, no port is opened)");
@@ -116,6 +142,14 @@ int main(int argc, char** argv) {
   o.max_connections = static_cast<uint64_t>(max_connections);
   o.text_threads = static_cast<int>(text_threads);
   o.router.heartbeat_deadline_ms = heartbeat_ms;
+  o.key_tokens_per_minute = static_cast<uint64_t>(key_tpm);
+  o.max_concurrent_requests = static_cast<uint64_t>(max_concurrent);
+  o.queue_size = static_cast<uint64_t>(queue_size);
+  o.breaker_errors = static_cast<uint32_t>(breaker_errors);
+  if (auto s = kvtier::frontend::ParseExtraModels(extra_models, &o); !s.ok()) {
+    std::fprintf(stderr, "kvtier-frontend: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   for (absl::string_view a : absl::StrSplit(adapters, ',', absl::SkipWhitespace())) {
     o.lora_adapters.emplace_back(absl::StripAsciiWhitespace(a));
   }

@@ -33,6 +33,14 @@ std::vector<prometheus::MetricFamily> CollectMetrics(Counters& counters, const F
   }
   m.Counter("kvtier_frontend_failovers_total", "Requests sent to another engine after a failure.",
             static_cast<double>(counters.failovers.load()));
+  m.Counter("kvtier_frontend_retries_total",
+            "Back-off rounds: every engine tried, the usable ones tried again.",
+            static_cast<double>(counters.retries.load()));
+  m.Counter("kvtier_frontend_queue_refused_total",
+            "Requests answered 429: the queue was full or their wait timed out.",
+            static_cast<double>(counters.queue_refused.load()));
+  m.Gauge("kvtier_frontend_queued", "Requests waiting for a turn (--max-concurrent-requests).",
+          static_cast<double>(counters.queued.load()));
   m.Counter("kvtier_frontend_client_disconnects_total", "Clients gone before their answer ended.",
             static_cast<double>(counters.client_disconnects.load()));
   m.Counter("kvtier_frontend_streams_cut_total",

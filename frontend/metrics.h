@@ -26,6 +26,10 @@ struct Counters {
   std::map<std::pair<std::string, int>, uint64_t> requests;        // (endpoint, status)
   std::map<std::pair<std::string, std::string>, uint64_t> routes;  // (engine, reason)
   std::atomic<uint64_t> failovers{0}, client_disconnects{0}, no_engine{0}, streams_cut{0};
+  // Back-off rounds (every engine tried again), requests the queue refused
+  // (429), and those waiting in it now.
+  std::atomic<uint64_t> retries{0}, queue_refused{0};
+  std::atomic<int64_t> queued{0};
   std::map<std::string, uint64_t> handoffs;  // prefill/decode, by outcome
   std::map<std::pair<std::string, std::string>, uint64_t> resolutions;  // (name, outcome)
   // Client connections open, requests being served (read, not yet

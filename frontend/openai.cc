@@ -146,9 +146,8 @@ std::string ErrorBody(const ApiError& e) {
 
 namespace {
 
-PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body, const TextModel& text,
-                             const std::string& served_model, const RequestLimits& limits,
-                             const std::vector<std::string>& adapters) {
+PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body,
+                             const std::vector<ServedModel>& models, const RequestLimits& limits) {
   json req = json::parse(body, nullptr, /*allow_exceptions=*/false);
   if (req.is_discarded()) return Fail(Invalid("the body is not valid JSON"));
   if (!req.is_object()) return Fail(Invalid("the body must be a JSON object"));
@@ -160,21 +159,26 @@ PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body, const Tex
       return Fail(Invalid(absl::StrCat("Unrecognized request argument supplied: ", key), key));
     }
   }
-  if (req.contains("model")) {
-    if (!req["model"].is_string()) return Fail(Invalid("model must be a string", "model"));
-    const std::string& model = req["model"].get_ref<const std::string&>();
-    if (!model.empty() && model != served_model &&
-        std::find(adapters.begin(), adapters.end(), model) == adapters.end()) {
-      return Fail(ApiError{404, "NotFoundError",
-                           absl::StrCat("The model `", model, "` does not exist."), "model",
-                           "model_not_found"});
-    }
-  }
+  const ServedModel* model = nullptr;
+  if (auto e = ModelOf(req, models, &model)) return Fail(*e);
+  const TextModel& text = *model->text;
+  const std::string& served_model = model->name;
   PrepareResult r;
   Prepared& p = r.prepared;
   p.endpoint = endpoint;
-  if (req.contains("model") && req["model"] != served_model) {
+  p.namespace_id = model->namespace_id;
+  if (req.contains("model") && !req["model"].get_ref<const std::string&>().empty() &&
+      req["model"] != served_model) {
     p.adapter = req["model"].get<std::string>();
+  }
+  for (const char* key : {"max_tokens", "max_completion_tokens"}) {
+    auto it = req.find(key);
+    if (it != req.end() && it->is_number_unsigned()) {
+      p.max_new_tokens = std::max(p.max_new_tokens, it->get<uint64_t>());
+    }
+  }
+  if (auto n = req.find("n"); n != req.end() && n->is_number_unsigned() && n->get<uint64_t>() > 1) {
+    p.max_new_tokens *= std::min<uint64_t>(n->get<uint64_t>(), 1024);
   }
   // kv_transfer_params come only from the frontend: a client's own could
   // name a kvtier fence (a decode engine would wait on the store for it)
@@ -301,10 +305,16 @@ PrepareResult PrepareOrThrow(Endpoint endpoint, std::string_view body, const Tex
 PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
                       const std::string& served_model, const RequestLimits& limits,
                       const std::vector<std::string>& adapters) {
+  const std::vector<ServedModel> one = {ServedModel{served_model, adapters, &text, 0, 0}};
+  return Prepare(endpoint, body, one, limits);
+}
+
+PrepareResult Prepare(Endpoint endpoint, std::string_view body,
+                      const std::vector<ServedModel>& models, const RequestLimits& limits) {
   // A field of the wrong type that a check above missed (JSON's own
   // accessors throw) is the client's error, answered as such.
   try {
-    return PrepareOrThrow(endpoint, body, text, served_model, limits, adapters);
+    return PrepareOrThrow(endpoint, body, models, limits);
   } catch (const json::exception& e) {
     return Fail(Invalid(absl::StrCat("a field has the wrong type: ", e.what())));
   }
@@ -358,28 +368,6 @@ size_t SseEventsEnd(std::string_view s) {
   if (lf != std::string_view::npos) end = lf + 2;
   if (crlf != std::string_view::npos) end = std::max(end, crlf + 4);
   return end;
-}
-
-std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
-                       uint64_t max_model_len, const std::vector<std::string>& adapters) {
-  json models = json::array();
-  models.push_back({{"id", served_model},
-                    {"object", "model"},
-                    {"created", created_unix},
-                    {"owned_by", "kvtier"},
-                    {"root", served_model},
-                    {"parent", nullptr},
-                    {"max_model_len", max_model_len}});
-  for (const auto& a : adapters) {
-    models.push_back({{"id", a},
-                      {"object", "model"},
-                      {"created", created_unix},
-                      {"owned_by", "kvtier"},
-                      {"root", a},
-                      {"parent", served_model},
-                      {"max_model_len", max_model_len}});
-  }
-  return json{{"object", "list"}, {"data", models}}.dump();
 }
 
 VllmLoad ParseVllmMetrics(absl::string_view text) {

@@ -31,7 +31,27 @@ struct ApiError {
 };
 std::string ErrorBody(const ApiError& e);
 
-enum class Endpoint { kCompletions, kChat };
+enum class Endpoint { kCompletions, kChat, kPassThrough };
+
+// A model this frontend serves: the name clients send, its LoRA adapters
+// (names a request may send instead), its tokenizer and chat template, and
+// the namespace its engines' blocks are keyed in (an engine serves the
+// model whose namespace it has).
+struct ServedModel {
+  std::string name;
+  std::vector<std::string> adapters;
+  const TextModel* text = nullptr;
+  uint64_t max_model_len = 0;  // what /v1/models reports
+  uint64_t namespace_id = 0;
+};
+
+// The model `name` names (itself or one of its adapters) among `models`;
+// an empty name is the first model. Nothing when none serves it.
+const ServedModel* FindModel(const std::vector<ServedModel>& models, std::string_view name);
+// The model a request's JSON names: `*m` set, or the client's error (400
+// for a `model` that is not a string, 404 for one not served).
+std::optional<ApiError> ModelOf(const nlohmann::json& req, const std::vector<ServedModel>& models,
+                                const ServedModel** m);
 
 struct RequestLimits {
   uint64_t max_prompt_tokens = 131072;  // summed over a batch's prompts
@@ -46,9 +66,14 @@ struct Prepared {
   std::vector<uint32_t> tokens;  // what routing prices: the (first) prompt's ids
   uint64_t prompt_tokens = 0;    // every prompt's ids
   bool stream = false;
-  std::string cache_salt;  // vLLM's cache_salt: its blocks hash apart
-  std::string adapter;     // the LoRA adapter the request names ("": the base model)
-  uint64_t variant = 0;    // ChainVariant(adapter, cache_salt): where its chain is rooted
+  std::string cache_salt;     // vLLM's cache_salt: its blocks hash apart
+  std::string adapter;        // the LoRA adapter the request names ("": the base model)
+  uint64_t variant = 0;       // ChainVariant(adapter, cache_salt): where its chain is rooted
+  uint64_t namespace_id = 0;  // its model's (ServedModel): the engines that serve it
+  // What a token-rate limit charges: every prompt's tokens and the tokens
+  // it may generate (max_tokens or max_completion_tokens times n; 0 when
+  // it sets neither).
+  uint64_t max_new_tokens = 0;
   // One prompt, one choice, no prompt logprobs or echo: a prefill engine
   // may compute it for a decode engine. (A client's kv_transfer_params are
   // dropped: only the frontend sets them.)
@@ -71,6 +96,23 @@ struct PrepareResult {
 PrepareResult Prepare(Endpoint endpoint, std::string_view body, const TextModel& text,
                       const std::string& served_model, const RequestLimits& limits,
                       const std::vector<std::string>& adapters = {});
+// The same among several models: the request's `model` picks one (404
+// when none serves it), whose tokenizer prepares it.
+PrepareResult Prepare(Endpoint endpoint, std::string_view body,
+                      const std::vector<ServedModel>& models, const RequestLimits& limits);
+
+// The vLLM endpoints passed through as they are (kPassThroughPaths: POST
+// /tokenize, /detokenize, /v1/embeddings, /v1/responses, /v1/score, ...),
+// sent to the least-loaded engine of the model the body names. The body
+// must be a JSON object; its `model`, when set, must be served (404
+// otherwise); an empty or absent one is the first model, which the body
+// then names (vLLM requires it on some of these). Nothing is tokenized.
+inline constexpr const char* kPassThroughPaths[] = {
+    "/tokenize",  "/detokenize", "/v1/embeddings", "/v1/responses", "/v1/score", "/score",
+    "/v1/rerank", "/rerank",     "/v2/rerank",     "/pooling",      "/classify", "/v1/classify"};
+bool IsPassThrough(std::string_view path);
+PrepareResult PreparePassThrough(std::string_view path, std::string_view body,
+                                 const std::vector<ServedModel>& models);
 
 // Prefill/decode (docs/disaggregation.md, "The protocol": vLLM's offloading
 // P/D keys, which kvtier's connector and its offloading tier both speak).
@@ -106,6 +148,8 @@ size_t SseEventsEnd(std::string_view s);
 // (each with the model as its parent, as vLLM lists them).
 std::string ModelsBody(const std::string& served_model, uint64_t created_unix,
                        uint64_t max_model_len, const std::vector<std::string>& adapters = {});
+// Every model of `models` and its adapters.
+std::string ModelsBody(const std::vector<ServedModel>& models, uint64_t created_unix);
 
 // What a vLLM server's own /metrics (Prometheus text) says of its load:
 // each gauge summed over its label sets (one per model and engine).

@@ -1,5 +1,7 @@
 // The frontend's flags: --engines-dns parsed, and the options checked as
 // a whole before anything starts (frontend/server.h).
+#include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -86,13 +88,83 @@ absl::Status ParseEnginesDns(absl::string_view text, FrontendOptions* options) {
   return absl::OkStatus();
 }
 
+absl::Status ParseExtraModels(absl::string_view text, FrontendOptions* options) {
+  auto bad = [](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("--extra-models: ", why));
+  };
+  for (absl::string_view one : absl::StrSplit(text, ';', absl::SkipWhitespace())) {
+    FrontendOptions::ExtraModel m;
+    for (absl::string_view part : absl::StrSplit(one, ',', absl::SkipWhitespace())) {
+      const size_t eq = part.find('=');
+      if (eq == absl::string_view::npos)
+        return bad(absl::StrCat("\"", part, "\" is not key=value"));
+      const std::string key(absl::StripAsciiWhitespace(part.substr(0, eq)));
+      const std::string value(absl::StripAsciiWhitespace(part.substr(eq + 1)));
+      if (key == "name") {
+        m.name = value;
+      } else if (key == "model") {
+        m.dir = value;
+      } else if (key == "namespace") {
+        if (value.size() != 16 || !absl::SimpleHexAtoi(value, &m.namespace_id) ||
+            m.namespace_id == 0) {
+          return bad(absl::StrCat("namespace \"", value, "\" must be 16 hex digits, not all 0"));
+        }
+      } else if (key == "lora-adapters") {
+        for (absl::string_view a : absl::StrSplit(value, '|', absl::SkipWhitespace())) {
+          m.adapters.emplace_back(a);
+        }
+      } else if (key == "max-model-len") {
+        if (!absl::SimpleAtoi(value, &m.max_model_len)) {
+          return bad(absl::StrCat("max-model-len \"", value, "\" is not a whole number"));
+        }
+      } else {
+        return bad(absl::StrCat("unknown key \"", key,
+                                "\" (name, model, namespace, lora-adapters, max-model-len)"));
+      }
+    }
+    if (m.name.empty() || m.dir.empty() || m.namespace_id == 0) {
+      return bad(absl::StrCat("\"", one, "\" needs name=, model= and namespace="));
+    }
+    options->extra_models.push_back(std::move(m));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status FrontendOptions::Validate() const {
   if (served_model.empty()) return absl::InvalidArgumentError("--served-model-name is required");
+  // Every name a request may send (models and adapters) means one model.
+  std::set<std::string> names = {served_model};
   for (const auto& a : lora_adapters) {
-    if (a == served_model) {
+    if (!names.insert(a).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--lora-adapters: \"", a, "\" is the served model's own name"));
+          absl::StrCat("--lora-adapters: \"", a, "\" is the served model's own name or twice"));
     }
+  }
+  std::set<uint64_t> claimed;  // the extra models' namespaces
+  for (const auto& m : extra_models) {
+    for (const std::string& name : m.adapters) {
+      if (!names.insert(name).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--extra-models: the name \"", name, "\" means two models"));
+      }
+    }
+    if (!names.insert(m.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--extra-models: the name \"", m.name, "\" means two models"));
+    }
+    if (!claimed.insert(m.namespace_id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--extra-models: ", m.name,
+                       "'s namespace is another model's: each model's engines "
+                       "key their blocks in a namespace of its own"));
+    }
+  }
+  if (max_concurrent_requests > 0 && queue_timeout_ms == 0) {
+    return absl::InvalidArgumentError("--queue-timeout must be > 0 with --max-concurrent-requests");
+  }
+  if (breaker_errors < 1) return absl::InvalidArgumentError("--breaker-errors: at least 1");
+  if (retry_backoff_max_ms < retry_backoff_ms) {
+    return absl::InvalidArgumentError("--retry-backoff-max is under --retry-backoff");
   }
   if (max_connections == 0) return absl::InvalidArgumentError("--max-connections must be >= 1");
   if (max_body_bytes_in_flight < max_body_bytes) {
@@ -135,7 +207,34 @@ absl::Status FrontendOptions::Validate() const {
   if (!dns.empty() && dns_interval_ms < 100) {
     return absl::InvalidArgumentError("--dns-interval: at least 100 ms");
   }
-  const router::VllmSourceSpec& first = *all.front().second;
+  // The first model's engines: those of the namespace no extra model
+  // claims (one namespace); each model's engines share a block size.
+  const router::VllmSourceSpec* first = nullptr;
+  std::map<uint64_t, uint32_t> block_tokens_of;
+  for (const auto& [name, e] : all) {
+    auto [it, fresh] = block_tokens_of.try_emplace(e->namespace_id, e->block_tokens);
+    if (!fresh && it->second != e->block_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "engine ", name, ": the engines of one model (namespace) have one block-tokens"));
+    }
+    if (claimed.count(e->namespace_id)) continue;
+    if (first != nullptr && e->namespace_id != first->namespace_id) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "engine ", name, ": its namespace is neither ", served_model,
+          "'s (the other engines') nor an --extra-models one: every engine serves one model"));
+    }
+    first = e;
+  }
+  if (first == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "no engine serves ", served_model, " (every engine's namespace is an --extra-models one)"));
+  }
+  for (const auto& m : extra_models) {
+    if (!block_tokens_of.count(m.namespace_id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--extra-models: no engine has ", m.name, "'s namespace"));
+    }
+  }
   if (threads < 1 || threads > 256) return absl::InvalidArgumentError("--threads: 1..256");
   if (max_attempts < 1) return absl::InvalidArgumentError("--max-attempts: at least 1");
   if (!(decode_weight >= 0 && decode_weight <= 16)) {
@@ -149,10 +248,6 @@ absl::Status FrontendOptions::Validate() const {
       prefill_only = name;
     } else {
       decodes = true;
-    }
-    if (e->namespace_id != first.namespace_id || e->block_tokens != first.block_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "engine ", name, ": every engine serves the same model: one namespace and block-tokens"));
     }
   }
   if (!prefill_only.empty() && !decodes) {

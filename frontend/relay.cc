@@ -164,7 +164,7 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
   const unsigned status = parser->get().result_int();
   if (status >= 500) {
     // The request failed there: another engine may answer it. The engine
-    // is skipped only when its answers fail kBreakerErrors times in a row.
+    // is skipped only when its answers fail --breaker-errors times in a row.
     fleet_.AnswerFailed(e, absl::StrCat("answered ", status));
     co_return Tried::kRetry;  // the connection is dropped with `up`
   }

@@ -16,12 +16,15 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cmath>
 #include <future>
 #include <memory>
+#include <random>
 #include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/config.h"
 #include "common/log.h"
 #include "frontend/choice.h"
 #include "frontend/offload.h"
@@ -41,21 +44,37 @@ Task<bool> Frontend::Impl::ReplyJson(Stream& client, unsigned status, std::strin
 }
 
 Task<bool> Frontend::Impl::ReplyError(Stream& client, std::string endpoint, ApiError e,
-                                      bool keep_alive) {
+                                      bool keep_alive, uint64_t retry_after_s) {
   counters.Request(endpoint, e.status);
-  std::string body = ErrorBody(e);
-  const bool again = co_await ReplyJson(client, e.status, std::move(body), keep_alive);
+  http::response<http::string_body> res{static_cast<http::status>(e.status), 11};
+  res.set(http::field::content_type, "application/json");
+  if (retry_after_s > 0) res.set(http::field::retry_after, std::to_string(retry_after_s));
+  res.body() = ErrorBody(e);
+  const bool again = co_await Reply(client, res, keep_alive);
   co_return again;
 }
 
-Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::string& name,
-                                 const std::string& body, bool keep_alive,
-                                 Clock::time_point arrived, const std::string& session_id) {
+Task<> Frontend::Impl::Backoff(uint32_t round) {
+  thread_local std::minstd_rand jitter(std::random_device{}());
+  const uint64_t base =
+      std::min(options.retry_backoff_max_ms, options.retry_backoff_ms << std::min(round, 20u));
+  const double scale = 0.8 + 0.4 * std::uniform_real_distribution<double>(0, 1)(jitter);
+  Timer t(co_await net::this_coro::executor);
+  t.expires_after(
+      std::chrono::milliseconds(static_cast<int64_t>(static_cast<double>(base) * scale)));
+  ErrorCode ignored;
+  co_await t.async_wait(net::redirect_error(kAwait, ignored));
+}
+
+Task<bool> Frontend::Impl::Proxy(Stream& client, const Incoming& in, const std::string& body) {
+  const std::string& name = in.name;
+  const bool keep_alive = in.keep_alive;
   // A large body (a long prompt to tokenize, a long chat to render) is
   // prepared off this thread: the streams it serves go on meanwhile.
-  auto prepare = [this, endpoint, &body] {
-    return Prepare(endpoint, body, *text, options.served_model, options.limits,
-                   options.lora_adapters);
+  auto prepare = [this, &in, &body] {
+    return in.endpoint == Endpoint::kPassThrough
+               ? PreparePassThrough(in.path, body, models)
+               : Prepare(in.endpoint, body, models, options.limits);
   };
   PrepareResult prep;
   if (body.size() <= kInlineBody) {
@@ -71,6 +90,32 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
     co_return again;
   }
   const Prepared& p = prep.prepared;
+  if (in.key != nullptr) {
+    const uint64_t tokens = p.prompt_tokens + p.max_new_tokens;
+    if (auto wait = rates.Take(in.key->name, in.key->tokens_per_minute, tokens, NowMs())) {
+      ApiError over = OverTokenRate(*in.key, tokens, *wait);
+      const uint64_t after = std::isinf(*wait) ? 0 : static_cast<uint64_t>(std::ceil(*wait));
+      const bool again = co_await ReplyError(client, name, std::move(over), keep_alive,
+                                             std::max<uint64_t>(after, 1));
+      co_return again;
+    }
+  }
+  // Its turn: held until its answer ends.
+  Admission::Refused refused = Admission::Refused::kNone;
+  Admission::Slot turn;
+  {
+    Held queued(&counters.queued);
+    Admission::Slot got = co_await admission->Enter(&refused);
+    turn = std::move(got);
+  }
+  if (refused != Admission::Refused::kNone) {
+    counters.queue_refused++;
+    ApiError busy = QueueRefused(refused, options.queue_timeout_ms);
+    const bool again = co_await ReplyError(client, name, std::move(busy), keep_alive, 1);
+    co_return again;
+  }
+  const std::string& session_id = in.session_id;
+  const Clock::time_point arrived = in.arrived;
   std::set<const Engine*> tried;
   ClientAnswer answer;  // over the tries
   bool client_keep = keep_alive;
@@ -80,7 +125,8 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
   const Prepared* send = &p;
   std::string prefill_note;
   const bool affine = sessions.has_value() && !session_id.empty();
-  for (uint32_t attempt = 0; attempt < options.max_attempts; ++attempt) {
+  uint32_t attempt = 0, rounds = 0;
+  while (attempt < options.max_attempts) {
     const std::shared_ptr<const FleetView> view = fleet->Snapshot();
     Choice c;
     if (attempt == 0 && affine) {
@@ -95,18 +141,26 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
         for (const auto& e : view->engines) {
           if (e != *kept) others.insert(e.get());
         }
-        c = Choose(router->core(), namespace_id, *view, p.tokens, p.prompt_tokens, p.variant,
+        c = Choose(router->core(), p.namespace_id, *view, p.tokens, p.prompt_tokens, p.variant,
                    others, Want::kDecode, counters);
         if (c.engine != nullptr) absl::StrAppend(&c.explain, "; session=kept");
       }
     }
     if (c.engine == nullptr) {
-      c = Choose(router->core(), namespace_id, *view, p.tokens, p.prompt_tokens, p.variant, tried,
+      c = Choose(router->core(), p.namespace_id, *view, p.tokens, p.prompt_tokens, p.variant, tried,
                  Want::kDecode, counters);
     }
-    if (c.engine == nullptr) break;
+    if (c.engine == nullptr) {
+      // Every engine tried (or none usable): with attempts left, the
+      // usable ones again after a back-off.
+      if (options.retry_backoff_ms == 0 || rounds >= options.max_attempts) break;
+      co_await Backoff(rounds++);
+      counters.retries++;
+      tried.clear();
+      continue;
+    }
     if (attempt == 0) {
-      load->Seen(c.uncached);
+      if (p.endpoint != Endpoint::kPassThrough) load->Seen(c.uncached);
       // What the frontend adds: read to chosen (a handoff's prefill is
       // the engines' time, not the frontend's).
       const auto us =
@@ -152,6 +206,7 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, Endpoint endpoint, const std::s
       counters.client_disconnects++;
       co_return false;
     }
+    ++attempt;
   }
   counters.no_engine++;
   ApiError none{503, "service_unavailable",
@@ -182,8 +237,38 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   auto router = router::EmbeddedRouter::Start(o.router, o.router_listen);
   if (!router.ok()) return router.status();
   impl->router = std::move(*router);
-  impl->namespace_id =
-      o.engines.empty() ? o.dns.front().spec.namespace_id : o.engines.front().namespace_id;
+  // The first model's namespace: its engines' (those no extra model claims).
+  uint64_t first_namespace = 0;
+  std::vector<const router::VllmSourceSpec*> specs;
+  for (const auto& e : o.engines) specs.push_back(&e);
+  for (const auto& d : o.dns) specs.push_back(&d.spec);
+  for (const router::VllmSourceSpec* e : specs) {
+    const bool claimed =
+        std::any_of(o.extra_models.begin(), o.extra_models.end(),
+                    [&](const auto& m) { return m.namespace_id == e->namespace_id; });
+    if (!claimed) first_namespace = e->namespace_id;
+  }
+  impl->models.push_back(ServedModel{o.served_model, o.lora_adapters, impl->text.get(),
+                                     o.max_model_len, first_namespace});
+  for (const auto& m : o.extra_models) {
+    auto t = TextModel::Open(m.dir);
+    if (!t.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--extra-models ", m.name, ": ", t.status().message()));
+    }
+    impl->extra_texts.push_back(std::move(*t));
+    impl->models.push_back(ServedModel{m.name, m.adapters, impl->extra_texts.back().get(),
+                                       m.max_model_len, m.namespace_id});
+  }
+  if (!o.api_keys_file.empty()) {
+    auto text = ReadTextFile(o.api_keys_file);
+    if (!text.ok()) return text.status();
+    auto keys = ApiKeys::Parse(*text, o.key_tokens_per_minute);
+    if (!keys.ok()) return keys.status();
+    impl->keys.emplace(std::move(*keys));
+  }
+  impl->admission =
+      std::make_shared<Admission>(o.max_concurrent_requests, o.queue_size, o.queue_timeout_ms);
   const size_t colon = o.listen.rfind(':');
   if (colon == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("--listen ", o.listen, " is not host:port"));
@@ -232,11 +317,11 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   raw->load.emplace(o.decode_weight);
   raw->text_pool.emplace(static_cast<size_t>(o.text_threads));
   raw->fleet = std::make_unique<Fleet>(o, &raw->router->core(), &*raw->load, &raw->counters, first,
-                                       raw->text.get());
+                                       &raw->models);
   raw->relay = std::make_unique<Relay>(o, *raw->fleet, *raw->load, o.threads);
   if (o.session_ttl_ms > 0) raw->sessions.emplace(static_cast<int64_t>(o.session_ttl_ms));
-  raw->prefiller = std::make_unique<Prefiller>(raw->router->core(), raw->namespace_id, *raw->fleet,
-                                               *raw->load, raw->counters, *raw->relay);
+  raw->prefiller = std::make_unique<Prefiller>(raw->router->core(), *raw->fleet, *raw->load,
+                                               raw->counters, *raw->relay);
   if (!o.metrics_listen.empty()) {
     auto server = MetricsServer::Start(o.metrics_listen, [raw] {
       return CollectMetrics(raw->counters, *raw->fleet->Snapshot(), raw->router->core(),
@@ -299,6 +384,8 @@ Frontend::~Frontend() {
   impl_->deletion_costs.reset();
   for (auto& loop : impl_->loops) loop->stop();
   for (auto& t : impl_->threads) t.join();
+  // Turns held by frames destroyed with the loops wake nobody.
+  impl_->admission->Close();
   // Every engine's event thread ends before the router it calls is
   // destroyed (coroutine frames that hold engines end with the loops).
   if (impl_->fleet) impl_->fleet->Close();

@@ -43,7 +43,38 @@ struct FrontendOptions {
   // request naming one is routed on that adapter's blocks.
   std::vector<std::string> lora_adapters;
   uint64_t max_model_len = 0;  // what /v1/models reports
+  // More models behind the same frontend, each routed by the `model` a
+  // request sends to the engines whose namespace is the model's (the
+  // first model, above, has the engines no other model claims).
+  struct ExtraModel {
+    std::string name;
+    std::string dir;  // its tokenizer.json and tokenizer_config.json
+    std::vector<std::string> adapters;
+    uint64_t max_model_len = 0;
+    uint64_t namespace_id = 0;
+  };
+  std::vector<ExtraModel> extra_models;
   RequestLimits limits;
+  // API keys (frontend/gate.h): the file of their SHA-256 digests ("":
+  // no key is asked for). /health and /metrics need none.
+  std::string api_keys_file;
+  // Each key's tokens per minute where its line sets none (0: no limit).
+  uint64_t key_tokens_per_minute = 0;
+  // Requests served at once (0: no cap); past it up to queue_size more
+  // wait up to queue_timeout_ms for a turn, then are answered 429.
+  uint64_t max_concurrent_requests = 0;
+  uint64_t queue_size = 256;
+  uint64_t queue_timeout_ms = 30000;
+  // With no untried engine left and attempts left (max_attempts), a
+  // request waits retry_backoff_ms (doubling up to retry_backoff_max_ms,
+  // with ±20 % jitter) and tries the usable engines again (0: no retry
+  // beyond each engine once).
+  uint64_t retry_backoff_ms = 0;
+  uint64_t retry_backoff_max_ms = 2000;
+  // A circuit breaker per engine: its answers failing (5xx) this many
+  // times in a row skip it for `down_ms`; a failure after that skips it
+  // again at once (half-open), a whole answer closes it.
+  uint32_t breaker_errors = 3;
   uint64_t max_body_bytes = 8 << 20;
   // Request bodies held at once (read, or being served): one that would
   // pass it is answered 503 with Retry-After before it is read.
@@ -130,6 +161,11 @@ struct FrontendOptions {
   // INVALID_ARGUMENT naming the first field out of range.
   absl::Status Validate() const;
 };
+
+// --extra-models: models separated by ';', each "name=NAME,model=DIR,
+// namespace=16 hex digits[,lora-adapters=A|B][,max-model-len=N]",
+// appended to options->extra_models. INVALID_ARGUMENT naming the key.
+absl::Status ParseExtraModels(absl::string_view text, FrontendOptions* options);
 
 // --engines-dns: pools separated by ';', each "name=HOST:PORT,
 // events-port=N[,replay-port=N],namespace=16 hex digits,block-tokens=N

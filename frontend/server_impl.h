@@ -14,6 +14,7 @@
 #include "frontend/asio.h"
 #include "frontend/deletion_cost.h"
 #include "frontend/fleet.h"
+#include "frontend/gate.h"
 #include "frontend/handoff.h"
 #include "frontend/load.h"
 #include "frontend/metrics.h"
@@ -33,12 +34,18 @@ struct Frontend::Impl {
   // Each loop runs until stopped, whether or not it has connections yet.
   std::vector<net::executor_work_guard<Executor>> keep_running;
   std::unique_ptr<TextModel> text;
+  std::vector<std::unique_ptr<TextModel>> extra_texts;  // --extra-models'
+  // Every model served: the first (--served-model-name, `text`), then
+  // --extra-models, in their order.
+  std::vector<ServedModel> models;
   // Prepares large requests (joined before `text` goes).
   std::optional<net::thread_pool> text_pool;
   static constexpr size_t kInlineBody = 16 << 10;
   std::unique_ptr<router::EmbeddedRouter> router;
   std::unique_ptr<DeletionCostUpdater> deletion_costs;  // --deletion-cost-selector
-  uint64_t namespace_id = 0;
+  std::optional<ApiKeys> keys;                          // --api-keys-file
+  TokenRates rates;
+  std::shared_ptr<Admission> admission;  // --max-concurrent-requests
   Counters counters;
   std::optional<LoadBook> load;
   std::unique_ptr<Fleet> fleet;
@@ -106,13 +113,25 @@ struct Frontend::Impl {
   }
 
   Task<bool> ReplyJson(Stream& client, unsigned status, std::string body, bool keep_alive);
-  Task<bool> ReplyError(Stream& client, std::string endpoint, ApiError e, bool keep_alive);
-  // A completion: prepared, then tried on the engines the router chooses,
-  // in turn (server.cc).
-  // `session_id`: the client's x-session-id ("" for none).
-  Task<bool> Proxy(Stream& client, Endpoint endpoint, const std::string& name,
-                   const std::string& body, bool keep_alive, Clock::time_point arrived,
-                   const std::string& session_id);
+  // `retry_after_s` > 0: with that Retry-After.
+  Task<bool> ReplyError(Stream& client, std::string endpoint, ApiError e, bool keep_alive,
+                        uint64_t retry_after_s = 0);
+  // A request bound for an engine, as read.
+  struct Incoming {
+    Endpoint endpoint = Endpoint::kCompletions;
+    std::string path;
+    std::string name;                   // its endpoint in metrics
+    std::string session_id;             // the client's x-session-id ("" for none)
+    const ApiKeys::Key* key = nullptr;  // the key it presented (--api-keys-file)
+    Clock::time_point arrived;
+    bool keep_alive = true;
+  };
+  // A completion, a chat or a pass-through: prepared, charged to its key's
+  // token rate, given its turn (--max-concurrent-requests), then tried on
+  // the engines the router chooses, in turn (server.cc).
+  Task<bool> Proxy(Stream& client, const Incoming& in, const std::string& body);
+  // Waits before the `round`th retry of every usable engine.
+  Task<> Backoff(uint32_t round);
   // One client connection's requests (session.cc).
   Task<> Session(Socket socket);
   Task<> Linger(Stream& client);

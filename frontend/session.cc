@@ -76,25 +76,53 @@ Task<> Frontend::Impl::Session(Socket socket) {
     const std::string target(req.target());
     const std::string path = target.substr(0, target.find('?'));
     bool again = keep;
-    if (path == "/v1/completions" || path == "/v1/chat/completions") {
-      const bool chat = path == "/v1/chat/completions";
-      const std::string name = chat ? "chat" : "completions";
+    const bool completion = path == "/v1/completions" || path == "/v1/chat/completions";
+    const bool pass = IsPassThrough(path);
+    // With --api-keys-file every API path asks for a key; /health and
+    // /metrics (an operator's, best on --metrics-listen) do not.
+    const ApiKeys::Key* key = nullptr;
+    const bool api = completion || pass || path == "/v1/models";
+    if (api && keys.has_value()) {
+      const std::string auth(req[http::field::authorization]);
+      key = keys->Find(auth);
+      if (key == nullptr) {
+        ApiError who = KeyRequired(!auth.empty());
+        std::string other = "unauthorized";
+        again = co_await ReplyError(client, std::move(other), std::move(who), keep);
+        if (!again) break;
+        continue;
+      }
+    }
+    if (completion || pass) {
+      Incoming in;
+      in.endpoint = pass                             ? Endpoint::kPassThrough
+                    : path == "/v1/chat/completions" ? Endpoint::kChat
+                                                     : Endpoint::kCompletions;
+      in.path = path;
+      in.name = pass ? "passthrough" : in.endpoint == Endpoint::kChat ? "chat" : "completions";
+      in.key = key;
+      in.arrived = arrived;
+      in.keep_alive = keep;
       if (req.method() != http::verb::post) {
         ApiError post{405, "invalid_request_error", "use POST", "", ""};
-        again = co_await ReplyError(client, name, std::move(post), keep);
+        again = co_await ReplyError(client, in.name, std::move(post), keep);
       } else {
-        const Endpoint endpoint = chat ? Endpoint::kChat : Endpoint::kCompletions;
         const std::string& body = req.body();
         // A session id past 256 bytes is not one a client means: ignored.
-        std::string session_id(req["x-session-id"]);
-        if (session_id.size() > 256) session_id.clear();
-        again = co_await Proxy(client, endpoint, name, body, keep, arrived, session_id);
+        in.session_id = std::string(req["x-session-id"]);
+        if (in.session_id.size() > 256) in.session_id.clear();
+        again = co_await Proxy(client, in, body);
       }
     } else if (path == "/v1/models" && req.method() == http::verb::get) {
       counters.Request("models", 200);
-      std::string models = ModelsBody(options.served_model, started_unix, options.max_model_len,
-                                      options.lora_adapters);
-      again = co_await ReplyJson(client, 200, std::move(models), keep);
+      std::string listed = ModelsBody(models, started_unix);
+      again = co_await ReplyJson(client, 200, std::move(listed), keep);
+    } else if (path == "/ping" && req.method() == http::verb::get) {
+      // Alive: it reads and answers (a liveness probe; it asks no key and
+      // does not depend on the engines, as /health does).
+      counters.Request("ping", 200);
+      std::string pong = "{}";
+      again = co_await ReplyJson(client, 200, std::move(pong), keep);
     } else if (path == "/health" && req.method() == http::verb::get) {
       size_t up = 0;
       const int64_t now = NowMs();

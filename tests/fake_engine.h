@@ -61,6 +61,12 @@ class FakeEngine {
   std::atomic<int> events{3};
   std::atomic<int> gap_ms{0};
   std::atomic<int> completions{0};  // completion requests received
+  // The target and body of the last request that was not /health,
+  // /metrics or /tokenize.
+  std::string last_request() {
+    std::lock_guard lk(mu_);
+    return last_request_;
+  }
   // /tokenize's answer to a request body (vLLM's {"tokens": [...]}); unset:
   // 404, as a server without the endpoint. Set before the engine is used.
   std::function<std::string(const std::string&)> tokenize;
@@ -106,6 +112,10 @@ class FakeEngine {
         again = tokenize ? answer(http::status::ok, tokenize(req.body()))
                          : answer(http::status::not_found, R"({"detail":"Not Found"})");
       } else {
+        {
+          std::lock_guard lk(mu_);
+          last_request_ = target + " " + req.body();
+        }
         completions++;
         const Mode m = mode.load();
         if (m == Mode::kWhole) {
@@ -166,6 +176,7 @@ class FakeEngine {
   std::atomic<bool> stopping_{false};
   std::mutex mu_;
   std::vector<std::shared_ptr<tcp::socket>> sockets_;
+  std::string last_request_;  // guarded by mu_
   std::vector<std::thread> threads_;
   std::thread accept_thread_;
 };

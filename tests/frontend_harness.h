@@ -24,8 +24,10 @@ using tcp = net::ip::tcp;
 using kvtier::testing::FakeEngine;
 using kvtier::testing::WaitFor;
 
+// `namespaces`: each engine's (default: 1 for every engine).
 inline std::unique_ptr<Frontend> StartFrontend(const std::vector<const FakeEngine*>& engines,
-                                               FrontendOptions o = {}, bool route_header = true) {
+                                               FrontendOptions o = {}, bool route_header = true,
+                                               const std::vector<uint64_t>& namespaces = {}) {
   o.listen = "127.0.0.1:0";
   o.router_listen = "127.0.0.1:0";
   o.served_model = "tiny";
@@ -35,7 +37,7 @@ inline std::unique_ptr<Frontend> StartFrontend(const std::vector<const FakeEngin
     router::VllmSourceSpec spec;
     spec.id = "e" + std::to_string(i);
     spec.endpoint = engines[i]->endpoint();
-    spec.namespace_id = 1;
+    spec.namespace_id = i < namespaces.size() ? namespaces[i] : 1;
     spec.block_tokens = 16;
     o.engines.push_back(spec);
   }

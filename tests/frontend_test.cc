@@ -55,7 +55,7 @@ TEST(FrontendRelay, AnEngineAnswering5xxLosesTheRequestNotItsPlace) {
 }
 
 // An engine whose every answer fails is skipped once it failed
-// kBreakerErrors in a row, as a circuit breaker opens.
+// --breaker-errors (3) times in a row, as a circuit breaker opens.
 TEST(FrontendRelay, AnEngineWhoseAnswersKeepFailingIsSkipped) {
   FakeEngine e0(FakeEngine::Mode::kStatus500), e1(FakeEngine::Mode::kWhole);
   FrontendOptions o;

@@ -307,5 +307,49 @@ TEST(OpenAi, MetricsThatAreNotVllmsSayNothing) {
   EXPECT_EQ(ParseVllmMetrics("vllm:kv_cache_usage_perc 7\n").kv_usage, 1);
 }
 
+// Several models: the request's `model` (or an adapter of one) picks the
+// model whose namespace its engines have; an empty one is the first.
+TEST(OpenAi, AModelNamePicksItsModelsNamespace) {
+  const std::vector<ServedModel> models = {ServedModel{"a", {}, &Tiny(), 0, 11},
+                                           ServedModel{"b", {"b-sql"}, &Tiny(), 0, 22}};
+  auto prep = [&](const json& body) {
+    return Prepare(Endpoint::kCompletions, body.dump(), models, RequestLimits{});
+  };
+  EXPECT_EQ(prep({{"model", "b"}, {"prompt", "hi"}}).prepared.namespace_id, 22u);
+  EXPECT_EQ(prep({{"model", "a"}, {"prompt", "hi"}}).prepared.namespace_id, 11u);
+  auto adapter = prep({{"model", "b-sql"}, {"prompt", "hi"}});
+  EXPECT_EQ(adapter.prepared.namespace_id, 22u);
+  EXPECT_EQ(adapter.prepared.adapter, "b-sql");
+  auto unnamed = prep({{"prompt", "hi"}});
+  EXPECT_EQ(unnamed.prepared.namespace_id, 11u);
+  EXPECT_EQ(json::parse(unnamed.prepared.body)["model"], "a");
+  auto other = prep({{"model", "c"}, {"prompt", "hi"}});
+  ASSERT_TRUE(other.error);
+  EXPECT_EQ(other.error->status, 404);
+  EXPECT_EQ(other.error->code, "model_not_found");
+}
+
+// What a token rate charges: the prompt and what the request may generate.
+TEST(OpenAi, ARequestSaysHowManyTokensItMayGenerate) {
+  EXPECT_EQ(Completion({{"prompt", "hi"}, {"max_tokens", 7}, {"n", 3}}).prepared.max_new_tokens,
+            21u);
+  EXPECT_EQ(Completion({{"prompt", "hi"}}).prepared.max_new_tokens, 0u);
+}
+
+TEST(OpenAi, APassThroughBodyIsKeptAndNamesItsModel) {
+  const std::vector<ServedModel> models = {ServedModel{"a", {}, &Tiny(), 0, 11}};
+  auto r = PreparePassThrough("/v1/embeddings", R"({"input": "x"})", models);
+  ASSERT_FALSE(r.error);
+  EXPECT_EQ(r.prepared.path, "/v1/embeddings");
+  EXPECT_EQ(json::parse(r.prepared.body), json({{"input", "x"}, {"model", "a"}}));
+  EXPECT_TRUE(r.prepared.tokens.empty());
+  const std::string named = R"({"model": "a", "input": "x"})";
+  EXPECT_EQ(PreparePassThrough("/v1/embeddings", named, models).prepared.body, named);
+  EXPECT_EQ(PreparePassThrough("/v1/score", R"([1])", models).error->status, 400);
+  EXPECT_EQ(PreparePassThrough("/v1/score", R"({"model": 3})", models).error->status, 400);
+  EXPECT_TRUE(IsPassThrough("/tokenize"));
+  EXPECT_FALSE(IsPassThrough("/v1/completions"));
+}
+
 }  // namespace
 }  // namespace kvtier::frontend

@@ -524,7 +524,7 @@ def check_scaling(values, schema):
 def check_frontend(values, schema):
     """With vLLM engines the frontend is the entry point: a Deployment
     finding the engines through their headless Service (API, KV events and
-    replay ports), probed on /health and /v1/models, the model's tokenizer
+    replay ports), probed on /health and /ping, the model's tokenizer
     fetched by an init container, the store shards publishing to its
     router (not under TLS: it speaks plain gRPC), a NetworkPolicy opening
     its HTTP port only, and NOTES that send the first request."""
@@ -550,7 +550,7 @@ def check_frontend(values, schema):
           engine_arg(c["args"], "--decode-weight") == "0.05",
           "the routing weights from values: %s" % c["args"])
     check(c["readinessProbe"]["httpGet"]["path"] == "/health" and
-          c["livenessProbe"]["httpGet"]["path"] == "/v1/models", "probes: /health, /v1/models")
+          c["livenessProbe"]["httpGet"]["path"] == "/ping", "probes: /health, /ping")
     init = pod.get("initContainers", [{}])[0]
     check(init.get("image") == v["engine"]["image"] and v["engine"]["model"] in init.get("args", []),
           "an init container fetches the model's tokenizer with the engine's image")
@@ -601,9 +601,23 @@ def check_frontend(values, schema):
     check("initContainers" not in pod and
           pod["volumes"][0] == {"name": "model", "configMap": {"name": "llama-tokenizer"}},
           "the tokenizer from a ConfigMap: %s" % pod["volumes"])
+    check("--api-keys-file=/keys/keys" not in pod["containers"][0]["args"] and
+          all(vol["name"] != "api-keys" for vol in pod["volumes"]), "no API keys by default")
+    v["frontend"]["apiKeys"] = {"secretName": "llama-keys", "tokensPerMinute": 6000}
+    v["frontend"]["maxConcurrentRequests"] = 64
+    pod = find(objects(render(v)), "Deployment", "-frontend")["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    check({"--api-keys-file=/keys/keys", "--key-tokens-per-minute=6000",
+           "--max-concurrent-requests=64"} <= set(c["args"]) and
+          {"name": "api-keys", "secret": {"secretName": "llama-keys"}} in pod["volumes"] and
+          {"name": "api-keys", "mountPath": "/keys", "readOnly": True} in c["volumeMounts"],
+          "API keys from a Secret, mounted as the key file: %s" % c["args"])
+    rc, out = check_config("frontend/kvtier-frontend", c["args"])
+    check(rc == 0, "kvtier-frontend rejects the rendered arguments with keys: %s" % out)
     check_schema_refuses(v, schema, "frontend", (
         ("namespace", "12"), ("replicas", 0), ("maxAttempts", 0), ("loadWeight", -1),
-        ("decodeWeight", "high"), ("maxConnections", 0), ("typo", 1)))
+        ("decodeWeight", "high"), ("maxConnections", 0), ("typo", 1),
+        ("maxConcurrentRequests", -1), ("queueTimeout", "soon"), ("apiKeys", {"secret": "x"})))
     v["engine"]["kind"] = "sglang"
     files = render(v)
     check(find(objects(files), "Deployment", "-frontend") is None and

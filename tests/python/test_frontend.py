@@ -15,6 +15,7 @@ start.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -527,6 +528,53 @@ def test_a_rolling_restart_under_load_loses_no_request(
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=40)
         MIGRATE.write_text(was)
+
+
+def test_keys_rates_and_vllms_own_endpoints_through_the_openai_package(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A frontend asking for API keys (their SHA-256 in a file), with a
+    token rate per key, in front of the real engines: the ``openai``
+    package's key is taken, another is refused (AuthenticationError), a
+    key past its rate gets RateLimitError; vLLM's /tokenize and
+    /detokenize pass through and answer as the engine itself does."""
+    keys = tmp_path / "keys"
+    digest = hashlib.sha256(b"sk-kvtier-test").hexdigest()
+    keys.write_text(f"# sha256 name tokens-per-minute\n{digest} tester 200\n")
+    proc, port = fleet.start_frontend("keys", 0, (f"--api-keys-file={keys}",))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-kvtier-test",
+                               max_retries=0)  # fmt: skip
+        done = client.completions.create(model="tiny", prompt="Keys", max_tokens=4)
+        assert done.usage is not None and done.usage.completion_tokens == 4
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="sk-other", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model="tiny", prompt="Keys", max_tokens=4)
+        with pytest.raises(openai.RateLimitError) as over:
+            for _ in range(8):  # 200 tokens a minute: a few of ~50 each
+                client.completions.create(model="tiny", prompt="Keys", max_tokens=48)
+        assert int(over.value.response.headers["retry-after"]) >= 1
+
+        def post(base: str, path: str, body: dict[str, Any], key: str = "") -> Any:
+            headers = {"content-type": "application/json"}
+            if key:
+                headers["authorization"] = "Bearer " + key
+            req = urllib.request.Request(base + path, json.dumps(body).encode(),
+                                         headers)  # fmt: skip
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())
+
+        text = {"model": "tiny", "prompt": "The store tiers blocks."}
+        engine = next(iter(fleet.engines.values())).url
+        through = post(url, "/tokenize", text, "sk-kvtier-test")
+        assert through == post(engine, "/tokenize", text)
+        back = post(url, "/detokenize", {"model": "tiny", "tokens": through["tokens"]},
+                    "sk-kvtier-test")  # fmt: skip
+        assert "The store tiers blocks." in back["prompt"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=40)
 
 
 def test_a_killed_engine_is_skipped_and_leaves_the_index(fleet: Fleet) -> None:

@@ -858,8 +858,8 @@ def main() -> None:
         default="",
         help="replay: peer routers as more configs, ','-separated: "
         "vllm-router-kv_aware, vllm-router-cache_aware, sglang-router "
-        "(scripts/peer_routers.sh installs them); capacity and memory: "
-        "vllm-router beside nginx when one is named",
+        "(scripts/peer_routers.sh installs them); latency, capacity and memory: "
+        "vllm-router beside the frontend when one is named",
     )
     ap.add_argument("--pairs", type=int, default=300)
     ap.add_argument("--seconds", type=int, default=5)

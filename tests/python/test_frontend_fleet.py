@@ -380,7 +380,7 @@ def test_each_engines_own_metrics_feed_its_load(fleet: DnsFleet) -> None:
         (
             "name=d:8000,events-port=5557,namespace=00c0ffee00c0ffee,block-tokens=32;"
             "name=p:8000,events-port=5557,namespace=00c0ffee00c0ffee,block-tokens=64",
-            "one namespace and block-tokens",
+            "of one model (namespace) have one block-tokens",
         ),
     ],
 )

@@ -330,6 +330,27 @@ def check_engine(values, schema):
           ev.get("replay_endpoint") == "tcp://*:5558", "vLLM publishes KV events with a replay socket")
     check(engine_arg(c["args"], "--block-size") == "16", "block size from values")
     check(c["resources"]["limits"].get("nvidia.com/gpu") == "1", "a GPU requested")
+    # What a cluster showed: vLLM refuses to start with a container's 64 MiB
+    # /dev/shm; the pod mounts a memory emptyDir there.
+    pod = dep["spec"]["template"]["spec"]
+    check({"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"] and
+          {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"],
+          "the engine's /dev/shm is a memory emptyDir: %s" % pod["volumes"])
+    check("command" not in c, "no command by default: the args run as it")
+    w = copy.deepcopy(v)
+    w["engine"].update(command=["python3", "-c", "launch()"],
+                       extraEnv=[{"name": "HOME", "value": "/tmp"}],
+                       extraVolumes=[{"name": "m", "hostPath": {"path": "/models"}}],
+                       extraVolumeMounts=[{"name": "m", "mountPath": "/models"}])
+    jsonschema.validate(w, schema)
+    pod = find(objects(render(w)), "Deployment", "-engine")["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    check(c["command"] == ["python3", "-c", "launch()"] and c["args"][:2] == ["vllm", "serve"] and
+          {"name": "HOME", "value": "/tmp"} in c["env"] and
+          {"name": "m", "mountPath": "/models"} in c["volumeMounts"] and
+          {"name": "m", "hostPath": {"path": "/models"}} in pod["volumes"],
+          "engine.command, extraEnv, extraVolumes and extraVolumeMounts rendered: %s" % c)
+    check_schema_refuses(w, schema, "engine", (("shmSize", "lots"), ("command", "vllm")))
     # vLLM's own offloading with kvtier as its secondary tier.
     v["engine"]["vllmMode"] = "tier"
     v["engine"]["tier"]["cpuBytes"] = 4 << 30
@@ -601,6 +622,11 @@ def check_frontend(values, schema):
     check("initContainers" not in pod and
           pod["volumes"][0] == {"name": "model", "configMap": {"name": "llama-tokenizer"}},
           "the tokenizer from a ConfigMap: %s" % pod["volumes"])
+    hook = find(objects(render(v)), "Pod", "-test-frontend")
+    script = hook["spec"]["containers"][0]["args"][0]
+    check(hook["metadata"]["annotations"]["helm.sh/hook"] == "test" and
+          "host=kv-frontend" in script and "want=200" in script and '"model":"' in script,
+          "helm test sends a completion through the frontend Service, wanting 200")
     check("--api-keys-file=/keys/keys" not in pod["containers"][0]["args"] and
           all(vol["name"] != "api-keys" for vol in pod["volumes"]), "no API keys by default")
     v["frontend"]["apiKeys"] = {"secretName": "llama-keys", "tokensPerMinute": 6000}
@@ -614,6 +640,8 @@ def check_frontend(values, schema):
           "API keys from a Secret, mounted as the key file: %s" % c["args"])
     rc, out = check_config("frontend/kvtier-frontend", c["args"])
     check(rc == 0, "kvtier-frontend rejects the rendered arguments with keys: %s" % out)
+    script = find(objects(render(v)), "Pod", "-test-frontend")["spec"]["containers"][0]["args"][0]
+    check("want=401" in script, "with API keys helm test (holding none) wants the 401")
     check_schema_refuses(v, schema, "frontend", (
         ("namespace", "12"), ("replicas", 0), ("maxAttempts", 0), ("loadWeight", -1),
         ("decodeWeight", "high"), ("maxConnections", 0), ("typo", 1),

@@ -11,6 +11,10 @@
 # kubernetes-models, installed into tests/helm/node_modules from its lock file;
 # helm and kube-score, built from the Go module proxy into tests/helm/.bin.
 # clang-format: the C++ style check CI runs (scripts/check_format.sh).
+# containerd, runc, containernetworking-plugins, iptables, conntrack,
+# debootstrap: the one-node Kubernetes cluster the chart is installed on
+# (scripts/k8s/; its Kubernetes binaries are built from the Go module proxy
+# by scripts/k8s/build.sh, cached outside the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +28,7 @@ PKGS=(
   python3-dev pybind11-dev python3-numpy python3-pytest python3-torch
   python3-grpcio python3-protobuf python3-venv libopenblas0-pthread
   iproute2 nftables nginx-light wrk libjemalloc-dev
+  containerd runc containernetworking-plugins iptables conntrack debootstrap
 )
 
 # A node from elsewhere (e.g. NodeSource) brings its own npm: keep it.

@@ -8,7 +8,7 @@ BUILD_TYPE ?= RelWithDebInfo
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all setup venv k8s build test test-busy demo demo-vllm bench bench-vllm bench-frontend fuzz asan tsan soak format clean
+.PHONY: all setup venv k8s build test test-busy demo demo-cluster demo-vllm bench bench-vllm bench-frontend fuzz asan tsan soak format clean
 
 all: build
 
@@ -49,6 +49,11 @@ demo: build
 # servers with kvtier's connector, the frontend in front of them, and vLLM's
 # own `vllm bench serve` replaying the Mooncake slice trace through nginx
 # (least_conn, round-robin) and through kvtier-frontend, side by side.
+# The whole fleet on a local one-node Kubernetes cluster (needs root):
+# the chart installed, a trace replayed through the frontend Service.
+demo-cluster: build venv k8s
+	KVTIER_BUILD_DIR=$(BUILD_DIR) $(BUILD_DIR)/venv/bin/python bench/cluster_demo.py
+
 demo-vllm: build venv
 	KVTIER_BUILD_DIR=$(BUILD_DIR) $(BUILD_DIR)/venv/bin/python bench/frontend_bench.py \
 		--parts replay --runs 1 --store --datasets mooncake_slice_trace

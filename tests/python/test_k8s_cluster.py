@@ -16,9 +16,7 @@ real cluster".
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -27,12 +25,7 @@ from typing import Any, Iterator
 import pytest
 
 from conftest import wait_until
-
-ROOT = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", ROOT / "build")).resolve()
-SCRIPTS = ROOT / "scripts" / "k8s"
-HELM = ROOT / "tests" / "helm" / ".bin" / "helm"
-RELEASE = "kv"
+from k8s_cluster import BUILD, RELEASE, Cluster, Unavailable, down
 
 openai = pytest.importorskip("openai", reason="the openai package is in the "
                              "environment")  # fmt: skip
@@ -43,149 +36,28 @@ pytestmark = [
 ]  # fmt: skip
 
 
-class Cluster:
-    """The test's cluster: its state under `tmp`, kubectl and helm on it."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.state = tmp / "state"
-        out = subprocess.run(["bash", str(SCRIPTS / "build.sh")],
-                             capture_output=True, text=True)  # fmt: skip
-        if out.returncode != 0:
-            pytest.skip("the Kubernetes binaries could not be built "
-                        "(scripts/k8s/build.sh, from the Go module proxy): "
-                        f"{out.stderr[-500:]}")  # fmt: skip
-        self.bin = Path(out.stdout.strip().splitlines()[-1])
-        images = tmp / "images"
-        subprocess.run(["bash", str(SCRIPTS / "images.sh"), str(images), str(BUILD),
-                        str(self.bin)], check=True)  # fmt: skip
-        self.env = dict(os.environ, KUBECONFIG=str(self.state / "admin.kubeconfig"))
-        up = subprocess.run(["bash", str(SCRIPTS / "cluster.sh"), "up", str(self.state),
-                             str(self.bin), *map(str, sorted(images.glob("*.tar")))],
-                            capture_output=True, text=True)  # fmt: skip
-        if up.returncode != 0:
-            logs = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
-                           for p in sorted((self.state / "logs").glob("*.log")))
-            raise AssertionError(f"the cluster did not start: {up.stderr}{logs}")
-
-    def kubectl(self, *args: str, check: bool = True, timeout: float = 120) -> str:
-        """kubectl's output; CalledProcessError (with its stderr) on failure."""
-        out = subprocess.run([str(self.bin / "kubectl"), *args], env=self.env,
-                             capture_output=True, text=True,
-                             timeout=timeout)  # fmt: skip
-        if check and out.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)}: {out.stderr}")
-        return out.stdout
-
-    def helm(self, *args: str, timeout: float = 900) -> str:
-        """helm's output; AssertionError with its output on failure."""
-        out = subprocess.run([str(HELM), *args], env=self.env, capture_output=True,
-                             text=True, timeout=timeout)  # fmt: skip
-        if out.returncode != 0:
-            raise AssertionError(f"helm {' '.join(args)}:\n{out.stdout}\n{out.stderr}"
-                                 f"\n{self.describe()}")  # fmt: skip
-        return out.stdout
-
-    def describe(self) -> str:
-        """The pods and the last events: what a failed wait explains with."""
-        pods = self.kubectl("get", "pods", "-o", "wide", check=False)
-        events = self.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False)
-        return f"{pods}\n{events[-4000:]}"
-
-    def get(self, *args: str) -> Any:
-        """An object (or list) as JSON."""
-        return json.loads(self.kubectl("get", *args, "-o", "json"))
-
-    def service_url(self, name: str, port: str = "http") -> str:
-        """http://CLUSTER-IP:PORT of a Service (reachable from the host
-        through kube-proxy's rules: outside every pod)."""
-        svc = self.get("service", name)
-        number = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == port)
-        return f"http://{svc['spec']['clusterIP']}:{number}"
-
-    def down(self) -> None:
-        """Tears the cluster down and restores the host (cluster.sh down)."""
-        subprocess.run(["bash", str(SCRIPTS / "cluster.sh"), "down", str(self.state),
-                        str(self.bin)], check=False)  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("k8s")
     c: Cluster | None = None
     try:
-        c = Cluster(tmp)
+        try:
+            c = Cluster(tmp)
+        except Unavailable as e:
+            pytest.skip(str(e))
         yield c
     finally:
         if c is not None:
             c.down()
         else:
-            subprocess.run(["bash", str(SCRIPTS / "cluster.sh"), "down",
-                            str(tmp / "state"), "/"], check=False)  # fmt: skip
-
-
-def engine_mounts(tmp: Path) -> Path:
-    """A values file mounting the build's vLLM environment, kvtier package
-    and the tiny model read-only into the engine pods (test-only)."""
-    venv, package, model = BUILD / "venv", BUILD / "python", ROOT / "tests" / "models"
-
-    def host(name: str, path: Path) -> dict[str, Any]:
-        return {"name": name, "hostPath": {"path": str(path), "type": "Directory"}}
-
-    values = {
-        "engine": {
-            "extraEnv": [
-                {"name": "PATH", "value": f"{venv}/bin:/usr/local/bin:/usr/bin:/bin"},
-                {"name": "PYTHONPATH", "value": str(package)},
-                {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"},
-                {"name": "HOME", "value": "/tmp"},
-            ],
-            "extraVolumes": [
-                host("venv", venv),
-                host("kvtier", package),
-                host("models", model),
-            ],
-            "extraVolumeMounts": [
-                {"name": "venv", "mountPath": str(venv), "readOnly": True},
-                {"name": "kvtier", "mountPath": str(package), "readOnly": True},
-                {"name": "models", "mountPath": "/models", "readOnly": True},
-            ],
-        }
-    }
-    path = tmp / "values-mounts.json"
-    path.write_text(json.dumps(values))
-    return path
+            down(tmp / "state", Path("/"))
 
 
 @pytest.fixture(scope="module")
 def installed(cluster: Cluster) -> Cluster:
-    """The chart installed as a user would, once its volumes and the
-    tokenizer's ConfigMap exist."""
-    tok = ROOT / "tests" / "models" / "tiny-llama"
-    cluster.kubectl("create", "configmap", "tiny-tokenizer",
-                    f"--from-file={tok / 'tokenizer.json'}",
-                    f"--from-file={tok / 'tokenizer_config.json'}")  # fmt: skip
-    # No provisioner on one node: a hostPath volume per store shard, owned
-    # by the store's user (fsGroup does not apply to hostPath volumes).
-    for i in range(2):
-        folder = cluster.tmp / "pv" / str(i)
-        folder.mkdir(parents=True)
-        os.chown(folder, 10001, 10001)
-        pv = {
-            "apiVersion": "v1", "kind": "PersistentVolume",
-            "metadata": {"name": f"kvtier-test-pv-{i}"},
-            "spec": {"capacity": {"storage": "2Gi"}, "accessModes": ["ReadWriteOnce"],
-                     "persistentVolumeReclaimPolicy": "Retain",
-                     "hostPath": {"path": str(folder), "type": "Directory"}},
-        }  # fmt: skip
-        manifest = cluster.tmp / f"pv-{i}.json"
-        manifest.write_text(json.dumps(pv))
-        cluster.kubectl("apply", "-f", str(manifest))
+    """The chart installed as a user would (Cluster.install)."""
     started = time.monotonic()
-    cluster.helm("install", RELEASE, str(ROOT / "helm" / "kvtier"),
-                 "-f", str(ROOT / "tests" / "k8s" / "values-test.yaml"),
-                 "-f", str(engine_mounts(cluster.tmp)),
-                 "--wait", "--timeout", "12m")  # fmt: skip
+    cluster.install()
     print(f"helm install --wait: {time.monotonic() - started:.0f} s")
     return cluster
 

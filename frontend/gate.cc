@@ -96,7 +96,7 @@ std::optional<double> TokenRates::Take(const std::string& key, uint64_t tokens_p
   return (want - b.tokens) / per_ms / 1000.0;
 }
 
-Task<Admission::Slot> Admission::Enter(Refused* why) {
+Task<Admission::Slot> Admission::Enter(Refused* why, std::function<bool()> gone) {
   *why = Refused::kNone;
   if (limit_ == 0) co_return Slot();  // no limit: nothing is held
   const Executor here = co_await net::this_coro::executor;
@@ -112,17 +112,22 @@ Task<Admission::Slot> Admission::Enter(Refused* why) {
       co_return Slot();
     }
     w->timer = std::make_shared<Timer>(w->executor);
-    w->timer->expires_after(std::chrono::milliseconds(timeout_ms_));
     waiting_.push_back(w);
   }
-  ErrorCode ec;
-  co_await w->timer->async_wait(net::redirect_error(kAwait, ec));
-  std::lock_guard lk(mu_);
-  if (w->granted)
-    co_return Slot(shared_from_this());  // a slot was handed over (it may also have timed out)
-  std::erase(waiting_, w);
-  *why = Refused::kTimedOut;
-  co_return Slot();
+  // Waits in slices of kGoneCheck (a grant cancels the wait at once).
+  const auto until = Clock::now() + std::chrono::milliseconds(timeout_ms_);
+  for (;;) {
+    w->timer->expires_at(std::min(until, Clock::now() + kGoneCheck));
+    ErrorCode ec;
+    co_await w->timer->async_wait(net::redirect_error(kAwait, ec));
+    std::lock_guard lk(mu_);
+    if (w->granted) co_return Slot(shared_from_this());  // handed over (maybe at its timeout too)
+    const bool left = gone && gone();
+    if (!left && Clock::now() < until) continue;
+    std::erase(waiting_, w);
+    *why = left ? Refused::kClientGone : Refused::kTimedOut;
+    co_return Slot();
+  }
 }
 
 void Admission::Close() {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -93,9 +94,12 @@ class Admission : public std::enable_shared_from_this<Admission> {
     std::shared_ptr<Admission> a_;
   };
 
-  enum class Refused { kNone, kQueueFull, kTimedOut };
-  // A turn, at once or once one frees (`*why` kNone), or why not.
-  Task<Slot> Enter(Refused* why);
+  enum class Refused { kNone, kQueueFull, kTimedOut, kClientGone };
+  // A turn, at once or once one frees (`*why` kNone), or why not. While
+  // it waits, `gone` is asked every kGoneCheck: a waiter whose client left
+  // leaves the queue (kClientGone).
+  Task<Slot> Enter(Refused* why, std::function<bool()> gone = nullptr);
+  static constexpr auto kGoneCheck = std::chrono::milliseconds(200);
   // At exit: turns that end from now on wake nobody (their loops are gone).
   void Close();
 

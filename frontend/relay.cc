@@ -51,6 +51,8 @@ http::request<http::string_body> EngineRequest(const Engine& e, const std::strin
 
 }  // namespace
 
+bool ClientGone(Stream* client) { return Peek(client) == Peeked::kGone; }
+
 void WatchClient(Stream* client, std::shared_ptr<Watch> watch) {
   // Asio's reactor is edge-triggered and a wait is never tried at once:
   // a client that closed before this wait began (while its request was

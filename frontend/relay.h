@@ -35,6 +35,10 @@ struct Watch {
 // socket's waits are cancelled.
 void WatchClient(Stream* client, std::shared_ptr<Watch> watch);
 
+// Whether `client` has gone now (its end of stream or an error is
+// waiting), without reading or waiting: bytes waiting are its next request.
+bool ClientGone(Stream* client);
+
 // The client's answer over the tries of one request: once an engine's
 // event stream began it (its header written), another engine's events
 // continue it.

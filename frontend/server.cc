@@ -105,8 +105,14 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, const Incoming& in, const std::
   Admission::Slot turn;
   {
     Held queued(&counters.queued);
-    Admission::Slot got = co_await admission->Enter(&refused);
+    std::function<bool()> gone = [&client] { return ClientGone(&client); };
+    Admission::Slot got = co_await admission->Enter(&refused, std::move(gone));
     turn = std::move(got);
+  }
+  if (refused == Admission::Refused::kClientGone) {  // it left while it waited
+    counters.Request(name, 499);
+    counters.client_disconnects++;
+    co_return false;
   }
   if (refused != Admission::Refused::kNone) {
     counters.queue_refused++;

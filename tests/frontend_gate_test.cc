@@ -152,6 +152,44 @@ TEST(FrontendGate, AWaitingRequestGetsTheTurnThatEnds) {
   EXPECT_EQ(e0.completions.load(), 2);
 }
 
+// A client that leaves while its request waits for a turn leaves the
+// queue: its place goes to the next request, and the engine never sees it.
+TEST(FrontendGate, AClientThatLeavesTheQueueFreesItsPlace) {
+  FakeEngine e0(FakeEngine::Mode::kStream);
+  e0.events = 10;
+  e0.gap_ms = 600;  // the first request holds its turn ~6 s
+  FrontendOptions o;
+  o.max_concurrent_requests = 1;
+  o.queue_size = 1;
+  o.queue_timeout_ms = 60000;
+  auto fe = StartFrontend({&e0}, o);
+  auto holding = std::async(std::launch::async, [&] { return Post(fe->port(), kStreamed); });
+  ASSERT_TRUE(WaitFor([&] { return e0.completions.load() == 1; }));
+  auto queued_is = [&](int n) {
+    return Get(fe->port(), "/metrics").body.find("kvtier_frontend_queued " + std::to_string(n)) !=
+           std::string::npos;
+  };
+  {
+    net::io_context io;
+    tcp::socket leaving = Dial(io, fe->port());
+    http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
+    req.set(http::field::host, "127.0.0.1");
+    req.set(http::field::content_type, "application/json");
+    req.body() = kCompletion;
+    req.prepare_payload();
+    http::write(leaving, req);
+    ASSERT_TRUE(WaitFor([&] { return queued_is(1); }));
+  }  // closed while it waits
+  ASSERT_TRUE(WaitFor([&] { return queued_is(0); })) << "the queue kept a client that left";
+  // It left the queue before its turn came, not at it.
+  EXPECT_EQ(holding.wait_for(std::chrono::seconds(0)), std::future_status::timeout);
+  // Its place is free: the next request waits there, and is served.
+  Answer next = Post(fe->port(), kCompletion);
+  EXPECT_EQ(next.status, 200) << next.body;
+  EXPECT_EQ(holding.get().status, 200);
+  EXPECT_EQ(e0.completions.load(), 2);  // the one that left never reached the engine
+}
+
 // Its only engine fails the request; with a back-off the request waits
 // and tries it again, and is served once the engine recovers.
 TEST(FrontendGate, ARetryAfterABackOffReachesAnEngineThatRecovered) {

@@ -143,6 +143,7 @@ RouteQuery FromWire(const v1::RouteRequest& req) {
   q.max_candidates = req.max_candidates();
   q.dry_run = req.dry_run();
   q.request_id = req.request_id();
+  q.variant = req.variant();
   if (req.prompt_case() == v1::RouteRequest::kTokens) {
     q.prompt = RouteQuery::Prompt::kTokens;
     const auto& ids = req.tokens().ids();

@@ -1023,12 +1023,8 @@ TEST_F(RouterCoreTest, AnIdleWorkerIsWeighedWhenHolesMakeGroupsOverlap) {
   EXPECT_EQ(r->worker_id, "idle");
 }
 
-TEST_F(RouterCoreTest, TokensAreHashedWithTheNamespaceBlockSize) {
-  std::vector<uint32_t> tokens(40);
-  for (uint32_t i = 0; i < 40; ++i) tokens[i] = i;
-  auto chain = ChainHashes(kNs, tokens, 16);
-  std::vector<RouterCommand> cmds;
-  ASSERT_TRUE(core_.Hello(FromWire(Worker("w1")), &cmds).ok());
+// A snapshot holding `chain`, its last chunk.
+v1::SourceMessage SnapshotOf(const std::vector<BlockHash>& chain) {
   v1::SourceMessage snap;
   snap.mutable_snapshot()->set_namespace_id(kNs);
   snap.mutable_snapshot()->set_last(true);
@@ -1037,16 +1033,50 @@ TEST_F(RouterCoreTest, TokensAreHashedWithTheNamespaceBlockSize) {
     p->set_hi(h.hi);
     p->set_lo(h.lo);
   }
-  Send("w1", snap);
-  ASSERT_TRUE(core_.Hello(FromWire(Worker("w2")), &cmds).ok());
+  return snap;
+}
+
+// A route by token ids, rooted at `variant`.
+v1::RouteRequest TokenRoute(const std::vector<uint32_t>& tokens, uint64_t variant = 0) {
   v1::RouteRequest req;
   req.set_namespace_id(kNs);
+  req.set_variant(variant);
   for (uint32_t t : tokens) req.mutable_tokens()->add_ids(t);
-  auto r = core_.Route(FromWire(req));
+  return req;
+}
+
+TEST_F(RouterCoreTest, TokensAreHashedWithTheNamespaceBlockSize) {
+  std::vector<uint32_t> tokens(40);
+  for (uint32_t i = 0; i < 40; ++i) tokens[i] = i;
+  std::vector<RouterCommand> cmds;
+  ASSERT_TRUE(core_.Hello(FromWire(Worker("w1")), &cmds).ok());
+  Send("w1", SnapshotOf(ChainHashes(kNs, tokens, 16)));
+  ASSERT_TRUE(core_.Hello(FromWire(Worker("w2")), &cmds).ok());
+  auto r = core_.Route(FromWire(TokenRoute(tokens)));
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(r->worker_id, "w1");
   EXPECT_EQ(r->gpu_blocks, 2u);
   EXPECT_EQ(r->prefill_tokens, 8u);
+}
+
+// A LoRA adapter's (or a salted request's) blocks are rooted at its
+// variant: a gRPC route carrying it matches them, one without does not.
+TEST_F(RouterCoreTest, ATokenRouteMatchesOnlyBlocksOfItsVariant) {
+  std::vector<uint32_t> tokens(40);
+  for (uint32_t i = 0; i < 40; ++i) tokens[i] = i;
+  const uint64_t sql = ChainVariant("sql-adapter", "");
+  std::vector<RouterCommand> cmds;
+  ASSERT_TRUE(core_.Hello(FromWire(Worker("w1")), &cmds).ok());
+  Send("w1", SnapshotOf(ChainHashes(kNs, tokens, 16, sql)));
+  auto plain = core_.Route(FromWire(TokenRoute(tokens)));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->gpu_blocks, 0u);
+  auto adapted = core_.Route(FromWire(TokenRoute(tokens, sql)));
+  ASSERT_TRUE(adapted.ok());
+  EXPECT_EQ(adapted->gpu_blocks, 2u);
+  auto other = core_.Route(FromWire(TokenRoute(tokens, ChainVariant("", "tenant-7"))));
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(other->gpu_blocks, 0u);
 }
 
 TEST_F(RouterCoreTest, BadInputGetsAClearStatusAndChangesNothing) {

@@ -172,12 +172,7 @@ TEST(FrontendGate, AClientThatLeavesTheQueueFreesItsPlace) {
   {
     net::io_context io;
     tcp::socket leaving = Dial(io, fe->port());
-    http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
-    req.set(http::field::host, "127.0.0.1");
-    req.set(http::field::content_type, "application/json");
-    req.body() = kCompletion;
-    req.prepare_payload();
-    http::write(leaving, req);
+    Write(leaving, http::verb::post, "/v1/completions", kCompletion);
     ASSERT_TRUE(WaitFor([&] { return queued_is(1); }));
   }  // closed while it waits
   ASSERT_TRUE(WaitFor([&] { return queued_is(0); })) << "the queue kept a client that left";

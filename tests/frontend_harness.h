@@ -87,8 +87,9 @@ inline Answer Read(tcp::socket& s) {
 // `headers`: more header fields (name, value) to send.
 using Headers = std::vector<std::pair<std::string, std::string>>;
 
-inline Answer Send(tcp::socket& s, http::verb verb, const std::string& target,
-                   const std::string& body, bool keep_alive = true, const Headers& headers = {}) {
+// Writes a request (a JSON body, when one is given) and reads nothing.
+inline void Write(tcp::socket& s, http::verb verb, const std::string& target,
+                  const std::string& body, bool keep_alive = true, const Headers& headers = {}) {
   http::request<http::string_body> req{verb, target, 11};
   req.set(http::field::host, "127.0.0.1");
   for (const auto& [name, value] : headers) req.set(name, value);
@@ -97,6 +98,11 @@ inline Answer Send(tcp::socket& s, http::verb verb, const std::string& target,
   req.keep_alive(keep_alive);
   req.prepare_payload();
   http::write(s, req);
+}
+
+inline Answer Send(tcp::socket& s, http::verb verb, const std::string& target,
+                   const std::string& body, bool keep_alive = true, const Headers& headers = {}) {
+  Write(s, verb, target, body, keep_alive, headers);
   return Read(s);
 }
 

@@ -138,12 +138,7 @@ TEST(FrontendLimits, ALargePromptBeingTokenizedHoldsNoStream) {
   auto fe = StartFrontend({&e0}, o);
   net::io_context io;
   tcp::socket s = Dial(io, fe->port());
-  http::request<http::string_body> req{http::verb::post, "/v1/completions", 11};
-  req.set(http::field::host, "x");
-  req.set(http::field::content_type, "application/json");
-  req.body() = kStreamed;
-  req.prepare_payload();
-  http::write(s, req);
+  Write(s, http::verb::post, "/v1/completions", kStreamed);
   // Each read's arrival: the stream's events, timed.
   std::vector<std::chrono::steady_clock::time_point> reads;
   std::atomic<size_t> read_count{0};

@@ -1,5 +1,6 @@
 // The frontend's flags: --engines-dns parsed, and the options checked as
 // a whole before anything starts (frontend/server.h).
+#include <algorithm>
 #include <map>
 #include <set>
 #include <string>
@@ -130,6 +131,20 @@ absl::Status ParseExtraModels(absl::string_view text, FrontendOptions* options) 
   return absl::OkStatus();
 }
 
+uint64_t FrontendOptions::FirstNamespace() const {
+  auto claimed = [this](uint64_t ns) {
+    return std::any_of(extra_models.begin(), extra_models.end(),
+                       [ns](const ExtraModel& m) { return m.namespace_id == ns; });
+  };
+  for (const auto& e : engines) {
+    if (!claimed(e.namespace_id)) return e.namespace_id;
+  }
+  for (const auto& d : dns) {
+    if (!claimed(d.spec.namespace_id)) return d.spec.namespace_id;
+  }
+  return 0;
+}
+
 absl::Status FrontendOptions::Validate() const {
   if (served_model.empty()) return absl::InvalidArgumentError("--served-model-name is required");
   // Every name a request may send (models and adapters) means one model.
@@ -209,7 +224,7 @@ absl::Status FrontendOptions::Validate() const {
   }
   // The first model's engines: those of the namespace no extra model
   // claims (one namespace); each model's engines share a block size.
-  const router::VllmSourceSpec* first = nullptr;
+  const uint64_t first = FirstNamespace();
   std::map<uint64_t, uint32_t> block_tokens_of;
   for (const auto& [name, e] : all) {
     auto [it, fresh] = block_tokens_of.try_emplace(e->namespace_id, e->block_tokens);
@@ -218,14 +233,13 @@ absl::Status FrontendOptions::Validate() const {
           "engine ", name, ": the engines of one model (namespace) have one block-tokens"));
     }
     if (claimed.count(e->namespace_id)) continue;
-    if (first != nullptr && e->namespace_id != first->namespace_id) {
+    if (e->namespace_id != first) {
       return absl::InvalidArgumentError(absl::StrCat(
           "engine ", name, ": its namespace is neither ", served_model,
           "'s (the other engines') nor an --extra-models one: every engine serves one model"));
     }
-    first = e;
   }
-  if (first == nullptr) {
+  if (first == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "no engine serves ", served_model, " (every engine's namespace is an --extra-models one)"));
   }

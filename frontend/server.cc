@@ -35,9 +35,10 @@ namespace kvtier::frontend {
 // GCC 12 destroys some temporaries of a co_await's full-expression twice:
 // every argument of a coroutine call here is a named local.
 Task<bool> Frontend::Impl::ReplyJson(Stream& client, unsigned status, std::string body,
-                                     bool keep_alive) {
+                                     bool keep_alive, uint64_t retry_after_s) {
   http::response<http::string_body> res{static_cast<http::status>(status), 11};
   res.set(http::field::content_type, "application/json");
+  if (retry_after_s > 0) res.set(http::field::retry_after, std::to_string(retry_after_s));
   res.body() = std::move(body);
   const bool again = co_await Reply(client, res, keep_alive);
   co_return again;
@@ -46,11 +47,9 @@ Task<bool> Frontend::Impl::ReplyJson(Stream& client, unsigned status, std::strin
 Task<bool> Frontend::Impl::ReplyError(Stream& client, std::string endpoint, ApiError e,
                                       bool keep_alive, uint64_t retry_after_s) {
   counters.Request(endpoint, e.status);
-  http::response<http::string_body> res{static_cast<http::status>(e.status), 11};
-  res.set(http::field::content_type, "application/json");
-  if (retry_after_s > 0) res.set(http::field::retry_after, std::to_string(retry_after_s));
-  res.body() = ErrorBody(e);
-  const bool again = co_await Reply(client, res, keep_alive);
+  std::string body = ErrorBody(e);
+  const bool again =
+      co_await ReplyJson(client, e.status, std::move(body), keep_alive, retry_after_s);
   co_return again;
 }
 
@@ -243,19 +242,8 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
   auto router = router::EmbeddedRouter::Start(o.router, o.router_listen);
   if (!router.ok()) return router.status();
   impl->router = std::move(*router);
-  // The first model's namespace: its engines' (those no extra model claims).
-  uint64_t first_namespace = 0;
-  std::vector<const router::VllmSourceSpec*> specs;
-  for (const auto& e : o.engines) specs.push_back(&e);
-  for (const auto& d : o.dns) specs.push_back(&d.spec);
-  for (const router::VllmSourceSpec* e : specs) {
-    const bool claimed =
-        std::any_of(o.extra_models.begin(), o.extra_models.end(),
-                    [&](const auto& m) { return m.namespace_id == e->namespace_id; });
-    if (!claimed) first_namespace = e->namespace_id;
-  }
   impl->models.push_back(ServedModel{o.served_model, o.lora_adapters, impl->text.get(),
-                                     o.max_model_len, first_namespace});
+                                     o.max_model_len, o.FirstNamespace()});
   for (const auto& m : o.extra_models) {
     auto t = TextModel::Open(m.dir);
     if (!t.ok()) {

@@ -160,6 +160,9 @@ struct FrontendOptions {
 
   // INVALID_ARGUMENT naming the first field out of range.
   absl::Status Validate() const;
+  // The namespace of served_model's engines: the one no extra model
+  // claims (0: none; Validate refuses that).
+  uint64_t FirstNamespace() const;
 };
 
 // --extra-models: models separated by ';', each "name=NAME,model=DIR,

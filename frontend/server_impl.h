@@ -112,7 +112,9 @@ struct Frontend::Impl {
     co_return !ec && keep_alive;
   }
 
-  Task<bool> ReplyJson(Stream& client, unsigned status, std::string body, bool keep_alive);
+  // `retry_after_s` > 0: with that Retry-After.
+  Task<bool> ReplyJson(Stream& client, unsigned status, std::string body, bool keep_alive,
+                       uint64_t retry_after_s = 0);
   // `retry_after_s` > 0: with that Retry-After.
   Task<bool> ReplyError(Stream& client, std::string endpoint, ApiError e, bool keep_alive,
                         uint64_t retry_after_s = 0);

@@ -33,17 +33,12 @@ Task<> Frontend::Impl::Session(Socket socket) {
                                                            : 0;
     Reserved body_bytes(&body_bytes_in_flight, std::min(length, options.max_body_bytes));
     if (!ec && !body_bytes.ok(options.max_body_bytes_in_flight)) {
-      counters.Request("other", 503);
       ApiError busy{503, "service_unavailable",
                     absl::StrCat("the frontend holds its most request bodies in flight (",
                                  options.max_body_bytes_in_flight, " bytes); try again"),
                     "", ""};
-      std::string body = ErrorBody(busy);
-      http::response<http::string_body> res{http::status::service_unavailable, 11};
-      res.set(http::field::content_type, "application/json");
-      res.set(http::field::retry_after, "1");
-      res.body() = std::move(body);
-      co_await Reply(client, res, false);
+      std::string other = "other";
+      co_await ReplyError(client, std::move(other), std::move(busy), false, 1);
       unread = true;
       break;
     }
@@ -173,15 +168,12 @@ Task<> Frontend::Impl::Linger(Stream& client) {
 Task<> Frontend::Impl::Refuse(Socket socket) {
   Held open(&refusing);
   Stream client(std::move(socket));
-  counters.Request("other", 503);
-  http::response<http::string_body> res{http::status::service_unavailable, 11};
-  res.set(http::field::content_type, "application/json");
-  res.set(http::field::retry_after, "1");
-  res.body() = ErrorBody(ApiError{503, "service_unavailable",
-                                  absl::StrCat("the frontend holds its most connections (",
-                                               options.max_connections, "); try again"),
-                                  "", ""});
-  co_await Reply(client, res, false);
+  ApiError busy{503, "service_unavailable",
+                absl::StrCat("the frontend holds its most connections (", options.max_connections,
+                             "); try again"),
+                "", ""};
+  std::string other = "other";
+  co_await ReplyError(client, std::move(other), std::move(busy), false, 1);
   co_await Linger(client);
 }
 

@@ -384,6 +384,22 @@ int main(int argc, char** argv) {
   service.DetachDataPlane();  // no call may reach the service once the data plane goes
   dataplane.reset();
   sockets.reset();
+  if (f.persist_on_stop_ms > 0) {  // no request reaches the store any more
+    const auto started = std::chrono::steady_clock::now();
+    auto p = (*store)->PersistRam(started + std::chrono::milliseconds(f.persist_on_stop_ms));
+    kvtier::Log(
+        "store",
+        absl::StrCat("kept the RAM tier on NVMe for a restart: ", p.written, " blocks written, ",
+                     p.already, " there already, ", p.left, " left (",
+                     p.error.ok()
+                         ? "--persist-on-stop=" + std::to_string(f.persist_on_stop_ms) + "ms"
+                         : std::string(p.error.message()),
+                     "), in ",
+                     std::chrono::duration_cast<std::chrono::milliseconds>(
+                         std::chrono::steady_clock::now() - started)
+                         .count(),
+                     " ms"));
+  }
   if (router_sink) router_sink->SetFetchFigures(nullptr);  // before the store goes
   store->reset();                                          // drains the write-back queue
   kvtier::Log("store", "stopped");

@@ -281,6 +281,33 @@ void RamTier::Unpin(const BlockKey& key, const Slot& slot) {
   if (--e.pins == 0 && e.doomed) FreeSlotLocked(s, slot.offset);
 }
 
+std::vector<BlockKey> RamTier::ReadyKeys() const {
+  std::vector<BlockKey> keys;
+  for (const auto& s : shards_) {
+    std::lock_guard lk(s->mu);
+    std::vector<std::pair<uint64_t, BlockKey>> ready;
+    for (const auto& [offset, e] : s->entries) {
+      if (e.ready && !e.doomed) ready.emplace_back(e.last_access, e.key);
+    }
+    std::sort(ready.begin(), ready.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (auto& r : ready) keys.push_back(r.second);
+  }
+  return keys;
+}
+
+bool RamTier::CopyOut(const BlockKey& key, std::string* bytes, uint64_t* checksum) const {
+  Shard& s = ShardFor(key);
+  std::lock_guard lk(s.mu);
+  auto it = s.index.find(key);
+  if (it == s.index.end()) return false;
+  const Entry& e = s.entries.at(it->second);
+  if (!e.ready || e.doomed) return false;
+  bytes->assign(reinterpret_cast<const char*>(arena_->at(it->second)), e.length);
+  *checksum = e.checksum;
+  return true;
+}
+
 Placement RamTier::InsertCopy(const BlockKey& key, const uint8_t* data, uint64_t length,
                               uint64_t checksum, bool pin, bool from_lower_tier, Slot* slot) {
   Placement p = Reserve(key, length, 0, slot);

@@ -95,6 +95,12 @@ class RamTier : public Tier {
 
   // Copies data into a new READY slot (promotion from disk, inline put);
   // pinned once when pin is true. Counts a promotion when from_lower_tier.
+  // The READY blocks now, least recently used first within each shard.
+  std::vector<BlockKey> ReadyKeys() const;
+  // Copies a READY block out under its shard's lock, counting no hit;
+  // false if it is gone or not READY.
+  bool CopyOut(const BlockKey& key, std::string* bytes, uint64_t* checksum) const;
+
   Placement InsertCopy(const BlockKey& key, const uint8_t* data, uint64_t length, uint64_t checksum,
                        bool pin, bool from_lower_tier, Slot* slot);
 

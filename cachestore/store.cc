@@ -79,6 +79,31 @@ Store::~Store() {
   feed_.reset();
 }
 
+Store::Persisted Store::PersistRam(std::chrono::steady_clock::time_point deadline) {
+  Persisted p;
+  disk_->WaitIdle();
+  const std::vector<BlockKey> keys = ram_->ReadyKeys();
+  std::string bytes;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (!p.error.ok() || std::chrono::steady_clock::now() >= deadline) {
+      p.left = keys.size() - i;
+      break;
+    }
+    uint64_t checksum = 0;
+    if (disk_->Contains(keys[i])) {
+      ++p.already;
+    } else if (ram_->CopyOut(keys[i], &bytes, &checksum)) {
+      p.error = disk_->Write(keys[i], reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
+                             checksum);
+      if (p.error.ok())
+        ++p.written;
+      else
+        ++p.left;
+    }
+  }
+  return p;
+}
+
 absl::StatusOr<NamespaceInfo> Store::RegisterNamespace(const NamespaceSpec& spec,
                                                        uint64_t expected_id, const Tenant* tenant) {
   return namespaces_->Register(spec, expected_id, ram_->max_block_bytes(), tenant);

@@ -123,6 +123,20 @@ class Store {
   static absl::StatusOr<std::unique_ptr<Store>> Open(const StoreOptions& options);
   ~Store();
 
+  // What PersistRam did.
+  struct Persisted {
+    uint64_t written = 0;  // RAM blocks written to NVMe
+    uint64_t already = 0;  // on NVMe already
+    uint64_t left = 0;     // not written: the deadline passed or a write failed
+    absl::Status error;    // the write that stopped it, if one did
+  };
+  // Writes every RAM block not yet on NVMe to NVMe (least recently used
+  // first within each RAM shard, so the disk tier's eviction keeps the
+  // newest), after draining the write-back queue, until `deadline`. For a
+  // stop (kvtier-store --persist-on-stop): a restart then finds the RAM
+  // tier on NVMe. Call it once no request can reach the store.
+  Persisted PersistRam(std::chrono::steady_clock::time_point deadline);
+
   // See NamespaceRegistry::Register.
   absl::StatusOr<NamespaceInfo> RegisterNamespace(const NamespaceSpec& spec, uint64_t expected_id,
                                                   const Tenant* tenant = nullptr);

@@ -41,6 +41,9 @@ StoreFlags ParseStoreFlags(int argc, char** argv) {
                "NVMe only for what the mode makes durable (docs/reliability.md)");
   flags.DurationMs("disk-sync-interval", &f.disk_sync_interval_ms,
                    "The group fsync period of --disk-sync=group (e.g. 10ms; at most 10s)");
+  flags.DurationMs("persist-on-stop", &f.persist_on_stop_ms,
+                   "On SIGTERM, once serving stopped: write the RAM tier's blocks not yet on NVMe "
+                   "to NVMe for at most this long, so a restart keeps them (0: off)");
   flags.Bool("hugepages", &f.hugepages, "Back the RAM arena with 2 MiB hugepages when reserved");
   flags.Bool("local-shm", &f.local_shm,
              "Let data-plane clients on this host, running as this user, map the RAM arena and "

@@ -23,6 +23,7 @@ struct StoreFlags {
   uint64_t disk_reserve_bytes = 64ull << 20;
   std::string disk_admission = "all";
   std::string disk_sync = "none";
+  uint64_t persist_on_stop_ms = 0;
   uint64_t disk_sync_interval_ms = kvtier::limits::kDiskSyncIntervalMs;
   bool hugepages = true;
   bool local_shm = true;

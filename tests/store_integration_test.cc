@@ -42,6 +42,10 @@ class StoreProcess {
   }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
   testing::Process& proc() { return *proc_; }
+  std::string Log() const {
+    std::ifstream in(data_dir_ + ".log");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
 
  private:
   std::string data_dir_;
@@ -221,6 +225,57 @@ TEST(StoreIntegration, RestartAfterKillRecoversTheNvmeTier) {
     EXPECT_EQ((*got)[i].tier, v1::TIER_DISK);
     EXPECT_EQ((*got)[i].data, data[i]) << i;
   }
+}
+
+TEST(StoreIntegration, AStoreStoppedWithPersistOnStopComesBackWithItsRamTierOnNvme) {
+  // RAM holds all 40 blocks; nothing was evicted, so nothing is on NVMe
+  // until the stop writes it there.
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=8MiB", "--persist-on-stop=20s"});
+  uint64_t ns_id;
+  auto data = Data(0, 40);
+  {
+    StoreClient c(store.address());
+    auto ns = c.RegisterNamespace(Spec());
+    ns_id = ns->id;
+    ASSERT_TRUE(c.PutInline(ns->id, Blocks(data, 0)).ok());
+    auto stats = c.GetStats();
+    ASSERT_EQ(stats->tiers(0).items(), 40u) << stats->DebugString();
+    ASSERT_EQ(stats->tiers(1).items(), 0u) << stats->DebugString();
+  }
+  store.proc().Kill(SIGTERM);
+  ASSERT_EQ(store.proc().Wait(std::chrono::seconds(30)), 0) << store.Log();
+  EXPECT_NE(store.Log().find("40 blocks written, 0 there already, 0 left"), std::string::npos)
+      << store.Log();
+  store.Start();
+  StoreClient c(store.address());
+  auto stats = c.GetStats();
+  EXPECT_EQ(stats->tiers(0).items(), 0u) << stats->DebugString();
+  EXPECT_EQ(stats->tiers(1).items(), 40u) << stats->DebugString();
+  auto got = c.GetInline(ns_id, Chain(0, 40));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), 40u);
+  for (size_t i = 0; i < 40; ++i) {
+    EXPECT_EQ((*got)[i].tier, v1::TIER_DISK);
+    EXPECT_EQ((*got)[i].data, data[i]) << i;
+  }
+}
+
+TEST(StoreIntegration, AStoreStoppedWithoutPersistOnStopLosesItsRamTier) {
+  testing::TempDir dir;
+  StoreProcess store(dir.sub("db"), {"--ram-bytes=8MiB"});
+  {
+    StoreClient c(store.address());
+    auto ns = c.RegisterNamespace(Spec());
+    ASSERT_TRUE(c.PutInline(ns->id, Blocks(Data(0, 40), 0)).ok());
+  }
+  store.proc().Kill(SIGTERM);
+  ASSERT_EQ(store.proc().Wait(std::chrono::seconds(30)), 0) << store.Log();
+  store.Start();
+  StoreClient c(store.address());
+  auto stats = c.GetStats();
+  EXPECT_EQ(stats->tiers(0).items(), 0u) << stats->DebugString();
+  EXPECT_EQ(stats->tiers(1).items(), 0u) << stats->DebugString();
 }
 
 TEST(StoreIntegration, LeaseExpiresOverTheWire) {

@@ -212,6 +212,31 @@ TEST_F(StoreTest, ExpiredPutLeaseIsReclaimedAndItsCommitRefused) {
 
 // Per namespace: blocks per tier as they arrive, demote and leave, and how
 // many blocks its gets asked for and were served; other namespaces apart.
+TEST_F(StoreTest, PersistRamWritesWhatNvmeLacksAndStopsAtItsDeadline) {
+  Open(1 << 20);                                   // 16 blocks of RAM
+  for (uint64_t n = 0; n < 20; ++n) PutInline(n);  // 4 demoted
+  store_->disk().WaitIdle();
+  ASSERT_EQ(store_->Stats().disk.items, 4u);
+  // A deadline already past writes nothing and says what it left.
+  auto none = store_->PersistRam(std::chrono::steady_clock::now());
+  EXPECT_EQ(none.written + none.already, 0u);
+  EXPECT_EQ(none.left, 16u);
+  EXPECT_EQ(store_->Stats().disk.items, 4u);
+  auto all = store_->PersistRam(std::chrono::steady_clock::now() + std::chrono::seconds(30));
+  EXPECT_TRUE(all.error.ok()) << all.error;
+  EXPECT_EQ(all.written, 16u);
+  EXPECT_EQ(all.left, 0u);
+  EXPECT_EQ(store_->Stats().disk.items, 20u);
+  // Written once: a second pass finds every block there already.
+  auto again = store_->PersistRam(std::chrono::steady_clock::now() + std::chrono::seconds(30));
+  EXPECT_EQ(again.written, 0u);
+  EXPECT_EQ(again.already, 16u);
+  // The RAM copies stay and serve; the NVMe copies are byte-exact.
+  for (uint64_t n = 4; n < 20; ++n) EXPECT_EQ(GetAndCheck(n), TierKind::kRam) << n;
+  Open(1 << 20);
+  for (uint64_t n = 0; n < 20; ++n) EXPECT_EQ(GetAndCheck(n), TierKind::kDisk) << n;
+}
+
 TEST_F(StoreTest, UsageCountsEachNamespacesBlocksPerTierAndItsHits) {
   Open(1 << 20);  // 16 blocks of RAM
   auto other = store_->RegisterNamespace(

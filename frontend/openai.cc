@@ -4,9 +4,11 @@
 #include <cmath>
 #include <set>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "common/block_key.h"
 
 namespace kvtier::frontend {
@@ -368,6 +370,23 @@ size_t SseEventsEnd(std::string_view s) {
   if (lf != std::string_view::npos) end = lf + 2;
   if (crlf != std::string_view::npos) end = std::max(end, crlf + 4);
   return end;
+}
+
+bool FailsBeforeItsFirstToken(std::string_view events) {
+  for (absl::string_view line :
+       absl::StrSplit(absl::string_view(events.data(), events.size()), '\n')) {
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line.front() == ':') continue;
+    if (!absl::ConsumePrefix(&line, "data:")) return false;
+    const json event =
+        json::parse(std::string(absl::StripLeadingAsciiWhitespace(line)), nullptr, false);
+    if (!event.is_object() || !event.contains("error") || !event["error"].is_object()) {
+      return false;
+    }
+    const json& code = event["error"].value("code", json());
+    return code.is_number_integer() && code.get<int64_t>() >= 500;
+  }
+  return false;
 }
 
 VllmLoad ParseVllmMetrics(absl::string_view text) {

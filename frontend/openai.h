@@ -144,6 +144,12 @@ std::string DecodeBody(const Prepared& p, const nlohmann::json& params);
 // whole. A stream is forwarded up to there; the rest waits for its end.
 size_t SseEventsEnd(std::string_view s);
 
+// Whether a piece of an SSE stream that no token of came before opens
+// with the engine's own failure: vLLM's `data: {"error": {..., "code":
+// 5xx}}`, sent in place of the first token when its engine core died
+// (comments before it skipped). A client's error (4xx) is not one.
+bool FailsBeforeItsFirstToken(std::string_view events);
+
 // GET /v1/models: the model this frontend serves and its LoRA adapters
 // (each with the model as its parent, as vLLM lists them).
 std::string ModelsBody(const std::string& served_model, uint64_t created_unix,

@@ -264,6 +264,12 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       if (rec || parser->is_done() || carry.size() > kMaxEventBytes) from_carry = carry.size();
       got = std::string_view(carry).substr(0, from_carry);
     }
+    if (!committed && events && FailsBeforeItsFirstToken(got)) {
+      // The engine failed before the first token (its core died): nothing
+      // of it reached the client, and another engine may answer.
+      fleet_.AnswerFailed(e, "failed before its first token");
+      co_return Tried::kRetry;  // the connection is dropped with `up`
+    }
     if (!got.empty()) {
       // vLLM sends a stream's header at once, its first event with the
       // first token: until then the prompt waits in its prefill queue (a

@@ -256,6 +256,24 @@ TEST(OpenAi, AnAdapterOrACacheSaltRootsTheRequestsChain) {
 
 // A stream is forwarded up to its last whole event: a piece cut after
 // "data:" keeps that event back until its end comes.
+TEST(OpenAi, AStreamOpeningWithAnEnginesOwnErrorFailsBeforeItsFirstToken) {
+  // vLLM's event when its engine core died before the first token.
+  const std::string died =
+      "data: {\"error\": {\"message\": \"EngineCore encountered an issue.\", "
+      "\"type\": \"InternalServerError\", \"param\": null, \"code\": 500}}\n\n"
+      "data: [DONE]\n\n";
+  EXPECT_TRUE(FailsBeforeItsFirstToken(died));
+  EXPECT_TRUE(FailsBeforeItsFirstToken(": keep-alive\n\n" + died));
+  // A client's error is the client's answer; a token is an answer.
+  EXPECT_FALSE(
+      FailsBeforeItsFirstToken("data: {\"error\": {\"message\": \"bad\", \"code\": 400}}\n\n"));
+  EXPECT_FALSE(FailsBeforeItsFirstToken(
+      "data: {\"id\": \"cmpl-1\", \"choices\": [{\"text\": \"Hi\"}]}\n\n" + died));
+  EXPECT_FALSE(FailsBeforeItsFirstToken("data: {\"error\": \"text\"}\n\n"));
+  EXPECT_FALSE(FailsBeforeItsFirstToken("data: [DONE]\n\n"));
+  EXPECT_FALSE(FailsBeforeItsFirstToken(""));
+}
+
 TEST(OpenAi, SseEventsEndIsJustPastTheLastBlankLine) {
   EXPECT_EQ(SseEventsEnd(""), 0u);
   EXPECT_EQ(SseEventsEnd("data: {\"a\":1}"), 0u);

@@ -273,6 +273,10 @@ def check_tls(values, schema):
         args = [a.replace("/etc/kvtier/tls", certs) for a in c["args"]]
         rc, out = check_config(binary, args)
         check(rc == 0, "%s rejects the rendered TLS arguments: %s" % (binary, out))
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        check(env.get("KVTIER_TLS_CA") == "/etc/kvtier/tls/ca.crt" and
+              env.get("KVTIER_TLS_KEY") == "/etc/kvtier/tls/tls.key",
+              "kvctl in a %s pod speaks TLS: %s" % (binary, env))
         if binary.endswith("store"):
             check("--admin-identity=kvctl-admin" in c["args"], "store gets --admin-identity")
             check("tls=mutual" in out, "store reports mutual TLS: %s" % out)
@@ -1064,6 +1068,23 @@ def main():
     check("--router=kv-router-headless:%d" % values["router"]["grpcPort"] in store_args and
           "--router-refresh=5s" in store_args,
           "store publishes to every router replica: %s" % store_args)
+    # kvctl run with kubectl exec in a store or router pod reaches every
+    # shard and the router.
+    for obj in (sts, dep):
+        env = {e["name"]: e.get("value") for e in obj["spec"]["template"]["spec"]["containers"][0]["env"]}
+        check(env.get("KVTIER_STORE") == "kv-store-0.kv-store-headless:7400,kv-store-1.kv-store-headless:7400"
+              and env.get("KVTIER_ROUTER") == "kv-router:%d" % values["router"]["grpcPort"],
+              "kvctl in a %s pod points at every shard and the router: %s" % (obj["kind"], env))
+    # The RAM tier goes to NVMe on SIGTERM within what the grace period
+    # leaves after preStop and gRPC's shutdown (120 - 5 - 5).
+    check("--persist-on-stop=110s" in store_args,
+          "the store keeps its RAM tier on NVMe across a restart: %s" % store_args)
+    off = copy.deepcopy(values)
+    off["store"]["persistOnStop"] = False
+    off_args = find(objects(render(off)), "StatefulSet", "-store")["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    check(not any(a.startswith("--persist-on-stop") for a in off_args),
+          "store.persistOnStop=false leaves the RAM tier to die with the process")
     check("--data-plane=socket" in store_args,
           "the store's data plane is the socket one unless the values say ucx: %s" % store_args)
     svc_ports = {p["name"]: p["port"] for p in headless["spec"]["ports"]}

@@ -123,6 +123,22 @@ capabilities:
 {{- end }}
 {{- end }}
 {{- end -}}
+{{- /* Environment that points kvctl, run in a store or router pod with
+kubectl exec, at every shard and the router (and their TLS files). */ -}}
+{{- define "kvtier.kvctlEnv" -}}
+- name: KVTIER_STORE
+  value: {{ include "kvtier.storeAddresses" . | quote }}
+- name: KVTIER_ROUTER
+  value: "{{ include "kvtier.routerService" . }}:{{ .Values.router.grpcPort }}"
+{{- if .Values.tls.enabled }}
+- name: KVTIER_TLS_CA
+  value: /etc/kvtier/tls/ca.crt
+- name: KVTIER_TLS_CERT
+  value: /etc/kvtier/tls/tls.crt
+- name: KVTIER_TLS_KEY
+  value: /etc/kvtier/tls/tls.key
+{{- end }}
+{{- end -}}
 {{- define "kvtier.tlsVolumeMount" -}}
 {{- if .Values.tls.enabled }}
 - name: tls

@@ -85,6 +85,23 @@ class Cluster:
         """An object (or list) as JSON."""
         return json.loads(self.kubectl("get", *args, "-o", "json"))
 
+    def pods(self, component: str) -> list[dict[str, Any]]:
+        """The release's pods of a component (store, router, frontend,
+        engine), those being deleted included."""
+        return list(self.get("pods", "-l", "app.kubernetes.io/instance=" + RELEASE +
+                             ",app.kubernetes.io/component=" + component)["items"])
+
+    def ready(self, component: str) -> list[dict[str, Any]]:
+        """The component's pods that are ready and not being deleted."""
+        return [p for p in self.pods(component)
+                if not p["metadata"].get("deletionTimestamp") and
+                any(c["type"] == "Ready" and c["status"] == "True"
+                    for c in p["status"].get("conditions", []))]  # fmt: skip
+
+    def exec(self, pod: str, *command: str) -> str:
+        """A command's output in a pod (kubectl exec)."""
+        return self.kubectl("exec", pod, "--", *command)
+
     def service_url(self, name: str, port: str = "http") -> str:
         """http://CLUSTER-IP:PORT of a Service (reachable from the host
         through kube-proxy's rules: outside every pod)."""

@@ -13,6 +13,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/config.h"
+#include "common/log.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // as in server.cc
@@ -60,6 +62,71 @@ absl::StatusOr<ApiKeys> ApiKeys::Parse(std::string_view text, uint64_t default_t
     return absl::InvalidArgumentError("--api-keys-file lists no key (every request would be 401)");
   }
   return keys;
+}
+
+absl::StatusOr<std::unique_ptr<KeyFile>> KeyFile::Open(const std::string& path,
+                                                       uint64_t default_tpm, uint64_t interval_ms) {
+  std::unique_ptr<KeyFile> f(new KeyFile(path, default_tpm));
+  if (auto first = f->Reload(); !first.ok()) return first.status();
+  f->reloads_ = 0;
+  if (interval_ms > 0) {
+    KeyFile* self = f.get();
+    f->reader_ = std::thread([self, interval_ms] {
+      std::unique_lock lk(self->mu_);
+      while (!self->stop_cv_.wait_for(lk, std::chrono::milliseconds(interval_ms),
+                                      [self] { return self->stop_; })) {
+        lk.unlock();
+        auto changed = self->Reload();
+        if (!changed.ok()) {
+          Log("frontend", changed.status().message(), "; the last keys stay");
+        } else if (*changed) {
+          Log("frontend", "--api-keys-file read again: ", self->keys()->size(), " keys");
+        }
+        lk.lock();
+      }
+    });
+  }
+  return f;
+}
+
+KeyFile::~KeyFile() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  stop_cv_.notify_all();
+  if (reader_.joinable()) reader_.join();
+}
+
+std::shared_ptr<const ApiKeys> KeyFile::keys() const {
+  std::lock_guard lk(mu_);
+  return keys_;
+}
+
+absl::StatusOr<bool> KeyFile::Reload() {
+  auto text = ReadTextFile(path_);
+  {
+    std::lock_guard lk(mu_);
+    // Unchanged, or the same text that failed last time (logged then).
+    if (text.ok() && keys_ && (*text == text_ || *text == bad_text_)) return false;
+  }
+  if (!text.ok()) {
+    failures_++;
+    return text.status();
+  }
+  auto parsed = ApiKeys::Parse(*text, tpm_);
+  if (!parsed.ok()) {
+    failures_++;
+    std::lock_guard lk(mu_);
+    bad_text_ = std::move(*text);
+    return parsed.status();
+  }
+  auto keys = std::make_shared<const ApiKeys>(std::move(*parsed));
+  std::lock_guard lk(mu_);
+  keys_ = std::move(keys);
+  text_ = std::move(*text);
+  reloads_++;
+  return true;
 }
 
 const ApiKeys::Key* ApiKeys::Find(std::string_view authorization) const {

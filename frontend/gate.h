@@ -5,6 +5,8 @@
 // Retry-After). docs/frontend.md, "Keys, rates and the queue".
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -14,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -46,6 +49,40 @@ class ApiKeys {
 
  private:
   std::unordered_map<std::string, Key> keys_;  // by digest
+};
+
+// The API keys file, read again every `interval_ms` in a thread of its
+// own (a Kubernetes Secret mounted as a volume changes in place): a text
+// that reads and parses replaces the keys at once; one that does not
+// keeps the last good keys and is logged. Thread-safe.
+class KeyFile {
+ public:
+  // The file's keys now, or its error (ApiKeys::Parse's, or the read's).
+  static absl::StatusOr<std::unique_ptr<KeyFile>> Open(const std::string& path,
+                                                       uint64_t default_tpm, uint64_t interval_ms);
+  ~KeyFile();
+
+  // The keys now; they stay valid while held.
+  std::shared_ptr<const ApiKeys> keys() const;
+  // Reads the file now: true when its text changed and parsed (the keys
+  // replaced), false when unchanged; the error when it does not read or
+  // parse (the keys kept).
+  absl::StatusOr<bool> Reload();
+  uint64_t reloads() const { return reloads_.load(); }
+  uint64_t failures() const { return failures_.load(); }
+
+ private:
+  KeyFile(std::string path, uint64_t default_tpm) : path_(std::move(path)), tpm_(default_tpm) {}
+
+  const std::string path_;
+  const uint64_t tpm_;
+  mutable std::mutex mu_;
+  std::shared_ptr<const ApiKeys> keys_;
+  std::string text_, bad_text_;  // the keys' text; the last one refused
+  std::atomic<uint64_t> reloads_{0}, failures_{0};
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::thread reader_;
 };
 
 // Each key's tokens per minute as a bucket that holds a minute's tokens

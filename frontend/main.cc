@@ -112,6 +112,9 @@ int main(int argc, char** argv) {
                "ask every API request for a key (Authorization: Bearer KEY): one a line, "
                "SHA256 NAME [TOKENS_PER_MINUTE] (a Kubernetes Secret mounted as a file; "
                "empty: no key asked)");
+  flags.DurationMs("api-keys-reload-interval", &o.api_keys_reload_ms,
+                   "read --api-keys-file again this often (a Kubernetes Secret changes in "
+                   "place); a file that no longer parses keeps the last keys, logged (0: never)");
   int64_t key_tpm = 0, max_concurrent = 0, queue_size = static_cast<int64_t>(o.queue_size),
           breaker_errors = static_cast<int64_t>(o.breaker_errors);
   flags.Int("key-tokens-per-minute", &key_tpm, 0, int64_t{1} << 40,

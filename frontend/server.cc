@@ -89,7 +89,7 @@ Task<bool> Frontend::Impl::Proxy(Stream& client, const Incoming& in, const std::
     co_return again;
   }
   const Prepared& p = prep.prepared;
-  if (in.key != nullptr) {
+  if (in.key.has_value()) {
     const uint64_t tokens = p.prompt_tokens + p.max_new_tokens;
     if (auto wait = rates.Take(in.key->name, in.key->tokens_per_minute, tokens, NowMs())) {
       ApiError over = OverTokenRate(*in.key, tokens, *wait);
@@ -255,11 +255,9 @@ absl::StatusOr<std::unique_ptr<Frontend>> Frontend::Start(FrontendOptions option
                                        m.max_model_len, m.namespace_id});
   }
   if (!o.api_keys_file.empty()) {
-    auto text = ReadTextFile(o.api_keys_file);
-    if (!text.ok()) return text.status();
-    auto keys = ApiKeys::Parse(*text, o.key_tokens_per_minute);
+    auto keys = KeyFile::Open(o.api_keys_file, o.key_tokens_per_minute, o.api_keys_reload_ms);
     if (!keys.ok()) return keys.status();
-    impl->keys.emplace(std::move(*keys));
+    impl->keys = std::move(*keys);
   }
   impl->admission =
       std::make_shared<Admission>(o.max_concurrent_requests, o.queue_size, o.queue_timeout_ms);

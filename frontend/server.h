@@ -60,6 +60,8 @@ struct FrontendOptions {
   std::string api_keys_file;
   // Each key's tokens per minute where its line sets none (0: no limit).
   uint64_t key_tokens_per_minute = 0;
+  // How often the file is read again (a rotated Secret); 0: at start only.
+  uint64_t api_keys_reload_ms = 10000;
   // Requests served at once (0: no cap); past it up to queue_size more
   // wait up to queue_timeout_ms for a turn, then are answered 429.
   uint64_t max_concurrent_requests = 0;

@@ -43,7 +43,7 @@ struct Frontend::Impl {
   static constexpr size_t kInlineBody = 16 << 10;
   std::unique_ptr<router::EmbeddedRouter> router;
   std::unique_ptr<DeletionCostUpdater> deletion_costs;  // --deletion-cost-selector
-  std::optional<ApiKeys> keys;                          // --api-keys-file
+  std::unique_ptr<KeyFile> keys;                        // --api-keys-file
   TokenRates rates;
   std::shared_ptr<Admission> admission;  // --max-concurrent-requests
   Counters counters;
@@ -122,9 +122,9 @@ struct Frontend::Impl {
   struct Incoming {
     Endpoint endpoint = Endpoint::kCompletions;
     std::string path;
-    std::string name;                   // its endpoint in metrics
-    std::string session_id;             // the client's x-session-id ("" for none)
-    const ApiKeys::Key* key = nullptr;  // the key it presented (--api-keys-file)
+    std::string name;                 // its endpoint in metrics
+    std::string session_id;           // the client's x-session-id ("" for none)
+    std::optional<ApiKeys::Key> key;  // the key it presented (--api-keys-file)
     Clock::time_point arrived;
     bool keep_alive = true;
   };

@@ -75,12 +75,13 @@ Task<> Frontend::Impl::Session(Socket socket) {
     const bool pass = IsPassThrough(path);
     // With --api-keys-file every API path asks for a key; /health and
     // /metrics (an operator's, best on --metrics-listen) do not.
-    const ApiKeys::Key* key = nullptr;
+    std::optional<ApiKeys::Key> key;
     const bool api = completion || pass || path == "/v1/models";
-    if (api && keys.has_value()) {
+    if (api && keys) {
       const std::string auth(req[http::field::authorization]);
-      key = keys->Find(auth);
-      if (key == nullptr) {
+      const std::shared_ptr<const ApiKeys> now = keys->keys();  // the file read last
+      if (const ApiKeys::Key* k = now->Find(auth)) key = *k;
+      if (!key) {
         ApiError who = KeyRequired(!auth.empty());
         std::string other = "unauthorized";
         again = co_await ReplyError(client, std::move(other), std::move(who), keep);

@@ -67,6 +67,66 @@ TEST(FrontendGate, AKeyFileThatListsAKeyItselfIsRefused) {
   EXPECT_EQ(keys->Find("sk-alice"), nullptr);  // not a bearer token
 }
 
+// A rotated Secret: the file changes in place and the frontend reads it
+// again within --api-keys-reload-interval; a file that no longer parses
+// keeps the keys it had.
+TEST(FrontendGate, ARotatedKeyFileTakesEffectAndABrokenOneKeepsTheLastKeys) {
+  FakeEngine e0(FakeEngine::Mode::kWhole);
+  FrontendOptions o;
+  o.api_keys_file = KeyFile({{"sk-alice", "alice"}});
+  o.api_keys_reload_ms = 50;
+  auto fe = StartFrontend({&e0}, o);
+  auto status = [&](const std::string& key) {
+    return Post(fe->port(), kCompletion, "/v1/completions", Bearer(key)).status;
+  };
+  ASSERT_EQ(status("sk-alice"), 200);
+  ASSERT_EQ(status("sk-bob"), 401);
+  {
+    std::ofstream out(o.api_keys_file + ".new");
+    out << ApiKeys::Digest("sk-bob") << " bob\n";
+  }
+  ASSERT_EQ(std::rename((o.api_keys_file + ".new").c_str(), o.api_keys_file.c_str()), 0);
+  ASSERT_TRUE(WaitFor([&] { return status("sk-bob") == 200; }, std::chrono::seconds(10)));
+  EXPECT_EQ(status("sk-alice"), 401);
+  {
+    std::ofstream out(o.api_keys_file);
+    out << "sk-carol carol\n";  // a key itself: refused, as at start
+  }
+  // The broken file is read (and refused) within a few intervals: bob's
+  // key goes on working through them.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+  while (std::chrono::steady_clock::now() < until) ASSERT_EQ(status("sk-bob"), 200);
+  EXPECT_EQ(status("sk-carol"), 401);
+}
+
+TEST(FrontendGate, AKeyFileReloadsOnlyWhatChangedAndCountsWhatItRefused) {
+  const std::string path = KeyFile({{"sk-alice", "alice"}});
+  auto f = KeyFile::Open(path, 0, 0);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_NE((*f)->keys()->Find("Bearer sk-alice"), nullptr);
+  auto same = (*f)->Reload();
+  ASSERT_TRUE(same.ok());
+  EXPECT_FALSE(*same);
+  std::ofstream(path) << "not a digest\n";
+  auto bad = (*f)->Reload();
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("line 1"), std::string::npos) << bad.status();
+  EXPECT_EQ((*f)->failures(), 1u);
+  EXPECT_NE((*f)->keys()->Find("Bearer sk-alice"), nullptr);
+  std::ofstream(path) << ApiKeys::Digest("sk-bob") << " bob 600\n";
+  auto changed = (*f)->Reload();
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  EXPECT_TRUE(*changed);
+  EXPECT_EQ((*f)->reloads(), 1u);
+  EXPECT_EQ((*f)->keys()->Find("Bearer sk-alice"), nullptr);
+  ASSERT_NE((*f)->keys()->Find("Bearer sk-bob"), nullptr);
+  EXPECT_EQ((*f)->keys()->Find("Bearer sk-bob")->tokens_per_minute, 600u);
+  std::remove(path.c_str());
+  EXPECT_FALSE((*f)->Reload().ok());  // gone: the keys stay
+  EXPECT_NE((*f)->keys()->Find("Bearer sk-bob"), nullptr);
+  EXPECT_FALSE(KeyFile::Open(path, 0, 0).ok());
+}
+
 // A key's bucket holds a minute's tokens: a request takes its prompt and
 // max_tokens; one the bucket cannot hold now is 429 with Retry-After, one
 // larger than a minute's is 429 saying so.

@@ -130,11 +130,6 @@ std::shared_ptr<grpc::Channel> OpenChannel(const std::string& address,
                                            const ChannelSecurity& security,
                                            grpc::ChannelArguments args) {
   PrepareGrpcProcess();
-  // A peer that restarts under the same name (a Kubernetes pod: same DNS
-  // name, new address) is found again within a second of failing: gRPC
-  // re-resolves a name only this often, 30 s by default, and meanwhile
-  // dials the address that is gone.
-  args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 1000);
   if (!security.tls()) {
     return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   }

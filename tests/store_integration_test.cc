@@ -73,6 +73,18 @@ std::vector<BlockHash> Chain(uint64_t first, uint64_t count) {
   return h;
 }
 
+// The namespace's first data.size() blocks, read inline: each served from
+// NVMe and byte-exact.
+void ExpectServedFromDisk(StoreClient& c, uint64_t ns, const std::vector<std::string>& data) {
+  auto got = c.GetInline(ns, Chain(0, data.size()));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->size(), data.size());
+  for (size_t i = 0; i < data.size(); ++i) {
+    EXPECT_EQ((*got)[i].tier, v1::TIER_DISK) << i;
+    EXPECT_EQ((*got)[i].data, data[i]) << i;
+  }
+}
+
 void WaitForDemotions(StoreClient& c) {
   for (int i = 0; i < 500; ++i) {
     auto s = c.GetStats();
@@ -218,13 +230,7 @@ TEST(StoreIntegration, RestartAfterKillRecoversTheNvmeTier) {
     fprintf(stderr, "%d:%zu ", i, t->size());
   }
   ASSERT_EQ(tiers->size(), 24u);  // the 24 demoted blocks; RAM's 16 are gone
-  auto got = c.GetInline(ns_id, Chain(0, 24));
-  ASSERT_TRUE(got.ok());
-  ASSERT_EQ(got->size(), 24u);
-  for (size_t i = 0; i < 24; ++i) {
-    EXPECT_EQ((*got)[i].tier, v1::TIER_DISK);
-    EXPECT_EQ((*got)[i].data, data[i]) << i;
-  }
+  ExpectServedFromDisk(c, ns_id, {data.begin(), data.begin() + 24});
 }
 
 TEST(StoreIntegration, AStoreStoppedWithPersistOnStopComesBackWithItsRamTierOnNvme) {
@@ -252,13 +258,7 @@ TEST(StoreIntegration, AStoreStoppedWithPersistOnStopComesBackWithItsRamTierOnNv
   auto stats = c.GetStats();
   EXPECT_EQ(stats->tiers(0).items(), 0u) << stats->DebugString();
   EXPECT_EQ(stats->tiers(1).items(), 40u) << stats->DebugString();
-  auto got = c.GetInline(ns_id, Chain(0, 40));
-  ASSERT_TRUE(got.ok()) << got.status();
-  ASSERT_EQ(got->size(), 40u);
-  for (size_t i = 0; i < 40; ++i) {
-    EXPECT_EQ((*got)[i].tier, v1::TIER_DISK);
-    EXPECT_EQ((*got)[i].data, data[i]) << i;
-  }
+  ExpectServedFromDisk(c, ns_id, data);
 }
 
 TEST(StoreIntegration, AStoreStoppedWithoutPersistOnStopLosesItsRamTier) {

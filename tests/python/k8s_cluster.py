@@ -53,8 +53,10 @@ class Cluster:
                              str(self.bin), *map(str, sorted(images.glob("*.tar")))],
                             capture_output=True, text=True)  # fmt: skip
         if up.returncode != 0:
-            logs = "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
-                           for p in sorted((self.state / "logs").glob("*.log")))
+            logs = "".join(
+                f"\n--- {p.name}\n{p.read_text(errors='replace')[-1500:]}"
+                for p in sorted((self.state / "logs").glob("*.log"))
+            )
             raise AssertionError(f"the cluster did not start: {up.stderr}{logs}")
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 120) -> str:
@@ -88,8 +90,16 @@ class Cluster:
     def pods(self, component: str) -> list[dict[str, Any]]:
         """The release's pods of a component (store, router, frontend,
         engine), those being deleted included."""
-        return list(self.get("pods", "-l", "app.kubernetes.io/instance=" + RELEASE +
-                             ",app.kubernetes.io/component=" + component)["items"])
+        return list(
+            self.get(
+                "pods",
+                "-l",
+                "app.kubernetes.io/instance="
+                + RELEASE
+                + ",app.kubernetes.io/component="
+                + component,
+            )["items"]
+        )
 
     def ready(self, component: str) -> list[dict[str, Any]]:
         """The component's pods that are ready and not being deleted."""
@@ -108,6 +118,12 @@ class Cluster:
         svc = self.get("service", name)
         number = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == port)
         return f"http://{svc['spec']['clusterIP']}:{number}"
+
+    def upgrade(self, *sets: str) -> None:
+        """helm upgrade of the release with its values and `sets` (each a
+        --set or --set-string pair of arguments), waiting for the rollout."""
+        self.helm("upgrade", RELEASE, str(ROOT / "helm" / "kvtier"), "--reuse-values",
+                  *sets, "--wait", "--timeout", "5m")  # fmt: skip
 
     def down(self) -> None:
         """Tears the cluster down and restores the host (cluster.sh down)."""
@@ -177,5 +193,3 @@ def engine_mounts(tmp: Path) -> Path:
     path = tmp / "values-mounts.json"
     path.write_text(json.dumps(values))
     return path
-
-

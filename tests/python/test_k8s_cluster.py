@@ -27,6 +27,7 @@ import random
 import threading
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -110,9 +111,7 @@ def test_every_pod_serves_its_metrics(installed: Cluster) -> None:
 
 
 def test_the_frontend_service_answers_the_openai_package(installed: Cluster) -> None:
-    url = installed.service_url(f"{RELEASE}-frontend")
-    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0,
-                           timeout=120)  # fmt: skip
+    client = frontend_client(installed)
 
     def answers() -> bool:
         try:
@@ -147,9 +146,7 @@ def test_a_conversations_second_turn_stays_on_its_engine(installed: Cluster) -> 
     """Routed by the engines' own KV events, as outside a cluster: the
     second turn of a conversation goes where its first turn's blocks are
     (the frontend's x-kvtier-route header, on with --route-header here)."""
-    url = installed.service_url(f"{RELEASE}-frontend")
-    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0,
-                           timeout=120)  # fmt: skip
+    client = frontend_client(installed)
     turns = [{"role": "system", "content": "You are the cache tier's historian. " * 24},
              {"role": "user", "content": "When did it start?"}]  # fmt: skip
     first = client.chat.completions.with_raw_response.create(
@@ -183,6 +180,13 @@ def token_prompt(blocks: int) -> list[int]:
     (token ids inside the tiny tokenizer's vocabulary)."""
     rng = random.Random(next(SEEDS))
     return [rng.randrange(100, 4000) for _ in range(blocks * 32)]
+
+
+def frontend_client(c: Cluster, timeout: float = 120) -> Any:
+    """An openai client of the frontend Service (its cluster address)."""
+    url = c.service_url(f"{RELEASE}-frontend")
+    return openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0,
+                         timeout=timeout)  # fmt: skip
 
 
 def engine_client(address: str) -> Any:
@@ -219,12 +223,7 @@ def test_a_deleted_store_pod_comes_back_warm_from_its_volume(
     where it wrote its RAM tier on SIGTERM (--persist-on-stop), and an
     engine that never saw a prompt loads >= 90 % of it from NVMe; kvctl,
     run in a store pod, then shows both tiers holding its blocks."""
-    front = openai.OpenAI(
-        base_url=installed.service_url(f"{RELEASE}-frontend") + "/v1",
-        api_key="-",
-        max_retries=0,
-        timeout=120,
-    )
+    front = frontend_client(installed)
     before = wait_until(lambda: store_items(installed), "kvctl stats in kv-store-0", 60)
     prompt = token_prompt(63)
     raw = front.completions.with_raw_response.create(
@@ -302,9 +301,8 @@ class Load:
             t.start()
 
     def _run(self, url: str, i: int) -> None:
-        client = openai.OpenAI(
-            base_url=url + "/v1", api_key="-", max_retries=0, timeout=60
-        )
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0,
+                               timeout=60)  # fmt: skip
         n = 0
         while not self._stop.is_set():
             n += 1
@@ -329,6 +327,11 @@ class Load:
             except openai.APIError as e:
                 with self._lock:
                     self.errors.append(f"{type(e).__name__}: {e}")
+
+    def more(self, n: int, what: str) -> None:
+        """Waits until `n` more requests than now have completed."""
+        seen = self.ok
+        wait_until(lambda: self.ok > seen + n, what)
 
     def stop(self) -> None:
         """Stops the threads once each request in flight ended."""
@@ -377,10 +380,7 @@ def test_the_router_pod_deleted_fails_no_request_and_routing_resumes(
             60,
         )
         assert sources["kv-store-0"] >= held, (held, sources)
-        seen = load.ok
-        wait_until(
-            lambda: load.ok > seen + 2, "requests completing after the router came back"
-        )
+        load.more(2, "requests completing after the router came back")
     finally:
         load.stop()
     assert not load.errors, load.errors[:5]
@@ -399,17 +399,8 @@ def test_a_helm_upgrade_that_restarts_the_frontend_loses_no_request(
     load = Load(installed.service_url(f"{RELEASE}-frontend"), max_tokens=160)
     try:
         wait_until(lambda: load.ok >= 2, "the load running", 60)
-        installed.helm(
-            "upgrade",
-            RELEASE,
-            str(Path(__file__).resolve().parents[2] / "helm" / "kvtier"),
-            "--reuse-values",
-            "--set-string",
-            f"frontend.podAnnotations.kvtier-test/rollout={time.time_ns()}",
-            "--wait",
-            "--timeout",
-            "5m",
-        )
+        rollout = f"frontend.podAnnotations.kvtier-test/rollout={time.time_ns()}"
+        installed.upgrade("--set-string", rollout)
         wait_until(
             lambda: not any(
                 p["metadata"]["name"] == old for p in installed.pods("frontend")
@@ -417,10 +408,7 @@ def test_a_helm_upgrade_that_restarts_the_frontend_loses_no_request(
             "the old frontend pod gone",
             60,
         )
-        seen = load.ok
-        wait_until(
-            lambda: load.ok > seen + 2, "requests completing on the new frontend"
-        )
+        load.more(2, "requests completing on the new frontend")
     finally:
         load.stop()
     assert not load.errors, load.errors[:5]
@@ -442,17 +430,7 @@ def deletion_cost(pod: dict[str, Any]) -> int:
 
 def scale_engines(c: Cluster, replicas: int) -> None:
     """helm upgrade with engine.replicas, waiting for the rollout."""
-    c.helm(
-        "upgrade",
-        RELEASE,
-        str(Path(__file__).resolve().parents[2] / "helm" / "kvtier"),
-        "--reuse-values",
-        "--set",
-        f"engine.replicas={replicas}",
-        "--wait",
-        "--timeout",
-        "5m",
-    )
+    c.upgrade("--set", f"engine.replicas={replicas}")
 
 
 def test_scaling_engines_down_removes_the_one_holding_less_sole_kv(
@@ -507,21 +485,34 @@ def test_scaling_engines_down_removes_the_one_holding_less_sole_kv(
     name = pods[leave]["metadata"]["name"]
     grace = int(pods[leave]["spec"]["terminationGracePeriodSeconds"])
     load = Load(installed.service_url(f"{RELEASE}-frontend"))
+    # The API server stamps a deleted pod with the time its grace period
+    # ends (deletionTimestamp, whole seconds): gone before it, its preStop
+    # and its drain ended on their own, not by the kubelet's SIGKILL.
+    deadline = time.time() + grace
     try:
-        started = time.monotonic()
         scale_engines(installed, 1)
-        wait_until(
-            lambda: not any(
-                p["metadata"]["name"] == name for p in installed.pods("engine")
-            ),
-            "the leaving engine's pod gone",
-            grace + 30,
-        )
-        took = time.monotonic() - started
+
+        def gone() -> bool:
+            nonlocal deadline
+            for p in installed.pods("engine"):
+                if p["metadata"]["name"] != name:
+                    continue
+                stamp = p["metadata"].get("deletionTimestamp")
+                if stamp:
+                    deadline = datetime.fromisoformat(
+                        stamp.replace("Z", "+00:00")
+                    ).timestamp()
+                return False
+            return True
+
+        wait_until(gone, "the leaving engine's pod gone", grace + 30)
+        gone_at = time.time()
     finally:
         load.stop()
     assert list(engines(installed)) == [keep], (keep, list(engines(installed)))
-    assert took < grace, f"the drain ran {took:.0f} s, past the {grace} s grace period"
+    assert (
+        gone_at < deadline + 1
+    ), f"the pod went {gone_at - deadline:.0f} s past its grace period's end"
     assert not load.errors, load.errors[:5]
     answer = engine_client(keep).completions.create(
         model="tiny", prompt=hot, max_tokens=1
@@ -552,12 +543,7 @@ def test_an_engine_pod_killed_mid_stream_fails_no_request_not_yet_streaming(
     it was sending ends, every request not yet streaming succeeds on the
     other engine (the frontend retries it), and the dead engine leaves the
     frontend's index; the Deployment then brings the fleet back to two."""
-    front = openai.OpenAI(
-        base_url=installed.service_url(f"{RELEASE}-frontend") + "/v1",
-        api_key="-",
-        max_retries=0,
-        timeout=120,
-    )
+    front = frontend_client(installed)
     wait_until(
         lambda: len(frontend_engines(installed)) == 2, "both engines indexed", 60
     )
@@ -590,10 +576,7 @@ def test_an_engine_pod_killed_mid_stream_fails_no_request_not_yet_streaming(
                 "the killed engine leaving the frontend's index",
                 60,
             )
-            seen = load.ok
-            wait_until(
-                lambda: load.ok > seen + 4, "requests completing on the other engine"
-            )
+            load.more(4, "requests completing on the other engine")
         finally:
             load.stop()
     assert not load.errors, load.errors[:5]

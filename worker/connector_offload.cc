@@ -197,7 +197,8 @@ std::vector<KvConnector::Staged> KvConnector::GatherHeld(std::vector<Held> held,
 }
 
 absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
-                                   const std::vector<uint32_t>& pages, bool skip_known) {
+                                   const std::vector<uint32_t>& pages, bool skip_known,
+                                   std::optional<int> wait_ms) {
   auto found = Find(request, /*engine_mode=*/true);
   if (!found.ok()) return found.status();
   Request* r = *found;
@@ -237,11 +238,14 @@ absl::Status KvConnector::SaveFrom(uint64_t request, uint32_t first_block,
   // as vLLM's own save blocks its step until copied).
   const size_t in_place = copier_ && !packed_ ? SaveInPlace(hashes, todo, r->saves) : 0;
   for (size_t i = in_place; i < todo.size(); ++i) {
-    if (!StageForOffload(hashes[i], todo[i], r->saves, options_.data.deadline_ms)) {
+    const int wait = wait_ms ? std::max(*wait_ms, 0) : options_.data.deadline_ms;
+    if (!StageForOffload(hashes[i], todo[i], r->saves, wait)) {
+      std::lock_guard sl(stats_mu_);
+      stats_.offload_no_staging += todo.size() - i;
       return absl::ResourceExhaustedError(
-          absl::StrCat("no staging memory for block ", index[i],
-                       " (the store has taken no offload for a while, or the deadline passed): it "
-                       "and the blocks after it are not saved"));
+          absl::StrCat("no staging memory for block ", index[i], " within ", wait,
+                       " ms (the store is taking offloads slower than they come): it and the ",
+                       todo.size() - i - 1, " blocks after it are not saved"));
     }
   }
   return absl::OkStatus();

@@ -154,14 +154,18 @@ class Connector:
         return int(self._c.wait_for_load(request_id))
 
     def save(self, request_id: int, first_block: int,
-             pages: Sequence[int], skip_known: bool = False) -> None:
+             pages: Sequence[int], skip_known: bool = False,
+             wait_ms: Optional[float] = None) -> None:
         """Queues blocks ``first_block + i`` of the request, computed into
         ``pages[i]``, for the store; their bytes are copied before it
         returns (a save larger than the staging waits for slots as earlier
-        blocks leave for the store). The store takes only the blocks it
-        lacks. ``skip_known``: blocks this process saw stored are not even
-        copied (a hint: the store may have lost them since)."""
-        self._c.save(request_id, first_block, pages, skip_known)
+        blocks leave for the store, at most ``wait_ms`` a block, None: the
+        client's deadline; past it ResourceExhausted, with the blocks before
+        that one queued whole and the rest not saved, counted in
+        ``offload_no_staging``). The store takes only the blocks it lacks.
+        ``skip_known``: blocks this process saw stored are not even copied
+        (a hint: the store may have lost them since)."""
+        self._c.save(request_id, first_block, pages, skip_known, wait_ms)
 
     def wait_for_save(self, request_id: int) -> None:
         """Waits for the request's queued saves; raises the first failure."""

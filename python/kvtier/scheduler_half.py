@@ -72,6 +72,12 @@ class StepMeta:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
+    # Finished requests whose pages the engine holds until their saves are
+    # copied out (key -> the engine's id, reported back when they are).
+    held: dict[int, str] = field(default_factory=dict)
+    # Requests whose pages the engine took back (preempted, or finished
+    # and not held): their saves not yet copied are dropped.
+    released: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -319,21 +325,24 @@ class SchedulerHalf:
         return t.load
 
     def computed(self, request: int, num_computed_tokens: int,
-                 block_pages: list[int]) -> None:
+                 block_pages: list[int]) -> bool:
         """After a step: the request's first ``num_computed_tokens`` tokens
         have KV in ``block_pages`` (its pages in block order); prompt blocks
-        that became full since the last save are saved."""
+        that became full since the last save are saved. True when a save
+        was planned."""
         t = self._reqs.get(request)
         if t is None or self.store is None:
-            return
+            return False
         full = min(num_computed_tokens, t.prompt_tokens) // self.block_tokens
         full = min(full, len(t.hashes), len(block_pages))
-        if full > t.saved_blocks:
-            first = t.saved_blocks
-            self._step.saves.append(SaveSpec(request, t.hashes, first,
-                                             list(block_pages[first:full])))
-            t.saved_blocks = full
-            t.stored_blocks = max(t.stored_blocks, full)
+        if full <= t.saved_blocks:
+            return False
+        first = t.saved_blocks
+        self._step.saves.append(SaveSpec(request, t.hashes, first,
+                                         list(block_pages[first:full])))
+        t.saved_blocks = full
+        t.stored_blocks = max(t.stored_blocks, full)
+        return True
 
     def load_failed(self, request: int, num_computed_tokens: int) -> None:
         """The worker reported the request's load failed and the engine
@@ -347,12 +356,25 @@ class SchedulerHalf:
             t.loadable = 0
             t.answer = None
 
-    def finished(self, request: int) -> None:
-        """The request is done: the worker closes it after this step."""
+    def finished(self, request: int, held: Optional[str] = None) -> bool:
+        """The request is done: the worker closes it after this step.
+        ``held``: the engine's id of the request when the engine keeps its
+        pages until the worker reports its saves copied (ignored, and False
+        returned, for a request not tracked: the worker would have nothing
+        to report)."""
         if self._lookups is not None:
             self._lookups.forget(request)
-        if self._reqs.pop(request, None) is not None:
-            self._step.finished.append(request)
+        if self._reqs.pop(request, None) is None:
+            return False
+        self._step.finished.append(request)
+        if held is not None:
+            self._step.held[request] = held
+        return True
+
+    def released(self, request: int) -> None:
+        """The engine took the request's pages back (a preemption, or a
+        finish it does not hold): saves not yet copied out are dropped."""
+        self._step.released.append(request)
 
     def build_step(self) -> StepMeta:
         """This step's plan; the lookups asked in the step go out, in one

@@ -12,8 +12,11 @@ engine's KV tensors and runs each step's :class:`StepMeta`:
   layer** (:meth:`WorkerHalf.start_load`, :meth:`WorkerHalf.wait_for_layer`;
   the reference engine, which discards the step's output of a request
   whose load then fails);
-- saves (:meth:`WorkerHalf.wait_for_save`: the bytes are copied out of the
-  pages before it returns; the store writes go on in the background);
+- saves, either **behind the step** (:meth:`WorkerHalf.queue_saves`:
+  vLLM's connector; a :class:`kvtier.save_lane.SaveLane` copies the bytes
+  out after the step while the engine keeps the pages) or **on the step**
+  (:meth:`WorkerHalf.wait_for_save`: copied out before it returns; the
+  reference engine); the store writes go on in the background either way;
 - finished requests (closed on a background thread, after their saves).
 
 **Ordered against the engine's stream.** On a GPU the engine launches its
@@ -32,6 +35,7 @@ engine's first use of the pages comes after it.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -42,7 +46,8 @@ import numpy as np
 
 from kvtier.connector import Connector
 from kvtier.errors import KvtierError
-from kvtier.scheduler_half import LoadSpec, StepMeta
+from kvtier.save_lane import SaveLane
+from kvtier.scheduler_half import LoadSpec, SaveSpec, StepMeta
 
 # A load that fails, or loads fewer blocks than its lookup promised, says
 # why in the engine's log (the engine then computes those blocks).
@@ -257,6 +262,24 @@ class WorkerHalf:
                                 self.failed_saves, e)
         for request in step.finished:
             self.finished(request)
+
+    def queue_saves(self, step: StepMeta, lane: SaveLane) -> None:
+        """The step's saves, handed to ``lane`` (copied out after the step;
+        on a GPU after the engine's work launched before this call, the
+        forward that wrote their pages). Returns at once; a save the lane
+        skips costs a future hit, nothing else."""
+        if not step.saves:
+            return
+        fence = self._stream_fence() if self._stream_fence else None
+        for save in step.saves:
+            lane.submit(save.request, len(save.pages),
+                        functools.partial(self._copy_out, save), fence)
+
+    def _copy_out(self, save: SaveSpec, wait_ms: float) -> None:
+        """One save's copy, on the lane's thread."""
+        self._open_request(save.request, save.hashes)
+        self.connector.save(save.request, save.first_block, save.pages,
+                            wait_ms=wait_ms)
 
     def _fail(self, spec: LoadSpec, e: KvtierError) -> None:
         self.failed_loads += 1

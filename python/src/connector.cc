@@ -108,12 +108,21 @@ class EngineConnector {
     py::gil_scoped_release nogil;
     return Unwrap(k.WaitForLoad(request));
   }
-  void Save(uint64_t request, uint32_t first_block, const py::handle& pages, bool skip_known) {
+  void Save(uint64_t request, uint32_t first_block, const py::handle& pages, bool skip_known,
+            std::optional<double> wait_ms) {
     auto p = Uint32sFrom(pages, "pages");
+    std::optional<int> wait;
+    if (wait_ms) {
+      if (!(*wait_ms >= 0 && *wait_ms < 1e9)) {
+        Check(absl::InvalidArgumentError(
+            absl::StrCat("wait_ms must be a number of milliseconds >= 0, not ", *wait_ms)));
+      }
+      wait = static_cast<int>(std::ceil(*wait_ms));
+    }
     auto held = c();
     worker::KvConnector& k = *held;
     py::gil_scoped_release nogil;
-    Check(k.SaveFrom(request, first_block, p, skip_known));
+    Check(k.SaveFrom(request, first_block, p, skip_known, wait));
   }
   void WaitForSave(uint64_t request) {
     auto held = c();
@@ -144,6 +153,7 @@ class EngineConnector {
     d["offloaded_blocks"] = s.offloaded_blocks;
     d["offload_skipped_known"] = s.offload_skipped_known;
     d["offload_dropped_full"] = s.offload_dropped_full;
+    d["offload_no_staging"] = s.offload_no_staging;
     d["offload_failures"] = s.offload_failures;
     d["staging_peak"] = s.staging_peak;
     d["staging_blocks"] = s.staging_blocks;
@@ -242,7 +252,7 @@ void BindEngineConnector(py::module_& m) {
       .def("wait_for_layer", &EngineConnector::WaitForLayer)
       .def("wait_for_load", &EngineConnector::WaitForLoad)
       .def("save", &EngineConnector::Save, py::arg("request"), py::arg("first_block"),
-           py::arg("pages"), py::arg("skip_known") = false)
+           py::arg("pages"), py::arg("skip_known") = false, py::arg("wait_ms") = py::none())
       .def("wait_for_save", &EngineConnector::WaitForSave)
       .def("finished", &EngineConnector::Finished)
       .def("loaded_from_disk", &EngineConnector::LoadedFromDisk)

@@ -49,9 +49,11 @@ class Worker:
         return pickle.loads(bytes.fromhex(line.decode().strip()))
 
     def step(self, meta: Any, compute: list[tuple[int, int]],
-             await_loads: bool = True) -> Any:
+             await_loads: bool = True, await_sent: tuple[str, ...] = (),
+             await_copies: int = 0) -> Any:
         return self.call(op="step", meta=meta, compute=compute,
-                         await_loads=await_loads)
+                         await_loads=await_loads, await_sent=list(await_sent),
+                         await_copies=await_copies)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -85,7 +87,7 @@ def matched(sched: KvtierConnector, req: Any,
 
 
 def run_new(sched: KvtierConnector, w: Worker, rid: str, prompt: list[int],
-            pages: list[int], seeds: dict[int, int]
+            pages: list[int], seeds: dict[int, int], await_copies: int = 0
             ) -> tuple[int, Any, Any]:
     """One request through the hooks as vLLM drives an asynchronous load:
     the lookup; if the store holds blocks, a step that only loads them
@@ -116,7 +118,7 @@ def run_new(sched: KvtierConnector, w: Worker, rid: str, prompt: list[int],
     meta = sched.build_connector_meta(out)
     meta = pickle.loads(pickle.dumps(meta))  # what vLLM ships
     compute = [(pages[b], seeds[b]) for b in range(computed // BS, len(pages))]
-    r = w.step(meta, compute)
+    r = w.step(meta, compute, await_copies=await_copies)
     r["errors"] = sorted(set(r["errors"]) | set(loaded["errors"]))
     r["failures"] = loaded["failures"] + r["failures"]
     return n, r, meta
@@ -133,10 +135,12 @@ def test_two_processes_save_load_and_recompute_a_corrupt_block(
     # A: nothing in the store; its 6 full blocks are saved after the step.
     n, r, _ = run_new(sched, worker, "A", prompt, list(range(0, 7)), seeds)
     assert n == 0 and r["errors"] == []
+    # vLLM keeps A's pages until the worker says its saves were copied out.
     assert sched.request_finished(v.Request("A", prompt), list(range(7))) \
-        == (False, None)
-    # The saves' bytes were copied in wait_for_save; the store writes them
-    # in the background.
+        == (True, None)
+    r = worker.step(sched.build_connector_meta(v.SchedulerOutput()), [],
+                    await_sent=("A",))
+    assert r["sent"] == ["A"], r
     probe = kvtier.StoreClient([store.address])
     ns = sched._scheduler.namespace
     hashes = kvtier.hash_tokens(ns, prompt)
@@ -717,7 +721,7 @@ def test_a_prefill_hands_every_block_to_a_decode_through_the_store(
         "remote_decoder": {"kv_request_id": "kvtier-7"}})
     delay, params = prefill.request_finished(req, list(range(7)))
     ns = prefill._scheduler.namespace
-    assert delay is False
+    assert delay is True  # its pages held until its saves are copied out
     assert params == {"remote_prefiller": {"kv_request_id": "kvtier-7"},
                       "kvtier": {"namespace": f"{ns.id:016x}", "blocks": 6,
                                  "prompt_tokens": 100, "block_tokens": BS}}
@@ -893,3 +897,98 @@ def test_a_prefill_whose_store_is_slow_still_hands_on(store) -> None:
         delay, params = prefill.request_finished(r, list(range(4)))
         assert params is not None and "kvtier" in params, (r.request_id, params)
     assert counted(prefill) == {"sent": 2}
+
+
+def test_saves_are_copied_behind_the_step_and_a_finish_waits_for_them(
+        store, worker) -> None:
+    """Issue #64. The step hands its saves to the connector's save lane
+    and returns: every copy of a block out of the pages runs on the lane's
+    thread and ends after ``wait_for_save`` returned. ``request_finished``
+    asks vLLM to keep the request's pages (``delay_free_blocks``); the next
+    step's plan names it held, the worker reports it in
+    ``finished_sending`` once its copies ended, and the scheduler lets go
+    of it. The blocks reach the store."""
+    sched = KvtierConnector(v.config([store.address]),
+                            KVConnectorRole.SCHEDULER)
+    prompt = np.random.default_rng(41).integers(0, 4096, 100).tolist()
+    n, r, _ = run_new(sched, worker, "A", prompt, list(range(7)),
+                      {b: 700 + b for b in range(7)}, await_copies=1)
+    assert n == 0 and r["errors"] == []
+    assert len(r["copies"]) == 1, r["copies"]
+    for thread, after_step in r["copies"]:
+        assert thread == "kvtier-save", r["copies"]
+        assert after_step >= 0, "a copy ended before the step did"
+    assert sched.request_finished(v.Request("A", prompt), list(range(7))) \
+        == (True, None)
+    meta = sched.build_connector_meta(v.SchedulerOutput())
+    assert list(meta.step.held.values()) == ["A"]
+    r = worker.step(pickle.loads(pickle.dumps(meta)), [], await_sent=("A",))
+    assert r["sent"] == ["A"], r
+    assert sched._held == {"A": 7}
+    sched.update_connector_output(v.KVConnectorOutput(finished_sending={"A"}))
+    assert sched._held == {}
+    ns = sched._scheduler.namespace
+    probe = kvtier.StoreClient([store.address])
+    wait_until(lambda: probe.lookup(ns, kvtier.hash_tokens(ns, prompt)) >= 6,
+               "A's blocks to be stored", timeout=10)
+
+
+def test_a_stalled_store_costs_saves_never_steps_and_pages_come_back(
+        store) -> None:
+    """Issue #64. The store SIGSTOPped, 2 blocks of staging, a 1.5 s save
+    budget and 12 blocks of copy queue: A's step returns at once (its copy
+    waits for staging on the lane, not on the step); B's save, queued
+    behind it, is dropped when vLLM preempts B (``released``, before the
+    next forward); C's 12 blocks are more than the queue takes
+    (``behind``); A's copy gives up within its budget (``store_behind``)
+    and A, finished, is reported sent: its pages come back."""
+    w = Worker([store.address], staging_blocks=2, save_budget_ms=1500,
+               save_queue_blocks=12, deadline_ms=20000)
+    try:
+        sched = KvtierConnector(
+            v.config([store.address], save_budget_ms=1500,
+                     save_queue_blocks=12, staging_blocks=2),
+            KVConnectorRole.SCHEDULER)
+        rng = np.random.default_rng(43)
+        a, b, c = (rng.integers(0, 4096, n).tolist() for n in (100, 100, 200))
+        reqs = {rid: v.Request(rid, p) for rid, p in
+                (("A", a), ("B", b), ("C", c))}
+        pages = {"A": list(range(0, 7)), "B": list(range(7, 14)),
+                 "C": list(range(14, 27))}
+        for rid, req in reqs.items():
+            assert matched(sched, req, 0) == (0, False)
+            sched.update_state_after_alloc(req, v.KVCacheBlocks(pages[rid]),
+                                           0)
+        store.pause()
+        try:
+            out = v.SchedulerOutput(
+                scheduled_new_reqs=[v.NewRequestData(rid, req.prompt_token_ids,
+                                                     (pages[rid],), 0)
+                                    for rid, req in reqs.items()],
+                num_scheduled_tokens={rid: len(req.prompt_token_ids)
+                                      for rid, req in reqs.items()})
+            compute = [(p, 900 + p) for rid in reqs for p in pages[rid]]
+            r = w.step(pickle.loads(pickle.dumps(
+                sched.build_connector_meta(out))), compute)
+            assert r["step_seconds"] < 0.5, r["step_seconds"]
+            assert r["counts"].get("save_skipped_behind") == 12, r["counts"]
+            # The next step preempts B, and A finishes.
+            assert sched.request_finished(reqs["A"], pages["A"]) \
+                == (True, None)
+            meta = sched.build_connector_meta(
+                v.SchedulerOutput(preempted_req_ids={"B"}))
+            r = w.step(pickle.loads(pickle.dumps(meta)), [],
+                       await_sent=("A",))
+            assert r["sent"] == ["A"], r
+            assert r["sent_after"] < 3, r["sent_after"]
+            assert r["step_seconds"] < 0.5, r["step_seconds"]
+            counts = r["counts"]
+            assert counts.get("save_skipped_released") == 6, counts
+            # A's copy: staged whole (the offloader's sends to the stopped
+            # store failed, freeing staging) or given up waiting for it.
+            assert counts.get("saved_blocks", 0) + counts.get(
+                "save_skipped_store_behind", 0) == 6, counts
+        finally:
+            store.resume()
+    finally:
+        w.stop()

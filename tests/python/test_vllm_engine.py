@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -986,8 +987,52 @@ def test_requests_preempted_around_their_loads_answer_as_vllm_alone(
             assert got["preemptions"] > 0, "vLLM preempted nothing"
             assert [o["tokens"] for o in got["outputs"]] == want
             assert got["outputs"][0]["cached"] >= 31 * BLOCK - BLOCK
+            # Issue #64: pages held for saves all came back.
+            assert_pages_back(b.settle())
         finally:
             b.stop()
+    finally:
+        store.stop()
+
+
+def assert_pages_back(settled: dict[str, Any]) -> None:
+    """Every page vLLM kept for kvtier's saves came back: no finished
+    request held, every block but vLLM's null block free."""
+    assert settled["held"] == 0 and settled["connector_held"] == 0, settled
+    assert settled["free_blocks"] == settled["blocks"] - 1, settled
+
+
+def test_pages_held_for_saves_come_back_whether_the_store_keeps_up_or_not(
+        work: Path, reference: dict[int, list[list[int]]]) -> None:
+    """Issue #64. vLLM keeps a finished request's pages until kvtier's
+    saves of them are copied out (``delay_free_blocks``,
+    ``finished_sending``): with the store healthy, the saves are copied
+    behind the step and reach the store, and the pages come back; with
+    the store SIGSTOPped, the saves give up within their budget and the
+    pages come back all the same. Tokens equal vLLM alone's throughout."""
+    store = Store(work, "store-held")
+    try:
+        e = start(work, "engine-held", store.address, deadline_ms=5000,
+                  save_budget_ms=500)
+        try:
+            out = e.generate(prompts(1))["outputs"]
+            assert [o["tokens"] for o in out] == reference[1]
+            healthy = e.settle()
+            assert_pages_back(healthy)
+            assert healthy["saves"]["save_copied_blocks"] >= PREFIX // BLOCK
+            wait_stored(e, store, prompts(1)[0], PREFIX // BLOCK)
+            store.pause()
+            try:
+                out = e.generate(prompts(2))["outputs"]
+                stalled = e.settle()
+            finally:
+                store.resume()
+            assert [o["tokens"] for o in out] == reference[2]
+            assert_pages_back(stalled)
+            print("saves, healthy:", healthy["saves"], "stalled:",
+                  stalled["saves"])
+        finally:
+            e.stop()
     finally:
         store.stop()
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 import kvtier
+from kvtier.save_lane import SaveLane
 from kvtier.scheduler_half import LoadSpec, SaveSpec, StepMeta
 from kvtier.worker_half import WorkerHalf
 from conftest import wait_until
@@ -181,3 +182,101 @@ def test_a_request_finished_before_its_load_began_is_not_loaded(
     half.finished(2)
     half.close()
     assert half._open == set()
+
+
+# ------------------------------------------------------------ the save lane
+
+
+def test_the_save_lane_copies_in_order_and_closes_a_request_after_them(
+        ) -> None:
+    """Copies run on the lane's thread in submission order, with what is
+    left of their budget; a finish's close runs after the request's copies,
+    and only then is its name reported sent (once)."""
+    lane = SaveLane(max_queued_blocks=16, budget_ms=5000)
+    gate = threading.Event()
+    done: list[tuple[str, str]] = []
+
+    def copy(tag: str) -> Callable[[float], None]:
+        def run(wait_ms: float) -> None:
+            gate.wait(10)
+            assert 0 < wait_ms <= 5000
+            done.append((tag, threading.current_thread().name))
+        return run
+
+    try:
+        assert lane.submit(1, 4, copy("a1"))
+        assert lane.submit(2, 4, copy("b"))
+        assert lane.submit(1, 4, copy("a2"))
+        lane.finish(1, lambda: done.append(("close 1", "")), name="req-1")
+        assert lane.sent() == set()  # held: the copies wait on the gate
+        gate.set()
+        assert lane.idle(10)
+        assert [d[0] for d in done] == ["a1", "b", "a2", "close 1"]
+        assert {d[1] for d in done[:3]} == {"kvtier-save"}
+        assert lane.sent() == {"req-1"} and lane.sent() == set()
+        assert lane.take_counts() == {"saved_blocks": 12}
+        assert lane.take_counts() == {}
+    finally:
+        lane.close()
+
+
+def test_the_save_lane_skips_what_it_cannot_copy_in_time_and_counts_it(
+        ) -> None:
+    """Past the queue's blocks a save is skipped (``behind``) and so are
+    the request's later ones (``gap``); a save not started within its
+    budget is dropped (``late``); a copy that raises costs its blocks
+    (``failed``), not the lane."""
+    lane = SaveLane(max_queued_blocks=8, budget_ms=100)
+    gate = threading.Event()
+    try:
+        assert lane.submit(1, 6, lambda _ms: gate.wait(10))
+        assert lane.submit(2, 2, lambda _ms: None)   # waits behind 1: late
+        assert not lane.submit(3, 4, lambda _ms: None)           # behind
+        assert not lane.submit(3, 1, lambda _ms: None)           # gap
+        time.sleep(0.15)  # past request 2's budget while 1 copies
+        gate.set()
+        assert lane.idle(10)
+
+        def broken(_ms: float) -> None:
+            raise RuntimeError("a bug in a copy")
+        assert lane.submit(4, 3, broken)
+        assert lane.submit(5, 1, lambda _ms: None)
+        assert lane.idle(10)
+        assert lane.take_counts() == {
+            "saved_blocks": 7, "save_skipped_behind": 4,
+            "save_skipped_gap": 1, "save_skipped_late": 2,
+            "save_skipped_failed": 3}
+    finally:
+        lane.close()
+
+
+def test_released_pages_get_no_copy_and_the_release_waits_for_a_running_one(
+        ) -> None:
+    """``release`` drops the released requests' queued copies (their
+    close still runs) and returns only once a copy of theirs that was
+    already running has ended: the engine may then write the pages."""
+    lane = SaveLane(max_queued_blocks=16, budget_ms=5000)
+    started, gate = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def slow(_ms: float) -> None:
+        started.set()
+        gate.wait(10)
+        ran.append("running")
+
+    try:
+        assert lane.submit(1, 2, slow)
+        assert lane.submit(1, 3, lambda _ms: ran.append("queued"))
+        lane.finish(1, lambda: ran.append("close"))
+        assert started.wait(10)
+        threading.Timer(0.2, gate.set).start()
+        t = time.monotonic()
+        lane.release({1})
+        assert time.monotonic() - t >= 0.15, "returned while a copy ran"
+        assert ran[0] == "running"
+        assert lane.idle(10)
+        assert ran == ["running", "close"]
+        assert lane.take_counts() == {"saved_blocks": 2,
+                                      "save_skipped_released": 3}
+    finally:
+        lane.close()

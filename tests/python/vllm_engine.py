@@ -59,10 +59,11 @@ TINY_MODEL = os.path.join(ROOT, "tests", "models", "tiny-llama")
 def kv_transfer_config(stores: str, deadline_ms: int = 2000,
                        lookup_wait_ms: float = 0,
                        pin_wait_ms: float = 0,
-                       staging_blocks: int = 0) -> dict[str, Any]:
+                       staging_blocks: int = 0,
+                       save_budget_ms: float = 0) -> dict[str, Any]:
     """kvtier as vLLM's KV connector, exactly as docs/engines.md gives it
-    (``lookup_wait_ms``, ``pin_wait_ms`` and ``staging_blocks`` 0: the
-    connector's defaults)."""
+    (``lookup_wait_ms``, ``pin_wait_ms``, ``staging_blocks`` and
+    ``save_budget_ms`` 0: the connector's defaults)."""
     extra: dict[str, Any] = {"stores": stores, "deadline_ms": deadline_ms}
     if lookup_wait_ms:
         extra["lookup_wait_ms"] = lookup_wait_ms
@@ -70,6 +71,8 @@ def kv_transfer_config(stores: str, deadline_ms: int = 2000,
         extra["pin_wait_ms"] = pin_wait_ms
     if staging_blocks:
         extra["staging_blocks"] = staging_blocks
+    if save_budget_ms:
+        extra["save_budget_ms"] = save_budget_ms
     return {"kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -87,6 +90,8 @@ def main() -> None:
                     help="the connector's pin_wait_ms (0: its default)")
     ap.add_argument("--staging-blocks", type=int, default=0,
                     help="the connector's staging_blocks (0: its default)")
+    ap.add_argument("--save-budget-ms", type=float, default=0,
+                    help="the connector's save_budget_ms (0: its default)")
     ap.add_argument("--kv-events", default="")
     ap.add_argument("--load-format", default="dummy",
                     help="vLLM's load_format (dummy: random weights from "
@@ -129,7 +134,7 @@ def main() -> None:
     if args.stores:
         kw["kv_transfer_config"] = kv_transfer_config(
             args.stores, args.deadline_ms, args.lookup_wait_ms,
-            args.pin_wait_ms, args.staging_blocks)
+            args.pin_wait_ms, args.staging_blocks, args.save_budget_ms)
     if args.num_blocks:
         kw["num_gpu_blocks_override"] = args.num_blocks
     if args.one_process:
@@ -169,6 +174,10 @@ def main() -> None:
             break
         if msg["op"] == "reset_prefix_cache":
             print(json.dumps({"reset": bool(llm.reset_prefix_cache())}),
+                  file=proto, flush=True)
+            continue
+        if msg["op"] == "settle":
+            print(json.dumps(_settle(llm, float(msg.get("timeout_s", 30)))),
                   file=proto, flush=True)
             continue
         if msg["op"] == "abort_during_load":
@@ -288,6 +297,31 @@ def _abort_during_load(llm: Any, msg: dict[str, Any]) -> dict[str, Any]:
         maps[f"worker{i}._open (victim, next)"] = len(mine)
     return {"tokens": tokens, "held": held, "scheduled_at": scheduled_at,
             "resumed_at": resumed_at, "maps": maps}
+
+
+def _settle(llm: Any, timeout_s: float) -> dict[str, Any]:
+    """The ``settle`` op (an in-process engine core, ``--one-process 1``):
+    steps the engine, as vLLM's engine loop does while finished requests
+    still hold pages, until its scheduler holds no request (at most
+    ``timeout_s``). Answers the requests still held, the steps taken, the
+    free and total KV blocks, the connector's held requests and the save
+    counters of the steps taken."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+    deadline = time.monotonic() + timeout_s
+    steps = 0
+    while sched.requests and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        steps += 1
+        time.sleep(0.001)
+    pool = sched.kv_cache_manager.block_pool
+    lane = get_kv_transfer_group()._lane
+    return {"held": len(sched.requests), "steps": steps,
+            "free_blocks": pool.get_num_free_blocks(),
+            "blocks": pool.num_gpu_blocks,
+            "connector_held": len(sched.connector._held),
+            "saves": lane.stats() if lane is not None else {}}
 
 
 def _preemptions(llm: Any) -> int:
@@ -423,6 +457,14 @@ class Engine:
             {"op": "abort_during_load", **fields}).encode() + b"\n")
         self.proc.stdin.flush()
         return self._read(timeout)
+
+    def settle(self, timeout_s: float = 30) -> dict[str, Any]:
+        """The ``settle`` op (:func:`_settle`)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(
+            {"op": "settle", "timeout_s": timeout_s}).encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._read(timeout_s + 60)
 
     def reset_prefix_cache(self) -> bool:
         """Empties vLLM's prefix cache (vLLM's ``reset_prefix_cache``)."""

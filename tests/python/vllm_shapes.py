@@ -123,3 +123,4 @@ class SchedulerOutput:
         default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: Optional[set[str]] = None

@@ -5,7 +5,10 @@ makes the model runner's calls in vLLM's order (bind, wait_for_layer_load /
 forward / save_kv_layer per layer, start_load_kv (asynchronous loads start
 after the forward), wait_for_save, get_finished,
 get_block_ids_with_load_errors, clear), then, as vLLM's steps that schedule
-nothing do, polls get_finished until the step's loads have ended."""
+nothing do, polls get_finished until the step's loads have ended (and the
+requests named in ``await_sent`` are reported sent: their saves copied
+out, and ``await_copies`` saves were copied). Each answer says where and
+when the connector's saves ran."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import json
 import os
 import pickle
 import sys
+import threading
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -44,6 +48,14 @@ def main() -> None:
                                 dtype=torch.float16) for n in names}
     conn = KvtierConnector(cfg, KVConnectorRole.WORKER)
     conn.register_kv_caches(kv_caches)
+    # Where each save's copy ran: (thread name, when it ended).
+    copies: list[tuple[str, float]] = []
+    for w in conn._workers:
+        def traced(*a: object, _save=w.connector.save, **kw: object) -> None:
+            _save(*a, **kw)
+            copies.append((threading.current_thread().name,
+                           time.monotonic()))
+        w.connector.save = traced  # type: ignore[method-assign]
     for line in sys.stdin.buffer:
         msg = pickle.loads(bytes.fromhex(line.decode().strip()))
         if msg["op"] == "stop":
@@ -66,27 +78,40 @@ def main() -> None:
                 conn.save_kv_layer(name, kv_caches[name], None)
             conn.start_load_kv(None)
             conn.wait_for_save()
-            step_seconds = time.monotonic() - t0
+            step_end = time.monotonic()
+            step_seconds = step_end - t0
             if not msg.get("await_loads", True):
                 want = set()
+            want_sent = set(msg.get("await_sent", []))
             finished: set[str] = set()
+            sent: set[str] = set()
             errors: set[int] = set()
             deadline = time.monotonic() + 30
             while True:
-                _, done = conn.get_finished(set(msg.get("finished", [])))
+                out_sent, done = conn.get_finished(
+                    set(msg.get("finished", [])))
                 finished |= done or set()
+                sent |= out_sent or set()
                 errors |= conn.get_block_ids_with_load_errors()
                 conn.clear_connector_metadata()
                 # vLLM's later steps (nothing scheduled) poll the loads.
-                if want <= finished or time.monotonic() > deadline:
+                if (want <= finished and want_sent <= sent and
+                        len(copies) >= msg.get("await_copies", 0)) or \
+                        time.monotonic() > deadline:
                     break
                 time.sleep(0.002)
                 conn.bind_connector_metadata(KvtierConnectorMetadata())
                 conn.start_load_kv(None)
                 conn.wait_for_save()
             failures = list(conn._worker.load_failures) if conn._worker else []
+            stats = conn.get_kv_connector_stats()
             out = {"errors": sorted(errors), "finished": sorted(finished),
-                   "failures": failures, "step_seconds": step_seconds}
+                   "failures": failures, "step_seconds": step_seconds,
+                   "sent": sorted(sent), "sent_after": time.monotonic() -
+                   step_end, "copies": [(name, t - step_end)
+                                        for name, t in copies],
+                   "counts": dict(stats.data) if stats else {}}
+            copies.clear()
         sys.stdout.write(pickle.dumps(out).hex() + "\n")
         sys.stdout.flush()
     conn.shutdown()

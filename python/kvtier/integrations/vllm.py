@@ -30,8 +30,10 @@ WORKER per GPU worker; the two talk only through
 
 docs/engines.md tables the hooks. Loads are asynchronous (looked up in one
 batch per step, moved and verified on loader threads, reported through
-``get_finished``); saves copy the step's filled blocks out in
-``wait_for_save`` and are written behind the step. A hybrid model's KV
+``get_finished``); so are saves: ``wait_for_save`` hands the step's filled
+blocks to a save lane (:mod:`kvtier.save_lane`) that copies them out after
+the step, vLLM keeping a finished request's pages until its copies end
+(``delay_free_blocks``, ``finished_sending``). A hybrid model's KV
 cache groups each have a namespace (:mod:`kvtier.integrations.vllm_groups`).
 """
 
@@ -74,6 +76,9 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         self._load_threads = int(opts["load_threads"])
         self._pin_wait_ms = float(opts["pin_wait_ms"])
         self._lookup_wait_ms = float(opts["lookup_wait_ms"])
+        self._save_queue_blocks = int(opts["save_queue_blocks"])
+        self._save_budget_ms = float(opts["save_budget_ms"])
+        self._lane = None
         self._block_size = int(vllm_config.cache_config.block_size)
         # P/D roles (docs/disaggregation.md): a producer hands every prompt
         # on; a consumer saves nothing and waits on the fences it is given.
@@ -126,6 +131,15 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         self._inflight: dict[bytes, str] = {}
         self._share_loads = bool(getattr(vllm_config.cache_config,
                                          "enable_prefix_caching", False))
+        # Finished requests whose pages vLLM holds for their saves (id ->
+        # blocks), at most save_hold_fraction of the engine's blocks.
+        self._saving: set[str] = set()
+        self._held: dict[str, int] = {}
+        total = (getattr(kc, "num_blocks", None) if kc is not None else
+                 None) or getattr(vllm_config.cache_config, "num_gpu_blocks",
+                                  None)
+        self._hold_cap = (int(float(opts["save_hold_fraction"]) * int(total))
+                          if total else None)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -220,7 +234,10 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' report: loads that ended (their pages are vLLM's
-        to use or to recompute now)."""
+        to use or to recompute now), finished requests whose saves were
+        copied out (vLLM frees their pages now)."""
+        for rid in getattr(connector_output, "finished_sending", None) or ():
+            self._held.pop(rid, None)
         for rid in getattr(connector_output, "finished_recving", None) or ():
             self._loading.discard(rid)
             self._release_inflight(rid)
@@ -240,9 +257,11 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         assert self._scheduler is not None
         n_sched = scheduler_output.num_scheduled_tokens
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            # Preempted: its pages are gone; when it resumes, its computed
-            # tokens restart without that being a failed load.
+            # Preempted: its pages are gone (saves not yet copied out are
+            # dropped before the next forward); when it resumes, its
+            # computed tokens restart without that being a failed load.
             self._planned.pop(rid, None)
+            self._scheduler.released(request_key(rid))
         p, plans = self._primary, self._plans
         for new in scheduler_output.scheduled_new_reqs:
             self._blocks[new.req_id] = list(new.block_ids[p])
@@ -276,16 +295,20 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
             # vLLM rolled the request back (a load error): recompute, resave.
             self._scheduler.load_failed(key, num_computed)
         self._planned[rid] = num_computed + scheduled
-        if self._saves:
-            self._scheduler.computed(key, num_computed + scheduled,
-                                     self._blocks.get(rid, []))
+        if self._saves and self._scheduler.computed(
+                key, num_computed + scheduled, self._blocks.get(rid, [])):
+            self._saving.add(rid)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:
         """Closes the request (on the worker, next step). Its blocks are
-        freed at once, unless a load into them is still running (a request
-        aborted while it waits for its KV): then vLLM frees them when the
-        workers report that load ended. A prefill handed to a decode engine
+        held while saves of theirs are still to be copied out (vLLM frees
+        them when the workers report them sent, within ``save_budget_ms``),
+        unless the blocks held so far reach ``save_hold_fraction`` of the
+        engine's (then they are freed at once and those saves dropped), or
+        while a load into them is still running (a request aborted while it
+        waits for its KV): then vLLM frees them when the workers report
+        that load ended. A prefill handed to a decode engine
         (``kv_producer``, or a prefill request: kvtier.integrations.pd)
         returns the handoff's ``kv_transfer_params``
         (:meth:`Handoffs.params`; the blocks were copied out of the pages
@@ -300,16 +323,25 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
             self._scheduler.store_missed(key),
             self._scheduler.saved_blocks(key),
             len(prompt) if prompt is not None else 0)
-        self._scheduler.finished(key)
+        loading = rid in self._loading
+        hold = (rid in self._saving and not loading and (
+            self._hold_cap is None or
+            sum(self._held.values()) + len(block_ids) <= self._hold_cap))
+        hold = self._scheduler.finished(key, rid if hold else None) and hold
+        if hold:
+            self._held[rid] = len(block_ids)
+        elif rid in self._saving:
+            self._scheduler.released(key)  # freed now: no copy from here on
+        self._saving.discard(rid)
         self._handoffs.forget(rid)
         for d in (self._hashes, self._planned, self._blocks):
             d.pop(rid, None)
         self._computes.discard(rid)
         if self._plans is not None:
             self._plans.forget(rid)
-        if rid not in self._loading:
+        if not loading:
             self._release_inflight(rid)
-        return rid in self._loading, params
+        return loading or hold, params
 
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]

@@ -42,6 +42,16 @@ CONNECTOR_OPTIONS: tuple[Option, ...] = CLIENT_OPTIONS + (
     Option("pin_wait_ms", "number", 1000,
            "how long a load waits for the store to pin its blocks before "
            "vLLM computes them instead", 1, 600000),
+    Option("save_queue_blocks", "int", 512,
+           "blocks waiting to be copied out for saves at most; a save past "
+           "it is skipped", 1, 1 << 24),
+    Option("save_budget_ms", "number", 1000,
+           "how long a save may keep vLLM's pages (queued and copying) "
+           "before it is dropped", 1, 600000),
+    Option("save_hold_fraction", "number", 0.25,
+           "of the engine's KV blocks, the most held for saves after their "
+           "requests finished; past it a finished request's blocks are "
+           "freed at once and its saves not yet copied dropped", 0, 1),
 )
 
 _WHERE = "kv_connector_extra_config"

@@ -207,6 +207,8 @@ NOT_SENT = "vllm:kvtier_handoffs_not_sent_total"
 DECODED = "vllm:kvtier_handoffs_total"
 MISSING = "vllm:kvtier_handoff_computed_blocks_total"
 WAITED = "vllm:kvtier_handoff_wait_seconds_total"
+SAVED = "vllm:kvtier_saved_blocks_total"
+SKIPPED = "vllm:kvtier_save_skipped_blocks_total"
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type]
@@ -217,7 +219,10 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
     ``vllm:kvtier_handoffs_total{outcome}`` (decodes by outcome: loaded,
     partial, computed, invalid, other_namespace),
     ``vllm:kvtier_handoff_computed_blocks_total`` (blocks a fence named
-    that a decode computed) and ``vllm:kvtier_handoff_wait_seconds_total``."""
+    that a decode computed), ``vllm:kvtier_handoff_wait_seconds_total``,
+    ``vllm:kvtier_saved_blocks_total`` (blocks copied out for the store,
+    behind the step) and ``vllm:kvtier_save_skipped_blocks_total{reason}``
+    (blocks not saved: :data:`kvtier.save_lane.SKIP_REASONS`)."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any],
                  labelnames: list[str],
@@ -245,6 +250,17 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
         self._waited: Any = counter(
             name=WAITED, labelnames=self._labelnames,
             documentation="Seconds decode requests waited on fences.")
+        self._saved: Any = counter(
+            name=SAVED, labelnames=self._labelnames,
+            documentation="Blocks copied out of the engine's pages for the "
+            "store, behind the step.")
+        self._skipped: Any = counter(
+            name=SKIPPED, labelnames=self._labelnames + ["reason"],
+            documentation="Blocks computed and not saved, by reason: behind "
+            "(the copies queued were full), late (past save_budget_ms), "
+            "store_behind (no staging in time), released (vLLM took the "
+            "pages back), gap (an earlier block of the request was not "
+            "saved), failed.")
 
     def observe(self, transfer_stats_data: dict[str, Any],
                 engine_idx: int = 0) -> None:
@@ -252,11 +268,14 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
         labels = self.per_engine_labelvalues[engine_idx]
         plain = {"sent": self._sent, "not_sent": self._not_sent,
                  "computed_blocks": self._missing,
-                 "wait_seconds": self._waited}
+                 "wait_seconds": self._waited, "saved_blocks": self._saved}
         for name, value in transfer_stats_data.items():
             if not value:
                 continue
-            if name in OUTCOMES:
+            if name.startswith("save_skipped_"):
+                reason = name[len("save_skipped_"):]
+                self._skipped.labels(*labels, reason).inc(value)
+            elif name in OUTCOMES:
                 self._decoded.labels(*labels, name).inc(value)
             elif name in plain:
                 plain[name].labels(*labels).inc(value)
@@ -270,10 +289,15 @@ class HandoffStatsHooks:
     _handoffs: Handoffs  # set on the scheduler side only
 
     def get_kv_connector_stats(self) -> Optional[KvtierStats]:
-        """The scheduler's handoff counters since the last call (vLLM
-        carries them to its loggers and to ``/metrics``)."""
+        """The scheduler's handoff counters, or a worker's save counters
+        (:meth:`kvtier.save_lane.SaveLane.take_counts`), since the last call
+        (vLLM carries them to its loggers and to ``/metrics``)."""
         handoffs: Optional[Handoffs] = getattr(self, "_handoffs", None)
-        data = handoffs.counts.take() if handoffs is not None else {}
+        data: dict[str, float] = (dict(handoffs.counts.take())
+                                  if handoffs is not None else {})
+        lane = getattr(self, "_lane", None)
+        if lane is not None:
+            data.update(lane.take_counts())
         return KvtierStats(data=data) if data else None
 
     @classmethod

@@ -13,6 +13,7 @@ metadata. Every decision is in kvtier.worker_half.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -23,6 +24,7 @@ from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
                                            KVConnectorMetadata)
 from kvtier.integrations.vllm_groups import GroupLoads
 from kvtier.integrations.vllm_pages import cuda_stream_fence, engine_tensors
+from kvtier.save_lane import SaveLane
 
 log = logging.getLogger("vllm.kvtier")
 
@@ -37,6 +39,11 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     groups: list[StepMeta] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
 
+
+
+def _run_all(calls: list[Any]) -> None:
+    for call in calls:
+        call()
 
 
 class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
@@ -55,6 +62,9 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
     _namespaces: list[Any]
     _group_loads: GroupLoads
     _load_errors: set[int]
+    _lane: Optional[SaveLane]
+    _save_queue_blocks: int
+    _save_budget_ms: float
 
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -83,6 +93,7 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
                      ns.layout or "kvtier's layout", len(tensors),
                      conn.num_pages, ",".join(self._stores))
         self._worker = self._workers[self._primary]
+        self._lane = SaveLane(self._save_queue_blocks, self._save_budget_ms)
 
     def _kv_config(self) -> Any:
         """vLLM's KVCacheConfig when it carries a layout (vLLM 0.26 and
@@ -99,6 +110,15 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
             raise TypeError(f"kvtier's connector got {type(meta).__name__} "
                             "metadata, not its own")
         return meta
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """The step's plan, before its forward: pages vLLM took back since
+        the last step (preempted requests, finishes it did not hold) get
+        no copy from here on; returns once none of theirs runs."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._lane is not None and isinstance(connector_metadata,
+                                                 KvtierConnectorMetadata):
+            self._lane.release(set(connector_metadata.step.released))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Starts this step's loads on the loader threads (pin, move,
@@ -122,24 +142,34 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         """Nothing per layer: whole blocks are saved in wait_for_save."""
 
     def wait_for_save(self) -> None:
-        """This step's saves, in every KV cache group (copied out of the
-        pages before it returns), and closes."""
-        assert self._worker is not None
+        """This step's saves, in every KV cache group, handed to the save
+        lane (copied out after the step; vLLM keeps a finished request's
+        pages until :meth:`get_finished` reports it sent), and its
+        finished requests, closed after their copies. Returns at once."""
+        assert self._worker is not None and self._lane is not None
         meta = self._metadata()
-        for worker, step in zip(self._workers, meta.groups or [meta.step]):
-            worker.wait_for_save(step)
+        steps = meta.groups or [meta.step]
+        for worker, step in zip(self._workers, steps):
+            worker.queue_saves(step, self._lane)
+        for key in meta.step.finished:
+            closes = [functools.partial(w.finished, key)
+                      for w, step in zip(self._workers, steps)
+                      if key in step.finished]
+            self._lane.finish(key, functools.partial(_run_all, closes),
+                              meta.step.held.get(key))
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """Requests whose load ended since the last call (loaded and
-        verified, or failed: their failed pages are reported by
-        :meth:`get_block_ids_with_load_errors` in the same pass). Nothing
-        is sent asynchronously."""
-        if self._worker is None:
+        """Finished requests whose saves were all copied out since the last
+        call (vLLM held their pages for them), and requests whose load
+        ended (loaded and verified, or failed: their failed pages are
+        reported by :meth:`get_block_ids_with_load_errors` in the same
+        pass)."""
+        if self._worker is None or self._lane is None:
             return None, None
         names, failed = self._worker.finished_loads()
         self._load_errors |= failed
-        return None, (names or None)
+        return (self._lane.sent() or None), (names or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM 0.32's report of ended loads. A hybrid model's request has
@@ -154,7 +184,9 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
             for name, failed in worker.ended_loads():
                 self._group_loads.ended(name, bool(failed))
         names, failed_names = self._group_loads.done()
-        return KVConnectorTransferResults(finished_recving=names,
+        sent = self._lane.sent() if self._lane is not None else set()
+        return KVConnectorTransferResults(finished_sending=sent,
+                                          finished_recving=names,
                                           failed_recving=failed_names)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -167,10 +199,13 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         return errors | self._worker.load_error_pages()
 
     def shutdown(self) -> None:
-        """Closes open requests (their saves are written) and the
-        connectors; the scheduler's lookup thread ends."""
+        """Copies out queued saves (within their budget), closes open
+        requests (their saves are written) and the connectors; the
+        scheduler's lookup thread ends."""
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._lane is not None:
+            self._lane.close()
         for worker in self._workers:
             worker.close()
             worker.connector.close()

@@ -173,9 +173,8 @@ class KvConnector {
   // never trusted alone: the store may have restarted or evicted them since),
   // unless skip_known: then blocks this process saw stored are skipped (a
   // drain sweeping the whole cache within a byte budget). INVALID_ARGUMENT for blocks beyond the
-  // chain or a page id out of range; RESOURCE_EXHAUSTED when no staging memory came within
-  // wait_ms (none: the data plane's deadline) for a block: it and the blocks after it are not
-  // saved, those before it are queued whole.
+  // chain or a bad page id; RESOURCE_EXHAUSTED when a block got no staging within wait_ms (none:
+  // the data plane's deadline): it and those after it are not saved, those before are queued.
   absl::Status SaveFrom(uint64_t request, uint32_t first_block, const std::vector<uint32_t>& pages,
                         bool skip_known = false, std::optional<int> wait_ms = std::nullopt);
   // Starts onboarding the blocks Begin found in the store. NOT_FOUND for an

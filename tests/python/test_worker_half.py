@@ -230,10 +230,12 @@ def test_the_save_lane_skips_what_it_cannot_copy_in_time_and_counts_it(
     gate = threading.Event()
     try:
         assert lane.submit(1, 6, lambda _ms: gate.wait(10))
+        queued = time.monotonic()
         assert lane.submit(2, 2, lambda _ms: None)   # waits behind 1: late
         assert not lane.submit(3, 4, lambda _ms: None)           # behind
         assert not lane.submit(3, 1, lambda _ms: None)           # gap
-        time.sleep(0.15)  # past request 2's budget while 1 copies
+        wait_until(lambda: time.monotonic() - queued > 0.15,
+                   "request 2's budget to pass while 1 copies")
         gate.set()
         assert lane.idle(10)
 

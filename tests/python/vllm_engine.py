@@ -314,7 +314,6 @@ def _settle(llm: Any, timeout_s: float) -> dict[str, Any]:
     while sched.requests and time.monotonic() < deadline:
         llm.llm_engine.step()
         steps += 1
-        time.sleep(0.001)
     pool = sched.kv_cache_manager.block_pool
     lane = get_kv_transfer_group()._lane
     return {"held": len(sched.requests), "steps": steps,

@@ -156,7 +156,9 @@ EOF
     --leader-elect=false --bind-address=127.0.0.1
 
   # The kubelet: cgroup v1 with cgroupfs here (failCgroupV1 false keeps
-  # later kubelets running on it too).
+  # later kubelets running on it too). Disk thresholds are absolute: a
+  # percentage of a 252G host disk evicted every pod (CI, with 4G free);
+  # the test's pods write kilobytes. Image GC off: every image is in use.
   cat >"$STATE/kubelet.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -169,9 +171,8 @@ clusterDNS: [$DNS_IP]
 clusterDomain: cluster.local
 failSwapOn: false
 serializeImagePulls: false
-evictionHard: {memory.available: "200Mi", nodefs.available: "2%", imagefs.available: "2%"}
-imageGCHighThresholdPercent: 98
-imageGCLowThresholdPercent: 95
+evictionHard: {memory.available: "200Mi", nodefs.available: "512Mi", imagefs.available: "512Mi"}
+imageGCHighThresholdPercent: 100
 podLogsDir: $STATE/pod-logs
 EOF
   spawn kubelet "$BIN/kubelet" --config="$STATE/kubelet.yaml" --kubeconfig="$KUBECONFIG" \

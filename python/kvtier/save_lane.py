@@ -23,7 +23,9 @@ What the lane never does: make a step wait, or hold pages past a budget.
   of its already running has ended.
 - **Gap**: after one save of a request is skipped, its later saves are
   skipped too (``gap``): blocks past a missing one are never loadable,
-  since loads take a chain's leading blocks.
+  since loads take a chain's leading blocks. A release ends the gap: a
+  preempted request's saves, once it resumes, start again from the
+  blocks its next lookup finds in the store (the scheduler plans them).
 
 Every count is by blocks; :meth:`SaveLane.stats` reads them.
 """
@@ -132,7 +134,9 @@ class SaveLane:
                 else:
                     kept.append(job)
             self._jobs = kept
-            self._gaps |= keys
+            # The scheduler plans a resumed request's saves afresh from
+            # what the store holds: no gap to skip past.
+            self._gaps -= keys
             while self._running in keys:
                 self._cv.wait()
 

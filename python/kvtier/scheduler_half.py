@@ -373,8 +373,15 @@ class SchedulerHalf:
 
     def released(self, request: int) -> None:
         """The engine took the request's pages back (a preemption, or a
-        finish it does not hold): saves not yet copied out are dropped."""
+        finish it does not hold): saves not yet copied out are dropped. A
+        preempted request, when it resumes, is saved again past the
+        leading blocks its next lookup finds in the store (a dropped copy
+        left a hole only the store can tell)."""
         self._step.released.append(request)
+        t = self._reqs.get(request)
+        if t is not None:
+            t.saved_blocks = t.stored_blocks = 0
+            t.answer = None
 
     def build_step(self) -> StepMeta:
         """This step's plan; the lookups asked in the step go out, in one

@@ -941,7 +941,8 @@ def test_a_stalled_store_costs_saves_never_steps_and_pages_come_back(
     behind it, is dropped when vLLM preempts B (``released``, before the
     next forward); C's 12 blocks are more than the queue takes
     (``behind``); A's copy gives up within its budget (``store_behind``)
-    and A, finished, is reported sent: its pages come back."""
+    and A, finished, is reported sent: its pages come back. B, resumed
+    once the store answers again, is copied out whole."""
     w = Worker([store.address], staging_blocks=2, save_budget_ms=1500,
                save_queue_blocks=12, deadline_ms=20000)
     try:
@@ -990,5 +991,21 @@ def test_a_stalled_store_costs_saves_never_steps_and_pages_come_back(
                 "save_skipped_store_behind", 0) == 6, counts
         finally:
             store.resume()
+        # B resumes on new pages: asked afresh, the store holds none of
+        # it, so its 6 blocks are copied out of them (not skipped as a gap
+        # behind the copies its preemption dropped).
+        assert matched(sched, reqs["B"], 0) == (0, False)
+        moved = list(range(30, 37))
+        sched.update_state_after_alloc(reqs["B"], v.KVCacheBlocks(moved), 0)
+        meta = sched.build_connector_meta(v.SchedulerOutput(
+            scheduled_cached_reqs=v.CachedRequestData(
+                req_ids=["B"], resumed_req_ids={"B"},
+                new_block_ids=[(moved,)], num_computed_tokens=[0]),
+            num_scheduled_tokens={"B": 100}))
+        r = w.step(pickle.loads(pickle.dumps(meta)),
+                   [(p, 950 + p) for p in moved], await_copies=1)
+        # (Whether the store then takes them is the client's shard skip:
+        # it probes a shard that failed again within shard_skip_max_ms.)
+        assert r["counts"].get("saved_blocks") == 6, r["counts"]
     finally:
         w.stop()

@@ -57,6 +57,7 @@ class _Job:
     queued: float
     close: bool = False
     name: Optional[str] = None
+    budget_s: Optional[float] = None   # None: the lane's
 
 
 class SaveLane:
@@ -91,11 +92,13 @@ class SaveLane:
         self._thread.start()
 
     def submit(self, key: int, blocks: int, copy: Callable[[float], None],
-               fence: Any = None) -> bool:
+               fence: Any = None, budget_ms: Optional[float] = None) -> bool:
         """Queues ``copy(wait_ms)`` (``wait_ms``: what is left of the
         budget when it starts) for request ``key``'s ``blocks`` blocks,
         after ``fence.synchronize()`` when given (the engine's work that
-        writes the pages). False when skipped (behind, or a gap)."""
+        writes the pages). ``budget_ms``: this save's budget instead of
+        the lane's (a prefill's handoff, which a decode waits that long
+        for). False when skipped (behind, or a gap)."""
         with self._cv:
             if key in self._gaps:
                 self.skipped["gap"] += blocks
@@ -106,7 +109,8 @@ class SaveLane:
                 return False
             self._queued_blocks += blocks
             self._jobs.append(_Job(key, blocks, copy, fence,
-                                   time.monotonic()))
+                                   time.monotonic(), budget_s=None
+                                   if budget_ms is None else budget_ms / 1000))
             self._cv.notify_all()
         return True
 
@@ -225,7 +229,8 @@ class SaveLane:
     def _run_copy(self, job: _Job, gap: bool) -> None:
         reason: Optional[str] = "gap" if gap else None
         start = time.monotonic()
-        left_ms = (self._budget_s - (start - job.queued)) * 1000
+        budget_s = self._budget_s if job.budget_s is None else job.budget_s
+        left_ms = (budget_s - (start - job.queued)) * 1000
         error: Optional[BaseException] = None
         if reason is None and left_ms <= 0:
             reason = "late"
@@ -252,9 +257,11 @@ class SaveLane:
                 return
             self.skipped[reason] += job.blocks
             self._gaps.add(job.key)
-            logged = error is not None and end - self._logged >= 10
+            logged = reason != "gap" and end - self._logged >= 10
             if logged:
                 self._logged = end
         if logged:
-            log.warning("kvtier save of %d blocks not copied (%s): %s",
-                        job.blocks, reason, error)
+            log.warning("kvtier save of %d blocks not copied (%s, %.0f ms "
+                        "after its step): %s", job.blocks, reason,
+                        (start - job.queued) * 1000, error or
+                        "the counters have every skip by reason")

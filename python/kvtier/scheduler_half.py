@@ -63,6 +63,7 @@ class SaveSpec:
     hashes: np.ndarray
     first_block: int
     pages: list[int]
+    budget_ms: Optional[float] = None  # None: the worker's save budget
 
 
 @dataclass
@@ -325,10 +326,12 @@ class SchedulerHalf:
         return t.load
 
     def computed(self, request: int, num_computed_tokens: int,
-                 block_pages: list[int]) -> bool:
+                 block_pages: list[int],
+                 budget_ms: Optional[float] = None) -> bool:
         """After a step: the request's first ``num_computed_tokens`` tokens
         have KV in ``block_pages`` (its pages in block order); prompt blocks
-        that became full since the last save are saved. True when a save
+        that became full since the last save are saved (within
+        ``budget_ms``, else the worker's save budget). True when a save
         was planned."""
         t = self._reqs.get(request)
         if t is None or self.store is None:
@@ -339,7 +342,8 @@ class SchedulerHalf:
             return False
         first = t.saved_blocks
         self._step.saves.append(SaveSpec(request, t.hashes, first,
-                                         list(block_pages[first:full])))
+                                         list(block_pages[first:full]),
+                                         budget_ms))
         t.saved_blocks = full
         t.stored_blocks = max(t.stored_blocks, full)
         return True

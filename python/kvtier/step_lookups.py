@@ -95,14 +95,21 @@ class StepLookups:
                                       budget_ms / 1000.0))
 
     def flush(self) -> None:
-        """Sends every queued lookup as one batch (nothing when none)."""
+        """Sends every queued lookup: one batch, or two when some asks
+        have budgets over twice the shortest (a decode waiting on a
+        handoff), which a batch bounded by the shortest would cut short."""
         with self._lock:
-            batch, self._pending = self._pending, []
-            for a in batch:
+            asks, self._pending = self._pending, []
+            for a in asks:
                 self._out[a.key] = a
-        if batch:
-            self.batches += 1
-            self._pool.submit(self._run, batch)
+        if not asks:
+            return
+        short = 2 * min(a.budget_s for a in asks)
+        for batch in ([a for a in asks if a.budget_s <= short],
+                      [a for a in asks if a.budget_s > short]):
+            if batch:
+                self.batches += 1
+                self._pool.submit(self._run, batch)
 
     def outcome(self, key: int, block: bool = False) -> Optional[Outcome]:
         """The request's outcome once known (then forgotten), or LATE once

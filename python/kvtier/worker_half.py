@@ -273,7 +273,8 @@ class WorkerHalf:
         fence = self._stream_fence() if self._stream_fence else None
         for save in step.saves:
             lane.submit(save.request, len(save.pages),
-                        functools.partial(self._copy_out, save), fence)
+                        functools.partial(self._copy_out, save), fence,
+                        save.budget_ms)
 
     def _copy_out(self, save: SaveSpec, wait_ms: float) -> None:
         """One save's copy, on the lane's thread."""

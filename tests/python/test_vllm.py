@@ -23,6 +23,7 @@ import kvtier
 import vllm_shapes as v
 from kvtier.integrations.vllm import (KvtierConnector, KvtierConnectorMetadata,
                                       KVConnectorRole)
+from kvtier.hooks import request_key
 from kvtier.integrations.pd import producer_params
 
 HERE = Path(__file__).parent
@@ -412,7 +413,8 @@ def test_a_failure_policy_it_cannot_serve_is_refused() -> None:
 def planned_load(sched: KvtierConnector, store: Any, rid: str,
                  pages: list[int]) -> tuple[list[int], Any]:
     """A stored 4-block prompt looked up and given ``pages``: the step's
-    plan, which loads it."""
+    plan, which loads it (AssertionError when the lookup did not offer
+    it)."""
     probe = kvtier.StoreClient([store.address])
     ns = sched._scheduler.namespace
     prompt = np.random.default_rng(hash(rid) % 1000).integers(
@@ -487,9 +489,14 @@ def stalled_store_holds_no_step(store: Any, worker: Worker) -> None:
     assert got["errors"] == [0, 1, 2, 3], got
     deadline = time.monotonic() + 20
     while True:
-        _, meta = planned_load(sched, store, f"back-{time.monotonic()}",
-                               list(range(10, 15)))
-        got = worker.step(pickle.loads(pickle.dumps(meta)), [])
+        # Until the clients probe the stalled shard again (shard skip), a
+        # lookup may offer nothing, or a load fail: both are asked again.
+        try:
+            _, meta = planned_load(sched, store, f"back-{time.monotonic()}",
+                                   list(range(10, 15)))
+            got = worker.step(pickle.loads(pickle.dumps(meta)), [])
+        except AssertionError as e:
+            got = {"errors": [str(e)]}
         if got["errors"] == []:
             break
         assert time.monotonic() < deadline, got
@@ -739,6 +746,34 @@ def test_a_prefill_hands_every_block_to_a_decode_through_the_store(
     assert decode.build_connector_meta(out).step.saves == []
 
 
+def test_a_prefills_saves_get_the_handoff_budget_not_the_save_budget(
+        store) -> None:
+    """A prefill's saves are what its decode waits ``handoff_wait_ms``
+    for: they are planned with that budget (the save lane drops a copy not
+    started within its budget, and a first copy on a busy engine can start
+    past ``save_budget_ms``), an ordinary request's with the worker's."""
+    sched = KvtierConnector(v.config([store.address], handoff_wait_ms=7000),
+                            KVConnectorRole.SCHEDULER)
+    rng = np.random.default_rng(38)
+    reqs = [v.Request("P", rng.integers(0, 4096, 100).tolist(),
+                      kv_transfer_params={
+                          "remote_decoder": {"kv_request_id": "kvtier-8"}}),
+            v.Request("O", rng.integers(0, 4096, 100).tolist())]
+    for i, req in enumerate(reqs):
+        assert matched(sched, req, 0) == (0, False)
+        sched.update_state_after_alloc(
+            req, v.KVCacheBlocks(list(range(7 * i, 7 * i + 7))), 0)
+    out = v.SchedulerOutput(
+        scheduled_new_reqs=[
+            v.NewRequestData(r.request_id, r.prompt_token_ids,
+                             (list(range(7 * i, 7 * i + 7)),), 0)
+            for i, r in enumerate(reqs)],
+        num_scheduled_tokens={r.request_id: 100 for r in reqs})
+    saves = {s.request: s.budget_ms
+             for s in sched.build_connector_meta(out).step.saves}
+    assert saves == {request_key("P"): 7000, request_key("O"): None}
+
+
 def test_a_decode_waits_on_the_fence_for_writes_still_on_their_way(
         store) -> None:
     """The decode asks before the prefill's blocks are in the store (the
@@ -805,6 +840,47 @@ def test_a_decode_given_only_vllms_keys_waits_for_the_whole_prompt(
     got = wait_until(lambda: (lambda g: g if g[0] is not None else None)(
         ask()), "the prompt's blocks to be met", timeout=10)
     assert got == (6 * BS, True)
+    assert counted(decode)["loaded"] == 1
+
+
+def test_a_decode_on_a_fence_asks_the_store_for_its_budget_not_lookup_wait(
+        store) -> None:
+    """On a busy host a first lookup can miss ``lookup_wait_ms``, and the
+    client then skips the shard for longer at each miss: a decode waiting
+    on a fence (the cluster saw "0 of 37 blocks after 5004 ms") gives its
+    lookups the rest of its handoff budget instead, in a batch of their
+    own. The store stalled for 0.4 s (8x lookup_wait_ms): the decode's one
+    lookup is answered and it loads all 6 blocks; an ordinary request
+    asked in the same step is late, as its 50 ms budget says."""
+    cfg = v.config([store.address], handoff_wait_ms=5000, lookup_wait_ms=50)
+    cfg.kv_transfer_config.kv_role = "kv_consumer"
+    decode = KvtierConnector(cfg, KVConnectorRole.SCHEDULER)
+    ns = decode._scheduler.namespace
+    rng = np.random.default_rng(37)
+    prompt, other = (rng.integers(0, 4096, 100).tolist() for _ in range(2))
+    probe = kvtier.StoreClient([store.address])
+    probe.register_namespace(ns)
+    for tokens in (prompt, other):
+        hashes = kvtier.hash_tokens(ns, tokens)
+        probe.put(ns, hashes[:6], np.ones(6 * ns.block_bytes, np.uint8))
+    req = v.Request("D", prompt, kv_transfer_params=producer_params(
+        ns.id, 6, 100, BS, "h2"))
+    plain = v.Request("P", other)
+    first = decode._scheduler.lookup_batches
+    store.pause()
+    try:
+        assert decode.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert decode.get_num_new_matched_tokens(plain, 0) == (None, False)
+        decode.build_connector_meta(v.SchedulerOutput())
+        assert decode._scheduler.lookup_batches == first + 2
+        resume = time.monotonic() + 0.4
+        wait_until(lambda: time.monotonic() >= resume, "the stall", 5)
+    finally:
+        store.resume()
+    assert matched(decode, plain, 0) == (0, False)
+    assert matched(decode, req, 0) == (6 * BS, True)
+    assert decode._scheduler.lookup_batches == first + 2, "asked again"
+    assert decode._scheduler.lookups_late == 1
     assert counted(decode)["loaded"] == 1
 
 

@@ -225,13 +225,15 @@ def test_the_save_lane_skips_what_it_cannot_copy_in_time_and_counts_it(
     """Past the queue's blocks a save is skipped (``behind``) and so are
     the request's later ones (``gap``); a save not started within its
     budget is dropped (``late``); a copy that raises costs its blocks
-    (``failed``), not the lane."""
-    lane = SaveLane(max_queued_blocks=8, budget_ms=100)
+    (``failed``), not the lane. A save given a budget of its own (a
+    prefill's) is held to that one."""
+    lane = SaveLane(max_queued_blocks=9, budget_ms=100)
     gate = threading.Event()
     try:
         assert lane.submit(1, 6, lambda _ms: gate.wait(10))
         queued = time.monotonic()
         assert lane.submit(2, 2, lambda _ms: None)   # waits behind 1: late
+        assert lane.submit(6, 1, lambda _ms: None, budget_ms=10_000)
         assert not lane.submit(3, 4, lambda _ms: None)           # behind
         assert not lane.submit(3, 1, lambda _ms: None)           # gap
         wait_until(lambda: time.monotonic() - queued > 0.15,
@@ -245,7 +247,7 @@ def test_the_save_lane_skips_what_it_cannot_copy_in_time_and_counts_it(
         assert lane.submit(5, 1, lambda _ms: None)
         assert lane.idle(10)
         assert lane.take_counts() == {
-            "saved_blocks": 7, "save_skipped_behind": 4,
+            "saved_blocks": 8, "save_skipped_behind": 4,
             "save_skipped_gap": 1, "save_skipped_late": 2,
             "save_skipped_failed": 3}
     finally:

@@ -134,6 +134,7 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         # Finished requests whose pages vLLM holds for their saves (id ->
         # blocks), at most save_hold_fraction of the engine's blocks.
         self._saving: set[str] = set()
+        self._handing: set[str] = set()  # prefills a decode waits for
         self._held: dict[str, int] = {}
         total = (getattr(kc, "num_blocks", None) if kc is not None else
                  None) or getattr(vllm_config.cache_config, "num_gpu_blocks",
@@ -176,6 +177,9 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
                                  kv_cache_config=self._kv_config(),
                                  group=self._primary))
             self._hashes[rid] = kvtier.hash_tokens(seed, prompt)
+            if self._handoffs.hands_on(
+                    getattr(request, "kv_transfer_params", None), len(prompt)):
+                self._handing.add(rid)
         hashes = self._hashes[rid]
         if rid in self._computes:
             return 0, False
@@ -194,9 +198,16 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
             self._handoffs.idle_pause(wait.next_ask - now,
                                       running=bool(self._blocks))
             return None, False
+        # A decode waiting on a fence has given the store the rest of its
+        # handoff budget already: its lookup may take that long (on a busy
+        # host a first lookup can miss lookup_wait_ms, and each miss makes
+        # the client skip the shard longer, until the budget is spent).
+        budget_ms = self._lookup_wait_ms if wait is None else max(
+            self._lookup_wait_ms,
+            (wait.since + self._handoffs.wait_s - now) * 1000.0)
         n = self._scheduler.poll_loadable_tokens(
             request_key(rid), hashes, len(prompt),
-            num_computed_tokens, self._lookup_wait_ms)
+            num_computed_tokens, budget_ms)
         if wait is None or n is None:
             return n, bool(n)
         # A handoff: every block the prefill wrote, or the budget spent.
@@ -295,8 +306,12 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
             # vLLM rolled the request back (a load error): recompute, resave.
             self._scheduler.load_failed(key, num_computed)
         self._planned[rid] = num_computed + scheduled
+        # A prefill's saves are what its decode waits handoff_wait_ms for:
+        # they get that budget, not save_budget_ms.
+        budget = self._handoffs.wait_s * 1000 if rid in self._handing else None
         if self._saves and self._scheduler.computed(
-                key, num_computed + scheduled, self._blocks.get(rid, [])):
+                key, num_computed + scheduled, self._blocks.get(rid, []),
+                budget):
             self._saving.add(rid)
 
     def request_finished(self, request: Any, block_ids: list[int]
@@ -333,6 +348,7 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         elif rid in self._saving:
             self._scheduler.released(key)  # freed now: no copy from here on
         self._saving.discard(rid)
+        self._handing.discard(rid)
         self._handoffs.forget(rid)
         for d in (self._hashes, self._planned, self._blocks):
             d.pop(rid, None)

@@ -129,6 +129,15 @@ class Handoffs:
                         "computing the rest", rid, have, need, waited * 1e3)
         return False
 
+    def hands_on(self, request_params: Any, prompt_tokens: int) -> bool:
+        """Whether a request's prompt goes on to a decode engine through
+        the store (a ``kv_producer``'s, or one asked as a prefill): its
+        saves are what that decode waits ``wait_s`` for."""
+        if not self.saves:
+            return False
+        return self.role == "kv_producer" or read_handoff(
+            request_params, prompt_tokens, self.block_tokens).role == "prefill"
+
     def params(self, rid: str, request_params: Any, store_missed: bool,
                stored_blocks: int, prompt_tokens: int
                ) -> Optional[dict[str, Any]]:

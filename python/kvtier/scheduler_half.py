@@ -385,7 +385,6 @@ class SchedulerHalf:
         t = self._reqs.get(request)
         if t is not None:
             t.saved_blocks = t.stored_blocks = 0
-            t.answer = None
 
     def build_step(self) -> StepMeta:
         """This step's plan; the lookups asked in the step go out, in one

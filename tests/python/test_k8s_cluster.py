@@ -205,18 +205,19 @@ def cached(answer: Any) -> int:
     return int(details.cached_tokens or 0) if details else 0
 
 
-def store_items(c: Cluster) -> dict[str, int] | None:
-    """Blocks per tier over every shard, from `kvctl stats --json` run in a
-    store pod with kubectl exec (the chart points it at every shard); None
-    while a shard does not answer."""
+def store_items(c: Cluster, pod: str | None = None) -> dict[str, int] | None:
+    """Blocks per tier over every shard (or shard `pod`'s alone), from
+    `kvctl stats --json` run in a store pod with kubectl exec (the chart
+    points it at every shard); None while a shard does not answer."""
     out = c.kubectl("exec", "kv-store-0", "--", "kvctl", "stats", "--json", check=False)
     try:
-        shards = json.loads(out)["shards"].values()
+        shards = json.loads(out)["shards"]
     except (ValueError, KeyError):
         return None
-    return {
-        t: sum(int(s["tiers"][t]["items"]) for s in shards) for t in ("ram", "disk")
-    }
+    mine = [s for a, s in shards.items() if pod is None or a.startswith(pod + ".")]
+    if not mine:
+        return None
+    return {t: sum(int(s["tiers"][t]["items"]) for s in mine) for t in ("ram", "disk")}
 
 
 def test_a_deleted_store_pod_comes_back_warm_from_its_volume(
@@ -285,121 +286,6 @@ def test_a_deleted_store_pod_comes_back_warm_from_its_volume(
     assert cached(answer) >= 0.9 * len(prompt), answer.usage
     tiers = store_items(installed)
     assert tiers is not None and tiers["ram"] >= 62 and tiers["disk"] >= 63, tiers
-
-
-def store_pid(pod: str) -> int:
-    """The node's pid of store pod `pod`'s kvtier-store (its --store-id)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv[0].endswith(b"kvtier-store") and f"--store-id={pod}".encode() in argv:
-            return int(proc.name)
-    raise AssertionError(f"no kvtier-store process of {pod} on the node")
-
-
-def in_service(c: Cluster, pod: str) -> bool:
-    """Whether the store Service serves `pod` (its EndpointSlice endpoint
-    ready: CoreDNS answers the pod's name only then)."""
-    slices = c.get("endpointslices", "-l",
-                   f"kubernetes.io/service-name={RELEASE}-store-headless")  # fmt: skip
-    return any(
-        (e.get("targetRef") or {}).get("name") == pod
-        and bool(e.get("conditions", {}).get("ready"))
-        for s in slices["items"]
-        for e in s.get("endpoints") or []
-    )
-
-
-def shard_items(c: Cluster, pod: str) -> int | None:
-    """Blocks in both tiers of shard `pod` (kvctl stats --json)."""
-    out = c.kubectl("exec", "kv-store-0", "--", "kvctl", "stats", "--json", check=False)
-    try:
-        shards = json.loads(out)["shards"]
-    except (ValueError, KeyError):
-        return None
-    mine = [v for k, v in shards.items() if k.startswith(pod + ".")]
-    if not mine:
-        return None
-    return sum(int(mine[0]["tiers"][t]["items"]) for t in ("ram", "disk"))
-
-
-def test_a_hung_store_leaves_its_service_and_fails_no_request(
-    installed: Cluster,
-) -> None:
-    """A store shard that stops answering (its process stopped from the
-    node, SIGSTOP: alive, its port open, silent): its gRPC readiness probe
-    fails, so the pod turns NotReady and its Service stops serving it (its
-    name leaves cluster DNS). Requests through the frontend meanwhile all
-    succeed and do not wait on it (median latency within 3x, +1 s, of
-    before: a stalled shard costs one lookup its budget, then is skipped).
-    Resumed, it is served again and the engines save to it again."""
-    pod, front = "kv-store-1", frontend_client(installed, timeout=60)
-    assert in_service(installed, pod)
-    before: list[float] = []
-    for _ in range(3):
-        started = time.monotonic()
-        front.completions.create(model="tiny", prompt=token_prompt(4), max_tokens=1)
-        before.append(time.monotonic() - started)
-    during: list[float] = []
-    errors: list[str] = []
-    done = threading.Event()
-
-    def load() -> None:
-        while not done.is_set():
-            started = time.monotonic()
-            try:
-                front.completions.create(model="tiny", prompt=token_prompt(4),
-                                         max_tokens=1)  # fmt: skip
-                during.append(time.monotonic() - started)
-            except openai.APIError as e:
-                errors.append(f"{type(e).__name__}: {e}")
-
-    pid = store_pid(pod)
-    os.kill(pid, signal.SIGSTOP)
-    thread = threading.Thread(target=load)
-    thread.start()
-    try:
-        # Three failed probes 5 s apart; the liveness probe (3 x 10 s)
-        # would restart it later.
-        wait_until(
-            lambda: not in_service(installed, pod),
-            lambda: "the hung shard leaving its Service:\n" + installed.describe(),
-            60,
-        )
-        state = installed.get("pod", pod)["status"]["conditions"]
-        assert {"type": "Ready", "status": "False"}.items() <= next(
-            c for c in state if c["type"] == "Ready"
-        ).items(), state
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass  # its liveness probe restarted it first
-        done.set()
-        thread.join()
-    assert not errors, errors[:5]
-    assert during and statistics.median(during) <= 3 * statistics.median(before) + 1, (
-        before,
-        during,
-    )
-    wait_until(
-        lambda: in_service(installed, pod),
-        lambda: "the shard served again:\n" + installed.describe(),
-        180,
-    )
-    held = wait_until(lambda: shard_items(installed, pod), f"kvctl stats of {pod}", 60)
-
-    def saved_to() -> bool:
-        front.completions.create(model="tiny", prompt=token_prompt(8), max_tokens=1)
-        return (shard_items(installed, pod) or 0) > held
-
-    # The engines' clients skip a failed shard for a while (doubling):
-    # their next probe of it finds it answering.
-    wait_until(saved_to, f"the engines saving to {pod} again", 120)
 
 
 class Load:
@@ -719,3 +605,105 @@ def test_an_engine_pod_killed_mid_stream_fails_no_request_not_yet_streaming(
         180,
     )
 
+
+def store_pid(pod: str) -> int:
+    """The node's pid of store pod `pod`'s kvtier-store (its --store-id)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"kvtier-store") and f"--store-id={pod}".encode() in argv:
+            return int(proc.name)
+    raise AssertionError(f"no kvtier-store process of {pod} on the node")
+
+
+def in_service(c: Cluster, pod: str) -> bool:
+    """Whether the store Service serves `pod` (its EndpointSlice endpoint
+    ready: CoreDNS answers the pod's name only then)."""
+    slices = c.get("endpointslices", "-l",
+                   f"kubernetes.io/service-name={RELEASE}-store-headless")  # fmt: skip
+    return any(
+        (e.get("targetRef") or {}).get("name") == pod
+        and bool(e.get("conditions", {}).get("ready"))
+        for s in slices["items"]
+        for e in s.get("endpoints") or []
+    )
+
+
+def test_a_hung_store_leaves_its_service_and_fails_no_request(
+    installed: Cluster,
+) -> None:
+    """A store shard that stops answering (its process stopped from the
+    node, SIGSTOP: alive, its port open, silent): its gRPC readiness probe
+    fails, so the pod turns NotReady and its Service stops serving it (its
+    name leaves cluster DNS). Requests through the frontend meanwhile all
+    succeed and do not wait on it (median latency within 3x, +1 s, of
+    before: a stalled shard costs one lookup its budget, then is skipped).
+    Resumed, it is served again and the engines save to it again. Last:
+    the engines' clients may still skip the shard for a while after."""
+    pod, front = "kv-store-1", frontend_client(installed, timeout=60)
+    assert in_service(installed, pod)
+    before: list[float] = []
+    for _ in range(3):
+        started = time.monotonic()
+        front.completions.create(model="tiny", prompt=token_prompt(4), max_tokens=1)
+        before.append(time.monotonic() - started)
+    during: list[float] = []
+    errors: list[str] = []
+    done = threading.Event()
+
+    def load() -> None:
+        while not done.is_set():
+            started = time.monotonic()
+            try:
+                front.completions.create(model="tiny", prompt=token_prompt(4),
+                                         max_tokens=1)  # fmt: skip
+                during.append(time.monotonic() - started)
+            except openai.APIError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+    pid = store_pid(pod)
+    os.kill(pid, signal.SIGSTOP)
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        # Three failed probes 5 s apart; the liveness probe (3 x 10 s)
+        # would restart it later.
+        wait_until(
+            lambda: not in_service(installed, pod),
+            lambda: "the hung shard leaving its Service:\n" + installed.describe(),
+            60,
+        )
+        state = installed.get("pod", pod)["status"]["conditions"]
+        assert {"type": "Ready", "status": "False"}.items() <= next(
+            c for c in state if c["type"] == "Ready"
+        ).items(), state
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # its liveness probe restarted it first
+        done.set()
+        thread.join()
+    assert not errors, errors[:5]
+    assert during and statistics.median(during) <= 3 * statistics.median(before) + 1, (
+        before,
+        during,
+    )
+    wait_until(
+        lambda: in_service(installed, pod),
+        lambda: "the shard served again:\n" + installed.describe(),
+        180,
+    )
+    held = wait_until(lambda: store_items(installed, pod), f"kvctl stats of {pod}", 60)
+
+    def saved_to() -> bool:
+        front.completions.create(model="tiny", prompt=token_prompt(8), max_tokens=1)
+        return sum((store_items(installed, pod) or {}).values()) > sum(held.values())
+
+    # The engines' clients skip a failed shard for a while (doubling):
+    # their next probe of it finds it answering.
+    wait_until(saved_to, f"the engines saving to {pod} again", 120)

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kvtier.integrations.pd import (Fence, not_sent_params, producer_params,
-                                    read_handoff)
+from kvtier.integrations.pd import (Fence, HandoffAsk, not_sent_params,
+                                    producer_params, read_handoff)
 
 # A child of vLLM's own logger, so the lines appear with vLLM's.
 log = logging.getLogger("vllm.kvtier")
@@ -133,10 +133,12 @@ class Handoffs:
         """Whether a request's prompt goes on to a decode engine through
         the store (a ``kv_producer``'s, or one asked as a prefill): its
         saves are what that decode waits ``wait_s`` for."""
-        if not self.saves:
-            return False
-        return self.role == "kv_producer" or read_handoff(
-            request_params, prompt_tokens, self.block_tokens).role == "prefill"
+        return self._hands_on(read_handoff(request_params, prompt_tokens,
+                                           self.block_tokens))
+
+    def _hands_on(self, ask: HandoffAsk) -> bool:
+        return self.saves and (self.role == "kv_producer" or
+                               ask.role == "prefill")
 
     def params(self, rid: str, request_params: Any, store_missed: bool,
                stored_blocks: int, prompt_tokens: int
@@ -147,8 +149,7 @@ class Handoffs:
         saved; "not sent" when its store did not answer (its saves would not
         land, and a decode would wait its budget for them)."""
         ask = read_handoff(request_params, prompt_tokens, self.block_tokens)
-        if not self.saves or not (self.role == "kv_producer" or
-                                  ask.role == "prefill"):
+        if not self._hands_on(ask):
             return None
         if store_missed:
             self.counts.add("not_sent")

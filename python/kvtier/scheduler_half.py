@@ -96,6 +96,7 @@ class _Tracked:
     answer: Optional[tuple[int, int]] = None  # (skip_blocks, present)
     gave_up: Optional[int] = None          # skip_blocks late: 0 from now on
     store_missed: bool = False  # a lookup failed or was not sent
+    unreachable: bool = False   # the last lookup found no store to ask
 
 
 #: :meth:`SchedulerHalf._ask`'s "the store said nothing in time".
@@ -236,12 +237,14 @@ class SchedulerHalf:
         blocking and the answer is still to come."""
         assert self.store is not None and self._lookups is not None
         if budget_ms is None:
+            t.unreachable = False
             try:
                 return lookup_ranks(self.store, self.namespace, self.ranks,
                                     [chain])[0]
             except KvtierError as e:
                 if e.code == StatusCode.NOT_FOUND:
                     return 0
+                t.unreachable = e.code == StatusCode.UNAVAILABLE
                 self.lookup_errors += 1
                 return _NO_ANSWER
         if t.asked != skip:
@@ -254,6 +257,8 @@ class SchedulerHalf:
         if o is None:
             return None
         t.asked = None
+        t.unreachable = (o.kind == FAILED and
+                         o.code == StatusCode.UNAVAILABLE)
         if o.kind == ANSWERED:
             t.answer = (skip, o.present)
             self._answered.append(t)
@@ -293,6 +298,15 @@ class SchedulerHalf:
         saves land late, and a decode waits on the fence for them)."""
         t = self._reqs.get(request)
         return t is not None and t.store_missed
+
+    def store_unreachable(self, request: int) -> bool:
+        """Whether the request's last lookup found no store to ask
+        (UNAVAILABLE: refused, or skipped by the client after such a
+        failure), unlike a slow store's late answer or one skipped for a
+        missed budget: blocks the request waits for will not arrive from
+        it."""
+        t = self._reqs.get(request)
+        return t is not None and t.unreachable
 
     def retry(self, request: int) -> None:
         """The next poll asks the store again for the same own prefix, even

@@ -903,6 +903,27 @@ def test_a_fence_never_met_is_waited_for_its_budget_then_computed(
     assert 0.3 <= c["wait_seconds"] < 2.0, c
 
 
+def test_a_fence_on_a_store_that_cannot_be_reached_is_computed_at_once(
+        store) -> None:
+    """The store stopped (its port refuses): the prefill's writes cannot
+    land there, so a decode waiting on a fence computes the prompt at its
+    first refused lookup instead of waiting out its 5 s budget; it says
+    why, and counts ``computed`` and the 6 blocks."""
+    decode = decode_connector(store, wait_ms=5000)
+    ns = decode._scheduler.namespace
+    prompt = np.random.default_rng(38).integers(0, 4096, 100).tolist()
+    params = producer_params(ns.id, 6, 100, BS, "h3")
+    store.stop()
+    t0 = time.monotonic()
+    got = matched(decode, v.Request("D", prompt, kv_transfer_params=params), 0)
+    took = time.monotonic() - t0
+    assert got == (0, False)
+    assert took < 2.0, took
+    c = counted(decode)
+    assert c["computed"] == 1 and c["computed_blocks"] == 6, c
+    assert decode._scheduler.store_unreachable(request_key("D"))
+
+
 @pytest.mark.parametrize("entry, outcome", [
     ({"namespace": "not-hex", "blocks": 6}, "invalid"),
     ({"namespace": "00", "blocks": -1}, "invalid"),

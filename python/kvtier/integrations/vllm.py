@@ -211,8 +211,9 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         if wait is None or n is None:
             return n, bool(n)
         # A handoff: every block the prefill wrote, or the budget spent.
-        if self._handoffs.settle(rid, wait, skip + n // self._block_size,
-                                 bool(n), len(prompt), now):
+        if self._handoffs.settle(
+                rid, wait, skip + n // self._block_size, bool(n), len(prompt),
+                now, self._scheduler.store_unreachable(request_key(rid))):
             self._scheduler.retry(request_key(rid))
             return None, False
         return n, bool(n)

@@ -108,14 +108,18 @@ class Handoffs:
         return wait
 
     def settle(self, rid: str, wait: Waiting, have: int, loads: bool,
-               prompt_tokens: int, now: float) -> bool:
+               prompt_tokens: int, now: float,
+               unreachable: bool = False) -> bool:
         """A decode holds ``have`` leading blocks (its own and the store's;
         ``loads``: any of them from the store): True to ask again later
-        (the fence unmet within the budget), else the handoff is settled
-        (counted, and the rest computed)."""
+        (the fence unmet within the budget, and the store reachable), else
+        the handoff is settled (counted, and the rest computed).
+        ``unreachable``: the lookup found no store to ask (refused): the
+        prefill's writes cannot land there either, so the decode computes
+        at once instead of waiting out its budget."""
         need = min(wait.fence.blocks, (prompt_tokens - 1) // self.block_tokens)
         waited = now - wait.since
-        if have < need and waited < self.wait_s:
+        if have < need and waited < self.wait_s and not unreachable:
             wait.next_ask = now + RETRY_S
             return True
         self._fences[rid] = None  # settled: a preempted request asks afresh
@@ -125,8 +129,10 @@ class Handoffs:
         if have < need:
             self.counts.add("computed_blocks", need - have)
             log.warning("kvtier handoff of request %s: %d of the %d blocks "
-                        "the prefill wrote were in the store after %.0f ms; "
-                        "computing the rest", rid, have, need, waited * 1e3)
+                        "the prefill wrote were in the store after %.0f ms%s; "
+                        "computing the rest", rid, have, need, waited * 1e3,
+                        " (the store could not be reached)" if unreachable
+                        else "")
         return False
 
     def hands_on(self, request_params: Any, prompt_tokens: int) -> bool:

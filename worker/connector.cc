@@ -23,6 +23,10 @@ absl::StatusOr<std::unique_ptr<KvConnector>> KvConnector::Create(ConnectorOption
   if (o.staging_blocks == 0 || o.offload_batch == 0) {
     return absl::InvalidArgumentError("staging_blocks and offload_batch must be at least 1");
   }
+  if (o.offload_nice < 0 || o.offload_nice > 19) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("offload_nice must be between 0 and 19, not ", o.offload_nice));
+  }
   auto dtype = ParseDtype(o.spec.dtype);
   if (!dtype.ok()) return dtype.status();
   std::unique_ptr<KvConnector> c(new KvConnector());

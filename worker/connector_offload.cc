@@ -288,10 +288,12 @@ absl::Status KvConnector::WaitForSave(uint64_t request) {
 }
 
 void KvConnector::OffloadLoop() {
-  // Offloads are nobody's critical path: they yield the CPU to loads and to
-  // the engine (nice 10 for this thread; the transfer lanes already serve
-  // loads first).
-  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), 10);
+  // Offloads are usually nobody's critical path: they yield the CPU to
+  // loads and to the engine (nice 10 for this thread by default; the
+  // transfer lanes already serve loads first). A prefill engine's are its
+  // decode's: options_.offload_nice 0. (Lowering a nice the process does not
+  // have needs CAP_SYS_NICE; refused, the thread keeps the process's.)
+  setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), options_.offload_nice);
   const uint64_t bb = wire_bytes_;
   for (;;) {
     std::vector<Staged> batch;

@@ -23,6 +23,10 @@ struct ConnectorOptions {
   uint64_t staging_blocks = 64;        // staging bound per direction (offload, load), in blocks
   uint64_t offload_batch = 32;         // blocks per offload operation (at most)
   uint32_t offload_threads = 1;        // offload operations in flight at once
+  // The offloading thread's nice value (0..19): 10 yields the CPU to loads
+  // and to the engine; 0 for an engine whose saves another engine waits on
+  // (a P/D prefill's: its decode's fence).
+  int offload_nice = 10;
   // Pool mode, write-through: saved pages waiting for a staging slot stay
   // referenced in the pool, at most this many (0: every page); past it, or
   // when a request needs the pages, the oldest waiting save is dropped.

@@ -65,7 +65,8 @@ class EngineConnector:
                  num_pages: int, staging_blocks: int = ...,
                  deadline_ms: int = ..., shared_memory: str = ...,
                  tls_ca: str = ..., tls_cert: str = ...,
-                 tls_key: str = ..., page_copier: str = ...) -> None: ...
+                 tls_key: str = ..., page_copier: str = ...,
+                 offload_nice: int = ...) -> None: ...
     def close(self) -> None: ...
     def lookup(self, request: int, hashes: Any, skip_blocks: int,
                budget_ms: Optional[float] = None

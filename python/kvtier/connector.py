@@ -80,6 +80,9 @@ class Connector:
     them); empty: no store tier (lookups find nothing, saves do nothing).
     ``tls_ca`` / ``tls_cert`` / ``tls_key``: PEM files for TLS (mutual with
     a certificate) towards the stores' gRPC control plane.
+    ``offload_nice``: the nice value (0..19) of the thread that writes saves
+    to the store: 10 yields the CPU to the engine; 0 where another engine
+    waits on these saves (a P/D prefill's decode).
 
     Raises :class:`kvtier.errors.InvalidArgument` for tensors that do not fit
     the namespace (dtype, shape, device, strides) and the store's or the
@@ -92,7 +95,7 @@ class Connector:
                  staging_blocks: int = 64, deadline_ms: int = 10000,
                  shared_memory: str = "auto", tls_ca: str = "",
                  tls_cert: str = "", tls_key: str = "",
-                 page_copier: str = "") -> None:
+                 page_copier: str = "", offload_nice: int = 10) -> None:
         self.namespace = namespace
         self.layout = layout
         k, v, stride, pages, keep, device = _describe(namespace, kv_caches,
@@ -112,7 +115,8 @@ class Connector:
             namespace, list(stores), k, v, stride, pages,
             staging_blocks=staging_blocks, deadline_ms=deadline_ms,
             shared_memory=shared_memory, tls_ca=tls_ca, tls_cert=tls_cert,
-            tls_key=tls_key, page_copier=page_copier)
+            tls_key=tls_key, page_copier=page_copier,
+            offload_nice=offload_nice)
         # The tensors kvtier writes into stay alive until the connector is
         # closed (set after _c: released after it, see __del__).
         self._keep = keep

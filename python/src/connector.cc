@@ -25,9 +25,10 @@ class EngineConnector {
                   uint64_t num_pages, uint64_t staging_blocks, int deadline_ms,
                   const std::string& shared_memory, const std::string& tls_ca,
                   const std::string& tls_cert, const std::string& tls_key,
-                  const std::string& page_copier) {
+                  const std::string& page_copier, int offload_nice) {
     worker::ConnectorOptions o;
     o.page_copier = page_copier;
+    o.offload_nice = offload_nice;
     o.spec = spec;
     o.num_pages = num_pages;
     o.stores = std::move(stores);
@@ -239,12 +240,12 @@ void BindEngineConnector(py::module_& m) {
   py::class_<EngineConnector>(m, "EngineConnector")
       .def(py::init<const NamespaceSpec&, std::vector<std::string>, std::vector<uintptr_t>,
                     std::vector<uintptr_t>, uint64_t, uint64_t, uint64_t, int, const std::string&,
-                    const std::string&, const std::string&, const std::string&,
-                    const std::string&>(),
+                    const std::string&, const std::string&, const std::string&, const std::string&,
+                    int>(),
            py::arg("spec"), py::arg("stores"), py::arg("k"), py::arg("v"), py::arg("page_stride"),
            py::arg("num_pages"), py::arg("staging_blocks") = 64, py::arg("deadline_ms") = 10000,
            py::arg("shared_memory") = "auto", py::arg("tls_ca") = "", py::arg("tls_cert") = "",
-           py::arg("tls_key") = "", py::arg("page_copier") = "")
+           py::arg("tls_key") = "", py::arg("page_copier") = "", py::arg("offload_nice") = 10)
       .def("close", &EngineConnector::Close)
       .def("lookup", &EngineConnector::Lookup, py::arg("request"), py::arg("hashes"),
            py::arg("skip_blocks"), py::arg("budget_ms") = py::none())

@@ -5,10 +5,13 @@ nothing stored and touch no engine tensor)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from conftest import wait_until
 import kvtier
 from kvtier import errors
 
@@ -220,6 +223,47 @@ def test_request_id_zero_saves_and_closes_like_any_other(store) -> None:
     c.finished(0)
     assert c.stats()["offloaded_blocks"] == 2
     c.close()
+
+
+def nice_of_threads() -> dict[int, int]:
+    """This process's threads' nice values, by thread id."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        out[int(task.name)] = int(stat.rsplit(")", 1)[1].split()[16])
+    return out
+
+
+def test_the_offload_thread_runs_at_the_nice_it_is_given(store) -> None:
+    """A connector's offloading thread yields the CPU (nice 10) unless told
+    otherwise: a P/D prefill's runs at 0, its decode waits on it. A value
+    outside 0..19 is an error naming it. The saves land either way."""
+    before = set(nice_of_threads())
+    low = kvtier.Connector(ns(), caches("kv_first"), stores=[store.address])
+    wait_until(lambda: 10 in {n for t, n in nice_of_threads().items()
+                              if t not in before}, "a thread at nice 10")
+    before = set(nice_of_threads())
+    high = kvtier.Connector(ns(), caches("kv_first", 1), stores=[store.address],
+                            offload_nice=0)
+    for c, rid in ((low, 1), (high, 2)):
+        hashes = kvtier.hash_tokens(c.namespace, list(range(rid, rid + 32)))
+        c.lookup(rid, hashes)
+        c.save(rid, 0, [0, 1])
+        c.wait_for_save(rid)
+        c.finished(rid)
+        assert c.stats()["offloaded_blocks"] == 2
+    # high's offloader has run (its saves landed): none of its threads
+    # yields.
+    assert 10 not in {n for t, n in nice_of_threads().items()
+                      if t not in before}
+    for c in (low, high):
+        c.close()
+    for bad in (-1, 20):
+        with pytest.raises(errors.InvalidArgument, match="offload_nice"):
+            kvtier.Connector(ns(), caches("kv_first"), offload_nice=bad)
 
 
 def test_bad_tensors_and_pages_raise_and_touch_nothing(store) -> None:

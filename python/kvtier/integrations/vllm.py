@@ -85,6 +85,10 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         kv_role = str(getattr(vllm_config.kv_transfer_config, "kv_role",
                               None) or "kv_both")
         self._saves = kv_role != "kv_consumer"
+        # A producer's saves are what its decodes wait on: written at the
+        # engine's priority, not below it (on a busy node the decode's
+        # fence otherwise outwaits its budget).
+        self._offload_nice = 0 if kv_role == "kv_producer" else 10
         self._scheduler: Optional[SchedulerHalf] = None
         self._worker: Optional[WorkerHalf] = None
         self._load_errors: set[int] = set()

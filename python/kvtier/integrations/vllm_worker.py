@@ -65,6 +65,7 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
     _lane: Optional[SaveLane]
     _save_queue_blocks: int
     _save_budget_ms: float
+    _offload_nice: int
 
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -81,7 +82,9 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
             tensors, layout = engine_tensors(kv_caches, kc, g, ns)
             conn = kvtier.Connector(ns, tensors, stores=self._stores,
                                     layout=layout,
-                                    staging_blocks=self._staging, **self._opts)
+                                    staging_blocks=self._staging,
+                                    offload_nice=self._offload_nice,
+                                    **self._opts)
             # CUDA pages: every copy ordered after the engine's stream work
             # (kvtier.worker_half, "Ordered against the engine's stream").
             fence = cuda_stream_fence if tensors[0].is_cuda else None

@@ -196,9 +196,11 @@ def small_kv_pair(args: argparse.Namespace, work: Path, store: Store,
     from vllm_engine import Engine
     res = {}
     for label, stores in (("vLLM alone", ""), ("+ kvtier", store.address)):
+        flags = ({"save_policy": args.save_policy}
+                 if stores and args.save_policy else {})
         e = Engine(str(work / f"{tag}-{label[:4]}.log"), stores=stores,
                    env=bench_env(), num_blocks=int(1.5 * args.prefix / 32),
-                   max_model_len=args.prefix + args.decode + 64)
+                   max_model_len=args.prefix + args.decode + 64, **flags)
         e.generate([prompt(7, 64)], max_tokens=1)  # warm up
         if first_round:
             for p in prompts:
@@ -247,7 +249,8 @@ def small_kv(args: argparse.Namespace, work: Path, store: Store,
             "(d) headroom: {k} requests of {n} tokens + {d} decoded at once")
     print("\n== " + what.format(k=k, n=args.prefix, d=args.decode) +
           f"; KV memory for {int(1.5 * args.prefix / 32)} blocks of 32 "
-          "tokens; pairs interleaved ==")
+          f"tokens; kvtier's save_policy {args.save_policy or 'all'}; "
+          "pairs interleaved ==")
     ratios: list[float] = []
     for i in range(args.repeat):
         seed = (9000 if reuse else 3000) + 100 * i
@@ -317,6 +320,9 @@ def main() -> None:
     ap.add_argument("--tier-rows", type=int, default=2048)
     ap.add_argument("--job-rows", type=int, default=64)
     ap.add_argument("--burst-prefix", type=int, default=2048)
+    ap.add_argument("--save-policy", default="",
+                    help="the kvtier engines' save_policy in (d) and (e) "
+                    "(all, seen_twice; default: the connector's)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="interleaved pairs of the burst and headroom parts")
     ap.add_argument("--parts", default="burst,ttft,preempt,tier",

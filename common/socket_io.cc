@@ -11,11 +11,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 
 namespace kvtier::net {
 
@@ -113,7 +115,17 @@ absl::StatusOr<int> Connect(const std::string& host_in, int port, Clock::time_po
   addrinfo hints{}, *res = nullptr;
   hints.ai_socktype = SOCK_STREAM;
   const std::string port_text = std::to_string(port);
-  if (getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res) != 0 || res == nullptr) {
+  const auto resolving = std::chrono::steady_clock::now();
+  const int resolved = getaddrinfo(host.c_str(), port_text.c_str(), &hints, &res);
+  const auto resolve_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::steady_clock::now() - resolving)
+                              .count();
+  if (resolve_ms >= 1000) {
+    // getaddrinfo keeps no deadline: a lost DNS answer costs the resolver's
+    // timeout (5 s by default), which a caller's budget does not show.
+    Log("net", "resolving ", host, " took ", resolve_ms, " ms");
+  }
+  if (resolved != 0 || res == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot resolve ", host));
   }
   const int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);

@@ -23,6 +23,8 @@
 
 namespace kvtier::worker {
 
+// An offload that took this long is logged with where its time went.
+constexpr double kSlowOffloadMs = 1000;
 // A batch with blocks busy under another put is put again this many times,
 // this far apart (OffloadLoop).
 constexpr int kBusyRetries = 3;
@@ -334,6 +336,7 @@ void KvConnector::OffloadLoop() {
     std::vector<PutBlock> blocks;
     for (const auto& s : batch) blocks.push_back({s.hash, Slot(s.slot)});
     absl::Status st = absl::OkStatus();
+    const auto put_start = std::chrono::steady_clock::now();
     EnsureRegistered().IgnoreError();  // a failure shows in the put's status
     auto r = store_->Put(ns_, bb, blocks);
     if (ForgotNamespace(r.status())) r = store_->Put(ns_, bb, blocks);
@@ -360,10 +363,41 @@ void KvConnector::OffloadLoop() {
       stats_.offload_round_trips += r->round_trips;
       stats_.offloaded_bytes += r->bytes_sent;
       stats_.offloaded_blocks += r->written;
+      stats_.offload_no_space += r->no_space;
+      stats_.offload_busy += r->busy;
       stats_.offload_times += r->times;
       stats_.offload_skipped_known += r->already_present;
     } else {
       NoteOffloadFailed(batch.size(), "offload", r.status());
+    }
+    const double put_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - put_start)
+            .count();
+    if (r.ok() && put_ms >= kSlowOffloadMs) {
+      // Nobody waits on an offload but a decode on a P/D fence, and a
+      // lookup misses blocks until it ends: a slow one is said.
+      Log("worker", "offload of ", batch.size(), " blocks took ", static_cast<int64_t>(put_ms),
+          " ms (control ", static_cast<int64_t>(r->times.control_ms), ", lane queue ",
+          static_cast<int64_t>(r->times.queue_ms), ", transfer ",
+          static_cast<int64_t>(r->times.rma_ms), ")");
+    }
+    if (r.ok() && (r->no_space > 0 || r->busy > 0)) {
+      // Not written, yet no failure: said (once a second at most), since
+      // a lookup will not find them.
+      bool say = false;
+      {
+        std::lock_guard sl(stats_mu_);
+        const auto now = std::chrono::steady_clock::now();
+        if (now - last_failure_logged_ >= std::chrono::seconds(1)) {
+          last_failure_logged_ = now;
+          say = true;
+        }
+      }
+      if (say) {
+        Log("worker", "offload of ", batch.size(), " blocks: the store wrote ", r->written,
+            "; no room for ", r->no_space, ", ", r->busy,
+            " busy under another writer's reservation");
+      }
     }
     if (r.ok() && r->no_space > 0) {
       // Some blocks found no room: which ones is not reported, so none is

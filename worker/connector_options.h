@@ -76,6 +76,10 @@ struct ConnectorStats {
   uint64_t offloaded_blocks = 0, offload_skipped_known = 0, offload_dropped_full = 0,
            offload_failures = 0;
   uint64_t offload_no_staging = 0;  // blocks a save dropped: no staging slot within its wait
+  // Blocks an offload sent that the store did not write: no room for them,
+  // or busy under another writer's reservation after the retries (not
+  // failures: the put succeeded for the rest).
+  uint64_t offload_no_space = 0, offload_busy = 0;
   // Offload operations, the waits on the store they took, and the block
   // bytes they sent; blocks computed into the pool (pool mode).
   uint64_t offload_batches = 0, offload_round_trips = 0, offloaded_bytes = 0, computed_blocks = 0;

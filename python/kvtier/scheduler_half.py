@@ -27,6 +27,7 @@ recomputes them and never uses their bytes.
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -97,10 +98,23 @@ class _Tracked:
     gave_up: Optional[int] = None          # skip_blocks late: 0 from now on
     store_missed: bool = False  # a lookup failed or was not sent
     unreachable: bool = False   # the last lookup found no store to ask
+    answered: bool = False      # the last lookup got the store's answer
+    # save_policy "seen_twice": leading blocks an earlier prompt had too
+    # (only these are saved); the whole prompt under "all".
+    seen_blocks: int = 0
+    unseen_to: int = 0  # blocks [seen_blocks, unseen_to) counted unsaved
 
 
 #: :meth:`SchedulerHalf._ask`'s "the store said nothing in time".
 _NO_ANSWER = -1
+
+#: What a scheduler saves of a computed prompt: every full block, or only
+#: the leading blocks some earlier prompt had too (a prefix seen twice).
+SAVE_POLICIES = ("all", "seen_twice")
+
+#: Block hashes a "seen_twice" scheduler remembers (least recently seen
+#: forgotten first): 131,072 blocks, 4M tokens at 32 a block, ~18 MB.
+SEEN_CAPACITY = 1 << 17
 
 
 class SchedulerHalf:
@@ -113,7 +127,20 @@ class SchedulerHalf:
 
     def __init__(self, namespace: NamespaceSpec, store: Optional[StoreClient],
                  block_tokens: int, lookup_threads: int = 2,
-                 ranks: Sequence[NamespaceSpec] = ()) -> None:
+                 ranks: Sequence[NamespaceSpec] = (),
+                 save_policy: str = "all",
+                 seen_capacity: int = SEEN_CAPACITY) -> None:
+        if save_policy not in SAVE_POLICIES:
+            raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
+                                  f"save_policy must be one of "
+                                  f"{', '.join(SAVE_POLICIES)}, not "
+                                  f"{save_policy!r}")
+        self.save_policy = save_policy
+        self._seen: collections.OrderedDict[bytes, None] = (
+            collections.OrderedDict())
+        self._seen_capacity = seen_capacity
+        #: Blocks a "seen_twice" policy did not save (first seen).
+        self.saves_unseen = 0
         self.namespace = namespace
         self.ranks = tuple(ranks)
         self.store = store
@@ -195,6 +222,7 @@ class SchedulerHalf:
         t = self._reqs.get(request)
         if t is None:
             t = self._reqs[request] = _Tracked(hashes, prompt_tokens)
+            t.seen_blocks = self._see(hashes, prompt_tokens)
         t.skip_blocks = skip
         t.loadable = 0
         limit = min((prompt_tokens - 1) // bt, len(hashes))
@@ -229,6 +257,22 @@ class SchedulerHalf:
         t.loadable = max(0, min(present, limit) - skip)
         return t.loadable * bt
 
+    def _see(self, hashes: np.ndarray, prompt_tokens: int) -> int:
+        """A new prompt's full blocks: how many leading ones an earlier
+        prompt had too (all under the "all" policy); remembers them."""
+        full = min(prompt_tokens // self.block_tokens, len(hashes))
+        if self.save_policy == "all":
+            return full
+        seen, rows = 0, [hashes[i].tobytes() for i in range(full)]
+        while seen < full and rows[seen] in self._seen:
+            seen += 1
+        for row in rows:
+            self._seen[row] = None
+            self._seen.move_to_end(row)
+        while len(self._seen) > self._seen_capacity:
+            self._seen.popitem(last=False)
+        return seen
+
     def _ask(self, request: int, t: _Tracked, chain: np.ndarray, skip: int,
              budget_ms: Optional[float], block: bool) -> Optional[int]:
         """How many leading blocks of ``chain`` the store holds (0 where it
@@ -259,6 +303,8 @@ class SchedulerHalf:
         t.asked = None
         t.unreachable = (o.kind == FAILED and
                          o.code == StatusCode.UNAVAILABLE)
+        t.answered = o.kind == ANSWERED or (
+            o.kind == FAILED and o.code == StatusCode.NOT_FOUND)
         if o.kind == ANSWERED:
             t.answer = (skip, o.present)
             self._answered.append(t)
@@ -308,6 +354,12 @@ class SchedulerHalf:
         t = self._reqs.get(request)
         return t is not None and t.unreachable
 
+    def answered(self, request: int) -> bool:
+        """Whether the request's last lookup got the store's answer (not
+        late, skipped or failed)."""
+        t = self._reqs.get(request)
+        return t is not None and t.answered
+
     def retry(self, request: int) -> None:
         """The next poll asks the store again for the same own prefix, even
         after a late answer (a decode waiting on a handoff's fence)."""
@@ -341,17 +393,26 @@ class SchedulerHalf:
 
     def computed(self, request: int, num_computed_tokens: int,
                  block_pages: list[int],
-                 budget_ms: Optional[float] = None) -> bool:
+                 budget_ms: Optional[float] = None,
+                 always: bool = False) -> bool:
         """After a step: the request's first ``num_computed_tokens`` tokens
         have KV in ``block_pages`` (its pages in block order); prompt blocks
         that became full since the last save are saved (within
-        ``budget_ms``, else the worker's save budget). True when a save
-        was planned."""
+        ``budget_ms``, else the worker's save budget). Under the
+        "seen_twice" policy only the leading blocks an earlier prompt had
+        too, unless ``always`` (a prefill's, which its decode waits for).
+        True when a save was planned."""
         t = self._reqs.get(request)
         if t is None or self.store is None:
             return False
         full = min(num_computed_tokens, t.prompt_tokens) // self.block_tokens
         full = min(full, len(t.hashes), len(block_pages))
+        if not always and full > t.seen_blocks:
+            past = max(t.seen_blocks, t.unseen_to)
+            if full > past:
+                self.saves_unseen += full - past
+                t.unseen_to = full
+            full = t.seen_blocks
         if full <= t.saved_blocks:
             return False
         first = t.saved_blocks

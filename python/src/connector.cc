@@ -156,7 +156,11 @@ class EngineConnector {
     d["offload_dropped_full"] = s.offload_dropped_full;
     d["offload_no_staging"] = s.offload_no_staging;
     d["offload_failures"] = s.offload_failures;
+    d["offload_no_space"] = s.offload_no_space;
+    d["offload_busy"] = s.offload_busy;
     d["staging_peak"] = s.staging_peak;
+    d["staging_in_use"] = s.staging_in_use;
+    d["offload_blocks_in_flight"] = s.offload_blocks_in_flight;
     d["staging_blocks"] = s.staging_blocks;
     d["corrupt_dropped"] = s.corrupt_dropped;
     d["in_place_blocks"] = s.in_place_blocks;

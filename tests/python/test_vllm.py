@@ -774,6 +774,46 @@ def test_a_prefills_saves_get_the_handoff_budget_not_the_save_budget(
     assert saves == {request_key("P"): 7000, request_key("O"): None}
 
 
+def test_save_policy_seen_twice_saves_only_prefixes_an_earlier_prompt_had(
+        store) -> None:
+    """``save_policy: seen_twice``: a prompt no earlier one shared is not
+    saved (its 6 full blocks counted ``unseen``); a later prompt sharing its
+    first 4 blocks saves those 4 and not its own last 2; a prefill's prompt
+    (its decode waits for it) is saved whole though new. The default saves
+    every block; an unknown policy is refused naming the key."""
+    sched = KvtierConnector(v.config([store.address], handoff_wait_ms=7000,
+                                     save_policy="seen_twice"),
+                            KVConnectorRole.SCHEDULER)
+    rng = np.random.default_rng(39)
+    first = rng.integers(0, 4096, 100).tolist()  # 6 full blocks
+    later = first[:4 * BS] + rng.integers(0, 4096, 100 - 4 * BS).tolist()
+    reqs = [v.Request("A", first), v.Request("B", later),
+            v.Request("P", rng.integers(0, 4096, 100).tolist(),
+                      kv_transfer_params={
+                          "remote_decoder": {"kv_request_id": "kvtier-9"}})]
+    planned = {}
+    for i, req in enumerate(reqs):
+        assert matched(sched, req, 0) == (0, False)
+        pages = list(range(7 * i, 7 * i + 7))
+        sched.update_state_after_alloc(req, v.KVCacheBlocks(pages), 0)
+        out = v.SchedulerOutput(
+            scheduled_new_reqs=[v.NewRequestData(req.request_id,
+                                                 req.prompt_token_ids,
+                                                 (pages,), 0)],
+            num_scheduled_tokens={req.request_id: 100})
+        planned.update({s.request: s.pages for s in
+                        sched.build_connector_meta(out).step.saves})
+    assert planned == {request_key("B"): [7, 8, 9, 10],
+                       request_key("P"): list(range(14, 20))}, planned
+    assert counted(sched)["save_skipped_unseen"] == 6 + 2
+    assert KvtierConnector(v.config([store.address]),
+                           KVConnectorRole.SCHEDULER
+                           )._scheduler.save_policy == "all"
+    with pytest.raises(kvtier.errors.InvalidArgument, match="save_policy"):
+        KvtierConnector(v.config([store.address], save_policy="twice"),
+                        KVConnectorRole.SCHEDULER)
+
+
 def test_a_decode_waits_on_the_fence_for_writes_still_on_their_way(
         store) -> None:
     """The decode asks before the prefill's blocks are in the store (the
@@ -1004,12 +1044,14 @@ def test_saves_are_copied_behind_the_step_and_a_finish_waits_for_them(
     asks vLLM to keep the request's pages (``delay_free_blocks``); the next
     step's plan names it held, the worker reports it in
     ``finished_sending`` once its copies ended, and the scheduler lets go
-    of it. The blocks reach the store."""
+    of it. The blocks reach the store, and the worker counts them written
+    (``store_written_blocks``, none ``store_refused_blocks``)."""
     sched = KvtierConnector(v.config([store.address]),
                             KVConnectorRole.SCHEDULER)
     prompt = np.random.default_rng(41).integers(0, 4096, 100).tolist()
     n, r, _ = run_new(sched, worker, "A", prompt, list(range(7)),
                       {b: 700 + b for b in range(7)}, await_copies=1)
+    steps = [r]
     assert n == 0 and r["errors"] == []
     assert len(r["copies"]) == 1, r["copies"]
     for thread, after_step in r["copies"]:
@@ -1020,6 +1062,7 @@ def test_saves_are_copied_behind_the_step_and_a_finish_waits_for_them(
     meta = sched.build_connector_meta(v.SchedulerOutput())
     assert list(meta.step.held.values()) == ["A"]
     r = worker.step(pickle.loads(pickle.dumps(meta)), [], await_sent=("A",))
+    steps.append(r)
     assert r["sent"] == ["A"], r
     assert sched._held == {"A": 7}
     sched.update_connector_output(v.KVConnectorOutput(finished_sending={"A"}))
@@ -1028,6 +1071,15 @@ def test_saves_are_copied_behind_the_step_and_a_finish_waits_for_them(
     probe = kvtier.StoreClient([store.address])
     wait_until(lambda: probe.lookup(ns, kvtier.hash_tokens(ns, prompt)) >= 6,
                "A's blocks to be stored", timeout=10)
+
+    def written() -> int:
+        steps.append(worker.step(pickle.loads(pickle.dumps(
+            sched.build_connector_meta(v.SchedulerOutput()))), []))
+        return sum(x["counts"].get("store_written_blocks", 0) for x in steps)
+
+    wait_until(lambda: written() >= 6, "6 blocks counted written", timeout=10)
+    assert written() == 6
+    assert not any("store_refused_blocks" in x["counts"] for x in steps)
 
 
 def test_a_stalled_store_costs_saves_never_steps_and_pages_come_back(
@@ -1057,6 +1109,10 @@ def test_a_stalled_store_costs_saves_never_steps_and_pages_come_back(
             assert matched(sched, req, 0) == (0, False)
             sched.update_state_after_alloc(req, v.KVCacheBlocks(pages[rid]),
                                            0)
+        # The worker process up (it answers only once its connector has
+        # registered with the store): on a busy host it could otherwise
+        # connect after the pause, and its puts fail instead of stalling.
+        w.step(KvtierConnectorMetadata(), [])
         store.pause()
         try:
             out = v.SchedulerOutput(
@@ -1092,6 +1148,10 @@ def test_a_stalled_store_costs_saves_never_steps_and_pages_come_back(
         # it, so its 6 blocks are copied out of them (not skipped as a gap
         # behind the copies its preemption dropped).
         assert matched(sched, reqs["B"], 0) == (0, False)
+        # The worker's puts held by the stop end first (they free the
+        # staging B's copy needs; on a busy host that can take seconds).
+        wait_until(lambda: w.call(op="stats")["offload_blocks_in_flight"]
+                   == 0, "the puts to the stopped store to end", 30)
         moved = list(range(30, 37))
         sched.update_state_after_alloc(reqs["B"], v.KVCacheBlocks(moved), 0)
         meta = sched.build_connector_meta(v.SchedulerOutput(

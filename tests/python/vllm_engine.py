@@ -60,10 +60,11 @@ def kv_transfer_config(stores: str, deadline_ms: int = 2000,
                        lookup_wait_ms: float = 0,
                        pin_wait_ms: float = 0,
                        staging_blocks: int = 0,
-                       save_budget_ms: float = 0) -> dict[str, Any]:
+                       save_budget_ms: float = 0,
+                       save_policy: str = "") -> dict[str, Any]:
     """kvtier as vLLM's KV connector, exactly as docs/engines.md gives it
     (``lookup_wait_ms``, ``pin_wait_ms``, ``staging_blocks`` and
-    ``save_budget_ms`` 0: the connector's defaults)."""
+    ``save_budget_ms`` 0, ``save_policy`` "": the connector's defaults)."""
     extra: dict[str, Any] = {"stores": stores, "deadline_ms": deadline_ms}
     if lookup_wait_ms:
         extra["lookup_wait_ms"] = lookup_wait_ms
@@ -73,6 +74,8 @@ def kv_transfer_config(stores: str, deadline_ms: int = 2000,
         extra["staging_blocks"] = staging_blocks
     if save_budget_ms:
         extra["save_budget_ms"] = save_budget_ms
+    if save_policy:
+        extra["save_policy"] = save_policy
     return {"kv_connector": "KvtierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -92,6 +95,8 @@ def main() -> None:
                     help="the connector's staging_blocks (0: its default)")
     ap.add_argument("--save-budget-ms", type=float, default=0,
                     help="the connector's save_budget_ms (0: its default)")
+    ap.add_argument("--save-policy", default="",
+                    help="the connector's save_policy (\"\": its default)")
     ap.add_argument("--kv-events", default="")
     ap.add_argument("--load-format", default="dummy",
                     help="vLLM's load_format (dummy: random weights from "
@@ -134,7 +139,8 @@ def main() -> None:
     if args.stores:
         kw["kv_transfer_config"] = kv_transfer_config(
             args.stores, args.deadline_ms, args.lookup_wait_ms,
-            args.pin_wait_ms, args.staging_blocks, args.save_budget_ms)
+            args.pin_wait_ms, args.staging_blocks, args.save_budget_ms,
+            args.save_policy)
     if args.num_blocks:
         kw["num_gpu_blocks_override"] = args.num_blocks
     if args.one_process:

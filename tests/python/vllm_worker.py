@@ -8,7 +8,8 @@ get_block_ids_with_load_errors, clear), then, as vLLM's steps that schedule
 nothing do, polls get_finished until the step's loads have ended (and the
 requests named in ``await_sent`` are reported sent: their saves copied
 out, and ``await_copies`` saves were copied). Each answer says where and
-when the connector's saves ran."""
+when the connector's saves ran. ``{"op": "stats"}`` answers the primary
+connector's counters (kvtier.Connector.stats)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def main() -> None:
         msg = pickle.loads(bytes.fromhex(line.decode().strip()))
         if msg["op"] == "stop":
             break
-        if msg["op"] == "read":
+        if msg["op"] == "stats":
+            out = conn._workers[0].connector.stats()
+        elif msg["op"] == "read":
             out = {p: [kv_caches[n][:, p].clone() for n in names]
                    for p in msg["pages"]}
         else:

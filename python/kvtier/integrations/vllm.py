@@ -79,6 +79,7 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         self._save_queue_blocks = int(opts["save_queue_blocks"])
         self._save_budget_ms = float(opts["save_budget_ms"])
         self._lane = None
+        self._store_taken = {}
         self._block_size = int(vllm_config.cache_config.block_size)
         # P/D roles (docs/disaggregation.md): a producer hands every prompt
         # on; a consumer saves nothing and waits on the fences it is given.
@@ -111,7 +112,7 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
             self._scheduler = SchedulerHalf(
                 ns, kvtier.StoreClient(self._stores, **self._opts),
                 self._block_size, lookup_threads=int(opts["lookup_threads"]),
-                ranks=ranks)
+                ranks=ranks, save_policy=str(opts["save_policy"]))
             self._scheduler.warm_up()
             self._handoffs = Handoffs(kv_role,
                                       float(opts["handoff_wait_ms"]) / 1000,
@@ -217,7 +218,8 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         # A handoff: every block the prefill wrote, or the budget spent.
         if self._handoffs.settle(
                 rid, wait, skip + n // self._block_size, bool(n), len(prompt),
-                now, self._scheduler.store_unreachable(request_key(rid))):
+                now, self._scheduler.store_unreachable(request_key(rid)),
+                self._scheduler.answered(request_key(rid))):
             self._scheduler.retry(request_key(rid))
             return None, False
         return n, bool(n)
@@ -313,11 +315,17 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         self._planned[rid] = num_computed + scheduled
         # A prefill's saves are what its decode waits handoff_wait_ms for:
         # they get that budget, not save_budget_ms.
-        budget = self._handoffs.wait_s * 1000 if rid in self._handing else None
+        handing = rid in self._handing
+        budget = self._handoffs.wait_s * 1000 if handing else None
+        unseen = self._scheduler.saves_unseen
         if self._saves and self._scheduler.computed(
                 key, num_computed + scheduled, self._blocks.get(rid, []),
-                budget):
+                budget, always=handing):
             self._saving.add(rid)
+        if self._scheduler.saves_unseen > unseen:
+            # save_policy "seen_twice": a prefix no earlier prompt had.
+            self._handoffs.counts.add("save_skipped_unseen",
+                                      self._scheduler.saves_unseen - unseen)
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, Optional[dict[str, Any]]]:

@@ -48,6 +48,10 @@ CONNECTOR_OPTIONS: tuple[Option, ...] = CLIENT_OPTIONS + (
     Option("save_budget_ms", "number", 1000,
            "how long a save may keep vLLM's pages (queued and copying) "
            "before it is dropped", 1, 600000),
+    Option("save_policy", "str", "all",
+           "which computed prompt blocks are saved: all, or seen_twice "
+           "(only the leading blocks an earlier prompt on this engine had "
+           "too; a prefill's always)", choices=("all", "seen_twice")),
     Option("save_hold_fraction", "number", 0.25,
            "of the engine's KV blocks, the most held for saves after their "
            "requests finished; past it a finished request's blocks are "

@@ -42,6 +42,9 @@ class Waiting:
     fence: Fence
     since: float = field(default_factory=time.monotonic)
     next_ask: float = 0.0
+    asks: int = 0        # lookups settled so far
+    unanswered: int = 0  # of them, late, skipped or failed
+    most: int = 0        # the most leading blocks one found
 
 
 class HandoffCounts:
@@ -109,16 +112,20 @@ class Handoffs:
 
     def settle(self, rid: str, wait: Waiting, have: int, loads: bool,
                prompt_tokens: int, now: float,
-               unreachable: bool = False) -> bool:
+               unreachable: bool = False, answered: bool = True) -> bool:
         """A decode holds ``have`` leading blocks (its own and the store's;
         ``loads``: any of them from the store): True to ask again later
         (the fence unmet within the budget, and the store reachable), else
         the handoff is settled (counted, and the rest computed).
         ``unreachable``: the lookup found no store to ask (refused): the
         prefill's writes cannot land there either, so the decode computes
-        at once instead of waiting out its budget."""
+        at once instead of waiting out its budget. ``answered``: the lookup
+        got the store's answer (counted for the log line of a miss)."""
         need = min(wait.fence.blocks, (prompt_tokens - 1) // self.block_tokens)
         waited = now - wait.since
+        wait.asks += 1
+        wait.unanswered += not answered
+        wait.most = max(wait.most, have)
         if have < need and waited < self.wait_s and not unreachable:
             wait.next_ask = now + RETRY_S
             return True
@@ -129,10 +136,12 @@ class Handoffs:
         if have < need:
             self.counts.add("computed_blocks", need - have)
             log.warning("kvtier handoff of request %s: %d of the %d blocks "
-                        "the prefill wrote were in the store after %.0f ms%s; "
-                        "computing the rest", rid, have, need, waited * 1e3,
+                        "the prefill wrote were in the store after %.0f ms%s "
+                        "(%d lookups, %d unanswered, at most %d blocks "
+                        "found); computing the rest", rid, have, need,
+                        waited * 1e3,
                         " (the store could not be reached)" if unreachable
-                        else "")
+                        else "", wait.asks, wait.unanswered, wait.most)
         return False
 
     def hands_on(self, request_params: Any, prompt_tokens: int) -> bool:
@@ -225,6 +234,8 @@ MISSING = "vllm:kvtier_handoff_computed_blocks_total"
 WAITED = "vllm:kvtier_handoff_wait_seconds_total"
 SAVED = "vllm:kvtier_saved_blocks_total"
 SKIPPED = "vllm:kvtier_save_skipped_blocks_total"
+WRITTEN = "vllm:kvtier_store_written_blocks_total"
+REFUSED = "vllm:kvtier_store_refused_blocks_total"
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type]
@@ -237,8 +248,13 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
     ``vllm:kvtier_handoff_computed_blocks_total`` (blocks a fence named
     that a decode computed), ``vllm:kvtier_handoff_wait_seconds_total``,
     ``vllm:kvtier_saved_blocks_total`` (blocks copied out for the store,
-    behind the step) and ``vllm:kvtier_save_skipped_blocks_total{reason}``
-    (blocks not saved: :data:`kvtier.save_lane.SKIP_REASONS`)."""
+    behind the step), ``vllm:kvtier_store_written_blocks_total`` and
+    ``vllm:kvtier_store_refused_blocks_total`` (of those, the blocks the
+    store wrote, and those it did not: a failed put, no room, busy under
+    another writer) and ``vllm:kvtier_save_skipped_blocks_total{reason}``
+    (blocks not saved: :data:`kvtier.save_lane.SKIP_REASONS`, and
+    ``unseen``: under ``save_policy`` "seen_twice", blocks of a prefix no
+    earlier prompt had)."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any],
                  labelnames: list[str],
@@ -270,13 +286,23 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
             name=SAVED, labelnames=self._labelnames,
             documentation="Blocks copied out of the engine's pages for the "
             "store, behind the step.")
+        self._written: Any = counter(
+            name=WRITTEN, labelnames=self._labelnames,
+            documentation="Blocks copied out for the store that the store "
+            "wrote.")
+        self._refused: Any = counter(
+            name=REFUSED, labelnames=self._labelnames,
+            documentation="Blocks copied out for the store that it did not "
+            "write: the put failed, it had no room, or they were busy "
+            "under another writer's reservation.")
         self._skipped: Any = counter(
             name=SKIPPED, labelnames=self._labelnames + ["reason"],
             documentation="Blocks computed and not saved, by reason: behind "
             "(the copies queued were full), late (past save_budget_ms), "
             "store_behind (no staging in time), released (vLLM took the "
             "pages back), gap (an earlier block of the request was not "
-            "saved), failed.")
+            "saved), failed, unseen (save_policy seen_twice: no earlier "
+            "prompt had the prefix).")
 
     def observe(self, transfer_stats_data: dict[str, Any],
                 engine_idx: int = 0) -> None:
@@ -284,7 +310,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
         labels = self.per_engine_labelvalues[engine_idx]
         plain = {"sent": self._sent, "not_sent": self._not_sent,
                  "computed_blocks": self._missing,
-                 "wait_seconds": self._waited, "saved_blocks": self._saved}
+                 "wait_seconds": self._waited, "saved_blocks": self._saved,
+                 "store_written_blocks": self._written,
+                 "store_refused_blocks": self._refused}
         for name, value in transfer_stats_data.items():
             if not value:
                 continue
@@ -314,6 +342,7 @@ class HandoffStatsHooks:
         lane = getattr(self, "_lane", None)
         if lane is not None:
             data.update(lane.take_counts())
+            data.update(self.store_counts())  # type: ignore[attr-defined]
         return KvtierStats(data=data) if data else None
 
     @classmethod

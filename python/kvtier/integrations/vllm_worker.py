@@ -66,6 +66,7 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
     _save_queue_blocks: int
     _save_budget_ms: float
     _offload_nice: int
+    _store_taken: dict[str, int]
 
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -97,6 +98,23 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
                      conn.num_pages, ",".join(self._stores))
         self._worker = self._workers[self._primary]
         self._lane = SaveLane(self._save_queue_blocks, self._save_budget_ms)
+
+    def store_counts(self) -> dict[str, int]:
+        """Of this worker's saves, the blocks the store wrote
+        (``store_written_blocks``) and those it did not
+        (``store_refused_blocks``: a failed put, no room, or busy under
+        another writer) since the last call; only those not 0. Copied
+        (``saved_blocks``) is not stored: this says whether saves land."""
+        now = {"store_written_blocks": 0, "store_refused_blocks": 0}
+        for w in self._workers:
+            s = w.connector.stats()
+            now["store_written_blocks"] += s["offloaded_blocks"]
+            now["store_refused_blocks"] += (s["offload_failures"] +
+                                            s["offload_no_space"] +
+                                            s["offload_busy"])
+        taken, self._store_taken = self._store_taken, now
+        return {k: v - taken.get(k, 0) for k, v in now.items()
+                if v != taken.get(k, 0)}
 
     def _kv_config(self) -> Any:
         """vLLM's KVCacheConfig when it carries a layout (vLLM 0.26 and

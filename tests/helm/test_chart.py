@@ -221,7 +221,8 @@ def find(objs, kind, suffix):
 
 
 def check_config(binary, args):
-    args = [a.replace("$(POD_NAME)", "kv-store-0") for a in args]
+    args = [a.replace("$(POD_NAME)", "kv-store-0").replace("$(POD_IP)", "10.244.0.7")
+            for a in args]
     out = subprocess.run([os.path.join(BUILD, binary)] + args + ["--check-config"],
                          capture_output=True, text=True, timeout=30)
     return out.returncode, out.stdout + out.stderr

@@ -7,8 +7,8 @@ different processes and talk only through a per-step plan:
   engine's own prefix the store can supply (every new request of a step in
   one batched lookup, :mod:`kvtier.step_lookups`), which engine pages those
   go to, which computed blocks to save, which requests finished;
-  :meth:`SchedulerHalf.build_step` packs that into a :class:`StepMeta`
-  (plain, picklable).
+  :meth:`SchedulerHalf.build_step` packs that into a
+  :class:`kvtier.step_plan.StepMeta` (plain, picklable).
 - :class:`kvtier.worker_half.WorkerHalf` and
   :class:`kvtier.worker_half.AsyncLoads` (own the KV tensors): execute it.
 
@@ -27,59 +27,21 @@ recomputes them and never uses their bytes.
 
 from __future__ import annotations
 
-import collections
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
 from kvtier._native import NamespaceSpec
 from kvtier.errors import InvalidArgument, KvtierError, StatusCode
+from kvtier.save_policy import SavePolicy
 from kvtier.step_lookups import (ANSWERED, FAILED, LATE, SKIPPED, StepLookups,
                                  lookup_ranks)
+from kvtier.step_plan import LoadSpec, SaveSpec, StepMeta
 from kvtier.store import StoreClient
 
-
-@dataclass
-class LoadSpec:
-    """Load blocks [skip_blocks, skip_blocks + len(pages)) of the chain
-    into ``pages`` (the engine holds blocks [0, skip_blocks) itself).
-    ``name``: the engine's own id of the request (vLLM's, reported back
-    when an asynchronous load ends)."""
-
-    request: int
-    hashes: np.ndarray
-    skip_blocks: int
-    pages: list[int]
-    name: str = ""
-
-
-@dataclass
-class SaveSpec:
-    """Save blocks [first_block, first_block + len(pages)) of the chain,
-    computed into ``pages``."""
-
-    request: int
-    hashes: np.ndarray
-    first_block: int
-    pages: list[int]
-    budget_ms: Optional[float] = None  # None: the worker's save budget
-
-
-@dataclass
-class StepMeta:
-    """What the scheduler half hands the worker half for one step."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    finished: list[int] = field(default_factory=list)
-    # Finished requests whose pages the engine holds until their saves are
-    # copied out (key -> the engine's id, reported back when they are).
-    held: dict[int, str] = field(default_factory=dict)
-    # Requests whose pages the engine took back (preempted, or finished
-    # and not held): their saves not yet copied are dropped.
-    released: list[int] = field(default_factory=list)
+__all__ = ["LoadSpec", "SaveSpec", "SchedulerHalf", "StepMeta"]
 
 
 @dataclass
@@ -108,14 +70,6 @@ class _Tracked:
 #: :meth:`SchedulerHalf._ask`'s "the store said nothing in time".
 _NO_ANSWER = -1
 
-#: What a scheduler saves of a computed prompt: every full block, or only
-#: the leading blocks some earlier prompt had too (a prefix seen twice).
-SAVE_POLICIES = ("all", "seen_twice")
-
-#: Block hashes a "seen_twice" scheduler remembers (least recently seen
-#: forgotten first): 131,072 blocks, 4M tokens at 32 a block, ~18 MB.
-SEEN_CAPACITY = 1 << 17
-
 
 class SchedulerHalf:
     """The scheduler's side: asks the store, plans loads and saves.
@@ -128,17 +82,8 @@ class SchedulerHalf:
     def __init__(self, namespace: NamespaceSpec, store: Optional[StoreClient],
                  block_tokens: int, lookup_threads: int = 2,
                  ranks: Sequence[NamespaceSpec] = (),
-                 save_policy: str = "all",
-                 seen_capacity: int = SEEN_CAPACITY) -> None:
-        if save_policy not in SAVE_POLICIES:
-            raise InvalidArgument(StatusCode.INVALID_ARGUMENT,
-                                  f"save_policy must be one of "
-                                  f"{', '.join(SAVE_POLICIES)}, not "
-                                  f"{save_policy!r}")
-        self.save_policy = save_policy
-        self._seen: collections.OrderedDict[bytes, None] = (
-            collections.OrderedDict())
-        self._seen_capacity = seen_capacity
+                 save_policy: str = "all") -> None:
+        self.save_policy = SavePolicy(save_policy)
         #: Blocks a "seen_twice" policy did not save (first seen).
         self.saves_unseen = 0
         self.namespace = namespace
@@ -222,7 +167,8 @@ class SchedulerHalf:
         t = self._reqs.get(request)
         if t is None:
             t = self._reqs[request] = _Tracked(hashes, prompt_tokens)
-            t.seen_blocks = self._see(hashes, prompt_tokens)
+            t.seen_blocks = self.save_policy.savable_blocks(
+                hashes, min(prompt_tokens // self.block_tokens, len(hashes)))
         t.skip_blocks = skip
         t.loadable = 0
         limit = min((prompt_tokens - 1) // bt, len(hashes))
@@ -256,22 +202,6 @@ class SchedulerHalf:
         t.saved_blocks = max(t.saved_blocks, min(present, skip))
         t.loadable = max(0, min(present, limit) - skip)
         return t.loadable * bt
-
-    def _see(self, hashes: np.ndarray, prompt_tokens: int) -> int:
-        """A new prompt's full blocks: how many leading ones an earlier
-        prompt had too (all under the "all" policy); remembers them."""
-        full = min(prompt_tokens // self.block_tokens, len(hashes))
-        if self.save_policy == "all":
-            return full
-        seen, rows = 0, [hashes[i].tobytes() for i in range(full)]
-        while seen < full and rows[seen] in self._seen:
-            seen += 1
-        for row in rows:
-            self._seen[row] = None
-            self._seen.move_to_end(row)
-        while len(self._seen) > self._seen_capacity:
-            self._seen.popitem(last=False)
-        return seen
 
     def _ask(self, request: int, t: _Tracked, chain: np.ndarray, skip: int,
              budget_ms: Optional[float], block: bool) -> Optional[int]:

@@ -47,7 +47,7 @@ import numpy as np
 from kvtier.connector import Connector
 from kvtier.errors import KvtierError
 from kvtier.save_lane import SaveLane
-from kvtier.scheduler_half import LoadSpec, SaveSpec, StepMeta
+from kvtier.step_plan import LoadSpec, SaveSpec, StepMeta
 
 # A load that fails, or loads fewer blocks than its lookup promised, says
 # why in the engine's log (the engine then computes those blocks).

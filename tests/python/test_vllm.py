@@ -808,7 +808,7 @@ def test_save_policy_seen_twice_saves_only_prefixes_an_earlier_prompt_had(
     assert counted(sched)["save_skipped_unseen"] == 6 + 2
     assert KvtierConnector(v.config([store.address]),
                            KVConnectorRole.SCHEDULER
-                           )._scheduler.save_policy == "all"
+                           )._scheduler.save_policy.name == "all"
     with pytest.raises(kvtier.errors.InvalidArgument, match="save_policy"):
         KvtierConnector(v.config([store.address], save_policy="twice"),
                         KVConnectorRole.SCHEDULER)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import kvtier
-from kvtier.scheduler_half import LoadSpec, SaveSpec, StepMeta
+from kvtier.step_plan import LoadSpec, SaveSpec, StepMeta
 
 #: vLLM's null block: the page a group's table holds for a block it skips.
 NULL_PAGE = 0

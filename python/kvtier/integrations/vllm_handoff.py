@@ -237,6 +237,26 @@ SKIPPED = "vllm:kvtier_save_skipped_blocks_total"
 WRITTEN = "vllm:kvtier_store_written_blocks_total"
 REFUSED = "vllm:kvtier_store_refused_blocks_total"
 
+#: The counters without labels of their own: the stats key each counts,
+#: its Prometheus name and its help.
+PLAIN: dict[str, tuple[str, str]] = {
+    "sent": (SENT, "Prefills whose KV kvtier handed to a decode engine (a "
+             "fence returned)."),
+    "not_sent": (NOT_SENT, "Prefills asked for a handoff that returned "
+                 "none: the store did not answer their lookup."),
+    "computed_blocks": (MISSING, "Blocks a handoff's fence named that the "
+                        "decode computed itself."),
+    "wait_seconds": (WAITED, "Seconds decode requests waited on fences."),
+    "saved_blocks": (SAVED, "Blocks copied out of the engine's pages for "
+                     "the store, behind the step."),
+    "store_written_blocks": (WRITTEN, "Blocks copied out for the store "
+                             "that the store wrote."),
+    "store_refused_blocks": (REFUSED, "Blocks copied out for the store that "
+                             "it did not write: the put failed, it had no "
+                             "room, or they were busy under another "
+                             "writer's reservation."),
+}
+
 
 class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type]
     """kvtier's handoff counters on vLLM's ``/metrics``:
@@ -262,39 +282,16 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
         super().__init__(vllm_config, metric_types, labelnames,
                          per_engine_labelvalues)
         counter: Any = self._counter_cls
-        self._sent: Any = counter(name=SENT, labelnames=self._labelnames,
-                             documentation="Prefills whose KV kvtier handed "
-                             "to a decode engine (a fence returned).")
-        self._not_sent: Any = counter(
-            name=NOT_SENT, labelnames=self._labelnames,
-            documentation="Prefills asked for a handoff that returned none: "
-            "the store did not answer their lookup.")
+        self._plain: dict[str, Any] = {
+            key: counter(name=name, labelnames=self._labelnames,
+                         documentation=doc)
+            for key, (name, doc) in PLAIN.items()}
         self._decoded: Any = counter(
             name=DECODED, labelnames=self._labelnames + ["outcome"],
             documentation="Decode requests given a kvtier handoff, by "
             "outcome: loaded (every fenced block), partial (the budget "
             "ran out with some), computed (with none), invalid (malformed "
             "params), other_namespace (another model or layout).")
-        self._missing: Any = counter(
-            name=MISSING, labelnames=self._labelnames,
-            documentation="Blocks a handoff's fence named that the decode "
-            "computed itself.")
-        self._waited: Any = counter(
-            name=WAITED, labelnames=self._labelnames,
-            documentation="Seconds decode requests waited on fences.")
-        self._saved: Any = counter(
-            name=SAVED, labelnames=self._labelnames,
-            documentation="Blocks copied out of the engine's pages for the "
-            "store, behind the step.")
-        self._written: Any = counter(
-            name=WRITTEN, labelnames=self._labelnames,
-            documentation="Blocks copied out for the store that the store "
-            "wrote.")
-        self._refused: Any = counter(
-            name=REFUSED, labelnames=self._labelnames,
-            documentation="Blocks copied out for the store that it did not "
-            "write: the put failed, it had no room, or they were busy "
-            "under another writer's reservation.")
         self._skipped: Any = counter(
             name=SKIPPED, labelnames=self._labelnames + ["reason"],
             documentation="Blocks computed and not saved, by reason: behind "
@@ -308,11 +305,6 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
                 engine_idx: int = 0) -> None:
         """Adds one interval's counters to the engine's series."""
         labels = self.per_engine_labelvalues[engine_idx]
-        plain = {"sent": self._sent, "not_sent": self._not_sent,
-                 "computed_blocks": self._missing,
-                 "wait_seconds": self._waited, "saved_blocks": self._saved,
-                 "store_written_blocks": self._written,
-                 "store_refused_blocks": self._refused}
         for name, value in transfer_stats_data.items():
             if not value:
                 continue
@@ -321,8 +313,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
                 self._skipped.labels(*labels, reason).inc(value)
             elif name in OUTCOMES:
                 self._decoded.labels(*labels, name).inc(value)
-            elif name in plain:
-                plain[name].labels(*labels).inc(value)
+            elif name in self._plain:
+                self._plain[name].labels(*labels).inc(value)
 
 
 class HandoffStatsHooks:

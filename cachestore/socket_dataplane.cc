@@ -97,6 +97,18 @@ void SocketDataPlane::Loop::Sweep() {
     }
   }
   for (Connection* c : late) {
+    if (!c->lingering && !c->closed) {
+      // Its bytes may be waiting unread: a loop that was held up (a slow
+      // call) reaches its sweep before the events that arrived meanwhile.
+      // A connection is late for what it did not send, not for what this
+      // loop did not read.
+      Progress(c);
+      if (c->closed) continue;
+      if (c->deadline > now) {
+        next = std::min(next, c->deadline);
+        continue;
+      }
+    }
     if (c->lingering) {
       // Drained long enough.
     } else if (c->state.load() == kUnhelloed) {

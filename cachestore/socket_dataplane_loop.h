@@ -51,6 +51,8 @@ inline constexpr auto kSpin = std::chrono::microseconds(50);
 // Bytes one connection moves in one turn before the loop's others get
 // theirs.
 inline constexpr uint64_t kTurnBytes = 2 << 20;
+// A call that holds its loop this long is logged.
+inline constexpr auto kSlowCall = std::chrono::milliseconds(500);
 // Deadlines are checked at most this often (and at least once a second).
 inline constexpr auto kSweepMin = std::chrono::milliseconds(10);
 inline constexpr auto kSweepMax = std::chrono::seconds(1);

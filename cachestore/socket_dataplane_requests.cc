@@ -69,10 +69,18 @@ void SocketDataPlane::Loop::Finished(Connection* c) {
       return;
     case Read::kCallBody: {
       CallReply r;
+      const auto began = net::Clock::now();
       {
         std::shared_lock lk(p_->handlers_mu_);
         r = p_->call_ ? p_->call_(c->f.method, c->session, c->request)
                       : CallReply{kUnavailable, "the store is not taking data-plane calls"};
+      }
+      if (const auto held = net::Clock::now() - began; held >= kSlowCall) {
+        // Every connection on this loop waited as long.
+        p_->LogLimited(
+            absl::StrCat("a call (method ", c->f.method, ") held its event loop ",
+                         std::chrono::duration_cast<std::chrono::milliseconds>(held).count(),
+                         " ms; ", size_.load(), " connections on it waited"));
       }
       c->budget->Give(c->budgeted);
       c->budget = nullptr;

@@ -208,13 +208,19 @@ LeaseCounts LeaseTable::counts() const {
   return LeaseCounts{put_, get_, expired_.load()};
 }
 
-std::vector<Lease> LeaseTable::ReapLocked(std::chrono::steady_clock::time_point now) {
+std::vector<Lease> LeaseTable::ReapLocked(std::chrono::steady_clock::time_point now,
+                                          std::string* expired) {
+  constexpr int kNamed = 8;  // leases a line names; the rest are counted
   const auto grace = std::chrono::milliseconds(lease_ms_);
+  int ended = 0;
+  expired->clear();
   for (auto it = leases_.begin(); it != leases_.end();) {
     if (it->second.deadline <= now) {
       ForgetLocked(it->second);
-      Log("store", it->second.is_put ? "put" : "get", " lease ", it->first, " expired; its ",
-          it->second.items.size(), " slots are reclaimed after a grace period");
+      if (ended++ < kNamed) {
+        absl::StrAppend(expired, ended > 1 ? ", " : "", it->second.is_put ? "put" : "get",
+                        " lease ", it->first, " (", it->second.items.size(), " slots)");
+      }
       ending_.erase(it->first);  // the graveyard releases it once its holds end
       graveyard_.push_back(Buried{now + grace, it->first, std::move(it->second)});
       it = leases_.erase(it);
@@ -223,6 +229,7 @@ std::vector<Lease> LeaseTable::ReapLocked(std::chrono::steady_clock::time_point 
       ++it;
     }
   }
+  if (ended > kNamed) absl::StrAppend(expired, " and ", ended - kNamed, " more");
   std::vector<Lease> due;
   for (auto it = graveyard_.begin(); it != graveyard_.end();) {
     // A transfer still holding an expired lease keeps its slots (it ends
@@ -237,23 +244,32 @@ std::vector<Lease> LeaseTable::ReapLocked(std::chrono::steady_clock::time_point 
   return due;
 }
 
+void LeaseTable::LogExpired(const std::string& expired) {
+  if (expired.empty()) return;
+  Log("store", "expired: ", expired, "; their slots are reclaimed after a grace period");
+}
+
 void LeaseTable::ReapNow() {
   std::vector<Lease> due;
+  std::string expired;
   {
     std::lock_guard lk(mu_);
-    due = ReapLocked(clock_());
+    due = ReapLocked(clock_(), &expired);
   }
+  LogExpired(expired);
   for (const auto& lease : due) release_(lease);
 }
 
 void LeaseTable::ReaperLoop() {
   const auto period = std::chrono::milliseconds(std::clamp<uint64_t>(lease_ms_ / 4, 1, 200));
   std::unique_lock lk(mu_);
+  std::string expired;
   while (!stop_) {
     cv_.wait_for(lk, period, [&] { return stop_; });
-    std::vector<Lease> due = ReapLocked(clock_());
-    if (due.empty()) continue;
+    std::vector<Lease> due = ReapLocked(clock_(), &expired);
+    if (due.empty() && expired.empty()) continue;
     lk.unlock();
+    LogExpired(expired);
     for (const auto& lease : due) release_(lease);
     lk.lock();
   }

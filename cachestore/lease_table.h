@@ -149,8 +149,11 @@ class LeaseTable {
   void ForgetLocked(const Lease& lease);
   void ReaperLoop();
   // The reaper's pass at `now` under mu_; returns the leases to release
-  // (outside the lock).
-  std::vector<Lease> ReapLocked(std::chrono::steady_clock::time_point now);
+  // and *expired, a line naming the leases that expired ("" if none), both
+  // for the caller outside the lock (a log write can block: a full pipe).
+  std::vector<Lease> ReapLocked(std::chrono::steady_clock::time_point now, std::string* expired);
+  // Logs `expired` (from ReapLocked) when not empty.
+  static void LogExpired(const std::string& expired);
 
   const uint64_t lease_ms_;
   const uint64_t max_per_client_;

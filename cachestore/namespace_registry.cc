@@ -101,8 +101,39 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Register(const NamespaceSpec& c
   }
   // How a namespace is named in messages: as its registrant knows it.
   const std::string name = NamespaceName(client_id);
-  std::lock_guard lk(mu_);
-  if (auto it = namespaces_.find(id); it != namespaces_.end()) return it->second;
+  // The record is written (and synced) outside the lock: every data-plane
+  // call looks namespaces up, and an fsync can take seconds on a busy disk.
+  {
+    std::lock_guard lk(mu_);
+    if (auto it = namespaces_.find(id); it != namespaces_.end()) return it->second;
+    if (auto s = LimitsAllowLocked(name, client_spec, tenant); !s.ok()) return s;
+  }
+  const std::string key = kMetaPrefix + NamespaceName(id);
+  if (auto s = disk_->PutMeta(key, SerializeSpec(spec)); !s.ok()) {
+    Log("store", "namespace ", NamespaceName(id), " not persisted: ", s.message());
+  }
+  NamespaceInfo info{id, spec, bytes, tenant ? tenant->index : -1, client_id, client_spec};
+  {
+    std::lock_guard lk(mu_);
+    if (auto it = namespaces_.find(id); it != namespaces_.end()) return it->second;  // a twin won
+    auto allowed = LimitsAllowLocked(name, client_spec, tenant);
+    if (!allowed.ok()) {
+      // Another registration took the last place meanwhile: this one's
+      // record must not bring it back at the next start.
+      (void)disk_->DeleteMeta(key);
+      return allowed;
+    }
+    AddLocked(info);
+  }
+  Log("store", "registered namespace ", NamespaceName(id), " (", CanonicalNamespace(client_spec),
+      tenant ? absl::StrCat(", tenant ", tenant->name, " as ", name) : std::string(),
+      "), blocks of ", bytes, " bytes");
+  return info;
+}
+
+absl::Status NamespaceRegistry::LimitsAllowLocked(const std::string& name,
+                                                  const NamespaceSpec& client_spec,
+                                                  const Tenant* tenant) const {
   if (tenant && per_tenant_[tenant->index] >= tenant->max_namespaces) {
     return absl::ResourceExhaustedError(
         absl::StrCat("tenant ", tenant->name, " holds ", per_tenant_[tenant->index],
@@ -117,15 +148,7 @@ absl::StatusOr<NamespaceInfo> NamespaceRegistry::Register(const NamespaceSpec& c
         max_namespaces_, "); namespace ", name, " (", CanonicalNamespace(client_spec),
         ") is not registered. Remove unused ones with kvctl namespaces rm ID"));
   }
-  if (auto s = disk_->PutMeta(kMetaPrefix + NamespaceName(id), SerializeSpec(spec)); !s.ok()) {
-    Log("store", "namespace ", NamespaceName(id), " not persisted: ", s.message());
-  }
-  NamespaceInfo info{id, spec, bytes, tenant ? tenant->index : -1, client_id, client_spec};
-  AddLocked(info);
-  Log("store", "registered namespace ", NamespaceName(id), " (", CanonicalNamespace(client_spec),
-      tenant ? absl::StrCat(", tenant ", tenant->name, " as ", name) : std::string(),
-      "), blocks of ", bytes, " bytes");
-  return info;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<NamespaceInfo> NamespaceRegistry::Resolve(const Tenant& tenant,

@@ -76,6 +76,10 @@ class NamespaceRegistry {
   uint64_t skipped_records_ = 0;  // set by Load
   // REQUIRES: mu_ held.
   void AddLocked(const NamespaceInfo& info);
+  // RESOURCE_EXHAUSTED naming the limit one more namespace would pass (the
+  // tenant's or the store's). REQUIRES: mu_ held.
+  absl::Status LimitsAllowLocked(const std::string& name, const NamespaceSpec& client_spec,
+                                 const Tenant* tenant) const;
 
   DiskTier* disk_;
   const size_t max_namespaces_;

@@ -83,6 +83,13 @@ class Cluster:
         events = self.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False)
         return f"{pods}\n{events[-4000:]}"
 
+    def log_tail(self, pod: str, lines: int = 40, grep: str = "") -> str:
+        """The last `lines` lines of a pod's log (those holding `grep`
+        when given): what a failed wait on that pod explains with."""
+        out = self.kubectl("logs", pod, "--all-containers", check=False)
+        kept = [ln for ln in out.splitlines() if grep in ln]
+        return f"--- {pod}\n" + "\n".join(kept[-lines:])
+
     def get(self, *args: str) -> Any:
         """An object (or list) as JSON."""
         return json.loads(self.kubectl("get", *args, "-o", "json"))

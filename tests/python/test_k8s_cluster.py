@@ -495,7 +495,11 @@ def test_scaling_engines_down_removes_the_one_holding_less_sole_kv(
     engine_client(leave).completions.create(model="tiny", prompt=hot, max_tokens=1)
     wait_until(
         lambda: (store_items(installed) or {"ram": 0})["ram"] >= 20,
-        "the store holding the leaving engine's prompt",
+        lambda: "\n".join(
+            ["the store holding the leaving engine's prompt"]
+            + [installed.log_tail(p) for p in ("kv-store-0", "kv-store-1")]
+            + [installed.log_tail(pods[leave]["metadata"]["name"], 30, "kvtier")]
+        ),
         30,
     )
     name = pods[leave]["metadata"]["name"]

@@ -77,7 +77,8 @@ TEST(SocketLoop, AHelloThatArrivedWhileItsLoopWasHeldUpIsReadNotTimedOut) {
         std::this_thread::sleep_for(5 * kHelloTimeout);
         return SocketDataPlane::CallReply{0, "done"};
       },
-      [](std::string_view, bool, uint64_t, uint64_t, uint64_t) -> absl::StatusOr<SocketDataPlane::Grant> {
+      [](std::string_view, bool, uint64_t, uint64_t,
+         uint64_t) -> absl::StatusOr<SocketDataPlane::Grant> {
         return absl::UnimplementedError("no transfers here");
       },
       [](std::string_view, std::string_view, std::string_view)

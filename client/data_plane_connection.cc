@@ -148,7 +148,8 @@ absl::Status DataPlaneConnection::EnsureConnected(
   };
   // Connects with the client's shared session (StoreClient::
   // DataPlaneSession); the answer's errors are the attempt's.
-  auto attempt = [&](const v1::ConnectDataPlaneResponse& resp) -> absl::Status {
+  auto attempt = [&](const v1::ConnectDataPlaneResponse& resp,
+                     std::chrono::system_clock::time_point by) -> absl::Status {
     if (resp.regions_size() != 1 || resp.regions(0).rkey_id() != 0) {
       return (absl::InternalError("store data plane offers no region 0"));
     }
@@ -181,7 +182,7 @@ absl::Status DataPlaneConnection::EnsureConnected(
                            "needs the CA to verify it by (--tls-ca)"));
         }
       }
-      const auto left = rpc_deadline - std::chrono::system_clock::now();
+      const auto left = by - std::chrono::system_clock::now();
       // The data plane serves the certificate gRPC does: it is verified
       // for the name the control plane was (the address it is dialled at
       // came from that authenticated answer).
@@ -230,7 +231,13 @@ absl::Status DataPlaneConnection::EnsureConnected(
   bool fresh = false;
   auto got = control_.DataPlaneSession(options_.client_id, rpc_deadline, &fresh);
   if (!got.ok()) return fail(got.status());
-  absl::Status s = attempt(*got);
+  // A kept session may name an address the store no longer has (a pod
+  // restarted under a new IP, where a dial hangs rather than fails): its
+  // attempt gets half the time left, so a new session's has the rest.
+  const auto now_wall = std::chrono::system_clock::now();
+  absl::Status s =
+      attempt(*got, fresh || rpc_deadline <= now_wall ? rpc_deadline
+                                                      : now_wall + (rpc_deadline - now_wall) / 2);
   if (!s.ok()) {
     // A kept session may be one the store no longer has (it restarted, or
     // dropped it): once more with a new one.
@@ -238,7 +245,7 @@ absl::Status DataPlaneConnection::EnsureConnected(
     if (!fresh) {
       got = control_.DataPlaneSession(options_.client_id, rpc_deadline, &fresh);
       if (!got.ok()) return fail(got.status());
-      s = attempt(*got);
+      s = attempt(*got, rpc_deadline);
       if (!s.ok()) control_.ForgetDataPlaneSession(got->session());
     }
   }

@@ -13,6 +13,7 @@
 #include "client/socket_channel.h"
 #include "client/store_data_client.h"
 #include "common/checksum.h"
+#include "common/socket_io.h"
 #include "common/ucx/ucx.h"
 #include "tests/test_util.h"
 
@@ -351,6 +352,71 @@ TEST_F(DataPlaneFaults, AStoreKilledMidGetFailsTheClientCleanlyAndItReconnects) 
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ(g->blocks, n);
   EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), src.size()));
+}
+
+TEST_F(DataPlaneFaults, AStoreBackAtAnotherDataAddressIsReachedWithinOnePut) {
+  // A store pod restarted under a new IP: the client's kept session names
+  // the old data address, where a dial hangs (here: a listener whose accept
+  // queue is full drops the SYN) instead of failing.
+  const int port = testing::FreePort(), old_data = testing::FreePort();
+  auto args = [&](int data) {
+    return std::vector<std::string>{"--listen=127.0.0.1:" + std::to_string(port),
+                                    "--data-listen=127.0.0.1:" + std::to_string(data),
+                                    "--data-dir=" + dir_.sub("db"),
+                                    "--hugepages=false",
+                                    "--ram-bytes=64MiB",
+                                    "--local-shm=false"};
+  };
+  auto store = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir_.sub("store"), args(old_data));
+  ASSERT_GT(store->port(), 0) << store->Log();
+  DataClientOptions o;
+  o.deadline_ms = 4000;
+  StoreDataClient c(store->address(), o);
+  auto ns = c.control().RegisterNamespace(Spec256K());
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  const uint64_t n = 8;
+  std::vector<uint8_t> src(2 * n * kBlock);
+  Fill(src, 0, 2 * n);
+  std::vector<PutBlock> first, second;
+  for (uint64_t i = 0; i < n; ++i) {
+    first.push_back({H(i), src.data() + i * kBlock});
+    second.push_back({H(n + i), src.data() + (n + i) * kBlock});
+  }
+  auto wrote = c.Put(ns->id, kBlock, first).get();
+  ASSERT_TRUE(wrote.ok()) << wrote.status();
+  ASSERT_EQ(store->proc().Kill(SIGTERM), 0);
+  store.reset();
+  // The old data address now swallows connection attempts.
+  const int hole = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(hole, 0);
+  const int one = 1;
+  setsockopt(hole, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in at{};
+  at.sin_family = AF_INET;
+  at.sin_port = htons(static_cast<uint16_t>(old_data));
+  at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(hole, reinterpret_cast<sockaddr*>(&at), sizeof(at)), 0) << std::strerror(errno);
+  ASSERT_EQ(listen(hole, 0), 0);
+  std::vector<int> queued;
+  for (int i = 0; i < 4; ++i) {  // fills the accept queue (backlog 0 holds one)
+    auto q =
+        net::Connect("127.0.0.1", old_data, net::Clock::now() + std::chrono::milliseconds(300));
+    if (!q.ok()) break;
+    queued.push_back(*q);
+  }
+  store = std::make_unique<ServerProcess>(KVTIER_STORE_BIN, dir_.sub("store"),
+                                          args(testing::FreePort()));
+  ASSERT_EQ(store->port(), port) << store->Log();
+  ASSERT_TRUE(WaitFor([&] { return c.control().RegisterNamespace(Spec256K()).ok(); }));
+  // One put, within its deadline: the kept session's dial gives up at half
+  // of it, and a new session names the store's new data address.
+  const auto began = std::chrono::steady_clock::now();
+  auto again = c.Put(ns->id, kBlock, second).get();
+  ASSERT_TRUE(again.ok()) << again.status() << "\n" << store->Log();
+  EXPECT_EQ(again->written, n);
+  EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::milliseconds(o.deadline_ms));
+  for (int q : queued) close(q);
+  close(hole);
 }
 
 TEST_F(DataPlaneFaults, AStoreWithoutADataPlaneSaysSo) {

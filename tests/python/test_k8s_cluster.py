@@ -10,8 +10,9 @@ answering the ``openai`` package from outside the pods, kvctl through
 ``kubectl exec``, and the faults a fleet meets: both store pods deleted
 (back warm from their volumes), the router pod deleted under load, a
 ``helm upgrade`` rolling the frontend under load, the engines scaled 2 -> 1
-(deletion costs, drain), an engine pod killed mid-stream and a store
-shard that hangs (NotReady, out of its Service).
+(deletion costs, drain), an engine pod killed mid-stream, a store shard
+that hangs (NotReady, out of its Service) and, last, a prefill pool added
+(prefill/decode through the store).
 
 Needs root and the project's Python environment (the engines' vLLM);
 without either it skips saying why (under CI=true, conftest fails a skip).
@@ -246,9 +247,16 @@ def test_a_deleted_store_pod_comes_back_warm_from_its_volume(
     )
     held = store_items(installed)
     assert held is not None
-    installed.kubectl("delete", "pod", "kv-store-0", "kv-store-1")
+    old = {p["metadata"]["uid"] for p in installed.pods("store")}
+    # Not kubectl's own wait for the deletion: the StatefulSet recreates
+    # each pod under its name within seconds, and that wait once missed it
+    # and ran out its 120 s. New pods (new uids), ready, are what counts.
+    installed.kubectl("delete", "pod", "kv-store-0", "kv-store-1", "--wait=false")
     wait_until(
-        lambda: len(installed.ready("store")) == 2,
+        lambda: len(
+            [p for p in installed.ready("store") if p["metadata"]["uid"] not in old]
+        )
+        == 2,
         lambda: "the store shards back:\n" + installed.describe(),
         180,
     )
@@ -711,3 +719,81 @@ def test_a_hung_store_leaves_its_service_and_fails_no_request(
     # The engines' clients skip a failed shard for a while (doubling):
     # their next probe of it finds it answering.
     wait_until(saved_to, f"the engines saving to {pod} again", 120)
+
+
+def test_prefill_and_decode_pools_hand_a_long_prompt_over_through_the_store(
+    installed: Cluster,
+) -> None:
+    """The chart's prefill pool (helm upgrade with engine.prefill.replicas=1;
+    last, as it changes the fleet): a long prompt through the frontend is
+    prefilled by the prefill engine, whose blocks the decode engine then
+    loads from the store instead of computing (37 of a 1,200-token prompt's
+    blocks: cached_tokens), as the route header says."""
+    installed.helm(
+        "upgrade",
+        RELEASE,
+        str(Path(__file__).resolve().parents[2] / "helm" / "kvtier"),
+        "--reuse-values",
+        "--set",
+        "engine.prefill.replicas=1",
+        "--wait",
+        "--timeout",
+        "5m",
+    )
+    prefill = wait_until(
+        lambda: installed.ready("engine-prefill"), "the prefill engine ready", 120
+    )
+    # The decode pool rolls (its engines gain the handoff budget): an old
+    # engine still draining would load only the blocks already there.
+    wait_until(
+        lambda: len(installed.pods("engine")) == len(installed.ready("engine")) == 2,
+        lambda: "the decode pool rolled:\n" + installed.describe(),
+        180,
+    )
+    at = f"{prefill[0]['status']['podIP']}:8000"
+    front = openai.OpenAI(
+        base_url=installed.service_url(f"{RELEASE}-frontend") + "/v1",
+        api_key="-",
+        max_retries=0,
+        timeout=120,
+    )
+
+    def handed_over() -> tuple[dict[str, str], Any] | None:
+        # A prompt no engine has seen on each try: one a try sent to a
+        # decode engine must not answer the next from that engine's cache.
+        raw = front.completions.with_raw_response.create(
+            model="tiny", prompt=token_prompt(37) + [7] * 16, max_tokens=4
+        )
+        route = route_of(raw.headers)
+        return (route, raw.parse()) if route.get("prefill") == at else None
+
+    # The frontend finds the new pool by DNS within its --dns-interval.
+    route, answer = wait_until(
+        handed_over, "a prompt prefilled by the prefill pool", 120
+    )
+    assert route["engine"] in engines(installed), route
+    assert route["handoff_blocks"] == "37", route
+    if cached(answer) != 37 * 32:
+        # What the engines (a handoff's outcome is logged) and the stores
+        # (their data planes' closes, a call that held a loop) said of it.
+        said = [f"{route} {answer.usage}; store items {store_items(installed)}"]
+        said += [
+            installed.log_tail(p["metadata"]["name"], 60, "kvtier")
+            for p in installed.pods("engine") + installed.pods("engine-prefill")
+        ]
+        said += [
+            installed.log_tail(p["metadata"]["name"], 60)
+            for p in installed.pods("store")
+        ]
+        for p in installed.pods("store"):
+            url = f"http://{p['status']['podIP']}:9400/metrics"
+            with urllib.request.urlopen(url, timeout=10) as r:
+                said.append(
+                    f"{p['metadata']['name']}: "
+                    + "; ".join(
+                        line
+                        for line in r.read().decode().splitlines()
+                        if "dataplane_closed" in line and not line.startswith("#")
+                    )
+                )
+        raise AssertionError("\n".join(said))

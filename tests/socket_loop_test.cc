@@ -12,6 +12,7 @@
 #include "cachestore/socket_dataplane.h"
 #include "common/socket_io.h"
 #include "tests/raw_hello.h"
+#include "tests/test_util.h"
 
 namespace kvtier {
 namespace {
@@ -68,13 +69,26 @@ TEST(SocketLoop, AHelloThatArrivedWhileItsLoopWasHeldUpIsReadNotTimedOut) {
   o.hello_timeout = std::chrono::duration_cast<std::chrono::milliseconds>(kHelloTimeout);
   auto plane = SocketDataPlane::Start("127.0.0.1:0", o);
   ASSERT_TRUE(plane.ok()) << plane.status();
-  std::promise<void> entered;
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  // A failed assertion below still lets the call end (the plane's loop
+  // joins when it goes).
+  struct Let {
+    std::promise<void>& go;
+    void Now() {
+      try {
+        go.set_value();
+      } catch (const std::future_error&) {  // let go already
+      }
+    }
+    ~Let() { Now(); }
+  } let{release};
   (*plane)->SetHandlers(
       [&](uint16_t, std::string_view, std::string_view) {
         entered.set_value();
-        // The slow call under test: it holds its loop past the hello
-        // deadline of the connection below.
-        std::this_thread::sleep_for(5 * kHelloTimeout);
+        // The slow call under test: it holds its loop until the test lets
+        // it go, past the hello deadline of the connection below.
+        released.wait();
         return SocketDataPlane::CallReply{0, "done"};
       },
       [](std::string_view, bool, uint64_t, uint64_t,
@@ -92,6 +106,8 @@ TEST(SocketLoop, AHelloThatArrivedWhileItsLoopWasHeldUpIsReadNotTimedOut) {
   // A second connection has its challenge: its hello is due within 200 ms.
   Raw late;
   ASSERT_TRUE(Open(port, &late).ok());
+  // Its deadline was set before its challenge was sent: by this, past.
+  const auto hello_due = std::chrono::steady_clock::now() + kHelloTimeout;
   // The first one's call holds the loop; the second's hello arrives then.
   const std::string body = "call";
   wire::Frame call;
@@ -102,6 +118,9 @@ TEST(SocketLoop, AHelloThatArrivedWhileItsLoopWasHeldUpIsReadNotTimedOut) {
   ASSERT_TRUE(net::WriteAll(busy.fd, v, 2, net::Clock::now() + 5s).ok());
   entered.get_future().wait();
   ASSERT_TRUE(SendHello(late).ok());
+  // The call ends only once the hello's deadline has passed.
+  ASSERT_TRUE(testing::WaitFor([&] { return std::chrono::steady_clock::now() > hello_due; }));
+  let.Now();
 
   EXPECT_EQ(ReplyCode(busy).value_or(-1), 0);
   // Sent in time, read late: the hello is answered, not timed out.

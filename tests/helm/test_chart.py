@@ -327,6 +327,20 @@ def check_engine(values, schema):
           kvt.get("kv_load_failure_policy") == "recompute", "vLLM loads kvtier's connector")
     extra = kvt.get("kv_connector_extra_config", {})
     check(extra.get("stores") == stores, "the connector gets every store shard")
+    check(extra.get("lookup_wait_ms") == 100 and extra.get("pin_wait_ms") == 1000,
+          "the connector's lookup and pin waits from engine.kvtier: %s" % extra)
+    # The connector refuses a key it does not know: its own Option(...)
+    # entries and the store client's.
+    conn_keys = set()
+    for part in (("integrations", "vllm_config.py"), ("options.py",)):
+        with open(os.path.join(ROOT, "python", "kvtier", *part)) as f:
+            conn_keys |= set(re.findall(r'Option\(\s*"(\w+)"', f.read()))
+    check("lookup_wait_ms" in conn_keys and set(extra) <= conn_keys,
+          "only keys the connector takes: %s" % sorted(set(extra) - conn_keys))
+    # vLLM's default (0) aborts the requests in flight on SIGTERM.
+    check(engine_arg(c["args"], "--shutdown-timeout") == "105",
+          "vLLM drains for the grace period less preStop and 5 s: %s"
+          % engine_arg(c["args"], "--shutdown-timeout"))
     check(extra.get("tls_ca") == "/etc/kvtier/tls/ca.crt" and
           any(m["mountPath"] == "/etc/kvtier/tls" for m in c.get("volumeMounts", [])),
           "TLS files mounted and passed to the connector")
@@ -499,8 +513,9 @@ def check_scaling(values, schema):
     objs = objects(render(v))
     pod = find(objs, "Deployment", "-engine")["spec"]["template"]["spec"]
     check(pod["terminationGracePeriodSeconds"] == 300 and
-          pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == "sleep 20",
-          "engine.drain sets the grace period and the preStop sleep")
+          pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == "sleep 20" and
+          engine_arg(pod["containers"][0]["args"], "--shutdown-timeout") == "275",
+          "engine.drain sets the grace period, the preStop sleep and vLLM's drain")
     fpod = find(objs, "Deployment", "-frontend")["spec"]["template"]["spec"]
     args = fpod["containers"][0]["args"]
     check(fpod.get("serviceAccountName") == "kv-frontend" and

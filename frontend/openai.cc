@@ -363,32 +363,6 @@ std::string DecodeBody(const Prepared& p, const json& params) {
   return req.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
-size_t SseEventsEnd(std::string_view s) {
-  const size_t lf = s.rfind("\n\n");
-  const size_t crlf = s.rfind("\r\n\r\n");
-  size_t end = 0;
-  if (lf != std::string_view::npos) end = lf + 2;
-  if (crlf != std::string_view::npos) end = std::max(end, crlf + 4);
-  return end;
-}
-
-bool FailsBeforeItsFirstToken(std::string_view events) {
-  for (absl::string_view line :
-       absl::StrSplit(absl::string_view(events.data(), events.size()), '\n')) {
-    line = absl::StripAsciiWhitespace(line);
-    if (line.empty() || line.front() == ':') continue;
-    if (!absl::ConsumePrefix(&line, "data:")) return false;
-    const json event =
-        json::parse(std::string(absl::StripLeadingAsciiWhitespace(line)), nullptr, false);
-    if (!event.is_object() || !event.contains("error") || !event["error"].is_object()) {
-      return false;
-    }
-    const json& code = event["error"].value("code", json());
-    return code.is_number_integer() && code.get<int64_t>() >= 500;
-  }
-  return false;
-}
-
 VllmLoad ParseVllmMetrics(absl::string_view text) {
   VllmLoad load;
   double usage_sum = 0;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
+#include "frontend/events.h"
 #include "frontend/text_model.h"
 #include "nlohmann/json.hpp"
 
@@ -138,17 +139,6 @@ struct Handoff {
 Handoff HandoffOf(absl::string_view answer, const std::string& kv_request_id);
 // The decode engine's request: `p`'s with the handoff's kv_transfer_params.
 std::string DecodeBody(const Prepared& p, const nlohmann::json& params);
-
-// Where the last whole event of a piece of an SSE stream ends: just past
-// the last blank line ("\n\n" or "\r\n\r\n"), 0 when no event in it is
-// whole. A stream is forwarded up to there; the rest waits for its end.
-size_t SseEventsEnd(std::string_view s);
-
-// Whether a piece of an SSE stream that no token of came before opens
-// with the engine's own failure: vLLM's `data: {"error": {..., "code":
-// 5xx}}`, sent in place of the first token when its engine core died
-// (comments before it skipped). A client's error (4xx) is not one.
-bool FailsBeforeItsFirstToken(std::string_view events);
 
 // GET /v1/models: the model this frontend serves and its LoRA adapters
 // (each with the model as its parent, as vLLM lists them).

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "frontend/events.h"
 #include "frontend/pool.h"
 
 namespace kvtier::frontend {
@@ -197,6 +198,10 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       fleet_.MarkDown(e, absl::StrCat("answer cut short: ", rec.message()));
       co_return Tried::kRetry;
     }
+    if (status == 200 && AbortedWithNoToken(body)) {  // a draining vLLM's
+      fleet_.AnswerFailed(e, "aborted the request before its first token");
+      co_return Tried::kRetry;
+    }
     if (answer->head_sent) {
       // An engine tried before began the client's event stream: this
       // answer (an error) ends it as an event.
@@ -238,7 +243,12 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
     answer->head_sent = true;
     answer->status = static_cast<int>(status);
   }
-  bool committed = false;  // this engine's bytes reached the client
+  // This engine's answer reached the client: its first token (or, not an
+  // event stream, its first bytes). Keep-alive comments before it are
+  // passed on without committing; events that answer nothing yet wait in
+  // `held` (a stream that ends with only those goes to another engine).
+  bool committed = false;
+  std::string held;
   Tried outcome = Tried::kDone;
   // An event stream goes to the client in whole events. A read of the
   // engine's backlog (a stream the frontend fell behind on) can end
@@ -270,6 +280,23 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       fleet_.AnswerFailed(e, "failed before its first token");
       co_return Tried::kRetry;  // the connection is dropped with `up`
     }
+    std::string flushed;  // what was held, then this piece
+    bool answers = !events;
+    if (!committed && events && !got.empty()) {
+      const StreamPiece piece = ClassifyEvents(got);
+      if (piece == StreamPiece::kNoAnswer) {
+        held.append(got);
+        got = {};
+      } else if (piece == StreamPiece::kAnswer) {
+        answers = true;
+        if (!held.empty()) {
+          flushed = std::move(held);
+          held.clear();
+          flushed.append(got);
+          got = flushed;
+        }
+      }
+    }
     if (!got.empty()) {
       // vLLM sends a stream's header at once, its first event with the
       // first token: until then the prompt waits in its prefill queue (a
@@ -280,7 +307,7 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       // A client that stops reading is cut after the client timeout,
       // freeing the engine's connection.
       client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
-      committed = true;
+      committed = committed || answers;
       auto piece = http::make_chunk(net::buffer(got.data(), got.size()));
       co_await net::async_write(client, piece, net::redirect_error(kAwait, ec));
     }
@@ -310,6 +337,13 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
     *client_keep = false;
     up->socket().close(ignored);
     co_return Tried::kClientGone;
+  }
+  if (outcome == Tried::kDone && !committed && !held.empty()) {
+    // The stream ended with no token: vLLM aborted the request (a draining
+    // engine does with one that reached it after SIGTERM). Nothing of it
+    // reached the client: another engine may answer.
+    fleet_.AnswerFailed(e, "ended its stream with no token");
+    co_return Tried::kRetry;
   }
   if (outcome != Tried::kDone || !parser->is_done()) {
     *client_keep = false;

@@ -29,7 +29,12 @@ class FakeEngine {
     kStatus500,            // 500, a JSON error
     kDiesBeforeAnEvent,    // an event stream's header, then the connection closed
     kHangsAfterItsHeader,  // an event stream's header, then nothing until closed
-    kSilent                // no answer at all until closed (a long prefill, unstreamed)
+    kSilent,               // no answer at all until closed (a long prefill, unstreamed)
+    // What vLLM answers for a request it aborted before its first token (a
+    // draining engine's, after SIGTERM): streamed, its header, a usage-only
+    // event and [DONE]; unstreamed, 200 with the choice finished "abort".
+    kAbortsStream,
+    kAbortsWhole
   };
 
   explicit FakeEngine(Mode mode) : mode(mode) {
@@ -121,6 +126,11 @@ class FakeEngine {
         if (m == Mode::kWhole) {
           again = answer(http::status::ok,
                          R"({"id":"cmpl-1","object":"text_completion","choices":[{"text":"ok"}]})");
+        } else if (m == Mode::kAbortsWhole) {
+          again = answer(http::status::ok,
+                         R"({"id":"cmpl-1","object":"text_completion","choices":[{"index":0,)"
+                         R"("text":"","finish_reason":"abort"}],"usage":{"prompt_tokens":7,)"
+                         R"("total_tokens":7,"completion_tokens":0}})");
         } else if (m == Mode::kStatus500) {
           again = answer(http::status::internal_server_error,
                          R"({"error":{"message":"engine trouble","type":"InternalServerError"}})");
@@ -155,6 +165,16 @@ class FakeEngine {
     if (m == Mode::kHangsAfterItsHeader) {
       char byte;
       s.read_some(boost::asio::buffer(&byte, 1), ec);  // until closed
+      return;
+    }
+    if (m == Mode::kAbortsStream) {
+      const std::string e =
+          "data: {\"id\":\"cmpl-1\",\"object\":\"text_completion\",\"choices\":[],"
+          "\"usage\":{\"prompt_tokens\":7,\"total_tokens\":7,\"completion_tokens\":0}}\n\n"
+          "data: [DONE]\n\n";
+      boost::asio::write(s, http::make_chunk(boost::asio::buffer(e)), ec);
+      boost::asio::write(s, http::make_chunk_last(), ec);
+      s.shutdown(tcp::socket::shutdown_send, ec);
       return;
     }
     for (int i = 0; i < events.load(); ++i) {

@@ -86,6 +86,50 @@ TEST(FrontendRelay, AStreamWhoseEngineDiesBeforeItsFirstEventGoesToAnother) {
   EXPECT_EQ(e1.completions.load(), 1);
 }
 
+// A draining vLLM (SIGTERM, --shutdown-timeout) aborts a request that
+// reaches it after the signal: no token, a usage-only event, [DONE]. The
+// cluster's engine-kill test saw clients get that as a whole answer of
+// nothing. It answers nothing: another engine does, and the client has its
+// tokens (and none of the aborted stream's events).
+TEST(FrontendRelay, AStreamAnEngineAbortedBeforeItsFirstTokenGoesToAnother) {
+  FakeEngine e0(FakeEngine::Mode::kAbortsStream), e1(FakeEngine::Mode::kStream);
+  auto fe = StartFrontend({&e0, &e1});
+  Answer a = Post(fe->port(), kStreamed);
+  ASSERT_EQ(a.status, 200);
+  EXPECT_TRUE(a.whole) << a.error;
+  EXPECT_NE(a.route.find("engine=e0"), std::string::npos) << a.route;
+  for (const char* t : {"t0", "t1", "t2", "[DONE]"}) {
+    EXPECT_NE(a.body.find(t), std::string::npos) << t << " not in " << a.body;
+  }
+  EXPECT_EQ(a.body.find("completion_tokens\":0"), std::string::npos) << a.body;
+  EXPECT_EQ(a.body.find("[DONE]"), a.body.rfind("[DONE]")) << a.body;
+  EXPECT_EQ(e0.completions.load(), 1);
+  EXPECT_EQ(e1.completions.load(), 1);
+}
+
+// Unstreamed, vLLM's abort is a 200 whose choice finished "abort" with no
+// text: another engine answers it.
+TEST(FrontendRelay, AWholeAnswerAbortedBeforeItsFirstTokenGoesToAnother) {
+  FakeEngine e0(FakeEngine::Mode::kAbortsWhole), e1(FakeEngine::Mode::kWhole);
+  auto fe = StartFrontend({&e0, &e1});
+  Answer a = Post(fe->port(), kCompletion);
+  ASSERT_EQ(a.status, 200) << a.body;
+  EXPECT_NE(a.route.find("engine=e1"), std::string::npos) << a.route;
+  EXPECT_NE(a.body.find("\"ok\""), std::string::npos) << a.body;
+  EXPECT_EQ(e0.completions.load(), 1);
+  EXPECT_EQ(e1.completions.load(), 1);
+}
+
+// Every engine aborting: the client is told no engine could serve it, never
+// given an empty answer as a whole one.
+TEST(FrontendRelay, AStreamEveryEngineAbortedEndsWithAnErrorEvent) {
+  FakeEngine e0(FakeEngine::Mode::kAbortsStream), e1(FakeEngine::Mode::kAbortsStream);
+  auto fe = StartFrontend({&e0, &e1});
+  Answer a = Post(fe->port(), kStreamed);
+  ASSERT_EQ(a.status, 200);
+  EXPECT_NE(a.body.find("no engine could serve"), std::string::npos) << a.body;
+}
+
 // When no engine can continue a stream that began, it ends with an error
 // event, as vLLM ends a stream that failed, never silently short.
 TEST(FrontendRelay, AStreamNoEngineCouldContinueEndsWithAnErrorEvent) {

@@ -274,6 +274,63 @@ TEST(OpenAi, AStreamOpeningWithAnEnginesOwnErrorFailsBeforeItsFirstToken) {
   EXPECT_FALSE(FailsBeforeItsFirstToken(""));
 }
 
+// vLLM ends a request it aborted before its first token (a draining
+// engine's, after SIGTERM) with no choice at all: a usage-only event when
+// the client asked for usage, then [DONE]. That answers nothing, and the
+// frontend holds it back; a token, a finish, an error answers.
+TEST(OpenAi, EventsThatCarryNoTokenAnswerNothing) {
+  EXPECT_EQ(ClassifyEvents(""), StreamPiece::kComments);
+  EXPECT_EQ(ClassifyEvents(": keep-alive\n\n"), StreamPiece::kComments);
+  EXPECT_EQ(ClassifyEvents("data: [DONE]\n\n"), StreamPiece::kNoAnswer);
+  EXPECT_EQ(ClassifyEvents("data: {\"id\": \"cmpl-1\", \"choices\": [], \"usage\": "
+                           "{\"completion_tokens\": 0}}\n\ndata: [DONE]\n\n"),
+            StreamPiece::kNoAnswer);
+  // A chat's role delta comes before its first token.
+  EXPECT_EQ(ClassifyEvents("data: {\"choices\": [{\"index\": 0, \"delta\": {\"role\": "
+                           "\"assistant\", \"content\": \"\"}, \"finish_reason\": null}]}\n\n"),
+            StreamPiece::kNoAnswer);
+  EXPECT_EQ(ClassifyEvents("data: {\"choices\": [{\"text\": \"\", \"finish_reason\": "
+                           "\"abort\"}]}\n\n"),
+            StreamPiece::kNoAnswer);
+  // Answers.
+  EXPECT_EQ(ClassifyEvents("data: {\"choices\": [{\"text\": \"Hi\"}]}\n\n"), StreamPiece::kAnswer);
+  EXPECT_EQ(ClassifyEvents(": ping\n\ndata: {\"choices\": [{\"delta\": {\"content\": "
+                           "\"Hi\"}}]}\n\n"),
+            StreamPiece::kAnswer);
+  EXPECT_EQ(ClassifyEvents("data: {\"choices\": [{\"delta\": {\"tool_calls\": [{\"id\": "
+                           "\"t\"}]}}]}\n\n"),
+            StreamPiece::kAnswer);
+  // A first token that is the end (EOS at once) still finishes: "stop".
+  EXPECT_EQ(ClassifyEvents("data: {\"choices\": [{\"text\": \"\", \"finish_reason\": "
+                           "\"stop\"}]}\n\n"),
+            StreamPiece::kAnswer);
+  EXPECT_EQ(ClassifyEvents("data: {\"error\": {\"message\": \"bad\", \"code\": 400}}\n\n"),
+            StreamPiece::kAnswer);
+  EXPECT_EQ(ClassifyEvents("data: not json\n\n"), StreamPiece::kAnswer);
+  EXPECT_EQ(ClassifyEvents("event: x\ndata: [DONE]\n\n"), StreamPiece::kAnswer);
+}
+
+TEST(OpenAi, AWholeAnswerAbortedBeforeItsFirstTokenIsNoAnswer) {
+  EXPECT_TRUE(AbortedWithNoToken(
+      "{\"choices\": [{\"index\": 0, \"text\": \"\", \"finish_reason\": \"abort\"}], "
+      "\"usage\": {\"prompt_tokens\": 7, \"completion_tokens\": 0}}"));
+  EXPECT_TRUE(AbortedWithNoToken(
+      "{\"choices\": [{\"message\": {\"role\": \"assistant\", \"content\": \"\"}, "
+      "\"finish_reason\": \"abort\"}]}"));
+  // Tokens made before the abort are an answer; so is any other finish.
+  EXPECT_FALSE(
+      AbortedWithNoToken("{\"choices\": [{\"text\": \"Hi\", \"finish_reason\": \"abort\"}], "
+                         "\"usage\": {\"completion_tokens\": 1}}"));
+  EXPECT_FALSE(
+      AbortedWithNoToken("{\"choices\": [{\"text\": \"\", \"finish_reason\": \"abort\"}], "
+                         "\"usage\": {\"completion_tokens\": 2}}"));
+  EXPECT_FALSE(
+      AbortedWithNoToken("{\"choices\": [{\"text\": \"\", \"finish_reason\": "
+                         "\"length\"}]}"));
+  EXPECT_FALSE(AbortedWithNoToken("{\"choices\": []}"));
+  EXPECT_FALSE(AbortedWithNoToken("not json"));
+}
+
 TEST(OpenAi, SseEventsEndIsJustPastTheLastBlankLine) {
   EXPECT_EQ(SseEventsEnd(""), 0u);
   EXPECT_EQ(SseEventsEnd("data: {\"a\":1}"), 0u);

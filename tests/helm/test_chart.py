@@ -338,8 +338,8 @@ def check_engine(values, schema):
     check("lookup_wait_ms" in conn_keys and set(extra) <= conn_keys,
           "only keys the connector takes: %s" % sorted(set(extra) - conn_keys))
     # vLLM's default (0) aborts the requests in flight on SIGTERM.
-    check(engine_arg(c["args"], "--shutdown-timeout") == "105",
-          "vLLM drains for the grace period less preStop and 5 s: %s"
+    check(engine_arg(c["args"], "--shutdown-timeout") == "95",
+          "vLLM drains for the grace period less preStop and 15 s: %s"
           % engine_arg(c["args"], "--shutdown-timeout"))
     check(extra.get("tls_ca") == "/etc/kvtier/tls/ca.crt" and
           any(m["mountPath"] == "/etc/kvtier/tls" for m in c.get("volumeMounts", [])),
@@ -514,7 +514,7 @@ def check_scaling(values, schema):
     pod = find(objs, "Deployment", "-engine")["spec"]["template"]["spec"]
     check(pod["terminationGracePeriodSeconds"] == 300 and
           pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == "sleep 20" and
-          engine_arg(pod["containers"][0]["args"], "--shutdown-timeout") == "275",
+          engine_arg(pod["containers"][0]["args"], "--shutdown-timeout") == "265",
           "engine.drain sets the grace period, the preStop sleep and vLLM's drain")
     fpod = find(objs, "Deployment", "-frontend")["spec"]["template"]["spec"]
     args = fpod["containers"][0]["args"]

@@ -68,6 +68,14 @@ class Cluster:
             raise AssertionError(f"kubectl {' '.join(args)}: {out.stderr}")
         return out.stdout
 
+    def follow_log(self, pod: str, path: Path) -> subprocess.Popen[bytes]:
+        """`kubectl logs -f` of a pod into `path`: what a pod that is going
+        away said to its end (stop it by its pid when done)."""
+        with open(path, "wb") as out:
+            return subprocess.Popen([str(self.bin / "kubectl"), "logs", "-f", pod,
+                                     "--all-containers"], env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
+
     def helm(self, *args: str, timeout: float = 900) -> str:
         """helm's output; AssertionError with its output on failure."""
         out = subprocess.run([str(HELM), *args], env=self.env, capture_output=True,

@@ -524,6 +524,10 @@ def test_scaling_engines_down_removes_the_one_holding_less_sole_kv(
     )
     name = pods[leave]["metadata"]["name"]
     grace = int(pods[leave]["spec"]["terminationGracePeriodSeconds"])
+    # What the leaving engine says to its end (its drain: vLLM's
+    # "[shutdown]" lines), for a failure to explain with.
+    said = installed.tmp / f"{name}.log"
+    follower = installed.follow_log(name, said)
     load = Load(installed.service_url(f"{RELEASE}-frontend"))
     # The API server stamps a deleted pod with the time its grace period
     # ends (deletionTimestamp, whole seconds): gone before it, its preStop
@@ -551,17 +555,23 @@ def test_scaling_engines_down_removes_the_one_holding_less_sole_kv(
         gone_at = time.time()
     finally:
         load.stop()
+        # Its pod gone, `kubectl logs -f` has ended on its own.
+        follower.terminate()
+        follower.wait(timeout=30)
     try:
         assert list(engines(installed)) == [keep], (keep, list(engines(installed)))
+        drain = "\n".join(
+            ln for ln in said.read_text(errors="replace").splitlines()
+            if "shutdown" in ln or "drain" in ln
+        )[-4000:]  # fmt: skip
         if ended:
             # The container's own end, as the runtime stamped it: a busy
             # node's kubelet may remove the pod object seconds later.
-            assert ended["exitCode"] != 137, f"the engine was killed: {ended}"
-            assert when(ended["finishedAt"]) < deadline + 1, (ended, deadline)
+            assert ended["exitCode"] != 137, f"the engine was killed: {ended}\n{drain}"
+            assert when(ended["finishedAt"]) < deadline + 1, (ended, deadline, drain)
         else:
-            assert (
-                gone_at < deadline + 1
-            ), f"the pod went {gone_at - deadline:.0f} s past its grace period's end"
+            late = gone_at - deadline
+            assert late < 1, f"the pod went {late:.0f} s past its grace period\n{drain}"
         assert not load.errors, load.errors[:5]
         answer = engine_client(keep).completions.create(
             model="tiny", prompt=hot, max_tokens=1

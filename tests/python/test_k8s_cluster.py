@@ -769,6 +769,11 @@ def test_prefill_and_decode_pools_hand_a_long_prompt_over_through_the_store(
         "--reuse-values",
         "--set",
         "engine.prefill.replicas=1",
+        # The decode's wait for the prefill's blocks: a busy node's prefill
+        # took over the chart's 5 s to save 37 (32 there at 5 s, one run
+        # beside a CPU hog).
+        "--set",
+        "engine.prefill.handoffWaitMs=20000",
         "--wait",
         "--timeout",
         "5m",

@@ -69,10 +69,25 @@ TEST(FrontendRelay, AnEngineWhoseAnswersKeepFailingIsSkipped) {
   EXPECT_EQ(e1.completions.load(), 5);
 }
 
-// vLLM sends a stream's header before its prefill: an engine that dies
-// before the first event has sent the client nothing, and another answers.
-TEST(FrontendRelay, AStreamWhoseEngineDiesBeforeItsFirstEventGoesToAnother) {
-  FakeEngine e0(FakeEngine::Mode::kDiesBeforeAnEvent), e1(FakeEngine::Mode::kStream);
+// A stream's first engine fails before its first token, in either way an
+// engine does: it dies before its first event (vLLM sends a stream's
+// header before its prefill), or, draining (SIGTERM, --shutdown-timeout),
+// it aborts a request that reached it after the signal: no token, a
+// usage-only event, [DONE] (the cluster's engine-kill test saw clients get
+// that as a whole answer of nothing).
+class FrontendFailsBeforeAToken : public ::testing::TestWithParam<FakeEngine::Mode> {};
+
+INSTANTIATE_TEST_SUITE_P(Ways, FrontendFailsBeforeAToken,
+                         ::testing::Values(FakeEngine::Mode::kDiesBeforeAnEvent,
+                                           FakeEngine::Mode::kAbortsStream),
+                         [](const auto& info) {
+                           return info.param == FakeEngine::Mode::kAbortsStream ? "Aborts" : "Dies";
+                         });
+
+// Nothing of it reached the client: another engine answers, and the client
+// has its tokens and none of the failed stream's events.
+TEST_P(FrontendFailsBeforeAToken, AStreamGoesToAnotherEngine) {
+  FakeEngine e0(GetParam()), e1(FakeEngine::Mode::kStream);
   auto fe = StartFrontend({&e0, &e1});
   Answer a = Post(fe->port(), kStreamed);
   ASSERT_EQ(a.status, 200);
@@ -82,29 +97,25 @@ TEST(FrontendRelay, AStreamWhoseEngineDiesBeforeItsFirstEventGoesToAnother) {
   for (const char* t : {"t0", "t1", "t2", "[DONE]"}) {
     EXPECT_NE(a.body.find(t), std::string::npos) << t << " not in " << a.body;
   }
-  EXPECT_EQ(e0.completions.load(), 1);
-  EXPECT_EQ(e1.completions.load(), 1);
-}
-
-// A draining vLLM (SIGTERM, --shutdown-timeout) aborts a request that
-// reaches it after the signal: no token, a usage-only event, [DONE]. The
-// cluster's engine-kill test saw clients get that as a whole answer of
-// nothing. It answers nothing: another engine does, and the client has its
-// tokens (and none of the aborted stream's events).
-TEST(FrontendRelay, AStreamAnEngineAbortedBeforeItsFirstTokenGoesToAnother) {
-  FakeEngine e0(FakeEngine::Mode::kAbortsStream), e1(FakeEngine::Mode::kStream);
-  auto fe = StartFrontend({&e0, &e1});
-  Answer a = Post(fe->port(), kStreamed);
-  ASSERT_EQ(a.status, 200);
-  EXPECT_TRUE(a.whole) << a.error;
-  EXPECT_NE(a.route.find("engine=e0"), std::string::npos) << a.route;
-  for (const char* t : {"t0", "t1", "t2", "[DONE]"}) {
-    EXPECT_NE(a.body.find(t), std::string::npos) << t << " not in " << a.body;
-  }
   EXPECT_EQ(a.body.find("completion_tokens\":0"), std::string::npos) << a.body;
   EXPECT_EQ(a.body.find("[DONE]"), a.body.rfind("[DONE]")) << a.body;
   EXPECT_EQ(e0.completions.load(), 1);
   EXPECT_EQ(e1.completions.load(), 1);
+}
+
+// When no engine can continue a stream that began, it ends with an error
+// event, as vLLM ends a stream that failed, never silently short nor as a
+// whole answer of nothing.
+TEST_P(FrontendFailsBeforeAToken, AStreamNoEngineCouldContinueEndsWithAnErrorEvent) {
+  FakeEngine e0(GetParam()), e1(GetParam());
+  auto fe = StartFrontend({&e0, &e1});
+  Answer a = Post(fe->port(), kStreamed);
+  ASSERT_EQ(a.status, 200);
+  EXPECT_TRUE(a.whole) << a.error;
+  EXPECT_NE(a.body.find("\"error\""), std::string::npos) << a.body;
+  EXPECT_NE(a.body.find("no engine could serve"), std::string::npos) << a.body;
+  EXPECT_NE(a.body.find("[DONE]"), std::string::npos) << a.body;
+  EXPECT_EQ(e0.completions.load() + e1.completions.load(), 2);
 }
 
 // Unstreamed, vLLM's abort is a 200 whose choice finished "abort" with no
@@ -118,30 +129,6 @@ TEST(FrontendRelay, AWholeAnswerAbortedBeforeItsFirstTokenGoesToAnother) {
   EXPECT_NE(a.body.find("\"ok\""), std::string::npos) << a.body;
   EXPECT_EQ(e0.completions.load(), 1);
   EXPECT_EQ(e1.completions.load(), 1);
-}
-
-// Every engine aborting: the client is told no engine could serve it, never
-// given an empty answer as a whole one.
-TEST(FrontendRelay, AStreamEveryEngineAbortedEndsWithAnErrorEvent) {
-  FakeEngine e0(FakeEngine::Mode::kAbortsStream), e1(FakeEngine::Mode::kAbortsStream);
-  auto fe = StartFrontend({&e0, &e1});
-  Answer a = Post(fe->port(), kStreamed);
-  ASSERT_EQ(a.status, 200);
-  EXPECT_NE(a.body.find("no engine could serve"), std::string::npos) << a.body;
-}
-
-// When no engine can continue a stream that began, it ends with an error
-// event, as vLLM ends a stream that failed, never silently short.
-TEST(FrontendRelay, AStreamNoEngineCouldContinueEndsWithAnErrorEvent) {
-  FakeEngine e0(FakeEngine::Mode::kDiesBeforeAnEvent), e1(FakeEngine::Mode::kDiesBeforeAnEvent);
-  auto fe = StartFrontend({&e0, &e1});
-  Answer a = Post(fe->port(), kStreamed);
-  ASSERT_EQ(a.status, 200);
-  EXPECT_TRUE(a.whole) << a.error;
-  EXPECT_NE(a.body.find("\"error\""), std::string::npos) << a.body;
-  EXPECT_NE(a.body.find("no engine could serve"), std::string::npos) << a.body;
-  EXPECT_NE(a.body.find("[DONE]"), std::string::npos) << a.body;
-  EXPECT_EQ(e0.completions.load() + e1.completions.load(), 2);
 }
 
 // The frontend forwards token ids: an engine whose tokenizer gives other

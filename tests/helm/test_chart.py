@@ -329,6 +329,13 @@ def check_engine(values, schema):
     check(extra.get("stores") == stores, "the connector gets every store shard")
     check(extra.get("lookup_wait_ms") == 100 and extra.get("pin_wait_ms") == 1000,
           "the connector's lookup and pin waits from engine.kvtier: %s" % extra)
+    # Bounded as the connector bounds them (it refuses what is outside).
+    for key, bad in (("lookupWaitMs", 0), ("lookupWaitMs", 60001), ("pinWaitMs", 0),
+                     ("pinWaitMs", "1s")):
+        w = copy.deepcopy(v)
+        w["engine"]["kvtier"][key] = bad
+        check_schema_refuses(w["engine"], schema["properties"]["engine"], "kvtier",
+                             ((key, bad),))
     # The connector refuses a key it does not know: its own Option(...)
     # entries and the store client's.
     conn_keys = set()

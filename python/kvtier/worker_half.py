@@ -46,6 +46,7 @@ import numpy as np
 
 from kvtier.connector import Connector
 from kvtier.errors import KvtierError
+from kvtier.cpus import bind_thread
 from kvtier.save_lane import SaveLane
 from kvtier.step_plan import LoadSpec, SaveSpec, StepMeta
 
@@ -65,8 +66,12 @@ class WorkerHalf:
 
     def __init__(self, connector: Connector, load_threads: int = 2,
                  stream_fence: Optional[Callable[[], Any]] = None,
-                 pin_wait_ms: Optional[float] = None) -> None:
+                 pin_wait_ms: Optional[float] = None,
+                 cpus: frozenset[int] = frozenset()) -> None:
         self.connector = connector
+        # The CPUs its loader and closer threads run on (kvtier.cpus;
+        # empty: their creator's).
+        self._cpus = cpus
         self._stream_fence = stream_fence
         # How long a load's pin waits for the store (None: the client's
         # deadline): past it the load fails and the engine computes.
@@ -125,7 +130,8 @@ class WorkerHalf:
         if self._loader is None:
             self._loader = concurrent.futures.ThreadPoolExecutor(
                 max_workers=self._load_threads,
-                thread_name_prefix="kvtier-load")
+                thread_name_prefix="kvtier-load",
+                initializer=bind_thread, initargs=(self._cpus,))
         fence = self._stream_fence() if self._stream_fence else None
         for spec in step.loads:
             with self._lock:
@@ -321,6 +327,7 @@ class WorkerHalf:
             self._closing.put(request)
 
     def _close_loop(self) -> None:
+        bind_thread(self._cpus)
         while True:
             request = self._closing.get()
             if request is None:

@@ -33,9 +33,12 @@ BS = 16
 class Worker:
     """The worker process."""
 
-    def __init__(self, stores: list[str], **extra: Any) -> None:
+    def __init__(self, stores: list[str], compute_cpus: str = "",
+                 **extra: Any) -> None:
         env = engine_env()
         env["PYTHONPATH"] += ":" + str(HERE)
+        if compute_cpus:  # its main thread bound there, as vLLM's CPU build
+            env["KVTIER_TEST_COMPUTE_CPUS"] = compute_cpus
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "vllm_worker.py"), ",".join(stores),
              json.dumps(extra)],
@@ -386,6 +389,9 @@ def test_a_burst_is_one_lookup_per_step_and_every_request_hits(
     ({"load_threads": 0}, '"load_threads" takes an integer from 1'),
     ({"handoff_wait_ms": 0}, '"handoff_wait_ms" takes a number'),
     ({"handoff_wait_ms": 700000}, '"handoff_wait_ms" takes a number'),
+    ({"thread_cpus": "0;1"}, '"thread_cpus": \'0;1\' is not a CPU'),
+    ({"thread_cpus": "0-65535"}, '"thread_cpus": CPUs .* are not this'),
+    ({"thread_cpus": 3}, '"thread_cpus" takes a string'),
 ])
 def test_a_bad_setting_is_refused_at_start_up_naming_its_key(
         extra: dict, says: str) -> None:
@@ -1166,3 +1172,51 @@ def test_a_stalled_store_costs_saves_never_steps_and_pages_come_back(
         assert r["counts"].get("saved_blocks") == 6, r["counts"]
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize("setting", ["auto", "inherit"])
+def test_kvtiers_threads_keep_off_the_cores_vllm_computes_on(
+        store, setting: str) -> None:
+    """Issue #64. vLLM's CPU build binds a worker's main thread, its
+    OpenMP master, to the worker's compute cores, and a thread starts with
+    its creator's binding. With ``thread_cpus`` "auto" (the default) every
+    thread kvtier's connector starts in the worker (the C++ offloaders,
+    committers and data plane, the save lane, the closer, the loaders)
+    runs on the process's other cores, through a save, a finish and a
+    load; the main thread keeps its own. With "inherit" they all share
+    the compute core."""
+    from kvtier.cpus import process_cpus
+    cpus = process_cpus()
+    if len(cpus) < 2:
+        pytest.skip(f"one CPU ({sorted(cpus)}): nothing could be spare")
+    compute = min(cpus)
+    w = Worker([store.address], compute_cpus=str(compute),
+               thread_cpus=setting)
+    try:
+        sched = KvtierConnector(v.config([store.address],
+                                         thread_cpus=setting),
+                                KVConnectorRole.SCHEDULER)
+        prompt = np.random.default_rng(47).integers(0, 4096, 100).tolist()
+        seeds = {b: 300 + b for b in range(7)}
+        n, r, _ = run_new(sched, w, "A", prompt, list(range(7)), seeds,
+                          await_copies=1)
+        assert n == 0 and len(r["copies"]) == 1, r
+        assert sched.request_finished(v.Request("A", prompt),
+                                      list(range(7))) == (True, None)
+        meta = sched.build_connector_meta(v.SchedulerOutput())
+        assert w.step(pickle.loads(pickle.dumps(meta)), [],
+                      await_sent=("A",))["sent"] == ["A"]
+        probe = kvtier.StoreClient([store.address])
+        ns = sched._scheduler.namespace
+        wait_until(lambda: probe.lookup(ns, kvtier.hash_tokens(ns, prompt))
+                   >= 6, "A's blocks to be stored", timeout=10)
+        n, r, _ = run_new(sched, w, "B", prompt, list(range(7, 14)), seeds)
+        assert n == 6 * BS and r["errors"] == [], r
+        threads = w.call(op="threads")
+    finally:
+        w.stop()
+    assert threads["main"] == [compute]
+    started = threads["started"].values()
+    assert len(started) >= 4, threads  # lane, offloader, committer, loader
+    want = sorted(cpus - {compute}) if setting == "auto" else [compute]
+    assert {name: on for name, on in started if on != want} == {}, threads

@@ -11,15 +11,18 @@ kvtier-store."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
+import pytest
 import torch
 
 import kvtier
+import kvtier.cpus
 from kvtier.save_lane import SaveLane
 from kvtier.scheduler_half import LoadSpec, SaveSpec, StepMeta
 from kvtier.worker_half import WorkerHalf
@@ -288,3 +291,68 @@ def test_released_pages_get_no_copy_and_the_release_waits_for_a_running_one(
                                       "save_skipped_released": 4}
     finally:
         lane.close()
+
+
+# ------------------------------------------- kvtier's threads and the cores
+
+
+def _on_cpus(cpus: frozenset[int], fn: Callable[[], Any]) -> Any:
+    """fn's result on a thread of its own bound to ``cpus`` (as vLLM's CPU
+    build binds a worker's main thread to its compute cores)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        kvtier.cpus.bind_thread(cpus)
+        out.append(fn())
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_cpu_lists_parse_and_bad_ones_are_refused_by_name() -> None:
+    from kvtier.cpus import parse_cpu_list, resolve
+    assert parse_cpu_list("0-3,8, 10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpu_list("5") == {5}
+    for bad, says in (("a-3", "'a-3' is not a CPU"), ("4-2", "backwards")):
+        with pytest.raises(ValueError, match=says):
+            parse_cpu_list(bad)
+    assert resolve("inherit") == frozenset() == resolve("")
+    with pytest.raises(kvtier.errors.InvalidArgument,
+                       match=r'thread_cpus: .*"auto", "inherit"'):
+        resolve("1;2")
+    with pytest.raises(kvtier.errors.InvalidArgument,
+                       match=r"thread_cpus: CPUs \[4096\] are not this "
+                       r"process's \(it may use "):
+        resolve("0,4096")
+
+
+def test_threads_started_under_threads_on_run_off_the_bound_cores() -> None:
+    """Issue #64. A thread bound to some of the process's CPUs (vLLM's
+    compute thread) finds the rest spare; threads it starts inside
+    ``threads_on(spare)`` run there, and it keeps its own binding; with
+    nothing spare nothing changes."""
+    from kvtier.cpus import process_cpus, spare_cpus, threads_on
+    cpus = process_cpus()
+    if len(cpus) < 2:
+        pytest.skip(f"one CPU ({sorted(cpus)}): nothing could be spare")
+    compute = frozenset([min(cpus)])
+
+    def start_one() -> tuple[frozenset[int], set[int], set[int]]:
+        spare = spare_cpus()
+        seen: list[set[int]] = []
+        with threads_on(spare):
+            t = threading.Thread(target=lambda: seen.append(
+                os.sched_getaffinity(0)))
+            t.start()
+        t.join()
+        return spare, seen[0], os.sched_getaffinity(0)
+
+    spare, child, own = _on_cpus(compute, start_one)
+    assert spare == cpus - compute
+    assert child == spare
+    assert own == compute
+    # A thread that may run anywhere has nothing spare: its threads keep
+    # its binding.
+    spare, child, own = _on_cpus(cpus, start_one)
+    assert spare == frozenset() and child == own == cpus

@@ -9,7 +9,11 @@ nothing do, polls get_finished until the step's loads have ended (and the
 requests named in ``await_sent`` are reported sent: their saves copied
 out, and ``await_copies`` saves were copied). Each answer says where and
 when the connector's saves ran. ``{"op": "stats"}`` answers the primary
-connector's counters (kvtier.Connector.stats)."""
+connector's counters (kvtier.Connector.stats); ``{"op": "threads"}`` each
+thread started since the connector was made, with its name and the CPUs it
+may run on, and the main thread's CPUs. With ``KVTIER_TEST_COMPUTE_CPUS``
+(a CPU list) the main thread is bound to those first, as vLLM's CPU build
+binds a worker's main thread (its OpenMP master) to its compute cores."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch  # noqa: E402
 from kvtier.integrations.vllm import (  # noqa: E402
     KvtierConnector, KvtierConnectorMetadata, KVConnectorRole)
 import vllm_shapes  # noqa: E402
+from kvtier.cpus import parse_cpu_list  # noqa: E402
 
 PAGES = 40
 
@@ -35,6 +40,20 @@ def fill(kv: torch.Tensor, page: int, seed: int) -> None:
     """What the model computes into a page: a function of the block."""
     g = torch.Generator().manual_seed(seed)
     kv[:, page].copy_(torch.randn(kv[:, page].shape, generator=g).half())
+
+
+def started_threads(before: set[str]) -> dict[str, tuple[str, list[int]]]:
+    """Each thread of this process not in ``before``: its name and the
+    CPUs it may run on."""
+    out = {}
+    for tid in set(os.listdir("/proc/self/task")) - before:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            out[tid] = (name, sorted(os.sched_getaffinity(int(tid))))
+        except OSError:  # it ended
+            pass
+    return out
 
 
 def main() -> None:
@@ -47,6 +66,10 @@ def main() -> None:
     kv_caches = {n: torch.zeros(2, PAGES, cfg.cache_config.block_size,
                                 mc.kv_heads, mc.head_size,
                                 dtype=torch.float16) for n in names}
+    compute = os.environ.get("KVTIER_TEST_COMPUTE_CPUS")
+    if compute:
+        os.sched_setaffinity(0, parse_cpu_list(compute))
+    before = set(os.listdir("/proc/self/task"))
     conn = KvtierConnector(cfg, KVConnectorRole.WORKER)
     conn.register_kv_caches(kv_caches)
     # Where each save's copy ran: (thread name, when it ended).
@@ -63,6 +86,9 @@ def main() -> None:
             break
         if msg["op"] == "stats":
             out = conn._workers[0].connector.stats()
+        elif msg["op"] == "threads":
+            out = {"main": sorted(os.sched_getaffinity(0)),
+                   "started": started_threads(before)}
         elif msg["op"] == "read":
             out = {p: [kv_caches[n][:, p].clone() for n in names]
                    for p in msg["pages"]}

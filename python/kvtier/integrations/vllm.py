@@ -46,6 +46,7 @@ from typing import Any, Optional
 import numpy as np
 
 import kvtier
+from kvtier.cpus import resolve
 from kvtier.hooks import SchedulerHalf, WorkerHalf, request_key
 from kvtier.integrations.vllm_base import KVConnectorRole, SupportsHMA
 from kvtier.integrations.vllm_config import (
@@ -78,6 +79,9 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
         self._lookup_wait_ms = float(opts["lookup_wait_ms"])
         self._save_queue_blocks = int(opts["save_queue_blocks"])
         self._save_budget_ms = float(opts["save_budget_ms"])
+        self._thread_cpus = str(opts["thread_cpus"])
+        resolve(self._thread_cpus,  # refused here, at start, when wrong
+                'kv_connector_extra_config: "thread_cpus"')
         self._lane = None
         self._store_taken = {}
         self._block_size = int(vllm_config.cache_config.block_size)

@@ -7,18 +7,20 @@ and the metadata the scheduler side sends them.
 it relies on the attributes the connector's ``__init__`` sets (``_stores``,
 ``_opts``, ``_staging``, ``_load_threads``, ``_pin_wait_ms``,
 ``_namespaces``, ``_primary``, ``_workers``, ``_group_loads``,
-``_load_errors``, ``_scheduler``) and on vLLM's base class for the bound
-metadata. Every decision is in kvtier.worker_half.
+``_load_errors``, ``_scheduler``, ``_thread_cpus``) and on vLLM's base
+class for the bound metadata. Every decision is in kvtier.worker_half.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import kvtier
+from kvtier.cpus import resolve, threads_on
 from kvtier.hooks import SchedulerHalf, StepMeta, WorkerHalf
 from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
                                            KVConnectorMetadata)
@@ -66,6 +68,7 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
     _save_queue_blocks: int
     _save_budget_ms: float
     _offload_nice: int
+    _thread_cpus: str
     _store_taken: dict[str, int]
 
 
@@ -79,25 +82,37 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         whole, as opaque bytes (the namespace records the layout). Older
         vLLM: 5-D ``[2, blocks, ...]`` or ``[blocks, 2, ...]`` tensors."""
         kc = self._kv_config()
+        cpus = frozenset[int]()
         for g, ns in enumerate(self._namespaces):
             tensors, layout = engine_tensors(kv_caches, kc, g, ns)
-            conn = kvtier.Connector(ns, tensors, stores=self._stores,
-                                    layout=layout,
-                                    staging_blocks=self._staging,
-                                    offload_nice=self._offload_nice,
-                                    **self._opts)
+            # CPU pages: kvtier's threads off the cores vLLM computes on.
+            cpus = (frozenset() if tensors[0].is_cuda else
+                    resolve(self._thread_cpus, 'kv_connector_extra_config: '
+                            '"thread_cpus"'))
+            with threads_on(cpus):
+                conn = kvtier.Connector(ns, tensors, stores=self._stores,
+                                        layout=layout,
+                                        staging_blocks=self._staging,
+                                        offload_nice=self._offload_nice,
+                                        **self._opts)
             # CUDA pages: every copy ordered after the engine's stream work
             # (kvtier.worker_half, "Ordered against the engine's stream").
             fence = cuda_stream_fence if tensors[0].is_cuda else None
             self._workers.append(WorkerHalf(
                 conn, load_threads=self._load_threads, stream_fence=fence,
-                pin_wait_ms=self._pin_wait_ms))
+                pin_wait_ms=self._pin_wait_ms, cpus=cpus))
             log.info("kvtier connector: namespace %016x (%s), %d layers of "
                      "%d pages, stores %s", ns.id,
                      ns.layout or "kvtier's layout", len(tensors),
                      conn.num_pages, ",".join(self._stores))
         self._worker = self._workers[self._primary]
-        self._lane = SaveLane(self._save_queue_blocks, self._save_budget_ms)
+        with threads_on(cpus):
+            self._lane = SaveLane(self._save_queue_blocks,
+                                  self._save_budget_ms)
+        if cpus:
+            log.info("kvtier connector: its threads on CPUs %s (vLLM "
+                     "computes on %s)", ",".join(map(str, sorted(cpus))),
+                     ",".join(map(str, sorted(os.sched_getaffinity(0)))))
 
     def store_counts(self) -> dict[str, int]:
         """Of this worker's saves, the blocks the store wrote

@@ -61,6 +61,28 @@ def ttfts(engine, prompts: list[list[int]]) -> tuple[list[float], int]:
     return out, cached
 
 
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return v[3] + v[4], sum(v)   # idle + iowait, all
+
+
+def quiet_host(idle: float = 0.9, window_s: float = 0.5,
+               timeout_s: float = 30) -> float:
+    """Waits until the host's CPUs were ``idle`` (a fraction) over a
+    window, at most ``timeout_s``: what the last engine left running (its
+    processes exiting, the store writing its saves) finishes before the
+    next engine is timed. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        i0, a0 = _cpu_times()
+        time.sleep(window_s)
+        i1, a1 = _cpu_times()
+        if a1 > a0 and (i1 - i0) / (a1 - a0) >= idle:
+            break
+    return time.monotonic() - t0
+
+
 def ratio(x: float, ref: float) -> str:
     return f"{x / ref:.2f}" if ref > 0 else "-"
 
@@ -188,27 +210,46 @@ def ttft_cases(args: argparse.Namespace, work: Path, store: Store) -> None:
 
 
 def small_kv_pair(args: argparse.Namespace, work: Path, store: Store,
-                  tag: str, prompts: list[list[int]], first_round: bool
+                  tag: str, sets: list[list[list[int]]], first_round: bool
                   ) -> dict[str, tuple[float, dict]]:
-    """vLLM alone, then kvtier, each a fresh engine with KV memory for 1.5
-    of ``prompts``: (seconds, outputs) of all of them asked at once (after
-    each was asked alone first, with ``first_round``)."""
+    """vLLM alone and kvtier, both started (fresh engines with KV memory
+    for 1.5 of a set's prompts) before either is timed, each given every
+    set in turn, A B then B A (alone first for even sets, kvtier first for
+    odd ones; the host quiet before each): the engine's (seconds summed
+    over the sets, outputs of all the sets) of each set asked at once
+    (after each prompt was asked alone first, with ``first_round``). An
+    idle engine uses no CPU."""
     from vllm_engine import Engine
-    res = {}
+    engines = {}
     for label, stores in (("vLLM alone", ""), ("+ kvtier", store.address)):
         flags = ({"save_policy": args.save_policy}
                  if stores and args.save_policy else {})
-        e = Engine(str(work / f"{tag}-{label[:4]}.log"), stores=stores,
-                   env=bench_env(), num_blocks=int(1.5 * args.prefix / 32),
-                   max_model_len=args.prefix + args.decode + 64, **flags)
-        e.generate([prompt(7, 64)], max_tokens=1)  # warm up
-        if first_round:
-            for p in prompts:
-                e.generate([p], max_tokens=1)
-        t = time.monotonic()
-        out = e.generate(prompts, max_tokens=args.decode)
-        res[label] = (time.monotonic() - t, out)
-        e.stop()
+        if stores and args.connector_extra:
+            flags["connector_extra"] = args.connector_extra
+        engines[label] = Engine(
+            str(work / f"{tag}-{label[:4]}.log"), stores=stores,
+            env=bench_env(), num_blocks=int(1.5 * args.prefix / 32),
+            max_model_len=args.prefix + args.decode + 64, **flags)
+    res: dict[str, tuple[float, dict]] = {
+        label: (0.0, {"outputs": []}) for label in engines}
+    try:
+        for e in engines.values():
+            e.generate([prompt(7, 64)], max_tokens=1)  # warm up
+        for j, prompts in enumerate(sets):
+            order = list(engines.items())
+            for label, e in (order[::-1] if j % 2 else order):
+                if first_round:
+                    for p in prompts:
+                        e.generate([p], max_tokens=1)
+                quiet_host()
+                t = time.monotonic()
+                out = e.generate(prompts, max_tokens=args.decode)
+                took, acc = res[label]
+                acc["outputs"] += out["outputs"]
+                res[label] = (took + time.monotonic() - t, acc)
+    finally:
+        for e in engines.values():
+            e.stop()
     return res
 
 
@@ -216,7 +257,8 @@ def report_pair(i: int, res: dict[str, tuple[float, dict]], tokens: int,
                 ratios: list[float]) -> None:
     """Each engine's line, then the pair's throughput ratio (appended to
     ``ratios``) and whether their outputs are identical."""
-    for label, (took, out) in res.items():
+    for label in ("vLLM alone", "+ kvtier"):
+        took, out = res[label]
         outs = out["outputs"]
         t = sorted(o["ttft"] for o in outs)
         cached = sum(o["cached"] for o in outs)
@@ -254,10 +296,13 @@ def small_kv(args: argparse.Namespace, work: Path, store: Store,
     ratios: list[float] = []
     for i in range(args.repeat):
         seed = (9000 if reuse else 3000) + 100 * i
-        prompts = [prompt(seed + j, args.prefix) for j in range(k)]
+        # Two sets of fresh prompts a pair, A B then B A.
+        sets = [[prompt(seed + 50 * h + j, args.prefix) for j in range(k)]
+                for h in range(2)]
         res = small_kv_pair(args, work, store, f"{'e' if reuse else 'd'}-{i}",
-                            prompts, reuse)
-        tokens = k * (args.prefix if reuse else args.prefix + args.decode)
+                            sets, reuse)
+        tokens = len(sets) * k * (args.prefix if reuse else
+                                  args.prefix + args.decode)
         report_pair(i, res, tokens, ratios)
     print(f"throughput ratios, pair by pair: "
           f"{', '.join(f'{r:.2f}' for r in ratios)} (median "
@@ -323,6 +368,9 @@ def main() -> None:
     ap.add_argument("--save-policy", default="",
                     help="the kvtier engines' save_policy in (d) and (e) "
                     "(all, seen_twice; default: the connector's)")
+    ap.add_argument("--connector-extra", default="",
+                    help="more kv_connector_extra_config keys of the kvtier "
+                    "engines in (d) and (e), as JSON")
     ap.add_argument("--repeat", type=int, default=3,
                     help="interleaved pairs of the burst and headroom parts")
     ap.add_argument("--parts", default="burst,ttft,preempt,tier",

@@ -65,6 +65,9 @@ class Store:
                 f"--data-dir={tmp / (name + '-db')}", "--hugepages=false",
                 f"--ram-bytes={ram}", f"--port-file={self.port_file}",
                 *flags]
+        # A port file left by an earlier store of this name would be read
+        # as this one's before it writes its own.
+        self.port_file.unlink(missing_ok=True)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log,
                                          stderr=subprocess.STDOUT)

@@ -97,6 +97,8 @@ def main() -> None:
                     help="the connector's save_budget_ms (0: its default)")
     ap.add_argument("--save-policy", default="",
                     help="the connector's save_policy (\"\": its default)")
+    ap.add_argument("--connector-extra", default="",
+                    help="more kv_connector_extra_config keys, as JSON")
     ap.add_argument("--kv-events", default="")
     ap.add_argument("--load-format", default="dummy",
                     help="vLLM's load_format (dummy: random weights from "
@@ -141,6 +143,9 @@ def main() -> None:
             args.stores, args.deadline_ms, args.lookup_wait_ms,
             args.pin_wait_ms, args.staging_blocks, args.save_budget_ms,
             args.save_policy)
+        if args.connector_extra:
+            kw["kv_transfer_config"]["kv_connector_extra_config"].update(
+                json.loads(args.connector_extra))
     if args.num_blocks:
         kw["num_gpu_blocks_override"] = args.num_blocks
     if args.one_process:
@@ -352,7 +357,9 @@ class _StepTimer:
         self._step = self._engine.step
         self._engine.step = self._timed_step
         core = self._engine.engine_core.engine_core  # InprocClient's core
-        self._lookups = core.scheduler.connector._scheduler._lookups
+        conn = core.scheduler.connector  # None: vLLM alone
+        self._lookups = (conn._scheduler._lookups if conn is not None
+                         else None)
         self._steps: list[list[float]] = []
         self._action: Any = None
         self._acted_at: Optional[float] = None
@@ -377,6 +384,8 @@ class _StepTimer:
         """True once a lookup is answered and not yet used: waits (5 s at
         most) for lookups out; False when none was asked."""
         lk = self._lookups
+        if lk is None:
+            return False
         deadline = time.monotonic() + 5
         with lk._lock:
             while lk._out or lk._pending:
@@ -479,7 +488,9 @@ class Engine:
         return bool(self._read(60)["reset"])
 
     def stop(self) -> None:
-        """Asks the engine to stop; kills its process group after 60 s."""
+        """Asks the engine to stop; kills its process group after 60 s, and
+        returns once none of the group's processes is left (30 s at
+        most)."""
         import signal
         import subprocess
         if self.proc.poll() is None:
@@ -496,4 +507,13 @@ class Engine:
             pass
         if self.proc.poll() is None:
             self.proc.wait(timeout=10)
+        # Until every process of the group is gone: one still exiting
+        # (freeing gigabytes) slows whatever runs next.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
         self._log.close()

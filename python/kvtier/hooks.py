@@ -11,6 +11,7 @@ the integrations use, from the modules that hold them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from kvtier.scheduler_half import LoadSpec, SaveSpec, SchedulerHalf, StepMeta
@@ -20,6 +21,7 @@ __all__ = ["LoadSpec", "SaveSpec", "SchedulerHalf", "StepMeta", "WorkerHalf",
            "request_key"]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def request_key(request_id: object) -> int:
     """A kvtier request id (63-bit int) for an engine's request id (a str
     in vLLM and SGLang), the same in every process."""

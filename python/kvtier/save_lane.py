@@ -87,6 +87,7 @@ class SaveLane:
         self.lag_seconds_max = 0.0   # submission to the copy's end
         self.skipped = {reason: 0 for reason in SKIP_REASONS}
         self._taken: dict[str, int] = {}
+        self._taken_total = 0
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name="kvtier-save")
         self._thread.start()
@@ -182,6 +183,11 @@ class SaveLane:
         """Blocks copied (``saved_blocks``) and skipped by reason
         (``save_skipped_<reason>``) since the last call; only those not 0."""
         with self._cv:
+            # Most steps change nothing: answered without building a dict.
+            total = self.copied_blocks + sum(self.skipped.values())
+            if total == self._taken_total:
+                return {}
+            self._taken_total = total
             now = {"saved_blocks": self.copied_blocks}
             for reason, n in self.skipped.items():
                 now[f"save_skipped_{reason}"] = n

@@ -84,6 +84,7 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
                 'kv_connector_extra_config: "thread_cpus"')
         self._lane = None
         self._store_taken = {}
+        self._store_read_at = 0.0
         self._block_size = int(vllm_config.cache_config.block_size)
         # P/D roles (docs/disaggregation.md): a producer hands every prompt
         # on; a consumer saves nothing and waits on the fences it is given.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,6 +30,9 @@ from kvtier.integrations.vllm_pages import cuda_stream_fence, engine_tensors
 from kvtier.save_lane import SaveLane
 
 log = logging.getLogger("vllm.kvtier")
+
+#: How often a worker reads its connectors' store counters at most.
+STORE_COUNTS_EVERY_S = 0.25
 
 
 @dataclass
@@ -70,6 +74,7 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
     _offload_nice: int
     _thread_cpus: str
     _store_taken: dict[str, int]
+    _store_read_at: float
 
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -119,7 +124,13 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         (``store_written_blocks``) and those it did not
         (``store_refused_blocks``: a failed put, no room, or busy under
         another writer) since the last call; only those not 0. Copied
-        (``saved_blocks``) is not stored: this says whether saves land."""
+        (``saved_blocks``) is not stored: this says whether saves land.
+        The connectors are read every ``STORE_COUNTS_EVERY_S`` at most
+        (vLLM asks every step; reading them costs the step)."""
+        t = time.monotonic()
+        if t - self._store_read_at < STORE_COUNTS_EVERY_S:
+            return {}
+        self._store_read_at = t
         now = {"store_written_blocks": 0, "store_refused_blocks": 0}
         for w in self._workers:
             s = w.connector.stats()

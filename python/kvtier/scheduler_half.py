@@ -391,6 +391,14 @@ class SchedulerHalf:
         if t is not None:
             t.saved_blocks = t.stored_blocks = 0
 
+    def wait_lookups(self, timeout_s: float) -> bool:
+        """Waits (at most ``timeout_s``) until every lookup sent has its
+        answer or gave up (:meth:`StepLookups.wait_answers`); True at
+        once without a store."""
+        if self._lookups is None:
+            return True
+        return self._lookups.wait_answers(timeout_s)
+
     def build_step(self) -> StepMeta:
         """This step's plan; the lookups asked in the step go out, in one
         batch. The next step starts empty (and asks the store afresh)."""

@@ -134,6 +134,21 @@ class StepLookups:
                     return None
                 self._lock.wait(left)
 
+    def wait_answers(self, timeout_s: float) -> bool:
+        """Waits until no lookup sent is still to be answered, at most
+        ``timeout_s`` (False past it). For a scheduler with nothing to
+        compute: it waits here, the lookup threads free to run, instead
+        of stepping empty steps that take the CPU (and the interpreter)
+        from them."""
+        end = time.monotonic() + timeout_s
+        with self._lock:
+            while self._out:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
     def forget(self, key: int) -> None:
         """Drops the request's ask and any answer to it."""
         with self._lock:

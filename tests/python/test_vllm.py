@@ -1220,3 +1220,35 @@ def test_kvtiers_threads_keep_off_the_cores_vllm_computes_on(
     assert len(started) >= 4, threads  # lane, offloader, committer, loader
     want = sorted(cpus - {compute}) if setting == "auto" else [compute]
     assert {name: on for name, on in started if on != want} == {}, threads
+
+
+def test_a_step_with_nothing_to_compute_waits_for_its_lookups(store) -> None:
+    """A step that schedules nothing (its new request waits on its
+    lookup) waits at its end, in ``build_connector_meta``, for the lookup
+    it sent, ``IDLE_LOOKUP_WAIT_S`` at most: the next step has the answer,
+    where vLLM used to step empty steps as fast as it could (they kept the
+    lookup's threads from the interpreter; a cold request's first step
+    came 12 ms late). With the store SIGSTOPped it waits that bound, not
+    the lookup's budget."""
+    from kvtier.integrations.vllm import IDLE_LOOKUP_WAIT_S
+    sched = KvtierConnector(v.config([store.address], lookup_wait_ms=5000),
+                            KVConnectorRole.SCHEDULER)
+    rng = np.random.default_rng(53)
+    ask = [v.Request(f"r{i}", rng.integers(0, 4096, 100).tolist())
+           for i in range(3)]
+    assert matched(sched, ask[0], 0) == (0, False)  # connected
+    assert sched.get_num_new_matched_tokens(ask[1], 0) == (None, False)
+    t = time.monotonic()
+    sched.build_connector_meta(v.SchedulerOutput())
+    took = time.monotonic() - t
+    answer = sched.get_num_new_matched_tokens(ask[1], 0)
+    assert answer == (0, False) or took >= IDLE_LOOKUP_WAIT_S, (answer, took)
+    store.pause()
+    try:
+        assert sched.get_num_new_matched_tokens(ask[2], 0) == (None, False)
+        t = time.monotonic()
+        sched.build_connector_meta(v.SchedulerOutput())
+        took = time.monotonic() - t
+    finally:
+        store.resume()
+    assert IDLE_LOOKUP_WAIT_S <= took < IDLE_LOOKUP_WAIT_S + 0.5, took

@@ -61,6 +61,9 @@ from kvtier.options import client_options
 # A child of vLLM's own logger, so the connector's lines appear with vLLM's.
 log = logging.getLogger("vllm.kvtier")
 
+#: How long a step that computes nothing waits for lookups out at most.
+IDLE_LOOKUP_WAIT_S = 0.005
+
 
 class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
                       SupportsHMA):
@@ -306,6 +309,13 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
             self._step_computed(rid, cached.num_computed_tokens[i],
                                 n_sched.get(rid, 0))
         meta = KvtierConnectorMetadata(self._scheduler.build_step())
+        if not n_sched:
+            # Nothing to compute this step (new requests wait on lookups
+            # just sent): wait for their answers here, a few ms at most,
+            # rather than let vLLM step empty steps as fast as it can,
+            # which keeps the lookup threads from the interpreter (a cold
+            # request's first step came 12 ms late, 50-85 empty steps).
+            self._scheduler.wait_lookups(IDLE_LOOKUP_WAIT_S)
         if plans is not None:
             meta.groups, meta.failed = plans.steps(meta.step)
         return meta

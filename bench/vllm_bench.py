@@ -106,7 +106,8 @@ def threads_note() -> str:
 
 def engines(args: argparse.Namespace, work: Path) -> None:
     """The engine parts that args.parts names, on one store."""
-    if not {"ttft", "preempt", "burst", "reuse"} & set(args.parts.split(",")):
+    if not {"ttft", "preempt", "burst", "reuse", "itl"} & set(
+            args.parts.split(",")):
         return
     print(threads_note())
     store = Store(work, "bench-store", ram="2GiB")
@@ -119,6 +120,8 @@ def engines(args: argparse.Namespace, work: Path) -> None:
             small_kv(args, work, store, reuse=False)
         if "reuse" in args.parts:
             small_kv(args, work, store, reuse=True)
+        if "itl" in args.parts:
+            decode_beside_saves(args, work, store)
     finally:
         store.stop()
 
@@ -178,21 +181,43 @@ def burst(args: argparse.Namespace, work: Path, store: Store) -> None:
 
 
 def ttft_cases(args: argparse.Namespace, work: Path, store: Store) -> None:
-    """(a), (b), (c): each prompt's TTFT in three engines, one at a time."""
+    """(a), (b), (c): each prompt's TTFT in three engines, one request at
+    a time. (a) and (b) run side by side, both started first, the prompts
+    alternating which goes first (a b, b a, ...), the host quiet before
+    each; then (c), the prompts (b) saved."""
     from vllm_engine import Engine
     env = bench_env()
     sets = [prompt(1000 + i, args.prefix) + prompt(2000 + i, 32)
             for i in range(args.prompts)]
-    times, cached = [], []
-    for name, stores in (("a", ""), ("b", store.address),
-                         ("c", store.address)):
-        e = Engine(str(work / f"{name}.log"), stores=stores, env=env,
-                   max_model_len=args.prefix + 128)
-        t, c = ttfts(e, sets)
-        times.append(t)
-        cached.append(c)
-        e.stop()
-    t_ref = times[0]
+    ab = {name: Engine(str(work / f"{name}.log"), stores=stores, env=env,
+                       max_model_len=args.prefix + 128)
+          for name, stores in (("a", ""), ("b", store.address))}
+    times: dict[str, list[float]] = {"a": [], "b": [], "c": []}
+    cached = {"a": 0, "b": 0, "c": 0}
+    try:
+        for e in ab.values():
+            e.generate([prompt(7, 64)], max_tokens=1)  # warm up
+        for i, p in enumerate(sets):
+            for name in ("ab" if i % 2 == 0 else "ba"):
+                quiet_host()
+                r = ab[name].generate([p], max_tokens=1)
+                times[name].append(r["seconds"])
+                cached[name] += r["outputs"][0]["cached"]
+    finally:
+        for e in ab.values():
+            e.stop()
+    c = Engine(str(work / "c.log"), stores=store.address, env=env,
+               max_model_len=args.prefix + 128)
+    try:
+        times["c"], cached["c"] = ttfts(c, sets)
+    finally:
+        c.stop()
+    pairs = [b / a for a, b in zip(times["a"], times["b"])]
+    print(f"(b) / (a), prompt by prompt: "
+          f"{', '.join(f'{x:.2f}' for x in pairs)}")
+    rows = [times["a"], times["b"], times["c"]]
+    hits = [cached["a"], cached["b"], cached["c"]]
+    t_ref = rows[0]
     m = statistics.mean
     print(f"\n== vLLM engines: {len(sets)} prompts of {args.prefix} + 32 "
           "tokens, TTFT one at a time (s) ==")
@@ -202,11 +227,11 @@ def ttft_cases(args: argparse.Namespace, work: Path, store: Store) -> None:
     for name, t, c in zip(("(a) vLLM alone, prefix caching (computes)",
                            "(b) + kvtier connector, cold (saves)",
                            "(c) engine B warmed only through the store"),
-                          times, cached):
+                          rows, hits):
         print(f"{name:44s} {m(t):8.3f} {min(t):8.3f} {max(t):8.3f} "
               f"{ratio(m(t), m(t_ref)):>7s} {c / total:12.1%}")
     print(f"target (c)/(a) <= 0.1 at {args.prefix} tokens: "
-          f"{'met' if m(times[2]) <= 0.1 * m(t_ref) else 'NOT met'}")
+          f"{'met' if m(rows[2]) <= 0.1 * m(t_ref) else 'NOT met'}")
 
 
 def small_kv_pair(args: argparse.Namespace, work: Path, store: Store,
@@ -310,6 +335,69 @@ def small_kv(args: argparse.Namespace, work: Path, store: Store,
           f"{'; target >= 1.5' if reuse else ''})")
 
 
+def token_gaps(steps: list[list[float]], tokens: list[int]) -> list[float]:
+    """Milliseconds between the ends of consecutive steps that computed
+    something, after the first: a decoding request's inter-token latencies
+    when it is in every such step (a step that computed nothing, waiting
+    on a connector, is part of the next gap)."""
+    ends = [t + d for (t, d), n in zip(steps, tokens) if n > 0]
+    return [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
+
+
+def decode_beside_saves(args: argparse.Namespace, work: Path,
+                        store: Store) -> None:
+    """Decode ITL of a running request while other requests' long prompts
+    are computed (and, with kvtier, saved): one request decoding
+    args.itl_tokens tokens, submitted with args.itl_prompts prompts of
+    args.prefix tokens (one token each), in vLLM alone and with kvtier,
+    both engines alive, args.repeat sets of fresh prompts in A B / B A
+    order. Each engine's steps are timed by vLLM's own ``LLMEngine.step``
+    (the engine core in the helper process, its worker a process of its
+    own, bound as vLLM binds it): every step that computes after the first
+    makes one of the decoding request's tokens (:func:`token_gaps`)."""
+    from vllm_engine import Engine
+    engines = {}
+    for label, stores in (("vLLM alone", ""), ("+ kvtier", store.address)):
+        engines[label] = Engine(str(work / f"itl-{label[:4]}.log"),
+                                stores=stores, env=bench_env(), inproc=1,
+                                max_model_len=args.prefix + 128)
+    print(f"\n== decode ITL beside long prompts: 1 request decoding "
+          f"{args.itl_tokens} tokens, sent with {args.itl_prompts} prompts "
+          f"of {args.prefix} tokens; vLLM's step times (ms); A B / B A ==")
+    print(f"{'set':>3s} {'engine':12s} {'ITLs':>6s} {'p50':>7s} "
+          f"{'p99':>7s} {'max':>7s} {'mean':>7s}")
+    p99s: dict[str, list[float]] = {label: [] for label in engines}
+    try:
+        for e in engines.values():
+            e.generate([prompt(7, 64)], max_tokens=1)  # warm up
+        for i in range(args.repeat):
+            dec = prompt(8100 + i, 64)
+            longs = [prompt(8200 + 10 * i + j, args.prefix)
+                     for j in range(args.itl_prompts)]
+            order = list(engines.items())
+            outs = {}
+            for label, e in (order[::-1] if i % 2 else order):
+                quiet_host()
+                r = e.generate([dec] + longs, max_tokens=[args.itl_tokens] +
+                               [1] * len(longs))
+                outs[label] = [o["tokens"] for o in r["outputs"]]
+                itl = token_gaps(r["steps"], r["step_tokens"])
+                p99s[label].append(pct(itl, 0.99))
+                print(f"{i + 1:3d} {label:12s} {len(itl):6d} "
+                      f"{pct(itl, 0.5):7.2f} {pct(itl, 0.99):7.2f} "
+                      f"{max(itl):7.2f} {statistics.mean(itl):7.2f}")
+            print(f"set {i + 1}: p99 kvtier / vLLM alone "
+                  f"{ratio(p99s['+ kvtier'][-1], p99s['vLLM alone'][-1])};"
+                  f" outputs identical: "
+                  f"{outs['vLLM alone'] == outs['+ kvtier']}")
+    finally:
+        for e in engines.values():
+            e.stop()
+    rs = [k / a for k, a in zip(p99s["+ kvtier"], p99s["vLLM alone"])]
+    print(f"ITL p99 kvtier / vLLM alone, set by set: "
+          f"{', '.join(f'{r:.2f}' for r in rs)} (target <= 1.05)")
+
+
 def tier(args: argparse.Namespace, work: Path) -> None:
     from vllm_tier_harness import (TierEngine, kvtier_tier, offload_keys)
     store = Store(work, "tier-store", ram="1GiB")
@@ -365,6 +453,10 @@ def main() -> None:
     ap.add_argument("--tier-rows", type=int, default=2048)
     ap.add_argument("--job-rows", type=int, default=64)
     ap.add_argument("--burst-prefix", type=int, default=2048)
+    ap.add_argument("--itl-tokens", type=int, default=600,
+                    help="tokens the decoding request of the itl part makes")
+    ap.add_argument("--itl-prompts", type=int, default=4,
+                    help="long prompts sent beside it in the itl part")
     ap.add_argument("--save-policy", default="",
                     help="the kvtier engines' save_policy in (d) and (e) "
                     "(all, seen_twice; default: the connector's)")

@@ -21,7 +21,8 @@ first). With ``--inproc 1`` the
 engine core runs in this process (vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the answer carries every
 ``LLMEngine.step()``'s start and duration (``"steps": [[t, s], ...]``,
-``time.monotonic()`` of this process), and a generate may carry
+``time.monotonic()`` of this process) and the tokens each scheduled
+(``"step_tokens"``, in the same order), and a generate may carry
 ``"after_lookup"``: an action taken once, right after the first step
 whose kvtier lookups the store has answered and before the step that
 plans their loads (``{"stop": PID}``: SIGSTOP that process and wait until
@@ -357,6 +358,16 @@ class _StepTimer:
         self._step = self._engine.step
         self._engine.step = self._timed_step
         core = self._engine.engine_core.engine_core  # InprocClient's core
+        # Each step's scheduled tokens (0: a step that computed nothing,
+        # as a connector's engine makes while it waits on the connector).
+        self._tokens: list[int] = []
+        schedule = core.scheduler.schedule
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            out = schedule(*a, **kw)
+            self._tokens.append(int(out.total_num_scheduled_tokens))
+            return out
+        core.scheduler.schedule = counted
         conn = core.scheduler.connector  # None: vLLM alone
         self._lookups = (conn._scheduler._lookups if conn is not None
                          else None)
@@ -366,9 +377,11 @@ class _StepTimer:
 
     def begin(self, action: Any) -> None:
         self._steps, self._action, self._acted_at = [], action, None
+        self._tokens = []
 
     def end(self) -> dict[str, Any]:
-        return {"steps": self._steps, "acted_at": self._acted_at}
+        return {"steps": self._steps, "acted_at": self._acted_at,
+                "step_tokens": self._tokens}
 
     def _timed_step(self) -> Any:
         t = time.monotonic()

@@ -79,7 +79,9 @@ def quiet_host(idle: float = 0.9, window_s: float = 0.5,
         time.sleep(window_s)
         i1, a1 = _cpu_times()
         if a1 > a0 and (i1 - i0) / (a1 - a0) >= idle:
-            break
+            return time.monotonic() - t0
+    print(f"(the host was not {idle:.0%} idle within {timeout_s:.0f} s: "
+          "the next figure ran beside other work)")
     return time.monotonic() - t0
 
 
@@ -340,6 +342,7 @@ def token_gaps(steps: list[list[float]], tokens: list[int]) -> list[float]:
     something, after the first: a decoding request's inter-token latencies
     when it is in every such step (a step that computed nothing, waiting
     on a connector, is part of the next gap)."""
+    assert len(steps) == len(tokens), (len(steps), len(tokens))
     ends = [t + d for (t, d), n in zip(steps, tokens) if n > 0]
     return [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
 

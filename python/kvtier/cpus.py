@@ -11,27 +11,35 @@ committers, the loaders, the closer) would otherwise copy bytes on the
 very core the engine computes on, and a save behind the step would still
 cost the step.
 
-- :func:`spare_cpus`: the CPUs this process may use that the calling
-  thread is not bound to (empty when it is bound to all of them).
+- :func:`spare_cpus`: the CPUs this process may use that none of its
+  bound threads is bound to (OpenMP runtimes bind each compute thread to
+  one CPU or to the worker's set), less those named as compute CPUs
+  elsewhere (other ranks'); empty when no thread is bound.
 - :func:`resolve`: the connector's ``thread_cpus`` setting ("auto",
   "inherit" or a list such as ``"3,5-7"``) as a set of CPUs.
 - :func:`threads_on`: binds the calling thread to those CPUs while a block
   runs (the threads it starts keep them), then restores it.
 - :func:`bind_thread`: binds the calling thread (a thread's first call).
 
-An empty set always means "leave the binding as it is".
+An empty set always means "leave the binding as it is"; so does a
+binding the kernel refuses (logged once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Iterable, Iterator
 
 from kvtier.errors import InvalidArgument, StatusCode
 
-_CGROUP_CPUS = "/sys/fs/cgroup/cpuset.cpus.effective"
+log = logging.getLogger("vllm.kvtier")
+
 _ONLINE_CPUS = "/sys/devices/system/cpu/online"
+#: CPU numbers past this are refused (a typo such as "0-99999999" would
+#: otherwise build a set of that size).
+MAX_CPU = 1 << 16
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:
@@ -47,6 +55,8 @@ def parse_cpu_list(text: str) -> frozenset[int]:
         first, last = int(lo), int(hi) if sep else int(lo)
         if last < first:
             raise ValueError(f"{part!r} runs backwards")
+        if last >= MAX_CPU:
+            raise ValueError(f"{part!r} names a CPU past {MAX_CPU - 1}")
         cpus.update(range(first, last + 1))
     return frozenset(cpus)
 
@@ -59,38 +69,87 @@ def _read_list(path: str) -> frozenset[int]:
         return frozenset()
 
 
+def _cgroup_cpus() -> frozenset[int]:
+    """The CPUs of this process's own cgroup (v2 ``cpuset.cpus.effective``,
+    v1 ``cpuset.effective_cpus``); empty when neither can be read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return frozenset()
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":    # v2
+            cpus = _read_list(f"/sys/fs/cgroup{path}/cpuset.cpus.effective")
+        elif "cpuset" in controllers.split(","):    # v1
+            cpus = _read_list(
+                f"/sys/fs/cgroup/cpuset{path}/cpuset.effective_cpus")
+        else:
+            continue
+        if cpus:
+            return cpus
+    return frozenset()
+
+
 def process_cpus() -> frozenset[int]:
     """The CPUs this process may be bound to: its cgroup's (or the online
-    ones), within its parent's binding when that can be read (a process
-    started under ``taskset`` keeps to it)."""
-    cpus = _read_list(_CGROUP_CPUS) or _read_list(_ONLINE_CPUS)
+    ones), within its parent's binding when it has a parent other than
+    init (vLLM's workers keep to their engine's binding)."""
+    cpus = _cgroup_cpus() or _read_list(_ONLINE_CPUS)
     if not cpus:
         cpus = frozenset(range(os.cpu_count() or 1))
-    try:
-        parent = frozenset(os.sched_getaffinity(os.getppid()))
-    except OSError:
-        parent = frozenset()
+    parent = frozenset[int]()
+    if os.getppid() > 1:
+        try:
+            parent = frozenset(os.sched_getaffinity(os.getppid()))
+        except OSError:
+            pass
     return cpus & parent if cpus & parent else cpus
 
 
-def spare_cpus() -> frozenset[int]:
-    """The CPUs this process may use that the calling thread is not bound
-    to: in a vLLM CPU worker's main thread, the cores vLLM keeps free of
-    its OpenMP threads. Empty when the thread may run anywhere."""
-    mine = frozenset(os.sched_getaffinity(0))
-    return process_cpus() - mine
+def bound_cpus() -> frozenset[int]:
+    """The CPUs that this process's bound threads (those whose binding is
+    narrower than :func:`process_cpus`) are bound to, the calling
+    thread's binding always among them."""
+    allowed = process_cpus()
+    bound = frozenset(os.sched_getaffinity(0))
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            mask = frozenset(os.sched_getaffinity(int(tid)))
+        except OSError:   # it ended
+            continue
+        if mask < allowed:
+            bound |= mask
+    return bound
 
 
-def resolve(setting: str, where: str = "thread_cpus") -> frozenset[int]:
-    """``setting`` as CPUs: "auto" is :func:`spare_cpus`, "inherit" (or
-    "") none (threads keep their creator's binding), else a CPU list, each
-    of which this process must be allowed (InvalidArgument naming
-    ``where`` otherwise)."""
+def spare_cpus(compute: frozenset[int] = frozenset()) -> frozenset[int]:
+    """The CPUs this process may use that none of its bound threads is
+    bound to (:func:`bound_cpus`: in a vLLM CPU worker, its OpenMP
+    threads') and that are not in ``compute`` (other ranks' compute
+    CPUs): the cores vLLM keeps free of compute. Empty when the calling
+    thread may run anywhere (nothing binds compute threads)."""
+    allowed = process_cpus()
+    if not frozenset(os.sched_getaffinity(0)) < allowed:
+        return frozenset()
+    return allowed - bound_cpus() - compute
+
+
+def resolve(setting: str, where: str = "thread_cpus",
+            compute: frozenset[int] = frozenset()) -> frozenset[int]:
+    """``setting`` as CPUs: "auto" is :func:`spare_cpus` (less
+    ``compute``), "inherit" (or "") none (threads keep their creator's
+    binding), else a CPU list, each of which this process must be allowed
+    (InvalidArgument naming ``where`` otherwise)."""
     text = setting.strip()
     if text in ("", "inherit"):
         return frozenset()
     if text == "auto":
-        return spare_cpus()
+        return spare_cpus(compute)
     try:
         cpus = parse_cpu_list(text)
     except ValueError as e:
@@ -111,23 +170,43 @@ def _show(cpus: Iterable[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))
 
 
-def bind_thread(cpus: frozenset[int]) -> None:
-    """Binds the calling thread to ``cpus`` (nothing when empty)."""
-    if cpus:
+_refused: list[bool] = []
+
+
+def _bind(cpus: frozenset[int]) -> bool:
+    """Binds the calling thread; False (logged once) where the kernel
+    refuses (none of ``cpus`` is the process's any more)."""
+    try:
         os.sched_setaffinity(0, cpus)
+        return True
+    except OSError as e:
+        if not _refused:
+            _refused.append(True)
+            log.warning("kvtier: its threads could not be bound to CPUs %s "
+                        "(%s); they keep their creator's binding",
+                        ",".join(map(str, sorted(cpus))), e)
+        return False
+
+
+def bind_thread(cpus: frozenset[int]) -> None:
+    """Binds the calling thread to ``cpus`` (nothing when empty, or when
+    the kernel refuses)."""
+    if cpus:
+        _bind(cpus)
 
 
 @contextlib.contextmanager
 def threads_on(cpus: frozenset[int]) -> Iterator[None]:
     """The calling thread bound to ``cpus`` while the block runs, so the
     threads it starts there are too; its own binding back after (nothing
-    changes when ``cpus`` is empty)."""
+    changes when ``cpus`` is empty or the kernel refuses them)."""
     if not cpus:
         yield
         return
     before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
+    bound = _bind(cpus)
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        if bound:
+            os.sched_setaffinity(0, before)

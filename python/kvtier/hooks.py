@@ -21,7 +21,7 @@ __all__ = ["LoadSpec", "SaveSpec", "SchedulerHalf", "StepMeta", "WorkerHalf",
            "request_key"]
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 16, typed=True)
 def request_key(request_id: object) -> int:
     """A kvtier request id (63-bit int) for an engine's request id (a str
     in vLLM and SGLang), the same in every process."""

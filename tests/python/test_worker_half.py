@@ -314,7 +314,8 @@ def test_cpu_lists_parse_and_bad_ones_are_refused_by_name() -> None:
     from kvtier.cpus import parse_cpu_list, resolve
     assert parse_cpu_list("0-3,8, 10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     assert parse_cpu_list("5") == {5}
-    for bad, says in (("a-3", "'a-3' is not a CPU"), ("4-2", "backwards")):
+    for bad, says in (("a-3", "'a-3' is not a CPU"), ("4-2", "backwards"),
+                      ("0-99999999", "names a CPU past 65535")):
         with pytest.raises(ValueError, match=says):
             parse_cpu_list(bad)
     assert resolve("inherit") == frozenset() == resolve("")
@@ -352,6 +353,28 @@ def test_threads_started_under_threads_on_run_off_the_bound_cores() -> None:
     assert spare == cpus - compute
     assert child == spare
     assert own == compute
+    # Another thread bound elsewhere (an OpenMP runtime binds each compute
+    # thread to a CPU of its own) and CPUs named as other ranks' compute
+    # are not spare either.
+    other = frozenset([max(cpus)])
+    hold, held = threading.Event(), threading.Event()
+
+    def bound_elsewhere() -> None:
+        kvtier.cpus.bind_thread(other)
+        held.set()
+        hold.wait(30)
+    t = threading.Thread(target=bound_elsewhere)
+    t.start()
+    try:
+        held.wait(30)
+        spare, child, own = _on_cpus(compute, start_one)
+        named = _on_cpus(compute, lambda: kvtier.cpus.spare_cpus(
+            frozenset([min(cpus - compute)])))
+    finally:
+        hold.set()
+        t.join()
+    assert spare == cpus - compute - other and child in (spare, own)
+    assert named == cpus - compute - other - {min(cpus - compute)}
     # A thread that may run anywhere has nothing spare: its threads keep
     # its binding.
     spare, child, own = _on_cpus(cpus, start_one)

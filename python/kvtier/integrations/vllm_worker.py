@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import kvtier
-from kvtier.cpus import resolve, threads_on
+from kvtier.cpus import bound_cpus, resolve, threads_on
 from kvtier.hooks import SchedulerHalf, StepMeta, WorkerHalf
 from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
                                            KVConnectorMetadata)
@@ -45,6 +44,18 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     groups: list[StepMeta] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
 
+
+
+def vllm_compute_cpus(vllm_config: Any) -> frozenset[int]:
+    """Every local rank's OpenMP CPUs as vLLM's CPU build binds them
+    (its ``OMPProcessManager``, from the same config and environment);
+    empty where vLLM binds none or has no such class."""
+    try:
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+        lists = getattr(OMPProcessManager(vllm_config), "cpu_lists", [])
+        return frozenset(int(c) for cpus in lists for c in cpus)
+    except Exception:  # another vLLM, or none: this rank's own binding
+        return frozenset()
 
 
 def _run_all(calls: list[Any]) -> None:
@@ -93,7 +104,8 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
             # CPU pages: kvtier's threads off the cores vLLM computes on.
             cpus = (frozenset() if tensors[0].is_cuda else
                     resolve(self._thread_cpus, 'kv_connector_extra_config: '
-                            '"thread_cpus"'))
+                            '"thread_cpus"', vllm_compute_cpus(
+                                getattr(self, "_vllm_config", None))))
             with threads_on(cpus):
                 conn = kvtier.Connector(ns, tensors, stores=self._stores,
                                         layout=layout,
@@ -117,7 +129,7 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         if cpus:
             log.info("kvtier connector: its threads on CPUs %s (vLLM "
                      "computes on %s)", ",".join(map(str, sorted(cpus))),
-                     ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+                     ",".join(map(str, sorted(bound_cpus()))))
 
     def store_counts(self) -> dict[str, int]:
         """Of this worker's saves, the blocks the store wrote

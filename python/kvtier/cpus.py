@@ -11,12 +11,13 @@ committers, the loaders, the closer) would otherwise copy bytes on the
 very core the engine computes on, and a save behind the step would still
 cost the step.
 
-- :func:`spare_cpus`: the CPUs this process may use that none of its
-  bound threads is bound to (OpenMP runtimes bind each compute thread to
-  one CPU or to the worker's set), less those named as compute CPUs
-  elsewhere (other ranks'); empty when no thread is bound.
 - :func:`resolve`: the connector's ``thread_cpus`` setting ("auto",
-  "inherit" or a list such as ``"3,5-7"``) as a set of CPUs.
+  "inherit" or a list such as ``"3,5-7"``) as a set of CPUs. "auto" is
+  the cores vLLM reserves (its own list, when it binds automatically)
+  that this process may use and no thread of it is bound to (OpenMP
+  runtimes bind each compute thread to one CPU or to the worker's set):
+  never another process's cores, which a binding of vLLM's given by hand
+  (``VLLM_CPU_OMP_THREADS_BIND=0``) may leave to another engine.
 - :func:`threads_on`: binds the calling thread to those CPUs while a block
   runs (the threads it starts keep them), then restores it.
 - :func:`bind_thread`: binds the calling thread (a thread's first call).
@@ -127,29 +128,21 @@ def bound_cpus() -> frozenset[int]:
     return bound
 
 
-def spare_cpus(compute: frozenset[int] = frozenset()) -> frozenset[int]:
-    """The CPUs this process may use that none of its bound threads is
-    bound to (:func:`bound_cpus`: in a vLLM CPU worker, its OpenMP
-    threads') and that are not in ``compute`` (other ranks' compute
-    CPUs): the cores vLLM keeps free of compute. Empty when the calling
-    thread may run anywhere (nothing binds compute threads)."""
-    allowed = process_cpus()
-    if not frozenset(os.sched_getaffinity(0)) < allowed:
-        return frozenset()
-    return allowed - bound_cpus() - compute
-
-
 def resolve(setting: str, where: str = "thread_cpus",
-            compute: frozenset[int] = frozenset()) -> frozenset[int]:
-    """``setting`` as CPUs: "auto" is :func:`spare_cpus` (less
-    ``compute``), "inherit" (or "") none (threads keep their creator's
-    binding), else a CPU list, each of which this process must be allowed
-    (InvalidArgument naming ``where`` otherwise)."""
+            reserved: frozenset[int] = frozenset()) -> frozenset[int]:
+    """``setting`` as CPUs: "auto" is ``reserved`` (the cores the engine
+    keeps free of compute) less those this process may not use and those
+    a thread of it is bound to (:func:`bound_cpus`); "inherit" (or "")
+    none (threads keep their creator's binding), else a CPU list, each of
+    which this process must be allowed (InvalidArgument naming ``where``
+    otherwise)."""
     text = setting.strip()
     if text in ("", "inherit"):
         return frozenset()
     if text == "auto":
-        return spare_cpus(compute)
+        if not reserved:
+            return frozenset()
+        return (reserved & process_cpus()) - bound_cpus()
     try:
         cpus = parse_cpu_list(text)
     except ValueError as e:

@@ -328,34 +328,34 @@ def test_cpu_lists_parse_and_bad_ones_are_refused_by_name() -> None:
         resolve("0,4096")
 
 
-def test_threads_started_under_threads_on_run_off_the_bound_cores() -> None:
-    """Issue #64. A thread bound to some of the process's CPUs (vLLM's
-    compute thread) finds the rest spare; threads it starts inside
-    ``threads_on(spare)`` run there, and it keeps its own binding; with
-    nothing spare nothing changes."""
-    from kvtier.cpus import process_cpus, spare_cpus, threads_on
+def test_auto_takes_the_reserved_cores_no_thread_is_bound_to() -> None:
+    """Issue #64. "auto" is the cores the engine reserves (vLLM's list)
+    less any a thread of this process is bound to (an OpenMP runtime
+    binds each compute thread to one CPU); nothing without a reserved
+    list. Threads started inside ``threads_on`` run there, and the
+    thread that started them keeps its own binding."""
+    from kvtier.cpus import process_cpus, resolve, threads_on
     cpus = process_cpus()
     if len(cpus) < 2:
-        pytest.skip(f"one CPU ({sorted(cpus)}): nothing could be spare")
+        pytest.skip(f"one CPU ({sorted(cpus)}): nothing could be reserved")
     compute = frozenset([min(cpus)])
+    reserved = cpus - compute
 
-    def start_one() -> tuple[frozenset[int], set[int], set[int]]:
-        spare = spare_cpus()
+    def start_one(res: frozenset[int]) -> tuple[frozenset[int], set[int],
+                                                set[int]]:
+        chosen = resolve("auto", reserved=res)
         seen: list[set[int]] = []
-        with threads_on(spare):
+        with threads_on(chosen):
             t = threading.Thread(target=lambda: seen.append(
                 os.sched_getaffinity(0)))
             t.start()
         t.join()
-        return spare, seen[0], os.sched_getaffinity(0)
+        return chosen, seen[0], os.sched_getaffinity(0)
 
-    spare, child, own = _on_cpus(compute, start_one)
-    assert spare == cpus - compute
-    assert child == spare
-    assert own == compute
-    # Another thread bound elsewhere (an OpenMP runtime binds each compute
-    # thread to a CPU of its own) and CPUs named as other ranks' compute
-    # are not spare either.
+    chosen, child, own = _on_cpus(compute, lambda: start_one(reserved))
+    assert chosen == reserved and child == reserved and own == compute
+    # A reserved core a thread is bound to (a compute thread) is left out;
+    # with no reserved list nothing changes.
     other = frozenset([max(cpus)])
     hold, held = threading.Event(), threading.Event()
 
@@ -367,15 +367,11 @@ def test_threads_started_under_threads_on_run_off_the_bound_cores() -> None:
     t.start()
     try:
         held.wait(30)
-        spare, child, own = _on_cpus(compute, start_one)
-        named = _on_cpus(compute, lambda: kvtier.cpus.spare_cpus(
-            frozenset([min(cpus - compute)])))
+        chosen, child, own = _on_cpus(compute, lambda: start_one(reserved))
     finally:
         hold.set()
         t.join()
-    assert spare == cpus - compute - other and child in (spare, own)
-    assert named == cpus - compute - other - {min(cpus - compute)}
-    # A thread that may run anywhere has nothing spare: its threads keep
-    # its binding.
-    spare, child, own = _on_cpus(cpus, start_one)
-    assert spare == frozenset() and child == own == cpus
+    assert chosen == reserved - other
+    assert child == (chosen or own) and own == compute
+    chosen, child, own = _on_cpus(compute, lambda: start_one(frozenset()))
+    assert chosen == frozenset() and child == own == compute

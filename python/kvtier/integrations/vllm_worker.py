@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import kvtier
-from kvtier.cpus import bound_cpus, resolve, threads_on
+from kvtier.cpus import bound_cpus, process_cpus, resolve, threads_on
 from kvtier.hooks import SchedulerHalf, StepMeta, WorkerHalf
 from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
                                            KVConnectorMetadata)
@@ -46,15 +46,22 @@ class KvtierConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 
-def vllm_compute_cpus(vllm_config: Any) -> frozenset[int]:
-    """Every local rank's OpenMP CPUs as vLLM's CPU build binds them
-    (its ``OMPProcessManager``, from the same config and environment);
-    empty where vLLM binds none or has no such class."""
+def vllm_reserved_cpus(vllm_config: Any) -> frozenset[int]:
+    """The CPUs vLLM's CPU build keeps free of compute when it binds its
+    OpenMP threads itself (``VLLM_CPU_OMP_THREADS_BIND`` "auto", its
+    default): those this process may use less every local rank's compute
+    CPUs (its ``OMPProcessManager``'s lists, from the same config and
+    environment). Empty where the binding was given by hand (the other
+    cores may be another engine's), where vLLM binds nothing, or without
+    such a class."""
     try:
         from vllm.utils.ompmultiprocessing import OMPProcessManager
-        lists = getattr(OMPProcessManager(vllm_config), "cpu_lists", [])
-        return frozenset(int(c) for cpus in lists for c in cpus)
-    except Exception:  # another vLLM, or none: this rank's own binding
+        m = OMPProcessManager(vllm_config)
+        if not getattr(m, "auto_setup", False):
+            return frozenset()
+        compute = {int(c) for cpus in m.cpu_lists for c in cpus}
+        return process_cpus() - compute
+    except Exception:  # another vLLM, or none
         return frozenset()
 
 
@@ -99,12 +106,13 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         vLLM: 5-D ``[2, blocks, ...]`` or ``[blocks, 2, ...]`` tensors."""
         kc = self._kv_config()
         cpus = frozenset[int]()
+        computes = bound_cpus()   # before kvtier binds threads of its own
         for g, ns in enumerate(self._namespaces):
             tensors, layout = engine_tensors(kv_caches, kc, g, ns)
             # CPU pages: kvtier's threads off the cores vLLM computes on.
             cpus = (frozenset() if tensors[0].is_cuda else
                     resolve(self._thread_cpus, 'kv_connector_extra_config: '
-                            '"thread_cpus"', vllm_compute_cpus(
+                            '"thread_cpus"', vllm_reserved_cpus(
                                 getattr(self, "_vllm_config", None))))
             with threads_on(cpus):
                 conn = kvtier.Connector(ns, tensors, stores=self._stores,
@@ -129,7 +137,7 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         if cpus:
             log.info("kvtier connector: its threads on CPUs %s (vLLM "
                      "computes on %s)", ",".join(map(str, sorted(cpus))),
-                     ",".join(map(str, sorted(bound_cpus()))))
+                     ",".join(map(str, sorted(computes))))
 
     def store_counts(self) -> dict[str, int]:
         """Of this worker's saves, the blocks the store wrote

@@ -155,7 +155,9 @@ class StepLookups:
             self._forget_locked(key)
 
     def _forget_locked(self, key: int) -> None:
-        self._out.pop(key, None)
+        if self._out.pop(key, None) is not None:
+            # One answer fewer to come: a wait_answers may be over.
+            self._lock.notify_all()
         self._done.pop(key, None)
         self._pending = [a for a in self._pending if a.key != key]
 

@@ -397,6 +397,39 @@ def test_a_lookup_budget_bounds_the_wait_and_a_late_lookup_spares_the_next(
                "the store to be asked again", timeout=10)
 
 
+def test_a_forgotten_lookup_ends_the_wait_for_answers(store) -> None:
+    """``StepLookups.wait_answers`` (a scheduler with nothing to compute
+    waits there for its lookups) ends once no lookup sent is still to be
+    answered: a request forgotten while its lookup is out (it finished or
+    was aborted; the store SIGSTOPped, so no answer comes) ends the wait
+    when it is forgotten, not when the lookup's budget runs out."""
+    import threading
+    import time
+
+    from kvtier.step_lookups import StepLookups
+
+    a = ns()
+    c = kvtier.StoreClient([store.address], deadline_ms=20000)
+    c.register_namespace(a)
+    hashes = kvtier.hash_tokens(a, list(range(900, 900 + 4 * 16)))
+    lookups = StepLookups(c, a)
+    store.pause()
+    try:
+        lookups.ask(1, hashes, budget_ms=15000)
+        lookups.flush()
+        forget = threading.Timer(0.2, lookups.forget, args=(1,))
+        forget.start()
+        t0 = time.monotonic()
+        over = lookups.wait_answers(30.0)
+        took = time.monotonic() - t0
+        forget.join()
+    finally:
+        store.resume()
+        lookups.close()
+    assert over, "the wait ran out"
+    assert took < 10.0, took  # the lookup's own budget is 15 s
+
+
 def test_a_tp_engine_loads_only_what_every_rank_holds(store) -> None:
     """A TP engine's scheduler asks in rank 0's namespace; a block is
     loadable (and a P/D handoff's fence met) only once every rank's shard

@@ -96,6 +96,7 @@ class SchedulerHalf:
                                      self.ranks)
                          if store is not None else None)
         self.lookup_errors = 0
+        self.lookups_answered = 0      # the store said what it holds
         self.lookups_skipped = 0
         self.lookups_late = 0          # past their budget
         self.lookups_not_asked = 0     # the store skipped after a late one
@@ -213,10 +214,13 @@ class SchedulerHalf:
         if budget_ms is None:
             t.unreachable = False
             try:
-                return lookup_ranks(self.store, self.namespace, self.ranks,
-                                    [chain])[0]
+                found = lookup_ranks(self.store, self.namespace, self.ranks,
+                                     [chain])[0]
+                self.lookups_answered += 1
+                return found
             except KvtierError as e:
                 if e.code == StatusCode.NOT_FOUND:
+                    self.lookups_answered += 1
                     return 0
                 t.unreachable = e.code == StatusCode.UNAVAILABLE
                 self.lookup_errors += 1
@@ -235,6 +239,8 @@ class SchedulerHalf:
                          o.code == StatusCode.UNAVAILABLE)
         t.answered = o.kind == ANSWERED or (
             o.kind == FAILED and o.code == StatusCode.NOT_FOUND)
+        if t.answered:
+            self.lookups_answered += 1
         if o.kind == ANSWERED:
             t.answer = (skip, o.present)
             self._answered.append(t)

@@ -87,6 +87,9 @@ class WorkerHalf:
         self._errors: set[int] = set()
         self.loaded_blocks = 0
         self.failed_loads = 0
+        # Pages a load was planned for that it did not fill (the engine
+        # computes their blocks), a request gone first not counted.
+        self.failed_load_blocks = 0
         self.load_failures: list[str] = []
         self._load_threads = load_threads
         self._loader: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -145,6 +148,7 @@ class WorkerHalf:
         checksum, the store gone, the request finished before its load
         began) are its failed pages."""
         failed = list(spec.pages)
+        abandoned = False
         try:
             n, store_error = self._pin(spec)
             if n > 0:
@@ -161,8 +165,8 @@ class WorkerHalf:
                             "computes the rest", spec.name,
                             len(spec.pages) - len(failed), len(spec.pages), n,
                             f": {store_error}" if store_error else "")
-        except _Abandoned:
-            pass  # finished first: nothing pinned, no page written
+        except _Abandoned:  # finished first: nothing pinned, no page written
+            abandoned = True
         except KvtierError as e:
             log.warning("kvtier load of %s failed: %s", spec.name, e)
             with self._lock:
@@ -177,6 +181,8 @@ class WorkerHalf:
             self._async.pop(spec.request, None)
             self._abandoned.discard(spec.request)
             self._ended.append((spec.name, failed))
+            if not abandoned:
+                self.failed_load_blocks += len(failed)
 
     def ended_loads(self) -> list[tuple[str, list[int]]]:
         """Each asynchronous load that ended since the last call (or
@@ -290,6 +296,7 @@ class WorkerHalf:
 
     def _fail(self, spec: LoadSpec, e: KvtierError) -> None:
         self.failed_loads += 1
+        self.failed_load_blocks += len(spec.pages)
         self.load_failures.append(str(e))
         self._errors.update(spec.pages)
 

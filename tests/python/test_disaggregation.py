@@ -121,6 +121,13 @@ def test_a_decode_computes_only_the_tail_of_what_the_prefill_wrote(pd: PD) -> No
         assert time.monotonic() < deadline, "the handoff was not counted"
         time.sleep(0.5)
     assert metric(pd.prefill, "vllm:kvtier_handoffs_sent_total") >= 1
+    # The prefill's lookup of the prompt answered (nothing held yet).
+    lookups = "vllm:kvtier_lookups_total"
+    wait_until(
+        lambda: metric(pd.prefill, lookups, outcome="answered") >= 1,
+        "the prefill's lookup counted",
+        15,
+    )
 
 
 def test_a_handoff_whose_blocks_never_come_is_computed_after_its_budget(

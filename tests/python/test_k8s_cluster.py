@@ -221,6 +221,18 @@ def store_items(c: Cluster, pod: str | None = None) -> dict[str, int] | None:
     return {t: sum(int(s["tiers"][t]["items"]) for s in mine) for t in ("ram", "disk")}
 
 
+def kvtier_series(address: str) -> str:
+    """An engine's kvtier series on its /metrics (lookups by outcome,
+    blocks that failed to load, saves): what a failed load explains with."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError as e:
+        return f"--- {address}/metrics: {e}"
+    kept = [ln for ln in text.splitlines() if ln.startswith("vllm:kvtier_")]
+    return f"--- {address}/metrics\n" + "\n".join(kept)
+
+
 def test_a_deleted_store_pod_comes_back_warm_from_its_volume(
     installed: Cluster,
 ) -> None:
@@ -296,7 +308,8 @@ def test_a_deleted_store_pod_comes_back_warm_from_its_volume(
     assert cached(answer) >= 0.9 * len(prompt), "\n".join(
         [str(answer.usage), str(store_items(installed))]
         + [installed.log_tail(p, 20) for p in ("kv-store-0", "kv-store-1")]
-        + [installed.log_tail(named.get(other, other), 30, "kvtier")]
+        + [installed.log_tail(named.get(other, other), 60, "kvtier")]
+        + [kvtier_series(other)]
     )
     tiers = store_items(installed)
     assert tiers is not None and tiers["ram"] >= 62 and tiers["disk"] >= 63, tiers

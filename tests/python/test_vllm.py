@@ -277,8 +277,16 @@ def test_a_lookup_is_never_waited_for_on_the_scheduler_thread(store) -> None:
     assert spared == 0 and spared_s < 0.15, spared_s
     assert sched._scheduler.lookups_late == 1
     assert sched._scheduler.lookups_not_asked == 1
+    # Counted for vLLM's /metrics (vllm:kvtier_lookups_total{outcome}),
+    # each once.
+    counts = counted(sched)
+    assert (counts.get("lookups_answered"), counts.get("lookups_late"),
+            counts.get("lookups_not_asked")) == (1, 1, 1), counts
     wait_until(lambda: matched(sched, v.Request("d", prompt), 0)[0] == 4 * BS,
                "hits to come back", timeout=10)
+    counts = counted(sched)
+    assert counts.get("lookups_answered", 0) >= 1, counts
+    assert "lookups_late" not in counts, counts
 
 
 def test_a_store_down_at_start_is_connected_when_it_comes(
@@ -450,6 +458,16 @@ def test_a_block_evicted_between_lookup_and_load_is_recomputed(
     got = worker.step(pickle.loads(pickle.dumps(meta)), [])
     assert got["finished"] == ["evicted"], got
     assert got["errors"] == [0, 1, 2, 3], got
+    # Counted for vLLM's /metrics (vllm:kvtier_load_failed_blocks_total).
+    steps = [got]
+
+    def failed_blocks() -> int:
+        steps.append(worker.step(KvtierConnectorMetadata(), []))
+        return sum(x["counts"].get("load_failed_blocks", 0) for x in steps)
+
+    wait_until(lambda: failed_blocks() >= 4, "4 blocks counted not loaded",
+               timeout=10)
+    assert failed_blocks() == 4
 
 
 def test_a_stalled_store_never_holds_a_step(store) -> None:

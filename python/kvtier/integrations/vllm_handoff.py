@@ -236,6 +236,19 @@ SAVED = "vllm:kvtier_saved_blocks_total"
 SKIPPED = "vllm:kvtier_save_skipped_blocks_total"
 WRITTEN = "vllm:kvtier_store_written_blocks_total"
 REFUSED = "vllm:kvtier_store_refused_blocks_total"
+LOOKUPS = "vllm:kvtier_lookups_total"
+LOAD_FAILED = "vllm:kvtier_load_failed_blocks_total"
+
+#: A lookup's outcome (the ``outcome`` label of LOOKUPS, counted as stats
+#: key ``lookups_<outcome>``) and the scheduler's counter of it
+#: (:class:`kvtier.scheduler_half.SchedulerHalf`).
+LOOKUP_OUTCOMES: dict[str, str] = {
+    "answered": "lookups_answered",
+    "late": "lookups_late",
+    "not_asked": "lookups_not_asked",
+    "failed": "lookup_errors",
+    "not_needed": "lookups_skipped",
+}
 
 #: The counters without labels of their own: the stats key each counts,
 #: its Prometheus name and its help.
@@ -255,6 +268,9 @@ PLAIN: dict[str, tuple[str, str]] = {
                              "it did not write: the put failed, it had no "
                              "room, or they were busy under another "
                              "writer's reservation."),
+    "load_failed_blocks": (LOAD_FAILED, "Blocks a lookup found that did not "
+                           "load (evicted since, the store slow or gone): "
+                           "the engine computed them."),
 }
 
 
@@ -274,7 +290,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
     another writer) and ``vllm:kvtier_save_skipped_blocks_total{reason}``
     (blocks not saved: :data:`kvtier.save_lane.SKIP_REASONS`, and
     ``unseen``: under ``save_policy`` "seen_twice", blocks of a prefix no
-    earlier prompt had)."""
+    earlier prompt had), ``vllm:kvtier_lookups_total{outcome}`` (new
+    requests' store lookups: :data:`LOOKUP_OUTCOMES`) and
+    ``vllm:kvtier_load_failed_blocks_total``."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any],
                  labelnames: list[str],
@@ -300,6 +318,13 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
             "pages back), gap (an earlier block of the request was not "
             "saved), failed, unseen (save_policy seen_twice: no earlier "
             "prompt had the prefix).")
+        self._lookups: Any = counter(
+            name=LOOKUPS, labelnames=self._labelnames + ["outcome"],
+            documentation="Store lookups of new requests, by outcome: "
+            "answered, late (no answer within lookup_wait_ms: the request "
+            "computed its prompt), not_asked (the client skipped a store "
+            "that missed a budget), failed, not_needed (a router's hint "
+            "said the store holds nothing past the engine's own prefix).")
 
     def observe(self, transfer_stats_data: dict[str, Any],
                 engine_idx: int = 0) -> None:
@@ -311,6 +336,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
             if name.startswith("save_skipped_"):
                 reason = name[len("save_skipped_"):]
                 self._skipped.labels(*labels, reason).inc(value)
+            elif name.startswith("lookups_"):
+                outcome = name[len("lookups_"):]
+                self._lookups.labels(*labels, outcome).inc(value)
             elif name in OUTCOMES:
                 self._decoded.labels(*labels, name).inc(value)
             elif name in self._plain:
@@ -331,11 +359,25 @@ class HandoffStatsHooks:
         handoffs: Optional[Handoffs] = getattr(self, "_handoffs", None)
         data: dict[str, float] = (dict(handoffs.counts.take())
                                   if handoffs is not None else {})
+        data.update(self._lookup_counts())
         lane = getattr(self, "_lane", None)
         if lane is not None:
             data.update(lane.take_counts())
             data.update(self.store_counts())  # type: ignore[attr-defined]
         return KvtierStats(data=data) if data else None
+
+    def _lookup_counts(self) -> dict[str, float]:
+        """The scheduler's lookups by outcome since the last call, as
+        ``lookups_<outcome>`` (only those not 0; none on a worker)."""
+        scheduler = getattr(self, "_scheduler", None)
+        if scheduler is None:
+            return {}
+        now = {f"lookups_{outcome}": getattr(scheduler, attr)
+               for outcome, attr in LOOKUP_OUTCOMES.items()}
+        taken: dict[str, float] = getattr(self, "_lookups_taken", {})
+        self._lookups_taken = now
+        return {k: v - taken.get(k, 0) for k, v in now.items()
+                if v != taken.get(k, 0)}
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None

@@ -143,7 +143,8 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         """Of this worker's saves, the blocks the store wrote
         (``store_written_blocks``) and those it did not
         (``store_refused_blocks``: a failed put, no room, or busy under
-        another writer) since the last call; only those not 0. Copied
+        another writer), and the blocks loads were planned for that did
+        not load (``load_failed_blocks``), since the last call; only those not 0. Copied
         (``saved_blocks``) is not stored: this says whether saves land.
         The connectors are read every ``STORE_COUNTS_EVERY_S`` at most
         (vLLM asks every step; reading them costs the step)."""
@@ -151,8 +152,10 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         if t - self._store_read_at < STORE_COUNTS_EVERY_S:
             return {}
         self._store_read_at = t
-        now = {"store_written_blocks": 0, "store_refused_blocks": 0}
+        now = {"store_written_blocks": 0, "store_refused_blocks": 0,
+               "load_failed_blocks": 0}
         for w in self._workers:
+            now["load_failed_blocks"] += w.failed_load_blocks
             s = w.connector.stats()
             now["store_written_blocks"] += s["offloaded_blocks"]
             now["store_refused_blocks"] += (s["offload_failures"] +

@@ -38,19 +38,43 @@ void AnswerHeader(http::response<Body>& res, const Upstream& upstream, const std
   res.keep_alive(keep_alive);
 }
 
-http::request<http::string_body> EngineRequest(const Engine& e, const std::string& path,
-                                               const std::string& body) {
-  http::request<http::string_body> req{http::verb::post, path, 11};
-  req.set(http::field::host, e.spec.endpoint);
-  req.set(http::field::content_type, "application/json");
-  req.set(http::field::user_agent, "kvtier-frontend");
-  req.keep_alive(true);
-  req.body() = body;
-  req.prepare_payload();
-  return req;
+// A whole answer's start line and fields, as AnswerHeader and Beast's
+// prepare_payload would give them, in one buffer: the answer goes out in
+// one send of two pieces (Beast's serializer makes a piece of every field
+// and costs more than the copy it saves). A status whose answer carries no
+// Content-Length (1xx, 204, 304) is Beast's to write: none here.
+template <class Upstream>
+std::optional<std::string> WholeAnswerHead(unsigned status, const Upstream& upstream,
+                                           const std::string& explain, bool keep_alive,
+                                           size_t length) {
+  if (status < 200 || status == 204 || status == 304) return std::nullopt;
+  auto view = [](beast::string_view v) { return absl::string_view(v.data(), v.size()); };
+  std::string head =
+      absl::StrCat("HTTP/1.1 ", status, " ",
+                   view(http::obsolete_reason(static_cast<http::status>(status))),
+                   "\r\nServer: kvtier-frontend\r\n");
+  for (auto field : {http::field::content_type, http::field::cache_control}) {
+    auto it = upstream.find(field);
+    if (it != upstream.end()) {
+      absl::StrAppend(&head, view(http::to_string(field)), ": ", view(it->value()), "\r\n");
+    }
+  }
+  if (!explain.empty()) absl::StrAppend(&head, "x-kvtier-route: ", explain, "\r\n");
+  if (!keep_alive) head += "Connection: close\r\n";
+  absl::StrAppend(&head, "Content-Length: ", length, "\r\n\r\n");
+  return head;
 }
 
 }  // namespace
+
+WireRequest::WireRequest(const Engine& e, const std::string& path, const std::string& body)
+    : head(absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: ", e.spec.endpoint,
+                        "\r\nContent-Type: application/json\r\nUser-Agent: kvtier-frontend"
+                        "\r\nContent-Length: ",
+                        body.size(), "\r\n\r\n")),
+      body(&body) {}
+
+const std::string kNoRoute;
 
 bool ClientGone(Stream* client) { return Peek(client) == Peeked::kGone; }
 
@@ -108,7 +132,7 @@ Task<Tried> Relay::Forward(Engine& e, const Prepared& p, const std::string& expl
 // idle fails at once: one fresh connection is tried before the engine
 // is blamed (skipped for --down, `what` naming the exchange in the log).
 template <class Body>
-Task<Relay::Sent> Relay::Send(Engine& e, const http::request<http::string_body>& req, bool whole,
+Task<Relay::Sent> Relay::Send(Engine& e, const WireRequest& req, bool whole,
                               uint64_t body_limit, beast::flat_buffer& ubuf,
                               std::optional<http::response_parser<Body>>& parser,
                               std::shared_ptr<Stream>& up, Watch& watch, const char* what) {
@@ -133,7 +157,7 @@ Task<Relay::Sent> Relay::Send(Engine& e, const http::request<http::string_body>&
     watch.upstream = up;
     if (watch.gone) co_return Sent::kClientGone;
     up->expires_after(std::chrono::milliseconds(options_.upstream_timeout_ms));
-    co_await http::async_write(*up, req, net::redirect_error(kAwait, ec));
+    co_await net::async_write(*up, req.Buffers(), net::redirect_error(kAwait, ec));
     if (!ec && whole) {
       co_await http::async_read(*up, ubuf, *parser, net::redirect_error(kAwait, ec));
     } else if (!ec) {
@@ -157,7 +181,7 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
                                   std::shared_ptr<Watch> watch) {
   ErrorCode ec;
   std::shared_ptr<Stream> up;
-  const http::request<http::string_body> req = EngineRequest(e, p.path, p.body);
+  const WireRequest req(e, p.path, p.body);
   beast::flat_buffer ubuf;
   std::optional<http::response_parser<http::buffer_body>> parser;
   const uint64_t unlimited = std::numeric_limits<std::uint64_t>::max();
@@ -209,13 +233,19 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       const bool told = co_await EndWithEvent(client, body);
       co_return told ? Tried::kDone : Tried::kClientGone;
     }
-    http::response<http::string_body> res{static_cast<http::status>(status), 11};
-    AnswerHeader(res, parser->get(), options_.route_header ? explain : "", keep_alive);
     answer->status = static_cast<int>(status);
-    res.body() = std::move(body);
-    res.prepare_payload();
+    const std::string& route = options_.route_header ? explain : kNoRoute;
     client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
-    co_await http::async_write(client, res, net::redirect_error(kAwait, ec));
+    if (auto head = WholeAnswerHead(status, parser->get(), route, keep_alive, body.size())) {
+      const std::array<net::const_buffer, 2> pieces{net::buffer(*head), net::buffer(body)};
+      co_await net::async_write(client, pieces, net::redirect_error(kAwait, ec));
+    } else {
+      http::response<http::string_body> res{static_cast<http::status>(status), 11};
+      AnswerHeader(res, parser->get(), route, keep_alive);
+      res.body() = std::move(body);
+      res.prepare_payload();
+      co_await http::async_write(client, res, net::redirect_error(kAwait, ec));
+    }
     client.expires_never();
     if (ec) {
       *client_keep = false;
@@ -366,7 +396,7 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
 Task<unsigned> Relay::Exchange(Engine& e, const std::string& path, const std::string& body,
                                std::string* out, std::shared_ptr<Watch> watch) {
   std::shared_ptr<Stream> up;
-  const http::request<http::string_body> req = EngineRequest(e, path, body);
+  const WireRequest req(e, path, body);
   beast::flat_buffer ubuf;
   std::optional<http::response_parser<http::string_body>> parser;
   const uint64_t limit = kWholeAnswerBytes;

@@ -6,6 +6,7 @@
 // the upstream connection, which vLLM takes as an abort.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -48,6 +49,18 @@ struct ClientAnswer {
   bool cut = false;  // its stream ended short (the engine failed mid-stream)
 };
 
+// A request to an engine as it goes on the wire: its start line and
+// fields rendered in one buffer, the body sent from where it lies (which
+// outlives this), in one send of two pieces.
+struct WireRequest {
+  WireRequest(const Engine& e, const std::string& path, const std::string& body);
+  std::array<net::const_buffer, 2> Buffers() const {
+    return {net::buffer(head), net::buffer(*body)};
+  }
+  std::string head;
+  const std::string* body;
+};
+
 class Relay {
  public:
   Relay(const FrontendOptions& options, const Fleet& fleet, LoadBook& load, size_t threads)
@@ -80,7 +93,7 @@ class Relay {
  private:
   enum class Sent { kOk, kFailed, kClientGone };
   template <class Body>
-  Task<Sent> Send(Engine& e, const http::request<http::string_body>& req, bool whole,
+  Task<Sent> Send(Engine& e, const WireRequest& req, bool whole,
                   uint64_t body_limit, beast::flat_buffer& ubuf,
                   std::optional<http::response_parser<Body>>& parser, std::shared_ptr<Stream>& up,
                   Watch& watch, const char* what);

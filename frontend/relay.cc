@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <limits>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
@@ -64,6 +65,29 @@ std::optional<std::string> WholeAnswerHead(unsigned status, const Upstream& upst
   absl::StrAppend(&head, "Content-Length: ", length, "\r\n\r\n");
   return head;
 }
+
+// One piece of an answer in HTTP/1.1's chunked coding (RFC 9112 7.1),
+// with the stream's last chunk after it when `last`: its size line, the
+// bytes and the end, one write's buffers (Beast's chunk views cost more to
+// walk than the bytes do to send). `data` outlives it.
+class ChunkWire {
+ public:
+  ChunkWire(std::string_view data, bool last)
+      : size_line_(absl::StrCat(absl::Hex(data.size()), "\r\n")), data_(data), last_(last) {}
+  std::array<net::const_buffer, 3> Buffers() const {
+    static constexpr std::string_view kEnd = "\r\n", kEndAndLast = "\r\n0\r\n\r\n";
+    const std::string_view end = last_ ? kEndAndLast : kEnd;
+    return {net::buffer(size_line_), net::const_buffer(data_.data(), data_.size()),
+            net::const_buffer(end.data(), end.size())};
+  }
+
+ private:
+  std::string size_line_;
+  std::string_view data_;
+  bool last_;
+};
+
+constexpr std::string_view kLastChunk = "0\r\n\r\n";
 
 }  // namespace
 
@@ -278,6 +302,7 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
   // passed on without committing; events that answer nothing yet wait in
   // `held` (a stream that ends with only those goes to another engine).
   bool committed = false;
+  bool ended = false;  // the client has the stream's last chunk
   std::string held;
   Tried outcome = Tried::kDone;
   // An event stream goes to the client in whole events. A read of the
@@ -338,8 +363,11 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
       // freeing the engine's connection.
       client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
       committed = committed || answers;
-      auto piece = http::make_chunk(net::buffer(got.data(), got.size()));
-      co_await net::async_write(client, piece, net::redirect_error(kAwait, ec));
+      // The engine's answer ended with this piece: the stream's end goes
+      // in the same write.
+      ended = committed && !rec && parser->is_done() && !watch->gone;
+      const ChunkWire piece(got, ended);
+      co_await net::async_write(client, piece.Buffers(), net::redirect_error(kAwait, ec));
     }
     carry.erase(0, from_carry);
     if (rec && !ec && !committed && !watch->gone) {
@@ -379,9 +407,10 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
     *client_keep = false;
     co_return outcome;
   }
-  client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
-  auto last = http::make_chunk_last();
-  co_await net::async_write(client, last, net::redirect_error(kAwait, ec));
+  if (!ended) {
+    client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
+    co_await net::async_write(client, net::buffer(kLastChunk), net::redirect_error(kAwait, ec));
+  }
   client.expires_never();
   if (ec) *client_keep = false;
   if (parser->get().keep_alive()) {
@@ -415,10 +444,8 @@ Task<bool> Relay::EndWithEvent(Stream& client, std::string json) {
   const std::string events = absl::StrCat("data: ", json, "\n\ndata: [DONE]\n\n");
   ErrorCode ec;
   client.expires_after(std::chrono::milliseconds(options_.client_timeout_ms));
-  auto piece = http::make_chunk(net::buffer(events));
-  co_await net::async_write(client, piece, net::redirect_error(kAwait, ec));
-  auto last = http::make_chunk_last();
-  if (!ec) co_await net::async_write(client, last, net::redirect_error(kAwait, ec));
+  const ChunkWire piece(events, true);
+  co_await net::async_write(client, piece.Buffers(), net::redirect_error(kAwait, ec));
   client.expires_never();
   co_return !ec;
 }

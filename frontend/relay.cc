@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "frontend/events.h"
 #include "frontend/pool.h"
+#include "frontend/wire.h"
 
 namespace kvtier::frontend {
 namespace {
@@ -39,64 +40,7 @@ void AnswerHeader(http::response<Body>& res, const Upstream& upstream, const std
   res.keep_alive(keep_alive);
 }
 
-// A whole answer's start line and fields, as AnswerHeader and Beast's
-// prepare_payload would give them, in one buffer: the answer goes out in
-// one send of two pieces (Beast's serializer makes a piece of every field
-// and costs more than the copy it saves). A status whose answer carries no
-// Content-Length (1xx, 204, 304) is Beast's to write: none here.
-template <class Upstream>
-std::optional<std::string> WholeAnswerHead(unsigned status, const Upstream& upstream,
-                                           const std::string& explain, bool keep_alive,
-                                           size_t length) {
-  if (status < 200 || status == 204 || status == 304) return std::nullopt;
-  auto view = [](beast::string_view v) { return absl::string_view(v.data(), v.size()); };
-  std::string head =
-      absl::StrCat("HTTP/1.1 ", status, " ",
-                   view(http::obsolete_reason(static_cast<http::status>(status))),
-                   "\r\nServer: kvtier-frontend\r\n");
-  for (auto field : {http::field::content_type, http::field::cache_control}) {
-    auto it = upstream.find(field);
-    if (it != upstream.end()) {
-      absl::StrAppend(&head, view(http::to_string(field)), ": ", view(it->value()), "\r\n");
-    }
-  }
-  if (!explain.empty()) absl::StrAppend(&head, "x-kvtier-route: ", explain, "\r\n");
-  if (!keep_alive) head += "Connection: close\r\n";
-  absl::StrAppend(&head, "Content-Length: ", length, "\r\n\r\n");
-  return head;
-}
-
-// One piece of an answer in HTTP/1.1's chunked coding (RFC 9112 7.1),
-// with the stream's last chunk after it when `last`: its size line, the
-// bytes and the end, one write's buffers (Beast's chunk views cost more to
-// walk than the bytes do to send). `data` outlives it.
-class ChunkWire {
- public:
-  ChunkWire(std::string_view data, bool last)
-      : size_line_(absl::StrCat(absl::Hex(data.size()), "\r\n")), data_(data), last_(last) {}
-  std::array<net::const_buffer, 3> Buffers() const {
-    static constexpr std::string_view kEnd = "\r\n", kEndAndLast = "\r\n0\r\n\r\n";
-    const std::string_view end = last_ ? kEndAndLast : kEnd;
-    return {net::buffer(size_line_), net::const_buffer(data_.data(), data_.size()),
-            net::const_buffer(end.data(), end.size())};
-  }
-
- private:
-  std::string size_line_;
-  std::string_view data_;
-  bool last_;
-};
-
-constexpr std::string_view kLastChunk = "0\r\n\r\n";
-
 }  // namespace
-
-WireRequest::WireRequest(const Engine& e, const std::string& path, const std::string& body)
-    : head(absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: ", e.spec.endpoint,
-                        "\r\nContent-Type: application/json\r\nUser-Agent: kvtier-frontend"
-                        "\r\nContent-Length: ",
-                        body.size(), "\r\n\r\n")),
-      body(&body) {}
 
 const std::string kNoRoute;
 
@@ -156,8 +100,8 @@ Task<Tried> Relay::Forward(Engine& e, const Prepared& p, const std::string& expl
 // idle fails at once: one fresh connection is tried before the engine
 // is blamed (skipped for --down, `what` naming the exchange in the log).
 template <class Body>
-Task<Relay::Sent> Relay::Send(Engine& e, const WireRequest& req, bool whole,
-                              uint64_t body_limit, beast::flat_buffer& ubuf,
+Task<Relay::Sent> Relay::Send(Engine& e, const WireRequest& req, bool whole, uint64_t body_limit,
+                              beast::flat_buffer& ubuf,
                               std::optional<http::response_parser<Body>>& parser,
                               std::shared_ptr<Stream>& up, Watch& watch, const char* what) {
   ErrorCode ec;

@@ -6,7 +6,6 @@
 // the upstream connection, which vLLM takes as an abort.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -16,6 +15,7 @@
 #include "frontend/load.h"
 #include "frontend/metrics.h"
 #include "frontend/openai.h"
+#include "frontend/wire.h"
 
 namespace kvtier::frontend {
 
@@ -47,18 +47,6 @@ struct ClientAnswer {
   bool head_sent = false;
   int status = 0;    // the status the client was answered
   bool cut = false;  // its stream ended short (the engine failed mid-stream)
-};
-
-// A request to an engine as it goes on the wire: its start line and
-// fields rendered in one buffer, the body sent from where it lies (which
-// outlives this), in one send of two pieces.
-struct WireRequest {
-  WireRequest(const Engine& e, const std::string& path, const std::string& body);
-  std::array<net::const_buffer, 2> Buffers() const {
-    return {net::buffer(head), net::buffer(*body)};
-  }
-  std::string head;
-  const std::string* body;
 };
 
 class Relay {
@@ -93,10 +81,9 @@ class Relay {
  private:
   enum class Sent { kOk, kFailed, kClientGone };
   template <class Body>
-  Task<Sent> Send(Engine& e, const WireRequest& req, bool whole,
-                  uint64_t body_limit, beast::flat_buffer& ubuf,
-                  std::optional<http::response_parser<Body>>& parser, std::shared_ptr<Stream>& up,
-                  Watch& watch, const char* what);
+  Task<Sent> Send(Engine& e, const WireRequest& req, bool whole, uint64_t body_limit,
+                  beast::flat_buffer& ubuf, std::optional<http::response_parser<Body>>& parser,
+                  std::shared_ptr<Stream>& up, Watch& watch, const char* what);
   Task<Tried> ForwardWatched(Engine& e, const Prepared& p, const std::string& explain,
                              Stream& client, bool keep_alive, bool* client_keep, Ticket* ticket,
                              ClientAnswer* answer, std::shared_ptr<Watch> watch);

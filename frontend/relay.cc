@@ -335,7 +335,9 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
     }
   }
   ErrorCode ignored;
-  if (ec || watch->gone) {
+  // A client that closed once it read the stream's end (sent with its last
+  // piece) had its whole answer.
+  if (ec || (watch->gone && !ended)) {
     *client_keep = false;
     up->socket().close(ignored);
     co_return Tried::kClientGone;
@@ -356,8 +358,9 @@ Task<Tried> Relay::ForwardWatched(Engine& e, const Prepared& p, const std::strin
     co_await net::async_write(client, net::buffer(kLastChunk), net::redirect_error(kAwait, ec));
   }
   client.expires_never();
-  if (ec) *client_keep = false;
-  if (parser->get().keep_alive()) {
+  if (ec || watch->gone) *client_keep = false;
+  // The watcher closes the engine's connection when the client leaves.
+  if (!watch->gone && parser->get().keep_alive()) {
     Reuse(e, std::move(up));
   }
   co_return Tried::kDone;

@@ -320,7 +320,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
             "prompt had the prefix).")
         self._lookups: Any = counter(
             name=LOOKUPS, labelnames=self._labelnames + ["outcome"],
-            documentation="Store lookups of new requests, by outcome: "
+            documentation="Store lookups, by outcome (a decode waiting on "
+            "a handoff's fence asks again until its blocks are there): "
             "answered, late (no answer within lookup_wait_ms: the request "
             "computed its prompt), not_asked (the client skipped a store "
             "that missed a budget), failed, not_needed (a router's hint "

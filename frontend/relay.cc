@@ -40,9 +40,10 @@ void AnswerHeader(http::response<Body>& res, const Upstream& upstream, const std
   res.keep_alive(keep_alive);
 }
 
-}  // namespace
-
+// The route header's value when --route-header is off: none.
 const std::string kNoRoute;
+
+}  // namespace
 
 bool ClientGone(Stream* client) { return Peek(client) == Peeked::kGone; }
 

@@ -250,6 +250,33 @@ LOOKUP_OUTCOMES: dict[str, str] = {
     "not_needed": "lookups_skipped",
 }
 
+#: The counters with a label: a stats key ``<prefix><value>`` counts
+#: ``value`` of the label (the prefix's Prometheus name, label and help).
+LABELLED: dict[str, tuple[str, str, str]] = {
+    "save_skipped_": (
+        SKIPPED, "reason", "Blocks computed and not saved, by reason: "
+        "behind (the copies queued were full), late (past save_budget_ms), "
+        "store_behind (no staging in time), released (vLLM took the pages "
+        "back), gap (an earlier block of the request was not saved), "
+        "failed, unseen (save_policy seen_twice: no earlier prompt had the "
+        "prefix)."),
+    "lookups_": (
+        LOOKUPS, "outcome", "Store lookups, by outcome (a decode waiting on "
+        "a handoff's fence asks again until its blocks are there): "
+        "answered, late (no answer within lookup_wait_ms: the request "
+        "computed its prompt), not_asked (the client skipped a store that "
+        "missed a budget), failed, not_needed (a router's hint said the "
+        "store holds nothing past the engine's own prefix)."),
+}
+
+
+def moved_since(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """Each counter of ``now`` less its value in ``before`` (0 when
+    absent), only those that moved."""
+    return {k: v - before.get(k, 0) for k, v in now.items()
+            if v != before.get(k, 0)}
+
+
 #: The counters without labels of their own: the stats key each counts,
 #: its Prometheus name and its help.
 PLAIN: dict[str, tuple[str, str]] = {
@@ -290,8 +317,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
     another writer) and ``vllm:kvtier_save_skipped_blocks_total{reason}``
     (blocks not saved: :data:`kvtier.save_lane.SKIP_REASONS`, and
     ``unseen``: under ``save_policy`` "seen_twice", blocks of a prefix no
-    earlier prompt had), ``vllm:kvtier_lookups_total{outcome}`` (new
-    requests' store lookups: :data:`LOOKUP_OUTCOMES`) and
+    earlier prompt had), ``vllm:kvtier_lookups_total{outcome}`` (store
+    lookups: :data:`LOOKUP_OUTCOMES`) and
     ``vllm:kvtier_load_failed_blocks_total``."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[Any, Any],
@@ -310,22 +337,10 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
             "outcome: loaded (every fenced block), partial (the budget "
             "ran out with some), computed (with none), invalid (malformed "
             "params), other_namespace (another model or layout).")
-        self._skipped: Any = counter(
-            name=SKIPPED, labelnames=self._labelnames + ["reason"],
-            documentation="Blocks computed and not saved, by reason: behind "
-            "(the copies queued were full), late (past save_budget_ms), "
-            "store_behind (no staging in time), released (vLLM took the "
-            "pages back), gap (an earlier block of the request was not "
-            "saved), failed, unseen (save_policy seen_twice: no earlier "
-            "prompt had the prefix).")
-        self._lookups: Any = counter(
-            name=LOOKUPS, labelnames=self._labelnames + ["outcome"],
-            documentation="Store lookups, by outcome (a decode waiting on "
-            "a handoff's fence asks again until its blocks are there): "
-            "answered, late (no answer within lookup_wait_ms: the request "
-            "computed its prompt), not_asked (the client skipped a store "
-            "that missed a budget), failed, not_needed (a router's hint "
-            "said the store holds nothing past the engine's own prefix).")
+        self._labelled: dict[str, Any] = {
+            prefix: counter(name=name, labelnames=self._labelnames + [label],
+                            documentation=doc)
+            for prefix, (name, label, doc) in LABELLED.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any],
                 engine_idx: int = 0) -> None:
@@ -334,12 +349,10 @@ class KvtierPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,valid-type
         for name, value in transfer_stats_data.items():
             if not value:
                 continue
-            if name.startswith("save_skipped_"):
-                reason = name[len("save_skipped_"):]
-                self._skipped.labels(*labels, reason).inc(value)
-            elif name.startswith("lookups_"):
-                outcome = name[len("lookups_"):]
-                self._lookups.labels(*labels, outcome).inc(value)
+            prefix = next((p for p in LABELLED if name.startswith(p)), None)
+            if prefix is not None:
+                self._labelled[prefix].labels(
+                    *labels, name[len(prefix):]).inc(value)
             elif name in OUTCOMES:
                 self._decoded.labels(*labels, name).inc(value)
             elif name in self._plain:
@@ -377,8 +390,7 @@ class HandoffStatsHooks:
                for outcome, attr in LOOKUP_OUTCOMES.items()}
         taken: dict[str, float] = getattr(self, "_lookups_taken", {})
         self._lookups_taken = now
-        return {k: v - taken.get(k, 0) for k, v in now.items()
-                if v != taken.get(k, 0)}
+        return moved_since(now, taken)
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None

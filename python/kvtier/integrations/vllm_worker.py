@@ -25,6 +25,7 @@ from kvtier.hooks import SchedulerHalf, StepMeta, WorkerHalf
 from kvtier.integrations.vllm_base import (KVConnectorBase_V1,
                                            KVConnectorMetadata)
 from kvtier.integrations.vllm_groups import GroupLoads
+from kvtier.integrations.vllm_handoff import moved_since
 from kvtier.integrations.vllm_pages import cuda_stream_fence, engine_tensors
 from kvtier.save_lane import SaveLane
 
@@ -144,8 +145,9 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
         (``store_written_blocks``) and those it did not
         (``store_refused_blocks``: a failed put, no room, or busy under
         another writer), and the blocks loads were planned for that did
-        not load (``load_failed_blocks``), since the last call; only those not 0. Copied
-        (``saved_blocks``) is not stored: this says whether saves land.
+        not load (``load_failed_blocks``), since the last call; only those
+        not 0. Copied (``saved_blocks``) is not stored: this says whether
+        saves land.
         The connectors are read every ``STORE_COUNTS_EVERY_S`` at most
         (vLLM asks every step; reading them costs the step)."""
         t = time.monotonic()
@@ -162,8 +164,7 @@ class WorkerHooks(KVConnectorBase_V1):  # type: ignore[misc]
                                             s["offload_no_space"] +
                                             s["offload_busy"])
         taken, self._store_taken = self._store_taken, now
-        return {k: v - taken.get(k, 0) for k, v in now.items()
-                if v != taken.get(k, 0)}
+        return moved_since(now, taken)
 
     def _kv_config(self) -> Any:
         """vLLM's KVCacheConfig when it carries a layout (vLLM 0.26 and

@@ -7,10 +7,12 @@ ctest runs these with KVTIER_BUILD_DIR set; by hand:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
@@ -91,6 +93,32 @@ class Store:
     def resume(self) -> None:
         """SIGCONT."""
         os.kill(self.proc.pid, signal.SIGCONT)
+
+    @contextlib.contextmanager
+    def slowed(self, stopped_ms: float, period_ms: float) -> Iterator[None]:
+        """While the block runs, the store is stopped (SIGSTOP)
+        ``stopped_ms`` of every ``period_ms`` and runs (SIGCONT) the rest:
+        a store that answers everything, late, as one on a starved host or
+        behind a congested link does. Running again when the block ends."""
+        assert 0 < stopped_ms < period_ms, (stopped_ms, period_ms)
+        done = threading.Event()
+
+        def cycle() -> None:
+            while not done.is_set():
+                os.kill(self.proc.pid, signal.SIGSTOP)
+                done.wait(stopped_ms / 1000)
+                os.kill(self.proc.pid, signal.SIGCONT)
+                done.wait((period_ms - stopped_ms) / 1000)
+
+        cycler = threading.Thread(target=cycle, name="slowed-store",
+                                  daemon=True)
+        cycler.start()
+        try:
+            yield
+        finally:
+            done.set()
+            cycler.join()
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL, then reap."""

@@ -8,12 +8,16 @@ and the benchmark drive over stdin/stdout, one JSON object a line:
     {"op": "abort_during_load", "victim": [ids], "next": [ids],
      "flush": [ids], "store_pid": PID, "hold_s": S}
       -> {"tokens": [...], "held": B, "maps": {...}, ...}
+    {"op": "abort_while_saving", "victim": [ids], "computed": N,
+     "next": [ids], "store_pid": PID}
+      -> {"held": B, "tokens": [...], "settled": {...}}
     {"op": "reset_prefix_cache"} -> {"reset": B}
     {"op": "stop"} -> {"stopped": true}
 
 A generate's answer also carries vLLM's count of preemptions so far
-(``"preemptions"``). ``abort_during_load`` needs ``--inproc 1
---one-process 1`` (:func:`_abort_during_load`). ``max_tokens`` may be a
+(``"preemptions"``). ``abort_during_load`` and ``abort_while_saving``
+need ``--inproc 1 --one-process 1`` (:func:`_abort_during_load`,
+:func:`_abort_while_saving`). ``max_tokens`` may be a
 list (one a prompt); ``"prompt_logprobs": K`` asks
 vLLM for each prompt position's top K (the answer's outputs then carry
 ``"prompt_logprobs"``: per position, token id -> logprob, None for the
@@ -119,6 +123,10 @@ def main() -> None:
                     "metadata then crosses no process boundary")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel size (one worker process a rank)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0,
+                    help="vLLM's max_num_batched_tokens, the tokens a step "
+                    "computes at most (a longer prompt is prefilled in "
+                    "chunks, one a step; 0: vLLM's default)")
     ap.add_argument("--num-blocks", type=int, default=0,
                     help="KV blocks (vLLM's num_gpu_blocks_override; 0: "
                     "sized by VLLM_CPU_KVCACHE_SPACE)")
@@ -149,6 +157,8 @@ def main() -> None:
                 json.loads(args.connector_extra))
     if args.num_blocks:
         kw["num_gpu_blocks_override"] = args.num_blocks
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.one_process:
         assert args.tp == 1, "--one-process runs one rank"
         kw["distributed_executor_backend"] = "uni"
@@ -192,9 +202,10 @@ def main() -> None:
             print(json.dumps(_settle(llm, float(msg.get("timeout_s", 30)))),
                   file=proto, flush=True)
             continue
-        if msg["op"] == "abort_during_load":
-            print(json.dumps(_abort_during_load(llm, msg)), file=proto,
-                  flush=True)
+        if msg["op"] in ("abort_during_load", "abort_while_saving"):
+            run = (_abort_during_load if msg["op"] == "abort_during_load"
+                   else _abort_while_saving)
+            print(json.dumps(run(llm, msg)), file=proto, flush=True)
             continue
         want = msg.get("max_tokens", 8)
         if not isinstance(want, list):
@@ -309,6 +320,50 @@ def _abort_during_load(llm: Any, msg: dict[str, Any]) -> dict[str, Any]:
         maps[f"worker{i}._open (victim, next)"] = len(mine)
     return {"tokens": tokens, "held": held, "scheduled_at": scheduled_at,
             "resumed_at": resumed_at, "maps": maps}
+
+
+def _abort_while_saving(llm: Any, msg: dict[str, Any]) -> dict[str, Any]:
+    """The ``abort_while_saving`` op (an in-process engine core with its
+    worker in this process, ``--one-process 1``): the store (pid
+    ``store_pid``) SIGSTOPped, request ``victim`` runs until it has
+    computed ``computed`` tokens (its saves queued behind the stopped
+    store: the connector's staging fills and the rest wait on the save
+    lane), then is aborted. Answers whether vLLM still held the victim's
+    pages for kvtier one step after the abort (``held``), then, with the
+    store SIGCONTed, ``next``'s tokens and the ``settle`` op's answer."""
+    from processes import sigcont, sigstop
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    core = eng.engine_core.engine_core
+    conn = core.scheduler.connector
+    sp = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False,
+                        ignore_eos=True)
+    pid = int(msg["store_pid"])
+    deadline = time.monotonic() + 60
+    sigstop(pid)
+    try:
+        # vLLM makes each id its own (a suffix): the connector sees that one.
+        victim = eng.add_request(
+            "victim", TokensPrompt(prompt_token_ids=msg["victim"]), sp)
+        while True:
+            eng.step()
+            req = core.scheduler.requests.get(victim)
+            if req is not None and \
+                    req.num_computed_tokens >= int(msg["computed"]):
+                break
+            assert time.monotonic() < deadline, \
+                "the victim never computed its tokens"
+        eng.abort_request(["victim"])
+        eng.step()
+        held = victim in conn._held
+    finally:
+        sigcont(pid)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=msg["next"])], sp,
+                        use_tqdm=False)
+    return {"held": held, "tokens": list(outs[0].outputs[0].token_ids),
+            "settled": _settle(llm, float(msg.get("timeout_s", 30)))}
 
 
 def _settle(llm: Any, timeout_s: float) -> dict[str, Any]:
@@ -476,29 +531,32 @@ class Engine:
         self.proc.stdin.flush()
         return self._read(timeout)
 
-    def abort_during_load(self, timeout: float = 240,
-                          **fields: Any) -> dict[str, Any]:
-        """The ``abort_during_load`` op (:func:`_abort_during_load`)."""
+    def op(self, name: str, timeout: float = 240,
+           **fields: Any) -> dict[str, Any]:
+        """Op ``name`` with ``fields`` (the module docstring); its answer."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(
-            {"op": "abort_during_load", **fields}).encode() + b"\n")
+            {"op": name, **fields}).encode() + b"\n")
         self.proc.stdin.flush()
         return self._read(timeout)
 
+    def abort_during_load(self, timeout: float = 240,
+                          **fields: Any) -> dict[str, Any]:
+        """The ``abort_during_load`` op (:func:`_abort_during_load`)."""
+        return self.op("abort_during_load", timeout, **fields)
+
+    def abort_while_saving(self, timeout: float = 240,
+                           **fields: Any) -> dict[str, Any]:
+        """The ``abort_while_saving`` op (:func:`_abort_while_saving`)."""
+        return self.op("abort_while_saving", timeout, **fields)
+
     def settle(self, timeout_s: float = 30) -> dict[str, Any]:
         """The ``settle`` op (:func:`_settle`)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(
-            {"op": "settle", "timeout_s": timeout_s}).encode() + b"\n")
-        self.proc.stdin.flush()
-        return self._read(timeout_s + 60)
+        return self.op("settle", timeout_s + 60, timeout_s=timeout_s)
 
     def reset_prefix_cache(self) -> bool:
         """Empties vLLM's prefix cache (vLLM's ``reset_prefix_cache``)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(b'{"op": "reset_prefix_cache"}\n')
-        self.proc.stdin.flush()
-        return bool(self._read(60)["reset"])
+        return bool(self.op("reset_prefix_cache", 60)["reset"])
 
     def stop(self) -> None:
         """Asks the engine to stop; kills its process group after 60 s, and

@@ -14,6 +14,8 @@ Engines (real vLLM processes, one at a time on 2 cores):
       them: vLLM alone recomputes what it evicted, kvtier loads it back;
   burst: 64 requests at once into an engine warmed only through the
       store, beside vLLM alone; pairs interleaved.
+  split (--parts split): (d)'s steps timed in in-process engines (vLLM
+      alone, kvtier, kvtier saving nothing), prefill and decode apart.
 Every engine computes on the same threads (VLLM_CPU_NUM_OF_RESERVED_CPU=1).
 Tier (vLLM's real TieringOffloadingManager, CPU primary tier, shared
 region): rows per second and per-job latency of stores and promotions
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", ROOT / "build")).resolve()
@@ -108,7 +111,7 @@ def threads_note() -> str:
 
 def engines(args: argparse.Namespace, work: Path) -> None:
     """The engine parts that args.parts names, on one store."""
-    if not {"ttft", "preempt", "burst", "reuse", "itl"} & set(
+    if not {"ttft", "preempt", "burst", "reuse", "itl", "split"} & set(
             args.parts.split(",")):
         return
     print(threads_note())
@@ -124,6 +127,8 @@ def engines(args: argparse.Namespace, work: Path) -> None:
             small_kv(args, work, store, reuse=True)
         if "itl" in args.parts:
             decode_beside_saves(args, work, store)
+        if "split" in args.parts:
+            step_split(args, work)
     finally:
         store.stop()
 
@@ -399,6 +404,62 @@ def decode_beside_saves(args: argparse.Namespace, work: Path,
     rs = [k / a for k, a in zip(p99s["+ kvtier"], p99s["vLLM alone"])]
     print(f"ITL p99 kvtier / vLLM alone, set by set: "
           f"{', '.join(f'{r:.2f}' for r in rs)} (target <= 1.05)")
+
+
+def step_split(args: argparse.Namespace, work: Path) -> None:
+    """Where the headroom case's time goes: its workload
+    (args.preempt_requests prompts of args.prefix tokens + args.decode
+    decoded, at once, KV memory for 1.5 prompts) in vLLM alone, kvtier
+    saving every block and kvtier with ``save_policy: seen_twice`` (which
+    saves nothing here), each engine core and worker in the helper process
+    (``--inproc 1 --one-process 1``), every ``LLMEngine.step()`` timed and
+    split by the tokens it scheduled: prefill steps (more than 64 tokens)
+    and decode steps. args.repeat sets of fresh prompts, the engines'
+    order rotating; each kvtier engine has a store of its own, so neither
+    loads what the other saved."""
+    from vllm_engine import Engine
+    k = args.preempt_requests
+    blocks = int(1.5 * args.prefix / 32)
+    print(f"\n== (d)'s steps split: {k} prompts of {args.prefix} tokens + "
+          f"{args.decode} decoded at once, {blocks} blocks; in-process "
+          f"engines, vLLM's step times ==")
+    stores = [Store(work, f"split-store-{i}", ram="1GiB") for i in range(2)]
+    engines: dict[str, Any] = {}
+    try:
+        common = dict(env=bench_env(), num_blocks=blocks, inproc=1,
+                      one_process=1,
+                      max_model_len=args.prefix + args.decode + 64)
+        engines["vLLM alone"] = Engine(str(work / "split-alone.log"),
+                                       **common)
+        engines["+ kvtier"] = Engine(str(work / "split-kvtier.log"),
+                                     stores=stores[0].address, **common)
+        engines["+ kvtier seen_twice"] = Engine(
+            str(work / "split-seen.log"), stores=stores[1].address,
+            save_policy="seen_twice", **common)
+        for e in engines.values():
+            e.generate([prompt(7, 64)], max_tokens=1)  # warm up
+        print(f"{'set':>3s} {'engine':22s} {'wall':>6s} {'prefill':>8s} "
+              f"{'decode':>7s} {'steps':>6s} {'ms a decode step':>17s}")
+        order = list(engines.items())
+        for i in range(args.repeat):
+            prompts = [prompt(9500 + 100 * i + j, args.prefix)
+                       for j in range(k)]
+            for label, e in order[i % 3:] + order[:i % 3]:
+                quiet_host()
+                t = time.monotonic()
+                r = e.generate(prompts, max_tokens=args.decode)
+                wall = time.monotonic() - t
+                split = list(zip(r["steps"], r["step_tokens"]))
+                pre = [d for (_, d), n in split if n > 64]
+                dec = [d for (_, d), n in split if 0 < n <= 64]
+                print(f"{i + 1:3d} {label:22s} {wall:6.2f} {sum(pre):8.3f} "
+                      f"{sum(dec):7.3f} {len(dec):6d} "
+                      f"{sum(dec) / max(1, len(dec)) * 1e3:17.2f}")
+    finally:
+        for e in engines.values():
+            e.stop()
+        for st in stores:
+            st.stop()
 
 
 def tier(args: argparse.Namespace, work: Path) -> None:

@@ -11,7 +11,7 @@
 namespace kvtier {
 
 StoreClient::StoreClient(const std::string& address, StoreClientOptions options)
-    : options_(options) {
+    : address_(address), options_(options) {
   if (options_.tenant_token.empty()) {
     if (const char* t = std::getenv("KVTIER_TENANT_TOKEN")) options_.tenant_token = t;
   }
@@ -45,7 +45,7 @@ absl::StatusOr<v1::ConnectDataPlaneResponse> StoreClient::DataPlaneSession(
   req.set_client_id(client_id);
   v1::ConnectDataPlaneResponse resp;
   auto ctx = Context(deadline);
-  if (auto s = stub_->ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) return FromGrpc(s);
+  if (auto s = stub_->ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) return Failed(s);
   *fresh = true;
   std::lock_guard lk(session_mu_);
   // Two connections that asked at once keep the first answer.
@@ -56,6 +56,12 @@ absl::StatusOr<v1::ConnectDataPlaneResponse> StoreClient::DataPlaneSession(
 void StoreClient::ForgetDataPlaneSession(const std::string& session) {
   std::lock_guard lk(session_mu_);
   if (session_ && session_->session() == session) session_.reset();
+}
+
+absl::Status StoreClient::Failed(const grpc::Status& s) const {
+  absl::Status st = FromGrpc(s);
+  if (st.code() != absl::StatusCode::kDeadlineExceeded) return st;
+  return absl::DeadlineExceededError(absl::StrCat("store ", address_, ": ", st.message()));
 }
 
 std::unique_ptr<grpc::ClientContext> StoreClient::Context() const {
@@ -79,7 +85,7 @@ absl::StatusOr<RegisteredNamespace> StoreClient::RegisterNamespace(const Namespa
   ToProto(spec, req.mutable_spec());
   v1::RegisterNamespaceResponse resp;
   auto ctx = Context();
-  if (auto st = stub_->RegisterNamespace(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  if (auto st = stub_->RegisterNamespace(ctx.get(), req, &resp); !st.ok()) return Failed(st);
   return RegisteredNamespace{resp.namespace_id(), resp.block_bytes()};
 }
 
@@ -90,7 +96,7 @@ absl::StatusOr<std::vector<v1::Tier>> StoreClient::Lookup(uint64_t ns,
   for (const auto& h : hashes) ToProto(h, req.add_hashes());
   v1::LookupResponse resp;
   auto ctx = Context();
-  if (auto st = stub_->Lookup(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  if (auto st = stub_->Lookup(ctx.get(), req, &resp); !st.ok()) return Failed(st);
   std::vector<v1::Tier> out;
   for (int t : resp.tiers()) out.push_back(static_cast<v1::Tier>(t));
   return out;
@@ -107,7 +113,7 @@ absl::StatusOr<std::vector<uint32_t>> StoreClient::LookupChains(
   }
   v1::LookupResponse resp;
   auto ctx = Context(deadline);
-  if (auto st = stub_->Lookup(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  if (auto st = stub_->Lookup(ctx.get(), req, &resp); !st.ok()) return Failed(st);
   if (static_cast<size_t>(resp.present_per_chain_size()) != chains.size()) {
     // A store from before LookupRequest.chain_lengths answers one chain.
     return absl::UnimplementedError(
@@ -124,7 +130,7 @@ absl::StatusOr<uint32_t> StoreClient::VerifyBlocks(uint64_t ns,
   for (const auto& h : hashes) ToProto(h, req.add_hashes());
   v1::VerifyBlocksResponse resp;
   auto ctx = Context();
-  if (auto st = stub_->VerifyBlocks(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  if (auto st = stub_->VerifyBlocks(ctx.get(), req, &resp); !st.ok()) return Failed(st);
   return resp.dropped();
 }
 
@@ -142,7 +148,7 @@ absl::StatusOr<InlinePutSummary> StoreClient::PutInline(
     if (!writer->Write(msg)) break;  // the server ended the stream; Finish says why
   }
   writer->WritesDone();
-  if (auto st = writer->Finish(); !st.ok()) return FromGrpc(st);
+  if (auto st = writer->Finish(); !st.ok()) return Failed(st);
   return InlinePutSummary{resp.stored(), resp.already_present(), resp.no_space()};
 }
 
@@ -165,7 +171,7 @@ absl::StatusOr<std::vector<FetchedBlock>> StoreClient::GetInline(
     }
     out.push_back(FetchedBlock{msg.index(), msg.tier(), std::move(*msg.mutable_data())});
   }
-  if (auto st = reader->Finish(); !st.ok()) return FromGrpc(st);
+  if (auto st = reader->Finish(); !st.ok()) return Failed(st);
   return out;
 }
 
@@ -173,7 +179,7 @@ absl::StatusOr<v1::GetStatsResponse> StoreClient::GetStats() {
   v1::GetStatsResponse resp;
   auto ctx = Context();
   if (auto st = stub_->GetStats(ctx.get(), v1::GetStatsRequest(), &resp); !st.ok()) {
-    return FromGrpc(st);
+    return Failed(st);
   }
   return resp;
 }
@@ -181,7 +187,7 @@ absl::StatusOr<v1::GetStatsResponse> StoreClient::GetStats() {
 absl::StatusOr<v1::EvictResponse> StoreClient::Evict(const v1::EvictRequest& request) {
   v1::EvictResponse resp;
   auto ctx = Context();
-  if (auto st = stub_->Evict(ctx.get(), request, &resp); !st.ok()) return FromGrpc(st);
+  if (auto st = stub_->Evict(ctx.get(), request, &resp); !st.ok()) return Failed(st);
   return resp;
 }
 
@@ -191,7 +197,7 @@ absl::StatusOr<v1::TierPolicy> StoreClient::SetPolicy(v1::Tier tier, const std::
   req.mutable_policy()->set_policy(policy);
   v1::SetPolicyResponse resp;
   auto ctx = Context();
-  if (auto st = stub_->SetPolicy(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  if (auto st = stub_->SetPolicy(ctx.get(), req, &resp); !st.ok()) return Failed(st);
   return resp.policy();
 }
 
@@ -201,7 +207,7 @@ absl::Status StoreClient::Health(const std::string& service) {
   req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;
   auto ctx = Context();
-  if (auto st = health->Check(ctx.get(), req, &resp); !st.ok()) return FromGrpc(st);
+  if (auto st = health->Check(ctx.get(), req, &resp); !st.ok()) return Failed(st);
   if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
     return absl::UnavailableError(absl::StrCat("store health is ", resp.status()));
   }

@@ -97,6 +97,11 @@ class StoreClient {
   void ForgetDataPlaneSession(const std::string& session);
 
  private:
+  // A failed call's status. A deadline that passed names the store: gRPC's
+  // own message is only "Deadline Exceeded".
+  absl::Status Failed(const grpc::Status& s) const;
+
+  std::string address_;
   StoreClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Store::Stub> stub_;

@@ -138,6 +138,25 @@ def test_an_unknown_store_raises_unavailable_or_deadline() -> None:
     assert "127.0.0.1:1" in str(e.value)
 
 
+def test_a_store_past_its_deadline_is_named(store) -> None:
+    """A store that answers nothing (SIGSTOPped: its kernel still accepts
+    the connection) fails the call at the client's deadline, and the
+    error says which store: gRPC's own message is only "Deadline
+    Exceeded"."""
+    c = kvtier.StoreClient([store.address], deadline_ms=500)
+    store.pause()
+    try:
+        with pytest.raises(errors.DeadlineExceeded) as e:
+            c.register_namespace(ns())
+    finally:
+        store.resume()
+    assert store.address in str(e.value), str(e.value)
+    # The store serves on: the same client registers once it answers
+    # (the id is the namespace's, whoever asks).
+    assert c.register_namespace(ns()) == \
+        kvtier.StoreClient([store.address]).register_namespace(ns())
+
+
 @pytest.mark.parametrize("layout", list(kvtier.LAYOUTS))
 @pytest.mark.parametrize("shm", ["on", "off"])
 @pytest.mark.parametrize("copier", ["", "host"])

@@ -423,9 +423,11 @@ def step_split(args: argparse.Namespace, work: Path) -> None:
     print(f"\n== (d)'s steps split: {k} prompts of {args.prefix} tokens + "
           f"{args.decode} decoded at once, {blocks} blocks; in-process "
           f"engines, vLLM's step times ==")
-    stores = [Store(work, f"split-store-{i}", ram="1GiB") for i in range(2)]
+    stores: list[Store] = []
     engines: dict[str, Any] = {}
     try:
+        for i in range(2):
+            stores.append(Store(work, f"split-store-{i}", ram="1GiB"))
         common = dict(env=bench_env(), num_blocks=blocks, inproc=1,
                       one_process=1,
                       max_model_len=args.prefix + args.decode + 64)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -1054,14 +1055,21 @@ def test_pages_held_for_saves_come_back_whether_the_store_keeps_up_or_not(
 
 
 def test_pages_held_for_an_aborted_requests_saves_come_back(
-        work: Path, reference: dict[int, list[list[int]]]) -> None:
+        work: Path) -> None:
     """Issue #64, the abort path. With the store SIGSTOPped, a 2,088-token
     prompt computes 1,024 tokens (32 blocks, 256 a step) and is aborted:
     its saves wait behind the stopped store (8 blocks of staging, a 5 s
     save budget), so vLLM keeps its pages for them (``delay_free_blocks``)
     a step after the abort. Once the store runs again they are copied out
     or given up, the pages all come back, and the next request answers as
-    vLLM alone."""
+    vLLM alone computing 256 tokens a step too."""
+    nxt = prompts(1)[0]
+    plain = Engine(str(work / "abort-save-ref.log"), env=engine_env(),
+                   one_process=1, max_num_batched_tokens=256)
+    try:
+        want = plain.generate([nxt])["outputs"][0]["tokens"]
+    finally:
+        plain.stop()
     store = Store(work, "store-abort-save")
     try:
         e = start(work, "engine-abort-save", store.address, inproc=1,
@@ -1069,12 +1077,12 @@ def test_pages_held_for_an_aborted_requests_saves_come_back(
                   max_num_batched_tokens=256)
         try:
             got = e.abort_while_saving(victim=prompt(71, PREFIX + 40),
-                                       computed=1024, next=prompts(1)[0],
+                                       computed=1024, next=nxt,
                                        store_pid=store.pid)
             print("aborted while saving:", got["held"], got["settled"])
             assert got["held"], "vLLM freed the aborted request's pages " \
                 "while its saves were queued"
-            assert got["tokens"] == reference[1][0]
+            assert got["tokens"] == want
             assert_pages_back(got["settled"])
         finally:
             e.stop()
@@ -1158,7 +1166,7 @@ def test_a_step_never_waits_for_a_save_to_a_slowed_store(
                 print("longest step (ms), kvtier and vLLM alone:",
                       [(round(x * 1e3), round(y * 1e3)) for x, y in longest])
                 print("the slowed store's saves:", saves)
-                assert sorted(ratios)[PAIRS // 2] <= 1.3, ratios
+                assert statistics.median(ratios) <= 1.3, ratios
                 # The saves met the slowed store: they waited on it (or
                 # gave up), behind the steps.
                 assert saves["save_skipped_store_behind"] > 0, saves

@@ -12,7 +12,6 @@
 #include <sstream>
 #include <string_view>
 
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -144,9 +143,7 @@ int Report(const absl::Status& s, const std::string& what) {
       s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded;
   // A message that names what failed already ("store HOST:PORT: ...", as
   // the store client says a deadline that passed) is not prefixed again.
-  const std::string message(s.message());
-  const std::string said =
-      absl::StartsWith(message, what + ": ") ? message : absl::StrCat(what, ": ", message);
+  const std::string said(Prefixed(s, what + ": ").message());
   std::fprintf(stderr, "kvctl: %s%s\n", said.c_str(),
                unreachable ? " (is it running? check the address, --store/--router or "
                              "KVTIER_STORE/KVTIER_ROUTER)"

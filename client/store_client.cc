@@ -45,7 +45,8 @@ absl::StatusOr<v1::ConnectDataPlaneResponse> StoreClient::DataPlaneSession(
   req.set_client_id(client_id);
   v1::ConnectDataPlaneResponse resp;
   auto ctx = Context(deadline);
-  if (auto s = stub_->ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) return Failed(s);
+  // (Its callers, the data plane's, name the operation and the store.)
+  if (auto s = stub_->ConnectDataPlane(ctx.get(), req, &resp); !s.ok()) return FromGrpc(s);
   *fresh = true;
   std::lock_guard lk(session_mu_);
   // Two connections that asked at once keep the first answer.
@@ -61,7 +62,7 @@ void StoreClient::ForgetDataPlaneSession(const std::string& session) {
 absl::Status StoreClient::Failed(const grpc::Status& s) const {
   absl::Status st = FromGrpc(s);
   if (st.code() != absl::StatusCode::kDeadlineExceeded) return st;
-  return absl::DeadlineExceededError(absl::StrCat("store ", address_, ": ", st.message()));
+  return Prefixed(st, absl::StrCat("store ", address_, ": "));
 }
 
 std::unique_ptr<grpc::ClientContext> StoreClient::Context() const {

@@ -28,8 +28,6 @@ namespace kvtier {
 
 namespace {
 
-using store_data_detail::Prefixed;
-
 // Release ids per ReleaseGets (and per BeginGet's end_leases): the store's
 // per-request limit.
 constexpr size_t kMaxReleasesPerCall = limits::kMaxBlocksPerRequest;

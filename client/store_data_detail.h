@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/arena_mapping.h"
 #include "client/store_data_client.h"
@@ -62,13 +61,6 @@ struct MappedReads {
     return absl::UnavailableError("the store restarted since the pin; pin the blocks again");
   }
 };
-
-// The status with `prefix` in front of its message, once (a status that
-// already names the operation keeps its message).
-inline absl::Status Prefixed(const absl::Status& s, const std::string& prefix) {
-  if (absl::StartsWith(s.message(), prefix)) return s;
-  return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
-}
 
 }  // namespace store_data_detail
 

@@ -14,7 +14,6 @@
 namespace kvtier {
 
 using store_data_detail::Call;
-using store_data_detail::Prefixed;
 
 namespace {
 

@@ -202,10 +202,9 @@ def main() -> None:
             print(json.dumps(_settle(llm, float(msg.get("timeout_s", 30)))),
                   file=proto, flush=True)
             continue
-        if msg["op"] in ("abort_during_load", "abort_while_saving"):
-            run = (_abort_during_load if msg["op"] == "abort_during_load"
-                   else _abort_while_saving)
-            print(json.dumps(run(llm, msg)), file=proto, flush=True)
+        if msg["op"] in STEPPED_OPS:
+            print(json.dumps(STEPPED_OPS[msg["op"]](llm, msg)), file=proto,
+                  flush=True)
             continue
         want = msg.get("max_tokens", 8)
         if not isinstance(want, list):
@@ -366,6 +365,11 @@ def _abort_while_saving(llm: Any, msg: dict[str, Any]) -> dict[str, Any]:
             "settled": _settle(llm, float(msg.get("timeout_s", 30)))}
 
 
+#: The ops that step an in-process engine core themselves.
+STEPPED_OPS = {"abort_during_load": _abort_during_load,
+               "abort_while_saving": _abort_while_saving}
+
+
 def _settle(llm: Any, timeout_s: float) -> dict[str, Any]:
     """The ``settle`` op (an in-process engine core, ``--one-process 1``):
     steps the engine, as vLLM's engine loop does while finished requests
@@ -524,12 +528,8 @@ class Engine:
                  **extra: Any) -> dict[str, Any]:
         """vLLM's greedy output of each prompt and its cached tokens
         (``extra``: more fields of the request, e.g. ``after_lookup``)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(
-            {"op": "generate", "prompts": prompts,
-             "max_tokens": max_tokens, **extra}).encode() + b"\n")
-        self.proc.stdin.flush()
-        return self._read(timeout)
+        return self.op("generate", timeout, prompts=prompts,
+                       max_tokens=max_tokens, **extra)
 
     def op(self, name: str, timeout: float = 240,
            **fields: Any) -> dict[str, Any]:

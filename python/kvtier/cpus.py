@@ -108,12 +108,16 @@ def process_cpus() -> frozenset[int]:
     return cpus & parent if cpus & parent else cpus
 
 
-def bound_cpus() -> frozenset[int]:
+def bound_cpus(caller: bool = True) -> frozenset[int]:
     """The CPUs that this process's bound threads (those whose binding is
     narrower than :func:`process_cpus`) are bound to, the calling
-    thread's binding always among them."""
+    thread's binding always among them (a worker's caller is its compute
+    thread, which may run anywhere it may) unless ``caller`` is False
+    (vLLM's scheduler process, whose workers compute in processes of
+    their own: its unbound caller adds nothing)."""
     allowed = process_cpus()
-    bound = frozenset(os.sched_getaffinity(0))
+    own = frozenset(os.sched_getaffinity(0))
+    bound = own if caller or own < allowed else frozenset[int]()
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -129,10 +133,12 @@ def bound_cpus() -> frozenset[int]:
 
 
 def resolve(setting: str, where: str = "thread_cpus",
-            reserved: frozenset[int] = frozenset()) -> frozenset[int]:
+            reserved: frozenset[int] = frozenset(),
+            caller: bool = True) -> frozenset[int]:
     """``setting`` as CPUs: "auto" is ``reserved`` (the cores the engine
     keeps free of compute) less those this process may not use and those
-    a thread of it is bound to (:func:`bound_cpus`); "inherit" (or "")
+    a thread of it is bound to (:func:`bound_cpus`, given ``caller``);
+    "inherit" (or "")
     none (threads keep their creator's binding), else a CPU list, each of
     which this process must be allowed (InvalidArgument naming ``where``
     otherwise)."""
@@ -142,7 +148,7 @@ def resolve(setting: str, where: str = "thread_cpus",
     if text == "auto":
         if not reserved:
             return frozenset()
-        return (reserved & process_cpus()) - bound_cpus()
+        return (reserved & process_cpus()) - bound_cpus(caller)
     try:
         cpus = parse_cpu_list(text)
     except ValueError as e:

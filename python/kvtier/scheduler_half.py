@@ -76,13 +76,15 @@ class SchedulerHalf:
 
     ``store``: a client of the store shards (None: no store tier; nothing is
     ever loadable or saved). ``block_tokens``: tokens per block (== the
-    engine's page size). Not thread-safe (a scheduler is one thread).
+    engine's page size). ``cpus``: where its lookup threads run (empty:
+    their creator's binding). Not thread-safe (a scheduler is one thread).
     """
 
     def __init__(self, namespace: NamespaceSpec, store: Optional[StoreClient],
                  block_tokens: int, lookup_threads: int = 2,
                  ranks: Sequence[NamespaceSpec] = (),
-                 save_policy: str = "all") -> None:
+                 save_policy: str = "all",
+                 cpus: frozenset[int] = frozenset()) -> None:
         self.save_policy = SavePolicy(save_policy)
         #: Blocks a "seen_twice" policy did not save (first seen).
         self.saves_unseen = 0
@@ -93,7 +95,7 @@ class SchedulerHalf:
         self._reqs: dict[int, _Tracked] = {}
         self._step = StepMeta()
         self._lookups = (StepLookups(store, namespace, lookup_threads,
-                                     self.ranks)
+                                     self.ranks, cpus)
                          if store is not None else None)
         self.lookup_errors = 0
         self.lookups_answered = 0      # the store said what it holds

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from kvtier._native import NamespaceSpec
+from kvtier.cpus import bind_thread
 from kvtier.errors import DeadlineExceeded, KvtierError, StatusCode
 from kvtier.store import StoreClient
 
@@ -61,11 +62,13 @@ class StepLookups:
     """Batched lookups of one namespace (see the module docstring); with
     ``ranks`` (the other TP ranks' namespaces, whose blocks a load needs
     too) a chain's answer is the prefix every rank holds. Thread-safe;
-    ``threads`` batches may be out at once."""
+    ``threads`` batches may be out at once, on threads bound to ``cpus``
+    (empty: their creator's binding)."""
 
     def __init__(self, store: StoreClient, namespace: NamespaceSpec,
                  threads: int = 2,
-                 ranks: Sequence[NamespaceSpec] = ()) -> None:
+                 ranks: Sequence[NamespaceSpec] = (),
+                 cpus: frozenset[int] = frozenset()) -> None:
         self.store = store
         self.namespace = namespace
         self.ranks = tuple(ranks)
@@ -76,7 +79,8 @@ class StepLookups:
         self._inflight: dict[int, float] = {}    # batch -> its deadline
         self._next_batch = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=threads, thread_name_prefix="kvtier-lookup")
+            max_workers=threads, thread_name_prefix="kvtier-lookup",
+            initializer=bind_thread, initargs=(cpus,))
         self.batches = 0
         self._last_warning = 0.0
         self._last_late_warning = -10.0

@@ -8,6 +8,7 @@ get_block_ids_with_load_errors and recomputed."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -1209,7 +1210,9 @@ def test_kvtiers_threads_keep_off_the_cores_vllm_computes_on(
     connector starts in the worker (the C++ offloaders, committers and
     data plane, the save lane, the closer, the loaders) runs there,
     through a save, a finish and a load; the main thread keeps its own.
-    With "inherit" they all share the compute core."""
+    So do the scheduler's lookup threads (vLLM's scheduler process binds
+    nothing, and a lookup thread that woke on a compute core took it from
+    the forward). With "inherit" they all keep their creator's binding."""
     from kvtier.cpus import process_cpus
     cpus = process_cpus()
     if len(cpus) < 2:
@@ -1240,8 +1243,15 @@ def test_kvtiers_threads_keep_off_the_cores_vllm_computes_on(
         n, r, _ = run_new(sched, w, "B", prompt, list(range(7, 14)), seeds)
         assert n == 6 * BS and r["errors"] == [], r
         threads = w.call(op="threads")
+        lookups = {t.name: sorted(os.sched_getaffinity(t.native_id))
+                   for t in sched._scheduler._lookups._pool._threads
+                   if t.is_alive() and t.native_id is not None}
     finally:
         w.stop()
+    assert lookups, "the scheduler's lookups ran on no thread of kvtier's"
+    here = sorted(os.sched_getaffinity(0))
+    assert set(map(tuple, lookups.values())) == {
+        tuple(here) if setting == "inherit" else (max(cpus),)}, lookups
     assert threads["main"] == [compute]
     started = threads["started"].values()
     assert len(started) >= 4, threads  # lane, offloader, committer, loader

@@ -46,7 +46,7 @@ from typing import Any, Optional
 import numpy as np
 
 import kvtier
-from kvtier.cpus import resolve
+from kvtier.cpus import resolve, threads_on
 from kvtier.hooks import SchedulerHalf, WorkerHalf, request_key
 from kvtier.integrations.vllm_base import KVConnectorRole, SupportsHMA
 from kvtier.integrations.vllm_config import (
@@ -55,7 +55,7 @@ from kvtier.integrations.vllm_groups import (GroupLoads, GroupPlans,
                                              group_kinds, primary_group)
 from kvtier.integrations.vllm_handoff import Handoffs, HandoffStatsHooks
 from kvtier.integrations.vllm_worker import (KvtierConnectorMetadata,
-                                             WorkerHooks)
+                                             WorkerHooks, vllm_reserved_cpus)
 from kvtier.options import client_options
 
 # A child of vLLM's own logger, so the connector's lines appear with vLLM's.
@@ -117,11 +117,20 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
             ns, *ranks = [namespace_of(vllm_config, r, kv_cache_config=kc,
                                        group=self._primary) for r in range(
                 int(vllm_config.parallel_config.tensor_parallel_size))]
-            self._scheduler = SchedulerHalf(
-                ns, kvtier.StoreClient(self._stores, **self._opts),
-                self._block_size, lookup_threads=int(opts["lookup_threads"]),
-                ranks=ranks, save_policy=str(opts["save_policy"]))
-            self._scheduler.warm_up()
+            # The lookup threads (and gRPC's own) off the cores the workers
+            # compute on, as the workers' kvtier threads are: in vLLM's
+            # scheduler process nothing is bound, and a lookup thread would
+            # wake on whichever core, the workers' compute cores among them.
+            cpus = resolve(self._thread_cpus, 'kv_connector_extra_config: '
+                           '"thread_cpus"', vllm_reserved_cpus(vllm_config),
+                           caller=False)
+            with threads_on(cpus):
+                self._scheduler = SchedulerHalf(
+                    ns, kvtier.StoreClient(self._stores, **self._opts),
+                    self._block_size,
+                    lookup_threads=int(opts["lookup_threads"]), ranks=ranks,
+                    save_policy=str(opts["save_policy"]), cpus=cpus)
+                self._scheduler.warm_up()
             self._handoffs = Handoffs(kv_role,
                                       float(opts["handoff_wait_ms"]) / 1000,
                                       ns.id, self._block_size)

@@ -53,7 +53,8 @@ CONNECTOR_OPTIONS: tuple[Option, ...] = CLIENT_OPTIONS + (
            "(only the leading blocks an earlier prompt on this engine had "
            "too; a prefill's always)", choices=("all", "seen_twice")),
     Option("thread_cpus", "str", "auto",
-           "the CPUs kvtier's threads in a worker with CPU pages run on: "
+           "the CPUs kvtier's threads in the scheduler and in a worker "
+           "with CPU pages run on: "
            "auto (those vLLM keeps free of its compute threads), inherit "
            "(the worker's binding), or a CPU list such as \"3,5-7\""),
     Option("save_hold_fraction", "number", 0.25,

@@ -113,7 +113,7 @@ def bound_cpus(caller: bool = True) -> frozenset[int]:
     narrower than :func:`process_cpus`) are bound to, the calling
     thread's binding always among them (a worker's caller is its compute
     thread, which may run anywhere it may) unless ``caller`` is False
-    (vLLM's scheduler process, whose workers compute in processes of
+    (vLLM's scheduler process where its workers compute in processes of
     their own: its unbound caller adds nothing)."""
     allowed = process_cpus()
     own = frozenset(os.sched_getaffinity(0))

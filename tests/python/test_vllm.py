@@ -1222,6 +1222,7 @@ def test_kvtiers_threads_keep_off_the_cores_vllm_computes_on(
         setting = str(max(cpus))
     w = Worker([store.address], compute_cpus=str(compute),
                thread_cpus=setting)
+    sched = None
     try:
         sched = KvtierConnector(v.config([store.address],
                                          thread_cpus=setting),
@@ -1248,6 +1249,8 @@ def test_kvtiers_threads_keep_off_the_cores_vllm_computes_on(
                    if t.is_alive() and t.native_id is not None}
     finally:
         w.stop()
+        if sched is not None:  # its bound threads end (bound_cpus counts)
+            sched.shutdown()
     assert lookups, "the scheduler's lookups ran on no thread of kvtier's"
     here = sorted(os.sched_getaffinity(0))
     assert set(map(tuple, lookups.values())) == {

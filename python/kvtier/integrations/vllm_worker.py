@@ -53,10 +53,17 @@ def vllm_reserved_cpus(vllm_config: Any) -> frozenset[int]:
     default): those this process may use less every local rank's compute
     CPUs (its ``OMPProcessManager``'s lists, from the same config and
     environment). Empty where the binding was given by hand (the other
-    cores may be another engine's), where vLLM binds nothing, or without
-    such a class."""
+    cores may be another engine's), where vLLM binds nothing (a GPU
+    platform; the ``uni`` executor, whose worker computes in the engine
+    core's process, unbound: vLLM binds only the worker processes it
+    starts), or without such a class."""
     try:
+        from vllm.platforms import current_platform
         from vllm.utils.ompmultiprocessing import OMPProcessManager
+        backend = getattr(getattr(vllm_config, "parallel_config", None),
+                          "distributed_executor_backend", None)
+        if not current_platform.is_cpu() or backend == "uni":
+            return frozenset()
         m = OMPProcessManager(vllm_config)
         if not getattr(m, "auto_setup", False):
             return frozenset()

@@ -108,16 +108,15 @@ def process_cpus() -> frozenset[int]:
     return cpus & parent if cpus & parent else cpus
 
 
-def bound_cpus(caller: bool = True) -> frozenset[int]:
+def bound_cpus() -> frozenset[int]:
     """The CPUs that this process's bound threads (those whose binding is
-    narrower than :func:`process_cpus`) are bound to, the calling
-    thread's binding always among them (a worker's caller is its compute
-    thread, which may run anywhere it may) unless ``caller`` is False
-    (vLLM's scheduler process where its workers compute in processes of
-    their own: its unbound caller adds nothing)."""
+    narrower than :func:`process_cpus`, the calling thread's among them)
+    are bound to. An unbound thread adds nothing: vLLM's scheduler process
+    binds none (where vLLM binds nothing at all, it reserves nothing
+    either: :func:`kvtier.integrations.vllm_worker.vllm_reserved_cpus`)."""
     allowed = process_cpus()
     own = frozenset(os.sched_getaffinity(0))
-    bound = own if caller or own < allowed else frozenset[int]()
+    bound = own if own < allowed else frozenset[int]()
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
@@ -133,12 +132,10 @@ def bound_cpus(caller: bool = True) -> frozenset[int]:
 
 
 def resolve(setting: str, where: str = "thread_cpus",
-            reserved: frozenset[int] = frozenset(),
-            caller: bool = True) -> frozenset[int]:
+            reserved: frozenset[int] = frozenset()) -> frozenset[int]:
     """``setting`` as CPUs: "auto" is ``reserved`` (the cores the engine
     keeps free of compute) less those this process may not use and those
-    a thread of it is bound to (:func:`bound_cpus`, given ``caller``);
-    "inherit" (or "")
+    a thread of it is bound to (:func:`bound_cpus`); "inherit" (or "")
     none (threads keep their creator's binding), else a CPU list, each of
     which this process must be allowed (InvalidArgument naming ``where``
     otherwise)."""
@@ -148,7 +145,7 @@ def resolve(setting: str, where: str = "thread_cpus",
     if text == "auto":
         if not reserved:
             return frozenset()
-        return (reserved & process_cpus()) - bound_cpus(caller)
+        return (reserved & process_cpus()) - bound_cpus()
     try:
         cpus = parse_cpu_list(text)
     except ValueError as e:

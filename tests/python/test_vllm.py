@@ -1211,8 +1211,8 @@ def test_kvtiers_threads_keep_off_the_cores_vllm_computes_on(
     data plane, the save lane, the closer, the loaders) runs there,
     through a save, a finish and a load; the main thread keeps its own.
     So do the scheduler's lookup threads (vLLM's scheduler process binds
-    nothing, and a lookup thread that woke on a compute core took it from
-    the forward). With "inherit" they all keep their creator's binding."""
+    nothing, so they would otherwise wake on any core, the compute cores
+    among them). With "inherit" they all keep their creator's binding."""
     from kvtier.cpus import process_cpus
     cpus = process_cpus()
     if len(cpus) < 2:

@@ -375,10 +375,7 @@ def test_auto_takes_the_reserved_cores_no_thread_is_bound_to() -> None:
     assert child == (chosen or own) and own == compute
     chosen, child, own = _on_cpus(compute, lambda: start_one(frozenset()))
     assert chosen == frozenset() and child == own == compute
-    # An unbound caller: a worker's (its compute thread may run on every
-    # core) leaves nothing to "auto"; vLLM's scheduler process, whose
-    # workers compute elsewhere, gets the reserved cores.
-    everywhere = _on_cpus(cpus, lambda: (
-        resolve("auto", reserved=reserved),
-        resolve("auto", reserved=reserved, caller=False)))
-    assert everywhere == (frozenset(), reserved)
+    # An unbound caller (vLLM's scheduler process binds no thread) adds
+    # nothing: "auto" is the reserved cores.
+    assert _on_cpus(cpus, lambda: resolve("auto", reserved=reserved)) == \
+        reserved

@@ -122,8 +122,7 @@ class KvtierConnector(HandoffStatsHooks, WorkerHooks,  # type: ignore[misc]
             # scheduler process nothing is bound, and a lookup thread would
             # wake on whichever core, the workers' compute cores among them.
             cpus = resolve(self._thread_cpus, 'kv_connector_extra_config: '
-                           '"thread_cpus"', vllm_reserved_cpus(vllm_config),
-                           caller=False)
+                           '"thread_cpus"', vllm_reserved_cpus(vllm_config))
             with threads_on(cpus):
                 self._scheduler = SchedulerHalf(
                     ns, kvtier.StoreClient(self._stores, **self._opts),

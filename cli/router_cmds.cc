@@ -25,6 +25,8 @@ void PrintRouteJson(const v1::RouteResponse& r) {
   for (const auto& x : r.candidates()) {
     cands.push_back({{"worker", x.worker_id()},
                      {"gpu_blocks", x.gpu_blocks()},
+                     {"cpu_blocks", x.cpu_blocks()},
+                     {"disk_blocks", x.disk_blocks()},
                      {"store_blocks", x.store_blocks()},
                      {"prefill_tokens", x.prefill_tokens()},
                      {"load_tokens", x.load_tokens()},

@@ -56,10 +56,13 @@ Choice Choose(router::RouterCore& core, uint64_t namespace_id, const FleetView& 
       const bool first = cand.worker_id == routed->worker_id;
       const std::string reason = first ? ReasonName(routed->reason) : "failover";
       c.engine = std::move(e);
-      c.explain =
-          absl::StrCat("engine=", cand.worker_id, "; gpu_blocks=", cand.gpu_blocks,
-                       "; store_blocks=", cand.store_blocks, "; load_tokens=", cand.load_tokens,
-                       "; cost=", cand.cost, "; reason=", reason);
+      c.explain = absl::StrCat(
+          "engine=", cand.worker_id, "; gpu_blocks=", cand.gpu_blocks,
+          cand.cpu_blocks + cand.disk_blocks > 0
+              ? absl::StrCat("; cpu_blocks=", cand.cpu_blocks, "; disk_blocks=", cand.disk_blocks)
+              : "",
+          "; store_blocks=", cand.store_blocks, "; load_tokens=", cand.load_tokens,
+          "; cost=", cand.cost, "; reason=", reason);
       c.uncached = cand.prefill_tokens;
       counters.Route(cand.worker_id, reason);
       return c;

@@ -85,6 +85,11 @@ int main(int argc, char** argv) {
   flags.Double("load-weight", &o.router.knobs.load_weight, 0, 1000,
                "cost per token an engine has waiting for prefill, against a token the "
                "request itself would compute there (docs/frontend.md, \"Load\")");
+  flags.Double("cpu-fetch-cost", &o.router.knobs.cpu_fetch_cost, 0, 10,
+               "cost per token an engine loads from its own CPU tier (vLLM's offloading, "
+               "seen in its KV events), against computing it (docs/router.md, \"Media\")");
+  flags.Double("disk-fetch-cost", &o.router.knobs.disk_fetch_cost, 0, 10,
+               "the same from an engine's own slower tier (disk, storage)");
   flags.Bool("log-routes", &o.log_routes,
              "log every request's route (its x-kvtier-route header) to stderr");
   int64_t pd_threshold = static_cast<int64_t>(o.pd_threshold);

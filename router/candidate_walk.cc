@@ -13,7 +13,7 @@ struct Pick {
   double cost;
   uint64_t load, rank;
   SourceNum num;
-  uint32_t depth;
+  BlockSplit blocks;
 };
 
 // The walk's state: the cheapest kept so far, the least loaded, the
@@ -33,42 +33,33 @@ class Walk {
   WalkResult Run();
 
  private:
-  // The prompt's tokens a worker holding `depth` of its blocks has no page for.
-  uint64_t PlacedAt(uint32_t depth) const {
-    return in_.prompt_tokens -
-           std::min<uint64_t>(uint64_t{depth} * in_.block_tokens, in_.prompt_tokens);
-  }
-  // The occupancy term of `num` at the current depth (a lower bound of 0
+  // The occupancy term of `num` at the current split (a lower bound of 0
   // holds for every worker: the walk's load-order stops stay valid).
   double OccupancyOf(SourceNum num) const {
     return placed_cost_ * in_.occupancy.Excess(occupancy_[num]);
   }
   // Sets the base cost and the occupancy price per unit of occupancy for
-  // workers holding `depth` blocks.
-  void SetDepth(uint32_t depth) {
-    base_ = BaseAt(depth);
-    placed_cost_ = in_.occupancy.price_per_token * static_cast<double>(PlacedAt(depth));
-  }
-  // The cost of the prompt's blocks to a worker holding `depth` of them.
-  double BaseAt(uint32_t depth) const {
-    const uint64_t bt = in_.block_tokens, prompt = in_.prompt_tokens;
-    const uint64_t cached = std::min<uint64_t>(uint64_t{depth} * bt, prompt);
-    const uint64_t fetched = std::min<uint64_t>(uint64_t{m_.StoreRun(depth)} * bt, prompt - cached);
-    return static_cast<double>(prompt - cached - fetched) +
-           in_.fetch_cost * static_cast<double>(fetched);
+  // workers holding `depth` blocks on their GPU.
+  void SetDepth(uint32_t depth) { SetSplit({depth, 0, 0, m_.StoreRun(depth)}); }
+  // The same for a worker that would get the prompt's blocks so.
+  void SetSplit(const BlockSplit& b) {
+    const PromptPrice p = PricePrompt(in_.prompt_tokens, in_.block_tokens, b, in_.prices);
+    split_ = b;
+    base_ = p.cost;
+    placed_cost_ = in_.occupancy.price_per_token * static_cast<double>(p.placed);
   }
   uint64_t LoadAt(SourceNum num) const {
     return std::atomic_ref<uint64_t>(const_cast<uint64_t&>(load_[num]))
         .load(std::memory_order_relaxed);
   }
-  void Admit(SourceNum num, uint32_t depth, uint64_t load, double cost);
-  // Looks at one worker at `depth` (the current base).
-  void Look(SourceNum num, uint32_t depth) {
+  void Admit(SourceNum num, const BlockSplit& blocks, uint64_t load, double cost);
+  // Looks at one worker at the current split and base.
+  void Look(SourceNum num) {
     const uint64_t load = LoadAt(num);
     max_load_ = std::max(max_load_, load);
     const double cost = base_ + lw_ * static_cast<double>(load) + OccupancyOf(num);
     if (load > reject_load_ && cost > reject_cost_) return;
-    Admit(num, depth, load, cost);
+    Admit(num, split_, load, cost);
   }
   // The workers not named in the match that `member` accepts, at `depth`.
   template <class Member>
@@ -85,11 +76,12 @@ class Walk {
   const size_t keep_;
   const uint64_t request_hash_;
   absl::InlinedVector<Pick, 8> top_;  // cheapest first
-  Pick least_{0, ~uint64_t{0}, 0, 0, 0};
+  Pick least_{0, ~uint64_t{0}, 0, 0, {}};
   bool have_least_ = false;
   uint64_t max_load_ = 0;
+  BlockSplit split_;  // the current one, base_'s
   double base_ = 0;
-  double placed_cost_ = 0;  // the occupancy price x the tokens placed at base_'s depth
+  double placed_cost_ = 0;  // the occupancy price x the tokens placed at base_'s split
   // A worker costlier than the keep-th cheapest and busier than the least
   // loaded so far is out: the hot loop tests just that.
   double reject_cost_ = std::numeric_limits<double>::infinity();
@@ -98,7 +90,7 @@ class Walk {
   bool walked_all_ = true;
 };
 
-void Walk::Admit(SourceNum num, uint32_t depth, uint64_t load, double cost) {
+void Walk::Admit(SourceNum num, const BlockSplit& blocks, uint64_t load, double cost) {
   if (!in_.exclude.empty() &&
       std::find(in_.exclude.begin(), in_.exclude.end(), num) != in_.exclude.end()) {
     return;
@@ -110,7 +102,7 @@ void Walk::Admit(SourceNum num, uint32_t depth, uint64_t load, double cost) {
       if (t.num == num) return;
     }
   }
-  const Pick p{cost, load, RendezvousRank(request_hash_, id_hash_[num]), num, depth};
+  const Pick p{cost, load, RendezvousRank(request_hash_, id_hash_[num]), num, blocks};
   if (load <= least_.load && (!have_least_ || load < least_.load || p.rank > least_.rank)) {
     least_ = p;
     have_least_ = true;
@@ -139,7 +131,7 @@ void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& h
   const double lw = lw_;
   const Fleet& fleet = *in_.fleet;
   for (SourceNum num : fleet.lowered) {
-    if (!hit[num] && member(num)) Look(num, depth);
+    if (!hit[num] && member(num)) Look(num);
   }
   const uint8_t* lowered = in_.board->lowered.data();
   const auto& order = fleet.order;
@@ -150,7 +142,7 @@ void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& h
       walked_all_ = false;
       break;
     }
-    if (!hit[num] && !lowered[num] && member(num)) Look(num, depth);
+    if (!hit[num] && !lowered[num] && member(num)) Look(num);
     // A run of ties (an idle fleet's cold workers): while the least loaded
     // and the keep-th cheapest both sit at load L and its cost, and any
     // higher load costs more, a worker at L gets in only with a higher rank
@@ -175,7 +167,7 @@ void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& h
       if (RendezvousRank(request_hash_, id_hash_[other]) <= rank_to_beat) continue;
       // A worker whose pages are fuller costs more than the tie: it can
       // still be the least loaded (Admit sorts that out), never the cheapest.
-      Admit(other, depth, load, tie_cost + OccupancyOf(other));
+      Admit(other, split_, load, tie_cost + OccupancyOf(other));
       if (reject_load_ != tie || reject_cost_ != tie_cost) {
         ++j;
         break;
@@ -214,11 +206,16 @@ WalkResult Walk::Run() {
   // (Blocks are keyed with their namespace: only the request's workers hold them.)
   uint32_t base_depth = ~0u;
   for (const auto& [num, depth] : m_.gpu_depth) {
-    if (depth != base_depth) {
+    if (in_.off_gpu != nullptr && in_.off_gpu->Count(num) > 0) {
+      // Some of what it holds may be off its GPU: priced where it is.
+      const OffGpuBlocks::Split at = in_.off_gpu->Locate(in_.ns, in_.chain, num, depth);
+      SetSplit({at.gpu, at.cpu, depth - at.gpu - at.cpu, m_.StoreRun(depth)});
+      base_depth = ~0u;
+    } else if (depth != base_depth) {
       base_depth = depth;
       SetDepth(depth);
     }
-    Look(num, depth);
+    Look(num);
   }
   // Each group of workers too many to name (a prefix most of the fleet
   // holds) is walked at its depth, then the workers holding nothing of the
@@ -253,10 +250,10 @@ WalkResult Walk::Run() {
   ResolveMaxLoad();
   WalkResult r;
   r.max_load = max_load_;
-  for (const Pick& p : top_) r.picks.push_back({p.num, p.depth, p.load});
+  for (const Pick& p : top_) r.picks.push_back({p.num, p.blocks, p.load});
   if (have_least_ &&
       std::none_of(top_.begin(), top_.end(), [&](const Pick& p) { return p.num == least_.num; })) {
-    r.picks.push_back({least_.num, least_.depth, least_.load});
+    r.picks.push_back({least_.num, least_.blocks, least_.load});
   }
   return r;
 }

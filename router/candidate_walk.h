@@ -1,7 +1,8 @@
 // The candidate walk: which of a fleet's workers a route weighs, in one pass
 // over those holding part of the prompt and one over the rest in load order
 // (docs/router.md, "Weighing the workers"). Workers at the same depth differ
-// only in load, so the walk keeps just the `keep` cheapest (the highest
+// only in load (and, for a worker holding blocks off its GPU, in where it
+// holds them: priced apart), so the walk keeps just the `keep` cheapest (the highest
 // rendezvous rank first among equals: the tie-break's winner is among them),
 // the least loaded (the balance guard's pick) and the fleet's highest load;
 // Decide then chooses among those. Reads the loads with relaxed atomics:
@@ -15,6 +16,7 @@
 #include "absl/container/inlined_vector.h"
 #include "router/cost.h"
 #include "router/fleet.h"
+#include "router/off_gpu.h"
 #include "router/prefix_index.h"
 
 namespace kvtier::router {
@@ -27,8 +29,13 @@ struct WalkInput {
   size_t num_limit = 0;  // one past the highest SourceNum
   uint32_t block_tokens = 0;
   uint64_t prompt_tokens = 0;
-  double fetch_cost = 0;    // per fetched token
-  double load_weight = 0;   // per queued token
+  FetchPrices prices;      // per token loaded from the store or a worker's own tier
+  double load_weight = 0;  // per queued token
+  // The blocks workers hold off their GPU (null: none), located on the
+  // prompt's chain (namespace ns) for the workers holding part of it.
+  const OffGpuBlocks* off_gpu = nullptr;
+  uint64_t ns = 0;
+  ChainView chain;
   OccupancyTerm occupancy;  // the pages a worker must place, priced
   uint64_t balance_threshold_tokens = 0;
   size_t keep = 1;         // the cheapest kept
@@ -40,7 +47,7 @@ struct WalkInput {
 
 struct WalkPick {
   SourceNum num = 0;
-  uint32_t depth = 0;  // GPU blocks of the prompt it holds
+  BlockSplit blocks;  // where it would get the prompt's blocks
   uint64_t load = 0;
 };
 

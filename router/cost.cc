@@ -31,14 +31,12 @@ size_t Rendezvous(const std::vector<Candidate>& c, const std::vector<size_t>& pi
 Decision Decide(const CostKnobs& k, uint64_t prompt_tokens, uint32_t block_tokens,
                 uint64_t request_hash, std::vector<Candidate>& c, uint64_t fleet_max_load,
                 const OccupancyTerm& occupancy) {
+  const FetchPrices prices{k.fetch_cost, k.cpu_fetch_cost, k.disk_fetch_cost};
   for (auto& x : c) {
-    uint64_t cached = std::min<uint64_t>(uint64_t{x.gpu_blocks} * block_tokens, prompt_tokens);
-    uint64_t fetched =
-        std::min<uint64_t>(uint64_t{x.store_blocks} * block_tokens, prompt_tokens - cached);
-    x.prefill_tokens = prompt_tokens - cached - fetched;
-    x.cost = static_cast<double>(x.prefill_tokens) + k.fetch_cost * static_cast<double>(fetched) +
-             k.load_weight * static_cast<double>(x.load_tokens) +
-             occupancy.Cost(prompt_tokens - cached, x.occupancy);
+    const PromptPrice p = PricePrompt(prompt_tokens, block_tokens, x.blocks, prices);
+    x.prefill_tokens = p.compute;
+    x.cost = p.cost + k.load_weight * static_cast<double>(x.load_tokens) +
+             occupancy.Cost(p.placed, x.occupancy);
   }
   std::sort(c.begin(), c.end(), [](const Candidate& a, const Candidate& b) {
     return a.cost != b.cost ? a.cost < b.cost : a.id_hash < b.id_hash;

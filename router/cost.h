@@ -1,10 +1,12 @@
 // The routing decision (docs/router.md, "Cost"): per candidate worker, in
 // prefill-token equivalents,
 //   cost = tokens to compute + fetch_cost x tokens fetched from the store
+//          + cpu_fetch_cost x tokens loaded from its own CPU tier
+//          + disk_fetch_cost x tokens loaded from its own slower tier
 //          + load_weight x (queued prefill tokens + tokens routed since its
 //            last heartbeat)
 //          + occupancy_weight x fetch_cost x tokens it must place in new
-//            pages (fetched or computed) x how far the share of its pages
+//            pages (loaded or computed) x how far the share of its pages
 //            in use exceeds its fleet's mean (0 if it does not).
 // The last term prices the pages a placement takes from a worker fuller
 // than the others: with a store, a block a worker holds saves only a
@@ -37,7 +39,52 @@ struct CostKnobs {
   // of pages in use exceeds the fleet's mean. 0: off. RouterCore::Route
   // turns it into an OccupancyTerm.
   double occupancy_weight = 4.0;
+  // Per token a worker loads from an offloading tier of its own (vLLM's
+  // CPU offloading; a slower one: disk, storage), relative to computing it.
+  // A CPU tier's load is a host-to-device copy (~25 GB/s over PCIe, ~128 KiB
+  // of KV a token for an 8B model: ~190k tokens/s against a prefill of ~10k
+  // tokens/s: 0.05); an NVMe tier reads ~3 GB/s (0.4).
+  double cpu_fetch_cost = 0.05;
+  double disk_fetch_cost = 0.4;
 };
+
+// What the prices of loading a token are, relative to computing it.
+struct FetchPrices {
+  double store = 0, cpu = 0, disk = 0;
+};
+
+// Where a worker would get a prompt's blocks: `gpu` leading blocks on its
+// GPU, the next `cpu` on its own CPU tier, the next `disk` on its slower
+// tier, then `store` from the store, the rest computed.
+struct BlockSplit {
+  uint32_t gpu = 0, cpu = 0, disk = 0, store = 0;
+  uint32_t held() const { return gpu + cpu + disk; }
+};
+
+// The tokens a worker computes for a prompt split so, and what the prompt
+// costs it in all (computing plus loading; load and occupancy apart).
+struct PromptPrice {
+  uint64_t compute = 0;
+  uint64_t placed = 0;  // tokens it must put in new GPU pages
+  double cost = 0;
+};
+inline PromptPrice PricePrompt(uint64_t prompt, uint32_t bt, const BlockSplit& b,
+                               const FetchPrices& p) {
+  auto take = [&](uint32_t blocks, uint64_t& left) {
+    const uint64_t t = std::min<uint64_t>(uint64_t{blocks} * bt, left);
+    left -= t;
+    return static_cast<double>(t);
+  };
+  uint64_t left = prompt;
+  take(b.gpu, left);
+  PromptPrice r;
+  r.placed = left;
+  const double cpu = take(b.cpu, left), disk = take(b.disk, left), store = take(b.store, left);
+  r.compute = left;
+  r.cost = static_cast<double>(left) + p.store * store;
+  if (b.cpu + b.disk > 0) r.cost += p.cpu * cpu + p.disk * disk;
+  return r;
+}
 
 // The occupancy term of one route: a candidate placing `placed` tokens in
 // new pages costs price_per_token x placed x how far its occupancy exceeds
@@ -57,8 +104,7 @@ struct Candidate {
   // WorkerIdHash(worker_id): the rendezvous tie-break's member hash.
   uint64_t id_hash = 0;
   uint32_t num = 0;  // the caller's number for the worker
-  uint32_t gpu_blocks = 0;
-  uint32_t store_blocks = 0;
+  BlockSplit blocks;
   uint64_t load_tokens = 0;
   // The share of its GPU pages in use at its last heartbeat, 0..1.
   double occupancy = 0;

@@ -49,6 +49,7 @@ int main(int argc, char** argv) {
   uint64_t deadline_ms = 5000;
   uint64_t max_message = 64ull << 20;
   double fetch_cost = 0.1, load_weight = 1.0, temperature = 0, occupancy_weight = 4.0;
+  kvtier::router::CostKnobs tiers;  // its cpu_fetch_cost and disk_fetch_cost
   int64_t balance = 32768;
   kvtier::TlsFlags tls;
   kvtier::FlagSet flags(
@@ -57,6 +58,7 @@ int main(int argc, char** argv) {
       "indexes the KV blocks workers and store shards report (kvtier.v1.Router event\n"
       "streams) and scores every live worker of the request's namespace by\n"
       "  cost = tokens to compute + fetch_cost x tokens fetched from the store\n"
+      "         + cpu_fetch_cost, disk_fetch_cost x tokens loaded from its own tiers\n"
       "         + load_weight x (queued prefill tokens + tokens routed since its heartbeat)\n"
       "         + occupancy_weight x fetch_cost x tokens placed in new pages\n"
       "           x its pages' use above its fleet's mean (only while store shards report).\n"
@@ -66,6 +68,11 @@ int main(int argc, char** argv) {
                    "A source silent this long is dropped with all its blocks (e.g. 5s)");
   flags.Double("fetch-cost", &fetch_cost, 0, 10,
                "Cost of fetching one token's KV from the store, relative to computing it");
+  flags.Double("cpu-fetch-cost", &tiers.cpu_fetch_cost, 0, 10,
+               "Cost of loading one token's KV from a worker's own CPU tier (vLLM's "
+               "offloading, seen in its KV events), relative to computing it");
+  flags.Double("disk-fetch-cost", &tiers.disk_fetch_cost, 0, 10,
+               "The same from a worker's own slower tier (disk, storage)");
   flags.Double("load-weight", &load_weight, 0, 1000, "Cost per queued prefill token of a worker");
   flags.Double(
       "occupancy-weight", &occupancy_weight, 0, 1000,
@@ -113,6 +120,8 @@ int main(int argc, char** argv) {
   kvtier::router::RouterOptions o;
   o.heartbeat_deadline_ms = deadline_ms;
   o.knobs.fetch_cost = fetch_cost;
+  o.knobs.cpu_fetch_cost = tiers.cpu_fetch_cost;
+  o.knobs.disk_fetch_cost = tiers.disk_fetch_cost;
   o.knobs.load_weight = load_weight;
   o.knobs.occupancy_weight = occupancy_weight;
   o.knobs.balance_threshold_tokens = static_cast<uint64_t>(balance);

@@ -102,6 +102,11 @@ class PrefixIndex {
   // True if the pair was not there yet.
   bool Add(uint64_t fp, SourceNum source);
   bool Add(const BlockKey& key, SourceNum source) { return Add(Fingerprint(key), source); }
+  // Whether `source` holds `fp`.
+  bool Has(uint64_t fp, SourceNum source) const {
+    auto it = map_.find(fp);
+    return it != map_.end() && Holds(&it->second, source);
+  }
   // True if the pair was there.
   bool Remove(uint64_t fp, SourceNum source);
   bool Remove(const BlockKey& key, SourceNum source) { return Remove(Fingerprint(key), source); }

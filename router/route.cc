@@ -107,7 +107,10 @@ absl::StatusOr<RouteResult> RouterCore::Route(const RouteQuery& q) {
   in.num_limit = sources_.NumLimit();
   in.block_tokens = bt;
   in.prompt_tokens = prompt_tokens;
-  in.fetch_cost = k.fetch_cost;
+  in.prices = {k.fetch_cost, k.cpu_fetch_cost, k.disk_fetch_cost};
+  in.off_gpu = off_gpu_.size() > 0 ? &off_gpu_ : nullptr;
+  in.ns = q.namespace_id;
+  in.chain = chain;
   in.load_weight = k.load_weight;
   in.occupancy = occupancy;
   in.balance_threshold_tokens = k.balance_threshold_tokens;
@@ -147,8 +150,7 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
     c.worker_id = sources_.ByNum(p.num)->hello.source_id;
     c.id_hash = board_.id_hash[p.num];
     c.num = p.num;
-    c.gpu_blocks = p.depth;
-    c.store_blocks = match.StoreRun(p.depth);
+    c.blocks = p.blocks;
     c.load_tokens = p.load;
     c.occupancy = board_.occupancy[p.num];
     cands.push_back(c);
@@ -178,17 +180,19 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
     fleet.RaiseBound(best.num, board_.AddRouted(best.num, best.prefill_tokens));
     // Past what it holds or has pending: blocks pending already are not
     // refreshed, so a route that is never run cannot keep them alive.
-    if (options_.pending_ms > 0 && best.gpu_blocks < chain.size()) {
-      pending_.Add(q.namespace_id, best.num, chain, best.gpu_blocks, PendingRoutes::StrideFor(bt),
-                   Clock::now());
+    if (options_.pending_ms > 0 && best.blocks.held() < chain.size()) {
+      pending_.Add(q.namespace_id, best.num, chain, best.blocks.held(),
+                   PendingRoutes::StrideFor(bt), Clock::now());
     }
   }
   decide.unlock();
   RouteResult r;
   r.worker_id = best.worker_id;
   r.endpoint = chosen->hello.endpoint;
-  r.gpu_blocks = best.gpu_blocks;
-  r.store_blocks = best.store_blocks;
+  r.gpu_blocks = best.blocks.gpu;
+  r.cpu_blocks = best.blocks.cpu;
+  r.disk_blocks = best.blocks.disk;
+  r.store_blocks = best.blocks.store;
   if (StoresKnown()) {
     uint32_t end = 0;
     for (const auto& [at, run] : match.store_runs) {
@@ -218,9 +222,9 @@ RouteResult RouterCore::Decide(const RouteQuery& q, const ChainView& chain, Flee
   // The cheapest `shown`, cheapest first, the chosen one among them: in the
   // last place if sampling or the balance guard passed over all of those.
   auto show = [&](const Candidate& c) {
-    r.candidates.push_back(RouteCandidate{std::string(c.worker_id), c.gpu_blocks, c.store_blocks,
+    r.candidates.push_back(RouteCandidate{std::string(c.worker_id), c.blocks.gpu, c.blocks.store,
                                           c.load_tokens, c.prefill_tokens, k.fetch_cost, c.cost,
-                                          c.occupancy});
+                                          c.occupancy, c.blocks.cpu, c.blocks.disk});
   };
   const bool chosen_shown = d.chosen < shown;
   for (size_t i = 0; i < cands.size() && r.candidates.size() < shown; ++i) {

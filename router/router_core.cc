@@ -21,6 +21,9 @@ absl::Status RouterOptions::Validate() const {
   if (!(knobs.occupancy_weight >= 0)) {
     return absl::InvalidArgumentError("flag --occupancy-weight must be >= 0");
   }
+  if (!(knobs.cpu_fetch_cost >= 0) || !(knobs.disk_fetch_cost >= 0)) {
+    return absl::InvalidArgumentError("flags --cpu-fetch-cost and --disk-fetch-cost must be >= 0");
+  }
   if (!(knobs.temperature >= 0)) {
     return absl::InvalidArgumentError("flag --temperature must be >= 0");
   }
@@ -121,6 +124,7 @@ void RouterCore::RequestSnapshot(Source& s, const std::string& reason,
 void RouterCore::ClearSource(Source& s) {
   if (s.indexed > 0) index_.RemoveSource(s.num);
   s.indexed = 0;
+  off_gpu_.RemoveSource(s.num);
   pending_.Forget(s.num);
 }
 
@@ -281,11 +285,25 @@ void RouterCore::ApplyEvent(Source& s, const BlockEvent& e, std::vector<RouterCo
     for (const BlockHash& h : e.hashes) {
       s.indexed += index_.Add(BlockKey{e.namespace_id, h}, s.num);
     }
+  } else if (e.kind == BlockEvent::Kind::kMedium) {
+    if (s.hello.kind != SourceKind::kWorker || e.medium > Medium::kDisk) {
+      reject(absl::StrCat("event ", e.seq, " places blocks on medium ", static_cast<int>(e.medium),
+                          ": only a worker's GPU, CPU or disk"));
+      return;
+    }
+    // A block it does not hold (removed since) is on no medium of its.
+    for (const BlockHash& h : e.hashes) {
+      const uint64_t fp = PrefixIndex::Fingerprint(BlockKey{e.namespace_id, h});
+      if (index_.Has(fp, s.num)) off_gpu_.Set(fp, s.num, e.medium);
+    }
   } else {
     // A block it evicted is not pending there either.
     if (s.hello.kind == SourceKind::kWorker) pending_.Drop(e.namespace_id, s.num, e.hashes);
+    const bool off_gpu = off_gpu_.Count(s.num) > 0;
     for (const BlockHash& h : e.hashes) {
-      if (index_.Remove(BlockKey{e.namespace_id, h}, s.num)) {
+      const uint64_t fp = PrefixIndex::Fingerprint(BlockKey{e.namespace_id, h});
+      if (off_gpu) off_gpu_.Erase(fp, s.num);
+      if (index_.Remove(fp, s.num)) {
         --s.indexed;
       } else {
         counters_.unknown_removals++;
@@ -308,6 +326,7 @@ void RouterCore::ApplySnapshotChunk(Source& s, const SnapshotChunk& c,
     return;
   }
   s.resyncing = true;
+  off_gpu_.RemoveSource(s.num);  // a snapshot puts every block on the GPU
   for (const BlockHash& h : c.hashes) {
     s.snapshot.push_back(PrefixIndex::Fingerprint(BlockKey{c.namespace_id, h}));
   }
@@ -418,7 +437,7 @@ RouterStats RouterCore::Stats() const {
 
 size_t RouterCore::IndexMemoryBytes() const {
   std::shared_lock lk(mu_);
-  return index_.MemoryBytes();
+  return index_.MemoryBytes() + off_gpu_.MemoryBytes();
 }
 
 }  // namespace kvtier::router

@@ -29,6 +29,7 @@
 #include "router/candidate_walk.h"
 #include "router/cost.h"
 #include "router/fleet.h"
+#include "router/off_gpu.h"
 #include "router/pending_routes.h"
 #include "router/prefix_index.h"
 #include "router/source_messages.h"
@@ -81,6 +82,10 @@ struct RouteCandidate {
   double fetch_cost = 0;  // per fetched token, relative to computing it
   double cost = 0;
   double occupancy = 0;  // the share of its GPU pages in use (cost's occupancy term)
+  // Blocks after its GPU's it would load from its own CPU tier, then from a
+  // slower one (vLLM's offloading), each priced at that tier's fetch cost.
+  uint32_t cpu_blocks = 0;
+  uint32_t disk_blocks = 0;
 };
 
 // What the fetch cost per store token was made of (docs/router.md, "Fetch cost").
@@ -97,6 +102,7 @@ struct RouteResult {
   std::string worker_id;
   std::string endpoint;
   uint32_t gpu_blocks = 0;
+  uint32_t cpu_blocks = 0, disk_blocks = 0;  // RouteCandidate's
   uint32_t store_blocks = 0;
   // The end of the deepest run of the prompt's blocks the stores hold, of
   // the runs matched (from the start and from the candidates' depths; 0:
@@ -210,6 +216,7 @@ class RouterCore {
     uint32_t queue_depth = 0;
   } slowest_store_;
   PrefixIndex index_;
+  OffGpuBlocks off_gpu_;  // what workers hold off their GPU (the rest of index_'s is on it)
   PendingRoutes pending_;
 
   struct Counters {

@@ -52,14 +52,23 @@ struct SourceLoad {
   bool draining = false;  // workers: leaving; routes skip it
 };
 
+// The fastest medium of a worker's own that holds a block: its GPU, or an
+// offloading tier of the engine's (vLLM's CPU offloading, or a slower one:
+// disk, storage), from which it loads the block without recomputing it.
+enum class Medium : uint8_t { kGpu, kCpu, kDisk };
+
 // A block event (router.proto KvEvent): blocks stored or removed in one
-// namespace, or every block of the source cleared.
+// namespace, or every block of the source cleared. kMedium (workers, from
+// the in-process vLLM subscriber) says which medium now holds blocks the
+// source holds already, at best: a stored block is on the GPU until one
+// says otherwise, and a snapshot puts every block back there.
 struct BlockEvent {
-  enum class Kind : uint8_t { kNone, kStored, kRemoved, kCleared };
+  enum class Kind : uint8_t { kNone, kStored, kRemoved, kCleared, kMedium };
   uint64_t seq = 0;
   Kind kind = Kind::kNone;  // kNone: an empty event, rejected
   uint64_t namespace_id = 0;
   std::vector<BlockHash> hashes;
+  Medium medium = Medium::kGpu;  // kMedium
 };
 
 // One chunk of a snapshot (router.proto SnapshotChunk).

@@ -10,12 +10,21 @@ uint8_t VllmChainMap::MediumBit(const std::string& medium) {
   return 4;  // disk, or any other tier of the engine's
 }
 
+void VllmChainMap::Place(Held& held, uint8_t media, Moved* moved) {
+  const Medium was = held.media == 0 ? Medium::kGpu : Fastest(held.media);
+  held.media = media;
+  if (media != 0 && Fastest(media) != was && moved != nullptr) {
+    moved->emplace_back(held.hash, Fastest(media));
+  }
+}
+
 bool VllmChainMap::OtherGroup(const VllmEvent& e) {
   if (!group_ && e.kind == VllmEvent::kStored && !e.by_hash) group_ = e.group;
   return !group_ || e.group != *group_;
 }
 
-std::vector<BlockHash> VllmChainMap::Stored(const VllmEvent& e, VllmSourceStats* stats) {
+std::vector<BlockHash> VllmChainMap::Stored(const VllmEvent& e, VllmSourceStats* stats,
+                                            Moved* moved) {
   std::vector<BlockHash> out;
   if (!e.skip_reason.empty() || OtherGroup(e)) {
     stats->skipped += e.hashes.size();
@@ -30,7 +39,7 @@ std::vector<BlockHash> VllmChainMap::Stored(const VllmEvent& e, VllmSourceStats*
         stats->unknown_parents++;
         continue;
       }
-      it->second.media |= bit;
+      Place(it->second, it->second.media | bit, moved);
     }
     return out;
   }
@@ -56,12 +65,13 @@ std::vector<BlockHash> VllmChainMap::Stored(const VllmEvent& e, VllmSourceStats*
     Held& held = map_[e.hashes[i]];
     if (held.media == 0) out.push_back(prev);
     held.hash = prev;
-    held.media |= bit;
+    Place(held, held.media | bit, moved);
   }
   return out;
 }
 
-std::vector<BlockHash> VllmChainMap::Removed(const VllmEvent& e, VllmSourceStats* stats) {
+std::vector<BlockHash> VllmChainMap::Removed(const VllmEvent& e, VllmSourceStats* stats,
+                                             Moved* moved) {
   std::vector<BlockHash> out;
   if (!e.skip_reason.empty() || OtherGroup(e)) {
     stats->skipped += e.hashes.size();
@@ -71,7 +81,7 @@ std::vector<BlockHash> VllmChainMap::Removed(const VllmEvent& e, VllmSourceStats
   for (uint64_t h : e.hashes) {
     auto it = map_.find(h);
     if (it == map_.end()) continue;  // never mapped (skipped or before a resync)
-    it->second.media &= static_cast<uint8_t>(~bit);
+    Place(it->second, it->second.media & static_cast<uint8_t>(~bit), moved);
     if (it->second.media != 0) continue;  // another medium of the engine's still holds it
     out.push_back(it->second.hash);
     map_.erase(it);

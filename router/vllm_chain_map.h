@@ -12,6 +12,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "common/block_key.h"
+#include "router/source_messages.h"
 #include "router/vllm_batch.h"
 
 namespace kvtier::router {
@@ -46,12 +47,16 @@ struct VllmSourceStats {
 //
 // A block counts as the engine's while any of its media holds it: the GPU,
 // or an offloading tier of its own (vLLM's CPU or disk offloading), from
-// which the engine loads it without recomputing. One KV cache group is
+// which the engine loads it without recomputing; the fastest of them is
+// what a route prices it at (Moved). One KV cache group is
 // indexed: the first full-attention group a BlockStored names (a hybrid
 // model's sliding-window groups are left out by the decoder); the events of
 // other groups are skipped and counted.
 class VllmChainMap {
  public:
+  // Blocks the engine still holds whose fastest medium changed, and to what.
+  using Moved = std::vector<std::pair<BlockHash, Medium>>;
+
   VllmChainMap(uint64_t namespace_id, uint32_t block_tokens)
       : ns_(namespace_id), block_tokens_(block_tokens) {}
   // The kvtier hashes an event stores: blocks new to the engine (a stored
@@ -59,17 +64,21 @@ class VllmChainMap {
   // out; an event with a skip_reason, another block size or not
   // block_tokens token ids per hash maps nothing and counts its hashes as
   // skipped). A chain without a parent is rooted at the event's variant.
-  std::vector<BlockHash> Stored(const VllmEvent& e, VllmSourceStats* stats);
-  // The kvtier hashes no medium of the engine holds any more.
-  std::vector<BlockHash> Removed(const VllmEvent& e, VllmSourceStats* stats);
+  // The blocks it holds whose fastest medium changed go to `moved` (a new
+  // block counts as moved from the GPU).
+  std::vector<BlockHash> Stored(const VllmEvent& e, VllmSourceStats* stats, Moved* moved = nullptr);
+  // The kvtier hashes no medium of the engine holds any more; those some
+  // medium still holds, whose fastest changed, go to `moved`.
+  std::vector<BlockHash> Removed(const VllmEvent& e, VllmSourceStats* stats,
+                                 Moved* moved = nullptr);
   void Clear() {
     map_.clear();
     group_.reset();
   }
   size_t size() const { return map_.size(); }
-  template <class F>  // f(const BlockHash&) for every mapped block
+  template <class F>  // f(const BlockHash&, Medium fastest) for every mapped block
   void ForEach(F f) const {
-    for (const auto& [vllm, held] : map_) f(held.hash);
+    for (const auto& [vllm, held] : map_) f(held.hash, Fastest(held.media));
   }
 
  private:
@@ -78,6 +87,11 @@ class VllmChainMap {
     uint8_t media = 0;  // a bit per medium holding it (MediumBit)
   };
   static uint8_t MediumBit(const std::string& medium);
+  static Medium Fastest(uint8_t media) {
+    return (media & 1) != 0 ? Medium::kGpu : (media & 2) != 0 ? Medium::kCpu : Medium::kDisk;
+  }
+  // Sets `held`'s media, noting a change of its fastest in `moved`.
+  static void Place(Held& held, uint8_t media, Moved* moved);
   bool OtherGroup(const VllmEvent& e);
 
   uint64_t ns_;

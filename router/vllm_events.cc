@@ -103,11 +103,14 @@ struct VllmEventSource::Impl {
       }
       chunk = SnapshotChunk{router_seq, spec.namespace_id, {}, false};
     };
-    chain.ForEach([&](const BlockHash& h) {
+    VllmChainMap::Moved off_gpu;  // the snapshot puts them on the GPU: moved after it
+    chain.ForEach([&](const BlockHash& h, Medium fastest) {
       chunk.hashes.push_back(h);
+      if (fastest != Medium::kGpu) off_gpu.emplace_back(h, fastest);
       if (chunk.hashes.size() == limits::kMaxEventHashes) flush(false);
     });
     flush(true);
+    if (registered) SendMoved(off_gpu);
   }
 
   void Register() {
@@ -149,6 +152,27 @@ struct VllmEventSource::Impl {
     }
   }
 
+  // Blocks whose fastest medium changed, an event per medium.
+  void SendMoved(const VllmChainMap::Moved& moved) {
+    for (Medium m : {Medium::kGpu, Medium::kCpu, Medium::kDisk}) {
+      std::vector<BlockHash> hashes;
+      for (const auto& [h, to] : moved) {
+        if (to == m) hashes.push_back(h);
+      }
+      for (size_t from = 0; from < hashes.size(); from += limits::kMaxEventHashes) {
+        BlockEvent e;
+        e.seq = ++router_seq;
+        e.kind = BlockEvent::Kind::kMedium;
+        e.medium = m;
+        e.namespace_id = spec.namespace_id;
+        const size_t to = std::min(hashes.size(), from + limits::kMaxEventHashes);
+        e.hashes.assign(hashes.begin() + static_cast<ptrdiff_t>(from),
+                        hashes.begin() + static_cast<ptrdiff_t>(to));
+        Deliver(std::move(e));
+      }
+    }
+  }
+
   void SendCleared() {
     BlockEvent e;
     e.seq = ++router_seq;
@@ -171,15 +195,17 @@ struct VllmEventSource::Impl {
         if (absl::StartsWith(e.skip_reason, "malformed")) delta.malformed_events++;
         continue;
       }
+      VllmChainMap::Moved moved;
       if (e.kind == VllmEvent::kStored) {
-        auto hs = chain.Stored(e, &delta);
+        auto hs = chain.Stored(e, &delta, &moved);
         delta.blocks_stored += hs.size();
         if (!hs.empty()) SendBlocks(true, hs);
       } else {
-        auto hs = chain.Removed(e, &delta);
+        auto hs = chain.Removed(e, &delta, &moved);
         delta.blocks_removed += hs.size();
         if (!hs.empty()) SendBlocks(false, hs);
       }
+      if (!moved.empty()) SendMoved(moved);
     }
     Count([&](VllmSourceStats& s) {
       s.batches++;

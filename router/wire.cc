@@ -185,6 +185,8 @@ void ToWire(const RouteResult& r, v1::RouteResponse* out) {
     o->set_cost(c.cost);
     o->set_fetch_cost(c.fetch_cost);
     o->set_occupancy(c.occupancy);
+    o->set_cpu_blocks(c.cpu_blocks);
+    o->set_disk_blocks(c.disk_blocks);
   }
 }
 

@@ -332,8 +332,8 @@ Candidate C(std::string_view id, uint32_t gpu, uint32_t store, uint64_t load) {
   Candidate c;
   c.worker_id = id;
   c.id_hash = WorkerIdHash(id);
-  c.gpu_blocks = gpu;
-  c.store_blocks = store;
+  c.blocks.gpu = gpu;
+  c.blocks.store = store;
   c.load_tokens = load;
   return c;
 }
@@ -356,6 +356,17 @@ TEST(Cost, HandComputedCases) {
   Decide(k, 1000, 16, 1, full);
   EXPECT_EQ(full[0].prefill_tokens, 0u);
   EXPECT_DOUBLE_EQ(full[0].cost, 0);
+  // A worker's own tiers, at their fetch costs (CPU 0.05, disk 0.4): 10 GPU
+  // blocks, 20 on its CPU, 10 on disk, 20 from the store, 40 tokens
+  // computed: 40 + 0.05*320 + 0.4*160 + 0.1*320 = 152. The occupancy term
+  // counts every token not on its GPU (840) as placed in new pages.
+  std::vector<Candidate> tiers = {C("a", 10, 20, 0)};
+  tiers[0].blocks.cpu = 20;
+  tiers[0].blocks.disk = 10;
+  tiers[0].occupancy = 1;
+  Decide(k, 1000, 16, 1, tiers, 0, OccupancyTerm{0.01, 0.5});
+  EXPECT_EQ(tiers[0].prefill_tokens, 40u);
+  EXPECT_DOUBLE_EQ(tiers[0].cost, 152 + 0.01 * 840 * 0.5);
 }
 
 TEST(Cost, TiesBreakByRequestHashStablyAndSpread) {

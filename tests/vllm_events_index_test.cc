@@ -2,7 +2,7 @@
 // LoRA adapter's and a salted request's blocks (each chain rooted at its
 // variant, so equal tokens under another adapter or salt never match),
 // blocks an engine offloaded to its own CPU or disk tier (its blocks while
-// any medium holds them), one full-attention KV cache group, and an engine
+// any medium holds them, priced at the fastest), one full-attention KV cache group, and an engine
 // that restarts in its predecessor's place with a short sequence.
 #include <gtest/gtest.h>
 
@@ -85,20 +85,46 @@ TEST(VllmChainMap, ABlockStaysTheEnginesWhileAnyOfItsMediaHoldsIt) {
   const auto chain = ChainHashes(kNs, Tokens(0, 8), kBt);
   VllmEvent gpu = Made(VllmEvent::kStored, {1, 2}, std::nullopt, Tokens(0, 8), kBt);
   ASSERT_EQ(m.Stored(gpu, &st), chain);
-  // vLLM's CPU offloading names block 2 by hash alone: nothing new to tell.
+  // vLLM's CPU offloading names block 2 by hash alone: nothing new to tell,
+  // and the GPU is still its fastest medium.
   VllmEvent cpu = Made(VllmEvent::kStored, {2, 99}, std::nullopt, {}, 0);
   cpu.medium = "CPU";
   cpu.by_hash = true;
-  EXPECT_TRUE(m.Stored(cpu, &st).empty());
+  VllmChainMap::Moved moved;
+  EXPECT_TRUE(m.Stored(cpu, &st, &moved).empty());
+  EXPECT_TRUE(moved.empty());
   EXPECT_EQ(st.unknown_parents, 1u) << "hash 99 was never mapped";
   // The GPU evicts both: block 1 leaves the engine, block 2 stays on its CPU.
   VllmEvent evicted = Made(VllmEvent::kRemoved, {1, 2}, std::nullopt, {}, 0);
-  EXPECT_EQ(m.Removed(evicted, &st), std::vector<BlockHash>{chain[0]});
+  EXPECT_EQ(m.Removed(evicted, &st, &moved), std::vector<BlockHash>{chain[0]});
+  EXPECT_EQ(moved, (VllmChainMap::Moved{{chain[1], Medium::kCpu}}));
   EXPECT_EQ(m.size(), 1u);
-  // The CPU drops it too: the engine holds it no more.
+  // A slower tier takes it too (its CPU still the faster), then the CPU
+  // drops it: the slower tier is where it is.
+  VllmEvent disk = Made(VllmEvent::kStored, {2}, std::nullopt, {}, 0);
+  disk.medium = "STORAGE";
+  disk.by_hash = true;
+  moved.clear();
+  EXPECT_TRUE(m.Stored(disk, &st, &moved).empty());
+  EXPECT_TRUE(moved.empty());
   VllmEvent cpu_gone = Made(VllmEvent::kRemoved, {2}, std::nullopt, {}, 0);
   cpu_gone.medium = "CPU";
-  EXPECT_EQ(m.Removed(cpu_gone, &st), std::vector<BlockHash>{chain[1]});
+  EXPECT_TRUE(m.Removed(cpu_gone, &st, &moved).empty());
+  EXPECT_EQ(moved, (VllmChainMap::Moved{{chain[1], Medium::kDisk}}));
+  // Loaded back onto the GPU: its fastest again.
+  moved.clear();
+  VllmEvent back = Made(VllmEvent::kStored, {2}, 1, Tokens(4, 4), kBt);
+  EXPECT_TRUE(m.Stored(back, &st, &moved).empty()) << "not new to the engine";
+  EXPECT_TRUE(moved.empty()) << "its parent is gone: the event maps nothing";
+  VllmEvent by_hash_back = Made(VllmEvent::kStored, {2}, std::nullopt, {}, 0);
+  by_hash_back.by_hash = true;
+  EXPECT_TRUE(m.Stored(by_hash_back, &st, &moved).empty());
+  EXPECT_EQ(moved, (VllmChainMap::Moved{{chain[1], Medium::kGpu}}));
+  // Every medium drops it: the engine holds it no more.
+  VllmEvent all_gone = Made(VllmEvent::kRemoved, {2}, std::nullopt, {}, 0);
+  m.Removed(all_gone, &st);
+  all_gone.medium = "STORAGE";
+  EXPECT_EQ(m.Removed(all_gone, &st), std::vector<BlockHash>{chain[1]});
   EXPECT_EQ(m.size(), 0u);
 }
 
@@ -128,6 +154,44 @@ TEST_F(VllmSubscriber, AnAdaptersBlocksRouteItsRequestsOnly) {
   EXPECT_EQ(GpuHit(0, 9, ChainVariant("sql", "")), 2u);
   EXPECT_EQ(GpuHit(0, 9), 0u) << "the base model's request";
   EXPECT_EQ(GpuHit(0, 9, ChainVariant("chat", "")), 0u) << "another adapter's";
+}
+
+// What an engine's CPU offloading holds is priced as its CPU's, also after
+// the router asks for a snapshot (a new router, or a gap).
+TEST_F(VllmSubscriber, BlocksOnAnEnginesCpuTierRouteAsItsCpus) {
+  FakeEngine engine;
+  VllmSourceSpec spec{"vllm-0", "10.0.0.5:8000", engine.events(), engine.replay(), "", kNs, kBt};
+  VllmEventSource source(spec, &core_);
+  Ev cpu(Ev::kStored, {1, 2});
+  cpu.medium = "CPU";
+  cpu.by_hash = true;
+  engine.Publish(
+      0, Batch({Ev(Ev::kStored, {1, 2}, std::nullopt, Tokens(0, 8)), cpu, Ev(Ev::kRemoved, {2})},
+               kBt));
+  auto split = [&] {
+    const std::vector<uint32_t> tokens = Tokens(0, 9);
+    RouteQuery q;
+    q.namespace_id = kNs;
+    q.prompt = RouteQuery::Prompt::kTokens;
+    q.tokens = tokens;
+    q.dry_run = true;
+    auto r = core_.Route(q);
+    return r.ok() ? std::pair{r->gpu_blocks, r->cpu_blocks} : std::pair{~0u, ~0u};
+  };
+  ASSERT_TRUE(testing::WaitFor([&] {
+    return split() == std::pair{1u, 1u};
+  })) << split().first
+      << " on the GPU, " << split().second << " on the CPU";
+  EXPECT_EQ(Held(), 2u);
+  // The router forgets the engine (as one that expired it would): the
+  // subscriber's next heartbeat registers it again, with a snapshot, then
+  // the media.
+  ASSERT_TRUE(core_.RemoveSource("vllm-0"));
+  ASSERT_TRUE(testing::WaitFor([&] {
+    return split() == std::pair{1u, 1u};
+  })) << split().first
+      << " on the GPU, " << split().second << " on the CPU";
+  EXPECT_EQ(Held(), 2u);
 }
 
 // An engine restarted in its predecessor's place, whose sequence is short

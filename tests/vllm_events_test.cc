@@ -16,6 +16,7 @@
 #include <zmq_addon.hpp>
 
 #include "router/router_core.h"
+#include "router/vllm_chain_map.h"
 #include "router/vllm_events.h"
 #include "tests/test_util.h"
 #include "tests/vllm_event_fakes.h"
@@ -186,6 +187,17 @@ TEST(VllmDecode, Vllm032BatchWithCpuOffloadingEventsApplies) {
   EXPECT_TRUE(b->events[2].skip_reason.empty());
   EXPECT_TRUE(b->events[3].skip_reason.empty());
   EXPECT_EQ(b->events[4].kind, VllmEvent::kCleared);
+  // Applied in order, the GPU's removals leave the second block on the
+  // engine's CPU: still its, priced as a CPU load.
+  VllmChainMap m(kNs, 16);
+  VllmSourceStats st;
+  VllmChainMap::Moved moved;
+  const auto stored = m.Stored(b->events[0], &st, &moved);
+  ASSERT_EQ(stored.size(), 2u);
+  m.Stored(b->events[1], &st, &moved);
+  EXPECT_EQ(m.Removed(b->events[2], &st, &moved), std::vector<BlockHash>{stored[0]});
+  EXPECT_TRUE(m.Removed(b->events[3], &st, &moved).empty());
+  EXPECT_EQ(moved, (VllmChainMap::Moved{{stored[1], Medium::kCpu}}));
 }
 
 TEST(VllmDecode, TheTestEncoderWritesWhatTheDecoderReads) {

@@ -96,7 +96,7 @@ class RoundRobinService final : public v1::Router::Service {
 };
 
 absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint32_t blocks_per_req,
-                         uint64_t queued_tokens, uint64_t pending_ms) {
+                         uint64_t queued_tokens, uint64_t pending_ms, double offloaded) {
   Case c;
   c.workers = workers;
   router::RouterOptions o;
@@ -133,6 +133,19 @@ absl::StatusOr<Case> Run(int workers, uint64_t target_blocks, int requests, uint
           e.hashes.push_back(ChainHash(ch, i));
         }
         events += e.hashes.size();
+        if (auto s = core.Handle(id, std::move(e), &cmds); !s.ok()) return s;
+      }
+      // The chain's tail evicted from the GPU to the worker's CPU tier.
+      const auto off = static_cast<uint32_t>(offloaded * blocks_per_req);
+      for (uint32_t from = blocks_per_req - off; from < blocks_per_req; from += batch) {
+        router::BlockEvent e;
+        e.seq = ++seq[w];
+        e.kind = router::BlockEvent::Kind::kMedium;
+        e.medium = router::Medium::kCpu;
+        e.namespace_id = kNs;
+        for (uint32_t i = from; i < std::min(blocks_per_req, from + batch); ++i) {
+          e.hashes.push_back(ChainHash(ch, i));
+        }
         if (auto s = core.Handle(id, std::move(e), &cmds); !s.ok()) return s;
       }
     }
@@ -250,6 +263,7 @@ int RunRouterBench(int argc, const char* const* argv) {
   int64_t prompt_blocks = 2000;
   std::string workers_list = "8,64,1000";
   bool quick = false, json = false;
+  double offloaded = 0;
   std::string fleet_list, trace = KVTIER_SOURCE_DIR "/bench/traces/conversation_trace.jsonl";
   std::string inproc_rates = "50000,100000,150000,200000", grpc_rates = "1000,2000,4000,8000";
   int64_t stores = 4, threads = 1, fleet_ms = 1000, queued_tokens = 0;
@@ -276,6 +290,8 @@ int RunRouterBench(int argc, const char* const* argv) {
   flags.String("workers", &workers_list, "Comma-separated worker counts");
   flags.Int("pending", &pending_ms, 0, 60000,
             "Milliseconds a routed prompt's blocks count as pending on its worker (0: off)");
+  flags.Double("offloaded", &offloaded, 0, 1,
+               "Share of each chain's blocks (its tail) its worker holds on its CPU tier only");
   flags.Bool("quick", &quick, "A reduced run (200k blocks, 200 requests)");
   flags.Bool("json", &json, "Print JSON");
   ParseFlagsOrExit(flags, argc, argv);
@@ -304,7 +320,8 @@ int RunRouterBench(int argc, const char* const* argv) {
   for (int64_t w : *workers) {
     int n = static_cast<int>(w);
     auto c = Run(n, blocks, static_cast<int>(requests), static_cast<uint32_t>(prompt_blocks),
-                 static_cast<uint64_t>(queued_tokens), static_cast<uint64_t>(pending_ms));
+                 static_cast<uint64_t>(queued_tokens), static_cast<uint64_t>(pending_ms),
+                 offloaded);
     if (!c.ok()) {
       std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(c.status().message()).c_str());
       return 1;

@@ -319,9 +319,9 @@ int RunRouterBench(int argc, const char* const* argv) {
   }
   for (int64_t w : *workers) {
     int n = static_cast<int>(w);
-    auto c = Run(n, blocks, static_cast<int>(requests), static_cast<uint32_t>(prompt_blocks),
-                 static_cast<uint64_t>(queued_tokens), static_cast<uint64_t>(pending_ms),
-                 offloaded);
+    auto c =
+        Run(n, blocks, static_cast<int>(requests), static_cast<uint32_t>(prompt_blocks),
+            static_cast<uint64_t>(queued_tokens), static_cast<uint64_t>(pending_ms), offloaded);
     if (!c.ok()) {
       std::fprintf(stderr, "kvtier-bench router: %s\n", std::string(c.status().message()).c_str());
       return 1;

@@ -44,6 +44,8 @@ void PrintRouteJson(const v1::RouteResponse& r) {
                         {"endpoint", r.endpoint()},
                         {"fetch", basis},
                         {"gpu_hit_blocks", r.gpu_hit_blocks()},
+                        {"cpu_hit_blocks", r.cpu_hit_blocks()},
+                        {"disk_hit_blocks", r.disk_hit_blocks()},
                         {"store_hit_blocks", r.store_hit_blocks()},
                         {"prefill_tokens", r.prefill_tokens()},
                         {"reason", Reason(r.reason())},
@@ -55,8 +57,13 @@ void PrintRouteJson(const v1::RouteResponse& r) {
 }
 
 void PrintRouteTable(const v1::RouteResponse& r) {
-  std::printf("-> %s (%s): %u blocks on GPU, %u from the store, %lu tokens to prefill; %s\n\n",
-              r.worker_id().c_str(), r.endpoint().c_str(), r.gpu_hit_blocks(), r.store_hit_blocks(),
+  std::printf("-> %s (%s): %u blocks on GPU, ", r.worker_id().c_str(), r.endpoint().c_str(),
+              r.gpu_hit_blocks());
+  if (r.cpu_hit_blocks() + r.disk_hit_blocks() > 0) {
+    std::printf("%u on its CPU tier, %u on its disk tier, ", r.cpu_hit_blocks(),
+                r.disk_hit_blocks());
+  }
+  std::printf("%u from the store, %lu tokens to prefill; %s\n\n", r.store_hit_blocks(),
               r.prefill_tokens(), Reason(r.reason()));
   if (r.has_store_end_blocks()) {
     std::printf("the stores hold the prompt's blocks up to block %u\n\n", r.store_end_blocks());

@@ -53,6 +53,39 @@ class Walk {
         .load(std::memory_order_relaxed);
   }
   void Admit(SourceNum num, const BlockSplit& blocks, uint64_t load, double cost);
+  // Where a worker holding `depth` blocks of the prompt (as far as the
+  // match says: the blocks it holds, then those pending on it) has them.
+  // The pending ones it will compute onto its GPU.
+  BlockSplit SplitOf(SourceNum num, uint32_t depth) const {
+    auto fp = [&](uint32_t i) { return PrefixIndex::Fingerprint(BlockKey{in_.ns, in_.chain[i]}); };
+    uint32_t lo = 0, hi = depth;  // the first block it does not hold
+    while (lo < hi) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      if (in_.index->Has(fp(mid), num)) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    const OffGpuBlocks::Split at = in_.off_gpu->Locate(in_.ns, in_.chain, num, lo);
+    return {at.gpu + (depth - lo), at.cpu, lo - at.gpu - at.cpu, m_.StoreRun(depth)};
+  }
+  // Looks at one worker holding `depth` blocks, the current base's: one
+  // holding some of its blocks off its GPU is priced where it holds them
+  // (never below the base, so the load-order stops stay valid).
+  void LookAt(SourceNum num, uint32_t depth) {
+    if (depth == 0 || in_.off_gpu == nullptr || in_.off_gpu->Count(num) == 0) {
+      Look(num);
+      return;
+    }
+    const BlockSplit split = split_;
+    const double base = base_, placed_cost = placed_cost_;
+    SetSplit(SplitOf(num, depth));
+    Look(num);
+    split_ = split;
+    base_ = base;
+    placed_cost_ = placed_cost;
+  }
   // Looks at one worker at the current split and base.
   void Look(SourceNum num) {
     const uint64_t load = LoadAt(num);
@@ -131,7 +164,7 @@ void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& h
   const double lw = lw_;
   const Fleet& fleet = *in_.fleet;
   for (SourceNum num : fleet.lowered) {
-    if (!hit[num] && member(num)) Look(num);
+    if (!hit[num] && member(num)) LookAt(num, depth);
   }
   const uint8_t* lowered = in_.board->lowered.data();
   const auto& order = fleet.order;
@@ -142,7 +175,7 @@ void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& h
       walked_all_ = false;
       break;
     }
-    if (!hit[num] && !lowered[num] && member(num)) Look(num);
+    if (!hit[num] && !lowered[num] && member(num)) LookAt(num, depth);
     // A run of ties (an idle fleet's cold workers): while the least loaded
     // and the keep-th cheapest both sit at load L and its cost, and any
     // higher load costs more, a worker at L gets in only with a higher rank
@@ -206,16 +239,11 @@ WalkResult Walk::Run() {
   // (Blocks are keyed with their namespace: only the request's workers hold them.)
   uint32_t base_depth = ~0u;
   for (const auto& [num, depth] : m_.gpu_depth) {
-    if (in_.off_gpu != nullptr && in_.off_gpu->Count(num) > 0) {
-      // Some of what it holds may be off its GPU: priced where it is.
-      const OffGpuBlocks::Split at = in_.off_gpu->Locate(in_.ns, in_.chain, num, depth);
-      SetSplit({at.gpu, at.cpu, depth - at.gpu - at.cpu, m_.StoreRun(depth)});
-      base_depth = ~0u;
-    } else if (depth != base_depth) {
+    if (depth != base_depth) {
       base_depth = depth;
       SetDepth(depth);
     }
-    Look(num);
+    LookAt(num, depth);
   }
   // Each group of workers too many to name (a prefix most of the fleet
   // holds) is walked at its depth, then the workers holding nothing of the

@@ -238,7 +238,8 @@ void RouterCore::Heartbeat(Source& s, const SourceLoad& load) {
 
 void RouterCore::UpdateOccupancy(Source& s) {
   if (s.hello.kind == SourceKind::kStore) return;
-  const double held = static_cast<double>(s.indexed);
+  // (Blocks it holds only off its GPU take no GPU page.)
+  const double held = static_cast<double>(s.indexed - off_gpu_.Count(s.num));
   const double pages = held + static_cast<double>(s.load.free_gpu_pages);
   const double was = board_.occupancy[s.num];
   board_.occupancy[s.num] = pages > 0 ? held / pages : 0;

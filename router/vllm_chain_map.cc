@@ -63,8 +63,10 @@ std::vector<BlockHash> VllmChainMap::Stored(const VllmEvent& e, VllmSourceStats*
   for (size_t i = 0; i < e.hashes.size(); ++i) {
     prev = NextBlockHash(prev, tokens.subspan(i * block_tokens_, block_tokens_));
     Held& held = map_[e.hashes[i]];
-    if (held.media == 0) out.push_back(prev);
-    held.hash = prev;
+    if (held.media == 0) {
+      out.push_back(prev);
+      held.hash = prev;  // (a block held already keeps the hash indexed)
+    }
     Place(held, held.media | bit, moved);
   }
   return out;

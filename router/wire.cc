@@ -163,6 +163,8 @@ void ToWire(const RouteResult& r, v1::RouteResponse* out) {
   out->set_worker_id(r.worker_id);
   out->set_endpoint(r.endpoint);
   out->set_gpu_hit_blocks(r.gpu_blocks);
+  out->set_cpu_hit_blocks(r.cpu_blocks);
+  out->set_disk_hit_blocks(r.disk_blocks);
   out->set_store_hit_blocks(r.store_blocks);
   if (r.store_end) out->set_store_end_blocks(*r.store_end);
   out->set_prefill_tokens(r.prefill_tokens);

@@ -174,21 +174,55 @@ TEST_F(RouterMedia, AMediumEventIsRefusedWhereItCannotApply) {
   EXPECT_EQ(Route(4).gpu_blocks, 4u);
 }
 
+// Pending blocks (a route's, on its worker until its events show them) go
+// on its GPU: they are not what its offloading tier holds.
+TEST_F(RouterMedia, PendingBlocksAreNotTakenForOffloadedOnes) {
+  Join("b", 8, 0);
+  Place("b", 2, 8, Medium::kCpu);
+  const std::vector<BlockHash> chain = Hashes(0, 16);
+  RouteQuery q;
+  q.namespace_id = kNs;
+  q.prompt = RouteQuery::Prompt::kHashes;
+  q.hashes = ChainView(chain);
+  ASSERT_TRUE(core_.Route(q).ok());  // counted: blocks 8..15 pending on b
+  RouteResult r = Route(16);
+  EXPECT_EQ(r.gpu_blocks, 2u + 8u);
+  EXPECT_EQ(r.cpu_blocks, 6u);
+  EXPECT_EQ(r.disk_blocks, 0u);
+  EXPECT_EQ(r.prefill_tokens, 0u);
+}
+
+// Blocks a worker holds only off its GPU take no GPU page: its occupancy
+// counts the rest.
+TEST_F(RouterMedia, OffloadedBlocksTakeNoGpuPage) {
+  Join("b", 8, 0);
+  std::vector<RouterCommand> cmds;
+  SourceLoad l;
+  l.free_gpu_pages = 8;
+  ASSERT_TRUE(core_.Handle("b", l, &cmds).ok());
+  EXPECT_DOUBLE_EQ(Route(8).candidates[0].occupancy, 0.5);
+  Place("b", 4, 8, Medium::kCpu);
+  ASSERT_TRUE(core_.Handle("b", l, &cmds).ok());
+  EXPECT_DOUBLE_EQ(Route(8).candidates[0].occupancy, 4.0 / 12);
+}
+
 // The load-order walk prices a worker's media as the full scan does: the
-// same choice and costs over random fleets.
-TEST(RouterMediaWalk, TheWalkAgreesWithTheFullScan) {
+// same choice and costs over random fleets, with workers too many to name
+// at one depth (a group), and with routes counted (their blocks pending).
+void ExpectTheWalkAgreesWithTheFullScan(int workers, bool one_depth) {
   RouterOptions full_scan;
   full_scan.scan_all_workers = true;
   RouterCore walk{RouterOptions{}}, full{full_scan};
   std::mt19937_64 rng(7);
-  std::vector<RouterCommand> cmds;
-  for (int w = 0; w < 40; ++w) {
+  for (int w = 0; w < workers; ++w) {
     const std::string id = "w" + std::to_string(w);
-    const uint64_t held = rng() % 12, load = rng() % 64;
+    const uint64_t held = one_depth ? 6 : rng() % 12, load = rng() % 64;
     const uint64_t gpu = held == 0 ? 0 : rng() % (held + 1);
     const uint64_t cpu = gpu + (held == gpu ? 0 : rng() % (held - gpu + 1));
     for (RouterCore* core : {&walk, &full}) {
+      std::vector<RouterCommand> cmds;
       ASSERT_TRUE(core->Hello(SourceHello{id, SourceKind::kWorker, id, kNs, kBt, 1}, &cmds).ok());
+      cmds.clear();
       ASSERT_TRUE(core->Handle(id, SnapshotChunk{0, kNs, Hashes(0, held), true}, &cmds).ok());
       SourceLoad l;
       l.queued_prefill_tokens = load;
@@ -199,30 +233,43 @@ TEST(RouterMediaWalk, TheWalkAgreesWithTheFullScan) {
         BlockEvent e{++seq, BlockEvent::Kind::kMedium, kNs, Hashes(from, to), m};
         ASSERT_TRUE(core->Handle(id, e, &cmds).ok());
       }
+      ASSERT_TRUE(cmds.empty()) << cmds[0].reason;
     }
   }
-  ASSERT_TRUE(cmds.empty() || cmds[0].kind == RouterCommand::Kind::kSnapshotRequest);
   size_t tiered = 0;  // candidates shown with blocks off their GPU
-  for (uint64_t blocks = 1; blocks <= 14; ++blocks) {
-    const std::vector<BlockHash> chain = Hashes(0, blocks);
-    RouteQuery q;
-    q.namespace_id = kNs;
-    q.prompt = RouteQuery::Prompt::kHashes;
-    q.hashes = ChainView(chain);
-    q.dry_run = true;
-    q.max_candidates = 3;
-    auto a = walk.Route(q), b = full.Route(q);
-    ASSERT_TRUE(a.ok() && b.ok());
-    EXPECT_EQ(a->worker_id, b->worker_id) << blocks << " blocks";
-    ASSERT_EQ(a->candidates.size(), b->candidates.size());
-    for (size_t i = 0; i < a->candidates.size(); ++i) {
-      EXPECT_EQ(a->candidates[i].worker_id, b->candidates[i].worker_id) << blocks;
-      EXPECT_DOUBLE_EQ(a->candidates[i].cost, b->candidates[i].cost) << blocks;
-      EXPECT_EQ(a->candidates[i].cpu_blocks, b->candidates[i].cpu_blocks) << blocks;
-      tiered += a->candidates[i].cpu_blocks + a->candidates[i].disk_blocks > 0;
+  for (uint64_t round = 0; round < 2; ++round) {
+    for (uint64_t blocks = 1; blocks <= 14; ++blocks) {
+      const std::vector<BlockHash> chain = Hashes(0, blocks);
+      RouteQuery q;
+      q.namespace_id = kNs;
+      q.prompt = RouteQuery::Prompt::kHashes;
+      q.hashes = ChainView(chain);
+      q.dry_run = round == 0;  // the second round's routes leave their blocks pending
+      q.max_candidates = 3;
+      auto a = walk.Route(q), b = full.Route(q);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(a->worker_id, b->worker_id) << blocks << " blocks";
+      ASSERT_EQ(a->candidates.size(), b->candidates.size());
+      for (size_t i = 0; i < a->candidates.size(); ++i) {
+        const RouteCandidate &x = a->candidates[i], &y = b->candidates[i];
+        EXPECT_EQ(x.worker_id, y.worker_id) << blocks;
+        EXPECT_DOUBLE_EQ(x.cost, y.cost) << blocks;
+        EXPECT_EQ(x.gpu_blocks, y.gpu_blocks) << blocks;
+        EXPECT_EQ(x.cpu_blocks, y.cpu_blocks) << blocks;
+        EXPECT_EQ(x.disk_blocks, y.disk_blocks) << blocks;
+        tiered += x.cpu_blocks + x.disk_blocks > 0;
+      }
     }
   }
   EXPECT_GT(tiered, 3u) << "the fleet's tiered workers were weighed";
+}
+
+TEST(RouterMediaWalk, TheWalkAgreesWithTheFullScan) {
+  ExpectTheWalkAgreesWithTheFullScan(40, false);
+}
+
+TEST(RouterMediaWalk, TheWalkAgreesWithTheFullScanOverAGroup) {
+  ExpectTheWalkAgreesWithTheFullScan(300, true);  // > PrefixIndex::kGroupFrom at one depth
 }
 
 }  // namespace

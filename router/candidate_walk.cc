@@ -57,18 +57,11 @@ class Walk {
   // match says: the blocks it holds, then those pending on it) has them.
   // The pending ones it will compute onto its GPU.
   BlockSplit SplitOf(SourceNum num, uint32_t depth) const {
-    auto fp = [&](uint32_t i) { return PrefixIndex::Fingerprint(BlockKey{in_.ns, in_.chain[i]}); };
-    uint32_t lo = 0, hi = depth;  // the first block it does not hold
-    while (lo < hi) {
-      const uint32_t mid = lo + (hi - lo) / 2;
-      if (in_.index->Has(fp(mid), num)) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    const OffGpuBlocks::Split at = in_.off_gpu->Locate(in_.ns, in_.chain, num, lo);
-    return {at.gpu + (depth - lo), at.cpu, lo - at.gpu - at.cpu, m_.StoreRun(depth)};
+    const uint32_t held = OffGpuBlocks::FirstPast(0, depth, [&](uint32_t i) {
+      return !in_.index->Has(PrefixIndex::Fingerprint(BlockKey{in_.ns, in_.chain[i]}), num);
+    });
+    const OffGpuBlocks::Split at = in_.off_gpu->Locate(in_.ns, in_.chain, num, held);
+    return {at.gpu + (depth - held), at.cpu, held - at.gpu - at.cpu, m_.StoreRun(depth)};
   }
   // Looks at one worker holding `depth` blocks, the current base's: one
   // holding some of its blocks off its GPU is priced where it holds them

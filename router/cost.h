@@ -81,8 +81,7 @@ inline PromptPrice PricePrompt(uint64_t prompt, uint32_t bt, const BlockSplit& b
   r.placed = left;
   const double cpu = take(b.cpu, left), disk = take(b.disk, left), store = take(b.store, left);
   r.compute = left;
-  r.cost = static_cast<double>(left) + p.store * store;
-  if (b.cpu + b.disk > 0) r.cost += p.cpu * cpu + p.disk * disk;
+  r.cost = static_cast<double>(left) + p.store * store + p.cpu * cpu + p.disk * disk;
   return r;
 }
 

@@ -33,16 +33,9 @@ OffGpuBlocks::Split OffGpuBlocks::Locate(uint64_t ns, const ChainView& chain, So
                                          uint32_t depth) const {
   // The first block in [lo, depth) at `medium` or slower.
   auto first_at = [&](uint32_t lo, Medium medium) {
-    uint32_t hi = depth;
-    while (lo < hi) {
-      const uint32_t mid = lo + (hi - lo) / 2;
-      if (Get(PrefixIndex::Fingerprint(BlockKey{ns, chain[mid]}), source) >= medium) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    return lo;
+    return FirstPast(lo, depth, [&](uint32_t i) {
+      return Get(PrefixIndex::Fingerprint(BlockKey{ns, chain[i]}), source) >= medium;
+    });
   };
   Split s;
   s.gpu = first_at(0, Medium::kCpu);

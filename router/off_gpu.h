@@ -6,7 +6,9 @@
 // Not thread-safe: RouterCore guards it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <ranges>
 #include <utility>
 #include <vector>
 
@@ -44,6 +46,15 @@ class OffGpuBlocks {
   // little off the ideal, never a wrong byte (the engine's own lookup is
   // exact).
   Split Locate(uint64_t ns, const ChainView& chain, SourceNum source, uint32_t depth) const;
+
+  // The first i in [lo, hi) at which `past(i)` turns true (hi if it never
+  // does), for a `past` false then true along the range: a binary search.
+  template <class Past>
+  static uint32_t FirstPast(uint32_t lo, uint32_t hi, Past past) {
+    const auto range = std::views::iota(lo, hi);
+    const auto it = std::ranges::partition_point(range, [&](uint32_t i) { return !past(i); });
+    return lo + static_cast<uint32_t>(it - range.begin());
+  }
 
   size_t size() const { return map_.size(); }
   size_t MemoryBytes() const {

@@ -139,11 +139,15 @@ struct VllmEventSource::Impl {
     SendSnapshot();
   }
 
-  void SendBlocks(bool stored, const std::vector<BlockHash>& hashes) {
+  // Blocks stored, removed or moved to `medium` (kMedium), in events of
+  // at most kMaxEventHashes.
+  void SendBlocks(BlockEvent::Kind kind, const std::vector<BlockHash>& hashes,
+                  Medium medium = Medium::kGpu) {
     for (size_t from = 0; from < hashes.size(); from += limits::kMaxEventHashes) {
       BlockEvent e;
       e.seq = ++router_seq;
-      e.kind = stored ? BlockEvent::Kind::kStored : BlockEvent::Kind::kRemoved;
+      e.kind = kind;
+      e.medium = medium;
       e.namespace_id = spec.namespace_id;
       const size_t to = std::min(hashes.size(), from + limits::kMaxEventHashes);
       e.hashes.assign(hashes.begin() + static_cast<ptrdiff_t>(from),
@@ -159,17 +163,7 @@ struct VllmEventSource::Impl {
       for (const auto& [h, to] : moved) {
         if (to == m) hashes.push_back(h);
       }
-      for (size_t from = 0; from < hashes.size(); from += limits::kMaxEventHashes) {
-        BlockEvent e;
-        e.seq = ++router_seq;
-        e.kind = BlockEvent::Kind::kMedium;
-        e.medium = m;
-        e.namespace_id = spec.namespace_id;
-        const size_t to = std::min(hashes.size(), from + limits::kMaxEventHashes);
-        e.hashes.assign(hashes.begin() + static_cast<ptrdiff_t>(from),
-                        hashes.begin() + static_cast<ptrdiff_t>(to));
-        Deliver(std::move(e));
-      }
+      SendBlocks(BlockEvent::Kind::kMedium, hashes, m);
     }
   }
 
@@ -199,11 +193,11 @@ struct VllmEventSource::Impl {
       if (e.kind == VllmEvent::kStored) {
         auto hs = chain.Stored(e, &delta, &moved);
         delta.blocks_stored += hs.size();
-        if (!hs.empty()) SendBlocks(true, hs);
+        if (!hs.empty()) SendBlocks(BlockEvent::Kind::kStored, hs);
       } else {
         auto hs = chain.Removed(e, &delta, &moved);
         delta.blocks_removed += hs.size();
-        if (!hs.empty()) SendBlocks(false, hs);
+        if (!hs.empty()) SendBlocks(BlockEvent::Kind::kRemoved, hs);
       }
       if (!moved.empty()) SendMoved(moved);
     }

@@ -24,6 +24,16 @@ std::vector<BlockHash> Hashes(uint64_t from, uint64_t to) {
   return out;
 }
 
+// A route of `chain` (which must outlive it); a dry run unless `counted`.
+RouteQuery HashQuery(const std::vector<BlockHash>& chain, bool counted = false) {
+  RouteQuery q;
+  q.namespace_id = kNs;
+  q.prompt = RouteQuery::Prompt::kHashes;
+  q.hashes = ChainView(chain);
+  q.dry_run = !counted;
+  return q;
+}
+
 class RouterMedia : public ::testing::Test {
  protected:
   explicit RouterMedia(RouterOptions o = {}) : core_(o) {}
@@ -55,15 +65,11 @@ class RouterMedia : public ::testing::Test {
   void Place(const std::string& id, uint64_t from, uint64_t to, Medium m) {
     EXPECT_TRUE(Send(id, BlockEvent::Kind::kMedium, Hashes(from, to), m).empty());
   }
-  // A prompt of `blocks` blocks from block 0.
-  RouteResult Route(uint64_t blocks) {
+  // A prompt of `blocks` blocks from block 0 (counted: its load and
+  // pending blocks stay on its worker).
+  RouteResult Route(uint64_t blocks, bool counted = false) {
     const std::vector<BlockHash> chain = Hashes(0, blocks);
-    RouteQuery q;
-    q.namespace_id = kNs;
-    q.prompt = RouteQuery::Prompt::kHashes;
-    q.hashes = ChainView(chain);
-    q.dry_run = true;
-    auto r = core_.Route(q);
+    auto r = core_.Route(HashQuery(chain, counted));
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *r : RouteResult{};
   }
@@ -179,12 +185,7 @@ TEST_F(RouterMedia, AMediumEventIsRefusedWhereItCannotApply) {
 TEST_F(RouterMedia, PendingBlocksAreNotTakenForOffloadedOnes) {
   Join("b", 8, 0);
   Place("b", 2, 8, Medium::kCpu);
-  const std::vector<BlockHash> chain = Hashes(0, 16);
-  RouteQuery q;
-  q.namespace_id = kNs;
-  q.prompt = RouteQuery::Prompt::kHashes;
-  q.hashes = ChainView(chain);
-  ASSERT_TRUE(core_.Route(q).ok());  // counted: blocks 8..15 pending on b
+  Route(16, /*counted=*/true);  // blocks 8..15 pending on b
   RouteResult r = Route(16);
   EXPECT_EQ(r.gpu_blocks, 2u + 8u);
   EXPECT_EQ(r.cpu_blocks, 6u);
@@ -240,11 +241,8 @@ void ExpectTheWalkAgreesWithTheFullScan(int workers, bool one_depth) {
   for (uint64_t round = 0; round < 2; ++round) {
     for (uint64_t blocks = 1; blocks <= 14; ++blocks) {
       const std::vector<BlockHash> chain = Hashes(0, blocks);
-      RouteQuery q;
-      q.namespace_id = kNs;
-      q.prompt = RouteQuery::Prompt::kHashes;
-      q.hashes = ChainView(chain);
-      q.dry_run = round == 0;  // the second round's routes leave their blocks pending
+      // The second round's routes leave their blocks pending.
+      RouteQuery q = HashQuery(chain, /*counted=*/round == 1);
       q.max_candidates = 3;
       auto a = walk.Route(q), b = full.Route(q);
       ASSERT_TRUE(a.ok() && b.ok());

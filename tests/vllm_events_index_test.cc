@@ -169,13 +169,7 @@ TEST_F(VllmSubscriber, BlocksOnAnEnginesCpuTierRouteAsItsCpus) {
       0, Batch({Ev(Ev::kStored, {1, 2}, std::nullopt, Tokens(0, 8)), cpu, Ev(Ev::kRemoved, {2})},
                kBt));
   auto split = [&] {
-    const std::vector<uint32_t> tokens = Tokens(0, 9);
-    RouteQuery q;
-    q.namespace_id = kNs;
-    q.prompt = RouteQuery::Prompt::kTokens;
-    q.tokens = tokens;
-    q.dry_run = true;
-    auto r = core_.Route(q);
+    auto r = RouteTokens(0, 9);
     return r.ok() ? std::pair{r->gpu_blocks, r->cpu_blocks} : std::pair{~0u, ~0u};
   };
   ASSERT_TRUE(testing::WaitFor([&] {

@@ -6,9 +6,7 @@
 // Not thread-safe: RouterCore guards it.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
-#include <ranges>
 #include <utility>
 #include <vector>
 
@@ -51,9 +49,17 @@ class OffGpuBlocks {
   // does), for a `past` false then true along the range: a binary search.
   template <class Past>
   static uint32_t FirstPast(uint32_t lo, uint32_t hi, Past past) {
-    const auto range = std::views::iota(lo, hi);
-    const auto it = std::ranges::partition_point(range, [&](uint32_t i) { return !past(i); });
-    return lo + static_cast<uint32_t>(it - range.begin());
+    // Plain indices, not std::views::iota: the fuzz build's clang cannot
+    // instantiate libstdc++ 12's iota_view.
+    while (lo < hi) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      if (past(mid)) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    return lo;
   }
 
   size_t size() const { return map_.size(); }

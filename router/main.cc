@@ -46,10 +46,10 @@ int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:7500";
   std::string port_file, metrics_listen, vllm_sources_file, source_identities_file;
   bool check_config = false;
-  uint64_t deadline_ms = 5000;
   uint64_t max_message = 64ull << 20;
-  double fetch_cost = 0.1, load_weight = 1.0, temperature = 0, occupancy_weight = 4.0;
-  kvtier::router::CostKnobs tiers;  // its cpu_fetch_cost and disk_fetch_cost
+  // The flags set the options in place, from their defaults
+  // (router/router_core.h, router/cost.h); the balance guard's differs.
+  kvtier::router::RouterOptions o;
   int64_t balance = 32768;
   kvtier::TlsFlags tls;
   kvtier::FlagSet flags(
@@ -64,35 +64,34 @@ int main(int argc, char** argv) {
       "           x its pages' use above its fleet's mean (only while store shards report).\n"
       "Example: kvtier-router --listen 0.0.0.0:7500 --heartbeat-deadline 5s --fetch-cost 0.1");
   flags.HostPort("listen", &listen, "gRPC address HOST:PORT (port 0 picks a free port)");
-  flags.DurationMs("heartbeat-deadline", &deadline_ms,
+  flags.DurationMs("heartbeat-deadline", &o.heartbeat_deadline_ms,
                    "A source silent this long is dropped with all its blocks (e.g. 5s)");
-  flags.Double("fetch-cost", &fetch_cost, 0, 10,
+  flags.Double("fetch-cost", &o.knobs.fetch_cost, 0, 10,
                "Cost of fetching one token's KV from the store, relative to computing it");
-  flags.Double("cpu-fetch-cost", &tiers.cpu_fetch_cost, 0, 10,
+  flags.Double("cpu-fetch-cost", &o.knobs.cpu_fetch_cost, 0, 10,
                "Cost of loading one token's KV from a worker's own CPU tier (vLLM's "
                "offloading, seen in its KV events), relative to computing it");
-  flags.Double("disk-fetch-cost", &tiers.disk_fetch_cost, 0, 10,
+  flags.Double("disk-fetch-cost", &o.knobs.disk_fetch_cost, 0, 10,
                "The same from a worker's own slower tier (disk, storage)");
-  flags.Double("load-weight", &load_weight, 0, 1000, "Cost per queued prefill token of a worker");
+  flags.Double("load-weight", &o.knobs.load_weight, 0, 1000,
+               "Cost per queued prefill token of a worker");
   flags.Double(
-      "occupancy-weight", &occupancy_weight, 0, 1000,
+      "occupancy-weight", &o.knobs.occupancy_weight, 0, 1000,
       "Cost, in fetches, per token a request places in new pages of a worker, times how far "
       "the share of its pages in use exceeds its fleet's mean (0: off): new sessions go "
       "to workers with room instead of onto the holder of a short shared prefix");
   flags.Int("balance-threshold-tokens", &balance, 0, int64_t{1} << 40,
             "Route by load alone when the load spread among candidates exceeds this many "
             "tokens (0: never)");
-  uint64_t inflight_ms = 20;
   flags.DurationMs(
-      "inflight", &inflight_ms,
+      "inflight", &o.inflight_ms,
       "How long a route may take to reach its worker: tokens routed this recently "
       "stay in the worker's load past its next heartbeat (0: a heartbeat resets them)");
-  uint64_t pending_ms = 2000;
-  flags.DurationMs("pending", &pending_ms,
+  flags.DurationMs("pending", &o.pending_ms,
                    "How long a routed prompt's blocks count as its worker's before the worker's "
                    "events show them, so a burst sharing a prefix is costed as the worker will "
                    "run it (0: off; at most 1m)");
-  flags.Double("temperature", &temperature, 0, 100,
+  flags.Double("temperature", &o.knobs.temperature, 0, 100,
                "0: always the cheapest; above 0: sample by cost (relative to the prompt length)");
   flags.Bytes("max-message-bytes", &max_message, "Largest gRPC message accepted");
   flags.String("port-file", &port_file, "Write the bound gRPC port to this file once serving");
@@ -117,17 +116,7 @@ int main(int argc, char** argv) {
                  std::string(credentials.status().message()).c_str());
     return 2;
   }
-  kvtier::router::RouterOptions o;
-  o.heartbeat_deadline_ms = deadline_ms;
-  o.knobs.fetch_cost = fetch_cost;
-  o.knobs.cpu_fetch_cost = tiers.cpu_fetch_cost;
-  o.knobs.disk_fetch_cost = tiers.disk_fetch_cost;
-  o.knobs.load_weight = load_weight;
-  o.knobs.occupancy_weight = occupancy_weight;
   o.knobs.balance_threshold_tokens = static_cast<uint64_t>(balance);
-  o.knobs.temperature = temperature;
-  o.inflight_ms = inflight_ms;
-  o.pending_ms = pending_ms;
   if (auto s = o.Validate(); !s.ok()) {
     std::fprintf(stderr, "kvtier-router: %s\n", std::string(s.message()).c_str());
     return 2;
@@ -151,10 +140,11 @@ int main(int argc, char** argv) {
   if (check_config) {
     std::printf(
         "kvtier-router configuration OK: listen=%s metrics-listen=%s heartbeat-deadline=%lums "
-        "fetch-cost=%g load-weight=%g occupancy-weight=%g balance-threshold-tokens=%ld "
-        "temperature=%g\n",
-        listen.c_str(), metrics_listen.c_str(), deadline_ms, fetch_cost, load_weight,
-        occupancy_weight, balance, temperature);
+        "fetch-cost=%g cpu-fetch-cost=%g disk-fetch-cost=%g load-weight=%g "
+        "occupancy-weight=%g balance-threshold-tokens=%ld temperature=%g\n",
+        listen.c_str(), metrics_listen.c_str(), o.heartbeat_deadline_ms, o.knobs.fetch_cost,
+        o.knobs.cpu_fetch_cost, o.knobs.disk_fetch_cost, o.knobs.load_weight,
+        o.knobs.occupancy_weight, balance, o.knobs.temperature);
     return 0;
   }
 
@@ -208,13 +198,13 @@ int main(int argc, char** argv) {
               tls.cert_file.empty()     ? ""
               : tls.require_client_cert ? ", mutual TLS"
                                         : ", TLS",
-              " (heartbeat deadline ", deadline_ms, " ms, fetch_cost ", fetch_cost,
-              ", load_weight ", load_weight, ", balance ", balance, " tokens, temperature ",
-              temperature, ")");
+              " (heartbeat deadline ", o.heartbeat_deadline_ms, " ms, fetch_cost ",
+              o.knobs.fetch_cost, ", load_weight ", o.knobs.load_weight, ", balance ", balance,
+              " tokens, temperature ", o.knobs.temperature, ")");
   kvtier::AnnounceListening("kvtier-router", *started, tls_mode, port_file);
 
   {
-    kvtier::router::ExpiryTimer expiry(&core, deadline_ms);
+    kvtier::router::ExpiryTimer expiry(&core, o.heartbeat_deadline_ms);
     kvtier::ServeUntilSignalled(started->server.get(), "router");
   }
   kvtier::Log("router", "stopped");

@@ -33,21 +33,24 @@ class Walk {
   WalkResult Run();
 
  private:
-  // The occupancy term of `num` at the current split (a lower bound of 0
-  // holds for every worker: the walk's load-order stops stay valid).
-  double OccupancyOf(SourceNum num) const {
-    return placed_cost_ * in_.occupancy.Excess(occupancy_[num]);
-  }
-  // Sets the base cost and the occupancy price per unit of occupancy for
-  // workers holding `depth` blocks on their GPU.
-  void SetDepth(uint32_t depth) { SetSplit({depth, 0, 0, m_.StoreRun(depth)}); }
-  // The same for a worker that would get the prompt's blocks so.
-  void SetSplit(const BlockSplit& b) {
+  // A worker's price before its load: where it gets the prompt's blocks,
+  // their cost, and the occupancy price times the tokens placed.
+  struct Price {
+    BlockSplit split;
+    double base = 0;
+    double placed_cost = 0;
+  };
+  Price PriceOf(const BlockSplit& b) const {
     const PromptPrice p = PricePrompt(in_.prompt_tokens, in_.block_tokens, b, in_.prices);
-    split_ = b;
-    base_ = p.cost;
-    placed_cost_ = in_.occupancy.price_per_token * static_cast<double>(p.placed);
+    return {b, p.cost, in_.occupancy.price_per_token * static_cast<double>(p.placed)};
   }
+  // The occupancy term of `num` at `p` (a lower bound of 0 holds for
+  // every worker: the walk's load-order stops stay valid).
+  double OccupancyOf(SourceNum num, const Price& p) const {
+    return p.placed_cost * in_.occupancy.Excess(occupancy_[num]);
+  }
+  // The current price: that of workers holding `depth` blocks on their GPU.
+  void SetDepth(uint32_t depth) { price_ = PriceOf({depth, 0, 0, m_.StoreRun(depth)}); }
   uint64_t LoadAt(SourceNum num) const {
     return std::atomic_ref<uint64_t>(const_cast<uint64_t&>(load_[num]))
         .load(std::memory_order_relaxed);
@@ -63,29 +66,23 @@ class Walk {
     const OffGpuBlocks::Split at = in_.off_gpu->Locate(in_.ns, in_.chain, num, held);
     return {at.gpu + (depth - held), at.cpu, held - at.gpu - at.cpu, m_.StoreRun(depth)};
   }
-  // Looks at one worker holding `depth` blocks, the current base's: one
+  // Looks at one worker holding `depth` blocks, the current price's: one
   // holding some of its blocks off its GPU is priced where it holds them
-  // (never below the base, so the load-order stops stay valid).
+  // (never below the current price, so the load-order stops stay valid).
   void LookAt(SourceNum num, uint32_t depth) {
     if (depth == 0 || in_.off_gpu == nullptr || in_.off_gpu->Count(num) == 0) {
-      Look(num);
-      return;
+      Look(num, price_);
+    } else {
+      Look(num, PriceOf(SplitOf(num, depth)));
     }
-    const BlockSplit split = split_;
-    const double base = base_, placed_cost = placed_cost_;
-    SetSplit(SplitOf(num, depth));
-    Look(num);
-    split_ = split;
-    base_ = base;
-    placed_cost_ = placed_cost;
   }
-  // Looks at one worker at the current split and base.
-  void Look(SourceNum num) {
+  // Looks at one worker at price `p`.
+  void Look(SourceNum num, const Price& p) {
     const uint64_t load = LoadAt(num);
     max_load_ = std::max(max_load_, load);
-    const double cost = base_ + lw_ * static_cast<double>(load) + OccupancyOf(num);
+    const double cost = p.base + lw_ * static_cast<double>(load) + OccupancyOf(num, p);
     if (load > reject_load_ && cost > reject_cost_) return;
-    Admit(num, split_, load, cost);
+    Admit(num, p.split, load, cost);
   }
   // The workers not named in the match that `member` accepts, at `depth`.
   template <class Member>
@@ -105,9 +102,7 @@ class Walk {
   Pick least_{0, ~uint64_t{0}, 0, 0, {}};
   bool have_least_ = false;
   uint64_t max_load_ = 0;
-  BlockSplit split_;  // the current one, base_'s
-  double base_ = 0;
-  double placed_cost_ = 0;  // the occupancy price x the tokens placed at base_'s split
+  Price price_;  // the current depth's (SetDepth)
   // A worker costlier than the keep-th cheapest and busier than the least
   // loaded so far is out: the hot loop tests just that.
   double reject_cost_ = std::numeric_limits<double>::infinity();
@@ -164,7 +159,7 @@ void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& h
   for (size_t i = 0; i < order.size(); ++i) {
     const auto [was, num] = order[i];
     if (was > reject_load_ && in_.stop_early &&
-        base_ + lw * static_cast<double>(was) > reject_cost_) {
+        price_.base + lw * static_cast<double>(was) > reject_cost_) {
       walked_all_ = false;
       break;
     }
@@ -176,8 +171,9 @@ void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& h
     // else goes back to the loop above.
     if (!m_.groups.empty() || !have_least_ || top_.size() != keep_) continue;
     const uint64_t tie = reject_load_;
-    const double tie_cost = base_ + lw * static_cast<double>(tie);
-    if (tie_cost != reject_cost_ || !(base_ + lw * static_cast<double>(tie + 1) > reject_cost_)) {
+    const double tie_cost = price_.base + lw * static_cast<double>(tie);
+    if (tie_cost != reject_cost_ ||
+        !(price_.base + lw * static_cast<double>(tie + 1) > reject_cost_)) {
       continue;
     }
     uint64_t rank_to_beat = std::min(least_.rank, reject_rank_);
@@ -193,7 +189,7 @@ void Walk::WalkCold(uint32_t depth, Member member, const std::vector<uint8_t>& h
       if (RendezvousRank(request_hash_, id_hash_[other]) <= rank_to_beat) continue;
       // A worker whose pages are fuller costs more than the tie: it can
       // still be the least loaded (Admit sorts that out), never the cheapest.
-      Admit(other, split_, load, tie_cost + OccupancyOf(other));
+      Admit(other, price_.split, load, tie_cost + OccupancyOf(other, price_));
       if (reject_load_ != tie || reject_cost_ != tie_cost) {
         ++j;
         break;

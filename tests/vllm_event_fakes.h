@@ -248,19 +248,23 @@ class VllmSubscriber : public ::testing::Test {
     }
     return ~uint64_t{0};
   }
-  // The route of tokens [from, from + n), a request of `variant` (ChainVariant).
-  absl::StatusOr<RouteResult> RouteTokens(uint32_t tokens_from, uint32_t n, uint64_t variant = 0) {
+  // The route of tokens [from, from + n), a request of `variant` (ChainVariant);
+  // a dry run unless `counted` (its load and pending blocks then stay on its worker).
+  absl::StatusOr<RouteResult> RouteTokens(uint32_t tokens_from, uint32_t n, uint64_t variant = 0,
+                                          bool counted = false) {
     const std::vector<uint32_t> tokens = Tokens(tokens_from, n);
     RouteQuery q;
     q.namespace_id = kNs;
     q.prompt = RouteQuery::Prompt::kTokens;
     q.tokens = tokens;
     q.variant = variant;
+    q.dry_run = !counted;
     return core_.Route(q);
   }
-  // The blocks of those tokens the router credits vllm-0's GPU with.
+  // The blocks of those tokens the router credits vllm-0's GPU with (a
+  // counted route, as before RouteTokens was split out).
   uint32_t GpuHit(uint32_t tokens_from, uint32_t n, uint64_t variant = 0) {
-    auto res = RouteTokens(tokens_from, n, variant);
+    auto res = RouteTokens(tokens_from, n, variant, /*counted=*/true);
     return res.ok() && res->worker_id == "vllm-0" ? res->gpu_blocks : 0;
   }
   RouterCore core_;
